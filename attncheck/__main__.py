@@ -1,0 +1,3 @@
+from attncheck.cli import main
+
+main()

@@ -1,0 +1,225 @@
+"""Results -> findings: every problem gets a stable code, a severity and a one-line fix.
+
+Pure logic over the numbers in a ``TensorDiagnosis``; no tensors, no printing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attncheck.diagnose import Cell, Finding, TensorDiagnosis
+
+SEVERITIES = ("error", "warning", "info")
+
+FIX = {
+    "input_nan": "the NaN is already in the scores: trace it upstream (Q, K, the mask, an earlier layer); no softmax can repair it",
+    "inf_input": "the scores hold +inf (softmax gives inf - inf = NaN): find where they overflow, e.g. Q@K^T in fp16 without 1/sqrt(d_k); scale q first or compute scores in fp32",
+    "fully_masked": "a query that may attend to nothing has no softmax: zero such rows (torch.where(keep.any(-1, keepdim=True), p, 0)), drop them from the loss, or use a kernel that returns zeros (FlashAttention, SDPA >= 2.5)",
+    "sentinel_not_representable": "use a boolean mask (masked_fill(~keep, torch.finfo(dtype).min) or SDPA's bool attn_mask) instead of a constant the dtype cannot hold",
+    "cast_overflow": "upcast to fp32 before the softmax, or keep the logits in range (scale by 1/sqrt(d_k), clamp)",
+    "exp_overflow": "subtract the row max before exp (stable softmax, torch.softmax), or upcast to fp32 before the softmax",
+    "sum_overflow": "the row sum exceeds the dtype's range: accumulate the sum in fp32 (torch.softmax does)",
+    "underflow": "subtract the row max before exp: then the largest term is exp(0) = 1 and the sum cannot be 0",
+    "zero_rows": "these rows lost all probability mass: subtract the row max and accumulate in fp32",
+    "unexplained_nan": "NaN with no cause attributable by attncheck: please report it with the dump",
+    "argmax_flip": "the most likely key changes against float64: upcast the softmax to fp32 where decisions depend on the top key",
+    "worse_than_torch": "this implementation loses more accuracy than torch.softmax in the same dtype: keep the max and sum in fp32 and round only the result",
+    "probability_flush": "small probabilities round to 0 in this dtype; harmless for most models, upcast if those keys matter",
+    "entropy_collapse": "attention is near one-hot: check the scores are scaled by 1/sqrt(d_k); ignore if the head is meant to be sharp",
+    "spread_underflow": "keys further than the dtype's underflow distance below the row max get probability 0 even in a stable softmax; expected for masked-like keys, check the logit scale otherwise",
+}
+
+SEVERITY = {
+    "input_nan": "error",
+    "inf_input": "error",
+    "fully_masked": "warning",
+    "sentinel_not_representable": "warning",
+    "cast_overflow": "error",
+    "exp_overflow": "error",
+    "sum_overflow": "error",
+    "underflow": "error",
+    "zero_rows": "error",
+    "unexplained_nan": "error",
+    "argmax_flip": "warning",
+    "worse_than_torch": "info",
+    "probability_flush": "info",
+    "entropy_collapse": "warning",
+    "spread_underflow": "info",
+}
+
+WORSE_THAN_TORCH_FACTOR = 2.0  # FlashAttention's test rule: error <= 2x PyTorch's in the same dtype
+FLUSH_INFO_FRAC = 0.01
+COLLAPSE_WARN_FRAC = 0.5
+
+
+def _g(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4g}"
+
+
+def _names(cells: list["Cell"]) -> list[str]:
+    return [c.name for c in cells]
+
+
+def _cell_list(cells: list["Cell"], diag: "TensorDiagnosis") -> str:
+    """'naive, stable (all dtypes), tiled/fp16' - cells grouped by method."""
+    dtypes = diag.options.dtypes
+    parts = []
+    for method in dict.fromkeys(c.method for c in cells):
+        have = [c.dtype for c in cells if c.method == method]
+        parts.append(method if set(have) == set(dtypes) and len(dtypes) > 1 else ", ".join(f"{method}/{d}" for d in have))
+    whole = [p for p in parts if "/" not in p]
+    if len(whole) == len(parts):
+        return ", ".join(parts) + (" (all dtypes)" if len(dtypes) > 1 else f" ({dtypes[0]})")
+    return ", ".join(p + (" (all dtypes)" if "/" not in p else "") for p in parts)
+
+
+def _first_examples(cells: list["Cell"], label: str, limit: int = 5) -> list[tuple[int, ...]]:
+    seen: list[tuple[int, ...]] = []
+    for c in cells:
+        for e in c.examples.get(label, []):
+            if e not in seen:
+                seen.append(e)
+    return seen[:limit]
+
+
+def findings_for(diag: "TensorDiagnosis") -> list["Finding"]:
+    from attncheck.diagnose import UNEXPLAINED, Finding
+
+    out: list[Finding] = []
+    census, cells = diag.census, diag.cells
+
+    def add(code: str, message: str, cells_hit: list["Cell"] = (), rows: int = 0, examples=(), severity: str | None = None) -> None:
+        out.append(Finding(code, severity or SEVERITY[code], message, FIX[code], _names(list(cells_hit)), rows, list(examples)))
+
+    def cells_with(kind: str, cause: str) -> list["Cell"]:
+        return [c for c in cells if getattr(c, f"{kind}_causes").get(cause, 0)]
+
+    # Input problems, in pipeline order.
+    if census.nan_input_rows:
+        hit = cells_with("nan", "input_nan")
+        add("input_nan", f"{census.nan_input_rows} row(s) hold NaN in the scores as given ({census.nan} value(s)); every method returns NaN there", hit, census.nan_input_rows, _first_examples(hit, "nan:input_nan"))
+    if census.posinf_input_rows:
+        hit = cells_with("nan", "inf_input")
+        add("inf_input", f"{census.posinf_input_rows} row(s) hold +inf in the scores as given ({census.posinf} value(s)): softmax gives NaN", hit, census.posinf_input_rows, _first_examples(hit, "nan:inf_input"))
+    if census.fully_masked_rows:
+        n, neginf = census.fully_masked_rows, census.neginf_rows
+        how = []
+        if neginf:
+            how.append(f"{neginf} all -inf")
+        if n - neginf:
+            sentinel = f", e.g. {census.sentinels[0][0]:.4g}" if census.sentinels else ""
+            how.append(f"{n - neginf} with a finite sentinel{sentinel}")
+        nan_hit = cells_with("nan", "fully_masked")
+        zero_hit = cells_with("zero", "fully_masked")
+        finite_hit = [c for c in cells if c.nan_causes.get("fully_masked", 0) + c.zero_causes.get("fully_masked", 0) < n]
+        parts = []
+        if nan_hit:
+            parts.append(f"NaN in {_cell_list(nan_hit, diag)}")
+        if zero_hit:
+            parts.append(f"zeros in {_cell_list(zero_hit, diag)} (as FlashAttention returns)")
+        if finite_hit and n - neginf:
+            parts.append(f"a uniform row over the masked keys in {_cell_list(finite_hit, diag)} (garbage, not attention)")
+        add("fully_masked", f"{n} row(s) have every key masked ({', '.join(how)}): " + "; ".join(parts), nan_hit + zero_hit, n, _first_examples(nan_hit, "nan:fully_masked") or _first_examples(zero_hit, "zero:fully_masked"))
+
+    # What the cast to each dtype does.
+    for h in census.headroom:
+        dtype_cells = [c for c in cells if c.dtype == h.dtype]
+        broken = [c for c in dtype_cells if c.nan_causes.get("cast_overflow") or c.zero_causes.get("cast_overflow")]
+        rows_broken = max((c.nan_causes.get("cast_overflow", 0) + c.zero_causes.get("cast_overflow", 0) for c in broken), default=0)
+        examples = _first_examples(broken, "nan:cast_overflow") or _first_examples(broken, "zero:cast_overflow")
+        if broken:
+            effect = f"; {rows_broken} row(s) become all -inf or hold +inf -> NaN or zeros in {_cell_list(broken, diag)}"
+        elif census.fully_masked_rows > census.neginf_rows:
+            effect = "; rows masked only by it become all -inf (NaN in naive, stable and torch)"
+        else:
+            effect = "; partly masked rows still see -inf for those keys, so they stay masked"
+        sentinels = [v for v in h.cast_overflow_examples if v <= -1e4]
+        if h.cast_neginf_values and sentinels:
+            vals = ", ".join(f"{v:.4g}" for v in sentinels)
+            add("sentinel_not_representable", f"mask value {vals} is not representable in {h.dtype} (max {h.max_finite:.6g}): {h.cast_neginf_values} value(s) become -inf{effect}", broken, rows_broken, examples, severity="error" if broken else "warning")
+        other_pos = h.cast_posinf_values
+        other_neg = h.cast_neginf_values if not sentinels else 0
+        if other_pos or other_neg:
+            add("cast_overflow", f"casting to {h.dtype} turns {other_pos + other_neg} finite score(s) into +-inf (|x| beyond {h.max_finite:.6g}; e.g. {_g(h.cast_overflow_examples[0] if h.cast_overflow_examples else None)}){effect if other_pos else ''}", broken, rows_broken, examples)
+
+    # What happens inside the softmax.
+    for c in cells:
+        exp_nan = c.nan_causes.get("exp_overflow", 0)
+        exp_zero = c.zero_causes.get("exp_overflow", 0)
+        if c.overflow_rows:
+            h = next(h for h in census.headroom if h.dtype == c.dtype)
+            if exp_nan or c.method == "naive":
+                add("exp_overflow", f"{c.method} softmax in {c.dtype}: exp overflows to inf in {c.overflow_rows} row(s) (exp(x) = inf for x > {h.exp_overflow_threshold:.4g}; largest score {_g(census.max)}) -> {exp_nan} NaN row(s), {exp_zero} all-zero row(s)", [c], c.overflow_rows, c.examples.get("overflow", []))
+            else:
+                add("sum_overflow", f"{c.method} softmax in {c.dtype}: the row sum overflows in {c.overflow_rows} row(s) -> {exp_zero} all-zero row(s)", [c], c.overflow_rows, c.examples.get("overflow", []))
+        if c.nan_causes.get("underflow"):
+            h = next(h for h in census.headroom if h.dtype == c.dtype)
+            n = c.nan_causes["underflow"]
+            add("underflow", f"{c.method} softmax in {c.dtype}: every exp flushes to 0 in {n} row(s) (all scores below {h.exp_underflow_threshold:.4g}), so the row is 0/0 = NaN", [c], n, c.examples.get("nan:underflow", []))
+        other_zero = c.zero_rows - sum(c.zero_causes.get(k, 0) for k in ("fully_masked", "cast_overflow", "exp_overflow"))
+        if other_zero > 0:
+            add("zero_rows", f"{c.method} softmax in {c.dtype}: {other_zero} row(s) come out all zero", [c], other_zero, c.examples.get(f"zero:{UNEXPLAINED}", []))
+        if c.nan_causes.get(UNEXPLAINED):
+            n = c.nan_causes[UNEXPLAINED]
+            add("unexplained_nan", f"{c.method} softmax in {c.dtype}: {n} NaN row(s) with no known cause", [c], n, c.examples.get(f"nan:{UNEXPLAINED}", []))
+
+    # Accuracy.
+    flips = [c for c in cells if c.argmax_flips]
+    if flips:
+        worst = max(flips, key=lambda c: c.argmax_flips)
+        add("argmax_flip", "the top-1 key differs from float64 in " + ", ".join(f"{c.name} ({c.argmax_flips} row(s))" for c in flips), flips, worst.argmax_flips, _first_examples(flips, "flip"))
+    by_dtype_torch = {c.dtype: c for c in cells if c.method == "torch"}
+    worse = []
+    for c in cells:
+        t = by_dtype_torch.get(c.dtype)
+        if t is None or c is t or c.verdict != "ok" or c.max_abs_err_algo is None or not t.max_abs_err_algo:
+            continue
+        if c.max_abs_err_algo > WORSE_THAN_TORCH_FACTOR * t.max_abs_err_algo:
+            worse.append(f"{c.name} {c.max_abs_err_algo / t.max_abs_err_algo:.1f}x")
+    if worse:
+        add("worse_than_torch", f"max error above {WORSE_THAN_TORCH_FACTOR:g}x torch.softmax's in the same dtype (FlashAttention's test budget; errors against float64 of the cast scores): {', '.join(worse)}")
+    flushed = [c for c in cells if c.flushed_frac is not None and c.flushed_frac >= FLUSH_INFO_FRAC]
+    if flushed:
+        add("probability_flush", "non-zero reference probabilities become exactly 0 in " + ", ".join(f"{c.name} ({c.flushed_frac:.1%})" for c in flushed), flushed)
+
+    dist = diag.distribution
+    if dist.collapsed_frac is not None and dist.collapsed_frac >= COLLAPSE_WARN_FRAC:
+        add("entropy_collapse", f"{dist.collapsed_frac:.0%} of rows put >= {dist.collapse_threshold:g} of their probability on one key (mean entropy {_g(dist.entropy_mean)} nats, normalised {_g(dist.entropy_norm_mean)})", rows=dist.collapsed_rows)
+    order = {s: i for i, s in enumerate(SEVERITIES)}
+    out.sort(key=lambda f: order[f.severity])
+    return out
+
+
+def failed_conditions(diags: list["TensorDiagnosis"], conditions: list[str]) -> list[str]:
+    """The --fail-on conditions that hold, each with a short reason.
+
+    Conditions: nan, overflow, zero, flip, error (any error finding), warning (any
+    error or warning finding), or a finding code.
+    """
+    held = []
+    for cond in conditions:
+        for d in diags:
+            if cond == "nan":
+                bad = [c.name for c in d.cells if c.nan_rows]
+            elif cond == "overflow":
+                bad = [c.name for c in d.cells if c.overflow_rows] + [f"cast to {h.dtype}" for h in d.census.headroom if h.cast_posinf_values or h.cast_neginf_values]
+            elif cond == "zero":
+                bad = [c.name for c in d.cells if c.zero_rows]
+            elif cond == "flip":
+                bad = [c.name for c in d.cells if c.argmax_flips]
+            elif cond in ("error", "warning"):
+                allowed = SEVERITIES.index(cond)
+                bad = [f.code for f in d.findings if SEVERITIES.index(f.severity) <= allowed]
+            else:
+                bad = [f.code for f in d.findings if f.code == cond]
+            if bad:
+                held.append(f"{cond}: {d.name}: {', '.join(dict.fromkeys(bad))}")
+    return held
+
+
+FAIL_ON_WORDS = ("nan", "overflow", "zero", "flip", "error", "warning")
+
+
+def valid_fail_on(token: str) -> bool:
+    return token in FAIL_ON_WORDS or token in SEVERITY
