@@ -25,7 +25,7 @@ from attncheck.precision import (
     rounding_limit,
     smallest_subnormal,
 )
-from attncheck.softmax import ACCUMULATIONS, canonical_method, reference_softmax, run_method
+from attncheck.softmax import ACCUMULATIONS, canonical_method, run_method
 
 # Finite scores at or below this look like an additive mask sentinel (-1e4, -1e9, finfo.min).
 MASK_SENTINEL_LIMIT = -1e4
@@ -78,7 +78,7 @@ class DtypeHeadroom:
     cast_posinf_values: int  # finite scores that become +inf when cast
     cast_neginf_values: int  # finite scores that become -inf when cast
     cast_overflow_rows: int
-    cast_overflow_examples: list[float]  # distinct values that overflow, most frequent first
+    cast_overflow_examples: list[float]  # values that overflow, by the rows they are the extreme of
 
 
 @dataclass
@@ -96,7 +96,7 @@ class Census:
     posinf: int
     neginf: int
     masked: int  # -inf or <= MASK_SENTINEL_LIMIT
-    sentinels: list[tuple[float, int]]  # most frequent finite mask-like values with counts
+    sentinels: list[tuple[float, int]]  # finite mask-like values (<= -1e4) that are a row's minimum, with how many rows
     fully_masked_rows: int  # every key masked (-inf or sentinel): the query may attend to nothing
     neginf_rows: int  # every key -inf: softmax undefined, the reference is NaN
     nan_input_rows: int
@@ -192,6 +192,9 @@ class TensorDiagnosis:
 
 # --------------------------------------------------------------------------- helpers
 
+NEG_INF = float("-inf")
+ROW_BLOCK = 64  # rows per exact-sum block; chunk sizes do not change any result
+
 
 def entropy(p: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in nats along the last axis (0 log 0 = 0)."""
@@ -199,16 +202,18 @@ def entropy(p: torch.Tensor) -> torch.Tensor:
 
 
 def kl_divergence(ref: torch.Tensor, p: torch.Tensor, floor: float) -> torch.Tensor:
-    """KL(ref || p) per row, in the generalised form sum(r log(r/p) - r + p).
+    """KL(ref || p) per row, in the generalised form sum(r log(r/q) - r + q), q = max(p, floor).
 
     It equals KL when both sum to 1 and stays >= 0 when rounding leaves p off
-    sum 1. p is floored at ``floor`` (the dtype's smallest subnormal) so a key
-    flushed to 0 counts as the smallest value the dtype could have held instead
-    of making KL infinite; flushes are counted on their own in ``flushed_frac``.
+    sum 1. Each term is computed as r log1p(delta) + (q - r) with delta = (r - q) / q,
+    so the second-order quantity survives float64 rounding even when p is within
+    1e-7 of r (fp32 cells), where r log r - r log q would cancel to noise.
+    ``floor`` (the smallest subnormal of p's dtype) keeps a flushed key finite;
+    flushes are counted on their own in ``flushed_frac``.
     """
-    q = p.clamp_min(floor)
-    terms = torch.special.xlogy(ref, ref) - torch.special.xlogy(ref, q) - ref + q
-    return terms.sum(dim=-1).clamp_min(0)
+    q = p.to(torch.float64).clamp_min(floor)
+    delta = torch.sub(ref, q).div_(q)
+    return (torch.special.xlog1py(ref, delta).sum(dim=-1) + torch.sub(q, ref).sum(dim=-1)).clamp_min(0)
 
 
 def jacobian_frobenius(p: torch.Tensor) -> torch.Tensor:
@@ -216,23 +221,61 @@ def jacobian_frobenius(p: torch.Tensor) -> torch.Tensor:
 
     ||J||_F^2 = sum p_i^2 - 2 sum p_i^3 + (sum p_i^2)^2.
     """
-    s2 = (p * p).sum(dim=-1)
-    s3 = (p * p * p).sum(dim=-1)
+    p = p.reshape(-1, p.shape[-1])
+    s2 = row_dot(p, p)
+    s3 = row_dot(p * p, p)
     return torch.sqrt((s2 - 2 * s3 + s2 * s2).clamp_min(0))
 
 
-def _max(a: float | None, b: torch.Tensor) -> float | None:
-    if b.numel() == 0:
-        return a
-    v = float(b.max())
-    return v if a is None else max(a, v)
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(r, T) x (r, T) -> (r,) sum(a * b) per row, through BLAS (about twice linalg.vecdot's speed on CPU)."""
+    return torch.einsum("ij,ij->i", a, b)
 
 
-def _min(a: float | None, b: torch.Tensor) -> float | None:
-    if b.numel() == 0:
-        return a
-    v = float(b.min())
-    return v if a is None else min(a, v)
+def _row_abs_max(d: torch.Tensor) -> torch.Tensor:
+    """max |d| per row without allocating |d|."""
+    return torch.maximum(d.amax(dim=-1), d.amin(dim=-1).neg_())
+
+
+def _row_finite(x: torch.Tensor) -> torch.Tensor:
+    """(rows,) True where every entry is finite, in one reduction: a float64 sum of
+    fp16/bf16/fp32 values cannot overflow, so it is non-finite only through inf or NaN."""
+    if x.dtype == torch.float64:
+        return torch.isfinite(x).all(dim=-1)
+    return torch.isfinite(x.sum(dim=-1, dtype=torch.float64))
+
+
+class _ExactSum:
+    """Sum of per-row values that does not depend on how rows are chunked.
+
+    Rows are summed by torch in fixed global blocks of ROW_BLOCK, and the block
+    sums with math.fsum (correctly rounded), so any chunking gives the same bits.
+    """
+
+    def __init__(self) -> None:
+        self.blocks: list[float] = []
+        self.carry = torch.zeros(0, dtype=torch.float64)
+
+    def add(self, values: torch.Tensor) -> None:
+        v = torch.cat([self.carry, values.detach().to("cpu", torch.float64)])
+        full = v.numel() - v.numel() % ROW_BLOCK
+        if full:
+            self.blocks.extend(v[:full].reshape(-1, ROW_BLOCK).sum(dim=-1).tolist())
+        self.carry = v[full:]
+
+    def total(self) -> float:
+        tail = [float(self.carry.sum())] if self.carry.numel() else []
+        return math.fsum(self.blocks + tail)
+
+
+class _Max:
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def add(self, values: torch.Tensor) -> None:
+        if values.numel():
+            v = float(values.max())
+            self.value = v if self.value is None else max(self.value, v)
 
 
 class _Examples:
@@ -244,7 +287,7 @@ class _Examples:
 
     def add(self, label: str, mask: torch.Tensor, offset: int) -> None:
         have = self.rows.setdefault(label, [])
-        if len(have) >= self.limit:
+        if len(have) >= self.limit or not bool(mask.any()):
             return
         idx = torch.nonzero(mask).flatten()[: self.limit - len(have)]
         have.extend(int(i) + offset for i in idx.tolist())
@@ -273,20 +316,100 @@ def _attribute(target: torch.Tensor, causes: Iterable[tuple[str, torch.Tensor]])
     return out
 
 
+def _most_common(counter: Counter, k: int = 3) -> list[tuple[float, int]]:
+    """Most frequent first, ties by value: the same order whatever the chunking."""
+    return sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+
+
+def _count_values(counter: Counter, values: torch.Tensor) -> None:
+    """Add how often each value occurs in a 1-D tensor (one entry per row) to ``counter``."""
+    if values.numel():
+        uniq, counts = torch.unique(values.to(torch.float64), return_counts=True)
+        counter.update(dict(zip(uniq.tolist(), counts.tolist())))
+
+
+# --------------------------------------------------------------------------- one chunk of rows
+
+
+@dataclass
+class _Chunk:
+    """Facts about a block of rows of the scores as given, shared by every cell."""
+
+    x: torch.Tensor  # (r, T) as given
+    offset: int  # global index of the first row
+    bad: torch.Tensor  # (r,) some entry is not finite
+    nan: torch.Tensor  # (r,) some NaN
+    posinf: torch.Tensor  # (r,) some +inf
+    all_neginf: torch.Tensor  # (r,) every entry -inf
+    masked: torch.Tensor  # (r,) count of entries -inf or <= MASK_SENTINEL_LIMIT
+    max_finite: torch.Tensor  # (r,) float64, -inf where no finite entry
+    min_finite: torch.Tensor  # (r,) float64, +inf where no finite entry
+    ref: torch.Tensor  # (r, T) float64 reference
+    ref_ok: torch.Tensor  # (r,) the reference row is defined
+    ref_sum: torch.Tensor  # (r,) S = sum(exp(x - max)), so max prob = 1 / S
+    ref_entropy: torch.Tensor  # (r,)
+    ref_positive: torch.Tensor  # (r, T) bool: reference probability > 0
+    ref_top: torch.Tensor  # (r, 1) index of the reference's most likely key
+
+    @property
+    def all_masked(self) -> torch.Tensor:
+        return self.masked == self.x.shape[-1]
+
+    @classmethod
+    def of(cls, x: torch.Tensor, offset: int) -> "_Chunk":
+        r = x.shape[0]
+        bad = ~_row_finite(x)
+        nan = torch.zeros(r, dtype=torch.bool, device=x.device)
+        posinf, all_neginf = nan.clone(), nan.clone()
+        x64 = x.to(torch.float64)  # (r, T): this chunk's only float64 copy, reused in place
+        max_f = x64.amax(dim=-1)
+        min_f = x64.amin(dim=-1)
+        if bool(bad.any()):
+            idx = torch.nonzero(bad).flatten()
+            xb = x64[idx]
+            fin = torch.isfinite(xb)
+            nan[idx] = torch.isnan(xb).any(dim=-1)
+            posinf[idx] = torch.isposinf(xb).any(dim=-1)
+            all_neginf[idx] = torch.isneginf(xb).all(dim=-1)
+            max_f[idx] = torch.where(fin, xb, NEG_INF).amax(dim=-1)
+            min_f[idx] = torch.where(fin, xb, float("inf")).amin(dim=-1)
+        masked = (x64 <= MASK_SENTINEL_LIMIT).sum(dim=-1)
+        top = x.argmax(dim=-1, keepdim=True)  # the reference's most likely key (softmax is monotonic)
+        return cls(x, offset, bad, nan, posinf, all_neginf, masked, max_f, min_f, *_reference_in_place(x64, bad), top)
+
+
+def _reference_in_place(x64: torch.Tensor, bad: torch.Tensor):
+    """float64 max-subtracted softmax, overwriting ``x64`` with z = x - max.
+
+    Returns the reference, which rows are defined, S = sum(exp(z)), the entropy
+    log S - sum(p z) (no log per entry), which keys have p > 0, and the top key.
+    """
+    z = x64.sub_(x64.amax(dim=-1, keepdim=True))  # (r, T); NaN rows: NaN, -inf keys: -inf
+    p = torch.exp(z)
+    s = p.sum(dim=-1, keepdim=True)
+    p.div_(s)
+    s = s.squeeze(-1)
+    ok = torch.isfinite(s)
+    if bool(bad.any()):
+        z.clamp_(min=torch.finfo(torch.float64).min)  # -inf keys have p = 0; keep 0 * z finite
+    h = (torch.log(s) - row_dot(p, z)).clamp_min(0) + 0.0
+    return p, ok, s, h, p > 0
+
+
 # --------------------------------------------------------------------------- accumulators
 
 
 class _CensusAcc:
     def __init__(self, dtypes: tuple[str, ...]) -> None:
-        self.n_finite = 0
-        self.mean = 0.0
-        self.m2 = 0.0
-        self.min: float | None = None
-        self.max: float | None = None
-        self.nan = self.posinf = self.neginf = self.masked = 0
-        self.sentinels: Counter[float] = Counter()
-        self.fully_masked_rows = self.neginf_rows = self.nan_rows = self.posinf_rows = 0
         self.dtypes = dtypes
+        self.n_finite = 0
+        self.shift: float | None = None  # first finite value: sums of x - shift keep std accurate
+        self.sum1 = _ExactSum()
+        self.sum2 = _ExactSum()
+        self.max, self.min = _Max(), _Max()  # min kept as max of -x
+        self.nan = self.posinf = self.neginf = self.masked = 0
+        self.sentinel_rows: Counter[float] = Counter()  # mask-like row minimum -> rows
+        self.fully_masked_rows = self.neginf_rows = self.nan_rows = self.posinf_rows = 0
         self.rows_over = Counter()
         self.rows_under = Counter()
         self.rows_spread = Counter()
@@ -295,62 +418,74 @@ class _CensusAcc:
         self.cast_rows = Counter()
         self.cast_values: dict[str, Counter[float]] = {d: Counter() for d in dtypes}
 
-    def update(self, x: torch.Tensor, flags: "_RowFlags") -> None:
-        finite = torch.isfinite(x)
-        vals = x[finite].to(torch.float64)
-        n = vals.numel()
-        if n:
-            # Chan et al.: merge chunk mean and M2 without cancellation.
-            m_b = float(vals.mean())
-            m2_b = float(((vals - m_b) ** 2).sum())
-            delta = m_b - self.mean
-            tot = self.n_finite + n
-            self.mean += delta * n / tot
-            self.m2 += m2_b + delta * delta * self.n_finite * n / tot
-            self.n_finite = tot
-        self.min = _min(self.min, vals)
-        self.max = _max(self.max, vals)
-        self.nan += int(torch.isnan(x).sum())
-        self.posinf += int(torch.isposinf(x).sum())
-        self.neginf += int(torch.isneginf(x).sum())
-        sentinel = finite & (x <= MASK_SENTINEL_LIMIT)
-        masked = sentinel | torch.isneginf(x)
-        self.masked += int(masked.sum())
-        if bool(sentinel.any()):
-            values, counts = torch.unique(x[sentinel].to(torch.float64), return_counts=True)
-            top = torch.argsort(counts, descending=True)[:16]
-            for v, c in zip(values[top].tolist(), counts[top].tolist()):
-                self.sentinels[v] += c
-        self.fully_masked_rows += int(flags.all_masked.sum())
-        self.neginf_rows += int(flags.all_neginf.sum())
-        self.nan_rows += int(flags.nan.sum())
-        self.posinf_rows += int(flags.posinf.sum())
+    def update(self, c: _Chunk) -> None:
+        x = c.x
+        keys = x.shape[-1]
+        fin_rows = c.max_finite > NEG_INF
+        self.max.add(c.max_finite[fin_rows])
+        self.min.add(-c.min_finite[fin_rows])
+        if self.shift is None and bool(fin_rows.any()):
+            first = int(torch.nonzero(fin_rows)[0])
+            row = x[first].to(torch.float64)
+            self.shift = float(row[torch.isfinite(row)][0])
+        if self.shift is not None:
+            xs = x.to(torch.float64).sub_(self.shift)  # (r, T)
+            n_row = torch.full_like(c.max_finite, keys)
+            if bool(c.bad.any()):
+                fin = torch.isfinite(xs)
+                xs = torch.where(fin, xs, 0.0)
+                n_row = fin.sum(dim=-1).to(torch.float64)
+                self.nan += int(torch.isnan(x).sum())
+                self.posinf += int(torch.isposinf(x).sum())
+                self.neginf += int(torch.isneginf(x).sum())
+            self.n_finite += int(n_row.sum())
+            self.sum1.add(xs.sum(dim=-1))
+            self.sum2.add(row_dot(xs, xs))
+        else:
+            self.nan += int(torch.isnan(x).sum())
+            self.posinf += int(torch.isposinf(x).sum())
+            self.neginf += int(torch.isneginf(x).sum())
+        self.masked += int(c.masked.sum())
+        self.fully_masked_rows += int(c.all_masked.sum())
+        self.neginf_rows += int(c.all_neginf.sum())
+        self.nan_rows += int(c.nan.sum())
+        self.posinf_rows += int(c.posinf.sum())
 
-        x64_max = torch.where(finite, x, float("-inf")).amax(dim=-1).to(torch.float64)  # (rows,)
-        unmasked = finite & ~sentinel
-        x_min = torch.where(unmasked, x, float("inf")).amin(dim=-1).to(torch.float64)
-        spread = x64_max - x_min  # inf where no unmasked keys: excluded below
-        has_keys = unmasked.sum(dim=-1) >= 2
+        # A mask constant is the minimum of every row it masks: count rows per value.
+        _count_values(self.sentinel_rows, c.min_finite[(c.min_finite <= MASK_SENTINEL_LIMIT) & torch.isfinite(c.min_finite)])
+
+        unmasked_min = c.min_finite
+        partly = (c.masked > 0) & (c.masked < keys)
+        if bool(partly.any()):
+            idx = torch.nonzero(partly).flatten()
+            xb = x[idx].to(torch.float64)
+            unmasked_min = unmasked_min.clone()
+            unmasked_min[idx] = torch.where(xb > MASK_SENTINEL_LIMIT, xb, float("inf")).amin(dim=-1)
+        spread = c.max_finite - unmasked_min
+        has_keys = (keys - c.masked) >= 2
         for d in self.dtypes:
             dt = dtype_from_name(d)
-            self.rows_over[d] += int((x64_max > exp_overflow_threshold(dt)).sum())
-            self.rows_under[d] += int(((x64_max < exp_underflow_threshold(dt)) & (x64_max > float("-inf"))).sum())
+            self.rows_over[d] += int((c.max_finite > exp_overflow_threshold(dt)).sum())
+            self.rows_under[d] += int(((c.max_finite < exp_underflow_threshold(dt)) & fin_rows).sum())
             self.rows_spread[d] += int((has_keys & (spread > -exp_underflow_threshold(dt))).sum())
 
-    def update_cast(self, dtype: str, x: torch.Tensor, xc: torch.Tensor) -> None:
-        over = torch.isinf(xc) & torch.isfinite(x)
+    def update_cast(self, dtype: str, x: torch.Tensor, xc: torch.Tensor, rows: torch.Tensor) -> None:
+        """Count finite scores that the cast to ``dtype`` turned into +-inf (only ``rows`` can hold any)."""
+        xb, xcb = x[rows], xc[rows]
+        over = torch.isinf(xcb) & torch.isfinite(xb)
         if not bool(over.any()):
             return
-        self.cast_pos[dtype] += int((over & (xc > 0)).sum())
-        self.cast_neg[dtype] += int((over & (xc < 0)).sum())
+        self.cast_pos[dtype] += int((over & (xcb > 0)).sum())
+        self.cast_neg[dtype] += int((over & (xcb < 0)).sum())
         self.cast_rows[dtype] += int(over.any(dim=-1).sum())
-        values, counts = torch.unique(x[over].to(torch.float64), return_counts=True)
-        top = torch.argsort(counts, descending=True)[:16]
-        for v, c in zip(values[top].tolist(), counts[top].tolist()):
-            self.cast_values[dtype][v] += c
+        xb64 = xb.to(torch.float64)
+        lowest = torch.where(over & (xb64 < 0), xb64, float("inf")).amin(dim=-1)
+        highest = torch.where(over & (xb64 > 0), xb64, NEG_INF).amax(dim=-1)
+        _count_values(self.cast_values[dtype], torch.cat([lowest[torch.isfinite(lowest)], highest[torch.isfinite(highest)]]))
 
     def finish(self, shape: tuple[int, ...], dtype: str, rows: int) -> Census:
         headroom = []
+        top = self.max.value
         for d in self.dtypes:
             dt = dtype_from_name(d)
             thr = exp_overflow_threshold(dt)
@@ -360,32 +495,37 @@ class _CensusAcc:
                     max_finite=torch.finfo(dt).max,
                     exp_overflow_threshold=thr,
                     exp_underflow_threshold=exp_underflow_threshold(dt),
-                    headroom=None if self.max is None else thr - self.max,
+                    headroom=None if top is None else thr - top,
                     rows_over_exp_threshold=self.rows_over[d],
                     rows_all_underflow=self.rows_under[d],
                     rows_spread_beyond_underflow=self.rows_spread[d],
                     cast_posinf_values=self.cast_pos[d],
                     cast_neginf_values=self.cast_neg[d],
                     cast_overflow_rows=self.cast_rows[d],
-                    cast_overflow_examples=[v for v, _ in self.cast_values[d].most_common(3)],
+                    cast_overflow_examples=[v for v, _ in _most_common(self.cast_values[d])],
                 )
             )
         n = self.n_finite
+        mean = std = None
+        if n:
+            m1 = self.sum1.total() / n
+            mean = self.shift + m1
+            std = math.sqrt(max(self.sum2.total() / n - m1 * m1, 0.0))
         return Census(
             shape=shape,
             dtype=dtype,
             rows=rows,
             keys=shape[-1],
             finite=n,
-            min=self.min,
-            max=self.max,
-            mean=self.mean if n else None,
-            std=math.sqrt(self.m2 / n) if n else None,
+            min=None if self.min.value is None else -self.min.value,
+            max=top,
+            mean=mean,
+            std=std,
             nan=self.nan,
             posinf=self.posinf,
             neginf=self.neginf,
             masked=self.masked,
-            sentinels=self.sentinels.most_common(3),
+            sentinels=_most_common(self.sentinel_rows),
             fully_masked_rows=self.fully_masked_rows,
             neginf_rows=self.neginf_rows,
             nan_input_rows=self.nan_rows,
@@ -394,93 +534,59 @@ class _CensusAcc:
         )
 
 
-@dataclass
-class _RowFlags:
-    """Per-row facts about the scores as given, for one chunk."""
-
-    nan: torch.Tensor
-    posinf: torch.Tensor
-    all_neginf: torch.Tensor
-    all_masked: torch.Tensor  # every key -inf or a finite sentinel <= MASK_SENTINEL_LIMIT
-
-    @classmethod
-    def of(cls, x: torch.Tensor) -> "_RowFlags":
-        neginf = torch.isneginf(x)
-        return cls(
-            nan=torch.isnan(x).any(dim=-1),
-            posinf=torch.isposinf(x).any(dim=-1),
-            all_neginf=neginf.all(dim=-1),
-            all_masked=(neginf | (x <= MASK_SENTINEL_LIMIT)).all(dim=-1),
-        )
-
-
 class _DistAcc:
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold
         self.rows = 0
-        self.h_sum = 0.0
-        self.h_min: float | None = None
-        self.h_max: float | None = None
-        self.hn_sum = 0.0
+        self.h_sum, self.hn_sum, self.pmax_sum, self.jac_sum = _ExactSum(), _ExactSum(), _ExactSum(), _ExactSum()
+        self.h_max, self.h_neg_min = _Max(), _Max()
         self.hn_rows = 0
-        self.pmax_sum = 0.0
         self.collapsed = 0
-        self.jac_sum = 0.0
 
-    def update(self, x: torch.Tensor, ref: torch.Tensor, ref_ok: torch.Tensor) -> None:
-        p = ref[ref_ok]  # (rows_ok, T) float64
-        if p.numel() == 0:
-            return
-        h = entropy(p)
-        self.rows += p.shape[0]
-        self.h_sum += float(h.sum())
-        self.h_min = _min(self.h_min, h)
-        self.h_max = _max(self.h_max, h)
-        xs = x[ref_ok]
-        n_keys = (torch.isfinite(xs) & (xs > MASK_SENTINEL_LIMIT)).sum(dim=-1)
+    def update(self, c: _Chunk) -> None:
+        ok = c.ref_ok
+        h = c.ref_entropy[ok]
+        self.rows += int(ok.sum())
+        self.h_sum.add(h)
+        self.h_max.add(h)
+        self.h_neg_min.add(-h)
+        n_keys = (c.x.shape[-1] - c.masked)[ok]
         norm_ok = n_keys >= 2
-        if bool(norm_ok.any()):
-            self.hn_sum += float((h[norm_ok] / torch.log(n_keys[norm_ok].to(torch.float64))).sum())
-            self.hn_rows += int(norm_ok.sum())
-        pmax = p.amax(dim=-1)
-        self.pmax_sum += float(pmax.sum())
+        self.hn_sum.add(h[norm_ok] / torch.log(n_keys[norm_ok].to(torch.float64)))
+        self.hn_rows += int(norm_ok.sum())
+        pmax = 1.0 / c.ref_sum[ok]  # the max key has exp(0) = 1
+        self.pmax_sum.add(pmax)
         self.collapsed += int((pmax >= self.threshold).sum())
-        self.jac_sum += float(jacobian_frobenius(p).sum())
+        self.jac_sum.add(jacobian_frobenius(c.ref[ok]) if not bool(ok.all()) else jacobian_frobenius(c.ref))
 
     def finish(self) -> Distribution:
         r = self.rows
         return Distribution(
             rows=r,
-            entropy_mean=self.h_sum / r if r else None,
-            entropy_min=self.h_min,
-            entropy_max=self.h_max,
-            entropy_norm_mean=self.hn_sum / self.hn_rows if self.hn_rows else None,
-            max_prob_mean=self.pmax_sum / r if r else None,
+            entropy_mean=self.h_sum.total() / r if r else None,
+            entropy_min=None if self.h_neg_min.value is None else -self.h_neg_min.value + 0.0,
+            entropy_max=self.h_max.value,
+            entropy_norm_mean=self.hn_sum.total() / self.hn_rows if self.hn_rows else None,
+            max_prob_mean=self.pmax_sum.total() / r if r else None,
             collapsed_rows=self.collapsed,
             collapsed_frac=self.collapsed / r if r else None,
             collapse_threshold=self.threshold,
-            jacobian_norm_mean=self.jac_sum / r if r else None,
+            jacobian_norm_mean=self.jac_sum.total() / r if r else None,
         )
 
 
 class _CellAcc:
     def __init__(self, method: str, dtype: str, max_examples: int) -> None:
         self.method, self.dtype = method, dtype
-        self.floor = smallest_subnormal(dtype_from_name(dtype))
         self.rows = 0
         self.nan_causes: Counter[str] = Counter()
         self.zero_causes: Counter[str] = Counter()
         self.nan_rows = self.zero_rows = self.overflow_rows = self.underflow_rows = 0
         self.compared = 0
         self.elems = 0
-        self.max_abs: float | None = None
-        self.sq = 0.0
-        self.max_abs_algo: float | None = None
-        self.sq_algo = 0.0
         self.elems_algo = 0
-        self.max_sum_err: float | None = None
-        self.kl_sum = 0.0
-        self.kl_max: float | None = None
+        self.sq, self.sq_algo, self.kl = _ExactSum(), _ExactSum(), _ExactSum()
+        self.max_abs, self.max_abs_algo, self.max_sum_err, self.kl_max = _Max(), _Max(), _Max(), _Max()
         self.ref_nonzero = 0
         self.flushed = 0
         self.flips = 0
@@ -488,64 +594,72 @@ class _CellAcc:
 
     def update(
         self,
-        offset: int,
+        c: _Chunk,
         probs: torch.Tensor,
         overflow: torch.Tensor,
         underflow: torch.Tensor,
-        ref: torch.Tensor,
-        ref_ok: torch.Tensor,
         ref_algo: torch.Tensor,
+        algo_ok: torch.Tensor,
         causes: list[tuple[str, torch.Tensor]],
     ) -> None:
+        keys = probs.shape[-1]
         self.rows += probs.shape[0]
-        nan_row = torch.isnan(probs).any(dim=-1)
-        zero_row = (probs == 0).all(dim=-1)
+        pmax = probs.amax(dim=-1)  # (r,): NaN if any entry is NaN; p >= 0, so 0 only for all-zero rows
+        nan_row = ~torch.isfinite(pmax)
+        zero_row = pmax == 0
         row_causes = causes + [("exp_overflow", overflow), ("underflow", underflow)]
         for target, counter, prefix in ((nan_row, self.nan_causes, "nan"), (zero_row, self.zero_causes, "zero")):
+            if not bool(target.any()):
+                continue
             for cause, hit in _attribute(target, row_causes).items():
                 k = int(hit.sum())
                 if k:
                     counter[cause] += k
-                    self.examples.add(f"{prefix}:{cause}", hit, offset)
+                    self.examples.add(f"{prefix}:{cause}", hit, c.offset)
         self.nan_rows += int(nan_row.sum())
         self.zero_rows += int(zero_row.sum())
         self.overflow_rows += int(overflow.sum())
         self.underflow_rows += int(underflow.sum())
-        self.examples.add("overflow", overflow, offset)
+        self.examples.add("overflow", overflow, c.offset)
 
-        ok = torch.isfinite(probs).all(dim=-1) & ref_ok  # (rows,)
-        if not bool(ok.any()):
+        ok = ~nan_row & c.ref_ok  # (r,) rows where both are defined
+        n_ok = int(ok.sum())
+        if not n_ok:
             return
-        all_ok = bool(ok.all())
-        p = (probs if all_ok else probs[ok]).to(torch.float64)
-        r = ref if all_ok else ref[ok]
-        self.compared += p.shape[0]
-        self.elems += p.numel()
-        d = p - r
-        self.max_abs = _max(self.max_abs, d.abs())
-        self.sq += float((d * d).sum())
-        ra = ref_algo if all_ok else ref_algo[ok]
-        ra_ok = torch.isfinite(ra).all(dim=-1)
-        if bool(ra_ok.any()):
-            da = (p - ra)[ra_ok]
-            self.max_abs_algo = _max(self.max_abs_algo, da.abs())
-            self.sq_algo += float((da * da).sum())
-            self.elems_algo += da.numel()
-        self.max_sum_err = _max(self.max_sum_err, (p.sum(dim=-1) - 1).abs())
-        kl = kl_divergence(r, p, self.floor)
-        self.kl_sum += float(kl.sum())
-        self.kl_max = _max(self.kl_max, kl)
-        nz = r > 0
-        self.ref_nonzero += int(nz.sum())
-        self.flushed += int((nz & (p == 0)).sum())
-        top = r.argmax(dim=-1, keepdim=True)
-        flip = p.gather(-1, top).squeeze(-1) < p.amax(dim=-1)
+        self.compared += n_ok
+        self.elems += n_ok * keys
+        p64 = probs.to(torch.float64)  # (r, T): one conversion, then float64 throughout
+        self.max_sum_err.add((p64.sum(dim=-1) - 1).abs()[ok])
+        if ref_algo is not c.ref:
+            both = ok & algo_ok
+            da = p64 - ref_algo
+            self.sq_algo.add(row_dot(da, da)[both])
+            self.max_abs_algo.add(_row_abs_max(da)[both])
+            self.elems_algo += int(both.sum()) * keys
+            del da
+        d = p64 - c.ref
+        self.sq.add(row_dot(d, d)[ok])
+        self.max_abs.add(_row_abs_max(d)[ok])
+        if ref_algo is c.ref:
+            self.sq_algo, self.max_abs_algo, self.elems_algo = self.sq, self.max_abs, self.elems
+
+        # Generalised KL, see kl_divergence: sum(q - r) = sum(p - r) + floor * #(p == 0).
+        floor = smallest_subnormal(probs.dtype)
+        zero = probs == 0  # (r, T)
+        d_sum = d.sum(dim=-1)
+        # (r - q) / q in place of d; r - q = -(p - r) - (q - p), and q - p = floor where p == 0.
+        delta = d.neg_().add_(zero, alpha=-floor).div_(p64.clamp_min_(floor))
+        kl = torch.special.xlog1py(c.ref, delta, out=delta).sum(dim=-1) + d_sum + floor * torch.count_nonzero(zero, dim=-1)
+        del d, delta, p64
+        kl = kl.clamp_min(0)[ok]
+        self.kl.add(kl)
+        self.kl_max.add(kl)
+        self.ref_nonzero += int(torch.count_nonzero(c.ref_positive, dim=-1)[ok].sum())
+        self.flushed += int(torch.count_nonzero(zero & c.ref_positive, dim=-1)[ok].sum())
+        # A flip: the reference's top key is strictly below the cell's maximum (ties are not flips).
+        flip = (probs.gather(-1, c.ref_top).squeeze(-1) < pmax) & ok
         self.flips += int(flip.sum())
-        if bool(flip.any()):
-            rows_idx = torch.nonzero(ok).flatten()[flip]
-            mask = torch.zeros_like(ok)
-            mask[rows_idx] = True
-            self.examples.add("flip", mask, offset)
+        self.examples.add("flip", flip, c.offset)
 
     def finish(self, lead: tuple[int, ...]) -> Cell:
         return Cell(
@@ -559,13 +673,13 @@ class _CellAcc:
             zero_rows=self.zero_rows,
             zero_causes=dict(self.zero_causes),
             compared_rows=self.compared,
-            max_abs_err=self.max_abs,
-            rmse=math.sqrt(self.sq / self.elems) if self.elems else None,
-            max_abs_err_algo=self.max_abs_algo,
-            rmse_algo=math.sqrt(self.sq_algo / self.elems_algo) if self.elems_algo else None,
-            max_row_sum_err=self.max_sum_err,
-            kl_mean=self.kl_sum / self.compared if self.compared else None,
-            kl_max=self.kl_max,
+            max_abs_err=self.max_abs.value,
+            rmse=math.sqrt(self.sq.total() / self.elems) if self.elems else None,
+            max_abs_err_algo=self.max_abs_algo.value,
+            rmse_algo=math.sqrt(self.sq_algo.total() / self.elems_algo) if self.elems_algo else None,
+            max_row_sum_err=self.max_sum_err.value,
+            kl_mean=self.kl.total() / self.compared if self.compared else None,
+            kl_max=self.kl_max.value,
             flushed_frac=self.flushed / self.ref_nonzero if self.ref_nonzero else None,
             argmax_flips=self.flips,
             examples=self.examples.unravel(lead),
@@ -599,6 +713,25 @@ def check_scores(name: str, x: torch.Tensor) -> None:
         raise AttncheckError(f"{name}: is empty (shape {tuple(x.shape)})")
 
 
+def _cast(c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str):
+    """Cast the chunk to ``dt``; return the cast scores, the rows the cast broke, and the
+    float64 reference of the cast scores (the yardstick of algorithmic error)."""
+    x = c.x
+    if dt == x.dtype:
+        return x, torch.zeros_like(c.bad), c.ref, c.ref_ok
+    xc = x.to(dt)
+    suspect = c.bad | ~_row_finite(xc)  # only these rows can hold an inf made by the cast
+    cast_made = torch.zeros_like(c.bad)
+    if bool(suspect.any()):
+        idx = torch.nonzero(suspect).flatten()
+        census.update_cast(name, x, xc, idx)
+        xcb = xc[idx]
+        cast_made[idx] = (torch.isposinf(xcb).any(dim=-1) & ~c.posinf[idx]) | (torch.isneginf(xcb).all(dim=-1) & ~c.all_neginf[idx])
+    ref_algo = torch.softmax(xc.to(torch.float64), dim=-1)
+    algo_ok = torch.isfinite(ref_algo.sum(dim=-1))
+    return xc, cast_made, ref_algo, algo_ok
+
+
 def diagnose(name: str, scores: torch.Tensor, options: Options | None = None) -> TensorDiagnosis:
     """Diagnose one score tensor; the softmax runs over its last axis."""
     options = options or Options()
@@ -614,35 +747,28 @@ def diagnose(name: str, scores: torch.Tensor, options: Options | None = None) ->
     census = _CensusAcc(options.dtypes)
     dist = _DistAcc(options.collapse_threshold)
     cells = {(m, d): _CellAcc(m, d, options.max_examples) for d in options.dtypes for m in options.methods}
-    given_dtype = scores.dtype
     for start in range(0, rows, chunk):  # loop over row chunks, never over rows
-        x = flat[start : start + chunk].to(device)  # (r, T) as given
-        flags = _RowFlags.of(x)
-        census.update(x, flags)
-        ref = reference_softmax(x)  # (r, T) float64
-        ref_ok = torch.isfinite(ref).all(dim=-1)
-        dist.update(x, ref, ref_ok)
+        c = _Chunk.of(flat[start : start + chunk].to(device), start)
+        census.update(c)
+        dist.update(c)
         for d in options.dtypes:
-            dt = dtype_from_name(d)
-            xc = x.to(dt)
-            census.update_cast(d, x, xc)
-            ref_algo = ref if dt == given_dtype else reference_softmax(xc)
-            cast_made = (torch.isposinf(xc).any(dim=-1) & ~flags.posinf) | (torch.isneginf(xc).all(dim=-1) & ~flags.all_neginf)
+            xc, cast_made, ref_algo, algo_ok = _cast(c, dtype_from_name(d), census, d)
             causes = [
-                ("input_nan", flags.nan),
-                ("inf_input", flags.posinf),
-                ("fully_masked", flags.all_masked),
+                ("input_nan", c.nan),
+                ("inf_input", c.posinf),
+                ("fully_masked", c.all_masked),
                 ("cast_overflow", cast_made),
             ]
             for m in options.methods:
                 out = run_method(m, xc, block=options.block, reverse=options.reverse, accum=options.accum)
-                cells[(m, d)].update(start, out.probs, out.overflow_rows, out.underflow_rows, ref, ref_ok, ref_algo, causes)
+                cells[(m, d)].update(c, out.probs, out.overflow_rows, out.underflow_rows, ref_algo, algo_ok, causes)
+            del xc, ref_algo
 
     result = TensorDiagnosis(
         name=name,
         shape=shape,
-        dtype=dtype_label(given_dtype),
-        census=census.finish(shape, dtype_label(given_dtype), rows),
+        dtype=dtype_label(scores.dtype),
+        census=census.finish(shape, dtype_label(scores.dtype), rows),
         distribution=dist.finish(),
         cells=[cells[(m, d)].finish(lead) for m in options.methods for d in options.dtypes],
         findings=[],

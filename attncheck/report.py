@@ -48,8 +48,8 @@ def census_panel(d: TensorDiagnosis) -> Panel:
     if c.nan or c.posinf:
         specials.stylize("bold red")
     t.add_row("non-finite", specials)
-    sentinels = ", ".join(f"{v:.4g} x{n}" for v, n in c.sentinels)
-    t.add_row("masked", f"{c.masked} positions (-inf or <= -1e4)" + (f"; sentinels {sentinels}" if sentinels else ""))
+    sentinels = ", ".join(f"{v:.4g} ({n} rows)" for v, n in c.sentinels)
+    t.add_row("masked", f"{c.masked} positions (-inf or <= -1e4)" + (f"; mask values {sentinels}" if sentinels else ""))
     fm = Text(f"{c.fully_masked_rows} rows ({c.neginf_rows} all -inf)")
     if c.fully_masked_rows:
         fm.stylize("yellow")
@@ -188,14 +188,14 @@ def print_report(console: Console, diags: Sequence[TensorDiagnosis], device: str
 # --------------------------------------------------------------------------- JSON
 
 
-def _clean(x: Any) -> Any:
+def to_jsonable(x: Any) -> Any:
     """Dataclasses -> dicts, tuples -> lists, non-finite floats -> None."""
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return {f.name: _clean(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        return {f.name: to_jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)}
     if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
+        return {str(k): to_jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
+        return [to_jsonable(v) for v in x]
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x
@@ -204,20 +204,20 @@ def _clean(x: Any) -> Any:
 def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
     cells = []
     for c in d.cells:
-        cell = _clean(c)
+        cell = to_jsonable(c)
         cell["name"] = c.name
         cell["verdict"] = c.verdict
         cells.append(cell)
-    census = _clean(d.census)
-    census["sentinels"] = [{"value": v, "count": n} for v, n in d.census.sentinels]
+    census = to_jsonable(d.census)
+    census["sentinels"] = [{"value": v, "rows": n} for v, n in d.census.sentinels]
     return {
         "name": d.name,
         "shape": list(d.shape),
         "dtype": d.dtype,
         "census": census,
-        "distribution": _clean(d.distribution),
+        "distribution": to_jsonable(d.distribution),
         "cells": cells,
-        "findings": _clean(d.findings),
+        "findings": to_jsonable(d.findings),
     }
 
 
@@ -227,7 +227,7 @@ def run_json(diags: Sequence[TensorDiagnosis], device: str, failed: Sequence[str
         "schema": JSON_SCHEMA,
         "attncheck_version": __version__,
         "device": device,
-        "options": None if opts is None else _clean(opts),
+        "options": None if opts is None else to_jsonable(opts),
         "tensors": [diagnosis_json(d) for d in diags],
         "failed": list(failed),
     }

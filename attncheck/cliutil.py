@@ -1,0 +1,87 @@
+"""Pieces every command shares: exit codes, the one-line error, option lists.
+
+Free of torch and numpy so argument checking stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+import typer.core
+
+from attncheck.errors import AttncheckError
+
+from typer import Abort
+
+try:  # typer >= 0.26 bundles its own click
+    from typer._click.exceptions import ClickException, UsageError
+except ImportError:  # pragma: no cover - older typer uses the click package
+    from click.exceptions import ClickException, UsageError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def fail(message: str) -> typer.Exit:
+    """Print one line on stderr and return the Exit(2) to raise."""
+    typer.echo(f"attncheck: error: {message}", err=True)
+    return typer.Exit(EXIT_USAGE)
+
+
+def parse_choices(value: str, allowed: tuple[str, ...], aliases: dict[str, str], option: str) -> tuple[str, ...]:
+    """'fp16, bf16' -> ('fp16', 'bf16'); 'all' -> every choice; unknown names are an input error."""
+    items = [v.strip().lower() for v in value.split(",") if v.strip()]
+    if not items:
+        raise AttncheckError(f"{option} is empty (choose from {', '.join(allowed)})")
+    if items == ["all"]:
+        return allowed
+    out = []
+    for item in items:
+        name = aliases.get(item, item)
+        if name not in allowed:
+            raise AttncheckError(f"{option}: unknown value {item!r} (choose from {', '.join(allowed)})")
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def write_json(text: str, target: str) -> None:
+    """Write JSON text to a file, or to stdout for '-'; unwritable paths are input errors."""
+    if target == "-":
+        typer.echo(text)
+        return
+    try:
+        with open(target, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    except OSError as e:
+        raise AttncheckError(f"cannot write {target}: {e.strerror or e}") from None
+
+
+class OneLineErrorsGroup(typer.core.TyperGroup):
+    """Typer group whose usage errors are one line on stderr (exit 2), like attncheck's own.
+
+    Typer would print a multi-line panel; scripts and CI logs read one line better.
+    """
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra)
+        except UsageError as e:
+            if type(e).__name__ == "NoArgsIsHelpError":
+                e.show()
+                code = e.exit_code
+            else:
+                hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+                typer.echo(f"attncheck: error: {e.format_message()}{hint}", err=True)
+                code = EXIT_USAGE
+        except ClickException as e:
+            typer.echo(f"attncheck: error: {e.format_message()}", err=True)
+            code = e.exit_code
+        except Abort:
+            typer.echo("attncheck: aborted", err=True)
+            code = EXIT_FAILED
+        else:
+            code = rv if isinstance(rv, int) else EXIT_OK
+        if not standalone_mode:
+            return code
+        sys.exit(code)
