@@ -7,21 +7,21 @@ errors stay fast.
 from __future__ import annotations
 
 import json
-import sys
 from enum import Enum
 from typing import List, Optional
 
 import typer
 
 from attncheck import __version__
+from attncheck.cliutil import EXIT_FAILED, EXIT_OK, OneLineErrorsGroup, fail, parse_choices, write_json
 from attncheck.errors import AttncheckError
 from attncheck.findings import FAIL_ON_WORDS, valid_fail_on
 from attncheck.names import DTYPE_ALIASES, DTYPE_NAMES, METHOD_ALIASES, METHOD_NAMES
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 app = typer.Typer(
     name="attncheck",
+    cls=OneLineErrorsGroup,
     help="Numerical diagnostics for the softmax inside attention: overflow, underflow, "
     "NaN rows and their causes, and the error of naive, stable, tiled (FlashAttention-style) "
     "and torch softmax in fp16, bf16 and fp32 against a float64 reference.",
@@ -45,29 +45,6 @@ class Device(str, Enum):
 class Accum(str, Enum):
     fp32 = "fp32"
     dtype = "dtype"
-
-
-def fail(message: str) -> typer.Exit:
-    """One line on stderr, exit code 2."""
-    typer.echo(f"attncheck: error: {message}", err=True)
-    return typer.Exit(EXIT_USAGE)
-
-
-def parse_choices(value: str, allowed: tuple[str, ...], aliases: dict[str, str], option: str) -> tuple[str, ...]:
-    """'fp16, bf16' -> ('fp16', 'bf16'); 'all' -> every choice; unknown names are an input error."""
-    items = [v.strip().lower() for v in value.split(",") if v.strip()]
-    if not items:
-        raise AttncheckError(f"{option} is empty (choose from {', '.join(allowed)})")
-    if items == ["all"]:
-        return allowed
-    out = []
-    for item in items:
-        name = aliases.get(item, item)
-        if name not in allowed:
-            raise AttncheckError(f"{option}: unknown value {item!r} (choose from {', '.join(allowed)})")
-        if name not in out:
-            out.append(name)
-    return tuple(out)
 
 
 def parse_fail_on(value: str) -> list[str]:
@@ -128,15 +105,10 @@ def run(
 
     failed = failed_conditions(diags, conditions)
     if json_out is not None:
-        text = json.dumps(run_json(diags, device_name, failed), indent=2, allow_nan=False)
-        if json_out == "-":
-            sys.stdout.write(text + "\n")
-        else:
-            try:
-                with open(json_out, "w", encoding="utf-8") as fh:
-                    fh.write(text + "\n")
-            except OSError as e:
-                raise fail(f"cannot write --json {json_out}: {e.strerror or e}") from None
+        try:
+            write_json(json.dumps(run_json(diags, device_name, failed), indent=2, allow_nan=False), json_out)
+        except AttncheckError as e:
+            raise fail(str(e)) from None
     if json_out != "-":
         from rich.console import Console
 
@@ -168,6 +140,9 @@ def _run(paths, example, dtypes, methods, block, order, accum, device, keys):
     if dev.type == "cuda":
         label += f" ({torch.cuda.get_device_name(dev)})"
     return diags, label
+
+
+
 
 
 def main() -> None:
