@@ -5,14 +5,24 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+
+def output_dir() -> Path:
+    """The directory named on the command line (created if needed), else a fresh temporary one."""
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp())
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def diagnose_and_expect(path: str, expected_codes: set[str], *extra: str) -> None:
-    """Print the tables, then check the JSON report holds the expected finding codes."""
-    cmd = [sys.executable, "-m", "attncheck", "run", path, *extra]
-    print("$", " ".join(["attncheck", "run", path, *extra]), flush=True)
-    subprocess.run(cmd, check=True)
-    report = json.loads(subprocess.run([*cmd, "--json", "-"], check=True, capture_output=True, text=True).stdout)
+    """Run `attncheck run` (tables on the terminal, JSON to a file) and check the finding codes."""
+    report_path = Path(path).with_suffix(".report.json")
+    args = ["run", path, *extra, "--json", str(report_path)]
+    print("$ attncheck", " ".join(args), flush=True)
+    subprocess.run([sys.executable, "-m", "attncheck", *args], check=True)
+    report = json.loads(report_path.read_text())
     found = {f["code"] for t in report["tensors"] for f in t["findings"]}
     missing = expected_codes - found
     if missing:

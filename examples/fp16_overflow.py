@@ -7,16 +7,12 @@ The dump is saved in fp16, as a model running in half precision would save it.
     python examples/fp16_overflow.py [OUTDIR]
 """
 
-import sys
-import tempfile
-from pathlib import Path
-
 import torch
 from safetensors.torch import save_file
 
-from _common import diagnose_and_expect
+from _common import diagnose_and_expect, output_dir
 
-out = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp())
+out = output_dir()
 g = torch.Generator().manual_seed(0)
 q = torch.randn(1, 2, 32, 128, generator=g)  # (B, H, T, d_k)
 k = torch.randn(1, 2, 32, 128, generator=g)

@@ -7,15 +7,11 @@ uniform row (fp32) into NaN (fp16): the classic left-padding + causal mask bug.
     python examples/mask_minus_1e9_fp16.py [OUTDIR]
 """
 
-import sys
-import tempfile
-from pathlib import Path
-
 import numpy as np
 
-from _common import diagnose_and_expect
+from _common import diagnose_and_expect, output_dir
 
-out = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp())
+out = output_dir()
 rng = np.random.default_rng(0)
 t, pad = 16, 4
 scores = rng.standard_normal((2, t, t)).astype(np.float32)  # (B, T, T), already scaled

@@ -7,15 +7,11 @@ torch.softmax) and zeros in a FlashAttention-style tiled softmax.
     python examples/padding_fully_masked.py [OUTDIR]
 """
 
-import sys
-import tempfile
-from pathlib import Path
-
 import torch
 
-from _common import diagnose_and_expect
+from _common import diagnose_and_expect, output_dir
 
-out = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp())
+out = output_dir()
 g = torch.Generator().manual_seed(0)
 layers = []
 for _ in range(2):

@@ -1,0 +1,52 @@
+"""Docs are tested: every example script runs, and every command in the README's
+console blocks runs with the exit code written beside it (`# exit N`, default 0)."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
+
+
+def env_with_venv_first():
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["COLUMNS"] = "100"
+    return env
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+def test_example_runs(script, tmp_path):
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=script.parent, capture_output=True, text=True, timeout=300, env=env_with_venv_first())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def readme_commands():
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```console\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            if line.startswith("$ "):
+                cmd, _, note = line[2:].partition("#")
+                m = re.search(r"exit (\d+)", note)
+                commands.append((cmd.strip(), int(m.group(1)) if m else 0))
+    return commands
+
+
+def test_readme_has_commands():
+    assert len(readme_commands()) >= 5
+
+
+def test_readme_commands_run_in_order(tmp_path):
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    env = env_with_venv_first()
+    for cmd, expected in readme_commands():
+        proc = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == expected, f"{cmd!r} exited {proc.returncode}, expected {expected}:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}"
+        assert "Traceback" not in proc.stderr, cmd
