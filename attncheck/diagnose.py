@@ -736,19 +736,41 @@ def diagnose(name: str, scores: torch.Tensor, options: Options | None = None) ->
     """Diagnose one score tensor; the softmax runs over its last axis."""
     options = options or Options()
     check_scores(name, scores)
+    keys = scores.shape[-1]
+    rows = scores.numel() // keys
+    flat = scores.reshape(rows, keys)  # (R, T); a view when contiguous
+    step = rows_per_chunk(keys, options)
+    chunks = (flat[start : start + step] for start in range(0, rows, step))
+    return diagnose_chunks(name, tuple(scores.shape), scores.dtype, chunks, options)
+
+
+def rows_per_chunk(keys: int, options: Options) -> int:
+    """Rows per chunk so that one float64 working tensor stays near options.chunk_elements."""
+    return max(1, options.chunk_elements // keys)
+
+
+def diagnose_chunks(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    chunks: Iterable[torch.Tensor],
+    options: Options | None = None,
+) -> TensorDiagnosis:
+    """Diagnose a score tensor that arrives as consecutive (rows, keys) blocks, in row order.
+
+    Results do not depend on how the rows are split.
+    """
+    options = options or Options()
     device = torch.device(options.device)
-    shape = tuple(scores.shape)
-    keys = shape[-1]
     lead = shape[:-1]
     rows = math.prod(lead) if lead else 1
-    flat = scores.reshape(rows, keys)  # (R, T); a view when contiguous
-    chunk = max(1, options.chunk_elements // keys)
-
     census = _CensusAcc(options.dtypes)
     dist = _DistAcc(options.collapse_threshold)
     cells = {(m, d): _CellAcc(m, d, options.max_examples) for d in options.dtypes for m in options.methods}
-    for start in range(0, rows, chunk):  # loop over row chunks, never over rows
-        c = _Chunk.of(flat[start : start + chunk].to(device), start)
+    start = 0
+    for block in chunks:  # loop over row chunks, never over rows
+        c = _Chunk.of(block.to(device), start)
+        start += block.shape[0]
         census.update(c)
         dist.update(c)
         for d in options.dtypes:
@@ -763,12 +785,14 @@ def diagnose(name: str, scores: torch.Tensor, options: Options | None = None) ->
                 out = run_method(m, xc, block=options.block, reverse=options.reverse, accum=options.accum)
                 cells[(m, d)].update(c, out.probs, out.overflow_rows, out.underflow_rows, ref_algo, algo_ok, causes)
             del xc, ref_algo
+    if start != rows:
+        raise AttncheckError(f"{name}: got {start} rows, expected {rows} for shape {shape}")
 
     result = TensorDiagnosis(
         name=name,
         shape=shape,
-        dtype=dtype_label(scores.dtype),
-        census=census.finish(shape, dtype_label(scores.dtype), rows),
+        dtype=dtype_label(dtype),
+        census=census.finish(shape, dtype_label(dtype), rows),
         distribution=dist.finish(),
         cells=[cells[(m, d)].finish(lead) for m in options.methods for d in options.dtypes],
         findings=[],
