@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -755,10 +755,12 @@ def diagnose_chunks(
     dtype: torch.dtype,
     chunks: Iterable[torch.Tensor],
     options: Options | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> TensorDiagnosis:
     """Diagnose a score tensor that arrives as consecutive (rows, keys) blocks, in row order.
 
-    Results do not depend on how the rows are split.
+    Results do not depend on how the rows are split. ``progress`` is called with
+    the number of rows finished after each block.
     """
     options = options or Options()
     device = torch.device(options.device)
@@ -785,6 +787,8 @@ def diagnose_chunks(
                 out = run_method(m, xc, block=options.block, reverse=options.reverse, accum=options.accum)
                 cells[(m, d)].update(c, out.probs, out.overflow_rows, out.underflow_rows, ref_algo, algo_ok, causes)
             del xc, ref_algo
+        if progress is not None:
+            progress(block.shape[0])
     if start != rows:
         raise AttncheckError(f"{name}: got {start} rows, expected {rows} for shape {shape}")
 
