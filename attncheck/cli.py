@@ -17,6 +17,7 @@ from attncheck.cliutil import EXIT_FAILED, EXIT_OK, OneLineErrorsGroup, fail, pa
 from attncheck.errors import AttncheckError
 from attncheck.findings import FAIL_ON_WORDS, valid_fail_on
 from attncheck.names import DTYPE_ALIASES, DTYPE_NAMES, METHOD_ALIASES, METHOD_NAMES
+from attncheck.sweep_cli import sweep
 
 
 app = typer.Typer(
@@ -142,7 +143,7 @@ def _run(paths, example, dtypes, methods, block, order, accum, device, keys):
     return diags, label
 
 
-
+app.command()(sweep)
 
 
 def main() -> None:

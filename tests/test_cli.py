@@ -254,7 +254,7 @@ def test_unwritable_json_target(healthy, tmp_path):
 # --------------------------------------------------------------------------- start-up
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["run", "--dtype", "fp8", "x.pt"], ["run", "--bogus"], ["--version"]])
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["run", "--dtype", "fp8", "x.pt"], ["run", "--bogus"], ["--version"], ["sweep", "--help"], ["sweep", "--dk", "0"]])
 def test_help_and_argument_errors_do_not_import_torch(argv):
     code = (
         "import sys\n"
@@ -270,7 +270,7 @@ def test_help_and_argument_errors_do_not_import_torch(argv):
 def test_every_command_has_help():
     r = invoke("--help")
     assert r.exit_code == 0
-    for name in ("run",):
+    for name in ("run", "sweep"):
         assert name in r.stdout
         sub = invoke(name, "--help")
         assert sub.exit_code == 0 and len(sub.stdout) > 200
