@@ -7,6 +7,8 @@ errors stay fast.
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from enum import Enum
 from typing import List, Optional
 
@@ -16,7 +18,15 @@ from attncheck import __version__
 from attncheck.cliutil import EXIT_FAILED, EXIT_OK, OneLineErrorsGroup, fail, parse_choices, write_json
 from attncheck.errors import AttncheckError
 from attncheck.findings import FAIL_ON_WORDS, valid_fail_on
-from attncheck.names import DTYPE_ALIASES, DTYPE_NAMES, METHOD_ALIASES, METHOD_NAMES
+from attncheck.names import (
+    DTYPE_ALIASES,
+    DTYPE_NAMES,
+    METHOD_ALIASES,
+    METHOD_NAMES,
+    parse_lengths,
+    parse_mask_value,
+    parse_scale_text,
+)
 from attncheck.sweep_cli import sweep
 
 
@@ -35,6 +45,32 @@ app = typer.Typer(
 class Order(str, Enum):
     forward = "forward"
     reverse = "reverse"
+
+
+class ScaleOrder(str, Enum):
+    scores = "scores"
+    q = "q"
+
+
+class MaskConvention(str, Enum):
+    attend = "attend"
+    ignore = "ignore"
+
+
+@dataclass(frozen=True)
+class QKRequest:
+    """What the user asked for with --q/--k, checked but not loaded."""
+
+    q: str
+    k: str
+    mask: str | None
+    scale: str
+    scale_order: str
+    causal: bool
+    pad_left: list[int]
+    pad_right: list[int]
+    mask_value: str
+    mask_convention: str
 
 
 class Device(str, Enum):
@@ -79,25 +115,44 @@ def run(
     order: Order = typer.Option(Order.forward, "--order", help="Order in which the tiled method visits key blocks."),
     accum: Accum = typer.Option(Accum.fp32, "--accum", help="Row sums of naive/stable: fp32 inside as torch does, or pairwise in the dtype."),
     device: Device = typer.Option(Device.auto, "--device", help="Where to compute: auto (cuda if available), cpu, cuda."),
-    key: List[str] = typer.Option([], "--key", "-k", help="Glob selecting tensors inside files (repeatable), e.g. 'layers.*.scores'."),
+    key: List[str] = typer.Option([], "--key", help="Glob selecting tensors inside files (repeatable), e.g. 'layers.*.scores'."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Write the JSON report to FILE ('-' for stdout: tables are then not printed)."),
     fail_on: str = typer.Option("", "--fail-on", help=f"Exit 1 when a condition holds: {', '.join(FAIL_ON_WORDS)} or a finding code (comma-separated)."),
     brief: bool = typer.Option(False, "--brief", help="Leave out the per-cell detail table."),
+    q: Optional[str] = typer.Option(None, "--q", help="Queries (..., heads, tokens, d) as PATH or PATH:KEY. With --k, the scores are computed in each dtype as models do.", rich_help_panel="Q/K inputs"),
+    k: Optional[str] = typer.Option(None, "--k", help="Keys (..., kv_heads, tokens, d) as PATH or PATH:KEY; kv_heads may divide the query heads (GQA).", rich_help_panel="Q/K inputs"),
+    mask: Optional[str] = typer.Option(None, "--mask", help="Mask as PATH or PATH:KEY, boolean (see --mask-convention) or additive float, broadcast to (batch, heads, queries, keys).", rich_help_panel="Q/K inputs"),
+    scale: str = typer.Option("auto", "--scale", help="Scale of q.k: auto or sqrt (1/sqrt(d)), none, dk (1/d), or a number.", rich_help_panel="Q/K inputs"),
+    scale_order: ScaleOrder = typer.Option(ScaleOrder.scores, "--scale-order", help="Scale the scores after Q@K^T, or q before it.", rich_help_panel="Q/K inputs"),
+    causal: bool = typer.Option(False, "--causal", help="Add a causal mask, aligned as PyTorch's is_causal (top left).", rich_help_panel="Q/K inputs"),
+    pad_left: str = typer.Option("", "--pad-left", help="Left padding per batch element, e.g. 3,0: those keys are masked.", rich_help_panel="Q/K inputs"),
+    pad_right: str = typer.Option("", "--pad-right", help="Right padding per batch element.", rich_help_panel="Q/K inputs"),
+    mask_value: str = typer.Option("-inf", "--mask-value", help="What a masked key becomes: -inf, min (finfo(dtype).min) or a number such as -1e4.", rich_help_panel="Q/K inputs"),
+    mask_convention: MaskConvention = typer.Option(MaskConvention.attend, "--mask-convention", help="Boolean masks: True = attend (SDPA) or True = masked.", rich_help_panel="Q/K inputs"),
 ) -> None:
-    """Diagnose saved attention scores (pre-softmax logits).
+    """Diagnose saved attention scores (pre-softmax logits), or the scores Q and K produce.
 
-    Every method x dtype cell is judged against a float64 softmax of the scores as given.
+    Every method x dtype cell is judged against a float64 softmax of the scores as given
+    (with --q/--k: of Q@K^T, scale and mask computed in float64). With scores files and
+    --q/--k together, the scale that maps q.k onto the scores is fitted and checked.
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error.
     """
     try:
         dtypes = parse_choices(dtype, DTYPE_NAMES, DTYPE_ALIASES, "--dtype")
         methods = parse_choices(method, METHOD_NAMES, METHOD_ALIASES, "--method")
         conditions = parse_fail_on(fail_on)
-        if example and paths:
+        qk = None
+        if q is not None or k is not None:
+            if q is None or k is None:
+                raise AttncheckError("--q and --k go together: give both")
+            qk = QKRequest(q, k, mask, parse_scale_text(scale), scale_order.value, causal, parse_lengths(pad_left, "--pad-left"), parse_lengths(pad_right, "--pad-right"), parse_mask_value(mask_value), mask_convention.value)
+        elif mask is not None or causal or pad_left or pad_right:
+            raise AttncheckError("--mask, --causal and --pad-left/--pad-right apply to scores computed from --q and --k")
+        if example and (paths or qk):
             raise AttncheckError("give files or --example, not both")
-        if not example and not paths:
-            raise AttncheckError("no input: give score files or directories, or --example for a built-in one")
-        diags, device_name = _run(paths or [], example, dtypes, methods, block, order, accum, device, key)
+        if not example and not paths and not qk:
+            raise AttncheckError("no input: give score files or directories, --q and --k, or --example for a built-in one")
+        diags, device_name = _run(paths or [], example, dtypes, methods, block, order, accum, device, key, qk)
     except AttncheckError as e:
         raise fail(str(e)) from None
 
@@ -119,10 +174,10 @@ def run(
     raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)
 
 
-def _run(paths, example, dtypes, methods, block, order, accum, device, keys):
+def _run(paths, example, dtypes, methods, block, order, accum, device, keys, qk=None):
     import torch
 
-    from attncheck.diagnose import Options, diagnose, resolve_device
+    from attncheck.diagnose import Options, diagnose, diagnose_attention, resolve_device
 
     dev = resolve_device(device.value)
     options = Options(dtypes=dtypes, methods=methods, block=block, reverse=order is Order.reverse, accum=accum.value, device=str(dev))
@@ -132,15 +187,52 @@ def _run(paths, example, dtypes, methods, block, order, accum, device, keys):
         if keys:
             raise AttncheckError("--key selects tensors inside files; it does not apply to --example")
         named = [(EXAMPLE_NAME, example_scores())]
-    else:
+    elif paths:
         from attncheck.loaders import load_tensors
 
         named = [(t.name, t.tensor) for t in load_tensors(paths, keys)]
-    diags = [diagnose(name, tensor, options) for name, tensor in named]
+    else:
+        named = []
+    if qk is not None:
+        diags = _run_qk(qk, named, options)
+    else:
+        diags = [diagnose(name, tensor, options) for name, tensor in named]
     label = str(dev)
     if dev.type == "cuda":
         label += f" ({torch.cuda.get_device_name(dev)})"
     return diags, label
+
+
+def _load_one(spec: str, option: str, any_dtype: bool = False):
+    """PATH or PATH:KEY -> (name, tensor); the file must hold exactly one selected tensor."""
+    from attncheck.loaders import load_tensors
+
+    path, key = spec, None
+    if not os.path.exists(spec) and ":" in spec:
+        path, key = spec.rsplit(":", 1)
+    found = load_tensors([path], [key] if key else [], any_dtype=any_dtype)
+    if len(found) != 1:
+        names = ", ".join(t.name for t in found[:6])
+        raise AttncheckError(f"{option} {spec} selects {len(found)} tensors ({names}); pick one with {option} PATH:KEY")
+    return found[0].name, found[0].tensor
+
+
+def _run_qk(qk: QKRequest, named, options):
+    from attncheck.diagnose import diagnose_attention
+    from attncheck.scores import prepare_inputs
+
+    q_name, q = _load_one(qk.q, "--q")
+    k_name, k = _load_one(qk.k, "--k")
+    mask = _load_one(qk.mask, "--mask", any_dtype=True)[1] if qk.mask else None
+    inputs = prepare_inputs(
+        q, k, mask,
+        scale=qk.scale, scale_order=qk.scale_order, causal=qk.causal,
+        pad_left=qk.pad_left, pad_right=qk.pad_right,
+        mask_value=qk.mask_value, mask_convention=qk.mask_convention,
+    )
+    if named:  # scores given too: diagnose them and fit the scale they carry
+        return [diagnose_attention(name, inputs, options, scores=tensor) for name, tensor in named]
+    return [diagnose_attention(f"{q_name} @ {k_name}", inputs, options)]
 
 
 app.command()(sweep)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
@@ -26,6 +26,9 @@ from attncheck.precision import (
     smallest_subnormal,
 )
 from attncheck.softmax import ACCUMULATIONS, canonical_method, run_method
+
+if TYPE_CHECKING:
+    from attncheck.scores import AttentionAudit, AttentionInputs
 
 # Finite scores at or below this look like an additive mask sentinel (-1e4, -1e9, finfo.min).
 MASK_SENTINEL_LIMIT = -1e4
@@ -182,6 +185,7 @@ class TensorDiagnosis:
     cells: list[Cell]
     findings: list[Finding]
     options: Options
+    attention: "AttentionAudit | None" = None  # mask and scale facts when scores came from Q and K
 
     def cell(self, method: str, dtype: str) -> Cell:
         for c in self.cells:
@@ -350,9 +354,12 @@ class _Chunk:
     ref_entropy: torch.Tensor  # (r,)
     ref_positive: torch.Tensor  # (r, T) bool: reference probability > 0
     ref_top: torch.Tensor  # (r, 1) index of the reference's most likely key
+    masked_rows: torch.Tensor | None = None  # (r,) set when the mask is known exactly (Q/K inputs)
 
     @property
     def all_masked(self) -> torch.Tensor:
+        if self.masked_rows is not None:
+            return self.masked_rows
         return self.masked == self.x.shape[-1]
 
     @classmethod
@@ -727,9 +734,23 @@ def _cast(c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str):
         census.update_cast(name, x, xc, idx)
         xcb = xc[idx]
         cast_made[idx] = (torch.isposinf(xcb).any(dim=-1) & ~c.posinf[idx]) | (torch.isneginf(xcb).all(dim=-1) & ~c.all_neginf[idx])
-    ref_algo = torch.softmax(xc.to(torch.float64), dim=-1)
-    algo_ok = torch.isfinite(ref_algo.sum(dim=-1))
+    ref_algo, algo_ok = _reference_of(xc)
     return xc, cast_made, ref_algo, algo_ok
+
+
+def _reference_of(xc: torch.Tensor):
+    ref = torch.softmax(xc.to(torch.float64), dim=-1)
+    return ref, torch.isfinite(ref.sum(dim=-1))
+
+
+def _in_dtype(block, c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str):
+    """Scores of one block in ``dt`` with the pipeline causes before and after 'fully_masked',
+    and the float64 reference of those scores."""
+    if isinstance(block, torch.Tensor):
+        xc, cast_made, ref_algo, algo_ok = _cast(c, dt, census, name)
+        return xc, [], [("cast_overflow", cast_made)], ref_algo, algo_ok
+    xc, before, after = block.in_dtype(dt)  # scores the model computes in dt (Q@K^T, scale, mask)
+    return (xc, before, after, *_reference_of(xc))
 
 
 def diagnose(name: str, scores: torch.Tensor, options: Options | None = None) -> TensorDiagnosis:
@@ -753,14 +774,17 @@ def diagnose_chunks(
     name: str,
     shape: tuple[int, ...],
     dtype: torch.dtype,
-    chunks: Iterable[torch.Tensor],
+    chunks: Iterable,
     options: Options | None = None,
     progress: Callable[[int], None] | None = None,
+    attention=None,
 ) -> TensorDiagnosis:
     """Diagnose a score tensor that arrives as consecutive (rows, keys) blocks, in row order.
 
-    Results do not depend on how the rows are split. ``progress`` is called with
-    the number of rows finished after each block.
+    A block is a (rows, keys) tensor of scores (cast to each dtype), or a
+    ``scores.QKBlock`` that computes its scores per dtype from Q and K. Results do
+    not depend on how the rows are split. ``progress`` is called with the number of
+    rows finished after each block. ``attention`` is the Q/K audit to attach.
     """
     options = options or Options()
     device = torch.device(options.device)
@@ -771,24 +795,23 @@ def diagnose_chunks(
     cells = {(m, d): _CellAcc(m, d, options.max_examples) for d in options.dtypes for m in options.methods}
     start = 0
     for block in chunks:  # loop over row chunks, never over rows
-        c = _Chunk.of(block.to(device), start)
-        start += block.shape[0]
+        raw = isinstance(block, torch.Tensor)
+        c = _Chunk.of((block if raw else block.given).to(device), start)
+        if not raw:
+            c.masked_rows = block.all_masked
+            block.audit_reference(c.ref, c.ref_ok)
+        start += c.x.shape[0]
         census.update(c)
         dist.update(c)
         for d in options.dtypes:
-            xc, cast_made, ref_algo, algo_ok = _cast(c, dtype_from_name(d), census, d)
-            causes = [
-                ("input_nan", c.nan),
-                ("inf_input", c.posinf),
-                ("fully_masked", c.all_masked),
-                ("cast_overflow", cast_made),
-            ]
+            xc, before, after, ref_algo, algo_ok = _in_dtype(block, c, dtype_from_name(d), census, d)
+            causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
             for m in options.methods:
                 out = run_method(m, xc, block=options.block, reverse=options.reverse, accum=options.accum)
                 cells[(m, d)].update(c, out.probs, out.overflow_rows, out.underflow_rows, ref_algo, algo_ok, causes)
             del xc, ref_algo
         if progress is not None:
-            progress(block.shape[0])
+            progress(c.x.shape[0])
     if start != rows:
         raise AttncheckError(f"{name}: got {start} rows, expected {rows} for shape {shape}")
 
@@ -801,8 +824,38 @@ def diagnose_chunks(
         cells=[cells[(m, d)].finish(lead) for m in options.methods for d in options.dtypes],
         findings=[],
         options=options,
+        attention=attention,
     )
     from attncheck.findings import findings_for  # advice text lives apart from the math
 
     result.findings = findings_for(result)
     return result
+
+
+def diagnose_attention(
+    name: str,
+    inputs: "AttentionInputs",
+    options: Options | None = None,
+    progress: Callable[[int], None] | None = None,
+    scores: torch.Tensor | None = None,
+) -> TensorDiagnosis:
+    """Diagnose the scores that Q, K and a mask produce in each dtype.
+
+    With ``scores`` (what the model actually produced) also given, those are
+    diagnosed instead, and the scale that maps q.k onto them is fitted.
+    """
+    from attncheck.scores import fit_scale, score_blocks, start_audit
+
+    options = options or Options()
+    audit = start_audit(inputs)
+    if scores is not None:
+        check_scores(name, scores)
+        audit.fitted_scale = fit_scale(scores, inputs)
+        keys = scores.shape[-1]
+        flat = scores.reshape(-1, keys)
+        step = rows_per_chunk(keys, options)
+        chunks = (flat[i : i + step] for i in range(0, flat.shape[0], step))
+        return diagnose_chunks(name, tuple(scores.shape), scores.dtype, chunks, options, progress, attention=audit)
+    step = rows_per_chunk(inputs.k.shape[2], options)
+    blocks = score_blocks(inputs, step, torch.device(options.device), audit)
+    return diagnose_chunks(name, inputs.score_shape, inputs.q.dtype, blocks, options, progress, attention=audit)

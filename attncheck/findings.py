@@ -15,7 +15,15 @@ SEVERITIES = ("error", "warning", "info")
 FIX = {
     "input_nan": "the NaN is already in the scores: trace it upstream (Q, K, the mask, an earlier layer); no softmax can repair it",
     "inf_input": "the scores hold +inf (softmax gives inf - inf = NaN): find where they overflow, e.g. Q@K^T in fp16 without 1/sqrt(d_k); scale q first or compute scores in fp32",
-    "fully_masked": "a query that may attend to nothing has no softmax: zero such rows (torch.where(keep.any(-1, keepdim=True), p, 0)), drop them from the loss, or use a kernel that returns zeros (FlashAttention, SDPA >= 2.5)",
+    "fully_masked_rows": "a query that may attend to nothing has no softmax: zero such rows (torch.where(keep.any(-1, keepdim=True), p, 0)) and drop them from the loss, or use a kernel that returns zeros (FlashAttention, SDPA >= 2.5); even then their backward pass can poison gradients if a NaN reaches it",
+    "qk_overflow": "scale q by 1/sqrt(d) before the matmul (--scale-order q shows the effect), compute Q@K^T in fp32, or find why q/k grew (no normalisation, exploding activations)",
+    "sentinel_overflow_on_add": "finfo(dtype).min plus a negative score overflows to -inf: use masked_fill / torch.where with the sentinel instead of adding it, or a boolean mask",
+    "summed_mask_planes": "two sentinel planes added together overflow: combine masks with logical and/or (or torch.where), then apply one sentinel once",
+    "mask_leak": "the masked keys still receive probability: use -inf, finfo(dtype).min or a boolean mask instead of this small sentinel",
+    "float_mask_looks_boolean": "a float mask of 0 and 1 is added to the scores, not applied: pass mask.bool() (True = attend) or an additive mask of 0 and -inf",
+    "missing_scale": "the scores look unscaled: divide by sqrt(d_k) (SDPA's default scale), or check the scale your model applies",
+    "double_scale": "the scores look scaled twice: apply 1/sqrt(d_k) once (SDPA scales by default; don't pre-scale q as well)",
+    "scale_mismatch": "the scale your scores carry is not 1/sqrt(d_head): check which dimension the model divides by",
     "sentinel_not_representable": "use a boolean mask (masked_fill(~keep, torch.finfo(dtype).min) or SDPA's bool attn_mask) instead of a constant the dtype cannot hold",
     "cast_overflow": "upcast to fp32 before the softmax, or keep the logits in range (scale by 1/sqrt(d_k), clamp)",
     "exp_overflow": "subtract the row max before exp (stable softmax, torch.softmax), or upcast to fp32 before the softmax",
@@ -33,7 +41,15 @@ FIX = {
 SEVERITY = {
     "input_nan": "error",
     "inf_input": "error",
-    "fully_masked": "warning",
+    "fully_masked_rows": "warning",
+    "qk_overflow": "error",
+    "sentinel_overflow_on_add": "error",
+    "summed_mask_planes": "error",
+    "mask_leak": "warning",
+    "float_mask_looks_boolean": "error",
+    "missing_scale": "warning",
+    "double_scale": "warning",
+    "scale_mismatch": "warning",
     "sentinel_not_representable": "warning",
     "cast_overflow": "error",
     "exp_overflow": "error",
@@ -118,9 +134,13 @@ def findings_for(diag: "TensorDiagnosis") -> list["Finding"]:
             parts.append(f"NaN in {_cell_list(nan_hit, diag)}")
         if zero_hit:
             parts.append(f"zeros in {_cell_list(zero_hit, diag)} (as FlashAttention returns)")
-        if finite_hit and n - neginf:
-            parts.append(f"a uniform row over the masked keys in {_cell_list(finite_hit, diag)} (garbage, not attention)")
-        add("fully_masked", f"{n} row(s) have every key masked ({', '.join(how)}): " + "; ".join(parts), nan_hit + zero_hit, n, _first_examples(nan_hit, "nan:fully_masked") or _first_examples(zero_hit, "zero:fully_masked"))
+        if finite_hit and (n - neginf or diag.attention is not None):
+            parts.append(f"a finite uniform row over the masked keys in {_cell_list(finite_hit, diag)} (a finite sentinel: garbage, not attention)")
+        parts.append("FlashAttention and PyTorch SDPA >= 2.5 return zeros; naive/stable softmax return NaN")
+        add("fully_masked_rows", f"{n} row(s) have every key masked ({', '.join(how) or 'by the mask'}): " + "; ".join(parts), nan_hit + zero_hit, n, _first_examples(nan_hit, "nan:fully_masked") or _first_examples(zero_hit, "zero:fully_masked"))
+
+    if diag.attention is not None:
+        _attention_findings(diag, add, cells_with)
 
     # What the cast to each dtype does.
     for h in census.headroom:
@@ -189,6 +209,70 @@ def findings_for(diag: "TensorDiagnosis") -> list["Finding"]:
     order = {s: i for i, s in enumerate(SEVERITIES)}
     out.sort(key=lambda f: order[f.severity])
     return out
+
+
+def _attention_findings(diag: "TensorDiagnosis", add, cells_with) -> None:
+    """Findings of the Q/K -> scores pipeline: overflow of Q@K^T, mask sentinels, leaks, scale."""
+    import math
+
+    a = diag.attention
+    for d, audit in a.dtypes.items():
+        dtype_cells = [c for c in diag.cells if c.dtype == d]
+        if audit.qk_overflow_values:
+            from attncheck.precision import dtype_from_name
+            from attncheck.scores import representable_scale_first
+
+            hit = [c for c in dtype_cells if c.nan_causes.get("qk_overflow")]
+            if a.scale_order == "q":
+                verdict = "q is already scaled first"
+            elif representable_scale_first(a, dtype_from_name(d)):
+                verdict = "scaling q first (--scale-order q) would avoid it"
+            else:
+                verdict = "scaling q first would not avoid it: the scaled scores themselves exceed the range"
+            add("qk_overflow", f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond +-{torch_max(d):.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); {verdict}", hit, audit.qk_overflow_rows, _first_examples(hit, "nan:qk_overflow"))
+        if audit.mask_not_representable or audit.sentinel_not_representable:
+            what = []
+            if audit.mask_not_representable:
+                what.append(f"{audit.mask_not_representable} float-mask value(s)")
+            if audit.sentinel_not_representable:
+                what.append(f"the mask value {a.mask_value}")
+            add("sentinel_not_representable", f"{' and '.join(what)} cannot be held by {d} (max {torch_max(d):.6g}) and become -inf", dtype_cells)
+        hit = [c for c in dtype_cells if c.nan_causes.get("mask_sentinel")]
+        rows = max((c.nan_causes.get("mask_sentinel", 0) for c in hit), default=0)
+        if audit.overflow_on_add:
+            add("sentinel_overflow_on_add", f"in {d}, adding the mask to the scores overflows to -inf at {audit.overflow_on_add} position(s) (sentinel {audit.sentinel_value:.6g} plus a negative score)" + (f"; {rows} row(s) become all -inf -> NaN in {_cell_list(hit, diag)}" if hit else ""), hit, rows, _first_examples(hit, "nan:mask_sentinel"))
+        if audit.summed_planes_overflow:
+            add("summed_mask_planes", f"in {d}, two mask planes added together overflow to -inf at {audit.summed_planes_overflow} position(s)", hit, rows, _first_examples(hit, "nan:mask_sentinel"))
+    if a.leak_rows:
+        add("mask_leak", f"the float64 softmax puts up to {a.leak_max:.3g} of a row's probability on masked keys in {a.leak_rows} row(s) (mask value {a.mask_value}; tolerance 1e-6)", rows=a.leak_rows)
+    if a.float_mask_looks_boolean:
+        add("float_mask_looks_boolean", "the float mask holds only 0 and 1: it is added to the scores (+1 on some keys), so it masks nothing")
+    if a.scores_std and a.q_std > 0 and a.k_std > 0 and a.d >= 4:
+        ratio = a.scores_std / (a.q_std * a.k_std)
+        root = math.sqrt(a.d)
+        spread = f"score spread {a.scores_std:.4g} is {ratio:.3g} x spread(q) spread(k) = {a.q_std * a.k_std:.4g} (robust std, 1.4826 MAD); a 1/sqrt(d_k)-scaled score has ratio ~1, an unscaled one ~sqrt({a.d}) = {root:.3g}"
+        if ratio > a.d**0.25:
+            add("missing_scale", spread + " (the scores look unscaled)")
+        elif ratio < a.d**-0.25:
+            add("double_scale", spread + f" (the scores look scaled twice, ~1/sqrt({a.d}) = {1 / root:.3g})")
+    if a.fitted_scale is not None:
+        candidates = {
+            "1/sqrt(d_head)": 1 / math.sqrt(a.d),
+            "1": 1.0,
+            "1/sqrt(d_model)": 1 / math.sqrt(a.d * a.heads),
+            "1/d_head": 1 / a.d,
+        }
+        name, value = min(candidates.items(), key=lambda kv: abs(math.log(a.fitted_scale / kv[1])) if a.fitted_scale > 0 else math.inf)
+        if a.fitted_scale <= 0 or name != "1/sqrt(d_head)" or abs(math.log(a.fitted_scale / value)) > 0.05:
+            add("scale_mismatch", f"the scores are q.k times {a.fitted_scale:.4g} (least squares), closest to {name} = {value:.4g}; 1/sqrt(d_head) = {1 / math.sqrt(a.d):.4g} (d_head {a.d}, {a.heads} heads)")
+
+
+def torch_max(dtype_name: str) -> float:
+    from attncheck.precision import dtype_from_name
+
+    import torch
+
+    return torch.finfo(dtype_from_name(dtype_name)).max
 
 
 def failed_conditions(diags: list["TensorDiagnosis"], conditions: list[str]) -> list[str]:

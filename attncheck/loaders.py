@@ -81,7 +81,7 @@ class NamedTensor:
 
 
 def load_tensors(
-    paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = ()
+    paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (), *, any_dtype: bool = False
 ) -> list[NamedTensor]:
     """Load every tensor in ``paths`` (files or directories) that ``keys`` selects.
 
@@ -121,7 +121,7 @@ def load_tensors(
         if selected:
             for key, tensor in source.load(selected):
                 name = _name(source.path, key)
-                result.append(NamedTensor(name, _check_tensor(name, tensor)))
+                result.append(NamedTensor(name, _check_tensor(name, tensor, any_dtype)))
 
     for pattern, ok in zip(patterns, matched):
         if not ok:
@@ -515,12 +515,12 @@ def _describe(obj: Any) -> str:
 # validation and messages
 
 
-def _check_tensor(name: str, tensor: Any) -> torch.Tensor:
+def _check_tensor(name: str, tensor: Any, any_dtype: bool = False) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):  # defensive; loaders yield tensors
         raise _error(f"{name} is not a tensor (got {type(tensor).__name__})")
     if tensor.layout != torch.strided:
         raise _error(f"{name} has layout {_torch_name(tensor.layout)}; attncheck needs a dense tensor")
-    if tensor.dtype not in _FLOAT_DTYPES:
+    if tensor.dtype not in _FLOAT_DTYPES and not any_dtype:  # masks may be boolean: checked by their user
         raise _error(f"{name} has dtype {_torch_name(tensor.dtype)}; {_DTYPE_HINT}")
     if tensor.dim() == 0:
         raise _error(

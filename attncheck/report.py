@@ -83,6 +83,34 @@ def headroom_table(d: TensorDiagnosis) -> Table:
     return t
 
 
+def attention_table(d: TensorDiagnosis) -> Group:
+    """The Q/K -> scores pipeline per dtype, and the scale facts."""
+    a = d.attention
+    t = Table(title="Q/K pipeline per dtype (scores as the model computes them)", title_justify="left")
+    for name in ("dtype", "Q@K^T -> inf", "rows", "max |score|", "mask value", "mask -> -inf", "add overflow", "planes overflow", "rows broken by mask"):
+        t.add_column(name, justify="left" if name == "dtype" else "right")
+    for dt, x in a.dtypes.items():
+        bad = "red"
+        t.add_row(
+            dt,
+            Text(str(x.qk_overflow_values), style=bad if x.qk_overflow_values else ""),
+            str(x.qk_overflow_rows),
+            fmt(x.qk_max_abs, ".4g"),
+            fmt(x.sentinel_value, ".4g") if x.sentinel_value else "-",
+            Text(str(x.mask_not_representable + (1 if x.sentinel_not_representable else 0)), style=bad if x.mask_not_representable or x.sentinel_not_representable else ""),
+            Text(str(x.overflow_on_add), style=bad if x.overflow_on_add else ""),
+            Text(str(x.summed_planes_overflow), style=bad if x.summed_planes_overflow else ""),
+            Text(str(x.mask_sentinel_rows), style=bad if x.mask_sentinel_rows else ""),
+        )
+    fitted = "" if a.fitted_scale is None else f"; fitted scale of the given scores {a.fitted_scale:.4g}"
+    line = Text(
+        f"d {a.d}, {a.heads} query heads / {a.kv_heads} kv heads, scale {a.scale:.4g} ({a.scale_name}) applied to the {a.scale_order}; "
+        f"max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}; spread of q {a.q_std:.3g}, k {a.k_std:.3g}, "
+        f"scaled scores {fmt(a.scores_std)}; masked keys {a.masked_keys}, float64 mass on masked keys up to {a.leak_max:.3g}{fitted}"
+    )
+    return Group(t, line)
+
+
 def _cell_summary(c: Cell) -> Text:
     v = c.verdict
     if v == "nan":
@@ -168,7 +196,10 @@ def findings_table(d: TensorDiagnosis) -> Table | Text:
 
 
 def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
-    parts: list[Any] = [census_panel(d), headroom_table(d), matrix_table(d)]
+    parts: list[Any] = [census_panel(d)]
+    if d.attention is not None:
+        parts.append(attention_table(d))
+    parts += [headroom_table(d), matrix_table(d)]
     if verbose:
         parts.append(detail_table(d))
     parts += [distribution_line(d), findings_table(d)]
@@ -191,7 +222,7 @@ def print_report(console: Console, diags: Sequence[TensorDiagnosis], device: str
 def to_jsonable(x: Any) -> Any:
     """Dataclasses -> dicts, tuples -> lists, non-finite floats -> None."""
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return {f.name: to_jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        return {f.name: to_jsonable(getattr(x, f.name)) for f in dataclasses.fields(x) if not f.name.startswith("_")}
     if isinstance(x, dict):
         return {str(k): to_jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -218,6 +249,7 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
         "distribution": to_jsonable(d.distribution),
         "cells": cells,
         "findings": to_jsonable(d.findings),
+        "attention": None if d.attention is None else to_jsonable(d.attention),
     }
 
 

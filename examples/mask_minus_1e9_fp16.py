@@ -21,4 +21,4 @@ scores[1, :, :pad] = -1e9  # batch 1 is left-padded: its first `pad` keys are pa
 path = out / "causal_minus_1e9.npy"
 np.save(path, scores)
 
-diagnose_and_expect(str(path), {"sentinel_not_representable", "fully_masked"}, "--brief")
+diagnose_and_expect(str(path), {"sentinel_not_representable", "fully_masked_rows"}, "--brief")

@@ -21,4 +21,4 @@ for _ in range(2):
 path = out / "padded.pt"
 torch.save({"layers": layers, "step": 1200}, path)
 
-diagnose_and_expect(str(path), {"fully_masked"}, "--key", "layers.0.scores", "--brief")
+diagnose_and_expect(str(path), {"fully_masked_rows"}, "--key", "layers.0.scores", "--brief")

@@ -51,7 +51,7 @@ def overflow_fp16(tmp_path):
 def test_example_runs_and_reports_its_problems():
     r = invoke("run", "--example")
     assert r.exit_code == 0, r.output
-    for code in ("exp_overflow", "fully_masked", "sentinel_not_repr"):
+    for code in ("exp_overflow", "fully_masked_rows", "sentinel_not_repr"):
         assert code in r.stdout
     assert "Method x dtype" in r.stdout
 
