@@ -242,7 +242,7 @@ def test_bad_options(healthy, args, expected):
 def test_no_input():
     r = invoke("run")
     assert r.exit_code == 2
-    assert error_line(r) == "attncheck: error: no input: give score files or directories, or --example for a built-in one"
+    assert error_line(r) == "attncheck: error: no input: give score files or directories, --q and --k, or --example for a built-in one"
 
 
 def test_unwritable_json_target(healthy, tmp_path):
