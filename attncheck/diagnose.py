@@ -13,8 +13,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable
 
+import numpy as np
 import torch
 
+from attncheck import kernels
 from attncheck.errors import AttncheckError
 from attncheck.names import DTYPE_NAMES, METHOD_NAMES
 from attncheck.precision import (
@@ -47,6 +49,7 @@ class Options:
     chunk_elements: int = 1 << 22  # float64 working set per chunk: 32 MiB a tensor
     collapse_threshold: float = 0.99
     max_examples: int = 8
+    kernels: str = "auto"  # "fused" (numba, CPU), "torch", or "auto": fused from FUSED_MIN_ELEMENTS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtypes", tuple(dtype_label(dtype_from_name(d)) for d in self.dtypes))
@@ -59,6 +62,8 @@ class Options:
             raise AttncheckError(f"--block must be >= 1, got {self.block}")
         if self.accum not in ACCUMULATIONS:
             raise AttncheckError(f"unknown accumulation {self.accum!r} (choose from {', '.join(ACCUMULATIONS)})")
+        if self.kernels not in ("auto", "fused", "torch"):
+            raise AttncheckError(f"unknown kernels {self.kernels!r} (choose from auto, fused, torch)")
         if self.chunk_elements < 1:
             raise AttncheckError(f"chunk size must be >= 1 element, got {self.chunk_elements}")
 
@@ -337,24 +342,53 @@ def _count_values(counter: Counter, values: torch.Tensor) -> None:
 
 @dataclass
 class _Chunk:
-    """Facts about a block of rows of the scores as given, shared by every cell."""
+    """Facts about a block of rows of the scores as given, shared by every cell.
+
+    Built by the fused CPU kernel (``kernels.reference_rows``) or by torch ops
+    (CUDA, or without numba); both give the same per-row vectors.
+    """
 
     x: torch.Tensor  # (r, T) as given
     offset: int  # global index of the first row
-    bad: torch.Tensor  # (r,) some entry is not finite
-    nan: torch.Tensor  # (r,) some NaN
-    posinf: torch.Tensor  # (r,) some +inf
-    all_neginf: torch.Tensor  # (r,) every entry -inf
+    nan_count: torch.Tensor  # (r,) int
+    posinf_count: torch.Tensor
+    neginf_count: torch.Tensor
     masked: torch.Tensor  # (r,) count of entries -inf or <= MASK_SENTINEL_LIMIT
+    n_finite: torch.Tensor  # (r,)
     max_finite: torch.Tensor  # (r,) float64, -inf where no finite entry
     min_finite: torch.Tensor  # (r,) float64, +inf where no finite entry
+    unmasked_min: torch.Tensor  # (r,) float64 min of finite entries > MASK_SENTINEL_LIMIT, +inf if none
+    sum1: torch.Tensor  # (r,) float64 sum of finite (x - shift)
+    sum2: torch.Tensor  # (r,) float64 sum of finite (x - shift)^2
     ref: torch.Tensor  # (r, T) float64 reference
-    ref_ok: torch.Tensor  # (r,) the reference row is defined
-    ref_sum: torch.Tensor  # (r,) S = sum(exp(x - max)), so max prob = 1 / S
+    ref_sum: torch.Tensor  # (r,) S = sum(exp(x - max)), NaN where undefined; max prob = 1 / S
     ref_entropy: torch.Tensor  # (r,)
-    ref_positive: torch.Tensor  # (r, T) bool: reference probability > 0
+    ref_p2: torch.Tensor  # (r,) sum p^2
+    ref_p3: torch.Tensor  # (r,) sum p^3
+    ref_positive_count: torch.Tensor  # (r,) keys with p > 0
     ref_top: torch.Tensor  # (r, 1) index of the reference's most likely key
+    fused: bool = False
     masked_rows: torch.Tensor | None = None  # (r,) set when the mask is known exactly (Q/K inputs)
+
+    @property
+    def nan(self) -> torch.Tensor:
+        return self.nan_count > 0
+
+    @property
+    def posinf(self) -> torch.Tensor:
+        return self.posinf_count > 0
+
+    @property
+    def all_neginf(self) -> torch.Tensor:
+        return self.neginf_count == self.x.shape[-1]
+
+    @property
+    def bad(self) -> torch.Tensor:
+        return self.n_finite < self.x.shape[-1]
+
+    @property
+    def ref_ok(self) -> torch.Tensor:
+        return torch.isfinite(self.ref_sum)
 
     @property
     def all_masked(self) -> torch.Tensor:
@@ -363,44 +397,94 @@ class _Chunk:
         return self.masked == self.x.shape[-1]
 
     @classmethod
-    def of(cls, x: torch.Tensor, offset: int) -> "_Chunk":
-        r = x.shape[0]
+    def of(cls, x: torch.Tensor, offset: int, shift: float = 0.0, fused: bool = False) -> "_Chunk":
+        """Census facts relative to ``shift`` (sums of x - shift keep the std accurate)."""
+        return cls._fused(x, offset, shift) if fused else cls._torch(x, offset, shift)
+
+    @classmethod
+    def _fused(cls, x: torch.Tensor, offset: int, shift: float) -> "_Chunk":
+        xn = _numpy_rows(x)
+        ref = np.empty(xn.shape, dtype=np.float64)
+        out = kernels.compiled()["reference_rows"](xn, shift, MASK_SENTINEL_LIMIT, ref)
+        t = [torch.from_numpy(a) for a in out]
+        nan, posinf, neginf, masked, finite, fmax, fmin, umin, s1, s2, ssum, ent, p2, p3, pos, top = t
+        return cls(x, offset, nan, posinf, neginf, masked, finite, fmax, fmin, umin, s1, s2,
+                   torch.from_numpy(ref), ssum, ent, p2, p3, pos, top.unsqueeze(-1), fused=True)
+
+    @classmethod
+    def _torch(cls, x: torch.Tensor, offset: int, shift: float) -> "_Chunk":
+        keys = x.shape[-1]
         bad = ~_row_finite(x)
-        nan = torch.zeros(r, dtype=torch.bool, device=x.device)
-        posinf, all_neginf = nan.clone(), nan.clone()
-        x64 = x.to(torch.float64)  # (r, T): this chunk's only float64 copy, reused in place
+        x64 = x.to(torch.float64, copy=True)  # (r, T): this chunk's own float64 copy, reused in place
+        zero = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+        nan, posinf, neginf = zero.clone(), zero.clone(), zero.clone()
+        n_finite = torch.full_like(zero, keys)
         max_f = x64.amax(dim=-1)
         min_f = x64.amin(dim=-1)
+        xs = x64 - shift  # (r, T)
         if bool(bad.any()):
             idx = torch.nonzero(bad).flatten()
             xb = x64[idx]
             fin = torch.isfinite(xb)
-            nan[idx] = torch.isnan(xb).any(dim=-1)
-            posinf[idx] = torch.isposinf(xb).any(dim=-1)
-            all_neginf[idx] = torch.isneginf(xb).all(dim=-1)
+            nan[idx] = torch.isnan(xb).sum(dim=-1)
+            posinf[idx] = torch.isposinf(xb).sum(dim=-1)
+            neginf[idx] = torch.isneginf(xb).sum(dim=-1)
+            n_finite[idx] = fin.sum(dim=-1)
             max_f[idx] = torch.where(fin, xb, NEG_INF).amax(dim=-1)
             min_f[idx] = torch.where(fin, xb, float("inf")).amin(dim=-1)
+            xs[idx] = torch.where(fin, xs[idx], 0.0)
+        s1 = xs.sum(dim=-1)
+        s2 = row_dot(xs, xs)
+        del xs
         masked = (x64 <= MASK_SENTINEL_LIMIT).sum(dim=-1)
+        unmasked_min = torch.where(torch.isfinite(x64) & (x64 > MASK_SENTINEL_LIMIT), x64, float("inf")).amin(dim=-1) if bool((masked > 0).any()) else min_f.clone()
         top = x.argmax(dim=-1, keepdim=True)  # the reference's most likely key (softmax is monotonic)
-        return cls(x, offset, bad, nan, posinf, all_neginf, masked, max_f, min_f, *_reference_in_place(x64, bad), top)
+        ref, ssum, ent = _reference_in_place(x64, bad)
+        ref_ok = torch.isfinite(ssum)
+        p2 = torch.where(ref_ok, row_dot(ref, ref), 0.0)
+        p3 = torch.where(ref_ok, row_dot(ref * ref, ref), 0.0)
+        pos = torch.where(ref_ok, torch.count_nonzero(ref > 0, dim=-1), 0)
+        return cls(x, offset, nan, posinf, neginf, masked, n_finite, max_f, min_f, unmasked_min, s1, s2,
+                   ref, ssum, ent, p2, p3, pos, top)
+
+
+FUSED_MIN_ELEMENTS = 1 << 22  # below this, numba's import and compile cost more than they save
+
+
+def _use_fused(options: Options, device: torch.device, elements: int) -> bool:
+    if device.type != "cpu" or options.kernels == "torch" or not kernels.available():
+        return False
+    return options.kernels == "fused" or elements >= FUSED_MIN_ELEMENTS
+
+
+def _first_finite(x: torch.Tensor) -> float | None:
+    fin = torch.isfinite(x).reshape(-1)
+    idx = torch.nonzero(fin)
+    return float(x.reshape(-1)[idx[0, 0]]) if idx.numel() else None
+
+
+def _numpy_rows(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a C-contiguous float32/float64 array for the kernels (fp16/bf16 widen to fp32)."""
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()
+    return np.ascontiguousarray(x.detach().numpy())
 
 
 def _reference_in_place(x64: torch.Tensor, bad: torch.Tensor):
     """float64 max-subtracted softmax, overwriting ``x64`` with z = x - max.
 
-    Returns the reference, which rows are defined, S = sum(exp(z)), the entropy
-    log S - sum(p z) (no log per entry), which keys have p > 0, and the top key.
+    Returns the reference, S = sum(exp(z)) (NaN where the softmax is undefined)
+    and the entropy log S - sum(p z) (no log per entry).
     """
     z = x64.sub_(x64.amax(dim=-1, keepdim=True))  # (r, T); NaN rows: NaN, -inf keys: -inf
     p = torch.exp(z)
     s = p.sum(dim=-1, keepdim=True)
     p.div_(s)
     s = s.squeeze(-1)
-    ok = torch.isfinite(s)
     if bool(bad.any()):
         z.clamp_(min=torch.finfo(torch.float64).min)  # -inf keys have p = 0; keep 0 * z finite
     h = (torch.log(s) - row_dot(p, z)).clamp_min(0) + 0.0
-    return p, ok, s, h, p > 0
+    return p, s, h
 
 
 # --------------------------------------------------------------------------- accumulators
@@ -410,7 +494,7 @@ class _CensusAcc:
     def __init__(self, dtypes: tuple[str, ...]) -> None:
         self.dtypes = dtypes
         self.n_finite = 0
-        self.shift: float | None = None  # first finite value: sums of x - shift keep std accurate
+        self.shift = 0.0  # set from the first finite value before the first chunk is counted
         self.sum1 = _ExactSum()
         self.sum2 = _ExactSum()
         self.max, self.min = _Max(), _Max()  # min kept as max of -x
@@ -426,49 +510,24 @@ class _CensusAcc:
         self.cast_values: dict[str, Counter[float]] = {d: Counter() for d in dtypes}
 
     def update(self, c: _Chunk) -> None:
-        x = c.x
-        keys = x.shape[-1]
-        fin_rows = c.max_finite > NEG_INF
+        keys = c.x.shape[-1]
+        fin_rows = c.n_finite > 0
         self.max.add(c.max_finite[fin_rows])
         self.min.add(-c.min_finite[fin_rows])
-        if self.shift is None and bool(fin_rows.any()):
-            first = int(torch.nonzero(fin_rows)[0])
-            row = x[first].to(torch.float64)
-            self.shift = float(row[torch.isfinite(row)][0])
-        if self.shift is not None:
-            xs = x.to(torch.float64).sub_(self.shift)  # (r, T)
-            n_row = torch.full_like(c.max_finite, keys)
-            if bool(c.bad.any()):
-                fin = torch.isfinite(xs)
-                xs = torch.where(fin, xs, 0.0)
-                n_row = fin.sum(dim=-1).to(torch.float64)
-                self.nan += int(torch.isnan(x).sum())
-                self.posinf += int(torch.isposinf(x).sum())
-                self.neginf += int(torch.isneginf(x).sum())
-            self.n_finite += int(n_row.sum())
-            self.sum1.add(xs.sum(dim=-1))
-            self.sum2.add(row_dot(xs, xs))
-        else:
-            self.nan += int(torch.isnan(x).sum())
-            self.posinf += int(torch.isposinf(x).sum())
-            self.neginf += int(torch.isneginf(x).sum())
+        self.n_finite += int(c.n_finite.sum())
+        self.sum1.add(c.sum1)
+        self.sum2.add(c.sum2)
+        self.nan += int(c.nan_count.sum())
+        self.posinf += int(c.posinf_count.sum())
+        self.neginf += int(c.neginf_count.sum())
         self.masked += int(c.masked.sum())
         self.fully_masked_rows += int(c.all_masked.sum())
         self.neginf_rows += int(c.all_neginf.sum())
         self.nan_rows += int(c.nan.sum())
         self.posinf_rows += int(c.posinf.sum())
-
         # A mask constant is the minimum of every row it masks: count rows per value.
         _count_values(self.sentinel_rows, c.min_finite[(c.min_finite <= MASK_SENTINEL_LIMIT) & torch.isfinite(c.min_finite)])
-
-        unmasked_min = c.min_finite
-        partly = (c.masked > 0) & (c.masked < keys)
-        if bool(partly.any()):
-            idx = torch.nonzero(partly).flatten()
-            xb = x[idx].to(torch.float64)
-            unmasked_min = unmasked_min.clone()
-            unmasked_min[idx] = torch.where(xb > MASK_SENTINEL_LIMIT, xb, float("inf")).amin(dim=-1)
-        spread = c.max_finite - unmasked_min
+        spread = c.max_finite - c.unmasked_min
         has_keys = (keys - c.masked) >= 2
         for d in self.dtypes:
             dt = dtype_from_name(d)
@@ -514,7 +573,7 @@ class _CensusAcc:
             )
         n = self.n_finite
         mean = std = None
-        if n:
+        if n:  # sums are of x - shift, so the std does not cancel when |mean| >> std
             m1 = self.sum1.total() / n
             mean = self.shift + m1
             std = math.sqrt(max(self.sum2.total() / n - m1 * m1, 0.0))
@@ -564,7 +623,8 @@ class _DistAcc:
         pmax = 1.0 / c.ref_sum[ok]  # the max key has exp(0) = 1
         self.pmax_sum.add(pmax)
         self.collapsed += int((pmax >= self.threshold).sum())
-        self.jac_sum.add(jacobian_frobenius(c.ref[ok]) if not bool(ok.all()) else jacobian_frobenius(c.ref))
+        s2, s3 = c.ref_p2[ok], c.ref_p3[ok]
+        self.jac_sum.add(torch.sqrt((s2 - 2 * s3 + s2 * s2).clamp_min(0)))  # see jacobian_frobenius
 
     def finish(self) -> Distribution:
         r = self.rows
@@ -611,7 +671,7 @@ class _CellAcc:
     ) -> None:
         keys = probs.shape[-1]
         self.rows += probs.shape[0]
-        pmax = probs.amax(dim=-1)  # (r,): NaN if any entry is NaN; p >= 0, so 0 only for all-zero rows
+        pmax = probs.amax(dim=-1).to(torch.float64)  # (r,): NaN if any entry is NaN; p >= 0, so 0 only for all-zero rows
         nan_row = ~torch.isfinite(pmax)
         zero_row = pmax == 0
         row_causes = causes + [("exp_overflow", overflow), ("underflow", underflow)]
@@ -635,36 +695,27 @@ class _CellAcc:
             return
         self.compared += n_ok
         self.elems += n_ok * keys
-        p64 = probs.to(torch.float64)  # (r, T): one conversion, then float64 throughout
-        self.max_sum_err.add((p64.sum(dim=-1) - 1).abs()[ok])
-        if ref_algo is not c.ref:
-            both = ok & algo_ok
-            da = p64 - ref_algo
-            self.sq_algo.add(row_dot(da, da)[both])
-            self.max_abs_algo.add(_row_abs_max(da)[both])
-            self.elems_algo += int(both.sum()) * keys
-            del da
-        d = p64 - c.ref
-        self.sq.add(row_dot(d, d)[ok])
-        self.max_abs.add(_row_abs_max(d)[ok])
-        if ref_algo is c.ref:
-            self.sq_algo, self.max_abs_algo, self.elems_algo = self.sq, self.max_abs, self.elems
-
-        # Generalised KL, see kl_divergence: sum(q - r) = sum(p - r) + floor * #(p == 0).
+        use_algo = ref_algo is not c.ref
         floor = smallest_subnormal(probs.dtype)
-        zero = probs == 0  # (r, T)
-        d_sum = d.sum(dim=-1)
-        # (r - q) / q in place of d; r - q = -(p - r) - (q - p), and q - p = floor where p == 0.
-        delta = d.neg_().add_(zero, alpha=-floor).div_(p64.clamp_min_(floor))
-        kl = torch.special.xlog1py(c.ref, delta, out=delta).sum(dim=-1) + d_sum + floor * torch.count_nonzero(zero, dim=-1)
-        del d, delta, p64
-        kl = kl.clamp_min(0)[ok]
+        rows = (_cell_rows_fused if c.fused else _cell_rows_torch)(c, probs, ref_algo, use_algo, floor)
+        psum, sq, mx, sqa, mxa, kl, zeros, flushed, attop = rows
+        self.max_sum_err.add((psum - 1).abs()[ok])
+        self.sq.add(sq[ok])
+        self.max_abs.add(mx[ok])
+        if use_algo:
+            both = ok & algo_ok
+            self.sq_algo.add(sqa[both])
+            self.max_abs_algo.add(mxa[both])
+            self.elems_algo += int(both.sum()) * keys
+        else:
+            self.sq_algo, self.max_abs_algo, self.elems_algo = self.sq, self.max_abs, self.elems
+        kl = kl[ok]
         self.kl.add(kl)
         self.kl_max.add(kl)
-        self.ref_nonzero += int(torch.count_nonzero(c.ref_positive, dim=-1)[ok].sum())
-        self.flushed += int(torch.count_nonzero(zero & c.ref_positive, dim=-1)[ok].sum())
+        self.ref_nonzero += int(c.ref_positive_count[ok].sum())
+        self.flushed += int(flushed[ok].sum())
         # A flip: the reference's top key is strictly below the cell's maximum (ties are not flips).
-        flip = (probs.gather(-1, c.ref_top).squeeze(-1) < pmax) & ok
+        flip = (attop < pmax) & ok
         self.flips += int(flip.sum())
         self.examples.add("flip", flip, c.offset)
 
@@ -691,6 +742,38 @@ class _CellAcc:
             argmax_flips=self.flips,
             examples=self.examples.unravel(lead),
         )
+
+
+def _cell_rows_fused(c: _Chunk, probs: torch.Tensor, ref_algo: torch.Tensor, use_algo: bool, floor: float):
+    p = _numpy_rows(probs)
+    ra = ref_algo.numpy() if use_algo else c.ref.numpy()
+    out = kernels.compiled()["cell_rows"](p, c.ref.numpy(), ra, use_algo, c.ref_top.squeeze(-1).numpy(), floor)
+    _, psum, sq, mx, sqa, mxa, kl, zeros, flushed, attop = (torch.from_numpy(a) for a in out)
+    return psum, sq, mx, sqa, mxa, kl, zeros, flushed, attop
+
+
+def _cell_rows_torch(c: _Chunk, probs: torch.Tensor, ref_algo: torch.Tensor, use_algo: bool, floor: float):
+    """The per-row metrics of ``kernels.cell_rows`` with torch ops (any device)."""
+    p64 = probs.to(torch.float64)  # (r, T): one conversion, then float64 throughout
+    psum = p64.sum(dim=-1)
+    sqa = mxa = None
+    if use_algo:
+        da = p64 - ref_algo
+        sqa, mxa = row_dot(da, da), _row_abs_max(da)
+        del da
+    d = p64 - c.ref
+    sq, mx = row_dot(d, d), _row_abs_max(d)
+    # Generalised KL, see kl_divergence: sum(q - r) = sum(p - r) + floor * #(p == 0), and
+    # (r - q) / q in place of d, with r - q = -(p - r) - (q - p), q - p = floor where p == 0.
+    zero = probs == 0  # (r, T)
+    zeros = torch.count_nonzero(zero, dim=-1)
+    d_sum = d.sum(dim=-1)
+    delta = d.neg_().add_(zero, alpha=-floor).div_(p64.clamp_min_(floor))
+    kl = (torch.special.xlog1py(c.ref, delta, out=delta).sum(dim=-1) + d_sum + floor * zeros).clamp_min(0)
+    del d, delta, p64
+    flushed = torch.count_nonzero(zero & (c.ref > 0), dim=-1)
+    attop = probs.gather(-1, c.ref_top).squeeze(-1).to(torch.float64)
+    return psum, sq, mx, sqa, mxa, kl, zeros, flushed, attop
 
 
 # --------------------------------------------------------------------------- entry point
@@ -734,11 +817,16 @@ def _cast(c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str):
         census.update_cast(name, x, xc, idx)
         xcb = xc[idx]
         cast_made[idx] = (torch.isposinf(xcb).any(dim=-1) & ~c.posinf[idx]) | (torch.isneginf(xcb).all(dim=-1) & ~c.all_neginf[idx])
-    ref_algo, algo_ok = _reference_of(xc)
+    ref_algo, algo_ok = _reference_of(xc, c.fused)
     return xc, cast_made, ref_algo, algo_ok
 
 
-def _reference_of(xc: torch.Tensor):
+def _reference_of(xc: torch.Tensor, fused: bool):
+    """float64 softmax of scores already in a cell's dtype, and which rows it defines."""
+    if fused:
+        ref = np.empty(xc.shape, dtype=np.float64)
+        ok = kernels.compiled()["softmax64_rows"](_numpy_rows(xc), ref)
+        return torch.from_numpy(ref), torch.from_numpy(ok)
     ref = torch.softmax(xc.to(torch.float64), dim=-1)
     return ref, torch.isfinite(ref.sum(dim=-1))
 
@@ -750,7 +838,7 @@ def _in_dtype(block, c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str):
         xc, cast_made, ref_algo, algo_ok = _cast(c, dt, census, name)
         return xc, [], [("cast_overflow", cast_made)], ref_algo, algo_ok
     xc, before, after = block.in_dtype(dt)  # scores the model computes in dt (Q@K^T, scale, mask)
-    return (xc, before, after, *_reference_of(xc))
+    return (xc, before, after, *_reference_of(xc, c.fused))
 
 
 def diagnose(name: str, scores: torch.Tensor, options: Options | None = None) -> TensorDiagnosis:
@@ -794,9 +882,15 @@ def diagnose_chunks(
     dist = _DistAcc(options.collapse_threshold)
     cells = {(m, d): _CellAcc(m, d, options.max_examples) for d in options.dtypes for m in options.methods}
     start = 0
+    shift = None
+    fused = _use_fused(options, device, math.prod(shape))
     for block in chunks:  # loop over row chunks, never over rows
         raw = isinstance(block, torch.Tensor)
-        c = _Chunk.of((block if raw else block.given).to(device), start)
+        x = (block if raw else block.given).to(device)
+        if shift is None:  # the first finite value in row-major order, whatever the chunking
+            shift = _first_finite(x)
+            census.shift = shift or 0.0
+        c = _Chunk.of(x, start, census.shift if shift is not None else 0.0, fused)
         if not raw:
             c.masked_rows = block.all_masked
             block.audit_reference(c.ref, c.ref_ok)

@@ -128,16 +128,23 @@ def run_method(
         raise AttncheckError(f"unknown accumulation {accum!r} (choose from {', '.join(ACCUMULATIONS)})")
     no_rows = torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
     if method in ("naive", "stable"):
-        z = x if method == "naive" else x - x.amax(dim=-1, keepdim=True)
+        x_max = x.amax(dim=-1, keepdim=True)  # (..., 1)
+        z = x if method == "naive" else x - x_max
         e = torch.exp(z)
         s = _row_sum(e, accum)
         probs = e / s
-        e_inf = torch.isinf(e)
-        # An inf exp of a finite input is an overflow; +inf inputs are reported as such.
-        exp_over = (e_inf & torch.isfinite(x)).any(dim=-1)
-        sum_over = torch.isinf(s.squeeze(-1)) & ~e_inf.any(dim=-1)
-        underflow = (e == 0).all(dim=-1) & torch.isfinite(x).any(dim=-1)
-        return MethodOutput(probs, exp_over | sum_over, underflow)
+        # The row's largest exp tells whether any overflowed or all flushed (stable: it is
+        # exp(0) = 1). A finite row max rules out +inf inputs, reported as such elsewhere.
+        finite_max = torch.isfinite(x_max.squeeze(-1))
+        s = s.squeeze(-1)
+        if method == "naive":
+            e_max = e.amax(dim=-1)
+            overflow = finite_max & (torch.isinf(e_max) | torch.isinf(s))
+            underflow = finite_max & (e_max == 0)
+        else:
+            overflow = finite_max & torch.isinf(s)
+            underflow = no_rows
+        return MethodOutput(probs, overflow, underflow)
     if method == "tiled":
         return MethodOutput(tiled_softmax(x, block=block, reverse=reverse), no_rows, no_rows)
     return MethodOutput(torch_softmax(x), no_rows, no_rows)

@@ -39,17 +39,21 @@ def main() -> None:
     ap.add_argument("--elements-log2", type=int, default=26)
     ap.add_argument("--keys", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--kernels", choices=("fused", "torch"), default="fused", help="fused numba kernels (CPU default for large inputs) or torch ops")
     args = ap.parse_args()
 
     n = 1 << args.elements_log2
     rows = n // args.keys
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, args.keys, generator=g) * 3  # (R, T) fp32
-    opts = Options()
+    opts = Options(kernels=args.kernels)
+    fused = args.kernels == "fused"
     chunk = max(1, opts.chunk_elements // args.keys)
     chunks = [x[i : i + chunk] for i in range(0, rows, chunk)]
     print(f"scores: {rows} rows x {args.keys} keys = 2^{args.elements_log2} fp32 elements ({x.numel() * 4 / 2**20:.0f} MiB); "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; chunks of {chunk} rows")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; chunks of {chunk} rows; {args.kernels} kernels")
+    if fused:  # compile outside the timings (numba caches it on disk for later runs)
+        diagnose("warm-up", x[: 2 * chunk], Options(kernels="fused"))
 
     base = best_of(args.repeat, lambda: torch.softmax(x, dim=-1))
     print(f"torch.softmax fp32, one pass: {base * 1e3:.1f} ms (= 1.00x)")
@@ -60,7 +64,7 @@ def main() -> None:
         dist = _DistAcc(opts.collapse_threshold)
         out = []
         for i, c in enumerate(chunks):
-            ch = _Chunk.of(c, i * chunk)
+            ch = _Chunk.of(c, i * chunk, 0.0, fused)
             census.update(ch)
             dist.update(ch)
             out.append(ch)
@@ -91,7 +95,7 @@ def main() -> None:
         del casts
     del facts
 
-    t = best_of(1, lambda: diagnose("bench", x))
+    t = best_of(1, lambda: diagnose("bench", x, opts))
     print(f"whole diagnose (12 cells + shared work, one call): {t:.2f} s = {t / base:.1f}x one torch.softmax pass")
 
 

@@ -95,9 +95,10 @@ def test_examples_name_the_rows(problems):
     assert c.examples["nan:fully_masked"] == [(2,), (6,)]
 
 
-def test_census_against_numpy():
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_census_against_numpy(kernels):
     x = problem_rows()
-    d = diagnose("p", x, Options(methods=("stable",), dtypes=("fp32",)))
+    d = diagnose("p", x, Options(methods=("stable",), dtypes=("fp32",), kernels=kernels))
     a = x.numpy().astype(np.float64)
     finite = a[np.isfinite(a)]
     c = d.census
@@ -124,11 +125,13 @@ def test_headroom_counts_against_thresholds():
     assert fp32.cast_posinf_values == fp32.cast_neginf_values == 0
 
 
-def test_cell_metrics_against_numpy():
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_cell_metrics_against_numpy(kernels):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 6, 50, generator=g) * 4
     x[0, 0, :10] = NEG  # partly masked
-    d = diagnose("m", x, Options(methods=("stable",), dtypes=("bf16",)))
+    d = diagnose("m", x, Options(methods=("stable",), dtypes=("bf16",), kernels=kernels))
     c = d.cell("stable", "bf16")
     p = run_method("stable", x.to(torch.bfloat16)).probs.double().numpy().reshape(-1, 50)
     r = np_softmax64(x.numpy().reshape(-1, 50))
@@ -162,11 +165,12 @@ def test_argmax_flip_counts_strict_losses_not_ties():
     assert cell.examples["flip"] == [(0,)]
 
 
-def test_distribution_against_explicit_formulas():
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_distribution_against_explicit_formulas(kernels):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 7, 40, generator=g) * 3
     x[1, 2, 30:] = -1e9  # 30 unmasked keys in that row
-    d = diagnose("dist", x, Options(methods=("stable",), dtypes=("fp32",), collapse_threshold=0.5))
+    d = diagnose("dist", x, Options(methods=("stable",), dtypes=("fp32",), collapse_threshold=0.5, kernels=kernels))
     r = np_softmax64(x.numpy().reshape(-1, 40))
     with np.errstate(divide="ignore", invalid="ignore"):
         h = -np.where(r > 0, r * np.log(r), 0.0).sum(-1)
@@ -198,27 +202,29 @@ def test_helpers_on_known_distributions():
     assert kl_divergence(half, skew, 1e-45).item() == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3))
 
 
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
 @pytest.mark.parametrize("chunk_elements", [1, 50, 333, 10_000])
-def test_chunked_equals_unchunked_exactly(chunk_elements):
+def test_chunked_equals_unchunked_exactly(chunk_elements, kernels):
     # 72 rows of 16 keys; chunks of 1, 3, 20 and all rows split heads at every place.
     x = problem_rows().repeat(9, 1).reshape(2, 36, 16) * 1.5
     x[1, 5, 2] = 30.0
-    whole = diagnose("w", x, Options(chunk_elements=1 << 30))
-    part = diagnose("p", x, Options(chunk_elements=chunk_elements))
+    whole = diagnose("w", x, Options(chunk_elements=1 << 30, kernels=kernels))
+    part = diagnose("p", x, Options(chunk_elements=chunk_elements, kernels=kernels))
     assert part.census == whole.census  # std and mean included, bit for bit
     assert part.distribution == whole.distribution
     assert part.cells == whole.cells  # counts, maxima, RMSE, KL mean, examples
     assert part.findings == whole.findings
 
 
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
 @pytest.mark.parametrize("method,dtype,scale", [("torch", "fp32", 3.0), ("stable", "fp16", 8.0)])
-def test_kl_matches_extended_precision(method, dtype, scale):
+def test_kl_matches_extended_precision(method, dtype, scale, kernels):
     # fp32: KL ~1e-14, where the naive r log r - r log q form cancels to noise.
     # fp16 with wide logits: many keys flush to 0 and count as the smallest subnormal.
     mpmath = pytest.importorskip("mpmath")
     mpmath.mp.dps = 50
     x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2)) * scale
-    cell = diagnose("kl", x, Options(methods=(method,), dtypes=(dtype,))).cell(method, dtype)
+    cell = diagnose("kl", x, Options(methods=(method,), dtypes=(dtype,), kernels=kernels)).cell(method, dtype)
     dt = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
     p = run_method(method, x.to(dt)).probs.double()
     floor = mpmath.mpf(2) ** (-149 if dtype == "fp32" else -24)
