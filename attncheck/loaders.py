@@ -31,7 +31,7 @@ import torch
 
 from attncheck.errors import AttncheckError
 
-__all__ = ["SUPPORTED_SUFFIXES", "NamedTensor", "load_tensors"]
+__all__ = ["SUPPORTED_SUFFIXES", "KeySelector", "NamedTensor", "load_tensors"]
 
 SUPPORTED_SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors")
 
@@ -93,43 +93,58 @@ def load_tensors(
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    if isinstance(keys, str):
-        keys = [keys]
-    patterns = list(keys)
     files = _expand_paths(paths)
-
-    matched = [False] * len(patterns)
-    available: list[str] = []
+    selector = KeySelector(keys)
     result: list[NamedTensor] = []
     for file in files:
         source = _open_source(file)
-        selected: list[str | None] = []
-        for key in source.keys:
-            name = _name(source.path, key)
-            available.append(name)
-            match_on = Path(source.path).name if key is None else key
-            if not patterns:
-                selected.append(key)
-                continue
-            hit = False
-            for i, pattern in enumerate(patterns):
-                if fnmatch.fnmatchcase(match_on, pattern):
-                    matched[i] = True
-                    hit = True
-            if hit:
-                selected.append(key)
+        selected = selector.select(source.path, source.keys)
         if selected:
             for key, tensor in source.load(selected):
                 name = _name(source.path, key)
                 result.append(NamedTensor(name, _check_tensor(name, tensor, any_dtype)))
-
-    for pattern, ok in zip(patterns, matched):
-        if not ok:
-            shown = ", ".join(available[:_MAX_LISTED])
-            if len(available) > _MAX_LISTED:
-                shown += f", ... ({len(available) - _MAX_LISTED} more)"
-            raise _error(f"--key '{pattern}' matches no tensor (available: {shown})")
+    selector.check_all_matched()
     return result
+
+
+class KeySelector:
+    """``--key`` patterns applied across files, as :func:`load_tensors` applies them.
+
+    ``select`` is called once per file, in order, with the keys the file holds
+    (None for a bare tensor, matched against the file name); afterwards
+    ``check_all_matched`` raises for a pattern that matched nothing anywhere.
+    """
+
+    def __init__(self, keys: Sequence[str] = ()) -> None:
+        self.patterns = [keys] if isinstance(keys, str) else list(keys)
+        self._matched = [False] * len(self.patterns)
+        self._available: list[str] = []
+
+    def select(self, path: str, keys: Sequence[str | None]) -> list[str | None]:
+        selected: list[str | None] = []
+        for key in keys:
+            self._available.append(_name(path, key))
+            match_on = Path(path).name if key is None else key
+            if not self.patterns:
+                selected.append(key)
+                continue
+            hit = False
+            for i, pattern in enumerate(self.patterns):
+                if fnmatch.fnmatchcase(match_on, pattern):
+                    self._matched[i] = True
+                    hit = True
+            if hit:
+                selected.append(key)
+        return selected
+
+    def check_all_matched(self) -> None:
+        available = self._available
+        for pattern, ok in zip(self.patterns, self._matched):
+            if not ok:
+                shown = ", ".join(available[:_MAX_LISTED])
+                if len(available) > _MAX_LISTED:
+                    shown += f", ... ({len(available) - _MAX_LISTED} more)"
+                raise _error(f"--key '{pattern}' matches no tensor (available: {shown})")
 
 
 # --------------------------------------------------------------------------
@@ -298,20 +313,28 @@ def _numpy_error(what: str, exc: Exception, member: bool = False) -> AttncheckEr
     # With allow_pickle=False and the magic checked, numpy mentions
     # allow_pickle only when the array holds Python objects.
     if isinstance(exc, ValueError) and "allow_pickle" in str(exc):
-        return _error(
-            f"{what}: holds an object array (pickled Python objects), which attncheck "
-            "does not support; nothing was unpickled. Save a numeric floating-point array"
-        )
+        return _object_array_error(what)
     if member:
         return _error(f"{what}: not a valid .npy member ({_reason(exc)})")
     return _error(f"{what}: {_invalid(what)} ({_reason(exc)})")
 
 
-def _from_numpy(name: str, array: np.ndarray) -> torch.Tensor:
-    dtype = array.dtype
+def _object_array_error(what: str) -> AttncheckError:
+    return _error(
+        f"{what}: holds an object array (pickled Python objects), which attncheck "
+        "does not support; nothing was unpickled. Save a numeric floating-point array"
+    )
+
+
+def _check_numpy_dtype(name: str, dtype: np.dtype) -> None:
     if dtype.kind != "f" or dtype.itemsize not in (2, 4, 8):
         shown = dtype.name if dtype.kind in "biufc" else str(dtype)
-        raise _error(f"{name} has dtype {shown}; {_DTYPE_HINT}")
+        raise _dtype_error(name, shown)
+
+
+def _from_numpy(name: str, array: np.ndarray) -> torch.Tensor:
+    dtype = array.dtype
+    _check_numpy_dtype(name, dtype)
     if not dtype.isnative:
         array = array.astype(dtype.newbyteorder("="))
     if not array.flags.writeable:
@@ -521,18 +544,26 @@ def _check_tensor(name: str, tensor: Any, any_dtype: bool = False) -> torch.Tens
     if tensor.layout != torch.strided:
         raise _error(f"{name} has layout {_torch_name(tensor.layout)}; attncheck needs a dense tensor")
     if tensor.dtype not in _FLOAT_DTYPES and not any_dtype:  # masks may be boolean: checked by their user
-        raise _error(f"{name} has dtype {_torch_name(tensor.dtype)}; {_DTYPE_HINT}")
-    if tensor.dim() == 0:
-        raise _error(
-            f"{name} is a 0-d scalar; attncheck needs at least one axis "
-            "(the last axis holds the keys)"
-        )
-    if tensor.numel() == 0:
-        raise _error(f"{name} is empty (shape {tuple(tensor.shape)})")
+        raise _dtype_error(name, _torch_name(tensor.dtype))
+    _check_shape(name, tuple(tensor.shape))
     tensor = tensor.detach()  # plain tensor, also for nn.Parameter
     if tensor.device.type != "cpu":  # defensive; map_location="cpu" already
         tensor = tensor.cpu()
     return tensor
+
+
+def _dtype_error(name: str, shown: str) -> AttncheckError:
+    return _error(f"{name} has dtype {shown}; {_DTYPE_HINT}")
+
+
+def _check_shape(name: str, shape: tuple[int, ...]) -> None:
+    if len(shape) == 0:
+        raise _error(
+            f"{name} is a 0-d scalar; attncheck needs at least one axis "
+            "(the last axis holds the keys)"
+        )
+    if 0 in shape:
+        raise _error(f"{name} is empty (shape {shape})")
 
 
 def _torch_name(obj: object) -> str:
