@@ -1,0 +1,101 @@
+"""Softmax budgets as a pytest assertion, for tests over your own modules.
+
+    from attncheck.testing import assert_softmax_ok
+
+    def test_attention_logits_fit_bf16():
+        scores = my_block.attention_scores(x)  # (B, H, T, T) pre-softmax logits
+        assert_softmax_ok(scores, dtype="bf16", method="stable", max_abs_err=1e-2, relative_to_torch=2.0)
+
+The numbers are ``attncheck check``'s (``diagnose`` against a float64 reference);
+a broken budget raises ``AssertionError`` naming the cell, the budget, the
+measured value and the worst row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attncheck.check_config import Budget, parse_budget
+from attncheck.errors import AttncheckError
+
+__all__ = ["assert_softmax_ok"]
+
+
+def _as_tensor(scores: Any):
+    import numpy as np
+    import torch
+
+    if isinstance(scores, torch.Tensor):
+        return scores.detach()
+    if isinstance(scores, np.ndarray) and scores.dtype.kind == "f":
+        return torch.from_numpy(np.ascontiguousarray(scores))
+    if isinstance(scores, np.ndarray):
+        raise AttncheckError(f"scores: numpy dtype {scores.dtype} is not supported; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)")
+    raise AttncheckError(f"scores must be a torch.Tensor or a numpy array, got {type(scores).__name__}")
+
+
+def _dtype_name(dtype: Any) -> str:
+    import torch
+
+    from attncheck.precision import dtype_label
+
+    if isinstance(dtype, torch.dtype):
+        return dtype_label(dtype)
+    if not isinstance(dtype, str):
+        raise AttncheckError(f"dtype must be a name such as 'bf16' or a torch.dtype, got {dtype!r}")
+    return dtype
+
+
+def assert_softmax_ok(
+    scores: Any,
+    dtype: Any = "bf16",
+    method: str = "stable",
+    *,
+    nan: int | None = 0,
+    overflow: int | None = 0,
+    zero_rows: int | None = None,
+    argmax_flips: int | None = None,
+    max_abs_err: float | None = None,
+    max_abs_err_algo: float | None = None,
+    rmse: float | None = None,
+    kl_max: float | None = None,
+    relative_to_torch: float | None = None,
+    relative_to_torch_atol: float = 0.0,
+    block: int = 128,
+    accum: str = "fp32",
+    name: str = "scores",
+):
+    """Assert that ``method``'s softmax of ``scores`` (last axis) in ``dtype`` keeps its budget.
+
+    ``scores``: pre-softmax logits, a torch tensor (any device) or a numpy array.
+    ``dtype``: 'fp16', 'bf16', 'fp32' or a torch dtype; ``method``: 'naive',
+    'stable', 'tiled' (alias 'online') or 'torch'. Budgets as in ``[tool.attncheck.budget]``;
+    ``None`` leaves one unchecked (``nan`` and ``overflow`` default to 0).
+    Returns the ``checks.CaseResult`` when every budget holds; raises
+    ``AssertionError`` otherwise, and ``AttncheckError`` for unusable arguments.
+    """
+    given = {
+        "nan": nan, "overflow": overflow, "zero_rows": zero_rows, "argmax_flips": argmax_flips,
+        "max_abs_err": max_abs_err, "max_abs_err_algo": max_abs_err_algo, "rmse": rmse, "kl_max": kl_max,
+        "relative_to_torch": relative_to_torch,
+    }
+    table = {k: v for k, v in given.items() if v is not None}
+    if not table:
+        raise AttncheckError("assert_softmax_ok: every budget is None, so nothing would be checked")
+    if relative_to_torch is not None or relative_to_torch_atol != 0.0:
+        table["relative_to_torch_atol"] = relative_to_torch_atol
+    # Unset budgets are None here, not the config defaults: start from an all-None budget.
+    empty = Budget(nan=None, overflow=None)
+    budget = parse_budget(table, "", "assert_softmax_ok", base=empty)
+
+    from attncheck.checks import check_tensor
+
+    x = _as_tensor(scores)
+    if not isinstance(method, str):
+        raise AttncheckError(f"method must be a name such as 'stable', got {method!r}")
+    device = str(x.device) if x.device.type != "meta" else "cpu"
+    (case,) = check_tensor(name, x, budget, dtypes=(_dtype_name(dtype),), methods=(method,), block=block, accum=accum, device=device)
+    if not case.passed:
+        shape = "x".join(map(str, case.shape))
+        raise AssertionError(f"attncheck: {case.name} of {name} ({shape}) broke its budget: {case.describe()}")
+    return case
