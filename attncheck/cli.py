@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from enum import Enum
 from typing import List, Optional
@@ -26,7 +27,9 @@ from attncheck.names import (
     parse_lengths,
     parse_mask_value,
     parse_scale_text,
+    parse_size,
 )
+from attncheck.check_cli import check
 from attncheck.sweep_cli import sweep
 
 
@@ -119,6 +122,8 @@ def run(
     json_out: Optional[str] = typer.Option(None, "--json", help="Write the JSON report to FILE ('-' for stdout: tables are then not printed)."),
     fail_on: str = typer.Option("", "--fail-on", help=f"Exit 1 when a condition holds: {', '.join(FAIL_ON_WORDS)} or a finding code (comma-separated)."),
     brief: bool = typer.Option(False, "--brief", help="Leave out the per-cell detail table."),
+    max_memory: str = typer.Option("1GiB", "--max-memory", help="Working memory for the diagnosis: inputs are read and processed in row chunks that fit (.npy, .safetensors, .npz stream; .pt is loaded whole)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar (it only shows on a terminal, for runs longer than a second)."),
     q: Optional[str] = typer.Option(None, "--q", help="Queries (..., heads, tokens, d) as PATH or PATH:KEY. With --k, the scores are computed in each dtype as models do.", rich_help_panel="Q/K inputs"),
     k: Optional[str] = typer.Option(None, "--k", help="Keys (..., kv_heads, tokens, d) as PATH or PATH:KEY; kv_heads may divide the query heads (GQA).", rich_help_panel="Q/K inputs"),
     mask: Optional[str] = typer.Option(None, "--mask", help="Mask as PATH or PATH:KEY, boolean (see --mask-convention) or additive float, broadcast to (batch, heads, queries, keys).", rich_help_panel="Q/K inputs"),
@@ -141,6 +146,7 @@ def run(
         dtypes = parse_choices(dtype, DTYPE_NAMES, DTYPE_ALIASES, "--dtype")
         methods = parse_choices(method, METHOD_NAMES, METHOD_ALIASES, "--method")
         conditions = parse_fail_on(fail_on)
+        memory = parse_size(max_memory, "--max-memory")
         qk = None
         if q is not None or k is not None:
             if q is None or k is None:
@@ -152,7 +158,9 @@ def run(
             raise AttncheckError("give files or --example, not both")
         if not example and not paths and not qk:
             raise AttncheckError("no input: give score files or directories, --q and --k, or --example for a built-in one")
-        diags, device_name = _run(paths or [], example, dtypes, methods, block, order, accum, device, key, qk)
+        forced = os.environ.get("ATTNCHECK_PROGRESS") == "always"  # for tests and CI logs that want it
+        show = not quiet and (forced or sys.stderr.isatty())
+        diags, device_name = _run(paths or [], example, dtypes, methods, block, order, accum, device, key, qk, memory, show)
     except AttncheckError as e:
         raise fail(str(e)) from None
 
@@ -174,29 +182,38 @@ def run(
     raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)
 
 
-def _run(paths, example, dtypes, methods, block, order, accum, device, keys, qk=None):
+def _run(paths, example, dtypes, methods, block, order, accum, device, keys, qk, memory, show_progress):
     import torch
 
-    from attncheck.diagnose import Options, diagnose, diagnose_attention, resolve_device
+    from attncheck.diagnose import Options, chunk_elements_for, diagnose, diagnose_chunks, resolve_device, rows_per_chunk
+    from attncheck.report import RowProgress
 
     dev = resolve_device(device.value)
-    options = Options(dtypes=dtypes, methods=methods, block=block, reverse=order is Order.reverse, accum=accum.value, device=str(dev))
-    if example:
-        from attncheck.demo import EXAMPLE_NAME, example_scores
+    options = Options(
+        dtypes=dtypes, methods=methods, block=block, reverse=order is Order.reverse, accum=accum.value,
+        device=str(dev), chunk_elements=chunk_elements_for(memory),
+    )
+    if example and keys:
+        raise AttncheckError("--key selects tensors inside files; it does not apply to --example")
+    forced = os.environ.get("ATTNCHECK_PROGRESS") == "always"
+    with RowProgress(show_progress, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
+        if qk is not None:
+            from attncheck.loaders import load_tensors
 
-        if keys:
-            raise AttncheckError("--key selects tensors inside files; it does not apply to --example")
-        named = [(EXAMPLE_NAME, example_scores())]
-    elif paths:
-        from attncheck.loaders import load_tensors
+            named = [(t.name, t.tensor) for t in load_tensors(paths, keys)] if paths else []
+            diags = _run_qk(qk, named, options, progress)
+        elif example:
+            from attncheck.demo import EXAMPLE_NAME, example_scores
 
-        named = [(t.name, t.tensor) for t in load_tensors(paths, keys)]
-    else:
-        named = []
-    if qk is not None:
-        diags = _run_qk(qk, named, options)
-    else:
-        diags = [diagnose(name, tensor, options) for name, tensor in named]
+            x = example_scores()
+            diags = [diagnose(EXAMPLE_NAME, x, options, progress.track(EXAMPLE_NAME, x.numel() // x.shape[-1]))]
+        else:
+            from attncheck.stream import open_sources
+
+            diags = []
+            for src in open_sources(paths, keys):  # headers only: each tensor streams in row chunks
+                blocks = src.row_blocks(rows_per_chunk(src.shape[-1], options))
+                diags.append(diagnose_chunks(src.name, src.shape, src.dtype, blocks, options, progress.track(src.name, src.rows)))
     label = str(dev)
     if dev.type == "cuda":
         label += f" ({torch.cuda.get_device_name(dev)})"
@@ -217,7 +234,7 @@ def _load_one(spec: str, option: str, any_dtype: bool = False):
     return found[0].name, found[0].tensor
 
 
-def _run_qk(qk: QKRequest, named, options):
+def _run_qk(qk: QKRequest, named, options, progress):
     from attncheck.diagnose import diagnose_attention
     from attncheck.scores import prepare_inputs
 
@@ -231,11 +248,13 @@ def _run_qk(qk: QKRequest, named, options):
         mask_value=qk.mask_value, mask_convention=qk.mask_convention,
     )
     if named:  # scores given too: diagnose them and fit the scale they carry
-        return [diagnose_attention(name, inputs, options, scores=tensor) for name, tensor in named]
-    return [diagnose_attention(f"{q_name} @ {k_name}", inputs, options)]
+        return [diagnose_attention(name, inputs, options, progress.track(name, tensor.numel() // tensor.shape[-1]), scores=tensor) for name, tensor in named]
+    name = f"{q_name} @ {k_name}"
+    return [diagnose_attention(name, inputs, options, progress.track(name, inputs.rows))]
 
 
 app.command()(sweep)
+app.command()(check)
 
 
 def main() -> None:

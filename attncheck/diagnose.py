@@ -841,7 +841,7 @@ def _in_dtype(block, c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str):
     return (xc, before, after, *_reference_of(xc, c.fused))
 
 
-def diagnose(name: str, scores: torch.Tensor, options: Options | None = None) -> TensorDiagnosis:
+def diagnose(name: str, scores: torch.Tensor, options: Options | None = None, progress: Callable[[int], None] | None = None) -> TensorDiagnosis:
     """Diagnose one score tensor; the softmax runs over its last axis."""
     options = options or Options()
     check_scores(name, scores)
@@ -850,7 +850,18 @@ def diagnose(name: str, scores: torch.Tensor, options: Options | None = None) ->
     flat = scores.reshape(rows, keys)  # (R, T); a view when contiguous
     step = rows_per_chunk(keys, options)
     chunks = (flat[start : start + step] for start in range(0, rows, step))
-    return diagnose_chunks(name, tuple(scores.shape), scores.dtype, chunks, options)
+    return diagnose_chunks(name, tuple(scores.shape), scores.dtype, chunks, options, progress)
+
+
+# Bytes of working memory per score element of a chunk: the float64 reference and the
+# reference of the cast scores, the cast scores, one cell's probabilities and its
+# float64 temporaries (torch path; the fused kernels need about half).
+WORKING_BYTES_PER_ELEMENT = 96
+
+
+def chunk_elements_for(max_memory: int) -> int:
+    """Elements per chunk that keep the diagnosis working set within ``max_memory`` bytes."""
+    return max(1, max_memory // WORKING_BYTES_PER_ELEMENT)
 
 
 def rows_per_chunk(keys: int, options: Options) -> int:
@@ -906,6 +917,7 @@ def diagnose_chunks(
             del xc, ref_algo
         if progress is not None:
             progress(c.x.shape[0])
+        del c, x, block  # free this chunk before the next one is read
     if start != rows:
         raise AttncheckError(f"{name}: got {start} rows, expected {rows} for shape {shape}")
 

@@ -58,3 +58,21 @@ def parse_lengths(text: str, option: str) -> list[int]:
             raise AttncheckError(f"{option}: {item!r} is not a non-negative integer (give one length per batch element, e.g. 3,0)")
         out.append(int(item))
     return out
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: str, option: str) -> int:
+    """'1GiB', '512MiB', '2G', '300000000' -> bytes."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = math.nan
+    if unit not in _SIZE_UNITS or not math.isfinite(value) or value <= 0:
+        raise AttncheckError(f"{option}: {text!r} is not a size (e.g. 1GiB, 512MiB, 2G)")
+    return int(value * _SIZE_UNITS[unit])

@@ -216,6 +216,62 @@ def print_report(console: Console, diags: Sequence[TensorDiagnosis], device: str
     console.print(Text(f"{len(diags)} tensor(s) on {device}: {errors} error(s), {warnings} warning(s)", style=style))
 
 
+# --------------------------------------------------------------------------- progress
+
+
+class RowProgress:
+    """A progress bar on stderr (rows done, rate, time left) that appears only once a
+    tensor has taken longer than ``delay`` seconds, and never when disabled."""
+
+    def __init__(self, enabled: bool, delay: float = 1.0, force_terminal: bool = False) -> None:
+        self.enabled = enabled
+        self.delay = delay
+        self.force_terminal = force_terminal
+        self._progress = None
+
+    def __enter__(self) -> "RowProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def track(self, name: str, total_rows: int):
+        """A callback for ``diagnose_chunks(progress=...)`` counting rows of one tensor."""
+        if not self.enabled:
+            return None
+        import time
+
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        start = time.monotonic()
+        state = {"done": 0, "task": None}
+
+        def advance(rows: int) -> None:
+            state["done"] += rows
+            elapsed = time.monotonic() - start
+            rate = f"{state['done'] / elapsed:,.0f} rows/s" if elapsed > 0 else ""
+            if state["task"] is None:
+                if elapsed < self.delay:
+                    return
+                if self._progress is None:
+                    self._progress = Progress(
+                        TextColumn("{task.description}"),
+                        BarColumn(),
+                        MofNCompleteColumn(),
+                        TextColumn("rows, {task.fields[rate]}"),
+                        TimeRemainingColumn(),
+                        console=Console(stderr=True, force_terminal=self.force_terminal or None),
+                        transient=True,
+                    )
+                    self._progress.start()
+                state["task"] = self._progress.add_task(name, total=total_rows, completed=state["done"], rate=rate)
+            else:
+                self._progress.update(state["task"], completed=state["done"], rate=rate)
+
+        return advance
+
+
 # --------------------------------------------------------------------------- JSON
 
 

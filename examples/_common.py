@@ -16,10 +16,13 @@ def output_dir() -> Path:
     return out
 
 
-def diagnose_and_expect(path: str, expected_codes: set[str], *extra: str) -> None:
-    """Run `attncheck run` (tables on the terminal, JSON to a file) and check the finding codes."""
-    report_path = Path(path).with_suffix(".report.json")
-    args = ["run", path, *extra, "--json", str(report_path)]
+def diagnose_and_expect(path: str, expected_codes: set[str], *extra: str, report: str | None = None) -> None:
+    """Run `attncheck run` (tables on the terminal, JSON to a file) and check the finding codes.
+
+    ``path`` is the score file ('' when the scores come from --q/--k in ``extra``).
+    """
+    report_path = Path(report) if report else Path(path).with_suffix(".report.json")
+    args = ["run", *([path] if path else []), *extra, "--json", str(report_path)]
     print("$ attncheck", " ".join(args), flush=True)
     subprocess.run([sys.executable, "-m", "attncheck", *args], check=True)
     report = json.loads(report_path.read_text())

@@ -27,8 +27,11 @@ def test_example_runs(script, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
-def readme_commands():
-    text = (ROOT / "README.md").read_text()
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def readme_commands(path=ROOT / "README.md"):
+    text = path.read_text()
     commands = []
     for block in re.findall(r"```console\n(.*?)```", text, flags=re.S):
         for line in block.splitlines():
@@ -43,10 +46,11 @@ def test_readme_has_commands():
     assert len(readme_commands()) >= 5
 
 
-def test_readme_commands_run_in_order(tmp_path):
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_doc_commands_run_in_order(doc, tmp_path):
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     env = env_with_venv_first()
-    for cmd, expected in readme_commands():
+    for cmd, expected in readme_commands(doc):
         proc = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == expected, f"{cmd!r} exited {proc.returncode}, expected {expected}:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}"
         assert "Traceback" not in proc.stderr, cmd
