@@ -15,23 +15,12 @@ from typing import Optional
 import typer
 
 from attncheck.check_config import find_config, load_config
-from attncheck.cliutil import EXIT_FAILED, EXIT_OK, fail, write_json
+from attncheck.cliutil import EXIT_FAILED, EXIT_OK, check_output_path, fail, write_json
 from attncheck.errors import AttncheckError
 from attncheck.names import DEVICES
 from attncheck.sweep_config import parse_name
 
 STEP_SUMMARY = "GITHUB_STEP_SUMMARY"
-
-
-def _check_target(path: Optional[str], option: str, dash_ok: bool = False) -> None:
-    """Fail before any work when an output file cannot be created."""
-    if path is None or (dash_ok and path == "-"):
-        return
-    if os.path.isdir(path):
-        raise AttncheckError(f"cannot write {option} {path}: it is a folder; give a file name")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise AttncheckError(f"cannot write {option} {path}: folder {folder} does not exist")
 
 
 def _write_text(text: str, path: str, option: str) -> None:
@@ -79,9 +68,9 @@ def check(
         if device is not None:
             device = parse_name(device, DEVICES, "--device")
         cfg = load_config(config) if config is not None else load_config(find_config())
-        _check_target(junit, "--junit")
-        _check_target(markdown, "--markdown")
-        _check_target(json_out, "--json", dash_ok=True)
+        check_output_path(junit, "--junit", dash_ok=False)
+        check_output_path(markdown, "--markdown", dash_ok=False)
+        check_output_path(json_out, "--json", dash_ok=True)
         from attncheck.checks import run_check  # torch comes in here, once the config is known to be good
 
         result = run_check(cfg, device)

@@ -16,7 +16,7 @@ from typing import List, Optional
 import typer
 
 from attncheck import __version__
-from attncheck.cliutil import EXIT_FAILED, EXIT_OK, OneLineErrorsGroup, fail, parse_choices, write_json
+from attncheck.cliutil import EXIT_FAILED, EXIT_OK, OneLineErrorsGroup, check_output_path, fail, parse_choices, write_json
 from attncheck.errors import AttncheckError
 from attncheck.findings import FAIL_ON_WORDS, valid_fail_on
 from attncheck.names import (
@@ -147,6 +147,7 @@ def run(
         methods = parse_choices(method, METHOD_NAMES, METHOD_ALIASES, "--method")
         conditions = parse_fail_on(fail_on)
         memory = parse_size(max_memory, "--max-memory")
+        check_output_path(json_out, "--json")
         qk = None
         if q is not None or k is not None:
             if q is None or k is None:

@@ -5,6 +5,7 @@ Free of torch and numpy so argument checking stays fast.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -43,6 +44,17 @@ def parse_choices(value: str, allowed: tuple[str, ...], aliases: dict[str, str],
         if name not in out:
             out.append(name)
     return tuple(out)
+
+
+def check_output_path(path: str | None, option: str, dash_ok: bool = True) -> None:
+    """Fail before any work when an output file cannot be created ('-' is stdout)."""
+    if path is None or (dash_ok and path == "-"):
+        return
+    if os.path.isdir(path):
+        raise AttncheckError(f"cannot write {option} {path}: it is a folder; give a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise AttncheckError(f"cannot write {option} {path}: folder {folder} does not exist")
 
 
 def write_json(text: str, target: str) -> None:

@@ -24,7 +24,6 @@ from attncheck.precision import (
     dtype_label,
     exp_overflow_threshold,
     exp_underflow_threshold,
-    rounding_limit,
     smallest_subnormal,
 )
 from attncheck.softmax import ACCUMULATIONS, canonical_method, run_method

@@ -8,13 +8,12 @@ rich tables and matplotlib come in only once the options are known to be good.
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Optional
 
 import typer
 
-from attncheck.cliutil import EXIT_OK, fail, parse_choices, write_json
+from attncheck.cliutil import EXIT_OK, check_output_path, fail, parse_choices, write_json
 from attncheck.errors import AttncheckError
 from attncheck.names import DTYPE_ALIASES, DTYPE_NAMES, METHOD_ALIASES, METHOD_NAMES
 from attncheck.sweep_config import (
@@ -32,17 +31,6 @@ from attncheck.sweep_config import (
     parse_name,
     parse_scales,
 )
-
-
-def _check_target(path: Optional[str], option: str) -> None:
-    """Fail before the sweep runs when an output file cannot be created."""
-    if path is None or path == "-":
-        return
-    if os.path.isdir(path):
-        raise AttncheckError(f"cannot write {option} {path}: it is a folder; give a file name")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise AttncheckError(f"cannot write {option} {path}: folder {folder} does not exist")
 
 
 def build_config(
@@ -93,8 +81,8 @@ def sweep(
     """
     try:
         config = build_config(dk, scale, dtype, method, seq, rows, std, dist, seed, block, device)
-        _check_target(json_out, "--json")
-        _check_target(plot, "--plot")
+        check_output_path(json_out, "--json")
+        check_output_path(plot, "--plot")
         if plot is not None:
             from attncheck.sweep_report import require_matplotlib
 

@@ -91,9 +91,6 @@ def main() -> None:
             t_metrics = best_of(args.repeat, metrics)
             total = t_cast / len(METHOD_NAMES) + t_method + t_metrics
             print(f"{m + '/' + d:<12} {t_cast / base:>8.2f}x {t_method / base:>7.2f}x {t_metrics / base:>7.2f}x {total / base:>10.2f}x")
-            del outs
-        del casts
-    del facts
 
     t = best_of(1, lambda: diagnose("bench", x, opts))
     print(f"whole diagnose (12 cells + shared work, one call): {t:.2f} s = {t / base:.1f}x one torch.softmax pass")
