@@ -274,3 +274,17 @@ def test_bad_options():
         Options(dtypes=("fp8",))
     with pytest.raises(AttncheckError, match="--block must be >= 1"):
         Options(block=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available: GPU test skipped")
+def test_cuda_diagnosis_matches_cpu():
+    x = problem_rows().repeat(4, 1) * 1.5
+    cpu = diagnose("x", x, Options(device="cpu", kernels="torch"))
+    gpu = diagnose("x", x, Options(device="cuda"))
+    for a, b in zip(cpu.cells, gpu.cells):
+        assert (a.nan_causes, a.zero_causes, a.overflow_rows) == (b.nan_causes, b.zero_causes, b.overflow_rows), a.name
+        # Different exp implementations: within a few units of the dtype's eps.
+        eps = torch.finfo({"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]).eps
+        assert abs(a.max_abs_err - b.max_abs_err) <= 4 * eps, a.name
+    assert cpu.census.nan == gpu.census.nan and cpu.census.max == gpu.census.max
+    assert [f.code for f in cpu.findings] == [f.code for f in gpu.findings]
