@@ -762,14 +762,11 @@ def _cell_rows_torch(c: _Chunk, probs: torch.Tensor, ref_algo: torch.Tensor, use
         del da
     d = p64 - c.ref
     sq, mx = row_dot(d, d), _row_abs_max(d)
-    # Generalised KL, see kl_divergence: sum(q - r) = sum(p - r) + floor * #(p == 0), and
-    # (r - q) / q in place of d, with r - q = -(p - r) - (q - p), q - p = floor where p == 0.
+    del d
+    kl = kl_divergence(c.ref, p64, floor)
+    del p64
     zero = probs == 0  # (r, T)
     zeros = torch.count_nonzero(zero, dim=-1)
-    d_sum = d.sum(dim=-1)
-    delta = d.neg_().add_(zero, alpha=-floor).div_(p64.clamp_min_(floor))
-    kl = (torch.special.xlog1py(c.ref, delta, out=delta).sum(dim=-1) + d_sum + floor * zeros).clamp_min(0)
-    del d, delta, p64
     flushed = torch.count_nonzero(zero & (c.ref > 0), dim=-1)
     attop = probs.gather(-1, c.ref_top).squeeze(-1).to(torch.float64)
     return psum, sq, mx, sqa, mxa, kl, zeros, flushed, attop
