@@ -46,8 +46,8 @@ def _append_step_summary(text: str) -> None:
 def check(
     config: Optional[str] = typer.Option(
         None, "--config", "-c", metavar="FILE",
-        help="pyproject.toml with [tool.attncheck], or an attncheck.toml whose top level is that table. "
-        "Default: the first attncheck.toml, or pyproject.toml with [tool.attncheck], from the current directory up.",
+        help="pyproject.toml with \\[tool.attncheck], or an attncheck.toml whose top level is that table. "
+        "Default: the first attncheck.toml, or pyproject.toml with \\[tool.attncheck], from the current directory up.",
     ),
     junit: Optional[str] = typer.Option(None, "--junit", metavar="FILE", help="Write JUnit XML: one testcase per input x cell, failures carry the numbers."),
     markdown: Optional[str] = typer.Option(None, "--markdown", metavar="FILE", help=f"Write a Markdown summary (also appended to ${STEP_SUMMARY} when it is set)."),
@@ -57,7 +57,7 @@ def check(
 ) -> None:
     """Check attention inputs against error budgets, for CI.
 
-    Reads [tool.attncheck] (inputs, synthetic configs, dtypes, methods, budget),
+    Reads \\[tool.attncheck] (inputs, synthetic configs, dtypes, methods, budget),
     diagnoses every input and checks every method x dtype cell against the budget:
     NaN and overflow rows, errors against float64, and FlashAttention's rule
     relative_to_torch (error at most N x torch.softmax's in the same dtype).

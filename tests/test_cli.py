@@ -289,3 +289,9 @@ def test_plain_pickle_is_refused(tmp_path):
     r = invoke("run", p)
     assert r.exit_code == 2
     assert error_line(r).startswith(f"attncheck: error: {p}:")
+
+
+def test_help_keeps_bracketed_text():
+    # Rich reads [..] as markup: the check help must still show the table's name.
+    r = runner.invoke(app, ["check", "--help"], env={"COLUMNS": "200"})
+    assert r.stdout.count("[tool.attncheck]") >= 2
