@@ -20,6 +20,7 @@ from attncheck import kernels
 from attncheck.errors import AttncheckError
 from attncheck.names import DTYPE_NAMES, METHOD_NAMES
 from attncheck.precision import (
+    MASK_SENTINEL_LIMIT,
     dtype_from_name,
     dtype_label,
     exp_overflow_threshold,
@@ -31,8 +32,6 @@ from attncheck.softmax import ACCUMULATIONS, canonical_method, run_method
 if TYPE_CHECKING:
     from attncheck.scores import AttentionAudit, AttentionInputs
 
-# Finite scores at or below this look like an additive mask sentinel (-1e4, -1e9, finfo.min).
-MASK_SENTINEL_LIMIT = -1e4
 NAN_CAUSES = ("input_nan", "inf_input", "fully_masked", "cast_overflow", "exp_overflow", "underflow")
 UNEXPLAINED = "unexplained"
 

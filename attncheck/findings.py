@@ -229,14 +229,14 @@ def _attention_findings(diag: "TensorDiagnosis", add, cells_with) -> None:
                 verdict = "scaling q first (--scale-order q) would avoid it"
             else:
                 verdict = "scaling q first would not avoid it: the scaled scores themselves exceed the range"
-            add("qk_overflow", f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond +-{torch_max(d):.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); {verdict}", hit, audit.qk_overflow_rows, _first_examples(hit, "nan:qk_overflow"))
+            add("qk_overflow", f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond +-{_dtype_max(d):.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); {verdict}", hit, audit.qk_overflow_rows, _first_examples(hit, "nan:qk_overflow"))
         if audit.mask_not_representable or audit.sentinel_not_representable:
             what = []
             if audit.mask_not_representable:
                 what.append(f"{audit.mask_not_representable} float-mask value(s)")
             if audit.sentinel_not_representable:
                 what.append(f"the mask value {a.mask_value}")
-            add("sentinel_not_representable", f"{' and '.join(what)} cannot be held by {d} (max {torch_max(d):.6g}) and become -inf", dtype_cells)
+            add("sentinel_not_representable", f"{' and '.join(what)} cannot be held by {d} (max {_dtype_max(d):.6g}) and become -inf", dtype_cells)
         hit = [c for c in dtype_cells if c.nan_causes.get("mask_sentinel")]
         rows = max((c.nan_causes.get("mask_sentinel", 0) for c in hit), default=0)
         if audit.overflow_on_add:
@@ -267,7 +267,7 @@ def _attention_findings(diag: "TensorDiagnosis", add, cells_with) -> None:
             add("scale_mismatch", f"the scores are q.k times {a.fitted_scale:.4g} (least squares), closest to {name} = {value:.4g}; 1/sqrt(d_head) = {1 / math.sqrt(a.d):.4g} (d_head {a.d}, {a.heads} heads)")
 
 
-def torch_max(dtype_name: str) -> float:
+def _dtype_max(dtype_name: str) -> float:
     from attncheck.precision import dtype_from_name
 
     import torch

@@ -15,6 +15,10 @@ import torch
 from attncheck.errors import AttncheckError
 from attncheck.names import DTYPE_ALIASES, DTYPE_NAMES
 
+# Finite scores at or below this look like an additive mask sentinel (-1e4, -1e9,
+# finfo.min): no real logit gets there, and every sentinel in use is at or below it.
+MASK_SENTINEL_LIMIT = -1e4
+
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from attncheck import __version__
 from attncheck.diagnose import Cell, TensorDiagnosis
+from attncheck.precision import MASK_SENTINEL_LIMIT
 
 JSON_SCHEMA = "attncheck.run/1"
 
@@ -49,7 +50,7 @@ def census_panel(d: TensorDiagnosis) -> Panel:
         specials.stylize("bold red")
     t.add_row("non-finite", specials)
     sentinels = ", ".join(f"{v:.4g} ({n} rows)" for v, n in c.sentinels)
-    t.add_row("masked", f"{c.masked} positions (-inf or <= -1e4)" + (f"; mask values {sentinels}" if sentinels else ""))
+    t.add_row("masked", f"{c.masked} positions (-inf or <= {MASK_SENTINEL_LIMIT:g})" + (f"; mask values {sentinels}" if sentinels else ""))
     fm = Text(f"{c.fully_masked_rows} rows ({c.neginf_rows} all -inf)")
     if c.fully_masked_rows:
         fm.stylize("yellow")

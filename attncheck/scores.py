@@ -21,10 +21,8 @@ import torch
 
 from attncheck.errors import AttncheckError
 from attncheck.names import parse_mask_value, parse_scale_text
-from attncheck.precision import dtype_label, rounding_limit
+from attncheck.precision import MASK_SENTINEL_LIMIT, dtype_label, rounding_limit
 
-SCALE_NAMES = ("auto", "sqrt", "none", "dk")
-MASK_SENTINEL_LIMIT = -1e4  # same convention as diagnose: finite values at or below look masked
 
 
 def scale_value(scale: str, d: int) -> float:
