@@ -50,7 +50,7 @@ def census_panel(d: TensorDiagnosis) -> Panel:
         specials.stylize("bold red")
     t.add_row("non-finite", specials)
     sentinels = ", ".join(f"{v:.4g} ({n} rows)" for v, n in c.sentinels)
-    t.add_row("masked", f"{c.masked} positions (-inf or <= {MASK_SENTINEL_LIMIT:g})" + (f"; mask values {sentinels}" if sentinels else ""))
+    t.add_row("masked", f"{c.masked} positions (-inf or <= {MASK_SENTINEL_LIMIT:.0e})".replace("e+0", "e") + (f"; mask values {sentinels}" if sentinels else ""))
     fm = Text(f"{c.fully_masked_rows} rows ({c.neginf_rows} all -inf)")
     if c.fully_masked_rows:
         fm.stylize("yellow")
