@@ -148,6 +148,8 @@ class Cell:
     flushed_frac: float | None  # reference-nonzero probabilities that became exactly 0
     argmax_flips: int
     examples: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
+    # NaN rows per index of the leading axes but the query axis, e.g. per (batch, head); most first
+    nan_rows_by_head: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -641,8 +643,11 @@ class _DistAcc:
 
 
 class _CellAcc:
-    def __init__(self, method: str, dtype: str, max_examples: int) -> None:
+    def __init__(self, method: str, dtype: str, max_examples: int, heads: tuple[int, ...] = (), queries: int = 1) -> None:
         self.method, self.dtype = method, dtype
+        # Rows of a (..., heads..., queries, keys) tensor are grouped by their leading index.
+        self.heads, self.queries = heads, queries
+        self.nan_by_head = torch.zeros(math.prod(heads) if heads else 0, dtype=torch.int64)
         self.rows = 0
         self.nan_causes: Counter[str] = Counter()
         self.zero_causes: Counter[str] = Counter()
@@ -682,6 +687,9 @@ class _CellAcc:
                     counter[cause] += k
                     self.examples.add(f"{prefix}:{cause}", hit, c.offset)
         self.nan_rows += int(nan_row.sum())
+        if self.heads and bool(nan_row.any()):
+            head = (torch.nonzero(nan_row).flatten().cpu() + c.offset) // self.queries
+            self.nan_by_head += torch.bincount(head, minlength=self.nan_by_head.numel())
         self.zero_rows += int(zero_row.sum())
         self.overflow_rows += int(overflow.sum())
         self.underflow_rows += int(underflow.sum())
@@ -739,7 +747,14 @@ class _CellAcc:
             flushed_frac=self.flushed / self.ref_nonzero if self.ref_nonzero else None,
             argmax_flips=self.flips,
             examples=self.examples.unravel(lead),
+            nan_rows_by_head=self._top_heads(),
         )
+
+    def _top_heads(self, k: int = 5) -> list[tuple[tuple[int, ...], int]]:
+        if not self.heads or not bool(self.nan_by_head.any()):
+            return []
+        counts, idx = torch.sort(self.nan_by_head, descending=True, stable=True)
+        return [(_unravel(int(i), self.heads), int(n)) for n, i in zip(counts[:k].tolist(), idx[:k].tolist()) if n]
 
 
 def _cell_rows_fused(c: _Chunk, probs: torch.Tensor, ref_algo: torch.Tensor, use_algo: bool, floor: float):
@@ -886,7 +901,8 @@ def diagnose_chunks(
     rows = math.prod(lead) if lead else 1
     census = _CensusAcc(options.dtypes)
     dist = _DistAcc(options.collapse_threshold)
-    cells = {(m, d): _CellAcc(m, d, options.max_examples) for d in options.dtypes for m in options.methods}
+    heads = tuple(shape[:-2]) if len(shape) >= 3 else ()  # (batch, heads, ...) of (..., queries, keys)
+    cells = {(m, d): _CellAcc(m, d, options.max_examples, heads, shape[-2] if heads else 1) for d in options.dtypes for m in options.methods}
     start = 0
     shift = None
     fused = _use_fused(options, device, math.prod(shape))

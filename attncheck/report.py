@@ -182,6 +182,19 @@ def distribution_line(d: TensorDiagnosis) -> Text:
     )
 
 
+def nan_by_head_line(d: TensorDiagnosis) -> Text | None:
+    """Where the NaN rows sit, per index of the leading axes (e.g. (batch, head))."""
+    parts = []
+    for c in d.cells:
+        if c.nan_rows_by_head:
+            where = ", ".join(f"({','.join(map(str, i))}) {n}" for i, n in c.nan_rows_by_head[:3])
+            parts.append(f"{c.name}: {where}")
+    if not parts:
+        return None
+    axes = "x".join(str(n) for n in d.shape[:-2])
+    return Text(f"NaN rows by leading index ({axes}, most first): " + "; ".join(parts), style="red")
+
+
 def findings_table(d: TensorDiagnosis) -> Table | Text:
     if not d.findings:
         return Text("No findings: every cell is finite and close to the float64 reference.", style="green")
@@ -203,7 +216,8 @@ def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
     parts += [headroom_table(d), matrix_table(d)]
     if verbose:
         parts.append(detail_table(d))
-    parts += [distribution_line(d), findings_table(d)]
+    where = nan_by_head_line(d)
+    parts += [distribution_line(d)] + ([where] if where is not None else []) + [findings_table(d)]
     return Group(*parts)
 
 

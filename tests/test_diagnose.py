@@ -288,3 +288,12 @@ def test_cuda_diagnosis_matches_cpu():
         assert abs(a.max_abs_err - b.max_abs_err) <= 4 * eps, a.name
     assert cpu.census.nan == gpu.census.nan and cpu.census.max == gpu.census.max
     assert [f.code for f in cpu.findings] == [f.code for f in gpu.findings]
+
+
+@pytest.mark.parametrize("chunk_elements", [8, 1 << 20])
+def test_nan_rows_are_counted_per_head(chunk_elements):
+    x = torch.randn(2, 3, 4, 8, generator=torch.Generator().manual_seed(9))  # (B, H, Tq, Tk)
+    x[1, 2, :3, 0] = float("nan")  # three rows of batch 1, head 2
+    x[0, 1, 0, :] = float("-inf")  # one fully masked row of batch 0, head 1
+    cell = diagnose("h", x, Options(methods=("stable",), dtypes=("fp32",), chunk_elements=chunk_elements)).cell("stable", "fp32")
+    assert cell.nan_rows_by_head == [((1, 2), 3), ((0, 1), 1)]
