@@ -704,7 +704,7 @@ class _CellAcc:
         use_algo = ref_algo is not c.ref
         floor = smallest_subnormal(probs.dtype)
         rows = (_cell_rows_fused if c.fused else _cell_rows_torch)(c, probs, ref_algo, use_algo, floor)
-        psum, sq, mx, sqa, mxa, kl, zeros, flushed, attop = rows
+        psum, sq, mx, sqa, mxa, kl, flushed, attop = rows
         self.max_sum_err.add((psum - 1).abs()[ok])
         self.sq.add(sq[ok])
         self.max_abs.add(mx[ok])
@@ -761,8 +761,8 @@ def _cell_rows_fused(c: _Chunk, probs: torch.Tensor, ref_algo: torch.Tensor, use
     p = _numpy_rows(probs)
     ra = ref_algo.numpy() if use_algo else c.ref.numpy()
     out = kernels.compiled()["cell_rows"](p, c.ref.numpy(), ra, use_algo, c.ref_top.squeeze(-1).numpy(), floor)
-    _, psum, sq, mx, sqa, mxa, kl, zeros, flushed, attop = (torch.from_numpy(a) for a in out)
-    return psum, sq, mx, sqa, mxa, kl, zeros, flushed, attop
+    _, psum, sq, mx, sqa, mxa, kl, flushed, attop = (torch.from_numpy(a) for a in out)
+    return psum, sq, mx, sqa, mxa, kl, flushed, attop
 
 
 def _cell_rows_torch(c: _Chunk, probs: torch.Tensor, ref_algo: torch.Tensor, use_algo: bool, floor: float):
@@ -779,11 +779,9 @@ def _cell_rows_torch(c: _Chunk, probs: torch.Tensor, ref_algo: torch.Tensor, use
     del d
     kl = kl_divergence(c.ref, p64, floor)
     del p64
-    zero = probs == 0  # (r, T)
-    zeros = torch.count_nonzero(zero, dim=-1)
-    flushed = torch.count_nonzero(zero & (c.ref > 0), dim=-1)
+    flushed = torch.count_nonzero((probs == 0) & (c.ref > 0), dim=-1)
     attop = probs.gather(-1, c.ref_top).squeeze(-1).to(torch.float64)
-    return psum, sq, mx, sqa, mxa, kl, zeros, flushed, attop
+    return psum, sq, mx, sqa, mxa, kl, flushed, attop
 
 
 # --------------------------------------------------------------------------- entry point

@@ -195,7 +195,7 @@ def cell_rows(p, ref, ref_algo, use_algo, top, floor):
 
     Returns, in order: max p (NaN if any NaN), sum p, sum (p - ref)^2, max |p - ref|,
     the same two against ``ref_algo`` (when ``use_algo``), generalised KL(ref || max(p, floor)),
-    count of p == 0, count of p == 0 where ref > 0, and p at the reference's top key.
+    count of p == 0 where ref > 0, and p at the reference's top key.
     """
     r, t = p.shape
     pmax = np.empty(r)
@@ -205,7 +205,6 @@ def cell_rows(p, ref, ref_algo, use_algo, top, floor):
     sqa = np.zeros(r)
     mxa = np.zeros(r)
     kl = np.zeros(r)
-    zeros = np.zeros(r, np.int64)
     flushed = np.zeros(r, np.int64)
     attop = np.empty(r)
     for i in prange(r):
@@ -216,7 +215,6 @@ def cell_rows(p, ref, ref_algo, use_algo, top, floor):
         aa = 0.0
         ba = 0.0
         k = 0.0
-        nz = 0
         fl = 0
         has_nan = False
         for j in range(t):
@@ -236,10 +234,8 @@ def cell_rows(p, ref, ref_algo, use_algo, top, floor):
                 aa += da * da
                 if abs(da) > ba:
                     ba = abs(da)
-            if v == 0.0:
-                nz += 1
-                if rv > 0.0:
-                    fl += 1
+            if v == 0.0 and rv > 0.0:
+                fl += 1
             q = v if v > floor else floor
             k += _kl_term(rv, q)
         pmax[i] = np.nan if has_nan else hi
@@ -249,7 +245,6 @@ def cell_rows(p, ref, ref_algo, use_algo, top, floor):
         sqa[i] = aa
         mxa[i] = ba
         kl[i] = k if k > 0.0 else 0.0
-        zeros[i] = nz
         flushed[i] = fl
         attop[i] = np.float64(p[i, top[i]])
-    return pmax, psum, sq, mx, sqa, mxa, kl, zeros, flushed, attop
+    return pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop
