@@ -133,7 +133,7 @@ def findings_for(diag: "TensorDiagnosis") -> list["Finding"]:
         if nan_hit:
             parts.append(f"NaN in {_cell_list(nan_hit, diag)}")
         if zero_hit:
-            parts.append(f"zeros in {_cell_list(zero_hit, diag)} (as FlashAttention returns)")
+            parts.append(f"zeros in {_cell_list(zero_hit, diag)}")
         if finite_hit and (n - neginf or diag.attention is not None):
             parts.append(f"a finite uniform row over the masked keys in {_cell_list(finite_hit, diag)} (a finite sentinel: garbage, not attention)")
         parts.append("FlashAttention and PyTorch SDPA >= 2.5 return zeros; naive/stable softmax return NaN")
