@@ -16,7 +16,7 @@ from typing import List, Optional
 import typer
 
 from attncheck import __version__
-from attncheck.cliutil import EXIT_FAILED, EXIT_OK, OneLineErrorsGroup, check_output_path, fail, parse_choices, write_json
+from attncheck.cliutil import EXIT_FAILED, EXIT_OK, OneLineErrorsGroup, check_output_path, fail, parse_choices, reuse_freed_memory, write_json
 from attncheck.errors import AttncheckError
 from attncheck.findings import FAIL_ON_WORDS, valid_fail_on
 from attncheck.names import (
@@ -106,6 +106,7 @@ def main_options(
     version: bool = typer.Option(False, "--version", help="Print the version and exit.", callback=version_callback, is_eager=True),
 ) -> None:
     """Numerical diagnostics for the softmax inside attention."""
+    reuse_freed_memory()
 
 
 @app.command()

@@ -397,14 +397,14 @@ class _Chunk:
         return self.masked == self.x.shape[-1]
 
     @classmethod
-    def of(cls, x: torch.Tensor, offset: int, shift: float = 0.0, fused: bool = False) -> "_Chunk":
+    def of(cls, x: torch.Tensor, offset: int, shift: float = 0.0, fused: bool = False, workspace: "_Workspace | None" = None) -> "_Chunk":
         """Census facts relative to ``shift`` (sums of x - shift keep the std accurate)."""
-        return cls._fused(x, offset, shift) if fused else cls._torch(x, offset, shift)
+        return cls._fused(x, offset, shift, workspace or _Workspace()) if fused else cls._torch(x, offset, shift)
 
     @classmethod
-    def _fused(cls, x: torch.Tensor, offset: int, shift: float) -> "_Chunk":
-        xn = _numpy_rows(x)
-        ref = np.empty(xn.shape, dtype=np.float64)
+    def _fused(cls, x: torch.Tensor, offset: int, shift: float, workspace: "_Workspace") -> "_Chunk":
+        xn = kernels.as_rows(x)
+        ref = workspace.take("ref", xn.shape)
         out = kernels.compiled()["reference_rows"](xn, shift, MASK_SENTINEL_LIMIT, ref)
         t = [torch.from_numpy(a) for a in out]
         nan, posinf, neginf, masked, finite, fmax, fmin, umin, s1, s2, ssum, ent, p2, p3, pos, top = t
@@ -448,6 +448,23 @@ class _Chunk:
                    ref, ssum, ent, p2, p3, pos, top)
 
 
+class _Workspace:
+    """float64 buffers the fused kernels write into, reused from chunk to chunk. A fresh
+    buffer of 32 MiB or more is a new mapping whose pages fault in again on every chunk;
+    reuse makes that once per diagnosis. A buffer taken under a name is valid until the
+    name is taken again."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        n = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.size < n:
+            buf = self._buffers[name] = np.empty(n, dtype=np.float64)
+        return buf[:n].reshape(shape)
+
+
 FUSED_MIN_ELEMENTS = 1 << 22  # below this, numba's import and compile cost more than they save
 
 
@@ -461,13 +478,6 @@ def _first_finite(x: torch.Tensor) -> float | None:
     fin = torch.isfinite(x).reshape(-1)
     idx = torch.nonzero(fin)
     return float(x.reshape(-1)[idx[0, 0]]) if idx.numel() else None
-
-
-def _numpy_rows(x: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as a C-contiguous float32/float64 array for the kernels (fp16/bf16 widen to fp32)."""
-    if x.dtype not in (torch.float32, torch.float64):
-        x = x.float()
-    return np.ascontiguousarray(x.detach().numpy())
 
 
 def _reference_in_place(x64: torch.Tensor, bad: torch.Tensor):
@@ -668,13 +678,18 @@ class _CellAcc:
         probs: torch.Tensor,
         overflow: torch.Tensor,
         underflow: torch.Tensor,
-        ref_algo: torch.Tensor,
-        algo_ok: torch.Tensor,
+        own: "_OwnReference",
         causes: list[tuple[str, torch.Tensor]],
+        rows: tuple | None = None,
     ) -> None:
+        """Add one chunk of this cell: ``probs`` (r, T) with the method's overflow and
+        underflow rows, and ``rows``, the per-row metrics of ``cell_rows`` (computed
+        here when not given)."""
         keys = probs.shape[-1]
         self.rows += probs.shape[0]
-        pmax = probs.amax(dim=-1).to(torch.float64)  # (r,): NaN if any entry is NaN; p >= 0, so 0 only for all-zero rows
+        if rows is None:
+            rows = cell_rows(c, [probs], own)[0]
+        pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop = rows  # pmax: NaN if any entry is NaN; 0 only for all-zero rows
         nan_row = ~torch.isfinite(pmax)
         zero_row = pmax == 0
         row_causes = causes + [("exp_overflow", overflow), ("underflow", underflow)]
@@ -701,15 +716,11 @@ class _CellAcc:
             return
         self.compared += n_ok
         self.elems += n_ok * keys
-        use_algo = ref_algo is not c.ref
-        floor = smallest_subnormal(probs.dtype)
-        rows = (_cell_rows_fused if c.fused else _cell_rows_torch)(c, probs, ref_algo, use_algo, floor)
-        psum, sq, mx, sqa, mxa, kl, flushed, attop = rows
         self.max_sum_err.add((psum - 1).abs()[ok])
         self.sq.add(sq[ok])
         self.max_abs.add(mx[ok])
-        if use_algo:
-            both = ok & algo_ok
+        if not own.same:
+            both = ok & own.ok
             self.sq_algo.add(sqa[both])
             self.max_abs_algo.add(mxa[both])
             self.elems_algo += int(both.sum()) * keys
@@ -757,21 +768,56 @@ class _CellAcc:
         return [(_unravel(int(i), self.heads), int(n)) for n, i in zip(counts[:k].tolist(), idx[:k].tolist()) if n]
 
 
-def _cell_rows_fused(c: _Chunk, probs: torch.Tensor, ref_algo: torch.Tensor, use_algo: bool, floor: float):
-    p = _numpy_rows(probs)
-    ra = ref_algo.numpy() if use_algo else c.ref.numpy()
-    out = kernels.compiled()["cell_rows"](p, c.ref.numpy(), ra, use_algo, c.ref_top.squeeze(-1).numpy(), floor)
-    _, psum, sq, mx, sqa, mxa, kl, flushed, attop = (torch.from_numpy(a) for a in out)
-    return psum, sq, mx, sqa, mxa, kl, flushed, attop
+@dataclass
+class _OwnReference:
+    """The scores of one dtype's cells and the float64 softmax of those scores (the
+    yardstick of algorithmic error, apart from the cast). ``same``: the scores are the
+    chunk's own, so this reference is the chunk's."""
+
+    xc: torch.Tensor  # (r, T) in the cell's dtype
+    ok: torch.Tensor  # (r,) rows where the softmax of xc is defined
+    ref: torch.Tensor  # (r, T) float64; only rows where ``ok`` are meaningful
+    same: bool
 
 
-def _cell_rows_torch(c: _Chunk, probs: torch.Tensor, ref_algo: torch.Tensor, use_algo: bool, floor: float):
-    """The per-row metrics of ``kernels.cell_rows`` with torch ops (any device)."""
+def cell_rows(c: _Chunk, probs: list[torch.Tensor], own: _OwnReference) -> list[tuple]:
+    """Per-row metrics of each of a dtype's cells, in the order of ``probs``: max p, sum p,
+    sum of squared and max absolute error against the chunk's reference and against
+    ``own`` (None when ``own.same``), generalised KL, flushed count, p at the top key."""
+    if not c.fused:
+        return [_cell_rows_torch(c, p, own, smallest_subnormal(p.dtype)) for p in probs]
+    return _cell_rows_fused(c, probs, own)
+
+
+def _cell_rows_fused(c: _Chunk, probs: list[torch.Tensor], own: _OwnReference) -> list[tuple]:
+    """One kernel call for up to four cells: outputs in the scores' dtype take the first
+    free slot, a float32 output of fp16/bf16 scores (tiled's) slot 3, so that each
+    dtype always compiles to the same kernel."""
+    xdt = own.xc.dtype
+    slots: list = [None] * 4
+    where = []
+    for p in probs:
+        k = next(i for i in ((0, 1, 2, 3) if p.dtype == xdt else (3,)) if slots[i] is None)
+        slots[k] = p
+        where.append(k)
+    dummies = (kernels.as_rows(own.xc[:1, :1]), kernels.as_rows(torch.zeros(1, 1)))
+    arrays = [kernels.as_rows(p) if p is not None else dummies[k == 3] for k, p in enumerate(slots)]
+    used = np.array([p is not None for p in slots])
+    floors = np.array([smallest_subnormal(p.dtype if p is not None else xdt) for p in slots])
+    out = kernels.compiled()["cell_rows"](*arrays, used, floors, own.ref.numpy(), not own.same, own.ok.numpy(),
+                                          c.ref.numpy(), c.ref_ok.numpy(), c.ref_top.squeeze(-1).numpy())
+    out = [torch.from_numpy(a) for a in out]
+    return [tuple(a[k] for a in out) for k in where]
+
+
+def _cell_rows_torch(c: _Chunk, probs: torch.Tensor, own: _OwnReference, floor: float):
+    """The per-row metrics of ``kernels_numba.cell_rows`` with torch ops (any device)."""
+    pmax = probs.amax(dim=-1).to(torch.float64)
     p64 = probs.to(torch.float64)  # (r, T): one conversion, then float64 throughout
     psum = p64.sum(dim=-1)
     sqa = mxa = None
-    if use_algo:
-        da = p64 - ref_algo
+    if not own.same:
+        da = p64 - own.ref
         sqa, mxa = row_dot(da, da), _row_abs_max(da)
         del da
     d = p64 - c.ref
@@ -781,7 +827,7 @@ def _cell_rows_torch(c: _Chunk, probs: torch.Tensor, ref_algo: torch.Tensor, use
     del p64
     flushed = torch.count_nonzero((probs == 0) & (c.ref > 0), dim=-1)
     attop = probs.gather(-1, c.ref_top).squeeze(-1).to(torch.float64)
-    return psum, sq, mx, sqa, mxa, kl, flushed, attop
+    return pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop
 
 
 # --------------------------------------------------------------------------- entry point
@@ -811,42 +857,42 @@ def check_scores(name: str, x: torch.Tensor) -> None:
         raise AttncheckError(f"{name}: is empty (shape {tuple(x.shape)})")
 
 
-def _cast(c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str):
-    """Cast the chunk to ``dt``; return the cast scores, the rows the cast broke, and the
-    float64 reference of the cast scores (the yardstick of algorithmic error)."""
+def _cast(c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str, workspace: _Workspace | None = None):
+    """Cast the chunk to ``dt``; return the rows the cast broke and the cast scores with
+    their own reference."""
     x = c.x
     if dt == x.dtype:
-        return x, torch.zeros_like(c.bad), c.ref, c.ref_ok
+        return torch.zeros_like(c.bad), _OwnReference(x, c.ref_ok, c.ref, same=True)
     xc = x.to(dt)
-    suspect = c.bad | ~_row_finite(xc)  # only these rows can hold an inf made by the cast
+    own, all_finite = _reference_of(xc, c.fused, workspace)
+    suspect = c.bad | ~all_finite  # only these rows can hold an inf made by the cast
     cast_made = torch.zeros_like(c.bad)
     if bool(suspect.any()):
         idx = torch.nonzero(suspect).flatten()
         census.update_cast(name, x, xc, idx)
         xcb = xc[idx]
         cast_made[idx] = (torch.isposinf(xcb).any(dim=-1) & ~c.posinf[idx]) | (torch.isneginf(xcb).all(dim=-1) & ~c.all_neginf[idx])
-    ref_algo, algo_ok = _reference_of(xc, c.fused)
-    return xc, cast_made, ref_algo, algo_ok
+    return cast_made, own
 
 
-def _reference_of(xc: torch.Tensor, fused: bool):
-    """float64 softmax of scores already in a cell's dtype, and which rows it defines."""
+def _reference_of(xc: torch.Tensor, fused: bool, workspace: _Workspace | None = None) -> tuple[_OwnReference, torch.Tensor]:
+    """Scores already in a cell's dtype with their float64 softmax, and which rows are all finite."""
     if fused:
-        ref = np.empty(xc.shape, dtype=np.float64)
-        ok = kernels.compiled()["softmax64_rows"](_numpy_rows(xc), ref)
-        return torch.from_numpy(ref), torch.from_numpy(ok)
+        ref = (workspace or _Workspace()).take("own_ref", tuple(xc.shape))
+        all_finite, ok = kernels.compiled()["own_reference_rows"](kernels.as_rows(xc), ref)
+        return _OwnReference(xc, torch.from_numpy(ok), torch.from_numpy(ref), same=False), torch.from_numpy(all_finite)
     ref = torch.softmax(xc.to(torch.float64), dim=-1)
-    return ref, torch.isfinite(ref.sum(dim=-1))
+    return _OwnReference(xc, torch.isfinite(ref.sum(dim=-1)), ref, same=False), _row_finite(xc)
 
 
-def _in_dtype(block, c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str):
-    """Scores of one block in ``dt`` with the pipeline causes before and after 'fully_masked',
-    and the float64 reference of those scores."""
+def _in_dtype(block, c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str, workspace: _Workspace):
+    """Scores of one block in ``dt`` with their own reference, and the pipeline causes
+    before and after 'fully_masked'."""
     if isinstance(block, torch.Tensor):
-        xc, cast_made, ref_algo, algo_ok = _cast(c, dt, census, name)
-        return xc, [], [("cast_overflow", cast_made)], ref_algo, algo_ok
+        cast_made, own = _cast(c, dt, census, name, workspace)
+        return own, [], [("cast_overflow", cast_made)]
     xc, before, after = block.in_dtype(dt)  # scores the model computes in dt (Q@K^T, scale, mask)
-    return (xc, before, after, *_reference_of(xc, c.fused))
+    return _reference_of(xc, c.fused, workspace)[0], before, after
 
 
 def diagnose(name: str, scores: torch.Tensor, options: Options | None = None, progress: Callable[[int], None] | None = None) -> TensorDiagnosis:
@@ -904,13 +950,14 @@ def diagnose_chunks(
     start = 0
     shift = None
     fused = _use_fused(options, device, math.prod(shape))
+    workspace = _Workspace()
     for block in chunks:  # loop over row chunks, never over rows
         raw = isinstance(block, torch.Tensor)
         x = (block if raw else block.given).to(device)
         if shift is None:  # the first finite value in row-major order, whatever the chunking
             shift = _first_finite(x)
             census.shift = shift or 0.0
-        c = _Chunk.of(x, start, census.shift if shift is not None else 0.0, fused)
+        c = _Chunk.of(x, start, census.shift if shift is not None else 0.0, fused, workspace)
         if not raw:
             c.masked_rows = block.all_masked
             block.audit_reference(c.ref, c.ref_ok)
@@ -918,12 +965,13 @@ def diagnose_chunks(
         census.update(c)
         dist.update(c)
         for d in options.dtypes:
-            xc, before, after, ref_algo, algo_ok = _in_dtype(block, c, dtype_from_name(d), census, d)
+            own, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, workspace)
             causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
-            for m in options.methods:
-                out = run_method(m, xc, block=options.block, reverse=options.reverse, accum=options.accum)
-                cells[(m, d)].update(c, out.probs, out.overflow_rows, out.underflow_rows, ref_algo, algo_ok, causes)
-            del xc, ref_algo
+            outs = [run_method(m, own.xc, block=options.block, reverse=options.reverse, accum=options.accum) for m in options.methods]
+            metrics = cell_rows(c, [o.probs for o in outs], own)  # one pass over the chunk for all of the dtype's cells
+            for m, out, per_row in zip(options.methods, outs, metrics):
+                cells[(m, d)].update(c, out.probs, out.overflow_rows, out.underflow_rows, own, causes, per_row)
+            del own, outs, metrics
         if progress is not None:
             progress(c.x.shape[0])
         del c, x, block  # free this chunk before the next one is read

@@ -71,30 +71,35 @@ def tiled_softmax(x: torch.Tensor, block: int = 128, reverse: bool = False) -> t
     if block < 1:
         raise AttncheckError(f"block size must be >= 1, got {block}")
     n = x.shape[-1]
-    starts = list(range(0, n, block))
-    if reverse:
-        starts.reverse()
     lead = x.shape[:-1]
-    m = torch.full((*lead, 1), float("-inf"), dtype=torch.float32, device=x.device)
-    l = torch.zeros((*lead, 1), dtype=torch.float32, device=x.device)
-    p_blocks = torch.empty_like(x)  # (..., T) in x's dtype
-    m_used = torch.empty((*lead, len(starts)), dtype=torch.float32, device=x.device)
-    for j, s0 in enumerate(starts):  # loop over key blocks, not rows
-        s = x[..., s0 : s0 + block].float()  # (..., B)
-        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
-        e = torch.exp(s - m_safe)
-        l = torch.exp(m - m_safe) * l + e.sum(dim=-1, keepdim=True)
-        p_blocks[..., s0 : s0 + block] = e.to(x.dtype)
-        m_used[..., j : j + 1] = m_safe
-        m = m_new
-    m_final = torch.where(m == float("-inf"), 0.0, m)
-    inv_l = torch.where((l == 0) | torch.isnan(l), 1.0, 1.0 / l)
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    for j, s0 in enumerate(starts):
-        rescale = torch.exp(m_used[..., j : j + 1] - m_final) * inv_l  # (..., 1)
-        out[..., s0 : s0 + block] = p_blocks[..., s0 : s0 + block].float() * rescale
-    return out
+    nb = -(-n // block)
+    # (..., nb, B) float32 blocks in processing order; a short last block is padded with
+    # -inf keys, whose exp is 0. Block-wide ops run on all blocks at once; only the
+    # running sum l, which the kernels rescale block by block, is a loop over blocks.
+    s = x.float()
+    if nb * block != n:
+        s = torch.nn.functional.pad(s, (0, nb * block - n), value=float("-inf"))
+    s = s.reshape(*lead, nb, block)
+    if reverse:
+        s = s.flip(-2)
+    m_run = torch.cummax(s.amax(dim=-1), dim=-1).values  # (..., nb): running max m_j after block j
+    m_safe = torch.where(m_run == float("-inf"), 0.0, m_run)  # guard exp(-inf - (-inf))
+    e = (s - m_safe.unsqueeze(-1)).exp_()  # (..., nb, B) float32; in place: one allocation fewer
+    block_sum = e.sum(dim=-1)  # (..., nb)
+    m_prev = torch.cat([torch.full_like(m_run[..., :1], float("-inf")), m_run[..., :-1]], dim=-1)
+    decay = torch.exp(m_prev - m_safe)  # (..., nb): rescales l from m_{j-1} to m_j
+    l = torch.zeros(lead, dtype=torch.float32, device=x.device)
+    for j in range(nb):  # loop over key blocks, not rows
+        l = decay[..., j] * l + block_sum[..., j]
+    p_blocks = e.to(x.dtype)  # P_j as the P@V matmul consumes it
+    del e
+    m_final = m_safe[..., -1:]
+    inv_l = torch.where((l == 0) | torch.isnan(l), 1.0, 1.0 / l).unsqueeze(-1)  # (..., 1)
+    rescale = torch.exp(m_safe - m_final) * inv_l  # (..., nb)
+    out = p_blocks.float().mul_(rescale.unsqueeze(-1))  # p_blocks.float() is a new tensor, or e's own memory
+    if reverse:
+        out = out.flip(-2)
+    return out.reshape(*lead, nb * block)[..., :n]
 
 
 @dataclass
@@ -133,14 +138,15 @@ def run_method(
         e = torch.exp(z)
         s = _row_sum(e, accum)
         probs = e / s
-        # The row's largest exp tells whether any overflowed or all flushed (stable: it is
-        # exp(0) = 1). A finite row max rules out +inf inputs, reported as such elsewhere.
+        # The row sum tells whether an exp overflowed (then the sum is inf too) or the sum
+        # itself did, and whether every exp flushed to 0 (a sum of exps >= 0 is 0 only then;
+        # stable has exp(0) = 1). A finite row max rules out NaN and +inf inputs, reported
+        # as such elsewhere.
         finite_max = torch.isfinite(x_max.squeeze(-1))
         s = s.squeeze(-1)
         if method == "naive":
-            e_max = e.amax(dim=-1)
-            overflow = finite_max & (torch.isinf(e_max) | torch.isinf(s))
-            underflow = finite_max & (e_max == 0)
+            overflow = finite_max & torch.isinf(s)
+            underflow = finite_max & (s == 0)
         else:
             overflow = finite_max & torch.isinf(s)
             underflow = no_rows

@@ -1,25 +1,41 @@
 """Cost of each `attncheck run` cell against one torch.softmax pass.
 
-    python benchmarks/bench_run.py [--elements-log2 26] [--keys 1024] [--repeat 3]
+    python benchmarks/bench_run.py [--elements-log2 26] [--keys 1024] [--repeat 3] [--kernels fused|torch]
 
-Builds an fp32 score tensor of 2**26 elements (256 MiB), times one float32
-torch.softmax pass over it, then, over the same row chunks `diagnose` uses:
-the shared work (census + float64 reference + distribution, once per chunk), and
-for each default cell its cast (with the float64 reference of the cast scores,
-shared by the 4 methods of a dtype), its softmax method, and its error metrics;
-"cell total" counts a quarter of the shared cast.
-Prints each as a ratio to the torch.softmax pass, then the whole `diagnose` call.
-Best of --repeat runs; one process, so the ratios share one machine state.
+Builds an fp32 score tensor of 2**26 elements (256 MiB) and times one float32
+torch.softmax pass over it. Then it runs the chunk loop of `diagnose` itself
+(the same functions, chunks and reused buffers) with a clock around each stage:
+the shared work per chunk (census, float64 reference, entropy, distribution),
+each dtype's cast (with the float64 reference of the cast scores, shared by the
+dtype's 4 methods), and each cell's softmax method and error metrics. A cell's
+cost is its method + its metrics + a quarter of its dtype's cast. Each stage's
+time is the least over --repeat passes. All figures are ratios to the
+torch.softmax pass, measured in this one process (with glibc told to reuse
+freed memory, as the attncheck command does); last comes one whole `diagnose`
+call, whose time also includes the accumulators and findings.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections import defaultdict
 
 import torch
 
-from attncheck.diagnose import Options, _cast, _CellAcc, _CensusAcc, _Chunk, _DistAcc, diagnose
+from attncheck.cliutil import reuse_freed_memory
+from attncheck.diagnose import (
+    Options,
+    _CellAcc,
+    _CensusAcc,
+    _Chunk,
+    _DistAcc,
+    _in_dtype,
+    _use_fused,
+    _Workspace,
+    cell_rows,
+    diagnose,
+)
 from attncheck.names import DTYPE_NAMES, METHOD_NAMES
 from attncheck.precision import dtype_from_name
 from attncheck.softmax import run_method
@@ -34,6 +50,44 @@ def best_of(repeat: int, fn) -> float:
     return min(times)
 
 
+def staged_pass(x: torch.Tensor, opts: Options) -> dict:
+    """One pass of diagnose's chunk loop with a clock around each stage; seconds per stage."""
+    spent: dict = defaultdict(float)
+    keys = x.shape[-1]
+    step = max(1, opts.chunk_elements // keys)
+    fused = _use_fused(opts, x.device, x.numel())
+    census, dist = _CensusAcc(opts.dtypes), _DistAcc(opts.collapse_threshold)
+    cells = {(m, d): _CellAcc(m, d, opts.max_examples) for d in opts.dtypes for m in opts.methods}
+    workspace = _Workspace()
+    clock = time.perf_counter
+    for start in range(0, x.shape[0], step):
+        t0 = clock()
+        c = _Chunk.of(x[start : start + step], start, 0.0, fused, workspace)
+        census.update(c)
+        dist.update(c)
+        spent["shared"] += clock() - t0
+        for d in opts.dtypes:
+            block = c.x
+            t0 = clock()
+            own, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, workspace)
+            spent[("cast", d)] += clock() - t0
+            causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
+            outs = {}
+            for m in opts.methods:
+                t0 = clock()
+                outs[m] = run_method(m, own.xc, block=opts.block)
+                spent[("method", m, d)] += clock() - t0
+            t0 = clock()
+            rows = cell_rows(c, [outs[m].probs for m in opts.methods], own)
+            t_rows = (clock() - t0) / len(opts.methods)  # one kernel call serves the dtype's methods
+            for m, r in zip(opts.methods, rows):
+                t0 = clock()
+                o = outs[m]
+                cells[(m, d)].update(c, o.probs, o.overflow_rows, o.underflow_rows, own, causes, r)
+                spent[("metrics", m, d)] += clock() - t0 + t_rows
+    return spent
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--elements-log2", type=int, default=26)
@@ -41,54 +95,30 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--kernels", choices=("fused", "torch"), default="fused", help="fused numba kernels (CPU default for large inputs) or torch ops")
     args = ap.parse_args()
+    reuse_freed_memory()  # as the attncheck command does
 
     n = 1 << args.elements_log2
     rows = n // args.keys
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, args.keys, generator=g) * 3  # (R, T) fp32
     opts = Options(kernels=args.kernels)
-    fused = args.kernels == "fused"
     chunk = max(1, opts.chunk_elements // args.keys)
-    chunks = [x[i : i + chunk] for i in range(0, rows, chunk)]
     print(f"scores: {rows} rows x {args.keys} keys = 2^{args.elements_log2} fp32 elements ({x.numel() * 4 / 2**20:.0f} MiB); "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; chunks of {chunk} rows; {args.kernels} kernels")
-    if fused:  # compile outside the timings (numba caches it on disk for later runs)
-        diagnose("warm-up", x[: 2 * chunk], Options(kernels="fused"))
+    if args.kernels == "fused":  # compile outside the timings (numba caches it on disk for later runs)
+        diagnose("warm-up", x[: 2 * chunk], opts)
 
     base = best_of(args.repeat, lambda: torch.softmax(x, dim=-1))
     print(f"torch.softmax fp32, one pass: {base * 1e3:.1f} ms (= 1.00x)")
 
-    census = _CensusAcc(opts.dtypes)
-
-    def shared():
-        dist = _DistAcc(opts.collapse_threshold)
-        out = []
-        for i, c in enumerate(chunks):
-            ch = _Chunk.of(c, i * chunk, 0.0, fused)
-            census.update(ch)
-            dist.update(ch)
-            out.append(ch)
-        return out
-
-    t = best_of(args.repeat, shared)
-    print(f"shared per tensor (census, float64 reference, entropy, distribution): {t * 1e3:.1f} ms = {t / base:.2f}x")
-    facts = shared()
+    passes = [staged_pass(x, opts) for _ in range(args.repeat)]
+    best = {k: min(p[k] for p in passes) for k in passes[0]}
+    print(f"shared per tensor (census, float64 reference, entropy, distribution): {best['shared'] * 1e3:.1f} ms = {best['shared'] / base:.2f}x")
     print(f"{'cell':<12} {'cast+ref':>9} {'method':>8} {'metrics':>8} {'cell total':>11}   (cast+ref: once per dtype, shared by its 4 methods)")
     for d in DTYPE_NAMES:
-        dt = dtype_from_name(d)
-        t_cast = best_of(args.repeat, lambda: [_cast(ch, dt, census, d) for ch in facts])
-        casts = [_cast(ch, dt, census, d) for ch in facts]
+        t_cast = best[("cast", d)]
         for m in METHOD_NAMES:
-            t_method = best_of(args.repeat, lambda: [run_method(m, xc, block=opts.block) for xc, *_ in casts])
-            outs = [run_method(m, xc, block=opts.block) for xc, *_ in casts]
-
-            def metrics():
-                acc = _CellAcc(m, d, opts.max_examples)
-                for ch, o, (_, made, ra, aok) in zip(facts, outs, casts):
-                    causes = [("input_nan", ch.nan), ("inf_input", ch.posinf), ("fully_masked", ch.all_masked), ("cast_overflow", made)]
-                    acc.update(ch, o.probs, o.overflow_rows, o.underflow_rows, ra, aok, causes)
-
-            t_metrics = best_of(args.repeat, metrics)
+            t_method, t_metrics = best[("method", m, d)], best[("metrics", m, d)]
             total = t_cast / len(METHOD_NAMES) + t_method + t_metrics
             print(f"{m + '/' + d:<12} {t_cast / base:>8.2f}x {t_method / base:>7.2f}x {t_metrics / base:>7.2f}x {total / base:>10.2f}x")
 

@@ -11,6 +11,7 @@ from attncheck.diagnose import (
     Options,
     _CellAcc,
     _Chunk,
+    _OwnReference,
     diagnose,
     entropy,
     jacobian_frobenius,
@@ -153,13 +154,14 @@ def test_cell_metrics_against_numpy(kernels):
     assert c.flushed_frac == pytest.approx(((p == 0) & nz).sum() / nz.sum())
 
 
-def test_argmax_flip_counts_strict_losses_not_ties():
+@pytest.mark.parametrize("fused", [False, True])
+def test_argmax_flip_counts_strict_losses_not_ties(fused):
     acc = _CellAcc("stable", "fp32", max_examples=4)
     probs = torch.tensor([[0.6, 0.4], [0.5, 0.5], [0.2, 0.8]], dtype=torch.float32)
     # Logits whose softmax is [[0.4, 0.6], [0.5, 0.5], [0.3, 0.7]].
-    chunk = _Chunk.of(torch.tensor([[0.4, 0.6], [0.5, 0.5], [0.3, 0.7]]).log(), 0)
+    chunk = _Chunk.of(torch.tensor([[0.4, 0.6], [0.5, 0.5], [0.3, 0.7]]).log(), 0, fused=fused)
     no = torch.zeros(3, dtype=torch.bool)
-    acc.update(chunk, probs, no, no, chunk.ref, chunk.ref_ok, [])
+    acc.update(chunk, probs, no, no, _OwnReference(chunk.x, chunk.ref_ok, chunk.ref, same=True), [])
     cell = acc.finish((3,))
     assert cell.argmax_flips == 1
     assert cell.examples["flip"] == [(0,)]
