@@ -214,15 +214,20 @@ def kl_divergence(ref: torch.Tensor, p: torch.Tensor, floor: float) -> torch.Ten
     """KL(ref || p) per row, in the generalised form sum(r log(r/q) - r + q), q = max(p, floor).
 
     It equals KL when both sum to 1 and stays >= 0 when rounding leaves p off
-    sum 1. Each term is computed as r log1p(delta) + (q - r) with delta = (r - q) / q,
-    so the second-order quantity survives float64 rounding even when p is within
-    1e-7 of r (fp32 cells), where r log r - r log q would cancel to noise.
+    sum 1. Where q is within a factor 2 of r, log(r/q) is taken as log1p(delta) with
+    delta = (r - q) / q, so the second-order quantity survives float64 rounding even
+    when p is within 1e-7 of r (fp32 cells), where r log r - r log q would cancel to
+    noise. Elsewhere it is log r - log q: delta rounds to -1 when r is far below q
+    (a key the reference all but excludes, against a flushed p held at the floor).
     ``floor`` (the smallest subnormal of p's dtype) keeps a flushed key finite;
     flushes are counted on their own in ``flushed_frac``.
     """
     q = p.to(torch.float64).clamp_min(floor)
     delta = torch.sub(ref, q).div_(q)
-    return (torch.special.xlog1py(ref, delta).sum(dim=-1) + torch.sub(q, ref).sum(dim=-1)).clamp_min(0)
+    near = delta.abs() < 0.5
+    log_ratio = torch.where(near, torch.log1p(delta.clamp(-0.5, 0.5)), torch.log(ref) - torch.log(q))
+    r_log = torch.where(ref > 0, ref * log_ratio, 0.0)  # r = 0 contributes q alone
+    return (r_log.sum(dim=-1) + torch.sub(q, ref).sum(dim=-1)).clamp_min(0)
 
 
 def jacobian_frobenius(p: torch.Tensor) -> torch.Tensor:
@@ -864,8 +869,11 @@ def _cast(c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str, workspace: 
     if dt == x.dtype:
         return torch.zeros_like(c.bad), _OwnReference(x, c.ref_ok, c.ref, same=True)
     xc = x.to(dt)
-    own, all_finite = _reference_of(xc, c.fused, workspace)
-    suspect = c.bad | ~all_finite  # only these rows can hold an inf made by the cast
+    own = _reference_of(xc, c.fused, workspace)
+    # Rounding is monotonic, so only a finite value beyond dt's largest can round to inf:
+    # the rows to check are known from the census, whatever -inf masks the rows carry.
+    top = torch.finfo(dt).max
+    suspect = (c.max_finite > top) | (c.min_finite < -top)
     cast_made = torch.zeros_like(c.bad)
     if bool(suspect.any()):
         idx = torch.nonzero(suspect).flatten()
@@ -875,14 +883,14 @@ def _cast(c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str, workspace: 
     return cast_made, own
 
 
-def _reference_of(xc: torch.Tensor, fused: bool, workspace: _Workspace | None = None) -> tuple[_OwnReference, torch.Tensor]:
-    """Scores already in a cell's dtype with their float64 softmax, and which rows are all finite."""
+def _reference_of(xc: torch.Tensor, fused: bool, workspace: _Workspace | None = None) -> _OwnReference:
+    """Scores already in a cell's dtype with their float64 softmax."""
     if fused:
         ref = (workspace or _Workspace()).take("own_ref", tuple(xc.shape))
-        all_finite, ok = kernels.compiled()["own_reference_rows"](kernels.as_rows(xc), ref)
-        return _OwnReference(xc, torch.from_numpy(ok), torch.from_numpy(ref), same=False), torch.from_numpy(all_finite)
+        ok = kernels.compiled()["own_reference_rows"](kernels.as_rows(xc), ref)
+        return _OwnReference(xc, torch.from_numpy(ok), torch.from_numpy(ref), same=False)
     ref = torch.softmax(xc.to(torch.float64), dim=-1)
-    return _OwnReference(xc, torch.isfinite(ref.sum(dim=-1)), ref, same=False), _row_finite(xc)
+    return _OwnReference(xc, torch.isfinite(ref.sum(dim=-1)), ref, same=False)
 
 
 def _in_dtype(block, c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str, workspace: _Workspace):
@@ -892,7 +900,7 @@ def _in_dtype(block, c: _Chunk, dt: torch.dtype, census: _CensusAcc, name: str, 
         cast_made, own = _cast(c, dt, census, name, workspace)
         return own, [], [("cast_overflow", cast_made)]
     xc, before, after = block.in_dtype(dt)  # scores the model computes in dt (Q@K^T, scale, mask)
-    return _reference_of(xc, c.fused, workspace)[0], before, after
+    return _reference_of(xc, c.fused, workspace), before, after
 
 
 def diagnose(name: str, scores: torch.Tensor, options: Options | None = None, progress: Callable[[int], None] | None = None) -> TensorDiagnosis:

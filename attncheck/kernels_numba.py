@@ -115,8 +115,12 @@ def _to_f64(v):
 @_jit_exact
 def exp_neg(z):
     """exp(z) for z <= 0 (-inf gives 0): Cody-Waite reduction, degree-13 Taylor polynomial,
-    and 2^k applied in two halves so subnormal results round once. Within 2 ulp of exp."""
-    zc = z if z > -746.0 else -746.0  # exp(-746) is 0 in float64
+    and 2^k applied in two halves so subnormal results round once. Within 2 ulp of exp.
+
+    Masked keys (-inf, or a sentinel such as -1e4) are computed as exp(0) and then
+    replaced by 0: letting them underflow to 0 would cost a microcode assist per key."""
+    under = not z > -746.0  # exp(z) rounds to 0 in float64
+    zc = 0.0 if under else z
     kf = np.floor(zc * LOG2E + 0.5)
     r = (zc - kf * LN2_HI) - kf * LN2_LO  # |r| <= ln(2)/2
     p = 1.0 / 6227020800.0
@@ -135,7 +139,8 @@ def exp_neg(z):
     p = p * r + 1.0
     k = np.int64(kf)  # in [-1076, 0]
     k1 = k >> 1
-    return (p * _f64_from_bits((k1 + 1023) << 52)) * _f64_from_bits((k - k1 + 1023) << 52)
+    e = (p * _f64_from_bits((k1 + 1023) << 52)) * _f64_from_bits((k - k1 + 1023) << 52)
+    return 0.0 if under else e
 
 
 @_jit_exact
@@ -471,22 +476,20 @@ def reference_rows(x, shift, limit, ref):
 def own_reference_rows(x, ref):
     """float64 max-subtracted softmax of each row of ``x`` into ``ref``, where defined.
 
-    Returns per row: every entry finite; and the softmax defined (no NaN or +inf, not
-    all -inf). Rows where it is undefined are left unwritten.
+    Returns per row whether the softmax is defined (no NaN or +inf, not all -inf);
+    rows where it is not are left unwritten.
     """
     r, t = x.shape
-    finite = np.zeros(r, np.bool_)
     defined = np.zeros(r, np.bool_)
     for task in prange((r + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         xb = np.empty(t)
         for i in range(task * ROWS_PER_TASK, min(r, (task + 1) * ROWS_PER_TASK)):
             bad, neginf = _load(x, i, xb)
-            finite[i] = bad == 0 and neginf == 0
             if bad == 0 and neginf < t:
                 defined[i] = True
                 row = ref[i]
                 _scale_row(row, _exp_row(xb, _row_max(xb), row))
-    return finite, defined
+    return defined
 
 
 @_jit_plain

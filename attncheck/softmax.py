@@ -134,8 +134,7 @@ def run_method(
     no_rows = torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
     if method in ("naive", "stable"):
         x_max = x.amax(dim=-1, keepdim=True)  # (..., 1)
-        z = x if method == "naive" else x - x_max
-        e = torch.exp(z)
+        e = torch.exp(x) if method == "naive" else (x - x_max).exp_()
         s = _row_sum(e, accum)
         probs = e / s
         # The row sum tells whether an exp overflowed (then the sum is inf too) or the sum

@@ -299,3 +299,18 @@ def test_nan_rows_are_counted_per_head(chunk_elements):
     x[0, 1, 0, :] = float("-inf")  # one fully masked row of batch 0, head 1
     cell = diagnose("h", x, Options(methods=("stable",), dtypes=("fp32",), chunk_elements=chunk_elements)).cell("stable", "fp32")
     assert cell.nan_rows_by_head == [((1, 2), 3), ((0, 1), 1)]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_cast_overflow_is_found_in_masked_rows_and_only_there(kernels):
+    """Rows under a -inf mask are checked for values the cast sends to inf like any other."""
+    x = torch.zeros(4, 8)
+    x[:, 4:] = NEG  # every row masked
+    x[1, 0] = 70000.0  # beyond fp16's 65504: +inf in fp16, a NaN row
+    x[2, 0] = -1e6  # -inf in fp16: one more masked key, the row stays defined
+    x[3, 0] = 65504.0  # fp16's largest: stays finite
+    d = diagnose("m", x, Options(methods=("stable",), dtypes=("fp16", "bf16"), kernels=kernels))
+    assert d.cell("stable", "fp16").nan_causes == {"cast_overflow": 1}
+    assert d.cell("stable", "bf16").nan_causes == {}
+    fp16 = next(h for h in d.census.headroom if h.dtype == "fp16")
+    assert (fp16.cast_posinf_values, fp16.cast_neginf_values, fp16.cast_overflow_rows) == (1, 1, 2)

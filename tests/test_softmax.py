@@ -216,3 +216,49 @@ def test_reference_is_float64_and_nan_for_undefined_rows():
     assert r.dtype == torch.float64
     assert torch.allclose(r[0], torch.tensor([1 / (1 + math.e), math.e / (1 + math.e)], dtype=torch.float64))
     assert torch.isnan(r[1:]).any(dim=-1).all()
+
+
+def _tiled_block_by_block(x: torch.Tensor, block: int, reverse: bool) -> torch.Tensor:
+    """FlashAttention's forward pass as the kernels run it, one key block at a time: the
+    running max m and sum l in float32, P_j = exp(S_j - m_j) rounded to x's dtype, and
+    the output weight of a block-j key P_j exp(m_j - m_final) / l_final."""
+    n = x.shape[-1]
+    starts = list(range(0, n, block))[:: -1 if reverse else 1]
+    rows = x.shape[:-1]
+    m = torch.full((*rows, 1), float("-inf"))
+    l = torch.zeros((*rows, 1))  # noqa: E741 - FlashAttention's name
+    p, used = torch.empty_like(x), {}
+    for s0 in starts:
+        s = x[..., s0 : s0 + block].float()
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
+        e = torch.exp(s - m_safe)
+        l = torch.exp(m - m_safe) * l + e.sum(dim=-1, keepdim=True)  # noqa: E741
+        p[..., s0 : s0 + block] = e.to(x.dtype)
+        used[s0], m = m_safe, m_new
+    m_final = torch.where(m == float("-inf"), 0.0, m)
+    inv_l = torch.where((l == 0) | torch.isnan(l), 1.0, 1.0 / l)
+    out = torch.empty(x.shape)
+    for s0 in starts:
+        out[..., s0 : s0 + block] = p[..., s0 : s0 + block].float() * (torch.exp(used[s0] - m_final) * inv_l)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("keys, block", [(1024, 128), (300, 7), (64, 128), (5, 1)])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_tiled_is_bitwise_the_block_by_block_recurrence(dtype, keys, block, reverse):
+    """tiled_softmax runs its block-wide ops on all blocks at once; the numbers must be
+    those of the sequential kernel loop, bit for bit, masked and broken rows included."""
+    g = torch.Generator().manual_seed(keys + block)
+    x = (torch.randn(3, 6, keys, generator=g) * 6).to(dtype)
+    x[0, 0] = float("-inf")
+    x[0, 1, : min(block, keys)] = float("-inf")  # a leading fully masked block
+    x[0, 2, 0] = float("nan")
+    x[0, 3, -1] = float("inf")
+    x[1, 0, :] = 60.0  # fp16: exp overflows, guarded by the running max
+    want = _tiled_block_by_block(x, block, reverse)
+    got = tiled_softmax(x, block=block, reverse=reverse)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)) and torch.equal(got.isnan(), want.isnan())
+
