@@ -1,8 +1,9 @@
 """Cost of each `attncheck run` cell against one torch.softmax pass.
 
-    python benchmarks/bench_run.py [--elements-log2 26] [--keys 1024] [--repeat 3] [--kernels fused|torch]
+    python benchmarks/bench_run.py [--elements-log2 26] [--keys 1024] [--repeat 3] [--kernels fused|torch] [--causal]
 
-Builds an fp32 score tensor of 2**26 elements (256 MiB) and times one float32
+Builds an fp32 score tensor of 2**26 elements (256 MiB; logits x 3, with --causal
+under a causal -inf mask in heads of `keys` queries) and times one float32
 torch.softmax pass over it. Then it runs the chunk loop of `diagnose` itself
 (the same functions, chunks and reused buffers) with a clock around each stage:
 the shared work per chunk (census, float64 reference, entropy, distribution),
@@ -94,6 +95,7 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--kernels", choices=("fused", "torch"), default="fused", help="fused numba kernels (CPU default for large inputs) or torch ops")
+    ap.add_argument("--causal", action="store_true", help="mask keys after each query with -inf (heads of `keys` queries)")
     args = ap.parse_args()
     reuse_freed_memory()  # as the attncheck command does
 
@@ -101,9 +103,12 @@ def main() -> None:
     rows = n // args.keys
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, args.keys, generator=g) * 3  # (R, T) fp32
+    if args.causal:
+        query = (torch.arange(rows) % args.keys).unsqueeze(-1)  # (R, 1) position of each row in its head
+        x.masked_fill_(torch.arange(args.keys) > query, float("-inf"))
     opts = Options(kernels=args.kernels)
     chunk = max(1, opts.chunk_elements // args.keys)
-    print(f"scores: {rows} rows x {args.keys} keys = 2^{args.elements_log2} fp32 elements ({x.numel() * 4 / 2**20:.0f} MiB); "
+    print(f"scores: {rows} rows x {args.keys} keys = 2^{args.elements_log2} fp32 elements ({x.numel() * 4 / 2**20:.0f} MiB{', causal mask' if args.causal else ''}); "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; chunks of {chunk} rows; {args.kernels} kernels")
     if args.kernels == "fused":  # compile outside the timings (numba caches it on disk for later runs)
         diagnose("warm-up", x[: 2 * chunk], opts)

@@ -34,6 +34,7 @@ import numpy as np
 CHILD = r"""
 import json, resource, sys, time
 import torch
+from attncheck.cliutil import reuse_freed_memory
 from attncheck.diagnose import Options, diagnose, diagnose_chunks, rows_per_chunk
 from attncheck.loaders import load_tensors
 from attncheck.stream import open_sources
@@ -42,6 +43,7 @@ def peak_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 mode, path, block_rows, dtypes, methods = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+reuse_freed_memory()  # as the attncheck command does
 options = Options(dtypes=tuple(dtypes.split(",")), methods=tuple(methods.split(",")))
 base = peak_mib()
 t0 = time.perf_counter()
