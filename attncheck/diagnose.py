@@ -214,20 +214,22 @@ def kl_divergence(ref: torch.Tensor, p: torch.Tensor, floor: float) -> torch.Ten
     """KL(ref || p) per row, in the generalised form sum(r log(r/q) - r + q), q = max(p, floor).
 
     It equals KL when both sum to 1 and stays >= 0 when rounding leaves p off
-    sum 1. Where q is within a factor 2 of r, log(r/q) is taken as log1p(delta) with
-    delta = (r - q) / q, so the second-order quantity survives float64 rounding even
-    when p is within 1e-7 of r (fp32 cells), where r log r - r log q would cancel to
-    noise. Elsewhere it is log r - log q: delta rounds to -1 when r is far below q
-    (a key the reference all but excludes, against a flushed p held at the floor).
+    sum 1. log(r/q) is taken as log1p(delta) with delta = (r - q) / q, so the
+    second-order quantity survives float64 rounding even when p is within 1e-7 of r
+    (fp32 cells), where r log r - r log q would cancel to noise; but as log r - log q
+    where q > 2r, since delta rounds to -1 when r is far below q (a key the reference
+    all but excludes, against a flushed p held at the floor).
     ``floor`` (the smallest subnormal of p's dtype) keeps a flushed key finite;
     flushes are counted on their own in ``flushed_frac``.
     """
     q = p.to(torch.float64).clamp_min(floor)
     delta = torch.sub(ref, q).div_(q)
-    near = delta.abs() < 0.5
-    log_ratio = torch.where(near, torch.log1p(delta.clamp(-0.5, 0.5)), torch.log(ref) - torch.log(q))
-    r_log = torch.where(ref > 0, ref * log_ratio, 0.0)  # r = 0 contributes q alone
-    return (r_log.sum(dim=-1) + torch.sub(q, ref).sum(dim=-1)).clamp_min(0)
+    terms = torch.special.xlog1py(ref, delta)  # r log1p(delta); 0 where r = 0
+    far = delta < -0.5  # q > 2r: log1p(delta) would lose r/q to the rounding of delta
+    if bool(far.any()):
+        r, qf = ref[far], q[far]
+        terms[far] = torch.where(r > 0, r * (torch.log(r) - torch.log(qf)), 0.0)
+    return (terms.sum(dim=-1) + torch.sub(q, ref).sum(dim=-1)).clamp_min(0)
 
 
 def jacobian_frobenius(p: torch.Tensor) -> torch.Tensor:
