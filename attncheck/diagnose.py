@@ -791,7 +791,7 @@ class _OwnReference:
 def cell_rows(c: _Chunk, probs: list[torch.Tensor], own: _OwnReference) -> list[tuple]:
     """Per-row metrics of each of a dtype's cells, in the order of ``probs``: max p, sum p,
     sum of squared and max absolute error against the chunk's reference and against
-    ``own`` (None when ``own.same``), generalised KL, flushed count, p at the top key."""
+    ``own`` (not meaningful when ``own.same``), generalised KL, flushed count, p at the top key."""
     if not c.fused:
         return [_cell_rows_torch(c, p, own, smallest_subnormal(p.dtype)) for p in probs]
     return _cell_rows_fused(c, probs, own)
