@@ -33,6 +33,11 @@ LN2_HI = 6.93147180369123816490e-01  # ln 2 split so that k * LN2_HI is exact fo
 LN2_LO = 1.90821492927058770002e-10
 SQRT_HALF_BITS = 0x3FE6A09E667F3BCD  # bit pattern of sqrt(1/2)
 
+# Polynomial coefficients, highest degree first (for _horner):
+EXP_TAYLOR = tuple(1.0 / math.factorial(n) for n in range(13, -1, -1))  # exp(r), |r| <= ln(2)/2
+ATANH_SERIES = tuple(1.0 / (2 * n + 1) for n in range(11, -1, -1))  # atanh(s) / s in s^2
+KL_SERIES = tuple((-1.0) ** n / (n * (n - 1)) for n in range(14, 1, -1))  # ((1+d) log(1+d) - d) / d^2
+
 # error_model="numpy": x / 0 gives inf as IEEE says, with no Python-style check that stops vectorisation
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath=FAST)
 _jit_exact = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath=EXACT)
@@ -113,6 +118,15 @@ def _to_f64(v):
 
 
 @_jit_exact
+def _horner(x, coefficients):
+    """sum c_i x^(n-i) for coefficients c_0..c_n, highest degree first (unrolled by LLVM)."""
+    p = 0.0
+    for c in coefficients:
+        p = p * x + c
+    return p
+
+
+@_jit_exact
 def exp_neg(z):
     """exp(z) for z <= 0 (-inf gives 0): Cody-Waite reduction, degree-13 Taylor polynomial,
     and 2^k applied in two halves so subnormal results round once. Within 2 ulp of exp.
@@ -123,20 +137,7 @@ def exp_neg(z):
     zc = 0.0 if under else z
     kf = np.floor(zc * LOG2E + 0.5)
     r = (zc - kf * LN2_HI) - kf * LN2_LO  # |r| <= ln(2)/2
-    p = 1.0 / 6227020800.0
-    p = p * r + 1.0 / 479001600.0
-    p = p * r + 1.0 / 39916800.0
-    p = p * r + 1.0 / 3628800.0
-    p = p * r + 1.0 / 362880.0
-    p = p * r + 1.0 / 40320.0
-    p = p * r + 1.0 / 5040.0
-    p = p * r + 1.0 / 720.0
-    p = p * r + 1.0 / 120.0
-    p = p * r + 1.0 / 24.0
-    p = p * r + 1.0 / 6.0
-    p = p * r + 0.5
-    p = p * r + 1.0
-    p = p * r + 1.0
+    p = _horner(r, EXP_TAYLOR)
     k = np.int64(kf)  # in [-1076, 0]
     k1 = k >> 1
     e = (p * _f64_from_bits((k1 + 1023) << 52)) * _f64_from_bits((k - k1 + 1023) << 52)
@@ -151,19 +152,7 @@ def log_pos(y):
     e = (bits - SQRT_HALF_BITS) >> 52
     f = _f64_from_bits(bits - (e << 52))
     s = (f - 1.0) / (f + 1.0)
-    s2 = s * s
-    q = 1.0 / 23.0
-    q = q * s2 + 1.0 / 21.0
-    q = q * s2 + 1.0 / 19.0
-    q = q * s2 + 1.0 / 17.0
-    q = q * s2 + 1.0 / 15.0
-    q = q * s2 + 1.0 / 13.0
-    q = q * s2 + 1.0 / 11.0
-    q = q * s2 + 1.0 / 9.0
-    q = q * s2 + 1.0 / 7.0
-    q = q * s2 + 1.0 / 5.0
-    q = q * s2 + 1.0 / 3.0
-    q = q * s2 + 1.0
+    q = _horner(s * s, ATANH_SERIES)
     ef = np.float64(e)
     return ef * LN2_HI + (2.0 * s * q + ef * LN2_LO)
 
@@ -340,19 +329,7 @@ def _metrics(pb, ref, ra, floor, rest_at):
         q = v if v > floor else floor
         d = (r - q) / q
         # q ((1+d) log(1+d) - d) = q sum_{n>=2} (-d)^n / (n (n-1))
-        c = 1.0 / 182.0
-        c = c * d - 1.0 / 156.0
-        c = c * d + 1.0 / 132.0
-        c = c * d - 1.0 / 110.0
-        c = c * d + 1.0 / 90.0
-        c = c * d - 1.0 / 72.0
-        c = c * d + 1.0 / 56.0
-        c = c * d - 1.0 / 42.0
-        c = c * d + 1.0 / 30.0
-        c = c * d - 1.0 / 20.0
-        c = c * d + 1.0 / 12.0
-        c = c * d - 1.0 / 6.0
-        c = c * d + 0.5
+        c = _horner(d, KL_SERIES)
         small = abs(d) < SERIES_LIMIT
         kl += q * d * d * c if small else (q if r == 0.0 else 0.0)
         left = 1 if not small and r > 0.0 else 0
