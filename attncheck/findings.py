@@ -1,14 +1,14 @@
 """Results -> findings: every problem gets a stable code, a severity and a one-line fix.
 
-Pure logic over the numbers in a ``TensorDiagnosis``; no tensors, no printing.
+Pure logic over the numbers in a ``TensorDiagnosis``; no tensors, no torch, no printing.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
 
-if TYPE_CHECKING:
-    from attncheck.diagnose import Cell, Finding, TensorDiagnosis
+from attncheck.format import num
+from attncheck.results import FLASH_RULE_FACTOR, UNEXPLAINED, Cell, Finding, TensorDiagnosis, flash_rule_bound
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -35,7 +35,6 @@ FIX = {
     "worse_than_torch": "this implementation loses more accuracy than torch.softmax in the same dtype: keep the max and sum in fp32 and round only the result",
     "probability_flush": "small probabilities round to 0 in this dtype; harmless for most models, upcast if those keys matter",
     "entropy_collapse": "attention is near one-hot: check the scores are scaled by 1/sqrt(d_k); ignore if the head is meant to be sharp",
-    "spread_underflow": "keys further than the dtype's underflow distance below the row max get probability 0 even in a stable softmax; expected for masked-like keys, check the logit scale otherwise",
 }
 
 SEVERITY = {
@@ -61,23 +60,17 @@ SEVERITY = {
     "worse_than_torch": "info",
     "probability_flush": "info",
     "entropy_collapse": "warning",
-    "spread_underflow": "info",
 }
 
-WORSE_THAN_TORCH_FACTOR = 2.0  # FlashAttention's test rule: error <= 2x PyTorch's in the same dtype
 FLUSH_INFO_FRAC = 0.01
 COLLAPSE_WARN_FRAC = 0.5
 
 
-def _g(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.4g}"
-
-
-def _names(cells: list["Cell"]) -> list[str]:
+def _names(cells: list[Cell]) -> list[str]:
     return [c.name for c in cells]
 
 
-def _cell_list(cells: list["Cell"], diag: "TensorDiagnosis") -> str:
+def _cell_list(cells: list[Cell], diag: TensorDiagnosis) -> str:
     """'naive, stable (all dtypes), tiled/fp16' - cells grouped by method."""
     dtypes = diag.options.dtypes
     parts = []
@@ -90,7 +83,7 @@ def _cell_list(cells: list["Cell"], diag: "TensorDiagnosis") -> str:
     return ", ".join(p + (" (all dtypes)" if "/" not in p else "") for p in parts)
 
 
-def _first_examples(cells: list["Cell"], label: str, limit: int = 5) -> list[tuple[int, ...]]:
+def _first_examples(cells: list[Cell], label: str, limit: int = 5) -> list[tuple[int, ...]]:
     seen: list[tuple[int, ...]] = []
     for c in cells:
         for e in c.examples.get(label, []):
@@ -99,16 +92,14 @@ def _first_examples(cells: list["Cell"], label: str, limit: int = 5) -> list[tup
     return seen[:limit]
 
 
-def findings_for(diag: "TensorDiagnosis") -> list["Finding"]:
-    from attncheck.diagnose import UNEXPLAINED, Finding
-
+def findings_for(diag: TensorDiagnosis) -> list[Finding]:
     out: list[Finding] = []
     census, cells = diag.census, diag.cells
 
-    def add(code: str, message: str, cells_hit: list["Cell"] = (), rows: int = 0, examples=(), severity: str | None = None) -> None:
+    def add(code: str, message: str, cells_hit: list[Cell] = (), rows: int = 0, examples=(), severity: str | None = None) -> None:
         out.append(Finding(code, severity or SEVERITY[code], message, FIX[code], _names(list(cells_hit)), rows, list(examples)))
 
-    def cells_with(kind: str, cause: str) -> list["Cell"]:
+    def cells_with(kind: str, cause: str) -> list[Cell]:
         return [c for c in cells if getattr(c, f"{kind}_causes").get(cause, 0)]
 
     # Input problems, in pipeline order.
@@ -161,7 +152,7 @@ def findings_for(diag: "TensorDiagnosis") -> list["Finding"]:
         other_pos = h.cast_posinf_values
         other_neg = h.cast_neginf_values if not sentinels else 0
         if other_pos or other_neg:
-            add("cast_overflow", f"casting to {h.dtype} turns {other_pos + other_neg} finite score(s) into +-inf (|x| beyond {h.max_finite:.6g}; e.g. {_g(h.cast_overflow_examples[0] if h.cast_overflow_examples else None)}){effect if other_pos else ''}", broken, rows_broken, examples)
+            add("cast_overflow", f"casting to {h.dtype} turns {other_pos + other_neg} finite score(s) into +-inf (|x| beyond {h.max_finite:.6g}; e.g. {num(h.cast_overflow_examples[0] if h.cast_overflow_examples else None, 4)}){effect if other_pos else ''}", broken, rows_broken, examples)
 
     # What happens inside the softmax.
     for c in cells:
@@ -170,7 +161,7 @@ def findings_for(diag: "TensorDiagnosis") -> list["Finding"]:
         if c.overflow_rows:
             h = next(h for h in census.headroom if h.dtype == c.dtype)
             if exp_nan or c.method == "naive":
-                add("exp_overflow", f"{c.method} softmax in {c.dtype}: exp overflows to inf in {c.overflow_rows} row(s) (exp(x) = inf for x > {h.exp_overflow_threshold:.4g}; largest score {_g(census.max)}) -> {exp_nan} NaN row(s), {exp_zero} all-zero row(s)", [c], c.overflow_rows, c.examples.get("overflow", []))
+                add("exp_overflow", f"{c.method} softmax in {c.dtype}: exp overflows to inf in {c.overflow_rows} row(s) (exp(x) = inf for x > {h.exp_overflow_threshold:.4g}; largest score {num(census.max, 4)}) -> {exp_nan} NaN row(s), {exp_zero} all-zero row(s)", [c], c.overflow_rows, c.examples.get("overflow", []))
             else:
                 add("sum_overflow", f"{c.method} softmax in {c.dtype}: the row sum overflows in {c.overflow_rows} row(s) -> {exp_zero} all-zero row(s)", [c], c.overflow_rows, c.examples.get("overflow", []))
         if c.nan_causes.get("underflow"):
@@ -195,48 +186,44 @@ def findings_for(diag: "TensorDiagnosis") -> list["Finding"]:
         t = by_dtype_torch.get(c.dtype)
         if t is None or c is t or c.verdict != "ok" or c.max_abs_err_algo is None or not t.max_abs_err_algo:
             continue
-        if c.max_abs_err_algo > WORSE_THAN_TORCH_FACTOR * t.max_abs_err_algo:
+        if c.max_abs_err_algo > flash_rule_bound(t.max_abs_err_algo):
             worse.append(f"{c.name} {c.max_abs_err_algo / t.max_abs_err_algo:.1f}x")
     if worse:
-        add("worse_than_torch", f"max error above {WORSE_THAN_TORCH_FACTOR:g}x torch.softmax's in the same dtype (FlashAttention's test budget; errors against float64 of the cast scores): {', '.join(worse)}")
+        add("worse_than_torch", f"max error above {FLASH_RULE_FACTOR:g}x torch.softmax's in the same dtype (FlashAttention's test budget; errors against float64 of the cast scores): {', '.join(worse)}")
     flushed = [c for c in cells if c.flushed_frac is not None and c.flushed_frac >= FLUSH_INFO_FRAC]
     if flushed:
         add("probability_flush", "non-zero reference probabilities become exactly 0 in " + ", ".join(f"{c.name} ({c.flushed_frac:.1%})" for c in flushed), flushed)
 
     dist = diag.distribution
     if dist.collapsed_frac is not None and dist.collapsed_frac >= COLLAPSE_WARN_FRAC:
-        add("entropy_collapse", f"{dist.collapsed_frac:.0%} of rows put >= {dist.collapse_threshold:g} of their probability on one key (mean entropy {_g(dist.entropy_mean)} nats, normalised {_g(dist.entropy_norm_mean)})", rows=dist.collapsed_rows)
+        add("entropy_collapse", f"{dist.collapsed_frac:.0%} of rows put >= {dist.collapse_threshold:g} of their probability on one key (mean entropy {num(dist.entropy_mean, 4)} nats, normalised {num(dist.entropy_norm_mean, 4)})", rows=dist.collapsed_rows)
     order = {s: i for i, s in enumerate(SEVERITIES)}
     out.sort(key=lambda f: order[f.severity])
     return out
 
 
-def _attention_findings(diag: "TensorDiagnosis", add, cells_with) -> None:
+def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
     """Findings of the Q/K -> scores pipeline: overflow of Q@K^T, mask sentinels, leaks, scale."""
-    import math
-
     a = diag.attention
     for d, audit in a.dtypes.items():
         dtype_cells = [c for c in diag.cells if c.dtype == d]
         if audit.qk_overflow_values:
-            from attncheck.precision import dtype_from_name
-            from attncheck.scores import representable_scale_first
-
             hit = [c for c in dtype_cells if c.nan_causes.get("qk_overflow")]
+            limit = diag.limits[d].rounding_limit
             if a.scale_order == "q":
                 verdict = "q is already scaled first"
-            elif representable_scale_first(a, dtype_from_name(d)):
+            elif a.raw_max_abs * a.scale < limit and a.q_max_abs * a.scale < limit:  # scaling q first keeps every score in range
                 verdict = "scaling q first (--scale-order q) would avoid it"
             else:
                 verdict = "scaling q first would not avoid it: the scaled scores themselves exceed the range"
-            add("qk_overflow", f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond +-{_dtype_max(d):.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); {verdict}", hit, audit.qk_overflow_rows, _first_examples(hit, "nan:qk_overflow"))
+            add("qk_overflow", f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond +-{diag.limits[d].max:.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); {verdict}", hit, audit.qk_overflow_rows, _first_examples(hit, "nan:qk_overflow"))
         if audit.mask_not_representable or audit.sentinel_not_representable:
             what = []
             if audit.mask_not_representable:
                 what.append(f"{audit.mask_not_representable} float-mask value(s)")
             if audit.sentinel_not_representable:
                 what.append(f"the mask value {a.mask_value}")
-            add("sentinel_not_representable", f"{' and '.join(what)} cannot be held by {d} (max {_dtype_max(d):.6g}) and become -inf", dtype_cells)
+            add("sentinel_not_representable", f"{' and '.join(what)} cannot be held by {d} (max {diag.limits[d].max:.6g}) and become -inf", dtype_cells)
         hit = [c for c in dtype_cells if c.nan_causes.get("mask_sentinel")]
         rows = max((c.nan_causes.get("mask_sentinel", 0) for c in hit), default=0)
         if audit.overflow_on_add:
@@ -267,15 +254,7 @@ def _attention_findings(diag: "TensorDiagnosis", add, cells_with) -> None:
             add("scale_mismatch", f"the scores are q.k times {a.fitted_scale:.4g} (least squares), closest to {name} = {value:.4g}; 1/sqrt(d_head) = {1 / math.sqrt(a.d):.4g} (d_head {a.d}, {a.heads} heads)")
 
 
-def _dtype_max(dtype_name: str) -> float:
-    from attncheck.precision import dtype_from_name
-
-    import torch
-
-    return torch.finfo(dtype_from_name(dtype_name)).max
-
-
-def failed_conditions(diags: list["TensorDiagnosis"], conditions: list[str]) -> list[str]:
+def failed_conditions(diags: list[TensorDiagnosis], conditions: list[str]) -> list[str]:
     """The --fail-on conditions that hold, each with a short reason.
 
     Conditions: nan, overflow, zero, flip, error (any error finding), warning (any

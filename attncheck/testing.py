@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from attncheck.check_config import Budget, parse_budget
+from attncheck.config.check import Budget, parse_budget
 from attncheck.errors import AttncheckError
+from attncheck.params import DEFAULT_BLOCK
 
 __all__ = ["assert_softmax_ok"]
 
@@ -30,14 +31,16 @@ def _as_tensor(scores: Any):
     if isinstance(scores, np.ndarray) and scores.dtype.kind == "f":
         return torch.from_numpy(np.ascontiguousarray(scores))
     if isinstance(scores, np.ndarray):
-        raise AttncheckError(f"scores: numpy dtype {scores.dtype} is not supported; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)")
+        from attncheck.numerics.precision import scores_dtype_error
+
+        raise scores_dtype_error("scores", scores.dtype)
     raise AttncheckError(f"scores must be a torch.Tensor or a numpy array, got {type(scores).__name__}")
 
 
 def _dtype_name(dtype: Any) -> str:
     import torch
 
-    from attncheck.precision import dtype_label
+    from attncheck.numerics.precision import dtype_label
 
     if isinstance(dtype, torch.dtype):
         return dtype_label(dtype)
@@ -61,7 +64,7 @@ def assert_softmax_ok(
     kl_max: float | None = None,
     relative_to_torch: float | None = None,
     relative_to_torch_atol: float = 0.0,
-    block: int = 128,
+    block: int = DEFAULT_BLOCK,
     accum: str = "fp32",
     name: str = "scores",
 ):
@@ -71,7 +74,7 @@ def assert_softmax_ok(
     ``dtype``: 'fp16', 'bf16', 'fp32' or a torch dtype; ``method``: 'naive',
     'stable', 'tiled' (alias 'online') or 'torch'. Budgets as in ``[tool.attncheck.budget]``;
     ``None`` leaves one unchecked (``nan`` and ``overflow`` default to 0).
-    Returns the ``checks.CaseResult`` when every budget holds; raises
+    Returns the ``results.CaseResult`` when every budget holds; raises
     ``AssertionError`` otherwise, and ``AttncheckError`` for unusable arguments.
     """
     given = {
@@ -88,14 +91,20 @@ def assert_softmax_ok(
     empty = Budget(nan=None, overflow=None)
     budget = parse_budget(table, "", "assert_softmax_ok", base=empty)
 
-    from attncheck.checks import check_tensor
+    from attncheck.config.run import Options
+    from attncheck.numerics.budgets import check_tensor
+    from attncheck.report.check import describe_case
 
     x = _as_tensor(scores)
     if not isinstance(method, str):
         raise AttncheckError(f"method must be a name such as 'stable', got {method!r}")
     device = str(x.device) if x.device.type != "meta" else "cpu"
-    (case,) = check_tensor(name, x, budget, dtypes=(_dtype_name(dtype),), methods=(method,), block=block, accum=accum, device=device)
+    try:
+        options = Options(dtypes=(_dtype_name(dtype),), methods=(method,), block=block, accum=accum, device=device)
+    except AttncheckError as e:  # name this function's arguments
+        raise AttncheckError(e.render(lambda p: {"dtypes": "dtype", "methods": "method"}.get(p, p))) from None
+    (case,) = check_tensor(name, x, budget, options)
     if not case.passed:
         shape = "x".join(map(str, case.shape))
-        raise AssertionError(f"attncheck: {case.name} of {name} ({shape}) broke its budget: {case.describe()}")
+        raise AssertionError(f"attncheck: {case.name} of {name} ({shape}) broke its budget: {describe_case(case)}")
     return case

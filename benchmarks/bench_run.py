@@ -24,22 +24,13 @@ from collections import defaultdict
 
 import torch
 
-from attncheck.cliutil import reuse_freed_memory
-from attncheck.diagnose import (
-    Options,
-    _CellAcc,
-    _CensusAcc,
-    _Chunk,
-    _DistAcc,
-    _in_dtype,
-    _use_fused,
-    _Workspace,
-    cell_rows,
-    diagnose,
-)
-from attncheck.names import DTYPE_NAMES, METHOD_NAMES
-from attncheck.precision import dtype_from_name
-from attncheck.softmax import run_method
+from attncheck.cli.common import reuse_freed_memory
+from attncheck.numerics.accumulate import CellAcc, CensusAcc, DistAcc
+from attncheck.numerics.backends import select_backend
+from attncheck.numerics.diagnose import Options, _in_dtype, diagnose
+from attncheck.numerics.precision import dtype_from_name
+from attncheck.numerics.softmax import run_method
+from attncheck.registry import dtype_names, method_names
 
 
 def best_of(repeat: int, fn) -> float:
@@ -56,35 +47,34 @@ def staged_pass(x: torch.Tensor, opts: Options) -> dict:
     spent: dict = defaultdict(float)
     keys = x.shape[-1]
     step = max(1, opts.chunk_elements // keys)
-    fused = _use_fused(opts, x.device, x.numel())
-    census, dist = _CensusAcc(opts.dtypes), _DistAcc(opts.collapse_threshold)
-    cells = {(m, d): _CellAcc(m, d, opts.max_examples) for d in opts.dtypes for m in opts.methods}
-    workspace = _Workspace()
+    backend = select_backend(opts.kernels, x.device, x.numel())
+    census, dist = CensusAcc(opts.dtypes), DistAcc(opts.collapse_threshold)
+    cells = {(m, d): CellAcc(m, d, opts.max_examples) for d in opts.dtypes for m in opts.methods}
     clock = time.perf_counter
     for start in range(0, x.shape[0], step):
         t0 = clock()
-        c = _Chunk.of(x[start : start + step], start, 0.0, fused, workspace)
+        c = backend.chunk(x[start : start + step], start, 0.0)
         census.update(c)
         dist.update(c)
         spent["shared"] += clock() - t0
         for d in opts.dtypes:
             block = c.x
             t0 = clock()
-            own, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, workspace)
+            algo, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, backend)
             spent[("cast", d)] += clock() - t0
             causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
             outs = {}
             for m in opts.methods:
                 t0 = clock()
-                outs[m] = run_method(m, own.xc, block=opts.block)
+                outs[m] = run_method(m, algo.xc, block=opts.block)
                 spent[("method", m, d)] += clock() - t0
             t0 = clock()
-            rows = cell_rows(c, [outs[m].probs for m in opts.methods], own)
+            metrics = backend.cell_metrics(c, [outs[m].probs for m in opts.methods], algo)
             t_rows = (clock() - t0) / len(opts.methods)  # one kernel call serves the dtype's methods
-            for m, r in zip(opts.methods, rows):
+            for m, r in zip(opts.methods, metrics):
                 t0 = clock()
                 o = outs[m]
-                cells[(m, d)].update(c, o.probs, o.overflow_rows, o.underflow_rows, own, causes, r)
+                cells[(m, d)].update(c, o.probs, o.events, algo, causes, r)
                 spent[("metrics", m, d)] += clock() - t0 + t_rows
     return spent
 
@@ -120,11 +110,11 @@ def main() -> None:
     best = {k: min(p[k] for p in passes) for k in passes[0]}
     print(f"shared per tensor (census, float64 reference, entropy, distribution): {best['shared'] * 1e3:.1f} ms = {best['shared'] / base:.2f}x")
     print(f"{'cell':<12} {'cast+ref':>9} {'method':>8} {'metrics':>8} {'cell total':>11}   (cast+ref: once per dtype, shared by its 4 methods)")
-    for d in DTYPE_NAMES:
+    for d in dtype_names():
         t_cast = best[("cast", d)]
-        for m in METHOD_NAMES:
+        for m in method_names():
             t_method, t_metrics = best[("method", m, d)], best[("metrics", m, d)]
-            total = t_cast / len(METHOD_NAMES) + t_method + t_metrics
+            total = t_cast / len(method_names()) + t_method + t_metrics
             print(f"{m + '/' + d:<12} {t_cast / base:>8.2f}x {t_method / base:>7.2f}x {t_metrics / base:>7.2f}x {total / base:>10.2f}x")
 
     t = best_of(1, lambda: diagnose("bench", x, opts))

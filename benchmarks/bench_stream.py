@@ -9,7 +9,7 @@ logits x 3 under a causal -inf mask, rows grouped in heads of `keys` queries) as
 .safetensors into DIR (default: a temporary directory), block by block, never as one array.
 Then, for each format, in a fresh subprocess:
 
-  read      attncheck.stream row_blocks only (I/O and conversion to tensors)
+  read      attncheck.loaders row_blocks only (I/O and conversion to tensors)
   diagnose  diagnose_chunks(name, shape, dtype, row_blocks(k), options)
   load      (--also-load) load_tensors + diagnose: the whole tensor in memory, for comparison
 
@@ -34,10 +34,9 @@ import numpy as np
 CHILD = r"""
 import json, resource, sys, time
 import torch
-from attncheck.cliutil import reuse_freed_memory
-from attncheck.diagnose import Options, diagnose, diagnose_chunks, rows_per_chunk
-from attncheck.loaders import load_tensors
-from attncheck.stream import open_sources
+from attncheck.cli.common import reuse_freed_memory
+from attncheck.numerics.diagnose import Options, diagnose, diagnose_chunks, rows_per_chunk
+from attncheck.loaders import load_tensors, open_sources
 
 def peak_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

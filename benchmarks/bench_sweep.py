@@ -16,8 +16,9 @@ import time
 import torch
 from rich.console import Console
 
-from attncheck.sweep import SweepConfig, run_sweep
-from attncheck.sweep_report import print_sweep
+from attncheck.config.sweep import SweepConfig
+from attncheck.pipelines.sweep import run_sweep
+from attncheck.report.sweep import print_sweep
 
 
 def main() -> None:

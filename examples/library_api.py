@@ -5,7 +5,7 @@
 
 import torch
 
-from attncheck.diagnose import Options, diagnose
+from attncheck import Options, diagnose
 
 g = torch.Generator().manual_seed(0)
 scores = torch.randn(8, 128, generator=g) * 6  # (queries, keys): logits of std 6

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attncheck.errors import AttncheckError
-from attncheck.synthetic import make_scores
+from attncheck.numerics.synthetic import make_scores
 from attncheck.testing import assert_softmax_ok
 
 LN_FP16_LIMIT = math.log(65520.0)
@@ -84,8 +84,8 @@ def test_unchecked_budgets_do_not_fail():
         ({"relative_to_torch": 0}, "relative_to_torch must be a number > 0, got 0"),
         ({"relative_to_torch_atol": 1e-6}, "relative_to_torch_atol is set but relative_to_torch is not"),
         ({"nan": None, "overflow": None}, "assert_softmax_ok: every budget is None, so nothing would be checked"),
-        ({"method": "fast"}, "unknown method 'fast' (choose from naive, stable, tiled, torch)"),
-        ({"dtype": "fp8"}, "unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
+        ({"method": "fast"}, "method: unknown method 'fast' (choose from naive, stable, tiled, torch)"),
+        ({"dtype": "fp8"}, "dtype: unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
     ],
 )
 def test_bad_arguments_raise_attncheck_error(kwargs, message):
@@ -97,7 +97,7 @@ def test_bad_arguments_raise_attncheck_error(kwargs, message):
 def test_bad_scores_raise_attncheck_error():
     with pytest.raises(AttncheckError, match=re.escape("scores must be a torch.Tensor or a numpy array, got list")):
         assert_softmax_ok([[1.0, 2.0]])
-    with pytest.raises(AttncheckError, match=re.escape("scores: numpy dtype int64 is not supported")):
+    with pytest.raises(AttncheckError, match=re.escape("scores has dtype int64; attncheck needs floating-point scores")):
         assert_softmax_ok(np.zeros((2, 3), dtype=np.int64))
-    with pytest.raises(AttncheckError, match="dtype int64 is not supported"):
+    with pytest.raises(AttncheckError, match=re.escape("scores has dtype int64; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)")):
         assert_softmax_ok(torch.zeros(2, 3, dtype=torch.int64))

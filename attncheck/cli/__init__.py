@@ -1,0 +1,50 @@
+"""Command line: one module per command (``run``, ``sweep``, ``check``), each parsing its
+options, calling its pipeline, rendering and mapping errors to exit codes.
+
+torch is imported inside the commands only, so ``attncheck --help`` and argument
+errors stay fast.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from attncheck import __version__
+from attncheck.cli.check import check
+from attncheck.cli.common import OneLineErrorsGroup, reuse_freed_memory
+from attncheck.cli.run import run
+from attncheck.cli.sweep import sweep
+
+app = typer.Typer(
+    name="attncheck",
+    cls=OneLineErrorsGroup,
+    help="Numerical diagnostics for the softmax inside attention: overflow, underflow, "
+    "NaN rows and their causes, and the error of naive, stable, tiled (FlashAttention-style) "
+    "and torch softmax in fp16, bf16 and fp32 against a float64 reference.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"attncheck {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", callback=version_callback, is_eager=True),
+) -> None:
+    """Numerical diagnostics for the softmax inside attention."""
+    reuse_freed_memory()
+
+
+app.command()(run)
+app.command()(sweep)
+app.command()(check)
+
+
+def main() -> None:
+    app()

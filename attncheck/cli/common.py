@@ -1,0 +1,132 @@
+"""Pieces every command shares: exit codes, the one-line error (with library parameters
+shown as flags), output paths.
+
+Free of torch and numpy so argument checking stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+import typer.core
+
+from attncheck.errors import AttncheckError
+
+from typer import Abort
+
+try:  # typer >= 0.26 bundles its own click
+    from typer._click.exceptions import ClickException, UsageError
+except ImportError:  # pragma: no cover - older typer uses the click package
+    from click.exceptions import ClickException, UsageError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def reuse_freed_memory() -> None:
+    """Ask glibc to keep freed memory for reuse instead of unmapping it.
+
+    A diagnosis allocates and frees the same tensors of a few MiB chunk after chunk.
+    By default glibc's thresholds for mmap and for trimming the heap move with the
+    traffic, and some of those buffers come back to the kernel on free, so the next
+    chunk pays a page fault for every 4 KiB of them again (it made the tiled method
+    3x slower in bf16). Fixed thresholds keep blocks under 32 MiB in the heap, and a
+    freed heap is reused rather than trimmed. The peak resident memory is unchanged:
+    it is what the largest chunk needs, and --max-memory bounds that. Does nothing
+    off Linux/glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from <malloc.h>
+    mallopt(m_mmap_threshold, 32 << 20)  # glibc's largest allowed value
+    mallopt(m_trim_threshold, 1 << 30)
+
+
+# Library parameters whose flag is not '--' + the name with dashes.
+FLAGS = {
+    "dtypes": "--dtype", "methods": "--method", "keys": "--key", "reverse": "--order",
+    "dks": "--dk", "scales": "--scale", "seqs": "--seq", "stds": "--std",
+    "chunk_elements": "--max-memory", "kernels": "ATTNCHECK_KERNELS",
+}
+
+
+def flag(parameter: str) -> str:
+    """A library parameter as the command line spells it: 'dtypes' -> '--dtype'."""
+    return FLAGS.get(parameter) or ("--" + parameter.replace("_", "-") if parameter.isidentifier() else parameter)
+
+
+def fail(error: AttncheckError | str) -> typer.Exit:
+    """Print one line on stderr and return the Exit(2) to raise."""
+    message = error.render(flag) if isinstance(error, AttncheckError) else error
+    typer.echo(f"attncheck: error: {message}", err=True)
+    return typer.Exit(EXIT_USAGE)
+
+
+def check_output_path(path: str | None, option: str, dash_ok: bool = True) -> None:
+    """Fail before any work when an output file cannot be created ('-' is stdout)."""
+    if path is None or (dash_ok and path == "-"):
+        return
+    if os.path.isdir(path):
+        raise AttncheckError(f"cannot write {option} {path}: it is a folder; give a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise AttncheckError(f"cannot write {option} {path}: folder {folder} does not exist")
+
+
+def write_text(text: str, path: str, option: str) -> None:
+    """Write a report file; an unwritable path is an input error."""
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as e:
+        raise AttncheckError(f"cannot write {option} {path}: {e.strerror or e}") from None
+
+
+def write_json(text: str, target: str) -> None:
+    """Write JSON text to a file, or to stdout for '-'; unwritable paths are input errors."""
+    if target == "-":
+        typer.echo(text)
+        return
+    try:
+        with open(target, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    except OSError as e:
+        raise AttncheckError(f"cannot write {target}: {e.strerror or e}") from None
+
+
+class OneLineErrorsGroup(typer.core.TyperGroup):
+    """Typer group whose usage errors are one line on stderr (exit 2), like attncheck's own.
+
+    Typer would print a multi-line panel; scripts and CI logs read one line better.
+    """
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra)
+        except UsageError as e:
+            if type(e).__name__ == "NoArgsIsHelpError":
+                e.show()
+                code = e.exit_code
+            else:
+                hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+                typer.echo(f"attncheck: error: {e.format_message()}{hint}", err=True)
+                code = EXIT_USAGE
+        except ClickException as e:
+            typer.echo(f"attncheck: error: {e.format_message()}", err=True)
+            code = e.exit_code
+        except Abort:
+            typer.echo("attncheck: aborted", err=True)
+            code = EXIT_FAILED
+        else:
+            code = rv if isinstance(rv, int) else EXIT_OK
+        if not standalone_mode:
+            return code
+        sys.exit(code)

@@ -1,0 +1,42 @@
+"""Options shared by the commands, declared once: the same flag means the same in every
+command, is taken as text and checked by ``attncheck.params`` (one clear line, exit 2).
+
+Also the two things every command prints on stderr besides errors: a progress bar
+(terminal only, after a second) and one-line notices, both off with ``--quiet``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from attncheck.params import DEFAULT_BLOCK, SCALE_NAMES
+from attncheck.registry import DTYPES, METHODS, cell_dtype, choices_help, dtype_names, method_names
+
+DEFAULT_DTYPES = ",".join(dtype_names())
+DEFAULT_METHODS = ",".join(method_names())
+
+DtypeOpt = Annotated[str, typer.Option("--dtype", "-d", metavar="DTYPE,...", help=f"Comma-separated dtypes to compute in: {choices_help(DTYPES, cell_dtype)} (or 'all').")]
+MethodOpt = Annotated[str, typer.Option("--method", "-m", metavar="METHOD,...", help=f"Comma-separated softmax methods: {choices_help(METHODS)} (or 'all').")]
+BlockOpt = Annotated[str, typer.Option("--block", metavar="N", help=f"Key block size of the tiled method (FlashAttention's is {DEFAULT_BLOCK} for d <= 128).")]
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="NAME", help="Where to compute: auto (cuda if available), cpu, cuda or cuda:N.")]
+ScaleOpt = Annotated[str, typer.Option("--scale", "-s", metavar="SCALE[,...]", help=f"Scale of q.k: {', '.join(SCALE_NAMES)} (sqrt = 1/sqrt(d_k), auto = sqrt, dk = 1/d_k, dk2 = 1/d_k^2) or a positive number; sweep takes several, comma-separated.")]
+JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Write the report as JSON to FILE ('-' for stdout: tables are then not printed).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print less: no progress bar and no notices on stderr (check: only the broken budgets and the verdict).")]
+
+
+def notices(quiet: bool) -> Callable[[str], None] | None:
+    """A callback that prints a library notice as one line on stderr, or None with --quiet."""
+    if quiet:
+        return None
+    return lambda line: typer.echo(f"attncheck: {line}", err=True)
+
+
+def progress_shown(quiet: bool) -> tuple[bool, bool]:
+    """(show a progress bar, force it): only on a terminal, or always with
+    ATTNCHECK_PROGRESS=always (for tests and CI logs that want it); never with --quiet."""
+    forced = os.environ.get("ATTNCHECK_PROGRESS") == "always"
+    return (not quiet and (forced or sys.stderr.isatty())), forced

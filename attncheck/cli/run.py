@@ -1,0 +1,127 @@
+"""``attncheck run``: parse the options, call ``pipelines.run``, render, exit 0 / 1 / 2.
+
+torch is imported inside the command only, so ``--help`` and argument errors stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import List, Optional
+
+import typer
+
+from attncheck import params
+from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, write_json
+from attncheck.cli.options import (
+    DEFAULT_DTYPES,
+    DEFAULT_METHODS,
+    BlockOpt,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    MethodOpt,
+    QuietOpt,
+    ScaleOpt,
+    notices,
+    progress_shown,
+)
+from attncheck.config.run import Options, QKSpec, RunRequest, chunk_elements_for
+from attncheck.errors import AttncheckError, param
+from attncheck.findings import FAIL_ON_WORDS, valid_fail_on
+
+Order = Enum("Order", {name: name for name in params.ORDERS}, type=str)
+Accum = Enum("Accum", {name: name for name in params.ACCUMULATIONS}, type=str)
+ScaleOrder = Enum("ScaleOrder", {name: name for name in params.SCALE_ORDERS}, type=str)
+MaskConvention = Enum("MaskConvention", {name: name for name in params.MASK_CONVENTIONS}, type=str)
+QK = "Q/K inputs"
+
+
+def parse_fail_on(value: str) -> list[str]:
+    items = [v.strip().lower() for v in value.split(",") if v.strip()]
+    for item in items:
+        if not valid_fail_on(item):
+            raise AttncheckError(f"unknown condition {item!r} (use {', '.join(FAIL_ON_WORDS)} or a finding code)", param="fail_on")
+    return items
+
+
+def run(
+    paths: Optional[List[str]] = typer.Argument(None, help="Score files (.pt .pth .npy .npz .safetensors) or directories. Softmax runs over the last axis.", show_default=False),
+    example: bool = typer.Option(False, "--example", help="Diagnose a built-in example (unscaled head, -1e9 causal mask, left padding) instead of files."),
+    dtype: DtypeOpt = DEFAULT_DTYPES,
+    method: MethodOpt = DEFAULT_METHODS,
+    block: BlockOpt = str(params.DEFAULT_BLOCK),
+    order: Order = typer.Option("forward", "--order", help="Order in which the tiled method visits key blocks."),
+    accum: Accum = typer.Option("fp32", "--accum", help="Row sums of naive/stable: fp32 inside as torch does, or pairwise in the dtype."),
+    device: DeviceOpt = "auto",
+    key: List[str] = typer.Option([], "--key", help="Glob selecting tensors inside files (repeatable), e.g. 'layers.*.scores'."),
+    json_out: JsonOpt = None,
+    fail_on: str = typer.Option("", "--fail-on", help=f"Exit 1 when a condition holds: {', '.join(FAIL_ON_WORDS)} or a finding code (comma-separated)."),
+    brief: bool = typer.Option(False, "--brief", help="Leave out the per-cell detail table."),
+    max_memory: str = typer.Option(params.DEFAULT_MAX_MEMORY, "--max-memory", help="Working memory for the diagnosis: inputs are read and processed in row chunks that fit (.npy, .safetensors, .npz stream; .pt is loaded whole)."),
+    quiet: QuietOpt = False,
+    q: Optional[str] = typer.Option(None, "--q", help="Queries (..., heads, tokens, d) as PATH or PATH:KEY. With --k, the scores are computed in each dtype as models do.", rich_help_panel=QK),
+    k: Optional[str] = typer.Option(None, "--k", help="Keys (..., kv_heads, tokens, d) as PATH or PATH:KEY; kv_heads may divide the query heads (GQA).", rich_help_panel=QK),
+    mask: Optional[str] = typer.Option(None, "--mask", help="Mask as PATH or PATH:KEY, boolean (see --mask-convention) or additive float, broadcast to (batch, heads, queries, keys).", rich_help_panel=QK),
+    scale: ScaleOpt = "auto",
+    scale_order: ScaleOrder = typer.Option("scores", "--scale-order", help="Scale the scores after Q@K^T, or q before it.", rich_help_panel=QK),
+    causal: bool = typer.Option(False, "--causal", help="Add a causal mask, aligned as PyTorch's is_causal (top left).", rich_help_panel=QK),
+    pad_left: str = typer.Option("", "--pad-left", help="Left padding per batch element, e.g. 3,0: those keys are masked.", rich_help_panel=QK),
+    pad_right: str = typer.Option("", "--pad-right", help="Right padding per batch element.", rich_help_panel=QK),
+    mask_value: str = typer.Option("-inf", "--mask-value", help="What a masked key becomes: -inf, min (finfo(dtype).min) or a number such as -1e4.", rich_help_panel=QK),
+    mask_convention: MaskConvention = typer.Option("attend", "--mask-convention", help="Boolean masks: True = attend (SDPA) or True = masked.", rich_help_panel=QK),
+) -> None:
+    """Diagnose saved attention scores (pre-softmax logits), or the scores Q and K produce.
+
+    Every method x dtype cell is judged against a float64 softmax of the scores as given
+    (with --q/--k: of Q@K^T, scale and mask computed in float64). With scores files and
+    --q/--k together, the scale that maps q.k onto the scores is fitted and checked.
+    Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error.
+    """
+    try:
+        conditions = parse_fail_on(fail_on)
+        memory = params.size(max_memory, "max_memory")
+        check_output_path(json_out, "--json")
+        options = Options(
+            dtypes=params.dtypes(dtype), methods=params.methods(method), block=params.integer(block, "block", 1),
+            reverse=Order(order).value == "reverse", accum=Accum(accum).value, device=params.device(device),
+            chunk_elements=chunk_elements_for(memory),
+        )
+        qk = None
+        if q is not None or k is not None:
+            if q is None or k is None:
+                raise AttncheckError(f"{param('q')} and {param('k')} go together: give both")
+            scales = params.scales(scale)
+            if len(scales) != 1:
+                raise AttncheckError(f"give one scale for run, got {len(scales)}", param="scale")
+            qk = QKSpec(q, k, mask, scales[0], ScaleOrder(scale_order).value, causal, tuple(params.lengths(pad_left, "pad_left")),
+                        tuple(params.lengths(pad_right, "pad_right")), mask_value, MaskConvention(mask_convention).value)
+        elif mask is not None or causal or pad_left or pad_right:
+            raise AttncheckError(f"{param('mask')}, {param('causal')} and {param('pad_left')}/{param('pad_right')} apply to scores computed from {param('q')} and {param('k')}")
+        request = RunRequest(tuple(paths or ()), tuple(key), example, qk, options)
+
+        from attncheck.pipelines.run import run as run_pipeline
+        from attncheck.report.progress import Progress
+
+        show, forced = progress_shown(quiet)
+        with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
+            result = run_pipeline(request, progress.track, notices(quiet))
+    except AttncheckError as e:
+        raise fail(e) from None
+
+    from attncheck.findings import failed_conditions
+    from attncheck.report.run import print_report, run_json
+
+    failed = failed_conditions(result.tensors, conditions)
+    if json_out is not None:
+        try:
+            write_json(json.dumps(run_json(result.tensors, result.device, failed), indent=2, allow_nan=False), json_out)
+        except AttncheckError as e:
+            raise fail(e) from None
+    if json_out != "-":
+        from rich.console import Console
+
+        print_report(Console(), result.tensors, result.device, verbose=not brief)
+    for reason in failed:
+        typer.echo(f"attncheck: --fail-on {reason}", err=True)
+    raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)

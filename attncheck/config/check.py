@@ -1,0 +1,397 @@
+"""What ``attncheck check`` is asked to verify: the ``[tool.attncheck]`` table, found and checked.
+
+Free of torch and numpy, so a bad config fails in milliseconds, before the
+heavy imports. The config is looked up as pytest and ruff do: from the current
+directory upwards, the first ``attncheck.toml`` or ``pyproject.toml`` with a
+``[tool.attncheck]`` table wins; ``--config FILE`` names one directly.
+Input globs are resolved here, relative to the config file's folder, so a glob
+that matches nothing is an input error before any tensor is read.
+
+Every problem is an :class:`AttncheckError` whose one line names the key as it
+is spelled in the file (``tool.attncheck.budget.nan``), and for TOML syntax
+errors the line and column tomllib reports.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from attncheck import params
+from attncheck.config.sweep import DIST_NAMES
+from attncheck.errors import AttncheckError
+from attncheck.params import ORDERS, Scale, show
+from attncheck.registry import dtype_names
+from attncheck.results import BUDGET_NAMES, COUNT_BUDGETS, RELATIVE_BUDGET
+
+if TYPE_CHECKING:
+    from attncheck.config.run import Options
+
+try:  # Python >= 3.11
+    import tomllib as _toml
+except ImportError:  # pragma: no cover - Python 3.10
+    try:
+        import tomli as _toml  # type: ignore[no-redef]
+    except ImportError:
+        _toml = None
+
+PYPROJECT = "pyproject.toml"
+STANDALONE = "attncheck.toml"
+TABLE = "tool.attncheck"
+DEFAULT_METHODS = ("stable", "tiled", "torch")  # what real code runs; add "naive" to guard a hand-written softmax
+DEFAULT_DEVICE = "cpu"  # reproducible across CI runners; "auto" or "cuda" to compute on the GPU
+DEFAULT_SYNTHETIC_SEQ = 256
+DEFAULT_SYNTHETIC_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Limits one method x dtype cell must stay within; None means not checked.
+
+    Counts are rows of the cell; errors are measured against float64 by
+    ``diagnose`` (``max_abs_err``, ``rmse``: against the scores as given;
+    ``max_abs_err_algo``: against the scores after the cast to the dtype).
+    ``relative_to_torch`` is FlashAttention's rule: the cell's ``max_abs_err_algo``
+    at most N x torch.softmax's in the same dtype, plus ``relative_to_torch_atol``.
+    """
+
+    nan: int | None = 0
+    overflow: int | None = 0
+    zero_rows: int | None = None
+    argmax_flips: int | None = None
+    max_abs_err: float | None = None
+    max_abs_err_algo: float | None = None
+    rmse: float | None = None
+    kl_max: float | None = None
+    relative_to_torch: float | None = None
+    relative_to_torch_atol: float = 0.0
+
+    def active(self) -> list[tuple[str, float]]:
+        """(name, limit) of every budget that is checked, in report order."""
+        return [(name, getattr(self, name)) for name in BUDGET_NAMES if getattr(self, name) is not None]
+
+
+@dataclass(frozen=True)
+class SyntheticInput:
+    """One ``[[tool.attncheck.synthetic]]`` entry: scores = scale * q.k from the sweep generator."""
+
+    index: int
+    d_k: int
+    scale: Scale = Scale("sqrt")
+    seq: int = DEFAULT_SYNTHETIC_SEQ
+    rows: int = DEFAULT_SYNTHETIC_ROWS
+    dist: str = "normal"
+    std: float = 1.0
+    seed: int = 0
+    dtypes: tuple[str, ...] | None = None  # None: the config's dtypes
+
+    @property
+    def name(self) -> str:
+        """'synthetic[0]:dk=128,scale=sqrt,seq=256,dist=normal,seed=0' (rows and std when not default)."""
+        extra = f",rows={self.rows}" if self.rows != DEFAULT_SYNTHETIC_ROWS else ""
+        extra += f",std={self.std:g}" if self.std != 1.0 else ""
+        return f"synthetic[{self.index}]:dk={self.d_k},scale={self.scale.name},seq={self.seq}{extra},dist={self.dist},seed={self.seed}"
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    """A checked ``[tool.attncheck]`` table with its input globs resolved to files."""
+
+    display: str = "<config>"  # how messages name the file: relative to the current directory when below it
+    path: str | None = None  # absolute path of the file
+    root: str = "."  # folder the input globs are relative to
+    prefix: str = TABLE  # dotted key of the table in its file: 'tool.attncheck', or '' for attncheck.toml
+    inputs: tuple[str, ...] = ()  # globs as written
+    files: tuple[str, ...] = ()  # what they matched: absolute paths, sorted, no duplicates
+    keys: tuple[str, ...] = ()  # globs picking tensors inside files; empty: all
+    synthetic: tuple[SyntheticInput, ...] = ()
+    dtypes: tuple[str, ...] = dtype_names()
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    block: int = params.DEFAULT_BLOCK
+    order: str = "forward"
+    accum: str = "fp32"
+    device: str = DEFAULT_DEVICE
+    budget: Budget = field(default_factory=Budget)
+    dtype_budgets: dict[str, Budget] = field(default_factory=dict)  # [tool.attncheck.budget.<dtype>] overrides
+
+    def budget_for(self, dtype: str) -> Budget:
+        return self.dtype_budgets.get(dtype, self.budget)
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+    def name_of(self, parameter: str) -> str:
+        """A library parameter as this file spells it: 'keys' -> 'tool.attncheck.keys'."""
+        return self.key(CONFIG_KEYS[parameter]) if parameter in CONFIG_KEYS else parameter
+
+    def options(self, dtypes: tuple[str, ...] | None = None, device: str | None = None) -> "Options":
+        """The diagnosis options this config asks for (per synthetic entry: its dtypes)."""
+        from attncheck.config.run import Options
+
+        return Options(dtypes=dtypes or self.dtypes, methods=self.methods, block=self.block, reverse=self.order == "reverse",
+                       accum=self.accum, device=device or self.device)
+
+
+# Library parameters -> their key in [tool.attncheck]: errors raised below the config
+# layer name parameters, and are shown in the file's terms (see errors.AttncheckError).
+CONFIG_KEYS = {"keys": "keys", "dtypes": "dtypes", "methods": "methods", "block": "block", "reverse": "order",
+               "accum": "accum", "device": "device"}
+
+
+# --------------------------------------------------------------------------- values
+
+
+# TOML values are typed: a string where a number belongs is an error, not parsed.
+def _count(value: Any, key: str) -> int:
+    return params.integer(value, key, 0, from_text=False)
+
+
+def _int(value: Any, key: str, minimum: int) -> int:
+    return params.integer(value, key, minimum, from_text=False)
+
+
+def _number(value: Any, key: str, *, positive: bool = False) -> float:
+    return params.number(value, key, positive=positive, from_text=False)
+
+
+def _string(value: Any, key: str, what: str = "a string") -> str:
+    if not isinstance(value, str):
+        raise AttncheckError(f"{key} must be {what}, got {show(value)}")
+    return value
+
+
+def _strings(value: Any, key: str, what: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise AttncheckError(f"{key} must be a list of strings ({what}), got {show(value)}")
+    return tuple(value)
+
+
+def _choice(value: Any, key: str, allowed: tuple[str, ...]) -> str:
+    return params.choice(value, allowed, key)
+
+
+def _scale(value: Any, key: str) -> Scale:
+    return params.scale(value, key)
+
+
+def _table(value: Any, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise AttncheckError(f"{key} must be a table, got {show(value)}")
+    return value
+
+
+def _reject_unknown(table: dict[str, Any], known: tuple[str, ...], prefix: str, display: str) -> None:
+    for name in table:
+        if name not in known:
+            dotted = f"{prefix}.{name}" if prefix else name
+            raise AttncheckError(f"unknown key '{dotted}' in {display} (known: {', '.join(known)})")
+
+
+# --------------------------------------------------------------------------- tables
+
+TOP_KEYS = ("inputs", "keys", "synthetic", "dtypes", "methods", "block", "order", "accum", "device", "budget")
+SYNTHETIC_KEYS = ("d_k", "scale", "seq", "rows", "dist", "std", "seed", "dtype")
+BUDGET_KEYS = (*BUDGET_NAMES, "relative_to_torch_atol")
+
+
+def parse_budget(table: dict[str, Any], prefix: str, display: str, base: Budget | None = None) -> Budget:
+    """A budget table (no dtype subtables) -> Budget; keys missing keep ``base``'s values."""
+    _reject_unknown(table, BUDGET_KEYS, prefix, display)
+    values: dict[str, Any] = {}
+    for name, value in table.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name in COUNT_BUDGETS:
+            values[name] = _count(value, key)
+        else:
+            values[name] = _number(value, key, positive=name == RELATIVE_BUDGET)
+    budget = replace(base or Budget(), **values)
+    if "relative_to_torch_atol" in table and budget.relative_to_torch is None:
+        key = f"{prefix}.relative_to_torch_atol" if prefix else "relative_to_torch_atol"
+        raise AttncheckError(f"{key} is set but relative_to_torch is not")
+    return budget
+
+
+def _parse_budgets(value: Any, prefix: str, display: str) -> tuple[Budget, dict[str, Budget]]:
+    """[budget] and its [budget.<dtype>] overrides."""
+    table = _table(value, prefix)
+    own = {k: v for k, v in table.items() if k not in dtype_names()}
+    _reject_unknown(own, BUDGET_KEYS + dtype_names(), prefix, display)
+    base = parse_budget(own, prefix, display)
+    per_dtype = {}
+    for dtype in dtype_names():
+        if dtype in table:
+            key = f"{prefix}.{dtype}"
+            per_dtype[dtype] = parse_budget(_table(table[dtype], key), key, display, base)
+    return base, per_dtype
+
+
+def _parse_synthetic(value: Any, prefix: str, display: str) -> tuple[SyntheticInput, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise AttncheckError(f"{prefix} must be an array of tables ([[{prefix}]]), got {show(value)}")
+    out = []
+    for i, entry in enumerate(value):
+        at = f"{prefix}[{i}]"
+        _reject_unknown(entry, SYNTHETIC_KEYS, at, display)
+        if "d_k" not in entry:
+            raise AttncheckError(f"{at}.d_k is missing (the head dimension, e.g. d_k = 128)")
+        spec = SyntheticInput(index=i, d_k=_int(entry["d_k"], f"{at}.d_k", 1))
+        changes: dict[str, Any] = {}
+        if "scale" in entry:
+            changes["scale"] = _scale(entry["scale"], f"{at}.scale")
+        if "seq" in entry:
+            changes["seq"] = _int(entry["seq"], f"{at}.seq", 2)
+        if "rows" in entry:
+            changes["rows"] = _int(entry["rows"], f"{at}.rows", 1)
+        if "dist" in entry:
+            changes["dist"] = _choice(entry["dist"], f"{at}.dist", DIST_NAMES)
+        if "std" in entry:
+            changes["std"] = _number(entry["std"], f"{at}.std", positive=True)
+        if "seed" in entry:
+            changes["seed"] = _int(entry["seed"], f"{at}.seed", 0)
+        if "dtype" in entry:
+            changes["dtypes"] = params.dtypes(entry["dtype"], f"{at}.dtype")
+        out.append(replace(spec, **changes))
+    return tuple(out)
+
+
+def parse_table(table: Any, *, display: str = "<config>", prefix: str = TABLE, root: str | os.PathLike[str] = ".", path: str | None = None) -> CheckConfig:
+    """The ``[tool.attncheck]`` table (a dict as tomllib gives it) -> a checked CheckConfig.
+
+    Input globs are resolved relative to ``root``; one that matches nothing is an error.
+    """
+    table = _table(table, prefix or "the config")
+    _reject_unknown(table, TOP_KEYS, prefix, display)
+
+    def key(name: str) -> str:
+        return f"{prefix}.{name}" if prefix else name
+
+    values: dict[str, Any] = {"display": display, "path": path, "root": str(Path(root).resolve()), "prefix": prefix}
+    if "inputs" in table:
+        values["inputs"] = _strings(table["inputs"], key("inputs"), "globs of tensor files")
+    if "keys" in table:
+        values["keys"] = _strings(table["keys"], key("keys"), "globs of tensor names inside files")
+    if "synthetic" in table:
+        values["synthetic"] = _parse_synthetic(table["synthetic"], key("synthetic"), display)
+    if "dtypes" in table:
+        values["dtypes"] = params.dtypes(table["dtypes"], key("dtypes"))
+    if "methods" in table:
+        values["methods"] = params.methods(table["methods"], key("methods"))
+    if "block" in table:
+        values["block"] = _int(table["block"], key("block"), 1)
+    if "order" in table:
+        values["order"] = _choice(table["order"], key("order"), ORDERS)
+    if "accum" in table:
+        values["accum"] = _choice(table["accum"], key("accum"), params.ACCUMULATIONS)
+    if "device" in table:
+        values["device"] = params.device(table["device"], key("device"))
+    if "budget" in table:
+        values["budget"], values["dtype_budgets"] = _parse_budgets(table["budget"], key("budget"), display)
+    if not values.get("inputs") and not values.get("synthetic"):
+        where = f"[{prefix}]" if prefix else display
+        raise AttncheckError(
+            f"{where} has no inputs: set {key('inputs')} = [\"dumps/*.safetensors\"] or add a [[{key('synthetic')}]] table"
+        )
+    if values.get("keys") and not values.get("inputs"):
+        raise AttncheckError(f"{key('keys')} picks tensors inside files, but {key('inputs')} names no file")
+    config = CheckConfig(**values)
+    return replace(config, files=resolve_inputs(config))
+
+
+def resolve_inputs(config: CheckConfig) -> tuple[str, ...]:
+    """Every input glob -> the files and folders it matches (absolute, sorted, no duplicates)."""
+    files: dict[str, None] = {}
+    for pattern in config.inputs:
+        if not pattern.strip():
+            raise AttncheckError(f"{config.key('inputs')} holds an empty glob")
+        matched = sorted(glob.glob(pattern, root_dir=config.root, recursive=True))
+        if not matched:
+            raise AttncheckError(f"{config.key('inputs')}: {pattern!r} matches no file (relative to {config.root})")
+        for m in matched:
+            files[os.path.normpath(os.path.join(config.root, m))] = None
+    return tuple(files)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _display(path: Path) -> str:
+    """A path as messages show it: relative to the current directory when below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _read_toml(path: Path, display: str) -> dict[str, Any]:
+    if _toml is None:  # pragma: no cover - Python 3.10 without tomli
+        raise AttncheckError("reading the config needs Python >= 3.11 (tomllib) or the tomli package: pip install tomli")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise AttncheckError(f"cannot read {display}: {e.strerror or e}") from None
+    try:
+        return _toml.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise AttncheckError(f"{display}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
+    except _toml.TOMLDecodeError as e:  # the message ends with '(at line L, column C)'
+        raise AttncheckError(f"{display}: invalid TOML: {e}") from None
+
+
+def _attncheck_table(doc: dict[str, Any]) -> Any:
+    tool = doc.get("tool")
+    if isinstance(tool, dict) and "attncheck" in tool:
+        return tool["attncheck"]
+    return None
+
+
+def load_config(path: str | os.PathLike[str]) -> CheckConfig:
+    """Read a config file: a pyproject.toml with [tool.attncheck] (or any TOML file holding
+    that table), or a standalone attncheck.toml whose top level is the table itself."""
+    p = Path(path)
+    display = _display(p)
+    if not p.exists():
+        raise AttncheckError(f"config {display}: no such file")
+    if p.is_dir():
+        raise AttncheckError(f"config {display}: is a folder; give a TOML file")
+    doc = _read_toml(p, display)
+    table = _attncheck_table(doc)
+    if table is not None:
+        prefix = TABLE
+    elif p.name == PYPROJECT:
+        raise AttncheckError(f"{display} has no [{TABLE}] table")
+    else:
+        table, prefix = doc, ""
+    return parse_table(table, display=display, prefix=prefix, root=p.resolve().parent, path=str(p.resolve()))
+
+
+def find_config(start: str | os.PathLike[str] | None = None) -> Path:
+    """Walk up from ``start`` (the current directory): in each folder an attncheck.toml wins,
+    then a pyproject.toml that has a [tool.attncheck] table (one without it is passed over)."""
+    here = Path(start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        standalone = folder / STANDALONE
+        if standalone.is_file():
+            return standalone
+        pyproject = folder / PYPROJECT
+        if pyproject.is_file() and _attncheck_table(_read_toml(pyproject, _display(pyproject))) is not None:
+            return pyproject
+    raise AttncheckError(
+        f"no config found: no {STANDALONE}, and no {PYPROJECT} with a [{TABLE}] table, in {here} or its parents; "
+        "add one or pass --config FILE"
+    )
+
+
+__all__ = [
+    "BUDGET_NAMES",
+    "Budget",
+    "CheckConfig",
+    "SyntheticInput",
+    "find_config",
+    "load_config",
+    "parse_budget",
+    "parse_table",
+    "resolve_inputs",
+]

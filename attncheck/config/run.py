@@ -1,0 +1,100 @@
+"""What a diagnosis is asked to compute: ``Options``, checked on construction (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attncheck import params
+from attncheck.errors import AttncheckError, param
+from attncheck.registry import dtype_names, method_names
+
+
+# Bytes of working memory per score element of a chunk: the float64 reference and the
+# reference of the cast scores, the cast scores, one cell's probabilities and its
+# float64 temporaries (torch backend; the fused kernels need about half).
+WORKING_BYTES_PER_ELEMENT = 96
+
+
+def chunk_elements_for(max_memory: int) -> int:
+    """Elements per chunk that keep the diagnosis working set within ``max_memory`` bytes."""
+    return max(1, max_memory // WORKING_BYTES_PER_ELEMENT)
+
+
+@dataclass(frozen=True)
+class Options:
+    """The cells (dtypes x methods) and how they are computed.
+
+    Names are made canonical ('half' -> 'fp16', 'online' -> 'tiled') and aliases of
+    one name count once. ``kernels``: 'fused' (numba, CPU), 'torch', or 'auto' (fused
+    for CPU inputs from ``numerics.backends.FUSED_MIN_ELEMENTS`` elements when numba is
+    installed); asking for 'fused' without numba is an error when the diagnosis runs.
+    """
+
+    dtypes: tuple[str, ...] = dtype_names()
+    methods: tuple[str, ...] = method_names()
+    block: int = params.DEFAULT_BLOCK
+    reverse: bool = False
+    accum: str = "fp32"
+    device: str = "cpu"
+    chunk_elements: int = params.DEFAULT_CHUNK_ELEMENTS
+    collapse_threshold: float = params.COLLAPSE_THRESHOLD
+    max_examples: int = params.MAX_EXAMPLES
+    kernels: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtypes, str) or isinstance(self.methods, str):
+            raise AttncheckError("dtypes and methods are tuples of names, e.g. ('fp16',)")
+        object.__setattr__(self, "dtypes", params.dtypes(list(self.dtypes), "dtypes") if self.dtypes else ())
+        object.__setattr__(self, "methods", params.methods(list(self.methods), "methods") if self.methods else ())
+        if not self.dtypes:
+            raise AttncheckError("no dtype selected", param="dtypes")
+        if not self.methods:
+            raise AttncheckError("no method selected", param="methods")
+        params.integer(self.block, "block", 1, from_text=False)
+        params.choice(self.accum, params.ACCUMULATIONS, "accum")
+        params.choice(self.kernels, params.KERNELS, "kernels")
+        params.integer(self.chunk_elements, "chunk_elements", 1, from_text=False)
+        object.__setattr__(self, "device", params.device(self.device))
+
+
+@dataclass(frozen=True)
+class QKSpec:
+    """Scores to compute from Q, K and a mask, as files to read (PATH or PATH:KEY)."""
+
+    q: str
+    k: str
+    mask: str | None = None
+    scale: params.Scale = params.Scale("auto")
+    scale_order: str = "scores"
+    causal: bool = False
+    pad_left: tuple[int, ...] = ()
+    pad_right: tuple[int, ...] = ()
+    mask_value: str = "-inf"
+    mask_convention: str = "attend"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scale, params.Scale):
+            object.__setattr__(self, "scale", params.scale(self.scale))
+        object.__setattr__(self, "scale_order", params.choice(self.scale_order, params.SCALE_ORDERS, "scale_order"))
+        object.__setattr__(self, "mask_value", params.mask_value(self.mask_value))
+        object.__setattr__(self, "mask_convention", params.choice(self.mask_convention, params.MASK_CONVENTIONS, "mask_convention"))
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What ``attncheck run`` diagnoses: score files, the built-in example, or the scores of
+    Q and K (with score files too: those are diagnosed and the scale they carry is fitted)."""
+
+    paths: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
+    example: bool = False
+    qk: QKSpec | None = None
+    options: Options = Options()
+
+    def __post_init__(self) -> None:
+        if self.example and (self.paths or self.qk):
+            raise AttncheckError("give files or the built-in example, not both")
+        if self.example and self.keys:
+            raise AttncheckError(f"{param('keys')} selects tensors inside files; it does not apply to the built-in example")
+        if not (self.example or self.paths or self.qk):
+            raise AttncheckError(f"no input: give score files or directories, {param('q')} and {param('k')}, or {param('example')} for a built-in one")

@@ -1,0 +1,130 @@
+"""What ``attncheck sweep`` is asked to compute: the grid, its distribution and its size.
+
+Free of torch and numpy, so bad values fail in milliseconds, before the heavy
+imports. ``numerics.sweep`` and ``numerics.synthetic`` take their distribution
+constants and memory budget from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from attncheck import params
+from attncheck.errors import AttncheckError, param
+from attncheck.params import SCALE_NAMES, Scale
+from attncheck.registry import dtype_names, method_names
+
+DIST_NAMES = ("normal", "outliers")
+
+# FlashAttention-3's numerical-error inputs: N(0,1) + N(0,100) * Bernoulli(0.001).
+OUTLIER_PROB = 0.001
+OUTLIER_VAR = 100.0
+
+MEMORY_BUDGET_BYTES = 2 * 1024**3
+# float64 (rows, seq) tensors alive at once while one grid point is measured:
+# unscaled scores, scaled logits, reference, a cell's probabilities in float64,
+# their difference, a temporary, plus the low-precision copies (counted as two).
+_LIVE_ROW_TENSORS = 8
+
+DEFAULT_DKS = (16, 32, 64, 128, 256, 512)
+DEFAULT_SEQ = 128
+DEFAULT_ROWS = 4096
+DEFAULT_BLOCK = 32  # a quarter of the default 128 keys, so the tiled method rescales across blocks
+
+
+def head_layout(rows: int, seq: int) -> tuple[int, int]:
+    """(heads, queries per head) holding at least ``rows`` rows.
+
+    Like self-attention, a head has up to ``seq`` queries that share its ``seq``
+    keys; every query is drawn on its own. The last head may be cut short.
+    """
+    queries = min(rows, seq)
+    return -(-rows // queries), queries
+
+
+def point_bytes(rows: int, seq: int, dk: int) -> int:
+    """Peak memory of one grid point: float64 Q and K, plus the (rows, seq) working set."""
+    heads, queries = head_layout(rows, seq)
+    qk = 8 * heads * (queries + seq) * dk
+    return qk + 8 * _LIVE_ROW_TENSORS * rows * seq
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB for messages: 2.5 GiB, 152,588 GiB."""
+    v = n / 1024**3
+    return f"{v:,.0f} GiB" if v >= 100 else f"{v:.3g} GiB"
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """One sweep: the grid is dks x scales x seqs x stds, each point run for dtypes x methods.
+
+    Every field is checked on construction (typed values; ``from_text`` parses
+    the text a user typed), and errors name the field.
+    """
+
+    dks: tuple[int, ...] = DEFAULT_DKS
+    scales: tuple[Scale, ...] = tuple(Scale(s) for s in SCALE_NAMES)
+    dtypes: tuple[str, ...] = dtype_names()
+    methods: tuple[str, ...] = method_names()
+    seqs: tuple[int, ...] = (DEFAULT_SEQ,)
+    stds: tuple[float, ...] = (1.0,)
+    rows: int = DEFAULT_ROWS
+    dist: str = "normal"
+    seed: int = 0
+    block: int = DEFAULT_BLOCK
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        set_("dks", params.integers(list(self.dks), "dks", 1, from_text=False) if self.dks else _empty("dks"))
+        set_("seqs", params.integers(list(self.seqs), "seqs", 2, from_text=False) if self.seqs else _empty("seqs"))
+        set_("stds", params.numbers(list(self.stds), "stds", from_text=False) if self.stds else _empty("stds"))
+        if not self.scales:
+            _empty("scales")
+        set_("dtypes", params.dtypes(list(self.dtypes)) if self.dtypes else _empty("dtypes"))
+        set_("methods", params.methods(list(self.methods)) if self.methods else _empty("methods"))
+        params.choice(self.dist, DIST_NAMES, "dist")
+        params.integer(self.rows, "rows", 2, from_text=False)
+        params.integer(self.seed, "seed", 0, from_text=False)
+        params.integer(self.block, "block", 1, from_text=False)
+        set_("device", params.device(self.device))
+        self.check_memory()
+
+    @classmethod
+    def from_text(cls, **text: Any) -> "SweepConfig":
+        """A config from the text a user typed per field ('16,64', 'sqrt,0.05', ...);
+        fields not given keep their defaults."""
+        parse = {
+            "dks": lambda v: params.integers(v, "dks", 1),
+            "scales": lambda v: params.scales(v, "scales"),
+            "dtypes": lambda v: params.dtypes(v),
+            "methods": lambda v: params.methods(v),
+            "seqs": lambda v: params.integers(v, "seqs", 2),
+            "stds": lambda v: params.numbers(v, "stds"),
+            "rows": lambda v: params.integer(v, "rows", 2),
+            "dist": lambda v: params.choice(v, DIST_NAMES, "dist"),
+            "seed": lambda v: params.integer(v, "seed", 0),
+            "block": lambda v: params.integer(v, "block", 1),
+            "device": lambda v: params.device(v),
+        }
+        return cls(**{name: parse[name](value) for name, value in text.items() if value is not None})
+
+    def check_memory(self, budget: int = MEMORY_BUDGET_BYTES) -> None:
+        """Refuse a grid whose largest point would not fit in ``budget`` bytes."""
+        seq, dk = max(self.seqs), max(self.dks)
+        need = point_bytes(self.rows, seq, dk)
+        if need > budget:
+            raise AttncheckError(
+                f"a sweep point of {self.rows} rows x {seq} keys x d_k {dk} needs about {gib(need)} of memory, "
+                f"over the {gib(budget)} budget: lower {param('rows')}, {param('seqs')} or {param('dks')}"
+            )
+
+    @property
+    def points(self) -> int:
+        return len(self.dks) * len(self.scales) * len(self.seqs) * len(self.stds)
+
+
+def _empty(name: str):
+    raise AttncheckError("is empty", param=name)

@@ -1,0 +1,68 @@
+"""How numbers, rows and results are written in every message, report and JSON: one place
+for each form (no torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+
+def fmt(x: float | None, spec: str = ".3g") -> str:
+    """A number in a table: '-' when missing, 'inf'/'nan' as such, else ``spec``."""
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return format(x, spec)
+
+
+def num(x: float | int | None, digits: int = 3) -> str:
+    """Short form for messages: 28, 0.0312, 1e-05, n/a."""
+    if x is None:
+        return "n/a"
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:.{digits}g}"
+
+
+def plain(x: float | None) -> str:
+    """3 significant digits without exponents for 100..1e6: 1239 reads better than 1.24e+03."""
+    if x is not None and 100 <= abs(x) < 1e6:
+        return f"{x:.0f}"
+    return fmt(x, ".3g")
+
+
+def pct(x: float | None) -> str:
+    """Shares of rows: 0 -> '0', 1e-30 -> '<0.01%', 0.3263 -> '32.6%'."""
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0"
+    if x < 1e-4:
+        return "<0.01%"
+    return f"{100 * x:.3g}%"
+
+
+def row_text(row: tuple[int, ...]) -> str:
+    """(0, 3, 17) -> '(0, 3, 17)'; a 2-D input's row (5,) -> '5'."""
+    return str(row[0]) if len(row) == 1 else "(" + ", ".join(map(str, row)) + ")"
+
+
+def rows_text(idx: Sequence[tuple[int, ...]], limit: int = 4) -> str:
+    """Row indices in a narrow table: '(0,5,1), (0,5,2), ...' or 'row 5'."""
+    shown = ", ".join("(" + ",".join(map(str, i)) + ")" if len(i) != 1 else f"row {i[0]}" for i in idx[:limit])
+    return shown + (", ..." if len(idx) > limit else "")
+
+
+def to_jsonable(x: Any) -> Any:
+    """Dataclasses -> dicts, tuples -> lists, non-finite floats -> None."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: to_jsonable(getattr(x, f.name)) for f in dataclasses.fields(x) if not f.name.startswith("_")}
+    if isinstance(x, dict):
+        return {str(k): to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x

@@ -1,0 +1,242 @@
+""".npz: named .npy members of a zip archive. Streams: a stored (uncompressed,
+``np.savez``) member is read like ``.npy`` at its offset inside the archive, its
+CRC-32 checked once the member is read to the end; a compressed member
+(``np.savez_compressed``) is decompressed sequentially through :mod:`zipfile`, in
+pieces of at most 8 MiB. Never unpickles (``allow_pickle=False``)."""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any, BinaryIO
+
+import numpy as np
+import numpy.lib.format as npformat
+import torch
+
+from attncheck.errors import AttncheckError
+from attncheck.loaders.formats.npy import check_npy, fortran_source, read_npy_header
+from attncheck.loaders.common import (
+    EMPTY_ZIP_MAGIC,
+    FileListing,
+    NPY_MAGIC,
+    PIECE,
+    TensorSource,
+    ZIP_MAGIC,
+    error,
+    from_numpy,
+    guarded,
+    invalid_text,
+    numpy_error,
+    qualified_name,
+    read_blocks,
+    read_head,
+    reason,
+    truncation,
+)
+
+SUFFIXES = (".npz",)
+
+_ZIP_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes, signature PK\x03\x04
+
+def open_file(path: str, head: bytes) -> FileListing:
+    if head.startswith(NPY_MAGIC):
+        raise error(
+            f"{path}: {invalid_text(path)} (it is a single .npy array; rename it to .npy)"
+        )
+    if not head.startswith((ZIP_MAGIC, EMPTY_ZIP_MAGIC)):
+        raise error(f"{path}: {invalid_text(path)} (not a zip archive)")
+    # np.load is given an open file, not the path: for a path it leaks the
+    # file handle when the zip archive turns out to be corrupt.
+    try:
+        with open(path, "rb") as handle, np.load(handle, allow_pickle=False) as npz:
+            members = list(npz.files)
+    except Exception as exc:
+        raise error(f"{path}: {invalid_text(path)} ({reason(exc)})") from exc
+    if not members:
+        raise error(f"{path}: holds no arrays")
+
+    def load(selected: list[str | None]) -> list[tuple[str | None, Any]]:
+        with open(path, "rb") as handle:
+            try:
+                npz = np.load(handle, allow_pickle=False)
+            except Exception as exc:
+                raise error(f"{path}: {invalid_text(path)} ({reason(exc)})") from exc
+            with npz:
+                return [(key, _npz_member(path, npz, key)) for key in selected]
+
+    def sources(selected: list[str | None]) -> list[TensorSource]:
+        return _npz_sources(path, selected)
+
+    return FileListing(path, list(members), load, sources)
+
+def _npz_member(path: str, npz: Any, key: str | None) -> torch.Tensor:
+    assert key is not None
+    name = qualified_name(path, key)
+    try:
+        array = npz[key]
+    except Exception as exc:
+        raise numpy_error(name, exc, member=True) from exc
+    if not isinstance(array, np.ndarray):
+        raise error(f"{name}: member is not a .npy array")
+    return from_numpy(name, array)
+
+def _npz_sources(path: str, selected: list[str | None]) -> list[TensorSource]:
+    try:
+        with open(path, "rb") as handle, zipfile.ZipFile(handle) as archive:
+            names = archive.namelist()
+            infos = {n: archive.getinfo(n) for n in names}
+    except Exception as exc:  # listed fine by loaders a moment ago
+        raise error(f"{path}: {invalid_text(path)} ({reason(exc)})") from exc
+    # As numpy's NpzFile: "x" names member "x.npy", and "x.npy" names itself.
+    members = {n.removesuffix(".npy"): n for n in names}
+    members.update({n: n for n in names})
+    out = []
+    for key in selected:
+        assert key is not None
+        out.append(_npz_member_source(path, key, infos[members[key]]))
+    return out
+
+class _StoredMember:
+    """Reads of an uncompressed zip member straight from the file, CRC-checked."""
+
+    def __init__(self, f: BinaryIO, info: zipfile.ZipInfo) -> None:
+        self._f = f
+        self._info = info
+        self._left = info.file_size
+        self._crc = 0
+
+    def readinto(self, buffer: memoryview) -> int:
+        want = min(len(buffer), self._left)
+        if want == 0:
+            return 0
+        n = self._f.readinto(buffer[:want]) or 0
+        self._crc = zlib.crc32(buffer[:n], self._crc)
+        self._left -= n
+        if n == 0:
+            raise EOFError(f"zip member {self._info.filename!r} is cut short")
+        if self._left == 0 and self._crc != self._info.CRC:
+            raise zipfile.BadZipFile(f"Bad CRC-32 for file {self._info.filename!r}")
+        return n
+
+    def read(self, n: int) -> bytes:
+        buffer = bytearray(min(n, self._left))
+        got = 0
+        while got < len(buffer):
+            k = self.readinto(memoryview(buffer)[got:])
+            if not k:
+                break
+            got += k
+        return bytes(buffer[:got])
+
+    def tell(self) -> int:
+        return self._info.file_size - self._left
+
+    def drain(self) -> None:
+        """Read what follows the array so the CRC gets checked."""
+        scratch = memoryview(bytearray(min(self._left, 1 << 20)))
+        while self._left:
+            self.readinto(scratch)
+
+class _CompressedMember:
+    """A compressed member through zipfile, read in bounded pieces."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def readinto(self, buffer: memoryview) -> int:
+        return self._stream.readinto(buffer[:PIECE]) or 0
+
+    def read(self, n: int) -> bytes:
+        return self._stream.read(n)
+
+    def tell(self) -> int:
+        return self._stream.tell()
+
+    def drain(self) -> None:
+        while self._stream.read(PIECE):  # zipfile checks the CRC at the end
+            pass
+
+def _open_member(path: str, info: zipfile.ZipInfo, stack: ExitStack) -> Any:
+    """A reader at the start of the member's bytes; ``stack`` closes what it opens."""
+    if info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1:  # not encrypted
+        f = stack.enter_context(open(path, "rb", buffering=0))
+        f.seek(info.header_offset)
+        local = f.read(_ZIP_LOCAL_HEADER.size)
+        if len(local) < _ZIP_LOCAL_HEADER.size or local[:4] != b"PK\x03\x04":
+            raise zipfile.BadZipFile("Bad magic number for file header")
+        *_, name_length, extra_length = _ZIP_LOCAL_HEADER.unpack(local)
+        f.seek(info.header_offset + _ZIP_LOCAL_HEADER.size + name_length + extra_length)
+        return _StoredMember(f, info)
+    archive = stack.enter_context(zipfile.ZipFile(path))
+    return _CompressedMember(stack.enter_context(archive.open(info)))
+
+def _npz_member_source(path: str, key: str, info: zipfile.ZipInfo) -> TensorSource:
+    name = qualified_name(path, key)
+    member_error = lambda exc: numpy_error(name, exc, member=True)  # noqa: E731
+    try:
+        with ExitStack() as stack:
+            reader = _open_member(path, info, stack)
+            if reader.read(len(npformat.MAGIC_PREFIX)) != npformat.MAGIC_PREFIX:
+                raise error(f"{name}: member is not a .npy array")
+            header = read_npy_header(_Rewound(reader, npformat.MAGIC_PREFIX))
+    except AttncheckError:
+        raise
+    except Exception as exc:
+        raise member_error(exc) from exc
+    invalid = "not a valid .npy member"
+    dtype = check_npy(name, header, info.file_size - header.data_offset, invalid)
+    if header.fortran and len(header.shape) > 1:
+        return fortran_source(name, header, dtype, lambda: open_file(path, read_head(path)).load([key])[0][1])
+
+    def blocks(rows_per_block: int) -> Iterator[torch.Tensor]:
+        truncated = truncation(name, invalid, header.nbytes)
+        with ExitStack() as stack:
+            try:
+                reader = _open_member(path, info, stack)
+                skip = reader.read(header.data_offset)
+                if len(skip) != header.data_offset:
+                    raise truncated(0)
+            except AttncheckError:
+                raise
+            except Exception as exc:
+                raise member_error(exc) from exc
+            reader_blocks = read_blocks(reader, header.shape, header.dtype, dtype, rows_per_block, truncated)
+            yield from guarded(_then(reader_blocks, reader.drain), member_error)
+
+    return TensorSource(name, header.shape, dtype, True, blocks)
+
+def _then(blocks: Iterator[torch.Tensor], last: Callable[[], None]) -> Iterator[torch.Tensor]:
+    """``blocks``, with ``last()`` run before the final block is handed out.
+
+    The final block waits until the member's CRC has been checked, so a corrupt
+    member fails before its last rows are used.
+    """
+    pending = None
+    for block in blocks:
+        if pending is not None:
+            yield pending
+        pending = block
+    last()
+    if pending is not None:
+        yield pending
+
+class _Rewound:
+    """``reader`` as if ``prefix`` (already read from it) had not been read yet."""
+
+    def __init__(self, reader: Any, prefix: bytes) -> None:
+        self._reader = reader
+        self._prefix = prefix
+        self._pos = 0
+
+    def read(self, n: int) -> bytes:
+        head = self._prefix[self._pos : self._pos + n]
+        self._pos += len(head)
+        rest = self._reader.read(n - len(head)) if n > len(head) else b""
+        return head + rest
+
+    def tell(self) -> int:
+        return self._reader.tell()

@@ -1,0 +1,98 @@
+"""Paths and ``keys`` patterns -> the files and tensors a command reads."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from attncheck.errors import param
+from attncheck.loaders.common import error, qualified_name, suffix_of
+from attncheck.loaders.formats import SUPPORTED_SUFFIXES
+
+MAX_LISTED = 10
+
+class KeySelector:
+    """``--key`` patterns applied across files, as :func:`load_tensors` applies them.
+
+    ``select`` is called once per file, in order, with the keys the file holds
+    (None for a bare tensor, matched against the file name); afterwards
+    ``check_all_matched`` raises for a pattern that matched nothing anywhere.
+    """
+
+    def __init__(self, keys: Sequence[str] = ()) -> None:
+        self.patterns = [keys] if isinstance(keys, str) else list(keys)
+        self._matched = [False] * len(self.patterns)
+        self._available: list[str] = []
+
+    def select(self, path: str, keys: Sequence[str | None]) -> list[str | None]:
+        selected: list[str | None] = []
+        for key in keys:
+            self._available.append(qualified_name(path, key))
+            match_on = Path(path).name if key is None else key
+            if not self.patterns:
+                selected.append(key)
+                continue
+            hit = False
+            for i, pattern in enumerate(self.patterns):
+                if fnmatch.fnmatchcase(match_on, pattern):
+                    self._matched[i] = True
+                    hit = True
+            if hit:
+                selected.append(key)
+        return selected
+
+    def check_all_matched(self) -> None:
+        available = self._available
+        for pattern, ok in zip(self.patterns, self._matched):
+            if not ok:
+                shown = ", ".join(available[:MAX_LISTED])
+                if len(available) > MAX_LISTED:
+                    shown += f", ... ({len(available) - MAX_LISTED} more)"
+                raise error(f"{param('keys')} '{pattern}' matches no tensor (available: {shown})")
+
+def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
+    if len(paths) == 0:
+        raise error("no input files given (pass one or more tensor files or directories)")
+    files: list[str] = []
+    seen: set[str] = set()
+    for raw in paths:
+        given = os.fspath(raw)
+        if isinstance(given, bytes):  # os.PathLike[bytes]
+            given = os.fsdecode(given)
+        path = Path(given)
+        if path.is_dir():
+            found = scan_directory(path)
+            if not found:
+                raise error(
+                    f"{given}: directory holds no supported tensor files "
+                    f"(looked for {suffix_list()}, recursively)"
+                )
+            candidates = [str(p) for p in found]
+        elif path.exists():
+            if not path.is_file():
+                raise error(f"{given}: not a regular file")
+            if suffix_of(path) not in SUPPORTED_SUFFIXES:
+                what = f"'{path.suffix}'" if path.suffix else "(no extension)"
+                raise error(
+                    f"{given}: unsupported file type {what} (supported: {suffix_list()})"
+                )
+            candidates = [given]
+        else:
+            raise error(f"{given}: no such file or directory")
+        for c in candidates:
+            if c not in seen:
+                seen.add(c)
+                files.append(c)
+    return files
+
+def scan_directory(directory: Path) -> list[Path]:
+    found = [
+        p for p in directory.rglob("*")
+        if suffix_of(p) in SUPPORTED_SUFFIXES and p.is_file()
+    ]
+    return sorted(found)
+
+def suffix_list() -> str:
+    return ", ".join(SUPPORTED_SUFFIXES)

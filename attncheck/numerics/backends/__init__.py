@@ -1,0 +1,143 @@
+"""Row backends: the per-row numbers of a chunk, computed by torch ops or by fused numba kernels.
+
+A diagnosis works on chunks of rows. For each chunk a backend computes the facts
+every cell shares (census counts and the float64 reference, ``ChunkFacts``), the
+float64 softmax of the scores after the cast to a cell's dtype (``AlgoReference``),
+and per cell the row metrics (``RowMetrics``). Both backends give the same numbers
+(``tests/numerics/test_backends.py``); the torch one runs on any device and is the
+reference, the numba one is faster on the CPU for large inputs.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from attncheck.errors import AttncheckError
+
+FUSED_MIN_ELEMENTS = 1 << 22  # below this, numba's import and compile cost more than they save
+
+
+@dataclass
+class ChunkFacts:
+    """Facts about a block of rows of the scores as given, shared by every cell."""
+
+    x: torch.Tensor  # (r, T) as given
+    offset: int  # global index of the first row
+    nan_count: torch.Tensor  # (r,) int
+    posinf_count: torch.Tensor
+    neginf_count: torch.Tensor
+    masked: torch.Tensor  # (r,) count of entries -inf or <= MASK_SENTINEL_LIMIT
+    n_finite: torch.Tensor  # (r,)
+    max_finite: torch.Tensor  # (r,) float64, -inf where no finite entry
+    min_finite: torch.Tensor  # (r,) float64, +inf where no finite entry
+    unmasked_min: torch.Tensor  # (r,) float64 min of finite entries > MASK_SENTINEL_LIMIT, +inf if none
+    sum1: torch.Tensor  # (r,) float64 sum of finite (x - shift)
+    sum2: torch.Tensor  # (r,) float64 sum of finite (x - shift)^2
+    ref: torch.Tensor  # (r, T) float64 reference
+    ref_sum: torch.Tensor  # (r,) S = sum(exp(x - max)), NaN where undefined; max prob = 1 / S
+    ref_entropy: torch.Tensor  # (r,)
+    ref_p2: torch.Tensor  # (r,) sum p^2
+    ref_p3: torch.Tensor  # (r,) sum p^3
+    ref_positive_count: torch.Tensor  # (r,) keys with p > 0
+    ref_top: torch.Tensor  # (r, 1) index of the reference's most likely key
+    masked_rows: torch.Tensor | None = None  # (r,) set when the mask is known exactly (Q/K inputs)
+
+    @property
+    def nan(self) -> torch.Tensor:
+        return self.nan_count > 0
+
+    @property
+    def posinf(self) -> torch.Tensor:
+        return self.posinf_count > 0
+
+    @property
+    def all_neginf(self) -> torch.Tensor:
+        return self.neginf_count == self.x.shape[-1]
+
+    @property
+    def bad(self) -> torch.Tensor:
+        return self.n_finite < self.x.shape[-1]
+
+    @property
+    def ref_ok(self) -> torch.Tensor:
+        return torch.isfinite(self.ref_sum)
+
+    @property
+    def all_masked(self) -> torch.Tensor:
+        if self.masked_rows is not None:
+            return self.masked_rows
+        return self.masked == self.x.shape[-1]
+
+
+@dataclass
+class AlgoReference:
+    """The scores of one dtype's cells and the float64 softmax of those scores: the
+    yardstick of the algorithmic error, apart from the cast. ``same``: the scores are
+    the chunk's own (no cast), so this reference is the chunk's."""
+
+    xc: torch.Tensor  # (r, T) in the cell's dtype
+    ok: torch.Tensor  # (r,) rows where the softmax of xc is defined
+    ref: torch.Tensor  # (r, T) float64; only rows where ``ok`` are meaningful
+    same: bool
+
+
+@dataclass
+class RowMetrics:
+    """One cell's numbers per row of a chunk; all (r,) float64 unless noted."""
+
+    pmax: torch.Tensor  # max p; NaN if any entry is NaN; 0 only for all-zero rows
+    psum: torch.Tensor  # sum p (0 where the reference is undefined)
+    sq_err: torch.Tensor  # sum (p - ref)^2
+    max_err: torch.Tensor  # max |p - ref|
+    sq_err_algo: torch.Tensor | None  # the same two against the algo reference (None when it is the chunk's)
+    max_err_algo: torch.Tensor | None
+    kl: torch.Tensor  # generalised KL(ref || max(p, floor))
+    flushed: torch.Tensor  # (r,) int: keys with p == 0 where ref > 0
+    p_at_top: torch.Tensor  # p at the reference's most likely key
+
+
+class RowBackend(abc.ABC):
+    """Computes the row facts of a chunk; ``name`` says which backend ran."""
+
+    name: str
+
+    @abc.abstractmethod
+    def chunk(self, x: torch.Tensor, offset: int, shift: float) -> ChunkFacts:
+        """Census facts relative to ``shift`` (sums of x - shift keep the std accurate)
+        and the float64 reference of the rows ``x`` (r, T) as given."""
+
+    @abc.abstractmethod
+    def algo_reference(self, xc: torch.Tensor) -> AlgoReference:
+        """Scores already in a cell's dtype with their float64 softmax."""
+
+    @abc.abstractmethod
+    def cell_metrics(self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference) -> list[RowMetrics]:
+        """Row metrics of each of one dtype's cells, in the order of ``probs``."""
+
+    def same_reference(self, c: ChunkFacts) -> AlgoReference:
+        """The chunk's scores need no cast: its reference is the algo reference."""
+        return AlgoReference(c.x, c.ref_ok, c.ref, same=True)
+
+
+def select_backend(kernels: str, device: torch.device, elements: int, notice: Callable[[str], None] | None = None) -> RowBackend:
+    """The backend ``kernels`` asks for: 'torch', 'fused' (numba; an input error without it
+    or off the CPU), or 'auto' (numba for CPU inputs of FUSED_MIN_ELEMENTS or more when it
+    is installed, torch otherwise). ``notice`` hears of a first compile of the kernels."""
+    from attncheck.numerics.backends import numba_rows
+    from attncheck.numerics.backends.torch_rows import TorchRows
+
+    if kernels == "torch":
+        return TorchRows()
+    if kernels == "fused":
+        if device.type != "cpu":
+            raise AttncheckError(f"fused kernels run on the CPU only; the diagnosis runs on {device}", param="kernels")
+        if not numba_rows.installed():
+            raise AttncheckError("fused kernels need numba, which is not installed (pip install numba)", param="kernels")
+        return numba_rows.NumbaRows(notice)
+    if device.type == "cpu" and elements >= FUSED_MIN_ELEMENTS and numba_rows.available():
+        return numba_rows.NumbaRows(notice)
+    return TorchRows()

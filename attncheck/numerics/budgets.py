@@ -1,0 +1,180 @@
+"""Budgets over diagnoses: one CaseResult per input x method x dtype, each budget's
+limit, measured value and verdict, and where it broke.
+
+Every number comes from ``diagnose``; the only tensor work here is building the
+synthetic inputs and, for an error budget that failed, finding the row with the
+largest error (``locate_worst_row``, which reads its input again in row blocks).
+No printing, no files written, no typer or rich.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from attncheck.config.check import Budget, SyntheticInput
+from attncheck.config.run import Options
+from attncheck.errors import AttncheckError
+from attncheck.loaders import TensorSource, memory_source
+from attncheck.numerics.diagnose import check_scores, diagnose_chunks, resolve_device, rows_per_chunk
+from attncheck.numerics.precision import dtype_from_name
+from attncheck.numerics.reduce import unravel
+from attncheck.numerics.softmax import reference_softmax, run_method
+from attncheck.numerics.synthetic import make_scores
+from attncheck.params import DEFAULT_BLOCK
+from attncheck.results import COUNT_BUDGETS, RELATIVE_BUDGET, BudgetCheck, CaseResult, Cell, flash_rule_bound
+
+# Which Cell field each budget reads, and which of its example labels say where it happened.
+BUDGET_FIELD = {
+    "nan": "nan_rows",
+    "overflow": "overflow_rows",
+    "zero_rows": "zero_rows",
+    "argmax_flips": "argmax_flips",
+    "max_abs_err": "max_abs_err",
+    "max_abs_err_algo": "max_abs_err_algo",
+    "rmse": "rmse",
+    "kl_max": "kl_max",
+    RELATIVE_BUDGET: "max_abs_err_algo",
+}
+EXAMPLE_PREFIX = {"nan": "nan:", "overflow": "overflow", "zero_rows": "zero:", "argmax_flips": "flip"}
+LOCATABLE = {"max_abs_err": False, "max_abs_err_algo": True, RELATIVE_BUDGET: True}  # budget -> against the cast scores?
+
+
+def _examples(cell: Cell, budget: str) -> list[tuple[int, ...]]:
+    prefix = EXAMPLE_PREFIX[budget]
+    rows: list[tuple[int, ...]] = []
+    for label, found in cell.examples.items():
+        if label == prefix or (prefix.endswith(":") and label.startswith(prefix)):
+            rows.extend(r for r in found if r not in rows)
+    return sorted(rows)
+
+
+def budget_checks(cell: Cell, budget: Budget, torch_cell: Cell | None = None) -> list[BudgetCheck]:
+    """Apply every active budget to ``cell``; ``torch_cell`` (same dtype) is needed for relative_to_torch."""
+    out = []
+    for name, limit in budget.active():
+        if name == RELATIVE_BUDGET:
+            if cell.method == "torch":
+                continue  # torch against itself says nothing
+            out.append(_relative_check(cell, limit, budget.relative_to_torch_atol, torch_cell))
+            continue
+        measured = getattr(cell, BUDGET_FIELD[name])
+        if name in COUNT_BUDGETS:
+            passed = measured <= limit
+            rows = [] if passed else _examples(cell, name)
+            out.append(BudgetCheck(name, limit, measured, float(limit), passed, rows=rows))
+        elif measured is None:
+            out.append(BudgetCheck(name, limit, None, limit, False, note="no row where the cell and the float64 reference are both finite"))
+        else:
+            out.append(BudgetCheck(name, limit, measured, limit, measured <= limit))
+    return out
+
+
+def _relative_check(cell: Cell, factor: float, atol: float, torch_cell: Cell | None) -> BudgetCheck:
+    if torch_cell is None:
+        raise AttncheckError(f"relative_to_torch needs the torch cell in {cell.dtype}")
+    ref = torch_cell.max_abs_err_algo
+    measured = cell.max_abs_err_algo
+    if ref is None:
+        note = f"torch/{cell.dtype} has no row where it and the float64 reference are both finite"
+        return BudgetCheck(RELATIVE_BUDGET, factor, measured, None, False, atol=atol, note=note)
+    bound = flash_rule_bound(ref, factor, atol)
+    if measured is None:
+        note = "no row where the cell and the float64 reference are both finite"
+        return BudgetCheck(RELATIVE_BUDGET, factor, None, bound, False, reference=ref, atol=atol, note=note)
+    return BudgetCheck(RELATIVE_BUDGET, factor, measured, bound, measured <= bound, reference=ref, atol=atol)
+
+
+def locate_worst_row(
+    source: TensorSource,
+    method: str,
+    dtype: str,
+    *,
+    cast_reference: bool,
+    block: int = DEFAULT_BLOCK,
+    reverse: bool = False,
+    accum: str = "fp32",
+    device: str = "cpu",
+    rows_per_block: int | None = None,
+) -> tuple[int, ...] | None:
+    """The row with the largest |p - p_float64| of one cell (first on ties), or None.
+
+    Errors as ``diagnose`` measures them: against float64 softmax of the scores as
+    given, or of the scores cast to ``dtype`` (``cast_reference``); rows where either
+    side is not finite do not count. Reads ``source`` in row blocks, so memory stays bounded.
+    """
+    keys = source.shape[-1]
+    step = rows_per_block or rows_per_chunk(keys, Options())
+    dt = dtype_from_name(dtype)
+    best, best_row, start = -1.0, None, 0
+    for chunk in source.row_blocks(step):  # loop over row chunks
+        x = chunk.to(device)  # (r, T)
+        xc = x.to(dt)
+        p = run_method(method, xc, block=block, reverse=reverse, accum=accum).probs.to(torch.float64)
+        ref = reference_softmax(xc if cast_reference else x)  # (r, T) float64
+        err = (p - ref).abs().amax(dim=-1)  # (r,); NaN where either side is undefined
+        err = torch.where(torch.isfinite(err), err, -1.0)
+        value, idx = err.max(dim=0)
+        if float(value) > best:
+            best, best_row = float(value), start + int(idx)
+        start += x.shape[0]
+    if best_row is None or best < 0:
+        return None
+    return unravel(best_row, tuple(source.shape[:-1]) or (1,))
+
+
+def check_source(
+    source: TensorSource,
+    budget: Budget,
+    options: Options,
+    budgets: dict[str, Budget] | None = None,
+    name: str | None = None,
+    progress: Callable[[int], None] | None = None,
+    notice: Callable[[str], None] | None = None,
+) -> list[CaseResult]:
+    """Diagnose one score tensor (read in row blocks) and apply the budget to every cell.
+
+    The torch cell is computed whenever a relative_to_torch budget needs it, and
+    reported as a case only when ``options.methods`` lists it. ``budgets``
+    overrides ``budget`` per dtype.
+    """
+    name = name or source.name
+    dtypes, methods = options.dtypes, options.methods
+    per_dtype = {d: (budgets or {}).get(d, budget) for d in dtypes}
+    if any(b.relative_to_torch is not None for b in per_dtype.values()) and "torch" not in methods:
+        options = replace(options, methods=(*methods, "torch"))
+    step = rows_per_chunk(source.shape[-1], options)
+    start = time.perf_counter()
+    diag = diagnose_chunks(name, source.shape, source.dtype, source.row_blocks(step), options, progress, notice=notice)
+    seconds = time.perf_counter() - start
+    cases = []
+    for m in methods:
+        for d in dtypes:
+            cell = diag.cell(m, d)
+            b = per_dtype[d]
+            torch_cell = diag.cell("torch", d) if b.relative_to_torch is not None else None
+            checks = budget_checks(cell, b, torch_cell)
+            for check in checks:
+                if not check.passed and check.budget in LOCATABLE and check.measured is not None:
+                    row = locate_worst_row(source, m, d, cast_reference=LOCATABLE[check.budget], block=options.block,
+                                           reverse=options.reverse, accum=options.accum, device=str(resolve_device(options.device)), rows_per_block=step)
+                    check.rows = [row] if row is not None else []
+            cases.append(CaseResult(name, m, d, cell.rows, cell.compared_rows, checks, tuple(diag.shape)))
+    for case in cases:  # the input's time, shared out so that the cases add up to it
+        case.seconds = seconds / len(cases)
+    return cases
+
+
+def check_tensor(name: str, scores: torch.Tensor, budget: Budget, options: Options, budgets: dict[str, Budget] | None = None) -> list[CaseResult]:
+    """``check_source`` on a tensor in memory."""
+    check_scores(name, scores)
+    return check_source(memory_source(name, scores.detach()), budget, options, budgets)
+
+
+def synthetic_scores(spec: SyntheticInput, device: str = "cpu") -> torch.Tensor:
+    """scale * q.k from the sweep generator, float64: (rows, seq)."""
+    s = make_scores(spec.rows, spec.seq, spec.d_k, dist=spec.dist, std=spec.std, seed=spec.seed, device=device)
+    return s * spec.scale.value(spec.d_k)  # (R, S)

@@ -1,0 +1,140 @@
+"""The torch side of the dtype registry: torch dtypes and every numeric threshold.
+
+Nothing here is typed in: overflow and underflow points follow from the
+format's largest finite value, its epsilon and its smallest normal number
+(``torch.finfo``) under round-to-nearest-even, and what a cast beyond the range
+gives (inf, NaN, or the largest value) is measured with torch's own cast.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from attncheck.errors import AttncheckError
+from attncheck.params import MASK_SENTINEL_LIMIT  # noqa: F401  (numerics take it from here)
+from attncheck.registry import DTYPES, DtypeSpec, cell_dtype
+from attncheck.results import DtypeLimits
+
+# exp() of a low-precision tensor is evaluated in float32 and rounded (CPU and
+# CUDA alike), so float32's own overflow point also bounds fp16 and bf16.
+_EXP_COMPUTE_DTYPE = torch.float32
+
+
+def torch_dtype(spec: DtypeSpec) -> torch.dtype:
+    """The torch dtype of a registered format; an input error where this torch lacks it."""
+    dt = getattr(torch, spec.torch_name, None)
+    if not isinstance(dt, torch.dtype):
+        raise AttncheckError(f"dtype {spec.name} needs torch.{spec.torch_name}, which torch {torch.__version__} does not have")
+    return dt
+
+
+def dtype_from_name(name: str, where=cell_dtype, param: str | None = None) -> torch.dtype:
+    """'fp16' / 'float16' / 'half' -> torch.float16; unknown names raise AttncheckError."""
+    return torch_dtype(DTYPES.get(name, where=where, param=param))
+
+
+@lru_cache(maxsize=None)
+def _labels() -> dict[torch.dtype, str]:
+    out = {}
+    for spec in DTYPES:
+        dt = getattr(torch, spec.torch_name, None)
+        if isinstance(dt, torch.dtype):
+            out[dt] = spec.name
+    return out
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    """torch.float16 -> 'fp16'; dtypes outside the registry fall back to their torch name."""
+    return _labels().get(dtype) or str(dtype).removeprefix("torch.")
+
+
+def spec_of(dtype: torch.dtype) -> DtypeSpec | None:
+    label = _labels().get(dtype)
+    return None if label is None else DTYPES.get(label)
+
+
+def scores_dtype_error(name: str, dtype: object) -> AttncheckError:
+    """The one message for a tensor whose dtype cannot hold scores (or q, k)."""
+    names = DTYPES.names(lambda s: s.scores)
+    allowed = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+    shown = str(dtype).removeprefix("torch.")
+    return AttncheckError(f"{name} has dtype {shown}; attncheck needs floating-point scores ({allowed})")
+
+
+def check_scores_dtype(name: str, dtype: torch.dtype) -> None:
+    spec = spec_of(dtype)
+    if spec is None or not spec.scores:
+        raise scores_dtype_error(name, dtype)
+
+
+def rounding_limit(dtype: torch.dtype) -> float:
+    """Smallest magnitude that rounds past the largest finite value: max + half an ulp at the top binade.
+
+    fp16: 65504 + 16 = 65520, so 65519 still rounds to 65504 and 65520 becomes inf.
+    """
+    fi = torch.finfo(dtype)
+    _, top_exp = math.frexp(fi.max)  # max = m * 2**top_exp with m in [0.5, 1)
+    half_ulp = math.ldexp(fi.eps / 2, top_exp - 1)
+    return fi.max + half_ulp
+
+
+def smallest_subnormal(dtype: torch.dtype) -> float:
+    """2**(min_exp - mantissa_bits): fp16 2**-24, bf16 2**-133, fp32 2**-149, e4m3 2**-9."""
+    fi = torch.finfo(dtype)
+    return fi.tiny * fi.eps
+
+
+@lru_cache(maxsize=None)
+def overflow_result(dtype: torch.dtype) -> float:
+    """What torch's cast makes of a finite value beyond the range: +inf, NaN, or the largest
+    finite value (a saturating cast). Measured, not assumed: in torch 2.13 on the CPU, fp16,
+    bf16 and e5m2 give inf, e4m3fn saturates at 448 and the fnuz formats give NaN."""
+    beyond = torch.tensor(rounding_limit(dtype) * 4, dtype=torch.float64).to(torch.float32)
+    return float(beyond.to(dtype).to(torch.float64))
+
+
+def exp_overflow_threshold(dtype: torch.dtype) -> float:
+    """exp(x) evaluated in ``dtype`` is inf for x above this (fp16 ~11.09, bf16/fp32 ~88.72).
+
+    Before exp, x itself is rounded to ``dtype``: in bf16 the largest x that
+    survives is 88.5, and x > 88.75 rounds to 89.
+    """
+    limit = math.log(rounding_limit(dtype))
+    if dtype != _EXP_COMPUTE_DTYPE and torch.finfo(dtype).bits < 32:
+        limit = min(limit, math.log(rounding_limit(_EXP_COMPUTE_DTYPE)))
+    return limit
+
+
+def exp_underflow_threshold(dtype: torch.dtype) -> float:
+    """exp(x) rounds to 0 in ``dtype`` for x below this (fp16 ~-17.33, bf16 ~-92.9, fp32 ~-103.97).
+
+    Halfway to the smallest subnormal rounds to even, i.e. to zero.
+    """
+    tiniest = smallest_subnormal(dtype)
+    half = tiniest / 2
+    return math.log(half) if half > 0 else math.log(tiniest) - math.log(2)  # float64's half is 0 itself
+
+
+def representable(value: float, dtype: torch.dtype) -> bool:
+    """Whether a finite ``value`` stays finite and unclipped when cast to ``dtype``."""
+    return math.isfinite(value) and abs(value) < rounding_limit(dtype)
+
+
+def limits_of(dtype: torch.dtype) -> DtypeLimits:
+    """Every limit of ``dtype`` as plain numbers."""
+    fi = torch.finfo(dtype)
+    beyond = overflow_result(dtype)
+    return DtypeLimits(
+        name=dtype_label(dtype),
+        max=fi.max,
+        tiny=fi.tiny,
+        smallest_subnormal=smallest_subnormal(dtype),
+        eps=fi.eps,
+        rounding_limit=rounding_limit(dtype),
+        overflow="inf" if math.isinf(beyond) else "nan" if math.isnan(beyond) else "saturate",
+        exp_overflow=exp_overflow_threshold(dtype),
+        exp_underflow=exp_underflow_threshold(dtype),
+    )

@@ -1,0 +1,96 @@
+"""Aggregation across row chunks that gives the same bits whatever the chunking."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Iterable
+
+import torch
+
+from attncheck.results import UNEXPLAINED
+
+ROW_BLOCK = 64  # rows per exact-sum block; chunk sizes do not change any result
+
+
+class ExactSum:
+    """Sum of per-row values that does not depend on how rows are chunked.
+
+    Rows are summed by torch in fixed global blocks of ROW_BLOCK, and the block
+    sums with math.fsum (correctly rounded), so any chunking gives the same bits.
+    """
+
+    def __init__(self) -> None:
+        self.blocks: list[float] = []
+        self.carry = torch.zeros(0, dtype=torch.float64)
+
+    def add(self, values: torch.Tensor) -> None:
+        v = torch.cat([self.carry, values.detach().to("cpu", torch.float64)])
+        full = v.numel() - v.numel() % ROW_BLOCK
+        if full:
+            self.blocks.extend(v[:full].reshape(-1, ROW_BLOCK).sum(dim=-1).tolist())
+        self.carry = v[full:]
+
+    def total(self) -> float:
+        tail = [float(self.carry.sum())] if self.carry.numel() else []
+        return math.fsum(self.blocks + tail)
+
+
+class Max:
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def add(self, values: torch.Tensor) -> None:
+        if values.numel():
+            v = float(values.max())
+            self.value = v if self.value is None else max(self.value, v)
+
+
+class Examples:
+    """First few flat row indices per label."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.rows: dict[str, list[int]] = {}
+
+    def add(self, label: str, mask: torch.Tensor, offset: int) -> None:
+        have = self.rows.setdefault(label, [])
+        if len(have) >= self.limit or not bool(mask.any()):
+            return
+        idx = torch.nonzero(mask).flatten()[: self.limit - len(have)]
+        have.extend(int(i) + offset for i in idx.tolist())
+
+    def unravel(self, lead: tuple[int, ...]) -> dict[str, list[tuple[int, ...]]]:
+        return {k: [unravel(i, lead) for i in v] for k, v in self.rows.items() if v}
+
+
+def unravel(flat: int, lead: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for dim in reversed(lead):
+        out.append(flat % dim)
+        flat //= dim
+    return tuple(reversed(out))
+
+
+def attribute(target: torch.Tensor, causes: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Give each target row the first cause (pipeline order) that holds for it."""
+    left = target.clone()
+    out = {}
+    for name, cond in causes:
+        hit = left & cond
+        out[name] = hit
+        left &= ~hit
+    out[UNEXPLAINED] = left
+    return out
+
+
+def most_common(counter: Counter, k: int = 3) -> list[tuple[float, int]]:
+    """Most frequent first, ties by value: the same order whatever the chunking."""
+    return sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+
+
+def count_values(counter: Counter, values: torch.Tensor) -> None:
+    """Add how often each value occurs in a 1-D tensor (one entry per row) to ``counter``."""
+    if values.numel():
+        uniq, counts = torch.unique(values.to(torch.float64), return_counts=True)
+        counter.update(dict(zip(uniq.tolist(), counts.tolist())))

@@ -1,0 +1,405 @@
+"""Q, K and a mask -> attention scores, computed per dtype the way models compute them.
+
+Per dtype: Q and K are cast to the dtype, Q@K^T runs with float32 accumulation and
+is rounded to the dtype (so it can overflow fp16 before any softmax), the scale is
+applied to q first or to the scores after, and the mask is added in the dtype. The
+reference is the same pipeline in float64, with boolean-masked keys at -inf (or at
+the numeric --mask-value, so a leaking sentinel shows as leaked mass).
+
+Shapes: q (..., Hq, Tq, d), k (..., Hk, Tk, d); Hq must be a multiple of Hk
+(grouped-query attention); the leading axes must match. Rows of the score tensor
+are (batch..., head, query) in row-major order; keys are the last axis.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from attncheck import params
+from attncheck.errors import AttncheckError, param
+from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, check_scores_dtype, dtype_label
+from attncheck.results import AttentionAudit, DtypeAudit
+
+if TYPE_CHECKING:
+    from attncheck.loaders import TensorSource
+
+
+def scale_value(scale: str | params.Scale, d: int) -> float:
+    """'auto'/'sqrt' -> 1/sqrt(d), 'none' -> 1, 'dk' -> 1/d, 'dk2' -> 1/d^2, a number -> itself."""
+    return (scale if isinstance(scale, params.Scale) else params.scale(scale)).value(d)
+
+
+def sentinel_in(dtype: torch.dtype, mask_value: str) -> float:
+    """The value a masked key gets in ``dtype``: -inf, finfo(dtype).min, or a number as the dtype rounds it."""
+    if mask_value == "-inf":
+        return float("-inf")
+    if mask_value == "min":
+        return torch.finfo(dtype).min
+    return torch.tensor(float(mask_value), dtype=torch.float64).to(dtype).item()
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Validated Q, K and mask, normalised to q (B, Hq, Tq, d), k (B, Hk, Tk, d)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    scale: float
+    scale_name: str
+    scale_order: str  # "q" or "scores"
+    mask_float: torch.Tensor | None  # float64 additive mask, broadcastable to (B, Hq, Tq, Tk)
+    masked: torch.Tensor | None  # bool, True = masked (bool mask file, causal, padding)
+    mask_value: str  # "-inf", "min" or a number, for boolean-masked keys
+    lead: tuple[int, ...]  # the leading (batch) axes of the inputs before normalisation
+    float_mask_looks_boolean: bool = False
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def d(self) -> int:
+        return self.q.shape[-1]
+
+    @property
+    def score_shape(self) -> tuple[int, ...]:
+        return (*self.lead, self.q.shape[1], self.q.shape[2], self.k.shape[2])
+
+    @property
+    def rows(self) -> int:
+        return self.q.shape[0] * self.q.shape[1] * self.q.shape[2]
+
+
+def _as_4d(name: str, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    if t.dim() < 2:
+        raise AttncheckError(f"{name} has shape {tuple(t.shape)}; it needs at least (tokens, head_dim)")
+    if t.dim() == 2:
+        return t.reshape(1, 1, *t.shape), ()
+    lead = tuple(t.shape[:-3])
+    return t.reshape(-1, *t.shape[-3:]), lead
+
+
+def prepare_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    scale: str | params.Scale = "auto",
+    scale_order: str = "scores",
+    causal: bool = False,
+    pad_left: list[int] | None = None,
+    pad_right: list[int] | None = None,
+    mask_value: str = "-inf",
+    mask_convention: str = "attend",
+) -> AttentionInputs:
+    """Validate shapes and build the mask planes; every mismatch is an AttncheckError naming both shapes."""
+    for name, t in (("q", q), ("k", k)):
+        check_scores_dtype(name, t.dtype)
+    if q.shape[-1] != k.shape[-1]:
+        raise AttncheckError(f"q and k have different head dims: q {tuple(q.shape)} has d = {q.shape[-1]}, k {tuple(k.shape)} has d = {k.shape[-1]}")
+    if q.dim() != k.dim():
+        raise AttncheckError(f"q {tuple(q.shape)} and k {tuple(k.shape)} have different numbers of axes")
+    q4, lead = _as_4d("q", q)
+    k4, _ = _as_4d("k", k)
+    if q.dim() >= 3 and tuple(q.shape[:-3]) != tuple(k.shape[:-3]):
+        raise AttncheckError(f"q {tuple(q.shape)} and k {tuple(k.shape)} have different batch axes")
+    hq, hk = q4.shape[1], k4.shape[1]
+    if hq % hk:
+        raise AttncheckError(f"k has {hk} heads, which does not divide q's {hq} heads (q {tuple(q.shape)}, k {tuple(k.shape)})")
+    order = params.choice(scale_order, params.SCALE_ORDERS, "scale_order")
+    params.choice(mask_convention, params.MASK_CONVENTIONS, "mask_convention")
+    scale = scale if isinstance(scale, params.Scale) else params.scale(scale)
+    mask_value = params.mask_value(mask_value)
+    b, tq, tk = q4.shape[0], q4.shape[2], k4.shape[2]
+    full = (b, hq, tq, tk)
+    masked = None
+    mask_float = None
+    looks_boolean = False
+    if mask is not None:
+        m4 = _broadcast_mask(mask, full, lead)
+        if mask.dtype == torch.bool:
+            masked = ~m4 if mask_convention == "attend" else m4
+        elif mask.is_floating_point():
+            mask_float = m4.to(torch.float64)
+            vals = torch.unique(mask_float)
+            looks_boolean = vals.numel() <= 2 and bool(((vals == 0) | (vals == 1)).all()) and bool((vals == 1).any())
+        else:
+            raise AttncheckError(f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask")
+    extra = torch.zeros(full, dtype=torch.bool)
+    if causal:
+        # PyTorch's is_causal: ones(L, S).tril(0), aligned at the top left.
+        extra |= ~torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=0)
+    for side, pads in (("left", pad_left), ("right", pad_right)):
+        if not pads:
+            continue
+        if len(pads) != b:
+            raise AttncheckError(f"gives {len(pads)} lengths for a batch of {b}", param=f"pad_{side}")
+        for n in pads:
+            if n < 0 or n > tk:
+                raise AttncheckError(f"length {n} is outside 0..{tk} keys", param=f"pad_{side}")
+        n_pad = torch.tensor(pads).view(b, 1, 1, 1)
+        key = torch.arange(tk).view(1, 1, 1, tk)
+        extra |= (key < n_pad) if side == "left" else (key >= tk - n_pad)
+    if causal or pad_left or pad_right:
+        masked = extra if masked is None else (masked | extra)
+    return AttentionInputs(
+        q=q4,
+        k=k4,
+        scale=scale.value(q4.shape[-1]),
+        scale_name=scale.name,
+        scale_order=order,
+        mask_float=mask_float,
+        masked=masked,
+        mask_value=mask_value,
+        lead=lead,
+        float_mask_looks_boolean=looks_boolean,
+    )
+
+
+def _broadcast_mask(mask: torch.Tensor, full: tuple[int, ...], lead: tuple[int, ...]) -> torch.Tensor:
+    b, h, tq, tk = full
+    m = mask
+    if m.dim() > 4 or (m.dim() == 4 and lead and len(lead) > 1):
+        m = m.reshape(-1, *m.shape[-3:]) if m.dim() > 4 else m
+    try:
+        return torch.broadcast_to(m, full)
+    except RuntimeError:
+        raise AttncheckError(f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape (batch {b}, heads {h}, queries {tq}, keys {tk})") from None
+
+
+SPREAD_SAMPLE = 1 << 17
+
+
+class SpreadSample:
+    """The first SPREAD_SAMPLE unmasked float64 scores (row-major order, so the same values
+    whatever the chunking) and their robust spread, kept in ``audit.scores_std``."""
+
+    def __init__(self, audit: AttentionAudit) -> None:
+        self.audit = audit
+        self._values: list[torch.Tensor] = []
+        self._taken = 0
+
+    def add(self, values: torch.Tensor) -> None:
+        take = min(values.numel(), SPREAD_SAMPLE - self._taken)
+        if take <= 0:
+            return
+        self._values.append(values.reshape(-1)[:take].to("cpu", torch.float64))
+        self._taken += take
+        self.audit.scores_std = robust_std(torch.cat(self._values))
+
+
+
+def robust_std(values: torch.Tensor) -> float:
+    """1.4826 x median absolute deviation: the std of a normal sample, blind to a few outliers."""
+    v = values[torch.isfinite(values)].reshape(-1).to(torch.float64)
+    if v.numel() == 0:
+        return 0.0
+    med = v.median()
+    return float(1.4826 * (v - med).abs().median())
+
+
+LEAK_TOLERANCE = 1e-6
+
+
+class QKBlock:
+    """A block of score rows computed from Q and K: the float64 reference input and, per dtype,
+    the scores the model would produce, with the rows each pipeline stage broke."""
+
+    def __init__(self, inp: AttentionInputs, bh: slice, qs: slice, device: torch.device, audit: AttentionAudit, spread: SpreadSample) -> None:
+        self.inp, self.audit = inp, audit
+        self.q, self.k, raw = _qk_float64(inp, bh, qs, device)  # (n, tq, d), (n, Tk, d), (n, tq, Tk)
+        self.masked = self._slice4(inp.masked, bh, qs, device)  # (n, tq, Tk) bool or None
+        self.mask_float = self._slice4(inp.mask_float, bh, qs, device)
+        self.raw_finite = torch.isfinite(raw).reshape(-1, raw.shape[-1])
+        audit.raw_max_abs = max(audit.raw_max_abs, _finite_abs_max(raw))
+        s = raw * inp.scale
+        keep = torch.isfinite(s) if self.masked is None else torch.isfinite(s) & ~self.masked
+        spread.add(s[keep])
+        # The reference adds the same planes in float64; a boolean-masked key is -inf
+        # for -inf and min sentinels, and the number itself otherwise (so leaks show).
+        ref_sentinel = float("-inf") if inp.mask_value in ("-inf", "min") else float(inp.mask_value)
+        if self.mask_float is not None:
+            s = s + self.mask_float
+        if self.masked is not None:
+            s = s + torch.zeros_like(s).masked_fill(self.masked, ref_sentinel)
+        self.given = s.reshape(-1, s.shape[-1])  # (r, Tk) float64
+        self.flat_masked = None if self.masked is None else self.masked.reshape(-1, self.masked.shape[-1])
+        self.all_masked = None if self.flat_masked is None else self.flat_masked.all(dim=-1)
+
+    @staticmethod
+    def _slice4(t: torch.Tensor | None, bh: slice, qs: slice, device: torch.device) -> torch.Tensor | None:
+        if t is None:
+            return None
+        b, h = t.shape[:2]
+        return t.reshape(b * h, *t.shape[2:])[bh, qs].to(device)
+
+    def in_dtype(self, dt: torch.dtype):
+        """(scores (r, Tk) in dt, causes before 'fully_masked', causes after it)."""
+        inp = self.inp
+        a = self.audit.dtypes.setdefault(dtype_label(dt), DtypeAudit(dtype_label(dt)))
+        qd, kd = self.q.to(dt), self.k.to(dt)
+        if inp.scale_order == "q":
+            qd = qd * inp.scale  # rounded to dt
+        s = torch.matmul(qd.float(), kd.float().transpose(-1, -2)).to(dt)  # fp32 accumulation, rounded
+        if inp.scale_order == "scores":
+            s = s * inp.scale
+        flat = s.reshape(-1, s.shape[-1])
+        over = torch.isinf(flat) & self.raw_finite
+        qk_rows = over.any(dim=-1)
+        a.qk_overflow_values += int(over.sum())
+        a.qk_overflow_rows += int(qk_rows.sum())
+        a.qk_max_abs = max(a.qk_max_abs, _finite_abs_max(flat))
+        before_mask_bad = ~torch.isfinite(flat)
+        sentinel = sentinel_in(dt, inp.mask_value)
+        a.sentinel_value = sentinel
+        a.sentinel_not_representable = inp.mask_value not in ("-inf",) and math.isinf(sentinel)
+        mask_dt = None
+        if self.mask_float is not None:
+            mf = self.mask_float.to(dt)
+            a.mask_not_representable += int((torch.isinf(mf) & torch.isfinite(self.mask_float)).sum())
+            mask_dt = mf
+        if self.masked is not None:
+            plane = torch.zeros(self.masked.shape, dtype=dt, device=self.masked.device).masked_fill(self.masked, sentinel)
+            if mask_dt is not None:
+                summed = mask_dt + plane
+                a.summed_planes_overflow += int((torch.isinf(summed) & torch.isfinite(mask_dt) & torch.isfinite(plane)).sum())
+                mask_dt = summed
+            else:
+                mask_dt = plane
+        if mask_dt is not None:
+            added = s + mask_dt
+            a.overflow_on_add += int((torch.isinf(added) & torch.isfinite(s) & torch.isfinite(mask_dt)).sum())
+            s = added
+        flat = s.reshape(-1, s.shape[-1])
+        broken = torch.isneginf(flat).all(dim=-1) | torch.isnan(flat).any(dim=-1)
+        # The mask is to blame where every value it meant to add is finite (a finite
+        # sentinel, finite float-mask values) and the dtype still made the row all -inf or NaN.
+        mask_rows = broken & ~before_mask_bad.any(dim=-1) & self._intended_finite_rows(sentinel)
+        a.mask_sentinel_rows += int(mask_rows.sum())
+        return flat, [("qk_overflow", qk_rows), ("mask_sentinel", mask_rows)], []
+
+    def _intended_finite_rows(self, sentinel: float) -> torch.Tensor:
+        """(r,) rows whose mask values, as meant (float64), are all finite."""
+        ok = torch.ones(self.given.shape[0], dtype=torch.bool, device=self.given.device)
+        if self.mask_float is not None:
+            ok &= torch.isfinite(self.mask_float).reshape(-1, self.given.shape[-1]).all(dim=-1)
+        if self.flat_masked is not None and self.inp.mask_value == "-inf":
+            ok &= ~self.flat_masked.any(dim=-1)
+        return ok
+
+    def audit_reference(self, ref: torch.Tensor, ref_ok: torch.Tensor) -> None:
+        """Mass the float64 reference puts on masked keys (a leaking sentinel), and the score spread."""
+        if self.flat_masked is not None or self.mask_float is not None:
+            masked = self.flat_masked if self.flat_masked is not None else torch.zeros_like(self.given, dtype=torch.bool)
+            if self.mask_float is not None:
+                masked = masked | (self.mask_float.reshape(-1, self.given.shape[-1]) <= MASK_SENTINEL_LIMIT)
+            self.audit.masked_keys += int(masked.sum())
+            leak = (ref * masked).sum(dim=-1)[ref_ok & ~masked.all(dim=-1)]
+            if leak.numel():
+                self.audit.leak_max = max(self.audit.leak_max, float(leak.max()))
+                self.audit.leak_rows += int((leak > LEAK_TOLERANCE).sum())
+
+
+def _finite_abs_max(t: torch.Tensor) -> float:
+    fin = torch.isfinite(t)
+    if not bool(fin.any()):
+        return 0.0
+    return float(torch.where(fin, t.abs(), 0).max())
+
+
+def start_audit(inp: AttentionInputs) -> AttentionAudit:
+    q64, k64 = inp.q.to(torch.float64), inp.k.to(torch.float64)
+    return AttentionAudit(
+        d=inp.d,
+        heads=inp.heads,
+        kv_heads=inp.k.shape[1],
+        scale=inp.scale,
+        scale_name=inp.scale_name,
+        scale_order=inp.scale_order,
+        mask_value=inp.mask_value,
+        q_std=robust_std(q64),
+        k_std=robust_std(k64),
+        q_max_abs=_finite_abs_max(q64),
+        k_max_abs=_finite_abs_max(k64),
+        float_mask_looks_boolean=inp.float_mask_looks_boolean,
+    )
+
+
+def _row_ranges(inp: AttentionInputs, rows_per_block: int) -> Iterator[tuple[slice, slice]]:
+    """(heads, queries) of consecutive blocks of score rows in (batch, head, query) order."""
+    bh_total = inp.q.shape[0] * inp.q.shape[1]
+    tq = inp.q.shape[2]
+    if rows_per_block >= tq:
+        per = rows_per_block // tq
+        for start in range(0, bh_total, per):
+            yield slice(start, min(start + per, bh_total)), slice(0, tq)
+    else:
+        for i in range(bh_total):
+            for q0 in range(0, tq, rows_per_block):
+                yield slice(i, i + 1), slice(q0, min(q0 + rows_per_block, tq))
+
+
+def score_blocks(inp: AttentionInputs, rows_per_block: int, device: torch.device, audit: AttentionAudit) -> Iterator[QKBlock]:
+    """Consecutive blocks of score rows in (batch, head, query) order."""
+    spread = SpreadSample(audit)
+    for bh, qs in _row_ranges(inp, rows_per_block):
+        yield QKBlock(inp, bh, qs, device, audit, spread)
+
+
+def _qk_float64(inp: AttentionInputs, bh: slice, qs: slice, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (n, tq, d) and k (n, Tk, d) of the heads ``bh`` and queries ``qs`` (k repeated for
+    GQA), and their float64 q.k^T (n, tq, Tk)."""
+    b, hq = inp.q.shape[:2]
+    group = hq // inp.k.shape[1]
+    heads = torch.arange(bh.start, bh.stop)
+    q = inp.q.reshape(b * hq, *inp.q.shape[2:])[bh, qs].to(device)  # (n, tq, d)
+    k_index = (heads // hq) * inp.k.shape[1] + (heads % hq) // group
+    k = inp.k.reshape(-1, *inp.k.shape[2:])[k_index].to(device)  # (n, Tk, d)
+    raw = torch.matmul(q.to(torch.float64), k.to(torch.float64).transpose(-1, -2))  # (n, tq, Tk)
+    return q, k, raw
+
+
+class _Rows:
+    """Row blocks of any size re-cut into blocks of the sizes asked for, in order."""
+
+    def __init__(self, blocks: Iterator[torch.Tensor]) -> None:
+        self._blocks = iter(blocks)
+        self._have: list[torch.Tensor] = []
+        self._count = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        while self._count < n:
+            block = next(self._blocks, None)
+            if block is None:
+                break
+            self._have.append(block)
+            self._count += block.shape[0]
+        rows = torch.cat(self._have) if len(self._have) != 1 else self._have[0]
+        out, rest = rows[:n], rows[n:]
+        self._have, self._count = ([rest] if rest.shape[0] else []), rest.shape[0]
+        return out
+
+
+def fit_scale(scores: "TensorSource", inp: AttentionInputs, rows_per_block: int) -> float | None:
+    """Least-squares s ~ alpha * (q.k) over keys that are finite and not masked-looking,
+    reading the scores in row blocks (sums are exact, so the blocks do not matter)."""
+    from attncheck.numerics.reduce import ExactSum
+
+    if math.prod(scores.shape) != math.prod(inp.score_shape) or scores.shape[-1] != inp.k.shape[2]:
+        raise AttncheckError(f"scores of shape {tuple(scores.shape)} do not match q.k^T of shape {tuple(inp.score_shape)}")
+    rows = _Rows(scores.row_blocks(rows_per_block))
+    num, den = ExactSum(), ExactSum()
+    for bh, qs in _row_ranges(inp, rows_per_block):
+        _, _, raw = _qk_float64(inp, bh, qs)
+        raw = raw.reshape(-1, raw.shape[-1])  # (r, Tk)
+        s = rows.take(raw.shape[0]).to(torch.float64)  # (r, Tk)
+        use = torch.isfinite(s) & torch.isfinite(raw) & (s > MASK_SENTINEL_LIMIT)
+        raw = torch.where(use, raw, 0.0)
+        num.add((torch.where(use, s, 0.0) * raw).sum(dim=-1))
+        den.add((raw * raw).sum(dim=-1))
+    total = den.total()
+    return None if total == 0 else num.total() / total

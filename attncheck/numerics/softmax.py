@@ -1,0 +1,179 @@
+"""The softmax implementations attncheck compares, each computed the way real code does.
+
+Each is registered in ``attncheck.registry.METHODS`` as a function
+``(x, MethodParams) -> MethodOutput``. All work on the last axis and keep leading
+axes (batch, heads, queries). The input is already in the cell's dtype; every tensor op below runs in that
+dtype unless a comment says otherwise, so rounding, overflow and NaN behaviour
+are the real ones on CPU and CUDA alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attncheck.errors import AttncheckError
+from attncheck.params import ACCUMULATIONS, DEFAULT_BLOCK
+from attncheck.registry import EVENTS, METHODS
+
+
+def reference_softmax(x: torch.Tensor) -> torch.Tensor:
+    """float64 max-subtracted softmax of ``x`` as given: the yardstick for every error.
+
+    Rows that are all -inf, or hold +inf or NaN, come out NaN: the softmax of
+    such a row is undefined, and the diagnosis names the reason.
+    """
+    x64 = x.to(torch.float64)
+    z = x64 - x64.amax(dim=-1, keepdim=True)
+    e = torch.exp(z)
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def _row_sum(e: torch.Tensor, accum: str) -> torch.Tensor:
+    """Row sum with keepdim. 'fp32': as torch does (float32 inside, result rounded to
+    the dtype). 'dtype': pairwise tree with every partial sum rounded to the dtype."""
+    if accum == "fp32" or e.dtype in (torch.float32, torch.float64):
+        return e.sum(dim=-1, keepdim=True)
+    n = e.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    s = torch.nn.functional.pad(e, (0, width - n)) if width != n else e
+    while s.shape[-1] > 1:  # log2(T) levels; each addition rounds to the dtype
+        s = s[..., 0::2] + s[..., 1::2]
+    return s
+
+
+def naive_softmax(x: torch.Tensor, accum: str = "fp32") -> torch.Tensor:
+    """Textbook ``exp(x) / sum(exp(x))`` in x's dtype: overflows for x > ln(max)."""
+    return naive_method(x, MethodParams(accum=accum)).probs
+
+
+def stable_softmax(x: torch.Tensor, accum: str = "fp32") -> torch.Tensor:
+    """``z = x - max(x); exp(z) / sum(exp(z))`` in x's dtype."""
+    return stable_method(x, MethodParams(accum=accum)).probs
+
+
+def torch_softmax(x: torch.Tensor) -> torch.Tensor:
+    """The framework's own ``torch.softmax`` (float32 internally, result in x's dtype)."""
+    return torch.softmax(x, dim=-1)
+
+
+def tiled_softmax(x: torch.Tensor, block: int = DEFAULT_BLOCK, reverse: bool = False) -> torch.Tensor:
+    """FlashAttention's one-pass online softmax over key blocks; returns float32.
+
+    Running max ``m`` and sum ``l`` are float32, as in the kernels. Block j gives
+    ``P_j = exp(S_j - m_j)`` rounded to x's dtype (what the P@V matmul consumes);
+    ``l`` sums the float32 exps before that rounding, as the kernels do. The
+    effective probability of a block-j entry is ``P_j * exp(m_j - m_final) / l_final``,
+    the weight the kernel's rescaled output gives that key. A fully masked row
+    gives zeros, not NaN (the kernels guard ``exp(-inf - (-inf))``).
+    """
+    if block < 1:
+        raise AttncheckError(f"must be >= 1, got {block}", param="block")
+    n = x.shape[-1]
+    lead = x.shape[:-1]
+    nb = -(-n // block)
+    # (..., nb, B) float32 blocks in processing order; a short last block is padded with
+    # -inf keys, whose exp is 0. Block-wide ops run on all blocks at once; only the
+    # running sum l, which the kernels rescale block by block, is a loop over blocks.
+    s = x.float()
+    if nb * block != n:
+        s = torch.nn.functional.pad(s, (0, nb * block - n), value=float("-inf"))
+    s = s.reshape(*lead, nb, block)
+    if reverse:
+        s = s.flip(-2)
+    m_run = torch.cummax(s.amax(dim=-1), dim=-1).values  # (..., nb): running max m_j after block j
+    m_safe = torch.where(m_run == float("-inf"), 0.0, m_run)  # guard exp(-inf - (-inf))
+    e = (s - m_safe.unsqueeze(-1)).exp_()  # (..., nb, B) float32; in place: one allocation fewer
+    block_sum = e.sum(dim=-1)  # (..., nb)
+    m_prev = torch.cat([torch.full_like(m_run[..., :1], float("-inf")), m_run[..., :-1]], dim=-1)
+    decay = torch.exp(m_prev - m_safe)  # (..., nb): rescales l from m_{j-1} to m_j
+    l = torch.zeros(lead, dtype=torch.float32, device=x.device)
+    for j in range(nb):  # loop over key blocks, not rows
+        l = decay[..., j] * l + block_sum[..., j]
+    p_blocks = e.to(x.dtype)  # P_j as the P@V matmul consumes it
+    del e
+    m_final = m_safe[..., -1:]
+    inv_l = torch.where((l == 0) | torch.isnan(l), 1.0, 1.0 / l).unsqueeze(-1)  # (..., 1)
+    rescale = torch.exp(m_safe - m_final) * inv_l  # (..., nb)
+    out = p_blocks.float().mul_(rescale.unsqueeze(-1))  # p_blocks.float() is a new tensor, or e's own memory
+    if reverse:
+        out = out.flip(-2)
+    return out.reshape(*lead, nb * block)[..., :n]
+
+
+@dataclass(frozen=True)
+class MethodParams:
+    """What a method may be told besides the scores."""
+
+    block: int = DEFAULT_BLOCK  # key block of tiled
+    reverse: bool = False  # tiled visits key blocks last to first
+    accum: str = "fp32"  # row sums of naive/stable: 'fp32' (as torch) or 'dtype' (pairwise in the dtype)
+
+
+@dataclass
+class MethodOutput:
+    """Probabilities of one method plus what happened inside it, per row."""
+
+    probs: torch.Tensor  # (..., T); x's dtype, or float32 for methods whose output is 'fp32'
+    events: dict[str, torch.Tensor] = field(default_factory=dict)  # registry.EVENTS name -> (...) bool rows
+
+    @property
+    def overflow_rows(self) -> torch.Tensor:
+        return event_rows(self.events, "overflow", self.probs.shape[:-1], self.probs.device)
+
+    @property
+    def underflow_rows(self) -> torch.Tensor:
+        return event_rows(self.events, "underflow", self.probs.shape[:-1], self.probs.device)
+
+
+def event_rows(events: dict[str, torch.Tensor], kind: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(...) bool: rows with any event that counts as ``kind`` ('overflow' or 'underflow')."""
+    out = torch.zeros(shape, dtype=torch.bool, device=device)
+    for name, hit in events.items():
+        if EVENTS[name] == kind:
+            out |= hit
+    return out
+
+
+def _exp_softmax(x: torch.Tensor, accum: str, subtract_max: bool) -> MethodOutput:
+    x_max = x.amax(dim=-1, keepdim=True)  # (..., 1)
+    e = (x - x_max).exp_() if subtract_max else torch.exp(x)
+    s = _row_sum(e, accum)
+    probs = e / s
+    # The row sum tells whether an exp overflowed (then the sum is inf too) or the sum
+    # itself did, and whether every exp flushed to 0 (a sum of exps >= 0 is 0 only then;
+    # stable has exp(0) = 1). A finite row max rules out NaN and +inf inputs, reported
+    # as such elsewhere.
+    finite_max = torch.isfinite(x_max.squeeze(-1))
+    s = s.squeeze(-1)
+    events = {"exp_overflow": finite_max & torch.isinf(s)}
+    if not subtract_max:
+        events["underflow"] = finite_max & (s == 0)
+    return MethodOutput(probs, events)
+
+
+def naive_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
+    return _exp_softmax(x, params.accum, subtract_max=False)
+
+
+def stable_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
+    return _exp_softmax(x, params.accum, subtract_max=True)
+
+
+def tiled_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
+    return MethodOutput(tiled_softmax(x, block=params.block, reverse=params.reverse))
+
+
+def torch_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
+    return MethodOutput(torch_softmax(x))
+
+
+def run_method(method: str, x: torch.Tensor, *, block: int = DEFAULT_BLOCK, reverse: bool = False, accum: str = "fp32") -> MethodOutput:
+    """Run one registered method on scores already cast to the cell's dtype, keeping its events."""
+    spec = METHODS.get(method, param="methods")
+    if accum not in ACCUMULATIONS:
+        raise AttncheckError(f"unknown accumulation {accum!r} (choose from {', '.join(ACCUMULATIONS)})", param="accum")
+    if block < 1:
+        raise AttncheckError(f"must be >= 1, got {block}", param="block")
+    return spec.function()(x, MethodParams(block=block, reverse=reverse, accum=accum))

@@ -1,0 +1,225 @@
+"""Parameter values shared by every command and the config file: defaults, choices,
+and one validator per kind of value.
+
+Free of torch and numpy, so bad values fail in milliseconds. Validators take the
+text a user typed (``from_text=True``, the CLI) or a typed value (the TOML config),
+and raise ``AttncheckError(param=NAME)``: the CLI shows NAME as its flag, the config
+layer as its key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from attncheck.errors import AttncheckError
+from attncheck.registry import DTYPES, METHODS, Registry, cell_dtype
+
+# Defaults, each defined once.
+DEFAULT_BLOCK = 128  # key block of the tiled method (FlashAttention's kBlockN for d <= 128)
+COLLAPSE_THRESHOLD = 0.99  # a row whose max probability reaches this has collapsed onto one key
+DEFAULT_MAX_MEMORY = "1GiB"
+DEFAULT_CHUNK_ELEMENTS = 1 << 22  # float64 working set per chunk: 32 MiB a tensor
+MAX_EXAMPLES = 8  # example rows kept per label
+# Finite scores at or below this look like an additive mask sentinel (-1e4, -1e9,
+# finfo.min): no real logit gets there, and every sentinel in use is at or below it.
+MASK_SENTINEL_LIMIT = -1e4
+
+ORDERS = ("forward", "reverse")
+ACCUMULATIONS = ("fp32", "dtype")
+DEVICES = ("auto", "cpu", "cuda")
+KERNELS = ("auto", "fused", "torch")
+SCALE_ORDERS = ("scores", "q")
+MASK_CONVENTIONS = ("attend", "ignore")
+
+
+def show(value: Any) -> str:
+    """A value as messages show it: strings quoted, booleans as TOML spells them."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "a table"
+    return repr(value)
+
+
+def items(value: Any, param: str) -> list[Any]:
+    """'a, b' -> ['a', 'b']; a list stays a list; a lone value is a list of one."""
+    if isinstance(value, str):
+        out = [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, (list, tuple)):
+        out = list(value)
+    else:
+        out = [value]
+    if not out:
+        raise AttncheckError("is empty", param=param)
+    return out
+
+
+def names(value: Any, registry: Registry, param: str, where: Callable = lambda spec: True) -> tuple[str, ...]:
+    """'fp16, bfloat16' or ['fp16', 'bf16'] -> ('fp16', 'bf16'): canonical, duplicates and
+    aliases of one name dropped, order kept; 'all' -> every name ``where`` allows."""
+    values = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
+    if not values:
+        raise AttncheckError(f"is empty (choose from {', '.join(registry.names(where))})", param=param)
+    if not all(isinstance(v, str) for v in values):
+        raise AttncheckError(f"must be a list of {registry.kind} names ({', '.join(registry.names(where))}), got {show(value)}", param=param)
+    if [v.strip().lower() for v in values] == ["all"]:
+        return registry.names(where)
+    return tuple(dict.fromkeys(registry.canonical(v, where=where, param=param) for v in values))
+
+
+def dtypes(value: Any, param: str = "dtypes") -> tuple[str, ...]:
+    return names(value, DTYPES, param, cell_dtype)
+
+
+def methods(value: Any, param: str = "methods") -> tuple[str, ...]:
+    return names(value, METHODS, param)
+
+
+def choice(value: Any, allowed: Iterable[str], param: str) -> str:
+    allowed = tuple(allowed)
+    if not isinstance(value, str) or value.strip().lower() not in allowed:
+        raise AttncheckError(f"must be one of {', '.join(allowed)}, got {show(value.strip() if isinstance(value, str) else value)}", param=param)
+    return value.strip().lower()
+
+
+def _typed(value: Any, kind: type, from_text: bool) -> tuple[Any, str]:
+    """(the value, parsed from text when ``from_text``; how a message shows it: numbers as
+    typed, anything else quoted)."""
+    if from_text and isinstance(value, str):
+        text = value.strip()
+        try:
+            return kind(text), text
+        except ValueError:
+            return text, repr(text)
+    return value, show(value)
+
+
+def integer(value: Any, param: str, minimum: int, *, from_text: bool = True) -> int:
+    """An int >= ``minimum``; text is parsed when ``from_text``."""
+    v, shown = _typed(value, int, from_text)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise AttncheckError(f"must be an integer >= {minimum}, got {shown}", param=param)
+    return v
+
+
+def number(value: Any, param: str, *, positive: bool = False, from_text: bool = True) -> float:
+    """A finite float > 0 (``positive``) or >= 0."""
+    v, shown = _typed(value, float, from_text)
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and (v > 0 if positive else v >= 0)
+    if not ok:
+        raise AttncheckError(f"must be a number {'> 0' if positive else '>= 0'}, got {shown}", param=param)
+    return float(v)
+
+
+def integers(value: Any, param: str, minimum: int, *, from_text: bool = True) -> tuple[int, ...]:
+    """'16, 32,64' -> (16, 32, 64), duplicates dropped, order kept."""
+    return tuple(dict.fromkeys(integer(v, param, minimum, from_text=from_text) for v in items(value, param)))
+
+
+def numbers(value: Any, param: str, *, positive: bool = True, from_text: bool = True) -> tuple[float, ...]:
+    return tuple(dict.fromkeys(number(v, param, positive=positive, from_text=from_text) for v in items(value, param)))
+
+
+def lengths(text: str, param: str) -> list[int]:
+    """'3,0,5' -> [3, 0, 5]: one padding length per batch element."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if not item.isdigit():
+            raise AttncheckError(f"{item!r} is not a non-negative integer (give one length per batch element, e.g. 3,0)", param=param)
+        out.append(int(item))
+    return out
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def size(text: str, param: str) -> int:
+    """'1GiB', '512MiB', '2G', '300000000' -> bytes."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = math.nan
+    if unit not in _SIZE_UNITS or not math.isfinite(value) or value <= 0:
+        raise AttncheckError(f"{text!r} is not a size (e.g. 1GiB, 512MiB, 2G)", param=param)
+    return int(value * _SIZE_UNITS[unit])
+
+
+def mask_value(text: str, param: str = "mask_value") -> str:
+    """What a masked key becomes: '-inf', 'min' (finfo(dtype).min) or a negative number."""
+    t = text.strip().lower()
+    if t in ("-inf", "min"):
+        return t
+    try:
+        v = float(t)
+    except ValueError:
+        raise AttncheckError(f"unknown value {text!r} (use -inf, min or a negative number)", param=param) from None
+    if math.isnan(v) or v >= 0:
+        raise AttncheckError(f"must be negative (a mask lowers the masked scores), got {text!r}", param=param)
+    return "-inf" if v == -math.inf else repr(v)
+
+
+def device(value: Any, param: str = "device") -> str:
+    """'auto', 'cpu', 'cuda' or 'cuda:N' (whether CUDA is there is checked where it is used)."""
+    name = value.strip().lower() if isinstance(value, str) else value
+    if isinstance(name, str) and (name in DEVICES or (name.startswith("cuda:") and name[5:].isdigit())):
+        return name
+    raise AttncheckError(f"must be one of {', '.join(DEVICES)} or cuda:N, got {show(value)}", param=param)
+
+
+# --------------------------------------------------------------------------- scale
+
+SCALE_NAMES = ("none", "sqrt", "dk", "dk2")
+SCALE_MEANINGS = {"none": "1", "sqrt": "1/sqrt(d_k)", "auto": "1/sqrt(d_k)", "dk": "1/d_k", "dk2": "1/d_k^2"}
+_SCALE_HELP = "none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number"
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A scale policy for q.k: 'none', 'sqrt' (or 'auto', SDPA's default), 'dk', 'dk2' or a number."""
+
+    name: str
+
+    def value(self, dk: int) -> float:
+        """The factor q.k is multiplied by at head dimension ``dk``."""
+        if self.name == "none":
+            return 1.0
+        if self.name in ("sqrt", "auto"):
+            return 1.0 / math.sqrt(dk)
+        if self.name == "dk":
+            return 1.0 / dk
+        if self.name == "dk2":
+            return 1.0 / (dk * dk)
+        return float(self.name)
+
+    @property
+    def meaning(self) -> str:
+        """'1/sqrt(d_k)' for 'sqrt'; a number stands for itself."""
+        return SCALE_MEANINGS.get(self.name, self.name)
+
+
+def scale(value: Any, param: str = "scale") -> Scale:
+    """'sqrt' -> Scale('sqrt'); '0.125' or 0.125 -> Scale('0.125'); anything else is an input error."""
+    if isinstance(value, str) and value.strip().lower() in (*SCALE_NAMES, "auto"):
+        return Scale(value.strip().lower())
+    v = value
+    if isinstance(value, str):
+        try:
+            v = float(value)
+        except ValueError:
+            v = None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+        raise AttncheckError(f"must be one of {_SCALE_HELP}, got {show(value.strip() if isinstance(value, str) else value)}", param=param)
+    return Scale(value.strip() if isinstance(value, str) else f"{v:g}")
+
+
+def scales(value: Any, param: str = "scales") -> tuple[Scale, ...]:
+    return tuple(dict.fromkeys(scale(v, param) for v in items(value, param)))

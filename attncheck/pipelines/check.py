@@ -1,0 +1,70 @@
+"""``attncheck check`` as a library call: a checked ``CheckConfig`` in, a ``CheckResult`` out.
+
+Inputs are diagnosed one at a time, each read in row blocks: files first (named
+relative to the config's folder, so names do not depend on where the check runs),
+then the synthetic entries.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+from attncheck.config.check import CheckConfig
+from attncheck.errors import AttncheckError
+from attncheck.results import CaseResult, CheckResult
+
+Track = Callable[[str, int], "Callable[[int], None] | None"]  # (input name, rows) -> rows-done callback
+
+
+def run_check(config: CheckConfig, device: str | None = None, track: Track | None = None, notice: Callable[[str], None] | None = None) -> CheckResult:
+    """Every input of ``config`` against its budgets. ``device`` overrides the config's.
+    Errors name the config's keys (``tool.attncheck.keys``), not library parameters."""
+    try:
+        return _run_check(config, device, track or (lambda name, rows: None), notice)
+    except AttncheckError as e:
+        raise AttncheckError(e.render(config.name_of)) from None
+
+
+def _run_check(config: CheckConfig, device: str | None, track: Track, notice) -> CheckResult:
+    from attncheck.loaders import memory_source, open_sources
+    from attncheck.numerics.budgets import check_source, synthetic_scores
+    from attncheck.numerics.diagnose import resolve_device
+    from attncheck.pipelines.run import device_label
+
+    dev = resolve_device(device or config.device)
+    start = time.perf_counter()
+    cases: list[CaseResult] = []
+    names: list[str] = []
+    sources = open_sources(list(config.files), list(config.keys)) if config.files else []  # headers; .pt whole
+    options = config.options(device=str(dev))
+    for src in sources:
+        name = _relative_name(src.name, config)
+        names.append(name)
+        cases += check_source(src, config.budget, options, config.dtype_budgets, name=name, progress=track(name, src.rows), notice=notice)
+    for spec in config.synthetic:
+        names.append(spec.name)
+        src = memory_source(spec.name, synthetic_scores(spec, str(dev)))
+        cases += check_source(src, config.budget, config.options(spec.dtypes, str(dev)), config.dtype_budgets, progress=track(spec.name, src.rows), notice=notice)
+    return CheckResult(
+        config=config.display,
+        config_path=config.path,
+        device=device_label(dev),
+        cases=cases,
+        inputs=names,
+        budget=config.budget,
+        dtype_budgets=dict(config.dtype_budgets),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _relative_name(name: str, config: CheckConfig) -> str:
+    for f in config.files:
+        if name == f or name.startswith(f + ":"):
+            try:
+                rel = os.path.relpath(f, config.root).replace(os.sep, "/")
+            except ValueError:  # another drive (Windows)
+                rel = f
+            return rel + name[len(f) :]
+    return name

@@ -1,0 +1,183 @@
+"""The dtypes and softmax methods attncheck knows, each defined once.
+
+Everything else derives from these registries: the names users type and their
+aliases, option validation and help texts, the order of cells in reports and
+JSON, which dtypes the fused kernels read and how, which methods they serve.
+Free of torch: a method's implementation is named by an import path and only
+imported when a diagnosis runs; a dtype's torch dtype and thresholds come from
+``attncheck.numerics.precision``.
+
+Adding a method: register a ``MethodSpec`` whose ``impl`` is a function
+``(x, params) -> MethodOutput`` (see ``attncheck.numerics.softmax``). Adding a
+dtype: register a ``DtypeSpec``; its thresholds follow from ``torch.finfo``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable, Generic, Iterator, TypeVar, Union
+
+from attncheck.errors import AttncheckError
+
+
+@dataclass(frozen=True)
+class DtypeSpec:
+    """A floating-point format, as attncheck computes in it or reads it."""
+
+    name: str  # what users type: 'fp16'
+    torch_name: str  # attribute of the torch module; a torch version may lack it
+    summary: str
+    aliases: tuple[str, ...] = ()
+    has_inf: bool = True  # without inf (e4m3fn), a value beyond the range becomes NaN
+    kernel_view: str | None = None  # numpy dtype the fused kernels read its elements as; None: not served
+    cell: bool = True  # a softmax can be computed in it
+    scores: bool = True  # accepted as the dtype of given scores, q and k
+
+
+# Row events a method can report (MethodOutput.events), in pipeline order, and what
+# they count as in a cell: 'overflow' rows or 'underflow' rows.
+EVENTS: dict[str, str] = {
+    "exp_overflow": "overflow",  # an exp of a finite score is inf
+    "sum_overflow": "overflow",  # every exp is finite, their row sum is inf
+    "underflow": "underflow",  # every exp flushed to 0 although the row had finite scores
+}
+
+Impl = Union[str, Callable]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A softmax implementation: how it computes, and what the diagnosis may expect of it."""
+
+    name: str
+    summary: str
+    impl: Impl = field(repr=False)  # 'module:function' or the function (x, params) -> MethodOutput
+    output: str = "dtype"  # its probabilities are in the cell's dtype ('dtype') or in 'fp32'
+    events: tuple[str, ...] = ()  # which of EVENTS it reports
+    path: str = "scores"  # the score tensor it consumes: the scores of the cell's dtype
+    fused: bool = True  # the fused CPU kernel computes its metrics (else the torch row backend)
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.output not in ("dtype", "fp32"):
+            raise ValueError(f"method {self.name}: output must be 'dtype' or 'fp32', got {self.output!r}")
+        unknown = [e for e in self.events if e not in EVENTS]
+        if unknown:
+            raise ValueError(f"method {self.name}: unknown events {unknown} (known: {', '.join(EVENTS)})")
+
+    def function(self) -> Callable:
+        """The implementation, imported on first use."""
+        if callable(self.impl):
+            return self.impl
+        module, _, name = self.impl.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+S = TypeVar("S", DtypeSpec, MethodSpec)
+
+
+class Registry(Generic[S]):
+    """Specs by name, in registration order; names and aliases are case-insensitive."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._specs: dict[str, S] = {}
+        self._aliases: dict[str, str] = {}
+
+    def register(self, spec: S, *, replace: bool = False) -> S:
+        key = spec.name.lower()
+        taken = [n for n in (key, *spec.aliases) if n.lower() in self._aliases and self._aliases[n.lower()] != key]
+        if taken or (key in self._specs and not replace):
+            raise ValueError(f"{self.kind} {spec.name!r}: name {(taken or [key])[0]!r} is taken")
+        self._specs[key] = spec
+        for alias in (key, *spec.aliases):
+            self._aliases[alias.lower()] = key
+        return spec
+
+    def unregister(self, name: str) -> None:
+        key = self._aliases.get(name.lower(), name.lower())
+        spec = self._specs.pop(key)
+        for alias in (key, *spec.aliases):
+            self._aliases.pop(alias.lower(), None)
+
+    def __iter__(self) -> Iterator[S]:
+        return iter(list(self._specs.values()))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.strip().lower() in self._aliases
+
+    def names(self, where: Callable[[S], bool] = lambda spec: True) -> tuple[str, ...]:
+        return tuple(s.name for s in self._specs.values() if where(s))
+
+    def aliases(self) -> dict[str, str]:
+        """alias -> name, without the names themselves."""
+        return {a: n for a, n in self._aliases.items() if a != n}
+
+    def get(self, name: str, *, where: Callable[[S], bool] = lambda spec: True, param: str | None = None) -> S:
+        """The spec a name or alias stands for; unknown names (or ones ``where`` refuses) are input errors."""
+        key = self._aliases.get(name.strip().lower())
+        choices = ", ".join(self.names(where))
+        if key is None:
+            raise AttncheckError(f"unknown {self.kind} {name.strip()!r} (choose from {choices})", param=param)
+        spec = self._specs[key]
+        if not where(spec):
+            raise AttncheckError(f"{self.kind} {spec.name!r} cannot be used here (choose from {choices})", param=param)
+        return spec
+
+    def canonical(self, name: str, **kw) -> str:
+        return self.get(name, **kw).name
+
+
+DTYPES: Registry[DtypeSpec] = Registry("dtype")
+for _spec in (
+    DtypeSpec("fp16", "float16", "IEEE half: max 65504, 10 mantissa bits", ("float16", "half"), kernel_view="uint16"),
+    DtypeSpec("bf16", "bfloat16", "bfloat16: fp32's range, 7 mantissa bits", ("bfloat16",), kernel_view="int16"),
+    DtypeSpec("fp32", "float32", "IEEE single", ("float32", "float"), kernel_view="float32"),
+    DtypeSpec("fp64", "float64", "IEEE double: the reference's dtype", ("float64", "double"), kernel_view="float64", cell=False),
+    # FP8 formats: known with their thresholds; no cell computes in them yet.
+    DtypeSpec("e4m3", "float8_e4m3fn", "FP8 E4M3 (fn): max 448, no inf (overflow is NaN)", ("float8_e4m3fn", "fp8_e4m3"), has_inf=False, cell=False, scores=False),
+    DtypeSpec("e5m2", "float8_e5m2", "FP8 E5M2: max 57344, has inf", ("float8_e5m2", "fp8_e5m2"), cell=False, scores=False),
+):
+    DTYPES.register(_spec)
+
+
+def cell_dtype(spec: DtypeSpec) -> bool:
+    return spec.cell
+
+
+def scores_dtype(spec: DtypeSpec) -> bool:
+    return spec.scores
+
+
+METHODS: Registry[MethodSpec] = Registry("method")
+for _spec in (
+    MethodSpec("naive", "exp(x) / sum(exp(x)) in the dtype", "attncheck.numerics.softmax:naive_method",
+               events=("exp_overflow", "underflow")),
+    MethodSpec("stable", "z = x - max(x); exp(z) / sum(exp(z)) in the dtype", "attncheck.numerics.softmax:stable_method",
+               events=("exp_overflow",)),
+    MethodSpec("tiled", "FlashAttention's online softmax over key blocks, running max and sum in fp32",
+               "attncheck.numerics.softmax:tiled_method", output="fp32", aliases=("online",)),
+    MethodSpec("torch", "torch.softmax on the dtype (fp32 inside)", "attncheck.numerics.softmax:torch_method"),
+):
+    METHODS.register(_spec)
+del _spec
+
+
+def dtype_names() -> tuple[str, ...]:
+    """Dtypes a cell can compute in, in report order."""
+    return DTYPES.names(cell_dtype)
+
+
+def method_names() -> tuple[str, ...]:
+    return METHODS.names()
+
+
+def choices_help(registry: Registry, where: Callable = lambda spec: True) -> str:
+    """'naive, stable, tiled (alias online), torch' for help texts."""
+    parts = []
+    for spec in registry:
+        if where(spec):
+            alias = f" (alias {', '.join(spec.aliases)})" if registry is METHODS and spec.aliases else ""
+            parts.append(spec.name + alias)
+    return ", ".join(parts)

@@ -1,0 +1,299 @@
+"""Check results -> a Rich summary, JUnit XML, Markdown and JSON. Formatting only:
+every number comes from ``numerics.budgets`` (which takes them from ``diagnose``)."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from attncheck import __version__
+from attncheck.format import num, row_text, to_jsonable
+from attncheck.results import BUDGET_NAMES, RELATIVE_BUDGET, BudgetCheck, CaseResult, CheckResult
+
+JSON_SCHEMA = "attncheck.check/1"
+JUNIT_SUITE = "attncheck"
+
+MEANING = {
+    "nan": "rows that come out NaN",
+    "overflow": "rows where exp or the row sum overflowed",
+    "zero_rows": "rows that come out all zero",
+    "argmax_flips": "rows whose top-1 key differs from float64",
+    "max_abs_err": "max |p - p_float64| against the scores as given",
+    "max_abs_err_algo": "max |p - p_float64| against the scores cast to the dtype",
+    "rmse": "root mean square error against the scores as given",
+    "kl_max": "largest KL(p_float64 || p) of a row",
+    RELATIVE_BUDGET: "max_abs_err_algo as a multiple of torch.softmax's in the same dtype (FlashAttention's rule)",
+}
+
+
+def describe_check(check: BudgetCheck) -> str:
+    """'max_abs_err 0.0312 > budget 0.01 (worst row (0, 3, 17))' or 'nan 0 <= budget 0'."""
+    op = "<=" if check.passed else ">"
+    if check.measured is None:
+        text = f"{check.budget} not measured: {check.note} (budget {num(check.limit)})"
+    elif check.budget == RELATIVE_BUDGET:
+        atol = f" + {num(check.atol)}" if check.atol else ""
+        ratio = f" ({check.ratio:.2f}x torch)" if check.ratio is not None else ""
+        text = (
+            f"relative_to_torch: max_abs_err_algo {num(check.measured)} {op} "
+            f"{num(check.limit)} x torch {num(check.reference)}{atol} = {num(check.bound)}{ratio}"
+        )
+    else:
+        text = f"{check.budget} {num(check.measured)} {op} budget {num(check.limit)}"
+    if check.rows and not check.passed:
+        if check.is_count:
+            shown = ", ".join(row_text(r) for r in check.rows[:3])
+            text += f" (row{'s' if len(check.rows) > 1 else ''} {shown}{', ...' if len(check.rows) > 3 else ''})"
+        else:
+            text += f" (worst row {row_text(check.rows[0])})"
+    return text
+
+
+def describe_case(case: CaseResult) -> str:
+    """Failing budgets first, then the ones that hold."""
+    parts = [describe_check(c) for c in case.failures]
+    parts += [describe_check(c) + " ok" for c in case.checks if c.passed]
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def budget_columns(result: CheckResult) -> list[str]:
+    """Budgets that some case checks, in report order."""
+    used = {c.budget for case in result.cases for c in case.checks}
+    return [name for name in BUDGET_NAMES if name in used]
+
+
+def limit_text(budget: str, limit: float | int | None) -> str:
+    if limit is None:
+        return "-"
+    return f"<= {num(limit)}x torch" if budget == RELATIVE_BUDGET else f"<= {num(limit)}"
+
+
+def measured_text(check: BudgetCheck) -> str:
+    """What a table cell shows: the value, or for relative_to_torch the ratio to torch's error."""
+    if check.measured is None:
+        return "n/a"
+    if check.budget == RELATIVE_BUDGET:
+        if check.ratio is not None:
+            return f"{check.ratio:.2f}x"
+        return f"{num(check.measured)} (torch {num(check.reference)})"
+    return num(check.measured)
+
+
+def _header_limit(result: CheckResult, budget: str) -> float | int | None:
+    return getattr(result.budget, budget)
+
+
+def _cell_text(check: BudgetCheck, header_limit: float | int | None) -> str:
+    text = measured_text(check)
+    if check.limit != header_limit:  # a [budget.<dtype>] override applies to this case
+        text += f" ({limit_text(check.budget, check.limit)})"
+    return text
+
+
+def summary_line(result: CheckResult) -> str:
+    n, bad = len(result.cases), len(result.failures)
+    head = f"{bad} of {n} case(s) broke their budget" if bad else f"all {n} case(s) within budget"
+    return f"attncheck check: {head} ({len(result.inputs)} input(s), config {result.config}, device {result.device})"
+
+
+def check_lines(case: CaseResult) -> list[str]:
+    """One line per budget with every number at full precision (for JUnit and logs)."""
+    lines = []
+    for c in case.checks:
+        status = "ok  " if c.passed else "FAIL"
+        if c.measured is None:
+            body = f"not measured: {c.note}; budget {c.limit!r}"
+        elif c.budget == RELATIVE_BUDGET:
+            op = "<=" if c.passed else ">"
+            ratio = f" (ratio {c.ratio!r})" if c.ratio is not None else ""
+            body = f"max_abs_err_algo {c.measured!r} {op} {c.limit!r} x torch {c.reference!r} + atol {c.atol!r} = {c.bound!r}{ratio}"
+        else:
+            op = "<=" if c.passed else ">"
+            body = f"{c.measured!r} {op} budget {c.limit!r}"
+        if c.rows:
+            label = "rows" if c.is_count else "worst row"
+            body += f"; {label} " + ", ".join(row_text(r) for r in c.rows)
+        lines.append(f"{status} {c.budget}: {body}")
+    return lines
+
+
+# --------------------------------------------------------------------------- Rich
+
+
+def summary_tables(result: CheckResult) -> list[Text | Table]:
+    """Per input its name, then a table with one row per cell: pass/fail and the measured
+    value under each budget; the header gives the budget."""
+    columns = budget_columns(result)
+    tables: list[Text | Table] = []
+    for name in result.inputs:
+        tables.append(Text(name, style="bold", overflow="fold"))
+        t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+        t.add_column("result", no_wrap=True)
+        t.add_column("cell", no_wrap=True)
+        for budget in columns:
+            label = "relative_to\n_torch" if budget == RELATIVE_BUDGET else budget
+            t.add_column(f"{label}\n{limit_text(budget, _header_limit(result, budget))}", justify="right", no_wrap=True)
+        for case in (c for c in result.cases if c.input == name):
+            by_name = {c.budget: c for c in case.checks}
+            cells: list[Any] = []
+            for budget in columns:
+                c = by_name.get(budget)
+                if c is None:
+                    cells.append(Text("-", style="dim"))
+                else:
+                    cells.append(Text(_cell_text(c, _header_limit(result, budget)), style="" if c.passed else "bold red"))
+            status = Text("pass", style="green") if case.passed else Text("FAIL", style="bold red")
+            t.add_row(status, case.name, *cells)
+        tables.append(t)
+    return tables
+
+
+def render_summary(result: CheckResult, quiet: bool = False) -> Group:
+    """The table (unless ``quiet``) and the verdict line; the CLI writes the broken budgets to stderr."""
+    parts: list[Any] = [] if quiet else [Text(f"attncheck check: config {result.config}, device {result.device}"), *summary_tables(result)]
+    style = "bold red" if result.failures else "green"
+    parts.append(Text(summary_line(result), style=style))
+    return Group(*parts)
+
+
+def print_summary(console: Console, result: CheckResult, quiet: bool = False) -> None:
+    console.print(render_summary(result, quiet=quiet))
+
+
+# --------------------------------------------------------------------------- JUnit
+
+
+def junit_xml(result: CheckResult) -> str:
+    """One <testsuite name="attncheck">, one <testcase> per input x cell; a failure's message
+    lists the broken budgets, its text every budget with full-precision numbers."""
+    suite = ET.Element(
+        "testsuite",
+        {
+            "name": JUNIT_SUITE,
+            "tests": str(len(result.cases)),
+            "failures": str(len(result.failures)),
+            "errors": "0",
+            "skipped": "0",
+            "time": f"{result.seconds:.3f}",
+        },
+    )
+    props = ET.SubElement(suite, "properties")
+    for key, value in (("attncheck_version", __version__), ("config", result.config), ("device", result.device)):
+        ET.SubElement(props, "property", {"name": key, "value": value})
+    for case in result.cases:
+        tc = ET.SubElement(suite, "testcase", {"classname": f"attncheck.{case.input}", "name": case.name, "time": f"{case.seconds:.3f}"})
+        head = f"input {case.input}, shape {tuple(case.shape)}, cell {case.name}: {case.rows} rows, {case.compared_rows} compared with float64"
+        text = "\n".join([head, *check_lines(case)])
+        if case.passed:
+            ET.SubElement(tc, "system-out").text = text
+        else:
+            failure = ET.SubElement(tc, "failure", {"message": "; ".join(describe_check(c) for c in case.failures), "type": "budget"})
+            failure.text = text
+    ET.indent(suite)
+    return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+
+# --------------------------------------------------------------------------- Markdown
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def markdown(result: CheckResult) -> str:
+    """A GitHub-flavoured summary: verdict, one table row per case, then the failures in words."""
+    n, bad = len(result.cases), len(result.failures)
+    verdict = f"❌ {bad} of {n} case(s) broke their budget" if bad else f"✅ all {n} case(s) within budget"
+    lines = [
+        f"### attncheck check: {verdict}",
+        "",
+        f"Config `{result.config}`, device `{result.device}`, {len(result.inputs)} input(s), attncheck {__version__}.",
+        "",
+    ]
+    columns = budget_columns(result)
+    header = ["result", "input", "cell", *(f"{name} ({limit_text(name, _header_limit(result, name))})" for name in columns)]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("| " + " | ".join(["---", "---", "---", *("---:" for _ in columns)]) + " |")
+    for case in result.cases:
+        by_name = {c.budget: c for c in case.checks}
+        cells = []
+        for name in columns:
+            c = by_name.get(name)
+            if c is None:
+                cells.append("-")
+            else:
+                text = _md(_cell_text(c, _header_limit(result, name)))
+                cells.append(text if c.passed else f"**{text}** ❌")
+        status = "✅ pass" if case.passed else "❌ fail"
+        lines.append("| " + " | ".join([status, f"`{_md(case.input)}`", case.name, *cells]) + " |")
+    lines += ["", "<details><summary>What the columns measure</summary>", ""]
+    lines += [f"- `{name}`: {MEANING[name]}" for name in columns]
+    lines += ["", "</details>"]
+    if bad:
+        lines += ["", "**Budgets broken**", ""]
+        for case in result.failures:
+            for c in case.failures:
+                lines.append(f"- `{_md(case.input)}` {case.name}: {_md(describe_check(c))}")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def check_json(result: CheckResult) -> dict[str, Any]:
+    cases = []
+    for case in result.cases:
+        checks = []
+        for c in case.checks:
+            checks.append(
+                {
+                    "budget": c.budget,
+                    "limit": c.limit,
+                    "measured": c.measured,
+                    "bound": c.bound,
+                    "passed": c.passed,
+                    "reference": c.reference,
+                    "atol": c.atol if c.budget == RELATIVE_BUDGET else None,
+                    "ratio": c.ratio,
+                    "worst_row": None if c.worst_row is None else list(c.worst_row),
+                    "rows": [list(r) for r in c.rows],
+                    "note": c.note or None,
+                    "message": describe_check(c),
+                }
+            )
+        cases.append(
+            {
+                "input": case.input,
+                "method": case.method,
+                "dtype": case.dtype,
+                "name": case.name,
+                "passed": case.passed,
+                "shape": list(case.shape),
+                "rows": case.rows,
+                "compared_rows": case.compared_rows,
+                "checks": checks,
+            }
+        )
+    return to_jsonable(
+        {
+            "schema": JSON_SCHEMA,
+            "attncheck_version": __version__,
+            "config": result.config,
+            "config_path": result.config_path,
+            "device": result.device,
+            "passed": result.passed,
+            "summary": {"cases": len(result.cases), "passed": len(result.cases) - len(result.failures), "failed": len(result.failures)},
+            "budget": to_jsonable(result.budget),
+            "dtype_budgets": {d: to_jsonable(b) for d, b in result.dtype_budgets.items()},
+            "inputs": list(result.inputs),
+            "cases": cases,
+        }
+    )

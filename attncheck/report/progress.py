@@ -1,0 +1,59 @@
+"""A progress bar on stderr for long runs: work done, rate, time left."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+
+
+class Progress:
+    """A progress bar on stderr (units done, rate, time left) that appears only once a
+    task has taken longer than ``delay`` seconds, and never when disabled."""
+
+    def __init__(self, enabled: bool, delay: float = 1.0, force_terminal: bool = False) -> None:
+        self.enabled = enabled
+        self.delay = delay
+        self.force_terminal = force_terminal
+        self._progress = None
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def track(self, name: str, total: int, unit: str = "rows"):
+        """A callback that adds to the units done of one task (``diagnose_chunks(progress=...)``
+        counts rows of one tensor); None when the bar is off."""
+        if not self.enabled:
+            return None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        start = time.monotonic()
+        state = {"done": 0, "task": None}
+
+        def advance(rows: int) -> None:
+            state["done"] += rows
+            elapsed = time.monotonic() - start
+            rate = f"{state['done'] / elapsed:,.{0 if unit == 'rows' else 2}f} {unit}/s" if elapsed > 0 else ""
+            if state["task"] is None:
+                if elapsed < self.delay:
+                    return
+                if self._progress is None:
+                    self._progress = Progress(
+                        TextColumn("{task.description}"),
+                        BarColumn(),
+                        MofNCompleteColumn(),
+                        TextColumn("{task.fields[unit]}, {task.fields[rate]}"),
+                        TimeRemainingColumn(),
+                        console=Console(stderr=True, force_terminal=self.force_terminal or None),
+                        transient=True,
+                    )
+                    self._progress.start()
+                state["task"] = self._progress.add_task(name, total=total, completed=state["done"], rate=rate, unit=unit)
+            else:
+                self._progress.update(state["task"], completed=state["done"], rate=rate)
+
+        return advance

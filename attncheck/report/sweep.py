@@ -1,0 +1,406 @@
+"""Sweep results -> Rich tables, JSON and a plot. Formatting only: every number comes from ``numerics.sweep``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from rich import box
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from attncheck import __version__
+from attncheck.errors import AttncheckError, param
+from attncheck.numerics.theory import uniform_limits
+from attncheck.params import COLLAPSE_THRESHOLD, SCALE_MEANINGS
+from attncheck.format import fmt, pct, plain, to_jsonable
+from attncheck.results import SweepCell, SweepPoint, SweepResult
+
+JSON_SCHEMA = "attncheck.sweep/1"
+PLOT_NEEDS = f"{param('plot')} needs matplotlib: pip install 'attncheck[plot]'"
+FAIL_STYLE = "bold red"
+
+
+TITLES = {
+    "variance": "1. Var(q.k) grows as d_k",
+    "scaling": "2. Effect of the scaling factor on x = factor * q.k",
+    "overflow": "3. Naive softmax exp(x) / sum(exp(x)): rows with an exp overflow",
+    "error": "4. Max |p - p_float64| by dtype and method; columns: d_k",
+}
+
+
+def _table() -> Table:
+    # Titles are printed above the table, not inside it: a narrow table would wrap them.
+    return Table(
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        pad_edge=False,
+        collapse_padding=True,
+    )
+
+
+def _varying(result: SweepResult) -> tuple[bool, bool]:
+    """Whether the grid has more than one seq / std: only then do tables name them."""
+    return len(result.config.seqs) > 1, len(result.config.stds) > 1
+
+
+def _series_cells(p: SweepPoint, seq: bool, std: bool) -> list[str]:
+    """The seq and std of a point, in one column when both vary (keeps tables within 80 columns)."""
+    parts = ([str(p.seq)] if seq else []) + ([fmt(p.std, ".3g")] if std else [])
+    return [" ".join(parts)] if parts else []
+
+
+def _series_columns(t: Table, seq: bool, std: bool) -> None:
+    header = " ".join((["seq"] if seq else []) + (["std"] if std else []))
+    if header:
+        t.add_column(header, justify="right", no_wrap=True)
+
+
+def _distinct(points: Iterable[SweepPoint], key: Callable[[SweepPoint], Any]) -> list[SweepPoint]:
+    seen, out = set(), []
+    for p in points:
+        if key(p) not in seen:
+            seen.add(key(p))
+            out.append(p)
+    return out
+
+
+def _entries(result: SweepResult) -> str:
+    c = result.config
+    stds = ", ".join(fmt(s, ".3g") for s in c.stds)
+    if c.dist == "outliers":
+        return f"entries of q, k: std {stds} x (N(0,1) + N(0,100) on a 0.1% mask)"
+    return f"entries of q, k: N(0, std^2), std {stds}"
+
+
+def _note(text: str) -> Text:
+    return Text(text, style="italic")
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def variance_table(result: SweepResult) -> Table:
+    seq, std = _varying(result)
+    t = _table()
+    _series_columns(t, seq, std)
+    t.add_column("d_k", justify="right")
+    t.add_column("Var(q.k)", justify="right")
+    t.add_column("theory", justify="right")
+    t.add_column("measured/theory", justify="right")
+    t.add_column("z", justify="right")
+    for p in _distinct(result.points, lambda p: (p.seq, p.std, p.dk)):
+        z = (p.var_qk - p.var_qk_theory) / p.var_qk_stderr
+        t.add_row(
+            *_series_cells(p, seq, std),
+            str(p.dk),
+            fmt(p.var_qk, ".4g"),
+            fmt(p.var_qk_theory, ".4g"),
+            fmt(p.var_qk / p.var_qk_theory, ".4f"),
+            Text(f"{z:+.1f}", style="" if abs(z) < 3 else "yellow"),
+        )
+    return t
+
+
+def variance_note(result: SweepResult) -> Text:
+    c = result.config
+    return _note(
+        f"{_entries(result)}; {c.rows} rows x {', '.join(map(str, c.seqs))} keys. "
+        "Theory: Var(q.k) = d_k E[q^2] E[k^2]. z = (measured - theory) / standard error of the "
+        "estimate; |z| < 3 means the measurement agrees with the theory."
+    )
+
+
+def scaling_table(result: SweepResult) -> Table:
+    seq, std = _varying(result)
+    t = _table()
+    _series_columns(t, seq, std)
+    t.add_column("d_k", justify="right")
+    t.add_column("scale")
+    t.add_column("Var(x)", justify="right")
+    t.add_column("theory", justify="right")
+    t.add_column("max p", justify="right")
+    t.add_column("H/lnS", justify="right")
+    t.add_column("|J|", justify="right")
+    t.add_column("collapsed", justify="right")
+    t.add_column("|J| coll.", justify="right")
+    points = result.points
+    for i, p in enumerate(points):
+        last = i + 1 == len(points) or (points[i + 1].seq, points[i + 1].std, points[i + 1].dk) != (p.seq, p.std, p.dk)
+        t.add_row(
+            *_series_cells(p, seq, std),
+            str(p.dk),
+            p.scale,
+            plain(p.var_scaled),
+            plain(p.var_scaled_theory),
+            fmt(p.max_prob_mean, ".3f"),
+            fmt(p.entropy_norm_mean, ".3f"),
+            fmt(p.jacobian_norm_mean, ".3f"),
+            pct(p.collapsed_rate),
+            fmt(p.jacobian_norm_collapsed_mean, ".3f"),
+            end_section=last and i + 1 < len(points),
+        )
+    return t
+
+
+def scaling_note(result: SweepResult) -> Text:
+    seqs = result.config.seqs
+    if len(seqs) == 1:
+        u_p, u_j = uniform_limits(seqs[0])
+        uniform = f"a uniform row over {seqs[0]} keys has max p {u_p:.3g} and |J| {u_j:.3g}"
+    else:
+        uniform = "a uniform row has max p = 1/seq"
+    return _note(
+        "Var(x) theory = factor^2 Var(q.k): 1 for sqrt, 1/d_k for dk, 1/d_k^3 for dk2. "
+        "max p: mean largest probability; H/lnS: mean entropy / log(seq), 1 = uniform, 0 = one-hot; "
+        "|J|: mean Frobenius norm of the softmax Jacobian diag(p) - p p^T, the size of the gradient "
+        f"through the softmax ({uniform}). collapsed: rows with max p >= {COLLAPSE_THRESHOLD:g}, attention on one key; "
+        "|J| coll.: their mean |J|, near 0: no gradient flows back through them. A row split over two "
+        "or three keys has a larger |J| than a spread-out one, so the mean |J| of unscaled logits falls "
+        "below the sqrt-scaled one only once most rows have collapsed."
+    )
+
+
+def _by_key(result: SweepResult) -> dict[tuple, SweepPoint]:
+    """Points keyed by (seq, std, scale, d_k)."""
+    return {(p.seq, p.std, p.scale, p.dk): p for p in result.points}
+
+
+def _cell(p: SweepPoint | None, method: str, dtype: str) -> SweepCell | None:
+    if p is None:
+        return None
+    for c in p.cells:
+        if c.method == method and c.dtype == dtype:
+            return c
+    return None
+
+
+def _sections(result: SweepResult) -> list[SweepPoint]:
+    """First point of every (seq, std, scale) series, in grid order."""
+    return _distinct(result.points, lambda p: (p.seq, p.std, p.scale))
+
+
+def _predicted(x: float | None) -> str:
+    """Predictions below one row in a million read '~0': 1e-29 and 0 say the same thing."""
+    return "~0" if x is not None and x < 1e-6 else pct(x)
+
+
+def overflow_table(result: SweepResult) -> Table | None:
+    """Naive softmax: share of rows with an exp overflow, measured and predicted, per scale x d_k x dtype."""
+    if "naive" not in result.config.methods:
+        return None
+    seq, std = _varying(result)
+    points = _by_key(result)
+    t = _table()
+    _series_columns(t, seq, std)
+    t.add_column("scale")
+    t.add_column("d_k", justify="right")
+    for dtype in result.config.dtypes:
+        t.add_column(dtype, justify="right", no_wrap=True)
+        t.add_column("(pred.)", justify="right", no_wrap=True)
+    sections = _sections(result)
+    for i, first in enumerate(sections):
+        for j, dk in enumerate(result.config.dks):
+            p = points.get((first.seq, first.std, first.scale, dk))
+            row: list[Any] = [*(_series_cells(first, seq, std) if j == 0 else [""] * bool(seq or std))]
+            row += [first.scale if j == 0 else "", str(dk)]
+            for dtype in result.config.dtypes:
+                c = _cell(p, "naive", dtype)
+                if c is None:
+                    row += ["-", "-"]
+                    continue
+                row.append(Text(pct(c.exp_overflow_rate), style=FAIL_STYLE if c.exp_overflow_rate else ""))
+                row.append(f"({_predicted(c.exp_overflow_rate_theory)})")
+            t.add_row(*row, end_section=j + 1 == len(result.config.dks) and i + 1 < len(sections))
+    return t
+
+
+def overflow_note(result: SweepResult) -> Text:
+    points = ", ".join(f"{d} {result.limits[d].exp_overflow:.2f}" for d in result.config.dtypes)
+    return _note(
+        "Share of rows where exp of some logit is inf in the dtype (each such row is NaN: inf/inf), "
+        "measured, and in brackets the Gaussian-tail prediction (~0: below one row in a million): P(some x_j exceeds the dtype's exp "
+        f"overflow point: {points}), x_j ~ N(0, factor^2 |q|^2 E[k^2]) given q, averaged over |q|."
+        + (
+            " With --dist outliers the logits are heavy-tailed and this Gaussian approximation "
+            "underestimates the overflows."
+            if result.config.dist == "outliers"
+            else ""
+        )
+    )
+
+
+def _short_pct(x: float) -> str:
+    """0.4265 -> '43%', 0.00684 -> '0.68%': two digits keep the error map narrow."""
+    v = 100 * x
+    if v < 0.01:
+        return "<0.01%"
+    return f"{v:.0f}%" if v >= 9.5 else f"{v:.2g}%"
+
+
+def _error_text(c: SweepCell) -> Text:
+    if c.overflow_rate:
+        return Text(f"ovf {_short_pct(c.overflow_rate)}", style=FAIL_STYLE)
+    if c.nan_rate:
+        return Text(f"NaN {_short_pct(c.nan_rate)}", style=FAIL_STYLE)
+    return Text(fmt(c.max_abs_err, ".1e"))
+
+
+def error_table(result: SweepResult) -> Table:
+    """Max abs error against float64 per scale x dtype x method, one column per d_k."""
+    seq, std = _varying(result)
+    points = _by_key(result)
+    t = _table()
+    _series_columns(t, seq, std)
+    t.add_column("scale")
+    t.add_column("cell")
+    for dk in result.config.dks:
+        t.add_column(str(dk), justify="right", no_wrap=True)
+    methods, dtypes = result.config.methods, result.config.dtypes
+    sections = _sections(result)
+    for i, first in enumerate(sections):
+        for j, dtype in enumerate(dtypes):
+            for k, method in enumerate(methods):
+                head = j == 0 and k == 0
+                row: list[Any] = [*(_series_cells(first, seq, std) if head else [""] * bool(seq or std))]
+                row += [first.scale if head else "", f"{dtype} {method}"]
+                for dk in result.config.dks:
+                    c = _cell(points.get((first.seq, first.std, first.scale, dk)), method, dtype)
+                    row.append("-" if c is None else _error_text(c))
+                last = j + 1 == len(dtypes) and k + 1 == len(methods)
+                t.add_row(*row, end_section=last and i + 1 < len(sections))
+    return t
+
+
+def error_note(result: SweepResult) -> Text:
+    return _note(
+        "Error against the float64 softmax of the logits, over the rows that came out finite. "
+        "ovf: rows where an exp or the row sum overflowed (NaN or all-zero output, as `attncheck run` "
+        "counts them); NaN: rows with a NaN probability."
+    )
+
+
+def render_sweep(result: SweepResult) -> Group:
+    sections = [
+        ("variance", variance_table(result), variance_note(result)),
+        ("scaling", scaling_table(result), scaling_note(result)),
+        ("overflow", overflow_table(result), overflow_note(result)),
+        ("error", error_table(result), error_note(result)),
+    ]
+    parts: list[Any] = []
+    for key, table, note in sections:
+        if table is None:
+            continue
+        if parts:
+            parts.append(Text())
+        parts += [Text(TITLES[key], style="bold"), table, note]
+    return Group(*parts)
+
+
+def print_sweep(console: Console, result: SweepResult) -> None:
+    console.print(render_sweep(result))
+    console.print()
+    c = result.config
+    line = (
+        f"{len(result.points)} grid points x {len(c.dtypes)} dtypes x {len(c.methods)} methods "
+        f"on {result.device}, {c.rows} rows each, seed {c.seed}"
+    )
+    if result.seconds:
+        line += f", {result.seconds:.1f} s"
+    console.print(Text(line, style="dim"))
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def sweep_json(result: SweepResult) -> dict[str, Any]:
+    c = result.config
+    return {
+        "schema": JSON_SCHEMA,
+        "attncheck_version": __version__,
+        "device": result.device,
+        "options": {
+            "dk": list(c.dks),
+            "scale": [s.name for s in c.scales],
+            "scale_meaning": {s.name: SCALE_MEANINGS.get(s.name, s.name) for s in c.scales},
+            "dtype": list(c.dtypes),
+            "method": list(c.methods),
+            "seq": list(c.seqs),
+            "std": list(c.stds),
+            "rows": c.rows,
+            "dist": c.dist,
+            "seed": c.seed,
+            "block": c.block,
+        },
+        "points": [to_jsonable(p) for p in result.points],
+    }
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def require_matplotlib() -> None:
+    """Raise the one-line install hint when matplotlib is missing (checked before any work)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise AttncheckError(PLOT_NEEDS) from None
+
+
+def plot_sweep(result: SweepResult, path: str | Path) -> None:
+    """Four panels against d_k, one colour per scale (and seq/std when they vary): variance
+    (log-log, measured dots on the dashed theory), max probability, normalised entropy and
+    the softmax Jacobian norm (all rows, and the collapsed rows alone)."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    seq_many, std_many = _varying(result)
+    series: dict[tuple, list[SweepPoint]] = {}
+    for p in result.points:
+        series.setdefault((p.scale, p.seq, p.std), []).append(p)
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), layout="constrained")
+    ax_var, ax_p, ax_h, ax_j = axes.flat
+    handles = []
+    for (scale, seq, std), pts in series.items():
+        pts = sorted(pts, key=lambda p: p.dk)
+        dks = [p.dk for p in pts]
+        label = scale + (f" seq {seq}" if seq_many else "") + (f" std {std:g}" if std_many else "")
+        line = ax_var.plot(dks, [p.var_scaled for p in pts], "o", label=label)[0]
+        colour = line.get_color()
+        handles.append(Line2D([], [], color=colour, marker="o", label=label))
+        ax_var.plot(dks, [p.var_scaled_theory for p in pts], "--", color=colour)
+        ax_p.plot(dks, [p.max_prob_mean for p in pts], "o-", color=colour)
+        ax_h.plot(dks, [p.entropy_norm_mean for p in pts], "o-", color=colour)
+        ax_j.plot(dks, [p.jacobian_norm_mean for p in pts], "o-", color=colour)
+        coll = [(p.dk, p.jacobian_norm_collapsed_mean) for p in pts if p.jacobian_norm_collapsed_mean is not None]
+        if coll:
+            ax_j.plot(*zip(*coll), "x:", color=colour)
+    ax_var.set(xscale="log", yscale="log", title="Var(factor * q.k): measured (dots), theory (dashed)", xlabel="d_k")
+    ax_p.set(xscale="log", yscale="log", title="mean max probability (1 = one-hot)", xlabel="d_k")
+    ax_h.set(xscale="log", title="mean entropy / log(seq) (1 = uniform, 0 = one-hot)", xlabel="d_k", ylim=(0, 1.02))
+    ax_j.set(xscale="log", title="mean ||diag(p) - p p^T||_F (0 = no gradient)", xlabel="d_k", ylim=(0, None))
+    if len(result.config.seqs) == 1:
+        u_p, u_j = uniform_limits(result.config.seqs[0])
+        ax_p.axhline(u_p, color="grey", lw=0.8, ls=":")
+        ax_j.axhline(u_j, color="grey", lw=0.8, ls=":")
+        handles.append(Line2D([], [], color="grey", lw=0.8, ls=":", label="uniform softmax"))
+    handles.append(Line2D([], [], color="black", marker="x", ls=":", label=f"|J| of collapsed rows\n(max p >= {COLLAPSE_THRESHOLD:g})"))
+    for ax in axes.flat:
+        ax.set_xticks(list(result.config.dks), [str(d) for d in result.config.dks])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+    fig.legend(handles=handles, loc="outside right center", title="scale", fontsize=8)
+    fig.suptitle(f"attncheck sweep: {_entries(result)}; {result.config.rows} rows", fontsize=10)
+    target = Path(path)
+    try:
+        fig.savefig(target, dpi=110, format=None if target.suffix else "png")
+    except (OSError, ValueError) as e:
+        raise AttncheckError(f"cannot write {param('plot')} {path}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        plt.close(fig)

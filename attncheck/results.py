@@ -1,0 +1,366 @@
+"""What attncheck returns: plain dataclasses of numbers and names, free of torch.
+
+``numerics`` fills them, ``findings`` reads them, ``report`` formats them. The
+JSON reports are these dataclasses as they are (fields starting with ``_`` and
+the few marked below are left out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attncheck.config.check import Budget
+    from attncheck.config.run import Options
+    from attncheck.config.sweep import SweepConfig
+
+UNEXPLAINED = "unexplained"  # the cause of a NaN or zero row that no known cause explains
+
+# FlashAttention's test rule: a kernel's error is at most this many times the error of a
+# plain PyTorch implementation in the same dtype, both against a float64 reference.
+FLASH_RULE_FACTOR = 2.0
+
+
+def flash_rule_bound(reference_err: float, factor: float = FLASH_RULE_FACTOR, atol: float = 0.0) -> float:
+    """The error an implementation may have when the same-dtype reference has ``reference_err``."""
+    return factor * reference_err + atol
+
+
+@dataclass(frozen=True)
+class DtypeLimits:
+    """What a dtype can hold (``numerics.precision`` derives each from torch.finfo)."""
+
+    name: str
+    max: float
+    tiny: float
+    smallest_subnormal: float
+    eps: float
+    rounding_limit: float  # |x| at or beyond this does not round to a finite value below max
+    overflow: str  # what a cast beyond the range gives: 'inf', 'nan' or 'saturate'
+    exp_overflow: float  # exp(x) is inf in the dtype for x above this
+    exp_underflow: float  # exp(x) is 0 in the dtype for x below this
+
+
+# --------------------------------------------------------------------------- run
+
+
+@dataclass
+class DtypeHeadroom:
+    """How the input sits against one dtype's limits (computed on the scores as given)."""
+
+    dtype: str
+    max_finite: float
+    exp_overflow_threshold: float
+    exp_underflow_threshold: float
+    headroom: float | None  # threshold - largest finite score; negative means naive exp overflows
+    rows_over_exp_threshold: int  # row max above the threshold: naive softmax overflows there
+    rows_all_underflow: int  # row max below the underflow threshold: naive gives 0/0
+    rows_spread_beyond_underflow: int  # some unmasked key sits further than |underflow| below the row max
+    cast_posinf_values: int  # finite scores that become +inf when cast
+    cast_neginf_values: int  # finite scores that become -inf when cast
+    cast_overflow_rows: int
+    cast_overflow_examples: list[float]  # values that overflow, by the rows they are the extreme of
+
+
+@dataclass
+class Census:
+    shape: tuple[int, ...]
+    dtype: str
+    rows: int
+    keys: int
+    finite: int
+    min: float | None  # of finite values
+    max: float | None
+    mean: float | None
+    std: float | None
+    nan: int
+    posinf: int
+    neginf: int
+    masked: int  # -inf or <= MASK_SENTINEL_LIMIT
+    sentinels: list[tuple[float, int]]  # finite mask-like values (<= -1e4) that are a row's minimum, with how many rows
+    fully_masked_rows: int  # every key masked (-inf or sentinel): the query may attend to nothing
+    neginf_rows: int  # every key -inf: softmax undefined, the reference is NaN
+    nan_input_rows: int
+    posinf_input_rows: int
+    headroom: list[DtypeHeadroom]
+
+
+@dataclass
+class Distribution:
+    """Shape of the float64 reference over rows where it is defined."""
+
+    rows: int
+    entropy_mean: float | None
+    entropy_min: float | None
+    entropy_max: float | None
+    entropy_norm_mean: float | None  # entropy / log(unmasked keys), rows with >= 2 unmasked keys
+    max_prob_mean: float | None
+    collapsed_rows: int  # max probability >= collapse threshold
+    collapsed_frac: float | None
+    collapse_threshold: float
+    jacobian_norm_mean: float | None  # ||diag(p) - p p^T||_F: softmax gradient health
+
+
+@dataclass
+class Cell:
+    """One method x dtype. Errors are over rows where the cell and the reference are both
+    finite: against the float64 softmax of the scores as given (total), and against the
+    float64 softmax of the scores after the cast to the cell's dtype (``_algo``)."""
+
+    method: str
+    dtype: str
+    rows: int
+    nan_rows: int
+    nan_causes: dict[str, int]
+    overflow_rows: int
+    underflow_rows: int
+    zero_rows: int
+    zero_causes: dict[str, int]
+    compared_rows: int  # rows where both the cell and the reference are finite
+    max_abs_err: float | None
+    rmse: float | None
+    max_abs_err_algo: float | None  # against float64 softmax of the dtype-cast scores
+    rmse_algo: float | None
+    max_row_sum_err: float | None
+    kl_mean: float | None  # generalised KL(ref || p), see numerics.diagnose.kl_divergence
+    kl_max: float | None
+    flushed_frac: float | None  # reference-nonzero probabilities that became exactly 0
+    argmax_flips: int
+    examples: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
+    # NaN rows per index of the leading axes but the query axis, e.g. per (batch, head); most first
+    nan_rows_by_head: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}/{self.dtype}"
+
+    @property
+    def verdict(self) -> str:
+        """'nan', 'overflow', 'zero', 'flip' or 'ok' - the worst thing that happened."""
+        if self.nan_rows:
+            return "nan"
+        if self.overflow_rows:
+            return "overflow"
+        if self.zero_rows - self.zero_causes.get("fully_masked", 0) > 0:
+            return "zero"
+        if self.argmax_flips:
+            return "flip"
+        return "ok"
+
+
+@dataclass
+class Finding:
+    code: str
+    severity: str  # "error", "warning" or "info"
+    message: str
+    fix: str
+    cells: list[str] = field(default_factory=list)
+    rows: int = 0
+    examples: list[tuple[int, ...]] = field(default_factory=list)
+
+
+@dataclass
+class DtypeAudit:
+    """What computing the scores from Q and K in one dtype did, counted over all rows."""
+
+    dtype: str
+    qk_overflow_values: int = 0  # Q@K^T (or its scaling) beyond the dtype's range
+    qk_overflow_rows: int = 0
+    qk_max_abs: float = 0.0  # largest |score| the dtype pipeline produced before masking (finite part)
+    mask_not_representable: int = 0  # finite float-mask values that become -inf in the dtype
+    sentinel_not_representable: bool = False  # the boolean-mask sentinel itself is not representable
+    sentinel_value: float = 0.0  # what a boolean-masked key is set to in this dtype
+    overflow_on_add: int = 0  # finite score + finite mask -> -inf
+    summed_planes_overflow: int = 0  # finite float-mask value + finite sentinel -> -inf
+    mask_sentinel_rows: int = 0  # rows the mask turned into all -inf or NaN
+
+
+@dataclass
+class AttentionAudit:
+    """Mask and scale facts of scores computed from Q and K (plain numbers)."""
+
+    d: int
+    heads: int
+    kv_heads: int
+    scale: float
+    scale_name: str
+    scale_order: str
+    mask_value: str
+    q_std: float  # robust std (1.4826 MAD) of the entries of q
+    k_std: float
+    q_max_abs: float
+    k_max_abs: float
+    float_mask_looks_boolean: bool
+    raw_max_abs: float = 0.0  # max |q.k| in float64, unscaled
+    scores_std: float | None = None  # robust std (1.4826 MAD) of the scaled, unmasked float64 scores
+    masked_keys: int = 0
+    leak_rows: int = 0  # rows whose float64 mass on masked keys exceeds the leak tolerance
+    leak_max: float = 0.0
+    dtypes: dict[str, DtypeAudit] = field(default_factory=dict)
+    fitted_scale: float | None = None  # least-squares scale of given scores against q.k
+
+
+@dataclass
+class TensorDiagnosis:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    census: Census
+    distribution: Distribution
+    cells: list[Cell]
+    findings: list[Finding]
+    options: "Options"
+    attention: AttentionAudit | None = None  # mask and scale facts when scores came from Q and K
+    # Not in the JSON report: the limits of the cell dtypes, and the row backend that ran.
+    limits: dict[str, DtypeLimits] = field(default_factory=dict)
+    backend: str = ""
+
+    def cell(self, method: str, dtype: str) -> Cell:
+        for c in self.cells:
+            if c.method == method and c.dtype == dtype:
+                return c
+        raise KeyError(f"{method}/{dtype}")
+
+
+@dataclass
+class RunResult:
+    """What ``attncheck run`` returns: a diagnosis per tensor, and where it ran."""
+
+    tensors: list[TensorDiagnosis]
+    device: str
+
+
+# --------------------------------------------------------------------------- sweep
+
+
+@dataclass
+class SweepCell:
+    """One method x dtype at one grid point; rates are shares of rows."""
+
+    method: str
+    dtype: str
+    rows: int
+    nan_rate: float
+    overflow_rate: float  # rows where an exp or the row sum hit inf from finite logits (as `run` counts them)
+    exp_overflow_rate: float | None  # naive only: rows where exp of a finite logit is inf in the dtype
+    exp_overflow_rate_theory: float | None  # naive only: its Gaussian-tail prediction
+    max_abs_err: float | None  # max |p - p_float64(x)| over rows without NaN/inf; None if there are none
+    max_abs_err_algo: float | None  # against float64 softmax of x after the cast to the dtype
+
+
+@dataclass
+class SweepPoint:
+    dk: int
+    scale: str  # as given: 'none', 'sqrt', 'dk', 'dk2' or the number as typed
+    scale_value: float
+    std: float
+    seq: int
+    rows: int
+    dist: str
+    var_qk: float  # sample variance of the unscaled logits q . k
+    var_qk_theory: float
+    var_qk_stderr: float  # standard error of var_qk under this layout (rows of a head share keys)
+    var_scaled: float  # sample variance of scale * q . k
+    var_scaled_theory: float
+    max_prob_mean: float | None
+    entropy_mean: float | None  # nats
+    entropy_norm_mean: float | None  # entropy / log(seq): 1 is uniform, 0 one-hot
+    jacobian_norm_mean: float | None  # ||diag(p) - p p^T||_F: 0 when collapsed, gradient dies
+    collapsed_rate: float | None  # rows with max probability >= the collapse threshold
+    jacobian_norm_collapsed_mean: float | None  # |J| over the collapsed rows only; None if there are none
+    cells: list[SweepCell]
+
+
+@dataclass
+class SweepResult:
+    config: "SweepConfig"
+    device: str
+    points: list[SweepPoint]
+    # Not in the JSON report: the limits of the dtypes, and the time the sweep took.
+    limits: dict[str, DtypeLimits] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+# --------------------------------------------------------------------------- check
+
+COUNT_BUDGETS = ("nan", "overflow", "zero_rows", "argmax_flips")
+ERROR_BUDGETS = ("max_abs_err", "max_abs_err_algo", "rmse", "kl_max")
+RELATIVE_BUDGET = "relative_to_torch"
+BUDGET_NAMES = (*COUNT_BUDGETS, *ERROR_BUDGETS, RELATIVE_BUDGET)
+
+
+@dataclass
+class BudgetCheck:
+    """One budget applied to one cell."""
+
+    budget: str  # 'nan', 'max_abs_err', 'relative_to_torch', ...
+    limit: float | int  # as configured (for relative_to_torch: the factor N)
+    measured: float | int | None  # the cell's value; None: nothing to measure (see note)
+    bound: float | None  # what measured is compared to: limit, or N x torch + atol
+    passed: bool
+    reference: float | None = None  # relative_to_torch: torch's max_abs_err_algo in the same dtype
+    atol: float = 0.0  # relative_to_torch_atol
+    rows: list[tuple[int, ...]] = field(default_factory=list)  # where it happened (first rows), or the worst row
+    note: str = ""  # why measured is None
+
+    @property
+    def is_count(self) -> bool:
+        return self.budget in COUNT_BUDGETS
+
+    @property
+    def worst_row(self) -> tuple[int, ...] | None:
+        return self.rows[0] if self.rows else None
+
+    @property
+    def ratio(self) -> float | None:
+        """relative_to_torch: measured / torch's error (None when torch's is 0 or missing)."""
+        if self.reference and self.measured is not None:
+            return self.measured / self.reference
+        return None
+
+
+@dataclass
+class CaseResult:
+    """One input x method x dtype cell and every budget checked on it."""
+
+    input: str
+    method: str
+    dtype: str
+    rows: int
+    compared_rows: int  # rows where the cell and the float64 reference are both finite
+    checks: list[BudgetCheck]
+    shape: tuple[int, ...] = ()
+    seconds: float = 0.0  # this case's share of the time spent on its input
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}/{self.dtype}"
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    @property
+    def failures(self) -> list[BudgetCheck]:
+        return [c for c in self.checks if not c.passed]
+
+
+@dataclass
+class CheckResult:
+    config: str  # the config file as messages name it
+    config_path: str | None
+    device: str
+    cases: list[CaseResult]
+    inputs: list[str]
+    budget: "Budget"
+    dtype_budgets: dict[str, "Budget"] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.cases)
+
+    @property
+    def failures(self) -> list[CaseResult]:
+        return [c for c in self.cases if not c.passed]

@@ -1,0 +1,340 @@
+"""`attncheck check` end to end: exit codes 0/1/2, exact error lines, JUnit XML parsed with
+ElementTree, Markdown, JSON, $GITHUB_STEP_SUMMARY, and the example config of examples/ci/."""
+
+import importlib.util
+import io
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from attncheck.config.check import load_config
+from attncheck.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+LN_FP16_LIMIT = math.log(65520.0)
+
+
+@pytest.fixture(autouse=True)
+def no_step_summary(monkeypatch):
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+
+
+def check(*args):
+    return runner.invoke(app, ["check", *map(str, args)])
+
+
+def error_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {result.stderr!r}"
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+PASSING = """\
+[tool.attncheck]
+inputs = ["dumps/*.npy"]
+dtypes = ["bf16", "fp16"]
+methods = ["stable", "tiled", "torch"]
+
+[tool.attncheck.budget]
+nan = 0
+overflow = 0
+max_abs_err = 1e-2
+
+[[tool.attncheck.synthetic]]
+d_k = 32
+seq = 64
+rows = 64
+"""
+
+OVERFLOWING = """\
+[tool.attncheck]
+inputs = ["dumps/*.npy"]
+dtypes = ["fp16"]
+methods = ["naive", "stable"]
+
+[tool.attncheck.budget]
+nan = 1000
+overflow = 0
+"""
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A project folder with one healthy dump; the test writes its pyproject.toml."""
+    (tmp_path / "dumps").mkdir()
+    np.save(tmp_path / "dumps" / "healthy.npy", np.random.default_rng(0).standard_normal((2, 8, 32)).astype(np.float32))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def overflow_dump(project):
+    """fp16 logits where some rows hold a score above ln(65520): naive fp16 overflows exactly there."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 16, 64)) * 1.5
+    hot = rng.random((2, 16)) < 0.25
+    x[..., 7] = np.where(hot, 11.5 + 6 * rng.random((2, 16)), x[..., 7])
+    x = x.astype(np.float16)
+    (project / "dumps" / "healthy.npy").unlink()
+    np.save(project / "dumps" / "overflow.npy", x)
+    (project / "pyproject.toml").write_text(OVERFLOWING)
+    return x
+
+
+# --------------------------------------------------------------------------- exit 0
+
+
+def test_passing_config_exits_0_and_writes_every_report(project):
+    (project / "pyproject.toml").write_text(PASSING)
+    r = check("--junit", "out.xml", "--markdown", "out.md", "--json", "out.json")
+    assert r.exit_code == 0, r.output
+    assert r.stderr == ""
+    assert "all 12 case(s) within budget (2 input(s), config pyproject.toml, device cpu)" in " ".join(r.stdout.split())
+
+    suite = ET.parse(project / "out.xml").getroot()
+    assert (suite.tag, suite.get("name"), suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("testsuite", "attncheck", "12", "0", "0")
+    cases = suite.findall("testcase")
+    assert {c.get("classname") for c in cases} == {"attncheck.dumps/healthy.npy", "attncheck.synthetic[0]:dk=32,scale=sqrt,seq=64,rows=64,dist=normal,seed=0"}
+    assert [c.get("name") for c in cases[:6]] == ["stable/bf16", "stable/fp16", "tiled/bf16", "tiled/fp16", "torch/bf16", "torch/fp16"]
+    assert all(c.find("failure") is None for c in cases)
+
+    doc = json.loads((project / "out.json").read_text())
+    assert doc["schema"] == "attncheck.check/1" and doc["passed"] is True
+    assert doc["config"] == "pyproject.toml" and doc["config_path"] == str(project / "pyproject.toml")
+    assert doc["summary"] == {"cases": 12, "passed": 12, "failed": 0}
+    assert doc["budget"]["max_abs_err"] == 0.01 and doc["budget"]["rmse"] is None
+    first = doc["cases"][0]
+    assert {"input", "method", "dtype", "name", "passed", "shape", "rows", "compared_rows", "checks"} <= set(first)
+    assert [c["budget"] for c in first["checks"]] == ["nan", "overflow", "max_abs_err"]
+
+    md = (project / "out.md").read_text()
+    assert md.startswith("### attncheck check: ✅ all 12 case(s) within budget\n")
+    assert "| result | input | cell | nan (<= 0) | overflow (<= 0) | max_abs_err (<= 0.01) |" in md
+    assert md.count("| ✅ pass |") == 12
+
+
+def test_help_is_documented():
+    r = check("--help")
+    assert r.exit_code == 0
+    for option in ("--config", "--junit", "--markdown", "--json", "--device", "--quiet"):
+        assert option in r.stdout
+    assert "Exit codes" in r.stdout
+
+
+# --------------------------------------------------------------------------- exit 1
+
+
+def test_fp16_naive_overflow_exits_1_and_junit_names_the_case(overflow_dump, project):
+    expected = int((overflow_dump.astype(np.float64).max(axis=-1) > LN_FP16_LIMIT).sum())  # counted without attncheck
+    assert expected >= 3
+    r = check("--junit", "junit.xml", "--json", "report.json")
+    assert r.exit_code == 1, r.output
+
+    suite = ET.parse(project / "junit.xml").getroot()
+    assert (suite.get("tests"), suite.get("failures")) == ("2", "1")
+    failed = [tc for tc in suite.iter("testcase") if tc.find("failure") is not None]
+    assert [(tc.get("classname"), tc.get("name")) for tc in failed] == [("attncheck.dumps/overflow.npy", "naive/fp16")]
+    failure = failed[0].find("failure")
+    assert failure.get("type") == "budget"
+    assert re.fullmatch(rf"overflow {expected} > budget 0 \(rows .+\)", failure.get("message")), failure.get("message")
+    assert f"FAIL overflow: {expected} > budget 0; rows " in failure.text
+    assert f"ok   nan: {expected} <= budget 1000" in failure.text
+    assert "input dumps/overflow.npy, shape (2, 16, 64), cell naive/fp16: 32 rows" in failure.text
+
+    doc = json.loads((project / "report.json").read_text())
+    case = next(c for c in doc["cases"] if c["name"] == "naive/fp16")
+    overflow = next(c for c in case["checks"] if c["budget"] == "overflow")
+    assert (overflow["measured"], overflow["limit"], overflow["passed"]) == (expected, 0, False)
+    hot = {tuple(map(int, i)) for i in np.argwhere(overflow_dump.astype(np.float64).max(axis=-1) > LN_FP16_LIMIT)}
+    assert overflow["rows"] and {tuple(r) for r in overflow["rows"]} <= hot
+    assert doc["passed"] is False and doc["summary"] == {"cases": 2, "passed": 1, "failed": 1}
+
+    assert r.stderr.startswith(f"attncheck: budget broken: dumps/overflow.npy naive/fp16: overflow {expected} > budget 0 (rows ")
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_markdown_goes_to_the_step_summary_too(overflow_dump, project, monkeypatch):
+    summary = project / "summary.md"
+    summary.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    r = check("--markdown", "check.md", "--quiet")
+    assert r.exit_code == 1
+    md = (project / "check.md").read_text()
+    assert md.startswith("### attncheck check: ❌ 1 of 2 case(s) broke their budget\n")
+    assert "| ❌ fail | `dumps/overflow.npy` | naive/fp16 |" in md
+    assert "**Budgets broken**" in md
+    assert summary.read_text() == "earlier step\n" + md + "\n"
+    assert "budget broken" not in r.stdout and "case(s) broke their budget" in r.stdout  # --quiet: the verdict only
+
+
+def test_json_to_stdout_prints_only_json(overflow_dump):
+    r = check("--json", "-")
+    assert r.exit_code == 1
+    assert json.loads(r.stdout)["summary"]["failed"] == 1
+
+
+def test_rich_summary_fits_80_columns(overflow_dump, project):
+    from attncheck.report.check import print_summary
+    from attncheck.pipelines.check import run_check
+
+    result = run_check(load_config(project / "pyproject.toml"))
+    buf = io.StringIO()
+    print_summary(Console(width=80, file=buf, color_system=None), result)
+    text = buf.getvalue()
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
+    assert "…" not in text
+    assert re.search(r"FAIL\s+naive/fp16\s+\d+\s+\d+", text)
+    assert re.search(r"pass\s+stable/fp16\s+0\s+0", text)
+
+
+# --------------------------------------------------------------------------- exit 2
+
+
+def write_config(project, text):
+    (project / "pyproject.toml").write_text(textwrap.dedent(text))
+
+
+CONFIG_ERRORS = [
+    ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\nblock = \n', r"pyproject\.toml: invalid TOML: Invalid value \(at line 3, column 9\)"),
+    ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budgett]\nnan = 0\n', re.escape("unknown key 'tool.attncheck.budgett' in pyproject.toml (known: inputs, keys, synthetic, dtypes, methods, block, order, accum, device, budget)")),
+    ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budget]\nnan = "zero"\n', re.escape("tool.attncheck.budget.nan must be an integer >= 0, got 'zero'")),
+    ('[tool.attncheck]\ninputs = ["dumps/*.pt"]\n', re.escape("tool.attncheck.inputs: 'dumps/*.pt' matches no file (relative to ") + ".+" + re.escape(")")),
+    ("[tool.attncheck]\ndtypes = ['bf16']\n", re.escape('[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table')),
+    ("[project]\nname = 'x'\n", r"no config found: no attncheck\.toml, and no pyproject\.toml with a \[tool\.attncheck\] table, in .+ or its parents; add one or pass --config FILE"),
+]
+
+
+@pytest.mark.parametrize("text,pattern", CONFIG_ERRORS, ids=["bad-toml", "unknown-key", "wrong-type", "no-match", "no-inputs", "no-table"])
+def test_config_errors_exit_2_with_one_line(project, text, pattern):
+    (project / "pyproject.toml").write_text(text)
+    r = check("--junit", "junit.xml")
+    assert r.exit_code == 2, r.output
+    assert re.fullmatch("attncheck: error: " + pattern, error_line(r)), r.stderr
+    assert r.stdout == "" and not (project / "junit.xml").exists()
+
+
+def test_option_errors_exit_2(project):
+    (project / "pyproject.toml").write_text(PASSING)
+    for args, message in [
+        (["--device", "tpu"], "--device must be one of auto, cpu, cuda or cuda:N, got 'tpu'"),
+        (["--junit", "no/such/dir/j.xml"], f"cannot write --junit no/such/dir/j.xml: folder {project}/no/such/dir does not exist"),
+        (["--markdown", "."], "cannot write --markdown .: it is a folder; give a file name"),
+        (["--config", "missing.toml"], "config missing.toml: no such file"),
+    ]:
+        r = check(*args)
+        assert r.exit_code == 2, (args, r.output)
+        assert error_line(r) == f"attncheck: error: {message}"
+
+
+def test_unreadable_input_exits_2(project):
+    (project / "dumps" / "broken.npy").write_bytes(b"not numpy")
+    (project / "pyproject.toml").write_text(PASSING)
+    r = check()
+    assert r.exit_code == 2
+    assert error_line(r).startswith("attncheck: error: ") and "broken.npy" in r.stderr
+
+
+def test_keys_that_match_nothing_name_the_config_key(project):
+    (project / "pyproject.toml").write_text('[tool.attncheck]\ninputs = ["dumps/*.npy"]\nkeys = ["layer*"]\n')
+    r = check()
+    assert r.exit_code == 2
+    assert error_line(r).startswith("attncheck: error: tool.attncheck.keys 'layer*' matches no tensor")
+
+
+def test_config_option_takes_a_standalone_file(project, tmp_path):
+    other = tmp_path / "ci" / "attncheck.toml"
+    other.parent.mkdir()
+    other.write_text('inputs = ["../dumps/*.npy"]\ndtypes = ["fp32"]\nmethods = ["torch"]\n')
+    r = check("--config", other, "--json", "-")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["config"] == "ci/attncheck.toml" and [c["input"] for c in doc["cases"]] == ["../dumps/healthy.npy"]
+
+
+def test_config_errors_do_not_import_torch(tmp_path):
+    """The config is read and checked before torch is imported: with torch made unimportable,
+    `check --help` works and every config error above still gets its line and exit 2."""
+    script = textwrap.dedent(
+        f"""
+        import os, re, sys
+        sys.modules["torch"] = None  # any `import torch` now raises ImportError
+        from typer.testing import CliRunner
+        from attncheck.cli import app
+        runner = CliRunner()
+        r = runner.invoke(app, ["check", "--help"])
+        assert r.exit_code == 0 and "--junit" in r.stdout, r.output
+        os.chdir({str(tmp_path)!r})
+        os.mkdir("dumps")
+        open("dumps/x.npy", "wb").close()
+        for text, pattern in {CONFIG_ERRORS!r}:
+            open("pyproject.toml", "w").write(text)
+            r = runner.invoke(app, ["check"])
+            assert r.exit_code == 2, (text, r.exit_code, r.output, r.exception)
+            assert re.fullmatch("attncheck: error: " + pattern, r.stderr.strip()), (text, r.stderr)
+        r = runner.invoke(app, ["check", "--device", "tpu"])
+        assert r.exit_code == 2
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_importing_the_command_does_not_import_torch():
+    code = "import sys, attncheck.cli.check, attncheck.config.check; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False False", out.stderr
+
+
+# --------------------------------------------------------------------------- examples/ci
+
+
+@pytest.fixture
+def ci_example(tmp_path, monkeypatch):
+    """examples/ci/ copied, its dumps written by its own script, as the workflow does."""
+    target = tmp_path / "ci"
+    shutil.copytree(ROOT / "examples" / "ci", target, ignore=shutil.ignore_patterns("dumps", "*.xml", "*.md"))
+    spec = importlib.util.spec_from_file_location("make_dumps", target / "make_dumps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # its __main__ default: dumps/ next to the script
+    module.write_dumps(target / "dumps")
+    monkeypatch.chdir(target)
+    return target
+
+
+def test_example_config_loads_and_passes(ci_example):
+    cfg = load_config("pyproject.toml")
+    assert cfg.inputs == ("dumps/*.safetensors",)
+    assert [Path(f).name for f in cfg.files] == ["layer0.safetensors", "layer1.safetensors"]
+    assert cfg.dtypes == ("bf16", "fp16") and cfg.methods == ("tiled", "torch")
+    assert (cfg.budget.nan, cfg.budget.overflow, cfg.budget.max_abs_err, cfg.budget.relative_to_torch) == (0, 0, 1e-2, 2.0)
+    assert cfg.budget_for("fp16").max_abs_err == 2e-3
+    assert [s.name for s in cfg.synthetic] == [
+        "synthetic[0]:dk=128,scale=sqrt,seq=256,dist=normal,seed=0",
+        "synthetic[1]:dk=64,scale=sqrt,seq=128,dist=outliers,seed=0",
+    ]
+
+    # The workflow's step, run where the workflow runs it.
+    workflow = (ROOT / "examples" / "ci" / "attncheck.yml").read_text()
+    command = re.search(r"run: attncheck (check .+)", workflow).group(1).split()
+    assert command == ["check", "--junit", "attncheck-junit.xml", "--markdown", "attncheck.md"]
+    assert "working-directory: examples/ci" in workflow and "path: examples/ci/attncheck-junit.xml" in workflow
+    assert "if: always()" in workflow and "torch==2.13.0" in workflow
+    r = runner.invoke(app, command)
+    assert r.exit_code == 0, r.output
+    suite = ET.parse(ci_example / "attncheck-junit.xml").getroot()
+    assert (suite.get("tests"), suite.get("failures")) == ("14", "0")

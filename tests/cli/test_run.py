@@ -1,0 +1,300 @@
+"""`attncheck run` through typer's CliRunner: exit codes, exact error lines, JSON."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from attncheck.cli import app
+from attncheck.findings import FIX, SEVERITY
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def error_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {result.stderr!r}"
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+@pytest.fixture
+def healthy(tmp_path):
+    p = tmp_path / "healthy.npy"
+    np.save(p, np.random.default_rng(0).standard_normal((2, 8, 32)).astype(np.float32))
+    return p
+
+
+@pytest.fixture
+def overflow_fp16(tmp_path):
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    x[1, 3] = 15.0  # exp(15) overflows fp16
+    p = tmp_path / "logits.safetensors"
+    save_file({"layer0.scores": x, "layer1.scores": x / 4}, str(p))
+    return p
+
+
+# --------------------------------------------------------------------------- happy paths
+
+
+def test_example_runs_and_reports_its_problems():
+    r = invoke("run", "--example")
+    assert r.exit_code == 0, r.output
+    for code in ("exp_overflow", "fully_masked_rows", "sentinel_not_repr"):
+        assert code in r.stdout
+    assert "Method x dtype" in r.stdout
+
+
+def test_healthy_file_exits_zero_even_with_fail_on(healthy):
+    r = invoke("run", healthy, "--fail-on", "nan,overflow")
+    assert r.exit_code == 0, r.output
+    assert "0 error(s)" in r.stdout
+
+
+def test_fail_on_nan_exits_one_and_says_why(overflow_fp16):
+    r = invoke("run", overflow_fp16, "--fail-on", "nan", "--key", "layer0.*")
+    assert r.exit_code == 1
+    assert r.stderr.strip() == f"attncheck: --fail-on nan: {overflow_fp16}:layer0.scores: naive/fp16"
+
+
+def test_fail_on_a_finding_code(overflow_fp16):
+    assert invoke("run", overflow_fp16, "--fail-on", "exp_overflow").exit_code == 1
+    assert invoke("run", overflow_fp16, "--fail-on", "underflow").exit_code == 0
+
+
+def test_fail_on_is_not_triggered_by_cells_not_computed(overflow_fp16):
+    r = invoke("run", overflow_fp16, "--fail-on", "nan,overflow", "--method", "stable,tiled,torch")
+    assert r.exit_code == 0, r.output
+
+
+def test_json_to_stdout_has_the_contract_keys(overflow_fp16):
+    r = invoke("run", overflow_fp16, "--json", "-")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)  # tables are not mixed in
+    assert doc["schema"] == "attncheck.run/1"
+    assert {"schema", "attncheck_version", "device", "tensors"} <= doc.keys()
+    assert doc["device"] == "cpu"
+    assert [t["name"] for t in doc["tensors"]] == [f"{overflow_fp16}:layer0.scores", f"{overflow_fp16}:layer1.scores"]
+    t = doc["tensors"][0]
+    assert {"name", "shape", "dtype", "census", "cells", "findings"} <= t.keys()
+    assert t["shape"] == [4, 64] and t["dtype"] == "fp32"
+    assert {"rows", "nan", "posinf", "neginf", "fully_masked_rows", "max", "min"} <= t["census"].keys()
+    assert t["census"]["rows"] == 4 and t["census"]["max"] == 15.0
+    assert len(t["cells"]) == 12
+    for cell in t["cells"]:
+        assert {"method", "dtype", "nan_rows", "nan_causes", "overflow_rows", "zero_rows", "max_abs_err", "rmse", "max_row_sum_err", "kl_max", "argmax_flips"} <= cell.keys()
+        assert isinstance(cell["nan_causes"], dict)
+    naive16 = next(c for c in t["cells"] if (c["method"], c["dtype"]) == ("naive", "fp16"))
+    assert naive16["nan_rows"] == 1 and naive16["nan_causes"] == {"exp_overflow": 1}
+    codes = {f["code"] for f in t["findings"]}
+    assert "exp_overflow" in codes
+    for f in t["findings"]:
+        assert f["severity"] == SEVERITY[f["code"]] or f["code"] == "sentinel_not_representable"
+        assert f["fix"] == FIX[f["code"]]
+
+
+def test_json_writes_null_for_non_finite_numbers(tmp_path):
+    p = tmp_path / "masked.npy"
+    np.save(p, np.full((2, 4), -np.inf, dtype=np.float32))
+    out = tmp_path / "report.json"
+    r = invoke("run", p, "--json", out, "--method", "stable")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())  # strict JSON: no NaN/Infinity literals
+    cell = doc["tensors"][0]["cells"][0]
+    assert cell["max_abs_err"] is None and cell["nan_causes"] == {"fully_masked": 2}
+    assert doc["tensors"][0]["census"]["max"] is None
+
+
+def test_pt_nested_names_and_key_glob(tmp_path):
+    p = tmp_path / "dump.pt"
+    torch.save({"layers": [{"scores": torch.randn(3, 5)}, {"scores": torch.randn(3, 5)}], "step": 7}, p)
+    r = invoke("run", p, "--key", "layers.1.*", "--json", "-")
+    assert r.exit_code == 0, r.output
+    assert [t["name"] for t in json.loads(r.stdout)["tensors"]] == [f"{p}:layers.1.scores"]
+
+
+def test_dtype_and_method_selection(healthy):
+    r = invoke("run", healthy, "--dtype", "bf16", "--method", "online,torch", "--json", "-")
+    cells = json.loads(r.stdout)["tensors"][0]["cells"]
+    assert [(c["method"], c["dtype"]) for c in cells] == [("tiled", "bf16"), ("torch", "bf16")]
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def bad_files(tmp_path):
+    """(path, expected message tail) for every kind of bad file."""
+    cases = []
+    for ext in (".npy", ".npz", ".pt", ".safetensors"):
+        p = tmp_path / f"random{ext}"
+        p.write_bytes(os.urandom(256))
+        cases.append((p, "not a valid"))
+    good = {".npy": lambda p: np.save(p, np.ones((64, 64), np.float32)),
+            ".npz": lambda p: np.savez(p, a=np.ones((64, 64), np.float32)),
+            ".pt": lambda p: torch.save(torch.ones(64, 64), p),
+            ".safetensors": lambda p: save_file({"a": torch.ones(64, 64)}, str(p))}
+    for ext, write in good.items():
+        p = tmp_path / f"truncated{ext}"
+        write(p)
+        data = p.read_bytes()
+        p.write_bytes(data[: len(data) // 2])
+        cases.append((p, "not a valid"))
+    return cases
+
+
+def test_random_and_truncated_files_exit_2_with_one_line(tmp_path):
+    for path, expected in bad_files(tmp_path):
+        r = invoke("run", path)
+        assert r.exit_code == 2, (path, r.output)
+        line = error_line(r)
+        assert line.startswith(f"attncheck: error: {path}: {expected}"), line
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickled_objects_are_refused_never_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    p = tmp_path / "evil.pt"
+    torch.save({"scores": torch.ones(2, 2), "x": Payload(str(marker))}, p)
+    r = invoke("run", p)
+    assert r.exit_code == 2
+    assert error_line(r).startswith(f"attncheck: error: {p}: refused to load: it holds pickled objects other than tensors")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "make,expected",
+    [
+        (lambda p: np.save(p.with_suffix(".npy"), np.array([{"a": 1}], dtype=object), allow_pickle=True),
+         "{p}.npy: holds an object array (pickled Python objects), which attncheck does not support; nothing was unpickled. Save a numeric floating-point array"),
+        (lambda p: torch.save(torch.zeros(2, 3, dtype=torch.int64), p.with_suffix(".pt")),
+         "{p}.pt has dtype int64; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)"),
+        (lambda p: torch.save(torch.zeros(2, 3, dtype=torch.complex64), p.with_suffix(".pt")),
+         "{p}.pt has dtype complex64; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)"),
+        (lambda p: torch.save(torch.zeros(0, 4), p.with_suffix(".pt")), "{p}.pt is empty (shape (0, 4))"),
+        (lambda p: p.with_suffix(".txt").write_text("hi"), "{p}.txt: unsupported file type '.txt' (supported: .pt, .pth, .npy, .npz, .safetensors)"),
+    ],
+    ids=["object-npy", "int-pt", "complex-pt", "empty", "extension"],
+)
+def test_bad_tensor_files(tmp_path, make, expected):
+    stem = tmp_path / "bad"
+    make(stem)
+    path = next(tmp_path.iterdir())
+    r = invoke("run", path)
+    assert r.exit_code == 2
+    assert error_line(r) == "attncheck: error: " + expected.format(p=stem)
+
+
+def test_missing_file(tmp_path):
+    r = invoke("run", tmp_path / "nope.pt")
+    assert r.exit_code == 2
+    assert error_line(r) == f"attncheck: error: {tmp_path / 'nope.pt'}: no such file or directory"
+
+
+def test_key_matching_nothing(overflow_fp16):
+    r = invoke("run", overflow_fp16, "--key", "attn*")
+    assert r.exit_code == 2
+    assert error_line(r) == (f"attncheck: error: --key 'attn*' matches no tensor (available: "
+                             f"{overflow_fp16}:layer0.scores, {overflow_fp16}:layer1.scores)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when CUDA is absent")
+def test_cuda_requested_without_cuda(healthy):
+    r = invoke("run", healthy, "--device", "cuda")
+    assert r.exit_code == 2
+    assert error_line(r) == "attncheck: error: --device cuda requested but CUDA is not available (torch.cuda.is_available() is False); use --device cpu"
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--dtype", "fp8"], "--dtype: unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
+        (["--dtype", "e4m3"], "--dtype: dtype 'e4m3' cannot be used here (choose from fp16, bf16, fp32)"),
+        (["--method", "fast"], "--method: unknown method 'fast' (choose from naive, stable, tiled, torch)"),
+        (["--dtype", ""], "--dtype is empty (choose from fp16, bf16, fp32)"),
+        (["--fail-on", "bogus"], "--fail-on: unknown condition 'bogus' (use nan, overflow, zero, flip, error, warning or a finding code)"),
+        (["--block", "0"], "--block must be an integer >= 1, got 0"),
+        (["--block", "x"], "--block must be an integer >= 1, got 'x'"),
+        (["--device", "tpu"], "--device must be one of auto, cpu, cuda or cuda:N, got 'tpu'"),
+        (["--bogus"], "No such option: --bogus (see 'attncheck run --help')"),
+    ],
+)
+def test_bad_options(healthy, args, expected):
+    r = invoke("run", healthy, *args)
+    assert r.exit_code == 2
+    assert error_line(r) == f"attncheck: error: {expected}"
+
+
+def test_no_input():
+    r = invoke("run")
+    assert r.exit_code == 2
+    assert error_line(r) == "attncheck: error: no input: give score files or directories, --q and --k, or --example for a built-in one"
+
+
+def test_unwritable_json_target(healthy, tmp_path):
+    r = invoke("run", healthy, "--json", tmp_path / "no" / "dir" / "r.json")
+    assert r.exit_code == 2
+    assert error_line(r).startswith("attncheck: error: cannot write")
+
+
+# --------------------------------------------------------------------------- start-up
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["run", "--dtype", "fp8", "x.pt"], ["run", "--bogus"], ["--version"], ["sweep", "--help"], ["sweep", "--dk", "0"]])
+def test_help_and_argument_errors_do_not_import_torch(argv):
+    code = (
+        "import sys\n"
+        f"sys.argv = ['attncheck'] + {argv!r}\n"
+        "from attncheck.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "sys.exit(3 if 'torch' in sys.modules or 'numpy' in sys.modules else 0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"torch or numpy imported for {argv}: {proc.stderr}"
+
+
+def test_every_command_has_help():
+    r = invoke("--help")
+    assert r.exit_code == 0
+    for name in ("run", "sweep"):
+        assert name in r.stdout
+        sub = invoke(name, "--help")
+        assert sub.exit_code == 0 and len(sub.stdout) > 200
+
+
+def test_module_entry_point(healthy):
+    proc = subprocess.run([sys.executable, "-m", "attncheck", "run", str(healthy), "--json", "-"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["schema"] == "attncheck.run/1"
+
+
+def test_plain_pickle_is_refused(tmp_path):
+    p = tmp_path / "plain.pt"
+    with open(p, "wb") as fh:
+        pickle.dump({"x": [1.0, 2.0]}, fh, protocol=2)
+    r = invoke("run", p)
+    assert r.exit_code == 2
+    assert error_line(r).startswith(f"attncheck: error: {p}:")
+
+
+def test_help_keeps_bracketed_text():
+    # Rich reads [..] as markup: the check help must still show the table's name.
+    r = runner.invoke(app, ["check", "--help"], env={"COLUMNS": "200"})
+    assert r.stdout.count("[tool.attncheck]") >= 2

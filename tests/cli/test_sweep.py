@@ -1,0 +1,170 @@
+"""`attncheck sweep` end to end: exit codes, exact error lines, JSON keys, tables, the plot."""
+
+import io
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from attncheck.cli import app
+from attncheck.config.sweep import SweepConfig
+from attncheck.pipelines.sweep import run_sweep
+from attncheck.params import scales as parse_scales
+from attncheck.report.sweep import print_sweep
+
+runner = CliRunner()
+SMALL = ["--dk", "16,64", "--rows", "128", "--seq", "32"]
+
+POINT_KEYS = {
+    "dk", "scale", "scale_value", "std", "seq", "var_qk", "var_qk_theory", "var_scaled", "var_scaled_theory",
+    "max_prob_mean", "entropy_mean", "entropy_norm_mean", "jacobian_norm_mean", "cells",
+}
+CELL_KEYS = {"method", "dtype", "nan_rate", "overflow_rate", "max_abs_err"}
+
+
+def sweep(*args):
+    return runner.invoke(app, ["sweep", *args])
+
+
+SCALE_HELP = "none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number"
+BAD_INPUTS = [
+    (["--dk", "0"], "--dk must be an integer >= 1, got 0"),
+    (["--dk", "16,-32"], "--dk must be an integer >= 1, got -32"),
+    (["--dk", "abc"], "--dk must be an integer >= 1, got 'abc'"),
+    (["--dk", "1.5"], "--dk must be an integer >= 1, got '1.5'"),
+    (["--dk", ","], "--dk is empty"),
+    (["--scale", "huge"], f"--scale must be one of {SCALE_HELP}, got 'huge'"),
+    (["--scale", "sqrt,-0.5"], f"--scale must be one of {SCALE_HELP}, got '-0.5'"),
+    (["--seq", "1"], "--seq must be an integer >= 2, got 1"),
+    (["--seq", "many"], "--seq must be an integer >= 2, got 'many'"),
+    (["--rows", "-4"], "--rows must be an integer >= 2, got -4"),
+    (["--std", "0"], "--std must be a number > 0, got 0"),
+    (["--std", "wide"], "--std must be a number > 0, got 'wide'"),
+    (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["--block", "0"], "--block must be an integer >= 1, got 0"),
+    (["--dist", "cauchy"], "--dist must be one of normal, outliers, got 'cauchy'"),
+    (["--dtype", "fp8"], "--dtype: unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
+    (["--method", "fast"], "--method: unknown method 'fast' (choose from naive, stable, tiled, torch)"),
+    (["--device", "tpu"], "--device must be one of auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (
+        ["--rows", "100000000"],
+        "a sweep point of 100000000 rows x 128 keys x d_k 512 needs about 1,526 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
+    ),
+    (
+        ["--dk", "100000000"],
+        "a sweep point of 4096 rows x 128 keys x d_k 100000000 needs about 6,104 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
+    ),
+    (["--json", "/no/such/folder/out.json"], "cannot write --json /no/such/folder/out.json: folder /no/such/folder does not exist"),
+    (["--plot", "/no/such/folder/out.png"], "cannot write --plot /no/such/folder/out.png: folder /no/such/folder does not exist"),
+    (["--plot", "/"], "cannot write --plot /: it is a folder; give a file name"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_exits_2_with_one_line(args, message):
+    result = sweep(*args)
+    assert result.exit_code == 2
+    assert result.stderr == f"attncheck: error: {message}\n"
+    assert result.stdout == ""
+
+
+def test_bad_input_is_rejected_without_torch():
+    """Options are checked before torch is imported: with torch made unimportable, every
+    bad input above still gets its one line and exit 2 (and --help works)."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["torch"] = None  # any `import torch` now raises ImportError
+        from typer.testing import CliRunner
+        from attncheck.cli import app
+        runner = CliRunner()
+        for args, message in {BAD_INPUTS!r}:
+            r = runner.invoke(app, ["sweep", *args])
+            assert r.exit_code == 2, (args, r.exit_code, r.output, r.exception)
+            assert r.stderr == "attncheck: error: " + message + "\\n", (args, r.stderr)
+        r = runner.invoke(app, ["sweep", "--help"])
+        assert r.exit_code == 0 and "--scale" in r.stdout
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_importing_the_command_does_not_import_torch():
+    code = "import sys, attncheck.cli.sweep, attncheck.config.sweep; print('torch' in sys.modules, 'matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False False", out.stderr
+
+
+def test_json_has_schema_options_and_point_keys(tmp_path):
+    target = tmp_path / "sweep.json"
+    result = sweep(*SMALL, "--scale", "none,sqrt,0.125", "--json", str(target))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(target.read_text())
+    assert doc["schema"] == "attncheck.sweep/1"
+    assert {"attncheck_version", "options", "points"} <= set(doc)
+    assert doc["options"]["dk"] == [16, 64] and doc["options"]["scale"] == ["none", "sqrt", "0.125"]
+    assert len(doc["points"]) == 2 * 3
+    for point in doc["points"]:
+        assert POINT_KEYS <= set(point)
+        assert len(point["cells"]) == 3 * 4
+        for cell in point["cells"]:
+            assert CELL_KEYS <= set(cell)
+    named = {(p["dk"], p["scale"]): p for p in doc["points"]}
+    assert named[(16, "0.125")]["scale_value"] == 0.125  # a number keeps the name it was given
+    assert named[(64, "sqrt")]["scale_value"] == 0.125  # 1/sqrt(64)
+    assert named[(64, "sqrt")]["var_scaled_theory"] == pytest.approx(1.0)
+    assert named[(16, "none")]["var_qk_theory"] == 16
+
+
+def test_json_to_stdout_prints_only_json():
+    result = sweep(*SMALL, "--scale", "sqrt", "--dtype", "fp16", "--method", "naive", "--json", "-")
+    assert result.exit_code == 0
+    doc = json.loads(result.stdout)
+    assert [p["dk"] for p in doc["points"]] == [16, 64]
+
+
+def test_tables_print_every_section():
+    result = sweep(*SMALL)
+    assert result.exit_code == 0, result.output
+    for title in ("1. Var(q.k) grows as d_k", "2. Effect of the scaling factor", "3. Naive softmax", "4. Max |p - p_float64|"):
+        assert title in result.stdout
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_tables_fit_the_terminal(width):
+    config = SweepConfig(dks=(16, 32, 64, 128, 256, 512), scales=parse_scales("none,sqrt,dk,dk2"), seqs=(32,), rows=64)
+    buf = io.StringIO()
+    print_sweep(Console(width=width, file=buf, color_system=None), run_sweep(config))
+    text = buf.getvalue()
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= width
+    assert "…" not in text  # nothing cut short
+    # Unscaled d_k = 512 logits (std ~22.6) overflow naive fp16 in every row: the error map says so.
+    assert "ovf 100%" in text
+
+
+def test_plot_writes_a_png(tmp_path):
+    target = tmp_path / "sweep.png"
+    result = sweep(*SMALL, "--plot", str(target))
+    assert result.exit_code == 0, result.output
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    result = sweep(*SMALL, "--plot", str(tmp_path / "sweep.png"))
+    assert result.exit_code == 2
+    assert result.stderr == "attncheck: error: --plot needs matplotlib: pip install 'attncheck[plot]'\n"
+    assert not (tmp_path / "sweep.png").exists()
+
+
+def test_sweep_has_help_text():
+    result = sweep("--help")
+    assert result.exit_code == 0
+    assert "Sweep synthetic Q and K" in result.stdout

@@ -1,0 +1,313 @@
+"""Diagnosis: census, causes, metrics and distribution, each against an independent
+numpy / float64 computation or a hand-derived expectation."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attncheck.errors import AttncheckError
+from attncheck.numerics.accumulate import CellAcc
+from attncheck.numerics.backends.numba_rows import NumbaRows
+from attncheck.numerics.backends.torch_rows import TorchRows
+from attncheck.numerics.diagnose import Options, diagnose
+from attncheck.numerics.rowmath import entropy, jacobian_frobenius, kl_divergence
+from attncheck.numerics.softmax import run_method
+
+NEG = float("-inf")
+
+
+def np_softmax64(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = x - x.max(axis=-1, keepdims=True)
+        e = np.exp(z)
+        return e / e.sum(axis=-1, keepdims=True)
+
+
+def problem_rows() -> torch.Tensor:
+    """One row per failure class (float32, 16 keys), in a known order."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, generator=g)
+    x[0, 3] = float("nan")  # input_nan
+    x[1, 5] = float("inf")  # inf_input
+    x[2] = NEG  # fully masked with -inf
+    x[3, 0] = 70000.0  # finite in fp32, +inf in fp16
+    x[4, 7] = 12.0  # naive fp16 exp overflow only
+    x[5] = -30.0 + torch.arange(16) / 16  # naive fp16: every exp flushes to 0
+    x[6] = -1e9  # fully masked with a finite sentinel
+    return x  # row 7 is healthy
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return diagnose("problems", problem_rows())
+
+
+EXPECTED_NAN_CAUSES = {
+    # naive: row 3 in bf16/fp32 overflows exp (70000 > 88.7); -1e9 flushes to 0/0.
+    ("naive", "fp16"): {"input_nan": 1, "inf_input": 1, "fully_masked": 2, "cast_overflow": 1, "exp_overflow": 1, "underflow": 1},
+    ("naive", "bf16"): {"input_nan": 1, "inf_input": 1, "fully_masked": 2, "exp_overflow": 1},
+    ("naive", "fp32"): {"input_nan": 1, "inf_input": 1, "fully_masked": 2, "exp_overflow": 1},
+    # stable/torch: -1e9 is held by bf16/fp32 (uniform row), becomes -inf in fp16 (NaN).
+    ("stable", "fp16"): {"input_nan": 1, "inf_input": 1, "fully_masked": 2, "cast_overflow": 1},
+    ("stable", "bf16"): {"input_nan": 1, "inf_input": 1, "fully_masked": 1},
+    ("stable", "fp32"): {"input_nan": 1, "inf_input": 1, "fully_masked": 1},
+    ("torch", "fp16"): {"input_nan": 1, "inf_input": 1, "fully_masked": 2, "cast_overflow": 1},
+    ("torch", "bf16"): {"input_nan": 1, "inf_input": 1, "fully_masked": 1},
+    ("torch", "fp32"): {"input_nan": 1, "inf_input": 1, "fully_masked": 1},
+    # tiled: fully masked rows give zeros, not NaN.
+    ("tiled", "fp16"): {"input_nan": 1, "inf_input": 1, "cast_overflow": 1},
+    ("tiled", "bf16"): {"input_nan": 1, "inf_input": 1},
+    ("tiled", "fp32"): {"input_nan": 1, "inf_input": 1},
+}
+
+
+@pytest.mark.parametrize("cell", sorted(EXPECTED_NAN_CAUSES), ids=lambda c: f"{c[0]}-{c[1]}")
+def test_nan_causes_per_cell(problems, cell):
+    c = problems.cell(*cell)
+    assert c.nan_causes == EXPECTED_NAN_CAUSES[cell]
+    assert c.nan_rows == sum(EXPECTED_NAN_CAUSES[cell].values())
+
+
+def test_tiled_fully_masked_rows_are_zero_rows(problems):
+    assert problems.cell("tiled", "fp16").zero_causes == {"fully_masked": 2}
+    assert problems.cell("tiled", "fp32").zero_causes == {"fully_masked": 1}
+    assert problems.cell("tiled", "fp32").verdict == "nan"  # rows 0 and 1 are NaN
+
+
+def test_overflow_rows(problems):
+    # naive fp16: row 4 (12 > 11.09); row 3 is +inf after the cast, an input not an overflow.
+    assert problems.cell("naive", "fp16").overflow_rows == 1
+    assert problems.cell("naive", "fp32").overflow_rows == 1  # 70000 > 88.72
+    assert problems.cell("stable", "fp16").overflow_rows == 0
+
+
+def test_examples_name_the_rows(problems):
+    c = problems.cell("naive", "fp16")
+    assert c.examples["nan:input_nan"] == [(0,)]
+    assert c.examples["nan:underflow"] == [(5,)]
+    assert c.examples["nan:fully_masked"] == [(2,), (6,)]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_census_against_numpy(kernels):
+    x = problem_rows()
+    d = diagnose("p", x, Options(methods=("stable",), dtypes=("fp32",), kernels=kernels))
+    a = x.numpy().astype(np.float64)
+    finite = a[np.isfinite(a)]
+    c = d.census
+    assert (c.nan, c.posinf, c.neginf) == (1, 1, 16)
+    assert c.min == finite.min() and c.max == finite.max()
+    assert c.mean == pytest.approx(finite.mean(), rel=1e-12)
+    assert c.std == pytest.approx(finite.std(), rel=1e-12)
+    assert c.masked == 32  # row 2 (-inf) and row 6 (-1e9)
+    assert c.sentinels == [(-1e9, 1)]  # the minimum of one row
+    assert (c.fully_masked_rows, c.neginf_rows, c.nan_input_rows, c.posinf_input_rows) == (2, 1, 1, 1)
+
+
+def test_headroom_counts_against_thresholds():
+    x = problem_rows()
+    d = diagnose("p", x, Options(methods=("stable",)))
+    fp16 = next(h for h in d.census.headroom if h.dtype == "fp16")
+    # Rows whose finite max exceeds 11.09: row 3 (70000) and row 4 (12).
+    assert fp16.rows_over_exp_threshold == 2
+    # Row max below -17.33: row 5 (-29.06) and row 6 (-1e9).
+    assert fp16.rows_all_underflow == 2
+    assert fp16.cast_posinf_values == 1 and fp16.cast_neginf_values == 16
+    assert fp16.headroom == pytest.approx(math.log(65520) - 70000.0)
+    fp32 = next(h for h in d.census.headroom if h.dtype == "fp32")
+    assert fp32.cast_posinf_values == fp32.cast_neginf_values == 0
+
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_cell_metrics_against_numpy(kernels):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, 50, generator=g) * 4
+    x[0, 0, :10] = NEG  # partly masked
+    d = diagnose("m", x, Options(methods=("stable",), dtypes=("bf16",), kernels=kernels))
+    c = d.cell("stable", "bf16")
+    p = run_method("stable", x.to(torch.bfloat16)).probs.double().numpy().reshape(-1, 50)
+    r = np_softmax64(x.numpy().reshape(-1, 50))
+    r_cast = np_softmax64(x.to(torch.bfloat16).double().numpy().reshape(-1, 50))
+    diff = p - r
+    assert c.compared_rows == 24
+    assert c.max_abs_err == pytest.approx(np.abs(diff).max(), rel=1e-12)
+    assert c.rmse == pytest.approx(np.sqrt((diff**2).mean()), rel=1e-12)
+    assert c.max_abs_err_algo == pytest.approx(np.abs(p - r_cast).max(), rel=1e-12)
+    assert c.max_row_sum_err == pytest.approx(np.abs(p.sum(-1) - 1).max(), rel=1e-9)
+    floor = 2.0**-133
+    q = np.maximum(p, floor)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(r > 0, r * np.log(r / q), 0.0) - r + q
+    kl = np.maximum(terms.sum(-1), 0)
+    assert c.kl_max == pytest.approx(kl.max(), rel=1e-9)
+    assert c.kl_mean == pytest.approx(kl.mean(), rel=1e-9)
+    nz = r > 0
+    assert c.flushed_frac == pytest.approx(((p == 0) & nz).sum() / nz.sum())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_argmax_flip_counts_strict_losses_not_ties(fused):
+    acc = CellAcc("stable", "fp32", max_examples=4)
+    probs = torch.tensor([[0.6, 0.4], [0.5, 0.5], [0.2, 0.8]], dtype=torch.float32)
+    # Logits whose softmax is [[0.4, 0.6], [0.5, 0.5], [0.3, 0.7]].
+    backend = NumbaRows() if fused else TorchRows()
+    chunk = backend.chunk(torch.tensor([[0.4, 0.6], [0.5, 0.5], [0.3, 0.7]]).log(), 0, 0.0)
+    algo = backend.same_reference(chunk)
+    (metrics,) = backend.cell_metrics(chunk, [probs], algo)
+    acc.update(chunk, probs, {}, algo, [], metrics)
+    cell = acc.finish((3,))
+    assert cell.argmax_flips == 1
+    assert cell.examples["flip"] == [(0,)]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_distribution_against_explicit_formulas(kernels):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 7, 40, generator=g) * 3
+    x[1, 2, 30:] = -1e9  # 30 unmasked keys in that row
+    d = diagnose("dist", x, Options(methods=("stable",), dtypes=("fp32",), collapse_threshold=0.5, kernels=kernels))
+    r = np_softmax64(x.numpy().reshape(-1, 40))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -np.where(r > 0, r * np.log(r), 0.0).sum(-1)
+    n_keys = np.full(21, 40.0)
+    n_keys[1 * 7 + 2] = 30
+    jac = np.array([np.linalg.norm(np.diag(row) - np.outer(row, row)) for row in r])
+    s = d.distribution
+    assert s.rows == 21
+    assert s.entropy_mean == pytest.approx(h.mean(), rel=1e-12)
+    assert s.entropy_min == pytest.approx(h.min(), rel=1e-12)
+    assert s.entropy_norm_mean == pytest.approx((h / np.log(n_keys)).mean(), rel=1e-12)
+    assert s.max_prob_mean == pytest.approx(r.max(-1).mean(), rel=1e-12)
+    assert s.collapsed_rows == int((r.max(-1) >= 0.5).sum())
+    assert s.jacobian_norm_mean == pytest.approx(jac.mean(), rel=1e-9)
+
+
+def test_helpers_on_known_distributions():
+    uniform = torch.full((1, 8), 1 / 8, dtype=torch.float64)
+    one_hot = torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.float64)
+    assert entropy(uniform).item() == pytest.approx(math.log(8))
+    assert entropy(one_hot).item() == 0.0
+    # The softmax Jacobian vanishes at a one-hot row (seed 003: the gradient dies).
+    assert jacobian_frobenius(one_hot).item() == 0.0
+    # Uniform over n: J = I/n - 11^T/n^2, ||J||_F^2 = (n - 1) / n^2.
+    assert jacobian_frobenius(uniform).item() == pytest.approx(math.sqrt(7) / 8)
+    assert kl_divergence(uniform, uniform, 1e-45).item() == 0.0
+    half = torch.tensor([[0.5, 0.5]], dtype=torch.float64)
+    skew = torch.tensor([[0.25, 0.75]], dtype=torch.float64)
+    assert kl_divergence(half, skew, 1e-45).item() == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+@pytest.mark.parametrize("chunk_elements", [1, 50, 333, 10_000])
+def test_chunked_equals_unchunked_exactly(chunk_elements, kernels):
+    # 72 rows of 16 keys; chunks of 1, 3, 20 and all rows split heads at every place.
+    x = problem_rows().repeat(9, 1).reshape(2, 36, 16) * 1.5
+    x[1, 5, 2] = 30.0
+    whole = diagnose("w", x, Options(chunk_elements=1 << 30, kernels=kernels))
+    part = diagnose("p", x, Options(chunk_elements=chunk_elements, kernels=kernels))
+    assert part.census == whole.census  # std and mean included, bit for bit
+    assert part.distribution == whole.distribution
+    assert part.cells == whole.cells  # counts, maxima, RMSE, KL mean, examples
+    assert part.findings == whole.findings
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+@pytest.mark.parametrize("method,dtype,scale", [("torch", "fp32", 3.0), ("stable", "fp16", 8.0)])
+def test_kl_matches_extended_precision(method, dtype, scale, kernels):
+    # fp32: KL ~1e-14, where the naive r log r - r log q form cancels to noise.
+    # fp16 with wide logits: many keys flush to 0 and count as the smallest subnormal.
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 50
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2)) * scale
+    cell = diagnose("kl", x, Options(methods=(method,), dtypes=(dtype,), kernels=kernels)).cell(method, dtype)
+    dt = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
+    p = run_method(method, x.to(dt)).probs.double()
+    floor = mpmath.mpf(2) ** (-149 if dtype == "fp32" else -24)
+    r = torch.softmax(x.double(), dim=-1)
+    exact = []
+    for rr, pp in zip(r.tolist(), p.tolist()):
+        total = mpmath.mpf(0)
+        for a, b in zip(rr, pp):
+            a, q = mpmath.mpf(a), max(mpmath.mpf(b), floor)
+            total += (a * mpmath.log(a / q) if a > 0 else 0) - a + q
+        exact.append(total)
+    if dtype == "fp16":
+        assert cell.flushed_frac > 0.05  # the case this test is about
+    assert cell.kl_max == pytest.approx(float(max(exact)), rel=1e-6)
+    assert cell.kl_mean == pytest.approx(float(sum(exact) / 3), rel=1e-6)
+
+
+def test_one_dimensional_tensor_is_one_row():
+    d = diagnose("v", torch.tensor([1.0, 2.0, 3.0]))
+    assert d.census.rows == 1 and d.census.keys == 3
+
+
+def test_fp64_input_is_cast_to_each_dtype():
+    x = torch.tensor([[0.1, 0.2, 0.3]], dtype=torch.float64)
+    d = diagnose("f64", x, Options(methods=("torch",), dtypes=("fp32",)))
+    assert d.dtype == "fp64"
+    # The cast error alone: fp32 rounding of 0.1 etc. moves p by < eps32.
+    assert 0 < d.cell("torch", "fp32").max_abs_err < 2 * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize(
+    "tensor,message",
+    [
+        (torch.zeros(2, 3, dtype=torch.int64), "has dtype int64; attncheck needs floating-point scores"),
+        (torch.zeros(2, 3, dtype=torch.complex64), "has dtype complex64; attncheck needs floating-point scores"),
+        (torch.zeros(0, 3), r"is empty \(shape \(0, 3\)\)"),
+        (torch.tensor(1.0), "is a scalar"),
+    ],
+)
+def test_bad_tensors(tensor, message):
+    with pytest.raises(AttncheckError, match=message):
+        diagnose("t", tensor)
+
+
+def test_bad_options():
+    with pytest.raises(AttncheckError, match="unknown dtype"):
+        Options(dtypes=("fp8",))
+    with pytest.raises(AttncheckError, match="block must be an integer >= 1, got 0"):
+        Options(block=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available: GPU test skipped")
+def test_cuda_diagnosis_matches_cpu():
+    x = problem_rows().repeat(4, 1) * 1.5
+    cpu = diagnose("x", x, Options(device="cpu", kernels="torch"))
+    gpu = diagnose("x", x, Options(device="cuda"))
+    for a, b in zip(cpu.cells, gpu.cells):
+        assert (a.nan_causes, a.zero_causes, a.overflow_rows) == (b.nan_causes, b.zero_causes, b.overflow_rows), a.name
+        # Different exp implementations: within a few units of the dtype's eps.
+        eps = torch.finfo({"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]).eps
+        assert abs(a.max_abs_err - b.max_abs_err) <= 4 * eps, a.name
+    assert cpu.census.nan == gpu.census.nan and cpu.census.max == gpu.census.max
+    assert [f.code for f in cpu.findings] == [f.code for f in gpu.findings]
+
+
+@pytest.mark.parametrize("chunk_elements", [8, 1 << 20])
+def test_nan_rows_are_counted_per_head(chunk_elements):
+    x = torch.randn(2, 3, 4, 8, generator=torch.Generator().manual_seed(9))  # (B, H, Tq, Tk)
+    x[1, 2, :3, 0] = float("nan")  # three rows of batch 1, head 2
+    x[0, 1, 0, :] = float("-inf")  # one fully masked row of batch 0, head 1
+    cell = diagnose("h", x, Options(methods=("stable",), dtypes=("fp32",), chunk_elements=chunk_elements)).cell("stable", "fp32")
+    assert cell.nan_rows_by_head == [((1, 2), 3), ((0, 1), 1)]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_cast_overflow_is_found_in_masked_rows_and_only_there(kernels):
+    """Rows under a -inf mask are checked for values the cast sends to inf like any other."""
+    x = torch.zeros(4, 8)
+    x[:, 4:] = NEG  # every row masked
+    x[1, 0] = 70000.0  # beyond fp16's 65504: +inf in fp16, a NaN row
+    x[2, 0] = -1e6  # -inf in fp16: one more masked key, the row stays defined
+    x[3, 0] = 65504.0  # fp16's largest: stays finite
+    d = diagnose("m", x, Options(methods=("stable",), dtypes=("fp16", "bf16"), kernels=kernels))
+    assert d.cell("stable", "fp16").nan_causes == {"cast_overflow": 1}
+    assert d.cell("stable", "bf16").nan_causes == {}
+    fp16 = next(h for h in d.census.headroom if h.dtype == "fp16")
+    assert (fp16.cast_posinf_values, fp16.cast_neginf_values, fp16.cast_overflow_rows) == (1, 1, 2)

@@ -1,0 +1,270 @@
+"""Q/K/mask inputs: each known failure class reproduced, with the cause and code attncheck reports."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from attncheck.cli import app
+from attncheck.numerics.diagnose import Options, diagnose_attention
+from attncheck.errors import AttncheckError
+from attncheck.numerics.scores import prepare_inputs, score_blocks, start_audit
+
+FP16_MAX = torch.finfo(torch.float16).max
+runner = CliRunner()
+
+
+def codes(diag):
+    return {f.code for f in diag.findings}
+
+
+def run(q, k, mask=None, dtypes=("fp16", "fp32"), methods=("naive", "stable", "tiled", "torch"), **kw):
+    return diagnose_attention("qk", prepare_inputs(q, k, mask, **kw), Options(dtypes=dtypes, methods=methods))
+
+
+# --------------------------------------------------------------------------- Q@K^T overflow
+
+
+def outlier_qk():
+    """One query and one key whose product 576 x 382 = 220032 exceeds fp16's 65504;
+    scaled by 1/sqrt(64) first it is 27504, which fits."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 8, 64, generator=g) * 0.1
+    k = torch.randn(1, 1, 8, 64, generator=g) * 0.1
+    q[0, 0, 2] = 0
+    q[0, 0, 2, 0] = 576.0
+    k[0, 0, 5] = 0
+    k[0, 0, 5, 0] = 382.0
+    return q, k
+
+
+def test_fp16_qk_overflow_is_found_and_gone_with_scale_order_q():
+    assert 576 * 382 > FP16_MAX and 576 / 8 * 382 < FP16_MAX  # the premise, from finfo
+    q, k = outlier_qk()
+    d = run(q, k, scale_order="scores")
+    for m in ("stable", "torch", "tiled"):
+        assert d.cell(m, "fp16").nan_causes == {"qk_overflow": 1}
+        assert d.cell(m, "fp16").examples["nan:qk_overflow"] == [(0, 0, 2)]
+        assert d.cell(m, "fp32").nan_rows == 0
+    f = next(f for f in d.findings if f.code == "qk_overflow")
+    assert "scaling q first (--scale-order q) would avoid it" in f.message
+    assert d.attention.dtypes["fp16"].qk_overflow_values == 1
+    assert d.attention.raw_max_abs == pytest.approx(576 * 382, rel=1e-3)
+
+    fixed = run(q, k, scale_order="q")
+    assert "qk_overflow" not in codes(fixed)
+    assert fixed.cell("stable", "fp16").nan_rows == 0
+
+
+def test_scores_per_dtype_match_an_independent_fp32_accumulation():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 5, 16, generator=g) * 3
+    k = torch.randn(1, 2, 7, 16, generator=g) * 3
+    inp = prepare_inputs(q, k, scale="auto")
+    block = next(score_blocks(inp, 1000, torch.device("cpu"), start_audit(inp)))
+    s16, before, after = block.in_dtype(torch.float16)
+    # numpy: round q, k to fp16, multiply-accumulate in float32, round to fp16, scale in fp16.
+    qn = q.numpy().astype(np.float16).astype(np.float32)
+    kn = k.numpy().astype(np.float16).astype(np.float32)
+    expected = (np.matmul(qn, np.swapaxes(kn, -1, -2)).astype(np.float16) * np.float16(0.25)).astype(np.float16)
+    assert np.array_equal(s16.numpy(), expected.reshape(-1, 7))
+    assert after == []
+
+
+def test_grouped_query_attention_repeats_kv_heads():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 3, 8, generator=g)
+    k = torch.randn(2, 2, 5, 8, generator=g)
+    inp = prepare_inputs(q, k)
+    block = next(score_blocks(inp, 1000, torch.device("cpu"), start_audit(inp)))
+    expected = (q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2)) / math.sqrt(8)
+    assert torch.allclose(block.given, expected.reshape(-1, 5), rtol=1e-12)
+    assert inp.score_shape == (2, 4, 3, 5)
+
+
+# --------------------------------------------------------------------------- mask sentinels
+
+
+def negative_scores(b=1, h=1, t=8, d=64):
+    """Every score is q.k/sqrt(d) = -2 x 2 x 64 / 8 = -32."""
+    return torch.full((b, h, t, d), 2.0), torch.full((b, h, t, d), -2.0)
+
+
+def test_opt_style_left_padding_causal_min_mask_in_fp16():
+    # Left padding of 4 plus a causal mask: queries 0..3 may attend to nothing. With
+    # finfo(fp16).min added to a score of -32, -65504 - 32 rounds past 65520 to -inf:
+    # those rows become all -inf, NaN. In fp32 the sentinel holds: a finite uniform row.
+    q, k = negative_scores()
+    assert -FP16_MAX - 32 < -65520
+    d = run(q, k, causal=True, pad_left=[4], mask_value="min")
+    for m in ("stable", "torch"):
+        assert d.cell(m, "fp16").nan_causes == {"mask_sentinel": 4}, m
+        assert d.cell(m, "fp32").nan_rows == 0
+    # naive fp16 also loses rows 4..7: their unmasked scores are all -32 < -17.33, exp flushes to 0.
+    assert d.cell("naive", "fp16").nan_causes == {"mask_sentinel": 4, "underflow": 4}
+    assert d.cell("tiled", "fp16").zero_causes == {"mask_sentinel": 4}
+    assert {"sentinel_overflow_on_add", "fully_masked_rows"} <= codes(d)
+    assert d.census.fully_masked_rows == 4
+    assert d.attention.dtypes["fp16"].mask_sentinel_rows == 4
+    f = next(f for f in d.findings if f.code == "fully_masked_rows")
+    assert "finite uniform row" in f.message and "FlashAttention" in f.message
+
+
+def test_two_summed_min_planes_overflow():
+    # A float padding mask of finfo(fp16).min on keys 0..3 plus a causal plane of the same
+    # value: where both mask a key (key < 4 and key > query), min + min = -inf in fp16.
+    q, k = torch.zeros(1, 1, 6, 16), torch.zeros(1, 1, 6, 16)
+    pad = torch.zeros(1, 1, 1, 6)
+    pad[..., :4] = torch.finfo(torch.float16).min
+    d = run(q, k, pad, causal=True, mask_value="min", dtypes=("fp16",))
+    expected = sum(1 for qi in range(6) for key in range(6) if key < 4 and key > qi)
+    assert d.attention.dtypes["fp16"].summed_planes_overflow == expected == 6
+    assert "summed_mask_planes" in codes(d)
+
+
+def test_minus_1e9_is_not_representable_in_fp16():
+    q, k = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+    d = run(q, k, causal=True, mask_value="-1e9")
+    assert d.attention.dtypes["fp16"].sentinel_not_representable
+    assert not d.attention.dtypes["fp32"].sentinel_not_representable
+    f = next(f for f in d.findings if f.code == "sentinel_not_representable")
+    assert "fp16" in f.message and "-1e9" in f.message.replace("-1000000000.0", "-1e9")
+
+
+def test_minus_1e4_mask_leaks():
+    # Unscaled scores: the masked key's score is 1e4 + 3, the others 0. Adding -1e4 leaves
+    # 3, so the float64 softmax gives it e^3 / (e^3 + 3) of the mass.
+    q = torch.zeros(1, 1, 1, 2)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 4, 2)
+    k[0, 0, 0, 0] = 1e4 + 3
+    mask = torch.tensor([False, True, True, True])  # True = attend: key 0 is masked
+    d = run(q, k, mask, scale="none", mask_value="-1e4", dtypes=("fp32",))
+    assert "mask_leak" in codes(d)
+    assert d.attention.leak_max == pytest.approx(math.exp(3) / (math.exp(3) + 3), rel=1e-9)
+    clean = run(q, k, mask, scale="none", mask_value="-inf", dtypes=("fp32",))
+    assert "mask_leak" not in codes(clean) and clean.attention.leak_max == 0
+
+
+@pytest.mark.parametrize("convention", ["attend", "ignore"])
+def test_fully_masked_padding_rows_under_each_convention(convention):
+    q, k = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 3, 8)
+    attend = torch.ones(2, 1, 3, 3, dtype=torch.bool)
+    attend[1, :, 2, :] = False  # batch 1, query 2: a padding query that may attend to nothing
+    mask = attend if convention == "attend" else ~attend
+    d = run(q, k, mask, mask_convention=convention, dtypes=("fp32",))
+    assert d.cell("stable", "fp32").nan_causes == {"fully_masked": 1}
+    assert d.cell("naive", "fp32").nan_causes == {"fully_masked": 1}
+    assert d.cell("tiled", "fp32").zero_causes == {"fully_masked": 1}
+    assert d.cell("stable", "fp32").examples["nan:fully_masked"] == [(1, 0, 2)]
+    finite = run(q, k, mask, mask_convention=convention, mask_value="min", dtypes=("fp32",))
+    assert finite.cell("stable", "fp32").nan_rows == 0  # finfo.min: a finite uniform row
+
+
+def test_causal_matches_sdpa_is_causal_alignment():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 1, 3, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 1, 5, 4, generator=g, dtype=torch.float64)
+    v = torch.eye(5, dtype=torch.float64).reshape(1, 1, 5, 5)  # output = attention probabilities
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    inp = prepare_inputs(q, k, causal=True)
+    block = next(score_blocks(inp, 100, torch.device("cpu"), start_audit(inp)))
+    ours = torch.softmax(block.given, dim=-1)
+    assert torch.allclose(ours, expected.reshape(3, 5), atol=1e-12)
+
+
+def test_float_mask_of_zeros_and_ones_is_flagged():
+    q, k = torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8)
+    d = run(q, k, torch.tensor([1.0, 1.0, 0.0]), dtypes=("fp32",))
+    assert "float_mask_looks_boolean" in codes(d)
+
+
+# --------------------------------------------------------------------------- scale
+
+
+def iid_qk(d, rows=64, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 2, rows, d, generator=g), torch.randn(1, 2, rows, d, generator=g)
+
+
+def test_missing_scale_at_d_256():
+    q, k = iid_qk(256)
+    assert "missing_scale" in codes(run(q, k, scale="none", dtypes=("fp32",)))
+    assert not {"missing_scale", "double_scale"} & codes(run(q, k, scale="auto", dtypes=("fp32",)))
+    assert "double_scale" in codes(run(q, k, scale="dk", dtypes=("fp32",)))
+
+
+def test_scale_mismatch_fits_the_scale_of_given_scores():
+    q, k = iid_qk(64)
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(64 * 2)  # divided by sqrt(d_model)
+    d = diagnose_attention("s", prepare_inputs(q, k), Options(dtypes=("fp32",), methods=("stable",)), scores=scores.float())
+    assert d.attention.fitted_scale == pytest.approx(1 / math.sqrt(128), rel=1e-5)
+    f = next(f for f in d.findings if f.code == "scale_mismatch")
+    assert "1/sqrt(d_model)" in f.message
+    right = (q.double() @ k.double().transpose(-1, -2)) / 8
+    ok = diagnose_attention("s", prepare_inputs(q, k), Options(dtypes=("fp32",), methods=("stable",)), scores=right.float())
+    assert "scale_mismatch" not in codes(ok)
+
+
+def test_fitted_scale_reads_the_scores_in_row_blocks():
+    """Blocks of 3 rows (not dividing 8 queries per head), GQA, a masked and a noisy score:
+    the fit equals least squares over every usable score, computed here in one go."""
+    from attncheck.loaders import memory_source
+    from attncheck.numerics.scores import fit_scale
+
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(2, 4, 8, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
+    raw = q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2)  # (2, 4, 8, 5)
+    scores = raw * 0.3 + 0.01 * torch.randn(raw.shape, generator=g, dtype=torch.float64)
+    scores[0, 1, 2, 3] = -1e9  # a mask sentinel: left out of the fit
+    scores[1, 3, 7, 0] = float("-inf")
+    use = torch.isfinite(scores) & (scores > -1e4)
+    want = float((scores[use] * raw[use]).sum() / (raw[use] ** 2).sum())
+    inputs = prepare_inputs(q, k)
+    for rows in (1, 3, 8, 64):
+        assert fit_scale(memory_source("s", scores), inputs, rows) == pytest.approx(want, rel=1e-13), rows
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "q_shape,k_shape,mask,message",
+    [
+        ((1, 2, 4, 8), (1, 2, 4, 16), None, "q and k have different head dims"),
+        ((1, 3, 4, 8), (1, 2, 4, 8), None, "k has 2 heads, which does not divide q's 3 heads"),
+        ((1, 2, 4, 8), (1, 2, 4, 8), torch.ones(3, 5, dtype=torch.bool), r"mask of shape \(3, 5\) does not broadcast"),
+        ((1, 2, 4, 8), (1, 2, 4, 8), torch.ones(4, 4, dtype=torch.int64), "mask has dtype int64; use a boolean mask"),
+    ],
+)
+def test_bad_inputs(q_shape, k_shape, mask, message):
+    with pytest.raises(AttncheckError, match=message):
+        prepare_inputs(torch.zeros(q_shape), torch.zeros(k_shape), mask)
+
+
+def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
+    q, k = outlier_qk()
+    torch.save({"q": q, "k": k, "k16": torch.zeros(1, 1, 8, 16)}, tmp_path / "qk.pt")
+    torch.save(torch.ones(8, 8, dtype=torch.int64), tmp_path / "intmask.pt")
+    p = tmp_path / "qk.pt"
+    r = runner.invoke(app, ["run", "--q", f"{p}:q", "--k", f"{p}:k", "--dtype", "fp16", "--fail-on", "qk_overflow", "--brief"])
+    assert r.exit_code == 1, r.output
+    assert "qk_overflow" in r.stdout
+    r = runner.invoke(app, ["run", "--q", f"{p}:q", "--k", f"{p}:k", "--dtype", "fp16", "--scale-order", "q", "--method", "stable,tiled,torch", "--fail-on", "nan,qk_overflow", "--brief"])
+    assert r.exit_code == 0, r.output
+    for args, line in [
+        (["--q", f"{p}:q", "--k", f"{p}:k16"], "q and k have different head dims: q (1, 1, 8, 64) has d = 64, k (1, 1, 8, 16) has d = 16"),
+        (["--q", f"{p}:q"], "--q and --k go together: give both"),
+        (["--causal", str(p)], "--mask, --causal and --pad-left/--pad-right apply to scores computed from --q and --k"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--mask", str(tmp_path / "intmask.pt")], "mask has dtype int64; use a boolean mask (True = attend; --mask-convention ignore for True = masked) or an additive float mask"),
+        (["--q", str(p), "--k", f"{p}:k"], f"--q {p} selects 3 tensors ({p}:q, {p}:k, {p}:k16); pick one with --q PATH:KEY"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--scale", "fast"], "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'fast'"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "5"], "--mask-value must be negative (a mask lowers the masked scores), got '5'"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--pad-left", "2,x"], "--pad-left: 'x' is not a non-negative integer (give one length per batch element, e.g. 3,0)"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--pad-left", "2,1"], "--pad-left gives 2 lengths for a batch of 1"),
+    ]:
+        r = runner.invoke(app, ["run", *args])
+        assert r.exit_code == 2, (args, r.output)
+        assert r.stderr.strip() == f"attncheck: error: {line}", args

@@ -1,0 +1,190 @@
+"""attncheck.findings on hand-made results: no tensors, no torch. Each code fires on its
+condition (and only then), with its severity, its fix and the numbers that explain it."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from attncheck.config.run import Options
+from attncheck.findings import FIX, SEVERITY, failed_conditions, findings_for
+from attncheck.results import (
+    AttentionAudit,
+    Cell,
+    Census,
+    Distribution,
+    DtypeAudit,
+    DtypeHeadroom,
+    DtypeLimits,
+    TensorDiagnosis,
+)
+
+# fp16 and fp32 limits as torch.finfo gives them (tests/numerics/test_precision.py checks the derivation).
+LIMITS = {
+    "fp16": DtypeLimits("fp16", 65504.0, 2**-14, 2**-24, 2**-10, 65520.0, "inf", math.log(65520.0), math.log(2**-25)),
+    "fp32": DtypeLimits("fp32", 3.4028234663852886e38, 2**-126, 2**-149, 2**-23, 3.4028235677973366e38, "inf", 88.72283935546875, math.log(2**-150)),
+}
+
+
+def cell(method: str, dtype: str = "fp16", **changes) -> Cell:
+    healthy = Cell(method=method, dtype=dtype, rows=64, nan_rows=0, nan_causes={}, overflow_rows=0, underflow_rows=0, zero_rows=0,
+                   zero_causes={}, compared_rows=64, max_abs_err=1e-3, rmse=1e-4, max_abs_err_algo=5e-4, rmse_algo=5e-5,
+                   max_row_sum_err=1e-3, kl_mean=1e-6, kl_max=1e-5, flushed_frac=0.0, argmax_flips=0)
+    return replace(healthy, **changes)
+
+
+def headroom(dtype: str = "fp16", **changes) -> DtypeHeadroom:
+    lim = LIMITS[dtype]
+    h = DtypeHeadroom(dtype=dtype, max_finite=lim.max, exp_overflow_threshold=lim.exp_overflow, exp_underflow_threshold=lim.exp_underflow,
+                      headroom=5.0, rows_over_exp_threshold=0, rows_all_underflow=0, rows_spread_beyond_underflow=0, cast_posinf_values=0,
+                      cast_neginf_values=0, cast_overflow_rows=0, cast_overflow_examples=[])
+    return replace(h, **changes)
+
+
+def diagnosis(cells=None, census=None, attention=None, distribution=None, dtypes=("fp16",)) -> TensorDiagnosis:
+    census = census or Census(shape=(2, 32, 16), dtype="fp32", rows=64, keys=16, finite=1024, min=-3.0, max=6.0, mean=0.0, std=1.0,
+                              nan=0, posinf=0, neginf=0, masked=0, sentinels=[], fully_masked_rows=0, neginf_rows=0,
+                              nan_input_rows=0, posinf_input_rows=0, headroom=[headroom(d) for d in dtypes])
+    distribution = distribution or Distribution(rows=64, entropy_mean=2.0, entropy_min=1.0, entropy_max=2.7, entropy_norm_mean=0.7,
+                                                max_prob_mean=0.3, collapsed_rows=0, collapsed_frac=0.0, collapse_threshold=0.99,
+                                                jacobian_norm_mean=0.3)
+    cells = cells if cells is not None else [cell(m, d) for m in ("naive", "stable", "tiled", "torch") for d in dtypes]
+    d = TensorDiagnosis("t", (2, 32, 16), "fp32", census, distribution, cells, [], Options(dtypes=dtypes), attention,
+                        limits={name: LIMITS[name] for name in dtypes})
+    d.findings = findings_for(d)
+    return d
+
+
+def audit(**changes) -> AttentionAudit:
+    a = AttentionAudit(d=64, heads=4, kv_heads=4, scale=0.125, scale_name="auto", scale_order="scores", mask_value="-inf",
+                       q_std=1.0, k_std=1.0, q_max_abs=4.0, k_max_abs=4.0, float_mask_looks_boolean=False, raw_max_abs=30.0,
+                       scores_std=1.0, dtypes={"fp16": DtypeAudit("fp16")})
+    return replace(a, **changes)
+
+
+def only(d: TensorDiagnosis, code: str):
+    hits = [f for f in d.findings if f.code == code]
+    assert len(hits) == 1, [f.code for f in d.findings]
+    f = hits[0]
+    assert f.fix == FIX[code] and f.severity == SEVERITY[code]
+    return f
+
+
+def test_healthy_results_have_no_findings():
+    assert diagnosis().findings == []
+    assert diagnosis(attention=audit()).findings == []
+
+
+def test_input_nan_and_inf_input_name_rows_values_and_cells():
+    census = replace(diagnosis().census, nan=3, nan_input_rows=2, posinf=1, posinf_input_rows=1)
+    cells = [cell("naive", nan_rows=3, nan_causes={"input_nan": 2, "inf_input": 1}, examples={"nan:input_nan": [(0, 1)], "nan:inf_input": [(1, 4)]})]
+    d = diagnosis(cells, census)
+    f = only(d, "input_nan")
+    assert f.rows == 2 and f.cells == ["naive/fp16"] and f.examples == [(0, 1)] and "(3 value(s))" in f.message
+    g = only(d, "inf_input")
+    assert g.rows == 1 and g.examples == [(1, 4)] and "(1 value(s))" in g.message
+
+
+def test_fully_masked_rows_says_what_each_cell_returns():
+    census = replace(diagnosis().census, fully_masked_rows=4, neginf_rows=4)
+    cells = [cell("naive", nan_rows=4, nan_causes={"fully_masked": 4}), cell("tiled", zero_rows=4, zero_causes={"fully_masked": 4})]
+    f = only(diagnosis(cells, census), "fully_masked_rows")
+    assert f.rows == 4 and f.cells == ["naive/fp16", "tiled/fp16"]
+    assert "4 all -inf" in f.message and "NaN in naive" in f.message and "zeros in tiled" in f.message
+
+
+def test_cast_overflow_and_an_unrepresentable_sentinel():
+    h = headroom(cast_posinf_values=3, cast_neginf_values=0, cast_overflow_rows=1, cast_overflow_examples=[70000.0])
+    census = replace(diagnosis().census, headroom=[h])
+    cells = [cell("naive", nan_rows=1, nan_causes={"cast_overflow": 1})]
+    f = only(diagnosis(cells, census), "cast_overflow")
+    assert "turns 3 finite score(s) into +-inf" in f.message and "e.g. 7e+04" in f.message and f.rows == 1
+
+    h = headroom(cast_neginf_values=10, cast_overflow_examples=[-1e9])
+    census = replace(diagnosis().census, headroom=[h])
+    f = only(diagnosis(None, census), "sentinel_not_representable")
+    assert "mask value -1e+09 is not representable in fp16 (max 65504)" in f.message and f.severity == "warning"
+
+
+def test_exp_overflow_versus_sum_overflow():
+    d = diagnosis([cell("naive", nan_rows=5, overflow_rows=5, nan_causes={"exp_overflow": 5}, examples={"overflow": [(0, 3)]})])
+    f = only(d, "exp_overflow")
+    assert f.rows == 5 and f.examples == [(0, 3)] and "exp(x) = inf for x > 11.09" in f.message
+    d = diagnosis([cell("stable", overflow_rows=2, zero_rows=2, zero_causes={"exp_overflow": 2})])
+    f = only(d, "sum_overflow")
+    assert f.rows == 2 and "2 all-zero row(s)" in f.message
+
+
+def test_underflow_zero_rows_and_unexplained_nan():
+    d = diagnosis([cell("naive", nan_rows=3, underflow_rows=3, nan_causes={"underflow": 3})])
+    assert "all scores below -17.33" in only(d, "underflow").message
+    d = diagnosis([cell("naive", zero_rows=2, zero_causes={"unexplained": 2})])
+    assert only(d, "zero_rows").rows == 2
+    d = diagnosis([cell("naive", nan_rows=1, nan_causes={"unexplained": 1})])
+    assert only(d, "unexplained_nan").rows == 1
+
+
+def test_accuracy_findings():
+    d = diagnosis([cell("stable", argmax_flips=3, examples={"flip": [(1, 2)]}), cell("torch")])
+    assert only(d, "argmax_flip").rows == 3
+    # FlashAttention's rule: more than 2x the same-dtype torch.softmax's error against float64 of the cast scores.
+    d = diagnosis([cell("stable", max_abs_err_algo=3e-3), cell("tiled", max_abs_err_algo=1.9e-3), cell("torch", max_abs_err_algo=1e-3)])
+    f = only(d, "worse_than_torch")
+    assert "stable/fp16 3.0x" in f.message and "tiled" not in f.message
+    d = diagnosis([cell("tiled", flushed_frac=0.05)])
+    assert "tiled/fp16 (5.0%)" in only(d, "probability_flush").message
+    dist = replace(diagnosis().distribution, collapsed_rows=60, collapsed_frac=60 / 64)
+    assert only(diagnosis(distribution=dist), "entropy_collapse").rows == 60
+
+
+def test_qk_overflow_says_whether_scaling_q_first_helps():
+    a = audit(raw_max_abs=220_000.0, q_max_abs=72.0, dtypes={"fp16": DtypeAudit("fp16", qk_overflow_values=3, qk_overflow_rows=2)})
+    cells = [cell("stable", nan_rows=2, nan_causes={"qk_overflow": 2})]
+    f = only(diagnosis(cells, attention=a), "qk_overflow")
+    # 220000 * 0.125 = 27500 < 65520: scaling q first keeps the scores in range.
+    assert "scaling q first (--scale-order q) would avoid it" in f.message and f.rows == 2
+    a = replace(a, raw_max_abs=1e6)  # 125000 > 65520 even scaled first
+    assert "would not avoid it" in only(diagnosis(cells, attention=a), "qk_overflow").message
+
+
+def test_mask_findings():
+    a = audit(dtypes={"fp16": DtypeAudit("fp16", overflow_on_add=6, sentinel_value=-65504.0, summed_planes_overflow=4)})
+    d = diagnosis(attention=a)
+    assert "at 6 position(s)" in only(d, "sentinel_overflow_on_add").message
+    assert "at 4 position(s)" in only(d, "summed_mask_planes").message
+    d = diagnosis(attention=audit(leak_rows=5, leak_max=0.87, mask_value="-10000.0"))
+    assert "up to 0.87" in only(d, "mask_leak").message
+    assert only(diagnosis(attention=audit(float_mask_looks_boolean=True)), "float_mask_looks_boolean")
+
+
+def test_scale_findings():
+    assert "look unscaled" in only(diagnosis(attention=audit(scores_std=8.0)), "missing_scale").message
+    assert "scaled twice" in only(diagnosis(attention=audit(scores_std=0.125)), "double_scale").message
+    f = only(diagnosis(attention=audit(fitted_scale=1 / math.sqrt(256))), "scale_mismatch")
+    assert "closest to 1/sqrt(d_model)" in f.message
+
+
+def test_fail_on_conditions_read_the_same_results():
+    d = diagnosis([cell("naive", nan_rows=5, overflow_rows=5, nan_causes={"exp_overflow": 5})])
+    assert failed_conditions([d], ["nan", "overflow", "error", "flip", "exp_overflow"]) == [
+        "nan: t: naive/fp16", "overflow: t: naive/fp16", "error: t: exp_overflow", "exp_overflow: t: exp_overflow"]
+
+
+def test_every_severity_has_a_fix():
+    assert set(SEVERITY) == set(FIX)
+
+
+def test_findings_import_no_torch():
+    code = "import sys, attncheck.findings, attncheck.results; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("code", sorted(FIX))
+def test_every_code_is_documented_in_the_readme(code):
+    from pathlib import Path
+
+    assert f"`{code}`" in (Path(__file__).resolve().parents[1] / "README.md").read_text()

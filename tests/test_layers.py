@@ -1,0 +1,95 @@
+"""The layers stay apart: which modules import torch, and which layer may import which.
+
+loaders (files -> tensors), numerics (tensors -> results), report (results -> tables,
+JSON), cli (commands), pipelines (each command as a library call); registry, params,
+results, findings and config are free of torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "attncheck"
+
+TORCH_FREE = [
+    "attncheck", "attncheck.errors", "attncheck.format", "attncheck.registry", "attncheck.params", "attncheck.results", "attncheck.findings",
+    "attncheck.config.run", "attncheck.config.sweep", "attncheck.config.check", "attncheck.testing",
+    "attncheck.report.run", "attncheck.report.sweep", "attncheck.report.check", "attncheck.report.progress",
+    "attncheck.cli", "attncheck.cli.common", "attncheck.cli.options", "attncheck.cli.run", "attncheck.cli.sweep", "attncheck.cli.check",
+    "attncheck.numerics", "attncheck.numerics.theory", "attncheck.pipelines",
+]
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_module_imports_no_torch(module):
+    """Each in a fresh interpreter: importing it must not import torch (or numpy)."""
+    code = f"import sys, {module}; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"], module
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every attncheck module a file imports, at any depth (function-level imports too)."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("attncheck"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("attncheck"))
+    return found
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+# layer -> layers it must never import (a lazy import inside a function counts too)
+FORBIDDEN = {
+    "loaders": {"report", "cli", "pipelines", "config", "findings"},
+    "numerics": {"report", "cli", "pipelines"},
+    "report": {"loaders", "cli", "pipelines"},
+    "config": {"numerics", "loaders", "report", "cli", "pipelines"},
+    "results": {"numerics", "loaders", "report", "cli", "pipelines", "findings"},
+    "findings": {"numerics", "loaders", "report", "cli", "pipelines"},
+    "registry": {"numerics", "loaders", "report", "cli", "pipelines", "config", "results", "findings", "params"},
+    "params": {"numerics", "loaders", "report", "cli", "pipelines", "config", "results", "findings"},
+    "pipelines": {"cli", "report"},
+}
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_layers_import_only_downwards(path):
+    module = "attncheck." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+    layer = layer_of(module)
+    bad = FORBIDDEN.get(layer, set())
+    wrong = sorted(m for m in imports_of(path) if layer_of(m) in bad)
+    if layer == "report":  # the sweep report shows the theory beside the measurements (pure math, no torch)
+        wrong = [m for m in wrong if not m.startswith("attncheck.numerics.theory")]
+    if layer == "numerics" or layer == "loaders":
+        wrong = [m for m in wrong if m != "attncheck.config.run" and not m.startswith("attncheck.config.run.")]
+    assert not wrong, f"{module} ({layer}) imports {wrong}"
+
+
+def test_numerics_never_print_or_read_paths():
+    for path in (PACKAGE / "numerics").rglob("*.py"):
+        text = path.read_text()
+        assert "print(" not in text and "import typer" not in text and "from rich" not in text, path
+
+
+def test_help_and_argument_errors_import_no_torch():
+    code = (
+        "import sys\nfrom typer.testing import CliRunner\nfrom attncheck.cli import app\n"
+        "r = CliRunner().invoke(app, ['run', '--dtype', 'fp8', 'x.npy'])\n"
+        "h = CliRunner().invoke(app, ['sweep', '--help'])\n"
+        "print(r.exit_code, h.exit_code, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["2", "0", "False"]
