@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from attncheck.errors import AttncheckError
-from attncheck.registry import DTYPES, METHODS, Registry, cell_dtype
+from attncheck.registry import DTYPES, METHODS, PATHS, Registry, cell_dtype
 
 # Defaults, each defined once.
 DEFAULT_BLOCK = 128  # key block of the tiled method (FlashAttention's kBlockN for d <= 128)
@@ -77,6 +77,10 @@ def methods(value: Any, param: str = "methods") -> tuple[str, ...]:
     return names(value, METHODS, param)
 
 
+def paths(value: Any, param: str = "paths") -> tuple[str, ...]:
+    return names(value, PATHS, param)
+
+
 def choice(value: Any, allowed: Iterable[str], param: str) -> str:
     allowed = tuple(allowed)
     if not isinstance(value, str) or value.strip().lower() not in allowed:
@@ -110,6 +114,14 @@ def number(value: Any, param: str, *, positive: bool = False, from_text: bool = 
     ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and (v > 0 if positive else v >= 0)
     if not ok:
         raise AttncheckError(f"must be a number {'> 0' if positive else '>= 0'}, got {shown}", param=param)
+    return float(v)
+
+
+def cosine(value: Any, param: str, *, from_text: bool = True) -> float:
+    """A cosine similarity: a number in [-1, 1]."""
+    v, shown = _typed(value, float, from_text)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not -1.0 <= v <= 1.0:
+        raise AttncheckError(f"is a cosine similarity: a number between -1 and 1, got {shown}", param=param)
     return float(v)
 
 

@@ -58,6 +58,7 @@ class MethodSpec:
     path: str = "scores"  # the score tensor it consumes: the scores of the cell's dtype
     fused: bool = True  # the fused CPU kernel computes its metrics (else the torch row backend)
     aliases: tuple[str, ...] = ()
+    eager: bool = True  # with Q and K given, it can be the softmax of the eager path (tiled is the flash path's)
 
     def __post_init__(self) -> None:
         if self.output not in ("dtype", "fp32"):
@@ -67,14 +68,18 @@ class MethodSpec:
             raise ValueError(f"method {self.name}: unknown events {unknown} (known: {', '.join(EVENTS)})")
 
     def function(self) -> Callable:
-        """The implementation, imported on first use."""
-        if callable(self.impl):
-            return self.impl
-        module, _, name = self.impl.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return resolve(self.impl)
 
 
-S = TypeVar("S", DtypeSpec, MethodSpec)
+def resolve(impl: Impl) -> Callable:
+    """An implementation given as the function or as 'module:function', imported on first use."""
+    if callable(impl):
+        return impl
+    module, _, name = impl.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+S = TypeVar("S")
 
 
 class Registry(Generic[S]):
@@ -157,11 +162,51 @@ for _spec in (
     MethodSpec("stable", "z = x - max(x); exp(z) / sum(exp(z)) in the dtype", "attncheck.numerics.softmax:stable_method",
                events=("exp_overflow",)),
     MethodSpec("tiled", "FlashAttention's online softmax over key blocks, running max and sum in fp32",
-               "attncheck.numerics.softmax:tiled_method", output="fp32", aliases=("online",)),
+               "attncheck.numerics.softmax:tiled_method", output="fp32", aliases=("online",), eager=False),
     MethodSpec("torch", "torch.softmax on the dtype (fp32 inside)", "attncheck.numerics.softmax:torch_method"),
 ):
     METHODS.register(_spec)
 del _spec
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    """An attention implementation from Q, K (and V) to P and O = P@V, with its rounding points.
+
+    ``methods``: the softmax methods it runs (the eager path runs the chosen ones); empty
+    when the path has its own (sdpa-math: torch's _safe_softmax in fp32; flash: the
+    online softmax). ``impl`` computes one block of rows; see ``attncheck.numerics.paths``.
+    """
+
+    name: str
+    summary: str
+    impl: Impl = field(repr=False)
+    runs_methods: bool = False  # True: cells are (path, method) for the chosen eager methods
+    aliases: tuple[str, ...] = ()
+    default: bool = True  # in the default set of Q/K mode
+    scores_in: str = "the dtype"  # where S = Q@K^T lives: says why a path does or does not overflow
+
+    def function(self) -> Callable:
+        return resolve(self.impl)
+
+
+PATHS: Registry[PathSpec] = Registry("path")
+for _path in (
+    PathSpec("eager", "hand-written attention (HF eager): Q@K^T rounded to the dtype, scale and mask in the dtype, "
+             "the chosen softmax, P@V in the dtype", "attncheck.numerics.paths:eager", runs_methods=True),
+    PathSpec("sdpa-math", "PyTorch SDPA's math backend: fp16/bf16 upcast to fp32, q and k scaled by sqrt(scale) each, "
+             "_safe_softmax (zeros for fully masked rows), O cast back to the dtype", "attncheck.numerics.paths:sdpa_math",
+             aliases=("math",), scores_in="fp32, from q and k each scaled by sqrt(scale)"),
+    PathSpec("flash", "FlashAttention-2 forward: S in fp32, online softmax over key blocks, P rounded to the dtype "
+             "before P@V, O in fp32 divided by l at the end, zeros for fully masked rows", "attncheck.numerics.paths:flash",
+             scores_in="fp32 registers"),
+):
+    PATHS.register(_path)
+del _path
+
+
+def path_names(where: Callable[[PathSpec], bool] = lambda spec: True) -> tuple[str, ...]:
+    return PATHS.names(where)
 
 
 def dtype_names() -> tuple[str, ...]:

@@ -130,10 +130,34 @@ class Cell:
     examples: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
     # NaN rows per index of the leading axes but the query axis, e.g. per (batch, head); most first
     nan_rows_by_head: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    # With Q and K: the attention path the cell computes (registry.PATHS); None for given scores.
+    path: str | None = None
+    tied_rows: int = 0  # rows whose largest score is held by two or more keys (each gets exp(0) = 1)
+    # With V: the output O = P@V against float64 (P64 @ V64), over rows where both are finite.
+    out_rows: int | None = None  # rows compared
+    out_nan_rows: int | None = None  # rows of O holding NaN
+    out_max_abs_err: float | None = None
+    out_rmse: float | None = None
+    out_rel_l1: float | None = None  # sum |O - O_ref| / sum |O_ref|
+    out_cos_min: float | None = None  # cosine similarity of a row of O with the reference's
+    out_cos_mean: float | None = None
+    # Bias of the path's own rounding: mean signed error of O against float64 softmax of the
+    # path's scores times V as the dtype holds it (the V cast, shared by rows, left out).
+    out_bias: float | None = None  # over all rows
+    out_bias_tied: float | None = None  # over rows whose maximum score is shared by several keys
+    out_bias_tied_z: float | None = None  # that mean in standard errors, the rows as samples (|z| > 4: biased)
 
     @property
     def name(self) -> str:
+        """'stable/fp16'; with Q and K: 'eager:stable/fp16', 'flash/fp16'."""
+        if self.path and self.path != self.method:
+            return f"{self.path}:{self.method}/{self.dtype}"
         return f"{self.method}/{self.dtype}"
+
+    @property
+    def label(self) -> str:
+        """The cell without its dtype: 'stable', 'eager:stable', 'flash'."""
+        return self.name.rsplit("/", 1)[0]
 
     @property
     def verdict(self) -> str:
@@ -216,11 +240,12 @@ class TensorDiagnosis:
     limits: dict[str, DtypeLimits] = field(default_factory=dict)
     backend: str = ""
 
-    def cell(self, method: str, dtype: str) -> Cell:
+    def cell(self, method: str, dtype: str, path: str | None = None) -> Cell:
+        """The cell of ``method`` (or of a path: 'flash') in ``dtype``; ``path`` narrows it down."""
         for c in self.cells:
-            if c.method == method and c.dtype == dtype:
+            if c.method == method and c.dtype == dtype and (path is None or c.path == path):
                 return c
-        raise KeyError(f"{method}/{dtype}")
+        raise KeyError(f"{method}/{dtype}" if path is None else f"{path}:{method}/{dtype}")
 
 
 @dataclass
@@ -250,6 +275,19 @@ class SweepCell:
 
 
 @dataclass
+class SweepOutput:
+    """One attention path x dtype at one grid point: its output O = P@V against float64."""
+
+    path: str
+    dtype: str
+    rows: int
+    nan_rate: float  # rows of O holding NaN
+    max_abs_err: float | None  # over rows where O is finite
+    rmse: float | None
+    rel_l1: float | None  # sum |O - O_ref| / sum |O_ref|
+
+
+@dataclass
 class SweepPoint:
     dk: int
     scale: str  # as given: 'none', 'sqrt', 'dk', 'dk2' or the number as typed
@@ -270,6 +308,43 @@ class SweepPoint:
     collapsed_rate: float | None  # rows with max probability >= the collapse threshold
     jacobian_norm_collapsed_mean: float | None  # |J| over the collapsed rows only; None if there are none
     cells: list[SweepCell]
+    outputs: list[SweepOutput] = field(default_factory=list)  # per path x dtype, with V drawn like q and k
+
+
+@dataclass
+class PresetRow:
+    """One published figure beside attncheck's measurement of the same thing."""
+
+    label: str  # e.g. 'baseline attention, FP16'
+    cell: str  # the attncheck cell that stands for it, e.g. 'eager:stable/fp16'
+    paper: float
+    measured: float | None
+
+
+@dataclass
+class PresetCheck:
+    """A claim the preset must reproduce (a ratio in a range, a figure within a factor)."""
+
+    claim: str
+    value: float | None
+    low: float
+    high: float
+
+    @property
+    def holds(self) -> bool:
+        return self.value is not None and self.low <= self.value <= self.high
+
+
+@dataclass
+class PresetResult:
+    name: str
+    source: str  # the publication
+    setup: str  # what attncheck ran: distribution, shapes, seed
+    metric: str
+    rows: list[PresetRow]
+    checks: list[PresetCheck]
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0  # not in the JSON report
 
 
 @dataclass
@@ -284,10 +359,18 @@ class SweepResult:
 
 # --------------------------------------------------------------------------- check
 
-COUNT_BUDGETS = ("nan", "overflow", "zero_rows", "argmax_flips")
+PROB_COUNT_BUDGETS = ("nan", "overflow", "zero_rows", "argmax_flips")
+COUNT_BUDGETS = (*PROB_COUNT_BUDGETS, "out_nan")
 ERROR_BUDGETS = ("max_abs_err", "max_abs_err_algo", "rmse", "kl_max")
 RELATIVE_BUDGET = "relative_to_torch"
-BUDGET_NAMES = (*COUNT_BUDGETS, *ERROR_BUDGETS, RELATIVE_BUDGET)
+# On O = P@V (cells that have V): NaN rows, errors against float64 P64 @ V64, the
+# smallest cosine similarity of a row (a lower bound: measured >= limit), and
+# FlashAttention's rule on O's max error against the eager torch.softmax cell.
+OUTPUT_BUDGETS = ("out_nan", "out_max_abs_err", "out_rmse", "out_rel_l1", "out_cos_min", "out_relative_to_torch")
+# FlashAttention's rule: budget -> the Cell field compared with the torch cell's in the same dtype.
+RELATIVE_BUDGETS = {RELATIVE_BUDGET: "max_abs_err_algo", "out_relative_to_torch": "out_max_abs_err"}
+LOWER_BUDGETS = ("out_cos_min",)
+BUDGET_NAMES = (*PROB_COUNT_BUDGETS, *ERROR_BUDGETS, RELATIVE_BUDGET, *OUTPUT_BUDGETS)
 
 
 @dataclass
@@ -299,7 +382,7 @@ class BudgetCheck:
     measured: float | int | None  # the cell's value; None: nothing to measure (see note)
     bound: float | None  # what measured is compared to: limit, or N x torch + atol
     passed: bool
-    reference: float | None = None  # relative_to_torch: torch's max_abs_err_algo in the same dtype
+    reference: float | None = None  # relative budgets: torch's value in the same dtype (max_abs_err_algo, out_max_abs_err)
     atol: float = 0.0  # relative_to_torch_atol
     rows: list[tuple[int, ...]] = field(default_factory=list)  # where it happened (first rows), or the worst row
     note: str = ""  # why measured is None
@@ -309,12 +392,24 @@ class BudgetCheck:
         return self.budget in COUNT_BUDGETS
 
     @property
+    def op(self) -> str:
+        """How measured compares to the bound in words: '<=' when it holds ('>=' for a lower bound), else '>' ('<')."""
+        lower = self.budget in LOWER_BUDGETS
+        if self.passed:
+            return ">=" if lower else "<="
+        return "<" if lower else ">"
+
+    @property
     def worst_row(self) -> tuple[int, ...] | None:
         return self.rows[0] if self.rows else None
 
     @property
+    def is_relative(self) -> bool:
+        return self.budget in RELATIVE_BUDGETS
+
+    @property
     def ratio(self) -> float | None:
-        """relative_to_torch: measured / torch's error (None when torch's is 0 or missing)."""
+        """relative budgets: measured / torch's error (None when torch's is 0 or missing)."""
         if self.reference and self.measured is not None:
             return self.measured / self.reference
         return None

@@ -40,6 +40,7 @@ class Options:
     collapse_threshold: float = params.COLLAPSE_THRESHOLD
     max_examples: int = params.MAX_EXAMPLES
     kernels: str = "auto"
+    paths: tuple[str, ...] = ()  # with Q and K: the attention paths (registry.PATHS); empty: the default set
 
     def __post_init__(self) -> None:
         if isinstance(self.dtypes, str) or isinstance(self.methods, str):
@@ -55,15 +56,19 @@ class Options:
         params.choice(self.kernels, params.KERNELS, "kernels")
         params.integer(self.chunk_elements, "chunk_elements", 1, from_text=False)
         object.__setattr__(self, "device", params.device(self.device))
+        if isinstance(self.paths, str):
+            raise AttncheckError("paths is a tuple of names, e.g. ('flash',)")
+        object.__setattr__(self, "paths", params.paths(list(self.paths)) if self.paths else ())
 
 
 @dataclass(frozen=True)
 class QKSpec:
-    """Scores to compute from Q, K and a mask, as files to read (PATH or PATH:KEY)."""
+    """Scores to compute from Q, K and a mask (and the output with V), as files to read (PATH or PATH:KEY)."""
 
     q: str
     k: str
     mask: str | None = None
+    v: str | None = None
     scale: params.Scale = params.Scale("auto")
     scale_order: str = "scores"
     causal: bool = False

@@ -176,9 +176,88 @@ class DistAcc:
         )
 
 
+class OutAcc:
+    """Errors of a cell's output O = P@V against float64 (P64 @ V64), aggregated over chunks,
+    and the bias of the path's own rounding: the mean signed error of O against float64
+    softmax of the path's scores times V as the dtype holds it, per row, over all rows
+    and over rows whose row maximum is tied."""
+
+    def __init__(self) -> None:
+        self.rows = self.nan_rows = self.elems = self.cos_rows = self.bias_rows = self.tied_bias_rows = 0
+        self.sq, self.abs_err, self.abs_ref, self.cos, self.bias, self.tied_bias, self.tied_bias_sq = (ExactSum() for _ in range(7))
+        self.max_abs, self.neg_cos_min = Max(), Max()
+
+    def update(self, out: torch.Tensor, ref: torch.Tensor, tied: torch.Tensor, ref_algo: torch.Tensor) -> None:
+        """``out`` (r, dv) in the cell's dtype; ``ref`` (r, dv) float64 P64 @ V64 and
+        ``ref_algo`` (r, dv) float64 of the path's scores and V in the dtype (NaN rows where
+        the reference softmax is undefined); ``tied`` (r,) rows whose maximum score is shared."""
+        o = out.to(torch.float64)
+        finite = torch.isfinite(o).all(dim=-1)
+        self.nan_rows += int((~finite).sum())
+        ok = finite & torch.isfinite(ref).all(dim=-1)
+        self._bias(o, ref_algo, finite, tied)
+        o, r = o[ok], ref[ok]  # (k, dv)
+        self.rows += o.shape[0]
+        if not o.shape[0]:
+            return
+        d = o - r
+        self.elems += d.numel()
+        self.max_abs.add(d.abs().amax(dim=-1))
+        self.sq.add((d * d).sum(dim=-1))
+        self.abs_err.add(d.abs().sum(dim=-1))
+        self.abs_ref.add(r.abs().sum(dim=-1))
+        norms = o.norm(dim=-1) * r.norm(dim=-1)
+        has = norms > 0  # a zero row of O against a zero reference has no direction to compare
+        cos = (o * r).sum(dim=-1)[has] / norms[has]
+        self.cos.add(cos)
+        self.neg_cos_min.add(-cos)
+        self.cos_rows += int(has.sum())
+
+    def _bias(self, o: torch.Tensor, ref_algo: torch.Tensor, finite: torch.Tensor, tied: torch.Tensor) -> None:
+        ok = finite & torch.isfinite(ref_algo).all(dim=-1)
+        e = (o[ok] - ref_algo[ok]).mean(dim=-1)  # (k,) each row's mean signed error
+        self.bias.add(e)
+        self.bias_rows += e.shape[0]
+        et = e[tied[ok]]
+        self.tied_bias.add(et)
+        self.tied_bias_sq.add(et * et)
+        self.tied_bias_rows += et.shape[0]
+
+    def fields(self) -> dict:
+        e = self.elems
+        ref_l1 = self.abs_ref.total()
+        n = self.tied_bias_rows
+        return dict(
+            out_rows=self.rows,
+            out_nan_rows=self.nan_rows,
+            out_max_abs_err=self.max_abs.value,
+            out_rmse=math.sqrt(self.sq.total() / e) if e else None,
+            out_rel_l1=self.abs_err.total() / ref_l1 if ref_l1 else None,
+            out_cos_min=None if self.neg_cos_min.value is None else -self.neg_cos_min.value,
+            out_cos_mean=self.cos.total() / self.cos_rows if self.cos_rows else None,
+            out_bias=self.bias.total() / self.bias_rows if self.bias_rows else None,
+            out_bias_tied=self.tied_bias.total() / n if n else None,
+            out_bias_tied_z=self._tied_z(),
+        )
+
+    def _tied_z(self) -> float | None:
+        """The mean signed error of tied rows in standard errors of that mean, the rows taken
+        as the samples (0 for unbiased rounding; None with fewer than 2 such rows)."""
+        n = self.tied_bias_rows
+        if n < 2:
+            return None
+        mean = self.tied_bias.total() / n
+        var = max(self.tied_bias_sq.total() - n * mean * mean, 0.0) / (n - 1)
+        if var == 0:
+            return 0.0 if mean == 0 else math.copysign(math.inf, mean)
+        return mean / math.sqrt(var / n)
+
+
 class CellAcc:
-    def __init__(self, method: str, dtype: str, max_examples: int, heads: tuple[int, ...] = (), queries: int = 1) -> None:
-        self.method, self.dtype = method, dtype
+    def __init__(self, method: str, dtype: str, max_examples: int, heads: tuple[int, ...] = (), queries: int = 1, path: str | None = None) -> None:
+        self.method, self.dtype, self.path = method, dtype, path
+        self.out: OutAcc | None = None  # created with the first output
+        self.tied_rows = 0
         # Rows of a (..., heads..., queries, keys) tensor are grouped by their leading index.
         self.heads, self.queries = heads, queries
         self.nan_by_head = torch.zeros(math.prod(heads) if heads else 0, dtype=torch.int64)
@@ -258,6 +337,12 @@ class CellAcc:
         self.flips += int(flip.sum())
         self.examples.add("flip", flip, c.offset)
 
+    def update_out(self, out: torch.Tensor, ref: torch.Tensor, tied: torch.Tensor, ref_algo: torch.Tensor) -> None:
+        """Add one chunk of this cell's output O (see OutAcc.update)."""
+        if self.out is None:
+            self.out = OutAcc()
+        self.out.update(out, ref, tied, ref_algo)
+
     def finish(self, lead: tuple[int, ...]) -> Cell:
         return Cell(
             method=self.method,
@@ -281,6 +366,9 @@ class CellAcc:
             argmax_flips=self.flips,
             examples=self.examples.unravel(lead),
             nan_rows_by_head=self._top_heads(),
+            path=self.path,
+            tied_rows=self.tied_rows,
+            **({} if self.out is None else self.out.fields()),
         )
 
     def _top_heads(self, k: int = 5) -> list[tuple[tuple[int, ...], int]]:

@@ -23,7 +23,7 @@ from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, s
 from attncheck.numerics.backends.torch_rows import TorchRows
 from attncheck.numerics.precision import check_scores_dtype, dtype_from_name, dtype_label, limits_of
 from attncheck.numerics.softmax import MethodParams
-from attncheck.registry import METHODS
+from attncheck.registry import METHODS, PATHS, path_names
 from attncheck.results import TensorDiagnosis
 
 if TYPE_CHECKING:
@@ -86,14 +86,16 @@ def diagnose_chunks(
     progress: Callable[[int], None] | None = None,
     attention=None,
     notice: Callable[[str], None] | None = None,
+    qk: bool = False,
 ) -> TensorDiagnosis:
     """Diagnose a score tensor that arrives as consecutive (rows, keys) blocks, in row order.
 
-    A block is a (rows, keys) tensor of scores (cast to each dtype), or a
-    ``scores.QKBlock`` that computes its scores per dtype from Q and K. Results do
-    not depend on how the rows are split. ``progress`` is called with the number of
-    rows finished after each block; ``notice`` hears one line when the fused kernels
-    compile for the first time. ``attention`` is the Q/K audit to attach.
+    A block is a (rows, keys) tensor of scores (cast to each dtype), or, with ``qk``, a
+    ``scores.QKBlock`` from which each attention path computes its scores, probabilities
+    and output per dtype. Results do not depend on how the rows are split. ``progress``
+    is called with the number of rows finished after each block; ``notice`` hears one
+    line when the fused kernels compile for the first time. ``attention`` is the Q/K
+    audit to attach.
     """
     options = options or Options()
     device = resolve_device(options.device)
@@ -102,10 +104,10 @@ def diagnose_chunks(
     census = CensusAcc(options.dtypes)
     dist = DistAcc(options.collapse_threshold)
     heads = tuple(shape[:-2]) if len(shape) >= 3 else ()  # (batch, heads, ...) of (..., queries, keys)
-    cells = {(m, d): CellAcc(m, d, options.max_examples, heads, shape[-2] if heads else 1) for d in options.dtypes for m in options.methods}
+    plan = cell_plan(options, qk)
+    cells = {key: CellAcc(key[1], key[2], options.max_examples, heads, shape[-2] if heads else 1, path=key[0]) for key in plan}
     backend = select_backend(options.kernels, device, math.prod(shape), notice)
     plain = TorchRows()  # metrics of methods the fused kernel does not serve
-    specs = [METHODS.get(m) for m in options.methods]
     method_params = MethodParams(block=options.block, reverse=options.reverse, accum=options.accum)
     start = 0
     shift = None
@@ -122,14 +124,10 @@ def diagnose_chunks(
         start += c.x.shape[0]
         census.update(c)
         dist.update(c)
-        for d in options.dtypes:
-            algo, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, backend)
-            causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
-            outs = [_run(spec, algo.xc, method_params) for spec in specs]
-            metrics = _cell_metrics(backend, plain, c, specs, [o.probs for o in outs], algo)  # one pass for the dtype's cells
-            for spec, out, m in zip(specs, outs, metrics):
-                cells[(spec.name, d)].update(c, out.probs, out.events, algo, causes, m)
-            del algo, outs, metrics
+        if qk:
+            _paths_of_chunk(block, c, options, plan, cells, backend, plain, method_params)
+        else:
+            _methods_of_chunk(block, c, options, cells, census, backend, plain, method_params)
         if progress is not None:
             progress(c.x.shape[0])
         del c, x, block  # free this chunk before the next one is read
@@ -142,7 +140,7 @@ def diagnose_chunks(
         dtype=dtype_label(dtype),
         census=census.finish(shape, dtype_label(dtype), rows),
         distribution=dist.finish(),
-        cells=[cells[(m, d)].finish(lead) for m in options.methods for d in options.dtypes],
+        cells=[cells[key].finish(lead) for key in plan],
         findings=[],
         options=options,
         attention=attention,
@@ -153,20 +151,84 @@ def diagnose_chunks(
     return result
 
 
+def cell_plan(options: Options, qk: bool) -> list[tuple[str | None, str, str]]:
+    """The cells, as (path, method, dtype) in report order. Given scores: every method x dtype.
+    With Q and K: every path x dtype, the eager path once per chosen method that can be
+    eager's softmax (tiled is the flash path's)."""
+    if not qk:
+        return [(None, m, d) for m in options.methods for d in options.dtypes]
+    plan = []
+    for p in options.paths or path_names(lambda spec: spec.default):
+        methods = [m for m in options.methods if METHODS.get(m).eager] if PATHS.get(p).runs_methods else [p]
+        plan += [(p, m, d) for m in methods for d in options.dtypes]
+    return plan
+
+
+def _methods_of_chunk(block, c: ChunkFacts, options: Options, cells, census, backend, plain, method_params) -> None:
+    """Given scores: each dtype's cast, and every method on it."""
+    specs = [METHODS.get(m) for m in options.methods]
+    for d in options.dtypes:
+        algo, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, backend)
+        causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
+        outs = [_run(spec, algo.xc, method_params) for spec in specs]
+        metrics = _cell_metrics(backend, plain, c, [s.fused for s in specs], [o.probs for o in outs], algo)  # one pass for the dtype's cells
+        for spec, out, m in zip(specs, outs, metrics):
+            cells[(None, spec.name, d)].update(c, out.probs, out.events, algo, causes, m)
+
+
+def _paths_of_chunk(block: "QKBlock", c: ChunkFacts, options: Options, plan, cells, backend, plain, method_params) -> None:
+    """With Q and K: every path in every dtype computes its scores, probabilities and output."""
+    out_ref = None if block.v is None else block.reference_out(c.ref)  # (r, dv) float64: P64 @ V64
+    paths = list(dict.fromkeys(p for p, _, _ in plan))
+    for d in options.dtypes:
+        dt = dtype_from_name(d)
+        if "eager" not in paths:
+            block.in_dtype(dt)  # the Q/K pipeline audit describes the eager scores in every dtype
+        for p in paths:
+            methods = [m for (pp, m, dd) in plan if pp == p and dd == d]
+            pb = PATHS.get(p).function()(block, dt, methods, method_params)
+            algo = backend.algo_reference(pb.scores)
+            causes = [("input_nan", c.nan), ("inf_input", c.posinf), *pb.before, ("fully_masked", c.all_masked), *pb.after]
+            for m, out in pb.cells:
+                _check_output(m, out, dt if p == "eager" and METHODS.get(m).output == "dtype" else torch.float32, pb.scores.shape)
+            fused = [METHODS.get(m).fused if p == "eager" else True for m, _ in pb.cells]
+            metrics = _cell_metrics(backend, plain, c, fused, [o.probs for _, o in pb.cells], algo)
+            tied = out_algo = None
+            if out_ref is not None:
+                tied = _tied_rows(pb.scores)
+                # The path's own rounding: float64 softmax of its scores times V as the dtype holds it.
+                out_algo = block.reference_out(torch.where(algo.ok[:, None], algo.ref, torch.nan), dt)
+            for (m, out), met in zip(pb.cells, metrics):
+                acc = cells[(p, m, d)]
+                acc.update(c, out.probs, out.events, algo, causes, met)
+                if out.out is not None:
+                    acc.update_out(out.out, out_ref, tied, out_algo)
+                    acc.tied_rows += int(tied.sum())
+
+
+def _tied_rows(s: torch.Tensor) -> torch.Tensor:
+    """(r,) rows whose largest (finite) score is held by two or more keys."""
+    top = s.amax(dim=-1, keepdim=True)
+    return ((s == top).sum(dim=-1) >= 2) & torch.isfinite(top.squeeze(-1))
+
+
+def _check_output(name: str, out, want: torch.dtype, shape) -> None:
+    if out.probs.dtype != want or tuple(out.probs.shape) != tuple(shape):
+        raise TypeError(f"method {name} returned {out.probs.dtype} {tuple(out.probs.shape)}; its registry entry promises {want} {tuple(shape)}")
+
+
 def _run(spec, xc: torch.Tensor, method_params: MethodParams):
     """One registered method on the cast scores, its output dtype checked against the registry."""
     out = spec.function()(xc, method_params)
-    want = xc.dtype if spec.output == "dtype" else torch.float32
-    if out.probs.dtype != want or out.probs.shape != xc.shape:
-        raise TypeError(f"method {spec.name} returned {out.probs.dtype} {tuple(out.probs.shape)}; its registry entry promises {want} {tuple(xc.shape)}")
+    _check_output(spec.name, out, xc.dtype if spec.output == "dtype" else torch.float32, xc.shape)
     return out
 
 
-def _cell_metrics(backend: RowBackend, plain: TorchRows, c: ChunkFacts, specs, probs, algo: AlgoReference):
+def _cell_metrics(backend: RowBackend, plain: TorchRows, c: ChunkFacts, fused: list[bool], probs, algo: AlgoReference):
     """Row metrics of each cell: the backend's, except for methods the fused kernel does not serve."""
-    served = [i for i, spec in enumerate(specs) if spec.fused or backend is plain]
-    rest = [i for i in range(len(specs)) if i not in served]
-    out = [None] * len(specs)
+    served = [i for i, f in enumerate(fused) if f or backend is plain]
+    rest = [i for i in range(len(fused)) if i not in served]
+    out = [None] * len(fused)
     for group, b in ((served, backend), (rest, plain)):
         if group:
             for i, m in zip(group, b.cell_metrics(c, [probs[i] for i in group], algo)):
@@ -238,4 +300,4 @@ def diagnose_attention(
         return diagnose_chunks(name, source.shape, source.dtype, source.row_blocks(step), options, progress, attention=audit, notice=notice)
     step = rows_per_chunk(inputs.k.shape[2], options)
     blocks: Iterable[QKBlock] = score_blocks(inputs, step, resolve_device(options.device), audit)
-    return diagnose_chunks(name, inputs.score_shape, inputs.q.dtype, blocks, options, progress, attention=audit, notice=notice)
+    return diagnose_chunks(name, inputs.score_shape, inputs.q.dtype, blocks, options, progress, attention=audit, notice=notice, qk=True)

@@ -1,8 +1,10 @@
 """Q, K and a mask -> attention scores, computed per dtype the way models compute them.
 
-Per dtype: Q and K are cast to the dtype, Q@K^T runs with float32 accumulation and
-is rounded to the dtype (so it can overflow fp16 before any softmax), the scale is
-applied to q first or to the scores after, and the mask is added in the dtype. The
+Per dtype: Q and K are cast to the dtype, Q@K^T runs as torch's matmul in the dtype
+(float32 accumulation inside, the result rounded to the dtype, so it can overflow fp16
+before any softmax; the same op hand-written attention runs, so the same bits on the
+same device), the scale is applied to q first or to the scores after, and the mask is
+added in the dtype. The
 reference is the same pipeline in float64, with boolean-masked keys at -inf (or at
 the numeric --mask-value, so a leaking sentinel shows as leaked mass).
 
@@ -56,6 +58,7 @@ class AttentionInputs:
     mask_value: str  # "-inf", "min" or a number, for boolean-masked keys
     lead: tuple[int, ...]  # the leading (batch) axes of the inputs before normalisation
     float_mask_looks_boolean: bool = False
+    v: torch.Tensor | None = None  # (B, Hk, Tk, dv): with it, the output O = P@V of every cell
 
     @property
     def heads(self) -> int:
@@ -95,9 +98,10 @@ def prepare_inputs(
     pad_right: list[int] | None = None,
     mask_value: str = "-inf",
     mask_convention: str = "attend",
+    v: torch.Tensor | None = None,
 ) -> AttentionInputs:
     """Validate shapes and build the mask planes; every mismatch is an AttncheckError naming both shapes."""
-    for name, t in (("q", q), ("k", k)):
+    for name, t in (("q", q), ("k", k)) + ((("v", v),) if v is not None else ()):
         check_scores_dtype(name, t.dtype)
     if q.shape[-1] != k.shape[-1]:
         raise AttncheckError(f"q and k have different head dims: q {tuple(q.shape)} has d = {q.shape[-1]}, k {tuple(k.shape)} has d = {k.shape[-1]}")
@@ -107,6 +111,14 @@ def prepare_inputs(
     k4, _ = _as_4d("k", k)
     if q.dim() >= 3 and tuple(q.shape[:-3]) != tuple(k.shape[:-3]):
         raise AttncheckError(f"q {tuple(q.shape)} and k {tuple(k.shape)} have different batch axes")
+    v4 = None
+    if v is not None:
+        if v.dim() != k.dim() or tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+            raise AttncheckError(
+                f"v {tuple(v.shape)} does not match k {tuple(k.shape)}: v needs k's batch and head axes and its "
+                f"{k.shape[-2]} tokens (the last axis, the value dimension, may differ)"
+            )
+        v4, _ = _as_4d("v", v)
     hq, hk = q4.shape[1], k4.shape[1]
     if hq % hk:
         raise AttncheckError(f"k has {hk} heads, which does not divide q's {hq} heads (q {tuple(q.shape)}, k {tuple(k.shape)})")
@@ -157,6 +169,7 @@ def prepare_inputs(
         mask_value=mask_value,
         lead=lead,
         float_mask_looks_boolean=looks_boolean,
+        v=v4,
     )
 
 
@@ -212,6 +225,7 @@ class QKBlock:
     def __init__(self, inp: AttentionInputs, bh: slice, qs: slice, device: torch.device, audit: AttentionAudit, spread: SpreadSample) -> None:
         self.inp, self.audit = inp, audit
         self.q, self.k, raw = _qk_float64(inp, bh, qs, device)  # (n, tq, d), (n, Tk, d), (n, tq, Tk)
+        self.v = None if inp.v is None else inp.v.reshape(-1, *inp.v.shape[2:])[_kv_heads(inp, bh)].to(device)  # (n, Tk, dv)
         self.masked = self._slice4(inp.masked, bh, qs, device)  # (n, tq, Tk) bool or None
         self.mask_float = self._slice4(inp.mask_float, bh, qs, device)
         self.raw_finite = torch.isfinite(raw).reshape(-1, raw.shape[-1])
@@ -244,7 +258,7 @@ class QKBlock:
         qd, kd = self.q.to(dt), self.k.to(dt)
         if inp.scale_order == "q":
             qd = qd * inp.scale  # rounded to dt
-        s = torch.matmul(qd.float(), kd.float().transpose(-1, -2)).to(dt)  # fp32 accumulation, rounded
+        s = torch.matmul(qd, kd.transpose(-1, -2))  # torch's matmul in the dtype, as hand-written code runs it
         if inp.scale_order == "scores":
             s = s * inp.scale
         flat = s.reshape(-1, s.shape[-1])
@@ -257,19 +271,11 @@ class QKBlock:
         sentinel = sentinel_in(dt, inp.mask_value)
         a.sentinel_value = sentinel
         a.sentinel_not_representable = inp.mask_value not in ("-inf",) and math.isinf(sentinel)
-        mask_dt = None
-        if self.mask_float is not None:
-            mf = self.mask_float.to(dt)
+        mf, plane, mask_dt = self._mask_planes(dt)
+        if mf is not None:
             a.mask_not_representable += int((torch.isinf(mf) & torch.isfinite(self.mask_float)).sum())
-            mask_dt = mf
-        if self.masked is not None:
-            plane = torch.zeros(self.masked.shape, dtype=dt, device=self.masked.device).masked_fill(self.masked, sentinel)
-            if mask_dt is not None:
-                summed = mask_dt + plane
-                a.summed_planes_overflow += int((torch.isinf(summed) & torch.isfinite(mask_dt) & torch.isfinite(plane)).sum())
-                mask_dt = summed
-            else:
-                mask_dt = plane
+        if mf is not None and plane is not None:
+            a.summed_planes_overflow += int((torch.isinf(mask_dt) & torch.isfinite(mf) & torch.isfinite(plane)).sum())
         if mask_dt is not None:
             added = s + mask_dt
             a.overflow_on_add += int((torch.isinf(added) & torch.isfinite(s) & torch.isfinite(mask_dt)).sum())
@@ -281,6 +287,48 @@ class QKBlock:
         mask_rows = broken & ~before_mask_bad.any(dim=-1) & self._intended_finite_rows(sentinel)
         a.mask_sentinel_rows += int(mask_rows.sum())
         return flat, [("qk_overflow", qk_rows), ("mask_sentinel", mask_rows)], []
+
+    def _mask_planes(self, dt: torch.dtype):
+        """The mask as the model holds it in ``dt``: (the float mask cast to dt, the boolean
+        mask's sentinel plane in dt, their sum: the additive mask), each None when absent."""
+        mf = None if self.mask_float is None else self.mask_float.to(dt)
+        plane = None
+        if self.masked is not None:
+            plane = torch.zeros(self.masked.shape, dtype=dt, device=self.masked.device).masked_fill(self.masked, sentinel_in(dt, self.inp.mask_value))
+        mask_dt = plane if mf is None else (mf if plane is None else mf + plane)
+        return mf, plane, mask_dt
+
+    def fp32_scores(self, dt: torch.dtype, path: str):
+        """The scores a fused kernel computes from Q and K in ``dt``, in float32, and the causes
+        before 'fully_masked': (scores (r, Tk) float32, causes).
+
+        'sdpa-math' (PyTorch's math backend): fp16/bf16 q and k upcast to fp32, each scaled by
+        sqrt(scale), then q @ k^T. 'flash': q and k in dt, S = q @ k^T accumulated in fp32,
+        times the scale in fp32. Either way the mask, as the model holds it in dt, is added in fp32.
+        """
+        qd, kd = self.q.to(dt).float(), self.k.to(dt).float()
+        if path == "sdpa-math":
+            root = math.sqrt(self.inp.scale)
+            s = torch.matmul(qd * root, kd.transpose(-1, -2) * root)  # (n, tq, Tk)
+        else:
+            s = torch.matmul(qd, kd.transpose(-1, -2)) * self.inp.scale  # the scale rounded to fp32, as the kernel holds it
+        flat = s.reshape(-1, s.shape[-1])
+        qk_rows = (torch.isinf(flat) & self.raw_finite).any(dim=-1)
+        before_bad = ~torch.isfinite(flat)
+        _, _, mask_dt = self._mask_planes(dt)
+        if mask_dt is not None:
+            s = s + mask_dt.float()
+        flat = s.reshape(-1, s.shape[-1])
+        broken = torch.isneginf(flat).all(dim=-1) | torch.isnan(flat).any(dim=-1)
+        mask_rows = broken & ~before_bad.any(dim=-1) & self._intended_finite_rows(sentinel_in(dt, self.inp.mask_value))
+        return flat, [("qk_overflow", qk_rows), ("mask_sentinel", mask_rows)]
+
+    def reference_out(self, ref: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float64 output P64 @ V64 (r, dv) of the float64 probabilities ``ref`` (r, Tk);
+        with ``dtype``, of V as that dtype holds it (the yardstick of a path's own rounding)."""
+        n, tk = self.v.shape[0], self.v.shape[1]
+        v = self.v if dtype is None else self.v.to(dtype)
+        return torch.matmul(ref.reshape(n, -1, tk), v.to(torch.float64)).reshape(-1, self.v.shape[-1])
 
     def _intended_finite_rows(self, sentinel: float) -> torch.Tensor:
         """(r,) rows whose mask values, as meant (float64), are all finite."""
@@ -311,7 +359,13 @@ def _finite_abs_max(t: torch.Tensor) -> float:
     return float(torch.where(fin, t.abs(), 0).max())
 
 
-def start_audit(inp: AttentionInputs) -> AttentionAudit:
+def start_audit(inp: AttentionInputs, statistics: bool = True) -> AttentionAudit:
+    """The audit blocks fill in; without ``statistics``, the spreads and maxima of q and k
+    are left at 0 (for callers that only need the paths' numbers)."""
+    if not statistics:
+        return AttentionAudit(d=inp.d, heads=inp.heads, kv_heads=inp.k.shape[1], scale=inp.scale, scale_name=inp.scale_name,
+                              scale_order=inp.scale_order, mask_value=inp.mask_value, q_std=0.0, k_std=0.0, q_max_abs=0.0,
+                              k_max_abs=0.0, float_mask_looks_boolean=inp.float_mask_looks_boolean)
     q64, k64 = inp.q.to(torch.float64), inp.k.to(torch.float64)
     return AttentionAudit(
         d=inp.d,
@@ -354,13 +408,17 @@ def _qk_float64(inp: AttentionInputs, bh: slice, qs: slice, device: torch.device
     """q (n, tq, d) and k (n, Tk, d) of the heads ``bh`` and queries ``qs`` (k repeated for
     GQA), and their float64 q.k^T (n, tq, Tk)."""
     b, hq = inp.q.shape[:2]
-    group = hq // inp.k.shape[1]
-    heads = torch.arange(bh.start, bh.stop)
     q = inp.q.reshape(b * hq, *inp.q.shape[2:])[bh, qs].to(device)  # (n, tq, d)
-    k_index = (heads // hq) * inp.k.shape[1] + (heads % hq) // group
-    k = inp.k.reshape(-1, *inp.k.shape[2:])[k_index].to(device)  # (n, Tk, d)
+    k = inp.k.reshape(-1, *inp.k.shape[2:])[_kv_heads(inp, bh)].to(device)  # (n, Tk, d)
     raw = torch.matmul(q.to(torch.float64), k.to(torch.float64).transpose(-1, -2))  # (n, tq, Tk)
     return q, k, raw
+
+
+def _kv_heads(inp: AttentionInputs, bh: slice) -> torch.Tensor:
+    """Index of the k/v head each of the query heads ``bh`` reads (grouped-query attention)."""
+    hq, hk = inp.q.shape[1], inp.k.shape[1]
+    heads = torch.arange(bh.start, bh.stop)
+    return (heads // hq) * hk + (heads % hq) // (hq // hk)
 
 
 class _Rows:

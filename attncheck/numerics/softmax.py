@@ -117,6 +117,7 @@ class MethodOutput:
 
     probs: torch.Tensor  # (..., T); x's dtype, or float32 for methods whose output is 'fp32'
     events: dict[str, torch.Tensor] = field(default_factory=dict)  # registry.EVENTS name -> (...) bool rows
+    out: torch.Tensor | None = None  # (..., dv) the output O = P@V as the implementation computes it, with V
 
     @property
     def overflow_rows(self) -> torch.Tensor:

@@ -50,8 +50,10 @@ def make_qk(
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
     budget: int = MEMORY_BUDGET_BYTES,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (H, Q, d) and k (H, S, d) with i.i.d. entries, reproducible from ``seed``.
+    with_v: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """q (H, Q, d) and k (H, S, d) with i.i.d. entries, reproducible from ``seed``; with
+    ``with_v`` also v (H, S, d) drawn like them, after them (so q and k are the same draws).
 
     The same seed gives the same draws for any ``std`` (std only multiplies), so
     grids over std compare like with like. Sizes whose tensors would exceed
@@ -63,7 +65,7 @@ def make_qk(
     if dist not in DIST_NAMES:
         raise AttncheckError(f"unknown distribution {dist!r} (choose from {', '.join(DIST_NAMES)})")
     item = torch.empty((), dtype=dtype).element_size()
-    need = item * heads * (queries * dk + seq * dk + queries * seq)
+    need = item * heads * (queries * dk + (2 if with_v else 1) * seq * dk + queries * seq)
     if need > budget:
         raise AttncheckError(
             f"synthetic Q/K of {heads} heads x ({queries} queries + {seq} keys) x d_k {dk} need "
@@ -72,7 +74,16 @@ def make_qk(
     g = torch.Generator().manual_seed(seed)
     q = _draw((heads, queries, dk), dist, std, g, dtype)  # (H, Q, d)
     k = _draw((heads, seq, dk), dist, std, g, dtype)  # (H, S, d)
+    if with_v:
+        return q, k, _draw((heads, seq, dk), dist, std, g, dtype)  # (H, S, d)
     return q, k
+
+
+def scores_of(q: torch.Tensor, k: torch.Tensor, rows: int) -> torch.Tensor:
+    """Unscaled logits q . k_j of heads q (H, Q, d), k (H, S, d), one row per query, the
+    first ``rows`` of them: (rows, S)."""
+    s = q @ k.transpose(-1, -2)  # (H, Q, S)
+    return s.reshape(-1, s.shape[-1])[:rows]
 
 
 def make_scores(
@@ -93,6 +104,4 @@ def make_scores(
     """
     heads, queries = head_layout(rows, seq)
     q, k = make_qk(heads, queries, seq, dk, dist=dist, std=std, seed=seed, dtype=dtype)
-    q, k = q.to(device), k.to(device)
-    s = q @ k.transpose(-1, -2)  # (H, Q, S)
-    return s.reshape(heads * queries, seq)[:rows]  # (R, S)
+    return scores_of(q.to(device), k.to(device), rows)  # (R, S)

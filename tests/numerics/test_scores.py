@@ -1,10 +1,13 @@
 """Q/K/mask inputs: each known failure class reproduced, with the cause and code attncheck reports."""
 
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from typer.testing import CliRunner
 
 from attncheck.cli import app
@@ -44,10 +47,12 @@ def test_fp16_qk_overflow_is_found_and_gone_with_scale_order_q():
     assert 576 * 382 > FP16_MAX and 576 / 8 * 382 < FP16_MAX  # the premise, from finfo
     q, k = outlier_qk()
     d = run(q, k, scale_order="scores")
-    for m in ("stable", "torch", "tiled"):
+    for m in ("stable", "torch"):  # the eager path rounds Q@K^T to fp16
         assert d.cell(m, "fp16").nan_causes == {"qk_overflow": 1}
         assert d.cell(m, "fp16").examples["nan:qk_overflow"] == [(0, 0, 2)]
         assert d.cell(m, "fp32").nan_rows == 0
+    for p in ("sdpa-math", "flash"):  # S stays in fp32 there: no overflow
+        assert d.cell(p, "fp16").nan_rows == 0
     f = next(f for f in d.findings if f.code == "qk_overflow")
     assert "scaling q first (--scale-order q) would avoid it" in f.message
     assert d.attention.dtypes["fp16"].qk_overflow_values == 1
@@ -104,7 +109,9 @@ def test_opt_style_left_padding_causal_min_mask_in_fp16():
         assert d.cell(m, "fp32").nan_rows == 0
     # naive fp16 also loses rows 4..7: their unmasked scores are all -32 < -17.33, exp flushes to 0.
     assert d.cell("naive", "fp16").nan_causes == {"mask_sentinel": 4, "underflow": 4}
-    assert d.cell("tiled", "fp16").zero_causes == {"mask_sentinel": 4}
+    # sdpa-math and flash add the fp16 mask to fp32 scores: -65504 - 32 stays finite, a uniform row.
+    for p in ("sdpa-math", "flash"):
+        assert d.cell(p, "fp16").nan_rows == 0 and d.cell(p, "fp16").zero_rows == 0
     assert {"sentinel_overflow_on_add", "fully_masked_rows"} <= codes(d)
     assert d.census.fully_masked_rows == 4
     assert d.attention.dtypes["fp16"].mask_sentinel_rows == 4
@@ -157,7 +164,8 @@ def test_fully_masked_padding_rows_under_each_convention(convention):
     d = run(q, k, mask, mask_convention=convention, dtypes=("fp32",))
     assert d.cell("stable", "fp32").nan_causes == {"fully_masked": 1}
     assert d.cell("naive", "fp32").nan_causes == {"fully_masked": 1}
-    assert d.cell("tiled", "fp32").zero_causes == {"fully_masked": 1}
+    for p in ("sdpa-math", "flash"):  # both give zeros for a query that may attend to nothing
+        assert d.cell(p, "fp32").zero_causes == {"fully_masked": 1}
     assert d.cell("stable", "fp32").examples["nan:fully_masked"] == [(1, 0, 2)]
     finite = run(q, k, mask, mask_convention=convention, mask_value="min", dtypes=("fp32",))
     assert finite.cell("stable", "fp32").nan_rows == 0  # finfo.min: a finite uniform row
@@ -247,6 +255,9 @@ def test_bad_inputs(q_shape, k_shape, mask, message):
 def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
     q, k = outlier_qk()
     torch.save({"q": q, "k": k, "k16": torch.zeros(1, 1, 8, 16)}, tmp_path / "qk.pt")
+    vs = tmp_path / "v.pt"
+    torch.save({"v": torch.randn(1, 1, 8, 32), "v7": torch.randn(1, 1, 7, 64), "v2h": torch.randn(1, 2, 8, 64),
+                "vint": torch.ones(1, 1, 8, 64, dtype=torch.int32)}, vs)
     torch.save(torch.ones(8, 8, dtype=torch.int64), tmp_path / "intmask.pt")
     p = tmp_path / "qk.pt"
     r = runner.invoke(app, ["run", "--q", f"{p}:q", "--k", f"{p}:k", "--dtype", "fp16", "--fail-on", "qk_overflow", "--brief"])
@@ -264,7 +275,37 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
         (["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "5"], "--mask-value must be negative (a mask lowers the masked scores), got '5'"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--pad-left", "2,x"], "--pad-left: 'x' is not a non-negative integer (give one length per batch element, e.g. 3,0)"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--pad-left", "2,1"], "--pad-left gives 2 lengths for a batch of 1"),
+        (["--v", f"{vs}:v", str(p)], "--v and --path apply to attention computed from --q and --k"),
+        (["--path", "flash", str(p)], "--v and --path apply to attention computed from --q and --k"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--path", "flash,xformers"], "--path: unknown path 'xformers' (choose from eager, sdpa-math, flash)"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--path", ""], "--path is empty (choose from eager, sdpa-math, flash)"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:v7"],
+         "v (1, 1, 7, 64) does not match k (1, 1, 8, 64): v needs k's batch and head axes and its 8 tokens (the last axis, the value dimension, may differ)"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:v2h"],
+         "v (1, 2, 8, 64) does not match k (1, 1, 8, 64): v needs k's batch and head axes and its 8 tokens (the last axis, the value dimension, may differ)"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:vint"], f"{vs}:vint has dtype int32; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{tmp_path / 'missing.pt'}"], f"{tmp_path / 'missing.pt'}: no such file or directory"),
     ]:
         r = runner.invoke(app, ["run", *args])
         assert r.exit_code == 2, (args, r.output)
         assert r.stderr.strip() == f"attncheck: error: {line}", args
+
+
+def test_cli_v_adds_the_output_table_and_json(tmp_path):
+    q, k = outlier_qk()
+    v = torch.randn(1, 1, 8, 32)
+    torch.save({"q": q, "k": k, "v": v}, tmp_path / "qkv.pt")
+    p = tmp_path / "qkv.pt"
+    r = runner.invoke(app, ["run", "--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{p}:v", "--dtype", "bf16", "--method", "torch", "--json", "-"])
+    assert r.exit_code == 0, r.output
+    cells = {c["name"]: c for c in json.loads(r.stdout)["tensors"][0]["cells"]}
+    assert list(cells) == ["eager:torch/bf16", "sdpa-math/bf16", "flash/bf16"]
+    exact = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8, dim=-1) @ v.double()
+    with sdpa_kernel([SDPBackend.MATH]):
+        o = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16()).double()
+    c = cells["sdpa-math/bf16"]
+    assert c["path"] == "sdpa-math" and c["out_rows"] == 8 and c["out_nan_rows"] == 0
+    assert c["out_rmse"] == pytest.approx(float((o - exact).pow(2).mean().sqrt()), rel=1e-9)
+    r = runner.invoke(app, ["run", "--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{p}:v", "--dtype", "bf16", "--method", "torch", "--path", "flash", "--brief"])
+    assert r.exit_code == 0, r.output
+    assert "Output O = P@V against float64" in r.stdout and "flash/bf16" in r.stdout and "eager:" not in r.stdout
