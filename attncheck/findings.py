@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from attncheck.format import num
+from attncheck.registry import PATHS
 from attncheck.results import FLASH_RULE_FACTOR, UNEXPLAINED, Cell, Finding, TensorDiagnosis, flash_rule_bound
 
 SEVERITIES = ("error", "warning", "info")
@@ -33,6 +34,8 @@ FIX = {
     "unexplained_nan": "NaN with no cause attributable by attncheck: please report it with the dump",
     "argmax_flip": "the most likely key changes against float64: upcast the softmax to fp32 where decisions depend on the top key",
     "worse_than_torch": "this implementation loses more accuracy than torch.softmax in the same dtype: keep the max and sum in fp32 and round only the result",
+    "output_error": "this attention path's output is further from float64 than FlashAttention's test allows (2x the same-dtype PyTorch attention): keep S and the softmax in fp32 and round P only for P@V, or use SDPA",
+    "tied_max_bias": "a bias does not average out over steps (Qiu and Yao 2025, arXiv 2510.04212): when the row max repeats, subtract a slightly larger max (their fix: m = beta * max for a positive max) so that no exp(s - m) is exactly 1, or keep O in fp32 where the next layer reads it",
     "probability_flush": "small probabilities round to 0 in this dtype; harmless for most models, upcast if those keys matter",
     "entropy_collapse": "attention is near one-hot: check the scores are scaled by 1/sqrt(d_k); ignore if the head is meant to be sharp",
 }
@@ -58,11 +61,15 @@ SEVERITY = {
     "unexplained_nan": "error",
     "argmax_flip": "warning",
     "worse_than_torch": "info",
+    "output_error": "warning",
+    "tied_max_bias": "warning",
     "probability_flush": "info",
     "entropy_collapse": "warning",
 }
 
 FLUSH_INFO_FRAC = 0.01
+TIED_BIAS_Z = 4.0  # a mean signed error this many standard errors from 0 is a bias, not noise
+TIED_BIAS_MIN_ROWS = 16  # fewer tied rows do not make a mean to test
 COLLAPSE_WARN_FRAC = 0.5
 
 
@@ -190,6 +197,7 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
             worse.append(f"{c.name} {c.max_abs_err_algo / t.max_abs_err_algo:.1f}x")
     if worse:
         add("worse_than_torch", f"max error above {FLASH_RULE_FACTOR:g}x torch.softmax's in the same dtype (FlashAttention's test budget; errors against float64 of the cast scores): {', '.join(worse)}")
+    _output_findings(diag, add)
     flushed = [c for c in cells if c.flushed_frac is not None and c.flushed_frac >= FLUSH_INFO_FRAC]
     if flushed:
         add("probability_flush", "non-zero reference probabilities become exactly 0 in " + ", ".join(f"{c.name} ({c.flushed_frac:.1%})" for c in flushed), flushed)
@@ -207,8 +215,10 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
     a = diag.attention
     for d, audit in a.dtypes.items():
         dtype_cells = [c for c in diag.cells if c.dtype == d]
-        if audit.qk_overflow_values:
-            hit = [c for c in dtype_cells if c.nan_causes.get("qk_overflow")]
+        hit = [c for c in dtype_cells if c.nan_causes.get("qk_overflow")]
+        paths = {c.path for c in dtype_cells if c.path}
+        # The audit describes the eager scores; with paths that hold S in fp32 only, nothing computed overflows.
+        if audit.qk_overflow_values and (hit or not paths or "eager" in paths):
             limit = diag.limits[d].rounding_limit
             if a.scale_order == "q":
                 verdict = "q is already scaled first"
@@ -216,7 +226,7 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
                 verdict = "scaling q first (--scale-order q) would avoid it"
             else:
                 verdict = "scaling q first would not avoid it: the scaled scores themselves exceed the range"
-            add("qk_overflow", f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond +-{diag.limits[d].max:.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); {verdict}", hit, audit.qk_overflow_rows, _first_examples(hit, "nan:qk_overflow"))
+            add("qk_overflow", f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond +-{diag.limits[d].max:.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); {verdict}{_paths_verdict(dtype_cells, d)}", hit, audit.qk_overflow_rows, _first_examples(hit, "nan:qk_overflow"))
         if audit.mask_not_representable or audit.sentinel_not_representable:
             what = []
             if audit.mask_not_representable:
@@ -252,6 +262,43 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
         name, value = min(candidates.items(), key=lambda kv: abs(math.log(a.fitted_scale / kv[1])) if a.fitted_scale > 0 else math.inf)
         if a.fitted_scale <= 0 or name != "1/sqrt(d_head)" or abs(math.log(a.fitted_scale / value)) > 0.05:
             add("scale_mismatch", f"the scores are q.k times {a.fitted_scale:.4g} (least squares), closest to {name} = {value:.4g}; 1/sqrt(d_head) = {1 / math.sqrt(a.d):.4g} (d_head {a.d}, {a.heads} heads)")
+
+
+def _paths_verdict(dtype_cells: list[Cell], dtype: str) -> str:
+    """'; by path: eager overflows (S in the dtype); sdpa-math does not (S in fp32 ...)' when cells name their paths."""
+    paths = list(dict.fromkeys(c.path for c in dtype_cells if c.path))
+    if not paths:
+        return ""
+    broken = [p for p in paths if any(c.nan_causes.get("qk_overflow") or c.zero_causes.get("qk_overflow") for c in dtype_cells if c.path == p)]
+    safe = [p for p in paths if p not in broken]
+
+    def where(p: str) -> str:
+        return "S in " + PATHS.get(p).scores_in.replace("the dtype", dtype) if p in PATHS else "?"
+
+    parts = [f"{p} overflows ({where(p)})" for p in broken] + [f"{p} does not ({where(p)})" for p in safe]
+    return "; by path: " + ", ".join(parts)
+
+
+def _output_findings(diag: TensorDiagnosis, add) -> None:
+    """With V: paths whose output error breaks FlashAttention's rule, and biased rounding on tied maxima."""
+    with_out = [c for c in diag.cells if c.out_max_abs_err is not None]
+    worse = []
+    for c in with_out:
+        ref = next((t for t in with_out if t.dtype == c.dtype and t.path == "eager" and t.method == "torch"), None)
+        if ref is None or c is ref or not ref.out_max_abs_err:
+            continue
+        if c.out_max_abs_err > flash_rule_bound(ref.out_max_abs_err):
+            worse.append((c, c.out_max_abs_err / ref.out_max_abs_err))
+    if worse:
+        add("output_error", "max |O - O_float64| above " + f"{FLASH_RULE_FACTOR:g}x the same-dtype PyTorch attention's (eager:torch): "
+            + ", ".join(f"{c.name} {r:.1f}x ({c.out_max_abs_err:.3g})" for c, r in worse), [c for c, _ in worse])
+    biased = [c for c in with_out if c.tied_rows >= TIED_BIAS_MIN_ROWS and c.out_bias_tied_z is not None and abs(c.out_bias_tied_z) > TIED_BIAS_Z]
+    if biased:
+        add("tied_max_bias", "in rows whose largest score is shared by several keys, exp(s - max) is exactly 1 at each of them, and the "
+            "rounding of O = P@V is biased there (mean signed error of O against float64 of the same scores and V, per row): "
+            + ", ".join(f"{c.name} {c.tied_rows} tied row(s), mean error {c.out_bias_tied:.3g} ({abs(c.out_bias_tied_z):.1f} standard errors "
+                        f"from 0; all rows {num(c.out_bias, 3)})" for c in biased),
+            biased, max(c.tied_rows for c in biased))
 
 
 def failed_conditions(diags: list[TensorDiagnosis], conditions: list[str]) -> list[str]:

@@ -66,3 +66,8 @@ def to_jsonable(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x
+
+
+def cosine(x: float | None) -> str:
+    """A cosine similarity near 1 with the digits that tell it apart from 1: '0.999987'."""
+    return "-" if x is None else f"{x:.6f}"

@@ -188,3 +188,31 @@ def test_every_code_is_documented_in_the_readme(code):
     from pathlib import Path
 
     assert f"`{code}`" in (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def out_cell(method: str, path: str, dtype: str = "bf16", **changes) -> Cell:
+    """A cell of an attention path that computed O = P@V."""
+    out = dict(path=path, out_rows=64, out_nan_rows=0, out_max_abs_err=4e-3, out_rmse=1e-3, out_rel_l1=2e-3, out_cos_min=0.9999,
+               out_cos_mean=0.99999, out_bias=1e-6)
+    return cell(method, dtype, **{**out, **changes})
+
+
+def test_output_error_applies_flashattentions_rule_to_o():
+    eager = out_cell("torch", "eager")
+    ok = out_cell("flash", "flash", out_max_abs_err=8e-3)  # exactly 2x: within the rule
+    bad = out_cell("sdpa-math", "sdpa-math", out_max_abs_err=8.1e-3)
+    d = diagnosis([eager, ok, bad], dtypes=("fp32",))
+    f = only(d, "output_error")
+    assert f.cells == ["sdpa-math/bf16"] and "sdpa-math/bf16 2.0x (0.0081)" in f.message
+    assert not [f for f in diagnosis([eager, ok], dtypes=("fp32",)).findings if f.code == "output_error"]
+    # Without the eager torch.softmax cell there is nothing to compare with.
+    assert not [f for f in diagnosis([bad], dtypes=("fp32",)).findings if f.code == "output_error"]
+
+
+def test_tied_max_bias_needs_enough_tied_rows_and_a_significant_mean():
+    biased = out_cell("flash", "flash", tied_rows=64, out_bias_tied=-5e-5, out_bias_tied_z=-11.3)
+    f = only(diagnosis([biased], dtypes=("fp32",)), "tied_max_bias")
+    assert "flash/bf16 64 tied row(s), mean error -5e-05 (11.3 standard errors from 0; all rows 1e-06)" in f.message
+    assert f.rows == 64 and f.cells == ["flash/bf16"]
+    for quiet in (replace(biased, out_bias_tied_z=3.9), replace(biased, tied_rows=15), replace(biased, out_bias_tied_z=None)):
+        assert not [f for f in diagnosis([quiet], dtypes=("fp32",)).findings if f.code == "tied_max_bias"]

@@ -54,7 +54,7 @@ def reuse_freed_memory() -> None:
 FLAGS = {
     "dtypes": "--dtype", "methods": "--method", "keys": "--key", "reverse": "--order",
     "dks": "--dk", "scales": "--scale", "seqs": "--seq", "stds": "--std",
-    "chunk_elements": "--max-memory", "kernels": "ATTNCHECK_KERNELS",
+    "chunk_elements": "--max-memory", "kernels": "ATTNCHECK_KERNELS", "paths": "--path",
 }
 
 

@@ -14,7 +14,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from attncheck.params import DEFAULT_BLOCK, SCALE_NAMES
-from attncheck.registry import DTYPES, METHODS, cell_dtype, choices_help, dtype_names, method_names
+from attncheck.registry import DTYPES, METHODS, PATHS, cell_dtype, choices_help, dtype_names, method_names
 
 DEFAULT_DTYPES = ",".join(dtype_names())
 DEFAULT_METHODS = ",".join(method_names())
@@ -24,6 +24,7 @@ MethodOpt = Annotated[str, typer.Option("--method", "-m", metavar="METHOD,...", 
 BlockOpt = Annotated[str, typer.Option("--block", metavar="N", help=f"Key block size of the tiled method (FlashAttention's is {DEFAULT_BLOCK} for d <= 128).")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="NAME", help="Where to compute: auto (cuda if available), cpu, cuda or cuda:N.")]
 ScaleOpt = Annotated[str, typer.Option("--scale", "-s", metavar="SCALE[,...]", help=f"Scale of q.k: {', '.join(SCALE_NAMES)} (sqrt = 1/sqrt(d_k), auto = sqrt, dk = 1/d_k, dk2 = 1/d_k^2) or a positive number; sweep takes several, comma-separated.")]
+PathOpt = Annotated[Optional[str], typer.Option("--path", metavar="PATH,...", help=f"Attention paths computed from Q, K and V: {choices_help(PATHS)} (default: all); the eager path runs the --method softmax (torch in sweep).")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Write the report as JSON to FILE ('-' for stdout: tables are then not printed).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print less: no progress bar and no notices on stderr (check: only the broken budgets and the verdict).")]
 

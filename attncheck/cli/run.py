@@ -21,6 +21,7 @@ from attncheck.cli.options import (
     DtypeOpt,
     JsonOpt,
     MethodOpt,
+    PathOpt,
     QuietOpt,
     ScaleOpt,
     notices,
@@ -62,6 +63,8 @@ def run(
     quiet: QuietOpt = False,
     q: Optional[str] = typer.Option(None, "--q", help="Queries (..., heads, tokens, d) as PATH or PATH:KEY. With --k, the scores are computed in each dtype as models do.", rich_help_panel=QK),
     k: Optional[str] = typer.Option(None, "--k", help="Keys (..., kv_heads, tokens, d) as PATH or PATH:KEY; kv_heads may divide the query heads (GQA).", rich_help_panel=QK),
+    v: Optional[str] = typer.Option(None, "--v", help="Values (..., kv_heads, tokens, dv) as PATH or PATH:KEY: every cell then also computes the output O = P@V and its error against float64.", rich_help_panel=QK),
+    path: PathOpt = None,
     mask: Optional[str] = typer.Option(None, "--mask", help="Mask as PATH or PATH:KEY, boolean (see --mask-convention) or additive float, broadcast to (batch, heads, queries, keys).", rich_help_panel=QK),
     scale: ScaleOpt = "auto",
     scale_order: ScaleOrder = typer.Option("scores", "--scale-order", help="Scale the scores after Q@K^T, or q before it.", rich_help_panel=QK),
@@ -73,9 +76,11 @@ def run(
 ) -> None:
     """Diagnose saved attention scores (pre-softmax logits), or the scores Q and K produce.
 
-    Every method x dtype cell is judged against a float64 softmax of the scores as given
-    (with --q/--k: of Q@K^T, scale and mask computed in float64). With scores files and
-    --q/--k together, the scale that maps q.k onto the scores is fitted and checked.
+    Every method x dtype cell is judged against a float64 softmax of the scores as given.
+    With --q/--k, every attention path (eager, sdpa-math, flash) x dtype is judged against
+    float64 softmax of Q@K^T, scale and mask, and with --v its output O = P@V against
+    P64 @ V64. With scores files and --q/--k together, the scale that maps q.k onto the
+    scores is fitted and checked.
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error.
     """
     try:
@@ -85,16 +90,18 @@ def run(
         options = Options(
             dtypes=params.dtypes(dtype), methods=params.methods(method), block=params.integer(block, "block", 1),
             reverse=Order(order).value == "reverse", accum=Accum(accum).value, device=params.device(device),
-            chunk_elements=chunk_elements_for(memory),
+            chunk_elements=chunk_elements_for(memory), paths=params.paths(path) if path is not None else (),
         )
         qk = None
+        if q is None and k is None and (v is not None or path is not None):
+            raise AttncheckError(f"{param('v')} and {param('paths')} apply to attention computed from {param('q')} and {param('k')}")
         if q is not None or k is not None:
             if q is None or k is None:
                 raise AttncheckError(f"{param('q')} and {param('k')} go together: give both")
             scales = params.scales(scale)
             if len(scales) != 1:
                 raise AttncheckError(f"give one scale for run, got {len(scales)}", param="scale")
-            qk = QKSpec(q, k, mask, scales[0], ScaleOrder(scale_order).value, causal, tuple(params.lengths(pad_left, "pad_left")),
+            qk = QKSpec(q, k, mask, v, scales[0], ScaleOrder(scale_order).value, causal, tuple(params.lengths(pad_left, "pad_left")),
                         tuple(params.lengths(pad_right, "pad_right")), mask_value, MaskConvention(mask_convention).value)
         elif mask is not None or causal or pad_left or pad_right:
             raise AttncheckError(f"{param('mask')}, {param('causal')} and {param('pad_left')}/{param('pad_right')} apply to scores computed from {param('q')} and {param('k')}")

@@ -13,10 +13,11 @@ from typing import Optional
 import typer
 
 from attncheck.cli.common import EXIT_OK, check_output_path, fail, write_json
-from attncheck.cli.options import DEFAULT_DTYPES, DEFAULT_METHODS, BlockOpt, DeviceOpt, DtypeOpt, JsonOpt, MethodOpt, QuietOpt, ScaleOpt, progress_shown
-from attncheck.config.sweep import DEFAULT_BLOCK, DEFAULT_DKS, DEFAULT_ROWS, DEFAULT_SEQ, SweepConfig
+from attncheck.cli.options import DEFAULT_DTYPES, DEFAULT_METHODS, BlockOpt, DeviceOpt, DtypeOpt, JsonOpt, MethodOpt, PathOpt, QuietOpt, ScaleOpt, progress_shown
+from attncheck.config.sweep import DEFAULT_BLOCK, DEFAULT_DKS, DEFAULT_ROWS, DEFAULT_SEQ, PRESET_NAMES, SweepConfig
 from attncheck.errors import AttncheckError
 from attncheck.params import SCALE_NAMES
+from attncheck.registry import path_names
 
 
 def sweep(
@@ -33,6 +34,8 @@ def sweep(
     device: DeviceOpt = "cpu",
     json_out: JsonOpt = None,
     plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Draw variance, max probability, entropy and Jacobian norm vs d_k to FILE.png (needs the 'plot' extra: matplotlib)."),
+    path: PathOpt = ",".join(path_names()),
+    preset: Optional[str] = typer.Option(None, "--preset", metavar="NAME", help=f"Reproduce a published figure instead of the grid, printed beside the paper's: {', '.join(PRESET_NAMES)} (FlashAttention-3's FP16 RMSE of O). Takes --seed and --device, --json."),
     quiet: QuietOpt = False,
 ) -> None:
     """Sweep synthetic Q and K over d_k x scale; measure next to the theory.
@@ -45,7 +48,9 @@ def sweep(
     Exit codes: 0 ran, 2 usage or input error.
     """
     try:
-        config = SweepConfig.from_text(dks=dk, scales=scale, dtypes=dtype, methods=method, seqs=seq, rows=rows, stds=std, dist=dist, seed=seed, block=block, device=device)
+        if preset is not None:
+            _run_preset(preset, seed, device, json_out, plot, dict(dk=dk, scale=scale, dtype=dtype, method=method, seq=seq, rows=rows, std=std, dist=dist, block=block, path=path))
+        config = SweepConfig.from_text(dks=dk, scales=scale, dtypes=dtype, methods=method, seqs=seq, rows=rows, stds=std, dist=dist, seed=seed, block=block, device=device, paths=path)
         check_output_path(json_out, "--json")
         check_output_path(plot, "--plot")
         if plot is not None:
@@ -71,4 +76,35 @@ def sweep(
         from rich.console import Console
 
         print_sweep(Console(), result)
+    raise typer.Exit(EXIT_OK)
+
+
+GRID_DEFAULTS = dict(
+    dk=",".join(map(str, DEFAULT_DKS)), scale=",".join(SCALE_NAMES), dtype=DEFAULT_DTYPES, method=DEFAULT_METHODS, seq=str(DEFAULT_SEQ),
+    rows=str(DEFAULT_ROWS), std="1", dist="normal", block=str(DEFAULT_BLOCK), path=",".join(path_names()),
+)
+
+
+def _run_preset(name: str, seed: str, device: str, json_out, plot, grid: dict) -> None:
+    """--preset: the published figures; the grid options do not apply (say so rather than ignore them)."""
+    from attncheck import params
+
+    name = params.choice(name, PRESET_NAMES, "preset")
+    given = [f"--{k}" for k, v in grid.items() if v != GRID_DEFAULTS[k]]
+    if given or plot is not None:
+        extra = given + (["--plot"] if plot else [])
+        raise AttncheckError(f"--preset {name} sets its own inputs: {', '.join(extra)} {'does' if len(extra) == 1 else 'do'} not apply")
+    seed_n, device_n = params.integer(seed, "seed", 0), params.device(device)
+    check_output_path(json_out, "--json")
+    from attncheck.numerics.diagnose import resolve_device
+    from attncheck.pipelines.sweep import run_preset
+    from attncheck.report.sweep import preset_json, print_preset
+
+    result = run_preset(name, seed_n, device_n)
+    if json_out is not None:
+        write_json(json.dumps(preset_json(result, str(resolve_device(device_n))), indent=2, allow_nan=False), json_out)
+    if json_out != "-":
+        from rich.console import Console
+
+        print_preset(Console(), result)
     raise typer.Exit(EXIT_OK)

@@ -74,8 +74,9 @@ def _run_qk(qk: QKSpec, sources, options, track: Track, notice) -> list[TensorDi
     q_name, q = load_one(qk.q, "q")
     k_name, k = load_one(qk.k, "k")
     mask = load_one(qk.mask, "mask", any_dtype=True)[1] if qk.mask else None
+    v = load_one(qk.v, "v")[1] if qk.v else None
     inputs = prepare_inputs(
-        q, k, mask,
+        q, k, mask, v=v,
         scale=qk.scale, scale_order=qk.scale_order, causal=qk.causal,
         pad_left=list(qk.pad_left), pad_right=list(qk.pad_right),
         mask_value=qk.mask_value, mask_convention=qk.mask_convention,

@@ -12,7 +12,7 @@ from rich.text import Text
 
 from attncheck import __version__
 from attncheck.params import MASK_SENTINEL_LIMIT
-from attncheck.format import fmt, rows_text, to_jsonable
+from attncheck.format import cosine, fmt, rows_text, to_jsonable
 from attncheck.results import Cell, TensorDiagnosis
 
 JSON_SCHEMA = "attncheck.run/1"
@@ -117,14 +117,52 @@ def _cell_summary(c: Cell) -> Text:
 
 
 def matrix_table(d: TensorDiagnosis) -> Table:
-    dtypes = list(d.options.dtypes)
-    methods = list(d.options.methods)
-    t = Table(title="Method x dtype (max |p - p_float64|)", title_justify="left", show_lines=True)
-    t.add_column("method", style="bold")
+    dtypes = list(dict.fromkeys(c.dtype for c in d.cells))
+    by = {(c.label, c.dtype): c for c in d.cells}
+    paths = any(c.path for c in d.cells)
+    title = "Path x dtype (max |p - p_float64|)" if paths else "Method x dtype (max |p - p_float64|)"
+    t = Table(title=title, title_justify="left", show_lines=True)
+    t.add_column("path" if paths else "method", style="bold")
     for dt in dtypes:
         t.add_column(dt)
-    for m in methods:
-        t.add_row(m, *(_cell_summary(d.cell(m, dt)) for dt in dtypes))
+    for label in dict.fromkeys(c.label for c in d.cells):
+        t.add_row(label, *(_cell_summary(by[(label, dt)]) if (label, dt) in by else "" for dt in dtypes))
+    return t
+
+
+def output_table(d: TensorDiagnosis) -> Table | None:
+    """The output O = P@V of each cell against float64 (with V given)."""
+    cells = [c for c in d.cells if c.out_rows is not None]
+    if not cells:
+        return None
+    t = Table(
+        title="Output O = P@V against float64 P64 @ V64 (rows where both are finite)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    for name in ("cell", "NaN rows", "max err", "RMSE", "rel L1", "cos min", "bias"):
+        t.add_column(name, justify="left" if name == "cell" else "right", no_wrap=True)
+    for c in cells:
+        t.add_row(
+            Text(c.name, style="bold red" if c.out_nan_rows else ""),
+            str(c.out_nan_rows),
+            fmt(c.out_max_abs_err, ".2e"),
+            fmt(c.out_rmse, ".2e"),
+            fmt(c.out_rel_l1, ".2e"),
+            cosine(c.out_cos_min),
+            fmt(c.out_bias, ".1e"),
+        )
+    notes = ["bias: mean signed error of O against float64 of the path's own scores and V as the dtype holds it"]
+    tied = [c for c in cells if c.tied_rows]
+    if tied:
+        notes.append("rows whose maximum is tied: " + ", ".join(
+            f"{c.name} {c.tied_rows}" + (f" (bias {fmt(c.out_bias_tied, '.1e')}, {fmt(c.out_bias_tied_z, '.1f')} standard errors)" if c.out_bias_tied_z is not None else "")
+            for c in tied))
+    t.caption = "\n".join(notes)
+    t.caption_justify = "left"
     return t
 
 
@@ -202,6 +240,9 @@ def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
     parts += [headroom_table(d), matrix_table(d)]
     if verbose:
         parts.append(detail_table(d))
+    out = output_table(d)
+    if out is not None:
+        parts.append(out)
     where = nan_by_head_line(d)
     parts += [distribution_line(d)] + ([where] if where is not None else []) + [findings_table(d)]
     return Group(*parts)
