@@ -25,7 +25,7 @@ from attncheck.config.sweep import DIST_NAMES
 from attncheck.errors import AttncheckError
 from attncheck.params import ORDERS, Scale, show
 from attncheck.registry import dtype_names
-from attncheck.results import BUDGET_NAMES, COUNT_BUDGETS, RELATIVE_BUDGET
+from attncheck.results import BUDGET_NAMES, COUNT_BUDGETS, LOWER_BUDGETS, OUTPUT_BUDGETS, RELATIVE_BUDGETS
 
 if TYPE_CHECKING:
     from attncheck.config.run import Options
@@ -56,7 +56,12 @@ class Budget:
     ``max_abs_err_algo``: against the scores after the cast to the dtype).
     ``relative_to_torch`` is FlashAttention's rule: the cell's ``max_abs_err_algo``
     at most N x torch.softmax's in the same dtype, plus ``relative_to_torch_atol``.
+    The ``out_*`` budgets judge O = P@V against float64 P64 @ V64 in cells that have V
+    (synthetic entries with ``paths``); ``out_cos_min`` is a lower bound.
     """
+
+    def output_budgets(self) -> list[str]:
+        return [name for name in OUTPUT_BUDGETS if getattr(self, name) is not None]
 
     nan: int | None = 0
     overflow: int | None = 0
@@ -68,6 +73,12 @@ class Budget:
     kl_max: float | None = None
     relative_to_torch: float | None = None
     relative_to_torch_atol: float = 0.0
+    out_nan: int | None = None
+    out_max_abs_err: float | None = None
+    out_rmse: float | None = None
+    out_rel_l1: float | None = None
+    out_cos_min: float | None = None
+    out_relative_to_torch: float | None = None
 
     def active(self) -> list[tuple[str, float]]:
         """(name, limit) of every budget that is checked, in report order."""
@@ -87,12 +98,14 @@ class SyntheticInput:
     std: float = 1.0
     seed: int = 0
     dtypes: tuple[str, ...] | None = None  # None: the config's dtypes
+    paths: tuple[str, ...] = ()  # attention paths: Q, K and V are drawn and every path computes P and O = P@V
 
     @property
     def name(self) -> str:
-        """'synthetic[0]:dk=128,scale=sqrt,seq=256,dist=normal,seed=0' (rows and std when not default)."""
+        """'synthetic[0]:dk=128,scale=sqrt,seq=256,dist=normal,seed=0' (rows, std and paths when not default)."""
         extra = f",rows={self.rows}" if self.rows != DEFAULT_SYNTHETIC_ROWS else ""
         extra += f",std={self.std:g}" if self.std != 1.0 else ""
+        extra += f",paths={'+'.join(self.paths)}" if self.paths else ""
         return f"synthetic[{self.index}]:dk={self.d_k},scale={self.scale.name},seq={self.seq}{extra},dist={self.dist},seed={self.seed}"
 
 
@@ -193,8 +206,9 @@ def _reject_unknown(table: dict[str, Any], known: tuple[str, ...], prefix: str, 
 # --------------------------------------------------------------------------- tables
 
 TOP_KEYS = ("inputs", "keys", "synthetic", "dtypes", "methods", "block", "order", "accum", "device", "budget")
-SYNTHETIC_KEYS = ("d_k", "scale", "seq", "rows", "dist", "std", "seed", "dtype")
-BUDGET_KEYS = (*BUDGET_NAMES, "relative_to_torch_atol")
+SYNTHETIC_KEYS = ("d_k", "scale", "seq", "rows", "dist", "std", "seed", "dtype", "paths")
+_AT = BUDGET_NAMES.index("relative_to_torch") + 1
+BUDGET_KEYS = (*BUDGET_NAMES[:_AT], "relative_to_torch_atol", *BUDGET_NAMES[_AT:])
 
 
 def parse_budget(table: dict[str, Any], prefix: str, display: str, base: Budget | None = None) -> Budget:
@@ -205,8 +219,10 @@ def parse_budget(table: dict[str, Any], prefix: str, display: str, base: Budget 
         key = f"{prefix}.{name}" if prefix else name
         if name in COUNT_BUDGETS:
             values[name] = _count(value, key)
+        elif name in LOWER_BUDGETS:
+            values[name] = params.cosine(value, key, from_text=False)
         else:
-            values[name] = _number(value, key, positive=name == RELATIVE_BUDGET)
+            values[name] = _number(value, key, positive=name in RELATIVE_BUDGETS)
     budget = replace(base or Budget(), **values)
     if "relative_to_torch_atol" in table and budget.relative_to_torch is None:
         key = f"{prefix}.relative_to_torch_atol" if prefix else "relative_to_torch_atol"
@@ -253,6 +269,8 @@ def _parse_synthetic(value: Any, prefix: str, display: str) -> tuple[SyntheticIn
             changes["seed"] = _int(entry["seed"], f"{at}.seed", 0)
         if "dtype" in entry:
             changes["dtypes"] = params.dtypes(entry["dtype"], f"{at}.dtype")
+        if "paths" in entry:
+            changes["paths"] = params.paths(entry["paths"], f"{at}.paths")
         out.append(replace(spec, **changes))
     return tuple(out)
 
@@ -297,7 +315,31 @@ def parse_table(table: Any, *, display: str = "<config>", prefix: str = TABLE, r
     if values.get("keys") and not values.get("inputs"):
         raise AttncheckError(f"{key('keys')} picks tensors inside files, but {key('inputs')} names no file")
     config = CheckConfig(**values)
+    _check_output_budgets(config)
     return replace(config, files=resolve_inputs(config))
+
+
+def _check_output_budgets(config: CheckConfig) -> None:
+    """out_* budgets judge O = P@V: some input must have V (a synthetic entry with paths);
+    relative_to_torch on paths compares with the eager path's torch.softmax cell."""
+    budgets = (config.budget, *config.dtype_budgets.values())
+    relative = [n for n in RELATIVE_BUDGETS if any(getattr(b, n) is not None for b in budgets)]
+    if relative:
+        for spec in config.synthetic:
+            if spec.paths and "eager" not in spec.paths:
+                raise AttncheckError(
+                    f"{config.key('budget.' + relative[0])} compares each cell with torch.softmax on the eager path: "
+                    f"add \"eager\" to {config.key('synthetic')}[{spec.index}].paths"
+                )
+    if any(spec.paths for spec in config.synthetic):
+        return
+    for where, budget in (("budget", config.budget), *((f"budget.{d}", b) for d, b in config.dtype_budgets.items())):
+        names = budget.output_budgets()
+        if names:
+            raise AttncheckError(
+                f"{config.key(where + '.' + names[0])} judges the attention output O = P@V, which needs V: add "
+                f"paths = [\"eager\", \"flash\"] to a [[{config.key('synthetic')}]] entry (saved score dumps have no V)"
+            )
 
 
 def resolve_inputs(config: CheckConfig) -> tuple[str, ...]:

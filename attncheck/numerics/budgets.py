@@ -23,9 +23,21 @@ from attncheck.numerics.diagnose import check_scores, diagnose_chunks, resolve_d
 from attncheck.numerics.precision import dtype_from_name
 from attncheck.numerics.reduce import unravel
 from attncheck.numerics.softmax import reference_softmax, run_method
-from attncheck.numerics.synthetic import make_scores
+from attncheck.config.sweep import head_layout
+from attncheck.numerics.synthetic import make_qk, make_scores
 from attncheck.params import DEFAULT_BLOCK
-from attncheck.results import COUNT_BUDGETS, RELATIVE_BUDGET, BudgetCheck, CaseResult, Cell, flash_rule_bound
+from attncheck.results import (
+    COUNT_BUDGETS,
+    LOWER_BUDGETS,
+    OUTPUT_BUDGETS,
+    RELATIVE_BUDGET,
+    RELATIVE_BUDGETS,
+    BudgetCheck,
+    CaseResult,
+    Cell,
+    TensorDiagnosis,
+    flash_rule_bound,
+)
 
 # Which Cell field each budget reads, and which of its example labels say where it happened.
 BUDGET_FIELD = {
@@ -38,13 +50,21 @@ BUDGET_FIELD = {
     "rmse": "rmse",
     "kl_max": "kl_max",
     RELATIVE_BUDGET: "max_abs_err_algo",
+    "out_nan": "out_nan_rows",
+    "out_max_abs_err": "out_max_abs_err",
+    "out_rmse": "out_rmse",
+    "out_rel_l1": "out_rel_l1",
+    "out_cos_min": "out_cos_min",
+    "out_relative_to_torch": "out_max_abs_err",
 }
 EXAMPLE_PREFIX = {"nan": "nan:", "overflow": "overflow", "zero_rows": "zero:", "argmax_flips": "flip"}
 LOCATABLE = {"max_abs_err": False, "max_abs_err_algo": True, RELATIVE_BUDGET: True}  # budget -> against the cast scores?
 
 
 def _examples(cell: Cell, budget: str) -> list[tuple[int, ...]]:
-    prefix = EXAMPLE_PREFIX[budget]
+    prefix = EXAMPLE_PREFIX.get(budget)
+    if prefix is None:
+        return []
     rows: list[tuple[int, ...]] = []
     for label, found in cell.examples.items():
         if label == prefix or (prefix.endswith(":") and label.startswith(prefix)):
@@ -53,13 +73,17 @@ def _examples(cell: Cell, budget: str) -> list[tuple[int, ...]]:
 
 
 def budget_checks(cell: Cell, budget: Budget, torch_cell: Cell | None = None) -> list[BudgetCheck]:
-    """Apply every active budget to ``cell``; ``torch_cell`` (same dtype) is needed for relative_to_torch."""
+    """Apply every active budget to ``cell``; ``torch_cell`` (same dtype) is needed for relative_to_torch.
+    The out_* budgets apply to cells that computed O = P@V (with V), and only to them."""
     out = []
     for name, limit in budget.active():
-        if name == RELATIVE_BUDGET:
+        if name in OUTPUT_BUDGETS and not cell.out_rows:
+            continue
+        if name in RELATIVE_BUDGETS:
             if cell.method == "torch":
                 continue  # torch against itself says nothing
-            out.append(_relative_check(cell, limit, budget.relative_to_torch_atol, torch_cell))
+            atol = budget.relative_to_torch_atol if name == RELATIVE_BUDGET else 0.0
+            out.append(_relative_check(cell, name, limit, atol, torch_cell))
             continue
         measured = getattr(cell, BUDGET_FIELD[name])
         if name in COUNT_BUDGETS:
@@ -69,23 +93,26 @@ def budget_checks(cell: Cell, budget: Budget, torch_cell: Cell | None = None) ->
         elif measured is None:
             out.append(BudgetCheck(name, limit, None, limit, False, note="no row where the cell and the float64 reference are both finite"))
         else:
-            out.append(BudgetCheck(name, limit, measured, limit, measured <= limit))
+            passed = measured >= limit if name in LOWER_BUDGETS else measured <= limit
+            out.append(BudgetCheck(name, limit, measured, limit, passed))
     return out
 
 
-def _relative_check(cell: Cell, factor: float, atol: float, torch_cell: Cell | None) -> BudgetCheck:
+def _relative_check(cell: Cell, name: str, factor: float, atol: float, torch_cell: Cell | None) -> BudgetCheck:
+    """FlashAttention's rule: the cell's value of RELATIVE_BUDGETS[name] <= factor x the torch cell's + atol."""
+    field_name = RELATIVE_BUDGETS[name]
     if torch_cell is None:
-        raise AttncheckError(f"relative_to_torch needs the torch cell in {cell.dtype}")
-    ref = torch_cell.max_abs_err_algo
-    measured = cell.max_abs_err_algo
+        raise AttncheckError(f"{name} needs the torch cell in {cell.dtype}")
+    ref = getattr(torch_cell, field_name)
+    measured = getattr(cell, field_name)
     if ref is None:
-        note = f"torch/{cell.dtype} has no row where it and the float64 reference are both finite"
-        return BudgetCheck(RELATIVE_BUDGET, factor, measured, None, False, atol=atol, note=note)
+        note = f"{torch_cell.label}/{cell.dtype} has no row where it and the float64 reference are both finite"
+        return BudgetCheck(name, factor, measured, None, False, atol=atol, note=note)
     bound = flash_rule_bound(ref, factor, atol)
     if measured is None:
         note = "no row where the cell and the float64 reference are both finite"
-        return BudgetCheck(RELATIVE_BUDGET, factor, None, bound, False, reference=ref, atol=atol, note=note)
-    return BudgetCheck(RELATIVE_BUDGET, factor, measured, bound, measured <= bound, reference=ref, atol=atol)
+        return BudgetCheck(name, factor, None, bound, False, reference=ref, atol=atol, note=note)
+    return BudgetCheck(name, factor, measured, bound, measured <= bound, reference=ref, atol=atol)
 
 
 def locate_worst_row(
@@ -166,6 +193,62 @@ def check_source(
     for case in cases:  # the input's time, shared out so that the cases add up to it
         case.seconds = seconds / len(cases)
     return cases
+
+
+def check_attention(
+    spec: SyntheticInput,
+    budget: Budget,
+    options: Options,
+    budgets: dict[str, Budget] | None = None,
+    progress: Callable[[int], None] | None = None,
+    notice: Callable[[str], None] | None = None,
+) -> list[CaseResult]:
+    """A synthetic entry with ``paths``: Q, K and V from the sweep generator, every path's P
+    and O = P@V, each cell (path, method, dtype) against the budget."""
+    from attncheck.numerics.diagnose import diagnose_attention
+    from attncheck.numerics.scores import prepare_inputs
+
+    per_dtype = {d: (budgets or {}).get(d, budget) for d in options.dtypes}
+    shown = options.methods
+    methods = shown
+    if any(_relative(b) for b in per_dtype.values()) and "torch" not in methods:
+        methods = (*methods, "torch")  # the eager:torch cell is the rule's reference
+    options = replace(options, methods=methods, paths=spec.paths)
+    q, k, v = synthetic_qkv(spec)
+    inputs = prepare_inputs(q, k, v=v, scale=spec.scale)
+    start = time.perf_counter()
+    diag = diagnose_attention(spec.name, inputs, options, progress, notice=notice)
+    seconds = time.perf_counter() - start
+    cases = []
+    for cell in diag.cells:
+        if cell.path == "eager" and cell.method not in shown:
+            continue
+        b = per_dtype[cell.dtype]
+        torch_cell = _eager_torch(diag, cell.dtype) if _relative(b) else None
+        checks = budget_checks(cell, b, torch_cell)
+        cases.append(CaseResult(spec.name, cell.label, cell.dtype, cell.rows, cell.compared_rows, checks, tuple(diag.shape)))
+    for case in cases:  # the input's time, shared out so that the cases add up to it
+        case.seconds = seconds / len(cases)
+    return cases
+
+
+def _relative(budget: Budget) -> bool:
+    return any(getattr(budget, name) is not None for name in RELATIVE_BUDGETS)
+
+
+def _eager_torch(diag: TensorDiagnosis, dtype: str) -> Cell | None:
+    try:
+        return diag.cell("torch", dtype, path="eager")
+    except KeyError:
+        return None
+
+
+def synthetic_qkv(spec: SyntheticInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (1, H, Q, d), k and v (1, H, S, d) in float64 from the sweep generator: the entry's
+    rows as whole heads of up to ``seq`` queries (rounded up to a whole head)."""
+    heads, queries = head_layout(spec.rows, spec.seq)
+    q, k, v = make_qk(heads, queries, spec.seq, spec.d_k, dist=spec.dist, std=spec.std, seed=spec.seed, with_v=True)
+    return q[None], k[None], v[None]
 
 
 def check_tensor(name: str, scores: torch.Tensor, budget: Budget, options: Options, budgets: dict[str, Budget] | None = None) -> list[CaseResult]:

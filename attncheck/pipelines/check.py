@@ -12,6 +12,7 @@ import time
 from typing import Callable
 
 from attncheck.config.check import CheckConfig
+from attncheck.config.sweep import head_layout
 from attncheck.errors import AttncheckError
 from attncheck.results import CaseResult, CheckResult
 
@@ -29,7 +30,7 @@ def run_check(config: CheckConfig, device: str | None = None, track: Track | Non
 
 def _run_check(config: CheckConfig, device: str | None, track: Track, notice) -> CheckResult:
     from attncheck.loaders import memory_source, open_sources
-    from attncheck.numerics.budgets import check_source, synthetic_scores
+    from attncheck.numerics.budgets import check_attention, check_source, synthetic_scores
     from attncheck.numerics.diagnose import resolve_device
     from attncheck.pipelines.run import device_label
 
@@ -45,6 +46,11 @@ def _run_check(config: CheckConfig, device: str | None, track: Track, notice) ->
         cases += check_source(src, config.budget, options, config.dtype_budgets, name=name, progress=track(name, src.rows), notice=notice)
     for spec in config.synthetic:
         names.append(spec.name)
+        if spec.paths:
+            heads, queries = head_layout(spec.rows, spec.seq)
+            cases += check_attention(spec, config.budget, config.options(spec.dtypes, str(dev)), config.dtype_budgets,
+                                     progress=track(spec.name, heads * queries), notice=notice)
+            continue
         src = memory_source(spec.name, synthetic_scores(spec, str(dev)))
         cases += check_source(src, config.budget, config.options(spec.dtypes, str(dev)), config.dtype_budgets, progress=track(spec.name, src.rows), notice=notice)
     return CheckResult(

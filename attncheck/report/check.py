@@ -12,8 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from attncheck import __version__
-from attncheck.format import num, row_text, to_jsonable
-from attncheck.results import BUDGET_NAMES, RELATIVE_BUDGET, BudgetCheck, CaseResult, CheckResult
+from attncheck.format import cosine, num, row_text, to_jsonable
+from attncheck.results import BUDGET_NAMES, LOWER_BUDGETS, RELATIVE_BUDGET, RELATIVE_BUDGETS, BudgetCheck, CaseResult, CheckResult
 
 JSON_SCHEMA = "attncheck.check/1"
 JUNIT_SUITE = "attncheck"
@@ -28,23 +28,29 @@ MEANING = {
     "rmse": "root mean square error against the scores as given",
     "kl_max": "largest KL(p_float64 || p) of a row",
     RELATIVE_BUDGET: "max_abs_err_algo as a multiple of torch.softmax's in the same dtype (FlashAttention's rule)",
+    "out_nan": "rows of O = P@V that come out NaN",
+    "out_max_abs_err": "max |O - O_float64| (O_float64 = P_float64 @ V in float64)",
+    "out_rmse": "root mean square error of O",
+    "out_rel_l1": "sum |O - O_float64| / sum |O_float64|",
+    "out_cos_min": "smallest cosine similarity of a row of O with O_float64 (a lower bound)",
+    "out_relative_to_torch": "out_max_abs_err as a multiple of the eager torch.softmax path's in the same dtype (FlashAttention's rule on O)",
 }
 
 
 def describe_check(check: BudgetCheck) -> str:
     """'max_abs_err 0.0312 > budget 0.01 (worst row (0, 3, 17))' or 'nan 0 <= budget 0'."""
-    op = "<=" if check.passed else ">"
+    op = check.op
     if check.measured is None:
         text = f"{check.budget} not measured: {check.note} (budget {num(check.limit)})"
-    elif check.budget == RELATIVE_BUDGET:
+    elif check.is_relative:
         atol = f" + {num(check.atol)}" if check.atol else ""
-        ratio = f" ({check.ratio:.2f}x torch)" if check.ratio is not None else ""
+        ratio = f" ({ratio_text(check.ratio)} torch)" if check.ratio is not None else ""
         text = (
-            f"relative_to_torch: max_abs_err_algo {num(check.measured)} {op} "
+            f"{check.budget}: {RELATIVE_BUDGETS[check.budget]} {num(check.measured)} {op} "
             f"{num(check.limit)} x torch {num(check.reference)}{atol} = {num(check.bound)}{ratio}"
         )
     else:
-        text = f"{check.budget} {num(check.measured)} {op} budget {num(check.limit)}"
+        text = f"{check.budget} {value_text(check.budget, check.measured)} {op} budget {value_text(check.budget, check.limit)}"
     if check.rows and not check.passed:
         if check.is_count:
             shown = ", ".join(row_text(r) for r in check.rows[:3])
@@ -70,21 +76,33 @@ def budget_columns(result: CheckResult) -> list[str]:
     return [name for name in BUDGET_NAMES if name in used]
 
 
+def value_text(budget: str, value: float | int) -> str:
+    """A measured value or limit as reports show it (cosines with six decimals)."""
+    return cosine(value) if budget in LOWER_BUDGETS else num(value)
+
+
 def limit_text(budget: str, limit: float | int | None) -> str:
     if limit is None:
         return "-"
-    return f"<= {num(limit)}x torch" if budget == RELATIVE_BUDGET else f"<= {num(limit)}"
+    if budget in RELATIVE_BUDGETS:
+        return f"<= {num(limit)}x torch"
+    return f"{'>=' if budget in LOWER_BUDGETS else '<='} {value_text(budget, limit)}"
+
+
+def ratio_text(ratio: float) -> str:
+    """'2.13x', '0.13x', '0.00012x'."""
+    return f"{ratio:.2f}x" if ratio >= 0.01 else f"{ratio:.2g}x"
 
 
 def measured_text(check: BudgetCheck) -> str:
     """What a table cell shows: the value, or for relative_to_torch the ratio to torch's error."""
     if check.measured is None:
         return "n/a"
-    if check.budget == RELATIVE_BUDGET:
+    if check.is_relative:
         if check.ratio is not None:
-            return f"{check.ratio:.2f}x"
+            return ratio_text(check.ratio)
         return f"{num(check.measured)} (torch {num(check.reference)})"
-    return num(check.measured)
+    return value_text(check.budget, check.measured)
 
 
 def _header_limit(result: CheckResult, budget: str) -> float | int | None:
@@ -111,13 +129,12 @@ def check_lines(case: CaseResult) -> list[str]:
         status = "ok  " if c.passed else "FAIL"
         if c.measured is None:
             body = f"not measured: {c.note}; budget {c.limit!r}"
-        elif c.budget == RELATIVE_BUDGET:
-            op = "<=" if c.passed else ">"
+        elif c.is_relative:
+            op = c.op
             ratio = f" (ratio {c.ratio!r})" if c.ratio is not None else ""
-            body = f"max_abs_err_algo {c.measured!r} {op} {c.limit!r} x torch {c.reference!r} + atol {c.atol!r} = {c.bound!r}{ratio}"
+            body = f"{RELATIVE_BUDGETS[c.budget]} {c.measured!r} {op} {c.limit!r} x torch {c.reference!r} + atol {c.atol!r} = {c.bound!r}{ratio}"
         else:
-            op = "<=" if c.passed else ">"
-            body = f"{c.measured!r} {op} budget {c.limit!r}"
+            body = f"{c.measured!r} {c.op} budget {c.limit!r}"
         if c.rows:
             label = "rows" if c.is_count else "worst row"
             body += f"; {label} " + ", ".join(row_text(r) for r in c.rows)
@@ -139,7 +156,7 @@ def summary_tables(result: CheckResult) -> list[Text | Table]:
         t.add_column("result", no_wrap=True)
         t.add_column("cell", no_wrap=True)
         for budget in columns:
-            label = "relative_to\n_torch" if budget == RELATIVE_BUDGET else budget
+            label = budget.replace("relative_to", "relative_to\n") if budget in RELATIVE_BUDGETS else budget
             t.add_column(f"{label}\n{limit_text(budget, _header_limit(result, budget))}", justify="right", no_wrap=True)
         for case in (c for c in result.cases if c.input == name):
             by_name = {c.budget: c for c in case.checks}
@@ -261,7 +278,7 @@ def check_json(result: CheckResult) -> dict[str, Any]:
                     "bound": c.bound,
                     "passed": c.passed,
                     "reference": c.reference,
-                    "atol": c.atol if c.budget == RELATIVE_BUDGET else None,
+                    "atol": c.atol if c.is_relative else None,
                     "ratio": c.ratio,
                     "worst_row": None if c.worst_row is None else list(c.worst_row),
                     "rows": [list(r) for r in c.rows],

@@ -200,6 +200,42 @@ def test_rich_summary_fits_80_columns(overflow_dump, project):
     assert re.search(r"pass\s+stable/fp16\s+0\s+0", text)
 
 
+OUTPUT_BUDGET = """\
+[tool.attncheck]
+dtypes = ["bf16"]
+methods = ["torch"]
+
+[[tool.attncheck.synthetic]]
+d_k = 64
+seq = 128
+rows = 128
+paths = ["eager", "flash"]
+
+[tool.attncheck.budget]
+out_rmse = 1e-4
+out_cos_min = 0.99
+"""
+
+
+def test_output_budget_on_attention_paths_exits_1(project):
+    """bf16 keeps 8 significant bits: rounding P and O puts O's RMSE on N(0,1) inputs well above 1e-4 in every path,
+    while the rows still point the right way (cosine > 0.99)."""
+    (project / "pyproject.toml").write_text(OUTPUT_BUDGET)
+    r = check("--json", "report.json", "--junit", "junit.xml")
+    assert r.exit_code == 1, r.output
+    doc = json.loads((project / "report.json").read_text())
+    assert [c["name"] for c in doc["cases"]] == ["eager:torch/bf16", "flash/bf16"]
+    for case in doc["cases"]:
+        rmse, cos = (next(c for c in case["checks"] if c["budget"] == b) for b in ("out_rmse", "out_cos_min"))
+        assert rmse["passed"] is False and 1e-4 < rmse["measured"] < 1e-2
+        assert cos["passed"] is True and 0.99 < cos["measured"] < 1
+        assert rmse["message"].startswith("out_rmse ") and " > budget 0.0001" in rmse["message"]
+    suite = ET.parse(project / "junit.xml").getroot()
+    assert [tc.get("name") for tc in suite.iter("testcase")] == ["eager:torch/bf16", "flash/bf16"]
+    assert "ok   out_cos_min: 0.99" in suite.find("testcase/failure").text
+    assert r.stderr.count("budget broken") == 2 and "flash/bf16: out_rmse" in r.stderr
+
+
 # --------------------------------------------------------------------------- exit 2
 
 
@@ -213,11 +249,15 @@ CONFIG_ERRORS = [
     ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budget]\nnan = "zero"\n', re.escape("tool.attncheck.budget.nan must be an integer >= 0, got 'zero'")),
     ('[tool.attncheck]\ninputs = ["dumps/*.pt"]\n', re.escape("tool.attncheck.inputs: 'dumps/*.pt' matches no file (relative to ") + ".+" + re.escape(")")),
     ("[tool.attncheck]\ndtypes = ['bf16']\n", re.escape('[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table')),
+    ("[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\npaths = ['eager', 'triton']\n",
+     re.escape("tool.attncheck.synthetic[0].paths: unknown path 'triton' (choose from eager, sdpa-math, flash)")),
+    ("[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\n[tool.attncheck.budget]\nout_rmse = 1e-3\n",
+     re.escape('tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a [[tool.attncheck.synthetic]] entry (saved score dumps have no V)')),
     ("[project]\nname = 'x'\n", r"no config found: no attncheck\.toml, and no pyproject\.toml with a \[tool\.attncheck\] table, in .+ or its parents; add one or pass --config FILE"),
 ]
 
 
-@pytest.mark.parametrize("text,pattern", CONFIG_ERRORS, ids=["bad-toml", "unknown-key", "wrong-type", "no-match", "no-inputs", "no-table"])
+@pytest.mark.parametrize("text,pattern", CONFIG_ERRORS, ids=["bad-toml", "unknown-key", "wrong-type", "no-match", "no-inputs", "unknown-path", "out-without-v", "no-table"])
 def test_config_errors_exit_2_with_one_line(project, text, pattern):
     (project / "pyproject.toml").write_text(text)
     r = check("--junit", "junit.xml")
@@ -326,7 +366,9 @@ def test_example_config_loads_and_passes(ci_example):
     assert [s.name for s in cfg.synthetic] == [
         "synthetic[0]:dk=128,scale=sqrt,seq=256,dist=normal,seed=0",
         "synthetic[1]:dk=64,scale=sqrt,seq=128,dist=outliers,seed=0",
+        "synthetic[2]:dk=128,scale=sqrt,seq=256,rows=512,paths=eager+flash,dist=normal,seed=0",
     ]
+    assert (cfg.budget.out_relative_to_torch, cfg.budget.out_cos_min) == (2.0, 0.999)
 
     # The workflow's step, run where the workflow runs it.
     workflow = (ROOT / "examples" / "ci" / "attncheck.yml").read_text()
@@ -337,4 +379,6 @@ def test_example_config_loads_and_passes(ci_example):
     r = runner.invoke(app, command)
     assert r.exit_code == 0, r.output
     suite = ET.parse(ci_example / "attncheck-junit.xml").getroot()
-    assert (suite.get("tests"), suite.get("failures")) == ("14", "0")
+    assert (suite.get("tests"), suite.get("failures")) == ("18", "0")
+    names = [tc.get("name") for tc in suite.iter("testcase") if "paths=" in tc.get("classname")]
+    assert names == ["eager:torch/bf16", "eager:torch/fp16", "flash/bf16", "flash/fp16"]

@@ -17,7 +17,7 @@ from attncheck.errors import AttncheckError
 
 SYN = {"synthetic": [{"d_k": 16, "seq": 32, "rows": 64}]}
 KNOWN_TOP = "inputs, keys, synthetic, dtypes, methods, block, order, accum, device, budget"
-KNOWN_BUDGET = "nan, overflow, zero_rows, argmax_flips, max_abs_err, max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, fp16, bf16, fp32"
+KNOWN_BUDGET = "nan, overflow, zero_rows, argmax_flips, max_abs_err, max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, out_cos_min, out_relative_to_torch, fp16, bf16, fp32"
 LN_FP16_LIMIT = math.log(65520.0)  # exp(x) rounds to inf in fp16 above this
 
 
@@ -101,7 +101,8 @@ BAD_TABLES = [
     (
         {"budget": {"bf16": {"fp16": {}}}},
         "unknown key 'tool.attncheck.budget.bf16.fp16' in <config> (known: nan, overflow, zero_rows, argmax_flips, max_abs_err, "
-        "max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol)",
+        "max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, "
+        "out_cos_min, out_relative_to_torch)",
     ),
     ({"dtypes": ["fp8"]}, "tool.attncheck.dtypes: unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
     ({"dtypes": []}, "tool.attncheck.dtypes is empty (choose from fp16, bf16, fp32)"),
@@ -122,7 +123,20 @@ BAD_TABLES = [
     ({"synthetic": [{"d_k": 8, "dist": "cauchy"}]}, "tool.attncheck.synthetic[0].dist must be one of normal, outliers, got 'cauchy'"),
     ({"synthetic": [{"d_k": 8, "std": 0}]}, "tool.attncheck.synthetic[0].std must be a number > 0, got 0"),
     ({"synthetic": [{"d_k": 8, "dtype": "int8"}]}, "tool.attncheck.synthetic[0].dtype: unknown dtype 'int8' (choose from fp16, bf16, fp32)"),
-    ({"synthetic": [{"dk": 8}]}, "unknown key 'tool.attncheck.synthetic[0].dk' in <config> (known: d_k, scale, seq, rows, dist, std, seed, dtype)"),
+    ({"synthetic": [{"dk": 8}]}, "unknown key 'tool.attncheck.synthetic[0].dk' in <config> (known: d_k, scale, seq, rows, dist, std, seed, dtype, paths)"),
+    ({"synthetic": [{"d_k": 8, "paths": ["flash", "xformers"]}]}, "tool.attncheck.synthetic[0].paths: unknown path 'xformers' (choose from eager, sdpa-math, flash)"),
+    ({"synthetic": [{"d_k": 8, "paths": []}]}, "tool.attncheck.synthetic[0].paths is empty (choose from eager, sdpa-math, flash)"),
+    ({"synthetic": [{"d_k": 8}], "budget": {"out_rmse": 1e-3}},
+     'tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a '
+     "[[tool.attncheck.synthetic]] entry (saved score dumps have no V)"),
+    ({"synthetic": [{"d_k": 8}], "budget": {"fp16": {"out_nan": 0}}},
+     'tool.attncheck.budget.fp16.out_nan judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a '
+     "[[tool.attncheck.synthetic]] entry (saved score dumps have no V)"),
+    ({"synthetic": [{"d_k": 8, "paths": ["flash"]}], "budget": {"out_relative_to_torch": 2}},
+     'tool.attncheck.budget.out_relative_to_torch compares each cell with torch.softmax on the eager path: add "eager" to '
+     "tool.attncheck.synthetic[0].paths"),
+    ({"synthetic": [{"d_k": 8, "paths": ["flash"]}], "budget": {"out_cos_min": 1.5}}, "tool.attncheck.budget.out_cos_min is a cosine similarity: a number between -1 and 1, got 1.5"),
+    ({"synthetic": [{"d_k": 8, "paths": ["flash"]}], "budget": {"out_relative_to_torch": 0}}, "tool.attncheck.budget.out_relative_to_torch must be a number > 0, got 0"),
     ({}, '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table'),
     ({"inputs": []}, '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table'),
 ]

@@ -220,3 +220,78 @@ def test_check_reads_files_in_row_blocks(tmp_path, monkeypatch):
     assert [c.name for c in result.cases] == ["naive/fp16", "stable/fp16"]
     for got, want in zip(result.cases, whole):
         assert [(c.budget, c.measured, c.passed, c.rows) for c in got.checks] == [(c.budget, c.measured, c.passed, c.rows) for c in want.checks]
+
+
+# --------------------------------------------------------------------------- attention paths: budgets on O = P@V
+
+PATH_SYN = {"synthetic": [{"d_k": 32, "seq": 64, "rows": 128, "dist": "outliers", "paths": ["eager", "sdpa-math", "flash"]}], "dtypes": ["fp16"], "methods": ["torch"]}
+
+
+def _sdpa_math_out(q, k, v, dtype):
+    """PyTorch's own MATH backend in ``dtype``, and float64 attention of the same inputs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        o = torch.nn.functional.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype))
+    ref = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1) @ v  # float64
+    return o.double(), ref
+
+
+def test_output_budgets_measure_what_torchs_sdpa_gives():
+    """The sdpa-math cell's O errors are the errors of torch's own MATH backend against float64."""
+    from attncheck.numerics.budgets import synthetic_qkv
+
+    cfg = parse_table({**PATH_SYN, "budget": {"out_rmse": 1.0, "out_max_abs_err": 1.0, "out_rel_l1": 1.0, "out_cos_min": -1.0, "out_nan": 0}})
+    cases = {c.name: c for c in run_check(cfg).cases}
+    assert list(cases) == ["eager:torch/fp16", "sdpa-math/fp16", "flash/fp16"]
+    q, k, v = synthetic_qkv(cfg.synthetic[0])
+    o, ref = _sdpa_math_out(q, k, v, torch.float16)
+    d = o - ref
+    cos = torch.nn.functional.cosine_similarity(o, ref, dim=-1)
+    expect = {"out_max_abs_err": d.abs().max(), "out_rmse": d.pow(2).mean().sqrt(), "out_rel_l1": d.abs().sum() / ref.abs().sum(), "out_cos_min": cos.min()}
+    got = {c.budget: c.measured for c in cases["sdpa-math/fp16"].checks}
+    for name, value in expect.items():
+        assert got[name] == pytest.approx(float(value), rel=1e-9), name
+    assert got["out_nan"] == 0 and cases["sdpa-math/fp16"].passed
+
+
+def test_output_budgets_break_in_both_directions():
+    """out_rmse is an upper bound, out_cos_min a lower one: a limit just past the measured value flips each."""
+    cfg = parse_table({**PATH_SYN, "budget": {"out_rmse": 1.0, "out_cos_min": -1.0}})
+    flash = next(c for c in run_check(cfg).cases if c.name == "flash/fp16")
+    rmse, cos = (next(c.measured for c in flash.checks if c.budget == b) for b in ("out_rmse", "out_cos_min"))
+    assert 0 < rmse < 1e-3 and 0.999 < cos < 1
+    tight = parse_table({**PATH_SYN, "budget": {"out_rmse": rmse * 0.99, "out_cos_min": min(1.0, cos + 1e-9)}})
+    flash = next(c for c in run_check(tight).cases if c.name == "flash/fp16")
+    assert [(c.budget, c.passed) for c in flash.checks] == [("nan", True), ("overflow", True), ("out_rmse", False), ("out_cos_min", False)]
+    assert [describe_check(c).split(" budget")[0] for c in flash.failures] == [f"out_rmse {rmse:.3g} >", f"out_cos_min {cos:.6f} <"]
+    loose = parse_table({**PATH_SYN, "budget": {"out_rmse": rmse, "out_cos_min": cos}})
+    assert next(c for c in run_check(loose).cases if c.name == "flash/fp16").passed
+
+
+def test_out_relative_to_torch_compares_with_the_eager_torch_cell():
+    """FlashAttention's rule on O: each path's max |O - O_float64| against 2x the eager torch.softmax path's."""
+    cfg = parse_table({**PATH_SYN, "methods": ["stable"], "budget": {"out_relative_to_torch": 2.0}})
+    cases = {c.name: c for c in run_check(cfg).cases}
+    assert list(cases) == ["eager:stable/fp16", "sdpa-math/fp16", "flash/fp16"]  # torch computed, not reported
+    from attncheck.numerics.budgets import synthetic_qkv
+
+    q, k, v = synthetic_qkv(cfg.synthetic[0])
+    ref64 = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(32), dim=-1) @ v
+    qh, kh, vh = (t.half() for t in (q, k, v))
+    s = (torch.matmul(qh, kh.transpose(-1, -2)) * (1 / math.sqrt(32))).half()  # eager: S in fp16, scale in fp16
+    o_torch = torch.matmul(torch.softmax(s, dim=-1), vh).double()
+    torch_err = float((o_torch - ref64).abs().max())
+    for name in ("sdpa-math/fp16", "flash/fp16"):
+        (check,) = cases[name].checks[2:]
+        assert check.budget == "out_relative_to_torch" and check.reference == pytest.approx(torch_err, rel=1e-12)
+        assert check.bound == pytest.approx(2 * torch_err) and check.passed == (check.measured <= 2 * torch_err)
+
+
+def test_scores_inputs_skip_output_budgets(tmp_path):
+    """A dump of scores has no V: out_* budgets apply to the synthetic entries with paths only."""
+    np.save(tmp_path / "s.npy", np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32))
+    table = {**PATH_SYN, "inputs": ["s.npy"], "budget": {"out_rmse": 1.0}}
+    cases = run_check(parse_table(table, root=tmp_path)).cases
+    assert {c.budget for c in cases[0].checks} == {"nan", "overflow"}
+    assert {c.budget for c in cases[-1].checks} == {"nan", "overflow", "out_rmse"}
