@@ -13,9 +13,10 @@ from typing import Any
 from attncheck import params
 from attncheck.errors import AttncheckError, param
 from attncheck.params import SCALE_NAMES, Scale
-from attncheck.registry import dtype_names, method_names
+from attncheck.registry import dtype_names, method_names, path_names
 
 DIST_NAMES = ("normal", "outliers")
+PRESET_NAMES = ("fa3",)  # numerics.presets: published figures reproduced
 
 # FlashAttention-3's numerical-error inputs: N(0,1) + N(0,100) * Bernoulli(0.001).
 OUTLIER_PROB = 0.001
@@ -24,8 +25,10 @@ OUTLIER_VAR = 100.0
 MEMORY_BUDGET_BYTES = 2 * 1024**3
 # float64 (rows, seq) tensors alive at once while one grid point is measured:
 # unscaled scores, scaled logits, reference, a cell's probabilities in float64,
-# their difference, a temporary, plus the low-precision copies (counted as two).
-_LIVE_ROW_TENSORS = 8
+# their difference, a temporary, plus the low-precision copies (counted as two);
+# for the outputs: the Q/K block's float64 scores and reference, a path's scores and P.
+_LIVE_ROW_TENSORS = 12
+_LIVE_OUT_TENSORS = 3  # float64 (rows, d_k): the reference output, an output, their difference
 
 DEFAULT_DKS = (16, 32, 64, 128, 256, 512)
 DEFAULT_SEQ = 128
@@ -44,10 +47,10 @@ def head_layout(rows: int, seq: int) -> tuple[int, int]:
 
 
 def point_bytes(rows: int, seq: int, dk: int) -> int:
-    """Peak memory of one grid point: float64 Q and K, plus the (rows, seq) working set."""
+    """Peak memory of one grid point: float64 Q, K and V, plus the (rows, seq) and (rows, d_k) working sets."""
     heads, queries = head_layout(rows, seq)
-    qk = 8 * heads * (queries + seq) * dk
-    return qk + 8 * _LIVE_ROW_TENSORS * rows * seq
+    qkv = 8 * heads * (queries + 2 * seq) * dk
+    return qkv + 8 * _LIVE_ROW_TENSORS * rows * seq + 8 * _LIVE_OUT_TENSORS * rows * dk
 
 
 def gib(n: float) -> str:
@@ -75,6 +78,7 @@ class SweepConfig:
     seed: int = 0
     block: int = DEFAULT_BLOCK
     device: str = "cpu"
+    paths: tuple[str, ...] = path_names()  # attention paths whose output O = P@V is measured (V drawn like q, k)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -90,6 +94,9 @@ class SweepConfig:
         params.integer(self.seed, "seed", 0, from_text=False)
         params.integer(self.block, "block", 1, from_text=False)
         set_("device", params.device(self.device))
+        if isinstance(self.paths, str):
+            raise AttncheckError("paths is a tuple of names, e.g. ('flash',)")
+        set_("paths", params.paths(list(self.paths)) if self.paths else ())
         self.check_memory()
 
     @classmethod
@@ -108,6 +115,7 @@ class SweepConfig:
             "seed": lambda v: params.integer(v, "seed", 0),
             "block": lambda v: params.integer(v, "block", 1),
             "device": lambda v: params.device(v),
+            "paths": lambda v: () if v.strip().lower() == "none" else params.paths(v),
         }
         return cls(**{name: parse[name](value) for name, value in text.items() if value is not None})
 

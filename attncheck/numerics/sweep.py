@@ -18,17 +18,20 @@ from typing import Callable
 
 import torch
 
-from attncheck.config.sweep import SweepConfig
+from attncheck.config.sweep import SweepConfig, head_layout
 from attncheck.numerics.diagnose import resolve_device
 from attncheck.numerics.precision import dtype_from_name, exp_overflow_threshold, limits_of
 from attncheck.numerics.rowmath import entropy, jacobian_frobenius
 from attncheck.numerics.softmax import reference_softmax, run_method
-from attncheck.numerics.synthetic import entry_moments, make_scores
+from attncheck.numerics.scores import prepare_inputs, score_blocks, start_audit
+from attncheck.numerics.softmax import MethodParams
+from attncheck.numerics.synthetic import entry_moments, make_qk, scores_of
 from attncheck.numerics.theory import naive_overflow_probability, var_qk_stderr, var_qk_theory
-from attncheck.params import COLLAPSE_THRESHOLD
-from attncheck.results import SweepCell, SweepPoint, SweepResult
+from attncheck.params import COLLAPSE_THRESHOLD, Scale
+from attncheck.registry import PATHS
+from attncheck.results import SweepCell, SweepOutput, SweepPoint, SweepResult
 
-__all__ = ["RowStats", "row_stats", "run_sweep"]
+__all__ = ["RowStats", "measure_outputs", "row_stats", "run_sweep"]
 
 
 # --------------------------------------------------------------------------- results
@@ -118,6 +121,34 @@ def _measure_cells(x: torch.Tensor, ref: torch.Tensor, point_theory: dict[str, f
     return cells
 
 
+def measure_outputs(q, k, v, scale: float, dtypes, paths, block: int, device, methods: dict[str, str] | None = None) -> list[SweepOutput]:
+    """The output O = P@V of each attention path x dtype for heads q (H, Q, d), k, v (H, S, d)
+    in float64, against float64 softmax(scale q.k) @ v. The eager path runs torch.softmax
+    unless ``methods`` names another softmax for it."""
+    if not paths:
+        return []
+    inp = prepare_inputs(q, k, v=v, scale=Scale(repr(scale)))
+    (blk,) = list(score_blocks(inp, inp.rows, device, start_audit(inp, statistics=False)))  # every head in one block
+    ref = torch.softmax(blk.given, dim=-1)  # (R, S) float64
+    out_ref = blk.reference_out(ref)  # (R, d) float64
+    params = MethodParams(block=block)
+    results = []
+    for name in dtypes:
+        dt = dtype_from_name(name)
+        for p in paths:
+            cell = PATHS.get(p).function()(blk, dt, [(methods or {}).get(p, "torch")], params).cells[0][1]
+            o = cell.out.to(torch.float64)  # (R, d)
+            finite = torch.isfinite(o).all(dim=-1)
+            d = (o - out_ref)[finite]
+            results.append(SweepOutput(
+                path=p, dtype=name, rows=o.shape[0], nan_rate=float((~finite).double().mean()),
+                max_abs_err=float(d.abs().max()) if d.numel() else None,
+                rmse=float(d.pow(2).mean().sqrt()) if d.numel() else None,
+                rel_l1=float(d.abs().sum() / out_ref[finite].abs().sum()) if d.numel() else None,
+            ))
+    return results
+
+
 def _point_seed(seed: int, dk: int, seq: int) -> int:
     """A seed per (d_k, seq): adding a value to the grid leaves the other points' draws unchanged."""
     return (seed * 1_000_003 + dk) * 1_000_003 % (1 << 62) + seq
@@ -132,7 +163,10 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
         for std in config.stds:
             m2, m4 = entry_moments(config.dist, std)
             for dk in config.dks:
-                s = make_scores(config.rows, seq, dk, dist=config.dist, std=std, seed=_point_seed(config.seed, dk, seq), device=device)  # (R, S) float64
+                heads, queries = head_layout(config.rows, seq)
+                q, k, v = make_qk(heads, queries, seq, dk, dist=config.dist, std=std, seed=_point_seed(config.seed, dk, seq), with_v=True)
+                q, k, v = q.to(device), k.to(device), v.to(device)  # (H, Q, d), (H, S, d), (H, S, d) float64
+                s = scores_of(q, k, config.rows)  # (R, S) float64: the logits before the scale
                 var_qk = float(s.var())
                 theory = var_qk_theory(dk, m2, m2)
                 stderr = var_qk_stderr(dk, config.rows, seq, m2, m4)
@@ -167,6 +201,7 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
                             collapsed_rate=stats.collapsed_rate,
                             jacobian_norm_collapsed_mean=stats.jacobian_norm_collapsed_mean,
                             cells=_measure_cells(x, ref, overflow_theory, config),
+                            outputs=measure_outputs(q, k, v, c, config.dtypes, config.paths, config.block, device),
                         )
                     )
                     if progress is not None:

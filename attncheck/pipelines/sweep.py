@@ -6,7 +6,7 @@ import time
 from typing import Callable
 
 from attncheck.config.sweep import SweepConfig
-from attncheck.results import SweepResult
+from attncheck.results import PresetResult, SweepResult
 
 
 def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None = None) -> SweepResult:
@@ -17,3 +17,11 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
     result = measure(config, progress)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def run_preset(name: str, seed: int = 0, device: str = "cpu") -> PresetResult:
+    """A preset of ``numerics.presets``: published figures next to attncheck's own."""
+    from attncheck.numerics.diagnose import resolve_device
+    from attncheck.numerics.presets import PRESETS
+
+    return PRESETS[name](seed=seed, device=resolve_device(device))

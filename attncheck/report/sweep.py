@@ -15,7 +15,7 @@ from attncheck.errors import AttncheckError, param
 from attncheck.numerics.theory import uniform_limits
 from attncheck.params import COLLAPSE_THRESHOLD, SCALE_MEANINGS
 from attncheck.format import fmt, pct, plain, to_jsonable
-from attncheck.results import SweepCell, SweepPoint, SweepResult
+from attncheck.results import PresetResult, SweepCell, SweepOutput, SweepPoint, SweepResult
 
 JSON_SCHEMA = "attncheck.sweep/1"
 PLOT_NEEDS = f"{param('plot')} needs matplotlib: pip install 'attncheck[plot]'"
@@ -27,6 +27,7 @@ TITLES = {
     "scaling": "2. Effect of the scaling factor on x = factor * q.k",
     "overflow": "3. Naive softmax exp(x) / sum(exp(x)): rows with an exp overflow",
     "error": "4. Max |p - p_float64| by dtype and method; columns: d_k",
+    "output": "5. Output O = P@V: RMSE against float64 by dtype and attention path; columns: d_k",
 }
 
 
@@ -281,12 +282,55 @@ def error_note(result: SweepResult) -> Text:
     )
 
 
+def output_table(result: SweepResult) -> Table | None:
+    """RMSE of O = P@V against float64 per scale x dtype x path, one column per d_k."""
+    if not result.config.paths:
+        return None
+    seq, std = _varying(result)
+    points = _by_key(result)
+    t = _table()
+    _series_columns(t, seq, std)
+    t.add_column("scale")
+    t.add_column("cell")
+    for dk in result.config.dks:
+        t.add_column(str(dk), justify="right", no_wrap=True)
+    sections = _sections(result)
+    for i, first in enumerate(sections):
+        for j, dtype in enumerate(result.config.dtypes):
+            for k, path in enumerate(result.config.paths):
+                head = j == 0 and k == 0
+                row: list[Any] = [*(_series_cells(first, seq, std) if head else [""] * bool(seq or std))]
+                row += [first.scale if head else "", f"{dtype} {path}"]
+                for dk in result.config.dks:
+                    p = points.get((first.seq, first.std, first.scale, dk))
+                    o = None if p is None else next((o for o in p.outputs if o.path == path and o.dtype == dtype), None)
+                    row.append("-" if o is None else _output_text(o))
+                last = j + 1 == len(result.config.dtypes) and k + 1 == len(result.config.paths)
+                t.add_row(*row, end_section=last and i + 1 < len(sections))
+    return t
+
+
+def _output_text(o: SweepOutput) -> Text:
+    if o.nan_rate:
+        return Text(f"NaN {_short_pct(o.nan_rate)}", style=FAIL_STYLE)
+    return Text(fmt(o.rmse, ".1e"))
+
+
+def output_note(result: SweepResult) -> Text:
+    return _note(
+        "V drawn like q and k; each path computes O from q, k, v in the dtype (eager: torch.softmax on the dtype's "
+        "scores; sdpa-math: PyTorch's math backend; flash: FlashAttention-2's recurrence, key blocks of --block), "
+        "against float64 softmax(scale q.k) @ v. NaN: rows of O holding NaN."
+    )
+
+
 def render_sweep(result: SweepResult) -> Group:
     sections = [
         ("variance", variance_table(result), variance_note(result)),
         ("scaling", scaling_table(result), scaling_note(result)),
         ("overflow", overflow_table(result), overflow_note(result)),
         ("error", error_table(result), error_note(result)),
+        ("output", output_table(result), output_note(result)),
     ]
     parts: list[Any] = []
     for key, table, note in sections:
@@ -332,9 +376,46 @@ def sweep_json(result: SweepResult) -> dict[str, Any]:
             "dist": c.dist,
             "seed": c.seed,
             "block": c.block,
+            "path": list(c.paths),
         },
         "points": [to_jsonable(p) for p in result.points],
     }
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def preset_table(result: PresetResult) -> Table:
+    t = _table()
+    for name in ("published figure", "attncheck cell", "paper", "attncheck"):
+        t.add_column(name, justify="left" if name in ("published figure", "attncheck cell") else "right")
+    for r in result.rows:
+        t.add_row(r.label, r.cell, fmt(r.paper, ".2e"), fmt(r.measured, ".2e"))
+    return t
+
+
+def render_preset(result: PresetResult) -> Group:
+    checks = Table.grid(padding=(0, 2))
+    for c in result.checks:
+        checks.add_row(Text("ok" if c.holds else "OFF", style="green" if c.holds else FAIL_STYLE), c.claim,
+                       f"{fmt(c.value, '.3g')} (range {c.low:g} to {c.high:g})")
+    parts: list[Any] = [Text(f"{result.source}: {result.metric}", style="bold"), preset_table(result), checks,
+                        _note(f"Setup: {result.setup}.")]
+    parts += [_note(n) for n in result.notes]
+    return Group(*parts)
+
+
+def print_preset(console: Console, result: PresetResult) -> None:
+    console.print(render_preset(result))
+    console.print(Text(f"preset {result.name}, {result.seconds:.1f} s", style="dim"))
+
+
+def preset_json(result: PresetResult, device: str) -> dict[str, Any]:
+    doc = to_jsonable(result)
+    doc.pop("seconds", None)
+    for c, j in zip(result.checks, doc["checks"]):
+        j["holds"] = c.holds
+    return {"schema": JSON_SCHEMA, "attncheck_version": __version__, "device": device, "preset": doc}
 
 
 # --------------------------------------------------------------------------- plot

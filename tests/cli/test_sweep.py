@@ -52,11 +52,11 @@ BAD_INPUTS = [
     (["--device", "tpu"], "--device must be one of auto, cpu, cuda or cuda:N, got 'tpu'"),
     (
         ["--rows", "100000000"],
-        "a sweep point of 100000000 rows x 128 keys x d_k 512 needs about 1,526 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
+        "a sweep point of 100000000 rows x 128 keys x d_k 512 needs about 3,433 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
     ),
     (
         ["--dk", "100000000"],
-        "a sweep point of 4096 rows x 128 keys x d_k 100000000 needs about 6,104 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
+        "a sweep point of 4096 rows x 128 keys x d_k 100000000 needs about 18,311 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
     ),
     (["--json", "/no/such/folder/out.json"], "cannot write --json /no/such/folder/out.json: folder /no/such/folder does not exist"),
     (["--plot", "/no/such/folder/out.png"], "cannot write --plot /no/such/folder/out.png: folder /no/such/folder does not exist"),
@@ -133,8 +133,39 @@ def test_json_to_stdout_prints_only_json():
 def test_tables_print_every_section():
     result = sweep(*SMALL)
     assert result.exit_code == 0, result.output
-    for title in ("1. Var(q.k) grows as d_k", "2. Effect of the scaling factor", "3. Naive softmax", "4. Max |p - p_float64|"):
+    for title in ("1. Var(q.k) grows as d_k", "2. Effect of the scaling factor", "3. Naive softmax", "4. Max |p - p_float64|", "5. Output O = P@V"):
         assert title in result.stdout
+    result = sweep(*SMALL, "--path", "none")
+    assert result.exit_code == 0 and "5. Output" not in result.stdout
+
+
+def test_json_outputs_per_path_and_dtype():
+    result = sweep(*SMALL, "--scale", "sqrt", "--dtype", "bf16", "--path", "eager,flash", "--json", "-")
+    assert result.exit_code == 0, result.output
+    for point in json.loads(result.stdout)["points"]:
+        assert [(o["path"], o["dtype"]) for o in point["outputs"]] == [("eager", "bf16"), ("flash", "bf16")]
+        for o in point["outputs"]:
+            assert o["nan_rate"] == 0 and 1e-4 < o["rmse"] < 1e-2 and o["rmse"] <= o["max_abs_err"]
+
+
+def test_preset_fa3_prints_the_paper_beside_attncheck():
+    result = sweep("--preset", "fa3", "--json", "-")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)["preset"]
+    assert [(r["cell"], r["paper"]) for r in doc["rows"]] == [("eager:stable/fp16", 3.2e-4), ("flash/fp16", 1.9e-4)]
+    assert all(c["holds"] for c in doc["checks"])
+    assert 1.3 <= doc["checks"][0]["value"] <= 2.3
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--preset", "fa2"], "--preset must be one of fa3, got 'fa2'"),
+    (["--preset", "fa3", "--dk", "64"], "--preset fa3 sets its own inputs: --dk does not apply"),
+    (["--preset", "fa3", "--dtype", "bf16", "--rows", "8"], "--preset fa3 sets its own inputs: --dtype, --rows do not apply"),
+    (["--path", "xformers"], "--path: unknown path 'xformers' (choose from eager, sdpa-math, flash)"),
+])
+def test_preset_and_path_errors(args, message):
+    result = sweep(*args)
+    assert result.exit_code == 2 and result.stderr == f"attncheck: error: {message}\n"
 
 
 @pytest.mark.parametrize("width", [80, 120])

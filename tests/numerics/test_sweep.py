@@ -115,9 +115,9 @@ def test_bad_scales_are_refused(text):
         (dict(stds=(-1.0,)), "--std must be a number > 0, got -1.0"),
         (dict(dist="cauchy"), "--dist must be one of normal, outliers, got 'cauchy'"),
         (dict(dtypes=("fp8",)), "--dtype: unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
-        # float64 q (R, d) and k (R/Q heads x S, d) plus 8 float64 (R, S) working tensors:
-        # 8 (2 * 1e8 * 512) + 64 * 1e8 * 128 bytes = 1.64e12 B = 1,526 GiB.
-        (dict(rows=10**8), "a sweep point of 100000000 rows x 128 keys x d_k 512 needs about 1,526 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk"),
+        # float64 q (R, d), k and v (R/Q heads x S, d each), 12 float64 (R, S) and 3 (R, d) working tensors:
+        # 8 (3 * 1e8 * 512) + 96 * 1e8 * 128 + 24 * 1e8 * 512 bytes = 3.69e12 B = 3,433 GiB.
+        (dict(rows=10**8), "a sweep point of 100000000 rows x 128 keys x d_k 512 needs about 3,433 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk"),
     ],
 )
 def test_config_refuses_bad_values(kwargs, message):
