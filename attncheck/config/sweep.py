@@ -33,6 +33,7 @@ _LIVE_OUT_TENSORS = 3  # float64 (rows, d_k): the reference output, an output, t
 DEFAULT_DKS = (16, 32, 64, 128, 256, 512)
 DEFAULT_SEQ = 128
 DEFAULT_ROWS = 4096
+OUTPUT_ROWS = 1024  # rows (whole heads) whose output O = P@V each point measures: enough for its RMSE, a quarter of the cost
 DEFAULT_BLOCK = 32  # a quarter of the default 128 keys, so the tiled method rescales across blocks
 
 

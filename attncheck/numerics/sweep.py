@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from attncheck.config.sweep import SweepConfig, head_layout
+from attncheck.config.sweep import OUTPUT_ROWS, SweepConfig, head_layout
 from attncheck.numerics.diagnose import resolve_device
 from attncheck.numerics.precision import dtype_from_name, exp_overflow_threshold, limits_of
 from attncheck.numerics.rowmath import entropy, jacobian_frobenius
@@ -167,6 +167,7 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
                 q, k, v = make_qk(heads, queries, seq, dk, dist=config.dist, std=std, seed=_point_seed(config.seed, dk, seq), with_v=True)
                 q, k, v = q.to(device), k.to(device), v.to(device)  # (H, Q, d), (H, S, d), (H, S, d) float64
                 s = scores_of(q, k, config.rows)  # (R, S) float64: the logits before the scale
+                oh = -(-min(OUTPUT_ROWS, config.rows) // queries)  # heads whose output is measured
                 var_qk = float(s.var())
                 theory = var_qk_theory(dk, m2, m2)
                 stderr = var_qk_stderr(dk, config.rows, seq, m2, m4)
@@ -201,7 +202,7 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
                             collapsed_rate=stats.collapsed_rate,
                             jacobian_norm_collapsed_mean=stats.jacobian_norm_collapsed_mean,
                             cells=_measure_cells(x, ref, overflow_theory, config),
-                            outputs=measure_outputs(q, k, v, c, config.dtypes, config.paths, config.block, device),
+                            outputs=measure_outputs(q[:oh], k[:oh], v[:oh], c, config.dtypes, config.paths, config.block, device),
                         )
                     )
                     if progress is not None:

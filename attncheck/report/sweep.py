@@ -317,10 +317,11 @@ def _output_text(o: SweepOutput) -> Text:
 
 
 def output_note(result: SweepResult) -> Text:
+    rows = next((o.rows for p in result.points for o in p.outputs), 0)
     return _note(
         "V drawn like q and k; each path computes O from q, k, v in the dtype (eager: torch.softmax on the dtype's "
         "scores; sdpa-math: PyTorch's math backend; flash: FlashAttention-2's recurrence, key blocks of --block), "
-        "against float64 softmax(scale q.k) @ v. NaN: rows of O holding NaN."
+        f"against float64 softmax(scale q.k) @ v, over the first {rows} rows of each point (whole heads). NaN: rows of O holding NaN."
     )
 
 
