@@ -336,6 +336,15 @@ class PresetCheck:
 
 
 @dataclass
+class PresetGrid:
+    """Measurements over a grid, beside a closed form: one row per grid point."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[float | str | None]]
+
+
+@dataclass
 class PresetResult:
     name: str
     source: str  # the publication
@@ -344,6 +353,7 @@ class PresetResult:
     rows: list[PresetRow]
     checks: list[PresetCheck]
     notes: list[str] = field(default_factory=list)
+    grids: list[PresetGrid] = field(default_factory=list)
     seconds: float = 0.0  # not in the JSON report
 
 

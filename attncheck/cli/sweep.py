@@ -35,7 +35,7 @@ def sweep(
     json_out: JsonOpt = None,
     plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Draw variance, max probability, entropy and Jacobian norm vs d_k to FILE.png (needs the 'plot' extra: matplotlib)."),
     path: PathOpt = ",".join(path_names()),
-    preset: Optional[str] = typer.Option(None, "--preset", metavar="NAME", help=f"Reproduce a published figure instead of the grid, printed beside the paper's: {', '.join(PRESET_NAMES)} (FlashAttention-3's FP16 RMSE of O). Takes --seed and --device, --json."),
+    preset: Optional[str] = typer.Option(None, "--preset", metavar="NAME", help="Reproduce a published figure instead of the grid, printed beside the paper's: fa3 (FlashAttention-3's FP16 and FP8 RMSE of O), pcast (underflow of the FP8 P cast with an attention sink). Takes --seed and --device, --json."),
     quiet: QuietOpt = False,
 ) -> None:
     """Sweep synthetic Q and K over d_k x scale; measure next to the theory.

@@ -16,7 +16,7 @@ from attncheck.params import SCALE_NAMES, Scale
 from attncheck.registry import dtype_names, method_names, path_names
 
 DIST_NAMES = ("normal", "outliers")
-PRESET_NAMES = ("fa3",)  # numerics.presets: published figures reproduced
+PRESET_NAMES = ("fa3", "pcast")  # numerics.presets: published figures reproduced
 
 # FlashAttention-3's numerical-error inputs: N(0,1) + N(0,100) * Bernoulli(0.001).
 OUTLIER_PROB = 0.001

@@ -16,7 +16,7 @@ are (batch..., head, query) in row-major order; keys are the last axis.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -59,6 +59,7 @@ class AttentionInputs:
     lead: tuple[int, ...]  # the leading (batch) axes of the inputs before normalisation
     float_mask_looks_boolean: bool = False
     v: torch.Tensor | None = None  # (B, Hk, Tk, dv): with it, the output O = P@V of every cell
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # what paths derive once per input (FP8 quantisation)
 
     @property
     def heads(self) -> int:
@@ -224,6 +225,7 @@ class QKBlock:
 
     def __init__(self, inp: AttentionInputs, bh: slice, qs: slice, device: torch.device, audit: AttentionAudit, spread: SpreadSample) -> None:
         self.inp, self.audit = inp, audit
+        self.rows = (bh, qs)  # the query heads and queries of this block
         self.q, self.k, raw = _qk_float64(inp, bh, qs, device)  # (n, tq, d), (n, Tk, d), (n, tq, Tk)
         self.v = None if inp.v is None else inp.v.reshape(-1, *inp.v.shape[2:])[_kv_heads(inp, bh)].to(device)  # (n, Tk, dv)
         self.masked = self._slice4(inp.masked, bh, qs, device)  # (n, tq, Tk) bool or None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import Any
+
 import torch
 
 from attncheck.errors import AttncheckError
@@ -109,6 +111,7 @@ class MethodParams:
     block: int = DEFAULT_BLOCK  # key block of tiled
     reverse: bool = False  # tiled visits key blocks last to first
     accum: str = "fp32"  # row sums of naive/stable: 'fp32' (as torch) or 'dtype' (pairwise in the dtype)
+    fp8: Any = None  # FP8 cells: fp8_attention.Fp8Setup (the P format and scale, how Q, K, V are quantised)
 
 
 @dataclass
@@ -118,6 +121,7 @@ class MethodOutput:
     probs: torch.Tensor  # (..., T); x's dtype, or float32 for methods whose output is 'fp32'
     events: dict[str, torch.Tensor] = field(default_factory=dict)  # registry.EVENTS name -> (...) bool rows
     out: torch.Tensor | None = None  # (..., dv) the output O = P@V as the implementation computes it, with V
+    pcast: Any = None  # FP8 cells: fp8.PCastSoftmax (which probabilities the P cast flushed, and where)
 
     @property
     def overflow_rows(self) -> torch.Tensor:

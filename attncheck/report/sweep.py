@@ -15,7 +15,7 @@ from attncheck.errors import AttncheckError, param
 from attncheck.numerics.theory import uniform_limits
 from attncheck.params import COLLAPSE_THRESHOLD, SCALE_MEANINGS
 from attncheck.format import fmt, pct, plain, to_jsonable
-from attncheck.results import PresetResult, SweepCell, SweepOutput, SweepPoint, SweepResult
+from attncheck.results import PresetGrid, PresetResult, SweepCell, SweepOutput, SweepPoint, SweepResult
 
 JSON_SCHEMA = "attncheck.sweep/1"
 PLOT_NEEDS = f"{param('plot')} needs matplotlib: pip install 'attncheck[plot]'"
@@ -395,13 +395,26 @@ def preset_table(result: PresetResult) -> Table:
     return t
 
 
+def grid_table(grid: PresetGrid) -> Table:
+    t = _table()
+    for name in grid.columns:
+        t.add_column(name, justify="right")
+    for row in grid.rows:
+        t.add_row(*(v if isinstance(v, str) else fmt(v, ".3g") for v in row))
+    return t
+
+
 def render_preset(result: PresetResult) -> Group:
     checks = Table.grid(padding=(0, 2))
     for c in result.checks:
         checks.add_row(Text("ok" if c.holds else "OFF", style="green" if c.holds else FAIL_STYLE), c.claim,
                        f"{fmt(c.value, '.3g')} (range {c.low:g} to {c.high:g})")
-    parts: list[Any] = [Text(f"{result.source}: {result.metric}", style="bold"), preset_table(result), checks,
-                        _note(f"Setup: {result.setup}.")]
+    parts: list[Any] = [Text(f"{result.source}: {result.metric}", style="bold")]
+    if result.rows:
+        parts.append(preset_table(result))
+    for grid in result.grids:
+        parts += [Text(grid.title), grid_table(grid)]
+    parts += [checks, _note(f"Setup: {result.setup}.")]
     parts += [_note(n) for n in result.notes]
     return Group(*parts)
 

@@ -148,17 +148,19 @@ def test_json_outputs_per_path_and_dtype():
             assert o["nan_rate"] == 0 and 1e-4 < o["rmse"] < 1e-2 and o["rmse"] <= o["max_abs_err"]
 
 
-def test_preset_fa3_prints_the_paper_beside_attncheck():
-    result = sweep("--preset", "fa3", "--json", "-")
+def test_preset_pcast_prints_the_closed_form_beside_the_measurement():
+    result = sweep("--preset", "pcast", "--json", "-")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)["preset"]
-    assert [(r["cell"], r["paper"]) for r in doc["rows"]] == [("eager:stable/fp16", 3.2e-4), ("flash/fp16", 1.9e-4)]
-    assert all(c["holds"] for c in doc["checks"])
-    assert 1.3 <= doc["checks"][0]["value"] <= 2.3
+    assert doc["name"] == "pcast" and all(c["holds"] for c in doc["checks"])
+    grid = doc["grids"][0]
+    assert grid["columns"][:4] == ["gap", "S", "6.93 + ln S", "closed form"] and len(grid["rows"]) == 21
+    table = sweep("--preset", "pcast")
+    assert table.exit_code == 0 and "closed form" in table.stdout and "…" not in table.stdout
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--preset", "fa2"], "--preset must be one of fa3, got 'fa2'"),
+    (["--preset", "fa2"], "--preset must be one of fa3, pcast, got 'fa2'"),
     (["--preset", "fa3", "--dk", "64"], "--preset fa3 sets its own inputs: --dk does not apply"),
     (["--preset", "fa3", "--dtype", "bf16", "--rows", "8"], "--preset fa3 sets its own inputs: --dtype, --rows do not apply"),
     (["--path", "xformers"], "--path: unknown path 'xformers' (choose from eager, sdpa-math, flash)"),

@@ -1,0 +1,112 @@
+"""FP8 numerics: the cast the kernels do, and the one-pass softmax whose P is cast to FP8.
+
+The kernels convert fp32 to FP8 with round-to-nearest-even and saturation to the
+largest finite value (PTX ``cvt.rn.satfinite.e4m3x2.f32``, which FlashAttention-3 and
+SageAttention reach through CUTLASS' converters); NaN stays NaN. torch's own CPU cast
+rounds the same way; what it does beyond the range depends on the format and the torch
+version (``precision.overflow_result`` measures it): torch 2.13 saturates e4m3fn at 448,
+gives inf in e5m2 and NaN in the fnuz formats. ``to_fp8`` is the kernels' conversion;
+``cast_overflow`` says which values a cast would clip.
+
+The P cast (FlashAttention-3's FP8 forward, SageAttention): the exps of a key block,
+taken against the running row max m_j in fp32, are multiplied by a static scale S
+(FlashAttention-3: 2^8, through a max offset of 8 in its exp2; SageAttention: 448) so
+that the largest is S, then cast to FP8 for the P@V product. A probability whose scaled
+value is below half the smallest FP8 subnormal rounds to 0: for e4m3 (smallest subnormal
+2^-9) that is exp(s - m_j) S < 2^-10, i.e. m_j - s > 10 ln 2 + ln S = 6.93 + ln S
+(``flush_threshold``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attncheck.numerics.precision import smallest_subnormal
+
+NEG_INF = float("-inf")
+BEFORE, AT, AFTER = 0, 1, 2  # a key's block, in visiting order, against the block that holds the row max
+POSITIONS = ("before_max", "max_block", "after_max")
+
+
+def to_fp8(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """``x`` (float32) rounded to the FP8 format ``dt`` as the kernels convert it: nearest even,
+    finite values beyond the range clamped to +-max (satfinite), NaN kept."""
+    top = torch.finfo(dt).max
+    return x.clamp(-top, top).to(dt)  # clamp keeps NaN; +-inf become +-max, as satfinite does
+
+
+def cast_overflow(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """Where a finite ``x`` lies beyond what ``dt`` holds: the values a cast clips (or, in a
+    non-saturating cast, turns into inf or NaN). Half an ulp past the top still rounds down."""
+    from attncheck.numerics.precision import rounding_limit
+
+    return torch.isfinite(x) & (x.abs() >= rounding_limit(dt))
+
+
+def flush_threshold(dt: torch.dtype, p_scale: float) -> float:
+    """m - s beyond which exp(s - m) * p_scale rounds to 0 in ``dt``: ln(p_scale) - ln(tiny / 2),
+    with tiny the smallest subnormal (e4m3: 2^-9, so 10 ln 2 + ln S = 6.93 + ln S)."""
+    return math.log(p_scale) - math.log(smallest_subnormal(dt) / 2)
+
+
+@dataclass
+class PCastSoftmax:
+    """The one-pass softmax of a row block whose P is cast to FP8 after scaling by S."""
+
+    probs: torch.Tensor  # (..., T) float32: the weight the output gives each key, fp8(P~_j)/S exp(m_j - m) / l
+    flushed: torch.Tensor  # (..., T) bool: P~ > 0 in fp32 but 0 after the FP8 cast
+    position: torch.Tensor  # (..., T) int8: the key's block against the row max's block, in visiting order (BEFORE/AT/AFTER)
+    overflow: torch.Tensor  # (...) bool rows where some P~ exceeded the FP8 range (S above its max) and was clipped
+
+
+def pcast_softmax(x: torch.Tensor, dt: torch.dtype, p_scale: float, block: int, reverse: bool = False) -> PCastSoftmax:
+    """FlashAttention's one-pass softmax over key blocks with P cast to ``dt`` (FP8).
+
+    Scores in float32; key blocks of ``block`` visited first to last or last to first
+    (``reverse``, as FlashAttention-3's FP8 forward does). The running max m_j and the
+    row sum l are float32; l sums the fp32 exps before the cast, as the kernels' row sum
+    does. Block j gives P~_j = exp(s - m_j) * p_scale in fp32, cast to ``dt`` (``to_fp8``).
+    The effective probability of a key is fp8(P~_j) / p_scale * exp(m_j - m_final) / l:
+    the weight the kernel's rescaled output gives it. Fully masked rows give zeros.
+    """
+    n = x.shape[-1]
+    lead = x.shape[:-1]
+    nb = -(-n // block)
+    s = x.float()
+    if nb * block != n:
+        s = torch.nn.functional.pad(s, (0, nb * block - n), value=NEG_INF)
+    s = s.reshape(*lead, nb, block)
+    if reverse:
+        s = s.flip(-2)
+    m_run = torch.cummax(s.amax(dim=-1), dim=-1).values  # (..., nb) running max after each visited block
+    m_safe = torch.where(m_run == NEG_INF, 0.0, m_run)  # guard exp(-inf - (-inf))
+    e = torch.exp(s - m_safe.unsqueeze(-1))  # (..., nb, B) float32
+    block_sum = e.sum(dim=-1)
+    m_prev = torch.cat([torch.full_like(m_run[..., :1], NEG_INF), m_run[..., :-1]], dim=-1)
+    decay = torch.exp(m_prev - m_safe)
+    l = torch.zeros(lead, dtype=torch.float32, device=x.device)
+    for j in range(nb):  # loop over key blocks, not rows
+        l = decay[..., j] * l + block_sum[..., j]
+    scaled = e * p_scale  # P~ in fp32, the largest of the max's block p_scale
+    p8 = to_fp8(scaled, dt).float()
+    overflow = cast_overflow(scaled, dt).flatten(-2).any(dim=-1)
+    flushed = (scaled > 0) & (p8 == 0)
+    m_final = m_safe[..., -1:]
+    inv_l = torch.where((l == 0) | torch.isnan(l), 1.0, 1.0 / l).unsqueeze(-1)
+    rescale = torch.where(m_run == NEG_INF, 0.0, torch.exp(m_safe - m_final)) * inv_l / p_scale  # (..., nb)
+    probs = p8 * rescale.unsqueeze(-1)
+    # The block (in visiting order) where the running max reaches the row max.
+    first = (m_run == m_run[..., -1:]).to(torch.int8).argmax(dim=-1, keepdim=True)  # (..., 1)
+    j = torch.arange(nb, device=x.device)
+    pos = torch.where(j < first, BEFORE, torch.where(j == first, AT, AFTER)).to(torch.int8)  # (..., nb)
+    pos = pos.unsqueeze(-1).expand(*lead, nb, block)
+    if reverse:
+        probs, flushed, pos = probs.flip(-2), flushed.flip(-2), pos.flip(-2)
+
+    def keys(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(*lead, nb * block)[..., :n]
+
+    return PCastSoftmax(keys(probs), keys(flushed), keys(pos), overflow)

@@ -1,0 +1,294 @@
+"""FP8 attention paths: FlashAttention-3's FP8 forward and SageAttention 2, each with its
+rounding points, from Q, K and V given in high precision.
+
+``flash-fp8`` follows FlashAttention-3's hopper kernel (Dao-AILab/flash-attention,
+``hopper/``: ``softmax.h``, ``mainloop_fwd_sm90_tma_gmma_ws.hpp``, ``flash_api.cpp``):
+
+- Q, K and V arrive in e4m3 with fp32 descale factors (the kernel takes one per batch and
+  kv head; it does not quantise). attncheck quantises them as the caller would,
+  x8 = fp8(x / descale) with descale = amax / max_fp8 over the tensor (``tensor``), per
+  batch and kv head (``head``, the kernel's own granularity; a query head uses its kv
+  head's q descale), per block of queries and of keys (``block``, the FlashAttention-3
+  paper's block quantisation, done outside the released kernel; V keeps one scale per
+  head because the kernel applies it to O at the end), or not at all (``none``). With
+  ``incoherent``, Q and K are first multiplied by the same random orthogonal matrix
+  (a seeded +-1 diagonal times a normalised Hadamard matrix; Q K^T is unchanged in exact
+  arithmetic), as the paper's incoherent processing.
+- S = q8 k8^T in fp32, times the descales and the softmax scale in fp32; the key blocks
+  (FlashAttention-3's FP8 tile for the head dim, ``fa3_tile``) are visited last to first;
+  the running max and row sum are fp32, the sum taken over the exps before the cast;
+  P~ = exp(s - m_j) * 2^8 (the kernel's max offset of 8 in its exp2) is cast to e4m3
+  with round-to-nearest-even and saturation (cvt.rn.satfinite); O accumulates
+  P8 @ V8 in fp32 with the running rescale, is divided by the row sum, multiplied by V's
+  descale and rounded to bf16, the kernel's output type for FP8 inputs.
+- Not emulated: the FP8 tensor cores' accumulation, which keeps fewer bits than fp32
+  (about 22 per SageAttention's notes; FlashAttention-3's code treats it as fp32), and
+  exp2's approximation (ex2.approx, ~2 ulp of fp32).
+
+``sage`` follows SageAttention 2's SM90 kernel (thu-ml/SageAttention,
+``sageattn_qk_int8_pv_fp8_cuda_sm90``, default settings): q, k, v rounded to bf16 (the
+model's dtype); K smoothed by its mean over tokens (taken in bf16, the difference rounded
+to bf16); Q and K quantised to INT8 per thread group (scale = max|x| / 127 + 1e-7 in fp32,
+round half away from zero; Q: rows {t, t+8} of each 16-row warp segment, K: rows with
+r mod 8 in {2t, 2t+1} of each 128-key block); S = (q8 . k8) exactly, times the two
+scales and the softmax scale in fp32; key blocks of 128 visited first to last; P~ =
+exp(s - m_j) * 448 (its exponent offset 8.807) cast to e4m3 (satfinite); V in e4m3
+per channel (scale = amax over tokens / 448); O = P8 @ V8 in fp32, divided by the row
+sum, times V's scale, rounded to bf16. Not emulated: the FP22 accumulation of the FP8
+MMA within a 128-key block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from attncheck.numerics.fp8 import PCastSoftmax, cast_overflow, pcast_softmax, to_fp8
+from attncheck.numerics.softmax import MethodOutput, MethodParams
+
+if TYPE_CHECKING:
+    from attncheck.numerics.paths import PathBlock
+    from attncheck.numerics.scores import AttentionInputs, QKBlock
+
+SCALINGS = ("none", "tensor", "head", "block")
+FA3_P_SCALE = 256.0  # 2^8: the max offset of 8 in FlashAttention-3's exp2
+SAGE_P_SCALE = 2.0**8.807  # ~447.97: SageAttention's exponent offset S_FP8_OFFSET = 8.807
+SAGE_P_SCALE_V = 448.0  # V's per-channel scale maps amax to e4m3's max
+SAGE_BLOCK = 128  # CTA_K of the SM90 kernel
+OUT_DTYPE = torch.bfloat16  # what both kernels write for FP8 inputs (bf16 models)
+
+
+def fa3_tile(d: int) -> tuple[int, int]:
+    """FlashAttention-3's FP8 tile (kBlockM queries, kBlockN keys) for head dim ``d`` (hopper/tile_size.h)."""
+    if d <= 64:
+        return 192, 160
+    if d <= 96:
+        return 192, 128
+    if d <= 128:
+        return 128, 224
+    if d <= 192:
+        return 128, 160
+    return 128, 128
+
+
+def hadamard(d: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The random orthogonal matrix of incoherent processing: diag(+-1, seeded) H / sqrt(d), float64 (d, d)."""
+    if d & (d - 1):
+        raise ValueError(f"incoherent processing needs a head dim that is a power of two, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+    g = torch.Generator().manual_seed(seed)
+    sign = torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
+    return (sign[:, None] * h / math.sqrt(d)).to(device)
+
+
+@dataclass(frozen=True)
+class Fp8Setup:
+    """How Q, K and V are put into FP8 before the kernel."""
+
+    fmt: torch.dtype = torch.float8_e4m3fn
+    scaling: str = "head"
+    incoherent: bool = False
+    seed: int = 0
+    p_scale: float = FA3_P_SCALE
+
+
+@dataclass
+class Quantized:
+    """Q, K, V of a whole input in FP8 (values as float32) with their fp32 descales per row."""
+
+    q8: torch.Tensor  # (B*Hq, Tq, d)
+    dq: torch.Tensor  # (B*Hq, Tq)
+    k8: torch.Tensor  # (B*Hk, Tk, d)
+    dk: torch.Tensor  # (B*Hk, Tk)
+    v8: torch.Tensor | None  # (B*Hk, Tk, dv)
+    dv: torch.Tensor | None  # (B*Hk, 1) or (B*Hk, dv)
+    clipped: dict[str, int]  # values beyond the FP8 range (clipped by the satfinite cast), per tensor
+    flushed: dict[str, int]  # non-zero values that became 0, per tensor
+    amax: dict[str, float]  # largest |x| before quantisation (after the incoherent rotation)
+
+
+def _descale(x: torch.Tensor, groups: torch.Tensor | None, top: float, scaling: str, qheads: int = 1) -> torch.Tensor:
+    """fp32 descale per row of ``x`` (n, T, d): amax / top over the tensor, the head, or the row
+    ``groups`` (n, T) (ids of row blocks); 1 where nothing is scaled or amax is 0."""
+    n, t = x.shape[:2]
+    if scaling == "none":
+        return torch.ones(n, t, dtype=torch.float32, device=x.device)
+    absx = x.abs().amax(dim=-1)  # (n, T) per row
+    if scaling == "tensor":
+        amax = absx.amax().expand(n, t)
+    elif scaling == "head":
+        per = absx.amax(dim=-1)  # (n,)
+        if qheads > 1:  # query heads of a kv group share its q descale
+            per = per.reshape(-1, qheads).amax(dim=-1).repeat_interleave(qheads)
+        amax = per[:, None].expand(n, t)
+    else:
+        nb = int(groups.max()) + 1
+        per = torch.zeros(n, nb, dtype=absx.dtype, device=x.device).scatter_reduce(1, groups, absx, "amax", include_self=True)
+        amax = per.gather(1, groups)
+    ds = (amax / top).float()
+    return torch.where(ds > 0, ds, torch.ones_like(ds))
+
+
+def _quantize(x: torch.Tensor, ds: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, int, int]:
+    y = x.float() / ds[..., None]
+    x8 = to_fp8(y, fmt).float()
+    clipped = int(cast_overflow(y, fmt).sum())
+    flushed = int(((x != 0) & (x8 == 0)).sum())
+    return x8, clipped, flushed
+
+
+def quantize_inputs(inp: "AttentionInputs", setup: Fp8Setup) -> Quantized:
+    """Q, K, V of ``inp`` in FP8 as ``setup`` says, computed once per input and setup."""
+    cached = inp.cache.get(("fp8", setup))
+    if cached is not None:
+        return cached
+    b, hq, tq, d = inp.q.shape
+    hk, tk = inp.k.shape[1], inp.k.shape[2]
+    q = inp.q.reshape(b * hq, tq, d).to(torch.float64)
+    k = inp.k.reshape(b * hk, tk, d).to(torch.float64)
+    if setup.incoherent:
+        h = hadamard(d, setup.seed, q.device)
+        q, k = q @ h, k @ h
+    top = float(torch.finfo(setup.fmt).max)
+    block_m, block_n = fa3_tile(d)
+    qg = (torch.arange(tq, device=q.device) // block_m).expand(b * hq, tq)
+    kg = (torch.arange(tk, device=q.device) // block_n).expand(b * hk, tk)
+    dq = _descale(q, qg, top, setup.scaling, hq // hk)
+    dk = _descale(k, kg, top, setup.scaling)
+    q8, cq, fq = _quantize(q, dq, setup.fmt)
+    k8, ck, fk = _quantize(k, dk, setup.fmt)
+    clipped, flushed = {"q": cq, "k": ck}, {"q": fq, "k": fk}
+    amax = {"q": float(q.abs().max()) if q.numel() else 0.0, "k": float(k.abs().max()) if k.numel() else 0.0}
+    v8 = dv = None
+    if inp.v is not None:
+        v = inp.v.reshape(b * hk, tk, -1).to(torch.float64)
+        dv_rows = _descale(v, kg, top, "head" if setup.scaling == "block" else setup.scaling)  # (n, Tk): one value per head
+        v8, clipped["v"], flushed["v"] = _quantize(v, dv_rows, setup.fmt)
+        dv = dv_rows[:, :1]
+        amax["v"] = float(v.abs().max()) if v.numel() else 0.0
+    out = Quantized(q8, dq, k8, dk, v8, dv, clipped, flushed, amax)
+    inp.cache[("fp8", setup)] = out
+    return out
+
+
+def online_pcast_out(s: torch.Tensor, v8: torch.Tensor | None, fmt: torch.dtype, p_scale: float, block: int, reverse: bool) -> tuple[PCastSoftmax, torch.Tensor | None]:
+    """The P-cast softmax of ``s`` (n, tq, T) float32 and, with ``v8`` (n, T, dv) float32, the
+    fp32 output sum_j fp8(P~_j) @ V8_j accumulated block by block with the running rescale,
+    divided by the fp32 row sum (times p_scale, as the kernels' sum of scaled exps)."""
+    r = pcast_softmax(s, fmt, p_scale, block, reverse)
+    if v8 is None:
+        return r, None
+    n, tq, t = s.shape
+    nb = -(-t // block)
+    m = torch.full((n, tq, 1), float("-inf"), device=s.device)
+    l = torch.zeros((n, tq, 1), device=s.device)
+    acc = torch.zeros((n, tq, v8.shape[-1]), device=s.device)
+    for j in (range(nb - 1, -1, -1) if reverse else range(nb)):  # loop over key blocks, not rows
+        keys = slice(j * block, min((j + 1) * block, t))
+        m_new = torch.maximum(m, s[..., keys].amax(dim=-1, keepdim=True))
+        base = torch.where(m_new == float("-inf"), 0.0, m_new)
+        e = torch.exp(s[..., keys] - base)
+        alpha = torch.exp(m - base)
+        l = l * alpha + e.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(to_fp8(e * p_scale, fmt).float(), v8[:, keys])
+        m = m_new
+    inv = torch.where(l == 0, 0.0, 1.0 / (l * p_scale))  # fully masked rows: 0, as the kernels' finalize
+    return r, acc * inv
+
+
+def _mask(block: "QKBlock", s: torch.Tensor) -> torch.Tensor:
+    """The mask, as a bf16 model holds it, added to fp32 scores (n, tq, Tk)."""
+    _, _, mask_dt = block._mask_planes(OUT_DTYPE)
+    return s if mask_dt is None else s + mask_dt.float()
+
+
+def flash_fp8(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> "PathBlock":
+    from attncheck.numerics.paths import PathBlock
+    from attncheck.numerics.scores import _kv_heads
+
+    setup = params.fp8 or Fp8Setup(fmt=dt)
+    quant = quantize_inputs(block.inp, setup)
+    bh, qs = block.rows
+    kv = _kv_heads(block.inp, bh)
+    q8, dq = quant.q8[bh, qs], quant.dq[bh, qs]  # (n, tq, d), (n, tq)
+    k8, dk = quant.k8[kv], quant.dk[kv]
+    s = torch.matmul(q8, k8.transpose(-1, -2)) * (dq[..., None] * dk[:, None, :]) * block.inp.scale  # (n, tq, Tk) fp32
+    s = _mask(block, s)
+    _, block_n = fa3_tile(block.inp.d)
+    v8 = None if quant.v8 is None else quant.v8[kv]
+    r, o = online_pcast_out(s, v8, setup.fmt, setup.p_scale, block_n, reverse=True)
+    out = MethodOutput(r.probs.reshape(-1, s.shape[-1]), pcast=r)
+    if o is not None:
+        out.out = (o * quant.dv[kv][:, None, :]).to(OUT_DTYPE).reshape(-1, o.shape[-1])
+    flat = s.reshape(-1, s.shape[-1])
+    return PathBlock(flat, [], [], [("flash-fp8", out)])
+
+
+SAGE_Q_WARP = 16  # WARPQ of the SM90 kernel: rows {t, t+8} of each 16-row segment share a scale
+SAGE_K_BLOCK = 128  # BLKK: rows r mod 8 in {2t, 2t+1} of each 128-key block share a scale
+
+
+def sage_groups(t: int, kind: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Group id of each of ``t`` rows in SageAttention's per-thread INT8 quantisation."""
+    r = torch.arange(t, device=device)
+    if kind == "q":
+        return (r // SAGE_Q_WARP) * 8 + r % 8
+    return (r // SAGE_K_BLOCK) * 4 + (r % 8) // 2
+
+
+def int8_per_group(x: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (n, T, d) -> (integers as float64, fp32 scale per row): scale = max|x| / 127 + 1e-7
+    over each group of rows, x / scale rounded half away from zero (SageAttention's per_thread_int8)."""
+    x32 = x.float()
+    n, t = x32.shape[:2]
+    absx = x32.abs().amax(dim=-1)
+    nb = int(groups.max()) + 1 if t else 0
+    g = groups.expand(n, t)
+    per = torch.zeros(n, nb, dtype=torch.float32, device=x.device).scatter_reduce(1, g, absx, "amax", include_self=True)
+    scale = per.gather(1, g) / 127 + 1e-7  # (n, T) fp32
+    y = x32 / scale[..., None]
+    ints = torch.trunc(y + 0.5 * torch.sign(y))
+    return ints.double(), scale
+
+
+def sage(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> "PathBlock":
+    from attncheck.numerics.paths import PathBlock
+    from attncheck.numerics.scores import _kv_heads
+
+    inp = block.inp
+    setup = params.fp8 or Fp8Setup(fmt=dt)
+    key = ("sage", setup.fmt)
+    prep = inp.cache.get(key)
+    if prep is None:
+        b, hq, tq, d = inp.q.shape
+        hk, tk = inp.k.shape[1], inp.k.shape[2]
+        q = inp.q.reshape(b * hq, tq, d).to(OUT_DTYPE)
+        k = inp.k.reshape(b * hk, tk, d).to(OUT_DTYPE)
+        k = k - k.mean(dim=1, keepdim=True)  # smoothing: the mean over tokens in bf16, the difference rounded to bf16
+        qi, qscale = int8_per_group(q, sage_groups(tq, "q", q.device))
+        ki, kscale = int8_per_group(k, sage_groups(tk, "k", k.device))
+        v8 = vscale = None
+        if inp.v is not None:
+            v = inp.v.reshape(b * hk, tk, -1).to(OUT_DTYPE).float()
+            amax = v.abs().amax(dim=1, keepdim=True)  # (n, 1, dv) per channel
+            amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+            v8 = to_fp8(v * (SAGE_P_SCALE_V / amax), setup.fmt).float()
+            vscale = amax / SAGE_P_SCALE_V
+        prep = (qi, qscale, ki, kscale, v8, vscale)
+        inp.cache[key] = prep
+    qi, qscale, ki, kscale, v8, vscale = prep
+    bh, qs = block.rows
+    kv = _kv_heads(inp, bh)
+    s_int = torch.matmul(qi[bh, qs], ki[kv].transpose(-1, -2))  # exact: |q.k| <= 127^2 d
+    s = s_int.float() * (qscale[bh, qs][..., None] * kscale[kv][:, None, :]) * inp.scale  # (n, tq, Tk) fp32
+    s = _mask(block, s)
+    r, o = online_pcast_out(s, None if v8 is None else v8[kv], setup.fmt, SAGE_P_SCALE, SAGE_BLOCK, reverse=False)
+    out = MethodOutput(r.probs.reshape(-1, s.shape[-1]), pcast=r)
+    if o is not None:
+        out.out = (o * vscale[kv]).to(OUT_DTYPE).reshape(-1, o.shape[-1])
+    return PathBlock(s.reshape(-1, s.shape[-1]), [], [], [("sage", out)])
