@@ -388,6 +388,7 @@ def fit_scale(scores: "TensorSource", inp: AttentionInputs, rows_per_block: int)
     """Least-squares s ~ alpha * (q.k) over keys that are finite and not masked-looking,
     reading the scores in row blocks (sums are exact, so the blocks do not matter)."""
     from attncheck.numerics.reduce import ExactSum
+    from attncheck.numerics.rowmath import row_sum
 
     if math.prod(scores.shape) != math.prod(inp.score_shape) or scores.shape[-1] != inp.k.shape[2]:
         raise AttncheckError(f"scores of shape {tuple(scores.shape)} do not match q.k^T of shape {tuple(inp.score_shape)}")
@@ -399,7 +400,7 @@ def fit_scale(scores: "TensorSource", inp: AttentionInputs, rows_per_block: int)
         s = rows.take(raw.shape[0]).to(torch.float64)  # (r, Tk)
         use = torch.isfinite(s) & torch.isfinite(raw) & (s > MASK_SENTINEL_LIMIT)
         raw = torch.where(use, raw, 0.0)
-        num.add((torch.where(use, s, 0.0) * raw).sum(dim=-1))
-        den.add((raw * raw).sum(dim=-1))
+        num.add(row_sum(torch.where(use, s, 0.0) * raw))
+        den.add(row_sum(raw * raw))
     total = den.total()
     return None if total == 0 else num.total() / total

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attncheck.errors import AttncheckError
+from attncheck.numerics.rowmath import row_sum
 from attncheck.params import ACCUMULATIONS, DEFAULT_BLOCK
 from attncheck.registry import EVENTS, METHODS
 
@@ -34,7 +35,7 @@ def _row_sum(e: torch.Tensor, accum: str) -> torch.Tensor:
     """Row sum with keepdim. 'fp32': as torch does (float32 inside, result rounded to
     the dtype). 'dtype': pairwise tree with every partial sum rounded to the dtype."""
     if accum == "fp32" or e.dtype in (torch.float32, torch.float64):
-        return e.sum(dim=-1, keepdim=True)
+        return row_sum(e, keepdim=True)
     n = e.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
     s = torch.nn.functional.pad(e, (0, width - n)) if width != n else e
@@ -85,7 +86,7 @@ def tiled_softmax(x: torch.Tensor, block: int = DEFAULT_BLOCK, reverse: bool = F
     m_run = torch.cummax(s.amax(dim=-1), dim=-1).values  # (..., nb): running max m_j after block j
     m_safe = torch.where(m_run == float("-inf"), 0.0, m_run)  # guard exp(-inf - (-inf))
     e = (s - m_safe.unsqueeze(-1)).exp_()  # (..., nb, B) float32; in place: one allocation fewer
-    block_sum = e.sum(dim=-1)  # (..., nb)
+    block_sum = row_sum(e)  # (..., nb)
     m_prev = torch.cat([torch.full_like(m_run[..., :1], float("-inf")), m_run[..., :-1]], dim=-1)
     decay = torch.exp(m_prev - m_safe)  # (..., nb): rescales l from m_{j-1} to m_j
     l = torch.zeros(lead, dtype=torch.float32, device=x.device)

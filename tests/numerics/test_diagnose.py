@@ -215,6 +215,56 @@ def test_chunked_equals_unchunked_exactly(chunk_elements, kernels):
     assert part.findings == whole.findings
 
 
+def jacobian_exact(x: list[float]) -> float:
+    """||diag(p) - p p^T||_F of softmax(x), every entry of the matrix in 60-digit arithmetic."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 60
+    e = [mpmath.exp(mpmath.mpf(v)) for v in x]
+    s = mpmath.fsum(e)
+    p = [v / s for v in e]
+    return float(mpmath.sqrt(mpmath.fsum(((pi if i == j else 0) - pi * pj) ** 2 for i, pi in enumerate(p) for j, pj in enumerate(p))))
+
+
+JACOBIAN_ROWS = [[0.0, -17.0], [0.0, -23.0], [0.0, -40.0, -41.0], [-3.0, 0.0, -30.0, -0.5], [0.0] * 7, [0.0, 0.0, -36.0],
+                 [5.0, -2.0, 1.0, 0.5, -40.0, 4.9]]
+
+
+def test_jacobian_norm_has_no_cancellation():
+    """The textbook s2 - 2 s3 + s2^2 gave 8.16e-8 for [0, -17] (exact 8.28e-8) and 0 for [0, -23]."""
+    assert jacobian_exact([0.0, -17.0]) == pytest.approx(8.28e-8, rel=1e-3)
+    assert jacobian_exact([0.0, -23.0]) == pytest.approx(2.05e-10, rel=1e-3)
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.tensor(r, dtype=torch.float64) for r in JACOBIAN_ROWS] + [torch.randn(40, generator=g, dtype=torch.float64) * s for s in (1, 10, 40)]
+    for x in rows:
+        got = jacobian_frobenius(torch.softmax(x, dim=-1).unsqueeze(0)).item()
+        assert got == pytest.approx(jacobian_exact(x.tolist()), rel=1e-12), x.tolist()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_mean_jacobian_norm_of_the_distribution_has_no_cancellation(kernels):
+    for row in JACOBIAN_ROWS:
+        x = torch.tensor([row], dtype=torch.float64)
+        got = diagnose("j", x, Options(methods=("torch",), dtypes=("fp32",), kernels=kernels)).distribution.jacobian_norm_mean
+        assert got == pytest.approx(jacobian_exact(row), rel=1e-12), row
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+@pytest.mark.parametrize("shape", [(2, 12, 1000), (4, 40_000)], ids=["1000-keys", "40000-keys"])
+def test_any_chunking_of_wide_rows_gives_the_same_bits(shape, kernels):
+    """Chunks of 1, 3 and 20 rows against the whole tensor, bit for bit: a row reduced alone
+    takes other code paths in torch (a BLAS dot; a split across threads) unless guarded."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(shape, generator=g) * 4
+    x[..., :7] = NEG
+    keys = shape[-1]
+    whole = diagnose("w", x, Options(chunk_elements=1 << 30, kernels=kernels))
+    for rows in (1, 3, 20):
+        part = diagnose("w", x, Options(chunk_elements=rows * keys, kernels=kernels))
+        assert part.census == whole.census, rows  # std included
+        assert part.distribution == whole.distribution, rows  # min entropy included
+        assert part.cells == whole.cells, rows  # RMSE included
+
+
 @pytest.mark.parametrize("kernels", ["torch", "fused"])
 @pytest.mark.parametrize("method,dtype,scale", [("torch", "fp32", 3.0), ("stable", "fp16", 8.0)])
 def test_kl_matches_extended_precision(method, dtype, scale, kernels):
