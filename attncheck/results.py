@@ -113,6 +113,8 @@ class Cell:
     rows: int
     nan_rows: int
     nan_causes: dict[str, int]
+    # rows where an exp or the row sum overflowed from finite scores (rows holding NaN or
+    # +inf are not counted: their cause is the input); per event in ``events``
     overflow_rows: int
     underflow_rows: int
     zero_rows: int
@@ -130,6 +132,8 @@ class Cell:
     examples: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
     # NaN rows per index of the leading axes but the query axis, e.g. per (batch, head); most first
     nan_rows_by_head: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    # Rows per event the method reported (registry.EVENTS: exp_overflow, sum_overflow, underflow)
+    events: dict[str, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -111,12 +111,21 @@ def test_cast_overflow_and_an_unrepresentable_sentinel():
 
 
 def test_exp_overflow_versus_sum_overflow():
-    d = diagnosis([cell("naive", nan_rows=5, overflow_rows=5, nan_causes={"exp_overflow": 5}, examples={"overflow": [(0, 3)]})])
+    d = diagnosis([cell("naive", nan_rows=5, overflow_rows=5, nan_causes={"exp_overflow": 5}, events={"exp_overflow": 5},
+                        examples={"event:exp_overflow": [(0, 3)]})])
     f = only(d, "exp_overflow")
     assert f.rows == 5 and f.examples == [(0, 3)] and "exp(x) = inf for x > 11.09" in f.message
-    d = diagnosis([cell("stable", overflow_rows=2, zero_rows=2, zero_causes={"exp_overflow": 2})])
-    f = only(d, "sum_overflow")
-    assert f.rows == 2 and "2 all-zero row(s)" in f.message
+    # The cause that happened is named: finite exps whose row sum overflows are a sum_overflow,
+    # in naive as in stable, and never called an exp overflow.
+    for method in ("naive", "stable"):
+        d = diagnosis([cell(method, overflow_rows=2, zero_rows=2, zero_causes={"sum_overflow": 2}, events={"sum_overflow": 2})])
+        f = only(d, "sum_overflow")
+        assert f.rows == 2 and "2 all-zero row(s)" in f.message and "every exp is finite but the row sum overflows" in f.message
+        assert "the largest fp16 is 65504" in f.message
+        assert not [g for g in d.findings if g.code in ("exp_overflow", "zero_rows")]
+    d = diagnosis([cell("naive", nan_rows=1, overflow_rows=3, zero_rows=2, nan_causes={"exp_overflow": 1}, zero_causes={"sum_overflow": 2},
+                        events={"exp_overflow": 1, "sum_overflow": 2})])
+    assert only(d, "exp_overflow").rows == 1 and only(d, "sum_overflow").rows == 2
 
 
 def test_underflow_zero_rows_and_unexplained_nan():
@@ -169,7 +178,7 @@ def test_scale_findings():
 
 
 def test_fail_on_conditions_read_the_same_results():
-    d = diagnosis([cell("naive", nan_rows=5, overflow_rows=5, nan_causes={"exp_overflow": 5})])
+    d = diagnosis([cell("naive", nan_rows=5, overflow_rows=5, nan_causes={"exp_overflow": 5}, events={"exp_overflow": 5})])
     assert failed_conditions([d], ["nan", "overflow", "error", "flip", "exp_overflow"]) == [
         "nan: t: naive/fp16", "overflow: t: naive/fp16", "error: t: exp_overflow", "exp_overflow: t: exp_overflow"]
 

@@ -183,6 +183,7 @@ class CellAcc:
         self.rows = 0
         self.nan_causes: Counter[str] = Counter()
         self.zero_causes: Counter[str] = Counter()
+        self.events: Counter[str] = Counter()
         self.nan_rows = self.zero_rows = self.overflow_rows = self.underflow_rows = 0
         self.compared = 0
         self.elems = 0
@@ -229,6 +230,10 @@ class CellAcc:
         self.overflow_rows += int(overflow.sum())
         self.underflow_rows += int(underflow.sum())
         self.examples.add("overflow", overflow, c.offset)
+        for name in EVENTS:
+            if name in events and bool(events[name].any()):
+                self.events[name] += int(events[name].sum())
+                self.examples.add(f"event:{name}", events[name], c.offset)
 
         ok = ~nan_row & c.ref_ok  # (r,) rows where both are defined
         n_ok = int(ok.sum())
@@ -279,6 +284,7 @@ class CellAcc:
             argmax_flips=self.flips,
             examples=self.examples.unravel(lead),
             nan_rows_by_head=self._top_heads(),
+            events=dict(self.events),
         )
 
     def _top_heads(self, k: int = 5) -> list[tuple[tuple[int, ...], int]]:
