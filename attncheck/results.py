@@ -47,15 +47,17 @@ class DtypeLimits:
 
 @dataclass
 class DtypeHeadroom:
-    """How the input sits against one dtype's limits (computed on the scores as given)."""
+    """How the input sits against one dtype's limits, counted on the scores as the dtype holds
+    them (torch's cast of the scores as given, or the dtype pipeline's scores from Q and K):
+    what the dtype's cells compute with. A score the dtype turns into +inf counts as given."""
 
     dtype: str
     max_finite: float
     exp_overflow_threshold: float
     exp_underflow_threshold: float
-    headroom: float | None  # threshold - largest finite score; negative means naive exp overflows
-    rows_over_exp_threshold: int  # row max above the threshold: naive softmax overflows there
-    rows_all_underflow: int  # row max below the underflow threshold: naive gives 0/0
+    headroom: float | None  # threshold - largest finite score in the dtype; negative means naive exp overflows
+    rows_over_exp_threshold: int  # row max in the dtype above the threshold: naive softmax's exp overflows there
+    rows_all_underflow: int  # row max in the dtype below the underflow threshold: naive gives 0/0
     rows_spread_beyond_underflow: int  # some unmasked key sits further than |underflow| below the row max
     cast_posinf_values: int  # finite scores that become +inf when cast
     cast_neginf_values: int  # finite scores that become -inf when cast

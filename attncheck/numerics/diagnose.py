@@ -117,13 +117,14 @@ def diagnose_chunks(
             census.shift = shift or 0.0
         c = backend.chunk(x, start, census.shift if shift is not None else 0.0)
         if not raw:
-            c.masked_rows = block.all_masked
+            block.mark_masked(c)  # masked keys and rows from the mask itself, not from score values
             block.audit_reference(c.ref, c.ref_ok)
         start += c.x.shape[0]
         census.update(c)
         dist.update(c)
         for d in options.dtypes:
             algo, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, backend)
+            census.update_headroom(d, c, *_extremes_in_dtype(block, c, algo.xc))
             causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
             outs = [_run(spec, algo.xc, method_params) for spec in specs]
             metrics = _cell_metrics(backend, plain, c, specs, [o.probs for o in outs], algo)  # one pass for the dtype's cells
@@ -199,6 +200,18 @@ def _cast(c: ChunkFacts, dt: torch.dtype, census: CensusAcc, name: str, backend:
         xcb = xc[idx]
         cast_made[idx] = (torch.isposinf(xcb).any(dim=-1) & ~c.posinf[idx]) | (torch.isneginf(xcb).all(dim=-1) & ~c.all_neginf[idx])
     return cast_made, algo
+
+
+def _extremes_in_dtype(block, c: ChunkFacts, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r,) float64: each row's largest finite score and smallest unmasked one as the cells of
+    xc's dtype see them; where the dtype turns a finite score into +inf, the score as given."""
+    if isinstance(block, torch.Tensor):
+        # Rounding is monotonic, so the cast of a row's extremes are the cast row's extremes;
+        # the cast runs through torch from the input's dtype (fp64 -> fp16 rounds via fp32, as the cells' cast does).
+        top = c.max_finite.to(c.x.dtype).to(xc.dtype).to(torch.float64)
+        low = c.unmasked_min.to(c.x.dtype).to(xc.dtype).to(torch.float64)
+        return torch.where(torch.isposinf(top), c.max_finite, top), low
+    return block.extremes(xc)
 
 
 def _in_dtype(block, c: ChunkFacts, dt: torch.dtype, census: CensusAcc, name: str, backend: RowBackend):

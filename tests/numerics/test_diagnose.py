@@ -122,6 +122,44 @@ def test_headroom_counts_against_thresholds():
 
 
 
+FP16_MID = 11.08984375  # halfway between fp16's 11.0859375 and 11.09375, on each side of ln(65520) = 11.0901
+
+
+def headroom_rows(dtype: torch.dtype) -> torch.Tensor:
+    """Rows whose maximum (or all of whose values) sit a rounding away from an exp threshold."""
+    x = torch.zeros(6, 4, dtype=torch.float64)
+    x[0] = torch.tensor([11.0899, 0, -1, -2], dtype=torch.float64)  # fp16: rounds up to 11.09375, exp overflows
+    x[1] = torch.tensor([88.73, 0, 0, 0], dtype=torch.float64)  # above 88.72, but bf16 rounds it down to 88.5 (fp16: 88.75, inf)
+    x[2] = torch.tensor([-17.33, -20, -30, -40], dtype=torch.float64)  # below ln(2^-25) = -17.3287; fp16 rounds it up to -17.328125
+    x[3] = torch.tensor([FP16_MID - 2.0**-40, 0, 0, 0], dtype=torch.float64)  # fp32 rounds it to the midpoint, fp16 that to even, up
+    x[4] = torch.tensor([-100.0, -200, -300, -400], dtype=torch.float64)  # every exp flushes in bf16 (-92.9), not in fp32 (-103.97)
+    x[5] = torch.tensor([1.0, 2, 3, 4], dtype=torch.float64)
+    return torch.cat([x, x[3:4].repeat(15, 1)]).to(dtype)  # 16 rows of the double-rounding row
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+@pytest.mark.parametrize("given", [torch.float32, torch.float64])
+def test_headroom_counts_what_the_cast_scores_do(given, kernels):
+    """The headroom counts rows by the scores the cells compute with: torch's cast of the scores
+    as given (fp64 -> fp16 rounds through fp32), then torch's exp in the dtype."""
+    x = headroom_rows(given)
+    if given == torch.float64:  # the premise: torch rounds twice where a direct rounding would not overflow
+        assert float(np.float16(x[3, 0].item())) == 11.0859375 and x[3:4, :1].to(torch.float16).item() == 11.09375
+    d = diagnose("h", x, Options(methods=("naive",), kernels=kernels))
+    for h in d.census.headroom:
+        xc = x.to(getattr(torch, {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[h.dtype]))
+        e = torch.exp(xc)
+        over = int(torch.isinf(e).any(dim=-1).sum())
+        under = int((e == 0).all(dim=-1).sum())
+        assert (h.rows_over_exp_threshold, h.rows_all_underflow) == (over, under), h.dtype
+        assert d.cell("naive", h.dtype).overflow_rows == over  # what the naive cell sees
+        assert h.headroom == h.exp_overflow_threshold - float(xc.double().max())
+    fp16 = next(h for h in d.census.headroom if h.dtype == "fp16")
+    bf16 = next(h for h in d.census.headroom if h.dtype == "bf16")
+    assert fp16.rows_over_exp_threshold == 18 and fp16.rows_all_underflow == 1  # rows 0, 1 and the 16 double-rounding rows; row 4, not row 2
+    assert bf16.rows_over_exp_threshold == 0 and bf16.rows_all_underflow == 1  # not row 1 (88.5); row 4
+
+
 @pytest.mark.parametrize("kernels", ["torch", "fused"])
 def test_cell_metrics_against_numpy(kernels):
     g = torch.Generator().manual_seed(3)

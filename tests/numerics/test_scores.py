@@ -163,6 +163,43 @@ def test_fully_masked_padding_rows_under_each_convention(convention):
     assert finite.cell("stable", "fp32").nan_rows == 0  # finfo.min: a finite uniform row
 
 
+def test_a_minus_1e4_mask_given_three_ways_masks_the_same_rows():
+    """Causal + left padding of 3 as an additive float mask of -1e4, as a boolean mask with
+    --mask-value -1e4, and as --causal --pad-left: the float mask marks its masked keys from
+    the mask (a score of +2 plus -1e4 sits above -1e4, and is still masked)."""
+    g = torch.Generator().manual_seed(6)
+    q, k = torch.randn(2, 2, 6, 16, generator=g) * 2, torch.randn(2, 2, 6, 16, generator=g) * 2
+    key, query = torch.arange(6).view(1, 6), torch.arange(6).view(6, 1)
+    masked = (key > query) | (key < 3)  # (6, 6): True = masked, the same for each batch element and head
+    expected_rows = 2 * 2 * int(masked.all(dim=-1).sum())  # queries 0..2 of each (batch, head): 12
+    assert expected_rows == 12
+    scores = (q.double() @ k.double().transpose(-1, -2)) / 4
+    assert bool((scores[..., :3, :][masked[:3].expand(2, 2, 3, 6)] > 0).any())  # the case: masked keys above -1e4 after adding it
+    float_mask = torch.where(masked, -1e4, 0.0)
+    ways = {
+        "float": run(q, k, float_mask),
+        "bool": run(q, k, ~masked, mask_value="-1e4"),
+        "flags": run(q, k, causal=True, pad_left=[3, 3], mask_value="-1e4"),
+    }
+    # The fp16 scores the model computes, in numpy: q, k rounded to fp16, float32 products rounded
+    # to fp16, times 1/4 and plus -1e4 in fp16; their exps in float64 against fp16's limits.
+    qn, kn = q.numpy().astype(np.float16).astype(np.float32), k.numpy().astype(np.float16).astype(np.float32)
+    s16 = (np.matmul(qn, np.swapaxes(kn, -1, -2)).astype(np.float16) * np.float16(0.25)) + float_mask.numpy().astype(np.float16)
+    e = np.exp(s16.astype(np.float64)).reshape(-1, 6)
+    rows_over = int((e >= 65520).any(axis=-1).sum())
+    rows_under = int((e <= 2.0**-25).all(axis=-1).sum())  # exps at or below half the smallest subnormal round to 0
+    assert rows_under >= expected_rows
+    for name, d in ways.items():
+        fp16 = next(h for h in d.census.headroom if h.dtype == "fp16")
+        assert (fp16.rows_over_exp_threshold, fp16.rows_all_underflow) == (rows_over, rows_under), name
+        assert d.census.fully_masked_rows == expected_rows, name
+        assert d.census.masked == 2 * 2 * int(masked.sum()), name
+        assert d.cell("naive", "fp16").nan_causes.get("fully_masked") == expected_rows, name
+        assert "underflow" not in d.cell("naive", "fp16").nan_causes, name
+        assert d.cells == ways["float"].cells, name  # causes, counts and errors alike
+        assert "fully_masked_rows" in codes(d), name
+
+
 def test_causal_matches_sdpa_is_causal_alignment():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 1, 3, 4, generator=g, dtype=torch.float64)
