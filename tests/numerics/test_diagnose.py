@@ -239,20 +239,6 @@ def test_helpers_on_known_distributions():
     assert kl_divergence(half, skew, 1e-45).item() == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3))
 
 
-@pytest.mark.parametrize("kernels", ["torch", "fused"])
-@pytest.mark.parametrize("chunk_elements", [1, 50, 333, 10_000])
-def test_chunked_equals_unchunked_exactly(chunk_elements, kernels):
-    # 72 rows of 16 keys; chunks of 1, 3, 20 and all rows split heads at every place.
-    x = problem_rows().repeat(9, 1).reshape(2, 36, 16) * 1.5
-    x[1, 5, 2] = 30.0
-    whole = diagnose("w", x, Options(chunk_elements=1 << 30, kernels=kernels))
-    part = diagnose("p", x, Options(chunk_elements=chunk_elements, kernels=kernels))
-    assert part.census == whole.census  # std and mean included, bit for bit
-    assert part.distribution == whole.distribution
-    assert part.cells == whole.cells  # counts, maxima, RMSE, KL mean, examples
-    assert part.findings == whole.findings
-
-
 def jacobian_exact(x: list[float]) -> float:
     """||diag(p) - p p^T||_F of softmax(x), every entry of the matrix in 60-digit arithmetic."""
     mpmath = pytest.importorskip("mpmath")
@@ -304,6 +290,20 @@ def test_any_chunking_of_wide_rows_gives_the_same_bits(shape, kernels):
 
 
 @pytest.mark.parametrize("kernels", ["torch", "fused"])
+@pytest.mark.parametrize("chunk_elements", [1, 50, 333, 10_000])
+def test_chunked_equals_unchunked_exactly(chunk_elements, kernels):
+    # 72 rows of 16 keys; chunks of 1, 3, 20 and all rows split heads at every place.
+    x = problem_rows().repeat(9, 1).reshape(2, 36, 16) * 1.5
+    x[1, 5, 2] = 30.0
+    whole = diagnose("w", x, Options(chunk_elements=1 << 30, kernels=kernels))
+    part = diagnose("p", x, Options(chunk_elements=chunk_elements, kernels=kernels))
+    assert part.census == whole.census  # std and mean included, bit for bit
+    assert part.distribution == whole.distribution
+    assert part.cells == whole.cells  # counts, maxima, RMSE, KL mean, examples
+    assert part.findings == whole.findings
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
 @pytest.mark.parametrize("method,dtype,scale", [("torch", "fp32", 3.0), ("stable", "fp16", 8.0)])
 def test_kl_matches_extended_precision(method, dtype, scale, kernels):
     # fp32: KL ~1e-14, where the naive r log r - r log q form cancels to noise.
@@ -327,6 +327,32 @@ def test_kl_matches_extended_precision(method, dtype, scale, kernels):
         assert cell.flushed_frac > 0.05  # the case this test is about
     assert cell.kl_max == pytest.approx(float(max(exact)), rel=1e-6)
     assert cell.kl_mean == pytest.approx(float(sum(exact) / 3), rel=1e-6)
+
+
+def test_naive_row_sum_overflow_is_reported_as_sum_overflow():
+    x = torch.full((1, 100), 7.0)  # exp(7) = 1097 finite in fp16; 100 of them are not
+    d = diagnose("s", x, Options(methods=("naive",), dtypes=("fp16",)))
+    c = d.cell("naive", "fp16")
+    assert (c.overflow_rows, c.zero_rows, c.zero_causes, c.nan_rows, c.events) == (1, 1, {"sum_overflow": 1}, 0, {"sum_overflow": 1})
+    f = next(f for f in d.findings if f.code == "sum_overflow")
+    assert "every exp is finite but the row sum overflows to inf in 1 row(s)" in f.message and f.examples == [(0,)]
+    assert not [f for f in d.findings if f.code in ("exp_overflow", "zero_rows")]
+
+
+def test_hand_written_stable_is_not_held_to_flashattentions_rule():
+    """stable in fp16 rounds x - max, exp and the quotient (three roundings) where torch.softmax
+    rounds once: it misses the 2x rule on ordinary scores. The finding judges kernels only."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) * 4
+    xc = x.half()
+    ref = torch.softmax(xc.double(), dim=-1)
+    hand = torch.exp(xc - xc.amax(dim=-1, keepdim=True))
+    hand = hand / hand.sum(dim=-1, keepdim=True)
+    err_hand = (hand.double() - ref).abs().max().item()
+    err_torch = (torch.softmax(xc, dim=-1).double() - ref).abs().max().item()
+    assert err_hand > 2 * err_torch  # the premise, measured here
+    d = diagnose("s", x, Options(dtypes=("fp16",)))
+    assert d.cell("stable", "fp16").max_abs_err_algo == err_hand
+    assert "worse_than_torch" not in {f.code for f in d.findings}
 
 
 def test_one_dimensional_tensor_is_one_row():

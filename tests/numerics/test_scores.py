@@ -233,6 +233,46 @@ def test_missing_scale_at_d_256():
     assert "double_scale" in codes(run(q, k, scale="dk", dtypes=("fp32",)))
 
 
+def rope(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (rotate-half form, base 10000) over the token axis."""
+    t, d = x.shape[-2], x.shape[-1]
+    inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(t, dtype=torch.float64).view(-1, 1) * inv  # (t, d/2)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+def real_shaped_qk(kind: str, d: int = 256, t: int = 64):
+    """q and k the way real layers make them, not i.i.d.: low rank, outlier channels, RoPE, ReLU zeros."""
+    g = torch.Generator().manual_seed(8)
+    if kind in ("low_rank", "rope"):  # N(0, 1)^(t x 8) @ W^T, W (d x 8); RoPE rotates them by position
+        w = torch.randn(d, 8, generator=g)
+        q, k = torch.randn(1, 2, t, 8, generator=g) @ w.T, torch.randn(1, 2, t, 8, generator=g) @ w.T
+        return (rope(q), rope(k)) if kind == "rope" else (q, k)
+    q, k = torch.randn(1, 2, t, d, generator=g), torch.randn(1, 2, t, d, generator=g)
+    if kind == "outlier_channels":
+        q[..., :4] *= 30
+        k[..., :4] *= 30
+    elif kind == "sparse":  # about half the entries exact zeros (ReLU-like)
+        q = q.masked_fill(torch.rand(q.shape, generator=g) < 0.48, 0.0)
+        k = k.masked_fill(torch.rand(k.shape, generator=g) < 0.48, 0.0)
+    return q, k
+
+
+@pytest.mark.parametrize("kind", ["low_rank", "outlier_channels", "rope", "sparse"])
+def test_scale_findings_follow_the_scale_applied_not_the_shape_of_q_and_k(kind):
+    q, k = real_shaped_qk(kind)
+    d = run(q, k, dtypes=("fp32",), methods=("torch",))  # the default scale, 1/sqrt(256) = 1/16
+    # The scores are q.k / 16 exactly: the independent float64 product and the pipeline's agree.
+    block = next(score_blocks(d_inp := prepare_inputs(q, k), 1 << 20, torch.device("cpu"), start_audit(d_inp)))
+    assert torch.allclose(block.given, ((q.double() @ k.double().transpose(-1, -2)) / 16).reshape(-1, 64), rtol=1e-12, atol=0)
+    assert not {"missing_scale", "double_scale"} & codes(d), [f.message for f in d.findings]
+    f = next(f for f in run(q, k, scale="none", dtypes=("fp32",), methods=("torch",)).findings if f.code == "missing_scale")
+    assert "q.k times 1 (the scale applied, --scale none on the scores): 16 x 1/sqrt(d_k)" in f.message
+    assert "double_scale" in codes(run(q, k, scale="dk", dtypes=("fp32",), methods=("torch",)))
+
+
 def test_scale_mismatch_fits_the_scale_of_given_scores():
     q, k = iid_qk(64)
     scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(64 * 2)  # divided by sqrt(d_model)
