@@ -250,9 +250,11 @@ class SweepCell:
     nan_rate: float
     overflow_rate: float  # rows where an exp or the row sum hit inf from finite logits (as `run` counts them)
     exp_overflow_rate: float | None  # naive only: rows where exp of a finite logit is inf in the dtype
-    exp_overflow_rate_theory: float | None  # naive only: its Gaussian-tail prediction
+    exp_overflow_rate_theory: float | None  # naive only: its Gaussian-tail prediction (0.0 below 2.2e-308)
     max_abs_err: float | None  # max |p - p_float64(x)| over rows without NaN/inf; None if there are none
     max_abs_err_algo: float | None  # against float64 softmax of x after the cast to the dtype
+    # naive only: log10 of the prediction, exact also where it is below float64's range
+    exp_overflow_rate_theory_log10: float | None = None
 
 
 @dataclass
