@@ -70,11 +70,11 @@ def jacobian_from_sums(pm: torch.Tensor, e: torch.Tensor, a2: torch.Tensor, a4: 
 
 
 def _two_rows(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A lone row as the first of two (the second zeros). torch reduces a tensor of one
-    row differently from a row among others: it splits the row across threads when it is
-    long, and einsum takes another BLAS path; with two or more rows every row is reduced
-    by one thread in one order. So a row's sums do not depend on how rows are chunked."""
-    return tuple(torch.cat([t, torch.zeros_like(t)]) for t in ts)
+    """A lone (1, T) row as two rows, both itself (a view, no copy). torch reduces a tensor
+    of one row differently from a row among others: it splits the row across threads when
+    it is long, and einsum takes another BLAS path; with two or more rows every row is
+    reduced by one thread in one order. So a row's sums do not depend on the chunking."""
+    return tuple(t.expand(2, t.shape[-1]) for t in ts)
 
 
 def row_sum(t: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
