@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from attncheck.format import num
-from attncheck.registry import PATHS
+from attncheck.registry import METHODS, PATHS
 from attncheck.results import FLASH_RULE_FACTOR, UNEXPLAINED, Cell, Finding, TensorDiagnosis, flash_rule_bound
 
 SEVERITIES = ("error", "warning", "info")
@@ -22,18 +22,18 @@ FIX = {
     "summed_mask_planes": "two sentinel planes added together overflow: combine masks with logical and/or (or torch.where), then apply one sentinel once",
     "mask_leak": "the masked keys still receive probability: use -inf, finfo(dtype).min or a boolean mask instead of this small sentinel",
     "float_mask_looks_boolean": "a float mask of 0 and 1 is added to the scores, not applied: pass mask.bool() (True = attend) or an additive mask of 0 and -inf",
-    "missing_scale": "the scores look unscaled: divide by sqrt(d_k) (SDPA's default scale), or check the scale your model applies",
-    "double_scale": "the scores look scaled twice: apply 1/sqrt(d_k) once (SDPA scales by default; don't pre-scale q as well)",
+    "missing_scale": "the scores are not scaled by 1/sqrt(d_k): divide by sqrt(d_k) (SDPA's default scale), or check the scale your model applies",
+    "double_scale": "the scores are scaled about twice by 1/sqrt(d_k): apply it once (SDPA scales by default; don't pre-scale q as well)",
     "scale_mismatch": "the scale your scores carry is not 1/sqrt(d_head): check which dimension the model divides by",
     "sentinel_not_representable": "use a boolean mask (masked_fill(~keep, torch.finfo(dtype).min) or SDPA's bool attn_mask) instead of a constant the dtype cannot hold",
     "cast_overflow": "upcast to fp32 before the softmax, or keep the logits in range (scale by 1/sqrt(d_k), clamp)",
     "exp_overflow": "subtract the row max before exp (stable softmax, torch.softmax), or upcast to fp32 before the softmax",
-    "sum_overflow": "the row sum exceeds the dtype's range: accumulate the sum in fp32 (torch.softmax does)",
+    "sum_overflow": "the row sum exceeds the dtype's range: subtract the row max before exp (the sum is then at most the number of keys), or keep the sum and the division in fp32 (torch.softmax does)",
     "underflow": "subtract the row max before exp: then the largest term is exp(0) = 1 and the sum cannot be 0",
     "zero_rows": "these rows lost all probability mass: subtract the row max and accumulate in fp32",
     "unexplained_nan": "NaN with no cause attributable by attncheck: please report it with the dump",
     "argmax_flip": "the most likely key changes against float64: upcast the softmax to fp32 where decisions depend on the top key",
-    "worse_than_torch": "this implementation loses more accuracy than torch.softmax in the same dtype: keep the max and sum in fp32 and round only the result",
+    "worse_than_torch": "this kernel loses more accuracy than torch.softmax in the same dtype: keep the max and sum in fp32 and round only the result (smaller key blocks keep P_j closer to the final max)",
     "output_error": "this attention path's output is further from float64 than FlashAttention's test allows (2x the same-dtype PyTorch attention): keep S and the softmax in fp32 and round P only for P@V, or use SDPA",
     "tied_max_bias": "a bias does not average out over steps (Qiu and Yao 2025, arXiv 2510.04212): when the row max repeats, subtract a slightly larger max (their fix: m = beta * max for a positive max) so that no exp(s - m) is exactly 1, or keep O in fp32 where the next layer reads it",
     "probability_flush": "small probabilities round to 0 in this dtype; harmless for most models, upcast if those keys matter",
@@ -71,6 +71,11 @@ FLUSH_INFO_FRAC = 0.01
 TIED_BIAS_Z = 4.0  # a mean signed error this many standard errors from 0 is a bias, not noise
 TIED_BIAS_MIN_ROWS = 16  # fewer tied rows do not make a mean to test
 COLLAPSE_WARN_FRAC = 0.5
+
+
+def _kernel_of(method: str) -> str | None:
+    """The kernel a registered method reproduces (registry ``MethodSpec.kernel``), else None."""
+    return METHODS.get(method).kernel if method in METHODS else None
 
 
 def _names(cells: list[Cell]) -> list[str]:
@@ -163,19 +168,21 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
 
     # What happens inside the softmax.
     for c in cells:
-        exp_nan = c.nan_causes.get("exp_overflow", 0)
-        exp_zero = c.zero_causes.get("exp_overflow", 0)
-        if c.overflow_rows:
-            h = next(h for h in census.headroom if h.dtype == c.dtype)
-            if exp_nan or c.method == "naive":
-                add("exp_overflow", f"{c.method} softmax in {c.dtype}: exp overflows to inf in {c.overflow_rows} row(s) (exp(x) = inf for x > {h.exp_overflow_threshold:.4g}; largest score {num(census.max, 4)}) -> {exp_nan} NaN row(s), {exp_zero} all-zero row(s)", [c], c.overflow_rows, c.examples.get("overflow", []))
-            else:
-                add("sum_overflow", f"{c.method} softmax in {c.dtype}: the row sum overflows in {c.overflow_rows} row(s) -> {exp_zero} all-zero row(s)", [c], c.overflow_rows, c.examples.get("overflow", []))
-        if c.nan_causes.get("underflow"):
-            h = next(h for h in census.headroom if h.dtype == c.dtype)
+        h = next((h for h in census.headroom if h.dtype == c.dtype), None)
+        n_exp = c.events.get("exp_overflow", 0)
+        if n_exp:
+            exp_nan, exp_zero = c.nan_causes.get("exp_overflow", 0), c.zero_causes.get("exp_overflow", 0)
+            limit = f"exp(x) = inf for x > {h.exp_overflow_threshold:.4g}; " if h else ""
+            add("exp_overflow", f"{c.method} softmax in {c.dtype}: exp overflows to inf in {n_exp} row(s) ({limit}largest score {num(census.max, 4)}) -> {exp_nan} NaN row(s){f', {exp_zero} all-zero row(s)' if exp_zero else ''}", [c], n_exp, c.examples.get("event:exp_overflow", []))
+        n_sum = c.events.get("sum_overflow", 0)
+        if n_sum:
+            sum_nan, sum_zero = c.nan_causes.get("sum_overflow", 0), c.zero_causes.get("sum_overflow", 0)
+            top = f" (the largest {c.dtype} is {h.max_finite:.6g})" if h else ""
+            add("sum_overflow", f"{c.method} softmax in {c.dtype}: every exp is finite but the row sum overflows to inf in {n_sum} row(s){top} -> {sum_zero} all-zero row(s){f', {sum_nan} NaN row(s)' if sum_nan else ''}", [c], n_sum, c.examples.get("event:sum_overflow", []))
+        if c.nan_causes.get("underflow") and h is not None:
             n = c.nan_causes["underflow"]
             add("underflow", f"{c.method} softmax in {c.dtype}: every exp flushes to 0 in {n} row(s) (all scores below {h.exp_underflow_threshold:.4g}), so the row is 0/0 = NaN", [c], n, c.examples.get("nan:underflow", []))
-        other_zero = c.zero_rows - sum(c.zero_causes.get(k, 0) for k in ("fully_masked", "cast_overflow", "exp_overflow"))
+        other_zero = c.zero_rows - sum(c.zero_causes.get(k, 0) for k in ("fully_masked", "cast_overflow", "exp_overflow", "sum_overflow"))
         if other_zero > 0:
             add("zero_rows", f"{c.method} softmax in {c.dtype}: {other_zero} row(s) come out all zero", [c], other_zero, c.examples.get(f"zero:{UNEXPLAINED}", []))
         if c.nan_causes.get(UNEXPLAINED):
@@ -188,15 +195,17 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
         worst = max(flips, key=lambda c: c.argmax_flips)
         add("argmax_flip", "the top-1 key differs from float64 in " + ", ".join(f"{c.name} ({c.argmax_flips} row(s))" for c in flips), flips, worst.argmax_flips, _first_examples(flips, "flip"))
     by_dtype_torch = {c.dtype: c for c in cells if c.method == "torch"}
-    worse = []
+    worse, hit = [], []
     for c in cells:
         t = by_dtype_torch.get(c.dtype)
-        if t is None or c is t or c.verdict != "ok" or c.max_abs_err_algo is None or not t.max_abs_err_algo:
+        kernel = _kernel_of(c.method)
+        if kernel is None or t is None or c is t or c.verdict != "ok" or c.max_abs_err_algo is None or not t.max_abs_err_algo:
             continue
         if c.max_abs_err_algo > flash_rule_bound(t.max_abs_err_algo):
-            worse.append(f"{c.name} {c.max_abs_err_algo / t.max_abs_err_algo:.1f}x")
+            worse.append(f"{c.name} ({kernel}) {c.max_abs_err_algo / t.max_abs_err_algo:.1f}x")
+            hit.append(c)
     if worse:
-        add("worse_than_torch", f"max error above {FLASH_RULE_FACTOR:g}x torch.softmax's in the same dtype (FlashAttention's test budget; errors against float64 of the cast scores): {', '.join(worse)}")
+        add("worse_than_torch", f"a kernel's max error is above {FLASH_RULE_FACTOR:g}x torch.softmax's in the same dtype (FlashAttention's test budget, errors against float64 of the cast scores; only methods that reproduce a kernel models run are judged): {', '.join(worse)}", hit)
     _output_findings(diag, add)
     flushed = [c for c in cells if c.flushed_frac is not None and c.flushed_frac >= FLUSH_INFO_FRAC]
     if flushed:
@@ -244,14 +253,7 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
         add("mask_leak", f"the float64 softmax puts up to {a.leak_max:.3g} of a row's probability on masked keys in {a.leak_rows} row(s) (mask value {a.mask_value}; tolerance 1e-6)", rows=a.leak_rows)
     if a.float_mask_looks_boolean:
         add("float_mask_looks_boolean", "the float mask holds only 0 and 1: it is added to the scores (+1 on some keys), so it masks nothing")
-    if a.scores_std and a.q_std > 0 and a.k_std > 0 and a.d >= 4:
-        ratio = a.scores_std / (a.q_std * a.k_std)
-        root = math.sqrt(a.d)
-        spread = f"score spread {a.scores_std:.4g} is {ratio:.3g} x spread(q) spread(k) = {a.q_std * a.k_std:.4g} (robust std, 1.4826 MAD); a 1/sqrt(d_k)-scaled score has ratio ~1, an unscaled one ~sqrt({a.d}) = {root:.3g}"
-        if ratio > a.d**0.25:
-            add("missing_scale", spread + " (the scores look unscaled)")
-        elif ratio < a.d**-0.25:
-            add("double_scale", spread + f" (the scores look scaled twice, ~1/sqrt({a.d}) = {1 / root:.3g})")
+    _scale_findings(a, add)
     if a.fitted_scale is not None:
         candidates = {
             "1/sqrt(d_head)": 1 / math.sqrt(a.d),
@@ -299,6 +301,26 @@ def _output_findings(diag: TensorDiagnosis, add) -> None:
             + ", ".join(f"{c.name} {c.tied_rows} tied row(s), mean error {c.out_bias_tied:.3g} ({abs(c.out_bias_tied_z):.1f} standard errors "
                         f"from 0; all rows {num(c.out_bias, 3)})" for c in biased),
             biased, max(c.tied_rows for c in biased))
+
+
+def _scale_findings(a, add) -> None:
+    """missing_scale / double_scale from the scale the scores actually carry: q.k times the
+    scale applied (the fitted one when the scores were given), against 1/sqrt(d). Not from
+    the spread of the scores against that of q and k, which only i.i.d. entries tie to the
+    scale: low-rank q/k, outlier channels, RoPE or many exact zeros move it far from 1."""
+    if a.d < 4:
+        return
+    given = a.fitted_scale is not None
+    scale = a.fitted_scale if given else a.scale
+    if scale is None or not scale > 0:
+        return
+    ratio = scale * math.sqrt(a.d)  # 1 for 1/sqrt(d), sqrt(d) unscaled, 1/sqrt(d) for 1/d
+    how = "least squares against q.k, from the scores given" if given else f"the scale applied, --scale {a.scale_name} on the {a.scale_order}"
+    said = f"the scores are q.k times {scale:.4g} ({how}): {ratio:.3g} x 1/sqrt(d_k) = 1/sqrt({a.d}) = {1 / math.sqrt(a.d):.4g}"
+    if ratio > a.d**0.25:
+        add("missing_scale", said + " (the scores are unscaled)")
+    elif ratio < a.d**-0.25:
+        add("double_scale", said + f" (the scores are scaled twice: ~1/d_k = {1 / a.d:.4g})")
 
 
 def failed_conditions(diags: list[TensorDiagnosis], conditions: list[str]) -> list[str]:

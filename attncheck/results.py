@@ -47,15 +47,17 @@ class DtypeLimits:
 
 @dataclass
 class DtypeHeadroom:
-    """How the input sits against one dtype's limits (computed on the scores as given)."""
+    """How the input sits against one dtype's limits, counted on the scores as the dtype holds
+    them (torch's cast of the scores as given, or the dtype pipeline's scores from Q and K):
+    what the dtype's cells compute with. A score the dtype turns into +inf counts as given."""
 
     dtype: str
     max_finite: float
     exp_overflow_threshold: float
     exp_underflow_threshold: float
-    headroom: float | None  # threshold - largest finite score; negative means naive exp overflows
-    rows_over_exp_threshold: int  # row max above the threshold: naive softmax overflows there
-    rows_all_underflow: int  # row max below the underflow threshold: naive gives 0/0
+    headroom: float | None  # threshold - largest finite score in the dtype; negative means naive exp overflows
+    rows_over_exp_threshold: int  # row max in the dtype above the threshold: naive softmax's exp overflows there
+    rows_all_underflow: int  # row max in the dtype below the underflow threshold: naive gives 0/0
     rows_spread_beyond_underflow: int  # some unmasked key sits further than |underflow| below the row max
     cast_posinf_values: int  # finite scores that become +inf when cast
     cast_neginf_values: int  # finite scores that become -inf when cast
@@ -113,6 +115,8 @@ class Cell:
     rows: int
     nan_rows: int
     nan_causes: dict[str, int]
+    # rows where an exp or the row sum overflowed from finite scores (rows holding NaN or
+    # +inf are not counted: their cause is the input); per event in ``events``
     overflow_rows: int
     underflow_rows: int
     zero_rows: int
@@ -130,6 +134,8 @@ class Cell:
     examples: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
     # NaN rows per index of the leading axes but the query axis, e.g. per (batch, head); most first
     nan_rows_by_head: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    # Rows per event the method reported (registry.EVENTS: exp_overflow, sum_overflow, underflow)
+    events: dict[str, int] = field(default_factory=dict)
     # With Q and K: the attention path the cell computes (registry.PATHS); None for given scores.
     path: str | None = None
     tied_rows: int = 0  # rows whose largest score is held by two or more keys (each gets exp(0) = 1)
@@ -269,9 +275,11 @@ class SweepCell:
     nan_rate: float
     overflow_rate: float  # rows where an exp or the row sum hit inf from finite logits (as `run` counts them)
     exp_overflow_rate: float | None  # naive only: rows where exp of a finite logit is inf in the dtype
-    exp_overflow_rate_theory: float | None  # naive only: its Gaussian-tail prediction
+    exp_overflow_rate_theory: float | None  # naive only: its Gaussian-tail prediction (0.0 below 2.2e-308)
     max_abs_err: float | None  # max |p - p_float64(x)| over rows without NaN/inf; None if there are none
     max_abs_err_algo: float | None  # against float64 softmax of x after the cast to the dtype
+    # naive only: log10 of the prediction, exact also where it is below float64's range
+    exp_overflow_rate_theory_log10: float | None = None
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 from attncheck.cli.common import reuse_freed_memory
 from attncheck.numerics.accumulate import CellAcc, CensusAcc, DistAcc
 from attncheck.numerics.backends import select_backend
-from attncheck.numerics.diagnose import Options, _in_dtype, diagnose
+from attncheck.numerics.diagnose import Options, _extremes_in_dtype, _in_dtype, diagnose
 from attncheck.numerics.precision import dtype_from_name
 from attncheck.numerics.softmax import run_method
 from attncheck.registry import dtype_names, method_names
@@ -61,6 +61,7 @@ def staged_pass(x: torch.Tensor, opts: Options) -> dict:
             block = c.x
             t0 = clock()
             algo, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, backend)
+            census.update_headroom(d, c, *_extremes_in_dtype(block, c, algo.xc))
             spent[("cast", d)] += clock() - t0
             causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
             outs = {}

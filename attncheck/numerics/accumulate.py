@@ -16,7 +16,6 @@ from attncheck.numerics.precision import (
     exp_underflow_threshold,
 )
 from attncheck.numerics.reduce import Examples, ExactSum, Max, attribute, count_values, most_common, unravel
-from attncheck.numerics.rowmath import jacobian_from_moments
 from attncheck.numerics.softmax import event_rows
 from attncheck.registry import EVENTS
 from attncheck.results import Cell, Census, Distribution, DtypeHeadroom
@@ -38,13 +37,13 @@ class CensusAcc:
         self.rows_over = Counter()
         self.rows_under = Counter()
         self.rows_spread = Counter()
+        self.top_in: dict[str, Max] = {d: Max() for d in dtypes}  # largest finite score as each dtype holds it
         self.cast_pos = Counter()
         self.cast_neg = Counter()
         self.cast_rows = Counter()
         self.cast_values: dict[str, Counter[float]] = {d: Counter() for d in dtypes}
 
     def update(self, c: ChunkFacts) -> None:
-        keys = c.x.shape[-1]
         fin_rows = c.n_finite > 0
         self.max.add(c.max_finite[fin_rows])
         self.min.add(-c.min_finite[fin_rows])
@@ -61,13 +60,19 @@ class CensusAcc:
         self.posinf_rows += int(c.posinf.sum())
         # A mask constant is the minimum of every row it masks: count rows per value.
         count_values(self.sentinel_rows, c.min_finite[(c.min_finite <= MASK_SENTINEL_LIMIT) & torch.isfinite(c.min_finite)])
-        spread = c.max_finite - c.unmasked_min
-        has_keys = (keys - c.masked) >= 2
-        for d in self.dtypes:
-            dt = dtype_from_name(d)
-            self.rows_over[d] += int((c.max_finite > exp_overflow_threshold(dt)).sum())
-            self.rows_under[d] += int(((c.max_finite < exp_underflow_threshold(dt)) & fin_rows).sum())
-            self.rows_spread[d] += int((has_keys & (spread > -exp_underflow_threshold(dt))).sum())
+
+    def update_headroom(self, dtype: str, c: ChunkFacts, top: torch.Tensor, low: torch.Tensor) -> None:
+        """Count the chunk's rows against ``dtype``'s exp thresholds, from the scores the
+        dtype's cells compute with: ``top`` (r,) float64 the largest finite score of each row
+        and ``low`` the smallest unmasked one, both as held in ``dtype`` (a score the dtype
+        cannot hold as a finite number is taken as given, +-inf otherwise)."""
+        dt = dtype_from_name(dtype)
+        fin_rows = c.n_finite > 0
+        self.top_in[dtype].add(top[fin_rows])
+        self.rows_over[dtype] += int((top > exp_overflow_threshold(dt)).sum())
+        self.rows_under[dtype] += int(((top < exp_underflow_threshold(dt)) & fin_rows).sum())
+        has_keys = (c.x.shape[-1] - c.masked) >= 2
+        self.rows_spread[dtype] += int((has_keys & (top - low > -exp_underflow_threshold(dt))).sum())
 
     def update_cast(self, dtype: str, x: torch.Tensor, xc: torch.Tensor, rows: torch.Tensor) -> None:
         """Count finite scores that the cast to ``dtype`` turned into +-inf (only ``rows`` can hold any)."""
@@ -89,13 +94,14 @@ class CensusAcc:
         for d in self.dtypes:
             dt = dtype_from_name(d)
             thr = exp_overflow_threshold(dt)
+            top_d = self.top_in[d].value
             headroom.append(
                 DtypeHeadroom(
                     dtype=d,
                     max_finite=torch.finfo(dt).max,
                     exp_overflow_threshold=thr,
                     exp_underflow_threshold=exp_underflow_threshold(dt),
-                    headroom=None if top is None else thr - top,
+                    headroom=None if top_d is None else thr - top_d,
                     rows_over_exp_threshold=self.rows_over[d],
                     rows_all_underflow=self.rows_under[d],
                     rows_spread_beyond_underflow=self.rows_spread[d],
@@ -157,8 +163,7 @@ class DistAcc:
         pmax = 1.0 / c.ref_sum[ok]  # the max key has exp(0) = 1
         self.pmax_sum.add(pmax)
         self.collapsed += int((pmax >= self.threshold).sum())
-        s2, s3 = c.ref_p2[ok], c.ref_p3[ok]
-        self.jac_sum.add(jacobian_from_moments(s2, s3))
+        self.jac_sum.add(c.ref_jacobian[ok])
 
     def finish(self) -> Distribution:
         r = self.rows
@@ -264,6 +269,7 @@ class CellAcc:
         self.rows = 0
         self.nan_causes: Counter[str] = Counter()
         self.zero_causes: Counter[str] = Counter()
+        self.events: Counter[str] = Counter()
         self.nan_rows = self.zero_rows = self.overflow_rows = self.underflow_rows = 0
         self.compared = 0
         self.elems = 0
@@ -310,6 +316,10 @@ class CellAcc:
         self.overflow_rows += int(overflow.sum())
         self.underflow_rows += int(underflow.sum())
         self.examples.add("overflow", overflow, c.offset)
+        for name in EVENTS:
+            if name in events and bool(events[name].any()):
+                self.events[name] += int(events[name].sum())
+                self.examples.add(f"event:{name}", events[name], c.offset)
 
         ok = ~nan_row & c.ref_ok  # (r,) rows where both are defined
         n_ok = int(ok.sum())
@@ -366,6 +376,7 @@ class CellAcc:
             argmax_flips=self.flips,
             examples=self.examples.unravel(lead),
             nan_rows_by_head=self._top_heads(),
+            events=dict(self.events),
             path=self.path,
             tied_rows=self.tied_rows,
             **({} if self.out is None else self.out.fields()),

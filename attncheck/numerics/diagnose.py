@@ -119,13 +119,13 @@ def diagnose_chunks(
             census.shift = shift or 0.0
         c = backend.chunk(x, start, census.shift if shift is not None else 0.0)
         if not raw:
-            c.masked_rows = block.all_masked
+            block.mark_masked(c)  # masked keys and rows from the mask itself, not from score values
             block.audit_reference(c.ref, c.ref_ok)
         start += c.x.shape[0]
         census.update(c)
         dist.update(c)
         if qk:
-            _paths_of_chunk(block, c, options, plan, cells, backend, plain, method_params)
+            _paths_of_chunk(block, c, options, plan, cells, census, backend, plain, method_params)
         else:
             _methods_of_chunk(block, c, options, cells, census, backend, plain, method_params)
         if progress is not None:
@@ -170,23 +170,27 @@ def _methods_of_chunk(block, c: ChunkFacts, options: Options, cells, census, bac
     for d in options.dtypes:
         algo, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, backend)
         causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
+        census.update_headroom(d, c, *_extremes_in_dtype(block, c, algo.xc))
         outs = [_run(spec, algo.xc, method_params) for spec in specs]
         metrics = _cell_metrics(backend, plain, c, [s.fused for s in specs], [o.probs for o in outs], algo)  # one pass for the dtype's cells
         for spec, out, m in zip(specs, outs, metrics):
             cells[(None, spec.name, d)].update(c, out.probs, out.events, algo, causes, m)
+        del algo, outs, metrics
 
 
-def _paths_of_chunk(block: "QKBlock", c: ChunkFacts, options: Options, plan, cells, backend, plain, method_params) -> None:
+def _paths_of_chunk(block: "QKBlock", c: ChunkFacts, options: Options, plan, cells, census, backend, plain, method_params) -> None:
     """With Q and K: every path in every dtype computes its scores, probabilities and output."""
     out_ref = None if block.v is None else block.reference_out(c.ref)  # (r, dv) float64: P64 @ V64
     paths = list(dict.fromkeys(p for p, _, _ in plan))
     for d in options.dtypes:
         dt = dtype_from_name(d)
-        if "eager" not in paths:
-            block.in_dtype(dt)  # the Q/K pipeline audit describes the eager scores in every dtype
+        if "eager" not in paths:  # the Q/K pipeline audit and the headroom describe the eager scores in every dtype
+            census.update_headroom(d, c, *_extremes_in_dtype(block, c, block.in_dtype(dt)[0]))
         for p in paths:
             methods = [m for (pp, m, dd) in plan if pp == p and dd == d]
             pb = PATHS.get(p).function()(block, dt, methods, method_params)
+            if p == "eager":
+                census.update_headroom(d, c, *_extremes_in_dtype(block, c, pb.scores))
             algo = backend.algo_reference(pb.scores)
             causes = [("input_nan", c.nan), ("inf_input", c.posinf), *pb.before, ("fully_masked", c.all_masked), *pb.after]
             for m, out in pb.cells:
@@ -261,6 +265,18 @@ def _cast(c: ChunkFacts, dt: torch.dtype, census: CensusAcc, name: str, backend:
         xcb = xc[idx]
         cast_made[idx] = (torch.isposinf(xcb).any(dim=-1) & ~c.posinf[idx]) | (torch.isneginf(xcb).all(dim=-1) & ~c.all_neginf[idx])
     return cast_made, algo
+
+
+def _extremes_in_dtype(block, c: ChunkFacts, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r,) float64: each row's largest finite score and smallest unmasked one as the cells of
+    xc's dtype see them; where the dtype turns a finite score into +inf, the score as given."""
+    if isinstance(block, torch.Tensor):
+        # Rounding is monotonic, so the cast of a row's extremes are the cast row's extremes;
+        # the cast runs through torch from the input's dtype (fp64 -> fp16 rounds via fp32, as the cells' cast does).
+        top = c.max_finite.to(c.x.dtype).to(xc.dtype).to(torch.float64)
+        low = c.unmasked_min.to(c.x.dtype).to(xc.dtype).to(torch.float64)
+        return torch.where(torch.isposinf(top), c.max_finite, top), low
+    return block.extremes(xc)
 
 
 def _in_dtype(block, c: ChunkFacts, dt: torch.dtype, census: CensusAcc, name: str, backend: RowBackend):

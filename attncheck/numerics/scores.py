@@ -28,6 +28,7 @@ from attncheck.results import AttentionAudit, DtypeAudit
 
 if TYPE_CHECKING:
     from attncheck.loaders import TensorSource
+    from attncheck.numerics.backends import ChunkFacts
 
 
 def scale_value(scale: str | params.Scale, d: int) -> float:
@@ -244,7 +245,13 @@ class QKBlock:
             s = s + torch.zeros_like(s).masked_fill(self.masked, ref_sentinel)
         self.given = s.reshape(-1, s.shape[-1])  # (r, Tk) float64
         self.flat_masked = None if self.masked is None else self.masked.reshape(-1, self.masked.shape[-1])
-        self.all_masked = None if self.flat_masked is None else self.flat_masked.all(dim=-1)
+        # The keys the mask masks, read from the mask: boolean-masked keys, and float-mask
+        # values of -inf or <= -1e4 (a score plus -1e4 can sit above -1e4, but is masked).
+        self.key_masked = self.flat_masked
+        if self.mask_float is not None:
+            by_float = (self.mask_float <= MASK_SENTINEL_LIMIT).reshape(-1, self.given.shape[-1])
+            self.key_masked = by_float if self.key_masked is None else self.key_masked | by_float
+        self.all_masked = None if self.key_masked is None else self.key_masked.all(dim=-1)
 
     @staticmethod
     def _slice4(t: torch.Tensor | None, bh: slice, qs: slice, device: torch.device) -> torch.Tensor | None:
@@ -341,12 +348,29 @@ class QKBlock:
             ok &= ~self.flat_masked.any(dim=-1)
         return ok
 
+    def mark_masked(self, c: "ChunkFacts") -> None:
+        """Set the chunk's masked keys per row and its fully masked rows from the mask."""
+        if self.key_masked is not None:
+            c.masked = self.key_masked.sum(dim=-1).to(c.masked.dtype)
+            c.masked_rows = self.all_masked
+
+    def extremes(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(r,) float64: the largest finite score of each row and the smallest one on a key the
+        mask leaves open, in the dtype scores ``xc``; where the dtype pipeline overflowed to
+        +inf, the float64 score instead."""
+        x64 = xc.to(torch.float64)
+        fin = torch.isfinite(x64)
+        top = torch.where(fin, x64, float("-inf")).amax(dim=-1)
+        over = torch.isposinf(x64) & torch.isfinite(self.given)
+        if bool(over.any()):
+            top = torch.maximum(top, torch.where(over, self.given, float("-inf")).amax(dim=-1))
+        keep = fin & (x64 > MASK_SENTINEL_LIMIT) if self.key_masked is None else fin & ~self.key_masked
+        return top, torch.where(keep, x64, float("inf")).amin(dim=-1)
+
     def audit_reference(self, ref: torch.Tensor, ref_ok: torch.Tensor) -> None:
         """Mass the float64 reference puts on masked keys (a leaking sentinel), and the score spread."""
-        if self.flat_masked is not None or self.mask_float is not None:
-            masked = self.flat_masked if self.flat_masked is not None else torch.zeros_like(self.given, dtype=torch.bool)
-            if self.mask_float is not None:
-                masked = masked | (self.mask_float.reshape(-1, self.given.shape[-1]) <= MASK_SENTINEL_LIMIT)
+        if self.key_masked is not None:
+            masked = self.key_masked
             self.audit.masked_keys += int(masked.sum())
             leak = (ref * masked).sum(dim=-1)[ref_ok & ~masked.all(dim=-1)]
             if leak.numel():
@@ -448,6 +472,7 @@ def fit_scale(scores: "TensorSource", inp: AttentionInputs, rows_per_block: int)
     """Least-squares s ~ alpha * (q.k) over keys that are finite and not masked-looking,
     reading the scores in row blocks (sums are exact, so the blocks do not matter)."""
     from attncheck.numerics.reduce import ExactSum
+    from attncheck.numerics.rowmath import row_sum
 
     if math.prod(scores.shape) != math.prod(inp.score_shape) or scores.shape[-1] != inp.k.shape[2]:
         raise AttncheckError(f"scores of shape {tuple(scores.shape)} do not match q.k^T of shape {tuple(inp.score_shape)}")
@@ -459,7 +484,7 @@ def fit_scale(scores: "TensorSource", inp: AttentionInputs, rows_per_block: int)
         s = rows.take(raw.shape[0]).to(torch.float64)  # (r, Tk)
         use = torch.isfinite(s) & torch.isfinite(raw) & (s > MASK_SENTINEL_LIMIT)
         raw = torch.where(use, raw, 0.0)
-        num.add((torch.where(use, s, 0.0) * raw).sum(dim=-1))
-        den.add((raw * raw).sum(dim=-1))
+        num.add(row_sum(torch.where(use, s, 0.0) * raw))
+        den.add(row_sum(raw * raw))
     total = den.total()
     return None if total == 0 else num.total() / total

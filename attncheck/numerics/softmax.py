@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from attncheck.errors import AttncheckError
+from attncheck.numerics.rowmath import row_sum
 from attncheck.params import ACCUMULATIONS, DEFAULT_BLOCK
 from attncheck.registry import EVENTS, METHODS
 
@@ -34,9 +35,10 @@ def reference_softmax(x: torch.Tensor) -> torch.Tensor:
 
 def _row_sum(e: torch.Tensor, accum: str) -> torch.Tensor:
     """Row sum with keepdim. 'fp32': as torch does (float32 inside, result rounded to
-    the dtype). 'dtype': pairwise tree with every partial sum rounded to the dtype."""
-    if accum == "fp32" or e.dtype in (torch.float32, torch.float64):
-        return e.sum(dim=-1, keepdim=True)
+    the dtype; fp32 by torch's own sum). 'dtype': pairwise tree with every partial sum
+    rounded to the dtype (fp32 included), as a hand-written tree reduction does."""
+    if accum == "fp32" or e.dtype == torch.float64:
+        return row_sum(e, keepdim=True)
     n = e.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
     s = torch.nn.functional.pad(e, (0, width - n)) if width != n else e
@@ -87,7 +89,7 @@ def tiled_softmax(x: torch.Tensor, block: int = DEFAULT_BLOCK, reverse: bool = F
     m_run = torch.cummax(s.amax(dim=-1), dim=-1).values  # (..., nb): running max m_j after block j
     m_safe = torch.where(m_run == float("-inf"), 0.0, m_run)  # guard exp(-inf - (-inf))
     e = (s - m_safe.unsqueeze(-1)).exp_()  # (..., nb, B) float32; in place: one allocation fewer
-    block_sum = e.sum(dim=-1)  # (..., nb)
+    block_sum = row_sum(e)  # (..., nb)
     m_prev = torch.cat([torch.full_like(m_run[..., :1], float("-inf")), m_run[..., :-1]], dim=-1)
     decay = torch.exp(m_prev - m_safe)  # (..., nb): rescales l from m_{j-1} to m_j
     l = torch.zeros(lead, dtype=torch.float32, device=x.device)
@@ -146,15 +148,19 @@ def _exp_softmax(x: torch.Tensor, accum: str, subtract_max: bool) -> MethodOutpu
     e = (x - x_max).exp_() if subtract_max else torch.exp(x)
     s = _row_sum(e, accum)
     probs = e / s
-    # The row sum tells whether an exp overflowed (then the sum is inf too) or the sum
-    # itself did, and whether every exp flushed to 0 (a sum of exps >= 0 is 0 only then;
-    # stable has exp(0) = 1). A finite row max rules out NaN and +inf inputs, reported
-    # as such elsewhere.
+    # The row sum is inf when an exp overflowed, or when every exp is finite and their sum
+    # is not (fp16: 100 x exp(7) = 109,663 > 65504); a sum of exps >= 0 is 0 only when every
+    # exp flushed to 0 (stable has exp(0) = 1, so neither an exp overflow nor a flush can
+    # happen there). A finite row max rules out NaN and +inf inputs, reported as such elsewhere.
     finite_max = torch.isfinite(x_max.squeeze(-1))
     s = s.squeeze(-1)
-    events = {"exp_overflow": finite_max & torch.isinf(s)}
-    if not subtract_max:
-        events["underflow"] = finite_max & (s == 0)
+    inf_sum = finite_max & torch.isinf(s)
+    if subtract_max:
+        return MethodOutput(probs, {"sum_overflow": inf_sum})
+    exp_inf = torch.zeros_like(inf_sum)
+    if bool(inf_sum.any()):  # look at the exps of those rows only
+        exp_inf[inf_sum] = torch.isinf(e[inf_sum]).any(dim=-1)
+    events = {"exp_overflow": exp_inf, "sum_overflow": inf_sum & ~exp_inf, "underflow": finite_max & (s == 0)}
     return MethodOutput(probs, events)
 
 

@@ -26,7 +26,7 @@ from attncheck.numerics.softmax import reference_softmax, run_method
 from attncheck.numerics.scores import prepare_inputs, score_blocks, start_audit
 from attncheck.numerics.softmax import MethodParams
 from attncheck.numerics.synthetic import entry_moments, make_qk, scores_of
-from attncheck.numerics.theory import naive_overflow_probability, var_qk_stderr, var_qk_theory
+from attncheck.numerics.theory import naive_overflow_log_probability, probability_from_log, var_qk_stderr, var_qk_theory
 from attncheck.params import COLLAPSE_THRESHOLD, Scale
 from attncheck.registry import PATHS
 from attncheck.results import SweepCell, SweepOutput, SweepPoint, SweepResult
@@ -87,8 +87,9 @@ def _max_over(err: torch.Tensor, rows: torch.Tensor) -> float | None:
     return float(err[rows].max())
 
 
-def _measure_cells(x: torch.Tensor, ref: torch.Tensor, point_theory: dict[str, float | None], config: SweepConfig) -> list[SweepCell]:
-    """Every method x dtype on logits x (R, S) float64 with reference ``ref``."""
+def _measure_cells(x: torch.Tensor, ref: torch.Tensor, point_theory: dict[str, float], config: SweepConfig) -> list[SweepCell]:
+    """Every method x dtype on logits x (R, S) float64 with reference ``ref``; ``point_theory``:
+    the natural log of the predicted naive overflow rate per dtype."""
     cells = []
     rows = x.shape[0]
     ref_ok = torch.isfinite(ref).all(dim=-1)  # (R,)
@@ -100,7 +101,11 @@ def _measure_cells(x: torch.Tensor, ref: torch.Tensor, point_theory: dict[str, f
             out = run_method(method, xc, block=config.block)
             p = out.probs.to(torch.float64)  # (R, S)
             finite = torch.isfinite(p).all(dim=-1)  # (R,)
-            exp_over = None
+            exp_over = theory = theory_log10 = None
+            if method == "naive" and name in point_theory:
+                log_p = point_theory[name]
+                theory = probability_from_log(log_p)
+                theory_log10 = log_p / math.log(10.0)
             if method == "naive":  # the event the Gaussian tail predicts, without the row-sum overflows
                 exp_over = float((torch.isinf(torch.exp(xc)) & torch.isfinite(xc)).any(dim=-1).double().mean())
             err = (p - ref).abs().amax(dim=-1)  # (R,)
@@ -113,9 +118,10 @@ def _measure_cells(x: torch.Tensor, ref: torch.Tensor, point_theory: dict[str, f
                     nan_rate=float(torch.isnan(p).any(dim=-1).double().mean()),
                     overflow_rate=float(out.overflow_rows.double().mean()),
                     exp_overflow_rate=exp_over,
-                    exp_overflow_rate_theory=point_theory.get(name) if method == "naive" else None,
+                    exp_overflow_rate_theory=theory,
                     max_abs_err=_max_over(err, finite & ref_ok),
                     max_abs_err_algo=_max_over(err_algo, finite & algo_ok),
+                    exp_overflow_rate_theory_log10=theory_log10,
                 )
             )
     return cells
@@ -176,8 +182,8 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
                     x = s * c  # (R, S) the logits as given
                     ref = reference_softmax(x)  # (R, S) float64
                     stats = row_stats(ref)
-                    overflow_theory = {
-                        name: naive_overflow_probability(exp_overflow_threshold(dtype_from_name(name)), c, dk, seq, m2, m2)
+                    overflow_theory = {  # natural logs of the predictions
+                        name: naive_overflow_log_probability(exp_overflow_threshold(dtype_from_name(name)), c, dk, seq, m2, m2)
                         for name in config.dtypes
                         if "naive" in config.methods
                     }

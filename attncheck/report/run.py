@@ -45,7 +45,7 @@ def census_panel(d: TensorDiagnosis) -> Panel:
 
 
 def headroom_table(d: TensorDiagnosis) -> Table:
-    t = Table(title="Headroom per dtype (scores as given)", title_justify="left")
+    t = Table(title="Headroom per dtype (scores as each dtype holds them)", title_justify="left")
     t.add_column("dtype")
     t.add_column("exp overflows above", justify="right")
     t.add_column("headroom", justify="right")

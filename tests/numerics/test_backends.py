@@ -117,7 +117,7 @@ def test_row_checks_route_nan_and_inf_rows_to_the_exact_path():
     x[4] = np.arange(7)
     ref = np.empty(x.shape)
     out = K.reference_rows(x, 0.0, -1e4, ref)
-    nan, posinf, neginf, masked, finite, fmax, fmin, umin, s1, s2, ssum, ent, p2, p3, pos, top = out
+    nan, posinf, neginf, masked, finite, fmax, fmin, umin, s1, s2, ssum, ent, jac, pos, top = out
     assert nan.tolist() == [1, 0, 0, 0, 0] and posinf.tolist() == [0, 1, 0, 0, 0] and neginf.tolist() == [0, 0, 7, 6, 0]
     assert finite.tolist() == [6, 6, 0, 1, 7] and top.tolist() == [0, 3, 0, 6, 6]
     assert np.isnan(ssum[:3]).all() and np.isnan(ref[:3]).all()

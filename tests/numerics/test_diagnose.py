@@ -122,6 +122,44 @@ def test_headroom_counts_against_thresholds():
 
 
 
+FP16_MID = 11.08984375  # halfway between fp16's 11.0859375 and 11.09375, on each side of ln(65520) = 11.0901
+
+
+def headroom_rows(dtype: torch.dtype) -> torch.Tensor:
+    """Rows whose maximum (or all of whose values) sit a rounding away from an exp threshold."""
+    x = torch.zeros(6, 4, dtype=torch.float64)
+    x[0] = torch.tensor([11.0899, 0, -1, -2], dtype=torch.float64)  # fp16: rounds up to 11.09375, exp overflows
+    x[1] = torch.tensor([88.73, 0, 0, 0], dtype=torch.float64)  # above 88.72, but bf16 rounds it down to 88.5 (fp16: 88.75, inf)
+    x[2] = torch.tensor([-17.33, -20, -30, -40], dtype=torch.float64)  # below ln(2^-25) = -17.3287; fp16 rounds it up to -17.328125
+    x[3] = torch.tensor([FP16_MID - 2.0**-40, 0, 0, 0], dtype=torch.float64)  # fp32 rounds it to the midpoint, fp16 that to even, up
+    x[4] = torch.tensor([-100.0, -200, -300, -400], dtype=torch.float64)  # every exp flushes in bf16 (-92.9), not in fp32 (-103.97)
+    x[5] = torch.tensor([1.0, 2, 3, 4], dtype=torch.float64)
+    return torch.cat([x, x[3:4].repeat(15, 1)]).to(dtype)  # 16 rows of the double-rounding row
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+@pytest.mark.parametrize("given", [torch.float32, torch.float64])
+def test_headroom_counts_what_the_cast_scores_do(given, kernels):
+    """The headroom counts rows by the scores the cells compute with: torch's cast of the scores
+    as given (fp64 -> fp16 rounds through fp32), then torch's exp in the dtype."""
+    x = headroom_rows(given)
+    if given == torch.float64:  # the premise: torch rounds twice where a direct rounding would not overflow
+        assert float(np.float16(x[3, 0].item())) == 11.0859375 and x[3:4, :1].to(torch.float16).item() == 11.09375
+    d = diagnose("h", x, Options(methods=("naive",), kernels=kernels))
+    for h in d.census.headroom:
+        xc = x.to(getattr(torch, {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[h.dtype]))
+        e = torch.exp(xc)
+        over = int(torch.isinf(e).any(dim=-1).sum())
+        under = int((e == 0).all(dim=-1).sum())
+        assert (h.rows_over_exp_threshold, h.rows_all_underflow) == (over, under), h.dtype
+        assert d.cell("naive", h.dtype).overflow_rows == over  # what the naive cell sees
+        assert h.headroom == h.exp_overflow_threshold - float(xc.double().max())
+    fp16 = next(h for h in d.census.headroom if h.dtype == "fp16")
+    bf16 = next(h for h in d.census.headroom if h.dtype == "bf16")
+    assert fp16.rows_over_exp_threshold == 18 and fp16.rows_all_underflow == 1  # rows 0, 1 and the 16 double-rounding rows; row 4, not row 2
+    assert bf16.rows_over_exp_threshold == 0 and bf16.rows_all_underflow == 1  # not row 1 (88.5); row 4
+
+
 @pytest.mark.parametrize("kernels", ["torch", "fused"])
 def test_cell_metrics_against_numpy(kernels):
     g = torch.Generator().manual_seed(3)
@@ -201,6 +239,57 @@ def test_helpers_on_known_distributions():
     assert kl_divergence(half, skew, 1e-45).item() == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3))
 
 
+def jacobian_exact(x: list[float]) -> float:
+    """||diag(p) - p p^T||_F of softmax(x), every entry of the matrix in 60-digit arithmetic."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 60
+    e = [mpmath.exp(mpmath.mpf(v)) for v in x]
+    s = mpmath.fsum(e)
+    p = [v / s for v in e]
+    return float(mpmath.sqrt(mpmath.fsum(((pi if i == j else 0) - pi * pj) ** 2 for i, pi in enumerate(p) for j, pj in enumerate(p))))
+
+
+JACOBIAN_ROWS = [[0.0, -17.0], [0.0, -23.0], [0.0, -40.0, -41.0], [-3.0, 0.0, -30.0, -0.5], [0.0] * 7, [0.0, 0.0, -36.0],
+                 [5.0, -2.0, 1.0, 0.5, -40.0, 4.9]]
+
+
+def test_jacobian_norm_has_no_cancellation():
+    """The textbook s2 - 2 s3 + s2^2 gave 8.16e-8 for [0, -17] (exact 8.28e-8) and 0 for [0, -23]."""
+    assert jacobian_exact([0.0, -17.0]) == pytest.approx(8.28e-8, rel=1e-3)
+    assert jacobian_exact([0.0, -23.0]) == pytest.approx(2.05e-10, rel=1e-3)
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.tensor(r, dtype=torch.float64) for r in JACOBIAN_ROWS] + [torch.randn(40, generator=g, dtype=torch.float64) * s for s in (1, 10, 40)]
+    for x in rows:
+        got = jacobian_frobenius(torch.softmax(x, dim=-1).unsqueeze(0)).item()
+        assert got == pytest.approx(jacobian_exact(x.tolist()), rel=1e-12), x.tolist()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_mean_jacobian_norm_of_the_distribution_has_no_cancellation(kernels):
+    for row in JACOBIAN_ROWS:
+        x = torch.tensor([row], dtype=torch.float64)
+        got = diagnose("j", x, Options(methods=("torch",), dtypes=("fp32",), kernels=kernels)).distribution.jacobian_norm_mean
+        assert got == pytest.approx(jacobian_exact(row), rel=1e-12), row
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+@pytest.mark.parametrize("shape, chunk_rows", [((3, 7, 1000), (1, 3, 20)), ((2, 40_000), (1,))], ids=["1000-keys", "40000-keys"])
+def test_any_chunking_of_wide_rows_gives_the_same_bits(shape, chunk_rows, kernels):
+    """Chunks of 1, 3 and 20 rows against the whole tensor, bit for bit: a row reduced alone
+    takes other code paths in torch (a BLAS dot from 1000 keys; a split across threads
+    from 32768 elements) unless guarded."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(shape, generator=g) * 4
+    x[..., :7] = NEG
+    keys = shape[-1]
+    whole = diagnose("w", x, Options(dtypes=("fp16", "fp32"), chunk_elements=1 << 30, kernels=kernels))
+    for rows in chunk_rows:
+        part = diagnose("w", x, Options(dtypes=("fp16", "fp32"), chunk_elements=rows * keys, kernels=kernels))
+        assert part.census == whole.census, rows  # std included
+        assert part.distribution == whole.distribution, rows  # min entropy included
+        assert part.cells == whole.cells, rows  # RMSE included
+
+
 @pytest.mark.parametrize("kernels", ["torch", "fused"])
 @pytest.mark.parametrize("chunk_elements", [1, 50, 333, 10_000])
 def test_chunked_equals_unchunked_exactly(chunk_elements, kernels):
@@ -239,6 +328,32 @@ def test_kl_matches_extended_precision(method, dtype, scale, kernels):
         assert cell.flushed_frac > 0.05  # the case this test is about
     assert cell.kl_max == pytest.approx(float(max(exact)), rel=1e-6)
     assert cell.kl_mean == pytest.approx(float(sum(exact) / 3), rel=1e-6)
+
+
+def test_naive_row_sum_overflow_is_reported_as_sum_overflow():
+    x = torch.full((1, 100), 7.0)  # exp(7) = 1097 finite in fp16; 100 of them are not
+    d = diagnose("s", x, Options(methods=("naive",), dtypes=("fp16",)))
+    c = d.cell("naive", "fp16")
+    assert (c.overflow_rows, c.zero_rows, c.zero_causes, c.nan_rows, c.events) == (1, 1, {"sum_overflow": 1}, 0, {"sum_overflow": 1})
+    f = next(f for f in d.findings if f.code == "sum_overflow")
+    assert "every exp is finite but the row sum overflows to inf in 1 row(s)" in f.message and f.examples == [(0,)]
+    assert not [f for f in d.findings if f.code in ("exp_overflow", "zero_rows")]
+
+
+def test_hand_written_stable_is_not_held_to_flashattentions_rule():
+    """stable in fp16 rounds x - max, exp and the quotient (three roundings) where torch.softmax
+    rounds once: it misses the 2x rule on ordinary scores. The finding judges kernels only."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) * 4
+    xc = x.half()
+    ref = torch.softmax(xc.double(), dim=-1)
+    hand = torch.exp(xc - xc.amax(dim=-1, keepdim=True))
+    hand = hand / hand.sum(dim=-1, keepdim=True)
+    err_hand = (hand.double() - ref).abs().max().item()
+    err_torch = (torch.softmax(xc, dim=-1).double() - ref).abs().max().item()
+    assert err_hand > 2 * err_torch  # the premise, measured here
+    d = diagnose("s", x, Options(dtypes=("fp16",)))
+    assert d.cell("stable", "fp16").max_abs_err_algo == err_hand
+    assert "worse_than_torch" not in {f.code for f in d.findings}
 
 
 def test_one_dimensional_tensor_is_one_row():

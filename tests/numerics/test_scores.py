@@ -171,6 +171,43 @@ def test_fully_masked_padding_rows_under_each_convention(convention):
     assert finite.cell("stable", "fp32").nan_rows == 0  # finfo.min: a finite uniform row
 
 
+def test_a_minus_1e4_mask_given_three_ways_masks_the_same_rows():
+    """Causal + left padding of 3 as an additive float mask of -1e4, as a boolean mask with
+    --mask-value -1e4, and as --causal --pad-left: the float mask marks its masked keys from
+    the mask (a score of +2 plus -1e4 sits above -1e4, and is still masked)."""
+    g = torch.Generator().manual_seed(6)
+    q, k = torch.randn(2, 2, 6, 16, generator=g) * 2, torch.randn(2, 2, 6, 16, generator=g) * 2
+    key, query = torch.arange(6).view(1, 6), torch.arange(6).view(6, 1)
+    masked = (key > query) | (key < 3)  # (6, 6): True = masked, the same for each batch element and head
+    expected_rows = 2 * 2 * int(masked.all(dim=-1).sum())  # queries 0..2 of each (batch, head): 12
+    assert expected_rows == 12
+    scores = (q.double() @ k.double().transpose(-1, -2)) / 4
+    assert bool((scores[..., :3, :][masked[:3].expand(2, 2, 3, 6)] > 0).any())  # the case: masked keys above -1e4 after adding it
+    float_mask = torch.where(masked, -1e4, 0.0)
+    ways = {
+        "float": run(q, k, float_mask),
+        "bool": run(q, k, ~masked, mask_value="-1e4"),
+        "flags": run(q, k, causal=True, pad_left=[3, 3], mask_value="-1e4"),
+    }
+    # The fp16 scores the model computes, in numpy: q, k rounded to fp16, float32 products rounded
+    # to fp16, times 1/4 and plus -1e4 in fp16; their exps in float64 against fp16's limits.
+    qn, kn = q.numpy().astype(np.float16).astype(np.float32), k.numpy().astype(np.float16).astype(np.float32)
+    s16 = (np.matmul(qn, np.swapaxes(kn, -1, -2)).astype(np.float16) * np.float16(0.25)) + float_mask.numpy().astype(np.float16)
+    e = np.exp(s16.astype(np.float64)).reshape(-1, 6)
+    rows_over = int((e >= 65520).any(axis=-1).sum())
+    rows_under = int((e <= 2.0**-25).all(axis=-1).sum())  # exps at or below half the smallest subnormal round to 0
+    assert rows_under >= expected_rows
+    for name, d in ways.items():
+        fp16 = next(h for h in d.census.headroom if h.dtype == "fp16")
+        assert (fp16.rows_over_exp_threshold, fp16.rows_all_underflow) == (rows_over, rows_under), name
+        assert d.census.fully_masked_rows == expected_rows, name
+        assert d.census.masked == 2 * 2 * int(masked.sum()), name
+        assert d.cell("naive", "fp16").nan_causes.get("fully_masked") == expected_rows, name
+        assert "underflow" not in d.cell("naive", "fp16").nan_causes, name
+        assert d.cells == ways["float"].cells, name  # causes, counts and errors alike
+        assert "fully_masked_rows" in codes(d), name
+
+
 def test_causal_matches_sdpa_is_causal_alignment():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 1, 3, 4, generator=g, dtype=torch.float64)
@@ -202,6 +239,46 @@ def test_missing_scale_at_d_256():
     assert "missing_scale" in codes(run(q, k, scale="none", dtypes=("fp32",)))
     assert not {"missing_scale", "double_scale"} & codes(run(q, k, scale="auto", dtypes=("fp32",)))
     assert "double_scale" in codes(run(q, k, scale="dk", dtypes=("fp32",)))
+
+
+def rope(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (rotate-half form, base 10000) over the token axis."""
+    t, d = x.shape[-2], x.shape[-1]
+    inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(t, dtype=torch.float64).view(-1, 1) * inv  # (t, d/2)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+def real_shaped_qk(kind: str, d: int = 256, t: int = 64):
+    """q and k the way real layers make them, not i.i.d.: low rank, outlier channels, RoPE, ReLU zeros."""
+    g = torch.Generator().manual_seed(8)
+    if kind in ("low_rank", "rope"):  # N(0, 1)^(t x 8) @ W^T, W (d x 8); RoPE rotates them by position
+        w = torch.randn(d, 8, generator=g)
+        q, k = torch.randn(1, 2, t, 8, generator=g) @ w.T, torch.randn(1, 2, t, 8, generator=g) @ w.T
+        return (rope(q), rope(k)) if kind == "rope" else (q, k)
+    q, k = torch.randn(1, 2, t, d, generator=g), torch.randn(1, 2, t, d, generator=g)
+    if kind == "outlier_channels":
+        q[..., :4] *= 30
+        k[..., :4] *= 30
+    elif kind == "sparse":  # about half the entries exact zeros (ReLU-like)
+        q = q.masked_fill(torch.rand(q.shape, generator=g) < 0.48, 0.0)
+        k = k.masked_fill(torch.rand(k.shape, generator=g) < 0.48, 0.0)
+    return q, k
+
+
+@pytest.mark.parametrize("kind", ["low_rank", "outlier_channels", "rope", "sparse"])
+def test_scale_findings_follow_the_scale_applied_not_the_shape_of_q_and_k(kind):
+    q, k = real_shaped_qk(kind)
+    d = run(q, k, dtypes=("fp32",), methods=("torch",))  # the default scale, 1/sqrt(256) = 1/16
+    # The scores are q.k / 16 exactly: the independent float64 product and the pipeline's agree.
+    block = next(score_blocks(d_inp := prepare_inputs(q, k), 1 << 20, torch.device("cpu"), start_audit(d_inp)))
+    assert torch.allclose(block.given, ((q.double() @ k.double().transpose(-1, -2)) / 16).reshape(-1, 64), rtol=1e-12, atol=0)
+    assert not {"missing_scale", "double_scale"} & codes(d), [f.message for f in d.findings]
+    f = next(f for f in run(q, k, scale="none", dtypes=("fp32",), methods=("torch",)).findings if f.code == "missing_scale")
+    assert "q.k times 1 (the scale applied, --scale none on the scores): 16 x 1/sqrt(d_k)" in f.message
+    assert "double_scale" in codes(run(q, k, scale="dk", dtypes=("fp32",), methods=("torch",)))
 
 
 def test_scale_mismatch_fits_the_scale_of_given_scores():

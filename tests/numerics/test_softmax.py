@@ -103,6 +103,46 @@ def test_sum_overflow_gives_zero_row_not_nan():
     assert (out.probs == 0).all()
 
 
+def test_a_row_sum_overflow_is_named_as_such_not_as_an_exp_overflow():
+    # 100 x 7.0 in fp16: exp(7) = 1097 is finite, their float32 sum 109,663 rounds to inf in fp16.
+    x = torch.full((1, 100), 7.0, dtype=torch.float16)
+    assert torch.isfinite(torch.exp(x)).all() and 100 * math.exp(7.0) > torch.finfo(torch.float16).max
+    out = run_method("naive", x)
+    assert out.events["sum_overflow"].tolist() == [True] and out.events["exp_overflow"].tolist() == [False]
+    assert (out.probs == 0).all() and out.overflow_rows.tolist() == [True]
+    # exp(12) = 162755 overflows fp16 itself: that is an exp overflow (and the sum is inf too).
+    y = torch.tensor([[12.0, 0.0]], dtype=torch.float16)
+    assert torch.isinf(torch.exp(y)).any()
+    out = run_method("naive", y)
+    assert out.events["exp_overflow"].tolist() == [True] and out.events["sum_overflow"].tolist() == [False]
+    # stable: every exp is at most exp(0) = 1, so only the sum can overflow (70000 ones in fp16).
+    z = torch.zeros(1, 70000, dtype=torch.float16)
+    out = run_method("stable", z)
+    assert set(out.events) == {"sum_overflow"} and out.events["sum_overflow"].tolist() == [True]
+
+
+def _pairwise_fp32(values: list[float]) -> float:
+    """A pairwise tree in float32 written out: pad to a power of two with zeros, add neighbours."""
+    import numpy as np
+
+    level = [np.float32(v) for v in values]
+    level += [np.float32(0.0)] * ((1 << (len(level) - 1).bit_length()) - len(level))
+    while len(level) > 1:
+        level = [np.float32(level[i] + level[i + 1]) for i in range(0, len(level), 2)]
+    return float(level[0])
+
+
+def test_accum_dtype_sums_pairwise_in_fp32_too():
+    """--accum dtype is the pairwise tree in every dtype, fp32 included (not torch's own sum)."""
+    x = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    e = torch.exp(x - x.amax(dim=-1, keepdim=True))  # what stable rounds in fp32
+    tree = torch.tensor([[_pairwise_fp32(row)] for row in e.tolist()], dtype=torch.float32)
+    assert (tree != e.sum(dim=-1, keepdim=True)).any()  # the premise: torch's own sum differs
+    assert torch.equal(_row_sum(e, "dtype"), tree)
+    assert torch.equal(run_method("stable", x, accum="dtype").probs, e / tree)
+    assert torch.equal(_row_sum(e, "fp32"), e.sum(dim=-1, keepdim=True))
+
+
 @pytest.mark.parametrize("method", ["naive", "stable", "torch"])
 def test_fully_masked_row_is_nan_for_plain_softmax(method, dtype):
     x = torch.full((1, 10), float("-inf"), dtype=dtype)

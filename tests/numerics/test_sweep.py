@@ -22,7 +22,8 @@ from attncheck.numerics.softmax import reference_softmax
 from attncheck.cli.common import flag
 from attncheck.config.sweep import SweepConfig
 from attncheck.numerics.sweep import row_stats, run_sweep
-from attncheck.numerics.theory import naive_overflow_probability
+from attncheck.numerics.precision import exp_overflow_threshold
+from attncheck.numerics.theory import naive_overflow_log_probability, naive_overflow_probability
 from attncheck.params import Scale
 from attncheck.params import scale as parse_scale
 
@@ -294,3 +295,77 @@ def test_sweep_runs_on_device(device):
     result = run_sweep(config)
     assert result.device.startswith(device)
     assert all(c.nan_rate == 0 for c in result.points[0].cells)
+
+
+# --------------------------------------------------------------------------- the Gaussian tail, deep
+
+
+def _mp_log_tail(threshold: float, scale: float, dk: int) -> float:
+    """log P(x > threshold) for x = scale q.k, q and k N(0, I_dk): q.k has the variance-gamma
+    density |x|^n K_n(|x|) / (2^n sqrt(pi) Gamma(n + 1/2)), n = (dk - 1) / 2, integrated
+    with mpmath at 40 digits (an independent route: no chi quadrature, no erfc)."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 40
+    a, n = mpmath.mpf(threshold) / mpmath.mpf(scale), mpmath.mpf(dk - 1) / 2
+    norm = 2**n * mpmath.sqrt(mpmath.pi) * mpmath.gamma(n + mpmath.mpf(1) / 2)
+    pts = [a + s for s in (0, 0.25, 0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 100, 200)] + [mpmath.inf]
+    return float(mpmath.log(mpmath.quad(lambda x: x**n * mpmath.besselk(n, x), pts) / norm))
+
+
+def _mp_log_chi_integral(threshold: float, scale: float, dk: int, seq: int) -> float:
+    """log E_w[1 - (1 - Q(a / w))^seq] over the chi_dk density, with mpmath at 40 digits."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 40
+    a = mpmath.mpf(threshold) / mpmath.mpf(scale)
+    log_norm = (mpmath.mpf(dk) / 2 - 1) * mpmath.log(2) + mpmath.loggamma(mpmath.mpf(dk) / 2)
+
+    def f(w):
+        if w == 0:
+            return mpmath.mpf(0)
+        tail = mpmath.erfc(a / w / mpmath.sqrt(2)) / 2
+        return mpmath.exp((dk - 1) * mpmath.log(w) - w * w / 2 - log_norm) * (1 - (1 - tail) ** seq)
+
+    c = math.sqrt(dk)
+    pts = sorted({0.0, *(max(0.01, c + s) for s in (-12, -6, -3, -1, 0, 1, 3, 6, 12, 25))})
+    return float(mpmath.log(mpmath.quad(f, pts + [mpmath.inf])))
+
+
+DEEP_TAIL = [  # (dtype, d_k, scale): predictions from 1e-29 down to 1e-10,099,592
+    ("bf16", 16, "none"), ("fp16", 32, "dk"), ("fp32", 16, "sqrt"), ("bf16", 64, "sqrt"), ("fp16", 64, "dk"),
+    ("bf16", 128, "sqrt"), ("fp32", 512, "dk2"),
+]
+
+
+@pytest.mark.parametrize("dtype, dk, scale", DEEP_TAIL)
+def test_overflow_prediction_deep_in_the_tail_matches_mpmath(dtype, dk, scale):
+    """Where seq P(x > t) < 1e-28 the row probability is seq P(x > t) to 28 digits, so
+    log P = log seq + log of the variance-gamma tail. The old quadrature (|q| in sqrt(d) +- 12,
+    erfc underflowing) gave 5e-324 at d_k = 64, 1/sqrt(d_k), bf16, where the answer is 1.04e-261."""
+    t = exp_overflow_threshold(getattr(torch, {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[dtype]))
+    c = parse_scale(scale).value(dk)
+    exact = math.log(128) + _mp_log_tail(t, c, dk)
+    assert exact < math.log(1e-28)
+    got = naive_overflow_log_probability(t, c, dk, 128, 1.0, 1.0)
+    assert got == pytest.approx(exact, rel=1e-12, abs=1e-9)
+    assert naive_overflow_probability(t, c, dk, 128, 1.0, 1.0) == (pytest.approx(math.exp(exact), rel=1e-9) if exact > -708 else 0.0)
+
+
+@pytest.mark.parametrize("t, dk, seq", [(11.09, 16, 128), (3.0, 1, 128), (3.0, 2, 16), (88.72, 256, 128), (11.09, 64, 128), (30.0, 4, 1000)])
+def test_overflow_prediction_in_the_bulk_matches_mpmath(t, dk, seq):
+    """Unscaled logits, where most of the chance comes from typical |q| and 1 - (1 - Q)^seq is not seq Q."""
+    exact = _mp_log_chi_integral(t, 1.0, dk, seq)
+    assert naive_overflow_log_probability(t, 1.0, dk, seq, 1.0, 1.0) == pytest.approx(exact, rel=1e-12, abs=1e-12)
+
+
+def test_sweep_reports_deep_tail_predictions_in_range_and_their_log10():
+    config = SweepConfig(dks=(64,), scales=(Scale("sqrt"), Scale("dk2")), dtypes=("bf16",), methods=("naive",), seqs=(128,), rows=64)
+    sqrt_cell, dk2_cell = (_cell(p, "naive", "bf16") for p in run_sweep(config).points)
+    t = exp_overflow_threshold(torch.bfloat16)
+    exact = (math.log(128) + _mp_log_tail(t, 1 / 8, 64)) / math.log(10)
+    assert exact == pytest.approx(-260.982, abs=1e-3)  # 1.04e-261
+    assert sqrt_cell.exp_overflow_rate_theory == pytest.approx(10**exact, rel=1e-9)
+    assert sqrt_cell.exp_overflow_rate_theory_log10 == pytest.approx(exact, rel=1e-12)
+    # 1/d_k^2: ~1e-157,692, below float64's range: 0.0, and the exponent in the log10 field.
+    exact = (math.log(128) + _mp_log_tail(t, 1 / 64**2, 64)) / math.log(10)
+    assert dk2_cell.exp_overflow_rate_theory == 0.0
+    assert dk2_cell.exp_overflow_rate_theory_log10 == pytest.approx(exact, rel=1e-12)

@@ -40,8 +40,7 @@ class ChunkFacts:
     ref: torch.Tensor  # (r, T) float64 reference
     ref_sum: torch.Tensor  # (r,) S = sum(exp(x - max)), NaN where undefined; max prob = 1 / S
     ref_entropy: torch.Tensor  # (r,)
-    ref_p2: torch.Tensor  # (r,) sum p^2
-    ref_p3: torch.Tensor  # (r,) sum p^3
+    ref_jacobian: torch.Tensor  # (r,) ||diag(p) - p p^T||_F of the reference, 0 where undefined
     ref_positive_count: torch.Tensor  # (r,) keys with p > 0
     ref_top: torch.Tensor  # (r, 1) index of the reference's most likely key
     masked_rows: torch.Tensor | None = None  # (r,) set when the mask is known exactly (Q/K inputs)

@@ -258,12 +258,16 @@ def _first_index_of(xb, m):
 
 
 @_jit
-def _normalise_row(xb, m, s, out):
-    """out = out / s (the reference); returns sum p (x - max), sum p^2, sum p^3 and count of p > 0."""
+def _normalise_row(xb, m, s, top, out):
+    """out = out / s (the reference); returns sum p (x - max), the count of p > 0, and
+    ||diag(p) - p p^T||_F, computed from the keys other than ``top`` (the most likely
+    one) without cancellation (see ``rowmath.jacobian_frobenius``)."""
     inv = 1.0 / s
     sz = 0.0
-    q2 = 0.0
-    q3 = 0.0
+    e = 0.0
+    a2 = 0.0
+    a4 = 0.0
+    b = 0.0
     k = 0
     for j in range(xb.size):
         p = out[j] * inv
@@ -271,11 +275,18 @@ def _normalise_row(xb, m, s, out):
         z = xb[j] - m
         z = z if z > -746.0 else -746.0  # p = 0 there; keeps p * z = 0 for -inf keys
         sz += p * z
-        q2 += p * p
-        q3 += p * p * p
+        w = p if j != top else 0.0  # the other keys
+        w2 = w * w
+        e += w
+        a2 += w2
+        a4 += w2 * w2
+        u = w - w2
+        b += u * u
         if p > 0.0:
             k += 1
-    return sz, q2, q3, k
+    pm = out[top]
+    f2 = pm * pm * (e * e + 2.0 * a2) + b + (a2 * a2 - a4)
+    return sz, k, math.sqrt(f2) if f2 > 0.0 else 0.0
 
 
 @_jit_plain
@@ -408,7 +419,8 @@ def reference_rows(x, shift, limit, ref):
     count; max and min of finite values (-inf / +inf when none); min of finite
     values above ``limit`` (+inf when none); sum and sum of squares of finite
     (x - shift); S = sum exp(x - max) (NaN where the softmax is undefined);
-    entropy log S - sum(p z); sum p^2; sum p^3; count of p > 0; index of the max.
+    entropy log S - sum(p z); the Frobenius norm of the softmax Jacobian
+    diag(p) - p p^T; count of p > 0; index of the max.
     """
     r, t = x.shape
     nan = np.zeros(r, np.int64)
@@ -423,8 +435,7 @@ def reference_rows(x, shift, limit, ref):
     s2 = np.zeros(r)
     ssum = np.full(r, np.nan)
     ent = np.full(r, np.nan)
-    p2 = np.zeros(r)
-    p3 = np.zeros(r)
+    jac = np.zeros(r)
     pos = np.zeros(r, np.int64)
     top = np.zeros(r, np.int64)
     for task in prange((r + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
@@ -454,20 +465,20 @@ def reference_rows(x, shift, limit, ref):
             umin[i] = ulo
             s1[i] = a
             s2[i] = b
-            top[i] = _first_index_of(xb, m)
+            j_top = _first_index_of(xb, m)
+            top[i] = j_top
             if m == -np.inf:  # every key masked with -inf: undefined
                 ref[i, :] = np.nan
                 continue
             row = ref[i]
             s = _exp_row(xb, m, row)
-            sz, q2, q3, k = _normalise_row(xb, m, s, row)
+            sz, k, f = _normalise_row(xb, m, s, j_top, row)
             ssum[i] = s
             h = math.log(s) - sz
             ent[i] = h if h > 0.0 else 0.0
-            p2[i] = q2
-            p3[i] = q3
+            jac[i] = f
             pos[i] = k
-    return nan, posinf, neginf, masked, finite, fmax, fmin, umin, s1, s2, ssum, ent, p2, p3, pos, top
+    return nan, posinf, neginf, masked, finite, fmax, fmin, umin, s1, s2, ssum, ent, jac, pos, top
 
 
 @_parallel

@@ -161,9 +161,9 @@ class NumbaRows(RowBackend):
         xn = as_rows(x if x.dtype in (torch.float32, torch.float64) else x.float())
         ref = self.workspace.take("ref", xn.shape)
         out = self._call("reference_rows", str(xn.dtype), xn, shift, MASK_SENTINEL_LIMIT, ref)
-        nan, posinf, neginf, masked, finite, fmax, fmin, umin, s1, s2, ssum, ent, p2, p3, pos, top = (torch.from_numpy(a) for a in out)
+        nan, posinf, neginf, masked, finite, fmax, fmin, umin, s1, s2, ssum, ent, jac, pos, top = (torch.from_numpy(a) for a in out)
         return ChunkFacts(x, offset, nan, posinf, neginf, masked, finite, fmax, fmin, umin, s1, s2,
-                          torch.from_numpy(ref), ssum, ent, p2, p3, pos, top.unsqueeze(-1))
+                          torch.from_numpy(ref), ssum, ent, jac, pos, top.unsqueeze(-1))
 
     def algo_reference(self, xc: torch.Tensor) -> AlgoReference:
         ref = self.workspace.take("algo_ref", tuple(xc.shape))

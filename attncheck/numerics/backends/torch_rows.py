@@ -8,7 +8,7 @@ import torch
 
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, RowMetrics
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, smallest_subnormal
-from attncheck.numerics.rowmath import kl_divergence, row_abs_max, row_dot, row_finite
+from attncheck.numerics.rowmath import jacobian_frobenius, kl_divergence, row_abs_max, row_dot, row_finite, row_sum
 
 NEG_INF = float("-inf")
 
@@ -37,7 +37,7 @@ class TorchRows(RowBackend):
             max_f[idx] = torch.where(fin, xb, NEG_INF).amax(dim=-1)
             min_f[idx] = torch.where(fin, xb, float("inf")).amin(dim=-1)
             xs[idx] = torch.where(fin, xs[idx], 0.0)
-        s1 = xs.sum(dim=-1)
+        s1 = row_sum(xs)
         s2 = row_dot(xs, xs)
         del xs
         masked = (x64 <= MASK_SENTINEL_LIMIT).sum(dim=-1)
@@ -45,11 +45,10 @@ class TorchRows(RowBackend):
         top = x.argmax(dim=-1, keepdim=True)  # the reference's most likely key (softmax is monotonic)
         ref, ssum, ent = _reference_in_place(x64, bad)
         ref_ok = torch.isfinite(ssum)
-        p2 = torch.where(ref_ok, row_dot(ref, ref), 0.0)
-        p3 = torch.where(ref_ok, row_dot(ref * ref, ref), 0.0)
+        jac = torch.where(ref_ok, jacobian_frobenius(ref, top), 0.0)
         pos = torch.where(ref_ok, torch.count_nonzero(ref > 0, dim=-1), 0)
         return ChunkFacts(x, offset, nan, posinf, neginf, masked, n_finite, max_f, min_f, unmasked_min, s1, s2,
-                          ref, ssum, ent, p2, p3, pos, top)
+                          ref, ssum, ent, jac, pos, top)
 
     def algo_reference(self, xc: torch.Tensor) -> AlgoReference:
         ref = torch.softmax(xc.to(torch.float64), dim=-1)
@@ -62,7 +61,7 @@ class TorchRows(RowBackend):
 def _metrics(c: ChunkFacts, probs: torch.Tensor, algo: AlgoReference, floor: float) -> RowMetrics:
     pmax = probs.amax(dim=-1).to(torch.float64)
     p64 = probs.to(torch.float64)  # (r, T): one conversion, then float64 throughout
-    psum = p64.sum(dim=-1)
+    psum = row_sum(p64)
     sqa = mxa = None
     if not algo.same:
         da = p64 - algo.ref
@@ -86,7 +85,7 @@ def _reference_in_place(x64: torch.Tensor, bad: torch.Tensor):
     """
     z = x64.sub_(x64.amax(dim=-1, keepdim=True))  # (r, T); NaN rows: NaN, -inf keys: -inf
     p = torch.exp(z)
-    s = p.sum(dim=-1, keepdim=True)
+    s = row_sum(p, keepdim=True)
     p.div_(s)
     s = s.squeeze(-1)
     if bool(bad.any()):
