@@ -37,6 +37,9 @@ FIX = {
     "output_error": "this attention path's output is further from float64 than FlashAttention's test allows (2x the same-dtype PyTorch attention): keep S and the softmax in fp32 and round P only for P@V, or use SDPA",
     "tied_max_bias": "a bias does not average out over steps (Qiu and Yao 2025, arXiv 2510.04212): when the row max repeats, subtract a slightly larger max (their fix: m = beta * max for a positive max) so that no exp(s - m) is exactly 1, or keep O in fp32 where the next layer reads it",
     "probability_flush": "small probabilities round to 0 in this dtype; harmless for most models, upcast if those keys matter",
+    "p_cast_underflow": "scale P by S = 256 before the cast (FlashAttention-3's max offset of 8; 448 for SageAttention) and visit the key blocks in reverse order (--order reverse, as FlashAttention-3 does), so that an attention sink in the first block sets the running max last (arXiv 2606.06521)",
+    "fp8_overflow": "scale before the FP8 cast: x8 = fp8(x / descale) with descale = amax / max_fp8 per tensor or per (batch, kv head) (--fp8-scaling; FlashAttention-3's q_descale/k_descale/v_descale), or clamp; a kernel's satfinite cast clips silently and a non-saturating cast (older torch, the fnuz formats) gives NaN",
+    "fp8_unscaled": "quantise with a descale (amax / max_fp8) per tensor or per (batch, kv head) and pass it to the kernel (FlashAttention-3: q_descale, k_descale, v_descale; vLLM: the layer's k_scale/v_scale); --fp8-scaling tensor or head shows the effect",
     "entropy_collapse": "attention is near one-hot: check the scores are scaled by 1/sqrt(d_k); ignore if the head is meant to be sharp",
 }
 
@@ -64,10 +67,14 @@ SEVERITY = {
     "output_error": "warning",
     "tied_max_bias": "warning",
     "probability_flush": "info",
+    "p_cast_underflow": "warning",
+    "fp8_overflow": "error",
+    "fp8_unscaled": "warning",
     "entropy_collapse": "warning",
 }
 
 FLUSH_INFO_FRAC = 0.01
+FP8_UNSCALED_FRAC = 0.01  # share of q/k/v values left subnormal or flushed by an unscaled cast
 TIED_BIAS_Z = 4.0  # a mean signed error this many standard errors from 0 is a bias, not noise
 TIED_BIAS_MIN_ROWS = 16  # fewer tied rows do not make a mean to test
 COLLAPSE_WARN_FRAC = 0.5
@@ -207,7 +214,9 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
     if worse:
         add("worse_than_torch", f"a kernel's max error is above {FLASH_RULE_FACTOR:g}x torch.softmax's in the same dtype (FlashAttention's test budget, errors against float64 of the cast scores; only methods that reproduce a kernel models run are judged): {', '.join(worse)}", hit)
     _output_findings(diag, add)
-    flushed = [c for c in cells if c.flushed_frac is not None and c.flushed_frac >= FLUSH_INFO_FRAC]
+    _fp8_findings(diag, add)
+    # An FP8 cell whose P cast flushes is reported by p_cast_underflow, with the cause.
+    flushed = [c for c in cells if c.flushed_frac is not None and c.flushed_frac >= FLUSH_INFO_FRAC and not c.pcast_mass_rows]
     if flushed:
         add("probability_flush", "non-zero reference probabilities become exactly 0 in " + ", ".join(f"{c.name} ({c.flushed_frac:.1%})" for c in flushed), flushed)
 
@@ -321,6 +330,49 @@ def _scale_findings(a, add) -> None:
         add("missing_scale", said + " (the scores are unscaled)")
     elif ratio < a.d**-0.25:
         add("double_scale", said + f" (the scores are scaled twice: ~1/d_k = {1 / a.d:.4g})")
+
+
+def _fp8_findings(diag: TensorDiagnosis, add) -> None:
+    """FP8 cells: the P cast flushing probabilities, and Q/K/V clipped or left unscaled by their quantisation."""
+    hit = [c for c in diag.cells if c.pcast_mass_rows]
+    for d in dict.fromkeys(c.dtype for c in hit):
+        cells = [c for c in hit if c.dtype == d]
+        lim = diag.limits.get(d)
+        parts = []
+        for c in cells:
+            pos = ", ".join(f"{name.replace('_', ' ')} {share:.2%}" for name, share in (c.pcast_flushed_by_position or {}).items() if share is not None)
+            thr = f"; with S = {c.p_scale:.4g} it flushes a score more than {math.log(c.p_scale) - lim.exp_underflow:.3g} = {-lim.exp_underflow:.3g} + ln S below the running max" if lim and c.p_scale else ""
+            parts.append(f"{c.name}: {c.pcast_mass_rows} row(s) lose at least 0.1% of their probability (up to {c.pcast_mass_max:.3g}); "
+                         f"{c.pcast_flushed_frac:.2%} of the probabilities flushed (by key block against the row max's block, in visiting order: {pos}){thr}")
+        add("p_cast_underflow", f"the {d} P cast flushes probabilities to 0 that carry weight: " + "; ".join(parts),
+            cells, max(c.pcast_mass_rows for c in cells))
+    for d in dict.fromkeys(c.dtype for c in diag.cells if c.p_scale):
+        lim = diag.limits.get(d)
+        over = [c for c in diag.cells if c.dtype == d and c.p_scale and lim and c.p_scale >= lim.rounding_limit]
+        if over:
+            add("fp8_overflow", f"P scaled by S = {over[0].p_scale:g} exceeds {d}'s largest value {lim.max:g}: the cast clips the largest probabilities of every row", over)
+    if diag.attention is None:
+        return
+    for d, a in diag.attention.dtypes.items():
+        if not a.fp8_values:
+            continue
+        lim = diag.limits.get(d)
+        top = f"{lim.max:g}" if lim else "the format's max"
+        clipped = {k: n for k, n in a.fp8_clipped.items() if n}
+        cells = [c for c in diag.cells if c.dtype == d and c.path == "flash-fp8"]
+        if clipped:
+            what = ", ".join(f"{n} of {a.fp8_values[k]} {k} value(s) (amax {a.fp8_amax[k]:.4g})" for k, n in clipped.items())
+            add("fp8_overflow", f"quantising to {d} with scaling '{a.fp8_scaling}' puts {what} beyond +-{top}: the kernels' satfinite cast clips them to +-{top}", cells)
+        small = {k: a.fp8_subnormal.get(k, 0) + a.fp8_flushed.get(k, 0) for k in a.fp8_values}
+        lost = {k: n for k, n in small.items() if a.fp8_values[k] and n / a.fp8_values[k] >= FP8_UNSCALED_FRAC}
+        if a.fp8_scaling and a.fp8_scaling.startswith("none") and (clipped or lost):
+            why = []
+            if clipped:
+                why.append(f"{', '.join(clipped)} exceed {top}")
+            if lost:
+                why.append(", ".join(f"{small[k] / a.fp8_values[k]:.1%} of {k} fall below {d}'s normal range (fewer bits, or 0)" for k in lost))
+            amax = ", ".join(f"{k} {v:.4g}" for k, v in a.fp8_amax.items())
+            add("fp8_unscaled", f"q, k, v are cast to {d} without a descale (amax: {amax}; {d} holds {top} at most): " + "; ".join(why), cells)
 
 
 def failed_conditions(diags: list[TensorDiagnosis], conditions: list[str]) -> list[str]:

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from attncheck.errors import AttncheckError
-from attncheck.registry import DTYPES, METHODS, PATHS, Registry, cell_dtype
+from attncheck.registry import DTYPES, METHODS, PATHS, Registry, cell_dtype, float_cell_dtype
 
 # Defaults, each defined once.
 DEFAULT_BLOCK = 128  # key block of the tiled method (FlashAttention's kBlockN for d <= 128)
+DEFAULT_P_SCALE = 256.0  # FP8 cells: P times 2^8 before the cast, FlashAttention-3's max offset of 8
+FP8_SCALINGS = ("none", "tensor", "head", "block")  # how Q, K, V are quantised for the FP8 paths
 COLLAPSE_THRESHOLD = 0.99  # a row whose max probability reaches this has collapsed onto one key
 DEFAULT_MAX_MEMORY = "1GiB"
 DEFAULT_CHUNK_ELEMENTS = 1 << 22  # float64 working set per chunk: 32 MiB a tensor
@@ -69,8 +71,9 @@ def names(value: Any, registry: Registry, param: str, where: Callable = lambda s
     return tuple(dict.fromkeys(registry.canonical(v, where=where, param=param) for v in values))
 
 
-def dtypes(value: Any, param: str = "dtypes") -> tuple[str, ...]:
-    return names(value, DTYPES, param, cell_dtype)
+def dtypes(value: Any, param: str = "dtypes", fp8: bool = True) -> tuple[str, ...]:
+    """Dtypes cells compute in; ``fp8=False``: whole softmaxes only (no P format)."""
+    return names(value, DTYPES, param, cell_dtype if fp8 else float_cell_dtype)
 
 
 def methods(value: Any, param: str = "methods") -> tuple[str, ...]:

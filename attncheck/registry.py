@@ -33,6 +33,10 @@ class DtypeSpec:
     kernel_view: str | None = None  # numpy dtype the fused kernels read its elements as; None: not served
     cell: bool = True  # a softmax can be computed in it
     scores: bool = True  # accepted as the dtype of given scores, q and k
+    # An FP8 format: its cells cast P to it (after scaling by --p-scale) for the P@V product,
+    # as FlashAttention-3's FP8 forward does; scores, max and sums stay fp32. Only methods
+    # with p_cast (tiled) and paths with fp8 compute in it. Not in the default dtype set.
+    p_format: bool = False
 
 
 # Row events a method can report (MethodOutput.events), in pipeline order, and what
@@ -64,6 +68,7 @@ class MethodSpec:
     # in the worse_than_torch finding: a hand-written softmax in fp16 rounds three times
     # against torch.softmax's once and misses the rule on every real input, by construction.
     kernel: str | None = None
+    p_cast: bool = False  # computes in FP8 dtypes: casts P to the format (registry DtypeSpec.p_format)
 
     def __post_init__(self) -> None:
         if self.output not in ("dtype", "fp32"):
@@ -145,15 +150,27 @@ for _spec in (
     DtypeSpec("bf16", "bfloat16", "bfloat16: fp32's range, 7 mantissa bits", ("bfloat16",), kernel_view="int16"),
     DtypeSpec("fp32", "float32", "IEEE single", ("float32", "float"), kernel_view="float32"),
     DtypeSpec("fp64", "float64", "IEEE double: the reference's dtype", ("float64", "double"), kernel_view="float64", cell=False),
-    # FP8 formats: known with their thresholds; no cell computes in them yet.
-    DtypeSpec("e4m3", "float8_e4m3fn", "FP8 E4M3 (fn): max 448, no inf (overflow is NaN)", ("float8_e4m3fn", "fp8_e4m3"), has_inf=False, cell=False, scores=False),
-    DtypeSpec("e5m2", "float8_e5m2", "FP8 E5M2: max 57344, has inf", ("float8_e5m2", "fp8_e5m2"), cell=False, scores=False),
+    # FP8 formats: P-cast cells (tiled; the flash-fp8 and sage paths). The kernels convert with
+    # satfinite (beyond the range: +-max); torch's own cast beyond the range is measured.
+    DtypeSpec("e4m3", "float8_e4m3fn", "FP8 E4M3 (fn): max 448, smallest subnormal 2^-9, no inf", ("float8_e4m3fn", "fp8_e4m3"),
+              has_inf=False, scores=False, p_format=True),
+    DtypeSpec("e5m2", "float8_e5m2", "FP8 E5M2: max 57344, smallest subnormal 2^-16, has inf", ("float8_e5m2", "fp8_e5m2"),
+              scores=False, p_format=True),
+    DtypeSpec("e4m3fnuz", "float8_e4m3fnuz", "FP8 E4M3 (fnuz, AMD): max 240, no inf, no -0", ("float8_e4m3fnuz",),
+              has_inf=False, scores=False, p_format=True),
+    DtypeSpec("e5m2fnuz", "float8_e5m2fnuz", "FP8 E5M2 (fnuz, AMD): max 57344, no inf, no -0", ("float8_e5m2fnuz",),
+              has_inf=False, scores=False, p_format=True),
 ):
     DTYPES.register(_spec)
 
 
 def cell_dtype(spec: DtypeSpec) -> bool:
     return spec.cell
+
+
+def float_cell_dtype(spec: DtypeSpec) -> bool:
+    """A dtype whole softmaxes compute in (not a P format): the default set."""
+    return spec.cell and not spec.p_format
 
 
 def scores_dtype(spec: DtypeSpec) -> bool:
@@ -168,7 +185,7 @@ for _spec in (
                events=("sum_overflow",)),
     MethodSpec("tiled", "FlashAttention's online softmax over key blocks, running max and sum in fp32",
                "attncheck.numerics.softmax:tiled_method", output="fp32", aliases=("online",), eager=False,
-               kernel="FlashAttention's online softmax"),
+               kernel="FlashAttention's online softmax", p_cast=True),
     MethodSpec("torch", "torch.softmax on the dtype (fp32 inside)", "attncheck.numerics.softmax:torch_method"),
 ):
     METHODS.register(_spec)
@@ -191,6 +208,7 @@ class PathSpec:
     aliases: tuple[str, ...] = ()
     default: bool = True  # in the default set of Q/K mode
     scores_in: str = "the dtype"  # where S = Q@K^T lives: says why a path does or does not overflow
+    fp8: bool = False  # computes in the FP8 dtypes (P formats) only; the others in fp16/bf16/fp32 only
 
     def function(self) -> Callable:
         return resolve(self.impl)
@@ -206,6 +224,12 @@ for _path in (
     PathSpec("flash", "FlashAttention-2 forward: S in fp32, online softmax over key blocks, P rounded to the dtype "
              "before P@V, O in fp32 divided by l at the end, zeros for fully masked rows", "attncheck.numerics.paths:flash",
              scores_in="fp32 registers"),
+    PathSpec("flash-fp8", "FlashAttention-3's FP8 forward: e4m3 Q, K, V with descales (--fp8-scaling, --incoherent), S in "
+             "fp32, key blocks last to first, P scaled by --p-scale (2^8) and cast to FP8, O in fp32 then bf16",
+             "attncheck.numerics.fp8_attention:flash_fp8", scores_in="fp32 from FP8 q and k", fp8=True),
+    PathSpec("sage", "SageAttention 2 (SM90): K smoothed, Q and K in INT8 per thread group, P scaled by 448 and cast to "
+             "FP8, V in FP8 per channel, key blocks first to last, O in bf16", "attncheck.numerics.fp8_attention:sage",
+             scores_in="fp32 from INT8 q and k", fp8=True),
 ):
     PATHS.register(_path)
 del _path
@@ -216,8 +240,13 @@ def path_names(where: Callable[[PathSpec], bool] = lambda spec: True) -> tuple[s
 
 
 def dtype_names() -> tuple[str, ...]:
-    """Dtypes a cell can compute in, in report order."""
-    return DTYPES.names(cell_dtype)
+    """Dtypes a whole softmax computes in, in report order: the default set (FP8 formats are asked for)."""
+    return DTYPES.names(float_cell_dtype)
+
+
+def fp8_names() -> tuple[str, ...]:
+    """The P formats: FP8 dtypes whose cells cast P to them."""
+    return DTYPES.names(lambda spec: spec.cell and spec.p_format)
 
 
 def method_names() -> tuple[str, ...]:

@@ -152,6 +152,15 @@ class Cell:
     out_bias: float | None = None  # over all rows
     out_bias_tied: float | None = None  # over rows whose maximum score is shared by several keys
     out_bias_tied_z: float | None = None  # that mean in standard errors, the rows as samples (|z| > 4: biased)
+    # FP8 cells: share of the probabilities the reference (of the cell's own scores) says are non-zero
+    # that the P cast flushed to 0, overall and by the key block's position against the block of the
+    # row max in visiting order (before_max, max_block, after_max); rows where it flushed any.
+    pcast_flushed_frac: float | None = None
+    pcast_flushed_by_position: dict[str, float | None] | None = None
+    pcast_rows: int = 0
+    pcast_mass_max: float | None = None  # largest reference probability mass a row lost to the P cast
+    pcast_mass_rows: int = 0  # rows that lost at least 1e-3 of it (accumulate.PCAST_MASS)
+    p_scale: float | None = None  # S, the factor on P before the FP8 cast
 
     @property
     def name(self) -> str:
@@ -204,6 +213,13 @@ class DtypeAudit:
     overflow_on_add: int = 0  # finite score + finite mask -> -inf
     summed_planes_overflow: int = 0  # finite float-mask value + finite sentinel -> -inf
     mask_sentinel_rows: int = 0  # rows the mask turned into all -inf or NaN
+    # FP8 dtypes (the flash-fp8 path): how Q, K, V were quantised to the format, per tensor name.
+    fp8_scaling: str | None = None  # none, tensor, head or block (numerics.fp8_attention)
+    fp8_clipped: dict[str, int] = field(default_factory=dict)  # values beyond the format's max: the satfinite cast clips them
+    fp8_flushed: dict[str, int] = field(default_factory=dict)  # non-zero values that became 0
+    fp8_subnormal: dict[str, int] = field(default_factory=dict)  # non-zero values left below the smallest normal (fewer bits)
+    fp8_values: dict[str, int] = field(default_factory=dict)  # non-zero values per tensor
+    fp8_amax: dict[str, float] = field(default_factory=dict)  # largest |x| before quantisation (after the rotation)
 
 
 @dataclass

@@ -184,5 +184,6 @@ def test_fp8_room_what_a_cast_beyond_the_range_gives():
     fnuz = getattr(torch, "float8_e4m3fnuz", None)
     if fnuz is not None:
         assert math.isnan(overflow_result(fnuz))
-    with pytest.raises(AttncheckError, match="dtype 'e4m3' cannot be used here"):
-        Options(dtypes=("e4m3",))
+    assert Options(dtypes=("e4m3",)).dtypes == ("e4m3",)  # a P-cast cell
+    with pytest.raises(AttncheckError, match="dtype 'fp64' cannot be used here"):
+        Options(dtypes=("fp64",))

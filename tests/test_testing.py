@@ -85,7 +85,7 @@ def test_unchecked_budgets_do_not_fail():
         ({"relative_to_torch_atol": 1e-6}, "relative_to_torch_atol is set but relative_to_torch is not"),
         ({"nan": None, "overflow": None}, "assert_softmax_ok: every budget is None, so nothing would be checked"),
         ({"method": "fast"}, "method: unknown method 'fast' (choose from naive, stable, tiled, torch)"),
-        ({"dtype": "fp8"}, "dtype: unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
+        ({"dtype": "fp8"}, "dtype: unknown dtype 'fp8' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
     ],
 )
 def test_bad_arguments_raise_attncheck_error(kwargs, message):

@@ -55,6 +55,7 @@ FLAGS = {
     "dtypes": "--dtype", "methods": "--method", "keys": "--key", "reverse": "--order",
     "dks": "--dk", "scales": "--scale", "seqs": "--seq", "stds": "--std",
     "chunk_elements": "--max-memory", "kernels": "ATTNCHECK_KERNELS", "paths": "--path",
+    "p_scale": "--p-scale", "fp8_scaling": "--fp8-scaling", "incoherent": "--incoherent",
 }
 
 

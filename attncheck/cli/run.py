@@ -36,6 +36,7 @@ Accum = Enum("Accum", {name: name for name in params.ACCUMULATIONS}, type=str)
 ScaleOrder = Enum("ScaleOrder", {name: name for name in params.SCALE_ORDERS}, type=str)
 MaskConvention = Enum("MaskConvention", {name: name for name in params.MASK_CONVENTIONS}, type=str)
 QK = "Q/K inputs"
+FP8 = "FP8 attention"
 
 
 def parse_fail_on(value: str) -> list[str]:
@@ -44,6 +45,24 @@ def parse_fail_on(value: str) -> list[str]:
         if not valid_fail_on(item):
             raise AttncheckError(f"unknown condition {item!r} (use {', '.join(FAIL_ON_WORDS)} or a finding code)", param="fail_on")
     return items
+
+
+def _fp8_options(dtype: str, p_scale: str | None, fp8_scaling: str | None, incoherent: bool, qk_given: bool) -> dict:
+    """--p-scale, --fp8-scaling, --incoherent: checked, and refused where they would change nothing."""
+    from attncheck.registry import fp8_names
+
+    given = [name for name, value in (("p_scale", p_scale), ("fp8_scaling", fp8_scaling), ("incoherent", incoherent or None)) if value is not None]
+    if given and not set(params.dtypes(dtype)) & set(fp8_names()):
+        flags = ", ".join(param(g) for g in given)
+        raise AttncheckError(f"{flags} apply to FP8 cells: add an FP8 dtype ({', '.join(fp8_names())}) to {param('dtypes')}")
+    if not qk_given and (fp8_scaling is not None or incoherent):
+        raise AttncheckError(f"{param('fp8_scaling')} and {param('incoherent')} apply to attention computed from {param('q')} and {param('k')}")
+    out: dict = {"incoherent": incoherent}
+    if p_scale is not None:
+        out["p_scale"] = params.number(p_scale, "p_scale", positive=True)
+    if fp8_scaling is not None:
+        out["fp8_scaling"] = params.choice(fp8_scaling, params.FP8_SCALINGS, "fp8_scaling")
+    return out
 
 
 def run(
@@ -73,6 +92,9 @@ def run(
     pad_right: str = typer.Option("", "--pad-right", help="Right padding per batch element.", rich_help_panel=QK),
     mask_value: str = typer.Option("-inf", "--mask-value", help="What a masked key becomes: -inf, min (finfo(dtype).min) or a number such as -1e4.", rich_help_panel=QK),
     mask_convention: MaskConvention = typer.Option("attend", "--mask-convention", help="Boolean masks: True = attend (SDPA) or True = masked.", rich_help_panel=QK),
+    p_scale: Optional[str] = typer.Option(None, "--p-scale", help="FP8 dtypes (--dtype e4m3, e5m2, ...): P is multiplied by S before the cast to FP8: 1, 256 (FlashAttention-3, the default), 448 (SageAttention) or another number.", rich_help_panel=FP8),
+    fp8_scaling: Optional[str] = typer.Option(None, "--fp8-scaling", help="FP8 dtypes with --q/--k: how Q, K, V are quantised for flash-fp8: none, tensor, head (per batch and kv head, FlashAttention-3's descales; default) or block (per 128-query and key tile).", rich_help_panel=FP8),
+    incoherent: bool = typer.Option(False, "--incoherent", help="FP8 dtypes with --q/--k: rotate Q and K by a seeded +-1 diagonal times Hadamard matrix before quantising (FlashAttention-3's incoherent processing; head dim a power of two).", rich_help_panel=FP8),
 ) -> None:
     """Diagnose saved attention scores (pre-softmax logits), or the scores Q and K produce.
 
@@ -91,6 +113,7 @@ def run(
             dtypes=params.dtypes(dtype), methods=params.methods(method), block=params.integer(block, "block", 1),
             reverse=Order(order).value == "reverse", accum=Accum(accum).value, device=params.device(device),
             chunk_elements=chunk_elements_for(memory), paths=params.paths(path) if path is not None else (),
+            **_fp8_options(dtype, p_scale, fp8_scaling, incoherent, qk_given=q is not None or k is not None),
         )
         qk = None
         if q is None and k is None and (v is not None or path is not None):

@@ -24,7 +24,7 @@ from attncheck import params
 from attncheck.config.sweep import DIST_NAMES
 from attncheck.errors import AttncheckError
 from attncheck.params import ORDERS, Scale, show
-from attncheck.registry import dtype_names
+from attncheck.registry import DTYPES, cell_dtype, dtype_names
 from attncheck.results import BUDGET_NAMES, COUNT_BUDGETS, LOWER_BUDGETS, OUTPUT_BUDGETS, RELATIVE_BUDGETS
 
 if TYPE_CHECKING:
@@ -233,11 +233,12 @@ def parse_budget(table: dict[str, Any], prefix: str, display: str, base: Budget 
 def _parse_budgets(value: Any, prefix: str, display: str) -> tuple[Budget, dict[str, Budget]]:
     """[budget] and its [budget.<dtype>] overrides."""
     table = _table(value, prefix)
-    own = {k: v for k, v in table.items() if k not in dtype_names()}
-    _reject_unknown(own, BUDGET_KEYS + dtype_names(), prefix, display)
+    cells = DTYPES.names(cell_dtype)  # a [budget.<dtype>] table for any dtype a cell computes in, FP8 too
+    own = {k: v for k, v in table.items() if k not in cells}
+    _reject_unknown(own, BUDGET_KEYS + cells, prefix, display)
     base = parse_budget(own, prefix, display)
     per_dtype = {}
-    for dtype in dtype_names():
+    for dtype in cells:
         if dtype in table:
             key = f"{prefix}.{dtype}"
             per_dtype[dtype] = parse_budget(_table(table[dtype], key), key, display, base)

@@ -41,6 +41,11 @@ class Options:
     max_examples: int = params.MAX_EXAMPLES
     kernels: str = "auto"
     paths: tuple[str, ...] = ()  # with Q and K: the attention paths (registry.PATHS); empty: the default set
+    # FP8 cells (dtypes e4m3, e5m2, ...): P is multiplied by p_scale before the cast (FlashAttention-3: 256);
+    # with Q and K, how they and V are quantised (fp8_scaling) and whether a seeded Hadamard rotation comes first.
+    p_scale: float = params.DEFAULT_P_SCALE
+    fp8_scaling: str = "head"
+    incoherent: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.dtypes, str) or isinstance(self.methods, str):
@@ -59,6 +64,8 @@ class Options:
         if isinstance(self.paths, str):
             raise AttncheckError("paths is a tuple of names, e.g. ('flash',)")
         object.__setattr__(self, "paths", params.paths(list(self.paths)) if self.paths else ())
+        object.__setattr__(self, "p_scale", params.number(self.p_scale, "p_scale", positive=True, from_text=False))
+        params.choice(self.fp8_scaling, params.FP8_SCALINGS, "fp8_scaling")
 
 
 @dataclass(frozen=True)

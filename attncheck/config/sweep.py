@@ -88,7 +88,7 @@ class SweepConfig:
         set_("stds", params.numbers(list(self.stds), "stds", from_text=False) if self.stds else _empty("stds"))
         if not self.scales:
             _empty("scales")
-        set_("dtypes", params.dtypes(list(self.dtypes)) if self.dtypes else _empty("dtypes"))
+        set_("dtypes", params.dtypes(list(self.dtypes), fp8=False) if self.dtypes else _empty("dtypes"))
         set_("methods", params.methods(list(self.methods)) if self.methods else _empty("methods"))
         params.choice(self.dist, DIST_NAMES, "dist")
         params.integer(self.rows, "rows", 2, from_text=False)
@@ -107,7 +107,7 @@ class SweepConfig:
         parse = {
             "dks": lambda v: params.integers(v, "dks", 1),
             "scales": lambda v: params.scales(v, "scales"),
-            "dtypes": lambda v: params.dtypes(v),
+            "dtypes": lambda v: params.dtypes(v, fp8=False),
             "methods": lambda v: params.methods(v),
             "seqs": lambda v: params.integers(v, "seqs", 2),
             "stds": lambda v: params.numbers(v, "stds"),

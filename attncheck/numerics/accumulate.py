@@ -258,6 +258,9 @@ class OutAcc:
         return mean / math.sqrt(var / n)
 
 
+PCAST_MASS = 1e-3  # a row that loses this much of its probability to the P cast has lost something visible
+
+
 class CellAcc:
     def __init__(self, method: str, dtype: str, max_examples: int, heads: tuple[int, ...] = (), queries: int = 1, path: str | None = None) -> None:
         self.method, self.dtype, self.path = method, dtype, path
@@ -280,6 +283,14 @@ class CellAcc:
         self.flushed = 0
         self.flips = 0
         self.examples = Examples(max_examples)
+        # FP8 cells: probabilities the reference says are non-zero, and those the P cast flushed to 0,
+        # by the key block's position against the row max's block in visiting order (fp8.POSITIONS).
+        self.pcast_live: torch.Tensor | None = None
+        self.pcast_flushed = torch.zeros(3, dtype=torch.int64)
+        self.pcast_rows = 0  # rows where the P cast flushed a probability the reference has
+        self.pcast_mass_rows = 0  # rows where it flushed at least PCAST_MASS of the reference's probability
+        self.pcast_mass_max = Max()
+        self.p_scale: float | None = None
 
     def update(
         self,
@@ -289,9 +300,11 @@ class CellAcc:
         algo: AlgoReference,
         causes: list[tuple[str, torch.Tensor]],
         metrics: RowMetrics,
+        pcast=None,
     ) -> None:
         """Add one chunk of this cell: ``probs`` (r, T) with the method's row events,
-        the pipeline ``causes`` before them, and the cell's row ``metrics``."""
+        the pipeline ``causes`` before them, and the cell's row ``metrics``; for an FP8
+        cell, ``pcast`` (fp8.PCastSoftmax) says which probabilities the P cast flushed."""
         keys = probs.shape[-1]
         self.rows += probs.shape[0]
         m = metrics
@@ -321,6 +334,8 @@ class CellAcc:
                 self.events[name] += int(events[name].sum())
                 self.examples.add(f"event:{name}", events[name], c.offset)
 
+        if pcast is not None:
+            self._count_pcast(pcast, algo, ~nan_row)
         ok = ~nan_row & c.ref_ok  # (r,) rows where both are defined
         n_ok = int(ok.sum())
         if not n_ok:
@@ -346,6 +361,21 @@ class CellAcc:
         flip = (m.p_at_top < m.pmax) & ok
         self.flips += int(flip.sum())
         self.examples.add("flip", flip, c.offset)
+
+    def _count_pcast(self, pcast, algo: AlgoReference, rows: torch.Tensor) -> None:
+        keys = algo.ref.shape[-1]
+        live = (algo.ref > 0) & (rows & algo.ok)[:, None]  # (r, T): the reference of the cell's own scores is non-zero
+        flushed = pcast.flushed.reshape(-1, keys) & live
+        pos = pcast.position.reshape(-1, keys).long()
+        if self.pcast_live is None:
+            self.pcast_live = torch.zeros(3, dtype=torch.int64)
+        self.pcast_live += torch.bincount(pos[live].cpu(), minlength=3)
+        self.pcast_flushed += torch.bincount(pos[flushed].cpu(), minlength=3)
+        self.pcast_rows += int(flushed.any(dim=-1).sum())
+        mass = torch.where(flushed, algo.ref, 0.0).sum(dim=-1)  # (r,) reference probability the cast dropped
+        self.pcast_mass_max.add(mass)
+        self.pcast_mass_rows += int((mass >= PCAST_MASS).sum())
+        self.p_scale = pcast.p_scale
 
     def update_out(self, out: torch.Tensor, ref: torch.Tensor, tied: torch.Tensor, ref_algo: torch.Tensor) -> None:
         """Add one chunk of this cell's output O (see OutAcc.update)."""
@@ -380,6 +410,22 @@ class CellAcc:
             path=self.path,
             tied_rows=self.tied_rows,
             **({} if self.out is None else self.out.fields()),
+            **self._pcast_fields(),
+        )
+
+    def _pcast_fields(self) -> dict:
+        if self.pcast_live is None:
+            return {}
+        from attncheck.numerics.fp8 import POSITIONS
+
+        live, flushed = self.pcast_live.tolist(), self.pcast_flushed.tolist()
+        return dict(
+            pcast_flushed_frac=sum(flushed) / sum(live) if sum(live) else None,
+            pcast_flushed_by_position={name: (f / n if n else None) for name, f, n in zip(POSITIONS, flushed, live)},
+            pcast_rows=self.pcast_rows,
+            pcast_mass_max=self.pcast_mass_max.value,
+            pcast_mass_rows=self.pcast_mass_rows,
+            p_scale=self.p_scale,
         )
 
     def _top_heads(self, k: int = 5) -> list[tuple[tuple[int, ...], int]]:

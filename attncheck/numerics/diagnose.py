@@ -11,6 +11,7 @@ or rich here.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
@@ -23,7 +24,7 @@ from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, s
 from attncheck.numerics.backends.torch_rows import TorchRows
 from attncheck.numerics.precision import check_scores_dtype, dtype_from_name, dtype_label, limits_of
 from attncheck.numerics.softmax import MethodParams
-from attncheck.registry import METHODS, PATHS, path_names
+from attncheck.registry import METHODS, PATHS, fp8_names, path_names
 from attncheck.results import TensorDiagnosis
 
 if TYPE_CHECKING:
@@ -101,10 +102,12 @@ def diagnose_chunks(
     device = resolve_device(options.device)
     lead = shape[:-1]
     rows = math.prod(lead) if lead else 1
-    census = CensusAcc(options.dtypes)
+    census = CensusAcc(tuple(d for d in options.dtypes if d not in fp8_names()))  # headroom: dtypes whole softmaxes run in
     dist = DistAcc(options.collapse_threshold)
     heads = tuple(shape[:-2]) if len(shape) >= 3 else ()  # (batch, heads, ...) of (..., queries, keys)
     plan = cell_plan(options, qk)
+    if not plan:
+        raise AttncheckError(_no_cell(options, qk))
     cells = {key: CellAcc(key[1], key[2], options.max_examples, heads, shape[-2] if heads else 1, path=key[0]) for key in plan}
     backend = select_backend(options.kernels, device, math.prod(shape), notice)
     plain = TorchRows()  # metrics of methods the fused kernel does not serve
@@ -152,59 +155,94 @@ def diagnose_chunks(
 
 
 def cell_plan(options: Options, qk: bool) -> list[tuple[str | None, str, str]]:
-    """The cells, as (path, method, dtype) in report order. Given scores: every method x dtype.
-    With Q and K: every path x dtype, the eager path once per chosen method that can be
-    eager's softmax (tiled is the flash path's)."""
+    """The cells, as (path, method, dtype) in report order. Given scores: every method x dtype
+    (in an FP8 dtype, only methods that cast P to it). With Q and K: every path x dtype
+    (FP8 paths in the FP8 dtypes, the others in the rest), the eager path once per chosen
+    method that can be eager's softmax (tiled is the flash path's)."""
+    fp8 = set(fp8_names())
     if not qk:
-        return [(None, m, d) for m in options.methods for d in options.dtypes]
+        return [(None, m, d) for m in options.methods for d in options.dtypes if d not in fp8 or METHODS.get(m).p_cast]
     plan = []
     for p in options.paths or path_names(lambda spec: spec.default):
-        methods = [m for m in options.methods if METHODS.get(m).eager] if PATHS.get(p).runs_methods else [p]
-        plan += [(p, m, d) for m in methods for d in options.dtypes]
+        spec = PATHS.get(p)
+        dtypes = [d for d in options.dtypes if (d in fp8) == spec.fp8]
+        methods = [m for m in options.methods if METHODS.get(m).eager] if spec.runs_methods else [p]
+        plan += [(p, m, d) for m in methods for d in dtypes]
     return plan
+
+
+def _no_cell(options: Options, qk: bool) -> str:
+    fp8 = [d for d in options.dtypes if d in fp8_names()]
+    if not qk:
+        casts = ", ".join(METHODS.names(lambda spec: spec.p_cast))
+        return (f"no cell to compute: in {', '.join(fp8)} only a softmax that casts P to FP8 runs ({casts}); "
+                f"add it to {param('methods')} or a dtype such as fp16")
+    fp8_paths = ", ".join(PATHS.names(lambda spec: spec.fp8))
+    return (f"no cell to compute: the paths {', '.join(options.paths)} do not run in {', '.join(options.dtypes)} "
+            f"(FP8 dtypes take {fp8_paths}; the others take the rest)")
+
+
+def _fp8_params(method_params: MethodParams, options: Options, d: str) -> MethodParams:
+    """The method parameters of FP8 dtype ``d``'s cells: its format, the P scale, the quantisation."""
+    from attncheck.numerics.fp8_attention import Fp8Setup
+
+    setup = Fp8Setup(fmt=dtype_from_name(d), scaling=options.fp8_scaling, incoherent=options.incoherent, p_scale=options.p_scale)
+    return replace(method_params, fp8=setup)
 
 
 def _methods_of_chunk(block, c: ChunkFacts, options: Options, cells, census, backend, plain, method_params) -> None:
     """Given scores: each dtype's cast, and every method on it."""
-    specs = [METHODS.get(m) for m in options.methods]
+    fp8 = fp8_names()
     for d in options.dtypes:
-        algo, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, backend)
+        specs = [METHODS.get(m) for m in options.methods]
+        params_d = method_params
+        if d in fp8:  # P formats: the scores stay fp32 (as FlashAttention-3's S), P is cast inside the method
+            specs = [spec for spec in specs if spec.p_cast]
+            params_d = _fp8_params(method_params, options, d)
+            if not specs:
+                continue
+            algo, before, after = _in_dtype(block, c, torch.float32, census, "fp32", backend)
+        else:
+            algo, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, backend)
+            census.update_headroom(d, c, *_extremes_in_dtype(block, c, algo.xc))
         causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
-        census.update_headroom(d, c, *_extremes_in_dtype(block, c, algo.xc))
-        outs = [_run(spec, algo.xc, method_params) for spec in specs]
+        outs = [_run(spec, algo.xc, params_d) for spec in specs]
         metrics = _cell_metrics(backend, plain, c, [s.fused for s in specs], [o.probs for o in outs], algo)  # one pass for the dtype's cells
         for spec, out, m in zip(specs, outs, metrics):
-            cells[(None, spec.name, d)].update(c, out.probs, out.events, algo, causes, m)
+            cells[(None, spec.name, d)].update(c, out.probs, out.events, algo, causes, m, pcast=out.pcast)
         del algo, outs, metrics
 
 
 def _paths_of_chunk(block: "QKBlock", c: ChunkFacts, options: Options, plan, cells, census, backend, plain, method_params) -> None:
     """With Q and K: every path in every dtype computes its scores, probabilities and output."""
     out_ref = None if block.v is None else block.reference_out(c.ref)  # (r, dv) float64: P64 @ V64
-    paths = list(dict.fromkeys(p for p, _, _ in plan))
+    fp8 = fp8_names()
     for d in options.dtypes:
         dt = dtype_from_name(d)
-        if "eager" not in paths:  # the Q/K pipeline audit and the headroom describe the eager scores in every dtype
+        paths = list(dict.fromkeys(p for p, _, dd in plan if dd == d))
+        params_d = _fp8_params(method_params, options, d) if d in fp8 else method_params
+        if d not in fp8 and "eager" not in paths:  # the Q/K pipeline audit and the headroom describe the eager scores
             census.update_headroom(d, c, *_extremes_in_dtype(block, c, block.in_dtype(dt)[0]))
         for p in paths:
             methods = [m for (pp, m, dd) in plan if pp == p and dd == d]
-            pb = PATHS.get(p).function()(block, dt, methods, method_params)
+            pb = PATHS.get(p).function()(block, dt, methods, params_d)
             if p == "eager":
                 census.update_headroom(d, c, *_extremes_in_dtype(block, c, pb.scores))
             algo = backend.algo_reference(pb.scores)
             causes = [("input_nan", c.nan), ("inf_input", c.posinf), *pb.before, ("fully_masked", c.all_masked), *pb.after]
             for m, out in pb.cells:
-                _check_output(m, out, dt if p == "eager" and METHODS.get(m).output == "dtype" else torch.float32, pb.scores.shape)
+                _check_output(m, out, dt if p == "eager" and METHODS.get(m).output == "dtype" and d not in fp8 else torch.float32, pb.scores.shape)
             fused = [METHODS.get(m).fused if p == "eager" else True for m, _ in pb.cells]
             metrics = _cell_metrics(backend, plain, c, fused, [o.probs for _, o in pb.cells], algo)
             tied = out_algo = None
             if out_ref is not None:
                 tied = _tied_rows(pb.scores)
-                # The path's own rounding: float64 softmax of its scores times V as the dtype holds it.
-                out_algo = block.reference_out(torch.where(algo.ok[:, None], algo.ref, torch.nan), dt)
+                # The path's own rounding: float64 softmax of its scores times V as the dtype holds it
+                # (FP8 paths: V as given; its quantisation is the path's).
+                out_algo = block.reference_out(torch.where(algo.ok[:, None], algo.ref, torch.nan), None if d in fp8 else dt)
             for (m, out), met in zip(pb.cells, metrics):
                 acc = cells[(p, m, d)]
-                acc.update(c, out.probs, out.events, algo, causes, met)
+                acc.update(c, out.probs, out.events, algo, causes, met, pcast=out.pcast)
                 if out.out is not None:
                     acc.update_out(out.out, out_ref, tied, out_algo)
                     acc.tied_rows += int(tied.sum())

@@ -60,6 +60,7 @@ class PCastSoftmax:
     flushed: torch.Tensor  # (..., T) bool: P~ > 0 in fp32 but 0 after the FP8 cast
     position: torch.Tensor  # (..., T) int8: the key's block against the row max's block, in visiting order (BEFORE/AT/AFTER)
     overflow: torch.Tensor  # (...) bool rows where some P~ exceeded the FP8 range (S above its max) and was clipped
+    p_scale: float = 1.0  # S
 
 
 def pcast_softmax(x: torch.Tensor, dt: torch.dtype, p_scale: float, block: int, reverse: bool = False) -> PCastSoftmax:
@@ -109,4 +110,4 @@ def pcast_softmax(x: torch.Tensor, dt: torch.dtype, p_scale: float, block: int, 
     def keys(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(*lead, nb * block)[..., :n]
 
-    return PCastSoftmax(keys(probs), keys(flushed), keys(pos), overflow)
+    return PCastSoftmax(keys(probs), keys(flushed), keys(pos), overflow, p_scale)

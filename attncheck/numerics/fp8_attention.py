@@ -46,15 +46,16 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from attncheck.errors import AttncheckError
 from attncheck.numerics.fp8 import PCastSoftmax, cast_overflow, pcast_softmax, to_fp8
 from attncheck.numerics.softmax import MethodOutput, MethodParams
+from attncheck.params import DEFAULT_P_SCALE
 
 if TYPE_CHECKING:
     from attncheck.numerics.paths import PathBlock
     from attncheck.numerics.scores import AttentionInputs, QKBlock
 
-SCALINGS = ("none", "tensor", "head", "block")
-FA3_P_SCALE = 256.0  # 2^8: the max offset of 8 in FlashAttention-3's exp2
+FA3_P_SCALE = DEFAULT_P_SCALE  # 2^8: the max offset of 8 in FlashAttention-3's exp2
 SAGE_P_SCALE = 2.0**8.807  # ~447.97: SageAttention's exponent offset S_FP8_OFFSET = 8.807
 SAGE_P_SCALE_V = 448.0  # V's per-channel scale maps amax to e4m3's max
 SAGE_BLOCK = 128  # CTA_K of the SM90 kernel
@@ -109,6 +110,8 @@ class Quantized:
     dv: torch.Tensor | None  # (B*Hk, 1) or (B*Hk, dv)
     clipped: dict[str, int]  # values beyond the FP8 range (clipped by the satfinite cast), per tensor
     flushed: dict[str, int]  # non-zero values that became 0, per tensor
+    subnormal: dict[str, int]  # non-zero values left below the format's smallest normal
+    values: dict[str, int]  # non-zero values, per tensor
     amax: dict[str, float]  # largest |x| before quantisation (after the incoherent rotation)
 
 
@@ -134,12 +137,18 @@ def _descale(x: torch.Tensor, groups: torch.Tensor | None, top: float, scaling: 
     return torch.where(ds > 0, ds, torch.ones_like(ds))
 
 
-def _quantize(x: torch.Tensor, ds: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, int, int]:
+def _quantize(x: torch.Tensor, ds: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, dict[str, int]]:
+    """x / descale in fp32, cast to ``fmt`` as the kernels' callers do; what the cast did, counted."""
     y = x.float() / ds[..., None]
     x8 = to_fp8(y, fmt).float()
-    clipped = int(cast_overflow(y, fmt).sum())
-    flushed = int(((x != 0) & (x8 == 0)).sum())
-    return x8, clipped, flushed
+    nonzero = x != 0
+    counts = {
+        "clipped": int(cast_overflow(y, fmt).sum()),
+        "flushed": int((nonzero & (x8 == 0)).sum()),
+        "subnormal": int((nonzero & (x8 != 0) & (x8.abs() < torch.finfo(fmt).smallest_normal)).sum()),
+        "values": int(nonzero.sum()),
+    }
+    return x8, counts
 
 
 def quantize_inputs(inp: "AttentionInputs", setup: Fp8Setup) -> Quantized:
@@ -152,6 +161,8 @@ def quantize_inputs(inp: "AttentionInputs", setup: Fp8Setup) -> Quantized:
     q = inp.q.reshape(b * hq, tq, d).to(torch.float64)
     k = inp.k.reshape(b * hk, tk, d).to(torch.float64)
     if setup.incoherent:
+        if d & (d - 1):
+            raise AttncheckError(f"rotates Q and K by a Hadamard matrix, which needs a head dim that is a power of two; d = {d}", param="incoherent")
         h = hadamard(d, setup.seed, q.device)
         q, k = q @ h, k @ h
     top = float(torch.finfo(setup.fmt).max)
@@ -160,18 +171,19 @@ def quantize_inputs(inp: "AttentionInputs", setup: Fp8Setup) -> Quantized:
     kg = (torch.arange(tk, device=q.device) // block_n).expand(b * hk, tk)
     dq = _descale(q, qg, top, setup.scaling, hq // hk)
     dk = _descale(k, kg, top, setup.scaling)
-    q8, cq, fq = _quantize(q, dq, setup.fmt)
-    k8, ck, fk = _quantize(k, dk, setup.fmt)
-    clipped, flushed = {"q": cq, "k": ck}, {"q": fq, "k": fk}
-    amax = {"q": float(q.abs().max()) if q.numel() else 0.0, "k": float(k.abs().max()) if k.numel() else 0.0}
+    tensors = {"q": q, "k": k}
+    q8, counts_q = _quantize(q, dq, setup.fmt)
+    k8, counts_k = _quantize(k, dk, setup.fmt)
+    counts = {"q": counts_q, "k": counts_k}
     v8 = dv = None
     if inp.v is not None:
         v = inp.v.reshape(b * hk, tk, -1).to(torch.float64)
         dv_rows = _descale(v, kg, top, "head" if setup.scaling == "block" else setup.scaling)  # (n, Tk): one value per head
-        v8, clipped["v"], flushed["v"] = _quantize(v, dv_rows, setup.fmt)
+        v8, counts["v"] = _quantize(v, dv_rows, setup.fmt)
         dv = dv_rows[:, :1]
-        amax["v"] = float(v.abs().max()) if v.numel() else 0.0
-    out = Quantized(q8, dq, k8, dk, v8, dv, clipped, flushed, amax)
+        tensors["v"] = v
+    amax = {name: float(t.abs().max()) if t.numel() else 0.0 for name, t in tensors.items()}
+    out = Quantized(q8, dq, k8, dk, v8, dv, *({name: c[key] for name, c in counts.items()} for key in ("clipped", "flushed", "subnormal", "values")), amax)
     inp.cache[("fp8", setup)] = out
     return out
 
@@ -201,6 +213,18 @@ def online_pcast_out(s: torch.Tensor, v8: torch.Tensor | None, fmt: torch.dtype,
     return r, acc * inv
 
 
+def _audit(block: "QKBlock", dt: torch.dtype, setup: Fp8Setup, quant: Quantized) -> None:
+    """What the quantisation did, in the input's audit (the same for every block)."""
+    from attncheck.numerics.precision import dtype_label
+    from attncheck.results import DtypeAudit
+
+    label = dtype_label(dt)
+    a = block.audit.dtypes.setdefault(label, DtypeAudit(label))
+    a.fp8_scaling = setup.scaling + (", incoherent" if setup.incoherent else "")
+    a.fp8_clipped, a.fp8_flushed, a.fp8_subnormal = dict(quant.clipped), dict(quant.flushed), dict(quant.subnormal)
+    a.fp8_values, a.fp8_amax = dict(quant.values), dict(quant.amax)
+
+
 def _mask(block: "QKBlock", s: torch.Tensor) -> torch.Tensor:
     """The mask, as a bf16 model holds it, added to fp32 scores (n, tq, Tk)."""
     _, _, mask_dt = block._mask_planes(OUT_DTYPE)
@@ -213,6 +237,7 @@ def flash_fp8(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params:
 
     setup = params.fp8 or Fp8Setup(fmt=dt)
     quant = quantize_inputs(block.inp, setup)
+    _audit(block, dt, setup, quant)
     bh, qs = block.rows
     kv = _kv_heads(block.inp, bh)
     q8, dq = quant.q8[bh, qs], quant.dq[bh, qs]  # (n, tq, d), (n, tq)

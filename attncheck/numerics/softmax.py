@@ -173,6 +173,11 @@ def stable_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
 
 
 def tiled_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
+    if params.fp8 is not None:  # an FP8 cell: x is fp32, P is scaled and cast to the format (numerics.fp8)
+        from attncheck.numerics.fp8 import pcast_softmax
+
+        r = pcast_softmax(x, params.fp8.fmt, params.fp8.p_scale, params.block, params.reverse)
+        return MethodOutput(r.probs, pcast=r)
     return MethodOutput(tiled_softmax(x, block=params.block, reverse=params.reverse))
 
 

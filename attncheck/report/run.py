@@ -77,6 +77,8 @@ def attention_table(d: TensorDiagnosis) -> Group:
     for name in ("dtype", "Q@K^T -> inf", "rows", "max |score|", "mask value", "mask -> -inf", "add overflow", "planes overflow", "rows broken by mask"):
         t.add_column(name, justify="left" if name == "dtype" else "right")
     for dt, x in a.dtypes.items():
+        if x.fp8_scaling is not None:  # FP8 dtypes: no eager scores; their quantisation is under the P cast table
+            continue
         bad = "red"
         t.add_row(
             dt,
@@ -95,7 +97,7 @@ def attention_table(d: TensorDiagnosis) -> Group:
         f"max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}; spread of q {a.q_std:.3g}, k {a.k_std:.3g}, "
         f"scaled scores {fmt(a.scores_std)}; masked keys {a.masked_keys}, float64 mass on masked keys up to {a.leak_max:.3g}{fitted}"
     )
-    return Group(t, line)
+    return Group(t, line) if t.row_count else Group(line)
 
 
 def _cell_summary(c: Cell) -> Text:
@@ -126,8 +128,39 @@ def matrix_table(d: TensorDiagnosis) -> Table:
     for dt in dtypes:
         t.add_column(dt)
     for label in dict.fromkeys(c.label for c in d.cells):
-        t.add_row(label, *(_cell_summary(by[(label, dt)]) if (label, dt) in by else "" for dt in dtypes))
+        t.add_row(label, *(_cell_summary(by[(label, dt)]) if (label, dt) in by else Text("-", style="dim") for dt in dtypes))
     return t
+
+
+def pcast_table(d: TensorDiagnosis) -> Table | None:
+    """FP8 cells: what the P cast flushed, and how Q, K, V were quantised."""
+    cells = [c for c in d.cells if c.pcast_flushed_frac is not None or c.p_scale is not None]
+    if not cells:
+        return None
+    t = Table(title="FP8 P cast: probabilities the reference has that the cast flushed to 0", title_justify="left",
+              box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
+    for name in ("cell", "S", "flushed", "before / max / after", "rows >= 0.1%", "max loss"):
+        t.add_column(name, justify="left" if name == "cell" else "right", no_wrap=True)
+    for c in cells:
+        pos = c.pcast_flushed_by_position or {}
+        t.add_row(Text(c.name, style="bold red" if c.pcast_mass_rows else ""), fmt(c.p_scale, ".4g"), _pct(c.pcast_flushed_frac),
+                  " / ".join(_pct(pos.get(k), ".1%") for k in ("before_max", "max_block", "after_max")),
+                  str(c.pcast_mass_rows), fmt(c.pcast_mass_max, ".1e"))
+    notes = ["flushed by position: keys in blocks visited before the block holding the row max, in that block, after it;",
+             "max loss: the most probability one row lost to the flush"]
+    if d.attention is not None:
+        for dt, a in d.attention.dtypes.items():
+            if a.fp8_values:
+                parts = [f"{k} amax {a.fp8_amax.get(k, 0):.4g}, clipped {a.fp8_clipped.get(k, 0)}, subnormal {a.fp8_subnormal.get(k, 0)}, "
+                         f"flushed {a.fp8_flushed.get(k, 0)} of {n}" for k, n in a.fp8_values.items()]
+                notes.append(f"flash-fp8 quantisation to {dt} ({a.fp8_scaling}): " + "; ".join(parts))
+    t.caption = "\n".join(notes)
+    t.caption_justify = "left"
+    return t
+
+
+def _pct(x: float | None, spec: str = ".2%") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def output_table(d: TensorDiagnosis) -> Table | None:
@@ -237,12 +270,13 @@ def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
     parts: list[Any] = [census_panel(d)]
     if d.attention is not None:
         parts.append(attention_table(d))
-    parts += [headroom_table(d), matrix_table(d)]
+    parts += [headroom_table(d)] if d.census.headroom else []
+    parts += [matrix_table(d)]
     if verbose:
         parts.append(detail_table(d))
-    out = output_table(d)
-    if out is not None:
-        parts.append(out)
+    for table in (output_table(d), pcast_table(d)):
+        if table is not None:
+            parts.append(table)
     where = nan_by_head_line(d)
     parts += [distribution_line(d)] + ([where] if where is not None else []) + [findings_table(d)]
     return Group(*parts)

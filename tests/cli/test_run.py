@@ -225,10 +225,14 @@ def test_cuda_requested_without_cuda(healthy):
 @pytest.mark.parametrize(
     "args,expected",
     [
-        (["--dtype", "fp8"], "--dtype: unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
-        (["--dtype", "e4m3"], "--dtype: dtype 'e4m3' cannot be used here (choose from fp16, bf16, fp32)"),
+        (["--dtype", "fp8"], "--dtype: unknown dtype 'fp8' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
+        (["--dtype", "fp64"], "--dtype: dtype 'fp64' cannot be used here (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
+        (["--p-scale", "256"], "--p-scale apply to FP8 cells: add an FP8 dtype (e4m3, e5m2, e4m3fnuz, e5m2fnuz) to --dtype"),
+        (["--dtype", "e4m3", "--p-scale", "-1"], "--p-scale must be a number > 0, got -1"),
+        (["--dtype", "e4m3", "--fp8-scaling", "head"], "--fp8-scaling and --incoherent apply to attention computed from --q and --k"),
+        (["--dtype", "e4m3", "--method", "naive"], "no cell to compute: in e4m3 only a softmax that casts P to FP8 runs (tiled); add it to --method or a dtype such as fp16"),
         (["--method", "fast"], "--method: unknown method 'fast' (choose from naive, stable, tiled, torch)"),
-        (["--dtype", ""], "--dtype is empty (choose from fp16, bf16, fp32)"),
+        (["--dtype", ""], "--dtype is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
         (["--fail-on", "bogus"], "--fail-on: unknown condition 'bogus' (use nan, overflow, zero, flip, error, warning or a finding code)"),
         (["--block", "0"], "--block must be an integer >= 1, got 0"),
         (["--block", "x"], "--block must be an integer >= 1, got 'x'"),

@@ -17,7 +17,7 @@ from attncheck.errors import AttncheckError
 
 SYN = {"synthetic": [{"d_k": 16, "seq": 32, "rows": 64}]}
 KNOWN_TOP = "inputs, keys, synthetic, dtypes, methods, block, order, accum, device, budget"
-KNOWN_BUDGET = "nan, overflow, zero_rows, argmax_flips, max_abs_err, max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, out_cos_min, out_relative_to_torch, fp16, bf16, fp32"
+KNOWN_BUDGET = "nan, overflow, zero_rows, argmax_flips, max_abs_err, max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, out_cos_min, out_relative_to_torch, fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz"
 LN_FP16_LIMIT = math.log(65520.0)  # exp(x) rounds to inf in fp16 above this
 
 
@@ -104,9 +104,9 @@ BAD_TABLES = [
         "max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, "
         "out_cos_min, out_relative_to_torch)",
     ),
-    ({"dtypes": ["fp8"]}, "tool.attncheck.dtypes: unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
-    ({"dtypes": []}, "tool.attncheck.dtypes is empty (choose from fp16, bf16, fp32)"),
-    ({"dtypes": [16]}, "tool.attncheck.dtypes must be a list of dtype names (fp16, bf16, fp32), got [16]"),
+    ({"dtypes": ["fp8"]}, "tool.attncheck.dtypes: unknown dtype 'fp8' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
+    ({"dtypes": []}, "tool.attncheck.dtypes is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
+    ({"dtypes": [16]}, "tool.attncheck.dtypes must be a list of dtype names (fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz), got [16]"),
     ({"methods": ["fast"]}, "tool.attncheck.methods: unknown method 'fast' (choose from naive, stable, tiled, torch)"),
     ({"block": 0}, "tool.attncheck.block must be an integer >= 1, got 0"),
     ({"order": "sideways"}, "tool.attncheck.order must be one of forward, reverse, got 'sideways'"),
@@ -122,10 +122,10 @@ BAD_TABLES = [
     ({"synthetic": [{"d_k": 8, "scale": -1}]}, "tool.attncheck.synthetic[0].scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got -1"),
     ({"synthetic": [{"d_k": 8, "dist": "cauchy"}]}, "tool.attncheck.synthetic[0].dist must be one of normal, outliers, got 'cauchy'"),
     ({"synthetic": [{"d_k": 8, "std": 0}]}, "tool.attncheck.synthetic[0].std must be a number > 0, got 0"),
-    ({"synthetic": [{"d_k": 8, "dtype": "int8"}]}, "tool.attncheck.synthetic[0].dtype: unknown dtype 'int8' (choose from fp16, bf16, fp32)"),
+    ({"synthetic": [{"d_k": 8, "dtype": "int8"}]}, "tool.attncheck.synthetic[0].dtype: unknown dtype 'int8' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
     ({"synthetic": [{"dk": 8}]}, "unknown key 'tool.attncheck.synthetic[0].dk' in <config> (known: d_k, scale, seq, rows, dist, std, seed, dtype, paths)"),
-    ({"synthetic": [{"d_k": 8, "paths": ["flash", "xformers"]}]}, "tool.attncheck.synthetic[0].paths: unknown path 'xformers' (choose from eager, sdpa-math, flash)"),
-    ({"synthetic": [{"d_k": 8, "paths": []}]}, "tool.attncheck.synthetic[0].paths is empty (choose from eager, sdpa-math, flash)"),
+    ({"synthetic": [{"d_k": 8, "paths": ["flash", "xformers"]}]}, "tool.attncheck.synthetic[0].paths: unknown path 'xformers' (choose from eager, sdpa-math, flash, flash-fp8, sage)"),
+    ({"synthetic": [{"d_k": 8, "paths": []}]}, "tool.attncheck.synthetic[0].paths is empty (choose from eager, sdpa-math, flash, flash-fp8, sage)"),
     ({"synthetic": [{"d_k": 8}], "budget": {"out_rmse": 1e-3}},
      'tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a '
      "[[tool.attncheck.synthetic]] entry (saved score dumps have no V)"),
