@@ -156,7 +156,7 @@ def test_registry_refuses_taken_names_and_unknown_events():
 # --------------------------------------------------------------------------- dtypes
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16", "fp32", "fp64", "e4m3", "e5m2"])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp32", "fp64", "e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz"])
 def test_each_dtype_has_its_limits_from_torch(name):
     spec = DTYPES.get(name)
     dt = torch_dtype(spec)
@@ -171,6 +171,10 @@ def test_each_dtype_has_its_limits_from_torch(name):
         assert below == lim.max  # just below the rounding limit: the largest finite value
         assert beyond == overflow_result(dt) or (math.isnan(beyond) and math.isnan(overflow_result(dt)))
         assert beyond != lim.max or lim.overflow == "saturate"
+    tiniest = torch.tensor([lim.smallest_subnormal, lim.smallest_subnormal * 0.5, lim.smallest_subnormal * 0.75], dtype=torch.float64)
+    assert tiniest.to(dt).double().tolist() == [lim.smallest_subnormal, 0.0, lim.smallest_subnormal]  # the tie at half rounds to 0
+    assert (torch.tensor(1.0 + lim.eps, dtype=torch.float64).to(dt).double().item() - 1.0) == lim.eps
+    assert torch.tensor(1.0 + lim.eps * 0.5, dtype=torch.float64).to(dt).double().item() == 1.0
 
 
 def test_fp8_room_what_a_cast_beyond_the_range_gives():

@@ -70,21 +70,31 @@ def check_scores_dtype(name: str, dtype: torch.dtype) -> None:
         raise scores_dtype_error(name, dtype)
 
 
+def _step(value: float, dtype: torch.dtype, by: int) -> float:
+    """The value ``by`` bit patterns away from a positive ``value`` of ``dtype`` (read from the
+    bits, not from finfo: torch 2.13's finfo(float8_e5m2fnuz).eps is 2**-3, its spacing is 2**-2)."""
+    t = torch.tensor([value], dtype=dtype)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return float((t.view(ints) + by).view(dtype).to(torch.float64))
+
+
+def ulp_of_one(dtype: torch.dtype) -> float:
+    """The spacing just above 1.0: fp16 2**-10, bf16 2**-7, e4m3 2**-3, e5m2 2**-2."""
+    return _step(1.0, dtype, 1) - 1.0
+
+
 def rounding_limit(dtype: torch.dtype) -> float:
     """Smallest magnitude that rounds past the largest finite value: max + half an ulp at the top binade.
 
     fp16: 65504 + 16 = 65520, so 65519 still rounds to 65504 and 65520 becomes inf.
     """
-    fi = torch.finfo(dtype)
-    _, top_exp = math.frexp(fi.max)  # max = m * 2**top_exp with m in [0.5, 1)
-    half_ulp = math.ldexp(fi.eps / 2, top_exp - 1)
-    return fi.max + half_ulp
+    top = float(torch.finfo(dtype).max)
+    return top + (top - _step(top, dtype, -1)) / 2
 
 
 def smallest_subnormal(dtype: torch.dtype) -> float:
-    """2**(min_exp - mantissa_bits): fp16 2**-24, bf16 2**-133, fp32 2**-149, e4m3 2**-9."""
-    fi = torch.finfo(dtype)
-    return fi.tiny * fi.eps
+    """The bit pattern 1: fp16 2**-24, bf16 2**-133, fp32 2**-149, e4m3 2**-9, e5m2fnuz 2**-17."""
+    return _step(0.0, dtype, 1)
 
 
 @lru_cache(maxsize=None)
@@ -132,7 +142,7 @@ def limits_of(dtype: torch.dtype) -> DtypeLimits:
         max=fi.max,
         tiny=fi.tiny,
         smallest_subnormal=smallest_subnormal(dtype),
-        eps=fi.eps,
+        eps=ulp_of_one(dtype),
         rounding_limit=rounding_limit(dtype),
         overflow="inf" if math.isinf(beyond) else "nan" if math.isnan(beyond) else "saturate",
         exp_overflow=exp_overflow_threshold(dtype),
