@@ -72,6 +72,7 @@ def tiled_softmax(x: torch.Tensor, block: int = DEFAULT_BLOCK, reverse: bool = F
         raise AttncheckError(f"must be >= 1, got {block}", param="block")
     n = x.shape[-1]
     lead = x.shape[:-1]
+    block = min(block, n)  # a block wider than the row is the row: same numbers, no padding to allocate
     nb = -(-n // block)
     # (..., nb, B) float32 blocks in processing order; a short last block is padded with
     # -inf keys, whose exp is 0. Block-wide ops run on all blocks at once; only the
@@ -95,7 +96,11 @@ def tiled_softmax(x: torch.Tensor, block: int = DEFAULT_BLOCK, reverse: bool = F
     del e
     m_final = m_safe[..., -1:]
     inv_l = torch.where((l == 0) | torch.isnan(l), 1.0, 1.0 / l).unsqueeze(-1)  # (..., 1)
-    rescale = torch.exp(m_safe - m_final) * inv_l  # (..., nb)
+    # The kernel rescales its output block by block; the factors telescope to
+    # exp(m_j - m_final). A block whose running max is still -inf contributed P_j = 0 and
+    # is rescaled by exp(-inf) = 0: its guarded m_safe = 0 must not stand in for m_j here
+    # (exp(0 - m_final) overflows for m_final < -88.7, and 0 * inf is NaN).
+    rescale = torch.exp(m_run - m_final) * inv_l  # (..., nb)
     out = p_blocks.float().mul_(rescale.unsqueeze(-1))  # p_blocks.float() is a new tensor, or e's own memory
     if reverse:
         out = out.flip(-2)

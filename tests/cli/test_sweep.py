@@ -168,3 +168,13 @@ def test_sweep_has_help_text():
     result = sweep("--help")
     assert result.exit_code == 0
     assert "Sweep synthetic Q and K" in result.stdout
+
+
+def test_block_wider_than_the_rows_runs_as_one_block(tmp_path):
+    # A key block of 10^11 keys is one block over the row: no padding to allocate.
+    out = tmp_path / "wide.json"
+    result = sweep("--dk", "16", "--scale", "sqrt", "--rows", "64", "--seq", "32", "--method", "tiled,stable", "--dtype", "fp32",
+                   "--block", "99999999999", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    cells = {c["method"]: c for c in json.loads(out.read_text())["points"][0]["cells"]}
+    assert cells["tiled"]["nan_rate"] == 0 and cells["tiled"]["max_abs_err"] < 1e-6
