@@ -27,7 +27,7 @@ FIX = {
     "sentinel_not_representable": "use a boolean mask (masked_fill(~keep, torch.finfo(dtype).min) or SDPA's bool attn_mask) instead of a constant the dtype cannot hold",
     "cast_overflow": "upcast to fp32 before the softmax, or keep the logits in range (scale by 1/sqrt(d_k), clamp)",
     "exp_overflow": "subtract the row max before exp (stable softmax, torch.softmax), or upcast to fp32 before the softmax",
-    "sum_overflow": "the row sum exceeds the dtype's range: accumulate the sum in fp32 (torch.softmax does)",
+    "sum_overflow": "subtract the row max before exp (the sum is then at most the number of keys), and keep the row sum in fp32 instead of rounding it to the dtype (torch.softmax does both)",
     "underflow": "subtract the row max before exp: then the largest term is exp(0) = 1 and the sum cannot be 0",
     "zero_rows": "these rows lost all probability mass: subtract the row max and accumulate in fp32",
     "unexplained_nan": "NaN with no cause attributable by attncheck: please report it with the dump",
@@ -156,19 +156,19 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
 
     # What happens inside the softmax.
     for c in cells:
-        exp_nan = c.nan_causes.get("exp_overflow", 0)
-        exp_zero = c.zero_causes.get("exp_overflow", 0)
-        if c.overflow_rows:
+        exp_rows, sum_rows = c.overflow_events.get("exp_overflow", 0), c.overflow_events.get("sum_overflow", 0)
+        if exp_rows:
             h = next(h for h in census.headroom if h.dtype == c.dtype)
-            if exp_nan or c.method == "naive":
-                add("exp_overflow", f"{c.method} softmax in {c.dtype}: exp overflows to inf in {c.overflow_rows} row(s) (exp(x) = inf for x > {h.exp_overflow_threshold:.4g}; largest score {num(census.max, 4)}) -> {exp_nan} NaN row(s), {exp_zero} all-zero row(s)", [c], c.overflow_rows, c.examples.get("overflow", []))
-            else:
-                add("sum_overflow", f"{c.method} softmax in {c.dtype}: the row sum overflows in {c.overflow_rows} row(s) -> {exp_zero} all-zero row(s)", [c], c.overflow_rows, c.examples.get("overflow", []))
+            exp_nan, exp_zero = c.nan_causes.get("exp_overflow", 0), c.zero_causes.get("exp_overflow", 0)
+            add("exp_overflow", f"{c.method} softmax in {c.dtype}: exp overflows to inf in {exp_rows} row(s) (exp(x) = inf for x > {h.exp_overflow_threshold:.4g}; largest score {num(census.max, 4)}) -> {exp_nan} NaN row(s), {exp_zero} all-zero row(s)", [c], exp_rows, c.examples.get("exp_overflow", []))
+        if sum_rows:
+            sum_zero = c.zero_causes.get("sum_overflow", 0)
+            add("sum_overflow", f"{c.method} softmax in {c.dtype}: every exp is finite but the row sum overflows to inf in {sum_rows} row(s) -> {sum_zero} all-zero row(s)", [c], sum_rows, c.examples.get("sum_overflow", []))
         if c.nan_causes.get("underflow"):
             h = next(h for h in census.headroom if h.dtype == c.dtype)
             n = c.nan_causes["underflow"]
             add("underflow", f"{c.method} softmax in {c.dtype}: every exp flushes to 0 in {n} row(s) (all scores below {h.exp_underflow_threshold:.4g}), so the row is 0/0 = NaN", [c], n, c.examples.get("nan:underflow", []))
-        other_zero = c.zero_rows - sum(c.zero_causes.get(k, 0) for k in ("fully_masked", "cast_overflow", "exp_overflow"))
+        other_zero = c.zero_rows - sum(c.zero_causes.get(k, 0) for k in ("fully_masked", "cast_overflow", "exp_overflow", "sum_overflow"))
         if other_zero > 0:
             add("zero_rows", f"{c.method} softmax in {c.dtype}: {other_zero} row(s) come out all zero", [c], other_zero, c.examples.get(f"zero:{UNEXPLAINED}", []))
         if c.nan_causes.get(UNEXPLAINED):

@@ -153,9 +153,9 @@ def scores_dtype(spec: DtypeSpec) -> bool:
 METHODS: Registry[MethodSpec] = Registry("method")
 for _spec in (
     MethodSpec("naive", "exp(x) / sum(exp(x)) in the dtype", "attncheck.numerics.softmax:naive_method",
-               events=("exp_overflow", "underflow")),
+               events=("exp_overflow", "sum_overflow", "underflow")),
     MethodSpec("stable", "z = x - max(x); exp(z) / sum(exp(z)) in the dtype", "attncheck.numerics.softmax:stable_method",
-               events=("exp_overflow",)),
+               events=("sum_overflow",)),
     MethodSpec("tiled", "FlashAttention's online softmax over key blocks, running max and sum in fp32",
                "attncheck.numerics.softmax:tiled_method", output="fp32", aliases=("online",)),
     MethodSpec("torch", "torch.softmax on the dtype (fp32 inside)", "attncheck.numerics.softmax:torch_method"),

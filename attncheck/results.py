@@ -128,6 +128,9 @@ class Cell:
     flushed_frac: float | None  # reference-nonzero probabilities that became exactly 0
     argmax_flips: int
     examples: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
+    # overflow_rows by what overflowed: 'exp_overflow' (an exp of a finite score is inf) or
+    # 'sum_overflow' (every exp finite, the row sum inf); the two are disjoint
+    overflow_events: dict[str, int] = field(default_factory=dict)
     # NaN rows per index of the leading axes but the query axis, e.g. per (batch, head); most first
     nan_rows_by_head: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
 

@@ -111,12 +111,20 @@ def test_cast_overflow_and_an_unrepresentable_sentinel():
 
 
 def test_exp_overflow_versus_sum_overflow():
-    d = diagnosis([cell("naive", nan_rows=5, overflow_rows=5, nan_causes={"exp_overflow": 5}, examples={"overflow": [(0, 3)]})])
+    d = diagnosis([cell("naive", nan_rows=5, overflow_rows=5, overflow_events={"exp_overflow": 5}, nan_causes={"exp_overflow": 5},
+                        examples={"overflow": [(0, 3)], "exp_overflow": [(0, 3)]})])
     f = only(d, "exp_overflow")
     assert f.rows == 5 and f.examples == [(0, 3)] and "exp(x) = inf for x > 11.09" in f.message
-    d = diagnosis([cell("stable", overflow_rows=2, zero_rows=2, zero_causes={"exp_overflow": 2})])
+    d = diagnosis([cell("stable", overflow_rows=2, overflow_events={"sum_overflow": 2}, zero_rows=2, zero_causes={"sum_overflow": 2})])
     f = only(d, "sum_overflow")
     assert f.rows == 2 and "2 all-zero row(s)" in f.message
+    # naive can have both, each row under what overflowed in it
+    d = diagnosis([cell("naive", nan_rows=3, overflow_rows=5, overflow_events={"exp_overflow": 3, "sum_overflow": 2}, nan_causes={"exp_overflow": 3},
+                        zero_rows=2, zero_causes={"sum_overflow": 2}, examples={"exp_overflow": [(0, 1)], "sum_overflow": [(1, 0)]})])
+    f, g = only(d, "exp_overflow"), only(d, "sum_overflow")
+    assert f.rows == 3 and "in 3 row(s)" in f.message and "-> 3 NaN row(s), 0 all-zero" in f.message and f.examples == [(0, 1)]
+    assert g.rows == 2 and "in 2 row(s) -> 2 all-zero row(s)" in g.message and g.examples == [(1, 0)]
+    assert not [x for x in d.findings if x.code == "zero_rows"]
 
 
 def test_underflow_zero_rows_and_unexplained_nan():
@@ -169,7 +177,7 @@ def test_scale_findings():
 
 
 def test_fail_on_conditions_read_the_same_results():
-    d = diagnosis([cell("naive", nan_rows=5, overflow_rows=5, nan_causes={"exp_overflow": 5})])
+    d = diagnosis([cell("naive", nan_rows=5, overflow_rows=5, overflow_events={"exp_overflow": 5}, nan_causes={"exp_overflow": 5})])
     assert failed_conditions([d], ["nan", "overflow", "error", "flip", "exp_overflow"]) == [
         "nan: t: naive/fp16", "overflow: t: naive/fp16", "error: t: exp_overflow", "exp_overflow: t: exp_overflow"]
 

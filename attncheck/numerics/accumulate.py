@@ -186,6 +186,7 @@ class CellAcc:
         self.nan_causes: Counter[str] = Counter()
         self.zero_causes: Counter[str] = Counter()
         self.nan_rows = self.zero_rows = self.overflow_rows = self.underflow_rows = 0
+        self.overflow_events: Counter[str] = Counter()  # rows per overflow event (exp_overflow, sum_overflow)
         self.compared = 0
         self.elems = 0
         self.elems_algo = 0
@@ -231,6 +232,10 @@ class CellAcc:
         self.overflow_rows += int(overflow.sum())
         self.underflow_rows += int(underflow.sum())
         self.examples.add("overflow", overflow, c.offset)
+        for name, hit in events.items():
+            if EVENTS[name] == "overflow" and bool(hit.any()):
+                self.overflow_events[name] += int(hit.sum())
+                self.examples.add(name, hit, c.offset)
 
         ok = ~nan_row & c.ref_ok  # (r,) rows where both are defined
         n_ok = int(ok.sum())
@@ -266,6 +271,7 @@ class CellAcc:
             nan_rows=self.nan_rows,
             nan_causes=dict(self.nan_causes),
             overflow_rows=self.overflow_rows,
+            overflow_events={name: self.overflow_events[name] for name in EVENTS if self.overflow_events[name]},
             underflow_rows=self.underflow_rows,
             zero_rows=self.zero_rows,
             zero_causes=dict(self.zero_causes),

@@ -20,7 +20,7 @@ from attncheck.config.run import Options
 from attncheck.errors import AttncheckError
 from attncheck.loaders import TensorSource, memory_source
 from attncheck.numerics.diagnose import check_scores, diagnose_chunks, resolve_device, rows_per_chunk
-from attncheck.numerics.precision import dtype_from_name
+from attncheck.numerics.precision import cast, dtype_from_name
 from attncheck.numerics.reduce import unravel
 from attncheck.numerics.softmax import reference_softmax, run_method
 from attncheck.numerics.synthetic import make_scores
@@ -112,7 +112,7 @@ def locate_worst_row(
     best, best_row, start = -1.0, None, 0
     for chunk in source.row_blocks(step):  # loop over row chunks
         x = chunk.to(device)  # (r, T)
-        xc = x.to(dt)
+        xc = cast(x, dt)
         p = run_method(method, xc, block=block, reverse=reverse, accum=accum).probs.to(torch.float64)
         ref = reference_softmax(xc if cast_reference else x)  # (r, T) float64
         err = (p - ref).abs().amax(dim=-1)  # (r,); NaN where either side is undefined

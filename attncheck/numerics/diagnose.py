@@ -21,7 +21,7 @@ from attncheck.findings import findings_for
 from attncheck.numerics.accumulate import CellAcc, CensusAcc, DistAcc
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, select_backend
 from attncheck.numerics.backends.torch_rows import TorchRows
-from attncheck.numerics.precision import check_scores_dtype, dtype_from_name, dtype_label, limits_of
+from attncheck.numerics.precision import cast, check_scores_dtype, dtype_from_name, dtype_label, limits_of
 from attncheck.numerics.softmax import MethodParams
 from attncheck.registry import METHODS
 from attncheck.results import TensorDiagnosis
@@ -186,7 +186,7 @@ def _cast(c: ChunkFacts, dt: torch.dtype, census: CensusAcc, name: str, backend:
     x = c.x
     if dt == x.dtype:
         return torch.zeros_like(c.bad), backend.same_reference(c)
-    xc = x.to(dt)
+    xc = cast(x, dt)
     algo = backend.algo_reference(xc)
     # Rounding is monotonic, so only a finite value beyond dt's largest can round to inf:
     # the rows to check are known from the census, whatever -inf masks the rows carry.

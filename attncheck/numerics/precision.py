@@ -70,6 +70,25 @@ def check_scores_dtype(name: str, dtype: torch.dtype) -> None:
         raise scores_dtype_error(name, dtype)
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded once to the nearest value of ``dtype`` (ties to even), as an IEEE cast does.
+
+    torch casts float64 to fp16 and bf16 through float32, rounding twice: a float64 just
+    below the midpoint of two fp16 values lands on the midpoint in float32 and then rounds
+    up (11.0898437499 becomes 11.09375, whose exp overflows fp16; 65519.99 becomes inf).
+    Here float64 goes to float32 with round-to-odd (truncate, then set the last bit when
+    inexact), which float32's 13 and 16 spare bits make exact for the second rounding.
+    """
+    if x.dtype != torch.float64 or dtype not in (torch.float16, torch.bfloat16):
+        return x.to(dtype)
+    f = x.to(torch.float32)  # round to nearest: one step too far in magnitude where it rounded up
+    back = f.to(torch.float64)
+    inexact = (back != x) & ~torch.isnan(x)
+    f = torch.where(inexact & (back.abs() > x.abs()), torch.nextafter(f, torch.zeros_like(f)), f)  # truncated
+    odd = f.view(torch.int32) | inexact.to(torch.int32)  # sticky bit: the dropped part was not zero
+    return odd.view(torch.float32).to(dtype)
+
+
 def rounding_limit(dtype: torch.dtype) -> float:
     """Smallest magnitude that rounds past the largest finite value: max + half an ulp at the top binade.
 

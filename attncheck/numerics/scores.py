@@ -21,7 +21,7 @@ import torch
 
 from attncheck import params
 from attncheck.errors import AttncheckError, param
-from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, check_scores_dtype, dtype_label
+from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, cast, check_scores_dtype, dtype_label
 from attncheck.results import AttentionAudit, DtypeAudit
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def sentinel_in(dtype: torch.dtype, mask_value: str) -> float:
         return float("-inf")
     if mask_value == "min":
         return torch.finfo(dtype).min
-    return torch.tensor(float(mask_value), dtype=torch.float64).to(dtype).item()
+    return cast(torch.tensor(float(mask_value), dtype=torch.float64), dtype).item()
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ class QKBlock:
         """(scores (r, Tk) in dt, causes before 'fully_masked', causes after it)."""
         inp = self.inp
         a = self.audit.dtypes.setdefault(dtype_label(dt), DtypeAudit(dtype_label(dt)))
-        qd, kd = self.q.to(dt), self.k.to(dt)
+        qd, kd = cast(self.q, dt), cast(self.k, dt)
         if inp.scale_order == "q":
             qd = qd * inp.scale  # rounded to dt
         s = torch.matmul(qd.float(), kd.float().transpose(-1, -2)).to(dt)  # fp32 accumulation, rounded
@@ -259,7 +259,7 @@ class QKBlock:
         a.sentinel_not_representable = inp.mask_value not in ("-inf",) and math.isinf(sentinel)
         mask_dt = None
         if self.mask_float is not None:
-            mf = self.mask_float.to(dt)
+            mf = cast(self.mask_float, dt)
             a.mask_not_representable += int((torch.isinf(mf) & torch.isfinite(self.mask_float)).sum())
             mask_dt = mf
         if self.masked is not None:

@@ -146,15 +146,21 @@ def _exp_softmax(x: torch.Tensor, accum: str, subtract_max: bool) -> MethodOutpu
     e = (x - x_max).exp_() if subtract_max else torch.exp(x)
     s = _row_sum(e, accum)
     probs = e / s
-    # The row sum tells whether an exp overflowed (then the sum is inf too) or the sum
-    # itself did, and whether every exp flushed to 0 (a sum of exps >= 0 is 0 only then;
-    # stable has exp(0) = 1). A finite row max rules out NaN and +inf inputs, reported
-    # as such elsewhere.
+    # An inf row sum means an exp overflowed (then the sum is inf too) or, every exp being
+    # finite, the sum itself did; only those rows are searched for an inf exp. A zero sum
+    # means every exp flushed to 0 (stable has exp(0) = 1). A finite row max rules out NaN
+    # and +inf inputs, reported as such elsewhere.
     finite_max = torch.isfinite(x_max.squeeze(-1))
     s = s.squeeze(-1)
-    events = {"exp_overflow": finite_max & torch.isinf(s)}
-    if not subtract_max:
-        events["underflow"] = finite_max & (s == 0)
+    inf_sum = finite_max & torch.isinf(s)  # (...)
+    exp_inf = torch.zeros_like(inf_sum)
+    if subtract_max:  # exp(x - max) <= 1: only the sum can overflow
+        events = {"sum_overflow": inf_sum}
+    else:
+        if bool(inf_sum.any()):
+            rows = torch.nonzero(inf_sum.reshape(-1)).flatten()
+            exp_inf.view(-1)[rows] = torch.isinf(e.reshape(-1, e.shape[-1])[rows]).any(dim=-1)
+        events = {"exp_overflow": exp_inf, "sum_overflow": inf_sum & ~exp_inf, "underflow": finite_max & (s == 0)}
     return MethodOutput(probs, events)
 
 

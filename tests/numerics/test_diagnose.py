@@ -15,6 +15,8 @@ from attncheck.numerics.diagnose import Options, diagnose
 from attncheck.numerics.rowmath import entropy, jacobian_frobenius, kl_divergence
 from attncheck.numerics.softmax import run_method
 
+from .rounding import nearest
+
 NEG = float("-inf")
 
 
@@ -311,3 +313,70 @@ def test_cast_overflow_is_found_in_masked_rows_and_only_there(kernels):
     assert d.cell("stable", "bf16").nan_causes == {}
     fp16 = next(h for h in d.census.headroom if h.dtype == "fp16")
     assert (fp16.cast_posinf_values, fp16.cast_neginf_values, fp16.cast_overflow_rows) == (1, 1, 2)
+
+
+# --------------------------------------------------------------------------- overflow boundaries
+
+# Where exp overflows each dtype, typed in from the formats (not from torch.finfo): a value
+# rounds to inf at or beyond the largest finite value plus half an ulp.
+EXP_LIMIT = {"fp16": 65520.0, "bf16": 2.0**128 - 2.0**119, "fp32": 2.0**128 - 2.0**103}
+FORMAT = {"fp16": (11, -14, 15), "bf16": (8, -126, 127), "fp32": (24, -126, 127)}
+TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+INT_VIEW = {"fp16": torch.int16, "bf16": torch.int16, "fp32": torch.int32}
+
+
+def around(dtype: str, x: float, n: int = 24) -> list[float]:
+    """The 2n representable values of ``dtype`` nearest to x, enumerated by bit pattern."""
+    at = torch.tensor([x], dtype=torch.float64).to(torch.float32).to(TORCH[dtype]).view(INT_VIEW[dtype]).to(torch.int64)
+    codes = torch.arange(int(at) - n, int(at) + n).to(INT_VIEW[dtype])
+    return codes.view(TORCH[dtype]).double().tolist()
+
+
+def expected_overflow(rows: list[list[float]], dtype: str) -> tuple[int, int]:
+    """(rows where an exp overflows, rows where every exp is finite but their sum is inf),
+    from each score rounded once to the dtype, exp in float64 and sums exact."""
+    bits, emin, emax = FORMAT[dtype]
+    limit = EXP_LIMIT[dtype]
+    exp_rows = sum_rows = 0
+    for row in rows:
+        e = [math.exp(nearest(v, bits, emin, emax)) for v in row]
+        if max(e) >= limit:
+            exp_rows += 1
+        elif sum(nearest(v, bits, emin, emax) for v in e) >= limit:
+            sum_rows += 1
+    return exp_rows, sum_rows
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("given", ["same", "fp64"])
+def test_overflow_rows_at_the_exp_and_sum_boundaries(dtype, given):
+    """Every representable value around ln(limit) (one exp overflows) and ln(limit / 2) (two
+    exps sum past the limit), and for fp64 inputs the midpoints between them a hair either
+    side (where rounding through float32 would round twice): the cells' overflow rows by
+    event against the independent count."""
+    limit = EXP_LIMIT[dtype]
+    values = around(dtype, math.log(limit)) + around(dtype, math.log(limit / 2))
+    if given == "fp64":
+        mids = [(a + b) / 2 for a, b in zip(values, values[1:]) if b > a]
+        values += mids + [m - m * 2.0**-40 for m in mids] + [m + m * 2.0**-40 for m in mids]
+    rows = [[v, 0.0, -1.0, -2.0] for v in values] + [[v, v, -1.0, -2.0] for v in values]
+    x = torch.tensor(rows, dtype=torch.float64 if given == "fp64" else TORCH[dtype])
+    d = diagnose("b", x, Options(methods=("naive", "stable"), dtypes=(dtype,)))
+    exp_rows, sum_rows = expected_overflow(rows, dtype)
+    assert exp_rows and sum_rows  # both boundaries are crossed
+    naive = d.cell("naive", dtype)
+    assert naive.overflow_events == {"exp_overflow": exp_rows, "sum_overflow": sum_rows}
+    assert naive.overflow_rows == exp_rows + sum_rows
+    assert naive.nan_causes.get("exp_overflow", 0) + naive.zero_causes.get("exp_overflow", 0) == exp_rows
+    assert naive.zero_causes.get("sum_overflow", 0) == sum_rows
+    stable = d.cell("stable", dtype)
+    assert stable.overflow_rows == 0 and stable.nan_rows == 0
+
+
+def test_fp64_scores_round_once_before_the_softmax():
+    # 65519.99 rounds to 65504 in fp16 (torch's own cast goes through float32 to inf), and
+    # 11.0898437499 to 11.0859375, whose exp is finite (torch's: 11.09375, inf).
+    x = torch.tensor([[65519.99, 0.0], [math.nextafter(11.08984375, 0), 0.0]], dtype=torch.float64)
+    d = diagnose("b", x, Options(methods=("naive", "stable"), dtypes=("fp16",)))
+    assert d.cell("stable", "fp16").nan_rows == 0 and d.census.headroom[0].cast_posinf_values == 0
+    assert d.cell("naive", "fp16").overflow_events == {"exp_overflow": 1}  # the 65504 row only

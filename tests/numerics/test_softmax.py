@@ -100,6 +100,7 @@ def test_sum_overflow_gives_zero_row_not_nan():
     x = torch.tensor([[11.0, 11.0, 0.0]], dtype=torch.float16)
     out = run_method("naive", x)
     assert out.overflow_rows.tolist() == [True]
+    assert out.events["sum_overflow"].tolist() == [True] and out.events["exp_overflow"].tolist() == [False]
     assert (out.probs == 0).all()
 
 
