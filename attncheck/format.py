@@ -33,6 +33,17 @@ def plain(x: float | None) -> str:
     return fmt(x, ".3g")
 
 
+def size_text(nbytes: float) -> str:
+    """Bytes for messages: '512 bytes', '300 MiB', '2.5 GiB', '1.001 MiB', '6,104 GiB'."""
+    if nbytes < 1024:
+        return f"{nbytes:.0f} bytes"
+    for unit, scale in (("KiB", 1024), ("MiB", 1024**2), ("GiB", 1024**3)):
+        v = nbytes / scale
+        if v < 1024 or unit == "GiB":
+            return f"{v:,.0f} {unit}" if v >= 1000 else f"{v:.4g} {unit}"
+    raise AssertionError("unreachable")
+
+
 def pct(x: float | None) -> str:
     """Shares of rows: 0 -> '0', 1e-30 -> '<0.01%', 0.3263 -> '32.6%'."""
     if x is None:

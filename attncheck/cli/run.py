@@ -98,7 +98,7 @@ def run(
                         tuple(params.lengths(pad_right, "pad_right")), mask_value, MaskConvention(mask_convention).value)
         elif mask is not None or causal or pad_left or pad_right:
             raise AttncheckError(f"{param('mask')}, {param('causal')} and {param('pad_left')}/{param('pad_right')} apply to scores computed from {param('q')} and {param('k')}")
-        request = RunRequest(tuple(paths or ()), tuple(key), example, qk, options)
+        request = RunRequest(tuple(paths or ()), tuple(key), example, qk, options, max_memory=memory)
 
         from attncheck.pipelines.run import run as run_pipeline
         from attncheck.report.progress import Progress

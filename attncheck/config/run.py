@@ -90,8 +90,10 @@ class RunRequest:
     example: bool = False
     qk: QKSpec | None = None
     options: Options = Options()
+    max_memory: int = params.size(params.DEFAULT_MAX_MEMORY, "max_memory")  # bytes: the most any input may hold whole
 
     def __post_init__(self) -> None:
+        params.integer(self.max_memory, "max_memory", 1, from_text=False)
         if self.example and (self.paths or self.qk):
             raise AttncheckError("give files or the built-in example, not both")
         if self.example and self.keys:

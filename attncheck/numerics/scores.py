@@ -21,6 +21,7 @@ import torch
 
 from attncheck import params
 from attncheck.errors import AttncheckError, param
+from attncheck.format import size_text
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, cast, check_scores_dtype, dtype_label
 from attncheck.results import AttentionAudit, DtypeAudit
 
@@ -95,8 +96,11 @@ def prepare_inputs(
     pad_right: list[int] | None = None,
     mask_value: str = "-inf",
     mask_convention: str = "attend",
+    max_bytes: int | None = None,
 ) -> AttentionInputs:
-    """Validate shapes and build the mask planes; every mismatch is an AttncheckError naming both shapes."""
+    """Validate shapes and build the mask planes; every mismatch is an AttncheckError naming both shapes.
+    What the diagnosis holds whole (float64 copies of q and k, the mask planes over every
+    score) is estimated first and refused when it exceeds ``max_bytes``."""
     for name, t in (("q", q), ("k", k)):
         check_scores_dtype(name, t.dtype)
     if q.shape[-1] != k.shape[-1]:
@@ -116,6 +120,13 @@ def prepare_inputs(
     mask_value = params.mask_value(mask_value)
     b, tq, tk = q4.shape[0], q4.shape[2], k4.shape[2]
     full = (b, hq, tq, tk)
+    planes = bool(causal or pad_left or pad_right or (mask is not None and mask.dtype == torch.bool))
+    need = 8 * (q.numel() + k.numel()) + math.prod(full) * ((1 if planes else 0) + (8 if mask is not None and mask.is_floating_point() else 0))
+    if max_bytes is not None and need > max_bytes:
+        raise AttncheckError(
+            f"q, k and the mask over every score (batch {b}, heads {hq}, queries {tq}, keys {tk}) need {size_text(need)}, "
+            f"over {param('max_memory')} {size_text(max_bytes)}"
+        )
     masked = None
     mask_float = None
     looks_boolean = False
@@ -125,11 +136,11 @@ def prepare_inputs(
             masked = ~m4 if mask_convention == "attend" else m4
         elif mask.is_floating_point():
             mask_float = m4.to(torch.float64)
-            vals = torch.unique(mask_float)
+            vals = torch.unique(mask.to(torch.float64))  # of the mask as given, before broadcasting
             looks_boolean = vals.numel() <= 2 and bool(((vals == 0) | (vals == 1)).all()) and bool((vals == 1).any())
         else:
             raise AttncheckError(f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask")
-    extra = torch.zeros(full, dtype=torch.bool)
+    extra = torch.zeros(full, dtype=torch.bool) if causal or pad_left or pad_right else None
     if causal:
         # PyTorch's is_causal: ones(L, S).tril(0), aligned at the top left.
         extra |= ~torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=0)

@@ -258,7 +258,7 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
         (["--q", f"{p}:q", "--k", f"{p}:k16"], "q and k have different head dims: q (1, 1, 8, 64) has d = 64, k (1, 1, 8, 16) has d = 16"),
         (["--q", f"{p}:q"], "--q and --k go together: give both"),
         (["--causal", str(p)], "--mask, --causal and --pad-left/--pad-right apply to scores computed from --q and --k"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--mask", str(tmp_path / "intmask.pt")], "mask has dtype int64; use a boolean mask (True = attend; --mask-convention ignore for True = masked) or an additive float mask"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--mask", str(tmp_path / "intmask.pt")], f"{tmp_path / 'intmask.pt'} has dtype int64; use a boolean mask (True = attend; --mask-convention ignore for True = masked) or an additive float mask"),
         (["--q", str(p), "--k", f"{p}:k"], f"--q {p} selects 3 tensors ({p}:q, {p}:k, {p}:k16); pick one with --q PATH:KEY"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--scale", "fast"], "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'fast'"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "5"], "--mask-value must be negative (a mask lowers the masked scores), got '5'"),
