@@ -23,7 +23,7 @@ from attncheck.numerics.diagnose import check_scores, diagnose_chunks, resolve_d
 from attncheck.numerics.precision import cast, dtype_from_name
 from attncheck.numerics.reduce import unravel
 from attncheck.numerics.softmax import reference_softmax, run_method
-from attncheck.numerics.synthetic import make_scores
+from attncheck.numerics.synthetic import make_qk, make_scores
 from attncheck.params import DEFAULT_BLOCK
 from attncheck.results import COUNT_BUDGETS, RELATIVE_BUDGET, BudgetCheck, CaseResult, Cell, flash_rule_bound
 
@@ -178,3 +178,42 @@ def synthetic_scores(spec: SyntheticInput, device: str = "cpu") -> torch.Tensor:
     """scale * q.k from the sweep generator, float64: (rows, seq)."""
     s = make_scores(spec.rows, spec.seq, spec.d_k, dist=spec.dist, std=spec.std, seed=spec.seed, device=device)
     return s * spec.scale.value(spec.d_k)  # (R, S)
+
+
+def synthetic_source(spec: SyntheticInput, device: str = "cpu", max_bytes: int | None = None) -> TensorSource:
+    """``synthetic_scores`` as row blocks, bit for bit: q and k are drawn once, and each
+    head's scores are computed (as the sweep's batched matmul computes them) only when its
+    rows are read, so a large input holds q, k and about two heads' scores, never all rows.
+    Sizes over ``max_bytes`` (``config.check.synthetic_bytes``) are refused before drawing."""
+    from attncheck.config.check import synthetic_bytes
+    from attncheck.config.sweep import head_layout
+    from attncheck.format import size_text
+
+    need = synthetic_bytes(spec)
+    if max_bytes is not None and need > max_bytes:
+        raise AttncheckError(f"{spec.name}: needs {size_text(need)}, over max_memory {size_text(max_bytes)}")
+    heads, queries = head_layout(spec.rows, spec.seq)
+    q, k = make_qk(heads, queries, spec.seq, spec.d_k, dist=spec.dist, std=spec.std, seed=spec.seed, budget=need)
+    q, k = q.to(device), k.to(device)
+    scale = spec.scale.value(spec.d_k)
+
+    def head_rows():
+        for h in range(heads):  # a loop over heads: each is one matmul, as in make_scores
+            rows = min(queries, spec.rows - h * queries)
+            yield (q[h] @ k[h].transpose(-1, -2))[:rows].mul_(scale)  # (Q, S)
+
+    def blocks(rows_per_block: int):
+        pending, have = [], 0
+        for part in head_rows():
+            start = 0
+            while start < part.shape[0]:
+                take = min(rows_per_block - have, part.shape[0] - start)
+                pending.append(part[start : start + take])
+                have, start = have + take, start + take
+                if have == rows_per_block:
+                    yield torch.cat(pending) if len(pending) > 1 else pending[0].clone()
+                    pending, have = [], 0
+        if have:
+            yield torch.cat(pending) if len(pending) > 1 else pending[0].clone()
+
+    return TensorSource(spec.name, (spec.rows, spec.seq), torch.float64, False, blocks)
