@@ -45,9 +45,9 @@ def head_layout(rows: int, seq: int) -> tuple[int, int]:
 
 def qk_bytes(heads: int, queries: int, seq: int, dk: int, dist: str = "normal") -> int:
     """Peak memory of drawing float64 q (heads, queries, dk) and k (heads, seq, dk): both,
-    plus for ``outliers`` the uniform draw and the second normal draw of the larger one."""
+    plus for ``outliers`` the second normal draw of the larger one and two boolean masks."""
     both = 8 * heads * (queries + seq) * dk
-    return both + (9 * heads * max(queries, seq) * dk if dist == "outliers" else 0)
+    return both + (10 * heads * max(queries, seq) * dk if dist == "outliers" else 0)
 
 
 def point_bytes(rows: int, seq: int, dk: int, dist: str = "normal") -> int:

@@ -58,6 +58,11 @@ BAD_INPUTS = [
         ["--dk", "100000000"],
         "a sweep point of 4096 rows x 128 keys x d_k 100000000 needs about 6,104 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
     ),
+    (
+        # q and k are 1.9 GiB; drawing the outliers' second normal and masks needs 1.2 GiB more
+        ["--dk", "1000000", "--rows", "128", "--seq", "32", "--dist", "outliers"],
+        "a sweep point of 128 rows x 32 keys x d_k 1000000 needs about 3.1 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
+    ),
     (["--json", "/no/such/folder/out.json"], "cannot write --json /no/such/folder/out.json: folder /no/such/folder does not exist"),
     (["--plot", "/no/such/folder/out.png"], "cannot write --plot /no/such/folder/out.png: folder /no/such/folder does not exist"),
     (["--plot", "/"], "cannot write --plot /: it is a folder; give a file name"),
