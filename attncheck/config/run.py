@@ -69,15 +69,17 @@ class QKSpec:
     causal: bool = False
     pad_left: tuple[int, ...] = ()
     pad_right: tuple[int, ...] = ()
-    mask_value: str = "-inf"
-    mask_convention: str = "attend"
+    mask_value: str | None = None  # None: -inf; given, it must apply (a boolean mask, causal or padding)
+    mask_convention: str | None = None  # None: 'attend'; given, the mask must be boolean
 
     def __post_init__(self) -> None:
         if not isinstance(self.scale, params.Scale):
             object.__setattr__(self, "scale", params.scale(self.scale))
         object.__setattr__(self, "scale_order", params.choice(self.scale_order, params.SCALE_ORDERS, "scale_order"))
-        object.__setattr__(self, "mask_value", params.mask_value(self.mask_value))
-        object.__setattr__(self, "mask_convention", params.choice(self.mask_convention, params.MASK_CONVENTIONS, "mask_convention"))
+        if self.mask_value is not None:
+            object.__setattr__(self, "mask_value", params.mask_value(self.mask_value))
+        if self.mask_convention is not None:
+            object.__setattr__(self, "mask_convention", params.choice(self.mask_convention, params.MASK_CONVENTIONS, "mask_convention"))
 
 
 @dataclass(frozen=True)

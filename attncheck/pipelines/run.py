@@ -92,11 +92,17 @@ def _run_qk(qk: QKSpec, sources, options, track: Track, notice, max_bytes: int |
     q_name, q = load_one(qk.q, "q", max_bytes=max_bytes)
     k_name, k = load_one(qk.k, "k", max_bytes=max_bytes)
     mask = load_one(qk.mask, "mask", "mask", max_bytes)[1] if qk.mask else None
+    boolean = mask is not None and mask.dtype == torch.bool
+    if qk.mask_convention is not None and not boolean:
+        raise AttncheckError(f"{param('mask_convention')} applies to a boolean {param('mask')}" + (f"; {qk.mask} is {str(mask.dtype).removeprefix('torch.')}" if mask is not None else ", which is not given"))
+    if qk.mask_value is not None and not (boolean or qk.causal or qk.pad_left or qk.pad_right):
+        raise AttncheckError(f"{param('mask_value')} is what keys masked by a boolean {param('mask')}, {param('causal')} or {param('pad_left')}/{param('pad_right')} become; none is given"
+                             + (" (a float mask carries its own values)" if mask is not None else ""))
     inputs = prepare_inputs(
         q, k, mask,
         scale=qk.scale, scale_order=qk.scale_order, causal=qk.causal,
         pad_left=list(qk.pad_left), pad_right=list(qk.pad_right),
-        mask_value=qk.mask_value, mask_convention=qk.mask_convention, max_bytes=max_bytes,
+        mask_value=qk.mask_value or "-inf", mask_convention=qk.mask_convention or "attend", max_bytes=max_bytes,
     )
     if sources:  # scores given too: diagnose them and fit the scale they carry
         return [diagnose_attention(src.name, inputs, options, track(src.name, src.rows), scores=src, notice=notice) for src in sources]

@@ -269,6 +269,16 @@ def test_synthetic_input_within_max_memory_streams_its_rows(project):
     assert case["shape"] == [1024, 4096] and case["passed"]
 
 
+def test_junit_to_stdout(overflow_dump, project):
+    r = check("--junit", "-")
+    assert r.exit_code == 1
+    suite = ET.fromstring(r.stdout)  # the XML alone: no summary table mixed in
+    assert suite.tag == "testsuite" and int(suite.get("failures")) == 1
+    assert not (project / "-").exists()
+    r = check("--junit", "-", "--json", "-")
+    assert r.exit_code == 2 and error_line(r) == "attncheck: error: --junit and --json both write to standard output ('-'); send one of them to a file"
+
+
 def test_unreadable_input_exits_2(project):
     (project / "dumps" / "broken.npy").write_bytes(b"not numpy")
     (project / "pyproject.toml").write_text(PASSING)
