@@ -204,7 +204,9 @@ def _cast(c: ChunkFacts, dt: torch.dtype, census: CensusAcc, name: str, backend:
 def _in_dtype(block, c: ChunkFacts, dt: torch.dtype, census: CensusAcc, name: str, backend: RowBackend):
     """Scores of one block in ``dt`` with their algo reference, and the pipeline causes
     before and after 'fully_masked'."""
-    if isinstance(block, torch.Tensor):
+    if isinstance(block, torch.Tensor) or hasattr(block, "audit_dtype"):
+        if not isinstance(block, torch.Tensor):  # given scores: the Q/K pipeline runs for the audit
+            block.audit_dtype(dt)
         cast_made, algo = _cast(c, dt, census, name, backend)
         return algo, [], [("cast_overflow", cast_made)]
     xc, before, after = block.in_dtype(dt)  # scores the model computes in dt (Q@K^T, scale, mask)
@@ -226,7 +228,7 @@ def diagnose_attention(
     instead, and the scale that maps q.k onto them is fitted.
     """
     from attncheck.loaders import TensorSource, memory_source
-    from attncheck.numerics.scores import fit_scale, score_blocks, start_audit
+    from attncheck.numerics.scores import fit_scale, given_blocks, score_blocks, start_audit
 
     options = options or Options()
     audit = start_audit(inputs)
@@ -235,7 +237,8 @@ def diagnose_attention(
         check_scores_dtype(name, source.dtype)
         step = rows_per_chunk(source.shape[-1], options)
         audit.fitted_scale = fit_scale(source, inputs, step)
-        return diagnose_chunks(name, source.shape, source.dtype, source.row_blocks(step), options, progress, attention=audit, notice=notice)
+        blocks = given_blocks(source, inputs, step, resolve_device(options.device), audit)
+        return diagnose_chunks(name, source.shape, source.dtype, blocks, options, progress, attention=audit, notice=notice)
     step = rows_per_chunk(inputs.k.shape[2], options)
     blocks: Iterable[QKBlock] = score_blocks(inputs, step, resolve_device(options.device), audit)
     return diagnose_chunks(name, inputs.score_shape, inputs.q.dtype, blocks, options, progress, attention=audit, notice=notice)

@@ -89,6 +89,14 @@ def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return odd.view(torch.float32).to(dtype)
 
 
+@lru_cache(maxsize=None)
+def known_sentinels() -> tuple[float, ...]:
+    """Mask constants in use: finfo(dtype).min of every registered dtype torch has, and
+    -1e4 ... -1e38 (the -1e4 / -1e9 / -1e30 of model code)."""
+    mins = [torch.finfo(dt).min for dt in _labels() if dt.is_floating_point]
+    return tuple(sorted(set(mins + [-(10.0**k) for k in range(4, 39)])))
+
+
 def rounding_limit(dtype: torch.dtype) -> float:
     """Smallest magnitude that rounds past the largest finite value: max + half an ulp at the top binade.
 

@@ -57,6 +57,7 @@ class AttentionInputs:
     mask_value: str  # "-inf", "min" or a number, for boolean-masked keys
     lead: tuple[int, ...]  # the leading (batch) axes of the inputs before normalisation
     float_mask_looks_boolean: bool = False
+    float_mask_value: float | None = None  # the sentinel of a float mask as the mask holds it (its most common value <= -1e4)
 
     @property
     def heads(self) -> int:
@@ -129,6 +130,7 @@ def prepare_inputs(
         )
     masked = None
     mask_float = None
+    float_mask_value = None
     looks_boolean = False
     if mask is not None:
         m4 = _broadcast_mask(mask, full, lead)
@@ -136,8 +138,11 @@ def prepare_inputs(
             masked = ~m4 if mask_convention == "attend" else m4
         elif mask.is_floating_point():
             mask_float = m4.to(torch.float64)
-            vals = torch.unique(mask.to(torch.float64))  # of the mask as given, before broadcasting
+            vals, counts = torch.unique(mask.to(torch.float64), return_counts=True)  # of the mask as given, before broadcasting
             looks_boolean = vals.numel() <= 2 and bool(((vals == 0) | (vals == 1)).all()) and bool((vals == 1).any())
+            sentinel = vals <= MASK_SENTINEL_LIMIT
+            if bool(sentinel.any()):
+                float_mask_value = float(vals[sentinel][torch.argmax(counts[sentinel])])
         else:
             raise AttncheckError(f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask")
     extra = torch.zeros(full, dtype=torch.bool) if causal or pad_left or pad_right else None
@@ -168,6 +173,7 @@ def prepare_inputs(
         mask_value=mask_value,
         lead=lead,
         float_mask_looks_boolean=looks_boolean,
+        float_mask_value=float_mask_value,
     )
 
 
@@ -266,8 +272,14 @@ class QKBlock:
         a.qk_max_abs = max(a.qk_max_abs, _finite_abs_max(flat))
         before_mask_bad = ~torch.isfinite(flat)
         sentinel = sentinel_in(dt, inp.mask_value)
-        a.sentinel_value = sentinel
-        a.sentinel_not_representable = inp.mask_value not in ("-inf",) and math.isinf(sentinel)
+        in_dt = None if inp.float_mask_value is None else sentinel_in(dt, repr(inp.float_mask_value))
+        # What a masked key holds in dt: the boolean planes' sentinel, else the float mask's.
+        values = [sentinel] if self.masked is not None else []
+        if in_dt is not None and in_dt not in values:
+            values.append(in_dt)
+        a.mask_values = values
+        a.sentinel_value = values[0] if values else sentinel
+        a.sentinel_not_representable = self.masked is not None and inp.mask_value not in ("-inf",) and math.isinf(sentinel)
         mask_dt = None
         if self.mask_float is not None:
             mf = cast(self.mask_float, dt)
@@ -331,7 +343,8 @@ def start_audit(inp: AttentionInputs) -> AttentionAudit:
         scale=inp.scale,
         scale_name=inp.scale_name,
         scale_order=inp.scale_order,
-        mask_value=inp.mask_value,
+        mask_value=inp.mask_value if inp.masked is not None or inp.float_mask_value is None else repr(inp.float_mask_value),
+        float_mask_value=inp.float_mask_value,
         q_std=robust_std(q64),
         k_std=robust_std(k64),
         q_max_abs=_finite_abs_max(q64),
@@ -359,6 +372,32 @@ def score_blocks(inp: AttentionInputs, rows_per_block: int, device: torch.device
     spread = SpreadSample(audit)
     for bh, qs in _row_ranges(inp, rows_per_block):
         yield QKBlock(inp, bh, qs, device, audit, spread)
+
+
+class GivenBlock:
+    """A block of scores a model produced, diagnosed as they are, beside the Q/K pipeline of
+    the same rows, which runs for the audit only (Q@K^T overflow, the mask per dtype, leaks):
+    so scores given with --q/--k get the same pipeline table and findings as Q/K alone."""
+
+    all_masked = None  # the census reads the given scores' own values
+
+    def __init__(self, given: torch.Tensor, qk: QKBlock) -> None:
+        self.given, self.qk = given, qk  # (r, Tk) as given, the same rows from Q and K
+
+    def audit_reference(self, ref: torch.Tensor, ref_ok: torch.Tensor) -> None:
+        self.qk.audit_reference(ref, ref_ok)
+
+    def audit_dtype(self, dt: torch.dtype) -> None:
+        self.qk.in_dtype(dt)
+
+
+def given_blocks(scores: "TensorSource", inp: AttentionInputs, rows_per_block: int, device: torch.device, audit: AttentionAudit) -> Iterator[GivenBlock]:
+    """The given scores in blocks of the rows ``score_blocks`` computes, each with its QKBlock."""
+    spread = SpreadSample(audit)
+    rows = _Rows(scores.row_blocks(rows_per_block))
+    for bh, qs in _row_ranges(inp, rows_per_block):
+        qk = QKBlock(inp, bh, qs, device, audit, spread)
+        yield GivenBlock(rows.take(qk.given.shape[0]), qk)
 
 
 def _qk_float64(inp: AttentionInputs, bh: slice, qs: slice, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -89,7 +89,7 @@ def test_max_abs_err_budget_and_worst_row():
     (check,) = bad.failures
     assert check.measured == pytest.approx(err, rel=1e-12)
     assert check.worst_row == worst
-    assert describe_check(check) == f"max_abs_err {check.measured:.3g} > budget {err / 2:.3g} (worst row ({worst[0]}, {worst[1]}))"
+    assert describe_check(check) == f"max_abs_err {check.measured:.3g} > budget {err / 2:.3g} (worst row ({worst[0]},{worst[1]}))"
 
 
 def test_locate_worst_row_against_the_cast_scores():

@@ -380,3 +380,26 @@ def test_fp64_scores_round_once_before_the_softmax():
     d = diagnose("b", x, Options(methods=("naive", "stable"), dtypes=("fp16",)))
     assert d.cell("stable", "fp16").nan_rows == 0 and d.census.headroom[0].cast_posinf_values == 0
     assert d.cell("naive", "fp16").overflow_events == {"exp_overflow": 1}  # the 65504 row only
+
+
+def test_a_sentinel_added_to_scores_is_one_mask_value():
+    # finfo(fp16).min + scores in fp16 rounds to -65504, -65280, -65152 ...: one mask value,
+    # reported as the mask holds it, with the span of row minima it stands for.
+    g = torch.Generator().manual_seed(0)
+    s = (torch.rand(64, 16, generator=g) * 400).half()
+    masked = torch.zeros(64, 16, dtype=torch.bool)
+    masked[:, 8:] = True
+    masked[:4] = True  # fully masked rows
+    x = torch.where(masked, s + torch.finfo(torch.float16).min, s)  # (64, 16) fp16
+    mins = torch.where(masked, x.double(), math.inf).amin(dim=-1)
+    assert len(set(mins.tolist())) > 3  # many distinct row minima
+    d = diagnose("m", x, Options(dtypes=("fp16",), methods=("stable",)))
+    assert d.census.sentinels == [(-65504.0, 64)]
+    assert d.census.sentinel_spans == [(float(mins.min()), float(mins.max()))]
+    f = next(f for f in d.findings if f.code == "fully_masked_rows")
+    assert "e.g. -65504)" in f.message
+    # -1e9 added in fp32 rounds to -1e9 itself; an unknown constant is its most frequent value.
+    y = torch.where(masked, torch.full_like(s.float(), -1e9), s.float())
+    assert diagnose("m", y, Options(dtypes=("fp32",), methods=("stable",))).census.sentinels == [(-1e9, 64)]
+    z = torch.where(masked, torch.full_like(s.float(), -123456.0), s.float())
+    assert diagnose("m", z, Options(dtypes=("fp32",), methods=("stable",))).census.sentinels == [(-123456.0, 64)]

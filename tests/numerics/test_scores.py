@@ -196,6 +196,40 @@ def test_missing_scale_at_d_256():
     assert "double_scale" in codes(run(q, k, scale="dk", dtypes=("fp32",)))
 
 
+def test_float_mask_of_fp16_min_is_reported_as_the_mask_holds_it():
+    # An explicit additive mask of finfo(fp16).min: "mask value -65504" (not -inf), in the JSON
+    # fields too, its overflow on add with a negative score named by that value, and fully
+    # masked rows quoting -65504, not a score plus it.
+    q, k = negative_scores()
+    mask = torch.zeros(8, 8)
+    mask[~torch.ones(8, 8, dtype=torch.bool).tril()] = -FP16_MAX
+    mask[0] = -FP16_MAX  # query 0 attends to nothing
+    d = run(q, k, mask, dtypes=("fp16", "fp32"))
+    a = d.attention
+    assert a.mask_value == "-65504.0" and a.float_mask_value == -65504.0
+    assert a.dtypes["fp16"].sentinel_value == -65504.0 and a.dtypes["fp16"].mask_values == [-65504.0]
+    assert a.dtypes["fp32"].mask_values == [-65504.0]
+    f = next(f for f in d.findings if f.code == "sentinel_overflow_on_add")
+    assert "mask value -65504 plus a negative score" in f.message and "-inf plus" not in f.message
+    g = next(f for f in d.findings if f.code == "fully_masked_rows")
+    assert "with a finite sentinel, mask value -65504" in g.message
+
+
+def test_scores_given_with_q_and_k_get_the_pipeline_audit():
+    # The same scores, from a file beside --q/--k: the Q/K pipeline table, max|q.k|, masked
+    # keys and the qk_overflow finding are those of the Q/K run.
+    q, k = outlier_qk()
+    alone = run(q, k, causal=True, dtypes=("fp16",), methods=("stable",))
+    scores = torch.where(torch.ones(8, 8, dtype=torch.bool).tril(), (q.double() @ k.double().transpose(-1, -2)) / 8, -math.inf)
+    given = diagnose_attention("s", prepare_inputs(q, k, causal=True), Options(dtypes=("fp16",), methods=("stable",)), scores=scores)
+    a, b = alone.attention, given.attention
+    assert b.raw_max_abs == a.raw_max_abs == 576.0 * 382.0
+    assert b.masked_keys == a.masked_keys == 28
+    assert b.dtypes["fp16"].qk_overflow_values == a.dtypes["fp16"].qk_overflow_values == 1
+    assert "qk_overflow" in codes(given)
+    assert given.cell("stable", "fp16").nan_rows == 0  # the given scores themselves are finite in fp16 after scaling
+
+
 def test_scale_mismatch_fits_the_scale_of_given_scores():
     q, k = iid_qk(64)
     scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(64 * 2)  # divided by sqrt(d_model)
