@@ -32,7 +32,7 @@ def sweep(
     block: BlockOpt = str(DEFAULT_BLOCK),
     device: DeviceOpt = "cpu",
     json_out: JsonOpt = None,
-    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Draw variance, max probability, entropy and Jacobian norm vs d_k to FILE.png (needs the 'plot' extra: matplotlib)."),
+    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Draw variance, max probability, entropy and Jacobian norm vs d_k, and per dtype maps of overflowed rows and of the error against float64, to FILE.png (needs the 'plot' extra: matplotlib)."),
     quiet: QuietOpt = False,
 ) -> None:
     """Sweep synthetic Q and K over d_k x scale; measure next to the theory.

@@ -161,6 +161,28 @@ def test_plot_writes_a_png(tmp_path):
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_has_overflow_and_error_maps_per_dtype():
+    import matplotlib.pyplot as plt
+
+    from attncheck.report.sweep import sweep_figure
+
+    config = SweepConfig(dks=(16, 256), scales=tuple(parse_scales("none,sqrt")), rows=128, seqs=(32,), dtypes=("fp16", "fp32"), methods=("naive", "stable"))
+    result = run_sweep(config)
+    fig = sweep_figure(result)
+    try:
+        titles = [ax.get_title() for ax in fig.axes]
+        for dtype in ("fp16", "fp32"):
+            assert f"{dtype}: share of rows that overflow (any method)" in titles
+            assert f"{dtype}: log10 max |p - p_float64|" in titles
+        # The overflow map is the sweep's numbers: unscaled d_k 256 overflows naive fp16 in every row.
+        ax = next(a for a in fig.axes if a.get_title().startswith("fp16: share"))
+        grid = ax.get_images()[0].get_array()
+        point = next(p for p in result.points if p.dk == 256 and p.scale == "none")
+        assert grid[0][1] == max(c.overflow_rate for c in point.cells if c.dtype == "fp16") == 1.0
+    finally:
+        plt.close(fig)
+
+
 def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     result = sweep(*SMALL, "--plot", str(tmp_path / "sweep.png"))
