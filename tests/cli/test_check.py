@@ -279,6 +279,25 @@ def test_junit_to_stdout(overflow_dump, project):
     assert r.exit_code == 2 and error_line(r) == "attncheck: error: --junit and --json both write to standard output ('-'); send one of them to a file"
 
 
+def test_npz_held_whole_over_max_memory_exits_2(project):
+    # A Fortran-ordered member is read whole: its declared 64 MiB (deflated to ~64 KB) is refused first.
+    import zipfile
+
+    import numpy.lib.format as npformat
+
+    with zipfile.ZipFile(project / "dumps" / "bomb.npz", "w", zipfile.ZIP_DEFLATED) as z:
+        with z.open("s.npy", "w", force_zip64=True) as f:
+            header = io.BytesIO()
+            npformat.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": True, "shape": (16, 1 << 20)})
+            f.write(header.getvalue())
+            for _ in range(64):
+                f.write(bytes(1 << 20))
+    (project / "pyproject.toml").write_text('[tool.attncheck]\ninputs = ["dumps/bomb.npz"]\nmax_memory = "16MiB"\n')
+    r = check()
+    assert r.exit_code == 2
+    assert error_line(r) == f"attncheck: error: {project / 'dumps' / 'bomb.npz'}:s: a Fortran-ordered array is read whole: it needs 64 MiB, over tool.attncheck.max_memory 16 MiB"
+
+
 def test_unreadable_input_exits_2(project):
     (project / "dumps" / "broken.npy").write_bytes(b"not numpy")
     (project / "pyproject.toml").write_text(PASSING)
