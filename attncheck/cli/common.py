@@ -112,20 +112,24 @@ def write_json(text: str, target: str) -> None:
         raise AttncheckError(f"cannot write {target}: {e.strerror or e}") from None
 
 
-class Command(typer.core.TyperCommand):
-    """A command whose help shows a flag as just its name, and an argument by its metavar:
-    typer writes a type for every parameter, and ``<bool>`` beside --brief or ``<list[str]>``
-    beside PATH... tells a reader nothing. Choices (``<forward|reverse>``) stay."""
+class PlainFlags:
+    """Help that shows a flag as just its name, and an argument by its metavar: typer writes
+    a type for every parameter, and ``<bool>`` beside --brief or --help, or ``<list[str]>``
+    beside PATH, tells a reader nothing. Choices (``<forward|reverse>``) stay."""
 
     def get_params(self, ctx):
-        params = super().get_params(ctx)
+        params = super().get_params(ctx)  # type: ignore[misc]
         for p in params:
             if getattr(p, "is_flag", False) or isinstance(p, typer.core.TyperArgument):
                 p.display_type_rich = lambda ctx: None  # this instance only
         return params
 
 
-class OneLineErrorsGroup(typer.core.TyperGroup):
+class Command(PlainFlags, typer.core.TyperCommand):
+    """Every attncheck command."""
+
+
+class OneLineErrorsGroup(PlainFlags, typer.core.TyperGroup):
     """Typer group whose usage errors are one line on stderr (exit 2), like attncheck's own.
 
     Typer would print a multi-line panel; scripts and CI logs read one line better.
