@@ -100,5 +100,7 @@ class RunRequest:
             raise AttncheckError("give files or the built-in example, not both")
         if self.example and self.keys:
             raise AttncheckError(f"{param('keys')} selects tensors inside files; it does not apply to the built-in example")
+        if self.keys and not self.paths and self.qk is not None:
+            raise AttncheckError(f"{param('keys')} selects tensors inside score files, and none is given; pick q and k inside files with {param('q')} PATH:KEY")
         if not (self.example or self.paths or self.qk):
             raise AttncheckError(f"no input: give score files or directories, {param('q')} and {param('k')}, or {param('example')} for a built-in one")

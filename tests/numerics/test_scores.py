@@ -298,6 +298,7 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
         ([str(p), "--scale", "0.125", "--mask-value", "min"], "--scale, --mask-value apply to scores computed from --q and --k, which are not given"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "min"], "--mask-value is what keys masked by a boolean --mask, --causal or --pad-left/--pad-right become; none is given"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--mask-convention", "ignore"], "--mask-convention applies to a boolean --mask, which is not given"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--key", "q"], "--key selects tensors inside score files, and none is given; pick q and k inside files with --q PATH:KEY"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--mask", str(tmp_path / "intmask.pt")], f"{tmp_path / 'intmask.pt'} has dtype int64; use a boolean mask (True = attend; --mask-convention ignore for True = masked) or an additive float mask"),
         (["--q", str(p), "--k", f"{p}:k"], f"--q {p} selects 3 tensors ({p}:q, {p}:k, {p}:k16); pick one with --q PATH:KEY"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--scale", "fast"], "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'fast'"),
