@@ -111,6 +111,29 @@ def _first_examples(cells: list[Cell], label: str, limit: int = 5) -> list[tuple
     return seen[:limit]
 
 
+def _finite_mask_value(diag: TensorDiagnosis) -> str | None:
+    """The finite sentinel masked keys hold, as the mask holds it: 'e.g. -65504'. From Q/K
+    inputs the mask itself says; from scores alone, the census's grouped row minima."""
+    a = diag.attention
+    if a is None:
+        return f"e.g. {diag.census.sentinels[0][0]:.6g}" if diag.census.sentinels else None
+    for v in (a.float_mask_value, _number(a.mask_value)):
+        if v is not None and math.isfinite(v):
+            return f"mask value {v:.6g}"
+    return "mask value finfo(dtype).min" if a.mask_value == "min" else None
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _values(values: list[float]) -> str:
+    return " and ".join(f"{v:.6g}" for v in values)
+
+
 def findings_for(diag: TensorDiagnosis) -> list[Finding]:
     out: list[Finding] = []
     census, cells = diag.census, diag.cells
@@ -134,8 +157,8 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
         if neginf:
             how.append(f"{neginf} all -inf")
         if n - neginf:
-            sentinel = f", e.g. {census.sentinels[0][0]:.4g}" if census.sentinels else ""
-            how.append(f"{n - neginf} with a finite sentinel{sentinel}")
+            example = _finite_mask_value(diag)
+            how.append(f"{n - neginf} with a finite sentinel" + (f", {example}" if example else ""))
         nan_hit = cells_with("nan", "fully_masked")
         zero_hit = cells_with("zero", "fully_masked")
         finite_hit = [c for c in cells if c.nan_causes.get("fully_masked", 0) + c.zero_causes.get("fully_masked", 0) < n]
@@ -146,7 +169,7 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
             parts.append(f"zeros in {_cell_list(zero_hit, diag)}")
         if finite_hit and (n - neginf or diag.attention is not None):
             parts.append(f"a finite uniform row over the masked keys in {_cell_list(finite_hit, diag)} (a finite sentinel: garbage, not attention)")
-        parts.append("FlashAttention and PyTorch SDPA >= 2.5 return zeros; naive/stable softmax return NaN")
+        parts.append("FlashAttention and PyTorch SDPA >= 2.5 return zeros for such rows")
         add("fully_masked_rows", f"{n} row(s) have every key masked ({', '.join(how) or 'by the mask'}): " + "; ".join(parts), nan_hit + zero_hit, n, _first_examples(nan_hit, "nan:fully_masked") or _first_examples(zero_hit, "zero:fully_masked"))
 
     if diag.attention is not None:
@@ -245,19 +268,26 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
             else:
                 verdict = "scaling q first would not avoid it: the scaled scores themselves exceed the range"
             add("qk_overflow", f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond +-{diag.limits[d].max:.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); {verdict}{_paths_verdict(dtype_cells, d)}", hit, audit.qk_overflow_rows, _first_examples(hit, "nan:qk_overflow"))
+        what = []
         if audit.mask_not_representable or audit.sentinel_not_representable:
-            what = []
             if audit.mask_not_representable:
                 what.append(f"{audit.mask_not_representable} float-mask value(s)")
             if audit.sentinel_not_representable:
                 what.append(f"the mask value {a.mask_value}")
-            add("sentinel_not_representable", f"{' and '.join(what)} cannot be held by {d} (max {diag.limits[d].max:.6g}) and become -inf", dtype_cells)
         hit = [c for c in dtype_cells if c.nan_causes.get("mask_sentinel")]
         rows = max((c.nan_causes.get("mask_sentinel", 0) for c in hit), default=0)
+        broke = f"; {rows} row(s) become all -inf -> NaN in {_cell_list(hit, diag)}" if hit else "; no row became all -inf: the keys stay masked"
+        severity = "error" if hit else "warning"  # the severity follows the effect: rows the mask broke
+        if audit.mask_not_representable or audit.sentinel_not_representable:
+            add("sentinel_not_representable", f"{' and '.join(what)} cannot be held by {d} (max {diag.limits[d].max:.6g}) and become -inf{broke}", hit, rows,
+                _first_examples(hit, "nan:mask_sentinel"), severity=severity)
+        finite = [v for v in (audit.mask_values or [audit.sentinel_value]) if math.isfinite(v)]
         if audit.overflow_on_add:
-            add("sentinel_overflow_on_add", f"in {d}, adding the mask to the scores overflows to -inf at {audit.overflow_on_add} position(s) (sentinel {audit.sentinel_value:.6g} plus a negative score)" + (f"; {rows} row(s) become all -inf -> NaN in {_cell_list(hit, diag)}" if hit else ""), hit, rows, _first_examples(hit, "nan:mask_sentinel"))
+            add("sentinel_overflow_on_add", f"in {d}, adding the mask to the scores overflows to -inf at {audit.overflow_on_add} position(s) (mask value {_values(finite) or 'finfo.min'} plus a negative score){broke}",
+                hit, rows, _first_examples(hit, "nan:mask_sentinel"), severity=severity)
         if audit.summed_planes_overflow:
-            add("summed_mask_planes", f"in {d}, two mask planes added together overflow to -inf at {audit.summed_planes_overflow} position(s)", hit, rows, _first_examples(hit, "nan:mask_sentinel"))
+            add("summed_mask_planes", f"in {d}, two mask planes added together overflow to -inf at {audit.summed_planes_overflow} position(s){broke}", hit, rows,
+                _first_examples(hit, "nan:mask_sentinel"), severity=severity)
     if a.leak_rows:
         add("mask_leak", f"the float64 softmax puts up to {a.leak_max:.3g} of a row's probability on masked keys in {a.leak_rows} row(s) (mask value {a.mask_value}; tolerance 1e-6)", rows=a.leak_rows)
     if a.float_mask_looks_boolean:

@@ -33,6 +33,17 @@ def plain(x: float | None) -> str:
     return fmt(x, ".3g")
 
 
+def size_text(nbytes: float) -> str:
+    """Bytes for messages: '512 bytes', '300 MiB', '2.5 GiB', '1.001 MiB', '6,104 GiB'."""
+    if nbytes < 1024:
+        return f"{nbytes:.0f} bytes"
+    for unit, scale in (("KiB", 1024), ("MiB", 1024**2), ("GiB", 1024**3)):
+        v = nbytes / scale
+        if v < 1024 or unit == "GiB":
+            return f"{v:,.0f} {unit}" if v >= 1000 else f"{v:.4g} {unit}"
+    raise AssertionError("unreachable")
+
+
 def pct(x: float | None) -> str:
     """Shares of rows: 0 -> '0', 1e-30 -> '<0.01%', 0.3263 -> '32.6%'."""
     if x is None:
@@ -44,14 +55,19 @@ def pct(x: float | None) -> str:
     return f"{100 * x:.3g}%"
 
 
-def row_text(row: tuple[int, ...]) -> str:
-    """(0, 3, 17) -> '(0, 3, 17)'; a 2-D input's row (5,) -> '5'."""
-    return str(row[0]) if len(row) == 1 else "(" + ", ".join(map(str, row)) + ")"
+def index_text(index: Sequence[int]) -> str:
+    """An index into the leading axes, everywhere the same: (0, 3, 17) -> '(0,3,17)'."""
+    return "(" + ",".join(map(str, index)) + ")"
 
 
-def rows_text(idx: Sequence[tuple[int, ...]], limit: int = 4) -> str:
-    """Row indices in a narrow table: '(0,5,1), (0,5,2), ...' or 'row 5'."""
-    shown = ", ".join("(" + ",".join(map(str, i)) + ")" if len(i) != 1 else f"row {i[0]}" for i in idx[:limit])
+def row_text(row: Sequence[int]) -> str:
+    """A row of the scores: (0, 3, 17) -> '(0,3,17)'; a 2-D input's row (5,) -> '5'."""
+    return str(row[0]) if len(row) == 1 else index_text(row)
+
+
+def rows_text(idx: Sequence[Sequence[int]], limit: int = 4) -> str:
+    """Row indices: '(0,5,1), (0,5,2), ...' or '5, 6'."""
+    shown = ", ".join(row_text(i) for i in idx[:limit])
     return shown + (", ..." if len(idx) > limit else "")
 
 

@@ -163,7 +163,7 @@ def size(text: str, param: str) -> int:
         value = float(num)
     except ValueError:
         value = math.nan
-    if unit not in _SIZE_UNITS or not math.isfinite(value) or value <= 0:
+    if unit not in _SIZE_UNITS or not math.isfinite(value) or value * _SIZE_UNITS.get(unit, 0) < 1:
         raise AttncheckError(f"{text!r} is not a size (e.g. 1GiB, 512MiB, 2G)", param=param)
     return int(value * _SIZE_UNITS[unit])
 

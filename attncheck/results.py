@@ -80,12 +80,15 @@ class Census:
     posinf: int
     neginf: int
     masked: int  # -inf or <= MASK_SENTINEL_LIMIT
-    sentinels: list[tuple[float, int]]  # finite mask-like values (<= -1e4) that are a row's minimum, with how many rows
+    sentinels: list[tuple[float, int]]  # mask constants (<= -1e4) that are rows' minimum, with how many rows (see sentinel_spans)
     fully_masked_rows: int  # every key masked (-inf or sentinel): the query may attend to nothing
     neginf_rows: int  # every key -inf: softmax undefined, the reference is NaN
     nan_input_rows: int
     posinf_input_rows: int
     headroom: list[DtypeHeadroom]
+    # per sentinel, the lowest and highest row minimum it stands for: a constant added to the
+    # scores rounds to several values (finfo(fp16).min + scores: -65504 ... -65152), reported as one
+    sentinel_spans: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -132,6 +135,9 @@ class Cell:
     flushed_frac: float | None  # reference-nonzero probabilities that became exactly 0
     argmax_flips: int
     examples: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
+    # overflow_rows by what overflowed (the overflow entries of ``events``): 'exp_overflow' (an exp of a finite score is inf) or
+    # 'sum_overflow' (every exp finite, the row sum inf); the two are disjoint
+    overflow_events: dict[str, int] = field(default_factory=dict)
     # NaN rows per index of the leading axes but the query axis, e.g. per (batch, head); most first
     nan_rows_by_head: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
     # Rows per event the method reported (registry.EVENTS: exp_overflow, sum_overflow, underflow)
@@ -209,7 +215,8 @@ class DtypeAudit:
     qk_max_abs: float = 0.0  # largest |score| the dtype pipeline produced before masking (finite part)
     mask_not_representable: int = 0  # finite float-mask values that become -inf in the dtype
     sentinel_not_representable: bool = False  # the boolean-mask sentinel itself is not representable
-    sentinel_value: float = 0.0  # what a boolean-masked key is set to in this dtype
+    sentinel_value: float = 0.0  # what a masked key is set to in this dtype: the boolean planes' sentinel, else the float mask's
+    mask_values: list[float] = field(default_factory=list)  # every sentinel the mask adds in this dtype (planes, then float mask)
     overflow_on_add: int = 0  # finite score + finite mask -> -inf
     summed_planes_overflow: int = 0  # finite float-mask value + finite sentinel -> -inf
     mask_sentinel_rows: int = 0  # rows the mask turned into all -inf or NaN
@@ -232,7 +239,7 @@ class AttentionAudit:
     scale: float
     scale_name: str
     scale_order: str
-    mask_value: str
+    mask_value: str  # what masked keys hold: --mask-value for boolean planes, else the float mask's sentinel (repr)
     q_std: float  # robust std (1.4826 MAD) of the entries of q
     k_std: float
     q_max_abs: float
@@ -245,6 +252,7 @@ class AttentionAudit:
     leak_max: float = 0.0
     dtypes: dict[str, DtypeAudit] = field(default_factory=dict)
     fitted_scale: float | None = None  # least-squares scale of given scores against q.k
+    float_mask_value: float | None = None  # a float mask's sentinel as the mask holds it (its most common value <= -1e4)
 
 
 @dataclass

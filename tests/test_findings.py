@@ -97,6 +97,20 @@ def test_fully_masked_rows_says_what_each_cell_returns():
     assert "4 all -inf" in f.message and "NaN in naive" in f.message and "zeros in tiled" in f.message
 
 
+def test_fully_masked_rows_with_a_finite_sentinel_is_consistent():
+    # stable and torch return a finite uniform row: the message must not also say they return NaN.
+    census = replace(diagnosis().census, fully_masked_rows=2, neginf_rows=0, sentinels=[(-65504.0, 2)], sentinel_spans=[(-65504.0, -65152.0)])
+    cells = [cell("naive", nan_rows=2, nan_causes={"fully_masked": 2}), cell("stable"), cell("torch")]
+    f = only(diagnosis(cells, census), "fully_masked_rows")
+    assert "2 with a finite sentinel, e.g. -65504" in f.message
+    assert "a finite uniform row over the masked keys in stable/fp16, torch/fp16" in f.message and "NaN in naive" in f.message
+    assert "stable softmax return NaN" not in f.message and "naive/stable" not in f.message
+    # From Q/K inputs the sentinel is the mask's own value, not a score plus it.
+    a = audit(mask_value="-65504.0", float_mask_value=-65504.0)
+    census = replace(census, sentinels=[(-75000.0, 2)])
+    assert "2 with a finite sentinel, mask value -65504" in only(diagnosis(cells, census, attention=a), "fully_masked_rows").message
+
+
 def test_cast_overflow_and_an_unrepresentable_sentinel():
     h = headroom(cast_posinf_values=3, cast_neginf_values=0, cast_overflow_rows=1, cast_overflow_examples=[70000.0])
     census = replace(diagnosis().census, headroom=[h])
@@ -123,9 +137,13 @@ def test_exp_overflow_versus_sum_overflow():
         assert f.rows == 2 and "2 all-zero row(s)" in f.message and "every exp is finite but the row sum overflows" in f.message
         assert "the largest fp16 is 65504" in f.message
         assert not [g for g in d.findings if g.code in ("exp_overflow", "zero_rows")]
-    d = diagnosis([cell("naive", nan_rows=1, overflow_rows=3, zero_rows=2, nan_causes={"exp_overflow": 1}, zero_causes={"sum_overflow": 2},
-                        events={"exp_overflow": 1, "sum_overflow": 2})])
-    assert only(d, "exp_overflow").rows == 1 and only(d, "sum_overflow").rows == 2
+    # naive can have both, each row under what overflowed in it
+    d = diagnosis([cell("naive", nan_rows=3, overflow_rows=5, events={"exp_overflow": 3, "sum_overflow": 2}, nan_causes={"exp_overflow": 3},
+                        zero_rows=2, zero_causes={"sum_overflow": 2}, examples={"event:exp_overflow": [(0, 1)], "event:sum_overflow": [(1, 0)]})])
+    f, g = only(d, "exp_overflow"), only(d, "sum_overflow")
+    assert f.rows == 3 and "in 3 row(s)" in f.message and "-> 3 NaN row(s)" in f.message and f.examples == [(0, 1)]
+    assert g.rows == 2 and "in 2 row(s) (the largest fp16 is 65504) -> 2 all-zero row(s)" in g.message and g.examples == [(1, 0)]
+    assert not [x for x in d.findings if x.code == "zero_rows"]
 
 
 def test_underflow_zero_rows_and_unexplained_nan():
@@ -166,11 +184,26 @@ def test_qk_overflow_says_whether_scaling_q_first_helps():
     assert "would not avoid it" in only(diagnosis(cells, attention=a), "qk_overflow").message
 
 
+def only_with(d: TensorDiagnosis, code: str, severity: str):
+    hits = [f for f in d.findings if f.code == code]
+    assert len(hits) == 1 and hits[0].severity == severity and hits[0].fix == FIX[code], [(f.code, f.severity) for f in d.findings]
+    return hits[0]
+
+
 def test_mask_findings():
-    a = audit(dtypes={"fp16": DtypeAudit("fp16", overflow_on_add=6, sentinel_value=-65504.0, summed_planes_overflow=4)})
+    a = audit(dtypes={"fp16": DtypeAudit("fp16", overflow_on_add=6, sentinel_value=-65504.0, mask_values=[-65504.0], summed_planes_overflow=4)})
     d = diagnosis(attention=a)
-    assert "at 6 position(s)" in only(d, "sentinel_overflow_on_add").message
-    assert "at 4 position(s)" in only(d, "summed_mask_planes").message
+    # No row broke: the keys stay masked, so these are warnings, and they say so.
+    f = only_with(d, "sentinel_overflow_on_add", "warning")
+    assert "at 6 position(s) (mask value -65504 plus a negative score); no row became all -inf" in f.message
+    assert "at 4 position(s)" in only_with(d, "summed_mask_planes", "warning").message
+    broken = [cell("stable", nan_rows=3, nan_causes={"mask_sentinel": 3}, examples={"nan:mask_sentinel": [(0, 2)]})]
+    d = diagnosis(broken, attention=a)
+    f = only_with(d, "sentinel_overflow_on_add", "error")
+    assert "; 3 row(s) become all -inf -> NaN in stable/fp16" in f.message and f.rows == 3 and f.examples == [(0, 2)]
+    a2 = audit(mask_value="-1000000000.0", float_mask_value=-1e9, dtypes={"fp16": DtypeAudit("fp16", mask_not_representable=8, sentinel_value=-math.inf, mask_values=[-math.inf])})
+    assert "8 float-mask value(s) cannot be held by fp16" in only_with(diagnosis(attention=a2), "sentinel_not_representable", "warning").message
+    assert only_with(diagnosis(broken, attention=a2), "sentinel_not_representable", "error").rows == 3
     d = diagnosis(attention=audit(leak_rows=5, leak_max=0.87, mask_value="-10000.0"))
     assert "up to 0.87" in only(d, "mask_leak").message
     assert only(diagnosis(attention=audit(float_mask_looks_boolean=True)), "float_mask_looks_boolean")

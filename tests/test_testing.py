@@ -57,7 +57,7 @@ def test_max_abs_err_failure_names_the_worst_row():
         assert_softmax_ok(x, max_abs_err=1e-4, name="block0.attn")
     assert str(info.value) == (
         f"attncheck: stable/bf16 of block0.attn (3x5x64) broke its budget: max_abs_err {err:.3g} > budget 0.0001 "
-        f"(worst row ({flat // 5}, {flat % 5})); nan 0 <= budget 0 ok; overflow 0 <= budget 0 ok"
+        f"(worst row ({flat // 5},{flat % 5})); nan 0 <= budget 0 ok; overflow 0 <= budget 0 ok"
     )
 
 

@@ -11,7 +11,7 @@ import typer
 
 from attncheck import __version__
 from attncheck.cli.check import check
-from attncheck.cli.common import OneLineErrorsGroup, reuse_freed_memory
+from attncheck.cli.common import Command, OneLineErrorsGroup, reuse_freed_memory
 from attncheck.cli.run import run
 from attncheck.cli.sweep import sweep
 
@@ -41,9 +41,9 @@ def main_options(
     reuse_freed_memory()
 
 
-app.command()(run)
-app.command()(sweep)
-app.command()(check)
+app.command(cls=Command)(run)
+app.command(cls=Command)(sweep)
+app.command(cls=Command)(check)
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from attncheck import params
-from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, write_json, write_text
+from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, write_json, write_text
 from attncheck.cli.options import DeviceOpt, JsonOpt, QuietOpt, notices, progress_shown
 from attncheck.config.check import find_config, load_config
 from attncheck.errors import AttncheckError
@@ -41,8 +41,8 @@ def check(
         help="pyproject.toml with \\[tool.attncheck], or an attncheck.toml whose top level is that table. "
         "Default: the first attncheck.toml, or pyproject.toml with \\[tool.attncheck], from the current directory up.",
     ),
-    junit: Optional[str] = typer.Option(None, "--junit", metavar="FILE", help="Write JUnit XML: one testcase per input x cell, failures carry the numbers."),
-    markdown: Optional[str] = typer.Option(None, "--markdown", metavar="FILE", help=f"Write a Markdown summary (also appended to ${STEP_SUMMARY} when it is set)."),
+    junit: Optional[str] = typer.Option(None, "--junit", metavar="FILE", help="Write JUnit XML: one testcase per input x cell, failures carry the numbers ('-' for stdout: the summary is then not printed)."),
+    markdown: Optional[str] = typer.Option(None, "--markdown", metavar="FILE", help=f"Write a Markdown summary (also appended to ${STEP_SUMMARY} when it is set; '-' for stdout)."),
     json_out: JsonOpt = None,
     device: Annotated[Optional[str], DeviceOpt.__metadata__[0]] = None,
     quiet: QuietOpt = False,
@@ -60,9 +60,10 @@ def check(
         if device is not None:
             device = params.device(device)
         cfg = load_config(config) if config is not None else load_config(find_config())
-        check_output_path(junit, "--junit", dash_ok=False)
-        check_output_path(markdown, "--markdown", dash_ok=False)
-        check_output_path(json_out, "--json", dash_ok=True)
+        one_stdout(junit=junit, markdown=markdown, json=json_out)
+        check_output_path(junit, "--junit")
+        check_output_path(markdown, "--markdown")
+        check_output_path(json_out, "--json")
         from attncheck.pipelines.check import run_check  # torch comes in here, once the config is known to be good
         from attncheck.report.progress import Progress
 
@@ -89,7 +90,7 @@ def check(
         raise fail(e) from None
     _append_step_summary(md)
 
-    if json_out != "-":
+    if "-" not in (json_out, junit, markdown):
         from rich.console import Console
 
         print_summary(Console(), result, quiet=quiet)

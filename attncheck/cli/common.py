@@ -71,6 +71,13 @@ def fail(error: AttncheckError | str) -> typer.Exit:
     return typer.Exit(EXIT_USAGE)
 
 
+def one_stdout(**targets: str | None) -> None:
+    """At most one report can go to standard output ('-')."""
+    dashed = [flag(name) for name, target in targets.items() if target == "-"]
+    if len(dashed) > 1:
+        raise AttncheckError(f"{' and '.join(dashed)} both write to standard output ('-'); send one of them to a file")
+
+
 def check_output_path(path: str | None, option: str, dash_ok: bool = True) -> None:
     """Fail before any work when an output file cannot be created ('-' is stdout)."""
     if path is None or (dash_ok and path == "-"):
@@ -83,7 +90,10 @@ def check_output_path(path: str | None, option: str, dash_ok: bool = True) -> No
 
 
 def write_text(text: str, path: str, option: str) -> None:
-    """Write a report file; an unwritable path is an input error."""
+    """Write a report file, or standard output for '-'; an unwritable path is an input error."""
+    if path == "-":
+        typer.echo(text, nl=False)
+        return
     try:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(text)
@@ -103,7 +113,24 @@ def write_json(text: str, target: str) -> None:
         raise AttncheckError(f"cannot write {target}: {e.strerror or e}") from None
 
 
-class OneLineErrorsGroup(typer.core.TyperGroup):
+class PlainFlags:
+    """Help that shows a flag as just its name, and an argument by its metavar: typer writes
+    a type for every parameter, and ``<bool>`` beside --brief or --help, or ``<list[str]>``
+    beside PATH, tells a reader nothing. Choices (``<forward|reverse>``) stay."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for p in params:
+            if getattr(p, "is_flag", False) or isinstance(p, typer.core.TyperArgument):
+                p.display_type_rich = lambda ctx: None  # this instance only
+        return params
+
+
+class Command(PlainFlags, typer.core.TyperCommand):
+    """Every attncheck command."""
+
+
+class OneLineErrorsGroup(PlainFlags, typer.core.TyperGroup):
     """Typer group whose usage errors are one line on stderr (exit 2), like attncheck's own.
 
     Typer would print a multi-line panel; scripts and CI logs read one line better.

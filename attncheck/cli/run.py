@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -66,7 +66,7 @@ def _fp8_options(dtype: str, p_scale: str | None, fp8_scaling: str | None, incoh
 
 
 def run(
-    paths: Optional[List[str]] = typer.Argument(None, help="Score files (.pt .pth .npy .npz .safetensors) or directories. Softmax runs over the last axis.", show_default=False),
+    paths: Optional[List[str]] = typer.Argument(None, metavar="PATH", help="Score files (.pt .pth .npy .npz .safetensors) or directories. Softmax runs over the last axis.", show_default=False),
     example: bool = typer.Option(False, "--example", help="Diagnose a built-in example (unscaled head, -1e9 causal mask, left padding) instead of files."),
     dtype: DtypeOpt = DEFAULT_DTYPES,
     method: MethodOpt = DEFAULT_METHODS,
@@ -74,26 +74,26 @@ def run(
     order: Order = typer.Option("forward", "--order", help="Order in which the tiled method visits key blocks."),
     accum: Accum = typer.Option("fp32", "--accum", help="Row sums of naive/stable: fp32 inside as torch does, or pairwise in the dtype."),
     device: DeviceOpt = "auto",
-    key: List[str] = typer.Option([], "--key", help="Glob selecting tensors inside files (repeatable), e.g. 'layers.*.scores'."),
+    key: List[str] = typer.Option([], "--key", metavar="GLOB", help="Glob selecting tensors inside files (repeatable), e.g. 'layers.*.scores'; a key written out in full selects that key alone."),
     json_out: JsonOpt = None,
-    fail_on: str = typer.Option("", "--fail-on", help=f"Exit 1 when a condition holds: {', '.join(FAIL_ON_WORDS)} or a finding code (comma-separated)."),
+    fail_on: str = typer.Option("", "--fail-on", metavar="LIST", help=f"Exit 1 when a condition holds: {', '.join(FAIL_ON_WORDS)} or a finding code (comma-separated)."),
     brief: bool = typer.Option(False, "--brief", help="Leave out the per-cell detail table."),
-    max_memory: str = typer.Option(params.DEFAULT_MAX_MEMORY, "--max-memory", help="Working memory for the diagnosis: inputs are read and processed in row chunks that fit (.npy, .safetensors, .npz stream; .pt is loaded whole)."),
+    max_memory: str = typer.Option(params.DEFAULT_MAX_MEMORY, "--max-memory", metavar="SIZE", help="Working memory for the diagnosis: inputs are read and processed in row chunks that fit (.npy, .safetensors, .npz stream); what must be held whole (.pt files, --q, --k, --mask) is refused when larger."),
     quiet: QuietOpt = False,
-    q: Optional[str] = typer.Option(None, "--q", help="Queries (..., heads, tokens, d) as PATH or PATH:KEY. With --k, the scores are computed in each dtype as models do.", rich_help_panel=QK),
-    k: Optional[str] = typer.Option(None, "--k", help="Keys (..., kv_heads, tokens, d) as PATH or PATH:KEY; kv_heads may divide the query heads (GQA).", rich_help_panel=QK),
-    v: Optional[str] = typer.Option(None, "--v", help="Values (..., kv_heads, tokens, dv) as PATH or PATH:KEY: every cell then also computes the output O = P@V and its error against float64.", rich_help_panel=QK),
+    q: Optional[str] = typer.Option(None, "--q", metavar="PATH[:KEY]", help="Queries (..., heads, tokens, d). With --k, the scores are computed in each dtype as models do.", rich_help_panel=QK),
+    k: Optional[str] = typer.Option(None, "--k", metavar="PATH[:KEY]", help="Keys (..., kv_heads, tokens, d); kv_heads may divide the query heads (GQA).", rich_help_panel=QK),
+    v: Optional[str] = typer.Option(None, "--v", metavar="PATH[:KEY]", help="Values (..., kv_heads, tokens, dv): every cell then also computes the output O = P@V and its error against float64.", rich_help_panel=QK),
     path: PathOpt = None,
-    mask: Optional[str] = typer.Option(None, "--mask", help="Mask as PATH or PATH:KEY, boolean (see --mask-convention) or additive float, broadcast to (batch, heads, queries, keys).", rich_help_panel=QK),
-    scale: ScaleOpt = "auto",
-    scale_order: ScaleOrder = typer.Option("scores", "--scale-order", help="Scale the scores after Q@K^T, or q before it.", rich_help_panel=QK),
+    mask: Optional[str] = typer.Option(None, "--mask", metavar="PATH[:KEY]", help="Mask, boolean (see --mask-convention) or additive float, broadcast to (batch, heads, queries, keys).", rich_help_panel=QK),
+    scale: Annotated[Optional[str], ScaleOpt.__metadata__[0]] = None,
+    scale_order: Optional[ScaleOrder] = typer.Option(None, "--scale-order", help="Scale the scores after Q@K^T (default), or q before it.", rich_help_panel=QK, show_default=False),
     causal: bool = typer.Option(False, "--causal", help="Add a causal mask, aligned as PyTorch's is_causal (top left).", rich_help_panel=QK),
-    pad_left: str = typer.Option("", "--pad-left", help="Left padding per batch element, e.g. 3,0: those keys are masked.", rich_help_panel=QK),
-    pad_right: str = typer.Option("", "--pad-right", help="Right padding per batch element.", rich_help_panel=QK),
-    mask_value: str = typer.Option("-inf", "--mask-value", help="What a masked key becomes: -inf, min (finfo(dtype).min) or a number such as -1e4.", rich_help_panel=QK),
-    mask_convention: MaskConvention = typer.Option("attend", "--mask-convention", help="Boolean masks: True = attend (SDPA) or True = masked.", rich_help_panel=QK),
-    p_scale: Optional[str] = typer.Option(None, "--p-scale", help="FP8 dtypes (--dtype e4m3, e5m2, ...): P is multiplied by S before the cast to FP8: 1, 256 (FlashAttention-3, the default), 448 (SageAttention) or another number.", rich_help_panel=FP8),
-    fp8_scaling: Optional[str] = typer.Option(None, "--fp8-scaling", help="FP8 dtypes with --q/--k: how Q, K, V are quantised for flash-fp8: none, tensor, head (per batch and kv head, FlashAttention-3's descales; default) or block (per 128-query and key tile).", rich_help_panel=FP8),
+    pad_left: str = typer.Option("", "--pad-left", metavar="N,...", help="Left padding per batch element, e.g. 3,0: those keys are masked.", rich_help_panel=QK),
+    pad_right: str = typer.Option("", "--pad-right", metavar="N,...", help="Right padding per batch element.", rich_help_panel=QK),
+    mask_value: Optional[str] = typer.Option(None, "--mask-value", metavar="VALUE", help="What a key masked by a boolean mask, --causal or padding becomes: -inf (default), min (finfo(dtype).min) or a number such as -1e4.", rich_help_panel=QK, show_default=False),
+    mask_convention: Optional[MaskConvention] = typer.Option(None, "--mask-convention", help="Boolean masks: True = attend (SDPA, the default) or True = masked.", rich_help_panel=QK, show_default=False),
+    p_scale: Optional[str] = typer.Option(None, "--p-scale", metavar="S", help="FP8 dtypes (--dtype e4m3, e5m2, ...): P is multiplied by S before the cast to FP8: 1, 256 (FlashAttention-3, the default), 448 (SageAttention) or another number.", rich_help_panel=FP8, show_default=False),
+    fp8_scaling: Optional[str] = typer.Option(None, "--fp8-scaling", metavar="HOW", help="FP8 dtypes with --q/--k: how Q, K, V are quantised for flash-fp8: none, tensor, head (per batch and kv head, FlashAttention-3's descales; default) or block (per 128-query and key tile).", rich_help_panel=FP8, show_default=False),
     incoherent: bool = typer.Option(False, "--incoherent", help="FP8 dtypes with --q/--k: rotate Q and K by a seeded +-1 diagonal times Hadamard matrix before quantising (FlashAttention-3's incoherent processing; head dim a power of two).", rich_help_panel=FP8),
 ) -> None:
     """Diagnose saved attention scores (pre-softmax logits), or the scores Q and K produce.
@@ -115,20 +115,27 @@ def run(
             chunk_elements=chunk_elements_for(memory), paths=params.paths(path) if path is not None else (),
             **_fp8_options(dtype, p_scale, fp8_scaling, incoherent, qk_given=q is not None or k is not None),
         )
+        # Every value is checked, whether or not it applies; then what does not apply is named.
+        scales = params.scales(scale) if scale is not None else (params.Scale("auto"),)
+        if len(scales) != 1:
+            raise AttncheckError(f"give one scale for run, got {len(scales)}", param="scale")
+        value = params.mask_value(mask_value) if mask_value is not None else None
+        lefts, rights = tuple(params.lengths(pad_left, "pad_left")), tuple(params.lengths(pad_right, "pad_right"))
         qk = None
         if q is None and k is None and (v is not None or path is not None):
             raise AttncheckError(f"{param('v')} and {param('paths')} apply to attention computed from {param('q')} and {param('k')}")
         if q is not None or k is not None:
             if q is None or k is None:
                 raise AttncheckError(f"{param('q')} and {param('k')} go together: give both")
-            scales = params.scales(scale)
-            if len(scales) != 1:
-                raise AttncheckError(f"give one scale for run, got {len(scales)}", param="scale")
-            qk = QKSpec(q, k, mask, v, scales[0], ScaleOrder(scale_order).value, causal, tuple(params.lengths(pad_left, "pad_left")),
-                        tuple(params.lengths(pad_right, "pad_right")), mask_value, MaskConvention(mask_convention).value)
-        elif mask is not None or causal or pad_left or pad_right:
-            raise AttncheckError(f"{param('mask')}, {param('causal')} and {param('pad_left')}/{param('pad_right')} apply to scores computed from {param('q')} and {param('k')}")
-        request = RunRequest(tuple(paths or ()), tuple(key), example, qk, options)
+            qk = QKSpec(q, k, mask, v, scales[0], ScaleOrder(scale_order).value if scale_order else "scores", causal, lefts, rights,
+                        value, MaskConvention(mask_convention).value if mask_convention else None)
+        else:
+            given = [name for name, val in (("mask", mask), ("causal", causal or None), ("pad_left", pad_left or None), ("pad_right", pad_right or None),
+                                            ("scale", scale), ("scale_order", scale_order), ("mask_value", mask_value), ("mask_convention", mask_convention)) if val is not None]
+            if given:
+                named = ", ".join(param(n) for n in given)
+                raise AttncheckError(f"{named} {'applies' if len(given) == 1 else 'apply'} to scores computed from {param('q')} and {param('k')}, which are not given")
+        request = RunRequest(tuple(paths or ()), tuple(key), example, qk, options, max_memory=memory)
 
         from attncheck.pipelines.run import run as run_pipeline
         from attncheck.report.progress import Progress

@@ -33,7 +33,7 @@ def sweep(
     block: BlockOpt = str(DEFAULT_BLOCK),
     device: DeviceOpt = "cpu",
     json_out: JsonOpt = None,
-    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Draw variance, max probability, entropy and Jacobian norm vs d_k to FILE.png (needs the 'plot' extra: matplotlib)."),
+    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Draw variance, max probability, entropy and Jacobian norm vs d_k, and per dtype maps of overflowed rows and of the error against float64, to FILE.png (needs the 'plot' extra: matplotlib)."),
     path: PathOpt = ",".join(path_names()),
     preset: Optional[str] = typer.Option(None, "--preset", metavar="NAME", help="Reproduce a published figure instead of the grid, printed beside the paper's: fa3 (FlashAttention-3's FP16 and FP8 RMSE of O), pcast (underflow of the FP8 P cast with an attention sink). Takes --seed and --device, --json."),
     quiet: QuietOpt = False,

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import glob
 import os
+import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attncheck import params
-from attncheck.config.sweep import DIST_NAMES
+from attncheck.config.sweep import DIST_NAMES, head_layout, qk_bytes
 from attncheck.errors import AttncheckError
+from attncheck.format import size_text
 from attncheck.params import ORDERS, Scale, show
 from attncheck.registry import DTYPES, cell_dtype, dtype_names
 from attncheck.results import BUDGET_NAMES, COUNT_BUDGETS, LOWER_BUDGETS, OUTPUT_BUDGETS, RELATIVE_BUDGETS
@@ -129,6 +131,13 @@ class CheckConfig:
     device: str = DEFAULT_DEVICE
     budget: Budget = field(default_factory=Budget)
     dtype_budgets: dict[str, Budget] = field(default_factory=dict)  # [tool.attncheck.budget.<dtype>] overrides
+    max_memory: int | None = None  # bytes, as max_memory = "1GiB": working memory of the diagnosis; None: the default chunks
+
+    @property
+    def memory_budget(self) -> int:
+        """The most an input may hold whole (a .pt file, a Fortran-ordered array, a synthetic
+        input's q and k): max_memory, or run's default of 1 GiB."""
+        return self.max_memory if self.max_memory is not None else params.size(params.DEFAULT_MAX_MEMORY, "max_memory")
 
     def budget_for(self, dtype: str) -> Budget:
         return self.dtype_budgets.get(dtype, self.budget)
@@ -144,14 +153,17 @@ class CheckConfig:
         """The diagnosis options this config asks for (per synthetic entry: its dtypes)."""
         from attncheck.config.run import Options
 
+        from attncheck.config.run import chunk_elements_for
+
+        chunks = {} if self.max_memory is None else {"chunk_elements": chunk_elements_for(self.max_memory)}
         return Options(dtypes=dtypes or self.dtypes, methods=self.methods, block=self.block, reverse=self.order == "reverse",
-                       accum=self.accum, device=device or self.device)
+                       accum=self.accum, device=device or self.device, **chunks)
 
 
 # Library parameters -> their key in [tool.attncheck]: errors raised below the config
 # layer name parameters, and are shown in the file's terms (see errors.AttncheckError).
 CONFIG_KEYS = {"keys": "keys", "dtypes": "dtypes", "methods": "methods", "block": "block", "reverse": "order",
-               "accum": "accum", "device": "device"}
+               "accum": "accum", "device": "device", "max_memory": "max_memory", "chunk_elements": "max_memory"}
 
 
 # --------------------------------------------------------------------------- values
@@ -190,6 +202,15 @@ def _scale(value: Any, key: str) -> Scale:
     return params.scale(value, key)
 
 
+def _size(value: Any, key: str) -> int:
+    """'1GiB', '512MiB' or a number of bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return params.integer(value, key, 1, from_text=False)
+    if not isinstance(value, str):
+        raise AttncheckError(f"{key} must be a size such as \"1GiB\" or a number of bytes, got {show(value)}")
+    return params.size(value, key)
+
+
 def _table(value: Any, key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise AttncheckError(f"{key} must be a table, got {show(value)}")
@@ -205,7 +226,7 @@ def _reject_unknown(table: dict[str, Any], known: tuple[str, ...], prefix: str, 
 
 # --------------------------------------------------------------------------- tables
 
-TOP_KEYS = ("inputs", "keys", "synthetic", "dtypes", "methods", "block", "order", "accum", "device", "budget")
+TOP_KEYS = ("inputs", "keys", "synthetic", "dtypes", "methods", "block", "order", "accum", "device", "max_memory", "budget")
 SYNTHETIC_KEYS = ("d_k", "scale", "seq", "rows", "dist", "std", "seed", "dtype", "paths")
 _AT = BUDGET_NAMES.index("relative_to_torch") + 1
 BUDGET_KEYS = (*BUDGET_NAMES[:_AT], "relative_to_torch_atol", *BUDGET_NAMES[_AT:])
@@ -308,6 +329,8 @@ def parse_table(table: Any, *, display: str = "<config>", prefix: str = TABLE, r
         values["device"] = params.device(table["device"], key("device"))
     if "budget" in table:
         values["budget"], values["dtype_budgets"] = _parse_budgets(table["budget"], key("budget"), display)
+    if "max_memory" in table:
+        values["max_memory"] = _size(table["max_memory"], key("max_memory"))
     if not values.get("inputs") and not values.get("synthetic"):
         where = f"[{prefix}]" if prefix else display
         raise AttncheckError(
@@ -317,7 +340,24 @@ def parse_table(table: Any, *, display: str = "<config>", prefix: str = TABLE, r
         raise AttncheckError(f"{key('keys')} picks tensors inside files, but {key('inputs')} names no file")
     config = CheckConfig(**values)
     _check_output_budgets(config)
+    for spec in config.synthetic:
+        need = synthetic_bytes(spec)
+        if need > config.memory_budget:
+            heads, queries = head_layout(spec.rows, spec.seq)
+            raise AttncheckError(
+                f"{key('synthetic')}[{spec.index}]: its q and k ({heads} heads x ({queries} queries + {spec.seq} keys) x d_k {spec.d_k}) "
+                f"and a head's scores need {size_text(need)}, over {key('max_memory')} {size_text(config.memory_budget)}: "
+                f"lower seq, rows or d_k, or raise {key('max_memory')}"
+            )
     return replace(config, files=resolve_inputs(config))
+
+
+def synthetic_bytes(spec: SyntheticInput) -> int:
+    """What a synthetic input holds at once: drawing float64 q and k (and v for paths), then
+    two heads' float64 scores (the one being cut into row blocks and the next) and a block copied from them."""
+    heads, queries = head_layout(spec.rows, spec.seq)
+    v = 8 * heads * spec.seq * spec.d_k if spec.paths else 0
+    return qk_bytes(heads, queries, spec.seq, spec.d_k, spec.dist) + v + 3 * 8 * queries * spec.seq
 
 
 def _check_output_budgets(config: CheckConfig) -> None:
@@ -364,17 +404,25 @@ def _display(path: Path) -> str:
     """A path as messages show it: relative to the current directory when below it."""
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
+    except (ValueError, OSError):
         return str(path)
+
+
+MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config is a few lines; anything this large is not one
 
 
 def _read_toml(path: Path, display: str) -> dict[str, Any]:
     if _toml is None:  # pragma: no cover - Python 3.10 without tomli
         raise AttncheckError("reading the config needs Python >= 3.11 (tomllib) or the tomli package: pip install tomli")
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # /dev/zero, a pipe: would never end
+                raise AttncheckError(f"config {display}: not a regular file; give a TOML file")
+            data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise AttncheckError(f"cannot read {display}: {e.strerror or e}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise AttncheckError(f"config {display}: larger than {MAX_CONFIG_BYTES // 1024**2} MiB, so not a config file")
     try:
         return _toml.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -395,9 +443,13 @@ def load_config(path: str | os.PathLike[str]) -> CheckConfig:
     that table), or a standalone attncheck.toml whose top level is the table itself."""
     p = Path(path)
     display = _display(p)
-    if not p.exists():
-        raise AttncheckError(f"config {display}: no such file")
-    if p.is_dir():
+    try:
+        kind = p.stat().st_mode
+    except FileNotFoundError:
+        raise AttncheckError(f"config {display}: no such file") from None
+    except (OSError, ValueError) as e:  # a name too long, a loop of links
+        raise AttncheckError(f"config {display}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if stat.S_ISDIR(kind):
         raise AttncheckError(f"config {display}: is a folder; give a TOML file")
     doc = _read_toml(p, display)
     table = _attncheck_table(doc)

@@ -81,15 +81,17 @@ class QKSpec:
     causal: bool = False
     pad_left: tuple[int, ...] = ()
     pad_right: tuple[int, ...] = ()
-    mask_value: str = "-inf"
-    mask_convention: str = "attend"
+    mask_value: str | None = None  # None: -inf; given, it must apply (a boolean mask, causal or padding)
+    mask_convention: str | None = None  # None: 'attend'; given, the mask must be boolean
 
     def __post_init__(self) -> None:
         if not isinstance(self.scale, params.Scale):
             object.__setattr__(self, "scale", params.scale(self.scale))
         object.__setattr__(self, "scale_order", params.choice(self.scale_order, params.SCALE_ORDERS, "scale_order"))
-        object.__setattr__(self, "mask_value", params.mask_value(self.mask_value))
-        object.__setattr__(self, "mask_convention", params.choice(self.mask_convention, params.MASK_CONVENTIONS, "mask_convention"))
+        if self.mask_value is not None:
+            object.__setattr__(self, "mask_value", params.mask_value(self.mask_value))
+        if self.mask_convention is not None:
+            object.__setattr__(self, "mask_convention", params.choice(self.mask_convention, params.MASK_CONVENTIONS, "mask_convention"))
 
 
 @dataclass(frozen=True)
@@ -102,11 +104,15 @@ class RunRequest:
     example: bool = False
     qk: QKSpec | None = None
     options: Options = Options()
+    max_memory: int = params.size(params.DEFAULT_MAX_MEMORY, "max_memory")  # bytes: the most any input may hold whole
 
     def __post_init__(self) -> None:
+        params.integer(self.max_memory, "max_memory", 1, from_text=False)
         if self.example and (self.paths or self.qk):
             raise AttncheckError("give files or the built-in example, not both")
         if self.example and self.keys:
             raise AttncheckError(f"{param('keys')} selects tensors inside files; it does not apply to the built-in example")
+        if self.keys and not self.paths and self.qk is not None:
+            raise AttncheckError(f"{param('keys')} selects tensors inside score files, and none is given; pick q and k inside files with {param('q')} PATH:KEY")
         if not (self.example or self.paths or self.qk):
             raise AttncheckError(f"no input: give score files or directories, {param('q')} and {param('k')}, or {param('example')} for a built-in one")

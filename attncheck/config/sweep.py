@@ -47,11 +47,18 @@ def head_layout(rows: int, seq: int) -> tuple[int, int]:
     return -(-rows // queries), queries
 
 
-def point_bytes(rows: int, seq: int, dk: int) -> int:
-    """Peak memory of one grid point: float64 Q, K and V, plus the (rows, seq) and (rows, d_k) working sets."""
+def qk_bytes(heads: int, queries: int, seq: int, dk: int, dist: str = "normal") -> int:
+    """Peak memory of drawing float64 q (heads, queries, dk) and k (heads, seq, dk): both,
+    plus for ``outliers`` the second normal draw of the larger one and two boolean masks."""
+    both = 8 * heads * (queries + seq) * dk
+    return both + (10 * heads * max(queries, seq) * dk if dist == "outliers" else 0)
+
+
+def point_bytes(rows: int, seq: int, dk: int, dist: str = "normal") -> int:
+    """Peak memory of one grid point: drawing Q and K, then V, the (rows, seq) and the (rows, d_k) working sets."""
     heads, queries = head_layout(rows, seq)
-    qkv = 8 * heads * (queries + 2 * seq) * dk
-    return qkv + 8 * _LIVE_ROW_TENSORS * rows * seq + 8 * _LIVE_OUT_TENSORS * rows * dk
+    v = 8 * heads * seq * dk
+    return qk_bytes(heads, queries, seq, dk, dist) + v + 8 * _LIVE_ROW_TENSORS * rows * seq + 8 * _LIVE_OUT_TENSORS * rows * dk
 
 
 def gib(n: float) -> str:
@@ -123,7 +130,7 @@ class SweepConfig:
     def check_memory(self, budget: int = MEMORY_BUDGET_BYTES) -> None:
         """Refuse a grid whose largest point would not fit in ``budget`` bytes."""
         seq, dk = max(self.seqs), max(self.dks)
-        need = point_bytes(self.rows, seq, dk)
+        need = point_bytes(self.rows, seq, dk, self.dist)
         if need > budget:
             raise AttncheckError(
                 f"a sweep point of {self.rows} rows x {seq} keys x d_k {dk} needs about {gib(need)} of memory, "

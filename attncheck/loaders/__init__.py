@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attncheck.loaders.common import FileListing, TensorSource, check_tensor, error, memory_source, qualified_name, read_head
+from attncheck.loaders.common import KINDS, FileListing, TensorSource, check_tensor, error, memory_source, qualified_name, read_head
 from attncheck.loaders.formats import SUPPORTED_SUFFIXES, format_for
 from attncheck.loaders.paths import KeySelector, expand_paths, suffix_list
 
@@ -45,53 +45,58 @@ class NamedTensor:
     tensor: torch.Tensor
 
 
-def open_file(path: str) -> FileListing:
-    """Open one file by its format: its keys, and how to load or stream them."""
+def open_file(path: str, kind: str = "scores", max_bytes: int | None = None) -> FileListing:
+    """Open one file by its format: its keys, and how to load or stream them. ``kind``
+    ('scores' or 'mask') sets the dtypes accepted; ``max_bytes`` bounds what is read whole."""
     fmt = format_for(path)
     if fmt is None:
         raise error(f"{path}: unsupported file type (supported: {suffix_list()})")
-    return fmt.open_file(path, read_head(path))
+    return fmt.open_file(path, read_head(path), kind, max_bytes)
 
 
 def load_tensors(
-    paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (), *, any_dtype: bool = False
+    paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (), *, kind: str = "scores", max_bytes: int | None = None
 ) -> list[NamedTensor]:
     """Load every tensor in ``paths`` (files or directories) that ``keys`` selects.
 
     ``keys`` are case-sensitive :mod:`fnmatch` patterns matched against the
     key of each tensor inside a file (a bare tensor is matched against its
-    file name); empty selects everything. Every pattern must match at least
-    one tensor over all files. Raises :class:`AttncheckError` for any bad
-    input.
+    file name); a pattern equal to a key selects that key alone. Empty selects
+    everything. Every pattern must match at least one tensor over all files.
+    ``kind`` is 'scores' (floating-point) or 'mask' (floating-point or boolean).
+    A tensor (or a .pt file) larger than ``max_bytes`` is refused before it is read.
+    Raises :class:`AttncheckError` for any bad input.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     selector = KeySelector(keys)
     result: list[NamedTensor] = []
     for file in expand_paths(paths):
-        listing = open_file(file)
+        listing = open_file(file, kind, max_bytes)
         selected = selector.select(listing.path, listing.keys)
         if selected:
             for key, tensor in listing.load(selected):
                 name = qualified_name(listing.path, key)
-                result.append(NamedTensor(name, check_tensor(name, tensor, any_dtype)))
+                result.append(NamedTensor(name, check_tensor(name, tensor, kind)))
     selector.check_all_matched()
     return result
 
 
-def open_sources(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = ()) -> list[TensorSource]:
+def open_sources(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (), *, max_bytes: int | None = None) -> list[TensorSource]:
     """A source for every tensor in ``paths`` that ``keys`` selects.
 
     Same files, order, names, ``keys`` semantics and errors as :func:`load_tensors`;
-    reads only headers (but loads ``.pt`` files whole). Raises :class:`AttncheckError`
-    for any bad input.
+    reads only headers (but loads ``.pt`` files whole, and Fortran-ordered arrays when
+    read; ``max_bytes`` bounds both). Raises :class:`AttncheckError` for any bad input.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     selector = KeySelector(keys)
     result: list[TensorSource] = []
     for file in expand_paths(paths):
-        listing = open_file(file)  # checks the file as load_tensors does; .pt: loads it
+        listing = open_file(file, "scores", max_bytes)  # checks the file as load_tensors does; .pt: loads it
         selected = selector.select(listing.path, listing.keys)
         if selected:
             result.extend(listing.sources(selected))

@@ -19,7 +19,8 @@ from typing import Any, BinaryIO, Protocol
 import numpy as np
 import torch
 
-from attncheck.errors import AttncheckError
+from attncheck.errors import AttncheckError, param
+from attncheck.format import size_text
 from attncheck.numerics.precision import scores_dtype_error, spec_of
 
 MAX_REASON = 120
@@ -191,13 +192,30 @@ def suffix_of(path: Path) -> str:
 def qualified_name(path: str, key: str | None) -> str:
     return path if key is None else f"{path}:{key}"
 
-def check_tensor(name: str, tensor: Any, any_dtype: bool = False) -> torch.Tensor:
+def unique_names(path: str, keys: list[str | None]) -> list[str | None]:
+    """The keys of a file, checked to name one tensor each (formats escape what could collide)."""
+    seen: set[str | None] = set()
+    for key in keys:
+        if key in seen:
+            raise error(f"{path}: two tensors are named {key!r}; attncheck cannot tell them apart")
+        seen.add(key)
+    return keys
+
+# What a tensor is read as: 'scores' (also q and k) must be floating-point; a 'mask' may
+# also be boolean (True = attend or True = masked) - the same rules in every format.
+KINDS = ("scores", "mask")
+
+
+def check_tensor(name: str, tensor: Any, kind: str = "scores") -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):  # defensive; loaders yield tensors
         raise error(f"{name} is not a tensor (got {type(tensor).__name__})")
+    if tensor.is_nested:
+        raise error(f"{name} is a nested tensor (rows of different lengths); attncheck needs a dense tensor: pad it, or save each part")
+    if tensor.device.type == "meta":
+        raise error(f"{name} is a meta tensor: it has a shape but no values (saved from a model on the meta device); save the real tensor")
     if tensor.layout != torch.strided:
         raise error(f"{name} has layout {torch_name(tensor.layout)}; attncheck needs a dense tensor")
-    if not any_dtype and not is_scores_dtype(tensor.dtype):  # masks may be boolean: checked by their user
-        raise dtype_error(name, torch_name(tensor.dtype))
+    check_dtype(name, tensor.dtype, kind)
     check_shape(name, tuple(tensor.shape))
     tensor = tensor.detach()  # plain tensor, also for nn.Parameter
     if tensor.device.type != "cpu":  # defensive; map_location="cpu" already
@@ -209,8 +227,24 @@ def is_scores_dtype(dtype: torch.dtype) -> bool:
     return spec is not None and spec.scores
 
 
-def dtype_error(name: str, shown: str) -> AttncheckError:
+def check_dtype(name: str, dtype: torch.dtype, kind: str = "scores") -> None:
+    """Scores, q and k: a floating dtype attncheck reads; a mask: that or bool."""
+    if kind == "mask" and dtype == torch.bool:
+        return
+    if not is_scores_dtype(dtype):
+        raise dtype_error(name, torch_name(dtype), kind)
+
+
+def dtype_error(name: str, shown: str, kind: str = "scores") -> AttncheckError:
+    if kind == "mask":
+        return error(f"{name} has dtype {shown}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask")
     return error(str(scores_dtype_error(name, shown)))
+
+
+def check_size(name: str, nbytes: int, max_bytes: int | None, what: str = "loading it whole") -> None:
+    """Refuse, before anything is allocated, what would not fit in the memory budget."""
+    if max_bytes is not None and nbytes > max_bytes:
+        raise error(f"{name}: {what} needs {size_text(nbytes)}, over {param('max_memory')} {size_text(max_bytes)}")
 
 def check_shape(name: str, shape: tuple[int, ...]) -> None:
     if len(shape) == 0:
@@ -239,14 +273,16 @@ def object_array_error(what: str) -> AttncheckError:
         "does not support; nothing was unpickled. Save a numeric floating-point array"
     )
 
-def check_numpy_dtype(name: str, dtype: np.dtype) -> None:
+def check_numpy_dtype(name: str, dtype: np.dtype, kind: str = "scores") -> None:
+    if kind == "mask" and dtype.kind == "b":
+        return
     if dtype.kind != "f" or dtype.itemsize not in (2, 4, 8):
         shown = dtype.name if dtype.kind in "biufc" else str(dtype)
-        raise dtype_error(name, shown)
+        raise dtype_error(name, shown, kind)
 
-def from_numpy(name: str, array: np.ndarray) -> torch.Tensor:
+def from_numpy(name: str, array: np.ndarray, kind: str = "scores") -> torch.Tensor:
     dtype = array.dtype
-    check_numpy_dtype(name, dtype)
+    check_numpy_dtype(name, dtype, kind)
     if not dtype.isnative:
         array = array.astype(dtype.newbyteorder("="))
     if not array.flags.writeable:

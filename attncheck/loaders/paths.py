@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from attncheck.errors import param
-from attncheck.loaders.common import error, qualified_name, suffix_of
+from attncheck.loaders.common import error, qualified_name, reason, suffix_of
 from attncheck.loaders.formats import SUPPORTED_SUFFIXES
 
 MAX_LISTED = 10
@@ -28,6 +28,8 @@ class KeySelector:
 
     def select(self, path: str, keys: Sequence[str | None]) -> list[str | None]:
         selected: list[str | None] = []
+        keyset = set(keys)
+        exact = {p for p in self.patterns if p in keyset}  # patterns that are a key of this file
         for key in keys:
             self._available.append(qualified_name(path, key))
             match_on = Path(path).name if key is None else key
@@ -36,7 +38,9 @@ class KeySelector:
                 continue
             hit = False
             for i, pattern in enumerate(self.patterns):
-                if fnmatch.fnmatchcase(match_on, pattern):
+                # A pattern that is a key of this file names that key alone ("['a.b']",
+                # 'scores[0]'); any other pattern is a glob.
+                if pattern == match_on or (pattern not in exact and fnmatch.fnmatchcase(match_on, pattern)):
                     self._matched[i] = True
                     hit = True
             if hit:
@@ -62,6 +66,12 @@ def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
         if isinstance(given, bytes):  # os.PathLike[bytes]
             given = os.fsdecode(given)
         path = Path(given)
+        try:
+            path.stat()
+        except FileNotFoundError:
+            raise error(f"{given}: no such file or directory") from None
+        except (OSError, ValueError) as exc:  # a name too long, a loop of links, a NUL byte
+            raise error(f"{given}: cannot read it ({reason(exc)})") from None
         if path.is_dir():
             found = scan_directory(path)
             if not found:

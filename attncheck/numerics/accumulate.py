@@ -14,8 +14,9 @@ from attncheck.numerics.precision import (
     dtype_from_name,
     exp_overflow_threshold,
     exp_underflow_threshold,
+    known_sentinels,
 )
-from attncheck.numerics.reduce import Examples, ExactSum, Max, attribute, count_values, most_common, unravel
+from attncheck.numerics.reduce import Examples, ExactSum, Max, attribute, count_values, group_mask_values, unravel
 from attncheck.numerics.softmax import event_rows
 from attncheck.registry import EVENTS
 from attncheck.results import Cell, Census, Distribution, DtypeHeadroom
@@ -108,9 +109,10 @@ class CensusAcc:
                     cast_posinf_values=self.cast_pos[d],
                     cast_neginf_values=self.cast_neg[d],
                     cast_overflow_rows=self.cast_rows[d],
-                    cast_overflow_examples=[v for v, _ in most_common(self.cast_values[d])],
+                    cast_overflow_examples=[v for v, *_ in group_mask_values(self.cast_values[d], known_sentinels())],
                 )
             )
+        sentinels = group_mask_values(self.sentinel_rows, known_sentinels())
         n = self.n_finite
         mean = std = None
         if n:  # sums are of x - shift, so the std does not cancel when |mean| >> std
@@ -131,7 +133,8 @@ class CensusAcc:
             posinf=self.posinf,
             neginf=self.neginf,
             masked=self.masked,
-            sentinels=most_common(self.sentinel_rows),
+            sentinels=[(v, rows) for v, rows, _, _ in sentinels],
+            sentinel_spans=[(lo, hi) for _, _, lo, hi in sentinels],
             fully_masked_rows=self.fully_masked_rows,
             neginf_rows=self.neginf_rows,
             nan_input_rows=self.nan_rows,
@@ -391,6 +394,7 @@ class CellAcc:
             nan_rows=self.nan_rows,
             nan_causes=dict(self.nan_causes),
             overflow_rows=self.overflow_rows,
+            overflow_events={name: self.events[name] for name in EVENTS if EVENTS[name] == "overflow" and self.events[name]},
             underflow_rows=self.underflow_rows,
             zero_rows=self.zero_rows,
             zero_causes=dict(self.zero_causes),
@@ -428,9 +432,11 @@ class CellAcc:
             p_scale=self.p_scale,
         )
 
-    def _top_heads(self, k: int = 5) -> list[tuple[tuple[int, ...], int]]:
+    def _top_heads(self) -> list[tuple[tuple[int, ...], int]]:
+        """Every leading index with NaN rows, most first (ties by index)."""
         if not self.heads or not bool(self.nan_by_head.any()):
             return []
         counts, idx = torch.sort(self.nan_by_head, descending=True, stable=True)
-        return [(unravel(int(i), self.heads), int(n)) for n, i in zip(counts[:k].tolist(), idx[:k].tolist()) if n]
+        hit = int((counts > 0).sum())
+        return [(unravel(int(i), self.heads), int(n)) for n, i in zip(counts[:hit].tolist(), idx[:hit].tolist())]
 

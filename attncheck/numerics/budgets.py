@@ -20,7 +20,7 @@ from attncheck.config.run import Options
 from attncheck.errors import AttncheckError
 from attncheck.loaders import TensorSource, memory_source
 from attncheck.numerics.diagnose import check_scores, diagnose_chunks, resolve_device, rows_per_chunk
-from attncheck.numerics.precision import dtype_from_name
+from attncheck.numerics.precision import cast, dtype_from_name
 from attncheck.numerics.reduce import unravel
 from attncheck.numerics.softmax import reference_softmax, run_method
 from attncheck.config.sweep import head_layout
@@ -139,7 +139,7 @@ def locate_worst_row(
     best, best_row, start = -1.0, None, 0
     for chunk in source.row_blocks(step):  # loop over row chunks
         x = chunk.to(device)  # (r, T)
-        xc = x.to(dt)
+        xc = cast(x, dt)
         p = run_method(method, xc, block=block, reverse=reverse, accum=accum).probs.to(torch.float64)
         ref = reference_softmax(xc if cast_reference else x)  # (r, T) float64
         err = (p - ref).abs().amax(dim=-1)  # (r,); NaN where either side is undefined
@@ -261,3 +261,42 @@ def synthetic_scores(spec: SyntheticInput, device: str = "cpu") -> torch.Tensor:
     """scale * q.k from the sweep generator, float64: (rows, seq)."""
     s = make_scores(spec.rows, spec.seq, spec.d_k, dist=spec.dist, std=spec.std, seed=spec.seed, device=device)
     return s * spec.scale.value(spec.d_k)  # (R, S)
+
+
+def synthetic_source(spec: SyntheticInput, device: str = "cpu", max_bytes: int | None = None) -> TensorSource:
+    """``synthetic_scores`` as row blocks, bit for bit: q and k are drawn once, and each
+    head's scores are computed (as the sweep's batched matmul computes them) only when its
+    rows are read, so a large input holds q, k and about two heads' scores, never all rows.
+    Sizes over ``max_bytes`` (``config.check.synthetic_bytes``) are refused before drawing."""
+    from attncheck.config.check import synthetic_bytes
+    from attncheck.config.sweep import head_layout
+    from attncheck.format import size_text
+
+    need = synthetic_bytes(spec)
+    if max_bytes is not None and need > max_bytes:
+        raise AttncheckError(f"{spec.name}: needs {size_text(need)}, over max_memory {size_text(max_bytes)}")
+    heads, queries = head_layout(spec.rows, spec.seq)
+    q, k = make_qk(heads, queries, spec.seq, spec.d_k, dist=spec.dist, std=spec.std, seed=spec.seed, budget=need)
+    q, k = q.to(device), k.to(device)
+    scale = spec.scale.value(spec.d_k)
+
+    def head_rows():
+        for h in range(heads):  # a loop over heads: each is one matmul, as in make_scores
+            rows = min(queries, spec.rows - h * queries)
+            yield (q[h] @ k[h].transpose(-1, -2))[:rows].mul_(scale)  # (Q, S)
+
+    def blocks(rows_per_block: int):
+        pending, have = [], 0
+        for part in head_rows():
+            start = 0
+            while start < part.shape[0]:
+                take = min(rows_per_block - have, part.shape[0] - start)
+                pending.append(part[start : start + take])
+                have, start = have + take, start + take
+                if have == rows_per_block:
+                    yield torch.cat(pending) if len(pending) > 1 else pending[0].clone()
+                    pending, have = [], 0
+        if have:
+            yield torch.cat(pending) if len(pending) > 1 else pending[0].clone()
+
+    return TensorSource(spec.name, (spec.rows, spec.seq), torch.float64, False, blocks)

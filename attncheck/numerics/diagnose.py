@@ -22,7 +22,7 @@ from attncheck.findings import findings_for
 from attncheck.numerics.accumulate import CellAcc, CensusAcc, DistAcc
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, select_backend
 from attncheck.numerics.backends.torch_rows import TorchRows
-from attncheck.numerics.precision import check_scores_dtype, dtype_from_name, dtype_label, limits_of
+from attncheck.numerics.precision import cast, check_scores_dtype, dtype_from_name, dtype_label, limits_of
 from attncheck.numerics.softmax import MethodParams
 from attncheck.registry import METHODS, PATHS, fp8_names, path_names
 from attncheck.results import TensorDiagnosis
@@ -290,7 +290,7 @@ def _cast(c: ChunkFacts, dt: torch.dtype, census: CensusAcc, name: str, backend:
     x = c.x
     if dt == x.dtype:
         return torch.zeros_like(c.bad), backend.same_reference(c)
-    xc = x.to(dt)
+    xc = cast(x, dt)
     algo = backend.algo_reference(xc)
     # Rounding is monotonic, so only a finite value beyond dt's largest can round to inf:
     # the rows to check are known from the census, whatever -inf masks the rows carry.
@@ -308,11 +308,11 @@ def _cast(c: ChunkFacts, dt: torch.dtype, census: CensusAcc, name: str, backend:
 def _extremes_in_dtype(block, c: ChunkFacts, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(r,) float64: each row's largest finite score and smallest unmasked one as the cells of
     xc's dtype see them; where the dtype turns a finite score into +inf, the score as given."""
-    if isinstance(block, torch.Tensor):
+    if isinstance(block, torch.Tensor) or hasattr(block, "audit_dtype"):  # scores as given
         # Rounding is monotonic, so the cast of a row's extremes are the cast row's extremes;
-        # the cast runs through torch from the input's dtype (fp64 -> fp16 rounds via fp32, as the cells' cast does).
-        top = c.max_finite.to(c.x.dtype).to(xc.dtype).to(torch.float64)
-        low = c.unmasked_min.to(c.x.dtype).to(xc.dtype).to(torch.float64)
+        # the cast rounds once from the input's dtype, as the cells' cast does.
+        top = cast(c.max_finite.to(c.x.dtype), xc.dtype).to(torch.float64)
+        low = cast(c.unmasked_min.to(c.x.dtype), xc.dtype).to(torch.float64)
         return torch.where(torch.isposinf(top), c.max_finite, top), low
     return block.extremes(xc)
 
@@ -320,7 +320,9 @@ def _extremes_in_dtype(block, c: ChunkFacts, xc: torch.Tensor) -> tuple[torch.Te
 def _in_dtype(block, c: ChunkFacts, dt: torch.dtype, census: CensusAcc, name: str, backend: RowBackend):
     """Scores of one block in ``dt`` with their algo reference, and the pipeline causes
     before and after 'fully_masked'."""
-    if isinstance(block, torch.Tensor):
+    if isinstance(block, torch.Tensor) or hasattr(block, "audit_dtype"):
+        if not isinstance(block, torch.Tensor):  # given scores: the Q/K pipeline runs for the audit
+            block.audit_dtype(dt)
         cast_made, algo = _cast(c, dt, census, name, backend)
         return algo, [], [("cast_overflow", cast_made)]
     xc, before, after = block.in_dtype(dt)  # scores the model computes in dt (Q@K^T, scale, mask)
@@ -342,7 +344,7 @@ def diagnose_attention(
     instead, and the scale that maps q.k onto them is fitted.
     """
     from attncheck.loaders import TensorSource, memory_source
-    from attncheck.numerics.scores import fit_scale, score_blocks, start_audit
+    from attncheck.numerics.scores import fit_scale, given_blocks, score_blocks, start_audit
 
     options = options or Options()
     audit = start_audit(inputs)
@@ -351,7 +353,8 @@ def diagnose_attention(
         check_scores_dtype(name, source.dtype)
         step = rows_per_chunk(source.shape[-1], options)
         audit.fitted_scale = fit_scale(source, inputs, step)
-        return diagnose_chunks(name, source.shape, source.dtype, source.row_blocks(step), options, progress, attention=audit, notice=notice)
+        blocks = given_blocks(source, inputs, step, resolve_device(options.device), audit)
+        return diagnose_chunks(name, source.shape, source.dtype, blocks, options, progress, attention=audit, notice=notice)
     step = rows_per_chunk(inputs.k.shape[2], options)
     blocks: Iterable[QKBlock] = score_blocks(inputs, step, resolve_device(options.device), audit)
     return diagnose_chunks(name, inputs.score_shape, inputs.q.dtype, blocks, options, progress, attention=audit, notice=notice, qk=True)

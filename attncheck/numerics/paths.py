@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from attncheck.numerics.precision import cast
 from attncheck.numerics.softmax import MethodOutput, MethodParams
 from attncheck.registry import METHODS
 
@@ -61,7 +62,7 @@ def _matmul_rows(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def eager(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
     xc, before, after = block.in_dtype(dt)  # (r, Tk) scores in dt
-    v = None if block.v is None else block.v.to(dt)
+    v = None if block.v is None else cast(block.v, dt)
     cells = []
     for name in methods:
         out = METHODS.get(name).function()(xc, params)
@@ -82,13 +83,13 @@ def sdpa_math(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params:
     p = safe_softmax(s)
     out = MethodOutput(p)
     if block.v is not None:
-        out.out = _matmul_rows(p, block.v.to(dt).float()).to(dt)
+        out.out = _matmul_rows(p, cast(block.v, dt).float()).to(dt)
     return PathBlock(s, before, [], [("sdpa-math", out)])
 
 
 def flash(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
     s, before = block.fp32_scores(dt, "flash")  # (r, Tk) float32
-    v = None if block.v is None else block.v.to(dt)
+    v = None if block.v is None else cast(block.v, dt)
     n = block.q.shape[0]
     p, o = online_attention(s.reshape(n, -1, s.shape[-1]), dt, params.block, params.reverse, v)
     out = MethodOutput(p.reshape(s.shape), out=None if o is None else o.reshape(-1, o.shape[-1]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from attncheck.errors import AttncheckError
@@ -81,6 +82,60 @@ def _step(value: float, dtype: torch.dtype, by: int) -> float:
 def ulp_of_one(dtype: torch.dtype) -> float:
     """The spacing just above 1.0: fp16 2**-10, bf16 2**-7, e4m3 2**-3, e5m2 2**-2."""
     return _step(1.0, dtype, 1) - 1.0
+# Where rounding float32 to fp16 / bf16 is a tie: the float32 bits it drops (13 / 16) are
+# exactly one half. Below fp16's smallest normal (float32 exponent field < 113) it drops
+# more bits, so every such value is checked.
+_TIES = {torch.float16: (0x1FFF, 0x1000, 113 << 23), torch.bfloat16: (0xFFFF, 0x8000, None)}
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded once to the nearest value of ``dtype`` (ties to even), as an IEEE cast does.
+
+    torch casts float64 to fp16 and bf16 through float32, rounding twice: a float64 just
+    below the midpoint of two fp16 values lands on the midpoint in float32 and then rounds
+    up (11.0898437499 becomes 11.09375, whose exp overflows fp16; 65519.99 becomes inf).
+    That can only happen where the float32 value is such a tie; those few values are
+    rounded again from float64 through float32 with round-to-odd (truncate, then set the
+    last bit when inexact), which float32's 13 and 16 spare bits make exact.
+    """
+    if x.dtype != torch.float64 or dtype not in _TIES:
+        return x.to(dtype)
+    f = x.to(torch.float32).contiguous()
+    out = f.to(dtype)  # (...) contiguous, as f
+    low, half, tiny = _TIES[dtype]
+    if f.device.type == "cpu":  # numpy's integer ops are several times faster here than torch's
+        bits = f.reshape(-1).numpy().view(np.int32)
+        suspect = (bits & low) == half
+        if tiny is not None:
+            suspect |= (bits & 0x7F800000) < tiny
+        idx = torch.from_numpy(np.flatnonzero(suspect))
+    else:
+        bits = f.reshape(-1).view(torch.int32)
+        suspect = (bits & low) == half
+        if tiny is not None:
+            suspect |= (bits & 0x7F800000) < tiny
+        idx = suspect.nonzero().flatten()
+    if idx.numel():
+        idx = idx.to(f.device)
+        out.view(-1)[idx] = _round_to_odd(x.reshape(-1)[idx]).to(dtype)
+    return out
+
+
+def _round_to_odd(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32, truncated, with the last bit set where the dropped part was not 0."""
+    f = x.to(torch.float32)  # round to nearest: one step too far in magnitude where it rounded up
+    back = f.to(torch.float64)
+    inexact = (back != x) & ~torch.isnan(x)
+    f = torch.where(inexact & (back.abs() > x.abs()), torch.nextafter(f, torch.zeros_like(f)), f)  # truncated
+    return (f.view(torch.int32) | inexact.to(torch.int32)).view(torch.float32)
+
+
+@lru_cache(maxsize=None)
+def known_sentinels() -> tuple[float, ...]:
+    """Mask constants in use: finfo(dtype).min of every registered dtype torch has, and
+    -1e4 ... -1e38 (the -1e4 / -1e9 / -1e30 of model code)."""
+    mins = [torch.finfo(dt).min for dt in _labels() if dt.is_floating_point]
+    return tuple(sorted(set(mins + [-(10.0**k) for k in range(4, 39)])))
 
 
 def rounding_limit(dtype: torch.dtype) -> float:

@@ -94,3 +94,33 @@ def count_values(counter: Counter, values: torch.Tensor) -> None:
     if values.numel():
         uniq, counts = torch.unique(values.to(torch.float64), return_counts=True)
         counter.update(dict(zip(uniq.tolist(), counts.tolist())))
+
+
+SENTINEL_SPREAD = 2.0**-5  # values within this share of each other's magnitude are one mask constant plus scores
+
+
+def group_mask_values(counter: Counter, known: tuple[float, ...] = (), k: int = 3) -> list[tuple[float, int, float, float]]:
+    """Mask-like values (row minima, overflowed values) grouped into the constants a mask holds.
+
+    A mask added to the scores shows as its constant plus each row's score: finfo(fp16).min
+    + scores rounds to -65504, -65280, -65152 ... Values of one sign within SENTINEL_SPREAD
+    of the group's first (largest magnitude) are one group, reported as the ``known`` constant
+    inside its span if there is one, else as its most frequent value. Returns
+    (value, count, lowest, highest) per group, the most frequent first; the same whatever the
+    chunking (it only reads the counts).
+    """
+    groups: list[list[tuple[float, int]]] = []
+    for v, n in sorted(counter.items(), key=lambda kv: -abs(kv[0])):  # largest magnitude first
+        g = groups[-1] if groups else None
+        if g and (g[0][0] < 0) == (v < 0) and abs(g[0][0] - v) <= SENTINEL_SPREAD * abs(g[0][0]):
+            g.append((v, n))
+        else:
+            groups.append([(v, n)])
+    out = []
+    for g in groups:
+        lo, hi = min(v for v, _ in g), max(v for v, _ in g)
+        slack = SENTINEL_SPREAD / 32 * max(abs(lo), abs(hi))
+        inside = [c for c in known if lo - slack <= c <= hi + slack]
+        value = inside[0] if inside else min(g, key=lambda vn: (-vn[1], -abs(vn[0])))[0]
+        out.append((value, sum(n for _, n in g), lo, hi))
+    return sorted(out, key=lambda t: (-t[1], t[0]))[:k]

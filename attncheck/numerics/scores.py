@@ -23,7 +23,8 @@ import torch
 
 from attncheck import params
 from attncheck.errors import AttncheckError, param
-from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, check_scores_dtype, dtype_label
+from attncheck.format import size_text
+from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, cast, check_scores_dtype, dtype_label
 from attncheck.results import AttentionAudit, DtypeAudit
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def sentinel_in(dtype: torch.dtype, mask_value: str) -> float:
         return float("-inf")
     if mask_value == "min":
         return torch.finfo(dtype).min
-    return torch.tensor(float(mask_value), dtype=torch.float64).to(dtype).item()
+    return cast(torch.tensor(float(mask_value), dtype=torch.float64), dtype).item()
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class AttentionInputs:
     float_mask_looks_boolean: bool = False
     v: torch.Tensor | None = None  # (B, Hk, Tk, dv): with it, the output O = P@V of every cell
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # what paths derive once per input (FP8 quantisation)
+    float_mask_value: float | None = None  # the sentinel of a float mask as the mask holds it (its most common value <= -1e4)
 
     @property
     def heads(self) -> int:
@@ -101,8 +103,11 @@ def prepare_inputs(
     mask_value: str = "-inf",
     mask_convention: str = "attend",
     v: torch.Tensor | None = None,
+    max_bytes: int | None = None,
 ) -> AttentionInputs:
-    """Validate shapes and build the mask planes; every mismatch is an AttncheckError naming both shapes."""
+    """Validate shapes and build the mask planes; every mismatch is an AttncheckError naming both shapes.
+    What the diagnosis holds whole (float64 copies of q, k and v, the mask planes over every
+    score) is estimated first and refused when it exceeds ``max_bytes``."""
     for name, t in (("q", q), ("k", k)) + ((("v", v),) if v is not None else ()):
         check_scores_dtype(name, t.dtype)
     if q.shape[-1] != k.shape[-1]:
@@ -130,8 +135,16 @@ def prepare_inputs(
     mask_value = params.mask_value(mask_value)
     b, tq, tk = q4.shape[0], q4.shape[2], k4.shape[2]
     full = (b, hq, tq, tk)
+    planes = bool(causal or pad_left or pad_right or (mask is not None and mask.dtype == torch.bool))
+    need = 8 * (q.numel() + k.numel() + (v.numel() if v is not None else 0)) + math.prod(full) * ((1 if planes else 0) + (8 if mask is not None and mask.is_floating_point() else 0))
+    if max_bytes is not None and need > max_bytes:
+        raise AttncheckError(
+            f"q, k{', v' if v is not None else ''} and the mask over every score (batch {b}, heads {hq}, queries {tq}, keys {tk}) need {size_text(need)}, "
+            f"over {param('max_memory')} {size_text(max_bytes)}"
+        )
     masked = None
     mask_float = None
+    float_mask_value = None
     looks_boolean = False
     if mask is not None:
         m4 = _broadcast_mask(mask, full, lead)
@@ -139,11 +152,14 @@ def prepare_inputs(
             masked = ~m4 if mask_convention == "attend" else m4
         elif mask.is_floating_point():
             mask_float = m4.to(torch.float64)
-            vals = torch.unique(mask_float)
+            vals, counts = torch.unique(mask.to(torch.float64), return_counts=True)  # of the mask as given, before broadcasting
             looks_boolean = vals.numel() <= 2 and bool(((vals == 0) | (vals == 1)).all()) and bool((vals == 1).any())
+            sentinel = vals <= MASK_SENTINEL_LIMIT
+            if bool(sentinel.any()):
+                float_mask_value = float(vals[sentinel][torch.argmax(counts[sentinel])])
         else:
             raise AttncheckError(f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask")
-    extra = torch.zeros(full, dtype=torch.bool)
+    extra = torch.zeros(full, dtype=torch.bool) if causal or pad_left or pad_right else None
     if causal:
         # PyTorch's is_causal: ones(L, S).tril(0), aligned at the top left.
         extra |= ~torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=0)
@@ -172,6 +188,7 @@ def prepare_inputs(
         lead=lead,
         float_mask_looks_boolean=looks_boolean,
         v=v4,
+        float_mask_value=float_mask_value,
     )
 
 
@@ -264,7 +281,7 @@ class QKBlock:
         """(scores (r, Tk) in dt, causes before 'fully_masked', causes after it)."""
         inp = self.inp
         a = self.audit.dtypes.setdefault(dtype_label(dt), DtypeAudit(dtype_label(dt)))
-        qd, kd = self.q.to(dt), self.k.to(dt)
+        qd, kd = cast(self.q, dt), cast(self.k, dt)
         if inp.scale_order == "q":
             qd = qd * inp.scale  # rounded to dt
         s = torch.matmul(qd, kd.transpose(-1, -2))  # torch's matmul in the dtype, as hand-written code runs it
@@ -278,8 +295,14 @@ class QKBlock:
         a.qk_max_abs = max(a.qk_max_abs, _finite_abs_max(flat))
         before_mask_bad = ~torch.isfinite(flat)
         sentinel = sentinel_in(dt, inp.mask_value)
-        a.sentinel_value = sentinel
-        a.sentinel_not_representable = inp.mask_value not in ("-inf",) and math.isinf(sentinel)
+        in_dt = None if inp.float_mask_value is None else sentinel_in(dt, repr(inp.float_mask_value))
+        # What a masked key holds in dt: the boolean planes' sentinel, else the float mask's.
+        values = [sentinel] if self.masked is not None else []
+        if in_dt is not None and in_dt not in values:
+            values.append(in_dt)
+        a.mask_values = values
+        a.sentinel_value = values[0] if values else sentinel
+        a.sentinel_not_representable = self.masked is not None and inp.mask_value not in ("-inf",) and math.isinf(sentinel)
         mf, plane, mask_dt = self._mask_planes(dt)
         if mf is not None:
             a.mask_not_representable += int((torch.isinf(mf) & torch.isfinite(self.mask_float)).sum())
@@ -300,7 +323,7 @@ class QKBlock:
     def _mask_planes(self, dt: torch.dtype):
         """The mask as the model holds it in ``dt``: (the float mask cast to dt, the boolean
         mask's sentinel plane in dt, their sum: the additive mask), each None when absent."""
-        mf = None if self.mask_float is None else self.mask_float.to(dt)
+        mf = None if self.mask_float is None else cast(self.mask_float, dt)
         plane = None
         if self.masked is not None:
             plane = torch.zeros(self.masked.shape, dtype=dt, device=self.masked.device).masked_fill(self.masked, sentinel_in(dt, self.inp.mask_value))
@@ -315,7 +338,7 @@ class QKBlock:
         sqrt(scale), then q @ k^T. 'flash': q and k in dt, S = q @ k^T accumulated in fp32,
         times the scale in fp32. Either way the mask, as the model holds it in dt, is added in fp32.
         """
-        qd, kd = self.q.to(dt).float(), self.k.to(dt).float()
+        qd, kd = cast(self.q, dt).float(), cast(self.k, dt).float()
         if path == "sdpa-math":
             root = math.sqrt(self.inp.scale)
             s = torch.matmul(qd * root, kd.transpose(-1, -2) * root)  # (n, tq, Tk)
@@ -336,7 +359,7 @@ class QKBlock:
         """The float64 output P64 @ V64 (r, dv) of the float64 probabilities ``ref`` (r, Tk);
         with ``dtype``, of V as that dtype holds it (the yardstick of a path's own rounding)."""
         n, tk = self.v.shape[0], self.v.shape[1]
-        v = self.v if dtype is None else self.v.to(dtype)
+        v = self.v if dtype is None else cast(self.v, dtype)
         return torch.matmul(ref.reshape(n, -1, tk), v.to(torch.float64)).reshape(-1, self.v.shape[-1])
 
     def _intended_finite_rows(self, sentinel: float) -> torch.Tensor:
@@ -400,7 +423,8 @@ def start_audit(inp: AttentionInputs, statistics: bool = True) -> AttentionAudit
         scale=inp.scale,
         scale_name=inp.scale_name,
         scale_order=inp.scale_order,
-        mask_value=inp.mask_value,
+        mask_value=inp.mask_value if inp.masked is not None or inp.float_mask_value is None else repr(inp.float_mask_value),
+        float_mask_value=inp.float_mask_value,
         q_std=robust_std(q64),
         k_std=robust_std(k64),
         q_max_abs=_finite_abs_max(q64),
@@ -428,6 +452,35 @@ def score_blocks(inp: AttentionInputs, rows_per_block: int, device: torch.device
     spread = SpreadSample(audit)
     for bh, qs in _row_ranges(inp, rows_per_block):
         yield QKBlock(inp, bh, qs, device, audit, spread)
+
+
+class GivenBlock:
+    """A block of scores a model produced, diagnosed as they are, beside the Q/K pipeline of
+    the same rows, which runs for the audit only (Q@K^T overflow, the mask per dtype, leaks):
+    so scores given with --q/--k get the same pipeline table and findings as Q/K alone."""
+
+    all_masked = None  # the census reads the given scores' own values
+
+    def __init__(self, given: torch.Tensor, qk: QKBlock) -> None:
+        self.given, self.qk = given, qk  # (r, Tk) as given, the same rows from Q and K
+
+    def mark_masked(self, c: "ChunkFacts") -> None:
+        """Masked keys and rows are read from the given scores' own values (the census default)."""
+
+    def audit_reference(self, ref: torch.Tensor, ref_ok: torch.Tensor) -> None:
+        self.qk.audit_reference(ref, ref_ok)
+
+    def audit_dtype(self, dt: torch.dtype) -> None:
+        self.qk.in_dtype(dt)
+
+
+def given_blocks(scores: "TensorSource", inp: AttentionInputs, rows_per_block: int, device: torch.device, audit: AttentionAudit) -> Iterator[GivenBlock]:
+    """The given scores in blocks of the rows ``score_blocks`` computes, each with its QKBlock."""
+    spread = SpreadSample(audit)
+    rows = _Rows(scores.row_blocks(rows_per_block))
+    for bh, qs in _row_ranges(inp, rows_per_block):
+        qk = QKBlock(inp, bh, qs, device, audit, spread)
+        yield GivenBlock(rows.take(qk.given.shape[0]), qk)
 
 
 def _qk_float64(inp: AttentionInputs, bh: slice, qs: slice, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -76,6 +76,7 @@ def tiled_softmax(x: torch.Tensor, block: int = DEFAULT_BLOCK, reverse: bool = F
         raise AttncheckError(f"must be >= 1, got {block}", param="block")
     n = x.shape[-1]
     lead = x.shape[:-1]
+    block = min(block, n)  # a block wider than the row is the row: same numbers, no padding to allocate
     nb = -(-n // block)
     # (..., nb, B) float32 blocks in processing order; a short last block is padded with
     # -inf keys, whose exp is 0. Block-wide ops run on all blocks at once; only the
@@ -99,7 +100,11 @@ def tiled_softmax(x: torch.Tensor, block: int = DEFAULT_BLOCK, reverse: bool = F
     del e
     m_final = m_safe[..., -1:]
     inv_l = torch.where((l == 0) | torch.isnan(l), 1.0, 1.0 / l).unsqueeze(-1)  # (..., 1)
-    rescale = torch.exp(m_safe - m_final) * inv_l  # (..., nb)
+    # The kernel rescales its output block by block; the factors telescope to
+    # exp(m_j - m_final). A block whose running max is still -inf contributed P_j = 0 and
+    # is rescaled by exp(-inf) = 0: its guarded m_safe = 0 must not stand in for m_j here
+    # (exp(0 - m_final) overflows for m_final < -88.7, and 0 * inf is NaN).
+    rescale = torch.exp(m_run - m_final) * inv_l  # (..., nb)
     out = p_blocks.float().mul_(rescale.unsqueeze(-1))  # p_blocks.float() is a new tensor, or e's own memory
     if reverse:
         out = out.flip(-2)
@@ -148,19 +153,21 @@ def _exp_softmax(x: torch.Tensor, accum: str, subtract_max: bool) -> MethodOutpu
     e = (x - x_max).exp_() if subtract_max else torch.exp(x)
     s = _row_sum(e, accum)
     probs = e / s
-    # The row sum is inf when an exp overflowed, or when every exp is finite and their sum
-    # is not (fp16: 100 x exp(7) = 109,663 > 65504); a sum of exps >= 0 is 0 only when every
-    # exp flushed to 0 (stable has exp(0) = 1, so neither an exp overflow nor a flush can
-    # happen there). A finite row max rules out NaN and +inf inputs, reported as such elsewhere.
+    # An inf row sum means an exp overflowed (then the sum is inf too) or, every exp being
+    # finite, the sum itself did; only those rows are searched for an inf exp. A zero sum
+    # means every exp flushed to 0 (stable has exp(0) = 1). A finite row max rules out NaN
+    # and +inf inputs, reported as such elsewhere.
     finite_max = torch.isfinite(x_max.squeeze(-1))
     s = s.squeeze(-1)
-    inf_sum = finite_max & torch.isinf(s)
-    if subtract_max:
-        return MethodOutput(probs, {"sum_overflow": inf_sum})
+    inf_sum = finite_max & torch.isinf(s)  # (...)
     exp_inf = torch.zeros_like(inf_sum)
-    if bool(inf_sum.any()):  # look at the exps of those rows only
-        exp_inf[inf_sum] = torch.isinf(e[inf_sum]).any(dim=-1)
-    events = {"exp_overflow": exp_inf, "sum_overflow": inf_sum & ~exp_inf, "underflow": finite_max & (s == 0)}
+    if subtract_max:  # exp(x - max) <= 1: only the sum can overflow
+        events = {"sum_overflow": inf_sum}
+    else:
+        if bool(inf_sum.any()):
+            rows = torch.nonzero(inf_sum.reshape(-1)).flatten()
+            exp_inf.view(-1)[rows] = torch.isinf(e.reshape(-1, e.shape[-1])[rows]).any(dim=-1)
+        events = {"exp_overflow": exp_inf, "sum_overflow": inf_sum & ~exp_inf, "underflow": finite_max & (s == 0)}
     return MethodOutput(probs, events)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from attncheck.errors import AttncheckError
-from attncheck.config.sweep import DIST_NAMES, MEMORY_BUDGET_BYTES, OUTLIER_PROB, OUTLIER_VAR, gib, head_layout
+from attncheck.config.sweep import DIST_NAMES, MEMORY_BUDGET_BYTES, OUTLIER_PROB, OUTLIER_VAR, gib, head_layout, qk_bytes
 
 
 def entry_moments(dist: str, std: float = 1.0) -> tuple[float, float]:
@@ -32,11 +32,15 @@ def entry_moments(dist: str, std: float = 1.0) -> tuple[float, float]:
 
 
 def _draw(shape: tuple[int, ...], dist: str, std: float, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """In place where it can be (the same numbers as x + hit * 10 * noise, then * std), so a
+    draw holds at most two tensors of its size: ``qk_bytes`` counts them."""
     x = torch.randn(shape, generator=g, dtype=dtype)
     if dist == "outliers":
         hit = torch.rand(shape, generator=g, dtype=dtype) < OUTLIER_PROB
-        x = x + hit * (OUTLIER_VAR**0.5) * torch.randn(shape, generator=g, dtype=dtype)
-    return x * std
+        noise = torch.randn(shape, generator=g, dtype=dtype)
+        x += noise.masked_fill_(~hit, 0.0).mul_(OUTLIER_VAR**0.5)  # (not mul_(hit): that makes a float copy of hit)
+        del noise, hit
+    return x.mul_(std)
 
 
 def make_qk(
@@ -56,8 +60,8 @@ def make_qk(
     ``with_v`` also v (H, S, d) drawn like them, after them (so q and k are the same draws).
 
     The same seed gives the same draws for any ``std`` (std only multiplies), so
-    grids over std compare like with like. Sizes whose tensors would exceed
-    ``budget`` bytes are refused before anything is allocated.
+    grids over std compare like with like. Sizes whose draws would exceed ``budget``
+    bytes (``qk_bytes``) are refused before anything is allocated.
     """
     for name, v in (("heads", heads), ("queries", queries), ("seq", seq), ("d_k", dk)):
         if v < 1:
@@ -65,7 +69,7 @@ def make_qk(
     if dist not in DIST_NAMES:
         raise AttncheckError(f"unknown distribution {dist!r} (choose from {', '.join(DIST_NAMES)})")
     item = torch.empty((), dtype=dtype).element_size()
-    need = item * heads * (queries * dk + (2 if with_v else 1) * seq * dk + queries * seq)
+    need = qk_bytes(heads, queries, seq, dk, dist) * item // 8 + (item * heads * seq * dk if with_v else 0)
     if need > budget:
         raise AttncheckError(
             f"synthetic Q/K of {heads} heads x ({queries} queries + {seq} keys) x d_k {dk} need "
@@ -103,5 +107,12 @@ def make_scores(
     queries over ``seq`` shared keys; the last head is cut to give ``rows`` rows.
     """
     heads, queries = head_layout(rows, seq)
+    item = torch.empty((), dtype=dtype).element_size()
+    need = qk_bytes(heads, queries, seq, dk, dist) * item // 8 + item * heads * queries * seq
+    if need > MEMORY_BUDGET_BYTES:
+        raise AttncheckError(
+            f"synthetic scores of {heads} heads x {queries} queries x {seq} keys (d_k {dk}) need "
+            f"{gib(need)}, over the {gib(MEMORY_BUDGET_BYTES)} budget"
+        )
     q, k = make_qk(heads, queries, seq, dk, dist=dist, std=std, seed=seed, dtype=dtype)
     return scores_of(q.to(device), k.to(device), rows)  # (R, S)

@@ -29,8 +29,8 @@ def run_check(config: CheckConfig, device: str | None = None, track: Track | Non
 
 
 def _run_check(config: CheckConfig, device: str | None, track: Track, notice) -> CheckResult:
-    from attncheck.loaders import memory_source, open_sources
-    from attncheck.numerics.budgets import check_attention, check_source, synthetic_scores
+    from attncheck.loaders import open_sources
+    from attncheck.numerics.budgets import check_attention, check_source, synthetic_source
     from attncheck.numerics.diagnose import resolve_device
     from attncheck.pipelines.run import device_label
 
@@ -38,7 +38,8 @@ def _run_check(config: CheckConfig, device: str | None, track: Track, notice) ->
     start = time.perf_counter()
     cases: list[CaseResult] = []
     names: list[str] = []
-    sources = open_sources(list(config.files), list(config.keys)) if config.files else []  # headers; .pt whole
+    budget = config.memory_budget
+    sources = open_sources(list(config.files), list(config.keys), max_bytes=budget) if config.files else []  # headers; .pt whole
     options = config.options(device=str(dev))
     for src in sources:
         name = _relative_name(src.name, config)
@@ -51,7 +52,7 @@ def _run_check(config: CheckConfig, device: str | None, track: Track, notice) ->
             cases += check_attention(spec, config.budget, config.options(spec.dtypes, str(dev)), config.dtype_budgets,
                                      progress=track(spec.name, heads * queries), notice=notice)
             continue
-        src = memory_source(spec.name, synthetic_scores(spec, str(dev)))
+        src = synthetic_source(spec, str(dev), budget)
         cases += check_source(src, config.budget, config.options(spec.dtypes, str(dev)), config.dtype_budgets, progress=track(spec.name, src.rows), notice=notice)
     return CheckResult(
         config=config.display,

@@ -145,44 +145,68 @@ def check_lines(case: CaseResult) -> list[str]:
 # --------------------------------------------------------------------------- Rich
 
 
-def summary_tables(result: CheckResult) -> list[Text | Table]:
+def summary_tables(result: CheckResult, width: int = 80) -> list[Text | Table]:
     """Per input its name, then a table with one row per cell: pass/fail and the measured
-    value under each budget; the header gives the budget."""
+    value under each budget; the header gives the budget. Numbers and names are never cut:
+    when the budgets do not fit ``width`` columns side by side, they go to several tables."""
     columns = budget_columns(result)
     tables: list[Text | Table] = []
     for name in result.inputs:
         tables.append(Text(name, style="bold", overflow="fold"))
-        t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
-        t.add_column("result", no_wrap=True)
-        t.add_column("cell", no_wrap=True)
-        for budget in columns:
-            label = budget.replace("relative_to", "relative_to\n") if budget in RELATIVE_BUDGETS else budget
-            t.add_column(f"{label}\n{limit_text(budget, _header_limit(result, budget))}", justify="right", no_wrap=True)
-        for case in (c for c in result.cases if c.input == name):
-            by_name = {c.budget: c for c in case.checks}
-            cells: list[Any] = []
-            for budget in columns:
-                c = by_name.get(budget)
-                if c is None:
-                    cells.append(Text("-", style="dim"))
-                else:
-                    cells.append(Text(_cell_text(c, _header_limit(result, budget)), style="" if c.passed else "bold red"))
-            status = Text("pass", style="green") if case.passed else Text("FAIL", style="bold red")
-            t.add_row(status, case.name, *cells)
-        tables.append(t)
+        cases = [c for c in result.cases if c.input == name]
+        headers = {budget: _label(budget) + "\n" + limit_text(budget, _header_limit(result, budget)) for budget in columns}
+        cells = {budget: [_cell(case, budget, result) for case in cases] for budget in columns}
+        wide = {b: max([len(line) for line in headers[b].splitlines()] + [len(t.plain) for t in cells[b]]) for b in columns}
+        # SIMPLE_HEAD: a space at each edge, and padding + separator + padding between columns
+        fixed = 1 + len("result") + 3 + max([len("cell")] + [len(c.name) for c in cases]) + 1
+        for group in _fit(columns, wide, width - fixed):
+            t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+            t.add_column("result", no_wrap=True)
+            t.add_column("cell", no_wrap=True)
+            for budget in group:
+                t.add_column(headers[budget], justify="right", no_wrap=True)
+            for i, case in enumerate(cases):
+                status = Text("pass", style="green") if case.passed else Text("FAIL", style="bold red")
+                t.add_row(status, case.name, *(cells[budget][i] for budget in group))
+            tables.append(t)
     return tables
 
 
-def render_summary(result: CheckResult, quiet: bool = False) -> Group:
+def _label(budget: str) -> str:
+    return budget.replace("relative_to", "relative_to\n") if budget in RELATIVE_BUDGETS else budget
+
+
+def _cell(case: CaseResult, budget: str, result: CheckResult) -> Text:
+    c = next((c for c in case.checks if c.budget == budget), None)
+    if c is None:
+        return Text("-", style="dim")
+    return Text(_cell_text(c, _header_limit(result, budget)), style="" if c.passed else "bold red")
+
+
+def _fit(columns: list[str], wide: dict[str, int], room: int) -> list[list[str]]:
+    """Budget columns in order, split into groups whose widths (plus three spaces each) fit ``room``."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for b in columns:
+        need = wide[b] + 3
+        if groups[-1] and used + need > room:
+            groups.append([])
+            used = 0
+        groups[-1].append(b)
+        used += need
+    return groups
+
+
+def render_summary(result: CheckResult, quiet: bool = False, width: int = 80) -> Group:
     """The table (unless ``quiet``) and the verdict line; the CLI writes the broken budgets to stderr."""
-    parts: list[Any] = [] if quiet else [Text(f"attncheck check: config {result.config}, device {result.device}"), *summary_tables(result)]
+    parts: list[Any] = [] if quiet else [Text(f"attncheck check: config {result.config}, device {result.device}"), *summary_tables(result, width)]
     style = "bold red" if result.failures else "green"
     parts.append(Text(summary_line(result), style=style))
     return Group(*parts)
 
 
 def print_summary(console: Console, result: CheckResult, quiet: bool = False) -> None:
-    console.print(render_summary(result, quiet=quiet))
+    console.print(render_summary(result, quiet=quiet, width=console.width))
 
 
 # --------------------------------------------------------------------------- JUnit

@@ -12,10 +12,12 @@ from rich.text import Text
 
 from attncheck import __version__
 from attncheck.params import MASK_SENTINEL_LIMIT
-from attncheck.format import cosine, fmt, rows_text, to_jsonable
+from attncheck.format import cosine, fmt, index_text, rows_text, to_jsonable
 from attncheck.results import Cell, TensorDiagnosis
 
 JSON_SCHEMA = "attncheck.run/1"
+
+NAN_HEADS_SHOWN = 3  # leading indices with NaN rows named per cell in the table; the JSON has all
 
 VERDICT_STYLE = {"nan": "bold red", "overflow": "bold red", "zero": "red", "flip": "yellow", "ok": "green"}
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
@@ -35,8 +37,7 @@ def census_panel(d: TensorDiagnosis) -> Panel:
     if c.nan or c.posinf:
         specials.stylize("bold red")
     t.add_row("non-finite", specials)
-    sentinels = ", ".join(f"{v:.4g} ({n} rows)" for v, n in c.sentinels)
-    t.add_row("masked", f"{c.masked} positions (-inf or <= {MASK_SENTINEL_LIMIT:.0e})".replace("e+0", "e") + (f"; mask values {sentinels}" if sentinels else ""))
+    t.add_row("masked", f"{c.masked} positions (-inf or <= {MASK_SENTINEL_LIMIT:.0e})".replace("e+0", "e") + (f"; mask values {_sentinels(d)}" if c.sentinels else ""))
     fm = Text(f"{c.fully_masked_rows} rows ({c.neginf_rows} all -inf)")
     if c.fully_masked_rows:
         fm.stylize("yellow")
@@ -44,19 +45,36 @@ def census_panel(d: TensorDiagnosis) -> Panel:
     return Panel(t, title=f"[bold]{d.name}[/]  {d.dtype}", title_align="left")
 
 
+def _sentinels(d: TensorDiagnosis) -> str:
+    """'-65504 (60 rows; row minima -65504 to -65152)': a mask constant as the mask holds it,
+    and the values it became once added to the scores."""
+    c = d.census
+    spans = c.sentinel_spans or [(v, v) for v, _ in c.sentinels]
+    parts = []
+    for (v, n), (lo, hi) in zip(c.sentinels, spans):
+        span = f"; row minima {lo:.6g} to {hi:.6g}" if lo != hi or lo != v else ""
+        parts.append(f"{v:.6g} ({n} rows{span})")
+    return ", ".join(parts)
+
+
+def compact_table(title: str) -> Table:
+    """A table that fits 80 columns: header lines, no side borders, one space between columns."""
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
+
+
+def number_column(t: Table, header: str) -> None:
+    """Numbers never wrap or shrink: their headers come in short lines so that the table fits."""
+    t.add_column(header, justify="right", no_wrap=True)
+
+
 def headroom_table(d: TensorDiagnosis) -> Table:
-    t = Table(title="Headroom per dtype (scores as each dtype holds them)", title_justify="left")
-    t.add_column("dtype")
-    t.add_column("exp overflows above", justify="right")
-    t.add_column("headroom", justify="right")
-    t.add_column("rows over (naive)", justify="right")
-    t.add_column("exp underflows below", justify="right")
-    t.add_column("rows all below", justify="right")
-    t.add_column("rows spread past it", justify="right")
-    t.add_column("cast -> +-inf", justify="right")
+    t = compact_table("Headroom per dtype (scores as each dtype holds them)")
+    t.add_column("dtype", no_wrap=True)
+    for header in ("exp = inf\nabove", "headroom", "rows\nover\n(naive)", "exp = 0\nbelow", "rows all\nbelow", "rows\nspread\npast it", "cast to\n+/-inf"):
+        number_column(t, header)
     for h in d.census.headroom:
         head = Text(fmt(h.headroom, ".4g"), style="red" if h.headroom is not None and h.headroom < 0 else "")
-        cast = Text(f"{h.cast_posinf_values} / {h.cast_neginf_values}", style="red" if h.cast_posinf_values or h.cast_neginf_values else "")
+        cast = Text(f"{h.cast_posinf_values}/{h.cast_neginf_values}", style="red" if h.cast_posinf_values or h.cast_neginf_values else "")
         t.add_row(
             h.dtype,
             fmt(h.exp_overflow_threshold, ".4g"),
@@ -73,9 +91,13 @@ def headroom_table(d: TensorDiagnosis) -> Table:
 def attention_table(d: TensorDiagnosis) -> Group:
     """The Q/K -> scores pipeline per dtype, and the scale facts."""
     a = d.attention
-    t = Table(title="Q/K pipeline per dtype (scores as the model computes them)", title_justify="left")
-    for name in ("dtype", "Q@K^T -> inf", "rows", "max |score|", "mask value", "mask -> -inf", "add overflow", "planes overflow", "rows broken by mask"):
-        t.add_column(name, justify="left" if name == "dtype" else "right")
+    t = compact_table("Q/K pipeline per dtype (scores as the model computes them)")
+    t.add_column("dtype", no_wrap=True)
+    for name in ("Q@K^T\n-> inf", "rows", "max\n|score|"):
+        number_column(t, name)
+    t.add_column("mask\nvalue", justify="right")  # one or two values: wraps between them
+    for name in ("mask\n-> -inf", "add\noverflow", "planes\noverflow", "rows\nbroken\nby mask"):
+        number_column(t, name)
     for dt, x in a.dtypes.items():
         if x.fp8_scaling is not None:  # FP8 dtypes: no eager scores; their quantisation is under the P cast table
             continue
@@ -85,7 +107,7 @@ def attention_table(d: TensorDiagnosis) -> Group:
             Text(str(x.qk_overflow_values), style=bad if x.qk_overflow_values else ""),
             str(x.qk_overflow_rows),
             fmt(x.qk_max_abs, ".4g"),
-            fmt(x.sentinel_value, ".4g") if x.sentinel_value else "-",
+            ", ".join(fmt(v, ".6g") for v in x.mask_values) or "-",
             Text(str(x.mask_not_representable + (1 if x.sentinel_not_representable else 0)), style=bad if x.mask_not_representable or x.sentinel_not_representable else ""),
             Text(str(x.overflow_on_add), style=bad if x.overflow_on_add else ""),
             Text(str(x.summed_planes_overflow), style=bad if x.summed_planes_overflow else ""),
@@ -244,8 +266,9 @@ def nan_by_head_line(d: TensorDiagnosis) -> Text | None:
     parts = []
     for c in d.cells:
         if c.nan_rows_by_head:
-            where = ", ".join(f"({','.join(map(str, i))}) {n}" for i, n in c.nan_rows_by_head[:3])
-            parts.append(f"{c.name}: {where}")
+            where = ", ".join(f"{index_text(i)} {n}" for i, n in c.nan_rows_by_head[:NAN_HEADS_SHOWN])
+            left = len(c.nan_rows_by_head) - NAN_HEADS_SHOWN
+            parts.append(f"{c.name}: {where}" + (f" and {left} more" if left > 0 else ""))
     if not parts:
         return None
     axes = "x".join(str(n) for n in d.shape[:-2])
@@ -256,10 +279,12 @@ def findings_table(d: TensorDiagnosis) -> Table | Text:
     if not d.findings:
         return Text("No findings: every cell is finite and close to the float64 reference.", style="green")
     t = Table(title="Findings", title_justify="left", show_lines=True)
-    t.add_column("severity")
-    t.add_column("code", style="bold")
-    t.add_column("what happened", ratio=3)
-    t.add_column("fix", ratio=2)
+    # Codes (what --fail-on takes) and severities never shrink; the text columns wrap, and a
+    # word longer than its column folds onto the next line rather than being cut.
+    t.add_column("severity", no_wrap=True)
+    t.add_column("code", style="bold", no_wrap=True, min_width=max(len(f.code) for f in d.findings))
+    t.add_column("what happened", ratio=3, overflow="fold")
+    t.add_column("fix", ratio=2, overflow="fold")
     for f in d.findings:
         what = f.message + (f"\nrows e.g. {rows_text(f.examples)}" if f.examples else "")
         t.add_row(Text(f.severity, style=SEVERITY_STYLE[f.severity]), f.code, what, f.fix)
@@ -303,7 +328,9 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
         cell["verdict"] = c.verdict
         cells.append(cell)
     census = to_jsonable(d.census)
-    census["sentinels"] = [{"value": v, "rows": n} for v, n in d.census.sentinels]
+    spans = d.census.sentinel_spans or [(v, v) for v, _ in d.census.sentinels]
+    census["sentinels"] = [{"value": v, "rows": n, "min": lo, "max": hi} for (v, n), (lo, hi) in zip(d.census.sentinels, spans)]
+    census.pop("sentinel_spans", None)
     return {
         "name": d.name,
         "shape": list(d.shape),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -443,10 +445,13 @@ def require_matplotlib() -> None:
         raise AttncheckError(PLOT_NEEDS) from None
 
 
-def plot_sweep(result: SweepResult, path: str | Path) -> None:
-    """Four panels against d_k, one colour per scale (and seq/std when they vary): variance
-    (log-log, measured dots on the dashed theory), max probability, normalised entropy and
-    the softmax Jacobian norm (all rows, and the collapsed rows alone)."""
+def sweep_figure(result: SweepResult):
+    """The sweep as a matplotlib figure. Four panels against d_k, one colour per scale (and
+    seq/std when they vary): variance (log-log, measured dots on the dashed theory), max
+    probability, normalised entropy and the softmax Jacobian norm (all rows, and the
+    collapsed rows alone). Then per dtype two maps over d_k: the share of rows that
+    overflowed (exp or row sum, the most of any method) per scale, and log10 of the max
+    error against float64 per method and scale."""
     require_matplotlib()
     import matplotlib
 
@@ -458,14 +463,18 @@ def plot_sweep(result: SweepResult, path: str | Path) -> None:
     series: dict[tuple, list[SweepPoint]] = {}
     for p in result.points:
         series.setdefault((p.scale, p.seq, p.std), []).append(p)
+    dtypes = list(result.config.dtypes)
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), layout="constrained")
-    ax_var, ax_p, ax_h, ax_j = axes.flat
+    fig = plt.figure(figsize=(12, 8 + 3.2 * len(dtypes)), layout="constrained")
+    grid = fig.add_gridspec(2 + len(dtypes), 2, height_ratios=[1, 1] + [0.8] * len(dtypes))
+    ax_var, ax_p, ax_h, ax_j = (fig.add_subplot(grid[i // 2, i % 2]) for i in range(4))
     handles = []
+    labels = []
     for (scale, seq, std), pts in series.items():
         pts = sorted(pts, key=lambda p: p.dk)
         dks = [p.dk for p in pts]
         label = scale + (f" seq {seq}" if seq_many else "") + (f" std {std:g}" if std_many else "")
+        labels.append(label)
         line = ax_var.plot(dks, [p.var_scaled for p in pts], "o", label=label)[0]
         colour = line.get_color()
         handles.append(Line2D([], [], color=colour, marker="o", label=label))
@@ -486,12 +495,49 @@ def plot_sweep(result: SweepResult, path: str | Path) -> None:
         ax_j.axhline(u_j, color="grey", lw=0.8, ls=":")
         handles.append(Line2D([], [], color="grey", lw=0.8, ls=":", label="uniform softmax"))
     handles.append(Line2D([], [], color="black", marker="x", ls=":", label=f"|J| of collapsed rows\n(max p >= {COLLAPSE_THRESHOLD:g})"))
-    for ax in axes.flat:
+    for ax in (ax_var, ax_p, ax_h, ax_j):
         ax.set_xticks(list(result.config.dks), [str(d) for d in result.config.dks])
         ax.minorticks_off()
         ax.grid(True, alpha=0.3)
+
+    dks = sorted({p.dk for p in result.points})
+    keys = list(series)
+    by_point = {(p.scale, p.seq, p.std, p.dk): p for p in result.points}
+    methods = list(result.config.methods)
+    for row, dtype in enumerate(dtypes, start=2):
+        ax_o, ax_e = fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1])
+        over = [[_map_value(by_point.get((*key, dk)), dtype, methods, "overflow") for dk in dks] for key in keys]
+        err = [[_map_value(by_point.get((*key, dk)), dtype, [m], "error") for dk in dks] for m in methods for key in keys]
+        _heatmap(fig, ax_o, over, dks, labels, f"{dtype}: share of rows that overflow (any method)", "share of rows", vmin=0.0, vmax=1.0)
+        _heatmap(fig, ax_e, err, dks, [f"{m} {label}" for m in methods for label in labels], f"{dtype}: log10 max |p - p_float64|", "log10 error")
     fig.legend(handles=handles, loc="outside right center", title="scale", fontsize=8)
     fig.suptitle(f"attncheck sweep: {_entries(result)}; {result.config.rows} rows", fontsize=10)
+    return fig
+
+
+def _map_value(p: SweepPoint | None, dtype: str, methods: list[str], what: str) -> float:
+    """One square of a map: the most overflowed share of rows of ``methods``, or log10 of the
+    method's max error (NaN where nothing was measured)."""
+    cells = [c for c in (p.cells if p is not None else []) if c.dtype == dtype and c.method in methods]
+    if what == "overflow":
+        return max((c.overflow_rate for c in cells), default=math.nan)
+    errs = [c.max_abs_err for c in cells if c.max_abs_err is not None]
+    return math.log10(max(max(errs), 1e-300)) if errs else math.nan
+
+
+def _heatmap(fig, ax, values: list[list[float]], dks: list[int], rows: list[str], title: str, label: str, **scale) -> None:
+    image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="magma_r" if "vmax" in scale else "viridis", **scale)
+    ax.set_xticks(range(len(dks)), [str(d) for d in dks])
+    ax.set_yticks(range(len(rows)), rows, fontsize=7 if len(rows) > 8 else 9)
+    ax.set(title=title, xlabel="d_k")
+    fig.colorbar(image, ax=ax, label=label)
+
+
+def plot_sweep(result: SweepResult, path: str | Path) -> None:
+    """Write ``sweep_figure`` to ``path`` (PNG unless the suffix names another format)."""
+    fig = sweep_figure(result)
+    import matplotlib.pyplot as plt
+
     target = Path(path)
     try:
         fig.savefig(target, dpi=110, format=None if target.suffix else "png")

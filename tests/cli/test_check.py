@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -245,7 +246,7 @@ def write_config(project, text):
 
 CONFIG_ERRORS = [
     ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\nblock = \n', r"pyproject\.toml: invalid TOML: Invalid value \(at line 3, column 9\)"),
-    ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budgett]\nnan = 0\n', re.escape("unknown key 'tool.attncheck.budgett' in pyproject.toml (known: inputs, keys, synthetic, dtypes, methods, block, order, accum, device, budget)")),
+    ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budgett]\nnan = 0\n', re.escape("unknown key 'tool.attncheck.budgett' in pyproject.toml (known: inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, budget)")),
     ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budget]\nnan = "zero"\n', re.escape("tool.attncheck.budget.nan must be an integer >= 0, got 'zero'")),
     ('[tool.attncheck]\ninputs = ["dumps/*.pt"]\n', re.escape("tool.attncheck.inputs: 'dumps/*.pt' matches no file (relative to ") + ".+" + re.escape(")")),
     ("[tool.attncheck]\ndtypes = ['bf16']\n", re.escape('[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table')),
@@ -254,10 +255,18 @@ CONFIG_ERRORS = [
     ("[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\n[tool.attncheck.budget]\nout_rmse = 1e-3\n",
      re.escape('tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a [[tool.attncheck.synthetic]] entry (saved score dumps have no V)')),
     ("[project]\nname = 'x'\n", r"no config found: no attncheck\.toml, and no pyproject\.toml with a \[tool\.attncheck\] table, in .+ or its parents; add one or pass --config FILE"),
+    # q and k of 10^9 keys x 64 (512 GB), and one head's 1024 x 10^9 scores: refused before torch is imported
+    ("[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 64\nseq = 1000000000\n", re.escape(
+        "tool.attncheck.synthetic[0]: its q and k (1 heads x (1024 queries + 1000000000 keys) x d_k 64) and a head's scores need 23,365 GiB, "
+        "over tool.attncheck.max_memory 1 GiB: lower seq, rows or d_k, or raise tool.attncheck.max_memory")),
+    ("[tool.attncheck]\nmax_memory = '64MiB'\n[[tool.attncheck.synthetic]]\nd_k = 64\nseq = 4096\n", re.escape(
+        "tool.attncheck.synthetic[0]: its q and k (1 heads x (1024 queries + 4096 keys) x d_k 64) and a head's scores need 98.5 MiB, "
+        "over tool.attncheck.max_memory 64 MiB: lower seq, rows or d_k, or raise tool.attncheck.max_memory")),
+    ("[tool.attncheck]\nmax_memory = 'lots'\n[[tool.attncheck.synthetic]]\nd_k = 64\n", re.escape("tool.attncheck.max_memory: 'lots' is not a size (e.g. 1GiB, 512MiB, 2G)")),
 ]
 
 
-@pytest.mark.parametrize("text,pattern", CONFIG_ERRORS, ids=["bad-toml", "unknown-key", "wrong-type", "no-match", "no-inputs", "unknown-path", "out-without-v", "no-table"])
+@pytest.mark.parametrize("text,pattern", CONFIG_ERRORS, ids=["bad-toml", "unknown-key", "wrong-type", "no-match", "no-inputs", "unknown-path", "out-without-v", "no-table", "huge-seq", "over-max-memory", "bad-max-memory"])
 def test_config_errors_exit_2_with_one_line(project, text, pattern):
     (project / "pyproject.toml").write_text(text)
     r = check("--junit", "junit.xml")
@@ -277,6 +286,56 @@ def test_option_errors_exit_2(project):
         r = check(*args)
         assert r.exit_code == 2, (args, r.output)
         assert error_line(r) == f"attncheck: error: {message}"
+
+
+def test_config_that_is_not_a_regular_file_or_has_a_name_too_long(project):
+    start = time.perf_counter()
+    r = check("--config", "/dev/zero")
+    assert r.exit_code == 2 and error_line(r) == "attncheck: error: config /dev/zero: not a regular file; give a TOML file"
+    assert time.perf_counter() - start < 5
+    long = "c" * 300 + ".toml"
+    r = check("--config", long)
+    assert r.exit_code == 2 and error_line(r) == f"attncheck: error: config {long}: cannot read it (File name too long)"
+
+
+def test_synthetic_input_within_max_memory_streams_its_rows(project):
+    # One head of 1024 queries x 4096 keys: q, k and two heads' scores fit 128 MiB; the check
+    # reads its rows in blocks and gives the numbers of the whole-tensor check.
+    (project / "pyproject.toml").write_text("[tool.attncheck]\nmax_memory = '128MiB'\ndtypes = ['fp32']\nmethods = ['torch']\n"
+                                            "[[tool.attncheck.synthetic]]\nd_k = 16\nseq = 4096\n")
+    r = check("--json", "-")
+    assert r.exit_code == 0, r.output
+    (case,) = json.loads(r.stdout)["cases"]
+    assert case["shape"] == [1024, 4096] and case["passed"]
+
+
+def test_junit_to_stdout(overflow_dump, project):
+    r = check("--junit", "-")
+    assert r.exit_code == 1
+    suite = ET.fromstring(r.stdout)  # the XML alone: no summary table mixed in
+    assert suite.tag == "testsuite" and int(suite.get("failures")) == 1
+    assert not (project / "-").exists()
+    r = check("--junit", "-", "--json", "-")
+    assert r.exit_code == 2 and error_line(r) == "attncheck: error: --junit and --json both write to standard output ('-'); send one of them to a file"
+
+
+def test_npz_held_whole_over_max_memory_exits_2(project):
+    # A Fortran-ordered member is read whole: its declared 64 MiB (deflated to ~64 KB) is refused first.
+    import zipfile
+
+    import numpy.lib.format as npformat
+
+    with zipfile.ZipFile(project / "dumps" / "bomb.npz", "w", zipfile.ZIP_DEFLATED) as z:
+        with z.open("s.npy", "w", force_zip64=True) as f:
+            header = io.BytesIO()
+            npformat.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": True, "shape": (16, 1 << 20)})
+            f.write(header.getvalue())
+            for _ in range(64):
+                f.write(bytes(1 << 20))
+    (project / "pyproject.toml").write_text('[tool.attncheck]\ninputs = ["dumps/bomb.npz"]\nmax_memory = "16MiB"\n')
+    r = check()
+    assert r.exit_code == 2
+    assert error_line(r) == f"attncheck: error: {project / 'dumps' / 'bomb.npz'}:s: a Fortran-ordered array is read whole: it needs 64 MiB, over tool.attncheck.max_memory 16 MiB"
 
 
 def test_unreadable_input_exits_2(project):

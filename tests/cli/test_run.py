@@ -283,6 +283,17 @@ def test_every_command_has_help():
         assert sub.exit_code == 0 and len(sub.stdout) > 200
 
 
+@pytest.mark.parametrize("command", ["run", "sweep", "check", None])
+def test_help_shows_flags_without_a_type(command):
+    r = runner.invoke(app, [command, "--help"] if command else ["--help"], env={"COLUMNS": "120"})
+    assert r.exit_code == 0
+    assert "<bool>" not in r.stdout and "<str>" not in r.stdout and "<list" not in r.stdout
+    flags = ("--version", "--help") if command is None else ("--quiet", "--help")
+    for flag in flags + (("--brief", "--example", "--causal") if command == "run" else ()):
+        (line,) = [ln for ln in r.stdout.splitlines() if f" {flag} " in ln or ln.rstrip().endswith(flag)][:1]
+        assert "<" not in line, line
+
+
 def test_module_entry_point(healthy):
     proc = subprocess.run([sys.executable, "-m", "attncheck", "run", str(healthy), "--json", "-"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

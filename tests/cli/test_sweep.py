@@ -58,6 +58,11 @@ BAD_INPUTS = [
         ["--dk", "100000000"],
         "a sweep point of 4096 rows x 128 keys x d_k 100000000 needs about 18,311 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
     ),
+    (
+        # q and k are 1.9 GiB; drawing the outliers' second normal and masks needs 1.2 GiB more
+        ["--dk", "1000000", "--rows", "128", "--seq", "32", "--dist", "outliers"],
+        "a sweep point of 128 rows x 32 keys x d_k 1000000 needs about 6.91 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
+    ),
     (["--json", "/no/such/folder/out.json"], "cannot write --json /no/such/folder/out.json: folder /no/such/folder does not exist"),
     (["--plot", "/no/such/folder/out.png"], "cannot write --plot /no/such/folder/out.png: folder /no/such/folder does not exist"),
     (["--plot", "/"], "cannot write --plot /: it is a folder; give a file name"),
@@ -189,6 +194,28 @@ def test_plot_writes_a_png(tmp_path):
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_has_overflow_and_error_maps_per_dtype():
+    import matplotlib.pyplot as plt
+
+    from attncheck.report.sweep import sweep_figure
+
+    config = SweepConfig(dks=(16, 256), scales=tuple(parse_scales("none,sqrt")), rows=128, seqs=(32,), dtypes=("fp16", "fp32"), methods=("naive", "stable"))
+    result = run_sweep(config)
+    fig = sweep_figure(result)
+    try:
+        titles = [ax.get_title() for ax in fig.axes]
+        for dtype in ("fp16", "fp32"):
+            assert f"{dtype}: share of rows that overflow (any method)" in titles
+            assert f"{dtype}: log10 max |p - p_float64|" in titles
+        # The overflow map is the sweep's numbers: unscaled d_k 256 overflows naive fp16 in every row.
+        ax = next(a for a in fig.axes if a.get_title().startswith("fp16: share"))
+        grid = ax.get_images()[0].get_array()
+        point = next(p for p in result.points if p.dk == 256 and p.scale == "none")
+        assert grid[0][1] == max(c.overflow_rate for c in point.cells if c.dtype == "fp16") == 1.0
+    finally:
+        plt.close(fig)
+
+
 def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     result = sweep(*SMALL, "--plot", str(tmp_path / "sweep.png"))
@@ -201,3 +228,13 @@ def test_sweep_has_help_text():
     result = sweep("--help")
     assert result.exit_code == 0
     assert "Sweep synthetic Q and K" in result.stdout
+
+
+def test_block_wider_than_the_rows_runs_as_one_block(tmp_path):
+    # A key block of 10^11 keys is one block over the row: no padding to allocate.
+    out = tmp_path / "wide.json"
+    result = sweep("--dk", "16", "--scale", "sqrt", "--rows", "64", "--seq", "32", "--method", "tiled,stable", "--dtype", "fp32",
+                   "--block", "99999999999", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    cells = {c["method"]: c for c in json.loads(out.read_text())["points"][0]["cells"]}
+    assert cells["tiled"]["nan_rate"] == 0 and cells["tiled"]["max_abs_err"] < 1e-6

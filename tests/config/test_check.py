@@ -16,7 +16,7 @@ from attncheck.config.check import (
 from attncheck.errors import AttncheckError
 
 SYN = {"synthetic": [{"d_k": 16, "seq": 32, "rows": 64}]}
-KNOWN_TOP = "inputs, keys, synthetic, dtypes, methods, block, order, accum, device, budget"
+KNOWN_TOP = "inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, budget"
 KNOWN_BUDGET = "nan, overflow, zero_rows, argmax_flips, max_abs_err, max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, out_cos_min, out_relative_to_torch, fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz"
 LN_FP16_LIMIT = math.log(65520.0)  # exp(x) rounds to inf in fp16 above this
 

@@ -404,7 +404,7 @@ def test_truncated(tmp_path, suffix):
     load_tensors([path])  # valid before the cut
     truncate_half(path)
     err = bad([path], rf"cut{re.escape(suffix)}: not a valid {re.escape(suffix)} file \(.+\)$")
-    assert err.__cause__ is not None
+    assert err.__cause__ is not None or "truncated: expected" in str(err)  # .npy: its header's size against the file's
 
 
 def test_truncated_npy_header(tmp_path):

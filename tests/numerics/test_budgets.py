@@ -10,7 +10,8 @@ import torch
 from attncheck.config.check import Budget, CheckConfig, parse_table
 from attncheck.config.run import Options
 from attncheck.loaders import memory_source
-from attncheck.numerics.budgets import budget_checks, check_tensor, locate_worst_row, synthetic_scores
+from attncheck.errors import AttncheckError
+from attncheck.numerics.budgets import budget_checks, check_tensor, locate_worst_row, synthetic_scores, synthetic_source
 from attncheck.numerics.synthetic import make_scores
 from attncheck.pipelines.check import run_check
 from attncheck.report.check import describe_check
@@ -88,7 +89,7 @@ def test_max_abs_err_budget_and_worst_row():
     (check,) = bad.failures
     assert check.measured == pytest.approx(err, rel=1e-12)
     assert check.worst_row == worst
-    assert describe_check(check) == f"max_abs_err {check.measured:.3g} > budget {err / 2:.3g} (worst row ({worst[0]}, {worst[1]}))"
+    assert describe_check(check) == f"max_abs_err {check.measured:.3g} > budget {err / 2:.3g} (worst row ({worst[0]},{worst[1]}))"
 
 
 def test_locate_worst_row_against_the_cast_scores():
@@ -187,6 +188,18 @@ def test_synthetic_scores_are_the_sweep_generator_scaled():
     s = synthetic_scores(spec)
     assert s.shape == (48, 32) and s.dtype == torch.float64
     torch.testing.assert_close(s, make_scores(48, 32, 64, seed=5) / 64, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows, seq, block", [(48, 32, 7), (48, 32, 48), (100, 16, 5), (100, 16, 1000), (5, 64, 2)])
+def test_synthetic_source_streams_the_scores_bit_for_bit(rows, seq, block):
+    spec = parse_table({"synthetic": [{"d_k": 32, "scale": "sqrt", "seq": seq, "rows": rows, "seed": 3, "dist": "outliers"}]}).synthetic[0]
+    whole = synthetic_scores(spec)
+    src = synthetic_source(spec)
+    parts = list(src.row_blocks(block))
+    assert src.shape == (rows, seq) and [p.shape[0] for p in parts[:-1]] == [block] * (len(parts) - 1)
+    assert torch.equal(torch.cat(parts), whole)
+    with pytest.raises(AttncheckError, match=r"synthetic\[0\]:dk=32.*: needs .* over max_memory 1 KiB"):
+        synthetic_source(spec, max_bytes=1024)
 
 
 def test_config_dataclass_is_usable_directly():

@@ -15,6 +15,8 @@ from attncheck.numerics.diagnose import Options, diagnose
 from attncheck.numerics.rowmath import entropy, jacobian_frobenius, kl_divergence
 from attncheck.numerics.softmax import run_method
 
+from .rounding import nearest
+
 NEG = float("-inf")
 
 
@@ -140,14 +142,17 @@ def headroom_rows(dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("kernels", ["torch", "fused"])
 @pytest.mark.parametrize("given", [torch.float32, torch.float64])
 def test_headroom_counts_what_the_cast_scores_do(given, kernels):
-    """The headroom counts rows by the scores the cells compute with: torch's cast of the scores
-    as given (fp64 -> fp16 rounds through fp32), then torch's exp in the dtype."""
+    """The headroom counts rows by the scores the cells compute with: the scores as given rounded
+    once to the dtype (numpy's float64 -> float16 cast here; torch's would round twice, through
+    fp32), then torch's exp in the dtype."""
     x = headroom_rows(given)
-    if given == torch.float64:  # the premise: torch rounds twice where a direct rounding would not overflow
+    if given == torch.float64:  # the premise: torch rounds twice where a direct rounding does not overflow
         assert float(np.float16(x[3, 0].item())) == 11.0859375 and x[3:4, :1].to(torch.float16).item() == 11.09375
     d = diagnose("h", x, Options(methods=("naive",), kernels=kernels))
     for h in d.census.headroom:
         xc = x.to(getattr(torch, {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[h.dtype]))
+        if h.dtype == "fp16":
+            xc = torch.from_numpy(x.double().numpy().astype(np.float16))
         e = torch.exp(xc)
         over = int(torch.isinf(e).any(dim=-1).sum())
         under = int((e == 0).all(dim=-1).sum())
@@ -156,7 +161,8 @@ def test_headroom_counts_what_the_cast_scores_do(given, kernels):
         assert h.headroom == h.exp_overflow_threshold - float(xc.double().max())
     fp16 = next(h for h in d.census.headroom if h.dtype == "fp16")
     bf16 = next(h for h in d.census.headroom if h.dtype == "bf16")
-    assert fp16.rows_over_exp_threshold == 18 and fp16.rows_all_underflow == 1  # rows 0, 1 and the 16 double-rounding rows; row 4, not row 2
+    # rows 0, 1, and from float32 the 16 rows at the midpoint (ties to even: up); row 4, not row 2
+    assert fp16.rows_over_exp_threshold == (18 if given == torch.float32 else 2) and fp16.rows_all_underflow == 1
     assert bf16.rows_over_exp_threshold == 0 and bf16.rows_all_underflow == 1  # not row 1 (88.5); row 4
 
 
@@ -426,3 +432,93 @@ def test_cast_overflow_is_found_in_masked_rows_and_only_there(kernels):
     assert d.cell("stable", "bf16").nan_causes == {}
     fp16 = next(h for h in d.census.headroom if h.dtype == "fp16")
     assert (fp16.cast_posinf_values, fp16.cast_neginf_values, fp16.cast_overflow_rows) == (1, 1, 2)
+
+
+# --------------------------------------------------------------------------- overflow boundaries
+
+# Where exp overflows each dtype, typed in from the formats (not from torch.finfo): a value
+# rounds to inf at or beyond the largest finite value plus half an ulp.
+EXP_LIMIT = {"fp16": 65520.0, "bf16": 2.0**128 - 2.0**119, "fp32": 2.0**128 - 2.0**103}
+FORMAT = {"fp16": (11, -14, 15), "bf16": (8, -126, 127), "fp32": (24, -126, 127)}
+TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+INT_VIEW = {"fp16": torch.int16, "bf16": torch.int16, "fp32": torch.int32}
+
+
+def around(dtype: str, x: float, n: int = 24) -> list[float]:
+    """The 2n representable values of ``dtype`` nearest to x, enumerated by bit pattern."""
+    at = torch.tensor([x], dtype=torch.float64).to(torch.float32).to(TORCH[dtype]).view(INT_VIEW[dtype]).to(torch.int64)
+    codes = torch.arange(int(at) - n, int(at) + n).to(INT_VIEW[dtype])
+    return codes.view(TORCH[dtype]).double().tolist()
+
+
+def expected_overflow(rows: list[list[float]], dtype: str) -> tuple[int, int]:
+    """(rows where an exp overflows, rows where every exp is finite but their sum is inf),
+    from each score rounded once to the dtype, exp in float64 and sums exact."""
+    bits, emin, emax = FORMAT[dtype]
+    limit = EXP_LIMIT[dtype]
+    exp_rows = sum_rows = 0
+    for row in rows:
+        e = [math.exp(nearest(v, bits, emin, emax)) for v in row]
+        if max(e) >= limit:
+            exp_rows += 1
+        elif sum(nearest(v, bits, emin, emax) for v in e) >= limit:
+            sum_rows += 1
+    return exp_rows, sum_rows
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("given", ["same", "fp64"])
+def test_overflow_rows_at_the_exp_and_sum_boundaries(dtype, given):
+    """Every representable value around ln(limit) (one exp overflows) and ln(limit / 2) (two
+    exps sum past the limit), and for fp64 inputs the midpoints between them a hair either
+    side (where rounding through float32 would round twice): the cells' overflow rows by
+    event against the independent count."""
+    limit = EXP_LIMIT[dtype]
+    values = around(dtype, math.log(limit)) + around(dtype, math.log(limit / 2))
+    if given == "fp64":
+        mids = [(a + b) / 2 for a, b in zip(values, values[1:]) if b > a]
+        values += mids + [m - m * 2.0**-40 for m in mids] + [m + m * 2.0**-40 for m in mids]
+    rows = [[v, 0.0, -1.0, -2.0] for v in values] + [[v, v, -1.0, -2.0] for v in values]
+    x = torch.tensor(rows, dtype=torch.float64 if given == "fp64" else TORCH[dtype])
+    d = diagnose("b", x, Options(methods=("naive", "stable"), dtypes=(dtype,)))
+    exp_rows, sum_rows = expected_overflow(rows, dtype)
+    assert exp_rows and sum_rows  # both boundaries are crossed
+    naive = d.cell("naive", dtype)
+    assert naive.overflow_events == {"exp_overflow": exp_rows, "sum_overflow": sum_rows}
+    assert naive.overflow_rows == exp_rows + sum_rows
+    assert naive.nan_causes.get("exp_overflow", 0) + naive.zero_causes.get("exp_overflow", 0) == exp_rows
+    assert naive.zero_causes.get("sum_overflow", 0) == sum_rows
+    stable = d.cell("stable", dtype)
+    assert stable.overflow_rows == 0 and stable.nan_rows == 0
+
+
+def test_fp64_scores_round_once_before_the_softmax():
+    # 65519.99 rounds to 65504 in fp16 (torch's own cast goes through float32 to inf), and
+    # 11.0898437499 to 11.0859375, whose exp is finite (torch's: 11.09375, inf).
+    x = torch.tensor([[65519.99, 0.0], [math.nextafter(11.08984375, 0), 0.0]], dtype=torch.float64)
+    d = diagnose("b", x, Options(methods=("naive", "stable"), dtypes=("fp16",)))
+    assert d.cell("stable", "fp16").nan_rows == 0 and d.census.headroom[0].cast_posinf_values == 0
+    assert d.cell("naive", "fp16").overflow_events == {"exp_overflow": 1}  # the 65504 row only
+
+
+def test_a_sentinel_added_to_scores_is_one_mask_value():
+    # finfo(fp16).min + scores in fp16 rounds to -65504, -65280, -65152 ...: one mask value,
+    # reported as the mask holds it, with the span of row minima it stands for.
+    g = torch.Generator().manual_seed(0)
+    s = (torch.rand(64, 16, generator=g) * 400).half()
+    masked = torch.zeros(64, 16, dtype=torch.bool)
+    masked[:, 8:] = True
+    masked[:4] = True  # fully masked rows
+    x = torch.where(masked, s + torch.finfo(torch.float16).min, s)  # (64, 16) fp16
+    mins = torch.where(masked, x.double(), math.inf).amin(dim=-1)
+    assert len(set(mins.tolist())) > 3  # many distinct row minima
+    d = diagnose("m", x, Options(dtypes=("fp16",), methods=("stable",)))
+    assert d.census.sentinels == [(-65504.0, 64)]
+    assert d.census.sentinel_spans == [(float(mins.min()), float(mins.max()))]
+    f = next(f for f in d.findings if f.code == "fully_masked_rows")
+    assert "e.g. -65504)" in f.message
+    # -1e9 added in fp32 rounds to -1e9 itself; an unknown constant is its most frequent value.
+    y = torch.where(masked, torch.full_like(s.float(), -1e9), s.float())
+    assert diagnose("m", y, Options(dtypes=("fp32",), methods=("stable",))).census.sentinels == [(-1e9, 64)]
+    z = torch.where(masked, torch.full_like(s.float(), -123456.0), s.float())
+    assert diagnose("m", z, Options(dtypes=("fp32",), methods=("stable",))).census.sentinels == [(-123456.0, 64)]

@@ -7,6 +7,7 @@ import torch
 
 from attncheck.errors import AttncheckError
 from attncheck.numerics.precision import (
+    cast,
     dtype_from_name,
     exp_overflow_threshold,
     exp_underflow_threshold,
@@ -14,6 +15,8 @@ from attncheck.numerics.precision import (
     rounding_limit,
     smallest_subnormal,
 )
+
+from .rounding import nearest
 
 
 def _first_x_where(dtype, predicate, lo, hi, n=400_001):
@@ -72,12 +75,38 @@ def test_rounding_limit_is_where_the_cast_overflows(dtype):
     assert torch.isfinite(below.to(dtype)) and torch.isinf(limit.to(dtype))
 
 
-def test_torch_casts_float64_through_float32():
+def test_torch_casts_float64_through_float32_but_cast_rounds_once():
     # Double rounding: a float64 just below fp16's limit first rounds up to 65520 in
-    # float32, then to inf. attncheck counts cast overflows by casting with torch,
-    # so it reports what torch really does.
+    # float32, then to inf. attncheck's cast rounds once: to 65504, the nearest fp16.
     v = math.nextafter(rounding_limit(torch.float16), 0)
     assert torch.isinf(torch.tensor(v, dtype=torch.float64).to(torch.float16))
+    assert cast(torch.tensor(v, dtype=torch.float64), torch.float16).item() == 65504.0
+
+
+FORMATS = {torch.float16: (11, -14, 15), torch.bfloat16: (8, -126, 127)}
+
+
+@pytest.mark.parametrize("dtype", list(FORMATS), ids=["fp16", "bf16"])
+def test_cast_rounds_float64_once_to_the_nearest_value(dtype):
+    # Midpoints between neighbouring values of the dtype, a hair either side of them
+    # (below float32's resolution there, where rounding through float32 goes wrong), and
+    # random values over the whole range including subnormals and overflow.
+    g = torch.Generator().manual_seed(0)
+    ints = torch.randint(-(2**15), 2**15 - 1, (4000,), generator=g, dtype=torch.int32).to(torch.int16)
+    grid = ints.view(dtype).double()
+    grid = grid[torch.isfinite(grid)]
+    nxt = torch.nextafter(grid.to(dtype), torch.tensor(math.inf, dtype=dtype)).double()
+    ok = torch.isfinite(nxt)
+    mid = (grid[ok] + nxt[ok]) / 2
+    tiny = mid.abs() * 2.0**-40
+    rand = torch.exp(torch.rand(4000, generator=g, dtype=torch.float64) * 400 - 200) * torch.sign(torch.randn(4000, generator=g, dtype=torch.float64))
+    xs = torch.cat([mid, mid - tiny, mid + tiny, rand, torch.tensor([65519.99999, -65519.99999, 1e300, -1e-300, 0.0, math.inf, -math.inf])])
+    bits, emin, emax = FORMATS[dtype]
+    want = torch.tensor([nearest(v, bits, emin, emax) for v in xs.tolist()], dtype=torch.float64)
+    got = cast(xs, dtype).double()
+    assert torch.equal(got, want), xs[got != want][:5]
+    assert torch.isnan(cast(torch.tensor([math.nan], dtype=torch.float64), dtype)).all()
+    assert (torch.tensor([math.nextafter(11.08984375, 0)], dtype=torch.float64).to(torch.float16) == 11.09375).all()  # torch: twice
 
 
 def test_fp16_known_limits():

@@ -279,6 +279,38 @@ def test_scale_findings_follow_the_scale_applied_not_the_shape_of_q_and_k(kind):
     f = next(f for f in run(q, k, scale="none", dtypes=("fp32",), methods=("torch",)).findings if f.code == "missing_scale")
     assert "q.k times 1 (the scale applied, --scale none on the scores): 16 x 1/sqrt(d_k)" in f.message
     assert "double_scale" in codes(run(q, k, scale="dk", dtypes=("fp32",), methods=("torch",)))
+def test_float_mask_of_fp16_min_is_reported_as_the_mask_holds_it():
+    # An explicit additive mask of finfo(fp16).min: "mask value -65504" (not -inf), in the JSON
+    # fields too, its overflow on add with a negative score named by that value, and fully
+    # masked rows quoting -65504, not a score plus it.
+    q, k = negative_scores()
+    mask = torch.zeros(8, 8)
+    mask[~torch.ones(8, 8, dtype=torch.bool).tril()] = -FP16_MAX
+    mask[0] = -FP16_MAX  # query 0 attends to nothing
+    d = run(q, k, mask, dtypes=("fp16", "fp32"))
+    a = d.attention
+    assert a.mask_value == "-65504.0" and a.float_mask_value == -65504.0
+    assert a.dtypes["fp16"].sentinel_value == -65504.0 and a.dtypes["fp16"].mask_values == [-65504.0]
+    assert a.dtypes["fp32"].mask_values == [-65504.0]
+    f = next(f for f in d.findings if f.code == "sentinel_overflow_on_add")
+    assert "mask value -65504 plus a negative score" in f.message and "-inf plus" not in f.message
+    g = next(f for f in d.findings if f.code == "fully_masked_rows")
+    assert "with a finite sentinel, mask value -65504" in g.message
+
+
+def test_scores_given_with_q_and_k_get_the_pipeline_audit():
+    # The same scores, from a file beside --q/--k: the Q/K pipeline table, max|q.k|, masked
+    # keys and the qk_overflow finding are those of the Q/K run.
+    q, k = outlier_qk()
+    alone = run(q, k, causal=True, dtypes=("fp16",), methods=("stable",))
+    scores = torch.where(torch.ones(8, 8, dtype=torch.bool).tril(), (q.double() @ k.double().transpose(-1, -2)) / 8, -math.inf)
+    given = diagnose_attention("s", prepare_inputs(q, k, causal=True), Options(dtypes=("fp16",), methods=("stable",)), scores=scores)
+    a, b = alone.attention, given.attention
+    assert b.raw_max_abs == a.raw_max_abs == 576.0 * 382.0
+    assert b.masked_keys == a.masked_keys == 28
+    assert b.dtypes["fp16"].qk_overflow_values == a.dtypes["fp16"].qk_overflow_values == 1
+    assert "qk_overflow" in codes(given)
+    assert given.cell("stable", "fp16").nan_rows == 0  # the given scores themselves are finite in fp16 after scaling
 
 
 def test_scale_mismatch_fits_the_scale_of_given_scores():
@@ -345,8 +377,15 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
     for args, line in [
         (["--q", f"{p}:q", "--k", f"{p}:k16"], "q and k have different head dims: q (1, 1, 8, 64) has d = 64, k (1, 1, 8, 16) has d = 16"),
         (["--q", f"{p}:q"], "--q and --k go together: give both"),
-        (["--causal", str(p)], "--mask, --causal and --pad-left/--pad-right apply to scores computed from --q and --k"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--mask", str(tmp_path / "intmask.pt")], "mask has dtype int64; use a boolean mask (True = attend; --mask-convention ignore for True = masked) or an additive float mask"),
+        (["--causal", str(p)], "--causal applies to scores computed from --q and --k, which are not given"),
+        (["--mask", str(p), "--pad-left", "1", str(p)], "--mask, --pad-left apply to scores computed from --q and --k, which are not given"),
+        ([str(p), "--mask-value", "garbage"], "--mask-value: unknown value 'garbage' (use -inf, min or a negative number)"),
+        ([str(p), "--scale", "garbage"], "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'garbage'"),
+        ([str(p), "--scale", "0.125", "--mask-value", "min"], "--scale, --mask-value apply to scores computed from --q and --k, which are not given"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "min"], "--mask-value is what keys masked by a boolean --mask, --causal or --pad-left/--pad-right become; none is given"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--mask-convention", "ignore"], "--mask-convention applies to a boolean --mask, which is not given"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--key", "q"], "--key selects tensors inside score files, and none is given; pick q and k inside files with --q PATH:KEY"),
+        (["--q", f"{p}:q", "--k", f"{p}:k", "--mask", str(tmp_path / "intmask.pt")], f"{tmp_path / 'intmask.pt'} has dtype int64; use a boolean mask (True = attend; --mask-convention ignore for True = masked) or an additive float mask"),
         (["--q", str(p), "--k", f"{p}:k"], f"--q {p} selects 3 tensors ({p}:q, {p}:k, {p}:k16); pick one with --q PATH:KEY"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--scale", "fast"], "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'fast'"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "5"], "--mask-value must be negative (a mask lowers the masked scores), got '5'"),

@@ -100,6 +100,7 @@ def test_sum_overflow_gives_zero_row_not_nan():
     x = torch.tensor([[11.0, 11.0, 0.0]], dtype=torch.float16)
     out = run_method("naive", x)
     assert out.overflow_rows.tolist() == [True]
+    assert out.events["sum_overflow"].tolist() == [True] and out.events["exp_overflow"].tolist() == [False]
     assert (out.probs == 0).all()
 
 
@@ -275,11 +276,11 @@ def _tiled_block_by_block(x: torch.Tensor, block: int, reverse: bool) -> torch.T
         e = torch.exp(s - m_safe)
         l = torch.exp(m - m_safe) * l + e.sum(dim=-1, keepdim=True)  # noqa: E741
         p[..., s0 : s0 + block] = e.to(x.dtype)
-        used[s0], m = m_safe, m_new
+        used[s0], m = m_new, m_new
     m_final = torch.where(m == float("-inf"), 0.0, m)
     inv_l = torch.where((l == 0) | torch.isnan(l), 1.0, 1.0 / l)
     out = torch.empty(x.shape)
-    for s0 in starts:
+    for s0 in starts:  # the block-by-block rescales telescope to exp(m_j - m_final); -inf m_j gives 0
         out[..., s0 : s0 + block] = p[..., s0 : s0 + block].float() * (torch.exp(used[s0] - m_final) * inv_l)
     return out
 
@@ -302,3 +303,78 @@ def test_tiled_is_bitwise_the_block_by_block_recurrence(dtype, keys, block, reve
     assert got.dtype == torch.float32 and got.shape == x.shape
     assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)) and torch.equal(got.isnan(), want.isnan())
 
+
+
+def _flash_forward_float64(row: list[float], block: int, reverse: bool) -> list[float]:
+    """FlashAttention's forward pass for one row with V = identity, in float64 and plain
+    Python, one key block at a time as the kernel runs it: m_j = max(m_{j-1}, max S_j);
+    m_safe = 0 where m_j is -inf (the kernel's guard); P_j = exp(S_j - m_safe);
+    l_j = exp(m_{j-1} - m_safe) l_{j-1} + sum P_j; the output accumulator is rescaled by
+    the same factor before block j's P_j is added; at the end it is divided by l (a row
+    with l = 0 gives zeros)."""
+    n = len(row)
+    starts = list(range(0, n, block))[:: -1 if reverse else 1]
+    m, l, acc = -math.inf, 0.0, [0.0] * n  # noqa: E741 - FlashAttention's name
+    for s0 in starts:
+        keys = range(s0, min(s0 + block, n))
+        m_new = max([m] + [row[i] for i in keys])
+        m_safe = 0.0 if m_new == -math.inf else m_new
+        alpha = math.exp(m - m_safe)  # exp(-inf) = 0 for the first block or while m is -inf
+        acc = [a * alpha for a in acc]
+        p = {i: math.exp(row[i] - m_safe) for i in keys}
+        l = alpha * l + sum(p.values())  # noqa: E741
+        for i, v in p.items():
+            acc[i] += v
+        m = m_new
+    return [0.0] * n if l == 0 else [a / l for a in acc]
+
+
+def _guard_rows(n: int, block: int) -> list[list[float]]:
+    """Rows whose masked (-inf) keys fill whole key blocks first, last, in the middle, all but
+    one key, and every key; finite keys far below -88.7 (so exp(-m) overflows float32) and
+    near 0."""
+    nb = -(-n // block)
+    first = list(range(0, min(block, n)))
+    last = list(range((nb - 1) * block, n))
+    middle = list(range(block, min(2 * block, n))) if nb >= 3 else []
+    rows = []
+    for low in (-100.0, -1e4, 0.0, 30.0):
+        for masked in (first, last, middle, first + last, list(range(n - 1)), list(range(1, n))):
+            rows.append([-math.inf if i in masked else low + (i % 5) * 0.25 for i in range(n)])
+    rows.append([-math.inf] * n)
+    return rows
+
+
+@pytest.mark.parametrize("n, block", [(256, 128), (10, 1), (10, 3), (10, 4), (11, 7), (9, 16), (300, 128)])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_tiled_guards_match_a_block_by_block_float64_emulation(n, block, reverse):
+    """Every guard of the online recurrence against the kernel's loop in float64: whole
+    -inf blocks first, last and in the middle, block 1, blocks that do not divide the row."""
+    rows = _guard_rows(n, block)
+    x = torch.tensor(rows, dtype=torch.float64)
+    got = tiled_softmax(x.float(), block=block, reverse=reverse).double()
+    want = torch.tensor([_flash_forward_float64(r, block, reverse) for r in rows], dtype=torch.float64)
+    assert not torch.isnan(got).any()
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-12), (got - want).abs().max()
+    # Rows with any finite key are a softmax: the same as float64 stable softmax.
+    defined = torch.isfinite(x).any(dim=-1)
+    assert torch.allclose(got[defined], reference_softmax(x[defined]), rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_tiled_whole_masked_block_before_low_scores_is_not_nan(dtype, reverse):
+    # The audit's case: (2, 256), first (forward) or last (reverse) 128 keys -inf, the rest -100.
+    x = torch.full((2, 256), -100.0)
+    x[:, :128] = float("-inf")
+    if reverse:
+        x = x.flip(-1)
+    p = tiled_softmax(x.to(dtype), block=128, reverse=reverse)
+    keep = torch.isfinite(x)
+    assert torch.equal(p[~keep], torch.zeros(256))
+    assert torch.equal(p[keep], torch.full((256,), 1 / 128))
+
+
+def test_tiled_block_wider_than_the_row_is_one_block():
+    x = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(tiled_softmax(x, block=99999999999), tiled_softmax(x, block=20))

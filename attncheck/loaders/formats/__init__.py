@@ -1,7 +1,7 @@
 """The file formats attncheck reads, by suffix: each module lists a file's keys, loads
 tensors whole, and reads them as row-block sources (see ``common.FileListing``).
 
-Adding a format: a module with ``SUFFIXES`` and ``open_file(path, head) -> FileListing``,
+Adding a format: a module with ``SUFFIXES`` and ``open_file(path, head, kind, max_bytes) -> FileListing``,
 registered in ``FORMATS``.
 """
 

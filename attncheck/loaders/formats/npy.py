@@ -16,13 +16,16 @@ import numpy as np
 import numpy.lib.format as npformat
 import torch
 
+from attncheck.errors import AttncheckError
 from attncheck.loaders.common import (
     EMPTY_ZIP_MAGIC,
     FileListing,
     NPY_MAGIC,
+    PIECE,
     TensorSource,
     ZIP_MAGIC,
     check_numpy_dtype,
+    check_size,
     check_shape,
     check_tensor,
     error,
@@ -45,7 +48,7 @@ _NPY_MAX_HEADER = 10000
 
 NUMPY_TO_TORCH = {2: torch.float16, 4: torch.float32, 8: torch.float64}
 
-def open_file(path: str, head: bytes) -> FileListing:
+def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | None = None) -> FileListing:
     if not head.startswith(NPY_MAGIC):
         why = "it does not start with the .npy header"
         if head.startswith((ZIP_MAGIC, EMPTY_ZIP_MAGIC)):
@@ -53,20 +56,58 @@ def open_file(path: str, head: bytes) -> FileListing:
         raise error(f"{path}: {invalid_text(path)} ({why})")
 
     def load(selected: list[str | None]) -> list[tuple[str | None, Any]]:
-        return [(None, _load(path))]
+        return [(None, _load(path, kind, max_bytes))]
 
     def sources(selected: list[str | None]) -> list[TensorSource]:
-        return [_npy_source(path)]
+        return [_npy_source(path, max_bytes)]
 
     return FileListing(path, [None], load, sources)
 
 
-def _load(path: str) -> torch.Tensor:
+def _read_header(path: str) -> tuple[NpyHeader, int]:
     try:
-        array = np.load(path, allow_pickle=False)
+        with open(path, "rb") as f:
+            header = read_npy_header(f)
+            size = os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        raise read_error(path)(exc) from exc
     except Exception as exc:
         raise numpy_error(path, exc) from exc
-    return from_numpy(path, array)
+    return header, size
+
+
+def _load(path: str, kind: str = "scores", max_bytes: int | None = None) -> torch.Tensor:
+    """The whole array, checked (dtype, size against the file and the budget) before its
+    buffer is allocated."""
+    header, size = _read_header(path)
+    check_npy(path, header, size - header.data_offset, invalid_text(path), kind)
+    check_size(path, header.nbytes, max_bytes)
+    try:
+        f = open_at(path, header.data_offset)
+    except OSError as exc:
+        raise read_error(path)(exc) from exc
+    with f:
+        array = read_array(f, header, truncation(path, invalid_text(path), header.nbytes), read_error(path))
+    return from_numpy(path, array, kind)
+
+
+def read_array(stream: Any, header: "NpyHeader", truncated: Callable[[int], Any], unreadable: Callable[[BaseException], Any]) -> np.ndarray:
+    """The array ``header`` describes, read from ``stream`` in pieces into one buffer of its
+    size (the header's size was checked before: nothing larger is ever allocated)."""
+    buffer = np.empty(math.prod(header.shape), dtype=header.dtype)
+    view = memoryview(buffer.reshape(-1).view(np.uint8))
+    got = 0
+    try:
+        while got < len(view):
+            n = stream.readinto(view[got : got + PIECE])
+            if not n:
+                raise truncated(got)
+            got += n
+    except AttncheckError:
+        raise
+    except Exception as exc:
+        raise unreadable(exc) from exc
+    return buffer.reshape(header.shape, order="F" if header.fortran else "C")
 
 @dataclass(frozen=True)
 class NpyHeader:
@@ -92,28 +133,28 @@ def read_npy_header(fp: Any) -> NpyHeader:
         raise ValueError(f"we only support format version (1,0), (2,0), and (3,0), not {version}")
     return NpyHeader(tuple(int(n) for n in shape), bool(fortran), dtype, fp.tell())
 
-def check_npy(name: str, header: NpyHeader, available: int, invalid: str) -> torch.dtype:
-    """Validate in load_tensors' order: objects, truncation, dtype, shape."""
+def check_npy(name: str, header: NpyHeader, available: int, invalid: str, kind: str = "scores") -> torch.dtype:
+    """Validate in load_tensors' order: objects, size against the data, dtype, shape."""
     if header.dtype.hasobject:
         raise object_array_error(name)
     if available < header.nbytes:
         raise truncation(name, invalid, header.nbytes)(max(available, 0))
-    check_numpy_dtype(name, header.dtype)
+    if available > header.nbytes:
+        order = ", Fortran order" if header.fortran else ""
+        raise error(
+            f"{name}: {invalid} (the header's shape {header.shape}{order} of {header.dtype.name} accounts for "
+            f"{header.nbytes} bytes of data, but {available} follow it)"
+        )
+    check_numpy_dtype(name, header.dtype, kind)
     check_shape(name, header.shape)
-    return NUMPY_TO_TORCH[header.dtype.itemsize]
+    return torch.bool if header.dtype.kind == "b" else NUMPY_TO_TORCH[header.dtype.itemsize]
 
-def _npy_source(path: str) -> TensorSource:
+def _npy_source(path: str, max_bytes: int | None = None) -> TensorSource:
     invalid = invalid_text(path)
-    try:
-        with open(path, "rb") as f:
-            header = read_npy_header(f)
-            size = os.fstat(f.fileno()).st_size
-    except OSError as exc:
-        raise read_error(path)(exc) from exc
-    except Exception as exc:
-        raise numpy_error(path, exc) from exc
+    header, size = _read_header(path)
     dtype = check_npy(path, header, size - header.data_offset, invalid)
     if header.fortran and len(header.shape) > 1:
+        check_size(path, header.nbytes, max_bytes, "a Fortran-ordered array is read whole: it")
         return fortran_source(path, header, dtype, lambda: _load(path))
 
     def blocks(rows_per_block: int) -> Iterator[torch.Tensor]:

@@ -13,12 +13,11 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any, BinaryIO
 
-import numpy as np
 import numpy.lib.format as npformat
 import torch
 
 from attncheck.errors import AttncheckError
-from attncheck.loaders.formats.npy import check_npy, fortran_source, read_npy_header
+from attncheck.loaders.formats.npy import check_npy, fortran_source, read_array, read_npy_header
 from attncheck.loaders.common import (
     EMPTY_ZIP_MAGIC,
     FileListing,
@@ -26,6 +25,7 @@ from attncheck.loaders.common import (
     PIECE,
     TensorSource,
     ZIP_MAGIC,
+    check_size,
     error,
     from_numpy,
     guarded,
@@ -33,72 +33,81 @@ from attncheck.loaders.common import (
     numpy_error,
     qualified_name,
     read_blocks,
-    read_head,
     reason,
     truncation,
+    unique_names,
 )
 
 SUFFIXES = (".npz",)
 
 _ZIP_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes, signature PK\x03\x04
 
-def open_file(path: str, head: bytes) -> FileListing:
+def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | None = None) -> FileListing:
     if head.startswith(NPY_MAGIC):
         raise error(
             f"{path}: {invalid_text(path)} (it is a single .npy array; rename it to .npy)"
         )
     if not head.startswith((ZIP_MAGIC, EMPTY_ZIP_MAGIC)):
         raise error(f"{path}: {invalid_text(path)} (not a zip archive)")
-    # np.load is given an open file, not the path: for a path it leaks the
-    # file handle when the zip archive turns out to be corrupt.
     try:
-        with open(path, "rb") as handle, np.load(handle, allow_pickle=False) as npz:
-            members = list(npz.files)
+        with open(path, "rb") as handle, zipfile.ZipFile(handle) as archive:
+            infos = archive.infolist()
     except Exception as exc:
         raise error(f"{path}: {invalid_text(path)} ({reason(exc)})") from exc
-    if not members:
+    if not infos:
         raise error(f"{path}: holds no arrays")
+    members = _member_keys(path, infos)
 
     def load(selected: list[str | None]) -> list[tuple[str | None, Any]]:
-        with open(path, "rb") as handle:
-            try:
-                npz = np.load(handle, allow_pickle=False)
-            except Exception as exc:
-                raise error(f"{path}: {invalid_text(path)} ({reason(exc)})") from exc
-            with npz:
-                return [(key, _npz_member(path, npz, key)) for key in selected]
+        return [(key, _load_member(path, key, members[key], kind, max_bytes)) for key in selected if key is not None]
 
     def sources(selected: list[str | None]) -> list[TensorSource]:
-        return _npz_sources(path, selected)
+        return [_npz_member_source(path, key, members[key], max_bytes) for key in selected if key is not None]
 
     return FileListing(path, list(members), load, sources)
 
-def _npz_member(path: str, npz: Any, key: str | None) -> torch.Tensor:
-    assert key is not None
-    name = qualified_name(path, key)
-    try:
-        array = npz[key]
-    except Exception as exc:
-        raise numpy_error(name, exc, member=True) from exc
-    if not isinstance(array, np.ndarray):
-        raise error(f"{name}: member is not a .npy array")
-    return from_numpy(name, array)
 
-def _npz_sources(path: str, selected: list[str | None]) -> list[TensorSource]:
+def _member_keys(path: str, infos: list[zipfile.ZipInfo]) -> dict[str, zipfile.ZipInfo]:
+    """Key -> member. As numpy names them: 'x.npy' is 'x', 'x.npy.npy' (np.savez(x.npy=...))
+    is 'x.npy', a member without the suffix keeps its name. Where two members would get one
+    key ('x' and 'x.npy'), both are named by their member name in brackets: "['x']",
+    "['x.npy']". Each key then reads exactly its own member."""
+    names = [i.filename for i in infos]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise error(f"{path}: {invalid_text(path)} (two members are named {repeated[0]!r})")
+    plain = [n.removesuffix(".npy") for n in names]
+    keys = [f"[{n!r}]" if plain.count(k) > 1 else k for n, k in zip(names, plain)]
+    unique_names(path, list(keys))
+    return dict(zip(keys, infos))
+
+
+def _load_member(path: str, key: str, info: zipfile.ZipInfo, kind: str, max_bytes: int | None) -> torch.Tensor:
+    """One member whole: its .npy header is read and checked (dtype, size against the member
+    and the budget) before the array's buffer is allocated; a compressed member is
+    decompressed in pieces into that buffer, never beyond the size its header declares."""
+    name = qualified_name(path, key)
+    member_error = lambda exc: numpy_error(name, exc, member=True)  # noqa: E731
+    invalid = "not a valid .npy member"
     try:
-        with open(path, "rb") as handle, zipfile.ZipFile(handle) as archive:
-            names = archive.namelist()
-            infos = {n: archive.getinfo(n) for n in names}
-    except Exception as exc:  # listed fine by loaders a moment ago
-        raise error(f"{path}: {invalid_text(path)} ({reason(exc)})") from exc
-    # As numpy's NpzFile: "x" names member "x.npy", and "x.npy" names itself.
-    members = {n.removesuffix(".npy"): n for n in names}
-    members.update({n: n for n in names})
-    out = []
-    for key in selected:
-        assert key is not None
-        out.append(_npz_member_source(path, key, infos[members[key]]))
-    return out
+        with ExitStack() as stack:
+            reader = _open_member(path, info, stack)
+            header = _member_header(name, reader)
+            check_npy(name, header, info.file_size - header.data_offset, invalid, kind)
+            check_size(name, header.nbytes, max_bytes)
+            array = read_array(reader, header, truncation(name, invalid, header.nbytes), member_error)
+            reader.drain()  # the CRC is checked at the end of the member
+    except AttncheckError:
+        raise
+    except Exception as exc:
+        raise member_error(exc) from exc
+    return from_numpy(name, array, kind)
+
+
+def _member_header(name: str, reader: Any) -> Any:
+    if reader.read(len(npformat.MAGIC_PREFIX)) != npformat.MAGIC_PREFIX:
+        raise error(f"{name}: member is not a .npy array")
+    return read_npy_header(_Rewound(reader, npformat.MAGIC_PREFIX))
 
 class _StoredMember:
     """Reads of an uncompressed zip member straight from the file, CRC-checked."""
@@ -169,20 +178,24 @@ def _open_member(path: str, info: zipfile.ZipInfo, stack: ExitStack) -> Any:
         if len(local) < _ZIP_LOCAL_HEADER.size or local[:4] != b"PK\x03\x04":
             raise zipfile.BadZipFile("Bad magic number for file header")
         *_, name_length, extra_length = _ZIP_LOCAL_HEADER.unpack(local)
+        # As zipfile checks it: the local header names the member the central directory does.
+        raw = f.read(name_length)
+        local_name = raw.decode("utf-8" if _ZIP_LOCAL_HEADER.unpack(local)[2] & 0x800 else "cp437", "replace")
+        if local_name != info.orig_filename:
+            raise zipfile.BadZipFile(f"File name in directory {info.orig_filename!r} and header {local_name!r} differ.")
+        if info.compress_size != info.file_size:
+            raise zipfile.BadZipFile(f"stored member {info.filename!r}: the directory says {info.compress_size} bytes stored, {info.file_size} bytes of data")
         f.seek(info.header_offset + _ZIP_LOCAL_HEADER.size + name_length + extra_length)
         return _StoredMember(f, info)
     archive = stack.enter_context(zipfile.ZipFile(path))
     return _CompressedMember(stack.enter_context(archive.open(info)))
 
-def _npz_member_source(path: str, key: str, info: zipfile.ZipInfo) -> TensorSource:
+def _npz_member_source(path: str, key: str, info: zipfile.ZipInfo, max_bytes: int | None = None) -> TensorSource:
     name = qualified_name(path, key)
     member_error = lambda exc: numpy_error(name, exc, member=True)  # noqa: E731
     try:
         with ExitStack() as stack:
-            reader = _open_member(path, info, stack)
-            if reader.read(len(npformat.MAGIC_PREFIX)) != npformat.MAGIC_PREFIX:
-                raise error(f"{name}: member is not a .npy array")
-            header = read_npy_header(_Rewound(reader, npformat.MAGIC_PREFIX))
+            header = _member_header(name, _open_member(path, info, stack))
     except AttncheckError:
         raise
     except Exception as exc:
@@ -190,7 +203,8 @@ def _npz_member_source(path: str, key: str, info: zipfile.ZipInfo) -> TensorSour
     invalid = "not a valid .npy member"
     dtype = check_npy(name, header, info.file_size - header.data_offset, invalid)
     if header.fortran and len(header.shape) > 1:
-        return fortran_source(name, header, dtype, lambda: open_file(path, read_head(path)).load([key])[0][1])
+        check_size(name, header.nbytes, max_bytes, "a Fortran-ordered array is read whole: it")
+        return fortran_source(name, header, dtype, lambda: _load_member(path, key, info, "scores", max_bytes))
 
     def blocks(rows_per_block: int) -> Iterator[torch.Tensor]:
         truncated = truncation(name, invalid, header.nbytes)

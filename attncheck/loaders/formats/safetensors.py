@@ -21,6 +21,7 @@ from attncheck.loaders.common import (
     FileListing,
     TensorSource,
     check_shape,
+    check_size,
     dtype_error,
     error,
     guarded,
@@ -56,7 +57,7 @@ _RAW_FLOATS: dict[str, tuple[np.dtype, torch.dtype]] = {
     "bfloat16": (np.dtype("<u2"), torch.bfloat16),  # numpy has no bf16: raw 16-bit words
 }
 
-def open_file(path: str, head: bytes) -> FileListing:
+def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | None = None) -> FileListing:
     try:
         with safetensors.safe_open(path, framework="pt") as f:
             keys = list(f.keys())
@@ -66,6 +67,15 @@ def open_file(path: str, head: bytes) -> FileListing:
         raise error(f"{path}: holds no tensors")
 
     def load(selected: list[str | None]) -> list[tuple[str | None, Any]]:
+        try:
+            with open(path, "rb") as f:
+                _, entries = _read_safetensors_header(f, invalid_text(path), path)
+        except OSError as exc:
+            raise read_error(path)(exc) from exc
+        for key in selected:
+            entry = entries.get(key) if key is not None else None
+            if entry is not None:
+                check_size(qualified_name(path, key), entry.end - entry.begin, max_bytes)
         try:
             handle = safetensors.safe_open(path, framework="pt")
         except Exception as exc:
