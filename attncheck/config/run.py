@@ -57,6 +57,17 @@ class Options:
         object.__setattr__(self, "device", params.device(self.device))
 
 
+def ignore_codes(value, param_name: str = "ignore") -> tuple[str, ...]:
+    """'fully_masked_rows, mask_leak' or a list -> the finding codes, each checked."""
+    from attncheck.findings import SEVERITY
+
+    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value or ())
+    for code in items:
+        if not isinstance(code, str) or code not in SEVERITY:
+            raise AttncheckError(f"unknown finding code {params.show(code)} (known: {', '.join(SEVERITY)})", param=param_name)
+    return tuple(dict.fromkeys(items))
+
+
 @dataclass(frozen=True)
 class QKSpec:
     """Scores to compute from Q, K and a mask, as files to read (PATH or PATH:KEY)."""
@@ -90,8 +101,11 @@ class RunRequest:
     example: bool = False
     qk: QKSpec | None = None
     options: Options = Options()
+    ignore: tuple[str, ...] = ()  # finding codes the user judged expected: dropped, their rows not counted
+    partial: bool = False  # diagnose the calls that can be, and report the others, instead of stopping at the first
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "ignore", ignore_codes(self.ignore))
         if self.example and (self.paths or self.qk):
             raise AttncheckError("give files or the built-in example, not both")
         if self.example and self.keys:

@@ -281,7 +281,14 @@ class CellAcc:
             argmax_flips=self.flips,
             examples=self.examples.unravel(lead),
             nan_rows_by_head=self._top_heads(),
+            nan_rows_per_head=self._per_head(),
         )
+
+    def _per_head(self) -> list[int]:
+        """NaN rows per index of the last leading axis (the heads), summed over the axes before it."""
+        if not self.heads:
+            return []
+        return self.nan_by_head.reshape(-1, self.heads[-1]).sum(dim=0).tolist()
 
     def _top_heads(self, k: int = 5) -> list[tuple[tuple[int, ...], int]]:
         if not self.heads or not bool(self.nan_by_head.any()):

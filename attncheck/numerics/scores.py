@@ -56,6 +56,8 @@ class AttentionInputs:
     mask_value: str  # "-inf", "min" or a number, for boolean-masked keys
     lead: tuple[int, ...]  # the leading (batch) axes of the inputs before normalisation
     float_mask_looks_boolean: bool = False
+    mask_summed_neginf: int = 0  # -inf values of a float mask that also holds sentinels beyond half its dtype's range
+    mask_deep_sentinel: float | None = None  # such a sentinel, e.g. -65504
 
     @property
     def heads(self) -> int:
@@ -119,6 +121,7 @@ def prepare_inputs(
     masked = None
     mask_float = None
     looks_boolean = False
+    summed, deep = 0, None
     if mask is not None:
         m4 = _broadcast_mask(mask, full, lead)
         if mask.dtype == torch.bool:
@@ -127,6 +130,7 @@ def prepare_inputs(
             mask_float = m4.to(torch.float64)
             vals = torch.unique(mask_float)
             looks_boolean = vals.numel() <= 2 and bool(((vals == 0) | (vals == 1)).all()) and bool((vals == 1).any())
+            summed, deep = _summed_planes(mask)
         else:
             raise AttncheckError(f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask")
     extra = torch.zeros(full, dtype=torch.bool)
@@ -157,7 +161,21 @@ def prepare_inputs(
         mask_value=mask_value,
         lead=lead,
         float_mask_looks_boolean=looks_boolean,
+        mask_summed_neginf=summed,
+        mask_deep_sentinel=deep,
     )
+
+
+def _summed_planes(mask: torch.Tensor) -> tuple[int, float | None]:
+    """(-inf values of a float mask, one of its finite sentinels) when the mask holds both -inf and
+    finite values beyond half its dtype's range: the mark of two finfo.min planes added together
+    (a single plane never overflows). (0, None) otherwise. Counted over the mask as given."""
+    half = torch.finfo(mask.dtype).max / 2
+    deep = torch.isfinite(mask) & (mask < -half)
+    if not bool(deep.any()):
+        return 0, None
+    neginf = int(torch.isneginf(mask).sum())
+    return (neginf, float(mask[deep].max())) if neginf else (0, None)
 
 
 def _broadcast_mask(mask: torch.Tensor, full: tuple[int, ...], lead: tuple[int, ...]) -> torch.Tensor:
@@ -326,6 +344,8 @@ def start_audit(inp: AttentionInputs) -> AttentionAudit:
         q_max_abs=_finite_abs_max(q64),
         k_max_abs=_finite_abs_max(k64),
         float_mask_looks_boolean=inp.float_mask_looks_boolean,
+        mask_summed_neginf=inp.mask_summed_neginf,
+        mask_deep_sentinel=inp.mask_deep_sentinel,
     )
 
 
