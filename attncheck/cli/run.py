@@ -17,16 +17,23 @@ from attncheck.cli.options import (
     DEFAULT_DTYPES,
     DEFAULT_METHODS,
     BlockOpt,
+    BriefOpt,
+    DetailOpt,
     DeviceOpt,
     DtypeOpt,
+    FailOnOpt,
+    FullOpt,
+    IgnoreOpt,
     JsonOpt,
+    MaxMemoryOpt,
     MethodOpt,
+    PartialOpt,
     QuietOpt,
     ScaleOpt,
     notices,
     progress_shown,
 )
-from attncheck.config.run import Options, QKSpec, RunRequest, chunk_elements_for
+from attncheck.config.run import Options, QKSpec, RunRequest, chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError, param
 from attncheck.findings import FAIL_ON_WORDS, valid_fail_on
 
@@ -56,9 +63,13 @@ def run(
     device: DeviceOpt = "auto",
     key: List[str] = typer.Option([], "--key", help="Glob selecting tensors inside files (repeatable), e.g. 'layers.*.scores'."),
     json_out: JsonOpt = None,
-    fail_on: str = typer.Option("", "--fail-on", help=f"Exit 1 when a condition holds: {', '.join(FAIL_ON_WORDS)} or a finding code (comma-separated)."),
-    brief: bool = typer.Option(False, "--brief", help="Leave out the per-cell detail table."),
-    max_memory: str = typer.Option(params.DEFAULT_MAX_MEMORY, "--max-memory", help="Working memory for the diagnosis: inputs are read and processed in row chunks that fit (.npy, .safetensors, .npz stream; .pt is loaded whole)."),
+    fail_on: FailOnOpt = "",
+    ignore: IgnoreOpt = "",
+    brief: BriefOpt = False,
+    full: FullOpt = False,
+    detail: DetailOpt = [],
+    partial: PartialOpt = False,
+    max_memory: MaxMemoryOpt = params.DEFAULT_MAX_MEMORY,
     quiet: QuietOpt = False,
     q: Optional[str] = typer.Option(None, "--q", help="Queries (..., heads, tokens, d) as PATH or PATH:KEY. With --k, the scores are computed in each dtype as models do.", rich_help_panel=QK),
     k: Optional[str] = typer.Option(None, "--k", help="Keys (..., kv_heads, tokens, d) as PATH or PATH:KEY; kv_heads may divide the query heads (GQA).", rich_help_panel=QK),
@@ -71,15 +82,18 @@ def run(
     mask_value: str = typer.Option("-inf", "--mask-value", help="What a masked key becomes: -inf, min (finfo(dtype).min) or a number such as -1e4.", rich_help_panel=QK),
     mask_convention: MaskConvention = typer.Option("attend", "--mask-convention", help="Boolean masks: True = attend (SDPA) or True = masked.", rich_help_panel=QK),
 ) -> None:
-    """Diagnose saved attention scores (pre-softmax logits), or the scores Q and K produce.
+    """Diagnose saved attention scores (pre-softmax logits), the scores Q and K produce, or a capture.
 
     Every method x dtype cell is judged against a float64 softmax of the scores as given
     (with --q/--k: of Q@K^T, scale and mask computed in float64). With scores files and
     --q/--k together, the scale that maps q.k onto the scores is fitted and checked.
+    A capture directory (attncheck capture) or a file of q/k/v/mask tensors is read as
+    attention calls; more than one tensor or call gets the model report (--full for all tables).
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error.
     """
     try:
         conditions = parse_fail_on(fail_on)
+        ignored = ignore_codes(ignore)
         memory = params.size(max_memory, "max_memory")
         check_output_path(json_out, "--json")
         options = Options(
@@ -98,7 +112,7 @@ def run(
                         tuple(params.lengths(pad_right, "pad_right")), mask_value, MaskConvention(mask_convention).value)
         elif mask is not None or causal or pad_left or pad_right:
             raise AttncheckError(f"{param('mask')}, {param('causal')} and {param('pad_left')}/{param('pad_right')} apply to scores computed from {param('q')} and {param('k')}")
-        request = RunRequest(tuple(paths or ()), tuple(key), example, qk, options)
+        request = RunRequest(tuple(paths or ()), tuple(key), example, qk, options, ignored, partial)
 
         from attncheck.pipelines.run import run as run_pipeline
         from attncheck.report.progress import Progress
@@ -109,19 +123,47 @@ def run(
     except AttncheckError as e:
         raise fail(e) from None
 
-    from attncheck.findings import failed_conditions
-    from attncheck.report.run import print_report, run_json
+    emit(result, conditions, ignored, json_out, brief=brief, full=full, detail=detail)
 
-    failed = failed_conditions(result.tensors, conditions)
+
+def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str | None, *, brief: bool, full: bool, detail: list[str]) -> None:
+    """Print the report (the model report for several calls, else the per-tensor one), write the
+    JSON, and exit 0, or 1 when a --fail-on condition holds, or 2 when calls were skipped."""
+    import fnmatch
+
+    from attncheck.findings import failed_conditions
+    from attncheck.report.run import print_report, render_diagnosis, run_json
+
+    failed = failed_conditions(result.tensors, conditions, ignored)
+    chosen = []
+    for pattern in detail:
+        hit = [c for c in result.calls if c.diagnosis is not None and (fnmatch.fnmatchcase(c.call.module, pattern) or fnmatch.fnmatchcase(c.call.name, pattern))]
+        if not hit:
+            names = ", ".join((c.call.module or c.call.name) for c in result.calls[:6])
+            raise fail(AttncheckError(f"'{pattern}' matches no call (calls: {names}{', ...' if len(result.calls) > 6 else ''})", param="detail"))
+        chosen += [c for c in hit if c not in chosen]
     if json_out is not None:
         try:
-            write_json(json.dumps(run_json(result.tensors, result.device, failed), indent=2, allow_nan=False), json_out)
+            write_json(json.dumps(run_json(result.tensors, result.device, failed, result.model, result.calls), indent=2, allow_nan=False), json_out)
         except AttncheckError as e:
             raise fail(e) from None
     if json_out != "-":
         from rich.console import Console
 
-        print_report(Console(), result.tensors, result.device, verbose=not brief)
+        console = Console()
+        if full or result.model is None or len(result.calls) <= 1:
+            print_report(console, result.tensors, result.device, verbose=not brief)
+        else:
+            from attncheck.report.model import print_model
+
+            print_model(console, result.model, result.calls, result.device)
+            for c in chosen:
+                console.print()
+                console.print(render_diagnosis(c.diagnosis, verbose=not brief))
     for reason in failed:
         typer.echo(f"attncheck: --fail-on {reason}", err=True)
+    if result.model is not None and result.model.skipped:
+        for name, why in result.model.skipped:
+            typer.echo(f"attncheck: error: {why}", err=True)
+        raise typer.Exit(2)
     raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)

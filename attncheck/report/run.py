@@ -15,7 +15,7 @@ from attncheck.params import MASK_SENTINEL_LIMIT
 from attncheck.format import fmt, rows_text, to_jsonable
 from attncheck.results import Cell, TensorDiagnosis
 
-JSON_SCHEMA = "attncheck.run/1"
+JSON_SCHEMA = "attncheck.run/2"  # /2 added the model section; every /1 key is kept
 
 VERDICT_STYLE = {"nan": "bold red", "overflow": "bold red", "zero": "red", "flip": "yellow", "ok": "green"}
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
@@ -241,7 +241,11 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
     }
 
 
-def run_json(diags: Sequence[TensorDiagnosis], device: str, failed: Sequence[str] = ()) -> dict[str, Any]:
+def run_json(diags: Sequence[TensorDiagnosis], device: str, failed: Sequence[str] = (), model=None, calls=()) -> dict[str, Any]:
+    """The run's JSON: every tensor's diagnosis and, for files, the ``model`` section (one entry
+    per call, the first that goes wrong, outlier heads)."""
+    from attncheck.report.model import model_json
+
     opts = diags[0].options if diags else None
     return {
         "schema": JSON_SCHEMA,
@@ -250,4 +254,5 @@ def run_json(diags: Sequence[TensorDiagnosis], device: str, failed: Sequence[str
         "options": None if opts is None else to_jsonable(opts),
         "tensors": [diagnosis_json(d) for d in diags],
         "failed": list(failed),
+        "model": None if model is None else model_json(model, list(calls)),
     }
