@@ -55,6 +55,7 @@ FLAGS = {
     "dtypes": "--dtype", "methods": "--method", "keys": "--key", "reverse": "--order",
     "dks": "--dk", "scales": "--scale", "seqs": "--seq", "stds": "--std",
     "chunk_elements": "--max-memory", "kernels": "ATTNCHECK_KERNELS",
+    "script": "SCRIPT", "forwards": "--forward", "modules": "--module", "path": "--out", "diagnose": "--no-save",
 }
 
 
