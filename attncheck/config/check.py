@@ -116,6 +116,7 @@ class CheckConfig:
     device: str = DEFAULT_DEVICE
     budget: Budget = field(default_factory=Budget)
     dtype_budgets: dict[str, Budget] = field(default_factory=dict)  # [tool.attncheck.budget.<dtype>] overrides
+    ignore: tuple[str, ...] = ()  # finding codes judged expected: their rows do not count against the budgets
 
     def budget_for(self, dtype: str) -> Budget:
         return self.dtype_budgets.get(dtype, self.budget)
@@ -192,7 +193,7 @@ def _reject_unknown(table: dict[str, Any], known: tuple[str, ...], prefix: str, 
 
 # --------------------------------------------------------------------------- tables
 
-TOP_KEYS = ("inputs", "keys", "synthetic", "dtypes", "methods", "block", "order", "accum", "device", "budget")
+TOP_KEYS = ("inputs", "keys", "synthetic", "dtypes", "methods", "block", "order", "accum", "device", "budget", "ignore")
 SYNTHETIC_KEYS = ("d_k", "scale", "seq", "rows", "dist", "std", "seed", "dtype")
 BUDGET_KEYS = (*BUDGET_NAMES, "relative_to_torch_atol")
 
@@ -289,6 +290,10 @@ def parse_table(table: Any, *, display: str = "<config>", prefix: str = TABLE, r
         values["device"] = params.device(table["device"], key("device"))
     if "budget" in table:
         values["budget"], values["dtype_budgets"] = _parse_budgets(table["budget"], key("budget"), display)
+    if "ignore" in table:
+        from attncheck.config.run import ignore_codes
+
+        values["ignore"] = ignore_codes(_strings(table["ignore"], key("ignore"), "finding codes, e.g. fully_masked_rows"), key("ignore"))
     if not values.get("inputs") and not values.get("synthetic"):
         where = f"[{prefix}]" if prefix else display
         raise AttncheckError(

@@ -18,6 +18,7 @@ import torch
 from attncheck.config.check import Budget, SyntheticInput
 from attncheck.config.run import Options
 from attncheck.errors import AttncheckError
+from attncheck.findings import counted_rows
 from attncheck.loaders import TensorSource, memory_source
 from attncheck.numerics.diagnose import check_scores, diagnose_chunks, resolve_device, rows_per_chunk
 from attncheck.numerics.precision import dtype_from_name
@@ -52,8 +53,20 @@ def _examples(cell: Cell, budget: str) -> list[tuple[int, ...]]:
     return sorted(rows)
 
 
-def budget_checks(cell: Cell, budget: Budget, torch_cell: Cell | None = None) -> list[BudgetCheck]:
-    """Apply every active budget to ``cell``; ``torch_cell`` (same dtype) is needed for relative_to_torch."""
+def _counted(cell: Cell, name: str, ignore) -> int:
+    """A count budget's measure, less the rows whose cause belongs to an ignored finding code."""
+    if name == "nan":
+        return counted_rows(cell.nan_rows, cell.nan_causes, ignore)
+    if name == "zero_rows":
+        return counted_rows(cell.zero_rows, cell.zero_causes, ignore)
+    if name == "overflow" and {"exp_overflow", "sum_overflow"} & set(ignore):
+        return 0
+    return getattr(cell, BUDGET_FIELD[name])
+
+
+def budget_checks(cell: Cell, budget: Budget, torch_cell: Cell | None = None, ignore=()) -> list[BudgetCheck]:
+    """Apply every active budget to ``cell``; ``torch_cell`` (same dtype) is needed for relative_to_torch.
+    ``ignore``: finding codes whose rows the count budgets leave out."""
     out = []
     for name, limit in budget.active():
         if name == RELATIVE_BUDGET:
@@ -61,7 +74,7 @@ def budget_checks(cell: Cell, budget: Budget, torch_cell: Cell | None = None) ->
                 continue  # torch against itself says nothing
             out.append(_relative_check(cell, limit, budget.relative_to_torch_atol, torch_cell))
             continue
-        measured = getattr(cell, BUDGET_FIELD[name])
+        measured = _counted(cell, name, ignore) if name in COUNT_BUDGETS else getattr(cell, BUDGET_FIELD[name])
         if name in COUNT_BUDGETS:
             passed = measured <= limit
             rows = [] if passed else _examples(cell, name)
@@ -134,6 +147,7 @@ def check_source(
     name: str | None = None,
     progress: Callable[[int], None] | None = None,
     notice: Callable[[str], None] | None = None,
+    ignore=(),
 ) -> list[CaseResult]:
     """Diagnose one score tensor (read in row blocks) and apply the budget to every cell.
 
@@ -156,7 +170,7 @@ def check_source(
             cell = diag.cell(m, d)
             b = per_dtype[d]
             torch_cell = diag.cell("torch", d) if b.relative_to_torch is not None else None
-            checks = budget_checks(cell, b, torch_cell)
+            checks = budget_checks(cell, b, torch_cell, ignore)
             for check in checks:
                 if not check.passed and check.budget in LOCATABLE and check.measured is not None:
                     row = locate_worst_row(source, m, d, cast_reference=LOCATABLE[check.budget], block=options.block,

@@ -42,11 +42,11 @@ def _run_check(config: CheckConfig, device: str | None, track: Track, notice) ->
     for src in sources:
         name = _relative_name(src.name, config)
         names.append(name)
-        cases += check_source(src, config.budget, options, config.dtype_budgets, name=name, progress=track(name, src.rows), notice=notice)
+        cases += check_source(src, config.budget, options, config.dtype_budgets, name=name, progress=track(name, src.rows), notice=notice, ignore=config.ignore)
     for spec in config.synthetic:
         names.append(spec.name)
         src = memory_source(spec.name, synthetic_scores(spec, str(dev)))
-        cases += check_source(src, config.budget, config.options(spec.dtypes, str(dev)), config.dtype_budgets, progress=track(spec.name, src.rows), notice=notice)
+        cases += check_source(src, config.budget, config.options(spec.dtypes, str(dev)), config.dtype_budgets, progress=track(spec.name, src.rows), notice=notice, ignore=config.ignore)
     return CheckResult(
         config=config.display,
         config_path=config.path,
@@ -56,6 +56,7 @@ def _run_check(config: CheckConfig, device: str | None, track: Track, notice) ->
         budget=config.budget,
         dtype_budgets=dict(config.dtype_budgets),
         seconds=time.perf_counter() - start,
+        ignore=config.ignore,
     )
 
 
