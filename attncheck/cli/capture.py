@@ -107,16 +107,11 @@ def capture(
     if outcome.error is not None:
         _show_script_error(outcome.error, script)
         kept = f"{len(cap.calls)} call(s) recorded" + (f" in {out} (manifest written)" if not no_save else "")
-        raise fail(f"{script} failed ({_one_line(outcome.error)}); {kept}")
+        why = f"exit status {outcome.error.code}" if isinstance(outcome.error, SystemExit) else f"{type(outcome.error).__name__}, traceback above"
+        raise fail(f"{script} failed ({why}); {kept}")
     if say is not None and not no_save:
         say(f"recorded {len(cap.calls)} call(s) in {out}" + (f"; recording stopped: {cap.stopped}" if cap.stopped else "") + f" (again: attncheck run {out})")
     emit(outcome.result, conditions, ignored, json_out, brief=brief, full=full, detail=detail)
-
-
-def _one_line(error: BaseException) -> str:
-    if isinstance(error, SystemExit):
-        return f"exit status {error.code}"
-    return "".join(traceback.format_exception_only(type(error), error)).strip().splitlines()[-1]
 
 
 def _show_script_error(error: BaseException, script: str) -> None:

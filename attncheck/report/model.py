@@ -62,7 +62,21 @@ def lines_table(report: ModelReport, prefix: str = "") -> Table:
     return t
 
 
-HEAD_LEGEND = "Layer x head: the largest logit; NaN n = NaN rows of the model's cell; ovf = Q@K^T overflows the call's dtype; * = outlier q/k"
+HEAD_LEGEND = "Layer x head: the largest logit (k = thousands); Nn = n NaN rows in the model's cell; ovf = Q@K^T overflows the call's dtype; * = outlier q/k"
+
+
+def compact(x: float | None) -> str:
+    """A logit in at most 4 characters: 3.4, 123, 22k, 3e+06."""
+    if x is None:
+        return "-"
+    a = abs(x)
+    if a < 9.95:
+        return f"{x:.1f}"
+    if a < 999.5:
+        return f"{x:.0f}"
+    if a < 999.5e3:
+        return f"{x / 1e3:.0f}k"
+    return f"{x:.0e}"
 
 
 def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") -> Table | None:
@@ -72,7 +86,7 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
         return None
     width = min(max(len(c.heads) for c in rows), MAX_HEAD_COLUMNS)
     marked = {(o.index, o.head) for o in report.outliers}
-    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
     t.add_column("call", no_wrap=True)
     for h in range(width):
         t.add_column(f"h{h}", justify="right", no_wrap=True)
@@ -81,11 +95,11 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
         for h in c.heads[:width]:
             star = "*" if (c.call.index, h.head) in marked else ""
             if h.nan_rows:
-                cells.append(Text(f"NaN {h.nan_rows}{star}", style="bold red"))
+                cells.append(Text(f"N{h.nan_rows}{star}", style="bold red"))
             elif h.qk_overflow:
                 cells.append(Text(f"ovf{star}", style="bold red"))
             else:
-                cells.append(Text(f"{fmt(h.max_logit, '.3g')}{star}", style="yellow" if star else ""))
+                cells.append(Text(f"{compact(h.max_logit)}{star}", style="yellow" if star else ""))
         cells += [""] * (width - len(cells))
         t.add_row(call_label(ModelLine(c.call.index, c.call.name, c.call.module, c.call.kind, (), None, None, None, 0, None, None, ""), prefix), *cells)
     return t
@@ -129,9 +143,9 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
     return Text(f"{head}; first call that goes wrong: #{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'}): {what}{cause}", style="bold red")
 
 
-LINES_LEGEND = ("Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the tiled kernel "
-                "in the call's dtype): logit = largest finite unmasked score, room = exp overflow threshold of the cell's dtype "
-                "minus it, NaN = NaN rows of the cell, err = its max |p - p_float64|; > marks the first call that goes wrong")
+LINES_LEGEND = ("Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: tiled in its "
+                "dtype). logit: largest unmasked score; room: exp overflow threshold minus logit; NaN: NaN rows; "
+                "err: max |p - p_float64|; >: the first call that goes wrong")
 
 
 def render_model(report: ModelReport, calls: list[CallReport], device: str) -> Group:
