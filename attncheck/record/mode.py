@@ -33,6 +33,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -146,7 +147,7 @@ class _Pending:
 
     call: Recorded
     depth: int
-    probs: dict[int, torch.Tensor]  # id -> the softmax output and tensors derived from it
+    probs: dict[int, weakref.ref]  # id -> the softmax output and tensors derived from it (not kept alive)
 
 
 class Recorder(TorchFunctionMode):
@@ -171,8 +172,11 @@ class Recorder(TorchFunctionMode):
         self.bytes = 0
         self.seen = 0  # calls that matched the filters, recorded or not
         self.stopped: str | None = None
-        self._qk: dict | None = None  # the last matmul of 3+-D operands: {'a', 'b', 'out', 'path'}
-        self._scores: dict[int, tuple[torch.Tensor, float | None]] = {}  # id -> (tensor, scale) derived from it
+        # The last matmul of 3+-D operands: {'a', 'b', 'shape', 'path'}; q and k^T are alive in the
+        # model until its softmax anyway. What derives from its result is followed by weak
+        # reference, so that recording keeps no tensor alive the model has let go.
+        self._qk: dict | None = None
+        self._scores: dict[int, tuple[weakref.ref, float | None]] = {}  # id -> (tensor, scale so far)
         self._pending: _Pending | None = None
         self._fastpath: bool | None = None
         self._patched = False
@@ -320,8 +324,9 @@ class Recorder(TorchFunctionMode):
         meta = {"dtype": _dtype_name(x.dtype), "softmax_dtype": _dtype_name(dtype if isinstance(dtype, torch.dtype) else None),
                 "has_qk": "false", "scale_source": "unknown"}
         traced = self._scores.get(id(x))
+        traced = traced if traced is not None and traced[0]() is x else None
         qk = self._qk
-        if qk is not None and qk["path"] == module and (traced is not None or tuple(qk["out"].shape) == tuple(x.shape)):
+        if qk is not None and qk["path"] == module and (traced is not None or qk["shape"] == tuple(x.shape)):
             a, b = qk["a"], qk["b"]
             if a.shape[-1] == b.shape[-2]:
                 tensors["q"], tensors["k"] = a.detach(), b.detach().transpose(-1, -2)
@@ -331,7 +336,7 @@ class Recorder(TorchFunctionMode):
         meta.update(self._mha_meta)
         call = self._new_call("softmax", module, tensors, meta)
         self._qk, self._scores = None, {}
-        self._pending = _Pending(call, len(self.tracker.stack), {id(out): out})
+        self._pending = _Pending(call, len(self.tracker.stack), {id(out): weakref.ref(out)})
         return out
 
     # ------------------------------------------------------------------ tracing q, k, v around a softmax
@@ -342,25 +347,26 @@ class Recorder(TorchFunctionMode):
             if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 3 and b.dim() >= 3):
                 return
             pending = self._pending
-            if pending is not None and id(a) in pending.probs and pending.probs[id(a)] is a:
+            if pending is not None and id(a) in pending.probs and pending.probs[id(a)]() is a:
                 pending.call.tensors["v"] = b.detach()
                 pending.call.meta["shapes"] = json.dumps({role: list(t.shape) for role, t in pending.call.tensors.items()})
                 pending.call.meta["dtypes"] = json.dumps({role: _dtype_name(t.dtype) for role, t in pending.call.tensors.items()})
                 self.flush()
                 return
             if isinstance(out, torch.Tensor):
-                self._qk = {"a": a, "b": b, "out": out, "path": self.tracker.path}
-                self._scores = {id(out): (out, 1.0)}
+                self._qk = {"a": a, "b": b, "shape": tuple(out.shape), "path": self.tracker.path}
+                self._scores = {id(out): (weakref.ref(out), 1.0)}
             return
         if not isinstance(out, torch.Tensor):
             return
         first = args[0] if args else None
         pending = self._pending
-        if pending is not None and name in PASSES and isinstance(first, torch.Tensor) and pending.probs.get(id(first)) is first and out.shape == first.shape:
-            pending.probs[id(out)] = out
+        if pending is not None and name in PASSES and isinstance(first, torch.Tensor) and id(first) in pending.probs \
+                and pending.probs[id(first)]() is first and out.shape == first.shape:
+            pending.probs[id(out)] = weakref.ref(out)
         if not self._scores:
             return
-        source = next((t for t in args if isinstance(t, torch.Tensor) and id(t) in self._scores and self._scores[id(t)][0] is t), None)
+        source = next((t for t in args if isinstance(t, torch.Tensor) and id(t) in self._scores and self._scores[id(t)][0]() is t), None)
         if source is None or out.shape != source.shape:
             return
         scale = self._scores[id(source)][1]
@@ -374,7 +380,7 @@ class Recorder(TorchFunctionMode):
                 scale = scale if math.isfinite(scale) else None
         elif name not in PASSES:
             return
-        self._scores[id(out)] = (out, scale)
+        self._scores[id(out)] = (weakref.ref(out), scale)
 
     # ------------------------------------------------------------------ nn.MultiheadAttention
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import struct
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -46,6 +50,39 @@ def cpu_tensors(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch
     return out
 
 
+# safetensors' names of the dtypes a call can hold
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.bool: "BOOL",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+}
+
+
+def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a .safetensors file straight from the tensors' memory (no intermediate copy): an
+    8-byte little-endian header length, the JSON header padded to 8 bytes, the data in order.
+    Tensors must be contiguous CPU tensors; other dtypes or a big-endian host use safetensors'
+    own writer."""
+    if sys.byteorder != "little" or any(t.dtype not in SAFETENSORS_DTYPES for t in tensors.values()):
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path), metadata=metadata)
+        return
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)))
+        fh.write(text)
+        for t in tensors.values():
+            if t.numel():
+                fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
 def prepare_directory(path: str | os.PathLike[str]) -> Path:
     """The capture directory, created (its parent must exist) or emptied of a previous capture."""
     d = Path(path)
@@ -78,35 +115,83 @@ def prepare_directory(path: str | os.PathLike[str]) -> Path:
 
 
 class DirectorySink:
-    """Writes each call as it comes (the tensors are not kept), and the manifest at the end."""
+    """Writes each call to its file, the manifest at the end.
+
+    Each call's tensors are copied as they are recorded and written by a background thread
+    while the model runs on; at most two calls' tensors are held at once (one being written,
+    the next waits for it), so memory does not grow with the capture.
+    """
+
+    IN_FLIGHT = 1
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.dir = prepare_directory(path)
         self.entries: list[dict] = []
         self.bytes = 0
+        self._slots = threading.Semaphore(self.IN_FLIGHT)
+        # Staging buffers written out are reused for the next call of the same shape: copying into
+        # memory already mapped costs no page faults (a model's calls mostly share their shapes).
+        self._spare: dict[tuple, list[torch.Tensor]] = {}
+        self._spare_lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._error: AttncheckError | None = None
+        self._thread = threading.Thread(target=self._write_calls, name="attncheck-capture-writer", daemon=True)
+        self._thread.start()
 
     def __call__(self, call: Recorded) -> None:
-        from safetensors.torch import save_file
-
+        if self._error is not None:
+            raise self._error
         name = call_file_name(call.index, call.module)
-        tensors = cpu_tensors(call.tensors, copy=False)  # written now: no copy is needed to freeze them
-        try:
-            save_file(tensors, str(self.dir / name), metadata=call.meta)
-        except OSError as e:
-            raise AttncheckError(f"cannot write {self.dir / name}: {e.strerror or e}") from None
+        self._slots.acquire()  # wait until the previous call is written
+        tensors = {role: self._stage(t) for role, t in call.tensors.items()}  # copies: the model may reuse its buffers
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         self.bytes += size
         self.entries.append({
             "index": call.index, "file": name, "kind": call.kind, "module": call.module, "forward": call.forward,
             "bytes": size, "tensors": {role: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for role, t in tensors.items()},
         })
+        self._queue.put((self.dir / name, tensors, dict(call.meta)))
+
+    def _write_calls(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            path, tensors, meta = item
+            del item
+            try:
+                if self._error is None:
+                    write_safetensors(path, tensors, meta)
+            except OSError as e:
+                self._error = AttncheckError(f"cannot write {path}: {e.strerror or e}")
+            finally:
+                with self._spare_lock:
+                    for t in tensors.values():
+                        spare = self._spare.setdefault((tuple(t.shape), t.dtype), [])
+                        if len(spare) < self.IN_FLIGHT:
+                            spare.append(t)
+                del tensors
+                self._slots.release()
+
+    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous CPU copy of ``t``, in a reused buffer where one of its shape is free."""
+        with self._spare_lock:
+            spare = self._spare.get((tuple(t.shape), t.dtype))
+            buf = spare.pop() if spare else None
+        if buf is None:
+            buf = torch.empty(t.shape, dtype=t.dtype)
+        return buf.copy_(t.detach())
 
     def close(self, facts: dict) -> None:
+        self._queue.put(None)
+        self._thread.join()
         doc = {"schema": CAPTURE_SCHEMA, "attncheck_version": __version__, "torch_version": torch.__version__,
                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts, "total_bytes": self.bytes, "calls": self.entries}
         tmp = self.dir / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, self.dir / MANIFEST)
+        if self._error is not None:
+            raise self._error
 
 
 class MemorySink:

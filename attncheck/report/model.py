@@ -44,22 +44,43 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 
 def lines_table(report: ModelReport, prefix: str = "") -> Table:
+    """One row per call; a shape or cell every call shares is said once, above the table."""
+    shapes = {line.shape for line in report.lines}
+    cells = {line.cell for line in report.lines}
+    columns = [("#", "right"), ("call", "left")]
+    columns += [("shape", "left")] if len(shapes) > 1 else []
+    columns += [("cell", "left")] if len(cells) > 1 else []
+    columns += [("logit", "right"), ("room", "right"), ("NaN", "right"), ("first cause", "left"), ("err", "right"), ("verdict", "left")]
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
-    for name, justify in (("#", "right"), ("call", "left"), ("shape", "left"), ("cell", "left"), ("logit", "right"),
-                          ("room", "right"), ("NaN", "right"), ("first cause", "left"), ("err", "right"), ("verdict", "left")):
-        t.add_column(name, justify=justify, no_wrap=name not in ("call", "shape", "first cause"), overflow="fold")
+    for name, justify in columns:
+        t.add_column(name, justify=justify, no_wrap=name != "call", overflow="fold", min_width=8 if name == "call" else None)
     for i, line in enumerate(report.lines):
         first = i == report.first_bad
         mark = Text(f"{line.index}" + (" >" if first else ""), style="bold red" if first else "")
         headroom = Text(plain(line.headroom), style="red" if line.headroom is not None and line.headroom < 0 else "")
         cause = line.first_cause or "-"
         if line.first_cause and line.heads:
-            cause += " h" + ",".join(map(str, line.heads[:3])) + (",..." if len(line.heads) > 3 else "")
+            cause += " h" + ",".join(map(str, line.heads[:2])) + (",…" if len(line.heads) > 2 else "")
         verdict = line.verdict + (f" ({', '.join(line.errors[:2])})" if line.verdict == "error" else "")
-        t.add_row(mark, call_label(line, prefix), _shape(line.shape), line.cell or "-", plain(line.max_logit), headroom,
-                  Text(str(line.nan_rows), style="bold red" if line.nan_rows else ""), cause, fmt(line.worst_err, ".1e"),
-                  Text(verdict, style=VERDICT_STYLE.get(line.verdict, "")))
+        row = [mark, call_label(line, prefix)]
+        row += [_shape(line.shape)] if len(shapes) > 1 else []
+        row += [line.cell or "-"] if len(cells) > 1 else []
+        row += [plain(line.max_logit), headroom, Text(str(line.nan_rows), style="bold red" if line.nan_rows else ""), cause,
+                fmt(line.worst_err, ".0e"), Text(verdict, style=VERDICT_STYLE.get(line.verdict, ""))]
+        t.add_row(*row)
     return t
+
+
+def shared_facts(report: ModelReport) -> str:
+    """'every call: shape 2x8x16x16, cell torch/fp16' for what the table leaves out."""
+    facts = []
+    shapes = {line.shape for line in report.lines}
+    cells = {line.cell for line in report.lines}
+    if len(shapes) == 1:
+        facts.append(f"shape {_shape(next(iter(shapes)))}")
+    if len(cells) == 1:
+        facts.append(f"cell {next(iter(cells)) or '-'}")
+    return ("every call: " + ", ".join(facts)) if facts else ""
 
 
 HEAD_LEGEND = "Layer x head: the largest logit (k = thousands); Nn = n NaN rows in the model's cell; ovf = Q@K^T overflows the call's dtype; * = outlier q/k"
@@ -155,7 +176,8 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
         if note:
             parts.append(Text(f"capture: {note}", style="yellow"))
     prefix = shared_prefix([line.module for line in report.lines])
-    legend = LINES_LEGEND + (f"; calls named below {prefix[:-1]}" if prefix else "")
+    shared = shared_facts(report)
+    legend = LINES_LEGEND + (f"; calls named below {prefix[:-1]}" if prefix else "") + (f"; {shared}" if shared else "")
     parts += [Text(legend), lines_table(report, prefix)]
     matrix = head_matrix(calls, report, prefix)
     if matrix is not None:
