@@ -170,9 +170,14 @@ def test_multihead_attention_and_encoder_layer_are_recorded_and_unchanged(tmp_pa
         expected = run()
     finally:
         torch.backends.mha.set_fastpath_enabled(fast)
-    with attncheck.capture(tmp_path / "cap") as cap:
-        got = run()
-    assert torch.backends.mha.get_fastpath_enabled() == fast  # restored
+    torch.backends.mha.set_fastpath_enabled(True)
+    try:
+        with attncheck.capture(tmp_path / "cap") as cap:
+            assert not torch.backends.mha.get_fastpath_enabled()  # off while recording
+            got = run()
+        assert torch.backends.mha.get_fastpath_enabled()  # and restored
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert [(c["kind"], c["module"]) for c in cap.calls] == [("softmax", "MultiheadAttention"), ("sdpa", "MultiheadAttention"), ("sdpa", "self_attn")]
     assert cap.calls[0]["tensors"]["scores"]["shape"] == [8, 5, 5]  # (batch * heads, queries, keys)
