@@ -87,9 +87,9 @@ def capture(
             chunk_elements=chunk_elements_for(params.size(max_memory, "max_memory")),
         )
         if forward is not None:
-            from attncheck.record import _forwards
+            from attncheck.record import parse_forwards
 
-            _forwards(forward)
+            parse_forwards(forward)
         request = CaptureRequest(script, tuple(args or ()), None if no_save else out, params.integer(max_calls, "max_calls", 1),
                                  params.size(max_bytes, "max_bytes"), tuple(module), forward, options, ignored, partial)
 

@@ -51,14 +51,16 @@ def capture_script(request: CaptureRequest, track=None, notice: Callable[[str], 
                   modules=request.modules, forwards=request.forwards, options=request.options, ignore=request.ignore,
                   notice=notice, script=script)
     error: BaseException | None = None
-    try:
-        with cap:
+    with cap:  # a directory that cannot be used is an input error, raised before the script runs
+        try:
             run_script(request.script, request.args)
-    except SystemExit as e:
-        if e.code not in (None, 0):
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                error = e
+        except BaseException as e:  # the script's own error: reported by the caller, once
             error = e
-    except BaseException as e:  # the script's own error: reported by the caller, once
-        error = e
+        if error is not None:
+            cap.note_error(error)
     if error is not None:
         return CaptureOutcome(cap, error, None)
     if not cap.calls:

@@ -43,7 +43,7 @@ class Capture:
         self.max_calls = None if max_calls is None else params.integer(max_calls, "max_calls", 1, from_text=isinstance(max_calls, str))
         self.max_bytes = None if max_bytes is None else (params.size(max_bytes, "max_bytes") if isinstance(max_bytes, str) else params.integer(max_bytes, "max_bytes", 1, from_text=False))
         self.modules = (modules,) if isinstance(modules, str) else tuple(modules or ())
-        self.forwards = None if forwards is None else _forwards(forwards)
+        self.forwards = None if forwards is None else parse_forwards(forwards)
         self.options, self.ignore, self.notice = options, ignore_codes(ignore or ()), notice
         self.script = script
         self.calls: list = []
@@ -75,9 +75,9 @@ class Capture:
         try:
             rec.__exit__(exc_type, exc, tb)
         finally:
-            if exc is not None and not (isinstance(exc, SystemExit) and exc.code in (None, 0)):
-                self.error = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
-            self.stopped = rec.stopped
+            if exc is not None:
+                self.note_error(exc)
+            self.stopped = rec.stopped or getattr(sink, "error", None)
             facts = {"complete": self.error is None and self.stopped is None, "stopped": self.stopped,
                      "calls_seen": rec.seen, "calls_recorded": rec.recorded, "max_calls": self.max_calls,
                      "max_bytes": self.max_bytes, "modules": list(self.modules),
@@ -87,6 +87,12 @@ class Capture:
             sink.close(facts)
             self._finish(sink)
         return False
+
+    def note_error(self, exc: BaseException) -> None:
+        """Record that the block failed (a script runner that catches the exception itself calls
+        this before leaving the block); SystemExit(0) is no failure."""
+        if not (isinstance(exc, SystemExit) and exc.code in (None, 0)):
+            self.error = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
 
     def _finish(self, sink) -> None:
         from attncheck.record.store import DiagnoseSink, DirectorySink
@@ -107,7 +113,7 @@ class Capture:
             self.calls = sink.calls
 
 
-def _forwards(value) -> frozenset[int]:
+def parse_forwards(value) -> frozenset[int]:
     """1, [1, 3], '1,3', '2-4' -> the forward passes to record (1-based)."""
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
@@ -157,4 +163,4 @@ def capture(
                    options=options, ignore=ignore, notice=notice, script=script)
 
 
-__all__ = ["Capture", "capture", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_CALLS"]
+__all__ = ["Capture", "capture", "parse_forwards", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_CALLS"]

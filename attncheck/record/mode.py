@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from attncheck import __version__
+from attncheck.errors import AttncheckError
 from attncheck.loaders.calls import CAPTURE_SCHEMA, FORMAT_KEY
 
 # The functions as torch defines them (while an MHA call runs, the module attributes are routed).
@@ -242,9 +243,13 @@ class Recorder(TorchFunctionMode):
             self._stop(f"max_bytes {self.max_bytes} would be passed by call {call.index} ({call.kind} in {call.module or 'global'}, "
                        f"{size} bytes; {self.bytes} recorded)")
             return
+        try:
+            self.sink(call)
+        except AttncheckError as e:  # e.g. the disk is full: the model runs on, recording stops
+            self._stop(e.render())
+            return
         self.recorded += 1
         self.bytes += size
-        self.sink(call)
 
     def _stop(self, why: str) -> None:
         self.stopped = why

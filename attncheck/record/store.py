@@ -135,6 +135,7 @@ class DirectorySink:
         self._spare_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._error: AttncheckError | None = None
+        self._failed: set[str] = set()
         self._thread = threading.Thread(target=self._write_calls, name="attncheck-capture-writer", daemon=True)
         self._thread.start()
 
@@ -164,6 +165,7 @@ class DirectorySink:
                     write_safetensors(path, tensors, meta)
             except OSError as e:
                 self._error = AttncheckError(f"cannot write {path}: {e.strerror or e}")
+                self._failed.add(path.name)
             finally:
                 with self._spare_lock:
                     for t in tensors.values():
@@ -182,16 +184,24 @@ class DirectorySink:
             buf = torch.empty(t.shape, dtype=t.dtype)
         return buf.copy_(t.detach())
 
+    @property
+    def error(self) -> str | None:
+        """Why a call could not be written (recording stopped there), or None."""
+        return None if self._error is None else self._error.message
+
     def close(self, facts: dict) -> None:
+        """Wait for the last write, then write the manifest (calls that failed to write left out)."""
         self._queue.put(None)
         self._thread.join()
+        self.entries = [e for e in self.entries if e["file"] not in self._failed]
+        self.bytes = sum(e["bytes"] for e in self.entries)
+        if self._error is not None:
+            facts = {**facts, "complete": False, "stopped": facts.get("stopped") or self._error.message}
         doc = {"schema": CAPTURE_SCHEMA, "attncheck_version": __version__, "torch_version": torch.__version__,
                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts, "total_bytes": self.bytes, "calls": self.entries}
         tmp = self.dir / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, self.dir / MANIFEST)
-        if self._error is not None:
-            raise self._error
 
 
 class MemorySink:

@@ -114,6 +114,15 @@ def test_a_failing_script_is_shown_once_and_its_calls_are_kept(script, tmp_path)
     assert len(doc["calls"]) == 2 and doc["script"]["error"] == "RuntimeError: boom after the forward" and not doc["complete"]
 
 
+def test_an_unusable_directory_is_refused_before_the_script_runs(script, tmp_path):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    r = invoke("capture", "--out", busy, script)
+    assert r.exit_code == 2 and "nan in output" not in r.stdout
+    assert r.stderr.strip() == f"attncheck: error: --out: capture directory {busy} is not empty and holds no capture (manifest.json); give a new or empty folder"
+
+
 def test_a_script_that_exits_non_zero(tmp_path):
     p = tmp_path / "quit.py"
     p.write_text("import sys\nsys.exit(3)\n")

@@ -232,3 +232,29 @@ def test_autocast_dtype_is_the_calls_dtype():
         F.scaled_dot_product_attention(q, k, v)
     meta = cap.calls[0].meta
     assert meta["dtype"] == "bfloat16" and meta["autocast_dtype"] == "bfloat16" and json.loads(meta["dtypes"])["q"] == "float32"
+
+
+def test_a_write_that_fails_stops_recording_and_the_model_runs_on(tmp_path, monkeypatch):
+    import errno
+
+    from attncheck.record import store
+
+    written = []
+
+    def full_disk(path, tensors, meta):
+        if written:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(path)
+        real(path, tensors, meta)
+
+    real = store.write_safetensors
+    monkeypatch.setattr(store, "write_safetensors", full_disk)
+    q, k, v = qkv(1, 1, 4, 8)
+    heard = []
+    with attncheck.capture(tmp_path / "cap", notice=heard.append) as cap:
+        for _ in range(4):
+            out = F.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+    assert "No space left on device" in cap.stopped
+    doc = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert [c["file"] for c in doc["calls"]] == ["0000-global.safetensors"] and not doc["complete"]
