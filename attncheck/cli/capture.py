@@ -73,7 +73,8 @@ def capture(
     Records each F.scaled_dot_product_attention call and each softmax over the last axis of a
     3+-D tensor inside a module (the eager path's scores, with the q, k, v of the matmuls
     around it), with the module path, without any change to the script or the model. The
-    capture directory can be diagnosed again with 'attncheck run DIR'.
+    capture directory can be diagnosed again with 'attncheck run DIR'. With --json -, what
+    the script prints goes to stderr.
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error,
     or the script failed.
     """
@@ -99,7 +100,7 @@ def capture(
         say = notices(quiet)
         show, forced = progress_shown(quiet)
         with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
-            outcome = capture_script(request, progress.track, say)
+            outcome = capture_script(request, progress.track, say, stdout_to_stderr=json_out == "-")
     except AttncheckError as e:
         raise fail(e) from None
 

@@ -8,6 +8,7 @@ manifest written either way.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
@@ -30,19 +31,21 @@ class CaptureOutcome:
     result: RunResult | None
 
 
-def run_script(path: str, args: tuple[str, ...]) -> None:
-    """Run a script as ``python SCRIPT ARGS`` would."""
+def run_script(path: str, args: tuple[str, ...], stdout_to_stderr: bool = False) -> None:
+    """Run a script as ``python SCRIPT ARGS`` would; ``stdout_to_stderr``: what it prints goes
+    to stderr (stdout is kept for a JSON report)."""
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
-        runpy.run_path(path, run_name="__main__")
+        with contextlib.redirect_stdout(sys.stderr) if stdout_to_stderr else contextlib.nullcontext():
+            runpy.run_path(path, run_name="__main__")
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
 
 
-def capture_script(request: CaptureRequest, track=None, notice: Callable[[str], None] | None = None) -> CaptureOutcome:
+def capture_script(request: CaptureRequest, track=None, notice: Callable[[str], None] | None = None, stdout_to_stderr: bool = False) -> CaptureOutcome:
     from attncheck.pipelines.run import run
     from attncheck.record import capture
 
@@ -53,7 +56,7 @@ def capture_script(request: CaptureRequest, track=None, notice: Callable[[str], 
     error: BaseException | None = None
     with cap:  # a directory that cannot be used is an input error, raised before the script runs
         try:
-            run_script(request.script, request.args)
+            run_script(request.script, request.args, stdout_to_stderr)
         except SystemExit as e:
             if e.code not in (None, 0):
                 error = e

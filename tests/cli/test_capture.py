@@ -80,7 +80,8 @@ def test_no_save_writes_nothing(script, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = invoke("capture", "--no-save", "--json", "-", script)
     assert r.exit_code == 0, r.output
-    doc = json.loads(r.stdout[r.stdout.index("{"):])
+    doc = json.loads(r.stdout)  # what the script printed went to stderr
+    assert "nan in output: False" in r.stderr
     assert [c["module"] for c in doc["model"]["calls"]] == ["blocks.0", "blocks.1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]
 
