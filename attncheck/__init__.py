@@ -23,6 +23,7 @@ _LAZY = {
     "diagnose": "attncheck.numerics.diagnose",
     "diagnose_chunks": "attncheck.numerics.diagnose",
     "diagnose_attention": "attncheck.numerics.diagnose",
+    "capture": "attncheck.record",
     "load_tensors": "attncheck.loaders",
     "open_sources": "attncheck.loaders",
     "METHODS": "attncheck.registry",

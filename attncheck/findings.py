@@ -288,6 +288,12 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
         if audit.summed_planes_overflow:
             add("summed_mask_planes", f"in {d}, two mask planes added together overflow to -inf at {audit.summed_planes_overflow} position(s){broke}", hit, rows,
                 _first_examples(hit, "nan:mask_sentinel"), severity=severity)
+    if a.mask_summed_neginf:
+        hit = cells_with("nan", "fully_masked") + cells_with("zero", "fully_masked")
+        add("summed_mask_planes", f"the float mask holds -inf at {a.mask_summed_neginf} position(s) next to finite sentinels such as {a.mask_deep_sentinel:.6g}: "
+            "two finfo.min planes (e.g. causal and padding) were added and overflowed; a row masked by both everywhere is all -inf", hit,
+            max((c.nan_causes.get("fully_masked", 0) + c.zero_causes.get("fully_masked", 0) for c in hit), default=0),
+            severity="error" if any(c.nan_causes.get("fully_masked") for c in hit) else "warning")
     if a.leak_rows:
         add("mask_leak", f"the float64 softmax puts up to {a.leak_max:.3g} of a row's probability on masked keys in {a.leak_rows} row(s) (mask value {a.mask_value}; tolerance 1e-6)", rows=a.leak_rows)
     if a.float_mask_looks_boolean:
@@ -405,26 +411,76 @@ def _fp8_findings(diag: TensorDiagnosis, add) -> None:
             add("fp8_unscaled", f"q, k, v are cast to {d} without a descale (amax: {amax}; {d} holds {top} at most): " + "; ".join(why), cells)
 
 
-def failed_conditions(diags: list[TensorDiagnosis], conditions: list[str]) -> list[str]:
+# The NaN/zero-row causes each finding code stands for: rows whose cause a user ignores
+# no longer count for --fail-on nan/zero, nor for a call's verdict.
+CAUSES_OF = {
+    "input_nan": ("input_nan",),
+    "inf_input": ("inf_input",),
+    "fully_masked_rows": ("fully_masked",),
+    "qk_overflow": ("qk_overflow",),
+    "sentinel_overflow_on_add": ("mask_sentinel",),
+    "summed_mask_planes": ("mask_sentinel",),
+    "cast_overflow": ("cast_overflow",),
+    "exp_overflow": ("exp_overflow",),
+    "sum_overflow": ("sum_overflow",),
+    "sentinel_not_representable": ("mask_sentinel",),
+    "underflow": ("underflow",),
+    "unexplained_nan": (UNEXPLAINED,),
+}
+
+
+def ignored_causes(ignore) -> set[str]:
+    return {cause for code in ignore for cause in CAUSES_OF.get(code, ())}
+
+
+def counted_rows(total: int, causes: dict[str, int], ignore=()) -> int:
+    """Rows of a cell (NaN or zero) less those whose first cause belongs to an ignored code."""
+    skip = ignored_causes(ignore)
+    return total - sum(n for cause, n in causes.items() if cause in skip)
+
+
+def counted_verdict(c: Cell, ignore=()) -> str:
+    """The cell's verdict once rows with an ignored cause are left out."""
+    if not ignore:
+        return c.verdict
+    if counted_rows(c.nan_rows, c.nan_causes, ignore):
+        return "nan"
+    if c.overflow_rows and not ({"exp_overflow", "sum_overflow"} & set(ignore)):
+        return "overflow"
+    if counted_rows(c.zero_rows, c.zero_causes, (*ignore, "fully_masked_rows")) > 0:
+        return "zero"
+    if c.argmax_flips and "argmax_flip" not in ignore:
+        return "flip"
+    return "ok"
+
+
+def apply_ignore(diag: TensorDiagnosis, ignore) -> None:
+    """Drop the findings whose code the user has judged expected."""
+    if ignore:
+        diag.findings = [f for f in diag.findings if f.code not in ignore]
+
+
+def failed_conditions(diags: list[TensorDiagnosis], conditions: list[str], ignore=()) -> list[str]:
     """The --fail-on conditions that hold, each with a short reason.
 
     Conditions: nan, overflow, zero, flip, error (any error finding), warning (any
-    error or warning finding), or a finding code.
+    error or warning finding), or a finding code. Rows whose cause belongs to an
+    ``ignore``d code do not count.
     """
     held = []
     for cond in conditions:
         for d in diags:
             if cond == "nan":
-                bad = [c.name for c in d.cells if c.nan_rows]
+                bad = [c.name for c in d.cells if counted_rows(c.nan_rows, c.nan_causes, ignore)]
             elif cond == "overflow":
-                bad = [c.name for c in d.cells if c.overflow_rows] + [f"cast to {h.dtype}" for h in d.census.headroom if h.cast_posinf_values or h.cast_neginf_values]
+                bad = [c.name for c in d.cells if c.overflow_rows and not ({"exp_overflow", "sum_overflow"} & set(ignore))] + [f"cast to {h.dtype}" for h in d.census.headroom if (h.cast_posinf_values or h.cast_neginf_values) and "cast_overflow" not in ignore]
             elif cond == "zero":
-                bad = [c.name for c in d.cells if c.zero_rows]
+                bad = [c.name for c in d.cells if counted_rows(c.zero_rows, c.zero_causes, ignore)]
             elif cond == "flip":
                 bad = [c.name for c in d.cells if c.argmax_flips]
             elif cond in ("error", "warning"):
                 allowed = SEVERITIES.index(cond)
-                bad = [f.code for f in d.findings if SEVERITIES.index(f.severity) <= allowed]
+                bad = [f.code for f in d.findings if SEVERITIES.index(f.severity) <= allowed and f.code not in ignore]
             else:
                 bad = [f.code for f in d.findings if f.code == cond]
             if bad:
@@ -437,3 +493,8 @@ FAIL_ON_WORDS = ("nan", "overflow", "zero", "flip", "error", "warning")
 
 def valid_fail_on(token: str) -> bool:
     return token in FAIL_ON_WORDS or token in SEVERITY
+
+
+def valid_code(token: str) -> bool:
+    """A finding code (what --ignore takes)."""
+    return token in SEVERITY

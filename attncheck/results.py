@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from attncheck.format import plain
+
 if TYPE_CHECKING:
     from attncheck.config.check import Budget
     from attncheck.config.run import Options
@@ -167,6 +169,8 @@ class Cell:
     pcast_mass_max: float | None = None  # largest reference probability mass a row lost to the P cast
     pcast_mass_rows: int = 0  # rows that lost at least 1e-3 of it (accumulate.PCAST_MASS)
     p_scale: float | None = None  # S, the factor on P before the FP8 cast
+    # NaN rows per head (the axis before the queries), summed over the axes before it; empty for 2-D input
+    nan_rows_per_head: list[int] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -253,6 +257,8 @@ class AttentionAudit:
     dtypes: dict[str, DtypeAudit] = field(default_factory=dict)
     fitted_scale: float | None = None  # least-squares scale of given scores against q.k
     float_mask_value: float | None = None  # a float mask's sentinel as the mask holds it (its most common value <= -1e4)
+    mask_summed_neginf: int = 0  # -inf values of a float mask next to sentinels beyond half its range (summed planes)
+    mask_deep_sentinel: float | None = None
 
 
 @dataclass
@@ -279,11 +285,113 @@ class TensorDiagnosis:
 
 
 @dataclass
+class HeadStat:
+    """One attention head of a call: its q/k magnitudes, its largest logit, and what went wrong in it."""
+
+    head: int
+    q_max_abs: float | None  # max |q| over batch, tokens and d; None without q
+    k_max_abs: float | None  # of the kv head this query head reads (GQA)
+    max_logit: float | None  # largest finite unmasked score (scaled, as the softmax sees it)
+    qk_overflow: int = 0  # scores of Q@K^T beyond the call's dtype, computed as the model rounds them
+    nan_rows: int = 0  # NaN rows of the cell the model uses, over all batch elements
+
+
+@dataclass
+class CallInfo:
+    """What was recorded about one attention call (from a capture, or read from a file).
+
+    ``kind``: 'sdpa' (scaled_dot_product_attention: q, k, v, mask), 'softmax' (the scores a
+    softmax saw, with q/k/v where the matmuls around it were found), 'qk' (a file of q/k/mask
+    tensors) or 'scores' (a plain score tensor).
+    """
+
+    index: int  # position in call order
+    name: str  # how reports name it: the file, or file:key group
+    kind: str
+    module: str = ""  # module path in the model ('' outside any module or unknown)
+    file: str | None = None
+    dtype: str | None = None  # the dtype the call computed in ('fp16', ...; autocast's when it was on)
+    softmax_dtype: str | None = None  # a softmax's dtype= argument
+    shape: tuple[int, ...] = ()  # of the scores (batch..., heads, queries, keys)
+    is_causal: bool = False
+    scale: float | None = None  # None: SDPA's default 1/sqrt(d), or unknown for a softmax
+    enable_gqa: bool = False
+    dropout_p: float = 0.0
+    has_qk: bool = False
+    forward: int | None = None  # which forward pass of the top module (1-based); None: outside one
+    meta: dict[str, str] = field(default_factory=dict)  # everything else the capture wrote
+
+
+@dataclass
+class CallReport:
+    """One call diagnosed: the per-tensor diagnosis, its heads, and which cell the model ran."""
+
+    call: CallInfo
+    diagnosis: TensorDiagnosis | None
+    heads: list[HeadStat] = field(default_factory=list)
+    cell: tuple[str, str] | None = None  # (method, dtype) of the computation the model ran
+    error: str | None = None  # why the call could not be diagnosed (partial results)
+
+
+@dataclass
+class ModelLine:
+    """One row of the model report."""
+
+    index: int
+    name: str
+    module: str
+    kind: str
+    shape: tuple[int, ...]
+    cell: str | None  # 'torch/fp16': the cell the model ran
+    max_logit: float | None
+    headroom: float | None  # exp overflow threshold of the cell's dtype minus the largest logit
+    nan_rows: int  # of the cell the model ran, less those with an ignored cause
+    first_cause: str | None  # first cause of those NaN rows in pipeline order
+    worst_err: float | None  # max |p - p_float64| of that cell
+    verdict: str  # 'nan', 'overflow', 'zero', 'flip', 'ok', 'error' (error finding), 'skipped'
+    heads: list[int] = field(default_factory=list)  # heads the cause sits in
+    errors: list[str] = field(default_factory=list)  # codes of error findings (any cell) not ignored
+
+
+@dataclass
+class Outlier:
+    """A head whose q or k is far larger than the other heads' of the same call."""
+
+    index: int
+    module: str
+    head: int
+    tensor: str  # 'q' or 'k'
+    value: float
+    median: float
+    ratio: float
+
+    @property
+    def message(self) -> str:
+        where = self.module or f"call {self.index}"
+        return f"{where} head {self.head}: max|{self.tensor}| {plain(self.value)} vs median {plain(self.median)} over heads"
+
+
+@dataclass
+class ModelReport:
+    """Many calls in one view: a line per call, the first one that goes wrong, outlier heads."""
+
+    lines: list[ModelLine]
+    first_bad: int | None  # position in ``lines`` of the first call that goes wrong
+    outliers: list[Outlier]
+    ignored: tuple[str, ...] = ()
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (call, why) not diagnosed
+    capture: dict | None = None  # the manifest's facts: stopped, script error, calls recorded
+
+
+@dataclass
 class RunResult:
-    """What ``attncheck run`` returns: a diagnosis per tensor, and where it ran."""
+    """What ``attncheck run`` returns: a diagnosis per tensor, and where it ran; for files, the
+    calls they hold and the model report over them."""
 
     tensors: list[TensorDiagnosis]
     device: str
+    calls: list[CallReport] = field(default_factory=list)
+    model: ModelReport | None = None
 
 
 # --------------------------------------------------------------------------- sweep
@@ -493,6 +601,7 @@ class CheckResult:
     budget: "Budget"
     dtype_budgets: dict[str, "Budget"] = field(default_factory=dict)
     seconds: float = 0.0
+    ignore: tuple[str, ...] = ()  # finding codes whose rows the count budgets left out
 
     @property
     def passed(self) -> bool:

@@ -18,9 +18,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "attncheck"
 
 TORCH_FREE = [
     "attncheck", "attncheck.errors", "attncheck.format", "attncheck.registry", "attncheck.params", "attncheck.results", "attncheck.findings",
-    "attncheck.config.run", "attncheck.config.sweep", "attncheck.config.check", "attncheck.testing",
-    "attncheck.report.run", "attncheck.report.sweep", "attncheck.report.check", "attncheck.report.progress",
+    "attncheck.model", "attncheck.config.run", "attncheck.config.sweep", "attncheck.config.check", "attncheck.config.capture", "attncheck.testing",
+    "attncheck.report.run", "attncheck.report.sweep", "attncheck.report.check", "attncheck.report.progress", "attncheck.report.model",
     "attncheck.cli", "attncheck.cli.common", "attncheck.cli.options", "attncheck.cli.run", "attncheck.cli.sweep", "attncheck.cli.check",
+    "attncheck.cli.capture",
     "attncheck.numerics", "attncheck.numerics.theory", "attncheck.pipelines",
 ]
 
@@ -53,12 +54,14 @@ def layer_of(module: str) -> str:
 
 # layer -> layers it must never import (a lazy import inside a function counts too)
 FORBIDDEN = {
-    "loaders": {"report", "cli", "pipelines", "config", "findings"},
-    "numerics": {"report", "cli", "pipelines"},
+    "loaders": {"report", "cli", "pipelines", "config", "findings", "record"},
+    "numerics": {"report", "cli", "pipelines", "record"},
     "report": {"loaders", "cli", "pipelines"},
     "config": {"numerics", "loaders", "report", "cli", "pipelines"},
     "results": {"numerics", "loaders", "report", "cli", "pipelines", "findings"},
     "findings": {"numerics", "loaders", "report", "cli", "pipelines"},
+    "model": {"numerics", "loaders", "report", "cli", "pipelines", "record"},
+    "record": {"report", "cli", "pipelines"},
     "registry": {"numerics", "loaders", "report", "cli", "pipelines", "config", "results", "findings", "params"},
     "params": {"numerics", "loaders", "report", "cli", "pipelines", "config", "results", "findings"},
     "pipelines": {"cli", "report"},
@@ -89,7 +92,9 @@ def test_help_and_argument_errors_import_no_torch():
         "import sys\nfrom typer.testing import CliRunner\nfrom attncheck.cli import app\n"
         "r = CliRunner().invoke(app, ['run', '--dtype', 'fp8', 'x.npy'])\n"
         "h = CliRunner().invoke(app, ['sweep', '--help'])\n"
-        "print(r.exit_code, h.exit_code, 'torch' in sys.modules)"
+        "c = CliRunner().invoke(app, ['capture', '--help'])\n"
+        "e = CliRunner().invoke(app, ['capture', '--ignore', 'no_such_code', 'x.py'])\n"
+        "print(r.exit_code, h.exit_code, c.exit_code, e.exit_code, 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["2", "0", "False"]
+    assert out == ["2", "0", "0", "2", "False"]

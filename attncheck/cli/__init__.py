@@ -1,4 +1,4 @@
-"""Command line: one module per command (``run``, ``sweep``, ``check``), each parsing its
+"""Command line: one module per command (``run``, ``sweep``, ``check``, ``capture``), each parsing its
 options, calling its pipeline, rendering and mapping errors to exit codes.
 
 torch is imported inside the commands only, so ``attncheck --help`` and argument
@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from attncheck import __version__
+from attncheck.cli.capture import capture
 from attncheck.cli.check import check
 from attncheck.cli.common import Command, OneLineErrorsGroup, reuse_freed_memory
 from attncheck.cli.run import run
@@ -44,6 +45,7 @@ def main_options(
 app.command(cls=Command)(run)
 app.command(cls=Command)(sweep)
 app.command(cls=Command)(check)
+app.command(cls=Command, context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(capture)
 
 
 def main() -> None:

@@ -56,6 +56,7 @@ FLAGS = {
     "dks": "--dk", "scales": "--scale", "seqs": "--seq", "stds": "--std",
     "chunk_elements": "--max-memory", "kernels": "ATTNCHECK_KERNELS", "paths": "--path",
     "p_scale": "--p-scale", "fp8_scaling": "--fp8-scaling", "incoherent": "--incoherent",
+    "script": "SCRIPT", "forwards": "--forward", "modules": "--module", "path": "--out", "diagnose": "--no-save",
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Callable, List, Optional
 
 import typer
 
@@ -27,6 +27,13 @@ ScaleOpt = Annotated[str, typer.Option("--scale", "-s", metavar="SCALE[,...]", h
 PathOpt = Annotated[Optional[str], typer.Option("--path", metavar="PATH,...", help=f"Attention paths computed from Q, K and V: {choices_help(PATHS)} (default: all); the eager path runs the --method softmax (torch in sweep).")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Write the report as JSON to FILE ('-' for stdout: tables are then not printed).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print less: no progress bar and no notices on stderr (check: only the broken budgets and the verdict).")]
+FailOnOpt = Annotated[str, typer.Option("--fail-on", metavar="LIST", help="Exit 1 when a condition holds: nan, overflow, zero, flip, error, warning or a finding code (comma-separated).")]
+IgnoreOpt = Annotated[str, typer.Option("--ignore", metavar="CODE,...", help="Finding codes you judged expected (e.g. fully_masked_rows from left padding): left out of the report, and their rows do not count for --fail-on or a call's verdict.")]
+BriefOpt = Annotated[bool, typer.Option("--brief", help="Leave out the per-cell detail table.")]
+FullOpt = Annotated[bool, typer.Option("--full", help="The full per-tensor report of every call instead of the model report.")]
+DetailOpt = Annotated[List[str], typer.Option("--detail", metavar="NAME_GLOB", help="After the model report, the full report of the calls whose module or name matches (repeatable), e.g. '*.h.1.*'.")]
+PartialOpt = Annotated[bool, typer.Option("--partial", help="Diagnose the calls that can be and list the others, instead of stopping at the first bad one (exit 2 still).")]
+MaxMemoryOpt = Annotated[str, typer.Option("--max-memory", metavar="SIZE", help="Working memory for the diagnosis: inputs are read and processed in row chunks that fit (.npy, .safetensors, .npz stream); what must be held whole (.pt files, attention calls, --q, --k, --v, --mask) is refused when larger.")]
 
 
 def notices(quiet: bool) -> Callable[[str], None] | None:

@@ -17,17 +17,24 @@ from attncheck.cli.options import (
     DEFAULT_DTYPES,
     DEFAULT_METHODS,
     BlockOpt,
+    BriefOpt,
+    DetailOpt,
     DeviceOpt,
     DtypeOpt,
+    FailOnOpt,
+    FullOpt,
+    IgnoreOpt,
     JsonOpt,
+    MaxMemoryOpt,
     MethodOpt,
+    PartialOpt,
     PathOpt,
     QuietOpt,
     ScaleOpt,
     notices,
     progress_shown,
 )
-from attncheck.config.run import Options, QKSpec, RunRequest, chunk_elements_for
+from attncheck.config.run import Options, QKSpec, RunRequest, chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError, param
 from attncheck.findings import FAIL_ON_WORDS, valid_fail_on
 
@@ -76,9 +83,13 @@ def run(
     device: DeviceOpt = "auto",
     key: List[str] = typer.Option([], "--key", metavar="GLOB", help="Glob selecting tensors inside files (repeatable), e.g. 'layers.*.scores'; a key written out in full selects that key alone."),
     json_out: JsonOpt = None,
-    fail_on: str = typer.Option("", "--fail-on", metavar="LIST", help=f"Exit 1 when a condition holds: {', '.join(FAIL_ON_WORDS)} or a finding code (comma-separated)."),
-    brief: bool = typer.Option(False, "--brief", help="Leave out the per-cell detail table."),
-    max_memory: str = typer.Option(params.DEFAULT_MAX_MEMORY, "--max-memory", metavar="SIZE", help="Working memory for the diagnosis: inputs are read and processed in row chunks that fit (.npy, .safetensors, .npz stream); what must be held whole (.pt files, --q, --k, --mask) is refused when larger."),
+    fail_on: FailOnOpt = "",
+    ignore: IgnoreOpt = "",
+    brief: BriefOpt = False,
+    full: FullOpt = False,
+    detail: DetailOpt = [],
+    partial: PartialOpt = False,
+    max_memory: MaxMemoryOpt = params.DEFAULT_MAX_MEMORY,
     quiet: QuietOpt = False,
     q: Optional[str] = typer.Option(None, "--q", metavar="PATH[:KEY]", help="Queries (..., heads, tokens, d). With --k, the scores are computed in each dtype as models do.", rich_help_panel=QK),
     k: Optional[str] = typer.Option(None, "--k", metavar="PATH[:KEY]", help="Keys (..., kv_heads, tokens, d); kv_heads may divide the query heads (GQA).", rich_help_panel=QK),
@@ -96,17 +107,20 @@ def run(
     fp8_scaling: Optional[str] = typer.Option(None, "--fp8-scaling", metavar="HOW", help="FP8 dtypes with --q/--k: how Q, K, V are quantised for flash-fp8: none, tensor, head (per batch and kv head, FlashAttention-3's descales; default) or block (per 128-query and key tile).", rich_help_panel=FP8, show_default=False),
     incoherent: bool = typer.Option(False, "--incoherent", help="FP8 dtypes with --q/--k: rotate Q and K by a seeded +-1 diagonal times Hadamard matrix before quantising (FlashAttention-3's incoherent processing; head dim a power of two).", rich_help_panel=FP8),
 ) -> None:
-    """Diagnose saved attention scores (pre-softmax logits), or the scores Q and K produce.
+    """Diagnose saved attention scores (pre-softmax logits), the scores Q and K produce, or a capture.
 
     Every method x dtype cell is judged against a float64 softmax of the scores as given.
     With --q/--k, every attention path (eager, sdpa-math, flash) x dtype is judged against
     float64 softmax of Q@K^T, scale and mask, and with --v its output O = P@V against
     P64 @ V64. With scores files and --q/--k together, the scale that maps q.k onto the
     scores is fitted and checked.
+    A capture directory (attncheck capture) or a file of q/k/v/mask tensors is read as
+    attention calls; more than one tensor or call gets the model report (--full for all tables).
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error.
     """
     try:
         conditions = parse_fail_on(fail_on)
+        ignored = ignore_codes(ignore)
         memory = params.size(max_memory, "max_memory")
         check_output_path(json_out, "--json")
         options = Options(
@@ -135,7 +149,7 @@ def run(
             if given:
                 named = ", ".join(param(n) for n in given)
                 raise AttncheckError(f"{named} {'applies' if len(given) == 1 else 'apply'} to scores computed from {param('q')} and {param('k')}, which are not given")
-        request = RunRequest(tuple(paths or ()), tuple(key), example, qk, options, max_memory=memory)
+        request = RunRequest(tuple(paths or ()), tuple(key), example, qk, options, max_memory=memory, ignore=ignored, partial=partial)
 
         from attncheck.pipelines.run import run as run_pipeline
         from attncheck.report.progress import Progress
@@ -146,19 +160,47 @@ def run(
     except AttncheckError as e:
         raise fail(e) from None
 
-    from attncheck.findings import failed_conditions
-    from attncheck.report.run import print_report, run_json
+    emit(result, conditions, ignored, json_out, brief=brief, full=full, detail=detail)
 
-    failed = failed_conditions(result.tensors, conditions)
+
+def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str | None, *, brief: bool, full: bool, detail: list[str]) -> None:
+    """Print the report (the model report for several calls, else the per-tensor one), write the
+    JSON, and exit 0, or 1 when a --fail-on condition holds, or 2 when calls were skipped."""
+    import fnmatch
+
+    from attncheck.findings import failed_conditions
+    from attncheck.report.run import print_report, render_diagnosis, run_json
+
+    failed = failed_conditions(result.tensors, conditions, ignored)
+    chosen = []
+    for pattern in detail:
+        hit = [c for c in result.calls if c.diagnosis is not None and (fnmatch.fnmatchcase(c.call.module, pattern) or fnmatch.fnmatchcase(c.call.name, pattern))]
+        if not hit:
+            names = ", ".join((c.call.module or c.call.name) for c in result.calls[:6])
+            raise fail(AttncheckError(f"'{pattern}' matches no call (calls: {names}{', ...' if len(result.calls) > 6 else ''})", param="detail"))
+        chosen += [c for c in hit if c not in chosen]
     if json_out is not None:
         try:
-            write_json(json.dumps(run_json(result.tensors, result.device, failed), indent=2, allow_nan=False), json_out)
+            write_json(json.dumps(run_json(result.tensors, result.device, failed, result.model, result.calls), indent=2, allow_nan=False), json_out)
         except AttncheckError as e:
             raise fail(e) from None
     if json_out != "-":
         from rich.console import Console
 
-        print_report(Console(), result.tensors, result.device, verbose=not brief)
+        console = Console()
+        if full or result.model is None or len(result.calls) <= 1:
+            print_report(console, result.tensors, result.device, verbose=not brief)
+        else:
+            from attncheck.report.model import print_model
+
+            print_model(console, result.model, result.calls, result.device)
+            for c in chosen:
+                console.print()
+                console.print(render_diagnosis(c.diagnosis, verbose=not brief))
     for reason in failed:
         typer.echo(f"attncheck: --fail-on {reason}", err=True)
+    if result.model is not None and result.model.skipped:
+        for name, why in result.model.skipped:
+            typer.echo(f"attncheck: error: {why}", err=True)
+        raise typer.Exit(2)
     raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)

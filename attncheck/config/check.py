@@ -138,6 +138,7 @@ class CheckConfig:
         """The most an input may hold whole (a .pt file, a Fortran-ordered array, a synthetic
         input's q and k): max_memory, or run's default of 1 GiB."""
         return self.max_memory if self.max_memory is not None else params.size(params.DEFAULT_MAX_MEMORY, "max_memory")
+    ignore: tuple[str, ...] = ()  # finding codes judged expected: their rows do not count against the budgets
 
     def budget_for(self, dtype: str) -> Budget:
         return self.dtype_budgets.get(dtype, self.budget)
@@ -226,7 +227,7 @@ def _reject_unknown(table: dict[str, Any], known: tuple[str, ...], prefix: str, 
 
 # --------------------------------------------------------------------------- tables
 
-TOP_KEYS = ("inputs", "keys", "synthetic", "dtypes", "methods", "block", "order", "accum", "device", "max_memory", "budget")
+TOP_KEYS = ("inputs", "keys", "synthetic", "dtypes", "methods", "block", "order", "accum", "device", "max_memory", "budget", "ignore")
 SYNTHETIC_KEYS = ("d_k", "scale", "seq", "rows", "dist", "std", "seed", "dtype", "paths")
 _AT = BUDGET_NAMES.index("relative_to_torch") + 1
 BUDGET_KEYS = (*BUDGET_NAMES[:_AT], "relative_to_torch_atol", *BUDGET_NAMES[_AT:])
@@ -331,6 +332,10 @@ def parse_table(table: Any, *, display: str = "<config>", prefix: str = TABLE, r
         values["budget"], values["dtype_budgets"] = _parse_budgets(table["budget"], key("budget"), display)
     if "max_memory" in table:
         values["max_memory"] = _size(table["max_memory"], key("max_memory"))
+    if "ignore" in table:
+        from attncheck.config.run import ignore_codes
+
+        values["ignore"] = ignore_codes(_strings(table["ignore"], key("ignore"), "finding codes, e.g. fully_masked_rows"), key("ignore"))
     if not values.get("inputs") and not values.get("synthetic"):
         where = f"[{prefix}]" if prefix else display
         raise AttncheckError(

@@ -68,6 +68,17 @@ class Options:
         params.choice(self.fp8_scaling, params.FP8_SCALINGS, "fp8_scaling")
 
 
+def ignore_codes(value, param_name: str = "ignore") -> tuple[str, ...]:
+    """'fully_masked_rows, mask_leak' or a list -> the finding codes, each checked."""
+    from attncheck.findings import SEVERITY
+
+    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value or ())
+    for code in items:
+        if not isinstance(code, str) or code not in SEVERITY:
+            raise AttncheckError(f"unknown finding code {params.show(code)} (known: {', '.join(SEVERITY)})", param=param_name)
+    return tuple(dict.fromkeys(items))
+
+
 @dataclass(frozen=True)
 class QKSpec:
     """Scores to compute from Q, K and a mask (and the output with V), as files to read (PATH or PATH:KEY)."""
@@ -105,9 +116,12 @@ class RunRequest:
     qk: QKSpec | None = None
     options: Options = Options()
     max_memory: int = params.size(params.DEFAULT_MAX_MEMORY, "max_memory")  # bytes: the most any input may hold whole
+    ignore: tuple[str, ...] = ()  # finding codes the user judged expected: dropped, their rows not counted
+    partial: bool = False  # diagnose the calls that can be, and report the others, instead of stopping at the first
 
     def __post_init__(self) -> None:
         params.integer(self.max_memory, "max_memory", 1, from_text=False)
+        object.__setattr__(self, "ignore", ignore_codes(self.ignore))
         if self.example and (self.paths or self.qk):
             raise AttncheckError("give files or the built-in example, not both")
         if self.example and self.keys:

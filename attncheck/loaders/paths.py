@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,6 +13,14 @@ from attncheck.loaders.common import error, qualified_name, reason, suffix_of
 from attncheck.loaders.formats import SUPPORTED_SUFFIXES
 
 MAX_LISTED = 10
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(text: str) -> tuple:
+    """Sort key that orders numbers by value: 'layer_2' before 'layer_10'."""
+    parts = _DIGITS.split(text)
+    return tuple((0, int(p), "") if i % 2 else (1, 0, p) for i, p in enumerate(parts)), text
+
 
 class KeySelector:
     """``--key`` patterns applied across files, as :func:`load_tensors` applies them.
@@ -102,7 +111,7 @@ def scan_directory(directory: Path) -> list[Path]:
         p for p in directory.rglob("*")
         if suffix_of(p) in SUPPORTED_SUFFIXES and p.is_file()
     ]
-    return sorted(found)
+    return sorted(found, key=lambda p: natural_key(str(p.relative_to(directory))))
 
 def suffix_list() -> str:
     return ", ".join(SUPPORTED_SUFFIXES)

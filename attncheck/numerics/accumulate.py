@@ -413,6 +413,7 @@ class CellAcc:
             events=dict(self.events),
             path=self.path,
             tied_rows=self.tied_rows,
+            nan_rows_per_head=self._per_head(),
             **({} if self.out is None else self.out.fields()),
             **self._pcast_fields(),
         )
@@ -431,6 +432,12 @@ class CellAcc:
             pcast_mass_rows=self.pcast_mass_rows,
             p_scale=self.p_scale,
         )
+
+    def _per_head(self) -> list[int]:
+        """NaN rows per index of the last leading axis (the heads), summed over the axes before it."""
+        if not self.heads:
+            return []
+        return self.nan_by_head.reshape(-1, self.heads[-1]).sum(dim=0).tolist()
 
     def _top_heads(self) -> list[tuple[tuple[int, ...], int]]:
         """Every leading index with NaN rows, most first (ties by index)."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from attncheck.config.check import Budget, SyntheticInput
 from attncheck.config.run import Options
 from attncheck.errors import AttncheckError
+from attncheck.findings import counted_rows
 from attncheck.loaders import TensorSource, memory_source
 from attncheck.numerics.diagnose import check_scores, diagnose_chunks, resolve_device, rows_per_chunk
 from attncheck.numerics.precision import cast, dtype_from_name
@@ -72,9 +73,21 @@ def _examples(cell: Cell, budget: str) -> list[tuple[int, ...]]:
     return sorted(rows)
 
 
-def budget_checks(cell: Cell, budget: Budget, torch_cell: Cell | None = None) -> list[BudgetCheck]:
+def _counted(cell: Cell, name: str, ignore) -> int:
+    """A count budget's measure, less the rows whose cause belongs to an ignored finding code."""
+    if name == "nan":
+        return counted_rows(cell.nan_rows, cell.nan_causes, ignore)
+    if name == "zero_rows":
+        return counted_rows(cell.zero_rows, cell.zero_causes, ignore)
+    if name == "overflow" and {"exp_overflow", "sum_overflow"} & set(ignore):
+        return 0
+    return getattr(cell, BUDGET_FIELD[name])
+
+
+def budget_checks(cell: Cell, budget: Budget, torch_cell: Cell | None = None, ignore=()) -> list[BudgetCheck]:
     """Apply every active budget to ``cell``; ``torch_cell`` (same dtype) is needed for relative_to_torch.
-    The out_* budgets apply to cells that computed O = P@V (with V), and only to them."""
+    The out_* budgets apply to cells that computed O = P@V (with V), and only to them.
+    ``ignore``: finding codes whose rows the count budgets leave out."""
     out = []
     for name, limit in budget.active():
         if name in OUTPUT_BUDGETS and not cell.out_rows:
@@ -85,7 +98,7 @@ def budget_checks(cell: Cell, budget: Budget, torch_cell: Cell | None = None) ->
             atol = budget.relative_to_torch_atol if name == RELATIVE_BUDGET else 0.0
             out.append(_relative_check(cell, name, limit, atol, torch_cell))
             continue
-        measured = getattr(cell, BUDGET_FIELD[name])
+        measured = _counted(cell, name, ignore) if name in COUNT_BUDGETS else getattr(cell, BUDGET_FIELD[name])
         if name in COUNT_BUDGETS:
             passed = measured <= limit
             rows = [] if passed else _examples(cell, name)
@@ -161,6 +174,7 @@ def check_source(
     name: str | None = None,
     progress: Callable[[int], None] | None = None,
     notice: Callable[[str], None] | None = None,
+    ignore=(),
 ) -> list[CaseResult]:
     """Diagnose one score tensor (read in row blocks) and apply the budget to every cell.
 
@@ -183,7 +197,7 @@ def check_source(
             cell = diag.cell(m, d)
             b = per_dtype[d]
             torch_cell = diag.cell("torch", d) if b.relative_to_torch is not None else None
-            checks = budget_checks(cell, b, torch_cell)
+            checks = budget_checks(cell, b, torch_cell, ignore)
             for check in checks:
                 if not check.passed and check.budget in LOCATABLE and check.measured is not None:
                     row = locate_worst_row(source, m, d, cast_reference=LOCATABLE[check.budget], block=options.block,
@@ -202,6 +216,7 @@ def check_attention(
     budgets: dict[str, Budget] | None = None,
     progress: Callable[[int], None] | None = None,
     notice: Callable[[str], None] | None = None,
+    ignore: Sequence[str] = (),
 ) -> list[CaseResult]:
     """A synthetic entry with ``paths``: Q, K and V from the sweep generator, every path's P
     and O = P@V, each cell (path, method, dtype) against the budget."""
@@ -225,7 +240,7 @@ def check_attention(
             continue
         b = per_dtype[cell.dtype]
         torch_cell = _eager_torch(diag, cell.dtype) if _relative(b) else None
-        checks = budget_checks(cell, b, torch_cell)
+        checks = budget_checks(cell, b, torch_cell, ignore)
         cases.append(CaseResult(spec.name, cell.label, cell.dtype, cell.rows, cell.compared_rows, checks, tuple(diag.shape)))
     for case in cases:  # the input's time, shared out so that the cases add up to it
         case.seconds = seconds / len(cases)

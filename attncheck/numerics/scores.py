@@ -63,6 +63,8 @@ class AttentionInputs:
     v: torch.Tensor | None = None  # (B, Hk, Tk, dv): with it, the output O = P@V of every cell
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # what paths derive once per input (FP8 quantisation)
     float_mask_value: float | None = None  # the sentinel of a float mask as the mask holds it (its most common value <= -1e4)
+    mask_summed_neginf: int = 0  # -inf values of a float mask that also holds sentinels beyond half its dtype's range
+    mask_deep_sentinel: float | None = None  # such a sentinel, e.g. -65504
 
     @property
     def heads(self) -> int:
@@ -146,6 +148,7 @@ def prepare_inputs(
     mask_float = None
     float_mask_value = None
     looks_boolean = False
+    summed, deep = 0, None
     if mask is not None:
         m4 = _broadcast_mask(mask, full, lead)
         if mask.dtype == torch.bool:
@@ -157,6 +160,7 @@ def prepare_inputs(
             sentinel = vals <= MASK_SENTINEL_LIMIT
             if bool(sentinel.any()):
                 float_mask_value = float(vals[sentinel][torch.argmax(counts[sentinel])])
+            summed, deep = _summed_planes(mask)
         else:
             raise AttncheckError(f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask")
     extra = torch.zeros(full, dtype=torch.bool) if causal or pad_left or pad_right else None
@@ -189,7 +193,21 @@ def prepare_inputs(
         float_mask_looks_boolean=looks_boolean,
         v=v4,
         float_mask_value=float_mask_value,
+        mask_summed_neginf=summed,
+        mask_deep_sentinel=deep,
     )
+
+
+def _summed_planes(mask: torch.Tensor) -> tuple[int, float | None]:
+    """(-inf values of a float mask, one of its finite sentinels) when the mask holds both -inf and
+    finite values beyond half its dtype's range: the mark of two finfo.min planes added together
+    (a single plane never overflows). (0, None) otherwise. Counted over the mask as given."""
+    half = torch.finfo(mask.dtype).max / 2
+    deep = torch.isfinite(mask) & (mask < -half)
+    if not bool(deep.any()):
+        return 0, None
+    neginf = int(torch.isneginf(mask).sum())
+    return (neginf, float(mask[deep].max())) if neginf else (0, None)
 
 
 def _broadcast_mask(mask: torch.Tensor, full: tuple[int, ...], lead: tuple[int, ...]) -> torch.Tensor:
@@ -430,6 +448,8 @@ def start_audit(inp: AttentionInputs, statistics: bool = True) -> AttentionAudit
         q_max_abs=_finite_abs_max(q64),
         k_max_abs=_finite_abs_max(k64),
         float_mask_looks_boolean=inp.float_mask_looks_boolean,
+        mask_summed_neginf=inp.mask_summed_neginf,
+        mask_deep_sentinel=inp.mask_deep_sentinel,
     )
 
 

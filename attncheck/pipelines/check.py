@@ -44,16 +44,16 @@ def _run_check(config: CheckConfig, device: str | None, track: Track, notice) ->
     for src in sources:
         name = _relative_name(src.name, config)
         names.append(name)
-        cases += check_source(src, config.budget, options, config.dtype_budgets, name=name, progress=track(name, src.rows), notice=notice)
+        cases += check_source(src, config.budget, options, config.dtype_budgets, name=name, progress=track(name, src.rows), notice=notice, ignore=config.ignore)
     for spec in config.synthetic:
         names.append(spec.name)
         if spec.paths:
             heads, queries = head_layout(spec.rows, spec.seq)
             cases += check_attention(spec, config.budget, config.options(spec.dtypes, str(dev)), config.dtype_budgets,
-                                     progress=track(spec.name, heads * queries), notice=notice)
+                                     progress=track(spec.name, heads * queries), notice=notice, ignore=config.ignore)
             continue
         src = synthetic_source(spec, str(dev), budget)
-        cases += check_source(src, config.budget, config.options(spec.dtypes, str(dev)), config.dtype_budgets, progress=track(spec.name, src.rows), notice=notice)
+        cases += check_source(src, config.budget, config.options(spec.dtypes, str(dev)), config.dtype_budgets, progress=track(spec.name, src.rows), notice=notice, ignore=config.ignore)
     return CheckResult(
         config=config.display,
         config_path=config.path,
@@ -63,6 +63,7 @@ def _run_check(config: CheckConfig, device: str | None, track: Track, notice) ->
         budget=config.budget,
         dtype_budgets=dict(config.dtype_budgets),
         seconds=time.perf_counter() - start,
+        ignore=config.ignore,
     )
 
 

@@ -20,29 +20,100 @@ Track = Callable[[str, int], "Callable[[int], None] | None"]  # (tensor name, ro
 
 
 def run(request: RunRequest, track: Track | None = None, notice: Callable[[str], None] | None = None) -> RunResult:
-    """Diagnose every tensor the request names; ``track`` gives a progress callback per tensor,
-    ``notice`` hears one line before the fused kernels compile for the first time."""
-    from attncheck.loaders import open_sources
-    from attncheck.numerics.diagnose import diagnose, diagnose_chunks, resolve_device, rows_per_chunk
+    """Diagnose every tensor and call the request names; ``track`` gives a progress callback per
+    tensor, ``notice`` hears one line before the fused kernels compile for the first time.
+
+    Files are read as calls where they are: capture directories and call files, and files
+    whose tensors are named like q/k/v/mask; other tensors are scores. The result holds a
+    diagnosis per tensor, a report per call and the model report over them.
+    """
+    from attncheck.findings import apply_ignore
+    from attncheck.model import model_report
+    from attncheck.numerics.calls import scores_report
+    from attncheck.numerics.diagnose import diagnose, resolve_device
+    from attncheck.results import CallInfo
 
     track = track or (lambda name, rows: None)
     dev = resolve_device(request.options.device)
     options = replace(request.options, device=str(dev))  # 'auto' -> where it runs, as the report says
     budget = request.max_memory
+    capture = None
+    skipped: list[tuple[str, str]] = []
     if request.qk is not None:
-        sources = open_sources(request.paths, request.keys, max_bytes=budget) if request.paths else []
+        sources = open_sources_for(request)
         diags = _run_qk(request.qk, sources, options, track, notice, budget)
+        calls = [scores_report(CallInfo(i, d.name, "qk" if not sources else "scores", has_qk=True), d) for i, d in enumerate(diags)]
     elif request.example:
         from attncheck.demo import EXAMPLE_NAME, example_scores
 
         x = example_scores()
         diags = [diagnose(EXAMPLE_NAME, x, options, track(EXAMPLE_NAME, x.numel() // x.shape[-1]), notice)]
+        calls = [scores_report(CallInfo(0, EXAMPLE_NAME, "scores"), diags[0])]
     else:
-        diags = []
-        for src in open_sources(request.paths, request.keys, max_bytes=budget):  # headers only: each tensor streams in row chunks
-            blocks = src.row_blocks(rows_per_chunk(src.shape[-1], options))
-            diags.append(diagnose_chunks(src.name, src.shape, src.dtype, blocks, options, track(src.name, src.rows), notice=notice))
-    return RunResult(diags, device_label(dev))
+        calls, capture, skipped = _run_files(request, options, track, notice)
+        diags = [c.diagnosis for c in calls if c.diagnosis is not None]
+    for d in diags:
+        apply_ignore(d, request.ignore)
+    model = model_report(calls, request.ignore, skipped, capture)
+    return RunResult(diags, device_label(dev), calls, model)
+
+
+def open_sources_for(request: RunRequest):
+    from attncheck.loaders import open_sources
+
+    return open_sources(request.paths, request.keys, max_bytes=request.max_memory) if request.paths else []
+
+
+def _run_files(request: RunRequest, options, track: Track, notice):
+    """Every input of the files as a call report, in natural order; bad calls raise, or with
+    ``partial`` are skipped and listed."""
+    from attncheck.loaders import TensorSource
+    from attncheck.loaders.calls import check_manifest_message, open_inputs
+    from attncheck.numerics.calls import diagnose_call, scores_report
+    from attncheck.numerics.diagnose import diagnose_chunks, rows_per_chunk
+    from attncheck.numerics.precision import dtype_label
+    from attncheck.results import CallInfo, CallReport
+
+    inputs, manifests = open_inputs(request.paths, request.keys, request.max_memory)  # headers only: score tensors stream in row chunks
+    capture = None
+    if manifests:
+        doc = manifests[0]
+        capture = {"note": check_manifest_message(doc), "stopped": doc.get("stopped"), "script": doc.get("script"),
+                   "calls": len(doc.get("calls", [])), "torch_version": doc.get("torch_version")}
+    if not request.partial:  # every call checked before the first is diagnosed
+        for item in inputs:
+            if not isinstance(item, TensorSource) and item.problem:
+                raise AttncheckError(item.problem)
+    calls: list[CallReport] = []
+    skipped: list[tuple[str, str]] = []
+    for i, item in enumerate(inputs):
+        if isinstance(item, TensorSource):
+            blocks = item.row_blocks(rows_per_chunk(item.shape[-1], options))
+            diag = diagnose_chunks(item.name, item.shape, item.dtype, blocks, options, track(item.name, item.rows), notice=notice)
+            calls.append(scores_report(CallInfo(i, item.name, "scores", dtype=dtype_label(item.dtype)), diag))
+            continue
+        info = item.info
+        try:
+            if item.problem:
+                raise AttncheckError(item.problem)
+            tensors = item.load()
+            rows = _score_rows(tensors)
+            calls.append(diagnose_call(info, tensors, options, track(info.name, rows), notice))
+        except AttncheckError as e:
+            if not request.partial:
+                raise
+            skipped.append((info.name, e.render()))
+            calls.append(CallReport(info, None, error=e.render()))
+    return calls, capture, skipped
+
+
+def _score_rows(tensors: dict) -> int:
+    """Rows of the score tensor a call makes (for the progress bar)."""
+    if "scores" in tensors:
+        t = tensors["scores"]
+        return t.numel() // max(1, t.shape[-1])
+    q = tensors["q"]
+    return q.numel() // max(1, q.shape[-1])
 
 
 def device_label(dev: torch.device) -> str:

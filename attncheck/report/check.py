@@ -334,6 +334,7 @@ def check_json(result: CheckResult) -> dict[str, Any]:
             "summary": {"cases": len(result.cases), "passed": len(result.cases) - len(result.failures), "failed": len(result.failures)},
             "budget": to_jsonable(result.budget),
             "dtype_budgets": {d: to_jsonable(b) for d, b in result.dtype_budgets.items()},
+            "ignore": list(result.ignore),
             "inputs": list(result.inputs),
             "cases": cases,
         }

@@ -15,7 +15,7 @@ from attncheck.params import MASK_SENTINEL_LIMIT
 from attncheck.format import cosine, fmt, index_text, rows_text, to_jsonable
 from attncheck.results import Cell, TensorDiagnosis
 
-JSON_SCHEMA = "attncheck.run/1"
+JSON_SCHEMA = "attncheck.run/2"  # /2 added the model section; every /1 key is kept
 
 NAN_HEADS_SHOWN = 3  # leading indices with NaN rows named per cell in the table; the JSON has all
 
@@ -343,7 +343,11 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
     }
 
 
-def run_json(diags: Sequence[TensorDiagnosis], device: str, failed: Sequence[str] = ()) -> dict[str, Any]:
+def run_json(diags: Sequence[TensorDiagnosis], device: str, failed: Sequence[str] = (), model=None, calls=()) -> dict[str, Any]:
+    """The run's JSON: every tensor's diagnosis and, for files, the ``model`` section (one entry
+    per call, the first that goes wrong, outlier heads)."""
+    from attncheck.report.model import model_json
+
     opts = diags[0].options if diags else None
     return {
         "schema": JSON_SCHEMA,
@@ -352,4 +356,5 @@ def run_json(diags: Sequence[TensorDiagnosis], device: str, failed: Sequence[str
         "options": None if opts is None else to_jsonable(opts),
         "tensors": [diagnosis_json(d) for d in diags],
         "failed": list(failed),
+        "model": None if model is None else model_json(model, list(calls)),
     }

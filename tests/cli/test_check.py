@@ -246,7 +246,7 @@ def write_config(project, text):
 
 CONFIG_ERRORS = [
     ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\nblock = \n', r"pyproject\.toml: invalid TOML: Invalid value \(at line 3, column 9\)"),
-    ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budgett]\nnan = 0\n', re.escape("unknown key 'tool.attncheck.budgett' in pyproject.toml (known: inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, budget)")),
+    ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budgett]\nnan = 0\n', re.escape("unknown key 'tool.attncheck.budgett' in pyproject.toml (known: inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, budget, ignore)")),
     ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budget]\nnan = "zero"\n', re.escape("tool.attncheck.budget.nan must be an integer >= 0, got 'zero'")),
     ('[tool.attncheck]\ninputs = ["dumps/*.pt"]\n', re.escape("tool.attncheck.inputs: 'dumps/*.pt' matches no file (relative to ") + ".+" + re.escape(")")),
     ("[tool.attncheck]\ndtypes = ['bf16']\n", re.escape('[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table')),

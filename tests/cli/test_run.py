@@ -82,7 +82,7 @@ def test_json_to_stdout_has_the_contract_keys(overflow_fp16):
     r = invoke("run", overflow_fp16, "--json", "-")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)  # tables are not mixed in
-    assert doc["schema"] == "attncheck.run/1"
+    assert doc["schema"] == "attncheck.run/2"
     assert {"schema", "attncheck_version", "device", "tensors"} <= doc.keys()
     assert doc["device"] == "cpu"
     assert [t["name"] for t in doc["tensors"]] == [f"{overflow_fp16}:layer0.scores", f"{overflow_fp16}:layer1.scores"]
@@ -297,7 +297,7 @@ def test_help_shows_flags_without_a_type(command):
 def test_module_entry_point(healthy):
     proc = subprocess.run([sys.executable, "-m", "attncheck", "run", str(healthy), "--json", "-"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["schema"] == "attncheck.run/1"
+    assert json.loads(proc.stdout)["schema"] == "attncheck.run/2"
 
 
 def test_plain_pickle_is_refused(tmp_path):

@@ -16,7 +16,7 @@ from attncheck.config.check import (
 from attncheck.errors import AttncheckError
 
 SYN = {"synthetic": [{"d_k": 16, "seq": 32, "rows": 64}]}
-KNOWN_TOP = "inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, budget"
+KNOWN_TOP = "inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, budget, ignore"
 KNOWN_BUDGET = "nan, overflow, zero_rows, argmax_flips, max_abs_err, max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, out_cos_min, out_relative_to_torch, fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz"
 LN_FP16_LIMIT = math.log(65520.0)  # exp(x) rounds to inf in fp16 above this
 
@@ -251,3 +251,24 @@ def test_no_config_anywhere(tmp_path, monkeypatch):
         f"no config found: no attncheck.toml, and no pyproject.toml with a [tool.attncheck] table, in {tmp_path} "
         "or its parents; add one or pass --config FILE"
     )
+
+
+def test_ignore_takes_finding_codes(tmp_path):
+    cfg = parse_table({**SYN, "ignore": ["fully_masked_rows"]}, root=tmp_path)
+    assert cfg.ignore == ("fully_masked_rows",)
+    with pytest.raises(AttncheckError, match=r"^tool.attncheck.ignore: unknown finding code 'masked' \(known: input_nan"):
+        parse_table({**SYN, "ignore": ["masked"]}, root=tmp_path)
+    with pytest.raises(AttncheckError, match="tool.attncheck.ignore must be a list of strings"):
+        parse_table({**SYN, "ignore": "fully_masked_rows"}, root=tmp_path)
+
+
+def test_ignored_codes_leave_their_rows_out_of_the_count_budgets(tmp_path):
+    from attncheck.pipelines.check import run_check
+
+    x = np.random.default_rng(0).standard_normal((2, 4, 8, 8)).astype(np.float32)
+    x[0, 1, 3] = -np.inf  # one fully masked row: NaN in torch.softmax
+    np.save(tmp_path / "s.npy", x)
+    table = {"inputs": ["s.npy"], "methods": ["torch"], "dtypes": ["fp32"]}
+    assert not run_check(parse_table(table, root=tmp_path)).passed  # nan budget 0 by default
+    result = run_check(parse_table({**table, "ignore": ["fully_masked_rows"]}, root=tmp_path))
+    assert result.passed and result.cases[0].checks[0].measured == 0 and result.ignore == ("fully_masked_rows",)

@@ -104,6 +104,28 @@ class _SafetensorsEntry:
     begin: int  # bytes from the start of the data buffer
     end: int
 
+def inspect_file(path: str) -> tuple[dict[str, str], dict[str, tuple[str, tuple[int, ...]]]]:
+    """(the header's ``__metadata__``, {key: (dtype, shape)}) without reading any data;
+    a header that does not fit the file's size is an error."""
+    invalid = invalid_text(path)
+    try:
+        with open(path, "rb") as f:
+            data_start, entries = _read_safetensors_header(f, invalid, path)
+            f.seek(8)
+            header = json.loads(f.read(data_start - 8).decode("utf-8"))
+            size = os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        raise read_error(path)(exc) from exc
+    needed = max((e.end for e in entries.values()), default=0)
+    if needed > size - data_start:
+        raise truncation(path, invalid, needed)(size - data_start)
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise error(f"{path}: {invalid} (__metadata__ is not an object)")
+    shown = {key: (_SAFETENSORS_DTYPES.get(e.dtype, (e.dtype, 0))[0], e.shape) for key, e in entries.items()}
+    return {str(k): str(v) for k, v in meta.items()}, shown
+
+
 def _safetensors_sources(path: str, selected: list[str | None]) -> list[TensorSource]:
     invalid = invalid_text(path)
     try:

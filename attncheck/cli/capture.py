@@ -1,0 +1,127 @@
+"""``attncheck capture [OPTIONS] [--] SCRIPT [ARGS]...``: run a Python script under
+``attncheck.capture``, unchanged, then diagnose every attention call it made (as ``run`` does
+for the capture directory). Exit codes as ``run``; a script that fails is shown once (its own
+traceback), then one line, exit 2.
+
+torch is imported only once the options are known to be good.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import List, Optional
+
+import typer
+
+from attncheck import params
+from attncheck.cli.common import check_output_path, fail
+from attncheck.cli.options import (
+    DEFAULT_DTYPES,
+    DEFAULT_METHODS,
+    BlockOpt,
+    BriefOpt,
+    DetailOpt,
+    DeviceOpt,
+    DtypeOpt,
+    FailOnOpt,
+    FullOpt,
+    IgnoreOpt,
+    JsonOpt,
+    MaxMemoryOpt,
+    MethodOpt,
+    PartialOpt,
+    QuietOpt,
+    notices,
+    progress_shown,
+)
+from attncheck.cli.run import Accum, Order, emit, parse_fail_on
+from attncheck.config.capture import DEFAULT_MAX_BYTES, DEFAULT_MAX_CALLS, DEFAULT_OUT, CaptureRequest
+from attncheck.config.run import Options, chunk_elements_for, ignore_codes
+from attncheck.errors import AttncheckError
+
+CAPTURE = "Capture"
+
+
+def capture(
+    script: str = typer.Argument(..., help="The Python script to run (as 'python SCRIPT ARGS' would run it).", show_default=False),
+    args: Optional[List[str]] = typer.Argument(None, help="Arguments for the script; put '--' before the script when they look like options.", show_default=False),
+    out: str = typer.Option(DEFAULT_OUT, "--out", "-o", metavar="DIR", help="Capture directory: one .safetensors per call and manifest.json (created; a previous capture there is replaced).", rich_help_panel=CAPTURE),
+    no_save: bool = typer.Option(False, "--no-save", help="Write nothing: diagnose each call as it is recorded.", rich_help_panel=CAPTURE),
+    max_calls: str = typer.Option(str(DEFAULT_MAX_CALLS), "--max-calls", metavar="N", help="Stop recording after N calls (the script runs on).", rich_help_panel=CAPTURE),
+    max_bytes: str = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", metavar="SIZE", help="Stop recording before the tensors recorded pass SIZE (e.g. 512MiB).", rich_help_panel=CAPTURE),
+    module: List[str] = typer.Option([], "--module", metavar="GLOB", help="Record only calls in modules whose path matches (repeatable), e.g. '*.layers.1.*'; a call outside any module is 'global'.", rich_help_panel=CAPTURE),
+    forward: Optional[str] = typer.Option(None, "--forward", metavar="N[,N|A-B]", help="Which forward passes of the top module to record (1-based), e.g. 1 or 2-4; default all.", rich_help_panel=CAPTURE),
+    dtype: DtypeOpt = DEFAULT_DTYPES,
+    method: MethodOpt = DEFAULT_METHODS,
+    block: BlockOpt = str(params.DEFAULT_BLOCK),
+    order: Order = typer.Option("forward", "--order", help="Order in which the tiled method visits key blocks."),
+    accum: Accum = typer.Option("fp32", "--accum", help="Row sums of naive/stable: fp32 inside as torch does, or pairwise in the dtype."),
+    device: DeviceOpt = "auto",
+    json_out: JsonOpt = None,
+    fail_on: FailOnOpt = "",
+    ignore: IgnoreOpt = "",
+    brief: BriefOpt = False,
+    full: FullOpt = False,
+    detail: DetailOpt = [],
+    partial: PartialOpt = False,
+    max_memory: MaxMemoryOpt = params.DEFAULT_MAX_MEMORY,
+    quiet: QuietOpt = False,
+) -> None:
+    """Run a Python script under capture and diagnose every attention call it makes.
+
+    Records each F.scaled_dot_product_attention call and each softmax over the last axis of a
+    3+-D tensor inside a module (the eager path's scores, with the q, k, v of the matmuls
+    around it), with the module path, without any change to the script or the model. The
+    capture directory can be diagnosed again with 'attncheck run DIR'. With --json -, what
+    the script prints goes to stderr.
+    Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error,
+    or the script failed.
+    """
+    try:
+        conditions = parse_fail_on(fail_on)
+        ignored = ignore_codes(ignore)
+        check_output_path(json_out, "--json")
+        options = Options(
+            dtypes=params.dtypes(dtype), methods=params.methods(method), block=params.integer(block, "block", 1),
+            reverse=Order(order).value == "reverse", accum=Accum(accum).value, device=params.device(device),
+            chunk_elements=chunk_elements_for(params.size(max_memory, "max_memory")),
+        )
+        if forward is not None:
+            from attncheck.record import parse_forwards
+
+            parse_forwards(forward)
+        request = CaptureRequest(script, tuple(args or ()), None if no_save else out, params.integer(max_calls, "max_calls", 1),
+                                 params.size(max_bytes, "max_bytes"), tuple(module), forward, options, ignored, partial)
+
+        from attncheck.pipelines.capture import capture_script
+        from attncheck.report.progress import Progress
+
+        say = notices(quiet)
+        show, forced = progress_shown(quiet)
+        with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
+            outcome = capture_script(request, progress.track, say, stdout_to_stderr=json_out == "-")
+    except AttncheckError as e:
+        raise fail(e) from None
+
+    cap = outcome.capture
+    if outcome.error is not None:
+        _show_script_error(outcome.error, script)
+        kept = f"{len(cap.calls)} call(s) recorded" + (f" in {out} (manifest written)" if not no_save else "")
+        why = f"exit status {outcome.error.code}" if isinstance(outcome.error, SystemExit) else f"{type(outcome.error).__name__}, traceback above"
+        raise fail(f"{script} failed ({why}); {kept}")
+    if say is not None and not no_save:
+        say(f"recorded {len(cap.calls)} call(s) in {out}" + (f"; recording stopped: {cap.stopped}" if cap.stopped else "") + f" (again: attncheck run {out})")
+    emit(outcome.result, conditions, ignored, json_out, brief=brief, full=full, detail=detail)
+
+
+def _show_script_error(error: BaseException, script: str) -> None:
+    """The script's traceback, from its own first frame on (not attncheck's or runpy's)."""
+    if isinstance(error, SystemExit):
+        return
+    target = os.path.abspath(script)
+    tb = error.__traceback__
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != target:
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(error), error, tb)) if tb is not None else "".join(traceback.format_exception_only(type(error), error))
+    typer.echo(text.rstrip(), err=True)

@@ -1,0 +1,77 @@
+"""``attncheck capture`` as a library call: run a Python script under ``attncheck.capture``,
+unchanged (as ``python -m cProfile`` runs one), then diagnose what it recorded.
+
+The script runs as ``__main__`` with ``sys.argv`` = [script, *args] and its folder first on
+``sys.path``. Whatever it raises is returned, not raised: what it recorded is kept and the
+manifest written either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from attncheck.config.capture import CaptureRequest
+from attncheck.config.run import RunRequest
+from attncheck.errors import AttncheckError
+from attncheck.results import RunResult
+
+
+@dataclass
+class CaptureOutcome:
+    """The capture (``attncheck.record.Capture``), the script's exception if it raised (SystemExit
+    with a non-zero code included), and the diagnosis when the script ran through."""
+
+    capture: object
+    error: BaseException | None
+    result: RunResult | None
+
+
+def run_script(path: str, args: tuple[str, ...], stdout_to_stderr: bool = False) -> None:
+    """Run a script as ``python SCRIPT ARGS`` would; ``stdout_to_stderr``: what it prints goes
+    to stderr (stdout is kept for a JSON report)."""
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        with contextlib.redirect_stdout(sys.stderr) if stdout_to_stderr else contextlib.nullcontext():
+            runpy.run_path(path, run_name="__main__")
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+
+
+def capture_script(request: CaptureRequest, track=None, notice: Callable[[str], None] | None = None, stdout_to_stderr: bool = False) -> CaptureOutcome:
+    from attncheck.pipelines.run import run
+    from attncheck.record import capture
+
+    script = {"path": request.script, "argv": [request.script, *request.args]}
+    cap = capture(request.out, diagnose=request.out is None, max_calls=request.max_calls, max_bytes=request.max_bytes,
+                  modules=request.modules, forwards=request.forwards, options=request.options, ignore=request.ignore,
+                  notice=notice, script=script)
+    error: BaseException | None = None
+    with cap:  # a directory that cannot be used is an input error, raised before the script runs
+        try:
+            run_script(request.script, request.args, stdout_to_stderr)
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                error = e
+        except BaseException as e:  # the script's own error: reported by the caller, once
+            error = e
+        if error is not None:
+            cap.note_error(error)
+    if error is not None:
+        return CaptureOutcome(cap, error, None)
+    if not cap.calls:
+        raise AttncheckError(f"{request.script} made no attention call that capture could see (F.scaled_dot_product_attention, "
+                             "or a softmax over the last axis of a 3+-D tensor inside an nn.Module)"
+                             + (f"; recording stopped: {cap.stopped}" if cap.stopped else ""))
+    if request.out is None:
+        result = cap.result
+    else:
+        result = run(RunRequest((request.out,), options=request.options, ignore=request.ignore, partial=request.partial), track, notice)
+    return CaptureOutcome(cap, None, result)

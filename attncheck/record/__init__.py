@@ -1,0 +1,166 @@
+"""``attncheck.capture``: record every attention call of a model while it runs, unchanged.
+
+::
+
+    import attncheck
+
+    with attncheck.capture("capdir") as cap:      # one .safetensors per call + manifest.json
+        model(**batch)
+    # then: attncheck run capdir
+
+    with attncheck.capture(diagnose=True) as cap:  # nothing written: each call diagnosed as it comes
+        model(**batch)
+    cap.result.model.lines                         # one line per call; cap.result.model.first_bad
+
+See ``attncheck.record.mode`` for what is recorded and how.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Callable, Sequence
+
+from attncheck import params
+from attncheck.config.run import ignore_codes
+from attncheck.errors import AttncheckError
+
+DEFAULT_MAX_BYTES = "1GiB"
+DEFAULT_MAX_CALLS = 1000
+
+
+class Capture:
+    """The context manager ``capture`` returns; after the block: ``calls`` (manifest entries,
+    or the recorded calls with their tensors when kept in memory), ``result`` (diagnose=True:
+    a ``RunResult`` with the model report), ``stopped`` (why recording stopped early, or None),
+    ``error`` (the exception that left the block, as one line)."""
+
+    def __init__(self, path, *, diagnose: bool, max_calls, max_bytes, modules, forwards, options, ignore, notice, script) -> None:
+        if path is not None and diagnose:
+            raise AttncheckError("diagnose=True diagnoses each call as it comes and writes nothing: give no path with it", param="diagnose")
+        self.path = None if path is None else os.fspath(path)
+        self.diagnose = diagnose
+        self.max_calls = None if max_calls is None else params.integer(max_calls, "max_calls", 1, from_text=isinstance(max_calls, str))
+        self.max_bytes = None if max_bytes is None else (params.size(max_bytes, "max_bytes") if isinstance(max_bytes, str) else params.integer(max_bytes, "max_bytes", 1, from_text=False))
+        self.modules = (modules,) if isinstance(modules, str) else tuple(modules or ())
+        self.forwards = None if forwards is None else parse_forwards(forwards)
+        self.options, self.ignore, self.notice = options, ignore_codes(ignore or ()), notice
+        self.script = script
+        self.calls: list = []
+        self.result = None
+        self.stopped: str | None = None
+        self.error: str | None = None
+        self._recorder = None
+        self._sink = None
+
+    def __enter__(self) -> "Capture":
+        from attncheck.record.mode import Recorder
+        from attncheck.record.store import DiagnoseSink, DirectorySink, MemorySink
+
+        if self.diagnose:
+            from attncheck.config.run import Options
+
+            self._sink = DiagnoseSink(self.options or Options(), self.ignore, self.notice)
+        elif self.path is not None:
+            self._sink = DirectorySink(self.path)
+        else:
+            self._sink = MemorySink()
+        self._recorder = Recorder(self._sink, modules=self.modules, forwards=self.forwards, max_calls=self.max_calls,
+                                  max_bytes=self.max_bytes, notice=self.notice)
+        self._recorder.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        rec, sink = self._recorder, self._sink
+        try:
+            rec.__exit__(exc_type, exc, tb)
+        finally:
+            if exc is not None:
+                self.note_error(exc)
+            self.stopped = rec.stopped or getattr(sink, "error", None)
+            facts = {"complete": self.error is None and self.stopped is None, "stopped": self.stopped,
+                     "calls_seen": rec.seen, "calls_recorded": rec.recorded, "max_calls": self.max_calls,
+                     "max_bytes": self.max_bytes, "modules": list(self.modules),
+                     "forwards": None if self.forwards is None else sorted(self.forwards), "error": self.error}
+            if self.script is not None:
+                facts["script"] = {**self.script, "error": self.error}
+            sink.close(facts)
+            self._finish(sink)
+        return False
+
+    def note_error(self, exc: BaseException) -> None:
+        """Record that the block failed (a script runner that catches the exception itself calls
+        this before leaving the block); SystemExit(0) is no failure."""
+        if not (isinstance(exc, SystemExit) and exc.code in (None, 0)):
+            self.error = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
+
+    def _finish(self, sink) -> None:
+        from attncheck.record.store import DiagnoseSink, DirectorySink
+
+        if isinstance(sink, DirectorySink):
+            self.calls = sink.entries
+        elif isinstance(sink, DiagnoseSink):
+            from attncheck.model import model_report
+            from attncheck.results import RunResult
+
+            self.calls = sink.reports
+            capture = {"note": f"recording stopped: {self.stopped}" if self.stopped else None, "stopped": self.stopped}
+            device = sink.options.device
+            skipped = [(r.call.name, r.error) for r in sink.reports if r.error]
+            self.result = RunResult([r.diagnosis for r in sink.reports if r.diagnosis is not None], device, sink.reports,
+                                    model_report(sink.reports, self.ignore, skipped, capture))
+        else:
+            self.calls = sink.calls
+
+
+def parse_forwards(value) -> frozenset[int]:
+    """1, [1, 3], '1,3', '2-4' -> the forward passes to record (1-based)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if isinstance(value, str):
+        out: list[int] = []
+        for part in value.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            lo, sep, hi = part.partition("-")
+            if not lo.isdigit() or (sep and not hi.isdigit()) or int(lo) < 1 or (sep and int(hi) < int(lo)):
+                raise AttncheckError(f"{part!r} is not a forward pass number or range (e.g. 1, 2-4)", param="forwards")
+            out += list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
+        value = out
+    values = list(value)
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+        raise AttncheckError(f"must be forward pass numbers >= 1, got {params.show(value)}", param="forwards")
+    return frozenset(values)
+
+
+def capture(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    diagnose: bool = False,
+    max_calls: int | None = DEFAULT_MAX_CALLS,
+    max_bytes: int | str | None = DEFAULT_MAX_BYTES,
+    modules: str | Sequence[str] = (),
+    forwards=None,
+    options=None,
+    ignore: Sequence[str] = (),
+    notice: Callable[[str], None] | None = None,
+    script: dict | None = None,
+) -> Capture:
+    """Record every attention call made inside the ``with`` block.
+
+    ``path``: the capture directory to write (created; or emptied of a previous capture);
+    without it the calls stay in memory (``cap.calls``, tensors copied to the CPU).
+    ``diagnose=True``: each call is diagnosed as it comes (``options``, ``ignore``) and
+    nothing is written or kept; ``cap.result`` holds the model report.
+    ``max_calls``, ``max_bytes`` (bytes, or '512MiB'): when the next call would pass either,
+    recording stops (``cap.stopped`` says why, ``notice`` hears it) and the model runs on.
+    ``modules``: globs of module paths to record ('*.self_attn'; a call outside any module
+    is 'global'). ``forwards``: which forward passes of the top module to record (1-based:
+    1, [1, 3], '2-4'); None records all, and calls outside any module.
+    """
+    return Capture(path, diagnose=diagnose, max_calls=max_calls, max_bytes=max_bytes, modules=modules, forwards=forwards,
+                   options=options, ignore=ignore, notice=notice, script=script)
+
+
+__all__ = ["Capture", "capture", "parse_forwards", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_CALLS"]

@@ -1,0 +1,423 @@
+"""Recording attention calls while a model runs, without editing it.
+
+A ``torch.overrides.TorchFunctionMode`` sees every call of a torch function that dispatches
+``__torch_function__``. The recorder takes:
+
+- every ``F.scaled_dot_product_attention``: q, k, v, attn_mask, is_causal, scale, enable_gqa,
+  dropout_p, as the caller passed them;
+- every softmax (``torch.softmax``, ``F.softmax``, ``Tensor.softmax``) over the last axis of a
+  tensor with 3 or more axes inside a module: its input is the eager path's masked scores.
+  Inside the same module, the last matmul of two 3+-D tensors whose result the softmax input
+  derives from (through multiplications by numbers, which give the scale, and additions,
+  fills, casts) gave the scores: its operands are q and k^T. The first matmul that consumes
+  the softmax output gives v.
+
+The calling module's path comes from global forward pre- and post-hooks: the deepest module
+running, named as the top module's ``named_modules()`` names it (the top module itself by its
+class name).
+
+``nn.MultiheadAttention`` (and ``TransformerEncoderLayer``) run ``F.multi_head_attention_forward``,
+which handles ``__torch_function__`` itself, so the calls inside it are not dispatched to the
+mode: while it runs, the recorder routes ``F.scaled_dot_product_attention``, ``F.softmax``,
+``torch.bmm`` and ``torch.baddbmm`` through itself (module attributes, restored when it
+returns). While recording, PyTorch's fused MHA fast path is off (a torch function mode turns
+it off by itself): results are bit-identical to the same model run with
+``torch.backends.mha.set_fastpath_enabled(False)``.
+
+The wrapped functions are called with exactly the arguments they were given and their results
+returned unchanged; recording reads tensors and never writes to them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from attncheck import __version__
+from attncheck.errors import AttncheckError
+from attncheck.loaders.calls import CAPTURE_SCHEMA, FORMAT_KEY
+
+# The functions as torch defines them (while an MHA call runs, the module attributes are routed).
+SDPA = F.scaled_dot_product_attention
+F_SOFTMAX = F.softmax
+MHA_FORWARD = F.multi_head_attention_forward
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+MATMULS = {"matmul", "__matmul__", "bmm", "baddbmm"}
+MULS = {"mul", "__mul__", "__rmul__", "mul_", "__imul__", "multiply"}
+DIVS = {"div", "__truediv__", "div_", "__itruediv__", "true_divide", "divide"}
+# Same-shape operations that keep a tensor "the scores" (or "the probabilities") for tracing.
+PASSES = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "sub_", "__isub__", "masked_fill",
+          "masked_fill_", "where", "to", "type", "float", "half", "bfloat16", "contiguous", "clone", "dropout", "type_as"}
+
+
+@dataclass
+class Recorded:
+    """One call as recorded: its tensors (role -> tensor, on the device the model used, not
+    yet copied) and its metadata (strings, as safetensors keeps them)."""
+
+    index: int
+    kind: str  # 'sdpa' or 'softmax'
+    module: str
+    forward: int | None
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """A broadcast view (stride 0) kept at size 1 on those axes: the same values once broadcast,
+    without materialising the copies (masks are often expanded over heads)."""
+    for dim in range(t.dim()):
+        if t.stride(dim) == 0 and t.shape[dim] > 1:
+            t = t.narrow(dim, 0, 1)
+    return t
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "none" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _number(x) -> float | None:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and x.dim() == 0:
+        return float(x)
+    return None
+
+
+class ModuleStack:
+    """Which module is running: a stack kept by global forward pre- and post-hooks."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[torch.nn.Module, str]] = []
+        self.forward = 0  # forward passes of a top module so far
+        self._names: dict[int, str] = {}
+        self._root: int | None = None
+        self._handles: list = []
+
+    def __enter__(self) -> "ModuleStack":
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _pre(self, module: torch.nn.Module, args) -> None:
+        if not self.stack:
+            self.forward += 1
+            if self._root != id(module):
+                self._root = id(module)
+                self._names = {id(m): name for name, m in module.named_modules()}
+            path = type(module).__name__
+        else:
+            path = self._names.get(id(module)) or f"{self.stack[-1][1]}.{type(module).__name__}"
+        self.stack.append((module, path))
+
+    def _post(self, module: torch.nn.Module, args, output) -> None:
+        for i in range(len(self.stack) - 1, -1, -1):
+            if self.stack[i][0] is module:
+                del self.stack[i:]
+                return
+
+    @property
+    def path(self) -> str | None:
+        """The deepest running module's path; None outside any module."""
+        return self.stack[-1][1] if self.stack else None
+
+
+@dataclass
+class _Pending:
+    """A softmax call waiting for the matmul that consumes its output (which gives v)."""
+
+    call: Recorded
+    depth: int
+    probs: dict[int, weakref.ref]  # id -> the softmax output and tensors derived from it (not kept alive)
+
+
+class Recorder(TorchFunctionMode):
+    """The mode: hands each call to ``sink`` (a callable taking a ``Recorded``) within bounds.
+
+    ``modules``: globs a call's module path must match (a call outside any module is named
+    'global'); ``forwards``: which forward passes of the top module to record (1-based; None:
+    all, and calls outside any module too); ``max_calls``, ``max_bytes``: when the next call
+    would pass either, recording stops for good and ``stopped`` says why.
+    """
+
+    def __init__(self, sink: Callable[[Recorded], None], *, modules=(), forwards=None, max_calls: int | None = None,
+                 max_bytes: int | None = None, notice: Callable[[str], None] | None = None) -> None:
+        super().__init__()
+        self.sink = sink
+        self.modules = tuple(modules)
+        self.forwards = None if forwards is None else set(forwards)
+        self.max_calls, self.max_bytes = max_calls, max_bytes
+        self.notice = notice
+        self.tracker = ModuleStack()
+        self.recorded = 0
+        self.bytes = 0
+        self.seen = 0  # calls that matched the filters, recorded or not
+        self.stopped: str | None = None
+        # The last matmul of 3+-D operands: {'a', 'b', 'shape', 'path'}; q and k^T are alive in the
+        # model until its softmax anyway. What derives from its result is followed by weak
+        # reference, so that recording keeps no tensor alive the model has let go.
+        self._qk: dict | None = None
+        self._scores: dict[int, tuple[weakref.ref, float | None]] = {}  # id -> (tensor, scale so far)
+        self._pending: _Pending | None = None
+        self._fastpath: bool | None = None
+        self._patched = False
+        self._mha_info: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self):
+        self._fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        self.tracker.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.tracker.__exit__(*exc)
+            torch.backends.mha.set_fastpath_enabled(bool(self._fastpath))
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand over a softmax call still waiting for its v."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._emit(pending.call)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is SDPA:
+            return self._sdpa(func, args, kwargs)
+        name = getattr(func, "__name__", None)
+        if name == "softmax":
+            return self._softmax(func, args, kwargs)
+        if func is MHA_FORWARD:
+            return self._mha(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if self.stopped is None and self.tracker.stack and name is not None:
+            self._trace(name, args, kwargs, out)
+        return out
+
+    # ------------------------------------------------------------------ bounds and filters
+
+    def _wanted(self, module: str | None) -> bool:
+        if self.stopped is not None:
+            return False
+        forward = self.tracker.forward if module is not None else None
+        if self.forwards is not None and (forward is None or forward not in self.forwards):
+            return False
+        name = module if module is not None else "global"
+        return not self.modules or any(fnmatch.fnmatchcase(name, g) for g in self.modules)
+
+    def _emit(self, call: Recorded) -> None:
+        if self.stopped is not None:
+            return
+        size = call.nbytes
+        if self.max_calls is not None and self.recorded >= self.max_calls:
+            self._stop(f"max_calls {self.max_calls} reached at call {call.index} ({call.kind} in {call.module or 'global'})")
+            return
+        if self.max_bytes is not None and self.bytes + size > self.max_bytes:
+            self._stop(f"max_bytes {self.max_bytes} would be passed by call {call.index} ({call.kind} in {call.module or 'global'}, "
+                       f"{size} bytes; {self.bytes} recorded)")
+            return
+        try:
+            self.sink(call)
+        except AttncheckError as e:  # e.g. the disk is full: the model runs on, recording stops
+            self._stop(e.render())
+            return
+        self.recorded += 1
+        self.bytes += size
+
+    def _stop(self, why: str) -> None:
+        self.stopped = why
+        self._pending = None
+        self._qk, self._scores = None, {}
+        if self.notice is not None:
+            self.notice(f"recording stopped: {why}; {self.recorded} call(s) recorded")
+
+    def _new_call(self, kind: str, module: str | None, tensors: dict, meta: dict) -> Recorded:
+        index = self.seen
+        self.seen += 1
+        base = {
+            FORMAT_KEY: CAPTURE_SCHEMA,
+            "kind": kind,
+            "module": module or "",
+            "call": str(index),
+            "forward": str(self.tracker.forward if module is not None else 0),
+            "dtypes": json.dumps({role: _dtype_name(t.dtype) for role, t in tensors.items()}),
+            "shapes": json.dumps({role: list(t.shape) for role, t in tensors.items()}),
+            "device": str(next(iter(tensors.values())).device),
+            "torch_version": torch.__version__,
+            "attncheck_version": __version__,
+        }
+        base.update(meta)
+        return Recorded(index, kind, module or "", self.tracker.forward if module is not None else None, tensors, base)
+
+    # ------------------------------------------------------------------ SDPA
+
+    def _sdpa(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        module = self.tracker.path
+        if not self._wanted(module):
+            return out
+        self.flush()
+        bound = dict(zip(SDPA_ARGS, args))
+        bound.update(kwargs)
+        q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
+        mask = bound.get("attn_mask")
+        tensors = {"q": q.detach(), "k": k.detach(), "v": v.detach()}
+        if isinstance(mask, torch.Tensor):
+            tensors["attn_mask"] = compact(mask.detach())
+        scale = bound.get("scale")
+        device_type = q.device.type
+        autocast = torch.is_autocast_enabled(device_type) if hasattr(torch, "get_autocast_dtype") else False
+        compute = torch.get_autocast_dtype(device_type) if autocast and q.dtype in (torch.float32, torch.float64) else q.dtype
+        meta = {
+            "dtype": _dtype_name(compute),
+            "is_causal": "true" if bound.get("is_causal") else "false",
+            "scale": "none" if scale is None else repr(float(scale)),
+            "scale_source": "default" if scale is None else "argument",
+            "enable_gqa": "true" if bound.get("enable_gqa") else "false",
+            "dropout_p": repr(float(bound.get("dropout_p") or 0.0)),
+            "autocast_dtype": _dtype_name(torch.get_autocast_dtype(device_type)) if autocast else "none",
+        }
+        meta.update(self._mha_meta)
+        self._emit(self._new_call("sdpa", module, tensors, meta))
+        return out
+
+    # ------------------------------------------------------------------ softmax
+
+    def _softmax(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        if not isinstance(x, torch.Tensor) or x.dim() < 3:
+            return out
+        if func is F_SOFTMAX:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
+        else:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+        module = self.tracker.path
+        if not isinstance(dim, int) or dim not in (-1, x.dim() - 1) or module is None or not self._wanted(module):
+            return out
+        self.flush()
+        tensors = {"scores": x.detach()}
+        meta = {"dtype": _dtype_name(x.dtype), "softmax_dtype": _dtype_name(dtype if isinstance(dtype, torch.dtype) else None),
+                "has_qk": "false", "scale_source": "unknown"}
+        traced = self._scores.get(id(x))
+        traced = traced if traced is not None and traced[0]() is x else None
+        qk = self._qk
+        if qk is not None and qk["path"] == module and (traced is not None or qk["shape"] == tuple(x.shape)):
+            a, b = qk["a"], qk["b"]
+            if a.shape[-1] == b.shape[-2]:
+                tensors["q"], tensors["k"] = a.detach(), b.detach().transpose(-1, -2)
+                meta["has_qk"] = "true"
+                if traced is not None and traced[1] is not None:
+                    meta["scale"], meta["scale_source"] = repr(traced[1]), "traced"
+        meta.update(self._mha_meta)
+        call = self._new_call("softmax", module, tensors, meta)
+        self._qk, self._scores = None, {}
+        self._pending = _Pending(call, len(self.tracker.stack), {id(out): weakref.ref(out)})
+        return out
+
+    # ------------------------------------------------------------------ tracing q, k, v around a softmax
+
+    def _trace(self, name: str, args, kwargs, out) -> None:
+        if name in MATMULS:
+            a, b = (args[1], args[2]) if name == "baddbmm" and len(args) >= 3 else (args[0] if args else None, args[1] if len(args) > 1 else None)
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 3 and b.dim() >= 3):
+                return
+            pending = self._pending
+            if pending is not None and id(a) in pending.probs and pending.probs[id(a)]() is a:
+                pending.call.tensors["v"] = b.detach()
+                pending.call.meta["shapes"] = json.dumps({role: list(t.shape) for role, t in pending.call.tensors.items()})
+                pending.call.meta["dtypes"] = json.dumps({role: _dtype_name(t.dtype) for role, t in pending.call.tensors.items()})
+                self.flush()
+                return
+            if isinstance(out, torch.Tensor):
+                self._qk = {"a": a, "b": b, "shape": tuple(out.shape), "path": self.tracker.path}
+                self._scores = {id(out): (weakref.ref(out), 1.0)}
+            return
+        if not isinstance(out, torch.Tensor):
+            return
+        first = args[0] if args else None
+        pending = self._pending
+        if pending is not None and name in PASSES and isinstance(first, torch.Tensor) and id(first) in pending.probs \
+                and pending.probs[id(first)]() is first and out.shape == first.shape:
+            pending.probs[id(out)] = weakref.ref(out)
+        if not self._scores:
+            return
+        source = next((t for t in args if isinstance(t, torch.Tensor) and id(t) in self._scores and self._scores[id(t)][0]() is t), None)
+        if source is None or out.shape != source.shape:
+            return
+        scale = self._scores[id(source)][1]
+        if name in MULS or name in DIVS:
+            other = next((x for x in args if x is not source), kwargs.get("other"))
+            factor = _number(other)
+            if factor is None or scale is None or factor == 0 or (name in DIVS and other is not args[-1]):
+                scale = None  # a tensor factor, or a number divided by the scores: the scale is unknown
+            else:
+                scale = scale * factor if name in MULS else scale / factor
+                scale = scale if math.isfinite(scale) else None
+        elif name not in PASSES:
+            return
+        self._scores[id(out)] = (weakref.ref(out), scale)
+
+    # ------------------------------------------------------------------ nn.MultiheadAttention
+
+    @property
+    def _mha_meta(self) -> dict[str, str]:
+        return self._mha_info
+
+    def _mha(self, func, args, kwargs):
+        num_heads = args[4] if len(args) > 4 else kwargs.get("num_heads")
+        need_weights = kwargs.get("need_weights", args[15] if len(args) > 15 else True)
+        if self._patched or self.stopped is not None:
+            return func(*args, **kwargs)
+        originals = {
+            (F, "scaled_dot_product_attention"): SDPA,
+            (F, "softmax"): F_SOFTMAX,
+            (torch, "bmm"): torch.bmm,
+            (torch, "baddbmm"): torch.baddbmm,
+        }
+
+        def route(original):
+            def routed(*a, **kw):
+                return self.__torch_function__(original, (), a, kw)
+            return routed
+
+        self._patched = True
+        self._mha_info = {"num_heads": str(num_heads), "mha": "true", "q_prescaled": "true" if need_weights else "false"}
+        try:
+            for (owner, attr), original in originals.items():
+                setattr(owner, attr, route(original))
+            return func(*args, **kwargs)
+        finally:
+            for (owner, attr), original in originals.items():
+                setattr(owner, attr, original)
+            self._patched = False
+            self._mha_info = {}

@@ -1,0 +1,249 @@
+"""Where recorded calls go: a capture directory, memory, or a diagnosis on the fly.
+
+A capture directory holds one ``.safetensors`` per call (``NNNN-<module>.safetensors``, its
+metadata in the header) and ``manifest.json``. Writing never leaves the directory: file
+names are made from the call index and a sanitised module path, and an existing directory
+is reused only when it is empty or holds a previous capture (whose own files are replaced).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from attncheck import __version__
+from attncheck.errors import AttncheckError
+from attncheck.loaders.calls import CALL_FILE, CAPTURE_SCHEMA, MANIFEST, call_file_name, info_from_meta
+from attncheck.record.mode import Recorded
+from attncheck.results import CallReport
+
+
+def cpu_tensors(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, none sharing storage with another (safetensors refuses that);
+    ``copy``: always a copy of the data, so later in-place changes of the model's tensors
+    cannot reach it."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for role, t in tensors.items():
+        t = t.detach()
+        moved = t.device.type != "cpu"
+        if moved:
+            t = t.to("cpu")
+        if not t.is_contiguous():
+            t = t.contiguous()
+            moved = True
+        ptr = t.untyped_storage().data_ptr()
+        if (copy and not moved) or ptr in seen:
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out[role] = t
+    return out
+
+
+# safetensors' names of the dtypes a call can hold
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.bool: "BOOL",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+}
+
+
+def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a .safetensors file straight from the tensors' memory (no intermediate copy): an
+    8-byte little-endian header length, the JSON header padded to 8 bytes, the data in order.
+    Tensors must be contiguous CPU tensors; other dtypes or a big-endian host use safetensors'
+    own writer."""
+    if sys.byteorder != "little" or any(t.dtype not in SAFETENSORS_DTYPES for t in tensors.values()):
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path), metadata=metadata)
+        return
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)))
+        fh.write(text)
+        for t in tensors.values():
+            if t.numel():
+                fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def prepare_directory(path: str | os.PathLike[str]) -> Path:
+    """The capture directory, created (its parent must exist) or emptied of a previous capture."""
+    d = Path(path)
+    if d.exists() and not d.is_dir():
+        raise AttncheckError(f"capture directory {d} is a file", param="path")
+    if not d.exists():
+        if not d.parent.is_dir():
+            raise AttncheckError(f"cannot create capture directory {d}: folder {d.parent} does not exist", param="path")
+        try:
+            d.mkdir()
+        except OSError as e:
+            raise AttncheckError(f"cannot create capture directory {d}: {e.strerror or e}", param="path") from None
+        return d
+    entries = list(d.iterdir())
+    if not entries:
+        return d
+    manifest = d / MANIFEST
+    if not manifest.is_file():
+        raise AttncheckError(f"capture directory {d} is not empty and holds no capture ({MANIFEST}); give a new or empty folder", param="path")
+    try:
+        doc = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        doc = None
+    if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith("attncheck.capture/"):
+        raise AttncheckError(f"capture directory {d} is not empty and its {MANIFEST} is not a capture's; give a new or empty folder", param="path")
+    for p in entries:  # a previous capture: its own files go, anything else stays
+        if p.is_file() and (p.name == MANIFEST or CALL_FILE.match(p.name)):
+            p.unlink()
+    return d
+
+
+class DirectorySink:
+    """Writes each call to its file, the manifest at the end.
+
+    Each call's tensors are copied as they are recorded and written by a background thread
+    while the model runs on; at most two calls' tensors are held at once (one being written,
+    the next waits for it), so memory does not grow with the capture.
+    """
+
+    IN_FLIGHT = 1
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.dir = prepare_directory(path)
+        self.entries: list[dict] = []
+        self.bytes = 0
+        self._slots = threading.Semaphore(self.IN_FLIGHT)
+        # Staging buffers written out are reused for the next call of the same shape: copying into
+        # memory already mapped costs no page faults (a model's calls mostly share their shapes).
+        self._spare: dict[tuple, list[torch.Tensor]] = {}
+        self._spare_lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._error: AttncheckError | None = None
+        self._failed: set[str] = set()
+        self._thread = threading.Thread(target=self._write_calls, name="attncheck-capture-writer", daemon=True)
+        self._thread.start()
+
+    def __call__(self, call: Recorded) -> None:
+        if self._error is not None:
+            raise self._error
+        name = call_file_name(call.index, call.module)
+        self._slots.acquire()  # wait until the previous call is written
+        tensors = {role: self._stage(t) for role, t in call.tensors.items()}  # copies: the model may reuse its buffers
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.bytes += size
+        self.entries.append({
+            "index": call.index, "file": name, "kind": call.kind, "module": call.module, "forward": call.forward,
+            "bytes": size, "tensors": {role: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for role, t in tensors.items()},
+        })
+        self._queue.put((self.dir / name, tensors, dict(call.meta)))
+
+    def _write_calls(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            path, tensors, meta = item
+            del item
+            try:
+                if self._error is None:
+                    write_safetensors(path, tensors, meta)
+            except OSError as e:
+                self._error = AttncheckError(f"cannot write {path}: {e.strerror or e}")
+                self._failed.add(path.name)
+            finally:
+                with self._spare_lock:
+                    for t in tensors.values():
+                        spare = self._spare.setdefault((tuple(t.shape), t.dtype), [])
+                        if len(spare) < self.IN_FLIGHT:
+                            spare.append(t)
+                del tensors
+                self._slots.release()
+
+    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous CPU copy of ``t``, in a reused buffer where one of its shape is free."""
+        with self._spare_lock:
+            spare = self._spare.get((tuple(t.shape), t.dtype))
+            buf = spare.pop() if spare else None
+        if buf is None:
+            buf = torch.empty(t.shape, dtype=t.dtype)
+        return buf.copy_(t.detach())
+
+    @property
+    def error(self) -> str | None:
+        """Why a call could not be written (recording stopped there), or None."""
+        return None if self._error is None else self._error.message
+
+    def close(self, facts: dict) -> None:
+        """Wait for the last write, then write the manifest (calls that failed to write left out)."""
+        self._queue.put(None)
+        self._thread.join()
+        self.entries = [e for e in self.entries if e["file"] not in self._failed]
+        self.bytes = sum(e["bytes"] for e in self.entries)
+        if self._error is not None:
+            facts = {**facts, "complete": False, "stopped": facts.get("stopped") or self._error.message}
+        doc = {"schema": CAPTURE_SCHEMA, "attncheck_version": __version__, "torch_version": torch.__version__,
+               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts, "total_bytes": self.bytes, "calls": self.entries}
+        tmp = self.dir / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, self.dir / MANIFEST)
+
+
+class MemorySink:
+    """Keeps every call, its tensors copied to the CPU as they are recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[Recorded] = []
+
+    def __call__(self, call: Recorded) -> None:
+        self.calls.append(Recorded(call.index, call.kind, call.module, call.forward, cpu_tensors(call.tensors, copy=True), dict(call.meta)))
+
+    def close(self, facts: dict) -> None:
+        pass
+
+
+class DiagnoseSink:
+    """Diagnoses each call as it comes and keeps only the result."""
+
+    def __init__(self, options, ignore=(), notice: Callable[[str], None] | None = None) -> None:
+        from dataclasses import replace
+
+        from attncheck.numerics.diagnose import resolve_device
+
+        self.options = replace(options, device=str(resolve_device(options.device)))
+        self.ignore, self.notice = tuple(ignore), notice
+        self.reports = []
+
+    def __call__(self, call: Recorded) -> None:
+        from attncheck.findings import apply_ignore
+        from attncheck.numerics.calls import diagnose_call
+
+        info = info_from_meta(call.meta, index=call.index, name=f"{call.index:04d}-{call.module or 'global'}", file=None)
+        tensors = cpu_tensors(call.tensors, copy=False)
+        device_type = next(iter(call.tensors.values())).device.type
+        try:
+            with torch.no_grad(), torch.autocast(device_type=device_type, enabled=False):  # the diagnosis computes in the dtypes it names
+                report = diagnose_call(info, tensors, self.options, notice=self.notice)
+        except AttncheckError as e:  # the model runs on; the call is listed as not diagnosed
+            self.reports.append(CallReport(info, None, error=e.render()))
+            return
+        apply_ignore(report.diagnosis, self.ignore)
+        self.reports.append(report)
+
+    def close(self, facts: dict) -> None:
+        pass

@@ -1,0 +1,41 @@
+"""Tiny transformers models built from configs with random init (nothing is downloaded)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+
+
+def gpt2(impl: str, dtype=torch.float32, layers: int = 2, heads: int = 4, width: int = 32, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=layers, n_head=heads, n_embd=width, vocab_size=VOCAB, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation=impl, dtype=dtype).eval()
+
+
+def llama_gqa(impl: str = "sdpa", dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=impl, dtype=dtype).eval()
+
+
+def bert(impl: str, dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
+                                  vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0)
+    return transformers.BertModel._from_config(cfg, attn_implementation=impl, dtype=dtype).eval()
+
+
+def batch(b: int = 2, t: int = 12, left_pad: int = 0, right_pad: int = 0, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    if left_pad:
+        mask[0, :left_pad] = 0
+    if right_pad:
+        mask[0, t - right_pad:] = 0
+    return {"input_ids": ids, "attention_mask": mask}

@@ -1,0 +1,198 @@
+"""Faults injected into real (tiny, randomly initialised) models: what attncheck says about the
+captured calls is checked against what the model itself computed."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attncheck
+from attncheck.config.run import Options
+
+from .conftest import batch, bert, gpt2, llama_gqa
+
+FP16_TORCH = Options(dtypes=("fp16",), methods=("torch", "tiled"))
+
+
+def nan_rows_per_head(probs: torch.Tensor) -> list[int]:
+    """(B, H, Tq, Tk) probabilities -> rows holding NaN, per head over the batch."""
+    return torch.isnan(probs).any(dim=-1).sum(dim=(0, 2)).tolist()
+
+
+def test_scaled_qk_head_in_fp16_eager_is_named_and_matches_the_models_nans():
+    model = gpt2("eager", torch.float16)
+    layer, head, d, width = 1, 2, 8, 32
+    with torch.no_grad():  # c_attn's columns are q | k | v, each head_dim wide per head
+        w = model.transformer.h[layer].attn.c_attn.weight
+        w[:, head * d:(head + 1) * d] *= 3000
+        w[:, width + head * d:width + (head + 1) * d] *= 3000
+    inputs = batch()
+    with torch.no_grad():
+        probs = model(**inputs, output_attentions=True).attentions  # the model's own softmax outputs
+    assert torch.isnan(probs[layer]).any() and not torch.isnan(probs[0]).any()
+
+    with torch.no_grad(), attncheck.capture(diagnose=True, options=FP16_TORCH) as cap:
+        model(**inputs)
+    report = cap.result.model
+    first = report.lines[report.first_bad]
+    assert first.module == f"transformer.h.{layer}.attn" and first.kind == "softmax" and first.cell == "torch/fp16"
+    assert first.first_cause == "qk_overflow" and first.heads == [head]
+    for call, p in zip(cap.calls, probs):
+        assert [h.nan_rows for h in call.heads] == nan_rows_per_head(p)  # per layer and head, as the model
+        assert call.diagnosis.cell("torch", "fp16").nan_rows == int(torch.isnan(p).any(dim=-1).sum())
+    bad = cap.calls[layer]
+    assert "qk_overflow" in [f.code for f in bad.diagnosis.findings]
+    assert [h.head for h in bad.heads if h.qk_overflow] == [head]
+    outliers = {(o.module, o.head, o.tensor) for o in report.outliers}
+    assert outliers == {(f"transformer.h.{layer}.attn", head, "q"), (f"transformer.h.{layer}.attn", head, "k")}
+
+
+def test_qk_overflow_count_per_head_matches_the_fp16_matmul(tmp_path):
+    model = gpt2("eager", torch.float16)
+    with torch.no_grad():
+        w = model.transformer.h[0].attn.c_attn.weight
+        w[:, 8:16] *= 2000
+        w[:, 40:48] *= 2000
+    with torch.no_grad(), attncheck.capture(tmp_path / "cap") as cap:
+        model(**batch())
+    from safetensors.torch import load_file
+
+    t = load_file(str(tmp_path / "cap" / cap.calls[0]["file"]))
+    q, k, scores = t["q"], t["k"], t["scores"]
+    s = torch.matmul(q, k.transpose(-1, -2))  # what the model's fp16 matmul gives
+    expected = torch.isinf(s).sum(dim=(0, 2, 3)).tolist()
+    assert expected[1] > 0 and sum(expected) == expected[1]
+    assert torch.isinf(scores)[torch.isinf(s)].all()  # the recorded scores carry those infs
+    from attncheck.config.run import RunRequest
+    from attncheck.pipelines.run import run
+
+    result = run(RunRequest((str(tmp_path / "cap"),), options=FP16_TORCH))
+    assert [h.qk_overflow for h in result.calls[0].heads] == expected
+
+
+def test_left_padding_with_fp16_min_masks_gives_finite_uniform_rows_as_the_model_does():
+    model = gpt2("eager", torch.float16)
+    pad, heads = 3, 4
+    inputs = batch(left_pad=pad)
+    with torch.no_grad():
+        probs = model(**inputs, output_attentions=True).attentions
+    with torch.no_grad(), attncheck.capture(diagnose=True, options=FP16_TORCH) as cap:
+        model(**inputs)
+    keep = inputs["attention_mask"].bool()[:, None, :] & torch.ones(12, 12, dtype=torch.bool).tril()  # (B, Tq, Tk)
+    masked_rows = int((~keep.any(-1)).sum()) * heads  # every key masked: the first `pad` queries of row 0
+    assert masked_rows == pad * heads
+    for call, p in zip(cap.calls, probs):
+        d = call.diagnosis
+        assert d.census.fully_masked_rows == masked_rows and d.census.sentinels[0][0] == torch.finfo(torch.float16).min
+        assert d.cell("torch", "fp16").nan_rows == 0 and not torch.isnan(p).any()  # finite, as the model's rows
+        uniform = p[0, :, :pad]  # the model gives those rows 1/T everywhere
+        assert (uniform == torch.tensor(1 / 12, dtype=torch.float16)).all()
+        finding = next(f for f in d.findings if f.code == "fully_masked_rows")
+        assert "finite uniform row" in finding.message and finding.severity == "warning"
+    assert cap.result.model.first_bad is None
+
+
+def test_left_padding_in_sdpa_gives_zero_rows_as_the_kernel_does():
+    model = gpt2("sdpa", torch.float16)
+    pad, heads = 3, 4
+    inputs = batch(left_pad=pad)
+    with torch.no_grad(), attncheck.capture() as cap:  # in memory: the real SDPA is run on what was recorded
+        model(**inputs)
+    call = cap.calls[0]
+    t = call.tensors
+    out = F.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=t["attn_mask"], scale=float(call.meta["scale"]))
+    zero_rows = int((out == 0).all(dim=-1).sum())
+    assert zero_rows == pad * heads
+    result = diagnose_recorded(cap)
+    cell = result.calls[0].diagnosis.cell("flash", "fp16")  # the model's cell for an SDPA call
+    assert cell.nan_rows == 0 and cell.zero_causes == {"fully_masked": zero_rows}
+
+
+def diagnose_recorded(cap):
+    """The in-memory calls of a capture, diagnosed as run diagnoses files."""
+    from attncheck.loaders.calls import info_from_meta
+    from attncheck.model import model_report
+    from attncheck.numerics.calls import diagnose_call
+    from attncheck.results import RunResult
+
+    reports = [diagnose_call(info_from_meta(c.meta, index=c.index, name=c.module, file=None), c.tensors, FP16_TORCH) for c in cap.calls]
+    return RunResult([r.diagnosis for r in reports], "cpu", reports, model_report(reports))
+
+
+class SummedMaskAttention(torch.nn.Module):
+    """Causal, key-padding and query-padding planes of finfo.min, added together (the bug)."""
+
+    def __init__(self, width=16, heads=2, eager=False):
+        super().__init__()
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.heads, self.eager = heads, eager
+
+    def forward(self, x, pad):  # x (B, T, E), pad (B, T) True = padding
+        b, t, e = x.shape
+        q, k, v = (z.view(b, t, self.heads, e // self.heads).transpose(1, 2) for z in self.qkv(x).split(e, dim=-1))
+        low = torch.finfo(x.dtype).min
+        causal = torch.zeros(t, t, dtype=x.dtype).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), low)
+        keys = torch.zeros(b, 1, 1, t, dtype=x.dtype).masked_fill(pad[:, None, None, :], low)
+        queries = torch.zeros(b, 1, t, 1, dtype=x.dtype).masked_fill(pad[:, None, :, None], low)
+        self.mask = causal + keys + queries  # (B, 1, T, T): -inf where two planes meet
+        if not self.eager:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + self.mask, dim=-1)
+        return p @ v
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["sdpa", "eager"])
+def test_summed_causal_and_padding_masks_give_neginf_as_in_the_model(eager):
+    torch.manual_seed(0)
+    model = SummedMaskAttention(eager=eager).half().eval()
+    pad_len, heads = 3, 2
+    x = torch.randn(2, 8, 16, dtype=torch.float16)
+    pad = torch.zeros(2, 8, dtype=torch.bool)
+    pad[0, :pad_len] = True
+    with torch.no_grad():
+        out = model(x, pad)
+    with torch.no_grad(), attncheck.capture(diagnose=True, options=FP16_TORCH) as cap:
+        model(x, pad)
+    d = cap.calls[0].diagnosis
+    rows_all_neginf = pad_len * heads  # padded queries: every key masked by two planes
+    if eager:  # the model's softmax gives NaN there; attncheck's torch/fp16 cell the same rows, as fully masked
+        model_nan = int(torch.isnan(out).any(dim=-1).sum())
+        assert model_nan == rows_all_neginf
+        cell = d.cell("torch", "fp16")
+        assert cell.nan_rows == model_nan and cell.nan_causes == {"fully_masked": model_nan}
+        assert d.census.neginf_rows == model_nan
+    else:  # SDPA returns zeros there; so does the flash cell (the model's), and the mask's -inf are counted and named
+        zero = int((out == 0).all(dim=-1).sum())
+        assert zero == rows_all_neginf
+        assert d.cell("flash", "fp16").zero_causes == {"fully_masked": zero}
+        finding = next(f for f in d.findings if f.code == "summed_mask_planes")
+        assert str(int(torch.isneginf(model.mask).sum())) in finding.message and "-65504" in finding.message
+
+
+MODELS = {
+    "gpt2-eager": lambda: (gpt2("eager"), batch()),
+    "gpt2-sdpa": lambda: (gpt2("sdpa"), batch()),
+    "llama-gqa-sdpa": lambda: (llama_gqa("sdpa"), batch()),
+    "bert-eager-padding": lambda: (bert("eager"), batch(right_pad=4)),
+    "bert-sdpa-padding": lambda: (bert("sdpa"), batch(right_pad=4)),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_healthy_fp32_model_is_bit_identical_under_capture_and_gives_no_error(name, tmp_path):
+    model, inputs = MODELS[name]()
+    with torch.no_grad():
+        expected = model(**inputs)[0]
+    with torch.no_grad(), attncheck.capture(tmp_path / "cap") as cap:
+        written = model(**inputs)[0]
+    with torch.no_grad(), attncheck.capture(diagnose=True) as diag:
+        diagnosed = model(**inputs)[0]
+    assert torch.equal(written, expected) and torch.equal(diagnosed, expected)
+    kinds = {c["kind"] for c in cap.calls}
+    assert kinds == ({"softmax"} if "eager" in name else {"sdpa"}) and len(cap.calls) == 2
+    assert all(c["module"].endswith(("attn", "self_attn", "attention.self")) for c in cap.calls)
+    errors = [(r.call.module, f.code) for r in diag.calls for f in r.diagnosis.findings if f.severity == "error"]
+    assert errors == [] and diag.result.model.first_bad is None
+    if name.startswith("llama"):  # GQA: k and v keep their 2 heads, q has 4
+        assert [c["tensors"]["k"]["shape"][1] for c in cap.calls] == [2, 2] and diag.calls[0].call.enable_gqa
