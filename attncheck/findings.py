@@ -81,8 +81,14 @@ COLLAPSE_WARN_FRAC = 0.5
 
 
 def _kernel_of(method: str) -> str | None:
-    """The kernel a registered method reproduces (registry ``MethodSpec.kernel``), else None."""
-    return METHODS.get(method).kernel if method in METHODS else None
+    """The kernel a registered method reproduces (registry ``MethodSpec.kernel``), or for a
+    path cell of a fused kernel (flash, flash-fp8, sage: its method is the path's name) the
+    kernel itself; else None."""
+    if method in METHODS:
+        return METHODS.get(method).kernel
+    if method in PATHS:
+        return PATHS.get(method).kernel
+    return None
 
 
 def _names(cells: list[Cell]) -> list[str]:
@@ -298,8 +304,8 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
         add("mask_leak", f"the float64 softmax puts up to {a.leak_max:.3g} of a row's probability on masked keys in {a.leak_rows} row(s) (mask value {a.mask_value}; tolerance 1e-6)", rows=a.leak_rows)
     if a.float_mask_looks_boolean:
         add("float_mask_looks_boolean", "the float mask holds only 0 and 1: it is added to the scores (+1 on some keys), so it masks nothing")
-    _scale_findings(a, add)
-    if a.fitted_scale is not None:
+    said = _scale_findings(a, add)
+    if a.fitted_scale is not None and not said:  # missing_scale / double_scale already name the fitted scale
         candidates = {
             "1/sqrt(d_head)": 1 / math.sqrt(a.d),
             "1": 1.0,
@@ -348,17 +354,17 @@ def _output_findings(diag: TensorDiagnosis, add) -> None:
             biased, max(c.tied_rows for c in biased))
 
 
-def _scale_findings(a, add) -> None:
-    """missing_scale / double_scale from the scale the scores actually carry: q.k times the
+def _scale_findings(a, add) -> bool:
+    """missing_scale / double_scale (True when one was added) from the scale the scores carry: q.k times the
     scale applied (the fitted one when the scores were given), against 1/sqrt(d). Not from
     the spread of the scores against that of q and k, which only i.i.d. entries tie to the
     scale: low-rank q/k, outlier channels, RoPE or many exact zeros move it far from 1."""
     if a.d < 4:
-        return
+        return False
     given = a.fitted_scale is not None
     scale = a.fitted_scale if given else a.scale
     if scale is None or not scale > 0:
-        return
+        return False
     ratio = scale * math.sqrt(a.d)  # 1 for 1/sqrt(d), sqrt(d) unscaled, 1/sqrt(d) for 1/d
     how = "least squares against q.k, from the scores given" if given else f"the scale applied, --scale {a.scale_name} on the {a.scale_order}"
     said = f"the scores are q.k times {scale:.4g} ({how}): {ratio:.3g} x 1/sqrt(d_k) = 1/sqrt({a.d}) = {1 / math.sqrt(a.d):.4g}"
@@ -366,6 +372,9 @@ def _scale_findings(a, add) -> None:
         add("missing_scale", said + " (the scores are unscaled)")
     elif ratio < a.d**-0.25:
         add("double_scale", said + f" (the scores are scaled twice: ~1/d_k = {1 / a.d:.4g})")
+    else:
+        return False
+    return True
 
 
 def _fp8_findings(diag: TensorDiagnosis, add) -> None:

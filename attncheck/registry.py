@@ -209,6 +209,8 @@ class PathSpec:
     default: bool = True  # in the default set of Q/K mode
     scores_in: str = "the dtype"  # where S = Q@K^T lives: says why a path does or does not overflow
     fp8: bool = False  # computes in the FP8 dtypes (P formats) only; the others in fp16/bf16/fp32 only
+    # The fused kernel the path is (judged by FlashAttention's 2x rule against torch.softmax); None: not a kernel
+    kernel: str | None = None
 
     def function(self) -> Callable:
         return resolve(self.impl)
@@ -223,13 +225,14 @@ for _path in (
              aliases=("math",), scores_in="fp32, from q and k each scaled by sqrt(scale)"),
     PathSpec("flash", "FlashAttention-2 forward: S in fp32, online softmax over key blocks, P rounded to the dtype "
              "before P@V, O in fp32 divided by l at the end, zeros for fully masked rows", "attncheck.numerics.paths:flash",
-             scores_in="fp32 registers"),
+             scores_in="fp32 registers", kernel="FlashAttention-2's forward"),
     PathSpec("flash-fp8", "FlashAttention-3's FP8 forward: e4m3 Q, K, V with descales (--fp8-scaling, --incoherent), S in "
              "fp32, key blocks last to first, P scaled by --p-scale (2^8) and cast to FP8, O in fp32 then bf16",
-             "attncheck.numerics.fp8_attention:flash_fp8", scores_in="fp32 from FP8 q and k", fp8=True),
+             "attncheck.numerics.fp8_attention:flash_fp8", scores_in="fp32 from FP8 q and k", fp8=True,
+             kernel="FlashAttention-3's FP8 forward"),
     PathSpec("sage", "SageAttention 2 (SM90): K smoothed, Q and K in INT8 per thread group, P scaled by 448 and cast to "
              "FP8, V in FP8 per channel, key blocks first to last, O in bf16", "attncheck.numerics.fp8_attention:sage",
-             scores_in="fp32 from INT8 q and k", fp8=True),
+             scores_in="fp32 from INT8 q and k", fp8=True, kernel="SageAttention 2"),
 ):
     PATHS.register(_path)
 del _path

@@ -132,7 +132,7 @@ class Cell:
     max_abs_err_algo: float | None  # against float64 softmax of the dtype-cast scores
     rmse_algo: float | None
     max_row_sum_err: float | None
-    kl_mean: float | None  # generalised KL(ref || p), see numerics.diagnose.kl_divergence
+    kl_mean: float | None  # generalised KL(ref || p), see numerics.rowmath.kl_divergence
     kl_max: float | None
     flushed_frac: float | None  # reference-nonzero probabilities that became exactly 0
     argmax_flips: int

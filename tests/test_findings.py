@@ -168,6 +168,12 @@ def test_accuracy_findings():
     f = only(d, "worse_than_torch")
     assert "tiled/fp16 (FlashAttention's online softmax) 2.5x" in f.message and "stable" not in f.message
     assert f.cells == ["tiled/fp16"]
+    # Path cells: the flash path is FlashAttention-2's forward, judged against the eager path's
+    # torch.softmax cell; sdpa-math (PyTorch's own math backend) is not a kernel to judge.
+    d = diagnosis([cell("torch", path="eager", max_abs_err_algo=1e-3), cell("sdpa-math", path="sdpa-math", max_abs_err_algo=9e-3),
+                   cell("flash", path="flash", max_abs_err_algo=2.5e-3)])
+    f = only(d, "worse_than_torch")
+    assert "flash/fp16 (FlashAttention-2's forward) 2.5x" in f.message and "sdpa-math" not in f.message
     d = diagnosis([cell("tiled", flushed_frac=0.05)])
     assert "tiled/fp16 (5.0%)" in only(d, "probability_flush").message
     dist = replace(diagnosis().distribution, collapsed_rows=60, collapsed_frac=60 / 64)
@@ -216,8 +222,10 @@ def test_scale_findings():
     assert "scaled twice" in only(diagnosis(attention=audit(scale=1 / 64, scale_name="dk")), "double_scale").message
     for spread in (8.0, 0.125, 1e4):  # the robust spread of the scores says nothing about their scale
         assert not {f.code for f in diagnosis(attention=audit(scores_std=spread)).findings} & {"missing_scale", "double_scale"}
-    f = only(diagnosis(attention=audit(fitted_scale=1.0)), "missing_scale")  # scores given: the fitted scale
+    d = diagnosis(attention=audit(fitted_scale=1.0))
+    f = only(d, "missing_scale")  # scores given: the fitted scale
     assert "least squares against q.k, from the scores given" in f.message
+    assert "scale_mismatch" not in {g.code for g in d.findings}  # one finding says it, not two
     f = only(diagnosis(attention=audit(fitted_scale=1 / math.sqrt(256))), "scale_mismatch")
     assert "closest to 1/sqrt(d_model)" in f.message
 
