@@ -1,5 +1,8 @@
 """Docs are tested: every example script runs, and every command in the README's
-console blocks runs with the exit code written beside it (`# exit N`, default 0)."""
+console blocks runs with the exit code written beside it (`# exit N`, default 0).
+
+These run whole commands in subprocesses (about 2.5 minutes on 2 cores): they are marked
+slow, kept out of the default run, and run by `.ci/run` (`pytest -m slow`)."""
 
 import os
 import re
@@ -21,6 +24,7 @@ def env_with_venv_first():
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(script, tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=script.parent, capture_output=True, text=True, timeout=300, env=env_with_venv_first())
@@ -46,6 +50,7 @@ def test_readme_has_commands():
     assert len(readme_commands()) >= 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_doc_commands_run_in_order(doc, tmp_path):
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
