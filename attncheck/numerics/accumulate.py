@@ -369,13 +369,14 @@ class CellAcc:
         keys = algo.ref.shape[-1]
         live = (algo.ref > 0) & (rows & algo.ok)[:, None]  # (r, T): the reference of the cell's own scores is non-zero
         flushed = pcast.flushed.reshape(-1, keys) & live
-        pos = pcast.position.reshape(-1, keys).long()
         if self.pcast_live is None:
             self.pcast_live = torch.zeros(3, dtype=torch.int64)
-        self.pcast_live += torch.bincount(pos[live].cpu(), minlength=3)
-        self.pcast_flushed += torch.bincount(pos[flushed].cpu(), minlength=3)
-        self.pcast_rows += int(flushed.any(dim=-1).sum())
-        mass = torch.where(flushed, algo.ref, 0.0).sum(dim=-1)  # (r,) reference probability the cast dropped
+        self.pcast_live += pcast.counts_by_position(live)
+        self.pcast_flushed += pcast.counts_by_position(flushed)
+        hit = flushed.any(dim=-1)  # (r,)
+        self.pcast_rows += int(hit.sum())
+        rows = torch.nonzero(hit).flatten()
+        mass = (algo.ref[rows] * flushed[rows]).sum(dim=-1)  # reference probability the cast dropped, in rows that lost any
         self.pcast_mass_max.add(mass)
         self.pcast_mass_rows += int((mass >= PCAST_MASS).sum())
         self.p_scale = pcast.p_scale

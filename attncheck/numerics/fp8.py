@@ -38,6 +38,12 @@ def to_fp8(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     return x.clamp(-top, top).to(dt)  # clamp keeps NaN; +-inf become +-max, as satfinite does
 
 
+def fp8_values(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """``to_fp8(x, dt)`` as float32 values (copied into a float32 tensor: on the CPU that is
+    several times faster than ``.float()`` of the FP8 tensor, with the same values)."""
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(to_fp8(x, dt))
+
+
 def cast_overflow(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     """Where a finite ``x`` lies beyond what ``dt`` holds: the values a cast clips (or, in a
     non-saturating cast, turns into inf or NaN). Half an ulp past the top still rounds down."""
@@ -58,9 +64,27 @@ class PCastSoftmax:
 
     probs: torch.Tensor  # (..., T) float32: the weight the output gives each key, fp8(P~_j)/S exp(m_j - m) / l
     flushed: torch.Tensor  # (..., T) bool: P~ > 0 in fp32 but 0 after the FP8 cast
-    position: torch.Tensor  # (..., T) int8: the key's block against the row max's block, in visiting order (BEFORE/AT/AFTER)
+    block_position: torch.Tensor  # (..., nb) int8 per key block (in key order): against the row max's block, in visiting order (BEFORE/AT/AFTER)
     overflow: torch.Tensor  # (...) bool rows where some P~ exceeded the FP8 range (S above its max) and was clipped
     p_scale: float = 1.0  # S
+    block: int = 0  # keys per block (the last may be cut short)
+
+    @property
+    def position(self) -> torch.Tensor:
+        """(..., T) int8: each key's ``block_position``."""
+        n = self.flushed.shape[-1]
+        return self.block_position.repeat_interleave(self.block, dim=-1)[..., :n]
+
+    def counts_by_position(self, mask: torch.Tensor) -> torch.Tensor:
+        """(3,) int64: the keys where ``mask`` (..., T) holds, by block position (BEFORE, AT, AFTER);
+        counted per block, then per position, never per key."""
+        n, nb = mask.shape[-1], self.block_position.shape[-1]
+        m = mask.reshape(-1, n)
+        if nb * self.block != n:
+            m = torch.nn.functional.pad(m, (0, nb * self.block - n))
+        per_block = m.reshape(-1, nb, self.block).sum(dim=-1)  # (r, nb)
+        pos = self.block_position.reshape(-1, nb)
+        return torch.stack([(per_block * (pos == k)).sum() for k in (BEFORE, AT, AFTER)]).cpu()
 
 
 def pcast_softmax(x: torch.Tensor, dt: torch.dtype, p_scale: float, block: int, reverse: bool = False) -> PCastSoftmax:
@@ -91,23 +115,27 @@ def pcast_softmax(x: torch.Tensor, dt: torch.dtype, p_scale: float, block: int, 
     l = torch.zeros(lead, dtype=torch.float32, device=x.device)
     for j in range(nb):  # loop over key blocks, not rows
         l = decay[..., j] * l + block_sum[..., j]
-    scaled = e * p_scale  # P~ in fp32, the largest of the max's block p_scale
-    p8 = to_fp8(scaled, dt).float()
-    overflow = cast_overflow(scaled, dt).flatten(-2).any(dim=-1)
-    flushed = (scaled > 0) & (p8 == 0)
+    scaled = e.mul_(p_scale)  # P~ in fp32, at most p_scale: exp(s - m_j) <= 1 against the running max
+    from attncheck.numerics.precision import rounding_limit
+
+    if p_scale < rounding_limit(dt):  # nothing reaches the top of the format: no clip to count
+        overflow = torch.zeros(lead, dtype=torch.bool, device=x.device)
+    else:
+        overflow = cast_overflow(scaled, dt).flatten(-2).any(dim=-1)
+    p8 = fp8_values(scaled, dt)
+    flushed = (p8 == 0) & (scaled > 0)
     m_final = m_safe[..., -1:]
     inv_l = torch.where((l == 0) | torch.isnan(l), 1.0, 1.0 / l).unsqueeze(-1)
     rescale = torch.where(m_run == NEG_INF, 0.0, torch.exp(m_safe - m_final)) * inv_l / p_scale  # (..., nb)
-    probs = p8 * rescale.unsqueeze(-1)
+    probs = p8.mul_(rescale.unsqueeze(-1))
     # The block (in visiting order) where the running max reaches the row max.
     first = (m_run == m_run[..., -1:]).to(torch.int8).argmax(dim=-1, keepdim=True)  # (..., 1)
     j = torch.arange(nb, device=x.device)
     pos = torch.where(j < first, BEFORE, torch.where(j == first, AT, AFTER)).to(torch.int8)  # (..., nb)
-    pos = pos.unsqueeze(-1).expand(*lead, nb, block)
     if reverse:
-        probs, flushed, pos = probs.flip(-2), flushed.flip(-2), pos.flip(-2)
+        probs, flushed, pos = probs.flip(-2), flushed.flip(-2), pos.flip(-1)
 
     def keys(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(*lead, nb * block)[..., :n]
 
-    return PCastSoftmax(keys(probs), keys(flushed), keys(pos), overflow, p_scale)
+    return PCastSoftmax(keys(probs), keys(flushed), pos, overflow, p_scale, block)

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from attncheck.errors import AttncheckError
-from attncheck.numerics.fp8 import PCastSoftmax, cast_overflow, pcast_softmax, to_fp8
+from attncheck.numerics.fp8 import PCastSoftmax, cast_overflow, fp8_values, pcast_softmax
 from attncheck.numerics.softmax import MethodOutput, MethodParams
 from attncheck.params import DEFAULT_P_SCALE
 
@@ -140,7 +140,7 @@ def _descale(x: torch.Tensor, groups: torch.Tensor | None, top: float, scaling: 
 def _quantize(x: torch.Tensor, ds: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, dict[str, int]]:
     """x / descale in fp32, cast to ``fmt`` as the kernels' callers do; what the cast did, counted."""
     y = x.float() / ds[..., None]
-    x8 = to_fp8(y, fmt).float()
+    x8 = fp8_values(y, fmt)
     nonzero = x != 0
     counts = {
         "clipped": int(cast_overflow(y, fmt).sum()),
@@ -207,7 +207,7 @@ def online_pcast_out(s: torch.Tensor, v8: torch.Tensor | None, fmt: torch.dtype,
         e = torch.exp(s[..., keys] - base)
         alpha = torch.exp(m - base)
         l = l * alpha + e.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(to_fp8(e * p_scale, fmt).float(), v8[:, keys])
+        acc = acc * alpha + torch.matmul(fp8_values(e * p_scale, fmt), v8[:, keys])
         m = m_new
     inv = torch.where(l == 0, 0.0, 1.0 / (l * p_scale))  # fully masked rows: 0, as the kernels' finalize
     return r, acc * inv
@@ -302,7 +302,7 @@ def sage(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: Meth
             v = inp.v.reshape(b * hk, tk, -1).to(OUT_DTYPE).float()
             amax = v.abs().amax(dim=1, keepdim=True)  # (n, 1, dv) per channel
             amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-            v8 = to_fp8(v * (SAGE_P_SCALE_V / amax), setup.fmt).float()
+            v8 = fp8_values(v * (SAGE_P_SCALE_V / amax), setup.fmt)
             vscale = amax / SAGE_P_SCALE_V
         prep = (qi, qscale, ki, kscale, v8, vscale)
         inp.cache[key] = prep

@@ -133,3 +133,21 @@ def test_probabilities_sum_to_one_up_to_fp8_rounding_and_masked_rows_are_zero():
     # e4m3 keeps 3 mantissa bits: each P~ within 2^-4 relative, so each p within 2^-4 p (plus the smallest subnormal).
     assert bool(((r.probs.double() - ref).abs() <= ref * 2.0**-4 + 2.0**-10 / 256)[live].all())
     assert bool((r.probs[5] == 0).all())
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_counts_by_position_are_the_keys_counted_one_by_one(reverse):
+    """Counted per block (the last cut short), then per position: the same as a count over
+    keys with each key's position written out by hand from the running max."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(40, 300, generator=g) * 4
+    s[:, 150] += 20  # the row max in the middle block (keys 128..255)
+    r = pcast_softmax(s, torch.float8_e4m3fn, 1.0, block=128, reverse=reverse)
+    block_of = torch.arange(300) // 128
+    visit = (2 - block_of) if reverse else block_of  # visiting order of each key's block
+    at = 1  # the max's block (block 1) is visited second either way
+    want_pos = torch.where(visit < at, BEFORE, torch.where(visit == at, AT, AFTER)).expand(40, 300)
+    assert torch.equal(r.position.long(), want_pos)
+    mask = torch.rand(40, 300, generator=g) < 0.3
+    counted = torch.stack([(mask & (want_pos == k)).sum() for k in (BEFORE, AT, AFTER)])
+    assert torch.equal(r.counts_by_position(mask), counted)
