@@ -12,7 +12,7 @@ import typer
 from attncheck import __version__
 from attncheck.cli.capture import capture
 from attncheck.cli.check import check
-from attncheck.cli.common import Command, OneLineErrorsGroup, reuse_freed_memory
+from attncheck.cli.common import Command, OneLineErrorsGroup, no_spin_waiting, reuse_freed_memory
 from attncheck.cli.run import run
 from attncheck.cli.sweep import sweep
 
@@ -49,4 +49,5 @@ app.command(cls=Command, context_settings={"allow_interspersed_args": False, "ig
 
 
 def main() -> None:
+    no_spin_waiting()  # before torch and numba load libgomp
     app()

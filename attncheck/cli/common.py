@@ -50,6 +50,20 @@ def reuse_freed_memory() -> None:
     mallopt(m_trim_threshold, 1 << 30)
 
 
+def no_spin_waiting() -> None:
+    """Make idle OpenMP threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``),
+    unless the user chose a policy.
+
+    torch's CPU ops and numba's parallel kernels (its ``omp`` threading layer) run on
+    libgomp, whose idle threads spin for a while after each parallel region by default.
+    A diagnosis runs thousands of short regions, so on a busy machine the spinning
+    threads take the cores that the working ones need: beside one CPU-bound process on
+    a 2-core machine, `sweep` ran 4-6x and `run` 1.2-1.5x slower. libgomp reads the
+    variable when it is loaded, so this must run before torch or numba is imported.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 # Library parameters whose flag is not '--' + the name with dashes.
 FLAGS = {
     "dtypes": "--dtype", "methods": "--method", "keys": "--key", "reverse": "--order",

@@ -15,9 +15,36 @@ from attncheck.registry import dtype_names, method_names
 WORKING_BYTES_PER_ELEMENT = 96
 
 
+# Bytes of working memory per row of a chunk, whatever its length: the per-row facts
+# every pass keeps (row max and sum, census counts, entropy, the float64 reference's
+# row statistics) and, per cell, its row sums, errors, KL and flags, with their
+# temporaries. Measured on 1-key rows (all 12 default cells: about 1.2 KB a row) and
+# rounded up; with short rows they outweigh the scores.
+ROW_BYTES = 512
+ROW_BYTES_PER_CELL = 128
+
+
 def chunk_elements_for(max_memory: int) -> int:
-    """Elements per chunk that keep the diagnosis working set within ``max_memory`` bytes."""
+    """Elements per chunk that keep the diagnosis working set within ``max_memory`` bytes
+    (``Options.chunk_elements``; ``rows_per_chunk`` turns it back into bytes)."""
     return max(1, max_memory // WORKING_BYTES_PER_ELEMENT)
+
+
+def chunk_row_bytes(keys: int, options: "Options") -> int:
+    """Estimated working bytes of one row of ``keys`` scores in a chunk: its elements (the
+    tiled method pads a row longer than its block to whole blocks) and the per-row facts
+    of every cell."""
+    width = keys
+    if "tiled" in options.methods and keys > options.block:
+        width = -(-keys // options.block) * options.block
+    cells = len(options.dtypes) * (len(options.methods) + len(options.paths))
+    return width * WORKING_BYTES_PER_ELEMENT + ROW_BYTES + ROW_BYTES_PER_CELL * cells
+
+
+def rows_per_chunk(keys: int, options: "Options") -> int:
+    """Rows per chunk so that the chunk's working set, elements and per-row facts together,
+    stays within the budget ``options.chunk_elements`` stands for."""
+    return max(1, options.chunk_elements * WORKING_BYTES_PER_ELEMENT // chunk_row_bytes(keys, options))
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,14 @@ with :mod:`pickletools`, never unpickled; numpy files are loaded with
 
 Memory: :func:`open_sources` reads only headers; a source's ``row_blocks`` then
 holds one block of ``rows_per_block * T`` elements at a time (``.pt`` files and
-Fortran-ordered arrays are held whole).
+Fortran-ordered arrays are held whole). :func:`iter_sources` opens one file at a
+time, so several ``.pt`` files need not be resident together.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from attncheck.loaders.common import KINDS, FileListing, TensorSource, check_ten
 from attncheck.loaders.formats import SUPPORTED_SUFFIXES, format_for
 from attncheck.loaders.paths import KeySelector, expand_paths, suffix_list
 
-__all__ = ["SUPPORTED_SUFFIXES", "KeySelector", "NamedTensor", "TensorSource", "load_tensors", "memory_source", "open_file", "open_sources"]
+__all__ = ["SUPPORTED_SUFFIXES", "KeySelector", "NamedTensor", "TensorSource", "iter_sources", "load_tensors", "memory_source", "open_file", "open_sources"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,14 +92,27 @@ def open_sources(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = 
     reads only headers (but loads ``.pt`` files whole, and Fortran-ordered arrays when
     read; ``max_bytes`` bounds both). Raises :class:`AttncheckError` for any bad input.
     """
+    return list(iter_sources(paths, keys, max_bytes=max_bytes))
+
+
+def iter_sources(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (), *, max_bytes: int | None = None) -> Iterator[TensorSource]:
+    """The sources of :func:`open_sources`, one file at a time: a file is opened (a ``.pt``
+    loaded whole) only once every source of the file before it has been taken, and this
+    generator keeps no reference to a source it has handed out, so a caller that drops
+    each source before asking for the next holds one file's tensors at a time.
+
+    A file's errors come when it is reached; a ``keys`` pattern that matched nothing,
+    after the last file.
+    """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     selector = KeySelector(keys)
-    result: list[TensorSource] = []
     for file in expand_paths(paths):
         listing = open_file(file, "scores", max_bytes)  # checks the file as load_tensors does; .pt: loads it
         selected = selector.select(listing.path, listing.keys)
-        if selected:
-            result.extend(listing.sources(selected))
+        pending = listing.sources(selected) if selected else []
+        del listing  # a .pt file's table of tensors: its sources hold what was selected
+        pending.reverse()
+        while pending:
+            yield pending.pop()
     selector.check_all_matched()
-    return result

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from attncheck.config.run import Options, chunk_elements_for  # noqa: F401  (part of this module's API)
+from attncheck.config.run import Options, chunk_elements_for, rows_per_chunk  # noqa: F401  (part of this module's API)
 from attncheck.errors import AttncheckError, param
 from attncheck.findings import findings_for
 from attncheck.numerics.accumulate import CellAcc, CensusAcc, DistAcc
@@ -53,11 +53,6 @@ def check_scores(name: str, x: torch.Tensor) -> None:
         raise AttncheckError(f"{name}: is a scalar; scores need at least one axis (the last axis holds the keys)")
     if x.numel() == 0:
         raise AttncheckError(f"{name}: is empty (shape {tuple(x.shape)})")
-
-
-def rows_per_chunk(keys: int, options: Options) -> int:
-    """Rows per chunk so that one float64 working tensor stays near options.chunk_elements."""
-    return max(1, options.chunk_elements // keys)
 
 
 def diagnose(

@@ -1,6 +1,7 @@
 """``attncheck check`` as a library call: a checked ``CheckConfig`` in, a ``CheckResult`` out.
 
-Inputs are diagnosed one at a time, each read in row blocks: files first (named
+Inputs are diagnosed one at a time, each read in row blocks (a file is opened only once
+the one before it is done, so two ``.pt`` dumps are never resident together): files first (named
 relative to the config's folder, so names do not depend on where the check runs),
 then the synthetic entries.
 """
@@ -29,7 +30,7 @@ def run_check(config: CheckConfig, device: str | None = None, track: Track | Non
 
 
 def _run_check(config: CheckConfig, device: str | None, track: Track, notice) -> CheckResult:
-    from attncheck.loaders import open_sources
+    from attncheck.loaders import iter_sources
     from attncheck.numerics.budgets import check_attention, check_source, synthetic_source
     from attncheck.numerics.diagnose import resolve_device
     from attncheck.pipelines.run import device_label
@@ -39,12 +40,13 @@ def _run_check(config: CheckConfig, device: str | None, track: Track, notice) ->
     cases: list[CaseResult] = []
     names: list[str] = []
     budget = config.memory_budget
-    sources = open_sources(list(config.files), list(config.keys), max_bytes=budget) if config.files else []  # headers; .pt whole
     options = config.options(device=str(dev))
-    for src in sources:
+    # One file open at a time (a .pt is loaded whole): file i+1 is opened once file i's tensors are diagnosed and dropped.
+    for src in iter_sources(list(config.files), list(config.keys), max_bytes=budget) if config.files else ():
         name = _relative_name(src.name, config)
         names.append(name)
         cases += check_source(src, config.budget, options, config.dtype_budgets, name=name, progress=track(name, src.rows), notice=notice, ignore=config.ignore)
+        del src
     for spec in config.synthetic:
         names.append(spec.name)
         if spec.paths:

@@ -9,7 +9,8 @@ from rich.console import Console
 
 class Progress:
     """A progress bar on stderr (units done, rate, time left) that appears only once a
-    task has taken longer than ``delay`` seconds, and never when disabled."""
+    task has taken longer than ``delay`` seconds, and never when disabled. A task that
+    has finished is hidden, so many inputs in a row (run, check) show one bar at a time."""
 
     def __init__(self, enabled: bool, delay: float = 1.0, force_terminal: bool = False) -> None:
         self.enabled = enabled
@@ -55,5 +56,7 @@ class Progress:
                 state["task"] = self._progress.add_task(name, total=total, completed=state["done"], rate=rate, unit=unit)
             else:
                 self._progress.update(state["task"], completed=state["done"], rate=rate)
+            if state["done"] >= total:  # a finished input leaves the screen: one line per live task, however many inputs
+                self._progress.update(state["task"], visible=False)
 
         return advance

@@ -441,3 +441,32 @@ def test_example_config_loads_and_passes(ci_example):
     assert (suite.get("tests"), suite.get("failures")) == ("18", "0")
     names = [tc.get("name") for tc in suite.iter("testcase") if "paths=" in tc.get("classname")]
     assert names == ["eager:torch/bf16", "eager:torch/fp16", "flash/bf16", "flash/fp16"]
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def run_check_cli(project, *args, progress: str | None):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ATTNCHECK_PROGRESS", "GITHUB_STEP_SUMMARY")}
+    if progress is not None:
+        env.update(ATTNCHECK_PROGRESS=progress, COLUMNS="100")
+    return subprocess.run([sys.executable, "-m", "attncheck", "check", *args], capture_output=True, text=True, timeout=300, env=env, cwd=project)
+
+
+def test_progress_goes_to_stderr_never_into_json_stdout(project):
+    (project / "pyproject.toml").write_text(PASSING)
+    shown = run_check_cli(project, "--json", "-", progress="always")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["schema"] == "attncheck.check/1"
+    assert "dumps/healthy.npy" in shown.stderr and "16/16" in shown.stderr and "rows" in shown.stderr  # a bar per input, on stderr
+    assert "64/64" in shown.stderr  # the synthetic entry's rows
+    quiet = run_check_cli(project, "--json", "-", "--quiet", progress="always")
+    assert json.loads(quiet.stdout)["schema"] == "attncheck.check/1" and quiet.stderr == ""
+
+
+def test_no_progress_when_stderr_is_not_a_terminal(project):
+    (project / "pyproject.toml").write_text(PASSING)
+    proc = run_check_cli(project, "--json", "-", progress=None)
+    assert proc.returncode == 0 and proc.stderr == ""

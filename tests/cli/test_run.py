@@ -274,6 +274,32 @@ def test_help_and_argument_errors_do_not_import_torch(argv):
     assert proc.returncode == 0, f"torch or numpy imported for {argv}: {proc.stderr}"
 
 
+WAIT_POLICY_PROBE = """
+import os, sys
+seen = []
+def hook(event, args):  # the variable as it stands when torch (and with it libgomp) is first imported
+    if event == "import" and args[0] == "torch" and not seen:
+        seen.append(os.environ.get("OMP_WAIT_POLICY"))
+sys.addaudithook(hook)
+sys.argv = ["attncheck", "run", "--example", "--dtype", "fp32", "--method", "stable", "--quiet", "--json", "-"]
+from attncheck.cli import main
+try:
+    main()
+except SystemExit as e:
+    code = e.code
+print(code, len(seen), repr(seen[0]) if seen else "-", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE"), ("active", "active")])
+def test_the_command_keeps_idle_openmp_threads_from_spinning_unless_told(given, expected):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    proc = subprocess.run([sys.executable, "-c", WAIT_POLICY_PROBE], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.stderr.strip() == f"0 1 {expected!r}", proc.stderr
+
+
 def test_every_command_has_help():
     r = invoke("--help")
     assert r.exit_code == 0

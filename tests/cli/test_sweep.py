@@ -238,3 +238,26 @@ def test_block_wider_than_the_rows_runs_as_one_block(tmp_path):
     assert result.exit_code == 0, result.output
     cells = {c["method"]: c for c in json.loads(out.read_text())["points"][0]["cells"]}
     assert cells["tiled"]["nan_rate"] == 0 and cells["tiled"]["max_abs_err"] < 1e-6
+
+
+def run_sweep_cli(*args, progress: str | None):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "ATTNCHECK_PROGRESS"}
+    if progress is not None:
+        env.update(ATTNCHECK_PROGRESS=progress, COLUMNS="100")
+    return subprocess.run([sys.executable, "-m", "attncheck", "sweep", *SMALL, "--path", "none", *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_progress_goes_to_stderr_never_into_json_stdout():
+    shown = run_sweep_cli("--json", "-", progress="always")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["schema"] == "attncheck.sweep/1"
+    assert "/8\x1b" in shown.stderr and "grid points" in shown.stderr  # the bar was drawn, on stderr: 2 d_k x 4 scales
+    quiet = run_sweep_cli("--json", "-", "--quiet", progress="always")
+    assert json.loads(quiet.stdout)["schema"] == "attncheck.sweep/1" and quiet.stderr == ""
+
+
+def test_no_progress_when_stderr_is_not_a_terminal():
+    proc = run_sweep_cli("--json", "-", progress=None)
+    assert proc.returncode == 0 and proc.stderr == ""

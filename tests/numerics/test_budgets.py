@@ -235,6 +235,52 @@ def test_check_reads_files_in_row_blocks(tmp_path, monkeypatch):
         assert [(c.budget, c.measured, c.passed, c.rows) for c in got.checks] == [(c.budget, c.measured, c.passed, c.rows) for c in want.checks]
 
 
+def test_check_holds_one_pt_dump_at_a_time(tmp_path, monkeypatch):
+    """.pt files are loaded whole, so check opens file i+1 only once file i is diagnosed and
+    dropped: when a dump is loaded, no tensor of an earlier dump is alive. The cases are those
+    of checking each file on its own."""
+    import gc
+    import weakref
+
+    import attncheck.loaders.formats.pt as pt
+
+    (tmp_path / "dumps").mkdir()
+    g = torch.Generator().manual_seed(4)
+    for i in range(4):
+        x = torch.randn(2, 24, 48, generator=g) * (2 + i)
+        x[0, 3, 5] = 12.0  # fp16 naive overflow in every dump
+        torch.save({"scores": x, "more": {"s": x[:, :5] / 3}}, tmp_path / "dumps" / f"d{i}.pt")
+    table = {"dtypes": ["fp16", "bf16"], "methods": ["naive", "tiled"], "budget": {"max_abs_err": 1e-3}}
+    gc.collect()
+    held: list[list] = []  # per load: weak references to its tensors and to what the loader made of them
+    alive_at_load = []
+    real_load, real_check = pt.torch.load, pt.check_tensor
+
+    def load_spy(*args, **kwargs):
+        alive_at_load.append(sum(any(ref() is not None for ref in refs) for refs in held))  # earlier dumps still resident
+        obj = real_load(*args, **kwargs)
+        held.append([weakref.ref(obj["scores"]), weakref.ref(obj["more"]["s"])])
+        return obj
+
+    def check_spy(*args, **kwargs):
+        tensor = real_check(*args, **kwargs)  # a detached view sharing the loaded storage
+        held[-1].append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(pt.torch, "load", load_spy)
+    monkeypatch.setattr(pt, "check_tensor", check_spy)
+    result = run_check(parse_table({"inputs": ["dumps/*.pt"], **table}, root=tmp_path))
+    assert alive_at_load == [0, 0, 0, 0]
+    assert result.inputs == [f"dumps/d{i}.pt:{k}" for i in range(4) for k in ("scores", "more.s")]
+    monkeypatch.setattr(pt.torch, "load", real_load)
+    monkeypatch.setattr(pt, "check_tensor", real_check)
+    alone = [c for i in range(4) for c in run_check(parse_table({"inputs": [f"dumps/d{i}.pt"], **table}, root=tmp_path)).cases]
+    assert len(result.cases) == len(alone) == 8 * 4
+    for got, want in zip(result.cases, alone):
+        assert (got.input, got.name, got.rows) == (want.input, want.name, want.rows)
+        assert [(c.budget, c.measured, c.passed, c.rows) for c in got.checks] == [(c.budget, c.measured, c.passed, c.rows) for c in want.checks]
+
+
 # --------------------------------------------------------------------------- attention paths: budgets on O = P@V
 
 PATH_SYN = {"synthetic": [{"d_k": 32, "seq": 64, "rows": 128, "dist": "outliers", "paths": ["eager", "sdpa-math", "flash"]}], "dtypes": ["fp16"], "methods": ["torch"]}
