@@ -80,8 +80,9 @@ def methods(value: Any, param: str = "methods") -> tuple[str, ...]:
     return names(value, METHODS, param)
 
 
-def paths(value: Any, param: str = "paths") -> tuple[str, ...]:
-    return names(value, PATHS, param)
+def paths(value: Any, param: str = "paths", fp8: bool = True) -> tuple[str, ...]:
+    """Attention paths; ``fp8=False``: paths of the fp16/bf16/fp32 dtypes only (not flash-fp8, sage)."""
+    return names(value, PATHS, param, (lambda spec: True) if fp8 else (lambda spec: not spec.fp8))
 
 
 def choice(value: Any, allowed: Iterable[str], param: str) -> str:

@@ -86,7 +86,8 @@ class SweepConfig:
     seed: int = 0
     block: int = DEFAULT_BLOCK
     device: str = "cpu"
-    paths: tuple[str, ...] = path_names()  # attention paths whose output O = P@V is measured (V drawn like q, k)
+    # attention paths whose output O = P@V is measured (V drawn like q, k); the FP8 paths are --preset fa3's
+    paths: tuple[str, ...] = path_names(lambda spec: not spec.fp8)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -104,7 +105,7 @@ class SweepConfig:
         set_("device", params.device(self.device))
         if isinstance(self.paths, str):
             raise AttncheckError("paths is a tuple of names, e.g. ('flash',)")
-        set_("paths", params.paths(list(self.paths)) if self.paths else ())
+        set_("paths", params.paths(list(self.paths), fp8=False) if self.paths else ())
         self.check_memory()
 
     @classmethod
@@ -123,7 +124,7 @@ class SweepConfig:
             "seed": lambda v: params.integer(v, "seed", 0),
             "block": lambda v: params.integer(v, "block", 1),
             "device": lambda v: params.device(v),
-            "paths": lambda v: () if v.strip().lower() == "none" else params.paths(v),
+            "paths": lambda v: () if v.strip().lower() == "none" else params.paths(v, fp8=False),
         }
         return cls(**{name: parse[name](value) for name, value in text.items() if value is not None})
 

@@ -168,7 +168,9 @@ def test_preset_pcast_prints_the_closed_form_beside_the_measurement():
     (["--preset", "fa2"], "--preset must be one of fa3, pcast, got 'fa2'"),
     (["--preset", "fa3", "--dk", "64"], "--preset fa3 sets its own inputs: --dk does not apply"),
     (["--preset", "fa3", "--dtype", "bf16", "--rows", "8"], "--preset fa3 sets its own inputs: --dtype, --rows do not apply"),
-    (["--path", "xformers"], "--path: unknown path 'xformers' (choose from eager, sdpa-math, flash, flash-fp8, sage)"),
+    (["--path", "xformers"], "--path: unknown path 'xformers' (choose from eager, sdpa-math, flash)"),
+    # The grid computes in fp16, bf16 and fp32; the FP8 paths are --preset fa3's.
+    (["--path", "flash,flash-fp8"], "--path: path 'flash-fp8' cannot be used here (choose from eager, sdpa-math, flash)"),
 ])
 def test_preset_and_path_errors(args, message):
     result = sweep(*args)
