@@ -21,22 +21,13 @@ is the scores-mode figure.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from bench_run import best_of  # this folder is on sys.path when run as a script
 
 from attncheck.cli.common import reuse_freed_memory
 from attncheck.numerics.diagnose import Options, diagnose, diagnose_attention
 from attncheck.numerics.scores import prepare_inputs
-
-
-def best_of(repeat: int, fn) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
