@@ -69,6 +69,9 @@ class MethodSpec:
     # against torch.softmax's once and misses the rule on every real input, by construction.
     kernel: str | None = None
     p_cast: bool = False  # computes in FP8 dtypes: casts P to the format (registry DtypeSpec.p_format)
+    # A fused CPU kernel that computes its probabilities (and P-cast counts) bit for bit as
+    # ``impl`` does, used where the fused row backend runs; None: ``impl`` always runs.
+    rows_kernel: str | None = None
 
     def __post_init__(self) -> None:
         if self.output not in ("dtype", "fp32"):
@@ -185,7 +188,7 @@ for _spec in (
                events=("sum_overflow",)),
     MethodSpec("tiled", "FlashAttention's online softmax over key blocks, running max and sum in fp32",
                "attncheck.numerics.softmax:tiled_method", output="fp32", aliases=("online",), eager=False,
-               kernel="FlashAttention's online softmax", p_cast=True),
+               kernel="FlashAttention's online softmax", p_cast=True, rows_kernel="tiled_rows"),
     MethodSpec("torch", "torch.softmax on the dtype (fp32 inside)", "attncheck.numerics.softmax:torch_method"),
 ):
     METHODS.register(_spec)

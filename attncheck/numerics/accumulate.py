@@ -366,19 +366,14 @@ class CellAcc:
         self.examples.add("flip", flip, c.offset)
 
     def _count_pcast(self, pcast, algo: AlgoReference, rows: torch.Tensor) -> None:
-        keys = algo.ref.shape[-1]
-        live = (algo.ref > 0) & (rows & algo.ok)[:, None]  # (r, T): the reference of the cell's own scores is non-zero
-        flushed = pcast.flushed.reshape(-1, keys) & live
+        t = pcast.tally(algo.ref, rows & algo.ok)  # the reference of the cell's own scores is non-zero there
         if self.pcast_live is None:
             self.pcast_live = torch.zeros(3, dtype=torch.int64)
-        self.pcast_live += pcast.counts_by_position(live)
-        self.pcast_flushed += pcast.counts_by_position(flushed)
-        hit = flushed.any(dim=-1)  # (r,)
-        self.pcast_rows += int(hit.sum())
-        rows = torch.nonzero(hit).flatten()
-        mass = (algo.ref[rows] * flushed[rows]).sum(dim=-1)  # reference probability the cast dropped, in rows that lost any
-        self.pcast_mass_max.add(mass)
-        self.pcast_mass_rows += int((mass >= PCAST_MASS).sum())
+        self.pcast_live += t.live
+        self.pcast_flushed += t.flushed
+        self.pcast_rows += t.mass.numel()
+        self.pcast_mass_max.add(t.mass)
+        self.pcast_mass_rows += int((t.mass >= PCAST_MASS).sum())
         self.p_scale = pcast.p_scale
 
     def update_out(self, out: torch.Tensor, ref: torch.Tensor, tied: torch.Tensor, ref_algo: torch.Tensor) -> None:

@@ -201,7 +201,7 @@ def _methods_of_chunk(block, c: ChunkFacts, options: Options, cells, census, bac
             algo, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, backend)
             census.update_headroom(d, c, *_extremes_in_dtype(block, c, algo.xc))
         causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
-        outs = [_run(spec, algo.xc, params_d) for spec in specs]
+        outs = [backend.method(spec, algo, params_d) or _run(spec, algo.xc, params_d) for spec in specs]
         metrics = _cell_metrics(backend, plain, c, [s.fused for s in specs], [o.probs for o in outs], algo)  # one pass for the dtype's cells
         for spec, out, m in zip(specs, outs, metrics):
             cells[(None, spec.name, d)].update(c, out.probs, out.events, algo, causes, m, pcast=out.pcast)

@@ -59,6 +59,16 @@ def flush_threshold(dt: torch.dtype, p_scale: float) -> float:
 
 
 @dataclass
+class PCastTally:
+    """What the P cast did to the probabilities a chunk's reference holds (``live``: the
+    reference is > 0), by block position (BEFORE, AT, AFTER)."""
+
+    live: torch.Tensor  # (3,) int64
+    flushed: torch.Tensor  # (3,) int64: live keys the cast flushed to 0
+    mass: torch.Tensor  # (k,) float64: the reference probability flushed, in each row that lost any
+
+
+@dataclass
 class PCastSoftmax:
     """The one-pass softmax of a row block whose P is cast to FP8 after scaling by S."""
 
@@ -86,6 +96,31 @@ class PCastSoftmax:
         pos = self.block_position.reshape(-1, nb)
         return torch.stack([(per_block * (pos == k)).sum() for k in (BEFORE, AT, AFTER)]).cpu()
 
+    def tally(self, ref: torch.Tensor, rows: torch.Tensor) -> PCastTally:
+        """The keys of ``rows`` (r,) bool where ``ref`` (r, T) float64 is > 0, and those the cast flushed."""
+        keys = ref.shape[-1]
+        live = (ref > 0) & rows[:, None]
+        flushed = self.flushed.reshape(-1, keys) & live
+        hit = torch.nonzero(flushed.any(dim=-1)).flatten()
+        mass = (ref[hit] * flushed[hit]).sum(dim=-1)  # reference probability the cast dropped, in rows that lost any
+        return PCastTally(self.counts_by_position(live), self.counts_by_position(flushed), mass.cpu())
+
+
+@dataclass
+class PCastRows:
+    """The P cast's counts per row, as the fused kernel takes them against the reference of
+    the rows where it is defined (``algo.ok``): the same tally as ``PCastSoftmax`` gives."""
+
+    live: torch.Tensor  # (r, 3) int64
+    flushed: torch.Tensor  # (r, 3) int64
+    mass: torch.Tensor  # (r,) float64
+    overflow: torch.Tensor  # (r,) bool
+    p_scale: float
+
+    def tally(self, ref: torch.Tensor, rows: torch.Tensor) -> PCastTally:
+        hit = rows & (self.flushed.sum(dim=-1) > 0)
+        return PCastTally(self.live[rows].sum(dim=0), self.flushed[rows].sum(dim=0), self.mass[hit])
+
 
 def pcast_softmax(x: torch.Tensor, dt: torch.dtype, p_scale: float, block: int, reverse: bool = False) -> PCastSoftmax:
     """FlashAttention's one-pass softmax over key blocks with P cast to ``dt`` (FP8).
@@ -94,48 +129,29 @@ def pcast_softmax(x: torch.Tensor, dt: torch.dtype, p_scale: float, block: int, 
     (``reverse``, as FlashAttention-3's FP8 forward does). The running max m_j and the
     row sum l are float32; l sums the fp32 exps before the cast, as the kernels' row sum
     does. Block j gives P~_j = exp(s - m_j) * p_scale in fp32, cast to ``dt`` (``to_fp8``).
-    The effective probability of a key is fp8(P~_j) / p_scale * exp(m_j - m_final) / l:
-    the weight the kernel's rescaled output gives it. Fully masked rows give zeros.
+    The effective probability of a key is fp8(P~_j) * exp(m_j - m_final) / l / p_scale:
+    the weight the kernel's rescaled output gives it. Fully masked rows give zeros. The
+    rounding points are ``attncheck.numerics.online``'s; the fused CPU kernel follows them.
     """
-    n = x.shape[-1]
-    lead = x.shape[:-1]
-    nb = -(-n // block)
-    s = x.float()
-    if nb * block != n:
-        s = torch.nn.functional.pad(s, (0, nb * block - n), value=NEG_INF)
-    s = s.reshape(*lead, nb, block)
-    if reverse:
-        s = s.flip(-2)
-    m_run = torch.cummax(s.amax(dim=-1), dim=-1).values  # (..., nb) running max after each visited block
-    m_safe = torch.where(m_run == NEG_INF, 0.0, m_run)  # guard exp(-inf - (-inf))
-    e = torch.exp(s - m_safe.unsqueeze(-1))  # (..., nb, B) float32
-    block_sum = e.sum(dim=-1)
-    m_prev = torch.cat([torch.full_like(m_run[..., :1], NEG_INF), m_run[..., :-1]], dim=-1)
-    decay = torch.exp(m_prev - m_safe)
-    l = torch.zeros(lead, dtype=torch.float32, device=x.device)
-    for j in range(nb):  # loop over key blocks, not rows
-        l = decay[..., j] * l + block_sum[..., j]
-    scaled = e.mul_(p_scale)  # P~ in fp32, at most p_scale: exp(s - m_j) <= 1 against the running max
+    from attncheck.numerics.online import online_blocks
     from attncheck.numerics.precision import rounding_limit
 
+    n = x.shape[-1]
+    lead = x.shape[:-1]
+    ob = online_blocks(x, block, reverse)
+    scaled = ob.e.mul_(p_scale)  # P~ in fp32, at most p_scale: exp(s - m_j) <= 1 against the running max
     if p_scale < rounding_limit(dt):  # nothing reaches the top of the format: no clip to count
         overflow = torch.zeros(lead, dtype=torch.bool, device=x.device)
     else:
         overflow = cast_overflow(scaled, dt).flatten(-2).any(dim=-1)
     p8 = fp8_values(scaled, dt)
     flushed = (p8 == 0) & (scaled > 0)
-    m_final = m_safe[..., -1:]
-    inv_l = torch.where((l == 0) | torch.isnan(l), 1.0, 1.0 / l).unsqueeze(-1)
-    rescale = torch.where(m_run == NEG_INF, 0.0, torch.exp(m_safe - m_final)) * inv_l / p_scale  # (..., nb)
-    probs = p8.mul_(rescale.unsqueeze(-1))
+    probs = p8.mul_(ob.rescale.unsqueeze(-1)).div_(p_scale)
     # The block (in visiting order) where the running max reaches the row max.
-    first = (m_run == m_run[..., -1:]).to(torch.int8).argmax(dim=-1, keepdim=True)  # (..., 1)
+    first = ob.first_at_max()
+    nb = ob.m_run.shape[-1]
     j = torch.arange(nb, device=x.device)
     pos = torch.where(j < first, BEFORE, torch.where(j == first, AT, AFTER)).to(torch.int8)  # (..., nb)
     if reverse:
-        probs, flushed, pos = probs.flip(-2), flushed.flip(-2), pos.flip(-1)
-
-    def keys(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(*lead, nb * block)[..., :n]
-
-    return PCastSoftmax(keys(probs), keys(flushed), pos, overflow, p_scale, block)
+        pos = pos.flip(-1)
+    return PCastSoftmax(ob.keys(probs), ob.keys(flushed), pos, overflow, p_scale, block)

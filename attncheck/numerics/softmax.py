@@ -70,45 +70,18 @@ def tiled_softmax(x: torch.Tensor, block: int = DEFAULT_BLOCK, reverse: bool = F
     ``l`` sums the float32 exps before that rounding, as the kernels do. The
     effective probability of a block-j entry is ``P_j * exp(m_j - m_final) / l_final``,
     the weight the kernel's rescaled output gives that key. A fully masked row
-    gives zeros, not NaN (the kernels guard ``exp(-inf - (-inf))``).
+    gives zeros, not NaN (the kernels guard ``exp(-inf - (-inf))``). Every rounding
+    point is listed in ``attncheck.numerics.online``; the fused CPU kernel follows the
+    same ones to the bit.
     """
+    from attncheck.numerics.online import online_blocks
+
     if block < 1:
         raise AttncheckError(f"must be >= 1, got {block}", param="block")
-    n = x.shape[-1]
-    lead = x.shape[:-1]
-    block = min(block, n)  # a block wider than the row is the row: same numbers, no padding to allocate
-    nb = -(-n // block)
-    # (..., nb, B) float32 blocks in processing order; a short last block is padded with
-    # -inf keys, whose exp is 0. Block-wide ops run on all blocks at once; only the
-    # running sum l, which the kernels rescale block by block, is a loop over blocks.
-    s = x.float()
-    if nb * block != n:
-        s = torch.nn.functional.pad(s, (0, nb * block - n), value=float("-inf"))
-    s = s.reshape(*lead, nb, block)
-    if reverse:
-        s = s.flip(-2)
-    m_run = torch.cummax(s.amax(dim=-1), dim=-1).values  # (..., nb): running max m_j after block j
-    m_safe = torch.where(m_run == float("-inf"), 0.0, m_run)  # guard exp(-inf - (-inf))
-    e = (s - m_safe.unsqueeze(-1)).exp_()  # (..., nb, B) float32; in place: one allocation fewer
-    block_sum = row_sum(e)  # (..., nb)
-    m_prev = torch.cat([torch.full_like(m_run[..., :1], float("-inf")), m_run[..., :-1]], dim=-1)
-    decay = torch.exp(m_prev - m_safe)  # (..., nb): rescales l from m_{j-1} to m_j
-    l = torch.zeros(lead, dtype=torch.float32, device=x.device)
-    for j in range(nb):  # loop over key blocks, not rows
-        l = decay[..., j] * l + block_sum[..., j]
-    p_blocks = e.to(x.dtype)  # P_j as the P@V matmul consumes it
-    del e
-    m_final = m_safe[..., -1:]
-    inv_l = torch.where((l == 0) | torch.isnan(l), 1.0, 1.0 / l).unsqueeze(-1)  # (..., 1)
-    # The kernel rescales its output block by block; the factors telescope to
-    # exp(m_j - m_final). A block whose running max is still -inf contributed P_j = 0 and
-    # is rescaled by exp(-inf) = 0: its guarded m_safe = 0 must not stand in for m_j here
-    # (exp(0 - m_final) overflows for m_final < -88.7, and 0 * inf is NaN).
-    rescale = torch.exp(m_run - m_final) * inv_l  # (..., nb)
-    out = p_blocks.float().mul_(rescale.unsqueeze(-1))  # p_blocks.float() is a new tensor, or e's own memory
-    if reverse:
-        out = out.flip(-2)
-    return out.reshape(*lead, nb * block)[..., :n]
+    block = min(block, x.shape[-1])  # a block wider than the row is the row: same numbers, no padding to allocate
+    ob = online_blocks(x, block, reverse)
+    p = ob.e if x.dtype == torch.float32 else ob.e.to(x.dtype).float()  # P_j as the P@V matmul consumes it
+    return ob.keys(p.mul_(ob.rescale.unsqueeze(-1)))
 
 
 @dataclass(frozen=True)

@@ -262,7 +262,23 @@ def test_reference_is_float64_and_nan_for_undefined_rows():
 def _tiled_block_by_block(x: torch.Tensor, block: int, reverse: bool) -> torch.Tensor:
     """FlashAttention's forward pass as the kernels run it, one key block at a time: the
     running max m and sum l in float32, P_j = exp(S_j - m_j) rounded to x's dtype, and
-    the output weight of a block-j key P_j exp(m_j - m_final) / l_final."""
+    the output weight of a block-j key P_j exp(m_j - m_final) / l_final. Every exp is
+    taken in float64 and rounded once to float32; a block's sum is a halving tree in
+    float32 (the rounding points of ``attncheck.numerics.online``)."""
+
+    def exp32(z):
+        return torch.exp(z.double()).float()
+
+    def halving(e):
+        width = 1
+        while width < e.shape[-1]:
+            width *= 2
+        t = torch.cat([e, e.new_zeros(*e.shape[:-1], width - e.shape[-1])], dim=-1)
+        while t.shape[-1] > 1:
+            h = t.shape[-1] // 2
+            t = t[..., :h] + t[..., h:]
+        return t
+
     n = x.shape[-1]
     starts = list(range(0, n, block))[:: -1 if reverse else 1]
     rows = x.shape[:-1]
@@ -273,15 +289,15 @@ def _tiled_block_by_block(x: torch.Tensor, block: int, reverse: bool) -> torch.T
         s = x[..., s0 : s0 + block].float()
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
         m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
-        e = torch.exp(s - m_safe)
-        l = torch.exp(m - m_safe) * l + e.sum(dim=-1, keepdim=True)  # noqa: E741
+        e = exp32(s - m_safe)
+        l = exp32(m - m_safe) * l + halving(e)  # noqa: E741
         p[..., s0 : s0 + block] = e.to(x.dtype)
         used[s0], m = m_new, m_new
     m_final = torch.where(m == float("-inf"), 0.0, m)
     inv_l = torch.where((l == 0) | torch.isnan(l), 1.0, 1.0 / l)
     out = torch.empty(x.shape)
     for s0 in starts:  # the block-by-block rescales telescope to exp(m_j - m_final); -inf m_j gives 0
-        out[..., s0 : s0 + block] = p[..., s0 : s0 + block].float() * (torch.exp(used[s0] - m_final) * inv_l)
+        out[..., s0 : s0 + block] = p[..., s0 : s0 + block].float() * (exp32(used[s0] - m_final) * inv_l)
     return out
 
 

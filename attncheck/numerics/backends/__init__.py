@@ -117,6 +117,11 @@ class RowBackend(abc.ABC):
     def cell_metrics(self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference) -> list[RowMetrics]:
         """Row metrics of each of one dtype's cells, in the order of ``probs``."""
 
+    def method(self, spec, algo: AlgoReference, params):
+        """A method's output (softmax.MethodOutput) on ``algo.xc`` computed by this backend's own
+        kernel (``spec.rows_kernel``), or None: then the method's torch implementation runs."""
+        return None
+
     def same_reference(self, c: ChunkFacts) -> AlgoReference:
         """The chunk's scores need no cast: its reference is the algo reference."""
         return AlgoReference(c.x, c.ref_ok, c.ref, same=True)

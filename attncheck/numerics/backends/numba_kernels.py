@@ -571,4 +571,194 @@ def cell_rows(ptrs_a, like_a, ptrs_b, like_b, floors, ra, use_algo, algo_ok, ref
     return pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop
 
 
+# --------------------------------------------------------------------------- tiled (online) softmax
+
+F32 = np.float32
+BEFORE, AT, AFTER = 0, 1, 2  # fp8.BEFORE, AT, AFTER: a key block against the row max's block, in visiting order
+
+
+@_jit_plain
+def round_to_format(v, mb, emin, top):
+    """v >= 0 (float64) rounded to nearest even in a binary format with ``mb`` mantissa bits
+    and smallest normal 2^emin (subnormals below it), saturating at ``top``: fp16, bf16 and
+    the FP8 formats as the kernels convert to them (satfinite)."""
+    e = ((_bits_of_f64(v) >> 52) & 0x7FF) - 1023
+    e = e if e > emin else emin
+    k = e - mb  # the spacing is 2^k
+    r = np.rint(v * _f64_from_bits((1023 - k) << 52)) * _f64_from_bits((1023 + k) << 52)
+    return r if r < top else top
+
+
+@_jit_plain
+def _widen_row(x, i, sb):
+    """Row i of ``x`` into ``sb`` as float32 (exact); returns whether it holds NaN or +inf."""
+    bad = 0
+    for k in range(sb.size):
+        v = to_f64(x[i, k])
+        sb[k] = F32(v)
+        if not v < np.inf:
+            bad += 1
+    return bad
+
+
+@_jit_plain
+def _block_max(sb):
+    m = -np.inf
+    for k in range(sb.size):
+        m = max_nn(m, np.float64(sb[k]))
+    return F32(m)
+
+
+@_jit_plain
+def _block_exps(sb, ms, row, tree):
+    """exp(s - ms) of a block's keys ``sb`` into ``row``, the subtraction in float32 and the
+    exp rounded once to float32; returns their halving-tree float32 sum (``tree``: scratch of
+    a power of two >= the block). Loops run over whole slices, so that LLVM vectorises them."""
+    n = sb.size
+    for k in range(n):
+        row[k] = F32(exp_neg(np.float64(sb[k] - ms)))
+    head = tree[:n]
+    for k in range(n):
+        head[k] = row[k]
+    tail = tree[n:]
+    for k in range(tail.size):
+        tail[k] = F32(0.0)
+    h = tree.size
+    while h > 1:
+        h //= 2
+        a = tree[:h]
+        b = tree[h : 2 * h]
+        for k in range(h):
+            a[k] = a[k] + b[k]
+    return tree[0]
+
+
+@_jit_plain
+def _scale_block(row, resc):
+    for k in range(row.size):
+        row[k] = row[k] * resc
+
+
+@_jit_plain
+def _round_block(row, mb, emin, top, resc):
+    for k in range(row.size):
+        row[k] = F32(round_to_format(np.float64(row[k]), mb, emin, top)) * resc
+
+
+@_jit_plain
+def _pcast_block(row, mb, emin, top, ps, resc, limit, flag):
+    """The P cast of one block: row = fp8(row * ps) * resc / ps, flag = the cast flushed a
+    positive value to 0; returns whether a scaled value reached ``limit``."""
+    over = 0
+    for k in range(row.size):
+        sc = row[k] * ps
+        p8 = F32(round_to_format(np.float64(sc), mb, emin, top))
+        over |= np.int64(sc >= limit)
+        flag[k] = (p8 == F32(0.0)) & (sc > F32(0.0))
+        row[k] = (p8 * resc) / ps
+    return over > 0
+
+
+@_jit
+def _count_block(ref, flag):
+    """Keys where ``ref`` > 0, those of them ``flag``ged, and their summed ``ref``."""
+    n_live = 0
+    n_flushed = 0
+    lost = 0.0
+    for k in range(ref.size):
+        r = ref[k]
+        lv = r > 0.0
+        f = flag[k] & lv
+        n_live += np.int64(lv)
+        n_flushed += np.int64(f)
+        lost += r if f else 0.0
+    return n_live, n_flushed, lost
+
+
+@_parallel
+def tiled_rows(x, block, reverse, mb, emin, top, fp8, p_scale, limit, ref, ref_ok, out):
+    """FlashAttention's one-pass softmax of each row of ``x`` (r, T) over key blocks of
+    ``block``, into ``out`` (r, T) float32, with the rounding points of
+    ``attncheck.numerics.online`` (bit for bit the torch implementation's).
+
+    P is e rounded by ``round_to_format(e, mb, emin, top)`` (mb < 0: kept in float32); with
+    ``fp8``, e is first scaled by ``p_scale`` (float32) and the result divided by it again,
+    and each row's keys are counted by block position (BEFORE, AT, AFTER): where the
+    reference ``ref`` (r, T) float64 is > 0 in rows where ``ref_ok`` ("live"), and those of
+    them that the cast flushed to 0; the reference mass of the flushed ones is summed, and a
+    scaled value at or above ``limit`` marks the row's overflow. Rows holding NaN or +inf
+    are left to the caller. Returns done (r,), overflow (r,), live (r, 3), flushed (r, 3), mass (r,).
+    """
+    r, t = x.shape
+    nb = (t + block - 1) // block
+    width = 1
+    while width < block:
+        width *= 2
+    done = np.zeros(r, np.bool_)
+    overflow = np.zeros(r, np.bool_)
+    live = np.zeros((r, 3), np.int64)
+    flushed = np.zeros((r, 3), np.int64)
+    mass = np.zeros(r)
+    ps = F32(p_scale)
+    one = F32(1.0)
+    for task in prange((r + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        sb = np.empty(t, np.float32)
+        m_at = np.empty(nb, np.float32)
+        tree = np.empty(width, np.float32)
+        flag = np.empty(block, np.bool_)
+        for i in range(task * ROWS_PER_TASK, min(r, (task + 1) * ROWS_PER_TASK)):
+            if _widen_row(x, i, sb):
+                continue
+            done[i] = True
+            row = out[i]
+            m = F32(-np.inf)
+            for jj in range(nb):  # running max after each visited block
+                j = nb - 1 - jj if reverse else jj
+                bm = _block_max(sb[j * block : min(t, j * block + block)])
+                m = bm if bm > m else m
+                m_at[j] = m
+            m_final = m if m > -np.inf else F32(0.0)
+            first = 0
+            for jj in range(nb):
+                j = nb - 1 - jj if reverse else jj
+                if m_at[j] == m:
+                    first = jj
+                    break
+            l = F32(0.0)
+            m_prev = F32(-np.inf)
+            for jj in range(nb):
+                j = nb - 1 - jj if reverse else jj
+                lo = j * block
+                hi = min(t, lo + block)
+                mj = m_at[j]
+                ms = mj if mj > -np.inf else F32(0.0)
+                bs = _block_exps(sb[lo:hi], ms, row[lo:hi], tree)
+                decay = F32(exp_neg(np.float64(m_prev - ms)))
+                l = decay * l + bs
+                m_prev = mj
+            inv_l = one if l == 0 or l != l else one / l
+            ok = fp8 and ref_ok[i]
+            lost = 0.0
+            for jj in range(nb):
+                j = nb - 1 - jj if reverse else jj
+                lo = j * block
+                hi = min(t, lo + block)
+                resc = F32(exp_neg(np.float64(m_at[j] - m_final))) * inv_l
+                if fp8:
+                    pos = BEFORE if jj < first else (AT if jj == first else AFTER)
+                    if _pcast_block(row[lo:hi], mb, emin, top, ps, resc, limit, flag):
+                        overflow[i] = True
+                    if ok:
+                        n_live, n_flushed, gone = _count_block(ref[i, lo:hi], flag[: hi - lo])
+                        live[i, pos] += n_live
+                        flushed[i, pos] += n_flushed
+                        lost += gone
+                elif mb >= 0:
+                    _round_block(row[lo:hi], mb, emin, top, resc)
+                else:
+                    _scale_block(row[lo:hi], resc)
+            mass[i] = lost
+    return done, overflow, live, flushed, mass
+
+
 numba.core.config.CACHE_DIR = _CACHE_DIR_BEFORE

@@ -137,11 +137,11 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: dict[str, np.ndarray] = {}
 
-    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def take(self, name: str, shape: tuple[int, ...], dtype=np.float64) -> np.ndarray:
         n = math.prod(shape)
         buf = self._buffers.get(name)
-        if buf is None or buf.size < n:
-            buf = self._buffers[name] = np.empty(n, dtype=np.float64)
+        if buf is None or buf.size < n or buf.dtype != dtype:
+            buf = self._buffers[name] = np.empty(n, dtype=dtype)
         return buf[:n].reshape(shape)
 
 
@@ -170,6 +170,46 @@ class NumbaRows(RowBackend):
         xn = as_rows(xc)
         ok = self._call("algo_reference_rows", str(xn.dtype), xn, ref)
         return AlgoReference(xc, torch.from_numpy(ok), torch.from_numpy(ref), same=False)
+
+    def method(self, spec, algo: AlgoReference, params):
+        """``tiled`` (P cast included) by the fused kernel ``tiled_rows``: the probabilities
+        bit for bit as ``softmax.tiled_softmax`` / ``fp8.pcast_softmax`` give them, written
+        into a reused buffer, and for FP8 cells the P cast's counts per row. Rows holding
+        NaN or +inf (rare) are computed by the torch implementation."""
+        xc = algo.xc
+        if spec.rows_kernel != "tiled_rows" or xc.dim() != 2 or view(xc) is None or not xc.shape[-1]:
+            return None
+        from attncheck.numerics.softmax import MethodOutput, tiled_softmax
+
+        r, t = xc.shape
+        block = min(params.block, t)
+        fp8 = params.fp8
+        if fp8 is not None:
+            from attncheck.numerics.fp8 import PCastRows, pcast_softmax
+            from attncheck.numerics.precision import rounding_limit
+
+            fmt, p_scale = fp8.fmt, float(fp8.p_scale)
+            limit = rounding_limit(fmt) if p_scale >= rounding_limit(fmt) else math.inf
+            ref, ref_ok = algo.ref.numpy(), algo.ok.numpy()
+        else:
+            fmt, p_scale, limit = xc.dtype, 1.0, math.inf
+            ref, ref_ok = np.zeros((1, 1)), np.zeros(r, np.bool_)
+        mb, emin, top = format_of(fmt)
+        out = self.workspace.take("tiled", (r, t), np.float32)
+        xn = as_rows(xc)
+        done, overflow, live, flushed, mass = (torch.from_numpy(a) for a in self._call(
+            "tiled_rows", f"{xn.dtype}", xn, block, bool(params.reverse), mb, emin, top, fp8 is not None, p_scale, limit, ref, ref_ok, out))
+        probs = torch.from_numpy(out)
+        rest = torch.nonzero(~done).flatten()
+        if fp8 is None:
+            if rest.numel():
+                probs[rest] = tiled_softmax(xc[rest], block, params.reverse)
+            return MethodOutput(probs)
+        if rest.numel():
+            sub = pcast_softmax(xc[rest], fmt, p_scale, block, params.reverse)
+            probs[rest] = sub.probs
+            overflow[rest] = sub.overflow
+        return MethodOutput(probs, pcast=PCastRows(live, flushed, mass, overflow, p_scale))
 
     def cell_metrics(self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference) -> list[RowMetrics]:
         """One kernel call for every cell whose probabilities are in the scores' dtype or in
@@ -200,6 +240,17 @@ class NumbaRows(RowBackend):
             for i, m in zip(rest, self._torch.cell_metrics(c, [probs[i] for i in rest], algo)):
                 out[i] = m
         return out  # type: ignore[return-value]
+
+
+def format_of(dt: torch.dtype) -> tuple[int, int, float]:
+    """How the kernels round P to ``dt``: mantissa bits, exponent of the smallest normal, the
+    largest finite value; mantissa bits -1 for float32 (P is kept as it is)."""
+    if dt == torch.float32:
+        return -1, 0, math.inf
+    fi = torch.finfo(dt)
+    emin = round(math.log2(fi.tiny))
+    mb = round(math.log2(fi.tiny / smallest_subnormal(dt)))  # subnormals: the spacing 2^(emin - mb)
+    return mb, emin, float(fi.max)
 
 
 def _addresses(arrays: list[np.ndarray]) -> np.ndarray:
