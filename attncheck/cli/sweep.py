@@ -49,7 +49,7 @@ def sweep(
     """
     try:
         if preset is not None:
-            _run_preset(preset, seed, device, json_out, plot, dict(dk=dk, scale=scale, dtype=dtype, method=method, seq=seq, rows=rows, std=std, dist=dist, block=block, path=path))
+            _run_preset(preset, seed, device, json_out, plot, quiet, dict(dk=dk, scale=scale, dtype=dtype, method=method, seq=seq, rows=rows, std=std, dist=dist, block=block, path=path))
         config = SweepConfig.from_text(dks=dk, scales=scale, dtypes=dtype, methods=method, seqs=seq, rows=rows, stds=std, dist=dist, seed=seed, block=block, device=device, paths=path)
         check_output_path(json_out, "--json")
         check_output_path(plot, "--plot")
@@ -85,7 +85,7 @@ GRID_DEFAULTS = dict(
 )
 
 
-def _run_preset(name: str, seed: str, device: str, json_out, plot, grid: dict) -> None:
+def _run_preset(name: str, seed: str, device: str, json_out, plot, quiet: bool, grid: dict) -> None:
     """--preset: the published figures; the grid options do not apply (say so rather than ignore them)."""
     from attncheck import params
 
@@ -97,10 +97,15 @@ def _run_preset(name: str, seed: str, device: str, json_out, plot, grid: dict) -
     seed_n, device_n = params.integer(seed, "seed", 0), params.device(device)
     check_output_path(json_out, "--json")
     from attncheck.numerics.diagnose import resolve_device
+    from attncheck.numerics.presets import PRESET_STEPS
     from attncheck.pipelines.sweep import run_preset
+    from attncheck.report.progress import Progress
     from attncheck.report.sweep import preset_json, print_preset
 
-    result = run_preset(name, seed_n, device_n)
+    show, forced = progress_shown(quiet)
+    with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
+        tick = progress.track(f"preset {name}", PRESET_STEPS[name], "steps")
+        result = run_preset(name, seed_n, device_n, None if tick is None else lambda done, total: tick(1))
     if json_out is not None:
         write_json(json.dumps(preset_json(result, str(resolve_device(device_n))), indent=2, allow_nan=False), json_out)
     if json_out != "-":

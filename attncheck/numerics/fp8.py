@@ -136,7 +136,6 @@ def pcast_softmax(x: torch.Tensor, dt: torch.dtype, p_scale: float, block: int, 
     from attncheck.numerics.online import online_blocks
     from attncheck.numerics.precision import rounding_limit
 
-    n = x.shape[-1]
     lead = x.shape[:-1]
     ob = online_blocks(x, block, reverse)
     scaled = ob.e.mul_(p_scale)  # P~ in fp32, at most p_scale: exp(s - m_j) <= 1 against the running max

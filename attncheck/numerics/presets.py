@@ -28,18 +28,23 @@ from attncheck.results import PresetCheck, PresetGrid, PresetResult, PresetRow
 FA3_HEADS, FA3_SEQ, FA3_D, FA3_BLOCK = 8, 1024, 128, 128
 
 
-def fa3(seed: int = 0, device: str | torch.device = "cpu") -> PresetResult:
+def _nothing() -> None:
+    pass
+
+
+def fa3(seed: int = 0, device: str | torch.device = "cpu", step: Callable[[], None] = _nothing) -> PresetResult:
     start = time.perf_counter()
     q, k, v = make_qk(FA3_HEADS, FA3_SEQ, FA3_SEQ, FA3_D, dist="outliers", seed=seed, with_v=True)
     q, k, v = (t.to(device) for t in (q, k, v))
     outs = measure_outputs(q, k, v, 1 / math.sqrt(FA3_D), ("fp16",), ("eager", "flash"), FA3_BLOCK, device, methods={"eager": "stable"})
+    step()
     rmse = {o.path: o.rmse for o in outs}
     base, flash = rmse["eager"], rmse["flash"]
     rows = [
         PresetRow("baseline attention, FP16", "eager:stable/fp16", 3.2e-4, base),
         PresetRow("FlashAttention-2/3, FP16", "flash/fp16", 1.9e-4, flash),
     ]
-    fp8 = fa3_fp8_rmse(q, k, v, seed)
+    fp8 = fa3_fp8_rmse(q, k, v, seed, step)
     rows += [PresetRow(label, cell, paper, fp8[cell]) for label, cell, paper in FA3_FP8_ROWS]
     ratio = base / flash if base and flash else None
     b8, f8 = fp8[FA3_FP8_ROWS[0][1]], fp8[FA3_FP8_ROWS[1][1]]
@@ -82,8 +87,8 @@ FA3_FP8_ROWS = [  # (label, attncheck cell, the paper's RMSE): Table 3
 ]
 
 
-def fa3_fp8_rmse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int) -> dict[str, float]:
-    """RMSE of O against float64 for the FP8 rows of Table 3, q (H, T, d), k, v float64."""
+def fa3_fp8_rmse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int, step: Callable[[], None] = _nothing) -> dict[str, float]:
+    """RMSE of O against float64 for the FP8 rows of Table 3, q (H, T, d), k, v float64; ``step()`` after each row."""
     from attncheck.numerics.fp8_attention import Fp8Setup, flash_fp8
     from attncheck.numerics.scores import prepare_inputs, score_blocks, start_audit
     from attncheck.numerics.softmax import MethodParams
@@ -97,7 +102,9 @@ def fa3_fp8_rmse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int) -
         o = torch.cat([flash_fp8(b, setup.fmt, [], MethodParams(fp8=setup)).cells[0][1].out
                        for b in score_blocks(inp, inp.rows, q.device, start_audit(inp, statistics=False))])
         out[cell] = _rmse(o, exact)
+        step()
     out[FA3_FP8_ROWS[0][1]] = _rmse(baseline_fp8(q, k, v), exact)
+    step()
     return out
 
 
@@ -140,7 +147,7 @@ def expected_max(k: int) -> float:
     return float(torch.trapezoid(x * k * pdf * cdf ** (k - 1), x))
 
 
-def pcast(seed: int = 0, device: str | torch.device = "cpu") -> PresetResult:
+def pcast(seed: int = 0, device: str | torch.device = "cpu", step: Callable[[], None] = _nothing) -> PresetResult:
     """P-cast underflow with an attention sink (arXiv 2606.06521): forward and reverse key order,
     S in {1, 256, 448}, beside the closed form Phi(gap + delta_k - 6.93 - ln S)."""
     from attncheck.numerics.fp8 import flush_threshold, pcast_softmax
@@ -166,6 +173,7 @@ def pcast(seed: int = 0, device: str | torch.device = "cpu") -> PresetResult:
             fwd_ge_rev &= f >= r
             if scale == 256.0:
                 reverse_out = max(reverse_out, r_out)
+            step()
     grid = PresetGrid(
         "share of non-sink probabilities the e4m3 P cast flushes to 0",
         ["gap", "S", "6.93 + ln S", "closed form", "forward", "reverse", "reverse, other blocks"],
@@ -194,3 +202,4 @@ def pcast(seed: int = 0, device: str | torch.device = "cpu") -> PresetResult:
 
 
 PRESETS: dict[str, Callable[..., PresetResult]] = {"fa3": fa3, "pcast": pcast}
+PRESET_STEPS = {"fa3": 1 + len(FA3_FP8_ROWS), "pcast": len(PCAST_GAPS) * len(PCAST_SCALES)}  # the calls to step()

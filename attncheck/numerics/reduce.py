@@ -13,15 +13,39 @@ from attncheck.results import UNEXPLAINED
 ROW_BLOCK = 64  # rows per exact-sum block; chunk sizes do not change any result
 
 
+COMPRESS_AT = 4096  # block sums held before they are folded into an exact expansion
+
+
+def _grow_expansion(partials: list[float], x: float) -> None:
+    """Add ``x`` to ``partials``, a list of non-overlapping floats whose exact sum is kept
+    exactly (Shewchuk's algorithm, the one math.fsum runs on its input)."""
+    i = 0
+    for y in partials:
+        if abs(x) < abs(y):
+            x, y = y, x
+        hi = x + y
+        lo = y - (hi - x)
+        if lo:
+            partials[i] = lo
+            i += 1
+        x = hi
+    partials[i:] = [x]
+
+
 class ExactSum:
     """Sum of per-row values that does not depend on how rows are chunked.
 
     Rows are summed by torch in fixed global blocks of ROW_BLOCK, and the block
     sums with math.fsum (correctly rounded), so any chunking gives the same bits.
+    Every COMPRESS_AT block sums are folded into an exact expansion (a few floats whose
+    sum is exactly theirs), so memory stays bounded however many rows there are and the
+    total, the correctly rounded exact sum, keeps the same bits.
     """
 
     def __init__(self) -> None:
         self.blocks: list[float] = []
+        self.partials: list[float] = []
+        self.special: list[float] = []
         self.carry = torch.zeros(0, dtype=torch.float64)
 
     def add(self, values: torch.Tensor) -> None:
@@ -29,11 +53,21 @@ class ExactSum:
         full = v.numel() - v.numel() % ROW_BLOCK
         if full:
             self.blocks.extend(v[:full].reshape(-1, ROW_BLOCK).sum(dim=-1).tolist())
+            if len(self.blocks) >= COMPRESS_AT:
+                self._compress()
         self.carry = v[full:]
+
+    def _compress(self) -> None:
+        for b in self.blocks:
+            if math.isfinite(b):
+                _grow_expansion(self.partials, b)
+            elif not any(b == s or (b != b and s != s) for s in self.special):
+                self.special.append(b)  # inf or NaN: fsum's rules need each kind once, not each one
+        self.blocks = []
 
     def total(self) -> float:
         tail = [float(self.carry.sum())] if self.carry.numel() else []
-        return math.fsum(self.blocks + tail)
+        return math.fsum(self.partials + self.special + self.blocks + tail)
 
 
 class Max:

@@ -19,9 +19,17 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
     return result
 
 
-def run_preset(name: str, seed: int = 0, device: str = "cpu") -> PresetResult:
-    """A preset of ``numerics.presets``: published figures next to attncheck's own."""
+def run_preset(name: str, seed: int = 0, device: str = "cpu", progress: Callable[[int, int], None] | None = None) -> PresetResult:
+    """A preset of ``numerics.presets``: published figures next to attncheck's own;
+    ``progress(done, total)`` after each of its steps."""
     from attncheck.numerics.diagnose import resolve_device
-    from attncheck.numerics.presets import PRESETS
+    from attncheck.numerics.presets import PRESET_STEPS, PRESETS
 
-    return PRESETS[name](seed=seed, device=resolve_device(device))
+    total, done = PRESET_STEPS[name], [0]
+
+    def step() -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], total)
+
+    return PRESETS[name](seed=seed, device=resolve_device(device), step=step)

@@ -263,3 +263,16 @@ def test_progress_goes_to_stderr_never_into_json_stdout():
 def test_no_progress_when_stderr_is_not_a_terminal():
     proc = run_sweep_cli("--json", "-", progress=None)
     assert proc.returncode == 0 and proc.stderr == ""
+
+
+def test_preset_shows_progress_on_stderr_never_in_json():
+    import os
+
+    env = dict({k: v for k, v in os.environ.items() if k != "ATTNCHECK_PROGRESS"}, ATTNCHECK_PROGRESS="always", COLUMNS="100")
+    proc = subprocess.run([sys.executable, "-m", "attncheck", "sweep", "--preset", "pcast", "--json", "-"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["preset"]["name"] == "pcast"
+    from attncheck.numerics.presets import PCAST_GAPS, PCAST_SCALES
+
+    steps = len(PCAST_GAPS) * len(PCAST_SCALES)
+    assert "preset pcast" in proc.stderr and f"/{steps}\x1b" in proc.stderr and "steps" in proc.stderr
