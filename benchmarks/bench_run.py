@@ -11,7 +11,8 @@ each dtype's cast (with the float64 reference of the cast scores, shared by the
 dtype's 4 methods), and each cell's softmax method and error metrics. A cell's
 cost is its method + its metrics + a quarter of its dtype's cast. Each stage's
 time is the least over --repeat passes. All figures are ratios to the
-torch.softmax pass, measured in this one process (with glibc told to reuse
+torch.softmax pass (allocating its output; the pass into a preallocated output is
+printed too, and the whole call against both), measured in this one process (with glibc told to reuse
 freed memory, as the attncheck command does); last comes one whole `diagnose`
 call, whose time also includes the accumulators and findings.
 """
@@ -107,6 +108,10 @@ def main() -> None:
 
     base = best_of(args.repeat, lambda: torch.softmax(x, dim=-1))
     print(f"torch.softmax fp32, one pass: {base * 1e3:.1f} ms (= 1.00x)")
+    buf = torch.empty_like(x)
+    pre = best_of(args.repeat, lambda: torch._softmax(x, -1, False, out=buf))  # the same kernel into a preallocated output
+    print(f"torch.softmax fp32 into a preallocated output: {pre * 1e3:.1f} ms (= {pre / base:.2f}x)")
+    del buf
 
     passes = [staged_pass(x, opts) for _ in range(args.repeat)]
     best = {k: min(p[k] for p in passes) for k in passes[0]}
@@ -120,7 +125,8 @@ def main() -> None:
             print(f"{m + '/' + d:<12} {t_cast / base:>8.2f}x {t_method / base:>7.2f}x {t_metrics / base:>7.2f}x {total / base:>10.2f}x")
 
     t = best_of(1, lambda: diagnose("bench", x, opts))
-    print(f"whole diagnose (12 cells + shared work, one call): {t:.2f} s = {t / base:.1f}x one torch.softmax pass")
+    print(f"whole diagnose (12 cells + shared work, one call): {t:.2f} s = {t / base:.1f}x one torch.softmax pass "
+          f"({t / pre:.1f}x one pass into a preallocated output)")
 
 
 if __name__ == "__main__":

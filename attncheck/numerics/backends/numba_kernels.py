@@ -370,6 +370,38 @@ def _metrics(pb, ref, ra, floor, rest_at):
     return hi, s, sq, mx, sqa, mxa, kl, fl, rest
 
 
+@_jit
+def _metrics_one(pb, ref, floor, rest_at):
+    """``_metrics`` where the second reference is the first (the cells' scores are the
+    chunk's own): the errors against it are taken once."""
+    hi = -np.inf
+    s = 0.0
+    sq = 0.0
+    mx = 0.0
+    kl = 0.0
+    fl = 0
+    rest = 0
+    for j in range(pb.size):
+        v = pb[j]
+        r = ref[j]
+        hi = max_nn(hi, v)
+        s += v
+        e = abs(v - r)
+        sq += e * e
+        mx = max_nn(mx, e)
+        if v == 0.0 and r > 0.0:
+            fl += 1
+        q = v if v > floor else floor
+        d = (r - q) / q
+        c = _horner(d, KL_SERIES)
+        small = abs(d) < SERIES_LIMIT
+        kl += q * d * d * c if small else (q if r == 0.0 else 0.0)
+        left = 1 if not small and r > 0.0 else 0
+        rest_at[j] = left
+        rest += left
+    return hi, s, sq, mx, sq, mx, kl, fl, rest
+
+
 @_jit_plain
 def _kl_rest_indices(rest_at, idx):
     """Indices of the KL terms ``_metrics`` left out, listed in ``idx``; returns how many."""
@@ -502,8 +534,9 @@ def algo_reference_rows(x, ref):
 
 
 @_jit_plain
-def _cell_row(p, i, k, row, algo, ok, top_i, floor, pb, rest_at, idx, pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop):
-    """The metrics of row i of ``p`` into slot k of the outputs (see ``cell_rows``)."""
+def _cell_row(p, i, k, row, algo, two, ok, top_i, floor, pb, rest_at, idx, pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop):
+    """The metrics of row i of ``p`` into slot k of the outputs (see ``cell_rows``); errors
+    against ``algo`` too where ``two`` (else ``algo`` is ``row`` and they are the same)."""
     bad, _ = _load(p, i, pb)
     attop[k, i] = pb[top_i]
     if bad:
@@ -512,7 +545,10 @@ def _cell_row(p, i, k, row, algo, ok, top_i, floor, pb, rest_at, idx, pmax, psum
     if not ok:
         pmax[k, i] = _row_max(pb)
         return
-    hi, s, a, b, a2, b2, div, fl, rest = _metrics(pb, row, algo, floor, rest_at)
+    if two:
+        hi, s, a, b, a2, b2, div, fl, rest = _metrics(pb, row, algo, floor, rest_at)
+    else:
+        hi, s, a, b, a2, b2, div, fl, rest = _metrics_one(pb, row, floor, rest_at)
     if rest:
         div += _kl_rest(pb, row, floor, idx, _kl_rest_indices(rest_at, idx))
     pmax[k, i] = hi
@@ -559,15 +595,16 @@ def cell_rows(ptrs_a, like_a, ptrs_b, like_b, floors, ra, use_algo, algo_ok, ref
         idx = np.empty(t, np.int64)
         for i in range(task * ROWS_PER_TASK, min(r, (task + 1) * ROWS_PER_TASK)):
             row = ref[i]
-            algo = ra[i] if use_algo and algo_ok[i] else row
+            two = use_algo and algo_ok[i]
+            algo = ra[i] if two else row
             ok = ref_ok[i]
             j = top[i]
             for k in range(na):
                 p = numba.carray(_pointer_like(ptrs_a[k], like_a), (r, t))
-                _cell_row(p, i, k, row, algo, ok, j, floors[k], pb, rest_at, idx, pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop)
+                _cell_row(p, i, k, row, algo, two, ok, j, floors[k], pb, rest_at, idx, pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop)
             for k in range(ptrs_b.size):
                 p = numba.carray(_pointer_like(ptrs_b[k], like_b), (r, t))
-                _cell_row(p, i, na + k, row, algo, ok, j, floors[na + k], pb, rest_at, idx, pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop)
+                _cell_row(p, i, na + k, row, algo, two, ok, j, floors[na + k], pb, rest_at, idx, pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop)
     return pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop
 
 
