@@ -345,21 +345,27 @@ class CellAcc:
             return
         self.compared += n_ok
         self.elems += n_ok * keys
-        self.max_sum_err.add((m.psum - 1).abs()[ok])
-        self.sq.add(m.sq_err[ok])
-        self.max_abs.add(m.max_err[ok])
+        every = n_ok == ok.numel()  # the common case: no row to leave out, no boolean indexing (a copy each)
+
+        def sel(t: torch.Tensor) -> torch.Tensor:
+            return t if every else t[ok]
+
+        self.max_sum_err.add((m.psum - 1).abs_() if every else (m.psum - 1).abs()[ok])
+        self.sq.add(sel(m.sq_err))
+        self.max_abs.add(sel(m.max_err))
         if not algo.same:
             both = ok & algo.ok
-            self.sq_algo.add(m.sq_err_algo[both])
-            self.max_abs_algo.add(m.max_err_algo[both])
-            self.elems_algo += int(both.sum()) * keys
+            n_both = int(both.sum())
+            self.sq_algo.add(m.sq_err_algo if n_both == ok.numel() else m.sq_err_algo[both])
+            self.max_abs_algo.add(m.max_err_algo if n_both == ok.numel() else m.max_err_algo[both])
+            self.elems_algo += n_both * keys
         else:
             self.sq_algo, self.max_abs_algo, self.elems_algo = self.sq, self.max_abs, self.elems
-        kl = m.kl[ok]
+        kl = sel(m.kl)
         self.kl.add(kl)
         self.kl_max.add(kl)
-        self.ref_nonzero += int(c.ref_positive_count[ok].sum())
-        self.flushed += int(m.flushed[ok].sum())
+        self.ref_nonzero += int(sel(c.ref_positive_count).sum())
+        self.flushed += int(sel(m.flushed).sum())
         # A flip: the reference's top key is strictly below the cell's maximum (ties are not flips).
         flip = (m.p_at_top < m.pmax) & ok
         self.flips += int(flip.sum())

@@ -13,61 +13,81 @@ from attncheck.results import UNEXPLAINED
 ROW_BLOCK = 64  # rows per exact-sum block; chunk sizes do not change any result
 
 
-COMPRESS_AT = 4096  # block sums held before they are folded into an exact expansion
+COMPRESS_AT = 4096  # block sums held before they are folded into the exact integer total
+_SHIFT = 1127  # every float64 is an integer times 2^-1126 (53-bit mantissa, exponent >= -1074)
 
 
-def _grow_expansion(partials: list[float], x: float) -> None:
-    """Add ``x`` to ``partials``, a list of non-overlapping floats whose exact sum is kept
-    exactly (Shewchuk's algorithm, the one math.fsum runs on its input)."""
-    i = 0
-    for y in partials:
-        if abs(x) < abs(y):
-            x, y = y, x
-        hi = x + y
-        lo = y - (hi - x)
-        if lo:
-            partials[i] = lo
-            i += 1
-        x = hi
-    partials[i:] = [x]
+def exact_scaled_sum(v: torch.Tensor) -> int:
+    """The exact sum of the finite float64 values ``v``, times 2^_SHIFT, as a Python int.
+
+    Each value is m 2^e with a 53-bit integer m, split as hi 2^27 + lo; the his and the los
+    are summed per exponent in float64, exactly (|hi| < 2^26, 0 <= lo < 2^27, and fewer
+    than 2^26 values), and the per-exponent sums are added as integers: a loop over the
+    distinct exponents (at most 2,098), not over the values."""
+    if not v.numel():
+        return 0
+    m, e = torch.frexp(v)  # v = m 2^e, 0.5 <= |m| < 1 (0 for 0)
+    mi = (m * 2.0**53).to(torch.int64)  # exact
+    hi = mi >> 27
+    lo = mi - (hi << 27)
+    shift = e.to(torch.int64) - 53 + _SHIFT  # >= 0
+    exps, inv = torch.unique(shift, return_inverse=True)
+    his = torch.bincount(inv, weights=hi.double(), minlength=exps.numel())
+    los = torch.bincount(inv, weights=lo.double(), minlength=exps.numel())
+    return sum((int(h) << (x + 27)) + (int(lo_) << x) for x, h, lo_ in zip(exps.tolist(), his.tolist(), los.tolist()))
 
 
 class ExactSum:
     """Sum of per-row values that does not depend on how rows are chunked.
 
-    Rows are summed by torch in fixed global blocks of ROW_BLOCK, and the block
-    sums with math.fsum (correctly rounded), so any chunking gives the same bits.
-    Every COMPRESS_AT block sums are folded into an exact expansion (a few floats whose
-    sum is exactly theirs), so memory stays bounded however many rows there are and the
-    total, the correctly rounded exact sum, keeps the same bits.
+    Rows are summed by torch in fixed global blocks of ROW_BLOCK; the block sums are
+    added exactly (as integers: ``exact_scaled_sum``), every COMPRESS_AT of them, so
+    memory stays bounded however many rows there are; the total is that exact sum
+    rounded once to float64, which is what math.fsum of the block sums gives, so any
+    chunking gives the same bits. inf and NaN block sums follow fsum's rules.
     """
 
     def __init__(self) -> None:
-        self.blocks: list[float] = []
-        self.partials: list[float] = []
-        self.special: list[float] = []
+        self.pending: list[torch.Tensor] = []
+        self.held = 0
+        self.exact = 0  # the sum of the folded block sums, times 2^_SHIFT
+        self.special: list[float] = []  # inf or NaN block sums, each kind once
         self.carry = torch.zeros(0, dtype=torch.float64)
 
     def add(self, values: torch.Tensor) -> None:
         v = torch.cat([self.carry, values.detach().to("cpu", torch.float64)])
         full = v.numel() - v.numel() % ROW_BLOCK
         if full:
-            self.blocks.extend(v[:full].reshape(-1, ROW_BLOCK).sum(dim=-1).tolist())
-            if len(self.blocks) >= COMPRESS_AT:
-                self._compress()
+            self.pending.append(v[:full].reshape(-1, ROW_BLOCK).sum(dim=-1))
+            self.held += full // ROW_BLOCK
+            if self.held >= COMPRESS_AT:
+                self._fold(torch.cat(self.pending))
+                self.pending, self.held = [], 0
         self.carry = v[full:]
 
-    def _compress(self) -> None:
-        for b in self.blocks:
-            if math.isfinite(b):
-                _grow_expansion(self.partials, b)
-            elif not any(b == s or (b != b and s != s) for s in self.special):
-                self.special.append(b)  # inf or NaN: fsum's rules need each kind once, not each one
-        self.blocks = []
+    def _fold(self, blocks: torch.Tensor) -> None:
+        finite = torch.isfinite(blocks)
+        if not bool(finite.all()):
+            for b in blocks[~finite].tolist():
+                if not any(b == s or (b != b and s != s) for s in self.special):
+                    self.special.append(b)
+            blocks = blocks[finite]
+        self.exact += exact_scaled_sum(blocks)
 
     def total(self) -> float:
-        tail = [float(self.carry.sum())] if self.carry.numel() else []
-        return math.fsum(self.partials + self.special + self.blocks + tail)
+        rest = self.pending + ([self.carry.sum().reshape(1)] if self.carry.numel() else [])
+        exact, special = self.exact, list(self.special)
+        if rest:
+            blocks = torch.cat(rest)
+            finite = torch.isfinite(blocks)
+            special += blocks[~finite].tolist()
+            exact += exact_scaled_sum(blocks[finite])
+        if special:
+            return math.fsum(special)  # inf, -inf or NaN decide it, as in fsum
+        try:
+            return exact / (1 << _SHIFT)  # int / int: correctly rounded
+        except OverflowError:
+            return math.inf if exact > 0 else -math.inf
 
 
 class Max:

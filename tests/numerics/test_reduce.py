@@ -24,8 +24,7 @@ def test_total_is_fsum_of_the_block_sums_with_bounded_memory(chunk, monkeypatch)
     acc = ExactSum()
     for i in range(0, v.numel(), chunk):
         acc.add(v[i : i + chunk])
-        assert len(acc.blocks) < 64 + chunk // ROW_BLOCK + 1
-    assert len(acc.partials) < 64  # folded, not kept
+        assert acc.held < 64 + chunk // ROW_BLOCK + 1  # folded, not kept
     assert acc.total() == math.fsum(_blocks(v))
 
 
@@ -42,3 +41,14 @@ def test_non_finite_blocks_give_fsums_answer(monkeypatch):
     for i in range(0, v.numel(), 64):
         acc.add(v[i : i + 64])
     assert math.isnan(acc.total())
+
+
+def test_exact_scaled_sum_is_exact_on_extremes():
+    v = torch.tensor([2.0**-1074, -(2.0**-1074), 1.7e308, -1.7e308, 1.0, 2.0**-60, -0.0, 3.0], dtype=torch.float64)
+    assert reduce.exact_scaled_sum(v[:0]) == 0
+    from fractions import Fraction
+
+    want = sum(Fraction(x) for x in v.tolist())
+    assert Fraction(reduce.exact_scaled_sum(v), 2**reduce._SHIFT) == want
+    big = torch.full((5000,), 1.7e308, dtype=torch.float64)  # exact sums far past float64's range
+    assert Fraction(reduce.exact_scaled_sum(big), 2**reduce._SHIFT) == 5000 * Fraction(1.7e308)
