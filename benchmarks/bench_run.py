@@ -14,7 +14,7 @@ time is the least over --repeat passes. All figures are ratios to the
 torch.softmax pass (allocating its output; the pass into a preallocated output is
 printed too, and the whole call against both), measured in this one process (with glibc told to reuse
 freed memory, as the attncheck command does); last comes one whole `diagnose`
-call, whose time also includes the accumulators and findings.
+call (the least over --repeat), whose time also includes the accumulators and findings.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def main() -> None:
             total = t_cast / len(method_names()) + t_method + t_metrics
             print(f"{m + '/' + d:<12} {t_cast / base:>8.2f}x {t_method / base:>7.2f}x {t_metrics / base:>7.2f}x {total / base:>10.2f}x")
 
-    t = best_of(1, lambda: diagnose("bench", x, opts))
+    t = best_of(args.repeat, lambda: diagnose("bench", x, opts))
     print(f"whole diagnose (12 cells + shared work, one call): {t:.2f} s = {t / base:.1f}x one torch.softmax pass "
           f"({t / pre:.1f}x one pass into a preallocated output)")
 
