@@ -90,7 +90,7 @@ def test_the_cli_prints_the_notice_on_stderr_unless_quiet(fresh_choice, monkeypa
 
 @pytest.mark.slow
 def test_no_writable_cache_directory_still_runs(tmp_path):
-    """A read-only installation: no cache anywhere, the kernels compile in memory (~20 s)."""
+    """A read-only installation: no cache anywhere, the kernels compile in memory (~30 s)."""
     import subprocess
     import sys
 

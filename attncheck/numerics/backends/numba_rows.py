@@ -30,7 +30,7 @@ from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, R
 from attncheck.numerics.backends.torch_rows import TorchRows
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, smallest_subnormal, spec_of
 
-COMPILE_NOTICE = "compiling attncheck kernels (once, ~20 s)"
+COMPILE_NOTICE = "compiling attncheck kernels (once, ~30 s)"
 KERNELS_MODULE = "attncheck.numerics.backends.numba_kernels"
 
 _kernels = None
@@ -98,7 +98,7 @@ def call(name: str, signature: str, *args, notice: Callable[[str], None] | None 
     if key not in _warm:
         stamp = _stamp(key)
         if notice is not None and (stamp is None or not stamp.exists()) and not _warm:
-            notice(COMPILE_NOTICE if stamp is not None else "compiling attncheck kernels (~20 s; no writable cache directory, so every run compiles)")
+            notice(COMPILE_NOTICE if stamp is not None else "compiling attncheck kernels (~30 s; no writable cache directory, so every run compiles)")
     out = getattr(kernels(), name)(*args)
     if key not in _warm:
         _warm.add(key)
@@ -196,7 +196,7 @@ class NumbaRows(RowBackend):
             ref, ref_ok = np.zeros((1, 1)), np.zeros(r, np.bool_)
         mb, emin, top = format_of(fmt)
         out = self.workspace.take("tiled", (r, t), np.float32)
-        xn = as_rows(xc)
+        xn = as_rows(xc if xc.dtype == torch.float32 else xc.float())  # widened exactly: one compiled kernel, not one per dtype
         done, overflow, live, flushed, mass = (torch.from_numpy(a) for a in self._call(
             "tiled_rows", f"{xn.dtype}", xn, block, bool(params.reverse), mb, emin, top, fp8 is not None, p_scale, limit, ref, ref_ok, out))
         probs = torch.from_numpy(out)
