@@ -28,7 +28,7 @@ import torch
 from attncheck.cli.common import reuse_freed_memory
 from attncheck.numerics.accumulate import CellAcc, CensusAcc, DistAcc
 from attncheck.numerics.backends import select_backend
-from attncheck.numerics.diagnose import Options, _extremes_in_dtype, _in_dtype, diagnose
+from attncheck.numerics.diagnose import Options, _extremes_in_dtype, _in_dtype, bookkeeping, diagnose
 from attncheck.numerics.precision import dtype_from_name
 from attncheck.numerics.softmax import MethodParams, run_method
 from attncheck.registry import METHODS, dtype_names, method_names
@@ -55,14 +55,17 @@ def staged_pass(x: torch.Tensor, opts: Options) -> dict:
     for start in range(0, x.shape[0], step):
         t0 = clock()
         c = backend.chunk(x[start : start + step], start, 0.0)
-        census.update(c)
-        dist.update(c)
+        with bookkeeping(c.x.device):  # as diagnose runs it: on one torch thread
+            census.update(c)
+            dist.update(c)
         spent["shared"] += clock() - t0
         for d in opts.dtypes:
             block = c.x
             t0 = clock()
             algo, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, backend)
-            census.update_headroom(d, c, *_extremes_in_dtype(block, c, algo.xc))
+            extremes = _extremes_in_dtype(block, c, algo.xc)
+            with bookkeeping(c.x.device):
+                census.update_headroom(d, c, *extremes)
             spent[("cast", d)] += clock() - t0
             causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
             outs = {}
@@ -77,7 +80,8 @@ def staged_pass(x: torch.Tensor, opts: Options) -> dict:
             for m, r in zip(opts.methods, metrics):
                 t0 = clock()
                 o = outs[m]
-                cells[(m, d)].update(c, o.probs, o.events, algo, causes, r)
+                with bookkeeping(c.x.device):
+                    cells[(m, d)].update(c, o.probs, o.events, algo, causes, r)
                 spent[("metrics", m, d)] += clock() - t0 + t_rows
     return spent
 
