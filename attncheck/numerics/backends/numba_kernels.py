@@ -331,9 +331,10 @@ def _census_slow(xb, shift, limit):
 
 
 @_jit
-def _metrics(pb, ref, ra, floor, rest_at):
-    """Metrics of a NaN-free row of probabilities against its reference ``ref`` and
-    against ``ra``: max, sum, sum of squared and max absolute error against each,
+def _metrics(pb, ref, ra, floor, rest_at, two):
+    """Metrics of a NaN-free row of probabilities against its reference ``ref`` and,
+    where ``two``, against ``ra`` (else those errors are the ones against ``ref``, taken
+    once: the cells' scores are the chunk's own): max, sum, sum of squared and max absolute error against each,
     flushed count, and the generalised KL(ref || q) with q = max(p, floor), the sum of
     r log(r/q) - r + q. Each KL term comes from its series when
     |delta| = |r - q| / q < SERIES_LIMIT (no cancellation there) and is q where r = 0;
@@ -356,9 +357,10 @@ def _metrics(pb, ref, ra, floor, rest_at):
         e = abs(v - r)
         sq += e * e
         mx = max_nn(mx, e)
-        ea = abs(v - ra[j])
-        sqa += ea * ea
-        mxa = max_nn(mxa, ea)
+        if two:  # loop-invariant: LLVM compiles the loop once for each value
+            ea = abs(v - ra[j])
+            sqa += ea * ea
+            mxa = max_nn(mxa, ea)
         if v == 0.0 and r > 0.0:
             fl += 1
         q = v if v > floor else floor
@@ -370,39 +372,9 @@ def _metrics(pb, ref, ra, floor, rest_at):
         left = 1 if not small and r > 0.0 else 0
         rest_at[j] = left
         rest += left
+    if not two:
+        sqa, mxa = sq, mx
     return hi, s, sq, mx, sqa, mxa, kl, fl, rest
-
-
-@_jit
-def _metrics_one(pb, ref, floor, rest_at):
-    """``_metrics`` where the second reference is the first (the cells' scores are the
-    chunk's own): the errors against it are taken once."""
-    hi = -np.inf
-    s = 0.0
-    sq = 0.0
-    mx = 0.0
-    kl = 0.0
-    fl = 0
-    rest = 0
-    for j in range(pb.size):
-        v = pb[j]
-        r = ref[j]
-        hi = max_nn(hi, v)
-        s += v
-        e = abs(v - r)
-        sq += e * e
-        mx = max_nn(mx, e)
-        if v == 0.0 and r > 0.0:
-            fl += 1
-        q = v if v > floor else floor
-        d = (r - q) / q
-        c = _horner(d, KL_SERIES)
-        small = abs(d) < SERIES_LIMIT
-        kl += q * d * d * c if small else (q if r == 0.0 else 0.0)
-        left = 1 if not small and r > 0.0 else 0
-        rest_at[j] = left
-        rest += left
-    return hi, s, sq, mx, sq, mx, kl, fl, rest
 
 
 @_jit_plain
@@ -548,10 +520,7 @@ def _cell_row(p, i, k, row, algo, two, ok, top_i, floor, pb, rest_at, idx, pmax,
     if not ok:
         pmax[k, i] = _row_max(pb)
         return
-    if two:
-        hi, s, a, b, a2, b2, div, fl, rest = _metrics(pb, row, algo, floor, rest_at)
-    else:
-        hi, s, a, b, a2, b2, div, fl, rest = _metrics_one(pb, row, floor, rest_at)
+    hi, s, a, b, a2, b2, div, fl, rest = _metrics(pb, row, algo, floor, rest_at, two)
     if rest:
         div += _kl_rest(pb, row, floor, idx, _kl_rest_indices(rest_at, idx))
     pmax[k, i] = hi
