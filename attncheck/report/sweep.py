@@ -252,6 +252,17 @@ def _error_text(c: SweepCell) -> Text:
 
 def error_table(result: SweepResult) -> Table:
     """Max abs error against float64 per scale x dtype x method, one column per d_k."""
+
+    def text(p, dtype: str, method: str) -> Text | None:
+        c = _cell(p, method, dtype)
+        return None if c is None else _error_text(c)
+
+    return _dk_grid(result, result.config.methods, text)
+
+
+def _dk_grid(result: SweepResult, kinds, text) -> Table:
+    """One row per scale x dtype x kind (a method or a path), one column per d_k; ``text(point,
+    dtype, kind)`` gives a cell, None for '-'."""
     seq, std = _varying(result)
     points = _by_key(result)
     t = _table()
@@ -260,18 +271,19 @@ def error_table(result: SweepResult) -> Table:
     t.add_column("cell")
     for dk in result.config.dks:
         t.add_column(str(dk), justify="right", no_wrap=True)
-    methods, dtypes = result.config.methods, result.config.dtypes
+    dtypes = result.config.dtypes
     sections = _sections(result)
     for i, first in enumerate(sections):
         for j, dtype in enumerate(dtypes):
-            for k, method in enumerate(methods):
+            for k, kind in enumerate(kinds):
                 head = j == 0 and k == 0
                 row: list[Any] = [*(_series_cells(first, seq, std) if head else [""] * bool(seq or std))]
-                row += [first.scale if head else "", f"{dtype} {method}"]
+                row += [first.scale if head else "", f"{dtype} {kind}"]
                 for dk in result.config.dks:
-                    c = _cell(points.get((first.seq, first.std, first.scale, dk)), method, dtype)
-                    row.append("-" if c is None else _error_text(c))
-                last = j + 1 == len(dtypes) and k + 1 == len(methods)
+                    p = points.get((first.seq, first.std, first.scale, dk))
+                    cell = None if p is None else text(p, dtype, kind)
+                    row.append("-" if cell is None else cell)
+                last = j + 1 == len(dtypes) and k + 1 == len(kinds)
                 t.add_row(*row, end_section=last and i + 1 < len(sections))
     return t
 
@@ -288,28 +300,12 @@ def output_table(result: SweepResult) -> Table | None:
     """RMSE of O = P@V against float64 per scale x dtype x path, one column per d_k."""
     if not result.config.paths:
         return None
-    seq, std = _varying(result)
-    points = _by_key(result)
-    t = _table()
-    _series_columns(t, seq, std)
-    t.add_column("scale")
-    t.add_column("cell")
-    for dk in result.config.dks:
-        t.add_column(str(dk), justify="right", no_wrap=True)
-    sections = _sections(result)
-    for i, first in enumerate(sections):
-        for j, dtype in enumerate(result.config.dtypes):
-            for k, path in enumerate(result.config.paths):
-                head = j == 0 and k == 0
-                row: list[Any] = [*(_series_cells(first, seq, std) if head else [""] * bool(seq or std))]
-                row += [first.scale if head else "", f"{dtype} {path}"]
-                for dk in result.config.dks:
-                    p = points.get((first.seq, first.std, first.scale, dk))
-                    o = None if p is None else next((o for o in p.outputs if o.path == path and o.dtype == dtype), None)
-                    row.append("-" if o is None else _output_text(o))
-                last = j + 1 == len(result.config.dtypes) and k + 1 == len(result.config.paths)
-                t.add_row(*row, end_section=last and i + 1 < len(sections))
-    return t
+
+    def text(p, dtype: str, path: str) -> Text | None:
+        o = next((o for o in p.outputs if o.path == path and o.dtype == dtype), None)
+        return None if o is None else _output_text(o)
+
+    return _dk_grid(result, result.config.paths, text)
 
 
 def _output_text(o: SweepOutput) -> Text:
