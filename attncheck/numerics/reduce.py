@@ -50,7 +50,6 @@ class ExactSum:
 
     def __init__(self) -> None:
         self.pending: list[float] = []
-        self.held = 0
         self.exact = 0  # the sum of the folded block sums, times 2^_SHIFT
         self.special: list[float] = []  # inf or NaN block sums, each kind once
         self.carry = torch.zeros(0, dtype=torch.float64)
@@ -62,11 +61,15 @@ class ExactSum:
             # Python floats, not small arrays: thousands of small long-lived allocations between
             # the chunks' large transient ones fragment the heap (+40 MiB on a 64 MiB file at 8MiB)
             self.pending.extend(v[:full].reshape(-1, ROW_BLOCK).sum(dim=-1).tolist())
-            self.held += full // ROW_BLOCK
             if self.held >= COMPRESS_AT:
                 self._fold(np.array(self.pending))
-                self.pending, self.held = [], 0
+                self.pending = []
         self.carry = v[full:]
+
+    @property
+    def held(self) -> int:
+        """Block sums not folded yet."""
+        return len(self.pending)
 
     def _fold(self, blocks: np.ndarray) -> None:
         finite = np.isfinite(blocks)
