@@ -144,6 +144,9 @@ class DirectorySink:
             raise self._error
         name = call_file_name(call.index, call.module)
         self._slots.acquire()  # wait until the previous call is written
+        if self._error is not None:  # that write may have failed while this call waited
+            self._slots.release()
+            raise self._error
         tensors = {role: self._stage(t) for role, t in call.tensors.items()}  # copies: the model may reuse its buffers
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         self.bytes += size
@@ -163,6 +166,8 @@ class DirectorySink:
             try:
                 if self._error is None:
                     write_safetensors(path, tensors, meta)
+                else:  # recording has stopped: this call is not written, so the manifest must not list it
+                    self._failed.add(path.name)
             except OSError as e:
                 self._error = AttncheckError(f"cannot write {path}: {e.strerror or e}")
                 self._failed.add(path.name)
