@@ -30,7 +30,7 @@ from attncheck.numerics.accumulate import CellAcc, CensusAcc, DistAcc
 from attncheck.numerics.backends import select_backend
 from attncheck.numerics.diagnose import Options, _extremes_in_dtype, _in_dtype, bookkeeping, diagnose
 from attncheck.numerics.precision import dtype_from_name
-from attncheck.numerics.softmax import MethodParams, run_method
+from attncheck.numerics.softmax import Buffers, MethodParams
 from attncheck.registry import METHODS, dtype_names, method_names
 
 
@@ -52,6 +52,7 @@ def staged_pass(x: torch.Tensor, opts: Options) -> dict:
     census, dist = CensusAcc(opts.dtypes), DistAcc(opts.collapse_threshold)
     cells = {(m, d): CellAcc(m, d, opts.max_examples) for d in opts.dtypes for m in opts.methods}
     clock = time.perf_counter
+    params = MethodParams(block=opts.block, buffers=Buffers())  # as diagnose runs the methods: into reused buffers
     for start in range(0, x.shape[0], step):
         t0 = clock()
         c = backend.chunk(x[start : start + step], start, 0.0)
@@ -72,7 +73,7 @@ def staged_pass(x: torch.Tensor, opts: Options) -> dict:
             for m in opts.methods:
                 t0 = clock()
                 # the fused kernel where the backend has one for the method (tiled), else its torch ops
-                outs[m] = backend.method(METHODS.get(m), algo, MethodParams(block=opts.block)) or run_method(m, algo.xc, block=opts.block)
+                outs[m] = backend.method(METHODS.get(m), algo, params) or METHODS.get(m).function()(algo.xc, params)
                 spent[("method", m, d)] += clock() - t0
             t0 = clock()
             metrics = backend.cell_metrics(c, [outs[m].probs for m in opts.methods], algo)

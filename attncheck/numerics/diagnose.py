@@ -24,7 +24,7 @@ from attncheck.numerics.accumulate import CellAcc, CensusAcc, DistAcc
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, select_backend
 from attncheck.numerics.backends.torch_rows import TorchRows
 from attncheck.numerics.precision import cast, check_scores_dtype, dtype_from_name, dtype_label, limits_of
-from attncheck.numerics.softmax import MethodParams
+from attncheck.numerics.softmax import Buffers, MethodParams
 from attncheck.registry import METHODS, PATHS, fp8_names, path_names
 from attncheck.results import TensorDiagnosis
 
@@ -125,7 +125,8 @@ def diagnose_chunks(
     cells = {key: CellAcc(key[1], key[2], options.max_examples, heads, shape[-2] if heads else 1, path=key[0]) for key in plan}
     backend = select_backend(options.kernels, device, math.prod(shape), notice)
     plain = TorchRows()  # metrics of methods the fused kernel does not serve
-    method_params = MethodParams(block=options.block, reverse=options.reverse, accum=options.accum)
+    # given scores: naive, stable and torch write into buffers reused from chunk to chunk
+    method_params = MethodParams(block=options.block, reverse=options.reverse, accum=options.accum, buffers=None if qk else Buffers())
     start = 0
     shift = None
     for block in chunks:  # loop over row chunks, never over rows

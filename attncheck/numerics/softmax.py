@@ -92,6 +92,31 @@ class MethodParams:
     reverse: bool = False  # tiled visits key blocks last to first
     accum: str = "fp32"  # row sums of naive/stable: 'fp32' (as torch) or 'dtype' (pairwise in the dtype)
     fp8: Any = None  # FP8 cells: fp8_attention.Fp8Setup (the P format and scale, how Q, K, V are quantised)
+    buffers: "Buffers | None" = None  # where a method writes its probabilities; None: fresh tensors
+
+
+class Buffers:
+    """Output tensors reused from chunk to chunk: a method's probabilities go into the
+    buffer of its name, valid until that name is taken again (the diagnosis takes each
+    name once per dtype and is done with the output before the next dtype). Writing
+    into the same memory saves an allocation and its page faults per method and chunk;
+    the numbers are those of the same ops into fresh tensors."""
+
+    def __init__(self) -> None:
+        self._bytes: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised tensor of ``like``'s shape, dtype and device."""
+        n = like.numel() * like.element_size()
+        raw = self._bytes.get(name)
+        if raw is None or raw.numel() < n or raw.device != like.device:
+            raw = self._bytes[name] = torch.empty(n, dtype=torch.uint8, device=like.device)
+        return raw[:n].view(like.dtype).view(like.shape)
+
+
+def _output(params: MethodParams, name: str, like: torch.Tensor) -> torch.Tensor | None:
+    """The tensor method ``name`` writes into: a reused buffer, or None (the op allocates)."""
+    return None if params.buffers is None or not like.is_contiguous() else params.buffers.take(name, like)
 
 
 @dataclass
@@ -121,11 +146,12 @@ def event_rows(events: dict[str, torch.Tensor], kind: str, shape: tuple[int, ...
     return out
 
 
-def _exp_softmax(x: torch.Tensor, accum: str, subtract_max: bool) -> MethodOutput:
+def _exp_softmax(x: torch.Tensor, accum: str, subtract_max: bool, out: torch.Tensor | None = None) -> MethodOutput:
+    """exp, row sum and division as three tensor ops in x's dtype, into ``out`` when given
+    (the division in place: the same rounding as ``e / s``)."""
     x_max = x.amax(dim=-1, keepdim=True)  # (..., 1)
-    e = (x - x_max).exp_() if subtract_max else torch.exp(x)
+    e = torch.sub(x, x_max, out=out).exp_() if subtract_max else torch.exp(x, out=out)
     s = _row_sum(e, accum)
-    probs = e / s
     # An inf row sum means an exp overflowed (then the sum is inf too) or, every exp being
     # finite, the sum itself did; only those rows are searched for an inf exp. A zero sum
     # means every exp flushed to 0 (stable has exp(0) = 1). A finite row max rules out NaN
@@ -141,15 +167,16 @@ def _exp_softmax(x: torch.Tensor, accum: str, subtract_max: bool) -> MethodOutpu
             rows = torch.nonzero(inf_sum.reshape(-1)).flatten()
             exp_inf.view(-1)[rows] = torch.isinf(e.reshape(-1, e.shape[-1])[rows]).any(dim=-1)
         events = {"exp_overflow": exp_inf, "sum_overflow": inf_sum & ~exp_inf, "underflow": finite_max & (s == 0)}
+    probs = e.div_(s.unsqueeze(-1))  # after the events, which read the exps
     return MethodOutput(probs, events)
 
 
 def naive_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
-    return _exp_softmax(x, params.accum, subtract_max=False)
+    return _exp_softmax(x, params.accum, subtract_max=False, out=_output(params, "naive", x))
 
 
 def stable_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
-    return _exp_softmax(x, params.accum, subtract_max=True)
+    return _exp_softmax(x, params.accum, subtract_max=True, out=_output(params, "stable", x))
 
 
 def tiled_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
@@ -162,7 +189,10 @@ def tiled_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
 
 
 def torch_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
-    return MethodOutput(torch_softmax(x))
+    out = _output(params, "torch", x)
+    if out is None:
+        return MethodOutput(torch_softmax(x))
+    return MethodOutput(torch._softmax(x, -1, False, out=out))  # the kernel torch.softmax calls, into the buffer
 
 
 def run_method(method: str, x: torch.Tensor, *, block: int = DEFAULT_BLOCK, reverse: bool = False, accum: str = "fp32") -> MethodOutput:

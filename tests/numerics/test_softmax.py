@@ -394,3 +394,30 @@ def test_tiled_whole_masked_block_before_low_scores_is_not_nan(dtype, reverse):
 def test_tiled_block_wider_than_the_row_is_one_block():
     x = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
     assert torch.equal(tiled_softmax(x, block=99999999999), tiled_softmax(x, block=20))
+
+
+@pytest.mark.parametrize("method", ["naive", "stable", "torch"])
+@pytest.mark.parametrize("accum", ["fp32", "dtype"])
+def test_methods_into_reused_buffers_give_the_same_bits_and_events(method, accum, dtype):
+    """The diagnosis hands naive, stable and torch a buffer to write into: the output must be
+    bit for bit the fresh-tensor one (overflowing, underflowing and masked rows included),
+    and a buffer taken again for a smaller or larger chunk must not carry the last one over."""
+    from attncheck.numerics.softmax import Buffers, MethodParams
+    from attncheck.registry import METHODS as REGISTRY
+
+    g = torch.Generator().manual_seed(5)
+    pool = Buffers()
+    fn = REGISTRY.get(method).function()
+    for rows, keys in ((16, 77), (5, 77), (33, 130), (1, 9)):
+        x = torch.randn(rows, keys, generator=g) * 4
+        x[0, :3] = 200.0  # exp overflows in every dtype (naive); the sum too in fp16
+        x[min(1, rows - 1), :] = float("-inf")  # fully masked
+        x[-1, 1] = -300.0  # flushes
+        xc = x.to(dtype)
+        want = fn(xc, MethodParams(accum=accum))
+        got = fn(xc, MethodParams(accum=accum, buffers=pool))
+        bits = torch.int16 if dtype != torch.float32 else torch.int32
+        assert torch.equal(got.probs.view(bits), want.probs.view(bits))
+        assert got.events.keys() == want.events.keys()
+        assert all(torch.equal(got.events[k], want.events[k]) for k in want.events)
+    assert pool.take(method, xc).data_ptr() == got.probs.data_ptr()  # the output is the buffer itself
