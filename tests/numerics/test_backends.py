@@ -126,6 +126,33 @@ def test_row_checks_route_nan_and_inf_rows_to_the_exact_path():
     assert np.allclose(ref[4], want, rtol=1e-15, atol=0)
 
 
+
+def test_census_mins_leave_out_masked_keys_at_any_position():
+    """reference_rows' min of finite scores and min of unmasked ones, against numpy, where
+    the keys left out sit anywhere in rows longer than a vector; a finite score as large as
+    float64 goes, and rows with no key to count (+inf)."""
+    big = np.finfo(np.float64).max
+    limit = -1e4
+    rng = np.random.default_rng(4)
+    x = rng.normal(0, 5, (8, 37))
+    x[0, ::3] = -np.inf
+    x[1, 20:] = -1e5  # sentinels: finite, masked
+    x[2, :] = -np.inf
+    x[3, :] = -1e5
+    x[4, :] = -np.inf
+    x[4, 36] = big  # the only finite key is the largest float64
+    x[5, :] = -np.inf
+    x[5, 0] = -1e5  # one finite key, masked
+    x[6, 36] = -np.inf
+    ref = np.empty(x.shape)
+    out = K.reference_rows(x, 0.0, limit, ref)
+    fmin, umin = out[6], out[7]
+    finite = np.where(np.isfinite(x), x, np.inf)
+    unmasked = np.where(np.isfinite(x) & (x > limit), x, np.inf)
+    assert fmin.tolist() == finite.min(axis=1).tolist()
+    assert umin.tolist() == unmasked.min(axis=1).tolist()
+    assert fmin[4] == big and fmin[2] == np.inf and umin[3] == np.inf and umin[5] == np.inf and fmin[5] == -1e5
+
 def both_paths(x, **opts):
     return diagnose("x", x, Options(kernels="fused", **opts)), diagnose("x", x, Options(kernels="torch", **opts))
 

@@ -38,6 +38,7 @@ EXACT = {"contract"}  # fused multiply-add only: nothing reordered
 ROWS_PER_TASK = 16  # rows per parallel task: one set of row buffers is allocated per task
 SERIES_LIMIT = 0.1  # |delta| below this: KL term from its series to delta^14, error < 1e-15 relative
 
+F64_MAX = float(np.finfo(np.float64).max)
 LOG2E = 1.4426950408889634
 LN2_HI = 6.93147180369123816490e-01  # ln 2 split so that k * LN2_HI is exact for |k| < 2^11
 LN2_LO = 1.90821492927058770002e-10
@@ -229,10 +230,15 @@ def _scale_row(out, s):
 @_jit
 def _census_fast(xb, shift, limit):
     """Census of a row without NaN or +inf: max, min of finite values, min of finite
-    values above ``limit``, masked count, sums of finite (x - shift) and its square."""
+    values above ``limit``, masked count, sums of finite (x - shift) and its square.
+
+    A key left out of a min counts as the largest float64, not as +inf: LLVM folds
+    ``min(lo, inf)`` into a conditional update, which it does not vectorise (1.2 ns a
+    key instead of 0.1). Every finite score is at most that value, so the mins are
+    exact wherever a key counts; rows with none get +inf after the loop."""
     m = -np.inf
-    lo = np.inf
-    ulo = np.inf
+    lo = F64_MAX
+    ulo = F64_MAX
     a = 0.0
     b = 0.0
     masked = 0
@@ -240,15 +246,17 @@ def _census_fast(xb, shift, limit):
         v = xb[j]
         m = max_nn(m, v)
         fin = v > -np.inf
-        c = v if fin else np.inf
-        lo = min_nn(lo, c)
-        u = v if v > limit else np.inf
-        ulo = min_nn(ulo, u)
+        lo = min_nn(lo, v if fin else F64_MAX)
+        ulo = min_nn(ulo, v if v > limit else F64_MAX)
         if v <= limit:
             masked += 1
         w = v - shift if fin else 0.0
         a += w
         b += w * w
+    if m == -np.inf:  # no finite key
+        lo = np.inf
+    if not m > limit:  # no key above the limit
+        ulo = np.inf
     return m, lo, ulo, masked, a, b
 
 
