@@ -387,11 +387,17 @@ def _metrics(pb, ref, ra, floor, rest_at, two):
 
 @_jit_plain
 def _kl_rest_indices(rest_at, idx):
-    """Indices of the KL terms ``_metrics`` left out, listed in ``idx``; returns how many."""
+    """Indices of the KL terms ``_metrics`` left out (flags of one byte, padded with zeros to
+    whole 8-byte words), listed in ``idx``; returns how many. A word of eight zero flags is
+    skipped at once: the rest are few (flushed and subnormal probabilities)."""
+    words = rest_at.view(np.uint64)
     n = 0
-    for j in range(rest_at.size):
-        idx[n] = j  # written always, kept only when counted: no branch
-        n += rest_at[j]
+    for w in range(words.size):
+        if words[w] == 0:
+            continue
+        for j in range(8 * w, 8 * w + 8):
+            idx[n] = j  # written always, kept only when counted: no branch
+            n += rest_at[j]
     return n
 
 
@@ -571,8 +577,8 @@ def cell_rows(ptrs_a, like_a, ptrs_b, like_b, floors, ra, use_algo, algo_ok, ref
     attop = np.empty((k_all, r))
     for task in prange((r + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         pb = np.empty(t)
-        rest_at = np.empty(t, np.int64)
-        idx = np.empty(t, np.int64)
+        rest_at = np.zeros(-(-t // 8) * 8, np.uint8)  # whole words for _kl_rest_indices; the padding stays 0
+        idx = np.empty(t + 8, np.int64)
         for i in range(task * ROWS_PER_TASK, min(r, (task + 1) * ROWS_PER_TASK)):
             row = ref[i]
             two = use_algo and algo_ok[i]
