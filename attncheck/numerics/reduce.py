@@ -55,7 +55,9 @@ class ExactSum:
         self.carry = torch.zeros(0, dtype=torch.float64)
 
     def add(self, values: torch.Tensor) -> None:
-        v = torch.cat([self.carry, values.detach().to("cpu", torch.float64)])
+        v = values.detach().to("cpu", torch.float64)
+        if self.carry.numel():  # rows left over from the last chunk's partial block come first
+            v = torch.cat([self.carry, v])
         full = v.numel() - v.numel() % ROW_BLOCK
         if full:
             # Python floats, not small arrays: thousands of small long-lived allocations between
@@ -64,7 +66,7 @@ class ExactSum:
             if self.held >= COMPRESS_AT:
                 self._fold(np.array(self.pending))
                 self.pending = []
-        self.carry = v[full:]
+        self.carry = v[full:].clone()  # not a view of the caller's tensor, which may be a reused buffer
 
     @property
     def held(self) -> int:

@@ -149,23 +149,32 @@ def event_rows(events: dict[str, torch.Tensor], kind: str, shape: tuple[int, ...
 def _exp_softmax(x: torch.Tensor, accum: str, subtract_max: bool, out: torch.Tensor | None = None) -> MethodOutput:
     """exp, row sum and division as three tensor ops in x's dtype, into ``out`` when given
     (the division in place: the same rounding as ``e / s``)."""
-    x_max = x.amax(dim=-1, keepdim=True)  # (..., 1)
-    e = torch.sub(x, x_max, out=out).exp_() if subtract_max else torch.exp(x, out=out)
-    s = _row_sum(e, accum)
+    if subtract_max:
+        x_max = x.amax(dim=-1, keepdim=True)  # (..., 1)
+        e = torch.sub(x, x_max, out=out).exp_()
+    else:
+        e = torch.exp(x, out=out)
+    s = _row_sum(e, accum).squeeze(-1)
     # An inf row sum means an exp overflowed (then the sum is inf too) or, every exp being
     # finite, the sum itself did; only those rows are searched for an inf exp. A zero sum
     # means every exp flushed to 0 (stable has exp(0) = 1). A finite row max rules out NaN
-    # and +inf inputs, reported as such elsewhere.
-    finite_max = torch.isfinite(x_max.squeeze(-1))
-    s = s.squeeze(-1)
-    inf_sum = finite_max & torch.isinf(s)  # (...)
-    exp_inf = torch.zeros_like(inf_sum)
+    # and +inf inputs, reported as such elsewhere; naive needs it only in the rows whose
+    # sum is inf or 0, so only those are searched for their max.
     if subtract_max:  # exp(x - max) <= 1: only the sum can overflow
-        events = {"sum_overflow": inf_sum}
+        events = {"sum_overflow": torch.isfinite(x_max.squeeze(-1)) & torch.isinf(s)}
     else:
-        if bool(inf_sum.any()):
-            rows = torch.nonzero(inf_sum.reshape(-1)).flatten()
-            exp_inf.view(-1)[rows] = torch.isinf(e.reshape(-1, e.shape[-1])[rows]).any(dim=-1)
+        finite_max = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
+        exp_inf = torch.zeros_like(finite_max)
+        inf_sum = torch.isinf(s)
+        suspect = inf_sum | (s == 0)
+        if bool(suspect.any()):
+            flat = x.reshape(-1, x.shape[-1])
+            rows = torch.nonzero(suspect.reshape(-1)).flatten()
+            finite_max.view(-1)[rows] = torch.isfinite(flat[rows].amax(dim=-1))
+            inf_sum &= finite_max
+            hit = torch.nonzero(inf_sum.reshape(-1)).flatten()
+            if hit.numel():
+                exp_inf.view(-1)[hit] = torch.isinf(e.reshape(-1, e.shape[-1])[hit]).any(dim=-1)
         events = {"exp_overflow": exp_inf, "sum_overflow": inf_sum & ~exp_inf, "underflow": finite_max & (s == 0)}
     probs = e.div_(s.unsqueeze(-1))  # after the events, which read the exps
     return MethodOutput(probs, events)

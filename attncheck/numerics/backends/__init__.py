@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Sequence
 
 import torch
@@ -61,8 +62,9 @@ class ChunkFacts:
     def bad(self) -> torch.Tensor:
         return self.n_finite < self.x.shape[-1]
 
-    @property
+    @cached_property
     def ref_ok(self) -> torch.Tensor:
+        """(r,) rows whose reference is defined; computed once (every cell reads it)."""
         return torch.isfinite(self.ref_sum)
 
     @property
