@@ -71,6 +71,7 @@ def check_scores_dtype(name: str, dtype: torch.dtype) -> None:
         raise scores_dtype_error(name, dtype)
 
 
+@lru_cache(maxsize=None)  # a few (value, dtype) pairs, asked for every chunk and cell
 def _step(value: float, dtype: torch.dtype, by: int) -> float:
     """The value ``by`` bit patterns away from a positive ``value`` of ``dtype`` (read from the
     bits, not from finfo: torch 2.13's finfo(float8_e5m2fnuz).eps is 2**-3, its spacing is 2**-2)."""
