@@ -578,7 +578,7 @@ def cell_rows(ptrs_a, like_a, ptrs_b, like_b, floors, ra, use_algo, algo_ok, ref
     for task in prange((r + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         pb = np.empty(t)
         rest_at = np.zeros(-(-t // 8) * 8, np.uint8)  # whole words for _kl_rest_indices; the padding stays 0
-        idx = np.empty(t + 8, np.int64)
+        idx = np.empty(t + 1, np.int64)  # _kl_rest_indices writes one slot past the last index it keeps
         for i in range(task * ROWS_PER_TASK, min(r, (task + 1) * ROWS_PER_TASK)):
             row = ref[i]
             two = use_algo and algo_ok[i]
