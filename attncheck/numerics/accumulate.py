@@ -16,7 +16,7 @@ from attncheck.numerics.precision import (
     exp_underflow_threshold,
     known_sentinels,
 )
-from attncheck.numerics.reduce import Examples, ExactSum, Max, attribute, count_values, group_mask_values, unravel
+from attncheck.numerics.reduce import Examples, ExactSum, Max, any_true, attribute, count, count_values, finite, group_mask_values, unravel
 from attncheck.numerics.softmax import event_rows
 from attncheck.registry import EVENTS
 from attncheck.results import Cell, Census, Distribution, DtypeHeadroom
@@ -55,12 +55,12 @@ class CensusAcc:
         self.posinf += int(c.posinf_count.sum())
         self.neginf += int(c.neginf_count.sum())
         self.masked += int(c.masked.sum())
-        self.fully_masked_rows += int(c.all_masked.sum())
-        self.neginf_rows += int(c.all_neginf.sum())
-        self.nan_rows += int(c.nan.sum())
-        self.posinf_rows += int(c.posinf.sum())
+        self.fully_masked_rows += count(c.all_masked)
+        self.neginf_rows += count(c.all_neginf)
+        self.nan_rows += count(c.nan)
+        self.posinf_rows += count(c.posinf)
         # A mask constant is the minimum of every row it masks: count rows per value.
-        count_values(self.sentinel_rows, c.min_finite[(c.min_finite <= MASK_SENTINEL_LIMIT) & torch.isfinite(c.min_finite)])
+        count_values(self.sentinel_rows, c.min_finite[(c.min_finite <= MASK_SENTINEL_LIMIT) & finite(c.min_finite)])
 
     def update_headroom(self, dtype: str, c: ChunkFacts, top: torch.Tensor, low: torch.Tensor) -> None:
         """Count the chunk's rows against ``dtype``'s exp thresholds, from the scores the
@@ -70,10 +70,10 @@ class CensusAcc:
         dt = dtype_from_name(dtype)
         fin_rows = c.n_finite > 0
         self.top_in[dtype].add(top[fin_rows])
-        self.rows_over[dtype] += int((top > exp_overflow_threshold(dt)).sum())
-        self.rows_under[dtype] += int(((top < exp_underflow_threshold(dt)) & fin_rows).sum())
+        self.rows_over[dtype] += count(top > exp_overflow_threshold(dt))
+        self.rows_under[dtype] += count((top < exp_underflow_threshold(dt)) & fin_rows)
         has_keys = (c.x.shape[-1] - c.masked) >= 2
-        self.rows_spread[dtype] += int((has_keys & (top - low > -exp_underflow_threshold(dt))).sum())
+        self.rows_spread[dtype] += count(has_keys & (top - low > -exp_underflow_threshold(dt)))
 
     def update_cast(self, dtype: str, x: torch.Tensor, xc: torch.Tensor, rows: torch.Tensor) -> None:
         """Count finite scores that the cast to ``dtype`` turned into +-inf (only ``rows`` can hold any)."""
@@ -155,17 +155,17 @@ class DistAcc:
     def update(self, c: ChunkFacts) -> None:
         ok = c.ref_ok
         h = c.ref_entropy[ok]
-        self.rows += int(ok.sum())
+        self.rows += count(ok)
         self.h_sum.add(h)
         self.h_max.add(h)
         self.h_neg_min.add(-h)
         n_keys = (c.x.shape[-1] - c.masked)[ok]
         norm_ok = n_keys >= 2
         self.hn_sum.add(h[norm_ok] / torch.log(n_keys[norm_ok].to(torch.float64)))
-        self.hn_rows += int(norm_ok.sum())
+        self.hn_rows += count(norm_ok)
         pmax = 1.0 / c.ref_sum[ok]  # the max key has exp(0) = 1
         self.pmax_sum.add(pmax)
-        self.collapsed += int((pmax >= self.threshold).sum())
+        self.collapsed += count(pmax >= self.threshold)
         self.jac_sum.add(c.ref_jacobian[ok])
 
     def finish(self) -> Distribution:
@@ -311,36 +311,36 @@ class CellAcc:
         keys = probs.shape[-1]
         self.rows += probs.shape[0]
         m = metrics
-        nan_row = ~torch.isfinite(m.pmax)
+        nan_row = ~finite(m.pmax)
         zero_row = m.pmax == 0
         row_causes = causes + [(name, events[name]) for name in EVENTS if name in events]  # pipeline order
         overflow = event_rows(events, "overflow", nan_row.shape, nan_row.device)
         underflow = event_rows(events, "underflow", nan_row.shape, nan_row.device)
         for target, counter, prefix in ((nan_row, self.nan_causes, "nan"), (zero_row, self.zero_causes, "zero")):
-            if not bool(target.any()):
+            if not any_true(target):
                 continue
             for cause, hit in attribute(target, row_causes).items():
-                k = int(hit.sum())
+                k = count(hit)
                 if k:
                     counter[cause] += k
                     self.examples.add(f"{prefix}:{cause}", hit, c.offset)
-        self.nan_rows += int(nan_row.sum())
-        if self.heads and bool(nan_row.any()):
+        self.nan_rows += count(nan_row)
+        if self.heads and any_true(nan_row):
             head = (torch.nonzero(nan_row).flatten().cpu() + c.offset) // self.queries
             self.nan_by_head += torch.bincount(head, minlength=self.nan_by_head.numel())
-        self.zero_rows += int(zero_row.sum())
-        self.overflow_rows += int(overflow.sum())
-        self.underflow_rows += int(underflow.sum())
+        self.zero_rows += count(zero_row)
+        self.overflow_rows += count(overflow)
+        self.underflow_rows += count(underflow)
         self.examples.add("overflow", overflow, c.offset)
         for name in EVENTS:
-            if name in events and bool(events[name].any()):
-                self.events[name] += int(events[name].sum())
+            if name in events and any_true(events[name]):
+                self.events[name] += count(events[name])
                 self.examples.add(f"event:{name}", events[name], c.offset)
 
         if pcast is not None:
             self._count_pcast(pcast, algo, ~nan_row)
         ok = ~nan_row & c.ref_ok  # (r,) rows where both are defined
-        n_ok = int(ok.sum())
+        n_ok = count(ok)
         if not n_ok:
             return
         self.compared += n_ok
@@ -355,7 +355,7 @@ class CellAcc:
         self.max_abs.add(sel(m.max_err))
         if not algo.same:
             both = ok & algo.ok
-            n_both = int(both.sum())
+            n_both = count(both)
             self.sq_algo.add(m.sq_err_algo if n_both == ok.numel() else m.sq_err_algo[both])
             self.max_abs_algo.add(m.max_err_algo if n_both == ok.numel() else m.max_err_algo[both])
             self.elems_algo += n_both * keys
@@ -368,7 +368,7 @@ class CellAcc:
         self.flushed += int(sel(m.flushed).sum())
         # A flip: the reference's top key is strictly below the cell's maximum (ties are not flips).
         flip = (m.p_at_top < m.pmax) & ok
-        self.flips += int(flip.sum())
+        self.flips += count(flip)
         self.examples.add("flip", flip, c.offset)
 
     def _count_pcast(self, pcast, algo: AlgoReference, rows: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from attncheck.numerics.accumulate import CellAcc, CensusAcc, DistAcc
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, select_backend
 from attncheck.numerics.backends.torch_rows import TorchRows
 from attncheck.numerics.precision import cast, check_scores_dtype, dtype_from_name, dtype_label, limits_of
+from attncheck.numerics.reduce import any_true, count
 from attncheck.numerics.softmax import Buffers, MethodParams
 from attncheck.registry import METHODS, PATHS, fp8_names, path_names
 from attncheck.results import TensorDiagnosis
@@ -265,7 +266,7 @@ def _paths_of_chunk(block: "QKBlock", c: ChunkFacts, options: Options, plan, cel
                     acc.update(c, out.probs, out.events, algo, causes, met, pcast=out.pcast)
                 if out.out is not None:
                     acc.update_out(out.out, out_ref, tied, out_algo)
-                    acc.tied_rows += int(tied.sum())
+                    acc.tied_rows += count(tied)
 
 
 def _tied_rows(s: torch.Tensor) -> torch.Tensor:
@@ -317,7 +318,7 @@ def _cast(c: ChunkFacts, dt: torch.dtype, census: CensusAcc, name: str, backend:
     top = torch.finfo(dt).max
     suspect = (c.max_finite > top) | (c.min_finite < -top)
     cast_made = torch.zeros_like(c.bad)
-    if bool(suspect.any()):
+    if any_true(suspect):
         idx = torch.nonzero(suspect).flatten()
         census.update_cast(name, x, xc, idx)
         xcb = xc[idx]

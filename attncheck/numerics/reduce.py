@@ -38,6 +38,33 @@ def exact_scaled_sum(v: np.ndarray) -> int:
     return sum((int(his[x]) << (int(x) + 27)) + (int(los[x]) << int(x)) for x in present)
 
 
+def count(mask: torch.Tensor) -> int:
+    """How many entries of the bool tensor ``mask`` are True.
+
+    The per-row bookkeeping asks this thousands of times per run, of vectors with one
+    entry per row. On the CPU numpy counts them directly (65,536 rows: ~3 us on one
+    thread, against ~20 us for torch's ``sum`` of a bool tensor)."""
+    if mask.device.type == "cpu":
+        return int(np.count_nonzero(mask.detach().numpy()))
+    return int(mask.sum())
+
+
+def any_true(mask: torch.Tensor) -> bool:
+    """Whether any entry of the bool tensor ``mask`` is True (numpy on the CPU: ~1 us for
+    65,536 rows against ~55 us for torch's ``any``)."""
+    if mask.device.type == "cpu":
+        return bool(mask.detach().numpy().any())
+    return bool(mask.any())
+
+
+def finite(t: torch.Tensor) -> torch.Tensor:
+    """``torch.isfinite(t)``; by numpy for CPU float32/float64 tensors (~11 us for 65,536
+    rows against ~125 us)."""
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.isfinite(t.detach().numpy()))
+    return torch.isfinite(t)
+
+
 class ExactSum:
     """Sum of per-row values that does not depend on how rows are chunked.
 
@@ -117,7 +144,7 @@ class Examples:
 
     def add(self, label: str, mask: torch.Tensor, offset: int) -> None:
         have = self.rows.setdefault(label, [])
-        if len(have) >= self.limit or not bool(mask.any()):
+        if len(have) >= self.limit or not any_true(mask):
             return
         idx = torch.nonzero(mask).flatten()[: self.limit - len(have)]
         have.extend(int(i) + offset for i in idx.tolist())

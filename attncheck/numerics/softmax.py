@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from attncheck.errors import AttncheckError
+from attncheck.numerics.reduce import count
 from attncheck.numerics.rowmath import row_sum
 from attncheck.params import ACCUMULATIONS, DEFAULT_BLOCK
 from attncheck.registry import EVENTS, METHODS
@@ -167,7 +168,7 @@ def _exp_softmax(x: torch.Tensor, accum: str, subtract_max: bool, out: torch.Ten
         exp_inf = torch.zeros_like(finite_max)
         inf_sum = torch.isinf(s)
         suspect = inf_sum | (s == 0)
-        n_suspect = int(suspect.sum())
+        n_suspect = count(suspect)
         if n_suspect:
             flat = x.reshape(-1, x.shape[-1])
             if 8 * n_suspect > flat.shape[0]:  # many (an fp16 sum overflows often): one pass beats a gather

@@ -65,7 +65,9 @@ class ChunkFacts:
     @cached_property
     def ref_ok(self) -> torch.Tensor:
         """(r,) rows whose reference is defined; computed once (every cell reads it)."""
-        return torch.isfinite(self.ref_sum)
+        from attncheck.numerics.reduce import finite
+
+        return finite(self.ref_sum)
 
     @property
     def all_masked(self) -> torch.Tensor:
