@@ -81,6 +81,52 @@ def kl_exact(r: float, q: float) -> float:
     return float(q if r == 0 else r * mpmath.log(r / q) - r + q)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 14])
+def test_estrin_evaluates_the_polynomial_horner_does(n):
+    """_estrin (the KL series' evaluation order) against the exact value of the polynomial in
+    rationals, for n coefficients of mixed signs at |x| < 0.1: within 2 ulp of the sum of the
+    terms' magnitudes, as Horner is."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(n)
+    coeffs = tuple(float(c) for c in rng.uniform(-1, 1, n))
+    xs = np.concatenate([rng.uniform(-0.1, 0.1, 200), [0.0, 1e-12, -0.0999]])
+
+    @numba.njit
+    def both(xs):
+        out = np.empty((2, xs.size))
+        for i in range(xs.size):
+            out[0, i] = K._estrin(xs[i], coeffs)
+            out[1, i] = K._horner(xs[i], coeffs)
+        return out
+
+    got = both(xs)
+    for x, e, h in zip(xs.tolist(), got[0].tolist(), got[1].tolist()):
+        exact = sum(Fraction(c) * Fraction(x) ** (n - 1 - i) for i, c in enumerate(coeffs))
+        scale = sum(abs(c * x ** (n - 1 - i)) for i, c in enumerate(coeffs))
+        assert abs(Fraction(e) - exact) <= 2 * np.spacing(scale), (x, e, float(exact))
+        assert abs(Fraction(h) - exact) <= 2 * np.spacing(scale), (x, h, float(exact))
+
+
+@pytest.mark.parametrize("keys", [1, 7, 8, 13, 64, 1000])
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.1, 0.5, 1.0])
+def test_kl_rest_gather_keeps_exactly_the_flagged_keys_in_order(keys, density):
+    """Both ways of gathering the KL terms left to log (word skipping for few, one pass for
+    many) against numpy's boolean indexing, q floored as the metrics take it."""
+    rng = np.random.default_rng(keys)
+    floor = 1e-45
+    pb = np.where(rng.uniform(size=keys) < 0.3, 0.0, rng.uniform(0, 1, keys))
+    ref = rng.uniform(0, 1, keys)
+    flags = np.zeros(-(-keys // 8) * 8, np.uint8)
+    flags[:keys] = rng.uniform(size=keys) < density
+    kb = np.full((2, keys + 1), np.nan)
+    n = K._kl_rest_gather(pb, ref, floor, flags, int(flags.sum()), kb)
+    keep = flags[:keys].astype(bool)
+    assert n == keep.sum()
+    assert np.array_equal(kb[0, :n], ref[keep])
+    assert np.array_equal(kb[1, :n], np.maximum(pb[keep], floor))
+
+
 def test_kl_terms_on_both_sides_of_the_series_limit():
     """Each KL term of cell_rows, series (|delta| < 0.1) or log (the rest), matches 50 digits."""
     rng = np.random.default_rng(2)
