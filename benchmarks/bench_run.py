@@ -76,7 +76,7 @@ def staged_pass(x: torch.Tensor, opts: Options) -> dict:
                 outs[m] = backend.method(METHODS.get(m), algo, params) or METHODS.get(m).function()(algo.xc, params)
                 spent[("method", m, d)] += clock() - t0
             t0 = clock()
-            metrics = backend.cell_metrics(c, [outs[m].probs for m in opts.methods], algo)
+            metrics = backend.cell_metrics(c, [outs[m].probs for m in opts.methods], algo, d == "fp32")
             t_rows = (clock() - t0) / len(opts.methods)  # one kernel call serves the dtype's methods
             for m, r in zip(opts.methods, metrics):
                 t0 = clock()

@@ -226,7 +226,7 @@ def _methods_of_chunk(block, c: ChunkFacts, options: Options, cells, census, bac
                 census.update_headroom(d, c, *extremes)
         causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
         outs = [backend.method(spec, algo, params_d) or _run(spec, algo.xc, params_d) for spec in specs]
-        metrics = _cell_metrics(backend, plain, c, [s.fused for s in specs], [o.probs for o in outs], algo)  # one pass for the dtype's cells
+        metrics = _cell_metrics(backend, plain, c, [s.fused for s in specs], [o.probs for o in outs], algo, d == "fp32")  # one pass for the dtype's cells
         with bookkeeping(c.x.device):
             for spec, out, m in zip(specs, outs, metrics):
                 cells[(None, spec.name, d)].update(c, out.probs, out.events, algo, causes, m, pcast=out.pcast)
@@ -253,7 +253,7 @@ def _paths_of_chunk(block: "QKBlock", c: ChunkFacts, options: Options, plan, cel
             for m, out in pb.cells:
                 _check_output(m, out, dt if p == "eager" and METHODS.get(m).output == "dtype" and d not in fp8 else torch.float32, pb.scores.shape)
             fused = [METHODS.get(m).fused if p == "eager" else True for m, _ in pb.cells]
-            metrics = _cell_metrics(backend, plain, c, fused, [o.probs for _, o in pb.cells], algo)
+            metrics = _cell_metrics(backend, plain, c, fused, [o.probs for _, o in pb.cells], algo, d == "fp32")
             tied = out_algo = None
             if out_ref is not None:
                 tied = _tied_rows(pb.scores)
@@ -287,14 +287,15 @@ def _run(spec, xc: torch.Tensor, method_params: MethodParams):
     return out
 
 
-def _cell_metrics(backend: RowBackend, plain: TorchRows, c: ChunkFacts, fused: list[bool], probs, algo: AlgoReference):
-    """Row metrics of each cell: the backend's, except for methods the fused kernel does not serve."""
+def _cell_metrics(backend: RowBackend, plain: TorchRows, c: ChunkFacts, fused: list[bool], probs, algo: AlgoReference, precise: bool = False):
+    """Row metrics of each cell: the backend's, except for methods the fused kernel does not serve.
+    ``precise``: the cells are fp32 ones (see ``RowBackend.cell_metrics``)."""
     served = [i for i, f in enumerate(fused) if f or backend is plain]
     rest = [i for i in range(len(fused)) if i not in served]
     out = [None] * len(fused)
     for group, b in ((served, backend), (rest, plain)):
         if group:
-            for i, m in zip(group, b.cell_metrics(c, [probs[i] for i in group], algo)):
+            for i, m in zip(group, b.cell_metrics(c, [probs[i] for i in group], algo, precise)):
                 out[i] = m
     return out
 

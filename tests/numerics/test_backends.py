@@ -127,15 +127,18 @@ def test_kl_rest_gather_keeps_exactly_the_flagged_keys_in_order(keys, density):
     assert np.array_equal(kb[1, :n], np.maximum(pb[keep], floor))
 
 
-def test_kl_terms_on_both_sides_of_the_series_limit():
-    """Each KL term of cell_rows, series (|delta| < 0.1) or log (the rest), matches 50 digits."""
+@pytest.mark.parametrize("short", [False, True])
+def test_kl_terms_on_both_sides_of_the_series_limit(short):
+    """Each KL term of cell_rows, series (|delta| < 0.1, or the short one below 2^-10) or log
+    (the rest), matches 50 digits."""
     rng = np.random.default_rng(2)
-    t = 256
+    t = 384
     r = rng.uniform(1e-4, 1e-2, (8, t))
     r /= r.sum(axis=1, keepdims=True)
     delta = np.concatenate([
-        np.geomspace(1e-9, 0.3, t // 2) * rng.choice([-1, 1], t // 2),
-        K.SERIES_LIMIT * (1 + np.linspace(-1e-3, 1e-3, t // 2)) * rng.choice([-1, 1], t // 2),
+        np.geomspace(1e-9, 0.3, t // 3) * rng.choice([-1, 1], t // 3),
+        K.SERIES_LIMIT * (1 + np.linspace(-1e-3, 1e-3, t // 3)) * rng.choice([-1, 1], t // 3),
+        K.SHORT_LIMIT * (1 + np.linspace(-1e-3, 1e-3, t // 3)) * rng.choice([-1, 1], t // 3),
     ])
     q = (r / (1 + delta)).astype(np.float32)  # r = q (1 + delta); q is what the cell output
     q[1, :10] = 0  # flushed keys: q = floor
@@ -145,7 +148,7 @@ def test_kl_terms_on_both_sides_of_the_series_limit():
     ok, top = np.ones(8, np.bool_), np.zeros(8, np.int64)
     like = np.zeros((1, 1), np.float32)
     addresses = np.array([q.ctypes.data], np.int64)  # q stays alive across the call
-    out = K.cell_rows(addresses, like, np.zeros(0, np.int64), like, np.full(1, floor), r, False, ok, r, ok, top)
+    out = K.cell_rows(addresses, like, np.zeros(0, np.int64), like, np.full(1, floor), r, False, ok, r, ok, top, short)
     kl = out[6][0]
     kl_torch = kl_divergence(torch.from_numpy(r), torch.from_numpy(q), floor)  # the torch path's formula
     for i in range(8):
@@ -282,3 +285,29 @@ def test_fused_without_numba_is_a_clear_error(monkeypatch):
     assert diagnose("x", torch.randn(4096, 1024), Options(dtypes=("fp32",), methods=("torch",))).backend == "torch"  # auto falls back
     with pytest.raises(AttncheckError, match="fused kernels run on the CPU only"):
         select_backend("fused", torch.device("cuda"), 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_precise_hint_changes_no_number_beyond_rounding(dtype):
+    """The short KL series that cell_metrics takes for fp32 cells gives the numbers the long one
+    gives: maxima and counts bit for bit, sums (the KL included) to 1e-14 (the two variants of
+    the loop may add in another order), on healthy rows, rows with failures, and cells of low
+    precision whose terms mostly fall outside the short series."""
+    from attncheck.numerics.backends.numba_rows import NumbaRows
+    from attncheck.numerics.softmax import run_method
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([problem_rows(), torch.randn(40, 16, generator=g) * 4, torch.randn(8, 16, generator=g) * 30])
+    backend = NumbaRows()
+    chunk = backend.chunk(x, 0, 0.0)
+    xc = x.to(dtype)
+    algo = backend.same_reference(chunk) if dtype == torch.float32 else backend.algo_reference(xc)
+    probs = [run_method(m, xc).probs for m in ("naive", "stable", "torch", "tiled")]
+    long = backend.cell_metrics(chunk, probs, algo, precise=False)
+    short = backend.cell_metrics(chunk, probs, algo, precise=True)
+    for a, b in zip(long, short):
+        for name in ("pmax", "max_err", "flushed", "p_at_top"):
+            assert torch.equal(getattr(a, name).nan_to_num(-1.0), getattr(b, name).nan_to_num(-1.0)), name
+        for name in ("psum", "sq_err", "kl"):
+            assert torch.allclose(getattr(a, name), getattr(b, name), rtol=1e-14, atol=0), name
+        assert bool((a.kl > 0).any())

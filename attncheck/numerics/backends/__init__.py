@@ -118,8 +118,10 @@ class RowBackend(abc.ABC):
         """Scores already in a cell's dtype with their float64 softmax."""
 
     @abc.abstractmethod
-    def cell_metrics(self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference) -> list[RowMetrics]:
-        """Row metrics of each of one dtype's cells, in the order of ``probs``."""
+    def cell_metrics(self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference, precise: bool = False) -> list[RowMetrics]:
+        """Row metrics of each of one dtype's cells, in the order of ``probs``. ``precise``:
+        the cells computed in fp32 (their errors are ~1e-7 relative), a hint a backend may
+        use for speed; the numbers do not depend on it."""
 
     def method(self, spec, algo: AlgoReference, params):
         """A method's output (softmax.MethodOutput) on ``algo.xc`` computed by this backend's own

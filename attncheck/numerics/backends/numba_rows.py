@@ -211,10 +211,11 @@ class NumbaRows(RowBackend):
             overflow[rest] = sub.overflow
         return MethodOutput(probs, pcast=PCastRows(live, flushed, mass, overflow, p_scale))
 
-    def cell_metrics(self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference) -> list[RowMetrics]:
+    def cell_metrics(self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference, precise: bool = False) -> list[RowMetrics]:
         """One kernel call for every cell whose probabilities are in the scores' dtype or in
         fp32 (any number of them), reading each row of the references once; others, if any,
-        through the torch backend."""
+        through the torch backend. ``precise`` selects the kernel's short KL series (see
+        ``numba_kernels._metrics``)."""
         xdt = algo.xc.dtype
         group_a = [i for i, p in enumerate(probs) if p.dtype == xdt and view(p) is not None]
         group_b = [i for i, p in enumerate(probs) if p.dtype != xdt and p.dtype == torch.float32]
@@ -230,6 +231,7 @@ class NumbaRows(RowBackend):
                 "cell_rows", f"{like_a.dtype}+{like_b.dtype}",
                 _addresses(arrays_a), like_a, _addresses(arrays_b), like_b, floors,
                 algo.ref.numpy(), not algo.same, algo.ok.numpy(), c.ref.numpy(), c.ref_ok.numpy(), c.ref_top.squeeze(-1).numpy(),
+                bool(precise),
             )
             del arrays_a, arrays_b
             fields = [torch.from_numpy(a) for a in result]

@@ -54,7 +54,7 @@ class TorchRows(RowBackend):
         ref = torch.softmax(xc.to(torch.float64), dim=-1)
         return AlgoReference(xc, torch.isfinite(ref.sum(dim=-1)), ref, same=False)
 
-    def cell_metrics(self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference) -> list[RowMetrics]:
+    def cell_metrics(self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference, precise: bool = False) -> list[RowMetrics]:
         return [_metrics(c, p, algo, smallest_subnormal(p.dtype)) for p in probs]
 
 
