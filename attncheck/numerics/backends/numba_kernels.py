@@ -458,7 +458,7 @@ def _kl_rest_gather(pb, ref, floor, rest_at, n_rest, kb):
     for w in range(words.size):
         if words[w] == 0:
             continue
-        for j in range(8 * w, 8 * w + 8):
+        for j in range(8 * w, min(8 * w + 8, pb.size)):  # the padding past the row is never flagged
             v = pb[j]
             rb[n] = ref[j]
             qb[n] = v if v > floor else floor
