@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from attncheck.errors import AttncheckError
-from attncheck.numerics.reduce import count
+from attncheck.numerics.reduce import count, finite, infinite
 from attncheck.numerics.rowmath import row_sum
 from attncheck.params import ACCUMULATIONS, DEFAULT_BLOCK
 from attncheck.registry import EVENTS, METHODS
@@ -162,11 +162,11 @@ def _exp_softmax(x: torch.Tensor, accum: str, subtract_max: bool, out: torch.Ten
     # and +inf inputs, reported as such elsewhere; naive needs it only in the rows whose
     # sum is inf or 0, so only those are searched for their max.
     if subtract_max:  # exp(x - max) <= 1: only the sum can overflow
-        events = {"sum_overflow": torch.isfinite(x_max.squeeze(-1)) & torch.isinf(s)}
+        events = {"sum_overflow": finite(x_max.squeeze(-1)) & infinite(s)}
     else:
         finite_max = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
         exp_inf = torch.zeros_like(finite_max)
-        inf_sum = torch.isinf(s)
+        inf_sum = infinite(s)
         suspect = inf_sum | (s == 0)
         n_suspect = count(suspect)
         if n_suspect:
