@@ -52,3 +52,31 @@ def test_exact_scaled_sum_is_exact_on_extremes():
     assert Fraction(reduce.exact_scaled_sum(v.numpy()), 2**reduce._SHIFT) == want
     big = torch.full((5000,), 1.7e308, dtype=torch.float64)  # exact sums far past float64's range
     assert Fraction(reduce.exact_scaled_sum(big.numpy()), 2**reduce._SHIFT) == 5000 * Fraction(1.7e308)
+
+
+def _rows_fixture() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    t = torch.randn(1000, generator=g, dtype=torch.float64)
+    t[[3, 50, 999]] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=torch.float64)
+    return t, torch.rand(1000, generator=g) < 0.3
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_numpy_row_helpers_agree_with_torch(dtype):
+    """count, any_true, finite, infinite and take_rows (numpy on the CPU) give what torch's own
+    ops give, on contiguous and strided vectors, with NaN and +-inf, and for dtypes numpy lacks."""
+    t, mask = _rows_fixture()
+    t = t.to(dtype)
+    for m in (mask, mask[::2], torch.zeros(5, dtype=torch.bool), torch.ones(0, dtype=torch.bool)):
+        assert reduce.count(m) == int(m.sum())
+        assert reduce.any_true(m) == bool(m.any())
+    for v in (t, t[::3]):
+        assert torch.equal(reduce.finite(v), torch.isfinite(v))
+        assert torch.equal(reduce.infinite(v), torch.isinf(v))
+    got, want = reduce.take_rows(t, mask), t[mask]
+    assert got.dtype == want.dtype and torch.equal(got.nan_to_num(0.5), want.nan_to_num(0.5))
+    every = torch.ones_like(mask)
+    assert torch.equal(reduce.take_rows(t, every).nan_to_num(0.5), t.nan_to_num(0.5))
+    assert reduce.take_rows(t, ~every).numel() == 0
+    ints = torch.arange(1000)
+    assert torch.equal(reduce.take_rows(ints, mask), ints[mask])
