@@ -78,7 +78,7 @@ def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
         try:
             path.stat()
         except FileNotFoundError:
-            raise error(f"{given}: no such file or directory") from None
+            raise error(f"{given}: no such file or directory{_key_hint(given)}") from None
         except (OSError, ValueError) as exc:  # a name too long, a loop of links, a NUL byte
             raise error(f"{given}: cannot read it ({reason(exc)})") from None
         if path.is_dir():
@@ -105,6 +105,15 @@ def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
                 seen.add(c)
                 files.append(c)
     return files
+
+def _key_hint(given: str) -> str:
+    """For 'file.pt:name', where file.pt exists: how to pick one tensor of a file here (the
+    FILE:KEY form is that of --q, --k, --v and --mask)."""
+    head, sep, key = given.rpartition(":")
+    if sep and key and Path(head).is_file():
+        return f" (to diagnose the tensor '{key}' of {head}, pass {head} --key '{key}')"
+    return ""
+
 
 def scan_directory(directory: Path) -> list[Path]:
     found = [

@@ -339,3 +339,14 @@ def test_help_keeps_bracketed_text():
     # Rich reads [..] as markup: the check help must still show the table's name.
     r = runner.invoke(app, ["check", "--help"], env={"COLUMNS": "200"})
     assert r.stdout.count("[tool.attncheck]") >= 2
+
+
+def test_file_colon_key_as_a_path_says_how_to_pick_the_tensor(tmp_path):
+    """FILE:KEY is --q's form; as a score path it names no file, and the error says what to write."""
+    p = tmp_path / "dump.pt"
+    torch.save({"scores": torch.zeros(2, 3)}, p)
+    r = invoke("run", f"{p}:scores")
+    assert r.exit_code == 2
+    assert error_line(r) == f"attncheck: error: {p}:scores: no such file or directory (to diagnose the tensor 'scores' of {p}, pass {p} --key 'scores')"
+    r = invoke("run", p, "--key", "scores", "--brief", "--dtype", "fp32")
+    assert r.exit_code == 0, r.output
