@@ -60,19 +60,21 @@ def any_true(mask: torch.Tensor) -> bool:
 _NUMPY_FLOATS = (torch.float64, torch.float32, torch.float16)
 
 
+def _elementwise(t: torch.Tensor, by_numpy, by_torch) -> torch.Tensor:
+    if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS:
+        return torch.from_numpy(by_numpy(t.detach().numpy()))
+    return by_torch(t)
+
+
 def finite(t: torch.Tensor) -> torch.Tensor:
     """``torch.isfinite(t)``; by numpy for CPU tensors of a dtype numpy has (~11 us for
     65,536 float64 rows against ~125 us on one thread, more on threads woken per op)."""
-    if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS:
-        return torch.from_numpy(np.isfinite(t.detach().numpy()))
-    return torch.isfinite(t)
+    return _elementwise(t, np.isfinite, torch.isfinite)
 
 
 def infinite(t: torch.Tensor) -> torch.Tensor:
     """``torch.isinf(t)``, by numpy where ``finite`` uses it."""
-    if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS:
-        return torch.from_numpy(np.isinf(t.detach().numpy()))
-    return torch.isinf(t)
+    return _elementwise(t, np.isinf, torch.isinf)
 
 
 _NUMPY_ROWS = (torch.float64, torch.float32, torch.int64, torch.int32, torch.bool)

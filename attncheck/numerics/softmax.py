@@ -172,10 +172,10 @@ def _exp_softmax(x: torch.Tensor, accum: str, subtract_max: bool, out: torch.Ten
         if n_suspect:
             flat = x.reshape(-1, x.shape[-1])
             if 8 * n_suspect > flat.shape[0]:  # many (an fp16 sum overflows often): one pass beats a gather
-                finite_max = torch.isfinite(x.amax(dim=-1))
+                finite_max = finite(x.amax(dim=-1))
             else:
                 rows = torch.nonzero(suspect.reshape(-1)).flatten()
-                finite_max.view(-1)[rows] = torch.isfinite(flat[rows].amax(dim=-1))
+                finite_max.view(-1)[rows] = finite(flat[rows].amax(dim=-1))
             inf_sum &= finite_max
             hit = torch.nonzero(inf_sum.reshape(-1)).flatten()
             if hit.numel():

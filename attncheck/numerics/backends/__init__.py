@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from attncheck.errors import AttncheckError
+from attncheck.numerics.reduce import finite
 
 FUSED_MIN_ELEMENTS = 1 << 22  # below this, numba's import and compile cost more than they save
 
@@ -65,8 +66,6 @@ class ChunkFacts:
     @cached_property
     def ref_ok(self) -> torch.Tensor:
         """(r,) rows whose reference is defined; computed once (every cell reads it)."""
-        from attncheck.numerics.reduce import finite
-
         return finite(self.ref_sum)
 
     @property

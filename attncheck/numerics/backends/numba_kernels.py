@@ -443,11 +443,12 @@ def _kl_rest_gather(pb, ref, floor, rest_at, n_rest, kb):
     ``kb[1]``, side by side, so that ``_kl_rest`` runs over them as one vectorised loop.
     Returns how many (``n_rest``). Each slot is written always and kept only when flagged (no
     branch per key); where the rest are few (flushed and subnormal probabilities) a word of
-    eight zero flags is skipped at once."""
+    eight zero flags is skipped at once; where they are many (1/8 of the keys or more) every
+    key is visited without that branch, which would mispredict."""
     rb = kb[0]
     qb = kb[1]
     n = 0
-    if 8 * n_rest >= rest_at.size:  # dense: one pass over every key
+    if 8 * n_rest >= rest_at.size:  # dense: one flat pass (a loop nested by word is slower)
         for j in range(pb.size):
             v = pb[j]
             rb[n] = ref[j]
@@ -646,7 +647,7 @@ def cell_rows(ptrs_a, like_a, ptrs_b, like_b, floors, ra, use_algo, algo_ok, ref
     attop = np.empty((k_all, r))
     for task in prange((r + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         pb = np.empty(t)
-        rest_at = np.zeros(-(-t // 8) * 8, np.uint8)  # whole words for _kl_rest_indices; the padding stays 0
+        rest_at = np.zeros(-(-t // 8) * 8, np.uint8)  # whole words for _kl_rest_gather; the padding stays 0
         kb = np.empty((2, t + 1))  # _kl_rest_gather writes one slot past the last key it keeps
         for i in range(task * ROWS_PER_TASK, min(r, (task + 1) * ROWS_PER_TASK)):
             row = ref[i]
