@@ -20,9 +20,9 @@ from attncheck.errors import AttncheckError
 # name -> module it lives in, imported on first access (PEP 562)
 _LAZY = {
     "Options": "attncheck.config.run",
-    "diagnose": "attncheck.numerics.diagnose",
-    "diagnose_chunks": "attncheck.numerics.diagnose",
-    "diagnose_attention": "attncheck.numerics.diagnose",
+    "diagnose": "attncheck.numerics.cells.diagnose",
+    "diagnose_chunks": "attncheck.numerics.cells.diagnose",
+    "diagnose_attention": "attncheck.numerics.cells.diagnose",
     "capture": "attncheck.record",
     "load_tensors": "attncheck.loaders",
     "open_sources": "attncheck.loaders",

@@ -13,7 +13,7 @@ import statistics
 from attncheck.findings import SEVERITY, counted_rows, counted_verdict, ignored_causes
 from attncheck.results import UNEXPLAINED, CallReport, Finding, ModelLine, ModelReport, Outlier
 
-# NaN causes in pipeline order (numerics.diagnose attributes each row to its first).
+# NaN causes in pipeline order (numerics.cells.diagnose attributes each row to its first).
 PIPELINE = ("input_nan", "inf_input", "qk_overflow", "mask_sentinel", "fully_masked", "cast_overflow",
             "exp_overflow", "sum_overflow", "underflow", UNEXPLAINED)
 BAD_VERDICTS = ("nan", "overflow", "zero", "error")

@@ -8,7 +8,7 @@ imported when a diagnosis runs; a dtype's torch dtype and thresholds come from
 ``attncheck.numerics.precision``.
 
 Adding a method: register a ``MethodSpec`` whose ``impl`` is a function
-``(x, params) -> MethodOutput`` (see ``attncheck.numerics.softmax``). Adding a
+``(x, params) -> MethodOutput`` (see ``attncheck.numerics.methods.softmax``). Adding a
 dtype: register a ``DtypeSpec``; its thresholds follow from ``torch.finfo``.
 """
 
@@ -182,14 +182,14 @@ def scores_dtype(spec: DtypeSpec) -> bool:
 
 METHODS: Registry[MethodSpec] = Registry("method")
 for _spec in (
-    MethodSpec("naive", "exp(x) / sum(exp(x)) in the dtype", "attncheck.numerics.softmax:naive_method",
+    MethodSpec("naive", "exp(x) / sum(exp(x)) in the dtype", "attncheck.numerics.methods.softmax:naive_method",
                events=("exp_overflow", "sum_overflow", "underflow")),
-    MethodSpec("stable", "z = x - max(x); exp(z) / sum(exp(z)) in the dtype", "attncheck.numerics.softmax:stable_method",
+    MethodSpec("stable", "z = x - max(x); exp(z) / sum(exp(z)) in the dtype", "attncheck.numerics.methods.softmax:stable_method",
                events=("sum_overflow",)),
     MethodSpec("tiled", "FlashAttention's online softmax over key blocks, running max and sum in fp32",
-               "attncheck.numerics.softmax:tiled_method", output="fp32", aliases=("online",), eager=False,
+               "attncheck.numerics.methods.softmax:tiled_method", output="fp32", aliases=("online",), eager=False,
                kernel="FlashAttention's online softmax", p_cast=True, rows_kernel="tiled_rows"),
-    MethodSpec("torch", "torch.softmax on the dtype (fp32 inside)", "attncheck.numerics.softmax:torch_method"),
+    MethodSpec("torch", "torch.softmax on the dtype (fp32 inside)", "attncheck.numerics.methods.softmax:torch_method"),
 ):
     METHODS.register(_spec)
 del _spec
@@ -201,7 +201,7 @@ class PathSpec:
 
     ``methods``: the softmax methods it runs (the eager path runs the chosen ones); empty
     when the path has its own (sdpa-math: torch's _safe_softmax in fp32; flash: the
-    online softmax). ``impl`` computes one block of rows; see ``attncheck.numerics.paths``.
+    online softmax). ``impl`` computes one block of rows; see ``attncheck.numerics.methods.paths``.
     """
 
     name: str
@@ -222,19 +222,19 @@ class PathSpec:
 PATHS: Registry[PathSpec] = Registry("path")
 for _path in (
     PathSpec("eager", "hand-written attention (HF eager): Q@K^T rounded to the dtype, scale and mask in the dtype, "
-             "the chosen softmax, P@V in the dtype", "attncheck.numerics.paths:eager", runs_methods=True),
+             "the chosen softmax, P@V in the dtype", "attncheck.numerics.methods.paths:eager", runs_methods=True),
     PathSpec("sdpa-math", "PyTorch SDPA's math backend: fp16/bf16 upcast to fp32, q and k scaled by sqrt(scale) each, "
-             "_safe_softmax (zeros for fully masked rows), O cast back to the dtype", "attncheck.numerics.paths:sdpa_math",
+             "_safe_softmax (zeros for fully masked rows), O cast back to the dtype", "attncheck.numerics.methods.paths:sdpa_math",
              aliases=("math",), scores_in="fp32, from q and k each scaled by sqrt(scale)"),
     PathSpec("flash", "FlashAttention-2 forward: S in fp32, online softmax over key blocks, P rounded to the dtype "
-             "before P@V, O in fp32 divided by l at the end, zeros for fully masked rows", "attncheck.numerics.paths:flash",
+             "before P@V, O in fp32 divided by l at the end, zeros for fully masked rows", "attncheck.numerics.methods.paths:flash",
              scores_in="fp32 registers", kernel="FlashAttention-2's forward"),
     PathSpec("flash-fp8", "FlashAttention-3's FP8 forward: e4m3 Q, K, V with descales (--fp8-scaling, --incoherent), S in "
              "fp32, key blocks last to first, P scaled by --p-scale (2^8) and cast to FP8, O in fp32 then bf16",
-             "attncheck.numerics.fp8_attention:flash_fp8", scores_in="fp32 from FP8 q and k", fp8=True,
+             "attncheck.numerics.methods.fp8_attention:flash_fp8", scores_in="fp32 from FP8 q and k", fp8=True,
              kernel="FlashAttention-3's FP8 forward"),
     PathSpec("sage", "SageAttention 2 (SM90): K smoothed, Q and K in INT8 per thread group, P scaled by 448 and cast to "
-             "FP8, V in FP8 per channel, key blocks first to last, O in bf16", "attncheck.numerics.fp8_attention:sage",
+             "FP8, V in FP8 per channel, key blocks first to last, O in bf16", "attncheck.numerics.methods.fp8_attention:sage",
              scores_in="fp32 from INT8 q and k", fp8=True, kernel="SageAttention 2"),
 ):
     PATHS.register(_path)

@@ -26,8 +26,8 @@ import torch
 from bench_run import best_of  # this folder is on sys.path when run as a script
 
 from attncheck.cli.common import reuse_freed_memory
-from attncheck.numerics.diagnose import Options, diagnose, diagnose_attention
-from attncheck.numerics.scores import prepare_inputs
+from attncheck.numerics.cells.diagnose import Options, diagnose, diagnose_attention
+from attncheck.numerics.inputs.scores import prepare_inputs
 
 
 def main() -> None:

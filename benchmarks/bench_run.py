@@ -26,11 +26,11 @@ from collections import defaultdict
 import torch
 
 from attncheck.cli.common import reuse_freed_memory
-from attncheck.numerics.accumulate import CellAcc, CensusAcc, DistAcc
+from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc
 from attncheck.numerics.backends import select_backend
-from attncheck.numerics.diagnose import Options, _extremes_in_dtype, _in_dtype, bookkeeping, diagnose
+from attncheck.numerics.cells.diagnose import Options, _extremes_in_dtype, _in_dtype, bookkeeping, diagnose
 from attncheck.numerics.precision import dtype_from_name
-from attncheck.numerics.softmax import Buffers, MethodParams
+from attncheck.numerics.methods.softmax import Buffers, MethodParams
 from attncheck.registry import METHODS, dtype_names, method_names
 
 

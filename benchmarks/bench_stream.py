@@ -35,7 +35,7 @@ CHILD = r"""
 import json, resource, sys, time
 import torch
 from attncheck.cli.common import reuse_freed_memory
-from attncheck.numerics.diagnose import Options, diagnose, diagnose_chunks, rows_per_chunk
+from attncheck.numerics.cells.diagnose import Options, diagnose, diagnose_chunks, rows_per_chunk
 from attncheck.loaders import load_tensors, open_sources
 
 def peak_mib():

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from attncheck import METHODS, MethodSpec, Options, diagnose
-from attncheck.numerics.softmax import MethodOutput
+from attncheck.numerics.methods.softmax import MethodOutput
 
 
 def stable_reciprocal(x, params):  # x: the scores in the cell's dtype; params: block, reverse, accum

@@ -10,7 +10,7 @@ from rich.console import Console
 from attncheck.config.run import Options
 from attncheck.findings import counted_rows, counted_verdict, failed_conditions
 from attncheck.model import OUTLIER_RATIO, model_report, outliers
-from attncheck.numerics.calls import diagnose_call
+from attncheck.numerics.cells.calls import diagnose_call
 from attncheck.report.model import render_model, shared_prefix
 from attncheck.report.run import run_json
 from attncheck.results import CallInfo, CallReport, HeadStat

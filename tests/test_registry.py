@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from attncheck.cli import app
 from attncheck.config.run import Options
 from attncheck.errors import AttncheckError
-from attncheck.numerics.diagnose import diagnose
+from attncheck.numerics.cells.diagnose import diagnose
 from attncheck.numerics.precision import DtypeLimits, limits_of, overflow_result, torch_dtype
-from attncheck.numerics.softmax import MethodOutput, tiled_softmax
+from attncheck.numerics.methods.softmax import MethodOutput, tiled_softmax
 from attncheck.registry import DTYPES, EVENTS, METHODS, MethodSpec, dtype_names, method_names
 
 BUILT_IN = ("naive", "stable", "tiled", "torch")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attncheck.errors import AttncheckError
-from attncheck.numerics.synthetic import make_scores
+from attncheck.numerics.sweep.synthetic import make_scores
 from attncheck.testing import assert_softmax_ok
 
 LN_FP16_LIMIT = math.log(65520.0)

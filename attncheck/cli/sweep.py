@@ -96,8 +96,8 @@ def _run_preset(name: str, seed: str, device: str, json_out, plot, quiet: bool, 
         raise AttncheckError(f"--preset {name} sets its own inputs: {', '.join(extra)} {'does' if len(extra) == 1 else 'do'} not apply")
     seed_n, device_n = params.integer(seed, "seed", 0), params.device(device)
     check_output_path(json_out, "--json")
-    from attncheck.numerics.diagnose import resolve_device
-    from attncheck.numerics.presets import PRESET_STEPS
+    from attncheck.numerics.cells.diagnose import resolve_device
+    from attncheck.numerics.sweep.presets import PRESET_STEPS
     from attncheck.pipelines.sweep import run_preset
     from attncheck.report.progress import Progress
     from attncheck.report.sweep import preset_json, print_preset

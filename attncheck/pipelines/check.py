@@ -31,8 +31,8 @@ def run_check(config: CheckConfig, device: str | None = None, track: Track | Non
 
 def _run_check(config: CheckConfig, device: str | None, track: Track, notice) -> CheckResult:
     from attncheck.loaders import iter_sources
-    from attncheck.numerics.budgets import check_attention, check_source, synthetic_source
-    from attncheck.numerics.diagnose import resolve_device
+    from attncheck.numerics.cells.budgets import check_attention, check_source, synthetic_source
+    from attncheck.numerics.cells.diagnose import resolve_device
     from attncheck.pipelines.run import device_label
 
     dev = resolve_device(device or config.device)

@@ -29,8 +29,8 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     """
     from attncheck.findings import apply_ignore
     from attncheck.model import model_report
-    from attncheck.numerics.calls import scores_report
-    from attncheck.numerics.diagnose import diagnose, resolve_device
+    from attncheck.numerics.cells.calls import scores_report
+    from attncheck.numerics.cells.diagnose import diagnose, resolve_device
     from attncheck.results import CallInfo
 
     track = track or (lambda name, rows: None)
@@ -69,8 +69,8 @@ def _run_files(request: RunRequest, options, track: Track, notice):
     ``partial`` are skipped and listed."""
     from attncheck.loaders import TensorSource
     from attncheck.loaders.calls import check_manifest_message, open_inputs
-    from attncheck.numerics.calls import diagnose_call, scores_report
-    from attncheck.numerics.diagnose import diagnose_chunks, rows_per_chunk
+    from attncheck.numerics.cells.calls import diagnose_call, scores_report
+    from attncheck.numerics.cells.diagnose import diagnose_chunks, rows_per_chunk
     from attncheck.numerics.precision import dtype_label
     from attncheck.results import CallInfo, CallReport
 
@@ -157,8 +157,8 @@ def load_one(spec: str, name: str, kind: str = "scores", max_bytes: int | None =
 
 
 def _run_qk(qk: QKSpec, sources, options, track: Track, notice, max_bytes: int | None = None) -> list[TensorDiagnosis]:
-    from attncheck.numerics.diagnose import diagnose_attention
-    from attncheck.numerics.scores import prepare_inputs
+    from attncheck.numerics.cells.diagnose import diagnose_attention
+    from attncheck.numerics.inputs.scores import prepare_inputs
 
     q_name, q = load_one(qk.q, "q", max_bytes=max_bytes)
     k_name, k = load_one(qk.k, "k", max_bytes=max_bytes)

@@ -11,7 +11,7 @@ from attncheck.results import PresetResult, SweepResult
 
 def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None = None) -> SweepResult:
     """Every grid point of ``config``, timed; ``progress(done, total)`` after each point."""
-    from attncheck.numerics.sweep import run_sweep as measure
+    from attncheck.numerics.sweep.grid import run_sweep as measure
 
     start = time.perf_counter()
     result = measure(config, progress)
@@ -22,8 +22,8 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
 def run_preset(name: str, seed: int = 0, device: str = "cpu", progress: Callable[[int, int], None] | None = None) -> PresetResult:
     """A preset of ``numerics.presets``: published figures next to attncheck's own;
     ``progress(done, total)`` after each of its steps."""
-    from attncheck.numerics.diagnose import resolve_device
-    from attncheck.numerics.presets import PRESET_STEPS, PRESETS
+    from attncheck.numerics.cells.diagnose import resolve_device
+    from attncheck.numerics.sweep.presets import PRESET_STEPS, PRESETS
 
     total, done = PRESET_STEPS[name], [0]
 

@@ -228,7 +228,7 @@ class DiagnoseSink:
     def __init__(self, options, ignore=(), notice: Callable[[str], None] | None = None) -> None:
         from dataclasses import replace
 
-        from attncheck.numerics.diagnose import resolve_device
+        from attncheck.numerics.cells.diagnose import resolve_device
 
         self.options = replace(options, device=str(resolve_device(options.device)))
         self.ignore, self.notice = tuple(ignore), notice
@@ -236,7 +236,7 @@ class DiagnoseSink:
 
     def __call__(self, call: Recorded) -> None:
         from attncheck.findings import apply_ignore
-        from attncheck.numerics.calls import diagnose_call
+        from attncheck.numerics.cells.calls import diagnose_call
 
         info = info_from_meta(call.meta, index=call.index, name=f"{call.index:04d}-{call.module or 'global'}", file=None)
         tensors = cpu_tensors(call.tensors, copy=False)

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from attncheck import __version__
 from attncheck.errors import AttncheckError, param
-from attncheck.numerics.theory import uniform_limits
+from attncheck.numerics.sweep.theory import uniform_limits
 from attncheck.params import COLLAPSE_THRESHOLD, SCALE_MEANINGS
 from attncheck.format import fmt, pct, plain, to_jsonable
 from attncheck.results import PresetGrid, PresetResult, SweepCell, SweepOutput, SweepPoint, SweepResult

@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from attncheck.cli import app
-from attncheck.numerics.diagnose import Options, diagnose
+from attncheck.numerics.cells.diagnose import Options, diagnose
 from attncheck.report.run import diagnosis_json
 
 runner = CliRunner()

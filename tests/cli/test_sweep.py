@@ -272,7 +272,7 @@ def test_preset_shows_progress_on_stderr_never_in_json():
     proc = subprocess.run([sys.executable, "-m", "attncheck", "sweep", "--preset", "pcast", "--json", "-"], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["preset"]["name"] == "pcast"
-    from attncheck.numerics.presets import PCAST_GAPS, PCAST_SCALES
+    from attncheck.numerics.sweep.presets import PCAST_GAPS, PCAST_SCALES
 
     steps = len(PCAST_GAPS) * len(PCAST_SCALES)
     assert "preset pcast" in proc.stderr and f"/{steps}\x1b" in proc.stderr and "steps" in proc.stderr

@@ -24,7 +24,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from attncheck.numerics.diagnose import Options, diagnose, diagnose_chunks
+from attncheck.numerics.cells.diagnose import Options, diagnose, diagnose_chunks
 from attncheck.errors import AttncheckError
 from attncheck.loaders import SUPPORTED_SUFFIXES, load_tensors
 from attncheck.loaders import TensorSource, open_sources

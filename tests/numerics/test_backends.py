@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from attncheck.numerics.diagnose import Options, diagnose
+from attncheck.numerics.cells.diagnose import Options, diagnose
 from attncheck.numerics.rowmath import kl_divergence
 
-from .test_diagnose import problem_rows
+from .cells.test_diagnose import problem_rows
 
 numba = pytest.importorskip("numba")
 K = pytest.importorskip("attncheck.numerics.backends.numba_kernels")
@@ -294,7 +294,7 @@ def test_precise_hint_changes_no_number_beyond_rounding(dtype):
     the loop may add in another order), on healthy rows, rows with failures, and cells of low
     precision whose terms mostly fall outside the short series."""
     from attncheck.numerics.backends.numba_rows import NumbaRows
-    from attncheck.numerics.softmax import run_method
+    from attncheck.numerics.methods.softmax import run_method
 
     g = torch.Generator().manual_seed(3)
     x = torch.cat([problem_rows(), torch.randn(40, 16, generator=g) * 4, torch.randn(8, 16, generator=g) * 30])

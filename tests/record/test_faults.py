@@ -113,7 +113,7 @@ def diagnose_recorded(cap):
     """The in-memory calls of a capture, diagnosed as run diagnoses files."""
     from attncheck.loaders.calls import info_from_meta
     from attncheck.model import model_report
-    from attncheck.numerics.calls import diagnose_call
+    from attncheck.numerics.cells.calls import diagnose_call
     from attncheck.results import RunResult
 
     reports = [diagnose_call(info_from_meta(c.meta, index=c.index, name=c.module, file=None), c.tensors, FP16_TORCH) for c in cap.calls]

@@ -772,7 +772,7 @@ def _count_block(ref, flag):
 def tiled_rows(x, block, reverse, mb, emin, top, fp8, p_scale, limit, ref, ref_ok, out):
     """FlashAttention's one-pass softmax of each row of ``x`` (r, T) over key blocks of
     ``block``, into ``out`` (r, T) float32, with the rounding points of
-    ``attncheck.numerics.online`` (bit for bit the torch implementation's).
+    ``attncheck.numerics.methods.online`` (bit for bit the torch implementation's).
 
     P is e rounded by ``round_to_format(e, mb, emin, top)`` (mb < 0: kept in float32); with
     ``fp8``, e is first scaled by ``p_scale`` (float32) and the result divided by it again,

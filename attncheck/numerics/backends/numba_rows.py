@@ -179,13 +179,13 @@ class NumbaRows(RowBackend):
         xc = algo.xc
         if spec.rows_kernel != "tiled_rows" or xc.dim() != 2 or view(xc) is None or not xc.shape[-1]:
             return None
-        from attncheck.numerics.softmax import MethodOutput, tiled_softmax
+        from attncheck.numerics.methods.softmax import MethodOutput, tiled_softmax
 
         r, t = xc.shape
         block = min(params.block, t)
         fp8 = params.fp8
         if fp8 is not None:
-            from attncheck.numerics.fp8 import PCastRows, pcast_softmax
+            from attncheck.numerics.methods.fp8 import PCastRows, pcast_softmax
             from attncheck.numerics.precision import rounding_limit
 
             fmt, p_scale = fp8.fmt, float(fp8.p_scale)

@@ -1,4 +1,4 @@
-"""attncheck.numerics.fp8: the kernels' FP8 conversion against every bit pattern, the P-cast
+"""attncheck.numerics.methods.fp8: the kernels' FP8 conversion against every bit pattern, the P-cast
 flush threshold at its exact boundary, and the sink construction of forward and reverse
 key order against a count made here."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from attncheck.numerics.fp8 import AFTER, AT, BEFORE, cast_overflow, flush_threshold, pcast_softmax, to_fp8
+from attncheck.numerics.methods.fp8 import AFTER, AT, BEFORE, cast_overflow, flush_threshold, pcast_softmax, to_fp8
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 IDS = ["e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz"]

@@ -20,12 +20,12 @@ from attncheck.config.run import Options
 from attncheck.errors import AttncheckError
 from attncheck.findings import counted_rows
 from attncheck.loaders import TensorSource, memory_source
-from attncheck.numerics.diagnose import check_scores, diagnose_chunks, resolve_device, rows_per_chunk
+from attncheck.numerics.cells.diagnose import check_scores, diagnose_chunks, resolve_device, rows_per_chunk
 from attncheck.numerics.precision import cast, dtype_from_name
 from attncheck.numerics.reduce import unravel
-from attncheck.numerics.softmax import reference_softmax, run_method
+from attncheck.numerics.methods.softmax import reference_softmax, run_method
 from attncheck.config.sweep import head_layout
-from attncheck.numerics.synthetic import make_qk, make_scores
+from attncheck.numerics.sweep.synthetic import make_qk, make_scores
 from attncheck.params import DEFAULT_BLOCK
 from attncheck.results import (
     COUNT_BUDGETS,
@@ -220,8 +220,8 @@ def check_attention(
 ) -> list[CaseResult]:
     """A synthetic entry with ``paths``: Q, K and V from the sweep generator, every path's P
     and O = P@V, each cell (path, method, dtype) against the budget."""
-    from attncheck.numerics.diagnose import diagnose_attention
-    from attncheck.numerics.scores import prepare_inputs
+    from attncheck.numerics.cells.diagnose import diagnose_attention
+    from attncheck.numerics.inputs.scores import prepare_inputs
 
     per_dtype = {d: (budgets or {}).get(d, budget) for d in options.dtypes}
     shown = options.methods

@@ -72,10 +72,10 @@ def tiled_softmax(x: torch.Tensor, block: int = DEFAULT_BLOCK, reverse: bool = F
     effective probability of a block-j entry is ``P_j * exp(m_j - m_final) / l_final``,
     the weight the kernel's rescaled output gives that key. A fully masked row
     gives zeros, not NaN (the kernels guard ``exp(-inf - (-inf))``). Every rounding
-    point is listed in ``attncheck.numerics.online``; the fused CPU kernel follows the
+    point is listed in ``attncheck.numerics.methods.online``; the fused CPU kernel follows the
     same ones to the bit.
     """
-    from attncheck.numerics.online import online_blocks
+    from attncheck.numerics.methods.online import online_blocks
 
     if block < 1:
         raise AttncheckError(f"must be >= 1, got {block}", param="block")
@@ -195,7 +195,7 @@ def stable_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
 
 def tiled_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
     if params.fp8 is not None:  # an FP8 cell: x is fp32, P is scaled and cast to the format (numerics.fp8)
-        from attncheck.numerics.fp8 import pcast_softmax
+        from attncheck.numerics.methods.fp8 import pcast_softmax
 
         r = pcast_softmax(x, params.fp8.fmt, params.fp8.p_scale, params.block, params.reverse)
         return MethodOutput(r.probs, pcast=r)

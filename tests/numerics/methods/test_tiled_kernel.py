@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from attncheck.numerics.diagnose import Options, diagnose
-from attncheck.numerics.fp8 import pcast_softmax, to_fp8
-from attncheck.numerics.fp8_attention import Fp8Setup
+from attncheck.numerics.cells.diagnose import Options, diagnose
+from attncheck.numerics.methods.fp8 import pcast_softmax, to_fp8
+from attncheck.numerics.methods.fp8_attention import Fp8Setup
 from attncheck.numerics.precision import rounding_limit
-from attncheck.numerics.softmax import MethodParams, tiled_softmax
+from attncheck.numerics.methods.softmax import MethodParams, tiled_softmax
 from attncheck.registry import METHODS
 
 numba = pytest.importorskip("numba")

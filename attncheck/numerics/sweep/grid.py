@@ -19,14 +19,14 @@ from typing import Callable
 import torch
 
 from attncheck.config.sweep import OUTPUT_ROWS, SweepConfig, head_layout
-from attncheck.numerics.diagnose import resolve_device
+from attncheck.numerics.cells.diagnose import resolve_device
 from attncheck.numerics.precision import cast, dtype_from_name, exp_overflow_threshold, limits_of
 from attncheck.numerics.rowmath import entropy, jacobian_frobenius
-from attncheck.numerics.softmax import reference_softmax, run_method
-from attncheck.numerics.scores import prepare_inputs, score_blocks, start_audit
-from attncheck.numerics.softmax import MethodParams
-from attncheck.numerics.synthetic import entry_moments, make_qk, scores_of
-from attncheck.numerics.theory import naive_overflow_log_probability, probability_from_log, var_qk_stderr, var_qk_theory
+from attncheck.numerics.methods.softmax import reference_softmax, run_method
+from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
+from attncheck.numerics.methods.softmax import MethodParams
+from attncheck.numerics.sweep.synthetic import entry_moments, make_qk, scores_of
+from attncheck.numerics.sweep.theory import naive_overflow_log_probability, probability_from_log, var_qk_stderr, var_qk_theory
 from attncheck.params import COLLAPSE_THRESHOLD, Scale
 from attncheck.registry import PATHS
 from attncheck.results import SweepCell, SweepOutput, SweepPoint, SweepResult

@@ -15,7 +15,7 @@ from attncheck.numerics.precision import MASK_SENTINEL_LIMIT
 from attncheck.results import Cell, HeadStat
 
 if TYPE_CHECKING:
-    from attncheck.numerics.scores import AttentionInputs
+    from attncheck.numerics.inputs.scores import AttentionInputs
 
 
 def _finite_abs_max(t: torch.Tensor, keep: int) -> torch.Tensor:
@@ -56,7 +56,7 @@ def _input_max_logits(inp: "AttentionInputs") -> list[float | None]:
 def qk_overflow_per_head(inp: "AttentionInputs", dtype: torch.dtype) -> list[int]:
     """Scores of Q@K^T that are infinite in ``dtype`` although q and k are finite, per query head:
     q and k cast to the dtype, Q@K^T accumulated in float32 and rounded to the dtype, the scale
-    applied to q first or to the scores after (as ``numerics.scores`` computes a model's scores)."""
+    applied to q first or to the scores after (as ``numerics.inputs.scores`` computes a model's scores)."""
     b, hq = inp.q.shape[:2]
     group = hq // inp.k.shape[1]
     out = []

@@ -10,9 +10,9 @@ import torch
 
 from attncheck import Options
 from attncheck.errors import AttncheckError
-from attncheck.numerics.diagnose import diagnose, diagnose_attention
-from attncheck.numerics.fp8_attention import fa3_tile, hadamard
-from attncheck.numerics.scores import prepare_inputs
+from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
+from attncheck.numerics.methods.fp8_attention import fa3_tile, hadamard
+from attncheck.numerics.inputs.scores import prepare_inputs
 
 E4M3 = torch.float8_e4m3fn
 
@@ -105,7 +105,7 @@ def test_incoherent_rotation_is_orthogonal_and_keeps_qk():
 
 def test_incoherent_processing_lowers_the_error_on_outliers():
     """FlashAttention-3's outlier inputs: the rotation spreads the outliers before quantising."""
-    from attncheck.numerics.synthetic import make_qk
+    from attncheck.numerics.sweep.synthetic import make_qk
 
     q, k, v = make_qk(2, 256, 256, 128, dist="outliers", seed=1, with_v=True)
     inp = prepare_inputs(q[None], k[None], v=v[None])

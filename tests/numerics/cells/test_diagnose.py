@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from attncheck.errors import AttncheckError
-from attncheck.numerics.accumulate import CellAcc
+from attncheck.numerics.cells.accumulate import CellAcc
 from attncheck.numerics.backends.numba_rows import NumbaRows
 from attncheck.numerics.backends.torch_rows import TorchRows
-from attncheck.numerics.diagnose import Options, diagnose
+from attncheck.numerics.cells.diagnose import Options, diagnose
 from attncheck.numerics.rowmath import entropy, jacobian_frobenius, kl_divergence
-from attncheck.numerics.softmax import run_method
+from attncheck.numerics.methods.softmax import run_method
 
-from .rounding import nearest
+from ..rounding import nearest
 
 NEG = float("-inf")
 

@@ -11,9 +11,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from typer.testing import CliRunner
 
 from attncheck.cli import app
-from attncheck.numerics.diagnose import Options, diagnose_attention
+from attncheck.numerics.cells.diagnose import Options, diagnose_attention
 from attncheck.errors import AttncheckError
-from attncheck.numerics.scores import prepare_inputs, score_blocks, start_audit
+from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
 
 FP16_MAX = torch.finfo(torch.float16).max
 runner = CliRunner()
@@ -329,7 +329,7 @@ def test_fitted_scale_reads_the_scores_in_row_blocks():
     """Blocks of 3 rows (not dividing 8 queries per head), GQA, a masked and a noisy score:
     the fit equals least squares over every usable score, computed here in one go."""
     from attncheck.loaders import memory_source
-    from attncheck.numerics.scores import fit_scale
+    from attncheck.numerics.inputs.scores import fit_scale
 
     g = torch.Generator().manual_seed(7)
     q, k = torch.randn(2, 4, 8, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from attncheck.errors import AttncheckError
 from attncheck.numerics.precision import smallest_subnormal
-from attncheck.numerics.softmax import (
+from attncheck.numerics.methods.softmax import (
     _row_sum,
     naive_softmax,
     reference_softmax,
@@ -27,7 +27,7 @@ from attncheck.numerics.softmax import (
     torch_softmax,
 )
 
-from ..conftest import DTYPE_IDS, DTYPES
+from ...conftest import DTYPE_IDS, DTYPES
 
 METHODS = ["naive", "stable", "tiled", "torch"]
 
@@ -264,7 +264,7 @@ def _tiled_block_by_block(x: torch.Tensor, block: int, reverse: bool) -> torch.T
     running max m and sum l in float32, P_j = exp(S_j - m_j) rounded to x's dtype, and
     the output weight of a block-j key P_j exp(m_j - m_final) / l_final. Every exp is
     taken in float64 and rounded once to float32; a block's sum is a halving tree in
-    float32 (the rounding points of ``attncheck.numerics.online``)."""
+    float32 (the rounding points of ``attncheck.numerics.methods.online``)."""
 
     def exp32(z):
         return torch.exp(z.double()).float()
@@ -402,7 +402,7 @@ def test_methods_into_reused_buffers_give_the_same_bits_and_events(method, accum
     """The diagnosis hands naive, stable and torch a buffer to write into: the output must be
     bit for bit the fresh-tensor one (overflowing, underflowing and masked rows included),
     and a buffer taken again for a smaller or larger chunk must not carry the last one over."""
-    from attncheck.numerics.softmax import Buffers, MethodParams
+    from attncheck.numerics.methods.softmax import Buffers, MethodParams
     from attncheck.registry import METHODS as REGISTRY
 
     g = torch.Generator().manual_seed(5)

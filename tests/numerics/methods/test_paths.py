@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attncheck.config.run import Options
-from attncheck.numerics import paths
-from attncheck.numerics.diagnose import diagnose_attention
-from attncheck.numerics.scores import prepare_inputs, score_blocks, start_audit
-from attncheck.numerics.softmax import MethodParams
+from attncheck.numerics.methods import paths
+from attncheck.numerics.cells.diagnose import diagnose_attention
+from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
+from attncheck.numerics.methods.softmax import MethodParams
 from attncheck.registry import PATHS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from attncheck.errors import AttncheckError
-from attncheck.numerics.softmax import reference_softmax
+from attncheck.numerics.methods.softmax import reference_softmax
 from attncheck.cli.common import flag
 from attncheck.config.sweep import SweepConfig
-from attncheck.numerics.sweep import row_stats, run_sweep
+from attncheck.numerics.sweep.grid import row_stats, run_sweep
 from attncheck.numerics.precision import exp_overflow_threshold
-from attncheck.numerics.theory import naive_overflow_log_probability, naive_overflow_probability
+from attncheck.numerics.sweep.theory import naive_overflow_log_probability, naive_overflow_probability
 from attncheck.params import Scale
 from attncheck.params import scale as parse_scale
 
-from ..conftest import DEVICES
+from ...conftest import DEVICES
 
 SCALES = tuple(Scale(s) for s in ("none", "sqrt", "dk", "dk2"))
 FP16_EXP_OVERFLOW = math.log(torch.finfo(torch.float16).max)  # ~11.09: exp(x) > 65504

@@ -47,13 +47,13 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from attncheck.errors import AttncheckError
-from attncheck.numerics.fp8 import PCastSoftmax, cast_overflow, fp8_values, pcast_softmax
-from attncheck.numerics.softmax import MethodOutput, MethodParams
+from attncheck.numerics.methods.fp8 import PCastSoftmax, cast_overflow, fp8_values, pcast_softmax
+from attncheck.numerics.methods.softmax import MethodOutput, MethodParams
 from attncheck.params import DEFAULT_P_SCALE
 
 if TYPE_CHECKING:
-    from attncheck.numerics.paths import PathBlock
-    from attncheck.numerics.scores import AttentionInputs, QKBlock
+    from attncheck.numerics.methods.paths import PathBlock
+    from attncheck.numerics.inputs.scores import AttentionInputs, QKBlock
 
 FA3_P_SCALE = DEFAULT_P_SCALE  # 2^8: the max offset of 8 in FlashAttention-3's exp2
 SAGE_P_SCALE = 2.0**8.807  # ~447.97: SageAttention's exponent offset S_FP8_OFFSET = 8.807
@@ -232,8 +232,8 @@ def _mask(block: "QKBlock", s: torch.Tensor) -> torch.Tensor:
 
 
 def flash_fp8(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> "PathBlock":
-    from attncheck.numerics.paths import PathBlock
-    from attncheck.numerics.scores import _kv_heads
+    from attncheck.numerics.methods.paths import PathBlock
+    from attncheck.numerics.inputs.scores import _kv_heads
 
     setup = params.fp8 or Fp8Setup(fmt=dt)
     quant = quantize_inputs(block.inp, setup)
@@ -282,8 +282,8 @@ def int8_per_group(x: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def sage(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> "PathBlock":
-    from attncheck.numerics.paths import PathBlock
-    from attncheck.numerics.scores import _kv_heads
+    from attncheck.numerics.methods.paths import PathBlock
+    from attncheck.numerics.inputs.scores import _kv_heads
 
     inp = block.inp
     setup = params.fp8 or Fp8Setup(fmt=dt)

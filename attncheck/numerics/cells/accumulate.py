@@ -17,7 +17,7 @@ from attncheck.numerics.precision import (
     known_sentinels,
 )
 from attncheck.numerics.reduce import Examples, ExactSum, Max, any_true, attribute, count, count_values, finite, group_mask_values, take_rows, unravel
-from attncheck.numerics.softmax import event_rows
+from attncheck.numerics.methods.softmax import event_rows
 from attncheck.registry import EVENTS
 from attncheck.results import Cell, Census, Distribution, DtypeHeadroom
 
@@ -423,7 +423,7 @@ class CellAcc:
     def _pcast_fields(self) -> dict:
         if self.pcast_live is None:
             return {}
-        from attncheck.numerics.fp8 import POSITIONS
+        from attncheck.numerics.methods.fp8 import POSITIONS
 
         live, flushed = self.pcast_live.tolist(), self.pcast_flushed.tolist()
         return dict(

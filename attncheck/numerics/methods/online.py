@@ -2,7 +2,7 @@
 
 Its rounding points, stated once because two implementations follow them to the bit
 (these torch ops, which run on any device, and the fused CPU kernel
-``numba_kernels.tiled_rows``; ``tests/numerics/test_tiled_kernel.py`` holds them equal):
+``numba_kernels.tiled_rows``; ``tests/numerics/methods/test_tiled_kernel.py`` holds them equal):
 
 - scores s in float32; a row is cut into key blocks of ``block`` (the last may be short,
   padded with -inf keys), visited first to last or last to first (``reverse``);

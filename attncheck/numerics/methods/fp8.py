@@ -131,9 +131,9 @@ def pcast_softmax(x: torch.Tensor, dt: torch.dtype, p_scale: float, block: int, 
     does. Block j gives P~_j = exp(s - m_j) * p_scale in fp32, cast to ``dt`` (``to_fp8``).
     The effective probability of a key is fp8(P~_j) * exp(m_j - m_final) / l / p_scale:
     the weight the kernel's rescaled output gives it. Fully masked rows give zeros. The
-    rounding points are ``attncheck.numerics.online``'s; the fused CPU kernel follows them.
+    rounding points are ``attncheck.numerics.methods.online``'s; the fused CPU kernel follows them.
     """
-    from attncheck.numerics.online import online_blocks
+    from attncheck.numerics.methods.online import online_blocks
     from attncheck.numerics.precision import rounding_limit
 
     lead = x.shape[:-1]

@@ -7,14 +7,14 @@ O = P@V, each with the rounding points of the implementation it names (registry.
   in the dtype (all in ``scores.QKBlock.in_dtype``); the chosen softmax method; P in the
   dtype; O = P@V. Both products are torch's matmul in the dtype (fp32 accumulation
   inside, the result rounded to the dtype): the ops hand-written attention runs, so it
-  gets the same bits on the same device (``tests/numerics/test_paths.py``).
+  gets the same bits on the same device (``tests/numerics/methods/test_paths.py``).
 - ``sdpa-math``: PyTorch's math backend of ``scaled_dot_product_attention``, as torch 2.13
   computes it (``_scaled_dot_product_attention_math`` in
   aten/src/ATen/native/transformers/attention.cpp): fp16/bf16 q, k and v are upcast to
   fp32 (unless ``allow_fp16_bf16_reduction_math_sdp`` is set), q and k^T are each
   multiplied by sqrt(scale), S = q @ k^T in fp32, the mask (bool -> 0/-inf in the
   dtype) added, ``_safe_softmax`` (softmax, with rows whose every score is -inf set to
-  0), O = P @ v in fp32 cast to the dtype. ``tests/numerics/test_paths.py`` checks this
+  0), O = P @ v in fp32 cast to the dtype. ``tests/numerics/methods/test_paths.py`` checks this
   path against the MATH backend bit for bit.
 - ``flash``: the FlashAttention-2 forward, as PyTorch's CPU flash kernel computes it
   (``cpu_flash_attention`` in aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, torch
@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from attncheck.numerics.precision import cast
-from attncheck.numerics.softmax import MethodOutput, MethodParams
+from attncheck.numerics.methods.softmax import MethodOutput, MethodParams
 from attncheck.registry import METHODS
 
 if TYPE_CHECKING:
-    from attncheck.numerics.scores import QKBlock
+    from attncheck.numerics.inputs.scores import QKBlock
 
 NEG_INF = float("-inf")
 

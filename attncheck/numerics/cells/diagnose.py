@@ -20,17 +20,17 @@ import torch
 from attncheck.config.run import Options, chunk_elements_for, rows_per_chunk  # noqa: F401  (part of this module's API)
 from attncheck.errors import AttncheckError, param
 from attncheck.findings import findings_for
-from attncheck.numerics.accumulate import CellAcc, CensusAcc, DistAcc
+from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, select_backend
 from attncheck.numerics.backends.torch_rows import TorchRows
 from attncheck.numerics.precision import cast, check_scores_dtype, dtype_from_name, dtype_label, limits_of
 from attncheck.numerics.reduce import any_true, count
-from attncheck.numerics.softmax import Buffers, MethodParams
+from attncheck.numerics.methods.softmax import Buffers, MethodParams
 from attncheck.registry import METHODS, PATHS, fp8_names, path_names
 from attncheck.results import TensorDiagnosis
 
 if TYPE_CHECKING:
-    from attncheck.numerics.scores import AttentionInputs, QKBlock
+    from attncheck.numerics.inputs.scores import AttentionInputs, QKBlock
 
 __all__ = ["Options", "diagnose", "diagnose_attention", "diagnose_chunks", "resolve_device"]
 
@@ -201,7 +201,7 @@ def _no_cell(options: Options, qk: bool) -> str:
 
 def _fp8_params(method_params: MethodParams, options: Options, d: str) -> MethodParams:
     """The method parameters of FP8 dtype ``d``'s cells: its format, the P scale, the quantisation."""
-    from attncheck.numerics.fp8_attention import Fp8Setup
+    from attncheck.numerics.methods.fp8_attention import Fp8Setup
 
     setup = Fp8Setup(fmt=dtype_from_name(d), scaling=options.fp8_scaling, incoherent=options.incoherent, p_scale=options.p_scale)
     return replace(method_params, fp8=setup)
@@ -366,7 +366,7 @@ def diagnose_attention(
     instead, and the scale that maps q.k onto them is fitted.
     """
     from attncheck.loaders import TensorSource, memory_source
-    from attncheck.numerics.scores import fit_scale, given_blocks, score_blocks, start_audit
+    from attncheck.numerics.inputs.scores import fit_scale, given_blocks, score_blocks, start_audit
 
     options = options or Options()
     audit = start_audit(inputs)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attncheck.errors import AttncheckError
-from attncheck.numerics.synthetic import make_qk, make_scores
+from attncheck.numerics.sweep.synthetic import make_qk, make_scores
 
 
 def test_shapes_dtype_and_layout():

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from attncheck.numerics.presets import FA3_D, FA3_HEADS, FA3_SEQ, fa3
-from attncheck.numerics.synthetic import make_qk
+from attncheck.numerics.sweep.presets import FA3_D, FA3_HEADS, FA3_SEQ, fa3
+from attncheck.numerics.sweep.synthetic import make_qk
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_fa3_fp8_baseline_is_an_independent_fp8_computation(result, draws):
 
 
 def test_pcast_preset_measures_the_sink_collapse():
-    from attncheck.numerics.presets import PCAST_SCALES, pcast
+    from attncheck.numerics.sweep.presets import PCAST_SCALES, pcast
 
     r = pcast()
     assert all(c.holds for c in r.checks), [(c.claim, c.value) for c in r.checks]

@@ -91,9 +91,9 @@ def diagnose_call(
     notice: Callable[[str], None] | None = None,
 ) -> CallReport:
     """Diagnose one call from its tensors (roles q, k, v, attn_mask, scores)."""
-    from attncheck.numerics.diagnose import diagnose, diagnose_attention
-    from attncheck.numerics.heads import head_stats
-    from attncheck.numerics.scores import prepare_inputs
+    from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
+    from attncheck.numerics.inputs.heads import head_stats
+    from attncheck.numerics.inputs.scores import prepare_inputs
 
     kind = info.kind
     scores = tensors.get("scores")
