@@ -1,17 +1,33 @@
-"""Calls -> the model report: one line per call, the first call that goes wrong, outlier heads.
+"""Calls -> the model report: one line per call, the first call that goes wrong, outlier heads, and
+the answers to what-if questions.
 
-Pure logic over the numbers in ``CallReport``s (no torch, no printing). A call is judged by
-the cell the model actually ran (``CallReport.cell``: for a softmax call torch.softmax in its
-dtype, for an SDPA call the flash path, as PyTorch's fused kernels compute, in the call's dtype); the other cells stay in the
-per-tensor report.
+Pure logic over the numbers in ``CallReport``s (no torch, no printing). A call whose implementation
+is known (a capture's SDPA or softmax call) is judged by the cell the model ran alone
+(``CallReport.cell``: for a softmax call torch.softmax in its dtype, for an SDPA call the path of
+the backend PyTorch chose, in the call's dtype): its verdict, its findings, the counts and
+``--fail-on``. The what-if cells of each call (``CallReport.what_if``) are gathered per cell into
+``WhatIfAnswer``s: where each would break first. Calls of unknown implementation (plain scores,
+q/k files) keep every cell as the question, as the per-tensor report does.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from attncheck.findings import SEVERITY, counted_rows, counted_verdict, ignored_causes
-from attncheck.results import UNEXPLAINED, CallReport, Finding, ModelLine, ModelReport, Outlier
+from attncheck.codes import SEVERITY
+from attncheck.findings import counted_rows, counted_verdict, ignored_causes
+from attncheck.results import (
+    MODEL,
+    UNEXPLAINED,
+    Cell,
+    CallReport,
+    Finding,
+    ModelLine,
+    ModelReport,
+    Outlier,
+    TensorDiagnosis,
+    WhatIfAnswer,
+)
 
 # NaN causes in pipeline order (numerics.cells.diagnose attributes each row to its first).
 PIPELINE = ("input_nan", "inf_input", "qk_overflow", "mask_sentinel", "fully_masked", "cast_overflow",
@@ -20,35 +36,31 @@ BAD_VERDICTS = ("nan", "overflow", "zero", "error")
 OUTLIER_RATIO = 10.0  # a head's max|q| (or |k|) this many times the median over the call's heads
 
 
-def used_cell(report: CallReport):
+def used_cell(report: CallReport) -> Cell | None:
+    """The cell the model ran, in the call's diagnosis."""
     if report.diagnosis is None or report.cell is None:
         return None
-    try:
-        return report.diagnosis.cell(*report.cell)
-    except KeyError:
-        return None
+    cells = [c for c in report.diagnosis.cells if (c.method, c.dtype) == report.cell]
+    return next((c for c in cells if c.role == MODEL), cells[0] if cells else None)
 
 
-def relevant_errors(report: CallReport, ignore=()) -> list[str]:
-    """Codes of error findings that concern the cell the model ran, or the input itself."""
-    if report.diagnosis is None:
-        return []
-    name = f"{report.cell[0]}/{report.cell[1]}" if report.cell else None
-    out = []
-    for f in report.diagnosis.findings:
-        if f.severity == "error" and f.code not in ignore and (not f.cells or name in f.cells):
-            out.append(f.code)
+def known(report: CallReport) -> bool:
+    """The call names its implementation: its diagnosis holds the model's cell alone."""
+    return report.diagnosis is not None and any(c.role == MODEL for c in report.diagnosis.cells)
+
+
+def relevant_errors(diag: TensorDiagnosis, cell: Cell | None, every_cell: bool, ignore=()) -> list[str]:
+    """Codes of error findings that count for a line: those of the cell judged and of the input
+    itself, or with ``every_cell`` (an implementation unknown: every cell is the question) all."""
+    name = cell.name if cell is not None else None
+    out = [f.code for f in diag.findings
+           if f.severity == "error" and f.code not in ignore and (every_cell or not f.cells or name in f.cells)]
     return list(dict.fromkeys(out))
 
 
-def call_line(report: CallReport, ignore=()) -> ModelLine:
-    info, d = report.call, report.diagnosis
-    if d is None:
-        return ModelLine(info.index, info.name, info.module, info.kind, info.shape, None, None, None, 0, None, None, "skipped")
-    cell = used_cell(report)
-    dtype = report.cell[1] if report.cell else None
-    head = next((h for h in d.census.headroom if h.dtype == dtype), None)
-    max_logit = d.census.max
+def cell_line(report: CallReport, diag: TensorDiagnosis, cell: Cell | None, ignore=(), every_cell: bool = False) -> ModelLine:
+    """A call judged by one of its cells: its verdict, NaN rows and their first cause, error, headroom."""
+    info = report.call
     nan_rows, first, worst, heads = 0, None, None, []
     if cell is not None:
         verdict = counted_verdict(cell, ignore)
@@ -58,17 +70,29 @@ def call_line(report: CallReport, ignore=()) -> ModelLine:
         causes += [c for c in cell.nan_causes if c not in PIPELINE and c not in skip and cell.nan_causes[c]]
         first = causes[0] if causes and nan_rows else None
         worst = cell.max_abs_err
-        heads = [h.head for h in report.heads if h.nan_rows]
+        per_head = cell.nan_rows_per_head
+        heads = [h for h, n in enumerate(per_head) if n]
     else:
         verdict = "n/a"
     overflow_heads = [h.head for h in report.heads if h.qk_overflow]
     if first == "inf_input" and overflow_heads and "qk_overflow" not in ignore:
         first, heads = "qk_overflow", overflow_heads  # the +inf the softmax saw came from Q@K^T
-    errors = relevant_errors(report, ignore)
+    errors = relevant_errors(diag, cell, every_cell, ignore)
     if verdict in ("ok", "flip", "n/a") and errors:
         verdict = "error"
-    return ModelLine(info.index, info.name, info.module, info.kind, tuple(d.shape), report.cell and f"{report.cell[0]}/{report.cell[1]}",
-                     max_logit, None if head is None else head.headroom, nan_rows, first, worst, verdict, heads, errors)
+    limit = None if cell is None else cell.limit
+    return ModelLine(info.index, info.name, info.module, info.kind, tuple(diag.shape), cell.name if cell is not None else None,
+                     diag.census.max, None if limit is None else limit.headroom, nan_rows, first, worst, verdict, heads, errors, limit)
+
+
+def call_line(report: CallReport, ignore=()) -> ModelLine:
+    info, d = report.call, report.diagnosis
+    if d is None:
+        return ModelLine(info.index, info.name, info.module, info.kind, info.shape, None, None, None, 0, None, None, "skipped")
+    line = cell_line(report, d, used_cell(report), ignore, every_cell=not known(report))
+    if report.cell is not None and line.cell is None:
+        line.cell = f"{report.cell[0]}/{report.cell[1]}"
+    return line
 
 
 def outliers(report: CallReport, ratio: float = OUTLIER_RATIO) -> list[Outlier]:
@@ -85,11 +109,39 @@ def outliers(report: CallReport, ratio: float = OUTLIER_RATIO) -> list[Outlier]:
     return out
 
 
+def what_if_answers(calls: list[CallReport], ignore=()) -> list[WhatIfAnswer]:
+    """Per what-if cell (by name, over the calls that computed it): how many calls it breaks, the
+    first, and its findings."""
+    by_name: dict[str, list[tuple[CallReport, Cell]]] = {}
+    for report in calls:
+        if report.what_if is None:
+            continue
+        for cell in report.what_if.cells:
+            by_name.setdefault(cell.name, []).append((report, cell))
+    answers = []
+    for name, hits in by_name.items():
+        lines = [cell_line(r, r.what_if, c, ignore) for r, c in hits]
+        bad = [line for line in lines if line.verdict in BAD_VERDICTS]
+        rooms = [line for line in lines if line.headroom is not None]
+        least = min(rooms, key=lambda line: line.headroom) if rooms else None
+        errs = [line.worst_err for line in lines if line.worst_err is not None]
+        codes: dict[str, int] = {}
+        for r, c in hits:
+            for code in dict.fromkeys(f.code for f in r.what_if.findings if not f.cells or c.name in f.cells):
+                if code not in ignore:
+                    codes[code] = codes.get(code, 0) + 1
+        answers.append(WhatIfAnswer(name, len(lines), len(bad), bad[0] if bad else None, sum(line.nan_rows for line in lines),
+                                    max(errs) if errs else None, None if least is None else least.headroom,
+                                    None if least is None else least.limit, codes))
+    return answers
+
+
 def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict | None = None) -> ModelReport:
     lines = [call_line(c, ignore) for c in calls]
     first = next((i for i, line in enumerate(lines) if line.verdict in BAD_VERDICTS), None)
     found = [o for c in calls for o in outliers(c)]
-    return ModelReport(lines, first, found, tuple(ignore), list(skipped), capture)
+    return ModelReport(lines, first, found, tuple(ignore), list(skipped), capture, what_if_answers(calls, ignore),
+                       known=any(known(c) for c in calls))
 
 
 def head_findings(report: CallReport, diag_findings: list[Finding]) -> list[Finding]:
@@ -98,7 +150,7 @@ def head_findings(report: CallReport, diag_findings: list[Finding]) -> list[Find
     over = [h for h in report.heads if h.qk_overflow]
     if not over or any(f.code == "qk_overflow" for f in diag_findings):
         return []
-    from attncheck.findings import FIX
+    from attncheck.codes import FIX
     from attncheck.format import plain
 
     dtype = report.call.dtype or "its dtype"

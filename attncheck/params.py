@@ -85,6 +85,21 @@ def paths(value: Any, param: str = "paths", fp8: bool = True) -> tuple[str, ...]
     return names(value, PATHS, param, (lambda spec: True) if fp8 else (lambda spec: not spec.fp8))
 
 
+WHAT_IF_ALL = "all"
+WHAT_IF_FP8 = "e4m3"  # the FP8 format of 'all' (FlashAttention-3's)
+
+
+def what_if(value: Any, param: str = "what_if") -> tuple[str, ...]:
+    """'fp16', 'bf16,fp8' or 'all' -> the dtypes a what-if asks about; ('all',) alone asks for every
+    implementation in fp16, bf16, fp32 and e4m3 as well ('fp8' is e4m3)."""
+    values = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+    if isinstance(values, (list, tuple)):
+        if [str(v).strip().lower() for v in values] == [WHAT_IF_ALL]:
+            return (WHAT_IF_ALL,)
+        values = [WHAT_IF_FP8 if isinstance(v, str) and v.strip().lower() == "fp8" else v for v in values]
+    return dtypes(values, param)
+
+
 def choice(value: Any, allowed: Iterable[str], param: str) -> str:
     allowed = tuple(allowed)
     if not isinstance(value, str) or value.strip().lower() not in allowed:

@@ -8,16 +8,18 @@ the few marked below are left out).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from attncheck.format import plain
 
-if TYPE_CHECKING:
-    from attncheck.config.check import Budget
-    from attncheck.config.run import Options
-    from attncheck.config.sweep import SweepConfig
-
 UNEXPLAINED = "unexplained"  # the cause of a NaN or zero row that no known cause explains
+
+# What a cell is asked for. A captured call names the implementation and dtype it ran: that is its
+# MODEL cell, which alone decides the call's verdict, findings and exit code; any other cell is a
+# WHAT_IF ('what would break if the model ran this instead'), reported apart and never counted as
+# the model's. For bare scores (or Q/K files) the implementation is unknown: every cell is ASKED.
+MODEL, WHAT_IF, ASKED = "model", "what-if", "asked"
+ROLES = (MODEL, WHAT_IF, ASKED)
 
 # FlashAttention's test rule: a kernel's error is at most this many times the error of a
 # plain PyTorch implementation in the same dtype, both against a float64 reference.
@@ -91,6 +93,7 @@ class Census:
     # per sentinel, the lowest and highest row minimum it stands for: a constant added to the
     # scores rounds to several values (finfo(fp16).min + scores: -65504 ... -65152), reported as one
     sentinel_spans: list[tuple[float, float]] = field(default_factory=list)
+    unmasked_min: float | None = None  # smallest finite score above the sentinel limit (-1e4): the lowest real logit
 
 
 @dataclass
@@ -107,6 +110,27 @@ class Distribution:
     collapsed_frac: float | None
     collapse_threshold: float
     jacobian_norm_mean: float | None  # ||diag(p) - p p^T||_F: softmax gradient health
+
+
+@dataclass
+class CellLimit:
+    """The first failure a cell can have from finite inputs, and how far this input is from it.
+
+    ``kind``: 'exp_overflow' (naive: exp of the largest logit is inf in the dtype), 'qk_overflow'
+    (S = Q@K^T held in a dtype whose max it passes), 'cast_overflow' (scores cast to a narrower
+    dtype), 'p_cast_flush' (an FP8 P cast flushes keys further than ``threshold`` below the
+    running max). ``value`` is the quantity measured against ``threshold`` (largest logit, largest
+    |q.k|, largest score, largest spread of a row); ``headroom`` = threshold - value.
+    """
+
+    kind: str
+    threshold: float
+    value: float | None
+    what: str  # the limit in words: 'S = Q@K^T in fp16 overflows beyond 65504'
+
+    @property
+    def headroom(self) -> float | None:
+        return None if self.value is None else self.threshold - self.value
 
 
 @dataclass
@@ -171,6 +195,11 @@ class Cell:
     p_scale: float | None = None  # S, the factor on P before the FP8 cast
     # NaN rows per head (the axis before the queries), summed over the axes before it; empty for 2-D input
     nan_rows_per_head: list[int] = field(default_factory=list)
+    role: str = ASKED  # MODEL, WHAT_IF or ASKED (see ROLES)
+    # rows whose top key differs from float64's, but only by a near-tie that the cell's own rounding
+    # explains (see numerics.cells.accumulate.FLIP_RULE); not in argmax_flips
+    argmax_flips_near_tie: int = 0
+    limit: CellLimit | None = None  # None: nothing in this cell fails from finite scores
 
     @property
     def name(self) -> str:
@@ -259,6 +288,9 @@ class AttentionAudit:
     float_mask_value: float | None = None  # a float mask's sentinel as the mask holds it (its most common value <= -1e4)
     mask_summed_neginf: int = 0  # -inf values of a float mask next to sentinels beyond half its range (summed planes)
     mask_deep_sentinel: float | None = None
+    # where the scale came from: 'argument' (SDPA's scale=) or 'traced' (the model's own code, as the
+    # capture followed it) are the model's choice, a fact rather than a finding; None: --scale or the default
+    scale_source: str | None = None
 
 
 @dataclass
@@ -270,11 +302,12 @@ class TensorDiagnosis:
     distribution: Distribution
     cells: list[Cell]
     findings: list[Finding]
-    options: "Options"
+    settings: dict[str, Any]  # how the cells were computed (block, order, accumulation, kernels, ...) as plain values
     attention: AttentionAudit | None = None  # mask and scale facts when scores came from Q and K
     # Not in the JSON report: the limits of the cell dtypes, and the row backend that ran.
     limits: dict[str, DtypeLimits] = field(default_factory=dict)
     backend: str = ""
+    head_max_logits: list[float | None] = field(default_factory=list)  # largest unmasked score per head (the axis before the queries)
 
     def cell(self, method: str, dtype: str, path: str | None = None) -> Cell:
         """The cell of ``method`` (or of a path: 'flash') in ``dtype``; ``path`` narrows it down."""
@@ -324,13 +357,19 @@ class CallInfo:
 
 @dataclass
 class CallReport:
-    """One call diagnosed: the per-tensor diagnosis, its heads, and which cell the model ran."""
+    """One call diagnosed: the diagnosis of the cell the model ran, its heads, and the what-if cells.
+
+    For a call whose implementation is known (a capture's sdpa and softmax calls), ``diagnosis``
+    holds the model's cell alone and its findings are the call's; ``what_if`` holds the cells asked
+    as what-ifs with their own findings, never counted as the model's. For a call of unknown
+    implementation (q/k files, plain scores) ``diagnosis`` holds every cell asked."""
 
     call: CallInfo
     diagnosis: TensorDiagnosis | None
     heads: list[HeadStat] = field(default_factory=list)
-    cell: tuple[str, str] | None = None  # (method, dtype) of the computation the model ran
+    cell: tuple[str, str] | None = None  # (method or path, dtype) of the computation the model ran
     error: str | None = None  # why the call could not be diagnosed (partial results)
+    what_if: TensorDiagnosis | None = None
 
 
 @dataclass
@@ -344,13 +383,14 @@ class ModelLine:
     shape: tuple[int, ...]
     cell: str | None  # 'torch/fp16': the cell the model ran
     max_logit: float | None
-    headroom: float | None  # exp overflow threshold of the cell's dtype minus the largest logit
+    headroom: float | None  # the model cell's distance to its first failure (CellLimit.headroom)
     nan_rows: int  # of the cell the model ran, less those with an ignored cause
     first_cause: str | None  # first cause of those NaN rows in pipeline order
     worst_err: float | None  # max |p - p_float64| of that cell
     verdict: str  # 'nan', 'overflow', 'zero', 'flip', 'ok', 'error' (error finding), 'skipped'
     heads: list[int] = field(default_factory=list)  # heads the cause sits in
-    errors: list[str] = field(default_factory=list)  # codes of error findings (any cell) not ignored
+    errors: list[str] = field(default_factory=list)  # codes of error findings of the model's cell, not ignored
+    limit: CellLimit | None = None  # what ``headroom`` is measured to
 
 
 @dataclass
@@ -372,8 +412,28 @@ class Outlier:
 
 
 @dataclass
+class WhatIfAnswer:
+    """One what-if cell over every call it was computed for: does it break, and where first."""
+
+    cell: str  # 'flash/fp16', 'eager:torch/fp16'
+    calls: int  # calls it was computed for
+    bad_calls: int  # calls where it goes wrong (NaN, overflow, zero rows or an error finding)
+    first: ModelLine | None  # the first call where it goes wrong, as a model line judged by this cell
+    nan_rows: int  # over all calls
+    worst_err: float | None  # largest max |p - p_float64| over the calls
+    headroom: float | None  # the least headroom over the calls (to ``limit``)
+    limit: CellLimit | None = None
+    findings: dict[str, int] = field(default_factory=dict)  # finding code -> calls where this cell's findings hold it
+
+    @property
+    def verdict(self) -> str:
+        return "ok" if not self.bad_calls else (self.first.verdict if self.first is not None else "error")
+
+
+@dataclass
 class ModelReport:
-    """Many calls in one view: a line per call, the first one that goes wrong, outlier heads."""
+    """Many calls in one view: a line per call, the first one that goes wrong, outlier heads, and
+    the answers to what-if questions."""
 
     lines: list[ModelLine]
     first_bad: int | None  # position in ``lines`` of the first call that goes wrong
@@ -381,6 +441,8 @@ class ModelReport:
     ignored: tuple[str, ...] = ()
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (call, why) not diagnosed
     capture: dict | None = None  # the manifest's facts: stopped, script error, calls recorded
+    what_if: list[WhatIfAnswer] = field(default_factory=list)
+    known: bool = False  # the calls name their implementation (a capture): the model's cells alone decide
 
 
 @dataclass
@@ -499,7 +561,7 @@ class PresetResult:
 
 @dataclass
 class SweepResult:
-    config: "SweepConfig"
+    config: Any  # the sweep's settings (a config.sweep.SweepConfig: the grid axes, rows, dist, seed, block)
     device: str
     points: list[SweepPoint]
     # Not in the JSON report: the limits of the dtypes, and the time the sweep took.
@@ -521,6 +583,45 @@ OUTPUT_BUDGETS = ("out_nan", "out_max_abs_err", "out_rmse", "out_rel_l1", "out_c
 RELATIVE_BUDGETS = {RELATIVE_BUDGET: "max_abs_err_algo", "out_relative_to_torch": "out_max_abs_err"}
 LOWER_BUDGETS = ("out_cos_min",)
 BUDGET_NAMES = (*PROB_COUNT_BUDGETS, *ERROR_BUDGETS, RELATIVE_BUDGET, *OUTPUT_BUDGETS)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Limits one method x dtype cell must stay within; None means not checked.
+
+    Counts are rows of the cell; errors are measured against float64 by
+    ``diagnose`` (``max_abs_err``, ``rmse``: against the scores as given;
+    ``max_abs_err_algo``: against the scores after the cast to the dtype).
+    ``relative_to_torch`` is FlashAttention's rule: the cell's ``max_abs_err_algo``
+    at most N x torch.softmax's in the same dtype, plus ``relative_to_torch_atol``.
+    The ``out_*`` budgets judge O = P@V against float64 P64 @ V64 in cells that have V
+    (synthetic entries with ``paths``); ``out_cos_min`` is a lower bound.
+    """
+
+    def output_budgets(self) -> list[str]:
+        return [name for name in OUTPUT_BUDGETS if getattr(self, name) is not None]
+
+    nan: int | None = 0
+    overflow: int | None = 0
+    zero_rows: int | None = None
+    argmax_flips: int | None = None
+    max_abs_err: float | None = None
+    max_abs_err_algo: float | None = None
+    rmse: float | None = None
+    kl_max: float | None = None
+    relative_to_torch: float | None = None
+    relative_to_torch_atol: float = 0.0
+    out_nan: int | None = None
+    out_max_abs_err: float | None = None
+    out_rmse: float | None = None
+    out_rel_l1: float | None = None
+    out_cos_min: float | None = None
+    out_relative_to_torch: float | None = None
+
+    def active(self) -> list[tuple[str, float]]:
+        """(name, limit) of every budget that is checked, in report order."""
+        return [(name, getattr(self, name)) for name in BUDGET_NAMES if getattr(self, name) is not None]
+
 
 
 @dataclass
@@ -598,8 +699,8 @@ class CheckResult:
     device: str
     cases: list[CaseResult]
     inputs: list[str]
-    budget: "Budget"
-    dtype_budgets: dict[str, "Budget"] = field(default_factory=dict)
+    budget: Budget
+    dtype_budgets: dict[str, Budget] = field(default_factory=dict)
     seconds: float = 0.0
     ignore: tuple[str, ...] = ()  # finding codes whose rows the count budgets left out
 

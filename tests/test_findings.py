@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 
 from attncheck.config.run import Options
-from attncheck.findings import FIX, SEVERITY, failed_conditions, findings_for
+from attncheck.codes import FIX, SEVERITY
+from attncheck.findings import failed_conditions, findings_for
 from attncheck.results import (
     AttentionAudit,
     Cell,

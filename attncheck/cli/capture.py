@@ -17,27 +17,27 @@ import typer
 from attncheck import params
 from attncheck.cli.common import check_output_path, fail
 from attncheck.cli.options import (
-    DEFAULT_DTYPES,
-    DEFAULT_METHODS,
     BlockOpt,
     BriefOpt,
+    CellDtypeOpt,
+    CellMethodOpt,
     DetailOpt,
     DeviceOpt,
-    DtypeOpt,
     FailOnOpt,
     FullOpt,
     IgnoreOpt,
     JsonOpt,
     MaxMemoryOpt,
-    MethodOpt,
     PartialOpt,
+    PathOpt,
     QuietOpt,
+    WhatIfOpt,
     notices,
     progress_shown,
 )
-from attncheck.cli.run import Accum, Order, emit, parse_fail_on
+from attncheck.cli.run import Accum, Order, cell_options, emit, parse_fail_on
 from attncheck.config.capture import DEFAULT_MAX_BYTES, DEFAULT_MAX_CALLS, DEFAULT_OUT, CaptureRequest
-from attncheck.config.run import Options, chunk_elements_for, ignore_codes
+from attncheck.config.run import chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError
 
 CAPTURE = "Capture"
@@ -52,8 +52,10 @@ def capture(
     max_bytes: str = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", metavar="SIZE", help="Stop recording before the tensors recorded pass SIZE (e.g. 512MiB).", rich_help_panel=CAPTURE),
     module: List[str] = typer.Option([], "--module", metavar="GLOB", help="Record only calls in modules whose path matches (repeatable), e.g. '*.layers.1.*'; a call outside any module is 'global'.", rich_help_panel=CAPTURE),
     forward: Optional[str] = typer.Option(None, "--forward", metavar="N[,N|A-B]", help="Which forward passes of the top module to record (1-based), e.g. 1 or 2-4; default all.", rich_help_panel=CAPTURE),
-    dtype: DtypeOpt = DEFAULT_DTYPES,
-    method: MethodOpt = DEFAULT_METHODS,
+    dtype: CellDtypeOpt = None,
+    method: CellMethodOpt = None,
+    path: PathOpt = None,
+    what_if: WhatIfOpt = None,
     block: BlockOpt = str(params.DEFAULT_BLOCK),
     order: Order = typer.Option("forward", "--order", help="Order in which the tiled method visits key blocks."),
     accum: Accum = typer.Option("fp32", "--accum", help="Row sums of naive/stable: fp32 inside as torch does, or pairwise in the dtype."),
@@ -82,8 +84,9 @@ def capture(
         conditions = parse_fail_on(fail_on)
         ignored = ignore_codes(ignore)
         check_output_path(json_out, "--json")
-        options = Options(
-            dtypes=params.dtypes(dtype), methods=params.methods(method), block=params.integer(block, "block", 1),
+        asked_what_if = params.what_if(what_if) if what_if is not None else ()
+        options, grid_asked = cell_options(
+            dtype, method, path, block=params.integer(block, "block", 1),
             reverse=Order(order).value == "reverse", accum=Accum(accum).value, device=params.device(device),
             chunk_elements=chunk_elements_for(params.size(max_memory, "max_memory")),
         )
@@ -92,7 +95,8 @@ def capture(
 
             parse_forwards(forward)
         request = CaptureRequest(script, tuple(args or ()), None if no_save else out, params.integer(max_calls, "max_calls", 1),
-                                 params.size(max_bytes, "max_bytes"), tuple(module), forward, options, ignored, partial)
+                                 params.size(max_bytes, "max_bytes"), tuple(module), forward, options, ignored, partial,
+                                 asked_what_if, grid_asked)
 
         from attncheck.pipelines.capture import capture_script
         from attncheck.report.progress import Progress

@@ -18,25 +18,26 @@ from attncheck.cli.options import (
     DEFAULT_METHODS,
     BlockOpt,
     BriefOpt,
+    CellDtypeOpt,
+    CellMethodOpt,
     DetailOpt,
     DeviceOpt,
-    DtypeOpt,
     FailOnOpt,
     FullOpt,
     IgnoreOpt,
     JsonOpt,
     MaxMemoryOpt,
-    MethodOpt,
     PartialOpt,
     PathOpt,
     QuietOpt,
     ScaleOpt,
+    WhatIfOpt,
     notices,
     progress_shown,
 )
 from attncheck.config.run import Options, QKSpec, RunRequest, chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError, param
-from attncheck.findings import FAIL_ON_WORDS, valid_fail_on
+from attncheck.codes import FAIL_ON_WORDS, WHAT_IF_PREFIX, valid_fail_on
 
 Order = Enum("Order", {name: name for name in params.ORDERS}, type=str)
 Accum = Enum("Accum", {name: name for name in params.ACCUMULATIONS}, type=str)
@@ -50,8 +51,17 @@ def parse_fail_on(value: str) -> list[str]:
     items = [v.strip().lower() for v in value.split(",") if v.strip()]
     for item in items:
         if not valid_fail_on(item):
-            raise AttncheckError(f"unknown condition {item!r} (use {', '.join(FAIL_ON_WORDS)} or a finding code)", param="fail_on")
+            raise AttncheckError(f"unknown condition {item!r} (use {', '.join(FAIL_ON_WORDS)} or a finding code, or what-if:CONDITION)", param="fail_on")
     return items
+
+
+def cell_options(dtype: str | None, method: str | None, path: str | None, **how) -> tuple[Options, bool]:
+    """The Options of --dtype/--method/--path (their defaults when not given) and whether any was
+    given: on a capture, given ones are computed as what-ifs beside the model's cells."""
+    options = Options(dtypes=params.dtypes(dtype if dtype is not None else DEFAULT_DTYPES),
+                      methods=params.methods(method if method is not None else DEFAULT_METHODS),
+                      paths=params.paths(path) if path is not None else (), **how)
+    return options, any(v is not None for v in (dtype, method, path))
 
 
 def _fp8_options(dtype: str, p_scale: str | None, fp8_scaling: str | None, incoherent: bool, qk_given: bool) -> dict:
@@ -75,8 +85,9 @@ def _fp8_options(dtype: str, p_scale: str | None, fp8_scaling: str | None, incoh
 def run(
     paths: Optional[List[str]] = typer.Argument(None, metavar="PATH", help="Score files (.pt .pth .npy .npz .safetensors) or directories. Softmax runs over the last axis.", show_default=False),
     example: bool = typer.Option(False, "--example", help="Diagnose a built-in example (unscaled head, -1e9 causal mask, left padding) instead of files."),
-    dtype: DtypeOpt = DEFAULT_DTYPES,
-    method: MethodOpt = DEFAULT_METHODS,
+    dtype: CellDtypeOpt = None,
+    method: CellMethodOpt = None,
+    what_if: WhatIfOpt = None,
     block: BlockOpt = str(params.DEFAULT_BLOCK),
     order: Order = typer.Option("forward", "--order", help="Order in which the tiled method visits key blocks."),
     accum: Accum = typer.Option("fp32", "--accum", help="Row sums of naive/stable: fp32 inside as torch does, or pairwise in the dtype."),
@@ -123,11 +134,12 @@ def run(
         ignored = ignore_codes(ignore)
         memory = params.size(max_memory, "max_memory")
         check_output_path(json_out, "--json")
-        options = Options(
-            dtypes=params.dtypes(dtype), methods=params.methods(method), block=params.integer(block, "block", 1),
+        asked_what_if = params.what_if(what_if) if what_if is not None else ()
+        options, grid_asked = cell_options(
+            dtype, method, path, block=params.integer(block, "block", 1),
             reverse=Order(order).value == "reverse", accum=Accum(accum).value, device=params.device(device),
-            chunk_elements=chunk_elements_for(memory), paths=params.paths(path) if path is not None else (),
-            **_fp8_options(dtype, p_scale, fp8_scaling, incoherent, qk_given=q is not None or k is not None),
+            chunk_elements=chunk_elements_for(memory),
+            **_fp8_options(dtype or DEFAULT_DTYPES, p_scale, fp8_scaling, incoherent, qk_given=q is not None or k is not None),
         )
         # Every value is checked, whether or not it applies; then what does not apply is named.
         scales = params.scales(scale) if scale is not None else (params.Scale("auto"),)
@@ -149,7 +161,10 @@ def run(
             if given:
                 named = ", ".join(param(n) for n in given)
                 raise AttncheckError(f"{named} {'applies' if len(given) == 1 else 'apply'} to scores computed from {param('q')} and {param('k')}, which are not given")
-        request = RunRequest(tuple(paths or ()), tuple(key), example, qk, options, max_memory=memory, ignore=ignored, partial=partial)
+        if asked_what_if and (qk is not None or example):
+            raise AttncheckError(f"{param('what_if')} asks about a captured model's calls; with {param('q')}/{param('k')} or {param('example')} every cell is computed already (choose them with {param('dtypes')}, {param('methods')}, {param('paths')})")
+        request = RunRequest(tuple(paths or ()), tuple(key), example, qk, options, max_memory=memory, ignore=ignored, partial=partial,
+                             what_if=asked_what_if, grid_asked=grid_asked)
 
         from attncheck.pipelines.run import run as run_pipeline
         from attncheck.report.progress import Progress
@@ -171,7 +186,9 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
     from attncheck.findings import failed_conditions
     from attncheck.report.run import print_report, render_diagnosis, run_json
 
-    failed = failed_conditions(result.tensors, conditions, ignored)
+    failed = failed_conditions(result.tensors, [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)], ignored)
+    what_ifs = [c.what_if for c in result.calls if c.what_if is not None]
+    failed += [WHAT_IF_PREFIX + f for f in failed_conditions(what_ifs, [c.removeprefix(WHAT_IF_PREFIX) for c in conditions if c.startswith(WHAT_IF_PREFIX)], ignored)]
     chosen = []
     for pattern in detail:
         hit = [c for c in result.calls if c.diagnosis is not None and (fnmatch.fnmatchcase(c.call.module, pattern) or fnmatch.fnmatchcase(c.call.name, pattern))]
@@ -188,8 +205,8 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
         from rich.console import Console
 
         console = Console()
-        if full or result.model is None or len(result.calls) <= 1:
-            print_report(console, result.tensors, result.device, verbose=not brief)
+        if full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
+            print_report(console, result.tensors, result.device, verbose=not brief, what_ifs=what_ifs)
         else:
             from attncheck.report.model import print_model
 
@@ -197,6 +214,8 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
             for c in chosen:
                 console.print()
                 console.print(render_diagnosis(c.diagnosis, verbose=not brief))
+                if c.what_if is not None:
+                    console.print(render_diagnosis(c.what_if, verbose=not brief))
     for reason in failed:
         typer.echo(f"attncheck: --fail-on {reason}", err=True)
     if result.model is not None and result.model.skipped:

@@ -31,9 +31,12 @@ class CaptureRequest:
     options: Options = Options()
     ignore: tuple[str, ...] = ()
     partial: bool = False
+    what_if: tuple[str, ...] = ()  # as RunRequest's
+    grid_asked: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ignore", ignore_codes(self.ignore))
+        object.__setattr__(self, "what_if", params.what_if(list(self.what_if)) if self.what_if else ())
         if not os.path.isfile(self.script):
             what = "is a folder" if os.path.isdir(self.script) else "no such file"
             raise AttncheckError(f"{self.script}: {what} (give the Python script to run)", param="script")

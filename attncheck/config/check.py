@@ -27,7 +27,7 @@ from attncheck.errors import AttncheckError
 from attncheck.format import size_text
 from attncheck.params import ORDERS, Scale, show
 from attncheck.registry import DTYPES, cell_dtype, dtype_names
-from attncheck.results import BUDGET_NAMES, COUNT_BUDGETS, LOWER_BUDGETS, OUTPUT_BUDGETS, RELATIVE_BUDGETS
+from attncheck.results import BUDGET_NAMES, COUNT_BUDGETS, LOWER_BUDGETS, RELATIVE_BUDGETS, Budget
 
 if TYPE_CHECKING:
     from attncheck.config.run import Options
@@ -47,44 +47,6 @@ DEFAULT_METHODS = ("stable", "tiled", "torch")  # what real code runs; add "naiv
 DEFAULT_DEVICE = "cpu"  # reproducible across CI runners; "auto" or "cuda" to compute on the GPU
 DEFAULT_SYNTHETIC_SEQ = 256
 DEFAULT_SYNTHETIC_ROWS = 1024
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Limits one method x dtype cell must stay within; None means not checked.
-
-    Counts are rows of the cell; errors are measured against float64 by
-    ``diagnose`` (``max_abs_err``, ``rmse``: against the scores as given;
-    ``max_abs_err_algo``: against the scores after the cast to the dtype).
-    ``relative_to_torch`` is FlashAttention's rule: the cell's ``max_abs_err_algo``
-    at most N x torch.softmax's in the same dtype, plus ``relative_to_torch_atol``.
-    The ``out_*`` budgets judge O = P@V against float64 P64 @ V64 in cells that have V
-    (synthetic entries with ``paths``); ``out_cos_min`` is a lower bound.
-    """
-
-    def output_budgets(self) -> list[str]:
-        return [name for name in OUTPUT_BUDGETS if getattr(self, name) is not None]
-
-    nan: int | None = 0
-    overflow: int | None = 0
-    zero_rows: int | None = None
-    argmax_flips: int | None = None
-    max_abs_err: float | None = None
-    max_abs_err_algo: float | None = None
-    rmse: float | None = None
-    kl_max: float | None = None
-    relative_to_torch: float | None = None
-    relative_to_torch_atol: float = 0.0
-    out_nan: int | None = None
-    out_max_abs_err: float | None = None
-    out_rmse: float | None = None
-    out_rel_l1: float | None = None
-    out_cos_min: float | None = None
-    out_relative_to_torch: float | None = None
-
-    def active(self) -> list[tuple[str, float]]:
-        """(name, limit) of every budget that is checked, in report order."""
-        return [(name, getattr(self, name)) for name in BUDGET_NAMES if getattr(self, name) is not None]
 
 
 @dataclass(frozen=True)

@@ -30,21 +30,22 @@ def chunk_elements_for(max_memory: int) -> int:
     return max(1, max_memory // WORKING_BYTES_PER_ELEMENT)
 
 
-def chunk_row_bytes(keys: int, options: "Options") -> int:
+def chunk_row_bytes(keys: int, options: "Options", cells=None) -> int:
     """Estimated working bytes of one row of ``keys`` scores in a chunk: its elements (the
     tiled method pads a row longer than its block to whole blocks) and the per-row facts
-    of every cell."""
+    of every cell (``cells``, the cells computed, when known; else every cell ``options`` asks for)."""
+    methods = options.methods if cells is None else {c.method for c in cells}
     width = keys
-    if "tiled" in options.methods and keys > options.block:
+    if "tiled" in methods and keys > options.block:
         width = -(-keys // options.block) * options.block
-    cells = len(options.dtypes) * (len(options.methods) + len(options.paths))
-    return width * WORKING_BYTES_PER_ELEMENT + ROW_BYTES + ROW_BYTES_PER_CELL * cells
+    count = len(options.dtypes) * (len(options.methods) + len(options.paths)) if cells is None else len(cells)
+    return width * WORKING_BYTES_PER_ELEMENT + ROW_BYTES + ROW_BYTES_PER_CELL * count
 
 
-def rows_per_chunk(keys: int, options: "Options") -> int:
+def rows_per_chunk(keys: int, options: "Options", cells=None) -> int:
     """Rows per chunk so that the chunk's working set, elements and per-row facts together,
     stays within the budget ``options.chunk_elements`` stands for."""
-    return max(1, options.chunk_elements * WORKING_BYTES_PER_ELEMENT // chunk_row_bytes(keys, options))
+    return max(1, options.chunk_elements * WORKING_BYTES_PER_ELEMENT // chunk_row_bytes(keys, options, cells))
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class Options:
 
 def ignore_codes(value, param_name: str = "ignore") -> tuple[str, ...]:
     """'fully_masked_rows, mask_leak' or a list -> the finding codes, each checked."""
-    from attncheck.findings import SEVERITY
+    from attncheck.codes import SEVERITY
 
     items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value or ())
     for code in items:
@@ -145,10 +146,16 @@ class RunRequest:
     max_memory: int = params.size(params.DEFAULT_MAX_MEMORY, "max_memory")  # bytes: the most any input may hold whole
     ignore: tuple[str, ...] = ()  # finding codes the user judged expected: dropped, their rows not counted
     partial: bool = False  # diagnose the calls that can be, and report the others, instead of stopping at the first
+    # Calls of known implementation (a capture) compute their model cell; as what-ifs also the dtypes
+    # ``what_if`` names (params.what_if: 'fp16', ..., or 'all') and, with ``grid_asked`` (--dtype,
+    # --method or --path given), every cell of ``options``. Bare scores compute every cell of ``options``.
+    what_if: tuple[str, ...] = ()
+    grid_asked: bool = False
 
     def __post_init__(self) -> None:
         params.integer(self.max_memory, "max_memory", 1, from_text=False)
         object.__setattr__(self, "ignore", ignore_codes(self.ignore))
+        object.__setattr__(self, "what_if", params.what_if(list(self.what_if)) if self.what_if else ())
         if self.example and (self.paths or self.qk):
             raise AttncheckError("give files or the built-in example, not both")
         if self.example and self.keys:

@@ -97,8 +97,8 @@ def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def row_abs_max(d: torch.Tensor) -> torch.Tensor:
-    """max |d| per row without allocating |d|."""
-    return torch.maximum(d.amax(dim=-1), d.amin(dim=-1).neg_())
+    """max |d| per row without allocating |d| (+ 0.0: the max of 0 and -0 may be -0)."""
+    return torch.maximum(d.amax(dim=-1), d.amin(dim=-1).neg_()).add_(0.0)
 
 
 def row_finite(x: torch.Tensor) -> torch.Tensor:

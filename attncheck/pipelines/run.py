@@ -52,7 +52,7 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     else:
         calls, capture, skipped = _run_files(request, options, track, notice)
         diags = [c.diagnosis for c in calls if c.diagnosis is not None]
-    for d in diags:
+    for d in diags + [c.what_if for c in calls if c.what_if is not None]:
         apply_ignore(d, request.ignore)
     model = model_report(calls, request.ignore, skipped, capture)
     return RunResult(diags, device_label(dev), calls, model)
@@ -98,7 +98,7 @@ def _run_files(request: RunRequest, options, track: Track, notice):
                 raise AttncheckError(item.problem)
             tensors = item.load()
             rows = _score_rows(tensors)
-            calls.append(diagnose_call(info, tensors, options, track(info.name, rows), notice))
+            calls.append(diagnose_call(info, tensors, options, track(info.name, rows), notice, request.what_if, options if request.grid_asked else None))
         except AttncheckError as e:
             if not request.partial:
                 raise

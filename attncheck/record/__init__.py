@@ -35,7 +35,7 @@ class Capture:
     a ``RunResult`` with the model report), ``stopped`` (why recording stopped early, or None),
     ``error`` (the exception that left the block, as one line)."""
 
-    def __init__(self, path, *, diagnose: bool, max_calls, max_bytes, modules, forwards, options, ignore, notice, script) -> None:
+    def __init__(self, path, *, diagnose: bool, max_calls, max_bytes, modules, forwards, options, ignore, notice, script, what_if=(), asked=None) -> None:
         if path is not None and diagnose:
             raise AttncheckError("diagnose=True diagnoses each call as it comes and writes nothing: give no path with it", param="diagnose")
         self.path = None if path is None else os.fspath(path)
@@ -45,6 +45,7 @@ class Capture:
         self.modules = (modules,) if isinstance(modules, str) else tuple(modules or ())
         self.forwards = None if forwards is None else parse_forwards(forwards)
         self.options, self.ignore, self.notice = options, ignore_codes(ignore or ()), notice
+        self.what_if, self.asked = (params.what_if(what_if) if what_if else ()), asked
         self.script = script
         self.calls: list = []
         self.result = None
@@ -60,7 +61,7 @@ class Capture:
         if self.diagnose:
             from attncheck.config.run import Options
 
-            self._sink = DiagnoseSink(self.options or Options(), self.ignore, self.notice)
+            self._sink = DiagnoseSink(self.options or Options(), self.ignore, self.notice, self.what_if, self.asked)
         elif self.path is not None:
             self._sink = DirectorySink(self.path)
         else:
@@ -146,6 +147,8 @@ def capture(
     ignore: Sequence[str] = (),
     notice: Callable[[str], None] | None = None,
     script: dict | None = None,
+    what_if=(),
+    asked=None,
 ) -> Capture:
     """Record every attention call made inside the ``with`` block.
 
@@ -158,9 +161,12 @@ def capture(
     ``modules``: globs of module paths to record ('*.self_attn'; a call outside any module
     is 'global'). ``forwards``: which forward passes of the top module to record (1-based:
     1, [1, 3], '2-4'); None records all, and calls outside any module.
+    ``options`` (diagnose=True): how cells compute; each call computes the cell the model ran, and as
+    what-ifs the dtypes ``what_if`` names ('fp16', ['bf16', 'fp8'] or 'all': every implementation too)
+    and every cell of ``asked`` (an ``Options`` grid), reported apart from the model's own.
     """
     return Capture(path, diagnose=diagnose, max_calls=max_calls, max_bytes=max_bytes, modules=modules, forwards=forwards,
-                   options=options, ignore=ignore, notice=notice, script=script)
+                   options=options, ignore=ignore, notice=notice, script=script, what_if=what_if, asked=asked)
 
 
 __all__ = ["Capture", "capture", "parse_forwards", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_CALLS"]

@@ -225,13 +225,14 @@ class MemorySink:
 class DiagnoseSink:
     """Diagnoses each call as it comes and keeps only the result."""
 
-    def __init__(self, options, ignore=(), notice: Callable[[str], None] | None = None) -> None:
+    def __init__(self, options, ignore=(), notice: Callable[[str], None] | None = None, what_if=(), asked=None) -> None:
         from dataclasses import replace
 
         from attncheck.numerics.cells.diagnose import resolve_device
 
         self.options = replace(options, device=str(resolve_device(options.device)))
         self.ignore, self.notice = tuple(ignore), notice
+        self.what_if, self.asked = tuple(what_if), asked
         self.reports = []
 
     def __call__(self, call: Recorded) -> None:
@@ -243,11 +244,13 @@ class DiagnoseSink:
         device_type = next(iter(call.tensors.values())).device.type
         try:
             with torch.no_grad(), torch.autocast(device_type=device_type, enabled=False):  # the diagnosis computes in the dtypes it names
-                report = diagnose_call(info, tensors, self.options, notice=self.notice)
+                report = diagnose_call(info, tensors, self.options, notice=self.notice, what_if=self.what_if, asked=self.asked)
         except AttncheckError as e:  # the model runs on; the call is listed as not diagnosed
             self.reports.append(CallReport(info, None, error=e.render()))
             return
         apply_ignore(report.diagnosis, self.ignore)
+        if report.what_if is not None:
+            apply_ignore(report.what_if, self.ignore)
         self.reports.append(report)
 
     def close(self, facts: dict) -> None:

@@ -10,10 +10,13 @@ from rich.table import Table
 from rich.text import Text
 
 from attncheck.format import fmt, plain, to_jsonable
+from attncheck.report.run import diagnosis_json
 from attncheck.results import CallReport, ModelLine, ModelReport
 
 VERDICT_STYLE = {"nan": "bold red", "overflow": "bold red", "zero": "red", "error": "bold red", "flip": "yellow",
                  "ok": "green", "skipped": "yellow", "n/a": "dim"}
+SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 MAX_HEAD_COLUMNS = 32
 
 
@@ -126,8 +129,9 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
     return t
 
 
-def findings_summary(calls: list[CallReport]) -> Text | None:
-    """Each finding code once: its severity, in how many calls, the first of them."""
+def findings_summary(calls: list[CallReport], known: bool) -> Text | None:
+    """Each finding code once: its severity, in how many calls, the first of them (the model's
+    cells' findings for a capture; every cell's for files of unknown implementation)."""
     seen: dict[str, list] = {}
     for c in calls:
         if c.diagnosis is None:
@@ -135,16 +139,43 @@ def findings_summary(calls: list[CallReport]) -> Text | None:
         for f in c.diagnosis.findings:
             entry = seen.setdefault(f.code, [f.severity, 0, c.call.module or c.call.name])
             entry[1] += 1
+            if SEVERITY_ORDER[f.severity] < SEVERITY_ORDER[entry[0]]:
+                entry[0] = f.severity
     if not seen:
         return None
-    order = {"error": 0, "warning": 1, "info": 2}
-    text = Text("Findings over all cells (--detail NAME or --full for the per-call tables):\n")
-    for code, (severity, n, first) in sorted(seen.items(), key=lambda kv: order[kv[1][0]]):
-        style = {"error": "bold red", "warning": "yellow", "info": "cyan"}[severity]
-        text.append(f"  {severity:<7} ", style=style)
+    head = ("Findings of the cells the model runs (--detail NAME or --full for the per-call tables):\n" if known
+            else "Findings over all cells (--detail NAME or --full for the per-call tables):\n")
+    text = Text(head)
+    for code, (severity, n, first) in sorted(seen.items(), key=lambda kv: SEVERITY_ORDER[kv[1][0]]):
+        text.append(f"  {severity:<7} ", style=SEVERITY_STYLE[severity])
         text.append(f"{code}: {n} call(s), first {first}\n")
     text.rstrip()
     return text
+
+
+def what_if_table(report: ModelReport, prefix: str = "") -> Table | None:
+    """One row per what-if cell: calls computed, calls where it breaks, the first and why, its least
+    headroom, its largest error and its findings. Never the model's verdict."""
+    if not report.what_if:
+        return None
+    t = Table(title="What if the model ran these instead (not counted as the model's; --fail-on what-if:COND)", title_justify="left",
+              box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
+    for name, justify in (("cell", "left"), ("breaks", "right"), ("first call", "left"), ("first cause", "left"), ("room", "right"),
+                          ("err", "right"), ("findings", "left")):
+        t.add_column(name, justify=justify, no_wrap=name in ("cell", "breaks", "room", "err"), overflow="fold")
+    for a in report.what_if:
+        first = a.first
+        where = "-" if first is None else f"#{first.index} {call_label(first, prefix)}"
+        cause = "-"
+        if first is not None:
+            cause = first.first_cause or (", ".join(first.errors) if first.verdict == "error" else first.verdict)
+            if first.first_cause and first.heads:
+                cause += " h" + ",".join(map(str, first.heads[:2])) + (",…" if len(first.heads) > 2 else "")
+        room = Text(plain(a.headroom), style="red" if a.headroom is not None and a.headroom < 0 else "")
+        codes = ", ".join(f"{code} ({n})" for code, n in a.findings.items()) or "-"
+        t.add_row(Text(a.cell, style=VERDICT_STYLE["nan"] if a.bad_calls else "green"), f"{a.bad_calls}/{a.calls}", where, cause, room,
+                  fmt(a.worst_err, ".0e"), codes)
+    return t
 
 
 def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> Text:
@@ -152,8 +183,14 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
     errors = sum(f.severity == "error" for d in diags for f in d.findings)
     warnings = sum(f.severity == "warning" for d in diags for f in d.findings)
     head = f"{len(report.lines)} call(s) on {device}: {errors} error(s), {warnings} warning(s)"
+    judged = "in the cells the model runs" if report.known else "in any cell"
+    if report.what_if:
+        broken = [a.cell for a in report.what_if if a.bad_calls]
+        tail = f"; what-if: {', '.join(broken)} would break" if broken else "; what-if: no cell asked would break"
+    else:
+        tail = ""
     if report.first_bad is None:
-        return Text(head + "; no call goes wrong in the cells the model runs", style="yellow" if errors or warnings else "green")
+        return Text(head + f"; no call goes wrong {judged}" + tail, style="yellow" if warnings else "green")
     line = report.lines[report.first_bad]
     what = f"NaN in {line.nan_rows} row(s)" if line.nan_rows else line.verdict
     if line.verdict == "error":
@@ -161,12 +198,28 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
     cause = ""
     if line.first_cause:
         cause = f", first cause {line.first_cause}" + (f" in head {','.join(map(str, line.heads[:6]))}" if line.heads else "")
-    return Text(f"{head}; first call that goes wrong: #{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'}): {what}{cause}", style="bold red")
+    return Text(f"{head}; first call that goes wrong: #{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'}): {what}{cause}{tail}", style="bold red")
 
 
-LINES_LEGEND = ("Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the flash path in its "
-                "dtype). logit: largest unmasked score; room: exp overflow threshold minus logit; NaN: NaN rows; "
+LINES_LEGEND = ("Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the path of the "
+                "backend PyTorch chose, in its dtype: flash for the fused kernels, sdpa-math for the math backend). "
+                "logit: largest unmasked score; room: the cell's distance to its first failure{limit}; NaN: NaN rows; "
                 "err: max |p - p_float64|; >: the first call that goes wrong")
+FILES_LEGEND = ("Tensors and calls in order; the implementation is not known, so every cell is the question and a line's verdict "
+                "counts every cell's error findings (the cell shown: torch.softmax in the tensor's dtype). "
+                "logit: largest unmasked score; room: that cell's distance to its first failure{limit}; NaN: NaN rows; "
+                "err: max |p - p_float64|; >: the first call that goes wrong")
+
+
+def _limit_text(report: ModelReport) -> str:
+    """' (S = Q@K^T in fp32 rounds to inf at |S| >= 3.40282e+38)' when every line's cell shares one
+    limit; else ' (each cell's own: see the JSON report's limit)'."""
+    limits = {line.limit.what for line in report.lines if line.limit is not None}
+    if not limits:
+        return " (none: no cell here fails from finite scores)" if report.lines else ""
+    if len(limits) == 1 and all(line.limit is not None for line in report.lines):
+        return f" ({next(iter(limits))})"
+    return " (each cell's own: " + "; ".join(sorted(limits)) + "; '-': none)"
 
 
 def render_model(report: ModelReport, calls: list[CallReport], device: str) -> Group:
@@ -177,7 +230,8 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             parts.append(Text(f"capture: {note}", style="yellow"))
     prefix = shared_prefix([line.module for line in report.lines])
     shared = shared_facts(report)
-    legend = LINES_LEGEND + (f"; calls named below {prefix[:-1]}" if prefix else "") + (f"; {shared}" if shared else "")
+    legend = (LINES_LEGEND if report.known else FILES_LEGEND).format(limit=_limit_text(report))
+    legend += (f"; calls named below {prefix[:-1]}" if prefix else "") + (f"; {shared}" if shared else "")
     parts += [Text(legend), lines_table(report, prefix)]
     matrix = head_matrix(calls, report, prefix)
     if matrix is not None:
@@ -191,9 +245,12 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             text.append(f"  ... {len(report.outliers) - 12} more in the JSON report\n")
         text.rstrip()
         parts.append(text)
-    summary = findings_summary(calls)
+    summary = findings_summary(calls, report.known)
     if summary is not None:
         parts.append(summary)
+    table = what_if_table(report, prefix)
+    if table is not None:
+        parts.append(table)
     for name, why in report.skipped:
         parts.append(Text(f"skipped {name}: {why}", style="yellow"))
     if report.ignored:
@@ -230,6 +287,7 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
             "cell": line.cell,
             "max_logit": line.max_logit,
             "headroom": line.headroom,
+            "limit": _limit_json(line.limit),
             "nan_rows": line.nan_rows,
             "first_cause": line.first_cause,
             "cause_heads": line.heads,
@@ -238,12 +296,9 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
             "errors": line.errors,
             "heads": to_jsonable(c.heads),
             "error": c.error,
+            "what_if": None if c.what_if is None else diagnosis_json(c.what_if),
         })
-    first = None
-    if report.first_bad is not None:
-        line = report.lines[report.first_bad]
-        first = {"index": line.index, "name": line.name, "module": line.module, "verdict": line.verdict,
-                 "first_cause": line.first_cause, "heads": line.heads, "nan_rows": line.nan_rows}
+    first = None if report.first_bad is None else _first_json(report.lines[report.first_bad])
     return to_jsonable({
         "calls": out_calls,
         "first_bad": first,
@@ -251,5 +306,19 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
         "ignored": list(report.ignored),
         "skipped": [{"name": n, "error": why} for n, why in report.skipped],
         "capture": report.capture,
+        "known_implementation": report.known,
+        "what_if": [{"cell": a.cell, "calls": a.calls, "bad_calls": a.bad_calls, "verdict": a.verdict, "nan_rows": a.nan_rows,
+                     "max_abs_err": a.worst_err, "headroom": a.headroom, "limit": _limit_json(a.limit), "findings": a.findings,
+                     "first_bad": None if a.first is None else _first_json(a.first)} for a in report.what_if],
     })
+
+
+def _limit_json(limit) -> dict[str, Any] | None:
+    """A CellLimit with its headroom (non-finite numbers become null)."""
+    return None if limit is None else to_jsonable(dict(to_jsonable(limit), headroom=limit.headroom))
+
+
+def _first_json(line: ModelLine) -> dict[str, Any]:
+    return {"index": line.index, "name": line.name, "module": line.module, "verdict": line.verdict,
+            "first_cause": line.first_cause, "heads": line.heads, "nan_rows": line.nan_rows, "errors": line.errors}
 

@@ -15,7 +15,7 @@ from attncheck.params import MASK_SENTINEL_LIMIT
 from attncheck.format import cosine, fmt, index_text, rows_text, to_jsonable
 from attncheck.results import Cell, TensorDiagnosis
 
-JSON_SCHEMA = "attncheck.run/2"  # /2 added the model section; every /1 key is kept
+JSON_SCHEMA = "attncheck.run/3"  # /2 added the model section; /3: a captured call's tensor holds its model cell, what-ifs apart; every /2 key is kept
 
 NAN_HEADS_SHOWN = 3  # leading indices with NaN rows named per cell in the table; the JSON has all
 
@@ -307,8 +307,14 @@ def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
     return Group(*parts)
 
 
-def print_report(console: Console, diags: Sequence[TensorDiagnosis], device: str, verbose: bool = True) -> None:
+def print_report(console: Console, diags: Sequence[TensorDiagnosis], device: str, verbose: bool = True,
+                 what_ifs: Sequence[TensorDiagnosis] = ()) -> None:
+    """Each diagnosis in full, then the what-if diagnoses (their findings are not counted)."""
     for d in diags:
+        console.print(render_diagnosis(d, verbose=verbose))
+        console.print()
+    for d in what_ifs:
+        console.print(Text("What if (not the model's: never counted)", style="bold"))
         console.print(render_diagnosis(d, verbose=verbose))
         console.print()
     errors = sum(f.severity == "error" for d in diags for f in d.findings)
@@ -326,6 +332,8 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
         cell = to_jsonable(c)
         cell["name"] = c.name
         cell["verdict"] = c.verdict
+        if c.limit is not None:
+            cell["limit"]["headroom"] = to_jsonable(c.limit.headroom)  # the property, beside the fields
         cells.append(cell)
     census = to_jsonable(d.census)
     spans = d.census.sentinel_spans or [(v, v) for v, _ in d.census.sentinels]
@@ -348,7 +356,7 @@ def run_json(diags: Sequence[TensorDiagnosis], device: str, failed: Sequence[str
     per call, the first that goes wrong, outlier heads)."""
     from attncheck.report.model import model_json
 
-    opts = diags[0].options if diags else None
+    opts = diags[0].settings if diags else None
     return {
         "schema": JSON_SCHEMA,
         "attncheck_version": __version__,

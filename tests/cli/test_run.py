@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from attncheck.cli import app
-from attncheck.findings import FIX, SEVERITY
+from attncheck.codes import FIX, SEVERITY
 
 runner = CliRunner()
 
@@ -82,7 +82,7 @@ def test_json_to_stdout_has_the_contract_keys(overflow_fp16):
     r = invoke("run", overflow_fp16, "--json", "-")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)  # tables are not mixed in
-    assert doc["schema"] == "attncheck.run/2"
+    assert doc["schema"] == "attncheck.run/3"
     assert {"schema", "attncheck_version", "device", "tensors"} <= doc.keys()
     assert doc["device"] == "cpu"
     assert [t["name"] for t in doc["tensors"]] == [f"{overflow_fp16}:layer0.scores", f"{overflow_fp16}:layer1.scores"]
@@ -233,7 +233,7 @@ def test_cuda_requested_without_cuda(healthy):
         (["--dtype", "e4m3", "--method", "naive"], "no cell to compute: in e4m3 only a softmax that casts P to FP8 runs (tiled); add it to --method or a dtype such as fp16"),
         (["--method", "fast"], "--method: unknown method 'fast' (choose from naive, stable, tiled, torch)"),
         (["--dtype", ""], "--dtype is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
-        (["--fail-on", "bogus"], "--fail-on: unknown condition 'bogus' (use nan, overflow, zero, flip, error, warning or a finding code)"),
+        (["--fail-on", "bogus"], "--fail-on: unknown condition 'bogus' (use nan, overflow, zero, flip, error, warning or a finding code, or what-if:CONDITION)"),
         (["--block", "0"], "--block must be an integer >= 1, got 0"),
         (["--block", "x"], "--block must be an integer >= 1, got 'x'"),
         (["--device", "tpu"], "--device must be one of auto, cpu, cuda or cuda:N, got 'tpu'"),
@@ -323,7 +323,7 @@ def test_help_shows_flags_without_a_type(command):
 def test_module_entry_point(healthy):
     proc = subprocess.run([sys.executable, "-m", "attncheck", "run", str(healthy), "--json", "-"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["schema"] == "attncheck.run/2"
+    assert json.loads(proc.stdout)["schema"] == "attncheck.run/3"
 
 
 def test_plain_pickle_is_refused(tmp_path):

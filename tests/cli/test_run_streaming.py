@@ -95,10 +95,10 @@ def test_progress_goes_to_stderr_never_into_json_stdout(tmp_path):
     run = lambda *extra: subprocess.run([sys.executable, "-m", "attncheck", "run", str(path), "--json", "-", *extra], capture_output=True, text=True, timeout=120, env=env)
     shown = run()
     assert shown.returncode == 0, shown.stderr
-    assert json.loads(shown.stdout)["schema"] == "attncheck.run/2"
+    assert json.loads(shown.stdout)["schema"] == "attncheck.run/3"
     assert "rows" in shown.stderr  # the bar was drawn, on stderr
     quiet = run("--quiet")
-    assert json.loads(quiet.stdout)["schema"] == "attncheck.run/2" and quiet.stderr == ""
+    assert json.loads(quiet.stdout)["schema"] == "attncheck.run/3" and quiet.stderr == ""
 
 
 def test_no_progress_when_stderr_is_not_a_terminal(tmp_path):

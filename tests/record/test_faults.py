@@ -89,7 +89,7 @@ def test_left_padding_with_fp16_min_masks_gives_finite_uniform_rows_as_the_model
         uniform = p[0, :, :pad]  # the model gives those rows 1/T everywhere
         assert (uniform == torch.tensor(1 / 12, dtype=torch.float16)).all()
         finding = next(f for f in d.findings if f.code == "fully_masked_rows")
-        assert "finite uniform row" in finding.message and finding.severity == "warning"
+        assert "finite uniform row" in finding.message and finding.severity == "info"  # harmless in the cell the model runs
     assert cap.result.model.first_bad is None
 
 

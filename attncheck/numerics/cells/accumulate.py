@@ -19,7 +19,7 @@ from attncheck.numerics.precision import (
 from attncheck.numerics.reduce import Examples, ExactSum, Max, any_true, attribute, count, count_values, finite, group_mask_values, take_rows, unravel
 from attncheck.numerics.methods.softmax import event_rows
 from attncheck.registry import EVENTS
-from attncheck.results import Cell, Census, Distribution, DtypeHeadroom
+from attncheck.results import ASKED, Cell, Census, Distribution, DtypeHeadroom
 
 NEG_INF = float("-inf")
 
@@ -39,6 +39,8 @@ class CensusAcc:
         self.rows_under = Counter()
         self.rows_spread = Counter()
         self.top_in: dict[str, Max] = {d: Max() for d in dtypes}  # largest finite score as each dtype holds it
+        self.spread = Max()  # largest (row max - smallest unmasked score) over rows with two or more unmasked keys
+        self.neg_unmasked_min = Max()  # minus the smallest finite score above the sentinel limit
         self.cast_pos = Counter()
         self.cast_neg = Counter()
         self.cast_rows = Counter()
@@ -61,6 +63,9 @@ class CensusAcc:
         self.posinf_rows += count(c.posinf)
         # A mask constant is the minimum of every row it masks: count rows per value.
         count_values(self.sentinel_rows, c.min_finite[(c.min_finite <= MASK_SENTINEL_LIMIT) & finite(c.min_finite)])
+        self.neg_unmasked_min.add(-take_rows(c.unmasked_min, finite(c.unmasked_min)))
+        spread = c.max_finite - c.unmasked_min  # NaN or -inf where a row has no unmasked key
+        self.spread.add(take_rows(spread, ((c.x.shape[-1] - c.masked) >= 2) & finite(spread)))
 
     def update_headroom(self, dtype: str, c: ChunkFacts, top: torch.Tensor, low: torch.Tensor) -> None:
         """Count the chunk's rows against ``dtype``'s exp thresholds, from the scores the
@@ -127,6 +132,7 @@ class CensusAcc:
             finite=n,
             min=None if self.min.value is None else -self.min.value,
             max=top,
+            unmasked_min=None if self.neg_unmasked_min.value is None else -self.neg_unmasked_min.value,
             mean=mean,
             std=std,
             nan=self.nan,
@@ -141,6 +147,26 @@ class CensusAcc:
             posinf_input_rows=self.posinf_rows,
             headroom=headroom,
         )
+
+
+class HeadMax:
+    """The largest unmasked score (above the sentinel limit) per head, the axis before the queries;
+    rows are (leading..., head, query) in row-major order."""
+
+    def __init__(self, heads: int, queries: int) -> None:
+        self.heads, self.queries = heads, queries
+        self.top = torch.full((heads,), NEG_INF, dtype=torch.float64)
+
+    def update(self, c: ChunkFacts) -> None:
+        if not self.heads:
+            return
+        r = c.max_finite.shape[0]
+        head = (torch.arange(c.offset, c.offset + r) // self.queries) % self.heads
+        top = torch.where(c.max_finite > MASK_SENTINEL_LIMIT, c.max_finite, NEG_INF).to("cpu", torch.float64)
+        self.top = self.top.scatter_reduce(0, head, top, reduce="amax")
+
+    def values(self) -> list[float | None]:
+        return [None if v == NEG_INF else v for v in self.top.tolist()]
 
 
 class DistAcc:
@@ -263,10 +289,37 @@ class OutAcc:
 
 PCAST_MASS = 1e-3  # a row that loses this much of its probability to the P cast has lost something visible
 
+# A top-1 flip counts only where rounding cannot explain it: the reference's top key a and the cell's
+# top key b (first of ties) are further apart in float64 score, s_a - s_b, than the cell's own score
+# errors at the two keys, |s'_a - s_a| + |s'_b - s_b| (s' the scores as the cell computed them: cast,
+# or Q@K^T in the path's dtype), plus FLIP_UNITS unit roundoffs of the cell's dtype (exp and the
+# division round each probability once more; a tiled cell rescales P blocks by different factors).
+# For first-order rounding, p_b > p_a needs s'_b - s'_a > -(that rounding), so a flip inside the
+# bound is a near-tie that the dtype cannot resolve; one beyond it is the cell's own error.
+FLIP_UNITS = 4
+FLIP_RULE = ("a top-1 flip counts where s_a - s_b > |s'_a - s_a| + |s'_b - s_b| + 4u: a the float64 top key, b the cell's, "
+             "s the float64 scores, s' the cell's, u the unit roundoff of its dtype; nearer flips are near-ties its rounding explains")
+
+
+def real_flips(x: torch.Tensor, xc: torch.Tensor, probs: torch.Tensor, top: torch.Tensor, rows: torch.Tensor, unit: float) -> torch.Tensor:
+    """(k,) bool: which of the flipped ``rows`` (k,) count under FLIP_RULE. ``x`` (r, T) the scores as
+    given (float64 from Q and K), ``xc`` the cell's scores, ``probs`` its probabilities, ``top`` (r, 1)
+    the reference's top key."""
+    s = x[rows].to(torch.float64)  # (k, T)
+    sc = xc[rows].to(torch.float64)
+    a = top[rows]
+    b = probs[rows].argmax(dim=-1, keepdim=True)
+    gap = (s.gather(-1, a) - s.gather(-1, b)).squeeze(-1)
+    err = ((sc.gather(-1, a) - s.gather(-1, a)).abs() + (sc.gather(-1, b) - s.gather(-1, b)).abs()).squeeze(-1)
+    return gap > torch.nan_to_num(err, nan=math.inf) + FLIP_UNITS * unit
+
 
 class CellAcc:
-    def __init__(self, method: str, dtype: str, max_examples: int, heads: tuple[int, ...] = (), queries: int = 1, path: str | None = None) -> None:
-        self.method, self.dtype, self.path = method, dtype, path
+    def __init__(self, method: str, dtype: str, max_examples: int, heads: tuple[int, ...] = (), queries: int = 1, path: str | None = None,
+                 role: str = ASKED) -> None:
+        self.method, self.dtype, self.path, self.role = method, dtype, path, role
+        self.unit = torch.finfo(dtype_from_name(dtype)).eps / 2  # unit roundoff of the cell's dtype (FLIP_RULE)
+        self.near_ties = 0
         self.out: OutAcc | None = None  # created with the first output
         self.tied_rows = 0
         # Rows of a (..., heads..., queries, keys) tensor are grouped by their leading index.
@@ -366,10 +419,16 @@ class CellAcc:
         self.kl_max.add(kl)
         self.ref_nonzero += int(sel(c.ref_positive_count).sum())
         self.flushed += int(sel(m.flushed).sum())
-        # A flip: the reference's top key is strictly below the cell's maximum (ties are not flips).
+        # A flip: the reference's top key is strictly below the cell's maximum (ties are not flips),
+        # and further from it than the cell's rounding explains (FLIP_RULE; flips are rare: a gather).
         flip = (m.p_at_top < m.pmax) & ok
-        self.flips += count(flip)
-        self.examples.add("flip", flip, c.offset)
+        if any_true(flip):
+            rows = torch.nonzero(flip).flatten()
+            real = real_flips(c.x, algo.xc, probs, c.ref_top, rows, self.unit)
+            self.near_ties += count(~real)
+            flip = torch.zeros_like(flip).index_fill_(0, rows[real], True)
+            self.flips += count(real)
+            self.examples.add("flip", flip, c.offset)
 
     def _count_pcast(self, pcast, algo: AlgoReference, rows: torch.Tensor) -> None:
         t = pcast.tally(algo.ref, rows & algo.ok)  # the reference of the cell's own scores is non-zero there
@@ -416,6 +475,8 @@ class CellAcc:
             path=self.path,
             tied_rows=self.tied_rows,
             nan_rows_per_head=self._per_head(),
+            role=self.role,
+            argmax_flips_near_tie=self.near_ties,
             **({} if self.out is None else self.out.fields()),
             **self._pcast_fields(),
         )

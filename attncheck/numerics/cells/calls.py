@@ -1,77 +1,48 @@
-"""One attention call -> its diagnosis, its heads, and the cell the model actually ran.
+"""One attention call -> its report: the cell the model ran, its heads, and the what-if cells asked.
 
-An SDPA call (or a file of q/k/mask tensors) is diagnosed in Q/K mode with SDPA's semantics:
-a boolean mask is True where a query may attend, a float mask is added, ``is_causal`` masks
-top-left aligned, ``scale`` None is 1/sqrt(d), and k may have fewer heads than q (GQA). A
-softmax call is diagnosed as the scores it saw; with the q and k of the matmul that produced
-them, also against Q/K (``diagnose_attention(..., scores=...)``).
+A captured call names its implementation (``plan.known_implementation``): an SDPA call runs the
+backend PyTorch chose for it, a softmax call ``torch.softmax`` on the scores it saw. Its model
+cell alone is computed by default, and alone decides the call's verdict and findings. What-if
+cells (``plan.what_if_cells``) run in a pass of their own, on the model's inputs as the model
+would build them in the other dtype: a float mask of ``finfo(dtype).min`` is rebuilt with the
+what-if dtype's own minimum (as transformers builds its masks), and a softmax call's mask is
+read back from the scores it recorded. Calls of unknown implementation (q/k files, plain
+scores) keep every cell asked, as a bare score tensor does.
+
+An SDPA call (or a file of q/k/mask tensors) is diagnosed in Q/K mode with SDPA's semantics: a
+boolean mask is True where a query may attend, a float mask is added, ``is_causal`` masks top-left
+aligned, ``scale`` None is 1/sqrt(d), and k may have fewer heads than q (GQA).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from attncheck import params
+from attncheck.codes import SEVERITIES
 from attncheck.config.run import Options
 from attncheck.errors import AttncheckError
-from attncheck.findings import SEVERITIES
 from attncheck.model import head_findings
-from attncheck.numerics.precision import dtype_from_name, dtype_label
-from attncheck.registry import DTYPES, METHODS, cell_dtype
-from attncheck.results import CallInfo, CallReport, HeadStat, TensorDiagnosis
+from attncheck.numerics.cells.plan import CellKey, cell_dtype_name, grid, known_implementation, model_cell, what_if_cells
+from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
+from attncheck.results import CallInfo, CellLimit, CallReport, HeadStat, TensorDiagnosis
 
 QK_KINDS = ("sdpa", "qk")
-
-
-def model_cell(info: CallInfo) -> tuple[str, str] | None:
-    """The cell whose computation the model ran for a call, as (method or path, dtype).
-
-    - softmax: ``torch.softmax`` in its ``dtype=`` argument, else in the scores' dtype;
-    - sdpa: the ``flash`` path in the call's dtype. PyTorch's fused SDPA kernels (the CPU
-      flash kernel, CUDA's flash and memory-efficient ones) hold S = Q@K^T, its running
-      max and sum in float32, round P to the dtype before P@V and return zeros for a fully
-      masked row; the math backend (``sdpa-math``) is computed beside it;
-    - qk files and plain scores: ``torch.softmax`` in the tensors' dtype (with q and k: on
-      the ``eager`` path, as hand-written attention computes it).
-
-    None when that dtype is not one a cell computes in (float64).
-    """
-    dtype = _cell_dtype_name(info.softmax_dtype or info.dtype)
-    if dtype is None:
-        return None
-    return ("flash" if info.kind == "sdpa" else "torch", dtype)
-
-
-def _cell_dtype_name(name: str | None) -> str | None:
-    """'fp16' (or an alias) -> 'fp16' when a cell computes in it, else None."""
-    if name is None or name not in DTYPES or not cell_dtype(DTYPES.get(name)):
-        return None
-    return DTYPES.get(name).name
-
-
-def options_with(options: Options, cell: tuple[str, str] | None, qk: bool = False) -> Options:
-    """The options with the model's own cell added where the user's choice left it out: its
-    dtype, and its path (``flash``) or its method (with q and k, on the ``eager`` path)."""
-    if cell is None:
-        return options
-    name, dtype = cell
-    dtypes = options.dtypes if dtype in options.dtypes else (*options.dtypes, dtype)
-    methods, paths = options.methods, options.paths
-    if name in METHODS:
-        methods = methods if name in methods else (*methods, name)
-        if qk and paths and "eager" not in paths:
-            paths = (*paths, "eager")
-    elif paths and name not in paths:
-        paths = (*paths, name)
-    return replace(options, methods=methods, dtypes=dtypes, paths=paths)
 
 
 def _scale(info: CallInfo) -> params.Scale:
     # repr keeps every digit: SDPA's scale is used exactly as the model passed it
     return params.Scale(repr(float(info.scale))) if info.scale is not None else params.Scale("auto")
+
+
+def _scale_source(info: CallInfo) -> str | None:
+    """'argument' (SDPA's scale=) or 'traced' (the model's code): the model's own choice."""
+    source = info.meta.get("scale_source")
+    return source if source in ("argument", "traced") and info.scale is not None else None
 
 
 def _in_call(info: CallInfo, run: Callable):
@@ -83,58 +54,67 @@ def _in_call(info: CallInfo, run: Callable):
         raise AttncheckError(f"{where}: {e.render()}") from None
 
 
+def _normalised(info: CallInfo, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """nn.MultiheadAttention's (B * H, T, ...) scores, q and k -> (B, H, T, ...)."""
+    out = dict(tensors)
+    scores, q, k = out.get("scores"), out.get("q"), out.get("k")
+    num_heads = info.meta.get("num_heads", "")
+    if scores is not None and scores.dim() == 3 and num_heads.isdigit() and int(num_heads) > 0 and scores.shape[0] % int(num_heads) == 0:
+        h = int(num_heads)
+        out["scores"] = scores.reshape(scores.shape[0] // h, h, *scores.shape[1:])
+        if q is not None and k is not None and q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == scores.shape[0]:
+            out["q"], out["k"] = q.reshape(-1, h, *q.shape[1:]), k.reshape(-1, h, *k.shape[1:])
+    return out
+
+
 def diagnose_call(
     info: CallInfo,
     tensors: dict[str, torch.Tensor],
     options: Options,
     progress: Callable[[int], None] | None = None,
     notice: Callable[[str], None] | None = None,
+    what_if: tuple[str, ...] = (),
+    asked: Options | None = None,
 ) -> CallReport:
-    """Diagnose one call from its tensors (roles q, k, v, attn_mask, scores)."""
-    from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
-    from attncheck.numerics.inputs.heads import head_stats
-    from attncheck.numerics.inputs.scores import prepare_inputs
+    """Diagnose one call from its tensors (roles q, k, v, attn_mask, scores).
 
+    ``options`` say how cells compute (block, order, kernels, memory). A call of known
+    implementation computes its model cell, and as what-ifs the dtypes ``what_if`` names
+    (``params.what_if``) and the grid ``asked`` (an explicit --dtype/--method/--path); a call of
+    unknown implementation computes every cell of ``options`` (and of ``asked``).
+    """
     kind = info.kind
-    scores = tensors.get("scores")
-    q, k = tensors.get("q"), tensors.get("k")
+    tensors = _normalised(info, tensors)
+    scores, q, k = tensors.get("scores"), tensors.get("q"), tensors.get("k")
     if info.dtype is None:
         ref = q if kind in QK_KINDS and q is not None else scores
         info = replace(info, dtype=dtype_label(ref.dtype) if ref is not None else None)
-    num_heads = info.meta.get("num_heads", "")
-    if scores is not None and scores.dim() == 3 and num_heads.isdigit() and scores.shape[0] % int(num_heads) == 0:
-        h = int(num_heads)  # nn.MultiheadAttention's (B * H, T, ...) -> (B, H, T, ...)
-        scores = scores.reshape(scores.shape[0] // h, h, *scores.shape[1:])
-        if q is not None and k is not None and q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == scores.shape[0] * h:
-            q, k = q.reshape(-1, h, *q.shape[1:]), k.reshape(-1, h, *k.shape[1:])
-    cell = model_cell(info)
-    opts = options_with(options, cell, qk=kind in QK_KINDS)
-    inputs = None
-    if kind in QK_KINDS:
-        if q is None or k is None:
-            raise AttncheckError(f"{info.name} (call {info.index}): needs q and k")
-        mask = tensors.get("attn_mask")
-        inputs = _in_call(info, lambda: prepare_inputs(q, k, mask, v=tensors.get("v"), scale=_scale(info), causal=info.is_causal, mask_convention="attend"))
-        diag = _in_call(info, lambda: diagnose_attention(info.name, inputs, opts, progress, notice=notice))
+    if kind in QK_KINDS and (q is None or k is None):
+        raise AttncheckError(f"{info.name} (call {info.index}): needs q and k")
+    if kind not in QK_KINDS and scores is None:
+        raise AttncheckError(f"{info.name} (call {info.index}): the softmax call has no scores")
+    model = model_cell(info)
+    known = known_implementation(info) and model is not None
+    inputs = _in_call(info, lambda: _model_inputs(info, tensors)) if kind in QK_KINDS else _softmax_qk(info, tensors)
+    if known:
+        cells = [model]
     else:
-        if scores is None:
-            raise AttncheckError(f"{info.name} (call {info.index}): the softmax call has no scores")
-        if q is not None and k is not None:
-            try:
-                inputs = prepare_inputs(q, k, None, scale=_scale(info))
-            except AttncheckError:
-                inputs = None  # q/k that do not make these scores: diagnose the scores alone
-            if inputs is not None and tuple(inputs.score_shape) != tuple(scores.shape):
-                inputs = None
-        if inputs is not None and info.meta.get("q_prescaled") != "true":
-            diag = _in_call(info, lambda: diagnose_attention(info.name, inputs, opts, progress, scores=scores, notice=notice))
-        else:
-            diag = _in_call(info, lambda: diagnose(info.name, scores, opts, progress, notice=notice))
+        cells = grid(asked or options, inputs is not None and kind in QK_KINDS)
+        if model is not None and not any(c.same_cell(model) for c in cells):
+            cells.append(model)
+    if kind in QK_KINDS:
+        diag = _in_call(info, lambda: _qk_diagnosis(info, inputs, options, cells, progress, notice))
+    else:
+        diag = _in_call(info, lambda: _scores_diagnosis(info, scores, inputs, options, cells, progress, notice))
     info = replace(info, shape=tuple(diag.shape), has_qk=inputs is not None)
-    used = _cell_of(diag, cell)
-    compute = _cell_dtype_name(info.dtype)  # Q@K^T overflow per head, in the dtype the model computed it in
-    heads = head_stats(inputs, scores, dtype_from_name(compute) if compute else None, used)
-    report = CallReport(info, diag, heads, cell)
+    what = None
+    if known and (what_if or asked is not None):
+        what = _in_call(info, lambda: _what_if(info, tensors, inputs, options, what_if, asked, notice))
+    used = _cell_of(diag, model)
+    if known and kind == "softmax" and used is not None:
+        used.limit = _scores_limit(info, diag)
+    heads = _head_stats(info, inputs, diag, used, model)
+    report = CallReport(info, diag, heads, None if model is None else (model.method, model.dtype), what_if=what)
     extra = head_findings(report, diag.findings)
     if extra:
         order = {s: i for i, s in enumerate(SEVERITIES)}
@@ -142,13 +122,170 @@ def diagnose_call(
     return report
 
 
-def _cell_of(diag: TensorDiagnosis, cell: tuple[str, str] | None):
-    if cell is None:
+def _model_inputs(info: CallInfo, tensors: dict[str, torch.Tensor]):
+    """Q/K inputs of an SDPA call or a q/k file, as the call gave them."""
+    from attncheck.numerics.inputs.scores import prepare_inputs
+
+    return prepare_inputs(tensors["q"], tensors["k"], tensors.get("attn_mask"), v=tensors.get("v"), scale=_scale(info),
+                          causal=info.is_causal, mask_convention="attend")
+
+
+def _softmax_qk(info: CallInfo, tensors: dict[str, torch.Tensor]):
+    """The q/k a softmax call's scores came from (traced by the capture), or None when they do not
+    make these scores."""
+    from attncheck.numerics.inputs.scores import prepare_inputs
+
+    q, k, scores = tensors.get("q"), tensors.get("k"), tensors["scores"]
+    if q is None or k is None:
         return None
     try:
-        return diag.cell(*cell)
-    except KeyError:
+        inputs = prepare_inputs(q, k, None, v=tensors.get("v"), scale=_scale(info))
+    except AttncheckError:
         return None
+    return inputs if tuple(inputs.score_shape) == tuple(scores.shape) else None
+
+
+def _qk_diagnosis(info, inputs, options, cells, progress, notice) -> TensorDiagnosis:
+    from attncheck.numerics.cells.diagnose import diagnose_attention
+
+    return diagnose_attention(info.name, inputs, options, progress, notice=notice, cells=cells, scale_source=_scale_source(info))
+
+
+def _scores_diagnosis(info, scores, inputs, options, cells, progress, notice) -> TensorDiagnosis:
+    """A softmax call: the scores it saw, as recorded. With its q and k, the scale they carry: the
+    traced one (the model's code), or fitted to the scores where the trace found none."""
+    from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
+    from attncheck.numerics.inputs.scores import start_audit
+
+    if inputs is None or info.meta.get("q_prescaled") == "true":
+        return diagnose(info.name, scores, options, progress, notice=notice, cells=cells)
+    source = _scale_source(info)
+    if source is None:  # the capture traced no scale: fit it (a float64 pass over q.k)
+        return diagnose_attention(info.name, inputs, options, progress, scores=scores, notice=notice, cells=cells)
+    audit = start_audit(inputs)
+    audit.scale_source = source
+    return diagnose(info.name, scores, options, progress, notice=notice, cells=cells, attention=audit)
+
+
+def _what_if(info: CallInfo, tensors, inputs, options: Options, what_if, asked, notice) -> TensorDiagnosis | None:
+    """The what-if cells of a call of known implementation, in a pass of their own."""
+    from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
+
+    if info.kind == "sdpa":
+        wi_inputs = _sdpa_what_if_inputs(info, tensors)
+    else:
+        wi_inputs = None if inputs is None else _softmax_what_if_inputs(info, tensors, inputs, options)
+    cells = what_if_cells(info, wi_inputs is not None, what_if, asked)
+    if not cells:
+        return None
+    name = f"{info.name} (what if)"
+    if wi_inputs is None:
+        return diagnose(name, tensors["scores"], options, notice=notice, cells=cells)
+    return diagnose_attention(name, wi_inputs, options, notice=notice, cells=cells, scale_source=_scale_source(info) or "traced")
+
+
+def _relative_float_mask(mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A float mask whose sentinel is ``finfo(mask.dtype).min`` as a model builds it for its dtype:
+    (the rest of the mask, or None when it is all zeros; the sentinel's positions, masked in each
+    dtype with that dtype's own minimum). Other masks stay as they are: (mask, None)."""
+    sentinel = mask == torch.finfo(mask.dtype).min
+    if not bool(sentinel.any()):
+        return mask, None
+    rest = torch.where(sentinel, torch.zeros((), dtype=mask.dtype), mask)
+    return (None if not bool(rest.any()) else rest), sentinel
+
+
+def _sdpa_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor]):
+    """An SDPA call's inputs with its mask rebuilt for each dtype (``_relative_float_mask``)."""
+    from attncheck.numerics.inputs.scores import prepare_inputs
+
+    mask = tensors.get("attn_mask")
+    masked = None
+    if mask is not None and mask.is_floating_point():
+        mask, masked = _relative_float_mask(mask)
+    return prepare_inputs(tensors["q"], tensors["k"], mask, v=tensors.get("v"), scale=_scale(info), causal=info.is_causal,
+                          mask_convention="attend", mask_value="min" if masked is not None else "-inf", masked=masked)
+
+
+def mask_of_scores(scores: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """The mask a softmax call's scores carry, read back: (masked (..., Tq, Tk) bool: -inf or at most
+    the sentinel limit; the value a masked key gets in a dtype: 'min' where the masked scores sit in
+    the deepest half of their dtype's range (finfo(dtype).min, added or filled: transformers' masks),
+    '-inf' where every masked score is -inf, else their median as a number (-1e9, -1e4: a constant
+    kept in every dtype)."""
+    masked = scores <= MASK_SENTINEL_LIMIT  # -inf too
+    finite = scores[masked & torch.isfinite(scores)].to(torch.float64)
+    if not finite.numel():
+        return masked, "-inf"
+    if float(finite.max()) <= torch.finfo(scores.dtype).min / 2:
+        return masked, "min"
+    return masked, repr(float(finite.median()))
+
+
+def _softmax_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], inputs, options: Options):
+    """A softmax call as hand-written attention in another dtype: its q, k (and v), the scale it
+    applied (traced; 1 where nn.MultiheadAttention scaled q first; else fitted to its scores), and
+    the mask read back from its scores, added in each dtype (``mask_of_scores``)."""
+    from attncheck.config.run import rows_per_chunk
+    from attncheck.loaders import memory_source
+    from attncheck.numerics.inputs.scores import fit_scale, prepare_inputs
+
+    scores = tensors["scores"]
+    if info.meta.get("q_prescaled") == "true":
+        scale = params.Scale("1.0")
+    elif _scale_source(info) is not None:
+        scale = _scale(info)
+    else:
+        fitted = fit_scale(memory_source(info.name, scores), inputs, rows_per_chunk(scores.shape[-1], options))
+        scale = params.Scale(repr(fitted)) if fitted is not None and fitted > 0 else _scale(info)
+    masked, value = mask_of_scores(scores)
+    return prepare_inputs(inputs.q, inputs.k, None, v=inputs.v, scale=scale, mask_value=value,
+                          masked=masked.reshape(inputs.score_shape) if bool(masked.any()) else None)
+
+
+def _scores_limit(info: CallInfo, diag: TensorDiagnosis) -> CellLimit | None:
+    """The first failure of a softmax call's model: its scores S, computed in the scores' dtype, pass
+    that dtype's rounding limit (torch.softmax itself cannot fail on finite scores). Measured on the
+    largest finite real logit (above the sentinel limit) divided by the traced scale (the model scales
+    after Q@K^T; nn.MultiheadAttention scales q first, so its scores are S); +inf where the scores
+    already hold +inf."""
+    dt = dtype_from_name(cell_dtype_name(info.dtype) or "fp32")
+    c = diag.census
+    logits = [abs(v) for v in (c.max, c.unmasked_min) if v is not None and v > MASK_SENTINEL_LIMIT]
+    scale = info.scale if _scale_source(info) and info.meta.get("q_prescaled") != "true" and info.scale else 1.0
+    value = math.inf if c.posinf else (max(logits) / abs(scale) if logits else None)
+    limit = rounding_limit(dt)
+    unscaled = " (before the scale)" if scale != 1.0 else ""
+    return CellLimit("qk_overflow", limit, value, f"S = Q@K^T{unscaled} in {dtype_label(dt)} rounds to inf at |S| >= {limit:.6g}")
+
+
+def _cell_of(diag: TensorDiagnosis, key: CellKey | None):
+    if key is None:
+        return None
+    return next((c for c in diag.cells if (c.path, c.method, c.dtype) == (key.path, key.method, key.dtype)), None)
+
+
+def _head_stats(info: CallInfo, inputs, diag: TensorDiagnosis, cell, model: CellKey | None) -> list[HeadStat]:
+    """One HeadStat per head: max |q| and |k| (GQA: of the kv head it reads), the largest unmasked
+    logit (from the diagnosis's own pass), Q@K^T overflow in the call's dtype where the model holds S
+    in it and the scores show +inf (the only place it can break), and the model cell's NaN rows."""
+    from attncheck.numerics.inputs.heads import qk_maxima, qk_overflow_per_head
+
+    logits = diag.head_max_logits
+    heads = len(logits)
+    if not heads:
+        return []
+    q_max = k_max = [None] * heads
+    overflow = [0] * heads
+    if inputs is not None and inputs.q.shape[1] == heads:
+        q_max, k_max = qk_maxima(inputs)
+        compute = cell_dtype_name(info.dtype)
+        eager = model is None or model.path in (None, "eager")
+        inf_seen = cell is not None and (cell.nan_causes.get("inf_input") or cell.nan_causes.get("qk_overflow"))
+        if compute is not None and (inf_seen or (eager and diag.census.posinf)):
+            overflow = qk_overflow_per_head(inputs, dtype_from_name(compute) if eager else torch.float32)
+    nan = cell.nan_rows_per_head if cell is not None and len(cell.nan_rows_per_head) == heads else [0] * heads
+    return [HeadStat(h, q_max[h], k_max[h], logits[h], overflow[h], nan[h]) for h in range(heads)]
 
 
 def scores_report(info: CallInfo, diag: TensorDiagnosis) -> CallReport:
@@ -156,5 +293,5 @@ def scores_report(info: CallInfo, diag: TensorDiagnosis) -> CallReport:
     info = replace(info, shape=tuple(diag.shape), dtype=info.dtype or diag.dtype)
     cell = model_cell(info)
     used = _cell_of(diag, cell)
-    heads = [HeadStat(h, None, None, None, 0, n) for h, n in enumerate(used.nan_rows_per_head)] if used is not None else []
-    return CallReport(info, diag, heads, cell)
+    heads = [HeadStat(h, None, None, m, 0, n) for h, (m, n) in enumerate(zip(diag.head_max_logits, used.nan_rows_per_head))] if used is not None and len(used.nan_rows_per_head) == len(diag.head_max_logits) else []
+    return CallReport(info, diag, heads, None if cell is None else (cell.method, cell.dtype))

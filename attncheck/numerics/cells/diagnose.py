@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
@@ -20,14 +20,24 @@ import torch
 from attncheck.config.run import Options, chunk_elements_for, rows_per_chunk  # noqa: F401  (part of this module's API)
 from attncheck.errors import AttncheckError, param
 from attncheck.findings import findings_for
-from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc
+from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc, HeadMax
+from attncheck.numerics.cells.plan import CellKey, grid, stages
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, select_backend
 from attncheck.numerics.backends.torch_rows import TorchRows
-from attncheck.numerics.precision import cast, check_scores_dtype, dtype_from_name, dtype_label, limits_of
+from attncheck.numerics.precision import (
+    cast,
+    check_scores_dtype,
+    dtype_from_name,
+    dtype_label,
+    exp_overflow_threshold,
+    exp_underflow_threshold,
+    limits_of,
+    rounding_limit,
+)
 from attncheck.numerics.reduce import any_true, count
 from attncheck.numerics.methods.softmax import Buffers, MethodParams
-from attncheck.registry import METHODS, PATHS, fp8_names, path_names
-from attncheck.results import TensorDiagnosis
+from attncheck.registry import METHODS, PATHS, fp8_names
+from attncheck.results import CellLimit, TensorDiagnosis
 
 if TYPE_CHECKING:
     from attncheck.numerics.inputs.scores import AttentionInputs, QKBlock
@@ -63,16 +73,19 @@ def diagnose(
     options: Options | None = None,
     progress: Callable[[int], None] | None = None,
     notice: Callable[[str], None] | None = None,
+    cells: list[CellKey] | None = None,
+    attention=None,
 ) -> TensorDiagnosis:
-    """Diagnose one score tensor; the softmax runs over its last axis."""
+    """Diagnose one score tensor; the softmax runs over its last axis. ``cells``: which to
+    compute (default: every method x dtype of ``options``); ``attention``: a Q/K audit to attach."""
     options = options or Options()
     check_scores(name, scores)
     keys = scores.shape[-1]
     rows = scores.numel() // keys
     flat = scores.reshape(rows, keys)  # (R, T); a view when contiguous
-    step = rows_per_chunk(keys, options)
+    step = rows_per_chunk(keys, options, cells)
     chunks = (flat[start : start + step] for start in range(0, rows, step))
-    return diagnose_chunks(name, tuple(scores.shape), scores.dtype, chunks, options, progress, notice=notice)
+    return diagnose_chunks(name, tuple(scores.shape), scores.dtype, chunks, options, progress, attention=attention, notice=notice, cells=cells)
 
 
 @contextmanager
@@ -103,27 +116,33 @@ def diagnose_chunks(
     attention=None,
     notice: Callable[[str], None] | None = None,
     qk: bool = False,
+    cells: list[CellKey] | None = None,
 ) -> TensorDiagnosis:
     """Diagnose a score tensor that arrives as consecutive (rows, keys) blocks, in row order.
 
     A block is a (rows, keys) tensor of scores (cast to each dtype), or, with ``qk``, a
     ``scores.QKBlock`` from which each attention path computes its scores, probabilities
-    and output per dtype. Results do not depend on how the rows are split. ``progress``
-    is called with the number of rows finished after each block; ``notice`` hears one
-    line when the fused kernels compile for the first time. ``attention`` is the Q/K
-    audit to attach.
+    and output per dtype. Results do not depend on how the rows are split. ``cells``: the
+    cells to compute (``plan.CellKey``; default: every cell ``options`` asks for), each fed
+    by the stage that computes its scores. ``progress`` is called with the number of rows
+    finished after each block; ``notice`` hears one line when the fused kernels compile for
+    the first time. ``attention`` is the Q/K audit to attach.
     """
     options = options or Options()
     device = resolve_device(options.device)
     lead = shape[:-1]
     rows = math.prod(lead) if lead else 1
-    census = CensusAcc(tuple(d for d in options.dtypes if d not in fp8_names()))  # headroom: dtypes whole softmaxes run in
-    dist = DistAcc(options.collapse_threshold)
-    heads = tuple(shape[:-2]) if len(shape) >= 3 else ()  # (batch, heads, ...) of (..., queries, keys)
-    plan = cell_plan(options, qk)
+    plan = cells if cells is not None else grid(options, qk)
     if not plan:
         raise AttncheckError(_no_cell(options, qk))
-    cells = {key: CellAcc(key[1], key[2], options.max_examples, heads, shape[-2] if heads else 1, path=key[0]) for key in plan}
+    fp8 = set(fp8_names())
+    # headroom per dtype: the scores each dtype's cells hold (given scores cast; eager's S)
+    census = CensusAcc(tuple(dict.fromkeys(c.dtype for c in plan if c.dtype not in fp8 and (not qk or c.path == "eager"))))
+    dist = DistAcc(options.collapse_threshold)
+    heads = tuple(shape[:-2]) if len(shape) >= 3 else ()  # (batch, heads, ...) of (..., queries, keys)
+    queries = shape[-2] if heads else 1
+    accs = {key: CellAcc(key.method, key.dtype, options.max_examples, heads, queries, path=key.path, role=key.role) for key in plan}
+    head_max = HeadMax(heads[-1] if heads else 0, queries)
     backend = select_backend(options.kernels, device, math.prod(shape), notice)
     plain = TorchRows()  # metrics of methods the fused kernel does not serve
     # given scores: naive, stable and torch write into buffers reused from chunk to chunk
@@ -144,48 +163,46 @@ def diagnose_chunks(
         with bookkeeping(device):
             census.update(c)
             dist.update(c)
-        if qk:
-            _paths_of_chunk(block, c, options, plan, cells, census, backend, plain, method_params)
-        else:
-            _methods_of_chunk(block, c, options, cells, census, backend, plain, method_params)
+            head_max.update(c)
+        out_ref: list = []  # P64 @ V64 of the chunk, computed by the first stage that needs it
+        for path, d, keys in stages(plan):
+            if qk:
+                _path_stage(block, c, path, d, keys, options, accs, census, backend, plain, method_params, out_ref)
+            else:
+                _method_stage(block, c, d, keys, options, accs, census, backend, plain, method_params)
         if progress is not None:
             progress(c.x.shape[0])
-        del c, x, block  # free this chunk before the next one is read
+        del c, x, block, out_ref  # free this chunk before the next one is read
     if start != rows:
         raise AttncheckError(f"{name}: got {start} rows, expected {rows} for shape {shape}")
 
+    census_result = census.finish(shape, dtype_label(dtype), rows)
+    result_cells = []
+    for key in plan:
+        cell = accs[key].finish(lead)
+        cell.limit = cell_limit(key, dtype, census_result, census.spread.value, attention, options.p_scale)
+        result_cells.append(cell)
     result = TensorDiagnosis(
         name=name,
         shape=shape,
         dtype=dtype_label(dtype),
-        census=census.finish(shape, dtype_label(dtype), rows),
+        census=census_result,
         distribution=dist.finish(),
-        cells=[cells[key].finish(lead) for key in plan],
+        cells=result_cells,
         findings=[],
-        options=options,
+        settings=settings_of(options),
         attention=attention,
-        limits={d: limits_of(dtype_from_name(d)) for d in options.dtypes},
+        limits={d: limits_of(dtype_from_name(d)) for d in dict.fromkeys(k.dtype for k in plan)},
         backend=backend.name,
+        head_max_logits=head_max.values(),
     )
     result.findings = findings_for(result)
     return result
 
 
-def cell_plan(options: Options, qk: bool) -> list[tuple[str | None, str, str]]:
-    """The cells, as (path, method, dtype) in report order. Given scores: every method x dtype
-    (in an FP8 dtype, only methods that cast P to it). With Q and K: every path x dtype
-    (FP8 paths in the FP8 dtypes, the others in the rest), the eager path once per chosen
-    method that can be eager's softmax (tiled is the flash path's)."""
-    fp8 = set(fp8_names())
-    if not qk:
-        return [(None, m, d) for m in options.methods for d in options.dtypes if d not in fp8 or METHODS.get(m).p_cast]
-    plan = []
-    for p in options.paths or path_names(lambda spec: spec.default):
-        spec = PATHS.get(p)
-        dtypes = [d for d in options.dtypes if (d in fp8) == spec.fp8]
-        methods = [m for m in options.methods if METHODS.get(m).eager] if spec.runs_methods else [p]
-        plan += [(p, m, d) for m in methods for d in dtypes]
-    return plan
+def settings_of(options: Options) -> dict:
+    """How the cells were computed, as plain values (the JSON report's ``options``)."""
+    return {f.name: getattr(options, f.name) for f in fields(options)}
 
 
 def _no_cell(options: Options, qk: bool) -> str:
@@ -207,66 +224,93 @@ def _fp8_params(method_params: MethodParams, options: Options, d: str) -> Method
     return replace(method_params, fp8=setup)
 
 
-def _methods_of_chunk(block, c: ChunkFacts, options: Options, cells, census, backend, plain, method_params) -> None:
-    """Given scores: each dtype's cast, and every method on it."""
-    fp8 = fp8_names()
-    for d in options.dtypes:
-        specs = [METHODS.get(m) for m in options.methods]
-        params_d = method_params
-        if d in fp8:  # P formats: the scores stay fp32 (as FlashAttention-3's S), P is cast inside the method
-            specs = [spec for spec in specs if spec.p_cast]
-            params_d = _fp8_params(method_params, options, d)
-            if not specs:
-                continue
-            algo, before, after = _in_dtype(block, c, torch.float32, census, "fp32", backend)
-        else:
-            algo, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, backend)
-            extremes = _extremes_in_dtype(block, c, algo.xc)
-            with bookkeeping(c.x.device):
-                census.update_headroom(d, c, *extremes)
-        causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
-        outs = [backend.method(spec, algo, params_d) or _run(spec, algo.xc, params_d) for spec in specs]
-        metrics = _cell_metrics(backend, plain, c, [s.fused for s in specs], [o.probs for o in outs], algo, d == "fp32")  # one pass for the dtype's cells
+def _method_stage(block, c: ChunkFacts, d: str, keys, options: Options, accs, census, backend, plain, method_params) -> None:
+    """Given scores: the cast to one dtype, and its methods on the cast scores."""
+    specs = [METHODS.get(k.method) for k in keys]
+    params_d = method_params
+    if d in fp8_names():  # P formats: the scores stay fp32 (as FlashAttention-3's S), P is cast inside the method
+        params_d = _fp8_params(method_params, options, d)
+        algo, before, after = _in_dtype(block, c, torch.float32, census, "fp32", backend)
+    else:
+        algo, before, after = _in_dtype(block, c, dtype_from_name(d), census, d, backend)
+        extremes = _extremes_in_dtype(block, c, algo.xc)
         with bookkeeping(c.x.device):
-            for spec, out, m in zip(specs, outs, metrics):
-                cells[(None, spec.name, d)].update(c, out.probs, out.events, algo, causes, m, pcast=out.pcast)
-        del algo, outs, metrics
+            census.update_headroom(d, c, *extremes)
+    causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
+    outs = [backend.method(spec, algo, params_d) or _run(spec, algo.xc, params_d) for spec in specs]
+    metrics = _cell_metrics(backend, plain, c, [s.fused for s in specs], [o.probs for o in outs], algo, d == "fp32")  # one pass for the stage's cells
+    with bookkeeping(c.x.device):
+        for key, out, m in zip(keys, outs, metrics):
+            accs[key].update(c, out.probs, out.events, algo, causes, m, pcast=out.pcast)
 
 
-def _paths_of_chunk(block: "QKBlock", c: ChunkFacts, options: Options, plan, cells, census, backend, plain, method_params) -> None:
-    """With Q and K: every path in every dtype computes its scores, probabilities and output."""
-    out_ref = None if block.v is None else block.reference_out(c.ref)  # (r, dv) float64: P64 @ V64
-    fp8 = fp8_names()
-    for d in options.dtypes:
-        dt = dtype_from_name(d)
-        paths = list(dict.fromkeys(p for p, _, dd in plan if dd == d))
-        params_d = _fp8_params(method_params, options, d) if d in fp8 else method_params
-        if d not in fp8 and "eager" not in paths:  # the Q/K pipeline audit and the headroom describe the eager scores
-            census.update_headroom(d, c, *_extremes_in_dtype(block, c, block.in_dtype(dt)[0]))
-        for p in paths:
-            methods = [m for (pp, m, dd) in plan if pp == p and dd == d]
-            pb = PATHS.get(p).function()(block, dt, methods, params_d)
-            if p == "eager":
-                census.update_headroom(d, c, *_extremes_in_dtype(block, c, pb.scores))
-            algo = backend.algo_reference(pb.scores)
-            causes = [("input_nan", c.nan), ("inf_input", c.posinf), *pb.before, ("fully_masked", c.all_masked), *pb.after]
-            for m, out in pb.cells:
-                _check_output(m, out, dt if p == "eager" and METHODS.get(m).output == "dtype" and d not in fp8 else torch.float32, pb.scores.shape)
-            fused = [METHODS.get(m).fused if p == "eager" else True for m, _ in pb.cells]
-            metrics = _cell_metrics(backend, plain, c, fused, [o.probs for _, o in pb.cells], algo, d == "fp32")
-            tied = out_algo = None
-            if out_ref is not None:
-                tied = _tied_rows(pb.scores)
-                # The path's own rounding: float64 softmax of its scores times V as the dtype holds it
-                # (FP8 paths: V as given; its quantisation is the path's).
-                out_algo = block.reference_out(torch.where(algo.ok[:, None], algo.ref, torch.nan), None if d in fp8 else dt)
-            for (m, out), met in zip(pb.cells, metrics):
-                acc = cells[(p, m, d)]
-                with bookkeeping(c.x.device):
-                    acc.update(c, out.probs, out.events, algo, causes, met, pcast=out.pcast)
-                if out.out is not None:
-                    acc.update_out(out.out, out_ref, tied, out_algo)
-                    acc.tied_rows += count(tied)
+def _path_stage(block: "QKBlock", c: ChunkFacts, path: str, d: str, keys, options: Options, accs, census, backend, plain, method_params, out_ref: list) -> None:
+    """With Q and K: one path in one dtype computes its scores, probabilities and output.
+    ``out_ref`` holds the chunk's P64 @ V64 once a stage has computed it (shared by the stages)."""
+    fp8 = d in fp8_names()
+    dt = dtype_from_name(d)
+    params_d = _fp8_params(method_params, options, d) if fp8 else method_params
+    pb = PATHS.get(path).function()(block, dt, [k.method for k in keys], params_d)
+    if path == "eager":
+        census.update_headroom(d, c, *_extremes_in_dtype(block, c, pb.scores))
+    algo = backend.algo_reference(pb.scores)
+    causes = [("input_nan", c.nan), ("inf_input", c.posinf), *pb.before, ("fully_masked", c.all_masked), *pb.after]
+    for m, out in pb.cells:
+        _check_output(m, out, dt if path == "eager" and METHODS.get(m).output == "dtype" and not fp8 else torch.float32, pb.scores.shape)
+    fused = [METHODS.get(m).fused if path == "eager" else True for m, _ in pb.cells]
+    metrics = _cell_metrics(backend, plain, c, fused, [o.probs for _, o in pb.cells], algo, d == "fp32")
+    tied = out_algo = None
+    if block.v is not None:
+        if not out_ref:
+            out_ref.append(block.reference_out(c.ref))  # (r, dv) float64: P64 @ V64
+        tied = _tied_rows(pb.scores)
+        # The path's own rounding: float64 softmax of its scores times V as the dtype holds it
+        # (FP8 paths: V as given; its quantisation is the path's).
+        out_algo = block.reference_out(torch.where(algo.ok[:, None], algo.ref, torch.nan), None if fp8 else dt)
+    for key, (m, out), met in zip(keys, pb.cells, metrics):
+        acc = accs[key]
+        with bookkeeping(c.x.device):
+            acc.update(c, out.probs, out.events, algo, causes, met, pcast=out.pcast)
+        if out.out is not None:
+            acc.update_out(out.out, out_ref[0], tied, out_algo)
+            acc.tied_rows += count(tied)
+
+
+def cell_limit(key: CellKey, input_dtype: torch.dtype, census, spread: float | None, audit, p_scale: float) -> CellLimit | None:
+    """The first failure ``key``'s cell can have from finite inputs, and how far this input is from it:
+
+    - naive (any path): exp of the largest logit overflows the dtype (``exp_overflow_threshold``);
+    - the eager path's other methods: S = Q@K^T, rounded to the dtype before the scale, passes the
+      dtype's rounding limit (the scale applied to q first: q.k times the scale);
+    - flash (S = Q@K^T in fp32, then the scale) and sdpa-math (q and k each times sqrt(scale)):
+      S passes fp32's rounding limit;
+    - FP8 cells: the P cast flushes keys more than ln(S) - exp_underflow(format) below the running
+      max: the threshold against the largest spread of a row (its max minus its smallest unmasked score);
+    - given scores in a dtype narrower than the input's: the cast of the largest score to inf;
+      otherwise (torch, stable or tiled on scores the dtype holds) nothing fails: None.
+
+    Thresholds come from ``torch.finfo`` (``precision``); the quantities from the census and the audit.
+    """
+    d = key.dtype
+    dt = dtype_from_name(d)
+    if d in fp8_names():
+        threshold = math.log(p_scale) - exp_underflow_threshold(dt)
+        return CellLimit("p_cast_flush", threshold, spread, f"the {d} P cast (S = {p_scale:g}) flushes keys more than {threshold:.4g} below the running max")
+    if key.method == "naive":
+        top = next((h for h in census.headroom if h.dtype == d), None)
+        value = census.max if top is None or top.headroom is None else top.exp_overflow_threshold - top.headroom
+        return CellLimit("exp_overflow", exp_overflow_threshold(dt), value, f"exp(x) = inf in {d} for x > {exp_overflow_threshold(dt):.4g}")
+    if key.path is not None and audit is not None:
+        raw = audit.raw_max_abs
+        if key.path == "eager":
+            value = raw * audit.scale if audit.scale_order == "q" else raw
+            return CellLimit("qk_overflow", rounding_limit(dt), value, f"S = Q@K^T in {d} rounds to inf at |S| >= {rounding_limit(dt):.6g}")
+        s32 = rounding_limit(torch.float32)
+        value = raw * audit.scale if key.path == "sdpa-math" else raw
+        return CellLimit("qk_overflow", s32, value, f"S = Q@K^T in fp32 rounds to inf at |S| >= {s32:.6g}")
+    if key.path is None and rounding_limit(dt) < rounding_limit(input_dtype):
+        return CellLimit("cast_overflow", rounding_limit(dt), census.max, f"scores cast to {d} round to inf at |x| >= {rounding_limit(dt):.6g}")
+    return None
 
 
 def _tied_rows(s: torch.Tensor) -> torch.Tensor:
@@ -358,25 +402,30 @@ def diagnose_attention(
     progress: Callable[[int], None] | None = None,
     scores=None,
     notice: Callable[[str], None] | None = None,
+    cells: list[CellKey] | None = None,
+    scale_source: str | None = None,
 ) -> TensorDiagnosis:
     """Diagnose the scores that Q, K and a mask produce in each dtype.
 
     With ``scores`` (what the model actually produced: a tensor, or a
     ``loaders.TensorSource`` read in row blocks) also given, those are diagnosed
-    instead, and the scale that maps q.k onto them is fitted.
+    instead, and the scale that maps q.k onto them is fitted. ``cells``: which to compute
+    (default: every path x dtype of ``options``); ``scale_source``: 'argument' or 'traced'
+    when the scale is the model's own choice (``AttentionAudit.scale_source``).
     """
     from attncheck.loaders import TensorSource, memory_source
     from attncheck.numerics.inputs.scores import fit_scale, given_blocks, score_blocks, start_audit
 
     options = options or Options()
     audit = start_audit(inputs)
+    audit.scale_source = scale_source
     if scores is not None:
         source = scores if isinstance(scores, TensorSource) else memory_source(name, scores)
         check_scores_dtype(name, source.dtype)
-        step = rows_per_chunk(source.shape[-1], options)
+        step = rows_per_chunk(source.shape[-1], options, cells)
         audit.fitted_scale = fit_scale(source, inputs, step)
         blocks = given_blocks(source, inputs, step, resolve_device(options.device), audit)
-        return diagnose_chunks(name, source.shape, source.dtype, blocks, options, progress, attention=audit, notice=notice)
-    step = rows_per_chunk(inputs.k.shape[2], options)
+        return diagnose_chunks(name, source.shape, source.dtype, blocks, options, progress, attention=audit, notice=notice, cells=cells)
+    step = rows_per_chunk(inputs.k.shape[2], options, cells)
     blocks: Iterable[QKBlock] = score_blocks(inputs, step, resolve_device(options.device), audit)
-    return diagnose_chunks(name, inputs.score_shape, inputs.q.dtype, blocks, options, progress, attention=audit, notice=notice, qk=True)
+    return diagnose_chunks(name, inputs.score_shape, inputs.q.dtype, blocks, options, progress, attention=audit, notice=notice, qk=True, cells=cells)

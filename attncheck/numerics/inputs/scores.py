@@ -106,8 +106,11 @@ def prepare_inputs(
     mask_convention: str = "attend",
     v: torch.Tensor | None = None,
     max_bytes: int | None = None,
+    masked: torch.Tensor | None = None,
 ) -> AttentionInputs:
     """Validate shapes and build the mask planes; every mismatch is an AttncheckError naming both shapes.
+    ``masked``: a boolean plane (True = masked, broadcast to the scores) beside ``mask``, whose keys
+    become ``mask_value`` like a boolean mask's (a model's own mask rebuilt for another dtype).
     What the diagnosis holds whole (float64 copies of q, k and v, the mask planes over every
     score) is estimated first and refused when it exceeds ``max_bytes``."""
     for name, t in (("q", q), ("k", k)) + ((("v", v),) if v is not None else ()):
@@ -137,14 +140,14 @@ def prepare_inputs(
     mask_value = params.mask_value(mask_value)
     b, tq, tk = q4.shape[0], q4.shape[2], k4.shape[2]
     full = (b, hq, tq, tk)
-    planes = bool(causal or pad_left or pad_right or (mask is not None and mask.dtype == torch.bool))
+    planes = bool(causal or pad_left or pad_right or masked is not None or (mask is not None and mask.dtype == torch.bool))
     need = 8 * (q.numel() + k.numel() + (v.numel() if v is not None else 0)) + math.prod(full) * ((1 if planes else 0) + (8 if mask is not None and mask.is_floating_point() else 0))
     if max_bytes is not None and need > max_bytes:
         raise AttncheckError(
             f"q, k{', v' if v is not None else ''} and the mask over every score (batch {b}, heads {hq}, queries {tq}, keys {tk}) need {size_text(need)}, "
             f"over {param('max_memory')} {size_text(max_bytes)}"
         )
-    masked = None
+    planes_masked = None
     mask_float = None
     float_mask_value = None
     looks_boolean = False
@@ -152,7 +155,7 @@ def prepare_inputs(
     if mask is not None:
         m4 = _broadcast_mask(mask, full, lead)
         if mask.dtype == torch.bool:
-            masked = ~m4 if mask_convention == "attend" else m4
+            planes_masked = ~m4 if mask_convention == "attend" else m4
         elif mask.is_floating_point():
             mask_float = m4.to(torch.float64)
             vals, counts = torch.unique(mask.to(torch.float64), return_counts=True)  # of the mask as given, before broadcasting
@@ -163,7 +166,9 @@ def prepare_inputs(
             summed, deep = _summed_planes(mask)
         else:
             raise AttncheckError(f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask")
-    extra = torch.zeros(full, dtype=torch.bool) if causal or pad_left or pad_right else None
+    extra = torch.zeros(full, dtype=torch.bool) if causal or pad_left or pad_right or masked is not None else None
+    if masked is not None:
+        extra |= _broadcast_mask(masked, full, lead)
     if causal:
         # PyTorch's is_causal: ones(L, S).tril(0), aligned at the top left.
         extra |= ~torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=0)
@@ -178,8 +183,8 @@ def prepare_inputs(
         n_pad = torch.tensor(pads).view(b, 1, 1, 1)
         key = torch.arange(tk).view(1, 1, 1, tk)
         extra |= (key < n_pad) if side == "left" else (key >= tk - n_pad)
-    if causal or pad_left or pad_right:
-        masked = extra if masked is None else (masked | extra)
+    if extra is not None:
+        planes_masked = extra if planes_masked is None else (planes_masked | extra)
     return AttentionInputs(
         q=q4,
         k=k4,
@@ -187,7 +192,7 @@ def prepare_inputs(
         scale_name=scale.name,
         scale_order=order,
         mask_float=mask_float,
-        masked=masked,
+        masked=planes_masked,
         mask_value=mask_value,
         lead=lead,
         float_mask_looks_boolean=looks_boolean,

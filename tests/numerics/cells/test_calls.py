@@ -85,20 +85,27 @@ def test_gqa_maps_each_query_head_to_its_kv_head():
     assert [h.q_max_abs for h in report.heads] == q.abs().amax(dim=(0, 2, 3)).double().tolist()
 
 
-def test_qk_overflow_per_head_is_the_fp16_matmul_rounded():
+def test_qk_overflow_in_fp16_breaks_an_eager_port_but_not_the_sdpa_kernel_the_model_runs():
     q, k, v = tensors(spread=1.0)
     q[:, 1] *= 150
     k[:, 1] *= 150
     h = q.half(), k.half()
-    expected = torch.isinf(torch.matmul(h[0].float(), h[1].float().transpose(-1, -2)).half()).sum(dim=(0, 2, 3)).tolist()
+    s16 = torch.matmul(h[0].float(), h[1].float().transpose(-1, -2)).half()  # hand-written fp16 attention's Q@K^T
+    expected = torch.isinf(s16).sum(dim=(0, 2, 3)).tolist()
     assert expected[1] > 0 and sum(expected) == expected[1]
-    report = diagnose_call(sdpa_info(), {"q": q.half(), "k": k.half(), "v": v.half()}, OPTS)
-    assert [x.qk_overflow for x in report.heads] == expected
-    assert report.cell == ("flash", "fp16") and report.diagnosis.attention.dtypes["fp16"].qk_overflow_values == sum(expected)
-    # The fused kernel holds S in fp32: torch's own SDPA has no NaN, and neither has the model's cell.
+    report = diagnose_call(sdpa_info(), {"q": q.half(), "k": k.half(), "v": v.half()}, OPTS, what_if=("fp16",))
+    # The fused kernel holds S in fp32: torch's own SDPA has no NaN, and neither has the model's cell,
+    # nor any head of it (the heads count overflow as the model rounds S).
     assert not torch.isnan(F.scaled_dot_product_attention(q.half(), k.half(), v.half())).any()
-    assert report.diagnosis.cell("flash", "fp16").nan_rows == 0
-    assert report.diagnosis.cell("torch", "fp16", path="eager").nan_causes.get("qk_overflow")
+    assert report.cell == ("flash", "fp16") and [c.name for c in report.diagnosis.cells] == ["flash/fp16"]
+    assert report.diagnosis.cell("flash", "fp16").nan_rows == 0 and [x.qk_overflow for x in report.heads] == [0] * 4
+    assert not [f for f in report.diagnosis.findings if f.severity != "info"]
+    # The what-if: the same call as eager attention in fp16 overflows exactly where fp16's Q@K^T does.
+    eager = report.what_if.cell("torch", "fp16", path="eager")
+    assert eager.role == "what-if" and report.what_if.attention.dtypes["fp16"].qk_overflow_values == sum(expected)
+    nan_rows = torch.isposinf(s16).any(dim=-1) | torch.isneginf(s16).all(dim=-1)  # softmax: inf - inf, or 0/0
+    assert eager.nan_causes.get("qk_overflow") == int(nan_rows.sum()) > 0
+    assert "qk_overflow" in [f.code for f in report.what_if.findings]
 
 
 def test_a_mask_that_does_not_broadcast_names_the_call():
@@ -119,20 +126,30 @@ def test_softmax_call_with_q_and_k_fits_the_scale_and_keeps_the_scores():
     assert [h.max_logit for h in report.heads] == scores.amax(dim=(0, 2, 3)).double().tolist()
 
 
-@pytest.mark.parametrize("kind,dtype,softmax_dtype,cell", [
-    ("softmax", "fp16", None, ("torch", "fp16")),
-    ("softmax", "fp16", "fp32", ("torch", "fp32")),
-    ("sdpa", "bf16", None, ("flash", "bf16")),
-    ("qk", "fp32", None, ("torch", "fp32")),
-    ("scores", "fp64", None, None),
+@pytest.mark.parametrize("kind,dtype,softmax_dtype,meta,cell,role", [
+    ("softmax", "fp16", None, {}, (None, "torch", "fp16"), "model"),
+    ("softmax", "fp16", "fp32", {}, (None, "torch", "fp32"), "model"),
+    ("sdpa", "bf16", None, {}, ("flash", "flash", "bf16"), "model"),
+    ("sdpa", "fp32", None, {"sdpa_backend": "math"}, ("sdpa-math", "sdpa-math", "fp32"), "model"),
+    ("sdpa", "fp16", None, {"sdpa_backend": "efficient_attention"}, ("flash", "flash", "fp16"), "model"),
+    ("qk", "fp32", None, {}, ("eager", "torch", "fp32"), "asked"),
+    ("scores", "fp64", None, {}, None, None),
 ])
-def test_the_cell_the_model_runs(kind, dtype, softmax_dtype, cell):
-    assert model_cell(CallInfo(0, "c", kind, dtype=dtype, softmax_dtype=softmax_dtype)) == cell
+def test_the_cell_the_model_runs(kind, dtype, softmax_dtype, meta, cell, role):
+    key = model_cell(CallInfo(0, "c", kind, dtype=dtype, softmax_dtype=softmax_dtype, meta=meta))
+    assert (key and (key.path, key.method, key.dtype)) == cell and (key and key.role) == role
 
 
-def test_the_models_cell_is_computed_even_when_not_asked_for():
+def test_a_captured_call_computes_its_models_cell_and_the_cells_asked_as_what_ifs():
     q, k, v = tensors()
-    report = diagnose_call(sdpa_info(), {"q": q.half(), "k": k.half(), "v": v.half()}, Options(dtypes=("fp32",), methods=("naive",)))
-    assert {c.name for c in report.diagnosis.cells} == {f"{p}/{d}" for p in ("eager:naive", "sdpa-math", "flash") for d in ("fp32", "fp16")}
-    only = diagnose_call(sdpa_info(), {"q": q.half(), "k": k.half(), "v": v.half()}, Options(dtypes=("fp32",), methods=("naive",), paths=("eager",)))
-    assert {c.name for c in only.diagnosis.cells} == {"eager:naive/fp32", "eager:naive/fp16", "flash/fp32", "flash/fp16"}
+    t = {"q": q.half(), "k": k.half(), "v": v.half()}
+    alone = diagnose_call(sdpa_info(), t, Options())
+    assert [(c.name, c.role) for c in alone.diagnosis.cells] == [("flash/fp16", "model")] and alone.what_if is None
+    asked = diagnose_call(sdpa_info(), t, Options(), asked=Options(dtypes=("fp32",), methods=("naive",)))
+    assert [c.name for c in asked.diagnosis.cells] == ["flash/fp16"]
+    assert {(c.name, c.role) for c in asked.what_if.cells} == {(n, "what-if") for n in ("eager:naive/fp32", "sdpa-math/fp32", "flash/fp32")}
+    fp16 = diagnose_call(sdpa_info(), t, Options(), what_if=("fp16", "bf16"))
+    assert [c.name for c in fp16.what_if.cells] == ["eager:torch/fp16", "flash/bf16", "eager:torch/bf16"]  # never the model's own cell
+    every = diagnose_call(sdpa_info(), t, Options(), what_if=("all",))
+    names = {c.name for c in every.what_if.cells}
+    assert "flash/fp16" not in names and {"eager:naive/fp16", "sdpa-math/bf16", "flash/fp32", "flash-fp8/e4m3", "sage/e4m3"} <= names
