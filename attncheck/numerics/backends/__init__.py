@@ -127,6 +127,13 @@ class RowBackend(abc.ABC):
         kernel (``spec.rows_kernel``), or None: then the method's torch implementation runs."""
         return None
 
+    def online(self, x: torch.Tensor, p_dtype: torch.dtype, block: int, reverse: bool = False) -> torch.Tensor:
+        """The online softmax of the rows ``x`` (r, T), P rounded to ``p_dtype``: effective
+        probabilities (r, T) float32 with the rounding points of ``methods.online``."""
+        from attncheck.numerics.methods.online import online_softmax
+
+        return online_softmax(x, p_dtype, min(block, x.shape[-1]), reverse)
+
     def same_reference(self, c: ChunkFacts) -> AlgoReference:
         """The chunk's scores need no cast: its reference is the algo reference."""
         return AlgoReference(c.x, c.ref_ok, c.ref, same=True)

@@ -179,37 +179,45 @@ class NumbaRows(RowBackend):
         xc = algo.xc
         if spec.rows_kernel != "tiled_rows" or xc.dim() != 2 or view(xc) is None or not xc.shape[-1]:
             return None
-        from attncheck.numerics.methods.softmax import MethodOutput, tiled_softmax
+        from attncheck.numerics.methods.softmax import MethodOutput
+
+        fp8 = params.fp8
+        if fp8 is None:
+            return MethodOutput(self.online(xc, xc.dtype, params.block, params.reverse))
+        from attncheck.numerics.methods.fp8 import PCastRows, pcast_softmax
+        from attncheck.numerics.precision import rounding_limit
 
         r, t = xc.shape
         block = min(params.block, t)
-        fp8 = params.fp8
-        if fp8 is not None:
-            from attncheck.numerics.methods.fp8 import PCastRows, pcast_softmax
-            from attncheck.numerics.precision import rounding_limit
-
-            fmt, p_scale = fp8.fmt, float(fp8.p_scale)
-            limit = rounding_limit(fmt) if p_scale >= rounding_limit(fmt) else math.inf
-            ref, ref_ok = algo.ref.numpy(), algo.ok.numpy()
-        else:
-            fmt, p_scale, limit = xc.dtype, 1.0, math.inf
-            ref, ref_ok = np.zeros((1, 1)), np.zeros(r, np.bool_)
-        mb, emin, top = format_of(fmt)
-        out = self.workspace.take("tiled", (r, t), np.float32)
-        xn = as_rows(xc if xc.dtype == torch.float32 else xc.float())  # widened exactly: one compiled kernel, not one per dtype
-        done, overflow, live, flushed, mass = (torch.from_numpy(a) for a in self._call(
-            "tiled_rows", f"{xn.dtype}", xn, block, bool(params.reverse), mb, emin, top, fp8 is not None, p_scale, limit, ref, ref_ok, out))
-        probs = torch.from_numpy(out)
+        fmt, p_scale = fp8.fmt, float(fp8.p_scale)
+        limit = rounding_limit(fmt) if p_scale >= rounding_limit(fmt) else math.inf
+        done, overflow, live, flushed, mass, probs = self._tiled(xc, block, params.reverse, fmt, True, p_scale, limit, algo.ref.numpy(), algo.ok.numpy())
         rest = torch.nonzero(~done).flatten()
-        if fp8 is None:
-            if rest.numel():
-                probs[rest] = tiled_softmax(xc[rest], block, params.reverse)
-            return MethodOutput(probs)
         if rest.numel():
             sub = pcast_softmax(xc[rest], fmt, p_scale, block, params.reverse)
             probs[rest] = sub.probs
             overflow[rest] = sub.overflow
         return MethodOutput(probs, pcast=PCastRows(live, flushed, mass, overflow, p_scale))
+
+    def online(self, x: torch.Tensor, p_dtype: torch.dtype, block: int, reverse: bool = False) -> torch.Tensor:
+        """The online softmax by ``tiled_rows`` (the same bits as ``methods.online``), into a reused
+        buffer; rows holding NaN or +inf by the torch implementation."""
+        if x.dim() != 2 or view(x) is None or not x.shape[-1] or x.device.type != "cpu":
+            return super().online(x, p_dtype, block, reverse)
+        block = min(block, x.shape[-1])
+        done, *_, probs = self._tiled(x, block, reverse, p_dtype, False, 1.0, math.inf, np.zeros((1, 1)), np.zeros(x.shape[0], np.bool_))
+        rest = torch.nonzero(~done).flatten()
+        if rest.numel():
+            probs[rest] = super().online(x[rest], p_dtype, block, reverse)
+        return probs
+
+    def _tiled(self, x, block, reverse, fmt, fp8, p_scale, limit, ref, ref_ok):
+        mb, emin, top = format_of(fmt)
+        out = self.workspace.take("tiled", tuple(x.shape), np.float32)
+        xn = as_rows(x if x.dtype == torch.float32 else x.float())  # widened exactly: one compiled kernel, not one per dtype
+        done, overflow, live, flushed, mass = (torch.from_numpy(a) for a in self._call(
+            "tiled_rows", f"{xn.dtype}", xn, block, bool(reverse), mb, emin, top, fp8, p_scale, limit, ref, ref_ok, out))
+        return done, overflow, live, flushed, mass, torch.from_numpy(out)
 
     def cell_metrics(self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference, precise: bool = False) -> list[RowMetrics]:
         """One kernel call for every cell whose probabilities are in the scores' dtype or in

@@ -34,7 +34,7 @@ from attncheck.numerics.precision import (
     limits_of,
     rounding_limit,
 )
-from attncheck.numerics.reduce import any_true, count
+from attncheck.numerics.reduce import any_true, count, row_counts
 from attncheck.numerics.methods.softmax import Buffers, MethodParams
 from attncheck.registry import METHODS, PATHS, fp8_names
 from attncheck.results import CellLimit, TensorDiagnosis
@@ -249,7 +249,7 @@ def _path_stage(block: "QKBlock", c: ChunkFacts, path: str, d: str, keys, option
     ``out_ref`` holds the chunk's P64 @ V64 once a stage has computed it (shared by the stages)."""
     fp8 = d in fp8_names()
     dt = dtype_from_name(d)
-    params_d = _fp8_params(method_params, options, d) if fp8 else method_params
+    params_d = _fp8_params(method_params, options, d) if fp8 else replace(method_params, online=backend.online)
     pb = PATHS.get(path).function()(block, dt, [k.method for k in keys], params_d)
     if path == "eager":
         census.update_headroom(d, c, *_extremes_in_dtype(block, c, pb.scores))
@@ -266,7 +266,8 @@ def _path_stage(block: "QKBlock", c: ChunkFacts, path: str, d: str, keys, option
         tied = _tied_rows(pb.scores)
         # The path's own rounding: float64 softmax of its scores times V as the dtype holds it
         # (FP8 paths: V as given; its quantisation is the path's).
-        out_algo = block.reference_out(torch.where(algo.ok[:, None], algo.ref, torch.nan), None if fp8 else dt)
+        ref_algo = algo.ref if bool(algo.ok.all()) else torch.where(algo.ok[:, None], algo.ref, torch.nan)
+        out_algo = block.reference_out(ref_algo, None if fp8 else dt)
     for key, (m, out), met in zip(keys, pb.cells, metrics):
         acc = accs[key]
         with bookkeeping(c.x.device):
@@ -316,7 +317,7 @@ def cell_limit(key: CellKey, input_dtype: torch.dtype, census, spread: float | N
 def _tied_rows(s: torch.Tensor) -> torch.Tensor:
     """(r,) rows whose largest (finite) score is held by two or more keys."""
     top = s.amax(dim=-1, keepdim=True)
-    return ((s == top).sum(dim=-1) >= 2) & torch.isfinite(top.squeeze(-1))
+    return (row_counts(s == top) >= 2) & torch.isfinite(top.squeeze(-1))
 
 
 def _check_output(name: str, out, want: torch.dtype, shape) -> None:
@@ -345,6 +346,9 @@ def _cell_metrics(backend: RowBackend, plain: TorchRows, c: ChunkFacts, fused: l
 
 
 def _first_finite(x: torch.Tensor) -> float | None:
+    flat = x.reshape(-1)
+    if flat.numel() and math.isfinite(first := float(flat[0])):
+        return first
     fin = torch.isfinite(x).reshape(-1)
     idx = torch.nonzero(fin)
     return float(x.reshape(-1)[idx[0, 0]]) if idx.numel() else None

@@ -25,6 +25,7 @@ from attncheck import params
 from attncheck.errors import AttncheckError, param
 from attncheck.format import size_text
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, cast, check_scores_dtype, dtype_label
+from attncheck.numerics.reduce import row_counts
 from attncheck.results import AttentionAudit, DtypeAudit
 
 if TYPE_CHECKING:
@@ -65,6 +66,27 @@ class AttentionInputs:
     float_mask_value: float | None = None  # the sentinel of a float mask as the mask holds it (its most common value <= -1e4)
     mask_summed_neginf: int = 0  # -inf values of a float mask that also holds sentinels beyond half its dtype's range
     mask_deep_sentinel: float | None = None  # such a sentinel, e.g. -65504
+    # Facts that let a block skip checks that cannot fire: q and k hold no NaN or inf; the float mask
+    # holds no NaN or +inf; the largest |q| and |k| (float64), whose product times d bounds every |q.k|.
+    qk_finite: bool = False
+    mask_sane: bool = True
+    q_amax: float = math.inf
+    k_amax: float = math.inf
+
+    def qk_bound(self, dtype: torch.dtype, factor: float = 1.0) -> float:
+        """An upper bound on |Q@K^T| times ``factor`` however the scores are computed from q and k
+        rounded to ``dtype`` (each rounding at most 2^-7 relative below fp8, fp32 accumulation over
+        d terms): d max|q| max|k| (1 + 2^-7)^2 (1 + d 2^-23), times 1.01; inf when q or k is not
+        finite or does not fit the dtype."""
+        limit = torch.finfo(dtype).max
+        if not self.qk_finite or self.q_amax > limit or self.k_amax > limit:
+            return math.inf
+        d = self.q.shape[-1]
+        return d * self.q_amax * self.k_amax * (1 + 2**-7) ** 2 * (1 + d * 2**-23) * 1.01 * factor
+
+    def cannot_overflow(self, dtype: torch.dtype, held: torch.dtype, factor: float = 1.0) -> bool:
+        """No score of Q@K^T (times ``factor``) from q and k in ``dtype`` can round to inf in ``held``."""
+        return self.qk_bound(dtype, factor) < torch.finfo(held).max
 
     @property
     def heads(self) -> int:
@@ -185,7 +207,12 @@ def prepare_inputs(
         extra |= (key < n_pad) if side == "left" else (key >= tk - n_pad)
     if extra is not None:
         planes_masked = extra if planes_masked is None else (planes_masked | extra)
+    qk_finite = bool(torch.isfinite(q4).all()) and bool(torch.isfinite(k4).all())
     return AttentionInputs(
+        qk_finite=qk_finite,
+        mask_sane=mask_float is None or not bool((torch.isnan(mask_float) | torch.isposinf(mask_float)).any()),
+        q_amax=float(q4.abs().amax()) if qk_finite and q4.numel() else math.inf,
+        k_amax=float(k4.abs().amax()) if qk_finite and k4.numel() else math.inf,
         q=q4,
         k=k4,
         scale=scale.value(q4.shape[-1]),
@@ -238,6 +265,10 @@ class SpreadSample:
         self._values: list[torch.Tensor] = []
         self._taken = 0
 
+    @property
+    def full(self) -> bool:
+        return self._taken >= SPREAD_SAMPLE
+
     def add(self, values: torch.Tensor) -> None:
         take = min(values.numel(), SPREAD_SAMPLE - self._taken)
         if take <= 0:
@@ -247,10 +278,14 @@ class SpreadSample:
         self.audit.scores_std = robust_std(torch.cat(self._values))
 
 
-
-def robust_std(values: torch.Tensor) -> float:
-    """1.4826 x median absolute deviation: the std of a normal sample, blind to a few outliers."""
-    v = values[torch.isfinite(values)].reshape(-1).to(torch.float64)
+def robust_std(values: torch.Tensor, sample: int | None = None) -> float:
+    """1.4826 x median absolute deviation: the std of a normal sample, blind to a few outliers.
+    ``sample``: at most this many values, taken at an even stride (a whole q of a long sequence
+    costs a sort of millions for a number the audit prints to 3 digits)."""
+    flat = values.reshape(-1)
+    if sample is not None and flat.numel() > sample:
+        flat = flat[:: -(-flat.numel() // sample)]
+    v = flat[torch.isfinite(flat)].to(torch.float64)
     if v.numel() == 0:
         return 0.0
     med = v.median()
@@ -271,18 +306,32 @@ class QKBlock:
         self.v = None if inp.v is None else inp.v.reshape(-1, *inp.v.shape[2:])[_kv_heads(inp, bh)].to(device)  # (n, Tk, dv)
         self.masked = self._slice4(inp.masked, bh, qs, device)  # (n, tq, Tk) bool or None
         self.mask_float = self._slice4(inp.mask_float, bh, qs, device)
-        self.raw_finite = torch.isfinite(raw).reshape(-1, raw.shape[-1])
-        audit.raw_max_abs = max(audit.raw_max_abs, _finite_abs_max(raw))
-        s = raw * inp.scale
-        keep = torch.isfinite(s) if self.masked is None else torch.isfinite(s) & ~self.masked
-        spread.add(s[keep])
+        if inp.qk_finite:  # q.k of finite q and k is finite in float64: no check per score
+            self.raw_finite = None
+            audit.raw_max_abs = max(audit.raw_max_abs, float(raw.amax()), -float(raw.amin())) if raw.numel() else audit.raw_max_abs
+        else:
+            self.raw_finite = torch.isfinite(raw).reshape(-1, raw.shape[-1])
+            audit.raw_max_abs = max(audit.raw_max_abs, _finite_abs_max(raw))
+        s = raw.mul_(inp.scale)  # (n, tq, Tk): raw is not needed again
+        if not spread.full:  # from the first rows on, only as many as the sample still needs
+            flat_s, flat_m = s.reshape(-1, s.shape[-1]), None if self.masked is None else self.masked.reshape(-1, s.shape[-1])
+            step = -(-SPREAD_SAMPLE // max(1, s.shape[-1]))
+            for start in range(0, flat_s.shape[0], step):
+                part = flat_s[start : start + step]
+                keep = torch.isfinite(part) if flat_m is None else torch.isfinite(part) & ~flat_m[start : start + step]
+                spread.add(part[keep])
+                if spread.full:
+                    break
         # The reference adds the same planes in float64; a boolean-masked key is -inf
         # for -inf and min sentinels, and the number itself otherwise (so leaks show).
         ref_sentinel = float("-inf") if inp.mask_value in ("-inf", "min") else float(inp.mask_value)
         if self.mask_float is not None:
-            s = s + self.mask_float
+            s = s.add_(self.mask_float)
         if self.masked is not None:
-            s = s + torch.zeros_like(s).masked_fill(self.masked, ref_sentinel)
+            if ref_sentinel == float("-inf") and inp.qk_finite and inp.mask_sane:
+                s = s.masked_fill_(self.masked, ref_sentinel)  # x + -inf is -inf for every x but NaN and +inf
+            else:
+                s = s + torch.zeros_like(s).masked_fill(self.masked, ref_sentinel)
         self.given = s.reshape(-1, s.shape[-1])  # (r, Tk) float64
         self.flat_masked = None if self.masked is None else self.masked.reshape(-1, self.masked.shape[-1])
         # The keys the mask masks, read from the mask: boolean-masked keys, and float-mask
@@ -291,7 +340,8 @@ class QKBlock:
         if self.mask_float is not None:
             by_float = (self.mask_float <= MASK_SENTINEL_LIMIT).reshape(-1, self.given.shape[-1])
             self.key_masked = by_float if self.key_masked is None else self.key_masked | by_float
-        self.all_masked = None if self.key_masked is None else self.key_masked.all(dim=-1)
+        self.key_counts = None if self.key_masked is None else row_counts(self.key_masked)  # (r,) masked keys per row
+        self.all_masked = None if self.key_masked is None else self.key_counts == self.given.shape[-1]
 
     @staticmethod
     def _slice4(t: torch.Tensor | None, bh: slice, qs: slice, device: torch.device) -> torch.Tensor | None:
@@ -311,7 +361,7 @@ class QKBlock:
         if inp.scale_order == "scores":
             s = s * inp.scale
         flat = s.reshape(-1, s.shape[-1])
-        over = torch.isinf(flat) & self.raw_finite
+        over = torch.isinf(flat) if self.raw_finite is None else torch.isinf(flat) & self.raw_finite
         qk_rows = over.any(dim=-1)
         a.qk_overflow_values += int(over.sum())
         a.qk_overflow_rows += int(qk_rows.sum())
@@ -362,20 +412,29 @@ class QKBlock:
         times the scale in fp32. Either way the mask, as the model holds it in dt, is added in fp32.
         """
         qd, kd = cast(self.q, dt).float(), cast(self.k, dt).float()
+        inp = self.inp
         if path == "sdpa-math":
-            root = math.sqrt(self.inp.scale)
+            root = math.sqrt(inp.scale)
             s = torch.matmul(qd * root, kd.transpose(-1, -2) * root)  # (n, tq, Tk)
         else:
-            s = torch.matmul(qd, kd.transpose(-1, -2)) * self.inp.scale  # the scale rounded to fp32, as the kernel holds it
+            s = torch.matmul(qd, kd.transpose(-1, -2)) * inp.scale  # the scale rounded to fp32, as the kernel holds it
         flat = s.reshape(-1, s.shape[-1])
-        qk_rows = (torch.isinf(flat) & self.raw_finite).any(dim=-1)
+        factor = max(inp.scale, 1.0)  # sdpa-math scales before the product, flash after: either is within max(scale, 1) x |q.k|
+        if inp.cannot_overflow(dt, torch.float32, factor) and inp.mask_float is None and inp.mask_value == "-inf":
+            # Every score is finite and the mask only sets keys to -inf: nothing to count, nothing to add.
+            none = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
+            if self.masked is not None:
+                s.masked_fill_(self.masked, float("-inf"))
+            return flat, [("qk_overflow", none), ("mask_sentinel", none)]
+        over = torch.isinf(flat) if self.raw_finite is None else torch.isinf(flat) & self.raw_finite
+        qk_rows = over.any(dim=-1)
         before_bad = ~torch.isfinite(flat)
         _, _, mask_dt = self._mask_planes(dt)
         if mask_dt is not None:
             s = s + mask_dt.float()
         flat = s.reshape(-1, s.shape[-1])
         broken = torch.isneginf(flat).all(dim=-1) | torch.isnan(flat).any(dim=-1)
-        mask_rows = broken & ~before_bad.any(dim=-1) & self._intended_finite_rows(sentinel_in(dt, self.inp.mask_value))
+        mask_rows = broken & ~before_bad.any(dim=-1) & self._intended_finite_rows(sentinel_in(dt, inp.mask_value))
         return flat, [("qk_overflow", qk_rows), ("mask_sentinel", mask_rows)]
 
     def reference_out(self, ref: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -397,7 +456,7 @@ class QKBlock:
     def mark_masked(self, c: "ChunkFacts") -> None:
         """Set the chunk's masked keys per row and its fully masked rows from the mask."""
         if self.key_masked is not None:
-            c.masked = self.key_masked.sum(dim=-1).to(c.masked.dtype)
+            c.masked = self.key_counts.to(c.masked.dtype)
             c.masked_rows = self.all_masked
 
     def extremes(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -417,7 +476,9 @@ class QKBlock:
         """Mass the float64 reference puts on masked keys (a leaking sentinel), and the score spread."""
         if self.key_masked is not None:
             masked = self.key_masked
-            self.audit.masked_keys += int(masked.sum())
+            self.audit.masked_keys += int(self.key_counts.sum())
+            if self.mask_float is None and self.inp.mask_value in ("-inf", "min"):
+                return  # the reference holds -inf at every masked key: exp gives exactly 0 there, no leak
             leak = (ref * masked).sum(dim=-1)[ref_ok & ~masked.all(dim=-1)]
             if leak.numel():
                 self.audit.leak_max = max(self.audit.leak_max, float(leak.max()))
@@ -448,8 +509,8 @@ def start_audit(inp: AttentionInputs, statistics: bool = True) -> AttentionAudit
         scale_order=inp.scale_order,
         mask_value=inp.mask_value if inp.masked is not None or inp.float_mask_value is None else repr(inp.float_mask_value),
         float_mask_value=inp.float_mask_value,
-        q_std=robust_std(q64),
-        k_std=robust_std(k64),
+        q_std=robust_std(q64, SPREAD_SAMPLE),
+        k_std=robust_std(k64, SPREAD_SAMPLE),
         q_max_abs=_finite_abs_max(q64),
         k_max_abs=_finite_abs_max(k64),
         float_mask_looks_boolean=inp.float_mask_looks_boolean,

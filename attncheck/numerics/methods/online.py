@@ -91,3 +91,12 @@ def online_blocks(x: torch.Tensor, block: int, reverse: bool = False) -> OnlineB
     # A block whose running max is still -inf contributed P_j = 0 and is rescaled by exp(-inf) = 0.
     rescale = exp_f32(m_run - m_safe[..., -1:]) * inv_l  # (..., nb)
     return OnlineBlocks(e, m_run, rescale, n, block, reverse)
+
+
+def online_softmax(x: torch.Tensor, p_dtype: torch.dtype, block: int, reverse: bool = False) -> torch.Tensor:
+    """The effective probabilities (..., T) float32 of the online softmax of ``x``, with P_j rounded
+    to ``p_dtype`` (kept in float32 for float32): tiled's softmax on scores of any dtype, and the
+    flash path's on its float32 S."""
+    ob = online_blocks(x, block, reverse)
+    p = ob.e if p_dtype == torch.float32 else ob.e.to(p_dtype).float()  # P_j as the P@V matmul consumes it
+    return ob.keys(p.mul_(ob.rescale.unsqueeze(-1)))

@@ -19,12 +19,15 @@ O = P@V, each with the rounding points of the implementation it names (registry.
 - ``flash``: the FlashAttention-2 forward, as PyTorch's CPU flash kernel computes it
   (``cpu_flash_attention`` in aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, torch
   2.13): S = q @ k^T in fp32 from q and k in the dtype, times the scale in fp32, plus the
-  mask; then over key blocks (``block``, forward or reverse) the running max m and sum l
-  in fp32, P_j = exp(S_j - m_j) rounded to the dtype for the P@V product, O accumulated
-  in fp32 and rescaled by exp(m_{j-1} - m_j), and at the end O times 1/l, rounded to the
-  dtype; a running max of -inf is treated as 0 (no exp(-inf - (-inf))) and fully masked
-  rows give zeros. The CUDA kernels fold the scale into exp2 (differences at the fp32
-  rounding level); the CPU kernel's vectorised exp is an approximation of a few fp32 ulp.
+  mask; then the online softmax over key blocks (``block``, forward or reverse) with the
+  rounding points of ``attncheck.numerics.methods.online`` (the ``tiled`` method's, on fp32
+  S): running max m and sum l in fp32, P_j = exp(S_j - m_j) rounded to the dtype, a running
+  max of -inf treated as 0 (no exp(-inf - (-inf))), so fully masked rows give zeros. O is
+  the effective probabilities P_j exp(m_j - m_final) / l times V in fp32, rounded to the
+  dtype once: the kernel accumulates the same sum block by block, rescaling by
+  exp(m_{j-1} - m_j) as it goes, which differs from it by fp32 rounding only. The kernel's
+  vectorised exp is an approximation of a few fp32 ulp, ours is exp rounded once to fp32;
+  the CUDA kernels fold the scale into exp2 (differences at the fp32 rounding level).
 """
 
 from __future__ import annotations
@@ -40,9 +43,6 @@ from attncheck.registry import METHODS
 
 if TYPE_CHECKING:
     from attncheck.numerics.inputs.scores import QKBlock
-
-NEG_INF = float("-inf")
-
 
 @dataclass
 class PathBlock:
@@ -89,43 +89,14 @@ def sdpa_math(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params:
 
 def flash(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
     s, before = block.fp32_scores(dt, "flash")  # (r, Tk) float32
-    v = None if block.v is None else cast(block.v, dt)
-    n = block.q.shape[0]
-    p, o = online_attention(s.reshape(n, -1, s.shape[-1]), dt, params.block, params.reverse, v)
-    out = MethodOutput(p.reshape(s.shape), out=None if o is None else o.reshape(-1, o.shape[-1]))
+    p = (params.online or _online)(s, dt, params.block, params.reverse)  # (r, Tk) effective probabilities, float32
+    out = MethodOutput(p)
+    if block.v is not None:  # O = P_eff @ V in fp32, rounded to the dtype once
+        out.out = _matmul_rows(p, cast(block.v, dt).float()).to(dt)
     return PathBlock(s, before, [], [("flash", out)])
 
 
-def online_attention(s: torch.Tensor, p_dtype: torch.dtype, block: int, reverse: bool = False, v: torch.Tensor | None = None):
-    """FlashAttention's one-pass softmax (and P@V) over key blocks, block by block.
+def _online(s: torch.Tensor, p_dtype: torch.dtype, block: int, reverse: bool = False) -> torch.Tensor:
+    from attncheck.numerics.methods.online import online_softmax
 
-    ``s`` (n, tq, T) float32 scores; ``v`` (n, T, dv) in ``p_dtype`` or None. Returns the
-    effective probabilities (n, tq, T) float32, P_j exp(m_j - m_final) / l (the weight
-    the output gives each key), and O (n, tq, dv) in ``p_dtype`` (None without v).
-    """
-    n, tq, t = s.shape
-    nb = -(-t // block)
-    m = torch.full((n, tq, 1), NEG_INF, device=s.device)
-    l = torch.zeros((n, tq, 1), device=s.device)
-    acc = None if v is None else torch.zeros((n, tq, v.shape[-1]), device=s.device)
-    p_blocks: list = [None] * nb
-    m_at: list = [None] * nb
-    for j in (range(nb - 1, -1, -1) if reverse else range(nb)):  # loop over key blocks, not rows
-        keys = slice(j * block, min((j + 1) * block, t))
-        m_new = torch.maximum(m, s[..., keys].amax(dim=-1, keepdim=True))
-        base = torch.where(m_new == NEG_INF, 0.0, m_new)  # a running max of -inf counts as 0
-        e = torch.exp(s[..., keys] - base)  # (n, tq, B) float32
-        alpha = torch.exp(m - base)  # rescales the sum and output so far to the new max
-        l = l * alpha + e.sum(dim=-1, keepdim=True)
-        pj = e.to(p_dtype)  # what the P@V product consumes
-        if acc is not None:
-            acc = acc * alpha + torch.matmul(pj.float(), v[:, keys].float())
-        p_blocks[j], m_at[j] = pj, m_new
-        m = m_new
-    inv = torch.where(l == 0, 1.0, 1.0 / l)  # fully masked rows: sum 0 is taken as 1, so they give zeros
-    m_final = torch.where(m == NEG_INF, 0.0, m)
-    # A block seen while the running max was -inf has P_j = 0: its factor is 0, not exp(0 - m_final).
-    scale = [torch.where(mj == NEG_INF, 0.0, torch.exp(mj - m_final)) * inv for mj in m_at]
-    p_eff = torch.cat([pj.float() * f for pj, f in zip(p_blocks, scale)], dim=-1)
-    out = None if acc is None else (acc * inv).to(p_dtype)
-    return p_eff, out
+    return online_softmax(s, p_dtype, min(block, s.shape[-1]), reverse)

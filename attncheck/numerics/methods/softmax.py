@@ -75,14 +75,12 @@ def tiled_softmax(x: torch.Tensor, block: int = DEFAULT_BLOCK, reverse: bool = F
     point is listed in ``attncheck.numerics.methods.online``; the fused CPU kernel follows the
     same ones to the bit.
     """
-    from attncheck.numerics.methods.online import online_blocks
+    from attncheck.numerics.methods.online import online_softmax
 
     if block < 1:
         raise AttncheckError(f"must be >= 1, got {block}", param="block")
     block = min(block, x.shape[-1])  # a block wider than the row is the row: same numbers, no padding to allocate
-    ob = online_blocks(x, block, reverse)
-    p = ob.e if x.dtype == torch.float32 else ob.e.to(x.dtype).float()  # P_j as the P@V matmul consumes it
-    return ob.keys(p.mul_(ob.rescale.unsqueeze(-1)))
+    return online_softmax(x, x.dtype, block, reverse)
 
 
 @dataclass(frozen=True)
@@ -94,6 +92,9 @@ class MethodParams:
     accum: str = "fp32"  # row sums of naive/stable: 'fp32' (as torch) or 'dtype' (pairwise in the dtype)
     fp8: Any = None  # FP8 cells: fp8_attention.Fp8Setup (the P format and scale, how Q, K, V are quantised)
     buffers: "Buffers | None" = None  # where a method writes its probabilities; None: fresh tensors
+    # (scores (r, T), P dtype, block, reverse) -> the online softmax's effective probabilities, as the
+    # row backend computes them (its fused kernel); None: online.online_softmax's torch ops (same bits)
+    online: Any = None
 
 
 class Buffers:

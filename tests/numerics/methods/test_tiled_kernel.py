@@ -100,6 +100,19 @@ def test_tiled_kernel_is_tiled_softmax_bit_for_bit(dtype, keys, block, reverse):
     assert same(out.probs, want)
 
 
+@pytest.mark.parametrize("p_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("keys, block", [(1024, 128), (300, 7), (1, 128)])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_flash_online_softmax_of_fp32_scores_is_the_torch_implementation_bit_for_bit(p_dtype, keys, block, reverse):
+    """The flash path's softmax: fp32 S, P rounded to the cell's dtype (the fused backend's
+    ``online`` against ``methods.online.online_softmax``)."""
+    from attncheck.numerics.methods.online import online_softmax
+
+    x = _problem_rows(torch.float32, 40, keys, block, torch.Generator().manual_seed(keys + block))
+    got = NumbaRows().online(x, p_dtype, block, reverse)
+    assert same(got, online_softmax(x, p_dtype, min(block, keys), reverse))
+
+
 @pytest.mark.parametrize("fmt", FP8, ids=str)
 @pytest.mark.parametrize("p_scale", [1.0, 256.0, 448.0, 1000.0])
 @pytest.mark.parametrize("reverse", [False, True])
