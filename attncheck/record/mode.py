@@ -84,6 +84,21 @@ def compact(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def sdpa_backend(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> str:
+    """The backend PyTorch chooses for this SDPA call ('flash_attention', 'efficient_attention',
+    'cudnn_attention', 'math', ...), asked of torch itself (``torch._fused_sdp_choice``, which
+    honours ``sdpa_kernel`` and the device's kernels); 'unknown' where torch cannot say."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return "unknown"
+    try:
+        from torch.nn.attention import SDPBackend
+
+        return SDPBackend(choose(q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)).name.lower()
+    except Exception:  # a private API: any failure only means the backend is not recorded
+        return "unknown"
+
+
 def _dtype_name(dtype: torch.dtype | None) -> str:
     return "none" if dtype is None else str(dtype).removeprefix("torch.")
 
@@ -303,6 +318,8 @@ class Recorder(TorchFunctionMode):
             "enable_gqa": "true" if bound.get("enable_gqa") else "false",
             "dropout_p": repr(float(bound.get("dropout_p") or 0.0)),
             "autocast_dtype": _dtype_name(torch.get_autocast_dtype(device_type)) if autocast else "none",
+            "sdpa_backend": sdpa_backend(q, k, v, mask, float(bound.get("dropout_p") or 0.0), bool(bound.get("is_causal")),
+                                         scale, bool(bound.get("enable_gqa"))),
         }
         meta.update(self._mha_meta)
         self._emit(self._new_call("sdpa", module, tensors, meta))

@@ -168,3 +168,38 @@ def test_capture_copied_elsewhere_still_reads(capdir, tmp_path):
     moved = tmp_path / "moved"
     shutil.copytree(capdir, moved)
     assert invoke("run", moved, "--dtype", "fp16").exit_code == 0
+
+
+def test_what_if_is_its_own_question(capdir, tmp_path):
+    plain = invoke("run", capdir, "--json", tmp_path / "plain.json")
+    doc = json.loads((tmp_path / "plain.json").read_text())
+    assert plain.exit_code == 0 and doc["model"]["what_if"] == [] and doc["model"]["known_implementation"] is True
+    assert [[c["role"] for c in t["cells"]] for t in doc["tensors"]] == [["model"]] * 3  # the model's cell alone
+    r = invoke("run", capdir, "--what-if", "bf16", "--json", tmp_path / "w.json", "--fail-on", "nan")
+    assert r.exit_code == 1  # layers.1's own fp16 NaN: the model's verdict, as without --what-if
+    out = " ".join(r.stdout.split())
+    assert "What if the model ran these instead" in out and "eager:torch/bf16" in out
+    doc = json.loads((tmp_path / "w.json").read_text())
+    answers = {a["cell"]: a for a in doc["model"]["what_if"]}
+    # in bf16, layers.1's Q@K^T (q, k x 200) fits: the eager port is fine there; SDPA gives the masked row zeros
+    assert answers["flash/bf16"]["bad_calls"] == 0 and answers["eager:torch/bf16"]["first_bad"]["module"] == "layers.2"
+    assert doc["model"]["calls"][0]["what_if"]["cells"][0]["role"] == "what-if"
+    ok = invoke("run", capdir, "--key", "layers.0", "--what-if", "fp16,bf16", "--fail-on", "what-if:nan,nan")
+    assert ok.exit_code == 0, ok.output
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--what-if", "fp64"], "--what-if: dtype 'fp64' cannot be used here (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
+    (["--what-if", "bogus"], "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
+    (["--what-if", ""], "--what-if is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
+    (["--fail-on", "what-if:bogus"], "--fail-on: unknown condition 'what-if:bogus' (use nan, overflow, zero, flip, error, warning or a finding code, or what-if:CONDITION)"),
+])
+def test_bad_what_if_values_are_one_line(capdir, args, expected):
+    r = invoke("run", capdir, *args)
+    assert r.exit_code == 2 and error_line(r) == [f"attncheck: error: {expected}"]
+
+
+def test_what_if_with_q_and_k_says_what_to_use_instead(tmp_path):
+    torch.save({"q": torch.randn(1, 2, 4, 8)}, tmp_path / "q.pt")
+    r = invoke("run", "--q", tmp_path / "q.pt", "--k", tmp_path / "q.pt", "--what-if", "fp16")
+    assert r.exit_code == 2 and error_line(r) == ["attncheck: error: --what-if asks about a captured model's calls; with --q/--k or --example every cell is computed already (choose them with --dtype, --method, --path)"]

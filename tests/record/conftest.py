@@ -30,6 +30,29 @@ def bert(impl: str, dtype=torch.float32, seed: int = 0):
     return transformers.BertModel._from_config(cfg, attn_implementation=impl, dtype=dtype).eval()
 
 
+def qwen2(impl: str = "sdpa", dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.Qwen2ForCausalLM._from_config(cfg, attn_implementation=impl, dtype=dtype).eval()
+
+
+def t5(impl: str = "sdpa", dtype=torch.float32, seed: int = 0):
+    """T5 scales nothing: its scale is folded into the weights' initialisation (SDPA gets scale=1.0)."""
+    torch.manual_seed(seed)
+    cfg = transformers.T5Config(num_layers=2, num_heads=4, d_model=32, d_kv=8, d_ff=64, vocab_size=VOCAB,
+                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return transformers.T5Model._from_config(cfg, attn_implementation=impl, dtype=dtype).eval()
+
+
+def vit(impl: str = "sdpa", dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.ViTConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
+                                 image_size=16, patch_size=4, num_channels=3)
+    return transformers.ViTModel._from_config(cfg, attn_implementation=impl, dtype=dtype).eval()
+
+
 def batch(b: int = 2, t: int = 12, left_pad: int = 0, right_pad: int = 0, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (b, t), generator=g)

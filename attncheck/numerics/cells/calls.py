@@ -84,6 +84,7 @@ def diagnose_call(
     unknown implementation computes every cell of ``options`` (and of ``asked``).
     """
     kind = info.kind
+    what_if = params.what_if(list(what_if)) if what_if else ()
     tensors = _normalised(info, tensors)
     scores, q, k = tensors.get("scores"), tensors.get("q"), tensors.get("k")
     if info.dtype is None:

@@ -275,7 +275,14 @@ class SpreadSample:
             return
         self._values.append(values.reshape(-1)[:take].to("cpu", torch.float64))
         self._taken += take
-        self.audit.scores_std = robust_std(torch.cat(self._values))
+        if self.full:
+            self.finish()
+
+    def finish(self) -> None:
+        """Set ``audit.scores_std`` from what was taken (once full, or after the last block)."""
+        if self._values:
+            self.audit.scores_std = robust_std(torch.cat(self._values))
+            self._values = [torch.cat(self._values)] if not self.full else []
 
 
 def robust_std(values: torch.Tensor, sample: int | None = None) -> float:
@@ -538,6 +545,7 @@ def score_blocks(inp: AttentionInputs, rows_per_block: int, device: torch.device
     spread = SpreadSample(audit)
     for bh, qs in _row_ranges(inp, rows_per_block):
         yield QKBlock(inp, bh, qs, device, audit, spread)
+    spread.finish()
 
 
 class GivenBlock:
@@ -567,6 +575,7 @@ def given_blocks(scores: "TensorSource", inp: AttentionInputs, rows_per_block: i
     for bh, qs in _row_ranges(inp, rows_per_block):
         qk = QKBlock(inp, bh, qs, device, audit, spread)
         yield GivenBlock(rows.take(qk.given.shape[0]), qk)
+    spread.finish()
 
 
 def _qk_float64(inp: AttentionInputs, bh: slice, qs: slice, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

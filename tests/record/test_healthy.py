@@ -1,0 +1,104 @@
+"""Healthy models report clean: the cells a model runs decide, so a healthy transformers model
+(GPT-2, Llama with GQA and left padding, BERT, Qwen2, T5, ViT; eager and SDPA; fp32, fp16, bf16),
+nn.TransformerEncoderLayer and nn.MultiheadAttention give 0 errors and 0 warnings, and
+--fail-on error,warning,nan holds nothing. Findings that are true but harmless in the model's cell
+(left padding's fully masked rows, T5's scale of 1) are info."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import attncheck
+from attncheck.cli import app
+from attncheck.findings import failed_conditions
+
+from .conftest import batch, bert, gpt2, llama_gqa, qwen2, t5, vit
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def run_model(arch: str, impl: str, dtype: torch.dtype):
+    if arch == "gpt2":
+        return gpt2(impl, dtype), batch(left_pad=3)
+    if arch == "llama":
+        return llama_gqa(impl, dtype), batch(left_pad=3)
+    if arch == "qwen2":
+        return qwen2(impl, dtype), batch(left_pad=3)
+    if arch == "bert":
+        return bert(impl, dtype), batch(right_pad=4)
+    if arch == "t5":
+        inputs = batch(right_pad=2)
+        return t5(impl, dtype), {**inputs, "decoder_input_ids": inputs["input_ids"][:, :6]}
+    g = torch.Generator().manual_seed(1)
+    return vit(impl, dtype), {"pixel_values": torch.randn(2, 3, 16, 16, generator=g).to(dtype)}
+
+
+def capture_diagnosed(model, inputs):
+    with torch.no_grad(), attncheck.capture(diagnose=True) as cap:
+        model(**inputs)
+    return cap
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "bert", "t5", "vit"])
+def test_healthy_transformers_model_reports_no_error_and_no_warning(arch, impl, dtype):
+    model, inputs = run_model(arch, impl, DTYPES[dtype])
+    cap = capture_diagnosed(model, inputs)
+    assert cap.calls and all(r.diagnosis is not None for r in cap.calls)
+    loud = [(r.call.module, f.code, f.severity) for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"]
+    assert loud == []
+    report = cap.result.model
+    assert report.first_bad is None and report.known
+    assert failed_conditions(cap.result.tensors, ["error", "warning", "nan"]) == []
+    # each call computed the one cell its model ran: torch.softmax in its dtype= (Llama, Qwen2 and ViT
+    # ask for fp32) or the scores' dtype, or the path of the SDPA backend PyTorch chose, in the call's dtype
+    for r in cap.calls:
+        expected = ("torch", r.call.softmax_dtype or dtype) if impl == "eager" else ("flash", dtype)
+        assert [(c.method, c.dtype, c.role) for c in r.diagnosis.cells] == [(*expected, "model")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("module", ["encoder_layer", "mha"])
+def test_healthy_torch_attention_modules_report_clean(module, dtype):
+    torch.manual_seed(0)
+    dt = DTYPES[dtype]
+    x = torch.randn(2, 12, 32).to(dt)
+    pad = torch.zeros(2, 12, dtype=torch.bool)
+    pad[1, 9:] = True
+    if module == "mha":
+        m = torch.nn.MultiheadAttention(32, 4, batch_first=True).to(dt).eval()
+        run = lambda: m(x, x, x, key_padding_mask=pad)  # noqa: E731  need_weights: the eager softmax path
+    else:
+        m = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True).to(dt).eval()
+        run = lambda: m(x, src_key_padding_mask=pad)  # noqa: E731
+    with torch.no_grad(), attncheck.capture(diagnose=True) as cap:
+        run()
+    assert cap.calls and cap.result.model.first_bad is None
+    assert [f.code for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"] == []
+
+
+def test_left_padding_is_info_and_t5s_scale_is_info():
+    cap = capture_diagnosed(*run_model("llama", "sdpa", torch.float32))
+    masked = [f for r in cap.calls for f in r.diagnosis.findings if f.code == "fully_masked_rows"]
+    assert masked and {f.severity for f in masked} == {"info"}  # the SDPA kernel gives those rows zeros
+    cap = capture_diagnosed(*run_model("t5", "sdpa", torch.float32))
+    scale = [f for r in cap.calls for f in r.diagnosis.findings if f.code == "missing_scale"]
+    assert scale and {f.severity for f in scale} == {"info"} and all("scale= argument" in f.message for f in scale)
+    assert all(r.call.meta["scale_source"] == "argument" and r.call.scale == 1.0 for r in cap.calls)
+
+
+def test_a_healthy_model_captured_from_the_command_line_exits_0_under_fail_on(tmp_path):
+    script = tmp_path / "healthy.py"
+    script.write_text(
+        "import torch, transformers as T\n"
+        "torch.manual_seed(0)\n"
+        "m = T.GPT2LMHeadModel._from_config(T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=64), attn_implementation='sdpa').eval()\n"
+        "ids = torch.randint(0, 64, (2, 12)); am = torch.ones(2, 12, dtype=torch.long); am[1, :5] = 0\n"
+        "with torch.no_grad():\n"
+        "    m(input_ids=ids, attention_mask=am)\n"
+    )
+    r = CliRunner().invoke(app, ["capture", "--out", str(tmp_path / "cap"), "--quiet", "--fail-on", "error,warning,nan", "--", str(script)],
+                           env={"COLUMNS": "100"})
+    assert r.exit_code == 0, r.output
+    assert "0 error(s), 0 warning(s); no call goes wrong in the cells the model runs" in " ".join(r.stdout.split())
