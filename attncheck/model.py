@@ -109,9 +109,16 @@ def outliers(report: CallReport, ratio: float = OUTLIER_RATIO) -> list[Outlier]:
     return out
 
 
+# A what-if judges each call on the inputs it recorded: NaN or inf already in them came from an
+# earlier call (or the data), not from the dtype or implementation asked about; the model's own
+# report has them.
+INHERITED = ("input_nan", "inf_input")
+
+
 def what_if_answers(calls: list[CallReport], ignore=()) -> list[WhatIfAnswer]:
     """Per what-if cell (by name, over the calls that computed it): how many calls it breaks, the
-    first, and its findings."""
+    first, and its findings (inherited NaN and inf left to the model's report)."""
+    ignore = (*ignore, *INHERITED)
     by_name: dict[str, list[tuple[CallReport, Cell]]] = {}
     for report in calls:
         if report.what_if is None:

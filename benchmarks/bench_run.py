@@ -26,6 +26,7 @@ from collections import defaultdict
 import torch
 
 from attncheck.cli.common import reuse_freed_memory
+from attncheck.config.run import rows_per_chunk
 from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc
 from attncheck.numerics.backends import select_backend
 from attncheck.numerics.cells.diagnose import Options, _extremes_in_dtype, _in_dtype, bookkeeping, diagnose
@@ -47,7 +48,7 @@ def staged_pass(x: torch.Tensor, opts: Options) -> dict:
     """One pass of diagnose's chunk loop with a clock around each stage; seconds per stage."""
     spent: dict = defaultdict(float)
     keys = x.shape[-1]
-    step = max(1, opts.chunk_elements // keys)
+    step = rows_per_chunk(keys, opts)  # diagnose's own chunks
     backend = select_backend(opts.kernels, x.device, x.numel())
     census, dist = CensusAcc(opts.dtypes), DistAcc(opts.collapse_threshold)
     cells = {(m, d): CellAcc(m, d, opts.max_examples) for d in opts.dtypes for m in opts.methods}
@@ -105,7 +106,7 @@ def main() -> None:
         query = (torch.arange(rows) % args.keys).unsqueeze(-1)  # (R, 1) position of each row in its head
         x.masked_fill_(torch.arange(args.keys) > query, float("-inf"))
     opts = Options(kernels=args.kernels)
-    chunk = max(1, opts.chunk_elements // args.keys)
+    chunk = rows_per_chunk(args.keys, opts)
     print(f"scores: {rows} rows x {args.keys} keys = 2^{args.elements_log2} fp32 elements ({x.numel() * 4 / 2**20:.0f} MiB{', causal mask' if args.causal else ''}); "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; chunks of {chunk} rows; {args.kernels} kernels")
     if args.kernels == "fused":  # compile outside the timings (numba caches it on disk for later runs)
@@ -132,6 +133,9 @@ def main() -> None:
     t = best_of(args.repeat, lambda: diagnose("bench", x, opts))
     print(f"whole diagnose (12 cells + shared work, one call): {t:.2f} s = {t / base:.1f}x one torch.softmax pass "
           f"({t / pre:.1f}x one pass into a preallocated output)")
+    floor = best["shared"] + sum(best[("cast", d)] for d in dtype_names()) + sum(best[("method", m, d)] for d in dtype_names() for m in method_names())
+    print(f"the cells' method passes plus the shared float64 work (census, references, casts): {floor:.2f} s; "
+          f"the whole run is {t / floor:.2f}x that (the metrics, bookkeeping and findings on top)")
 
 
 if __name__ == "__main__":

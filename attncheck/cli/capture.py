@@ -72,13 +72,9 @@ def capture(
 ) -> None:
     """Run a Python script under capture and diagnose every attention call it makes.
 
-    Records each F.scaled_dot_product_attention call and each softmax over the last axis of a
-    3+-D tensor inside a module (the eager path's scores, with the q, k, v of the matmuls
-    around it), with the module path, without any change to the script or the model. The
-    capture directory can be diagnosed again with 'attncheck run DIR'. With --json -, what
-    the script prints goes to stderr.
-    Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error,
-    or the script failed.
+    Records each F.scaled_dot_product_attention call and each softmax over the last axis of a 3+-D tensor inside a module (the eager path's scores, with the q, k, v of the matmuls around it), with the module path, without any change to the script or the model. Each call is then judged by the cell its model ran, as 'attncheck run' judges the capture directory (which it can do again); --what-if asks about other dtypes and implementations apart. With --json -, what the script prints goes to stderr.
+
+    Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error, or the script failed.
     """
     try:
         conditions = parse_fail_on(fail_on)

@@ -120,13 +120,10 @@ def run(
 ) -> None:
     """Diagnose saved attention scores (pre-softmax logits), the scores Q and K produce, or a capture.
 
-    Every method x dtype cell is judged against a float64 softmax of the scores as given.
-    With --q/--k, every attention path (eager, sdpa-math, flash) x dtype is judged against
-    float64 softmax of Q@K^T, scale and mask, and with --v its output O = P@V against
-    P64 @ V64. With scores files and --q/--k together, the scale that maps q.k onto the
-    scores is fitted and checked.
-    A capture directory (attncheck capture) or a file of q/k/v/mask tensors is read as
-    attention calls; more than one tensor or call gets the model report (--full for all tables).
+    Every method x dtype cell is judged against a float64 softmax of the scores as given. With --q/--k, every attention path (eager, sdpa-math, flash) x dtype is judged against float64 softmax of Q@K^T, scale and mask, and with --v its output O = P@V against P64 @ V64. With scores files and --q/--k together, the scale that maps q.k onto the scores is fitted and checked.
+
+    A capture directory (attncheck capture) or a call file is read as attention calls, and each call is judged by the cell its model ran (softmax: torch.softmax in its dtype; SDPA: the path of the backend PyTorch chose, in the call's dtype): that cell alone decides the verdict, the findings and --fail-on. --what-if DTYPES (or all), and --dtype/--method/--path when given, ask other cells as what-ifs, reported apart. A file of q/k/v/mask tensors is read as a call of unknown implementation: every cell is asked. More than one call gets the model report (--full for every table).
+
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error.
     """
     try:
@@ -184,11 +181,13 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
     import fnmatch
 
     from attncheck.findings import failed_conditions
+    from attncheck.model import INHERITED
     from attncheck.report.run import print_report, render_diagnosis, run_json
 
     failed = failed_conditions(result.tensors, [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)], ignored)
     what_ifs = [c.what_if for c in result.calls if c.what_if is not None]
-    failed += [WHAT_IF_PREFIX + f for f in failed_conditions(what_ifs, [c.removeprefix(WHAT_IF_PREFIX) for c in conditions if c.startswith(WHAT_IF_PREFIX)], ignored)]
+    asked = [c.removeprefix(WHAT_IF_PREFIX) for c in conditions if c.startswith(WHAT_IF_PREFIX)]
+    failed += [WHAT_IF_PREFIX + f for f in failed_conditions(what_ifs, asked, (*ignored, *INHERITED))]  # inherited NaN is the model's
     chosen = []
     for pattern in detail:
         hit = [c for c in result.calls if c.diagnosis is not None and (fnmatch.fnmatchcase(c.call.module, pattern) or fnmatch.fnmatchcase(c.call.name, pattern))]

@@ -291,6 +291,21 @@ def findings_table(d: TensorDiagnosis) -> Table | Text:
     return t
 
 
+def limits_line(d: TensorDiagnosis) -> Text | None:
+    """A captured call's cells (the model's, the what-ifs): each one's first failure and how far
+    the input is from it."""
+    cells = [c for c in d.cells if c.role != "asked"]
+    if not cells:
+        return None
+    parts = []
+    for c in cells:
+        if c.limit is None:
+            parts.append(f"{c.name} ({c.role}): nothing fails from finite scores")
+        else:
+            parts.append(f"{c.name} ({c.role}): {c.limit.what}; largest {fmt(c.limit.value, '.4g')}, headroom {fmt(c.limit.headroom, '.4g')}")
+    return Text("First failure: " + "; ".join(parts))
+
+
 def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
     parts: list[Any] = [census_panel(d)]
     if d.attention is not None:
@@ -303,7 +318,8 @@ def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
         if table is not None:
             parts.append(table)
     where = nan_by_head_line(d)
-    parts += [distribution_line(d)] + ([where] if where is not None else []) + [findings_table(d)]
+    limits = limits_line(d)
+    parts += [distribution_line(d)] + ([limits] if limits is not None else []) + ([where] if where is not None else []) + [findings_table(d)]
     return Group(*parts)
 
 
