@@ -103,3 +103,20 @@ def test_json_model_section():
     assert m["first_bad"] == {"index": 1, "name": "c1", "module": "model.layers.1.attn", "verdict": "nan", "first_cause": "inf_input", "heads": [3], "nan_rows": 1, "errors": ["inf_input"]}
     assert [c["verdict"] for c in m["calls"]] == ["ok", "nan"] and m["calls"][1]["cell"] == "torch/fp16"
     assert m["calls"][1]["heads"][3]["nan_rows"] == 1 and len(m["calls"][1]["heads"]) == 4
+
+
+def test_the_closing_line_never_counts_errors_next_to_no_call_going_wrong():
+    """Errors of any cell count for a call of unknown implementation (every cell is asked), so a
+    naive fp16 overflow marks its call; the closing line names it rather than 'no call goes wrong'."""
+    from attncheck.numerics.cells.diagnose import diagnose
+    from attncheck.numerics.cells.calls import scores_report
+
+    opts = Options(dtypes=("fp16",), methods=("naive", "torch"))
+    quiet = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    loud = quiet * 20  # logits past 11.09: naive fp16's exp overflows; torch.softmax is fine
+    calls = [scores_report(CallInfo(i, f"t{i}", "scores"), diagnose(f"t{i}", x, opts)) for i, x in enumerate((quiet, loud))]
+    report = model_report(calls)
+    assert report.lines[1].verdict == "error" and "exp_overflow" in report.lines[1].errors and report.first_bad == 1
+    text = " ".join(render(report, calls).split())
+    assert "1 error(s)" in text or "2 error(s)" in text
+    assert "no call goes wrong" not in text and "first call that goes wrong: #1 t1" in text

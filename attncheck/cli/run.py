@@ -145,8 +145,10 @@ def run(
         value = params.mask_value(mask_value) if mask_value is not None else None
         lefts, rights = tuple(params.lengths(pad_left, "pad_left")), tuple(params.lengths(pad_right, "pad_right"))
         qk = None
-        if q is None and k is None and (v is not None or path is not None):
-            raise AttncheckError(f"{param('v')} and {param('paths')} apply to attention computed from {param('q')} and {param('k')}")
+        if q is None and k is None and v is not None:
+            raise AttncheckError(f"{param('v')} applies to attention computed from {param('q')} and {param('k')}")
+        if example and path is not None:
+            raise AttncheckError(f"{param('paths')} applies to attention calls (a capture, q/k files) and to {param('q')}/{param('k')}, not to the built-in example's scores")
         if q is not None or k is not None:
             if q is None or k is None:
                 raise AttncheckError(f"{param('q')} and {param('k')} go together: give both")

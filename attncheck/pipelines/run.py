@@ -75,6 +75,9 @@ def _run_files(request: RunRequest, options, track: Track, notice):
     from attncheck.results import CallInfo, CallReport
 
     inputs, manifests = open_inputs(request.paths, request.keys, request.max_memory)  # headers only: score tensors stream in row chunks
+    if options.paths and all(isinstance(item, TensorSource) for item in inputs):
+        raise AttncheckError(f"{param('paths')} applies to attention calls (a capture, q/k files) and to {param('q')}/{param('k')}; "
+                             f"{', '.join(request.paths)} hold{'s' if len(request.paths) == 1 else ''} scores only")
     capture = None
     if manifests:
         doc = manifests[0]

@@ -203,3 +203,11 @@ def test_what_if_with_q_and_k_says_what_to_use_instead(tmp_path):
     torch.save({"q": torch.randn(1, 2, 4, 8)}, tmp_path / "q.pt")
     r = invoke("run", "--q", tmp_path / "q.pt", "--k", tmp_path / "q.pt", "--what-if", "fp16")
     assert r.exit_code == 2 and error_line(r) == ["attncheck: error: --what-if asks about a captured model's calls; with --q/--k or --example every cell is computed already (choose them with --dtype, --method, --path)"]
+
+
+def test_path_dtype_and_method_on_a_capture_name_what_if_cells(capdir):
+    r = invoke("run", capdir, "--path", "flash,eager", "--dtype", "bf16", "--method", "naive", "--json", "-")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert [t["cells"][0]["name"] for t in doc["tensors"]] == ["flash/fp16", "torch/fp16", "flash/fp16"]  # the model's own
+    assert [sorted(c["name"] for c in call["what_if"]["cells"]) for call in doc["model"]["calls"]] == [["eager:naive/bf16", "flash/bf16"]] * 3

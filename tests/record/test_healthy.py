@@ -102,3 +102,28 @@ def test_a_healthy_model_captured_from_the_command_line_exits_0_under_fail_on(tm
                            env={"COLUMNS": "100"})
     assert r.exit_code == 0, r.output
     assert "0 error(s), 0 warning(s); no call goes wrong in the cells the model runs" in " ".join(r.stdout.split())
+
+
+def test_a_bert_with_large_logits_what_if_fp16_only_naive_breaks():
+    """As a pretrained BERT encoder whose layer-0 logits reach ~45: healthy in fp32 SDPA; in fp16,
+    SDPA (S in fp32) and an eager port (torch.softmax subtracts the max; 45 is far below 65504) are
+    safe, and only a naive softmax (exp(45) > 65504) breaks, asked with --what-if all."""
+    model = bert("sdpa", torch.float32)
+    with torch.no_grad():
+        for layer in model.encoder.layer:
+            layer.attention.self.query.weight.mul_(30)
+            layer.attention.self.key.weight.mul_(30)
+    inputs = batch(right_pad=4)
+    with torch.no_grad(), attncheck.capture(diagnose=True, what_if=("fp16",)) as cap:
+        model(**inputs)
+    top = max(line.max_logit for line in cap.result.model.lines)
+    assert 11.09 < top < 65504  # past naive fp16's exp overflow, far inside fp16's range
+    assert cap.result.model.first_bad is None and not [f for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"]
+    answers = {a.cell: a for a in cap.result.model.what_if}
+    assert set(answers) == {"flash/fp16", "eager:torch/fp16"} and all(a.bad_calls == 0 for a in answers.values())
+    with torch.no_grad(), attncheck.capture(diagnose=True, what_if="all") as cap:
+        model(**inputs)
+    answers = {a.cell: a for a in cap.result.model.what_if}
+    broken = {name for name, a in answers.items() if a.bad_calls and name.endswith("/fp16")}
+    assert broken == {"eager:naive/fp16"} and answers["eager:naive/fp16"].first.first_cause == "exp_overflow"
+    assert answers["eager:stable/fp16"].bad_calls == answers["flash/fp16"].bad_calls == 0

@@ -368,6 +368,7 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
     torch.save({"v": torch.randn(1, 1, 8, 32), "v7": torch.randn(1, 1, 7, 64), "v2h": torch.randn(1, 2, 8, 64),
                 "vint": torch.ones(1, 1, 8, 64, dtype=torch.int32)}, vs)
     torch.save(torch.ones(8, 8, dtype=torch.int64), tmp_path / "intmask.pt")
+    torch.save(torch.randn(2, 8, 8), tmp_path / "scores.pt")
     p = tmp_path / "qk.pt"
     r = runner.invoke(app, ["run", "--q", f"{p}:q", "--k", f"{p}:k", "--dtype", "fp16", "--fail-on", "qk_overflow", "--brief"])
     assert r.exit_code == 1, r.output
@@ -391,8 +392,9 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
         (["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "5"], "--mask-value must be negative (a mask lowers the masked scores), got '5'"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--pad-left", "2,x"], "--pad-left: 'x' is not a non-negative integer (give one length per batch element, e.g. 3,0)"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--pad-left", "2,1"], "--pad-left gives 2 lengths for a batch of 1"),
-        (["--v", f"{vs}:v", str(p)], "--v and --path apply to attention computed from --q and --k"),
-        (["--path", "flash", str(p)], "--v and --path apply to attention computed from --q and --k"),
+        (["--v", f"{vs}:v", str(p)], "--v applies to attention computed from --q and --k"),
+        (["--path", "flash", "--example"], "--path applies to attention calls (a capture, q/k files) and to --q/--k, not to the built-in example's scores"),
+        (["--path", "flash", str(tmp_path / "scores.pt")], f"--path applies to attention calls (a capture, q/k files) and to --q/--k; {tmp_path / 'scores.pt'} holds scores only"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--path", "flash,xformers"], "--path: unknown path 'xformers' (choose from eager, sdpa-math, flash, flash-fp8, sage)"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--path", ""], "--path is empty (choose from eager, sdpa-math, flash, flash-fp8, sage)"),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:v7"],
