@@ -16,6 +16,7 @@ from attncheck.numerics.precision import (
     exp_underflow_threshold,
     known_sentinels,
 )
+from attncheck.numerics.rowmath import row_finite
 from attncheck.numerics.reduce import Examples, ExactSum, Max, any_true, attribute, count, count_values, finite, group_mask_values, take_rows, unravel
 from attncheck.numerics.methods.softmax import event_rows
 from attncheck.registry import EVENTS
@@ -226,11 +227,11 @@ class OutAcc:
         ``ref_algo`` (r, dv) float64 of the path's scores and V in the dtype (NaN rows where
         the reference softmax is undefined); ``tied`` (r,) rows whose maximum score is shared."""
         o = out.to(torch.float64)
-        finite = torch.isfinite(o).all(dim=-1)
-        self.nan_rows += int((~finite).sum())
-        ok = finite & torch.isfinite(ref).all(dim=-1)
+        finite = row_finite(out)  # one float64 sum per row: values of a float format cannot overflow it
+        self.nan_rows += count(~finite)
+        ok = finite & torch.isfinite(ref.sum(dim=-1))  # P64 @ V64: probabilities times finite values
         self._bias(o, ref_algo, finite, tied)
-        o, r = o[ok], ref[ok]  # (k, dv)
+        o, r = take_rows(o, ok), take_rows(ref, ok)  # (k, dv); the tensors themselves when every row is kept
         self.rows += o.shape[0]
         if not o.shape[0]:
             return
@@ -248,11 +249,11 @@ class OutAcc:
         self.cos_rows += int(has.sum())
 
     def _bias(self, o: torch.Tensor, ref_algo: torch.Tensor, finite: torch.Tensor, tied: torch.Tensor) -> None:
-        ok = finite & torch.isfinite(ref_algo).all(dim=-1)
-        e = (o[ok] - ref_algo[ok]).mean(dim=-1)  # (k,) each row's mean signed error
+        ok = finite & torch.isfinite(ref_algo.sum(dim=-1))  # NaN rows where the reference softmax is undefined
+        e = (take_rows(o, ok) - take_rows(ref_algo, ok)).mean(dim=-1)  # (k,) each row's mean signed error
         self.bias.add(e)
         self.bias_rows += e.shape[0]
-        et = e[tied[ok]]
+        et = take_rows(e, take_rows(tied, ok))
         self.tied_bias.add(et)
         self.tied_bias_sq.add(et * et)
         self.tied_bias_rows += et.shape[0]
