@@ -27,10 +27,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from bench_run import best_of  # this folder: run as python benchmarks/bench_model.py
 
 
 def reset_peak() -> None:
@@ -52,15 +52,6 @@ def model_for(layers: int, seq: int):
     cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers, num_attention_heads=16,
                                    num_key_value_heads=4, vocab_size=1000, max_position_embeddings=max(seq, 2048))
     return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").to(torch.bfloat16).eval()
-
-
-def best(repeat: int, fn) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
@@ -87,7 +78,7 @@ def main() -> None:
             model(input_ids=ids)
 
     forward()
-    t_own = best(args.repeat, forward)  # the model in a process of its own
+    t_own = best_of(args.repeat, forward)  # the model in a process of its own
     reuse_freed_memory()  # as the attncheck command does, from here on
     work = Path(tempfile.mkdtemp(prefix="attncheck-bench-model-"))
     try:
@@ -107,9 +98,9 @@ def main() -> None:
         result = run(request)  # the first run: its peak is the one a user sees (kernels compiled, or read from their cache)
         peak = status_mib("VmHWM") - rss
         diagnose_run()  # warm
-        t_forward = best(args.repeat, forward)
-        t_run = best(args.repeat, lambda: run(request))
-        t_diag = best(args.repeat, diagnose_run)
+        t_forward = best_of(args.repeat, forward)
+        t_run = best_of(args.repeat, lambda: run(request))
+        t_diag = best_of(args.repeat, diagnose_run)
         calls = len(result.calls)
         print(f"{args.layers} layers x 16 heads (4 kv heads), head dim 64, bf16, SDPA, 1 x {args.seq} tokens: {calls} calls, "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -121,11 +112,11 @@ def main() -> None:
         print(f"  verdict: first call that goes wrong {result.model.first_bad}; cell {line.cell}, room {line.headroom:.3g}")
         if args.what_if:
             asked = RunRequest((str(cap),), options=options, max_memory=memory, what_if=(args.what_if,))
-            t_what = best(args.repeat, lambda: run(asked))
+            t_what = best_of(args.repeat, lambda: run(asked))
             answers = ", ".join(f"{a.cell} {a.verdict}" for a in run(asked).model.what_if)
             print(f"  run --what-if {args.what_if:<13} {t_what:.3f} s  ({t_what / t_own:.1f}x the forward): {answers}")
         cmd = [sys.executable, "-m", "attncheck", "run", str(cap), "--quiet", "--max-memory", args.max_memory]
-        t_cli = best(args.repeat, lambda: subprocess.run(cmd, check=True, capture_output=True))
+        t_cli = best_of(args.repeat, lambda: subprocess.run(cmd, check=True, capture_output=True))
         print(f"  the command (start included) {t_cli:.3f} s  ({t_cli / t_own:.1f}x the forward)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
