@@ -197,7 +197,9 @@ def _relative_float_mask(mask: torch.Tensor) -> tuple[torch.Tensor | None, torch
 
 
 def _sdpa_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor]):
-    """An SDPA call's inputs with its mask rebuilt for each dtype (``_relative_float_mask``)."""
+    """An SDPA call's inputs with its mask rebuilt for each dtype (``_relative_float_mask``). Keys a
+    boolean mask or ``is_causal`` masks are -inf in SDPA's kernels; ported to eager attention they
+    get finfo(dtype).min added, as transformers' eager attention builds its masks."""
     from attncheck.numerics.inputs.scores import prepare_inputs
 
     mask = tensors.get("attn_mask")
@@ -205,7 +207,8 @@ def _sdpa_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor]):
     if mask is not None and mask.is_floating_point():
         mask, masked = _relative_float_mask(mask)
     return prepare_inputs(tensors["q"], tensors["k"], mask, v=tensors.get("v"), scale=_scale(info), causal=info.is_causal,
-                          mask_convention="attend", mask_value="min" if masked is not None else "-inf", masked=masked)
+                          mask_convention="attend", mask_value="min" if masked is not None else "-inf", masked=masked,
+                          eager_mask_value="min")
 
 
 def mask_of_scores(scores: torch.Tensor) -> tuple[torch.Tensor, str]:

@@ -70,6 +70,10 @@ class AttentionInputs:
     # holds no NaN or +inf; the largest |q| and |k| (float64), whose product times d bounds every |q.k|.
     qk_finite: bool = False
     mask_sane: bool = True
+    # What a boolean-masked key becomes on the eager path when it differs from ``mask_value``: an SDPA
+    # call's boolean mask is -inf in its kernels, but ported to eager attention as transformers writes
+    # it, finfo(dtype).min is added ('min'); the float64 reference is -inf either way.
+    eager_mask_value: str | None = None
     q_amax: float = math.inf
     k_amax: float = math.inf
 
@@ -87,6 +91,10 @@ class AttentionInputs:
     def cannot_overflow(self, dtype: torch.dtype, held: torch.dtype, factor: float = 1.0) -> bool:
         """No score of Q@K^T (times ``factor``) from q and k in ``dtype`` can round to inf in ``held``."""
         return self.qk_bound(dtype, factor) < torch.finfo(held).max
+
+    @property
+    def eager_value(self) -> str:
+        return self.eager_mask_value or self.mask_value
 
     @property
     def heads(self) -> int:
@@ -129,10 +137,12 @@ def prepare_inputs(
     v: torch.Tensor | None = None,
     max_bytes: int | None = None,
     masked: torch.Tensor | None = None,
+    eager_mask_value: str | None = None,
 ) -> AttentionInputs:
     """Validate shapes and build the mask planes; every mismatch is an AttncheckError naming both shapes.
     ``masked``: a boolean plane (True = masked, broadcast to the scores) beside ``mask``, whose keys
-    become ``mask_value`` like a boolean mask's (a model's own mask rebuilt for another dtype).
+    become ``mask_value`` like a boolean mask's (a model's own mask rebuilt for another dtype);
+    ``eager_mask_value``: what they become on the eager path instead (``AttentionInputs.eager_mask_value``).
     What the diagnosis holds whole (float64 copies of q, k and v, the mask planes over every
     score) is estimated first and refused when it exceeds ``max_bytes``."""
     for name, t in (("q", q), ("k", k)) + ((("v", v),) if v is not None else ()):
@@ -221,6 +231,7 @@ def prepare_inputs(
         mask_float=mask_float,
         masked=planes_masked,
         mask_value=mask_value,
+        eager_mask_value=None if eager_mask_value is None else params.mask_value(eager_mask_value),
         lead=lead,
         float_mask_looks_boolean=looks_boolean,
         v=v4,
@@ -374,7 +385,7 @@ class QKBlock:
         a.qk_overflow_rows += int(qk_rows.sum())
         a.qk_max_abs = max(a.qk_max_abs, _finite_abs_max(flat))
         before_mask_bad = ~torch.isfinite(flat)
-        sentinel = sentinel_in(dt, inp.mask_value)
+        sentinel = sentinel_in(dt, inp.eager_value)
         in_dt = None if inp.float_mask_value is None else sentinel_in(dt, repr(inp.float_mask_value))
         # What a masked key holds in dt: the boolean planes' sentinel, else the float mask's.
         values = [sentinel] if self.masked is not None else []
@@ -382,8 +393,8 @@ class QKBlock:
             values.append(in_dt)
         a.mask_values = values
         a.sentinel_value = values[0] if values else sentinel
-        a.sentinel_not_representable = self.masked is not None and inp.mask_value not in ("-inf",) and math.isinf(sentinel)
-        mf, plane, mask_dt = self._mask_planes(dt)
+        a.sentinel_not_representable = self.masked is not None and inp.eager_value not in ("-inf",) and math.isinf(sentinel)
+        mf, plane, mask_dt = self._mask_planes(dt, inp.eager_value)
         if mf is not None:
             a.mask_not_representable += int((torch.isinf(mf) & torch.isfinite(self.mask_float)).sum())
         if mf is not None and plane is not None:
@@ -396,17 +407,17 @@ class QKBlock:
         broken = torch.isneginf(flat).all(dim=-1) | torch.isnan(flat).any(dim=-1)
         # The mask is to blame where every value it meant to add is finite (a finite
         # sentinel, finite float-mask values) and the dtype still made the row all -inf or NaN.
-        mask_rows = broken & ~before_mask_bad.any(dim=-1) & self._intended_finite_rows(sentinel)
+        mask_rows = broken & ~before_mask_bad.any(dim=-1) & self._intended_finite_rows(sentinel, inp.eager_value)
         a.mask_sentinel_rows += int(mask_rows.sum())
         return flat, [("qk_overflow", qk_rows), ("mask_sentinel", mask_rows)], []
 
-    def _mask_planes(self, dt: torch.dtype):
+    def _mask_planes(self, dt: torch.dtype, value: str | None = None):
         """The mask as the model holds it in ``dt``: (the float mask cast to dt, the boolean
         mask's sentinel plane in dt, their sum: the additive mask), each None when absent."""
         mf = None if self.mask_float is None else cast(self.mask_float, dt)
         plane = None
         if self.masked is not None:
-            plane = torch.zeros(self.masked.shape, dtype=dt, device=self.masked.device).masked_fill(self.masked, sentinel_in(dt, self.inp.mask_value))
+            plane = torch.zeros(self.masked.shape, dtype=dt, device=self.masked.device).masked_fill(self.masked, sentinel_in(dt, value or self.inp.mask_value))
         mask_dt = plane if mf is None else (mf if plane is None else mf + plane)
         return mf, plane, mask_dt
 
@@ -451,12 +462,12 @@ class QKBlock:
         v = self.v if dtype is None else cast(self.v, dtype)
         return torch.matmul(ref.reshape(n, -1, tk), v.to(torch.float64)).reshape(-1, self.v.shape[-1])
 
-    def _intended_finite_rows(self, sentinel: float) -> torch.Tensor:
+    def _intended_finite_rows(self, sentinel: float, value: str | None = None) -> torch.Tensor:
         """(r,) rows whose mask values, as meant (float64), are all finite."""
         ok = torch.ones(self.given.shape[0], dtype=torch.bool, device=self.given.device)
         if self.mask_float is not None:
             ok &= torch.isfinite(self.mask_float).reshape(-1, self.given.shape[-1]).all(dim=-1)
-        if self.flat_masked is not None and self.inp.mask_value == "-inf":
+        if self.flat_masked is not None and (value or self.inp.mask_value) == "-inf":
             ok &= ~self.flat_masked.any(dim=-1)
         return ok
 

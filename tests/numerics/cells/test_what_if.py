@@ -124,3 +124,20 @@ def test_headroom_is_the_model_cells_own_first_failure():
     cast = d.cell("torch", "fp16").limit  # fp32 scores cast to fp16: the cast is torch/fp16's first failure
     assert cast.kind == "cast_overflow" and cast.threshold == 65520.0
     assert diagnose("x", scores.float(), Options(dtypes=("fp32",), methods=("torch",))).cell("torch", "fp32").limit is None
+
+
+def test_an_eager_port_of_a_boolean_mask_adds_finfo_min_as_transformers_does():
+    """SDPA makes a boolean-masked key -inf (a fully masked row: zeros); ported to eager attention,
+    transformers adds finfo(dtype).min instead: the row is finite there, as torch computes it here."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
+    keep = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    keep[..., 2, :] = False  # query 2 may attend to nothing
+    report = diagnose_call(sdpa_call(), {"q": q, "k": k, "v": v, "attn_mask": keep}, Options(), what_if=("fp16",))
+    assert report.diagnosis.cell("flash", "fp32").zero_causes == {"fully_masked": 2}  # SDPA's zeros, both heads
+    low = torch.finfo(torch.float16).min
+    s16 = torch.matmul(q.half(), k.half().transpose(-1, -2)) * (1 / math.sqrt(8)) + torch.zeros(6, 6, dtype=torch.float16).masked_fill(~keep[0, 0], low)
+    p16 = torch.softmax(s16, dim=-1)
+    assert not torch.isnan(p16).any()
+    eager = report.what_if.cell("torch", "fp16", path="eager")
+    assert eager.nan_rows == 0 and eager.zero_rows == 0 and report.what_if.attention.dtypes["fp16"].mask_values == [low]
