@@ -197,7 +197,7 @@ class Cell:
     nan_rows_per_head: list[int] = field(default_factory=list)
     role: str = ASKED  # MODEL, WHAT_IF or ASKED (see ROLES)
     # rows whose top key differs from float64's, but only by a near-tie that the cell's own rounding
-    # explains (see numerics.cells.accumulate.FLIP_RULE); not in argmax_flips
+    # explains (see numerics.cells.accumulate.real_flips); not in argmax_flips
     argmax_flips_near_tie: int = 0
     limit: CellLimit | None = None  # None: nothing in this cell fails from finite scores
 

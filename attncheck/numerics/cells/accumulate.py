@@ -298,12 +298,10 @@ PCAST_MASS = 1e-3  # a row that loses this much of its probability to the P cast
 # For first-order rounding, p_b > p_a needs s'_b - s'_a > -(that rounding), so a flip inside the
 # bound is a near-tie that the dtype cannot resolve; one beyond it is the cell's own error.
 FLIP_UNITS = 4
-FLIP_RULE = ("a top-1 flip counts where s_a - s_b > |s'_a - s_a| + |s'_b - s_b| + 4u: a the float64 top key, b the cell's, "
-             "s the float64 scores, s' the cell's, u the unit roundoff of its dtype; nearer flips are near-ties its rounding explains")
 
 
 def real_flips(x: torch.Tensor, xc: torch.Tensor, probs: torch.Tensor, top: torch.Tensor, rows: torch.Tensor, unit: float) -> torch.Tensor:
-    """(k,) bool: which of the flipped ``rows`` (k,) count under FLIP_RULE. ``x`` (r, T) the scores as
+    """(k,) bool: which of the flipped ``rows`` (k,) count under the flip rule above. ``x`` (r, T) the scores as
     given (float64 from Q and K), ``xc`` the cell's scores, ``probs`` its probabilities, ``top`` (r, 1)
     the reference's top key."""
     s = x[rows].to(torch.float64)  # (k, T)
@@ -319,7 +317,7 @@ class CellAcc:
     def __init__(self, method: str, dtype: str, max_examples: int, heads: tuple[int, ...] = (), queries: int = 1, path: str | None = None,
                  role: str = ASKED) -> None:
         self.method, self.dtype, self.path, self.role = method, dtype, path, role
-        self.unit = torch.finfo(dtype_from_name(dtype)).eps / 2  # unit roundoff of the cell's dtype (FLIP_RULE)
+        self.unit = torch.finfo(dtype_from_name(dtype)).eps / 2  # unit roundoff of the cell's dtype (real_flips)
         self.near_ties = 0
         self.out: OutAcc | None = None  # created with the first output
         self.tied_rows = 0
@@ -421,7 +419,7 @@ class CellAcc:
         self.ref_nonzero += int(sel(c.ref_positive_count).sum())
         self.flushed += int(sel(m.flushed).sum())
         # A flip: the reference's top key is strictly below the cell's maximum (ties are not flips),
-        # and further from it than the cell's rounding explains (FLIP_RULE; flips are rare: a gather).
+        # and further from it than the cell's rounding explains (real_flips; flips are rare: a gather).
         flip = (m.p_at_top < m.pmax) & ok
         if any_true(flip):
             rows = torch.nonzero(flip).flatten()

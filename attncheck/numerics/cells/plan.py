@@ -16,7 +16,7 @@ dtype): the stage computes the scores and their float64 reference once for all i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from attncheck.config.run import Options
 from attncheck.params import WHAT_IF_ALL, WHAT_IF_FP8
@@ -164,6 +164,3 @@ def _is_model(c: CellKey, model: CellKey, qk: bool) -> bool:
         return True
     return qk and model.path is None and (c.path, c.method, c.dtype) == ("eager", model.method, model.dtype)
 
-
-def with_role(cells: list[CellKey], role: str) -> list[CellKey]:
-    return [replace(c, role=role) for c in cells]

@@ -1,4 +1,4 @@
-"""A top-1 flip counts only where the cell's own rounding cannot explain it (FLIP_RULE): exact ties
+"""A top-1 flip counts only where the cell's own rounding cannot explain it (accumulate.real_flips): exact ties
 and near-ties are near-ties; a flip against a clear gap is counted. The bound is computed here from
 the scores and the dtype's unit roundoff, independently of the accumulator."""
 
