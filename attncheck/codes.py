@@ -38,6 +38,13 @@ FIX = {
     "fp8_overflow": "scale before the FP8 cast: x8 = fp8(x / descale) with descale = amax / max_fp8 per tensor or per (batch, kv head) (--fp8-scaling; FlashAttention-3's q_descale/k_descale/v_descale), or clamp; a kernel's satfinite cast clips silently and a non-saturating cast (older torch, the fnuz formats) gives NaN",
     "fp8_unscaled": "quantise with a descale (amax / max_fp8) per tensor or per (batch, kv head) and pass it to the kernel (FlashAttention-3: q_descale, k_descale, v_descale; vLLM: the layer's k_scale/v_scale); --fp8-scaling tensor or head shows the effect",
     "entropy_collapse": "attention is near one-hot: check the scores are scaled by 1/sqrt(d_k); ignore if the head is meant to be sharp",
+    "grad_nan_masked_row": "a query row with every key masked by -inf has a NaN softmax, and its backward is NaN even when the row's output is zeroed or left out of the loss: use SDPA (its kernels and _safe_softmax give such rows zeros and zero gradients), mask with a finite value (torch.finfo(dtype).min), or let padded queries attend to one key (e.g. themselves)",
+    "grad_nan_input": "the NaN or inf is already in the output gradient dO: it comes from a later layer or the loss; trace it downstream (a loss scale that overflows, a NaN loss)",
+    "grad_nan_forward": "the forward pass already gave NaN probabilities in these rows; fix the forward finding (its cause is named) and the gradients follow",
+    "grad_overflow": "lower the loss scale (GradScaler's init_scale, or let it back off), hold dP and dS in fp32 (SDPA's math path, FlashAttention) instead of fp16 eager attention, or train in bf16",
+    "grad_underflow": "gradient entries flush to zero in this dtype: use a loss scale (torch.amp.GradScaler) or bf16; if the softmax is collapsed (near one-hot rows), its Jacobian vanishes: check the scale and the logit growth",
+    "grad_error": "this path's gradients are further from float64 than FlashAttention's test allows (2x plain attention in the same dtype): keep dP and dS in fp32 and round only for the products, as FlashAttention does",
+    "grad_emulation_mismatch": "attncheck's emulation of this kernel's backward does not reproduce the gradients the model really produced: the backward numbers of this call cannot be trusted; please report it with the capture",
 }
 
 SEVERITY = {
@@ -68,6 +75,13 @@ SEVERITY = {
     "fp8_overflow": "error",
     "fp8_unscaled": "warning",
     "entropy_collapse": "warning",
+    "grad_nan_masked_row": "error",
+    "grad_nan_input": "error",
+    "grad_nan_forward": "error",
+    "grad_overflow": "error",
+    "grad_underflow": "warning",
+    "grad_error": "warning",
+    "grad_emulation_mismatch": "error",
 }
 
 
@@ -86,6 +100,15 @@ CAUSES_OF = {
     "sentinel_not_representable": ("mask_sentinel",),
     "underflow": ("underflow",),
     "unexplained_nan": (UNEXPLAINED,),
+}
+
+
+# The first causes of NaN/inf gradient rows (results.GRAD_CAUSES) each backward finding code stands for.
+GRAD_CAUSES_OF = {
+    "grad_nan_masked_row": ("fully_masked",),
+    "grad_nan_input": ("grad_out_nan",),
+    "grad_nan_forward": ("input_nan", "inf_input", "qk_overflow", "forward_nan"),
+    "grad_overflow": ("dp_overflow", "ds_nan", "ds_overflow", "grad_overflow"),
 }
 
 

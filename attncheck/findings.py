@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from attncheck.format import num
+from attncheck.format import num, pct
 from attncheck.registry import METHODS, PATHS
 from attncheck.codes import CAUSES_OF, FIX, SEVERITIES, SEVERITY
 from attncheck.results import FLASH_RULE_FACTOR, UNEXPLAINED, Cell, Finding, TensorDiagnosis, flash_rule_bound
@@ -384,6 +384,14 @@ def counted_rows(total: int, causes: dict[str, int], ignore=()) -> int:
     return total - sum(n for cause, n in causes.items() if cause in skip)
 
 
+def counted_grad_rows(b, ignore=()) -> int:
+    """NaN/inf gradient rows of a cell's backward, less those whose first cause belongs to an ignored code."""
+    from attncheck.codes import GRAD_CAUSES_OF
+
+    skip = {cause for code in ignore for cause in GRAD_CAUSES_OF.get(code, ())}
+    return sum(n for _, g in b.grads() for cause, n in g.causes.items() if cause not in skip)
+
+
 def counted_verdict(c: Cell, ignore=()) -> str:
     """The cell's verdict once rows with an ignored cause are left out."""
     if not ignore:
@@ -417,6 +425,7 @@ def failed_conditions(diags: list[TensorDiagnosis], conditions: list[str], ignor
         for d in diags:
             if cond == "nan":
                 bad = [c.name for c in d.cells if counted_rows(c.nan_rows, c.nan_causes, ignore)]
+                bad += [f"{c.name} backward" for c in d.cells if c.backward is not None and counted_grad_rows(c.backward, ignore)]
             elif cond == "overflow":
                 bad = [c.name for c in d.cells if c.overflow_rows and not ({"exp_overflow", "sum_overflow"} & set(ignore))] + [f"cast to {h.dtype}" for h in d.census.headroom if (h.cast_posinf_values or h.cast_neginf_values) and "cast_overflow" not in ignore]
             elif cond == "zero":
@@ -431,3 +440,75 @@ def failed_conditions(diags: list[TensorDiagnosis], conditions: list[str], ignor
             if bad:
                 held.append(f"{cond}: {d.name}: {', '.join(dict.fromkeys(bad))}")
     return held
+
+
+# --------------------------------------------------------------------------- backward
+
+GRAD_UNDERFLOW_WARN_FRAC = 0.01  # a gradient losing this share of its non-zero entries to 0 is a warning
+
+
+def _grad_rows(b) -> str:
+    """'dq 3 row(s), dk 48, dv 48' for the gradients that hold NaN/inf rows."""
+    parts = [f"{name} {g.nan_rows}" for name, g in b.grads() if g.nan_rows]
+    return (parts[0] + " row(s)" + (", " + ", ".join(parts[1:]) if parts[1:] else "")) if parts else "none"
+
+
+def _with_cause(b, causes: tuple[str, ...]) -> int:
+    return sum(n for _, g in b.grads() for c, n in g.causes.items() if c in causes)
+
+
+def _power_of_two(x: float) -> str:
+    return f"2^{math.floor(math.log2(x))}" if x > 0 and math.isfinite(x) else "n/a"
+
+
+def backward_findings(cells: list[Cell]) -> list[Finding]:
+    """Findings of the backward of each cell that has one: NaN gradient rows by first cause, overflow
+    under the loss scale, flushed gradients, FlashAttention's 2x rule, and the model's recorded
+    gradients against the model's cell."""
+    from attncheck.codes import GRAD_CAUSES_OF
+
+    out: list[Finding] = []
+
+    def add(code: str, cell: Cell, message: str, rows: int = 0, examples=()) -> None:
+        out.append(Finding(code, SEVERITY[code], f"{cell.name} backward: {message}", FIX[code], [cell.name], rows, list(examples)))
+
+    for c in cells:
+        b = c.backward
+        if b is None:
+            continue
+        examples = next((g.examples for _, g in b.grads() if g.examples), [])
+        masked = _with_cause(b, GRAD_CAUSES_OF["grad_nan_masked_row"])
+        if masked:
+            how = ("the mask is added to the scores, so the NaN dS reaches dQ of the row and dK of every key" if "added" in b.how
+                   else "masked_fill zeroes dS at the filled keys, so dQ and dK stay finite, but dV = P^T dO takes the NaN row")
+            add("grad_nan_masked_row", c, f"query rows with every key masked by -inf have a NaN softmax, and the backward spreads it: NaN in {_grad_rows(b)} ({how})",
+                masked, examples)
+        if _with_cause(b, GRAD_CAUSES_OF["grad_nan_input"]):
+            add("grad_nan_input", c, f"the output gradient dO already holds NaN or inf in {b.dout_nan_rows} row(s): NaN in {_grad_rows(b)}",
+                b.dout_nan_rows, examples)
+        spread = _with_cause(b, GRAD_CAUSES_OF["grad_nan_forward"])
+        if spread:
+            which = sorted({cause for _, g in b.grads() for cause in g.causes if cause in GRAD_CAUSES_OF["grad_nan_forward"]})
+            add("grad_nan_forward", c, f"rows the forward pass already broke ({', '.join(which)}) make NaN gradients: {_grad_rows(b)}", spread, examples)
+        over = _with_cause(b, GRAD_CAUSES_OF["grad_overflow"])
+        if over or (b.scale_headroom is not None and b.scale_headroom < 1):
+            stage = b.headroom_at or "an intermediate"
+            factor = b.scale_headroom
+            safe = (f"; the backward stays finite for dO up to {num(factor)}x this one ({_power_of_two(factor)}): the largest safe loss scale is "
+                    f"{_power_of_two(factor)} times the one this dO carries") if factor else ""
+            add("grad_overflow", c, f"{stage} overflows ({_grad_rows(b)} hold NaN or inf){safe}", over, examples)
+        flushed = [(name, g.flushed_frac) for name, g in b.grads() if g.flushed_frac is not None and g.flushed_frac >= GRAD_UNDERFLOW_WARN_FRAC]
+        if flushed:
+            add("grad_underflow", c, "gradient entries that are non-zero in float64 are exactly 0 in " + c.dtype + ": "
+                + ", ".join(f"{name} {pct(f)}" for name, f in flushed))
+        broken = [(name, g) for name, g in b.grads() if g.rule_holds is False]
+        if broken:
+            add("grad_error", c, "max |g - g_float64| above 2x plain attention's in " + c.dtype + " (eager, softmax in the dtype): "
+                + ", ".join(f"{name} {num(g.max_abs_err)} > {num(g.rule_bound)}" for name, g in broken))
+        disagree = [(name, g) for name, g in b.grads() if g.real_agrees is False]
+        if disagree:
+            add("grad_emulation_mismatch", c, "the model's recorded gradients differ from this cell's beyond its rounding bound: "
+                + ", ".join(f"{name} max |real - cell| {num(g.real_max_diff)} ({num(g.real_bound_ratio)}x the bound"
+                            + (f", {g.real_nan_mismatch} entries finite in one and not the other" if g.real_nan_mismatch else "") + ")"
+                            for name, g in disagree))
+    return out

@@ -133,6 +133,73 @@ class CellLimit:
         return None if self.value is None else self.threshold - self.value
 
 
+# The causes of NaN/inf gradient rows, in backward order: what reaches a row first is its cause.
+GRAD_CAUSES = ("grad_out_nan", "input_nan", "inf_input", "qk_overflow", "fully_masked", "forward_nan", "dp_overflow", "ds_nan",
+               "ds_overflow", "grad_overflow")
+
+
+@dataclass
+class GradStats:
+    """One gradient (dq, dk or dv) of one cell against float64 autograd of the intended attention.
+    Rows are (batch, head, token) of the gradient: queries for dq, keys for dk and dv (kv heads)."""
+
+    rows: int
+    nan_rows: int  # rows holding NaN or inf
+    first_cause: str | None  # the most common first cause of those rows, in backward order (GRAD_CAUSES)
+    causes: dict[str, int]  # NaN/inf rows per first cause
+    compared: int  # entries where the cell and the reference are both finite
+    max_abs_err: float | None
+    rel_err: float | None  # ||g - g64|| / ||g64|| over the compared entries
+    max_abs_ref: float | None  # largest |g64|
+    flushed_frac: float | None  # entries non-zero in float64 that are exactly 0 in the cell
+    nan_rows_per_head: list[int] = field(default_factory=list)  # summed over the batch
+    examples: list[tuple[int, ...]] = field(default_factory=list)  # first NaN/inf rows (batch, head, token)
+    # FlashAttention's rule: max_abs_err <= 2 x that of plain attention in the same dtype (eager, softmax in the
+    # dtype, no upcast) + two ulps of the largest gradient; None where the cell is that baseline itself
+    baseline_err: float | None = None
+    rule_bound: float | None = None
+    # The gradients the model's kernel really produced (recorded by the capture) against this cell:
+    # largest |real - cell|, and its largest ratio to the rounding bound of the cell's path (> 1: they disagree)
+    real_max_diff: float | None = None
+    real_bound_ratio: float | None = None
+    real_nan_mismatch: int = 0  # entries finite in one and NaN/inf in the other
+
+    @property
+    def rule_holds(self) -> bool | None:
+        if self.rule_bound is None or self.max_abs_err is None:
+            return None
+        return self.max_abs_err <= self.rule_bound
+
+    @property
+    def real_agrees(self) -> bool | None:
+        if self.real_bound_ratio is None and not self.real_nan_mismatch:
+            return None
+        return not self.real_nan_mismatch and (self.real_bound_ratio is None or self.real_bound_ratio <= 1.0)
+
+
+@dataclass
+class CellBackward:
+    """The backward of one cell from q, k, v, the mask and the output gradient dO."""
+
+    dq: GradStats | None
+    dk: GradStats | None
+    dv: GradStats | None
+    dout_nan_rows: int  # rows of dO holding NaN or inf
+    # dO could be multiplied by at most this before an intermediate the path holds overflows its dtype
+    # (every backward quantity is linear in dO): the headroom of the loss scale; at: which one sets it
+    scale_headroom: float | None
+    headroom_at: str | None  # e.g. 'dP in fp16'
+    how: str = ""  # the rounding points that differ by call: 'mask added', 'masked_fill', 'softmax in fp32', 'sums per block in bf16'
+    real_compared: bool = False  # the model's recorded gradients were compared with this cell
+
+    def grads(self) -> list[tuple[str, GradStats]]:
+        return [(n, g) for n, g in (("dq", self.dq), ("dk", self.dk), ("dv", self.dv)) if g is not None]
+
+    @property
+    def nan_rows(self) -> int:
+        return sum(g.nan_rows for _, g in self.grads())
+
+
 @dataclass
 class Cell:
     """One method x dtype. Errors are over rows where the cell and the reference are both
@@ -200,6 +267,7 @@ class Cell:
     # explains (see numerics.cells.accumulate.real_flips); not in argmax_flips
     argmax_flips_near_tie: int = 0
     limit: CellLimit | None = None  # None: nothing in this cell fails from finite scores
+    backward: CellBackward | None = None  # dQ, dK, dV of this cell, where the output gradient dO is known
 
     @property
     def name(self) -> str:

@@ -34,8 +34,10 @@ CAPTURE_SCHEMA = "attncheck.capture/1"
 MANIFEST = "manifest.json"
 FORMAT_KEY = "format"  # safetensors metadata key holding CAPTURE_SCHEMA in every call file
 CALL_FILE = re.compile(r"^(\d{4,})-([A-Za-z0-9._-]*)\.safetensors$")
+GRADS_SUFFIX = ".grads.safetensors"  # a call's gradients, written when the backward reaches it: NNNN-<module>.grads.safetensors
 KINDS = ("sdpa", "softmax")
-ROLES = ("q", "k", "v", "attn_mask", "scores")
+GRAD_ROLES = ("grad_out", "grad_q", "grad_k", "grad_v")  # dO, and the gradients the call's kernel produced
+ROLES = ("q", "k", "v", "attn_mask", "scores", "out", *GRAD_ROLES)
 MASK_ROLES = ("attn_mask", "mask")  # boolean or float; the others are floating point
 
 # Leaf names of tensors read as a role of an attention call (case-insensitive).
@@ -45,6 +47,7 @@ ROLE_NAMES = {
     "v": ("v", "value", "values", "value_states", "xv"),
     "attn_mask": ("mask", "attn_mask", "attention_mask", "attn_bias"),
     "scores": ("scores", "attn_scores", "logits", "attn_logits"),
+    "grad_out": ("grad_out", "dout", "d_out", "grad_output", "grad_o"),
 }
 _ROLE_OF = {name: role for role, names in ROLE_NAMES.items() for name in names}
 _MAX_MODULE_CHARS = 120
@@ -59,6 +62,11 @@ def file_part(module: str) -> str:
 def call_file_name(index: int, module: str) -> str:
     """'0007-model.layers.1.self_attn.safetensors'."""
     return f"{index:04d}-{file_part(module)}.safetensors"
+
+
+def grads_file_name(index: int, module: str) -> str:
+    """'0007-model.layers.1.self_attn.grads.safetensors': the gradients of call 7."""
+    return call_file_name(index, module).removesuffix(".safetensors") + GRADS_SUFFIX
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,6 +158,7 @@ def is_call_file(path: str) -> bool:
 
 
 def _load_call_tensors(path: str, label: str) -> dict[str, torch.Tensor]:
+    """The call's tensors by role (others in the file are left out), each checked."""
     from safetensors.torch import load_file
 
     try:
@@ -243,13 +252,40 @@ def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None
             continue
         problem = _mismatch(label, manifest, entry, index, meta, entries)
         source = call_file_source(path, index, meta, entries)
-        out.append(CallSource(source.info, source.load, problem or source.problem))
+        load, grads_problem = source.load, None
+        grads = entry.get("grads")
+        if isinstance(grads, dict):
+            gname = grads.get("file")
+            if not isinstance(gname, str) or gname != grads_file_name(index, entry.get("module") or "") or os.path.basename(gname) != gname:
+                raise error(f"{manifest}: call entry {i} names the gradients file {gname!r}, not this call's")
+            listed[gname] = grads
+            load, grads_problem = _with_grads(source.load, os.path.join(given, gname), label)
+        out.append(CallSource(source.info, load, problem or source.problem or grads_problem))
     unlisted = sorted((p.name for p in Path(given).glob("*.safetensors") if p.name not in listed), key=natural_key)
     if unlisted:
         raise error(f"{manifest} does not match the files: {os.path.join(given, unlisted[0])} is not listed in it"
                     + (f" ({len(unlisted) - 1} more)" if len(unlisted) > 1 else ""))
     out.sort(key=lambda s: s.info.index)
     return out, doc
+
+
+def _with_grads(load: Callable[[], dict[str, torch.Tensor]], path: str, label: str) -> tuple[Callable[[], dict[str, torch.Tensor]], str | None]:
+    """A call's loader that adds the tensors of its gradients file (only the gradient roles)."""
+    if not os.path.isfile(path):
+        return load, f"{label}: its gradients file {path} is listed in the manifest but missing"
+    try:
+        meta, _ = read_call_header(path)
+    except AttncheckError as exc:
+        return load, f"{label}: its gradients file: {_strip_path(exc.message, path)}"
+    if meta.get("grads") != "true":
+        return load, f"{label}: {path} is not a gradients file (no 'grads' in its metadata)"
+
+    def both() -> dict[str, torch.Tensor]:
+        tensors = load()
+        tensors.update({role: t for role, t in _load_call_tensors(path, label + " gradients").items() if role in GRAD_ROLES})
+        return tensors
+
+    return both, None
 
 
 def _strip_path(message: str, path: str) -> str:
@@ -393,6 +429,6 @@ def check_manifest_message(doc: dict) -> str | None:
 
 
 __all__ = [
-    "CAPTURE_SCHEMA", "MANIFEST", "CallSource", "Input", "call_file_name", "file_part", "is_call_file",
+    "CAPTURE_SCHEMA", "MANIFEST", "CallSource", "Input", "call_file_name", "file_part", "grads_file_name", "is_call_file",
     "is_capture_dir", "open_capture", "open_inputs", "qk_groups", "read_manifest", "role_of",
 ]

@@ -35,7 +35,8 @@ class Capture:
     a ``RunResult`` with the model report), ``stopped`` (why recording stopped early, or None),
     ``error`` (the exception that left the block, as one line)."""
 
-    def __init__(self, path, *, diagnose: bool, max_calls, max_bytes, modules, forwards, options, ignore, notice, script, what_if=(), asked=None) -> None:
+    def __init__(self, path, *, diagnose: bool, max_calls, max_bytes, modules, forwards, options, ignore, notice, script, what_if=(), asked=None,
+                 grads: bool = True) -> None:
         if path is not None and diagnose:
             raise AttncheckError("diagnose=True diagnoses each call as it comes and writes nothing: give no path with it", param="diagnose")
         self.path = None if path is None else os.fspath(path)
@@ -47,6 +48,9 @@ class Capture:
         self.options, self.ignore, self.notice = options, ignore_codes(ignore or ()), notice
         self.what_if, self.asked = (params.what_if(what_if) if what_if else ()), asked
         self.script = script
+        if not isinstance(grads, bool):
+            raise AttncheckError(f"must be True or False, got {params.show(grads)}", param="grads")
+        self.grads = grads
         self.calls: list = []
         self.result = None
         self.stopped: str | None = None
@@ -67,7 +71,7 @@ class Capture:
         else:
             self._sink = MemorySink()
         self._recorder = Recorder(self._sink, modules=self.modules, forwards=self.forwards, max_calls=self.max_calls,
-                                  max_bytes=self.max_bytes, notice=self.notice)
+                                  max_bytes=self.max_bytes, notice=self.notice, grads=self.grads)
         self._recorder.__enter__()
         return self
 
@@ -82,7 +86,8 @@ class Capture:
             facts = {"complete": self.error is None and self.stopped is None, "stopped": self.stopped,
                      "calls_seen": rec.seen, "calls_recorded": rec.recorded, "max_calls": self.max_calls,
                      "max_bytes": self.max_bytes, "modules": list(self.modules),
-                     "forwards": None if self.forwards is None else sorted(self.forwards), "error": self.error}
+                     "forwards": None if self.forwards is None else sorted(self.forwards), "error": self.error,
+                     "grads": self.grads, "grad_calls": rec.grad_calls}
             if self.script is not None:
                 facts["script"] = {**self.script, "error": self.error}
             sink.close(facts)
@@ -149,6 +154,7 @@ def capture(
     script: dict | None = None,
     what_if=(),
     asked=None,
+    grads: bool = True,
 ) -> Capture:
     """Record every attention call made inside the ``with`` block.
 
@@ -164,9 +170,12 @@ def capture(
     ``options`` (diagnose=True): how cells compute; each call computes the cell the model ran, and as
     what-ifs the dtypes ``what_if`` names ('fp16', ['bf16', 'fp8'] or 'all': every implementation too)
     and every cell of ``asked`` (an ``Options`` grid), reported apart from the model's own.
+    ``grads``: when a recorded call's output takes part in a backward inside the block, record its
+    output gradient and the gradients its kernel produced for q, k, v (they count for ``max_bytes``);
+    each call's cells then get their backward (``Cell.backward``). False records the forward only.
     """
     return Capture(path, diagnose=diagnose, max_calls=max_calls, max_bytes=max_bytes, modules=modules, forwards=forwards,
-                   options=options, ignore=ignore, notice=notice, script=script, what_if=what_if, asked=asked)
+                   options=options, ignore=ignore, notice=notice, script=script, what_if=what_if, asked=asked, grads=grads)
 
 
 __all__ = ["Capture", "capture", "parse_forwards", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_CALLS"]

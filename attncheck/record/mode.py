@@ -26,6 +26,14 @@ it off by itself): results are bit-identical to the same model run with
 
 The wrapped functions are called with exactly the arguments they were given and their results
 returned unchanged; recording reads tensors and never writes to them.
+
+Gradients (``grads=True``): when a recorded call's output requires grad, autograd hooks that only
+read record, once the backward reaches the call, its output gradient dO (``grad_out``) and the
+gradients its kernel produced for q, k and v (``grad_q``, ``grad_k``, ``grad_v``): for a fused SDPA
+kernel from the kernel's own autograd node, otherwise from the tensors the call was given (the
+eager path: the operands of its Q@K^T and P@V matmuls). An SDPA call also keeps its output O
+(``out``), which the flash backward reads. A backward that runs after the ``with`` block is not
+recorded (the hooks are removed on exit).
 """
 
 from __future__ import annotations
@@ -53,6 +61,9 @@ SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "sc
 MATMULS = {"matmul", "__matmul__", "bmm", "baddbmm"}
 MULS = {"mul", "__mul__", "__rmul__", "mul_", "__imul__", "multiply"}
 DIVS = {"div", "__truediv__", "div_", "__itruediv__", "true_divide", "divide"}
+FILLS = {"masked_fill", "masked_fill_", "where"}  # how a mask can be applied: filled (dS zeroed there) ...
+ADDS = {"add", "__add__", "__radd__", "add_", "__iadd__", "baddbmm"}  # ... or added (dS passes through)
+GRAD_ROLES = ("grad_q", "grad_k", "grad_v")
 # Same-shape operations that keep a tensor "the scores" (or "the probabilities") for tracing.
 PASSES = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "sub_", "__isub__", "masked_fill",
           "masked_fill_", "where", "to", "type", "float", "half", "bfloat16", "contiguous", "clone", "dropout", "type_as"}
@@ -69,6 +80,7 @@ class Recorded:
     forward: int | None
     tensors: dict[str, torch.Tensor]
     meta: dict[str, str] = field(default_factory=dict)
+    expects_grads: bool = False  # hooks will hand its gradients over when the backward reaches it
 
     @property
     def nbytes(self) -> int:
@@ -164,6 +176,33 @@ class _Pending:
     call: Recorded
     depth: int
     probs: dict[int, weakref.ref]  # id -> the softmax output and tensors derived from it (not kept alive)
+    qk: tuple | None = None  # the live operands (q, k^T) of its Q@K^T, to hook their gradients
+    grads: dict | None = None  # role -> the live tensor whose gradient is that role, once v is found
+
+
+class _GradWatch:
+    """Collects the gradients of one recorded call as the backward reaches them, and hands them
+    over once all expected have come (the first backward through the call only)."""
+
+    def __init__(self, recorder: "Recorder", call: Recorded, expected: set[str]) -> None:
+        self.recorder, self.call, self.expected = recorder, call, set(expected)
+        self.got: dict[str, torch.Tensor] = {}
+        self.handles: list = []
+        self.done = False
+
+    def put(self, role: str, grad) -> None:
+        if self.done or role in self.got or role not in self.expected or not isinstance(grad, torch.Tensor):
+            return
+        self.got[role] = grad.detach()
+        if set(self.got) >= self.expected:
+            self.done = True
+            self.remove()
+            self.recorder._deliver_grads(self)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 class Recorder(TorchFunctionMode):
@@ -176,9 +215,12 @@ class Recorder(TorchFunctionMode):
     """
 
     def __init__(self, sink: Callable[[Recorded], None], *, modules=(), forwards=None, max_calls: int | None = None,
-                 max_bytes: int | None = None, notice: Callable[[str], None] | None = None) -> None:
+                 max_bytes: int | None = None, notice: Callable[[str], None] | None = None, grads: bool = True) -> None:
         super().__init__()
         self.sink = sink
+        self.grads = grads
+        self._watches: list[_GradWatch] = []
+        self.grad_calls = 0  # calls whose gradients were recorded
         self.modules = tuple(modules)
         self.forwards = None if forwards is None else set(forwards)
         self.max_calls, self.max_bytes = max_calls, max_bytes
@@ -192,7 +234,7 @@ class Recorder(TorchFunctionMode):
         # model until its softmax anyway. What derives from its result is followed by weak
         # reference, so that recording keeps no tensor alive the model has let go.
         self._qk: dict | None = None
-        self._scores: dict[int, tuple[weakref.ref, float | None]] = {}  # id -> (tensor, scale so far)
+        self._scores: dict[int, tuple[weakref.ref, float | None, frozenset]] = {}  # id -> (tensor, scale so far, mask ops seen)
         self._pending: _Pending | None = None
         self._fastpath: bool | None = None
         self._patched = False
@@ -213,12 +255,17 @@ class Recorder(TorchFunctionMode):
             self.tracker.__exit__(*exc)
             torch.backends.mha.set_fastpath_enabled(bool(self._fastpath))
             self.flush()
+            for w in self._watches:  # a backward after the block is not recorded
+                w.remove()
+            self._watches = []
 
     def flush(self) -> None:
         """Hand over a softmax call still waiting for its v."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            self._emit(pending.call)
+            pending.call.expects_grads = bool(pending.grads)
+            if self._emit(pending.call) and pending.grads:
+                self._watch(pending.call, pending.grads["grad_out"], None, {r: t for r, t in pending.grads.items() if r != "grad_out"})
 
     # ------------------------------------------------------------------ dispatch
 
@@ -247,24 +294,72 @@ class Recorder(TorchFunctionMode):
         name = module if module is not None else "global"
         return not self.modules or any(fnmatch.fnmatchcase(name, g) for g in self.modules)
 
-    def _emit(self, call: Recorded) -> None:
+    def _emit(self, call: Recorded) -> bool:
+        """Hand a call to the sink within the bounds; whether it was recorded."""
         if self.stopped is not None:
-            return
+            return False
         size = call.nbytes
         if self.max_calls is not None and self.recorded >= self.max_calls:
             self._stop(f"max_calls {self.max_calls} reached at call {call.index} ({call.kind} in {call.module or 'global'})")
-            return
+            return False
         if self.max_bytes is not None and self.bytes + size > self.max_bytes:
             self._stop(f"max_bytes {self.max_bytes} would be passed by call {call.index} ({call.kind} in {call.module or 'global'}, "
                        f"{size} bytes; {self.bytes} recorded)")
-            return
+            return False
         try:
             self.sink(call)
         except AttncheckError as e:  # e.g. the disk is full: the model runs on, recording stops
             self._stop(e.render())
-            return
+            return False
         self.recorded += 1
         self.bytes += size
+        return True
+
+    # ------------------------------------------------------------------ gradients
+
+    def _tracks_grads(self, out) -> bool:
+        return self.grads and isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled()
+
+    def _watch(self, call: Recorded, out: torch.Tensor, node, inputs: dict[str, torch.Tensor]) -> None:
+        """Hooks for a recorded call's gradients: dO from its output; dq, dk, dv from the kernel's own
+        autograd ``node`` (its first three gradient inputs) where given, else from each input tensor
+        that requires grad."""
+        wanted = {role: t for role, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad}
+        watch = _GradWatch(self, call, {"grad_out", *wanted})
+        watch.handles.append(out.register_hook(lambda g: watch.put("grad_out", g)))
+        if node is not None:
+            def from_node(grad_inputs, grad_outputs):
+                for role, g in zip(GRAD_ROLES, grad_inputs):
+                    watch.put(role, g)
+            watch.handles.append(node.register_hook(from_node))
+        else:
+            for role, t in wanted.items():
+                flip = role == "grad_k" and call.kind == "softmax"  # the hooked operand is k^T
+                watch.handles.append(t.register_hook(lambda g, role=role, flip=flip: watch.put(role, g.transpose(-1, -2) if flip else g)))
+        self._watches.append(watch)
+
+    def _deliver_grads(self, watch: _GradWatch) -> None:
+        """A call's gradients are all in (called from the backward): hand them to the sink within max_bytes."""
+        if watch in self._watches:
+            self._watches.remove(watch)
+        if self.stopped is not None:
+            return
+        size = sum(t.numel() * t.element_size() for t in watch.got.values())
+        call = watch.call
+        if self.max_bytes is not None and self.bytes + size > self.max_bytes:
+            self._stop(f"max_bytes {self.max_bytes} would be passed by the gradients of call {call.index} ({call.kind} in "
+                       f"{call.module or 'global'}, {size} bytes; {self.bytes} recorded)")
+            return
+        grads = getattr(self.sink, "grads", None)
+        if grads is None:
+            return
+        try:
+            grads(call, dict(watch.got))
+        except AttncheckError as e:
+            self._stop(e.render())
+            return
+        self.bytes += size
+        self.grad_calls += 1
 
     def _stop(self, why: str) -> None:
         self.stopped = why
@@ -322,7 +417,14 @@ class Recorder(TorchFunctionMode):
                                          scale, bool(bound.get("enable_gqa"))),
         }
         meta.update(self._mha_meta)
-        self._emit(self._new_call("sdpa", module, tensors, meta))
+        track = self._tracks_grads(out)
+        if track:
+            tensors["out"] = out.detach()  # the flash backward reads O
+        call = self._new_call("sdpa", module, tensors, meta)
+        call.expects_grads = track
+        if self._emit(call) and track:
+            node = out.grad_fn if "ScaledDotProduct" in type(out.grad_fn).__name__ else None  # a fused kernel's own node
+            self._watch(call, out, node, {"grad_q": q, "grad_k": k, "grad_v": v})
         return out
 
     # ------------------------------------------------------------------ softmax
@@ -343,22 +445,29 @@ class Recorder(TorchFunctionMode):
             return out
         self.flush()
         tensors = {"scores": x.detach()}
+        autocast = torch.is_autocast_enabled(x.device.type) if hasattr(torch, "get_autocast_dtype") else False
         meta = {"dtype": _dtype_name(x.dtype), "softmax_dtype": _dtype_name(dtype if isinstance(dtype, torch.dtype) else None),
-                "has_qk": "false", "scale_source": "unknown"}
+                "has_qk": "false", "scale_source": "unknown",
+                "autocast_dtype": _dtype_name(torch.get_autocast_dtype(x.device.type)) if autocast else "none"}
         traced = self._scores.get(id(x))
         traced = traced if traced is not None and traced[0]() is x else None
         qk = self._qk
+        live = None
         if qk is not None and qk["path"] == module and (traced is not None or qk["shape"] == tuple(x.shape)):
             a, b = qk["a"], qk["b"]
             if a.shape[-1] == b.shape[-2]:
                 tensors["q"], tensors["k"] = a.detach(), b.detach().transpose(-1, -2)
                 meta["has_qk"] = "true"
+                live = (a, b)
                 if traced is not None and traced[1] is not None:
                     meta["scale"], meta["scale_source"] = repr(traced[1]), "traced"
+        if traced is not None:  # how a mask entered the scores: added (dS passes it) or filled (dS zeroed there)
+            ops = traced[2]
+            meta["mask_op"] = "add" if ops & ADDS else "fill" if ops & FILLS else "none"
         meta.update(self._mha_meta)
         call = self._new_call("softmax", module, tensors, meta)
         self._qk, self._scores = None, {}
-        self._pending = _Pending(call, len(self.tracker.stack), {id(out): weakref.ref(out)})
+        self._pending = _Pending(call, len(self.tracker.stack), {id(out): weakref.ref(out)}, qk=live)
         return out
 
     # ------------------------------------------------------------------ tracing q, k, v around a softmax
@@ -373,11 +482,14 @@ class Recorder(TorchFunctionMode):
                 pending.call.tensors["v"] = b.detach()
                 pending.call.meta["shapes"] = json.dumps({role: list(t.shape) for role, t in pending.call.tensors.items()})
                 pending.call.meta["dtypes"] = json.dumps({role: _dtype_name(t.dtype) for role, t in pending.call.tensors.items()})
+                if self._tracks_grads(out):
+                    q_live, kt_live = pending.qk if pending.qk is not None else (None, None)
+                    pending.grads = {"grad_out": out, "grad_q": q_live, "grad_k": kt_live, "grad_v": b}
                 self.flush()
                 return
             if isinstance(out, torch.Tensor):
                 self._qk = {"a": a, "b": b, "shape": tuple(out.shape), "path": self.tracker.path}
-                self._scores = {id(out): (weakref.ref(out), 1.0)}
+                self._scores = {id(out): (weakref.ref(out), 1.0, frozenset({"baddbmm"} if name == "baddbmm" else ()))}
             return
         if not isinstance(out, torch.Tensor):
             return
@@ -391,7 +503,7 @@ class Recorder(TorchFunctionMode):
         source = next((t for t in args if isinstance(t, torch.Tensor) and id(t) in self._scores and self._scores[id(t)][0]() is t), None)
         if source is None or out.shape != source.shape:
             return
-        scale = self._scores[id(source)][1]
+        _, scale, ops = self._scores[id(source)]
         if name in MULS or name in DIVS:
             other = next((x for x in args if x is not source), kwargs.get("other"))
             factor = _number(other)
@@ -402,7 +514,9 @@ class Recorder(TorchFunctionMode):
                 scale = scale if math.isfinite(scale) else None
         elif name not in PASSES:
             return
-        self._scores[id(out)] = (weakref.ref(out), scale)
+        if name in FILLS or (name in ADDS and sum(isinstance(t, torch.Tensor) for t in args) > 1):
+            ops = ops | {name}  # a tensor added (a mask or a bias) or a fill
+        self._scores[id(out)] = (weakref.ref(out), scale, ops)
 
     # ------------------------------------------------------------------ nn.MultiheadAttention
 

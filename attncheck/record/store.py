@@ -22,7 +22,7 @@ import torch
 
 from attncheck import __version__
 from attncheck.errors import AttncheckError
-from attncheck.loaders.calls import CALL_FILE, CAPTURE_SCHEMA, MANIFEST, call_file_name, info_from_meta
+from attncheck.loaders.calls import CALL_FILE, CAPTURE_SCHEMA, MANIFEST, call_file_name, grads_file_name, info_from_meta
 from attncheck.record.mode import Recorded
 from attncheck.results import CallReport
 
@@ -156,6 +156,27 @@ class DirectorySink:
         })
         self._queue.put((self.dir / name, tensors, dict(call.meta)))
 
+    def grads(self, call: Recorded, tensors: dict[str, torch.Tensor]) -> None:
+        """A call's gradients, as the backward reached it: written to ``NNNN-<module>.grads.safetensors``
+        beside the call's file, and listed in its manifest entry."""
+        if self._error is not None:
+            raise self._error
+        entry = next((e for e in self.entries if e["index"] == call.index), None)
+        if entry is None:
+            return
+        name = grads_file_name(call.index, call.module)
+        self._slots.acquire()
+        if self._error is not None:
+            self._slots.release()
+            raise self._error
+        staged = {role: self._stage(t) for role, t in tensors.items()}
+        size = sum(t.numel() * t.element_size() for t in staged.values())
+        entry["grads"] = {"file": name, "bytes": size,
+                          "tensors": {role: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for role, t in staged.items()}}
+        self.bytes += size
+        meta = {"format": CAPTURE_SCHEMA, "call": str(call.index), "module": call.module, "grads": "true"}
+        self._queue.put((self.dir / name, staged, meta))
+
     def _write_calls(self) -> None:
         while True:
             item = self._queue.get()
@@ -199,7 +220,10 @@ class DirectorySink:
         self._queue.put(None)
         self._thread.join()
         self.entries = [e for e in self.entries if e["file"] not in self._failed]
-        self.bytes = sum(e["bytes"] for e in self.entries)
+        for e in self.entries:
+            if "grads" in e and e["grads"]["file"] in self._failed:
+                del e["grads"]
+        self.bytes = sum(e["bytes"] + e.get("grads", {}).get("bytes", 0) for e in self.entries)
         if self._error is not None:
             facts = {**facts, "complete": False, "stopped": facts.get("stopped") or self._error.message}
         doc = {"schema": CAPTURE_SCHEMA, "attncheck_version": __version__, "torch_version": torch.__version__,
@@ -218,6 +242,11 @@ class MemorySink:
     def __call__(self, call: Recorded) -> None:
         self.calls.append(Recorded(call.index, call.kind, call.module, call.forward, cpu_tensors(call.tensors, copy=True), dict(call.meta)))
 
+    def grads(self, call: Recorded, tensors: dict[str, torch.Tensor]) -> None:
+        kept = next((c for c in self.calls if c.index == call.index), None)
+        if kept is not None:
+            kept.tensors.update(cpu_tensors(tensors, copy=True))
+
     def close(self, facts: dict) -> None:
         pass
 
@@ -234,8 +263,24 @@ class DiagnoseSink:
         self.ignore, self.notice = tuple(ignore), notice
         self.what_if, self.asked = tuple(what_if), asked
         self.reports = []
+        self._waiting: dict[int, Recorded] = {}  # calls whose gradients are still to come
+        self._order: list[int] = []
 
     def __call__(self, call: Recorded) -> None:
+        if call.expects_grads:  # its gradients come with the backward: diagnosed then, or when the capture ends
+            self._waiting[call.index] = Recorded(call.index, call.kind, call.module, call.forward, cpu_tensors(call.tensors, copy=True), dict(call.meta))
+            self._order.append(call.index)
+            return
+        self._order.append(call.index)
+        self._diagnose(call)
+
+    def grads(self, call: Recorded, tensors: dict[str, torch.Tensor]) -> None:
+        kept = self._waiting.pop(call.index, None)
+        if kept is not None:
+            kept.tensors.update(cpu_tensors(tensors, copy=True))
+            self._diagnose(kept)
+
+    def _diagnose(self, call: Recorded) -> None:
         from attncheck.findings import apply_ignore
         from attncheck.numerics.cells.calls import diagnose_call
 
@@ -254,4 +299,8 @@ class DiagnoseSink:
         self.reports.append(report)
 
     def close(self, facts: dict) -> None:
-        pass
+        """Diagnose the calls whose backward never came (or came after the capture), then keep the reports in call order."""
+        for index in list(self._waiting):
+            self._diagnose(self._waiting.pop(index))
+        order = {index: i for i, index in enumerate(self._order)}
+        self.reports.sort(key=lambda r: order.get(r.call.index, len(order)))

@@ -32,6 +32,7 @@ from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, d
 from attncheck.results import CallInfo, CellLimit, CallReport, HeadStat, TensorDiagnosis
 
 QK_KINDS = ("sdpa", "qk")
+GRAD_ROLES = ("grad_out", "grad_q", "grad_k", "grad_v")  # a call's output gradient and the gradients its kernel produced
 
 
 def _scale(info: CallInfo) -> params.Scale:
@@ -55,7 +56,7 @@ def _in_call(info: CallInfo, run: Callable):
 
 
 def _normalised(info: CallInfo, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """nn.MultiheadAttention's (B * H, T, ...) scores, q and k -> (B, H, T, ...)."""
+    """nn.MultiheadAttention's (B * H, T, ...) scores, q, k, v (and their gradients, the output) -> (B, H, T, ...)."""
     out = dict(tensors)
     scores, q, k = out.get("scores"), out.get("q"), out.get("k")
     num_heads = info.meta.get("num_heads", "")
@@ -63,7 +64,10 @@ def _normalised(info: CallInfo, tensors: dict[str, torch.Tensor]) -> dict[str, t
         h = int(num_heads)
         out["scores"] = scores.reshape(scores.shape[0] // h, h, *scores.shape[1:])
         if q is not None and k is not None and q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == scores.shape[0]:
-            out["q"], out["k"] = q.reshape(-1, h, *q.shape[1:]), k.reshape(-1, h, *k.shape[1:])
+            for role in ("q", "k", "v", *GRAD_ROLES, "out"):
+                t = out.get(role)
+                if t is not None and t.dim() == 3 and t.shape[0] == scores.shape[0]:
+                    out[role] = t.reshape(-1, h, *t.shape[1:])
     return out
 
 
@@ -111,6 +115,8 @@ def diagnose_call(
     what = None
     if known and (what_if or asked is not None):
         what = _in_call(info, lambda: _what_if(info, tensors, inputs, options, what_if, asked, notice))
+    if "grad_out" in tensors:
+        _in_call(info, lambda: _backward(info, tensors, inputs, diag, what, options, model if known else None))
     used = _cell_of(diag, model)
     if known and kind == "softmax" and used is not None:
         used.limit = _scores_limit(info, diag)
@@ -121,6 +127,55 @@ def diagnose_call(
         order = {s: i for i, s in enumerate(SEVERITIES)}
         diag.findings = sorted(diag.findings + extra, key=lambda f: order[f.severity])
     return report
+
+
+def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: TensorDiagnosis | None, options: Options, model: CellKey | None) -> None:
+    """The backward of the call's cells from its output gradient: the model's own cell (compared with
+    the gradients its kernel produced, where recorded), and each what-if or asked cell of a path
+    that has a backward (eager with torch.softmax, sdpa-math, flash). Fills ``Cell.backward`` and
+    adds the backward findings to the diagnosis that holds the cell."""
+    from attncheck.findings import backward_findings
+    from attncheck.numerics.backward.diagnose import BACKWARD_PATHS, BackwardCell, GradInputs, diagnose_backward
+
+    if info.kind == "softmax":
+        bw_inputs = None if inputs is None else _softmax_what_if_inputs(info, tensors, inputs, options)
+    else:
+        bw_inputs = inputs
+    if bw_inputs is None or bw_inputs.v is None:
+        return
+    mask_op = info.meta.get("mask_op") if info.kind == "softmax" else None
+    mask_op = mask_op if mask_op in ("add", "fill") else "add"  # SDPA ported to eager attention, as transformers writes it, adds its mask
+    wanted: dict = {}  # BackwardCell -> the forward cell it belongs to
+    if model is not None:
+        used = _cell_of(diag, model)
+        if used is not None:
+            if info.kind == "softmax":
+                # the matmuls ran in autocast's dtype where it was on, else in v's; the softmax on the scores as recorded
+                autocast = cell_dtype_name(info.meta.get("autocast_dtype"))
+                matmuls = autocast or cell_dtype_name(dtype_label(tensors["v"].dtype)) or info.dtype
+                key = BackwardCell("eager", matmuls, mask_op, info.softmax_dtype, info.dtype if info.dtype != matmuls else None, model=True)
+            else:
+                key = BackwardCell(model.path, model.dtype, model=True)
+            wanted[key] = used
+    asked = [] if model is not None else list(diag.cells)
+    asked += [] if what is None else list(what.cells)
+    for c in asked:
+        if c.path in BACKWARD_PATHS and (c.path != "eager" or c.method == "torch") and c.dtype in ("fp16", "bf16", "fp32"):
+            wanted[BackwardCell(c.path, c.dtype, mask_op if c.path == "eager" else "add")] = c
+    if not wanted:
+        return
+    real = {name: tensors[role] for name, role in (("dq", "grad_q"), ("dk", "grad_k"), ("dv", "grad_v")) if role in tensors}
+    grads = GradInputs(tensors["grad_out"], scores=tensors.get("scores") if info.kind == "softmax" else None, out=tensors.get("out"),
+                       real=real, device_type=info.meta.get("device", "cpu").split(":")[0])
+    results = diagnose_backward(bw_inputs, grads, list(wanted), options.chunk_elements)
+    for key, result in results.items():
+        wanted[key].backward = result
+    order = {s: i for i, s in enumerate(SEVERITIES)}
+    for d in (diag, what):
+        if d is not None:
+            found = backward_findings(d.cells)
+            if found:
+                d.findings = sorted(d.findings + found, key=lambda f: order[f.severity])
 
 
 def _model_inputs(info: CallInfo, tensors: dict[str, torch.Tensor]):

@@ -253,6 +253,17 @@ def _summed_planes(mask: torch.Tensor) -> tuple[int, float | None]:
     return (neginf, float(mask[deep].max())) if neginf else (0, None)
 
 
+def mask_planes(mask_float: torch.Tensor | None, masked: torch.Tensor | None, dt: torch.dtype, value: str):
+    """The mask as the model holds it in ``dt``: (the float mask cast to dt, the boolean mask's
+    plane of ``value`` (``sentinel_in``) in dt, their sum: the additive mask), each None when absent."""
+    mf = None if mask_float is None else cast(mask_float, dt)
+    plane = None
+    if masked is not None:
+        plane = torch.zeros(masked.shape, dtype=dt, device=masked.device).masked_fill(masked, sentinel_in(dt, value))
+    mask_dt = plane if mf is None else (mf if plane is None else mf + plane)
+    return mf, plane, mask_dt
+
+
 def _broadcast_mask(mask: torch.Tensor, full: tuple[int, ...], lead: tuple[int, ...]) -> torch.Tensor:
     b, h, tq, tk = full
     m = mask
@@ -412,14 +423,7 @@ class QKBlock:
         return flat, [("qk_overflow", qk_rows), ("mask_sentinel", mask_rows)], []
 
     def _mask_planes(self, dt: torch.dtype, value: str | None = None):
-        """The mask as the model holds it in ``dt``: (the float mask cast to dt, the boolean
-        mask's sentinel plane in dt, their sum: the additive mask), each None when absent."""
-        mf = None if self.mask_float is None else cast(self.mask_float, dt)
-        plane = None
-        if self.masked is not None:
-            plane = torch.zeros(self.masked.shape, dtype=dt, device=self.masked.device).masked_fill(self.masked, sentinel_in(dt, value or self.inp.mask_value))
-        mask_dt = plane if mf is None else (mf if plane is None else mf + plane)
-        return mf, plane, mask_dt
+        return mask_planes(self.mask_float, self.masked, dt, value or self.inp.mask_value)
 
     def fp32_scores(self, dt: torch.dtype, path: str):
         """The scores a fused kernel computes from Q and K in ``dt``, in float32, and the causes

@@ -1,0 +1,354 @@
+"""One call's backward, per cell: dQ, dK, dV of each path against float64, their NaN rows and first
+causes, the loss-scale headroom, FlashAttention's 2x rule, and the model's recorded gradients.
+
+The heads are taken in blocks of whole GQA groups (a block's float64 work stays within the chunk
+budget); per block the float64 reference is computed once for every cell. No printing, no paths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from attncheck.numerics.backward import paths as bw
+from attncheck.numerics.inputs.scores import AttentionInputs
+from attncheck.numerics.precision import cast, dtype_from_name, rounding_limit
+from attncheck.results import GRAD_CAUSES, CellBackward, GradStats
+
+BACKWARD_PATHS = ("eager", "sdpa-math", "flash")  # paths with a backward (the FP8 kernels have none)
+MAX_EXAMPLES = 5
+
+
+@dataclass(frozen=True)
+class BackwardCell:
+    """A cell whose backward is asked: a path and dtype, and for eager how the model applied its
+    mask and in which dtype its softmax ran."""
+
+    path: str  # eager, sdpa-math or flash
+    dtype: str
+    mask_op: str = "add"  # eager: 'add' or 'fill'
+    softmax_dtype: str | None = None  # eager: torch.softmax(..., dtype=)
+    scores_dtype: str | None = None  # eager: the dtype the scores reach the softmax in, where not ``dtype`` (autocast)
+    model: bool = False  # the model's own cell: compared with the recorded gradients
+
+
+@dataclass
+class GradInputs:
+    """What the backward reads beyond the forward's inputs, shaped like them: the output gradient
+    dO (lead..., Hq, Tq, dv), and for a captured call the scores its softmax saw, the output its
+    kernel gave and the gradients it produced (dq like q, dk and dv like k and v)."""
+
+    dout: torch.Tensor
+    scores: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    real: dict[str, torch.Tensor] = field(default_factory=dict)  # 'dq', 'dk', 'dv'
+    device_type: str = "cpu"  # where the model ran: the flash backward's sums per block in the dtype on the CPU, fp32 on CUDA
+
+
+def _as_heads(t: torch.Tensor, heads: int, tokens: int) -> torch.Tensor:
+    """(lead..., H, T, x) -> (B*H, T, x), the way the inputs were normalised."""
+    return t.reshape(-1, heads, tokens, t.shape[-1]).reshape(-1, tokens, t.shape[-1])
+
+
+def _slice_heads(t: torch.Tensor | None, h0: int, h1: int, heads: int) -> torch.Tensor | None:
+    """Query heads [h0, h1) of the flattened (batch x heads) axis of a (B?, H?, Tq, Tk) tensor
+    that may broadcast over batch or heads, without materialising the broadcast."""
+    if t is None:
+        return None
+    idx = torch.arange(h0, h1)
+    b = idx // heads if t.shape[0] > 1 else torch.zeros_like(idx)
+    h = idx % heads if t.shape[1] > 1 else torch.zeros_like(idx)
+    return t[b, h]
+
+
+class _GradAcc:
+    """Accumulates one gradient of one cell over the head blocks."""
+
+    def __init__(self, heads: int) -> None:
+        self.rows = 0
+        self.nan_rows = 0
+        self.causes = torch.zeros(len(GRAD_CAUSES), dtype=torch.int64)
+        self.per_head = torch.zeros(heads, dtype=torch.int64)
+        self.examples: list[tuple[int, ...]] = []
+        self.compared = 0
+        self.max_err = 0.0
+        self.sq_err = 0.0
+        self.sq_ref = 0.0
+        self.max_ref = 0.0
+        self.nonzero = 0
+        self.flushed = 0
+        self.real_diff: float | None = None
+        self.real_ratio: float | None = None
+        self.real_mismatch = 0
+
+    def update(self, g: torch.Tensor, ref: torch.Tensor, cause: torch.Tensor, head0: int, heads: int) -> None:
+        """g, ref (n, T, x) for heads head0.. of the flattened (batch x heads) axis; cause (n, T)
+        the index in GRAD_CAUSES of each row's first cause."""
+        self.rows += g.shape[0] * g.shape[1]
+        bad = ~torch.isfinite(g).all(dim=-1)  # (n, T)
+        n_bad = int(bad.sum())
+        if n_bad:
+            self.nan_rows += n_bad
+            self.causes += torch.bincount(cause[bad], minlength=len(GRAD_CAUSES))
+            per = bad.sum(dim=-1)  # (n,)
+            hs = (torch.arange(head0, head0 + g.shape[0]) % heads)
+            self.per_head.index_add_(0, hs, per)
+            if len(self.examples) < MAX_EXAMPLES:
+                for i, t in bad.nonzero()[: MAX_EXAMPLES - len(self.examples)].tolist():
+                    flat = head0 + i
+                    self.examples.append((flat // heads, flat % heads, t))
+        g64, r = g.to(torch.float64), ref
+        both = torch.isfinite(g64) & torch.isfinite(r)
+        err = torch.where(both, (g64 - r).abs(), 0.0)
+        rr = torch.where(both, r, 0.0)
+        self.compared += int(both.sum())
+        if err.numel():
+            self.max_err = max(self.max_err, float(err.max()))
+            self.max_ref = max(self.max_ref, float(rr.abs().max()))
+        self.sq_err += float((err * err).sum())
+        self.sq_ref += float((rr * rr).sum())
+        nz = both & (r != 0)
+        self.nonzero += int(nz.sum())
+        self.flushed += int((nz & (g64 == 0)).sum())
+
+    def compare_real(self, real: torch.Tensor, g: torch.Tensor, tol: torch.Tensor) -> None:
+        """The model's recorded gradient against this cell's, elementwise within ``tol``."""
+        a, b = real.to(torch.float64), g.to(torch.float64)
+        fa, fb = torch.isfinite(a), torch.isfinite(b)
+        self.real_mismatch += int((fa != fb).sum())
+        both = fa & fb
+        diff = torch.where(both, (a - b).abs(), 0.0)
+        ratio = torch.where(both, diff / tol, 0.0)
+        if diff.numel():
+            self.real_diff = max(self.real_diff or 0.0, float(diff.max()))
+            self.real_ratio = max(self.real_ratio or 0.0, float(ratio.max()))
+        elif self.real_diff is None:
+            self.real_diff, self.real_ratio = 0.0, 0.0
+
+    def result(self, baseline: float | None, atol_unit: float) -> GradStats:
+        causes = {GRAD_CAUSES[i]: int(n) for i, n in enumerate(self.causes.tolist()) if n}
+        first = max(causes, key=lambda c: (causes[c], -GRAD_CAUSES.index(c))) if causes else None
+        compared = self.compared > 0
+        bound = None if baseline is None else 2.0 * baseline + 4.0 * atol_unit * self.max_ref  # two ulps of the largest gradient
+        return GradStats(
+            rows=self.rows, nan_rows=self.nan_rows, first_cause=first, causes=causes, compared=self.compared,
+            max_abs_err=self.max_err if compared else None,
+            rel_err=(math.sqrt(self.sq_err / self.sq_ref) if self.sq_ref > 0 else (0.0 if self.sq_err == 0 else math.inf)) if compared else None,
+            max_abs_ref=self.max_ref if compared else None,
+            flushed_frac=self.flushed / self.nonzero if self.nonzero else None,
+            nan_rows_per_head=self.per_head.tolist(), examples=list(self.examples),
+            baseline_err=baseline, rule_bound=bound,
+            real_max_diff=self.real_diff, real_bound_ratio=self.real_ratio, real_nan_mismatch=self.real_mismatch,
+        )
+
+
+def _is_baseline(cell: BackwardCell) -> bool:
+    """Plain attention in the cell's own dtype (eager, softmax in the dtype): the 2x rule's yardstick."""
+    return cell.path == "eager" and cell.softmax_dtype in (None, cell.dtype) and cell.scores_dtype in (None, cell.dtype)
+
+
+def _unit_roundoff(dt: torch.dtype) -> float:
+    return torch.finfo(dt).eps / 2
+
+
+def _cause_index(pg: bw.PathGrads, dout_bad: torch.Tensor, v_bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row, the index in GRAD_CAUSES of the first stage that broke it (for dq), and per
+    query row the same over the stages that reach dV (dO and the forward probabilities)."""
+    last = len(GRAD_CAUSES) - 1
+    idx = torch.full(dout_bad.shape, last, dtype=torch.int64)
+    idx_v = torch.full(dout_bad.shape, last, dtype=torch.int64)
+    dp_cause = torch.where(v_bad.unsqueeze(-1).expand_as(pg.dp_bad), GRAD_CAUSES.index("input_nan"), GRAD_CAUSES.index("dp_overflow"))
+    later = [(pg.ds_bad & ~pg.ds_nan, GRAD_CAUSES.index("ds_overflow")), (pg.ds_nan, GRAD_CAUSES.index("ds_nan")), (pg.dp_bad, dp_cause)]
+    early = [(rows, GRAD_CAUSES.index(name)) for name, rows in reversed(pg.forward_causes)] + [(dout_bad, GRAD_CAUSES.index("grad_out_nan"))]
+    for rows, at in later + early:  # the earliest stage is written last, so it wins
+        idx = torch.where(rows, at, idx)
+    for rows, at in early:
+        idx_v = torch.where(rows, at, idx_v)
+    return idx, idx_v
+
+
+def _key_cause(row_cause: torch.Tensor, groups: int, tk: int) -> torch.Tensor:
+    """dK/dV rows take the earliest cause over every query row of their kv head's group: (n_kv, Tk)."""
+    per_head = row_cause.amin(dim=-1)  # (n,)
+    per_kv = per_head.reshape(-1, groups).amin(dim=-1)  # (n_kv,)
+    return per_kv.unsqueeze(-1).expand(-1, tk)
+
+
+def _group_sum(t: torch.Tensor, groups: int, held: torch.dtype | None, dt: torch.dtype) -> torch.Tensor:
+    if groups == 1:
+        return t.to(dt)
+    t = t if held is None else t.to(held)
+    return t.reshape(-1, groups, *t.shape[1:]).sum(dim=1).to(dt)
+
+
+def _run_path(cell: BackwardCell, hb: bw.HeadBlock, dt: torch.dtype, grads: GradInputs) -> bw.PathGrads:
+    if cell.path == "eager":
+        sd = None if cell.softmax_dtype is None else dtype_from_name(cell.softmax_dtype)
+        s_dt = None if cell.scores_dtype is None else dtype_from_name(cell.scores_dtype)
+        return bw.eager(hb, dt, cell.mask_op, sd, s_dt)
+    if cell.path == "sdpa-math":
+        return bw.sdpa_math(hb, dt)
+    return bw.flash(hb, dt, blocks=grads.device_type != "cuda")
+
+
+def _how(cell: BackwardCell, dt: torch.dtype, grads: GradInputs) -> str:
+    if cell.path == "eager":
+        parts = ["mask filled (masked_fill)" if cell.mask_op == "fill" else "mask added"]
+        if cell.scores_dtype and cell.scores_dtype != cell.dtype:
+            parts.append(f"matmuls in {cell.dtype}, scores in {cell.scores_dtype}")
+        if cell.softmax_dtype and cell.softmax_dtype != (cell.scores_dtype or cell.dtype):
+            parts.append(f"softmax in {cell.softmax_dtype}")
+        return ", ".join(parts)
+    if cell.path == "flash":
+        if dt == torch.float32:
+            return "sums in fp32"
+        return "sums in fp32, rounded once (CUDA)" if grads.device_type == "cuda" else f"sums rounded to {cell.dtype} per block (CPU kernel)"
+    return "fp32 inside" if dt != torch.float32 else ""
+
+
+def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[BackwardCell], chunk_elements: int) -> dict[BackwardCell, CellBackward]:
+    """The backward of every cell for one call (``inp``: its q, k, v, mask and scale, as
+    ``scores.prepare_inputs`` normalised them)."""
+    if inp.v is None:
+        return {}
+    b, hq, tq, d = inp.q.shape
+    hk, tk = inp.k.shape[1], inp.k.shape[2]
+    groups = hq // hk
+    q = inp.q.reshape(-1, tq, d)
+    k = inp.k.reshape(-1, tk, d)
+    v = inp.v.reshape(-1, tk, inp.v.shape[-1])
+    dout = _as_heads(grads.dout, hq, tq)
+    scores = None if grads.scores is None else grads.scores.reshape(-1, tq, tk)
+    out = None if grads.out is None else _as_heads(grads.out, hq, tq)
+    real = {name: _as_heads(t, hq if name == "dq" else hk, tq if name == "dq" else tk) for name, t in grads.real.items()}
+    accs = {c: {"dq": _GradAcc(hq), "dk": _GradAcc(hk), "dv": _GradAcc(hk)} for c in cells}
+    peaks: dict[str, float] = {}  # the largest |dO|, |dP|, |dS|, |dQ|, |dK|, |dV| of the float64 backward
+    # FlashAttention's rule compares each path with plain attention in the same dtype: eager, softmax in the dtype
+    baselines = {c.dtype: BackwardCell("eager", c.dtype) for c in cells if not _is_baseline(c)}
+    base_err = {d: {"dq": 0.0, "dk": 0.0, "dv": 0.0} for d in baselines}
+    held: dict[BackwardCell, list[tuple[str, str]]] = {}
+    units_per_block = max(1, chunk_elements // max(1, groups * tq * tk))
+    dout_rows = 0
+    for u0 in range(0, b * hk, units_per_block):
+        u1 = min(b * hk, u0 + units_per_block)
+        h0, h1 = u0 * groups, u1 * groups
+        kx, vx = k[u0:u1], v[u0:u1]
+        if groups > 1:
+            kx, vx = kx.repeat_interleave(groups, dim=0), vx.repeat_interleave(groups, dim=0)
+        hb = bw.HeadBlock(
+            q=q[h0:h1], k=kx, v=vx, dout=dout[h0:h1],
+            masked=_slice_heads(inp.masked, h0, h1, hq), mask_float=_slice_heads(inp.mask_float, h0, h1, hq),
+            scale=inp.scale, scale_order=inp.scale_order, mask_value=inp.eager_value, sdpa_mask_value=inp.mask_value,
+            scores=None if scores is None else scores[h0:h1], out=None if out is None else out[h0:h1],
+        )
+        rq, rk, rv, ref_peaks = bw.reference(hb)
+        for name, peak in ref_peaks.items():
+            peaks[name] = max(peaks.get(name, 0.0), peak)
+        rk, rv = rk.reshape(-1, groups, tk, d).sum(dim=1), rv.reshape(-1, groups, tk, rv.shape[-1]).sum(dim=1)
+        dout_bad = ~torch.isfinite(hb.dout).all(dim=-1)  # (n, Tq)
+        dout_rows += int(dout_bad.sum())
+        v_bad = ~torch.isfinite(hb.v).reshape(hb.v.shape[0], -1).all(dim=-1)  # (n,)
+        for dtype_name, base in baselines.items():
+            dt = dtype_from_name(dtype_name)
+            pg = _run_path(base, hb, dt, grads)
+            for name, g, r in (("dq", pg.dq.to(dt), rq), ("dk", _group_sum(pg.dk, groups, None, dt), rk), ("dv", _group_sum(pg.dv, groups, None, dt), rv)):
+                g64 = g.to(torch.float64)
+                both = torch.isfinite(g64) & torch.isfinite(r)
+                if both.any():
+                    base_err[dtype_name][name] = max(base_err[dtype_name][name], float(torch.where(both, (g64 - r).abs(), 0.0).max()))
+        for cell in cells:
+            dt = dtype_from_name(cell.dtype)
+            pg = _run_path(cell, hb, dt, grads)
+            gq = pg.dq.to(dt)
+            gk = _group_sum(pg.dk, groups, pg.group_sum_dtype, dt)
+            gv = _group_sum(pg.dv, groups, pg.group_sum_dtype, dt)
+            q_cause, v_cause = _cause_index(pg, dout_bad, v_bad)
+            acc = accs[cell]
+            acc["dq"].update(gq, rq, q_cause, h0, hq)
+            acc["dk"].update(gk, rk, _key_cause(q_cause, groups, tk), u0, hk)
+            acc["dv"].update(gv, rv, _key_cause(v_cause, groups, tk), u0, hk)
+            held[cell] = pg.held
+            if cell.model and real:
+                _compare_real(cell, acc, real, hb, pg, (gq, gk, gv), dt, groups, h0, h1, u0, u1, grads)
+    results = {}
+    for cell in cells:
+        dt = dtype_from_name(cell.dtype)
+        unit = _unit_roundoff(dt)
+        base = None if _is_baseline(cell) else base_err.get(cell.dtype)
+        stats = {name: a.result(None if base is None else base[name], unit) for name, a in accs[cell].items()}
+        headroom, at = _headroom(held.get(cell, []), peaks)
+        results[cell] = CellBackward(stats["dq"], stats["dk"], stats["dv"], dout_rows, headroom, at, _how(cell, dt, grads),
+                                     real_compared=cell.model and bool(real))
+    return results
+
+
+def _headroom(held: list[tuple[str, str]], peaks: dict[str, float]) -> tuple[float | None, str | None]:
+    """The least factor by which dO may grow before an intermediate overflows the dtype the path
+    holds it in (every backward quantity is linear in dO): the rounding limit over the float64
+    backward's largest magnitude of that intermediate."""
+    best, at = None, None
+    for name, held_in in held:
+        peak = peaks.get(name, 0.0)
+        if peak <= 0 or not math.isfinite(peak):
+            continue
+        factor = rounding_limit(dtype_from_name(held_in)) / peak
+        if best is None or factor < best:
+            best, at = factor, f"{name} in {held_in}"
+    return best, at
+
+
+def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u1, grads) -> None:
+    """The recorded gradients of the model's kernel against the model cell, each element within
+    the rounding bound of the cell's path: 2u (R + 1) |g| + (4u + 2 n u32) T, where u is the
+    dtype's unit roundoff, R the roundings in the dtype a sum takes (the flash kernel's blocks on
+    the CPU, else 1), T the sum of the magnitudes of the element's terms (P (|dP| + |D|) for the
+    terms of dS, before their cancellation), n their number: a rounding flip of one term of P or
+    dS in the dtype moves the element by at most 2u times that term, and two fp32 sums of n terms
+    in different orders differ by at most 2 n u32 T."""
+    u = _unit_roundoff(dt)
+    gq, gk, gv = cell_grads
+    tq, tk = hb.q.shape[1], hb.k.shape[1]
+    kf, qf, vf = hb.k.float().abs(), hb.q.float().abs(), hb.dout.float().abs()
+    ds_abs, p_abs = _terms(cell, hb, dt, grads)
+    scale = abs(hb.scale)
+    t_q = scale * torch.matmul(ds_abs, kf)
+    t_k = _group_sum(scale * torch.matmul(ds_abs.transpose(-1, -2), qf), groups, torch.float32, torch.float32)
+    t_v = _group_sum(torch.matmul(p_abs.transpose(-1, -2), vf), groups, torch.float32, torch.float32)
+    blocked = cell.path == "flash" and grads.device_type != "cuda" and dt != torch.float32
+    r_q = math.ceil(tk / bw.FLASH_KV_BLOCK) if blocked else 1
+    r_kv = math.ceil(tq / bw.flash_q_block(tq)) if blocked else 1
+    u32 = _unit_roundoff(torch.float32)
+    for name, g, t, rounds, terms, lo, hi in (("dq", gq, t_q, r_q, tk, h0, h1), ("dk", gk, t_k, r_kv, tq * groups, u0, u1),
+                                              ("dv", gv, t_v, r_kv, tq * groups, u0, u1)):
+        if name not in real:
+            continue
+        rg = real[name][lo:hi]
+        mag = torch.maximum(rg.abs().to(torch.float64), g.abs().to(torch.float64))
+        tol = 2 * u * (rounds + 1) * mag + (4 * u + 2 * terms * u32) * t.to(torch.float64) + 2.0**-1000
+        acc[name].compare_real(rg, g, tol)
+
+
+def _terms(cell: BackwardCell, hb: bw.HeadBlock, dt: torch.dtype, grads: GradInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The magnitudes the model cell's products consume, fp32, finite parts: P (|dP| + |D|), which
+    bounds the terms of dS = P (dP - D) before their cancellation, and P."""
+    if cell.path == "flash":
+        s, lse, out = bw.flash_forward(hb, dt)
+        p = torch.exp(s - lse.unsqueeze(-1))
+        do = cast(hb.dout, dt).float()
+        dp = torch.matmul(do, cast(hb.v, dt).float().transpose(-1, -2))
+        dsum = (do * out.float()).sum(dim=-1, keepdim=True)
+    else:
+        s = hb.scores.to(torch.float64) if hb.scores is not None else None
+        if s is None:
+            s = torch.matmul(hb.q.to(torch.float64), hb.k.to(torch.float64).transpose(-1, -2)) * hb.scale
+            if hb.mask_float is not None:
+                s = s + hb.mask_float
+            if hb.masked is not None:
+                s = s.masked_fill(hb.masked, float("-inf"))
+        p = torch._safe_softmax(s, -1)
+        dp = torch.matmul(hb.dout.to(torch.float64), hb.v.to(torch.float64).transpose(-1, -2))
+        dsum = (p * dp).sum(dim=-1, keepdim=True)
+    clean = lambda t: torch.nan_to_num(t.abs().float(), nan=0.0, posinf=0.0)  # noqa: E731
+    return clean(p * (dp.abs() + dsum.abs())), clean(p)
