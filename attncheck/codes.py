@@ -108,7 +108,7 @@ GRAD_CAUSES_OF = {
     "grad_nan_masked_row": ("fully_masked",),
     "grad_nan_input": ("grad_out_nan",),
     "grad_nan_forward": ("input_nan", "inf_input", "qk_overflow", "forward_nan"),
-    "grad_overflow": ("dp_overflow", "ds_nan", "ds_overflow", "grad_overflow"),
+    "grad_overflow": ("grad_out_overflow", "dp_overflow", "ds_nan", "ds_overflow", "grad_overflow"),
 }
 
 

@@ -81,8 +81,26 @@ def cell_line(report: CallReport, diag: TensorDiagnosis, cell: Cell | None, igno
     if verdict in ("ok", "flip", "n/a") and errors:
         verdict = "error"
     limit = None if cell is None else cell.limit
-    return ModelLine(info.index, info.name, info.module, info.kind, tuple(diag.shape), cell.name if cell is not None else None,
+    line = ModelLine(info.index, info.name, info.module, info.kind, tuple(diag.shape), cell.name if cell is not None else None,
                      diag.census.max, None if limit is None else limit.headroom, nan_rows, first, worst, verdict, heads, errors, limit)
+    if cell is not None and cell.backward is not None:
+        _grad_facts(line, cell.backward, ignore)
+    return line
+
+
+def _grad_facts(line: ModelLine, b, ignore=()) -> None:
+    """The backward of the line's cell: NaN/inf gradient rows (less ignored causes), their first cause
+    in backward order, the gradients holding them, and the loss-scale headroom."""
+    from attncheck.codes import GRAD_CAUSES_OF
+    from attncheck.results import GRAD_CAUSES
+
+    skip = {cause for code in ignore for cause in GRAD_CAUSES_OF.get(code, ())}
+    counted = {name: sum(n for c, n in g.causes.items() if c not in skip) for name, g in b.grads()}
+    causes = {c for _, g in b.grads() for c, n in g.causes.items() if n and c not in skip}
+    line.grad_nan_rows = sum(counted.values())
+    line.grad_which = [name for name, n in counted.items() if n]
+    line.grad_cause = next((c for c in GRAD_CAUSES if c in causes), None)
+    line.grad_headroom, line.grad_headroom_at = b.scale_headroom, b.headroom_at
 
 
 def call_line(report: CallReport, ignore=()) -> ModelLine:
@@ -146,9 +164,10 @@ def what_if_answers(calls: list[CallReport], ignore=()) -> list[WhatIfAnswer]:
 def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict | None = None) -> ModelReport:
     lines = [call_line(c, ignore) for c in calls]
     first = next((i for i, line in enumerate(lines) if line.verdict in BAD_VERDICTS), None)
+    first_grad = next((i for i, line in enumerate(lines) if line.grad_verdict in ("nan", "error")), None)
     found = [o for c in calls for o in outliers(c)]
     return ModelReport(lines, first, found, tuple(ignore), list(skipped), capture, what_if_answers(calls, ignore),
-                       known=any(known(c) for c in calls))
+                       known=any(known(c) for c in calls), first_grad_bad=first_grad)
 
 
 def head_findings(report: CallReport, diag_findings: list[Finding]) -> list[Finding]:

@@ -34,6 +34,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "fused", "torch")
 SCALE_ORDERS = ("scores", "q")
 MASK_CONVENTIONS = ("attend", "ignore")
+MASK_OPS = ("add", "fill")  # how hand-written attention applies a mask: added to the scores, or masked_fill (the backward differs)
 
 
 def show(value: Any) -> str:

@@ -134,8 +134,8 @@ class CellLimit:
 
 
 # The causes of NaN/inf gradient rows, in backward order: what reaches a row first is its cause.
-GRAD_CAUSES = ("grad_out_nan", "input_nan", "inf_input", "qk_overflow", "fully_masked", "forward_nan", "dp_overflow", "ds_nan",
-               "ds_overflow", "grad_overflow")
+GRAD_CAUSES = ("grad_out_nan", "grad_out_overflow", "input_nan", "inf_input", "qk_overflow", "fully_masked", "forward_nan", "dp_overflow",
+               "ds_nan", "ds_overflow", "grad_overflow")
 
 
 @dataclass
@@ -459,6 +459,21 @@ class ModelLine:
     heads: list[int] = field(default_factory=list)  # heads the cause sits in
     errors: list[str] = field(default_factory=list)  # codes of error findings of the model's cell, not ignored
     limit: CellLimit | None = None  # what ``headroom`` is measured to
+    # The backward of that cell, where the call's output gradient is known (None: no backward)
+    grad_nan_rows: int | None = None  # NaN/inf rows of dq, dk and dv together, less those with an ignored cause
+    grad_cause: str | None = None  # their first cause in backward order (results.GRAD_CAUSES)
+    grad_which: list[str] = field(default_factory=list)  # the gradients holding them: 'dq', 'dk', 'dv'
+    grad_headroom: float | None = None  # dO may grow this many times before an intermediate overflows
+    grad_headroom_at: str | None = None
+
+    @property
+    def grad_verdict(self) -> str | None:
+        """'nan', 'error' (a backward error finding), 'ok', or None without a backward."""
+        if self.grad_nan_rows is None:
+            return None
+        if self.grad_nan_rows:
+            return "nan"
+        return "error" if any(code.startswith("grad_") for code in self.errors) else "ok"
 
 
 @dataclass
@@ -511,6 +526,7 @@ class ModelReport:
     capture: dict | None = None  # the manifest's facts: stopped, script error, calls recorded
     what_if: list[WhatIfAnswer] = field(default_factory=list)
     known: bool = False  # the calls name their implementation (a capture): the model's cells alone decide
+    first_grad_bad: int | None = None  # position in ``lines`` of the first call whose gradients go wrong
 
 
 @dataclass

@@ -52,6 +52,7 @@ def capture(
     max_bytes: str = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", metavar="SIZE", help="Stop recording before the tensors recorded pass SIZE (e.g. 512MiB).", rich_help_panel=CAPTURE),
     module: List[str] = typer.Option([], "--module", metavar="GLOB", help="Record only calls in modules whose path matches (repeatable), e.g. '*.layers.1.*'; a call outside any module is 'global'.", rich_help_panel=CAPTURE),
     forward: Optional[str] = typer.Option(None, "--forward", metavar="N[,N|A-B]", help="Which forward passes of the top module to record (1-based), e.g. 1 or 2-4; default all.", rich_help_panel=CAPTURE),
+    no_grads: bool = typer.Option(False, "--no-grads", help="Record the forward only: without it, when the script runs a backward, each call's output gradient and the gradients its kernel produced are recorded too (they count for --max-bytes) and every call's backward is diagnosed.", rich_help_panel=CAPTURE),
     dtype: CellDtypeOpt = None,
     method: CellMethodOpt = None,
     path: PathOpt = None,
@@ -72,7 +73,7 @@ def capture(
 ) -> None:
     """Run a Python script under capture and diagnose every attention call it makes.
 
-    Records each F.scaled_dot_product_attention call and each softmax over the last axis of a 3+-D tensor inside a module (the eager path's scores, with the q, k, v of the matmuls around it), with the module path, without any change to the script or the model. Each call is then judged by the cell its model ran, as 'attncheck run' judges the capture directory (which it can do again); --what-if asks about other dtypes and implementations apart. With --json -, what the script prints goes to stderr.
+    Records each F.scaled_dot_product_attention call and each softmax over the last axis of a 3+-D tensor inside a module (the eager path's scores, with the q, k, v of the matmuls around it), with the module path, without any change to the script or the model; when the script runs a backward (loss.backward()), each call's output gradient and the gradients its kernel produced too, so that every call's backward is judged as well. Each call is then judged by the cell its model ran, as 'attncheck run' judges the capture directory (which it can do again); --what-if asks about other dtypes and implementations apart. With --json -, what the script prints goes to stderr.
 
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error, or the script failed.
     """
@@ -92,7 +93,7 @@ def capture(
             parse_forwards(forward)
         request = CaptureRequest(script, tuple(args or ()), None if no_save else out, params.integer(max_calls, "max_calls", 1),
                                  params.size(max_bytes, "max_bytes"), tuple(module), forward, options, ignored, partial,
-                                 asked_what_if, grid_asked)
+                                 asked_what_if, grid_asked, grads=not no_grads)
 
         from attncheck.pipelines.capture import capture_script
         from attncheck.report.progress import Progress

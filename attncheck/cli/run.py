@@ -43,6 +43,7 @@ Order = Enum("Order", {name: name for name in params.ORDERS}, type=str)
 Accum = Enum("Accum", {name: name for name in params.ACCUMULATIONS}, type=str)
 ScaleOrder = Enum("ScaleOrder", {name: name for name in params.SCALE_ORDERS}, type=str)
 MaskConvention = Enum("MaskConvention", {name: name for name in params.MASK_CONVENTIONS}, type=str)
+MaskOp = Enum("MaskOp", {name: name for name in params.MASK_OPS}, type=str)
 QK = "Q/K inputs"
 FP8 = "FP8 attention"
 
@@ -114,13 +115,15 @@ def run(
     pad_right: str = typer.Option("", "--pad-right", metavar="N,...", help="Right padding per batch element.", rich_help_panel=QK),
     mask_value: Optional[str] = typer.Option(None, "--mask-value", metavar="VALUE", help="What a key masked by a boolean mask, --causal or padding becomes: -inf (default), min (finfo(dtype).min) or a number such as -1e4.", rich_help_panel=QK, show_default=False),
     mask_convention: Optional[MaskConvention] = typer.Option(None, "--mask-convention", help="Boolean masks: True = attend (SDPA, the default) or True = masked.", rich_help_panel=QK, show_default=False),
+    grad_out: Optional[str] = typer.Option(None, "--grad-out", metavar="PATH[:KEY]", help="The output gradient dO (..., heads, tokens, dv), with --v: each path's backward (dQ, dK, dV) is judged too, against float64 autograd: NaN rows and their first cause, loss-scale headroom, flushed gradients, FlashAttention's 2x rule.", rich_help_panel=QK),
+    mask_op: Optional[MaskOp] = typer.Option(None, "--mask-op", help="How the eager path's code applies a boolean mask, which decides where a fully masked row's NaN goes in the backward: added to the scores (add, the default: dQ, dK and dV) or masked_fill (fill: dV only).", rich_help_panel=QK, show_default=False),
     p_scale: Optional[str] = typer.Option(None, "--p-scale", metavar="S", help="FP8 dtypes (--dtype e4m3, e5m2, ...): P is multiplied by S before the cast to FP8: 1, 256 (FlashAttention-3, the default), 448 (SageAttention) or another number.", rich_help_panel=FP8, show_default=False),
     fp8_scaling: Optional[str] = typer.Option(None, "--fp8-scaling", metavar="HOW", help="FP8 dtypes with --q/--k: how Q, K, V are quantised for flash-fp8: none, tensor, head (per batch and kv head, FlashAttention-3's descales; default) or block (per 128-query and key tile).", rich_help_panel=FP8, show_default=False),
     incoherent: bool = typer.Option(False, "--incoherent", help="FP8 dtypes with --q/--k: rotate Q and K by a seeded +-1 diagonal times Hadamard matrix before quantising (FlashAttention-3's incoherent processing; head dim a power of two).", rich_help_panel=FP8),
 ) -> None:
     """Diagnose saved attention scores (pre-softmax logits), the scores Q and K produce, or a capture.
 
-    Every method x dtype cell is judged against a float64 softmax of the scores as given. With --q/--k, every attention path (eager, sdpa-math, flash) x dtype is judged against float64 softmax of Q@K^T, scale and mask, and with --v its output O = P@V against P64 @ V64. With scores files and --q/--k together, the scale that maps q.k onto the scores is fitted and checked.
+    Every method x dtype cell is judged against a float64 softmax of the scores as given. With --q/--k, every attention path (eager, sdpa-math, flash) x dtype is judged against float64 softmax of Q@K^T, scale and mask, with --v its output O = P@V against P64 @ V64, and with --grad-out its backward (dQ, dK, dV) against float64 autograd. With scores files and --q/--k together, the scale that maps q.k onto the scores is fitted and checked.
 
     A capture directory (attncheck capture) or a call file is read as attention calls, and each call is judged by the cell its model ran (softmax: torch.softmax in its dtype; SDPA: the path of the backend PyTorch chose, in the call's dtype): that cell alone decides the verdict, the findings and --fail-on. --what-if DTYPES (or all), and --dtype/--method/--path when given, ask other cells as what-ifs, reported apart. A file of q/k/v/mask tensors is read as a call of unknown implementation: every cell is asked. More than one call gets the model report (--full for every table).
 
@@ -147,13 +150,18 @@ def run(
         qk = None
         if q is None and k is None and v is not None:
             raise AttncheckError(f"{param('v')} applies to attention computed from {param('q')} and {param('k')}")
+        if grad_out is not None and v is None:
+            raise AttncheckError(f"{param('grad_out')} needs {param('v')} (the backward of attention reads V)" + ("" if q is not None else f", {param('q')} and {param('k')}"))
+        if mask_op is not None and grad_out is None:
+            raise AttncheckError(f"{param('mask_op')} decides the eager path's backward: give {param('grad_out')} too")
         if example and path is not None:
             raise AttncheckError(f"{param('paths')} applies to attention calls (a capture, q/k files) and to {param('q')}/{param('k')}, not to the built-in example's scores")
         if q is not None or k is not None:
             if q is None or k is None:
                 raise AttncheckError(f"{param('q')} and {param('k')} go together: give both")
             qk = QKSpec(q, k, mask, v, scales[0], ScaleOrder(scale_order).value if scale_order else "scores", causal, lefts, rights,
-                        value, MaskConvention(mask_convention).value if mask_convention else None)
+                        value, MaskConvention(mask_convention).value if mask_convention else None, grad_out,
+                        MaskOp(mask_op).value if mask_op else None)
         else:
             given = [name for name, val in (("mask", mask), ("causal", causal or None), ("pad_left", pad_left or None), ("pad_right", pad_right or None),
                                             ("scale", scale), ("scale_order", scale_order), ("mask_value", mask_value), ("mask_convention", mask_convention)) if val is not None]

@@ -33,6 +33,7 @@ class CaptureRequest:
     partial: bool = False
     what_if: tuple[str, ...] = ()  # as RunRequest's
     grid_asked: bool = False
+    grads: bool = True  # record dO and the kernels' gradients when the script runs a backward
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ignore", ignore_codes(self.ignore))

@@ -131,8 +131,12 @@ class QKSpec:
     pad_right: tuple[int, ...] = ()
     mask_value: str | None = None  # None: -inf; given, it must apply (a boolean mask, causal or padding)
     mask_convention: str | None = None  # None: 'attend'; given, the mask must be boolean
+    grad_out: str | None = None  # the output gradient dO: with it (and v) every path's backward is diagnosed too
+    mask_op: str | None = None  # the eager path's backward: a boolean mask added ('add', default) or filled ('fill')
 
     def __post_init__(self) -> None:
+        if self.mask_op is not None:
+            object.__setattr__(self, "mask_op", params.choice(self.mask_op, params.MASK_OPS, "mask_op"))
         if not isinstance(self.scale, params.Scale):
             object.__setattr__(self, "scale", params.scale(self.scale))
         object.__setattr__(self, "scale_order", params.choice(self.scale_order, params.SCALE_ORDERS, "scale_order"))

@@ -52,7 +52,8 @@ def capture_script(request: CaptureRequest, track=None, notice: Callable[[str], 
     script = {"path": request.script, "argv": [request.script, *request.args]}
     cap = capture(request.out, diagnose=request.out is None, max_calls=request.max_calls, max_bytes=request.max_bytes,
                   modules=request.modules, forwards=request.forwards, options=request.options, ignore=request.ignore,
-                  notice=notice, script=script, what_if=request.what_if, asked=request.options if request.grid_asked else None)
+                  notice=notice, script=script, what_if=request.what_if, asked=request.options if request.grid_asked else None,
+                  grads=request.grads)
     error: BaseException | None = None
     with cap:  # a directory that cannot be used is an input error, raised before the script runs
         try:

@@ -180,6 +180,19 @@ def _run_qk(qk: QKSpec, sources, options, track: Track, notice, max_bytes: int |
         mask_value=qk.mask_value or "-inf", mask_convention=qk.mask_convention or "attend", max_bytes=max_bytes,
     )
     if sources:  # scores given too: diagnose them and fit the scale they carry
+        if qk.grad_out:
+            raise AttncheckError(f"{param('grad_out')} judges the backward of attention computed from {param('q')} and {param('k')}; "
+                                 f"give no score files with it")
         return [diagnose_attention(src.name, inputs, options, track(src.name, src.rows), scores=src, notice=notice) for src in sources]
     name = f"{q_name} @ {k_name}"
-    return [diagnose_attention(name, inputs, options, track(name, inputs.rows), notice=notice)]
+    diag = diagnose_attention(name, inputs, options, track(name, inputs.rows), notice=notice)
+    if qk.grad_out:
+        from attncheck.numerics.cells.calls import attach_backward
+        from attncheck.numerics.backward.diagnose import GradInputs
+
+        dout = load_one(qk.grad_out, "grad_out", max_bytes=max_bytes)[1]
+        want = (*q.shape[:-1], v.shape[-1])
+        if tuple(dout.shape) != want:
+            raise AttncheckError(f"{param('grad_out')} {qk.grad_out} has shape {tuple(dout.shape)}; the output gradient of these q and v has shape {want}")
+        attach_backward(diag, None, inputs, GradInputs(dout), options, mask_op=qk.mask_op or "add")
+    return [diag]

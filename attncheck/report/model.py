@@ -54,6 +54,8 @@ def lines_table(report: ModelReport, prefix: str = "") -> Table:
     columns += [("shape", "left")] if len(shapes) > 1 else []
     columns += [("cell", "left")] if len(cells) > 1 else []
     columns += [("logit", "right"), ("room", "right"), ("NaN", "right"), ("first cause", "left"), ("err", "right"), ("verdict", "left")]
+    backward = any(line.grad_verdict is not None for line in report.lines)
+    columns += [("grad", "left")] if backward else []
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
     for name, justify in columns:
         t.add_column(name, justify=justify, no_wrap=name != "call", overflow="fold", min_width=8 if name == "call" else None)
@@ -70,8 +72,41 @@ def lines_table(report: ModelReport, prefix: str = "") -> Table:
         row += [line.cell or "-"] if len(cells) > 1 else []
         row += [plain(line.max_logit), headroom, Text(str(line.nan_rows), style="bold red" if line.nan_rows else ""), cause,
                 fmt(line.worst_err, ".0e"), Text(verdict, style=VERDICT_STYLE.get(line.verdict, ""))]
+        row += [_grad_cell(line)] if backward else []
         t.add_row(*row)
     return t
+
+
+def _grad_cell(line: ModelLine) -> Text:
+    """'ok', 'nan q,k,v', 'error' or '-' (no backward) for the grad column."""
+    verdict = line.grad_verdict
+    if verdict is None:
+        return Text("-")
+    if verdict == "nan":
+        return Text("nan " + ",".join(name[1:] for name in line.grad_which), style="bold red")
+    return Text(verdict, style=VERDICT_STYLE.get(verdict, ""))
+
+
+def backward_summary(report: ModelReport, prefix: str = "") -> Text | None:
+    """The first call whose gradients go wrong, and the least loss-scale headroom over the calls."""
+    with_grads = [line for line in report.lines if line.grad_verdict is not None]
+    if not with_grads:
+        return None
+    text = Text(f"Backward of {len(with_grads)} call(s) (dO recorded): ")
+    if report.first_grad_bad is None:
+        text.append("gradients finite in every call", style="green")
+    else:
+        line = report.lines[report.first_grad_bad]
+        what = (f"NaN/inf in {line.grad_nan_rows} row(s) of {', '.join(line.grad_which)}, first cause {line.grad_cause}" if line.grad_nan_rows
+                else "error finding " + ", ".join(code for code in line.errors if code.startswith("grad_")))
+        text.append(f"first call whose gradients go wrong: #{line.index} {call_label(line, prefix)}: {what}", style="bold red")
+    rooms = [line for line in with_grads if line.grad_headroom is not None]
+    if rooms:
+        least = min(rooms, key=lambda line: line.grad_headroom)
+        text.append(f"; least loss-scale headroom: dO may grow {plain(least.grad_headroom)}x before {least.grad_headroom_at} "
+                    f"overflows (#{least.index} {call_label(least, prefix)})",
+                    style="red" if least.grad_headroom < 1 else ("yellow" if least.grad_headroom < 2 else ""))
+    return text
 
 
 def shared_facts(report: ModelReport) -> str:
@@ -204,11 +239,12 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
 LINES_LEGEND = ("Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the path of the "
                 "backend PyTorch chose, in its dtype: flash for the fused kernels, sdpa-math for the math backend). "
                 "logit: largest unmasked score; room: the cell's distance to its first failure{limit}; NaN: NaN rows; "
-                "err: max |p - p_float64|; >: the first call that goes wrong")
+                "err: max |p - p_float64|; >: the first call that goes wrong{grad}")
 FILES_LEGEND = ("Tensors and calls in order; the implementation is not known, so every cell is the question and a line's verdict "
                 "counts every cell's error findings (the cell shown: torch.softmax in the tensor's dtype). "
                 "logit: largest unmasked score; room: that cell's distance to its first failure{limit}; NaN: NaN rows; "
-                "err: max |p - p_float64|; >: the first call that goes wrong")
+                "err: max |p - p_float64|; >: the first call that goes wrong{grad}")
+GRAD_LEGEND = "; grad: the backward of that cell from the recorded dO (nan q,k,v: NaN/inf rows in dQ, dK, dV)"
 
 
 def _limit_text(report: ModelReport) -> str:
@@ -230,7 +266,8 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             parts.append(Text(f"capture: {note}", style="yellow"))
     prefix = shared_prefix([line.module for line in report.lines])
     shared = shared_facts(report)
-    legend = (LINES_LEGEND if report.known else FILES_LEGEND).format(limit=_limit_text(report))
+    backward = any(line.grad_verdict is not None for line in report.lines)
+    legend = (LINES_LEGEND if report.known else FILES_LEGEND).format(limit=_limit_text(report), grad=GRAD_LEGEND if backward else "")
     legend += (f"; calls named below {prefix[:-1]}" if prefix else "") + (f"; {shared}" if shared else "")
     parts += [Text(legend), lines_table(report, prefix)]
     matrix = head_matrix(calls, report, prefix)
@@ -248,6 +285,9 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     summary = findings_summary(calls, report.known)
     if summary is not None:
         parts.append(summary)
+    grads = backward_summary(report, prefix)
+    if grads is not None:
+        parts.append(grads)
     table = what_if_table(report, prefix)
     if table is not None:
         parts.append(table)
@@ -297,6 +337,9 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
             "heads": to_jsonable(c.heads),
             "error": c.error,
             "what_if": None if c.what_if is None else diagnosis_json(c.what_if),
+            "backward": None if line.grad_verdict is None else {
+                "verdict": line.grad_verdict, "nan_rows": line.grad_nan_rows, "first_cause": line.grad_cause, "grads": line.grad_which,
+                "scale_headroom": line.grad_headroom, "headroom_at": line.grad_headroom_at},
         })
     first = None if report.first_bad is None else _first_json(report.lines[report.first_bad])
     return to_jsonable({
@@ -307,6 +350,7 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
         "skipped": [{"name": n, "error": why} for n, why in report.skipped],
         "capture": report.capture,
         "known_implementation": report.known,
+        "first_grad_bad": None if report.first_grad_bad is None else _first_json(report.lines[report.first_grad_bad]),
         "what_if": [{"cell": a.cell, "calls": a.calls, "bad_calls": a.bad_calls, "verdict": a.verdict, "nan_rows": a.nan_rows,
                      "max_abs_err": a.worst_err, "headroom": a.headroom, "limit": _limit_json(a.limit), "findings": a.findings,
                      "first_bad": None if a.first is None else _first_json(a.first)} for a in report.what_if],

@@ -221,6 +221,42 @@ def output_table(d: TensorDiagnosis) -> Table | None:
     return t
 
 
+def backward_table(d: TensorDiagnosis) -> Table | None:
+    """The backward of each cell that has one: per gradient its NaN/inf rows and their first cause,
+    its error against float64, the share flushed to 0, FlashAttention's 2x rule and, for the model's
+    cell, the gradients the model's kernel really produced."""
+    cells = [c for c in d.cells if c.backward is not None]
+    if not cells:
+        return None
+    t = Table(
+        title="Backward: dQ, dK, dV against float64 autograd (entries where both are finite)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    # rel err is in the JSON report; the table keeps to 80 columns.
+    for name in ("cell", "grad", "NaN rows", "max err", "flush", "2x rule", "real"):
+        t.add_column(name, justify="left" if name in ("cell", "grad", "NaN rows") else "right", no_wrap=True)
+    notes = []
+    for c in cells:
+        b = c.backward
+        for i, (name, g) in enumerate(b.grads()):
+            nan = str(g.nan_rows) + (f" {g.first_cause}" if g.first_cause else "")
+            rule = "-" if g.rule_holds is None else (f"{'ok' if g.rule_holds else 'FAIL'} {g.max_abs_err / g.baseline_err:.1f}x" if g.baseline_err else ("ok" if g.rule_holds else "FAIL"))
+            real = "-" if g.real_agrees is None else ("agrees" if g.real_agrees else "DIFFERS")
+            t.add_row(Text(c.name if i == 0 else "", style="bold red" if b.nan_rows else ""), name, Text(nan, style="bold red" if g.nan_rows else ""),
+                      fmt(g.max_abs_err, ".1e"), "-" if g.flushed_frac is None else f"{g.flushed_frac:.1%}", rule,
+                      Text(real, style="bold red" if g.real_agrees is False else ""))
+        room = "-" if b.scale_headroom is None else f"{b.scale_headroom:.3g}x ({b.headroom_at})"
+        notes.append(f"{c.name}: {b.how + '; ' if b.how else ''}dO may grow {room} before an intermediate overflows")
+    t.caption = "\n".join(notes + ["2x rule: max err against 2x plain attention's in the same dtype (eager, no upcast); "
+                                   "real: the gradients the model's kernel produced, within the path's rounding bound"])
+    t.caption_justify = "left"
+    return t
+
+
 def detail_table(d: TensorDiagnosis) -> Table:
     t = Table(
         title="Cells in detail: errors against float64 over rows where both are finite; "
@@ -314,7 +350,7 @@ def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
     parts += [matrix_table(d)]
     if verbose:
         parts.append(detail_table(d))
-    for table in (output_table(d), pcast_table(d)):
+    for table in (output_table(d), pcast_table(d), backward_table(d)):
         if table is not None:
             parts.append(table)
     where = nan_by_head_line(d)

@@ -131,7 +131,7 @@ class _GradAcc:
         causes = {GRAD_CAUSES[i]: int(n) for i, n in enumerate(self.causes.tolist()) if n}
         first = max(causes, key=lambda c: (causes[c], -GRAD_CAUSES.index(c))) if causes else None
         compared = self.compared > 0
-        bound = None if baseline is None else 2.0 * baseline + 4.0 * atol_unit * self.max_ref  # two ulps of the largest gradient
+        bound = None if baseline is None or not compared else 2.0 * baseline + 4.0 * atol_unit * self.max_ref  # two ulps of the largest gradient
         return GradStats(
             rows=self.rows, nan_rows=self.nan_rows, first_cause=first, causes=causes, compared=self.compared,
             max_abs_err=self.max_err if compared else None,
@@ -153,15 +153,17 @@ def _unit_roundoff(dt: torch.dtype) -> float:
     return torch.finfo(dt).eps / 2
 
 
-def _cause_index(pg: bw.PathGrads, dout_bad: torch.Tensor, v_bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cause_index(pg: bw.PathGrads, dout_bad: torch.Tensor, dout_cast_bad: torch.Tensor, v_bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query row, the index in GRAD_CAUSES of the first stage that broke it (for dq), and per
-    query row the same over the stages that reach dV (dO and the forward probabilities)."""
+    query row the same over the stages that reach dV (dO, its cast to the dtype, and the forward
+    probabilities)."""
     last = len(GRAD_CAUSES) - 1
     idx = torch.full(dout_bad.shape, last, dtype=torch.int64)
     idx_v = torch.full(dout_bad.shape, last, dtype=torch.int64)
     dp_cause = torch.where(v_bad.unsqueeze(-1).expand_as(pg.dp_bad), GRAD_CAUSES.index("input_nan"), GRAD_CAUSES.index("dp_overflow"))
     later = [(pg.ds_bad & ~pg.ds_nan, GRAD_CAUSES.index("ds_overflow")), (pg.ds_nan, GRAD_CAUSES.index("ds_nan")), (pg.dp_bad, dp_cause)]
-    early = [(rows, GRAD_CAUSES.index(name)) for name, rows in reversed(pg.forward_causes)] + [(dout_bad, GRAD_CAUSES.index("grad_out_nan"))]
+    early = [(rows, GRAD_CAUSES.index(name)) for name, rows in reversed(pg.forward_causes)]
+    early += [(dout_cast_bad, GRAD_CAUSES.index("grad_out_overflow")), (dout_bad, GRAD_CAUSES.index("grad_out_nan"))]
     for rows, at in later + early:  # the earliest stage is written last, so it wins
         idx = torch.where(rows, at, idx)
     for rows, at in early:
@@ -227,7 +229,7 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
     peaks: dict[str, float] = {}  # the largest |dO|, |dP|, |dS|, |dQ|, |dK|, |dV| of the float64 backward
     # FlashAttention's rule compares each path with plain attention in the same dtype: eager, softmax in the dtype
     baselines = {c.dtype: BackwardCell("eager", c.dtype) for c in cells if not _is_baseline(c)}
-    base_err = {d: {"dq": 0.0, "dk": 0.0, "dv": 0.0} for d in baselines}
+    base_err: dict[str, dict[str, float | None]] = {d: {"dq": None, "dk": None, "dv": None} for d in baselines}  # None: no entry compared
     held: dict[BackwardCell, list[tuple[str, str]]] = {}
     units_per_block = max(1, chunk_elements // max(1, groups * tq * tk))
     dout_rows = 0
@@ -257,14 +259,16 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
                 g64 = g.to(torch.float64)
                 both = torch.isfinite(g64) & torch.isfinite(r)
                 if both.any():
-                    base_err[dtype_name][name] = max(base_err[dtype_name][name], float(torch.where(both, (g64 - r).abs(), 0.0).max()))
+                    err = float(torch.where(both, (g64 - r).abs(), 0.0).max())
+                    base_err[dtype_name][name] = max(base_err[dtype_name][name] or 0.0, err)
         for cell in cells:
             dt = dtype_from_name(cell.dtype)
             pg = _run_path(cell, hb, dt, grads)
             gq = pg.dq.to(dt)
             gk = _group_sum(pg.dk, groups, pg.group_sum_dtype, dt)
             gv = _group_sum(pg.dv, groups, pg.group_sum_dtype, dt)
-            q_cause, v_cause = _cause_index(pg, dout_bad, v_bad)
+            dout_cast_bad = ~torch.isfinite(cast(hb.dout, dt)).all(dim=-1) & ~dout_bad  # dO finite as given, beyond the dtype's range
+            q_cause, v_cause = _cause_index(pg, dout_bad, dout_cast_bad, v_bad)
             acc = accs[cell]
             acc["dq"].update(gq, rq, q_cause, h0, hq)
             acc["dk"].update(gk, rk, _key_cause(q_cause, groups, tk), u0, hk)
@@ -277,7 +281,7 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
         dt = dtype_from_name(cell.dtype)
         unit = _unit_roundoff(dt)
         base = None if _is_baseline(cell) else base_err.get(cell.dtype)
-        stats = {name: a.result(None if base is None else base[name], unit) for name, a in accs[cell].items()}
+        stats = {name: a.result(None if base is None else base[name], unit) for name, a in accs[cell].items()}  # type: ignore[index]
         headroom, at = _headroom(held.get(cell, []), peaks)
         results[cell] = CellBackward(stats["dq"], stats["dk"], stats["dv"], dout_rows, headroom, at, _how(cell, dt, grads),
                                      real_compared=cell.model and bool(real))

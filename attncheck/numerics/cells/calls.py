@@ -130,12 +130,11 @@ def diagnose_call(
 
 
 def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: TensorDiagnosis | None, options: Options, model: CellKey | None) -> None:
-    """The backward of the call's cells from its output gradient: the model's own cell (compared with
-    the gradients its kernel produced, where recorded), and each what-if or asked cell of a path
-    that has a backward (eager with torch.softmax, sdpa-math, flash). Fills ``Cell.backward`` and
-    adds the backward findings to the diagnosis that holds the cell."""
-    from attncheck.findings import backward_findings
-    from attncheck.numerics.backward.diagnose import BACKWARD_PATHS, BackwardCell, GradInputs, diagnose_backward
+    """The backward of a call's cells from its recorded output gradient (see ``attach_backward``):
+    the model's own cell is the eager path as the model ran it (a softmax call: its recorded scores,
+    the mask applied as the capture traced it, the matmuls in autocast's dtype or v's) or the SDPA
+    backend's path, compared with the gradients its kernel produced where they were recorded."""
+    from attncheck.numerics.backward.diagnose import BackwardCell, GradInputs
 
     if info.kind == "softmax":
         bw_inputs = None if inputs is None else _softmax_what_if_inputs(info, tensors, inputs, options)
@@ -145,29 +144,41 @@ def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: Tens
         return
     mask_op = info.meta.get("mask_op") if info.kind == "softmax" else None
     mask_op = mask_op if mask_op in ("add", "fill") else "add"  # SDPA ported to eager attention, as transformers writes it, adds its mask
+    own = None
+    used = _cell_of(diag, model) if model is not None else None
+    if used is not None:
+        if info.kind == "softmax":
+            # the matmuls ran in autocast's dtype where it was on, else in v's; the softmax on the scores as recorded
+            autocast = cell_dtype_name(info.meta.get("autocast_dtype"))
+            matmuls = autocast or cell_dtype_name(dtype_label(tensors["v"].dtype)) or info.dtype
+            own = (BackwardCell("eager", matmuls, mask_op, info.softmax_dtype, info.dtype if info.dtype != matmuls else None, model=True), used)
+        else:
+            own = (BackwardCell(model.path, model.dtype, model=True), used)
+    real = {name: tensors[role] for name, role in (("dq", "grad_q"), ("dk", "grad_k"), ("dv", "grad_v")) if role in tensors}
+    grads = GradInputs(tensors["grad_out"], scores=tensors.get("scores") if info.kind == "softmax" else None, out=tensors.get("out"),
+                       real=real, device_type=info.meta.get("device", "cpu").split(":")[0])
+    attach_backward(diag, what, bw_inputs, grads, options, mask_op, own)
+
+
+def attach_backward(diag: TensorDiagnosis, what: TensorDiagnosis | None, inputs, grads, options: Options, mask_op: str = "add", own=None) -> None:
+    """The backward of the cells of ``diag`` (or, with ``own`` = (BackwardCell, its Cell), of that
+    model cell alone) and of the what-if cells of ``what``: every cell of a path with a backward
+    (eager with torch.softmax, its mask applied as ``mask_op`` says; sdpa-math; flash) in fp16, bf16
+    or fp32. Fills ``Cell.backward`` and adds the backward findings to the diagnosis holding the cell."""
+    from attncheck.findings import backward_findings
+    from attncheck.numerics.backward.diagnose import BACKWARD_PATHS, BackwardCell, diagnose_backward
+
     wanted: dict = {}  # BackwardCell -> the forward cell it belongs to
-    if model is not None:
-        used = _cell_of(diag, model)
-        if used is not None:
-            if info.kind == "softmax":
-                # the matmuls ran in autocast's dtype where it was on, else in v's; the softmax on the scores as recorded
-                autocast = cell_dtype_name(info.meta.get("autocast_dtype"))
-                matmuls = autocast or cell_dtype_name(dtype_label(tensors["v"].dtype)) or info.dtype
-                key = BackwardCell("eager", matmuls, mask_op, info.softmax_dtype, info.dtype if info.dtype != matmuls else None, model=True)
-            else:
-                key = BackwardCell(model.path, model.dtype, model=True)
-            wanted[key] = used
-    asked = [] if model is not None else list(diag.cells)
+    if own is not None:
+        wanted[own[0]] = own[1]
+    asked = [] if own is not None else list(diag.cells)
     asked += [] if what is None else list(what.cells)
     for c in asked:
         if c.path in BACKWARD_PATHS and (c.path != "eager" or c.method == "torch") and c.dtype in ("fp16", "bf16", "fp32"):
             wanted[BackwardCell(c.path, c.dtype, mask_op if c.path == "eager" else "add")] = c
     if not wanted:
         return
-    real = {name: tensors[role] for name, role in (("dq", "grad_q"), ("dk", "grad_k"), ("dv", "grad_v")) if role in tensors}
-    grads = GradInputs(tensors["grad_out"], scores=tensors.get("scores") if info.kind == "softmax" else None, out=tensors.get("out"),
-                       real=real, device_type=info.meta.get("device", "cpu").split(":")[0])
-    results = diagnose_backward(bw_inputs, grads, list(wanted), options.chunk_elements)
+    results = diagnose_backward(inputs, grads, list(wanted), options.chunk_elements)
     for key, result in results.items():
         wanted[key].backward = result
     order = {s: i for i, s in enumerate(SEVERITIES)}
