@@ -157,7 +157,7 @@ def eager(hb: HeadBlock, dt: torch.dtype, mask_op: str = "add", softmax_dtype: t
     ds = ds.to(dt)
     dqk = ds * hb.scale if hb.scale_order == "scores" else ds
     dq = torch.matmul(dqk, kd)  # (n, Tq, d)
-    dk = torch.matmul(dqk.transpose(-1, -2), qd)  # (n, Tk, d)
+    dk = torch.matmul(qd.transpose(-1, -2), dqk).transpose(-1, -2)  # (n, Tk, d): autograd's q^T @ dS for the operand k^T
     if hb.scale_order == "q":
         dq = dq * hb.scale
     name = _label(dt)

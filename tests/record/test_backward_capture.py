@@ -1,0 +1,151 @@
+"""The backward under capture: dO and the kernels' own gradients recorded through read-only hooks,
+training runs bit for bit as without capture, every call's backward judged by the path the model
+ran, and the recorded gradients agreeing with it. torch's autograd is the judge throughout."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import attncheck
+from attncheck.cli import app
+
+from .conftest import VOCAB, llama_gqa
+
+
+def mha_step(need_weights: bool):
+    """PyTorch issue 41508: nn.MultiheadAttention with a key padding mask and a band attn_mask that
+    leave one query row with no key; the NaN output row is left out of the loss."""
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    band = torch.zeros(6, 6, dtype=torch.bool)
+    band[2, :4] = True
+    out, _ = m(x, x, x, key_padding_mask=pad, attn_mask=band, need_weights=need_weights)
+    out.nan_to_num().pow(2).mean().backward()
+    return m, x
+
+
+def test_mha_fully_masked_row_nan_gradients_are_found_with_module_row_cause_and_fix():
+    m, x = mha_step(True)
+    assert m.in_proj_weight.grad.isnan().any()  # torch: the whole batch's weights are poisoned
+    with attncheck.capture(diagnose=True) as cap:
+        m2, x2 = mha_step(True)
+    assert torch.equal(m2.in_proj_weight.grad.nan_to_num(), m.in_proj_weight.grad.nan_to_num())
+    (report,) = cap.calls
+    cell = report.diagnosis.cells[0]
+    b = cell.backward
+    assert b is not None and b.real_compared and all(g.real_agrees for _, g in b.grads())
+    assert (b.dq.nan_rows, b.dq.first_cause, b.dq.examples[0]) == (2, "fully_masked", (1, 0, 2))  # batch 1, head 0, query 2
+    assert b.dk.nan_rows == 12 and b.dv.nan_rows == 12
+    found = [f for f in report.diagnosis.findings if f.code == "grad_nan_masked_row"]
+    assert len(found) == 1 and found[0].severity == "error" and "_safe_softmax" in found[0].fix
+    line = cap.result.model.lines[0]
+    assert line.module == "MultiheadAttention" and line.grad_verdict == "nan" and line.grad_which == ["dq", "dk", "dv"]
+    assert cap.result.model.first_grad_bad == 0
+
+
+def test_the_same_step_through_sdpa_has_finite_gradients():
+    m, _ = mha_step(False)
+    assert not m.in_proj_weight.grad.isnan().any()
+    with attncheck.capture(diagnose=True) as cap:
+        mha_step(False)
+    (report,) = cap.calls
+    b = report.diagnosis.cells[0].backward
+    assert report.call.kind == "sdpa" and b is not None and b.nan_rows == 0
+    assert all(g.real_agrees for _, g in b.grads())
+    assert not [f for f in report.diagnosis.findings if f.severity != "info"]
+    assert cap.result.model.first_grad_bad is None
+
+
+def train(model, steps: int, autocast: bool, ids, mask):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_training_a_transformers_model_two_steps_under_capture(impl, autocast):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    alone = train(llama_gqa(impl).train(), 2, autocast, ids, mask)
+    with attncheck.capture(diagnose=True) as cap:
+        captured = train(llama_gqa(impl).train(), 2, autocast, ids, mask)
+    assert alone[0] == captured[0] and all(torch.equal(a, b) for a, b in zip(alone[1], captured[1]))  # bit for bit
+    assert len(cap.calls) == 4  # 2 layers x 2 steps
+    for r in cap.calls:
+        b = r.diagnosis.cells[0].backward
+        assert b is not None and b.nan_rows == 0 and b.real_compared
+        assert all(g.real_agrees for _, g in b.grads()), (r.call.module, [(n, g.real_bound_ratio) for n, g in b.grads()])
+        if impl == "eager":  # op for op as the model runs it: its own bits
+            assert all(g.real_max_diff == 0.0 for _, g in b.grads())
+    assert [f.code for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"] == []
+    assert cap.result.model.first_bad is None and cap.result.model.first_grad_bad is None
+
+
+def test_grads_false_records_the_forward_only_and_max_bytes_counts_gradients():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    with attncheck.capture(grads=False) as cap:
+        train(llama_gqa("sdpa").train(), 1, False, ids, mask)
+    assert cap.calls and all("grad_out" not in c.tensors and "out" not in c.tensors for c in cap.calls)
+    with attncheck.capture() as cap:
+        train(llama_gqa("sdpa").train(), 1, False, ids, mask)
+    assert all({"grad_out", "grad_q", "grad_k", "grad_v", "out"} <= set(c.tensors) for c in cap.calls)
+    forward_bytes = sum(t.numel() * t.element_size() for c in cap.calls for r, t in c.tensors.items() if not r.startswith("grad_"))
+    with attncheck.capture(max_bytes=forward_bytes) as cap:  # room for the forward, not for the gradients
+        train(llama_gqa("sdpa").train(), 1, False, ids, mask)
+    assert cap.stopped and "gradients" in cap.stopped
+    with pytest.raises(attncheck.AttncheckError, match="grads"):
+        attncheck.capture(grads="yes")
+
+
+def test_a_training_script_captured_to_a_directory_and_run(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.MultiheadAttention(16, 2, batch_first=True)\n"
+        "x = torch.randn(2, 6, 16)\n"
+        "pad = torch.zeros(2, 6, dtype=torch.bool); pad[1, 4:] = True\n"
+        "band = torch.zeros(6, 6, dtype=torch.bool); band[2, :4] = True\n"
+        "out, _ = m(x, x, x, key_padding_mask=pad, attn_mask=band)\n"
+        "out.nan_to_num().pow(2).mean().backward()\n"
+    )
+    cap = tmp_path / "cap"
+    runner = CliRunner()
+    r = runner.invoke(app, ["capture", "--out", str(cap), "--quiet", "--json", str(tmp_path / "a.json"), "--", str(script)])
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((cap / "manifest.json").read_text())
+    (entry,) = manifest["calls"]
+    assert entry["grads"]["file"] == "0000-MultiheadAttention.grads.safetensors" and (cap / entry["grads"]["file"]).is_file()
+    assert set(entry["grads"]["tensors"]) == {"grad_out", "grad_q", "grad_k", "grad_v"} and manifest["grad_calls"] == 1
+    r = runner.invoke(app, ["run", str(cap), "--fail-on", "nan", "--json", "-"])
+    assert r.exit_code == 1
+    doc = json.loads(r.stdout)
+    backward = doc["tensors"][0]["cells"][0]["backward"]
+    assert backward["dq"]["nan_rows"] == 2 and backward["dq"]["first_cause"] == "fully_masked"
+    assert {"max_abs_err", "rel_err", "flushed_frac", "first_cause", "nan_rows"} <= set(backward["dv"])
+    assert doc["model"]["calls"][0]["backward"]["verdict"] == "nan" and doc["model"]["first_grad_bad"]["index"] == 0
+    assert "torch/fp32 backward" in " ".join(doc["failed"])
+    r = runner.invoke(app, ["run", str(cap), "--fail-on", "nan", "--ignore", "grad_nan_masked_row,fully_masked_rows", "--quiet"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["capture", "--out", str(tmp_path / "cap2"), "--no-grads", "--quiet", "--", str(script)])
+    assert r.exit_code == 0 and "grads" not in json.loads((tmp_path / "cap2" / "manifest.json").read_text())["calls"][0]
+    (cap / entry["grads"]["file"]).unlink()  # a listed gradients file that is gone: one line, exit 2
+    r = runner.invoke(app, ["run", str(cap)])
+    assert r.exit_code == 2 and "gradients file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
