@@ -498,6 +498,11 @@ class Recorder(TorchFunctionMode):
         if pending is not None and name in PASSES and isinstance(first, torch.Tensor) and id(first) in pending.probs \
                 and pending.probs[id(first)]() is first and out.shape == first.shape:
             pending.probs[id(out)] = weakref.ref(out)
+            if name == "dropout":  # F.dropout(input, p, training, inplace) on the probabilities: their backward has its mask
+                p = _number(args[1] if len(args) > 1 else kwargs.get("p", 0.5))
+                training = args[2] if len(args) > 2 else kwargs.get("training", True)
+                if training and p:
+                    pending.call.meta["dropout_p"] = repr(p)
         if not self._scores:
             return
         source = next((t for t in args if isinstance(t, torch.Tensor) and id(t) in self._scores and self._scores[id(t)][0]() is t), None)

@@ -149,3 +149,22 @@ def test_a_training_script_captured_to_a_directory_and_run(tmp_path):
     (cap / entry["grads"]["file"]).unlink()  # a listed gradients file that is gone: one line, exit 2
     r = runner.invoke(app, ["run", str(cap)])
     assert r.exit_code == 2 and "gradients file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_dropout_calls_are_judged_without_their_mask_and_not_compared(impl):
+    """GPT-2 trains with attention dropout 0.1: its random mask is not recorded, so the backward is
+    judged without it and the real gradients (with it) are not compared: no false mismatch."""
+    from .conftest import gpt2
+
+    model = gpt2(impl).train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=g)
+    with attncheck.capture(diagnose=True) as cap:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert cap.calls and all(r.call.dropout_p == 0.1 for r in cap.calls)
+    for r in cap.calls:
+        b = r.diagnosis.cells[0].backward
+        assert b is not None and not b.real_compared and "dropout (p=0.1)" in b.how
+        assert all(g.real_agrees is None for _, g in b.grads())
+    assert [f.code for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"] == []

@@ -45,6 +45,7 @@ class GradInputs:
     out: torch.Tensor | None = None
     real: dict[str, torch.Tensor] = field(default_factory=dict)  # 'dq', 'dk', 'dv'
     device_type: str = "cpu"  # where the model ran: the flash backward's sums per block in the dtype on the CPU, fp32 on CUDA
+    dropout_p: float = 0.0  # dropout the call applied to its probabilities: judged without it (its random mask is not recorded)
 
 
 def _as_heads(t: torch.Tensor, heads: int, tokens: int) -> torch.Tensor:
@@ -283,7 +284,10 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
         base = None if _is_baseline(cell) else base_err.get(cell.dtype)
         stats = {name: a.result(None if base is None else base[name], unit) for name, a in accs[cell].items()}  # type: ignore[index]
         headroom, at = _headroom(held.get(cell, []), peaks)
-        results[cell] = CellBackward(stats["dq"], stats["dk"], stats["dv"], dout_rows, headroom, at, _how(cell, dt, grads),
+        how = _how(cell, dt, grads)
+        if grads.dropout_p > 0:
+            how = (how + "; " if how else "") + f"without the call's dropout (p={grads.dropout_p:g}): its mask is not recorded, so neither are the real gradients compared"
+        results[cell] = CellBackward(stats["dq"], stats["dk"], stats["dv"], dout_rows, headroom, at, how,
                                      real_compared=cell.model and bool(real))
     return results
 

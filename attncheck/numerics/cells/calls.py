@@ -154,9 +154,11 @@ def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: Tens
             own = (BackwardCell("eager", matmuls, mask_op, info.softmax_dtype, info.dtype if info.dtype != matmuls else None, model=True), used)
         else:
             own = (BackwardCell(model.path, model.dtype, model=True), used)
-    real = {name: tensors[role] for name, role in (("dq", "grad_q"), ("dk", "grad_k"), ("dv", "grad_v")) if role in tensors}
+    # Dropout's random mask is not recorded: the cells are judged without it, and the gradients the
+    # model really produced (with it) cannot be compared.
+    real = {} if info.dropout_p > 0 else {name: tensors[role] for name, role in (("dq", "grad_q"), ("dk", "grad_k"), ("dv", "grad_v")) if role in tensors}
     grads = GradInputs(tensors["grad_out"], scores=tensors.get("scores") if info.kind == "softmax" else None, out=tensors.get("out"),
-                       real=real, device_type=info.meta.get("device", "cpu").split(":")[0])
+                       real=real, device_type=info.meta.get("device", "cpu").split(":")[0], dropout_p=info.dropout_p)
     attach_backward(diag, what, bw_inputs, grads, options, mask_op, own)
 
 
