@@ -66,7 +66,9 @@ def lines_table(report: ModelReport, prefix: str = "") -> Table:
         cause = line.first_cause or "-"
         if line.first_cause and line.heads:
             cause += " h" + ",".join(map(str, line.heads[:2])) + (",…" if len(line.heads) > 2 else "")
-        verdict = line.verdict + (f" ({', '.join(line.errors[:2])})" if line.verdict == "error" else "")
+        # the error codes beside the verdict, but those of the backward, which the grad column shows
+        codes = [code for code in line.errors if not (backward and code.startswith("grad_"))]
+        verdict = line.verdict + (f" ({', '.join(codes[:2])})" if line.verdict == "error" and codes else "")
         row = [mark, call_label(line, prefix)]
         row += [_shape(line.shape)] if len(shapes) > 1 else []
         row += [line.cell or "-"] if len(cells) > 1 else []
@@ -83,7 +85,7 @@ def _grad_cell(line: ModelLine) -> Text:
     if verdict is None:
         return Text("-")
     if verdict == "nan":
-        return Text("nan " + ",".join(name[1:] for name in line.grad_which), style="bold red")
+        return Text("nan " + "".join(name[1:] for name in line.grad_which), style="bold red")
     return Text(verdict, style=VERDICT_STYLE.get(verdict, ""))
 
 
@@ -244,7 +246,7 @@ FILES_LEGEND = ("Tensors and calls in order; the implementation is not known, so
                 "counts every cell's error findings (the cell shown: torch.softmax in the tensor's dtype). "
                 "logit: largest unmasked score; room: that cell's distance to its first failure{limit}; NaN: NaN rows; "
                 "err: max |p - p_float64|; >: the first call that goes wrong{grad}")
-GRAD_LEGEND = "; grad: the backward of that cell from the recorded dO (nan q,k,v: NaN/inf rows in dQ, dK, dV)"
+GRAD_LEGEND = "; grad: the backward of that cell from the recorded dO (nan qkv: NaN/inf rows in dQ, dK, dV)"
 
 
 def _limit_text(report: ModelReport) -> str:
