@@ -145,6 +145,13 @@ class _GradAcc:
         )
 
 
+def _without_recorded(hb: bw.HeadBlock) -> bw.HeadBlock:
+    """A head block for a cell other than the model's: it computes its own scores and output."""
+    from dataclasses import replace
+
+    return replace(hb, scores=None, out=None) if hb.scores is not None or hb.out is not None else hb
+
+
 def _is_baseline(cell: BackwardCell) -> bool:
     """Plain attention in the cell's own dtype (eager, softmax in the dtype): the 2x rule's yardstick."""
     return cell.path == "eager" and cell.softmax_dtype in (None, cell.dtype) and cell.scores_dtype in (None, cell.dtype)
@@ -186,14 +193,14 @@ def _group_sum(t: torch.Tensor, groups: int, held: torch.dtype | None, dt: torch
     return t.reshape(-1, groups, *t.shape[1:]).sum(dim=1).to(dt)
 
 
-def _run_path(cell: BackwardCell, hb: bw.HeadBlock, dt: torch.dtype, grads: GradInputs) -> bw.PathGrads:
+def _run_path(cell: BackwardCell, hb: bw.HeadBlock, dt: torch.dtype, grads: GradInputs, exact: bool = True, terms: bool = False) -> bw.PathGrads:
     if cell.path == "eager":
         sd = None if cell.softmax_dtype is None else dtype_from_name(cell.softmax_dtype)
         s_dt = None if cell.scores_dtype is None else dtype_from_name(cell.scores_dtype)
-        return bw.eager(hb, dt, cell.mask_op, sd, s_dt)
+        return bw.eager(hb, dt, cell.mask_op, sd, s_dt, exact=exact, terms=terms)
     if cell.path == "sdpa-math":
-        return bw.sdpa_math(hb, dt)
-    return bw.flash(hb, dt, blocks=grads.device_type != "cuda")
+        return bw.sdpa_math(hb, dt, terms=terms)
+    return bw.flash(hb, dt, blocks=grads.device_type != "cuda", terms=terms)
 
 
 def _how(cell: BackwardCell, dt: torch.dtype, grads: GradInputs) -> str:
@@ -255,7 +262,7 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
         v_bad = ~torch.isfinite(hb.v).reshape(hb.v.shape[0], -1).all(dim=-1)  # (n,)
         for dtype_name, base in baselines.items():
             dt = dtype_from_name(dtype_name)
-            pg = _run_path(base, hb, dt, grads)
+            pg = _run_path(base, hb, dt, grads, exact=False)  # a yardstick: its products through fp32, rounded as torch's are
             for name, g, r in (("dq", pg.dq.to(dt), rq), ("dk", _group_sum(pg.dk, groups, None, dt), rk), ("dv", _group_sum(pg.dv, groups, None, dt), rv)):
                 g64 = g.to(torch.float64)
                 both = torch.isfinite(g64) & torch.isfinite(r)
@@ -264,7 +271,8 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
                     base_err[dtype_name][name] = max(base_err[dtype_name][name] or 0.0, err)
         for cell in cells:
             dt = dtype_from_name(cell.dtype)
-            pg = _run_path(cell, hb, dt, grads)
+            compare = cell.model and bool(real)
+            pg = _run_path(cell, hb if cell.model else _without_recorded(hb), dt, grads, terms=compare)
             gq = pg.dq.to(dt)
             gk = _group_sum(pg.dk, groups, pg.group_sum_dtype, dt)
             gv = _group_sum(pg.dv, groups, pg.group_sum_dtype, dt)
@@ -275,7 +283,7 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
             acc["dk"].update(gk, rk, _key_cause(q_cause, groups, tk), u0, hk)
             acc["dv"].update(gv, rv, _key_cause(v_cause, groups, tk), u0, hk)
             held[cell] = pg.held
-            if cell.model and real:
+            if compare:
                 _compare_real(cell, acc, real, hb, pg, (gq, gk, gv), dt, groups, h0, h1, u0, u1, grads)
     results = {}
     for cell in cells:
@@ -319,7 +327,7 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     gq, gk, gv = cell_grads
     tq, tk = hb.q.shape[1], hb.k.shape[1]
     kf, qf, vf = hb.k.float().abs(), hb.q.float().abs(), hb.dout.float().abs()
-    ds_abs, p_abs = _terms(cell, hb, dt, grads)
+    ds_abs, p_abs = pg.terms
     scale = abs(hb.scale)
     t_q = scale * torch.matmul(ds_abs, kf)
     t_k = _group_sum(scale * torch.matmul(ds_abs.transpose(-1, -2), qf), groups, torch.float32, torch.float32)
@@ -336,27 +344,3 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
         mag = torch.maximum(rg.abs().to(torch.float64), g.abs().to(torch.float64))
         tol = 2 * u * (rounds + 1) * mag + (4 * u + 2 * terms * u32) * t.to(torch.float64) + 2.0**-1000
         acc[name].compare_real(rg, g, tol)
-
-
-def _terms(cell: BackwardCell, hb: bw.HeadBlock, dt: torch.dtype, grads: GradInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The magnitudes the model cell's products consume, fp32, finite parts: P (|dP| + |D|), which
-    bounds the terms of dS = P (dP - D) before their cancellation, and P."""
-    if cell.path == "flash":
-        s, lse, out = bw.flash_forward(hb, dt)
-        p = torch.exp(s - lse.unsqueeze(-1))
-        do = cast(hb.dout, dt).float()
-        dp = torch.matmul(do, cast(hb.v, dt).float().transpose(-1, -2))
-        dsum = (do * out.float()).sum(dim=-1, keepdim=True)
-    else:
-        s = hb.scores.to(torch.float64) if hb.scores is not None else None
-        if s is None:
-            s = torch.matmul(hb.q.to(torch.float64), hb.k.to(torch.float64).transpose(-1, -2)) * hb.scale
-            if hb.mask_float is not None:
-                s = s + hb.mask_float
-            if hb.masked is not None:
-                s = s.masked_fill(hb.masked, float("-inf"))
-        p = torch._safe_softmax(s, -1)
-        dp = torch.matmul(hb.dout.to(torch.float64), hb.v.to(torch.float64).transpose(-1, -2))
-        dsum = (p * dp).sum(dim=-1, keepdim=True)
-    clean = lambda t: torch.nan_to_num(t.abs().float(), nan=0.0, posinf=0.0)  # noqa: E731
-    return clean(p * (dp.abs() + dsum.abs())), clean(p)

@@ -83,13 +83,28 @@ class PathGrads:
     ds_nan: torch.Tensor  # (n, Tq) rows whose dS holds NaN (inf - inf in dP - D) rather than only inf
     held: list[tuple[str, str]] = field(default_factory=list)  # (intermediate, the dtype the path holds it in): dO, dP, dS, dQ, dK, dV
     group_sum_dtype: torch.dtype | None = None  # the dtype a GQA group's dK, dV are summed in (None: the cell's)
+    # With ``terms``: the magnitudes its products consume, fp32, finite parts: P (|dP| + |D|), which bounds the
+    # terms of dS = P (dP - D) before their cancellation, and P (for the bound on the recorded gradients)
+    terms: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _terms(p: torch.Tensor, dp: torch.Tensor, dsum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pf = torch.nan_to_num(p.float().abs(), nan=0.0, posinf=0.0)
+    t = pf * (dp.float().abs() + dsum.float().abs())
+    return torch.nan_to_num(t, nan=0.0, posinf=0.0), pf
 
 
 def _rows_bad(t: torch.Tensor) -> torch.Tensor:
-    return ~torch.isfinite(t).all(dim=-1)
+    """Rows (the last axis) holding NaN or inf: a float64 row sum is finite exactly when every entry
+    is (no sum of float32 values can overflow float64), in one pass and without a mask per entry."""
+    return ~torch.isfinite(t.sum(dim=-1, dtype=torch.float64))
 
 
 def _peak(t: torch.Tensor) -> float:
+    """The largest finite |x| (0 for none)."""
+    top = float(t.abs().amax()) if t.numel() else 0.0
+    if math.isfinite(top):
+        return top
     a = t.abs()
     a = a[torch.isfinite(a)]
     return float(a.max()) if a.numel() else 0.0
@@ -100,11 +115,35 @@ def _forward_causes(s: torch.Tensor, p: torch.Tensor, computed: bool) -> list[tu
     order: NaN in the scores, +inf in them (Q@K^T overflowing the dtype where the scores were
     computed here, else given), every key -inf (fully masked), else the softmax itself."""
     bad = _rows_bad(p)
-    nan = torch.isnan(s).any(dim=-1) & bad
-    posinf = torch.isposinf(s).any(dim=-1) & bad & ~nan
-    masked = torch.isneginf(s).all(dim=-1) & bad & ~nan & ~posinf
+    none = torch.zeros_like(bad)
+    if not bool(bad.any()):
+        return [("input_nan", none), ("qk_overflow" if computed else "inf_input", none), ("fully_masked", none), ("forward_nan", none)]
+    rows = s[bad]  # (m, Tk): only the broken rows are looked at
+    nan, posinf, masked = none.clone(), none.clone(), none.clone()
+    nan[bad] = torch.isnan(rows).any(dim=-1)
+    posinf[bad] = torch.isposinf(rows).any(dim=-1)
+    masked[bad] = torch.isneginf(rows).all(dim=-1)
+    posinf &= ~nan
+    masked &= ~nan & ~posinf
     rest = bad & ~nan & ~posinf & ~masked
     return [("input_nan", nan), ("qk_overflow" if computed else "inf_input", posinf), ("fully_masked", masked), ("forward_nan", rest)]
+
+
+def _nan_rows(t: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """Of the rows ``bad`` says hold NaN or inf, those holding NaN."""
+    out = torch.zeros_like(bad)
+    if bool(bad.any()):
+        out[bad] = torch.isnan(t[bad]).any(dim=-1)
+    return out
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, exact: bool) -> torch.Tensor:
+    """torch's matmul in the operands' dtype, or (``exact`` False) the same product in fp32 rounded
+    to that dtype once: the same rounding point, with fp32 sums in another order (a few fp32 ulp),
+    and far faster where a CPU has no fp16/bf16 arithmetic."""
+    if exact or a.dtype in (torch.float32, torch.float64):
+        return torch.matmul(a, b)
+    return torch.matmul(a.float(), b.float()).to(a.dtype)
 
 
 def filled_keys(hb: HeadBlock) -> torch.Tensor | None:
@@ -118,18 +157,20 @@ def filled_keys(hb: HeadBlock) -> torch.Tensor | None:
 
 
 def eager(hb: HeadBlock, dt: torch.dtype, mask_op: str = "add", softmax_dtype: torch.dtype | None = None,
-          scores_dtype: torch.dtype | None = None) -> PathGrads:
+          scores_dtype: torch.dtype | None = None, exact: bool = True, terms: bool = False) -> PathGrads:
     """Autograd of hand-written attention with its matmuls in ``dt`` (see the module docstring).
     ``scores_dtype``: the dtype the scores reach the softmax in where it differs (under autocast a
     float32 mask added to the bf16 Q@K^T promotes them): the softmax's gradient is cast to it, then
-    back to ``dt`` for the Q@K^T product, as autograd casts a gradient to its input's dtype."""
+    back to ``dt`` for the Q@K^T product, as autograd casts a gradient to its input's dtype.
+    ``exact`` False: the products through fp32 (``_matmul``), for a yardstick rather than the bits."""
+    mm = lambda a, b: _matmul(a, b, exact)  # noqa: E731
     qd, kd, vd, do = cast(hb.q, dt), cast(hb.k, dt), cast(hb.v, dt), cast(hb.dout, dt)
     s_dt = scores_dtype or dt
     if hb.scale_order == "q":
         qd = qd * hb.scale
     computed = hb.scores is None
     if computed:
-        s = torch.matmul(qd, kd.transpose(-1, -2))  # (n, Tq, Tk) in dt
+        s = mm(qd, kd.transpose(-1, -2))  # (n, Tq, Tk) in dt
         if hb.scale_order == "scores":
             s = s * hb.scale
         if mask_op == "fill" and hb.masked is not None:
@@ -145,8 +186,8 @@ def eager(hb: HeadBlock, dt: torch.dtype, mask_op: str = "add", softmax_dtype: t
     sd = softmax_dtype if softmax_dtype is not None and softmax_dtype != s_dt else None
     ps = torch.softmax(s, dim=-1, dtype=sd) if sd is not None else torch.softmax(s, dim=-1)  # (n, Tq, Tk)
     p = ps.to(dt)
-    dp = torch.matmul(do, vd.transpose(-1, -2))  # (n, Tq, Tk) in dt
-    dv = torch.matmul(p.transpose(-1, -2), do)  # (n, Tk, dv)
+    dp = mm(do, vd.transpose(-1, -2))  # (n, Tq, Tk) in dt
+    dv = mm(p.transpose(-1, -2), do)  # (n, Tk, dv)
     dps = dp.to(ps.dtype)
     ds_held = torch._softmax_backward_data(dps, ps, -1, ps.dtype)
     ds = ds_held.to(s_dt)
@@ -156,14 +197,15 @@ def eager(hb: HeadBlock, dt: torch.dtype, mask_op: str = "add", softmax_dtype: t
             ds = ds.masked_fill(filled, 0)
     ds = ds.to(dt)
     dqk = ds * hb.scale if hb.scale_order == "scores" else ds
-    dq = torch.matmul(dqk, kd)  # (n, Tq, d)
-    dk = torch.matmul(qd.transpose(-1, -2), dqk).transpose(-1, -2)  # (n, Tk, d): autograd's q^T @ dS for the operand k^T
+    dq = mm(dqk, kd)  # (n, Tq, d)
+    dk = mm(qd.transpose(-1, -2), dqk).transpose(-1, -2)  # (n, Tk, d): autograd's q^T @ dS for the operand k^T
     if hb.scale_order == "q":
         dq = dq * hb.scale
     name = _label(dt)
     held = [("dO", name), ("dP", name), ("dS", _label(ds_held.dtype)), ("dS", _label(s_dt)), ("dS", name), ("dQ", name), ("dK", name), ("dV", name)]
-    return PathGrads(dq, dk, dv, _forward_causes(s, p, computed), _rows_bad(dp), _rows_bad(ds_held) | _rows_bad(ds),
-                     torch.isnan(ds_held).any(dim=-1), held)
+    ds_bad = _rows_bad(ds_held) | _rows_bad(ds)
+    return PathGrads(dq, dk, dv, _forward_causes(s, p, computed), _rows_bad(dp), ds_bad, _nan_rows(ds_held, ds_bad), held,
+                     terms=_terms(ps, dps, (ps * dps).sum(dim=-1, keepdim=True)) if terms else None)
 
 
 def _upcast(dt: torch.dtype) -> torch.dtype:
@@ -176,7 +218,7 @@ def _sdpa_mask(hb: HeadBlock, dt: torch.dtype, into: torch.dtype) -> torch.Tenso
     return None if mask_dt is None else mask_dt.to(into)
 
 
-def sdpa_math(hb: HeadBlock, dt: torch.dtype) -> PathGrads:
+def sdpa_math(hb: HeadBlock, dt: torch.dtype, terms: bool = False) -> PathGrads:
     """Autograd of PyTorch 2.13's math SDPA in ``dt`` (see the module docstring)."""
     up = _upcast(dt)
     qf, kf, vf = (cast(t, dt).to(up) for t in (hb.q, hb.k, hb.v))
@@ -198,8 +240,9 @@ def sdpa_math(hb: HeadBlock, dt: torch.dtype) -> PathGrads:
     dq32, dk32 = dqs * root, (dkts * root).transpose(-1, -2)
     inner, name = _label(up), _label(dt)
     held = [("dO", name), ("dP", inner), ("dS", inner), ("dQ", name), ("dK", name), ("dV", name)]
-    return PathGrads(dq32, dk32, dv, _forward_causes(s, p, True), _rows_bad(dp), _rows_bad(ds), torch.isnan(ds).any(dim=-1), held,
-                     group_sum_dtype=up)
+    ds_bad = _rows_bad(ds)
+    return PathGrads(dq32, dk32, dv, _forward_causes(s, p, True), _rows_bad(dp), ds_bad, _nan_rows(ds, ds_bad), held,
+                     group_sum_dtype=up, terms=_terms(p, dp, (p * dp).sum(dim=-1, keepdim=True)) if terms else None)
 
 
 def flash_forward(hb: HeadBlock, dt: torch.dtype, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -225,7 +268,7 @@ def flash_forward(hb: HeadBlock, dt: torch.dtype, block: int = 128) -> tuple[tor
     return s, lse, out
 
 
-def flash(hb: HeadBlock, dt: torch.dtype, blocks: bool = True) -> PathGrads:
+def flash(hb: HeadBlock, dt: torch.dtype, blocks: bool = True, terms: bool = False) -> PathGrads:
     """The FlashAttention-2 backward as PyTorch's CPU flash kernel computes it (see the module
     docstring); ``blocks=False``: the sums in fp32 and rounded once, as FlashAttention on CUDA."""
     s, lse, out = flash_forward(hb, dt)
@@ -256,8 +299,9 @@ def flash(hb: HeadBlock, dt: torch.dtype, blocks: bool = True) -> PathGrads:
                 dk[:, n0:n1] = (dk[:, n0:n1].float() + hb.scale * torch.matmul(dsb.transpose(-1, -2), qf[:, m0:m1])).to(dt)
     name = _label(dt)
     held = [("dO", name), ("dP", "fp32"), ("dS", "fp32"), ("dS", name), ("dQ", name), ("dK", name), ("dV", name)]
-    return PathGrads(dq, dk, dv, _forward_causes(s, p, True), _rows_bad(dp), _rows_bad(ds) | _rows_bad(ds_dt),
-                     torch.isnan(ds).any(dim=-1), held, group_sum_dtype=torch.float32)
+    ds_bad = _rows_bad(ds) | _rows_bad(ds_dt)
+    return PathGrads(dq, dk, dv, _forward_causes(s, p, True), _rows_bad(dp), ds_bad, _nan_rows(ds, ds_bad), held,
+                     group_sum_dtype=torch.float32, terms=_terms(p, dp, dsum) if terms else None)
 
 
 def reference(hb: HeadBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
