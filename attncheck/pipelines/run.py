@@ -194,5 +194,5 @@ def _run_qk(qk: QKSpec, sources, options, track: Track, notice, max_bytes: int |
         want = (*q.shape[:-1], v.shape[-1])
         if tuple(dout.shape) != want:
             raise AttncheckError(f"{param('grad_out')} {qk.grad_out} has shape {tuple(dout.shape)}; the output gradient of these q and v has shape {want}")
-        attach_backward(diag, None, inputs, GradInputs(dout), options, mask_op=qk.mask_op or "add")
+        attach_backward(diag, None, inputs, GradInputs(dout, causal=qk.causal), options, mask_op=qk.mask_op or "add")
     return [diag]

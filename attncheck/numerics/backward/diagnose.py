@@ -46,6 +46,7 @@ class GradInputs:
     real: dict[str, torch.Tensor] = field(default_factory=dict)  # 'dq', 'dk', 'dv'
     device_type: str = "cpu"  # where the model ran: the flash backward's sums per block in the dtype on the CPU, fp32 on CUDA
     dropout_p: float = 0.0  # dropout the call applied to its probabilities: judged without it (its random mask is not recorded)
+    causal: bool = False  # SDPA's is_causal: the flash kernel fills and skips the keys past each query
 
 
 def _as_heads(t: torch.Tensor, heads: int, tokens: int) -> torch.Tensor:
@@ -251,7 +252,7 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
             q=q[h0:h1], k=kx, v=vx, dout=dout[h0:h1],
             masked=_slice_heads(inp.masked, h0, h1, hq), mask_float=_slice_heads(inp.mask_float, h0, h1, hq),
             scale=inp.scale, scale_order=inp.scale_order, mask_value=inp.eager_value, sdpa_mask_value=inp.mask_value,
-            scores=None if scores is None else scores[h0:h1], out=None if out is None else out[h0:h1],
+            scores=None if scores is None else scores[h0:h1], out=None if out is None else out[h0:h1], causal=grads.causal,
         )
         rq, rk, rv, ref_peaks = bw.reference(hb)
         for name, peak in ref_peaks.items():

@@ -68,6 +68,7 @@ class HeadBlock:
     sdpa_mask_value: str  # ... in SDPA's kernels ('-inf' for a boolean mask)
     scores: torch.Tensor | None = None  # (n, Tq, Tk): the scores a captured softmax saw, as recorded
     out: torch.Tensor | None = None  # (n, Tq, dv): the output the model's kernel gave
+    causal: bool = False  # SDPA's is_causal (also in ``masked``): the flash kernel fills and skips the keys past a query
 
 
 @dataclass
@@ -254,6 +255,8 @@ def flash_forward(hb: HeadBlock, dt: torch.dtype, block: int = 128) -> tuple[tor
     mask = _sdpa_mask(hb, dt, torch.float32)
     if mask is not None:
         s = s + mask
+    if hb.causal:  # the kernel fills a query's future keys with -inf (NaN there does not stay)
+        s = s.masked_fill(_future(s), float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isneginf(m), 0.0, m)
     total = torch.exp(s - m).sum(dim=-1, keepdim=True)
@@ -275,6 +278,8 @@ def flash(hb: HeadBlock, dt: torch.dtype, blocks: bool = True, terms: bool = Fal
     do = cast(hb.dout, dt)
     dof, vf, kf, qf = do.float(), cast(hb.v, dt).float(), cast(hb.k, dt).float(), cast(hb.q, dt).float()
     p = torch.exp(s - lse.unsqueeze(-1))  # (n, Tq, Tk) fp32: 0 at masked keys and in fully masked rows
+    if hb.causal:
+        p = p.masked_fill(_future(p), 0.0)
     dsum = (dof * out.float()).sum(dim=-1, keepdim=True)  # (n, Tq, 1) D = rowsum(dO * O)
     dp = torch.matmul(dof, vf.transpose(-1, -2))  # fp32
     ds = p * (dp - dsum)  # fp32
@@ -291,7 +296,8 @@ def flash(hb: HeadBlock, dt: torch.dtype, blocks: bool = True, terms: bool = Fal
         qb = flash_q_block(tq)
         for m0 in range(0, tq, qb):
             m1 = min(tq, m0 + qb)
-            for n0 in range(0, tk, FLASH_KV_BLOCK):
+            keys = min(m1, tk) if hb.causal else tk  # causal: the key blocks past the query block are skipped
+            for n0 in range(0, keys, FLASH_KV_BLOCK):
                 n1 = min(tk, n0 + FLASH_KV_BLOCK)
                 pb, dsb = p_dt[:, m0:m1, n0:n1], ds_dt[:, m0:m1, n0:n1]
                 dv[:, n0:n1] = (dv[:, n0:n1].float() + torch.matmul(pb.transpose(-1, -2), dof[:, m0:m1])).to(dt)
@@ -302,6 +308,12 @@ def flash(hb: HeadBlock, dt: torch.dtype, blocks: bool = True, terms: bool = Fal
     ds_bad = _rows_bad(ds) | _rows_bad(ds_dt)
     return PathGrads(dq, dk, dv, _forward_causes(s, p, True), _rows_bad(dp), ds_bad, _nan_rows(ds, ds_bad), held,
                      group_sum_dtype=torch.float32, terms=_terms(p, dp, dsum) if terms else None)
+
+
+def _future(t: torch.Tensor) -> torch.Tensor:
+    """(Tq, Tk) True at the keys after each query, aligned top left as SDPA's is_causal."""
+    tq, tk = t.shape[-2], t.shape[-1]
+    return torch.ones(tq, tk, dtype=torch.bool, device=t.device).triu(1)
 
 
 def reference(hb: HeadBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:

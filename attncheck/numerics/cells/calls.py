@@ -158,7 +158,8 @@ def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: Tens
     # model really produced (with it) cannot be compared.
     real = {} if info.dropout_p > 0 else {name: tensors[role] for name, role in (("dq", "grad_q"), ("dk", "grad_k"), ("dv", "grad_v")) if role in tensors}
     grads = GradInputs(tensors["grad_out"], scores=tensors.get("scores") if info.kind == "softmax" else None, out=tensors.get("out"),
-                       real=real, device_type=info.meta.get("device", "cpu").split(":")[0], dropout_p=info.dropout_p)
+                       real=real, device_type=info.meta.get("device", "cpu").split(":")[0], dropout_p=info.dropout_p,
+                       causal=info.is_causal and info.kind == "sdpa")
     attach_backward(diag, what, bw_inputs, grads, options, mask_op, own)
 
 

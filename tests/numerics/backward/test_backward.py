@@ -304,3 +304,23 @@ def test_collapsed_softmax_gradients_flush_in_fp16():
     ref = torch.softmax((q @ k.transpose(-1, -2)).double() / math.sqrt(32), -1)
     assert float((ref.max(-1).values > 0.99).double().mean()) > 0.7  # most rows collapsed
     assert res.dq.flushed_frac > 0.1 and res.dk.flushed_frac > 0.1
+
+
+@pytest.mark.parametrize("tq", [40, 600])
+def test_flash_causal_nan_pattern_is_the_kernels_not_eagers(tq):
+    """A NaN in a late key's k: the CPU flash kernel fills each query's future keys with zeros and
+    skips the key blocks (of 512) that start past its query block. Within a block computed, 0 x NaN
+    is still NaN in dQ = dS K (at 40 keys every row); from 600 keys, the queries before the NaN
+    key's block keep finite gradients, where eager attention with an added mask has NaN everywhere."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v, do = (torch.randn(1, 1, tq, 16, generator=g) for _ in range(4))
+    k[0, 0, tq - 3, 0] = float("nan")
+    ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
+    gq, gk, gv = torch.autograd.grad(out, (ql, kl, vl), do)
+    cell = BackwardCell("flash", "fp32", model=True)
+    res = diagnose_backward(prepare_inputs(q, k, None, v=v, causal=True), GradInputs(do, out=out.detach(), causal=True), [cell], 1 << 20)[cell]
+    for name, theirs in (("dq", gq), ("dk", gk), ("dv", gv)):
+        assert getattr(res, name).nan_rows == int(theirs.isnan().any(-1).sum()), name
+    assert res.dq.nan_rows == (tq if tq <= 512 else tq - 512)
