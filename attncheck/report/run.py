@@ -228,14 +228,7 @@ def backward_table(d: TensorDiagnosis) -> Table | None:
     cells = [c for c in d.cells if c.backward is not None]
     if not cells:
         return None
-    t = Table(
-        title="Backward: dQ, dK, dV against float64 autograd (entries where both are finite)",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1),
-        pad_edge=False,
-        collapse_padding=True,
-    )
+    t = compact_table("Backward: dQ, dK, dV against float64 autograd (entries where both are finite)")
     # rel err is in the JSON report; the table keeps to 80 columns.
     for name in ("cell", "grad", "NaN rows", "max err", "flush", "2x rule", "real"):
         t.add_column(name, justify="left" if name in ("cell", "grad", "NaN rows") else "right", no_wrap=True)
