@@ -168,3 +168,26 @@ def test_dropout_calls_are_judged_without_their_mask_and_not_compared(impl):
         assert b is not None and not b.real_compared and "dropout (p=0.1)" in b.how
         assert all(g.real_agrees is None for _, g in b.grads())
     assert [f.code for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"] == []
+
+
+def test_a_damaged_gradients_file_is_one_line_naming_the_call(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nimport torch.nn.functional as F\ntorch.manual_seed(0)\n"
+                      "q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))\n"
+                      "F.scaled_dot_product_attention(q, k, v).sum().backward()\n")
+    cap = tmp_path / "cap"
+    runner = CliRunner()
+    assert runner.invoke(app, ["capture", "--out", str(cap), "--quiet", "--", str(script)]).exit_code == 0
+    grads = next(cap.glob("*.grads.safetensors"))
+    tensors = load_file(str(grads))
+    from safetensors import safe_open
+
+    with safe_open(str(grads), "pt") as fh:
+        meta = fh.metadata()
+    for role, bad in (("grad_out", torch.zeros(1, 2, 7, 4)), ("grad_k", torch.zeros(1, 2, 8, 4, dtype=torch.int32))):
+        save_file({**tensors, role: bad}, str(grads), metadata=meta)
+        r = runner.invoke(app, ["run", str(cap)])
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert len(r.stderr.strip().splitlines()) == 1 and role in r.stderr and "call 0" in r.stderr

@@ -136,6 +136,7 @@ def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: Tens
     backend's path, compared with the gradients its kernel produced where they were recorded."""
     from attncheck.numerics.backward.diagnose import BackwardCell, GradInputs
 
+    _check_grads(info, tensors)
     if info.kind == "softmax":
         bw_inputs = None if inputs is None else _softmax_what_if_inputs(info, tensors, inputs, options)
     else:
@@ -161,6 +162,24 @@ def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: Tens
                        real=real, device_type=info.meta.get("device", "cpu").split(":")[0], dropout_p=info.dropout_p,
                        causal=info.is_causal and info.kind == "sdpa")
     attach_backward(diag, what, bw_inputs, grads, options, mask_op, own)
+
+
+def _check_grads(info: CallInfo, tensors: dict[str, torch.Tensor]) -> None:
+    """The gradients (and the output) of a call must have the shapes of what they are the gradient
+    of: an input error naming the call otherwise (a hand-made or damaged gradients file)."""
+    q, v = tensors.get("q"), tensors.get("v")
+    if q is None or v is None:
+        return
+    want = {"grad_out": (*q.shape[:-1], v.shape[-1]), "out": (*q.shape[:-1], v.shape[-1]), "grad_q": tuple(q.shape),
+            "grad_k": tuple(tensors["k"].shape) if "k" in tensors else None, "grad_v": tuple(v.shape)}
+    for role, shape in want.items():
+        t = tensors.get(role)
+        if t is None or shape is None:
+            continue
+        if not t.is_floating_point():
+            raise AttncheckError(f"{role} has dtype {str(t.dtype).removeprefix('torch.')}; a gradient is floating point")
+        if tuple(t.shape) != tuple(shape):
+            raise AttncheckError(f"{role} has shape {tuple(t.shape)}; for q {tuple(q.shape)} and v {tuple(v.shape)} it must be {tuple(shape)}")
 
 
 def attach_backward(diag: TensorDiagnosis, what: TensorDiagnosis | None, inputs, grads, options: Options, mask_op: str = "add", own=None) -> None:
