@@ -26,8 +26,10 @@ loss-scale headroom (the largest magnitude each intermediate reached, in the dty
   log-sum-exp (a fully masked row has lse 0, so P = 0), dP = dO @ V^T in fp32, dS = P (dP - D)
   in fp32; P and dS rounded to the dtype for the products dV += P^T dO, dQ += scale dS K,
   dK += scale dS^T Q, whose sums the CPU kernel keeps in the dtype, rounded after each block
-  (on CUDA, FlashAttention accumulates them in fp32 and rounds once). With a causal mask the
-  key blocks past a query block are skipped. Its exp is torch's (a few fp32 ulp from the
+  (on CUDA, FlashAttention accumulates them in fp32 and rounds once). With ``is_causal`` a
+  query's future keys are filled (S with -inf, P with 0) rather than added to, and key blocks
+  that start past the query block are skipped, so a NaN in a future key spreads as far as the
+  kernel lets it (within a computed block, 0 x NaN in dS K is still NaN). Its exp is torch's (a few fp32 ulp from the
   kernel's vectorised one), so the gradients agree with the kernel's within a rounding bound,
   not bit for bit.
 - ``reference``: float64 autograd of the intended attention: the scores as given, masked keys at
