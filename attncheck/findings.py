@@ -499,11 +499,11 @@ def backward_findings(cells: list[Cell]) -> list[Finding]:
             add("grad_overflow", c, f"{stage} overflows ({_grad_rows(b)} hold NaN or inf){safe}", over, examples)
         flushed = [(name, g.flushed_frac) for name, g in b.grads() if g.flushed_frac is not None and g.flushed_frac >= GRAD_UNDERFLOW_WARN_FRAC]
         if flushed:
-            add("grad_underflow", c, "gradient entries that are non-zero in float64 are exactly 0 in " + c.dtype + ": "
+            add("grad_underflow", c, "gradient entries that are non-zero in float64 are exactly 0 in " + (b.dtype or c.dtype) + ": "
                 + ", ".join(f"{name} {pct(f)}" for name, f in flushed))
         broken = [(name, g) for name, g in b.grads() if g.rule_holds is False]
         if broken:
-            add("grad_error", c, "max |g - g_float64| above 2x plain attention's in " + c.dtype + " (eager, softmax in the dtype): "
+            add("grad_error", c, "max |g - g_float64| above 2x plain attention's in " + (b.dtype or c.dtype) + " (eager, softmax in the dtype): "
                 + ", ".join(f"{name} {num(g.max_abs_err)} > {num(g.rule_bound)}" for name, g in broken))
         disagree = [(name, g) for name, g in b.grads() if g.real_agrees is False]
         if disagree:

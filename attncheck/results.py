@@ -191,6 +191,7 @@ class CellBackward:
     headroom_at: str | None  # e.g. 'dP in fp16'
     how: str = ""  # the rounding points that differ by call: 'mask added', 'masked_fill', 'softmax in fp32', 'sums per block in bf16'
     real_compared: bool = False  # the model's recorded gradients were compared with this cell
+    dtype: str = ""  # the dtype the gradients are computed in (an eager cell under autocast: its matmuls', not its softmax's)
 
     def grads(self) -> list[tuple[str, GradStats]]:
         return [(n, g) for n, g in (("dq", self.dq), ("dk", self.dk), ("dv", self.dv)) if g is not None]

@@ -191,3 +191,20 @@ def test_a_damaged_gradients_file_is_one_line_naming_the_call(tmp_path):
         r = runner.invoke(app, ["run", str(cap)])
         assert r.exit_code == 2 and "Traceback" not in r.output, r.output
         assert len(r.stderr.strip().splitlines()) == 1 and role in r.stderr and "call 0" in r.stderr
+
+
+def test_fp16_autocast_gradients_flush_without_a_loss_scale_and_not_with_one():
+    """fp16 training without a loss scale: the attention gradients are so small that many flush to 0 in
+    fp16 (a warning); with a loss scale of 2^16, none do and the recorded gradients agree (subnormal
+    steps are within the bound)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=g)
+    for scale, expected in ((1.0, {"grad_underflow"}), (2.0**16, set())):
+        model = llama_gqa("sdpa").train()
+        with attncheck.capture(diagnose=True) as cap:
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(input_ids=ids).logits
+            (logits.float().pow(2).mean() * scale).backward()
+        assert {f.code for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"} == expected
+        assert all(g.real_agrees for r in cap.calls for _, g in r.diagnosis.cells[0].backward.grads())
+    assert all(r.diagnosis.cells[0].backward.scale_headroom > 100 for r in cap.calls)  # room for the scaler to grow

@@ -14,7 +14,7 @@ import torch
 
 from attncheck.numerics.backward import paths as bw
 from attncheck.numerics.inputs.scores import AttentionInputs
-from attncheck.numerics.precision import cast, dtype_from_name, rounding_limit
+from attncheck.numerics.precision import cast, dtype_from_name, rounding_limit, smallest_subnormal
 from attncheck.results import GRAD_CAUSES, CellBackward, GradStats
 
 BACKWARD_PATHS = ("eager", "sdpa-math", "flash")  # paths with a backward (the FP8 kernels have none)
@@ -297,7 +297,7 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
         if grads.dropout_p > 0:
             how = (how + "; " if how else "") + f"without the call's dropout (p={grads.dropout_p:g}): its mask is not recorded, so neither are the real gradients compared"
         results[cell] = CellBackward(stats["dq"], stats["dk"], stats["dv"], dout_rows, headroom, at, how,
-                                     real_compared=cell.model and bool(real))
+                                     real_compared=cell.model and bool(real), dtype=cell.dtype)
     return results
 
 
@@ -323,8 +323,12 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     the CPU, else 1), T the sum of the magnitudes of the element's terms (P (|dP| + |D|) for the
     terms of dS, before their cancellation), n their number: a rounding flip of one term of P or
     dS in the dtype moves the element by at most 2u times that term, and two fp32 sums of n terms
-    in different orders differ by at most 2 n u32 T."""
+    in different orders differ by at most 2 n u32 T. Where gradients are as small as the dtype's
+    subnormals, rounding is absolute: each rounding may move an element by a subnormal step s, and a
+    flip of one term of P or dS by s times its factor, hence (R + 1) s + 2 s A, with A the sum of
+    the magnitudes of those factors (|K| times the scale for dq, |Q| for dk, |dO| for dv)."""
     u = _unit_roundoff(dt)
+    step = smallest_subnormal(dt)
     gq, gk, gv = cell_grads
     tq, tk = hb.q.shape[1], hb.k.shape[1]
     kf, qf, vf = hb.k.float().abs(), hb.q.float().abs(), hb.dout.float().abs()
@@ -333,15 +337,19 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     t_q = scale * torch.matmul(ds_abs, kf)
     t_k = _group_sum(scale * torch.matmul(ds_abs.transpose(-1, -2), qf), groups, torch.float32, torch.float32)
     t_v = _group_sum(torch.matmul(p_abs.transpose(-1, -2), vf), groups, torch.float32, torch.float32)
+    a_q = scale * kf.sum(dim=-2, keepdim=True)  # (n, 1, d)
+    a_k = _group_sum(scale * qf.sum(dim=-2, keepdim=True), groups, torch.float32, torch.float32)
+    a_v = _group_sum(vf.sum(dim=-2, keepdim=True), groups, torch.float32, torch.float32)
     blocked = cell.path == "flash" and grads.device_type != "cuda" and dt != torch.float32
     r_q = math.ceil(tk / bw.FLASH_KV_BLOCK) if blocked else 1
     r_kv = math.ceil(tq / bw.flash_q_block(tq)) if blocked else 1
     u32 = _unit_roundoff(torch.float32)
-    for name, g, t, rounds, terms, lo, hi in (("dq", gq, t_q, r_q, tk, h0, h1), ("dk", gk, t_k, r_kv, tq * groups, u0, u1),
-                                              ("dv", gv, t_v, r_kv, tq * groups, u0, u1)):
+    for name, g, t, a, rounds, terms, lo, hi in (("dq", gq, t_q, a_q, r_q, tk, h0, h1), ("dk", gk, t_k, a_k, r_kv, tq * groups, u0, u1),
+                                                 ("dv", gv, t_v, a_v, r_kv, tq * groups, u0, u1)):
         if name not in real:
             continue
         rg = real[name][lo:hi]
         mag = torch.maximum(rg.abs().to(torch.float64), g.abs().to(torch.float64))
-        tol = 2 * u * (rounds + 1) * mag + (4 * u + 2 * terms * u32) * t.to(torch.float64) + 2.0**-1000
+        tol = (2 * u * (rounds + 1) * mag + (4 * u + 2 * terms * u32) * t.to(torch.float64)
+               + (rounds + 1) * step + 2 * step * a.to(torch.float64))
         acc[name].compare_real(rg, g, tol)
