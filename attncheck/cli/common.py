@@ -13,6 +13,7 @@ import typer
 import typer.core
 
 from attncheck.errors import AttncheckError
+from attncheck.format import visible
 
 from typer import Abort
 
@@ -79,10 +80,16 @@ def flag(parameter: str) -> str:
     return FLAGS.get(parameter) or ("--" + parameter.replace("_", "-") if parameter.isidentifier() else parameter)
 
 
+def say(line: str) -> None:
+    """One line on stderr, as it is: names it quotes come from files, so a control character or an
+    escape sequence in them is shown (``format.visible``), never acted on or split into lines."""
+    typer.echo(visible(line), err=True)
+
+
 def fail(error: AttncheckError | str) -> typer.Exit:
     """Print one line on stderr and return the Exit(2) to raise."""
     message = error.render(flag) if isinstance(error, AttncheckError) else error
-    typer.echo(f"attncheck: error: {message}", err=True)
+    say(f"attncheck: error: {message}")
     return typer.Exit(EXIT_USAGE)
 
 

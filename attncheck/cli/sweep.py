@@ -75,7 +75,7 @@ def sweep(
     if json_out != "-":
         from rich.console import Console
 
-        print_sweep(Console(), result)
+        print_sweep(Console(markup=False), result)
     raise typer.Exit(EXIT_OK)
 
 
@@ -111,5 +111,5 @@ def _run_preset(name: str, seed: str, device: str, json_out, plot, quiet: bool, 
     if json_out != "-":
         from rich.console import Console
 
-        print_preset(Console(), result)
+        print_preset(Console(markup=False), result)
     raise typer.Exit(EXIT_OK)
