@@ -24,7 +24,7 @@ from attncheck import __version__
 from attncheck.errors import AttncheckError
 from attncheck.loaders.calls import CALL_FILE, CAPTURE_SCHEMA, MANIFEST, call_file_name, info_from_meta
 from attncheck.record.mode import Recorded
-from attncheck.results import CallReport
+from attncheck.results import CallInfo, CallReport
 
 
 def cpu_tensors(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch.Tensor]:
@@ -102,11 +102,14 @@ def prepare_directory(path: str | os.PathLike[str]) -> Path:
     manifest = d / MANIFEST
     if not manifest.is_file():
         raise AttncheckError(f"capture directory {d} is not empty and holds no capture ({MANIFEST}); give a new or empty folder", param="path")
+    from attncheck.loaders import jsondoc
+
     try:
-        doc = json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        with open(manifest, "rb") as fh:
+            doc = jsondoc.decode(fh.read(jsondoc.MAX_BYTES + 1))
+    except (OSError, jsondoc.JSONError):
         doc = None
-    if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith("attncheck.capture/"):
+    if not isinstance(doc, dict) or not isinstance(doc.get("schema"), str) or not doc["schema"].startswith("attncheck.capture/"):
         raise AttncheckError(f"capture directory {d} is not empty and its {MANIFEST} is not a capture's; give a new or empty folder", param="path")
     for p in entries:  # a previous capture: its own files go, anything else stays
         if p.is_file() and (p.name == MANIFEST or CALL_FILE.match(p.name)):
@@ -239,7 +242,13 @@ class DiagnoseSink:
         from attncheck.findings import apply_ignore
         from attncheck.numerics.cells.calls import diagnose_call
 
-        info = info_from_meta(call.meta, index=call.index, name=f"{call.index:04d}-{call.module or 'global'}", file=None)
+        name = f"{call.index:04d}-{call.module or 'global'}"
+        try:
+            info = info_from_meta(call.meta, index=call.index, name=name, file=None)
+        except AttncheckError as e:  # a call attncheck cannot diagnose (a negative scale): listed, the model runs on
+            info = CallInfo(index=call.index, name=name, kind=call.kind, module=call.module)
+            self.reports.append(CallReport(info, None, error=f"{name} (call {call.index}, {call.kind}): {e.message}"))
+            return
         tensors = cpu_tensors(call.tensors, copy=False)
         device_type = next(iter(call.tensors.values())).device.type
         try:
