@@ -36,13 +36,24 @@ SCALE_ORDERS = ("scores", "q")
 MASK_CONVENTIONS = ("attend", "ignore")
 
 
+MAX_SHOWN = 60  # characters of a value quoted in a message
+
+
 def show(value: Any) -> str:
-    """A value as messages show it: strings quoted, booleans as TOML spells them."""
+    """A value as messages show it: strings quoted, booleans as TOML spells them; a long value
+    (a 5,001-digit number) cut short with its length."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, dict):
         return "a table"
-    return repr(value)
+    if isinstance(value, list) and len(value) > 8:
+        return f"a list of {len(value)} values"
+    if isinstance(value, int):
+        digits = len(str(abs(value))) if abs(value).bit_length() < 14_000 else None  # past Python's int-string limit
+        if digits is None or digits > MAX_SHOWN:
+            return f"an integer of {'over 4,300' if digits is None else f'{digits:,}'} digits"
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN - 3]}... ({len(text):,} characters)"
 
 
 def items(value: Any, param: str) -> list[Any]:
@@ -113,17 +124,25 @@ def _typed(value: Any, kind: type, from_text: bool) -> tuple[Any, str]:
     if from_text and isinstance(value, str):
         text = value.strip()
         try:
-            return kind(text), text
-        except ValueError:
-            return text, repr(text)
+            return kind(text), (text if len(text) <= MAX_SHOWN else show(text))
+        except ValueError:  # also a number past Python's int-string limit
+            return text, show(text)
     return value, show(value)
 
 
+MAX_INTEGER = 1 << 62  # no count, size or index attncheck takes comes near it
+
+
 def integer(value: Any, param: str, minimum: int, *, from_text: bool = True) -> int:
-    """An int >= ``minimum``; text is parsed when ``from_text``."""
+    """An int >= ``minimum`` (and at most 2^62); text is parsed when ``from_text``."""
     v, shown = _typed(value, int, from_text)
+    if isinstance(v, str) and v.lstrip("+").isascii() and v.lstrip("+").isdigit():  # past Python's int-string limit
+        shown = f"an integer of {len(v.lstrip('+')):,} digits"
+        v = MAX_INTEGER + 1
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise AttncheckError(f"must be an integer >= {minimum}, got {shown}", param=param)
+    if v > MAX_INTEGER:
+        raise AttncheckError(f"must be an integer from {minimum} to 2^62, got {shown}", param=param)
     return v
 
 
@@ -160,7 +179,7 @@ def lengths(text: str, param: str) -> list[int]:
         item = item.strip()
         if not item:
             continue
-        if not item.isdigit():
+        if not (item.isascii() and item.isdigit()):  # '²'.isdigit() holds, but int() refuses it
             raise AttncheckError(f"{item!r} is not a non-negative integer (give one length per batch element, e.g. 3,0)", param=param)
         out.append(int(item))
     return out
@@ -201,7 +220,7 @@ def mask_value(text: str, param: str = "mask_value") -> str:
 def device(value: Any, param: str = "device") -> str:
     """'auto', 'cpu', 'cuda' or 'cuda:N' (whether CUDA is there is checked where it is used)."""
     name = value.strip().lower() if isinstance(value, str) else value
-    if isinstance(name, str) and (name in DEVICES or (name.startswith("cuda:") and name[5:].isdigit())):
+    if isinstance(name, str) and (name in DEVICES or (name.startswith("cuda:") and name[5:].isascii() and name[5:].isdigit())):
         return name
     raise AttncheckError(f"must be one of {', '.join(DEVICES)} or cuda:N, got {show(value)}", param=param)
 

@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from attncheck import params
-from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, say, write_json, write_text
+from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, report_console, say, write_json, write_text
 from attncheck.cli.options import DeviceOpt, JsonOpt, QuietOpt, notices, progress_shown
 from attncheck.config.check import find_config, load_config
 from attncheck.errors import AttncheckError
@@ -91,9 +91,7 @@ def check(
     _append_step_summary(md)
 
     if "-" not in (json_out, junit, markdown):
-        from rich.console import Console
-
-        print_summary(Console(markup=False), result, quiet=quiet)
+        print_summary(report_console(), result, quiet=quiet)
     for case in result.failures:
         for c in case.failures:
             say(f"attncheck: budget broken: {case.input} {case.name}: {describe_check(c)}")

@@ -12,7 +12,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from attncheck import params
-from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, say, write_json
+from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, report_console, say, write_json
 from attncheck.cli.options import (
     DEFAULT_DTYPES,
     DEFAULT_METHODS,
@@ -203,9 +203,7 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
         except AttncheckError as e:
             raise fail(e) from None
     if json_out != "-":
-        from rich.console import Console
-
-        console = Console(markup=False)  # the renderers give Text for names; no string is read as markup
+        console = report_console()
         if full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
             print_report(console, result.tensors, result.device, verbose=not brief, what_ifs=what_ifs)
         else:

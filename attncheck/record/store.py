@@ -84,8 +84,16 @@ def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, torch.Ten
 
 
 def prepare_directory(path: str | os.PathLike[str]) -> Path:
-    """The capture directory, created (its parent must exist) or emptied of a previous capture."""
-    d = Path(path)
+    """The capture directory, created (its parent must exist) or emptied of a previous capture; as an
+    absolute path, so that a script that changes its working directory still writes there."""
+    d = Path(os.path.abspath(path))
+    try:
+        return _prepare(d)
+    except OSError as e:  # a name the file system refuses (too long), a folder removed meanwhile
+        raise AttncheckError(f"cannot use capture directory {path}: {e.strerror or e}", param="path") from None
+
+
+def _prepare(d: Path) -> Path:
     if d.exists() and not d.is_dir():
         raise AttncheckError(f"capture directory {d} is a file", param="path")
     if not d.exists():
@@ -208,8 +216,12 @@ class DirectorySink:
         doc = {"schema": CAPTURE_SCHEMA, "attncheck_version": __version__, "torch_version": torch.__version__,
                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts, "total_bytes": self.bytes, "calls": self.entries}
         tmp = self.dir / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, self.dir / MANIFEST)
+        try:
+            tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+            os.replace(tmp, self.dir / MANIFEST)
+        except OSError as e:  # the disk filled up, or the script removed the folder while it ran
+            gone = "" if self.dir.is_dir() else f" (the folder {self.dir} is gone: removed while the script ran?)"
+            raise AttncheckError(f"cannot write the capture's manifest {self.dir / MANIFEST}: {e.strerror or e}{gone}", param="path") from None
 
 
 class MemorySink:

@@ -59,7 +59,7 @@ def _normalised(info: CallInfo, tensors: dict[str, torch.Tensor]) -> dict[str, t
     out = dict(tensors)
     scores, q, k = out.get("scores"), out.get("q"), out.get("k")
     num_heads = info.meta.get("num_heads", "")
-    if scores is not None and scores.dim() == 3 and num_heads.isdigit() and int(num_heads) > 0 and scores.shape[0] % int(num_heads) == 0:
+    if scores is not None and scores.dim() == 3 and num_heads.isascii() and num_heads.isdigit() and int(num_heads) > 0 and scores.shape[0] % int(num_heads) == 0:
         h = int(num_heads)
         out["scores"] = scores.reshape(scores.shape[0] // h, h, *scores.shape[1:])
         if q is not None and k is not None and q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == scores.shape[0]:
