@@ -186,7 +186,8 @@ def lengths(text: str, param: str) -> list[int]:
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
+               "p": 1000**5, "pb": 1000**5, "pib": 1024**5}
 
 
 def size(text: str, param: str) -> int:
@@ -199,8 +200,23 @@ def size(text: str, param: str) -> int:
     except ValueError:
         value = math.nan
     if unit not in _SIZE_UNITS or not math.isfinite(value) or value * _SIZE_UNITS.get(unit, 0) < 1:
-        raise AttncheckError(f"{text!r} is not a size (e.g. 1GiB, 512MiB, 2G)", param=param)
+        raise AttncheckError(f"{show(text)} is not a size (e.g. 1GiB, 512MiB, 2G)", param=param)
+    if value * _SIZE_UNITS[unit] > MAX_INTEGER:
+        raise AttncheckError(f"{show(text)} is larger than any size attncheck takes (2^62 bytes)", param=param)
     return int(value * _SIZE_UNITS[unit])
+
+
+# The least working memory a diagnosis is given: below it every chunk holds a few rows, and the
+# work per chunk, not the rows, sets the time (200,000 rows at 1 byte never finished).
+MIN_MEMORY = 1 << 20
+
+
+def memory(value: Any, param: str = "max_memory") -> int:
+    """A working-memory budget ('1GiB', or bytes): a size of at least 1 MiB."""
+    n = size(value, param) if isinstance(value, str) else integer(value, param, 1, from_text=False)
+    if n < MIN_MEMORY:
+        raise AttncheckError(f"must be at least 1MiB (the diagnosis' working memory, on top of the interpreter's), got {show(value)}", param=param)
+    return n
 
 
 def mask_value(text: str, param: str = "mask_value") -> str:

@@ -84,7 +84,7 @@ def capture(
         options, grid_asked = cell_options(
             dtype, method, path, block=params.integer(block, "block", 1),
             reverse=Order(order).value == "reverse", accum=Accum(accum).value, device=params.device(device),
-            chunk_elements=chunk_elements_for(params.size(max_memory, "max_memory")),
+            chunk_elements=chunk_elements_for(params.memory(max_memory, "max_memory")),
         )
         if forward is not None:
             from attncheck.record import parse_forwards

@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from attncheck import params
-from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, report_console, say, write_json, write_text
+from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, out_of_memory, report_console, say, write_json, write_text
 from attncheck.cli.options import DeviceOpt, JsonOpt, QuietOpt, notices, progress_shown
 from attncheck.config.check import find_config, load_config
 from attncheck.errors import AttncheckError
@@ -73,6 +73,8 @@ def check(
     except AttncheckError as e:
         raise fail(e) from None
     except Exception as e:  # a bug, not a broken budget: exit 1 must keep meaning "a budget broke"
+        if out_of_memory(e) is not None:
+            raise fail(out_of_memory(e)) from None
         traceback.print_exc()
         raise fail(f"internal error: {type(e).__name__}: {e} (a bug in attncheck; please report it with the traceback above)") from None
 

@@ -112,6 +112,16 @@ def check_output_path(path: str | None, option: str, dash_ok: bool = True) -> No
         raise AttncheckError(f"cannot write {option} {path}: folder {folder} does not exist")
 
 
+def out_of_memory(error: BaseException) -> str | None:
+    """The one line for an allocation the machine refused (MemoryError, torch's allocators), else None."""
+    text = str(error)
+    if isinstance(error, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower() or "not enough memory" in text:
+        first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+        return (f"out of memory: the machine refused an allocation ({first[:160]}); "
+                "lower --max-memory, or give inputs that fit")
+    return None
+
+
 # What writing to a full disk or device, or to a closed pipe, raises.
 _OUTPUT_ERRNOS = {errno.ENOSPC, errno.EPIPE, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
@@ -246,6 +256,12 @@ class OneLineErrorsGroup(PlainFlags, typer.core.TyperGroup):
             code = EXIT_FAILED
         except AttncheckError as e:  # standard output refused a report (StdoutError), where no command catches it
             fail(e)
+            code = EXIT_USAGE
+        except (MemoryError, RuntimeError) as e:
+            why = out_of_memory(e)
+            if why is None:  # a bug, with its traceback
+                raise
+            fail(why)
             code = EXIT_USAGE
         except OSError as e:
             if e.errno not in _OUTPUT_ERRNOS:  # not what a refused write to standard output (--help, --version) raises

@@ -129,7 +129,7 @@ def run(
     try:
         conditions = parse_fail_on(fail_on)
         ignored = ignore_codes(ignore)
-        memory = params.size(max_memory, "max_memory")
+        memory = params.memory(max_memory, "max_memory")
         check_output_path(json_out, "--json")
         asked_what_if = params.what_if(what_if) if what_if is not None else ()
         options, grid_asked = cell_options(

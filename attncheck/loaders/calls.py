@@ -16,6 +16,7 @@ No math and no printing: problems are :class:`~attncheck.errors.AttncheckError` 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -25,7 +26,8 @@ from pathlib import Path
 import msgspec
 import torch
 
-from attncheck.errors import AttncheckError
+from attncheck.errors import AttncheckError, param
+from attncheck.format import size_text
 from attncheck.loaders import jsondoc
 from attncheck.loaders.capture_schema import CAPTURE_SCHEMA_PREFIX, FIELD_HELP, CallMeta, Manifest, ManifestCall, meta_fields
 from attncheck.loaders.common import TensorSource, check_tensor, error, qualified_name, reason, shorten
@@ -161,18 +163,26 @@ def is_call_file(path: str) -> bool:
 
 
 def _load_call_tensors(path: str, label: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """The tensors of the roles a diagnosis reads (others, such as gradients, stay on disk)."""
+    from safetensors import safe_open
 
+    out = {}
     try:
-        raw = load_file(path)
+        with safe_open(path, framework="pt") as f:
+            for role in ROLES:
+                if role in f.keys():
+                    out[role] = f.get_tensor(role)
     except Exception as exc:
         raise error(f"{label}: cannot read the call's tensors ({reason(exc)})") from exc
-    out = {}
-    for role, t in raw.items():
-        if role not in ROLES:
-            continue
-        out[role] = check_tensor(f"{label}: {role}", t, "mask" if role in MASK_ROLES else "scores")
-    return out
+    return {role: check_tensor(f"{label}: {role}", t, "mask" if role in MASK_ROLES else "scores") for role, t in out.items()}
+
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "bool": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1}
+
+
+def call_bytes(entries: dict[str, tuple[str, tuple[int, ...]]]) -> int:
+    """Bytes of the tensors a call's diagnosis loads (its roles), from its header."""
+    return sum(math.prod(shape) * _ITEMSIZE.get(dtype, 8) for role, (dtype, shape) in entries.items() if role in ROLES)
 
 
 def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
@@ -184,15 +194,19 @@ def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int,
 
 
 def call_file_source(path: str, index: int, meta: dict[str, str], entries: dict[str, tuple[str, tuple[int, ...]]],
-                     fallback: CallInfo | None = None) -> CallSource:
-    """The call of a call file; metadata that does not check out is its ``problem`` (``fallback``,
-    or what can be read of the metadata, names it in the report)."""
+                     fallback: CallInfo | None = None, max_bytes: int | None = None) -> CallSource:
+    """The call of a call file; metadata that does not check out, or tensors that would not fit in
+    ``max_bytes`` once loaded, are its ``problem`` (``fallback``, or what can be read of the metadata,
+    names it in the report)."""
     label = _call_label(path, meta.get("kind"), meta.get("module"), index)
     try:
         info = info_from_meta(meta, index=index, name=path, file=path)
     except AttncheckError as exc:
         info = fallback or CallInfo(index=index, name=path, kind="unknown", file=path)
         return _broken(info, f"{label}: {exc.message}")
+    size = call_bytes(entries)
+    if max_bytes is not None and size > max_bytes:
+        return _broken(info, f"{label}: loading the call whole needs {size_text(size)}, over {param('max_memory')} {size_text(max_bytes)}")
     return CallSource(info, lambda: _load_call_tensors(path, label), _check_roles(label, info.kind, entries))
 
 
@@ -267,10 +281,10 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict:
     return manifest_facts(load_manifest(directory))
 
 
-def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None = None) -> tuple[list[CallSource], dict]:
+def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None = None, max_bytes: int | None = None) -> tuple[list[CallSource], dict]:
     """The calls of a capture directory in call order, each checked against its manifest entry
-    and its file header; and the manifest. Per-call problems are kept in ``problem``;
-    a manifest that cannot be read raises."""
+    and its file header (and its size against ``max_bytes``); and the manifest. Per-call problems
+    are kept in ``problem``; a manifest that cannot be read raises."""
     given = os.fspath(directory)
     manifest = load_manifest(given)
     where = os.path.join(given, MANIFEST)
@@ -295,7 +309,7 @@ def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None
             out.append(_broken(info, f"{label}: {_strip_path(exc.message, path)}"))
             continue
         problem = _mismatch(label, where, entry, meta, entries)
-        source = call_file_source(path, index, meta, entries, fallback=info)
+        source = call_file_source(path, index, meta, entries, fallback=info, max_bytes=max_bytes)
         out.append(CallSource(source.info, source.load, problem or source.problem))
     unlisted = sorted((p.name for p in Path(given).glob("*.safetensors") if p.name not in listed), key=natural_key)
     if unlisted:
@@ -380,7 +394,7 @@ def open_inputs(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (
     plain: list[str] = []
     for raw in paths:
         if is_capture_dir(raw):
-            calls, doc = open_capture(raw, selector)
+            calls, doc = open_capture(raw, selector, max_bytes)
             found.extend(calls)
             manifests.append(doc)
         else:
@@ -391,7 +405,7 @@ def open_inputs(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (
         if is_call_file(file):
             meta, entries = read_call_header(file)
             if selector.select(file, [meta.get("module") or "global"]):
-                found.append(call_file_source(file, order, meta, entries))
+                found.append(call_file_source(file, order, meta, entries, max_bytes=max_bytes))
                 order += 1
             continue
         listing = open_file(file, "scores", max_bytes)
