@@ -12,7 +12,6 @@ field; ``-m slow`` runs the whole product."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 import time
