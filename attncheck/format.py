@@ -5,7 +5,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Sequence
+
+# What a terminal acts on instead of showing: C0 and C1 control characters (escape sequences start
+# with one), DEL, the Unicode line and paragraph separators, the bidirectional overrides, and lone
+# surrogates (undecodable bytes of a file name), which no output encoding can write.
+_UNSHOWN = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match) -> str:
+    ch = match.group()
+    return _ESCAPES.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+
+
+def visible(text: object) -> str:
+    """Text that came from a file (a tensor, member, key or module name, a path, a message
+    quoting one) as it may be printed: every character a terminal would act on is written
+    as its escape ('\\x1b', '\\n', '\\u202e'), so a name prints on one line, as itself.
+    Renderers wrap the result in ``rich.text.Text``, never in markup."""
+    return _UNSHOWN.sub(_escape, str(text))
 
 
 def fmt(x: float | None, spec: str = ".3g") -> str:

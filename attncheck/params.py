@@ -37,13 +37,24 @@ MASK_CONVENTIONS = ("attend", "ignore")
 MASK_OPS = ("add", "fill")  # how hand-written attention applies a mask: added to the scores, or masked_fill (the backward differs)
 
 
+MAX_SHOWN = 60  # characters of a value quoted in a message
+
+
 def show(value: Any) -> str:
-    """A value as messages show it: strings quoted, booleans as TOML spells them."""
+    """A value as messages show it: strings quoted, booleans as TOML spells them; a long value
+    (a 5,001-digit number) cut short with its length."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, dict):
         return "a table"
-    return repr(value)
+    if isinstance(value, list) and len(value) > 8:
+        return f"a list of {len(value)} values"
+    if isinstance(value, int):
+        digits = len(str(abs(value))) if abs(value).bit_length() < 14_000 else None  # past Python's int-string limit
+        if digits is None or digits > MAX_SHOWN:
+            return f"an integer of {'over 4,300' if digits is None else f'{digits:,}'} digits"
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN - 3]}... ({len(text):,} characters)"
 
 
 def items(value: Any, param: str) -> list[Any]:
@@ -114,17 +125,25 @@ def _typed(value: Any, kind: type, from_text: bool) -> tuple[Any, str]:
     if from_text and isinstance(value, str):
         text = value.strip()
         try:
-            return kind(text), text
-        except ValueError:
-            return text, repr(text)
+            return kind(text), (text if len(text) <= MAX_SHOWN else show(text))
+        except ValueError:  # also a number past Python's int-string limit
+            return text, show(text)
     return value, show(value)
 
 
+MAX_INTEGER = 1 << 62  # no count, size or index attncheck takes comes near it
+
+
 def integer(value: Any, param: str, minimum: int, *, from_text: bool = True) -> int:
-    """An int >= ``minimum``; text is parsed when ``from_text``."""
+    """An int >= ``minimum`` (and at most 2^62); text is parsed when ``from_text``."""
     v, shown = _typed(value, int, from_text)
+    if isinstance(v, str) and v.lstrip("+").isascii() and v.lstrip("+").isdigit():  # past Python's int-string limit
+        shown = f"an integer of {len(v.lstrip('+')):,} digits"
+        v = MAX_INTEGER + 1
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise AttncheckError(f"must be an integer >= {minimum}, got {shown}", param=param)
+    if v > MAX_INTEGER:
+        raise AttncheckError(f"must be an integer from {minimum} to 2^62, got {shown}", param=param)
     return v
 
 
@@ -161,14 +180,15 @@ def lengths(text: str, param: str) -> list[int]:
         item = item.strip()
         if not item:
             continue
-        if not item.isdigit():
+        if not (item.isascii() and item.isdigit()):  # '²'.isdigit() holds, but int() refuses it
             raise AttncheckError(f"{item!r} is not a non-negative integer (give one length per batch element, e.g. 3,0)", param=param)
         out.append(int(item))
     return out
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
+               "p": 1000**5, "pb": 1000**5, "pib": 1024**5}
 
 
 def size(text: str, param: str) -> int:
@@ -181,8 +201,23 @@ def size(text: str, param: str) -> int:
     except ValueError:
         value = math.nan
     if unit not in _SIZE_UNITS or not math.isfinite(value) or value * _SIZE_UNITS.get(unit, 0) < 1:
-        raise AttncheckError(f"{text!r} is not a size (e.g. 1GiB, 512MiB, 2G)", param=param)
+        raise AttncheckError(f"{show(text)} is not a size (e.g. 1GiB, 512MiB, 2G)", param=param)
+    if value * _SIZE_UNITS[unit] > MAX_INTEGER:
+        raise AttncheckError(f"{show(text)} is larger than any size attncheck takes (2^62 bytes)", param=param)
     return int(value * _SIZE_UNITS[unit])
+
+
+# The least working memory a diagnosis is given: below it every chunk holds a few rows, and the
+# work per chunk, not the rows, sets the time (200,000 rows at 1 byte never finished).
+MIN_MEMORY = 1 << 20
+
+
+def memory(value: Any, param: str = "max_memory") -> int:
+    """A working-memory budget ('1GiB', or bytes): a size of at least 1 MiB."""
+    n = size(value, param) if isinstance(value, str) else integer(value, param, 1, from_text=False)
+    if n < MIN_MEMORY:
+        raise AttncheckError(f"must be at least 1MiB (the diagnosis' working memory, on top of the interpreter's), got {show(value)}", param=param)
+    return n
 
 
 def mask_value(text: str, param: str = "mask_value") -> str:
@@ -202,7 +237,7 @@ def mask_value(text: str, param: str = "mask_value") -> str:
 def device(value: Any, param: str = "device") -> str:
     """'auto', 'cpu', 'cuda' or 'cuda:N' (whether CUDA is there is checked where it is used)."""
     name = value.strip().lower() if isinstance(value, str) else value
-    if isinstance(name, str) and (name in DEVICES or (name.startswith("cuda:") and name[5:].isdigit())):
+    if isinstance(name, str) and (name in DEVICES or (name.startswith("cuda:") and name[5:].isascii() and name[5:].isdigit())):
         return name
     raise AttncheckError(f"must be one of {', '.join(DEVICES)} or cuda:N, got {show(value)}", param=param)
 

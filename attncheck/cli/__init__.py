@@ -12,7 +12,7 @@ import typer
 from attncheck import __version__
 from attncheck.cli.capture import capture
 from attncheck.cli.check import check
-from attncheck.cli.common import Command, OneLineErrorsGroup, no_spin_waiting, reuse_freed_memory
+from attncheck.cli.common import Command, OneLineErrorsGroup, no_spin_waiting, reuse_freed_memory, write_stdout
 from attncheck.cli.run import run
 from attncheck.cli.sweep import sweep
 
@@ -30,7 +30,7 @@ app = typer.Typer(
 
 def version_callback(value: bool) -> None:
     if value:
-        typer.echo(f"attncheck {__version__}")
+        write_stdout(f"attncheck {__version__}\n")
         raise typer.Exit()
 
 

@@ -85,7 +85,7 @@ def capture(
         options, grid_asked = cell_options(
             dtype, method, path, block=params.integer(block, "block", 1),
             reverse=Order(order).value == "reverse", accum=Accum(accum).value, device=params.device(device),
-            chunk_elements=chunk_elements_for(params.size(max_memory, "max_memory")),
+            chunk_elements=chunk_elements_for(params.memory(max_memory, "max_memory")),
         )
         if forward is not None:
             from attncheck.record import parse_forwards
@@ -109,11 +109,27 @@ def capture(
     if outcome.error is not None:
         _show_script_error(outcome.error, script)
         kept = f"{len(cap.calls)} call(s) recorded" + (f" in {out} (manifest written)" if not no_save else "")
-        why = f"exit status {outcome.error.code}" if isinstance(outcome.error, SystemExit) else f"{type(outcome.error).__name__}, traceback above"
+        why = f"exit status {outcome.error.code}" if isinstance(outcome.error, SystemExit) else f"{type(outcome.error).__name__}{_where(outcome.error, script)}, traceback above"
         raise fail(f"{script} failed ({why}); {kept}")
     if say is not None and not no_save:
         say(f"recorded {len(cap.calls)} call(s) in {out}" + (f"; recording stopped: {cap.stopped}" if cap.stopped else "") + f" (again: attncheck run {out})")
     emit(outcome.result, conditions, ignored, json_out, brief=brief, full=full, detail=detail)
+
+
+def _where(error: BaseException, script: str) -> str:
+    """' at line 3, column 7' (a syntax error: where the parser stopped), ' at line 12' (the last line of
+    the script that ran), ' in other.py at line 3' (an imported file); '' when unknown."""
+    target = os.path.abspath(script)
+    if isinstance(error, SyntaxError) and error.lineno:
+        place = f" at line {error.lineno}" + (f", column {error.offset}" if error.offset else "")
+        return place if not error.filename or os.path.abspath(error.filename) == target else f" in {error.filename}{place}"
+    line = None
+    tb = error.__traceback__
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename) == target:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return "" if line is None else f" at line {line}"
 
 
 def _show_script_error(error: BaseException, script: str) -> None:

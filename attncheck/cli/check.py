@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from attncheck import params
-from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, write_json, write_text
+from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, out_of_memory, report_console, say, write_json, write_text
 from attncheck.cli.options import DeviceOpt, JsonOpt, QuietOpt, notices, progress_shown
 from attncheck.config.check import find_config, load_config
 from attncheck.errors import AttncheckError
@@ -32,7 +32,7 @@ def _append_step_summary(text: str) -> None:
         with open(target, "a", encoding="utf-8") as fh:
             fh.write(text + "\n")
     except OSError as e:
-        typer.echo(f"attncheck: warning: cannot append to ${STEP_SUMMARY} ({target}): {e.strerror or e}", err=True)
+        say(f"attncheck: warning: cannot append to ${STEP_SUMMARY} ({target}): {e.strerror or e}")
 
 
 def check(
@@ -73,6 +73,8 @@ def check(
     except AttncheckError as e:
         raise fail(e) from None
     except Exception as e:  # a bug, not a broken budget: exit 1 must keep meaning "a budget broke"
+        if out_of_memory(e) is not None:
+            raise fail(out_of_memory(e)) from None
         traceback.print_exc()
         raise fail(f"internal error: {type(e).__name__}: {e} (a bug in attncheck; please report it with the traceback above)") from None
 
@@ -91,10 +93,8 @@ def check(
     _append_step_summary(md)
 
     if "-" not in (json_out, junit, markdown):
-        from rich.console import Console
-
-        print_summary(Console(), result, quiet=quiet)
+        print_summary(report_console(), result, quiet=quiet)
     for case in result.failures:
         for c in case.failures:
-            typer.echo(f"attncheck: budget broken: {case.input} {case.name}: {describe_check(c)}", err=True)
+            say(f"attncheck: budget broken: {case.input} {case.name}: {describe_check(c)}")
     raise typer.Exit(EXIT_FAILED if result.failures else EXIT_OK)

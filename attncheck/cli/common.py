@@ -6,6 +6,7 @@ Free of torch and numpy so argument checking stays fast.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -13,6 +14,7 @@ import typer
 import typer.core
 
 from attncheck.errors import AttncheckError
+from attncheck.format import visible
 
 from typer import Abort
 
@@ -79,10 +81,16 @@ def flag(parameter: str) -> str:
     return FLAGS.get(parameter) or ("--" + parameter.replace("_", "-") if parameter.isidentifier() else parameter)
 
 
+def say(line: str) -> None:
+    """One line on stderr, as it is: names it quotes come from files, so a control character or an
+    escape sequence in them is shown (``format.visible``), never acted on or split into lines."""
+    typer.echo(visible(line), err=True)
+
+
 def fail(error: AttncheckError | str) -> typer.Exit:
     """Print one line on stderr and return the Exit(2) to raise."""
     message = error.render(flag) if isinstance(error, AttncheckError) else error
-    typer.echo(f"attncheck: error: {message}", err=True)
+    say(f"attncheck: error: {message}")
     return typer.Exit(EXIT_USAGE)
 
 
@@ -104,10 +112,88 @@ def check_output_path(path: str | None, option: str, dash_ok: bool = True) -> No
         raise AttncheckError(f"cannot write {option} {path}: folder {folder} does not exist")
 
 
+def out_of_memory(error: BaseException) -> str | None:
+    """The one line for an allocation the machine refused (MemoryError, torch's allocators), else None."""
+    text = str(error)
+    if isinstance(error, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower() or "not enough memory" in text:
+        first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+        return (f"out of memory: the machine refused an allocation ({first[:160]}); "
+                "lower --max-memory, or give inputs that fit")
+    return None
+
+
+# What writing to a full disk or device, or to a closed pipe, raises.
+_OUTPUT_ERRNOS = {errno.ENOSPC, errno.EPIPE, errno.EDQUOT, errno.EFBIG, errno.EIO}
+
+
+class StdoutError(AttncheckError):
+    """Standard output refused a report: a full disk or device, a closed pipe."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(f"cannot write the report to standard output: {getattr(error, 'strerror', None) or error}")
+        _drop_stdout()
+
+
+def _drop_stdout() -> None:
+    """Send what is left for standard output to /dev/null, so that Python's own flush at exit does
+    not fail once more (with a traceback)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a file (a test's buffer)
+        pass
+
+
+class GuardedStdout:
+    """Standard output for Rich consoles: a write it refuses raises StdoutError (one line, exit 2)
+    instead of an OSError traceback. Looks up ``sys.stdout`` on every call (tests swap it)."""
+
+    def write(self, text: str) -> int:
+        try:
+            return sys.stdout.write(text)
+        except (OSError, ValueError) as e:
+            raise StdoutError(e) from None
+
+    def flush(self) -> None:
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError) as e:
+            raise StdoutError(e) from None
+
+    def isatty(self) -> bool:
+        return sys.stdout.isatty()
+
+    def fileno(self) -> int:
+        return sys.stdout.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(sys.stdout, "encoding", "utf-8")
+
+
+def report_console():
+    """The console reports are printed on: standard output, no markup read (names are Text), a
+    refused write one line."""
+    from rich.console import Console
+
+    return Console(file=GuardedStdout(), markup=False)
+
+
+def write_stdout(text: str) -> None:
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except (OSError, ValueError) as e:
+        raise StdoutError(e) from None
+
+
 def write_text(text: str, path: str, option: str) -> None:
     """Write a report file, or standard output for '-'; an unwritable path is an input error."""
     if path == "-":
-        typer.echo(text, nl=False)
+        write_stdout(text)
         return
     try:
         with open(path, "w", encoding="utf-8") as fh:
@@ -119,7 +205,7 @@ def write_text(text: str, path: str, option: str) -> None:
 def write_json(text: str, target: str) -> None:
     """Write JSON text to a file, or to stdout for '-'; unwritable paths are input errors."""
     if target == "-":
-        typer.echo(text)
+        write_stdout(text + "\n")
         return
     try:
         with open(target, "w", encoding="utf-8") as fh:
@@ -168,8 +254,27 @@ class OneLineErrorsGroup(PlainFlags, typer.core.TyperGroup):
         except Abort:
             typer.echo("attncheck: aborted", err=True)
             code = EXIT_FAILED
+        except AttncheckError as e:  # standard output refused a report (StdoutError), where no command catches it
+            fail(e)
+            code = EXIT_USAGE
+        except (MemoryError, RuntimeError) as e:
+            why = out_of_memory(e)
+            if why is None:  # a bug, with its traceback
+                raise
+            fail(why)
+            code = EXIT_USAGE
+        except OSError as e:
+            if e.errno not in _OUTPUT_ERRNOS:  # not what a refused write to standard output (--help, --version) raises
+                raise
+            fail(StdoutError(e))
+            code = EXIT_USAGE
         else:
             code = rv if isinstance(rv, int) else EXIT_OK
+        try:
+            sys.stdout.flush()  # a report small enough to sit in the buffer meets a full disk only now
+        except (OSError, ValueError) as e:
+            fail(StdoutError(e))
+            code = EXIT_USAGE
         if not standalone_mode:
             return code
         sys.exit(code)

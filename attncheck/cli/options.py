@@ -51,7 +51,9 @@ def notices(quiet: bool) -> Callable[[str], None] | None:
     """A callback that prints a library notice as one line on stderr, or None with --quiet."""
     if quiet:
         return None
-    return lambda line: typer.echo(f"attncheck: {line}", err=True)
+    from attncheck.cli.common import say
+
+    return lambda line: say(f"attncheck: {line}")
 
 
 def progress_shown(quiet: bool) -> tuple[bool, bool]:

@@ -12,7 +12,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from attncheck import params
-from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, write_json
+from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, report_console, say, write_json
 from attncheck.cli.options import (
     DEFAULT_DTYPES,
     DEFAULT_METHODS,
@@ -132,7 +132,7 @@ def run(
     try:
         conditions = parse_fail_on(fail_on)
         ignored = ignore_codes(ignore)
-        memory = params.size(max_memory, "max_memory")
+        memory = params.memory(max_memory, "max_memory")
         check_output_path(json_out, "--json")
         asked_what_if = params.what_if(what_if) if what_if is not None else ()
         options, grid_asked = cell_options(
@@ -211,9 +211,7 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
         except AttncheckError as e:
             raise fail(e) from None
     if json_out != "-":
-        from rich.console import Console
-
-        console = Console()
+        console = report_console()
         if full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
             print_report(console, result.tensors, result.device, verbose=not brief, what_ifs=what_ifs)
         else:
@@ -226,9 +224,9 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
                 if c.what_if is not None:
                     console.print(render_diagnosis(c.what_if, verbose=not brief))
     for reason in failed:
-        typer.echo(f"attncheck: --fail-on {reason}", err=True)
+        say(f"attncheck: --fail-on {reason}")
     if result.model is not None and result.model.skipped:
         for name, why in result.model.skipped:
-            typer.echo(f"attncheck: error: {why}", err=True)
+            say(f"attncheck: error: {why}")
         raise typer.Exit(2)
     raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)

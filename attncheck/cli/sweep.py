@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from attncheck.cli.common import EXIT_OK, check_output_path, fail, write_json
+from attncheck.cli.common import EXIT_OK, check_output_path, fail, report_console, write_json
 from attncheck.cli.options import DEFAULT_DTYPES, DEFAULT_METHODS, BlockOpt, DeviceOpt, DtypeOpt, JsonOpt, MethodOpt, PathOpt, QuietOpt, ScaleOpt, progress_shown
 from attncheck.config.sweep import DEFAULT_BLOCK, DEFAULT_DKS, DEFAULT_ROWS, DEFAULT_SEQ, PRESET_NAMES, SweepConfig
 from attncheck.errors import AttncheckError
@@ -73,9 +73,7 @@ def sweep(
         raise fail(e) from None
 
     if json_out != "-":
-        from rich.console import Console
-
-        print_sweep(Console(), result)
+        print_sweep(report_console(), result)
     raise typer.Exit(EXIT_OK)
 
 
@@ -109,7 +107,5 @@ def _run_preset(name: str, seed: str, device: str, json_out, plot, quiet: bool, 
     if json_out is not None:
         write_json(json.dumps(preset_json(result, str(resolve_device(device_n))), indent=2, allow_nan=False), json_out)
     if json_out != "-":
-        from rich.console import Console
-
-        print_preset(Console(), result)
+        print_preset(report_console(), result)
     raise typer.Exit(EXIT_OK)

@@ -38,13 +38,24 @@ class CaptureRequest:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ignore", ignore_codes(self.ignore))
         object.__setattr__(self, "what_if", params.what_if(list(self.what_if)) if self.what_if else ())
+        try:
+            os.stat(self.script)
+        except OSError as e:
+            why = "no such file" if isinstance(e, FileNotFoundError) else (e.strerror or str(e))
+            raise AttncheckError(f"{self.script}: {why} (give the Python script to run)", param="script") from None
         if not os.path.isfile(self.script):
-            what = "is a folder" if os.path.isdir(self.script) else "no such file"
+            what = "is a folder" if os.path.isdir(self.script) else "is not a file"
             raise AttncheckError(f"{self.script}: {what} (give the Python script to run)", param="script")
         if self.out is not None:
             parent = os.path.dirname(os.path.abspath(self.out))
             if not os.path.isdir(parent):
                 raise AttncheckError(f"cannot create {self.out}: folder {parent} does not exist", param="out")
+            try:
+                os.stat(self.out)
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # a name longer than the file system allows
+                raise AttncheckError(f"cannot create {self.out}: {e.strerror or e}", param="out") from None
             if os.path.exists(self.out) and not os.path.isdir(self.out):
                 raise AttncheckError(f"{self.out} is a file; give a folder for the capture", param="out")
         if self.max_calls is not None:

@@ -293,7 +293,9 @@ def parse_table(table: Any, *, display: str = "<config>", prefix: str = TABLE, r
     if "budget" in table:
         values["budget"], values["dtype_budgets"] = _parse_budgets(table["budget"], key("budget"), display)
     if "max_memory" in table:
-        values["max_memory"] = _size(table["max_memory"], key("max_memory"))
+        if not isinstance(table["max_memory"], (str, int)) or isinstance(table["max_memory"], bool):
+            _size(table["max_memory"], key("max_memory"))  # says what a size is
+        values["max_memory"] = params.memory(table["max_memory"], key("max_memory"))
     if "ignore" in table:
         from attncheck.config.run import ignore_codes
 
@@ -396,6 +398,10 @@ def _read_toml(path: Path, display: str) -> dict[str, Any]:
         raise AttncheckError(f"{display}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
     except _toml.TOMLDecodeError as e:  # the message ends with '(at line L, column C)'
         raise AttncheckError(f"{display}: invalid TOML: {e}") from None
+    except RecursionError:  # tomllib reads arrays and inline tables recursively
+        raise AttncheckError(f"{display}: arrays or tables nested too deep to be a config") from None
+    except ValueError:  # an integer past Python's int-string limit (4,300 digits)
+        raise AttncheckError(f"{display}: holds an integer of more than 4,300 digits, which no setting takes") from None
 
 
 def _attncheck_table(doc: dict[str, Any]) -> Any:

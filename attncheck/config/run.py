@@ -57,6 +57,17 @@ def rows_per_chunk(keys: int, options: "Options", cells=None) -> int:
     return max(1, budget // chunk_row_bytes(keys, options, cells))
 
 
+def check_row_fits(name: str, keys: int, max_memory: int | None) -> None:
+    """A row is never split across chunks: one whose working set alone passes ``max_memory`` (a
+    stride-0 row of 2e9 keys in a few bytes of .pt) is refused before anything is allocated."""
+    need = keys * WORKING_BYTES_PER_ELEMENT
+    if max_memory is not None and need > max_memory:
+        from attncheck.format import size_text
+
+        raise AttncheckError(f"{name}: a row of {keys:,} keys needs {size_text(need)} of working memory, over "
+                             f"{param('max_memory')} {size_text(max_memory)}; raise {param('max_memory')}")
+
+
 @dataclass(frozen=True)
 class Options:
     """The cells (dtypes x methods) and how they are computed.

@@ -30,6 +30,11 @@ MEMORY_BUDGET_BYTES = 2 * 1024**3
 _LIVE_ROW_TENSORS = 12
 _LIVE_OUT_TENSORS = 3  # float64 (rows, d_k): the reference output, an output, their difference
 
+# The theory takes moments up to std^4 and scale^2 std^4 d_k in float64: within these ranges every
+# one is finite and nonzero (std 1e200 overflowed, 1e-300 divided by zero, scale 5e-324 never ended).
+STD_RANGE = (1e-30, 1e30)
+SCALE_RANGE = (1e-30, 1e30)
+
 DEFAULT_DKS = (16, 32, 64, 128, 256, 512)
 DEFAULT_SEQ = 128
 DEFAULT_ROWS = 4096
@@ -94,8 +99,10 @@ class SweepConfig:
         set_("dks", params.integers(list(self.dks), "dks", 1, from_text=False) if self.dks else _empty("dks"))
         set_("seqs", params.integers(list(self.seqs), "seqs", 2, from_text=False) if self.seqs else _empty("seqs"))
         set_("stds", params.numbers(list(self.stds), "stds", from_text=False) if self.stds else _empty("stds"))
+        _in_range(self.stds, STD_RANGE, "stds")
         if not self.scales:
             _empty("scales")
+        _in_range([float(s.name) for s in self.scales if s.name not in (*SCALE_NAMES, "auto")], SCALE_RANGE, "scales")
         set_("dtypes", params.dtypes(list(self.dtypes), fp8=False) if self.dtypes else _empty("dtypes"))
         set_("methods", params.methods(list(self.methods)) if self.methods else _empty("methods"))
         params.choice(self.dist, DIST_NAMES, "dist")
@@ -141,6 +148,13 @@ class SweepConfig:
     @property
     def points(self) -> int:
         return len(self.dks) * len(self.scales) * len(self.seqs) * len(self.stds)
+
+
+def _in_range(values, bounds: tuple[float, float], name: str) -> None:
+    lo, hi = bounds
+    for v in values:
+        if not lo <= v <= hi:
+            raise AttncheckError(f"must be from {lo:g} to {hi:g} for the sweep's theory, got {v:g}", param=name)
 
 
 def _empty(name: str):

@@ -16,17 +16,21 @@ No math and no printing: problems are :class:`~attncheck.errors.AttncheckError` 
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 
-from attncheck.errors import AttncheckError
-from attncheck.loaders.common import TensorSource, check_tensor, error, qualified_name, reason
+from attncheck.errors import AttncheckError, param
+from attncheck.format import size_text, visible
+from attncheck.loaders import jsondoc
+from attncheck.loaders.capture_schema import CAPTURE_SCHEMA_PREFIX, FIELD_HELP, CallMeta, Manifest, ManifestCall, meta_fields
+from attncheck.loaders.common import TensorSource, check_tensor, error, qualified_name, reason, shorten
 from attncheck.loaders.paths import KeySelector, expand_paths, natural_key
 from attncheck.results import CallInfo
 
@@ -86,53 +90,62 @@ Input = TensorSource | CallSource
 # --------------------------------------------------------------------------- metadata
 
 
-def _flag(value: str | None) -> bool:
-    return (value or "").lower() == "true"
-
-
-def _number(value: str | None) -> float | None:
-    try:
-        return None if value in (None, "", "none") else float(value)
-    except ValueError:
-        return None
-
-
 def _label(torch_name: str | None) -> str | None:
     """'float16' -> 'fp16' for the dtypes attncheck computes in; others as given."""
     labels = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
     return labels.get(torch_name or "", torch_name or None)
 
 
+def call_meta(meta: dict[str, str]) -> CallMeta:
+    """A call file's metadata, typed and checked (``capture_schema.CallMeta``); a field of the
+    wrong type or out of range is an error naming it and its value:
+    'metadata: scale: expected float > 0.0, got '-1' (a positive finite number)'."""
+    try:
+        return jsondoc.convert(meta_fields(meta), CallMeta, lax=True)
+    except jsondoc.JSONError as exc:
+        why = str(exc)
+        key = why.split(":", 1)[0]
+        value = meta.get(key)
+        if isinstance(value, str):
+            shown = shorten(repr(value))
+            why = why + f" {shown}" if why.endswith("got str") else (why if shown in why else f"{why}, got {shown}")
+        raise error(f"metadata: {why}" + (f" ({FIELD_HELP[key]})" if key in FIELD_HELP else "")) from None
+
+
 def info_from_meta(meta: dict[str, str], *, index: int, name: str, file: str | None) -> CallInfo:
-    """A call file's metadata (strings, as safetensors keeps them) -> CallInfo."""
-    forward = meta.get("forward")
+    """A call file's metadata (strings, as safetensors keeps them), checked -> CallInfo."""
+    m = call_meta(meta)
     return CallInfo(
         index=index,
         name=name,
-        kind=meta.get("kind", "scores"),
-        module=meta.get("module", ""),
+        kind=m.kind,
+        module=m.module,
         file=file,
-        dtype=_label(meta.get("dtype")),
-        softmax_dtype=_label(meta.get("softmax_dtype")) if meta.get("softmax_dtype") not in (None, "", "none") else None,
-        is_causal=_flag(meta.get("is_causal")),
-        scale=_number(meta.get("scale")),
-        enable_gqa=_flag(meta.get("enable_gqa")),
-        dropout_p=_number(meta.get("dropout_p")) or 0.0,
-        has_qk=_flag(meta.get("has_qk")),
-        forward=int(forward) if forward and forward.isdigit() and int(forward) > 0 else None,
+        dtype=_label(m.dtype),
+        softmax_dtype=_label(m.softmax_dtype),
+        is_causal=m.is_causal,
+        scale=m.scale,
+        enable_gqa=m.enable_gqa,
+        dropout_p=m.dropout_p,
+        has_qk=m.has_qk,
+        forward=m.forward or None,
         meta=dict(meta),
     )
 
 
-def _call_label(path: str, meta: dict[str, str] | None, index: int | None = None) -> str:
+def _clip(name: str, limit: int = 200) -> str:
+    """A name from a file in a message: itself, cut short when very long (control characters are
+    kept: the message's printer shows them)."""
+    return name if len(name) <= limit else name[: limit - 3] + "..."
+
+
+def _call_label(path: str, kind: object = None, module: object = None, index: int | None = None) -> str:
     """'DIR/0003-m.safetensors (call 3, sdpa in model.layers.1.self_attn)'."""
     parts = []
     if index is not None:
         parts.append(f"call {index}")
-    if meta:
-        kind, module = meta.get("kind"), meta.get("module")
-        if kind:
-            parts.append(f"{kind} in {module}" if module else kind)
+    if isinstance(kind, str) and kind:
+        parts.append(f"{_clip(kind, 40)} in {_clip(module)}" if isinstance(module, str) and module else _clip(kind, 40))
     return f"{path} ({', '.join(parts)})" if parts else path
 
 
@@ -154,29 +167,33 @@ def is_call_file(path: str) -> bool:
         meta, _ = read_call_header(path)
     except AttncheckError:
         return False
-    return meta.get(FORMAT_KEY, "").startswith("attncheck.capture/")
+    return meta.get(FORMAT_KEY, "").startswith(CAPTURE_SCHEMA_PREFIX)
 
 
 def _load_call_tensors(path: str, label: str) -> dict[str, torch.Tensor]:
-    """The call's tensors by role (others in the file are left out), each checked."""
-    from safetensors.torch import load_file
+    """The tensors of a call file by role (others in the file are left out), each checked."""
+    from safetensors import safe_open
 
+    out = {}
     try:
-        raw = load_file(path)
+        with safe_open(path, framework="pt") as f:
+            for role in ROLES:
+                if role in f.keys():
+                    out[role] = f.get_tensor(role)
     except Exception as exc:
         raise error(f"{label}: cannot read the call's tensors ({reason(exc)})") from exc
-    out = {}
-    for role, t in raw.items():
-        if role not in ROLES:
-            continue
-        out[role] = check_tensor(f"{label}: {role}", t, "mask" if role in MASK_ROLES else "scores")
-    return out
+    return {role: check_tensor(f"{label}: {role}", t, "mask" if role in MASK_ROLES else "scores") for role, t in out.items()}
 
 
-def _check_roles(label: str, meta: dict[str, str], entries: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
-    kind = meta.get("kind")
-    if kind not in KINDS:
-        return f"{label}: unknown call kind {kind!r} (expected {', '.join(KINDS)})"
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "bool": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1}
+
+
+def call_bytes(entries: dict[str, tuple[str, tuple[int, ...]]]) -> int:
+    """Bytes of the tensors a call's diagnosis loads (its roles), from its header."""
+    return sum(math.prod(shape) * _ITEMSIZE.get(dtype, 8) for role, (dtype, shape) in entries.items() if role in ROLES)
+
+
+def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
     need = ("q", "k") if kind == "sdpa" else ("scores",)
     missing = [r for r in need if r not in entries]
     if missing:
@@ -184,11 +201,21 @@ def _check_roles(label: str, meta: dict[str, str], entries: dict[str, tuple[str,
     return None
 
 
-def call_file_source(path: str, index: int, meta: dict[str, str], entries: dict[str, tuple[str, tuple[int, ...]]]) -> CallSource:
-    label = _call_label(path, meta, index)
-    info = info_from_meta(meta, index=index, name=path, file=path)
-    problem = _check_roles(label, meta, entries)
-    return CallSource(info, lambda: _load_call_tensors(path, label), problem)
+def call_file_source(path: str, index: int, meta: dict[str, str], entries: dict[str, tuple[str, tuple[int, ...]]],
+                     fallback: CallInfo | None = None, max_bytes: int | None = None) -> CallSource:
+    """The call of a call file; metadata that does not check out, or tensors that would not fit in
+    ``max_bytes`` once loaded, are its ``problem`` (``fallback``, or what can be read of the metadata,
+    names it in the report)."""
+    label = _call_label(path, meta.get("kind"), meta.get("module"), index)
+    try:
+        info = info_from_meta(meta, index=index, name=path, file=path)
+    except AttncheckError as exc:
+        info = fallback or CallInfo(index=index, name=path, kind="unknown", file=path)
+        return _broken(info, f"{label}: {exc.message}")
+    size = call_bytes(entries)
+    if max_bytes is not None and size > max_bytes:
+        return _broken(info, f"{label}: loading the call whole needs {size_text(size)}, over {param('max_memory')} {size_text(max_bytes)}")
+    return CallSource(info, lambda: _load_call_tensors(path, label), _check_roles(label, info.kind, entries))
 
 
 # --------------------------------------------------------------------------- capture directories
@@ -203,70 +230,109 @@ def is_capture_dir(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def read_manifest(directory: str | os.PathLike[str]) -> dict:
-    """The manifest of a capture directory, checked for its schema and call list."""
+def load_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """The manifest of a capture directory: read within ``jsondoc``'s bounds and every field
+    checked (``capture_schema.Manifest``); anything wrong is one line naming the manifest."""
     path = os.path.join(os.fspath(directory), MANIFEST)
+    if os.path.islink(path):
+        raise error(f"{path}: is a symbolic link; a capture's manifest is a plain file of its directory (nothing is read outside it)")
     try:
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
+        with open(path, "rb") as fh:
+            data = fh.read(jsondoc.MAX_BYTES + 1)
     except OSError as exc:
         raise error(f"{path}: cannot read the manifest ({reason(exc)})") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise error(f"{path}: not a valid capture manifest (not JSON: {reason(exc)})") from exc
-    if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith("attncheck.capture/"):
+    try:
+        doc = jsondoc.decode(data)
+    except jsondoc.JSONError as exc:
+        raise error(f"{path}: not a valid capture manifest ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("schema"), str) or not doc["schema"].startswith(CAPTURE_SCHEMA_PREFIX):
         raise error(f"{path}: not an attncheck capture manifest (no schema {CAPTURE_SCHEMA!r})")
-    calls = doc.get("calls")
-    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+    if not isinstance(doc.get("calls"), list) or not all(isinstance(c, dict) for c in doc["calls"]):
         raise error(f"{path}: not a valid capture manifest ('calls' is not a list of objects)")
-    return doc
-
-
-def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None = None) -> tuple[list[CallSource], dict]:
-    """The calls of a capture directory in call order, each checked against its manifest entry
-    and its file header; and the manifest. Per-call problems are kept in ``problem``;
-    a manifest that cannot be read raises."""
-    given = os.fspath(directory)
-    doc = read_manifest(given)
-    manifest = os.path.join(given, MANIFEST)
-    listed: dict[str, dict] = {}
-    out: list[CallSource] = []
     for i, entry in enumerate(doc["calls"]):
         name = entry.get("file")
-        index = entry.get("index")
         if not isinstance(name, str) or not CALL_FILE.match(name) or os.path.basename(name) != name:
-            raise error(f"{manifest}: call entry {i} names {name!r}, not a call file of this directory")
-        if not isinstance(index, int) or isinstance(index, bool):
-            raise error(f"{manifest}: call entry {i} ({name}) has no integer index")
-        listed[name] = entry
+            raise error(f"{path}: call entry {i} names {shorten(repr(name))}, not a call file of this directory")
+    try:
+        manifest = jsondoc.convert(doc, Manifest)
+    except jsondoc.JSONError as exc:
+        raise error(f"{path}: not a valid capture manifest ({exc})") from None
+    _check_listing(path, manifest)
+    return manifest
+
+
+def _check_listing(path: str, manifest: Manifest) -> None:
+    """Every call once: no file or index listed twice, each file named by its index; at least one call."""
+    if not manifest.calls:
+        why = check_manifest_message(manifest_facts(manifest))
+        raise error(f"{path}: the capture holds no calls" + (f" ({why})" if why else ""))
+    files: dict[str, int] = {}
+    indices: dict[int, int] = {}
+    for i, entry in enumerate(manifest.calls):
+        if entry.file in files:
+            raise error(f"{path}: call entry {i} lists {entry.file} again (entry {files[entry.file]} lists it): each call is listed once")
+        if entry.index in indices:
+            raise error(f"{path}: call entry {i} has index {entry.index} again (entry {indices[entry.index]} has it): each call is listed once")
+        number = int(CALL_FILE.match(entry.file).group(1))
+        if number != entry.index:
+            raise error(f"{path}: call entry {i} has index {entry.index}, but its file {entry.file} is call {number}")
+        files[entry.file], indices[entry.index] = i, i
+
+
+def manifest_facts(manifest: Manifest) -> dict:
+    """The checked manifest as plain data (the fields this version knows)."""
+    return msgspec.to_builtins(manifest)
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict:
+    """The manifest of a capture directory, checked (``load_manifest``), as plain data."""
+    return manifest_facts(load_manifest(directory))
+
+
+def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None = None, max_bytes: int | None = None) -> tuple[list[CallSource], dict]:
+    """The calls of a capture directory in call order, each checked against its manifest entry
+    and its file header (and its size against ``max_bytes``); and the manifest. Per-call problems
+    are kept in ``problem``; a manifest that cannot be read raises."""
+    given = os.fspath(directory)
+    manifest = load_manifest(given)
+    where = os.path.join(given, MANIFEST)
+    listed = {entry.file for entry in manifest.calls}
+    out: list[CallSource] = []
+    for entry in manifest.calls:
+        name, index = entry.file, entry.index
+        if selector is not None and not selector.select(given, [entry.module or "global"]):
+            continue
         path = os.path.join(given, name)
-        label = _call_label(path, entry, index)
-        if selector is not None and not selector.select(given, [entry.get("module") or "global"]):
+        label = _call_label(path, entry.kind, entry.module, index)
+        info = CallInfo(index=index, name=path, kind=entry.kind, module=entry.module, file=path, forward=entry.forward or None)
+        if os.path.islink(path):
+            out.append(_broken(info, f"{label}: is a symbolic link; a capture's call files are plain files of its directory (nothing is read outside it)"))
             continue
         if not os.path.isfile(path):
-            out.append(_broken(path, index, entry, f"{label}: listed in {manifest} but missing"))
+            out.append(_broken(info, f"{label}: listed in {where} but " + ("not a file" if os.path.lexists(path) else "missing")))
             continue
         try:
             meta, entries = read_call_header(path)
         except AttncheckError as exc:
-            out.append(_broken(path, index, entry, f"{label}: {_strip_path(exc.message, path)}"))
+            out.append(_broken(info, f"{label}: {_strip_path(exc.message, path)}"))
             continue
-        problem = _mismatch(label, manifest, entry, index, meta, entries)
-        source = call_file_source(path, index, meta, entries)
+        problem = _mismatch(label, where, entry, meta, entries)
+        source = call_file_source(path, index, meta, entries, fallback=info, max_bytes=max_bytes)
         load, grads_problem = source.load, None
-        grads = entry.get("grads")
-        if isinstance(grads, dict):
-            gname = grads.get("file")
-            if not isinstance(gname, str) or gname != grads_file_name(index, entry.get("module") or "") or os.path.basename(gname) != gname:
-                raise error(f"{manifest}: call entry {i} names the gradients file {gname!r}, not this call's")
-            listed[gname] = grads
+        if entry.grads is not None:
+            gname = entry.grads.file
+            if gname != grads_file_name(index, entry.module or "") or os.path.basename(gname) != gname:
+                raise error(f"{where}: call {index} names the gradients file {visible(gname)}, not this call's "
+                            f"({grads_file_name(index, entry.module or '')})")
+            listed.add(gname)
             load, grads_problem = _with_grads(source.load, os.path.join(given, gname), label)
         out.append(CallSource(source.info, load, problem or source.problem or grads_problem))
     unlisted = sorted((p.name for p in Path(given).glob("*.safetensors") if p.name not in listed), key=natural_key)
     if unlisted:
-        raise error(f"{manifest} does not match the files: {os.path.join(given, unlisted[0])} is not listed in it"
+        raise error(f"{where} does not match the files: {os.path.join(given, unlisted[0])} is not listed in it"
                     + (f" ({len(unlisted) - 1} more)" if len(unlisted) > 1 else ""))
     out.sort(key=lambda s: s.info.index)
-    return out, doc
+    return out, manifest_facts(manifest)
 
 
 def _with_grads(load: Callable[[], dict[str, torch.Tensor]], path: str, label: str) -> tuple[Callable[[], dict[str, torch.Tensor]], str | None]:
@@ -292,30 +358,25 @@ def _strip_path(message: str, path: str) -> str:
     return message[len(path) + 2:] if message.startswith(path + ": ") else message
 
 
-def _broken(path: str, index: int, entry: dict, problem: str) -> CallSource:
-    meta = {k: str(v) for k, v in entry.items() if isinstance(v, (str, int, float, bool))}
-    info = info_from_meta(meta, index=index, name=path, file=path)
-
+def _broken(info: CallInfo, problem: str) -> CallSource:
     def load() -> dict[str, torch.Tensor]:
         raise error(problem)
 
     return CallSource(info, load, problem)
 
 
-def _mismatch(label: str, manifest: str, entry: dict, index: int, meta: dict[str, str], entries: dict) -> str | None:
-    if not meta.get(FORMAT_KEY, "").startswith("attncheck.capture/"):
+def _mismatch(label: str, manifest: str, entry: ManifestCall, meta: dict[str, str], entries: dict) -> str | None:
+    if not meta.get(FORMAT_KEY, "").startswith(CAPTURE_SCHEMA_PREFIX):
         return f"{label}: not a capture call file (no {FORMAT_KEY!r} in its metadata)"
-    for key, want in (("kind", entry.get("kind")), ("module", entry.get("module")), ("call", str(index))):
-        if want is not None and meta.get(key) != str(want):
-            return f"{label}: does not match {manifest} ({key} {meta.get(key)!r} in the file, {want!r} in the manifest)"
-    shapes = entry.get("tensors")
-    if isinstance(shapes, dict):
-        for role, spec in shapes.items():
-            got = entries.get(role)
-            want = tuple(spec.get("shape", ())) if isinstance(spec, dict) else None
-            if got is None or (want is not None and tuple(got[1]) != want):
-                found = "absent" if got is None else f"shape {tuple(got[1])}"
-                return f"{label}: does not match {manifest} (tensor {role!r}: {found} in the file, shape {want} in the manifest)"
+    for key, want in (("kind", entry.kind), ("module", entry.module), ("call", str(entry.index))):
+        if meta.get(key) != want:
+            return f"{label}: does not match {manifest} ({key} {shorten(repr(meta.get(key)))} in the file, {shorten(repr(want))} in the manifest)"
+    for role, spec in entry.tensors.items():
+        got = entries.get(role)
+        want = tuple(spec.shape)
+        if got is None or tuple(got[1]) != want:
+            found = "absent" if got is None else f"shape {tuple(got[1])}"
+            return f"{label}: does not match {manifest} (tensor {role!r}: {found} in the file, shape {want} in the manifest)"
     return None
 
 
@@ -368,7 +429,7 @@ def open_inputs(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (
     plain: list[str] = []
     for raw in paths:
         if is_capture_dir(raw):
-            calls, doc = open_capture(raw, selector)
+            calls, doc = open_capture(raw, selector, max_bytes)
             found.extend(calls)
             manifests.append(doc)
         else:
@@ -379,7 +440,7 @@ def open_inputs(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (
         if is_call_file(file):
             meta, entries = read_call_header(file)
             if selector.select(file, [meta.get("module") or "global"]):
-                found.append(call_file_source(file, order, meta, entries))
+                found.append(call_file_source(file, order, meta, entries, max_bytes=max_bytes))
                 order += 1
             continue
         listing = open_file(file, "scores", max_bytes)

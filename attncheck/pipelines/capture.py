@@ -34,7 +34,7 @@ class CaptureOutcome:
 def run_script(path: str, args: tuple[str, ...], stdout_to_stderr: bool = False) -> None:
     """Run a script as ``python SCRIPT ARGS`` would; ``stdout_to_stderr``: what it prints goes
     to stderr (stdout is kept for a JSON report)."""
-    saved_argv, saved_path = sys.argv, list(sys.path)
+    saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
@@ -43,6 +43,8 @@ def run_script(path: str, args: tuple[str, ...], stdout_to_stderr: bool = False)
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
+        with contextlib.suppress(OSError):  # the script may chdir: the paths attncheck was given stay relative to where it ran
+            os.chdir(saved_cwd)
 
 
 def capture_script(request: CaptureRequest, track=None, notice: Callable[[str], None] | None = None, stdout_to_stderr: bool = False) -> CaptureOutcome:

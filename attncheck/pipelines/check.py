@@ -30,6 +30,7 @@ def run_check(config: CheckConfig, device: str | None = None, track: Track | Non
 
 
 def _run_check(config: CheckConfig, device: str | None, track: Track, notice) -> CheckResult:
+    from attncheck.config.run import check_row_fits
     from attncheck.loaders import iter_sources
     from attncheck.numerics.cells.budgets import check_attention, check_source, synthetic_source
     from attncheck.numerics.cells.diagnose import resolve_device
@@ -44,6 +45,7 @@ def _run_check(config: CheckConfig, device: str | None, track: Track, notice) ->
     # One file open at a time (a .pt is loaded whole): file i+1 is opened once file i's tensors are diagnosed and dropped.
     for src in iter_sources(list(config.files), list(config.keys), max_bytes=budget) if config.files else ():
         name = _relative_name(src.name, config)
+        check_row_fits(name, src.shape[-1], budget)
         names.append(name)
         cases += check_source(src, config.budget, options, config.dtype_budgets, name=name, progress=track(name, src.rows), notice=notice, ignore=config.ignore)
         del src

@@ -70,6 +70,7 @@ def _run_files(request: RunRequest, options, track: Track, notice):
     from attncheck.loaders import TensorSource
     from attncheck.loaders.calls import check_manifest_message, open_inputs
     from attncheck.numerics.cells.calls import diagnose_call, scores_report
+    from attncheck.config.run import check_row_fits
     from attncheck.numerics.cells.diagnose import diagnose_chunks, rows_per_chunk
     from attncheck.numerics.precision import dtype_label
     from attncheck.results import CallInfo, CallReport
@@ -91,6 +92,7 @@ def _run_files(request: RunRequest, options, track: Track, notice):
     skipped: list[tuple[str, str]] = []
     for i, item in enumerate(inputs):
         if isinstance(item, TensorSource):
+            check_row_fits(item.name, item.shape[-1], request.max_memory)
             blocks = item.row_blocks(rows_per_chunk(item.shape[-1], options))
             diag = diagnose_chunks(item.name, item.shape, item.dtype, blocks, options, track(item.name, item.rows), notice=notice)
             calls.append(scores_report(CallInfo(i, item.name, "scores", dtype=dtype_label(item.dtype)), diag))
@@ -101,7 +103,8 @@ def _run_files(request: RunRequest, options, track: Track, notice):
                 raise AttncheckError(item.problem)
             tensors = item.load()
             rows = _score_rows(tensors)
-            calls.append(diagnose_call(info, tensors, options, track(info.name, rows), notice, request.what_if, options if request.grid_asked else None))
+            calls.append(diagnose_call(info, tensors, options, track(info.name, rows), notice, request.what_if, options if request.grid_asked else None,
+                                       max_bytes=request.max_memory))
         except AttncheckError as e:
             if not request.partial:
                 raise

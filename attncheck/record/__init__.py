@@ -119,6 +119,11 @@ class Capture:
             self.calls = sink.calls
 
 
+def _decimal(text: str) -> bool:
+    """ASCII digits, at most 9 ('²'.isdigit() holds, but int() refuses it)."""
+    return text.isascii() and text.isdigit() and len(text) <= 9
+
+
 def parse_forwards(value) -> frozenset[int]:
     """1, [1, 3], '1,3', '2-4' -> the forward passes to record (1-based)."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -130,7 +135,7 @@ def parse_forwards(value) -> frozenset[int]:
             if not part:
                 continue
             lo, sep, hi = part.partition("-")
-            if not lo.isdigit() or (sep and not hi.isdigit()) or int(lo) < 1 or (sep and int(hi) < int(lo)):
+            if not _decimal(lo) or (sep and not _decimal(hi)) or int(lo) < 1 or (sep and int(hi) < int(lo)):
                 raise AttncheckError(f"{part!r} is not a forward pass number or range (e.g. 1, 2-4)", param="forwards")
             out += list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
         value = out

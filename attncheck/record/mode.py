@@ -34,6 +34,13 @@ kernel from the kernel's own autograd node, otherwise from the tensors the call 
 eager path: the operands of its Q@K^T and P@V matmuls). An SDPA call also keeps its output O
 (``out``), which the flash backward reads. A backward that runs after the ``with`` block is not
 recorded (the hooks are removed on exit).
+
+Threads: a torch function mode is per thread. A thread started while recording runs with the mode
+on its own stack (``Thread.start`` wraps its ``run``), so its calls are recorded like the main
+thread's; ``F.scaled_dot_product_attention`` is routed through the recorder while it records, so SDPA
+calls from threads that were running before recording began are recorded too. Only the eager
+softmax calls of such older threads are not seen. Call numbers, bounds and the sink are taken under
+one lock; what is traced around a softmax (and the module path) is kept per thread.
 """
 
 from __future__ import annotations
@@ -41,13 +48,14 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 
 from attncheck import __version__
 from attncheck.errors import AttncheckError
@@ -57,6 +65,7 @@ from attncheck.loaders.calls import CAPTURE_SCHEMA, FORMAT_KEY
 SDPA = F.scaled_dot_product_attention
 F_SOFTMAX = F.softmax
 MHA_FORWARD = F.multi_head_attention_forward
+BMM, BADDBMM = torch.bmm, torch.baddbmm
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 MATMULS = {"matmul", "__matmul__", "bmm", "baddbmm"}
 MULS = {"mul", "__mul__", "__rmul__", "mul_", "__imul__", "multiply"}
@@ -126,14 +135,23 @@ def _number(x) -> float | None:
 
 
 class ModuleStack:
-    """Which module is running: a stack kept by global forward pre- and post-hooks."""
+    """Which module is running: a stack kept by global forward pre- and post-hooks, one per thread
+    (a model run in several threads has a module path in each)."""
 
     def __init__(self) -> None:
-        self.stack: list[tuple[torch.nn.Module, str]] = []
-        self.forward = 0  # forward passes of a top module so far
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.forward = 0  # forward passes of a top module so far, over every thread
         self._names: dict[int, str] = {}
         self._root: int | None = None
         self._handles: list = []
+
+    @property
+    def stack(self) -> list[tuple[torch.nn.Module, str]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
 
     def __enter__(self) -> "ModuleStack":
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -147,20 +165,23 @@ class ModuleStack:
         self._handles = []
 
     def _pre(self, module: torch.nn.Module, args) -> None:
-        if not self.stack:
-            self.forward += 1
-            if self._root != id(module):
-                self._root = id(module)
-                self._names = {id(m): name for name, m in module.named_modules()}
+        stack = self.stack
+        if not stack:
+            with self._lock:
+                self.forward += 1
+                if self._root != id(module):
+                    self._root = id(module)
+                    self._names = {id(m): name for name, m in module.named_modules()}
             path = type(module).__name__
         else:
-            path = self._names.get(id(module)) or f"{self.stack[-1][1]}.{type(module).__name__}"
-        self.stack.append((module, path))
+            path = self._names.get(id(module)) or f"{stack[-1][1]}.{type(module).__name__}"
+        stack.append((module, path))
 
     def _post(self, module: torch.nn.Module, args, output) -> None:
-        for i in range(len(self.stack) - 1, -1, -1):
-            if self.stack[i][0] is module:
-                del self.stack[i:]
+        stack = self.stack
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i][0] is module:
+                del stack[i:]
                 return
 
     @property
@@ -205,6 +226,19 @@ class _GradWatch:
         self.handles = []
 
 
+@dataclass
+class _Thread:
+    """What the recorder follows in one thread: the matmul that may give a softmax its q and k, the
+    tensors derived from it, the softmax waiting for its v, an nn.MultiheadAttention call running."""
+
+    qk: dict | None = None
+    scores: dict = field(default_factory=dict)
+    pending: _Pending | None = None
+    patched: bool = False
+    mha_info: dict = field(default_factory=dict)
+    mode: bool = False  # the mode is on this thread's stack: torch dispatches its calls to the recorder
+
+
 class Recorder(TorchFunctionMode):
     """The mode: hands each call to ``sink`` (a callable taking a ``Recorded``) within bounds.
 
@@ -230,15 +264,35 @@ class Recorder(TorchFunctionMode):
         self.bytes = 0
         self.seen = 0  # calls that matched the filters, recorded or not
         self.stopped: str | None = None
-        # The last matmul of 3+-D operands: {'a', 'b', 'shape', 'path'}; q and k^T are alive in the
-        # model until its softmax anyway. What derives from its result is followed by weak
-        # reference, so that recording keeps no tensor alive the model has let go.
-        self._qk: dict | None = None
-        self._scores: dict[int, tuple[weakref.ref, float | None, frozenset]] = {}  # id -> (tensor, scale so far, mask ops seen)
-        self._pending: _Pending | None = None
+        # Calls come from every thread: numbering, bounds and the sink are taken one call at a time;
+        # what is traced around a softmax is kept per thread (_Thread).
+        self._lock = threading.RLock()
+        self._local = threading.local()
+        self._threads: list[_Thread] = []
+        self._mha_lock = threading.Lock()  # nn.MultiheadAttention routes module attributes: one at a time
         self._fastpath: bool | None = None
-        self._patched = False
-        self._mha_info: dict[str, str] = {}
+        self._closed = False
+        self._start_before = None
+        self._start_wrapper = None
+        self._sdpa_before = None
+        self._sdpa_wrapper = None
+
+    # The last matmul of 3+-D operands: {'a', 'b', 'shape', 'path'}; q and k^T are alive in the
+    # model until its softmax anyway. What derives from its result is followed by weak reference
+    # (id -> (tensor, scale so far)), so that recording keeps no tensor alive the model has let go.
+    def _thread(self) -> _Thread:
+        state = getattr(self._local, "state", None)
+        if state is None:
+            state = self._local.state = _Thread()
+            with self._lock:
+                self._threads.append(state)
+        return state
+
+    _qk = property(lambda self: self._thread().qk, lambda self, v: setattr(self._thread(), "qk", v))
+    _scores = property(lambda self: self._thread().scores, lambda self, v: setattr(self._thread(), "scores", v))
+    _pending = property(lambda self: self._thread().pending, lambda self, v: setattr(self._thread(), "pending", v))
+    _patched = property(lambda self: self._thread().patched, lambda self, v: setattr(self._thread(), "patched", v))
+    _mha_info = property(lambda self: self._thread().mha_info, lambda self, v: setattr(self._thread(), "mha_info", v))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -246,31 +300,86 @@ class Recorder(TorchFunctionMode):
         self._fastpath = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)
         self.tracker.__enter__()
+        # Other threads: a thread started while recording runs its target with the mode on its own
+        # stack (Thread.start wraps the thread's run); an SDPA call from a thread running already comes
+        # through the module attribute, which records it.
+        self._start_before = threading.Thread.start
+        threading.Thread.start = self._start_wrapper = self._thread_start(self._start_before)
+        self._sdpa_before = F.scaled_dot_product_attention
+        self._sdpa_wrapper = self._sdpa_any_thread  # one bound method, to tell it apart when restoring
+        F.scaled_dot_product_attention = self._sdpa_wrapper
+        self._thread().mode = True
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._thread().mode = False
+            self._closed = True
+            if threading.Thread.start is self._start_wrapper:
+                threading.Thread.start = self._start_before
+            if F.scaled_dot_product_attention is self._sdpa_wrapper:
+                F.scaled_dot_product_attention = self._sdpa_before
             self.tracker.__exit__(*exc)
             torch.backends.mha.set_fastpath_enabled(bool(self._fastpath))
-            self.flush()
-            for w in self._watches:  # a backward after the block is not recorded
-                w.remove()
-            self._watches = []
+            with self._lock:
+                for state in list(self._threads):  # softmax calls still waiting for their v, in every thread
+                    if state.pending is not None:
+                        pending, state.pending = state.pending, None
+                        self._hand_over(pending)
+                for w in self._watches:  # a backward after the block is not recorded
+                    w.remove()
+                self._watches = []
 
     def flush(self) -> None:
-        """Hand over a softmax call still waiting for its v."""
+        """Hand over a softmax call (of this thread) still waiting for its v."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.call.expects_grads = bool(pending.grads)
-            if self._emit(pending.call) and pending.grads:
-                self._watch(pending.call, pending.grads["grad_out"], None, {r: t for r, t in pending.grads.items() if r != "grad_out"})
+            self._hand_over(pending)
+
+    def _hand_over(self, pending: _Pending) -> None:
+        pending.call.expects_grads = bool(pending.grads)
+        if self._emit(pending.call) and pending.grads:
+            self._watch(pending.call, pending.grads["grad_out"], None, {r: t for r, t in pending.grads.items() if r != "grad_out"})
+
+    def _thread_start(self, start):
+        """``Thread.start`` while recording: the thread's ``run`` (its own, for a subclass) runs with
+        the mode on the thread's stack, taken off when it returns (after the capture the mode passes
+        every call through)."""
+        recorder = self
+
+        def start_with_mode(thread, *args, **kwargs):
+            run = thread.run
+
+            def run_with_mode():
+                state = recorder._thread()
+                state.mode = True
+                _push_mode(recorder)
+                try:
+                    return run()
+                finally:
+                    _pop_mode()
+                    state.mode = False
+
+            thread.run = run_with_mode
+            return start(thread, *args, **kwargs)
+
+        return start_with_mode
+
+    def _sdpa_any_thread(self, *args, **kwargs):
+        """``F.scaled_dot_product_attention`` while recording: a thread without the mode (one that ran
+        before recording began) is recorded here; elsewhere the mode records the call."""
+        if self._closed or self._thread().mode:
+            return SDPA(*args, **kwargs)
+        return self._sdpa(SDPA, args, kwargs)
 
     # ------------------------------------------------------------------ dispatch
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._closed:  # a thread that outlived the capture keeps the mode on its stack
+            return func(*args, **kwargs)
         if func is SDPA:
             return self._sdpa(func, args, kwargs)
         name = getattr(func, "__name__", None)
@@ -296,6 +405,10 @@ class Recorder(TorchFunctionMode):
 
     def _emit(self, call: Recorded) -> bool:
         """Hand a call to the sink within the bounds; whether it was recorded."""
+        with self._lock:
+            return self._emit_locked(call)
+
+    def _emit_locked(self, call: Recorded) -> bool:
         if self.stopped is not None:
             return False
         size = call.nbytes
@@ -336,10 +449,15 @@ class Recorder(TorchFunctionMode):
             for role, t in wanted.items():
                 flip = role == "grad_k" and call.kind == "softmax"  # the hooked operand is k^T
                 watch.handles.append(t.register_hook(lambda g, role=role, flip=flip: watch.put(role, g.transpose(-1, -2) if flip else g)))
-        self._watches.append(watch)
+        with self._lock:
+            self._watches.append(watch)
 
     def _deliver_grads(self, watch: _GradWatch) -> None:
         """A call's gradients are all in (called from the backward): hand them to the sink within max_bytes."""
+        with self._lock:
+            self._deliver_grads_locked(watch)
+
+    def _deliver_grads_locked(self, watch: _GradWatch) -> None:
         if watch in self._watches:
             self._watches.remove(watch)
         if self.stopped is not None:
@@ -369,8 +487,9 @@ class Recorder(TorchFunctionMode):
             self.notice(f"recording stopped: {why}; {self.recorded} call(s) recorded")
 
     def _new_call(self, kind: str, module: str | None, tensors: dict, meta: dict) -> Recorded:
-        index = self.seen
-        self.seen += 1
+        with self._lock:
+            index = self.seen
+            self.seen += 1
         base = {
             FORMAT_KEY: CAPTURE_SCHEMA,
             "kind": kind,
@@ -537,23 +656,28 @@ class Recorder(TorchFunctionMode):
         originals = {
             (F, "scaled_dot_product_attention"): SDPA,
             (F, "softmax"): F_SOFTMAX,
-            (torch, "bmm"): torch.bmm,
-            (torch, "baddbmm"): torch.baddbmm,
+            (torch, "bmm"): BMM,
+            (torch, "baddbmm"): BADDBMM,
         }
+        me = threading.get_ident()
 
-        def route(original):
+        def route(original, current):
             def routed(*a, **kw):
+                if threading.get_ident() != me:  # another thread's call while this one's MHA runs
+                    return current(*a, **kw)
                 return self.__torch_function__(original, (), a, kw)
             return routed
 
-        self._patched = True
-        self._mha_info = {"num_heads": str(num_heads), "mha": "true", "q_prescaled": "true" if need_weights else "false"}
-        try:
-            for (owner, attr), original in originals.items():
-                setattr(owner, attr, route(original))
-            return func(*args, **kwargs)
-        finally:
-            for (owner, attr), original in originals.items():
-                setattr(owner, attr, original)
-            self._patched = False
-            self._mha_info = {}
+        with self._mha_lock:
+            current = {(owner, attr): getattr(owner, attr) for owner, attr in originals}
+            self._patched = True
+            self._mha_info = {"num_heads": str(num_heads), "mha": "true", "q_prescaled": "true" if need_weights else "false"}
+            try:
+                for key, original in originals.items():
+                    setattr(*key, route(original, current[key]))
+                return func(*args, **kwargs)
+            finally:
+                for (owner, attr), value in current.items():
+                    setattr(owner, attr, value)
+                self._patched = False
+                self._mha_info = {}

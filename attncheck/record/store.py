@@ -24,7 +24,7 @@ from attncheck import __version__
 from attncheck.errors import AttncheckError
 from attncheck.loaders.calls import CALL_FILE, CAPTURE_SCHEMA, MANIFEST, call_file_name, grads_file_name, info_from_meta
 from attncheck.record.mode import Recorded
-from attncheck.results import CallReport
+from attncheck.results import CallInfo, CallReport
 
 
 def cpu_tensors(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch.Tensor]:
@@ -84,8 +84,16 @@ def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, torch.Ten
 
 
 def prepare_directory(path: str | os.PathLike[str]) -> Path:
-    """The capture directory, created (its parent must exist) or emptied of a previous capture."""
-    d = Path(path)
+    """The capture directory, created (its parent must exist) or emptied of a previous capture; as an
+    absolute path, so that a script that changes its working directory still writes there."""
+    d = Path(os.path.abspath(path))
+    try:
+        return _prepare(d)
+    except OSError as e:  # a name the file system refuses (too long), a folder removed meanwhile
+        raise AttncheckError(f"cannot use capture directory {path}: {e.strerror or e}", param="path") from None
+
+
+def _prepare(d: Path) -> Path:
     if d.exists() and not d.is_dir():
         raise AttncheckError(f"capture directory {d} is a file", param="path")
     if not d.exists():
@@ -102,11 +110,14 @@ def prepare_directory(path: str | os.PathLike[str]) -> Path:
     manifest = d / MANIFEST
     if not manifest.is_file():
         raise AttncheckError(f"capture directory {d} is not empty and holds no capture ({MANIFEST}); give a new or empty folder", param="path")
+    from attncheck.loaders import jsondoc
+
     try:
-        doc = json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        with open(manifest, "rb") as fh:
+            doc = jsondoc.decode(fh.read(jsondoc.MAX_BYTES + 1))
+    except (OSError, jsondoc.JSONError):
         doc = None
-    if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith("attncheck.capture/"):
+    if not isinstance(doc, dict) or not isinstance(doc.get("schema"), str) or not doc["schema"].startswith("attncheck.capture/"):
         raise AttncheckError(f"capture directory {d} is not empty and its {MANIFEST} is not a capture's; give a new or empty folder", param="path")
     for p in entries:  # a previous capture: its own files go, anything else stays
         if p.is_file() and (p.name == MANIFEST or CALL_FILE.match(p.name)):
@@ -229,8 +240,12 @@ class DirectorySink:
         doc = {"schema": CAPTURE_SCHEMA, "attncheck_version": __version__, "torch_version": torch.__version__,
                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts, "total_bytes": self.bytes, "calls": self.entries}
         tmp = self.dir / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, self.dir / MANIFEST)
+        try:
+            tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+            os.replace(tmp, self.dir / MANIFEST)
+        except OSError as e:  # the disk filled up, or the script removed the folder while it ran
+            gone = "" if self.dir.is_dir() else f" (the folder {self.dir} is gone: removed while the script ran?)"
+            raise AttncheckError(f"cannot write the capture's manifest {self.dir / MANIFEST}: {e.strerror or e}{gone}", param="path") from None
 
 
 class MemorySink:
@@ -284,7 +299,13 @@ class DiagnoseSink:
         from attncheck.findings import apply_ignore
         from attncheck.numerics.cells.calls import diagnose_call
 
-        info = info_from_meta(call.meta, index=call.index, name=f"{call.index:04d}-{call.module or 'global'}", file=None)
+        name = f"{call.index:04d}-{call.module or 'global'}"
+        try:
+            info = info_from_meta(call.meta, index=call.index, name=name, file=None)
+        except AttncheckError as e:  # a call attncheck cannot diagnose (a negative scale): listed, the model runs on
+            info = CallInfo(index=call.index, name=name, kind=call.kind, module=call.module)
+            self.reports.append(CallReport(info, None, error=f"{name} (call {call.index}, {call.kind}): {e.message}"))
+            return
         tensors = cpu_tensors(call.tensors, copy=False)
         device_type = next(iter(call.tensors.values())).device.type
         try:

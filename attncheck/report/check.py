@@ -3,6 +3,7 @@ every number comes from ``numerics.budgets`` (which takes them from ``diagnose``
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 from typing import Any
 
@@ -12,7 +13,8 @@ from rich.table import Table
 from rich.text import Text
 
 from attncheck import __version__
-from attncheck.format import cosine, num, row_text, to_jsonable
+from attncheck.format import cosine, num, row_text, to_jsonable, visible
+from attncheck.report.text import shown
 from attncheck.results import BUDGET_NAMES, LOWER_BUDGETS, RELATIVE_BUDGET, RELATIVE_BUDGETS, BudgetCheck, CaseResult, CheckResult
 
 JSON_SCHEMA = "attncheck.check/1"
@@ -119,7 +121,7 @@ def _cell_text(check: BudgetCheck, header_limit: float | int | None) -> str:
 def summary_line(result: CheckResult) -> str:
     n, bad = len(result.cases), len(result.failures)
     head = f"{bad} of {n} case(s) broke their budget" if bad else f"all {n} case(s) within budget"
-    return f"attncheck check: {head} ({len(result.inputs)} input(s), config {result.config}, device {result.device})"
+    return f"attncheck check: {head} ({len(result.inputs)} input(s), config {visible(result.config)}, device {result.device})"
 
 
 def check_lines(case: CaseResult) -> list[str]:
@@ -152,7 +154,8 @@ def summary_tables(result: CheckResult, width: int = 80) -> list[Text | Table]:
     columns = budget_columns(result)
     tables: list[Text | Table] = []
     for name in result.inputs:
-        tables.append(Text(name, style="bold", overflow="fold"))
+        tables.append(shown(name, style="bold"))
+        tables[-1].overflow = "fold"
         cases = [c for c in result.cases if c.input == name]
         headers = {budget: _label(budget) + "\n" + limit_text(budget, _header_limit(result, budget)) for budget in columns}
         cells = {budget: [_cell(case, budget, result) for case in cases] for budget in columns}
@@ -199,7 +202,7 @@ def _fit(columns: list[str], wide: dict[str, int], room: int) -> list[list[str]]
 
 def render_summary(result: CheckResult, quiet: bool = False, width: int = 80) -> Group:
     """The table (unless ``quiet``) and the verdict line; the CLI writes the broken budgets to stderr."""
-    parts: list[Any] = [] if quiet else [Text(f"attncheck check: config {result.config}, device {result.device}"), *summary_tables(result, width)]
+    parts: list[Any] = [] if quiet else [shown(f"attncheck check: config {result.config}, device {result.device}"), *summary_tables(result, width)]
     style = "bold red" if result.failures else "green"
     parts.append(Text(summary_line(result), style=style))
     return Group(*parts)
@@ -227,11 +230,12 @@ def junit_xml(result: CheckResult) -> str:
         },
     )
     props = ET.SubElement(suite, "properties")
-    for key, value in (("attncheck_version", __version__), ("config", result.config), ("device", result.device)):
+    # XML 1.0 cannot hold most control characters, even escaped: names are written as format.visible shows them.
+    for key, value in (("attncheck_version", __version__), ("config", visible(result.config)), ("device", result.device)):
         ET.SubElement(props, "property", {"name": key, "value": value})
     for case in result.cases:
-        tc = ET.SubElement(suite, "testcase", {"classname": f"attncheck.{case.input}", "name": case.name, "time": f"{case.seconds:.3f}"})
-        head = f"input {case.input}, shape {tuple(case.shape)}, cell {case.name}: {case.rows} rows, {case.compared_rows} compared with float64"
+        tc = ET.SubElement(suite, "testcase", {"classname": f"attncheck.{visible(case.input)}", "name": case.name, "time": f"{case.seconds:.3f}"})
+        head = f"input {visible(case.input)}, shape {tuple(case.shape)}, cell {case.name}: {case.rows} rows, {case.compared_rows} compared with float64"
         text = "\n".join([head, *check_lines(case)])
         if case.passed:
             ET.SubElement(tc, "system-out").text = text
@@ -249,6 +253,15 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _md_code(text: str) -> str:
+    """A name as a Markdown code span: literal (no emphasis, links or HTML), on one line, its
+    backticks kept by a longer fence."""
+    text = _md(visible(text))
+    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def markdown(result: CheckResult) -> str:
     """A GitHub-flavoured summary: verdict, one table row per case, then the failures in words."""
     n, bad = len(result.cases), len(result.failures)
@@ -256,7 +269,7 @@ def markdown(result: CheckResult) -> str:
     lines = [
         f"### attncheck check: {verdict}",
         "",
-        f"Config `{result.config}`, device `{result.device}`, {len(result.inputs)} input(s), attncheck {__version__}.",
+        f"Config {_md_code(result.config)}, device `{result.device}`, {len(result.inputs)} input(s), attncheck {__version__}.",
         "",
     ]
     columns = budget_columns(result)
@@ -274,7 +287,7 @@ def markdown(result: CheckResult) -> str:
                 text = _md(_cell_text(c, _header_limit(result, name)))
                 cells.append(text if c.passed else f"**{text}** ❌")
         status = "✅ pass" if case.passed else "❌ fail"
-        lines.append("| " + " | ".join([status, f"`{_md(case.input)}`", case.name, *cells]) + " |")
+        lines.append("| " + " | ".join([status, _md_code(case.input), case.name, *cells]) + " |")
     lines += ["", "<details><summary>What the columns measure</summary>", ""]
     lines += [f"- `{name}`: {MEANING[name]}" for name in columns]
     lines += ["", "</details>"]
@@ -282,7 +295,7 @@ def markdown(result: CheckResult) -> str:
         lines += ["", "**Budgets broken**", ""]
         for case in result.failures:
             for c in case.failures:
-                lines.append(f"- `{_md(case.input)}` {case.name}: {_md(describe_check(c))}")
+                lines.append(f"- {_md_code(case.input)} {case.name}: {_md(describe_check(c))}")
     return "\n".join(lines) + "\n"
 
 

@@ -9,8 +9,9 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from attncheck.format import fmt, plain, to_jsonable
+from attncheck.format import fmt, plain, to_jsonable, visible
 from attncheck.report.run import diagnosis_json
+from attncheck.report.text import shown
 from attncheck.results import CallReport, ModelLine, ModelReport
 
 VERDICT_STYLE = {"nan": "bold red", "overflow": "bold red", "zero": "red", "error": "bold red", "flip": "yellow",
@@ -69,7 +70,7 @@ def lines_table(report: ModelReport, prefix: str = "") -> Table:
         # the error codes beside the verdict, but those of the backward, which the grad column shows
         codes = [code for code in line.errors if not (backward and code.startswith("grad_"))]
         verdict = line.verdict + (f" ({', '.join(codes[:2])})" if line.verdict == "error" and codes else "")
-        row = [mark, call_label(line, prefix)]
+        row = [mark, shown(call_label(line, prefix))]
         row += [_shape(line.shape)] if len(shapes) > 1 else []
         row += [line.cell or "-"] if len(cells) > 1 else []
         row += [plain(line.max_logit), headroom, Text(str(line.nan_rows), style="bold red" if line.nan_rows else ""), cause,
@@ -162,7 +163,7 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
             else:
                 cells.append(Text(f"{compact(h.max_logit)}{star}", style="yellow" if star else ""))
         cells += [""] * (width - len(cells))
-        t.add_row(call_label(ModelLine(c.call.index, c.call.name, c.call.module, c.call.kind, (), None, None, None, 0, None, None, ""), prefix), *cells)
+        t.add_row(shown(call_label(ModelLine(c.call.index, c.call.name, c.call.module, c.call.kind, (), None, None, None, 0, None, None, ""), prefix)), *cells)
     return t
 
 
@@ -185,7 +186,7 @@ def findings_summary(calls: list[CallReport], known: bool) -> Text | None:
     text = Text(head)
     for code, (severity, n, first) in sorted(seen.items(), key=lambda kv: SEVERITY_ORDER[kv[1][0]]):
         text.append(f"  {severity:<7} ", style=SEVERITY_STYLE[severity])
-        text.append(f"{code}: {n} call(s), first {first}\n")
+        text.append(f"{code}: {n} call(s), first {visible(first)}\n")
     text.rstrip()
     return text
 
@@ -202,7 +203,7 @@ def what_if_table(report: ModelReport, prefix: str = "") -> Table | None:
         t.add_column(name, justify=justify, no_wrap=name in ("cell", "breaks", "room", "err"), overflow="fold")
     for a in report.what_if:
         first = a.first
-        where = "-" if first is None else f"#{first.index} {call_label(first, prefix)}"
+        where = "-" if first is None else shown(f"#{first.index} {call_label(first, prefix)}")
         cause = "-"
         if first is not None:
             cause = first.first_cause or (", ".join(first.errors) if first.verdict == "error" else first.verdict)
@@ -235,7 +236,7 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
     cause = ""
     if line.first_cause:
         cause = f", first cause {line.first_cause}" + (f" in head {','.join(map(str, line.heads[:6]))}" if line.heads else "")
-    return Text(f"{head}; first call that goes wrong: #{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'}): {what}{cause}{tail}", style="bold red")
+    return shown(f"{head}; first call that goes wrong: #{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'}): {what}{cause}{tail}", style="bold red")
 
 
 LINES_LEGEND = ("Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the path of the "
@@ -265,13 +266,13 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     if report.capture:
         note = report.capture.get("note")
         if note:
-            parts.append(Text(f"capture: {note}", style="yellow"))
+            parts.append(shown(f"capture: {note}", style="yellow"))
     prefix = shared_prefix([line.module for line in report.lines])
     shared = shared_facts(report)
     backward = any(line.grad_verdict is not None for line in report.lines)
     legend = (LINES_LEGEND if report.known else FILES_LEGEND).format(limit=_limit_text(report), grad=GRAD_LEGEND if backward else "")
     legend += (f"; calls named below {prefix[:-1]}" if prefix else "") + (f"; {shared}" if shared else "")
-    parts += [Text(legend), lines_table(report, prefix)]
+    parts += [shown(legend), lines_table(report, prefix)]
     matrix = head_matrix(calls, report, prefix)
     if matrix is not None:
         wide = max(len(c.heads) for c in calls if c.heads) > MAX_HEAD_COLUMNS
@@ -279,7 +280,7 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     if report.outliers:
         text = Text("Outlier heads (max|q| or max|k| >= 10x the median over the call's heads):\n", style="yellow")
         for o in report.outliers[:12]:
-            text.append(f"  {o.message}\n")
+            text.append(f"  {visible(o.message)}\n")
         if len(report.outliers) > 12:
             text.append(f"  ... {len(report.outliers) - 12} more in the JSON report\n")
         text.rstrip()
@@ -294,7 +295,7 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     if table is not None:
         parts.append(table)
     for name, why in report.skipped:
-        parts.append(Text(f"skipped {name}: {why}", style="yellow"))
+        parts.append(shown(f"skipped {name}: {why}", style="yellow"))
     if report.ignored:
         parts.append(Text(f"ignored finding codes: {', '.join(report.ignored)}", style="dim"))
     parts.append(closing_line(report, calls, device))

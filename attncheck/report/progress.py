@@ -6,6 +6,8 @@ import time
 
 from rich.console import Console
 
+from attncheck.format import visible
+
 
 class Progress:
     """A progress bar on stderr (units done, rate, time left) that appears only once a
@@ -44,7 +46,7 @@ class Progress:
                     return
                 if self._progress is None:
                     self._progress = Progress(
-                        TextColumn("{task.description}"),
+                        TextColumn("{task.description}", markup=False),  # a tensor's name, from its file
                         BarColumn(),
                         MofNCompleteColumn(),
                         TextColumn("{task.fields[unit]}, {task.fields[rate]}"),
@@ -53,7 +55,7 @@ class Progress:
                         transient=True,
                     )
                     self._progress.start()
-                state["task"] = self._progress.add_task(name, total=total, completed=state["done"], rate=rate, unit=unit)
+                state["task"] = self._progress.add_task(visible(name), total=total, completed=state["done"], rate=rate, unit=unit)
             else:
                 self._progress.update(state["task"], completed=state["done"], rate=rate)
             if state["done"] >= total:  # a finished input leaves the screen: one line per live task, however many inputs

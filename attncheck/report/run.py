@@ -12,7 +12,8 @@ from rich.text import Text
 
 from attncheck import __version__
 from attncheck.params import MASK_SENTINEL_LIMIT
-from attncheck.format import cosine, fmt, index_text, rows_text, to_jsonable
+from attncheck.format import cosine, fmt, index_text, rows_text, to_jsonable, visible
+from attncheck.report.text import shown
 from attncheck.results import Cell, TensorDiagnosis
 
 JSON_SCHEMA = "attncheck.run/3"  # /2 added the model section; /3: a captured call's tensor holds its model cell, what-ifs apart; every /2 key is kept
@@ -42,7 +43,7 @@ def census_panel(d: TensorDiagnosis) -> Panel:
     if c.fully_masked_rows:
         fm.stylize("yellow")
     t.add_row("fully masked", fm)
-    return Panel(t, title=f"[bold]{d.name}[/]  {d.dtype}", title_align="left")
+    return Panel(t, title=Text.assemble((visible(d.name), "bold"), f"  {d.dtype}"), title_align="left")
 
 
 def _sentinels(d: TensorDiagnosis) -> str:
@@ -315,8 +316,10 @@ def findings_table(d: TensorDiagnosis) -> Table | Text:
     t.add_column("what happened", ratio=3, overflow="fold")
     t.add_column("fix", ratio=2, overflow="fold")
     for f in d.findings:
-        what = f.message + (f"\nrows e.g. {rows_text(f.examples)}" if f.examples else "")
-        t.add_row(Text(f.severity, style=SEVERITY_STYLE[f.severity]), f.code, what, f.fix)
+        what = shown(f.message)  # messages quote names
+        if f.examples:
+            what.append(f"\nrows e.g. {rows_text(f.examples)}")
+        t.add_row(Text(f.severity, style=SEVERITY_STYLE[f.severity]), f.code, what, shown(f.fix))
     return t
 
 

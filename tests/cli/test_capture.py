@@ -110,7 +110,8 @@ def test_a_failing_script_is_shown_once_and_its_calls_are_kept(script, tmp_path)
     err = proc.stderr
     assert err.count("Traceback") == 1 and err.count("RuntimeError: boom after the forward") == 1
     assert "attncheck/" not in err.replace("attncheck: error", "") and "runpy" not in err
-    assert err.strip().splitlines()[-1] == f"attncheck: error: {script} failed (RuntimeError, traceback above); 2 call(s) recorded in {out} (manifest written)"
+    line = next(i for i, text in enumerate(script.read_text().splitlines(), 1) if "boom after the forward" in text)
+    assert err.strip().splitlines()[-1] == f"attncheck: error: {script} failed (RuntimeError at line {line}, traceback above); 2 call(s) recorded in {out} (manifest written)"
     doc = json.loads((out / "manifest.json").read_text())
     assert len(doc["calls"]) == 2 and doc["script"]["error"] == "RuntimeError: boom after the forward" and not doc["complete"]
 

@@ -470,3 +470,23 @@ def test_no_progress_when_stderr_is_not_a_terminal(project):
     (project / "pyproject.toml").write_text(PASSING)
     proc = run_check_cli(project, "--json", "-", progress=None)
     assert proc.returncode == 0 and proc.stderr == ""
+
+
+HOSTILE_CONFIGS = [
+    ('inputs = ["*.npy"]\n[budget]\nnan = 1' + "0" * 5000, "attncheck.toml: holds an integer of more than 4,300 digits, which no setting takes"),
+    ("inputs = " + "[" * 100_000 + "]" * 100_000, "attncheck.toml: arrays or tables nested too deep to be a config"),
+    ('inputs = ["*.npy"]\nx = ' + "{a = " * 5000 + "1" + "}" * 5000, "attncheck.toml: arrays or tables nested too deep to be a config"),
+    ('inputs = ["*.npy"]\nmax_memory = "1B"', "must be at least 1MiB"),
+    ('inputs = ["*.npy"]\n[budget]\nmax_abs_err = 1' + "0" * 5000 + ".0", "budget.max_abs_err must be a number >= 0, got inf"),
+    ("[[synthetic]]\nd_k = 1024\nseq = 1048576\nrows = 1048576", "synthetic[0]: its q and k"),
+]
+
+
+@pytest.mark.parametrize("text,message", HOSTILE_CONFIGS, ids=["digits", "deep_array", "deep_table", "tiny_memory", "huge_float", "terabytes"])
+def test_hostile_configs_are_one_line(tmp_path, text, message):
+    (tmp_path / "attncheck.toml").write_text(text + "\n")
+    np.save(tmp_path / "a.npy", np.zeros((2, 8), np.float32))
+    r = check("--config", tmp_path / "attncheck.toml")
+    assert r.exit_code == 2, r.output
+    line = error_line(r)
+    assert line.startswith("attncheck: error: ") and message in line, line

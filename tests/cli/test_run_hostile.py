@@ -110,10 +110,10 @@ def test_zip_bomb_given_as_q_and_mask_is_refused_with_its_size(tmp_path, qk):
     one_error(invoke("run", "--q", bomb, "--k", f"{qk}:k", "--max-memory", "16MiB"), "needs 64 MiB, over --max-memory 16 MiB")
 
 
-def test_q_and_k_whose_mask_planes_would_not_fit(tmp_path):
-    torch.save({"q": torch.ones(1, 64, 2048, 2), "k": torch.ones(1, 64, 2048, 2)}, tmp_path / "big.pt")
-    one_error(invoke("run", "--q", f"{tmp_path / 'big.pt'}:q", "--k", f"{tmp_path / 'big.pt'}:k", "--causal", "--max-memory", "64MiB"),
-              "q, k and the mask over every score (batch 1, heads 64, queries 2048, keys 2048) need 260 MiB, over --max-memory 64 MiB")
+def test_q_and_k_that_would_not_fit(tmp_path):
+    torch.save({"q": torch.ones(1, 8, 2048, 64), "k": torch.ones(1, 8, 2048, 64)}, tmp_path / "big.pt")
+    one_error(invoke("run", "--q", f"{tmp_path / 'big.pt'}:q", "--k", f"{tmp_path / 'big.pt'}:k", "--causal", "--max-memory", "16MiB"),
+              "q, k and the mask (batch 1, heads 8, queries 2048, keys 2048) need 20 MiB in float64, over --max-memory 16 MiB")
 
 
 # --------------------------------------------------------------------------- valid input refused, bad input accepted
@@ -194,3 +194,48 @@ def test_stderr_is_empty_on_success(tmp_path):
     torch.save(torch.ones(2, 3), p, pickle_protocol=4)
     r = invoke("run", p, "--brief")
     assert r.exit_code == 0 and r.stderr == ""
+
+
+# --------------------------------------------------------------------------- --max-memory
+
+
+def test_max_memory_has_a_floor_and_takes_large_units(tmp_path):
+    np.save(tmp_path / "s.npy", np.zeros((4, 8), np.float32))
+    one_error(invoke("run", tmp_path / "s.npy", "--max-memory", "1B"), "--max-memory must be at least 1MiB")  # 200,000 rows at 1 byte never ended
+    report(invoke("run", tmp_path / "s.npy", "--max-memory", "1PB", "--json", "-", "--quiet"))
+    one_error(invoke("run", tmp_path / "s.npy", "--max-memory", "1" + "0" * 5000), "is not a size")
+
+
+def test_a_row_larger_than_the_budget_is_refused(tmp_path):
+    """One row of 2e9 keys, a stride-0 view of one element (a few bytes on disk): refused, not allocated."""
+    torch.save({"s": torch.zeros(1).expand(2_000_000_000).reshape(1, -1)}, tmp_path / "row.pt")
+    assert (tmp_path / "row.pt").stat().st_size < 10_000
+    one_error(invoke("run", tmp_path / "row.pt"), "a row of 2,000,000,000 keys needs 178.8 GiB of working memory, over --max-memory")
+
+
+def _capture(path, q, mask=None):
+    import attncheck
+    import torch.nn.functional as F
+
+    with torch.no_grad(), attncheck.capture(path):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    return path
+
+
+def test_a_call_larger_than_the_budget_is_refused_from_its_header(tmp_path):
+    d = _capture(tmp_path / "cap", torch.ones(1, 4, 256, 256))  # q, k, v: 3 MiB
+    one_error(invoke("run", d, "--max-memory", "2MiB"), "(call 0, sdpa): loading the call whole needs 3 MiB, over --max-memory 2 MiB")
+    r = invoke("run", d, "--max-memory", "2MiB", "--partial", "--quiet")
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and "loading the call whole needs 3 MiB" in r.stderr
+
+
+def test_a_mask_broadcast_over_heads_is_not_expanded(tmp_path):
+    """A (T, T) boolean mask over 64 heads: q, k, v and the mask count at their own size (the expanded
+    planes alone would be 16 MiB, over the budget)."""
+    g = torch.Generator().manual_seed(0)
+    d = _capture(tmp_path / "cap", torch.randn(1, 64, 512, 4, generator=g), torch.tril(torch.ones(512, 512, dtype=torch.bool)))
+    r = invoke("run", d, "--max-memory", "8MiB", "--json", "-", "--quiet")
+    data = report(r)
+    assert data["model"]["calls"][0]["nan_rows"] == 0 and data["tensors"][0]["attention"]["masked_keys"] == 64 * 512 * 511 // 2
+    one_error(invoke("run", d, "--max-memory", "3MiB"), "q, k, v and the mask (batch 1, heads 64, queries 512, keys 512) need 3.25 MiB in float64, over --max-memory 3 MiB")
+    one_error(invoke("run", d, "--max-memory", "1MiB"), "loading the call whole needs 1.75 MiB, over --max-memory 1 MiB")

@@ -30,6 +30,13 @@ def sweep(*args):
     return runner.invoke(app, ["sweep", *args])
 
 
+def test_the_ends_of_the_std_and_scale_ranges_run():
+    r = sweep("--std", "1e30,1e-30", "--scale", "1e-30,1e30", "--dk", "16", "--seq", "16", "--rows", "32", "--dtype", "fp16",
+              "--method", "naive", "--path", "none", "--json", "-", "--quiet")
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout)["points"]) == 4
+
+
 SCALE_HELP = "none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number"
 BAD_INPUTS = [
     (["--dk", "0"], "--dk must be an integer >= 1, got 0"),
@@ -66,6 +73,11 @@ BAD_INPUTS = [
     (["--json", "/no/such/folder/out.json"], "cannot write --json /no/such/folder/out.json: folder /no/such/folder does not exist"),
     (["--plot", "/no/such/folder/out.png"], "cannot write --plot /no/such/folder/out.png: folder /no/such/folder does not exist"),
     (["--plot", "/"], "cannot write --plot /: it is a folder; give a file name"),
+    # the theory's float64 moments: std 1e200 overflowed, 1e-300 divided by zero, a subnormal scale never ended
+    (["--std", "1e200"], "--std must be from 1e-30 to 1e+30 for the sweep's theory, got 1e+200"),
+    (["--std", "1e-300"], "--std must be from 1e-30 to 1e+30 for the sweep's theory, got 1e-300"),
+    (["--scale", "5e-324"], "--scale must be from 1e-30 to 1e+30 for the sweep's theory, got 4.94066e-324"),
+    (["--rows", "1" + "0" * 5000], "--rows must be an integer from 2 to 2^62, got an integer of 5,001 digits"),
 ]
 
 

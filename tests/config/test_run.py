@@ -2,7 +2,8 @@
 
 import pytest
 
-from attncheck.config.run import ROW_BYTES, ROW_BYTES_PER_CELL, WORKING_BYTES_PER_ELEMENT, Options, chunk_elements_for, chunk_row_bytes, rows_per_chunk
+from attncheck.config.run import ROW_BYTES, ROW_BYTES_PER_CELL, WORKING_BYTES_PER_ELEMENT, Options, check_row_fits, chunk_elements_for, chunk_row_bytes, rows_per_chunk
+from attncheck.errors import AttncheckError
 
 MiB = 1 << 20
 PER_ROW_MEASURED = 1170  # bytes a 1-key row needed with the 12 default cells (peak RSS of 4M rows in one chunk, minus the interpreter)
@@ -39,3 +40,11 @@ def test_long_rows_keep_their_chunks_and_a_row_never_splits(keys):
     assert rows >= 1 and (rows == 1 or rows * chunk_row_bytes(keys, options) <= 64 * MiB)
     if keys >= 1024:  # elements dominate: within a few percent of the element-only plan
         assert rows >= 0.9 * (options.chunk_elements // keys)
+
+
+def test_a_row_longer_than_the_budget_is_refused_not_split():
+    """A row is never split: one that alone passes the budget (a stride-0 row of 2e9 keys in a few
+    bytes of .pt) is refused, naming the budget, rather than diagnosed beyond it."""
+    check_row_fits("x", 699_050, 64 * MiB)
+    with pytest.raises(AttncheckError, match=r"^x: a row of 1,048,576 keys needs 96 MiB of working memory, over max_memory 64 MiB"):
+        check_row_fits("x", 1 << 20, 64 * MiB)

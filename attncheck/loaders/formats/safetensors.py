@@ -5,7 +5,6 @@ raw 16-bit words and reinterpreted as ``torch.bfloat16``."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ import safetensors
 import torch
 
 from attncheck.errors import AttncheckError
+from attncheck.loaders import jsondoc
 from attncheck.loaders.common import (
     FileListing,
     TensorSource,
@@ -59,6 +59,11 @@ _RAW_FLOATS: dict[str, tuple[np.dtype, torch.dtype]] = {
 
 def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | None = None) -> FileListing:
     try:
+        with open(path, "rb") as f:
+            _read_safetensors_header(f, invalid_text(path), path)  # bounded, before safetensors' own parser sees it
+    except OSError as exc:
+        raise read_error(path)(exc) from exc
+    try:
         with safetensors.safe_open(path, framework="pt") as f:
             keys = list(f.keys())
     except Exception as exc:
@@ -69,7 +74,7 @@ def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | Non
     def load(selected: list[str | None]) -> list[tuple[str | None, Any]]:
         try:
             with open(path, "rb") as f:
-                _, entries = _read_safetensors_header(f, invalid_text(path), path)
+                _, entries, _ = _read_safetensors_header(f, invalid_text(path), path)
         except OSError as exc:
             raise read_error(path)(exc) from exc
         for key in selected:
@@ -110,27 +115,22 @@ def inspect_file(path: str) -> tuple[dict[str, str], dict[str, tuple[str, tuple[
     invalid = invalid_text(path)
     try:
         with open(path, "rb") as f:
-            data_start, entries = _read_safetensors_header(f, invalid, path)
-            f.seek(8)
-            header = json.loads(f.read(data_start - 8).decode("utf-8"))
+            data_start, entries, meta = _read_safetensors_header(f, invalid, path)
             size = os.fstat(f.fileno()).st_size
     except OSError as exc:
         raise read_error(path)(exc) from exc
     needed = max((e.end for e in entries.values()), default=0)
     if needed > size - data_start:
         raise truncation(path, invalid, needed)(size - data_start)
-    meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict):
-        raise error(f"{path}: {invalid} (__metadata__ is not an object)")
     shown = {key: (_SAFETENSORS_DTYPES.get(e.dtype, (e.dtype, 0))[0], e.shape) for key, e in entries.items()}
-    return {str(k): str(v) for k, v in meta.items()}, shown
+    return meta, shown
 
 
 def _safetensors_sources(path: str, selected: list[str | None]) -> list[TensorSource]:
     invalid = invalid_text(path)
     try:
         with open(path, "rb") as f:
-            data_start, entries = _read_safetensors_header(f, invalid, path)
+            data_start, entries, _ = _read_safetensors_header(f, invalid, path)
             size = os.fstat(f.fileno()).st_size
     except OSError as exc:
         raise read_error(path)(exc) from exc
@@ -149,7 +149,10 @@ def _safetensors_sources(path: str, selected: list[str | None]) -> list[TensorSo
 
 def _read_safetensors_header(
     f: BinaryIO, invalid: str, path: str
-) -> tuple[int, dict[str, _SafetensorsEntry]]:
+) -> tuple[int, dict[str, _SafetensorsEntry], dict[str, str]]:
+    """(where the data starts, the tensors' entries, ``__metadata__``), the header read by
+    ``jsondoc`` (size, depth and numbers bounded) and checked against the file's size."""
+
     def bad(why: str) -> AttncheckError:
         return error(f"{path}: {invalid} ({why})")
 
@@ -163,17 +166,22 @@ def _read_safetensors_header(
     if 8 + n > size:
         raise bad(f"header length {n} runs past the end of the {size}-byte file")
     try:
-        header = json.loads(f.read(n).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad(f"header is not JSON: {reason(exc)}") from exc
+        header = jsondoc.decode(f.read(n), max_bytes=_SAFETENSORS_MAX_HEADER)
+    except jsondoc.JSONError as exc:
+        why = str(exc)
+        raise bad(f"header is {why}" if why.startswith("not JSON") else f"header: {why}") from None
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
+    try:
+        meta = jsondoc.convert(header.get("__metadata__") or {}, dict[str, str])
+    except jsondoc.JSONError as exc:
+        raise bad(f"header: __metadata__{'' if str(exc).startswith('[') else ': '}{exc}") from None
     entries: dict[str, _SafetensorsEntry] = {}
     for key, value in header.items():
         if key == "__metadata__":
             continue
         entries[key] = _safetensors_entry(key, value, bad)
-    return 8 + n, entries
+    return 8 + n, entries, meta
 
 def _safetensors_entry(
     key: str, value: Any, bad: Callable[[str], AttncheckError]

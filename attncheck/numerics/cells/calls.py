@@ -25,7 +25,7 @@ import torch
 from attncheck import params
 from attncheck.codes import SEVERITIES
 from attncheck.config.run import Options
-from attncheck.errors import AttncheckError
+from attncheck.errors import AttncheckError, param
 from attncheck.model import head_findings
 from attncheck.numerics.cells.plan import CellKey, cell_dtype_name, grid, known_implementation, model_cell, what_if_cells
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
@@ -52,7 +52,7 @@ def _in_call(info: CallInfo, run: Callable):
         return run()
     except AttncheckError as e:
         where = f"{info.name} (call {info.index}, {info.kind}{' in ' + info.module if info.module else ''})"
-        raise AttncheckError(f"{where}: {e.render()}") from None
+        raise AttncheckError(f"{where}: {e.render(param)}") from None  # parameters stay marked: the CLI names them as flags
 
 
 def _normalised(info: CallInfo, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -60,7 +60,7 @@ def _normalised(info: CallInfo, tensors: dict[str, torch.Tensor]) -> dict[str, t
     out = dict(tensors)
     scores, q, k = out.get("scores"), out.get("q"), out.get("k")
     num_heads = info.meta.get("num_heads", "")
-    if scores is not None and scores.dim() == 3 and num_heads.isdigit() and int(num_heads) > 0 and scores.shape[0] % int(num_heads) == 0:
+    if scores is not None and scores.dim() == 3 and num_heads.isascii() and num_heads.isdigit() and int(num_heads) > 0 and scores.shape[0] % int(num_heads) == 0:
         h = int(num_heads)
         out["scores"] = scores.reshape(scores.shape[0] // h, h, *scores.shape[1:])
         if q is not None and k is not None and q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == scores.shape[0]:
@@ -79,13 +79,15 @@ def diagnose_call(
     notice: Callable[[str], None] | None = None,
     what_if: tuple[str, ...] = (),
     asked: Options | None = None,
+    max_bytes: int | None = None,
 ) -> CallReport:
     """Diagnose one call from its tensors (roles q, k, v, attn_mask, scores).
 
     ``options`` say how cells compute (block, order, kernels, memory). A call of known
     implementation computes its model cell, and as what-ifs the dtypes ``what_if`` names
     (``params.what_if``) and the grid ``asked`` (an explicit --dtype/--method/--path); a call of
-    unknown implementation computes every cell of ``options`` (and of ``asked``).
+    unknown implementation computes every cell of ``options`` (and of ``asked``). ``max_bytes``:
+    what the diagnosis holds whole (float64 q, k, v and the masks at their own size) must fit in it.
     """
     kind = info.kind
     what_if = params.what_if(list(what_if)) if what_if else ()
@@ -100,7 +102,7 @@ def diagnose_call(
         raise AttncheckError(f"{info.name} (call {info.index}): the softmax call has no scores")
     model = model_cell(info)
     known = known_implementation(info) and model is not None
-    inputs = _in_call(info, lambda: _model_inputs(info, tensors)) if kind in QK_KINDS else _softmax_qk(info, tensors)
+    inputs = _in_call(info, lambda: _model_inputs(info, tensors, max_bytes)) if kind in QK_KINDS else _softmax_qk(info, tensors, max_bytes)
     if known:
         cells = [model]
     else:
@@ -114,7 +116,7 @@ def diagnose_call(
     info = replace(info, shape=tuple(diag.shape), has_qk=inputs is not None)
     what = None
     if known and (what_if or asked is not None):
-        what = _in_call(info, lambda: _what_if(info, tensors, inputs, options, what_if, asked, notice))
+        what = _in_call(info, lambda: _what_if(info, tensors, inputs, options, what_if, asked, notice, max_bytes))
     if "grad_out" in tensors:
         _in_call(info, lambda: _backward(info, tensors, inputs, diag, what, options, model if known else None))
     used = _cell_of(diag, model)
@@ -211,15 +213,15 @@ def attach_backward(diag: TensorDiagnosis, what: TensorDiagnosis | None, inputs,
                 d.findings = sorted(d.findings + found, key=lambda f: order[f.severity])
 
 
-def _model_inputs(info: CallInfo, tensors: dict[str, torch.Tensor]):
+def _model_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], max_bytes: int | None = None):
     """Q/K inputs of an SDPA call or a q/k file, as the call gave them."""
     from attncheck.numerics.inputs.scores import prepare_inputs
 
     return prepare_inputs(tensors["q"], tensors["k"], tensors.get("attn_mask"), v=tensors.get("v"), scale=_scale(info),
-                          causal=info.is_causal, mask_convention="attend")
+                          causal=info.is_causal, mask_convention="attend", max_bytes=max_bytes)
 
 
-def _softmax_qk(info: CallInfo, tensors: dict[str, torch.Tensor]):
+def _softmax_qk(info: CallInfo, tensors: dict[str, torch.Tensor], max_bytes: int | None = None):
     """The q/k a softmax call's scores came from (traced by the capture), or None when they do not
     make these scores."""
     from attncheck.numerics.inputs.scores import prepare_inputs
@@ -228,7 +230,7 @@ def _softmax_qk(info: CallInfo, tensors: dict[str, torch.Tensor]):
     if q is None or k is None:
         return None
     try:
-        inputs = prepare_inputs(q, k, None, v=tensors.get("v"), scale=_scale(info))
+        inputs = prepare_inputs(q, k, None, v=tensors.get("v"), scale=_scale(info), max_bytes=max_bytes)
     except AttncheckError:
         return None
     return inputs if tuple(inputs.score_shape) == tuple(scores.shape) else None
@@ -256,14 +258,16 @@ def _scores_diagnosis(info, scores, inputs, options, cells, progress, notice) ->
     return diagnose(info.name, scores, options, progress, notice=notice, cells=cells, attention=audit)
 
 
-def _what_if(info: CallInfo, tensors, inputs, options: Options, what_if, asked, notice) -> TensorDiagnosis | None:
-    """The what-if cells of a call of known implementation, in a pass of their own."""
+def _what_if(info: CallInfo, tensors, inputs, options: Options, what_if, asked, notice, max_bytes: int | None = None) -> TensorDiagnosis | None:
+    """The what-if cells of a call of known implementation, in a pass of their own (the model's inputs
+    are held beside them: both count against ``max_bytes``)."""
     from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
 
+    left = None if max_bytes is None else max(1, max_bytes // 2)
     if info.kind == "sdpa":
-        wi_inputs = _sdpa_what_if_inputs(info, tensors)
+        wi_inputs = _sdpa_what_if_inputs(info, tensors, left)
     else:
-        wi_inputs = None if inputs is None else _softmax_what_if_inputs(info, tensors, inputs, options)
+        wi_inputs = None if inputs is None else _softmax_what_if_inputs(info, tensors, inputs, options, left)
     cells = what_if_cells(info, wi_inputs is not None, what_if, asked)
     if not cells:
         return None
@@ -284,7 +288,7 @@ def _relative_float_mask(mask: torch.Tensor) -> tuple[torch.Tensor | None, torch
     return (None if not bool(rest.any()) else rest), sentinel
 
 
-def _sdpa_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor]):
+def _sdpa_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], max_bytes: int | None = None):
     """An SDPA call's inputs with its mask rebuilt for each dtype (``_relative_float_mask``). Keys a
     boolean mask or ``is_causal`` masks are -inf in SDPA's kernels; ported to eager attention they
     get finfo(dtype).min added, as transformers' eager attention builds its masks."""
@@ -296,7 +300,7 @@ def _sdpa_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor]):
         mask, masked = _relative_float_mask(mask)
     return prepare_inputs(tensors["q"], tensors["k"], mask, v=tensors.get("v"), scale=_scale(info), causal=info.is_causal,
                           mask_convention="attend", mask_value="min" if masked is not None else "-inf", masked=masked,
-                          eager_mask_value="min")
+                          eager_mask_value="min", max_bytes=max_bytes)
 
 
 def mask_of_scores(scores: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -314,7 +318,7 @@ def mask_of_scores(scores: torch.Tensor) -> tuple[torch.Tensor, str]:
     return masked, repr(float(finite.median()))
 
 
-def _softmax_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], inputs, options: Options):
+def _softmax_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], inputs, options: Options, max_bytes: int | None = None):
     """A softmax call as hand-written attention in another dtype: its q, k (and v), the scale it
     applied (traced; 1 where nn.MultiheadAttention scaled q first; else fitted to its scores), and
     the mask read back from its scores, added in each dtype (``mask_of_scores``)."""
@@ -332,7 +336,7 @@ def _softmax_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], in
         scale = params.Scale(repr(fitted)) if fitted is not None and fitted > 0 else _scale(info)
     masked, value = mask_of_scores(scores)
     return prepare_inputs(inputs.q, inputs.k, None, v=inputs.v, scale=scale, mask_value=value,
-                          masked=masked.reshape(inputs.score_shape) if bool(masked.any()) else None)
+                          masked=masked.reshape(inputs.score_shape) if bool(masked.any()) else None, max_bytes=max_bytes)
 
 
 def _scores_limit(info: CallInfo, diag: TensorDiagnosis) -> CellLimit | None:

@@ -172,12 +172,17 @@ def prepare_inputs(
     mask_value = params.mask_value(mask_value)
     b, tq, tk = q4.shape[0], q4.shape[2], k4.shape[2]
     full = (b, hq, tq, tk)
-    planes = bool(causal or pad_left or pad_right or masked is not None or (mask is not None and mask.dtype == torch.bool))
-    need = 8 * (q.numel() + k.numel() + (v.numel() if v is not None else 0)) + math.prod(full) * ((1 if planes else 0) + (8 if mask is not None and mask.is_floating_point() else 0))
+    # Masks stay at their own size (a (T, T) mask over 256 heads is one (T, T) plane): broadcast
+    # views of it stand for the planes over every score, and each block of rows takes its slice.
+    mask4 = None if mask is None else _compact_mask(mask, full, lead)
+    masked4 = None if masked is None else _compact_mask(masked, full, lead)
+    need = 8 * (q.numel() + k.numel() + (v.numel() if v is not None else 0))
+    need += sum(m.numel() * (8 if m.is_floating_point() else 1) for m in (mask4, masked4) if m is not None)
+    need += (tq * tk if causal else 0) + (b * tk if pad_left or pad_right else 0)
     if max_bytes is not None and need > max_bytes:
         raise AttncheckError(
-            f"q, k{', v' if v is not None else ''} and the mask over every score (batch {b}, heads {hq}, queries {tq}, keys {tk}) need {size_text(need)}, "
-            f"over {param('max_memory')} {size_text(max_bytes)}"
+            f"q, k{', v' if v is not None else ''} and the mask (batch {b}, heads {hq}, queries {tq}, keys {tk}) need {size_text(need)} "
+            f"in float64, over {param('max_memory')} {size_text(max_bytes)}"
         )
     planes_masked = None
     mask_float = None
@@ -185,11 +190,10 @@ def prepare_inputs(
     looks_boolean = False
     summed, deep = 0, None
     if mask is not None:
-        m4 = _broadcast_mask(mask, full, lead)
         if mask.dtype == torch.bool:
-            planes_masked = ~m4 if mask_convention == "attend" else m4
+            planes_masked = ~mask4 if mask_convention == "attend" else mask4
         elif mask.is_floating_point():
-            mask_float = m4.to(torch.float64)
+            mask_float = mask4.to(torch.float64)
             vals, counts = torch.unique(mask.to(torch.float64), return_counts=True)  # of the mask as given, before broadcasting
             looks_boolean = vals.numel() <= 2 and bool(((vals == 0) | (vals == 1)).all()) and bool((vals == 1).any())
             sentinel = vals <= MASK_SENTINEL_LIMIT
@@ -198,12 +202,11 @@ def prepare_inputs(
             summed, deep = _summed_planes(mask)
         else:
             raise AttncheckError(f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask")
-    extra = torch.zeros(full, dtype=torch.bool) if causal or pad_left or pad_right or masked is not None else None
-    if masked is not None:
-        extra |= _broadcast_mask(masked, full, lead)
+    extra = masked4  # the planes combine at the shape they broadcast to, not over every score
     if causal:
         # PyTorch's is_causal: ones(L, S).tril(0), aligned at the top left.
-        extra |= ~torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=0)
+        plane = ~torch.ones(1, 1, tq, tk, dtype=torch.bool).tril(diagonal=0)
+        extra = plane if extra is None else (extra | plane)
     for side, pads in (("left", pad_left), ("right", pad_right)):
         if not pads:
             continue
@@ -214,13 +217,19 @@ def prepare_inputs(
                 raise AttncheckError(f"length {n} is outside 0..{tk} keys", param=f"pad_{side}")
         n_pad = torch.tensor(pads).view(b, 1, 1, 1)
         key = torch.arange(tk).view(1, 1, 1, tk)
-        extra |= (key < n_pad) if side == "left" else (key >= tk - n_pad)
+        plane = (key < n_pad) if side == "left" else (key >= tk - n_pad)
+        extra = plane if extra is None else (extra | plane)
     if extra is not None:
         planes_masked = extra if planes_masked is None else (planes_masked | extra)
+    if planes_masked is not None:
+        planes_masked = torch.broadcast_to(planes_masked, full)  # a view: no plane over every score is held
+    mask_sane = mask_float is None or not bool((torch.isnan(mask_float) | torch.isposinf(mask_float)).any())
+    if mask_float is not None:
+        mask_float = torch.broadcast_to(mask_float, full)
     qk_finite = bool(torch.isfinite(q4).all()) and bool(torch.isfinite(k4).all())
     return AttentionInputs(
         qk_finite=qk_finite,
-        mask_sane=mask_float is None or not bool((torch.isnan(mask_float) | torch.isposinf(mask_float)).any()),
+        mask_sane=mask_sane,
         q_amax=float(q4.abs().amax()) if qk_finite and q4.numel() else math.inf,
         k_amax=float(k4.abs().amax()) if qk_finite and k4.numel() else math.inf,
         q=q4,
@@ -264,15 +273,20 @@ def mask_planes(mask_float: torch.Tensor | None, masked: torch.Tensor | None, dt
     return mf, plane, mask_dt
 
 
-def _broadcast_mask(mask: torch.Tensor, full: tuple[int, ...], lead: tuple[int, ...]) -> torch.Tensor:
+def _compact_mask(mask: torch.Tensor, full: tuple[int, ...], lead: tuple[int, ...]) -> torch.Tensor:
+    """The mask with 4 axes, each its own size or 1: it broadcasts to the scores' shape ``full``
+    (checked) and is not expanded to it."""
     b, h, tq, tk = full
     m = mask
     if m.dim() > 4 or (m.dim() == 4 and lead and len(lead) > 1):
         m = m.reshape(-1, *m.shape[-3:]) if m.dim() > 4 else m
     try:
-        return torch.broadcast_to(m, full)
+        fits = torch.broadcast_shapes(tuple(m.shape), full) == full
     except RuntimeError:
-        raise AttncheckError(f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape (batch {b}, heads {h}, queries {tq}, keys {tk})") from None
+        fits = False
+    if not fits:
+        raise AttncheckError(f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape (batch {b}, heads {h}, queries {tq}, keys {tk})")
+    return m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
 
 
 SPREAD_SAMPLE = 1 << 17
@@ -374,10 +388,15 @@ class QKBlock:
 
     @staticmethod
     def _slice4(t: torch.Tensor | None, bh: slice, qs: slice, device: torch.device) -> torch.Tensor | None:
+        """Rows ``qs`` of the (batch x head) planes ``bh``: (n, tq, Tk). A broadcast view (a mask
+        kept at its own size) gives the block's slice alone; reshaping it would expand it whole."""
         if t is None:
             return None
         b, h = t.shape[:2]
-        return t.reshape(b * h, *t.shape[2:])[bh, qs].to(device)
+        if t.is_contiguous():
+            return t.reshape(b * h, *t.shape[2:])[bh, qs].to(device)
+        index = torch.arange(b * h)[bh]
+        return t[index // h, index % h, qs].to(device)
 
     def in_dtype(self, dt: torch.dtype):
         """(scores (r, Tk) in dt, causes before 'fully_masked', causes after it)."""

@@ -81,6 +81,9 @@ def _log_row_overflow(log_tail: float, seq: int) -> float:
     return math.log(-math.expm1(seq * math.log1p(-q)))
 
 
+_MAX_DOUBLINGS = 1100  # past float64's largest power of two
+
+
 def naive_overflow_log_probability(threshold: float, scale: float, dk: int, seq: int, var_q: float, var_k: float) -> float:
     """Natural log of ``naive_overflow_probability``, exact where the probability itself is
     below float64's range (-inf when it is 0)."""
@@ -108,15 +111,15 @@ def naive_overflow_log_probability(threshold: float, scale: float, dk: int, seq:
             hi = m2
     peak_w = 0.5 * (lo + hi)
     peak = g(peak_w)
-    if peak == -math.inf:
+    if not peak > -math.inf:  # -inf, or NaN from inputs past float64's range: no row overflows that can be told
         return -math.inf
     ends = []
     for direction in (-1.0, 1.0):
         step = 0.5
         w = peak_w
-        while True:
+        for _ in range(_MAX_DOUBLINGS):  # g falls like -w^2/2: a handful of doublings; a bound all the same
             w = peak_w + direction * step
-            if w <= 0.0 or g(w) < peak - _LOG_RANGE:
+            if w <= 0.0 or not g(w) >= peak - _LOG_RANGE:
                 break
             step *= 2.0
         ends.append(max(w, 0.0))

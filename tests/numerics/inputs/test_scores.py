@@ -427,3 +427,32 @@ def test_cli_v_adds_the_output_table_and_json(tmp_path):
     r = runner.invoke(app, ["run", "--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{p}:v", "--dtype", "bf16", "--method", "torch", "--path", "flash", "--brief"])
     assert r.exit_code == 0, r.output
     assert "Output O = P@V against float64" in r.stdout and "flash/bf16" in r.stdout and "eager:" not in r.stdout
+
+
+def test_masks_are_held_at_their_own_size_and_read_the_same_as_expanded():
+    """A (T, T) boolean mask over many heads, a causal mask and padding stay planes of their own size
+    (broadcast views stand for the planes over every score): the diagnosis equals the one of the same
+    masks expanded over every score, and what is held does not grow with the heads."""
+    g = torch.Generator().manual_seed(3)
+    b, h, t, d = 2, 4, 24, 8
+    q, k = torch.randn(b, h, t, d, generator=g) * 3, torch.randn(b, h, t, d, generator=g) * 3
+    keep = torch.rand(t, t, generator=g) > 0.3
+    keep[:, 0] = True
+    inp = prepare_inputs(q, k, keep, causal=True, pad_left=[3, 0])
+    assert inp.masked.shape == (b, h, t, t) and inp.masked.untyped_storage().nbytes() <= b * t * t  # not b * h * t * t
+    expanded = prepare_inputs(q, k, keep.expand(b, h, t, t).contiguous(), causal=True, pad_left=[3, 0])
+    opts = Options(dtypes=("fp16", "fp32"), methods=("stable", "torch"), chunk_elements=40 * t)  # blocks of 27 rows: cut across heads
+    a, e = diagnose_attention("m", inp, opts), diagnose_attention("m", expanded, opts)
+    assert a.census == e.census and [c.max_abs_err for c in a.cells] == [c.max_abs_err for c in e.cells]
+    assert a.attention.masked_keys == e.attention.masked_keys > 0
+    floats = torch.where(keep, 0.0, -1e4).to(torch.float16)
+    inp_f = prepare_inputs(q, k, floats)
+    assert inp_f.mask_float.untyped_storage().nbytes() <= 8 * t * t
+    assert diagnose_attention("f", inp_f, opts).census == diagnose_attention("f", prepare_inputs(q, k, floats.expand(b, h, t, t).contiguous()), opts).census
+
+
+def test_what_the_inputs_hold_is_measured_at_the_masks_own_size():
+    q = torch.ones(1, 64, 256, 4)
+    prepare_inputs(q, q, torch.ones(256, 256, dtype=torch.bool), causal=True, max_bytes=2 << 20)  # 1 MiB of q, k and two 64 KiB planes
+    with pytest.raises(AttncheckError, match=r"need 1.125 MiB in float64, over max_memory 1 MiB"):
+        prepare_inputs(q, q, torch.ones(256, 256, dtype=torch.bool), causal=True, max_bytes=1 << 20)

@@ -1,0 +1,142 @@
+"""What a capture directory may say, as typed structs: the manifest (``manifest.json``) and each
+call file's metadata (strings in its safetensors header). Every field a reader uses has its type,
+range and size here, checked by ``jsondoc`` before anything is used; fields this version does not
+know are ignored, so a newer writer's optional fields (gradients, mask kinds) read fine. To add
+one: a field with a default.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional
+
+from msgspec import Meta, Struct
+
+CAPTURE_SCHEMA_PREFIX = "attncheck.capture/"
+MAX_CALLS = 100_000  # calls one manifest may list (capture's --max-calls is 1000 by default)
+MAX_INDEX = 10**9
+MAX_NAME = 4096  # characters of a module path or a script argument
+MAX_TEXT = 1 << 16  # characters of a message (why recording stopped, the script's error)
+MAX_AXES = 16
+MAX_DIM = 1 << 48
+MAX_ROLES = 64
+MAX_BYTES = 1 << 62
+
+Index = Annotated[int, Meta(ge=0, le=MAX_INDEX)]
+Count = Annotated[int, Meta(ge=0, le=MAX_BYTES)]
+Name = Annotated[str, Meta(max_length=MAX_NAME)]
+Message = Annotated[str, Meta(max_length=MAX_TEXT)]
+Short = Annotated[str, Meta(max_length=128)]
+Schema = Annotated[str, Meta(pattern=r"^attncheck\.capture/", max_length=64)]
+Kind = Literal["sdpa", "softmax"]
+Role = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")]
+Dim = Annotated[int, Meta(ge=0, le=MAX_DIM)]
+# The dtypes a call is computed in (torch's names, as the recorder writes them); attncheck reads
+# calls in these. FP8 and integer calls are refused by name.
+ComputeDtype = Literal["float16", "bfloat16", "float32", "float64"]
+# SDPA's scale multiplies q.k: attncheck diagnoses positive finite ones (float64's largest is the bound).
+Scale = Annotated[float, Meta(gt=0.0, le=1.7976931348623157e308)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class ManifestTensor(Struct):
+    shape: Annotated[list[Dim], Meta(max_length=MAX_AXES)]
+    dtype: Optional[Short] = None
+
+
+class ManifestGrads(Struct):
+    """A call's gradients file (written when the backward reached the call)."""
+
+    file: Name  # NNNN-<module>.grads.safetensors: checked by the reader
+    bytes: Optional[Count] = None
+    tensors: Annotated[dict[Role, ManifestTensor], Meta(max_length=MAX_ROLES)] = {}
+
+
+class ManifestCall(Struct):
+    index: Index
+    file: Name  # a call file of the directory: checked by the reader, which says so
+    kind: Kind
+    module: Name = ""
+    forward: Optional[Index] = None
+    bytes: Optional[Count] = None
+    tensors: Annotated[dict[Role, ManifestTensor], Meta(max_length=MAX_ROLES)] = {}
+    grads: Optional[ManifestGrads] = None
+
+
+class ScriptFacts(Struct):
+    path: Optional[Name] = None
+    argv: Annotated[list[Name], Meta(max_length=10_000)] = []
+    error: Optional[Message] = None
+
+
+class Manifest(Struct):
+    schema: Schema
+    calls: Annotated[list[ManifestCall], Meta(max_length=MAX_CALLS)]
+    attncheck_version: Optional[Short] = None
+    torch_version: Optional[Short] = None
+    created: Optional[Short] = None
+    complete: Optional[bool] = None
+    stopped: Optional[Message] = None
+    error: Optional[Message] = None
+    script: Optional[ScriptFacts] = None
+    calls_seen: Optional[Count] = None
+    calls_recorded: Optional[Count] = None
+    max_calls: Optional[Count] = None
+    max_bytes: Optional[Count] = None
+    modules: Annotated[list[Name], Meta(max_length=10_000)] = []
+    forwards: Optional[Annotated[list[Index], Meta(max_length=MAX_CALLS)]] = None
+    total_bytes: Optional[Count] = None
+    grads: Optional[bool] = None  # gradients were recorded where a backward reached a call
+    grad_calls: Optional[Count] = None
+
+
+class CallMeta(Struct):
+    """A call file's metadata. safetensors keeps strings only: numbers and flags are read from
+    them ('0.125', 'true'), and 'none' stands for a value not given (``NONE_FIELDS``)."""
+
+    format: Schema
+    kind: Kind
+    call: Index
+    module: Name = ""
+    forward: Index = 0  # 0: outside any module
+    dtype: Optional[ComputeDtype] = None
+    softmax_dtype: Optional[ComputeDtype] = None
+    autocast_dtype: Optional[ComputeDtype] = None
+    is_causal: bool = False
+    scale: Optional[Scale] = None
+    scale_source: Optional[Short] = None
+    enable_gqa: bool = False
+    dropout_p: Probability = 0.0
+    has_qk: bool = False
+    num_heads: Optional[Annotated[int, Meta(ge=1, le=1 << 20)]] = None
+    mha: bool = False
+    q_prescaled: bool = False
+    sdpa_backend: Optional[Short] = None
+    mask_op: Optional[Literal["add", "fill", "none"]] = None  # how the eager code applied its mask (the backward differs)
+    device: Optional[Short] = None
+    dtypes: Optional[Message] = None
+    shapes: Optional[Message] = None
+
+
+NONE_FIELDS = ("dtype", "softmax_dtype", "autocast_dtype", "scale", "num_heads", "scale_source", "sdpa_backend")
+
+
+# What a metadata field must hold, for the message that refuses it.
+FIELD_HELP = {
+    "kind": "sdpa or softmax",
+    "dtype": "the dtype attncheck reads a call in: float16, bfloat16, float32 or float64",
+    "softmax_dtype": "float16, bfloat16, float32, float64 or none",
+    "autocast_dtype": "float16, bfloat16, float32, float64 or none",
+    "scale": "a positive finite number, or none for SDPA's default 1/sqrt(d)",
+    "dropout_p": "a probability from 0 to 1",
+    "forward": "a forward pass number, 0 outside any module",
+    "call": "the call's index",
+    "num_heads": "a head count >= 1",
+}
+
+
+def meta_fields(meta: dict[str, str]) -> dict[str, str | None]:
+    """The metadata with 'none' and '' read as not given where a field takes None."""
+    return {k: (None if k in NONE_FIELDS and v in ("none", "") else v) for k, v in meta.items()}
+
+
+__all__ = ["CAPTURE_SCHEMA_PREFIX", "FIELD_HELP", "CallMeta", "MAX_CALLS", "Manifest", "ManifestCall", "ManifestTensor", "ScriptFacts", "meta_fields"]
