@@ -155,7 +155,8 @@ class GradStats:
     nan_rows_per_head: list[int] = field(default_factory=list)  # summed over the batch
     examples: list[tuple[int, ...]] = field(default_factory=list)  # first NaN/inf rows (batch, head, token)
     # FlashAttention's rule: max_abs_err <= 2 x that of plain attention in the same dtype (eager, softmax in the
-    # dtype, no upcast) + two ulps of the largest gradient; None where the cell is that baseline itself
+    # dtype, no upcast) + two ulps of the largest gradient; None where the cell is that baseline itself, and in fp32
+    # (FlashAttention's tests apply it in fp16 and bf16; in fp32 both errors are rounding noise)
     baseline_err: float | None = None
     rule_bound: float | None = None
     # The gradients the model's kernel really produced (recorded by the capture) against this cell:

@@ -236,8 +236,9 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
     real = {name: _as_heads(t, hq if name == "dq" else hk, tq if name == "dq" else tk) for name, t in grads.real.items()}
     accs = {c: {"dq": _GradAcc(hq), "dk": _GradAcc(hk), "dv": _GradAcc(hk)} for c in cells}
     peaks: dict[str, float] = {}  # the largest |dO|, |dP|, |dS|, |dQ|, |dK|, |dV| of the float64 backward
-    # FlashAttention's rule compares each path with plain attention in the same dtype: eager, softmax in the dtype
-    baselines = {c.dtype: BackwardCell("eager", c.dtype) for c in cells if not _is_baseline(c)}
+    # FlashAttention's rule compares each path with plain attention in the same dtype: eager, softmax in the
+    # dtype. Its tests apply it in fp16 and bf16; in fp32 both errors are rounding noise, so it is not applied.
+    baselines = {c.dtype: BackwardCell("eager", c.dtype) for c in cells if not _is_baseline(c) and c.dtype != "fp32"}
     base_err: dict[str, dict[str, float | None]] = {d: {"dq": None, "dk": None, "dv": None} for d in baselines}  # None: no entry compared
     held: dict[BackwardCell, list[tuple[str, str]]] = {}
     units_per_block = max(1, chunk_elements // max(1, groups * tq * tk))
