@@ -337,14 +337,16 @@ def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None
 
 def _with_grads(load: Callable[[], dict[str, torch.Tensor]], path: str, label: str) -> tuple[Callable[[], dict[str, torch.Tensor]], str | None]:
     """A call's loader that adds the tensors of its gradients file (only the gradient roles)."""
+    if os.path.islink(path):
+        return load, f"{label}: its gradients file {path} is a symbolic link; a capture's files are plain files of its directory (nothing is read outside it)"
     if not os.path.isfile(path):
-        return load, f"{label}: its gradients file {path} is listed in the manifest but missing"
+        return load, f"{label}: its gradients file {path} is listed in the manifest but " + ("not a file" if os.path.lexists(path) else "missing")
     try:
         meta, _ = read_call_header(path)
     except AttncheckError as exc:
         return load, f"{label}: its gradients file: {_strip_path(exc.message, path)}"
-    if meta.get("grads") != "true":
-        return load, f"{label}: {path} is not a gradients file (no 'grads' in its metadata)"
+    if not str(meta.get(FORMAT_KEY, "")).startswith(CAPTURE_SCHEMA_PREFIX) or meta.get("grads") != "true":
+        return load, f"{label}: {path} is not a capture's gradients file (its metadata needs {FORMAT_KEY} {CAPTURE_SCHEMA_PREFIX}... and grads true)"
 
     def both() -> dict[str, torch.Tensor]:
         tensors = load()

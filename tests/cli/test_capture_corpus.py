@@ -446,3 +446,142 @@ def test_optional_tensors_and_metadata_of_a_newer_writer_read(valid, tmp_path):
     r = runner.invoke(app, ["run", str(d), "--quiet", "--json", "-"])
     assert r.exit_code == 0, r.output
     assert [c["index"] for c in json.loads(r.stdout)["model"]["calls"]] == [0, 1, 2]
+
+
+# --------------------------------------------------------------------------- gradients files
+
+
+class _Train(nn.Module):
+    def forward(self, q, k, v, mask):
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.eager(q, k, v, mask) + a
+
+    def __init__(self):
+        super().__init__()
+        self.eager = _Eager()
+
+
+@pytest.fixture(scope="module")
+def valid_grads(tmp_path_factory) -> Path:
+    """A training step: an SDPA call and an eager softmax call, each with its gradients file."""
+    d = tmp_path_factory.mktemp("valid_grads") / "cap"
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g).requires_grad_() for _ in range(3))
+    mask = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    with attncheck.capture(d):
+        _Train()(q, k, v, mask).sum().backward()
+    assert all("grads" in c for c in read_manifest(d)["calls"])
+    return d
+
+
+def grads_cases(valid: Path) -> list[Case]:
+    """The gradients of a capture as hostile input: each call's manifest 'grads' entry with every kind
+    of wrong value, its file cut, emptied, missing, a folder, a link out, unlisted; its header's tensors
+    reshaped, retyped or given another role; its metadata not a gradients file's; NaN gradients (a
+    correct report: grad_nan_input)."""
+    cases: list[Case] = []
+    doc = read_manifest(valid)
+    for i, entry in enumerate(doc["calls"]):
+        gname = entry["grads"]["file"]
+        for keys in (("calls", i, "grads"), ("calls", i, "grads", "file"), ("calls", i, "grads", "bytes"), ("calls", i, "grads", "tensors"),
+                     ("calls", i, "grads", "tensors", "grad_out", "shape")):
+            for name, fragment in JSON_VALUES.items():
+                def edit(d, keys=keys, fragment=fragment):
+                    doc = read_manifest(d)
+                    set_path(doc, keys, HOLE)
+                    write_json_with_hole(d / "manifest.json", doc, fragment)
+
+                refused = keys[-1] in ("grads", "file") and name != "null" or name in ("digits_5001", "float_1e400", "nan", "inf",
+                                                                                        "minus_inf", "deep_list", "deep_object")
+                if keys[-1] == "grads" and name == "null":
+                    refused = False  # no gradients: the forward alone
+                cases.append(Case(f"grads:{i}:{'.'.join(map(str, keys[3:])) or 'entry'}={name}", edit, refused))
+        size = len((valid / gname).read_bytes())
+
+        def cut(d, at, gname=gname):
+            p = d / gname
+            p.write_bytes(p.read_bytes()[:at])
+
+        for at in (0, 4, 8, 16, 100, size // 2, size - 1):
+            cases.append(Case(f"grads-file:{i}:truncated@{at}", lambda d, at=at, cut=cut: cut(d, at), True))
+
+        def missing(d, gname=gname):
+            (d / gname).unlink()
+
+        def folder(d, gname=gname):
+            (d / gname).unlink()
+            (d / gname).mkdir()
+
+        def link_out(d, gname=gname):
+            outside = d.parent / "outside.grads.safetensors"
+            shutil.copy(d / gname, outside)
+            (d / gname).unlink()
+            (d / gname).symlink_to(outside)
+
+        def other_call(d, i=i):  # the entry names the other call's gradients file
+            doc = read_manifest(d)
+            doc["calls"][i]["grads"]["file"] = doc["calls"][1 - i]["grads"]["file"]
+            write_json_with_hole(d / "manifest.json", doc, None)
+
+        def unlisted(d, i=i):
+            doc = read_manifest(d)
+            del doc["calls"][i]["grads"]
+            write_json_with_hole(d / "manifest.json", doc, None)
+
+        for name, edit in (("missing", missing), ("folder", folder), ("link_out", link_out), ("other_call", other_call), ("unlisted", unlisted)):
+            cases.append(Case(f"grads-file:{i}:{name}", edit, True))
+
+        header, _ = read_call_file(valid / gname)
+        for role in ("grad_out", "grad_q", "grad_k", "grad_v"):
+            for what, value in (("shape", [1, 2, 3, 8]), ("shape", [4, 8]), ("dtype", "I32"), ("dtype", "F16")):
+                def retype(d, role=role, what=what, value=value, gname=gname):
+                    from safetensors.torch import load_file, save_file
+
+                    tensors = load_file(str(d / gname))
+                    header, _ = read_call_file(d / gname)
+                    t = tensors[role]
+                    if what == "shape":
+                        t = torch.zeros(value)
+                    else:
+                        t = t.to(torch.int32 if value == "I32" else torch.float16)
+                    save_file({**tensors, role: t}, str(d / gname), metadata=header["__metadata__"])
+                    doc = read_manifest(d)
+                    doc["calls"][i]["grads"]["tensors"][role] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                    write_json_with_hole(d / "manifest.json", doc, None)
+
+                cases.append(Case(f"grads-tensor:{i}:{role}:{what}={value}", retype, not (what == "dtype" and value == "F16")))
+        for key, value in (("grads", "false"), ("grads", "\x1b[31m"), ("format", "nope")):
+            def meta(d, key=key, value=value, gname=gname):
+                header, data = read_call_file(d / gname)
+                header["__metadata__"][key] = value
+                write_call_file(d / gname, header, data)
+
+            cases.append(Case(f"grads-meta:{i}:{key}={value!r}", meta, True))
+
+        def nan_grad_out(d, gname=gname):
+            from safetensors.torch import load_file, save_file
+
+            tensors = load_file(str(d / gname))
+            header, _ = read_call_file(d / gname)
+            tensors["grad_out"][0, 0, 1, 0] = float("nan")
+            save_file(tensors, str(d / gname), metadata=header["__metadata__"])
+
+        cases.append(Case(f"grads-values:{i}:nan_in_grad_out", nan_grad_out, False))
+    return cases
+
+
+def test_gradients_corpus_sample(valid_grads, tmp_path):
+    """Every file, tensor and metadata case, and every third value of the manifest's 'grads' fields."""
+    cases = grads_cases(valid_grads)
+    assert len(cases) >= 250
+    check_corpus([c for i, c in enumerate(cases) if not c.id.startswith("grads:") or i % 3 == 0], valid_grads, tmp_path)
+    d = tmp_path / "nan"
+    shutil.copytree(valid_grads, d)
+    next(c for c in cases if c.id == "grads-values:0:nan_in_grad_out").edit(d)
+    r = runner.invoke(app, ["run", str(d), "--quiet", "--json", "-", "--fail-on", "nan"])
+    assert r.exit_code == 1 and "grad_nan_input" in {f["code"] for t in json.loads(r.stdout)["tensors"] for f in t["findings"]}
+
+
+@pytest.mark.slow
+def test_gradients_corpus_whole(valid_grads, tmp_path):
+    check_corpus(grads_cases(valid_grads), valid_grads, tmp_path)
