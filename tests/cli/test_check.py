@@ -455,6 +455,7 @@ def run_check_cli(project, *args, progress: str | None):
     return subprocess.run([sys.executable, "-m", "attncheck", "check", *args], capture_output=True, text=True, timeout=300, env=env, cwd=project)
 
 
+@pytest.mark.slow
 def test_progress_goes_to_stderr_never_into_json_stdout(project):
     (project / "pyproject.toml").write_text(PASSING)
     shown = run_check_cli(project, "--json", "-", progress="always")

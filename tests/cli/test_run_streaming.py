@@ -76,6 +76,7 @@ def sparse_npy(path, rows, keys):
         fh.write(b"\0")
 
 
+@pytest.mark.slow
 def test_memory_stays_bounded_on_a_file_many_times_the_budget(tmp_path):
     big, small = tmp_path / "big.npy", tmp_path / "small.npy"
     sparse_npy(big, 16384, 1024)  # 64 MiB of fp32 scores

@@ -201,6 +201,7 @@ def test_tables_fit_the_terminal(width):
     assert "ovf 100%" in text
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(tmp_path):
     target = tmp_path / "sweep.png"
     result = sweep(*SMALL, "--plot", str(target))
@@ -263,6 +264,7 @@ def run_sweep_cli(*args, progress: str | None):
     return subprocess.run([sys.executable, "-m", "attncheck", "sweep", *SMALL, "--path", "none", *args], capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_progress_goes_to_stderr_never_into_json_stdout():
     shown = run_sweep_cli("--json", "-", progress="always")
     assert shown.returncode == 0, shown.stderr
@@ -277,6 +279,7 @@ def test_no_progress_when_stderr_is_not_a_terminal():
     assert proc.returncode == 0 and proc.stderr == ""
 
 
+@pytest.mark.slow
 def test_preset_shows_progress_on_stderr_never_in_json():
     import os
 
