@@ -45,6 +45,10 @@ FIX = {
     "grad_underflow": "gradient entries flush to zero in this dtype: use a loss scale (torch.amp.GradScaler) or bf16; if the softmax is collapsed (near one-hot rows), its Jacobian vanishes: check the scale and the logit growth",
     "grad_error": "this path's gradients are further from float64 than FlashAttention's test allows (2x plain attention in the same dtype): keep dP and dS in fp32 and round only for the products, as FlashAttention does",
     "grad_emulation_mismatch": "attncheck's emulation of this kernel's backward does not reproduce the gradients the model really produced: the backward numbers of this call cannot be trusted; please report it with the capture",
+    "logit_growth": "the attention logits grow geometrically, as before divergence at a high learning rate: normalise q and k (qk-layernorm, Dehghani et al. 2023; Wortsman et al. 2023), lower the learning rate or clip the logits (QK-clip, soft-capping)",
+    "entropy_collapse": "most rows of this head put nearly all their weight on one key: its softmax Jacobian vanishes and so does the gradient through it; check the logit growth, the scale, qk-layernorm",
+    "headroom_low": "at this growth the head's logits reach the first failure of its dtype within the horizon: act on the growth (qk-layernorm, learning rate, clipping) or hold the scores in a wider dtype",
+    "nonfinite": "NaN or inf in the attention output or its gradients: capture the step (attncheck capture, or attncheck.capture around it) to find the call, the head and the cause",
 }
 
 SEVERITY = {
@@ -82,6 +86,10 @@ SEVERITY = {
     "grad_underflow": "warning",
     "grad_error": "warning",
     "grad_emulation_mismatch": "error",
+    "logit_growth": "warning",
+    "entropy_collapse": "warning",
+    "headroom_low": "warning",
+    "nonfinite": "error",
 }
 
 

@@ -249,10 +249,12 @@ class Recorder(TorchFunctionMode):
     """
 
     def __init__(self, sink: Callable[[Recorded], None], *, modules=(), forwards=None, max_calls: int | None = None,
-                 max_bytes: int | None = None, notice: Callable[[str], None] | None = None, grads: bool = True) -> None:
+                 max_bytes: int | None = None, notice: Callable[[str], None] | None = None, grads: bool = True,
+                 outputs: bool = False) -> None:
         super().__init__()
         self.sink = sink
         self.grads = grads
+        self.outputs = outputs  # an SDPA call keeps its output even without a backward (the watch reads it)
         self._watches: list[_GradWatch] = []
         self.grad_calls = 0  # calls whose gradients were recorded
         self.modules = tuple(modules)
@@ -537,8 +539,8 @@ class Recorder(TorchFunctionMode):
         }
         meta.update(self._mha_meta)
         track = self._tracks_grads(out)
-        if track:
-            tensors["out"] = out.detach()  # the flash backward reads O
+        if track or self.outputs:
+            tensors["out"] = out.detach()  # the flash backward reads O; the watch counts its broken rows
         call = self._new_call("sdpa", module, tensors, meta)
         call.expects_grads = track
         if self._emit(call) and track:

@@ -1,0 +1,109 @@
+"""``attncheck watch LOG...``: the report of watch logs (``attncheck.watch``): per head the trend of
+its largest logit, its entropy and its headroom, and the alerts with the step each first held.
+Exit codes as ``run``'s: 0, 1 when a --fail-on condition holds, 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+from typing import List, Optional
+
+import typer
+
+from attncheck import params
+from attncheck.cli.common import EXIT_FAILED, check_output_path, fail, say, write_json
+from attncheck.cli.options import JsonOpt, QuietOpt, WhatIfOpt
+from attncheck.errors import AttncheckError
+
+ALERTS = "Alerts"
+
+
+def parse_watch_fail_on(value: str) -> list[str]:
+    from attncheck.codes import WHAT_IF_PREFIX
+
+    words = ("error", "warning", "nan", "logit_growth", "entropy_collapse", "headroom_low", "nonfinite")
+    items = [v.strip().lower() for v in value.split(",") if v.strip()]
+    for item in items:
+        if item.removeprefix(WHAT_IF_PREFIX) not in words:
+            raise AttncheckError(f"unknown condition {item!r} (use {', '.join(words)}, or what-if:CONDITION)", param="fail_on")
+    return items
+
+
+def watch(
+    logs: List[str] = typer.Argument(..., metavar="LOG...", help="Watch logs (.jsonl) that attncheck.watch wrote; under torchrun, one per rank.", show_default=False),
+    json_out: JsonOpt = None,
+    fail_on: str = typer.Option("", "--fail-on", metavar="LIST", help="Exit 1 when an alert holds: logit_growth, entropy_collapse, headroom_low, nonfinite, nan (= nonfinite), warning or error (an alert of that severity or worse), comma-separated; what-if:CONDITION judges the --what-if alerts."),
+    ignore: str = typer.Option("", "--ignore", metavar="CODE,...", help="Alert codes you judged expected: left out of the report and of --fail-on."),
+    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Draw step x call heatmaps of the largest logit and of the entropy, and the curves of the worst heads with the alert steps marked, to FILE.png (needs matplotlib: the 'plot' extra)."),
+    window: str = typer.Option("20", "--window", metavar="N", help="Records the growth of a head's largest logit is fitted over (least squares of its logarithm).", rich_help_panel=ALERTS),
+    level: str = typer.Option("50", "--logit-level", metavar="X", help="logit_growth holds once a growing head's largest logit reaches X.", rich_help_panel=ALERTS),
+    growth: str = typer.Option("2", "--growth", metavar="G", help="logit_growth holds from a growth of G times per 100 steps.", rich_help_panel=ALERTS),
+    horizon: str = typer.Option("1000", "--horizon", metavar="STEPS", help="headroom_low holds when, at its growth, a head reaches its dtype's limit within STEPS steps.", rich_help_panel=ALERTS),
+    collapse: str = typer.Option("0.5", "--collapse", metavar="SHARE", help="entropy_collapse holds when SHARE of a head's sampled rows put over 0.99 of their weight on one key.", rich_help_panel=ALERTS),
+    what_if: WhatIfOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Read watch logs: the trend of every head's largest attention logit, its entropy and its headroom, with alerts.
+
+    attncheck.watch(model, log=...) writes one JSON line per recorded training step: per attention call and head, the largest unmasked logit, the entropy of the rows, max |q| and |k|, NaN or inf rows, and the largest logit the call's dtype allows. This command fits the growth of each head's largest logit over the last --window records and reports logit_growth (geometric growth past --logit-level), entropy_collapse, headroom_low (the dtype's limit within --horizon steps at that growth; with --what-if DTYPES also for hand-written attention in those dtypes) and nonfinite, each with the step it first held and the rank, for logs of several ranks.
+
+    Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error.
+    """
+    try:
+        conditions = parse_watch_fail_on(fail_on)
+        from attncheck.config.run import ignore_codes
+
+        ignored = ignore_codes(ignore)
+        settings = dict(window=params.integer(window, "window", 2), level=params.number(level, "logit_level", positive=True),
+                        growth=params.number(growth, "growth", positive=True), horizon=params.number(horizon, "horizon", positive=True),
+                        collapse=params.number(collapse, "collapse", positive=True))
+        if settings["collapse"] > 1:
+            raise AttncheckError(f"is a share of rows, from 0 to 1; got {collapse}", param="collapse")
+        if settings["growth"] <= 1:
+            raise AttncheckError(f"is a growth factor per 100 steps, above 1; got {growth}", param="growth")
+        asked = params.what_if(what_if) if what_if is not None else ()
+        check_output_path(json_out, "--json")
+        check_output_path(plot, "--plot", dash_ok=False)
+        if plot is not None:
+            from attncheck.report.sweep import require_matplotlib
+
+            require_matplotlib()
+        from attncheck.loaders.watchlog import read_watch_logs
+        from attncheck.watch.trends import analyse, failed
+
+        read = read_watch_logs(logs)
+        report = analyse(read, what_if=_what_if_limits(asked), **settings)
+        report.alerts = [a for a in report.alerts if a.code not in ignored]
+        held = failed(report, conditions, ignored)
+    except AttncheckError as e:
+        raise fail(e) from None
+    from attncheck.report.watch import plot_watch, render_watch, watch_json
+
+    if json_out is not None:
+        try:
+            write_json(json.dumps(watch_json(report, held), indent=2, allow_nan=False), json_out)
+        except AttncheckError as e:
+            raise fail(e) from None
+    if json_out != "-":
+        from rich.console import Console
+
+        Console(markup=False, highlight=False).print(render_watch(report))
+    if plot is not None:
+        plot_watch(report, plot)
+        if not quiet:
+            say(f"attncheck: wrote {plot}")
+    for reason in held:
+        say(f"attncheck: --fail-on {reason}")
+    if held:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _what_if_limits(asked) -> dict[str, float]:
+    """--what-if DTYPES -> each dtype's rounding limit (hand-written attention holds S = Q@K^T in it)."""
+    if not asked:
+        return {}
+    from attncheck.numerics.precision import dtype_from_name, rounding_limit
+    from attncheck.params import WHAT_IF_ALL
+    from attncheck.registry import dtype_names, fp8_names
+
+    names = [d for d in dtype_names() if d not in fp8_names()] if asked == (WHAT_IF_ALL,) else [d for d in asked if d not in fp8_names()]
+    return {d: rounding_limit(dtype_from_name(d)) for d in names}

@@ -1,0 +1,316 @@
+"""``attncheck.watch``: per-step attention health of a training run, one JSON line per step.
+
+::
+
+    import attncheck
+
+    with attncheck.watch(model, log="watch.jsonl", every=10) as w:
+        for batch in loader:
+            loss = model(**batch).loss
+            loss.backward(); opt.step(); opt.zero_grad()
+            w.step(loss=loss.item())          # or leave it out: a step is one training forward of ``model``
+    # then: attncheck watch watch.jsonl
+
+Every ``every`` steps, each attention call the model makes (SDPA and eager softmax, found as
+``attncheck.capture`` finds them, without hooks of your own) gives per head its largest unmasked
+logit, the entropy of its rows (minimum, mean, share of collapsed rows), max |q| and |k|, the rows
+of its output holding NaN or inf, and the largest logit it can have before the first failure of
+the dtype it runs in; with a backward, the NaN/inf and zero counts of the gradients its kernel
+produced. Statistics only (``attncheck.watch.stats``): nothing is kept, nothing is copied to the
+host but one batch of numbers per step. Under ``torchrun`` each rank writes its own log
+(``watch.rank1.jsonl``; ``{rank}`` in the name is replaced instead where it is there).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from attncheck import __version__, params
+from attncheck.errors import AttncheckError
+
+WATCH_SCHEMA = "attncheck.watch/1"
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size: torch.distributed's where it is initialised, else
+    torchrun's environment (RANK, WORLD_SIZE), else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 0, 1
+
+
+def rank_log_path(path: str | os.PathLike[str], rank: int, world: int) -> Path:
+    """The log of one rank: '{rank}' in the name replaced, else '.rankN' before the suffix when the
+    world has several ranks."""
+    p = Path(path)
+    if "{rank}" in p.name:
+        return p.with_name(p.name.replace("{rank}", str(rank)))
+    if world > 1:
+        return p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
+    return p
+
+
+@dataclass
+class _CallEntry:
+    module: str
+    kind: str
+    dtype: str
+    path: str
+    scale: float
+    limit_logit: float
+    limit_what: str
+    stats: object  # stats.CallStats
+
+
+class Watch:
+    """The context manager ``watch`` returns; ``step(loss=None)`` ends a step; ``records`` holds
+    the records written (or kept, without a log), one per recorded step."""
+
+    def __init__(self, model=None, log=None, every: int = 1, *, modules=(), grads: bool = True) -> None:
+        self.every = params.integer(every, "every", 1, from_text=isinstance(every, str))
+        if not isinstance(grads, bool):
+            raise AttncheckError(f"must be True or False, got {params.show(grads)}", param="grads")
+        self.model, self.with_grads = model, grads
+        self.modules = (modules,) if isinstance(modules, str) else tuple(modules or ())
+        self.log = None if log is None else os.fspath(log)
+        self.records: list[dict] = []
+        self.step_number = 0  # the step under way (1-based; 0 before the first)
+        self.path: Path | None = None
+        self.rank, self.world = 0, 1
+        self._manual = False
+        self._skip = False  # the top module's forward under way is not a training one of the model watched
+        self._calls: list[_CallEntry] = []
+        self._grads: list[tuple[str, object]] = []
+        self._loss = None
+        self._file = None
+        self._last_at: int | None = None  # where the last record starts in the log
+        self._recorder = None
+        self._hook = None
+        self._tensorboard = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> "Watch":
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        from attncheck.record.mode import Recorder
+
+        self.rank, self.world = rank_and_world()
+        if self.log is not None:
+            self.path = rank_log_path(self.log, self.rank, self.world)
+            if not self.path.parent.is_dir():
+                raise AttncheckError(f"cannot write the watch log {self.path}: folder {self.path.parent} does not exist", param="log")
+            try:
+                self._file = open(self.path, "w", encoding="utf-8")
+            except OSError as e:
+                raise AttncheckError(f"cannot write the watch log {self.path}: {e.strerror or e}", param="log") from None
+        # registered before the recorder's own hooks: at a top-level forward its module stack is still empty
+        self._hook = register_module_forward_pre_hook(self._forward_starts)
+        self._recorder = Recorder(self, modules=self.modules, grads=self.with_grads, outputs=True)
+        self._recorder.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            self._recorder.__exit__(exc_type, exc, tb)
+        finally:
+            self._hook.remove()
+            self._flush()
+            if self._file is not None:
+                self._file.close()
+        return False
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self, loss=None) -> None:
+        """End the step under way (with its loss, if given): its record is written; the next begins."""
+        self._manual = True
+        if self.step_number == 0:
+            self.step_number = 1
+        self._loss = _number(loss)
+        self._flush()
+        self.step_number += 1
+        self._set_sampling()
+
+    def _forward_starts(self, module, args) -> None:
+        """A step is one training forward of the top module, where the loop does not call step(); the
+        calls of a forward in eval mode (a validation pass) are left out."""
+        rec = self._recorder
+        if rec is None or rec.tracker.stack:
+            return
+        self._skip = not module.training or (self.model is not None and module is not self.model)
+        if self._manual or self._skip:
+            return
+        self._flush()
+        self.step_number += 1
+        self._set_sampling()
+
+    @property
+    def sampling(self) -> bool:
+        """This step is recorded (every ``every`` steps, from the first)."""
+        return (max(self.step_number, 1) - 1) % self.every == 0
+
+    def _set_sampling(self) -> None:
+        if self._recorder is not None:
+            self._recorder.grads = self.with_grads and self.sampling  # no hooks on the steps left out
+
+    # ------------------------------------------------------------------ the recorder's sink
+
+    def __call__(self, call) -> None:
+        from attncheck.watch.stats import scores_stats, sdpa_stats
+
+        if self.step_number == 0:
+            self.step_number = 1
+        if self._skip or not self.sampling:
+            return
+        t, meta = call.tensors, call.meta
+        dtype = meta.get("dtype", "none")
+        if call.kind == "sdpa":
+            scale = _number(meta.get("scale"))
+            stats = sdpa_stats(t["q"], t["k"], t.get("out"), t.get("attn_mask"), scale, meta.get("is_causal") == "true")
+            scale = scale if scale is not None else 1.0 / math.sqrt(t["q"].shape[-1])
+            path = {"math": "sdpa-math"}.get(meta.get("sdpa_backend", ""), "flash")
+            limit_logit, what = _limit("float32", 1.0, "S = Q@K^T in fp32 (SDPA's kernels)")
+        else:
+            scores, q, k = t["scores"], t.get("q"), t.get("k")
+            heads = meta.get("num_heads", "")
+            if scores.dim() == 3 and heads.isdigit() and int(heads) > 0 and scores.shape[0] % int(heads) == 0:  # nn.MultiheadAttention: (B*H, T, T)
+                h = int(heads)
+                scores = scores.reshape(-1, h, *scores.shape[1:])
+                q = None if q is None or q.dim() != 3 else q.reshape(-1, h, *q.shape[1:])
+                k = None if k is None or k.dim() != 3 else k.reshape(-1, h, *k.shape[1:])
+            stats = scores_stats(scores, q, k)
+            traced = _number(meta.get("scale")) if meta.get("scale_source") == "traced" and meta.get("q_prescaled") != "true" else None
+            scale, path = traced or 1.0, "eager"
+            limit_logit, what = _limit(dtype, scale, "S = Q@K^T" + (" (before the scale)" if traced else "") + f" in {_label(dtype)}")
+        self._calls.append(_CallEntry(call.module, call.kind, _label(dtype), path, scale, limit_logit, what, stats))
+
+    def grads(self, call, tensors) -> None:
+        from attncheck.watch.stats import grad_counts
+
+        if self.sampling:
+            self._grads.append((call.module, grad_counts(tensors)))
+
+    # ------------------------------------------------------------------ records
+
+    def _flush(self) -> None:
+        """Write the record of the step under way, if it saw any call: one read-back of every number."""
+        import torch
+
+        calls, grads, loss = self._calls, self._grads, self._loss
+        self._calls, self._grads, self._loss = [], [], None
+        if not calls and not grads:
+            return
+        parts, shapes = [], []
+        for c in calls:
+            s = c.stats
+            for t in (s.max_logit, s.exact, s.entropy_min, s.entropy_mean, s.collapsed, s.q_max, s.k_max, s.nonfinite_rows):
+                if t is None:
+                    shapes.append(None)
+                    continue
+                flat = t.reshape(-1).float().cpu()
+                parts.append(flat)
+                shapes.append(flat.numel())
+        for _, g in grads:
+            for t in (g.nonfinite, g.zeros, g.max_abs):
+                flat = torch.as_tensor(t).reshape(-1).float().cpu()
+                parts.append(flat)
+                shapes.append(flat.numel())
+        values = torch.cat(parts).tolist() if parts else []  # the one read-back of the step
+        it = iter(shapes)
+        pos = 0
+
+        def take():
+            nonlocal pos
+            n = next(it)
+            if n is None:
+                return None
+            out = values[pos : pos + n]
+            pos += n
+            return [None if not math.isfinite(x) else x for x in out]
+
+        out_calls = []
+        for c in calls:
+            ml, ex, emin, emean, col, qm, km, bad = (take() for _ in range(8))
+            out_calls.append({"module": c.module, "kind": c.kind, "dtype": c.dtype, "path": c.path, "heads": len(ml),
+                              "max_logit": ml, "exact": [bool(x) for x in ex], "entropy_min": emin, "entropy_mean": emean,
+                              "collapsed": col, "q_max": qm, "k_max": km, "nonfinite_rows": int(bad[0] or 0), "scale": c.scale,
+                              "limit": {"logit": c.limit_logit, "what": c.limit_what}})
+        out_grads = []
+        for module, g in grads:
+            nonfinite, zeros, peak = (take()[0] for _ in range(3))
+            out_grads.append({"module": module, "nonfinite": int(nonfinite or 0), "zero_frac": (zeros or 0) / g.total if g.total else None,
+                              "max_abs": peak})
+        record = {"schema": WATCH_SCHEMA, "attncheck_version": __version__, "step": max(self.step_number, 1), "rank": self.rank,
+                  "world": self.world, "time": round(time.time(), 3), "loss": loss, "calls": out_calls, "grads": out_grads}
+        self.records.append(record)
+        if self._file is not None:
+            self._last_at = self._file.tell()
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+
+    def annotate(self, step: int, loss) -> None:
+        """Give the record of ``step``, the last one written, its loss (a Trainer logs the loss after
+        its step has ended)."""
+        value = _number(loss)
+        if value is None or not self.records or self.records[-1]["step"] != step:
+            return
+        self.records[-1]["loss"] = value
+        if self._file is not None and self._last_at is not None:
+            self._file.seek(self._last_at)
+            self._file.truncate()
+            self._file.write(json.dumps(self.records[-1], allow_nan=False) + "\n")
+            self._file.flush()
+
+
+def _number(x) -> float | None:
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _label(torch_name: str) -> str:
+    return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}.get(torch_name, torch_name)
+
+
+def _limit(dtype: str, scale: float, what: str) -> tuple[float, str]:
+    """The largest logit a call can have before its first failure: S beyond the rounding limit of
+    the dtype that holds it (for hand-written attention S = Q@K^T before the scale: the limit times
+    the scale)."""
+    import torch
+
+    from attncheck.numerics.precision import rounding_limit
+
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}.get(dtype, torch.float32)
+    limit = rounding_limit(dt)
+    return limit * abs(scale), f"{what} rounds to inf at |S| >= {limit:.6g}"
+
+
+def watch(model=None, log: str | os.PathLike[str] | None = None, every: int = 1, *, modules=(), grads: bool = True) -> Watch:
+    """Watch the attention of a training run: a context manager (and an object whose ``step(loss)``
+    marks steps, where the loop wants to; else a step is one training forward of ``model``, or of any
+    top module when ``model`` is None).
+
+    ``log``: the JSON-lines file to write (one record per recorded step; under torchrun one per rank,
+    see ``rank_log_path``); None keeps the records in ``records``. ``every``: record every N-th step
+    (1: all). ``modules``: globs of module paths to watch. ``grads``: with a backward, count the NaN,
+    inf and zero entries of each call's gradients. Read the log with ``attncheck watch LOG``.
+    """
+    return Watch(model, log, every, modules=modules, grads=grads)
+
+
+__all__ = ["WATCH_SCHEMA", "Watch", "rank_and_world", "rank_log_path", "watch"]
