@@ -24,7 +24,7 @@ _LAZY = {
     "diagnose_chunks": "attncheck.numerics.cells.diagnose",
     "diagnose_attention": "attncheck.numerics.cells.diagnose",
     "capture": "attncheck.record",
-    "watch": "attncheck.watch",
+    "watch": "attncheck.watcher",
     "load_tensors": "attncheck.loaders",
     "open_sources": "attncheck.loaders",
     "METHODS": "attncheck.registry",

@@ -21,7 +21,7 @@ def WatchCallback(log: str | os.PathLike[str], every: int = 1, *, modules=(), gr
     """A ``transformers.TrainerCallback`` that watches the model the Trainer trains (``attncheck.watch``)."""
     from transformers import TrainerCallback
 
-    from attncheck.watch import Watch
+    from attncheck.watcher import Watch
 
     class AttncheckWatchCallback(TrainerCallback):
         def __init__(self) -> None:

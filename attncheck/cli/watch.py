@@ -68,7 +68,7 @@ def watch(
 
             require_matplotlib()
         from attncheck.loaders.watchlog import read_watch_logs
-        from attncheck.watch.trends import analyse, failed
+        from attncheck.watcher.trends import analyse, failed
 
         read = read_watch_logs(logs)
         report = analyse(read, what_if=_what_if_limits(asked), **settings)

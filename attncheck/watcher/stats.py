@@ -107,10 +107,10 @@ def sdpa_stats(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor | None, mask:
         else:
             exact = torch.ones(h, dtype=torch.bool, device=s.device)
         e_min, e_mean, collapsed = _entropy(s[..., r:, :])
-        kmax = k4.abs().amax(dim=(0, 2, 3)).float()
-        return CallStats(found.amax(dim=0), exact, e_min, e_mean, collapsed, q4.abs().amax(dim=(0, 2, 3)).float(),
-                         kmax.repeat_interleave(h // hk) if hk != h else kmax,
-                         (~torch.isfinite(out)).any(dim=-1).sum() if out is not None else torch.zeros((), dtype=torch.int64))
+        kmax = torch.linalg.vector_norm(kf[:, :: h // hk] if hk != h else kf, ord=float("inf"), dim=(0, 2, 3))
+        bad = (~torch.isfinite(out.sum(dim=-1, dtype=torch.float32))).sum() if out is not None else torch.zeros((), dtype=torch.int64)
+        return CallStats(found.amax(dim=0), exact, e_min, e_mean, collapsed, torch.linalg.vector_norm(qf, ord=float("inf"), dim=(0, 2, 3)),
+                         kmax.repeat_interleave(h // hk) if hk != h else kmax, bad)
 
 
 def scores_stats(scores: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor | None) -> CallStats:
@@ -143,12 +143,15 @@ class GradCounts:
 
 
 def grad_counts(grads: dict[str, torch.Tensor]) -> GradCounts:
+    """Three passes per gradient, no copy: entries that are not 0, entries whose product with 0 is
+    not 0 (NaN and inf), and the largest |g| (NaN or inf where those are)."""
     with torch.no_grad():
         ts = [g.detach() for role, g in grads.items() if role in ("grad_q", "grad_k", "grad_v")]
         if not ts:
             zero = torch.zeros((), dtype=torch.int64)
             return GradCounts(zero, zero, 0, torch.zeros(()))
-        nonfinite = sum((~torch.isfinite(t)).sum() for t in ts)
-        zeros = sum((t == 0).sum() for t in ts)
-        peak = torch.stack([torch.nan_to_num(t.abs().float(), nan=0.0, posinf=0.0).amax() for t in ts]).amax()
-        return GradCounts(nonfinite, zeros, sum(t.numel() for t in ts), peak)
+        total = sum(t.numel() for t in ts)
+        nonzero = torch.stack([torch.count_nonzero(t) for t in ts]).sum()
+        nonfinite = torch.stack([torch.count_nonzero(t * 0) for t in ts]).sum()
+        peak = torch.stack([torch.linalg.vector_norm(t.float() if t.dtype not in (torch.float32, torch.float64) else t, ord=float("inf")) for t in ts]).amax()
+        return GradCounts(nonfinite, total - nonzero, total, peak)

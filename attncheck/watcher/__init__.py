@@ -16,7 +16,7 @@ Every ``every`` steps, each attention call the model makes (SDPA and eager softm
 logit, the entropy of its rows (minimum, mean, share of collapsed rows), max |q| and |k|, the rows
 of its output holding NaN or inf, and the largest logit it can have before the first failure of
 the dtype it runs in; with a backward, the NaN/inf and zero counts of the gradients its kernel
-produced. Statistics only (``attncheck.watch.stats``): nothing is kept, nothing is copied to the
+produced. Statistics only (``attncheck.watcher.stats``): nothing is kept, nothing is copied to the
 host but one batch of numbers per step. Under ``torchrun`` each rank writes its own log
 (``watch.rank1.jsonl``; ``{rank}`` in the name is replaced instead where it is there).
 """
@@ -167,7 +167,7 @@ class Watch:
     # ------------------------------------------------------------------ the recorder's sink
 
     def __call__(self, call) -> None:
-        from attncheck.watch.stats import scores_stats, sdpa_stats
+        from attncheck.watcher.stats import scores_stats, sdpa_stats
 
         if self.step_number == 0:
             self.step_number = 1
@@ -196,7 +196,7 @@ class Watch:
         self._calls.append(_CallEntry(call.module, call.kind, _label(dtype), path, scale, limit_logit, what, stats))
 
     def grads(self, call, tensors) -> None:
-        from attncheck.watch.stats import grad_counts
+        from attncheck.watcher.stats import grad_counts
 
         if self.sampling:
             self._grads.append((call.module, grad_counts(tensors)))
@@ -250,7 +250,7 @@ class Watch:
         for module, g in grads:
             nonfinite, zeros, peak = (take()[0] for _ in range(3))
             out_grads.append({"module": module, "nonfinite": int(nonfinite or 0), "zero_frac": (zeros or 0) / g.total if g.total else None,
-                              "max_abs": peak})
+                              "max_abs": peak if not (nonfinite or 0) else None})
         record = {"schema": WATCH_SCHEMA, "attncheck_version": __version__, "step": max(self.step_number, 1), "rank": self.rank,
                   "world": self.world, "time": round(time.time(), 3), "loss": loss, "calls": out_calls, "grads": out_grads}
         self.records.append(record)

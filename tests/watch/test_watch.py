@@ -1,0 +1,273 @@
+"""attncheck.watch in a training loop and `attncheck watch` on its logs: steps (automatic, marked,
+every N, eval forwards left out), one record per step that the log reader takes back, the Trainer
+callback, trends and alerts against logs whose answer is known, the logit-growth proxy, the plot,
+and bad inputs."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+import attncheck
+from attncheck.cli import app
+from attncheck.loaders.watchlog import read_watch_log
+from attncheck.watcher import rank_log_path
+from attncheck.watcher.trends import analyse, rolling_growth
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+runner = CliRunner()
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, eager: bool = False):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+        self.eager = eager
+
+    def forward(self, x):
+        q, k, v = (z.view(2, 12, 4, 4).transpose(1, 2) for z in self.qkv(x).split(16, -1))
+        if self.eager:
+            s = (q @ k.transpose(-1, -2)) * 0.5
+            s = s.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
+            return s.softmax(-1) @ v
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def loop(model, w, steps, mark=False, evaluate=False):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(0))
+    for i in range(steps):
+        model.train()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if evaluate:
+            model.eval()
+            with torch.no_grad():
+                model(x)
+        if mark:
+            w.step(loss=loss.item())
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["sdpa", "eager"])
+def test_records_per_step_and_the_log_reads_back(tmp_path, eager):
+    torch.manual_seed(0)
+    model = Tiny(eager)
+    with attncheck.watch(model, log=tmp_path / "w.jsonl") as w:
+        loop(model, w, 4, evaluate=True)  # a step per training forward; the eval forwards are left out
+    log = read_watch_log(tmp_path / "w.jsonl")
+    assert [r.step for r in log.records] == [1, 2, 3, 4] and all(len(r.calls) == 1 for r in log.records)
+    call = log.records[0].calls[0]
+    assert call.kind == ("softmax" if eager else "sdpa") and call.heads == 4 and call.module == "Tiny"
+    assert len(log.records[0].grads) == 1 and log.records[0].grads[0].nonfinite == 0
+    # the numbers are the statistics of this call: recompute the first step's largest logit
+    torch.manual_seed(0)
+    fresh = Tiny(eager)
+    x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(0))
+    q, k, _ = (z.view(2, 12, 4, 4).transpose(1, 2) for z in fresh.qkv(x).split(16, -1))
+    s = (q.double() @ k.double().transpose(-1, -2)) * 0.5
+    s = s.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
+    want = s.amax(dim=(0, 2, 3)).tolist()
+    got = call.max_logit
+    for h in range(4):
+        if eager or call.exact[h]:
+            assert got[h] == pytest.approx(want[h], rel=1e-5)
+        else:
+            assert got[h] <= want[h] * (1 + 1e-6)
+
+
+def test_marked_steps_every_n_and_losses(tmp_path):
+    model = Tiny()
+    with attncheck.watch(model, log=tmp_path / "w.jsonl", every=3) as w:
+        loop(model, w, 7, mark=True)
+    records = [json.loads(line) for line in (tmp_path / "w.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 4, 7] and all(isinstance(r["loss"], float) for r in records)
+    assert records[0]["schema"] == "attncheck.watch/1" and records[0]["rank"] == 0
+
+
+def test_in_memory_and_bad_arguments(tmp_path):
+    model = Tiny()
+    with attncheck.watch(model) as w:
+        loop(model, w, 2)
+    assert len(w.records) == 2
+    for kwargs, text in ((dict(every=0), "every"), (dict(every="x"), "every"), (dict(grads="yes"), "grads")):
+        with pytest.raises(attncheck.AttncheckError, match=text):
+            attncheck.watch(model, **kwargs)
+    with pytest.raises(attncheck.AttncheckError, match="does not exist"):
+        with attncheck.watch(model, log=tmp_path / "nope" / "w.jsonl"):
+            pass
+
+
+def test_rank_log_names():
+    assert rank_log_path("w.jsonl", 0, 1) == Path("w.jsonl")
+    assert rank_log_path("logs/w.jsonl", 1, 2) == Path("logs/w.rank1.jsonl")
+    assert rank_log_path("w-{rank}.jsonl", 3, 4) == Path("w-3.jsonl")
+
+
+def test_nan_in_a_step_is_the_nonfinite_alert_at_that_step(tmp_path):
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(2, 12, 16)
+    with attncheck.watch(model, log=tmp_path / "w.jsonl"):
+        for i in range(4):
+            if i == 2:
+                with torch.no_grad():
+                    model.qkv.weight[0, 0] = float("nan")
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    r = runner.invoke(app, ["watch", str(tmp_path / "w.jsonl"), "--fail-on", "nan", "--json", "-"])
+    assert r.exit_code == 1
+    doc = json.loads(r.stdout)
+    assert doc["first_alert"]["code"] == "nonfinite" and doc["first_alert"]["step"] == 3
+
+
+# --------------------------------------------------------------------------- trends and alerts
+
+
+def synthetic_log(path, steps, logit_of_step, heads=2, rank=0, world=1, collapsed=0.0, dtype="fp32", limit=3.4e38):
+    with open(path, "w") as fh:
+        for step in steps:
+            ml = [logit_of_step(step, h) for h in range(heads)]
+            fh.write(json.dumps({"schema": "attncheck.watch/1", "step": step, "rank": rank, "world": world, "loss": 1.0,
+                                 "calls": [{"module": "layers.0.attn", "kind": "sdpa", "dtype": dtype, "path": "flash", "heads": heads,
+                                            "max_logit": ml, "exact": [True] * heads, "entropy_min": [1.0] * heads, "entropy_mean": [2.0] * heads,
+                                            "collapsed": [collapsed] * heads, "nonfinite_rows": 0, "scale": 0.125,
+                                            "limit": {"logit": limit, "what": "S in fp32"}}], "grads": []}) + "\n")
+
+
+def test_rolling_growth_is_least_squares_of_the_logarithm():
+    steps = list(range(1, 41))
+    values = [2.0 * math.exp(0.05 * s) * (1 + 0.01 * math.sin(s)) for s in steps]
+    got = rolling_growth(steps, values, 20)
+    for i in (19, 30, 39):
+        want = np.polyfit(steps[i - 19 : i + 1], np.log(values[i - 19 : i + 1]), 1)[0]
+        assert got[i] == pytest.approx(want, rel=1e-9)
+    assert np.isnan(got[:4]).all() and np.isfinite(got[4])
+
+
+def test_logit_growth_alert_at_the_step_it_first_holds(tmp_path):
+    # head 1 grows x2 every 10 steps from 1 (x1024 per 100 steps): it passes 50 at step 57 (2^5.7 = 52)
+    synthetic_log(tmp_path / "w.jsonl", range(1, 101), lambda s, h: 3.0 if h == 0 else 2 ** ((s - 1) / 10))
+    report = analyse([read_watch_log(tmp_path / "w.jsonl")])
+    growth = [a for a in report.alerts if a.code == "logit_growth"]
+    assert [(a.head, a.step) for a in growth] == [(1, 58)]  # the first recorded step at or above 50
+    s = next(x for x in report.series if x.head == 1)
+    assert s.growth == pytest.approx(2**10, rel=1e-6)
+    assert s.steps_to_limit == pytest.approx(math.log(3.4e38 / 2 ** 9.9) / (math.log(2) / 10), rel=1e-6)
+
+
+def test_headroom_low_in_the_calls_dtype_and_as_a_what_if(tmp_path):
+    # fp16 eager attention: S before the scale holds 65520 at most -> the largest logit 65520 x 0.125 = 8190
+    synthetic_log(tmp_path / "w.jsonl", range(1, 61), lambda s, h: 60 * 1.05**s, heads=1, dtype="fp16", limit=8190.0)
+    report = analyse([read_watch_log(tmp_path / "w.jsonl")], horizon=50)
+    first = next(a for a in report.alerts if a.code == "headroom_low")
+    left = lambda s: math.log(8190.0 / (60 * 1.05**s)) / math.log(1.05)  # noqa: E731  steps until 8190 at x1.05 a step
+    assert left(first.step) < 50 <= left(first.step - 1) and first.step == 51
+    wi = analyse([read_watch_log(tmp_path / "w.jsonl")], horizon=50, what_if={"bf16": 3.3961e38})
+    assert any(a.what_if == "bf16" for a in wi.alerts) is False  # bf16's limit is ~1e37 logits away: no what-if alert
+
+
+def test_two_ranks_the_alert_names_its_rank(tmp_path):
+    synthetic_log(tmp_path / "w.rank0.jsonl", range(1, 41), lambda s, h: 3.0, rank=0, world=2)
+    synthetic_log(tmp_path / "w.rank1.jsonl", range(1, 41), lambda s, h: 3.0 if h == 0 else 5 * 1.3**s, rank=1, world=2)
+    r = runner.invoke(app, ["watch", str(tmp_path / "w.rank0.jsonl"), str(tmp_path / "w.rank1.jsonl"), "--fail-on", "logit_growth", "--json", "-"])
+    assert r.exit_code == 1
+    first = json.loads(r.stdout)["first_alert"]
+    assert (first["rank"], first["head"], first["code"]) == (1, 1, "logit_growth")
+    r = runner.invoke(app, ["watch", str(tmp_path / "w.rank1.jsonl"), str(tmp_path / "w.rank1.jsonl")])
+    assert r.exit_code == 2 and "both logs of rank 1" in r.stderr
+
+
+def test_collapse_alert_and_ignore(tmp_path):
+    synthetic_log(tmp_path / "w.jsonl", range(1, 11), lambda s, h: 3.0, collapsed=0.8)
+    r = runner.invoke(app, ["watch", str(tmp_path / "w.jsonl"), "--fail-on", "warning"])
+    assert r.exit_code == 1 and "entropy_collapse" in r.stdout
+    r = runner.invoke(app, ["watch", str(tmp_path / "w.jsonl"), "--fail-on", "warning", "--ignore", "entropy_collapse"])
+    assert r.exit_code == 0
+
+
+def test_the_logit_growth_proxy_short(tmp_path):
+    """examples/logit_growth.py, shortened: at lr 0.1 the largest logit grows past 50 within a few steps
+    and logit_growth is raised on layer 0; with qk-layernorm and at lr 3e-3 it is not."""
+    from logit_growth import train
+
+    codes = {}
+    for name, (lr, qk_norm) in {"high": (0.1, False), "qknorm": (0.1, True), "low": (3e-3, False)}.items():
+        train(tmp_path / f"{name}.jsonl", lr, qk_norm, 30)
+        report = analyse([read_watch_log(tmp_path / f"{name}.jsonl")])
+        codes[name] = [(a.module, a.step) for a in report.alerts if a.code == "logit_growth"]
+    assert codes["high"] and codes["high"][0][0] == "blocks.0" and codes["high"][0][1] <= 10
+    assert codes["qknorm"] == [] and codes["low"] == []
+
+
+def test_plot_renders(tmp_path):
+    pytest.importorskip("matplotlib")
+    synthetic_log(tmp_path / "w.jsonl", range(1, 41), lambda s, h: 2 * 1.2**s)
+    r = runner.invoke(app, ["watch", str(tmp_path / "w.jsonl"), "--plot", str(tmp_path / "w.png"), "--quiet"])
+    assert r.exit_code == 0 and (tmp_path / "w.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trainer_callback_writes_a_log_that_attncheck_watch_reads(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from attncheck.integrations import WatchCallback
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel._from_config(transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32,
+                                                                              bos_token_id=0, eos_token_id=0))
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(0, 64, (16,), generator=g), "labels": torch.randint(0, 64, (16,), generator=g)} for _ in range(8)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2, logging_steps=1,
+                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[WatchCallback(tmp_path / "w.jsonl")]).train()
+    log = read_watch_log(tmp_path / "w.jsonl")
+    assert [r.step for r in log.records] == [1, 2, 3] and all(r.loss is not None for r in log.records)
+    assert [c.module for c in log.records[0].calls] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    r = runner.invoke(app, ["watch", str(tmp_path / "w.jsonl"), "--fail-on", "error"])
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "holds no watch record"),
+    ("hello\n", "line 1: not a watch log"),
+    ('{"schema": "attncheck.capture/1", "calls": []}\n', "line 1: not a watch log"),
+    ('{"schema": "attncheck.watch/1", "step": 0, "calls": []}\n', "step"),
+    ('{"schema": "attncheck.watch/1", "step": 1, "calls": [{"module": "m", "kind": "sdpa", "heads": 2, "max_logit": [1.0]}]}\n',
+     "max_logit: 1 values for 2 heads"),
+    ('{"schema": "attncheck.watch/1", "step": 2, "calls": []}\n{"schema": "attncheck.watch/1", "step": 1, "calls": []}\n', "step 1 after step 2"),
+    ('{"schema": "attncheck.watch/1", "step": 1, "calls": [], "loss": NaN}\n', "line 1"),
+    ('{"schema": "attncheck.watch/1", "step": ' + "9" * 5001 + ', "calls": []}\n', "line 1"),
+    ("[" * 50000 + "]" * 50000 + "\n", "line 1"),
+])
+def test_bad_logs_are_one_line_and_exit_2(tmp_path, text, message):
+    (tmp_path / "w.jsonl").write_text(text)
+    r = runner.invoke(app, ["watch", str(tmp_path / "w.jsonl")])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+
+
+def test_a_last_line_cut_short_is_left_out_and_said(tmp_path):
+    synthetic_log(tmp_path / "w.jsonl", range(1, 6), lambda s, h: 3.0)
+    text = (tmp_path / "w.jsonl").read_text()
+    (tmp_path / "w.jsonl").write_text(text + text.splitlines()[0][:40])
+    r = runner.invoke(app, ["watch", str(tmp_path / "w.jsonl"), "--json", "-"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["records"] == 5 and "cut short" in json.loads(r.stdout)["notes"][0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--window", "1"], "window"), (["--growth", "0.5"], "growth"), (["--collapse", "2"], "collapse"), (["--fail-on", "bogus"], "unknown condition"),
+    (["--logit-level", "-1"], "logit"), (["--plot", "/nonexistent/x.png"], "plot"),
+])
+def test_bad_options_are_one_line_and_exit_2(tmp_path, args, message):
+    synthetic_log(tmp_path / "w.jsonl", range(1, 6), lambda s, h: 3.0)
+    r = runner.invoke(app, ["watch", str(tmp_path / "w.jsonl"), *args])
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
