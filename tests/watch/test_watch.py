@@ -202,7 +202,7 @@ def test_the_logit_growth_proxy_short(tmp_path):
 
     codes = {}
     for name, (lr, qk_norm) in {"high": (0.1, False), "qknorm": (0.1, True), "low": (3e-3, False)}.items():
-        train(tmp_path / f"{name}.jsonl", lr, qk_norm, 30)
+        train(tmp_path / f"{name}.jsonl", lr, qk_norm, 15)
         report = analyse([read_watch_log(tmp_path / f"{name}.jsonl")])
         codes[name] = [(a.module, a.step) for a in report.alerts if a.code == "logit_growth"]
     assert codes["high"] and codes["high"][0][0] == "blocks.0" and codes["high"][0][1] <= 10
