@@ -3,9 +3,9 @@
     python benchmarks/bench_watch.py [--layers 6] [--width 384] [--heads 6] [--seq 512] [--batch 1] [--steps 5] [--impl sdpa|eager]
 
 A GPT-2-style model built from its config (random weights) trains on one batch of --seq tokens
-with AdamW: the same steps are timed alone and under attncheck.watch(model, log=FILE) (records
-every step, with its backward's gradient counts), interleaved; each figure is the median of
---steps steps after a warm-up. The goal is at most 5% of a step.
+with AdamW: blocks of --steps steps are timed alone and under one attncheck.watch(model, log=FILE)
+(recording every step, with its backward's gradient counts), --rounds of each, interleaved; each
+figure is the median over the steps, after a warm-up. The goal is at most 5% of a step.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=4, help="steps per block")
+    ap.add_argument("--rounds", type=int, default=3, help="blocks of each, interleaved")
     ap.add_argument("--impl", default="sdpa", choices=("sdpa", "eager"))
     args = ap.parse_args()
     reuse_freed_memory()  # as the attncheck command does
@@ -50,20 +51,19 @@ def main() -> None:
         opt.zero_grad()
         return time.perf_counter() - t0
 
-    log = Path(tempfile.mkdtemp(prefix="attncheck-bench-watch-")) / "watch.jsonl"
-    w = attncheck.watch(model, log=log, every=1)
+    folder = Path(tempfile.mkdtemp(prefix="attncheck-bench-watch-"))
     step()
-    with w:
+    with attncheck.watch(model, log=folder / "warm.jsonl"):
         step()
     alone, watched = [], []
-    for _ in range(args.steps):  # interleaved: the machine's drift hits both alike
-        alone.append(step())
-        with w:
-            watched.append(step())
+    for r in range(args.rounds):  # blocks of steps, interleaved: the machine's drift hits both alike
+        alone += [step() for _ in range(args.steps)]
+        with attncheck.watch(model, log=folder / f"round{r}.jsonl", every=1) as w:
+            watched += [step() for _ in range(args.steps)]
     a, b = statistics.median(alone), statistics.median(watched)
     print(f"GPT-2 style: {args.layers} layers, width {args.width}, {args.heads} heads, {args.impl}, {args.batch} x {args.seq} tokens, AdamW; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"  training step alone        {a:.3f} s (median of {args.steps}; min {min(alone):.3f})")
+    print(f"  training step alone        {a:.3f} s (median of {len(alone)}; min {min(alone):.3f})")
     print(f"  under attncheck.watch      {b:.3f} s (median; min {min(watched):.3f})")
     print(f"  overhead                   {100 * (b - a) / a:+.1f}% of a step (goal <= 5%); {len(w.records)} records, last with {len(w.records[-1]['calls'])} calls")
 

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,12 +168,16 @@ class Watch:
     # ------------------------------------------------------------------ the recorder's sink
 
     def __call__(self, call) -> None:
-        from attncheck.watcher.stats import scores_stats, sdpa_stats
-
         if self.step_number == 0:
             self.step_number = 1
         if self._skip or not self.sampling:
             return
+        with _small_ops(call.tensors):
+            self._take(call)
+
+    def _take(self, call) -> None:
+        from attncheck.watcher.stats import scores_stats, sdpa_stats
+
         t, meta = call.tensors, call.meta
         dtype = meta.get("dtype", "none")
         if call.kind == "sdpa":
@@ -199,7 +204,8 @@ class Watch:
         from attncheck.watcher.stats import grad_counts
 
         if self.sampling:
-            self._grads.append((call.module, grad_counts(tensors)))
+            with _small_ops(tensors):
+                self._grads.append((call.module, grad_counts(tensors)))
 
     # ------------------------------------------------------------------ records
 
@@ -271,6 +277,24 @@ class Watch:
             self._file.truncate()
             self._file.write(json.dumps(self.records[-1], allow_nan=False) + "\n")
             self._file.flush()
+
+
+@contextmanager
+def _small_ops(tensors):
+    """The statistics are many small ops: on a CPU, one torch thread (the model's threads would each
+    pay a wake-up per op for a few microseconds of work each)."""
+    import torch
+
+    device = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor)), None)
+    n = torch.get_num_threads()
+    if device is None or device.type != "cpu" or n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def _number(x) -> float | None:

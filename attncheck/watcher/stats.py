@@ -107,9 +107,9 @@ def sdpa_stats(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor | None, mask:
         else:
             exact = torch.ones(h, dtype=torch.bool, device=s.device)
         e_min, e_mean, collapsed = _entropy(s[..., r:, :])
-        kmax = torch.linalg.vector_norm(kf[:, :: h // hk] if hk != h else kf, ord=float("inf"), dim=(0, 2, 3))
+        kmax = k4.abs().amax(dim=(0, 2, 3)).float()  # abs + amax: many times faster than vector_norm(ord=inf) on a CPU
         bad = (~torch.isfinite(out.sum(dim=-1, dtype=torch.float32))).sum() if out is not None else torch.zeros((), dtype=torch.int64)
-        return CallStats(found.amax(dim=0), exact, e_min, e_mean, collapsed, torch.linalg.vector_norm(qf, ord=float("inf"), dim=(0, 2, 3)),
+        return CallStats(found.amax(dim=0), exact, e_min, e_mean, collapsed, q4.abs().amax(dim=(0, 2, 3)).float(),
                          kmax.repeat_interleave(h // hk) if hk != h else kmax, bad)
 
 
@@ -136,15 +136,15 @@ def scores_stats(scores: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor |
 class GradCounts:
     """A call's gradients as its kernel produced them (dq, dk, dv together)."""
 
-    nonfinite: torch.Tensor  # () entries holding NaN or inf
+    nonfinite: torch.Tensor  # () how many of dq, dk, dv hold NaN or inf
     zeros: torch.Tensor  # () entries exactly 0
     total: int
-    max_abs: torch.Tensor  # () largest finite |g|
+    max_abs: torch.Tensor  # () largest |g| over the gradients without NaN or inf
 
 
 def grad_counts(grads: dict[str, torch.Tensor]) -> GradCounts:
-    """Three passes per gradient, no copy: entries that are not 0, entries whose product with 0 is
-    not 0 (NaN and inf), and the largest |g| (NaN or inf where those are)."""
+    """Two passes per gradient, no copy: its largest |g| (NaN or inf where it holds them) and its
+    entries that are not 0."""
     with torch.no_grad():
         ts = [g.detach() for role, g in grads.items() if role in ("grad_q", "grad_k", "grad_v")]
         if not ts:
@@ -152,6 +152,6 @@ def grad_counts(grads: dict[str, torch.Tensor]) -> GradCounts:
             return GradCounts(zero, zero, 0, torch.zeros(()))
         total = sum(t.numel() for t in ts)
         nonzero = torch.stack([torch.count_nonzero(t) for t in ts]).sum()
-        nonfinite = torch.stack([torch.count_nonzero(t * 0) for t in ts]).sum()
-        peak = torch.stack([torch.linalg.vector_norm(t.float() if t.dtype not in (torch.float32, torch.float64) else t, ord=float("inf")) for t in ts]).amax()
-        return GradCounts(nonfinite, total - nonzero, total, peak)
+        peaks = torch.stack([t.abs().amax().float() for t in ts])
+        ok = torch.isfinite(peaks)
+        return GradCounts((~ok).sum(), total - nonzero, total, torch.where(ok, peaks, 0.0).amax())
