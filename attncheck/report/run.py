@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from attncheck import __version__
+from attncheck.codes import doc_link
 from attncheck.params import MASK_SENTINEL_LIMIT
 from attncheck.format import cosine, fmt, index_text, rows_text, to_jsonable, visible
 from attncheck.report.text import shown
@@ -394,7 +395,7 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
         "census": census,
         "distribution": to_jsonable(d.distribution),
         "cells": cells,
-        "findings": to_jsonable(d.findings),
+        "findings": [dict(to_jsonable(f), doc=doc_link(f.code)) for f in d.findings],
         "attention": None if d.attention is None else to_jsonable(d.attention),
     }
 

@@ -74,3 +74,14 @@ def test_census_json_gives_each_mask_value_its_span():
     (entry,) = run_json([d], "cpu")["tensors"][0]["census"]["sentinels"]
     assert entry["value"] == -65504.0 and entry["rows"] == 16 and entry["min"] <= entry["max"] < -65000
     assert "mask values -65504 (16 rows; row minima" in " ".join(render([d], width=100).split())
+
+
+def test_json_findings_link_their_section_of_the_reference():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "findings.md").read_text()
+    findings = run_json([diagnose(EXAMPLE_NAME, example_scores())], "cpu")["tensors"][0]["findings"]
+    assert {f["code"] for f in findings} >= {"exp_overflow", "fully_masked_rows"}
+    for f in findings:
+        assert f["doc"] == f"docs/reference/findings.md#{f['code']}"
+        assert f"\n### {f['code']}\n" in page
