@@ -10,9 +10,11 @@ from attncheck.codes import CODES, GROUPS, REFERENCE_PAGE, REGISTRY, Code
 GENERATOR = "scripts/findings_reference.py"
 
 INTRO = """\
-Every finding attncheck reports has a stable code, a severity and a fix. The JSON report gives
-`code`, `severity`, `message`, `fix`, `cells`, `rows`, `examples` and `doc`, a link to the code's
-section below. `attncheck explain CODE` prints that section in a terminal, and
+Every finding attncheck reports has a stable code, a severity and a fix. A report prints each as
+a compiler prints a diagnostic: a headline with the severity and the code (`error[exp_overflow]:
+...`), where it holds (`-->`: the tensor or call and its first rows), and an indented `= fix:`. The
+JSON report gives `code`, `severity`, `message`, `fix`, `cells`, `rows`, `examples` and `doc`, a
+link to the code's section below. `attncheck explain CODE` prints that section in a terminal, and
 `attncheck explain` lists every code.
 
 A code is also a word of `--fail-on` (exit 1 when the finding is reported) and of `--ignore`

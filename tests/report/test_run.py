@@ -40,7 +40,7 @@ def test_nothing_is_cut_at_80_columns():
     flat = " ".join(text.split())  # wrapped text read as one line
     for d in diags:
         for f in d.findings:
-            assert f.code in text.split(), f.code  # whole, on one line
+            assert f"{f.severity}[{f.code}]:" in text.split(), f.code  # whole, on one line
     assert "0/16016" in flat  # the example's cast to fp16: 16016 values become -inf
     assert "sentinel_not_representable" in text and "sentinel_overflow_on_add" in text
 
