@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from attncheck.codes import CODES, GROUPS, REFERENCE_PAGE, REGISTRY, Code
 
-GENERATOR = "scripts/findings_reference.py"
+GENERATOR = "scripts/gen_docs.py"
 
 INTRO = """\
 Every finding attncheck reports has a stable code, a severity and a fix. A report prints each as

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_committed_page_is_up_to_date():
-    assert (ROOT / REFERENCE_PAGE).read_text() == findings_reference(), "run: python scripts/findings_reference.py"
+    assert (ROOT / REFERENCE_PAGE).read_text() == findings_reference(), "run: python scripts/gen_docs.py"
 
 
 def test_every_code_has_one_section_under_its_group_and_a_row_in_the_index():
