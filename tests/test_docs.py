@@ -81,3 +81,26 @@ def test_links_between_pages_resolve():
 def test_every_page_is_in_the_site_navigation():
     nav = re.findall(r":\s*([\w/.-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
     assert sorted(nav) == sorted(str(p.relative_to(ROOT / "docs")) for p in PAGES)
+
+
+def test_the_numerics_contract_names_tests_that_exist():
+    """Each 'Tested by' of docs/reference/numerics.md names a test function of a test file."""
+    import ast
+
+    text = (ROOT / "docs" / "reference" / "numerics.md").read_text()
+    cited = re.findall(r"`(tests/[\w/]+\.py)::(test_\w+)`", text)
+    assert len(cited) >= 30
+    for path, name in cited:
+        tree = ast.parse((ROOT / path).read_text())
+        assert name in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, f"{path}::{name}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_doc_commands_run_in_order(doc, tmp_path):
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    env = env_with_venv_first()
+    for cmd, expected in readme_commands(doc):
+        proc = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == expected, f"{cmd!r} exited {proc.returncode}, expected {expected}:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}"
+        assert "Traceback" not in proc.stderr, cmd
