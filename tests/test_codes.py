@@ -62,6 +62,7 @@ def test_closest_codes():
     assert closest_codes("zzz") == []
 
 
+@pytest.mark.slow  # 34 small diagnoses, ~8 s: with the slow ones, in CI
 @pytest.mark.parametrize("code", CODES, ids=lambda c: c.name)
 def test_the_example_triggers_its_code(code, tmp_path, monkeypatch):
     """Run as the reference page shows it: the Python in an empty folder, then the command, which
