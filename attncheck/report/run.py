@@ -15,7 +15,6 @@ from attncheck.codes import doc_link
 from attncheck.params import MASK_SENTINEL_LIMIT
 from attncheck.format import cosine, fmt, index_text, to_jsonable, visible
 from attncheck.report.diagnostics import findings_block
-from attncheck.report.text import shown
 from attncheck.results import Cell, TensorDiagnosis
 
 JSON_SCHEMA = "attncheck.run/3"  # /2 added the model section; /3: a captured call's tensor holds its model cell, what-ifs apart; every /2 key is kept
