@@ -1,123 +1,750 @@
-"""The finding codes: each one's severity, its fix, and the NaN/zero-row causes it stands for.
+"""The finding codes: one registry entry per code with everything said about it anywhere.
 
-The one registry of codes every layer reads (findings, the model report, ``--ignore`` and
-``--fail-on``); free of torch, importing nothing of the package but the results' constants.
+Each ``Code`` holds its severity, the NaN/zero-row causes it stands for, and the text of its
+reference page: what it means, the threshold or formula behind it, a minimal example that
+triggers it (tests run every example) and its fix. Every layer reads this registry (findings,
+the model report, ``--ignore`` and ``--fail-on``, ``attncheck explain``, the JSON's ``doc``
+links), and ``docs/reference/findings.md`` is generated from it. Free of torch; imports nothing
+of the package but the results' constants.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from attncheck.results import UNEXPLAINED
 
 SEVERITIES = ("error", "warning", "info")
 
-FIX = {
-    "input_nan": "the NaN is already in the scores: trace it upstream (Q, K, the mask, an earlier layer); no softmax can repair it",
-    "inf_input": "the scores hold +inf (softmax gives inf - inf = NaN): find where they overflow, e.g. Q@K^T in fp16 without 1/sqrt(d_k); scale q first or compute scores in fp32",
-    "fully_masked_rows": "a query that may attend to nothing has no softmax: zero such rows (torch.where(keep.any(-1, keepdim=True), p, 0)) and drop them from the loss, or use a kernel that returns zeros (FlashAttention, SDPA >= 2.5); even then their backward pass can poison gradients if a NaN reaches it",
-    "qk_overflow": "scale q by 1/sqrt(d) before the matmul (--scale-order q shows the effect), compute Q@K^T in fp32, or find why q/k grew (no normalisation, exploding activations)",
-    "sentinel_overflow_on_add": "finfo(dtype).min plus a negative score overflows to -inf: use masked_fill / torch.where with the sentinel instead of adding it, or a boolean mask",
-    "summed_mask_planes": "two sentinel planes added together overflow: combine masks with logical and/or (or torch.where), then apply one sentinel once",
-    "mask_leak": "the masked keys still receive probability: use -inf, finfo(dtype).min or a boolean mask instead of this small sentinel",
-    "float_mask_looks_boolean": "a float mask of 0 and 1 is added to the scores, not applied: pass mask.bool() (True = attend) or an additive mask of 0 and -inf",
-    "missing_scale": "the scores are not scaled by 1/sqrt(d_k): divide by sqrt(d_k) (SDPA's default scale), or check the scale your model applies",
-    "double_scale": "the scores are scaled about twice by 1/sqrt(d_k): apply it once (SDPA scales by default; don't pre-scale q as well)",
-    "scale_mismatch": "the scale your scores carry is not 1/sqrt(d_head): check which dimension the model divides by",
-    "sentinel_not_representable": "use a boolean mask (masked_fill(~keep, torch.finfo(dtype).min) or SDPA's bool attn_mask) instead of a constant the dtype cannot hold",
-    "cast_overflow": "upcast to fp32 before the softmax, or keep the logits in range (scale by 1/sqrt(d_k), clamp)",
-    "exp_overflow": "subtract the row max before exp (stable softmax, torch.softmax), or upcast to fp32 before the softmax",
-    "sum_overflow": "the row sum exceeds the dtype's range: subtract the row max before exp (the sum is then at most the number of keys), or keep the sum and the division in fp32 (torch.softmax does)",
-    "underflow": "subtract the row max before exp: then the largest term is exp(0) = 1 and the sum cannot be 0",
-    "zero_rows": "these rows lost all probability mass: subtract the row max and accumulate in fp32",
-    "unexplained_nan": "NaN with no cause attributable by attncheck: please report it with the dump",
-    "argmax_flip": "the most likely key changes against float64: upcast the softmax to fp32 where decisions depend on the top key",
-    "worse_than_torch": "this kernel loses more accuracy than torch.softmax in the same dtype: keep the max and sum in fp32 and round only the result (smaller key blocks keep P_j closer to the final max)",
-    "output_error": "this attention path's output is further from float64 than FlashAttention's test allows (2x the same-dtype PyTorch attention): keep S and the softmax in fp32 and round P only for P@V, or use SDPA",
-    "tied_max_bias": "a bias does not average out over steps (Qiu and Yao 2025, arXiv 2510.04212): when the row max repeats, subtract a slightly larger max (their fix: m = beta * max for a positive max) so that no exp(s - m) is exactly 1, or keep O in fp32 where the next layer reads it",
-    "probability_flush": "small probabilities round to 0 in this dtype; harmless for most models, upcast if those keys matter",
-    "p_cast_underflow": "scale P by S = 256 before the cast (FlashAttention-3's max offset of 8; 448 for SageAttention) and visit the key blocks in reverse order (--order reverse, as FlashAttention-3 does), so that an attention sink in the first block sets the running max last (arXiv 2606.06521)",
-    "fp8_overflow": "scale before the FP8 cast: x8 = fp8(x / descale) with descale = amax / max_fp8 per tensor or per (batch, kv head) (--fp8-scaling; FlashAttention-3's q_descale/k_descale/v_descale), or clamp; a kernel's satfinite cast clips silently and a non-saturating cast (older torch, the fnuz formats) gives NaN",
-    "fp8_unscaled": "quantise with a descale (amax / max_fp8) per tensor or per (batch, kv head) and pass it to the kernel (FlashAttention-3: q_descale, k_descale, v_descale; vLLM: the layer's k_scale/v_scale); --fp8-scaling tensor or head shows the effect",
-    "entropy_collapse": "attention is near one-hot: check the scores are scaled by 1/sqrt(d_k); ignore if the head is meant to be sharp",
-    "grad_nan_masked_row": "a query row with every key masked by -inf has a NaN softmax, and its backward is NaN even when the row's output is zeroed or left out of the loss: use SDPA (its kernels and _safe_softmax give such rows zeros and zero gradients), mask with a finite value (torch.finfo(dtype).min), or let padded queries attend to one key (e.g. themselves)",
-    "grad_nan_input": "the NaN or inf is already in the output gradient dO: it comes from a later layer or the loss; trace it downstream (a loss scale that overflows, a NaN loss)",
-    "grad_nan_forward": "the forward pass already gave NaN probabilities in these rows; fix the forward finding (its cause is named) and the gradients follow",
-    "grad_overflow": "lower the loss scale (GradScaler's init_scale, or let it back off), hold dP and dS in fp32 (SDPA's math path, FlashAttention) instead of fp16 eager attention, or train in bf16",
-    "grad_underflow": "gradient entries flush to zero in this dtype: use a loss scale (torch.amp.GradScaler) or bf16; if the softmax is collapsed (near one-hot rows), its Jacobian vanishes: check the scale and the logit growth",
-    "grad_error": "this path's gradients are further from float64 than FlashAttention's test allows (2x plain attention in the same dtype): keep dP and dS in fp32 and round only for the products, as FlashAttention does",
-    "grad_emulation_mismatch": "attncheck's emulation of this kernel's backward does not reproduce the gradients the model really produced: the backward numbers of this call cannot be trusted; please report it with the capture",
-    "logit_growth": "the attention logits grow geometrically, as before divergence at a high learning rate: normalise q and k (qk-layernorm, Dehghani et al. 2023; Wortsman et al. 2023), lower the learning rate or clip the logits (QK-clip, soft-capping)",
-    "entropy_collapse": "most rows of this head put nearly all their weight on one key: its softmax Jacobian vanishes and so does the gradient through it; check the logit growth, the scale, qk-layernorm",
-    "headroom_low": "at this growth the head's logits reach the first failure of its dtype within the horizon: act on the growth (qk-layernorm, learning rate, clipping) or hold the scores in a wider dtype",
-    "nonfinite": "NaN or inf in the attention output or its gradients: capture the step (attncheck capture, or attncheck.capture around it) to find the call, the head and the cause",
+# Where each code's reference page is, relative to the project; the site serves it at
+# reference/findings/#CODE.
+REFERENCE_PAGE = "docs/reference/findings.md"
+
+
+@dataclass(frozen=True)
+class Example:
+    """A minimal input that triggers a code. ``python`` writes input files into the current
+    directory and ``command`` diagnoses them (its ``--fail-on CODE`` exits 1 because the code is
+    reported); or, without a command, ``python`` runs attncheck as a library and leaves the
+    diagnosis in ``result``."""
+
+    python: str
+    command: str = ""
+
+
+@dataclass(frozen=True)
+class Code:
+    name: str
+    severity: str  # the usual severity; ``severity_note`` says when it differs
+    group: str  # the section of the reference page
+    summary: str  # one line
+    meaning: str
+    threshold: str
+    fix: str
+    example: Example
+    severity_note: str = ""  # when it takes the other severity, ``also``
+    also: str = ""
+    causes: tuple[str, ...] = ()  # first causes of NaN/zero rows it stands for (--ignore leaves those rows out)
+    grad_causes: tuple[str, ...] = ()  # first causes of NaN/inf gradient rows it stands for
+
+    @property
+    def severities(self) -> str:
+        """'error', or 'error or warning' for a code whose severity follows its effect."""
+        return f"{self.severity} or {self.also}" if self.also else self.severity
+
+    @property
+    def doc(self) -> str:
+        return f"{REFERENCE_PAGE}#{self.name}"
+
+
+GROUPS = {
+    "input": "The scores as given",
+    "mask": "Masks and scale (from Q and K)",
+    "softmax": "Casts and the softmax",
+    "accuracy": "Accuracy",
+    "output": "The output O = P@V",
+    "fp8": "FP8",
+    "distribution": "The distribution",
+    "backward": "The backward pass",
+    "watch": "Watching a training run (attncheck watch)",
 }
 
-SEVERITY = {
-    "input_nan": "error",
-    "inf_input": "error",
-    "fully_masked_rows": "warning",
-    "qk_overflow": "error",
-    "sentinel_overflow_on_add": "error",
-    "summed_mask_planes": "error",
-    "mask_leak": "warning",
-    "float_mask_looks_boolean": "error",
-    "missing_scale": "warning",
-    "double_scale": "warning",
-    "scale_mismatch": "warning",
-    "sentinel_not_representable": "warning",
-    "cast_overflow": "error",
-    "exp_overflow": "error",
-    "sum_overflow": "error",
-    "underflow": "error",
-    "zero_rows": "error",
-    "unexplained_nan": "error",
-    "argmax_flip": "warning",
-    "worse_than_torch": "info",
-    "output_error": "warning",
-    "tied_max_bias": "warning",
-    "probability_flush": "info",
-    "p_cast_underflow": "warning",
-    "fp8_overflow": "error",
-    "fp8_unscaled": "warning",
-    "entropy_collapse": "warning",
-    "grad_nan_masked_row": "error",
-    "grad_nan_input": "error",
-    "grad_nan_forward": "error",
-    "grad_overflow": "error",
-    "grad_underflow": "warning",
-    "grad_error": "warning",
-    "grad_emulation_mismatch": "error",
-    "logit_growth": "warning",
-    "entropy_collapse": "warning",
-    "headroom_low": "warning",
-    "nonfinite": "error",
-}
+_TORCH = "import torch\n\n"
+_SEEDED = _TORCH + "g = torch.Generator().manual_seed(0)\n"
 
 
+def _scores(body: str) -> str:
+    return "import numpy as np\n\n" + body
+
+
+def _watch_log(logit: str, limit: float = 3.4e38, nonfinite: str = "0") -> str:
+    """A watch log of 40 steps whose one head's largest logit is ``logit`` (a Python expression of step)."""
+    return f"""\
+import json
+
+with open("w.jsonl", "w") as fh:
+    for step in range(1, 41):
+        call = {{"module": "layers.0.attn", "kind": "sdpa", "dtype": "fp32", "path": "flash", "heads": 1,
+                "max_logit": [{logit}], "collapsed": [0.0], "nonfinite_rows": {nonfinite}, "scale": 0.125,
+                "limit": {{"logit": {limit!r}, "what": "S = Q@K^T"}}}}
+        fh.write(json.dumps({{"schema": "attncheck.watch/1", "step": step, "calls": [call]}}) + "\\n")
+"""
+
+
+CODES: tuple[Code, ...] = (
+    # ------------------------------------------------------------------ the scores as given
+    Code(
+        "input_nan", "error", "input",
+        "a row of the scores holds NaN before any softmax runs",
+        "Some rows of the scores as given already hold NaN. Every softmax of such a row is NaN, whatever the "
+        "method or dtype, so the NaN comes from upstream: Q or K, the mask, an earlier layer, or the loss scale "
+        "of a previous step. Its rows are counted under this cause first (pipeline order), so the softmax "
+        "findings below it are about the other rows.",
+        "Any NaN value in a row (`census.nan`, `nan_causes.input_nan` per cell).",
+        "the NaN is already in the scores: trace it upstream (Q, K, the mask, an earlier layer); no softmax can repair it",
+        Example(_scores("""\
+scores = np.zeros((4, 8), dtype=np.float32)
+scores[1, 3] = np.nan  # a NaN that came from upstream
+np.save("scores.npy", scores)
+"""), "attncheck run scores.npy --dtype fp32 --method torch --brief --fail-on input_nan"),
+        causes=("input_nan",),
+    ),
+    Code(
+        "inf_input", "error", "input",
+        "a row of the scores holds +inf",
+        "Some rows hold +inf in the scores as given. The softmax subtracts the row max (inf - inf = NaN) or "
+        "divides inf by inf, so the row is NaN in every method. +inf usually means the scores overflowed before "
+        "they were saved: Q@K^T in fp16 without the 1/sqrt(d_k) scale, or a growing logit.",
+        "Any +inf value in a row. (-inf is a masked key, not an input error.)",
+        "the scores hold +inf (softmax gives inf - inf = NaN): find where they overflow, e.g. Q@K^T in fp16 without 1/sqrt(d_k); scale q first or compute scores in fp32",
+        Example(_scores("""\
+scores = np.zeros((4, 8), dtype=np.float32)
+scores[2, 5] = np.inf  # Q@K^T overflowed upstream
+np.save("scores.npy", scores)
+"""), "attncheck run scores.npy --dtype fp32 --method torch --brief --fail-on inf_input"),
+        causes=("inf_input",),
+    ),
+    Code(
+        "fully_masked_rows", "warning", "input",
+        "a query row has every key masked",
+        "Every key of these rows is masked, so the row has no softmax: -inf everywhere gives 0/0 = NaN in "
+        "naive, stable and torch.softmax; a finite sentinel (e.g. -1e9) gives a uniform row over the masked "
+        "keys, which is garbage rather than attention; FlashAttention and PyTorch SDPA (>= 2.5) return zeros. "
+        "The message says which cells return what. Left padding makes such rows on purpose: `--ignore "
+        "fully_masked_rows` judges them expected.",
+        "A key is masked when its score is -inf or at most -1e4; from Q and K, when the mask says so. A row "
+        "counts when every key is masked.",
+        "a query that may attend to nothing has no softmax: zero such rows (torch.where(keep.any(-1, keepdim=True), p, 0)) and drop them from the loss, or use a kernel that returns zeros (FlashAttention, SDPA >= 2.5); even then their backward pass can poison gradients if a NaN reaches it",
+        Example(_scores("""\
+scores = np.zeros((4, 8), dtype=np.float32)
+scores[0] = -np.inf  # a query that may attend to no key (left padding)
+np.save("scores.npy", scores)
+"""), "attncheck run scores.npy --dtype fp32 --method torch --brief --fail-on fully_masked_rows"),
+        severity_note="warning where a cell turns the rows into NaN, else info (every cell gives zeros or a finite row, as SDPA's kernels do)", also="info",
+        causes=("fully_masked",),
+    ),
+    # ------------------------------------------------------------------ masks and scale
+    Code(
+        "qk_overflow", "error", "mask",
+        "S = Q@K^T rounds to inf in the dtype before the softmax",
+        "The eager path (hand-written attention, Hugging Face's `eager`) holds S = Q@K^T in the dtype: the "
+        "matmul accumulates in fp32 and rounds its result to the dtype, and a score beyond the dtype's range "
+        "becomes inf. Its row is NaN in every softmax. The message gives max|q|, max|k|, max|q.k|, whether "
+        "scaling q by the scale first (`--scale-order q`) would keep the scores in range, and, with paths, which "
+        "implementations overflow (SDPA's math path and FlashAttention hold S in fp32).",
+        "|q.k| >= the dtype's rounding limit, max + half an ulp (fp16: 65504 + 16 = 65520), for the product "
+        "the path holds in the dtype: q.k before the scale, or (scale q).k with `--scale-order q`.",
+        "scale q by 1/sqrt(d) before the matmul (--scale-order q shows the effect), compute Q@K^T in fp32, or find why q/k grew (no normalisation, exploding activations)",
+        Example(_TORCH + """\
+q = torch.full((1, 1, 4, 64), 40.0)  # q.k = 64 x 40 x 40 = 102400 > 65504
+k = torch.full((1, 1, 4, 64), 40.0)
+torch.save({"q": q, "k": k}, "qk.pt")
+""", "attncheck run --q qk.pt:q --k qk.pt:k --dtype fp16 --method torch --brief --fail-on qk_overflow"),
+        causes=("qk_overflow",),
+    ),
+    Code(
+        "sentinel_overflow_on_add", "error", "mask",
+        "adding the mask value to a negative score overflows to -inf",
+        "A mask of finfo(dtype).min added to the scores leaves no room below it: a negative score plus the "
+        "sentinel is beyond the dtype and rounds to -inf. Where that makes a whole row -inf, the row is NaN; "
+        "where keys stay masked either way, nothing breaks yet, and the finding is a warning.",
+        "sentinel + s rounds to -inf: sentinel + s <= -(rounding limit). With fp16's finfo.min (-65504), any "
+        "score s <= -16.",
+        "finfo(dtype).min plus a negative score overflows to -inf: use masked_fill / torch.where with the sentinel instead of adding it, or a boolean mask",
+        Example(_TORCH + """\
+q = torch.ones(1, 1, 4, 64)
+k = torch.full((1, 1, 4, 64), -3.0)  # every score is -3 x 64 / sqrt(64) = -24
+torch.save({"q": q, "k": k}, "qk.pt")
+""", "attncheck run --q qk.pt:q --k qk.pt:k --causal --mask-value min --dtype fp16 --method torch --brief --fail-on sentinel_overflow_on_add"),
+        severity_note="error where rows became all -inf (NaN); warning where the keys stay masked", also="warning",
+        causes=("mask_sentinel",),
+    ),
+    Code(
+        "summed_mask_planes", "error", "mask",
+        "two finfo.min mask planes were added together and overflowed",
+        "Combining a causal mask and a padding mask by adding two planes of finfo(dtype).min gives -inf where "
+        "both mask a key (-65504 + -65504 overflows fp16). A row that both planes mask everywhere is all -inf "
+        "and NaN; otherwise the keys stay masked and the finding is a warning. Found in the Q/K pipeline, or "
+        "in a float mask that holds -inf next to finite sentinels beyond half its dtype's range.",
+        "sentinel_1 + sentinel_2 <= -(rounding limit), e.g. 2 x finfo(fp16).min = -131008 in fp16.",
+        "two sentinel planes added together overflow: combine masks with logical and/or (or torch.where), then apply one sentinel once",
+        Example(_SEEDED + """\
+q, k = torch.randn(1, 1, 4, 64, generator=g), torch.randn(1, 1, 4, 64, generator=g)
+low = torch.finfo(torch.float16).min
+causal = torch.triu(torch.full((4, 4), low), diagonal=1)  # future keys
+padding = torch.zeros(4, 4)
+padding[:, :2] = low  # two padded keys
+torch.save({"q": q, "k": k, "mask": (causal + padding).half()}, "qk.pt")  # -65504 + -65504 = -inf
+""", "attncheck run --q qk.pt:q --k qk.pt:k --mask qk.pt:mask --dtype fp16 --method torch --brief --fail-on summed_mask_planes"),
+        severity_note="error where rows became all -inf (NaN); warning where the keys stay masked", also="warning",
+        causes=("mask_sentinel",),
+    ),
+    Code(
+        "mask_leak", "warning", "mask",
+        "masked keys still receive probability",
+        "The mask value is too small in magnitude to mask: exp(sentinel - max) is not negligible, so the "
+        "float64 softmax itself (no rounding involved) puts probability on keys that should get none.",
+        "In float64, the probability on a row's masked keys exceeds 1e-6 (rows where not every key is masked).",
+        "the masked keys still receive probability: use -inf, finfo(dtype).min or a boolean mask instead of this small sentinel",
+        Example(_SEEDED + """\
+q, k = torch.randn(1, 1, 4, 64, generator=g), torch.randn(1, 1, 4, 64, generator=g)
+torch.save({"q": q, "k": k}, "qk.pt")
+""", "attncheck run --q qk.pt:q --k qk.pt:k --causal --mask-value -10 --dtype fp32 --method torch --brief --fail-on mask_leak"),
+    ),
+    Code(
+        "float_mask_looks_boolean", "error", "mask",
+        "a float mask of 0 and 1 is added to the scores",
+        "The mask is a float tensor that holds only 0 and 1: a boolean mask converted with `.float()`. An "
+        "additive mask adds +1 to the kept keys and masks nothing.",
+        "A float mask whose every value is 0 or 1.",
+        "a float mask of 0 and 1 is added to the scores, not applied: pass mask.bool() (True = attend) or an additive mask of 0 and -inf",
+        Example(_SEEDED + """\
+q, k = torch.randn(1, 1, 4, 64, generator=g), torch.randn(1, 1, 4, 64, generator=g)
+keep = torch.ones(4, 4).tril()  # 1 = attend, as a float
+torch.save({"q": q, "k": k, "mask": keep}, "qk.pt")
+""", "attncheck run --q qk.pt:q --k qk.pt:k --mask qk.pt:mask --dtype fp32 --method torch --brief --fail-on float_mask_looks_boolean"),
+    ),
+    Code(
+        "missing_scale", "warning", "mask",
+        "the scores are not scaled by 1/sqrt(d_k)",
+        "The scale the scores carry is far above 1/sqrt(d_k): Var(q.k) grows as d_k, so unscaled logits "
+        "collapse attention onto one key, kill the softmax gradient and overflow fp16 sooner. The scale is the "
+        "one applied (`--scale`), or with a scores file and `--q/--k` the one fitted by least squares. A scale "
+        "the model chose itself (SDPA's `scale=` argument, or traced from its code by `attncheck capture`, as T5 "
+        "folds it into its weights) is stated as info.",
+        "ratio = scale x sqrt(d_k) > d_k^(1/4), i.e. scale > d_k^(-1/4) (d_k >= 4). Judged from the scale, not "
+        "from the spread of the scores, which low-rank q/k, outlier channels or RoPE move.",
+        "the scores are not scaled by 1/sqrt(d_k): divide by sqrt(d_k) (SDPA's default scale), or check the scale your model applies",
+        Example(_SEEDED + """\
+q, k = torch.randn(1, 1, 16, 64, generator=g), torch.randn(1, 1, 16, 64, generator=g)
+torch.save({"q": q, "k": k}, "qk.pt")
+""", "attncheck run --q qk.pt:q --k qk.pt:k --scale none --dtype fp32 --method torch --brief --fail-on missing_scale"),
+        severity_note="info when the scale is the model's own choice", also="info",
+    ),
+    Code(
+        "double_scale", "warning", "mask",
+        "the scores are scaled about twice by 1/sqrt(d_k)",
+        "The scale the scores carry is near 1/d_k: q was divided by sqrt(d_k) and the scores again (or SDPA's "
+        "default scale on pre-scaled q). Attention flattens towards uniform. A scale the model chose itself is "
+        "stated as info.",
+        "ratio = scale x sqrt(d_k) < d_k^(-1/4), i.e. scale < d_k^(-3/4) (d_k >= 4).",
+        "the scores are scaled about twice by 1/sqrt(d_k): apply it once (SDPA scales by default; don't pre-scale q as well)",
+        Example(_SEEDED + """\
+q, k = torch.randn(1, 1, 16, 64, generator=g), torch.randn(1, 1, 16, 64, generator=g)
+torch.save({"q": q, "k": k}, "qk.pt")
+""", "attncheck run --q qk.pt:q --k qk.pt:k --scale dk --dtype fp32 --method torch --brief --fail-on double_scale"),
+        severity_note="info when the scale is the model's own choice", also="info",
+    ),
+    Code(
+        "scale_mismatch", "warning", "mask",
+        "the scale a scores file carries is not 1/sqrt(d_head)",
+        "With a scores file and the q and k that made it, attncheck fits the scale that maps q.k onto the "
+        "scores and names the closest usual choice: 1/sqrt(d_head), 1, 1/sqrt(d_model) = 1/sqrt(heads x "
+        "d_head), 1/d_head. Dividing by sqrt(d_model) instead of sqrt(d_head) is the usual slip.",
+        "The least-squares scale s; reported when the closest choice (in |ln(s / choice)|) is not 1/sqrt(d_head), "
+        "or |ln(s sqrt(d_head))| > 0.05. Not reported where missing_scale or double_scale already is.",
+        "the scale your scores carry is not 1/sqrt(d_head): check which dimension the model divides by",
+        Example(_SEEDED + """\
+q, k = torch.randn(1, 4, 16, 64, generator=g), torch.randn(1, 4, 16, 64, generator=g)
+scores = q @ k.transpose(-1, -2) / (4 * 64) ** 0.5  # divided by sqrt(d_model), not sqrt(d_head)
+torch.save({"q": q, "k": k, "scores": scores}, "qk.pt")
+""", "attncheck run qk.pt --key scores --q qk.pt:q --k qk.pt:k --dtype fp32 --method torch --brief --fail-on scale_mismatch"),
+    ),
+    # ------------------------------------------------------------------ casts and the softmax
+    Code(
+        "sentinel_not_representable", "warning", "softmax",
+        "a mask value cannot be held by the dtype and becomes -inf",
+        "A mask constant such as -1e9 (or finfo(fp32).min) is beyond the dtype's range: cast to fp16 or bf16 "
+        "it becomes -inf. Partly masked rows stay masked; rows masked only by it become all -inf, which is "
+        "NaN in naive, stable and torch.softmax. From scores alone, any value <= -1e4 that the cast turns into "
+        "-inf is read as a sentinel; from Q and K, the mask's values and `--mask-value`.",
+        "|sentinel| >= the dtype's rounding limit (fp16: 65520, so -1e9 and -65520 become -inf; -65504 "
+        "stays).",
+        "use a boolean mask (masked_fill(~keep, torch.finfo(dtype).min) or SDPA's bool attn_mask) instead of a constant the dtype cannot hold",
+        Example(_scores("""\
+scores = np.zeros((4, 8), dtype=np.float32)
+scores[:, 4:] = -1e9  # keys masked by adding -1e9
+np.save("scores.npy", scores)
+"""), "attncheck run scores.npy --dtype fp16 --method torch --brief --fail-on sentinel_not_representable"),
+        severity_note="error where rows became all -inf or NaN; warning where the keys stay masked", also="error",
+        causes=("mask_sentinel",),
+    ),
+    Code(
+        "cast_overflow", "error", "softmax",
+        "casting the scores to the dtype turns finite values into +-inf",
+        "Finite scores beyond the dtype's range become +-inf when cast: +inf makes its row NaN (inf - inf), "
+        "-inf masks a key that was not masked. The cast rounds once to the nearest value of the dtype (float64 "
+        "scores too).",
+        "|x| >= the dtype's rounding limit: fp16 65520; bf16 and fp32 about 3.40e38.",
+        "upcast to fp32 before the softmax, or keep the logits in range (scale by 1/sqrt(d_k), clamp)",
+        Example(_scores("""\
+scores = np.zeros((4, 8), dtype=np.float32)
+scores[3, 0] = 70000.0  # finite in fp32, beyond fp16's 65504
+np.save("scores.npy", scores)
+"""), "attncheck run scores.npy --dtype fp16 --method torch --brief --fail-on cast_overflow"),
+        causes=("cast_overflow",),
+    ),
+    Code(
+        "exp_overflow", "error", "softmax",
+        "exp of a finite score overflows to inf",
+        "A softmax that takes exp(x) without subtracting the row max (the textbook `naive` one) overflows once "
+        "a score passes ln(max): inf / inf makes the row NaN, or the other keys' probabilities 0. Methods that "
+        "subtract the max never see an exp above 1.",
+        "x > ln(rounding limit): fp16 11.09; bf16 and fp32 88.72 (in bf16 x itself rounds first: 88.5 stays, "
+        "88.75 and above become 89 and overflow). Taken from torch.finfo, never typed in.",
+        "subtract the row max before exp (stable softmax, torch.softmax), or upcast to fp32 before the softmax",
+        Example(_scores("""\
+scores = np.zeros((4, 8), dtype=np.float32)
+scores[0, 0] = 12.0  # exp(12) = 162755 > 65504
+np.save("scores.npy", scores)
+"""), "attncheck run scores.npy --dtype fp16 --method naive --brief --fail-on exp_overflow"),
+        causes=("exp_overflow",),
+    ),
+    Code(
+        "sum_overflow", "error", "softmax",
+        "every exp is finite but the row sum overflows",
+        "Each exp fits the dtype but their sum does not: dividing by inf gives an all-zero row (or NaN where an "
+        "exp is inf too). With the row max subtracted the sum is at most the number of keys, so it overflows "
+        "only with more keys than the dtype's max (fp16: 65520 keys).",
+        "sum_j exp(x_j) >= the rounding limit with every exp(x_j) finite: fp16 65520, e.g. 100 keys of 7.0 "
+        "(100 x 1097 = 109663).",
+        "the row sum exceeds the dtype's range: subtract the row max before exp (the sum is then at most the number of keys), or keep the sum and the division in fp32 (torch.softmax does)",
+        Example(_scores("""\
+np.save("scores.npy", np.full((4, 100), 7.0, dtype=np.float32))  # 100 x exp(7) = 109663 > 65504
+"""), "attncheck run scores.npy --dtype fp16 --method naive --brief --fail-on sum_overflow"),
+        causes=("sum_overflow",),
+    ),
+    Code(
+        "underflow", "error", "softmax",
+        "every exp of a row flushes to 0, so the row is 0/0",
+        "Without the row max subtracted, a row whose scores are all very negative has every exp round to 0: "
+        "0/0 = NaN. Subtracting the max makes the largest term exp(0) = 1.",
+        "Every score of the row below ln(smallest subnormal / 2): fp16 -17.33, bf16 -92.9, fp32 -103.97 "
+        "(half the smallest subnormal rounds to even, i.e. to 0).",
+        "subtract the row max before exp: then the largest term is exp(0) = 1 and the sum cannot be 0",
+        Example(_scores("""\
+np.save("scores.npy", np.full((4, 8), -20.0, dtype=np.float32))  # exp(-20) = 2e-9 flushes to 0 in fp16
+"""), "attncheck run scores.npy --dtype fp16 --method naive --brief --fail-on underflow"),
+        causes=("underflow",),
+    ),
+    Code(
+        "zero_rows", "error", "softmax",
+        "rows come out all zero with no known cause",
+        "A cell returned rows whose every probability is 0, and none of the known causes explains them (a "
+        "fully masked row, a cast overflow, an exp or sum overflow; those are reported under their own codes). "
+        "All-zero rows lose all attention: the layer passes zeros on.",
+        "Rows of the cell whose every probability is exactly 0, less those attributed to fully_masked, "
+        "cast_overflow, exp_overflow or sum_overflow.",
+        "these rows lost all probability mass: subtract the row max and accumulate in fp32",
+        Example("""\
+import torch
+
+from attncheck import METHODS, MethodSpec, Options, diagnose
+from attncheck.numerics.methods.softmax import MethodOutput
+
+
+def drops_last_row(x, params):  # a kernel that never writes the last row of its tile
+    p = torch.softmax(x.float(), dim=-1)
+    p[..., -1, :] = 0
+    return MethodOutput(p.to(x.dtype))
+
+
+METHODS.register(MethodSpec("drops_last_row", "softmax whose last row stays 0", drops_last_row))
+result = diagnose("scores", torch.randn(4, 8), Options(dtypes=("fp32",), methods=("drops_last_row",)))
+print([f.code for f in result.findings])
+"""),
+    ),
+    Code(
+        "unexplained_nan", "error", "softmax",
+        "NaN rows that no known cause explains",
+        "A cell returned NaN rows, and none of the causes attncheck traces (NaN or +inf in the input, Q@K^T or "
+        "cast overflow, a mask sentinel, a fully masked row, exp or sum overflow, underflow) holds for them. "
+        "With the built-in methods this points at attncheck itself; with a method of your own, at that method.",
+        "NaN rows of the cell left after attributing every known cause in pipeline order.",
+        "NaN with no cause attributable by attncheck: please report it with the dump",
+        Example("""\
+import torch
+
+from attncheck import METHODS, MethodSpec, Options, diagnose
+from attncheck.numerics.methods.softmax import MethodOutput
+
+
+def bad_reciprocal(x, params):  # e / (sum - sum): a NaN no input explains
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    s = e.sum(-1, keepdim=True)
+    return MethodOutput(e * (s - s) / (s - s))
+
+
+METHODS.register(MethodSpec("bad_reciprocal", "softmax with a broken reciprocal", bad_reciprocal))
+result = diagnose("scores", torch.randn(4, 8), Options(dtypes=("fp32",), methods=("bad_reciprocal",)))
+print([f.code for f in result.findings])
+"""),
+        causes=(UNEXPLAINED,),
+    ),
+    # ------------------------------------------------------------------ accuracy
+    Code(
+        "argmax_flip", "warning", "accuracy",
+        "the most likely key differs from float64's beyond what rounding explains",
+        "In some rows the cell's top key is not float64's, and the two keys' scores are further apart than the "
+        "cell's own rounding can account for. Near-ties within rounding are counted apart "
+        "(`argmax_flips_near_tie`) and are not findings. The built-in methods round every probability of a row "
+        "the same way, so a counted flip points at an implementation that reorders or corrupts keys, as in "
+        "the example.",
+        "With a the float64 top key and b the cell's (the first of ties), s the float64 scores and s' the "
+        "scores as the cell computed them: s_a - s_b > |s'_a - s_a| + |s'_b - s_b| + 4u, u the unit roundoff "
+        "of the cell's dtype.",
+        "the most likely key changes against float64: upcast the softmax to fp32 where decisions depend on the top key",
+        Example("""\
+import torch
+
+from attncheck import METHODS, MethodSpec, Options, diagnose
+from attncheck.numerics.methods.softmax import MethodOutput
+
+
+def swapped(x, params):  # a softmax with a bug: keys 0 and 1 trade places
+    p = torch.softmax(x.float(), dim=-1)
+    return MethodOutput(p[..., [1, 0, *range(2, x.shape[-1])]].to(x.dtype))
+
+
+METHODS.register(MethodSpec("swapped", "softmax with keys 0 and 1 swapped", swapped))
+scores = torch.zeros(4, 8)
+scores[:, 0] = 3.0  # key 0 first by a clear margin
+result = diagnose("scores", scores, Options(dtypes=("fp32",), methods=("swapped",)))
+print([f.code for f in result.findings])
+"""),
+    ),
+    Code(
+        "worse_than_torch", "info", "accuracy",
+        "a kernel's error is above 2x torch.softmax's in the same dtype",
+        "FlashAttention's tests hold a kernel to at most 2x the error of a plain PyTorch implementation in the "
+        "same dtype. attncheck applies that rule to the methods that reproduce a kernel models run (`tiled`, "
+        "and with `--q/--k` the `flash`, `flash-fp8` and `sage` paths against `eager:torch`, and any method "
+        "registered with `kernel=`), comparing algorithmic errors: against float64 of the scores after the "
+        "cast, so that the input's rounding does not hide the implementation's. A hand-written naive or stable "
+        "softmax rounds three times where torch.softmax rounds once, so it is not held to the rule.",
+        "max_abs_err_algo > 2 x torch's max_abs_err_algo in the same dtype, for cells whose verdict is ok.",
+        "this kernel loses more accuracy than torch.softmax in the same dtype: keep the max and sum in fp32 and round only the result (smaller key blocks keep P_j closer to the final max)",
+        Example("""\
+import torch
+
+from attncheck import METHODS, MethodSpec, Options, diagnose
+from attncheck.numerics.methods.softmax import MethodOutput
+
+
+def bf16_inside(x, params):  # a kernel that rounds P through bf16 inside an fp16 cell
+    p = torch.softmax(x.float(), dim=-1).bfloat16()
+    return MethodOutput(p.to(x.dtype))
+
+
+METHODS.register(MethodSpec("bf16_inside", "softmax rounded through bf16", bf16_inside, kernel="a fused kernel"))
+scores = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+result = diagnose("scores", scores, Options(dtypes=("fp16",), methods=("bf16_inside", "torch")))
+print([f.code for f in result.findings])
+"""),
+    ),
+    # ------------------------------------------------------------------ the output
+    Code(
+        "output_error", "warning", "output",
+        "an attention path's output is further from float64 than 2x PyTorch attention's",
+        "With `--v`, every cell computes O = P@V. FlashAttention's test rule applied to O: a path's max error "
+        "against float64 (P64 @ V64) may be at most 2x that of hand-written PyTorch attention with "
+        "torch.softmax in the same dtype (`eager:torch`).",
+        "max |O - O_float64| > 2 x eager:torch's in the same dtype, over rows where both are finite.",
+        "this attention path's output is further from float64 than FlashAttention's test allows (2x the same-dtype PyTorch attention): keep S and the softmax in fp32 and round P only for P@V, or use SDPA",
+        Example(_SEEDED + """\
+q = torch.randn(1, 1, 32, 64, generator=g) * 0.1
+k = torch.randn(1, 1, 4096, 64, generator=g) * 0.1  # long rows: 4096 keys
+v = torch.randn(1, 1, 4096, 64, generator=g) + 3
+torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
+""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype fp16 --method stable,torch --accum dtype --path eager --brief --fail-on output_error"),
+    ),
+    Code(
+        "tied_max_bias", "warning", "output",
+        "the rounding of O is biased in rows whose maximum is tied",
+        "Where several keys share a row's largest score, exp(s - max) is exactly 1 at each of them and the "
+        "rounding of O = P@V is biased, and a bias does not average out over steps (Qiu and Yao 2025, arXiv "
+        "2510.04212: similar low-rank keys in bf16). attncheck counts such rows per path and tests their mean "
+        "signed error, with the rows as samples.",
+        "At least 16 tied rows, and their mean signed error of O (against float64 of the path's own scores "
+        "and V as the dtype holds it) more than 4 standard errors from 0.",
+        "a bias does not average out over steps (Qiu and Yao 2025, arXiv 2510.04212): when the row max repeats, subtract a slightly larger max (their fix: m = beta * max for a positive max) so that no exp(s - m) is exactly 1, or keep O in fp32 where the next layer reads it",
+        Example(_SEEDED + """\
+q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
+k[..., 1:8, :] = k[..., :1, :]  # eight identical keys
+q = q + 2 * k[..., :1, :]  # that every query prefers: each row's max is tied eight times
+torch.save({"q": q, "k": k, "v": v + 1}, "qkv.pt")
+""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype bf16 --method torch --brief --fail-on tied_max_bias"),
+    ),
+    Code(
+        "probability_flush", "info", "accuracy",
+        "small probabilities round to 0 in the dtype",
+        "Probabilities that float64 says are non-zero become exactly 0 in the cell: they are below half the "
+        "dtype's smallest subnormal. Harmless for most models; it matters where those keys carry meaning (long "
+        "contexts, retrieval).",
+        "1% or more of the probabilities float64 holds non-zero are exactly 0 in the cell (`flushed_frac`). "
+        "FP8 cells whose P cast loses probability are reported as p_cast_underflow instead.",
+        "small probabilities round to 0 in this dtype; harmless for most models, upcast if those keys matter",
+        Example(_scores("""\
+scores = np.zeros((4, 8), dtype=np.float32)
+scores[:, 0] = 20.0  # the other keys get exp(-20) = 2e-9: below fp16's smallest subnormal
+np.save("scores.npy", scores)
+"""), "attncheck run scores.npy --dtype fp16 --method torch --brief --fail-on probability_flush"),
+    ),
+    # ------------------------------------------------------------------ FP8
+    Code(
+        "p_cast_underflow", "warning", "fp8",
+        "the FP8 P cast flushes probabilities that carry weight",
+        "FP8 kernels multiply P_j = exp(S_j - m_j) by a scale S and cast it to e4m3 before P@V. A probability "
+        "far below the running max m_j flushes to 0, and the row loses that mass. An attention sink in the first "
+        "key block sets a high running max early, so forward order flushes the most; FlashAttention-3 visits "
+        "blocks in reverse and scales by 256 (arXiv 2606.06521). The message gives the share flushed by "
+        "block position (before the row max's block, in it, after it).",
+        "exp(s - m_j) x S < half e4m3's smallest subnormal (2^-10), i.e. s < m_j - (6.93 + ln S) (e5m2: 11.78 "
+        "+ ln S); reported for rows that lose at least 0.1% of their probability.",
+        "scale P by S = 256 before the cast (FlashAttention-3's max offset of 8; 448 for SageAttention) and visit the key blocks in reverse order (--order reverse, as FlashAttention-3 does), so that an attention sink in the first block sets the running max last (arXiv 2606.06521)",
+        Example(_scores("""\
+scores = np.zeros((4, 256), dtype=np.float32)
+scores[:, 0] = 10.0  # an attention sink in the first key block
+np.save("scores.npy", scores)
+"""), "attncheck run scores.npy --dtype e4m3 --method tiled --p-scale 1 --brief --fail-on p_cast_underflow"),
+    ),
+    Code(
+        "fp8_overflow", "error", "fp8",
+        "values beyond the FP8 format's range are clipped",
+        "Either P scaled by S exceeds the format's largest value (the largest probabilities of every row are "
+        "clipped), or Q, K or V quantised with the chosen scaling fall beyond +-max (448 in e4m3): the kernels' "
+        "satfinite cast clips them silently, and a non-saturating cast gives NaN.",
+        "S >= the format's rounding limit (e4m3: 464), or |x / descale| >= it for a value of Q, K or V.",
+        "scale before the FP8 cast: x8 = fp8(x / descale) with descale = amax / max_fp8 per tensor or per (batch, kv head) (--fp8-scaling; FlashAttention-3's q_descale/k_descale/v_descale), or clamp; a kernel's satfinite cast clips silently and a non-saturating cast (older torch, the fnuz formats) gives NaN",
+        Example(_scores("""\
+np.save("scores.npy", np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32))
+"""), "attncheck run scores.npy --dtype e4m3 --method tiled --p-scale 512 --brief --fail-on fp8_overflow"),
+    ),
+    Code(
+        "fp8_unscaled", "warning", "fp8",
+        "Q, K, V are cast to FP8 without a descale while their range needs one",
+        "With `--fp8-scaling none`, Q, K and V are cast to the format as they are. Values beyond its max are "
+        "clipped, and small activations fall below its normal range (e4m3: 2^-6) where they keep fewer bits or "
+        "flush to 0.",
+        "Scaling none, and a value clipped, or 1% or more of a tensor's values subnormal or flushed in the format.",
+        "quantise with a descale (amax / max_fp8) per tensor or per (batch, kv head) and pass it to the kernel (FlashAttention-3: q_descale, k_descale, v_descale; vLLM: the layer's k_scale/v_scale); --fp8-scaling tensor or head shows the effect",
+        Example(_SEEDED + """\
+q, k, v = (torch.randn(1, 2, 64, 64, generator=g) * 1e-3 for _ in range(3))  # far below e4m3's normal range
+torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
+""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype e4m3 --fp8-scaling none --brief --fail-on fp8_unscaled"),
+    ),
+    # ------------------------------------------------------------------ distribution
+    Code(
+        "entropy_collapse", "warning", "distribution",
+        "attention is near one-hot in most rows",
+        "Most rows of the float64 softmax put nearly all their probability on one key. Unscaled or growing "
+        "logits do this; the softmax gradient then vanishes. A head meant to be sharp (a copy or induction "
+        "head) is fine. `attncheck watch` raises the same code for a head whose sampled rows collapse during "
+        "training.",
+        "At least 50% of the rows put >= 0.99 of their probability on one key (the reference, float64); in a "
+        "watch log, --collapse (half) of a head's sampled rows, at the first step it holds.",
+        "attention is near one-hot: check the scores are scaled by 1/sqrt(d_k) and whether the logits grow during training (attncheck watch: logit_growth); ignore if the head is meant to be sharp",
+        Example(_scores("""\
+scores = np.zeros((4, 8), dtype=np.float32)
+scores[:, 0] = 10.0  # every row puts 99.9% on key 0
+np.save("scores.npy", scores)
+"""), "attncheck run scores.npy --dtype fp32 --method torch --brief --fail-on entropy_collapse"),
+    ),
+    # ------------------------------------------------------------------ backward
+    Code(
+        "grad_nan_masked_row", "error", "backward",
+        "a fully masked query row makes the backward NaN",
+        "A query row with every key masked by -inf has a NaN softmax, and its backward is NaN even when the "
+        "row's output is zeroed or left out of the loss (PyTorch issue 41508). Where the mask is added to the "
+        "scores, the NaN dS reaches dQ of the row and dK, dV of every key of the head; with masked_fill, dQ and "
+        "dK stay finite and only dV takes it. A capture traces which the model did; for dumps, `--mask-op`.",
+        "NaN/inf gradient rows whose first cause in backward order is a fully masked row.",
+        "a query row with every key masked by -inf has a NaN softmax, and its backward is NaN even when the row's output is zeroed or left out of the loss: use SDPA (its kernels and _safe_softmax give such rows zeros and zero gradients), mask with a finite value (torch.finfo(dtype).min), or let padded queries attend to one key (e.g. themselves)",
+        Example(_SEEDED + """\
+q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
+keep = torch.ones(16, 16, dtype=torch.bool).tril()
+keep[3] = False  # query 3 may attend to no key
+torch.save({"q": q, "k": k, "v": v, "do": do, "mask": keep}, "qkv.pt")
+""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --mask qkv.pt:mask --grad-out qkv.pt:do --dtype fp32 --path eager --method torch --brief --fail-on grad_nan_masked_row"),
+        grad_causes=("fully_masked",),
+    ),
+    Code(
+        "grad_nan_input", "error", "backward",
+        "the output gradient dO already holds NaN or inf",
+        "The NaN or inf is in dO, the gradient that reaches attention from the layers after it: the loss or a "
+        "later layer made it (an overflowing loss scale, a NaN loss). Attention's backward passes it on.",
+        "NaN/inf gradient rows whose first cause is a NaN or inf in dO.",
+        "the NaN or inf is already in the output gradient dO: it comes from a later layer or the loss; trace it downstream (a loss scale that overflows, a NaN loss)",
+        Example(_SEEDED + """\
+q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
+do[0, 1, 5, 7] = float("nan")  # the loss sent back a NaN
+torch.save({"q": q, "k": k, "v": v, "do": do}, "qkv.pt")
+""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp32 --brief --fail-on grad_nan_input"),
+        grad_causes=("grad_out_nan",),
+    ),
+    Code(
+        "grad_nan_forward", "error", "backward",
+        "rows the forward pass already broke make NaN gradients",
+        "The forward pass gave NaN probabilities in these rows (NaN or +inf in the input, Q@K^T overflow, or "
+        "another forward NaN), and the backward carries them into dQ, dK, dV. Fix the forward finding, named in "
+        "the message, and the gradients follow.",
+        "NaN/inf gradient rows whose first cause in backward order is input_nan, inf_input, qk_overflow or "
+        "another forward NaN.",
+        "the forward pass already gave NaN probabilities in these rows; fix the forward finding (its cause is named) and the gradients follow",
+        Example(_SEEDED + """\
+q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
+q[0, 0, 2] = 40.0
+k[0, 0, 9] = 40.0  # one score of 64 x 40 x 40 = 102400: beyond fp16
+torch.save({"q": q, "k": k, "v": v, "do": do}, "qkv.pt")
+""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager --method torch --brief --fail-on grad_nan_forward"),
+        grad_causes=("input_nan", "inf_input", "qk_overflow", "forward_nan"),
+    ),
+    Code(
+        "grad_overflow", "error", "backward",
+        "an intermediate of the backward overflows the dtype it is held in",
+        "Every backward quantity is linear in dO, so a loss scale multiplies them all. Where the path holds one "
+        "in a low-precision dtype (eager fp16 holds dP = dO V^T in fp16; the SDPA paths hold it in fp32), a "
+        "large loss scale overflows it. The message gives the largest safe loss scale, relative to the one this "
+        "dO carries.",
+        "NaN/inf gradient rows first caused by dO beyond the dtype, dP or dS overflowing, inf - inf in dP - D, "
+        "or a product beyond the dtype; or `scale_headroom` < 1: dO cannot grow by any factor before an "
+        "intermediate overflows.",
+        "lower the loss scale (GradScaler's init_scale, or let it back off), hold dP and dS in fp32 (SDPA's math path, FlashAttention) instead of fp16 eager attention, or train in bf16",
+        Example(_SEEDED + """\
+q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
+torch.save({"q": q, "k": k, "v": v * 4, "do": do * 2**16}, "qkv.pt")  # dO under an fp16 loss scale of 2^16
+""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager --method torch --brief --fail-on grad_overflow"),
+        grad_causes=("grad_out_overflow", "dp_overflow", "ds_nan", "ds_overflow", "grad_overflow"),
+    ),
+    Code(
+        "grad_underflow", "warning", "backward",
+        "gradient entries flush to zero in the dtype",
+        "Gradient entries that float64 says are non-zero are exactly 0 in the dtype the gradients are computed "
+        "in: fp16 without a loss scale, or a collapsed softmax whose Jacobian vanishes.",
+        "1% or more of a gradient's entries that are non-zero in float64 are 0 (`flushed_frac`).",
+        "gradient entries flush to zero in this dtype: use a loss scale (torch.amp.GradScaler) or bf16; if the softmax is collapsed (near one-hot rows), its Jacobian vanishes: check the scale and the logit growth",
+        Example(_SEEDED + """\
+q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
+torch.save({"q": q, "k": k, "v": v, "do": do * 1e-6}, "qkv.pt")  # a mean loss over many tokens, no loss scale
+""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager --method torch --brief --fail-on grad_underflow"),
+    ),
+    Code(
+        "grad_error", "warning", "backward",
+        "a path's gradients are further from float64 than FlashAttention's test allows",
+        "FlashAttention's tests hold the backward to at most 2x the error of plain attention in the same dtype "
+        "(eager, softmax in the dtype, no upcast), plus two ulps of the largest gradient; they apply it in fp16 "
+        "and bf16 (in fp32 both errors are rounding noise). On a CPU, PyTorch's flash backward keeps the sums "
+        "of dQ over key blocks and of dK, dV over query blocks in the dtype, rounded after each block, which "
+        "the example shows with a constant dO.",
+        "max |g - g_float64| > 2 x plain attention's + 2 eps max|g_float64|, for dQ, dK or dV, in fp16 and bf16.",
+        "this path's gradients are further from float64 than FlashAttention's test allows (2x plain attention in the same dtype): keep dP and dS in fp32 and round only for the products, as FlashAttention does",
+        Example(_SEEDED + """\
+q = torch.zeros(1, 1, 4096, 8)  # every score 0: P = 1/16 exactly
+k, v = (torch.randn(1, 1, 16, 8, generator=g) for _ in range(2))
+do = torch.full((1, 1, 4096, 8), 1.8125)  # dV sums 4096 equal terms, block by block in bf16
+torch.save({n: t.bfloat16() for n, t in dict(q=q, k=k, v=v, do=do).items()}, "qkv.pt")
+""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype bf16 --path flash --brief --fail-on grad_error"),
+    ),
+    Code(
+        "grad_emulation_mismatch", "error", "backward",
+        "the model's recorded gradients differ from attncheck's emulation of its kernel",
+        "`attncheck capture` records the gradients the model's kernel really produced, and each is compared "
+        "with the backward of the cell the model runs. A disagreement means the backward numbers of that call "
+        "cannot be trusted: attncheck does not reproduce this kernel (please report it), or the recorded "
+        "gradients are not the kernel's (a hook changed them).",
+        "Per element, |real - cell| above the path's rounding bound: eager and sdpa-math are reproduced bit "
+        "for bit; flash within 2u(R+1)|g| + (4u + 2n u32)T (u the dtype's unit roundoff, R its roundings, T "
+        "the magnitude of the element's terms, n their number). Or an entry finite in one and not the other.",
+        "attncheck's emulation of this kernel's backward does not reproduce the gradients the model really produced: the backward numbers of this call cannot be trusted; please report it with the capture",
+        Example("""\
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import attncheck
+
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 16, 32, generator=g).requires_grad_() for _ in range(3))
+with attncheck.capture("cap"):
+    F.scaled_dot_product_attention(q, k, v).sum().backward()
+# Stand in for a kernel whose backward attncheck does not reproduce: its dQ 1% off.
+grads = next(Path("cap").glob("*.grads.safetensors"))
+with safe_open(grads, "pt") as f:
+    tensors, meta = {name: f.get_tensor(name) for name in f.keys()}, f.metadata()
+tensors["grad_q"] = tensors["grad_q"] * 1.01
+save_file(tensors, grads, meta)
+""", "attncheck run cap --brief --fail-on grad_emulation_mismatch"),
+    ),
+    # ------------------------------------------------------------------ watch
+    Code(
+        "logit_growth", "warning", "watch",
+        "a head's largest attention logit grows geometrically past a level",
+        "A watch log (attncheck.watch) records every head's largest unmasked logit per step. Its logarithm, "
+        "fitted by least squares over the last records, grows fast, and the logit has passed a level healthy "
+        "heads stay below: the attention-logit growth that precedes divergence at high learning rates "
+        "(Dehghani et al. 2023; Wortsman et al. 2023, whose small-scale proxy examples/logit_growth.py "
+        "reproduces).",
+        "The fitted growth over the last --window records (20) is at least --growth (x2) per 100 steps, and "
+        "the largest logit at least --logit-level (50); reported at the first step both hold.",
+        "the attention logits grow geometrically, as before divergence at a high learning rate: normalise q and k (qk-layernorm, Dehghani et al. 2023; Wortsman et al. 2023), lower the learning rate or clip the logits (QK-clip, soft-capping)",
+        Example(_watch_log("2.0 ** (step / 4)"), "attncheck watch w.jsonl --fail-on logit_growth"),
+    ),
+    Code(
+        "headroom_low", "warning", "watch",
+        "at its growth, a head reaches its dtype's first failure soon",
+        "The head's largest logit grows and, at the fitted rate, reaches the largest logit the call's dtype "
+        "allows (SDPA's kernels: S in fp32; hand-written attention: S = Q@K^T in its dtype, before the scale) "
+        "within the horizon. With --what-if DTYPES, the same for hand-written attention in those dtypes, "
+        "reported apart.",
+        "Steps until the limit, ln(limit / logit) / (fitted growth per step), below --horizon (1000), once the "
+        "logit has passed --logit-level (50) or the limit.",
+        "at this growth the head's logits reach the first failure of its dtype within the horizon: act on the growth (qk-layernorm, learning rate, clipping) or hold the scores in a wider dtype",
+        Example(_watch_log("60 * 1.05 ** step", limit=8190.0), "attncheck watch w.jsonl --horizon 200 --fail-on headroom_low"),
+    ),
+    Code(
+        "nonfinite", "error", "watch",
+        "NaN or inf in a call's attention output or its gradients, during training",
+        "A watch record counts, per attention call, the rows of its output holding NaN or inf (for eager "
+        "softmax: NaN, +inf, or every key -inf in its scores) and the gradients of dq, dk, dv holding them.",
+        "Any such row or gradient; reported at the first step it holds, per call, with its rank.",
+        "NaN or inf in the attention output or its gradients: capture the step (attncheck capture, or attncheck.capture around it) to find the call, the head and the cause",
+        Example(_watch_log("1.0", nonfinite="3 if step == 5 else 0"), "attncheck watch w.jsonl --fail-on nonfinite"),
+    ),
+)
+
+REGISTRY: dict[str, Code] = {c.name: c for c in CODES}
+
+# The views every layer reads.
+SEVERITY = {c.name: c.severity for c in CODES}
+FIX = {c.name: c.fix for c in CODES}
 # The NaN/zero-row causes each finding code stands for: rows whose cause a user ignores
 # no longer count for --fail-on nan/zero, nor for a call's verdict.
-CAUSES_OF = {
-    "input_nan": ("input_nan",),
-    "inf_input": ("inf_input",),
-    "fully_masked_rows": ("fully_masked",),
-    "qk_overflow": ("qk_overflow",),
-    "sentinel_overflow_on_add": ("mask_sentinel",),
-    "summed_mask_planes": ("mask_sentinel",),
-    "cast_overflow": ("cast_overflow",),
-    "exp_overflow": ("exp_overflow",),
-    "sum_overflow": ("sum_overflow",),
-    "sentinel_not_representable": ("mask_sentinel",),
-    "underflow": ("underflow",),
-    "unexplained_nan": (UNEXPLAINED,),
-}
-
-
+CAUSES_OF = {c.name: c.causes for c in CODES if c.causes}
 # The first causes of NaN/inf gradient rows (results.GRAD_CAUSES) each backward finding code stands for.
-GRAD_CAUSES_OF = {
-    "grad_nan_masked_row": ("fully_masked",),
-    "grad_nan_input": ("grad_out_nan",),
-    "grad_nan_forward": ("input_nan", "inf_input", "qk_overflow", "forward_nan"),
-    "grad_overflow": ("grad_out_overflow", "dp_overflow", "ds_nan", "ds_overflow", "grad_overflow"),
-}
+GRAD_CAUSES_OF = {c.name: c.grad_causes for c in CODES if c.grad_causes}
 
 
 FAIL_ON_WORDS = ("nan", "overflow", "zero", "flip", "error", "warning")
@@ -132,3 +759,18 @@ def valid_fail_on(token: str) -> bool:
 def valid_code(token: str) -> bool:
     """A finding code (what --ignore takes)."""
     return token in SEVERITY
+
+
+def doc_link(code: str) -> str | None:
+    """Where a code's reference page is: 'docs/reference/findings.md#exp_overflow'."""
+    entry = REGISTRY.get(code)
+    return None if entry is None else entry.doc
+
+
+def closest_codes(token: str, n: int = 3) -> list[str]:
+    """The codes nearest a mistyped one ('exp_overflw' -> exp_overflow), and those that contain it."""
+    import difflib
+
+    near = difflib.get_close_matches(token, list(REGISTRY), n=n, cutoff=0.6)
+    near += [c for c in REGISTRY if token and token in c and c not in near]
+    return near[:n]

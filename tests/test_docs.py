@@ -1,5 +1,6 @@
-"""Docs are tested: every example script runs, and every command in the README's
-console blocks runs with the exit code written beside it (`# exit N`, default 0).
+"""Docs are tested: every example script runs, and every command in the console blocks of the
+README and of every page under docs/ runs with the exit code written beside it (`# exit N`,
+default 0); the README stays the short front door; links resolve; every page is in the site.
 
 These run whole commands in subprocesses (about 2.5 minutes on 2 cores): they are marked
 slow, kept out of the default run, and run by `.ci/run` (`pytest -m slow`)."""
@@ -31,7 +32,11 @@ def test_example_runs(script, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Every page of the site, and the README. The findings reference's examples need the Python
+# beside each command: tests/test_codes.py runs each one with it.
+FINDINGS_PAGE = ROOT / "docs" / "reference" / "findings.md"
+PAGES = sorted((ROOT / "docs").rglob("*.md"))
+DOCS = [ROOT / "README.md", *(p for p in PAGES if p != FINDINGS_PAGE)]
 
 
 def readme_commands(path=ROOT / "README.md"):
@@ -47,7 +52,47 @@ def readme_commands(path=ROOT / "README.md"):
 
 
 def test_readme_has_commands():
-    assert len(readme_commands()) >= 5
+    assert len(readme_commands()) >= 3
+    assert sum(len(readme_commands(doc)) for doc in DOCS) >= 40
+
+
+README_LINES = 200
+
+
+def test_readme_is_the_front_door():
+    """Short, with the quick start's two commands exactly (CI runs them), and links into docs/."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_LINES
+    quick = text.split("## Quick start\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert quick.splitlines() == ['pip install . && attncheck sweep', 'pip install -e ".[test]" && pytest']
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "pip install -q . && attncheck sweep" in ci and 'pip install -q -e ".[test]" && pytest' in ci
+
+
+def test_links_between_pages_resolve():
+    """Relative links of the README and of every page name a file that exists (the site build
+    checks anchors too, with mkdocs build --strict)."""
+    for page in [ROOT / "README.md", *PAGES]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).resolve().exists(), f"{page.relative_to(ROOT)} links to {target}"
+
+
+def test_every_page_is_in_the_site_navigation():
+    nav = re.findall(r":\s*([\w/.-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
+    assert sorted(nav) == sorted(str(p.relative_to(ROOT / "docs")) for p in PAGES)
+
+
+def test_the_numerics_contract_names_tests_that_exist():
+    """Each 'Tested by' of docs/reference/numerics.md names a test function of a test file."""
+    import ast
+
+    text = (ROOT / "docs" / "reference" / "numerics.md").read_text()
+    cited = re.findall(r"`(tests/[\w/]+\.py)::(test_\w+)`", text)
+    assert len(cited) >= 30
+    for path, name in cited:
+        tree = ast.parse((ROOT / path).read_text())
+        assert name in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, f"{path}::{name}"
 
 
 @pytest.mark.slow

@@ -120,3 +120,36 @@ def test_the_closing_line_never_counts_errors_next_to_no_call_going_wrong():
     text = " ".join(render(report, calls).split())
     assert "1 error(s)" in text or "2 error(s)" in text
     assert "no call goes wrong" not in text and "first call that goes wrong: #1 t1" in text
+
+
+SUMMARY_80 = """\
+Findings of the cells the model runs (--detail NAME, --full: per-call reports)
+error[inf_input]: a row of the scores holds +inf
+  --> 2 call(s), first model.layers.2.attn
+   = fix: the scores hold +inf (softmax gives inf - inf = NaN): find where they
+          overflow, e.g. Q@K^T in fp16 without 1/sqrt(d_k); scale q first or
+          compute scores in fp32
+
+warning[fully_masked_rows]: a query row has every key masked
+  --> 1 call(s), first model.layers.1.attn
+   = fix: a query that may attend to nothing has no softmax: zero such rows
+          (torch.where(keep.any(-1, keepdim=True), p, 0)) and drop them from the
+          loss, or use a kernel that returns zeros (FlashAttention, SDPA >=
+          2.5); even then their backward pass can poison gradients if a NaN
+          reaches it
+
+attncheck explain CODE prints each code's meaning, threshold, example and fix
+"""
+
+
+def test_the_model_reports_findings_read_as_diagnostics_once_per_code():
+    from attncheck.report.model import findings_summary
+
+    bad = healthy(1)
+    bad[0, 3, 2, 1] = float("inf")
+    masked = healthy(2)
+    masked[1, 0, 5] = float("-inf")
+    calls = [softmax_call(0, healthy()), softmax_call(1, masked), softmax_call(2, bad), softmax_call(3, bad.clone())]
+    buf = io.StringIO()
+    Console(width=80, file=buf, color_system=None).print(findings_summary(calls, known=True))
+    assert buf.getvalue() == SUMMARY_80

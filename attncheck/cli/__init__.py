@@ -1,4 +1,4 @@
-"""Command line: one module per command (``run``, ``sweep``, ``check``, ``capture``, ``watch``), each parsing its
+"""Command line: one module per command (``run``, ``sweep``, ``check``, ``capture``, ``watch``, ``explain``), each parsing its
 options, calling its pipeline, rendering and mapping errors to exit codes.
 
 torch is imported inside the commands only, so ``attncheck --help`` and argument
@@ -12,6 +12,7 @@ import typer
 from attncheck import __version__
 from attncheck.cli.capture import capture
 from attncheck.cli.check import check
+from attncheck.cli.explain import explain
 from attncheck.cli.common import Command, OneLineErrorsGroup, no_spin_waiting, reuse_freed_memory, write_stdout
 from attncheck.cli.run import run
 from attncheck.cli.sweep import sweep
@@ -48,6 +49,7 @@ app.command(cls=Command)(sweep)
 app.command(cls=Command)(check)
 app.command(cls=Command, context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(capture)
 app.command(cls=Command)(watch)
+app.command(cls=Command)(explain)
 
 
 def main() -> None:

@@ -44,8 +44,8 @@ CAPTURE = "Capture"
 
 
 def capture(
-    script: str = typer.Argument(..., help="The Python script to run (as 'python SCRIPT ARGS' would run it).", show_default=False),
-    args: Optional[List[str]] = typer.Argument(None, help="Arguments for the script; put '--' before the script when they look like options.", show_default=False),
+    script: str = typer.Argument(..., metavar="SCRIPT", help="The Python script to run (as 'python SCRIPT ARGS' would run it).", show_default=False),
+    args: Optional[List[str]] = typer.Argument(None, metavar="ARGS", help="Arguments for the script; put '--' before the script when they look like options.", show_default=False),
     out: str = typer.Option(DEFAULT_OUT, "--out", "-o", metavar="DIR", help="Capture directory: one .safetensors per call and manifest.json (created; a previous capture there is replaced).", rich_help_panel=CAPTURE),
     no_save: bool = typer.Option(False, "--no-save", help="Write nothing: diagnose each call as it is recorded.", rich_help_panel=CAPTURE),
     max_calls: str = typer.Option(str(DEFAULT_MAX_CALLS), "--max-calls", metavar="N", help="Stop recording after N calls (the script runs on).", rich_help_panel=CAPTURE),

@@ -49,12 +49,9 @@ def check(
 ) -> None:
     """Check attention inputs against error budgets, for CI.
 
-    Reads \\[tool.attncheck] (inputs, synthetic configs, dtypes, methods, budget),
-    diagnoses every input and checks every method x dtype cell against the budget:
-    NaN and overflow rows, errors against float64, and FlashAttention's rule
-    relative_to_torch (error at most N x torch.softmax's in the same dtype).
-    Exit codes: 0 every budget holds, 1 a budget broke, 2 configuration or input error
-    (or an internal error, so that 1 always means a budget).
+    Reads \\[tool.attncheck] (inputs, synthetic configs, dtypes, methods, budget), diagnoses every input and checks every method x dtype cell against the budget: NaN and overflow rows, errors against float64, and FlashAttention's rule relative_to_torch (error at most N x torch.softmax's in the same dtype).
+
+    Exit codes: 0 every budget holds, 1 a budget broke, 2 configuration or input error (or an internal error, so that 1 always means a budget).
     """
     try:
         if device is not None:

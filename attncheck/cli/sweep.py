@@ -40,11 +40,8 @@ def sweep(
 ) -> None:
     """Sweep synthetic Q and K over d_k x scale; measure next to the theory.
 
-    Var(q.k) grows as d_k; 1/sqrt(d_k) brings it back to 1, 1/d_k to 1/d_k,
-    1/d_k^2 to 1/d_k^3. Unscaled logits collapse attention onto one key and
-    kill the softmax gradient; too much scaling flattens it to uniform.
-    Per method x dtype: exp overflow (with its Gaussian-tail prediction),
-    NaN rows and max error against float64.
+    Var(q.k) grows as d_k; 1/sqrt(d_k) brings it back to 1, 1/d_k to 1/d_k, 1/d_k^2 to 1/d_k^3. Unscaled logits collapse attention onto one key and kill the softmax gradient; too much scaling flattens it to uniform. Per method x dtype: exp overflow (with its Gaussian-tail prediction), NaN rows and max error against float64.
+
     Exit codes: 0 ran, 2 usage or input error.
     """
     try:

@@ -9,14 +9,15 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from attncheck.codes import REGISTRY
 from attncheck.format import fmt, plain, to_jsonable, visible
+from attncheck.report.diagnostics import EXPLAIN_HINT, diagnostic
 from attncheck.report.run import diagnosis_json
 from attncheck.report.text import shown
 from attncheck.results import CallReport, ModelLine, ModelReport
 
 VERDICT_STYLE = {"nan": "bold red", "overflow": "bold red", "zero": "red", "error": "bold red", "flip": "yellow",
                  "ok": "green", "skipped": "yellow", "n/a": "dim"}
-SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 MAX_HEAD_COLUMNS = 32
 
@@ -167,9 +168,10 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
     return t
 
 
-def findings_summary(calls: list[CallReport], known: bool) -> Text | None:
-    """Each finding code once: its severity, in how many calls, the first of them (the model's
-    cells' findings for a capture; every cell's for files of unknown implementation)."""
+def findings_summary(calls: list[CallReport], known: bool) -> Group | None:
+    """Each finding code once, as a diagnostic: its severity and what it means, in how many calls and
+    the first of them, its fix (the model's cells' findings for a capture; every cell's for files of
+    unknown implementation)."""
     seen: dict[str, list] = {}
     for c in calls:
         if c.diagnosis is None:
@@ -181,14 +183,13 @@ def findings_summary(calls: list[CallReport], known: bool) -> Text | None:
                 entry[0] = f.severity
     if not seen:
         return None
-    head = ("Findings of the cells the model runs (--detail NAME or --full for the per-call tables):\n" if known
-            else "Findings over all cells (--detail NAME or --full for the per-call tables):\n")
-    text = Text(head)
+    head = ("Findings of the cells the model runs (--detail NAME, --full: per-call reports)" if known
+            else "Findings over all cells (--detail NAME, --full: per-call reports)")
+    parts: list[Any] = [Text(head, style="bold")]
     for code, (severity, n, first) in sorted(seen.items(), key=lambda kv: SEVERITY_ORDER[kv[1][0]]):
-        text.append(f"  {severity:<7} ", style=SEVERITY_STYLE[severity])
-        text.append(f"{code}: {n} call(s), first {visible(first)}\n")
-    text.rstrip()
-    return text
+        parts += [diagnostic(severity, code, REGISTRY[code].summary, f"{n} call(s), first {first}", REGISTRY[code].fix), Text("")]
+    parts.append(Text(EXPLAIN_HINT, style="dim"))
+    return Group(*parts)
 
 
 def what_if_table(report: ModelReport, prefix: str = "") -> Table | None:

@@ -11,9 +11,10 @@ from rich.table import Table
 from rich.text import Text
 
 from attncheck import __version__
+from attncheck.codes import doc_link
 from attncheck.params import MASK_SENTINEL_LIMIT
-from attncheck.format import cosine, fmt, index_text, rows_text, to_jsonable, visible
-from attncheck.report.text import shown
+from attncheck.format import cosine, fmt, index_text, to_jsonable, visible
+from attncheck.report.diagnostics import findings_block
 from attncheck.results import Cell, TensorDiagnosis
 
 JSON_SCHEMA = "attncheck.run/3"  # /2 added the model section; /3: a captured call's tensor holds its model cell, what-ifs apart; every /2 key is kept
@@ -21,7 +22,6 @@ JSON_SCHEMA = "attncheck.run/3"  # /2 added the model section; /3: a captured ca
 NAN_HEADS_SHOWN = 3  # leading indices with NaN rows named per cell in the table; the JSON has all
 
 VERDICT_STYLE = {"nan": "bold red", "overflow": "bold red", "zero": "red", "flip": "yellow", "ok": "green"}
-SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
 
 # --------------------------------------------------------------------------- tables
@@ -305,22 +305,11 @@ def nan_by_head_line(d: TensorDiagnosis) -> Text | None:
     return Text(f"NaN rows by leading index ({axes}, most first): " + "; ".join(parts), style="red")
 
 
-def findings_table(d: TensorDiagnosis) -> Table | Text:
+def findings_section(d: TensorDiagnosis) -> Group | Text:
+    """Each finding as a compiler diagnostic: headline, where, fix (``report.diagnostics``)."""
     if not d.findings:
         return Text("No findings: every cell is finite and close to the float64 reference.", style="green")
-    t = Table(title="Findings", title_justify="left", show_lines=True)
-    # Codes (what --fail-on takes) and severities never shrink; the text columns wrap, and a
-    # word longer than its column folds onto the next line rather than being cut.
-    t.add_column("severity", no_wrap=True)
-    t.add_column("code", style="bold", no_wrap=True, min_width=max(len(f.code) for f in d.findings))
-    t.add_column("what happened", ratio=3, overflow="fold")
-    t.add_column("fix", ratio=2, overflow="fold")
-    for f in d.findings:
-        what = shown(f.message)  # messages quote names
-        if f.examples:
-            what.append(f"\nrows e.g. {rows_text(f.examples)}")
-        t.add_row(Text(f.severity, style=SEVERITY_STYLE[f.severity]), f.code, what, shown(f.fix))
-    return t
+    return findings_block(d.name, d.findings)
 
 
 def limits_line(d: TensorDiagnosis) -> Text | None:
@@ -351,7 +340,7 @@ def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
             parts.append(table)
     where = nan_by_head_line(d)
     limits = limits_line(d)
-    parts += [distribution_line(d)] + ([limits] if limits is not None else []) + ([where] if where is not None else []) + [findings_table(d)]
+    parts += [distribution_line(d)] + ([limits] if limits is not None else []) + ([where] if where is not None else []) + [findings_section(d)]
     return Group(*parts)
 
 
@@ -394,7 +383,7 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
         "census": census,
         "distribution": to_jsonable(d.distribution),
         "cells": cells,
-        "findings": to_jsonable(d.findings),
+        "findings": [dict(to_jsonable(f), doc=doc_link(f.code)) for f in d.findings],
         "attention": None if d.attention is None else to_jsonable(d.attention),
     }
 

@@ -10,7 +10,8 @@ from rich.text import Text
 
 from attncheck import __version__
 from attncheck.format import num, plain, to_jsonable
-from attncheck.report.run import SEVERITY_STYLE, compact_table
+from attncheck.report.diagnostics import diagnostic
+from attncheck.report.run import compact_table
 from attncheck.report.text import shown
 from attncheck.results import WatchReport, WatchSeries
 
@@ -51,20 +52,19 @@ def heads_table(report: WatchReport):
     return t
 
 
-def alerts_text(report: WatchReport) -> Text:
+def alerts_text(report: WatchReport):
+    """Each alert as a compiler-style diagnostic: 'warning[logit_growth]: ...', where it held, its fix."""
+    from attncheck.codes import FIX
+
     if not report.alerts:
         return Text("No alert: no head's logits grow past the level, collapse, near their dtype's limit, or go non-finite.", style="green")
-    text = Text()
+    parts = []
     for a in report.alerts:
         where = f"rank {a.rank}, " if len(report.ranks) > 1 else ""
-        where += a.module + (f" head {a.head}" if a.head is not None else "")
+        where += f"{a.module}" + (f" head {a.head}" if a.head is not None else "") + f", from step {a.step}"
         tag = f"what-if {a.what_if}: " if a.what_if else ""
-        text.append(f"{a.severity}[{a.code}]", style=SEVERITY_STYLE[a.severity])
-        text.append(f": {tag}step {a.step}, ")
-        text.append(shown(where))
-        text.append(f": {a.message}\n")
-    text.rstrip()
-    return text
+        parts.append(diagnostic(a.severity, a.code, tag + a.message, where, FIX.get(a.code)))
+    return Group(*parts)
 
 
 def closing_line(report: WatchReport) -> Text:

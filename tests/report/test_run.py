@@ -40,7 +40,7 @@ def test_nothing_is_cut_at_80_columns():
     flat = " ".join(text.split())  # wrapped text read as one line
     for d in diags:
         for f in d.findings:
-            assert f.code in text.split(), f.code  # whole, on one line
+            assert f"{f.severity}[{f.code}]:" in text.split(), f.code  # whole, on one line
     assert "0/16016" in flat  # the example's cast to fp16: 16016 values become -inf
     assert "sentinel_not_representable" in text and "sentinel_overflow_on_add" in text
 
@@ -74,3 +74,14 @@ def test_census_json_gives_each_mask_value_its_span():
     (entry,) = run_json([d], "cpu")["tensors"][0]["census"]["sentinels"]
     assert entry["value"] == -65504.0 and entry["rows"] == 16 and entry["min"] <= entry["max"] < -65000
     assert "mask values -65504 (16 rows; row minima" in " ".join(render([d], width=100).split())
+
+
+def test_json_findings_link_their_section_of_the_reference():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "findings.md").read_text()
+    findings = run_json([diagnose(EXAMPLE_NAME, example_scores())], "cpu")["tensors"][0]["findings"]
+    assert {f["code"] for f in findings} >= {"exp_overflow", "fully_masked_rows"}
+    for f in findings:
+        assert f["doc"] == f"docs/reference/findings.md#{f['code']}"
+        assert f"\n### {f['code']}\n" in page

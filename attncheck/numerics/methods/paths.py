@@ -26,8 +26,10 @@ O = P@V, each with the rounding points of the implementation it names (registry.
   the effective probabilities P_j exp(m_j - m_final) / l times V in fp32, rounded to the
   dtype once: the kernel accumulates the same sum block by block, rescaling by
   exp(m_{j-1} - m_j) as it goes, which differs from it by fp32 rounding only. The kernel's
-  vectorised exp is an approximation of a few fp32 ulp, ours is exp rounded once to fp32;
-  the CUDA kernels fold the scale into exp2 (differences at the fp32 rounding level).
+  vectorised exp is an approximation of a few fp32 ulp that gives 0 below about -87, ours is
+  exp rounded once to fp32 (subnormal down to -103.97): the terms of keys that far below the
+  running max are in one and not the other; the CUDA kernels fold the scale into exp2
+  (differences at the fp32 rounding level).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,23 +99,33 @@ def flash_kernel(q, k, v, sdpa):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, sdpa.get("is_causal", False), attn_mask=mask)
 
 
-def flash_bound(p_eff: torch.Tensor, v: torch.Tensor, o_a: torch.Tensor, o_b: torch.Tensor, dt, d: int) -> torch.Tensor:
+FLUSH_BELOW = -86.0  # PyTorch's vectorised CPU exp returns 0 below about -86.99 (AVX2, torch 2.13)
+
+
+def flash_bound(p_eff: torch.Tensor, v: torch.Tensor, o_a: torch.Tensor, o_b: torch.Tensor, dt, d: int, s: torch.Tensor) -> torch.Tensor:
     """Largest |O_a - O_b| two faithful computations of the flash recurrence may show, per element.
 
     Both compute S from the same dtype inputs in fp32 (d-term sums in any order: |dS| <=
     2 d u32 sum|q_i k_i|), exps within a few fp32 ulp (PyTorch's vectorised exp_u20 against
     libm), the fp32 row sum and output over T keys in any order, and P rounded to the dtype
     (where the two exps differ, P may round to a neighbouring value: 2 u_dtype relative),
-    then O rounded to the dtype (one ulp apart at most). So
-    |dO| <= ulp_dtype(|O|) + (2d + T + 64) u32 sum_j p_j |v_j| + 2 u_dtype sum_j p_j |v_j|.
+    then O rounded to the dtype (one ulp apart at most). The kernel's vectorised exp gives 0
+    where S - m is below about -87, where exp rounded once to fp32 gives a subnormal or barely
+    normal value: those keys' terms may be missing from one side entirely. So, with s the
+    fp32 scores (to find those keys),
+    |dO| <= ulp_dtype(|O|) + ((2d + T + 64) u32 + 2 u_dtype) sum_j p_j |v_j|
+            + sum_{j: s_j - max s < -86} p_j |v_j|.
     A wrong scale, mask, block rescale or order of masking breaks it by orders of magnitude.
     """
     u32, ud = 2.0**-24, torch.finfo(dt).eps / 2
     t = p_eff.shape[-1]
     weight = torch.matmul(p_eff.double(), v.double().abs())  # sum_j p_j |v_j|
+    s = s.double()
+    flushable = (s - s.amax(dim=-1, keepdim=True)) < FLUSH_BELOW
+    absolute = torch.matmul(p_eff.double() * flushable, v.double().abs())  # sum over keys the kernel may flush
     mag = torch.maximum(o_a.double().abs(), o_b.double().abs()).clamp_min(torch.finfo(dt).tiny)
     ulp = torch.finfo(dt).eps * torch.exp2(torch.floor(torch.log2(mag)))
-    return ulp + weight * ((2 * d + t + 64) * u32 + (2 * ud if dt != torch.float32 else 0.0))
+    return ulp + weight * ((2 * d + t + 64) * u32 + (2 * ud if dt != torch.float32 else 0.0)) + absolute
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=IDS)
@@ -129,16 +140,82 @@ def test_flash_matches_pytorchs_cpu_flash_kernel_within_its_bound(name, dt):
     vv = blk.v.reshape(*o.shape[:-2], v.shape[-2], v.shape[-1]).to(dt)
     assert not torch.isnan(o).any()
     diff = (o.double() - o_kernel.double()).abs()
-    assert bool((diff <= flash_bound(p, vv, o, o_kernel, dt, q.shape[-1])).all()), float(diff.max())
+    s = pb.scores.reshape(p.shape).double()
+    assert bool((diff <= flash_bound(p, vv, o, o_kernel, dt, q.shape[-1], s)).all()), float(diff.max())
     assert bool((o_kernel[~live(p)] == 0).all() and (o[~live(p)] == 0).all())  # fully masked rows: zeros in both
     if dt == torch.float32:  # the running max and sum, through the kernel's logsumexp
-        s = pb.scores.reshape(p.shape).double()
         lse = torch.logsumexp(s, dim=-1)
         qk = torch.matmul(q.double().abs(), (k if not sdpa.get("enable_gqa") else k.repeat_interleave(2, dim=1)).double().abs().transpose(-1, -2))
         u32 = 2.0**-24  # |dS| <= 2 d u32 sum|q_i k_i| scale; the sum of T exps in any order, the exp a few ulp
         bound = 2 * q.shape[-1] * u32 * float(qk.max()) / 8 + (p.shape[-1] + 64) * u32
         ok = torch.isfinite(lse)
         assert float((lse[ok] - lse_kernel.double()[ok]).abs().max()) <= bound
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=IDS)
+def test_flash_bound_holds_where_the_kernel_flushes_exps_to_zero(dt):
+    """Keys whose scores are 80 to 100 below the row max, and V zero at the max: O is the sum of
+    those keys' terms alone. Exp rounded once to fp32 keeps them (subnormal below -87.3); the
+    kernel's vectorised exp returns 0 below about -87. Its absolute term keeps the bound true."""
+    d, t = 64, 64
+    q = torch.zeros(1, 1, 4, d)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, t, d)
+    k[0, 0, :, 0] = torch.cat([torch.zeros(1), -torch.linspace(80.0, 100.0, t - 1)]) * 8  # S = key 0's 0, then -80 ... -100 (scale 1/8)
+    v = torch.ones(1, 1, t, d)
+    v[0, 0, 0] = 0.0
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    o_kernel, _ = flash_kernel(q, k, v, {})
+    p, o, pb, blk = run_path("flash", q, k, v, dt, block=512)
+    s = pb.scores.reshape(p.shape).double()
+    vv = blk.v.reshape(*o.shape[:-2], t, d).to(dt)
+    diff = (o.double() - o_kernel.double()).abs()
+    assert bool((diff <= flash_bound(p, vv, o, o_kernel, dt, d, s)).all()), float(diff.max())
+    if dt == torch.float32:  # ours keeps every term: O = sum_j exp(S_j) (fp32, subnormals included) / l
+        exact = torch.exp(s[0, 0, 0, 1:]).float().double().sum()
+        assert float(o[0, 0, 0, 0]) == pytest.approx(float(exact), rel=1e-5)
+
+
+def test_flash_cell_is_the_online_softmax_written_out():
+    """The flash cell's effective probabilities, recomputed from the rounding points stated in
+    docs/reference/numerics.md with numpy float32 and Python's float64 exp: bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    block = 64
+    for dt in DTYPES:
+        q = torch.randn(1, 2, 8, 32, generator=g) * 2
+        k, v = torch.randn(1, 2, 150, 32, generator=g) * 2, torch.randn(1, 2, 150, 32, generator=g)
+        k[0, 1, 64:128] -= 40.0  # a block far below the running max: P_j near 0
+        p, _, pb, _ = run_path("flash", q.to(dt), k.to(dt), v.to(dt), dt, block=block)
+        s = pb.scores.float().numpy()  # (rows, 150) fp32 S, as the path computed it
+        assert np.array_equal(p.reshape(s.shape).numpy(), online_written_out(s, dt, block))
+
+
+def online_written_out(s: np.ndarray, p_dtype: torch.dtype, block: int) -> np.ndarray:
+    """Per row, per key block in order: m_j = max(m_{j-1}, max S_j); e = exp(S - m_j) (the
+    subtraction in fp32, exp in float64 rounded once to fp32); the block's sum as a halving tree
+    in fp32; l_j = fp32(fp32(exp(m_{j-1} - m_j) l_{j-1}) + sum_j); P_j = e rounded to p_dtype;
+    p = fp32(P_j fp32(exp(m_j - m_final) / l))."""
+    f32 = np.float32
+    rows, n = s.shape
+    out = np.zeros((rows, n), dtype=f32)
+    for r in range(rows):
+        m_prev, l, parts = f32(-np.inf), f32(0), []
+        for j0 in range(0, n, block):
+            sb = s[r, j0:j0 + block]
+            m = max(m_prev, sb.max())
+            e = np.array([f32(math.exp(float(f32(x - m)))) for x in sb], dtype=f32)
+            tree = np.concatenate([e, np.zeros((1 << (block - 1).bit_length()) - len(e), dtype=f32)])
+            while len(tree) > 1:
+                tree = (tree[: len(tree) // 2] + tree[len(tree) // 2:]).astype(f32)
+            decay = f32(0) if m_prev == -np.inf else f32(math.exp(float(f32(m_prev - m))))
+            l = f32(f32(decay * l) + tree[0])
+            parts.append((j0, m, e))
+            m_prev = m
+        inv = f32(f32(1) / l)
+        for j0, m, e in parts:
+            pj = e if p_dtype == torch.float32 else torch.from_numpy(e).to(p_dtype).float().numpy()
+            out[r, j0:j0 + len(e)] = pj * f32(f32(math.exp(float(f32(m - m_prev)))) * inv)
+    return out
 
 
 CUDA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
@@ -169,7 +246,7 @@ def test_paths_on_cuda_match_the_cuda_kernels(name, backend, dt):
     s = pb.scores.reshape(p.shape).double().cpu()
     exp_arg = (s.abs().amax(dim=-1) * math.log2(math.e) * 2.0**-24 * 4).nan_to_num(posinf=0.0)  # per row
     weight = torch.matmul(p.double(), vv.double().abs())
-    bound = flash_bound(p, vv, o, o_kernel, dt, q.shape[-1]) + weight * exp_arg[..., None]
+    bound = flash_bound(p, vv, o, o_kernel, dt, q.shape[-1], s) + weight * exp_arg[..., None]
     diff = (o.double() - o_kernel.double()).abs()
     assert bool((diff[alive] <= bound[alive]).all()), float(diff.max())
 
