@@ -172,17 +172,21 @@ class Watch:
             self.step_number = 1
         if self._skip or not self.sampling:
             return
-        with _small_ops(call.tensors):
+        import torch
+
+        with _small_ops(next((t.device for t in call.tensors.values() if isinstance(t, torch.Tensor)), None)):
             self._take(call)
 
     def _take(self, call) -> None:
-        from attncheck.watcher.stats import scores_stats, sdpa_stats
+        from attncheck.watcher.stats import scores_stats
 
         t, meta = call.tensors, call.meta
         dtype = meta.get("dtype", "none")
         if call.kind == "sdpa":
             scale = _number(meta.get("scale"))
-            stats = sdpa_stats(t["q"], t["k"], t.get("out"), t.get("attn_mask"), scale, meta.get("is_causal") == "true")
+            # computed with the step's other SDPA calls at its end (one set of ops for all layers); the tensors
+            # are those autograd holds for the backward anyway
+            stats = (t["q"], t["k"], t.get("out"), t.get("attn_mask"), scale, meta.get("is_causal") == "true")
             scale = scale if scale is not None else 1.0 / math.sqrt(t["q"].shape[-1])
             path = {"math": "sdpa-math"}.get(meta.get("sdpa_backend", ""), "flash")
             limit_logit, what = _limit("float32", 1.0, "S = Q@K^T in fp32 (SDPA's kernels)")
@@ -201,11 +205,8 @@ class Watch:
         self._calls.append(_CallEntry(call.module, call.kind, _label(dtype), path, scale, limit_logit, what, stats))
 
     def grads(self, call, tensors) -> None:
-        from attncheck.watcher.stats import grad_counts
-
         if self.sampling:
-            with _small_ops(tensors):
-                self._grads.append((call.module, grad_counts(tensors)))
+            self._grads.append((call.module, tensors))  # counted with the step's others at its end
 
     # ------------------------------------------------------------------ records
 
@@ -213,10 +214,18 @@ class Watch:
         """Write the record of the step under way, if it saw any call: one read-back of every number."""
         import torch
 
+        from attncheck.watcher.stats import CallStats, grad_counts_many, sdpa_stats_many
+
         calls, grads, loss = self._calls, self._grads, self._loss
         self._calls, self._grads, self._loss = [], [], None
         if not calls and not grads:
             return
+        pending = [c for c in calls if not isinstance(c.stats, CallStats)]
+        some = [c.stats[0] for c in pending] + [g for _, gs in grads for g in gs.values() if isinstance(g, torch.Tensor)]
+        with _small_ops(some[0].device if some else None):
+            for c, st in zip(pending, sdpa_stats_many([c.stats for c in pending])):
+                c.stats = st
+            grads = list(zip((m for m, _ in grads), grad_counts_many([gs for _, gs in grads])))
         parts, shapes = [], []
         for c in calls:
             s = c.stats
@@ -280,12 +289,11 @@ class Watch:
 
 
 @contextmanager
-def _small_ops(tensors):
+def _small_ops(device):
     """The statistics are many small ops: on a CPU, one torch thread (the model's threads would each
     pay a wake-up per op for a few microseconds of work each)."""
     import torch
 
-    device = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor)), None)
     n = torch.get_num_threads()
     if device is None or device.type != "cpu" or n == 1:
         yield

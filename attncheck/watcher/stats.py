@@ -54,65 +54,109 @@ def _sample_rows(t: int, device) -> torch.Tensor:
     return torch.linspace(0, t - 1, min(SAMPLE_ROWS, t), device=device).round().long()
 
 
-def _entropy(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(B, H, R, Tk) fp32 scores of sampled rows (masked keys at -inf or at most the sentinel limit)
-    -> per head: entropy min, mean (rows with two keys or more) and the share of collapsed rows.
-    -sum p log p from the probabilities themselves (xlogy: 0 where p is 0), so that logits of 1e5
-    lose nothing to a cancellation against their logsumexp."""
+def _entropy(s: torch.Tensor, layers: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(L*B, H, R, Tk) fp32 scores of sampled rows (masked keys at -inf or at most the sentinel limit)
+    -> per layer and head (L, H): entropy min, mean (rows with two keys or more) and the share of
+    collapsed rows. -sum p log p from the probabilities themselves (xlogy: 0 where p is 0), so that
+    logits of 1e5 lose nothing to a cancellation against their logsumexp."""
     keys = s > MASK_SENTINEL_LIMIT
-    valid = keys.sum(dim=-1) >= 2  # (B, H, R)
+    valid = _layer_first(keys.sum(dim=-1) >= 2, layers)  # (L, B, H, R)
     p = torch.softmax(s.masked_fill(~keys, float("-inf")), dim=-1)
-    ent = -torch.special.xlogy(p, p).sum(dim=-1)  # NaN only in rows with no key, which are not valid
-    top = p.amax(dim=-1)
-    count = valid.sum(dim=(0, 2))  # (H,)
-    ent_min = ent.masked_fill(~valid, float("inf")).amin(dim=(0, 2))
-    ent_mean = ent.masked_fill(~valid, 0.0).sum(dim=(0, 2)) / count
-    collapsed = ((top > COLLAPSE_P) & valid).sum(dim=(0, 2)) / count
+    ent = _layer_first(-torch.special.xlogy(p, p).sum(dim=-1), layers)  # NaN only in rows with no key, which are not valid
+    top = _layer_first(p.amax(dim=-1), layers)
+    count = valid.sum(dim=(1, 3))  # (L, H)
+    ent_min = ent.masked_fill(~valid, float("inf")).amin(dim=(1, 3))
+    ent_mean = ent.masked_fill(~valid, 0.0).sum(dim=(1, 3)) / count
+    collapsed = ((top > COLLAPSE_P) & valid).sum(dim=(1, 3)) / count
     none = count == 0
     return ent_min.masked_fill(none, float("nan")), ent_mean.masked_fill(none, float("nan")), collapsed.masked_fill(none, float("nan"))
+
+
+def _layer_first(t: torch.Tensor, layers: int) -> torch.Tensor:
+    """(L*B, ...) -> (L, B, ...): the calls of a batch of layers apart, each with its own batch."""
+    return t.reshape(layers, -1, *t.shape[1:])
+
+
+def _mask4(mask: torch.Tensor) -> torch.Tensor:
+    m = mask.detach()
+    return m.reshape(1, 1, *m.shape) if m.dim() == 2 else (m.unsqueeze(1) if m.dim() == 3 else m.reshape(-1, *m.shape[-3:]))
 
 
 def sdpa_stats(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor | None, mask: torch.Tensor | None, scale: float | None,
                is_causal: bool) -> CallStats:
     """Statistics of one ``scaled_dot_product_attention`` call from its q, k, mask and output."""
-    with torch.no_grad():
-        q4, k4 = _heads4(q.detach()), _heads4(k.detach())
-        b, h, tq, d = q4.shape
-        hk, tk = k4.shape[1], k4.shape[2]
-        sc = scale if scale is not None else 1.0 / math.sqrt(d)
-        qf, kf = q4.float(), k4.float()
-        if hk != h:
-            kf = kf.repeat_interleave(h // hk, dim=1)
-        qn, kn = qf.norm(dim=-1), kf.norm(dim=-1)  # (B, H, Tq), (B, H, Tk)
-        r = min(TOP_ROWS, tq)
-        ranked = qn.topk(min(r + 1, tq), dim=-1)
-        rows = torch.cat([ranked.indices[..., :r], _sample_rows(tq, q4.device).expand(b, h, -1)], dim=-1)  # (B, H, R')
-        qs = qf.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, d))
-        s = torch.matmul(qs, kf.transpose(-1, -2)) * sc  # (B, H, R', Tk) fp32
-        if mask is not None:
-            m = mask.detach()
-            m = m.reshape(1, 1, *m.shape) if m.dim() == 2 else (m.unsqueeze(1) if m.dim() == 3 else m.reshape(-1, *m.shape[-3:]))
-            mg = m.expand(b, h, tq, tk).gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, tk))
-            s = s.masked_fill(~mg, float("-inf")) if mg.dtype == torch.bool else s + mg.float()
-        if is_causal:
-            s = s.masked_fill(rows.unsqueeze(-1) < torch.arange(tk, device=s.device), float("-inf"))
-        top = s[..., :r, :].amax(dim=-1)  # (B, H, r)
-        found = torch.where(top > MASK_SENTINEL_LIMIT, top, float("-inf")).amax(dim=-1)  # (B, H): rows with no key left out
-        if tq > r:
-            bound = ranked.values[..., r] * kn.amax(dim=-1) * abs(sc)
-            exact = (found >= bound).all(dim=0)
-        else:
-            exact = torch.ones(h, dtype=torch.bool, device=s.device)
-        e_min, e_mean, collapsed = _entropy(s[..., r:, :])
-        kmax = _abs_max(k4)
-        bad = (~torch.isfinite(out.sum(dim=-1, dtype=torch.float32))).sum() if out is not None else torch.zeros((), dtype=torch.int64)
-        return CallStats(found.amax(dim=0), exact, e_min, e_mean, collapsed, _abs_max(q4), kmax.repeat_interleave(h // hk) if hk != h else kmax, bad)
+    return sdpa_stats_many([(q, k, out, mask, scale, is_causal)])[0]
 
 
-def _abs_max(t: torch.Tensor) -> torch.Tensor:
-    """max |x| per head of (B, H, T, d): two reductions and no copy (vector_norm with ord=inf, and
-    abs followed by amax, are several times slower on a CPU)."""
-    return torch.maximum(t.amax(dim=(0, 2, 3)), -t.amin(dim=(0, 2, 3))).float()
+def sdpa_stats_many(calls: list[tuple]) -> list[CallStats]:
+    """Statistics of several SDPA calls, each (q, k, out, mask, scale, is_causal): the calls that
+    share their shapes, dtype, device, mask and scale (a model's layers) are computed together, in one
+    set of ops, so that the op count does not grow with the layers."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (q, k, out, mask, scale, causal) in enumerate(calls):
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, k.dtype, q.device, None if out is None else (tuple(out.shape), out.dtype),
+               None if mask is None else id(mask), scale, bool(causal))
+        groups.setdefault(key, []).append(i)
+    results: list[CallStats | None] = [None] * len(calls)
+    for members in groups.values():
+        q, k, out, mask, scale, causal = calls[members[0]]
+        n = len(members)
+        with torch.no_grad():
+            qs = _heads4(q.detach()) if n == 1 else torch.cat([_heads4(calls[i][0].detach()) for i in members])
+            ks = _heads4(k.detach()) if n == 1 else torch.cat([_heads4(calls[i][1].detach()) for i in members])
+            outs = None if out is None else (_heads4(out.detach()) if n == 1 else torch.cat([_heads4(calls[i][2].detach()) for i in members]))
+            stats = _sdpa_layers(qs, ks, outs, mask, scale, causal, n)
+        for j, i in enumerate(members):
+            results[i] = CallStats(*(None if t is None else t[j] for t in (stats.max_logit, stats.exact, stats.entropy_min, stats.entropy_mean,
+                                                                              stats.collapsed, stats.q_max, stats.k_max, stats.nonfinite_rows)))
+    return results  # type: ignore[return-value]
+
+
+def _sdpa_layers(q4: torch.Tensor, k4: torch.Tensor, out4: torch.Tensor | None, mask: torch.Tensor | None, scale: float | None,
+                 is_causal: bool, layers: int) -> CallStats:
+    """``layers`` calls stacked along the batch axis (L*B, H, T, d) -> CallStats of (L, H) tensors."""
+    b, h, tq, d = q4.shape
+    hk, tk = k4.shape[1], k4.shape[2]
+    sc = scale if scale is not None else 1.0 / math.sqrt(d)
+    qf, kf = q4.float(), k4.float()
+    if hk != h:
+        kf = kf.repeat_interleave(h // hk, dim=1)
+    qn, kn = qf.norm(dim=-1), kf.norm(dim=-1)  # (L*B, H, Tq), (L*B, H, Tk)
+    r = min(TOP_ROWS, tq)
+    ranked = qn.topk(min(r + 1, tq), dim=-1)
+    rows = torch.cat([ranked.indices[..., :r], _sample_rows(tq, q4.device).expand(b, h, -1)], dim=-1)  # (L*B, H, R')
+    qs = qf.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, d))
+    s = torch.matmul(qs * sc, kf.transpose(-1, -2))  # (L*B, H, R', Tk) fp32
+    if mask is not None:
+        m = _mask4(mask)
+        if m.shape[0] > 1 and layers > 1:  # a mask per batch element: the same for every layer
+            m = m.repeat(layers, 1, 1, 1)
+        mg = m.expand(b, h, tq, tk).gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, tk))
+        s = s.masked_fill(~mg, float("-inf")) if mg.dtype == torch.bool else s + mg.float()
+    if is_causal:
+        s = s.masked_fill(rows.unsqueeze(-1) < torch.arange(tk, device=s.device), float("-inf"))
+    top = s[..., :r, :].amax(dim=-1)  # (L*B, H, r)
+    found = top.masked_fill(top <= MASK_SENTINEL_LIMIT, float("-inf")).amax(dim=-1)  # (L*B, H): rows with no key left out
+    if tq > r:
+        bound = ranked.values[..., r] * kn.amax(dim=-1) * abs(sc)
+        exact = _layer_first(found >= bound, layers).all(dim=1)
+    else:
+        exact = torch.ones(layers, h, dtype=torch.bool, device=s.device)
+    e_min, e_mean, collapsed = _entropy(s[..., r:, :], layers)
+    kmax = _abs_max(k4, layers)
+    if out4 is not None:
+        bad = (~torch.isfinite(_layer_first(out4.sum(dim=-1, dtype=torch.float32), layers))).sum(dim=(1, 2, 3))
+    else:
+        bad = torch.zeros(layers, dtype=torch.int64, device=q4.device)
+    return CallStats(_layer_first(found, layers).amax(dim=1), exact, e_min, e_mean, collapsed, _abs_max(q4, layers),
+                     kmax.repeat_interleave(h // hk, dim=-1) if hk != h else kmax, bad)
+
+
+def _abs_max(t: torch.Tensor, layers: int = 1) -> torch.Tensor:
+    """max |x| per layer and head of (L*B, H, T, d) -> (L, H): two reductions and no copy (vector_norm
+    with ord=inf, and abs followed by amax, are several times slower on a CPU)."""
+    t = _layer_first(t, layers)
+    return torch.maximum(t.amax(dim=(1, 3, 4)), -t.amin(dim=(1, 3, 4))).float()
 
 
 def scores_stats(scores: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor | None) -> CallStats:
@@ -126,10 +170,10 @@ def scores_stats(scores: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor |
         top = torch.where(unmasked, rowmax, float("-inf")).amax(dim=(0, 2))
         bad = (torch.isnan(rowmax) | torch.isposinf(rowmax) | torch.isneginf(rowmax)).sum()  # NaN, +inf or every key -inf: torch.softmax gives NaN
         sample = s4[:, :, _sample_rows(tq, s4.device)].float()
-        e_min, e_mean, collapsed = _entropy(sample)
+        e_min, e_mean, collapsed = (t[0] for t in _entropy(sample))
         q_max = k_max = None
         if q is not None and k is not None and q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] == h and k.shape[-3] == h:
-            q_max, k_max = _abs_max(_heads4(q.detach())), _abs_max(_heads4(k.detach()))
+            q_max, k_max = _abs_max(_heads4(q.detach()))[0], _abs_max(_heads4(k.detach()))[0]
         return CallStats(top, torch.ones(h, dtype=torch.bool, device=s4.device), e_min, e_mean, collapsed, q_max, k_max, bad)
 
 
@@ -144,15 +188,38 @@ class GradCounts:
 
 
 def grad_counts(grads: dict[str, torch.Tensor]) -> GradCounts:
-    """Two passes per gradient, no copy: its largest |g| (NaN or inf where it holds them) and its
-    entries that are not 0."""
+    return grad_counts_many([grads])[0]
+
+
+def grad_counts_many(calls: list[dict[str, torch.Tensor]]) -> list[GradCounts]:
+    """The gradients of several calls (dicts of grad_q, grad_k, grad_v): those of one role and shape
+    (a model's layers) are counted together, two reductions for all of them: entries that are not 0,
+    and the largest |g| (NaN or inf where the gradient holds them)."""
+    roles = ("grad_q", "grad_k", "grad_v")
+    nonzero: list[list[torch.Tensor]] = [[] for _ in calls]
+    peaks: list[list[torch.Tensor]] = [[] for _ in calls]
     with torch.no_grad():
-        ts = [g.detach() for role, g in grads.items() if role in ("grad_q", "grad_k", "grad_v")]
-        if not ts:
+        for role in roles:
+            groups: dict[tuple, list[int]] = {}
+            for i, c in enumerate(calls):
+                g = c.get(role)
+                if isinstance(g, torch.Tensor):
+                    groups.setdefault((tuple(g.shape), g.dtype, g.device), []).append(i)
+            for members in groups.values():
+                x = torch.stack([calls[i][role].detach() for i in members]).reshape(len(members), -1)
+                nz = torch.count_nonzero(x, dim=1)
+                pk = torch.maximum(x.amax(dim=1), -x.amin(dim=1)).float()
+                for j, i in enumerate(members):
+                    nonzero[i].append(nz[j])
+                    peaks[i].append(pk[j])
+    out = []
+    for i, c in enumerate(calls):
+        total = sum(c[r].numel() for r in roles if isinstance(c.get(r), torch.Tensor))
+        if not peaks[i]:
             zero = torch.zeros((), dtype=torch.int64)
-            return GradCounts(zero, zero, 0, torch.zeros(()))
-        total = sum(t.numel() for t in ts)
-        nonzero = torch.stack([torch.count_nonzero(t) for t in ts]).sum()
-        peaks = torch.stack([t.abs().amax().float() for t in ts])
-        ok = torch.isfinite(peaks)
-        return GradCounts((~ok).sum(), total - nonzero, total, torch.where(ok, peaks, 0.0).amax())
+            out.append(GradCounts(zero, zero, 0, torch.zeros(())))
+            continue
+        p = torch.stack(peaks[i])
+        ok = torch.isfinite(p)
+        out.append(GradCounts((~ok).sum(), total - torch.stack(nonzero[i]).sum(), total, torch.where(ok, p, 0.0).amax()))
+    return out
