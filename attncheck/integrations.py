@@ -1,4 +1,5 @@
-"""Training-loop integrations of ``attncheck.watch``: a transformers ``TrainerCallback``.
+"""Training-loop integrations of ``attncheck.watch``: a transformers ``TrainerCallback`` and a
+Lightning ``Callback``.
 
 ::
 
@@ -10,6 +11,17 @@
 
 A step is the Trainer's optimizer step (``on_step_end``); the loss the Trainer logs for it (every
 ``logging_steps``) is added to its record. transformers is imported only when the callback is made.
+
+::
+
+    from attncheck.integrations import LightningWatchCallback
+
+    lightning.Trainer(max_steps=1000, callbacks=[LightningWatchCallback("watch.jsonl", every=10)]).fit(module, loader)
+
+A step is one training batch (``on_train_batch_end``), with the loss ``training_step`` returned;
+validation and sanity-check batches run in eval mode and are left out. Lightning (``lightning`` or
+``pytorch_lightning``) is imported only when the callback is made. Both take ``tensorboard=``
+as ``attncheck.watch`` does.
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ from __future__ import annotations
 import os
 
 
-def WatchCallback(log: str | os.PathLike[str], every: int = 1, *, modules=(), grads: bool = True):  # noqa: N802  (a class for the user)
+def WatchCallback(log: str | os.PathLike[str], every: int = 1, *, modules=(), grads: bool = True, tensorboard=None):  # noqa: N802  (a class for the user)
     """A ``transformers.TrainerCallback`` that watches the model the Trainer trains (``attncheck.watch``)."""
     from transformers import TrainerCallback
 
@@ -26,10 +38,10 @@ def WatchCallback(log: str | os.PathLike[str], every: int = 1, *, modules=(), gr
     class AttncheckWatchCallback(TrainerCallback):
         def __init__(self) -> None:
             self.watch: Watch | None = None
-            self._settings = Watch(None, log, every, modules=modules, grads=grads)  # checks the arguments now
+            self._settings = Watch(None, log, every, modules=modules, grads=grads, tensorboard=tensorboard)  # checks the arguments now
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            self.watch = Watch(model, log, every, modules=modules, grads=grads).__enter__()
+            self.watch = Watch(model, log, every, modules=modules, grads=grads, tensorboard=tensorboard).__enter__()
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.watch is not None:
@@ -47,4 +59,46 @@ def WatchCallback(log: str | os.PathLike[str], every: int = 1, *, modules=(), gr
     return AttncheckWatchCallback()
 
 
-__all__ = ["WatchCallback"]
+def LightningWatchCallback(log: str | os.PathLike[str], every: int = 1, *, modules=(), grads: bool = True, tensorboard=None):  # noqa: N802
+    """A Lightning ``Callback`` that watches the LightningModule it trains (``attncheck.watch``)."""
+    from attncheck.errors import AttncheckError
+    from attncheck.watcher import Watch
+
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:
+        try:
+            from pytorch_lightning import Callback
+        except ImportError:
+            raise AttncheckError("LightningWatchCallback needs Lightning: pip install lightning") from None
+
+    class AttncheckLightningCallback(Callback):
+        def __init__(self) -> None:
+            self.watch: Watch | None = None
+            self._settings = Watch(None, log, every, modules=modules, grads=grads, tensorboard=tensorboard)  # checks the arguments now
+
+        def on_train_start(self, trainer, pl_module):
+            # no model: training_step may call the module's children itself, each then a top module
+            self.watch = Watch(None, log, every, modules=modules, grads=grads, tensorboard=tensorboard).__enter__()
+            self.watch._manual = True  # a step is a batch, ended below
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.watch is not None:
+                loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+                self.watch.step(loss=loss.detach() if hasattr(loss, "detach") else loss)
+
+        def _close(self) -> None:
+            if self.watch is not None:
+                watch, self.watch = self.watch, None
+                watch.__exit__(None, None, None)
+
+        def on_train_end(self, trainer, pl_module):
+            self._close()
+
+        def on_exception(self, trainer, pl_module, exception):
+            self._close()
+
+    return AttncheckLightningCallback()
+
+
+__all__ = ["LightningWatchCallback", "WatchCallback"]

@@ -138,9 +138,10 @@ class ModuleStack:
     """Which module is running: a stack kept by global forward pre- and post-hooks, one per thread
     (a model run in several threads has a module path in each)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_top=None) -> None:
         self._local = threading.local()
         self._lock = threading.Lock()
+        self.on_top = on_top  # called with True when a top module's forward begins, False when it ends (in its thread)
         self.forward = 0  # forward passes of a top module so far, over every thread
         self._names: dict[int, str] = {}
         self._root: int | None = None
@@ -173,6 +174,8 @@ class ModuleStack:
                     self._root = id(module)
                     self._names = {id(m): name for name, m in module.named_modules()}
             path = type(module).__name__
+            if self.on_top is not None:
+                self.on_top(True)
         else:
             path = self._names.get(id(module)) or f"{stack[-1][1]}.{type(module).__name__}"
         stack.append((module, path))
@@ -182,6 +185,8 @@ class ModuleStack:
         for i in range(len(stack) - 1, -1, -1):
             if stack[i][0] is module:
                 del stack[i:]
+                if not stack and self.on_top is not None:
+                    self.on_top(False)
                 return
 
     @property
@@ -245,13 +250,16 @@ class Recorder(TorchFunctionMode):
     ``modules``: globs a call's module path must match (a call outside any module is named
     'global'); ``forwards``: which forward passes of the top module to record (1-based; None:
     all, and calls outside any module too); ``max_calls``, ``max_bytes``: when the next call
-    would pass either, recording stops for good and ``stopped`` says why.
+    would pass either, recording stops for good and ``stopped`` says why. ``in_modules``: the mode
+    is on only while a top module's forward runs, in the thread that runs it (calls outside every
+    module are not recorded; the rest of a training loop, its optimizer step, pays nothing).
     """
 
     def __init__(self, sink: Callable[[Recorded], None], *, modules=(), forwards=None, max_calls: int | None = None,
                  max_bytes: int | None = None, notice: Callable[[str], None] | None = None, grads: bool = True,
-                 outputs: bool = False) -> None:
+                 outputs: bool = False, in_modules: bool = False) -> None:
         super().__init__()
+        self.in_modules = in_modules
         self.sink = sink
         self.grads = grads
         self.outputs = outputs  # an SDPA call keeps its output even without a backward (the watch reads it)
@@ -261,7 +269,7 @@ class Recorder(TorchFunctionMode):
         self.forwards = None if forwards is None else set(forwards)
         self.max_calls, self.max_bytes = max_calls, max_bytes
         self.notice = notice
-        self.tracker = ModuleStack()
+        self.tracker = ModuleStack(self._top if in_modules else None)
         self.recorded = 0
         self.bytes = 0
         self.seen = 0  # calls that matched the filters, recorded or not
@@ -306,16 +314,39 @@ class Recorder(TorchFunctionMode):
         # stack (Thread.start wraps the thread's run); an SDPA call from a thread running already comes
         # through the module attribute, which records it.
         self._start_before = threading.Thread.start
-        threading.Thread.start = self._start_wrapper = self._thread_start(self._start_before)
+        if not self.in_modules:  # in_modules: a forward's own thread puts the mode on
+            threading.Thread.start = self._start_wrapper = self._thread_start(self._start_before)
         self._sdpa_before = F.scaled_dot_product_attention
         self._sdpa_wrapper = self._sdpa_any_thread  # one bound method, to tell it apart when restoring
         F.scaled_dot_product_attention = self._sdpa_wrapper
+        if self.in_modules:
+            return self
         self._thread().mode = True
         return super().__enter__()
 
+    def _top(self, begins: bool) -> None:
+        """``in_modules``: a top module's forward begins (the mode goes on this thread's stack) or ends
+        (it comes off, where it is still on top: a mode the forward left on the stack stays)."""
+        if self._closed:
+            return
+        state = self._thread()
+        if begins and not state.mode:
+            state.mode = True
+            _push_mode(self)
+        elif not begins and state.mode:
+            state.mode = False
+            from torch.overrides import _get_current_function_mode_stack
+
+            stack = _get_current_function_mode_stack()
+            if stack and stack[-1] is self:
+                _pop_mode()
+
     def __exit__(self, *exc):
         try:
-            return super().__exit__(*exc)
+            if not self.in_modules:
+                return super().__exit__(*exc)
+            if self._thread().mode:  # left inside a forward
+                self._top(False)
         finally:
             self._thread().mode = False
             self._closed = True
@@ -372,7 +403,7 @@ class Recorder(TorchFunctionMode):
     def _sdpa_any_thread(self, *args, **kwargs):
         """``F.scaled_dot_product_attention`` while recording: a thread without the mode (one that ran
         before recording began) is recorded here; elsewhere the mode records the call."""
-        if self._closed or self._thread().mode:
+        if self._closed or self._thread().mode or (self.in_modules and not self.tracker.stack):
             return SDPA(*args, **kwargs)
         return self._sdpa(SDPA, args, kwargs)
 
@@ -390,8 +421,10 @@ class Recorder(TorchFunctionMode):
         if func is MHA_FORWARD:
             return self._mha(func, args, kwargs)
         out = func(*args, **kwargs)
-        if self.stopped is None and self.tracker.stack and name is not None:
-            self._trace(name, args, kwargs, out)
+        if self.stopped is None and name is not None and self.tracker.stack:
+            state = self._thread()
+            if name in MATMULS or state.pending is not None or state.scores:  # most ops: nothing to follow
+                self._trace(name, args, kwargs, out)
         return out
 
     # ------------------------------------------------------------------ bounds and filters

@@ -77,10 +77,13 @@ class Watch:
     """The context manager ``watch`` returns; ``step(loss=None)`` ends a step; ``records`` holds
     the records written (or kept, without a log), one per recorded step."""
 
-    def __init__(self, model=None, log=None, every: int = 1, *, modules=(), grads: bool = True) -> None:
+    def __init__(self, model=None, log=None, every: int = 1, *, modules=(), grads: bool = True, tensorboard=None) -> None:
         self.every = params.integer(every, "every", 1, from_text=isinstance(every, str))
         if not isinstance(grads, bool):
             raise AttncheckError(f"must be True or False, got {params.show(grads)}", param="grads")
+        if not (tensorboard is None or isinstance(tensorboard, (str, os.PathLike)) or callable(getattr(tensorboard, "add_scalar", None))):
+            raise AttncheckError(f"must be a folder or a SummaryWriter, got {params.show(tensorboard)}", param="tensorboard")
+        self.tensorboard = tensorboard
         self.model, self.with_grads = model, grads
         self.modules = (modules,) if isinstance(modules, str) else tuple(modules or ())
         self.log = None if log is None else os.fspath(log)
@@ -115,9 +118,16 @@ class Watch:
                 self._file = open(self.path, "w", encoding="utf-8")
             except OSError as e:
                 raise AttncheckError(f"cannot write the watch log {self.path}: {e.strerror or e}", param="log") from None
+        if self.tensorboard is not None:
+            try:
+                self._tensorboard = _summary_writer(self.tensorboard, self.rank, self.world)
+            except AttncheckError:
+                if self._file is not None:
+                    self._file.close()
+                raise
         # registered before the recorder's own hooks: at a top-level forward its module stack is still empty
         self._hook = register_module_forward_pre_hook(self._forward_starts)
-        self._recorder = Recorder(self, modules=self.modules, grads=self.with_grads, outputs=True)
+        self._recorder = Recorder(self, modules=self.modules, grads=self.with_grads, outputs=True, in_modules=True)
         self._recorder.__enter__()
         return self
 
@@ -129,6 +139,10 @@ class Watch:
             self._flush()
             if self._file is not None:
                 self._file.close()
+            if self._tensorboard is not None:
+                self._tensorboard.flush()
+                if not hasattr(self.tensorboard, "add_scalar"):  # a writer of its own; the user's stays open
+                    self._tensorboard.close()
         return False
 
     # ------------------------------------------------------------------ steps
@@ -138,7 +152,7 @@ class Watch:
         self._manual = True
         if self.step_number == 0:
             self.step_number = 1
-        self._loss = _number(loss)
+        self._loss = _number(loss) if self.sampling else None  # a loss on the device is read back on recorded steps only
         self._flush()
         self.step_number += 1
         self._set_sampling()
@@ -221,11 +235,9 @@ class Watch:
         if not calls and not grads:
             return
         pending = [c for c in calls if not isinstance(c.stats, CallStats)]
-        some = [c.stats[0] for c in pending] + [g for _, gs in grads for g in gs.values() if isinstance(g, torch.Tensor)]
-        with _small_ops(some[0].device if some else None):
-            for c, st in zip(pending, sdpa_stats_many([c.stats for c in pending])):
-                c.stats = st
-            grads = list(zip((m for m, _ in grads), grad_counts_many([gs for _, gs in grads])))
+        for c, st in zip(pending, sdpa_stats_many([c.stats for c in pending])):
+            c.stats = st
+        grads = list(zip((m for m, _ in grads), grad_counts_many([gs for _, gs in grads])))
         parts, shapes = [], []
         for c in calls:
             s = c.stats
@@ -273,6 +285,8 @@ class Watch:
             self._last_at = self._file.tell()
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
             self._file.flush()
+        if self._tensorboard is not None:
+            _scalars(self._tensorboard, record)
 
     def annotate(self, step: int, loss) -> None:
         """Give the record of ``step``, the last one written, its loss (a Trainer logs the loss after
@@ -286,6 +300,65 @@ class Watch:
             self._file.truncate()
             self._file.write(json.dumps(self.records[-1], allow_nan=False) + "\n")
             self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.add_scalar("attncheck/loss", value, step)
+
+
+def _summary_writer(where, rank: int, world: int):
+    """``tensorboard=``: the user's SummaryWriter, or one writing to that folder (``rankN`` inside it
+    under torchrun)."""
+    if hasattr(where, "add_scalar"):
+        return where
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise AttncheckError("TensorBoard scalars need the tensorboard package: pip install tensorboard", param="tensorboard") from None
+    folder = Path(where) / f"rank{rank}" if world > 1 else Path(where)
+    try:
+        return SummaryWriter(log_dir=os.fspath(folder))
+    except OSError as e:
+        raise AttncheckError(f"cannot write TensorBoard scalars to {folder}: {e.strerror or e}", param="tensorboard") from None
+
+
+def _scalars(writer, record: dict) -> None:
+    """A record as TensorBoard scalars, per call: ``attncheck/MODULE/max_logit`` (its largest head),
+    ``headroom`` (the limit over that logit), ``entropy_min``, ``entropy_mean`` (over heads),
+    ``collapsed`` (its worst head), ``nonfinite_rows``; per call's gradients ``grad_nonfinite``,
+    ``grad_zero_frac``, ``grad_max_abs``; and the loss. A module called twice in a step: ``MODULE#2``."""
+    step = record["step"]
+    seen: dict[str, int] = {}
+
+    def tag(module: str) -> str:
+        seen[module] = seen.get(module, 0) + 1
+        return f"attncheck/{module}" + (f"#{seen[module]}" if seen[module] > 1 else "")
+
+    def finite(xs):
+        return [x for x in xs if x is not None]
+
+    for c in record["calls"]:
+        t = tag(c["module"])
+        ml, emin, emean, col = finite(c["max_logit"]), finite(c["entropy_min"]), finite(c["entropy_mean"]), finite(c["collapsed"])
+        if ml:
+            writer.add_scalar(f"{t}/max_logit", max(ml), step)
+            if max(ml) > 0:
+                writer.add_scalar(f"{t}/headroom", c["limit"]["logit"] / max(ml), step)
+        if emin:
+            writer.add_scalar(f"{t}/entropy_min", min(emin), step)
+        if emean:
+            writer.add_scalar(f"{t}/entropy_mean", sum(emean) / len(emean), step)
+        if col:
+            writer.add_scalar(f"{t}/collapsed", max(col), step)
+        writer.add_scalar(f"{t}/nonfinite_rows", c["nonfinite_rows"], step)
+    seen.clear()
+    for g in record["grads"]:
+        t = tag(g["module"])
+        writer.add_scalar(f"{t}/grad_nonfinite", g["nonfinite"], step)
+        if g["zero_frac"] is not None:
+            writer.add_scalar(f"{t}/grad_zero_frac", g["zero_frac"], step)
+        if g["max_abs"] is not None:
+            writer.add_scalar(f"{t}/grad_max_abs", g["max_abs"], step)
+    if record["loss"] is not None:
+        writer.add_scalar("attncheck/loss", record["loss"], step)
 
 
 @contextmanager
@@ -332,7 +405,7 @@ def _limit(dtype: str, scale: float, what: str) -> tuple[float, str]:
     return limit * abs(scale), f"{what} rounds to inf at |S| >= {limit:.6g}"
 
 
-def watch(model=None, log: str | os.PathLike[str] | None = None, every: int = 1, *, modules=(), grads: bool = True) -> Watch:
+def watch(model=None, log: str | os.PathLike[str] | None = None, every: int = 1, *, modules=(), grads: bool = True, tensorboard=None) -> Watch:
     """Watch the attention of a training run: a context manager (and an object whose ``step(loss)``
     marks steps, where the loop wants to; else a step is one training forward of ``model``, or of any
     top module when ``model`` is None).
@@ -340,9 +413,11 @@ def watch(model=None, log: str | os.PathLike[str] | None = None, every: int = 1,
     ``log``: the JSON-lines file to write (one record per recorded step; under torchrun one per rank,
     see ``rank_log_path``); None keeps the records in ``records``. ``every``: record every N-th step
     (1: all). ``modules``: globs of module paths to watch. ``grads``: with a backward, count the NaN,
-    inf and zero entries of each call's gradients. Read the log with ``attncheck watch LOG``.
+    inf and zero entries of each call's gradients. ``tensorboard``: a folder (or a ``SummaryWriter``)
+    that gets each record's numbers as TensorBoard scalars (needs the tensorboard package). Read the
+    log with ``attncheck watch LOG``.
     """
-    return Watch(model, log, every, modules=modules, grads=grads)
+    return Watch(model, log, every, modules=modules, grads=grads, tensorboard=tensorboard)
 
 
 __all__ = ["WATCH_SCHEMA", "Watch", "rank_and_world", "rank_log_path", "watch"]

@@ -89,67 +89,76 @@ def sdpa_stats(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor | None, mask:
 
 
 def sdpa_stats_many(calls: list[tuple]) -> list[CallStats]:
-    """Statistics of several SDPA calls, each (q, k, out, mask, scale, is_causal): the calls that
-    share their shapes, dtype, device, mask and scale (a model's layers) are computed together, in one
-    set of ops, so that the op count does not grow with the layers."""
+    """Statistics of several SDPA calls, each (q, k, out, mask, scale, is_causal). The passes over a
+    call's whole q, k and output are its own (no copy); the many small ops on the sampled rows run
+    once for the calls that share their shapes, dtype, device, mask and scale (a model's layers), so
+    that their count does not grow with the layers."""
     groups: dict[tuple, list[int]] = {}
     for i, (q, k, out, mask, scale, causal) in enumerate(calls):
-        key = (tuple(q.shape), tuple(k.shape), q.dtype, k.dtype, q.device, None if out is None else (tuple(out.shape), out.dtype),
-               None if mask is None else id(mask), scale, bool(causal))
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, k.dtype, q.device, out is None, None if mask is None else id(mask), scale, bool(causal))
         groups.setdefault(key, []).append(i)
     results: list[CallStats | None] = [None] * len(calls)
-    for members in groups.values():
-        q, k, out, mask, scale, causal = calls[members[0]]
-        n = len(members)
-        with torch.no_grad():
-            qs = _heads4(q.detach()) if n == 1 else torch.cat([_heads4(calls[i][0].detach()) for i in members])
-            ks = _heads4(k.detach()) if n == 1 else torch.cat([_heads4(calls[i][1].detach()) for i in members])
-            outs = None if out is None else (_heads4(out.detach()) if n == 1 else torch.cat([_heads4(calls[i][2].detach()) for i in members]))
-            stats = _sdpa_layers(qs, ks, outs, mask, scale, causal, n)
-        for j, i in enumerate(members):
-            results[i] = CallStats(*(None if t is None else t[j] for t in (stats.max_logit, stats.exact, stats.entropy_min, stats.entropy_mean,
-                                                                              stats.collapsed, stats.q_max, stats.k_max, stats.nonfinite_rows)))
+    with torch.no_grad():
+        for members in groups.values():
+            q, k, out, mask, scale, causal = calls[members[0]]
+            stats = _sdpa_layers([calls[i] for i in members], mask, scale, causal)
+            for j, i in enumerate(members):
+                results[i] = CallStats(*(None if t is None else t[j] for t in (stats.max_logit, stats.exact, stats.entropy_min, stats.entropy_mean,
+                                                                                  stats.collapsed, stats.q_max, stats.k_max, stats.nonfinite_rows)))
     return results  # type: ignore[return-value]
 
 
-def _sdpa_layers(q4: torch.Tensor, k4: torch.Tensor, out4: torch.Tensor | None, mask: torch.Tensor | None, scale: float | None,
-                 is_causal: bool, layers: int) -> CallStats:
-    """``layers`` calls stacked along the batch axis (L*B, H, T, d) -> CallStats of (L, H) tensors."""
-    b, h, tq, d = q4.shape
-    hk, tk = k4.shape[1], k4.shape[2]
+def _sdpa_layers(calls: list[tuple], mask: torch.Tensor | None, scale: float | None, is_causal: bool) -> CallStats:
+    """Calls of one shape (L of them) -> CallStats of (L, H) tensors."""
+    layers = len(calls)
+    q0 = _heads4(calls[0][0])
+    b, h, tq, d = q0.shape
+    k0 = _heads4(calls[0][1])
+    hk, tk = k0.shape[1], k0.shape[2]
     sc = scale if scale is not None else 1.0 / math.sqrt(d)
-    qf, kf = q4.float(), k4.float()
-    if hk != h:
-        kf = kf.repeat_interleave(h // hk, dim=1)
-    qn, kn = qf.norm(dim=-1), kf.norm(dim=-1)  # (L*B, H, Tq), (L*B, H, Tk)
     r = min(TOP_ROWS, tq)
-    ranked = qn.topk(min(r + 1, tq), dim=-1)
-    rows = torch.cat([ranked.indices[..., :r], _sample_rows(tq, q4.device).expand(b, h, -1)], dim=-1)  # (L*B, H, R')
-    qs = qf.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, d))
-    s = torch.matmul(qs * sc, kf.transpose(-1, -2))  # (L*B, H, R', Tk) fp32
+    sample = _sample_rows(tq, q0.device)
+    s_parts, row_parts, ranked_next, k_norm_max, q_max, k_max, bad = [], [], [], [], [], [], []
+    for q, k, out, *_ in calls:  # a call's whole tensors, once each: its norms, maxima and broken rows
+        q4, k4 = _heads4(q.detach()), _heads4(k.detach())
+        qf, kf = q4.float(), k4.float()
+        if hk != h:
+            kf = kf.repeat_interleave(h // hk, dim=1)
+        ranked = torch.linalg.vector_norm(qf, dim=-1).topk(min(r + 1, tq), dim=-1)
+        rows = torch.cat([ranked.indices[..., :r], sample.expand(b, h, -1)], dim=-1)  # (B, H, R')
+        s_parts.append(torch.matmul(qf.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, d)) * sc, kf.transpose(-1, -2)))  # (B, H, R', Tk)
+        row_parts.append(rows)
+        ranked_next.append(ranked.values[..., r] if tq > r else None)
+        k_norm_max.append(torch.linalg.vector_norm(kf, dim=-1).amax(dim=-1))
+        q_max.append(_abs_max(q4)[0])
+        k_max.append(_abs_max(k4)[0])
+        if out is not None:
+            o = out.detach()
+            rowsum = o.sum(dim=-1) if o.dtype in (torch.float32, torch.float64) else o.float().sum(dim=-1)
+            bad.append((~torch.isfinite(rowsum)).sum())
+        else:
+            bad.append(torch.zeros((), dtype=torch.int64, device=q0.device))
+    s = torch.cat(s_parts)  # (L*B, H, R', Tk): the small part, all layers at once
+    row_index = torch.cat(row_parts)  # (L*B, H, R')
     if mask is not None:
         m = _mask4(mask)
         if m.shape[0] > 1 and layers > 1:  # a mask per batch element: the same for every layer
             m = m.repeat(layers, 1, 1, 1)
-        mg = m.expand(b, h, tq, tk).gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, tk))
+        mg = m.expand(b * layers, h, tq, tk).gather(2, row_index.unsqueeze(-1).expand(-1, -1, -1, tk))
         s = s.masked_fill(~mg, float("-inf")) if mg.dtype == torch.bool else s + mg.float()
     if is_causal:
-        s = s.masked_fill(rows.unsqueeze(-1) < torch.arange(tk, device=s.device), float("-inf"))
+        s = s.masked_fill(row_index.unsqueeze(-1) < torch.arange(tk, device=s.device), float("-inf"))
     top = s[..., :r, :].amax(dim=-1)  # (L*B, H, r)
     found = top.masked_fill(top <= MASK_SENTINEL_LIMIT, float("-inf")).amax(dim=-1)  # (L*B, H): rows with no key left out
     if tq > r:
-        bound = ranked.values[..., r] * kn.amax(dim=-1) * abs(sc)
+        bound = torch.cat(ranked_next) * torch.cat(k_norm_max) * abs(sc)
         exact = _layer_first(found >= bound, layers).all(dim=1)
     else:
         exact = torch.ones(layers, h, dtype=torch.bool, device=s.device)
     e_min, e_mean, collapsed = _entropy(s[..., r:, :], layers)
-    kmax = _abs_max(k4, layers)
-    if out4 is not None:
-        bad = (~torch.isfinite(_layer_first(out4.sum(dim=-1, dtype=torch.float32), layers))).sum(dim=(1, 2, 3))
-    else:
-        bad = torch.zeros(layers, dtype=torch.int64, device=q4.device)
-    return CallStats(_layer_first(found, layers).amax(dim=1), exact, e_min, e_mean, collapsed, _abs_max(q4, layers),
-                     kmax.repeat_interleave(h // hk, dim=-1) if hk != h else kmax, bad)
+    kmax = torch.stack(k_max)
+    return CallStats(_layer_first(found, layers).amax(dim=1), exact, e_min, e_mean, collapsed, torch.stack(q_max),
+                     kmax.repeat_interleave(h // hk, dim=-1) if hk != h else kmax, torch.stack(bad))
 
 
 def _abs_max(t: torch.Tensor, layers: int = 1) -> torch.Tensor:
@@ -192,34 +201,19 @@ def grad_counts(grads: dict[str, torch.Tensor]) -> GradCounts:
 
 
 def grad_counts_many(calls: list[dict[str, torch.Tensor]]) -> list[GradCounts]:
-    """The gradients of several calls (dicts of grad_q, grad_k, grad_v): those of one role and shape
-    (a model's layers) are counted together, two reductions for all of them: entries that are not 0,
-    and the largest |g| (NaN or inf where the gradient holds them)."""
-    roles = ("grad_q", "grad_k", "grad_v")
-    nonzero: list[list[torch.Tensor]] = [[] for _ in calls]
-    peaks: list[list[torch.Tensor]] = [[] for _ in calls]
-    with torch.no_grad():
-        for role in roles:
-            groups: dict[tuple, list[int]] = {}
-            for i, c in enumerate(calls):
-                g = c.get(role)
-                if isinstance(g, torch.Tensor):
-                    groups.setdefault((tuple(g.shape), g.dtype, g.device), []).append(i)
-            for members in groups.values():
-                x = torch.stack([calls[i][role].detach() for i in members]).reshape(len(members), -1)
-                nz = torch.count_nonzero(x, dim=1)
-                pk = torch.maximum(x.amax(dim=1), -x.amin(dim=1)).float()
-                for j, i in enumerate(members):
-                    nonzero[i].append(nz[j])
-                    peaks[i].append(pk[j])
+    """The gradients of several calls (dicts of grad_q, grad_k, grad_v), each gradient read twice and
+    never copied: its entries that are not 0, and its largest |g| (NaN or inf where it holds them)."""
     out = []
-    for i, c in enumerate(calls):
-        total = sum(c[r].numel() for r in roles if isinstance(c.get(r), torch.Tensor))
-        if not peaks[i]:
-            zero = torch.zeros((), dtype=torch.int64)
-            out.append(GradCounts(zero, zero, 0, torch.zeros(())))
-            continue
-        p = torch.stack(peaks[i])
-        ok = torch.isfinite(p)
-        out.append(GradCounts((~ok).sum(), total - torch.stack(nonzero[i]).sum(), total, torch.where(ok, p, 0.0).amax()))
+    with torch.no_grad():
+        for c in calls:
+            ts = [c[r].detach() for r in ("grad_q", "grad_k", "grad_v") if isinstance(c.get(r), torch.Tensor)]
+            if not ts:
+                zero = torch.zeros((), dtype=torch.int64)
+                out.append(GradCounts(zero, zero, 0, torch.zeros(())))
+                continue
+            total = sum(t.numel() for t in ts)
+            nonzero = torch.stack([torch.count_nonzero(t) for t in ts]).sum()
+            peaks = torch.stack([torch.maximum(t.amax(), -t.amin()).float() for t in ts])
+            ok = torch.isfinite(peaks)
+            out.append(GradCounts((~ok).sum(), total - nonzero, total, torch.where(ok, peaks, 0.0).amax()))
     return out

@@ -271,3 +271,31 @@ def test_bad_options_are_one_line_and_exit_2(tmp_path, args, message):
     synthetic_log(tmp_path / "w.jsonl", range(1, 6), lambda s, h: 3.0)
     r = runner.invoke(app, ["watch", str(tmp_path / "w.jsonl"), *args])
     assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+
+
+def test_the_recorder_is_on_only_inside_a_forward_and_off_after_an_error():
+    """The watch's mode is on the torch-function stack only while a top module's forward runs (the
+    optimizer step and the rest of the loop pass no op through it), and a forward that raises
+    leaves it off."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x, fail=False):
+            seen.append(len(_get_current_function_mode_stack()))
+            if fail:
+                raise ValueError("inside the forward")
+            return F.scaled_dot_product_attention(x, x, x)
+
+    probe, x = Probe().train(), torch.randn(1, 2, 4, 8)
+    with attncheck.watch(probe) as w:
+        assert _get_current_function_mode_stack() == []
+        probe(x)
+        with pytest.raises(ValueError):
+            probe(x, fail=True)
+        assert _get_current_function_mode_stack() == []
+        F.scaled_dot_product_attention(x, x, x)  # outside every module: not a step's call
+        probe(x)
+    assert seen == [1, 1, 1] and _get_current_function_mode_stack() == []
+    assert [len(r["calls"]) for r in w.records] == [1, 1]
