@@ -53,6 +53,7 @@ def capture(
     module: List[str] = typer.Option([], "--module", metavar="GLOB", help="Record only calls in modules whose path matches (repeatable), e.g. '*.layers.1.*'; a call outside any module is 'global'.", rich_help_panel=CAPTURE),
     forward: Optional[str] = typer.Option(None, "--forward", metavar="N[,N|A-B]", help="Which forward passes of the top module to record (1-based), e.g. 1 or 2-4; default all.", rich_help_panel=CAPTURE),
     no_grads: bool = typer.Option(False, "--no-grads", help="Record the forward only: without it, when the script runs a backward, each call's output gradient and the gradients its kernel produced are recorded too (they count for --max-bytes) and every call's backward is diagnosed.", rich_help_panel=CAPTURE),
+    compile_mode: str = typer.Option("eager", "--compile", metavar="eager|keep", help="torch.compile'd modules and functions: 'eager' runs their Python code (the compiler's force_eager stance), records its calls and says that the eager code is judged; 'keep' runs them compiled, unrecorded, and says how often.", rich_help_panel=CAPTURE),
     dtype: CellDtypeOpt = None,
     method: CellMethodOpt = None,
     path: PathOpt = None,
@@ -93,7 +94,7 @@ def capture(
             parse_forwards(forward)
         request = CaptureRequest(script, tuple(args or ()), None if no_save else out, params.integer(max_calls, "max_calls", 1),
                                  params.size(max_bytes, "max_bytes"), tuple(module), forward, options, ignored, partial,
-                                 asked_what_if, grid_asked, grads=not no_grads)
+                                 asked_what_if, grid_asked, grads=not no_grads, compile=params.choice(compile_mode, ("eager", "keep"), "compile"))
 
         from attncheck.pipelines.capture import capture_script
         from attncheck.report.progress import Progress

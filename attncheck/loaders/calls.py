@@ -488,10 +488,26 @@ def check_manifest_message(doc: dict) -> str | None:
     script = doc.get("script") or {}
     if isinstance(script, dict) and script.get("error"):
         parts.append(f"the script failed: {script['error']}")
+    compiled = compile_message(doc)
+    if compiled:
+        parts.append(compiled)
     return "; ".join(parts) or None
 
 
+def compile_message(doc: dict) -> str | None:
+    """What a capture says about torch.compile'd code: judged as its eager code, or not recorded."""
+    facts = doc.get("compile")
+    if not isinstance(facts, dict) or not facts.get("compiled_runs"):
+        return None
+    runs, calls = facts.get("compiled_runs") or 0, facts.get("compiled_calls") or 0
+    if facts.get("mode") == "keep":
+        return (f"torch.compile'd code ran {runs} time(s) compiled (--compile keep): its attention calls were not recorded; "
+                f"--compile eager records them as its eager code")
+    return (f"{calls} call(s) ran inside torch.compile'd code, captured as its eager code (--compile eager): they are judged as "
+            f"the eager code computes, not as the compiled kernels do")
+
+
 __all__ = [
-    "CAPTURE_SCHEMA", "MANIFEST", "CallSource", "Input", "call_file_name", "file_part", "grads_file_name", "is_call_file",
+    "CAPTURE_SCHEMA", "MANIFEST", "CallSource", "Input", "call_file_name", "compile_message", "file_part", "grads_file_name", "is_call_file",
     "is_capture_dir", "open_capture", "open_inputs", "qk_groups", "read_manifest", "role_of",
 ]

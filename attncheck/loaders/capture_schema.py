@@ -68,6 +68,12 @@ class ScriptFacts(Struct):
     error: Optional[Message] = None
 
 
+class CompileFacts(Struct):
+    mode: Optional[Literal["eager", "keep"]] = None
+    compiled_runs: Optional[Count] = None
+    compiled_calls: Optional[Count] = None
+
+
 class Manifest(Struct):
     schema: Schema
     calls: Annotated[list[ManifestCall], Meta(max_length=MAX_CALLS)]
@@ -87,6 +93,7 @@ class Manifest(Struct):
     total_bytes: Optional[Count] = None
     grads: Optional[bool] = None  # gradients were recorded where a backward reached a call
     grad_calls: Optional[Count] = None
+    compile: Optional[CompileFacts] = None
 
 
 class CallMeta(Struct):
@@ -111,6 +118,7 @@ class CallMeta(Struct):
     mha: bool = False
     q_prescaled: bool = False
     sdpa_backend: Optional[Short] = None
+    compiled: Optional[Literal["eager"]] = None  # ran inside torch.compile'd code, recorded as its eager code
     mask_op: Optional[Literal["add", "fill", "none"]] = None  # how the eager code applied its mask (the backward differs)
     device: Optional[Short] = None
     dtypes: Optional[Message] = None

@@ -55,7 +55,7 @@ def capture_script(request: CaptureRequest, track=None, notice: Callable[[str], 
     cap = capture(request.out, diagnose=request.out is None, max_calls=request.max_calls, max_bytes=request.max_bytes,
                   modules=request.modules, forwards=request.forwards, options=request.options, ignore=request.ignore,
                   notice=notice, script=script, what_if=request.what_if, asked=request.options if request.grid_asked else None,
-                  grads=request.grads)
+                  grads=request.grads, compile=request.compile)
     error: BaseException | None = None
     with cap:  # a directory that cannot be used is an input error, raised before the script runs
         try:
@@ -72,7 +72,9 @@ def capture_script(request: CaptureRequest, track=None, notice: Callable[[str], 
     if not cap.calls:
         raise AttncheckError(f"{request.script} made no attention call that capture could see (F.scaled_dot_product_attention, "
                              "or a softmax over the last axis of a 3+-D tensor inside an nn.Module)"
-                             + (f"; recording stopped: {cap.stopped}" if cap.stopped else ""))
+                             + (f"; recording stopped: {cap.stopped}" if cap.stopped else "")
+                             + (f"; torch.compile'd code ran {cap.compiled_runs} time(s) compiled and unrecorded (--compile keep): "
+                                "--compile eager records its calls" if cap.compile == "keep" and cap.compiled_runs else ""))
     if request.out is None:
         result = cap.result
     else:

@@ -83,7 +83,7 @@ def _run_files(request: RunRequest, options, track: Track, notice):
     if manifests:
         doc = manifests[0]
         capture = {"note": check_manifest_message(doc), "stopped": doc.get("stopped"), "script": doc.get("script"),
-                   "calls": len(doc.get("calls", [])), "torch_version": doc.get("torch_version")}
+                   "calls": len(doc.get("calls", [])), "torch_version": doc.get("torch_version"), "compile": doc.get("compile")}
     if not request.partial:  # every call checked before the first is diagnosed
         for item in inputs:
             if not isinstance(item, TensorSource) and item.problem:

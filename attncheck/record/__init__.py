@@ -36,7 +36,7 @@ class Capture:
     ``error`` (the exception that left the block, as one line)."""
 
     def __init__(self, path, *, diagnose: bool, max_calls, max_bytes, modules, forwards, options, ignore, notice, script, what_if=(), asked=None,
-                 grads: bool = True) -> None:
+                 grads: bool = True, compile: str = "eager") -> None:
         if path is not None and diagnose:
             raise AttncheckError("diagnose=True diagnoses each call as it comes and writes nothing: give no path with it", param="diagnose")
         self.path = None if path is None else os.fspath(path)
@@ -51,7 +51,9 @@ class Capture:
         if not isinstance(grads, bool):
             raise AttncheckError(f"must be True or False, got {params.show(grads)}", param="grads")
         self.grads = grads
+        self.compile = params.choice(compile, ("eager", "keep"), "compile")
         self.calls: list = []
+        self.compiled_runs = 0  # torch.compile'd modules and functions that ran (see ``compile``)
         self.result = None
         self.stopped: str | None = None
         self.error: str | None = None
@@ -71,7 +73,7 @@ class Capture:
         else:
             self._sink = MemorySink()
         self._recorder = Recorder(self._sink, modules=self.modules, forwards=self.forwards, max_calls=self.max_calls,
-                                  max_bytes=self.max_bytes, notice=self.notice, grads=self.grads)
+                                  max_bytes=self.max_bytes, notice=self.notice, grads=self.grads, compile=self.compile)
         self._recorder.__enter__()
         return self
 
@@ -83,11 +85,13 @@ class Capture:
             if exc is not None:
                 self.note_error(exc)
             self.stopped = rec.stopped or getattr(sink, "error", None)
+            self.compiled_runs = rec.compiled_runs
             facts = {"complete": self.error is None and self.stopped is None, "stopped": self.stopped,
                      "calls_seen": rec.seen, "calls_recorded": rec.recorded, "max_calls": self.max_calls,
                      "max_bytes": self.max_bytes, "modules": list(self.modules),
                      "forwards": None if self.forwards is None else sorted(self.forwards), "error": self.error,
-                     "grads": self.grads, "grad_calls": rec.grad_calls}
+                     "grads": self.grads, "grad_calls": rec.grad_calls,
+                     "compile": {"mode": self.compile, "compiled_runs": rec.compiled_runs, "compiled_calls": rec.compiled_calls}}
             if self.script is not None:
                 facts["script"] = {**self.script, "error": self.error}
             sink.close(facts)
@@ -110,7 +114,11 @@ class Capture:
             from attncheck.results import RunResult
 
             self.calls = sink.reports
-            capture = {"note": f"recording stopped: {self.stopped}" if self.stopped else None, "stopped": self.stopped}
+            from attncheck.loaders.calls import compile_message
+
+            facts = {"compile": {"mode": self.compile, "compiled_runs": self._recorder.compiled_runs, "compiled_calls": self._recorder.compiled_calls}}
+            notes = [f"recording stopped: {self.stopped}" if self.stopped else None, compile_message(facts)]
+            capture = {"note": "; ".join(n for n in notes if n) or None, "stopped": self.stopped, "compile": facts["compile"]}
             device = sink.options.device
             skipped = [(r.call.name, r.error) for r in sink.reports if r.error]
             self.result = RunResult([r.diagnosis for r in sink.reports if r.diagnosis is not None], device, sink.reports,
@@ -160,6 +168,7 @@ def capture(
     what_if=(),
     asked=None,
     grads: bool = True,
+    compile: str = "eager",
 ) -> Capture:
     """Record every attention call made inside the ``with`` block.
 
@@ -178,9 +187,14 @@ def capture(
     ``grads``: when a recorded call's output takes part in a backward inside the block, record its
     output gradient and the gradients its kernel produced for q, k, v (they count for ``max_bytes``);
     each call's cells then get their backward (``Cell.backward``). False records the forward only.
+    ``compile``: torch.compile'd modules and functions inside the block. 'eager' (default): they run
+    their eager code (the compiler's ``force_eager`` stance), whose calls are recorded and judged as
+    that code, and the report says so; 'keep': they run compiled, their calls are not recorded, and
+    the report says how many compiled runs went unrecorded.
     """
     return Capture(path, diagnose=diagnose, max_calls=max_calls, max_bytes=max_bytes, modules=modules, forwards=forwards,
-                   options=options, ignore=ignore, notice=notice, script=script, what_if=what_if, asked=asked, grads=grads)
+                   options=options, ignore=ignore, notice=notice, script=script, what_if=what_if, asked=asked, grads=grads,
+                   compile=compile)
 
 
 __all__ = ["Capture", "capture", "parse_forwards", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_CALLS"]

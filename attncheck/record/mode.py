@@ -46,9 +46,11 @@ one lock; what is traced around a softmax (and the module path) is kept per thre
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import math
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -142,6 +144,7 @@ class ModuleStack:
         self._local = threading.local()
         self._lock = threading.Lock()
         self.on_top = on_top  # called with True when a top module's forward begins, False when it ends (in its thread)
+        self.compiled_runs = 0  # forwards of torch.compile'd modules (OptimizedModule, Module.compile()) seen, over every thread
         self.forward = 0  # forward passes of a top module so far, over every thread
         self._names: dict[int, str] = {}
         self._root: int | None = None
@@ -166,14 +169,20 @@ class ModuleStack:
         self._handles = []
 
     def _pre(self, module: torch.nn.Module, args) -> None:
+        if _compiling():  # dynamo traces the hooks into a compiled graph: nothing of ours goes in it
+            return
         stack = self.stack
+        if _compiled_module(module):
+            with self._lock:
+                self.compiled_runs += 1
+            self._local.compiled = getattr(self._local, "compiled", 0) + 1
         if not stack:
             with self._lock:
                 self.forward += 1
                 if self._root != id(module):
                     self._root = id(module)
-                    self._names = {id(m): name for name, m in module.named_modules()}
-            path = type(module).__name__
+                    self._names = _module_names(module)
+            path = self._names.get(id(module)) or type(module).__name__
             if self.on_top is not None:
                 self.on_top(True)
         else:
@@ -181,7 +190,11 @@ class ModuleStack:
         stack.append((module, path))
 
     def _post(self, module: torch.nn.Module, args, output) -> None:
+        if _compiling():
+            return
         stack = self.stack
+        if _compiled_module(module) and getattr(self._local, "compiled", 0) > 0:
+            self._local.compiled -= 1
         for i in range(len(stack) - 1, -1, -1):
             if stack[i][0] is module:
                 del stack[i:]
@@ -193,6 +206,42 @@ class ModuleStack:
     def path(self) -> str | None:
         """The deepest running module's path; None outside any module."""
         return self.stack[-1][1] if self.stack else None
+
+    @property
+    def in_compiled(self) -> bool:
+        """This thread runs inside a torch.compile'd module or function (run eagerly: see ``Recorder``)."""
+        return getattr(self._local, "compiled", 0) > 0
+
+    def enter_compiled(self, delta: int) -> None:
+        """A torch.compile'd function starts (+1) or ends (-1) in this thread."""
+        self._local.compiled = max(0, getattr(self._local, "compiled", 0) + delta)
+        if delta > 0:
+            with self._lock:
+                self.compiled_runs += 1
+
+
+def _compiling() -> bool:
+    """Dynamo is tracing (the hooks and the mode then pass everything through, so that a compiled
+    graph holds none of the recorder's code and its state is not mutated while tracing)."""
+    return torch.compiler.is_compiling()
+
+
+def _compiled_module(module: torch.nn.Module) -> bool:
+    """torch.compile(module) (an OptimizedModule) or module.compile()."""
+    return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def _module_names(root: torch.nn.Module) -> dict[int, str]:
+    """id -> path of the modules under a top module; torch.compile's wrapper is left out of the
+    paths (``_orig_mod.h.0.attn`` -> ``h.0.attn``), its wrapped module named as the top one."""
+    names = {id(m): name for name, m in root.named_modules()}
+    orig = getattr(root, "_orig_mod", None)
+    if isinstance(orig, torch.nn.Module):
+        names = {i: n.removeprefix("_orig_mod.") for i, n in names.items() if n != "_orig_mod"}
+        names[id(root)] = names[id(orig)] = type(orig).__name__
+    else:
+        names.pop(id(root), None)
+    return names
 
 
 @dataclass
@@ -253,13 +302,26 @@ class Recorder(TorchFunctionMode):
     would pass either, recording stops for good and ``stopped`` says why. ``in_modules``: the mode
     is on only while a top module's forward runs, in the thread that runs it (calls outside every
     module are not recorded; the rest of a training loop, its optimizer step, pays nothing).
+    ``compile``: what torch.compile'd code does while recording. 'eager': the compiler's stance is
+    ``force_eager``, so compiled modules and functions run their Python code, whose calls are
+    recorded with ``compiled = 'eager'`` in their metadata (the eager code is judged, not inductor's
+    kernels); 'keep': compiled code runs compiled and its calls are not recorded (the hooks and the
+    mode stay out of the graphs dynamo traces); ``compiled_runs`` counts the compiled modules and
+    functions that ran. None (the watch): as 'keep'.
     """
 
     def __init__(self, sink: Callable[[Recorded], None], *, modules=(), forwards=None, max_calls: int | None = None,
                  max_bytes: int | None = None, notice: Callable[[str], None] | None = None, grads: bool = True,
-                 outputs: bool = False, in_modules: bool = False) -> None:
+                 outputs: bool = False, in_modules: bool = False, compile: str | None = None) -> None:
         super().__init__()
         self.in_modules = in_modules
+        if compile not in (None, "eager", "keep"):
+            raise AttncheckError(f"must be 'eager' or 'keep', got {compile!r}", param="compile")
+        self.compile = compile
+        self.compiled_calls = 0  # calls recorded inside compiled code run eagerly
+        self._stance = None
+        self._warnings = None
+        self._compile_before = None
         self.sink = sink
         self.grads = grads
         self.outputs = outputs  # an SDPA call keeps its output even without a backward (the watch reads it)
@@ -319,6 +381,15 @@ class Recorder(TorchFunctionMode):
         self._sdpa_before = F.scaled_dot_product_attention
         self._sdpa_wrapper = self._sdpa_any_thread  # one bound method, to tell it apart when restoring
         F.scaled_dot_product_attention = self._sdpa_wrapper
+        if self.compile is not None:
+            # torch warns that global hooks fire once more for torch.compile(module)'s wrapper: the module stack knows
+            self._warnings = warnings.catch_warnings()
+            self._warnings.__enter__()
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+            self._compile_before = torch.compile
+            torch.compile = self._compile_wrapper(self._compile_before)
+            if self.compile == "eager":
+                self._stance = torch.compiler.set_stance("force_eager")
         if self.in_modules:
             return self
         self._thread().mode = True
@@ -354,6 +425,12 @@ class Recorder(TorchFunctionMode):
                 threading.Thread.start = self._start_before
             if F.scaled_dot_product_attention is self._sdpa_wrapper:
                 F.scaled_dot_product_attention = self._sdpa_before
+            if self._compile_before is not None:
+                torch.compile = self._compile_before
+            if self._stance is not None:
+                self._stance.__exit__(None, None, None)  # the stance the program had
+            if self._warnings is not None:
+                self._warnings.__exit__(None, None, None)
             self.tracker.__exit__(*exc)
             torch.backends.mha.set_fastpath_enabled(bool(self._fastpath))
             with self._lock:
@@ -400,10 +477,42 @@ class Recorder(TorchFunctionMode):
 
         return start_with_mode
 
+    @property
+    def compiled_runs(self) -> int:
+        return self.tracker.compiled_runs
+
+    def _compile_wrapper(self, compile_fn):
+        """``torch.compile`` while recording: the same, with a compiled function marked so that its
+        calls are known to run inside compiled code (a compiled module is known by its hooks)."""
+        tracker = self.tracker
+
+        def mark(compiled):
+            if isinstance(compiled, torch.nn.Module) or not callable(compiled):
+                return compiled
+
+            @functools.wraps(compiled)
+            def run_compiled(*args, **kwargs):
+                tracker.enter_compiled(+1)
+                try:
+                    return compiled(*args, **kwargs)
+                finally:
+                    tracker.enter_compiled(-1)
+
+            return run_compiled
+
+        @functools.wraps(compile_fn)
+        def compile_marked(model=None, *args, **kwargs):
+            if model is None:  # @torch.compile(fullgraph=True): a decorator
+                decorate = compile_fn(*args, **kwargs)
+                return lambda fn: mark(decorate(fn))
+            return mark(compile_fn(model, *args, **kwargs))
+
+        return compile_marked
+
     def _sdpa_any_thread(self, *args, **kwargs):
         """``F.scaled_dot_product_attention`` while recording: a thread without the mode (one that ran
         before recording began) is recorded here; elsewhere the mode records the call."""
-        if self._closed or self._thread().mode or (self.in_modules and not self.tracker.stack):
+        if _compiling() or self._closed or self._thread().mode or (self.in_modules and not self.tracker.stack):
             return SDPA(*args, **kwargs)
         return self._sdpa(SDPA, args, kwargs)
 
@@ -411,7 +520,7 @@ class Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self._closed:  # a thread that outlived the capture keeps the mode on its stack
+        if self._closed or _compiling():  # a thread that outlived the capture keeps the mode on its stack; dynamo tracing
             return func(*args, **kwargs)
         if func is SDPA:
             return self._sdpa(func, args, kwargs)
@@ -538,6 +647,10 @@ class Recorder(TorchFunctionMode):
             "attncheck_version": __version__,
         }
         base.update(meta)
+        if self.tracker.in_compiled:
+            base["compiled"] = "eager"  # torch.compile'd code, run as its Python code (compile='eager')
+            with self._lock:
+                self.compiled_calls += 1
         return Recorded(index, kind, module or "", self.tracker.forward if module is not None else None, tensors, base)
 
     # ------------------------------------------------------------------ SDPA
