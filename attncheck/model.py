@@ -85,6 +85,12 @@ def cell_line(report: CallReport, diag: TensorDiagnosis, cell: Cell | None, igno
                      diag.census.max, None if limit is None else limit.headroom, nan_rows, first, worst, verdict, heads, errors, limit)
     if cell is not None and cell.backward is not None:
         _grad_facts(line, cell.backward, ignore)
+    if info.kind == "flex" and info.meta.get("score_mod", "none") != "none":
+        line.score_mod = info.meta["score_mod"]
+        try:
+            line.logit_before_mod = float(info.meta["logit_before_mod"])
+        except (KeyError, TypeError, ValueError):
+            line.logit_before_mod = None
     return line
 
 

@@ -236,6 +236,13 @@ for _path in (
     PathSpec("sage", "SageAttention 2 (SM90): K smoothed, Q and K in INT8 per thread group, P scaled by 448 and cast to "
              "FP8, V in FP8 per channel, key blocks first to last, O in bf16", "attncheck.numerics.methods.fp8_attention:sage",
              scores_in="fp32 from INT8 q and k", fp8=True, kernel="SageAttention 2"),
+    PathSpec("flex", "FlexAttention's fused kernel (torch.compile'd flex_attention): S in fp32, the score_mod and mask "
+             "in fp32, online softmax over key blocks, O in fp32 then the dtype, zeros for rows with no key",
+             "attncheck.numerics.methods.paths:flex", default=False, scores_in="fp32 (the score_mod applied in fp32)",
+             kernel="FlexAttention's fused forward"),
+    PathSpec("flex-math", "FlexAttention without torch.compile: S in fp32, the score_mod and mask in fp32, _safe_softmax "
+             "in fp32, P cast to the dtype, P@V in the dtype", "attncheck.numerics.methods.paths:flex_math", default=False,
+             scores_in="fp32 (the score_mod applied in fp32)"),
 ):
     PATHS.register(_path)
 del _path

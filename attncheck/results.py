@@ -467,6 +467,9 @@ class ModelLine:
     grad_which: list[str] = field(default_factory=list)  # the gradients holding them: 'dq', 'dk', 'dv'
     grad_headroom: float | None = None  # dO may grow this many times before an intermediate overflows
     grad_headroom_at: str | None = None
+    # A flex call with a score_mod: its name and the largest unmasked logit before it (max_logit is after it)
+    score_mod: str | None = None
+    logit_before_mod: float | None = None
 
     @property
     def grad_verdict(self) -> str | None:

@@ -74,7 +74,7 @@ def capture(
 ) -> None:
     """Run a Python script under capture and diagnose every attention call it makes.
 
-    Records each F.scaled_dot_product_attention call and each softmax over the last axis of a 3+-D tensor inside a module (the eager path's scores, with the q, k, v of the matmuls around it), with the module path, without any change to the script or the model; when the script runs a backward (loss.backward()), each call's output gradient and the gradients its kernel produced too, so that every call's backward is judged as well. Each call is then judged by the cell its model ran, as 'attncheck run' judges the capture directory (which it can do again); --what-if asks about other dtypes and implementations apart. With --json -, what the script prints goes to stderr.
+    Records each F.scaled_dot_product_attention call, each FlexAttention call (its block mask and its logits after the score_mod) and each softmax over the last axis of a 3+-D tensor inside a module (the eager path's scores, with the q, k, v of the matmuls around it), with the module path, without any change to the script or the model; when the script runs a backward (loss.backward()), each call's output gradient and the gradients its kernel produced too, so that every call's backward is judged as well. torch.compile'd code runs as its eager code by default, and the report says so (--compile). Each call is then judged by the cell its model ran, as 'attncheck run' judges the capture directory (which it can do again); --what-if asks about other dtypes and implementations apart. With --json -, what the script prints goes to stderr.
 
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error, or the script failed.
     """

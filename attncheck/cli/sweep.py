@@ -34,7 +34,7 @@ def sweep(
     device: DeviceOpt = "cpu",
     json_out: JsonOpt = None,
     plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Draw variance, max probability, entropy and Jacobian norm vs d_k, and per dtype maps of overflowed rows and of the error against float64, to FILE.png (needs the 'plot' extra: matplotlib)."),
-    path: PathOpt = ",".join(path_names(lambda spec: not spec.fp8)),
+    path: PathOpt = ",".join(path_names(lambda spec: not spec.fp8 and spec.default)),
     preset: Optional[str] = typer.Option(None, "--preset", metavar="NAME", help="Reproduce a published figure instead of the grid, printed beside the paper's: fa3 (FlashAttention-3's FP16 and FP8 RMSE of O), pcast (underflow of the FP8 P cast with an attention sink). Takes --seed and --device, --json."),
     quiet: QuietOpt = False,
 ) -> None:
@@ -76,7 +76,7 @@ def sweep(
 
 GRID_DEFAULTS = dict(
     dk=",".join(map(str, DEFAULT_DKS)), scale=",".join(SCALE_NAMES), dtype=DEFAULT_DTYPES, method=DEFAULT_METHODS, seq=str(DEFAULT_SEQ),
-    rows=str(DEFAULT_ROWS), std="1", dist="normal", block=str(DEFAULT_BLOCK), path=",".join(path_names(lambda spec: not spec.fp8)),
+    rows=str(DEFAULT_ROWS), std="1", dist="normal", block=str(DEFAULT_BLOCK), path=",".join(path_names(lambda spec: not spec.fp8 and spec.default)),
 )
 
 

@@ -41,7 +41,8 @@ CALL_FILE = re.compile(r"^(\d{4,})-([A-Za-z0-9._-]*)\.safetensors$")
 GRADS_SUFFIX = ".grads.safetensors"  # a call's gradients, written when the backward reaches it: NNNN-<module>.grads.safetensors
 KINDS = ("sdpa", "softmax")
 GRAD_ROLES = ("grad_out", "grad_q", "grad_k", "grad_v")  # dO, and the gradients the call's kernel produced
-ROLES = ("q", "k", "v", "attn_mask", "scores", "out", *GRAD_ROLES)
+# scores_mod, scores_mod64: a flex call's logits after its score_mod, as flex computes them (fp32) and in float64
+ROLES = ("q", "k", "v", "attn_mask", "scores", "out", "scores_mod", "scores_mod64", *GRAD_ROLES)
 MASK_ROLES = ("attn_mask", "mask")  # boolean or float; the others are floating point
 
 # Leaf names of tensors read as a role of an attention call (case-insensitive).
@@ -194,7 +195,7 @@ def call_bytes(entries: dict[str, tuple[str, tuple[int, ...]]]) -> int:
 
 
 def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
-    need = ("q", "k") if kind == "sdpa" else ("scores",)
+    need = ("q", "k") if kind in ("sdpa", "flex") else ("scores",)
     missing = [r for r in need if r not in entries]
     if missing:
         return f"{label}: the {kind} call has no {' or '.join(missing)} tensor"
@@ -497,7 +498,7 @@ def check_manifest_message(doc: dict) -> str | None:
 def compile_message(doc: dict) -> str | None:
     """What a capture says about torch.compile'd code: judged as its eager code, or not recorded."""
     facts = doc.get("compile")
-    if not isinstance(facts, dict) or not facts.get("compiled_runs"):
+    if not isinstance(facts, dict) or not (facts.get("compiled_runs") or facts.get("compiled_calls")):
         return None
     runs, calls = facts.get("compiled_runs") or 0, facts.get("compiled_calls") or 0
     if facts.get("mode") == "keep":

@@ -27,7 +27,7 @@ Name = Annotated[str, Meta(max_length=MAX_NAME)]
 Message = Annotated[str, Meta(max_length=MAX_TEXT)]
 Short = Annotated[str, Meta(max_length=128)]
 Schema = Annotated[str, Meta(pattern=r"^attncheck\.capture/", max_length=64)]
-Kind = Literal["sdpa", "softmax"]
+Kind = Literal["sdpa", "softmax", "flex"]
 Role = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")]
 Dim = Annotated[int, Meta(ge=0, le=MAX_DIM)]
 # The dtypes a call is computed in (torch's names, as the recorder writes them); attncheck reads
@@ -119,6 +119,12 @@ class CallMeta(Struct):
     q_prescaled: bool = False
     sdpa_backend: Optional[Short] = None
     compiled: Optional[Literal["eager"]] = None  # ran inside torch.compile'd code, recorded as its eager code
+    flex_impl: Optional[Literal["compiled", "math"]] = None  # a flex call: FlexAttention's fused kernel, or its math path
+    score_mod: Optional[Short] = None  # a flex call's score_mod and mask_mod, by name ('none': not given)
+    mask_mod: Optional[Short] = None
+    flex_q_block: Optional[Annotated[int, Meta(ge=1, le=1 << 40)]] = None  # the BlockMask's block sizes (the fused kernel's tiles)
+    flex_kv_block: Optional[Annotated[int, Meta(ge=1, le=1 << 40)]] = None
+    logit_before_mod: Optional[Annotated[float, Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]] = None
     mask_op: Optional[Literal["add", "fill", "none"]] = None  # how the eager code applied its mask (the backward differs)
     device: Optional[Short] = None
     dtypes: Optional[Message] = None

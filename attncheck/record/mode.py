@@ -24,6 +24,14 @@ returns). While recording, PyTorch's fused MHA fast path is off (a torch functio
 it off by itself): results are bit-identical to the same model run with
 ``torch.backends.mha.set_fastpath_enabled(False)``.
 
+FlexAttention (``torch.nn.attention.flex_attention``): its operator (``flex_attention_hop``) is
+dispatched to the mode with the scale, GQA and block mask resolved. The recorder takes q, k, v,
+the block mask's ``mask_mod`` evaluated as a boolean mask (True: attend) and, where a ``score_mod``
+is given, the logits after it as flex's math path computes them (``_math_attention_inner``: fp32
+from q and k upcast, in ``scores_mod``) and in float64 (from float64 q and k, in ``scores_mod64``,
+the reference); ``flex_impl`` says which of flex's implementations the program runs: 'compiled'
+inside torch.compile'd code (the fused kernel), else 'math' (flex without torch.compile).
+
 The wrapped functions are called with exactly the arguments they were given and their results
 returned unchanged; recording reads tensors and never writes to them.
 
@@ -47,6 +55,8 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import os
+import sys
 import json
 import math
 import threading
@@ -220,6 +230,63 @@ class ModuleStack:
                 self.compiled_runs += 1
 
 
+def _flex_hop():
+    """FlexAttention's operator (None where this torch has none)."""
+    try:
+        from torch._higher_order_ops.flex_attention import flex_attention as hop
+    except ImportError:  # pragma: no cover - torch without FlexAttention
+        return None
+    return hop
+
+
+def _flex_logits(q, k, score_mod, block_mask, scale, score_buffers, mask_buffers, working: torch.dtype):
+    """(S times the scale, the logits after score_mod and mask_mod) as flex's math path computes
+    them (torch's own ``_math_attention_inner``, GQA and batch broadcast as ``math_attention`` does),
+    from q and k upcast to ``working``: float32 is what flex computes, float64 the reference."""
+    from torch._higher_order_ops.flex_attention import _math_attention_inner
+
+    g = q.shape[1] // k.shape[1]
+    k = torch.repeat_interleave(k, g, dim=1)
+    k = k.expand(q.shape[0], *k.shape[1:])
+    q = q.to(working)
+    k = k.to(working)
+    return _math_attention_inner(q, k, k, score_mod, block_mask, scale, {}, tuple(score_buffers), tuple(mask_buffers))
+
+
+def _smallest_broadcast(mask: torch.Tensor) -> torch.Tensor:
+    """A (B, H, Tq, Tk) mask kept at size 1 on the axes it does not vary over (batch, heads)."""
+    for dim in (0, 1):
+        if mask.shape[dim] > 1 and bool((mask == mask.narrow(dim, 0, 1)).all()):
+            mask = mask.narrow(dim, 0, 1)
+    return mask.contiguous()
+
+
+def _callable_name(fn) -> str:
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return "".join(ch if ch.isprintable() else "?" for ch in str(name))[:80]
+
+
+_EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")
+
+
+def _in_compiled_code() -> bool:
+    """The caller runs inside a torch.compile'd function or module (run eagerly under the
+    ``force_eager`` stance), whenever it was compiled: one of the frames above is dynamo's wrapper
+    of a compiled callable (``compile_wrapper``), other than the one flex_attention puts around its
+    own operator to trace it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "compile_wrapper" and code.co_filename.endswith(_EVAL_FRAME):
+            fn = frame.f_locals.get("fn")
+            internal = getattr(fn, "__module__", "") == "torch.nn.attention.flex_attention" and \
+                getattr(fn, "__name__", "").startswith("_flex_attention_hop_wrapper")
+            if not internal:
+                return True
+        frame = frame.f_back
+    return False
+
+
 def _compiling() -> bool:
     """Dynamo is tracing (the hooks and the mode then pass everything through, so that a compiled
     graph holds none of the recorder's code and its state is not mutated while tracing)."""
@@ -381,11 +448,11 @@ class Recorder(TorchFunctionMode):
         self._sdpa_before = F.scaled_dot_product_attention
         self._sdpa_wrapper = self._sdpa_any_thread  # one bound method, to tell it apart when restoring
         F.scaled_dot_product_attention = self._sdpa_wrapper
+        # torch warns that global hooks fire once more for torch.compile(module)'s wrapper: the module stack knows
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         if self.compile is not None:
-            # torch warns that global hooks fire once more for torch.compile(module)'s wrapper: the module stack knows
-            self._warnings = warnings.catch_warnings()
-            self._warnings.__enter__()
-            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
             self._compile_before = torch.compile
             torch.compile = self._compile_wrapper(self._compile_before)
             if self.compile == "eager":
@@ -502,6 +569,9 @@ class Recorder(TorchFunctionMode):
 
         @functools.wraps(compile_fn)
         def compile_marked(model=None, *args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller == "torch" or caller.startswith("torch."):  # torch's own use (flex_attention compiles itself to trace)
+                return compile_fn(model, *args, **kwargs)
             if model is None:  # @torch.compile(fullgraph=True): a decorator
                 decorate = compile_fn(*args, **kwargs)
                 return lambda fn: mark(decorate(fn))
@@ -529,6 +599,8 @@ class Recorder(TorchFunctionMode):
             return self._softmax(func, args, kwargs)
         if func is MHA_FORWARD:
             return self._mha(func, args, kwargs)
+        if name == "flex_attention" and func is _flex_hop():
+            return self._flex(func, args, kwargs)
         out = func(*args, **kwargs)
         if self.stopped is None and name is not None and self.tracker.stack:
             state = self._thread()
@@ -647,7 +719,7 @@ class Recorder(TorchFunctionMode):
             "attncheck_version": __version__,
         }
         base.update(meta)
-        if self.tracker.in_compiled:
+        if self.tracker.in_compiled or _in_compiled_code():
             base["compiled"] = "eager"  # torch.compile'd code, run as its Python code (compile='eager')
             with self._lock:
                 self.compiled_calls += 1
@@ -692,6 +764,56 @@ class Recorder(TorchFunctionMode):
         if self._emit(call) and track:
             node = out.grad_fn if "ScaledDotProduct" in type(out.grad_fn).__name__ else None  # a fused kernel's own node
             self._watch(call, out, node, {"grad_q": q, "grad_k": k, "grad_v": v})
+        return out
+
+    # ------------------------------------------------------------------ FlexAttention
+
+    def _flex(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        module = self.tracker.path
+        if not self._wanted(module):
+            return out
+        self.flush()
+        names = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options", "score_mod_other_buffers",
+                 "mask_mod_other_buffers")
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        q, k, v = (bound[n].detach() for n in ("query", "key", "value"))
+        score_mod, block_mask, scale = bound["score_mod"], bound["block_mask"], float(bound["scale"])
+        mask_mod = block_mask[-1]
+        with torch.no_grad():
+            raw, mod = _flex_logits(q, k, score_mod, block_mask, scale, bound.get("score_mod_other_buffers", ()),
+                                    bound.get("mask_mod_other_buffers", ()), torch.float32)
+            attend = ~torch.isneginf(mod) | ~torch.isfinite(raw)  # a key the mask_mod masks is -inf after it (NaN, inf logits kept)
+            tensors = {"q": q, "k": k, "v": v}
+            if not bool(attend.all()):
+                tensors["attn_mask"] = _smallest_broadcast(attend)
+            identity = getattr(score_mod, "__name__", "") == "_identity"
+            open_raw = raw.masked_fill(~attend | ~torch.isfinite(raw), float("-inf"))
+            before = float(open_raw.amax()) if open_raw.numel() else float("-inf")
+            if not identity:
+                tensors["scores_mod"] = mod
+                tensors["scores_mod64"] = _flex_logits(q, k, score_mod, block_mask, scale, bound.get("score_mod_other_buffers", ()),
+                                                       bound.get("mask_mod_other_buffers", ()), torch.float64)[1]
+        meta = {
+            "dtype": _dtype_name(q.dtype),
+            "scale": repr(scale),
+            "scale_source": "argument",
+            "enable_gqa": "true" if q.shape[1] != k.shape[1] else "false",
+            "is_causal": "false",
+            "score_mod": "none" if identity else _callable_name(score_mod),
+            "mask_mod": "none" if getattr(mask_mod, "__name__", "") == "noop_mask" else _callable_name(mask_mod),
+            "flex_impl": "compiled" if self.tracker.in_compiled or _in_compiled_code() else "math",
+        }
+        sizes = block_mask[-3:-1] if len(block_mask) >= 3 else ()
+        if len(sizes) == 2 and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+            meta["flex_q_block"], meta["flex_kv_block"] = str(sizes[0]), str(sizes[1])  # the BlockMask's: the kernel's tiles
+        if not identity and math.isfinite(before):
+            meta["logit_before_mod"] = repr(before)  # the largest unmasked logit before the score_mod (after it: the diagnosis's)
+        if self.outputs:
+            tensors["out"] = (out[0] if isinstance(out, tuple) else out).detach()
+        call = self._new_call("flex", module, tensors, meta)
+        self._emit(call)
         return out
 
     # ------------------------------------------------------------------ softmax

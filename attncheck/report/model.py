@@ -272,8 +272,21 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     shared = shared_facts(report)
     backward = any(line.grad_verdict is not None for line in report.lines)
     legend = (LINES_LEGEND if report.known else FILES_LEGEND).format(limit=_limit_text(report), grad=GRAD_LEGEND if backward else "")
+    if any(line.kind == "flex" for line in report.lines):
+        legend = legend.replace("sdpa-math for the math backend)", "sdpa-math for the math backend; flex: FlexAttention's fused "
+                                "kernel where flex_attention is torch.compile'd, flex-math where it is not)")
     legend += (f"; calls named below {prefix[:-1]}" if prefix else "") + (f"; {shared}" if shared else "")
     parts += [shown(legend), lines_table(report, prefix)]
+    modded = [line for line in report.lines if line.score_mod is not None]
+    if modded:
+        text = Text("Flex score_mod (judged on the logits after it; largest unmasked logit before -> after):\n")
+        for line in modded[:12]:
+            before = "-" if line.logit_before_mod is None else plain(line.logit_before_mod)
+            text.append(f"  #{line.index} {visible(line.module)}: {visible(line.score_mod)} {before} -> {plain(line.max_logit)}\n")
+        if len(modded) > 12:
+            text.append(f"  ... {len(modded) - 12} more in the JSON report\n")
+        text.rstrip()
+        parts.append(text)
     matrix = head_matrix(calls, report, prefix)
     if matrix is not None:
         wide = max(len(c.heads) for c in calls if c.heads) > MAX_HEAD_COLUMNS
@@ -330,6 +343,7 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
             "has_qk": info.has_qk,
             "cell": line.cell,
             "max_logit": line.max_logit,
+            "score_mod": None if line.score_mod is None else {"name": line.score_mod, "max_logit_before": line.logit_before_mod},
             "headroom": line.headroom,
             "limit": _limit_json(line.limit),
             "nan_rows": line.nan_rows,

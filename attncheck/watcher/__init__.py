@@ -27,6 +27,7 @@ import json
 import math
 import os
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,7 @@ class Watch:
         self._recorder = None
         self._hook = None
         self._tensorboard = None
+        self._compiled_said = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -160,9 +162,18 @@ class Watch:
     def _forward_starts(self, module, args) -> None:
         """A step is one training forward of the top module, where the loop does not call step(); the
         calls of a forward in eval mode (a validation pass) are left out."""
+        from attncheck.record.mode import _compiled_module, _compiling
+
+        if _compiling():  # dynamo traces the hooks of a compiled module: nothing of the watch goes in its graph
+            return
         rec = self._recorder
         if rec is None or rec.tracker.stack:
             return
+        if _compiled_module(module) and not self._compiled_said:
+            self._compiled_said = True
+            warnings.warn("attncheck.watch: the model runs torch.compile'd code, whose attention calls the watch does not see "
+                          "(it records the calls of eager code only); watch the uncompiled model, or capture a step with "
+                          "attncheck.capture, which runs compiled code as its eager code", stacklevel=2)
         self._skip = not module.training or (self.model is not None and module is not self.model)
         if self._manual or self._skip:
             return

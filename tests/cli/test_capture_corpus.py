@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 import struct
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import typer.main
 import typer.testing
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from typer.testing import CliRunner
 
 import attncheck
@@ -55,17 +57,28 @@ class _Model(nn.Module):
     def forward(self, q, k, v, mask):
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         b = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)
-        return self.eager(q, k, v, mask) + a + b
+        c = flex_attention(q, k, v, score_mod=_softcap, block_mask=create_block_mask(_causal, None, None, 4, 4, device="cpu"))
+        return self.eager(q, k, v, mask) + a + b + c
+
+
+def _softcap(score, b, h, qi, ki):
+    return 5.0 * torch.tanh(score / 5.0)
+
+
+def _causal(b, h, qi, ki):
+    return qi >= ki
 
 
 @pytest.fixture(scope="module")
 def valid(tmp_path_factory) -> Path:
-    """Three calls: SDPA with a boolean mask, SDPA causal with a scale, an eager softmax with q, k, v."""
+    """Four calls: SDPA with a boolean mask, SDPA causal with a scale, a flex call with a causal block
+    mask and a soft cap (its mask and logits recorded), an eager softmax with q, k, v."""
     d = tmp_path_factory.mktemp("valid") / "cap"
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
     mask = torch.tril(torch.ones(4, 4, dtype=torch.bool))
-    with torch.no_grad(), attncheck.capture(d):
+    with torch.no_grad(), attncheck.capture(d), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex_attention without torch.compile says so
         _Model()(q, k, v, mask)
     return d
 
@@ -191,7 +204,7 @@ def manifest_cases(valid_doc: dict) -> list[Case]:
 def meta_cases(valid: Path) -> list[Case]:
     cases: list[Case] = []
     files = sorted(p.name for p in valid.glob("*.safetensors"))
-    for which in (0, 2):  # an SDPA call and a softmax call
+    for which in (0, 3, 2):  # an SDPA call, a softmax call, a flex call (soft cap, block mask)
         name = files[which]
         header, _ = read_call_file(valid / name)
         for t, key in enumerate(header["__metadata__"]):
@@ -445,7 +458,7 @@ def test_optional_tensors_and_metadata_of_a_newer_writer_read(valid, tmp_path):
     write_json_with_hole(d / "manifest.json", doc, None)
     r = runner.invoke(app, ["run", str(d), "--quiet", "--json", "-"])
     assert r.exit_code == 0, r.output
-    assert [c["index"] for c in json.loads(r.stdout)["model"]["calls"]] == [0, 1, 2]
+    assert [c["index"] for c in json.loads(r.stdout)["model"]["calls"]] == [0, 1, 2, 3]
 
 
 # --------------------------------------------------------------------------- gradients files

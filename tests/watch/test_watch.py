@@ -3,6 +3,7 @@ every N, eval forwards left out), one record per step that the log reader takes 
 callback, trends and alerts against logs whose answer is known, the logit-growth proxy, the plot,
 and bad inputs."""
 
+import contextlib
 import json
 import math
 import sys
@@ -299,3 +300,29 @@ def test_the_recorder_is_on_only_inside_a_forward_and_off_after_an_error():
         probe(x)
     assert seen == [1, 1, 1] and _get_current_function_mode_stack() == []
     assert [len(r["calls"]) for r in w.records] == [1, 1]
+
+
+def test_a_compiled_model_trains_unchanged_under_the_watch_which_says_what_it_cannot_see():
+    """torch.compile'd code: the watch's hooks stay out of dynamo's graphs (no crash, the same
+    losses), and it warns that the compiled code's calls are not seen."""
+    torch._dynamo.reset()
+
+    def train(watch):
+        torch.manual_seed(0)
+        model = torch.compile(Tiny(), backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(0))
+        losses = []
+        with (attncheck.watch(model) if watch else contextlib.nullcontext()) as w:
+            for _ in range(3):
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return losses, w
+
+    alone, _ = train(False)
+    with pytest.warns(UserWarning, match="torch.compile'd code, whose attention calls the watch does not see"):
+        watched, w = train(True)
+    assert watched == pytest.approx(alone, rel=1e-6) and w.records == []

@@ -31,7 +31,7 @@ from attncheck.numerics.cells.plan import CellKey, cell_dtype_name, grid, known_
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
 from attncheck.results import CallInfo, CellLimit, CallReport, HeadStat, TensorDiagnosis
 
-QK_KINDS = ("sdpa", "qk")
+QK_KINDS = ("sdpa", "qk", "flex")
 GRAD_ROLES = ("grad_out", "grad_q", "grad_k", "grad_v")  # a call's output gradient and the gradients its kernel produced
 
 
@@ -122,6 +122,8 @@ def diagnose_call(
     used = _cell_of(diag, model)
     if known and kind == "softmax" and used is not None:
         used.limit = _scores_limit(info, diag)
+    if known and kind == "flex" and used is not None and "scores_mod" in tensors:
+        used.limit = _flex_limit(info, diag)
     heads = _head_stats(info, inputs, diag, used, model)
     report = CallReport(info, diag, heads, None if model is None else (model.method, model.dtype), what_if=what)
     extra = head_findings(report, diag.findings)
@@ -214,11 +216,30 @@ def attach_backward(diag: TensorDiagnosis, what: TensorDiagnosis | None, inputs,
 
 
 def _model_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], max_bytes: int | None = None):
-    """Q/K inputs of an SDPA call or a q/k file, as the call gave them."""
+    """Q/K inputs of an SDPA or flex call or a q/k file, as the call gave them (a flex call's
+    logits after its score_mod too)."""
     from attncheck.numerics.inputs.scores import prepare_inputs
 
-    return prepare_inputs(tensors["q"], tensors["k"], tensors.get("attn_mask"), v=tensors.get("v"), scale=_scale(info),
-                          causal=info.is_causal, mask_convention="attend", max_bytes=max_bytes)
+    inputs = prepare_inputs(tensors["q"], tensors["k"], tensors.get("attn_mask"), v=tensors.get("v"), scale=_scale(info),
+                            causal=info.is_causal, mask_convention="attend", max_bytes=max_bytes, logits=_flex_logits(info, tensors))
+    return _with_flex_block(info, inputs)
+
+
+def _with_flex_block(info: CallInfo, inputs):
+    """A flex call's inputs with the key block of its kernel: its BlockMask's (None without one: one block)."""
+    block = info.meta.get("flex_kv_block", "")
+    if info.kind == "flex" and block.isascii() and block.isdigit() and 0 < int(block) < 1 << 30:
+        return replace(inputs, flex_block=int(block))
+    return inputs
+
+
+def _flex_logits(info: CallInfo, tensors: dict[str, torch.Tensor]):
+    """A flex call's (fp32, float64) logits after its score_mod; None without one."""
+    if info.kind != "flex" or "scores_mod" not in tensors:
+        return None
+    if "scores_mod64" not in tensors:
+        raise AttncheckError("the flex call has scores_mod but no scores_mod64 (its float64 reference)")
+    return tensors["scores_mod"], tensors["scores_mod64"]
 
 
 def _softmax_qk(info: CallInfo, tensors: dict[str, torch.Tensor], max_bytes: int | None = None):
@@ -264,7 +285,7 @@ def _what_if(info: CallInfo, tensors, inputs, options: Options, what_if, asked, 
     from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
 
     left = None if max_bytes is None else max(1, max_bytes // 2)
-    if info.kind == "sdpa":
+    if info.kind in ("sdpa", "flex"):
         wi_inputs = _sdpa_what_if_inputs(info, tensors, left)
     else:
         wi_inputs = None if inputs is None else _softmax_what_if_inputs(info, tensors, inputs, options, left)
@@ -298,9 +319,9 @@ def _sdpa_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], max_b
     masked = None
     if mask is not None and mask.is_floating_point():
         mask, masked = _relative_float_mask(mask)
-    return prepare_inputs(tensors["q"], tensors["k"], mask, v=tensors.get("v"), scale=_scale(info), causal=info.is_causal,
-                          mask_convention="attend", mask_value="min" if masked is not None else "-inf", masked=masked,
-                          eager_mask_value="min", max_bytes=max_bytes)
+    return _with_flex_block(info, prepare_inputs(tensors["q"], tensors["k"], mask, v=tensors.get("v"), scale=_scale(info), causal=info.is_causal,
+                                                 mask_convention="attend", mask_value="min" if masked is not None else "-inf", masked=masked,
+                                                 eager_mask_value="min", max_bytes=max_bytes, logits=_flex_logits(info, tensors)))
 
 
 def mask_of_scores(scores: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -353,6 +374,18 @@ def _scores_limit(info: CallInfo, diag: TensorDiagnosis) -> CellLimit | None:
     limit = rounding_limit(dt)
     unscaled = " (before the scale)" if scale != 1.0 else ""
     return CellLimit("qk_overflow", limit, value, f"S = Q@K^T{unscaled} in {dtype_label(dt)} rounds to inf at |S| >= {limit:.6g}")
+
+
+def _flex_limit(info: CallInfo, diag: TensorDiagnosis) -> CellLimit:
+    """The first failure of a flex call with a score_mod: its logits after the mod, in fp32, pass
+    fp32's rounding limit (a soft cap keeps them within the cap, whatever Q@K^T does: the headroom
+    is the cap's); measured on the largest finite logit after the mod."""
+    c = diag.census
+    logits = [abs(v) for v in (c.max, c.unmasked_min) if v is not None and v > MASK_SENTINEL_LIMIT]
+    limit = rounding_limit(torch.float32)
+    value = math.inf if c.posinf else (max(logits) if logits else None)
+    mod = info.meta.get("score_mod", "score_mod")
+    return CellLimit("qk_overflow", limit, value, f"the logits after {mod} in fp32 round to inf at |x| >= {limit:.6g}")
 
 
 def _cell_of(diag: TensorDiagnosis, key: CellKey | None):

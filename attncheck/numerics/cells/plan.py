@@ -74,8 +74,8 @@ def stages(cells: list[CellKey]) -> list[tuple[str | None, str, list[CellKey]]]:
 
 
 def known_implementation(info: CallInfo) -> bool:
-    """A captured SDPA or softmax call says what it ran; q/k files and plain scores do not."""
-    return info.kind in ("sdpa", "softmax")
+    """A captured SDPA, softmax or flex call says what it ran; q/k files and plain scores do not."""
+    return info.kind in ("sdpa", "softmax", "flex")
 
 
 def cell_dtype_name(name: str | None) -> str | None:
@@ -95,6 +95,12 @@ def sdpa_path(info: CallInfo) -> str:
     return "sdpa-math" if info.dropout_p > 0 else "flash"
 
 
+def flex_path(info: CallInfo) -> str:
+    """A flex call's path: 'flex' (the fused kernel) where it ran inside torch.compile'd code (as
+    transformers runs it), 'flex-math' where flex_attention ran without torch.compile."""
+    return "flex-math" if info.meta.get("flex_impl") == "math" else "flex"
+
+
 def model_cell(info: CallInfo) -> CellKey | None:
     """The cell whose computation the model ran for a call.
 
@@ -102,6 +108,8 @@ def model_cell(info: CallInfo) -> CellKey | None:
       scores the softmax saw (recorded as they were);
     - sdpa: the path of the backend PyTorch chose (``sdpa_path``) in the call's dtype (autocast's
       when it was on): q, k, v and the mask as the call was given them;
+    - flex: FlexAttention's fused kernel where the program compiled it, else its math path
+      (``flex_path``), in q's dtype, on the logits after its score_mod;
     - qk files and plain scores: ``torch.softmax`` in the tensors' dtype (with q and k: on the
       eager path, as hand-written attention computes it), the cell their model line shows.
 
@@ -113,6 +121,9 @@ def model_cell(info: CallInfo) -> CellKey | None:
     role = MODEL if known_implementation(info) else ASKED
     if info.kind == "sdpa":
         path = sdpa_path(info)
+        return CellKey(path, path, dtype, role)
+    if info.kind == "flex":
+        path = flex_path(info)
         return CellKey(path, path, dtype, role)
     if info.kind == "qk":
         return CellKey("eager", EAGER_SOFTMAX, dtype, role)

@@ -76,6 +76,11 @@ class AttentionInputs:
     eager_mask_value: str | None = None
     q_amax: float = math.inf
     k_amax: float = math.inf
+    # A FlexAttention call with a score_mod: its logits after the mod (B, Hq, Tq, Tk), as flex computes
+    # them in fp32 (what its paths' softmax runs on) and in float64 (the reference, in place of S from q, k).
+    logits32: torch.Tensor | None = None
+    logits64: torch.Tensor | None = None
+    flex_block: int | None = None  # the fused flex kernel's key block (its BlockMask's KV_BLOCK_SIZE); None: one block
 
     def qk_bound(self, dtype: torch.dtype, factor: float = 1.0) -> float:
         """An upper bound on |Q@K^T| times ``factor`` however the scores are computed from q and k
@@ -138,6 +143,7 @@ def prepare_inputs(
     max_bytes: int | None = None,
     masked: torch.Tensor | None = None,
     eager_mask_value: str | None = None,
+    logits: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> AttentionInputs:
     """Validate shapes and build the mask planes; every mismatch is an AttncheckError naming both shapes.
     ``masked``: a boolean plane (True = masked, broadcast to the scores) beside ``mask``, whose keys
@@ -177,6 +183,13 @@ def prepare_inputs(
     mask4 = None if mask is None else _compact_mask(mask, full, lead)
     masked4 = None if masked is None else _compact_mask(masked, full, lead)
     need = 8 * (q.numel() + k.numel() + (v.numel() if v is not None else 0))
+    if logits is not None:
+        for name, t, want in (("scores_mod", logits[0], torch.float32), ("scores_mod64", logits[1], torch.float64)):
+            if tuple(t.shape) != (*lead, q4.shape[1], q4.shape[2], k4.shape[2]) or t.dtype != want:
+                raise AttncheckError(f"{name} has shape {tuple(t.shape)} and dtype {str(t.dtype).removeprefix('torch.')}; for q "
+                                     f"{tuple(q.shape)} and k {tuple(k.shape)} it must be {(*lead, q4.shape[1], q4.shape[2], k4.shape[2])} "
+                                     f"{str(want).removeprefix('torch.')}")
+        need += 12 * logits[0].numel()
     need += sum(m.numel() * (8 if m.is_floating_point() else 1) for m in (mask4, masked4) if m is not None)
     need += (tq * tk if causal else 0) + (b * tk if pad_left or pad_right else 0)
     if max_bytes is not None and need > max_bytes:
@@ -247,6 +260,8 @@ def prepare_inputs(
         float_mask_value=float_mask_value,
         mask_summed_neginf=summed,
         mask_deep_sentinel=deep,
+        logits32=None if logits is None else logits[0].reshape(-1, q4.shape[1], q4.shape[2], k4.shape[2]),
+        logits64=None if logits is None else logits[1].reshape(-1, q4.shape[1], q4.shape[2], k4.shape[2]),
     )
 
 
@@ -375,6 +390,8 @@ class QKBlock:
                 s = s.masked_fill_(self.masked, ref_sentinel)  # x + -inf is -inf for every x but NaN and +inf
             else:
                 s = s + torch.zeros_like(s).masked_fill(self.masked, ref_sentinel)
+        if inp.logits64 is not None:  # a flex score_mod: the logits after it, in float64 (-inf where masked)
+            s = self._slice4(inp.logits64, bh, qs, device)
         self.given = s.reshape(-1, s.shape[-1])  # (r, Tk) float64
         self.flat_masked = None if self.masked is None else self.masked.reshape(-1, self.masked.shape[-1])
         # The keys the mask masks, read from the mask: boolean-masked keys, and float-mask
@@ -449,11 +466,16 @@ class QKBlock:
         before 'fully_masked': (scores (r, Tk) float32, causes).
 
         'sdpa-math' (PyTorch's math backend): fp16/bf16 q and k upcast to fp32, each scaled by
-        sqrt(scale), then q @ k^T. 'flash': q and k in dt, S = q @ k^T accumulated in fp32,
-        times the scale in fp32. Either way the mask, as the model holds it in dt, is added in fp32.
+        sqrt(scale), then q @ k^T. 'flash', 'flex', 'flex-math': q and k in dt, S = q @ k^T
+        accumulated in fp32, times the scale in fp32 (flex with a score_mod: its logits after the
+        mod, as recorded). Either way the mask, as the model holds it in dt, is added in fp32.
         """
-        qd, kd = cast(self.q, dt).float(), cast(self.k, dt).float()
         inp = self.inp
+        if inp.logits32 is not None and path in ("flex", "flex-math"):  # flex's own fp32 logits after its score_mod
+            flat = self._slice4(inp.logits32, *self.rows, self.given.device).reshape(-1, self.given.shape[-1])
+            none = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
+            return flat, [("qk_overflow", none), ("mask_sentinel", none)]
+        qd, kd = cast(self.q, dt).float(), cast(self.k, dt).float()
         if path == "sdpa-math":
             root = math.sqrt(inp.scale)
             s = torch.matmul(qd * root, kd.transpose(-1, -2) * root)  # (n, tq, Tk)

@@ -30,6 +30,14 @@ O = P@V, each with the rounding points of the implementation it names (registry.
   exp rounded once to fp32 (subnormal down to -103.97): the terms of keys that far below the
   running max are in one and not the other; the CUDA kernels fold the scale into exp2
   (differences at the fp32 rounding level).
+- ``flex-math``: FlexAttention without torch.compile, as torch 2.13 computes it (``math_attention``
+  in torch/_higher_order_ops/flex_attention.py): q and k upcast to fp32, S = q @ k^T in fp32 times
+  the scale in fp32, the score_mod applied in fp32 and masked keys set to -inf (the recorded
+  logits, ``AttentionInputs.logits32``, where a score_mod was given), ``_safe_softmax`` in fp32 (rows
+  with no key: 0), P cast to the dtype, O = P @ V by torch's matmul in the dtype. Bit-exact with
+  torch's own flex_attention (``tests/numerics/methods/test_flex_paths.py``).
+- ``flex``: FlexAttention's fused kernel (torch.compile'd flex_attention): on the same fp32 logits,
+  the rounding points of ``attncheck.numerics.methods.flex.flex_compiled``.
 """
 
 from __future__ import annotations
@@ -102,3 +110,23 @@ def _online(s: torch.Tensor, p_dtype: torch.dtype, block: int, reverse: bool = F
     from attncheck.numerics.methods.online import online_softmax
 
     return online_softmax(s, p_dtype, min(block, s.shape[-1]), reverse)
+
+
+def flex_math(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
+    s, before = block.fp32_scores(dt, "flex-math")  # (r, Tk) float32: the logits after flex's score_mod and mask
+    p = safe_softmax(s).to(dt)  # P as flex's math path casts it, to the query's dtype
+    out = MethodOutput(p.float())
+    if block.v is not None:
+        out.out = _matmul_rows(p, cast(block.v, dt))  # torch's matmul in the dtype
+    return PathBlock(s, before, [], [("flex-math", out)])
+
+
+def flex(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
+    from attncheck.numerics.methods.flex import flex_kernel_rows
+
+    s, before = block.fp32_scores(dt, "flex")  # (r, Tk) float32
+    v = None if block.v is None else cast(block.v, dt)
+    p, o = flex_kernel_rows(s, v, dt, block=block.inp.flex_block)  # effective probabilities (r, Tk) float32; O (r, dv) in dt
+    out = MethodOutput(p)
+    out.out = o
+    return PathBlock(s, before, [], [("flex", out)])
