@@ -379,9 +379,10 @@ class Recorder(TorchFunctionMode):
 
     def __init__(self, sink: Callable[[Recorded], None], *, modules=(), forwards=None, max_calls: int | None = None,
                  max_bytes: int | None = None, notice: Callable[[str], None] | None = None, grads: bool = True,
-                 outputs: bool = False, in_modules: bool = False, compile: str | None = None) -> None:
+                 outputs: bool = False, in_modules: bool = False, compile: str | None = None, flex_reference: bool = True) -> None:
         super().__init__()
         self.in_modules = in_modules
+        self.flex_reference = flex_reference  # a flex call's float64 logits after its score_mod (the watch needs none)
         if compile not in (None, "eager", "keep"):
             raise AttncheckError(f"must be 'eager' or 'keep', got {compile!r}", param="compile")
         self.compile = compile
@@ -781,6 +782,17 @@ class Recorder(TorchFunctionMode):
         q, k, v = (bound[n].detach() for n in ("query", "key", "value"))
         score_mod, block_mask, scale = bound["score_mod"], bound["block_mask"], float(bound["scale"])
         mask_mod = block_mask[-1]
+        identity = getattr(score_mod, "__name__", "") == "_identity"
+        scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+        planned = sum(t.numel() * t.element_size() for t in (q, k, v)) + scores * (1 + (0 if identity else 4 + 8 * self.flex_reference))
+        with self._lock:
+            over = self.max_bytes is not None and self.stopped is None and self.bytes + planned > self.max_bytes
+            if over:  # refused before its logits are computed: a long sequence's would not fit in memory
+                self.seen += 1
+                self._stop(f"max_bytes {self.max_bytes} would be passed by call {self.seen - 1} (flex in {module or 'global'}, "
+                           f"{planned} bytes with its logits; {self.bytes} recorded)")
+        if over or self.stopped is not None:
+            return out
         with torch.no_grad():
             raw, mod = _flex_logits(q, k, score_mod, block_mask, scale, bound.get("score_mod_other_buffers", ()),
                                     bound.get("mask_mod_other_buffers", ()), torch.float32)
@@ -788,11 +800,11 @@ class Recorder(TorchFunctionMode):
             tensors = {"q": q, "k": k, "v": v}
             if not bool(attend.all()):
                 tensors["attn_mask"] = _smallest_broadcast(attend)
-            identity = getattr(score_mod, "__name__", "") == "_identity"
             open_raw = raw.masked_fill(~attend | ~torch.isfinite(raw), float("-inf"))
             before = float(open_raw.amax()) if open_raw.numel() else float("-inf")
             if not identity:
                 tensors["scores_mod"] = mod
+            if not identity and self.flex_reference:
                 tensors["scores_mod64"] = _flex_logits(q, k, score_mod, block_mask, scale, bound.get("score_mod_other_buffers", ()),
                                                        bound.get("mask_mod_other_buffers", ()), torch.float64)[1]
         meta = {

@@ -129,7 +129,7 @@ class Watch:
                 raise
         # registered before the recorder's own hooks: at a top-level forward its module stack is still empty
         self._hook = register_module_forward_pre_hook(self._forward_starts)
-        self._recorder = Recorder(self, modules=self.modules, grads=self.with_grads, outputs=True, in_modules=True)
+        self._recorder = Recorder(self, modules=self.modules, grads=self.with_grads, outputs=True, in_modules=True, flex_reference=False)
         self._recorder.__enter__()
         return self
 
@@ -203,17 +203,29 @@ class Watch:
             self._take(call)
 
     def _take(self, call) -> None:
+        import torch
+
         from attncheck.watcher.stats import scores_stats
 
         t, meta = call.tensors, call.meta
         dtype = meta.get("dtype", "none")
-        if call.kind == "sdpa":
+        if call.kind == "flex" and "scores_mod" in t:  # its logits after the score_mod, as the kernel sees them (fp32)
+            k = t["k"]
+            if k.dim() == 4 and k.shape[1] != t["q"].shape[1]:  # GQA: the kv head each query head reads
+                k = k.repeat_interleave(t["q"].shape[1] // k.shape[1], dim=1)
+            stats = scores_stats(t["scores_mod"], t["q"], k)
+            out = t.get("out")  # flex gives 0 on a row with no key: NaN or inf rows are the output's
+            stats.nonfinite_rows = (~torch.isfinite(out.sum(dim=-1, dtype=torch.float32))).sum() if out is not None else stats.nonfinite_rows * 0
+            scale, path = _number(meta.get("scale")) or 1.0, "flex-math" if meta.get("flex_impl") == "math" else "flex"
+            limit_logit, what = _limit("float32", 1.0, f"the logits after {meta.get('score_mod', 'score_mod')} in fp32")
+        elif call.kind in ("sdpa", "flex"):
             scale = _number(meta.get("scale"))
             # computed with the step's other SDPA calls at its end (one set of ops for all layers); the tensors
             # are those autograd holds for the backward anyway
             stats = (t["q"], t["k"], t.get("out"), t.get("attn_mask"), scale, meta.get("is_causal") == "true")
             scale = scale if scale is not None else 1.0 / math.sqrt(t["q"].shape[-1])
-            path = {"math": "sdpa-math"}.get(meta.get("sdpa_backend", ""), "flash")
+            path = {"math": "sdpa-math"}.get(meta.get("sdpa_backend", ""), "flash") if call.kind == "sdpa" else \
+                ("flex-math" if meta.get("flex_impl") == "math" else "flex")
             limit_logit, what = _limit("float32", 1.0, "S = Q@K^T in fp32 (SDPA's kernels)")
         else:
             scores, q, k = t["scores"], t.get("q"), t.get("k")

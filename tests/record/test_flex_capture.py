@@ -136,3 +136,17 @@ def test_a_flex_llama_computes_the_same_under_capture_as_compiled(dtype):
     torch.testing.assert_close(out.float(), alone.float(), rtol=tol, atol=tol)
     assert len(cap.calls) == 2 and all(c.meta["flex_impl"] == "compiled" for c in cap.calls)
 
+
+
+def test_a_flex_call_over_max_bytes_is_refused_before_its_logits_are_computed(monkeypatch):
+    """A flex call with a score_mod costs its logits (12 bytes per score, fp32 and float64): past
+    max_bytes it is not recorded, recording stops and says why, and the logits are never computed."""
+    import attncheck.record.mode as mode
+
+    computed = []
+    monkeypatch.setattr(mode, "_flex_logits", lambda *a, **k: computed.append(1))
+    q = torch.randn(1, 2, 64, 8)
+    with attncheck.capture(max_bytes=64 * 64 * 2 * 12) as cap:  # the logits alone are 2 x 64 x 64 x 13 bytes
+        out = Attn(softcap)(q, q, q)
+    assert cap.calls == [] and computed == [] and torch.isfinite(out).all()
+    assert "max_bytes" in cap.stopped and "flex in Attn" in cap.stopped

@@ -326,3 +326,36 @@ def test_a_compiled_model_trains_unchanged_under_the_watch_which_says_what_it_ca
     with pytest.warns(UserWarning, match="torch.compile'd code, whose attention calls the watch does not see"):
         watched, w = train(True)
     assert watched == pytest.approx(alone, rel=1e-6) and w.records == []
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*:UserWarning")
+def test_flex_calls_are_watched_on_their_logits_after_the_score_mod():
+    """A soft-capped flex call with a sliding window (rows 0..3 keep keys, none is empty) and GQA:
+    the largest logit is the capped one, the window's rows are not non-finite."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def softcap(score, b, h, qi, ki):
+        return 4.0 * torch.tanh(score / 4.0)
+
+    def late(b, h, qi, ki):  # rows 0..3 attend to no key: flex gives 0 there
+        return (qi >= 4) & (ki <= qi)
+
+    bm = create_block_mask(late, None, None, 32, 32, device="cpu")
+
+    class Flex(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            q = self.proj(x).view(1, 32, 4, 2).transpose(1, 2) * 10
+            k = x.view(1, 32, 2, 4)[..., :2].transpose(1, 2) * 10
+            return flex_attention(q, k, k, score_mod=softcap, block_mask=bm, enable_gqa=True)
+
+    model = Flex().train()
+    with torch.no_grad(), attncheck.watch(model) as w:
+        model(torch.randn(1, 32, 8))
+    (call,) = w.records[0]["calls"]
+    assert call["kind"] == "flex" and call["path"] == "flex-math" and call["heads"] == 4
+    assert max(call["max_logit"]) <= 4.0 and call["nonfinite_rows"] == 0
+    assert "the logits after " in call["limit"]["what"]  # the score_mod by its name, or the traced one (flex traces it)
