@@ -28,7 +28,7 @@ import math
 import os
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,7 +199,10 @@ class Watch:
             return
         import torch
 
-        with _small_ops(next((t.device for t in call.tensors.values() if isinstance(t, torch.Tensor)), None)):
+        from attncheck.numerics.cells.diagnose import bookkeeping  # small ops on one torch thread
+
+        device = next((t.device for t in call.tensors.values() if isinstance(t, torch.Tensor)), None)
+        with bookkeeping(device) if device is not None else nullcontext():
             self._take(call)
 
     def _take(self, call) -> None:
@@ -382,23 +385,6 @@ def _scalars(writer, record: dict) -> None:
             writer.add_scalar(f"{t}/grad_max_abs", g["max_abs"], step)
     if record["loss"] is not None:
         writer.add_scalar("attncheck/loss", record["loss"], step)
-
-
-@contextmanager
-def _small_ops(device):
-    """The statistics are many small ops: on a CPU, one torch thread (the model's threads would each
-    pay a wake-up per op for a few microseconds of work each)."""
-    import torch
-
-    n = torch.get_num_threads()
-    if device is None or device.type != "cpu" or n == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def _number(x) -> float | None:
