@@ -291,7 +291,8 @@ print(code, len(seen), repr(seen[0]) if seen else "-", file=sys.stderr)
 """
 
 
-@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE"), ("active", "active")])
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE"),
+                                             pytest.param("active", "active", marks=pytest.mark.slow)])  # a subprocess each: 3.5 s
 def test_the_command_keeps_idle_openmp_threads_from_spinning_unless_told(given, expected):
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if given is not None:

@@ -154,7 +154,7 @@ def test_the_report_and_the_manifest_say_what_was_judged(tmp_path):
     assert r.exit_code == 2 and "--compile" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("training", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["inference", "training"])
 def test_a_compiled_transformers_llama_is_captured_whole_and_healthy(training):
     torch._dynamo.reset()
     inputs = batch(left_pad=3)
