@@ -802,6 +802,8 @@ class Recorder(TorchFunctionMode):
                 tensors["attn_mask"] = _smallest_broadcast(attend)
             open_raw = raw.masked_fill(~attend | ~torch.isfinite(raw), float("-inf"))
             before = float(open_raw.amax()) if open_raw.numel() else float("-inf")
+            if not identity and bool(((mod == raw) | ~attend).all()):
+                identity = True  # a score_mod that changes no logit here (transformers passes one always): S from q and k is the same
             if not identity:
                 tensors["scores_mod"] = mod
             if not identity and self.flex_reference:

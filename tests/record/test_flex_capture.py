@@ -150,3 +150,19 @@ def test_a_flex_call_over_max_bytes_is_refused_before_its_logits_are_computed(mo
         out = Attn(softcap)(q, q, q)
     assert cap.calls == [] and computed == [] and torch.isfinite(out).all()
     assert "max_bytes" in cap.stopped and "flex in Attn" in cap.stopped
+
+
+def test_a_score_mod_that_changes_no_logit_costs_nothing():
+    """transformers passes flex a score_mod always; where it changes no logit the call is recorded
+    as one without (no logits kept: S from q and k is the same), and judged alike."""
+
+    def unchanged(score, b, h, qi, ki):
+        return score
+
+    q = torch.randn(1, 2, 16, 8)
+    with attncheck.capture(diagnose=True) as cap:
+        Attn(unchanged)(q, q, q)
+    (r,) = cap.calls
+    assert r.call.meta["score_mod"] == "none" and "logit_before_mod" not in r.call.meta
+    assert r.call.meta["flex_impl"] == "math" and [c.name for c in r.diagnosis.cells] == ["flex-math/fp32"]
+    assert cap.result.model.lines[0].score_mod is None
