@@ -204,6 +204,7 @@ def test_a_full_standard_output_is_one_line(args, capfd):
     assert err == "attncheck: error: cannot write the report to standard output: No space left on device\n"
 
 
+@pytest.mark.slow  # a subprocess with threads: 7 s
 def test_threads_leave_no_mode_behind_at_exit(tmp_path):
     """Each thread started while recording takes the mode off its stack when its run returns: the
     process ends cleanly (a mode left on a finished thread's stack aborted the interpreter at exit)."""

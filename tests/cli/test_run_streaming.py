@@ -89,6 +89,7 @@ def test_memory_stays_bounded_on_a_file_many_times_the_budget(tmp_path):
     assert peak - base < 40, f"peak {peak} MiB vs {base} MiB for a 64 MiB file with an 8 MiB budget"
 
 
+@pytest.mark.slow  # a subprocess on a pseudo-terminal: 7 s
 def test_progress_goes_to_stderr_never_into_json_stdout(tmp_path):
     path = tmp_path / "s.npy"
     np.save(path, scores(64, 256).numpy())

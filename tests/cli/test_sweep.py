@@ -274,6 +274,7 @@ def test_progress_goes_to_stderr_never_into_json_stdout():
     assert json.loads(quiet.stdout)["schema"] == "attncheck.sweep/1" and quiet.stderr == ""
 
 
+@pytest.mark.slow  # as run's and check's, which stay in the default run
 def test_no_progress_when_stderr_is_not_a_terminal():
     proc = run_sweep_cli("--json", "-", progress=None)
     assert proc.returncode == 0 and proc.stderr == ""

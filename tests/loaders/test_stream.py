@@ -537,9 +537,9 @@ def normalised(value):
 
 @pytest.mark.parametrize(
     ("name", "dtype"),
-    [("s.npy", torch.float32), ("s.safetensors", torch.bfloat16), ("s.npz", torch.float16),
-     ("s.pt", torch.float64)],
-)
+    [("s.npy", torch.float32), pytest.param("s.safetensors", torch.bfloat16, marks=pytest.mark.slow),
+     pytest.param("s.npz", torch.float16, marks=pytest.mark.slow), pytest.param("s.pt", torch.float64, marks=pytest.mark.slow)],
+)  # 3 s each: one format in the default run, all four in the slow one
 def test_diagnose_chunks_over_row_blocks_equals_diagnose(tmp_path, name, dtype):
     scores = stressful_scores().to(dtype)
     path = write(tmp_path / name, {"" if name.endswith(("npy", "pt")) else "scores": scores})
