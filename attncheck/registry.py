@@ -214,6 +214,9 @@ class PathSpec:
     fp8: bool = False  # computes in the FP8 dtypes (P formats) only; the others in fp16/bf16/fp32 only
     # The fused kernel the path is (judged by FlashAttention's 2x rule against torch.softmax); None: not a kernel
     kernel: str | None = None
+    # The dtype its probabilities are in (the eager path: the method's): "fp32" where they are fp32 products
+    # (flash's P_j times the rescale over l), "the dtype" where P is cast to the dtype; the KL floor is its smallest subnormal
+    probs_in: str = "fp32"
 
     def function(self) -> Callable:
         return resolve(self.impl)
@@ -242,7 +245,7 @@ for _path in (
              kernel="FlexAttention's fused forward"),
     PathSpec("flex-math", "FlexAttention without torch.compile: S in fp32, the score_mod and mask in fp32, _safe_softmax "
              "in fp32, P cast to the dtype, P@V in the dtype", "attncheck.numerics.methods.paths:flex_math", default=False,
-             scores_in="fp32 (the score_mod applied in fp32)"),
+             scores_in="fp32 (the score_mod applied in fp32)", probs_in="the dtype"),
 ):
     PATHS.register(_path)
 del _path

@@ -115,7 +115,7 @@ def _online(s: torch.Tensor, p_dtype: torch.dtype, block: int, reverse: bool = F
 def flex_math(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
     s, before = block.fp32_scores(dt, "flex-math")  # (r, Tk) float32: the logits after flex's score_mod and mask
     p = safe_softmax(s).to(dt)  # P as flex's math path casts it, to the query's dtype
-    out = MethodOutput(p.float())
+    out = MethodOutput(p)  # kept in the dtype, as the eager path's: the KL floor is the dtype's smallest subnormal
     if block.v is not None:
         out.out = _matmul_rows(p, cast(block.v, dt))  # torch's matmul in the dtype
     return PathBlock(s, before, [], [("flex-math", out)])

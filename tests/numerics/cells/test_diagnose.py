@@ -336,6 +336,36 @@ def test_kl_matches_extended_precision(method, dtype, scale, kernels):
     assert cell.kl_mean == pytest.approx(float(sum(exact) / 3), rel=1e-6)
 
 
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_flex_math_kl_floor_is_the_dtype_its_p_is_cast_to(dtype, kernels):
+    """flex-math casts P to the dtype (docs/reference/numerics.md), so its KL floor is the dtype's smallest
+    subnormal, as the eager path's: P = _safe_softmax(fp32(fp32(q k^T) scale)) cast to the dtype, against
+    the float64 softmax of q k^T scale, KL = sum r log(r / q') - r + q', q' = max(P, floor)."""
+    from attncheck.numerics.cells.diagnose import diagnose_attention
+    from attncheck.numerics.inputs.scores import prepare_inputs
+
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, t, 16, generator=g).to(dt) * 3 for t in (40, 90, 90))
+    d = diagnose_attention("x", prepare_inputs(q, k, v=v), Options(dtypes=(dtype,), methods=("torch",), paths=("flex-math",), kernels=kernels))
+    (c,) = d.cells
+    s32 = (q.float() @ k.float().transpose(-1, -2)) * torch.tensor(0.25)
+    p = torch.softmax(s32, dim=-1).to(dt).double()
+    r = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.25, dim=-1)
+
+    def kl_mean(floor: float) -> float:
+        qq = p.clamp_min(floor)
+        delta = (r - qq) / qq  # log1p where r is near q; r log(r / q) where r << q (delta rounds to -1); 0 log 0 = 0
+        term = torch.where(delta.abs() < 0.5, r * torch.log1p(delta), r * (torch.log(r) - torch.log(qq)))
+        return float((torch.where(r > 0, term, 0.0) + (qq - r)).sum(dim=-1).mean())
+
+    tiny = {"fp16": 2.0**-24, "bf16": 2.0**-133, "fp32": 2.0**-149}[dtype]
+    assert c.name == f"flex-math/{dtype}" and c.kl_mean == pytest.approx(kl_mean(tiny), rel=1e-6)
+    if dtype == "fp16":  # the case the statement is about: fp16 flushes keys, and fp32's floor would move KL
+        assert c.flushed_frac > 0.3 and abs(kl_mean(2.0**-149) / kl_mean(tiny) - 1) > 0.5
+
+
 def test_naive_row_sum_overflow_is_reported_as_sum_overflow():
     x = torch.full((1, 100), 7.0)  # exp(7) = 1097 finite in fp16; 100 of them are not
     d = diagnose("s", x, Options(methods=("naive",), dtypes=("fp16",)))
