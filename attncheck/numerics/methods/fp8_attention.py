@@ -30,12 +30,13 @@ rounding points, from Q, K and V given in high precision.
 model's dtype); K smoothed by its mean over tokens (taken in bf16, the difference rounded
 to bf16); Q and K quantised to INT8 per thread group (scale = max|x| / 127 + 1e-7 in fp32,
 round half away from zero; Q: rows {t, t+8} of each 16-row warp segment, K: rows with
-r mod 8 in {2t, 2t+1} of each 128-key block); S = (q8 . k8) exactly, times the two
-scales and the softmax scale in fp32; key blocks of 128 visited first to last; P~ =
+r mod 8 in {2t, 2t+1} of each 128-key block); S from (q8 . k8) exactly and the fp32 scales in
+the kernel's order (``sage_scores``); key blocks of 128 visited first to last; P~ =
 exp(s - m_j) * 448 (its exponent offset 8.807) cast to e4m3 (satfinite); V in e4m3
-per channel (scale = amax over tokens / 448); O = P8 @ V8 in fp32, divided by the row
-sum, times V's scale, rounded to bf16. Not emulated: the FP22 accumulation of the FP8
-MMA within a 128-key block.
+per channel as ``scale_fuse_quant`` in csrc/fused/fused.cu does it: V times 448 / amax (the
+reciprocal rounded to fp32 first), the scale amax / 448 kept; O = P8 @ V8 in fp32, divided by
+the row sum, times V's scale, rounded to bf16. Not emulated: the FP22 accumulation of the FP8
+MMA within a 128-key block, and the kernel's base-2 arithmetic (log2 e folded into the scale).
 """
 
 from __future__ import annotations
@@ -63,7 +64,11 @@ OUT_DTYPE = torch.bfloat16  # what both kernels write for FP8 inputs (bf16 model
 
 
 def fa3_tile(d: int) -> tuple[int, int]:
-    """FlashAttention-3's FP8 tile (kBlockM queries, kBlockN keys) for head dim ``d`` (hopper/tile_size.h)."""
+    """FlashAttention-3's FP8 tile (kBlockM queries, kBlockN keys) for head dim ``d``: ``tile_size_fwd_sm90``
+    with element size 1 in Dao-AILab/flash-attention ``hopper/tile_size.h`` (read at commit
+    07602adc2baa7a3ea037321ef2ca71c83096e5d5), its default tile (KV not paged, no local window, V
+    row-major, two MMA warpgroups): d <= 64: 192 x 160, <= 96: 192 x 128, <= 128: 128 x 224,
+    <= 192: 128 x 160, above: 128 x 128. ``block`` scaling quantises per kBlockM queries and kBlockN keys."""
     if d <= 64:
         return 192, 160
     if d <= 96:
@@ -281,6 +286,34 @@ def int8_per_group(x: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor,
     return ints.double(), scale
 
 
+def sage_v(v: torch.Tensor, fmt: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """V (n, T, dv) in FP8 per channel as SageAttention's ``scale_fuse_quant`` (csrc/fused/fused.cu) does
+    it: v in bf16, amax over the tokens of each channel, v times recp = 448 / amax, cast (satfinite).
+    Returns the values (float32) and the scale amax / 448 (n, 1, dv) that O is multiplied by. The
+    kernel is built with --use_fast_math, where a / b is div.approx, a * (1 / b): both divisions are
+    taken that way, with 1 / b rounded to fp32 (the hardware's rcp.approx is within an ulp of it).
+    An all-zero channel gets amax 1 (the kernel's 448 / 0 would make it NaN)."""
+    v = v.to(OUT_DTYPE).float()
+    amax = v.abs().amax(dim=1, keepdim=True)  # (n, 1, dv) per channel
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    top = torch.tensor(SAGE_P_SCALE_V, dtype=torch.float32, device=v.device)
+    recp = top * amax.reciprocal()
+    return fp8_values(v * recp, fmt), amax * top.reciprocal()
+
+
+def sage_scores(si: torch.Tensor, qscale: torch.Tensor, kscale: torch.Tensor, scale: float) -> torch.Tensor:
+    """S (n, tq, Tk) fp32 from the integer dot products ``si`` (fp32, exact) and the fp32 scales
+    (n, tq) and (n, Tk), in the order of the SM90 kernel's fp32 products (``qk_int_sv_f8_cuda_sm90.cu``):
+    dq = q_scale * k_scale; in every key block but the last, the softmax scale is folded into it first,
+    S = si * (dq * scale); in the last block (the one that holds key Tk - 1) the kernel dequantises
+    before the mask, S = (si * dq) * scale."""
+    dq = qscale[..., None] * kscale[:, None, :]  # (n, tq, Tk) fp32
+    s = si * (dq * scale)
+    last = (s.shape[-1] - 1) // SAGE_BLOCK * SAGE_BLOCK
+    s[..., last:] = si[..., last:] * dq[..., last:] * scale
+    return s
+
+
 def sage(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> "PathBlock":
     from attncheck.numerics.methods.paths import PathBlock
     from attncheck.numerics.inputs.scores import _kv_heads
@@ -299,18 +332,14 @@ def sage(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: Meth
         ki, kscale = int8_per_group(k, sage_groups(tk, "k", k.device))
         v8 = vscale = None
         if inp.v is not None:
-            v = inp.v.reshape(b * hk, tk, -1).to(OUT_DTYPE).float()
-            amax = v.abs().amax(dim=1, keepdim=True)  # (n, 1, dv) per channel
-            amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-            v8 = fp8_values(v * (SAGE_P_SCALE_V / amax), setup.fmt)
-            vscale = amax / SAGE_P_SCALE_V
+            v8, vscale = sage_v(inp.v.reshape(b * hk, tk, -1), setup.fmt)
         prep = (qi, qscale, ki, kscale, v8, vscale)
         inp.cache[key] = prep
     qi, qscale, ki, kscale, v8, vscale = prep
     bh, qs = block.rows
     kv = _kv_heads(inp, bh)
-    s_int = torch.matmul(qi[bh, qs], ki[kv].transpose(-1, -2))  # exact: |q.k| <= 127^2 d
-    s = s_int.float() * (qscale[bh, qs][..., None] * kscale[kv][:, None, :]) * inp.scale  # (n, tq, Tk) fp32
+    si = torch.matmul(qi[bh, qs], ki[kv].transpose(-1, -2)).float()  # exact: |q.k| <= 127^2 d < 2^24
+    s = sage_scores(si, qscale[bh, qs], kscale[kv], inp.scale)
     s = _mask(block, s)
     r, o = online_pcast_out(s, None if v8 is None else v8[kv], setup.fmt, SAGE_P_SCALE, SAGE_BLOCK, reverse=False)
     out = MethodOutput(r.probs.reshape(-1, s.shape[-1]), pcast=r)

@@ -114,6 +114,127 @@ def test_incoherent_processing_lowers_the_error_on_outliers():
     assert rotated.cells[0].out_rmse < 0.8 * plain.cells[0].out_rmse
 
 
+# --------------------------------------------------------------------------- docs/fp8.md, recomputed from its text
+
+# docs/fp8.md's table of FlashAttention-3's FP8 tile (kBlockM queries, kBlockN keys), at and past each boundary
+FA3_FP8_TILES = {64: (192, 160), 65: (192, 128), 96: (192, 128), 97: (128, 224), 128: (128, 224),
+                 129: (128, 160), 192: (128, 160), 193: (128, 128), 256: (128, 128)}
+
+
+def one_path_block(path, q, k, v, dt=E4M3, **params):
+    """The PathBlock of one path over whole heads (one block of rows)."""
+    from attncheck.numerics.inputs.scores import score_blocks, start_audit
+    from attncheck.numerics.methods.softmax import MethodParams
+    from attncheck.registry import PATHS
+
+    inp = prepare_inputs(q, k, v=v)
+    (blk,) = list(score_blocks(inp, 1 << 40, torch.device("cpu"), start_audit(inp)))
+    return inp, PATHS.get(path).function()(blk, dt, ["torch"], MethodParams(**params))
+
+
+@pytest.mark.parametrize("d", sorted(FA3_FP8_TILES))
+def test_block_scaling_and_key_blocks_are_fa3s_fp8_tile(d):
+    """--fp8-scaling block: one descale (amax / 448) per kBlockM queries and per kBlockN keys, V one per
+    head; flash-fp8 visits key blocks of kBlockN. Row i's largest |x| is i + 1, so a tile's descale is
+    that of its last row: (last row + 1) / 448."""
+    from attncheck.numerics.methods.fp8_attention import Fp8Setup, quantize_inputs
+
+    bm, bn = FA3_FP8_TILES[d]
+    t = 2 * 224 + 37  # not a multiple of any tile
+    x = torch.full((1, 1, t, d), 0.5, dtype=torch.float64)
+    x[0, 0, :, 0] = torch.arange(1, t + 1, dtype=torch.float64)
+    quant = quantize_inputs(prepare_inputs(x, x.clone(), v=x.clone()), Fp8Setup(scaling="block"))
+    i = torch.arange(t)
+
+    def per_tile(block):
+        return (torch.clamp((i // block + 1) * block, max=t).double() / 448).float()
+
+    assert torch.equal(quant.dq[0], per_tile(bm)) and torch.equal(quant.dk[0], per_tile(bn))
+    assert torch.equal(quant.dv[0], torch.tensor([t / 448], dtype=torch.float32))
+    _, pb = one_path_block("flash-fp8", x.float()[..., :40, :], x.float(), x.float())
+    r = pb.cells[0][1].pcast
+    assert r.block == bn and r.block_position.shape[-1] == -(-t // bn)
+
+
+def int8_written_out(x: torch.Tensor, groups: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """docs/fp8.md's INT8 quantisation of x (T, d) fp32 per group of rows: scale = max|x| / 127 + 1e-7
+    in fp32, x / scale rounded half away from zero."""
+    ints, scale = torch.zeros_like(x), torch.zeros(x.shape[0])
+    for rows in groups:
+        sc = x[rows].abs().max() / 127 + 1e-7
+        y = x[rows] / sc
+        ints[rows] = torch.trunc(y + 0.5 * torch.where(y >= 0, 1.0, -1.0))
+        scale[rows] = sc
+    return ints, scale
+
+
+def test_sage_scores_are_the_kernels_int8_products_in_its_order():
+    """S of the sage path, recomputed from docs/fp8.md: bf16 q, k; K minus its bf16 mean; INT8 per
+    thread group (Q rows {t, t+8} of each 16-row segment, K rows r mod 8 in {2t, 2t+1} of each
+    128-key block); dq = q_scale k_scale; S = q.k (dq scale) in every key block but the last,
+    (q.k dq) scale in the last; each product in fp32. Bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    tq, tk, d = 40, 300, 96  # a scale 1 / sqrt(d) that is not a power of two: the product's order shows
+    q, k, v = torch.randn(1, 2, tq, d, generator=g) * 3, torch.randn(1, 2, tk, d, generator=g) + 0.5, torch.randn(1, 2, tk, d, generator=g)
+    inp, pb = one_path_block("sage", q, k, v)
+    scale = torch.tensor(1 / math.sqrt(d), dtype=torch.float32)
+    qgroups = [[r for r in (s + t, s + t + 8) if r < tq] for s in range(0, tq, 16) for t in range(8)]
+    kgroups = [[r for r in range(s, min(s + 128, tk)) if r % 8 in (2 * t, 2 * t + 1)] for s in range(0, tk, 128) for t in range(4)]
+    last = (tk - 1) // 128 * 128
+    rows, alt = [], []
+    for h in range(2):
+        qb, kb = q[0, h].bfloat16(), k[0, h].bfloat16()
+        qi, qs = int8_written_out(qb.float(), [r for r in qgroups if r])
+        ki, ks = int8_written_out((kb - kb.mean(dim=0)).float(), [r for r in kgroups if r])
+        si = (qi.double() @ ki.double().T).float()
+        dq = qs[:, None] * ks[None, :]
+        s = si * (dq * scale)
+        s[:, last:] = si[:, last:] * dq[:, last:] * scale
+        rows.append(s)
+        alt.append(si * dq * scale)
+    mine = torch.cat(rows)
+    assert torch.equal(pb.scores, mine)
+    assert not torch.equal(torch.cat(alt), mine)  # the order is visible in the bits: the test pins it
+
+
+def test_sage_quantises_v_by_the_fast_math_reciprocal():
+    """V in e4m3 per channel (docs/fp8.md): v times 448 fp32(1 / amax), cast; the scale amax fp32(1 / 448).
+    Every non-negative bf16 value up to 3 in one channel (amax 3); a division by amax / 448 or a
+    multiplication by a correctly rounded 448 / amax round some of them differently."""
+    from attncheck.numerics.methods.fp8_attention import sage_v
+
+    v = torch.arange(0, 0x4040 + 1, dtype=torch.int16).view(torch.bfloat16).float()  # 0 .. 3.0
+    v8, scale = sage_v(v[None, :, None])
+    three, top = torch.tensor(3.0), torch.tensor(448.0)
+    assert torch.equal(v8.flatten(), fp8(v * (top * (1 / three))))
+    assert torch.equal(scale.flatten(), (three * (1 / top))[None])
+    assert int((fp8(v / (three / top)) != v8.flatten()).sum()) > 0
+    assert int((fp8(v * (top / three)) != v8.flatten()).sum()) > 0
+
+
+def test_sage_output_is_the_kernel_written_out():
+    """O of the sage path against SageAttention's forward written out here: key blocks of 128 first to
+    last, P scaled by 2^8.807 and cast, V8 = fp8(v 448 fp32(1 / amax)), O / l times amax / 448 in bf16."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, 2, 64, 64, generator=g) * 2, torch.randn(1, 2, 300, 64, generator=g), torch.randn(1, 2, 300, 64, generator=g) * 3
+    d = diagnose_attention("x", prepare_inputs(q, k, v=v), Options(dtypes=("e4m3",), methods=("torch",), paths=("sage",)))
+    (c,) = d.cells
+    assert c.name == "sage/e4m3"
+    _, pb = one_path_block("sage", q, k, v)
+    s = pb.scores.reshape(2, 64, 300)
+    outs = []
+    for h in range(2):
+        vb = v[0, h].bfloat16().float()
+        amax = vb.abs().amax(dim=0)
+        v8 = fp8(vb * (448 * (1 / amax)))
+        _, _, o = fa3_rows(s[h], 128, 2.0**8.807, False, v8)
+        outs.append((o * (amax * (1 / torch.tensor(448.0)))).bfloat16().double())
+    mine = torch.stack(outs)[None]
+    exact = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8, dim=-1) @ v.double()
+    assert c.out_rmse == pytest.approx(float((mine - exact).pow(2).mean().sqrt()), rel=0.02)
+    assert c.out_max_abs_err == pytest.approx(float((mine - exact).abs().max()), rel=0.05)
+
+
 # --------------------------------------------------------------------------- findings
 
 
