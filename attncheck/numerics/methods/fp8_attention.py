@@ -14,7 +14,8 @@ rounding points, from Q, K and V given in high precision.
   ``incoherent``, Q and K are first multiplied by the same random orthogonal matrix
   (a seeded +-1 diagonal times a normalised Hadamard matrix; Q K^T is unchanged in exact
   arithmetic), as the paper's incoherent processing.
-- S = q8 k8^T in fp32, times the descales and the softmax scale in fp32; the key blocks
+- S = q8 k8^T in fp32 times ((q descale x k descale) x softmax scale), each product in fp32, the
+  kernel's order (``hopper/flash_fwd_kernel_sm90.h`` folds the descales into the scale); the key blocks
   (FlashAttention-3's FP8 tile for the head dim, ``fa3_tile``) are visited last to first;
   the running max and row sum are fp32, the sum taken over the exps before the cast;
   P~ = exp(s - m_j) * 2^8 (the kernel's max offset of 8 in its exp2) is cast to e4m3
@@ -247,7 +248,9 @@ def flash_fp8(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params:
     kv = _kv_heads(block.inp, bh)
     q8, dq = quant.q8[bh, qs], quant.dq[bh, qs]  # (n, tq, d), (n, tq)
     k8, dk = quant.k8[kv], quant.dk[kv]
-    s = torch.matmul(q8, k8.transpose(-1, -2)) * (dq[..., None] * dk[:, None, :]) * block.inp.scale  # (n, tq, Tk) fp32
+    # The kernel folds the descales into the softmax scale (flash_fwd_kernel_sm90.h: softmax_scale_log2 *= q_descale
+    # * k_descale), then multiplies the fp32 accumulator by it: S = q8.k8 x ((dq x dk) x scale), each product in fp32.
+    s = torch.matmul(q8, k8.transpose(-1, -2)) * (dq[..., None] * dk[:, None, :] * block.inp.scale)  # (n, tq, Tk) fp32
     s = _mask(block, s)
     _, block_n = fa3_tile(block.inp.d)
     v8 = None if quant.v8 is None else quant.v8[kv]

@@ -156,6 +156,26 @@ def test_block_scaling_and_key_blocks_are_fa3s_fp8_tile(d):
     assert r.block == bn and r.block_position.shape[-1] == -(-t // bn)
 
 
+def test_flash_fp8_scores_fold_the_descales_into_the_scale():
+    """flash-fp8's S (docs/fp8.md): q8 k8^T in fp32 times ((q descale x k descale) x scale), each product
+    in fp32, descale = amax / 448 per batch and kv head. Q and K hold integers 1..8 in magnitude, so
+    q8 = fp8(q 56) are integers and q8 . k8 is exact in any order; d = 48 makes the scale no power of two."""
+    g = torch.Generator().manual_seed(2)
+
+    def ints(t):
+        x = torch.randint(1, 9, (1, 2, t, 48), generator=g).float() * (torch.randint(0, 2, (1, 2, t, 48), generator=g) * 2 - 1)
+        x[..., 0, 0] = 8.0  # every head's amax is 8
+        return x
+
+    q, k = ints(50), ints(70)
+    _, pb = one_path_block("flash-fp8", q, k, None)
+    dq = torch.tensor(8 / 448, dtype=torch.float64).float()
+    scale = torch.tensor(1 / math.sqrt(48), dtype=torch.float32)
+    si = torch.stack([(fp8(q[0, h] / dq).double() @ fp8(k[0, h] / dq).double().T).float() for h in range(2)])
+    assert torch.equal(pb.scores.reshape(2, 50, 70), si * (dq * dq * scale))
+    assert not torch.equal(si * (dq * dq * scale), si * (dq * dq) * scale)  # the order shows in the bits
+
+
 def int8_written_out(x: torch.Tensor, groups: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """docs/fp8.md's INT8 quantisation of x (T, d) fp32 per group of rows: scale = max|x| / 127 + 1e-7
     in fp32, x / scale rounded half away from zero."""
