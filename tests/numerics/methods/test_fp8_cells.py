@@ -253,6 +253,11 @@ def test_sage_output_is_the_kernel_written_out():
     exact = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8, dim=-1) @ v.double()
     assert c.out_rmse == pytest.approx(float((mine - exact).pow(2).mean().sqrt()), rel=0.02)
     assert c.out_max_abs_err == pytest.approx(float((mine - exact).abs().max()), rel=0.05)
+    # The bias (docs/reference/numerics.md): O against the float64 softmax of the path's own S times V as
+    # given (an FP8 path's V quantisation is its own rounding), each row's mean signed error, averaged.
+    o = pb.cells[0][1].out.double().reshape(2, 64, 64)
+    own = torch.softmax(s.double(), dim=-1) @ v[0].double()
+    assert c.out_bias == pytest.approx(float((o - own).mean()), rel=1e-9, abs=1e-15)
 
 
 # --------------------------------------------------------------------------- findings
