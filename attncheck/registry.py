@@ -214,8 +214,9 @@ class PathSpec:
     fp8: bool = False  # computes in the FP8 dtypes (P formats) only; the others in fp16/bf16/fp32 only
     # The fused kernel the path is (judged by FlashAttention's 2x rule against torch.softmax); None: not a kernel
     kernel: str | None = None
-    # The dtype its probabilities are in (the eager path: the method's): "fp32" where they are fp32 products
-    # (flash's P_j times the rescale over l), "the dtype" where P is cast to the dtype; the KL floor is its smallest subnormal
+    # The dtype its probabilities are in (the eager path: the method's): "fp32" where they are fp32
+    # products (flash's P_j times the rescale over l), "the dtype" where P is cast to the dtype;
+    # the KL floor is that dtype's smallest subnormal
     probs_in: str = "fp32"
 
     def function(self) -> Callable:

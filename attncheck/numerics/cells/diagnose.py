@@ -257,7 +257,8 @@ def _path_stage(block: "QKBlock", c: ChunkFacts, path: str, d: str, keys, option
     causes = [("input_nan", c.nan), ("inf_input", c.posinf), *pb.before, ("fully_masked", c.all_masked), *pb.after]
     in_dtype = PATHS.get(path).probs_in == "the dtype"
     for m, out in pb.cells:
-        _check_output(m, out, dt if (in_dtype or path == "eager" and METHODS.get(m).output == "dtype") and not fp8 else torch.float32, pb.scores.shape)
+        held = (in_dtype or path == "eager" and METHODS.get(m).output == "dtype") and not fp8
+        _check_output(m, out, dt if held else torch.float32, pb.scores.shape)
     fused = [METHODS.get(m).fused if path == "eager" else True for m, _ in pb.cells]
     metrics = _cell_metrics(backend, plain, c, fused, [o.probs for _, o in pb.cells], algo, d == "fp32")
     tied = out_algo = None

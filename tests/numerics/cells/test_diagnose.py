@@ -348,7 +348,8 @@ def test_flex_math_kl_floor_is_the_dtype_its_p_is_cast_to(dtype, kernels):
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, t, 16, generator=g).to(dt) * 3 for t in (40, 90, 90))
-    d = diagnose_attention("x", prepare_inputs(q, k, v=v), Options(dtypes=(dtype,), methods=("torch",), paths=("flex-math",), kernels=kernels))
+    opts = Options(dtypes=(dtype,), methods=("torch",), paths=("flex-math",), kernels=kernels)
+    d = diagnose_attention("x", prepare_inputs(q, k, v=v), opts)
     (c,) = d.cells
     s32 = (q.float() @ k.float().transpose(-1, -2)) * torch.tensor(0.25)
     p = torch.softmax(s32, dim=-1).to(dt).double()
