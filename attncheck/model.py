@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 
 from attncheck.codes import SEVERITY
-from attncheck.findings import counted_rows, counted_verdict, ignored_causes
+from attncheck.findings import capture_findings, counted_rows, counted_verdict, ignored_causes
 from attncheck.results import (
     MODEL,
     UNEXPLAINED,
@@ -173,7 +173,17 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
     first_grad = next((i for i, line in enumerate(lines) if line.grad_verdict in ("nan", "error")), None)
     found = [o for c in calls for o in outliers(c)]
     return ModelReport(lines, first, found, tuple(ignore), list(skipped), capture, what_if_answers(calls, ignore),
-                       known=any(known(c) for c in calls), first_grad_bad=first_grad)
+                       known=any(known(c) for c in calls), first_grad_bad=first_grad, findings=capture_level_findings(capture, ignore))
+
+
+def capture_level_findings(capture: dict | None, ignore=()) -> list[Finding]:
+    """The findings of the capture itself (of each rank's, under torchrun), less the ignored codes."""
+    if not capture:
+        return []
+    ranks = capture.get("ranks")
+    found = ([f for r in ranks for f in capture_findings(r, r.get("rank"))] if isinstance(ranks, list)
+             else capture_findings(capture))
+    return [f for f in found if f.code not in ignore]
 
 
 def head_findings(report: CallReport, diag_findings: list[Finding]) -> list[Finding]:

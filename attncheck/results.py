@@ -532,6 +532,7 @@ class ModelReport:
     what_if: list[WhatIfAnswer] = field(default_factory=list)
     known: bool = False  # the calls name their implementation (a capture): the model's cells alone decide
     first_grad_bad: int | None = None  # position in ``lines`` of the first call whose gradients go wrong
+    findings: list[Finding] = field(default_factory=list)  # of the capture itself, not of a call (capture_incomplete)
 
 
 @dataclass

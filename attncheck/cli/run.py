@@ -198,6 +198,10 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
     what_ifs = [c.what_if for c in result.calls if c.what_if is not None]
     asked = [c.removeprefix(WHAT_IF_PREFIX) for c in conditions if c.startswith(WHAT_IF_PREFIX)]
     failed += [WHAT_IF_PREFIX + f for f in failed_conditions(what_ifs, asked, (*ignored, *INHERITED))]  # inherited NaN is the model's
+    if result.model is not None and result.model.findings:  # the capture's own (capture_incomplete)
+        from attncheck.findings import failed_by_findings
+
+        failed += failed_by_findings(result.model.findings, [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)], ignored)
     chosen = []
     for pattern in detail:
         hit = [c for c in result.calls if c.diagnosis is not None and (fnmatch.fnmatchcase(c.call.module, pattern) or fnmatch.fnmatchcase(c.call.name, pattern))]
@@ -214,6 +218,10 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
         console = report_console()
         if full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
             print_report(console, result.tensors, result.device, verbose=not brief, what_ifs=what_ifs)
+            if result.model is not None and result.model.findings:
+                from attncheck.report.model import capture_block
+
+                console.print(capture_block(result.model))
         else:
             from attncheck.report.model import print_model
 

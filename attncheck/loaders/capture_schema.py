@@ -74,6 +74,15 @@ class CompileFacts(Struct):
     compiled_calls: Optional[Count] = None
 
 
+class Unrecorded(Struct):
+    """The first call (or a call's gradients) a capture did not record once recording stopped."""
+
+    index: Index
+    kind: Optional[Short] = None
+    module: Name = ""
+    what: Literal["call", "gradients"] = "call"
+
+
 class Manifest(Struct):
     schema: Schema
     calls: Annotated[list[ManifestCall], Meta(max_length=MAX_CALLS)]
@@ -94,6 +103,7 @@ class Manifest(Struct):
     grads: Optional[bool] = None  # gradients were recorded where a backward reached a call
     grad_calls: Optional[Count] = None
     compile: Optional[CompileFacts] = None
+    first_unrecorded: Optional[Unrecorded] = None
 
 
 class CallMeta(Struct):

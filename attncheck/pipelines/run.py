@@ -82,8 +82,7 @@ def _run_files(request: RunRequest, options, track: Track, notice):
     capture = None
     if manifests:
         doc = manifests[0]
-        capture = {"note": check_manifest_message(doc), "stopped": doc.get("stopped"), "script": doc.get("script"),
-                   "calls": len(doc.get("calls", [])), "torch_version": doc.get("torch_version"), "compile": doc.get("compile")}
+        capture = capture_facts(doc)
     if not request.partial:  # every call checked before the first is diagnosed
         for item in inputs:
             if not isinstance(item, TensorSource) and item.problem:
@@ -111,6 +110,15 @@ def _run_files(request: RunRequest, options, track: Track, notice):
             skipped.append((info.name, e.render()))
             calls.append(CallReport(info, None, error=e.render()))
     return calls, capture, skipped
+
+
+def capture_facts(doc: dict) -> dict:
+    """What the report says of a capture, from its manifest."""
+    from attncheck.loaders.calls import check_manifest_message
+
+    return {"note": check_manifest_message(doc), "stopped": doc.get("stopped"), "script": doc.get("script"),
+            "calls": len(doc.get("calls", [])), "torch_version": doc.get("torch_version"), "compile": doc.get("compile"),
+            "complete": doc.get("complete"), "error": doc.get("error"), "first_unrecorded": doc.get("first_unrecorded")}
 
 
 def _score_rows(tensors: dict) -> int:

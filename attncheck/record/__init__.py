@@ -90,7 +90,7 @@ class Capture:
                      "calls_seen": rec.seen, "calls_recorded": rec.recorded, "max_calls": self.max_calls,
                      "max_bytes": self.max_bytes, "modules": list(self.modules),
                      "forwards": None if self.forwards is None else sorted(self.forwards), "error": self.error,
-                     "grads": self.grads, "grad_calls": rec.grad_calls,
+                     "first_unrecorded": rec.first_missed, "grads": self.grads, "grad_calls": rec.grad_calls,
                      "compile": {"mode": self.compile, "compiled_runs": rec.compiled_runs, "compiled_calls": rec.compiled_calls}}
             if self.script is not None:
                 facts["script"] = {**self.script, "error": self.error}
@@ -118,7 +118,9 @@ class Capture:
 
             facts = {"compile": {"mode": self.compile, "compiled_runs": self._recorder.compiled_runs, "compiled_calls": self._recorder.compiled_calls}}
             notes = [f"recording stopped: {self.stopped}" if self.stopped else None, compile_message(facts)]
-            capture = {"note": "; ".join(n for n in notes if n) or None, "stopped": self.stopped, "compile": facts["compile"]}
+            capture = {"note": "; ".join(n for n in notes if n) or None, "stopped": self.stopped, "compile": facts["compile"],
+                       "complete": self.error is None and self.stopped is None, "error": self.error,
+                       "first_unrecorded": self._recorder.first_missed}
             device = sink.options.device
             skipped = [(r.call.name, r.error) for r in sink.reports if r.error]
             self.result = RunResult([r.diagnosis for r in sink.reports if r.diagnosis is not None], device, sink.reports,

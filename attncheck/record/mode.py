@@ -404,6 +404,7 @@ class Recorder(TorchFunctionMode):
         self.bytes = 0
         self.seen = 0  # calls that matched the filters, recorded or not
         self.stopped: str | None = None
+        self.first_missed: dict | None = None  # the first call (or gradients) not recorded once recording stopped
         # Calls come from every thread: numbering, bounds and the sink are taken one call at a time;
         # what is traced around a softmax is kept per thread (_Thread).
         self._lock = threading.RLock()
@@ -630,16 +631,16 @@ class Recorder(TorchFunctionMode):
             return False
         size = call.nbytes
         if self.max_calls is not None and self.recorded >= self.max_calls:
-            self._stop(f"max_calls {self.max_calls} reached at call {call.index} ({call.kind} in {call.module or 'global'})")
+            self._stop(f"max_calls {self.max_calls} reached at call {call.index} ({call.kind} in {call.module or 'global'})", call)
             return False
         if self.max_bytes is not None and self.bytes + size > self.max_bytes:
             self._stop(f"max_bytes {self.max_bytes} would be passed by call {call.index} ({call.kind} in {call.module or 'global'}, "
-                       f"{size} bytes; {self.bytes} recorded)")
+                       f"{size} bytes; {self.bytes} recorded)", call)
             return False
         try:
             self.sink(call)
         except AttncheckError as e:  # e.g. the disk is full: the model runs on, recording stops
-            self._stop(e.render())
+            self._stop(e.render(), call)
             return False
         self.recorded += 1
         self.bytes += size
@@ -683,7 +684,7 @@ class Recorder(TorchFunctionMode):
         call = watch.call
         if self.max_bytes is not None and self.bytes + size > self.max_bytes:
             self._stop(f"max_bytes {self.max_bytes} would be passed by the gradients of call {call.index} ({call.kind} in "
-                       f"{call.module or 'global'}, {size} bytes; {self.bytes} recorded)")
+                       f"{call.module or 'global'}, {size} bytes; {self.bytes} recorded)", call, "gradients")
             return
         grads = getattr(self.sink, "grads", None)
         if grads is None:
@@ -691,13 +692,18 @@ class Recorder(TorchFunctionMode):
         try:
             grads(call, dict(watch.got))
         except AttncheckError as e:
-            self._stop(e.render())
+            self._stop(e.render(), call, "gradients")
             return
         self.bytes += size
         self.grad_calls += 1
 
-    def _stop(self, why: str) -> None:
+    def _stop(self, why: str, call: Recorded | None = None, what: str = "call", kind: str = "", module: str = "",
+              index: int | None = None) -> None:
         self.stopped = why
+        if call is not None:
+            index, kind, module = call.index, call.kind, call.module
+        if index is not None:
+            self.first_missed = {"index": index, "kind": kind, "module": module or "", "what": what}
         self._pending = None
         self._qk, self._scores = None, {}
         if self.notice is not None:
@@ -790,7 +796,7 @@ class Recorder(TorchFunctionMode):
             if over:  # refused before its logits are computed: a long sequence's would not fit in memory
                 self.seen += 1
                 self._stop(f"max_bytes {self.max_bytes} would be passed by call {self.seen - 1} (flex in {module or 'global'}, "
-                           f"{planned} bytes with its logits; {self.bytes} recorded)")
+                           f"{planned} bytes with its logits; {self.bytes} recorded)", kind="flex", module=module or "", index=self.seen - 1)
         if over or self.stopped is not None:
             return out
         with torch.no_grad():

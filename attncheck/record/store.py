@@ -230,6 +230,10 @@ class DirectorySink:
         """Wait for the last write, then write the manifest (calls that failed to write left out)."""
         self._queue.put(None)
         self._thread.join()
+        failed = [e for e in self.entries if e["file"] in self._failed]
+        if failed and not facts.get("first_unrecorded"):
+            e = failed[0]
+            facts = {**facts, "first_unrecorded": {"index": e["index"], "kind": e["kind"], "module": e["module"], "what": "call"}}
         self.entries = [e for e in self.entries if e["file"] not in self._failed]
         for e in self.entries:
             if "grads" in e and e["grads"]["file"] in self._failed:

@@ -9,7 +9,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from attncheck.codes import REGISTRY
+from attncheck.codes import REGISTRY, doc_link
 from attncheck.format import fmt, plain, to_jsonable, visible
 from attncheck.report.diagnostics import EXPLAIN_HINT, diagnostic
 from attncheck.report.run import diagnosis_json
@@ -168,6 +168,16 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
     return t
 
 
+def capture_block(report: ModelReport) -> Group | None:
+    """The capture's own findings (capture_incomplete), each a diagnostic."""
+    if not report.findings:
+        return None
+    parts: list[Any] = [Text("Findings of the capture itself", style="bold")]
+    for f in report.findings:
+        parts += [diagnostic(f.severity, f.code, f.message, None, f.fix), Text("")]
+    return Group(*parts)
+
+
 def findings_summary(calls: list[CallReport], known: bool) -> Group | None:
     """Each finding code once, as a diagnostic: its severity and what it means, in how many calls and
     the first of them, its fix (the model's cells' findings for a capture; every cell's for files of
@@ -219,9 +229,11 @@ def what_if_table(report: ModelReport, prefix: str = "") -> Table | None:
 
 def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> Text:
     diags = [c.diagnosis for c in calls if c.diagnosis is not None]
-    errors = sum(f.severity == "error" for d in diags for f in d.findings)
-    warnings = sum(f.severity == "warning" for d in diags for f in d.findings)
+    errors = sum(f.severity == "error" for d in diags for f in d.findings) + sum(f.severity == "error" for f in report.findings)
+    warnings = sum(f.severity == "warning" for d in diags for f in d.findings) + sum(f.severity == "warning" for f in report.findings)
     head = f"{len(report.lines)} call(s) on {device}: {errors} error(s), {warnings} warning(s)"
+    incomplete = [f for f in report.findings if f.code == "capture_incomplete"]
+    gap = "".join("; " + f.message for f in incomplete)  # what was not judged, said where CI logs are read: the last line
     judged = "in the cells the model runs" if report.known else "in any cell"
     if report.what_if:
         broken = [a.cell for a in report.what_if if a.bad_calls]
@@ -229,7 +241,7 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
     else:
         tail = ""
     if report.first_bad is None:
-        return Text(head + f"; no call goes wrong {judged}" + tail, style="yellow" if warnings else "green")
+        return shown(head + f"; no call goes wrong {judged}" + tail + gap, style="yellow" if warnings else "green")
     line = report.lines[report.first_bad]
     what = f"NaN in {line.nan_rows} row(s)" if line.nan_rows else line.verdict
     if line.verdict == "error":
@@ -237,7 +249,7 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
     cause = ""
     if line.first_cause:
         cause = f", first cause {line.first_cause}" + (f" in head {','.join(map(str, line.heads[:6]))}" if line.heads else "")
-    return shown(f"{head}; first call that goes wrong: #{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'}): {what}{cause}{tail}", style="bold red")
+    return shown(f"{head}; first call that goes wrong: #{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'}): {what}{cause}{tail}{gap}", style="bold red")
 
 
 LINES_LEGEND = ("Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the path of the "
@@ -299,6 +311,9 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             text.append(f"  ... {len(report.outliers) - 12} more in the JSON report\n")
         text.rstrip()
         parts.append(text)
+    own = capture_block(report)
+    if own is not None:
+        parts.append(own)
     summary = findings_summary(calls, report.known)
     if summary is not None:
         parts.append(summary)
@@ -367,6 +382,8 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
         "ignored": list(report.ignored),
         "skipped": [{"name": n, "error": why} for n, why in report.skipped],
         "capture": report.capture,
+        "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix, "doc": doc_link(f.code)}
+                     for f in report.findings],
         "known_implementation": report.known,
         "first_grad_bad": None if report.first_grad_bad is None else _first_json(report.lines[report.first_grad_bad]),
         "what_if": [{"cell": a.cell, "calls": a.calls, "bad_calls": a.bad_calls, "verdict": a.verdict, "nan_rows": a.nan_rows,
