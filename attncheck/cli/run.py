@@ -185,9 +185,11 @@ def run(
     emit(result, conditions, ignored, json_out, brief=brief, full=full, detail=detail)
 
 
-def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str | None, *, brief: bool, full: bool, detail: list[str]) -> None:
+def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str | None, *, brief: bool, full: bool, detail: list[str],
+         summary_only: str | None = None) -> None:
     """Print the report (the model report for several calls, else the per-tensor one), write the
-    JSON, and exit 0, or 1 when a --fail-on condition holds, or 2 when calls were skipped."""
+    JSON, and exit 0, or 1 when a --fail-on condition holds, or 2 when calls were skipped; ``summary_only``: a label, and
+    only the closing line is said (on stderr) under it (one rank of several)."""
     import fnmatch
 
     from attncheck.findings import failed_conditions
@@ -214,7 +216,11 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
             write_json(json.dumps(run_json(result.tensors, result.device, failed, result.model, result.calls), indent=2, allow_nan=False), json_out)
         except AttncheckError as e:
             raise fail(e) from None
-    if json_out != "-":
+    if summary_only is not None and result.model is not None:  # one process of several (torchrun): its closing line, labelled
+        from attncheck.report.model import closing_line
+
+        say(f"attncheck: {summary_only}: {closing_line(result.model, result.calls, result.device).plain}")
+    elif json_out != "-":
         console = report_console()
         if full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
             print_report(console, result.tensors, result.device, verbose=not brief, what_ifs=what_ifs)

@@ -231,6 +231,56 @@ def is_capture_dir(path: str | os.PathLike[str]) -> bool:
         return False
 
 
+RANK_DIR = re.compile(r"^rank(\d{1,7})$")
+
+
+def rank_dirs(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """A capture of several processes (torchrun): a directory without a manifest holding ``rankN``
+    directories; [(rank, directory)] in rank order, [] for anything else."""
+    try:
+        if not Path(path).is_dir() or (Path(path) / MANIFEST).is_file():
+            return []
+        found = [(int(m.group(1)), os.path.join(os.fspath(path), p.name)) for p in Path(path).iterdir()
+                 if (m := RANK_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()]
+    except (OSError, ValueError):
+        return []
+    return sorted(found)
+
+
+def open_ranks(directory: str | os.PathLike[str], selector: KeySelector | None = None, max_bytes: int | None = None) -> tuple[list[CallSource], list[dict]]:
+    """Every rank's calls of a capture of several processes, each call naming its rank, in call order
+    (rank order within one index: the ranks run the same program); and each rank's manifest. The ranks
+    must be one job's: ranks 0 .. world-1, each once, one world size and one run id."""
+    given = os.fspath(directory)
+    found = rank_dirs(given)
+    out: list[CallSource] = []
+    docs: list[dict] = []
+    for rank, sub in found:
+        if not (Path(sub) / MANIFEST).is_file():
+            raise error(f"{sub}: holds no {MANIFEST}: rank {rank}'s capture did not finish (did that process fail?)")
+        calls, doc = open_capture(sub, selector, max_bytes)
+        if doc.get("rank") != rank or not isinstance(doc.get("world"), int):
+            raise error(f"{os.path.join(sub, MANIFEST)}: is rank {doc.get('rank')}'s capture, not rank {rank}'s "
+                        "(each rank writes its own DIR/rankN)")
+        out += calls
+        docs.append(doc)
+    worlds = {d["world"] for d in docs}
+    runs = {d.get("run_id") for d in docs}
+    if len(worlds) > 1 or len(runs) > 1:
+        what = f"world sizes {sorted(worlds)}" if len(worlds) > 1 else "run ids " + ", ".join(sorted(str(r) for r in runs))
+        raise error(f"{given}: its ranks come from different jobs ({what}): capture into a new or empty folder")
+    world = worlds.pop()
+    ranks = [d["rank"] for d in docs]
+    if ranks != list(range(world)):
+        missing = sorted(set(range(world)) - set(ranks))
+        extra = sorted(set(ranks) - set(range(world)))
+        raise error(f"{given}: a capture of {world} processes " + (f"lacks rank {missing[0]} ({os.path.join(given, f'rank{missing[0]}')})"
+                                                                   if missing else f"holds rank {extra[0]}, beyond its world")
+                    + ": capture into a new or empty folder")
+    out.sort(key=lambda s: (s.info.index, s.info.rank))
+    return out, docs
+
+
 def load_manifest(directory: str | os.PathLike[str]) -> Manifest:
     """The manifest of a capture directory: read within ``jsondoc``'s bounds and every field
     checked (``capture_schema.Manifest``); anything wrong is one line naming the manifest."""
@@ -333,6 +383,9 @@ def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None
         raise error(f"{where} does not match the files: {os.path.join(given, unlisted[0])} is not listed in it"
                     + (f" ({len(unlisted) - 1} more)" if len(unlisted) > 1 else ""))
     out.sort(key=lambda s: s.info.index)
+    if manifest.rank is not None and (manifest.world or 1) > 1:  # one rank of a torchrun capture: its calls say so
+        for src in out:
+            src.info.rank = manifest.rank
     return out, manifest_facts(manifest)
 
 
@@ -435,6 +488,10 @@ def open_inputs(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (
             calls, doc = open_capture(raw, selector, max_bytes)
             found.extend(calls)
             manifests.append(doc)
+        elif rank_dirs(raw):
+            calls, docs = open_ranks(raw, selector, max_bytes)
+            found.extend(calls)
+            manifests.extend(docs)
         else:
             plain.append(os.fspath(raw))
     files = expand_paths(plain) if plain else []

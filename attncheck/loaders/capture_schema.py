@@ -104,6 +104,10 @@ class Manifest(Struct):
     grad_calls: Optional[Count] = None
     compile: Optional[CompileFacts] = None
     first_unrecorded: Optional[Unrecorded] = None
+    # Under torchrun (several processes): this capture's rank, the world size and the job's id (torchrun's run id)
+    rank: Optional[Annotated[int, Meta(ge=0, le=1 << 20)]] = None
+    world: Optional[Annotated[int, Meta(ge=1, le=1 << 20)]] = None
+    run_id: Optional[Short] = None
 
 
 class CallMeta(Struct):

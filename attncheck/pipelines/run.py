@@ -80,9 +80,13 @@ def _run_files(request: RunRequest, options, track: Track, notice):
         raise AttncheckError(f"{param('paths')} applies to attention calls (a capture, q/k files) and to {param('q')}/{param('k')}; "
                              f"{', '.join(request.paths)} hold{'s' if len(request.paths) == 1 else ''} scores only")
     capture = None
-    if manifests:
-        doc = manifests[0]
-        capture = capture_facts(doc)
+    if manifests and all(isinstance(d.get("rank"), int) and (d.get("world") or 1) > 1 for d in manifests) and len(manifests) > 1:
+        ranks = [dict(capture_facts(d), rank=d["rank"]) for d in manifests]  # every rank of one torchrun capture
+        notes = [f"rank {r['rank']}: {r['note']}" for r in ranks if r["note"]]
+        capture = {"note": "; ".join(notes) or None, "world": manifests[0]["world"], "run_id": manifests[0].get("run_id"),
+                   "calls": sum(r["calls"] for r in ranks), "ranks": ranks}
+    elif manifests:
+        capture = capture_facts(manifests[0])
     if not request.partial:  # every call checked before the first is diagnosed
         for item in inputs:
             if not isinstance(item, TensorSource) and item.problem:
@@ -118,7 +122,8 @@ def capture_facts(doc: dict) -> dict:
 
     return {"note": check_manifest_message(doc), "stopped": doc.get("stopped"), "script": doc.get("script"),
             "calls": len(doc.get("calls", [])), "torch_version": doc.get("torch_version"), "compile": doc.get("compile"),
-            "complete": doc.get("complete"), "error": doc.get("error"), "first_unrecorded": doc.get("first_unrecorded")}
+            "complete": doc.get("complete"), "error": doc.get("error"), "first_unrecorded": doc.get("first_unrecorded"),
+            "rank": doc.get("rank"), "world": doc.get("world")}
 
 
 def _score_rows(tensors: dict) -> int:

@@ -59,17 +59,26 @@ class Capture:
         self.error: str | None = None
         self._recorder = None
         self._sink = None
+        self.rank: int | None = None  # under torchrun (several processes): this process's rank, and the world size
+        self.world: int | None = None
+        self.given_path = self.path  # the parent of the ranks' directories under torchrun
 
     def __enter__(self) -> "Capture":
         from attncheck.record.mode import Recorder
+        from attncheck.record.ranks import capture_rank, rank_directory
         from attncheck.record.store import DiagnoseSink, DirectorySink, MemorySink
 
+        ranked = capture_rank()
+        if ranked is not None:
+            self.rank, self.world = ranked
+            if self.path is not None:  # each rank its own directory: PATH/rankN
+                self.path = os.fspath(rank_directory(self.given_path, self.rank))
         if self.diagnose:
             from attncheck.config.run import Options
 
             self._sink = DiagnoseSink(self.options or Options(), self.ignore, self.notice, self.what_if, self.asked)
         elif self.path is not None:
-            self._sink = DirectorySink(self.path)
+            self._sink = DirectorySink(self.path, self.rank)
         else:
             self._sink = MemorySink()
         self._recorder = Recorder(self._sink, modules=self.modules, forwards=self.forwards, max_calls=self.max_calls,
@@ -94,9 +103,18 @@ class Capture:
                      "compile": {"mode": self.compile, "compiled_runs": rec.compiled_runs, "compiled_calls": rec.compiled_calls}}
             if self.script is not None:
                 facts["script"] = {**self.script, "error": self.error}
+            facts.update(self.rank_facts())
             sink.close(facts)
             self._finish(sink)
         return False
+
+    def rank_facts(self) -> dict:
+        """{'rank', 'world', 'run_id'} under torchrun; {} for a single process (its manifest as it always was)."""
+        if self.rank is None:
+            return {}
+        from attncheck.record.ranks import run_id
+
+        return {"rank": self.rank, "world": self.world, "run_id": run_id()}
 
     def note_error(self, exc: BaseException) -> None:
         """Record that the block failed (a script runner that catches the exception itself calls
@@ -120,7 +138,7 @@ class Capture:
             notes = [f"recording stopped: {self.stopped}" if self.stopped else None, compile_message(facts)]
             capture = {"note": "; ".join(n for n in notes if n) or None, "stopped": self.stopped, "compile": facts["compile"],
                        "complete": self.error is None and self.stopped is None, "error": self.error,
-                       "first_unrecorded": self._recorder.first_missed}
+                       "first_unrecorded": self._recorder.first_missed, **self.rank_facts()}
             device = sink.options.device
             skipped = [(r.call.name, r.error) for r in sink.reports if r.error]
             self.result = RunResult([r.diagnosis for r in sink.reports if r.diagnosis is not None], device, sink.reports,

@@ -25,9 +25,10 @@ MAX_HEAD_COLUMNS = 32
 def call_label(line: ModelLine, prefix: str = "") -> str:
     """The module path when the call has one (less the ``prefix`` every call shares), else
     the file (and key) it came from."""
+    on = "" if line.rank is None else f"r{line.rank} "  # a capture of several processes: the rank first
     if line.module:
-        return line.module[len(prefix):] if prefix and line.module.startswith(prefix) else line.module
-    return "global" if line.kind in ("sdpa", "softmax") else line.name
+        return on + (line.module[len(prefix):] if prefix and line.module.startswith(prefix) else line.module)
+    return on + ("global" if line.kind in ("sdpa", "softmax") else line.name)
 
 
 def shared_prefix(modules: list[str]) -> str:
@@ -164,8 +165,27 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
             else:
                 cells.append(Text(f"{compact(h.max_logit)}{star}", style="yellow" if star else ""))
         cells += [""] * (width - len(cells))
-        t.add_row(shown(call_label(ModelLine(c.call.index, c.call.name, c.call.module, c.call.kind, (), None, None, None, 0, None, None, ""), prefix)), *cells)
+        t.add_row(shown(call_label(ModelLine(c.call.index, c.call.name, c.call.module, c.call.kind, (), None, None, None, 0, None, None, "",
+                                             rank=c.call.rank), prefix)), *cells)
     return t
+
+
+def ranks_block(report: ModelReport) -> Text | None:
+    """A capture of several processes (torchrun): each rank's own account, one line each."""
+    if len(report.ranks) < 2:  # one rank's own report says so in its capture note
+        return None
+    world = (report.capture or {}).get("world")
+    text = Text(f"Ranks ({len(report.ranks)}" + (f" of {world}" if world else "") + "; the calls above are every rank's, r0, r1, ...):\n")
+    for r in report.ranks:
+        head = f"  rank {r.rank}: {r.calls} call(s), {r.errors} error(s), {r.warnings} warning(s)" + ("" if r.complete else ", incomplete")
+        if r.first_bad is None:
+            text.append(head + "; no call goes wrong\n", style="yellow" if r.warnings or not r.complete else "green")
+        else:
+            line = report.lines[r.first_bad]
+            text.append(visible(f"{head}; first call that goes wrong: #{line.index} {call_label(line)}: {line.verdict}"
+                                + (f", first cause {line.first_cause}" if line.first_cause else "")) + "\n", style="bold red")
+    text.rstrip()
+    return text
 
 
 def capture_block(report: ModelReport) -> Group | None:
@@ -187,7 +207,7 @@ def findings_summary(calls: list[CallReport], known: bool) -> Group | None:
         if c.diagnosis is None:
             continue
         for f in c.diagnosis.findings:
-            entry = seen.setdefault(f.code, [f.severity, 0, c.call.module or c.call.name])
+            entry = seen.setdefault(f.code, [f.severity, 0, ("" if c.call.rank is None else f"r{c.call.rank} ") + (c.call.module or c.call.name)])
             entry[1] += 1
             if SEVERITY_ORDER[f.severity] < SEVERITY_ORDER[entry[0]]:
                 entry[0] = f.severity
@@ -249,7 +269,9 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
     cause = ""
     if line.first_cause:
         cause = f", first cause {line.first_cause}" + (f" in head {','.join(map(str, line.heads[:6]))}" if line.heads else "")
-    return shown(f"{head}; first call that goes wrong: #{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'}): {what}{cause}{tail}{gap}", style="bold red")
+    on = "" if line.rank is None else f" on rank {line.rank}"
+    return shown(f"{head}; first call that goes wrong{on}: #{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'}): "
+                 f"{what}{cause}{tail}{gap}", style="bold red")
 
 
 LINES_LEGEND = ("Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the path of the "
@@ -311,6 +333,9 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             text.append(f"  ... {len(report.outliers) - 12} more in the JSON report\n")
         text.rstrip()
         parts.append(text)
+    ranks = ranks_block(report)
+    if ranks is not None:
+        parts.append(ranks)
     own = capture_block(report)
     if own is not None:
         parts.append(own)
@@ -344,6 +369,7 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
         info = c.call
         out_calls.append({
             "index": line.index,
+            "rank": line.rank,
             "name": line.name,
             "module": line.module,
             "kind": line.kind,
@@ -382,6 +408,8 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
         "ignored": list(report.ignored),
         "skipped": [{"name": n, "error": why} for n, why in report.skipped],
         "capture": report.capture,
+        "ranks": [{"rank": r.rank, "calls": r.calls, "errors": r.errors, "warnings": r.warnings, "complete": r.complete,
+                   "first_bad": None if r.first_bad is None else _first_json(report.lines[r.first_bad])} for r in report.ranks],
         "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix, "doc": doc_link(f.code)}
                      for f in report.findings],
         "known_implementation": report.known,
@@ -398,6 +426,6 @@ def _limit_json(limit) -> dict[str, Any] | None:
 
 
 def _first_json(line: ModelLine) -> dict[str, Any]:
-    return {"index": line.index, "name": line.name, "module": line.module, "verdict": line.verdict,
+    return {"index": line.index, "rank": line.rank, "name": line.name, "module": line.module, "verdict": line.verdict,
             "first_cause": line.first_cause, "heads": line.heads, "nan_rows": line.nan_rows, "errors": line.errors}
 
