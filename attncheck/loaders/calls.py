@@ -194,11 +194,17 @@ def call_bytes(entries: dict[str, tuple[str, tuple[int, ...]]]) -> int:
     return sum(math.prod(shape) * _ITEMSIZE.get(dtype, 8) for role, (dtype, shape) in entries.items() if role in ROLES)
 
 
-def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
+def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int, ...]]], meta: dict[str, str] | None = None) -> str | None:
     need = ("q", "k") if kind in ("sdpa", "flex") else ("scores",)
     missing = [r for r in need if r not in entries]
     if missing:
         return f"{label}: the {kind} call has no {' or '.join(missing)} tensor"
+    mod = (meta or {}).get("score_mod", "none")
+    if kind == "flex" and mod not in ("none", ""):  # judged on q.k alone, it would be judged as another attention
+        lost = [r for r in ("scores_mod", "scores_mod64") if r not in entries]
+        if lost:
+            return (f"{label}: the flex call's score_mod {shorten(repr(mod))} changed its logits, but the file holds no "
+                    f"{' or '.join(lost)} tensor (its logits after the score_mod); its raw q.k logits are not what it computed")
     return None
 
 
@@ -216,7 +222,7 @@ def call_file_source(path: str, index: int, meta: dict[str, str], entries: dict[
     size = call_bytes(entries)
     if max_bytes is not None and size > max_bytes:
         return _broken(info, f"{label}: loading the call whole needs {size_text(size)}, over {param('max_memory')} {size_text(max_bytes)}")
-    return CallSource(info, lambda: _load_call_tensors(path, label), _check_roles(label, info.kind, entries))
+    return CallSource(info, lambda: _load_call_tensors(path, label), _check_roles(label, info.kind, entries, meta))
 
 
 # --------------------------------------------------------------------------- capture directories
@@ -376,7 +382,7 @@ def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None
                 raise error(f"{where}: call {index} names the gradients file {visible(gname)}, not this call's "
                             f"({grads_file_name(index, entry.module or '')})")
             listed.add(gname)
-            load, grads_problem = _with_grads(source.load, os.path.join(given, gname), label)
+            load, grads_problem = _with_grads(source.load, os.path.join(given, gname), label, index, entry.module or "", entries)
         out.append(CallSource(source.info, load, problem or source.problem or grads_problem))
     unlisted = sorted((p.name for p in Path(given).glob("*.safetensors") if p.name not in listed), key=natural_key)
     if unlisted:
@@ -389,18 +395,29 @@ def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None
     return out, manifest_facts(manifest)
 
 
-def _with_grads(load: Callable[[], dict[str, torch.Tensor]], path: str, label: str) -> tuple[Callable[[], dict[str, torch.Tensor]], str | None]:
-    """A call's loader that adds the tensors of its gradients file (only the gradient roles)."""
+def _with_grads(load: Callable[[], dict[str, torch.Tensor]], path: str, label: str, index: int, module: str,
+                call_entries: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[Callable[[], dict[str, torch.Tensor]], str | None]:
+    """A call's loader that adds the tensors of its gradients file (only the gradient roles). The file must be this
+    call's: its metadata names the call and its module, and each gradient has the shape of what it is the gradient of
+    (dq of q, dO of the output): another call's gradients would be judged as this kernel's and read as attncheck's
+    emulation being wrong."""
     if os.path.islink(path):
         return load, f"{label}: its gradients file {path} is a symbolic link; a capture's files are plain files of its directory (nothing is read outside it)"
     if not os.path.isfile(path):
         return load, f"{label}: its gradients file {path} is listed in the manifest but " + ("not a file" if os.path.lexists(path) else "missing")
     try:
-        meta, _ = read_call_header(path)
+        meta, grad_entries = read_call_header(path)
     except AttncheckError as exc:
         return load, f"{label}: its gradients file: {_strip_path(exc.message, path)}"
     if not str(meta.get(FORMAT_KEY, "")).startswith(CAPTURE_SCHEMA_PREFIX) or meta.get("grads") != "true":
         return load, f"{label}: {path} is not a capture's gradients file (its metadata needs {FORMAT_KEY} {CAPTURE_SCHEMA_PREFIX}... and grads true)"
+    for key, want in (("call", str(index)), ("module", module)):
+        if meta.get(key) != want:
+            return load, (f"{label}: its gradients file {path} belongs to another call ({key} {shorten(repr(meta.get(key)))} in it, "
+                          f"{shorten(repr(want))} for this call)")
+    problem = _grad_shapes(label, path, grad_entries, call_entries)
+    if problem:
+        return load, problem
 
     def both() -> dict[str, torch.Tensor]:
         tensors = load()
@@ -408,6 +425,22 @@ def _with_grads(load: Callable[[], dict[str, torch.Tensor]], path: str, label: s
         return tensors
 
     return both, None
+
+
+def _grad_shapes(label: str, path: str, grads: dict, call: dict) -> str | None:
+    """Why the gradients in ``grads`` cannot be those of the call whose tensors are ``call`` (header entries), or None."""
+    shapes = {role: tuple(spec[1]) for role, spec in call.items()}
+    want = {"grad_q": shapes.get("q"), "grad_k": shapes.get("k"), "grad_v": shapes.get("v")}
+    if "out" in shapes:
+        want["grad_out"] = shapes["out"]
+    elif shapes.get("q") and shapes.get("v"):  # O = P@V: q's rows, v's width
+        want["grad_out"] = (*shapes["q"][:-1], shapes["v"][-1])
+    for role in GRAD_ROLES:
+        got, expected = grads.get(role), want.get(role)
+        if got is not None and expected is not None and tuple(got[1]) != tuple(expected):
+            return (f"{label}: its gradients file {path} belongs to another call ({role} has shape {tuple(got[1])}; "
+                    f"this call's is {tuple(expected)})")
+    return None
 
 
 def _strip_path(message: str, path: str) -> str:

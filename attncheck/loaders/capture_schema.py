@@ -7,7 +7,7 @@ one: a field with a default.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 from msgspec import Meta, Struct
 
@@ -98,7 +98,8 @@ class Manifest(Struct):
     max_calls: Optional[Count] = None
     max_bytes: Optional[Count] = None
     modules: Annotated[list[Name], Meta(max_length=10_000)] = []
-    forwards: Optional[Annotated[list[Index], Meta(max_length=MAX_CALLS)]] = None
+    # the forward passes recorded: '1,3,5-9' (a list of numbers in captures before ranges were kept as ranges)
+    forwards: Optional[Union[Annotated[list[Index], Meta(max_length=MAX_CALLS)], Message]] = None
     total_bytes: Optional[Count] = None
     grads: Optional[bool] = None  # gradients were recorded where a backward reached a call
     grad_calls: Optional[Count] = None

@@ -396,7 +396,7 @@ class Recorder(TorchFunctionMode):
         self._watches: list[_GradWatch] = []
         self.grad_calls = 0  # calls whose gradients were recorded
         self.modules = tuple(modules)
-        self.forwards = None if forwards is None else set(forwards)
+        self.forwards = forwards  # anything with ``in`` (record.Forwards: ranges, never expanded)
         self.max_calls, self.max_bytes = max_calls, max_bytes
         self.notice = notice
         self.tracker = ModuleStack(self._top if in_modules else None)
@@ -457,8 +457,8 @@ class Recorder(TorchFunctionMode):
         if self.compile is not None:
             self._compile_before = torch.compile
             torch.compile = self._compile_wrapper(self._compile_before)
-            if self.compile == "eager":
-                self._stance = torch.compiler.set_stance("force_eager")
+            if self.compile == "eager" and "torch._dynamo" in sys.modules:
+                self._force_eager()  # else at the first torch.compile: importing the compiler leaves a cache folder in /tmp
         if self.in_modules:
             return self
         self._thread().mode = True
@@ -550,6 +550,15 @@ class Recorder(TorchFunctionMode):
     def compiled_runs(self) -> int:
         return self.tracker.compiled_runs
 
+    def _force_eager(self) -> None:
+        """compile='eager': compiled code runs as its Python code from now on (the compiler's force_eager stance). Set
+        when the block starts where the compiler is loaded already (a module compiled before), else at the first
+        torch.compile inside it, so that a script that compiles nothing never loads the compiler (which creates its
+        cache folder, torchinductor_USER, in the temporary directory)."""
+        with self._lock:
+            if self.compile == "eager" and self._stance is None and not self._closed:
+                self._stance = torch.compiler.set_stance("force_eager")
+
     def _compile_wrapper(self, compile_fn):
         """``torch.compile`` while recording: the same, with a compiled function marked so that its
         calls are known to run inside compiled code (a compiled module is known by its hooks)."""
@@ -571,6 +580,7 @@ class Recorder(TorchFunctionMode):
 
         @functools.wraps(compile_fn)
         def compile_marked(model=None, *args, **kwargs):
+            self._force_eager()
             caller = sys._getframe(1).f_globals.get("__name__", "")
             if caller == "torch" or caller.startswith("torch."):  # torch's own use (flex_attention compiles itself to trace)
                 return compile_fn(model, *args, **kwargs)
