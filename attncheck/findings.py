@@ -465,16 +465,20 @@ def capture_findings(capture: dict | None, rank: int | None = None) -> list[Find
 
     if not capture or capture.get("complete") is True:
         return out
-    stopped, error = capture.get("stopped"), capture.get("error") or (capture.get("script") or {}).get("error")
+    stopped = capture.get("stopped")
+    error = capture.get("error") or (capture.get("script") or {}).get("error")
     if not stopped and not error:
         return out
     on = "" if rank is None else f"rank {rank}: "
     first = unrecorded_text(capture.get("first_unrecorded"))
     if stopped:
-        missed = f"{first} and every call after it not recorded" if first else "calls not recorded (the first one is not known)"
+        missed = (f"{first} and every call after it not recorded" if first
+                  else "calls not recorded (the first is not known)")
         add("capture_incomplete", f"{on}capture incomplete: {missed} (recording stopped: {stopped})")
     else:
-        add("capture_incomplete", f"{on}capture incomplete: the script failed ({error}); the calls it would have made after that were never made")
+        add("capture_incomplete",
+            f"{on}capture incomplete: the script failed ({error}); the calls it would have made after that "
+            "were never made")
     return out
 
 

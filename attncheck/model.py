@@ -114,7 +114,8 @@ def _grad_facts(line: ModelLine, b, ignore=()) -> None:
 def call_line(report: CallReport, ignore=()) -> ModelLine:
     info, d = report.call, report.diagnosis
     if d is None:
-        return ModelLine(info.index, info.name, info.module, info.kind, info.shape, None, None, None, 0, None, None, "skipped", rank=info.rank)
+        return ModelLine(info.index, info.name, info.module, info.kind, info.shape, None, None, None, 0, None, None,
+                         "skipped", rank=info.rank)
     line = cell_line(report, d, used_cell(report), ignore, every_cell=not known(report))
     if report.cell is not None and line.cell is None:
         line.cell = f"{report.cell[0]}/{report.cell[1]}"

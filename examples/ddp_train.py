@@ -4,7 +4,8 @@ sample), so its loss is NaN; DDP averages the gradients of both ranks, so after 
 weight on both ranks is NaN, and at the third step both ranks' attention is NaN everywhere. Rank 0
 alone would point at its own step 3; the capture of both ranks names rank 1's step 2.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 -m attncheck capture --out ddp-capture -- examples/ddp_train.py
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \
+        -m attncheck capture --out ddp-capture -- examples/ddp_train.py
     attncheck run ddp-capture --fail-on nan            # exit 1: the first call that goes wrong is on rank 1
     python examples/ddp_train.py [OUTDIR]              (one process, no NaN; OUTDIR is ignored)
 """
@@ -24,7 +25,9 @@ class Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, e = x.shape
-        q, k, v = (z.view(b, t, self.heads, e // self.heads).transpose(1, 2) for z in self.qkv(x).split(e, dim=-1))  # (B, H, T, d)
+        q, k, v = (
+            z.view(b, t, self.heads, e // self.heads).transpose(1, 2) for z in self.qkv(x).split(e, dim=-1)
+        )  # (B, H, T, d)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, e)
 
 

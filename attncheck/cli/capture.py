@@ -109,7 +109,7 @@ def capture(
         raise fail(e) from None
 
     cap = outcome.capture
-    whose = "" if cap.rank is None else f"rank {cap.rank} of {cap.world}: "  # torchrun: each process says which rank it is
+    whose = "" if cap.rank is None else f"rank {cap.rank} of {cap.world}: "  # torchrun: each process says its rank
     out = out if cap.path is None else cap.path  # under torchrun: this rank's own directory, OUT/rankN
     if outcome.error is not None:
         _show_script_error(outcome.error, script)
@@ -118,14 +118,19 @@ def capture(
         raise fail(f"{script} failed ({why}); {kept}")
     if say is not None and not no_save:
         again = out if cap.rank is None else f"{cap.given_path} for every rank"
-        say(whose + f"recorded {len(cap.calls)} call(s) in {out}" + (f"; recording stopped: {cap.stopped}" if cap.stopped else "") + f" (again: attncheck run {again})")
+        stopped = f"; recording stopped: {cap.stopped}" if cap.stopped else ""
+        say(whose + f"recorded {len(cap.calls)} call(s) in {out}{stopped} (again: attncheck run {again})")
     summary_only = None
-    if cap.rank is not None:  # rank 0 prints its report, the other ranks their closing line (on stderr); JSON: one file per rank
+    if cap.rank is not None:  # rank 0 prints its report, the others their closing line (stderr); JSON: a file per rank
         from attncheck.record.ranks import rank_file
 
         summary_only = None if cap.rank == 0 else f"rank {cap.rank} of {cap.world}"
-        json_out = (None if cap.rank else "-") if json_out == "-" else (None if json_out is None else rank_file(json_out, cap.rank))
-    emit(outcome.result, conditions, ignored, json_out, brief=brief, full=full, detail=detail, summary_only=summary_only)
+        if json_out == "-":
+            json_out = None if cap.rank else "-"
+        elif json_out is not None:
+            json_out = rank_file(json_out, cap.rank)
+    emit(outcome.result, conditions, ignored, json_out, brief=brief, full=full, detail=detail,
+         summary_only=summary_only)
 
 
 def _where(error: BaseException, script: str) -> str:

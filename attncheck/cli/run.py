@@ -185,11 +185,11 @@ def run(
     emit(result, conditions, ignored, json_out, brief=brief, full=full, detail=detail)
 
 
-def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str | None, *, brief: bool, full: bool, detail: list[str],
-         summary_only: str | None = None) -> None:
+def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str | None, *, brief: bool, full: bool,
+         detail: list[str], summary_only: str | None = None) -> None:
     """Print the report (the model report for several calls, else the per-tensor one), write the
-    JSON, and exit 0, or 1 when a --fail-on condition holds, or 2 when calls were skipped; ``summary_only``: a label, and
-    only the closing line is said (on stderr) under it (one rank of several)."""
+    JSON, and exit 0, or 1 when a --fail-on condition holds, or 2 when calls were skipped.
+    ``summary_only``: a label; only the closing line is said, on stderr, under it (one rank of several)."""
     import fnmatch
 
     from attncheck.findings import failed_conditions
@@ -203,7 +203,8 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
     if result.model is not None and result.model.findings:  # the capture's own (capture_incomplete)
         from attncheck.findings import failed_by_findings
 
-        failed += failed_by_findings(result.model.findings, [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)], ignored)
+        own = [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)]
+        failed += failed_by_findings(result.model.findings, own, ignored)
     chosen = []
     for pattern in detail:
         hit = [c for c in result.calls if c.diagnosis is not None and (fnmatch.fnmatchcase(c.call.module, pattern) or fnmatch.fnmatchcase(c.call.name, pattern))]
@@ -216,7 +217,7 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
             write_json(json.dumps(run_json(result.tensors, result.device, failed, result.model, result.calls), indent=2, allow_nan=False), json_out)
         except AttncheckError as e:
             raise fail(e) from None
-    if summary_only is not None and result.model is not None:  # one process of several (torchrun): its closing line, labelled
+    if summary_only is not None and result.model is not None:  # one process of several (torchrun): its closing line
         from attncheck.report.model import closing_line
 
         say(f"attncheck: {summary_only}: {closing_line(result.model, result.calls, result.device).plain}")

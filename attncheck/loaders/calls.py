@@ -194,7 +194,8 @@ def call_bytes(entries: dict[str, tuple[str, tuple[int, ...]]]) -> int:
     return sum(math.prod(shape) * _ITEMSIZE.get(dtype, 8) for role, (dtype, shape) in entries.items() if role in ROLES)
 
 
-def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int, ...]]], meta: dict[str, str] | None = None) -> str | None:
+def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int, ...]]],
+                 meta: dict[str, str] | None = None) -> str | None:
     need = ("q", "k") if kind in ("sdpa", "flex") else ("scores",)
     missing = [r for r in need if r not in entries]
     if missing:
@@ -203,8 +204,10 @@ def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int,
     if kind == "flex" and mod not in ("none", ""):  # judged on q.k alone, it would be judged as another attention
         lost = [r for r in ("scores_mod", "scores_mod64") if r not in entries]
         if lost:
-            return (f"{label}: the flex call's score_mod {shorten(repr(mod))} changed its logits, but the file holds no "
-                    f"{' or '.join(lost)} tensor (its logits after the score_mod); its raw q.k logits are not what it computed")
+            return (f"{label}: the flex call's score_mod {shorten(repr(mod))} changed its logits, but the file "
+                    "holds no "
+                    f"{' or '.join(lost)} tensor (its logits after the score_mod); its raw q.k logits are not what "
+                    "it computed")
     return None
 
 
@@ -253,7 +256,8 @@ def rank_dirs(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def open_ranks(directory: str | os.PathLike[str], selector: KeySelector | None = None, max_bytes: int | None = None) -> tuple[list[CallSource], list[dict]]:
+def open_ranks(directory: str | os.PathLike[str], selector: KeySelector | None = None,
+               max_bytes: int | None = None) -> tuple[list[CallSource], list[dict]]:
     """Every rank's calls of a capture of several processes, each call naming its rank, in call order
     (rank order within one index: the ranks run the same program); and each rank's manifest. The ranks
     must be one job's: ranks 0 .. world-1, each once, one world size and one run id."""
@@ -273,16 +277,17 @@ def open_ranks(directory: str | os.PathLike[str], selector: KeySelector | None =
     worlds = {d["world"] for d in docs}
     runs = {d.get("run_id") for d in docs}
     if len(worlds) > 1 or len(runs) > 1:
-        what = f"world sizes {sorted(worlds)}" if len(worlds) > 1 else "run ids " + ", ".join(sorted(str(r) for r in runs))
+        what = (f"world sizes {sorted(worlds)}" if len(worlds) > 1
+                else "run ids " + ", ".join(sorted(str(r) for r in runs)))
         raise error(f"{given}: its ranks come from different jobs ({what}): capture into a new or empty folder")
     world = worlds.pop()
     ranks = [d["rank"] for d in docs]
     if ranks != list(range(world)):
         missing = sorted(set(range(world)) - set(ranks))
         extra = sorted(set(ranks) - set(range(world)))
-        raise error(f"{given}: a capture of {world} processes " + (f"lacks rank {missing[0]} ({os.path.join(given, f'rank{missing[0]}')})"
-                                                                   if missing else f"holds rank {extra[0]}, beyond its world")
-                    + ": capture into a new or empty folder")
+        why = (f"lacks rank {missing[0]} ({os.path.join(given, f'rank{missing[0]}')})" if missing
+               else f"holds rank {extra[0]}, beyond its world")
+        raise error(f"{given}: a capture of {world} processes {why}: capture into a new or empty folder")
     out.sort(key=lambda s: (s.info.index, s.info.rank))
     return out, docs
 
@@ -382,7 +387,8 @@ def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None
                 raise error(f"{where}: call {index} names the gradients file {visible(gname)}, not this call's "
                             f"({grads_file_name(index, entry.module or '')})")
             listed.add(gname)
-            load, grads_problem = _with_grads(source.load, os.path.join(given, gname), label, index, entry.module or "", entries)
+            load, grads_problem = _with_grads(source.load, os.path.join(given, gname), label, index, entry.module or "",
+                                              entries)
         out.append(CallSource(source.info, load, problem or source.problem or grads_problem))
     unlisted = sorted((p.name for p in Path(given).glob("*.safetensors") if p.name not in listed), key=natural_key)
     if unlisted:
@@ -396,7 +402,8 @@ def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None
 
 
 def _with_grads(load: Callable[[], dict[str, torch.Tensor]], path: str, label: str, index: int, module: str,
-                call_entries: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[Callable[[], dict[str, torch.Tensor]], str | None]:
+                call_entries: dict[str, tuple[str, tuple[int, ...]]]
+                ) -> tuple[Callable[[], dict[str, torch.Tensor]], str | None]:
     """A call's loader that adds the tensors of its gradients file (only the gradient roles). The file must be this
     call's: its metadata names the call and its module, and each gradient has the shape of what it is the gradient of
     (dq of q, dO of the output): another call's gradients would be judged as this kernel's and read as attncheck's
@@ -413,7 +420,8 @@ def _with_grads(load: Callable[[], dict[str, torch.Tensor]], path: str, label: s
         return load, f"{label}: {path} is not a capture's gradients file (its metadata needs {FORMAT_KEY} {CAPTURE_SCHEMA_PREFIX}... and grads true)"
     for key, want in (("call", str(index)), ("module", module)):
         if meta.get(key) != want:
-            return load, (f"{label}: its gradients file {path} belongs to another call ({key} {shorten(repr(meta.get(key)))} in it, "
+            got = shorten(repr(meta.get(key)))
+            return load, (f"{label}: its gradients file {path} belongs to another call ({key} {got} in it, "
                           f"{shorten(repr(want))} for this call)")
     problem = _grad_shapes(label, path, grad_entries, call_entries)
     if problem:
@@ -428,7 +436,7 @@ def _with_grads(load: Callable[[], dict[str, torch.Tensor]], path: str, label: s
 
 
 def _grad_shapes(label: str, path: str, grads: dict, call: dict) -> str | None:
-    """Why the gradients in ``grads`` cannot be those of the call whose tensors are ``call`` (header entries), or None."""
+    """Why the gradients in ``grads`` cannot be those of the call whose tensors are ``call`` (header entries)."""
     shapes = {role: tuple(spec[1]) for role, spec in call.items()}
     want = {"grad_q": shapes.get("q"), "grad_k": shapes.get("k"), "grad_v": shapes.get("v")}
     if "out" in shapes:

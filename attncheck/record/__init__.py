@@ -136,9 +136,9 @@ class Capture:
 
             facts = {"compile": {"mode": self.compile, "compiled_runs": self._recorder.compiled_runs, "compiled_calls": self._recorder.compiled_calls}}
             notes = [f"recording stopped: {self.stopped}" if self.stopped else None, compile_message(facts)]
-            capture = {"note": "; ".join(n for n in notes if n) or None, "stopped": self.stopped, "compile": facts["compile"],
-                       "complete": self.error is None and self.stopped is None, "error": self.error,
-                       "first_unrecorded": self._recorder.first_missed, **self.rank_facts()}
+            capture = {"note": "; ".join(n for n in notes if n) or None, "stopped": self.stopped,
+                       "compile": facts["compile"], "complete": self.error is None and self.stopped is None,
+                       "error": self.error, "first_unrecorded": self._recorder.first_missed, **self.rank_facts()}
             device = sink.options.device
             skipped = [(r.call.name, r.error) for r in sink.reports if r.error]
             self.result = RunResult([r.diagnosis for r in sink.reports if r.diagnosis is not None], device, sink.reports,

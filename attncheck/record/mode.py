@@ -458,7 +458,7 @@ class Recorder(TorchFunctionMode):
             self._compile_before = torch.compile
             torch.compile = self._compile_wrapper(self._compile_before)
             if self.compile == "eager" and "torch._dynamo" in sys.modules:
-                self._force_eager()  # else at the first torch.compile: importing the compiler leaves a cache folder in /tmp
+                self._force_eager()  # else at the first torch.compile (loading the compiler makes a folder in /tmp)
         if self.in_modules:
             return self
         self._thread().mode = True
@@ -641,7 +641,8 @@ class Recorder(TorchFunctionMode):
             return False
         size = call.nbytes
         if self.max_calls is not None and self.recorded >= self.max_calls:
-            self._stop(f"max_calls {self.max_calls} reached at call {call.index} ({call.kind} in {call.module or 'global'})", call)
+            where = f"{call.kind} in {call.module or 'global'}"
+            self._stop(f"max_calls {self.max_calls} reached at call {call.index} ({where})", call)
             return False
         if self.max_bytes is not None and self.bytes + size > self.max_bytes:
             self._stop(f"max_bytes {self.max_bytes} would be passed by call {call.index} ({call.kind} in {call.module or 'global'}, "
@@ -806,7 +807,8 @@ class Recorder(TorchFunctionMode):
             if over:  # refused before its logits are computed: a long sequence's would not fit in memory
                 self.seen += 1
                 self._stop(f"max_bytes {self.max_bytes} would be passed by call {self.seen - 1} (flex in {module or 'global'}, "
-                           f"{planned} bytes with its logits; {self.bytes} recorded)", kind="flex", module=module or "", index=self.seen - 1)
+                           f"{planned} bytes with its logits; {self.bytes} recorded)",
+                           kind="flex", module=module or "", index=self.seen - 1)
         if over or self.stopped is not None:
             return out
         with torch.no_grad():

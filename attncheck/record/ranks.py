@@ -33,12 +33,18 @@ def capture_rank() -> tuple[int, int] | None:
         try:
             world, rank = int(size), int(rank_text if rank_text is not None else "-1")
         except ValueError:
-            raise AttncheckError(f"the environment's RANK={rank_text!r} and WORLD_SIZE={size!r} are not a process's rank in a job "
-                                 "(torchrun sets both to integers)", param="path") from None
+            raise AttncheckError(
+                f"the environment's RANK={rank_text!r} and WORLD_SIZE={size!r} are not a process's rank in a job "
+                "(torchrun sets both to integers)",
+                param="path",
+            ) from None
     if world <= 1:
         return None
     if not 0 <= rank < world:
-        raise AttncheckError(f"rank {rank} is not a rank of a world of {world} processes (RANK, WORLD_SIZE in the environment)", param="path")
+        raise AttncheckError(
+            f"rank {rank} is not a rank of a world of {world} processes (RANK, WORLD_SIZE in the environment)",
+            param="path",
+        )
     return rank, world
 
 
@@ -59,7 +65,9 @@ def rank_directory(path: str | os.PathLike[str], rank: int) -> Path:
         if parent.exists() and not parent.is_dir():
             raise AttncheckError(f"capture directory {parent} is a file", param="path")
         if not parent.parent.is_dir():
-            raise AttncheckError(f"cannot create capture directory {parent}: folder {parent.parent} does not exist", param="path")
+            raise AttncheckError(
+                f"cannot create capture directory {parent}: folder {parent.parent} does not exist", param="path"
+            )
         parent.mkdir(exist_ok=True)
         if (parent / MANIFEST).is_file():
             _check_previous(parent / MANIFEST, parent)
@@ -83,7 +91,11 @@ def _check_previous(manifest: Path, parent: Path) -> None:
     except (OSError, jsondoc.JSONError):
         doc = None
     if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith("attncheck.capture/"):
-        raise AttncheckError(f"capture directory {parent} is not empty and its manifest.json is not a capture's; give a new or empty folder", param="path")
+        raise AttncheckError(
+            f"capture directory {parent} is not empty and its manifest.json is not a capture's; "
+            "give a new or empty folder",
+            param="path",
+        )
 
 
 def rank_file(path: str, rank: int) -> str:
@@ -109,12 +121,18 @@ def claim(directory: Path, rank: int | None) -> Path:
             if holder is None and _recent(owner):  # created this instant by another process, not yet written
                 holder = {"pid": None}
             if holder is not None and (holder.get("pid") is None or _alive(holder)):
-                who = (f"process {holder.get('pid')}" if holder.get("pid") else "another process") + (f" (rank {holder['rank']})" if isinstance(holder.get("rank"), int) else "")
-                who += " of this process" if holder.get("pid") == os.getpid() and holder.get("host") == me["host"] else ""
+                who = (f"process {holder.get('pid')}" if holder.get("pid") else "another process") + (
+                    f" (rank {holder['rank']})" if isinstance(holder.get("rank"), int) else ""
+                )
+                who += (
+                    " of this process" if holder.get("pid") == os.getpid() and holder.get("host") == me["host"] else ""
+                )
                 raise AttncheckError(
                     f"capture directory {directory} is being written by {who}: two processes cannot write one capture "
-                    f"(under torchrun each rank writes its own DIR/rankN); give another folder, or remove {owner} if no capture "
-                    "is running", param="path") from None
+                    f"(under torchrun each rank writes its own DIR/rankN); give another folder, or remove {owner} "
+                    "if no capture is running",
+                    param="path",
+                ) from None
             with contextlib.suppress(FileNotFoundError):  # left by a process that is gone
                 owner.unlink()
             continue
@@ -123,7 +141,10 @@ def claim(directory: Path, rank: int | None) -> Path:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(me, fh)
         return owner
-    raise AttncheckError(f"capture directory {directory}: cannot take its owner file {owner} (other processes keep taking it)", param="path")
+    raise AttncheckError(
+        f"capture directory {directory}: cannot take its owner file {owner} (other processes keep taking it)",
+        param="path",
+    )
 
 
 def release(owner: Path) -> None:

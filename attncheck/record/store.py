@@ -124,9 +124,10 @@ def _prepare(d: Path) -> Path:
     entries = [p for p in d.iterdir() if p.name != OWNER]
     if not entries:
         return d
-    if any(p.is_dir() and p.name.startswith(RANK_DIR.format("")) and (p / MANIFEST).is_file() for p in entries) and not (d / MANIFEST).is_file():
-        raise AttncheckError(f"capture directory {d} holds a capture of several processes (rank0, rank1, ...: torchrun); "
-                             "give a new or empty folder", param="path")
+    ranks = [p for p in entries if p.is_dir() and p.name.startswith(RANK_DIR.format("")) and (p / MANIFEST).is_file()]
+    if ranks and not (d / MANIFEST).is_file():
+        raise AttncheckError(f"capture directory {d} holds a capture of several processes (rank0, rank1, ...: "
+                             "torchrun); give a new or empty folder", param="path")
     manifest = d / MANIFEST
     if not manifest.is_file():
         raise AttncheckError(f"capture directory {d} is not empty and holds no capture ({MANIFEST}); give a new or empty folder", param="path")
@@ -262,7 +263,8 @@ class DirectorySink:
         failed = [e for e in self.entries if e["file"] in self._failed]
         if failed and not facts.get("first_unrecorded"):
             e = failed[0]
-            facts = {**facts, "first_unrecorded": {"index": e["index"], "kind": e["kind"], "module": e["module"], "what": "call"}}
+            first = {"index": e["index"], "kind": e["kind"], "module": e["module"], "what": "call"}
+            facts = {**facts, "first_unrecorded": first}
         self.entries = [e for e in self.entries if e["file"] not in self._failed]
         for e in self.entries:
             if "grads" in e and e["grads"]["file"] in self._failed:

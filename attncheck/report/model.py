@@ -165,8 +165,9 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
             else:
                 cells.append(Text(f"{compact(h.max_logit)}{star}", style="yellow" if star else ""))
         cells += [""] * (width - len(cells))
-        t.add_row(shown(call_label(ModelLine(c.call.index, c.call.name, c.call.module, c.call.kind, (), None, None, None, 0, None, None, "",
-                                             rank=c.call.rank), prefix)), *cells)
+        row = ModelLine(c.call.index, c.call.name, c.call.module, c.call.kind, (), None, None, None, 0, None, None, "",
+                        rank=c.call.rank)
+        t.add_row(shown(call_label(row, prefix)), *cells)
     return t
 
 
@@ -175,15 +176,18 @@ def ranks_block(report: ModelReport) -> Text | None:
     if len(report.ranks) < 2:  # one rank's own report says so in its capture note
         return None
     world = (report.capture or {}).get("world")
-    text = Text(f"Ranks ({len(report.ranks)}" + (f" of {world}" if world else "") + "; the calls above are every rank's, r0, r1, ...):\n")
+    of = f" of {world}" if world else ""
+    text = Text(f"Ranks ({len(report.ranks)}{of}; the calls above are every rank's, r0, r1, ...):\n")
     for r in report.ranks:
-        head = f"  rank {r.rank}: {r.calls} call(s), {r.errors} error(s), {r.warnings} warning(s)" + ("" if r.complete else ", incomplete")
+        head = f"  rank {r.rank}: {r.calls} call(s), {r.errors} error(s), {r.warnings} warning(s)"
+        head += "" if r.complete else ", incomplete"
         if r.first_bad is None:
             text.append(head + "; no call goes wrong\n", style="yellow" if r.warnings or not r.complete else "green")
         else:
             line = report.lines[r.first_bad]
-            text.append(visible(f"{head}; first call that goes wrong: #{line.index} {call_label(line)}: {line.verdict}"
-                                + (f", first cause {line.first_cause}" if line.first_cause else "")) + "\n", style="bold red")
+            cause = f", first cause {line.first_cause}" if line.first_cause else ""
+            said = f"{head}; first call that goes wrong: #{line.index} {call_label(line)}: {line.verdict}{cause}"
+            text.append(visible(said) + "\n", style="bold red")
     text.rstrip()
     return text
 
@@ -207,7 +211,8 @@ def findings_summary(calls: list[CallReport], known: bool) -> Group | None:
         if c.diagnosis is None:
             continue
         for f in c.diagnosis.findings:
-            entry = seen.setdefault(f.code, [f.severity, 0, ("" if c.call.rank is None else f"r{c.call.rank} ") + (c.call.module or c.call.name)])
+            on = "" if c.call.rank is None else f"r{c.call.rank} "
+            entry = seen.setdefault(f.code, [f.severity, 0, on + (c.call.module or c.call.name)])
             entry[1] += 1
             if SEVERITY_ORDER[f.severity] < SEVERITY_ORDER[entry[0]]:
                 entry[0] = f.severity
@@ -249,11 +254,11 @@ def what_if_table(report: ModelReport, prefix: str = "") -> Table | None:
 
 def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> Text:
     diags = [c.diagnosis for c in calls if c.diagnosis is not None]
-    errors = sum(f.severity == "error" for d in diags for f in d.findings) + sum(f.severity == "error" for f in report.findings)
-    warnings = sum(f.severity == "warning" for d in diags for f in d.findings) + sum(f.severity == "warning" for f in report.findings)
+    severities = [f.severity for d in diags for f in d.findings] + [f.severity for f in report.findings]
+    errors, warnings = severities.count("error"), severities.count("warning")
     head = f"{len(report.lines)} call(s) on {device}: {errors} error(s), {warnings} warning(s)"
     incomplete = [f for f in report.findings if f.code == "capture_incomplete"]
-    gap = "".join("; " + f.message for f in incomplete)  # what was not judged, said where CI logs are read: the last line
+    gap = "".join("; " + f.message for f in incomplete)  # what was not judged, on the line CI logs show
     judged = "in the cells the model runs" if report.known else "in any cell"
     if report.what_if:
         broken = [a.cell for a in report.what_if if a.bad_calls]
@@ -270,8 +275,8 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
     if line.first_cause:
         cause = f", first cause {line.first_cause}" + (f" in head {','.join(map(str, line.heads[:6]))}" if line.heads else "")
     on = "" if line.rank is None else f" on rank {line.rank}"
-    return shown(f"{head}; first call that goes wrong{on}: #{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'}): "
-                 f"{what}{cause}{tail}{gap}", style="bold red")
+    where = f"#{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'})"
+    return shown(f"{head}; first call that goes wrong{on}: {where}: {what}{cause}{tail}{gap}", style="bold red")
 
 
 LINES_LEGEND = ("Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the path of the "
@@ -409,9 +414,10 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
         "skipped": [{"name": n, "error": why} for n, why in report.skipped],
         "capture": report.capture,
         "ranks": [{"rank": r.rank, "calls": r.calls, "errors": r.errors, "warnings": r.warnings, "complete": r.complete,
-                   "first_bad": None if r.first_bad is None else _first_json(report.lines[r.first_bad])} for r in report.ranks],
-        "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix, "doc": doc_link(f.code)}
-                     for f in report.findings],
+                   "first_bad": None if r.first_bad is None else _first_json(report.lines[r.first_bad])}
+                  for r in report.ranks],
+        "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix,
+                      "doc": doc_link(f.code)} for f in report.findings],
         "known_implementation": report.known,
         "first_grad_bad": None if report.first_grad_bad is None else _first_json(report.lines[report.first_grad_bad]),
         "what_if": [{"cell": a.cell, "calls": a.calls, "bad_calls": a.bad_calls, "verdict": a.verdict, "nan_rows": a.nan_rows,

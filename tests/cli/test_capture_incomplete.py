@@ -11,7 +11,7 @@ from attncheck.cli import app
 runner = CliRunner()
 
 # Four layers of the same SDPA call, each q, k, v of 1x2x16x32 fp32: 3 x 4096 bytes = 12288 bytes per call.
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
 
@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent('''
     q, k, v = (torch.randn(1, 2, 16, 32, generator=g) for _ in range(3))
     with torch.no_grad():
         Net()(q, k, v)
-''')
+""")
 CALL_BYTES = 3 * 2 * 16 * 32 * 4
 
 
@@ -47,19 +47,30 @@ def test_a_capture_stopped_by_max_bytes_fails_fail_on_warning_and_names_the_firs
     r = invoke("capture", "--out", cap, "--max-bytes", str(3 * CALL_BYTES + 100), script)  # room for 3 calls of 4
     assert r.exit_code == 0, r.output  # no --fail-on asked
     doc = json.loads((cap / "manifest.json").read_text())
-    assert len(doc["calls"]) == 3 and doc["first_unrecorded"] == {"index": 3, "kind": "sdpa", "module": "layers.3", "what": "call"}
+    assert len(doc["calls"]) == 3 and doc["first_unrecorded"] == {
+        "index": 3,
+        "kind": "sdpa",
+        "module": "layers.3",
+        "what": "call",
+    }
 
     r = invoke("run", cap, "--fail-on", "error,warning,nan")
     assert r.exit_code == 1, r.output
     last = " ".join(r.stdout.strip().split("\n\n")[-1].split())  # the closing line (wrapped by the terminal width)
-    assert "0 error(s), 1 warning(s)" in last and "capture incomplete: call 3 (sdpa in layers.3) and every call after it not recorded" in last
+    assert (
+        "0 error(s), 1 warning(s)" in last
+        and "capture incomplete: call 3 (sdpa in layers.3) and every call after it not recorded" in last
+    )
     assert "attncheck: --fail-on warning: capture: capture_incomplete" in r.stderr
 
     r = invoke("run", cap, "--json", "-")
     assert r.exit_code == 0
     found = json.loads(r.stdout)["model"]["findings"]
     assert [(f["code"], f["severity"]) for f in found] == [("capture_incomplete", "warning")]
-    assert "call 3 (sdpa in layers.3)" in found[0]["message"] and f"max_bytes {3 * CALL_BYTES + 100} would be passed by call 3" in found[0]["message"]
+    assert (
+        "call 3 (sdpa in layers.3)" in found[0]["message"]
+        and f"max_bytes {3 * CALL_BYTES + 100} would be passed by call 3" in found[0]["message"]
+    )
 
     r = invoke("run", cap, "--fail-on", "warning", "--ignore", "capture_incomplete")
     assert r.exit_code == 0, r.output
@@ -82,4 +93,26 @@ def test_no_save_capture_stopped_by_max_calls_is_incomplete_too(tmp_path):
     r = invoke("capture", "--no-save", "--max-calls", "2", "--fail-on", "warning", "--json", "-", script)
     assert r.exit_code == 1, r.output
     found = json.loads(r.stdout)["model"]["findings"]
-    assert len(found) == 1 and "call 2 (sdpa in layers.2) and every call after it not recorded (recording stopped: max_calls 2" in found[0]["message"]
+    assert (
+        len(found) == 1
+        and "call 2 (sdpa in layers.2) and every call after it not recorded (recording stopped: max_calls 2"
+        in found[0]["message"]
+    )
+
+
+def test_gradients_not_recorded_make_the_capture_incomplete_and_are_named():
+    import torch
+    import torch.nn.functional as F
+
+    import attncheck
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 32, generator=g).requires_grad_() for _ in range(3))
+    forward = 4 * 2 * 16 * 32 * 4  # q, k, v and the output, fp32
+    with attncheck.capture(diagnose=True, max_bytes=forward) as cap:  # room for the call, not its gradients
+        F.scaled_dot_product_attention(q, k, v).sum().backward()
+    found = cap.result.model.findings
+    assert [(f.code, f.severity) for f in found] == [("capture_incomplete", "warning")]
+    assert found[0].message.startswith(
+        "capture incomplete: the gradients of call 0 (sdpa in global) and every call after it not recorded"
+    )

@@ -75,18 +75,24 @@ def test_capture_with_a_long_forward_range_records_from_its_start(tmp_path):
 def test_a_capture_leaves_nothing_in_the_temporary_directory(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    code = ("import sys, torch, torch.nn.functional as F, attncheck\n"
-            "q = torch.randn(1, 2, 4, 8)\n"
-            f"with attncheck.capture({str(tmp_path / 'cap')!r}):\n"
-            "    F.scaled_dot_product_attention(q, q, q)\n"
-            "with attncheck.capture(diagnose=True):\n"
-            "    F.scaled_dot_product_attention(q, q, q)\n"
-            "assert 'torch._dynamo' not in sys.modules\n")
+    code = (
+        "import sys, torch, torch.nn.functional as F, attncheck\n"
+        "q = torch.randn(1, 2, 4, 8)\n"
+        f"with attncheck.capture({str(tmp_path / 'cap')!r}):\n"
+        "    F.scaled_dot_product_attention(q, q, q)\n"
+        "with attncheck.capture(diagnose=True):\n"
+        "    F.scaled_dot_product_attention(q, q, q)\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+    )
     root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert list(tmp.iterdir()) == []  # torch's compiler cache folder (torchinductor_USER) is made only where something compiles
+    assert (
+        list(tmp.iterdir()) == []
+    )  # torch's compiler cache folder (torchinductor_USER) is made only where something compiles
 
 
 def training_capture(cap: Path) -> None:
@@ -149,5 +155,5 @@ def test_a_flex_call_whose_score_mod_logits_are_missing_is_refused(tmp_path):
     (cap / "manifest.json").write_text(json.dumps(doc))
     r = invoke("run", cap)
     assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
-    assert ("the flex call's score_mod 'softcap' changed its logits, but the file holds no scores_mod or scores_mod64 tensor"
-            in r.stderr)
+    said = "the flex call's score_mod 'softcap' changed its logits, but the file holds no scores_mod or scores_mod64"
+    assert said + " tensor" in r.stderr

@@ -40,7 +40,9 @@ def qkv(poison: bool = False):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
     if poison:
-        q[0, 1, 3, 0] = float("nan")  # head 1, query 3: one NaN row in the first layer, all 8 rows of head 1 in the next
+        q[0, 1, 3, 0] = float(
+            "nan"
+        )  # head 1, query 3: one NaN row in the first layer, all 8 rows of head 1 in the next
     return q, k, v
 
 
@@ -102,7 +104,11 @@ def test_a_single_process_capture_is_as_it_always_was(tmp_path, monkeypatch):
     cap = tmp_path / "cap"
     with torch.no_grad(), attncheck.capture(cap):
         Net()(*qkv())
-    assert sorted(p.name for p in cap.iterdir()) == ["0000-layers.0.safetensors", "0001-layers.1.safetensors", "manifest.json"]
+    assert sorted(p.name for p in cap.iterdir()) == [
+        "0000-layers.0.safetensors",
+        "0001-layers.1.safetensors",
+        "manifest.json",
+    ]
     doc = json.loads((cap / "manifest.json").read_text())
     assert "rank" not in doc and "world" not in doc
     r = invoke("run", cap, "--json", "-")
@@ -148,7 +154,11 @@ def test_a_directory_another_live_process_writes_is_refused_with_one_line(tmp_pa
 
         (cap / OWNER).write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(), "rank": 1}))
         script = tmp_path / "s.py"
-        script.write_text("import torch, torch.nn.functional as F\nq = torch.randn(1, 1, 4, 8)\nF.scaled_dot_product_attention(q, q, q)\n")
+        script.write_text(
+            "import torch, torch.nn.functional as F\n"
+            "q = torch.randn(1, 1, 4, 8)\n"
+            "F.scaled_dot_product_attention(q, q, q)\n"
+        )
         r = invoke("capture", "--out", cap, script)
         assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
         assert f"is being written by process {sleeper.pid} (rank 1): two processes cannot write one capture" in r.stderr
@@ -172,14 +182,18 @@ def test_two_captures_of_one_process_into_one_directory_are_refused(tmp_path, mo
 
 def test_cli_under_a_rank_writes_its_json_per_rank_and_says_one_line(tmp_path, monkeypatch):
     script = tmp_path / "s.py"
-    script.write_text("import os, torch, torch.nn.functional as F\nq = torch.randn(1, 1, 4, 8)\n"
-                      "q[0, 0, 1, 0] = float('nan')\nclass M(torch.nn.Module):\n    def forward(self, q):\n"
-                      "        return F.scaled_dot_product_attention(q, q, q)\nM()(q)\n")
+    script.write_text(
+        "import os, torch, torch.nn.functional as F\nq = torch.randn(1, 1, 4, 8)\n"
+        "q[0, 0, 1, 0] = float('nan')\nclass M(torch.nn.Module):\n    def forward(self, q):\n"
+        "        return F.scaled_dot_product_attention(q, q, q)\nM()(q)\n"
+    )
     as_rank(monkeypatch, 1)
     r = invoke("capture", "--out", tmp_path / "cap", "--json", tmp_path / "report.json", "--fail-on", "nan", script)
     assert r.exit_code == 1, r.output
     assert r.stdout == ""  # rank 0 prints the report; the other ranks one line on stderr
-    assert "attncheck: rank 1 of 2: 1 call(s) on cpu:" in r.stderr and "first call that goes wrong on rank 1" in r.stderr
+    assert (
+        "attncheck: rank 1 of 2: 1 call(s) on cpu:" in r.stderr and "first call that goes wrong on rank 1" in r.stderr
+    )
     assert not (tmp_path / "report.json").exists()
     doc = json.loads((tmp_path / "report.rank1.json").read_text())
     assert doc["model"]["calls"][0]["rank"] == 1

@@ -79,13 +79,23 @@ def check_ranks(cap: Path) -> None:
     for rank in (0, 1):
         doc = json.loads((cap / f"rank{rank}" / "manifest.json").read_text())
         assert (doc["rank"], doc["world"]) == (rank, 2)
-        assert [c["index"] for c in doc["calls"]] == [0, 1, 2, 3]  # each rank's own 2 steps x 2 layers, none of the other's
+        assert [c["index"] for c in doc["calls"]] == [
+            0,
+            1,
+            2,
+            3,
+        ]  # each rank's own 2 steps x 2 layers, none of the other's
         assert all(c.get("grads") for c in doc["calls"])
     r = CliRunner().invoke(app, ["run", str(cap), "--json", "-", "--fail-on", "nan"])
     assert r.exit_code == 1, r.output
     model = json.loads(r.stdout)["model"]
     first = model["first_bad"]
-    assert (first["rank"], first["index"], first["module"], first["first_cause"]) == (1, 2, "module.layers.0", "input_nan")
+    assert (first["rank"], first["index"], first["module"], first["first_cause"]) == (
+        1,
+        2,
+        "module.layers.0",
+        "input_nan",
+    )
     ranks = {r["rank"]: r for r in model["ranks"]}
     assert ranks[0]["calls"] == ranks[1]["calls"] == 4
     assert ranks[0]["first_bad"] is None and ranks[0]["errors"] == 0
@@ -94,19 +104,34 @@ def check_ranks(cap: Path) -> None:
 
 def test_torchrun_attncheck_capture_writes_one_directory_per_rank(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
-    proc = subprocess.run([*TORCHRUN, "-m", "attncheck", "capture", "--out", "cap", "--fail-on", "nan", "--", "train.py"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environment())
+    proc = subprocess.run(
+        [*TORCHRUN, "-m", "attncheck", "capture", "--out", "cap", "--fail-on", "nan", "--", "train.py"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=environment(),
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]  # rank 1's own --fail-on nan holds: torchrun fails
     assert "capture: rank 0 of 2: this rank's calls" in proc.stdout  # rank 0 prints its own rank's report, labelled
     assert "no call goes wrong in the cells the model runs" in " ".join(proc.stdout.split())
-    assert "attncheck: rank 1 of 2: 4 call(s) on cpu:" in proc.stderr and "first call that goes wrong on rank 1: #2" in proc.stderr
+    assert (
+        "attncheck: rank 1 of 2: 4 call(s) on cpu:" in proc.stderr
+        and "first call that goes wrong on rank 1: #2" in proc.stderr
+    )
     check_ranks(tmp_path / "cap")
 
 
 @pytest.mark.slow  # a second 2-rank job, ~15 s
 def test_attncheck_capture_inside_a_torchrun_script_writes_one_directory_per_rank(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
-    proc = subprocess.run([*TORCHRUN, "train.py", "--inside", "cap"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env=environment())
+    proc = subprocess.run(
+        [*TORCHRUN, "train.py", "--inside", "cap"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=environment(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_ranks(tmp_path / "cap")
