@@ -72,11 +72,12 @@ class Capture:
         if ranked is not None:
             self.rank, self.world = ranked
             if self.path is not None:  # each rank its own directory: PATH/rankN
-                self.path = os.fspath(rank_directory(self.given_path, self.rank))
+                self.path = os.fspath(rank_directory(self.given_path, self.rank, self.world))
         if self.diagnose:
             from attncheck.config.run import Options
 
             self._sink = DiagnoseSink(self.options or Options(), self.ignore, self.notice, self.what_if, self.asked)
+            self._sink.rank = self.rank
         elif self.path is not None:
             self._sink = DirectorySink(self.path, self.rank)
         else:

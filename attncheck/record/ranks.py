@@ -54,10 +54,11 @@ def run_id() -> str | None:
     return value[:128] if value else None
 
 
-def rank_directory(path: str | os.PathLike[str], rank: int) -> Path:
+def rank_directory(path: str | os.PathLike[str], rank: int, world: int | None = None) -> Path:
     """``path/rankN``, the parent created where it is missing (every rank may create it: no race); a
-    single-process capture left in the parent is removed (each rank removes what is still there), so that
-    reading the parent finds the ranks alone."""
+    single-process capture left in the parent is removed (each rank removes what is still there), and rank 0
+    removes the captures of ranks beyond ``world`` a larger job left (no rank of this job writes there), so
+    that reading the parent finds this job's ranks alone."""
     from attncheck.loaders.calls import CALL_FILE, MANIFEST
 
     parent = Path(os.path.abspath(path))
@@ -75,9 +76,37 @@ def rank_directory(path: str | os.PathLike[str], rank: int) -> Path:
                 if p.name == MANIFEST or CALL_FILE.match(p.name):
                     with contextlib.suppress(FileNotFoundError):  # another rank removed it first
                         p.unlink()
+        if rank == 0 and world is not None:
+            _remove_ranks_beyond(parent, world)
     except OSError as e:
         raise AttncheckError(f"cannot use capture directory {parent}: {e.strerror or e}", param="path") from None
     return parent / RANK_DIR.format(rank)
+
+
+def _remove_ranks_beyond(parent: Path, world: int) -> None:
+    """Remove ``rankN`` (N >= world) directories holding only a capture's own files (its manifest, call files,
+    the owner file of a process that is gone); anything else there stays, and reading the parent then says so."""
+    import re
+
+    from attncheck.loaders.calls import CALL_FILE, MANIFEST
+
+    for d in parent.iterdir():
+        m = re.fullmatch(r"rank(\d{1,7})", d.name)
+        if not m or int(m.group(1)) < world or d.is_symlink() or not d.is_dir():
+            continue
+        files = list(d.iterdir())
+        owner = d / OWNER
+        holder = _read_owner(owner) if owner in files else {}
+        if owner in files and (holder is None or _alive(holder)):
+            continue  # another job's process writes it
+        own = all(p.is_file() and not p.is_symlink() and (p.name in (MANIFEST, OWNER) or CALL_FILE.match(p.name))
+                  for p in files)
+        if own:
+            for p in files:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
 
 def _check_previous(manifest: Path, parent: Path) -> None:

@@ -313,6 +313,7 @@ class DiagnoseSink:
         self.ignore, self.notice = tuple(ignore), notice
         self.what_if, self.asked = tuple(what_if), asked
         self.reports = []
+        self.rank: int | None = None  # under torchrun: each call's report names this process's rank
         self._waiting: dict[int, Recorded] = {}  # calls whose gradients are still to come
         self._order: list[int] = []
 
@@ -339,8 +340,10 @@ class DiagnoseSink:
             info = info_from_meta(call.meta, index=call.index, name=name, file=None)
         except AttncheckError as e:  # a call attncheck cannot diagnose (a negative scale): listed, the model runs on
             info = CallInfo(index=call.index, name=name, kind=call.kind, module=call.module)
+            info.rank = self.rank
             self.reports.append(CallReport(info, None, error=f"{name} (call {call.index}, {call.kind}): {e.message}"))
             return
+        info.rank = self.rank
         tensors = cpu_tensors(call.tensors, copy=False)
         device_type = next(iter(call.tensors.values())).device.type
         try:

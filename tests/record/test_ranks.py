@@ -198,3 +198,21 @@ def test_cli_under_a_rank_writes_its_json_per_rank_and_says_one_line(tmp_path, m
     doc = json.loads((tmp_path / "report.rank1.json").read_text())
     assert doc["model"]["calls"][0]["rank"] == 1
     assert (tmp_path / "cap" / "rank1" / "manifest.json").is_file()
+
+
+def test_a_smaller_job_into_the_same_folder_replaces_the_larger_ones_ranks(tmp_path, monkeypatch):
+    cap = tmp_path / "cap"
+    capture_ranks(monkeypatch, cap, world=3, job="big")
+    capture_ranks(monkeypatch, cap, world=2, job="small")  # rank 0 removes rank2, which no rank of this job writes
+    assert sorted(p.name for p in cap.iterdir()) == ["rank0", "rank1"]
+    r = invoke("run", cap, "--json", "-")
+    assert r.exit_code == 0, r.output
+    assert [r["rank"] for r in json.loads(r.stdout)["model"]["ranks"]] == [0, 1]
+
+
+def test_no_save_under_a_rank_names_the_rank_of_each_call(monkeypatch):
+    as_rank(monkeypatch, 1)
+    with torch.no_grad(), attncheck.capture(diagnose=True) as cap:
+        Net()(*qkv(poison=True))
+    assert [r.call.rank for r in cap.calls] == [1, 1]
+    assert [(r.rank, r.calls) for r in cap.result.model.ranks] == [(1, 2)]
