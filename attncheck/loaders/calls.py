@@ -245,12 +245,14 @@ RANK_DIR = re.compile(r"^rank(\d{1,7})$")
 
 def rank_dirs(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
     """A capture of several processes (torchrun): a directory without a manifest holding ``rankN``
-    directories; [(rank, directory)] in rank order, [] for anything else."""
+    directories, one of them at least a capture; [(rank, directory)] in rank order, [] for anything else."""
     try:
         if not Path(path).is_dir() or (Path(path) / MANIFEST).is_file():
             return []
         found = [(int(m.group(1)), os.path.join(os.fspath(path), p.name)) for p in Path(path).iterdir()
                  if (m := RANK_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()]
+        if not any((Path(sub) / MANIFEST).is_file() for _, sub in found):  # folders named rankN holding no capture
+            return []
     except (OSError, ValueError):
         return []
     return sorted(found)

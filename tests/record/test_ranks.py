@@ -216,3 +216,13 @@ def test_no_save_under_a_rank_names_the_rank_of_each_call(monkeypatch):
         Net()(*qkv(poison=True))
     assert [r.call.rank for r in cap.calls] == [1, 1]
     assert [(r.rank, r.calls) for r in cap.result.model.ranks] == [(1, 2)]
+
+
+def test_folders_named_rank_n_without_a_capture_are_plain_folders(tmp_path):
+    import numpy as np
+
+    (tmp_path / "data" / "rank0").mkdir(parents=True)
+    np.save(tmp_path / "data" / "rank0" / "scores.npy", np.zeros((2, 4, 4), dtype=np.float32))
+    r = invoke("run", tmp_path / "data", "--json", "-")
+    assert r.exit_code == 0, r.output
+    assert [t["name"] for t in json.loads(r.stdout)["tensors"]] == [str(tmp_path / "data" / "rank0" / "scores.npy")]
