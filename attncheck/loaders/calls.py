@@ -570,6 +570,8 @@ def open_inputs(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (
             found.append(CallSource(info, _group_loader(listing, roles)))
             order += 1
     selector.check_all_matched()
+    if len(manifests) > 1 and all(isinstance(item, CallSource) and item.info.rank is not None for item in found):
+        found.sort(key=lambda item: (item.info.index, item.info.rank))  # ranks named one by one: in call order too
     return found, manifests
 
 

@@ -226,3 +226,11 @@ def test_folders_named_rank_n_without_a_capture_are_plain_folders(tmp_path):
     r = invoke("run", tmp_path / "data", "--json", "-")
     assert r.exit_code == 0, r.output
     assert [t["name"] for t in json.loads(r.stdout)["tensors"]] == [str(tmp_path / "data" / "rank0" / "scores.npy")]
+
+
+def test_rank_directories_named_one_by_one_read_as_the_parent(tmp_path, monkeypatch):
+    cap = tmp_path / "cap"
+    capture_ranks(monkeypatch, cap)
+    both = json.loads(invoke("run", cap / "rank1", cap / "rank0", "--json", "-").stdout)["model"]
+    assert [(c["index"], c["rank"]) for c in both["calls"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert (both["first_bad"]["index"], both["first_bad"]["rank"]) == (0, 1) and len(both["ranks"]) == 2
