@@ -256,7 +256,8 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
     diags = [c.diagnosis for c in calls if c.diagnosis is not None]
     severities = [f.severity for d in diags for f in d.findings] + [f.severity for f in report.findings]
     errors, warnings = severities.count("error"), severities.count("warning")
-    head = f"{len(report.lines)} call(s) on {device}: {errors} error(s), {warnings} warning(s)"
+    of = f" of {len(report.ranks)} ranks" if len(report.ranks) > 1 else ""
+    head = f"{len(report.lines)} call(s){of} on {device}: {errors} error(s), {warnings} warning(s)"
     incomplete = [f for f in report.findings if f.code == "capture_incomplete"]
     gap = "".join("; " + f.message for f in incomplete)  # what was not judged, on the line CI logs show
     judged = "in the cells the model runs" if report.known else "in any cell"

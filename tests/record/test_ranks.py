@@ -40,9 +40,7 @@ def qkv(poison: bool = False):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
     if poison:
-        q[0, 1, 3, 0] = float(
-            "nan"
-        )  # head 1, query 3: one NaN row in the first layer, all 8 rows of head 1 in the next
+        q[0, 1, 3, 0] = float("nan")  # head 1, query 3: a NaN row of the first layer's scores
     return q, k, v
 
 
@@ -87,7 +85,8 @@ def test_each_rank_writes_its_own_directory_and_run_names_the_rank_that_goes_wro
     text = invoke("run", cap)
     flat = " ".join(text.stdout.split())
     assert "rank 0: 2 call(s), 0 error(s), 0 warning(s); no call goes wrong" in flat
-    assert "first call that goes wrong on rank 1: #0 r1 layers.0" in flat
+    closing = "4 call(s) of 2 ranks on cpu: 1 error(s), 0 warning(s); first call that goes wrong on rank 1: #0 r1"
+    assert closing in flat
 
 
 def test_one_rank_directory_reads_alone_with_its_rank(tmp_path, monkeypatch):
