@@ -127,6 +127,7 @@ def test_a_gradients_file_whose_shapes_are_not_the_calls_is_refused(tmp_path):
     assert "belongs to another call (grad_q has shape (1, 2, 4, 16); this call's is (1, 2, 4, 8))" in r.stderr
 
 
+@pytest.mark.slow  # flex_attention's first call costs ~5 s
 @pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*:UserWarning")
 def test_a_flex_call_whose_score_mod_logits_are_missing_is_refused(tmp_path):
     from torch.nn.attention.flex_attention import flex_attention
