@@ -67,6 +67,7 @@ GROUPS = {
     "distribution": "The distribution",
     "backward": "The backward pass",
     "watch": "Watching a training run (attncheck watch)",
+    "capture": "The capture itself",
 }
 
 _TORCH = "import torch\n\n"
@@ -697,6 +698,30 @@ with safe_open(grads, "pt") as f:
 tensors["grad_q"] = tensors["grad_q"] * 1.01
 save_file(tensors, grads, meta)
 """, "attncheck run cap --brief --fail-on grad_emulation_mismatch"),
+    ),
+    # ------------------------------------------------------------------ capture
+    Code(
+        "capture_incomplete", "warning", "capture",
+        "the capture did not record every attention call the script made",
+        "Recording stopped before the script ended (--max-bytes or --max-calls would have been passed, or a "
+        "call could not be written), or the script failed: the calls judged are only those recorded, and "
+        "nothing is known of the rest, where the problem may sit. The finding names the first call not "
+        "recorded and why.",
+        "Any call (or a call's gradients) not recorded once recording stopped, or a script that failed while "
+        "captured; reported once per capture (per rank under torchrun).",
+        "the calls after the first one not recorded were never judged: raise --max-bytes or --max-calls, record fewer calls (--module, --forward, --no-grads), or --ignore capture_incomplete where judging the first calls is enough",
+        Example("""\
+import torch
+import torch.nn.functional as F
+
+import attncheck
+
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 16, 32, generator=g) for _ in range(3))  # 12 KiB per call
+with attncheck.capture("cap", max_bytes=40_000):  # room for three calls of four
+    for layer in range(4):
+        F.scaled_dot_product_attention(q, k, v)
+""", "attncheck run cap --brief --fail-on capture_incomplete"),
     ),
     # ------------------------------------------------------------------ watch
     Code(

@@ -442,6 +442,60 @@ def failed_conditions(diags: list[TensorDiagnosis], conditions: list[str], ignor
     return held
 
 
+# --------------------------------------------------------------------------- the capture itself
+
+
+def unrecorded_text(first: dict | None) -> str | None:
+    """'call 3 (sdpa in model.layers.3.self_attn)', 'the gradients of call 2 (...)'; None when unknown."""
+    if not isinstance(first, dict) or not isinstance(first.get("index"), int):
+        return None
+    where = f"{first.get('kind') or 'call'} in {first.get('module') or 'global'}"
+    text = f"call {first['index']} ({where})"
+    return f"the gradients of {text}" if first.get("what") == "gradients" else text
+
+
+def capture_findings(capture: dict | None, rank: int | None = None) -> list[Finding]:
+    """A capture that did not record every call the script made: recording stopped (--max-bytes,
+    --max-calls, a write that failed) or the script failed. Judging the calls recorded says nothing
+    about those never recorded, so a CI gate must not pass it silently."""
+    out: list[Finding] = []
+
+    def add(code: str, message: str) -> None:
+        out.append(Finding(code, SEVERITY[code], message, FIX[code]))
+
+    if not capture or capture.get("complete") is True:
+        return out
+    stopped = capture.get("stopped")
+    error = capture.get("error") or (capture.get("script") or {}).get("error")
+    if not stopped and not error:
+        return out
+    on = "" if rank is None else f"rank {rank}: "
+    first = unrecorded_text(capture.get("first_unrecorded"))
+    if stopped:
+        missed = (f"{first} and every call after it not recorded" if first
+                  else "calls not recorded (the first is not known)")
+        add("capture_incomplete", f"{on}capture incomplete: {missed} (recording stopped: {stopped})")
+    else:
+        add("capture_incomplete",
+            f"{on}capture incomplete: the script failed ({error}); the calls it would have made after that "
+            "were never made")
+    return out
+
+
+def failed_by_findings(findings: list[Finding], conditions: list[str], ignore=(), where: str = "capture") -> list[str]:
+    """The --fail-on conditions that findings outside any call's diagnosis (the capture's) meet."""
+    held = []
+    for cond in conditions:
+        if cond in ("error", "warning"):
+            allowed = SEVERITIES.index(cond)
+            bad = [f.code for f in findings if SEVERITIES.index(f.severity) <= allowed and f.code not in ignore]
+        else:
+            bad = [f.code for f in findings if f.code == cond and f.code not in ignore]
+        if bad:
+            held.append(f"{cond}: {where}: {', '.join(dict.fromkeys(bad))}")
+    return held
+
+
 # --------------------------------------------------------------------------- backward
 
 GRAD_UNDERFLOW_WARN_FRAC = 0.01  # a gradient losing this share of its non-zero entries to 0 is a warning

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 
 from attncheck.codes import SEVERITY
-from attncheck.findings import counted_rows, counted_verdict, ignored_causes
+from attncheck.findings import capture_findings, counted_rows, counted_verdict, ignored_causes
 from attncheck.results import (
     MODEL,
     UNEXPLAINED,
@@ -25,6 +25,7 @@ from attncheck.results import (
     ModelLine,
     ModelReport,
     Outlier,
+    RankSummary,
     TensorDiagnosis,
     WhatIfAnswer,
 )
@@ -83,6 +84,7 @@ def cell_line(report: CallReport, diag: TensorDiagnosis, cell: Cell | None, igno
     limit = None if cell is None else cell.limit
     line = ModelLine(info.index, info.name, info.module, info.kind, tuple(diag.shape), cell.name if cell is not None else None,
                      diag.census.max, None if limit is None else limit.headroom, nan_rows, first, worst, verdict, heads, errors, limit)
+    line.rank = info.rank
     if cell is not None and cell.backward is not None:
         _grad_facts(line, cell.backward, ignore)
     if info.kind == "flex" and info.meta.get("score_mod", "none") != "none":
@@ -112,7 +114,8 @@ def _grad_facts(line: ModelLine, b, ignore=()) -> None:
 def call_line(report: CallReport, ignore=()) -> ModelLine:
     info, d = report.call, report.diagnosis
     if d is None:
-        return ModelLine(info.index, info.name, info.module, info.kind, info.shape, None, None, None, 0, None, None, "skipped")
+        return ModelLine(info.index, info.name, info.module, info.kind, info.shape, None, None, None, 0, None, None,
+                         "skipped", rank=info.rank)
     line = cell_line(report, d, used_cell(report), ignore, every_cell=not known(report))
     if report.cell is not None and line.cell is None:
         line.cell = f"{report.cell[0]}/{report.cell[1]}"
@@ -172,8 +175,43 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
     first = next((i for i, line in enumerate(lines) if line.verdict in BAD_VERDICTS), None)
     first_grad = next((i for i, line in enumerate(lines) if line.grad_verdict in ("nan", "error")), None)
     found = [o for c in calls for o in outliers(c)]
+    by_rank = capture_findings_by_rank(capture, ignore)
+    findings = [f for found in by_rank.values() for f in found]
     return ModelReport(lines, first, found, tuple(ignore), list(skipped), capture, what_if_answers(calls, ignore),
-                       known=any(known(c) for c in calls), first_grad_bad=first_grad)
+                       known=any(known(c) for c in calls), first_grad_bad=first_grad, findings=findings,
+                       ranks=rank_summaries(calls, lines, capture, by_rank))
+
+
+def capture_findings_by_rank(capture: dict | None, ignore=()) -> dict[int | None, list[Finding]]:
+    """The findings of the capture itself, less the ignored codes: per rank for a capture of several
+    processes (torchrun), else under None."""
+    if not capture:
+        return {}
+    ranks = capture.get("ranks")
+    if isinstance(ranks, list):
+        found = {r.get("rank"): capture_findings(r, r.get("rank")) for r in ranks}
+    else:
+        rank = capture.get("rank") if (capture.get("world") or 1) > 1 else None
+        found = {rank: capture_findings(capture, rank)}
+    return {rank: [f for f in fs if f.code not in ignore] for rank, fs in found.items()}
+
+
+def rank_summaries(calls: list[CallReport], lines: list[ModelLine], capture: dict | None,
+                   by_rank: dict[int | None, list[Finding]]) -> list[RankSummary]:
+    """Each rank's own account, where the calls come from several processes (a torchrun capture)."""
+    ranks = sorted({c.call.rank for c in calls if c.call.rank is not None})
+    facts = {r.get("rank"): r for r in (capture or {}).get("ranks") or [] if isinstance(r, dict)}
+    if not facts and capture and isinstance(capture.get("rank"), int):
+        facts = {capture["rank"]: capture}
+    out = []
+    for rank in ranks:
+        mine = [i for i, c in enumerate(calls) if c.call.rank == rank]
+        diags = [calls[i].diagnosis for i in mine if calls[i].diagnosis is not None]
+        sev = [f.severity for d in diags for f in d.findings] + [f.severity for f in by_rank.get(rank, [])]
+        first = next((i for i in mine if lines[i].verdict in BAD_VERDICTS), None)
+        complete = facts.get(rank, {}).get("complete") is not False
+        out.append(RankSummary(rank, len(mine), sev.count("error"), sev.count("warning"), first, complete))
+    return out
 
 
 def head_findings(report: CallReport, diag_findings: list[Finding]) -> list[Finding]:

@@ -423,6 +423,7 @@ class CallInfo:
     has_qk: bool = False
     forward: int | None = None  # which forward pass of the top module (1-based); None: outside one
     meta: dict[str, str] = field(default_factory=dict)  # everything else the capture wrote
+    rank: int | None = None  # the process that made the call, in a capture of several (torchrun); None: one process
 
 
 @dataclass
@@ -470,6 +471,7 @@ class ModelLine:
     # A flex call with a score_mod: its name and the largest unmasked logit before it (max_logit is after it)
     score_mod: str | None = None
     logit_before_mod: float | None = None
+    rank: int | None = None  # the process that made the call (a capture of several, under torchrun)
 
     @property
     def grad_verdict(self) -> str | None:
@@ -519,6 +521,18 @@ class WhatIfAnswer:
 
 
 @dataclass
+class RankSummary:
+    """One rank of a capture of several processes: its calls and findings, and its first call that goes wrong."""
+
+    rank: int
+    calls: int
+    errors: int
+    warnings: int
+    first_bad: int | None  # position in the model report's ``lines``
+    complete: bool = True
+
+
+@dataclass
 class ModelReport:
     """Many calls in one view: a line per call, the first one that goes wrong, outlier heads, and
     the answers to what-if questions."""
@@ -532,6 +546,8 @@ class ModelReport:
     what_if: list[WhatIfAnswer] = field(default_factory=list)
     known: bool = False  # the calls name their implementation (a capture): the model's cells alone decide
     first_grad_bad: int | None = None  # position in ``lines`` of the first call whose gradients go wrong
+    findings: list[Finding] = field(default_factory=list)  # of the capture itself, not of a call (capture_incomplete)
+    ranks: list[RankSummary] = field(default_factory=list)  # a capture of several processes: each rank's own account
 
 
 @dataclass

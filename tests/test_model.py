@@ -100,7 +100,7 @@ def test_json_model_section():
     doc = json.loads(json.dumps(run_json([c.diagnosis for c in calls], "cpu", [], report, calls), allow_nan=False))
     assert doc["schema"] == "attncheck.run/3" and {"tensors", "failed", "options", "device"} <= doc.keys()
     m = doc["model"]
-    assert m["first_bad"] == {"index": 1, "name": "c1", "module": "model.layers.1.attn", "verdict": "nan", "first_cause": "inf_input", "heads": [3], "nan_rows": 1, "errors": ["inf_input"]}
+    assert m["first_bad"] == {"index": 1, "rank": None, "name": "c1", "module": "model.layers.1.attn", "verdict": "nan", "first_cause": "inf_input", "heads": [3], "nan_rows": 1, "errors": ["inf_input"]}
     assert [c["verdict"] for c in m["calls"]] == ["ok", "nan"] and m["calls"][1]["cell"] == "torch/fp16"
     assert m["calls"][1]["heads"][3]["nan_rows"] == 1 and len(m["calls"][1]["heads"]) == 4
 

@@ -46,7 +46,7 @@ CAPTURE = "Capture"
 def capture(
     script: str = typer.Argument(..., metavar="SCRIPT", help="The Python script to run (as 'python SCRIPT ARGS' would run it).", show_default=False),
     args: Optional[List[str]] = typer.Argument(None, metavar="ARGS", help="Arguments for the script; put '--' before the script when they look like options.", show_default=False),
-    out: str = typer.Option(DEFAULT_OUT, "--out", "-o", metavar="DIR", help="Capture directory: one .safetensors per call and manifest.json (created; a previous capture there is replaced).", rich_help_panel=CAPTURE),
+    out: str = typer.Option(DEFAULT_OUT, "--out", "-o", metavar="DIR", help="Capture directory: one .safetensors per call and manifest.json (created; a previous capture there is replaced); under torchrun one per rank, DIR/rank0, DIR/rank1, ...", rich_help_panel=CAPTURE),
     no_save: bool = typer.Option(False, "--no-save", help="Write nothing: diagnose each call as it is recorded.", rich_help_panel=CAPTURE),
     max_calls: str = typer.Option(str(DEFAULT_MAX_CALLS), "--max-calls", metavar="N", help="Stop recording after N calls (the script runs on).", rich_help_panel=CAPTURE),
     max_bytes: str = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", metavar="SIZE", help="Stop recording before the tensors recorded pass SIZE (e.g. 512MiB).", rich_help_panel=CAPTURE),
@@ -75,6 +75,8 @@ def capture(
     """Run a Python script under capture and diagnose every attention call it makes.
 
     Records each F.scaled_dot_product_attention call, each FlexAttention call (its block mask and its logits after the score_mod) and each softmax over the last axis of a 3+-D tensor inside a module (the eager path's scores, with the q, k, v of the matmuls around it), with the module path, without any change to the script or the model; when the script runs a backward (loss.backward()), each call's output gradient and the gradients its kernel produced too, so that every call's backward is judged as well. torch.compile'd code runs as its eager code by default, and the report says so (--compile). Each call is then judged by the cell its model ran, as 'attncheck run' judges the capture directory (which it can do again); --what-if asks about other dtypes and implementations apart. With --json -, what the script prints goes to stderr.
+
+    Under torchrun (or any torch.distributed job: RANK and WORLD_SIZE set) each rank records into its own directory, OUT/rank0, OUT/rank1, ..., and judges its own calls: rank 0 prints its report, every other rank one line on stderr, and each exits by --fail-on on its own calls; --json FILE becomes one file per rank (FILE.rankN.json), --json - rank 0's. 'attncheck run OUT' then reports every rank, merged and per rank. A directory another process is writing is refused.
 
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error, or the script failed.
     """
@@ -107,14 +109,28 @@ def capture(
         raise fail(e) from None
 
     cap = outcome.capture
+    whose = "" if cap.rank is None else f"rank {cap.rank} of {cap.world}: "  # torchrun: each process says its rank
+    out = out if cap.path is None else cap.path  # under torchrun: this rank's own directory, OUT/rankN
     if outcome.error is not None:
         _show_script_error(outcome.error, script)
-        kept = f"{len(cap.calls)} call(s) recorded" + (f" in {out} (manifest written)" if not no_save else "")
+        kept = whose + f"{len(cap.calls)} call(s) recorded" + (f" in {out} (manifest written)" if not no_save else "")
         why = f"exit status {outcome.error.code}" if isinstance(outcome.error, SystemExit) else f"{type(outcome.error).__name__}{_where(outcome.error, script)}, traceback above"
         raise fail(f"{script} failed ({why}); {kept}")
     if say is not None and not no_save:
-        say(f"recorded {len(cap.calls)} call(s) in {out}" + (f"; recording stopped: {cap.stopped}" if cap.stopped else "") + f" (again: attncheck run {out})")
-    emit(outcome.result, conditions, ignored, json_out, brief=brief, full=full, detail=detail)
+        again = out if cap.rank is None else f"{cap.given_path} for every rank"
+        stopped = f"; recording stopped: {cap.stopped}" if cap.stopped else ""
+        say(whose + f"recorded {len(cap.calls)} call(s) in {out}{stopped} (again: attncheck run {again})")
+    summary_only = None
+    if cap.rank is not None:  # rank 0 prints its report, the others their closing line (stderr); JSON: a file per rank
+        from attncheck.record.ranks import rank_file
+
+        summary_only = None if cap.rank == 0 else f"rank {cap.rank} of {cap.world}"
+        if json_out == "-":
+            json_out = None if cap.rank else "-"
+        elif json_out is not None:
+            json_out = rank_file(json_out, cap.rank)
+    emit(outcome.result, conditions, ignored, json_out, brief=brief, full=full, detail=detail,
+         summary_only=summary_only)
 
 
 def _where(error: BaseException, script: str) -> str:

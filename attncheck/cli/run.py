@@ -185,9 +185,11 @@ def run(
     emit(result, conditions, ignored, json_out, brief=brief, full=full, detail=detail)
 
 
-def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str | None, *, brief: bool, full: bool, detail: list[str]) -> None:
+def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str | None, *, brief: bool, full: bool,
+         detail: list[str], summary_only: str | None = None) -> None:
     """Print the report (the model report for several calls, else the per-tensor one), write the
-    JSON, and exit 0, or 1 when a --fail-on condition holds, or 2 when calls were skipped."""
+    JSON, and exit 0, or 1 when a --fail-on condition holds, or 2 when calls were skipped.
+    ``summary_only``: a label; only the closing line is said, on stderr, under it (one rank of several)."""
     import fnmatch
 
     from attncheck.findings import failed_conditions
@@ -198,6 +200,11 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
     what_ifs = [c.what_if for c in result.calls if c.what_if is not None]
     asked = [c.removeprefix(WHAT_IF_PREFIX) for c in conditions if c.startswith(WHAT_IF_PREFIX)]
     failed += [WHAT_IF_PREFIX + f for f in failed_conditions(what_ifs, asked, (*ignored, *INHERITED))]  # inherited NaN is the model's
+    if result.model is not None and result.model.findings:  # the capture's own (capture_incomplete)
+        from attncheck.findings import failed_by_findings
+
+        own = [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)]
+        failed += failed_by_findings(result.model.findings, own, ignored)
     chosen = []
     for pattern in detail:
         hit = [c for c in result.calls if c.diagnosis is not None and (fnmatch.fnmatchcase(c.call.module, pattern) or fnmatch.fnmatchcase(c.call.name, pattern))]
@@ -210,10 +217,18 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
             write_json(json.dumps(run_json(result.tensors, result.device, failed, result.model, result.calls), indent=2, allow_nan=False), json_out)
         except AttncheckError as e:
             raise fail(e) from None
-    if json_out != "-":
+    if summary_only is not None and result.model is not None:  # one process of several (torchrun): its closing line
+        from attncheck.report.model import closing_line
+
+        say(f"attncheck: {summary_only}: {closing_line(result.model, result.calls, result.device).plain}")
+    elif json_out != "-":
         console = report_console()
         if full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
             print_report(console, result.tensors, result.device, verbose=not brief, what_ifs=what_ifs)
+            if result.model is not None and result.model.findings:
+                from attncheck.report.model import capture_block
+
+                console.print(capture_block(result.model))
         else:
             from attncheck.report.model import print_model
 

@@ -194,11 +194,20 @@ def call_bytes(entries: dict[str, tuple[str, tuple[int, ...]]]) -> int:
     return sum(math.prod(shape) * _ITEMSIZE.get(dtype, 8) for role, (dtype, shape) in entries.items() if role in ROLES)
 
 
-def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
+def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int, ...]]],
+                 meta: dict[str, str] | None = None) -> str | None:
     need = ("q", "k") if kind in ("sdpa", "flex") else ("scores",)
     missing = [r for r in need if r not in entries]
     if missing:
         return f"{label}: the {kind} call has no {' or '.join(missing)} tensor"
+    mod = (meta or {}).get("score_mod", "none")
+    if kind == "flex" and mod not in ("none", ""):  # judged on q.k alone, it would be judged as another attention
+        lost = [r for r in ("scores_mod", "scores_mod64") if r not in entries]
+        if lost:
+            return (f"{label}: the flex call's score_mod {shorten(repr(mod))} changed its logits, but the file "
+                    "holds no "
+                    f"{' or '.join(lost)} tensor (its logits after the score_mod); its raw q.k logits are not what "
+                    "it computed")
     return None
 
 
@@ -216,7 +225,7 @@ def call_file_source(path: str, index: int, meta: dict[str, str], entries: dict[
     size = call_bytes(entries)
     if max_bytes is not None and size > max_bytes:
         return _broken(info, f"{label}: loading the call whole needs {size_text(size)}, over {param('max_memory')} {size_text(max_bytes)}")
-    return CallSource(info, lambda: _load_call_tensors(path, label), _check_roles(label, info.kind, entries))
+    return CallSource(info, lambda: _load_call_tensors(path, label), _check_roles(label, info.kind, entries, meta))
 
 
 # --------------------------------------------------------------------------- capture directories
@@ -229,6 +238,60 @@ def is_capture_dir(path: str | os.PathLike[str]) -> bool:
         return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
     except (OSError, ValueError):
         return False
+
+
+RANK_DIR = re.compile(r"^rank(\d{1,7})$")
+
+
+def rank_dirs(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """A capture of several processes (torchrun): a directory without a manifest holding ``rankN``
+    directories, one of them at least a capture; [(rank, directory)] in rank order, [] for anything else."""
+    try:
+        if not Path(path).is_dir() or (Path(path) / MANIFEST).is_file():
+            return []
+        found = [(int(m.group(1)), os.path.join(os.fspath(path), p.name)) for p in Path(path).iterdir()
+                 if (m := RANK_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()]
+        if not any((Path(sub) / MANIFEST).is_file() for _, sub in found):  # folders named rankN holding no capture
+            return []
+    except (OSError, ValueError):
+        return []
+    return sorted(found)
+
+
+def open_ranks(directory: str | os.PathLike[str], selector: KeySelector | None = None,
+               max_bytes: int | None = None) -> tuple[list[CallSource], list[dict]]:
+    """Every rank's calls of a capture of several processes, each call naming its rank, in call order
+    (rank order within one index: the ranks run the same program); and each rank's manifest. The ranks
+    must be one job's: ranks 0 .. world-1, each once, one world size and one run id."""
+    given = os.fspath(directory)
+    found = rank_dirs(given)
+    out: list[CallSource] = []
+    docs: list[dict] = []
+    for rank, sub in found:
+        if not (Path(sub) / MANIFEST).is_file():
+            raise error(f"{sub}: holds no {MANIFEST}: rank {rank}'s capture did not finish (did that process fail?)")
+        calls, doc = open_capture(sub, selector, max_bytes)
+        if doc.get("rank") != rank or not isinstance(doc.get("world"), int):
+            raise error(f"{os.path.join(sub, MANIFEST)}: is rank {doc.get('rank')}'s capture, not rank {rank}'s "
+                        "(each rank writes its own DIR/rankN)")
+        out += calls
+        docs.append(doc)
+    worlds = {d["world"] for d in docs}
+    runs = {d.get("run_id") for d in docs}
+    if len(worlds) > 1 or len(runs) > 1:
+        what = (f"world sizes {sorted(worlds)}" if len(worlds) > 1
+                else "run ids " + ", ".join(sorted(str(r) for r in runs)))
+        raise error(f"{given}: its ranks come from different jobs ({what}): capture into a new or empty folder")
+    world = worlds.pop()
+    ranks = [d["rank"] for d in docs]
+    if ranks != list(range(world)):
+        missing = sorted(set(range(world)) - set(ranks))
+        extra = sorted(set(ranks) - set(range(world)))
+        why = (f"lacks rank {missing[0]} ({os.path.join(given, f'rank{missing[0]}')})" if missing
+               else f"holds rank {extra[0]}, beyond its world")
+        raise error(f"{given}: a capture of {world} processes {why}: capture into a new or empty folder")
+    out.sort(key=lambda s: (s.info.index, s.info.rank))
+    return out, docs
 
 
 def load_manifest(directory: str | os.PathLike[str]) -> Manifest:
@@ -326,28 +389,45 @@ def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None
                 raise error(f"{where}: call {index} names the gradients file {visible(gname)}, not this call's "
                             f"({grads_file_name(index, entry.module or '')})")
             listed.add(gname)
-            load, grads_problem = _with_grads(source.load, os.path.join(given, gname), label)
+            load, grads_problem = _with_grads(source.load, os.path.join(given, gname), label, index, entry.module or "",
+                                              entries)
         out.append(CallSource(source.info, load, problem or source.problem or grads_problem))
     unlisted = sorted((p.name for p in Path(given).glob("*.safetensors") if p.name not in listed), key=natural_key)
     if unlisted:
         raise error(f"{where} does not match the files: {os.path.join(given, unlisted[0])} is not listed in it"
                     + (f" ({len(unlisted) - 1} more)" if len(unlisted) > 1 else ""))
     out.sort(key=lambda s: s.info.index)
+    if manifest.rank is not None and (manifest.world or 1) > 1:  # one rank of a torchrun capture: its calls say so
+        for src in out:
+            src.info.rank = manifest.rank
     return out, manifest_facts(manifest)
 
 
-def _with_grads(load: Callable[[], dict[str, torch.Tensor]], path: str, label: str) -> tuple[Callable[[], dict[str, torch.Tensor]], str | None]:
-    """A call's loader that adds the tensors of its gradients file (only the gradient roles)."""
+def _with_grads(load: Callable[[], dict[str, torch.Tensor]], path: str, label: str, index: int, module: str,
+                call_entries: dict[str, tuple[str, tuple[int, ...]]]
+                ) -> tuple[Callable[[], dict[str, torch.Tensor]], str | None]:
+    """A call's loader that adds the tensors of its gradients file (only the gradient roles). The file must be this
+    call's: its metadata names the call and its module, and each gradient has the shape of what it is the gradient of
+    (dq of q, dO of the output): another call's gradients would be judged as this kernel's and read as attncheck's
+    emulation being wrong."""
     if os.path.islink(path):
         return load, f"{label}: its gradients file {path} is a symbolic link; a capture's files are plain files of its directory (nothing is read outside it)"
     if not os.path.isfile(path):
         return load, f"{label}: its gradients file {path} is listed in the manifest but " + ("not a file" if os.path.lexists(path) else "missing")
     try:
-        meta, _ = read_call_header(path)
+        meta, grad_entries = read_call_header(path)
     except AttncheckError as exc:
         return load, f"{label}: its gradients file: {_strip_path(exc.message, path)}"
     if not str(meta.get(FORMAT_KEY, "")).startswith(CAPTURE_SCHEMA_PREFIX) or meta.get("grads") != "true":
         return load, f"{label}: {path} is not a capture's gradients file (its metadata needs {FORMAT_KEY} {CAPTURE_SCHEMA_PREFIX}... and grads true)"
+    for key, want in (("call", str(index)), ("module", module)):
+        if meta.get(key) != want:
+            got = shorten(repr(meta.get(key)))
+            return load, (f"{label}: its gradients file {path} belongs to another call ({key} {got} in it, "
+                          f"{shorten(repr(want))} for this call)")
+    problem = _grad_shapes(label, path, grad_entries, call_entries)
+    if problem:
+        return load, problem
 
     def both() -> dict[str, torch.Tensor]:
         tensors = load()
@@ -355,6 +435,22 @@ def _with_grads(load: Callable[[], dict[str, torch.Tensor]], path: str, label: s
         return tensors
 
     return both, None
+
+
+def _grad_shapes(label: str, path: str, grads: dict, call: dict) -> str | None:
+    """Why the gradients in ``grads`` cannot be those of the call whose tensors are ``call`` (header entries)."""
+    shapes = {role: tuple(spec[1]) for role, spec in call.items()}
+    want = {"grad_q": shapes.get("q"), "grad_k": shapes.get("k"), "grad_v": shapes.get("v")}
+    if "out" in shapes:
+        want["grad_out"] = shapes["out"]
+    elif shapes.get("q") and shapes.get("v"):  # O = P@V: q's rows, v's width
+        want["grad_out"] = (*shapes["q"][:-1], shapes["v"][-1])
+    for role in GRAD_ROLES:
+        got, expected = grads.get(role), want.get(role)
+        if got is not None and expected is not None and tuple(got[1]) != tuple(expected):
+            return (f"{label}: its gradients file {path} belongs to another call ({role} has shape {tuple(got[1])}; "
+                    f"this call's is {tuple(expected)})")
+    return None
 
 
 def _strip_path(message: str, path: str) -> str:
@@ -435,6 +531,10 @@ def open_inputs(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (
             calls, doc = open_capture(raw, selector, max_bytes)
             found.extend(calls)
             manifests.append(doc)
+        elif rank_dirs(raw):
+            calls, docs = open_ranks(raw, selector, max_bytes)
+            found.extend(calls)
+            manifests.extend(docs)
         else:
             plain.append(os.fspath(raw))
     files = expand_paths(plain) if plain else []
@@ -470,6 +570,8 @@ def open_inputs(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (
             found.append(CallSource(info, _group_loader(listing, roles)))
             order += 1
     selector.check_all_matched()
+    if len(manifests) > 1 and all(isinstance(item, CallSource) and item.info.rank is not None for item in found):
+        found.sort(key=lambda item: (item.info.index, item.info.rank))  # ranks named one by one: in call order too
     return found, manifests
 
 

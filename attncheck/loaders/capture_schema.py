@@ -7,7 +7,7 @@ one: a field with a default.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 from msgspec import Meta, Struct
 
@@ -74,6 +74,15 @@ class CompileFacts(Struct):
     compiled_calls: Optional[Count] = None
 
 
+class Unrecorded(Struct):
+    """The first call (or a call's gradients) a capture did not record once recording stopped."""
+
+    index: Index
+    kind: Optional[Short] = None
+    module: Name = ""
+    what: Literal["call", "gradients"] = "call"
+
+
 class Manifest(Struct):
     schema: Schema
     calls: Annotated[list[ManifestCall], Meta(max_length=MAX_CALLS)]
@@ -89,11 +98,17 @@ class Manifest(Struct):
     max_calls: Optional[Count] = None
     max_bytes: Optional[Count] = None
     modules: Annotated[list[Name], Meta(max_length=10_000)] = []
-    forwards: Optional[Annotated[list[Index], Meta(max_length=MAX_CALLS)]] = None
+    # the forward passes recorded: '1,3,5-9' (a list of numbers in captures before ranges were kept as ranges)
+    forwards: Optional[Union[Annotated[list[Index], Meta(max_length=MAX_CALLS)], Message]] = None
     total_bytes: Optional[Count] = None
     grads: Optional[bool] = None  # gradients were recorded where a backward reached a call
     grad_calls: Optional[Count] = None
     compile: Optional[CompileFacts] = None
+    first_unrecorded: Optional[Unrecorded] = None
+    # Under torchrun (several processes): this capture's rank, the world size and the job's id (torchrun's run id)
+    rank: Optional[Annotated[int, Meta(ge=0, le=1 << 20)]] = None
+    world: Optional[Annotated[int, Meta(ge=1, le=1 << 20)]] = None
+    run_id: Optional[Short] = None
 
 
 class CallMeta(Struct):

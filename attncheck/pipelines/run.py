@@ -68,7 +68,7 @@ def _run_files(request: RunRequest, options, track: Track, notice):
     """Every input of the files as a call report, in natural order; bad calls raise, or with
     ``partial`` are skipped and listed."""
     from attncheck.loaders import TensorSource
-    from attncheck.loaders.calls import check_manifest_message, open_inputs
+    from attncheck.loaders.calls import open_inputs
     from attncheck.numerics.cells.calls import diagnose_call, scores_report
     from attncheck.config.run import check_row_fits
     from attncheck.numerics.cells.diagnose import diagnose_chunks, rows_per_chunk
@@ -80,10 +80,14 @@ def _run_files(request: RunRequest, options, track: Track, notice):
         raise AttncheckError(f"{param('paths')} applies to attention calls (a capture, q/k files) and to {param('q')}/{param('k')}; "
                              f"{', '.join(request.paths)} hold{'s' if len(request.paths) == 1 else ''} scores only")
     capture = None
-    if manifests:
-        doc = manifests[0]
-        capture = {"note": check_manifest_message(doc), "stopped": doc.get("stopped"), "script": doc.get("script"),
-                   "calls": len(doc.get("calls", [])), "torch_version": doc.get("torch_version"), "compile": doc.get("compile")}
+    ranked = all(isinstance(d.get("rank"), int) and (d.get("world") or 1) > 1 for d in manifests)
+    if len(manifests) > 1 and ranked:  # every rank of one torchrun capture
+        ranks = [dict(capture_facts(d), rank=d["rank"]) for d in manifests]
+        notes = [f"rank {r['rank']}: {r['note']}" for r in ranks if r["note"]]
+        capture = {"note": "; ".join(notes) or None, "world": manifests[0]["world"],
+                   "run_id": manifests[0].get("run_id"), "calls": sum(r["calls"] for r in ranks), "ranks": ranks}
+    elif manifests:
+        capture = capture_facts(manifests[0])
     if not request.partial:  # every call checked before the first is diagnosed
         for item in inputs:
             if not isinstance(item, TensorSource) and item.problem:
@@ -111,6 +115,17 @@ def _run_files(request: RunRequest, options, track: Track, notice):
             skipped.append((info.name, e.render()))
             calls.append(CallReport(info, None, error=e.render()))
     return calls, capture, skipped
+
+
+def capture_facts(doc: dict) -> dict:
+    """What the report says of a capture, from its manifest."""
+    from attncheck.loaders.calls import check_manifest_message
+
+    return {"note": check_manifest_message(doc), "stopped": doc.get("stopped"), "script": doc.get("script"),
+            "calls": len(doc.get("calls", [])), "torch_version": doc.get("torch_version"),
+            "compile": doc.get("compile"),
+            "complete": doc.get("complete"), "error": doc.get("error"), "first_unrecorded": doc.get("first_unrecorded"),
+            "rank": doc.get("rank"), "world": doc.get("world")}
 
 
 def _score_rows(tensors: dict) -> int:

@@ -59,17 +59,27 @@ class Capture:
         self.error: str | None = None
         self._recorder = None
         self._sink = None
+        self.rank: int | None = None  # under torchrun (several processes): this process's rank, and the world size
+        self.world: int | None = None
+        self.given_path = self.path  # the parent of the ranks' directories under torchrun
 
     def __enter__(self) -> "Capture":
         from attncheck.record.mode import Recorder
+        from attncheck.record.ranks import capture_rank, rank_directory
         from attncheck.record.store import DiagnoseSink, DirectorySink, MemorySink
 
+        ranked = capture_rank()
+        if ranked is not None:
+            self.rank, self.world = ranked
+            if self.path is not None:  # each rank its own directory: PATH/rankN
+                self.path = os.fspath(rank_directory(self.given_path, self.rank, self.world))
         if self.diagnose:
             from attncheck.config.run import Options
 
             self._sink = DiagnoseSink(self.options or Options(), self.ignore, self.notice, self.what_if, self.asked)
+            self._sink.rank = self.rank
         elif self.path is not None:
-            self._sink = DirectorySink(self.path)
+            self._sink = DirectorySink(self.path, self.rank)
         else:
             self._sink = MemorySink()
         self._recorder = Recorder(self._sink, modules=self.modules, forwards=self.forwards, max_calls=self.max_calls,
@@ -89,14 +99,23 @@ class Capture:
             facts = {"complete": self.error is None and self.stopped is None, "stopped": self.stopped,
                      "calls_seen": rec.seen, "calls_recorded": rec.recorded, "max_calls": self.max_calls,
                      "max_bytes": self.max_bytes, "modules": list(self.modules),
-                     "forwards": None if self.forwards is None else sorted(self.forwards), "error": self.error,
-                     "grads": self.grads, "grad_calls": rec.grad_calls,
+                     "forwards": None if self.forwards is None else str(self.forwards), "error": self.error,
+                     "first_unrecorded": rec.first_missed, "grads": self.grads, "grad_calls": rec.grad_calls,
                      "compile": {"mode": self.compile, "compiled_runs": rec.compiled_runs, "compiled_calls": rec.compiled_calls}}
             if self.script is not None:
                 facts["script"] = {**self.script, "error": self.error}
+            facts.update(self.rank_facts())
             sink.close(facts)
             self._finish(sink)
         return False
+
+    def rank_facts(self) -> dict:
+        """{'rank', 'world', 'run_id'} under torchrun; {} for a single process (its manifest as it always was)."""
+        if self.rank is None:
+            return {}
+        from attncheck.record.ranks import run_id
+
+        return {"rank": self.rank, "world": self.world, "run_id": run_id()}
 
     def note_error(self, exc: BaseException) -> None:
         """Record that the block failed (a script runner that catches the exception itself calls
@@ -118,7 +137,9 @@ class Capture:
 
             facts = {"compile": {"mode": self.compile, "compiled_runs": self._recorder.compiled_runs, "compiled_calls": self._recorder.compiled_calls}}
             notes = [f"recording stopped: {self.stopped}" if self.stopped else None, compile_message(facts)]
-            capture = {"note": "; ".join(n for n in notes if n) or None, "stopped": self.stopped, "compile": facts["compile"]}
+            capture = {"note": "; ".join(n for n in notes if n) or None, "stopped": self.stopped,
+                       "compile": facts["compile"], "complete": self.error is None and self.stopped is None,
+                       "error": self.error, "first_unrecorded": self._recorder.first_missed, **self.rank_facts()}
             device = sink.options.device
             skipped = [(r.call.name, r.error) for r in sink.reports if r.error]
             self.result = RunResult([r.diagnosis for r in sink.reports if r.diagnosis is not None], device, sink.reports,
@@ -132,12 +153,47 @@ def _decimal(text: str) -> bool:
     return text.isascii() and text.isdigit() and len(text) <= 9
 
 
-def parse_forwards(value) -> frozenset[int]:
+class Forwards:
+    """The forward passes to record, as ranges of numbers (1-based): '2-4,9' holds 2, 3, 4 and 9. A range
+    costs nothing however long it is ('1-30000000' is one pair of numbers, not thirty million)."""
+
+    def __init__(self, spans) -> None:
+        merged: list[list[int]] = []
+        for lo, hi in sorted(spans):
+            if merged and lo <= merged[-1][1] + 1:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self.spans = tuple((lo, hi) for lo, hi in merged)
+        self._starts = [lo for lo, _ in self.spans]
+
+    def __contains__(self, n) -> bool:
+        import bisect
+
+        i = bisect.bisect_right(self._starts, n) - 1
+        return i >= 0 and self.spans[i][0] <= n <= self.spans[i][1]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Forwards) and self.spans == other.spans
+
+    def __hash__(self) -> int:
+        return hash(self.spans)
+
+    def __str__(self) -> str:
+        """'1,3,5-9'."""
+        return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in self.spans)
+
+    __repr__ = __str__
+
+
+def parse_forwards(value) -> Forwards:
     """1, [1, 3], '1,3', '2-4' -> the forward passes to record (1-based)."""
+    if isinstance(value, Forwards):
+        return value
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
+    spans: list[tuple[int, int]] = []
     if isinstance(value, str):
-        out: list[int] = []
         for part in value.split(","):
             part = part.strip()
             if not part:
@@ -145,12 +201,14 @@ def parse_forwards(value) -> frozenset[int]:
             lo, sep, hi = part.partition("-")
             if not _decimal(lo) or (sep and not _decimal(hi)) or int(lo) < 1 or (sep and int(hi) < int(lo)):
                 raise AttncheckError(f"{part!r} is not a forward pass number or range (e.g. 1, 2-4)", param="forwards")
-            out += list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
-        value = out
+            spans.append((int(lo), int(hi) if sep else int(lo)))
+        if not spans:
+            raise AttncheckError(f"must be forward pass numbers >= 1, got {params.show(value)}", param="forwards")
+        return Forwards(spans)
     values = list(value)
     if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
         raise AttncheckError(f"must be forward pass numbers >= 1, got {params.show(value)}", param="forwards")
-    return frozenset(values)
+    return Forwards((v, v) for v in values)
 
 
 def capture(
@@ -197,4 +255,4 @@ def capture(
                    compile=compile)
 
 
-__all__ = ["Capture", "capture", "parse_forwards", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_CALLS"]
+__all__ = ["Capture", "Forwards", "capture", "parse_forwards", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_CALLS"]

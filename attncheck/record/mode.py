@@ -396,7 +396,7 @@ class Recorder(TorchFunctionMode):
         self._watches: list[_GradWatch] = []
         self.grad_calls = 0  # calls whose gradients were recorded
         self.modules = tuple(modules)
-        self.forwards = None if forwards is None else set(forwards)
+        self.forwards = forwards  # anything with ``in`` (record.Forwards: ranges, never expanded)
         self.max_calls, self.max_bytes = max_calls, max_bytes
         self.notice = notice
         self.tracker = ModuleStack(self._top if in_modules else None)
@@ -404,6 +404,7 @@ class Recorder(TorchFunctionMode):
         self.bytes = 0
         self.seen = 0  # calls that matched the filters, recorded or not
         self.stopped: str | None = None
+        self.first_missed: dict | None = None  # the first call (or gradients) not recorded once recording stopped
         # Calls come from every thread: numbering, bounds and the sink are taken one call at a time;
         # what is traced around a softmax is kept per thread (_Thread).
         self._lock = threading.RLock()
@@ -456,8 +457,8 @@ class Recorder(TorchFunctionMode):
         if self.compile is not None:
             self._compile_before = torch.compile
             torch.compile = self._compile_wrapper(self._compile_before)
-            if self.compile == "eager":
-                self._stance = torch.compiler.set_stance("force_eager")
+            if self.compile == "eager" and "torch._dynamo" in sys.modules:
+                self._force_eager()  # else at the first torch.compile (loading the compiler makes a folder in /tmp)
         if self.in_modules:
             return self
         self._thread().mode = True
@@ -549,6 +550,15 @@ class Recorder(TorchFunctionMode):
     def compiled_runs(self) -> int:
         return self.tracker.compiled_runs
 
+    def _force_eager(self) -> None:
+        """compile='eager': compiled code runs as its Python code from now on (the compiler's force_eager stance). Set
+        when the block starts where the compiler is loaded already (a module compiled before), else at the first
+        torch.compile inside it, so that a script that compiles nothing never loads the compiler (which creates its
+        cache folder, torchinductor_USER, in the temporary directory)."""
+        with self._lock:
+            if self.compile == "eager" and self._stance is None and not self._closed:
+                self._stance = torch.compiler.set_stance("force_eager")
+
     def _compile_wrapper(self, compile_fn):
         """``torch.compile`` while recording: the same, with a compiled function marked so that its
         calls are known to run inside compiled code (a compiled module is known by its hooks)."""
@@ -570,6 +580,7 @@ class Recorder(TorchFunctionMode):
 
         @functools.wraps(compile_fn)
         def compile_marked(model=None, *args, **kwargs):
+            self._force_eager()
             caller = sys._getframe(1).f_globals.get("__name__", "")
             if caller == "torch" or caller.startswith("torch."):  # torch's own use (flex_attention compiles itself to trace)
                 return compile_fn(model, *args, **kwargs)
@@ -630,16 +641,17 @@ class Recorder(TorchFunctionMode):
             return False
         size = call.nbytes
         if self.max_calls is not None and self.recorded >= self.max_calls:
-            self._stop(f"max_calls {self.max_calls} reached at call {call.index} ({call.kind} in {call.module or 'global'})")
+            where = f"{call.kind} in {call.module or 'global'}"
+            self._stop(f"max_calls {self.max_calls} reached at call {call.index} ({where})", call)
             return False
         if self.max_bytes is not None and self.bytes + size > self.max_bytes:
             self._stop(f"max_bytes {self.max_bytes} would be passed by call {call.index} ({call.kind} in {call.module or 'global'}, "
-                       f"{size} bytes; {self.bytes} recorded)")
+                       f"{size} bytes; {self.bytes} recorded)", call)
             return False
         try:
             self.sink(call)
         except AttncheckError as e:  # e.g. the disk is full: the model runs on, recording stops
-            self._stop(e.render())
+            self._stop(e.render(), call)
             return False
         self.recorded += 1
         self.bytes += size
@@ -683,7 +695,7 @@ class Recorder(TorchFunctionMode):
         call = watch.call
         if self.max_bytes is not None and self.bytes + size > self.max_bytes:
             self._stop(f"max_bytes {self.max_bytes} would be passed by the gradients of call {call.index} ({call.kind} in "
-                       f"{call.module or 'global'}, {size} bytes; {self.bytes} recorded)")
+                       f"{call.module or 'global'}, {size} bytes; {self.bytes} recorded)", call, "gradients")
             return
         grads = getattr(self.sink, "grads", None)
         if grads is None:
@@ -691,13 +703,18 @@ class Recorder(TorchFunctionMode):
         try:
             grads(call, dict(watch.got))
         except AttncheckError as e:
-            self._stop(e.render())
+            self._stop(e.render(), call, "gradients")
             return
         self.bytes += size
         self.grad_calls += 1
 
-    def _stop(self, why: str) -> None:
+    def _stop(self, why: str, call: Recorded | None = None, what: str = "call", kind: str = "", module: str = "",
+              index: int | None = None) -> None:
         self.stopped = why
+        if call is not None:
+            index, kind, module = call.index, call.kind, call.module
+        if index is not None:
+            self.first_missed = {"index": index, "kind": kind, "module": module or "", "what": what}
         self._pending = None
         self._qk, self._scores = None, {}
         if self.notice is not None:
@@ -790,7 +807,8 @@ class Recorder(TorchFunctionMode):
             if over:  # refused before its logits are computed: a long sequence's would not fit in memory
                 self.seen += 1
                 self._stop(f"max_bytes {self.max_bytes} would be passed by call {self.seen - 1} (flex in {module or 'global'}, "
-                           f"{planned} bytes with its logits; {self.bytes} recorded)")
+                           f"{planned} bytes with its logits; {self.bytes} recorded)",
+                           kind="flex", module=module or "", index=self.seen - 1)
         if over or self.stopped is not None:
             return out
         with torch.no_grad():

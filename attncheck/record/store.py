@@ -83,30 +83,51 @@ def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, torch.Ten
                 fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
-def prepare_directory(path: str | os.PathLike[str]) -> Path:
-    """The capture directory, created (its parent must exist) or emptied of a previous capture; as an
-    absolute path, so that a script that changes its working directory still writes there."""
+def prepare_directory(path: str | os.PathLike[str], rank: int | None = None) -> tuple[Path, Path]:
+    """The capture directory, created (its parent must exist), claimed by this process (``ranks.claim``:
+    a directory another live process writes is refused) and emptied of a previous capture; as an
+    absolute path, so that a script that changes its working directory still writes there; and the
+    owner file to release when done."""
+    from attncheck.record.ranks import claim, release
+
     d = Path(os.path.abspath(path))
+    owner = None
     try:
-        return _prepare(d)
+        _create(d)
+        owner = claim(d, rank)
+        return _prepare(d), owner
     except OSError as e:  # a name the file system refuses (too long), a folder removed meanwhile
+        if owner is not None:
+            release(owner)
         raise AttncheckError(f"cannot use capture directory {path}: {e.strerror or e}", param="path") from None
+    except AttncheckError:
+        if owner is not None:
+            release(owner)
+        raise
 
 
-def _prepare(d: Path) -> Path:
+def _create(d: Path) -> None:
     if d.exists() and not d.is_dir():
         raise AttncheckError(f"capture directory {d} is a file", param="path")
     if not d.exists():
         if not d.parent.is_dir():
             raise AttncheckError(f"cannot create capture directory {d}: folder {d.parent} does not exist", param="path")
         try:
-            d.mkdir()
+            d.mkdir(exist_ok=True)
         except OSError as e:
             raise AttncheckError(f"cannot create capture directory {d}: {e.strerror or e}", param="path") from None
-        return d
-    entries = list(d.iterdir())
+
+
+def _prepare(d: Path) -> Path:
+    from attncheck.record.ranks import OWNER, RANK_DIR
+
+    entries = [p for p in d.iterdir() if p.name != OWNER]
     if not entries:
         return d
+    ranks = [p for p in entries if p.is_dir() and p.name.startswith(RANK_DIR.format("")) and (p / MANIFEST).is_file()]
+    if ranks and not (d / MANIFEST).is_file():
+        raise AttncheckError(f"capture directory {d} holds a capture of several processes (rank0, rank1, ...: "
+                             "torchrun); give a new or empty folder", param="path")
     manifest = d / MANIFEST
     if not manifest.is_file():
         raise AttncheckError(f"capture directory {d} is not empty and holds no capture ({MANIFEST}); give a new or empty folder", param="path")
@@ -135,8 +156,8 @@ class DirectorySink:
 
     IN_FLIGHT = 1
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.dir = prepare_directory(path)
+    def __init__(self, path: str | os.PathLike[str], rank: int | None = None) -> None:
+        self.dir, self._owner = prepare_directory(path, rank)
         self.entries: list[dict] = []
         self.bytes = 0
         self._slots = threading.Semaphore(self.IN_FLIGHT)
@@ -227,9 +248,23 @@ class DirectorySink:
         return None if self._error is None else self._error.message
 
     def close(self, facts: dict) -> None:
-        """Wait for the last write, then write the manifest (calls that failed to write left out)."""
+        """Wait for the last write, then write the manifest (calls that failed to write left out), and give
+        the directory up."""
+        from attncheck.record.ranks import release
+
+        try:
+            self._close(facts)
+        finally:
+            release(self._owner)
+
+    def _close(self, facts: dict) -> None:
         self._queue.put(None)
         self._thread.join()
+        failed = [e for e in self.entries if e["file"] in self._failed]
+        if failed and not facts.get("first_unrecorded"):
+            e = failed[0]
+            first = {"index": e["index"], "kind": e["kind"], "module": e["module"], "what": "call"}
+            facts = {**facts, "first_unrecorded": first}
         self.entries = [e for e in self.entries if e["file"] not in self._failed]
         for e in self.entries:
             if "grads" in e and e["grads"]["file"] in self._failed:
@@ -278,6 +313,7 @@ class DiagnoseSink:
         self.ignore, self.notice = tuple(ignore), notice
         self.what_if, self.asked = tuple(what_if), asked
         self.reports = []
+        self.rank: int | None = None  # under torchrun: each call's report names this process's rank
         self._waiting: dict[int, Recorded] = {}  # calls whose gradients are still to come
         self._order: list[int] = []
 
@@ -304,8 +340,10 @@ class DiagnoseSink:
             info = info_from_meta(call.meta, index=call.index, name=name, file=None)
         except AttncheckError as e:  # a call attncheck cannot diagnose (a negative scale): listed, the model runs on
             info = CallInfo(index=call.index, name=name, kind=call.kind, module=call.module)
+            info.rank = self.rank
             self.reports.append(CallReport(info, None, error=f"{name} (call {call.index}, {call.kind}): {e.message}"))
             return
+        info.rank = self.rank
         tensors = cpu_tensors(call.tensors, copy=False)
         device_type = next(iter(call.tensors.values())).device.type
         try:

@@ -9,7 +9,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from attncheck.codes import REGISTRY
+from attncheck.codes import REGISTRY, doc_link
 from attncheck.format import fmt, plain, to_jsonable, visible
 from attncheck.report.diagnostics import EXPLAIN_HINT, diagnostic
 from attncheck.report.run import diagnosis_json
@@ -25,9 +25,10 @@ MAX_HEAD_COLUMNS = 32
 def call_label(line: ModelLine, prefix: str = "") -> str:
     """The module path when the call has one (less the ``prefix`` every call shares), else
     the file (and key) it came from."""
+    on = "" if line.rank is None else f"r{line.rank} "  # a capture of several processes: the rank first
     if line.module:
-        return line.module[len(prefix):] if prefix and line.module.startswith(prefix) else line.module
-    return "global" if line.kind in ("sdpa", "softmax") else line.name
+        return on + (line.module[len(prefix):] if prefix and line.module.startswith(prefix) else line.module)
+    return on + ("global" if line.kind in ("sdpa", "softmax") else line.name)
 
 
 def shared_prefix(modules: list[str]) -> str:
@@ -164,8 +165,41 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
             else:
                 cells.append(Text(f"{compact(h.max_logit)}{star}", style="yellow" if star else ""))
         cells += [""] * (width - len(cells))
-        t.add_row(shown(call_label(ModelLine(c.call.index, c.call.name, c.call.module, c.call.kind, (), None, None, None, 0, None, None, ""), prefix)), *cells)
+        row = ModelLine(c.call.index, c.call.name, c.call.module, c.call.kind, (), None, None, None, 0, None, None, "",
+                        rank=c.call.rank)
+        t.add_row(shown(call_label(row, prefix)), *cells)
     return t
+
+
+def ranks_block(report: ModelReport) -> Text | None:
+    """A capture of several processes (torchrun): each rank's own account, one line each."""
+    if len(report.ranks) < 2:  # one rank's own report says so in its capture note
+        return None
+    world = (report.capture or {}).get("world")
+    of = f" of {world}" if world else ""
+    text = Text(f"Ranks ({len(report.ranks)}{of}; the calls above are every rank's, r0, r1, ...):\n")
+    for r in report.ranks:
+        head = f"  rank {r.rank}: {r.calls} call(s), {r.errors} error(s), {r.warnings} warning(s)"
+        head += "" if r.complete else ", incomplete"
+        if r.first_bad is None:
+            text.append(head + "; no call goes wrong\n", style="yellow" if r.warnings or not r.complete else "green")
+        else:
+            line = report.lines[r.first_bad]
+            cause = f", first cause {line.first_cause}" if line.first_cause else ""
+            said = f"{head}; first call that goes wrong: #{line.index} {call_label(line)}: {line.verdict}{cause}"
+            text.append(visible(said) + "\n", style="bold red")
+    text.rstrip()
+    return text
+
+
+def capture_block(report: ModelReport) -> Group | None:
+    """The capture's own findings (capture_incomplete), each a diagnostic."""
+    if not report.findings:
+        return None
+    parts: list[Any] = [Text("Findings of the capture itself", style="bold")]
+    for f in report.findings:
+        parts += [diagnostic(f.severity, f.code, f.message, None, f.fix), Text("")]
+    return Group(*parts)
 
 
 def findings_summary(calls: list[CallReport], known: bool) -> Group | None:
@@ -177,7 +211,8 @@ def findings_summary(calls: list[CallReport], known: bool) -> Group | None:
         if c.diagnosis is None:
             continue
         for f in c.diagnosis.findings:
-            entry = seen.setdefault(f.code, [f.severity, 0, c.call.module or c.call.name])
+            on = "" if c.call.rank is None else f"r{c.call.rank} "
+            entry = seen.setdefault(f.code, [f.severity, 0, on + (c.call.module or c.call.name)])
             entry[1] += 1
             if SEVERITY_ORDER[f.severity] < SEVERITY_ORDER[entry[0]]:
                 entry[0] = f.severity
@@ -219,9 +254,12 @@ def what_if_table(report: ModelReport, prefix: str = "") -> Table | None:
 
 def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> Text:
     diags = [c.diagnosis for c in calls if c.diagnosis is not None]
-    errors = sum(f.severity == "error" for d in diags for f in d.findings)
-    warnings = sum(f.severity == "warning" for d in diags for f in d.findings)
-    head = f"{len(report.lines)} call(s) on {device}: {errors} error(s), {warnings} warning(s)"
+    severities = [f.severity for d in diags for f in d.findings] + [f.severity for f in report.findings]
+    errors, warnings = severities.count("error"), severities.count("warning")
+    of = f" of {len(report.ranks)} ranks" if len(report.ranks) > 1 else ""
+    head = f"{len(report.lines)} call(s){of} on {device}: {errors} error(s), {warnings} warning(s)"
+    incomplete = [f for f in report.findings if f.code == "capture_incomplete"]
+    gap = "".join("; " + f.message for f in incomplete)  # what was not judged, on the line CI logs show
     judged = "in the cells the model runs" if report.known else "in any cell"
     if report.what_if:
         broken = [a.cell for a in report.what_if if a.bad_calls]
@@ -229,7 +267,7 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
     else:
         tail = ""
     if report.first_bad is None:
-        return Text(head + f"; no call goes wrong {judged}" + tail, style="yellow" if warnings else "green")
+        return shown(head + f"; no call goes wrong {judged}" + tail + gap, style="yellow" if warnings else "green")
     line = report.lines[report.first_bad]
     what = f"NaN in {line.nan_rows} row(s)" if line.nan_rows else line.verdict
     if line.verdict == "error":
@@ -237,7 +275,9 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
     cause = ""
     if line.first_cause:
         cause = f", first cause {line.first_cause}" + (f" in head {','.join(map(str, line.heads[:6]))}" if line.heads else "")
-    return shown(f"{head}; first call that goes wrong: #{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'}): {what}{cause}{tail}", style="bold red")
+    on = "" if line.rank is None else f" on rank {line.rank}"
+    where = f"#{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'})"
+    return shown(f"{head}; first call that goes wrong{on}: {where}: {what}{cause}{tail}{gap}", style="bold red")
 
 
 LINES_LEGEND = ("Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the path of the "
@@ -299,6 +339,12 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             text.append(f"  ... {len(report.outliers) - 12} more in the JSON report\n")
         text.rstrip()
         parts.append(text)
+    ranks = ranks_block(report)
+    if ranks is not None:
+        parts.append(ranks)
+    own = capture_block(report)
+    if own is not None:
+        parts.append(own)
     summary = findings_summary(calls, report.known)
     if summary is not None:
         parts.append(summary)
@@ -329,6 +375,7 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
         info = c.call
         out_calls.append({
             "index": line.index,
+            "rank": line.rank,
             "name": line.name,
             "module": line.module,
             "kind": line.kind,
@@ -367,6 +414,11 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
         "ignored": list(report.ignored),
         "skipped": [{"name": n, "error": why} for n, why in report.skipped],
         "capture": report.capture,
+        "ranks": [{"rank": r.rank, "calls": r.calls, "errors": r.errors, "warnings": r.warnings, "complete": r.complete,
+                   "first_bad": None if r.first_bad is None else _first_json(report.lines[r.first_bad])}
+                  for r in report.ranks],
+        "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix,
+                      "doc": doc_link(f.code)} for f in report.findings],
         "known_implementation": report.known,
         "first_grad_bad": None if report.first_grad_bad is None else _first_json(report.lines[report.first_grad_bad]),
         "what_if": [{"cell": a.cell, "calls": a.calls, "bad_calls": a.bad_calls, "verdict": a.verdict, "nan_rows": a.nan_rows,
@@ -381,6 +433,6 @@ def _limit_json(limit) -> dict[str, Any] | None:
 
 
 def _first_json(line: ModelLine) -> dict[str, Any]:
-    return {"index": line.index, "name": line.name, "module": line.module, "verdict": line.verdict,
+    return {"index": line.index, "rank": line.rank, "name": line.name, "module": line.module, "verdict": line.verdict,
             "first_cause": line.first_cause, "heads": line.heads, "nan_rows": line.nan_rows, "errors": line.errors}
 
