@@ -61,10 +61,12 @@ def watch(
         ignored = ignore_codes(ignore)
         from attncheck.watcher.trends import MIN_POINTS
 
-        settings = dict(window=params.integer(window, "window", MIN_POINTS), level=params.number(level, "logit_level", positive=True),
+        settings = dict(window=params.integer(window, "window", 1), level=params.number(level, "logit_level", positive=True),
                         growth=params.number(growth, "growth", positive=True), horizon=params.number(horizon, "horizon", positive=True),
                         collapse=params.number(collapse, "collapse", positive=True),
                         rank_factor=params.number(rank_factor, "rank_factor", positive=True))
+        if settings["window"] < MIN_POINTS:  # fewer records than a growth is fitted over: every growth alert would be off
+            raise AttncheckError(f"must be at least {MIN_POINTS}, the fewest records a growth is fitted over; got {window}", param="window")
         if settings["rank_factor"] <= 1:
             raise AttncheckError(f"is a factor between ranks, above 1; got {rank_factor}", param="rank_factor")
         if settings["collapse"] > 1:
@@ -121,6 +123,13 @@ def check_plot_path(plot: str) -> None:
     if plot in ("", "-") or not plot.lower().endswith(PLOT_SUFFIX) or len(os.path.basename(plot)) <= len(PLOT_SUFFIX):
         raise AttncheckError(f"--plot takes a file name ending in {PLOT_SUFFIX}, got {params.show(plot)}")
     check_output_path(plot, "--plot", dash_ok=False)
+    folder = os.path.dirname(os.path.abspath(plot))
+    try:
+        longest = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    if len(os.fsencode(os.path.basename(plot))) > longest:  # refused before the picture is drawn
+        raise AttncheckError(f"cannot write --plot {params.show(plot)}: its name is too long (at most {longest} bytes)")
 
 
 def _what_if_limits(asked) -> dict[str, float]:
