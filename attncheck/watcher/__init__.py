@@ -160,6 +160,8 @@ class Watch:
         self._ever_seen = False
         self._blind_tops = 0  # top-level training forwards that did not run the watched model
         self._unseen_said = False
+        self._renamed: dict[int, str] = {}  # id of a recorded call -> its module as the model names it
+        self._flushing = False  # the watch's own statistics run (inside a wrapper's forward the recorder is on)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -329,8 +331,10 @@ class Watch:
     def __call__(self, call) -> None:
         if self.step_number == 0:
             self.step_number = 1
-        if self._skip or not self.sampling:
+        if self._skip or self._flushing or not self.sampling:
             return
+        if self._nested and self._prefix and not (call.module == self._prefix or call.module.startswith(self._prefix + ".")):
+            return  # inside the module holding the watched one, but not the watched one's
         import torch
 
         from attncheck.numerics.cells.diagnose import bookkeeping  # small ops on one torch thread
@@ -378,23 +382,32 @@ class Watch:
             limit_logit, what = _limit(dtype, scale, "S = Q@K^T" + (" (before the scale)" if traced else "") + f" in {_label(dtype)}")
         module = call.module if self._prefix is None and not self._nested else \
             model_path(call.module, self._prefix, type(self.model).__name__)
+        self._renamed[id(call)] = module  # its gradients come later, named the same
         self._calls.append(_CallEntry(module, call.kind, _label(dtype), path, scale, limit_logit, what, stats))
 
     def grads(self, call, tensors) -> None:
         if self.sampling:
-            self._grads.append((call.module, tensors))  # counted with the step's others at its end
+            self._grads.append((self._renamed.get(id(call), call.module), tensors))  # counted with the step's others at its end
 
     # ------------------------------------------------------------------ records
 
     def _flush(self, unseen: bool = False) -> None:
         """Write the record of the step under way, if it saw any call (or, ``unseen``, a record without
         any, where one was due): one read-back of every number."""
+        self._flushing = True
+        try:
+            self._write(unseen)
+        finally:
+            self._flushing = False
+
+    def _write(self, unseen: bool) -> None:
         import torch
 
         from attncheck.watcher.stats import CallStats, grad_counts_many, sdpa_stats_many
 
         calls, grads, loss, forwards = self._calls, self._grads, self._loss, self._forwards
         self._calls, self._grads, self._loss, self._forwards = [], [], None, 0
+        self._renamed.clear()
         if not calls and not grads and not (unseen and (self.sampling or not self.records)):
             return
         pending = [c for c in calls if not isinstance(c.stats, CallStats)]

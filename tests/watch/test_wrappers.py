@@ -1,0 +1,133 @@
+"""attncheck.watch on a model called through a wrapper: DistributedDataParallel (one gloo process),
+FSDP, a module that holds the watched one. Watched before the wrap, the model's calls are recorded
+every step, named as the model names them, with the numbers the unwrapped model gives; a step
+that runs no forward of the watched module warns once and is written to the log, and
+`attncheck watch` reports it as no_attention."""
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+import attncheck
+from attncheck.cli import app
+
+runner = CliRunner()
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = (z.view(2, 8, 4, 4).transpose(1, 2) for z in self.qkv(x).split(16, -1))
+        return x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 8, 16)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A gloo process group of one rank (a file store: no port)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def train(wrap, steps=3, marked=False, log=None):
+    """Net trained for ``steps`` under a watch of the bare model, through ``wrap(model)``."""
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    with attncheck.watch(model, log=log) as w:
+        runs = wrap(model)
+        opt = torch.optim.SGD(runs.parameters(), lr=0.1)
+        for _ in range(steps):
+            runs(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if marked:
+                w.step()
+    return w.records
+
+
+def numbers(records):
+    return [(r["step"], r["forwards"], [(c["module"], c["max_logit"], c["q_max"]) for c in r["calls"]], [g["module"] for g in r["grads"]])
+            for r in records]
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["forward-steps", "step-calls"])
+def test_ddp_watched_before_the_wrap_records_every_call_as_the_bare_model_does(group, marked):
+    bare = numbers(train(lambda m: m, marked=marked))
+    ddp = numbers(train(lambda m: torch.nn.parallel.DistributedDataParallel(m), marked=marked))
+    assert [(s, f, [c[0] for c in calls]) for s, f, calls, _ in ddp] == [(s, 1, ["layers.0", "layers.1"]) for s in (1, 2, 3)]
+    assert ddp == bare  # the same numbers: DDP over one rank trains as the bare model
+
+
+def test_fsdp_inner_parts_are_left_out_of_the_names(group):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    def wrap(m):
+        return FSDP(m, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FSDP's own notices (CPU device, deprecations) are not the watch's
+        records = train(wrap)
+    assert [[c["module"] for c in r["calls"]] for r in records] == [["layers.0", "layers.1"]] * 3
+
+
+def test_a_module_holding_the_watched_one_steps_per_forward_and_leaves_its_own_calls_out():
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = Net()
+            self.head = Block()
+
+        def forward(self, x):
+            return self.head(self.net(x))  # head's call comes after the watched module's forward: not recorded
+
+    torch.manual_seed(0)
+    outer, x = Outer(), torch.randn(2, 8, 16)
+    with attncheck.watch(outer.net) as w:
+        for _ in range(2):
+            outer(x).sum().backward()
+    assert [(r["step"], [c["module"] for c in r["calls"]]) for r in w.records] == [(1, ["layers.0", "layers.1"]), (2, ["layers.0", "layers.1"])]
+
+
+def test_a_step_without_the_watched_module_warns_once_and_the_log_says_so(tmp_path):
+    other, model, x = Net(), Net(), torch.randn(2, 8, 16)
+    log = tmp_path / "w.jsonl"
+    with pytest.warns(UserWarning, match=r"step 1 ended with no training forward of the watched module \(Net\)") as said:
+        with attncheck.watch(other, log=log) as w:
+            for _ in range(3):
+                model(x).sum().backward()
+                w.step()
+    assert len([m for m in said if "attncheck.watch" in str(m.message)]) == 1
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["step"], r["forwards"], r["calls"]) for r in records] == [(1, 0, []), (2, 0, []), (3, 0, [])]
+    r = runner.invoke(app, ["watch", str(log), "--fail-on", "error"])
+    assert r.exit_code == 1 and "error[no_attention]" in r.stdout and "no alert" not in r.stdout
+
+
+def test_forwards_that_never_reach_the_watched_module_warn_during_the_run(tmp_path):
+    other, model, x = Net(), Net(), torch.randn(2, 8, 16)
+    with pytest.warns(UserWarning, match="2 training forwards of other modules ran with no training forward"):
+        with attncheck.watch(other) as w:
+            for _ in range(3):
+                model(x).sum().backward()
+    assert [(r["forwards"], r["calls"]) for r in w.records] == [(0, [])]
