@@ -91,7 +91,7 @@ def _places(report: WatchReport, alerts) -> list[str]:
         by_place.setdefault((a.rank, a.module), []).append(a)
     lines = []
     for (rank, module), group in by_place.items():
-        heads = [a.head for a in group if a.head is not None]
+        heads = sorted({a.head for a in group if a.head is not None})
         text = f"rank {rank}" if several or not module else ""
         if module:
             text += (", " if text else "") + module
