@@ -69,6 +69,8 @@ def rank_log_path(path: str | os.PathLike[str], rank: int, world: int) -> Path:
     return p
 
 
+BLIND_FORWARDS = 8  # top-level training forwards without the watched module before the watch says it sees nothing
+
 # Attributes through which the usual wrappers hold the module they run: DistributedDataParallel and
 # DataParallel (``module``), torch.compile (``_orig_mod``), FSDP (``_fsdp_wrapped_module``), activation
 # checkpointing (``_checkpoint_wrapped_module``). accelerate's ``prepare`` wraps in DDP (or returns the module).
@@ -279,7 +281,8 @@ class Watch:
         if module is self._top:
             if self.model is not None and not self._seen_in_top and module.training and not self._manual:
                 self._blind_tops += 1
-                if not self._ever_seen and self._blind_tops >= 2:  # one may be a loss module run on its own
+                # a loss module run on its own, a GAN's critic trained a few times first: not yet a sign
+                if not self._ever_seen and self._blind_tops >= BLIND_FORWARDS:
                     self._unseen(f"{self._blind_tops} training forwards of other modules ran")
             self._top = None
         elif module is self.model and self._nested:
@@ -587,4 +590,4 @@ def watch(model=None, log: str | os.PathLike[str] | None = None, every: int = 1,
     return Watch(model, log, every, modules=modules, grads=grads, tensorboard=tensorboard, compile=compile)
 
 
-__all__ = ["WATCH_SCHEMA", "Watch", "model_path", "rank_and_world", "rank_log_path", "watch", "wrapped_modules"]
+__all__ = ["BLIND_FORWARDS", "WATCH_SCHEMA", "Watch", "model_path", "rank_and_world", "rank_log_path", "watch", "wrapped_modules"]
