@@ -130,7 +130,7 @@ def diagnostic_where(place: str):
 
 def render_watch(report: WatchReport) -> Group:
     parts: list[Any] = [shown(f"note: {n}", style="yellow") for n in report.notes]
-    parts += [heads_table(report), alerts_text(report), closing_line(report)]
+    parts += ([heads_table(report)] if report.series else []) + [alerts_text(report), closing_line(report)]  # no head: no table
     return Group(*parts)
 
 

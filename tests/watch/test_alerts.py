@@ -123,7 +123,7 @@ def test_a_log_without_calls_is_no_attention_never_no_alert(tmp_path):
                          for s in (1, 2, 3)))
     r = runner.invoke(app, ["watch", str(p)])
     assert r.exit_code == 0 and "error[no_attention]" in r.stdout and "no alert" not in r.stdout.lower()
-    assert "steps 1, 2, 3" in r.stdout and "1 error(s)" in r.stdout
+    assert "steps 1, 2, 3" in r.stdout and "1 error(s)" in r.stdout and "Heads" not in r.stdout
     assert runner.invoke(app, ["watch", str(p), "--fail-on", "error"]).exit_code == 1
     r = runner.invoke(app, ["watch", str(p), "--plot", str(tmp_path / "p.png")])
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "no attention call" in r.stderr
