@@ -157,7 +157,7 @@ class Watch:
         self._seen_in_top = False  # a forward of the watched model began inside it
         self._nested = False  # the model runs inside another top module (a wrapper): calls after its forward are not its
         self._prefix: str | None = None  # the model's path under that top module ('module' under DDP)
-        self._prefixes: dict[int, str | None] = {}
+        self._prefix_of: tuple | None = None  # (the last top module holding the model, the model's path in it)
         self._forwards = 0  # training forwards of the watched model in the step under way
         self._ever_seen = False
         self._blind_tops = 0  # top-level training forwards that did not run the watched model
@@ -289,11 +289,10 @@ class Watch:
             self._skip = True  # the wrapper's own calls after the model's forward are not the model's
 
     def _path_under(self, top, module) -> str | None:
-        """The path of ``module`` under ``top`` (None where it is not found), kept per top module."""
-        key = id(top)
-        if key not in self._prefixes:
-            self._prefixes[key] = next((name for name, m in top.named_modules() if m is module), None)
-        return self._prefixes[key]
+        """The path of ``module`` under ``top`` (None where it is not found), kept for the last top module."""
+        if self._prefix_of is None or self._prefix_of[0] is not top:
+            self._prefix_of = (top, next((name for name, m in top.named_modules() if m is module), None))
+        return self._prefix_of[1]
 
     def _model_forward(self, training: bool) -> None:
         """A forward of the watched model begins (in training mode: a step, unless the loop marks steps)."""

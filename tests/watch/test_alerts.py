@@ -102,7 +102,11 @@ def test_explosive_growth_is_reported_without_overflow(tmp_path):
     assert r.exit_code == 1, r.output
     assert factor_text(math.log(1300.0)) == f"x10^{100 * math.log10(1300.0):.0f}" == "x10^311"
     assert "x10^311 per 100 steps" in r.stdout
-    json.loads((tmp_path / "r.json").read_text())  # strict JSON: no inf
+    def refuse(token):
+        raise AssertionError(f"{token} in the JSON report")
+
+    doc = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)  # strict JSON: no inf, no NaN
+    assert doc["first_alert"]["code"] == "logit_growth"
 
 
 def test_a_dtype_change_mid_run_is_judged_by_each_steps_limit(tmp_path):

@@ -79,12 +79,19 @@ def test_ddp_watched_before_the_wrap_records_every_call_as_the_bare_model_does(g
     assert ddp == bare  # the same numbers: DDP over one rank trains as the bare model
 
 
-def test_fsdp_inner_parts_are_left_out_of_the_names(group):
+@pytest.mark.parametrize("version", [1, 2])
+def test_fsdp_inner_parts_are_left_out_of_the_names(group, version):
+    """FSDP1 wraps each Block (``_fsdp_wrapped_module`` in every path); FSDP2's fully_shard shards in place."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     def wrap(m):
-        return FSDP(m, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
+        if version == 1:
+            return FSDP(m, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
+        for layer in m.layers:
+            fully_shard(layer)
+        return fully_shard(m)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # FSDP's own notices (CPU device, deprecations) are not the watch's
