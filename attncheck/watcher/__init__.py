@@ -157,6 +157,7 @@ class Watch:
         self._seen_in_top = False  # a forward of the watched model began inside it
         self._nested = False  # the model runs inside another top module (a wrapper): calls after its forward are not its
         self._prefix: str | None = None  # the model's path under that top module ('module' under DDP)
+        self._name = ""  # the model's class name: how the model itself is named
         self._prefix_of: tuple | None = None  # (the last top module holding the model, the model's path in it)
         self._forwards = 0  # training forwards of the watched model in the step under way
         self._ever_seen = False
@@ -252,7 +253,7 @@ class Watch:
         if rec.tracker.stack:
             if module is self.model and self._top is not None and not self._seen_in_top:
                 self._nested = True
-                self._prefix = self._path_under(self._top, module)
+                self._prefix, self._name = self._path_under(self._top, module), type(module).__name__
                 self._model_forward(module.training)
             return
         if _compiled_module(module) and not self._compiled_said and self.compile != "eager":
@@ -262,13 +263,15 @@ class Watch:
                           "code then runs as its eager code while watched), or capture a step with attncheck.capture, which "
                           "runs compiled code as its eager code", stacklevel=2)
         self._top, self._seen_in_top, self._nested, self._prefix = module, False, False, None
-        if self.model is None or module is self.model:
+        chain = wrapped_modules(module)
+        if self.model is None or module is self.model:  # the wrapper watched, or the model: named as the innermost names
+            if len(chain) > 1:
+                self._prefix, self._name = chain[-1][0], type(chain[-1][1]).__name__
             self._model_forward(module.training)
             return
-        chain = wrapped_modules(module)
         inner = next((path for path, m in chain[1:] if m is self.model), None)
         if inner is not None:  # DDP(model), torch.compile(model), FSDP(model): a forward of the model
-            self._prefix = inner
+            self._prefix, self._name = inner, type(self.model).__name__
             self._model_forward(self.model.training)
             return
         self._skip = True  # not the model's forward, unless the model runs inside it
@@ -382,8 +385,7 @@ class Watch:
             traced = _number(meta.get("scale")) if meta.get("scale_source") == "traced" and meta.get("q_prescaled") != "true" else None
             scale, path = traced or 1.0, "eager"
             limit_logit, what = _limit(dtype, scale, "S = Q@K^T" + (" (before the scale)" if traced else "") + f" in {_label(dtype)}")
-        module = call.module if self._prefix is None and not self._nested else \
-            model_path(call.module, self._prefix, type(self.model).__name__)
+        module = call.module if self._prefix is None and not self._nested else model_path(call.module, self._prefix, self._name)
         self._renamed[id(call)] = module  # its gradients come later, named the same
         self._calls.append(_CallEntry(module, call.kind, _label(dtype), path, scale, limit_logit, what, stats))
 

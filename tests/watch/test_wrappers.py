@@ -49,13 +49,15 @@ def group(tmp_path):
     dist.destroy_process_group()
 
 
-def train(wrap, steps=3, marked=False, log=None):
-    """Net trained for ``steps`` under a watch of the bare model, through ``wrap(model)``."""
+def train(wrap, steps=3, marked=False, log=None, watch_wrapper=False):
+    """Net trained for ``steps`` through ``wrap(model)``, under a watch of the bare model (wrapped
+    after the watch begins), or of the wrapper."""
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
-    with attncheck.watch(model, log=log) as w:
-        runs = wrap(model)
+    runs = wrap(model) if watch_wrapper else None
+    with attncheck.watch(runs if watch_wrapper else model, log=log) as w:
+        runs = runs if watch_wrapper else wrap(model)
         opt = torch.optim.SGD(runs.parameters(), lr=0.1)
         for _ in range(steps):
             runs(x).pow(2).mean().backward()
@@ -77,6 +79,7 @@ def test_ddp_watched_before_the_wrap_records_every_call_as_the_bare_model_does(g
     ddp = numbers(train(lambda m: torch.nn.parallel.DistributedDataParallel(m), marked=marked))
     assert [(s, f, [c[0] for c in calls]) for s, f, calls, _ in ddp] == [(s, 1, ["layers.0", "layers.1"]) for s in (1, 2, 3)]
     assert ddp == bare  # the same numbers: DDP over one rank trains as the bare model
+    assert numbers(train(lambda m: torch.nn.parallel.DistributedDataParallel(m), marked=marked, watch_wrapper=True)) == bare
 
 
 @pytest.mark.parametrize("version", [1, 2])
