@@ -293,6 +293,6 @@ def failed(report: WatchReport, conditions: list[str], ignore=()) -> list[str]:
             hit = [a for a in pool if a.code == word]
         if hit:
             a = hit[0]
-            where = f"{a.code} at step {a.step} on rank {a.rank}" + (f", {a.module}" if a.module else "")
+            where = f"{cond}: {a.code} at step {a.step} on rank {a.rank}" + (f", {a.module}" if a.module else "")
             held.append(where + (f" head {a.head}" if a.head is not None else ""))
     return held

@@ -55,8 +55,8 @@ def test_the_watch_help_describes_its_own_what_if():
 
 
 @pytest.mark.parametrize("name", ["p.txt", "p.json", "myplot", "-", "", ".png"])
-def test_plot_names_that_are_not_png_files_are_refused(tmp_path, name):
-    os.chdir(tmp_path)
+def test_plot_names_that_are_not_png_files_are_refused(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)  # a name without a folder would be written here
     one_line_error(runner.invoke(app, ["watch", log_of(tmp_path / "w.jsonl"), "--plot", name]), "--plot")
     assert sorted(os.listdir(tmp_path)) == ["w.jsonl"]
 
