@@ -197,7 +197,7 @@ def plot_watch(report: WatchReport, path: str) -> str:
         logit[r, cols] = np.fmax(logit[r, cols], np.log10(m))
         ent[r, cols] = np.fmin(ent[r, cols], e)
     labels = [plain_text(c) for c in calls]
-    with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):  # '$x$' in a name is text
+    with matplotlib.rc_context({"text.usetex": False}):  # names are text: '$x$' in one is never mathtext (parse_math off on them)
         fig, axes = plt.subplots(3, 1, figsize=(10, 6 + 0.5 * len(calls)), constrained_layout=True)
         try:
             extent = (steps[0] - 0.5, steps[-1] + 0.5, len(calls) - 0.5, -0.5)
@@ -206,7 +206,7 @@ def plot_watch(report: WatchReport, path: str) -> str:
                                           (axes[1], ent, "mean entropy of the sampled rows, nats (min over heads)", "viridis")):
                 im = ax.imshow(data, aspect="auto", interpolation="nearest", extent=extent, cmap=cmap)
                 ax.set_yticks(range(len(calls)))
-                ax.set_yticklabels(labels, fontsize=7)
+                ax.set_yticklabels(labels, fontsize=7, parse_math=False)
                 ax.set_title(title + (f" - rank {rank}" if len(ranks) > 1 else "") + note, fontsize=9)
                 ax.set_xlabel("step")
                 fig.colorbar(im, ax=ax)
@@ -223,7 +223,8 @@ def plot_watch(report: WatchReport, path: str) -> str:
                 for axis in axes:
                     axis.axvline(step, color="red" if severity == "error" else "orange", linestyle="--", linewidth=0.8)
             if curves:
-                ax.legend(fontsize=7, loc="upper left")
+                for text in ax.legend(fontsize=7, loc="upper left").get_texts():
+                    text.set_parse_math(False)
             buffer = io.BytesIO()
             fig.savefig(buffer, format="png", dpi=100)
         finally:
