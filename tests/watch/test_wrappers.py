@@ -171,3 +171,29 @@ def test_accelerates_prepared_model_is_watched_in_its_autocast_dtype():
         AcceleratorState._reset_state(reset_partial_state=True)
     assert [(r["step"], [(c["module"], c["dtype"]) for c in r["calls"]]) for r in w.records] == \
         [(s, [("layers.0", "bf16"), ("layers.1", "bf16")]) for s in (1, 2)]
+
+
+def test_wrapper_chains_and_the_names_they_leave():
+    """What a wrapper holds, by the attributes DDP, torch.compile, FSDP and checkpointing use, and the
+    call paths named as the innermost model names them."""
+    from attncheck.watcher import model_path, wrapped_modules
+
+    net = Net()
+
+    class Holder(torch.nn.Module):  # stands for DDP (its module attribute) around torch.compile's wrapper
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    class Compiled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+    chain = wrapped_modules(Holder(Compiled(net)))
+    assert [path for path, _ in chain] == ["", "module", "module._orig_mod"] and chain[-1][1] is net
+    assert [path for path, _ in wrapped_modules(net)] == [""]
+    assert model_path("module._orig_mod.layers.0", "module._orig_mod", "Net") == "layers.0"
+    assert model_path("module._orig_mod", "module._orig_mod", "Net") == "Net"
+    assert model_path("layers.0._fsdp_wrapped_module.attn._checkpoint_wrapped_module", None, "Net") == "layers.0.attn"
+    assert model_path("encoder.layers.1", "encoder", "Encoder") == "layers.1"
