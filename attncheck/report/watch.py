@@ -130,7 +130,8 @@ def diagnostic_where(place: str):
 
 def render_watch(report: WatchReport) -> Group:
     parts: list[Any] = [shown(f"note: {n}", style="yellow") for n in report.notes]
-    parts += ([heads_table(report)] if report.series else []) + [alerts_text(report), closing_line(report)]  # no head: no table
+    parts += ([heads_table(report)] if report.series else [])  # no head recorded: no table
+    parts += [alerts_text(report), closing_line(report)]
     return Group(*parts)
 
 
@@ -197,7 +198,7 @@ def plot_watch(report: WatchReport, path: str) -> str:
         logit[r, cols] = np.fmax(logit[r, cols], np.log10(m))
         ent[r, cols] = np.fmin(ent[r, cols], e)
     labels = [plain_text(c) for c in calls]
-    with matplotlib.rc_context({"text.usetex": False}):  # names are text: '$x$' in one is never mathtext (parse_math off on them)
+    with matplotlib.rc_context({"text.usetex": False}):  # names are text: parse_math is off on each
         fig, axes = plt.subplots(3, 1, figsize=(10, 6 + 0.5 * len(calls)), constrained_layout=True)
         try:
             extent = (steps[0] - 0.5, steps[-1] + 0.5, len(calls) - 0.5, -0.5)
@@ -219,7 +220,8 @@ def plot_watch(report: WatchReport, path: str) -> str:
             ax.set_xlabel("step")
             ax.set_ylabel("largest logit")
             ax.set_title("the worst heads (alert steps marked)", fontsize=9)
-            for step, severity in sorted({(a.step, a.severity) for a in report.alerts if a.rank == rank and a.what_if is None}):
+            marks = {(a.step, a.severity) for a in report.alerts if a.rank == rank and a.what_if is None}
+            for step, severity in sorted(marks):
                 for axis in axes:
                     axis.axvline(step, color="red" if severity == "error" else "orange", linestyle="--", linewidth=0.8)
             if curves:

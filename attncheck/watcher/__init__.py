@@ -155,7 +155,7 @@ class Watch:
         self._post = None
         self._top = None  # the top module whose forward is under way
         self._seen_in_top = False  # a forward of the watched model began inside it
-        self._nested = False  # the model runs inside another top module (a wrapper): calls after its forward are not its
+        self._nested = False  # the model runs inside another top module: the calls after its forward are not its
         self._prefix: str | None = None  # the model's path under that top module ('module' under DDP)
         self._name = ""  # the model's class name: how the model itself is named
         self._prefix_of: tuple | None = None  # (the last top module holding the model, the model's path in it)
@@ -192,8 +192,8 @@ class Watch:
         # registered before the recorder's own hooks: at a top-level forward its module stack is still empty
         self._hook = register_module_forward_pre_hook(self._forward_starts)
         self._post = register_module_forward_hook(self._forward_ends, always_call=True)
-        self._recorder = Recorder(self, modules=self.modules, grads=self.with_grads, outputs=True, in_modules=True, flex_reference=False,
-                                  compile="eager" if self.compile == "eager" else None)
+        self._recorder = Recorder(self, modules=self.modules, grads=self.with_grads, outputs=True, in_modules=True,
+                                  flex_reference=False, compile="eager" if self.compile == "eager" else None)
         self._recorder.__enter__()
         return self
 
@@ -258,13 +258,13 @@ class Watch:
             return
         if _compiled_module(module) and not self._compiled_said and self.compile != "eager":
             self._compiled_said = True
-            warnings.warn("attncheck.watch: the model runs torch.compile'd code, whose attention calls the watch does not see "
-                          "(it records the calls of eager code only); pass compile='eager' to attncheck.watch (the compiled "
-                          "code then runs as its eager code while watched), or capture a step with attncheck.capture, which "
-                          "runs compiled code as its eager code", stacklevel=2)
+            warnings.warn("attncheck.watch: the model runs torch.compile'd code, whose attention calls the watch does "
+                          "not see (it records the calls of eager code only); pass compile='eager' to attncheck.watch "
+                          "(the compiled code then runs as its eager code while watched), or capture a step with "
+                          "attncheck.capture, which runs compiled code as its eager code", stacklevel=2)
         self._top, self._seen_in_top, self._nested, self._prefix = module, False, False, None
         chain = wrapped_modules(module)
-        if self.model is None or module is self.model:  # the wrapper watched, or the model: named as the innermost names
+        if self.model is None or module is self.model:  # the model, or its wrapper: named as the innermost names
             if len(chain) > 1:
                 self._prefix, self._name = chain[-1][0], type(chain[-1][1]).__name__
             self._model_forward(module.training)
@@ -338,7 +338,8 @@ class Watch:
             self.step_number = 1
         if self._skip or self._flushing or not self.sampling:
             return
-        if self._nested and self._prefix and not (call.module == self._prefix or call.module.startswith(self._prefix + ".")):
+        inside = self._prefix and (call.module == self._prefix or call.module.startswith(self._prefix + "."))
+        if self._nested and self._prefix and not inside:
             return  # inside the module holding the watched one, but not the watched one's
         import torch
 
@@ -385,13 +386,15 @@ class Watch:
             traced = _number(meta.get("scale")) if meta.get("scale_source") == "traced" and meta.get("q_prescaled") != "true" else None
             scale, path = traced or 1.0, "eager"
             limit_logit, what = _limit(dtype, scale, "S = Q@K^T" + (" (before the scale)" if traced else "") + f" in {_label(dtype)}")
-        module = call.module if self._prefix is None and not self._nested else model_path(call.module, self._prefix, self._name)
+        named = self._prefix is not None or self._nested
+        module = model_path(call.module, self._prefix, self._name) if named else call.module
         self._renamed[id(call)] = module  # its gradients come later, named the same
         self._calls.append(_CallEntry(module, call.kind, _label(dtype), path, scale, limit_logit, what, stats))
 
     def grads(self, call, tensors) -> None:
         if self.sampling:
-            self._grads.append((self._renamed.get(id(call), call.module), tensors))  # counted with the step's others at its end
+            # counted with the step's others at its end
+            self._grads.append((self._renamed.get(id(call), call.module), tensors))
 
     # ------------------------------------------------------------------ records
 
@@ -591,4 +594,5 @@ def watch(model=None, log: str | os.PathLike[str] | None = None, every: int = 1,
     return Watch(model, log, every, modules=modules, grads=grads, tensorboard=tensorboard, compile=compile)
 
 
-__all__ = ["BLIND_FORWARDS", "WATCH_SCHEMA", "Watch", "model_path", "rank_and_world", "rank_log_path", "watch", "wrapped_modules"]
+__all__ = ["BLIND_FORWARDS", "WATCH_SCHEMA", "Watch", "model_path", "rank_and_world", "rank_log_path", "watch",
+           "wrapped_modules"]

@@ -190,7 +190,8 @@ def analyse(logs, *, window: int = DEFAULTS["window"], level: float = DEFAULTS["
         for name, lim, what in limits:
             with np.errstate(invalid="ignore", divide="ignore"):
                 steps_left = np.where((trend > 0) & (x > 0), np.log(lim / x) / trend, np.inf)
-                i = _first((steps_left < horizon) & (x >= np.fmin(level, lim)))  # early training's rise, extrapolated, is no alarm
+                # early training's rise, extrapolated, is no alarm
+                i = _first((steps_left < horizon) & (x >= np.fmin(level, lim)))
             if i is not None:
                 reached = " (already past it)" if x[i] >= lim[i] else ""
                 alerts.append(_alert("headroom_low", s, i, f"at {factor_text(trend[i])} per 100 steps the largest logit "
@@ -215,8 +216,8 @@ def analyse(logs, *, window: int = DEFAULTS["window"], level: float = DEFAULTS["
     for log in logs:
         unseen = [r.step for r in log.records if r.forwards == 0]
         if not any(r.calls for r in log.records):
-            why = (f"attncheck.watch saw no training forward of the watched module (steps {_steps_text(unseen)})" if unseen else
-                   "the watched module's forwards ran, but no attention call was recorded in them")
+            why = (f"attncheck.watch saw no training forward of the watched module (steps {_steps_text(unseen)})"
+                   if unseen else "the watched module's forwards ran, but no attention call was recorded in them")
             alerts.append(WatchAlert("no_attention", SEVERITY["no_attention"], log.rank, "", None, log.records[0].step,
                                      f"no attention recorded: {why}"))
         elif unseen:
