@@ -758,6 +758,49 @@ with attncheck.capture("cap", max_bytes=40_000):  # room for three calls of four
         "NaN or inf in the attention output or its gradients: capture the step (attncheck capture, or attncheck.capture around it) to find the call, the head and the cause",
         Example(_watch_log("1.0", nonfinite="3 if step == 5 else 0"), "attncheck watch w.jsonl --fail-on nonfinite"),
     ),
+    Code(
+        "rank_divergence", "warning", "watch",
+        "the same head's largest logit differs across ranks by a large factor",
+        "Under torchrun each rank writes its own watch log. With DistributedDataParallel every rank holds the "
+        "same weights, so a head's largest logit differs across ranks only as their batches differ, by far less "
+        "than the factor. A head whose logit on one rank is many times another's means the ranks' weights have "
+        "diverged (a change made on one rank after the wrap, parameters DDP does not synchronise, a broken "
+        "all-reduce). Each rank's own trends are fitted apart: a rank that differs is never taken for growth. "
+        "Where ranks hold different heads under one module name (tensor parallelism), the alert is expected: "
+        "--ignore rank_divergence.",
+        "At one step, max over ranks / min over ranks of the head's largest logit, magnitudes below 1 counted "
+        "as 1, at least --rank-factor (10); reported at the first such step, on the rank with the larger logit, "
+        "naming the other.",
+        "the ranks' weights differ where DDP keeps them identical: check that nothing changes parameters on one rank after the wrap, that every parameter is registered before wrapping, and that the ranks start from the same weights; with tensor parallelism (other heads on each rank) ignore it",
+        Example("""\
+import json
+
+for rank, logit in ((0, 1.4), (1, 1.0e4)):
+    with open(f"w.rank{rank}.jsonl", "w") as fh:
+        for step in range(1, 11):
+            call = {"module": "layers.0.attn", "kind": "sdpa", "dtype": "fp32", "path": "flash", "heads": 1,
+                    "max_logit": [logit], "collapsed": [0.0], "scale": 0.125, "limit": {"logit": 3.4e38, "what": "S"}}
+            fh.write(json.dumps({"schema": "attncheck.watch/1", "step": step, "rank": rank, "world": 2, "calls": [call]}) + "\\n")
+""", "attncheck watch w.rank0.jsonl w.rank1.jsonl --fail-on rank_divergence"),
+    ),
+    Code(
+        "no_attention", "error", "watch",
+        "a watch log holds no attention call: nothing was watched",
+        "attncheck.watch records the attention calls of the training forwards of the module it watches. A log "
+        "without any call watched nothing: the module the training loop runs is not the one watched (and does "
+        "not wrap it), the model ran in eval mode, or its calls were not seen (torch.compile'd code without "
+        "compile='eager'). attncheck.watch warns at run time and writes a record with forwards 0 for a step "
+        "that ended without a forward of the watched module; a log of such records is never 'no alert'.",
+        "A rank's log with no call in any record.",
+        "nothing was watched: watch the module the training loop calls, or the model inside a wrapper (DDP, FSDP, torch.compile and accelerate's wrappers are followed), train it in training mode, and pass compile='eager' for torch.compile'd code",
+        Example("""\
+import json
+
+with open("w.jsonl", "w") as fh:
+    for step in range(1, 4):
+        fh.write(json.dumps({"schema": "attncheck.watch/1", "step": step, "forwards": 0, "calls": []}) + "\\n")
+""", "attncheck watch w.jsonl --fail-on no_attention"),
+    ),
 )
 
 REGISTRY: dict[str, Code] = {c.name: c for c in CODES}

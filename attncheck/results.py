@@ -839,8 +839,9 @@ class WatchSeries:
     limit_logit: float | None  # the largest logit before the call's first failure in its dtype
     limit_what: str
     scale: float | None
-    growth: float | None  # the largest logit's growth factor per 100 steps, fitted over the last window
+    growth: float | None  # the largest logit's growth factor per 100 steps, fitted over the last window (None: no real trend)
     steps_to_limit: float | None  # at that growth, steps until the limit (None: not growing)
+    limits: list[float | None] = field(default_factory=list)  # each step's limit (a call's dtype may change mid-run)
 
     @property
     def label(self) -> str:
@@ -851,7 +852,7 @@ class WatchSeries:
 class WatchAlert:
     """A condition that held, at the first step it held (per head where it is a head's)."""
 
-    code: str  # logit_growth, entropy_collapse, headroom_low, nonfinite
+    code: str  # logit_growth, entropy_collapse, headroom_low, nonfinite, rank_divergence, no_attention
     severity: str
     rank: int
     module: str
@@ -859,6 +860,7 @@ class WatchAlert:
     step: int
     message: str
     what_if: str | None = None  # the dtype asked with --what-if (headroom_low), else None: the run's own
+    other_rank: int | None = None  # rank_divergence: the rank it differs from (``rank`` holds the larger logit)
 
 
 @dataclass

@@ -9,6 +9,7 @@ the line. No math, no printing.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
@@ -40,7 +41,7 @@ class WatchLimit(Struct):
 
 class WatchCall(Struct):
     module: Name
-    kind: Literal["sdpa", "softmax"]
+    kind: Literal["sdpa", "softmax", "flex"]
     heads: Annotated[int, Meta(ge=1, le=MAX_HEADS)]
     max_logit: PerHead
     dtype: Short = ""
@@ -71,6 +72,7 @@ class WatchRecord(Struct):
     world: Annotated[int, Meta(ge=1, le=1 << 20)] = 1
     time: Number = None
     loss: Number = None
+    forwards: Optional[Count] = None  # training forwards of the watched module in the step (0: none was seen)
     grads: Annotated[list[WatchGrad], Meta(max_length=MAX_CALLS)] = []
     attncheck_version: Optional[Short] = None
 
@@ -100,6 +102,14 @@ def read_watch_log(path: str | os.PathLike[str]) -> WatchLog:
     shown = visible(p)
     if os.path.isdir(p):
         raise AttncheckError(f"{shown} is a folder; give the watch log (a .jsonl file attncheck.watch wrote)")
+    try:
+        mode = os.stat(p).st_mode
+    except FileNotFoundError:
+        raise AttncheckError(f"{shown}: no such file") from None
+    except (OSError, ValueError) as e:  # a name too long, a loop of links
+        raise AttncheckError(f"{shown}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not stat.S_ISREG(mode):  # a FIFO or a device would be read forever
+        raise AttncheckError(f"{shown}: not a regular file")
     try:
         fh = open(p, "rb")
     except FileNotFoundError:

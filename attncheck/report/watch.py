@@ -10,13 +10,16 @@ from rich.text import Text
 
 from attncheck import __version__
 from attncheck.format import num, plain, to_jsonable
-from attncheck.report.diagnostics import diagnostic
+from attncheck.format import visible as plain_text
+from attncheck.report.diagnostics import WHERE, Hanging, diagnostic
 from attncheck.report.run import compact_table
 from attncheck.report.text import shown
 from attncheck.results import WatchReport, WatchSeries
 
 WATCH_JSON_SCHEMA = "attncheck.watch-report/1"
 HEADS_SHOWN = 16  # rows of the heads table (the worst first); the JSON has all
+PLACES_SHOWN = 6  # places listed under a code's alerts (one line per rank and call); the JSON has all
+PLOT_CALLS = 40  # rows of the plot's heatmaps: the worst calls, so that a log of thousands of calls draws in seconds
 
 
 def _worst_first(report: WatchReport) -> list[WatchSeries]:
@@ -53,18 +56,53 @@ def heads_table(report: WatchReport):
 
 
 def alerts_text(report: WatchReport):
-    """Each alert as a compiler-style diagnostic: 'warning[logit_growth]: ...', where it held, its fix."""
+    """The alerts as compiler-style diagnostics, one per code (and what-if dtype): the first alert's
+    message, every place it holds (per rank and call, the heads and the first step), one fix."""
     from attncheck.codes import FIX
 
     if not report.alerts:
-        return Text("No alert: no head's logits grow past the level, collapse, near their dtype's limit, or go non-finite.", style="green")
+        return Text("No alert: no head's logits grow past the level, collapse, near their dtype's limit, differ across ranks, "
+                    "or go non-finite.", style="green")
+    groups: dict[tuple, list] = {}
+    for a in report.alerts:  # in step order: each group's first alert is its earliest
+        groups.setdefault((a.code, a.what_if), []).append(a)
     parts = []
-    for a in report.alerts:
-        where = f"rank {a.rank}, " if len(report.ranks) > 1 else ""
-        where += f"{a.module}" + (f" head {a.head}" if a.head is not None else "") + f", from step {a.step}"
-        tag = f"what-if {a.what_if}: " if a.what_if else ""
-        parts.append(diagnostic(a.severity, a.code, tag + a.message, where, FIX.get(a.code)))
+    for (code, what_if), alerts in groups.items():
+        first = alerts[0]
+        tag = f"what-if {what_if}: " if what_if else ""
+        count = f"{len(alerts)} alerts, the first: " if len(alerts) > 1 else ""
+        places = _places(report, alerts)
+        shown_places = places[:PLACES_SHOWN]
+        if len(places) > PLACES_SHOWN:
+            shown_places.append(f"... and {len(places) - PLACES_SHOWN} more (--json lists every alert)")
+        block = diagnostic(first.severity, code, count + tag + first.message, shown_places[0], FIX.get(code))
+        if len(shown_places) > 1:  # the other places go between the first and the fix
+            head, where, *fix = block.renderables
+            block = Group(head, where, *(diagnostic_where(p) for p in shown_places[1:]), *fix)
+        parts.append(block)
     return Group(*parts)
+
+
+def _places(report: WatchReport, alerts) -> list[str]:
+    """'rank 1, blocks.0 heads 0, 2, 3, from step 5': one line per rank and call."""
+    several = len(report.ranks) > 1
+    by_place: dict[tuple, list] = {}
+    for a in alerts:
+        by_place.setdefault((a.rank, a.module), []).append(a)
+    lines = []
+    for (rank, module), group in by_place.items():
+        heads = sorted({a.head for a in group if a.head is not None})
+        text = f"rank {rank}" if several or not module else ""
+        if module:
+            text += (", " if text else "") + module
+        if heads:
+            text += (" head " if len(heads) == 1 else " heads ") + ", ".join(map(str, heads))
+        others = sorted({a.other_rank for a in group if a.other_rank is not None})
+        if others:
+            text += " (against rank " + ", ".join(map(str, others)) + ")"
+        text += f", from step {min(a.step for a in group)}"
+        lines.append(text)
+    return lines
 
 
 def closing_line(report: WatchReport) -> Text:
@@ -76,7 +114,8 @@ def closing_line(report: WatchReport) -> Text:
     if not own:
         return Text(head + ": no alert" + tail, style="green")
     a = report.first
-    where = (f"rank {a.rank}, " if len(report.ranks) > 1 else "") + a.module + (f" head {a.head}" if a.head is not None else "")
+    where = (f"rank {a.rank}" + (", " if a.module else "") if len(report.ranks) > 1 or not a.module else "") + a.module + \
+        (f" head {a.head}" if a.head is not None else "")
     errors = sum(x.severity == "error" for x in own)
     text = Text(f"{head}: {errors} error(s), {len(own) - errors} warning(s); first alert: {a.code} at step {a.step}, ",
                 style="bold red" if errors else "yellow")
@@ -85,9 +124,14 @@ def closing_line(report: WatchReport) -> Text:
     return text
 
 
+def diagnostic_where(place: str):
+    return Hanging(Text(WHERE, style="blue"), Text(plain_text(place)))
+
+
 def render_watch(report: WatchReport) -> Group:
     parts: list[Any] = [shown(f"note: {n}", style="yellow") for n in report.notes]
-    parts += [heads_table(report), alerts_text(report), closing_line(report)]
+    parts += ([heads_table(report)] if report.series else [])  # no head recorded: no table
+    parts += [alerts_text(report), closing_line(report)]
     return Group(*parts)
 
 
@@ -112,55 +156,84 @@ def watch_json(report: WatchReport, failed: list[str]) -> dict[str, Any]:
     })
 
 
-def plot_watch(report: WatchReport, path: str) -> None:
+def plot_watch(report: WatchReport, path: str) -> str:
     """Step x call heatmaps of the largest logit (log10, the max over heads) and of the mean entropy
-    (the min over heads), the curves of the worst heads' largest logit, and the alert steps marked."""
+    (the min over heads), the curves of the worst heads' largest logit, and the alert steps marked;
+    written to ``path`` (PNG). At most PLOT_CALLS calls (those with alerts, then the largest logits);
+    returns what was left out ('' when nothing). Names are drawn as text (never as mathtext)."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from attncheck.errors import AttncheckError
+
     ranks = report.ranks
-    rank = report.first.rank if report.first is not None else ranks[0]
+    rank = report.first.rank if report.first is not None and report.first.module else ranks[0]
     series = [s for s in report.series if s.rank == rank]
-    calls = list(dict.fromkeys(s.module for s in series))
+    if not series:  # the first alert's rank recorded nothing: the first rank that did
+        rank = next(s.rank for s in report.series)
+        series = [s for s in report.series if s.rank == rank]
+    worst = _worst_first(report)
+    all_calls = list(dict.fromkeys(s.module for s in series))
+    calls = list(dict.fromkeys(s.module for s in worst if s.rank == rank))[:PLOT_CALLS]
+    left_out = ""
+    if len(all_calls) > len(calls):
+        left_out = f"{len(calls)} of {len(all_calls)} calls drawn: those with alerts, then the largest logits"
+        keep = set(calls)
+        series = [s for s in series if s.module in keep]
+        calls = [c for c in all_calls if c in keep]  # in the model's order
     steps = sorted({t for s in series for t in s.steps})
     col = {t: i for i, t in enumerate(steps)}
+    row = {c: i for i, c in enumerate(calls)}
     logit = np.full((len(calls), len(steps)), np.nan)
     ent = np.full((len(calls), len(steps)), np.nan)
     for s in series:
-        r = calls.index(s.module)
-        for t, m, e in zip(s.steps, s.max_logit, s.entropy_mean):
-            if m is not None and m > 0:
-                logit[r, col[t]] = np.fmax(logit[r, col[t]], np.log10(m))
-            if e is not None:
-                ent[r, col[t]] = np.fmin(ent[r, col[t]], e)
-    fig, axes = plt.subplots(3, 1, figsize=(10, 3 + 0.25 * len(calls) * 2 + 3), constrained_layout=True)
-    extent = (steps[0] - 0.5, steps[-1] + 0.5, len(calls) - 0.5, -0.5)
-    for ax, data, title, cmap in ((axes[0], logit, "log10 of the largest logit (max over heads)", "magma"),
-                                  (axes[1], ent, "mean entropy of the sampled rows, nats (min over heads)", "viridis")):
-        im = ax.imshow(data, aspect="auto", interpolation="nearest", extent=extent, cmap=cmap)
-        ax.set_yticks(range(len(calls)))
-        ax.set_yticklabels(calls, fontsize=7)
-        ax.set_title(title + (f" - rank {rank}" if len(ranks) > 1 else ""), fontsize=9)
-        ax.set_xlabel("step")
-        fig.colorbar(im, ax=ax)
-    worst = _worst_first(report)
-    worst = [s for s in worst if s.rank == rank][:6]
-    ax = axes[2]
-    for s in worst:
-        ys = [v if v is not None and v > 0 else np.nan for v in s.max_logit]
-        ax.plot(s.steps, ys, label=s.label, linewidth=1.2)
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("largest logit")
-    ax.set_title("the worst heads (alert steps marked)", fontsize=9)
-    for a in report.alerts:
-        if a.rank == rank and a.what_if is None:
-            for axis in axes:
-                axis.axvline(a.step, color="red" if a.severity == "error" else "orange", linestyle="--", linewidth=0.8)
-    if worst:
-        ax.legend(fontsize=7, loc="upper left")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        r, cols = row[s.module], [col[t] for t in s.steps]
+        m = np.array([np.nan if v is None or v <= 0 else v for v in s.max_logit], dtype=np.float64)
+        e = np.array([np.nan if v is None else v for v in s.entropy_mean], dtype=np.float64)
+        logit[r, cols] = np.fmax(logit[r, cols], np.log10(m))
+        ent[r, cols] = np.fmin(ent[r, cols], e)
+    labels = [plain_text(c) for c in calls]
+    with matplotlib.rc_context({"text.usetex": False}):  # names are text: parse_math is off on each
+        fig, axes = plt.subplots(3, 1, figsize=(10, 6 + 0.5 * len(calls)), constrained_layout=True)
+        try:
+            extent = (steps[0] - 0.5, steps[-1] + 0.5, len(calls) - 0.5, -0.5)
+            note = f" ({left_out})" if left_out else ""
+            for ax, data, title, cmap in ((axes[0], logit, "log10 of the largest logit (max over heads)", "magma"),
+                                          (axes[1], ent, "mean entropy of the sampled rows, nats (min over heads)", "viridis")):
+                im = ax.imshow(data, aspect="auto", interpolation="nearest", extent=extent, cmap=cmap)
+                ax.set_yticks(range(len(calls)))
+                ax.set_yticklabels(labels, fontsize=7, parse_math=False)
+                ax.set_title(title + (f" - rank {rank}" if len(ranks) > 1 else "") + note, fontsize=9)
+                ax.set_xlabel("step")
+                fig.colorbar(im, ax=ax)
+            curves = [s for s in worst if s.rank == rank][:6]
+            ax = axes[2]
+            for s in curves:
+                ys = [v if v is not None and v > 0 else np.nan for v in s.max_logit]
+                ax.plot(s.steps, ys, label=plain_text(s.label), linewidth=1.2)
+            ax.set_yscale("log")
+            ax.set_xlabel("step")
+            ax.set_ylabel("largest logit")
+            ax.set_title("the worst heads (alert steps marked)", fontsize=9)
+            marks = {(a.step, a.severity) for a in report.alerts if a.rank == rank and a.what_if is None}
+            for step, severity in sorted(marks):
+                for axis in axes:
+                    axis.axvline(step, color="red" if severity == "error" else "orange", linestyle="--", linewidth=0.8)
+            if curves:
+                for text in ax.legend(fontsize=7, loc="upper left").get_texts():
+                    text.set_parse_math(False)
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format="png", dpi=100)
+        finally:
+            plt.close(fig)
+    try:  # written here, so that a full disk or a refused name is one line, never a file said written and not
+        with open(path, "wb") as fh:
+            fh.write(buffer.getvalue())
+    except OSError as e:
+        raise AttncheckError(f"cannot write --plot {path}: {e.strerror or e}") from None
+    return left_out

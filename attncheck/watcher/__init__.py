@@ -19,6 +19,13 @@ the dtype it runs in; with a backward, the NaN/inf and zero counts of the gradie
 produced. Statistics only (``attncheck.watcher.stats``): nothing is kept, nothing is copied to the
 host but one batch of numbers per step. Under ``torchrun`` each rank writes its own log
 (``watch.rank1.jsonl``; ``{rank}`` in the name is replaced instead where it is there).
+
+Wrappers: the model may be watched before it is wrapped (``DistributedDataParallel(model)``, FSDP,
+``torch.compile(model)``, accelerate's ``prepare``, which wraps in DDP): a forward of the model
+through its wrapper is a forward of the model, its calls named as the model names them. A step
+that ends with no forward of the watched module seen is said once (a ``UserWarning``) and written
+to the log as a record with ``forwards: 0``; ``attncheck watch`` reports a log without any call
+as ``no_attention``.
 """
 
 from __future__ import annotations
@@ -62,6 +69,44 @@ def rank_log_path(path: str | os.PathLike[str], rank: int, world: int) -> Path:
     return p
 
 
+BLIND_FORWARDS = 8  # top-level training forwards without the watched module before the watch says it sees nothing
+
+# Attributes through which the usual wrappers hold the module they run: DistributedDataParallel and
+# DataParallel (``module``), torch.compile (``_orig_mod``), FSDP (``_fsdp_wrapped_module``), activation
+# checkpointing (``_checkpoint_wrapped_module``). accelerate's ``prepare`` wraps in DDP (or returns the module).
+WRAPPED = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+WRAPPER_PARTS = frozenset(WRAPPED[1:])  # path parts that name a wrapper's inner module, never one of the model's own
+
+
+def wrapped_modules(module) -> list[tuple[str, object]]:
+    """What a wrapper runs, outermost first: (the path from ``module``, the module), ``module`` itself first."""
+    import torch
+
+    chain = [("", module)]
+    for _ in range(8):
+        path, outer = chain[-1]
+        attr = next((a for a in WRAPPED if isinstance(getattr(outer, a, None), torch.nn.Module)), None)
+        if attr is None:
+            break
+        inner = getattr(outer, attr)
+        if any(inner is m for _, m in chain):
+            break
+        chain.append((f"{path}.{attr}" if path else attr, inner))
+    return chain
+
+
+def model_path(path: str, prefix: str | None, name: str) -> str:
+    """A call's module path as the watched model names it: the wrapper's path to the model
+    (``prefix``, e.g. 'module') taken off, FSDP's and checkpointing's inner parts left out; the model
+    itself by its class ``name``."""
+    if prefix:
+        if path == prefix:
+            return name
+        path = path.removeprefix(prefix + ".")
+    parts = [p for p in path.split(".") if p not in WRAPPER_PARTS]
+    return ".".join(parts) if parts else name
+
+
 @dataclass
 class _CallEntry:
     module: str
@@ -78,7 +123,11 @@ class Watch:
     """The context manager ``watch`` returns; ``step(loss=None)`` ends a step; ``records`` holds
     the records written (or kept, without a log), one per recorded step."""
 
-    def __init__(self, model=None, log=None, every: int = 1, *, modules=(), grads: bool = True, tensorboard=None) -> None:
+    def __init__(self, model=None, log=None, every: int = 1, *, modules=(), grads: bool = True, tensorboard=None,
+                 compile: str = "keep") -> None:
+        if compile not in ("keep", "eager"):
+            raise AttncheckError(f"must be 'keep' or 'eager', got {params.show(compile)}", param="compile")
+        self.compile = compile
         self.every = params.integer(every, "every", 1, from_text=isinstance(every, str))
         if not isinstance(grads, bool):
             raise AttncheckError(f"must be True or False, got {params.show(grads)}", param="grads")
@@ -103,11 +152,24 @@ class Watch:
         self._hook = None
         self._tensorboard = None
         self._compiled_said = False
+        self._post = None
+        self._top = None  # the top module whose forward is under way
+        self._seen_in_top = False  # a forward of the watched model began inside it
+        self._nested = False  # the model runs inside another top module: the calls after its forward are not its
+        self._prefix: str | None = None  # the model's path under that top module ('module' under DDP)
+        self._name = ""  # the model's class name: how the model itself is named
+        self._prefix_of: tuple | None = None  # (the last top module holding the model, the model's path in it)
+        self._forwards = 0  # training forwards of the watched model in the step under way
+        self._ever_seen = False
+        self._blind_tops = 0  # top-level training forwards that did not run the watched model
+        self._unseen_said = False
+        self._renamed: dict[int, str] = {}  # id of a recorded call -> its module as the model names it
+        self._flushing = False  # the watch's own statistics run (inside a wrapper's forward the recorder is on)
 
     # ------------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> "Watch":
-        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         from attncheck.record.mode import Recorder
 
@@ -129,7 +191,9 @@ class Watch:
                 raise
         # registered before the recorder's own hooks: at a top-level forward its module stack is still empty
         self._hook = register_module_forward_pre_hook(self._forward_starts)
-        self._recorder = Recorder(self, modules=self.modules, grads=self.with_grads, outputs=True, in_modules=True, flex_reference=False)
+        self._post = register_module_forward_hook(self._forward_ends, always_call=True)
+        self._recorder = Recorder(self, modules=self.modules, grads=self.with_grads, outputs=True, in_modules=True,
+                                  flex_reference=False, compile="eager" if self.compile == "eager" else None)
         self._recorder.__enter__()
         return self
 
@@ -138,7 +202,19 @@ class Watch:
             self._recorder.__exit__(exc_type, exc, tb)
         finally:
             self._hook.remove()
+            self._post.remove()
+            forwards = self._forwards
             self._flush()
+            if not self.records and exc_type is None:  # nothing recorded: the log says so, not an empty file
+                if not self._ever_seen:
+                    self._unseen("the watch ended")
+                elif not self._unseen_said and not self._compiled_said:  # compiled code: said already
+                    self._unseen_said = True
+                    warnings.warn("attncheck.watch: the watched module ran in training mode, but no attention call was "
+                                  "recorded in its forwards (compiled code runs unseen: pass compile='eager'; or its "
+                                  "attention is not SDPA, FlexAttention or an eager softmax)", stacklevel=2)
+                self._forwards = forwards
+                self._flush(unseen=True)
             if self._file is not None:
                 self._file.close()
             if self._tensorboard is not None:
@@ -155,31 +231,96 @@ class Watch:
         if self.step_number == 0:
             self.step_number = 1
         self._loss = _number(loss) if self.sampling else None  # a loss on the device is read back on recorded steps only
-        self._flush()
+        unseen = self._forwards == 0
+        if unseen:
+            self._unseen(f"step {self.step_number} ended")
+        self._flush(unseen=unseen)
         self.step_number += 1
         self._set_sampling()
 
     def _forward_starts(self, module, args) -> None:
         """A step is one training forward of the top module, where the loop does not call step(); the
-        calls of a forward in eval mode (a validation pass) are left out."""
+        calls of a forward in eval mode (a validation pass) are left out. The watched model may run
+        inside another top module (a wrapper: DDP, FSDP, torch.compile, accelerate): its forward there
+        is the model's."""
         from attncheck.record.mode import _compiled_module, _compiling
 
         if _compiling():  # dynamo traces the hooks of a compiled module: nothing of the watch goes in its graph
             return
         rec = self._recorder
-        if rec is None or rec.tracker.stack:
+        if rec is None:
             return
-        if _compiled_module(module) and not self._compiled_said:
+        if rec.tracker.stack:
+            if module is self.model and self._top is not None and not self._seen_in_top:
+                self._nested = True
+                self._prefix, self._name = self._path_under(self._top, module), type(module).__name__
+                self._model_forward(module.training)
+            return
+        if _compiled_module(module) and not self._compiled_said and self.compile != "eager":
             self._compiled_said = True
-            warnings.warn("attncheck.watch: the model runs torch.compile'd code, whose attention calls the watch does not see "
-                          "(it records the calls of eager code only); watch the uncompiled model, or capture a step with "
+            warnings.warn("attncheck.watch: the model runs torch.compile'd code, whose attention calls the watch does "
+                          "not see (it records the calls of eager code only); pass compile='eager' to attncheck.watch "
+                          "(the compiled code then runs as its eager code while watched), or capture a step with "
                           "attncheck.capture, which runs compiled code as its eager code", stacklevel=2)
-        self._skip = not module.training or (self.model is not None and module is not self.model)
-        if self._manual or self._skip:
+        self._top, self._seen_in_top, self._nested, self._prefix = module, False, False, None
+        chain = wrapped_modules(module)
+        if self.model is None or module is self.model:  # the model, or its wrapper: named as the innermost names
+            if len(chain) > 1:
+                self._prefix, self._name = chain[-1][0], type(chain[-1][1]).__name__
+            self._model_forward(module.training)
+            return
+        inner = next((path for path, m in chain[1:] if m is self.model), None)
+        if inner is not None:  # DDP(model), torch.compile(model), FSDP(model): a forward of the model
+            self._prefix, self._name = inner, type(self.model).__name__
+            self._model_forward(self.model.training)
+            return
+        self._skip = True  # not the model's forward, unless the model runs inside it
+
+    def _forward_ends(self, module, args, output) -> None:
+        from attncheck.record.mode import _compiling
+
+        if _compiling():
+            return
+        if module is self._top:
+            if self.model is not None and not self._seen_in_top and module.training and not self._manual:
+                self._blind_tops += 1
+                # a loss module run on its own, a GAN's critic trained a few times first: not yet a sign
+                if not self._ever_seen and self._blind_tops >= BLIND_FORWARDS:
+                    self._unseen(f"{self._blind_tops} training forwards of other modules ran")
+            self._top = None
+        elif module is self.model and self._nested:
+            self._skip = True  # the wrapper's own calls after the model's forward are not the model's
+
+    def _path_under(self, top, module) -> str | None:
+        """The path of ``module`` under ``top`` (None where it is not found), kept for the last top module."""
+        if self._prefix_of is None or self._prefix_of[0] is not top:
+            self._prefix_of = (top, next((name for name, m in top.named_modules() if m is module), None))
+        return self._prefix_of[1]
+
+    def _model_forward(self, training: bool) -> None:
+        """A forward of the watched model begins (in training mode: a step, unless the loop marks steps)."""
+        self._seen_in_top = True
+        self._skip = not training
+        if self._skip:
+            return
+        self._ever_seen = True
+        if self._manual:
+            self._forwards += 1
             return
         self._flush()
         self.step_number += 1
         self._set_sampling()
+        self._forwards = 1
+
+    def _unseen(self, when: str) -> None:
+        """Say once that a step passed without any training forward of the watched module."""
+        if self._unseen_said:
+            return
+        self._unseen_said = True
+        what = "the watched module" if self.model is None else f"the watched module ({type(self.model).__name__})"
+        warnings.warn(f"attncheck.watch: {when} with no training forward of {what} seen, so no attention call was recorded; "
+                      "watch the module the training loop calls, or the module it wraps (DDP, FSDP, torch.compile and "
+                      "accelerate's wrappers are followed), and train it in training mode", stacklevel=3)
 
     @property
     def sampling(self) -> bool:
@@ -195,8 +336,11 @@ class Watch:
     def __call__(self, call) -> None:
         if self.step_number == 0:
             self.step_number = 1
-        if self._skip or not self.sampling:
+        if self._skip or self._flushing or not self.sampling:
             return
+        inside = self._prefix and (call.module == self._prefix or call.module.startswith(self._prefix + "."))
+        if self._nested and self._prefix and not inside:
+            return  # inside the module holding the watched one, but not the watched one's
         import torch
 
         from attncheck.numerics.cells.diagnose import bookkeeping  # small ops on one torch thread
@@ -242,23 +386,36 @@ class Watch:
             traced = _number(meta.get("scale")) if meta.get("scale_source") == "traced" and meta.get("q_prescaled") != "true" else None
             scale, path = traced or 1.0, "eager"
             limit_logit, what = _limit(dtype, scale, "S = Q@K^T" + (" (before the scale)" if traced else "") + f" in {_label(dtype)}")
-        self._calls.append(_CallEntry(call.module, call.kind, _label(dtype), path, scale, limit_logit, what, stats))
+        named = self._prefix is not None or self._nested
+        module = model_path(call.module, self._prefix, self._name) if named else call.module
+        self._renamed[id(call)] = module  # its gradients come later, named the same
+        self._calls.append(_CallEntry(module, call.kind, _label(dtype), path, scale, limit_logit, what, stats))
 
     def grads(self, call, tensors) -> None:
         if self.sampling:
-            self._grads.append((call.module, tensors))  # counted with the step's others at its end
+            # counted with the step's others at its end
+            self._grads.append((self._renamed.get(id(call), call.module), tensors))
 
     # ------------------------------------------------------------------ records
 
-    def _flush(self) -> None:
-        """Write the record of the step under way, if it saw any call: one read-back of every number."""
+    def _flush(self, unseen: bool = False) -> None:
+        """Write the record of the step under way, if it saw any call (or, ``unseen``, a record without
+        any, where one was due): one read-back of every number."""
+        self._flushing = True
+        try:
+            self._write(unseen)
+        finally:
+            self._flushing = False
+
+    def _write(self, unseen: bool) -> None:
         import torch
 
         from attncheck.watcher.stats import CallStats, grad_counts_many, sdpa_stats_many
 
-        calls, grads, loss = self._calls, self._grads, self._loss
-        self._calls, self._grads, self._loss = [], [], None
-        if not calls and not grads:
+        calls, grads, loss, forwards = self._calls, self._grads, self._loss, self._forwards
+        self._calls, self._grads, self._loss, self._forwards = [], [], None, 0
+        self._renamed.clear()
+        if not calls and not grads and not (unseen and (self.sampling or not self.records)):
             return
         pending = [c for c in calls if not isinstance(c.stats, CallStats)]
         for c, st in zip(pending, sdpa_stats_many([c.stats for c in pending])):
@@ -305,7 +462,8 @@ class Watch:
             out_grads.append({"module": module, "nonfinite": int(nonfinite or 0), "zero_frac": (zeros or 0) / g.total if g.total else None,
                               "max_abs": peak if not (nonfinite or 0) else None})
         record = {"schema": WATCH_SCHEMA, "attncheck_version": __version__, "step": max(self.step_number, 1), "rank": self.rank,
-                  "world": self.world, "time": round(time.time(), 3), "loss": loss, "calls": out_calls, "grads": out_grads}
+                  "world": self.world, "time": round(time.time(), 3), "loss": loss, "forwards": forwards, "calls": out_calls,
+                  "grads": out_grads}
         self.records.append(record)
         if self._file is not None:
             self._last_at = self._file.tell()
@@ -414,7 +572,8 @@ def _limit(dtype: str, scale: float, what: str) -> tuple[float, str]:
     return limit * abs(scale), f"{what} rounds to inf at |S| >= {limit:.6g}"
 
 
-def watch(model=None, log: str | os.PathLike[str] | None = None, every: int = 1, *, modules=(), grads: bool = True, tensorboard=None) -> Watch:
+def watch(model=None, log: str | os.PathLike[str] | None = None, every: int = 1, *, modules=(), grads: bool = True, tensorboard=None,
+          compile: str = "keep") -> Watch:
     """Watch the attention of a training run: a context manager (and an object whose ``step(loss)``
     marks steps, where the loop wants to; else a step is one training forward of ``model``, or of any
     top module when ``model`` is None).
@@ -424,9 +583,16 @@ def watch(model=None, log: str | os.PathLike[str] | None = None, every: int = 1,
     (1: all). ``modules``: globs of module paths to watch. ``grads``: with a backward, count the NaN,
     inf and zero entries of each call's gradients. ``tensorboard``: a folder (or a ``SummaryWriter``)
     that gets each record's numbers as TensorBoard scalars (needs the tensorboard package). Read the
-    log with ``attncheck watch LOG``.
+    log with ``attncheck watch LOG``. ``compile``: 'keep' runs torch.compile'd code compiled (its
+    calls are not seen: the watch warns); 'eager' runs it as its eager code while watched, whose calls
+    are recorded (slower: the compiler's speed is lost while watching).
+
+    ``model`` may be watched before it is wrapped: its forwards through DistributedDataParallel, FSDP,
+    torch.compile's wrapper or accelerate's are its own. A step that ends with no training forward
+    of the watched module is said once (a warning) and written to the log (``forwards: 0``).
     """
-    return Watch(model, log, every, modules=modules, grads=grads, tensorboard=tensorboard)
+    return Watch(model, log, every, modules=modules, grads=grads, tensorboard=tensorboard, compile=compile)
 
 
-__all__ = ["WATCH_SCHEMA", "Watch", "rank_and_world", "rank_log_path", "watch"]
+__all__ = ["BLIND_FORWARDS", "WATCH_SCHEMA", "Watch", "model_path", "rank_and_world", "rank_log_path", "watch",
+           "wrapped_modules"]

@@ -182,8 +182,13 @@ def test_two_ranks_the_alert_names_its_rank(tmp_path):
     synthetic_log(tmp_path / "w.rank1.jsonl", range(1, 41), lambda s, h: 3.0 if h == 0 else 5 * 1.3**s, rank=1, world=2)
     r = runner.invoke(app, ["watch", str(tmp_path / "w.rank0.jsonl"), str(tmp_path / "w.rank1.jsonl"), "--fail-on", "logit_growth", "--json", "-"])
     assert r.exit_code == 1
-    first = json.loads(r.stdout)["first_alert"]
-    assert (first["rank"], first["head"], first["code"]) == (1, 1, "logit_growth")
+    out = json.loads(r.stdout)
+    growth = [x for x in out["alerts"] if x["code"] == "logit_growth"]
+    # 5 x 1.3^s passes 50 at step 9 (53.0; 40.8 at step 8), on rank 1 only: growth is per rank
+    assert [(x["rank"], x["head"], x["step"]) for x in growth] == [(1, 1, 9)]
+    # and it is 10 times rank 0's 3.0 from step 7 (31.4; 24.1 at step 6): the ranks differ first
+    first = out["first_alert"]
+    assert (first["code"], first["rank"], first["other_rank"], first["head"], first["step"]) == ("rank_divergence", 1, 0, 1, 7)
     r = runner.invoke(app, ["watch", str(tmp_path / "w.rank1.jsonl"), str(tmp_path / "w.rank1.jsonl")])
     assert r.exit_code == 2 and "both logs of rank 1" in r.stderr
 
@@ -304,16 +309,18 @@ def test_the_recorder_is_on_only_inside_a_forward_and_off_after_an_error():
 
 def test_a_compiled_model_trains_unchanged_under_the_watch_which_says_what_it_cannot_see():
     """torch.compile'd code: the watch's hooks stay out of dynamo's graphs (no crash, the same
-    losses), and it warns that the compiled code's calls are not seen."""
+    losses), and it warns that the compiled code's calls are not seen; the log says no call was
+    recorded (one record without calls), and compile='eager' records them."""
     torch._dynamo.reset()
 
-    def train(watch):
+    def train(watch, **how):
         torch.manual_seed(0)
-        model = torch.compile(Tiny(), backend="aot_eager")
+        inner = Tiny()
+        model = torch.compile(inner, backend="aot_eager")
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(0))
         losses = []
-        with (attncheck.watch(model) if watch else contextlib.nullcontext()) as w:
+        with (attncheck.watch(model if watch == "wrapper" else inner, **how) if watch else contextlib.nullcontext()) as w:
             for _ in range(3):
                 loss = model(x).pow(2).mean()
                 loss.backward()
@@ -323,9 +330,14 @@ def test_a_compiled_model_trains_unchanged_under_the_watch_which_says_what_it_ca
         return losses, w
 
     alone, _ = train(False)
-    with pytest.warns(UserWarning, match="torch.compile'd code, whose attention calls the watch does not see"):
-        watched, w = train(True)
-    assert watched == pytest.approx(alone, rel=1e-6) and w.records == []
+    with pytest.warns(UserWarning, match="torch.compile'd code, whose attention calls the watch does not see") as said:
+        watched, w = train("wrapper")
+    assert watched == pytest.approx(alone, rel=1e-6) and len(said) == 1
+    assert [(r["step"], r["calls"], r["forwards"]) for r in w.records] == [(3, [], 1)]
+    for watched_module in ("wrapper", "inner"):  # the compiled module, or the module it wraps
+        eager, w = train(watched_module, compile="eager")
+        assert eager == pytest.approx(alone, rel=1e-5)
+        assert [(r["step"], [c["module"] for c in r["calls"]]) for r in w.records] == [(s, ["Tiny"]) for s in (1, 2, 3)]
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*:UserWarning")

@@ -76,6 +76,9 @@ def cases() -> list[tuple[str, str, bool]]:
             ("long_line", json.dumps({**base[0], "pad": "x" * (17 << 20)}) + "\n", True),
             ("heads_mismatch", json.dumps({**base[0], "calls": [{**base[0]["calls"][0], "heads": 3}]}) + "\n", True),
             ("no_calls", json.dumps({**base[0], "calls": []}) + "\n", False),
+            ("flex_kind", json.dumps({**base[0], "calls": [{**base[0]["calls"][0], "kind": "flex"}]}) + "\n", False),
+            ("no_forward_seen", json.dumps({**base[0], "forwards": 0, "calls": [], "grads": []}) + "\n", False),
+            ("forwards_negative", json.dumps({**base[0], "forwards": -1}) + "\n", True),
             ("markup_module", json.dumps({**base[0], "calls": [{**base[0]["calls"][0], "module": "[red]x[/]\x1b[31m"}]}) + "\n", False)]
     return out
 
