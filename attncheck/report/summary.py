@@ -176,11 +176,12 @@ def model_summary(report: ModelReport, calls: list[CallReport], device: str) -> 
 
 
 def _detail_glob(line: ModelLine) -> str:
-    """What --detail takes to pick that call: its module path, or its name; quoted when the shell would
-    read it otherwise."""
-    name = line.module or line.name
-    safe = all(ch.isalnum() or ch in "._-/:" for ch in name)
-    return name if safe else "'" + name.replace("'", "'\\''") + "'"
+    """What --detail takes to pick that call alone: its module path (or name) as a glob that matches
+    it literally, quoted for the shell where it would read it otherwise."""
+    import glob
+    import shlex
+
+    return shlex.quote(glob.escape(line.module or line.name))
 
 
 def _bad_cells(d: TensorDiagnosis) -> str:
