@@ -15,7 +15,8 @@ from rich.console import Console
 from attncheck.config.run import Options
 from attncheck.model import model_report
 from attncheck.numerics.cells.calls import diagnose_call
-from attncheck.report.model import constant_parts, middle_ellipsis, render_model
+from attncheck.report.fit import constant_parts, middle_ellipsis
+from attncheck.report.model import render_model
 from attncheck.results import CallInfo, WhatIfAnswer
 
 T5 = ["encoder.block.0.layer.0.SelfAttention", "encoder.block.1.layer.0.SelfAttention", "decoder.block.0.layer.0.SelfAttention",
