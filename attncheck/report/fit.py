@@ -120,3 +120,29 @@ def fitted(console: Console, width: int, labels: list[str], build, narrowest: in
         else:
             hi = mid - 1
     return build([middle_ellipsis(x, lo) for x in short], narrowest), used
+
+
+def narrowed(table: Table, narrow: int) -> Table:
+    """``table`` (a report table, built wide) in a narrower layout: from ``narrow`` 1 its headers'
+    words on lines of their own, from 2 one space between columns and no margin."""
+    if narrow >= 1:
+        for column in table.columns:
+            if isinstance(column.header, str):
+                column.header = column.header.replace(" / ", "/\n").replace(" ", "\n")
+    if narrow >= 2:
+        table.padding = (0, 0)
+        table.show_edge = False
+    return table
+
+
+def fit_table(build) -> Fitted:
+    """``build()`` -> a table, printed in the first of ``narrowed``'s layouts that fits the terminal."""
+
+    def layouts(console: Console, width: int) -> list:
+        for narrow in range(3):
+            table = narrowed(build(), narrow)
+            if natural_width(console, table, width) <= width:
+                break
+        return [table]
+
+    return Fitted(layouts)
