@@ -93,7 +93,7 @@ def narrow_table(narrow: int = 0) -> Table:
     return Table(box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False, collapse_padding=True, show_edge=False)
 
 
-NARROWEST = 3  # the last layout of a table (``narrow``): 1 two-line headers, 2 one space between columns, 3 the table's own
+NARROWEST = 3  # the last layout (``narrow``): 1 two-line headers, 2 one space between columns, 3 the table's own
 
 
 def fitted(console: Console, width: int, labels: list[str], build, narrowest: int = NARROWEST) -> tuple[Any, list[str]]:
