@@ -157,3 +157,16 @@ def test_summary_with_full_is_refused_in_one_line():
     r = runner.invoke(app, ["run", "--example", "--summary", "--full"])
     assert r.exit_code == 2 and r.stdout == ""
     assert r.stderr == "attncheck: error: --summary and --full ask for two different reports; give one\n"
+
+
+def test_what_ifs_take_one_line_and_never_count():
+    from attncheck.results import WhatIfAnswer
+
+    g = torch.Generator().manual_seed(0)
+    calls = [softmax_call(i, torch.randn(2, 4, 8, 8, generator=g).half()) for i in range(4)]
+    report = model_report(calls)
+    report.what_if = [WhatIfAnswer("eager:naive/fp16", 4, 1, report.lines[3], 8, 1e-3, -2.0, None, {"exp_overflow": 1}),
+                      WhatIfAnswer("flash/bf16", 4, 0, None, 0, 1e-3, 88.0, None, {})]
+    assert render(model_summary(report, calls, "cpu")) == (
+        "OK: 4 calls on cpu, 0 errors, 0 warnings; no call goes wrong\n"
+        "what-if: 1 of 2 cells asked would break: eager:naive/fp16 (#3) (not counted)\n")
