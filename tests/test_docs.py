@@ -83,6 +83,48 @@ def test_every_page_is_in_the_site_navigation():
     assert sorted(nav) == sorted(str(p.relative_to(ROOT / "docs")) for p in PAGES)
 
 
+def test_no_paragraph_is_cut_short():
+    """Prose paragraphs (not code, tables, lists or headings) start as a sentence does and end with
+    one: a paragraph cut in the middle (docs/capture.md once ended one at 'width', and its rest
+    opened a paragraph of docs/performance.md with '768, ...') fails here."""
+    cut = []
+    for page in [ROOT / "README.md", *PAGES]:
+        text = re.sub(r"```.*?```|<!--.*?-->", "", page.read_text(), flags=re.S)
+        for para in (p.strip() for p in re.split(r"\n\s*\n", text)):
+            if not para or para.startswith(("#", "|", "-", "*", ">")) or re.match(r"\d+\. ", para):
+                continue
+            starts = re.match(r"[A-Z`*\[(\"']|(torch|attncheck)\b", para)
+            ends = re.search(r"[.:!?)`]$", para.splitlines()[-1].rstrip())
+            if not (starts and ends):
+                cut.append(f"{page.relative_to(ROOT)}: {para[:40]!r} ... {para[-40:]!r}")
+    assert cut == []
+
+
+def test_the_home_page_links_every_guide():
+    """docs/index.md lists each guide of the site's navigation (it once left out the watch's)."""
+    home = (ROOT / "docs" / "index.md").read_text()
+    guides = re.findall(r"^\s+- [^:]+: ([\w-]+\.md)$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
+    assert "watch.md" in guides
+    for guide in (g for g in guides if g != "index.md"):
+        assert f"]({guide})" in home, guide
+
+
+def test_the_readme_says_what_its_examples_need():
+    """The quick start installs attncheck alone; the examples the README runs import transformers
+    (the capture) and matplotlib (the watch's --plot): the README says how to install them."""
+    text = (ROOT / "README.md").read_text()
+    scripts = {cmd.split()[1] for cmd, _ in readme_commands() if cmd.startswith("python examples/")}
+    needed = set()
+    for script in scripts:
+        source = (ROOT / script).read_text()
+        needed |= {m for m in ("transformers", "matplotlib") if re.search(rf"^import {m}|^from {m}\b", source, flags=re.M)}
+        needed |= {"matplotlib"} if "--plot" in source else set()
+    assert needed == {"transformers", "matplotlib"}
+    install = re.search(r"the examples need ([^.]*)", text.replace("\n", " "))
+    assert install is not None and all(m in install.group(1) for m in needed), install
+    assert "pip install transformers matplotlib" in text.replace("\n", " ")
+
+
 def test_the_numerics_contract_names_tests_that_exist():
     """Each 'Tested by' of docs/reference/numerics.md names a test function of a test file."""
     import ast

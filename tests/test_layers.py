@@ -21,7 +21,7 @@ TORCH_FREE = [
     "attncheck.model", "attncheck.config.run", "attncheck.config.sweep", "attncheck.config.check", "attncheck.config.capture", "attncheck.testing",
     "attncheck.report.run", "attncheck.report.sweep", "attncheck.report.check", "attncheck.report.progress", "attncheck.report.model",
     "attncheck.cli", "attncheck.cli.common", "attncheck.cli.options", "attncheck.cli.run", "attncheck.cli.sweep", "attncheck.cli.check",
-    "attncheck.cli.capture", "attncheck.cli.explain", "attncheck.report.reference", "attncheck.report.diagnostics", "attncheck.cli.docs",
+    "attncheck.cli.capture", "attncheck.cli.explain", "attncheck.report.reference", "attncheck.report.diagnostics", "attncheck.report.summary", "attncheck.report.fit", "attncheck.cli.docs",
     "attncheck.numerics", "attncheck.numerics.sweep.theory", "attncheck.pipelines",
 ]
 

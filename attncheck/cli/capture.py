@@ -19,6 +19,7 @@ from attncheck.cli.common import check_output_path, fail
 from attncheck.cli.options import (
     BlockOpt,
     BriefOpt,
+    SummaryOpt,
     CellDtypeOpt,
     CellMethodOpt,
     DetailOpt,
@@ -35,7 +36,7 @@ from attncheck.cli.options import (
     notices,
     progress_shown,
 )
-from attncheck.cli.run import Accum, Order, cell_options, emit, parse_fail_on
+from attncheck.cli.run import Accum, Order, cell_options, check_summary, emit, parse_fail_on
 from attncheck.config.capture import DEFAULT_MAX_BYTES, DEFAULT_MAX_CALLS, DEFAULT_OUT, CaptureRequest
 from attncheck.config.run import chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError
@@ -65,6 +66,7 @@ def capture(
     json_out: JsonOpt = None,
     fail_on: FailOnOpt = "",
     ignore: IgnoreOpt = "",
+    summary: SummaryOpt = False,
     brief: BriefOpt = False,
     full: FullOpt = False,
     detail: DetailOpt = [],
@@ -84,6 +86,7 @@ def capture(
         conditions = parse_fail_on(fail_on)
         ignored = ignore_codes(ignore)
         check_output_path(json_out, "--json")
+        check_summary(summary, full)
         asked_what_if = params.what_if(what_if) if what_if is not None else ()
         options, grid_asked = cell_options(
             dtype, method, path, block=params.integer(block, "block", 1),
@@ -130,7 +133,7 @@ def capture(
         elif json_out is not None:
             json_out = rank_file(json_out, cap.rank)
     emit(outcome.result, conditions, ignored, json_out, brief=brief, full=full, detail=detail,
-         summary_only=summary_only)
+         summary_only=summary_only, summary=summary)
 
 
 def _where(error: BaseException, script: str) -> str:

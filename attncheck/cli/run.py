@@ -31,6 +31,7 @@ from attncheck.cli.options import (
     PathOpt,
     QuietOpt,
     ScaleOpt,
+    SummaryOpt,
     WhatIfOpt,
     notices,
     progress_shown,
@@ -97,6 +98,7 @@ def run(
     json_out: JsonOpt = None,
     fail_on: FailOnOpt = "",
     ignore: IgnoreOpt = "",
+    summary: SummaryOpt = False,
     brief: BriefOpt = False,
     full: FullOpt = False,
     detail: DetailOpt = [],
@@ -134,6 +136,7 @@ def run(
         ignored = ignore_codes(ignore)
         memory = params.memory(max_memory, "max_memory")
         check_output_path(json_out, "--json")
+        check_summary(summary, full)
         asked_what_if = params.what_if(what_if) if what_if is not None else ()
         options, grid_asked = cell_options(
             dtype, method, path, block=params.integer(block, "block", 1),
@@ -182,14 +185,21 @@ def run(
     except AttncheckError as e:
         raise fail(e) from None
 
-    emit(result, conditions, ignored, json_out, brief=brief, full=full, detail=detail)
+    emit(result, conditions, ignored, json_out, brief=brief, full=full, detail=detail, summary=summary)
+
+
+def check_summary(summary: bool, full: bool) -> None:
+    """--summary and --full ask for two different reports."""
+    if summary and full:
+        raise AttncheckError(f"{param('summary')} and {param('full')} ask for two different reports; give one")
 
 
 def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str | None, *, brief: bool, full: bool,
-         detail: list[str], summary_only: str | None = None) -> None:
-    """Print the report (the model report for several calls, else the per-tensor one), write the
-    JSON, and exit 0, or 1 when a --fail-on condition holds, or 2 when calls were skipped.
-    ``summary_only``: a label; only the closing line is said, on stderr, under it (one rank of several)."""
+         detail: list[str], summary: bool = False, summary_only: str | None = None) -> None:
+    """Print the report (the model report for several calls, else the per-tensor one; with ``summary``
+    the one-screen answer), write the JSON, and exit 0, or 1 when a --fail-on condition holds, or 2
+    when calls were skipped. ``summary_only``: a label; only the closing line is said, on stderr, under it
+    (one rank of several)."""
     import fnmatch
 
     from attncheck.findings import failed_conditions
@@ -223,7 +233,17 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
         say(f"attncheck: {summary_only}: {closing_line(result.model, result.calls, result.device).plain}")
     elif json_out != "-":
         console = report_console()
-        if full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
+        if summary:
+            from attncheck.report.summary import model_summary, tensors_summary
+
+            if result.model is not None and result.model.known:  # a capture: judged by the model's cells
+                console.print(model_summary(result.model, result.calls, result.device))
+            else:
+                console.print(tensors_summary(result.tensors, result.device, what_ifs))
+            for c in chosen:
+                console.print()
+                console.print(render_diagnosis(c.diagnosis, verbose=not brief))
+        elif full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
             print_report(console, result.tensors, result.device, verbose=not brief, what_ifs=what_ifs)
             if result.model is not None and result.model.findings:
                 from attncheck.report.model import capture_block

@@ -20,40 +20,58 @@ FIX = "   = fix: "
 
 class Hanging:
     """``prefix`` then ``body``, wrapped to the width: the first line after the prefix, the later ones
-    after ``indent`` spaces. A word longer than its line is folded, never cut."""
+    after ``indent`` spaces. A word longer than its line is folded, never cut. With ``max_lines``,
+    a body that needs more lines ends its last one with '…' (the one-screen summary)."""
 
-    def __init__(self, prefix: Text, body: Text, indent: int | None = None) -> None:
+    def __init__(self, prefix: Text, body: Text, indent: int | None = None, max_lines: int | None = None) -> None:
         self.prefix, self.body = prefix, body
         self.indent = prefix.cell_len if indent is None else indent
+        self.max_lines = max_lines
 
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        width = options.max_width
+    def lines(self, console: Console, width: int) -> list[Text]:
+        """The lines the prefix and body take at ``width``, before any ``max_lines`` cut."""
         room = max(width - self.prefix.cell_len, 8)
         body = self.body.copy()
         body.overflow = "fold"
         first = body.wrap(console, room)[0] if body.plain else Text("")
         first.rstrip()
-        yield Text.assemble(self.prefix, first, end="\n")
+        out = [Text.assemble(self.prefix, first)]
         consumed = len(first.plain)
         rest = body[consumed:]
         skip = len(rest.plain) - len(rest.plain.lstrip(" "))
         rest = rest[skip:]
-        if not rest.plain:
-            return
-        for line in rest.wrap(console, max(width - self.indent, 8)):
-            line.rstrip()
-            yield Text.assemble(" " * self.indent, line, end="\n")
+        if rest.plain:
+            for line in rest.wrap(console, max(width - self.indent, 8)):
+                line.rstrip()
+                out.append(Text.assemble(" " * self.indent, line))
+        return out
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = options.max_width
+        out = self.lines(console, width)
+        if self.max_lines is not None and len(out) > self.max_lines:
+            out = out[: self.max_lines]
+            last = out[-1]
+            if last.cell_len >= width:  # room for the ellipsis
+                last = last[: len(last.plain) - 1]
+                last.rstrip()
+            out[-1] = Text.assemble(last, "…")
+        for line in out:
+            line.end = "\n"
+            yield line
 
 
-def diagnostic(severity: str, code: str, message: str, where: str | None = None, fix: str | None = None) -> Group:
+def diagnostic(severity: str, code: str, message: str, where: str | None = None, fix: str | None = None,
+               max_lines: int | None = None) -> Group:
     """One finding: 'error[code]: message', then '  --> where' and '   = fix: ...' (names in
-    ``message`` and ``where`` are printed as text, never as markup)."""
+    ``message`` and ``where`` are printed as text, never as markup); with ``max_lines``, each part
+    at most that many lines."""
     head = Text.assemble((f"{severity}[{code}]", SEVERITY_STYLE.get(severity, "")), ": ")
-    parts = [Hanging(head, Text(visible(message)), indent=HEADLINE_INDENT)]
+    parts = [Hanging(head, Text(visible(message)), indent=HEADLINE_INDENT, max_lines=max_lines)]
     if where:
-        parts.append(Hanging(Text(WHERE, style="blue"), Text(visible(where))))
+        parts.append(Hanging(Text(WHERE, style="blue"), Text(visible(where)), max_lines=max_lines))
     if fix:
-        parts.append(Hanging(Text(FIX, style="blue"), Text(visible(fix))))
+        parts.append(Hanging(Text(FIX, style="blue"), Text(visible(fix)), max_lines=max_lines))
     return Group(*parts)
 
 

@@ -11,7 +11,8 @@ from rich.text import Text
 
 from attncheck.codes import REGISTRY, doc_link
 from attncheck.format import fmt, plain, to_jsonable, visible
-from attncheck.report.diagnostics import EXPLAIN_HINT, diagnostic
+from attncheck.report.diagnostics import EXPLAIN_HINT, Hanging, diagnostic
+from attncheck.report.fit import NARROWEST, Fitted, fitted, narrow_table, natural_width
 from attncheck.report.run import diagnosis_json
 from attncheck.report.text import shown
 from attncheck.results import CallReport, ModelLine, ModelReport
@@ -20,6 +21,8 @@ VERDICT_STYLE = {"nan": "bold red", "overflow": "bold red", "zero": "red", "erro
                  "ok": "green", "skipped": "yellow", "n/a": "dim"}
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 MAX_HEAD_COLUMNS = 32
+WHAT_IF_NARROWEST = 4  # the what-if table's last layout: its findings listed under it
+MATRIX_HEADS_FIRST = 8  # heads the layer x head table keeps beside the calls' names before it shortens them
 
 
 def call_label(line: ModelLine, prefix: str = "") -> str:
@@ -49,8 +52,12 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape)) if shape else "-"
 
 
-def lines_table(report: ModelReport, prefix: str = "") -> Table:
-    """One row per call; a shape or cell every call shares is said once, above the table."""
+def lines_table(report: ModelReport, prefix: str = "", labels: list[str] | None = None, narrow: int = 0) -> Table:
+    """One row per call; a shape or cell every call shares is said once, above the table. ``labels``:
+    the calls' names as shown (default: their module paths less ``prefix``); ``narrow`` (for narrow
+    terminals): 1 puts two-word headers on two lines, 2 also leaves one space between columns, 3 also
+    leaves the heads out of a cause and the codes out of a verdict (the findings below name them)."""
+    labels = [call_label(line, prefix) for line in report.lines] if labels is None else labels
     shapes = {line.shape for line in report.lines}
     cells = {line.cell for line in report.lines}
     columns = [("#", "right"), ("call", "left")]
@@ -59,20 +66,20 @@ def lines_table(report: ModelReport, prefix: str = "") -> Table:
     columns += [("logit", "right"), ("room", "right"), ("NaN", "right"), ("first cause", "left"), ("err", "right"), ("verdict", "left")]
     backward = any(line.grad_verdict is not None for line in report.lines)
     columns += [("grad", "left")] if backward else []
-    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
-    for name, justify in columns:
-        t.add_column(name, justify=justify, no_wrap=name != "call", overflow="fold", min_width=8 if name == "call" else None)
-    for i, line in enumerate(report.lines):
+    t = narrow_table(narrow)
+    for name, justify in columns:  # nothing wraps: ``fitted`` chooses the layout that fits
+        t.add_column(name.replace(" ", "\n") if narrow else name, justify=justify, no_wrap=True)
+    for i, (line, label) in enumerate(zip(report.lines, labels)):
         first = i == report.first_bad
         mark = Text(f"{line.index}" + (" >" if first else ""), style="bold red" if first else "")
         headroom = Text(plain(line.headroom), style="red" if line.headroom is not None and line.headroom < 0 else "")
         cause = line.first_cause or "-"
-        if line.first_cause and line.heads:
+        if line.first_cause and line.heads and narrow < 3:
             cause += " h" + ",".join(map(str, line.heads[:2])) + (",…" if len(line.heads) > 2 else "")
         # the error codes beside the verdict, but those of the backward, which the grad column shows
         codes = [code for code in line.errors if not (backward and code.startswith("grad_"))]
-        verdict = line.verdict + (f" ({', '.join(codes[:2])})" if line.verdict == "error" and codes else "")
-        row = [mark, shown(call_label(line, prefix))]
+        verdict = line.verdict + (f" ({', '.join(codes[:2])})" if line.verdict == "error" and codes and narrow < 3 else "")
+        row = [mark, shown(label)]
         row += [_shape(line.shape)] if len(shapes) > 1 else []
         row += [line.cell or "-"] if len(cells) > 1 else []
         row += [plain(line.max_logit), headroom, Text(str(line.nan_rows), style="bold red" if line.nan_rows else ""), cause,
@@ -80,6 +87,28 @@ def lines_table(report: ModelReport, prefix: str = "") -> Table:
         row += [_grad_cell(line)] if backward else []
         t.add_row(*row)
     return t
+
+
+def fitted_lines_table(report: ModelReport, prefix: str, legend: Text) -> Fitted:
+    """The legend and the calls' table, built for the terminal's width: two-word headers on two lines
+    and names shortened (the parts no name differs in left out, then the middle) only where the
+    table would not fit otherwise."""
+    labels = [call_label(line, prefix) for line in report.lines]
+
+    def build(console: Console, width: int) -> list:
+        table, dropped = fitted(console, width, labels, lambda names, narrow: lines_table(report, labels=names, narrow=narrow))
+        note = legend.copy()
+        if dropped:
+            note.append(f"; names without {', '.join(repr(p) for p in dropped)}")
+        if any("…" in cell for cell in _column_texts(table, 1)):
+            note.append("; … marks a shortened name (--json has each in full)")
+        return [note, table]
+
+    return Fitted(build)
+
+
+def _column_texts(table: Table, index: int) -> list[str]:
+    return [getattr(cell, "plain", str(cell)) for cell in table.columns[index].cells]
 
 
 def _grad_cell(line: ModelLine) -> Text:
@@ -143,20 +172,27 @@ def compact(x: float | None) -> str:
     return f"{x:.0e}"
 
 
-def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") -> Table | None:
-    """Layer x head: NaN rows of the model's cell, Q@K^T overflow, else the head's largest logit."""
+def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "", labels: dict[int, str] | None = None,
+                heads: int | list[int] = MAX_HEAD_COLUMNS) -> Table | None:
+    """Layer x head: NaN rows of the model's cell, Q@K^T overflow, else the head's largest logit; the
+    first ``heads`` heads, or those listed; ``labels``: the calls' names as shown, by call index."""
     rows = [c for c in calls if c.heads]
     if not rows:
         return None
-    width = min(max(len(c.heads) for c in rows), MAX_HEAD_COLUMNS)
+    which = list(range(min(max(len(c.heads) for c in rows), heads))) if isinstance(heads, int) else heads
     marked = {(o.index, o.head) for o in report.outliers}
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
     t.add_column("call", no_wrap=True)
-    for h in range(width):
+    for h in which:
         t.add_column(f"h{h}", justify="right", no_wrap=True)
     for c in rows:
+        by_head = {h.head: h for h in c.heads}
         cells = []
-        for h in c.heads[:width]:
+        for index in which:
+            h = by_head.get(index)
+            if h is None:
+                cells.append("")
+                continue
             star = "*" if (c.call.index, h.head) in marked else ""
             if h.nan_rows:
                 cells.append(Text(f"N{h.nan_rows}{star}", style="bold red"))
@@ -164,10 +200,8 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
                 cells.append(Text(f"ovf{star}", style="bold red"))
             else:
                 cells.append(Text(f"{compact(h.max_logit)}{star}", style="yellow" if star else ""))
-        cells += [""] * (width - len(cells))
-        row = ModelLine(c.call.index, c.call.name, c.call.module, c.call.kind, (), None, None, None, 0, None, None, "",
-                        rank=c.call.rank)
-        t.add_row(shown(call_label(row, prefix)), *cells)
+        label = labels[c.call.index] if labels is not None else _matrix_label(c, prefix)
+        t.add_row(shown(label), *cells)
     return t
 
 
@@ -202,6 +236,58 @@ def capture_block(report: ModelReport) -> Group | None:
     return Group(*parts)
 
 
+def flagged_heads(calls: list[CallReport], report: ModelReport) -> list[int]:
+    """Heads with NaN rows, a Q@K^T overflow or an outlier q/k in some call: a narrow table shows them."""
+    marked = {o.head for o in report.outliers}
+    return sorted({h.head for c in calls for h in c.heads if h.nan_rows or h.qk_overflow or h.head in marked})
+
+
+def _matrix_label(c: CallReport, prefix: str) -> str:
+    return call_label(ModelLine(c.call.index, c.call.name, c.call.module, c.call.kind, (), None, None, None, 0, None, None, "",
+                                rank=c.call.rank), prefix)
+
+
+def fitted_head_matrix(calls: list[CallReport], report: ModelReport, prefix: str) -> Fitted | None:
+    """The legend and the layer x head table, built for the terminal's width: names shortened as the
+    calls' table does, then as many heads as fit, those with NaN rows, an overflow or an outlier
+    always among them."""
+    rows = [c for c in calls if c.heads]
+    if not rows:
+        return None
+    most = max(len(c.heads) for c in rows)
+    full = [_matrix_label(c, prefix) for c in rows]
+    flagged = flagged_heads(rows, report)
+
+    def choose(n: int) -> list[int]:
+        """n heads: the flagged ones, and the first others."""
+        keep = flagged[:n]
+        return sorted(keep + [h for h in range(most) if h not in keep][: n - len(keep)])
+
+    def build(console: Console, width: int) -> list:
+        n = min(most, MAX_HEAD_COLUMNS)
+
+        def table(names: list[str], which: list[int]) -> Table:
+            return head_matrix(rows, report, labels={c.call.index: name for c, name in zip(rows, names)}, heads=which)
+
+        # names are fitted beside a few heads (they say which call a row is), then as many heads as fit
+        few = choose(min(n, MATRIX_HEADS_FIRST))
+        t, dropped = fitted(console, width, full, lambda names, narrow: table(names, few))
+        names = [getattr(cell, "plain", str(cell)) for cell in t.columns[0].cells]
+        t = table(names, choose(n))
+        while n > 1 and natural_width(console, t, width) > width:
+            n -= 1
+            t = table(names, choose(n))
+        legend = Text(HEAD_LEGEND)
+        if n < most:
+            shown_flagged = " and those marked" if flagged and choose(n) != list(range(n)) else ""
+            legend.append(f" ({n} of {most} heads: the first{shown_flagged}; --json has all)")
+        if dropped:
+            legend.append(f"; names without {', '.join(repr(p) for p in dropped)}")
+        return [legend, t]
+
+    return Fitted(build)
+
+
 def findings_summary(calls: list[CallReport], known: bool) -> Group | None:
     """Each finding code once, as a diagnostic: its severity and what it means, in how many calls and
     the first of them, its fix (the model's cells' findings for a capture; every cell's for files of
@@ -227,29 +313,72 @@ def findings_summary(calls: list[CallReport], known: bool) -> Group | None:
     return Group(*parts)
 
 
-def what_if_table(report: ModelReport, prefix: str = "") -> Table | None:
+def what_if_table(report: ModelReport, prefix: str = "", labels: list[str] | None = None, narrow: int = 0) -> Table | None:
     """One row per what-if cell: calls computed, calls where it breaks, the first and why, its least
-    headroom, its largest error and its findings. Never the model's verdict."""
+    headroom, its largest error and its findings. Never the model's verdict. ``labels``: the first
+    calls' names as shown, one per what-if cell."""
     if not report.what_if:
         return None
-    t = Table(title="What if the model ran these instead (not counted as the model's; --fail-on what-if:COND)", title_justify="left",
-              box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
-    for name, justify in (("cell", "left"), ("breaks", "right"), ("first call", "left"), ("first cause", "left"), ("room", "right"),
-                          ("err", "right"), ("findings", "left")):
-        t.add_column(name, justify=justify, no_wrap=name in ("cell", "breaks", "room", "err"), overflow="fold")
-    for a in report.what_if:
+    labels = [_first_label(a, prefix) for a in report.what_if] if labels is None else labels
+    t = narrow_table(narrow)
+    t.title, t.title_justify = "What if the model ran these instead (not counted as the model's; --fail-on what-if:COND)", "left"
+    items = [_what_if_codes(a) for a in report.what_if]
+    longest = max((len(item) for codes in items for item in codes), default=1)
+    columns = [("cell", "left"), ("breaks", "right"), ("first call", "left"), ("first cause", "left"), ("room", "right"), ("err", "right")]
+    columns += [("findings", "left")] if narrow < WHAT_IF_NARROWEST else []  # narrowest: listed under the table
+    for name, justify in columns:
+        # findings wrap between codes, never inside one; a cause between its words
+        t.add_column(name.replace(" ", "\n") if narrow else name, justify=justify, no_wrap=name not in ("first cause", "findings"), overflow="fold",
+                     min_width=longest if name == "findings" else None)
+    for a, label, codes in zip(report.what_if, labels, items):
         first = a.first
-        where = "-" if first is None else shown(f"#{first.index} {call_label(first, prefix)}")
+        where = "-" if first is None else shown(label)
         cause = "-"
         if first is not None:
             cause = first.first_cause or (", ".join(first.errors) if first.verdict == "error" else first.verdict)
             if first.first_cause and first.heads:
                 cause += " h" + ",".join(map(str, first.heads[:2])) + (",…" if len(first.heads) > 2 else "")
         room = Text(plain(a.headroom), style="red" if a.headroom is not None and a.headroom < 0 else "")
-        codes = ", ".join(f"{code} ({n})" for code, n in a.findings.items()) or "-"
-        t.add_row(Text(a.cell, style=VERDICT_STYLE["nan"] if a.bad_calls else "green"), f"{a.bad_calls}/{a.calls}", where, cause, room,
-                  fmt(a.worst_err, ".0e"), codes)
+        row = [Text(a.cell, style=VERDICT_STYLE["nan"] if a.bad_calls else "green"), f"{a.bad_calls}/{a.calls}", where, cause, room,
+               fmt(a.worst_err, ".0e")]
+        t.add_row(*row, *([", ".join(codes) or "-"] if narrow < WHAT_IF_NARROWEST else []))
     return t
+
+
+def _first_label(answer, prefix: str) -> str:
+    return "-" if answer.first is None else f"#{answer.first.index} {call_label(answer.first, prefix)}"
+
+
+def _what_if_codes(answer) -> list[str]:
+    """'grad_underflow (1)' per code, its space a no-break space: a code and its count stay on one line."""
+    return [f"{code}\u00a0({n})" for code, n in answer.findings.items()]
+
+
+def fitted_what_if_table(report: ModelReport, prefix: str) -> Fitted | None:
+    """The what-if table, its first calls' names shortened where it would not fit the terminal."""
+    if not report.what_if:
+        return None
+    labels = [_first_label(a, prefix) for a in report.what_if]
+
+    def build(console: Console, width: int) -> list:
+        named = [label for label in labels if label != "-"]
+        heads = [label.split(" ", 1)[0] for label in named]  # '#3 name': the index stays whole, the name is shortened
+        table, _ = fitted(console, width, [label.split(" ", 1)[1] for label in named], lambda names, narrow: what_if_table(
+            report, labels=_merge(labels, [f"{h} {n}" for h, n in zip(heads, names)]), narrow=narrow), WHAT_IF_NARROWEST)
+        if len(table.columns) == 7:
+            return [table]
+        # the findings column did not fit: each cell's codes in a line of their own, under the table
+        lines = [Hanging(Text(f"  {a.cell}: "), Text(", ".join(code.replace("\u00a0", " ") for code in _what_if_codes(a))), indent=4)
+                 for a in report.what_if if a.findings]
+        return [table, *([Text("Findings of the what-if cells:")] + lines if lines else [])]
+
+    return Fitted(build)
+
+
+def _merge(labels: list[str], named: list[str]) -> list[str]:
+    """``labels`` with each entry that is not '-' replaced, in order, by the next of ``named``."""
+    it = iter(named)
+    return [label if label == "-" else next(it) for label in labels]
 
 
 def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> Text:
@@ -316,7 +445,7 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
         legend = legend.replace("sdpa-math for the math backend)", "sdpa-math for the math backend; flex: FlexAttention's fused "
                                 "kernel where flex_attention is torch.compile'd, flex-math where it is not)")
     legend += (f"; calls named below {prefix[:-1]}" if prefix else "") + (f"; {shared}" if shared else "")
-    parts += [shown(legend), lines_table(report, prefix)]
+    parts.append(fitted_lines_table(report, prefix, shown(legend)))
     modded = [line for line in report.lines if line.score_mod is not None]
     if modded:
         text = Text("Flex score_mod (judged on the logits after it; largest unmasked logit before -> after):\n")
@@ -327,10 +456,9 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             text.append(f"  ... {len(modded) - 12} more in the JSON report\n")
         text.rstrip()
         parts.append(text)
-    matrix = head_matrix(calls, report, prefix)
+    matrix = fitted_head_matrix(calls, report, prefix)
     if matrix is not None:
-        wide = max(len(c.heads) for c in calls if c.heads) > MAX_HEAD_COLUMNS
-        parts += [Text(HEAD_LEGEND + (f" (first {MAX_HEAD_COLUMNS} heads)" if wide else "")), matrix]
+        parts.append(matrix)
     if report.outliers:
         text = Text("Outlier heads (max|q| or max|k| >= 10x the median over the call's heads):\n", style="yellow")
         for o in report.outliers[:12]:
@@ -351,7 +479,7 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     grads = backward_summary(report, prefix)
     if grads is not None:
         parts.append(grads)
-    table = what_if_table(report, prefix)
+    table = fitted_what_if_table(report, prefix)
     if table is not None:
         parts.append(table)
     for name, why in report.skipped:

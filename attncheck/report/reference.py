@@ -1,7 +1,8 @@
 """The findings reference, as Markdown, from the registry of codes (``attncheck.codes``): the page
-``docs/reference/findings.md`` and what ``attncheck explain CODE`` prints. Text only (no torch, no
-rich): the page cannot drift from the code because both come from here, and a test checks that
-the committed page is what this module writes."""
+``docs/reference/findings.md`` and what ``attncheck explain CODE`` prints, rendered for a terminal
+by Rich (wrapped to its width) or as the Markdown itself. No torch: the page cannot drift from the
+code because both come from here, and a test checks that the committed page is what this module
+writes."""
 
 from __future__ import annotations
 
@@ -68,7 +69,38 @@ def explain_text(name: str) -> str:
 
 
 def codes_list() -> str:
-    """What ``attncheck explain`` prints without a code: every code, its severity and summary."""
-    width = max(len(c.name) for c in CODES)
-    lines = [f"{c.name:<{width}}  {c.severities:<16}  {c.summary}" for group in GROUPS for c in CODES if c.group == group]
-    return "\n".join(lines) + f"\n\nattncheck explain CODE prints a code's page; all of them: {REFERENCE_PAGE}\n"
+    """What ``attncheck explain --markdown`` prints without a code: every code, its severity and
+    summary, as a Markdown table (``codes_table`` renders them for a terminal)."""
+    lines = ["| code | severity | what it means |", "| --- | --- | --- |"]
+    lines += [f"| `{c.name}` | {c.severities} | {c.summary} |" for group in GROUPS for c in CODES if c.group == group]
+    return "\n".join(lines) + f"\n\n`attncheck explain CODE` prints a code's page; all of them: {REFERENCE_PAGE}\n"
+
+
+def explain_page(name: str):
+    """``explain_text`` rendered for a terminal: Rich Markdown, wrapped to the console's width."""
+    from rich.markdown import Markdown
+
+    return Markdown(explain_text(name), code_theme="ansi_dark")
+
+
+def codes_table():
+    """``codes_list`` for a terminal: each group's codes, severity and summary in aligned columns,
+    the summary wrapped to the console's width (the code and each severity word never broken)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    code_width = max(len(c.name) for c in CODES)
+    severity_width = max(len(c.severities) for c in CODES)  # every group's columns line up
+    parts: list = []
+    for group, title in GROUPS.items():
+        t = Table.grid(padding=(0, 2))
+        t.add_column(no_wrap=True, min_width=code_width)
+        t.add_column(min_width=severity_width)
+        t.add_column()
+        for c in CODES:
+            if c.group == group:
+                t.add_row(c.name, c.severities, c.summary)
+        parts += [Text(title, style="bold"), t, Text("")]
+    parts.append(Text(f"attncheck explain CODE prints a code's page; all of them: {REFERENCE_PAGE}"))
+    return Group(*parts)

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from rich import box
 from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -15,6 +16,7 @@ from attncheck.codes import doc_link
 from attncheck.params import MASK_SENTINEL_LIMIT
 from attncheck.format import cosine, fmt, index_text, to_jsonable, visible
 from attncheck.report.diagnostics import findings_block
+from attncheck.report.fit import Fitted, fit_table, fitted, narrow_table
 from attncheck.results import Cell, TensorDiagnosis
 
 JSON_SCHEMA = "attncheck.run/3"  # /2 added the model section; /3: a captured call's tensor holds its model cell, what-ifs apart; every /2 key is kept
@@ -56,6 +58,11 @@ def _sentinels(d: TensorDiagnosis) -> str:
         span = f"; row minima {lo:.6g} to {hi:.6g}" if lo != hi or lo != v else ""
         parts.append(f"{v:.6g} ({n} rows{span})")
     return ", ".join(parts)
+
+
+def full_width(console: Console, table: Table, width: int) -> int:
+    """The width ``table`` takes with every cell on its own lines, unwrapped."""
+    return Measurement.get(console, console.options.update_width(10 * width), table).maximum
 
 
 def compact_table(title: str) -> Table:
@@ -141,18 +148,39 @@ def _cell_summary(c: Cell) -> Text:
     return Text(s, style=VERDICT_STYLE[v])
 
 
-def matrix_table(d: TensorDiagnosis) -> Table:
-    dtypes = list(dict.fromkeys(c.dtype for c in d.cells))
+def matrix_table(d: TensorDiagnosis, dtypes: list[str] | None = None, title: bool = True) -> Table:
+    """Method (or path) x dtype, the verdict of each cell; ``dtypes``: those of the columns (default
+    all), the rows then only the labels with a cell among them."""
+    dtypes = list(dict.fromkeys(c.dtype for c in d.cells)) if dtypes is None else dtypes
     by = {(c.label, c.dtype): c for c in d.cells}
     paths = any(c.path for c in d.cells)
-    title = "Path x dtype (max |p - p_float64|)" if paths else "Method x dtype (max |p - p_float64|)"
-    t = Table(title=title, title_justify="left", show_lines=True)
-    t.add_column("path" if paths else "method", style="bold")
+    heading = "Path x dtype (max |p - p_float64|)" if paths else "Method x dtype (max |p - p_float64|)"
+    t = Table(title=heading if title else None, title_justify="left", show_lines=True)
+    t.add_column("path" if paths else "method", style="bold", no_wrap=True)
     for dt in dtypes:
         t.add_column(dt)
     for label in dict.fromkeys(c.label for c in d.cells):
-        t.add_row(label, *(_cell_summary(by[(label, dt)]) if (label, dt) in by else Text("-", style="dim") for dt in dtypes))
+        if any((label, dt) in by for dt in dtypes):
+            t.add_row(label, *(_cell_summary(by[(label, dt)]) if (label, dt) in by else Text("-", style="dim") for dt in dtypes))
     return t
+
+
+def matrix_tables(d: TensorDiagnosis) -> Fitted:
+    """The method (path) x dtype table, split into tables of consecutive dtypes where all of them
+    would not fit the terminal (every cell on its lines, nothing cut)."""
+    dtypes = list(dict.fromkeys(c.dtype for c in d.cells))
+
+    def build(console: Console, width: int) -> list:
+        groups: list[list[str]] = [[]]
+        for dt in dtypes:
+            trial = groups[-1] + [dt]
+            if groups[-1] and full_width(console, matrix_table(d, trial), width) > width:
+                groups.append([dt])
+            else:
+                groups[-1] = trial
+        return [matrix_table(d, group, title=i == 0) for i, group in enumerate(groups)]
+
+    return Fitted(build)
 
 
 def pcast_table(d: TensorDiagnosis) -> Table | None:
@@ -251,22 +279,19 @@ def backward_table(d: TensorDiagnosis) -> Table | None:
     return t
 
 
-def detail_table(d: TensorDiagnosis) -> Table:
-    t = Table(
-        title="Cells in detail: errors against float64 over rows where both are finite; "
-        "'algo' against float64 of the scores after the cast to the cell's dtype",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1),
-        pad_edge=False,
-        collapse_padding=True,
-    )
+def detail_table(d: TensorDiagnosis, names: list[str] | None = None, narrow: int = 0) -> Table:
+    """``names``: the cells' names as shown; ``narrow``: a layout of ``fit.narrow_table``."""
+    t = narrow_table(narrow)
+    t.title = ("Cells in detail: errors against float64 over rows where both are finite; "
+               "'algo' against float64 of the scores after the cast to the cell's dtype")
+    t.title_justify = "left"
     # RMSE and KL mean are in the JSON report; the table keeps to 80 columns.
     for name in ("cell", "NaN/ovf/0", "max err", "algo", "|sum-1|", "KL max", "flush", "flips"):
-        t.add_column(name, justify="left" if name == "cell" else "right", no_wrap=True)
-    for c in d.cells:
+        header = name.replace(" ", "\n").replace("NaN/", "NaN/\n") if narrow else name
+        t.add_column(header, justify="left" if name == "cell" else "right", no_wrap=True)
+    for c, name in zip(d.cells, names or [c.name for c in d.cells]):
         t.add_row(
-            Text(c.name, style=VERDICT_STYLE[c.verdict]),
+            Text(name, style=VERDICT_STYLE[c.verdict]),
             f"{c.nan_rows}/{c.overflow_rows}/{c.zero_rows}",
             fmt(c.max_abs_err, ".1e"),
             fmt(c.max_abs_err_algo, ".1e"),
@@ -276,6 +301,12 @@ def detail_table(d: TensorDiagnosis) -> Table:
             str(c.argmax_flips),
         )
     return t
+
+
+def fitted_detail_table(d: TensorDiagnosis) -> Fitted:
+    """The cells in detail, in the first layout that fits the terminal (``fit.fitted``)."""
+    names = [c.name for c in d.cells]
+    return Fitted(lambda console, width: [fitted(console, width, names, lambda shown, narrow: detail_table(d, shown, narrow))[0]])
 
 
 def distribution_line(d: TensorDiagnosis) -> Text:
@@ -332,12 +363,12 @@ def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
     if d.attention is not None:
         parts.append(attention_table(d))
     parts += [headroom_table(d)] if d.census.headroom else []
-    parts += [matrix_table(d)]
+    parts += [matrix_tables(d)]
     if verbose:
-        parts.append(detail_table(d))
-    for table in (output_table(d), pcast_table(d), backward_table(d)):
-        if table is not None:
-            parts.append(table)
+        parts.append(fitted_detail_table(d))
+    for build in (output_table, pcast_table, backward_table):
+        if build(d) is not None:
+            parts.append(fit_table(lambda build=build: build(d)))
     where = nan_by_head_line(d)
     limits = limits_line(d)
     parts += [distribution_line(d)] + ([limits] if limits is not None else []) + ([where] if where is not None else []) + [findings_section(d)]

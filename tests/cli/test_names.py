@@ -238,3 +238,24 @@ def test_renderers_are_safe_on_a_console_that_reads_markup(capture_dir):
     print_report(console, result.tensors, result.device)
     for n in NAMES:
         literal(out.getvalue(), n)
+
+
+def test_module_names_in_the_summary(tmp_path):
+    """--summary names the first bad call and the next as text, and its --detail hint is a glob that
+    picks the first one alone, whatever its name (markup, escapes, glob characters)."""
+    import shlex
+
+    d = tmp_path / "capture"
+    q = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0))
+    q[0, 1, 2, 3] = float("nan")  # every call: a NaN row from its input
+    with attncheck.capture(d):
+        _Model()(q)
+    r = invoke("run", d, "--quiet", "--summary")
+    no_traceback(r)
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[1].startswith(f"first bad call: #0 {visible('blocks.' + NAMES[0])} (") and lines[-1].startswith("more: --detail ")
+    literal(r.stdout, "blocks." + NAMES[1])  # the later call
+    hint = shlex.split(lines[-1].removeprefix("more: --detail ").split("; attncheck explain")[0])[0]
+    detail = invoke("run", d, "--quiet", "--summary", "--detail", hint)
+    assert detail.exit_code == 0 and detail.stdout.count("╭") == 1, detail.output  # one call's report: one census panel

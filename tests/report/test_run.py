@@ -45,6 +45,25 @@ def test_nothing_is_cut_at_80_columns():
     assert "sentinel_not_representable" in text and "sentinel_overflow_on_add" in text
 
 
+def test_every_dtype_at_80_columns():
+    """Seven dtypes (four FP8 formats among them), every path and V: the path x dtype table splits
+    into tables of the dtypes that fit, the others close up their headers; nothing is cut."""
+    from attncheck.registry import dtype_names
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    fp8 = ("e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz")
+    dtypes = tuple(dtype_names()) + fp8
+    d = diagnose_attention("qkv", prepare_inputs(q, k, None, v=v), Options(dtypes=dtypes))
+    text = render([d])
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    headers = [line.split("┃")[1:-1] for line in text.splitlines() if line.startswith("┃")]
+    rows = [[h.strip() for h in row] for row in headers]
+    assert len(rows) > 1 and all(row[0] == "path" for row in rows)
+    assert [h for row in rows for h in row[1:]] == [*dtype_names(), *fp8]  # each dtype once, in order
+    assert "flash-fp8/e5m2" in text.split() and "before/" in text.split()  # the FP8 P cast table, its headers on lines
+
+
 def test_pipeline_table_shows_the_float_mask_value():
     d = float_mask_diagnosis()
     text = render([d], width=120)
