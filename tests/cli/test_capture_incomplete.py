@@ -75,6 +75,12 @@ def test_a_capture_stopped_by_max_bytes_fails_fail_on_warning_and_names_the_firs
     r = invoke("run", cap, "--fail-on", "warning", "--ignore", "capture_incomplete")
     assert r.exit_code == 0, r.output
 
+    r = invoke("run", cap, "--summary", "--fail-on", "warning")  # the one-screen answer says it too
+    assert r.exit_code == 1, r.output
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("WARNING") and "1 warning" in first, r.stdout
+    assert "warning[capture_incomplete]" in r.stdout and "call 3 (sdpa in layers.3)" in " ".join(r.stdout.split())
+
 
 def test_a_complete_capture_raises_no_capture_incomplete(tmp_path):
     script = tmp_path / "layers.py"
