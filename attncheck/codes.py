@@ -600,7 +600,7 @@ q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
 do[0, 1, 5, 7] = float("nan")  # the loss sent back a NaN
 torch.save({"q": q, "k": k, "v": v, "do": do}, "qkv.pt")
 """, "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp32 --brief --fail-on grad_nan_input"),
-        grad_causes=("grad_out_nan",),
+        grad_causes=("grad_out_nan", "grad_out_inf"),
     ),
     Code(
         "grad_nan_forward", "error", "backward",
