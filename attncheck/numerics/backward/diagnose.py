@@ -361,13 +361,15 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     in different orders), A = scale |Q||K|^T, F = |dO||V|^T, E = rowsum(P F) (what the dot products of
     S, dP and D = rowsum(dO O) sum in magnitude):
 
-    - dS = scale q.k (+ mask): dS_S = g2(d) A + 4 u32 |S|;
+    - S = scale q.k (+ mask): dS_S = g2(d) A + 4 u_h |S|, u_h the unit roundoff of the lowest precision
+      the path holds S, dP, P and dS in (fp32 in SDPA's kernels; the dtype on the eager path, whose bits
+      move where the model's code differs by an op, e.g. dividing the scores by sqrt(d));
     - the log-sum-exp (kept from the forward, recomputed here): dL = max over the row's keys of dS_S
       + g2(Tk) + (2 EXP_ULPS_FORWARD + 2 EXP_ULPS + 2 LOG_ULPS) u32 + 4 u32 |lse|;
     - P = exp(S - lse), relative: eP = dS_S + dL + 4 EXP_ULPS u32; held in the dtype, + 2u (one rounding
       that may fall on either side);
-    - dS = P (dP - D): e_dS = P ((eP + 4 u32 + 2u') |dP - D| + g2(max(dv, Tk)) (F + E)), u' = u where dS
-      is rounded to a low-precision dtype, else 0;
+    - dS = P (dP - D): e_dS = P ((eP + 4 u32 + 2u') |dP - D| + (g2(max(dv, Tk)) + 2 u_h) (F + E)), u' = u
+      where P and dS are rounded to a low-precision dtype for the products, else 0;
     - dQ = scale dS K: scale e_dS |K| + (g2(Tk) + 4 u32) scale |dS||K|; dK = scale dS^T Q likewise over the
       Tq G query rows of a kv head's group; dV = P^T dO: e_P^T |dO| + g2(Tq G) P^T |dO|;
     - and the sums the gradient is kept in: 2u (R + 1) |g|, R its roundings in the dtype (the CPU
@@ -378,7 +380,7 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     """
     u = _unit_roundoff(dt)
     u32 = _unit_roundoff(torch.float32)
-    low = dt != torch.float32 and cell.path == "flash"  # P and dS rounded to the dtype for the products
+    low = dt != torch.float32 and cell.path in ("flash", "eager")  # P and dS rounded to the dtype for the products
     u_low = u if low else 0.0
     step = smallest_subnormal(dt)
     gq, gk, gv = cell_grads
@@ -391,10 +393,11 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     a = scale * torch.matmul(qf, kf.transpose(-1, -2))  # (n, Tq, Tk)
     f = torch.matmul(dof, vf.transpose(-1, -2))
     e = (tm.p * f).sum(dim=-1, keepdim=True)  # (n, Tq, 1)
-    err_s = torch.where(tm.p > 0, g2(d) * a + 4 * u32 * tm.s, 0.0)
+    u_h = max(u32, _unit_roundoff(tm.held))
+    err_s = torch.where(tm.p > 0, g2(d) * a + 4 * u_h * tm.s, 0.0)
     err_lse = (err_s.amax(dim=-1) + g2(tk) + (2 * EXP_ULPS_FORWARD + 2 * EXP_ULPS + 2 * LOG_ULPS) * u32 + 4 * u32 * tm.lse).unsqueeze(-1)
     rel_p = err_s + err_lse + 4 * EXP_ULPS * u32
-    err_ds = tm.p * ((rel_p + 4 * u32 + 2 * u_low) * tm.dsd + g2(max(dv, tk)) * (f + e))
+    err_ds = tm.p * ((rel_p + 4 * u32 + 2 * u_low) * tm.dsd + (g2(max(dv, tk)) + 2 * u_h) * (f + e))
     err_p = tm.p * (rel_p + 2 * u_low)
     ds_abs = tm.p * tm.dsd
     t_q = scale * torch.matmul(ds_abs, kf)

@@ -99,19 +99,21 @@ class Terms:
     dsd: torch.Tensor  # (n, Tq, Tk) |dP - D|: dS = P (dP - D)
     s: torch.Tensor  # (n, Tq, Tk) |S| where P > 0, else 0
     lse: torch.Tensor  # (n, Tq) |log-sum-exp| of each row's scores (0 for a row with no key)
+    held: torch.dtype = torch.float32  # the lowest precision S, dP, P and dS are held in (the eager path's dtype)
 
 
 def _finite_abs(t: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(t.float().abs(), nan=0.0, posinf=0.0)
 
 
-def _terms(p: torch.Tensor, dp: torch.Tensor, dsum: torch.Tensor, s: torch.Tensor, lse: torch.Tensor | None = None) -> Terms:
+def _terms(p: torch.Tensor, dp: torch.Tensor, dsum: torch.Tensor, s: torch.Tensor, lse: torch.Tensor | None = None,
+           held: torch.dtype = torch.float32) -> Terms:
     pf = _finite_abs(p)
     s32 = s.float()
     if lse is None:
         lse = torch.logsumexp(s32, dim=-1)
     lse = torch.where(torch.isneginf(lse), 0.0, lse)
-    return Terms(pf, _finite_abs(dp.float() - dsum.float()), torch.where(pf > 0, _finite_abs(s32), 0.0), _finite_abs(lse))
+    return Terms(pf, _finite_abs(dp.float() - dsum.float()), torch.where(pf > 0, _finite_abs(s32), 0.0), _finite_abs(lse), held)
 
 
 def _rows_bad(t: torch.Tensor) -> torch.Tensor:
@@ -225,7 +227,7 @@ def eager(hb: HeadBlock, dt: torch.dtype, mask_op: str = "add", softmax_dtype: t
     held = [("dO", name), ("dP", name), ("dS", _label(ds_held.dtype)), ("dS", _label(s_dt)), ("dS", name), ("dQ", name), ("dK", name), ("dV", name)]
     ds_bad = _rows_bad(ds_held) | _rows_bad(ds)
     return PathGrads(dq, dk, dv, _forward_causes(s, p, computed), _rows_bad(dp), ds_bad, _nan_rows(ds_held, ds_bad), held,
-                     terms=_terms(ps, dps, (ps * dps).sum(dim=-1, keepdim=True), s) if terms else None)
+                     terms=_terms(ps, dps, (ps * dps).sum(dim=-1, keepdim=True), s, held=dt) if terms else None)
 
 
 def _upcast(dt: torch.dtype) -> torch.dtype:
