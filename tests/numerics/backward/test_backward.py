@@ -389,7 +389,7 @@ def test_recorded_low_precision_flash_gradients_are_within_the_bound(dtype, shap
         assert all(g.real_nan_mismatch == 0 and g.real_agrees for _, g in res.grads()), [(n, g.real_bound_ratio) for n, g in res.grads()]
 
 
-@pytest.mark.slow  # 240-480 backward passes of torch's flash kernel per dtype
+@pytest.mark.slow  # 120 backward passes of torch's flash kernel per dtype, 60-150 s
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_recorded_flash_gradients_bound_over_many_seeds_shapes_and_threads(dtype):
     worst = 0.0
@@ -397,7 +397,7 @@ def test_recorded_flash_gradients_bound_over_many_seeds_shapes_and_threads(dtype
     for threads in (1, 2):
         for kind in ("causal", "padding", "none"):
             for shape in shapes:
-                for seed in range(4 if dtype == "fp32" else 2):
+                for seed in range(2):
                     for mag in (1.0, 4.0):
                         res, *_ = flash_case(DTYPES[dtype], seed, *shape, kind, mag, threads)
                         assert all(g.real_nan_mismatch == 0 for _, g in res.grads())
