@@ -400,29 +400,25 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     err_ds = tm.p * ((rel_p + 4 * u32 + 2 * u_low) * tm.dsd + (g2(max(dv, tk)) + 2 * u_h) * (f + e))
     err_p = tm.p * (rel_p + 2 * u_low)
     ds_abs = tm.p * tm.dsd
-    t_q = scale * torch.matmul(ds_abs, kf)
-    t_k = scale * torch.matmul(ds_abs.transpose(-1, -2), qf)
-    t_v = torch.matmul(tm.p.transpose(-1, -2), dof)
-    e_q = scale * torch.matmul(err_ds, kf) + (g2(tk) + 4 * u32) * t_q
-    e_k = scale * torch.matmul(err_ds.transpose(-1, -2), qf) + (g2(tq * groups) + 4 * u32) * t_k
-    e_v = torch.matmul(err_p.transpose(-1, -2), dof) + g2(tq * groups) * t_v
+    blocked = cell.path == "flash" and grads.device_type != "cuda" and dt != torch.float32
+    r_q = math.ceil(tk / bw.FLASH_KV_BLOCK) if blocked else 1
+    r_kv = math.ceil(tq / bw.flash_q_block(tq)) if blocked else 1
+    shares = 2 * u * (r_kv + 1) if groups > 1 else 0.0  # each head's share rounded before the group sum: on T, linear
+    # Each product's error and the sum-order term on its terms T, in one matmul per gradient (both are linear in T)
+    e_q = scale * torch.matmul(err_ds + (g2(tk) + 4 * u32) * ds_abs, kf)
+    e_k = scale * torch.matmul((err_ds + (g2(tq * groups) + 4 * u32 + shares) * ds_abs).transpose(-1, -2), qf)
+    e_v = torch.matmul((err_p + (g2(tq * groups) + shares) * tm.p).transpose(-1, -2), dof)
     summed = lambda x: _group_sum(x, groups, torch.float32, torch.float32)  # noqa: E731
     a_q = scale * kf.sum(dim=-2, keepdim=True)  # (n, 1, d)
     a_k = summed(scale * qf.sum(dim=-2, keepdim=True))
     a_v = summed(dof.sum(dim=-2, keepdim=True))
-    blocked = cell.path == "flash" and grads.device_type != "cuda" and dt != torch.float32
-    r_q = math.ceil(tk / bw.FLASH_KV_BLOCK) if blocked else 1
-    r_kv = math.ceil(tq / bw.flash_q_block(tq)) if blocked else 1
-    shares = 1.0 if groups > 1 else 0.0
-    for name, g, err, t, a_sub, rounds, lo, hi in (("dq", gq, e_q, t_q, a_q, r_q, h0, h1),
-                                                   ("dk", gk, summed(e_k), summed(t_k), a_k, r_kv, u0, u1),
-                                                   ("dv", gv, summed(e_v), summed(t_v), a_v, r_kv, u0, u1)):
+    for name, g, err, a_sub, rounds, lo, hi in (("dq", gq, e_q, a_q, r_q, h0, h1), ("dk", gk, summed(e_k), a_k, r_kv, u0, u1),
+                                                ("dv", gv, summed(e_v), a_v, r_kv, u0, u1)):
         if name not in real:
             continue
         rg = real[name][lo:hi]
         mag = torch.maximum(rg.abs().to(torch.float64), g.abs().to(torch.float64))
-        tol = (2 * u * (rounds + 1) * (mag + shares * t.to(torch.float64)) + err.to(torch.float64)
-               + (rounds + 1) * step + 2 * step * a_sub.to(torch.float64))
+        tol = 2 * u * (rounds + 1) * mag + err.to(torch.float64) + (rounds + 1) * step + 2 * step * a_sub.to(torch.float64)
         acc[name].compare_real(rg, g, tol)
 
 
