@@ -292,3 +292,34 @@ def test_healthy_fp32_sdpa_training_steps_raise_no_error_or_warning(tmp_path):
 def test_healthy_training_steps_of_every_precision_and_path_raise_no_error_or_warning(tmp_path, impl, precision):
     for seed in range(3):
         assert_healthy_training_capture(tmp_path, impl, precision, seed)
+
+
+def test_the_sdpa_backend_recorded_under_autocast_is_the_one_torch_runs():
+    """Under bf16 autocast an fp32 mask beside bf16 q, k, v is cast with them, and torch's CPU flash
+    kernel runs (its gradients are flash's bits, not math's): the capture records flash, so the
+    model's cell is flash/bf16 and its recorded gradients are judged against the right kernel."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, 4, 12, 8, generator=g).bfloat16() for _ in range(4))
+    mask = torch.zeros(2, 1, 12, 12).masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+
+    def grads(backend=None):
+        ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if backend is None:
+                out = F.scaled_dot_product_attention(ql, kl, vl, attn_mask=mask)
+            else:
+                with sdpa_kernel(backend):
+                    out = F.scaled_dot_product_attention(ql, kl, vl, attn_mask=mask)
+        return torch.autograd.grad(out, (ql, kl, vl), do)
+
+    ran = grads()
+    assert all(torch.equal(a, b) for a, b in zip(ran, grads(SDPBackend.FLASH_ATTENTION)))
+    assert not all(torch.equal(a, b) for a, b in zip(ran, grads(SDPBackend.MATH)))
+    with attncheck.capture(diagnose=True) as cap:
+        grads()
+    (report,) = cap.calls
+    assert report.call.meta["sdpa_backend"] == "flash_attention" and report.diagnosis.cells[0].name == "flash/bf16"
+    assert all(g.real_agrees for _, g in report.diagnosis.cells[0].backward.grads())
