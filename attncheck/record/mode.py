@@ -133,9 +133,10 @@ def sdpa_backend(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> str:
 
 
 def _as_autocast(autocast: bool, device_type: str, *tensors):
-    """The floating inputs of an SDPA call as autocast hands them to the kernel: in the autocast dtype
-    (an fp32 mask beside bf16 q, k, v included), so that the backend torch is asked about is the one
-    it runs (with the fp32 mask as given it would answer 'math', where it runs the flash kernel)."""
+    """The floating inputs of an SDPA call as autocast hands them to the kernel: all in the autocast
+    dtype, so that the backend torch is asked about is the one it runs (Llama under bf16 autocast
+    passes fp32 q and k from its rotary embedding beside a bf16 v: as given, torch answers 'math';
+    it runs the flash kernel)."""
     if not autocast:
         return tensors
     dt = torch.get_autocast_dtype(device_type)

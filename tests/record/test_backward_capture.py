@@ -295,14 +295,16 @@ def test_healthy_training_steps_of_every_precision_and_path_raise_no_error_or_wa
 
 
 def test_the_sdpa_backend_recorded_under_autocast_is_the_one_torch_runs():
-    """Under bf16 autocast an fp32 mask beside bf16 q, k, v is cast with them, and torch's CPU flash
-    kernel runs (its gradients are flash's bits, not math's): the capture records flash, so the
-    model's cell is flash/bf16 and its recorded gradients are judged against the right kernel."""
+    """As in Llama under bf16 autocast: q and k leave the rotary embedding in fp32 (bf16 times fp32 cos),
+    v is bf16, the mask fp32. Autocast casts them all to bf16 and torch's CPU flash kernel runs (its
+    gradients are flash's bits, not math's); asked with the inputs as given, torch would answer math.
+    The capture records flash, so the model's cell is flash/bf16 and is judged against that kernel."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     g = torch.Generator().manual_seed(0)
-    q, k, v, do = (torch.randn(2, 4, 12, 8, generator=g).bfloat16() for _ in range(4))
+    q, k, v, do = (torch.randn(2, 4, 12, 8, generator=g) for _ in range(4))
+    v, do = v.bfloat16(), do.bfloat16()
     mask = torch.zeros(2, 1, 12, 12).masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
 
     def grads(backend=None):
