@@ -455,7 +455,8 @@ def test_gqa_loss_scale_headroom_is_torchs_fp16_overflow_point(ratio):
     v = torch.randn(1, 8 // ratio, 64, 32, generator=g) * 0.05
     do = torch.randn(1, 8, 64, 32, generator=g).abs() * 1e-3
     cells = [BackwardCell(path, "fp16") for path in ("eager", "sdpa-math", "flash")]
-    res = diagnose_backward(prepare_inputs(q.half(), k.half(), None, v=v.half()), GradInputs(do.half()), cells, 1 << 22)
+    inp = prepare_inputs(q.half(), k.half(), None, v=v.half())
+    res = diagnose_backward(inp, GradInputs(do.half()), cells, 1 << 22)
     for cell in cells:
         b = res[cell]
         assert b.headroom_at == "dV in fp16", (cell.path, b.headroom_at)
@@ -463,6 +464,10 @@ def test_gqa_loss_scale_headroom_is_torchs_fp16_overflow_point(ratio):
         # torch's overflow point: finite at the power below, inf from this one (every gradient is linear in dO)
         assert torch_fp16_finite(cell.path, q, k, v, do, ratio, first_unsafe - 1), (cell.path, b.scale_headroom)
         assert not torch_fp16_finite(cell.path, q, k, v, do, ratio, first_unsafe), (cell.path, b.scale_headroom)
+        # and attncheck's own cells say the same of the scaled dO: finite below, grad_overflow's rows from there
+        for e, broken in ((first_unsafe - 1, False), (first_unsafe, True)):
+            scaled = diagnose_backward(inp, GradInputs((do * 2.0**e).half()), [cell], 1 << 22)[cell]
+            assert (scaled.nan_rows > 0, scaled.scale_headroom < 1) == (broken, broken), (cell.path, e)
 
 
 # --------------------------------------------------------------------------- the contract of the causes and the 2x rule
