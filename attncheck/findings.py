@@ -10,7 +10,8 @@ import math
 from attncheck.format import num, pct
 from attncheck.registry import METHODS, PATHS
 from attncheck.codes import CAUSES_OF, FIX, SEVERITIES, SEVERITY
-from attncheck.results import FLASH_RULE_FACTOR, REAL_BOUND_TOLERANCE, UNEXPLAINED, Cell, Finding, TensorDiagnosis, flash_rule_bound
+from attncheck.results import (FLASH_RULE_FACTOR, REAL_BOUND_TOLERANCE, UNEXPLAINED, Cell, Finding, TensorDiagnosis,
+                               flash_rule_bound)
 
 # Where a captured call's scale came from, when it is the model's own choice (AttentionAudit.scale_source).
 CHOSEN_SCALES = {"argument": "the scale= argument the model passed to SDPA", "traced": "the scale the model's code applies, as the capture traced it"}
@@ -470,7 +471,8 @@ def backward_findings(cells: list[Cell]) -> list[Finding]:
     out: list[Finding] = []
 
     def add(code: str, cell: Cell, message: str, rows: int = 0, examples=(), severity: str | None = None) -> None:
-        out.append(Finding(code, severity or SEVERITY[code], f"{cell.name} backward: {message}", FIX[code], [cell.name], rows, list(examples)))
+        out.append(Finding(code, severity or SEVERITY[code], f"{cell.name} backward: {message}", FIX[code], [cell.name], rows,
+                           list(examples)))
 
     for c in cells:
         b = c.backward
@@ -512,6 +514,7 @@ def backward_findings(cells: list[Cell]) -> list[Finding]:
                 + ", ".join(f"{name} max |real - cell| {num(g.real_max_diff)} ({num(g.real_bound_ratio)}x the bound"
                             + (f", {g.real_nan_mismatch} entries finite in one and not the other" if g.real_nan_mismatch else "") + ")"
                             for name, g in disagree)
-                + (f"; within {REAL_BOUND_TOLERANCE:g}x of it, which a kernel summing in another order can reach: the numbers stand" if near else ""),
+                + (f"; within {REAL_BOUND_TOLERANCE:g}x of it, which a kernel summing in another order can reach: "
+                   "the numbers stand" if near else ""),
                 severity="info" if near else None)
     return out

@@ -140,7 +140,8 @@ def _as_autocast(autocast: bool, device_type: str, *tensors):
     if not autocast:
         return tensors
     dt = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dt else t for t in tensors)
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dt else t
+                 for t in tensors)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -764,8 +765,9 @@ class Recorder(TorchFunctionMode):
             "enable_gqa": "true" if bound.get("enable_gqa") else "false",
             "dropout_p": repr(float(bound.get("dropout_p") or 0.0)),
             "autocast_dtype": _dtype_name(torch.get_autocast_dtype(device_type)) if autocast else "none",
-            "sdpa_backend": sdpa_backend(*_as_autocast(autocast, device_type, q, k, v, mask), float(bound.get("dropout_p") or 0.0),
-                                         bool(bound.get("is_causal")), scale, bool(bound.get("enable_gqa"))),
+            "sdpa_backend": sdpa_backend(*_as_autocast(autocast, device_type, q, k, v, mask),
+                                         float(bound.get("dropout_p") or 0.0), bool(bound.get("is_causal")), scale,
+                                         bool(bound.get("enable_gqa"))),
         }
         meta.update(self._mha_meta)
         track = self._tracks_grads(out)

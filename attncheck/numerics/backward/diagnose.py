@@ -131,9 +131,10 @@ class _GradAcc:
 
     def result(self, baseline: float | None, dt: torch.dtype) -> GradStats:
         causes = {GRAD_CAUSES[i]: int(n) for i, n in enumerate(self.causes.tolist()) if n}
-        first = next((c for c in GRAD_CAUSES if c in causes), None)  # the earliest in backward order: the root of the others
+        first = next((c for c in GRAD_CAUSES if c in causes), None)  # the earliest in backward order: the others' root
         compared = self.compared > 0
-        bound = None if baseline is None or not compared else 2.0 * baseline + 2.0 * ulp(self.max_ref, dt)  # two ulps of the largest gradient
+        # FlashAttention's rule: 2x the baseline's error plus two ulps of the largest gradient
+        bound = None if baseline is None or not compared else 2.0 * baseline + 2.0 * ulp(self.max_ref, dt)
         return GradStats(
             rows=self.rows, nan_rows=self.nan_rows, first_cause=first, causes=causes, compared=self.compared,
             max_abs_err=self.max_err if compared else None,
@@ -291,15 +292,16 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
             acc["dq"].update(gq, rq, q_cause, h0, hq)
             acc["dk"].update(gk, rk, _key_cause(q_cause, groups, tk), u0, hk)
             acc["dv"].update(gv, rv, _key_cause(v_cause, groups, tk), u0, hk)
-            held[cell] = pg.held + ([(f"{name} per query head", _label(_share_dtype(cell, pg, dt, grads))) for name in ("dK", "dV")]
-                                    if groups > 1 else [])
+            share = _label(_share_dtype(cell, pg, dt, grads))
+            held[cell] = pg.held + ([(f"{name} per query head", share) for name in ("dK", "dV")] if groups > 1 else [])
             if compare:
                 _compare_real(cell, acc, real, hb, pg, (gq, gk, gv), dt, groups, h0, h1, u0, u1, grads)
     results = {}
     for cell in cells:
         dt = dtype_from_name(cell.dtype)
         base = None if _is_baseline(cell) else base_err.get(cell.dtype)
-        stats = {name: a.result(None if base is None else base[name], dt) for name, a in accs[cell].items()}  # type: ignore[index]
+        stats = {name: a.result(None if base is None else base[name], dt)  # type: ignore[index]
+                 for name, a in accs[cell].items()}
         headroom, at = _headroom(held.get(cell, []), peaks)
         how = _how(cell, dt, grads)
         if grads.dropout_p > 0:
@@ -395,7 +397,8 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     e = (tm.p * f).sum(dim=-1, keepdim=True)  # (n, Tq, 1)
     u_h = max(u32, _unit_roundoff(tm.held))
     err_s = torch.where(tm.p > 0, g2(d) * a + 4 * u_h * tm.s, 0.0)
-    err_lse = (err_s.amax(dim=-1) + g2(tk) + (2 * EXP_ULPS_FORWARD + 2 * EXP_ULPS + 2 * LOG_ULPS) * u32 + 4 * u32 * tm.lse).unsqueeze(-1)
+    exp_log = (2 * EXP_ULPS_FORWARD + 2 * EXP_ULPS + 2 * LOG_ULPS) * u32
+    err_lse = (err_s.amax(dim=-1) + g2(tk) + exp_log + 4 * u32 * tm.lse).unsqueeze(-1)
     rel_p = err_s + err_lse + 4 * EXP_ULPS * u32
     err_ds = tm.p * ((rel_p + 4 * u32 + 2 * u_low) * tm.dsd + (g2(max(dv, tk)) + 2 * u_h) * (f + e))
     err_p = tm.p * (rel_p + 2 * u_low)
@@ -412,13 +415,15 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     a_q = scale * kf.sum(dim=-2, keepdim=True)  # (n, 1, d)
     a_k = summed(scale * qf.sum(dim=-2, keepdim=True))
     a_v = summed(dof.sum(dim=-2, keepdim=True))
-    for name, g, err, a_sub, rounds, lo, hi in (("dq", gq, e_q, a_q, r_q, h0, h1), ("dk", gk, summed(e_k), a_k, r_kv, u0, u1),
+    for name, g, err, a_sub, rounds, lo, hi in (("dq", gq, e_q, a_q, r_q, h0, h1),
+                                                ("dk", gk, summed(e_k), a_k, r_kv, u0, u1),
                                                 ("dv", gv, summed(e_v), a_v, r_kv, u0, u1)):
         if name not in real:
             continue
         rg = real[name][lo:hi]
         mag = torch.maximum(rg.abs().to(torch.float64), g.abs().to(torch.float64))
-        tol = 2 * u * (rounds + 1) * mag + err.to(torch.float64) + (rounds + 1) * step + 2 * step * a_sub.to(torch.float64)
+        tol = (2 * u * (rounds + 1) * mag + err.to(torch.float64)
+               + (rounds + 1) * step + 2 * step * a_sub.to(torch.float64))
         acc[name].compare_real(rg, g, tol)
 
 

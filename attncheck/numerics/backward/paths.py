@@ -113,7 +113,8 @@ def _terms(p: torch.Tensor, dp: torch.Tensor, dsum: torch.Tensor, s: torch.Tenso
     if lse is None:
         lse = torch.logsumexp(s32, dim=-1)
     lse = torch.where(torch.isneginf(lse), 0.0, lse)
-    return Terms(pf, _finite_abs(dp.float() - dsum.float()), torch.where(pf > 0, _finite_abs(s32), 0.0), _finite_abs(lse), held)
+    s_abs = torch.where(pf > 0, _finite_abs(s32), 0.0)
+    return Terms(pf, _finite_abs(dp.float() - dsum.float()), s_abs, _finite_abs(lse), held)
 
 
 def _rows_bad(t: torch.Tensor) -> torch.Tensor:
