@@ -10,7 +10,8 @@ import math
 from attncheck.format import num, pct
 from attncheck.registry import METHODS, PATHS
 from attncheck.codes import CAUSES_OF, FIX, SEVERITIES, SEVERITY
-from attncheck.results import FLASH_RULE_FACTOR, UNEXPLAINED, Cell, Finding, TensorDiagnosis, flash_rule_bound
+from attncheck.results import (FLASH_RULE_FACTOR, REAL_BOUND_TOLERANCE, UNEXPLAINED, Cell, Finding, TensorDiagnosis,
+                               flash_rule_bound)
 
 # Where a captured call's scale came from, when it is the model's own choice (AttentionAudit.scale_source).
 CHOSEN_SCALES = {"argument": "the scale= argument the model passed to SDPA", "traced": "the scale the model's code applies, as the capture traced it"}
@@ -523,8 +524,9 @@ def backward_findings(cells: list[Cell]) -> list[Finding]:
 
     out: list[Finding] = []
 
-    def add(code: str, cell: Cell, message: str, rows: int = 0, examples=()) -> None:
-        out.append(Finding(code, SEVERITY[code], f"{cell.name} backward: {message}", FIX[code], [cell.name], rows, list(examples)))
+    def add(code: str, cell: Cell, message: str, rows: int = 0, examples=(), severity: str | None = None) -> None:
+        out.append(Finding(code, severity or SEVERITY[code], f"{cell.name} backward: {message}", FIX[code], [cell.name], rows,
+                           list(examples)))
 
     for c in cells:
         b = c.backward
@@ -561,8 +563,12 @@ def backward_findings(cells: list[Cell]) -> list[Finding]:
                 + ", ".join(f"{name} {num(g.max_abs_err)} > {num(g.rule_bound)}" for name, g in broken))
         disagree = [(name, g) for name, g in b.grads() if g.real_agrees is False]
         if disagree:
+            near = all(g.real_near for _, g in disagree)
             add("grad_emulation_mismatch", c, "the model's recorded gradients differ from this cell's beyond its rounding bound: "
                 + ", ".join(f"{name} max |real - cell| {num(g.real_max_diff)} ({num(g.real_bound_ratio)}x the bound"
                             + (f", {g.real_nan_mismatch} entries finite in one and not the other" if g.real_nan_mismatch else "") + ")"
-                            for name, g in disagree))
+                            for name, g in disagree)
+                + (f"; within {REAL_BOUND_TOLERANCE:g}x of it, which a kernel summing in another order can reach: "
+                   "the numbers stand" if near else ""),
+                severity="info" if near else None)
     return out

@@ -80,6 +80,15 @@ def _step(value: float, dtype: torch.dtype, by: int) -> float:
     return float((t.view(ints) + by).view(dtype).to(torch.float64))
 
 
+def ulp(value: float, dtype: torch.dtype) -> float:
+    """The spacing of ``dtype`` at ``|value|`` rounded to it: from that value to the next one up (to
+    the next one down at the largest finite value; the smallest subnormal at 0)."""
+    at = float(torch.tensor([abs(value)], dtype=torch.float64).to(dtype).to(torch.float64))
+    top = float(torch.finfo(dtype).max)
+    at = min(at, top)
+    return at - _step(at, dtype, -1) if at == top else _step(at, dtype, 1) - at
+
+
 def ulp_of_one(dtype: torch.dtype) -> float:
     """The spacing just above 1.0: fp16 2**-10, bf16 2**-7, e4m3 2**-3, e5m2 2**-2."""
     return _step(1.0, dtype, 1) - 1.0

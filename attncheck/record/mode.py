@@ -132,6 +132,18 @@ def sdpa_backend(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> str:
         return "unknown"
 
 
+def _as_autocast(autocast: bool, device_type: str, *tensors):
+    """The floating inputs of an SDPA call as autocast hands them to the kernel: all in the autocast
+    dtype, so that the backend torch is asked about is the one it runs (Llama under bf16 autocast
+    passes fp32 q and k from its rotary embedding beside a bf16 v: as given, torch answers 'math';
+    it runs the flash kernel)."""
+    if not autocast:
+        return tensors
+    dt = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dt else t
+                 for t in tensors)
+
+
 def _dtype_name(dtype: torch.dtype | None) -> str:
     return "none" if dtype is None else str(dtype).removeprefix("torch.")
 
@@ -770,8 +782,9 @@ class Recorder(TorchFunctionMode):
             "enable_gqa": "true" if bound.get("enable_gqa") else "false",
             "dropout_p": repr(float(bound.get("dropout_p") or 0.0)),
             "autocast_dtype": _dtype_name(torch.get_autocast_dtype(device_type)) if autocast else "none",
-            "sdpa_backend": sdpa_backend(q, k, v, mask, float(bound.get("dropout_p") or 0.0), bool(bound.get("is_causal")),
-                                         scale, bool(bound.get("enable_gqa"))),
+            "sdpa_backend": sdpa_backend(*_as_autocast(autocast, device_type, q, k, v, mask),
+                                         float(bound.get("dropout_p") or 0.0), bool(bound.get("is_causal")), scale,
+                                         bool(bound.get("enable_gqa"))),
         }
         meta.update(self._mha_meta)
         track = self._tracks_grads(out)

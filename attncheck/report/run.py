@@ -267,10 +267,11 @@ def backward_table(d: TensorDiagnosis) -> Table | None:
         for i, (name, g) in enumerate(b.grads()):
             nan = str(g.nan_rows) + (f" {g.first_cause}" if g.first_cause else "")
             rule = "-" if g.rule_holds is None else (f"{'ok' if g.rule_holds else 'FAIL'} {g.max_abs_err / g.baseline_err:.1f}x" if g.baseline_err else ("ok" if g.rule_holds else "FAIL"))
-            real = "-" if g.real_agrees is None else ("agrees" if g.real_agrees else "DIFFERS")
+            real = ("-" if g.real_agrees is None
+                    else "agrees" if g.real_agrees else "near" if g.real_near else "DIFFERS")
             t.add_row(Text(c.name if i == 0 else "", style="bold red" if b.nan_rows else ""), name, Text(nan, style="bold red" if g.nan_rows else ""),
                       fmt(g.max_abs_err, ".1e"), "-" if g.flushed_frac is None else f"{g.flushed_frac:.1%}", rule,
-                      Text(real, style="bold red" if g.real_agrees is False else ""))
+                      Text(real, style="bold red" if g.real_agrees is False and not g.real_near else ""))
         room = "-" if b.scale_headroom is None else f"{b.scale_headroom:.3g}x ({b.headroom_at})"
         notes.append(f"{c.name}: {b.how + '; ' if b.how else ''}dO may grow {room} before an intermediate overflows")
     t.caption = "\n".join(notes + ["2x rule: max err against 2x plain attention's in the same dtype (eager, no upcast); "

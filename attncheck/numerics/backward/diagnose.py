@@ -14,7 +14,7 @@ import torch
 
 from attncheck.numerics.backward import paths as bw
 from attncheck.numerics.inputs.scores import AttentionInputs
-from attncheck.numerics.precision import cast, dtype_from_name, rounding_limit, smallest_subnormal
+from attncheck.numerics.precision import cast, dtype_from_name, rounding_limit, smallest_subnormal, ulp
 from attncheck.results import GRAD_CAUSES, CellBackward, GradStats
 
 BACKWARD_PATHS = ("eager", "sdpa-math", "flash")  # paths with a backward (the FP8 kernels have none)
@@ -129,11 +129,12 @@ class _GradAcc:
         elif self.real_diff is None:
             self.real_diff, self.real_ratio = 0.0, 0.0
 
-    def result(self, baseline: float | None, atol_unit: float) -> GradStats:
+    def result(self, baseline: float | None, dt: torch.dtype) -> GradStats:
         causes = {GRAD_CAUSES[i]: int(n) for i, n in enumerate(self.causes.tolist()) if n}
-        first = max(causes, key=lambda c: (causes[c], -GRAD_CAUSES.index(c))) if causes else None
+        first = next((c for c in GRAD_CAUSES if c in causes), None)  # the earliest in backward order: the others' root
         compared = self.compared > 0
-        bound = None if baseline is None or not compared else 2.0 * baseline + 4.0 * atol_unit * self.max_ref  # two ulps of the largest gradient
+        # FlashAttention's rule: 2x the baseline's error plus two ulps of the largest gradient
+        bound = None if baseline is None or not compared else 2.0 * baseline + 2.0 * ulp(self.max_ref, dt)
         return GradStats(
             rows=self.rows, nan_rows=self.nan_rows, first_cause=first, causes=causes, compared=self.compared,
             max_abs_err=self.max_err if compared else None,
@@ -162,17 +163,19 @@ def _unit_roundoff(dt: torch.dtype) -> float:
     return torch.finfo(dt).eps / 2
 
 
-def _cause_index(pg: bw.PathGrads, dout_bad: torch.Tensor, dout_cast_bad: torch.Tensor, v_bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cause_index(pg: bw.PathGrads, dout_bad: torch.Tensor, dout_nan: torch.Tensor, dout_cast_bad: torch.Tensor,
+                 v_bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query row, the index in GRAD_CAUSES of the first stage that broke it (for dq), and per
     query row the same over the stages that reach dV (dO, its cast to the dtype, and the forward
-    probabilities)."""
+    probabilities). A row of dO holding NaN is grad_out_nan, one holding inf (and no NaN) grad_out_inf."""
     last = len(GRAD_CAUSES) - 1
     idx = torch.full(dout_bad.shape, last, dtype=torch.int64)
     idx_v = torch.full(dout_bad.shape, last, dtype=torch.int64)
     dp_cause = torch.where(v_bad.unsqueeze(-1).expand_as(pg.dp_bad), GRAD_CAUSES.index("input_nan"), GRAD_CAUSES.index("dp_overflow"))
     later = [(pg.ds_bad & ~pg.ds_nan, GRAD_CAUSES.index("ds_overflow")), (pg.ds_nan, GRAD_CAUSES.index("ds_nan")), (pg.dp_bad, dp_cause)]
     early = [(rows, GRAD_CAUSES.index(name)) for name, rows in reversed(pg.forward_causes)]
-    early += [(dout_cast_bad, GRAD_CAUSES.index("grad_out_overflow")), (dout_bad, GRAD_CAUSES.index("grad_out_nan"))]
+    early += [(dout_cast_bad, GRAD_CAUSES.index("grad_out_overflow")), (dout_bad, GRAD_CAUSES.index("grad_out_inf")),
+              (dout_nan, GRAD_CAUSES.index("grad_out_nan"))]
     for rows, at in later + early:  # the earliest stage is written last, so it wins
         idx = torch.where(rows, at, idx)
     for rows, at in early:
@@ -256,10 +259,15 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
             scores=None if scores is None else scores[h0:h1], out=None if out is None else out[h0:h1], causal=grads.causal,
         )
         rq, rk, rv, ref_peaks = bw.reference(hb)
-        for name, peak in ref_peaks.items():
-            peaks[name] = max(peaks.get(name, 0.0), peak)
         rk, rv = rk.reshape(-1, groups, tk, d).sum(dim=1), rv.reshape(-1, groups, tk, rv.shape[-1]).sum(dim=1)
+        if groups > 1:  # a kv head's dK, dV are the sums over its group; each query head's share is held too
+            for name, summed in (("dK", rk), ("dV", rv)):
+                ref_peaks[f"{name} per query head"] = ref_peaks[name]
+                ref_peaks[name] = bw.peak(summed)
+        for name, top in ref_peaks.items():
+            peaks[name] = max(peaks.get(name, 0.0), top)
         dout_bad = ~torch.isfinite(hb.dout).all(dim=-1)  # (n, Tq)
+        dout_nan = torch.isnan(hb.dout).any(dim=-1)
         dout_rows += int(dout_bad.sum())
         v_bad = ~torch.isfinite(hb.v).reshape(hb.v.shape[0], -1).all(dim=-1)  # (n,)
         for dtype_name, base in baselines.items():
@@ -279,20 +287,21 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
             gk = _group_sum(pg.dk, groups, pg.group_sum_dtype, dt)
             gv = _group_sum(pg.dv, groups, pg.group_sum_dtype, dt)
             dout_cast_bad = ~torch.isfinite(cast(hb.dout, dt)).all(dim=-1) & ~dout_bad  # dO finite as given, beyond the dtype's range
-            q_cause, v_cause = _cause_index(pg, dout_bad, dout_cast_bad, v_bad)
+            q_cause, v_cause = _cause_index(pg, dout_bad, dout_nan, dout_cast_bad, v_bad)
             acc = accs[cell]
             acc["dq"].update(gq, rq, q_cause, h0, hq)
             acc["dk"].update(gk, rk, _key_cause(q_cause, groups, tk), u0, hk)
             acc["dv"].update(gv, rv, _key_cause(v_cause, groups, tk), u0, hk)
-            held[cell] = pg.held
+            share = _label(_share_dtype(cell, pg, dt, grads))
+            held[cell] = pg.held + ([(f"{name} per query head", share) for name in ("dK", "dV")] if groups > 1 else [])
             if compare:
                 _compare_real(cell, acc, real, hb, pg, (gq, gk, gv), dt, groups, h0, h1, u0, u1, grads)
     results = {}
     for cell in cells:
         dt = dtype_from_name(cell.dtype)
-        unit = _unit_roundoff(dt)
         base = None if _is_baseline(cell) else base_err.get(cell.dtype)
-        stats = {name: a.result(None if base is None else base[name], unit) for name, a in accs[cell].items()}  # type: ignore[index]
+        stats = {name: a.result(None if base is None else base[name], dt)  # type: ignore[index]
+                 for name, a in accs[cell].items()}
         headroom, at = _headroom(held.get(cell, []), peaks)
         how = _how(cell, dt, grads)
         if grads.dropout_p > 0:
@@ -300,6 +309,21 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
         results[cell] = CellBackward(stats["dq"], stats["dk"], stats["dv"], dout_rows, headroom, at, how,
                                      real_compared=cell.model and bool(real), dtype=cell.dtype)
     return results
+
+
+def _share_dtype(cell: BackwardCell, pg: bw.PathGrads, dt: torch.dtype, grads: GradInputs) -> torch.dtype:
+    """The dtype a query head's share of a kv head's dK, dV is held in before the group sum: the
+    dtype itself on the eager path (repeat_kv's autograd) and in the CPU flash kernel (which adds each
+    head's share into the kv head's gradient in the dtype); fp32 in the math SDPA and on CUDA."""
+    if cell.path == "eager" or (cell.path == "flash" and grads.device_type != "cuda"):
+        return dt
+    return pg.group_sum_dtype or dt
+
+
+def _label(dt: torch.dtype) -> str:
+    from attncheck.numerics.precision import dtype_label
+
+    return dtype_label(dt)
 
 
 def _headroom(held: list[tuple[str, str]], peaks: dict[str, float]) -> tuple[float | None, str | None]:
@@ -317,40 +341,91 @@ def _headroom(held: list[tuple[str, str]], peaks: dict[str, float]) -> tuple[flo
     return best, at
 
 
+# The constants of the bound below, each from the kernel's source (PyTorch's CPU flash kernel,
+# aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) or from the emulation's own ops.
+EXP_ULPS_FORWARD = 20  # the forward's row sums take exp_u20 (a vectorised exp within 20 ulp) before the log-sum-exp
+EXP_ULPS = 1  # the backward's exp(S - lse) and torch.exp here: Sleef's u10 (within 1 ulp)
+LOG_ULPS = 1  # the log of the row sum, in the kernel and here
+
+
+def _gamma(n: int, u: float) -> float:
+    """gamma_n = n u / (1 - n u): a sum of n products in any order lies within gamma_n of the sum of
+    their magnitudes from the exact one (Higham, Accuracy and Stability, 3.1); two orders differ by
+    twice that."""
+    return n * u / max(1.0 - n * u, 0.5)
+
+
 def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u1, grads) -> None:
-    """The recorded gradients of the model's kernel against the model cell, each element within
-    the rounding bound of the cell's path: 2u (R + 1) |g| + (4u + 2 n u32) T, where u is the
-    dtype's unit roundoff, R the roundings in the dtype a sum takes (the flash kernel's blocks on
-    the CPU, else 1), T the sum of the magnitudes of the element's terms (P (|dP| + |D|) for the
-    terms of dS, before their cancellation), n their number: a rounding flip of one term of P or
-    dS in the dtype moves the element by at most 2u times that term, and two fp32 sums of n terms
-    in different orders differ by at most 2 n u32 T. Where gradients are as small as the dtype's
-    subnormals, rounding is absolute: each rounding may move an element by a subnormal step s, and a
-    flip of one term of P or dS by s times its factor, hence (R + 1) s + 2 s A, with A the sum of
-    the magnitudes of those factors (|K| times the scale for dq, |Q| for dk, |dO| for dv)."""
+    """The recorded gradients of the model's kernel against the model cell, each element within the
+    first-order bound of what two evaluations of the same formulas can differ by, when each rounds
+    where the kernel rounds but sums in its own order and takes its own exp (docs/reference/numerics.md
+    derives it). With u the dtype's unit roundoff, u32 fp32's, g2(n) = 2 gamma_n (two sums of n terms
+    in different orders), A = scale |Q||K|^T, F = |dO||V|^T, E = rowsum(P F) (what the dot products of
+    S, dP and D = rowsum(dO O) sum in magnitude):
+
+    - S = scale q.k (+ mask): dS_S = g2(d) A + 4 u_h |S|, u_h the unit roundoff of the lowest precision
+      the path holds S, dP, P and dS in (fp32 in SDPA's kernels; the dtype on the eager path, whose bits
+      move where the model's code differs by an op, e.g. dividing the scores by sqrt(d));
+    - the log-sum-exp (kept from the forward, recomputed here): dL = max over the row's keys of dS_S
+      + g2(Tk) + (2 EXP_ULPS_FORWARD + 2 EXP_ULPS + 2 LOG_ULPS) u32 + 4 u32 |lse|;
+    - P = exp(S - lse), relative: eP = dS_S + dL + 4 EXP_ULPS u32; held in the dtype, + 2u (one rounding
+      that may fall on either side);
+    - dS = P (dP - D): e_dS = P ((eP + 4 u32 + 2u') |dP - D| + (g2(max(dv, Tk)) + 2 u_h) (F + E)), u' = u
+      where P and dS are rounded to a low-precision dtype for the products, else 0;
+    - dQ = scale dS K: scale e_dS |K| + (g2(Tk) + 4 u32) scale |dS||K|; dK = scale dS^T Q likewise over the
+      Tq G query rows of a kv head's group; dV = P^T dO: e_P^T |dO| + g2(Tq G) P^T |dO|;
+    - and the sums the gradient is kept in: 2u (R + 1) |g|, R its roundings in the dtype (the CPU
+      kernel's blocks), and under GQA (G > 1 heads per kv head) each head's share rounded before the
+      group sum: 2u (R + 1) T, T the sum of the magnitudes of the element's terms;
+    - where gradients are as small as the dtype's subnormals, rounding is absolute: (R + 1) s + 2 s A'
+      with s the subnormal step and A' the sum of the magnitudes of the factors of one term's flip.
+    """
     u = _unit_roundoff(dt)
+    u32 = _unit_roundoff(torch.float32)
+    low = dt != torch.float32 and cell.path in ("flash", "eager")  # P and dS rounded to the dtype for the products
+    u_low = u if low else 0.0
     step = smallest_subnormal(dt)
     gq, gk, gv = cell_grads
-    tq, tk = hb.q.shape[1], hb.k.shape[1]
-    kf, qf, vf = hb.k.float().abs(), hb.q.float().abs(), hb.dout.float().abs()
-    ds_abs, p_abs = pg.terms
+    tq, tk, d, dv = hb.q.shape[1], hb.k.shape[1], hb.q.shape[2], hb.v.shape[2]
+    kf, qf = _finite_abs(hb.k), _finite_abs(hb.q)
+    vf, dof = _finite_abs(hb.v), _finite_abs(hb.dout)
+    tm: bw.Terms = pg.terms
     scale = abs(hb.scale)
-    t_q = scale * torch.matmul(ds_abs, kf)
-    t_k = _group_sum(scale * torch.matmul(ds_abs.transpose(-1, -2), qf), groups, torch.float32, torch.float32)
-    t_v = _group_sum(torch.matmul(p_abs.transpose(-1, -2), vf), groups, torch.float32, torch.float32)
-    a_q = scale * kf.sum(dim=-2, keepdim=True)  # (n, 1, d)
-    a_k = _group_sum(scale * qf.sum(dim=-2, keepdim=True), groups, torch.float32, torch.float32)
-    a_v = _group_sum(vf.sum(dim=-2, keepdim=True), groups, torch.float32, torch.float32)
+    g2 = lambda n: 2 * _gamma(n, u32)  # noqa: E731
+    a = scale * torch.matmul(qf, kf.transpose(-1, -2))  # (n, Tq, Tk)
+    f = torch.matmul(dof, vf.transpose(-1, -2))
+    e = (tm.p * f).sum(dim=-1, keepdim=True)  # (n, Tq, 1)
+    u_h = max(u32, _unit_roundoff(tm.held))
+    err_s = torch.where(tm.p > 0, g2(d) * a + 4 * u_h * tm.s, 0.0)
+    exp_log = (2 * EXP_ULPS_FORWARD + 2 * EXP_ULPS + 2 * LOG_ULPS) * u32
+    err_lse = (err_s.amax(dim=-1) + g2(tk) + exp_log + 4 * u32 * tm.lse).unsqueeze(-1)
+    rel_p = err_s + err_lse + 4 * EXP_ULPS * u32
+    err_ds = tm.p * ((rel_p + 4 * u32 + 2 * u_low) * tm.dsd + (g2(max(dv, tk)) + 2 * u_h) * (f + e))
+    err_p = tm.p * (rel_p + 2 * u_low)
+    ds_abs = tm.p * tm.dsd
     blocked = cell.path == "flash" and grads.device_type != "cuda" and dt != torch.float32
     r_q = math.ceil(tk / bw.FLASH_KV_BLOCK) if blocked else 1
     r_kv = math.ceil(tq / bw.flash_q_block(tq)) if blocked else 1
-    u32 = _unit_roundoff(torch.float32)
-    for name, g, t, a, rounds, terms, lo, hi in (("dq", gq, t_q, a_q, r_q, tk, h0, h1), ("dk", gk, t_k, a_k, r_kv, tq * groups, u0, u1),
-                                                 ("dv", gv, t_v, a_v, r_kv, tq * groups, u0, u1)):
+    shares = 2 * u * (r_kv + 1) if groups > 1 else 0.0  # each head's share rounded before the group sum: on T, linear
+    # Each product's error and the sum-order term on its terms T, in one matmul per gradient (both are linear in T)
+    e_q = scale * torch.matmul(err_ds + (g2(tk) + 4 * u32) * ds_abs, kf)
+    e_k = scale * torch.matmul((err_ds + (g2(tq * groups) + 4 * u32 + shares) * ds_abs).transpose(-1, -2), qf)
+    e_v = torch.matmul((err_p + (g2(tq * groups) + shares) * tm.p).transpose(-1, -2), dof)
+    summed = lambda x: _group_sum(x, groups, torch.float32, torch.float32)  # noqa: E731
+    a_q = scale * kf.sum(dim=-2, keepdim=True)  # (n, 1, d)
+    a_k = summed(scale * qf.sum(dim=-2, keepdim=True))
+    a_v = summed(dof.sum(dim=-2, keepdim=True))
+    for name, g, err, a_sub, rounds, lo, hi in (("dq", gq, e_q, a_q, r_q, h0, h1),
+                                                ("dk", gk, summed(e_k), a_k, r_kv, u0, u1),
+                                                ("dv", gv, summed(e_v), a_v, r_kv, u0, u1)):
         if name not in real:
             continue
         rg = real[name][lo:hi]
         mag = torch.maximum(rg.abs().to(torch.float64), g.abs().to(torch.float64))
-        tol = (2 * u * (rounds + 1) * mag + (4 * u + 2 * terms * u32) * t.to(torch.float64)
-               + (rounds + 1) * step + 2 * step * a.to(torch.float64))
+        tol = (2 * u * (rounds + 1) * mag + err.to(torch.float64)
+               + (rounds + 1) * step + 2 * step * a_sub.to(torch.float64))
         acc[name].compare_real(rg, g, tol)
+
+
+def _finite_abs(t: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(t.float().abs(), nan=0.0, posinf=0.0)

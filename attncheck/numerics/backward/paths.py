@@ -86,15 +86,35 @@ class PathGrads:
     ds_nan: torch.Tensor  # (n, Tq) rows whose dS holds NaN (inf - inf in dP - D) rather than only inf
     held: list[tuple[str, str]] = field(default_factory=list)  # (intermediate, the dtype the path holds it in): dO, dP, dS, dQ, dK, dV
     group_sum_dtype: torch.dtype | None = None  # the dtype a GQA group's dK, dV are summed in (None: the cell's)
-    # With ``terms``: the magnitudes its products consume, fp32, finite parts: P (|dP| + |D|), which bounds the
-    # terms of dS = P (dP - D) before their cancellation, and P (for the bound on the recorded gradients)
-    terms: tuple[torch.Tensor, torch.Tensor] | None = None
+    # With ``terms``: the magnitudes the bound on the recorded gradients reads (``diagnose._compare_real``)
+    terms: Terms | None = None
 
 
-def _terms(p: torch.Tensor, dp: torch.Tensor, dsum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    pf = torch.nan_to_num(p.float().abs(), nan=0.0, posinf=0.0)
-    t = pf * (dp.float().abs() + dsum.float().abs())
-    return torch.nan_to_num(t, nan=0.0, posinf=0.0), pf
+@dataclass
+class Terms:
+    """Magnitudes of a path's intermediates, fp32, finite parts only (NaN and inf read as 0): what the
+    rounding bound of the recorded gradients is built from."""
+
+    p: torch.Tensor  # (n, Tq, Tk) |P|
+    dsd: torch.Tensor  # (n, Tq, Tk) |dP - D|: dS = P (dP - D)
+    s: torch.Tensor  # (n, Tq, Tk) |S| where P > 0, else 0
+    lse: torch.Tensor  # (n, Tq) |log-sum-exp| of each row's scores (0 for a row with no key)
+    held: torch.dtype = torch.float32  # the lowest precision S, dP, P and dS are held in (the eager path's dtype)
+
+
+def _finite_abs(t: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(t.float().abs(), nan=0.0, posinf=0.0)
+
+
+def _terms(p: torch.Tensor, dp: torch.Tensor, dsum: torch.Tensor, s: torch.Tensor, lse: torch.Tensor | None = None,
+           held: torch.dtype = torch.float32) -> Terms:
+    pf = _finite_abs(p)
+    s32 = s.float()
+    if lse is None:
+        lse = torch.logsumexp(s32, dim=-1)
+    lse = torch.where(torch.isneginf(lse), 0.0, lse)
+    s_abs = torch.where(pf > 0, _finite_abs(s32), 0.0)
+    return Terms(pf, _finite_abs(dp.float() - dsum.float()), s_abs, _finite_abs(lse), held)
 
 
 def _rows_bad(t: torch.Tensor) -> torch.Tensor:
@@ -103,7 +123,7 @@ def _rows_bad(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(t.sum(dim=-1, dtype=torch.float64))
 
 
-def _peak(t: torch.Tensor) -> float:
+def peak(t: torch.Tensor) -> float:
     """The largest finite |x| (0 for none)."""
     top = float(t.abs().amax()) if t.numel() else 0.0
     if math.isfinite(top):
@@ -208,7 +228,7 @@ def eager(hb: HeadBlock, dt: torch.dtype, mask_op: str = "add", softmax_dtype: t
     held = [("dO", name), ("dP", name), ("dS", _label(ds_held.dtype)), ("dS", _label(s_dt)), ("dS", name), ("dQ", name), ("dK", name), ("dV", name)]
     ds_bad = _rows_bad(ds_held) | _rows_bad(ds)
     return PathGrads(dq, dk, dv, _forward_causes(s, p, computed), _rows_bad(dp), ds_bad, _nan_rows(ds_held, ds_bad), held,
-                     terms=_terms(ps, dps, (ps * dps).sum(dim=-1, keepdim=True)) if terms else None)
+                     terms=_terms(ps, dps, (ps * dps).sum(dim=-1, keepdim=True), s, held=dt) if terms else None)
 
 
 def _upcast(dt: torch.dtype) -> torch.dtype:
@@ -245,7 +265,7 @@ def sdpa_math(hb: HeadBlock, dt: torch.dtype, terms: bool = False) -> PathGrads:
     held = [("dO", name), ("dP", inner), ("dS", inner), ("dQ", name), ("dK", name), ("dV", name)]
     ds_bad = _rows_bad(ds)
     return PathGrads(dq32, dk32, dv, _forward_causes(s, p, True), _rows_bad(dp), ds_bad, _nan_rows(ds, ds_bad), held,
-                     group_sum_dtype=up, terms=_terms(p, dp, (p * dp).sum(dim=-1, keepdim=True)) if terms else None)
+                     group_sum_dtype=up, terms=_terms(p, dp, (p * dp).sum(dim=-1, keepdim=True), s) if terms else None)
 
 
 def flash_forward(hb: HeadBlock, dt: torch.dtype, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -309,7 +329,7 @@ def flash(hb: HeadBlock, dt: torch.dtype, blocks: bool = True, terms: bool = Fal
     held = [("dO", name), ("dP", "fp32"), ("dS", "fp32"), ("dS", name), ("dQ", name), ("dK", name), ("dV", name)]
     ds_bad = _rows_bad(ds) | _rows_bad(ds_dt)
     return PathGrads(dq, dk, dv, _forward_causes(s, p, True), _rows_bad(dp), ds_bad, _nan_rows(ds, ds_bad), held,
-                     group_sum_dtype=torch.float32, terms=_terms(p, dp, dsum) if terms else None)
+                     group_sum_dtype=torch.float32, terms=_terms(p, dp, dsum, s, lse) if terms else None)
 
 
 def _future(t: torch.Tensor) -> torch.Tensor:
@@ -338,7 +358,7 @@ def reference(hb: HeadBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))
     dq = torch.matmul(ds, k) * hb.scale
     dk = torch.matmul(ds.transpose(-1, -2), q) * hb.scale
-    peaks = {name: _peak(t) for name, t in (("dO", do), ("dP", dp), ("dS", ds), ("dQ", dq), ("dK", dk), ("dV", dv))}
+    peaks = {name: peak(t) for name, t in (("dO", do), ("dP", dp), ("dS", ds), ("dQ", dq), ("dK", dk), ("dV", dv))}
     return dq, dk, dv, peaks
 
 
