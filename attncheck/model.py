@@ -180,7 +180,8 @@ def head_findings(report: CallReport, diag_findings: list[Finding]) -> list[Find
     """A ``qk_overflow`` finding naming the heads whose Q@K^T overflows the call's dtype, when
     the diagnosis has none of its own (scores recorded at a softmax carry the +inf it made)."""
     over = [h for h in report.heads if h.qk_overflow]
-    if not over or any(f.code == "qk_overflow" for f in diag_findings):
+    capped = report.diagnosis is not None and report.diagnosis.attention is not None and report.diagnosis.attention.softcap is not None
+    if not over or capped or any(f.code == "qk_overflow" for f in diag_findings):  # a soft cap's overflow: softcap_overflow
         return []
     from attncheck.codes import FIX
     from attncheck.format import plain

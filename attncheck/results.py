@@ -333,6 +333,23 @@ class DtypeAudit:
 
 
 @dataclass
+class SoftCap:
+    """A soft-capped call, ``cap * tanh(S * scale / cap)`` (Gemma-2's eager attention): S = Q@K^T is held
+    in ``dtype`` before the cap, so it can round to inf there while the capped logits stay finite."""
+
+    cap: float
+    scale: float
+    dtype: str  # where S = Q@K^T is held before the cap (the scores' dtype)
+    limit: float  # its rounding limit: |S| at or past it becomes inf
+    max_qk: float  # max |q.k| in float64, unscaled
+    overflow: int  # scores of S that round to inf in ``dtype`` (q and k finite)
+    # tanh(limit * scale / cap) rounds to 1 in ``dtype``: an S that became inf gives the logit and the gradient
+    # (1 - tanh^2 = 0) that its finite value gives in this dtype, so the overflow changes nothing
+    saturated: bool
+    grad_finite: bool  # torch's autograd of the cap at inf S: finite (0), not NaN
+
+
+@dataclass
 class AttentionAudit:
     """Mask and scale facts of scores computed from Q and K (plain numbers)."""
 
@@ -361,6 +378,7 @@ class AttentionAudit:
     # where the scale came from: 'argument' (SDPA's scale=) or 'traced' (the model's own code, as the
     # capture followed it) are the model's choice, a fact rather than a finding; None: --scale or the default
     scale_source: str | None = None
+    softcap: SoftCap | None = None  # a soft cap between Q@K^T and the softmax (a captured eager call)
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import attncheck
 from attncheck.config.run import Options
 
-from .conftest import batch, bert, gpt2, llama_gqa
+from .conftest import batch, bert, gemma2, gpt2, llama_gqa
 
 FP16_TORCH = Options(dtypes=("fp16",), methods=("torch", "tiled"))
 
@@ -196,3 +196,74 @@ def test_healthy_fp32_model_is_bit_identical_under_capture_and_gives_no_error(na
     assert errors == [] and diag.result.model.first_bad is None
     if name.startswith("llama"):  # GQA: k and v keep their 2 heads, q has 4
         assert [c["tensors"]["k"]["shape"][1] for c in cap.calls] == [2, 2] and diag.calls[0].call.enable_gqa
+
+
+def _scaled_gemma2(factor: float, head: int = 0):
+    """A fp16 Gemma-2 whose query head ``head`` and the kv head it reads have q_proj / k_proj rows scaled."""
+    model = gemma2(torch.float16)
+    attn = model.model.layers[0].self_attn
+    d, group = attn.head_dim, attn.num_key_value_groups
+    with torch.no_grad():
+        attn.q_proj.weight[head * d:(head + 1) * d] *= factor
+        attn.k_proj.weight[(head // group) * d:(head // group + 1) * d] *= factor
+    return model
+
+
+def test_gemma2_overflow_before_the_soft_cap_is_measured_before_the_cap_and_said_harmless():
+    """fp16 Q@K^T of a scaled head passes 65504 and rounds to inf before the tanh cap; the logits stay finite
+    (cap x tanh(inf) = the cap). The headroom is S's (negative), the overflow is a finding, and its severity is
+    what torch does with it: the same logit as the largest finite S, and a 0 gradient through the cap."""
+    model = _scaled_gemma2(500.0)
+    inputs = batch(left_pad=0)
+    with torch.no_grad(), attncheck.capture() as raw:  # the model's own q, k and capped scores
+        model(**inputs)
+    q, k, scores = (raw.calls[0].tensors[n] for n in ("q", "k", "scores"))
+    s16 = torch.matmul(q, k.transpose(-1, -2))  # (B, H, T, T) fp16, as the model computes S
+    overflowed = int(torch.isinf(s16).sum())
+    qk = torch.matmul(q.double(), k.double().transpose(-1, -2)).abs().max().item()
+    # the cap hid it: no +inf or NaN in the scores the softmax saw (-inf: the causal mask, -65504 added to -50)
+    assert overflowed > 0 and qk > 65520 and not (torch.isposinf(scores) | torch.isnan(scores)).any()
+
+    with torch.no_grad(), attncheck.capture(diagnose=True) as cap:
+        model(**inputs)
+    line, call = cap.result.model.lines[0], cap.calls[0]
+    assert line.verdict == "ok" and line.nan_rows == 0
+    assert line.limit.value == pytest.approx(qk, rel=1e-12) and line.headroom == pytest.approx(65520 - qk) and line.headroom < 0
+    found = {f.code: f for f in call.diagnosis.findings}
+    assert set(found) == {"model_scale", "softcap_overflow"}
+    f = found["softcap_overflow"]
+    assert f.severity == "info" and f"at {overflowed} score(s)" in f.message and "harmless in the forward" in f.message
+    assert "backward is harmless too" in f.message
+    assert [h.qk_overflow for h in call.heads] == torch.isinf(s16).sum(dim=(0, 2, 3)).tolist()
+    assert cap.result.model.first_bad is None
+    # what the message says of the backward, asked of torch's autograd through the model's own chain: a 0 gradient at
+    # the overflowed scores and finite gradients everywhere (loss through the whole model)
+    s = s16.clone().requires_grad_(True)
+    capped = torch.tanh(s * model.model.layers[0].self_attn.scaling / 50.0) * 50.0
+    assert torch.autograd.grad(capped.float().sum(), s)[0][torch.isinf(s16)].eq(0).all()
+    model.zero_grad()
+    model(**inputs).logits.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+class _LooseCap(torch.nn.Module):
+    """A soft cap that does not saturate at fp16's largest S: 1000 x tanh(S x 1e-4 / 1000) is 6.55 at S = 65504."""
+
+    def forward(self, q, k, v):
+        s = torch.matmul(q, k.transpose(-1, -2)) * 1e-4
+        s = torch.tanh(s / 1000.0) * 1000.0
+        return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def test_an_overflow_a_soft_cap_does_not_hide_is_a_warning():
+    q = torch.full((1, 1, 4, 32), 60.0, dtype=torch.float16)  # q.k = 115200 > 65504: inf, capped to 1000
+    k, v = q.clone(), torch.ones(1, 1, 4, 32, dtype=torch.float16)
+    q[0, 0, 0] = 1.0  # one query row stays in range
+    with torch.no_grad(), attncheck.capture(diagnose=True) as cap:
+        _LooseCap()(q, k, v)
+    assert cap.calls[0].call.meta["softcap"] == "1000.0" and cap.calls[0].call.scale == pytest.approx(1e-4)
+    finding = next(f for f in cap.calls[0].diagnosis.findings if f.code == "softcap_overflow")
+    # torch: the finite S = 65504 gives 6.55, the inf gives 1000 exactly: the overflow changed the logits
+    top = torch.tensor([65504.0, float("inf")], dtype=torch.float16)
+    assert torch.tanh(top * 1e-4 / 1000.0).mul(1000.0).tolist() == [pytest.approx(6.55, abs=0.01), 1000.0]
+    assert finding.severity == "warning" and "those logits are wrong" in finding.message and f"at {3 * 4} score(s)" in finding.message

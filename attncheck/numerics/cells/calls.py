@@ -41,9 +41,10 @@ def _scale(info: CallInfo) -> params.Scale:
 
 
 def _scale_source(info: CallInfo) -> str | None:
-    """'argument' (SDPA's scale=) or 'traced' (the model's code): the model's own choice."""
+    """'argument' (SDPA's scale=), 'traced' (the model's code) or 'module' (its attention module's ``scaling``):
+    the model's own choice."""
     source = info.meta.get("scale_source")
-    return source if source in ("argument", "traced") and info.scale is not None else None
+    return source if source in ("argument", "traced", "module") and info.scale is not None else None
 
 
 def _in_call(info: CallInfo, run: Callable):
@@ -120,6 +121,9 @@ def diagnose_call(
     if "grad_out" in tensors:
         _in_call(info, lambda: _backward(info, tensors, inputs, diag, what, options, model if known else None))
     used = _cell_of(diag, model)
+    cap = softcap(info)
+    if cap is not None and kind == "softmax" and inputs is not None and diag.attention is not None:
+        _in_call(info, lambda: _softcap_audit(info, inputs, diag, cap))
     if known and kind == "softmax" and used is not None:
         used.limit = _scores_limit(info, diag)
     if known and kind == "flex" and used is not None and "scores_mod" in tensors:
@@ -131,6 +135,29 @@ def diagnose_call(
         order = {s: i for i, s in enumerate(SEVERITIES)}
         diag.findings = sorted(diag.findings + extra, key=lambda f: order[f.severity])
     return report
+
+
+def softcap(info: CallInfo) -> float | None:
+    """The cap of a soft-capped softmax call (``cap * tanh(S * scale / cap)``, traced by the capture); None
+    without one or where the trace could not name it."""
+    try:
+        cap = float(info.meta.get("softcap", "none"))
+    except ValueError:
+        return None
+    return cap if math.isfinite(cap) and cap > 0 else None
+
+
+def _softcap_audit(info: CallInfo, inputs, diag: TensorDiagnosis, cap: float) -> None:
+    """S = Q@K^T before the cap, in the scores' dtype: the facts and their finding."""
+    from attncheck.findings import softcap_findings
+    from attncheck.numerics.inputs.softcap import softcap_facts
+
+    dt = dtype_from_name(cell_dtype_name(info.dtype) or "fp32")
+    diag.attention.softcap = softcap_facts(inputs, dt, cap, diag.attention.raw_max_abs)
+    found = softcap_findings(diag)
+    if found:
+        order = {s: i for i, s in enumerate(SEVERITIES)}
+        diag.findings = sorted(diag.findings + found, key=lambda f: order[f.severity])
 
 
 def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: TensorDiagnosis | None, options: Options, model: CellKey | None) -> None:
@@ -267,16 +294,14 @@ def _scores_diagnosis(info, scores, inputs, options, cells, progress, notice) ->
     """A softmax call: the scores it saw, as recorded. With its q and k, the scale they carry: the
     traced one (the model's code), or fitted to the scores where the trace found none."""
     from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
-    from attncheck.numerics.inputs.scores import start_audit
 
     if inputs is None or info.meta.get("q_prescaled") == "true":
         return diagnose(info.name, scores, options, progress, notice=notice, cells=cells)
     source = _scale_source(info)
-    if source is None:  # the capture traced no scale: fit it (a float64 pass over q.k)
-        return diagnose_attention(info.name, inputs, options, progress, scores=scores, notice=notice, cells=cells)
-    audit = start_audit(inputs)
-    audit.scale_source = source
-    return diagnose(info.name, scores, options, progress, notice=notice, cells=cells, attention=audit)
+    # the Q/K pipeline runs beside the scores either way (max|q.k|, Q@K^T overflow in the cell's dtype);
+    # the scale is fitted only where the capture traced none
+    return diagnose_attention(info.name, inputs, options, progress, scores=scores, notice=notice, cells=cells, scale_source=source,
+                              fit=source is None)
 
 
 def _what_if(info: CallInfo, tensors, inputs, options: Options, what_if, asked, notice, max_bytes: int | None = None) -> TensorDiagnosis | None:
@@ -367,11 +392,15 @@ def _scores_limit(info: CallInfo, diag: TensorDiagnosis) -> CellLimit | None:
     after Q@K^T; nn.MultiheadAttention scales q first, so its scores are S); +inf where the scores
     already hold +inf."""
     dt = dtype_from_name(cell_dtype_name(info.dtype) or "fp32")
+    limit = rounding_limit(dt)
+    if softcap(info) is not None:  # the capped logits stay within the cap: what can overflow is S before it
+        cap = diag.attention.softcap if diag.attention is not None else None
+        return CellLimit("qk_overflow", limit, None if cap is None else cap.max_qk,
+                         f"S = Q@K^T before the soft cap in {dtype_label(dt)} rounds to inf at |S| >= {limit:.6g}")
     c = diag.census
     logits = [abs(v) for v in (c.max, c.unmasked_min) if v is not None and v > MASK_SENTINEL_LIMIT]
     scale = info.scale if _scale_source(info) and info.meta.get("q_prescaled") != "true" and info.scale else 1.0
     value = math.inf if c.posinf else (max(logits) / abs(scale) if logits else None)
-    limit = rounding_limit(dt)
     unscaled = " (before the scale)" if scale != 1.0 else ""
     return CellLimit("qk_overflow", limit, value, f"S = Q@K^T{unscaled} in {dtype_label(dt)} rounds to inf at |S| >= {limit:.6g}")
 
@@ -411,7 +440,8 @@ def _head_stats(info: CallInfo, inputs, diag: TensorDiagnosis, cell, model: Cell
         compute = cell_dtype_name(info.dtype)
         eager = model is None or model.path in (None, "eager")
         inf_seen = cell is not None and (cell.nan_causes.get("inf_input") or cell.nan_causes.get("qk_overflow"))
-        if compute is not None and (inf_seen or (eager and diag.census.posinf)):
+        capped = diag.attention is not None and diag.attention.softcap is not None and diag.attention.softcap.overflow
+        if compute is not None and (inf_seen or (eager and diag.census.posinf) or capped):
             overflow = qk_overflow_per_head(inputs, dtype_from_name(compute) if eager else torch.float32)
     nan = cell.nan_rows_per_head if cell is not None and len(cell.nan_rows_per_head) == heads else [0] * heads
     return [HeadStat(h, q_max[h], k_max[h], logits[h], overflow[h], nan[h]) for h in range(heads)]
