@@ -267,3 +267,14 @@ def test_an_overflow_a_soft_cap_does_not_hide_is_a_warning():
     top = torch.tensor([65504.0, float("inf")], dtype=torch.float16)
     assert torch.tanh(top * 1e-4 / 1000.0).mul(1000.0).tolist() == [pytest.approx(6.55, abs=0.01), 1000.0]
     assert finding.severity == "warning" and "those logits are wrong" in finding.message and f"at {3 * 4} score(s)" in finding.message
+
+
+def test_a_soft_capped_training_step_is_not_judged_by_a_backward_without_the_cap():
+    """The backward paths have no soft cap: near the cap its tanh Jacobian (1 - tanh^2) moves dQ and dK far from an
+    uncapped backward, which would be reported as the emulation being wrong. A soft-capped call is not judged there."""
+    model = _scaled_gemma2(30.0).float().train()  # logits near the cap (max ~15 of 50)
+    with attncheck.capture(diagnose=True) as cap:
+        model(**batch()).logits.float().sum().backward()
+    assert max(line.max_logit for line in cap.result.model.lines) > 10
+    assert [f.code for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"] == []
+    assert all(c.backward is None for r in cap.calls for c in r.diagnosis.cells)

@@ -168,6 +168,8 @@ def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: Tens
     from attncheck.numerics.backward.diagnose import BackwardCell, GradInputs
 
     _check_grads(info, tensors)
+    if info.kind == "softmax" and info.meta.get("softcap", "none") != "none":
+        return  # the backward paths have no soft cap (its tanh Jacobian): judged without it they would be wrong, so not judged
     if info.kind == "softmax":
         bw_inputs = None if inputs is None else _softmax_what_if_inputs(info, tensors, inputs, options)
     else:
@@ -310,6 +312,8 @@ def _what_if(info: CallInfo, tensors, inputs, options: Options, what_if, asked, 
     from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
 
     left = None if max_bytes is None else max(1, max_bytes // 2)
+    if info.kind == "softmax" and info.meta.get("softcap", "none") != "none":
+        return None  # a what-if rebuilds the scores from q.k and the mask, without the cap: not this model's scores
     if info.kind in ("sdpa", "flex"):
         wi_inputs = _sdpa_what_if_inputs(info, tensors, left)
     else:
