@@ -22,6 +22,7 @@ from attncheck.results import (
     Cell,
     CallReport,
     Finding,
+    HeadStat,
     ModelLine,
     ModelReport,
     Outlier,
@@ -120,16 +121,27 @@ def call_line(report: CallReport, ignore=()) -> ModelLine:
 
 
 def outliers(report: CallReport, ratio: float = OUTLIER_RATIO) -> list[Outlier]:
-    """Heads whose max|q| or max|k| is at least ``ratio`` times the median over the call's heads."""
+    """Heads whose max|q| or max|k| is at least ``ratio`` times the median over the call's other heads. k is
+    judged per kv head: under GQA a group of query heads reads one kv head, and a median over the query heads
+    would count a bad kv head once per head of its group (half the heads with 2 kv heads: no outlier at all)."""
     out = []
-    for tensor in ("q", "k"):
-        values = [getattr(h, f"{tensor}_max_abs") for h in report.heads]
-        if len(values) < 3 or any(v is None for v in values):
+    heads = report.heads
+    if any(h.q_max_abs is None or h.k_max_abs is None for h in heads):
+        return out
+    groups: dict[int, list[HeadStat]] = {}
+    for h in heads:
+        groups.setdefault(h.head if h.kv_head is None else h.kv_head, []).append(h)
+    shared = any(len(g) > 1 for g in groups.values())
+    units = {"q": [(h.q_max_abs, [h]) for h in heads], "k": [(g[0].k_max_abs, g) for g in groups.values()]}
+    for tensor, values in units.items():
+        if len(values) < 2:
             continue
-        median = statistics.median(values)
-        for h, v in zip(report.heads, values):
+        for i, (v, members) in enumerate(values):
+            median = statistics.median(x for j, (x, _) in enumerate(values) if j != i)
             if median > 0 and v >= ratio * median:
-                out.append(Outlier(report.call.index, report.call.module, h.head, tensor, v, median, v / median))
+                kv = members[0].kv_head if tensor == "k" and shared else None
+                out.append(Outlier(report.call.index, report.call.module, members[0].head, tensor, v, median, v / median,
+                                   kv_head=kv, query_heads=[h.head for h in members] if kv is not None else []))
     return out
 
 

@@ -415,6 +415,7 @@ class HeadStat:
     max_logit: float | None  # largest finite unmasked score (scaled, as the softmax sees it)
     qk_overflow: int = 0  # scores of Q@K^T beyond the call's dtype, computed as the model rounds them
     nan_rows: int = 0  # NaN rows of the cell the model uses, over all batch elements
+    kv_head: int | None = None  # the kv head it reads (GQA: shared by a group of query heads); None: its own
 
 
 @dataclass
@@ -510,11 +511,17 @@ class Outlier:
     value: float
     median: float
     ratio: float
+    kv_head: int | None = None  # k under GQA: the kv head (``head`` is the first query head reading it)
+    query_heads: list[int] = field(default_factory=list)  # ... and every query head that reads it
 
     @property
     def message(self) -> str:
         where = self.module or f"call {self.index}"
-        return f"{where} head {self.head}: max|{self.tensor}| {plain(self.value)} vs median {plain(self.median)} over heads"
+        if self.kv_head is not None:
+            reads = ", ".join(map(str, self.query_heads))
+            return (f"{where} kv head {self.kv_head} (query heads {reads}): max|{self.tensor}| {plain(self.value)} vs median "
+                    f"{plain(self.median)} over the other kv heads")
+        return f"{where} head {self.head}: max|{self.tensor}| {plain(self.value)} vs median {plain(self.median)} over the other heads"
 
 
 @dataclass

@@ -61,7 +61,7 @@ def test_outliers_at_the_ratio_to_the_median_over_heads():
     heads = [head(h, 1.5) for h in range(6)] + [head(6, 1.5 * OUTLIER_RATIO), head(7, 1.5 * OUTLIER_RATIO * 0.99)]
     found = outliers(CallReport(info, None, heads))
     assert [(o.head, o.tensor) for o in found] == [(6, "q")]
-    assert found[0].message == "layers.2.attn head 6: max|q| 15 vs median 1.5 over heads"
+    assert found[0].message == "layers.2.attn head 6: max|q| 15 vs median 1.5 over the other heads"
 
 
 def test_shared_prefix():

@@ -148,7 +148,7 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
     if not rows:
         return None
     width = min(max(len(c.heads) for c in rows), MAX_HEAD_COLUMNS)
-    marked = {(o.index, o.head) for o in report.outliers}
+    marked = {(o.index, h) for o in report.outliers for h in (o.query_heads or [o.head])}
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
     t.add_column("call", no_wrap=True)
     for h in range(width):
@@ -292,7 +292,7 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
         wide = max(len(c.heads) for c in calls if c.heads) > MAX_HEAD_COLUMNS
         parts += [Text(HEAD_LEGEND + (f" (first {MAX_HEAD_COLUMNS} heads)" if wide else "")), matrix]
     if report.outliers:
-        text = Text("Outlier heads (max|q| or max|k| >= 10x the median over the call's heads):\n", style="yellow")
+        text = Text("Outlier heads (max|q| or max|k| >= 10x the median over the call's other heads; k per kv head):\n", style="yellow")
         for o in report.outliers[:12]:
             text.append(f"  {visible(o.message)}\n")
         if len(report.outliers) > 12:

@@ -278,3 +278,24 @@ def test_a_soft_capped_training_step_is_not_judged_by_a_backward_without_the_cap
     assert max(line.max_logit for line in cap.result.model.lines) > 10
     assert [f.code for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"] == []
     assert all(c.backward is None for r in cap.calls for c in r.diagnosis.cells)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_a_scaled_kv_head_under_gqa_is_named_as_the_kv_head_its_query_heads_share(impl):
+    """Llama with 4 query heads over 2 kv heads, kv head 1's k projection x1000: the k side's median is over kv heads
+    (over the 4 query heads it was the mean of the bad and the good kv head, and no k outlier was named). SDPA gets k
+    with 2 heads (enable_gqa); eager attention repeats k over each group first (repeat_kv)."""
+    model = llama_gqa(impl, torch.float32)
+    attn = model.model.layers[1].self_attn
+    d = attn.head_dim
+    with torch.no_grad():
+        attn.k_proj.weight[d:2 * d] *= 1000
+    with torch.no_grad(), attncheck.capture(diagnose=True) as cap:
+        model(**batch())
+    found = [(o.module, o.tensor, o.kv_head, o.query_heads) for o in cap.result.model.outliers]
+    assert found == [("model.layers.1.self_attn", "k", 1, [2, 3])]
+    heads = cap.calls[1].heads
+    assert [h.kv_head for h in heads] == [0, 0, 1, 1]
+    o = cap.result.model.outliers[0]
+    assert o.value == heads[2].k_max_abs and o.median == heads[0].k_max_abs and o.ratio > 100
+    assert o.message.startswith("model.layers.1.self_attn kv head 1 (query heads 2, 3): max|k| ")

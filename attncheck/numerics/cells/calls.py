@@ -431,7 +431,7 @@ def _head_stats(info: CallInfo, inputs, diag: TensorDiagnosis, cell, model: Cell
     """One HeadStat per head: max |q| and |k| (GQA: of the kv head it reads), the largest unmasked
     logit (from the diagnosis's own pass), Q@K^T overflow in the call's dtype where the model holds S
     in it and the scores show +inf (the only place it can break), and the model cell's NaN rows."""
-    from attncheck.numerics.inputs.heads import qk_maxima, qk_overflow_per_head
+    from attncheck.numerics.inputs.heads import kv_heads, qk_maxima, qk_overflow_per_head
 
     logits = diag.head_max_logits
     heads = len(logits)
@@ -439,8 +439,10 @@ def _head_stats(info: CallInfo, inputs, diag: TensorDiagnosis, cell, model: Cell
         return []
     q_max = k_max = [None] * heads
     overflow = [0] * heads
+    kv: list[int | None] = [None] * heads
     if inputs is not None and inputs.q.shape[1] == heads:
         q_max, k_max = qk_maxima(inputs)
+        kv = kv_heads(inputs)
         compute = cell_dtype_name(info.dtype)
         eager = model is None or model.path in (None, "eager")
         inf_seen = cell is not None and (cell.nan_causes.get("inf_input") or cell.nan_causes.get("qk_overflow"))
@@ -448,7 +450,7 @@ def _head_stats(info: CallInfo, inputs, diag: TensorDiagnosis, cell, model: Cell
         if compute is not None and (inf_seen or (eager and diag.census.posinf) or capped):
             overflow = qk_overflow_per_head(inputs, dtype_from_name(compute) if eager else torch.float32)
     nan = cell.nan_rows_per_head if cell is not None and len(cell.nan_rows_per_head) == heads else [0] * heads
-    return [HeadStat(h, q_max[h], k_max[h], logits[h], overflow[h], nan[h]) for h in range(heads)]
+    return [HeadStat(h, q_max[h], k_max[h], logits[h], overflow[h], nan[h], kv[h]) for h in range(heads)]
 
 
 def scores_report(info: CallInfo, diag: TensorDiagnosis) -> CallReport:
