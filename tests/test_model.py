@@ -122,14 +122,10 @@ def test_the_closing_line_never_counts_errors_next_to_no_call_going_wrong():
     assert "no call goes wrong" not in text and "first call that goes wrong: #1 t1" in text
 
 
+# causes before consequences: the first call that goes wrong (#1, a fully masked row) first, the +inf a later
+# call's input holds after it, whatever their severities
 SUMMARY_80 = """\
 Findings of the cells the model runs (--detail NAME, --full: per-call reports)
-error[inf_input]: a row of the scores holds +inf
-  --> 2 call(s), first model.layers.2.attn
-   = fix: the scores hold +inf (softmax gives inf - inf = NaN): find where they
-          overflow, e.g. Q@K^T in fp16 without 1/sqrt(d_k); scale q first or
-          compute scores in fp32
-
 warning[fully_masked_rows]: a query row has every key masked
   --> 1 call(s), first model.layers.1.attn
    = fix: a query that may attend to nothing has no softmax: zero such rows
@@ -137,6 +133,13 @@ warning[fully_masked_rows]: a query row has every key masked
           loss, or use a kernel that returns zeros (FlashAttention, SDPA >=
           2.5); even then their backward pass can poison gradients if a NaN
           reaches it
+
+error[inf_input]: a row of the scores holds +inf
+  --> 2 call(s), first model.layers.2.attn; after the first call that goes wrong
+      (#1 model.layers.1.attn), whose NaN its input can carry
+   = fix: the scores hold +inf (softmax gives inf - inf = NaN): find where they
+          overflow, e.g. Q@K^T in fp16 without 1/sqrt(d_k); scale q first or
+          compute scores in fp32
 
 attncheck explain CODE prints each code's meaning, threshold, example and fix
 """

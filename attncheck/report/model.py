@@ -11,6 +11,7 @@ from rich.text import Text
 
 from attncheck.codes import REGISTRY
 from attncheck.format import fmt, plain, to_jsonable, visible
+from attncheck.model import findings_in_order
 from attncheck.report.diagnostics import EXPLAIN_HINT, diagnostic
 from attncheck.report.run import diagnosis_json
 from attncheck.report.text import shown
@@ -168,26 +169,20 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
     return t
 
 
-def findings_summary(calls: list[CallReport], known: bool) -> Group | None:
+def findings_summary(calls: list[CallReport], known: bool, first_bad: int | None = None) -> Group | None:
     """Each finding code once, as a diagnostic: its severity and what it means, in how many calls and
     the first of them, its fix (the model's cells' findings for a capture; every cell's for files of
-    unknown implementation)."""
-    seen: dict[str, list] = {}
-    for c in calls:
-        if c.diagnosis is None:
-            continue
-        for f in c.diagnosis.findings:
-            entry = seen.setdefault(f.code, [f.severity, 0, c.call.module or c.call.name])
-            entry[1] += 1
-            if SEVERITY_ORDER[f.severity] < SEVERITY_ORDER[entry[0]]:
-                entry[0] = f.severity
+    unknown implementation); causes before consequences (``model.findings_in_order``)."""
+    seen = findings_in_order(calls, first_bad)
     if not seen:
         return None
     head = ("Findings of the cells the model runs (--detail NAME, --full: per-call reports)" if known
             else "Findings over all cells (--detail NAME, --full: per-call reports)")
     parts: list[Any] = [Text(head, style="bold")]
-    for code, (severity, n, first) in sorted(seen.items(), key=lambda kv: SEVERITY_ORDER[kv[1][0]]):
-        parts += [diagnostic(severity, code, REGISTRY[code].summary, f"{n} call(s), first {first}", REGISTRY[code].fix), Text("")]
+    for code, severity, n, first, cause in seen:
+        where = f"{n} call(s), first {first}" + (f"; after the first call that goes wrong ({cause}), whose NaN its input can carry"
+                                                  if cause else "")
+        parts += [diagnostic(severity, code, REGISTRY[code].summary, where, REGISTRY[code].fix), Text("")]
     parts.append(Text(EXPLAIN_HINT, style="dim"))
     return Group(*parts)
 
@@ -299,7 +294,7 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             text.append(f"  ... {len(report.outliers) - 12} more in the JSON report\n")
         text.rstrip()
         parts.append(text)
-    summary = findings_summary(calls, report.known)
+    summary = findings_summary(calls, report.known, report.first_bad)
     if summary is not None:
         parts.append(summary)
     grads = backward_summary(report, prefix)

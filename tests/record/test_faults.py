@@ -299,3 +299,44 @@ def test_a_scaled_kv_head_under_gqa_is_named_as_the_kv_head_its_query_heads_shar
     o = cap.result.model.outliers[0]
     assert o.value == heads[2].k_max_abs and o.median == heads[0].k_max_abs and o.ratio > 100
     assert o.message.startswith("model.layers.1.self_attn kv head 1 (query heads 2, 3): max|k| ")
+
+
+class _TwoEagerLayers(torch.nn.Module):
+    """Two hand-written attention layers; the first masks every key of query 2 in batch 1 with -inf."""
+
+    def __init__(self, width=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, 3 * width) for _ in range(2))
+
+    def forward(self, x, mask):  # x (B, T, E), mask (B, 1, T, T) additive
+        for i, proj in enumerate(self.layers):
+            b, t, e = x.shape
+            q, k, v = proj(x).view(b, t, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+            s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(e // self.heads)
+            s = s + mask if i == 0 else s
+            x = x + torch.matmul(torch.softmax(s, dim=-1), v).transpose(1, 2).reshape(b, t, e)
+        return x
+
+
+def test_the_root_cause_is_listed_before_the_nan_a_later_layer_inherits():
+    """Layer 0's fully masked row (a warning: the cause) makes NaN that layer 1 reads (error input_nan: its
+    consequence): the findings list the cause first, the consequence after it, naming the call it follows."""
+    torch.manual_seed(0)
+    model = _TwoEagerLayers()
+    mask = torch.zeros(2, 1, 6, 6)
+    mask[1, :, 2] = float("-inf")
+    with torch.no_grad():
+        out = model(torch.randn(2, 6, 16), mask)
+    assert torch.isnan(out).any()  # the model itself propagates the NaN
+    with torch.no_grad(), attncheck.capture(diagnose=True) as cap:
+        model(torch.randn(2, 6, 16), mask)
+    report = cap.result.model
+    assert report.first_bad == 0 and report.lines[0].first_cause == "fully_masked"
+    from attncheck.model import findings_in_order
+
+    order = [(code, severity, cause) for code, severity, _, _, cause in findings_in_order(cap.calls, report.first_bad)]
+    codes = [code for code, _, _ in order]
+    assert codes.index("fully_masked_rows") < codes.index("input_nan")
+    assert dict((c, (s, cause)) for c, s, cause in order)["input_nan"] == ("error", "#0 _TwoEagerLayers")
+    assert dict((c, (s, cause)) for c, s, cause in order)["fully_masked_rows"] == ("warning", None)
