@@ -264,6 +264,7 @@ class Cell:
     p_scale: float | None = None  # S, the factor on P before the FP8 cast
     # NaN rows per head (the axis before the queries), summed over the axes before it; empty for 2-D input
     nan_rows_per_head: list[int] = field(default_factory=list)
+    nan_causes_per_head: dict[str, list[int]] = field(default_factory=dict)  # the same, per first cause
     role: str = ASKED  # MODEL, WHAT_IF or ASKED (see ROLES)
     # rows whose top key differs from float64's, but only by a near-tie that the cell's own rounding
     # explains (see numerics.cells.accumulate.real_flips); not in argmax_flips
@@ -416,6 +417,7 @@ class HeadStat:
     qk_overflow: int = 0  # scores of Q@K^T beyond the call's dtype, computed as the model rounds them
     nan_rows: int = 0  # NaN rows of the cell the model uses, over all batch elements
     kv_head: int | None = None  # the kv head it reads (GQA: shared by a group of query heads); None: its own
+    nan_causes: dict[str, int] = field(default_factory=dict)  # its NaN rows by first cause (--ignore leaves some out)
 
 
 @dataclass

@@ -156,3 +156,22 @@ def test_the_model_reports_findings_read_as_diagnostics_once_per_code():
     buf = io.StringIO()
     Console(width=80, file=buf, color_system=None).print(findings_summary(calls, known=True))
     assert buf.getvalue() == SUMMARY_80
+
+
+def test_ignored_nan_rows_leave_the_head_grid_as_they_leave_the_call_table():
+    """--ignore fully_masked_rows: the call table counts 0 NaN rows for a call whose only NaN rows are fully
+    masked ones, and the layer x head grid says the same (it showed N2 beside the table's 0)."""
+    masked = healthy(2)
+    masked[1, 0, 5] = float("-inf")  # head 0: two fully masked rows, over the batch
+    masked[0, 0, 3] = float("-inf")
+    bad = healthy(1)
+    bad[0, 3, 2, 1] = float("inf")  # head 3: +inf, not ignored
+    calls = [softmax_call(0, masked), softmax_call(1, bad)]
+    assert calls[0].heads[0].nan_rows == 2 and calls[0].heads[0].nan_causes == {"fully_masked": 2}
+    grid = lambda text: [line.split() for line in text.splitlines() if line.strip().startswith(("0.attn", "1.attn"))][-2:]  # noqa: E731
+    shown = grid(render(model_report(calls), calls))
+    assert shown[0][1] == "N2" and shown[1][4] == "N1"
+    report = model_report(calls, ignore=("fully_masked_rows",))
+    assert report.lines[0].nan_rows == 0
+    shown = grid(render(report, calls))
+    assert not any(cell.startswith("N") for cell in shown[0][1:]) and shown[1][4] == "N1"

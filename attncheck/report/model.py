@@ -11,6 +11,7 @@ from rich.text import Text
 
 from attncheck.codes import REGISTRY
 from attncheck.format import fmt, plain, to_jsonable, visible
+from attncheck.findings import counted_rows
 from attncheck.model import findings_in_order
 from attncheck.report.diagnostics import EXPLAIN_HINT, diagnostic
 from attncheck.report.run import diagnosis_json
@@ -158,8 +159,9 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
         cells = []
         for h in c.heads[:width]:
             star = "*" if (c.call.index, h.head) in marked else ""
-            if h.nan_rows:
-                cells.append(Text(f"N{h.nan_rows}{star}", style="bold red"))
+            nan = counted_rows(h.nan_rows, h.nan_causes, report.ignored)  # as the call table counts them
+            if nan:
+                cells.append(Text(f"N{nan}{star}", style="bold red"))
             elif h.qk_overflow:
                 cells.append(Text(f"ovf{star}", style="bold red"))
             else:

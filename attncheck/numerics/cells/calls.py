@@ -450,7 +450,9 @@ def _head_stats(info: CallInfo, inputs, diag: TensorDiagnosis, cell, model: Cell
         if compute is not None and (inf_seen or (eager and diag.census.posinf) or capped):
             overflow = qk_overflow_per_head(inputs, dtype_from_name(compute) if eager else torch.float32)
     nan = cell.nan_rows_per_head if cell is not None and len(cell.nan_rows_per_head) == heads else [0] * heads
-    return [HeadStat(h, q_max[h], k_max[h], logits[h], overflow[h], nan[h], kv[h]) for h in range(heads)]
+    per_cause = {} if cell is None else {c: n for c, n in cell.nan_causes_per_head.items() if len(n) == heads}
+    return [HeadStat(h, q_max[h], k_max[h], logits[h], overflow[h], nan[h], kv[h], {c: n[h] for c, n in per_cause.items() if n[h]})
+            for h in range(heads)]
 
 
 def scores_report(info: CallInfo, diag: TensorDiagnosis) -> CallReport:
