@@ -340,3 +340,35 @@ def test_the_root_cause_is_listed_before_the_nan_a_later_layer_inherits():
     assert codes.index("fully_masked_rows") < codes.index("input_nan")
     assert dict((c, (s, cause)) for c, s, cause in order)["input_nan"] == ("error", "#0 _TwoEagerLayers")
     assert dict((c, (s, cause)) for c, s, cause in order)["fully_masked_rows"] == ("warning", None)
+
+
+def test_the_detail_of_a_traced_scale_call_whose_qk_overflowed_gives_its_max_qk():
+    """GPT-2 eager traces its scale; such a call's --detail panel said max|q.k| 0 (its Q/K pipeline never ran):
+    it is float64's max |q.k| of the model's own q and k, and the fp16 pipeline counts the Q@K^T overflow torch gets."""
+    import io
+
+    from rich.console import Console
+
+    from attncheck.report.run import attention_table
+
+    model = gpt2("eager", torch.float16)
+    head, d = 2, 8
+    with torch.no_grad():
+        w = model.transformer.h[1].attn.c_attn.weight
+        w[:, head * d:(head + 1) * d] *= 3000
+        w[:, 32 + head * d:32 + (head + 1) * d] *= 3000
+    inputs = batch()
+    with torch.no_grad(), attncheck.capture() as raw:
+        model(**inputs)
+    q, k = raw.calls[1].tensors["q"], raw.calls[1].tensors["k"]
+    qk = torch.matmul(q.double(), k.double().transpose(-1, -2)).abs().max().item()
+    overflowed = int(torch.isinf(torch.matmul(q, k.transpose(-1, -2))).sum())
+    with torch.no_grad(), attncheck.capture(diagnose=True, options=FP16_TORCH) as cap:
+        model(**inputs)
+    diag = cap.calls[1].diagnosis
+    assert cap.calls[1].call.meta["scale_source"] == "traced" and diag.attention.fitted_scale is None
+    assert diag.attention.raw_max_abs == pytest.approx(qk, rel=1e-12) and qk > 65520
+    assert diag.attention.dtypes["fp16"].qk_overflow_values == overflowed > 0
+    buf = io.StringIO()
+    Console(width=200, file=buf, color_system=None).print(attention_table(diag))
+    assert f"max|q.k| {qk:.4g}" in buf.getvalue()
