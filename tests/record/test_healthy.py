@@ -160,3 +160,26 @@ def test_a_bert_with_large_logits_what_if_fp16_only_naive_breaks():
     broken = {name for name, a in answers.items() if a.bad_calls and name.endswith("/fp16")}
     assert broken == {"eager:naive/fp16"} and answers["eager:naive/fp16"].first.first_cause == "exp_overflow"
     assert answers["eager:stable/fp16"].bad_calls == answers["flash/fp16"].bad_calls == 0
+
+
+class _OwnScaling(torch.nn.Module):
+    """Hand-written attention whose scale the trace cannot follow (a tensor factor), named by its module's
+    ``scaling`` attribute as transformers' attention modules name theirs."""
+
+    scaling = 0.01
+
+    def forward(self, q, k, v):
+        s = torch.matmul(q, k.transpose(-1, -2)) * torch.tensor([self.scaling])  # (1,): not a number the trace reads
+        return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
+def test_a_scale_the_module_names_is_the_models_own():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 8, 64, generator=g) for _ in range(3))
+    with torch.no_grad(), attncheck.capture(diagnose=True) as cap:
+        _OwnScaling()(q, k, v)
+    (r,) = cap.calls
+    assert r.call.meta["scale_source"] == "module" and r.call.scale == 0.01
+    # 0.01 x sqrt(64) = 0.08 < 64^(-1/4): double_scale's band, but the model's own choice
+    assert [(f.code, f.severity) for f in r.diagnosis.findings] == [("model_scale", "info")]
+    assert "the scaling attribute of the model's attention module" in r.diagnosis.findings[0].message
