@@ -176,7 +176,8 @@ torch.save({"q": q, "k": k}, "qk.pt")
         "their true value); error where the backward through the cap gives NaN.",
         "|q.k| >= the dtype's rounding limit before the cap (fp16: 65520), on a call whose capture traced a "
         "tanh between Q@K^T and the softmax; saturation: cap x tanh(finfo.max x scale / cap) == cap in the dtype.",
-        "harmless where it is info; else (or to keep the headroom) find why q/k grew so large, or compute Q@K^T in fp32 "
+        "harmless where it is info; else (or to keep the headroom) find why q/k grew so large, or compute Q@K^T "
+        "in fp32 "
         "(bf16 or fp32 weights, or upcast q and k before the matmul)",
         Example(_SEEDED + """\
 import attncheck
@@ -298,7 +299,8 @@ torch.save({"q": q, "k": k}, "qk.pt")
         "scales by 1/sqrt(query_pre_attn_scalar) whatever its head size.",
         "Said where missing_scale or double_scale would be: ratio = scale x sqrt(d_k) > d_k^(1/4) or < d_k^(-1/4) "
         "(d_k >= 4), for a scale the model chose.",
-        "nothing to change: the model was trained with this scale (dividing T5's scores by sqrt(d_k) would change the model); "
+        "nothing to change: the model was trained with this scale (dividing T5's scores by sqrt(d_k) would change "
+        "the model); "
         "reproduce it exactly when porting the model to another kernel (SDPA's scale=)",
         Example(_SEEDED + """\
 import torch.nn.functional as F

@@ -13,7 +13,8 @@ from attncheck.codes import CAUSES_OF, FIX, SEVERITIES, SEVERITY
 from attncheck.results import FLASH_RULE_FACTOR, UNEXPLAINED, Cell, Finding, TensorDiagnosis, flash_rule_bound
 
 # Where a captured call's scale came from, when it is the model's own choice (AttentionAudit.scale_source).
-CHOSEN_SCALES = {"argument": "the scale= argument the model passed to SDPA", "traced": "the scale the model's code applies, as the capture traced it",
+CHOSEN_SCALES = {"argument": "the scale= argument the model passed to SDPA",
+                 "traced": "the scale the model's code applies, as the capture traced it",
                  "module": "the scaling attribute of the model's attention module"}
 
 FLUSH_INFO_FRAC = 0.01
@@ -322,7 +323,7 @@ def _scale_findings(a, add) -> bool:
     said = f"the scores are q.k times {scale:.4g} ({how}): {ratio:.3g} x 1/sqrt(d_k) = 1/sqrt({a.d}) = {1 / math.sqrt(a.d):.4g}"
     if not (ratio > a.d**0.25 or ratio < a.d**-0.25):
         return False
-    if chosen:  # the model's own scale is a fact, not a fault: it was trained with it (T5 folds 1/sqrt(d_k) into its init)
+    if chosen:  # the model's own scale is a fact, not a fault: it was trained with it (T5: 1/sqrt(d_k) in its init)
         equals = f"1/sqrt({1 / scale**2:.6g})" if scale < 1 else f"{scale:.4g}"
         add("model_scale", said + f" (= {equals}); the model's own choice, which it was trained with")
     elif ratio > a.d**0.25:
@@ -344,17 +345,20 @@ def softcap_findings(diag: TensorDiagnosis) -> list[Finding]:
     def add(code: str, message: str, severity: str | None = None) -> None:
         out.append(Finding(code, severity or SEVERITY[code], message, FIX[code]))
 
-    head = (f"S = Q@K^T overflows {cap.dtype} before the soft cap at {cap.overflow} score(s) (max|q.k| {cap.max_qk:.4g}; {cap.dtype} "
-            f"rounds |S| >= {cap.limit:.6g} to inf); the cap {cap.cap:g} x tanh(S x {cap.scale:.4g} / {cap.cap:g}) turns inf into "
-            f"{cap.cap:g}, so the logits stay finite")
+    head = (f"S = Q@K^T overflows {cap.dtype} before the soft cap at {cap.overflow} score(s) (max|q.k| "
+            f"{cap.max_qk:.4g}; {cap.dtype} rounds |S| >= {cap.limit:.6g} to inf); the cap {cap.cap:g} x "
+            f"tanh(S x {cap.scale:.4g} / {cap.cap:g}) turns inf into {cap.cap:g}, so the logits stay finite")
     if cap.saturated:
         forward = (f": harmless in the forward, since tanh already rounds to 1 in {cap.dtype} at the largest finite S "
                    "(the same logit as the finite score)")
     else:
-        forward = (f", but not the one the finite score gives: the cap does not saturate in {cap.dtype} at the largest finite S, so those "
-                   "logits are wrong")
-    backward = ("; the backward is harmless too: torch's autograd gives 1 - tanh^2 = 0 there, a 0 gradient as for a saturated finite score"
-                if cap.grad_finite else "; the backward through the cap at inf gives NaN gradients")
+        forward = (f", but not the one the finite score gives: the cap does not saturate in {cap.dtype} at the largest "
+                   "finite S, so those logits are wrong")
+    if cap.grad_finite:
+        backward = ("; the backward is harmless too: torch's autograd gives 1 - tanh^2 = 0 there, as for a saturated "
+                    "finite score")
+    else:
+        backward = "; the backward through the cap at inf gives NaN gradients"
     severity = "error" if not cap.grad_finite else ("info" if cap.saturated else "warning")
     add("softcap_overflow", head + forward + backward, severity=severity)
     return out

@@ -140,8 +140,9 @@ def outliers(report: CallReport, ratio: float = OUTLIER_RATIO) -> list[Outlier]:
             median = statistics.median(x for j, (x, _) in enumerate(values) if j != i)
             if median > 0 and v >= ratio * median:
                 kv = members[0].kv_head if tensor == "k" and shared else None
-                out.append(Outlier(report.call.index, report.call.module, members[0].head, tensor, v, median, v / median,
-                                   kv_head=kv, query_heads=[h.head for h in members] if kv is not None else []))
+                reads = [h.head for h in members] if kv is not None else []
+                out.append(Outlier(report.call.index, report.call.module, members[0].head, tensor, v, median,
+                                   v / median, kv_head=kv, query_heads=reads))
     return out
 
 
@@ -151,7 +152,8 @@ def outliers(report: CallReport, ratio: float = OUTLIER_RATIO) -> list[Outlier]:
 INHERITED = ("input_nan", "inf_input")
 
 
-def findings_in_order(calls: list[CallReport], first_bad: int | None = None) -> list[tuple[str, str, int, str, str | None]]:
+def findings_in_order(calls: list[CallReport],
+                      first_bad: int | None = None) -> list[tuple[str, str, int, str, str | None]]:
     """Each finding code once: (code, its worst severity, the calls holding it, the first of them, and for a
     consequence the call it follows from), causes before consequences. The first call that goes wrong
     (``first_bad``, a position in ``calls``; found here when None) holds the root cause: its codes come
@@ -226,8 +228,9 @@ def head_findings(report: CallReport, diag_findings: list[Finding]) -> list[Find
     """A ``qk_overflow`` finding naming the heads whose Q@K^T overflows the call's dtype, when
     the diagnosis has none of its own (scores recorded at a softmax carry the +inf it made)."""
     over = [h for h in report.heads if h.qk_overflow]
-    capped = report.diagnosis is not None and report.diagnosis.attention is not None and report.diagnosis.attention.softcap is not None
-    if not over or capped or any(f.code == "qk_overflow" for f in diag_findings):  # a soft cap's overflow: softcap_overflow
+    audit = None if report.diagnosis is None else report.diagnosis.attention
+    capped = audit is not None and audit.softcap is not None  # a soft cap's overflow is softcap_overflow
+    if not over or capped or any(f.code == "qk_overflow" for f in diag_findings):
         return []
     from attncheck.codes import FIX
     from attncheck.format import plain

@@ -521,9 +521,10 @@ class Outlier:
         where = self.module or f"call {self.index}"
         if self.kv_head is not None:
             reads = ", ".join(map(str, self.query_heads))
-            return (f"{where} kv head {self.kv_head} (query heads {reads}): max|{self.tensor}| {plain(self.value)} vs median "
-                    f"{plain(self.median)} over the other kv heads")
-        return f"{where} head {self.head}: max|{self.tensor}| {plain(self.value)} vs median {plain(self.median)} over the other heads"
+            return (f"{where} kv head {self.kv_head} (query heads {reads}): max|{self.tensor}| {plain(self.value)} "
+                    f"vs median {plain(self.median)} over the other kv heads")
+        return (f"{where} head {self.head}: max|{self.tensor}| {plain(self.value)} vs median {plain(self.median)} "
+                "over the other heads")
 
 
 @dataclass

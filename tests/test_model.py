@@ -168,7 +168,9 @@ def test_ignored_nan_rows_leave_the_head_grid_as_they_leave_the_call_table():
     bad[0, 3, 2, 1] = float("inf")  # head 3: +inf, not ignored
     calls = [softmax_call(0, masked), softmax_call(1, bad)]
     assert calls[0].heads[0].nan_rows == 2 and calls[0].heads[0].nan_causes == {"fully_masked": 2}
-    grid = lambda text: [line.split() for line in text.splitlines() if line.strip().startswith(("0.attn", "1.attn"))][-2:]  # noqa: E731
+    def grid(text):  # the layer x head grid's rows (the call table's rows start with the call's number)
+        return [line.split() for line in text.splitlines() if line.strip().startswith(("0.attn", "1.attn"))][-2:]
+
     shown = grid(render(model_report(calls), calls))
     assert shown[0][1] == "N2" and shown[1][4] == "N1"
     report = model_report(calls, ignore=("fully_masked_rows",))

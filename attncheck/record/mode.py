@@ -872,7 +872,8 @@ class Recorder(TorchFunctionMode):
                     else:
                         meta["softcap"] = "unknown"  # a tanh between Q@K^T and the softmax whose factors the trace lost
                 if meta["scale_source"] == "unknown" and meta.get("softcap") is None:
-                    own = _number(getattr(self.tracker.stack[-1][0], "scaling", None))  # transformers' attention modules name theirs
+                    # transformers' attention modules name theirs
+                    own = _number(getattr(self.tracker.stack[-1][0], "scaling", None))
                     if own is not None and math.isfinite(own) and own > 0:
                         meta["scale"], meta["scale_source"] = repr(own), "module"
         if traced is not None:  # how a mask entered the scores: added (dS passes it) or filled (dS zeroed there)
@@ -903,7 +904,8 @@ class Recorder(TorchFunctionMode):
                 return
             if isinstance(out, torch.Tensor):
                 self._qk = {"a": a, "b": b, "shape": tuple(out.shape), "path": self.tracker.path}
-                self._scores = {id(out): (weakref.ref(out), 1.0, frozenset({"baddbmm"} if name == "baddbmm" else ()), None)}
+                ops = frozenset({"baddbmm"} if name == "baddbmm" else ())
+                self._scores = {id(out): (weakref.ref(out), 1.0, ops, None)}  # (the scores, scale, ops, soft cap)
             return
         if not isinstance(out, torch.Tensor):
             return

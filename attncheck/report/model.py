@@ -182,8 +182,9 @@ def findings_summary(calls: list[CallReport], known: bool, first_bad: int | None
             else "Findings over all cells (--detail NAME, --full: per-call reports)")
     parts: list[Any] = [Text(head, style="bold")]
     for code, severity, n, first, cause in seen:
-        where = f"{n} call(s), first {first}" + (f"; after the first call that goes wrong ({cause}), whose NaN its input can carry"
-                                                  if cause else "")
+        where = f"{n} call(s), first {first}"
+        if cause:
+            where += f"; after the first call that goes wrong ({cause}), whose NaN its input can carry"
         parts += [diagnostic(severity, code, REGISTRY[code].summary, where, REGISTRY[code].fix), Text("")]
     parts.append(Text(EXPLAIN_HINT, style="dim"))
     return Group(*parts)
@@ -289,7 +290,8 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
         wide = max(len(c.heads) for c in calls if c.heads) > MAX_HEAD_COLUMNS
         parts += [Text(HEAD_LEGEND + (f" (first {MAX_HEAD_COLUMNS} heads)" if wide else "")), matrix]
     if report.outliers:
-        text = Text("Outlier heads (max|q| or max|k| >= 10x the median over the call's other heads; k per kv head):\n", style="yellow")
+        text = Text("Outlier heads (max|q| or max|k| >= 10x the median over the call's other heads; k per kv head):\n",
+                    style="yellow")
         for o in report.outliers[:12]:
             text.append(f"  {visible(o.message)}\n")
         if len(report.outliers) > 12:

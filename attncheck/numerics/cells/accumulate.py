@@ -377,7 +377,7 @@ class CellAcc:
                 if k:
                     counter[cause] += k
                     self.examples.add(f"{prefix}:{cause}", hit, c.offset)
-                    if prefix == "nan" and self.heads:  # per head too: --ignore leaves a cause's rows out of the head grid as well
+                    if prefix == "nan" and self.heads:  # per head too: --ignore leaves them out of the head grid
                         head = (torch.nonzero(hit).flatten().cpu() + c.offset) // self.queries
                         per = self.nan_by_head_cause.setdefault(cause, torch.zeros_like(self.nan_by_head))
                         per += torch.bincount(head, minlength=per.numel())
@@ -502,7 +502,8 @@ class CellAcc:
         )
 
     def _per_head(self, counts: torch.Tensor | None = None) -> list[int]:
-        """NaN rows (``counts``: of one cause) per index of the last leading axis (the heads), summed over the axes before it."""
+        """NaN rows (``counts``: of one cause) per index of the last leading axis (the heads), summed over the
+        axes before it."""
         if not self.heads:
             return []
         return (self.nan_by_head if counts is None else counts).reshape(-1, self.heads[-1]).sum(dim=0).tolist()

@@ -169,7 +169,7 @@ def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: Tens
 
     _check_grads(info, tensors)
     if info.kind == "softmax" and info.meta.get("softcap", "none") != "none":
-        return  # the backward paths have no soft cap (its tanh Jacobian): judged without it they would be wrong, so not judged
+        return  # the backward paths have no soft cap (its tanh Jacobian): judged without it they would be wrong
     if info.kind == "softmax":
         bw_inputs = None if inputs is None else _softmax_what_if_inputs(info, tensors, inputs, options)
     else:
@@ -302,8 +302,8 @@ def _scores_diagnosis(info, scores, inputs, options, cells, progress, notice) ->
     source = _scale_source(info)
     # the Q/K pipeline runs beside the scores either way (max|q.k|, Q@K^T overflow in the cell's dtype);
     # the scale is fitted only where the capture traced none
-    return diagnose_attention(info.name, inputs, options, progress, scores=scores, notice=notice, cells=cells, scale_source=source,
-                              fit=source is None)
+    return diagnose_attention(info.name, inputs, options, progress, scores=scores, notice=notice, cells=cells,
+                              scale_source=source, fit=source is None)
 
 
 def _what_if(info: CallInfo, tensors, inputs, options: Options, what_if, asked, notice, max_bytes: int | None = None) -> TensorDiagnosis | None:
@@ -451,8 +451,8 @@ def _head_stats(info: CallInfo, inputs, diag: TensorDiagnosis, cell, model: Cell
             overflow = qk_overflow_per_head(inputs, dtype_from_name(compute) if eager else torch.float32)
     nan = cell.nan_rows_per_head if cell is not None and len(cell.nan_rows_per_head) == heads else [0] * heads
     per_cause = {} if cell is None else {c: n for c, n in cell.nan_causes_per_head.items() if len(n) == heads}
-    return [HeadStat(h, q_max[h], k_max[h], logits[h], overflow[h], nan[h], kv[h], {c: n[h] for c, n in per_cause.items() if n[h]})
-            for h in range(heads)]
+    return [HeadStat(h, q_max[h], k_max[h], logits[h], overflow[h], nan[h], kv[h],
+                     {c: n[h] for c, n in per_cause.items() if n[h]}) for h in range(heads)]
 
 
 def scores_report(info: CallInfo, diag: TensorDiagnosis) -> CallReport:

@@ -31,7 +31,8 @@ def softcap_facts(inp: "AttentionInputs", dtype: torch.dtype, cap: float, max_qk
     limit = rounding_limit(dtype)
     overflow = sum(qk_overflow_per_head(inp, dtype)) if max_qk >= limit * 0.99 else 0  # fp32 accumulation may round up
     with torch.enable_grad():  # the diagnosis may run under no_grad (a capture of inference)
-        top = torch.tensor([torch.finfo(dtype).max, float("inf")], dtype=dtype, requires_grad=True)  # the largest finite S, an overflowed S
+        # the largest finite S and an overflowed one
+        top = torch.tensor([torch.finfo(dtype).max, float("inf")], dtype=dtype, requires_grad=True)
         y = capped(top, inp.scale, cap)  # (2,)
         (g,) = torch.autograd.grad(y.sum(), top)
     saturated = bool(y[0] == y[1])
