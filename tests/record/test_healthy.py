@@ -184,3 +184,25 @@ def test_a_scale_the_module_names_is_the_models_own():
     # 0.01 x sqrt(64) = 0.08 < 64^(-1/4): double_scale's band, but the model's own choice
     assert [(f.code, f.severity) for f in r.diagnosis.findings] == [("model_scale", "info")]
     assert "the scaling attribute of the model's attention module" in r.diagnosis.findings[0].message
+
+
+@pytest.mark.slow  # ~8 s (the script's import of transformers); the library test above is the default run's
+def test_a_healthy_gemma2_captured_from_the_command_line_passes_fail_on(tmp_path):
+    """As a user runs it: Gemma-2 from its config, fp16, eager, soft-capped, under attncheck capture."""
+    script = tmp_path / "gemma.py"
+    script.write_text(
+        "import torch, transformers as T\n"
+        "torch.manual_seed(0)\n"
+        "cfg = T.Gemma2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=32,\n"
+        "                     intermediate_size=128, vocab_size=64, query_pre_attn_scalar=256, attn_logit_softcapping=50.0)\n"
+        "m = T.Gemma2ForCausalLM._from_config(cfg, attn_implementation='eager', dtype=torch.float16).eval()\n"
+        "with torch.no_grad():\n"
+        "    m(input_ids=torch.randint(2, 64, (2, 12)))\n"
+    )
+    r = CliRunner().invoke(app, ["capture", "--out", str(tmp_path / "cap"), "--fail-on", "error,warning,nan", "--", str(script)],
+                           env={"COLUMNS": "100"})
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert "info[model_scale]" in text and "double_scale" not in text
+    assert "S = Q@K^T before the soft cap in fp16 rounds to inf at |S| >= 65520" in text
+    assert "2 call(s) on cpu: 0 error(s), 0 warning(s); no call goes wrong in the cells the model runs" in text
