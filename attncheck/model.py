@@ -152,15 +152,18 @@ def outliers(report: CallReport, ratio: float = OUTLIER_RATIO) -> list[Outlier]:
 INHERITED = ("input_nan", "inf_input")
 
 
-def findings_in_order(calls: list[CallReport],
-                      first_bad: int | None = None) -> list[tuple[str, str, int, str, str | None]]:
+def findings_in_order(calls: list[CallReport], first_bad: int | None = None,
+                      ignore=()) -> list[tuple[str, str, int, str, str | None]]:
     """Each finding code once: (code, its worst severity, the calls holding it, the first of them, and for a
     consequence the call it follows from), causes before consequences. The first call that goes wrong
     (``first_bad``, a position in ``calls``; found here when None) holds the root cause: its codes come
-    first; NaN or +inf a later call inherits in its inputs (``INHERITED``: input_nan, inf_input) is that
-    cause's consequence and follows it, whatever its severity; the rest by severity."""
+    first, the one of its line's first cause leading (qk_overflow before the +inf it put in the scores);
+    NaN or +inf a later call inherits in its inputs (``INHERITED``: input_nan, inf_input) is that cause's
+    consequence and follows it, whatever its severity; the rest by severity."""
+    from attncheck.codes import CAUSES_OF
+
     if first_bad is None:
-        first_bad = next((i for i, c in enumerate(calls) if call_line(c).verdict in BAD_VERDICTS), None)
+        first_bad = next((i for i, c in enumerate(calls) if call_line(c, ignore).verdict in BAD_VERDICTS), None)
     rank = {"error": 0, "warning": 1, "info": 2}
     seen: dict[str, list] = {}  # code -> [severity, calls, first call's name, position of the first call]
     for i, c in enumerate(calls):
@@ -173,14 +176,15 @@ def findings_in_order(calls: list[CallReport],
                 entry[0] = f.severity
     root = None if first_bad is None else calls[first_bad]
     root_name = None if root is None else f"#{root.call.index} {root.call.module or root.call.name}"
+    cause = None if root is None else call_line(root, ignore).first_cause
 
-    def place(item) -> tuple[int, int]:
+    def place(item) -> tuple[int, int, int]:
         code, (severity, _, _, at) = item
         if root is not None and at == first_bad:
-            return 0, rank[severity]
+            return 0, 0 if cause in CAUSES_OF.get(code, ()) else 2 if code in INHERITED else 1, rank[severity]
         if root is not None and code in INHERITED and at > first_bad:
-            return 1, rank[severity]
-        return 2, rank[severity]
+            return 1, 0, rank[severity]
+        return 2, 0, rank[severity]
 
     ordered = sorted(seen.items(), key=place)
     return [(code, sev, n, name, root_name if place((code, (sev, n, name, at)))[0] == 1 else None)

@@ -171,11 +171,11 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "") 
     return t
 
 
-def findings_summary(calls: list[CallReport], known: bool, first_bad: int | None = None) -> Group | None:
+def findings_summary(calls: list[CallReport], known: bool, first_bad: int | None = None, ignore=()) -> Group | None:
     """Each finding code once, as a diagnostic: its severity and what it means, in how many calls and
     the first of them, its fix (the model's cells' findings for a capture; every cell's for files of
     unknown implementation); causes before consequences (``model.findings_in_order``)."""
-    seen = findings_in_order(calls, first_bad)
+    seen = findings_in_order(calls, first_bad, ignore)
     if not seen:
         return None
     head = ("Findings of the cells the model runs (--detail NAME, --full: per-call reports)" if known
@@ -298,7 +298,7 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             text.append(f"  ... {len(report.outliers) - 12} more in the JSON report\n")
         text.rstrip()
         parts.append(text)
-    summary = findings_summary(calls, report.known, report.first_bad)
+    summary = findings_summary(calls, report.known, report.first_bad, report.ignored)
     if summary is not None:
         parts.append(summary)
     grads = backward_summary(report, prefix)

@@ -46,6 +46,11 @@ def test_scaled_qk_head_in_fp16_eager_is_named_and_matches_the_models_nans():
     assert [h.head for h in bad.heads if h.qk_overflow] == [head]
     outliers = {(o.module, o.head, o.tensor) for o in report.outliers}
     assert outliers == {(f"transformer.h.{layer}.attn", head, "q"), (f"transformer.h.{layer}.attn", head, "k")}
+    # the root cause leads the findings: the overflow of Q@K^T before the +inf it put in the scores
+    from attncheck.model import findings_in_order
+
+    codes = [code for code, *_ in findings_in_order(cap.calls, report.first_bad)]
+    assert codes[0] == "qk_overflow" and codes.index("qk_overflow") < codes.index("inf_input")
 
 
 def test_qk_overflow_count_per_head_matches_the_fp16_matmul(tmp_path):
