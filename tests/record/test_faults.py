@@ -242,6 +242,9 @@ def test_gemma2_overflow_before_the_soft_cap_is_measured_before_the_cap_and_said
     assert "backward is harmless too" in f.message
     assert [h.qk_overflow for h in call.heads] == torch.isinf(s16).sum(dim=(0, 2, 3)).tolist()
     assert cap.result.model.first_bad is None
+    # eager Gemma-2 repeats k over each kv group before Q@K^T: the scaled kv head 0 is named once, with its query heads
+    found = [(o.tensor, o.head, o.kv_head, o.query_heads) for o in cap.result.model.outliers]
+    assert found == [("q", 0, None, []), ("k", 0, 0, [0, 1])]
     # what the message says of the backward, asked of torch's autograd through the model's own chain: a 0 gradient at
     # the overflowed scores and finite gradients everywhere (loss through the whole model)
     s = s16.clone().requires_grad_(True)
