@@ -382,3 +382,7 @@ def test_the_detail_of_a_traced_scale_call_whose_qk_overflowed_gives_its_max_qk(
     buf = io.StringIO()
     Console(width=200, file=buf, color_system=None).print(attention_table(diag))
     assert f"max|q.k| {qk:.4g}" in buf.getvalue()
+    # a healthy layer's call (far from any overflow: the Q/K pipeline is not run) still gives its max|q.k|
+    q0, k0 = raw.calls[0].tensors["q"], raw.calls[0].tensors["k"]
+    qk0 = torch.matmul(q0.double(), k0.double().transpose(-1, -2)).abs().max().item()
+    assert cap.calls[0].diagnosis.attention.raw_max_abs == pytest.approx(qk0, rel=1e-12) and 0 < qk0 < 65520 / 4

@@ -193,14 +193,16 @@ def test_a_healthy_gemma2_captured_from_the_command_line_passes_fail_on(tmp_path
     script.write_text(
         "import torch, transformers as T\n"
         "torch.manual_seed(0)\n"
-        "cfg = T.Gemma2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=32,\n"
-        "                     intermediate_size=128, vocab_size=64, query_pre_attn_scalar=256, attn_logit_softcapping=50.0)\n"
-        "m = T.Gemma2ForCausalLM._from_config(cfg, attn_implementation='eager', dtype=torch.float16).eval()\n"
+        "cfg = T.Gemma2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,\n"
+        "                     head_dim=32, intermediate_size=128, vocab_size=64, query_pre_attn_scalar=256,\n"
+        "                     attn_logit_softcapping=50.0)\n"
+        "m = T.Gemma2ForCausalLM._from_config(cfg, attn_implementation='eager', dtype=torch.float16)\n"
+        "m.eval()\n"
         "with torch.no_grad():\n"
         "    m(input_ids=torch.randint(2, 64, (2, 12)))\n"
     )
-    r = CliRunner().invoke(app, ["capture", "--out", str(tmp_path / "cap"), "--fail-on", "error,warning,nan", "--", str(script)],
-                           env={"COLUMNS": "100"})
+    args = ["capture", "--out", str(tmp_path / "cap"), "--fail-on", "error,warning,nan", "--", str(script)]
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "100"})
     assert r.exit_code == 0, r.output
     text = " ".join(r.stdout.split())
     assert "info[model_scale]" in text and "double_scale" not in text

@@ -296,14 +296,38 @@ def _scores_diagnosis(info, scores, inputs, options, cells, progress, notice) ->
     """A softmax call: the scores it saw, as recorded. With its q and k, the scale they carry: the
     traced one (the model's code), or fitted to the scores where the trace found none."""
     from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
+    from attncheck.numerics.inputs.scores import start_audit
 
     if inputs is None or info.meta.get("q_prescaled") == "true":
         return diagnose(info.name, scores, options, progress, notice=notice, cells=cells)
     source = _scale_source(info)
-    # the Q/K pipeline runs beside the scores either way (max|q.k|, Q@K^T overflow in the cell's dtype);
-    # the scale is fitted only where the capture traced none
-    return diagnose_attention(info.name, inputs, options, progress, scores=scores, notice=notice, cells=cells,
-                              scale_source=source, fit=source is None)
+    if source is None or softcap(info) is not None or _near_overflow(info, scores):
+        # the Q/K pipeline beside the scores (max|q.k|, Q@K^T overflow per dtype); a scale fitted where none was traced
+        return diagnose_attention(info.name, inputs, options, progress, scores=scores, notice=notice, cells=cells,
+                                  scale_source=source, fit=source is None)
+    # far from any overflow: the scores alone, with the audit's max|q.k| (the --detail panel said 0)
+    from attncheck.config.run import rows_per_chunk
+    from attncheck.numerics.inputs.scores import max_abs_qk
+
+    audit = start_audit(inputs)
+    audit.scale_source = source
+    audit.raw_max_abs = max_abs_qk(inputs, rows_per_chunk(scores.shape[-1], options, cells))
+    return diagnose(info.name, scores, options, progress, notice=notice, cells=cells, attention=audit)
+
+
+def _near_overflow(info: CallInfo, scores: torch.Tensor) -> bool:
+    """The scores a softmax call saw hold +inf or NaN, or a logit whose Q@K^T (before the traced scale) is within
+    a factor 4 of the scores' dtype's rounding limit: then the Q/K pipeline says where and why."""
+    if not scores.numel():
+        return False
+    finite = torch.isfinite(scores)
+    if not bool(finite.all()) and bool((torch.isposinf(scores) | torch.isnan(scores)).any()):
+        return True
+    logits = finite & (scores > MASK_SENTINEL_LIMIT)  # masked keys (-inf, sentinels) left out
+    top = float(torch.where(logits, scores.abs(), torch.zeros((), dtype=scores.dtype)).amax())
+    scale = abs(info.scale) if info.scale else 1.0
+    limit = rounding_limit(dtype_from_name(cell_dtype_name(info.dtype) or "fp32"))
+    return top / scale >= limit / 4
 
 
 def _what_if(info: CallInfo, tensors, inputs, options: Options, what_if, asked, notice, max_bytes: int | None = None) -> TensorDiagnosis | None:
