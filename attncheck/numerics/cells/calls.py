@@ -484,5 +484,9 @@ def scores_report(info: CallInfo, diag: TensorDiagnosis) -> CallReport:
     info = replace(info, shape=tuple(diag.shape), dtype=info.dtype or diag.dtype)
     cell = model_cell(info)
     used = _cell_of(diag, cell)
-    heads = [HeadStat(h, None, None, m, 0, n) for h, (m, n) in enumerate(zip(diag.head_max_logits, used.nan_rows_per_head))] if used is not None and len(used.nan_rows_per_head) == len(diag.head_max_logits) else []
+    heads = []
+    if used is not None and len(used.nan_rows_per_head) == len(diag.head_max_logits):
+        per_cause = {c: n for c, n in used.nan_causes_per_head.items() if len(n) == len(diag.head_max_logits)}
+        heads = [HeadStat(h, None, None, m, 0, n, None, {c: k[h] for c, k in per_cause.items() if k[h]})
+                 for h, (m, n) in enumerate(zip(diag.head_max_logits, used.nan_rows_per_head))]
     return CallReport(info, diag, heads, None if cell is None else (cell.method, cell.dtype))
