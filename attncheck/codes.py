@@ -164,6 +164,43 @@ torch.save({"q": q, "k": k}, "qk.pt")
         causes=("qk_overflow",),
     ),
     Code(
+        "softcap_overflow", "info", "mask",
+        "S = Q@K^T rounds to inf before a soft cap, which hides it",
+        "Soft-capped attention (Gemma-2's eager attention) computes cap x tanh(S x scale / cap) with every step "
+        "in the scores' dtype, after S = Q@K^T is rounded to it. A score beyond the dtype's range is inf "
+        "before the cap, and the cap turns it into exactly the cap: the logits stay finite, the softmax "
+        "breaks nothing, and only S's headroom (the model report's `room`, measured before the cap) shows it. "
+        "The severity is what the overflow does, asked of torch itself: info where tanh already rounds to 1 at "
+        "the dtype's largest finite S, so the inf gives the same logit, and torch's backward through the cap "
+        "gives 1 - tanh^2 = 0 there, the gradient of that saturated finite score (harmless forward and "
+        "backward); warning where the cap does not saturate there (those logits become the cap instead of "
+        "their true value); error where the backward through the cap gives NaN.",
+        "|q.k| >= the dtype's rounding limit before the cap (fp16: 65520), on a call whose capture traced a "
+        "tanh between Q@K^T and the softmax; saturation: cap x tanh(finfo.max x scale / cap) == cap in the dtype.",
+        "harmless where it is info; else (or to keep the headroom) find why q/k grew so large, or compute Q@K^T "
+        "in fp32 "
+        "(bf16 or fp32 weights, or upcast q and k before the matmul)",
+        Example(_SEEDED + """\
+import attncheck
+
+
+class SoftCapped(torch.nn.Module):  # as Gemma-2's eager attention
+    def forward(self, q, k, v, cap=50.0):
+        s = torch.matmul(q, k.transpose(-1, -2)) * 0.0625
+        s = torch.tanh(s / cap) * cap
+        return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+q = torch.full((1, 1, 4, 32), 60.0, dtype=torch.float16)  # q.k = 32 x 60 x 60 = 115200 > 65504
+k, v = q.clone(), torch.randn(1, 1, 4, 32, generator=g).half()
+with torch.no_grad(), attncheck.capture(diagnose=True) as cap:
+    SoftCapped()(q, k, v)
+result = cap.calls[0].diagnosis
+"""),
+        severity_note="warning where the cap does not saturate at the dtype's largest S (the logits change); "
+        "error where the backward through the cap gives NaN", also="warning",
+    ),
+    Code(
         "sentinel_overflow_on_add", "error", "mask",
         "adding the mask value to a negative score overflows to -inf",
         "A mask of finfo(dtype).min added to the scores leaves no room below it: a negative score plus the "
@@ -231,8 +268,7 @@ torch.save({"q": q, "k": k, "mask": keep}, "qk.pt")
         "The scale the scores carry is far above 1/sqrt(d_k): Var(q.k) grows as d_k, so unscaled logits "
         "collapse attention onto one key, kill the softmax gradient and overflow fp16 sooner. The scale is the "
         "one applied (`--scale`), or with a scores file and `--q/--k` the one fitted by least squares. A scale "
-        "the model chose itself (SDPA's `scale=` argument, or traced from its code by `attncheck capture`, as T5 "
-        "folds it into its weights) is stated as info.",
+        "the model chose itself is not this finding but `model_scale` (info).",
         "ratio = scale x sqrt(d_k) > d_k^(1/4), i.e. scale > d_k^(-1/4) (d_k >= 4). Judged from the scale, not "
         "from the spread of the scores, which low-rank q/k, outlier channels or RoPE move.",
         "the scores are not scaled by 1/sqrt(d_k): divide by sqrt(d_k) (SDPA's default scale), or check the scale your model applies",
@@ -240,21 +276,49 @@ torch.save({"q": q, "k": k, "mask": keep}, "qk.pt")
 q, k = torch.randn(1, 1, 16, 64, generator=g), torch.randn(1, 1, 16, 64, generator=g)
 torch.save({"q": q, "k": k}, "qk.pt")
 """, "attncheck run --q qk.pt:q --k qk.pt:k --scale none --dtype fp32 --method torch --brief --fail-on missing_scale"),
-        severity_note="info when the scale is the model's own choice", also="info",
     ),
     Code(
         "double_scale", "warning", "mask",
         "the scores are scaled about twice by 1/sqrt(d_k)",
         "The scale the scores carry is near 1/d_k: q was divided by sqrt(d_k) and the scores again (or SDPA's "
         "default scale on pre-scaled q). Attention flattens towards uniform. A scale the model chose itself is "
-        "stated as info.",
+        "not this finding but `model_scale` (info).",
         "ratio = scale x sqrt(d_k) < d_k^(-1/4), i.e. scale < d_k^(-3/4) (d_k >= 4).",
         "the scores are scaled about twice by 1/sqrt(d_k): apply it once (SDPA scales by default; don't pre-scale q as well)",
         Example(_SEEDED + """\
 q, k = torch.randn(1, 1, 16, 64, generator=g), torch.randn(1, 1, 16, 64, generator=g)
 torch.save({"q": q, "k": k}, "qk.pt")
 """, "attncheck run --q qk.pt:q --k qk.pt:k --scale dk --dtype fp32 --method torch --brief --fail-on double_scale"),
-        severity_note="info when the scale is the model's own choice", also="info",
+    ),
+    Code(
+        "model_scale", "info", "mask",
+        "the model applies its own scale, not 1/sqrt(d_k)",
+        "A captured call whose scale the model chose itself: SDPA's `scale=` argument, the factor its code "
+        "applies (traced by `attncheck capture` through multiplications, divisions and a soft cap), or the "
+        "`scaling` attribute of its attention module. The model was trained with that scale, so it is a fact, "
+        "not a fault: T5 passes scale=1 because it folds 1/sqrt(d_k) into its weights' initialisation; Gemma-2 "
+        "scales by 1/sqrt(query_pre_attn_scalar) whatever its head size.",
+        "Said where missing_scale or double_scale would be: ratio = scale x sqrt(d_k) > d_k^(1/4) or < d_k^(-1/4) "
+        "(d_k >= 4), for a scale the model chose.",
+        "nothing to change: the model was trained with this scale (dividing T5's scores by sqrt(d_k) would change "
+        "the model); "
+        "reproduce it exactly when porting the model to another kernel (SDPA's scale=)",
+        Example(_SEEDED + """\
+import torch.nn.functional as F
+
+import attncheck
+
+
+class T5Attention(torch.nn.Module):  # T5 folds 1/sqrt(d_k) into its weights' initialisation
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, scale=1.0)
+
+
+q, k, v = (torch.randn(1, 2, 8, 64, generator=g) / 8 for _ in range(3))
+with attncheck.capture(diagnose=True) as cap:
+    T5Attention()(q, k, v)
+result = cap.calls[0].diagnosis
+"""),
     ),
     Code(
         "scale_mismatch", "warning", "mask",

@@ -14,7 +14,9 @@ from attncheck.results import (FLASH_RULE_FACTOR, REAL_BOUND_TOLERANCE, UNEXPLAI
                                flash_rule_bound)
 
 # Where a captured call's scale came from, when it is the model's own choice (AttentionAudit.scale_source).
-CHOSEN_SCALES = {"argument": "the scale= argument the model passed to SDPA", "traced": "the scale the model's code applies, as the capture traced it"}
+CHOSEN_SCALES = {"argument": "the scale= argument the model passed to SDPA",
+                 "traced": "the scale the model's code applies, as the capture traced it",
+                 "module": "the scaling attribute of the model's attention module"}
 
 FLUSH_INFO_FRAC = 0.01
 FP8_UNSCALED_FRAC = 0.01  # share of q/k/v values left subnormal or flushed by an unscaled cast
@@ -320,16 +322,47 @@ def _scale_findings(a, add) -> bool:
     else:
         how = f"the scale applied, --scale {a.scale_name} on the {a.scale_order}"
     said = f"the scores are q.k times {scale:.4g} ({how}): {ratio:.3g} x 1/sqrt(d_k) = 1/sqrt({a.d}) = {1 / math.sqrt(a.d):.4g}"
-    # The model's own scale is a fact, not a finding: said as info (T5 folds the scale into its weights).
-    severity = "info" if chosen else None
-    tail = "; the model's own choice" if chosen else ""
-    if ratio > a.d**0.25:
-        add("missing_scale", said + " (the scores are unscaled)" + tail, severity=severity)
-    elif ratio < a.d**-0.25:
-        add("double_scale", said + f" (the scores are scaled twice: ~1/d_k = {1 / a.d:.4g})" + tail, severity=severity)
-    else:
+    if not (ratio > a.d**0.25 or ratio < a.d**-0.25):
         return False
+    if chosen:  # the model's own scale is a fact, not a fault: it was trained with it (T5: 1/sqrt(d_k) in its init)
+        equals = f"1/sqrt({1 / scale**2:.6g})" if scale < 1 else f"{scale:.4g}"
+        add("model_scale", said + f" (= {equals}); the model's own choice, which it was trained with")
+    elif ratio > a.d**0.25:
+        add("missing_scale", said + " (the scores are unscaled)")
+    else:
+        add("double_scale", said + f" (the scores are scaled twice: ~1/d_k = {1 / a.d:.4g})")
     return True
+
+
+def softcap_findings(diag: TensorDiagnosis) -> list[Finding]:
+    """softcap_overflow: S = Q@K^T rounds to inf before a soft cap, which hides it (the capped logits stay
+    finite). Its severity follows what the overflow does: nothing where the cap already saturates at the
+    largest finite S (info), changed logits where it does not (warning), NaN gradients (error)."""
+    cap = None if diag.attention is None else diag.attention.softcap
+    if cap is None or not cap.overflow:
+        return []
+    out: list[Finding] = []
+
+    def add(code: str, message: str, severity: str | None = None) -> None:
+        out.append(Finding(code, severity or SEVERITY[code], message, FIX[code]))
+
+    head = (f"S = Q@K^T overflows {cap.dtype} before the soft cap at {cap.overflow} score(s) (max|q.k| "
+            f"{cap.max_qk:.4g}; {cap.dtype} rounds |S| >= {cap.limit:.6g} to inf); the cap {cap.cap:g} x "
+            f"tanh(S x {cap.scale:.4g} / {cap.cap:g}) turns inf into {cap.cap:g}, so the logits stay finite")
+    if cap.saturated:
+        forward = (f": harmless in the forward, since tanh already rounds to 1 in {cap.dtype} at the largest finite S "
+                   "(the same logit as the finite score)")
+    else:
+        forward = (f", but not the one the finite score gives: the cap does not saturate in {cap.dtype} at the largest "
+                   "finite S, so those logits are wrong")
+    if cap.grad_finite:
+        backward = ("; the backward is harmless too: torch's autograd gives 1 - tanh^2 = 0 there, as for a saturated "
+                    "finite score")
+    else:
+        backward = "; the backward through the cap at inf gives NaN gradients"
+    severity = "error" if not cap.grad_finite else ("info" if cap.saturated else "warning")
+    add("softcap_overflow", head + forward + backward, severity=severity)
+    return out
 
 
 def _fp8_findings(diag: TensorDiagnosis, add) -> None:

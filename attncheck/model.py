@@ -22,6 +22,7 @@ from attncheck.results import (
     Cell,
     CallReport,
     Finding,
+    HeadStat,
     ModelLine,
     ModelReport,
     Outlier,
@@ -123,16 +124,28 @@ def call_line(report: CallReport, ignore=()) -> ModelLine:
 
 
 def outliers(report: CallReport, ratio: float = OUTLIER_RATIO) -> list[Outlier]:
-    """Heads whose max|q| or max|k| is at least ``ratio`` times the median over the call's heads."""
+    """Heads whose max|q| or max|k| is at least ``ratio`` times the median over the call's other heads. k is
+    judged per kv head: under GQA a group of query heads reads one kv head, and a median over the query heads
+    would count a bad kv head once per head of its group (half the heads with 2 kv heads: no outlier at all)."""
     out = []
-    for tensor in ("q", "k"):
-        values = [getattr(h, f"{tensor}_max_abs") for h in report.heads]
-        if len(values) < 3 or any(v is None for v in values):
+    heads = report.heads
+    if any(h.q_max_abs is None or h.k_max_abs is None for h in heads):
+        return out
+    groups: dict[int, list[HeadStat]] = {}
+    for h in heads:
+        groups.setdefault(h.head if h.kv_head is None else h.kv_head, []).append(h)
+    shared = any(len(g) > 1 for g in groups.values())
+    units = {"q": [(h.q_max_abs, [h]) for h in heads], "k": [(g[0].k_max_abs, g) for g in groups.values()]}
+    for tensor, values in units.items():
+        if len(values) < 2:
             continue
-        median = statistics.median(values)
-        for h, v in zip(report.heads, values):
+        for i, (v, members) in enumerate(values):
+            median = statistics.median(x for j, (x, _) in enumerate(values) if j != i)
             if median > 0 and v >= ratio * median:
-                out.append(Outlier(report.call.index, report.call.module, h.head, tensor, v, median, v / median))
+                kv = members[0].kv_head if tensor == "k" and shared else None
+                reads = [h.head for h in members] if kv is not None else []
+                out.append(Outlier(report.call.index, report.call.module, members[0].head, tensor, v, median,
+                                   v / median, kv_head=kv, query_heads=reads, rank=report.call.rank))
     return out
 
 
@@ -140,6 +153,47 @@ def outliers(report: CallReport, ratio: float = OUTLIER_RATIO) -> list[Outlier]:
 # earlier call (or the data), not from the dtype or implementation asked about; the model's own
 # report has them.
 INHERITED = ("input_nan", "inf_input")
+
+
+def findings_in_order(calls: list[CallReport], first_bad: int | None = None,
+                      ignore=()) -> list[tuple[str, str, int, str, str | None]]:
+    """Each finding code once: (code, its worst severity, the calls holding it, the first of them, and for a
+    consequence the call it follows from), causes before consequences. The first call that goes wrong
+    (``first_bad``, a position in ``calls``; found here when None) holds the root cause: its codes come
+    first, the one of its line's first cause leading (qk_overflow before the +inf it put in the scores);
+    NaN or +inf a later call inherits in its inputs (``INHERITED``: input_nan, inf_input) is that cause's
+    consequence and follows it, whatever its severity; the rest by severity."""
+    from attncheck.codes import CAUSES_OF
+
+    if first_bad is None:
+        first_bad = next((i for i, c in enumerate(calls) if call_line(c, ignore).verdict in BAD_VERDICTS), None)
+    rank = {"error": 0, "warning": 1, "info": 2}
+    seen: dict[str, list] = {}  # code -> [severity, calls, first call's name, position of the first call]
+    for i, c in enumerate(calls):
+        if c.diagnosis is None:
+            continue
+        for f in c.diagnosis.findings:
+            on = "" if c.call.rank is None else f"r{c.call.rank} "  # a capture of several processes
+            entry = seen.setdefault(f.code, [f.severity, 0, on + (c.call.module or c.call.name), i])
+            entry[1] += 1
+            if rank[f.severity] < rank[entry[0]]:
+                entry[0] = f.severity
+    root = None if first_bad is None else calls[first_bad]
+    root_name = None if root is None else (f"#{root.call.index} " + ("" if root.call.rank is None else f"r{root.call.rank} ")
+                                           + (root.call.module or root.call.name))
+    cause = None if root is None else call_line(root, ignore).first_cause
+
+    def place(item) -> tuple[int, int, int]:
+        code, (severity, _, _, at) = item
+        if root is not None and at == first_bad:
+            return 0, 0 if cause in CAUSES_OF.get(code, ()) else 2 if code in INHERITED else 1, rank[severity]
+        if root is not None and code in INHERITED and at > first_bad:
+            return 1, 0, rank[severity]
+        return 2, 0, rank[severity]
+
+    ordered = sorted(seen.items(), key=place)
+    return [(code, sev, n, name, root_name if place((code, (sev, n, name, at)))[0] == 1 else None)
+            for code, (sev, n, name, at) in ordered]
 
 
 def what_if_answers(calls: list[CallReport], ignore=()) -> list[WhatIfAnswer]:
@@ -218,7 +272,9 @@ def head_findings(report: CallReport, diag_findings: list[Finding]) -> list[Find
     """A ``qk_overflow`` finding naming the heads whose Q@K^T overflows the call's dtype, when
     the diagnosis has none of its own (scores recorded at a softmax carry the +inf it made)."""
     over = [h for h in report.heads if h.qk_overflow]
-    if not over or any(f.code == "qk_overflow" for f in diag_findings):
+    audit = None if report.diagnosis is None else report.diagnosis.attention
+    capped = audit is not None and audit.softcap is not None  # a soft cap's overflow is softcap_overflow
+    if not over or capped or any(f.code == "qk_overflow" for f in diag_findings):
         return []
     from attncheck.codes import FIX
     from attncheck.format import plain

@@ -277,6 +277,7 @@ class Cell:
     p_scale: float | None = None  # S, the factor on P before the FP8 cast
     # NaN rows per head (the axis before the queries), summed over the axes before it; empty for 2-D input
     nan_rows_per_head: list[int] = field(default_factory=list)
+    nan_causes_per_head: dict[str, list[int]] = field(default_factory=dict)  # the same, per first cause
     role: str = ASKED  # MODEL, WHAT_IF or ASKED (see ROLES)
     # rows whose top key differs from float64's, but only by a near-tie that the cell's own rounding
     # explains (see numerics.cells.accumulate.real_flips); not in argmax_flips
@@ -346,6 +347,23 @@ class DtypeAudit:
 
 
 @dataclass
+class SoftCap:
+    """A soft-capped call, ``cap * tanh(S * scale / cap)`` (Gemma-2's eager attention): S = Q@K^T is held
+    in ``dtype`` before the cap, so it can round to inf there while the capped logits stay finite."""
+
+    cap: float
+    scale: float
+    dtype: str  # where S = Q@K^T is held before the cap (the scores' dtype)
+    limit: float  # its rounding limit: |S| at or past it becomes inf
+    max_qk: float  # max |q.k| in float64, unscaled
+    overflow: int  # scores of S that round to inf in ``dtype`` (q and k finite)
+    # tanh(limit * scale / cap) rounds to 1 in ``dtype``: an S that became inf gives the logit and the gradient
+    # (1 - tanh^2 = 0) that its finite value gives in this dtype, so the overflow changes nothing
+    saturated: bool
+    grad_finite: bool  # torch's autograd of the cap at inf S: finite (0), not NaN
+
+
+@dataclass
 class AttentionAudit:
     """Mask and scale facts of scores computed from Q and K (plain numbers)."""
 
@@ -374,6 +392,7 @@ class AttentionAudit:
     # where the scale came from: 'argument' (SDPA's scale=) or 'traced' (the model's own code, as the
     # capture followed it) are the model's choice, a fact rather than a finding; None: --scale or the default
     scale_source: str | None = None
+    softcap: SoftCap | None = None  # a soft cap between Q@K^T and the softmax (a captured eager call)
 
 
 @dataclass
@@ -410,6 +429,8 @@ class HeadStat:
     max_logit: float | None  # largest finite unmasked score (scaled, as the softmax sees it)
     qk_overflow: int = 0  # scores of Q@K^T beyond the call's dtype, computed as the model rounds them
     nan_rows: int = 0  # NaN rows of the cell the model uses, over all batch elements
+    kv_head: int | None = None  # the kv head it reads (GQA: shared by a group of query heads); None: its own
+    nan_causes: dict[str, int] = field(default_factory=dict)  # its NaN rows by first cause (--ignore leaves some out)
 
 
 @dataclass
@@ -507,11 +528,19 @@ class Outlier:
     value: float
     median: float
     ratio: float
+    kv_head: int | None = None  # k under GQA: the kv head (``head`` is the first query head reading it)
+    query_heads: list[int] = field(default_factory=list)  # ... and every query head that reads it
+    rank: int | None = None  # the process that made the call (a capture of several ranks)
 
     @property
     def message(self) -> str:
-        where = self.module or f"call {self.index}"
-        return f"{where} head {self.head}: max|{self.tensor}| {plain(self.value)} vs median {plain(self.median)} over heads"
+        where = ("" if self.rank is None else f"rank {self.rank} ") + (self.module or f"call {self.index}")
+        if self.kv_head is not None:
+            reads = ", ".join(map(str, self.query_heads))
+            return (f"{where} kv head {self.kv_head} (query heads {reads}): max|{self.tensor}| {plain(self.value)} "
+                    f"vs median {plain(self.median)} over the other kv heads")
+        return (f"{where} head {self.head}: max|{self.tensor}| {plain(self.value)} vs median {plain(self.median)} "
+                "over the other heads")
 
 
 @dataclass

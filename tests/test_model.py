@@ -61,7 +61,7 @@ def test_outliers_at_the_ratio_to_the_median_over_heads():
     heads = [head(h, 1.5) for h in range(6)] + [head(6, 1.5 * OUTLIER_RATIO), head(7, 1.5 * OUTLIER_RATIO * 0.99)]
     found = outliers(CallReport(info, None, heads))
     assert [(o.head, o.tensor) for o in found] == [(6, "q")]
-    assert found[0].message == "layers.2.attn head 6: max|q| 15 vs median 1.5 over heads"
+    assert found[0].message == "layers.2.attn head 6: max|q| 15 vs median 1.5 over the other heads"
 
 
 def test_shared_prefix():
@@ -122,14 +122,10 @@ def test_the_closing_line_never_counts_errors_next_to_no_call_going_wrong():
     assert "no call goes wrong" not in text and "first call that goes wrong: #1 t1" in text
 
 
+# causes before consequences: the first call that goes wrong (#1, a fully masked row) first, the +inf a later
+# call's input holds after it, whatever their severities
 SUMMARY_80 = """\
 Findings of the cells the model runs (--detail NAME, --full: per-call reports)
-error[inf_input]: a row of the scores holds +inf
-  --> 2 call(s), first model.layers.2.attn
-   = fix: the scores hold +inf (softmax gives inf - inf = NaN): find where they
-          overflow, e.g. Q@K^T in fp16 without 1/sqrt(d_k); scale q first or
-          compute scores in fp32
-
 warning[fully_masked_rows]: a query row has every key masked
   --> 1 call(s), first model.layers.1.attn
    = fix: a query that may attend to nothing has no softmax: zero such rows
@@ -137,6 +133,13 @@ warning[fully_masked_rows]: a query row has every key masked
           loss, or use a kernel that returns zeros (FlashAttention, SDPA >=
           2.5); even then their backward pass can poison gradients if a NaN
           reaches it
+
+error[inf_input]: a row of the scores holds +inf
+  --> 2 call(s), first model.layers.2.attn; after the first call that goes wrong
+      (#1 model.layers.1.attn), whose NaN its input can carry
+   = fix: the scores hold +inf (softmax gives inf - inf = NaN): find where they
+          overflow, e.g. Q@K^T in fp16 without 1/sqrt(d_k); scale q first or
+          compute scores in fp32
 
 attncheck explain CODE prints each code's meaning, threshold, example and fix
 """
@@ -153,3 +156,24 @@ def test_the_model_reports_findings_read_as_diagnostics_once_per_code():
     buf = io.StringIO()
     Console(width=80, file=buf, color_system=None).print(findings_summary(calls, known=True))
     assert buf.getvalue() == SUMMARY_80
+
+
+def test_ignored_nan_rows_leave_the_head_grid_as_they_leave_the_call_table():
+    """--ignore fully_masked_rows: the call table counts 0 NaN rows for a call whose only NaN rows are fully
+    masked ones, and the layer x head grid says the same (it showed N2 beside the table's 0)."""
+    masked = healthy(2)
+    masked[1, 0, 5] = float("-inf")  # head 0: two fully masked rows, over the batch
+    masked[0, 0, 3] = float("-inf")
+    bad = healthy(1)
+    bad[0, 3, 2, 1] = float("inf")  # head 3: +inf, not ignored
+    calls = [softmax_call(0, masked), softmax_call(1, bad)]
+    assert calls[0].heads[0].nan_rows == 2 and calls[0].heads[0].nan_causes == {"fully_masked": 2}
+    def grid(text):  # the layer x head grid's rows (the call table's rows start with the call's number)
+        return [line.split() for line in text.splitlines() if line.strip().startswith(("0.attn", "1.attn"))][-2:]
+
+    shown = grid(render(model_report(calls), calls))
+    assert shown[0][1] == "N2" and shown[1][4] == "N1"
+    report = model_report(calls, ignore=("fully_masked_rows",))
+    assert report.lines[0].nan_rows == 0
+    shown = grid(render(report, calls))
+    assert not any(cell.startswith("N") for cell in shown[0][1:]) and shown[1][4] == "N1"

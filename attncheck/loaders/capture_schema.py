@@ -141,6 +141,7 @@ class CallMeta(Struct):
     flex_kv_block: Optional[Annotated[int, Meta(ge=1, le=1 << 40)]] = None
     logit_before_mod: Optional[Annotated[float, Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]] = None
     mask_op: Optional[Literal["add", "fill", "none"]] = None  # how the eager code applied its mask (the backward differs)
+    softcap: Optional[Short] = None  # a soft-capped softmax call's cap (cap * tanh(S * scale / cap)), or 'unknown
     device: Optional[Short] = None
     dtypes: Optional[Message] = None
     shapes: Optional[Message] = None

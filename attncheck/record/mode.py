@@ -84,6 +84,7 @@ MULS = {"mul", "__mul__", "__rmul__", "mul_", "__imul__", "multiply"}
 DIVS = {"div", "__truediv__", "div_", "__itruediv__", "true_divide", "divide"}
 FILLS = {"masked_fill", "masked_fill_", "where"}  # how a mask can be applied: filled (dS zeroed there) ...
 ADDS = {"add", "__add__", "__radd__", "add_", "__iadd__", "baddbmm"}  # ... or added (dS passes through)
+TANH = {"tanh", "tanh_"}  # a soft cap (Gemma-2, Grok): cap * tanh(S * scale / cap)
 GRAD_ROLES = ("grad_q", "grad_k", "grad_v")
 # Same-shape operations that keep a tensor "the scores" (or "the probabilities") for tracing.
 PASSES = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "sub_", "__isub__", "masked_fill",
@@ -893,8 +894,19 @@ class Recorder(TorchFunctionMode):
                 tensors["q"], tensors["k"] = a.detach(), b.detach().transpose(-1, -2)
                 meta["has_qk"] = "true"
                 live = (a, b)
-                if traced is not None and traced[1] is not None:
+                if traced is not None and traced[3] is None and traced[1] is not None:
                     meta["scale"], meta["scale_source"] = repr(traced[1]), "traced"
+                elif traced is not None and traced[3] is not None:  # soft-capped: cap * tanh(S * scale / cap)
+                    before, cap = traced[3][0], traced[1]
+                    if before is not None and cap is not None and cap > 0 and before > 0:
+                        meta["scale"], meta["scale_source"], meta["softcap"] = repr(before * cap), "traced", repr(cap)
+                    else:
+                        meta["softcap"] = "unknown"  # a tanh between Q@K^T and the softmax whose factors the trace lost
+                if meta["scale_source"] == "unknown" and meta.get("softcap") is None:
+                    # transformers' attention modules name theirs
+                    own = _number(getattr(self.tracker.stack[-1][0], "scaling", None))
+                    if own is not None and math.isfinite(own) and own > 0:
+                        meta["scale"], meta["scale_source"] = repr(own), "module"
         if traced is not None:  # how a mask entered the scores: added (dS passes it) or filled (dS zeroed there)
             ops = traced[2]
             meta["mask_op"] = "add" if ops & ADDS else "fill" if ops & FILLS else "none"
@@ -923,7 +935,8 @@ class Recorder(TorchFunctionMode):
                 return
             if isinstance(out, torch.Tensor):
                 self._qk = {"a": a, "b": b, "shape": tuple(out.shape), "path": self.tracker.path}
-                self._scores = {id(out): (weakref.ref(out), 1.0, frozenset({"baddbmm"} if name == "baddbmm" else ()))}
+                ops = frozenset({"baddbmm"} if name == "baddbmm" else ())
+                self._scores = {id(out): (weakref.ref(out), 1.0, ops, None)}  # (the scores, scale, ops, soft cap)
             return
         if not isinstance(out, torch.Tensor):
             return
@@ -942,8 +955,13 @@ class Recorder(TorchFunctionMode):
         source = next((t for t in args if isinstance(t, torch.Tensor) and id(t) in self._scores and self._scores[id(t)][0]() is t), None)
         if source is None or out.shape != source.shape:
             return
-        _, scale, ops = self._scores[id(source)]
-        if name in MULS or name in DIVS:
+        _, scale, ops, capped = self._scores[id(source)]
+        if name in TANH:
+            if capped is not None:  # a second tanh: no soft cap the trace can name
+                scale, capped = None, (None,)
+            else:  # the factor so far is scale / cap; the one after the tanh will be the cap
+                scale, capped = 1.0, (scale,)
+        elif name in MULS or name in DIVS:
             other = next((x for x in args if x is not source), kwargs.get("other"))
             factor = _number(other)
             if factor is None or scale is None or factor == 0 or (name in DIVS and other is not args[-1]):
@@ -955,7 +973,7 @@ class Recorder(TorchFunctionMode):
             return
         if name in FILLS or (name in ADDS and sum(isinstance(t, torch.Tensor) for t in args) > 1):
             ops = ops | {name}  # a tensor added (a mask or a bias) or a fill
-        self._scores[id(out)] = (weakref.ref(out), scale, ops)
+        self._scores[id(out)] = (weakref.ref(out), scale, ops, capped)
 
     # ------------------------------------------------------------------ nn.MultiheadAttention
 

@@ -11,6 +11,8 @@ from rich.text import Text
 
 from attncheck.codes import REGISTRY, doc_link
 from attncheck.format import fmt, plain, to_jsonable, visible
+from attncheck.findings import counted_rows
+from attncheck.model import findings_in_order
 from attncheck.report.diagnostics import EXPLAIN_HINT, Hanging, diagnostic
 from attncheck.report.fit import NARROWEST, Fitted, fitted, narrow_table, natural_width
 from attncheck.report.run import diagnosis_json
@@ -172,15 +174,16 @@ def compact(x: float | None) -> str:
     return f"{x:.0e}"
 
 
-def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "", labels: dict[int, str] | None = None,
+def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "",
+                labels: dict[tuple[int | None, int], str] | None = None,
                 heads: int | list[int] = MAX_HEAD_COLUMNS) -> Table | None:
     """Layer x head: NaN rows of the model's cell, Q@K^T overflow, else the head's largest logit; the
-    first ``heads`` heads, or those listed; ``labels``: the calls' names as shown, by call index."""
+    first ``heads`` heads, or those listed; ``labels``: the calls' names as shown, by (rank, call index)."""
     rows = [c for c in calls if c.heads]
     if not rows:
         return None
     which = list(range(min(max(len(c.heads) for c in rows), heads))) if isinstance(heads, int) else heads
-    marked = {(o.index, o.head) for o in report.outliers}
+    marked = {(o.rank, o.index, h) for o in report.outliers for h in (o.query_heads or [o.head])}
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
     t.add_column("call", no_wrap=True)
     for h in which:
@@ -193,14 +196,15 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "", 
             if h is None:
                 cells.append("")
                 continue
-            star = "*" if (c.call.index, h.head) in marked else ""
-            if h.nan_rows:
-                cells.append(Text(f"N{h.nan_rows}{star}", style="bold red"))
+            star = "*" if (c.call.rank, c.call.index, h.head) in marked else ""
+            nan = counted_rows(h.nan_rows, h.nan_causes, report.ignored)  # as the call table counts them
+            if nan:
+                cells.append(Text(f"N{nan}{star}", style="bold red"))
             elif h.qk_overflow:
                 cells.append(Text(f"ovf{star}", style="bold red"))
             else:
                 cells.append(Text(f"{compact(h.max_logit)}{star}", style="yellow" if star else ""))
-        label = labels[c.call.index] if labels is not None else _matrix_label(c, prefix)
+        label = labels[(c.call.rank, c.call.index)] if labels is not None else _matrix_label(c, prefix)
         t.add_row(shown(label), *cells)
     return t
 
@@ -238,7 +242,7 @@ def capture_block(report: ModelReport) -> Group | None:
 
 def flagged_heads(calls: list[CallReport], report: ModelReport) -> list[int]:
     """Heads with NaN rows, a Q@K^T overflow or an outlier q/k in some call: a narrow table shows them."""
-    marked = {o.head for o in report.outliers}
+    marked = {h for o in report.outliers for h in (o.query_heads or [o.head])}
     return sorted({h.head for c in calls for h in c.heads if h.nan_rows or h.qk_overflow or h.head in marked})
 
 
@@ -267,7 +271,7 @@ def fitted_head_matrix(calls: list[CallReport], report: ModelReport, prefix: str
         n = min(most, MAX_HEAD_COLUMNS)
 
         def table(names: list[str], which: list[int]) -> Table:
-            return head_matrix(rows, report, labels={c.call.index: name for c, name in zip(rows, names)}, heads=which)
+            return head_matrix(rows, report, labels={(c.call.rank, c.call.index): name for c, name in zip(rows, names)}, heads=which)
 
         # names are fitted beside a few heads (they say which call a row is), then as many heads as fit
         few = choose(min(n, MATRIX_HEADS_FIRST))
@@ -288,27 +292,21 @@ def fitted_head_matrix(calls: list[CallReport], report: ModelReport, prefix: str
     return Fitted(build)
 
 
-def findings_summary(calls: list[CallReport], known: bool) -> Group | None:
+def findings_summary(calls: list[CallReport], known: bool, first_bad: int | None = None, ignore=()) -> Group | None:
     """Each finding code once, as a diagnostic: its severity and what it means, in how many calls and
     the first of them, its fix (the model's cells' findings for a capture; every cell's for files of
-    unknown implementation)."""
-    seen: dict[str, list] = {}
-    for c in calls:
-        if c.diagnosis is None:
-            continue
-        for f in c.diagnosis.findings:
-            on = "" if c.call.rank is None else f"r{c.call.rank} "
-            entry = seen.setdefault(f.code, [f.severity, 0, on + (c.call.module or c.call.name)])
-            entry[1] += 1
-            if SEVERITY_ORDER[f.severity] < SEVERITY_ORDER[entry[0]]:
-                entry[0] = f.severity
+    unknown implementation); causes before consequences (``model.findings_in_order``)."""
+    seen = findings_in_order(calls, first_bad, ignore)
     if not seen:
         return None
     head = ("Findings of the cells the model runs (--detail NAME, --full: per-call reports)" if known
             else "Findings over all cells (--detail NAME, --full: per-call reports)")
     parts: list[Any] = [Text(head, style="bold")]
-    for code, (severity, n, first) in sorted(seen.items(), key=lambda kv: SEVERITY_ORDER[kv[1][0]]):
-        parts += [diagnostic(severity, code, REGISTRY[code].summary, f"{n} call(s), first {first}", REGISTRY[code].fix), Text("")]
+    for code, severity, n, first, cause in seen:
+        where = f"{n} call(s), first {first}"
+        if cause:
+            where += f"; after the first call that goes wrong ({cause}), whose NaN its input can carry"
+        parts += [diagnostic(severity, code, REGISTRY[code].summary, where, REGISTRY[code].fix), Text("")]
     parts.append(Text(EXPLAIN_HINT, style="dim"))
     return Group(*parts)
 
@@ -460,7 +458,8 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     if matrix is not None:
         parts.append(matrix)
     if report.outliers:
-        text = Text("Outlier heads (max|q| or max|k| >= 10x the median over the call's heads):\n", style="yellow")
+        text = Text("Outlier heads (max|q| or max|k| >= 10x the median over the call's other heads; k per kv head):\n",
+                    style="yellow")
         for o in report.outliers[:12]:
             text.append(f"  {visible(o.message)}\n")
         if len(report.outliers) > 12:
@@ -473,7 +472,7 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     own = capture_block(report)
     if own is not None:
         parts.append(own)
-    summary = findings_summary(calls, report.known)
+    summary = findings_summary(calls, report.known, report.first_bad, report.ignored)
     if summary is not None:
         parts.append(summary)
     grads = backward_summary(report, prefix)

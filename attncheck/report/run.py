@@ -122,6 +122,11 @@ def attention_table(d: TensorDiagnosis) -> Group:
             Text(str(x.mask_sentinel_rows), style=bad if x.mask_sentinel_rows else ""),
         )
     fitted = "" if a.fitted_scale is None else f"; fitted scale of the given scores {a.fitted_scale:.4g}"
+    if a.softcap is not None:
+        c = a.softcap
+        said = "" if not c.overflow else ", hidden by the cap" if c.saturated else ", logits changed by the cap"
+        fitted += (f"; soft cap {c.cap:g} after the scale (S = Q@K^T held in {c.dtype} before it: {c.overflow} "
+                   f"score(s) -> inf{said})")
     line = Text(
         f"d {a.d}, {a.heads} query heads / {a.kv_heads} kv heads, scale {a.scale:.4g} ({a.scale_name}) applied to the {a.scale_order}; "
         f"max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}; spread of q {a.q_std:.3g}, k {a.k_std:.3g}, "

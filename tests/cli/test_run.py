@@ -351,3 +351,28 @@ def test_file_colon_key_as_a_path_says_how_to_pick_the_tensor(tmp_path):
     assert error_line(r) == f"attncheck: error: {p}:scores: no such file or directory (to diagnose the tensor 'scores' of {p}, pass {p} --key 'scores')"
     r = invoke("run", p, "--key", "scores", "--brief", "--dtype", "fp32")
     assert r.exit_code == 0, r.output
+
+
+def test_ignore_leaves_its_rows_out_of_the_head_grid_of_score_files(tmp_path, monkeypatch):
+    """Score files (no capture): with --ignore fully_masked_rows the call table counts 0 NaN rows for a file
+    whose only NaN rows are fully masked, and the layer x head grid agrees (no N2 beside the table's 0)."""
+    g = np.random.default_rng(0)
+    a = g.standard_normal((2, 4, 8, 8)).astype(np.float16)
+    a[1, 2, 5] = a[0, 2, 3] = -np.inf  # head 2: two rows with every key masked
+    b = g.standard_normal((2, 4, 8, 8)).astype(np.float16)
+    b[0, 1, 2, 3] = np.inf  # head 1: +inf, not ignored
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+
+    def grid(*extra):
+        monkeypatch.chdir(tmp_path)  # short names: a call column that does not wrap
+        r = CliRunner().invoke(app, ["run", "a.npy", "b.npy", *extra], env={"COLUMNS": "100"})
+        lines = [line.split() for line in r.stdout.splitlines() if line.strip()]
+        rows = [w for w in lines if w[0] in ("a.npy", "b.npy")]  # the grid's rows start with the call
+        table = [[x for x in w if x != ">"] for w in lines if w[0].isdigit() and ("a.npy" in w or "b.npy" in w)]
+        return rows, table
+
+    rows, _ = grid()
+    assert rows[0][3] == "N2" and rows[1][2] == "N1"
+    rows, table = grid("--ignore", "fully_masked_rows")
+    assert table[0][4] == "0" and not any(cell.startswith("N") for cell in rows[0][1:]) and rows[1][2] == "N1"

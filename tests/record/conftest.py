@@ -46,6 +46,17 @@ def t5(impl: str = "sdpa", dtype=torch.float32, seed: int = 0):
     return transformers.T5Model._from_config(cfg, attn_implementation=impl, dtype=dtype).eval()
 
 
+def gemma2(dtype=torch.float32, seed: int = 0, softcap: float | None = 50.0):
+    """Gemma-2 as it ships: eager attention, logits soft-capped (cap x tanh(S x scale / cap)), its scale
+    1/sqrt(query_pre_attn_scalar) = 1/16 with head_dim 32 (not 1/sqrt(32)), GQA 4 query heads over 2 kv heads."""
+    torch.manual_seed(seed)
+    cfg = transformers.Gemma2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                                    head_dim=32, intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64,
+                                    query_pre_attn_scalar=256,
+                                    attn_logit_softcapping=softcap, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    return transformers.Gemma2ForCausalLM._from_config(cfg, attn_implementation="eager", dtype=dtype).eval()
+
+
 def vit(impl: str = "sdpa", dtype=torch.float32, seed: int = 0):
     torch.manual_seed(seed)
     cfg = transformers.ViTConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,

@@ -324,6 +324,7 @@ class CellAcc:
         # Rows of a (..., heads..., queries, keys) tensor are grouped by their leading index.
         self.heads, self.queries = heads, queries
         self.nan_by_head = torch.zeros(math.prod(heads) if heads else 0, dtype=torch.int64)
+        self.nan_by_head_cause: dict[str, torch.Tensor] = {}  # cause -> NaN rows per leading index (as nan_by_head)
         self.rows = 0
         self.nan_causes: Counter[str] = Counter()
         self.zero_causes: Counter[str] = Counter()
@@ -376,6 +377,10 @@ class CellAcc:
                 if k:
                     counter[cause] += k
                     self.examples.add(f"{prefix}:{cause}", hit, c.offset)
+                    if prefix == "nan" and self.heads:  # per head too: --ignore leaves them out of the head grid
+                        head = (torch.nonzero(hit).flatten().cpu() + c.offset) // self.queries
+                        per = self.nan_by_head_cause.setdefault(cause, torch.zeros_like(self.nan_by_head))
+                        per += torch.bincount(head, minlength=per.numel())
         self.nan_rows += count(nan_row)
         if self.heads and any_true(nan_row):
             head = (torch.nonzero(nan_row).flatten().cpu() + c.offset) // self.queries
@@ -474,6 +479,7 @@ class CellAcc:
             path=self.path,
             tied_rows=self.tied_rows,
             nan_rows_per_head=self._per_head(),
+            nan_causes_per_head={cause: self._per_head(t) for cause, t in self.nan_by_head_cause.items()},
             role=self.role,
             argmax_flips_near_tie=self.near_ties,
             **({} if self.out is None else self.out.fields()),
@@ -495,11 +501,12 @@ class CellAcc:
             p_scale=self.p_scale,
         )
 
-    def _per_head(self) -> list[int]:
-        """NaN rows per index of the last leading axis (the heads), summed over the axes before it."""
+    def _per_head(self, counts: torch.Tensor | None = None) -> list[int]:
+        """NaN rows (``counts``: of one cause) per index of the last leading axis (the heads), summed over the
+        axes before it."""
         if not self.heads:
             return []
-        return self.nan_by_head.reshape(-1, self.heads[-1]).sum(dim=0).tolist()
+        return (self.nan_by_head if counts is None else counts).reshape(-1, self.heads[-1]).sum(dim=0).tolist()
 
     def _top_heads(self) -> list[tuple[tuple[int, ...], int]]:
         """Every leading index with NaN rows, most first (ties by index)."""

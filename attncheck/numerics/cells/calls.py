@@ -41,9 +41,10 @@ def _scale(info: CallInfo) -> params.Scale:
 
 
 def _scale_source(info: CallInfo) -> str | None:
-    """'argument' (SDPA's scale=) or 'traced' (the model's code): the model's own choice."""
+    """'argument' (SDPA's scale=), 'traced' (the model's code) or 'module' (its attention module's ``scaling``):
+    the model's own choice."""
     source = info.meta.get("scale_source")
-    return source if source in ("argument", "traced") and info.scale is not None else None
+    return source if source in ("argument", "traced", "module") and info.scale is not None else None
 
 
 def _in_call(info: CallInfo, run: Callable):
@@ -120,6 +121,9 @@ def diagnose_call(
     if "grad_out" in tensors:
         _in_call(info, lambda: _backward(info, tensors, inputs, diag, what, options, model if known else None))
     used = _cell_of(diag, model)
+    cap = softcap(info)
+    if cap is not None and kind == "softmax" and inputs is not None and diag.attention is not None:
+        _in_call(info, lambda: _softcap_audit(info, inputs, diag, cap))
     if known and kind == "softmax" and used is not None:
         used.limit = _scores_limit(info, diag)
     if known and kind == "flex" and used is not None and "scores_mod" in tensors:
@@ -133,6 +137,29 @@ def diagnose_call(
     return report
 
 
+def softcap(info: CallInfo) -> float | None:
+    """The cap of a soft-capped softmax call (``cap * tanh(S * scale / cap)``, traced by the capture); None
+    without one or where the trace could not name it."""
+    try:
+        cap = float(info.meta.get("softcap", "none"))
+    except ValueError:
+        return None
+    return cap if math.isfinite(cap) and cap > 0 else None
+
+
+def _softcap_audit(info: CallInfo, inputs, diag: TensorDiagnosis, cap: float) -> None:
+    """S = Q@K^T before the cap, in the scores' dtype: the facts and their finding."""
+    from attncheck.findings import softcap_findings
+    from attncheck.numerics.inputs.softcap import softcap_facts
+
+    dt = dtype_from_name(cell_dtype_name(info.dtype) or "fp32")
+    diag.attention.softcap = softcap_facts(inputs, dt, cap, diag.attention.raw_max_abs)
+    found = softcap_findings(diag)
+    if found:
+        order = {s: i for i, s in enumerate(SEVERITIES)}
+        diag.findings = sorted(diag.findings + found, key=lambda f: order[f.severity])
+
+
 def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: TensorDiagnosis | None, options: Options, model: CellKey | None) -> None:
     """The backward of a call's cells from its recorded output gradient (see ``attach_backward``):
     the model's own cell is the eager path as the model ran it (a softmax call: its recorded scores,
@@ -141,6 +168,8 @@ def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: Tens
     from attncheck.numerics.backward.diagnose import BackwardCell, GradInputs
 
     _check_grads(info, tensors)
+    if info.kind == "softmax" and info.meta.get("softcap", "none") != "none":
+        return  # the backward paths have no soft cap (its tanh Jacobian): judged without it they would be wrong
     if info.kind == "softmax":
         bw_inputs = None if inputs is None else _softmax_what_if_inputs(info, tensors, inputs, options)
     else:
@@ -272,11 +301,33 @@ def _scores_diagnosis(info, scores, inputs, options, cells, progress, notice) ->
     if inputs is None or info.meta.get("q_prescaled") == "true":
         return diagnose(info.name, scores, options, progress, notice=notice, cells=cells)
     source = _scale_source(info)
-    if source is None:  # the capture traced no scale: fit it (a float64 pass over q.k)
-        return diagnose_attention(info.name, inputs, options, progress, scores=scores, notice=notice, cells=cells)
+    if source is None or softcap(info) is not None or _near_overflow(info, scores):
+        # the Q/K pipeline beside the scores (max|q.k|, Q@K^T overflow per dtype); a scale fitted where none was traced
+        return diagnose_attention(info.name, inputs, options, progress, scores=scores, notice=notice, cells=cells,
+                                  scale_source=source, fit=source is None)
+    # far from any overflow: the scores alone, with the audit's max|q.k| (the --detail panel said 0)
+    from attncheck.config.run import rows_per_chunk
+    from attncheck.numerics.inputs.scores import max_abs_qk
+
     audit = start_audit(inputs)
     audit.scale_source = source
+    audit.raw_max_abs = max_abs_qk(inputs, rows_per_chunk(scores.shape[-1], options, cells))
     return diagnose(info.name, scores, options, progress, notice=notice, cells=cells, attention=audit)
+
+
+def _near_overflow(info: CallInfo, scores: torch.Tensor) -> bool:
+    """The scores a softmax call saw hold +inf or NaN, or a logit whose Q@K^T (before the traced scale) is within
+    a factor 4 of the scores' dtype's rounding limit: then the Q/K pipeline says where and why."""
+    if not scores.numel():
+        return False
+    finite = torch.isfinite(scores)
+    if not bool(finite.all()) and bool((torch.isposinf(scores) | torch.isnan(scores)).any()):
+        return True
+    logits = finite & (scores > MASK_SENTINEL_LIMIT)  # masked keys (-inf, sentinels) left out
+    top = float(torch.where(logits, scores.abs(), torch.zeros((), dtype=scores.dtype)).amax())
+    scale = abs(info.scale) if info.scale else 1.0
+    limit = rounding_limit(dtype_from_name(cell_dtype_name(info.dtype) or "fp32"))
+    return top / scale >= limit / 4
 
 
 def _what_if(info: CallInfo, tensors, inputs, options: Options, what_if, asked, notice, max_bytes: int | None = None) -> TensorDiagnosis | None:
@@ -285,6 +336,8 @@ def _what_if(info: CallInfo, tensors, inputs, options: Options, what_if, asked, 
     from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
 
     left = None if max_bytes is None else max(1, max_bytes // 2)
+    if info.kind == "softmax" and info.meta.get("softcap", "none") != "none":
+        return None  # a what-if rebuilds the scores from q.k and the mask, without the cap: not this model's scores
     if info.kind in ("sdpa", "flex"):
         wi_inputs = _sdpa_what_if_inputs(info, tensors, left)
     else:
@@ -367,11 +420,15 @@ def _scores_limit(info: CallInfo, diag: TensorDiagnosis) -> CellLimit | None:
     after Q@K^T; nn.MultiheadAttention scales q first, so its scores are S); +inf where the scores
     already hold +inf."""
     dt = dtype_from_name(cell_dtype_name(info.dtype) or "fp32")
+    limit = rounding_limit(dt)
+    if softcap(info) is not None:  # the capped logits stay within the cap: what can overflow is S before it
+        cap = diag.attention.softcap if diag.attention is not None else None
+        return CellLimit("qk_overflow", limit, None if cap is None else cap.max_qk,
+                         f"S = Q@K^T before the soft cap in {dtype_label(dt)} rounds to inf at |S| >= {limit:.6g}")
     c = diag.census
     logits = [abs(v) for v in (c.max, c.unmasked_min) if v is not None and v > MASK_SENTINEL_LIMIT]
     scale = info.scale if _scale_source(info) and info.meta.get("q_prescaled") != "true" and info.scale else 1.0
     value = math.inf if c.posinf else (max(logits) / abs(scale) if logits else None)
-    limit = rounding_limit(dt)
     unscaled = " (before the scale)" if scale != 1.0 else ""
     return CellLimit("qk_overflow", limit, value, f"S = Q@K^T{unscaled} in {dtype_label(dt)} rounds to inf at |S| >= {limit:.6g}")
 
@@ -398,7 +455,7 @@ def _head_stats(info: CallInfo, inputs, diag: TensorDiagnosis, cell, model: Cell
     """One HeadStat per head: max |q| and |k| (GQA: of the kv head it reads), the largest unmasked
     logit (from the diagnosis's own pass), Q@K^T overflow in the call's dtype where the model holds S
     in it and the scores show +inf (the only place it can break), and the model cell's NaN rows."""
-    from attncheck.numerics.inputs.heads import qk_maxima, qk_overflow_per_head
+    from attncheck.numerics.inputs.heads import kv_heads, qk_maxima, qk_overflow_per_head
 
     logits = diag.head_max_logits
     heads = len(logits)
@@ -406,15 +463,20 @@ def _head_stats(info: CallInfo, inputs, diag: TensorDiagnosis, cell, model: Cell
         return []
     q_max = k_max = [None] * heads
     overflow = [0] * heads
+    kv: list[int | None] = [None] * heads
     if inputs is not None and inputs.q.shape[1] == heads:
         q_max, k_max = qk_maxima(inputs)
+        kv = kv_heads(inputs)
         compute = cell_dtype_name(info.dtype)
         eager = model is None or model.path in (None, "eager")
         inf_seen = cell is not None and (cell.nan_causes.get("inf_input") or cell.nan_causes.get("qk_overflow"))
-        if compute is not None and (inf_seen or (eager and diag.census.posinf)):
+        capped = diag.attention is not None and diag.attention.softcap is not None and diag.attention.softcap.overflow
+        if compute is not None and (inf_seen or (eager and diag.census.posinf) or capped):
             overflow = qk_overflow_per_head(inputs, dtype_from_name(compute) if eager else torch.float32)
     nan = cell.nan_rows_per_head if cell is not None and len(cell.nan_rows_per_head) == heads else [0] * heads
-    return [HeadStat(h, q_max[h], k_max[h], logits[h], overflow[h], nan[h]) for h in range(heads)]
+    per_cause = {} if cell is None else {c: n for c, n in cell.nan_causes_per_head.items() if len(n) == heads}
+    return [HeadStat(h, q_max[h], k_max[h], logits[h], overflow[h], nan[h], kv[h],
+                     {c: n[h] for c, n in per_cause.items() if n[h]}) for h in range(heads)]
 
 
 def scores_report(info: CallInfo, diag: TensorDiagnosis) -> CallReport:
@@ -422,5 +484,9 @@ def scores_report(info: CallInfo, diag: TensorDiagnosis) -> CallReport:
     info = replace(info, shape=tuple(diag.shape), dtype=info.dtype or diag.dtype)
     cell = model_cell(info)
     used = _cell_of(diag, cell)
-    heads = [HeadStat(h, None, None, m, 0, n) for h, (m, n) in enumerate(zip(diag.head_max_logits, used.nan_rows_per_head))] if used is not None and len(used.nan_rows_per_head) == len(diag.head_max_logits) else []
+    heads = []
+    if used is not None and len(used.nan_rows_per_head) == len(diag.head_max_logits):
+        per_cause = {c: n for c, n in used.nan_causes_per_head.items() if len(n) == len(diag.head_max_logits)}
+        heads = [HeadStat(h, None, None, m, 0, n, None, {c: k[h] for c, k in per_cause.items() if k[h]})
+                 for h, (m, n) in enumerate(zip(diag.head_max_logits, used.nan_rows_per_head))]
     return CallReport(info, diag, heads, None if cell is None else (cell.method, cell.dtype))

@@ -410,6 +410,7 @@ def diagnose_attention(
     notice: Callable[[str], None] | None = None,
     cells: list[CellKey] | None = None,
     scale_source: str | None = None,
+    fit: bool = True,
 ) -> TensorDiagnosis:
     """Diagnose the scores that Q, K and a mask produce in each dtype.
 
@@ -417,7 +418,8 @@ def diagnose_attention(
     ``loaders.TensorSource`` read in row blocks) also given, those are diagnosed
     instead, and the scale that maps q.k onto them is fitted. ``cells``: which to compute
     (default: every path x dtype of ``options``); ``scale_source``: 'argument' or 'traced'
-    when the scale is the model's own choice (``AttentionAudit.scale_source``).
+    when the scale is the model's own choice (``AttentionAudit.scale_source``); ``fit`` False: the
+    given scores' scale is known (that one), so none is fitted.
     """
     from attncheck.loaders import TensorSource, memory_source
     from attncheck.numerics.inputs.scores import fit_scale, given_blocks, score_blocks, start_audit
@@ -429,7 +431,7 @@ def diagnose_attention(
         source = scores if isinstance(scores, TensorSource) else memory_source(name, scores)
         check_scores_dtype(name, source.dtype)
         step = rows_per_chunk(source.shape[-1], options, cells)
-        audit.fitted_scale = fit_scale(source, inputs, step)
+        audit.fitted_scale = fit_scale(source, inputs, step) if fit else None
         blocks = given_blocks(source, inputs, step, resolve_device(options.device), audit)
         return diagnose_chunks(name, source.shape, source.dtype, blocks, options, progress, attention=audit, notice=notice, cells=cells)
     step = rows_per_chunk(inputs.k.shape[2], options, cells)

@@ -32,6 +32,19 @@ def qk_maxima(inp: "AttentionInputs") -> tuple[list[float], list[float]]:
     return q_max, [k_max[h // group] for h in range(heads)]
 
 
+def kv_heads(inp: "AttentionInputs") -> list[int]:
+    """The kv head each query head reads: k's own heads under GQA (k has fewer heads than q), else groups of
+    consecutive heads whose k is the same tensor (eager GQA code repeats k over a group before Q@K^T, as
+    transformers' ``repeat_kv`` does), else each head its own."""
+    hq, hk = inp.q.shape[1], inp.k.shape[1]
+    if hk < hq:
+        return [h // (hq // hk) for h in range(hq)]
+    out = [0]
+    for h in range(1, hq):
+        out.append(out[-1] + (0 if torch.equal(inp.k[:, h], inp.k[:, h - 1]) else 1))
+    return out
+
+
 def qk_overflow_per_head(inp: "AttentionInputs", dtype: torch.dtype) -> list[int]:
     """Scores of Q@K^T that are infinite in ``dtype`` although q and k are finite, per query head:
     q and k cast to the dtype, Q@K^T accumulated in float32 and rounded to the dtype, the scale

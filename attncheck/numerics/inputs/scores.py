@@ -692,3 +692,13 @@ def fit_scale(scores: "TensorSource", inp: AttentionInputs, rows_per_block: int)
         den.add(row_sum(raw * raw))
     total = den.total()
     return None if total == 0 else num.total() / total
+
+
+def max_abs_qk(inp: AttentionInputs, rows_per_block: int) -> float:
+    """max |q.k| in float64 over finite products, unscaled (``AttentionAudit.raw_max_abs``), in row blocks: the
+    one number of the Q/K pipeline a call whose scores were recorded needs when the pipeline itself is not run."""
+    top = 0.0
+    for bh, qs in _row_ranges(inp, rows_per_block):
+        _, _, raw = _qk_float64(inp, bh, qs)  # (n, tq, Tk)
+        top = max(top, float(raw.abs().amax()) if inp.qk_finite else _finite_abs_max(raw))
+    return top
