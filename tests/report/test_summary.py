@@ -58,9 +58,9 @@ def gpt2_capture(tmp_path_factory):
 README_SUMMARY = """\
 ERROR: 4 calls on cpu, 3 errors, 0 warnings (ignored: fully_masked_rows)
 first bad call: #2 transformer.h.2.attn (torch/fp16): NaN in 32 rows, head 5
-error[qk_overflow]: Q@K^T overflows fp16 as the model computes it, in head 5
-    (441) score(s); head 5: max|q| 1363, max|k| 1472; the softmax saw +inf there
-    -> 32 NaN row(s) in torch/fp16
+error[qk_overflow]: Q@K^T overflows fp16 in 32 row(s) (441 score(s) beyond
+    +-65504; max|q| 1363, max|k| 1472, max|q.k| 2.187e+06, scale 0.3536 applied
+    to the scores); scaling q first would not avoid it: the scaled scores…
    = fix: scale q by 1/sqrt(d) before the matmul (--scale-order q shows the
           effect), compute Q@K^T in fp32, or find why q/k grew (no
           normalisation, exploding activations)
