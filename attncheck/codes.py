@@ -777,7 +777,8 @@ save_file(tensors, grads, meta)
         "recorded and why.",
         "Any call (or a call's gradients) not recorded once recording stopped, or a script that failed while "
         "captured; reported once per capture (per rank under torchrun).",
-        "the calls after the first one not recorded were never judged: raise --max-bytes or --max-calls, record fewer calls (--module, --forward, --no-grads), or --ignore capture_incomplete where judging the first calls is enough",
+        "raise --max-bytes or --max-calls, or record fewer calls (--module, --forward, --no-grads); "
+        "--ignore capture_incomplete where the first calls are enough",
         Example("""\
 import torch
 import torch.nn.functional as F

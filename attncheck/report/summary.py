@@ -99,6 +99,9 @@ def model_summary(report: ModelReport, calls: list[CallReport], device: str) -> 
         tail += "; no call goes wrong"
     parts: list[Any] = [_verdict(_plural(len(report.lines), "call"), device, errors, warnings, tail)]
     note = (report.capture or {}).get("note")
+    stopped = (report.capture or {}).get("stopped")
+    if note and stopped and any(stopped in f.message for f in report.findings):
+        note = None  # capture_incomplete below says why recording stopped
     if note:
         parts.append(_line("capture", str(note), style="yellow"))
     for name, why in report.skipped[:1]:
