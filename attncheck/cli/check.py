@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from attncheck import params
-from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, out_of_memory, report_console, say, write_json, write_text
+from attncheck.cli.common import require_stdout, EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, out_of_memory, report_console, say, write_json, write_text
 from attncheck.cli.options import DeviceOpt, JsonOpt, QuietOpt, notices, progress_shown
 from attncheck.config.check import find_config, load_config
 from attncheck.errors import AttncheckError
@@ -54,6 +54,7 @@ def check(
     Exit codes: 0 every budget holds, 1 a budget broke, 2 configuration or input error (or an internal error, so that 1 always means a budget).
     """
     try:
+        require_stdout()  # every report ends on standard output: refuse a closed one before any work
         if device is not None:
             device = params.device(device)
         cfg = load_config(config) if config is not None else load_config(find_config())

@@ -127,11 +127,31 @@ _OUTPUT_ERRNOS = {errno.ENOSPC, errno.EPIPE, errno.EDQUOT, errno.EFBIG, errno.EI
 
 
 class StdoutError(AttncheckError):
-    """Standard output refused a report: a full disk or device, a closed pipe."""
+    """Standard output refused a report: a full disk or device, or no standard output at all."""
 
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(f"cannot write the report to standard output: {getattr(error, 'strerror', None) or error}")
+    def __init__(self, error: BaseException | str) -> None:
+        why = error if isinstance(error, str) else (getattr(error, "strerror", None) or error)
+        super().__init__(f"cannot write the report to standard output: {why}")
         _drop_stdout()
+
+
+CLOSED = "it is closed (the shell ran the command with >&-); redirect it to a file or /dev/null"
+
+
+def require_stdout() -> None:
+    """Refuse, before any work, to run a command whose report goes to a closed standard output
+    (``>&-``: Python then has no ``sys.stdout`` at all)."""
+    if sys.stdout is None:
+        raise StdoutError(CLOSED)
+
+
+def _broken_pipe(error: BaseException) -> bool:
+    """The reader of a pipe went away (``| head -1``): not an error of the command. What is left
+    of the report goes to /dev/null and the command ends as it would have, quietly, with its own exit code."""
+    if isinstance(error, BrokenPipeError) or getattr(error, "errno", None) == errno.EPIPE:
+        _drop_stdout()
+        return True
+    return False
 
 
 def _drop_stdout() -> None:
@@ -143,35 +163,45 @@ def _drop_stdout() -> None:
             os.dup2(devnull, sys.stdout.fileno())
         finally:
             os.close(devnull)
-    except (OSError, ValueError, AttributeError):  # not a file (a test's buffer)
+    except (OSError, ValueError, AttributeError):  # not a file (a test's buffer), or no stdout at all
         pass
 
 
 class GuardedStdout:
     """Standard output for Rich consoles: a write it refuses raises StdoutError (one line, exit 2)
-    instead of an OSError traceback. Looks up ``sys.stdout`` on every call (tests swap it)."""
+    instead of an OSError traceback, a closed pipe ends the report quietly. Looks up ``sys.stdout``
+    on every call (tests swap it)."""
 
     def write(self, text: str) -> int:
+        if sys.stdout is None:
+            raise StdoutError(CLOSED)
         try:
             return sys.stdout.write(text)
         except (OSError, ValueError) as e:
+            if _broken_pipe(e):
+                return len(text)
             raise StdoutError(e) from None
 
     def flush(self) -> None:
+        if sys.stdout is None:
+            raise StdoutError(CLOSED)
         try:
             sys.stdout.flush()
         except (OSError, ValueError) as e:
-            raise StdoutError(e) from None
+            if not _broken_pipe(e):
+                raise StdoutError(e) from None
 
     def isatty(self) -> bool:
-        return sys.stdout.isatty()
+        return sys.stdout is not None and sys.stdout.isatty()
 
     def fileno(self) -> int:
+        if sys.stdout is None:
+            raise StdoutError(CLOSED)
         return sys.stdout.fileno()
 
     @property
     def encoding(self) -> str:
-        return getattr(sys.stdout, "encoding", "utf-8")
+        return getattr(sys.stdout, "encoding", None) or "utf-8"
 
 
 def report_console():
@@ -179,15 +209,18 @@ def report_console():
     refused write one line."""
     from rich.console import Console
 
+    require_stdout()
     return Console(file=GuardedStdout(), markup=False)
 
 
 def write_stdout(text: str) -> None:
+    require_stdout()
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
     except (OSError, ValueError) as e:
-        raise StdoutError(e) from None
+        if not _broken_pipe(e):
+            raise StdoutError(e) from None
 
 
 def write_text(text: str, path: str, option: str) -> None:
@@ -266,15 +299,20 @@ class OneLineErrorsGroup(PlainFlags, typer.core.TyperGroup):
         except OSError as e:
             if e.errno not in _OUTPUT_ERRNOS:  # not what a refused write to standard output (--help, --version) raises
                 raise
-            fail(StdoutError(e))
-            code = EXIT_USAGE
+            if _broken_pipe(e):
+                code = EXIT_OK
+            else:
+                fail(StdoutError(e))
+                code = EXIT_USAGE
         else:
             code = rv if isinstance(rv, int) else EXIT_OK
         try:
-            sys.stdout.flush()  # a report small enough to sit in the buffer meets a full disk only now
+            if sys.stdout is not None:
+                sys.stdout.flush()  # a report small enough to sit in the buffer meets a full disk only now
         except (OSError, ValueError) as e:
-            fail(StdoutError(e))
-            code = EXIT_USAGE
+            if not _broken_pipe(e):
+                fail(StdoutError(e))
+                code = EXIT_USAGE
         if not standalone_mode:
             return code
         sys.exit(code)

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from attncheck.cli.common import EXIT_OK, check_output_path, fail, report_console, write_json
+from attncheck.cli.common import require_stdout, EXIT_OK, check_output_path, fail, report_console, write_json
 from attncheck.cli.options import DEFAULT_DTYPES, DEFAULT_METHODS, BlockOpt, DeviceOpt, DtypeOpt, JsonOpt, MethodOpt, PathOpt, QuietOpt, ScaleOpt, progress_shown
 from attncheck.config.sweep import DEFAULT_BLOCK, DEFAULT_DKS, DEFAULT_ROWS, DEFAULT_SEQ, PRESET_NAMES, SweepConfig
 from attncheck.errors import AttncheckError
@@ -45,6 +45,7 @@ def sweep(
     Exit codes: 0 ran, 2 usage or input error.
     """
     try:
+        require_stdout()  # every report ends on standard output: refuse a closed one before any work
         if preset is not None:
             _run_preset(preset, seed, device, json_out, plot, quiet, dict(dk=dk, scale=scale, dtype=dtype, method=method, seq=seq, rows=rows, std=std, dist=dist, block=block, path=path))
         config = SweepConfig.from_text(dks=dk, scales=scale, dtypes=dtype, methods=method, seqs=seq, rows=rows, stds=std, dist=dist, seed=seed, block=block, device=device, paths=path)

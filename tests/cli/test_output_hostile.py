@@ -1,0 +1,79 @@
+"""Where the reports go, when that place is hostile: standard output closed (``>&-``), a pipe
+whose reader went away (``| head -1``), a full device, a ``--json`` path that is a folder or a
+FIFO. Each ends with one line on stderr and exit 2, or (a closed pipe) quietly with the
+command's own exit code; never a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def attncheck(*args: str, stdout=subprocess.PIPE, cwd=None, timeout=120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "attncheck", *args], stdout=stdout, stderr=subprocess.PIPE,
+                          text=True, env=env, cwd=cwd, timeout=timeout)
+
+
+def closed_stdout(*args: str) -> subprocess.CompletedProcess:
+    """The command run as the shell runs `attncheck ARGS >&-`: no file descriptor 1 at all."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    line = " ".join([sys.executable, "-m", "attncheck", *args]) + " >&-"
+    return subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env, timeout=120)
+
+
+def one_line(proc: subprocess.CompletedProcess, match: str) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("attncheck: error: ") and match in lines[0], proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args", [
+    ("run", "--example", "--json", "-"),  # the JSON report on stdout
+    ("run", "--example"),  # the tables
+    ("sweep", "--dk", "16"),
+    ("check", "--config", "nowhere.toml"),  # refused for stdout before the config is even read
+    ("explain", "input_nan"),
+])
+def test_closed_stdout_is_one_line_before_any_work(args):
+    proc = closed_stdout(*args)
+    one_line(proc, "cannot write the report to standard output: it is closed")
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_pipe_whose_reader_left_ends_quietly():
+    """`attncheck explain CODE | head -0`: the reader is gone before the first write."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = attncheck("explain", "input_nan", stdout=write)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
+@pytest.mark.slow  # a diagnosis in a subprocess: 4 s
+def test_a_closed_pipe_keeps_the_verdict_of_the_report():
+    """The tables of `run --example --fail-on nan | head -0`: no error line and no traceback, and the
+    exit code is the verdict's (1: the example has NaN rows), as if the whole report had been read."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = attncheck("run", "--example", "--fail-on", "nan", stdout=write)
+        json_proc = attncheck("run", "--example", "--json", "-", stdout=write)
+    finally:
+        os.close(write)
+    assert proc.returncode == 1 and "error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert (json_proc.returncode, json_proc.stderr) == (0, "")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_stdout_on_a_full_device_is_one_line():
+    with open("/dev/full", "w") as full:
+        proc = attncheck("explain", "input_nan", stdout=full)
+    one_line(proc, "cannot write the report to standard output: No space left on device")
