@@ -59,7 +59,7 @@ _RAW_FLOATS: dict[str, tuple[np.dtype, torch.dtype]] = {
     "bfloat16": (np.dtype("<u2"), torch.bfloat16),  # numpy has no bf16: raw 16-bit words
 }
 
-def _short_of_memory(exc: BaseException) -> bool:
+def short_of_memory(exc: BaseException) -> bool:
     """safetensors maps the whole file into memory: under an address-space limit (ulimit -v) a
     large valid file fails there with ENOMEM, which says nothing about the file."""
     text = str(exc)
@@ -84,7 +84,7 @@ def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | Non
         with safetensors.safe_open(path, framework="pt") as f:
             keys = list(f.keys())
     except Exception as exc:
-        if not _short_of_memory(exc):
+        if not short_of_memory(exc):
             raise error(f"{path}: {invalid_text(path)} ({reason(exc)})") from exc
         # Its header, read above, lists the tensors; scores are streamed from the file in row blocks
         # (no mapping), and a tensor loaded whole says that memory is short (load below).
@@ -105,7 +105,7 @@ def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | Non
         try:
             handle = safetensors.safe_open(path, framework="pt")
         except Exception as exc:
-            if _short_of_memory(exc):
+            if short_of_memory(exc):
                 raise _memory_error(path, exc) from exc
             raise error(f"{path}: {invalid_text(path)} ({reason(exc)})") from exc
         out: list[tuple[str | None, Any]] = []
