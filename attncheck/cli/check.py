@@ -15,7 +15,10 @@ from typing import Annotated, Optional
 import typer
 
 from attncheck import params
-from attncheck.cli.common import require_stdout, EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, out_of_memory, report_console, say, write_json, write_text
+from attncheck.cli.common import (
+    EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, out_of_memory, report_console, require_stdout, say,
+    write_json, write_text,
+)
 from attncheck.cli.options import DeviceOpt, JsonOpt, QuietOpt, notices, progress_shown
 from attncheck.config.check import find_config, load_config
 from attncheck.errors import AttncheckError

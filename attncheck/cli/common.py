@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import sys
 
 import typer
@@ -105,11 +106,22 @@ def check_output_path(path: str | None, option: str, dash_ok: bool = True) -> No
     """Fail before any work when an output file cannot be created ('-' is stdout)."""
     if path is None or (dash_ok and path == "-"):
         return
+    if not path.strip():
+        raise AttncheckError(f"{option} is an empty name; give a file name")
+    if path == "-":
+        raise AttncheckError(f"{option} needs a file name: it does not write to standard output ('-')")
     if os.path.isdir(path):
         raise AttncheckError(f"cannot write {option} {path}: it is a folder; give a file name")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise AttncheckError(f"cannot write {option} {path}: folder {folder} does not exist")
+    try:
+        longest = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        longest = 255
+    if len(os.fsencode(os.path.basename(path))) > longest:
+        raise AttncheckError(f"cannot write {option} {path[:60]}...: the file name is longer than the {longest} bytes "
+                             "this folder takes")
 
 
 def out_of_memory(error: BaseException) -> str | None:
@@ -223,13 +235,33 @@ def write_stdout(text: str) -> None:
             raise StdoutError(e) from None
 
 
+def open_output(path: str):
+    """A report file opened for writing. A FIFO (``mkfifo``; ``--json >(jq .)`` is one too) is opened
+    without waiting: one that no process reads would block the command for ever, so it is an error."""
+    try:
+        fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        fifo = False  # not there yet (or not reachable): open() says why
+    if not fifo:
+        return open(path, "w", encoding="utf-8")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            why = "it is a FIFO that no process reads; start its reader first, or give a file"
+            raise OSError(errno.ENXIO, why) from None
+        raise
+    os.set_blocking(fd, True)  # a reader is there: write as to any pipe
+    return os.fdopen(fd, "w", encoding="utf-8")
+
+
 def write_text(text: str, path: str, option: str) -> None:
     """Write a report file, or standard output for '-'; an unwritable path is an input error."""
     if path == "-":
         write_stdout(text)
         return
     try:
-        with open(path, "w", encoding="utf-8") as fh:
+        with open_output(path) as fh:
             fh.write(text)
     except OSError as e:
         raise AttncheckError(f"cannot write {option} {path}: {e.strerror or e}") from None
@@ -241,7 +273,7 @@ def write_json(text: str, target: str) -> None:
         write_stdout(text + "\n")
         return
     try:
-        with open(target, "w", encoding="utf-8") as fh:
+        with open_output(target) as fh:
             fh.write(text + "\n")
     except OSError as e:
         raise AttncheckError(f"cannot write {target}: {e.strerror or e}") from None

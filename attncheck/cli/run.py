@@ -12,7 +12,9 @@ from typing import Annotated, List, Optional
 import typer
 
 from attncheck import params
-from attncheck.cli.common import require_stdout, EXIT_FAILED, EXIT_OK, check_output_path, fail, report_console, say, write_json
+from attncheck.cli.common import (
+    EXIT_FAILED, EXIT_OK, check_output_path, fail, report_console, require_stdout, say, write_json,
+)
 from attncheck.cli.options import (
     DEFAULT_DTYPES,
     DEFAULT_METHODS,

@@ -95,7 +95,7 @@ class CheckConfig:
     budget: Budget = field(default_factory=Budget)
     dtype_budgets: dict[str, Budget] = field(default_factory=dict)  # [tool.attncheck.budget.<dtype>] overrides
     max_memory: int | None = None  # bytes, as max_memory = "1GiB": working memory of the diagnosis; None: the default chunks
-    max_work: int = DEFAULT_MAX_WORK  # score elements the synthetic inputs may compute together (config.sweep.DEFAULT_MAX_WORK)
+    max_work: int = DEFAULT_MAX_WORK  # score elements the synthetic inputs may compute together (as sweep --max-work)
 
     @property
     def memory_budget(self) -> int:
@@ -186,7 +186,8 @@ def _dtypes(value: Any, key: str) -> tuple[str, ...]:
     """Dtypes a check computes in: fp16, bf16, fp32; an FP8 format is refused with the reason."""
     fp8 = [v for v in _listed(value) if v in DTYPES and DTYPES.get(v).p_format]
     if fp8:
-        raise AttncheckError(f"{key}: {fp8[0]!r} is an FP8 format; check computes in {', '.join(dtype_names())} ({FP8_REFUSED})")
+        computed = ", ".join(dtype_names())
+        raise AttncheckError(f"{key}: {fp8[0]!r} is an FP8 format; check computes in {computed} ({FP8_REFUSED})")
     return params.dtypes(value, key, fp8=False)
 
 
@@ -219,7 +220,8 @@ def _reject_unknown(table: dict[str, Any], known: tuple[str, ...], prefix: str, 
 
 # --------------------------------------------------------------------------- tables
 
-TOP_KEYS = ("inputs", "keys", "synthetic", "dtypes", "methods", "block", "order", "accum", "device", "max_memory", "max_work", "budget", "ignore")
+TOP_KEYS = ("inputs", "keys", "synthetic", "dtypes", "methods", "block", "order", "accum", "device", "max_memory", "max_work",
+            "budget", "ignore")
 SYNTHETIC_KEYS = ("d_k", "scale", "seq", "rows", "dist", "std", "seed", "dtype", "paths")
 _AT = BUDGET_NAMES.index("relative_to_torch") + 1
 BUDGET_KEYS = (*BUDGET_NAMES[:_AT], "relative_to_torch_atol", *BUDGET_NAMES[_AT:])
@@ -250,7 +252,8 @@ def _parse_budgets(value: Any, prefix: str, display: str) -> tuple[Budget, dict[
     cells = dtype_names()  # a [budget.<dtype>] table for any dtype a check computes in
     for name in table:
         if name in DTYPES.names(cell_dtype) and name not in cells:
-            raise AttncheckError(f"{prefix}.{name}: {name!r} is an FP8 format; check computes in {', '.join(cells)} ({FP8_REFUSED})")
+            raise AttncheckError(f"{prefix}.{name}: {name!r} is an FP8 format; check computes in {', '.join(cells)} "
+                                 f"({FP8_REFUSED})")
     own = {k: v for k, v in table.items() if k not in cells}
     _reject_unknown(own, BUDGET_KEYS + cells, prefix, display)
     base = parse_budget(own, prefix, display)
@@ -375,9 +378,11 @@ def _check_work(config: CheckConfig) -> None:
         big = config.synthetic[works.index(max(works))]
         heads, queries = head_layout(big.rows, big.seq)  # rows rounded up to whole heads
         raise AttncheckError(
-            f"{config.key('synthetic')} would compute {work_text(total)} score elements ({config.key('synthetic')}[{big.index}]: "
+            f"{config.key('synthetic')} would compute {work_text(total)} score elements "
+            f"({config.key('synthetic')}[{big.index}]: "
             f"{big.rows:,} rows x {big.seq} keys x {max(works) // (heads * queries * big.seq)} cells), over "
-            f"{config.key('max_work')} {work_text(config.max_work)}: lower rows or seq, or raise {config.key('max_work')}"
+            f"{config.key('max_work')} {work_text(config.max_work)}: lower rows or seq, "
+            f"or raise {config.key('max_work')}"
         )
 
 

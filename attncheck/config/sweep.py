@@ -179,11 +179,13 @@ class SweepConfig:
     def check_work(self, limit: int = DEFAULT_MAX_WORK) -> None:
         """Refuse, before anything is drawn, a grid of more than ``limit`` score elements."""
         if self.work > limit:
-            keys = f"{self.seqs[0]} keys" if len(self.seqs) == 1 else f"{sum(self.seqs) / len(self.seqs):g} keys on average"
+            mean_seq = sum(self.seqs) / len(self.seqs)
+            keys = f"{self.seqs[0]} keys" if len(self.seqs) == 1 else f"{mean_seq:g} keys on average"
             raise AttncheckError(
-                f"the sweep would compute {work_text(self.work)} score elements ({self.points:,} grid points x {self.rows} rows x "
-                f"{keys} x {self.cells} cells), over {param('max_work')} {work_text(limit)}: give fewer {param('dks')}, "
-                f"{param('scales')}, {param('seqs')} or {param('stds')} values or fewer {param('rows')}, or raise {param('max_work')}"
+                f"the sweep would compute {work_text(self.work)} score elements ({self.points:,} grid points x "
+                f"{self.rows} rows x {keys} x {self.cells} cells), over {param('max_work')} {work_text(limit)}: "
+                f"give fewer {param('dks')}, {param('scales')}, {param('seqs')} or {param('stds')} values "
+                f"or fewer {param('rows')}, or raise {param('max_work')}"
             )
 
 

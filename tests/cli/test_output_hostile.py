@@ -77,3 +77,76 @@ def test_stdout_on_a_full_device_is_one_line():
     with open("/dev/full", "w") as full:
         proc = attncheck("explain", "input_nan", stdout=full)
     one_line(proc, "cannot write the report to standard output: No space left on device")
+
+
+# --------------------------------------------------------------------------- report files (in process)
+
+from typer.testing import CliRunner  # noqa: E402
+
+from attncheck.cli import app  # noqa: E402
+
+runner = CliRunner()
+
+
+def in_process(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def refused(r, match: str) -> None:
+    assert r.exit_code == 2, (r.exit_code, r.output)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attncheck: error: ") and match in lines[0], r.stderr
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_json_to_a_fifo_nobody_reads_is_one_line_and_one_with_a_reader_gets_the_report(tmp_path):
+    import json
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    refused(in_process("run", "--example", "--brief", "--json", fifo), "it is a FIFO that no process reads")
+    # A reader that holds the FIFO open (as `--json >(jq .)` does) and drains it while the command writes.
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    chunks: list[bytes] = []
+
+    def drain():
+        import time
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:  # the writer is there, nothing new yet
+                chunk = None
+            if chunk:
+                chunks.append(chunk)
+            elif chunk == b"" and chunks:  # the writer closed it after writing
+                return
+            else:
+                time.sleep(0.002)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        r = in_process("run", "--example", "--brief", "--json", fifo)
+    finally:
+        reader.join(timeout=60)
+        os.close(fd)
+    got = {"doc": json.loads(b"".join(chunks))}
+    assert r.exit_code == 0 and got["doc"]["schema"].startswith("attncheck.run/"), r.output
+
+
+@pytest.mark.parametrize("plot,match", [
+    ("p.txt", "matplotlib writes no '.txt' pictures"),
+    ("-", "--plot needs a file name: it does not write to standard output"),
+    ("", "--plot is an empty name"),
+    ("a" * 300 + ".png", "the file name is longer than the"),
+])
+def test_sweep_plot_names_matplotlib_cannot_write_are_refused_before_the_sweep(tmp_path, monkeypatch, plot, match):
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    refused(in_process("sweep", "--dk", "16", "--scale", "sqrt", "--plot", plot), match)
+    assert os.listdir(tmp_path) == []  # nothing written, not even a file named '-'
+

@@ -69,15 +69,17 @@ def short_of_memory(exc: BaseException) -> bool:
 
 def _memory_error(path: str, exc: BaseException) -> AttncheckError:
     size = os.path.getsize(path)
-    return error(f"{path}: memory is short: the {size_text(size)} file could not be mapped ({reason(exc)}); its header is valid. "
-                 f"Raise the address-space limit (ulimit -v), or pass it as scores, which are read in row blocks within "
+    return error(f"{path}: memory is short: the {size_text(size)} file could not be mapped ({reason(exc)}); "
+                 f"its header is valid. Raise the address-space limit (ulimit -v), or pass it as scores, "
+                 f"which are read in row blocks within "
                  f"{param('max_memory')}, choosing tensors with {param('keys')}")
 
 
 def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | None = None) -> FileListing:
     try:
         with open(path, "rb") as f:
-            _, entries, _ = _read_safetensors_header(f, invalid_text(path), path)  # bounded, before safetensors' own parser sees it
+            # bounded, before safetensors' own parser sees it
+            _, entries, _ = _read_safetensors_header(f, invalid_text(path), path)
     except OSError as exc:
         raise read_error(path)(exc) from exc
     try:
