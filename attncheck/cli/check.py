@@ -16,7 +16,7 @@ import typer
 
 from attncheck import params
 from attncheck.cli.common import (
-    EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, out_of_memory, report_console, require_stdout, say,
+    EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, open_output, out_of_memory, report_console, require_stdout, say,
     write_json, write_text,
 )
 from attncheck.cli.options import DeviceOpt, JsonOpt, QuietOpt, notices, progress_shown
@@ -32,7 +32,7 @@ def _append_step_summary(text: str) -> None:
     if not target:
         return
     try:
-        with open(target, "a", encoding="utf-8") as fh:
+        with open_output(target, "a") as fh:  # a FIFO nobody reads is refused, not waited on
             fh.write(text + "\n")
     except OSError as e:
         say(f"attncheck: warning: cannot append to ${STEP_SUMMARY} ({target}): {e.strerror or e}")

@@ -235,15 +235,15 @@ def write_stdout(text: str) -> None:
             raise StdoutError(e) from None
 
 
-def open_output(path: str):
-    """A report file opened for writing. A FIFO (``mkfifo``; ``--json >(jq .)`` is one too) is opened
+def open_output(path: str, mode: str = "w"):
+    """A report file opened for writing (``mode`` 'a': appending). A FIFO (``mkfifo``; ``--json >(jq .)`` is one too) is opened
     without waiting: one that no process reads would block the command for ever, so it is an error."""
     try:
         fifo = stat.S_ISFIFO(os.stat(path).st_mode)
     except (OSError, ValueError):
         fifo = False  # not there yet (or not reachable): open() says why
     if not fifo:
-        return open(path, "w", encoding="utf-8")
+        return open(path, mode, encoding="utf-8")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
     except OSError as e:

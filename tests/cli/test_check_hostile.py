@@ -100,3 +100,15 @@ def test_sweep_max_work_is_checked_and_raises_the_limit():
     one_error(invoke(*small, "--max-work", "127"), "the sweep would compute 128 score elements (1 grid points x 8 rows x 16 keys x 1 cells), over --max-work 127")
     r = invoke(*small, "--max-work", "128", "--quiet")
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_step_summary_fifo_nobody_reads_is_a_warning_not_a_hang(tmp_path, monkeypatch):
+    fifo = tmp_path / "summary"
+    os.mkfifo(fifo)
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(fifo))
+    text = 'dtypes = ["fp32"]\nmethods = ["torch"]\n[[synthetic]]\nd_k = 8\nrows = 8\nseq = 16\n'
+    r = invoke("check", "--config", config(tmp_path, text))
+    assert r.exit_code == 0, r.output
+    assert r.stderr.strip() == (f"attncheck: warning: cannot append to $GITHUB_STEP_SUMMARY ({fifo}): it is a FIFO that no process "
+                                "reads; start its reader first, or give a file")

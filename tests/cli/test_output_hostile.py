@@ -150,3 +150,16 @@ def test_sweep_plot_names_matplotlib_cannot_write_are_refused_before_the_sweep(t
     refused(in_process("sweep", "--dk", "16", "--scale", "sqrt", "--plot", plot), match)
     assert os.listdir(tmp_path) == []  # nothing written, not even a file named '-'
 
+
+
+@pytest.mark.slow  # three commands in subprocesses: 10 s
+def test_run_sweep_and_check_leave_nothing_in_the_temporary_directory(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp_path / "attncheck.toml").write_text('dtypes = ["fp16"]\n[[synthetic]]\nd_k = 8\nrows = 8\nseq = 16\npaths = ["flash"]\n')
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for args in (("run", "--example"), ("sweep", "--dk", "8", "--scale", "sqrt", "--rows", "8", "--seq", "16"), ("check",)):
+        proc = subprocess.run([sys.executable, "-m", "attncheck", *args, "--quiet"], capture_output=True, text=True,
+                              env=env, cwd=tmp_path, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert os.listdir(tmp) == []
