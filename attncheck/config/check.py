@@ -436,8 +436,9 @@ def glob_inputs(pattern: str, root: str) -> list[str]:
 
     Python's recursive glob follows links to folders and never stops on a folder that links to
     itself or to a parent (``ln -s . loop``): its walk grows without end. Here every ``**`` walks the
-    folders below it (links followed, as glob does) keeping the (device, inode) of each one entered,
-    so a loop is entered once. Patterns without ``**`` cannot loop and keep glob's own answer.
+    folders below it keeping the (device, inode) of each one entered, so a loop is entered once; links
+    to folders are followed (as glob does) after the real folders, so a file is found by its own path
+    and once, where glob lists it again under every link. Patterns without ``**`` cannot loop and keep glob's own answer.
     Hidden names match only a part that starts with '.', as in glob."""
     if "**" not in pattern:
         return glob.glob(pattern, root_dir=root, recursive=True)
@@ -459,26 +460,20 @@ def glob_inputs(pattern: str, root: str) -> list[str]:
         except (OSError, ValueError):
             return []
 
-    def walk(folder: str, i: int, seen: set[tuple[int, int]] | None) -> None:
+    def walk(folder: str, i: int, state: tuple[set, list] | None) -> None:
         if i == len(parts):
             if folder:
                 out[folder] = None
             return
         part = parts[i]
         if part == "**":
-            seen = set() if seen is None else seen  # one set per '**': a later '**' may enter the same folders
-            key = real(folder)
-            if key is None or key in seen:
-                return
-            seen.add(key)
-            walk(folder, i + 1, None)  # '**' as no folder at all
-            for name in children(folder):
-                if not name.startswith("."):
-                    sub = os.path.join(folder, name)
-                    if real(sub) is not None:
-                        walk(sub, i, seen)
-                    elif i + 1 == len(parts):  # a final '**' lists files too
-                        out[sub] = None
+            if state is None:  # a '**' starts here: its own folders seen, and the links to folders it left for last
+                state = (set(), [])
+                expand(folder, i, state)
+                while state[1]:  # links after the real folders, so that a folder is found by its own name first
+                    expand(state[1].pop(0), i, state)
+            else:
+                expand(folder, i, state)
             return
         if part == "..":
             walk(os.path.join(folder, part), i + 1, None)
@@ -495,6 +490,26 @@ def glob_inputs(pattern: str, root: str) -> list[str]:
                 sub = os.path.join(folder, name)
                 if i + 1 == len(parts) or real(sub) is not None:
                     walk(sub, i + 1, None)
+
+    def expand(folder: str, i: int, state: tuple[set, list]) -> None:
+        """'**' at ``folder``: no folder at all, then every folder below it (each real one once)."""
+        seen, links = state
+        key = real(folder)
+        if key is None or key in seen:
+            return
+        seen.add(key)
+        walk(folder, i + 1, None)  # '**' as no folder at all
+        for name in children(folder):
+            if name.startswith("."):
+                continue
+            sub = os.path.join(folder, name)
+            if real(sub) is None:
+                if i + 1 == len(parts):  # a final '**' lists files too
+                    out[sub] = None
+            elif os.path.islink(os.path.join(root, sub)):
+                links.append(sub)
+            else:
+                expand(sub, i, state)
 
     walk(start, 0, None)
     return list(out)

@@ -282,3 +282,39 @@ def test_ignored_codes_leave_their_rows_out_of_the_count_budgets(tmp_path):
     assert not run_check(parse_table(table, root=tmp_path)).passed  # nan budget 0 by default
     result = run_check(parse_table({**table, "ignore": ["fully_masked_rows"]}, root=tmp_path))
     assert result.passed and result.cases[0].checks[0].measured == 0 and result.ignore == ("fully_masked_rows",)
+
+
+@pytest.mark.parametrize("pattern", ["**/*.npy", "x/**/*.npy", "**", "x/**", "**/y/*.npy", "*/y/**/*.npy", "x/**/c.npy",
+                                     "./**/*.npy", "**/.e.npy", "*.npy", "x/*/c.npy"])
+def test_input_globs_find_what_pythons_glob_finds_where_no_folder_loops(tmp_path, pattern):
+    """glob_inputs walks '**' itself (to enter each real folder once); on a tree without loops it
+    finds the same paths as glob.glob, hidden names and links to folders included."""
+    import glob
+    import os
+
+    from attncheck.config.check import glob_inputs
+
+    for name in ("a.npy", "x/b.npy", "x/y/c.npy", ".h/d.npy", "x/.e.npy", "z/y/c.npy"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    os.symlink(tmp_path / "z", tmp_path / "x" / "link")  # a link to a folder elsewhere in the tree: followed, as glob does
+    found = {os.path.normpath(p) for p in glob.glob(pattern, root_dir=tmp_path, recursive=True)}
+    # glob lists z's files again under x/link; glob_inputs enters each real folder once, by its own name first
+    from_root = pattern.startswith(("**", "./**"))  # its '**' reaches z by its own name, before the link
+    expected = sorted(p for p in found if not (from_root and (p + "/").startswith("x/link/")))
+    got = sorted({os.path.normpath(p) for p in glob_inputs(pattern, str(tmp_path))})
+    assert got == expected and got  # every pattern here finds something
+
+
+def test_input_globs_enter_a_folder_that_links_to_itself_once(tmp_path):
+    import os
+
+    from attncheck.config.check import glob_inputs
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.npy").write_bytes(b"")
+    os.symlink(".", tmp_path / "self")
+    os.symlink("..", tmp_path / "d" / "up")
+    os.symlink(tmp_path, tmp_path / "d" / "root")
+    assert sorted(glob_inputs("**/*.npy", str(tmp_path))) == ["d/a.npy"]
+    assert sorted(glob_inputs(str(tmp_path / "**" / "*.npy"), "/")) == [str(tmp_path / "d" / "a.npy")]
