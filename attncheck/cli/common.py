@@ -85,7 +85,10 @@ def flag(parameter: str) -> str:
 def say(line: str) -> None:
     """One line on stderr, as it is: names it quotes come from files, so a control character or an
     escape sequence in them is shown (``format.visible``), never acted on or split into lines."""
-    typer.echo(visible(line), err=True)
+    try:
+        typer.echo(visible(line), err=True)
+    except (OSError, ValueError):  # stderr closed (2>&-) or full: the exit code still says how the command ended
+        pass
 
 
 def fail(error: AttncheckError | str) -> typer.Exit:

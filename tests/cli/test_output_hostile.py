@@ -163,3 +163,15 @@ def test_run_sweep_and_check_leave_nothing_in_the_temporary_directory(tmp_path):
                               env=env, cwd=tmp_path, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert os.listdir(tmp) == []
+
+
+@pytest.mark.slow  # two subprocesses, one a diagnosis: 6 s
+def test_a_closed_stderr_keeps_the_exit_code_and_the_report():
+    """`2>&-`: the progress bar (forced on) and the error line have nowhere to go; the report still
+    comes out and the exit code still says how the command ended (1 was a traceback before)."""
+    env = {**os.environ, "ATTNCHECK_PROGRESS": "always", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    base = f"{sys.executable} -m attncheck"
+    ok = subprocess.run(["bash", "-c", f"{base} run --example --json - 2>&-"], capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0 and '"schema": "attncheck.run/' in ok.stdout
+    bad = subprocess.run(["bash", "-c", f"{base} run no-such-file.npy 2>&-"], capture_output=True, text=True, env=env, timeout=120)
+    assert (bad.returncode, bad.stdout) == (2, "")
