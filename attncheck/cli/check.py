@@ -15,7 +15,10 @@ from typing import Annotated, Optional
 import typer
 
 from attncheck import params
-from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, out_of_memory, report_console, say, write_json, write_text
+from attncheck.cli.common import (
+    EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, open_output, out_of_memory, report_console, require_stdout, say,
+    write_json, write_text,
+)
 from attncheck.cli.options import DeviceOpt, JsonOpt, QuietOpt, notices, progress_shown
 from attncheck.config.check import find_config, load_config
 from attncheck.errors import AttncheckError
@@ -29,7 +32,7 @@ def _append_step_summary(text: str) -> None:
     if not target:
         return
     try:
-        with open(target, "a", encoding="utf-8") as fh:
+        with open_output(target, "a") as fh:  # a FIFO nobody reads is refused, not waited on
             fh.write(text + "\n")
     except OSError as e:
         say(f"attncheck: warning: cannot append to ${STEP_SUMMARY} ({target}): {e.strerror or e}")
@@ -54,6 +57,7 @@ def check(
     Exit codes: 0 every budget holds, 1 a budget broke, 2 configuration or input error (or an internal error, so that 1 always means a budget).
     """
     try:
+        require_stdout()  # every report ends on standard output: refuse a closed one before any work
         if device is not None:
             device = params.device(device)
         cfg = load_config(config) if config is not None else load_config(find_config())

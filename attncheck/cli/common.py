@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import sys
 
 import typer
@@ -84,7 +85,10 @@ def flag(parameter: str) -> str:
 def say(line: str) -> None:
     """One line on stderr, as it is: names it quotes come from files, so a control character or an
     escape sequence in them is shown (``format.visible``), never acted on or split into lines."""
-    typer.echo(visible(line), err=True)
+    try:
+        typer.echo(visible(line), err=True)
+    except (OSError, ValueError):  # stderr closed (2>&-) or full: the exit code still says how the command ended
+        pass
 
 
 def fail(error: AttncheckError | str) -> typer.Exit:
@@ -105,11 +109,22 @@ def check_output_path(path: str | None, option: str, dash_ok: bool = True) -> No
     """Fail before any work when an output file cannot be created ('-' is stdout)."""
     if path is None or (dash_ok and path == "-"):
         return
+    if not path.strip():
+        raise AttncheckError(f"{option} is an empty name; give a file name")
+    if path == "-":
+        raise AttncheckError(f"{option} needs a file name: it does not write to standard output ('-')")
     if os.path.isdir(path):
         raise AttncheckError(f"cannot write {option} {path}: it is a folder; give a file name")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise AttncheckError(f"cannot write {option} {path}: folder {folder} does not exist")
+    try:
+        longest = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        longest = 255
+    if len(os.fsencode(os.path.basename(path))) > longest:
+        raise AttncheckError(f"cannot write {option} {path[:60]}...: the file name is longer than the {longest} bytes "
+                             "this folder takes")
 
 
 def out_of_memory(error: BaseException) -> str | None:
@@ -127,11 +142,31 @@ _OUTPUT_ERRNOS = {errno.ENOSPC, errno.EPIPE, errno.EDQUOT, errno.EFBIG, errno.EI
 
 
 class StdoutError(AttncheckError):
-    """Standard output refused a report: a full disk or device, a closed pipe."""
+    """Standard output refused a report: a full disk or device, or no standard output at all."""
 
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(f"cannot write the report to standard output: {getattr(error, 'strerror', None) or error}")
+    def __init__(self, error: BaseException | str) -> None:
+        why = error if isinstance(error, str) else (getattr(error, "strerror", None) or error)
+        super().__init__(f"cannot write the report to standard output: {why}")
         _drop_stdout()
+
+
+CLOSED = "it is closed (the shell ran the command with >&-); redirect it to a file or /dev/null"
+
+
+def require_stdout() -> None:
+    """Refuse, before any work, to run a command whose report goes to a closed standard output
+    (``>&-``: Python then has no ``sys.stdout`` at all)."""
+    if sys.stdout is None:
+        raise StdoutError(CLOSED)
+
+
+def _broken_pipe(error: BaseException) -> bool:
+    """The reader of a pipe went away (``| head -1``): not an error of the command. What is left
+    of the report goes to /dev/null and the command ends as it would have, quietly, with its own exit code."""
+    if isinstance(error, BrokenPipeError) or getattr(error, "errno", None) == errno.EPIPE:
+        _drop_stdout()
+        return True
+    return False
 
 
 def _drop_stdout() -> None:
@@ -143,35 +178,45 @@ def _drop_stdout() -> None:
             os.dup2(devnull, sys.stdout.fileno())
         finally:
             os.close(devnull)
-    except (OSError, ValueError, AttributeError):  # not a file (a test's buffer)
+    except (OSError, ValueError, AttributeError):  # not a file (a test's buffer), or no stdout at all
         pass
 
 
 class GuardedStdout:
     """Standard output for Rich consoles: a write it refuses raises StdoutError (one line, exit 2)
-    instead of an OSError traceback. Looks up ``sys.stdout`` on every call (tests swap it)."""
+    instead of an OSError traceback, a closed pipe ends the report quietly. Looks up ``sys.stdout``
+    on every call (tests swap it)."""
 
     def write(self, text: str) -> int:
+        if sys.stdout is None:
+            raise StdoutError(CLOSED)
         try:
             return sys.stdout.write(text)
         except (OSError, ValueError) as e:
+            if _broken_pipe(e):
+                return len(text)
             raise StdoutError(e) from None
 
     def flush(self) -> None:
+        if sys.stdout is None:
+            raise StdoutError(CLOSED)
         try:
             sys.stdout.flush()
         except (OSError, ValueError) as e:
-            raise StdoutError(e) from None
+            if not _broken_pipe(e):
+                raise StdoutError(e) from None
 
     def isatty(self) -> bool:
-        return sys.stdout.isatty()
+        return sys.stdout is not None and sys.stdout.isatty()
 
     def fileno(self) -> int:
+        if sys.stdout is None:
+            raise StdoutError(CLOSED)
         return sys.stdout.fileno()
 
     @property
     def encoding(self) -> str:
-        return getattr(sys.stdout, "encoding", "utf-8")
+        return getattr(sys.stdout, "encoding", None) or "utf-8"
 
 
 def report_console():
@@ -179,15 +224,38 @@ def report_console():
     refused write one line."""
     from rich.console import Console
 
+    require_stdout()
     return Console(file=GuardedStdout(), markup=False)
 
 
 def write_stdout(text: str) -> None:
+    require_stdout()
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
     except (OSError, ValueError) as e:
-        raise StdoutError(e) from None
+        if not _broken_pipe(e):
+            raise StdoutError(e) from None
+
+
+def open_output(path: str, mode: str = "w"):
+    """A report file opened for writing (``mode`` 'a': appending). A FIFO (``mkfifo``; ``--json >(jq .)`` is one too) is opened
+    without waiting: one that no process reads would block the command for ever, so it is an error."""
+    try:
+        fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        fifo = False  # not there yet (or not reachable): open() says why
+    if not fifo:
+        return open(path, mode, encoding="utf-8")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            why = "it is a FIFO that no process reads; start its reader first, or give a file"
+            raise OSError(errno.ENXIO, why) from None
+        raise
+    os.set_blocking(fd, True)  # a reader is there: write as to any pipe
+    return os.fdopen(fd, "w", encoding="utf-8")
 
 
 def write_text(text: str, path: str, option: str) -> None:
@@ -196,7 +264,7 @@ def write_text(text: str, path: str, option: str) -> None:
         write_stdout(text)
         return
     try:
-        with open(path, "w", encoding="utf-8") as fh:
+        with open_output(path) as fh:
             fh.write(text)
     except OSError as e:
         raise AttncheckError(f"cannot write {option} {path}: {e.strerror or e}") from None
@@ -208,7 +276,7 @@ def write_json(text: str, target: str) -> None:
         write_stdout(text + "\n")
         return
     try:
-        with open(target, "w", encoding="utf-8") as fh:
+        with open_output(target) as fh:
             fh.write(text + "\n")
     except OSError as e:
         raise AttncheckError(f"cannot write {target}: {e.strerror or e}") from None
@@ -266,15 +334,20 @@ class OneLineErrorsGroup(PlainFlags, typer.core.TyperGroup):
         except OSError as e:
             if e.errno not in _OUTPUT_ERRNOS:  # not what a refused write to standard output (--help, --version) raises
                 raise
-            fail(StdoutError(e))
-            code = EXIT_USAGE
+            if _broken_pipe(e):
+                code = EXIT_OK
+            else:
+                fail(StdoutError(e))
+                code = EXIT_USAGE
         else:
             code = rv if isinstance(rv, int) else EXIT_OK
         try:
-            sys.stdout.flush()  # a report small enough to sit in the buffer meets a full disk only now
+            if sys.stdout is not None:
+                sys.stdout.flush()  # a report small enough to sit in the buffer meets a full disk only now
         except (OSError, ValueError) as e:
-            fail(StdoutError(e))
-            code = EXIT_USAGE
+            if not _broken_pipe(e):
+                fail(StdoutError(e))
+                code = EXIT_USAGE
         if not standalone_mode:
             return code
         sys.exit(code)

@@ -22,7 +22,10 @@ longer than a second, a progress bar (`--quiet` turns notices and the bar off;
 **Exit codes.** 0: ran and nothing failed; 1: a requested check failed (`--fail-on`, or a budget of
 `attncheck check`); 2: usage or input error (a missing or corrupt file, an unknown dtype, method or
 code, an option that does not apply, CUDA asked for but absent, anything larger than `--max-memory`
-that would be held whole), always one line on standard error, never a traceback.
+that would be held whole, a sweep grid or synthetic inputs past `--max-work`, a closed standard output,
+a `--json` FIFO that no process reads), always one line on standard error, never a traceback. A pipe
+whose reader goes away (`| head -1`) ends the report quietly, with the exit code the command would
+have had.
 
 **Shared options.** `--dtype`, `--method`, `--block`, `--device`, `--scale`, `--json` and `--quiet`
 mean the same in every command that takes them. `--json -` writes the JSON report to standard

@@ -12,7 +12,9 @@ from typing import Annotated, List, Optional
 import typer
 
 from attncheck import params
-from attncheck.cli.common import EXIT_FAILED, EXIT_OK, check_output_path, fail, report_console, say, write_json
+from attncheck.cli.common import (
+    EXIT_FAILED, EXIT_OK, check_output_path, fail, report_console, require_stdout, say, write_json,
+)
 from attncheck.cli.options import (
     DEFAULT_DTYPES,
     DEFAULT_METHODS,
@@ -132,6 +134,7 @@ def run(
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error.
     """
     try:
+        require_stdout()  # every report ends on standard output: refuse a closed one before any work
         conditions = parse_fail_on(fail_on)
         ignored = ignore_codes(ignore)
         memory = params.memory(max_memory, "max_memory")

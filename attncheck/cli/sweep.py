@@ -12,9 +12,10 @@ from typing import Optional
 
 import typer
 
-from attncheck.cli.common import EXIT_OK, check_output_path, fail, report_console, write_json
+from attncheck.cli.common import EXIT_OK, check_output_path, fail, report_console, require_stdout, write_json
 from attncheck.cli.options import DEFAULT_DTYPES, DEFAULT_METHODS, BlockOpt, DeviceOpt, DtypeOpt, JsonOpt, MethodOpt, PathOpt, QuietOpt, ScaleOpt, progress_shown
-from attncheck.config.sweep import DEFAULT_BLOCK, DEFAULT_DKS, DEFAULT_ROWS, DEFAULT_SEQ, PRESET_NAMES, SweepConfig
+from attncheck.config.sweep import DEFAULT_BLOCK, DEFAULT_DKS, DEFAULT_MAX_WORK, DEFAULT_ROWS, DEFAULT_SEQ, PRESET_NAMES
+from attncheck.config.sweep import SweepConfig, max_work as parse_max_work
 from attncheck.errors import AttncheckError
 from attncheck.params import SCALE_NAMES
 from attncheck.registry import path_names
@@ -36,6 +37,10 @@ def sweep(
     plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Draw variance, max probability, entropy and Jacobian norm vs d_k, and per dtype maps of overflowed rows and of the error against float64, to FILE.png (needs the 'plot' extra: matplotlib)."),
     path: PathOpt = ",".join(path_names(lambda spec: not spec.fp8 and spec.default)),
     preset: Optional[str] = typer.Option(None, "--preset", metavar="NAME", help="Reproduce a published figure instead of the grid, printed beside the paper's: fa3 (FlashAttention-3's FP16 and FP8 RMSE of O), pcast (underflow of the FP8 P cast with an attention sink). Takes --seed and --device, --json."),
+    max_work: str = typer.Option(
+        f"{DEFAULT_MAX_WORK:.3g}", "--max-work", metavar="N",
+        help="Refuse, before any work, a grid that computes more score elements than N "
+        "(grid points x rows x keys x cells; the default grid computes 2.6e8)."),
     quiet: QuietOpt = False,
 ) -> None:
     """Sweep synthetic Q and K over d_k x scale; measure next to the theory.
@@ -45,15 +50,18 @@ def sweep(
     Exit codes: 0 ran, 2 usage or input error.
     """
     try:
+        require_stdout()  # every report ends on standard output: refuse a closed one before any work
         if preset is not None:
             _run_preset(preset, seed, device, json_out, plot, quiet, dict(dk=dk, scale=scale, dtype=dtype, method=method, seq=seq, rows=rows, std=std, dist=dist, block=block, path=path))
         config = SweepConfig.from_text(dks=dk, scales=scale, dtypes=dtype, methods=method, seqs=seq, rows=rows, stds=std, dist=dist, seed=seed, block=block, device=device, paths=path)
+        config.check_work(parse_max_work(max_work, "max_work"))
         check_output_path(json_out, "--json")
-        check_output_path(plot, "--plot")
+        check_output_path(plot, "--plot", dash_ok=False)
         if plot is not None:
-            from attncheck.report.sweep import require_matplotlib
+            from attncheck.report.sweep import check_plot_path, require_matplotlib
 
             require_matplotlib()
+            check_plot_path(plot)
         from attncheck.pipelines.sweep import run_sweep
         from attncheck.report.progress import Progress
         from attncheck.report.sweep import plot_sweep, print_sweep, sweep_json

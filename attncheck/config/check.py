@@ -14,6 +14,7 @@ errors the line and column tomllib reports.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import stat
@@ -22,11 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attncheck import params
-from attncheck.config.sweep import DIST_NAMES, head_layout, qk_bytes
+from attncheck.config.sweep import DEFAULT_MAX_WORK, DIST_NAMES, head_layout, max_work, qk_bytes, work_text
 from attncheck.errors import AttncheckError
 from attncheck.format import size_text
 from attncheck.params import ORDERS, Scale, show
-from attncheck.registry import DTYPES, cell_dtype, dtype_names
+from attncheck.registry import DTYPES, PATHS, cell_dtype, dtype_names
 from attncheck.results import BUDGET_NAMES, COUNT_BUDGETS, LOWER_BUDGETS, RELATIVE_BUDGETS, Budget
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class CheckConfig:
     budget: Budget = field(default_factory=Budget)
     dtype_budgets: dict[str, Budget] = field(default_factory=dict)  # [tool.attncheck.budget.<dtype>] overrides
     max_memory: int | None = None  # bytes, as max_memory = "1GiB": working memory of the diagnosis; None: the default chunks
+    max_work: int = DEFAULT_MAX_WORK  # score elements the synthetic inputs may compute together (as sweep --max-work)
 
     @property
     def memory_budget(self) -> int:
@@ -174,6 +176,35 @@ def _size(value: Any, key: str) -> int:
     return params.size(value, key)
 
 
+# check judges whole softmaxes and the fp16/bf16/fp32 attention paths. An FP8 cell also depends on
+# the P scale and on how Q, K and V are quantised, which `run` takes as options and a budget
+# table has no key for: such a name is refused with the reason, not left to fail mid-run.
+FP8_REFUSED = "FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3'"
+
+
+def _dtypes(value: Any, key: str) -> tuple[str, ...]:
+    """Dtypes a check computes in: fp16, bf16, fp32; an FP8 format is refused with the reason."""
+    fp8 = [v for v in _listed(value) if v in DTYPES and DTYPES.get(v).p_format]
+    if fp8:
+        computed = ", ".join(dtype_names())
+        raise AttncheckError(f"{key}: {fp8[0]!r} is an FP8 format; check computes in {computed} ({FP8_REFUSED})")
+    return params.dtypes(value, key, fp8=False)
+
+
+def _paths(value: Any, key: str) -> tuple[str, ...]:
+    """Attention paths a check computes: every path but the FP8 ones (flash-fp8, sage)."""
+    fp8 = [v for v in _listed(value) if v in PATHS and PATHS.get(v).fp8]
+    if fp8:
+        allowed = ", ".join(PATHS.names(lambda spec: not spec.fp8))
+        raise AttncheckError(f"{key}: {fp8[0]!r} computes in FP8; check computes the paths {allowed} ({FP8_REFUSED})")
+    return params.names(value, PATHS, key, lambda spec: not spec.fp8)
+
+
+def _listed(value: Any) -> list[str]:
+    """The names in a TOML value of one name or a list of them (anything else is params' to refuse)."""
+    return [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+
+
 def _table(value: Any, key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise AttncheckError(f"{key} must be a table, got {show(value)}")
@@ -189,7 +220,8 @@ def _reject_unknown(table: dict[str, Any], known: tuple[str, ...], prefix: str, 
 
 # --------------------------------------------------------------------------- tables
 
-TOP_KEYS = ("inputs", "keys", "synthetic", "dtypes", "methods", "block", "order", "accum", "device", "max_memory", "budget", "ignore")
+TOP_KEYS = ("inputs", "keys", "synthetic", "dtypes", "methods", "block", "order", "accum", "device", "max_memory", "max_work",
+            "budget", "ignore")
 SYNTHETIC_KEYS = ("d_k", "scale", "seq", "rows", "dist", "std", "seed", "dtype", "paths")
 _AT = BUDGET_NAMES.index("relative_to_torch") + 1
 BUDGET_KEYS = (*BUDGET_NAMES[:_AT], "relative_to_torch_atol", *BUDGET_NAMES[_AT:])
@@ -217,7 +249,11 @@ def parse_budget(table: dict[str, Any], prefix: str, display: str, base: Budget 
 def _parse_budgets(value: Any, prefix: str, display: str) -> tuple[Budget, dict[str, Budget]]:
     """[budget] and its [budget.<dtype>] overrides."""
     table = _table(value, prefix)
-    cells = DTYPES.names(cell_dtype)  # a [budget.<dtype>] table for any dtype a cell computes in, FP8 too
+    cells = dtype_names()  # a [budget.<dtype>] table for any dtype a check computes in
+    for name in table:
+        if name in DTYPES.names(cell_dtype) and name not in cells:
+            raise AttncheckError(f"{prefix}.{name}: {name!r} is an FP8 format; check computes in {', '.join(cells)} "
+                                 f"({FP8_REFUSED})")
     own = {k: v for k, v in table.items() if k not in cells}
     _reject_unknown(own, BUDGET_KEYS + cells, prefix, display)
     base = parse_budget(own, prefix, display)
@@ -253,9 +289,9 @@ def _parse_synthetic(value: Any, prefix: str, display: str) -> tuple[SyntheticIn
         if "seed" in entry:
             changes["seed"] = _int(entry["seed"], f"{at}.seed", 0)
         if "dtype" in entry:
-            changes["dtypes"] = params.dtypes(entry["dtype"], f"{at}.dtype")
+            changes["dtypes"] = _dtypes(entry["dtype"], f"{at}.dtype")
         if "paths" in entry:
-            changes["paths"] = params.paths(entry["paths"], f"{at}.paths")
+            changes["paths"] = _paths(entry["paths"], f"{at}.paths")
         out.append(replace(spec, **changes))
     return tuple(out)
 
@@ -279,7 +315,7 @@ def parse_table(table: Any, *, display: str = "<config>", prefix: str = TABLE, r
     if "synthetic" in table:
         values["synthetic"] = _parse_synthetic(table["synthetic"], key("synthetic"), display)
     if "dtypes" in table:
-        values["dtypes"] = params.dtypes(table["dtypes"], key("dtypes"))
+        values["dtypes"] = _dtypes(table["dtypes"], key("dtypes"))
     if "methods" in table:
         values["methods"] = params.methods(table["methods"], key("methods"))
     if "block" in table:
@@ -296,6 +332,8 @@ def parse_table(table: Any, *, display: str = "<config>", prefix: str = TABLE, r
         if not isinstance(table["max_memory"], (str, int)) or isinstance(table["max_memory"], bool):
             _size(table["max_memory"], key("max_memory"))  # says what a size is
         values["max_memory"] = params.memory(table["max_memory"], key("max_memory"))
+    if "max_work" in table:
+        values["max_work"] = max_work(table["max_work"], key("max_work"), from_text=False)
     if "ignore" in table:
         from attncheck.config.run import ignore_codes
 
@@ -318,7 +356,34 @@ def parse_table(table: Any, *, display: str = "<config>", prefix: str = TABLE, r
                 f"and a head's scores need {size_text(need)}, over {key('max_memory')} {size_text(config.memory_budget)}: "
                 f"lower seq, rows or d_k, or raise {key('max_memory')}"
             )
+    _check_work(config)
     return replace(config, files=resolve_inputs(config))
+
+
+def synthetic_work(spec: SyntheticInput, config: CheckConfig) -> int:
+    """Score elements a synthetic input computes: its rows (whole heads) x keys, once per cell
+    (every method x dtype on the scores; with paths, every path x dtype besides)."""
+    heads, queries = head_layout(spec.rows, spec.seq)
+    return heads * queries * spec.seq * len(spec.dtypes or config.dtypes) * (len(config.methods) + len(spec.paths))
+
+
+def _check_work(config: CheckConfig) -> None:
+    """Refuse, before anything is drawn, synthetic inputs that compute more than max_work score elements
+    together: a few numbers in a config can ask for hours of work."""
+    if not config.synthetic:
+        return
+    works = [synthetic_work(spec, config) for spec in config.synthetic]
+    total = sum(works)
+    if total > config.max_work:
+        big = config.synthetic[works.index(max(works))]
+        heads, queries = head_layout(big.rows, big.seq)  # rows rounded up to whole heads
+        raise AttncheckError(
+            f"{config.key('synthetic')} would compute {work_text(total)} score elements "
+            f"({config.key('synthetic')}[{big.index}]: "
+            f"{big.rows:,} rows x {big.seq} keys x {max(works) // (heads * queries * big.seq)} cells), over "
+            f"{config.key('max_work')} {work_text(config.max_work)}: lower rows or seq, "
+            f"or raise {config.key('max_work')}"
+        )
 
 
 def synthetic_bytes(spec: SyntheticInput) -> int:
@@ -358,12 +423,96 @@ def resolve_inputs(config: CheckConfig) -> tuple[str, ...]:
     for pattern in config.inputs:
         if not pattern.strip():
             raise AttncheckError(f"{config.key('inputs')} holds an empty glob")
-        matched = sorted(glob.glob(pattern, root_dir=config.root, recursive=True))
+        matched = sorted(glob_inputs(pattern, config.root))
         if not matched:
             raise AttncheckError(f"{config.key('inputs')}: {pattern!r} matches no file (relative to {config.root})")
         for m in matched:
             files[os.path.normpath(os.path.join(config.root, m))] = None
     return tuple(files)
+
+
+def glob_inputs(pattern: str, root: str) -> list[str]:
+    """``glob.glob(pattern, root_dir=root, recursive=True)``, but a ``**`` enters each real folder once.
+
+    Python's recursive glob follows links to folders and never stops on a folder that links to
+    itself or to a parent (``ln -s . loop``): its walk grows without end. Here every ``**`` walks the
+    folders below it keeping the (device, inode) of each one entered, so a loop is entered once; links
+    to folders are followed (as glob does) after the real folders, so a file is found by its own path
+    and once, where glob lists it again under every link. Patterns without ``**`` cannot loop and keep glob's own answer.
+    Hidden names match only a part that starts with '.', as in glob."""
+    if "**" not in pattern:
+        return glob.glob(pattern, root_dir=root, recursive=True)
+    absolute = os.path.isabs(pattern)
+    parts = [p for p in pattern.split("/") if p not in ("", ".")]
+    start = os.sep if absolute else ""
+    out: dict[str, None] = {}
+
+    def real(folder: str) -> tuple[int, int] | None:
+        try:
+            st = os.stat(os.path.join(root, folder) if folder else root)
+        except (OSError, ValueError):
+            return None
+        return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+    def children(folder: str) -> list[str]:
+        try:
+            return sorted(os.listdir(os.path.join(root, folder) if folder else root))
+        except (OSError, ValueError):
+            return []
+
+    def walk(folder: str, i: int, state: tuple[set, list] | None) -> None:
+        if i == len(parts):
+            if folder:
+                out[folder] = None
+            return
+        part = parts[i]
+        if part == "**":
+            if state is None:  # a '**' starts here: its own folders seen, and the links to folders it left for last
+                state = (set(), [])
+                expand(folder, i, state)
+                while state[1]:  # links after the real folders, so that a folder is found by its own name first
+                    expand(state[1].pop(0), i, state)
+            else:
+                expand(folder, i, state)
+            return
+        if part == "..":
+            walk(os.path.join(folder, part), i + 1, None)
+            return
+        if not glob.has_magic(part):
+            sub = os.path.join(folder, part)
+            if os.path.lexists(os.path.join(root, sub)) and (i + 1 == len(parts) or real(sub) is not None):
+                walk(sub, i + 1, None)
+            return
+        for name in children(folder):
+            if name.startswith(".") and not part.startswith("."):
+                continue
+            if fnmatch.fnmatch(name, part):
+                sub = os.path.join(folder, name)
+                if i + 1 == len(parts) or real(sub) is not None:
+                    walk(sub, i + 1, None)
+
+    def expand(folder: str, i: int, state: tuple[set, list]) -> None:
+        """'**' at ``folder``: no folder at all, then every folder below it (each real one once)."""
+        seen, links = state
+        key = real(folder)
+        if key is None or key in seen:
+            return
+        seen.add(key)
+        walk(folder, i + 1, None)  # '**' as no folder at all
+        for name in children(folder):
+            if name.startswith("."):
+                continue
+            sub = os.path.join(folder, name)
+            if real(sub) is None:
+                if i + 1 == len(parts):  # a final '**' lists files too
+                    out[sub] = None
+            elif os.path.islink(os.path.join(root, sub)):
+                links.append(sub)
+            else:
+                expand(sub, i, state)
+
+    walk(start, 0, None)
+    return list(out)
 
 
 # --------------------------------------------------------------------------- files

@@ -66,6 +66,23 @@ def point_bytes(rows: int, seq: int, dk: int, dist: str = "normal") -> int:
     return qk_bytes(heads, queries, seq, dk, dist) + v + 8 * _LIVE_ROW_TENSORS * rows * seq + 8 * _LIVE_OUT_TENSORS * rows * dk
 
 
+# The most score elements (rows x keys, once per cell) a sweep or check computes unless told more
+# (--max-work, max_work): the default sweep computes 2.6e8 in a few seconds, this is 8 times that.
+# Past it a grid or a synthetic input is refused up front with its estimate, rather than left to run
+# for minutes or hours with nothing said.
+DEFAULT_MAX_WORK = 2**31
+
+
+def work_text(n: float) -> str:
+    """Score elements for messages: 128, 999,999, 2.15e9."""
+    return f"{n:,.0f}" if n < 1e6 else f"{n:.2e}".replace("e+0", "e").replace("e+", "e")
+
+
+def max_work(value: Any, param_name: str = "max_work", from_text: bool = True) -> int:
+    """A limit on score elements: a positive number, '2e9' or '2147483648'."""
+    return max(1, int(params.number(value, param_name, positive=True, from_text=from_text)))
+
+
 def gib(n: float) -> str:
     """Bytes as GiB for messages: 2.5 GiB, 152,588 GiB."""
     v = n / 1024**3
@@ -148,6 +165,28 @@ class SweepConfig:
     @property
     def points(self) -> int:
         return len(self.dks) * len(self.scales) * len(self.seqs) * len(self.stds)
+
+    @property
+    def cells(self) -> int:
+        """Cells per grid point: every method x dtype on the scores, every path x dtype on Q, K and V."""
+        return len(self.dtypes) * (len(self.methods) + len(self.paths))
+
+    @property
+    def work(self) -> int:
+        """Score elements the grid computes: rows x keys at every point, once per cell."""
+        return len(self.dks) * len(self.scales) * len(self.stds) * self.rows * sum(self.seqs) * self.cells
+
+    def check_work(self, limit: int = DEFAULT_MAX_WORK) -> None:
+        """Refuse, before anything is drawn, a grid of more than ``limit`` score elements."""
+        if self.work > limit:
+            mean_seq = sum(self.seqs) / len(self.seqs)
+            keys = f"{self.seqs[0]} keys" if len(self.seqs) == 1 else f"{mean_seq:g} keys on average"
+            raise AttncheckError(
+                f"the sweep would compute {work_text(self.work)} score elements ({self.points:,} grid points x "
+                f"{self.rows} rows x {keys} x {self.cells} cells), over {param('max_work')} {work_text(limit)}: "
+                f"give fewer {param('dks')}, {param('scales')}, {param('seqs')} or {param('stds')} values "
+                f"or fewer {param('rows')}, or raise {param('max_work')}"
+            )
 
 
 def _in_range(values, bounds: tuple[float, float], name: str) -> None:

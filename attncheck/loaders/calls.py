@@ -182,6 +182,11 @@ def _load_call_tensors(path: str, label: str) -> dict[str, torch.Tensor]:
                 if role in f.keys():
                     out[role] = f.get_tensor(role)
     except Exception as exc:
+        from attncheck.loaders.formats.safetensors import short_of_memory
+
+        if short_of_memory(exc):  # safetensors maps the whole file: an address-space limit, not a bad file
+            raise error(f"{label}: memory is short: the call's file could not be mapped ({reason(exc)}); "
+                        f"raise the address-space limit (ulimit -v)") from exc
         raise error(f"{label}: cannot read the call's tensors ({reason(exc)})") from exc
     return {role: check_tensor(f"{label}: {role}", t, "mask" if role in MASK_ROLES else "scores") for role, t in out.items()}
 

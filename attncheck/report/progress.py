@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 from rich.console import Console
 
 from attncheck.format import visible
+
+
+class _Stderr:
+    """Standard error for the bar, as it was when the bar was made (Rich's live display then sends
+    ``sys.stderr`` through itself). The bar only decorates a run, so a write that fails (stderr closed
+    with ``2>&-``, a full device) drops the bar's text rather than end the run in a traceback."""
+
+    def __init__(self) -> None:
+        self.stream = sys.stderr
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError, AttributeError):
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def isatty(self) -> bool:
+        try:
+            return self.stream.isatty()
+        except (OSError, ValueError, AttributeError):
+            return False
 
 
 class Progress:
@@ -51,7 +79,7 @@ class Progress:
                         MofNCompleteColumn(),
                         TextColumn("{task.fields[unit]}, {task.fields[rate]}"),
                         TimeRemainingColumn(),
-                        console=Console(stderr=True, force_terminal=self.force_terminal or None),
+                        console=Console(file=_Stderr(), force_terminal=self.force_terminal or None),
                         transient=True,
                     )
                     self._progress.start()

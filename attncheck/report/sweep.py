@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -527,6 +527,21 @@ def _heatmap(fig, ax, values: list[list[float]], dks: list[int], rows: list[str]
     ax.set_yticks(range(len(rows)), rows, fontsize=7 if len(rows) > 8 else 9)
     ax.set(title=title, xlabel="d_k")
     fig.colorbar(image, ax=ax, label=label)
+
+
+def check_plot_path(path: str | Path) -> None:
+    """Refuse, before the sweep runs, a picture matplotlib cannot write: a suffix that names no
+    format it has (p.txt, p.json), or something that is not a file (a FIFO: savefig needs to seek)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    target = Path(path)
+    suffix = target.suffix.lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise AttncheckError(f"cannot write {param('plot')} {path}: matplotlib writes no '.{suffix}' pictures "
+                             f"(give .png, .svg or .pdf; no suffix writes PNG)")
+    if target.exists() and not target.is_file() and str(target) != os.devnull:
+        raise AttncheckError(f"cannot write {param('plot')} {path}: not a regular file; give a file name")
 
 
 def plot_sweep(result: SweepResult, path: str | Path) -> None:

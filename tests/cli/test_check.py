@@ -246,12 +246,12 @@ def write_config(project, text):
 
 CONFIG_ERRORS = [
     ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\nblock = \n', r"pyproject\.toml: invalid TOML: Invalid value \(at line 3, column 9\)"),
-    ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budgett]\nnan = 0\n', re.escape("unknown key 'tool.attncheck.budgett' in pyproject.toml (known: inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, budget, ignore)")),
+    ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budgett]\nnan = 0\n', re.escape("unknown key 'tool.attncheck.budgett' in pyproject.toml (known: inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, max_work, budget, ignore)")),
     ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budget]\nnan = "zero"\n', re.escape("tool.attncheck.budget.nan must be an integer >= 0, got 'zero'")),
     ('[tool.attncheck]\ninputs = ["dumps/*.pt"]\n', re.escape("tool.attncheck.inputs: 'dumps/*.pt' matches no file (relative to ") + ".+" + re.escape(")")),
     ("[tool.attncheck]\ndtypes = ['bf16']\n", re.escape('[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table')),
     ("[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\npaths = ['eager', 'triton']\n",
-     re.escape("tool.attncheck.synthetic[0].paths: unknown path 'triton' (choose from eager, sdpa-math, flash, flash-fp8, sage, flex, flex-math)")),
+     re.escape("tool.attncheck.synthetic[0].paths: unknown path 'triton' (choose from eager, sdpa-math, flash, flex, flex-math)")),
     ("[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\n[tool.attncheck.budget]\nout_rmse = 1e-3\n",
      re.escape('tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a [[tool.attncheck.synthetic]] entry (saved score dumps have no V)')),
     ("[project]\nname = 'x'\n", r"no config found: no attncheck\.toml, and no pyproject\.toml with a \[tool\.attncheck\] table, in .+ or its parents; add one or pass --config FILE"),

@@ -16,8 +16,8 @@ from attncheck.config.check import (
 from attncheck.errors import AttncheckError
 
 SYN = {"synthetic": [{"d_k": 16, "seq": 32, "rows": 64}]}
-KNOWN_TOP = "inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, budget, ignore"
-KNOWN_BUDGET = "nan, overflow, zero_rows, argmax_flips, max_abs_err, max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, out_cos_min, out_relative_to_torch, fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz"
+KNOWN_TOP = "inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, max_work, budget, ignore"
+KNOWN_BUDGET = "nan, overflow, zero_rows, argmax_flips, max_abs_err, max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, out_cos_min, out_relative_to_torch, fp16, bf16, fp32"
 LN_FP16_LIMIT = math.log(65520.0)  # exp(x) rounds to inf in fp16 above this
 
 
@@ -104,9 +104,9 @@ BAD_TABLES = [
         "max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, "
         "out_cos_min, out_relative_to_torch)",
     ),
-    ({"dtypes": ["fp8"]}, "tool.attncheck.dtypes: unknown dtype 'fp8' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
-    ({"dtypes": []}, "tool.attncheck.dtypes is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
-    ({"dtypes": [16]}, "tool.attncheck.dtypes must be a list of dtype names (fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz), got [16]"),
+    ({"dtypes": ["fp8"]}, "tool.attncheck.dtypes: unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
+    ({"dtypes": []}, "tool.attncheck.dtypes is empty (choose from fp16, bf16, fp32)"),
+    ({"dtypes": [16]}, "tool.attncheck.dtypes must be a list of dtype names (fp16, bf16, fp32), got [16]"),
     ({"methods": ["fast"]}, "tool.attncheck.methods: unknown method 'fast' (choose from naive, stable, tiled, torch)"),
     ({"block": 0}, "tool.attncheck.block must be an integer >= 1, got 0"),
     ({"order": "sideways"}, "tool.attncheck.order must be one of forward, reverse, got 'sideways'"),
@@ -122,10 +122,10 @@ BAD_TABLES = [
     ({"synthetic": [{"d_k": 8, "scale": -1}]}, "tool.attncheck.synthetic[0].scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got -1"),
     ({"synthetic": [{"d_k": 8, "dist": "cauchy"}]}, "tool.attncheck.synthetic[0].dist must be one of normal, outliers, got 'cauchy'"),
     ({"synthetic": [{"d_k": 8, "std": 0}]}, "tool.attncheck.synthetic[0].std must be a number > 0, got 0"),
-    ({"synthetic": [{"d_k": 8, "dtype": "int8"}]}, "tool.attncheck.synthetic[0].dtype: unknown dtype 'int8' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
+    ({"synthetic": [{"d_k": 8, "dtype": "int8"}]}, "tool.attncheck.synthetic[0].dtype: unknown dtype 'int8' (choose from fp16, bf16, fp32)"),
     ({"synthetic": [{"dk": 8}]}, "unknown key 'tool.attncheck.synthetic[0].dk' in <config> (known: d_k, scale, seq, rows, dist, std, seed, dtype, paths)"),
-    ({"synthetic": [{"d_k": 8, "paths": ["flash", "xformers"]}]}, "tool.attncheck.synthetic[0].paths: unknown path 'xformers' (choose from eager, sdpa-math, flash, flash-fp8, sage, flex, flex-math)"),
-    ({"synthetic": [{"d_k": 8, "paths": []}]}, "tool.attncheck.synthetic[0].paths is empty (choose from eager, sdpa-math, flash, flash-fp8, sage, flex, flex-math)"),
+    ({"synthetic": [{"d_k": 8, "paths": ["flash", "xformers"]}]}, "tool.attncheck.synthetic[0].paths: unknown path 'xformers' (choose from eager, sdpa-math, flash, flex, flex-math)"),
+    ({"synthetic": [{"d_k": 8, "paths": []}]}, "tool.attncheck.synthetic[0].paths is empty (choose from eager, sdpa-math, flash, flex, flex-math)"),
     ({"synthetic": [{"d_k": 8}], "budget": {"out_rmse": 1e-3}},
      'tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a '
      "[[tool.attncheck.synthetic]] entry (saved score dumps have no V)"),
@@ -137,6 +137,16 @@ BAD_TABLES = [
      "tool.attncheck.synthetic[0].paths"),
     ({"synthetic": [{"d_k": 8, "paths": ["flash"]}], "budget": {"out_cos_min": 1.5}}, "tool.attncheck.budget.out_cos_min is a cosine similarity: a number between -1 and 1, got 1.5"),
     ({"synthetic": [{"d_k": 8, "paths": ["flash"]}], "budget": {"out_relative_to_torch": 0}}, "tool.attncheck.budget.out_relative_to_torch must be a number > 0, got 0"),
+    # FP8 cells depend on run's --p-scale and --fp8-scaling, which a config has no key for: refused, named (issue 32)
+    ({"dtypes": ["fp16", "e4m3"]}, "tool.attncheck.dtypes: 'e4m3' is an FP8 format; check computes in fp16, bf16, fp32 "
+     "(FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3')"),
+    ({"synthetic": [{"d_k": 8, "dtype": "float8_e5m2"}]}, "tool.attncheck.synthetic[0].dtype: 'float8_e5m2' is an FP8 format; check "
+     "computes in fp16, bf16, fp32 (FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3')"),
+    ({"synthetic": [{"d_k": 8, "paths": ["eager", "sage"]}]}, "tool.attncheck.synthetic[0].paths: 'sage' computes in FP8; check computes "
+     "the paths eager, sdpa-math, flash, flex, flex-math (FP8 cells need run's --p-scale and --fp8-scaling: judge them with "
+     "'attncheck run --dtype e4m3')"),
+    ({"budget": {"e4m3": {"nan": 0}}}, "tool.attncheck.budget.e4m3: 'e4m3' is an FP8 format; check computes in fp16, bf16, fp32 "
+     "(FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3')"),
     ({}, '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table'),
     ({"inputs": []}, '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table'),
 ]
@@ -272,3 +282,39 @@ def test_ignored_codes_leave_their_rows_out_of_the_count_budgets(tmp_path):
     assert not run_check(parse_table(table, root=tmp_path)).passed  # nan budget 0 by default
     result = run_check(parse_table({**table, "ignore": ["fully_masked_rows"]}, root=tmp_path))
     assert result.passed and result.cases[0].checks[0].measured == 0 and result.ignore == ("fully_masked_rows",)
+
+
+@pytest.mark.parametrize("pattern", ["**/*.npy", "x/**/*.npy", "**", "x/**", "**/y/*.npy", "*/y/**/*.npy", "x/**/c.npy",
+                                     "./**/*.npy", "**/.e.npy", "*.npy", "x/*/c.npy"])
+def test_input_globs_find_what_pythons_glob_finds_where_no_folder_loops(tmp_path, pattern):
+    """glob_inputs walks '**' itself (to enter each real folder once); on a tree without loops it
+    finds the same paths as glob.glob, hidden names and links to folders included."""
+    import glob
+    import os
+
+    from attncheck.config.check import glob_inputs
+
+    for name in ("a.npy", "x/b.npy", "x/y/c.npy", ".h/d.npy", "x/.e.npy", "z/y/c.npy"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    os.symlink(tmp_path / "z", tmp_path / "x" / "link")  # a link to a folder elsewhere in the tree: followed, as glob does
+    found = {os.path.normpath(p) for p in glob.glob(pattern, root_dir=tmp_path, recursive=True)}
+    # glob lists z's files again under x/link; glob_inputs enters each real folder once, by its own name first
+    from_root = pattern.startswith(("**", "./**"))  # its '**' reaches z by its own name, before the link
+    expected = sorted(p for p in found if not (from_root and (p + "/").startswith("x/link/")))
+    got = sorted({os.path.normpath(p) for p in glob_inputs(pattern, str(tmp_path))})
+    assert got == expected and got  # every pattern here finds something
+
+
+def test_input_globs_enter_a_folder_that_links_to_itself_once(tmp_path):
+    import os
+
+    from attncheck.config.check import glob_inputs
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.npy").write_bytes(b"")
+    os.symlink(".", tmp_path / "self")
+    os.symlink("..", tmp_path / "d" / "up")
+    os.symlink(tmp_path, tmp_path / "d" / "root")
+    assert sorted(glob_inputs("**/*.npy", str(tmp_path))) == ["d/a.npy"]
+    assert sorted(glob_inputs(str(tmp_path / "**" / "*.npy"), "/")) == [str(tmp_path / "d" / "a.npy")]

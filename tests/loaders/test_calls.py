@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 import attncheck
 from attncheck.errors import AttncheckError
 from attncheck.loaders import TensorSource
-from attncheck.loaders.calls import CallSource, open_inputs, qk_groups, role_of
+from attncheck.loaders.calls import CallSource, open_capture, open_inputs, qk_groups, role_of
 from attncheck.loaders.paths import natural_key
 
 
@@ -138,3 +138,19 @@ def test_plain_files_stay_score_sources(tmp_path):
     np.save(tmp_path / "s.npy", np.zeros((2, 3, 4), np.float32))
     found, manifests = open_inputs([tmp_path / "s.npy"])
     assert isinstance(found[0], TensorSource) and manifests == []
+
+
+def test_a_call_file_that_cannot_be_mapped_says_memory_is_short(tmp_path, monkeypatch):
+    """safetensors maps a call file whole; under an address-space limit that fails with ENOMEM, which
+    says nothing about the file (the same error text as safetensors' own, os error 12)."""
+    import safetensors
+
+    cap = make_capture(tmp_path / "cap", calls=1)
+    (call,) = open_capture(cap)[0]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("unable to mmap 1234 bytes from file <x>: Cannot allocate memory (12)")
+
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+    with pytest.raises(AttncheckError, match="memory is short: the call's file could not be mapped .*ulimit -v"):
+        call.load()

@@ -5,6 +5,7 @@ raw 16-bit words and reinterpreted as ``torch.bfloat16``."""
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -15,7 +16,8 @@ import numpy as np
 import safetensors
 import torch
 
-from attncheck.errors import AttncheckError
+from attncheck.errors import AttncheckError, param
+from attncheck.format import size_text
 from attncheck.loaders import jsondoc
 from attncheck.loaders.common import (
     FileListing,
@@ -57,17 +59,38 @@ _RAW_FLOATS: dict[str, tuple[np.dtype, torch.dtype]] = {
     "bfloat16": (np.dtype("<u2"), torch.bfloat16),  # numpy has no bf16: raw 16-bit words
 }
 
+def short_of_memory(exc: BaseException) -> bool:
+    """safetensors maps the whole file into memory: under an address-space limit (ulimit -v) a
+    large valid file fails there with ENOMEM, which says nothing about the file."""
+    text = str(exc)
+    return (isinstance(exc, MemoryError) or getattr(exc, "errno", None) == errno.ENOMEM
+            or "Cannot allocate memory" in text or "os error 12" in text)
+
+
+def _memory_error(path: str, exc: BaseException) -> AttncheckError:
+    size = os.path.getsize(path)
+    return error(f"{path}: memory is short: the {size_text(size)} file could not be mapped ({reason(exc)}); "
+                 f"its header is valid. Raise the address-space limit (ulimit -v), or pass it as scores, "
+                 f"which are read in row blocks within "
+                 f"{param('max_memory')}, choosing tensors with {param('keys')}")
+
+
 def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | None = None) -> FileListing:
     try:
         with open(path, "rb") as f:
-            _read_safetensors_header(f, invalid_text(path), path)  # bounded, before safetensors' own parser sees it
+            # bounded, before safetensors' own parser sees it
+            _, entries, _ = _read_safetensors_header(f, invalid_text(path), path)
     except OSError as exc:
         raise read_error(path)(exc) from exc
     try:
         with safetensors.safe_open(path, framework="pt") as f:
             keys = list(f.keys())
     except Exception as exc:
-        raise error(f"{path}: {invalid_text(path)} ({reason(exc)})") from exc
+        if not short_of_memory(exc):
+            raise error(f"{path}: {invalid_text(path)} ({reason(exc)})") from exc
+        # Its header, read above, lists the tensors; scores are streamed from the file in row blocks
+        # (no mapping), and a tensor loaded whole says that memory is short (load below).
+        keys = sorted(entries)
     if not keys:
         raise error(f"{path}: holds no tensors")
 
@@ -84,6 +107,8 @@ def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | Non
         try:
             handle = safetensors.safe_open(path, framework="pt")
         except Exception as exc:
+            if short_of_memory(exc):
+                raise _memory_error(path, exc) from exc
             raise error(f"{path}: {invalid_text(path)} ({reason(exc)})") from exc
         out: list[tuple[str | None, Any]] = []
         with handle as f:
