@@ -416,6 +416,7 @@ class Recorder(TorchFunctionMode):
         self.recorded = 0
         self.bytes = 0
         self.seen = 0  # calls that matched the filters, recorded or not
+        self.outside_forwards = 0  # calls left out by ``forwards`` alone
         self.stopped: str | None = None
         self.first_missed: dict | None = None  # the first call (or gradients) not recorded once recording stopped
         # Calls come from every thread: numbering, bounds and the sink are taken one call at a time;
@@ -640,6 +641,7 @@ class Recorder(TorchFunctionMode):
             return False
         forward = self.tracker.forward if module is not None else None
         if self.forwards is not None and (forward is None or forward not in self.forwards):
+            self.outside_forwards += 1  # one attention call, in a forward pass not asked for
             return False
         name = module if module is not None else "global"
         return not self.modules or any(fnmatch.fnmatchcase(name, g) for g in self.modules)
