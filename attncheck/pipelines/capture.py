@@ -89,9 +89,9 @@ def capture_script(request: CaptureRequest, track=None, notice: Callable[[str], 
         result = run(RunRequest((cap.path,), options=request.options, ignore=request.ignore, partial=request.partial,
                                 what_if=request.what_if, grid_asked=request.grid_asked), track, notice)
     if cap.rank is not None and result is not None and result.model is not None:  # torchrun: say whose calls these are
-        where = f" ({cap.path})" if cap.path is not None else ""
-        every = f"; every rank's: attncheck run {cap.given_path}" if cap.given_path is not None else ""
-        label = f"rank {cap.rank} of {cap.world}: this rank's calls{where}{every}"
+        # short, so that the command to read every rank fits on the report's line (its own folder is said above)
+        every = f"; all ranks: attncheck run {cap.given_path}" if cap.given_path is not None else ""
+        label = f"rank {cap.rank} of {cap.world}: this rank's calls{every}"
         facts = dict(result.model.capture or {})
         facts["note"] = "; ".join(n for n in (label, facts.get("note")) if n)
         facts.setdefault("rank", cap.rank)

@@ -312,16 +312,12 @@ def _compiled_module(module: torch.nn.Module) -> bool:
 
 
 def _module_names(root: torch.nn.Module) -> dict[int, str]:
-    """id -> path of the modules under a top module; torch.compile's wrapper is left out of the
-    paths (``_orig_mod.h.0.attn`` -> ``h.0.attn``), its wrapped module named as the top one."""
-    names = {id(m): name for name, m in root.named_modules()}
-    orig = getattr(root, "_orig_mod", None)
-    if isinstance(orig, torch.nn.Module):
-        names = {i: n.removeprefix("_orig_mod.") for i, n in names.items() if n != "_orig_mod"}
-        names[id(root)] = names[id(orig)] = type(orig).__name__
-    else:
-        names.pop(id(root), None)
-    return names
+    """id -> path of the modules under a top module, as the model names them: the wrappers of DDP, DataParallel,
+    FSDP, checkpointing and torch.compile left out of the paths (``module.layers.0`` and ``_orig_mod.h.0.attn``
+    -> ``layers.0``, ``h.0.attn``), the wrapped model named as the top one (the watch names calls the same way)."""
+    from attncheck.wrappers import module_names
+
+    return module_names(root)
 
 
 @dataclass

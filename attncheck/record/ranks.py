@@ -149,12 +149,15 @@ def claim(directory: Path, rank: int | None) -> Path:
             holder = read_owner(owner)
             if holder is None and _recent(owner):  # created this instant by another process, not yet written
                 holder = {"pid": None}
+            if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == me["host"]:
+                raise AttncheckError(
+                    f"capture directory {directory}: this process is already capturing into it (a capture inside "
+                    "another of the same folder): give the inner capture another folder",
+                    param="path",
+                ) from None
             if holder is not None and (holder.get("pid") is None or owner_alive(holder)):
                 who = (f"process {holder.get('pid')}" if holder.get("pid") else "another process") + (
                     f" (rank {holder['rank']})" if isinstance(holder.get("rank"), int) else ""
-                )
-                who += (
-                    " of this process" if holder.get("pid") == os.getpid() and holder.get("host") == me["host"] else ""
                 )
                 raise AttncheckError(
                     f"capture directory {directory} is being written by {who}: two processes cannot write one capture "
