@@ -130,6 +130,14 @@ def _prepare(d: Path) -> tuple[Path, bool]:
         raise AttncheckError(f"capture directory {d} holds a capture of several processes (rank0, rank1, ...: "
                              "torchrun); give a new or empty folder", param="path")
     manifest = d / MANIFEST
+    own = [p for p in entries if p.is_file() and not p.is_symlink()
+           and (CALL_FILE.match(p.name) or p.name == MANIFEST + ".tmp")]
+    if not manifest.is_file() and len(own) == len(entries):
+        # a capture that did not finish (killed: its writer is gone, ``claim`` took its owner file over): its own
+        # files alone, replaced as a finished capture's are
+        for p in own:
+            p.unlink()
+        return d, True
     if not manifest.is_file():
         raise AttncheckError(f"capture directory {d} is not empty and holds no capture ({MANIFEST}); give a new or empty folder", param="path")
     from attncheck.loaders import jsondoc

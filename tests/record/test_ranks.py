@@ -183,6 +183,10 @@ def test_a_killed_capture_is_refused_not_read_as_a_folder_of_tensors(tmp_path, m
     assert r.exit_code == 2 and "holds call files (0000-" in r.stderr and "its capture did not finish" in r.stderr
     r = invoke("run", *sorted(cap.glob("*.safetensors")), "--json", "-")  # named one by one: read as they are
     assert r.exit_code == 0 and len(json.loads(r.stdout)["model"]["calls"]) == 1, r.output
+    with attncheck.capture(cap):  # capturing into it again replaces the unfinished capture
+        F.scaled_dot_product_attention(*qkv())
+    assert sorted(q.name for q in cap.iterdir()) == ["0000-global.safetensors", "manifest.json"]
+    assert invoke("run", cap).exit_code == 0
 
 
 def test_a_capture_still_being_written_is_refused_until_it_ends(tmp_path):
