@@ -246,6 +246,68 @@ def is_capture_dir(path: str | os.PathLike[str]) -> bool:
 
 
 RANK_DIR = re.compile(r"^rank(\d{1,7})$")
+OWNER = ".attncheck-owner.json"  # the process writing a capture directory (removed when it is done)
+
+
+def read_owner(owner: str | os.PathLike[str]) -> dict | None:
+    """The owner file's contents ({pid, host, rank}); None where it is missing, being written or garbage."""
+    import json
+
+    try:
+        with open(owner, encoding="utf-8") as fh:
+            doc = json.loads(fh.read(4096))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def owner_alive(holder: dict) -> bool:
+    """Whether the process an owner file names is running (another host's: assumed so, it cannot be asked)."""
+    import socket
+
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    if holder.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def unfinished_capture(path: str | os.PathLike[str]) -> str | None:
+    """Why a directory without a manifest is a capture that has not finished, or None: the owner file of its
+    writer (running still, or gone without writing the manifest: killed), or call files named as a capture
+    names them (its manifest was never written). Such a folder is not read as a folder of tensors: its calls
+    would be judged as if they were the whole run."""
+    d = Path(path)
+    try:
+        if not d.is_dir() or (d / MANIFEST).is_file():
+            return None
+        owner = d / OWNER
+        if owner.is_file():
+            holder = read_owner(owner) or {}
+            pid = holder.get("pid")
+            who = f"process {pid}" if isinstance(pid, int) else "a process"
+            if owner_alive(holder):
+                return (f"{path}: is a capture {who} is writing still (no {MANIFEST} yet): "
+                        "read it once that capture has finished")
+            return (f"{path}: holds no {MANIFEST}: its capture did not finish ({who} stopped before writing it: "
+                    f"killed?); capture again, or name its call files ({os.path.join(path, '*.safetensors')}) "
+                    "to read those alone")
+        calls = sorted(p.name for p in d.iterdir() if CALL_FILE.match(p.name) and p.is_file())
+    except (OSError, ValueError):
+        return None
+    if calls:
+        return (f"{path}: holds call files ({calls[0]}, ...) and no {MANIFEST}: its capture did not finish; "
+                f"capture again, or name its call files ({os.path.join(path, '*.safetensors')}) to read those alone")
+    return None
 
 
 def rank_dirs(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
@@ -255,7 +317,8 @@ def rank_dirs(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
         if not Path(path).is_dir() or (Path(path) / MANIFEST).is_file():
             return []
         found = [(int(m.group(1)), os.path.join(os.fspath(path), p.name)) for p in Path(path).iterdir()
-                 if (m := RANK_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()]
+                 if (m := RANK_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()
+                 and any(True for _ in p.iterdir())]  # an empty rankN folder is no rank's capture: left out
         if not any((Path(sub) / MANIFEST).is_file() for _, sub in found):  # folders named rankN holding no capture
             return []
     except (OSError, ValueError):
@@ -272,8 +335,16 @@ def open_ranks(directory: str | os.PathLike[str], selector: KeySelector | None =
     found = rank_dirs(given)
     out: list[CallSource] = []
     docs: list[dict] = []
+    worlds_seen = {d.get("world") for _, sub in found if (d := _manifest_doc(sub)) is not None}
+    world_known = worlds_seen.pop() if len(worlds_seen) == 1 else None
     for rank, sub in found:
         if not (Path(sub) / MANIFEST).is_file():
+            if isinstance(world_known, int) and rank >= world_known:
+                raise error(f"{sub}: is not a rank of this capture of {world_known} processes (ranks 0 to "
+                            f"{world_known - 1}) and holds no {MANIFEST}: remove it, or read the ranks one by one")
+            running = unfinished_capture(sub) or ""
+            if "writing still" in running:
+                raise error(running)
             raise error(f"{sub}: holds no {MANIFEST}: rank {rank}'s capture did not finish (did that process fail?)")
         calls, doc = open_capture(sub, selector, max_bytes)
         if doc.get("rank") != rank or not isinstance(doc.get("world"), int):
@@ -292,11 +363,44 @@ def open_ranks(directory: str | os.PathLike[str], selector: KeySelector | None =
     if ranks != list(range(world)):
         missing = sorted(set(range(world)) - set(ranks))
         extra = sorted(set(ranks) - set(range(world)))
-        why = (f"lacks rank {missing[0]} ({os.path.join(given, f'rank{missing[0]}')})" if missing
-               else f"holds rank {extra[0]}, beyond its world")
-        raise error(f"{given}: a capture of {world} processes {why}: capture into a new or empty folder")
+        if missing:
+            there = " ".join(os.path.join(given, f"rank{r}") for r in ranks)
+            raise error(f"{given}: a capture of {world} processes lacks rank {missing[0]} "
+                        f"({os.path.join(given, f'rank{missing[0]}')}): capture again, or read the ranks "
+                        f"it holds by name (attncheck run {there})")
+        raise error(f"{given}: a capture of {world} processes holds rank {extra[0]}, beyond its world: "
+                    "capture into a new or empty folder")
     out.sort(key=lambda s: (s.info.index, s.info.rank))
     return out, docs
+
+
+def _manifest_doc(directory: str) -> dict | None:
+    """A rank's manifest as plain JSON (None where it is missing or unreadable), to learn the job's world
+    size before each rank is read in full."""
+    from attncheck.loaders import jsondoc
+
+    try:
+        with open(os.path.join(directory, MANIFEST), "rb") as fh:
+            doc = jsondoc.decode(fh.read(jsondoc.MAX_BYTES + 1))
+    except (OSError, jsondoc.JSONError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def check_one_job(given: Sequence[str], docs: Sequence[dict]) -> None:
+    """Rank captures named one by one must be one job's: one world size, one run id, each rank once."""
+    worlds = {d.get("world") for d in docs}
+    runs = {d.get("run_id") for d in docs}
+    if len(worlds) > 1 or len(runs) > 1:
+        what = (f"world sizes {sorted(worlds)}" if len(worlds) > 1
+                else "run ids " + ", ".join(sorted(str(r) for r in runs)))
+        raise error(f"{', '.join(given)}: these ranks come from different jobs ({what}): "
+                    "name the ranks of one capture")
+    seen: dict[int, str] = {}
+    for name, d in zip(given, docs):
+        if d["rank"] in seen:
+            raise error(f"{name}: rank {d['rank']} is named twice ({seen[d['rank']]} too)")
+        seen[d["rank"]] = name
 
 
 def load_manifest(directory: str | os.PathLike[str]) -> Manifest:
@@ -531,17 +635,24 @@ def open_inputs(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (
     found: list[Input] = []
     manifests: list[dict] = []
     plain: list[str] = []
+    rank_named: list[tuple[str, dict]] = []  # ranks of a torchrun capture named one by one
     for raw in paths:
         if is_capture_dir(raw):
             calls, doc = open_capture(raw, selector, max_bytes)
             found.extend(calls)
             manifests.append(doc)
+            if isinstance(doc.get("rank"), int) and (doc.get("world") or 1) > 1:
+                rank_named.append((os.fspath(raw), doc))
         elif rank_dirs(raw):
             calls, docs = open_ranks(raw, selector, max_bytes)
             found.extend(calls)
             manifests.extend(docs)
+        elif (why := unfinished_capture(raw)) is not None:
+            raise error(why)
         else:
             plain.append(os.fspath(raw))
+    if len(rank_named) > 1:
+        check_one_job([n for n, _ in rank_named], [d for _, d in rank_named])
     files = expand_paths(plain) if plain else []
     order = len(found)
     for file in files:

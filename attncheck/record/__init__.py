@@ -62,6 +62,9 @@ class Capture:
         self.rank: int | None = None  # under torchrun (several processes): this process's rank, and the world size
         self.world: int | None = None
         self.given_path = self.path  # the parent of the ranks' directories under torchrun
+        self.forwards_seen = 0  # forward passes of a top module the block ran
+        self.outside_forwards = 0  # attention calls left out by ``forwards`` alone
+        self.replaced = False  # the directory held a previous capture, replaced by this one
 
     def __enter__(self) -> "Capture":
         from attncheck.record.mode import Recorder
@@ -96,6 +99,9 @@ class Capture:
                 self.note_error(exc)
             self.stopped = rec.stopped or getattr(sink, "error", None)
             self.compiled_runs = rec.compiled_runs
+            self.forwards_seen = rec.tracker.forward
+            self.outside_forwards = rec.outside_forwards
+            self.replaced = bool(getattr(sink, "replaced", False))
             facts = {"complete": self.error is None and self.stopped is None, "stopped": self.stopped,
                      "calls_seen": rec.seen, "calls_recorded": rec.recorded, "max_calls": self.max_calls,
                      "max_bytes": self.max_bytes, "modules": list(self.modules),

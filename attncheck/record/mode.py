@@ -312,16 +312,12 @@ def _compiled_module(module: torch.nn.Module) -> bool:
 
 
 def _module_names(root: torch.nn.Module) -> dict[int, str]:
-    """id -> path of the modules under a top module; torch.compile's wrapper is left out of the
-    paths (``_orig_mod.h.0.attn`` -> ``h.0.attn``), its wrapped module named as the top one."""
-    names = {id(m): name for name, m in root.named_modules()}
-    orig = getattr(root, "_orig_mod", None)
-    if isinstance(orig, torch.nn.Module):
-        names = {i: n.removeprefix("_orig_mod.") for i, n in names.items() if n != "_orig_mod"}
-        names[id(root)] = names[id(orig)] = type(orig).__name__
-    else:
-        names.pop(id(root), None)
-    return names
+    """id -> path of the modules under a top module, as the model names them: the wrappers of DDP, DataParallel,
+    FSDP, checkpointing and torch.compile left out of the paths (``module.layers.0`` and ``_orig_mod.h.0.attn``
+    -> ``layers.0``, ``h.0.attn``), the wrapped model named as the top one (the watch names calls the same way)."""
+    from attncheck.wrappers import module_names
+
+    return module_names(root)
 
 
 @dataclass
@@ -416,6 +412,7 @@ class Recorder(TorchFunctionMode):
         self.recorded = 0
         self.bytes = 0
         self.seen = 0  # calls that matched the filters, recorded or not
+        self.outside_forwards = 0  # calls left out by ``forwards`` alone
         self.stopped: str | None = None
         self.first_missed: dict | None = None  # the first call (or gradients) not recorded once recording stopped
         # Calls come from every thread: numbering, bounds and the sink are taken one call at a time;
@@ -640,6 +637,7 @@ class Recorder(TorchFunctionMode):
             return False
         forward = self.tracker.forward if module is not None else None
         if self.forwards is not None and (forward is None or forward not in self.forwards):
+            self.outside_forwards += 1  # one attention call, in a forward pass not asked for
             return False
         name = module if module is not None else "global"
         return not self.modules or any(fnmatch.fnmatchcase(name, g) for g in self.modules)

@@ -14,8 +14,8 @@ import socket
 from pathlib import Path
 
 from attncheck.errors import AttncheckError
+from attncheck.loaders.calls import OWNER, owner_alive, read_owner
 
-OWNER = ".attncheck-owner.json"  # the process writing a capture directory (removed when it is done)
 RANK_DIR = "rank{}"
 
 
@@ -96,8 +96,8 @@ def _remove_ranks_beyond(parent: Path, world: int) -> None:
             continue
         files = list(d.iterdir())
         owner = d / OWNER
-        holder = _read_owner(owner) if owner in files else {}
-        if owner in files and (holder is None or _alive(holder)):
+        holder = read_owner(owner) if owner in files else {}
+        if owner in files and (holder is None or owner_alive(holder)):
             continue  # another job's process writes it
         own = all(p.is_file() and not p.is_symlink() and (p.name in (MANIFEST, OWNER) or CALL_FILE.match(p.name))
                   for p in files)
@@ -146,15 +146,18 @@ def claim(directory: Path, rank: int | None) -> Path:
         try:
             fd = os.open(owner, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
-            holder = _read_owner(owner)
+            holder = read_owner(owner)
             if holder is None and _recent(owner):  # created this instant by another process, not yet written
                 holder = {"pid": None}
-            if holder is not None and (holder.get("pid") is None or _alive(holder)):
+            if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == me["host"]:
+                raise AttncheckError(
+                    f"capture directory {directory}: this process is already capturing into it (a capture inside "
+                    "another of the same folder): give the inner capture another folder",
+                    param="path",
+                ) from None
+            if holder is not None and (holder.get("pid") is None or owner_alive(holder)):
                 who = (f"process {holder.get('pid')}" if holder.get("pid") else "another process") + (
                     f" (rank {holder['rank']})" if isinstance(holder.get("rank"), int) else ""
-                )
-                who += (
-                    " of this process" if holder.get("pid") == os.getpid() and holder.get("host") == me["host"] else ""
                 )
                 raise AttncheckError(
                     f"capture directory {directory} is being written by {who}: two processes cannot write one capture "
@@ -178,19 +181,10 @@ def claim(directory: Path, rank: int | None) -> Path:
 
 def release(owner: Path) -> None:
     """Give the directory up (only the owner file this process wrote)."""
-    holder = _read_owner(owner)
+    holder = read_owner(owner)
     if holder is not None and holder.get("pid") == os.getpid():
         with contextlib.suppress(OSError):
             owner.unlink()
-
-
-def _read_owner(owner: Path) -> dict | None:
-    try:
-        with open(owner, encoding="utf-8") as fh:
-            doc = json.loads(fh.read(4096))
-    except (OSError, ValueError):
-        return None  # being written this instant, or garbage: treated as held by nobody alive
-    return doc if isinstance(doc, dict) else None
 
 
 def _recent(owner: Path, seconds: float = 5.0) -> bool:
@@ -200,24 +194,6 @@ def _recent(owner: Path, seconds: float = 5.0) -> bool:
         return time.time() - owner.stat().st_mtime < seconds
     except OSError:
         return False
-
-
-def _alive(holder: dict) -> bool:
-    """Whether the process named is running (another host's: assumed so, it cannot be asked)."""
-    pid = holder.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    if holder.get("host") != socket.gethostname():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return True
 
 
 __all__ = ["OWNER", "capture_rank", "claim", "rank_directory", "rank_file", "release", "run_id"]

@@ -83,11 +83,11 @@ def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, torch.Ten
                 fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
-def prepare_directory(path: str | os.PathLike[str], rank: int | None = None) -> tuple[Path, Path]:
+def prepare_directory(path: str | os.PathLike[str], rank: int | None = None) -> tuple[Path, Path, bool]:
     """The capture directory, created (its parent must exist), claimed by this process (``ranks.claim``:
     a directory another live process writes is refused) and emptied of a previous capture; as an
     absolute path, so that a script that changes its working directory still writes there; and the
-    owner file to release when done."""
+    owner file to release when done; and whether a previous capture was there (its files are now gone)."""
     from attncheck.record.ranks import claim, release
 
     d = Path(os.path.abspath(path))
@@ -95,7 +95,8 @@ def prepare_directory(path: str | os.PathLike[str], rank: int | None = None) -> 
     try:
         _create(d)
         owner = claim(d, rank)
-        return _prepare(d), owner
+        d, replaced = _prepare(d)
+        return d, owner, replaced
     except OSError as e:  # a name the file system refuses (too long), a folder removed meanwhile
         if owner is not None:
             release(owner)
@@ -118,17 +119,25 @@ def _create(d: Path) -> None:
             raise AttncheckError(f"cannot create capture directory {d}: {e.strerror or e}", param="path") from None
 
 
-def _prepare(d: Path) -> Path:
+def _prepare(d: Path) -> tuple[Path, bool]:
     from attncheck.record.ranks import OWNER, RANK_DIR
 
     entries = [p for p in d.iterdir() if p.name != OWNER]
     if not entries:
-        return d
+        return d, False
     ranks = [p for p in entries if p.is_dir() and p.name.startswith(RANK_DIR.format("")) and (p / MANIFEST).is_file()]
     if ranks and not (d / MANIFEST).is_file():
         raise AttncheckError(f"capture directory {d} holds a capture of several processes (rank0, rank1, ...: "
                              "torchrun); give a new or empty folder", param="path")
     manifest = d / MANIFEST
+    own = [p for p in entries if p.is_file() and not p.is_symlink()
+           and (CALL_FILE.match(p.name) or p.name == MANIFEST + ".tmp")]
+    if not manifest.is_file() and len(own) == len(entries):
+        # a capture that did not finish (killed: its writer is gone, ``claim`` took its owner file over): its own
+        # files alone, replaced as a finished capture's are
+        for p in own:
+            p.unlink()
+        return d, True
     if not manifest.is_file():
         raise AttncheckError(f"capture directory {d} is not empty and holds no capture ({MANIFEST}); give a new or empty folder", param="path")
     from attncheck.loaders import jsondoc
@@ -143,7 +152,7 @@ def _prepare(d: Path) -> Path:
     for p in entries:  # a previous capture: its own files go, anything else stays
         if p.is_file() and (p.name == MANIFEST or CALL_FILE.match(p.name)):
             p.unlink()
-    return d
+    return d, True
 
 
 class DirectorySink:
@@ -157,7 +166,7 @@ class DirectorySink:
     IN_FLIGHT = 1
 
     def __init__(self, path: str | os.PathLike[str], rank: int | None = None) -> None:
-        self.dir, self._owner = prepare_directory(path, rank)
+        self.dir, self._owner, self.replaced = prepare_directory(path, rank)  # replaced: a previous capture was there
         self.entries: list[dict] = []
         self.bytes = 0
         self._slots = threading.Semaphore(self.IN_FLIGHT)

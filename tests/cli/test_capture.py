@@ -90,8 +90,14 @@ def test_module_and_forward_filters(script, tmp_path):
     r = invoke("capture", "--out", tmp_path / "cap", "--module", "*.1", script)
     assert r.exit_code == 0, r.output
     assert [c["module"] for c in json.loads((tmp_path / "cap" / "manifest.json").read_text())["calls"]] == ["blocks.1"]
-    r = invoke("capture", "--out", tmp_path / "cap2", "--forward", "2", script)
-    assert r.exit_code == 2 and "made no attention call" in r.stderr
+    r = invoke("capture", "--out", tmp_path / "cap2", "--forward", "2", script)  # the script runs 1 forward
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+    assert f"--forward 2 matched none of {script}'s 1 forward pass (of its top module): give numbers from 1 to 1" \
+        in r.stderr and "replaced" not in r.stderr
+    r = invoke("capture", "--out", tmp_path / "cap", "--forward", "3-4", script)  # cap held a capture: now empty
+    assert r.exit_code == 2 and "matched none of" in r.stderr
+    assert f"{tmp_path / 'cap'} now holds an empty capture (the one it held before was replaced)" in r.stderr
+    assert json.loads((tmp_path / "cap" / "manifest.json").read_text())["calls"] == []
 
 
 def test_max_calls_says_it_stopped(script, tmp_path):

@@ -130,6 +130,78 @@ def test_ranks_of_different_jobs_or_a_missing_rank_are_refused(tmp_path, monkeyp
     (gone / "rank2").rmdir()
     r = invoke("run", gone)
     assert r.exit_code == 2 and f"a capture of 3 processes lacks rank 2 ({gone / 'rank2'})" in r.stderr
+    assert f"attncheck run {gone / 'rank0'} {gone / 'rank1'}" in r.stderr  # how to read the ranks that are there
+
+
+def test_ranks_of_two_jobs_named_one_by_one_are_refused_like_their_parents(tmp_path, monkeypatch):
+    capture_ranks(monkeypatch, tmp_path / "a", job="job-a")
+    capture_ranks(monkeypatch, tmp_path / "b", job="job-b")
+    r = invoke("run", tmp_path / "a" / "rank0", tmp_path / "b" / "rank1")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+    assert "these ranks come from different jobs (run ids job-a, job-b)" in r.stderr
+    capture_ranks(monkeypatch, tmp_path / "c", world=3, job="job-a")
+    r = invoke("run", tmp_path / "a" / "rank0", tmp_path / "c" / "rank1")
+    assert r.exit_code == 2 and "different jobs (world sizes [2, 3])" in r.stderr
+    r = invoke("run", tmp_path / "a" / "rank0", tmp_path / "a" / "rank0")
+    assert r.exit_code == 2 and "rank 0 is named twice" in r.stderr
+
+
+def test_an_empty_rank_folder_is_no_rank_and_a_foreign_one_is_named_as_such(tmp_path, monkeypatch):
+    cap = tmp_path / "cap"
+    capture_ranks(monkeypatch, cap)
+    (cap / "rank2").mkdir()  # made by hand: a 2-process job has no rank 2
+    r = invoke("run", cap, "--json", "-")
+    assert r.exit_code == 0, r.output
+    assert [x["rank"] for x in json.loads(r.stdout)["model"]["ranks"]] == [0, 1]
+    (cap / "rank2" / "notes.txt").write_text("x")
+    r = invoke("run", cap)
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+    assert "is not a rank of this capture of 2 processes (ranks 0 to 1)" in r.stderr
+
+
+def test_a_killed_capture_is_refused_not_read_as_a_folder_of_tensors(tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import glob, os, sys, time, torch, torch.nn.functional as F\nq = torch.randn(1, 1, 4, 8)\n"
+        "F.scaled_dot_product_attention(q, q, q)\n"
+        "for _ in range(400):\n    if glob.glob(sys.argv[1] + '/0000-*'):\n        break\n    time.sleep(0.025)\n"
+        "os.kill(os.getpid(), 9)\n"  # killed once its first call is written
+    )
+    cap = tmp_path / "cap"
+    p = subprocess.run([sys.executable, "-m", "attncheck", "capture", "--out", str(cap), str(script), str(cap)],
+                       capture_output=True, text=True, check=False, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert p.returncode == -9
+    names = sorted(q.name for q in cap.iterdir())
+    assert names[0] == OWNER and names[1].startswith("0000-") and "manifest.json" not in names
+    r = invoke("run", cap, "--fail-on", "error,warning,nan", "--summary")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+    assert "holds no manifest.json: its capture did not finish" in r.stderr and "killed?" in r.stderr
+    (cap / OWNER).unlink()  # call files named as a capture's, no manifest: still unfinished
+    r = invoke("run", cap)
+    assert r.exit_code == 2 and "holds call files (0000-" in r.stderr and "its capture did not finish" in r.stderr
+    r = invoke("run", *sorted(cap.glob("*.safetensors")), "--json", "-")  # named one by one: read as they are
+    assert r.exit_code == 0 and len(json.loads(r.stdout)["model"]["calls"]) == 1, r.output
+    with attncheck.capture(cap):  # capturing into it again replaces the unfinished capture
+        F.scaled_dot_product_attention(*qkv())
+    assert sorted(q.name for q in cap.iterdir()) == ["0000-global.safetensors", "manifest.json"]
+    assert invoke("run", cap).exit_code == 0
+
+
+def test_a_capture_still_being_written_is_refused_until_it_ends(tmp_path):
+    import socket
+
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (cap / OWNER).write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(), "rank": None}))
+        r = invoke("run", cap)
+        assert r.exit_code == 2 and f"is a capture process {sleeper.pid} is writing still" in r.stderr, r.output
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_a_manifest_of_another_rank_is_refused(tmp_path, monkeypatch):
@@ -174,7 +246,7 @@ def test_two_captures_of_one_process_into_one_directory_are_refused(tmp_path, mo
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with attncheck.capture(tmp_path / "cap"):
-        with pytest.raises(attncheck.AttncheckError, match="is being written by process .* of this process"):
+        with pytest.raises(attncheck.AttncheckError, match="this process is already capturing into it"):
             attncheck.capture(tmp_path / "cap").__enter__()
     assert os.listdir(tmp_path / "cap") == ["manifest.json"]  # the outer capture, its owner file given up
 
@@ -233,3 +305,15 @@ def test_rank_directories_named_one_by_one_read_as_the_parent(tmp_path, monkeypa
     both = json.loads(invoke("run", cap / "rank1", cap / "rank0", "--json", "-").stdout)["model"]
     assert [(c["index"], c["rank"]) for c in both["calls"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert (both["first_bad"]["index"], both["first_bad"]["rank"]) == (0, 1) and len(both["ranks"]) == 2
+
+
+def test_calls_through_a_wrapper_are_named_as_the_model_names_them(monkeypatch):
+    # DataParallel on the CPU runs its module as it is; DDP holds the model as ``module`` the same way
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    names = []
+    for model in (Net(), torch.nn.DataParallel(Net())):
+        with torch.no_grad(), attncheck.capture() as cap:
+            model(*qkv())
+        names.append([c.module for c in cap.calls])
+    assert names == [["layers.0", "layers.1"], ["layers.0", "layers.1"]]

@@ -93,7 +93,7 @@ def check_ranks(cap: Path) -> None:
     assert (first["rank"], first["index"], first["module"], first["first_cause"]) == (
         1,
         2,
-        "module.layers.0",
+        "layers.0",  # DDP's ``module.`` left out, as the watch names it
         "input_nan",
     )
     ranks = {r["rank"]: r for r in model["ranks"]}
@@ -114,6 +114,7 @@ def test_torchrun_attncheck_capture_writes_one_directory_per_rank(tmp_path):
     )
     assert proc.returncode == 1, proc.stderr[-3000:]  # rank 1's own --fail-on nan holds: torchrun fails
     assert "capture: rank 0 of 2: this rank's calls" in proc.stdout  # rank 0 prints its own rank's report, labelled
+    assert "all ranks: attncheck run" in proc.stdout
     assert "no call goes wrong in the cells the model runs" in " ".join(proc.stdout.split())
     assert (
         "attncheck: rank 1 of 2: 4 call(s) on cpu:" in proc.stderr
