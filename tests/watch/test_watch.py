@@ -222,6 +222,36 @@ def test_plot_renders(tmp_path):
     assert r.exit_code == 0 and (tmp_path / "w.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_of_two_ranks_says_which_rank_its_heatmaps_draw_and_curves_the_tables_worst_heads(tmp_path):
+    """Rank 0's heads hold 2 and 3, rank 1's 10 and 20 (no alert: 20 / 2 < the factor 10 per head): the
+    worst heads, largest logit first, are rank 1's h1, h0, then rank 0's h1, h0, each named with its rank;
+    the heatmaps draw rank 0 (no alert: the first) and the note says rank 1 is left out of them; 3 steps
+    give the whole-number ticks 1, 2, 3."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from attncheck.report.watch import watch_figure
+
+    logs = [synthetic_log(tmp_path / f"w.rank{r}.jsonl", range(1, 4), lambda s, h, r=r: [[2.0, 3.0], [10.0, 20.0]][r][h],
+                          rank=r, world=2) or tmp_path / f"w.rank{r}.jsonl" for r in (0, 1)]
+    report = analyse([read_watch_log(p) for p in logs])
+    assert report.alerts == []
+    fig, note = watch_figure(report)
+    try:
+        heat, _, curves = fig.axes[0], fig.axes[1], fig.axes[2]
+        legend = [t.get_text() for t in curves.get_legend().get_texts()]
+        assert legend == [f"rank {r} layers.0.attn h{h}" for r, h in ((1, 1), (1, 0), (0, 1), (0, 0))]
+        assert "rank 0 (the first) of ranks 0, 1" in heat.get_title()
+        for ax in (heat, curves):
+            ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
+            assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    finally:
+        plt.close(fig)
+    assert "heatmaps of rank 0 (the first), not of rank(s) 1" in note
+    r = runner.invoke(app, ["watch", *map(str, logs), "--plot", str(tmp_path / "w.png")])
+    assert r.exit_code == 0 and "not of rank(s) 1" in r.stderr
+
+
 def test_trainer_callback_writes_a_log_that_attncheck_watch_reads(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
