@@ -11,7 +11,7 @@ import typer
 
 from attncheck import params
 from attncheck.cli.common import EXIT_FAILED, check_output_path, fail, say, write_json
-from attncheck.cli.options import JsonOpt, QuietOpt
+from attncheck.cli.options import JsonOpt
 from attncheck.errors import AttncheckError
 
 ALERTS = "Alerts"
@@ -38,7 +38,7 @@ def watch(
     json_out: JsonOpt = None,
     fail_on: str = typer.Option("", "--fail-on", metavar="LIST", help="Exit 1 when an alert holds: logit_growth, entropy_collapse, headroom_low, nonfinite, nan (= nonfinite), warning or error (an alert of that severity or worse), comma-separated; what-if:CONDITION judges the --what-if alerts."),
     ignore: str = typer.Option("", "--ignore", metavar="CODE,...", help="Alert codes you judged expected: left out of the report and of --fail-on."),
-    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Draw step x call heatmaps of the largest logit and of the entropy, and the curves of the worst heads with the alert steps marked, to FILE.png (needs matplotlib: the 'plot' extra)."),
+    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Draw step x call heatmaps of the largest logit and of the entropy, and the curves of the worst heads with the alert steps marked, to FILE.png (needs matplotlib: the 'plot' extra). Logs of several ranks: the heatmaps of one rank (the first alert's, else the first; named), the curves of every rank."),
     window: str = typer.Option("20", "--window", metavar="N", help="Records the growth of a head's largest logit is fitted over (least squares of its logarithm; at least 5).", rich_help_panel=ALERTS),
     level: str = typer.Option("50", "--logit-level", metavar="X", help="logit_growth holds once a growing head's largest logit reaches X.", rich_help_panel=ALERTS),
     growth: str = typer.Option("2", "--growth", metavar="G", help="logit_growth holds from a growth of G times per 100 steps.", rich_help_panel=ALERTS),
@@ -46,7 +46,7 @@ def watch(
     collapse: str = typer.Option("0.5", "--collapse", metavar="SHARE", help="entropy_collapse holds when SHARE of a head's sampled rows put over 0.99 of their weight on one key.", rich_help_panel=ALERTS),
     rank_factor: str = typer.Option("10", "--rank-factor", metavar="F", help="rank_divergence holds when a head's largest logit on one rank is F times another rank's at the same step (magnitudes below 1 counted as 1).", rich_help_panel=ALERTS),
     what_if: Optional[str] = WatchWhatIfOpt,
-    quiet: QuietOpt = False,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print less: no notice on stderr of the --plot file written (and of the calls and ranks it leaves out); the report and the --fail-on lines are printed."),
 ) -> None:
     """Read watch logs: the trend of every head's largest attention logit, its entropy and its headroom, with alerts.
 

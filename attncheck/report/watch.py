@@ -156,36 +156,67 @@ def watch_json(report: WatchReport, failed: list[str]) -> dict[str, Any]:
     })
 
 
+CURVES_SHOWN = 6  # heads drawn as curves: the heads table's first rows
+
+
 def plot_watch(report: WatchReport, path: str) -> str:
     """Step x call heatmaps of the largest logit (log10, the max over heads) and of the mean entropy
-    (the min over heads), the curves of the worst heads' largest logit, and the alert steps marked;
-    written to ``path`` (PNG). At most PLOT_CALLS calls (those with alerts, then the largest logits);
-    returns what was left out ('' when nothing). Names are drawn as text (never as mathtext)."""
+    (the min over heads) of one rank (the first alert's, else the first), the curves of the worst
+    heads of every rank (the heads table's first CURVES_SHOWN rows, named with their rank where the
+    logs hold several), and the alert steps marked; written to ``path`` (PNG). At most PLOT_CALLS calls
+    (those with alerts, then the largest logits); returns what was left out ('' when nothing): the
+    calls and the ranks not in the heatmaps. Names are drawn as text (never as mathtext)."""
     import io
 
+    import matplotlib.pyplot as plt
+
+    from attncheck.errors import AttncheckError
+
+    fig, left_out = watch_figure(report)
+    try:
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+    try:  # written here, so that a full disk or a refused name is one line, never a file said written and not
+        with open(path, "wb") as fh:
+            fh.write(buffer.getvalue())
+    except OSError as e:
+        raise AttncheckError(f"cannot write --plot {path}: {e.strerror or e}") from None
+    return left_out
+
+
+def watch_figure(report: WatchReport):
+    """The figure ``plot_watch`` writes (the caller closes it), and what it leaves out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-
-    from attncheck.errors import AttncheckError
+    from matplotlib.ticker import MaxNLocator
 
     ranks = report.ranks
+    several = len(ranks) > 1
     rank = report.first.rank if report.first is not None and report.first.module else ranks[0]
+    why = "the first alert's" if report.first is not None and report.first.module else "the first"
     series = [s for s in report.series if s.rank == rank]
     if not series:  # the first alert's rank recorded nothing: the first rank that did
-        rank = next(s.rank for s in report.series)
+        rank, why = next(s.rank for s in report.series), "the first with calls"
         series = [s for s in report.series if s.rank == rank]
     worst = _worst_first(report)
     all_calls = list(dict.fromkeys(s.module for s in series))
     calls = list(dict.fromkeys(s.module for s in worst if s.rank == rank))[:PLOT_CALLS]
-    left_out = ""
+    notes = []
+    if several:
+        others = [r for r in ranks if r != rank]
+        notes.append(f"heatmaps of rank {rank} ({why}), not of rank(s) {', '.join(map(str, others))}; "
+                     f"curves of the worst heads of every rank")
     if len(all_calls) > len(calls):
-        left_out = f"{len(calls)} of {len(all_calls)} calls drawn: those with alerts, then the largest logits"
+        notes.append(f"{len(calls)} of {len(all_calls)} calls drawn: those with alerts, then the largest logits")
         keep = set(calls)
         series = [s for s in series if s.module in keep]
         calls = [c for c in all_calls if c in keep]  # in the model's order
+    left_out = "; ".join(notes)
     steps = sorted({t for s in series for t in s.steps})
     col = {t: i for i, t in enumerate(steps)}
     row = {c: i for i, c in enumerate(calls)}
@@ -202,38 +233,36 @@ def plot_watch(report: WatchReport, path: str) -> str:
         fig, axes = plt.subplots(3, 1, figsize=(10, 6 + 0.5 * len(calls)), constrained_layout=True)
         try:
             extent = (steps[0] - 0.5, steps[-1] + 0.5, len(calls) - 0.5, -0.5)
-            note = f" ({left_out})" if left_out else ""
+            calls_note = f" ({notes[-1]})" if len(all_calls) > len(calls) else ""
             for ax, data, title, cmap in ((axes[0], logit, "log10 of the largest logit (max over heads)", "magma"),
                                           (axes[1], ent, "mean entropy of the sampled rows, nats (min over heads)", "viridis")):
                 im = ax.imshow(data, aspect="auto", interpolation="nearest", extent=extent, cmap=cmap)
                 ax.set_yticks(range(len(calls)))
                 ax.set_yticklabels(labels, fontsize=7, parse_math=False)
-                ax.set_title(title + (f" - rank {rank}" if len(ranks) > 1 else "") + note, fontsize=9)
+                ax.set_title(title + (f" - rank {rank} ({why}) of ranks {', '.join(map(str, ranks))}" if several else "")
+                             + calls_note, fontsize=9)
                 ax.set_xlabel("step")
                 fig.colorbar(im, ax=ax)
-            curves = [s for s in worst if s.rank == rank][:6]
+            curves = worst[:CURVES_SHOWN]  # the heads table's worst, of every rank
             ax = axes[2]
             for s in curves:
                 ys = [v if v is not None and v > 0 else np.nan for v in s.max_logit]
-                ax.plot(s.steps, ys, label=plain_text(s.label), linewidth=1.2)
+                ax.plot(s.steps, ys, label=plain_text((f"rank {s.rank} " if several else "") + s.label), linewidth=1.2)
             ax.set_yscale("log")
             ax.set_xlabel("step")
             ax.set_ylabel("largest logit")
-            ax.set_title("the worst heads (alert steps marked)", fontsize=9)
-            marks = {(a.step, a.severity) for a in report.alerts if a.rank == rank and a.what_if is None}
-            for step, severity in sorted(marks):
-                for axis in axes:
+            ax.set_title("the worst heads (alert steps marked" + (": of the ranks drawn)" if several else ")"), fontsize=9)
+            drawn = {s.rank for s in curves}
+            for axis, of in ((axes[0], {rank}), (axes[1], {rank}), (axes[2], drawn)):
+                marks = {(a.step, a.severity) for a in report.alerts if a.rank in of and a.what_if is None and a.step is not None}
+                for step, severity in sorted(marks):
                     axis.axvline(step, color="red" if severity == "error" else "orange", linestyle="--", linewidth=0.8)
+            for axis in axes:
+                axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
             if curves:
                 for text in ax.legend(fontsize=7, loc="upper left").get_texts():
                     text.set_parse_math(False)
-            buffer = io.BytesIO()
-            fig.savefig(buffer, format="png", dpi=100)
-        finally:
+        except BaseException:
             plt.close(fig)
-    try:  # written here, so that a full disk or a refused name is one line, never a file said written and not
-        with open(path, "wb") as fh:
-            fh.write(buffer.getvalue())
-    except OSError as e:
-        raise AttncheckError(f"cannot write --plot {path}: {e.strerror or e}") from None
-    return left_out
+            raise
+    return fig, left_out

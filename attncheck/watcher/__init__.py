@@ -35,6 +35,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,7 +164,9 @@ class Watch:
         self._ever_seen = False
         self._blind_tops = 0  # top-level training forwards that did not run the watched model
         self._unseen_said = False
-        self._renamed: dict[int, str] = {}  # id of a recorded call -> its module as the model names it
+        # id of a call taken in the step under way -> (a weak reference to it, its module as the model names it):
+        # the gradients of those calls only are the watched module's (the recorder hooks every call it records)
+        self._taken: dict[int, tuple[weakref.ref, str]] = {}
         self._flushing = False  # the watch's own statistics run (inside a wrapper's forward the recorder is on)
 
     # ------------------------------------------------------------------ lifecycle
@@ -334,9 +337,11 @@ class Watch:
     # ------------------------------------------------------------------ the recorder's sink
 
     def __call__(self, call) -> None:
+        if self._skip or self._flushing:
+            return  # not the watched module's: it neither starts a step nor counts in one
         if self.step_number == 0:
             self.step_number = 1
-        if self._skip or self._flushing or not self.sampling:
+        if not self.sampling:
             return
         inside = self._prefix and (call.module == self._prefix or call.module.startswith(self._prefix + "."))
         if self._nested and self._prefix and not inside:
@@ -388,13 +393,15 @@ class Watch:
             limit_logit, what = _limit(dtype, scale, "S = Q@K^T" + (" (before the scale)" if traced else "") + f" in {_label(dtype)}")
         named = self._prefix is not None or self._nested
         module = model_path(call.module, self._prefix, self._name) if named else call.module
-        self._renamed[id(call)] = module  # its gradients come later, named the same
+        self._taken[id(call)] = (weakref.ref(call), module)  # its gradients come later, named the same
         self._calls.append(_CallEntry(module, call.kind, _label(dtype), path, scale, limit_logit, what, stats))
 
     def grads(self, call, tensors) -> None:
-        if self.sampling:
-            # counted with the step's others at its end
-            self._grads.append((self._renamed.get(id(call), call.module), tensors))
+        taken = self._taken.get(id(call))
+        if taken is None or taken[0]() is not call:
+            return  # a call of a module not watched (or of a step already written): not the watched module's
+        # counted with the step's others at its end
+        self._grads.append((taken[1], tensors))
 
     # ------------------------------------------------------------------ records
 
@@ -414,7 +421,7 @@ class Watch:
 
         calls, grads, loss, forwards = self._calls, self._grads, self._loss, self._forwards
         self._calls, self._grads, self._loss, self._forwards = [], [], None, 0
-        self._renamed.clear()
+        self._taken.clear()
         if not calls and not grads and not (unseen and (self.sampling or not self.records)):
             return
         pending = [c for c in calls if not isinstance(c.stats, CallStats)]

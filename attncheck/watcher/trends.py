@@ -260,9 +260,16 @@ def divergence(series: list[WatchSeries], factor: float) -> list[WatchAlert]:
         row = np.where(np.isfinite(mag[i]), mag[i], np.nan)
         hi, lo = int(np.nanargmax(row)), int(np.nanargmin(row))
         a, b = group[hi], group[lo]
+        floored = any(mag[i, j] != m[i, j] for j in (hi, lo))
+
+        def shown(j: int) -> str:  # the logit, and the magnitude the ratio divides where that differs
+            return num(m[i, j]) if mag[i, j] == m[i, j] else f"{num(m[i, j])}, taken as {num(mag[i, j])}"
+
         out.append(WatchAlert("rank_divergence", SEVERITY["rank_divergence"], a.rank, module, head, steps[i],
-                              f"its largest logit on rank {a.rank} ({num(m[i, hi])}) is {num(ratio[i])} times rank {b.rank}'s "
-                              f"({num(m[i, lo])}) at step {steps[i]} (factor {num(factor)}): the ranks do not hold the same weights",
+                              f"its largest logit on rank {a.rank} ({shown(hi)}) is {num(ratio[i])} times rank {b.rank}'s "
+                              f"({shown(lo)}) at step {steps[i]} (factor {num(factor)}"
+                              + (f"; magnitudes compared, those below {num(DIVERGENCE_FLOOR)} as {num(DIVERGENCE_FLOOR)}"
+                                 if floored else "") + "): the ranks do not hold the same weights",
                               other_rank=b.rank))
     return out
 

@@ -132,3 +132,17 @@ def test_a_log_without_calls_is_no_attention_never_no_alert(tmp_path):
     r = runner.invoke(app, ["watch", str(p), "--plot", str(tmp_path / "p.png")])
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "no attention call" in r.stderr
     assert not (tmp_path / "p.png").exists() and "Traceback" not in r.output
+
+
+def test_rank_divergence_says_the_magnitude_its_ratio_divides(tmp_path):
+    """Rank 0's logit 0.5 is compared as 1 (the floor): the ratio printed is 500 / max(|0.5|, 1) = 500, and
+    the message says 0.5 was taken as 1; without the floor in play it prints the two logits and their quotient."""
+    logs = [write_log(tmp_path / f"w.rank{r}.jsonl", lambda s, v=v: [v], steps=range(1, 4), rank=r, world=2)
+            for r, v in ((0, 0.5), (1, 500.0))]
+    (alert,) = analyse(read_watch_logs(logs)).alerts
+    assert f"(500) is {500 / max(abs(0.5), 1.0):g} times rank 0's (0.5, taken as 1)" in alert.message
+    assert "those below 1 as 1" in alert.message
+    logs = [write_log(tmp_path / f"v.rank{r}.jsonl", lambda s, v=v: [v], steps=range(1, 4), rank=r, world=2)
+            for r, v in ((0, 4.0), (1, 100.0))]
+    (alert,) = analyse(read_watch_logs(logs)).alerts
+    assert f"(100) is {100 / 4:g} times rank 0's (4) at step 1" in alert.message and "taken as" not in alert.message

@@ -222,6 +222,36 @@ def test_plot_renders(tmp_path):
     assert r.exit_code == 0 and (tmp_path / "w.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_of_two_ranks_says_which_rank_its_heatmaps_draw_and_curves_the_tables_worst_heads(tmp_path):
+    """Rank 0's heads hold 2 and 3, rank 1's 10 and 20 (no alert: 20 / 2 < the factor 10 per head): the
+    worst heads, largest logit first, are rank 1's h1, h0, then rank 0's h1, h0, each named with its rank;
+    the heatmaps draw rank 0 (no alert: the first) and the note says rank 1 is left out of them; 3 steps
+    give the whole-number ticks 1, 2, 3."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from attncheck.report.watch import watch_figure
+
+    logs = [synthetic_log(tmp_path / f"w.rank{r}.jsonl", range(1, 4), lambda s, h, r=r: [[2.0, 3.0], [10.0, 20.0]][r][h],
+                          rank=r, world=2) or tmp_path / f"w.rank{r}.jsonl" for r in (0, 1)]
+    report = analyse([read_watch_log(p) for p in logs])
+    assert report.alerts == []
+    fig, note = watch_figure(report)
+    try:
+        heat, _, curves = fig.axes[0], fig.axes[1], fig.axes[2]
+        legend = [t.get_text() for t in curves.get_legend().get_texts()]
+        assert legend == [f"rank {r} layers.0.attn h{h}" for r, h in ((1, 1), (1, 0), (0, 1), (0, 0))]
+        assert "rank 0 (the first) of ranks 0, 1" in heat.get_title()
+        for ax in (heat, curves):
+            ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
+            assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    finally:
+        plt.close(fig)
+    assert "heatmaps of rank 0 (the first), not of rank(s) 1" in note
+    r = runner.invoke(app, ["watch", *map(str, logs), "--plot", str(tmp_path / "w.png")])
+    assert r.exit_code == 0 and "not of rank(s) 1" in r.stderr
+
+
 def test_trainer_callback_writes_a_log_that_attncheck_watch_reads(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -371,3 +401,59 @@ def test_flex_calls_are_watched_on_their_logits_after_the_score_mod():
     assert call["kind"] == "flex" and call["path"] == "flex-math" and call["heads"] == 4
     assert max(call["max_logit"]) <= 4.0 and call["nonfinite_rows"] == 0
     assert "the logits after " in call["limit"]["what"]  # the score_mod by its name, or the traced one (flex traces it)
+
+
+# --------------------------------------------------------------------------- only the watched module's calls
+
+
+class Attend(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        q = self.proj(x)
+        return F.scaled_dot_product_attention(q, q, q)
+
+
+@pytest.mark.parametrize("marked", [True, False], ids=["step-marked", "forward-steps"])
+def test_a_module_not_watched_gives_no_calls_no_gradients_and_no_step(tmp_path, marked):
+    """An unwatched module of the same class runs first in each iteration, and its output turns NaN
+    from the third: the watched module's records hold its one call and its one set of gradients, the
+    steps count the loop's iterations from 1, and the NaN of the other module raises no alert."""
+    torch.manual_seed(0)
+    watched, other = Attend(), Attend()
+    with attncheck.watch(watched, log=tmp_path / "w.jsonl") as w:
+        for i in range(4):
+            x = torch.randn(1, 2, 4, 8)
+            y = other(x) * (float("nan") if i >= 2 else 1.0)
+            (watched(x).sum() + y.sum()).backward()
+            if marked:
+                w.step()
+    records = [json.loads(line) for line in (tmp_path / "w.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(len(r["calls"]) == 1 and len(r["grads"]) == 1 for r in records)
+    assert all(r["grads"][0]["nonfinite"] == 0 for r in records)
+    r = runner.invoke(app, ["watch", str(tmp_path / "w.jsonl"), "--fail-on", "error,warning,nan"])
+    assert r.exit_code == 0, r.output
+
+
+def test_a_sibling_not_watched_inside_the_same_top_module_gives_no_gradients():
+    """The watched module is one layer of a model (as DDP's module.layers.1): the other layer's
+    gradients are not its own; without any attention in the watched module nothing is recorded."""
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(Attend(), Attend())
+    with attncheck.watch(layers[1]) as w:
+        for _ in range(2):
+            layers(torch.randn(1, 2, 4, 8)).sum().backward()
+            w.step()
+    assert [(len(r["calls"]), len(r["grads"])) for r in w.records] == [(1, 1), (1, 1)]
+    assert {r["calls"][0]["module"] for r in w.records} == {g["module"] for r in w.records for g in r["grads"]}
+    mha, linear = torch.nn.MultiheadAttention(16, 2, batch_first=True), torch.nn.Linear(16, 16)
+    with pytest.warns(UserWarning, match="no training forward of the watched module"):
+        with attncheck.watch(linear) as w:
+            for _ in range(2):
+                x = torch.randn(1, 4, 16)
+                mha(x, x, x)[0].sum().backward()
+                w.step()
+    assert [(r["calls"], r["grads"]) for r in w.records] == [([], []), ([], [])]
