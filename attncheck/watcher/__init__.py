@@ -42,6 +42,7 @@ from pathlib import Path
 
 from attncheck import __version__, params
 from attncheck.errors import AttncheckError
+from attncheck.wrappers import model_path, wrapped_modules
 
 WATCH_SCHEMA = "attncheck.watch/1"
 
@@ -60,53 +61,15 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def rank_log_path(path: str | os.PathLike[str], rank: int, world: int) -> Path:
-    """The log of one rank: '{rank}' in the name replaced, else '.rankN' before the suffix when the
-    world has several ranks."""
+    """The log of one rank, named as capture names a rank's files (``record.ranks.rank_file``): '{rank}' in the
+    name replaced, else '.rankN' before the suffix when the world has several ranks."""
+    from attncheck.record.ranks import rank_file
+
     p = Path(path)
-    if "{rank}" in p.name:
-        return p.with_name(p.name.replace("{rank}", str(rank)))
-    if world > 1:
-        return p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
-    return p
+    return Path(rank_file(str(p), rank)) if "{rank}" in p.name or world > 1 else p
 
 
 BLIND_FORWARDS = 8  # top-level training forwards without the watched module before the watch says it sees nothing
-
-# Attributes through which the usual wrappers hold the module they run: DistributedDataParallel and
-# DataParallel (``module``), torch.compile (``_orig_mod``), FSDP (``_fsdp_wrapped_module``), activation
-# checkpointing (``_checkpoint_wrapped_module``). accelerate's ``prepare`` wraps in DDP (or returns the module).
-WRAPPED = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-WRAPPER_PARTS = frozenset(WRAPPED[1:])  # path parts that name a wrapper's inner module, never one of the model's own
-
-
-def wrapped_modules(module) -> list[tuple[str, object]]:
-    """What a wrapper runs, outermost first: (the path from ``module``, the module), ``module`` itself first."""
-    import torch
-
-    chain = [("", module)]
-    for _ in range(8):
-        path, outer = chain[-1]
-        attr = next((a for a in WRAPPED if isinstance(getattr(outer, a, None), torch.nn.Module)), None)
-        if attr is None:
-            break
-        inner = getattr(outer, attr)
-        if any(inner is m for _, m in chain):
-            break
-        chain.append((f"{path}.{attr}" if path else attr, inner))
-    return chain
-
-
-def model_path(path: str, prefix: str | None, name: str) -> str:
-    """A call's module path as the watched model names it: the wrapper's path to the model
-    (``prefix``, e.g. 'module') taken off, FSDP's and checkpointing's inner parts left out; the model
-    itself by its class ``name``."""
-    if prefix:
-        if path == prefix:
-            return name
-        path = path.removeprefix(prefix + ".")
-    parts = [p for p in path.split(".") if p not in WRAPPER_PARTS]
-    return ".".join(parts) if parts else name
-
 
 @dataclass
 class _CallEntry:
@@ -601,5 +564,4 @@ def watch(model=None, log: str | os.PathLike[str] | None = None, every: int = 1,
     return Watch(model, log, every, modules=modules, grads=grads, tensorboard=tensorboard, compile=compile)
 
 
-__all__ = ["BLIND_FORWARDS", "WATCH_SCHEMA", "Watch", "model_path", "rank_and_world", "rank_log_path", "watch",
-           "wrapped_modules"]
+__all__ = ["BLIND_FORWARDS", "WATCH_SCHEMA", "Watch", "rank_and_world", "rank_log_path", "watch"]

@@ -176,7 +176,7 @@ def test_accelerates_prepared_model_is_watched_in_its_autocast_dtype():
 def test_wrapper_chains_and_the_names_they_leave():
     """What a wrapper holds, by the attributes DDP, torch.compile, FSDP and checkpointing use, and the
     call paths named as the innermost model names them."""
-    from attncheck.watcher import model_path, wrapped_modules
+    from attncheck.wrappers import model_path, wrapped_modules
 
     net = Net()
 
