@@ -231,11 +231,11 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
     found = [o for c in calls for o in outliers(c)]
     by_rank = capture_findings_by_rank(capture, ignore)
     findings = [f for found in by_rank.values() for f in found]
-    capped = sum(c.diagnosis is not None and c.diagnosis.attention is not None
-                 and c.diagnosis.attention.softcap is not None for c in calls)
-    if capped:  # said, not silently left out: no backward or what-if cell emulates a soft cap (calls.py)
-        said = (f"{capped} soft-capped call(s): judged forward in the model's cell only; their gradients and "
-                "what-if cells are not computed (no backward path emulates the cap's tanh)")
+    caps = [c.diagnosis.attention.softcap for c in calls if c.diagnosis is not None and c.diagnosis.attention is not None
+            and c.diagnosis.attention.softcap is not None and c.diagnosis.attention.softcap.not_judged]
+    if caps:  # said, not silently left out: no backward or what-if cell emulates a soft cap (calls.py)
+        what = " and ".join(dict.fromkeys(w for cap in caps for w in cap.not_judged))
+        said = f"{len(caps)} soft-capped call(s): {what} not computed (no backward or what-if path has the cap's tanh)"
         capture = dict(capture or {})
         capture["note"] = "; ".join(n for n in (capture.get("note"), said) if n)
     return ModelReport(lines, first, found, tuple(ignore), list(skipped), capture, what_if_answers(calls, ignore),

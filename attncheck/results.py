@@ -361,6 +361,7 @@ class SoftCap:
     # (1 - tanh^2 = 0) that its finite value gives in this dtype, so the overflow changes nothing
     saturated: bool
     grad_finite: bool  # torch's autograd of the cap at inf S: finite (0), not NaN
+    not_judged: list[str] = field(default_factory=list)  # what was asked but has no cap to judge by
 
 
 @dataclass

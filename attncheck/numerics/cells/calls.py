@@ -124,6 +124,10 @@ def diagnose_call(
     cap = softcap(info)
     if cap is not None and kind == "softmax" and inputs is not None and diag.attention is not None:
         _in_call(info, lambda: _softcap_audit(info, inputs, diag, cap))
+        if diag.attention.softcap is not None:  # asked for, but no backward or what-if cell has the cap
+            wanted_what_if = what is None and known and (what_if or asked is not None)
+            asked_for = [("gradients", "grad_out" in tensors), ("what-if cells", wanted_what_if)]
+            diag.attention.softcap.not_judged = [name for name, hit in asked_for if hit]
     if known and kind == "softmax" and used is not None:
         used.limit = _scores_limit(info, diag)
     if known and kind == "flex" and used is not None and "scores_mod" in tensors:
