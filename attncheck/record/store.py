@@ -57,6 +57,9 @@ SAFETENSORS_DTYPES = {
 }
 
 
+PART = ".part"  # a call file being written: renamed to its name once whole
+
+
 def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write a .safetensors file straight from the tensors' memory (no intermediate copy): an
     8-byte little-endian header length, the JSON header padded to 8 bytes, the data in order.
@@ -131,7 +134,7 @@ def _prepare(d: Path) -> tuple[Path, bool]:
                              "torchrun); give a new or empty folder", param="path")
     manifest = d / MANIFEST
     own = [p for p in entries if p.is_file() and not p.is_symlink()
-           and (CALL_FILE.match(p.name) or p.name == MANIFEST + ".tmp")]
+           and (CALL_FILE.match(p.name.removesuffix(PART)) or p.name == MANIFEST + ".tmp")]
     if not manifest.is_file() and len(own) == len(entries):
         # a capture that did not finish (killed: its writer is gone, ``claim`` took its owner file over): its own
         # files alone, replaced as a finished capture's are
@@ -226,8 +229,10 @@ class DirectorySink:
             path, tensors, meta = item
             del item
             try:
-                if self._error is None:
-                    write_safetensors(path, tensors, meta)
+                if self._error is None:  # written whole under a name no reader takes, then renamed: a capture
+                    part = path.with_name(path.name + PART)  # killed mid-write leaves no half call file
+                    write_safetensors(part, tensors, meta)
+                    os.replace(part, path)
                 else:  # recording has stopped: this call is not written, so the manifest must not list it
                     self._failed.add(path.name)
             except OSError as e:
