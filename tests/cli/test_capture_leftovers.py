@@ -20,28 +20,13 @@ from typer.testing import CliRunner
 import attncheck
 from attncheck.cli import app
 from attncheck.record import parse_forwards
+from tests.record.sdpa_stack import Net
 
 runner = CliRunner()
 
 
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
-
-
-class Layer(torch.nn.Module):
-    def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v)
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList([Layer(), Layer()])
-
-    def forward(self, q, k, v):
-        for layer in self.layers:
-            q = layer(q, k, v)
-        return q
 
 
 def test_a_forward_range_is_kept_as_a_range():

@@ -16,24 +16,9 @@ from typer.testing import CliRunner
 import attncheck
 from attncheck.cli import app
 from attncheck.record.ranks import OWNER
+from tests.record.sdpa_stack import Net
 
 runner = CliRunner()
-
-
-class Layer(torch.nn.Module):
-    def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v)
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList([Layer(), Layer()])
-
-    def forward(self, q, k, v):
-        for layer in self.layers:
-            q = layer(q, k, v)
-        return q
 
 
 def qkv(poison: bool = False):
