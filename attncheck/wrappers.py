@@ -16,11 +16,16 @@ WRAPPER_PARTS = frozenset(WRAPPED[1:])  # path parts that name a wrapper's inner
 def wrapped_modules(module) -> list[tuple[str, object]]:
     """What a wrapper runs, outermost first: (the path from ``module``, the module), ``module`` itself first."""
     import torch
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    def holds(outer, attr: str) -> bool:  # ``module`` is a wrapper's only in DDP and DataParallel: a model may name a child so
+        return isinstance(getattr(outer, attr, None), torch.nn.Module) and (
+            attr != "module" or isinstance(outer, (DistributedDataParallel, DataParallel)))
 
     chain = [("", module)]
     for _ in range(8):
         path, outer = chain[-1]
-        attr = next((a for a in WRAPPED if isinstance(getattr(outer, a, None), torch.nn.Module)), None)
+        attr = next((a for a in WRAPPED if holds(outer, a)), None)
         if attr is None:
             break
         inner = getattr(outer, attr)

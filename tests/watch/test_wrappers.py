@@ -180,7 +180,7 @@ def test_wrapper_chains_and_the_names_they_leave():
 
     net = Net()
 
-    class Holder(torch.nn.Module):  # stands for DDP (its module attribute) around torch.compile's wrapper
+    class Holder(torch.nn.Module):  # a model of its own whose child is named module: no wrapper
         def __init__(self, inner):
             super().__init__()
             self.module = inner
@@ -190,8 +190,9 @@ def test_wrapper_chains_and_the_names_they_leave():
             super().__init__()
             self._orig_mod = inner
 
-    chain = wrapped_modules(Holder(Compiled(net)))
+    chain = wrapped_modules(torch.nn.DataParallel(Compiled(net)))  # DDP's module attribute, as DataParallel's
     assert [path for path, _ in chain] == ["", "module", "module._orig_mod"] and chain[-1][1] is net
+    assert [path for path, _ in wrapped_modules(Holder(net))] == [""]
     assert [path for path, _ in wrapped_modules(net)] == [""]
     assert model_path("module._orig_mod.layers.0", "module._orig_mod", "Net") == "layers.0"
     assert model_path("module._orig_mod", "module._orig_mod", "Net") == "Net"
