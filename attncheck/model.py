@@ -13,6 +13,7 @@ q/k files) keep every cell as the question, as the per-tensor report does.
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 from attncheck.codes import SEVERITY
 from attncheck.findings import capture_findings, counted_rows, counted_verdict, ignored_causes
@@ -228,7 +229,7 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
     lines = [call_line(c, ignore) for c in calls]
     first = next((i for i, line in enumerate(lines) if line.verdict in BAD_VERDICTS), None)
     first_grad = next((i for i, line in enumerate(lines) if line.grad_verdict in ("nan", "error")), None)
-    found = [o for c in calls for o in outliers(c)]
+    found = [replace(o, position=at) for at, c in enumerate(calls) for o in outliers(c)]
     by_rank = capture_findings_by_rank(capture, ignore)
     findings = [f for found in by_rank.values() for f in found]
     caps = [c.diagnosis.attention.softcap for c in calls if c.diagnosis is not None and c.diagnosis.attention is not None

@@ -532,6 +532,7 @@ class Outlier:
     kv_head: int | None = None  # k under GQA: the kv head (``head`` is the first query head reading it)
     query_heads: list[int] = field(default_factory=list)  # ... and every query head that reads it
     rank: int | None = None  # the process that made the call (a capture of several ranks)
+    position: int | None = None  # the call's place among the report's calls (unique where indices repeat)
 
     @property
     def message(self) -> str:

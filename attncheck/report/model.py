@@ -175,20 +175,23 @@ def compact(x: float | None) -> str:
 
 
 def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "",
-                labels: dict[tuple[int | None, int], str] | None = None,
+                labels: dict[int, str] | None = None,
                 heads: int | list[int] = MAX_HEAD_COLUMNS) -> Table | None:
     """Layer x head: NaN rows of the model's cell, Q@K^T overflow, else the head's largest logit; the
-    first ``heads`` heads, or those listed; ``labels``: the calls' names as shown, by (rank, call index)."""
+    first ``heads`` heads, or those listed; ``labels``: the calls' names as shown, by id of the CallReport
+    (two captures read together share call indices)."""
     rows = [c for c in calls if c.heads]
     if not rows:
         return None
     which = list(range(min(max(len(c.heads) for c in rows), heads))) if isinstance(heads, int) else heads
-    marked = {(o.rank, o.index, h) for o in report.outliers for h in (o.query_heads or [o.head])}
+    marked = {(o.position, h) for o in report.outliers for h in (o.query_heads or [o.head])}
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
     t.add_column("call", no_wrap=True)
     for h in which:
         t.add_column(f"h{h}", justify="right", no_wrap=True)
-    for c in rows:
+    for at, c in enumerate(calls):  # ``at``: the call's place in the report, as an outlier names it
+        if not c.heads:
+            continue
         by_head = {h.head: h for h in c.heads}
         cells = []
         for index in which:
@@ -196,7 +199,7 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "",
             if h is None:
                 cells.append("")
                 continue
-            star = "*" if (c.call.rank, c.call.index, h.head) in marked else ""
+            star = "*" if (at, h.head) in marked else ""
             nan = counted_rows(h.nan_rows, h.nan_causes, report.ignored)  # as the call table counts them
             if nan:
                 cells.append(Text(f"N{nan}{star}", style="bold red"))
@@ -204,7 +207,7 @@ def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "",
                 cells.append(Text(f"ovf{star}", style="bold red"))
             else:
                 cells.append(Text(f"{compact(h.max_logit)}{star}", style="yellow" if star else ""))
-        label = labels[(c.call.rank, c.call.index)] if labels is not None else _matrix_label(c, prefix)
+        label = labels[id(c)] if labels is not None else _matrix_label(c, prefix)
         t.add_row(shown(label), *cells)
     return t
 
@@ -271,7 +274,7 @@ def fitted_head_matrix(calls: list[CallReport], report: ModelReport, prefix: str
         n = min(most, MAX_HEAD_COLUMNS)
 
         def table(names: list[str], which: list[int]) -> Table:
-            return head_matrix(rows, report, labels={(c.call.rank, c.call.index): name for c, name in zip(rows, names)}, heads=which)
+            return head_matrix(calls, report, labels={id(c): name for c, name in zip(rows, names)}, heads=which)
 
         # names are fitted beside a few heads (they say which call a row is), then as many heads as fit
         few = choose(min(n, MATRIX_HEADS_FIRST))

@@ -137,3 +137,44 @@ def test_what_if_codes_wrap_between_codes_never_inside_one():
     assert "Findings of the what-if cells" not in table
     cells = [line.rstrip().split("  ")[-1].strip() for line in table.splitlines() if "\u00a0(" in line]
     assert " ".join(cells).replace("\u00a0", " ") == "grad_underflow (1), probability_flush (6), fp8_overflow (3)"
+
+
+def test_two_captures_read_together_keep_their_names_and_outlier_marks_in_the_head_grid(tmp_path):
+    """Two single-process captures share call indices (0, 1 each) and no rank: the layer x head grid
+    names each row by its own call and stars only the call whose k head is the outlier (it once
+    keyed rows by (rank, index), printing the second capture's names and stars over the first's)."""
+    import torch.nn.functional as F
+    from typer.testing import CliRunner
+
+    import attncheck
+    from attncheck.cli import app
+
+    class A(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    class M(torch.nn.Module):
+        def __init__(self, names):
+            super().__init__()
+            for n in names:
+                self.add_module(n, A())
+
+        def forward(self, q, k, v):
+            for m in self.children():
+                q = m(q, k, v)
+            return q
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 8, 16, generator=g) for _ in range(3))
+    k_bad = k.clone()
+    k_bad[:, 1] *= 1000  # head 1's k: an outlier in the second capture only
+    for out, names, kk in ((tmp_path / "a", ["alpha", "beta"], k), (tmp_path / "b", ["gamma", "delta"], k_bad)):
+        with attncheck.capture(out):
+            M(names)(q, kk, v)
+    r = CliRunner().invoke(app, ["run", str(tmp_path / "a"), str(tmp_path / "b")], env={"COLUMNS": "100"})
+    grid = r.stdout.split("Layer x head")[1].split("Outlier heads")[0]
+    names = ("alpha", "beta", "gamma", "delta")
+    rows = {line.split()[0]: line.split()[1:] for line in grid.splitlines() if line.split()[:1] in ([n] for n in names)}
+    assert sorted(rows) == ["alpha", "beta", "delta", "gamma"]
+    assert [name for name, cells in rows.items() if any(c.endswith("*") for c in cells)] == ["gamma", "delta"]
+    assert all(cells[1].endswith("*") for name, cells in rows.items() if name in ("gamma", "delta"))
