@@ -387,8 +387,8 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     step = smallest_subnormal(dt)
     gq, gk, gv = cell_grads
     tq, tk, d, dv = hb.q.shape[1], hb.k.shape[1], hb.q.shape[2], hb.v.shape[2]
-    kf, qf = _finite_abs(hb.k), _finite_abs(hb.q)
-    vf, dof = _finite_abs(hb.v), _finite_abs(hb.dout)
+    kf, qf = bw.finite_abs(hb.k), bw.finite_abs(hb.q)
+    vf, dof = bw.finite_abs(hb.v), bw.finite_abs(hb.dout)
     tm: bw.Terms = pg.terms
     scale = abs(hb.scale)
     g2 = lambda n: 2 * _gamma(n, u32)  # noqa: E731
@@ -425,7 +425,3 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
         tol = (2 * u * (rounds + 1) * mag + err.to(torch.float64)
                + (rounds + 1) * step + 2 * step * a_sub.to(torch.float64))
         acc[name].compare_real(rg, g, tol)
-
-
-def _finite_abs(t: torch.Tensor) -> torch.Tensor:
-    return torch.nan_to_num(t.float().abs(), nan=0.0, posinf=0.0)

@@ -102,19 +102,20 @@ class Terms:
     held: torch.dtype = torch.float32  # the lowest precision S, dP, P and dS are held in (the eager path's dtype)
 
 
-def _finite_abs(t: torch.Tensor) -> torch.Tensor:
+def finite_abs(t: torch.Tensor) -> torch.Tensor:
+    """|t| in fp32 with NaN and inf as 0: the magnitudes a rounding bound sums."""
     return torch.nan_to_num(t.float().abs(), nan=0.0, posinf=0.0)
 
 
 def _terms(p: torch.Tensor, dp: torch.Tensor, dsum: torch.Tensor, s: torch.Tensor, lse: torch.Tensor | None = None,
            held: torch.dtype = torch.float32) -> Terms:
-    pf = _finite_abs(p)
+    pf = finite_abs(p)
     s32 = s.float()
     if lse is None:
         lse = torch.logsumexp(s32, dim=-1)
     lse = torch.where(torch.isneginf(lse), 0.0, lse)
-    s_abs = torch.where(pf > 0, _finite_abs(s32), 0.0)
-    return Terms(pf, _finite_abs(dp.float() - dsum.float()), s_abs, _finite_abs(lse), held)
+    s_abs = torch.where(pf > 0, finite_abs(s32), 0.0)
+    return Terms(pf, finite_abs(dp.float() - dsum.float()), s_abs, finite_abs(lse), held)
 
 
 def _rows_bad(t: torch.Tensor) -> torch.Tensor:
