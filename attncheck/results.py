@@ -886,6 +886,7 @@ class WatchSeries:
     growth: float | None  # the largest logit's growth factor per 100 steps, fitted over the last window (None: no real trend)
     steps_to_limit: float | None  # at that growth, steps until the limit (None: not growing)
     limits: list[float | None] = field(default_factory=list)  # each step's limit (a call's dtype may change mid-run)
+    limit_whats: list[str | None] = field(default_factory=list)  # ... and what it is the limit of
 
     @property
     def label(self) -> str:

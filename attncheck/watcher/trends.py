@@ -74,6 +74,7 @@ def series_of(logs) -> list[WatchSeries]:
                     if call.limit is not None:  # the last record's limit is the one shown; each step keeps its own
                         s.limit_logit, s.limit_what, s.dtype = call.limit.logit, call.limit.what, call.dtype
                     s.limits.append(None if call.limit is None else call.limit.logit)
+                    s.limit_whats.append(None if call.limit is None else call.limit.what)
                     s.steps.append(rec.step)
                     s.max_logit.append(call.max_logit[h])
                     s.entropy_mean.append(call.entropy_mean[h] if call.entropy_mean else None)
@@ -182,11 +183,11 @@ def analyse(logs, *, window: int = DEFAULTS["window"], level: float = DEFAULTS["
             ent = s.entropy_mean[i]
             alerts.append(_alert("entropy_collapse", s, i, f"{col[i]:.0%} of its sampled rows put over 0.99 of their weight on one key "
                                  f"(mean entropy {num(ent)} nats)"))
-        limits = [(None, limit, s.limit_what)] if np.isfinite(limit).any() else []
+        limits = [(None, limit, s.limit_whats)] if np.isfinite(limit).any() else []  # each step's own limit and text
         for name, dtype_limit in (what_if or {}).items():
             scale = abs(s.scale) if s.scale else 1.0
-            limits.append((name, np.full(x.shape, dtype_limit * scale),
-                           f"hand-written attention in {name}: S = Q@K^T rounds to inf at |S| >= {dtype_limit:.6g}"))
+            said = f"hand-written attention in {name}: S = Q@K^T rounds to inf at |S| >= {dtype_limit:.6g}"
+            limits.append((name, np.full(x.shape, dtype_limit * scale), [said] * len(x)))
         for name, lim, what in limits:
             with np.errstate(invalid="ignore", divide="ignore"):
                 steps_left = np.where((trend > 0) & (x > 0), np.log(lim / x) / trend, np.inf)
@@ -195,7 +196,7 @@ def analyse(logs, *, window: int = DEFAULTS["window"], level: float = DEFAULTS["
             if i is not None:
                 reached = " (already past it)" if x[i] >= lim[i] else ""
                 alerts.append(_alert("headroom_low", s, i, f"at {factor_text(trend[i])} per 100 steps the largest logit "
-                                     f"({num(x[i])}) reaches {num(lim[i])} in {num(max(steps_left[i], 0.0))} steps{reached}: {what}",
+                                     f"({num(x[i])}) reaches {num(lim[i])} in {num(max(steps_left[i], 0.0))} steps{reached}: {what[i]}",
                                      what_if=name))
     alerts += divergence(series, rank_factor)
     for log in logs:  # NaN and inf: per call (not per head), from the output rows and the gradients

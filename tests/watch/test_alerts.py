@@ -121,6 +121,15 @@ def test_a_dtype_change_mid_run_is_judged_by_each_steps_limit(tmp_path):
     assert report.series[0].limit_logit == 8190.0 and report.series[0].dtype == "fp16"
 
 
+def test_a_headroom_alert_names_the_limit_of_its_own_step(tmp_path):
+    """fp16 first (65504), then fp32: the alert at an fp16 step names fp16's limit and says 'S in fp16',
+    not the last record's fp32 text beside fp16's number."""
+    p = write_log(tmp_path / "w.jsonl", lambda s: [100 * 1.2**s], limits=lambda s: 65504.0 if s <= 20 else 3.4e38,
+                  dtype=lambda s: "fp16" if s <= 20 else "fp32")
+    alert = next(a for a in analyse([read_watch_log(p)], horizon=200).alerts if a.code == "headroom_low")
+    assert alert.step <= 20 and "reaches 6.55e+04" in alert.message and alert.message.endswith(": S in fp16")
+
+
 def test_a_log_without_calls_is_no_attention_never_no_alert(tmp_path):
     p = tmp_path / "w.jsonl"
     p.write_text("".join(json.dumps({"schema": "attncheck.watch/1", "step": s, "forwards": 0, "calls": [], "grads": []}) + "\n"
