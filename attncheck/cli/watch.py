@@ -122,14 +122,7 @@ def check_plot_path(plot: str) -> None:
 
     if plot in ("", "-") or not plot.lower().endswith(PLOT_SUFFIX) or len(os.path.basename(plot)) <= len(PLOT_SUFFIX):
         raise AttncheckError(f"--plot takes a file name ending in {PLOT_SUFFIX}, got {params.show(plot)}")
-    check_output_path(plot, "--plot", dash_ok=False)
-    folder = os.path.dirname(os.path.abspath(plot))
-    try:
-        longest = os.pathconf(folder, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        longest = 255
-    if len(os.fsencode(os.path.basename(plot))) > longest:  # refused before the picture is drawn
-        raise AttncheckError(f"cannot write --plot {params.show(plot)}: its name is too long (at most {longest} bytes)")
+    check_output_path(plot, "--plot", dash_ok=False)  # a folder, a missing folder, a name too long: before drawing
 
 
 def _what_if_limits(asked) -> dict[str, float]:
