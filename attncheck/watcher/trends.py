@@ -83,12 +83,6 @@ def series_of(logs) -> list[WatchSeries]:
     return list(out.values())
 
 
-def rolling_growth(steps: Sequence[int], values: Sequence[float | None], window: int) -> np.ndarray:
-    """At each point, ln-slope per step of the positive values among the last ``window`` points
-    (NaN with fewer than MIN_POINTS): least squares, from cumulative sums."""
-    return rolling_fit(steps, values, window)[0]
-
-
 def rolling_fit(steps: Sequence[int], values: Sequence[float | None], window: int) -> tuple[np.ndarray, np.ndarray]:
     """At each point, the ln-slope per step of the positive values among the last ``window`` points
     and its t statistic (slope / standard error; inf for an exact fit), both NaN with fewer than

@@ -19,7 +19,7 @@ import attncheck
 from attncheck.cli import app
 from attncheck.loaders.watchlog import read_watch_log
 from attncheck.watcher import rank_log_path
-from attncheck.watcher.trends import analyse, rolling_growth
+from attncheck.watcher.trends import analyse, rolling_fit
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -145,10 +145,10 @@ def synthetic_log(path, steps, logit_of_step, heads=2, rank=0, world=1, collapse
                                             "limit": {"logit": limit, "what": "S in fp32"}}], "grads": []}) + "\n")
 
 
-def test_rolling_growth_is_least_squares_of_the_logarithm():
+def test_rolling_slope_is_least_squares_of_the_logarithm():
     steps = list(range(1, 41))
     values = [2.0 * math.exp(0.05 * s) * (1 + 0.01 * math.sin(s)) for s in steps]
-    got = rolling_growth(steps, values, 20)
+    got = rolling_fit(steps, values, 20)[0]  # the ln-slope per step
     for i in (19, 30, 39):
         want = np.polyfit(steps[i - 19 : i + 1], np.log(values[i - 19 : i + 1]), 1)[0]
         assert got[i] == pytest.approx(want, rel=1e-9)
