@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attncheck.results import UNEXPLAINED
+from attncheck.results import REAL_BOUND_TOLERANCE, UNEXPLAINED
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -738,11 +738,11 @@ torch.save({n: t.bfloat16() for n, t in dict(q=q, k=k, v=v, do=do).items()}, "qk
         "`attncheck capture` records the gradients the model's kernel really produced, and each is compared "
         "with the backward of the cell the model runs. A disagreement means the backward numbers of that call "
         "cannot be trusted: attncheck does not reproduce this kernel (please report it), or the recorded "
-        "gradients are not the kernel's (a hook changed them). Within 4x of the bound it is an info: a kernel "
+        f"gradients are not the kernel's (a hook changed them). Within {REAL_BOUND_TOLERANCE:g}x of the bound it is an info: a kernel "
         "summing in another order can come near the bound, and the numbers stand.",
         "Per element, |real - cell| above the rounding bound derived from the kernel's (docs/reference/numerics.md, "
         "the backward pass: the dot products of S, dP and D in any order, the forward's exp_u20, the sums kept "
-        "in the dtype), more than 4x (REAL_BOUND_TOLERANCE), or an entry finite in one and not the other.",
+        f"in the dtype), more than {REAL_BOUND_TOLERANCE:g}x (REAL_BOUND_TOLERANCE), or an entry finite in one and not the other.",
         "attncheck's emulation of this kernel's backward does not reproduce the gradients the model really produced: the backward numbers of this call cannot be trusted; please report it with the capture",
         Example("""\
 from pathlib import Path
@@ -765,7 +765,7 @@ with safe_open(grads, "pt") as f:
 tensors["grad_q"] = tensors["grad_q"] * 1.01
 save_file(tensors, grads, meta)
 """, "attncheck run cap --brief --fail-on grad_emulation_mismatch"),
-        severity_note="info where every entry is finite in both and within 4x of the bound", also="info",
+        severity_note=f"info where every entry is finite in both and within {REAL_BOUND_TOLERANCE:g}x of the bound", also="info",
     ),
     # ------------------------------------------------------------------ capture
     Code(
