@@ -218,9 +218,27 @@ class PathSpec:
     # products (flash's P_j times the rescale over l), "the dtype" where P is cast to the dtype;
     # the KL floor is that dtype's smallest subnormal
     probs_in: str = "fp32"
+    # Where it runs: 'cpu' (judged where attncheck runs), 'cuda' (a GPU kernel, emulated on any CPU)
+    device: str = "cpu"
+    # The source its rounding points follow: 'Dao-AILab/flash-attention@<commit> csrc/...'
+    source: str = ""
+    # Where its rounding points are assumed, not read from a source (closed source, a hardware
+    # approximation): said in the report of every cell of the path and in the docs
+    assumed: str | None = None
+    # The captured implementations it stands for (``attncheck.numerics.paths.base.Stands``): a call
+    # recorded as one of them is judged by this path
+    stands_for: tuple = ()
+    # '(facts: CallFacts) -> str | None': why the kernel could not run a call (None: it can); None: any call
+    supports: Impl | None = field(default=None, repr=False)
+    # In the replay of ``--what-if kernels``: a kernel a call could have run under
+    replay: bool = False
 
     def function(self) -> Callable:
         return resolve(self.impl)
+
+    def why_not(self, facts) -> str | None:
+        """Why this kernel could not run a call with these facts (``CallFacts``), or None."""
+        return None if self.supports is None else resolve(self.supports)(facts)
 
 
 PATHS: Registry[PathSpec] = Registry("path")
