@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from attncheck.format import num, pct
-from attncheck.registry import METHODS, PATHS
+from attncheck.registry import METHODS, PATHS, eager_path, fp8_what_if_path
 from attncheck.codes import CAUSES_OF, FIX, SEVERITIES, SEVERITY
 from attncheck.results import (FLASH_RULE_FACTOR, REAL_BOUND_TOLERANCE, UNEXPLAINED, Cell, Finding, TensorDiagnosis,
                                flash_rule_bound)
@@ -213,7 +213,7 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
         hit = [c for c in dtype_cells if c.nan_causes.get("qk_overflow")]
         paths = {c.path for c in dtype_cells if c.path}
         # The audit describes the eager scores; with paths that hold S in fp32 only, nothing computed overflows.
-        if audit.qk_overflow_values and (hit or not paths or "eager" in paths):
+        if audit.qk_overflow_values and (hit or not paths or any(PATHS.get(p).scores == "dtype" for p in paths)):
             limit = diag.limits[d].rounding_limit
             if a.scale_order == "q":
                 verdict = "q is already scaled first"
@@ -285,7 +285,7 @@ def _output_findings(diag: TensorDiagnosis, add) -> None:
     with_out = [c for c in diag.cells if c.out_max_abs_err is not None]
     worse = []
     for c in with_out:
-        ref = next((t for t in with_out if t.dtype == c.dtype and t.path == "eager" and t.method == "torch"), None)
+        ref = next((t for t in with_out if t.dtype == c.dtype and t.path == eager_path() and t.method == "torch"), None)
         if ref is None or c is ref or not ref.out_max_abs_err:
             continue
         if c.out_max_abs_err > flash_rule_bound(ref.out_max_abs_err):
@@ -392,7 +392,7 @@ def _fp8_findings(diag: TensorDiagnosis, add) -> None:
         lim = diag.limits.get(d)
         top = f"{lim.max:g}" if lim else "the format's max"
         clipped = {k: n for k, n in a.fp8_clipped.items() if n}
-        cells = [c for c in diag.cells if c.dtype == d and c.path == "flash-fp8"]
+        cells = [c for c in diag.cells if c.dtype == d and c.path == fp8_what_if_path()]
         if clipped:
             what = ", ".join(f"{n} of {a.fp8_values[k]} {k} value(s) (amax {a.fp8_amax[k]:.4g})" for k, n in clipped.items())
             add("fp8_overflow", f"quantising to {d} with scaling '{a.fp8_scaling}' puts {what} beyond +-{top}: the kernels' satfinite cast clips them to +-{top}", cells)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Generic, Iterator, TypeVar, Union
 
 from attncheck.errors import AttncheckError
+from attncheck.numerics.paths.base import Impl, PathSpec, Stands, resolve
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,6 @@ EVENTS: dict[str, str] = {
     "sum_overflow": "overflow",  # every exp is finite, their row sum is inf
     "underflow": "underflow",  # every exp flushed to 0 although the row had finite scores
 }
-
-Impl = Union[str, Callable]
 
 
 @dataclass(frozen=True)
@@ -82,14 +81,6 @@ class MethodSpec:
 
     def function(self) -> Callable:
         return resolve(self.impl)
-
-
-def resolve(impl: Impl) -> Callable:
-    """An implementation given as the function or as 'module:function', imported on first use."""
-    if callable(impl):
-        return impl
-    module, _, name = impl.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 S = TypeVar("S")
@@ -195,79 +186,23 @@ for _spec in (
 del _spec
 
 
-@dataclass(frozen=True)
-class PathSpec:
-    """An attention implementation from Q, K (and V) to P and O = P@V, with its rounding points.
-
-    ``methods``: the softmax methods it runs (the eager path runs the chosen ones); empty
-    when the path has its own (sdpa-math: torch's _safe_softmax in fp32; flash: the
-    online softmax). ``impl`` computes one block of rows; see ``attncheck.numerics.methods.paths``.
-    """
-
-    name: str
-    summary: str
-    impl: Impl = field(repr=False)
-    runs_methods: bool = False  # True: cells are (path, method) for the chosen eager methods
-    aliases: tuple[str, ...] = ()
-    default: bool = True  # in the default set of Q/K mode
-    scores_in: str = "the dtype"  # where S = Q@K^T lives: says why a path does or does not overflow
-    fp8: bool = False  # computes in the FP8 dtypes (P formats) only; the others in fp16/bf16/fp32 only
-    # The fused kernel the path is (judged by FlashAttention's 2x rule against torch.softmax); None: not a kernel
-    kernel: str | None = None
-    # The dtype its probabilities are in (the eager path: the method's): "fp32" where they are fp32
-    # products (flash's P_j times the rescale over l), "the dtype" where P is cast to the dtype;
-    # the KL floor is that dtype's smallest subnormal
-    probs_in: str = "fp32"
-    # Where it runs: 'cpu' (judged where attncheck runs), 'cuda' (a GPU kernel, emulated on any CPU)
-    device: str = "cpu"
-    # The source its rounding points follow: 'Dao-AILab/flash-attention@<commit> csrc/...'
-    source: str = ""
-    # Where its rounding points are assumed, not read from a source (closed source, a hardware
-    # approximation): said in the report of every cell of the path and in the docs
-    assumed: str | None = None
-    # The captured implementations it stands for (``attncheck.numerics.paths.base.Stands``): a call
-    # recorded as one of them is judged by this path
-    stands_for: tuple = ()
-    # '(facts: CallFacts) -> str | None': why the kernel could not run a call (None: it can); None: any call
-    supports: Impl | None = field(default=None, repr=False)
-    # In the replay of ``--what-if kernels``: a kernel a call could have run under
-    replay: bool = False
-
-    def function(self) -> Callable:
-        return resolve(self.impl)
-
-    def why_not(self, facts) -> str | None:
-        """Why this kernel could not run a call with these facts (``CallFacts``), or None."""
-        return None if self.supports is None else resolve(self.supports)(facts)
-
-
 PATHS: Registry[PathSpec] = Registry("path")
-for _path in (
-    PathSpec("eager", "hand-written attention (HF eager): Q@K^T rounded to the dtype, scale and mask in the dtype, "
-             "the chosen softmax, P@V in the dtype", "attncheck.numerics.methods.paths:eager", runs_methods=True),
-    PathSpec("sdpa-math", "PyTorch SDPA's math backend: fp16/bf16 upcast to fp32, q and k scaled by sqrt(scale) each, "
-             "_safe_softmax (zeros for fully masked rows), O cast back to the dtype", "attncheck.numerics.methods.paths:sdpa_math",
-             aliases=("math",), scores_in="fp32, from q and k each scaled by sqrt(scale)"),
-    PathSpec("flash", "FlashAttention-2 forward: S in fp32, online softmax over key blocks, P rounded to the dtype "
-             "before P@V, O in fp32 divided by l at the end, zeros for fully masked rows", "attncheck.numerics.methods.paths:flash",
-             scores_in="fp32 registers", kernel="FlashAttention-2's forward"),
-    PathSpec("flash-fp8", "FlashAttention-3's FP8 forward: e4m3 Q, K, V with descales (--fp8-scaling, --incoherent), S in "
-             "fp32, key blocks last to first, P scaled by --p-scale (2^8) and cast to FP8, O in fp32 then bf16",
-             "attncheck.numerics.methods.fp8_attention:flash_fp8", scores_in="fp32 from FP8 q and k", fp8=True,
-             kernel="FlashAttention-3's FP8 forward"),
-    PathSpec("sage", "SageAttention 2 (SM90): K smoothed, Q and K in INT8 per thread group, P scaled by 448 and cast to "
-             "FP8, V in FP8 per channel, key blocks first to last, O in bf16", "attncheck.numerics.methods.fp8_attention:sage",
-             scores_in="fp32 from INT8 q and k", fp8=True, kernel="SageAttention 2"),
-    PathSpec("flex", "FlexAttention's fused kernel (torch.compile'd flex_attention): S in fp32, the score_mod and mask "
-             "in fp32, online softmax over key blocks, O in fp32 then the dtype, zeros for rows with no key",
-             "attncheck.numerics.methods.paths:flex", default=False, scores_in="fp32 (the score_mod applied in fp32)",
-             kernel="FlexAttention's fused forward"),
-    PathSpec("flex-math", "FlexAttention without torch.compile: S in fp32, the score_mod and mask in fp32, _safe_softmax "
-             "in fp32, P cast to the dtype, P@V in the dtype", "attncheck.numerics.methods.paths:flex_math", default=False,
-             scores_in="fp32 (the score_mod applied in fp32)", probs_in="the dtype"),
-):
-    PATHS.register(_path)
-del _path
+# One line per path: the module attncheck.numerics.paths.<name> declares its PATH (see that package).
+PATH_MODULES = ("eager", "sdpa_math", "flash", "flash_fp8", "sage", "flex", "flex_math")
+for _module in PATH_MODULES:
+    PATHS.register(importlib.import_module(f"attncheck.numerics.paths.{_module}").PATH)
+del _module
+
+
+def eager_path() -> str:
+    """The path of hand-written attention (the one that runs the softmax methods)."""
+    return next(spec.name for spec in PATHS if spec.runs_methods)
+
+
+def fp8_what_if_path() -> str:
+    """The FP8 kernel an FP8 what-if runs and --fp8-scaling quantises for: the first FP8 path
+    registered (FlashAttention-3's)."""
+    return next(spec.name for spec in PATHS if spec.fp8)
 
 
 def path_names(where: Callable[[PathSpec], bool] = lambda spec: True) -> tuple[str, ...]:

@@ -22,8 +22,11 @@ TORCH_FREE = [
     "attncheck.report.run", "attncheck.report.sweep", "attncheck.report.check", "attncheck.report.progress", "attncheck.report.model",
     "attncheck.cli", "attncheck.cli.common", "attncheck.cli.options", "attncheck.cli.run", "attncheck.cli.sweep", "attncheck.cli.check",
     "attncheck.cli.capture", "attncheck.cli.explain", "attncheck.report.reference", "attncheck.report.diagnostics", "attncheck.report.summary", "attncheck.report.fit", "attncheck.cli.docs",
-    "attncheck.numerics", "attncheck.numerics.sweep.theory", "attncheck.pipelines",
+    "attncheck.numerics", "attncheck.numerics.sweep.theory", "attncheck.pipelines", "attncheck.numerics.paths.base",
 ]
+# Each path module declares its spec beside its numerics and is read when the CLI starts: torch only inside functions
+TORCH_FREE += [f"attncheck.numerics.paths.{name}" for name in
+               __import__("attncheck.registry", fromlist=["PATH_MODULES"]).PATH_MODULES]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
@@ -78,6 +81,8 @@ def test_layers_import_only_downwards(path):
     wrong = sorted(m for m in imports_of(path) if layer_of(m) in bad)
     if layer == "report":  # the sweep report shows the theory beside the measurements (pure math, no torch)
         wrong = [m for m in wrong if not m.startswith("attncheck.numerics.sweep.theory")]
+    if layer == "registry":  # the paths' specs (torch-free types), declared in their numerics modules
+        wrong = [m for m in wrong if not m.startswith("attncheck.numerics.paths.base")]
     if layer == "numerics" or layer == "loaders":
         wrong = [m for m in wrong if m != "attncheck.config.run" and not m.startswith("attncheck.config.run.")]
     assert not wrong, f"{module} ({layer}) imports {wrong}"

@@ -27,7 +27,7 @@ from attncheck.config.sweep import DEFAULT_MAX_WORK, DIST_NAMES, head_layout, ma
 from attncheck.errors import AttncheckError
 from attncheck.format import size_text
 from attncheck.params import ORDERS, Scale, show
-from attncheck.registry import DTYPES, PATHS, cell_dtype, dtype_names
+from attncheck.registry import DTYPES, PATHS, cell_dtype, dtype_names, eager_path
 from attncheck.results import BUDGET_NAMES, COUNT_BUDGETS, LOWER_BUDGETS, RELATIVE_BUDGETS, Budget
 
 if TYPE_CHECKING:
@@ -401,7 +401,7 @@ def _check_output_budgets(config: CheckConfig) -> None:
     relative = [n for n in RELATIVE_BUDGETS if any(getattr(b, n) is not None for b in budgets)]
     if relative:
         for spec in config.synthetic:
-            if spec.paths and "eager" not in spec.paths:
+            if spec.paths and eager_path() not in spec.paths:
                 raise AttncheckError(
                     f"{config.key('budget.' + relative[0])} compares each cell with torch.softmax on the eager path: "
                     f"add \"eager\" to {config.key('synthetic')}[{spec.index}].paths"

@@ -43,6 +43,7 @@ from pathlib import Path
 from attncheck import __version__, params
 from attncheck.errors import AttncheckError
 from attncheck.wrappers import model_path, wrapped_modules
+from attncheck.registry import eager_path
 
 WATCH_SCHEMA = "attncheck.watch/1"
 
@@ -331,7 +332,7 @@ class Watch:
             stats = scores_stats(t["scores_mod"], t["q"], k)
             out = t.get("out")  # flex gives 0 on a row with no key: NaN or inf rows are the output's
             stats.nonfinite_rows = (~torch.isfinite(out.sum(dim=-1, dtype=torch.float32))).sum() if out is not None else stats.nonfinite_rows * 0
-            scale, path = _number(meta.get("scale")) or 1.0, "flex-math" if meta.get("flex_impl") == "math" else "flex"
+            scale, path = _number(meta.get("scale")) or 1.0, _kernel_path(call)
             limit_logit, what = _limit("float32", 1.0, f"the logits after {meta.get('score_mod', 'score_mod')} in fp32")
         elif call.kind in ("sdpa", "flex"):
             scale = _number(meta.get("scale"))
@@ -339,8 +340,7 @@ class Watch:
             # are those autograd holds for the backward anyway
             stats = (t["q"], t["k"], t.get("out"), t.get("attn_mask"), scale, meta.get("is_causal") == "true")
             scale = scale if scale is not None else 1.0 / math.sqrt(t["q"].shape[-1])
-            path = {"math": "sdpa-math"}.get(meta.get("sdpa_backend", ""), "flash") if call.kind == "sdpa" else \
-                ("flex-math" if meta.get("flex_impl") == "math" else "flex")
+            path = _kernel_path(call)
             limit_logit, what = _limit("float32", 1.0, "S = Q@K^T in fp32 (SDPA's kernels)")
         else:
             scores, q, k = t["scores"], t.get("q"), t.get("k")
@@ -352,7 +352,7 @@ class Watch:
                 k = None if k is None or k.dim() != 3 else k.reshape(-1, h, *k.shape[1:])
             stats = scores_stats(scores, q, k)
             traced = _number(meta.get("scale")) if meta.get("scale_source") == "traced" and meta.get("q_prescaled") != "true" else None
-            scale, path = traced or 1.0, "eager"
+            scale, path = traced or 1.0, eager_path()
             limit_logit, what = _limit(dtype, scale, "S = Q@K^T" + (" (before the scale)" if traced else "") + f" in {_label(dtype)}")
         named = self._prefix is not None or self._nested
         module = model_path(call.module, self._prefix, self._name) if named else call.module
@@ -513,6 +513,17 @@ def _scalars(writer, record: dict) -> None:
             writer.add_scalar(f"{t}/grad_max_abs", g["max_abs"], step)
     if record["loss"] is not None:
         writer.add_scalar("attncheck/loss", record["loss"], step)
+
+
+def _kernel_path(call) -> str:
+    """The path of the kernel that ran a watched SDPA or flex call (as a capture's report judges it)."""
+    from attncheck.numerics.cells.plan import model_path
+    from attncheck.results import CallInfo
+
+    meta = call.meta
+    info = CallInfo(index=0, name="", kind=call.kind, meta=meta, dtype=meta.get("dtype"), is_causal=meta.get("is_causal") == "true",
+                    dropout_p=_number(meta.get("dropout_p")) or 0.0)
+    return model_path(info) or eager_path()
 
 
 def _number(x) -> float | None:

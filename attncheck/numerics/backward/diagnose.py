@@ -16,8 +16,24 @@ from attncheck.numerics.backward import paths as bw
 from attncheck.numerics.inputs.scores import AttentionInputs
 from attncheck.numerics.precision import cast, dtype_from_name, rounding_limit, smallest_subnormal, ulp
 from attncheck.results import GRAD_CAUSES, CellBackward, GradStats
+from attncheck.registry import PATHS
 
-BACKWARD_PATHS = ("eager", "sdpa-math", "flash")  # paths with a backward (the FP8 kernels have none)
+
+
+def has_backward(path: str | None) -> bool:
+    """A path with a backward (``PathSpec.backward``; the FP8 and flex kernels have none)."""
+    return path is not None and PATHS.get(path).backward is not None
+
+
+def backward_of(cell: "BackwardCell") -> str:
+    """The backward algorithm of a cell's path: 'eager', 'math' or 'flash'."""
+    return PATHS.get(cell.path).backward or ""
+
+
+def cpu_blocks(cell: "BackwardCell", grads: "GradInputs") -> bool:
+    """The CPU flash kernel's backward, with its sums rounded to the dtype per block: a flash backward
+    of a path that runs on the CPU, for gradients not recorded on a GPU."""
+    return backward_of(cell) == "flash" and PATHS.get(cell.path).device == "cpu" and grads.device_type != "cuda"
 MAX_EXAMPLES = 5
 
 
@@ -26,7 +42,7 @@ class BackwardCell:
     """A cell whose backward is asked: a path and dtype, and for eager how the model applied its
     mask and in which dtype its softmax ran."""
 
-    path: str  # eager, sdpa-math or flash
+    path: str  # a path with a backward (``has_backward``)
     dtype: str
     mask_op: str = "add"  # eager: 'add' or 'fill'
     softmax_dtype: str | None = None  # eager: torch.softmax(..., dtype=)
@@ -156,7 +172,7 @@ def _without_recorded(hb: bw.HeadBlock) -> bw.HeadBlock:
 
 def _is_baseline(cell: BackwardCell) -> bool:
     """Plain attention in the cell's own dtype (eager, softmax in the dtype): the 2x rule's yardstick."""
-    return cell.path == "eager" and cell.softmax_dtype in (None, cell.dtype) and cell.scores_dtype in (None, cell.dtype)
+    return backward_of(cell) == "eager" and cell.softmax_dtype in (None, cell.dtype) and cell.scores_dtype in (None, cell.dtype)
 
 
 def _unit_roundoff(dt: torch.dtype) -> float:
@@ -198,27 +214,29 @@ def _group_sum(t: torch.Tensor, groups: int, held: torch.dtype | None, dt: torch
 
 
 def _run_path(cell: BackwardCell, hb: bw.HeadBlock, dt: torch.dtype, grads: GradInputs, exact: bool = True, terms: bool = False) -> bw.PathGrads:
-    if cell.path == "eager":
+    kind = backward_of(cell)
+    if kind == "eager":
         sd = None if cell.softmax_dtype is None else dtype_from_name(cell.softmax_dtype)
         s_dt = None if cell.scores_dtype is None else dtype_from_name(cell.scores_dtype)
         return bw.eager(hb, dt, cell.mask_op, sd, s_dt, exact=exact, terms=terms)
-    if cell.path == "sdpa-math":
+    if kind == "math":
         return bw.sdpa_math(hb, dt, terms=terms)
-    return bw.flash(hb, dt, blocks=grads.device_type != "cuda", terms=terms)
+    return bw.flash(hb, dt, blocks=cpu_blocks(cell, grads), terms=terms)
 
 
 def _how(cell: BackwardCell, dt: torch.dtype, grads: GradInputs) -> str:
-    if cell.path == "eager":
+    kind = backward_of(cell)
+    if kind == "eager":
         parts = ["mask filled (masked_fill)" if cell.mask_op == "fill" else "mask added"]
         if cell.scores_dtype and cell.scores_dtype != cell.dtype:
             parts.append(f"matmuls in {cell.dtype}, scores in {cell.scores_dtype}")
         if cell.softmax_dtype and cell.softmax_dtype != (cell.scores_dtype or cell.dtype):
             parts.append(f"softmax in {cell.softmax_dtype}")
         return ", ".join(parts)
-    if cell.path == "flash":
+    if kind == "flash":
         if dt == torch.float32:
             return "sums in fp32"
-        return "sums in fp32, rounded once (CUDA)" if grads.device_type == "cuda" else f"sums rounded to {cell.dtype} per block (CPU kernel)"
+        return f"sums rounded to {cell.dtype} per block (CPU kernel)" if cpu_blocks(cell, grads) else "sums in fp32, rounded once (CUDA)"
     return "fp32 inside" if dt != torch.float32 else ""
 
 
@@ -315,7 +333,7 @@ def _share_dtype(cell: BackwardCell, pg: bw.PathGrads, dt: torch.dtype, grads: G
     """The dtype a query head's share of a kv head's dK, dV is held in before the group sum: the
     dtype itself on the eager path (repeat_kv's autograd) and in the CPU flash kernel (which adds each
     head's share into the kv head's gradient in the dtype); fp32 in the math SDPA and on CUDA."""
-    if cell.path == "eager" or (cell.path == "flash" and grads.device_type != "cuda"):
+    if backward_of(cell) == "eager" or cpu_blocks(cell, grads):
         return dt
     return pg.group_sum_dtype or dt
 
@@ -382,7 +400,7 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     """
     u = _unit_roundoff(dt)
     u32 = _unit_roundoff(torch.float32)
-    low = dt != torch.float32 and cell.path in ("flash", "eager")  # P and dS rounded to the dtype for the products
+    low = dt != torch.float32 and backward_of(cell) in ("flash", "eager")  # P and dS rounded to the dtype for the products
     u_low = u if low else 0.0
     step = smallest_subnormal(dt)
     gq, gk, gv = cell_grads
@@ -403,7 +421,7 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     err_ds = tm.p * ((rel_p + 4 * u32 + 2 * u_low) * tm.dsd + (g2(max(dv, tk)) + 2 * u_h) * (f + e))
     err_p = tm.p * (rel_p + 2 * u_low)
     ds_abs = tm.p * tm.dsd
-    blocked = cell.path == "flash" and grads.device_type != "cuda" and dt != torch.float32
+    blocked = cpu_blocks(cell, grads) and dt != torch.float32
     r_q = math.ceil(tk / bw.FLASH_KV_BLOCK) if blocked else 1
     r_kv = math.ceil(tq / bw.flash_q_block(tq)) if blocked else 1
     shares = 2 * u * (r_kv + 1) if groups > 1 else 0.0  # each head's share rounded before the group sum: on T, linear

@@ -21,6 +21,7 @@ from attncheck.errors import AttncheckError
 from attncheck.findings import counted_rows
 from attncheck.loaders import TensorSource, memory_source
 from attncheck.numerics.cells.diagnose import check_scores, diagnose_chunks, resolve_device, rows_per_chunk
+from attncheck.registry import PATHS, eager_path
 from attncheck.numerics.precision import cast, dtype_from_name
 from attncheck.numerics.reduce import unravel
 from attncheck.numerics.methods.softmax import reference_softmax, run_method
@@ -236,7 +237,7 @@ def check_attention(
     seconds = time.perf_counter() - start
     cases = []
     for cell in diag.cells:
-        if cell.path == "eager" and cell.method not in shown:
+        if cell.path is not None and PATHS.get(cell.path).runs_methods and cell.method not in shown:
             continue
         b = per_dtype[cell.dtype]
         torch_cell = _eager_torch(diag, cell.dtype) if _relative(b) else None
@@ -253,7 +254,7 @@ def _relative(budget: Budget) -> bool:
 
 def _eager_torch(diag: TensorDiagnosis, dtype: str) -> Cell | None:
     try:
-        return diag.cell("torch", dtype, path="eager")
+        return diag.cell("torch", dtype, path=eager_path())
     except KeyError:
         return None
 

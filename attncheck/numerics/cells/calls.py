@@ -30,6 +30,7 @@ from attncheck.model import head_findings
 from attncheck.numerics.cells.plan import CellKey, cell_dtype_name, grid, known_implementation, model_cell, what_if_cells
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
 from attncheck.results import CallInfo, CellLimit, CallReport, HeadStat, TensorDiagnosis
+from attncheck.registry import PATHS, eager_path
 
 QK_KINDS = ("sdpa", "qk", "flex")
 GRAD_ROLES = ("grad_out", "grad_q", "grad_k", "grad_v")  # a call's output gradient and the gradients its kernel produced
@@ -189,7 +190,7 @@ def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: Tens
             # the matmuls ran in autocast's dtype where it was on, else in v's; the softmax on the scores as recorded
             autocast = cell_dtype_name(info.meta.get("autocast_dtype"))
             matmuls = autocast or cell_dtype_name(dtype_label(tensors["v"].dtype)) or info.dtype
-            own = (BackwardCell("eager", matmuls, mask_op, info.softmax_dtype, info.dtype if info.dtype != matmuls else None, model=True), used)
+            own = (BackwardCell(eager_path(), matmuls, mask_op, info.softmax_dtype, info.dtype if info.dtype != matmuls else None, model=True), used)
         else:
             own = (BackwardCell(model.path, model.dtype, model=True), used)
     # Dropout's random mask is not recorded: the cells are judged without it, and the gradients the
@@ -225,7 +226,7 @@ def attach_backward(diag: TensorDiagnosis, what: TensorDiagnosis | None, inputs,
     (eager with torch.softmax, its mask applied as ``mask_op`` says; sdpa-math; flash) in fp16, bf16
     or fp32. Fills ``Cell.backward`` and adds the backward findings to the diagnosis holding the cell."""
     from attncheck.findings import backward_findings
-    from attncheck.numerics.backward.diagnose import BACKWARD_PATHS, BackwardCell, diagnose_backward
+    from attncheck.numerics.backward.diagnose import BackwardCell, diagnose_backward, has_backward
 
     wanted: dict = {}  # BackwardCell -> the forward cell it belongs to
     if own is not None:
@@ -233,8 +234,8 @@ def attach_backward(diag: TensorDiagnosis, what: TensorDiagnosis | None, inputs,
     asked = [] if own is not None else list(diag.cells)
     asked += [] if what is None else list(what.cells)
     for c in asked:
-        if c.path in BACKWARD_PATHS and (c.path != "eager" or c.method == "torch") and c.dtype in ("fp16", "bf16", "fp32"):
-            wanted[BackwardCell(c.path, c.dtype, mask_op if c.path == "eager" else "add")] = c
+        if has_backward(c.path) and (not PATHS.get(c.path).runs_methods or c.method == "torch") and c.dtype in ("fp16", "bf16", "fp32"):
+            wanted[BackwardCell(c.path, c.dtype, mask_op if PATHS.get(c.path).runs_methods else "add")] = c
     if not wanted:
         return
     results = diagnose_backward(inputs, grads, list(wanted), options.chunk_elements)
@@ -472,7 +473,7 @@ def _head_stats(info: CallInfo, inputs, diag: TensorDiagnosis, cell, model: Cell
         q_max, k_max = qk_maxima(inputs)
         kv = kv_heads(inputs)
         compute = cell_dtype_name(info.dtype)
-        eager = model is None or model.path in (None, "eager")
+        eager = model is None or model.path is None or PATHS.get(model.path).scores == "dtype"
         inf_seen = cell is not None and (cell.nan_causes.get("inf_input") or cell.nan_causes.get("qk_overflow"))
         capped = diag.attention is not None and diag.attention.softcap is not None and diag.attention.softcap.overflow
         if compute is not None and (inf_seen or (eager and diag.census.posinf) or capped):

@@ -137,7 +137,7 @@ def diagnose_chunks(
         raise AttncheckError(_no_cell(options, qk))
     fp8 = set(fp8_names())
     # headroom per dtype: the scores each dtype's cells hold (given scores cast; eager's S)
-    census = CensusAcc(tuple(dict.fromkeys(c.dtype for c in plan if c.dtype not in fp8 and (not qk or c.path == "eager"))))
+    census = CensusAcc(tuple(dict.fromkeys(c.dtype for c in plan if c.dtype not in fp8 and (not qk or PATHS.get(c.path).scores == "dtype"))))
     dist = DistAcc(options.collapse_threshold)
     heads = tuple(shape[:-2]) if len(shape) >= 3 else ()  # (batch, heads, ...) of (..., queries, keys)
     queries = shape[-2] if heads else 1
@@ -250,16 +250,17 @@ def _path_stage(block: "QKBlock", c: ChunkFacts, path: str, d: str, keys, option
     fp8 = d in fp8_names()
     dt = dtype_from_name(d)
     params_d = _fp8_params(method_params, options, d) if fp8 else replace(method_params, online=backend.online)
-    pb = PATHS.get(path).function()(block, dt, [k.method for k in keys], params_d)
-    if path == "eager":
+    spec = PATHS.get(path)
+    pb = spec.function()(block, dt, [k.method for k in keys], params_d)
+    if spec.scores == "dtype":
         census.update_headroom(d, c, *_extremes_in_dtype(block, c, pb.scores))
     algo = backend.algo_reference(pb.scores)
     causes = [("input_nan", c.nan), ("inf_input", c.posinf), *pb.before, ("fully_masked", c.all_masked), *pb.after]
-    in_dtype = PATHS.get(path).probs_in == "the dtype"
+    in_dtype = spec.probs_in == "the dtype" and not spec.runs_methods
     for m, out in pb.cells:
-        held = (in_dtype or path == "eager" and METHODS.get(m).output == "dtype") and not fp8
+        held = (in_dtype or spec.runs_methods and METHODS.get(m).output == "dtype") and not fp8
         _check_output(m, out, dt if held else torch.float32, pb.scores.shape)
-    fused = [METHODS.get(m).fused if path == "eager" else True for m, _ in pb.cells]
+    fused = [METHODS.get(m).fused if spec.runs_methods else True for m, _ in pb.cells]
     metrics = _cell_metrics(backend, plain, c, fused, [o.probs for _, o in pb.cells], algo, d == "fp32")
     tied = out_algo = None
     if block.v is not None:
@@ -305,11 +306,12 @@ def cell_limit(key: CellKey, input_dtype: torch.dtype, census, spread: float | N
         return CellLimit("exp_overflow", exp_overflow_threshold(dt), value, f"exp(x) = inf in {d} for x > {exp_overflow_threshold(dt):.4g}")
     if key.path is not None and audit is not None:
         raw = audit.raw_max_abs
-        if key.path == "eager":
+        how = PATHS.get(key.path).scores
+        if how == "dtype":
             value = raw * audit.scale if audit.scale_order == "q" else raw
             return CellLimit("qk_overflow", rounding_limit(dt), value, f"S = Q@K^T in {d} rounds to inf at |S| >= {rounding_limit(dt):.6g}")
         s32 = rounding_limit(torch.float32)
-        value = raw * audit.scale if key.path == "sdpa-math" else raw
+        value = raw * audit.scale if how == "fp32-split" else raw
         return CellLimit("qk_overflow", s32, value, f"S = Q@K^T in fp32 rounds to inf at |S| >= {s32:.6g}")
     if key.path is None and rounding_limit(dt) < rounding_limit(input_dtype):
         return CellLimit("cast_overflow", rounding_limit(dt), census.max, f"scores cast to {d} round to inf at |x| >= {rounding_limit(dt):.6g}")

@@ -20,13 +20,11 @@ from dataclasses import dataclass
 
 from attncheck.config.run import Options
 from attncheck.params import WHAT_IF_ALL, WHAT_IF_FP8
-from attncheck.registry import DTYPES, METHODS, PATHS, cell_dtype, dtype_names, fp8_names, method_names, path_names
+from attncheck.numerics.paths.base import CallFacts
+from attncheck.registry import (DTYPES, METHODS, PATHS, cell_dtype, dtype_names, eager_path, fp8_names, fp8_what_if_path,
+                                method_names, path_names)
 from attncheck.results import ASKED, MODEL, WHAT_IF, CallInfo
 
-# torch.nn.attention.SDPBackend names (as the capture records them) -> the path that computes as it does.
-# The fused kernels (flash, memory-efficient, cuDNN) hold S, the running max and sum in fp32 and round
-# P to the dtype before P@V: the flash path. The math backend upcasts: sdpa-math.
-SDPA_BACKENDS = {"flash_attention": "flash", "efficient_attention": "flash", "cudnn_attention": "flash", "math": "sdpa-math"}
 EAGER_SOFTMAX = "torch"  # the softmax hand-written attention calls (torch.softmax / F.softmax)
 
 
@@ -74,8 +72,9 @@ def stages(cells: list[CellKey]) -> list[tuple[str | None, str, list[CellKey]]]:
 
 
 def known_implementation(info: CallInfo) -> bool:
-    """A captured SDPA, softmax or flex call says what it ran; q/k files and plain scores do not."""
-    return info.kind in ("sdpa", "softmax", "flex")
+    """A captured call (SDPA, softmax, flex, a flash-attn function) says what it ran; q/k files and
+    plain scores do not."""
+    return info.kind not in ("qk", "scores", "unknown")
 
 
 def cell_dtype_name(name: str | None) -> str | None:
@@ -85,20 +84,92 @@ def cell_dtype_name(name: str | None) -> str | None:
     return DTYPES.get(name).name
 
 
-def sdpa_path(info: CallInfo) -> str:
-    """The path of an SDPA call: the backend PyTorch chose for it where the capture recorded it
-    (``torch._fused_sdp_choice`` at the call), else flash, or sdpa-math with dropout (PyTorch's CPU
-    flash kernel takes no dropout)."""
-    backend = info.meta.get("sdpa_backend", "")
-    if backend in SDPA_BACKENDS:
-        return SDPA_BACKENDS[backend]
-    return "sdpa-math" if info.dropout_p > 0 else "flash"
+def call_device(info: CallInfo) -> str:
+    """The device type a captured call ran on ('cuda', 'cpu'), '' where the capture did not say."""
+    return info.meta.get("device", "").split(":")[0]
 
 
-def flex_path(info: CallInfo) -> str:
-    """A flex call's path: 'flex' (the fused kernel) where it ran inside torch.compile'd code (as
-    transformers runs it), 'flex-math' where flex_attention ran without torch.compile."""
-    return "flex-math" if info.meta.get("flex_impl") == "math" else "flex"
+def recorded_implementation(info: CallInfo) -> str:
+    """What the capture recorded about the implementation that ran a call: the SDPA backend PyTorch
+    chose ('flash_attention'), a flex call's implementation ('compiled', 'math'), a flash-attn
+    package function ('flash_attn_func'); '' where it recorded none."""
+    if info.kind == "sdpa":
+        return info.meta.get("sdpa_backend", "") or ""
+    if info.kind == "flex":
+        return info.meta.get("flex_impl", "") or "compiled"
+    return info.meta.get("flash_fn", "") or ""
+
+
+def _shapes(info: CallInfo) -> dict[str, list[int]]:
+    import json
+
+    try:
+        shapes = json.loads(info.meta.get("shapes", "") or "{}")
+    except ValueError:
+        return {}
+    return shapes if isinstance(shapes, dict) else {}
+
+
+def _capability(text: str) -> tuple[int, int] | None:
+    major, _, minor = (text or "").partition(".")
+    return (int(major), int(minor or 0)) if major.isdigit() and (minor or "0").isdigit() else None
+
+
+def call_facts(info: CallInfo, dtype: str) -> CallFacts:
+    """The facts of a call a kernel's support depends on, from what the capture recorded (its
+    tensors' shapes, mask, dropout, device); a fact not recorded is left at what any kernel takes."""
+    shapes = _shapes(info)
+    q, k, v = shapes.get("q") or [], shapes.get("k") or [], shapes.get("v") or []
+    score = list(info.shape)
+    tq = score[-2] if len(score) >= 2 else (q[-2] if len(q) >= 2 else 0)
+    tk = score[-1] if score else (k[-2] if len(k) >= 2 else 0)
+    d = q[-1] if q else 0
+    mask = "explicit" if "mask" in shapes else ("causal" if info.is_causal else "none")
+    gqa = len(q) >= 3 and len(k) >= 3 and k[-3] < q[-3]
+    softcap = info.meta.get("softcap", "")
+    window = info.meta.get("window", "")
+    return CallFacts(dtype=dtype, head_dim=d, head_dim_v=v[-1] if v else d, tq=tq, tk=tk, mask=mask,
+                     dropout=info.dropout_p, capability=_capability(info.meta.get("capability", "")), gqa=gqa,
+                     softcap=_number(softcap), window=_window(window), flex=info.kind == "flex")
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value if value > 0 else None
+
+
+def _window(text: str) -> tuple[int, int] | None:
+    left, _, right = (text or "").partition(",")
+    try:
+        pair = (int(left), int(right))
+    except ValueError:
+        return None
+    return None if pair[0] < 0 and pair[1] < 0 else pair
+
+
+def model_path(info: CallInfo, dtype: str | None = None) -> str | None:
+    """The path of the kernel that ran a captured call: among the paths that stand for what the capture
+    recorded (``PathSpec.stands_for``: the call's kind, the implementation it recorded, its device), the one
+    that names the call most exactly and could run it; None for a call no path stands for (softmax, scores).
+
+    SDPA: the backend PyTorch chose for it where the capture recorded it (``torch._fused_sdp_choice``), on
+    the device it ran on (a capture made on a GPU is judged by the GPU kernel's path on any machine); else
+    the CPU flash kernel, or the math path with dropout. Flex: FlexAttention's fused kernel where the
+    program compiled it, its math path where flex_attention ran without torch.compile."""
+    kind, impl, device = info.kind, recorded_implementation(info), call_device(info)
+    found = [(i, spec, st) for i, spec in enumerate(PATHS) for st in spec.stands_for if st.matches(kind, impl, device)]
+    if not found:
+        return None
+    found.sort(key=lambda t: (-t[2].exactness(), t[0]))
+    facts = call_facts(info, dtype or cell_dtype_name(info.dtype) or "fp32")
+    for _, spec, st in found:
+        if not st.fallback and spec.why_not(facts) is None:
+            return spec.name
+    fallback = [spec for _, spec, st in found if st.fallback]
+    return (fallback or [found[0][1]])[0].name
 
 
 def model_cell(info: CallInfo) -> CellKey | None:
@@ -119,15 +190,11 @@ def model_cell(info: CallInfo) -> CellKey | None:
     if dtype is None:
         return None
     role = MODEL if known_implementation(info) else ASKED
-    if info.kind == "sdpa":
-        path = sdpa_path(info)
-        return CellKey(path, path, dtype, role)
-    if info.kind == "flex":
-        path = flex_path(info)
-        return CellKey(path, path, dtype, role)
-    if info.kind == "qk":
-        return CellKey("eager", EAGER_SOFTMAX, dtype, role)
-    return CellKey(None, EAGER_SOFTMAX, dtype, role)
+    path = model_path(info, dtype)
+    if path is None:
+        return CellKey(None, EAGER_SOFTMAX, dtype, role)
+    spec = PATHS.get(path)
+    return CellKey(path, EAGER_SOFTMAX if spec.runs_methods else path, dtype, role)
 
 
 def what_if_cells(info: CallInfo, qk: bool, dtypes: tuple[str, ...] = (), options: Options | None = None) -> list[CellKey]:
@@ -147,17 +214,18 @@ def what_if_cells(info: CallInfo, qk: bool, dtypes: tuple[str, ...] = (), option
         cells += grid(every, qk, WHAT_IF)
     else:
         fp8 = set(fp8_names())
-        own = (model.path or "eager") if qk and model is not None else None
+        eager, fp8_path = eager_path(), fp8_what_if_path()
+        own = (model.path or eager) if qk and model is not None else None
         for d in dtypes:
             if d in fp8:
-                cells.append(CellKey("flash-fp8", "flash-fp8", d, WHAT_IF) if qk else CellKey(None, "tiled", d, WHAT_IF))
+                cells.append(CellKey(fp8_path, fp8_path, d, WHAT_IF) if qk else CellKey(None, "tiled", d, WHAT_IF))
                 continue
             if not qk:
                 cells.append(CellKey(None, EAGER_SOFTMAX, d, WHAT_IF))
                 continue
-            if own is not None and own != "eager":
+            if own is not None and not PATHS.get(own).runs_methods:
                 cells.append(CellKey(own, own, d, WHAT_IF))
-            cells.append(CellKey("eager", EAGER_SOFTMAX, d, WHAT_IF))
+            cells.append(CellKey(eager, EAGER_SOFTMAX, d, WHAT_IF))
     if options is not None:
         cells += grid(options, qk, WHAT_IF)
     out: list[CellKey] = []
@@ -173,5 +241,5 @@ def _is_model(c: CellKey, model: CellKey, qk: bool) -> bool:
     eager path with torch.softmax in its dtype."""
     if c.same_cell(model):
         return True
-    return qk and model.path is None and (c.path, c.method, c.dtype) == ("eager", model.method, model.dtype)
+    return qk and model.path is None and (c.path, c.method, c.dtype) == (eager_path(), model.method, model.dtype)
 

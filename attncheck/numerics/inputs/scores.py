@@ -31,6 +31,7 @@ from attncheck.results import AttentionAudit, DtypeAudit
 if TYPE_CHECKING:
     from attncheck.loaders import TensorSource
     from attncheck.numerics.backends import ChunkFacts
+    from attncheck.numerics.paths.base import PathSpec
 
 
 def scale_value(scale: str | params.Scale, d: int) -> float:
@@ -461,22 +462,23 @@ class QKBlock:
     def _mask_planes(self, dt: torch.dtype, value: str | None = None):
         return mask_planes(self.mask_float, self.masked, dt, value or self.inp.mask_value)
 
-    def fp32_scores(self, dt: torch.dtype, path: str):
+    def fp32_scores(self, dt: torch.dtype, path: "PathSpec"):
         """The scores a fused kernel computes from Q and K in ``dt``, in float32, and the causes
         before 'fully_masked': (scores (r, Tk) float32, causes).
 
-        'sdpa-math' (PyTorch's math backend): fp16/bf16 q and k upcast to fp32, each scaled by
-        sqrt(scale), then q @ k^T. 'flash', 'flex', 'flex-math': q and k in dt, S = q @ k^T
-        accumulated in fp32, times the scale in fp32 (flex with a score_mod: its logits after the
-        mod, as recorded). Either way the mask, as the model holds it in dt, is added in fp32.
+        A path whose ``scores`` is 'fp32-split' (PyTorch's math backend): fp16/bf16 q and k upcast
+        to fp32, each scaled by sqrt(scale), then q @ k^T. 'fp32' (the fused kernels): q and k in
+        dt, S = q @ k^T accumulated in fp32, times the scale in fp32; a path that reads flex's
+        ``logits``: its logits after the score_mod where the call recorded them. Either way the
+        mask, as the model holds it in dt, is added in fp32.
         """
         inp = self.inp
-        if inp.logits32 is not None and path in ("flex", "flex-math"):  # flex's own fp32 logits after its score_mod
+        if inp.logits32 is not None and path.logits:  # flex's own fp32 logits after its score_mod
             flat = self._slice4(inp.logits32, *self.rows, self.given.device).reshape(-1, self.given.shape[-1])
             none = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
             return flat, [("qk_overflow", none), ("mask_sentinel", none)]
         qd, kd = cast(self.q, dt).float(), cast(self.k, dt).float()
-        if path == "sdpa-math":
+        if path.scores == "fp32-split":
             root = math.sqrt(inp.scale)
             s = torch.matmul(qd * root, kd.transpose(-1, -2) * root)  # (n, tq, Tk)
         else:

@@ -1,43 +1,7 @@
-"""FP8 attention paths: FlashAttention-3's FP8 forward and SageAttention 2, each with its
-rounding points, from Q, K and V given in high precision.
-
-``flash-fp8`` follows FlashAttention-3's hopper kernel (Dao-AILab/flash-attention,
-``hopper/``: ``softmax.h``, ``mainloop_fwd_sm90_tma_gmma_ws.hpp``, ``flash_api.cpp``):
-
-- Q, K and V arrive in e4m3 with fp32 descale factors (the kernel takes one per batch and
-  kv head; it does not quantise). attncheck quantises them as the caller would,
-  x8 = fp8(x / descale) with descale = amax / max_fp8 over the tensor (``tensor``), per
-  batch and kv head (``head``, the kernel's own granularity; a query head uses its kv
-  head's q descale), per block of queries and of keys (``block``, the FlashAttention-3
-  paper's block quantisation, done outside the released kernel; V keeps one scale per
-  head because the kernel applies it to O at the end), or not at all (``none``). With
-  ``incoherent``, Q and K are first multiplied by the same random orthogonal matrix
-  (a seeded +-1 diagonal times a normalised Hadamard matrix; Q K^T is unchanged in exact
-  arithmetic), as the paper's incoherent processing.
-- S = q8 k8^T in fp32 times ((q descale x k descale) x softmax scale), each product in fp32, the
-  kernel's order (``hopper/flash_fwd_kernel_sm90.h`` folds the descales into the scale); the key blocks
-  (FlashAttention-3's FP8 tile for the head dim, ``fa3_tile``) are visited last to first;
-  the running max and row sum are fp32, the sum taken over the exps before the cast;
-  P~ = exp(s - m_j) * 2^8 (the kernel's max offset of 8 in its exp2) is cast to e4m3
-  with round-to-nearest-even and saturation (cvt.rn.satfinite); O accumulates
-  P8 @ V8 in fp32 with the running rescale, is divided by the row sum, multiplied by V's
-  descale and rounded to bf16, the kernel's output type for FP8 inputs.
-- Not emulated: the FP8 tensor cores' accumulation, which keeps fewer bits than fp32
-  (about 22 per SageAttention's notes; FlashAttention-3's code treats it as fp32), and
-  exp2's approximation (ex2.approx, ~2 ulp of fp32).
-
-``sage`` follows SageAttention 2's SM90 kernel (thu-ml/SageAttention,
-``sageattn_qk_int8_pv_fp8_cuda_sm90``, default settings): q, k, v rounded to bf16 (the
-model's dtype); K smoothed by its mean over tokens (taken in bf16, the difference rounded
-to bf16); Q and K quantised to INT8 per thread group (scale = max|x| / 127 + 1e-7 in fp32,
-round half away from zero; Q: rows {t, t+8} of each 16-row warp segment, K: rows with
-r mod 8 in {2t, 2t+1} of each 128-key block); S from (q8 . k8) exactly and the fp32 scales in
-the kernel's order (``sage_scores``); key blocks of 128 visited first to last; P~ =
-exp(s - m_j) * 448 (its exponent offset 8.807) cast to e4m3 (satfinite); V in e4m3
-per channel as ``scale_fuse_quant`` in csrc/fused/fused.cu does it: V times 448 / amax (the
-reciprocal rounded to fp32 first), the scale amax / 448 kept; O = P8 @ V8 in fp32, divided by
-the row sum, times V's scale, rounded to bf16. Not emulated: the FP22 accumulation of the FP8
-MMA within a 128-key block, and the kernel's base-2 arithmetic (log2 e folded into the scale).
+"""FP8 attention machinery shared by the FP8 paths (``attncheck.numerics.paths.flash_fp8`` and
+``attncheck.numerics.paths.sage``, whose docstrings state their rounding points): quantisation of
+Q, K and V with descales, FlashAttention-3's FP8 tiles, the online softmax with P cast to FP8, and
+SageAttention 2's INT8 groups and V quantisation.
 """
 
 from __future__ import annotations
@@ -219,7 +183,7 @@ def online_pcast_out(s: torch.Tensor, v8: torch.Tensor | None, fmt: torch.dtype,
     return r, acc * inv
 
 
-def _audit(block: "QKBlock", dt: torch.dtype, setup: Fp8Setup, quant: Quantized) -> None:
+def record_audit(block: "QKBlock", dt: torch.dtype, setup: Fp8Setup, quant: Quantized) -> None:
     """What the quantisation did, in the input's audit (the same for every block)."""
     from attncheck.numerics.precision import dtype_label
     from attncheck.results import DtypeAudit
@@ -231,35 +195,10 @@ def _audit(block: "QKBlock", dt: torch.dtype, setup: Fp8Setup, quant: Quantized)
     a.fp8_values, a.fp8_amax = dict(quant.values), dict(quant.amax)
 
 
-def _mask(block: "QKBlock", s: torch.Tensor) -> torch.Tensor:
+def add_bf16_mask(block: "QKBlock", s: torch.Tensor) -> torch.Tensor:
     """The mask, as a bf16 model holds it, added to fp32 scores (n, tq, Tk)."""
     _, _, mask_dt = block._mask_planes(OUT_DTYPE)
     return s if mask_dt is None else s + mask_dt.float()
-
-
-def flash_fp8(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> "PathBlock":
-    from attncheck.numerics.methods.paths import PathBlock
-    from attncheck.numerics.inputs.scores import _kv_heads
-
-    setup = params.fp8 or Fp8Setup(fmt=dt)
-    quant = quantize_inputs(block.inp, setup)
-    _audit(block, dt, setup, quant)
-    bh, qs = block.rows
-    kv = _kv_heads(block.inp, bh)
-    q8, dq = quant.q8[bh, qs], quant.dq[bh, qs]  # (n, tq, d), (n, tq)
-    k8, dk = quant.k8[kv], quant.dk[kv]
-    # The kernel folds the descales into the softmax scale (flash_fwd_kernel_sm90.h: softmax_scale_log2 *= q_descale
-    # * k_descale), then multiplies the fp32 accumulator by it: S = q8.k8 x ((dq x dk) x scale), each product in fp32.
-    s = torch.matmul(q8, k8.transpose(-1, -2)) * (dq[..., None] * dk[:, None, :] * block.inp.scale)  # (n, tq, Tk) fp32
-    s = _mask(block, s)
-    _, block_n = fa3_tile(block.inp.d)
-    v8 = None if quant.v8 is None else quant.v8[kv]
-    r, o = online_pcast_out(s, v8, setup.fmt, setup.p_scale, block_n, reverse=True)
-    out = MethodOutput(r.probs.reshape(-1, s.shape[-1]), pcast=r)
-    if o is not None:
-        out.out = (o * quant.dv[kv][:, None, :]).to(OUT_DTYPE).reshape(-1, o.shape[-1])
-    flat = s.reshape(-1, s.shape[-1])
-    return PathBlock(flat, [], [], [("flash-fp8", out)])
 
 
 SAGE_Q_WARP = 16  # WARPQ of the SM90 kernel: rows {t, t+8} of each 16-row segment share a scale
@@ -315,37 +254,3 @@ def sage_scores(si: torch.Tensor, qscale: torch.Tensor, kscale: torch.Tensor, sc
     last = (s.shape[-1] - 1) // SAGE_BLOCK * SAGE_BLOCK
     s[..., last:] = si[..., last:] * dq[..., last:] * scale
     return s
-
-
-def sage(block: "QKBlock", dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> "PathBlock":
-    from attncheck.numerics.methods.paths import PathBlock
-    from attncheck.numerics.inputs.scores import _kv_heads
-
-    inp = block.inp
-    setup = params.fp8 or Fp8Setup(fmt=dt)
-    key = ("sage", setup.fmt)
-    prep = inp.cache.get(key)
-    if prep is None:
-        b, hq, tq, d = inp.q.shape
-        hk, tk = inp.k.shape[1], inp.k.shape[2]
-        q = inp.q.reshape(b * hq, tq, d).to(OUT_DTYPE)
-        k = inp.k.reshape(b * hk, tk, d).to(OUT_DTYPE)
-        k = k - k.mean(dim=1, keepdim=True)  # smoothing: the mean over tokens in bf16, the difference rounded to bf16
-        qi, qscale = int8_per_group(q, sage_groups(tq, "q", q.device))
-        ki, kscale = int8_per_group(k, sage_groups(tk, "k", k.device))
-        v8 = vscale = None
-        if inp.v is not None:
-            v8, vscale = sage_v(inp.v.reshape(b * hk, tk, -1), setup.fmt)
-        prep = (qi, qscale, ki, kscale, v8, vscale)
-        inp.cache[key] = prep
-    qi, qscale, ki, kscale, v8, vscale = prep
-    bh, qs = block.rows
-    kv = _kv_heads(inp, bh)
-    si = torch.matmul(qi[bh, qs], ki[kv].transpose(-1, -2)).float()  # exact: |q.k| <= 127^2 d < 2^24
-    s = sage_scores(si, qscale[bh, qs], kscale[kv], inp.scale)
-    s = _mask(block, s)
-    r, o = online_pcast_out(s, None if v8 is None else v8[kv], setup.fmt, SAGE_P_SCALE, SAGE_BLOCK, reverse=False)
-    out = MethodOutput(r.probs.reshape(-1, s.shape[-1]), pcast=r)
-    if o is not None:
-        out.out = (o * vscale[kv]).to(OUT_DTYPE).reshape(-1, o.shape[-1])
-    return PathBlock(s.reshape(-1, s.shape[-1]), [], [], [("sage", out)])

@@ -1,24 +1,45 @@
-"""What a path is asked about a call, free of torch: ``CallFacts`` (the facts of a call a
-kernel's support depends on) and ``Stands`` (a captured implementation a path stands for)."""
+"""What a path is, free of torch: ``PathSpec`` (an implementation and what it stands for),
+``CallFacts`` (the facts of a call a kernel's support depends on) and ``Stands`` (a captured
+implementation a path stands for)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+Impl = Union[str, Callable]
+
+
+def resolve(impl: Impl) -> Callable:
+    """An implementation given as the function or as 'module:function', imported on first use."""
+    if callable(impl):
+        return impl
+    module, _, name = impl.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
 class Stands:
-    """A captured implementation: the call's kind ('sdpa', 'flex', 'flash_attn', ...), the
+    """A captured implementation: the call's kind ('sdpa', 'flex', 'flash_attn', 'qk'), the
     implementation the capture recorded for it (an SDPA backend: 'flash_attention'; a flex
     implementation: 'compiled'; a flash-attn function: 'flash_attn_func'; '' for any), and the
-    device type it ran on ('cuda', 'cpu'; '' for any)."""
+    device type it ran on ('cuda', 'cpu'; '' for any). A ``fallback`` judges the calls no other
+    path that stands for them can run (SDPA with dropout and no backend recorded: the math path)."""
 
     kind: str
     impl: str = ""
     device: str = ""
+    fallback: bool = False
 
     def matches(self, kind: str, impl: str, device: str) -> bool:
         return self.kind == kind and self.impl in ("", impl) and self.device in ("", device)
+
+    def exactness(self) -> int:
+        """How much of a call it names: a path naming the implementation and the device wins
+        over one that names less."""
+        return (not self.fallback) * 4 + (self.impl != "") * 2 + (self.device != "")
 
 
 @dataclass(frozen=True)
@@ -36,3 +57,69 @@ class CallFacts:
     gqa: bool = False  # fewer kv heads than query heads
     softcap: float | None = None
     window: tuple[int, int] | None = None  # a sliding window (left, right) in keys; None: none
+    flex: bool = False  # a FlexAttention call (its score_mod, mask_mod and block sizes recorded)
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    """An attention implementation from Q, K (and V) to P and O = P@V, with its rounding points.
+
+    Declared as ``PATH`` by its module in ``attncheck.numerics.paths``, whose docstring states the
+    rounding points (the numerics reference is generated from it). ``impl`` computes one block of
+    rows: ``(block: QKBlock, dt, methods, params) -> PathBlock``.
+    """
+
+    name: str
+    summary: str
+    impl: Impl = field(repr=False)
+    runs_methods: bool = False  # True: cells are (path, method) for the chosen eager methods (hand-written attention)
+    aliases: tuple[str, ...] = ()
+    default: bool = True  # in the default set of Q/K mode
+    scores_in: str = "the dtype"  # where S = Q@K^T lives: says why a path does or does not overflow
+    fp8: bool = False  # computes in the FP8 dtypes (P formats) only; the others in fp16/bf16/fp32 only
+    # The fused kernel the path is (judged by FlashAttention's 2x rule against torch.softmax); None: not a kernel
+    kernel: str | None = None
+    # The dtype its probabilities are in (the eager path: the method's): "fp32" where they are fp32
+    # products (flash's P_j times the rescale over l), "the dtype" where P is cast to the dtype;
+    # the KL floor is that dtype's smallest subnormal
+    probs_in: str = "fp32"
+    # How its scores are formed from Q and K (``QKBlock``): 'dtype' (S rounded to the dtype, the scale
+    # and mask in it: ``in_dtype``), 'fp32' (S in fp32 from q and k in the dtype, times the scale in
+    # fp32), 'fp32-split' (q and k each times sqrt(scale), then S in fp32: PyTorch's math SDPA)
+    scores: str = "fp32"
+    logits: bool = False  # consumes a flex call's recorded fp32 logits (after its score_mod) where there are some
+    # Its backward (``attncheck.numerics.backward.paths``): 'eager', 'math' (fp32 inside), 'flash' (the
+    # FlashAttention-2 backward: on the CPU the CPU kernel's blocked sums, on CUDA fp32 sums); None: none
+    backward: str | None = None
+    # Where it runs: 'cpu' (judged where attncheck runs), 'cuda' (a GPU kernel, emulated on any CPU)
+    device: str = "cpu"
+    # The source its rounding points follow: 'Dao-AILab/flash-attention@<commit> csrc/...'
+    source: str = ""
+    # Where its rounding points are assumed, not read from a source (closed source, a hardware
+    # approximation): said in the report of every cell of the path and in the docs
+    assumed: str | None = None
+    # The captured implementations it stands for: a call recorded as one of them is judged by this path
+    stands_for: tuple[Stands, ...] = ()
+    # '(facts: CallFacts) -> str | None': why the kernel could not run a call (None: it can); None: any call
+    supports: Impl | None = field(default=None, repr=False)
+    # In the replay of ``--what-if kernels``: a kernel a call could have run under
+    replay: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scores not in ("dtype", "fp32", "fp32-split"):
+            raise ValueError(f"path {self.name}: scores must be 'dtype', 'fp32' or 'fp32-split', got {self.scores!r}")
+        if self.backward not in (None, "eager", "math", "flash"):
+            raise ValueError(f"path {self.name}: unknown backward {self.backward!r}")
+
+    def function(self) -> Callable:
+        return resolve(self.impl)
+
+    def why_not(self, facts: CallFacts) -> str | None:
+        """Why this kernel could not run a call with these facts, or None."""
+        return None if self.supports is None else resolve(self.supports)(facts)
+
+    @property
+    def doc(self) -> str:
+        """Its rounding points: the docstring of the module that declares it."""
+        module = self.impl.partition(":")[0] if isinstance(self.impl, str) else self.impl.__module__
+        return (sys.modules.get(module) or importlib.import_module(module)).__doc__ or ""

@@ -89,7 +89,8 @@ FA3_FP8_ROWS = [  # (label, attncheck cell, the paper's RMSE): Table 3
 
 def fa3_fp8_rmse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int, step: Callable[[], None] = _nothing) -> dict[str, float]:
     """RMSE of O against float64 for the FP8 rows of Table 3, q (H, T, d), k, v float64; ``step()`` after each row."""
-    from attncheck.numerics.methods.fp8_attention import Fp8Setup, flash_fp8
+    from attncheck.numerics.methods.fp8_attention import Fp8Setup
+    from attncheck.numerics.paths.flash_fp8 import forward as flash_fp8
     from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
     from attncheck.numerics.methods.softmax import MethodParams
 

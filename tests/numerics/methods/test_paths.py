@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attncheck.config.run import Options
-from attncheck.numerics.methods import paths
+from attncheck.numerics.paths import flash as flash_path
 from attncheck.numerics.methods.online import online_softmax
 from attncheck.numerics.cells.diagnose import diagnose_attention
 from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
@@ -280,7 +280,7 @@ def test_flash_blocks_forward_and_reverse_give_the_same_numbers_in_fp32_up_to_ro
     _, fwd, _, _ = run_path("flash", q, k, v, torch.float32, block=16)
     inp = prepare_inputs(q, k, v=v)
     (blk,) = list(score_blocks(inp, 1 << 40, torch.device("cpu"), start_audit(inp)))
-    rev = paths.flash(blk, torch.float32, [], MethodParams(block=16, reverse=True)).cells[0][1].out.reshape(fwd.shape)
+    rev = flash_path.forward(blk, torch.float32, [], MethodParams(block=16, reverse=True)).cells[0][1].out.reshape(fwd.shape)
     exact = torch.softmax(torch.matmul(q.double(), k.double().transpose(-1, -2)) / 8, -1) @ v.double()
     for o in (fwd, rev):
         assert float((o.double() - exact).abs().max()) < 2e-6
