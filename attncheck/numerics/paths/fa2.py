@@ -61,8 +61,9 @@ and ``inv_sum``, in float64 rounded to fp32: O = probs @ V up to the P V accumul
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from attncheck.numerics.paths.base import CallFacts, Stands
 from attncheck.registry import PathSpec
@@ -105,13 +106,13 @@ def tile_n(head_dim: int, capability: tuple[int, int] | None = None, causal: boo
 class KernelRows:
     """The kernel's results for r rows."""
 
-    probs: "torch.Tensor"  # (r, Tk) float32 effective probabilities
-    out: "torch.Tensor | None"  # (r, dv) in the dtype, None without v
-    lse: "torch.Tensor"  # (r,) float32, natural log, as the kernel stores it (+inf for rows with no key)
+    probs: torch.Tensor  # (r, Tk) float32 effective probabilities
+    out: torch.Tensor | None  # (r, dv) in the dtype, None without v
+    lse: torch.Tensor  # (r,) float32, natural log, as the kernel stores it (+inf for rows with no key)
     events: dict = field(default_factory=dict)  # name -> (r,) bool
 
 
-def _exp2f(x: "torch.Tensor") -> "torch.Tensor":
+def _exp2f(x: torch.Tensor) -> torch.Tensor:
     """ex2.approx.ftz.f32 as assumed: 2^x (x fp32) exactly, rounded once to fp32, results below 2^-126 -> 0."""
     import torch
 
@@ -119,7 +120,7 @@ def _exp2f(x: "torch.Tensor") -> "torch.Tensor":
     return torch.where(y < FLT_MIN, torch.zeros_like(y), y)
 
 
-def _mma_accumulate(acc: "torch.Tensor | None", a: "torch.Tensor", b: "torch.Tensor") -> "torch.Tensor":
+def _mma_accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fp32 acc (or 0) plus a @ b over their shared axis, one mma of 16 terms at a time in ascending
     order, each adding its exact sum once rounded (assumed). a, b float64 holding dtype values: their
     products are exact in float64 (at most 11 + 11 significant bits), and so are the 16-term sums unless
@@ -132,15 +133,15 @@ def _mma_accumulate(acc: "torch.Tensor | None", a: "torch.Tensor", b: "torch.Ten
 
 
 def kernel_rows(
-    q: "torch.Tensor",
-    k: "torch.Tensor",
-    v: "torch.Tensor | None",
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
     *,
     scale: float,
-    dt: "torch.dtype",
+    dt: torch.dtype,
     block_n: int,
     fused: bool = False,
-    bias: "torch.Tensor | None" = None,
+    bias: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> KernelRows:
     """FlashAttention-2's forward on rows: q (n, tq, d), k (n, Tk, d), v (n, Tk, dv) or None (float64
@@ -152,7 +153,7 @@ def kernel_rows(
 
     from attncheck.numerics.precision import cast
 
-    n, tq, d = q.shape
+    n, tq, _ = q.shape
     tk = k.shape[1]
     r = n * tq
     if block_n % 8:
@@ -230,7 +231,7 @@ def kernel_rows(
     total = (lt[:, 0] + lt[:, 2]) + (lt[:, 1] + lt[:, 3])  # (r,) float32
     bad = (total == 0) | torch.isnan(total)
     inv = torch.where(bad, torch.ones_like(total), 1.0 / total)
-    out = None if acc is None else (acc * inv.reshape(n, tq, 1)).to(dt)
+    out = None if acc is None else (acc * inv.reshape(n, tq, 1)).to(dt).reshape(r, -1)  # (r, dv)
     log_sum = torch.log(total.double()).float().double()
     lse = torch.where(bad, float("inf"), (m.double() * lse_scale + log_sum).float())
     # effective probabilities: P_j times the rescales after block j and inv_sum, float64 then fp32
@@ -245,7 +246,7 @@ def kernel_rows(
     return KernelRows(probs[:, :tk], out, lse, events)
 
 
-def block_bias(block: "QKBlock", dt: "torch.dtype") -> "torch.Tensor | None":
+def block_bias(block: QKBlock, dt: torch.dtype) -> torch.Tensor | None:
     """(r, Tk) float32: the block's mask as the kernel would meet it: -inf where boolean-masked (causal
     included), the float mask as the dtype holds it elsewhere; None without a mask."""
     import torch
@@ -264,7 +265,7 @@ def block_bias(block: "QKBlock", dt: "torch.dtype") -> "torch.Tensor | None":
     return base
 
 
-def run(block: "QKBlock", dt: "torch.dtype", name: str, fused: bool) -> "PathBlock":
+def run(block: QKBlock, dt: torch.dtype, name: str, fused: bool) -> PathBlock:
     """The forward of ``fa2`` / ``fa2-fma`` on a block of rows."""
     from attncheck.numerics.methods.paths import PathBlock
     from attncheck.numerics.methods.softmax import MethodOutput
@@ -283,7 +284,7 @@ def run(block: "QKBlock", dt: "torch.dtype", name: str, fused: bool) -> "PathBlo
     return PathBlock(s, before, [], [(name, out)])
 
 
-def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params: "MethodParams") -> "PathBlock":
+def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
     return run(block, dt, PATH.name, fused=False)
 
 

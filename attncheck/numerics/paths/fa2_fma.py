@@ -10,7 +10,8 @@ correctly rounded); its sliding window and split-KV are not.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from attncheck.numerics.paths import fa2
 from attncheck.numerics.paths.base import CallFacts, Stands
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from attncheck.numerics.methods.softmax import MethodParams
 
 
-def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params: "MethodParams") -> "PathBlock":
+def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
     return fa2.run(block, dt, PATH.name, fused=True)
 
 
