@@ -4,7 +4,9 @@ Follows Dao-AILab/flash-attention@0251105a2fb19d2957484b7f023cd8c115286ced (``cs
 and ``csrc/flash_attn/flash_api.cpp``) and PyTorch's vendored copy at
 pytorch/pytorch@00a1abb4ef74f047662e57678240bbe3dfe46ef0
 (``aten/src/ATen/native/transformers/cuda/flash_attn/softmax.h``, the same code with the ``UNFUSE_FMA``
-branch). ``fa2-fma`` (``attncheck.numerics.paths.fa2_fma``) is the same kernel with the fused exponent.
+branch; its launch template at pytorch/pytorch@04ff5bebd3a737cd53c7858de8998a37a4003c49 keeps head dims 160
+and 224, whose tiles ``tile_n`` gives). ``fa2-fma`` (``attncheck.numerics.paths.fa2_fma``) is the same kernel
+with the fused exponent.
 Rounding points, in the kernel's order (files at the flash-attention commit):
 
 1. Scales (``flash_api.cpp:130-139``): ``scale_softmax_log2 = softmax_scale * M_LOG2E`` evaluated in
@@ -20,7 +22,8 @@ Rounding points, in the kernel's order (files at the flash-attention commit):
 4. Masking (``flash_fwd_kernel.h:335``, ``mask.h``): masked keys (causal, window, keys past Tk in the
    last tile) set to -inf in fp32, after the softcap. The kernel takes no attention mask: a mask given
    here is added in fp32 as the mask would be (-inf for boolean-masked keys), with the -inf guard of 7.
-5. Key blocks of ``kBlockN`` keys (``flash_fwd_launch_template.h:194-325``; ``tile_n``) from the
+5. Key blocks of ``kBlockN`` keys (``flash_fwd_launch_template.h:194-325``; PyTorch's copy differs at head dims
+   129-160: ``tile_n``) from the
    **last** to the first (``flash_fwd_kernel.h:274, 309, 385``).
 6. Row max in fp32 (``softmax.h:142, 148``; ``utils.h:97-100``: ``fmaxf``, NaN ignored), exact.
 7. Rescale, every block after the first, unconditionally (``softmax.h:153-161``):
@@ -77,10 +80,12 @@ if TYPE_CHECKING:
 
 FLASH_COMMIT = "0251105a2fb19d2957484b7f023cd8c115286ced"
 TORCH_COMMIT = "00a1abb4ef74f047662e57678240bbe3dfe46ef0"
+TORCH_TILES_COMMIT = "04ff5bebd3a737cd53c7858de8998a37a4003c49"
 SOURCE = (
     f"Dao-AILab/flash-attention@{FLASH_COMMIT} csrc/flash_attn/src/softmax.h, flash_fwd_kernel.h, "
     "flash_fwd_launch_template.h, utils.h, mask.h, csrc/flash_attn/flash_api.cpp; "
-    f"pytorch/pytorch@{TORCH_COMMIT} aten/src/ATen/native/transformers/cuda/flash_attn/softmax.h (UNFUSE_FMA)"
+    f"pytorch/pytorch@{TORCH_COMMIT} aten/src/ATen/native/transformers/cuda/flash_attn/softmax.h (UNFUSE_FMA), "
+    f"@{TORCH_TILES_COMMIT} flash_fwd_launch_template.h (tiles)"
 )
 ASSUMED = (
     "tensor-core mma accumulation (one rounding per 16-term mma), ex2.approx.ftz.f32 as exp2 rounded once "
@@ -90,14 +95,22 @@ MMA_K = 16  # mma.sync m16n8k16: the k extent of one tensor-core instruction
 FLT_MIN = 2.0**-126  # the smallest normal fp32: ex2.approx.ftz flushes results below it
 
 
-def tile_n(head_dim: int, capability: tuple[int, int] | None = None, causal: bool = False) -> int:
-    """The forward kernel's key tile kBlockN (``flash_fwd_launch_template.h:194-325``, no dropout):
-    head dims are rounded up to 32/64/96/128/192/256; <= 64: 128 keys; sm86/sm89 at head dim 128 without
-    causal: 32; otherwise 64. ``capability`` None: sm80/sm90 (the two agree on kBlockN)."""
+def tile_n(
+    head_dim: int, capability: tuple[int, int] | None = None, causal: bool = False, torch_copy: bool = True
+) -> int:
+    """The forward kernel's key tile kBlockN (no dropout). ``torch_copy``: PyTorch's vendored launch template
+    (pytorch/pytorch@04ff5bebd3a737cd53c7858de8998a37a4003c49 ``flash_fwd_launch_template.h``; head dims
+    rounded up to 32/64/96/128/160/192/224/256 by ``static_switch.h``@035290b77d8b4bd106cf5f9a728516d4335d5a42);
+    else the flash-attn package's (``flash_fwd_launch_template.h:194-325`` at the flash-attention commit; no
+    160 and 224 kernels: rounded to 192 and 256). Head dim <= 64: 128 keys; 96 < d <= 128 on sm86/sm89
+    without causal: 32; PyTorch's 128 < d <= 160: 32 on sm80/sm90, 64 on sm86/sm89; otherwise 64.
+    ``capability`` None: sm80/sm90 (the two agree on kBlockN)."""
     sm8x = capability is not None and capability[0] == 8 and capability[1] > 0
     if head_dim <= 64:
         return 128
     if 96 < head_dim <= 128 and sm8x and not causal:
+        return 32
+    if torch_copy and 128 < head_dim <= 160 and not sm8x:
         return 32
     return 64
 
@@ -128,7 +141,7 @@ def _mma_accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) 
     kk = a.shape[-1]
     for c in range(0, kk, MMA_K):
         part = a[..., c : c + MMA_K] @ b[..., c : c + MMA_K, :]
-        acc = part.float() if acc is None else (acc.double() + part).float()
+        acc = part.float() if acc is None else part.add_(acc).float()  # part is fresh: add in place, in float64
     return acc
 
 
@@ -215,7 +228,9 @@ def kernel_rows(
         else:  # __fmul_rn rounds the product, then an fp32 subtraction (exact in float64, then rounded)
             e = ((sb.double() * scale_log2).float().double() - max_scaled).float()
         p = _exp2f(e)  # 9. (r, BN) float32
-        broke |= (torch.isposinf(p) & torch.isfinite(sb)).any(dim=1)
+        inf_p = torch.isposinf(p)
+        if bool(inf_p.any()):  # an exp of a finite score overflowed (fused exponent only: see 8)
+            broke |= (inf_p & torch.isfinite(sb)).any(dim=1)
         # 10. thread t of the quad holds columns 8j' + 2t + {0, 1}, in that order
         pt = p.reshape(r, block_n // 8, 4, 2).permute(0, 2, 1, 3).reshape(r, 4, block_n // 4)
         start = 0
@@ -274,8 +289,8 @@ def run(block: QKBlock, dt: torch.dtype, name: str, fused: bool) -> PathBlock:
     s, before = block.fp32_scores(dt, "flash")  # (r, Tk) S*scale+mask in fp32: the reference's input and causes
     d = block.q.shape[-1]
     res = kernel_rows(
-        block.q, block.k, block.v, scale=block.inp.scale, dt=dt, block_n=tile_n(d), fused=fused,
-        bias=block_bias(block, dt), softcap=getattr(block.inp, "softcap", None),
+        block.q, block.k, block.v, scale=block.inp.scale, dt=dt, block_n=tile_n(d, torch_copy=not fused),
+        fused=fused, bias=block_bias(block, dt), softcap=getattr(block.inp, "softcap", None),
     )
     # 'fused_max' is an exp overflow of a finite score; named as such until the registry knows the event
     key = "fused_max" if "fused_max" in EVENTS else "exp_overflow"
