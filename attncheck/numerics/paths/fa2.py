@@ -34,8 +34,11 @@ Rounding points, in the kernel's order (files at the flash-attention commit):
 8. The exponent (``softmax.h:76, 85-89``): ``max_scaled = m * scale_log2`` rounded to fp32 (0 where m is
    -inf); ``fa2``: ``exp2f(__fmul_rn(x, scale_log2) - max_scaled)``, two roundings; ``fa2-fma``:
    ``exp2f(fma(x, scale_log2, -max_scaled))``, one rounding. At the row max the fused exponent is
-   ``x*scale_log2 - round(x*scale_log2)``, not 0: up to half an ulp of ``max_scaled``, which for
-   |max_scaled| >= 2^31 exceeds 128 and exp2 overflows (PyTorch issue 121558; ``events["fused_max"]``).
+   ``x*scale_log2 - round(x*scale_log2)``, not 0: up to half an ulp of ``max_scaled``. Where it exceeds 128
+   (|max_scaled| >= 2^31) exp2 overflows fp32 (PyTorch issue 121558); in fp16, where it exceeds ~16
+   (|max_scaled| >= 2^28), P overflows the dtype and O is inf or NaN. Such rows: ``events["fused_max"]``
+   (an exp of a finite score beyond the dtype's range, or a row sum of inf); the unfused exponent is
+   <= 0 for every score (rounding is monotone), so ``fa2`` has none.
 9. exp2f under ``--use_fast_math`` is ``ex2.approx.ftz.f32``. **Assumed**: exp2 computed exactly and
    rounded once to fp32, results below 2^-126 flushed to 0 (the approximation's ulp error is not
    modelled).
@@ -228,9 +231,6 @@ def kernel_rows(
         else:  # __fmul_rn rounds the product, then an fp32 subtraction (exact in float64, then rounded)
             e = ((sb.double() * scale_log2).float().double() - max_scaled).float()
         p = _exp2f(e)  # 9. (r, BN) float32
-        inf_p = torch.isposinf(p)
-        if bool(inf_p.any()):  # an exp of a finite score overflowed (fused exponent only: see 8)
-            broke |= (inf_p & torch.isfinite(sb)).any(dim=1)
         # 10. thread t of the quad holds columns 8j' + 2t + {0, 1}, in that order
         pt = p.reshape(r, block_n // 8, 4, 2).permute(0, 2, 1, 3).reshape(r, 4, block_n // 4)
         start = 0
@@ -239,6 +239,9 @@ def kernel_rows(
         for c in range(start, block_n // 4):
             lt = lt + pt[:, :, c]
         pd = cast(p, dt).double()  # 11. P in the dtype
+        inf_p = torch.isposinf(pd)
+        if bool(inf_p.any()):  # an exp of a finite score beyond the dtype's range: only the fused exponent exceeds 1
+            broke |= (inf_p & torch.isfinite(sb)).any(dim=1)
         blocks.append((j, pd))
         if vd is not None:
             acc = _mma_accumulate(acc, pd.reshape(n, tq, block_n), vd[:, j * block_n : (j + 1) * block_n])

@@ -267,6 +267,23 @@ def test_issue_121558_nan_under_fa2_fma_only():
     assert plain_rows.events["fused_max"].tolist() == [False]
 
 
+def test_fp16_breaks_earlier_p_overflows_the_dtype():
+    """fp16 q = k = v = 6832, d 64: S = 64 * 6832^2 (exact in fp32), max_scaled ~ 5.4e8, residue ~ 31.9:
+    the fused exp is 2^31.9, finite in fp32 but inf as fp16 P, so O is inf; fa2 gives V exactly."""
+    x = torch.full((1, 1, 64), 6832.0, dtype=torch.float64)
+    s, sl2 = 64 * 6832.0**2, f32(f32(0.125) * LOG2E)
+    residue = s * sl2 - f32(s * sl2)
+    assert 16 < residue < 128
+    fused = fa2.kernel_rows(x, x, x, scale=0.125, dt=torch.float16, block_n=128, fused=True)
+    plain = fa2.kernel_rows(x, x, x, scale=0.125, dt=torch.float16, block_n=128, fused=False)
+    assert torch.isinf(fused.out).all() and fused.events["fused_max"].tolist() == [True]
+    assert math.isfinite(float(fused.lse[0]))  # the sum stayed finite: only P broke
+    assert (plain.out == 6832.0).all() and plain.events["fused_max"].tolist() == [False]
+    with sdpa_kernel(SDPBackend.MATH):
+        xh = x.to(torch.float16).reshape(1, 1, 1, 64)
+        assert torch.isfinite(F.scaled_dot_product_attention(xh, xh, xh)).all()
+
+
 def test_tiles_follow_the_launch_template():
     # PyTorch's copy keeps a 160 kernel (128 x 32 on sm80/sm90); the package rounds 160 up to 192 (128 x 64)
     assert [fa2.tile_n(d) for d in (32, 64, 96, 128, 160, 192, 224, 256)] == [128, 128, 64, 64, 32, 64, 64, 64]
