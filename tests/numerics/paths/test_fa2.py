@@ -335,3 +335,15 @@ def test_modules_import_without_torch():
             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_forward_without_v_gives_the_probabilities_alone():
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 2, 4, 64, generator=g), torch.randn(1, 2, 70, 64, generator=g)
+    _, blk = _block(q.to(torch.bfloat16), k.to(torch.bfloat16), None)
+    out = fa2.forward(blk, torch.bfloat16, [], MethodParams()).cells[0][1]
+    assert out.out is None and out.probs.shape == (8, 70)
+    with np.errstate(all="ignore"):  # v of zeros: the reference's probabilities do not depend on it
+        _, _, probs = reference(q.double().reshape(2, 4, 64).numpy(), k.double().reshape(2, 70, 64).numpy(),
+                                np.zeros((2, 70, 64)), blk.inp.scale, torch.bfloat16, 128, False)
+    assert same(out.probs.numpy(), probs)
