@@ -1,0 +1,59 @@
+"""``fa2-fma``: FlashAttention-2's CUDA forward as the flash-attn package ships it: the kernel of
+``attncheck.numerics.paths.fa2`` (same commit, same rounding points) with the exponent fused,
+``exp2f(fma(x, scale_log2, -max_scaled))`` (``softmax.h:88`` at
+Dao-AILab/flash-attention@0251105a2fb19d2957484b7f023cd8c115286ced; ``UNFUSE_FMA`` unset): one rounding
+instead of two. At a row's max the exponent is ``x*scale_log2 - round(x*scale_log2)``, not 0; where
+``max_scaled`` reaches 2^31 that residue can exceed 128, exp2 overflows, the sum is inf and O is NaN
+(PyTorch issue 121558: bf16 Q, K, V all 133120). The package's softcap is emulated (tanh assumed
+correctly rounded); its sliding window and split-KV are not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from attncheck.numerics.paths import fa2
+from attncheck.numerics.paths.base import CallFacts, Stands
+from attncheck.registry import PathSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from attncheck.numerics.inputs.scores import QKBlock
+    from attncheck.numerics.methods.paths import PathBlock
+    from attncheck.numerics.methods.softmax import MethodParams
+
+
+def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
+    return fa2.run(block, dt, PATH.name, fused=True)
+
+
+def supports(facts: CallFacts) -> str | None:
+    """Why the flash-attn package's FlashAttention-2 (``flash_api.cpp`` ``mha_fwd``) would not run this
+    call as emulated here, or None. Head dims not a multiple of 8 are padded by the package's Python
+    interface (zeros: the same scores)."""
+    why = fa2._common(facts, "flash_attn_func")
+    if why:
+        return why
+    if facts.window is not None:
+        return "a sliding window: the kernel's local mask is not emulated"
+    return None
+
+
+PATH = PathSpec(
+    name="fa2-fma",
+    summary="FlashAttention-2's CUDA forward as the flash-attn package ships it: fa2 with the exponent fused, "
+    "exp2f(fma(x, scale*log2e, -max*scale*log2e)): at the row max not 0, so large scores overflow exp2",
+    impl="attncheck.numerics.paths.fa2_fma:forward",
+    kernel="FlashAttention-2's CUDA forward (fused exponent)",
+    scores_in="fp32 registers (tensor-core accumulator)",
+    probs_in="fp32",
+    default=False,
+    device="cuda",
+    source=fa2.SOURCE.split(";")[0],
+    assumed=fa2.ASSUMED,
+    stands_for=(Stands("flash_attn", "flash_attn_func", "cuda"),),
+    supports="attncheck.numerics.paths.fa2_fma:supports",
+    replay=True,
+)
