@@ -75,8 +75,9 @@ final division to the last visited block; ``kernel_rows(key_limit=...)`` takes i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from attncheck.numerics.paths.base import CallFacts, Stands
 from attncheck.registry import PathSpec
@@ -166,27 +167,27 @@ def supports(facts: CallFacts) -> str | None:
 class KernelRows:
     """One block of rows as the kernel computes them."""
 
-    scores: "torch.Tensor"  # (r, Tk) float32: S * scale + mask, causal -inf (natural units, before log2e)
-    probs: "torch.Tensor"  # (r, Tk) float32: effective probabilities, O = probs @ V up to P@V's rounding
-    out: "torch.Tensor | None"  # (r, dv) in dt
-    lse: "torch.Tensor"  # (r,) float32, natural log, as the kernel stores it (-inf for an empty row)
+    scores: torch.Tensor  # (r, Tk) float32: S * scale + mask, causal -inf (natural units, before log2e)
+    probs: torch.Tensor  # (r, Tk) float32: effective probabilities, O = probs @ V up to P@V's rounding
+    out: torch.Tensor | None  # (r, dv) in dt
+    lse: torch.Tensor  # (r,) float32, natural log, as the kernel stores it (-inf for an empty row)
     events: dict = field(default_factory=dict)  # name -> (r,) bool: 'log2e_overflow'
 
 
-def _f32(x: "torch.Tensor") -> "torch.Tensor":
+def _f32(x: torch.Tensor) -> torch.Tensor:
     import torch
 
     return x.to(torch.float32)
 
 
-def _exp2f(x: "torch.Tensor") -> "torch.Tensor":
+def _exp2f(x: torch.Tensor) -> torch.Tensor:
     """exp2 of fp32 values, rounded once to fp32 (subnormals kept)."""
     import torch
 
     return torch.exp2(x.to(torch.float64)).to(torch.float32)
 
 
-def _row_sum(e: "torch.Tensor") -> "torch.Tensor":
+def _row_sum(e: torch.Tensor) -> torch.Tensor:
     """(r, W, 32) fp32 exps of W warp slices -> (r, W) per-warp sums in the kernel's order:
     each quad lane's 8 values in fragment order, then (t0 + t1) + (t2 + t3)."""
     r, w = e.shape[0], e.shape[1]
@@ -199,18 +200,18 @@ def _row_sum(e: "torch.Tensor") -> "torch.Tensor":
 
 
 def kernel_rows(
-    q: "torch.Tensor",
-    k: "torch.Tensor",
-    v: "torch.Tensor | None",
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
     *,
     scale: float,
-    dt: "torch.dtype",
-    bias: "torch.Tensor | None" = None,
-    masked: "torch.Tensor | None" = None,
+    dt: torch.dtype,
+    bias: torch.Tensor | None = None,
+    masked: torch.Tensor | None = None,
     block_n: int | None = None,
     in_registers: bool | None = None,
     capability: tuple[int, int] | None = None,
-    key_limit: "torch.Tensor | None" = None,
+    key_limit: torch.Tensor | None = None,
 ) -> KernelRows:
     """The kernel on rows: q (n, tq, d), k (n, Tk, d), v (n, Tk, dv) or None, any float dtype,
     rounded to ``dt``; ``bias`` (n, tq, Tk) the additive mask in dt as PyTorch passes it (a
@@ -319,7 +320,7 @@ def kernel_rows(
     return KernelRows(scores, probs, out, lse, {"log2e_overflow": log2e_overflow})
 
 
-def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params: "MethodParams") -> "PathBlock":
+def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
     """The path on a block of rows: the mask as the model holds it in dt is the kernel's bias
     (causal included, as the block holds it: -inf either way)."""
     from attncheck.numerics.methods.paths import PathBlock
