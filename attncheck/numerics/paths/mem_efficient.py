@@ -11,8 +11,10 @@ too large to fetch whole, so lines are cited by the function and the statement, 
 What PyTorch passes (``sdp_utils.cpp``, ``attention.cpp``, ``cuda/attention.cu``): ``p.scale`` is the
 scale as an fp32 (``calculate_scale``: 1/sqrt(d) in double, then ``expect_float``); a boolean mask
 becomes 0/-inf in q's dtype (``convert_boolean_attn_mask``) and a float mask must be in q's dtype;
-``preprocess_mask`` pads the mask's last axis to a multiple of 16 and slices it back (``pad_bias``):
-an alignment of its rows in memory, no value changes. ``is_causal`` is the kernel's own
+``preprocess_mask`` expands the mask to (B, H, Tq, Tk) and, where its last axis is not a multiple
+of 16 (8 in older versions), pads it and slices it back (``pad_bias``): an alignment of its rows in
+memory, no value changes. (A single query with one shared kv head is run over heads instead of
+queries, ``advance_to_block``: no rounding changes either.) ``is_causal`` is the kernel's own
 ``CausalFromTopLeft`` (key j of query i is -inf where j > i), not a mask tensor.
 
 Rounding points, in the kernel's order (``AttentionKernel::attention_kernel`` and
@@ -31,7 +33,8 @@ Rounding points, in the kernel's order (``AttentionKernel::attention_kernel`` an
    fp32 constant, a second rounded multiply (no FMA with the max). A finite scaled score whose
    product overflows to +inf makes the row max +inf and ``exp2f(inf - inf)`` NaN: the event
    ``exp_overflow`` of this path.
-6. Row max ``mi`` in log2 units over the key block (``fast_max``: NaN ignored), kept across
+6. Row max ``mi`` in log2 units over the key block (``cutlass::fast_max`` is ``fmaxf``: NaN
+   ignored; NVIDIA/cutlass@082a375c14ba07be4d666243779266f9d8722bd9 include/cutlass/fast_math.h), kept across
    blocks; ``changed = m_prime < mi``. Only where it changed: ``out_rescale = exp2f(m_prime - mi)``
    and ``s_prime *= out_rescale`` (fp32 multiply); elsewhere ``out_rescale = 1``. A row whose max
    is still -inf uses ``mi = 0`` for this block (no ``exp2f(-inf - -inf)``) and keeps -inf.
@@ -58,8 +61,9 @@ Rounding points, in the kernel's order (``AttentionKernel::attention_kernel`` an
 11. ``denom = s_prime == 0 ? 1 : s_prime``; ``alpha = 1 / denom`` (fp32 division); with the
     output in registers ``O = alpha * accum_o`` (fp32); O converted to the dtype (round to
     nearest). An empty row (every key masked) has ``s_prime = 0`` and ``accum_o = 0``: O = 0.
-12. LSE (``logsumexp_ptr``, fp32) = ``mi / kLog2e + fast_log(s_prime)`` (fast_log: ``logf``,
-    modelled as the float64 log rounded to fp32, assumed); an empty row gets -inf + log(0) =
+12. LSE (``logsumexp_ptr``, fp32) = ``mi / kLog2e + fast_log(s_prime)`` (``cutlass::fast_log`` is
+    ``::logf`` in device code, fast_math.h above; modelled as the float64 log rounded to fp32,
+    assumed); an empty row gets -inf + log(0) =
     -inf; only the padding past the last query (to a multiple of 32) is +inf.
 
 Tiles (``kernels/cutlassF.h``; the first kernel whose kMaxK >= max(head_dim, head_dim_v)):
