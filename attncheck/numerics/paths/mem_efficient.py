@@ -196,10 +196,10 @@ def _row_sum(e: torch.Tensor) -> torch.Tensor:
     each quad lane's 8 values in fragment order, then (t0 + t1) + (t2 + t3)."""
     r, w = e.shape[0], e.shape[1]
     # column = mma_n * 8 + lane * 2 + col; a lane adds mma_n-major, col-minor
-    frag = e.reshape(r, w, 4, 4, 2).permute(0, 1, 3, 2, 4).reshape(r, w, 4, 8)
-    t = frag[..., 0]
-    for i in range(1, 8):  # eight fp32 additions per lane, vectorised over rows
-        t = t + frag[..., i]
+    frag = e.reshape(r, w, 4, 4, 2)  # (rows, warp, mma_n, lane, col): views, no copy
+    t = frag[:, :, 0, :, 0]
+    for i in range(1, 8):  # the lane's eight fp32 additions, vectorised over rows and lanes
+        t = t + frag[:, :, i // 2, :, i % 2]
     return (t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])
 
 
