@@ -109,8 +109,8 @@ PATH = PathSpec(
     device="cuda",
     source=f"pytorch/pytorch@{COMMIT} aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernel_forward.h, "
     "epilogue/epilogue_rescale_output.h, gemm/mma_accum_lambda_iterator.h, kernels/cutlassF.h",
-    assumed="the tensor cores' accumulation order (each MMA's exact sum rounded once to fp32), exp2f and logf (correctly "
-    "rounded, no flush to zero); dropout is not emulated",
+    assumed="the tensor cores' accumulation order (each MMA's exact sum rounded once to fp32), exp2f and logf "
+    "(correctly rounded, no flush to zero); dropout is not emulated",
     stands_for=(Stands("sdpa", "efficient_attention", "cuda"),),
     supports="attncheck.numerics.paths.mem_efficient:supports",
     replay=True,
