@@ -1,9 +1,10 @@
 """``cudnn``: cuDNN's SDPA forward as PyTorch's CUDNN_ATTENTION backend runs it, and its padded-tile hazard.
 
 cuDNN is closed source: **every rounding point below is ASSUMED, not read.** What is public is the
-algorithm (NVIDIA/cudnn-frontend@0512390c9de2905a46967d21f761eeeec8fddf1b docs/operations/Attention.md,
-line 5: "using the FlashAttention-2 algorithm"; its stats are fp32, "max + ln(sum_exp)" in the natural-log
-form, set_stats_use_log2 for base 2; set_unfuse_fma, set_logit_max, set_score_sum_exp are knobs) and what
+algorithm (NVIDIA/cudnn-frontend@0512390c9de2905a46967d21f761eeeec8fddf1b docs/operations/Attention.md:
+line 9, "using the FlashAttention-2 algorithm"; the C++ API's comments: softmax_stats "max + ln(sum_exp)"
+by default, base 2 with set_stats_use_log2; set_unfuse_fma "Use unfused mul/add in the softmax
+computation", set_logit_max / set_score_sum_exp output the max and the sum of exps) and what
 PyTorch hands it (pytorch/pytorch@001f694aef6f922b4fdf6d27d59162d27bf3df58
 aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, ``can_use_cudnn_attention``; a boolean attn_mask
 becomes an additive bias in the query's dtype, ``convert_boolean_attn_mask_cudnn`` in
@@ -56,8 +57,9 @@ NaN is the fully-masked finding's.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from attncheck.numerics.paths.base import CallFacts, Stands
 from attncheck.registry import PathSpec
@@ -103,21 +105,21 @@ PATH = PathSpec(
 class KernelRows:
     """One block of rows as the emulated kernel computes them."""
 
-    probs: "torch.Tensor"  # (r, Tk) float32 effective probabilities: O = probs @ V up to P@V's fp32 rounding
-    out: "torch.Tensor | None"  # (r, dv) in the dtype, or None without V
-    lse: "torch.Tensor"  # (r,) float32 natural-log LSE, as the kernel stores it for the backward
-    margin: "torch.Tensor"  # (r,) float64 -ln(FLT_MAX) - LSE: > 0 where exp(0 - LSE) overflows fp32
+    probs: torch.Tensor  # (r, Tk) float32 effective probabilities: O = probs @ V up to P@V's fp32 rounding
+    out: torch.Tensor | None  # (r, dv) in the dtype, or None without V
+    lse: torch.Tensor  # (r,) float32 natural-log LSE, as the kernel stores it for the backward
+    margin: torch.Tensor  # (r,) float64 -ln(FLT_MAX) - LSE: > 0 where exp(0 - LSE) overflows fp32
     events: dict = field(default_factory=dict)  # name -> (r,) bool hazard rows
 
 
-def lse_margin(lse: "torch.Tensor") -> "torch.Tensor":
+def lse_margin(lse: torch.Tensor) -> torch.Tensor:
     """(r,) float64: how far the LSE lies below -ln(FLT_MAX) (LSE -121 -> 32.28); > 0 where exp(0 - LSE)
     overflows fp32 (up to the last fp32 rounding of exp at the boundary)."""
     return -LN_FLT_MAX - lse.double()
 
 
-def padded_tile_rows(lse: "torch.Tensor", tk: int, tq: int, explicit_mask: bool, tile: int = KEY_TILE,
-                     q_tile: int = Q_TILE) -> "torch.Tensor":
+def padded_tile_rows(lse: torch.Tensor, tk: int, tq: int, explicit_mask: bool, tile: int = KEY_TILE,
+                     q_tile: int = Q_TILE) -> torch.Tensor:
     """(r,) bool: the rows whose backward the padded-tile hazard breaks (see the module docstring).
 
     A row counts where its LSE is finite and exp(0 - LSE) rounds to inf in fp32, in a call that
@@ -135,14 +137,14 @@ def _query_form(tk: int, tq: int, tile: int = KEY_TILE, q_tile: int = Q_TILE) ->
     return tq % q_tile != 0 and tk % tile == 0
 
 
-def _overflows(lse: "torch.Tensor") -> "torch.Tensor":
+def _overflows(lse: torch.Tensor) -> torch.Tensor:
     import torch
 
     finite = torch.isfinite(lse)
     return finite & torch.isinf(torch.exp(-lse.double()).float())  # exp(0 - LSE) rounded once to fp32
 
 
-def softmax_rows(s: "torch.Tensor", v: "torch.Tensor | None", dt: "torch.dtype", tile: int = KEY_TILE):
+def softmax_rows(s: torch.Tensor, v: torch.Tensor | None, dt: torch.dtype, tile: int = KEY_TILE):
     """The online softmax of fp32 scores ``s`` (r, Tk) (rounding points 4-7): (probs (r, Tk) float32,
     O (r, dv) in ``dt`` or None, LSE (r,) float32). ``v`` (n, Tk, dv) already in ``dt``; r = n * tq."""
     import torch
@@ -161,7 +163,7 @@ def softmax_rows(s: "torch.Tensor", v: "torch.Tensor | None", dt: "torch.dtype",
     return probs, out, lse
 
 
-def _lse(s: "torch.Tensor", ob, m: "torch.Tensor") -> "torch.Tensor":
+def _lse(s: torch.Tensor, ob, m: torch.Tensor) -> torch.Tensor:
     """LSE = m + log(l) in fp32, l the running sum of ``online_blocks`` (the same loop, fp32)."""
     import torch
 
@@ -178,8 +180,8 @@ def _lse(s: "torch.Tensor", ob, m: "torch.Tensor") -> "torch.Tensor":
     return m + torch.log(l.double()).float()  # log rounded once to fp32; m + log(0) = -inf for no key
 
 
-def kernel_rows(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor | None", *, scale: float,
-                bias: "torch.Tensor | None", dt: "torch.dtype", tq: int | None = None,
+def kernel_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, *, scale: float,
+                bias: torch.Tensor | None, dt: torch.dtype, tq: int | None = None,
                 explicit_mask: bool | None = None, block_n: int = KEY_TILE) -> KernelRows:
     """The emulated cuDNN forward of q (n, tq, d), k (n, Tk, d), v (n, Tk, dv) or None (any float
     dtype; rounded to ``dt`` here), ``bias`` (n, tq, Tk) additive, in ``dt`` or rounded to it, or None.
@@ -200,7 +202,7 @@ def kernel_rows(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor | None", 
     return KernelRows(probs, out, lse, lse_margin(lse), hazard_events(lse, k.shape[1], tq, explicit, block_n))
 
 
-def hazard_events(lse: "torch.Tensor", tk: int, tq: int, explicit_mask: bool, tile: int = KEY_TILE) -> dict:
+def hazard_events(lse: torch.Tensor, tk: int, tq: int, explicit_mask: bool, tile: int = KEY_TILE) -> dict:
     """The padded-tile hazard's rows: ``padded_tile`` (either form) and each form on its own."""
     over = _overflows(lse)
     keys = over & _key_form(tk, explicit_mask, tile)
@@ -208,7 +210,7 @@ def hazard_events(lse: "torch.Tensor", tk: int, tq: int, explicit_mask: bool, ti
     return {EVENT: keys | queries, "padded_key_tile": keys, "padded_query_tile": queries}
 
 
-def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params: "MethodParams") -> "PathBlock":
+def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
     """The path's forward on a block of rows: the scores as the flash path computes them (points 1-3),
     the online softmax over 128-key tiles (4-7), the padded-tile hazard as events where the registry
     knows the event's name."""

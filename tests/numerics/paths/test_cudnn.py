@@ -7,8 +7,10 @@ float64 autograd gradients are finite: the NaN is the kernel's, not the input's.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,7 +29,8 @@ LN_F32_MAX = math.log(F32_MAX)  # 88.7228...: the threshold, from finfo, not fro
 
 
 def f32(x: float) -> float:
-    return nearest(x, 24, -126, 127)
+    """x rounded once to float32 (numpy's float64 -> float32 cast, round to nearest even)."""
+    return float(np.float32(x))
 
 
 def written_out(s: np.ndarray, v: np.ndarray | None, dt: torch.dtype, tile: int = 128):
@@ -39,7 +42,6 @@ def written_out(s: np.ndarray, v: np.ndarray | None, dt: torch.dtype, tile: int 
     LSE = f32(m_final + f32(log l)); O64 = sum p v (float64) with v in dt.
     Returns (p (rows, n) float32, lse (rows,) float32, O64 (rows, dv) float64 or None)."""
     rows, n = s.shape
-    bits, emin, emax = FORMAT[dt]
     p = np.zeros((rows, n), dtype=np.float32)
     lse = np.zeros(rows, dtype=np.float32)
     for r in range(rows):
@@ -62,11 +64,32 @@ def written_out(s: np.ndarray, v: np.ndarray | None, dt: torch.dtype, tile: int 
         inv = 1.0 if l == 0 else f32(1.0 / l)
         for j0, m, e in parts:
             scale = 0.0 if m == -math.inf else f32(f32(math.exp(f32(m - m_fin))) * inv)
-            for i, x in enumerate(e):
-                p[r, j0 + i] = f32(nearest(x, bits, emin, emax) * scale)
+            pj = round_dt(np.array(e, dtype=np.float32), dt).astype(np.float64)
+            p[r, j0:j0 + len(e)] = (pj * scale).astype(np.float32)  # one product, rounded once to fp32
         lse[r] = -math.inf if l == 0 else f32(m_prev + f32(math.log(l)))
     o64 = None if v is None else np.einsum("rk,rkd->rd", p.astype(np.float64), v)
     return p, lse, o64
+
+
+def round_dt(x: np.ndarray, dt: torch.dtype) -> np.ndarray:
+    """float32 ``x`` rounded to ``dt`` (round to nearest even), as float32: numpy's half cast for fp16;
+    for bf16 the float32 bits rounded to their top 16 (add 0x7FFF plus the kept last bit, truncate)."""
+    if dt == torch.float32:
+        return x
+    if dt == torch.float16:
+        return x.astype(np.float16).astype(np.float32)
+    b = x.view(np.uint32).astype(np.uint64)
+    b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+    return b.astype(np.uint32).view(np.float32)
+
+
+def test_round_dt_is_the_exact_rounding():
+    """The fast casts of the write-out against exact integer rounding (tests/numerics/rounding.py)."""
+    x = (np.random.default_rng(0).standard_normal(4000) * np.exp2(np.random.default_rng(1).integers(-30, 10, 4000)))
+    x = x.astype(np.float32)
+    for dt in (torch.float16, torch.bfloat16):
+        bits, emin, emax = FORMAT[dt]
+        assert [float(y) for y in round_dt(x, dt)] == [nearest(float(y), bits, emin, emax) for y in x]
 
 
 def dt_ulp(x: np.ndarray, dt: torch.dtype) -> np.ndarray:
@@ -146,7 +169,8 @@ def test_forward_on_model_inputs_is_the_written_out_kernel(name, d, dt):
         h, hk = 4, 2
     if name == "causal-rect":
         ours["causal"] = True
-    q, k, v = torch.randn(b, h, lq, d, generator=g), torch.randn(b, hk, lk, d, generator=g), torch.randn(b, hk, lk, 64, generator=g)
+    q, k = torch.randn(b, h, lq, d, generator=g), torch.randn(b, hk, lk, d, generator=g)
+    v = torch.randn(b, hk, lk, 64, generator=g)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     mask64 = None
     if name == "bool-mask":
@@ -159,8 +183,9 @@ def test_forward_on_model_inputs_is_the_written_out_kernel(name, d, dt):
         ours["mask"] = mask64
         mask64 = mask64.to(dt).double()  # the mask as the model holds it in dt
     if name == "causal-rect":  # PyTorch's is_causal: tril aligned top left
-        mask64 = torch.zeros(lq, lk, dtype=torch.float64).masked_fill(torch.ones(lq, lk, dtype=torch.bool).triu(1), -math.inf)
-    pb, blk = run_forward(q, k, v, dt, **ours)
+        upper = torch.ones(lq, lk, dtype=torch.bool).triu(1)
+        mask64 = torch.zeros(lq, lk, dtype=torch.float64).masked_fill(upper, -math.inf)
+    pb, _ = run_forward(q, k, v, dt, **ours)
     scale = 1 / math.sqrt(d)
     kx = k.double().repeat_interleave(h // hk, dim=1)
     vx = v.double().repeat_interleave(h // hk, dim=1)
@@ -176,9 +201,10 @@ def test_forward_on_model_inputs_is_the_written_out_kernel(name, d, dt):
     assert ((s32 - s64).abs()[fin] <= bound[fin]).all()
     out = pb.cells[0][1]
     s = pb.scores.float()
-    p_ref, lse_ref, o64 = written_out(s.numpy(), vx.reshape(-1, 1, lk, 64).expand(-1, lq, -1, -1).reshape(-1, lk, 64).numpy(), dt)
+    v_rows = vx.reshape(-1, 1, lk, 64).expand(-1, lq, -1, -1).reshape(-1, lk, 64).numpy()  # each row's V
+    p_ref, _, o64 = written_out(s.numpy(), v_rows, dt)
     assert np.array_equal(out.probs.numpy(), p_ref)
-    acc = lk * 2.0**-24 * np.einsum("rk,rkd->rd", np.abs(p_ref.astype(np.float64)), np.abs(vx.reshape(-1, 1, lk, 64).expand(-1, lq, -1, -1).reshape(-1, lk, 64).numpy()))
+    acc = lk * 2.0**-24 * np.einsum("rk,rkd->rd", np.abs(p_ref.astype(np.float64)), np.abs(v_rows))
     assert (np.abs(out.out.double().numpy() - o64) <= acc + dt_ulp(np.abs(o64) + acc, dt)).all()
     assert out.out.dtype == dt
 
@@ -243,7 +269,8 @@ def test_pytorch_196678_repro_is_predicted_nan_in_every_rows_dq():
 ])
 def test_pytorch_196678_controls_give_no_hazard_rows(L, mask, explicit, shift):
     q, k, v, bias = repro_196678(L, shift=shift, mask=mask)
-    r = cudnn.kernel_rows(q[0], k[0], v[0], scale=1 / 8, bias=bias[None], dt=torch.bfloat16, explicit_mask=explicit)
+    r = cudnn.kernel_rows(q[0], k[0], v[0], scale=1 / 8, bias=bias[None], dt=torch.bfloat16,
+                          explicit_mask=explicit)
     assert not r.events["padded_tile"].any()
     assert torch.isfinite(r.out).all()
 
@@ -292,7 +319,8 @@ def test_cudnn_frontend_1072_controls_give_no_hazard_rows(sk, shift):
 def test_healthy_inputs_give_no_hazard_rows(tk):
     """Random q, k, masked, Tk % 128 == 64 among them: LSE near log(Tk) > 0, far from -88.7."""
     g = torch.Generator().manual_seed(tk)
-    q, k, v = torch.randn(2, 3, 64, generator=g), torch.randn(2, tk, 64, generator=g), torch.randn(2, tk, 64, generator=g)
+    q, k = torch.randn(2, 3, 64, generator=g), torch.randn(2, tk, 64, generator=g)
+    v = torch.randn(2, tk, 64, generator=g)
     bias = torch.zeros(2, 3, tk).masked_fill(torch.rand(2, 3, tk, generator=g) < 0.3, -math.inf)
     for dt in (torch.float16, torch.bfloat16):
         r = cudnn.kernel_rows(q, k, v, scale=1 / 8, bias=bias, dt=dt)
@@ -312,3 +340,75 @@ def test_padded_tile_rows_threshold_and_margin():
     assert not cudnn.padded_tile_rows(lse, tk=256, tq=128, explicit_mask=False).any()
     assert abs(float(cudnn.lse_margin(torch.tensor([-121.0]))[0]) - (121.0 - LN_F32_MAX)) < 1e-9
     assert abs(float(cudnn.lse_margin(torch.tensor([-121.0]))[0]) - 32.28) < 0.01
+
+
+def facts(**kw):
+    from attncheck.numerics.paths.base import CallFacts
+
+    base = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "tq": 704, "tk": 704, "mask": "explicit",
+            "capability": (9, 0)}
+    return CallFacts(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw,refused", [
+    ({}, None),
+    ({"dtype": "fp16", "capability": (8, 0)}, None),
+    ({"dtype": "fp32"}, "fp16 and bf16 only"),  # check_dtypes_low_precision
+    ({"dtype": "e4m3"}, "fp16 and bf16 only"),
+    ({"capability": (7, 5)}, "sm80 to sm121"),  # check_cudnn_hardware_support
+    ({"head_dim": 100, "head_dim_v": 100}, "multiples of 8"),  # check_cudnn_tensor_shapes
+    ({"head_dim": 256, "head_dim_v": 256}, None),  # 256 on sm90 (cuDNN > 9.22)
+    ({"head_dim": 256, "head_dim_v": 256, "capability": (8, 0)}, "up to 128"),
+    ({"head_dim": 256, "head_dim_v": 256, "capability": None}, None),  # unknown device: the widest limit
+    ({"head_dim": 264, "head_dim_v": 264}, "up to 256"),
+    ({"dropout": 0.1}, "1/16"),  # check_cudnn_dropout
+    ({"dropout": 0.125}, None),
+    ({"tk": 1}, "key length of 1"),
+    ({"dropout": 0.125, "tq": 1}, "query length of 1"),
+    ({"softcap": 30.0}, "softcap"),
+])
+def test_supports_says_what_pytorchs_cudnn_backend_refuses(kw, refused):
+    why = cudnn.supports(facts(**kw))
+    assert (why is None) if refused is None else (refused in why)
+
+
+def test_path_spec():
+    from attncheck.numerics.paths.base import Stands
+
+    p = cudnn.PATH
+    assert p.name == "cudnn" and p.device == "cuda" and p.replay and not p.default
+    assert p.assumed and "assumed" in p.assumed
+    assert Stands("sdpa", "cudnn_attention", "cuda") in p.stands_for
+    assert p.stands_for[0].matches("sdpa", "cudnn_attention", "cuda")
+    assert not p.stands_for[0].matches("sdpa", "flash_attention", "cuda")
+    assert p.function() is cudnn.forward
+    assert p.why_not(facts(dtype="fp32"))
+    import re
+
+    assert len(re.findall(r"@[0-9a-f]{40} ", p.source)) == 2
+
+
+def test_importing_the_module_does_not_import_torch():
+    code = ("import sys, attncheck.numerics.paths.cudnn as c; assert 'torch' not in sys.modules, 'torch'; "
+            "print(c.PATH.name)")
+    root = str(Path(__file__).resolve().parents[3])  # this checkout, not an installed copy
+    env = {**os.environ, "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
+                          cwd=root, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "cudnn"
+
+
+def test_forward_reports_the_hazard_rows_once_the_event_is_registered(monkeypatch):
+    """The path's forward on the 196678 repro as a model call (bool mask): no event the registry does not
+    know (MethodOutput's event_rows looks every name up), and every row once 'padded_tile' is known."""
+    from attncheck.registry import EVENTS
+
+    q, k, v, bias = repro_196678()
+    keep = torch.isfinite(bias.float())
+    pb, _ = run_forward(q, k, v, torch.bfloat16, mask=keep)
+    assert set(pb.cells[0][1].events) <= set(EVENTS)
+    monkeypatch.setitem(EVENTS, cudnn.EVENT, "overflow")
+    pb, _ = run_forward(q, k, v, torch.bfloat16, mask=keep)
+    out = pb.cells[0][1]
+    assert out.events[cudnn.EVENT].all() and torch.isfinite(out.out).all()
