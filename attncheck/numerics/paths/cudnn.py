@@ -23,14 +23,17 @@ The emulation follows FlashAttention-2's forward with these assumed rounding poi
    tree in fp32, l rescaled by exp(m_prev - m) each tile, fp32;
 5. P = e rounded to the dtype for P @ V, accumulated in fp32 (the row sum l from the unrounded e);
 6. O = acc / l (1 / l taken as 1 where l is 0 or NaN, so a row with no key gives 0), rounded to
-   the dtype once; the effective probabilities P_j exp(m_j - m_final) / l are what O is P_eff @ V of;
+   the dtype once. The kernel rescales acc tile by tile; the emulation multiplies each rounded P_j by
+   exp(m_j - m_final) / l first (the effective probabilities) and takes P_eff @ V in fp32: the two
+   differ by fp32 rounding only, so O is held to a bound, not to bits;
 7. LSE = m_final + log(l), fp32 (natural log; -inf for a row with no key: ASSUMED).
 
 The padded-tile hazard (backward; ``padded_tile_rows``). Two published triggers, both in the
 backward's recompute P = exp(S - LSE) where a tile is zero-filled past the tensor's end, and both
 needing a row whose forward LSE is below -ln(FLT_MAX) = -88.72 so that exp(0 - LSE) overflows fp32:
 
-- keys (PyTorch issue 196678, cuDNN 9.20; fixed in cuDNN 9.26, PyTorch PR 196861): "an explicit
+- keys (PyTorch issue 196678, torch 2.13 with cuDNN 9.20 on H100/H200, "regression since 2.11"; PyTorch
+  PR 196861 upgrades to cuDNN 9.26 "to fix" it): "an explicit
   attn_mask is passed", "seq_len % 128 == 64 (fails at 64, 192, 320, ..., 704, 832, 1088, 2112; clean
   at multiples of 128 and at every other remainder tested)", "a query row's logsumexp is below about
   -88.7"; "The padded half of the last 128-wide key tile is scored 0 instead of -inf -> exp(0 - lse)
@@ -47,6 +50,10 @@ needing a row whose forward LSE is below -ln(FLT_MAX) = -88.72 so that exp(0 - L
   padded part is the query tile (63 zero-filled query rows of a 64-row tile score 0 against every
   key); which LSE those rows read is not public. The trigger taken here, tq % 64 != 0 with
   tk % 128 == 0 and no mask needed, generalises the one observed shape (1, 128): ASSUMED.
+
+Both were seen on sm90 (H100, H200) only; with a recorded capability other than sm90 no row is
+flagged, without one (a capture that did not record it) the rows are flagged. The cuDNN version is
+not part of the trigger here: the key form is fixed from 9.26 on, the query form is open at 9.26.
 
 The issue text ("a key length that leaves a partial tile and that has an explicit mask") is wider
 than the key form the threads establish (remainder exactly 64) and does not cover the query form
@@ -119,14 +126,16 @@ def lse_margin(lse: torch.Tensor) -> torch.Tensor:
 
 
 def padded_tile_rows(lse: torch.Tensor, tk: int, tq: int, explicit_mask: bool, tile: int = KEY_TILE,
-                     q_tile: int = Q_TILE) -> torch.Tensor:
+                     q_tile: int = Q_TILE, capability: tuple[int, int] | None = None) -> torch.Tensor:
     """(r,) bool: the rows whose backward the padded-tile hazard breaks (see the module docstring).
 
     A row counts where its LSE is finite and exp(0 - LSE) rounds to inf in fp32, in a call that
     leaves zero-filled entries the backward scores 0: the key form (an explicit mask and
     ``tk % tile == tile // 2``: NaN in that row's dQ) or the query form (``tq % q_tile != 0`` and
-    ``tk % tile == 0``: NaN in dK and dV of every key of the head)."""
-    return _overflows(lse) & (_key_form(tk, explicit_mask, tile) | _query_form(tk, tq, tile, q_tile))
+    ``tk % tile == 0``: NaN in dK and dV of every key of the head). ``capability``: the GPU's, where
+    recorded; both forms were reported on sm90 only, so another recorded capability gives no row."""
+    seen = capability is None or tuple(capability) == (9, 0)
+    return _overflows(lse) & seen & (_key_form(tk, explicit_mask, tile) | _query_form(tk, tq, tile, q_tile))
 
 
 def _key_form(tk: int, explicit_mask: bool, tile: int = KEY_TILE) -> bool:
@@ -182,11 +191,12 @@ def _lse(s: torch.Tensor, ob, m: torch.Tensor) -> torch.Tensor:
 
 def kernel_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, *, scale: float,
                 bias: torch.Tensor | None, dt: torch.dtype, tq: int | None = None,
-                explicit_mask: bool | None = None, block_n: int = KEY_TILE) -> KernelRows:
+                explicit_mask: bool | None = None, block_n: int = KEY_TILE,
+                capability: tuple[int, int] | None = None) -> KernelRows:
     """The emulated cuDNN forward of q (n, tq, d), k (n, Tk, d), v (n, Tk, dv) or None (any float
     dtype; rounded to ``dt`` here), ``bias`` (n, tq, Tk) additive, in ``dt`` or rounded to it, or None.
     ``tq``: the call's query length (default q's); ``explicit_mask``: the call passed an attn_mask
-    tensor (default: ``bias is not None``)."""
+    tensor (default: ``bias is not None``); ``capability``: the GPU's where known (the hazard is sm90's)."""
     import torch
 
     from attncheck.numerics.precision import cast
@@ -199,12 +209,15 @@ def kernel_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, *, sca
     probs, out, lse = softmax_rows(s, None if v is None else cast(v, dt), dt, block_n)
     tq = q.shape[1] if tq is None else tq
     explicit = bias is not None if explicit_mask is None else explicit_mask
-    return KernelRows(probs, out, lse, lse_margin(lse), hazard_events(lse, k.shape[1], tq, explicit, block_n))
+    events = hazard_events(lse, k.shape[1], tq, explicit, block_n, capability)
+    return KernelRows(probs, out, lse, lse_margin(lse), events)
 
 
-def hazard_events(lse: torch.Tensor, tk: int, tq: int, explicit_mask: bool, tile: int = KEY_TILE) -> dict:
-    """The padded-tile hazard's rows: ``padded_tile`` (either form) and each form on its own."""
-    over = _overflows(lse)
+def hazard_events(lse: torch.Tensor, tk: int, tq: int, explicit_mask: bool, tile: int = KEY_TILE,
+                  capability: tuple[int, int] | None = None) -> dict:
+    """The padded-tile hazard's rows: ``padded_tile`` (either form, ``padded_tile_rows``) and each form
+    on its own ('padded_key_tile': NaN in the row's dQ; 'padded_query_tile': NaN in dK, dV)."""
+    over = _overflows(lse) & (capability is None or tuple(capability) == (9, 0))
     keys = over & _key_form(tk, explicit_mask, tile)
     queries = over & _query_form(tk, tq, tile)
     return {EVENT: keys | queries, "padded_key_tile": keys, "padded_query_tile": queries}

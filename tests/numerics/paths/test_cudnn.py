@@ -101,7 +101,7 @@ def dt_ulp(x: np.ndarray, dt: torch.dtype) -> np.ndarray:
 def scores_case(name: str, n: int, dt: torch.dtype, seed: int = 0):
     """fp32 scores (rows, n) with the features of ``name`` and v (rows, n, 64) in dt (as float64)."""
     g = torch.Generator().manual_seed(seed)
-    rows = 6
+    rows = 4
     s = (torch.randn(rows, n, generator=g) * 3).float()
     if name == "masked":  # a boolean mask's -inf and a float mask's -1e4 side by side
         s[torch.rand(rows, n, generator=g) < 0.3] = -math.inf
@@ -121,7 +121,7 @@ CASES = ["random", "masked", "fully-masked", "far-tile", "causal"]
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=IDS)
-@pytest.mark.parametrize("n", [127, 128, 129, 192, 257])
+@pytest.mark.parametrize("n", [127, 128, 129, 192])
 @pytest.mark.parametrize("name", CASES)
 def test_softmax_rows_are_the_stated_rounding_points_written_out(name, n, dt):
     """probs and LSE bit for bit; O within the fp32 accumulation bound plus the dtype's rounding."""
@@ -338,6 +338,9 @@ def test_padded_tile_rows_threshold_and_margin():
     assert not cudnn.padded_tile_rows(lse, tk=200, tq=192, explicit_mask=True).any()  # remainder 72, not 64
     assert cudnn.padded_tile_rows(lse, tk=256, tq=1, explicit_mask=False).tolist() == rows.tolist()
     assert not cudnn.padded_tile_rows(lse, tk=256, tq=128, explicit_mask=False).any()
+    # reported on sm90 (H100, H200) only: another recorded capability flags nothing, sm90 the same rows
+    assert not cudnn.padded_tile_rows(lse, tk=192, tq=192, explicit_mask=True, capability=(8, 0)).any()
+    assert cudnn.padded_tile_rows(lse, tk=192, tq=192, explicit_mask=True, capability=(9, 0)).tolist() == rows.tolist()
     assert abs(float(cudnn.lse_margin(torch.tensor([-121.0]))[0]) - (121.0 - LN_F32_MAX)) < 1e-9
     assert abs(float(cudnn.lse_margin(torch.tensor([-121.0]))[0]) - 32.28) < 0.01
 
