@@ -633,11 +633,13 @@ class Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         if self._closed or _compiling():  # a thread that outlived the capture keeps the mode on its stack; dynamo tracing
             return func(*args, **kwargs)
+        if self._thread().in_flash:  # inside a flash-attn call being recorded: its own ops are not calls of their own
+            return func(*args, **kwargs)
         if func is SDPA:
-            return func(*args, **kwargs) if self._thread().in_flash else self._sdpa(func, args, kwargs)
+            return self._sdpa(func, args, kwargs)
         name = getattr(func, "__name__", None)
         if name == "softmax":
-            return func(*args, **kwargs) if self._thread().in_flash else self._softmax(func, args, kwargs)
+            return self._softmax(func, args, kwargs)
         if func is MHA_FORWARD:
             return self._mha(func, args, kwargs)
         if name == "flex_attention" and func is _flex_hop():

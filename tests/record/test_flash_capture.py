@@ -77,11 +77,15 @@ def fake_flash(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text(textwrap.dedent(FAKE))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     importlib.invalidate_caches()
-    for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
+    for name in _fakes():
         monkeypatch.delitem(sys.modules, name)
     yield
-    for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
+    for name in _fakes():
         del sys.modules[name]
+
+
+def _fakes() -> list[str]:
+    return [n for n in sys.modules if n.split(".")[0] in ("flash_attn", "flash_attn_interface")]
 
 
 class FlashAttention(torch.nn.Module):
@@ -162,6 +166,63 @@ def test_varlen_is_recorded_one_call_per_sequence(fake_flash):
         torch.testing.assert_close(again, out[lo:hi], rtol=0, atol=1e-6)
 
 
+FA3 = '''
+import torch
+import torch.nn.functional as F
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
+                    deterministic=False, sm_margin=0, return_attn_probs=False):
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, scale=softmax_scale).transpose(1, 2)
+'''
+
+FA4 = '''
+import torch
+import torch.nn.functional as F
+
+
+def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False,
+                    window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None,
+                    deterministic=False, score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None,
+                    aux_scalars=None, block_sparse_tensors=None, block_sparse_tensors_bwd=None, return_lse=False):
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, scale=softmax_scale).transpose(1, 2)
+    return out, torch.zeros(out.shape[:-1])
+'''
+
+
+def test_flashattention_3_and_4_interfaces_are_recorded_with_descales_and_sinks(fake_flash, tmp_path, monkeypatch):
+    """FA3's top-level flash_attn_interface (q_descale, k_descale, v_descale) and FA4's flash_attn.cute
+    (learnable_sink, window_size of None), as their interfaces are at the commit cited above."""
+    site = tmp_path / "site"
+    (site / "flash_attn_interface.py").write_text(textwrap.dedent(FA3))
+    (site / "flash_attn" / "cute").mkdir()
+    (site / "flash_attn" / "cute" / "__init__.py").write_text(textwrap.dedent(FA4))
+    importlib.invalidate_caches()
+    import flash_attn.cute
+    import flash_attn_interface
+
+    fa3, fa4 = flash_attn_interface.flash_attn_func, flash_attn.cute.flash_attn_func
+    q, k, v = bthd()
+    scales = {f"{r}_descale": torch.full((2, 4), 0.5) for r in "qk"}
+    sink = torch.linspace(-1, 1, 4)
+    with torch.no_grad(), attncheck.capture() as cap:
+        flash_attn_interface.flash_attn_func(q, k, v, softmax_scale=0.25, window_size=(-1, 2), **scales)
+        out, _ = flash_attn.cute.flash_attn_func(q, k, v, learnable_sink=sink, window_size=(None, None))
+    assert flash_attn_interface.flash_attn_func is fa3 and flash_attn.cute.flash_attn_func is fa4
+    three, four = cap.calls
+    assert (three.meta["flash_package"], three.meta["descales"], three.meta["window"], three.meta["scale"]) == \
+        ("fa3", "q,k", "-1,2", "0.25")
+    assert torch.equal(three.tensors["q_descale"], scales["q_descale"]) and "v_descale" not in three.tensors
+    assert (four.meta["flash_package"], four.meta["sinks"], four.meta["window"], four.meta["flash_extras"]) == \
+        ("fa4", "true", "-1,-1", "none")
+    assert torch.equal(four.tensors["sinks"], sink) and torch.equal(four.tensors["q"], q.transpose(1, 2))
+    m = jsondoc.convert(meta_fields(three.meta), CallMeta, lax=True)
+    assert (m.descales, m.flash_package) == ("q,k", "fa3")
+
+
 def test_attributes_are_restored_after_the_block_also_when_it_fails(fake_flash, monkeypatch):
     import flash_attn
     import transformers.modeling_flash_attention_utils as tf
@@ -205,6 +266,10 @@ def test_run_judges_a_plain_flash_attn_call_as_sdpa_and_refuses_one_it_cannot(fa
     r = runner.invoke(app, ["run", str(tmp_path / "cap"), "--fail-on", "error,warning,nan", "--json", "-"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["model"]["calls"][0]["kind"] == "sdpa"
+    with torch.no_grad(), attncheck.capture(diagnose=True) as cap:  # diagnosed as it comes: the same reading
+        FlashAttention(causal=True)(q, k, v)
+    (report,) = cap.calls
+    assert report.call.kind == "sdpa" and [c.name for c in report.diagnosis.cells] == ["flash/fp16"]
     with torch.no_grad(), attncheck.capture(tmp_path / "capped"):
         FlashAttention(softcap=30.0)(q, k, v)
     r = runner.invoke(app, ["run", str(tmp_path / "capped")])
