@@ -40,6 +40,9 @@ FORMAT_KEY = "format"  # safetensors metadata key holding CAPTURE_SCHEMA in ever
 CALL_FILE = re.compile(r"^(\d{4,})-([A-Za-z0-9._-]*)\.safetensors$")
 GRADS_SUFFIX = ".grads.safetensors"  # a call's gradients, written when the backward reaches it: NNNN-<module>.grads.safetensors
 KINDS = ("sdpa", "softmax")
+# Until the flash-attn package's kernels have paths of their own, a flash_attn call is judged as the SDPA call that
+# computes the same: CallInfo.kind 'sdpa' (meta['kind'] stays 'flash_attn'); one SDPA cannot express is refused.
+JUDGED_AS = {"flash_attn": "sdpa"}
 GRAD_ROLES = ("grad_out", "grad_q", "grad_k", "grad_v")  # dO, and the gradients the call's kernel produced
 # scores_mod, scores_mod64: a flex call's logits after its score_mod, as flex computes them (fp32) and in float64
 ROLES = ("q", "k", "v", "attn_mask", "scores", "out", "scores_mod", "scores_mod64", *GRAD_ROLES)
@@ -116,10 +119,14 @@ def call_meta(meta: dict[str, str]) -> CallMeta:
 def info_from_meta(meta: dict[str, str], *, index: int, name: str, file: str | None) -> CallInfo:
     """A call file's metadata (strings, as safetensors keeps them), checked -> CallInfo."""
     m = call_meta(meta)
+    kind = m.kind
+    if kind == "flash_attn":
+        _flash_as_sdpa(m, meta)
+        kind = JUDGED_AS[kind]
     return CallInfo(
         index=index,
         name=name,
-        kind=m.kind,
+        kind=kind,
         module=m.module,
         file=file,
         dtype=_label(m.dtype),
@@ -132,6 +139,45 @@ def info_from_meta(meta: dict[str, str], *, index: int, name: str, file: str | N
         forward=m.forward or None,
         meta=dict(meta),
     )
+
+
+def _flash_as_sdpa(m: CallMeta, meta: dict[str, str]) -> None:
+    """A flash_attn call that SDPA computes the same way (no soft cap, window, sinks, FP8 descales or other
+    arguments; causal only with as many queries as keys, where flash-attn's bottom-right causal mask is SDPA's
+    top-left one); anything else is one line saying why it is not judged."""
+    import json
+
+    why = []
+    if m.softcap not in (None, "none", ""):
+        try:
+            cap = float(m.softcap)
+        except ValueError:
+            raise error(f"metadata: softcap: expected a number or none, got {shorten(repr(m.softcap))}") from None
+        if cap != 0.0:
+            why.append(f"softcap {cap!r}")
+    if m.window is not None:
+        left, right = (int(x) for x in m.window.split(","))
+        if left >= 0 or (right >= 0 and not m.is_causal):
+            why.append(f"window ({left}, {right})")
+    if m.sinks:
+        why.append("sinks")
+    if m.descales not in (None, "none"):
+        why.append(f"descales of {m.descales}")
+    if m.flash_extras not in (None, "none", ""):
+        why.append(m.flash_extras)
+    if m.is_causal:
+        try:
+            shapes = json.loads(m.shapes or "")
+            tq, tk = shapes["q"][-2], shapes["k"][-2]
+        except (ValueError, KeyError, TypeError, IndexError):
+            tq = tk = None
+        if tq is None or tq != tk:
+            why.append("causal with " + (f"{tq} queries and {tk} keys (bottom-right aligned)" if tq is not None
+                                          else "no shapes recorded"))
+    if why:
+        fn = f"{m.flash_package or 'flash-attn'} {m.flash_fn or 'call'}"
+        raise error(f"a flash_attn call ({fn}) with {', '.join(why)}: attncheck has no path for it yet "
+                    "(judged as SDPA it would be judged wrong)")
 
 
 def _clip(name: str, limit: int = 200) -> str:
@@ -201,7 +247,7 @@ def call_bytes(entries: dict[str, tuple[str, tuple[int, ...]]]) -> int:
 
 def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int, ...]]],
                  meta: dict[str, str] | None = None) -> str | None:
-    need = ("q", "k") if kind in ("sdpa", "flex") else ("scores",)
+    need = ("q", "k") if kind in ("sdpa", "flex", "flash_attn") else ("scores",)
     missing = [r for r in need if r not in entries]
     if missing:
         return f"{label}: the {kind} call has no {' or '.join(missing)} tensor"

@@ -27,7 +27,8 @@ Name = Annotated[str, Meta(max_length=MAX_NAME)]
 Message = Annotated[str, Meta(max_length=MAX_TEXT)]
 Short = Annotated[str, Meta(max_length=128)]
 Schema = Annotated[str, Meta(pattern=r"^attncheck\.capture/", max_length=64)]
-Kind = Literal["sdpa", "softmax", "flex"]
+# 'flash_attn': a call of the flash-attn package (FlashAttention-2, -3 or -4's Python interface), patched to record it
+Kind = Literal["sdpa", "softmax", "flex", "flash_attn"]
 Role = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")]
 Dim = Annotated[int, Meta(ge=0, le=MAX_DIM)]
 # The dtypes a call is computed in (torch's names, as the recorder writes them); attncheck reads
@@ -36,6 +37,10 @@ ComputeDtype = Literal["float16", "bfloat16", "float32", "float64"]
 # SDPA's scale multiplies q.k: attncheck diagnoses positive finite ones (float64's largest is the bound).
 Scale = Annotated[float, Meta(gt=0.0, le=1.7976931348623157e308)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+Capability = Annotated[str, Meta(pattern=r"^[0-9]{1,3}\.[0-9]{1,3}$")]  # a CUDA compute capability: '9.0'
+ImplName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+Window = Annotated[str, Meta(pattern=r"^-?[0-9]{1,12},-?[0-9]{1,12}$")]  # 'left,right' in keys; -1: unbounded
+Descales = Annotated[str, Meta(pattern=r"^(none|[qkv](,[qkv]){0,2})$")]  # which of q, k, v had a descale factor
 
 
 class ManifestTensor(Struct):
@@ -142,7 +147,21 @@ class CallMeta(Struct):
     logit_before_mod: Optional[Annotated[float, Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]] = None
     mask_op: Optional[Literal["add", "fill", "none"]] = None  # how the eager code applied its mask (the backward differs)
     softcap: Optional[Short] = None  # a soft-capped softmax call's cap (cap * tanh(S * scale / cap)), or 'unknown
-    device: Optional[Short] = None
+    device: Optional[Short] = None  # torch's name of the device the call ran on: 'cpu', 'cuda:0'
+    # On CUDA: the GPU's compute capability and name; for an SDPA call, the flash implementation PyTorch had active
+    # (torch.nn.attention's registry: 'fa2' by default, else the activated name lowercased: 'fa3', 'fa4')
+    capability: Optional[Capability] = None
+    gpu_name: Optional[Short] = None
+    flash_impl: Optional[ImplName] = None
+    # A flash_attn call: which function of which package, and the arguments SDPA has no counterpart for
+    flash_fn: Optional[Literal["flash_attn_func", "flash_attn_varlen_func"]] = None
+    flash_package: Optional[Literal["fa2", "fa3", "fa4"]] = None  # flash_attn, flash_attn_interface, flash_attn.cute
+    window: Optional[Window] = None  # window_size as given ('-1,-1': none); causal and window are bottom-right aligned
+    descales: Optional[Descales] = None  # FA3's q_descale, k_descale, v_descale (their tensors are in the file)
+    sinks: bool = False  # FA4's learnable_sink (its tensor 'sinks' is in the file)
+    flash_extras: Optional[Short] = None  # other arguments that change what it computes: 'alibi_slopes,qv', or 'none'
+    varlen_seq: Optional[Index] = None  # flash_attn_varlen_func: recorded one call per sequence: which, of how many
+    varlen_seqs: Optional[Annotated[int, Meta(ge=1, le=MAX_BYTES)]] = None
     dtypes: Optional[Message] = None
     shapes: Optional[Message] = None
 
@@ -152,7 +171,13 @@ NONE_FIELDS = ("dtype", "softmax_dtype", "autocast_dtype", "scale", "num_heads",
 
 # What a metadata field must hold, for the message that refuses it.
 FIELD_HELP = {
-    "kind": "sdpa or softmax",
+    "kind": "sdpa, softmax, flex or flash_attn",
+    "capability": "a CUDA compute capability such as 9.0",
+    "flash_impl": "the name of a flash attention implementation (fa2, fa3, fa4)",
+    "window": "a window size 'left,right' in keys (-1: unbounded)",
+    "descales": "none, or which of q, k, v had a descale factor: 'q,k,v'",
+    "flash_fn": "flash_attn_func or flash_attn_varlen_func",
+    "flash_package": "fa2, fa3 or fa4",
     "dtype": "the dtype attncheck reads a call in: float16, bfloat16, float32 or float64",
     "softmax_dtype": "float16, bfloat16, float32, float64 or none",
     "autocast_dtype": "float16, bfloat16, float32, float64 or none",

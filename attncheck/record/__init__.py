@@ -86,7 +86,8 @@ class Capture:
         else:
             self._sink = MemorySink()
         self._recorder = Recorder(self._sink, modules=self.modules, forwards=self.forwards, max_calls=self.max_calls,
-                                  max_bytes=self.max_bytes, notice=self.notice, grads=self.grads, compile=self.compile)
+                                  max_bytes=self.max_bytes, notice=self.notice, grads=self.grads, compile=self.compile,
+                                  flash=True)
         self._recorder.__enter__()
         return self
 

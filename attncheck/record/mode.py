@@ -24,6 +24,14 @@ returns). While recording, PyTorch's fused MHA fast path is off (a torch functio
 it off by itself): results are bit-identical to the same model run with
 ``torch.backends.mha.set_fastpath_enabled(False)``.
 
+The flash-attn package (``flash_attn_func``, ``flash_attn_varlen_func`` of FlashAttention-2, -3 and -4, where
+installed; ``flash=True``): its functions are patched while recording (``attncheck.record.flash``), each call
+recorded as kind 'flash_attn' with q, k, v in attncheck's (B, H, T, D) layout; torch calls inside one (a fallback
+through SDPA) are not recorded again. Their gradients are not recorded.
+
+On CUDA every call also says the GPU's compute capability and name, and an SDPA call the flash implementation
+PyTorch had active (``flash.gpu_facts``).
+
 FlexAttention (``torch.nn.attention.flex_attention``): its operator (``flex_attention_hop``) is
 dispatched to the mode with the scale, GQA and block mask resolved. The recorder takes q, k, v,
 the block mask's ``mask_mod`` evaluated as a boolean mask (True: attend) and, where a ``score_mod``
@@ -72,6 +80,7 @@ from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from attncheck import __version__
 from attncheck.errors import AttncheckError
 from attncheck.loaders.calls import CAPTURE_SCHEMA, FORMAT_KEY
+from attncheck.record.flash import FlashPatch, bound_arguments, flash_meta, gpu_facts, sequences, side_tensors
 
 # The functions as torch defines them (while an MHA call runs, the module attributes are routed).
 SDPA = F.scaled_dot_product_attention
@@ -367,6 +376,7 @@ class _Thread:
     patched: bool = False
     mha_info: dict = field(default_factory=dict)
     mode: bool = False  # the mode is on this thread's stack: torch dispatches its calls to the recorder
+    in_flash: bool = False  # a flash-attn function runs: what it calls is part of the call recorded
 
 
 class Recorder(TorchFunctionMode):
@@ -383,12 +393,14 @@ class Recorder(TorchFunctionMode):
     recorded with ``compiled = 'eager'`` in their metadata (the eager code is judged, not inductor's
     kernels); 'keep': compiled code runs compiled and its calls are not recorded (the hooks and the
     mode stay out of the graphs dynamo traces); ``compiled_runs`` counts the compiled modules and
-    functions that ran. None (the watch): as 'keep'.
+    functions that ran. None (the watch): as 'keep'. ``flash``: the flash-attn package's functions are
+    recorded (patched while recording, where the package is installed).
     """
 
     def __init__(self, sink: Callable[[Recorded], None], *, modules=(), forwards=None, max_calls: int | None = None,
                  max_bytes: int | None = None, notice: Callable[[str], None] | None = None, grads: bool = True,
-                 outputs: bool = False, in_modules: bool = False, compile: str | None = None, flex_reference: bool = True) -> None:
+                 outputs: bool = False, in_modules: bool = False, compile: str | None = None,
+                 flex_reference: bool = True, flash: bool = False) -> None:
         super().__init__()
         self.in_modules = in_modules
         self.flex_reference = flex_reference  # a flex call's float64 logits after its score_mod (the watch needs none)
@@ -427,6 +439,8 @@ class Recorder(TorchFunctionMode):
         self._start_wrapper = None
         self._sdpa_before = None
         self._sdpa_wrapper = None
+        self._flash_patch = FlashPatch(self._flash_call) if flash else None
+        self.flash_unrecorded = 0  # flash-attn calls whose arguments cannot be recorded (a paged KV cache)
 
     # The last matmul of 3+-D operands: {'a', 'b', 'shape', 'path'}; q and k^T are alive in the
     # model until its softmax anyway. What derives from its result is followed by weak reference
@@ -460,6 +474,8 @@ class Recorder(TorchFunctionMode):
         self._sdpa_before = F.scaled_dot_product_attention
         self._sdpa_wrapper = self._sdpa_any_thread  # one bound method, to tell it apart when restoring
         F.scaled_dot_product_attention = self._sdpa_wrapper
+        if self._flash_patch is not None:
+            self._flash_patch.__enter__()
         # torch warns that global hooks fire once more for torch.compile(module)'s wrapper: the module stack knows
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()
@@ -504,6 +520,8 @@ class Recorder(TorchFunctionMode):
                 threading.Thread.start = self._start_before
             if F.scaled_dot_product_attention is self._sdpa_wrapper:
                 F.scaled_dot_product_attention = self._sdpa_before
+            if self._flash_patch is not None:
+                self._flash_patch.__exit__(*exc)
             if self._compile_before is not None:
                 torch.compile = self._compile_before
             if self._stance is not None:
@@ -604,7 +622,8 @@ class Recorder(TorchFunctionMode):
     def _sdpa_any_thread(self, *args, **kwargs):
         """``F.scaled_dot_product_attention`` while recording: a thread without the mode (one that ran
         before recording began) is recorded here; elsewhere the mode records the call."""
-        if _compiling() or self._closed or self._thread().mode or (self.in_modules and not self.tracker.stack):
+        state = self._thread()
+        if _compiling() or self._closed or state.mode or state.in_flash or (self.in_modules and not self.tracker.stack):
             return SDPA(*args, **kwargs)
         return self._sdpa(SDPA, args, kwargs)
 
@@ -613,6 +632,8 @@ class Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self._closed or _compiling():  # a thread that outlived the capture keeps the mode on its stack; dynamo tracing
+            return func(*args, **kwargs)
+        if self._thread().in_flash:  # inside a flash-attn call being recorded: its own ops are not calls of their own
             return func(*args, **kwargs)
         if func is SDPA:
             return self._sdpa(func, args, kwargs)
@@ -735,6 +756,7 @@ class Recorder(TorchFunctionMode):
         with self._lock:
             index = self.seen
             self.seen += 1
+        device = next(iter(tensors.values())).device
         base = {
             FORMAT_KEY: CAPTURE_SCHEMA,
             "kind": kind,
@@ -743,9 +765,10 @@ class Recorder(TorchFunctionMode):
             "forward": str(self.tracker.forward if module is not None else 0),
             "dtypes": json.dumps({role: _dtype_name(t.dtype) for role, t in tensors.items()}),
             "shapes": json.dumps({role: list(t.shape) for role, t in tensors.items()}),
-            "device": str(next(iter(tensors.values())).device),
+            "device": str(device),
             "torch_version": torch.__version__,
             "attncheck_version": __version__,
+            **gpu_facts(device, sdpa=kind == "sdpa"),
         }
         base.update(meta)
         if self.tracker.in_compiled or _in_compiled_code():
@@ -795,6 +818,48 @@ class Recorder(TorchFunctionMode):
             node = out.grad_fn if "ScaledDotProduct" in type(out.grad_fn).__name__ else None  # a fused kernel's own node
             self._watch(call, out, node, {"grad_q": q, "grad_k": k, "grad_v": v})
         return out
+
+    # ------------------------------------------------------------------ the flash-attn package
+
+    def _flash_call(self, original, package: str, fn: str, args, kwargs):
+        """A patched flash-attn function: the original, called as given, then the call recorded."""
+        state = self._thread()
+        if self._closed or _compiling() or state.in_flash or (self.in_modules and not self.tracker.stack):
+            return original(*args, **kwargs)
+        state.in_flash = True
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            state.in_flash = False
+        self._flash(original, package, fn, args, kwargs, out)
+        return out
+
+    def _flash(self, original, package: str, fn: str, args, kwargs, out) -> None:
+        module = self.tracker.path
+        if not self._wanted(module):
+            return
+        a = bound_arguments(original, args, kwargs)
+        if a is None:  # arguments the function took that its signature does not show
+            return
+        self.flush()
+        calls, why = sequences(fn, a, out)
+        if why is not None:
+            with self._lock:
+                self.flash_unrecorded += 1
+            if self.notice is not None and self.flash_unrecorded == 1:
+                self.notice(f"a {package} {fn} call in {module or 'global'} is not recorded: {why}")
+            return
+        meta = flash_meta(package, fn, a, a["q"], a["k"])
+        side = side_tensors(a)
+        for q, k, v, o, seq, seqs in calls:
+            tensors = {"q": q, "k": k, "v": v, **side}
+            if self.outputs and o is not None:
+                tensors["out"] = o
+            own = dict(meta)
+            if seq is not None:
+                own["varlen_seq"], own["varlen_seqs"] = str(seq), str(seqs)
+            if not self._emit(self._new_call("flash_attn", module, tensors, own)):
+                return
 
     # ------------------------------------------------------------------ FlexAttention
 
