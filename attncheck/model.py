@@ -34,7 +34,7 @@ from attncheck.results import (
 
 # NaN causes in pipeline order (numerics.cells.diagnose attributes each row to its first).
 PIPELINE = ("input_nan", "inf_input", "qk_overflow", "mask_sentinel", "fully_masked", "cast_overflow",
-            "exp_overflow", "sum_overflow", "underflow", UNEXPLAINED)
+            "exp_overflow", "fused_max", "sum_overflow", "underflow", UNEXPLAINED)
 BAD_VERDICTS = ("nan", "overflow", "zero", "error")
 OUTLIER_RATIO = 10.0  # a head's max|q| (or |k|) this many times the median over the call's heads
 

@@ -41,11 +41,16 @@ class DtypeSpec:
 
 
 # Row events a method can report (MethodOutput.events), in pipeline order, and what
-# they count as in a cell: 'overflow' rows or 'underflow' rows.
+# they count as in a cell: 'overflow' rows, 'underflow' rows, or 'backward' (a hazard of the
+# kernel's backward on a row whose forward is finite: no forward cause)
 EVENTS: dict[str, str] = {
     "exp_overflow": "overflow",  # an exp of a finite score is inf
     "sum_overflow": "overflow",  # every exp is finite, their row sum is inf
     "underflow": "underflow",  # every exp flushed to 0 although the row had finite scores
+    # a kernel's fused max subtraction: x*scale - round(m*scale) at the row max overflows exp2 (FlashAttention-2 with FMA)
+    "fused_max": "overflow",
+    # a hazard of the kernel's backward, predicted from the forward's log-sum-exp: the row's forward is finite
+    "padded_tile": "backward",
 }
 
 
@@ -188,7 +193,7 @@ del _spec
 
 PATHS: Registry[PathSpec] = Registry("path")
 # One line per path: the module attncheck.numerics.paths.<name> declares its PATH (see that package).
-PATH_MODULES = ("eager", "sdpa_math", "flash", "flash_fp8", "sage", "flex", "flex_math")
+PATH_MODULES = ("eager", "sdpa_math", "flash", "fa2", "fa2_fma", "mem_efficient", "cudnn", "flash_fp8", "sage", "flex", "flex_math")
 for _module in PATH_MODULES:
     PATHS.register(importlib.import_module(f"attncheck.numerics.paths.{_module}").PATH)
 del _module

@@ -250,6 +250,8 @@ class Cell:
     nan_rows_by_head: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
     # Rows per event the method reported (registry.EVENTS: exp_overflow, sum_overflow, underflow)
     events: dict[str, int] = field(default_factory=dict)
+    # Per event, the least value a kernel reported over its rows ('padded_tile': the lowest log-sum-exp)
+    event_values: dict[str, float] = field(default_factory=dict)
     # With Q and K: the attention path the cell computes (registry.PATHS); None for given scores.
     path: str | None = None
     tied_rows: int = 0  # rows whose largest score is held by two or more keys (each gets exp(0) = 1)

@@ -40,9 +40,6 @@ FORMAT_KEY = "format"  # safetensors metadata key holding CAPTURE_SCHEMA in ever
 CALL_FILE = re.compile(r"^(\d{4,})-([A-Za-z0-9._-]*)\.safetensors$")
 GRADS_SUFFIX = ".grads.safetensors"  # a call's gradients, written when the backward reaches it: NNNN-<module>.grads.safetensors
 KINDS = ("sdpa", "softmax")
-# Until the flash-attn package's kernels have paths of their own, a flash_attn call is judged as the SDPA call that
-# computes the same: CallInfo.kind 'sdpa' (meta['kind'] stays 'flash_attn'); one SDPA cannot express is refused.
-JUDGED_AS = {"flash_attn": "sdpa"}
 GRAD_ROLES = ("grad_out", "grad_q", "grad_k", "grad_v")  # dO, and the gradients the call's kernel produced
 # scores_mod, scores_mod64: a flex call's logits after its score_mod, as flex computes them (fp32) and in float64
 ROLES = ("q", "k", "v", "attn_mask", "scores", "out", "scores_mod", "scores_mod64", *GRAD_ROLES)
@@ -121,8 +118,7 @@ def info_from_meta(meta: dict[str, str], *, index: int, name: str, file: str | N
     m = call_meta(meta)
     kind = m.kind
     if kind == "flash_attn":
-        _flash_as_sdpa(m, meta)
-        kind = JUDGED_AS[kind]
+        _flash_judged(m, meta)
     return CallInfo(
         index=index,
         name=name,
@@ -141,8 +137,8 @@ def info_from_meta(meta: dict[str, str], *, index: int, name: str, file: str | N
     )
 
 
-def _flash_as_sdpa(m: CallMeta, meta: dict[str, str]) -> None:
-    """A flash_attn call that SDPA computes the same way (no soft cap, window, sinks, FP8 descales or other
+def _flash_judged(m: CallMeta, meta: dict[str, str]) -> None:
+    """A flash_attn call its path computes (no soft cap, window, sinks, FP8 descales or other
     arguments; causal only with as many queries as keys, where flash-attn's bottom-right causal mask is SDPA's
     top-left one); anything else is one line saying why it is not judged."""
     import json

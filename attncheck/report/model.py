@@ -33,7 +33,7 @@ def call_label(line: ModelLine, prefix: str = "") -> str:
     on = "" if line.rank is None else f"r{line.rank} "  # a capture of several processes: the rank first
     if line.module:
         return on + (line.module[len(prefix):] if prefix and line.module.startswith(prefix) else line.module)
-    return on + ("global" if line.kind in ("sdpa", "softmax") else line.name)
+    return on + ("global" if line.kind in ("sdpa", "softmax", "flash_attn") else line.name)
 
 
 def shared_prefix(modules: list[str]) -> str:

@@ -254,22 +254,23 @@ def test_without_the_package_nothing_is_imported(monkeypatch):
     assert not any(n.split(".")[0] in ("flash_attn", "flash_attn_interface") for n in sys.modules)
 
 
-def test_run_judges_a_plain_flash_attn_call_as_sdpa_and_refuses_one_it_cannot(fake_flash, tmp_path):
+def test_run_judges_a_plain_flash_attn_call_by_fa2_fma_and_refuses_one_it_cannot(fake_flash, tmp_path):
     q, k, v = bthd(h=4, hk=2, dtype=torch.float16)
     with torch.no_grad(), attncheck.capture(tmp_path / "cap"):
         FlashAttention(causal=True)(q, k, v)
     (src,), _ = open_capture(tmp_path / "cap")
     info = src.info
     got = (info.kind, info.meta["kind"], info.is_causal, info.enable_gqa, info.dtype)
-    assert got == ("sdpa", "flash_attn", True, True, "fp16")
+    assert got == ("flash_attn", "flash_attn", True, True, "fp16")
     assert src.load()["q"].shape == (2, 4, 6, 8)
     r = runner.invoke(app, ["run", str(tmp_path / "cap"), "--fail-on", "error,warning,nan", "--json", "-"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["model"]["calls"][0]["kind"] == "sdpa"
+    call = json.loads(r.stdout)["model"]["calls"][0]
+    assert call["kind"] == "flash_attn" and call["cell"] == "fa2-fma/fp16", call
     with torch.no_grad(), attncheck.capture(diagnose=True) as cap:  # diagnosed as it comes: the same reading
         FlashAttention(causal=True)(q, k, v)
     (report,) = cap.calls
-    assert report.call.kind == "sdpa" and [c.name for c in report.diagnosis.cells] == ["flash/fp16"]
+    assert report.call.kind == "flash_attn" and [c.name for c in report.diagnosis.cells] == ["fa2-fma/fp16"]
     with torch.no_grad(), attncheck.capture(tmp_path / "capped"):
         FlashAttention(softcap=30.0)(q, k, v)
     r = runner.invoke(app, ["run", str(tmp_path / "capped")])

@@ -329,6 +329,7 @@ class CellAcc:
         self.nan_causes: Counter[str] = Counter()
         self.zero_causes: Counter[str] = Counter()
         self.events: Counter[str] = Counter()
+        self.event_values: dict[str, float] = {}
         self.nan_rows = self.zero_rows = self.overflow_rows = self.underflow_rows = 0
         self.compared = 0
         self.elems = 0
@@ -357,6 +358,7 @@ class CellAcc:
         causes: list[tuple[str, torch.Tensor]],
         metrics: RowMetrics,
         pcast=None,
+        extremes: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Add one chunk of this cell: ``probs`` (r, T) with the method's row events,
         the pipeline ``causes`` before them, and the cell's row ``metrics``; for an FP8
@@ -366,7 +368,8 @@ class CellAcc:
         m = metrics
         nan_row = ~finite(m.pmax)
         zero_row = m.pmax == 0
-        row_causes = causes + [(name, events[name]) for name in EVENTS if name in events]  # pipeline order
+        # pipeline order; a backward hazard breaks no forward row
+        row_causes = causes + [(name, events[name]) for name in EVENTS if name in events and EVENTS[name] != "backward"]
         overflow = event_rows(events, "overflow", nan_row.shape, nan_row.device)
         underflow = event_rows(events, "underflow", nan_row.shape, nan_row.device)
         for target, counter, prefix in ((nan_row, self.nan_causes, "nan"), (zero_row, self.zero_causes, "zero")):
@@ -393,6 +396,9 @@ class CellAcc:
             if name in events and any_true(events[name]):
                 self.events[name] += count(events[name])
                 self.examples.add(f"event:{name}", events[name], c.offset)
+                if extremes and name in extremes:  # the least value over the event's rows (a log-sum-exp)
+                    low = float(extremes[name][events[name]].double().min())
+                    self.event_values[name] = min(self.event_values.get(name, low), low)
 
         if pcast is not None:
             self._count_pcast(pcast, algo, ~nan_row)
@@ -476,6 +482,7 @@ class CellAcc:
             examples=self.examples.unravel(lead),
             nan_rows_by_head=self._top_heads(),
             events=dict(self.events),
+            event_values=dict(self.event_values),
             path=self.path,
             tied_rows=self.tied_rows,
             nan_rows_per_head=self._per_head(),

@@ -27,12 +27,12 @@ from attncheck.codes import SEVERITIES
 from attncheck.config.run import Options
 from attncheck.errors import AttncheckError, param
 from attncheck.model import head_findings
-from attncheck.numerics.cells.plan import CellKey, cell_dtype_name, grid, known_implementation, model_cell, what_if_cells
+from attncheck.numerics.cells.plan import CellKey, call_facts, cell_dtype_name, grid, known_implementation, model_cell, what_if_cells
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
 from attncheck.results import CallInfo, CellLimit, CallReport, HeadStat, TensorDiagnosis
 from attncheck.registry import PATHS, eager_path
 
-QK_KINDS = ("sdpa", "qk", "flex")
+QK_KINDS = ("sdpa", "qk", "flex", "flash_attn")
 GRAD_ROLES = ("grad_out", "grad_q", "grad_k", "grad_v")  # a call's output gradient and the gradients its kernel produced
 
 
@@ -198,7 +198,7 @@ def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: Tens
     real = {} if info.dropout_p > 0 else {name: tensors[role] for name, role in (("dq", "grad_q"), ("dk", "grad_k"), ("dv", "grad_v")) if role in tensors}
     grads = GradInputs(tensors["grad_out"], scores=tensors.get("scores") if info.kind == "softmax" else None, out=tensors.get("out"),
                        real=real, device_type=info.meta.get("device", "cpu").split(":")[0], dropout_p=info.dropout_p,
-                       causal=info.is_causal and info.kind == "sdpa")
+                       causal=info.is_causal and info.kind in ("sdpa", "flash_attn"))
     attach_backward(diag, what, bw_inputs, grads, options, mask_op, own)
 
 
@@ -256,11 +256,13 @@ def _model_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], max_bytes: i
 
     inputs = prepare_inputs(tensors["q"], tensors["k"], tensors.get("attn_mask"), v=tensors.get("v"), scale=_scale(info),
                             causal=info.is_causal, mask_convention="attend", max_bytes=max_bytes, logits=_flex_logits(info, tensors))
-    return _with_flex_block(info, inputs)
+    return _with_call(info, inputs)
 
 
-def _with_flex_block(info: CallInfo, inputs):
-    """A flex call's inputs with the key block of its kernel: its BlockMask's (None without one: one block)."""
+def _with_call(info: CallInfo, inputs):
+    """A captured call's inputs with what its kernel paths read: the call's facts (``plan.call_facts``: the
+    mask it was given, the GPU's capability), and a flex call's key block, its BlockMask's (None without one)."""
+    inputs = replace(inputs, call=call_facts(info, cell_dtype_name(info.dtype) or "fp32"))
     block = info.meta.get("flex_kv_block", "")
     if info.kind == "flex" and block.isascii() and block.isdigit() and 0 < int(block) < 1 << 30:
         return replace(inputs, flex_block=int(block))
@@ -343,7 +345,7 @@ def _what_if(info: CallInfo, tensors, inputs, options: Options, what_if, asked, 
     left = None if max_bytes is None else max(1, max_bytes // 2)
     if info.kind == "softmax" and info.meta.get("softcap", "none") != "none":
         return None  # a what-if rebuilds the scores from q.k and the mask, without the cap: not this model's scores
-    if info.kind in ("sdpa", "flex"):
+    if info.kind in ("sdpa", "flex", "flash_attn"):
         wi_inputs = _sdpa_what_if_inputs(info, tensors, left)
     else:
         wi_inputs = None if inputs is None else _softmax_what_if_inputs(info, tensors, inputs, options, left)
@@ -377,7 +379,7 @@ def _sdpa_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], max_b
     masked = None
     if mask is not None and mask.is_floating_point():
         mask, masked = _relative_float_mask(mask)
-    return _with_flex_block(info, prepare_inputs(tensors["q"], tensors["k"], mask, v=tensors.get("v"), scale=_scale(info), causal=info.is_causal,
+    return _with_call(info, prepare_inputs(tensors["q"], tensors["k"], mask, v=tensors.get("v"), scale=_scale(info), causal=info.is_causal,
                                                  mask_convention="attend", mask_value="min" if masked is not None else "-inf", masked=masked,
                                                  eager_mask_value="min", max_bytes=max_bytes, logits=_flex_logits(info, tensors)))
 

@@ -241,7 +241,7 @@ def _method_stage(block, c: ChunkFacts, d: str, keys, options: Options, accs, ce
     metrics = _cell_metrics(backend, plain, c, [s.fused for s in specs], [o.probs for o in outs], algo, d == "fp32")  # one pass for the stage's cells
     with bookkeeping(c.x.device):
         for key, out, m in zip(keys, outs, metrics):
-            accs[key].update(c, out.probs, out.events, algo, causes, m, pcast=out.pcast)
+            accs[key].update(c, out.probs, out.events, algo, causes, m, pcast=out.pcast, extremes=out.extremes)
 
 
 def _path_stage(block: "QKBlock", c: ChunkFacts, path: str, d: str, keys, options: Options, accs, census, backend, plain, method_params, out_ref: list) -> None:
@@ -274,7 +274,7 @@ def _path_stage(block: "QKBlock", c: ChunkFacts, path: str, d: str, keys, option
     for key, (m, out), met in zip(keys, pb.cells, metrics):
         acc = accs[key]
         with bookkeeping(c.x.device):
-            acc.update(c, out.probs, out.events, algo, causes, met, pcast=out.pcast)
+            acc.update(c, out.probs, out.events, algo, causes, met, pcast=out.pcast, extremes=out.extremes)
         if out.out is not None:
             acc.update_out(out.out, out_ref[0], tied, out_algo)
             acc.tied_rows += count(tied)

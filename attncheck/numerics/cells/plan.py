@@ -97,7 +97,7 @@ def recorded_implementation(info: CallInfo) -> str:
         return info.meta.get("sdpa_backend", "") or ""
     if info.kind == "flex":
         return info.meta.get("flex_impl", "") or "compiled"
-    return info.meta.get("flash_fn", "") or ""
+    return info.meta.get("flash_package", "") or "fa2"  # a flash-attn call: the package's generation (fa2, fa3, fa4)
 
 
 def _shapes(info: CallInfo) -> dict[str, list[int]]:
@@ -124,7 +124,7 @@ def call_facts(info: CallInfo, dtype: str) -> CallFacts:
     tq = score[-2] if len(score) >= 2 else (q[-2] if len(q) >= 2 else 0)
     tk = score[-1] if score else (k[-2] if len(k) >= 2 else 0)
     d = q[-1] if q else 0
-    mask = "explicit" if "mask" in shapes else ("causal" if info.is_causal else "none")
+    mask = "explicit" if "attn_mask" in shapes or "mask" in shapes else ("causal" if info.is_causal else "none")
     gqa = len(q) >= 3 and len(k) >= 3 and k[-3] < q[-3]
     softcap = info.meta.get("softcap", "")
     window = info.meta.get("window", "")

@@ -31,7 +31,7 @@ from attncheck.results import AttentionAudit, DtypeAudit
 if TYPE_CHECKING:
     from attncheck.loaders import TensorSource
     from attncheck.numerics.backends import ChunkFacts
-    from attncheck.numerics.paths.base import PathSpec
+    from attncheck.numerics.paths.base import CallFacts, PathSpec
 
 
 def scale_value(scale: str | params.Scale, d: int) -> float:
@@ -82,6 +82,8 @@ class AttentionInputs:
     logits32: torch.Tensor | None = None
     logits64: torch.Tensor | None = None
     flex_block: int | None = None  # the fused flex kernel's key block (its BlockMask's KV_BLOCK_SIZE); None: one block
+    # A captured call's facts a kernel path reads (the mask it was given, the GPU's capability, a softcap); None: a file
+    call: "CallFacts | None" = None
 
     def qk_bound(self, dtype: torch.dtype, factor: float = 1.0) -> float:
         """An upper bound on |Q@K^T| times ``factor`` however the scores are computed from q and k
@@ -473,6 +475,10 @@ class QKBlock:
         mask, as the model holds it in dt, is added in fp32.
         """
         inp = self.inp
+        if isinstance(path, str):  # a path named: its spec
+            from attncheck.registry import PATHS
+
+            path = PATHS.get(path)
         if inp.logits32 is not None and path.logits:  # flex's own fp32 logits after its score_mod
             flat = self._slice4(inp.logits32, *self.rows, self.given.device).reshape(-1, self.given.shape[-1])
             none = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)

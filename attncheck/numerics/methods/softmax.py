@@ -129,6 +129,9 @@ class MethodOutput:
     events: dict[str, torch.Tensor] = field(default_factory=dict)  # registry.EVENTS name -> (...) bool rows
     out: torch.Tensor | None = None  # (..., dv) the output O = P@V as the implementation computes it, with V
     pcast: Any = None  # FP8 cells: fp8.PCastSoftmax (which probabilities the P cast flushed, and where)
+    # Per event, a per-row value the report quotes for the event's rows (the least over them): a kernel's
+    # log-sum-exp for its backward hazard
+    extremes: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def overflow_rows(self) -> torch.Tensor:

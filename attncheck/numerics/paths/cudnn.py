@@ -68,14 +68,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from attncheck.numerics.paths.base import CallFacts, Stands
-from attncheck.registry import PathSpec
+from attncheck.numerics.paths.base import CallFacts, PathSpec, Stands
 
 if TYPE_CHECKING:
     import torch
 
     from attncheck.numerics.inputs.scores import QKBlock
-    from attncheck.numerics.methods.paths import PathBlock
+    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodParams
 
 KEY_TILE = 128  # the key tile of the forward's online softmax and of the backward's CTA walk (ASSUMED / PR 628)
@@ -227,20 +226,20 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
     """The path's forward on a block of rows: the scores as the flash path computes them (points 1-3),
     the online softmax over 128-key tiles (4-7), the padded-tile hazard as events where the registry
     knows the event's name."""
-    from attncheck.numerics.methods.paths import PathBlock
+    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodOutput
     from attncheck.numerics.precision import cast
-    from attncheck.registry import EVENTS
 
-    s, before = block.fp32_scores(dt, "flash")  # S * scale + the mask in dt, in fp32
+    s, before = block.fp32_scores(dt, PATH)  # S * scale + the mask in dt, in fp32
     v = None if block.v is None else cast(block.v, dt)
     probs, o, lse = softmax_rows(s, v, dt)
     inp = block.inp
-    # The capture does not say whether a mask tensor or is_causal alone was given: any mask counts as
-    # explicit (a causal-only call would be over-flagged in the key form; causal masks the tail itself).
-    explicit = inp.mask_float is not None or inp.masked is not None
-    events = hazard_events(lse, block.k.shape[1], inp.q.shape[2], explicit)
-    out = MethodOutput(probs, {name: hit for name, hit in events.items() if name in EVENTS})
+    # A captured call says whether a mask tensor or is_causal alone was given; for Q/K files any mask
+    # counts as explicit (a causal-only call would be over-flagged in the key form).
+    call = inp.call
+    explicit = inp.mask_float is not None or inp.masked is not None if call is None else call.mask == "explicit"
+    events = hazard_events(lse, block.k.shape[1], inp.q.shape[2], explicit, capability=None if call is None else call.capability)
+    out = MethodOutput(probs, {EVENT: events[EVENT]}, extremes={EVENT: lse})
     out.out = o
     return PathBlock(s, before, [], [(PATH.name, out)])
 

@@ -71,14 +71,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from attncheck.numerics.paths.base import CallFacts, Stands
-from attncheck.registry import PathSpec
+from attncheck.numerics.paths.base import CallFacts, PathSpec, Stands
 
 if TYPE_CHECKING:
     import torch
 
     from attncheck.numerics.inputs.scores import QKBlock
-    from attncheck.numerics.methods.paths import PathBlock
+    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodParams
 
 FLASH_COMMIT = "0251105a2fb19d2957484b7f023cd8c115286ced"
@@ -285,19 +284,18 @@ def block_bias(block: QKBlock, dt: torch.dtype) -> torch.Tensor | None:
 
 def run(block: QKBlock, dt: torch.dtype, name: str, fused: bool) -> PathBlock:
     """The forward of ``fa2`` / ``fa2-fma`` on a block of rows."""
-    from attncheck.numerics.methods.paths import PathBlock
+    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodOutput
-    from attncheck.registry import EVENTS
 
-    s, before = block.fp32_scores(dt, "flash")  # (r, Tk) S*scale+mask in fp32: the reference's input and causes
+    s, before = block.fp32_scores(dt, PATH)  # (r, Tk) S*scale+mask in fp32: the reference's input and causes
     d = block.q.shape[-1]
+    call = block.inp.call  # a captured call's facts: the GPU's capability and is_causal pick the tile
+    tile = tile_n(d, None if call is None else call.capability, call is not None and call.mask == "causal", torch_copy=not fused)
     res = kernel_rows(
-        block.q, block.k, block.v, scale=block.inp.scale, dt=dt, block_n=tile_n(d, torch_copy=not fused),
-        fused=fused, bias=block_bias(block, dt), softcap=getattr(block.inp, "softcap", None),
+        block.q, block.k, block.v, scale=block.inp.scale, dt=dt, block_n=tile,
+        fused=fused, bias=block_bias(block, dt), softcap=None if call is None else call.softcap,
     )
-    # 'fused_max' is an exp overflow of a finite score; named as such until the registry knows the event
-    key = "fused_max" if "fused_max" in EVENTS else "exp_overflow"
-    out = MethodOutput(res.probs, events={key: res.events["fused_max"]})
+    out = MethodOutput(res.probs, events={"fused_max": res.events["fused_max"]})
     out.out = res.out
     return PathBlock(s, before, [], [(name, out)])
 

@@ -14,14 +14,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from attncheck.numerics.paths import fa2
-from attncheck.numerics.paths.base import CallFacts, Stands
-from attncheck.registry import PathSpec
+from attncheck.numerics.paths.base import CallFacts, PathSpec, Stands
 
 if TYPE_CHECKING:
     import torch
 
     from attncheck.numerics.inputs.scores import QKBlock
-    from attncheck.numerics.methods.paths import PathBlock
+    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodParams
 
 
@@ -53,7 +52,7 @@ PATH = PathSpec(
     device="cuda",
     source=fa2.SOURCE.split(";")[0],
     assumed=fa2.ASSUMED,
-    stands_for=(Stands("flash_attn", "flash_attn_func", "cuda"),),
+    stands_for=(Stands("flash_attn", "fa2"),),
     supports="attncheck.numerics.paths.fa2_fma:supports",
     replay=True,
 )

@@ -83,14 +83,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from attncheck.numerics.paths.base import CallFacts, Stands
-from attncheck.registry import PathSpec
+from attncheck.numerics.paths.base import CallFacts, PathSpec, Stands
 
 if TYPE_CHECKING:
     import torch
 
     from attncheck.numerics.inputs.scores import QKBlock
-    from attncheck.numerics.methods.paths import PathBlock
+    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodParams
 
 COMMIT = "4f4bcdbe6ddea60634d2af07a07c2e88dfd39a1e"
@@ -327,7 +326,7 @@ def kernel_rows(
 def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
     """The path on a block of rows: the mask as the model holds it in dt is the kernel's bias
     (causal included, as the block holds it: -inf either way)."""
-    from attncheck.numerics.methods.paths import PathBlock
+    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodOutput
 
     _, before = block.fp32_scores(dt, "flash")  # the causes before 'fully_masked' (qk overflow, mask sentinel)
