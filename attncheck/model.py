@@ -30,6 +30,8 @@ from attncheck.results import (
     RankSummary,
     TensorDiagnosis,
     WhatIfAnswer,
+    KernelCall,
+    KernelVerdict,
 )
 
 # NaN causes in pipeline order (numerics.cells.diagnose attributes each row to its first).
@@ -225,6 +227,38 @@ def what_if_answers(calls: list[CallReport], ignore=()) -> list[WhatIfAnswer]:
     return answers
 
 
+def kernel_call(report: CallReport, position: int, ignore=()) -> KernelCall | None:
+    """A call replayed under every kernel that could have run it (``--what-if kernels``): the kernel that
+    ran it (the model's cell, where it is a kernel path), each what-if cell of a kernel path in the call's
+    dtype, and the kernels that could not have run it with why. None for a call not replayed."""
+    from attncheck.registry import EVENTS, PATHS
+
+    used = used_cell(report)
+    if used is None or report.cell is None or (not report.kernels_refused and report.what_if is None):
+        return None
+    dtype = report.cell[1]
+    replays = [(True, report.diagnosis, used)] if used.path is not None and PATHS.get(used.path).replay else []
+    if report.what_if is not None:
+        replays += [(False, report.what_if, c) for c in report.what_if.cells
+                    if c.path is not None and PATHS.get(c.path).replay and c.dtype == dtype]
+    if len(replays) + len(report.kernels_refused) < 2:
+        return None  # no replay asked: only the model's own kernel
+    kernels = []
+    for ran, diag, cell in replays:
+        line = cell_line(report, diag, cell, ignore)
+        spec = PATHS.get(cell.path)
+        hazard = next((e for e, kind in EVENTS.items() if kind == "backward" and cell.events.get(e) and e not in ignore), None)
+        kernels.append(KernelVerdict(cell.path, dtype, ran, line.verdict, line.nan_rows, line.first_cause,
+                                     cell.events.get(hazard, 0) if hazard else 0, hazard,
+                                     cell.event_values.get(hazard) if hazard else None, None, cell.out_max_abs_err,
+                                     spec.assumed is not None))
+    kernels += [KernelVerdict(p, dtype, verdict="refused", refused=why) for p, why in report.kernels_refused.items()]
+    order = {spec.name: i for i, spec in enumerate(PATHS)}
+    kernels.sort(key=lambda k: (not k.ran, order.get(k.path, len(order))))
+    info = report.call
+    return KernelCall(position, info.module or info.name, kernels)
+
+
 def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict | None = None) -> ModelReport:
     lines = [call_line(c, ignore) for c in calls]
     first = next((i for i, line in enumerate(lines) if line.verdict in BAD_VERDICTS), None)
@@ -239,9 +273,10 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
         said = f"{len(caps)} soft-capped call(s): {what} not computed (no backward or what-if path has the cap's tanh)"
         capture = dict(capture or {})
         capture["note"] = "; ".join(n for n in (capture.get("note"), said) if n)
+    kernels = [k for at, c in enumerate(calls) if (k := kernel_call(c, at, ignore)) is not None]
     return ModelReport(lines, first, found, tuple(ignore), list(skipped), capture, what_if_answers(calls, ignore),
                        known=any(known(c) for c in calls), first_grad_bad=first_grad, findings=findings,
-                       ranks=rank_summaries(calls, lines, capture, by_rank))
+                       ranks=rank_summaries(calls, lines, capture, by_rank), kernels=kernels)
 
 
 def capture_findings_by_rank(capture: dict | None, ignore=()) -> dict[int | None, list[Finding]]:

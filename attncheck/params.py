@@ -100,17 +100,26 @@ def paths(value: Any, param: str = "paths", fp8: bool = True) -> tuple[str, ...]
 
 WHAT_IF_ALL = "all"
 WHAT_IF_FP8 = "e4m3"  # the FP8 format of 'all' (FlashAttention-3's)
+WHAT_IF_KERNELS = "kernels"  # replay each call under every kernel that could have run it, in the call's dtype
 
 
 def what_if(value: Any, param: str = "what_if") -> tuple[str, ...]:
-    """'fp16', 'bf16,fp8' or 'all' -> the dtypes a what-if asks about; ('all',) alone asks for every
-    implementation in fp16, bf16, fp32 and e4m3 as well ('fp8' is e4m3)."""
+    """'fp16', 'bf16,fp8', 'kernels', 'kernels,fp16' or 'all' -> what a what-if asks about: dtypes, and
+    'kernels' first where asked (every kernel path that could have run the call, in its dtype); ('all',)
+    alone asks for every implementation in fp16, bf16, fp32 and e4m3 as well ('fp8' is e4m3)."""
     values = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+    kernels = ()
     if isinstance(values, (list, tuple)):
-        if [str(v).strip().lower() for v in values] == [WHAT_IF_ALL]:
+        low = [str(v).strip().lower() for v in values]
+        if low == [WHAT_IF_ALL]:
             return (WHAT_IF_ALL,)
+        if WHAT_IF_KERNELS in low:
+            kernels = (WHAT_IF_KERNELS,)
+            values = [v for v, name in zip(values, low) if name != WHAT_IF_KERNELS]
+            if not values:
+                return kernels
         values = [WHAT_IF_FP8 if isinstance(v, str) and v.strip().lower() == "fp8" else v for v in values]
-    return dtypes(values, param)
+    return (*kernels, *dtypes(values, param))
 
 
 def choice(value: Any, allowed: Iterable[str], param: str) -> str:

@@ -478,6 +478,8 @@ class CallReport:
     cell: tuple[str, str] | None = None  # (method or path, dtype) of the computation the model ran
     error: str | None = None  # why the call could not be diagnosed (partial results)
     what_if: TensorDiagnosis | None = None
+    # --what-if kernels: the kernel paths that could not have run the call, each with why (its support)
+    kernels_refused: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -567,6 +569,43 @@ class WhatIfAnswer:
 
 
 @dataclass
+class KernelVerdict:
+    """One kernel path on one call (``--what-if kernels``): what it gives, or why it could not run it."""
+
+    path: str
+    dtype: str
+    ran: bool = False  # the kernel the capture says ran the call (the model's cell)
+    verdict: str = "ok"  # a model line's verdict ('nan', 'overflow', 'zero', 'error', 'flip', 'ok'), or 'refused'
+    nan_rows: int = 0
+    cause: str | None = None  # the first cause of the NaN rows
+    backward_rows: int = 0  # rows whose backward the kernel breaks although its forward is finite (padded_tile)
+    backward_cause: str | None = None  # that hazard's event ('padded_tile')
+    lse: float | None = None  # the lowest log-sum-exp of those rows
+    refused: str | None = None  # why the kernel could not have run the call
+    out_err: float | None = None  # max |O - O_float64| where both are finite
+    assumed: bool = False  # the path's rounding points are assumed (closed source)
+
+    @property
+    def breaks(self) -> bool:
+        return self.verdict in ("nan", "overflow", "zero", "error") or self.backward_rows > 0
+
+
+@dataclass
+class KernelCall:
+    """A call replayed under every kernel that could have run it."""
+
+    position: int  # in the model report's calls
+    name: str  # the call as the report names it (its module)
+    kernels: list[KernelVerdict] = field(default_factory=list)
+
+    @property
+    def disagree(self) -> bool:
+        """Some kernel breaks the call and another does not."""
+        run = [k for k in self.kernels if k.refused is None]
+        return any(k.breaks for k in run) and not all(k.breaks for k in run)
+
+
+@dataclass
 class RankSummary:
     """One rank of a capture of several processes: its calls and findings, and its first call that goes wrong."""
 
@@ -594,6 +633,7 @@ class ModelReport:
     first_grad_bad: int | None = None  # position in ``lines`` of the first call whose gradients go wrong
     findings: list[Finding] = field(default_factory=list)  # of the capture itself, not of a call (capture_incomplete)
     ranks: list[RankSummary] = field(default_factory=list)  # a capture of several processes: each rank's own account
+    kernels: list[KernelCall] = field(default_factory=list)  # --what-if kernels: each call under every kernel that could run it
 
 
 @dataclass

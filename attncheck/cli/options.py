@@ -28,10 +28,12 @@ CellDtypeOpt = Annotated[Optional[str], typer.Option("--dtype", "-d", metavar="D
 CellMethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", metavar="METHOD,...", show_default=False, help=(
     f"Comma-separated softmax methods: {choices_help(METHODS)} (or 'all'); default all. "
     "On a capture, given, they are computed as what-ifs."))]
-WhatIfOpt = Annotated[Optional[str], typer.Option("--what-if", metavar="DTYPE,...|all", show_default=False, help=(
+WhatIfOpt = Annotated[Optional[str], typer.Option("--what-if", metavar="DTYPE,...|kernels|all", show_default=False, help=(
     "Captured calls: what would break if the model ran in these dtypes (fp16, bf16, fp32, fp8 = e4m3, ...) with its own "
-    "implementation and with eager attention; 'all' adds every other implementation (naive, stable, tiled, the SDPA paths, "
-    "FP8) in fp16, bf16, fp32 and e4m3. Reported apart; never the model's verdict unless --fail-on what-if:COND."))]
+    "implementation and with eager attention; 'kernels' replays each call under every kernel that could have run it "
+    "(sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn; flex for flex calls) in its dtype, and says which break it "
+    "(combine: kernels,fp16); 'all' adds every other implementation (naive, stable, tiled, the SDPA paths, FP8) in fp16, "
+    "bf16, fp32 and e4m3. Reported apart; never the model's verdict unless --fail-on what-if:COND."))]
 BlockOpt = Annotated[str, typer.Option("--block", metavar="N", help=f"Key block size of the tiled method (FlashAttention's is {DEFAULT_BLOCK} for d <= 128).")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="NAME", help="Where to compute: auto (cuda if available), cpu, cuda or cuda:N.")]
 ScaleOpt = Annotated[str, typer.Option("--scale", "-s", metavar="SCALE[,...]", help=f"Scale of q.k: {', '.join(SCALE_NAMES)} (sqrt = 1/sqrt(d_k), auto = sqrt, dk = 1/d_k, dk2 = 1/d_k^2) or a positive number; sweep takes several, comma-separated.")]

@@ -382,6 +382,75 @@ def _merge(labels: list[str], named: list[str]) -> list[str]:
     return [label if label == "-" else next(it) for label in labels]
 
 
+KERNEL_TABLES = 5  # per-call kernel tables shown (the calls where the kernels disagree first); the rest in the JSON
+
+
+def kernel_outcome(k) -> str:
+    """'NaN (fused_max, 1 row)', 'backward NaN predicted (padded_tile, LSE -121)', 'finite', 'not run: why'."""
+    if k.refused is not None:
+        return f"not run: {k.refused}"
+    parts = []
+    if k.verdict in ("nan", "overflow", "zero"):
+        parts.append(f"{'NaN' if k.verdict == 'nan' else k.verdict} ({k.cause or k.verdict}, {k.nan_rows} row(s))"
+                     if k.verdict == "nan" else k.verdict)
+    elif k.verdict == "error":
+        parts.append("error finding")
+    if k.backward_rows:
+        lse = f", LSE {k.lse:.4g}" if k.lse is not None else ""
+        parts.append(f"backward NaN predicted ({k.backward_cause}, {k.backward_rows} row(s){lse})")
+    return "; ".join(parts) or "finite"
+
+
+def kernel_sentence(call) -> str:
+    """One line per replayed call: 'NaN under cudnn (...); finite under fa2, mem-efficient; not run by fa2 (...)'."""
+    broken = [f"{_kernel_name(k)} {kernel_outcome(k)}" for k in call.kernels if k.refused is None and k.breaks]
+    fine = [_kernel_name(k) for k in call.kernels if k.refused is None and not k.breaks]
+    parts = ["; ".join(broken)] if broken else []
+    if fine:
+        parts.append(("finite under " if broken else "finite under every kernel that could run it: ") + ", ".join(fine))
+    refused = [k.path for k in call.kernels if k.refused is not None]
+    if refused:
+        parts.append("not run by " + ", ".join(refused))
+    return "; ".join(parts)
+
+
+def _kernel_name(k) -> str:
+    return k.path + (" (ran)" if k.ran else "")
+
+
+def kernels_block(report: ModelReport, prefix: str = "") -> Group | None:
+    """--what-if kernels: one table per call where the kernels disagree (the first ``KERNEL_TABLES``), and a
+    line per replayed call: which kernel breaks it and which do not."""
+    if not report.kernels:
+        return None
+    parts: list[Any] = [Text("Which kernel breaks each call (--what-if kernels: every kernel that could have run it, in "
+                             "its dtype; not counted as the model's)", style="bold")]
+    shown_tables = [c for c in report.kernels if any(k.breaks for k in c.kernels)][:KERNEL_TABLES]
+    for call in shown_tables:
+        line = report.lines[call.position]
+        t = Table(box=None, pad_edge=False, title=f"#{line.index} {call_label(line, prefix)} ({call.kernels[0].dtype})",
+                  title_justify="left", title_style="")
+        t.add_column("kernel", no_wrap=True)
+        t.add_column("result", overflow="fold")
+        t.add_column("out err", justify="right", no_wrap=True)
+        for k in call.kernels:
+            style = "dim" if k.refused is not None else (VERDICT_STYLE["nan"] if k.breaks else "green")
+            name = _kernel_name(k) + (" *" if k.assumed else "")
+            t.add_row(Text(name, style=style), shown(kernel_outcome(k)), fmt(k.out_err, ".0e"))
+        parts.append(t)
+    text = Text()
+    for call in report.kernels:
+        line = report.lines[call.position]
+        text.append(f"  #{line.index} {visible(call_label(line, prefix))}: ", style="bold")
+        text.append(visible(kernel_sentence(call)) + "\n")
+    text.rstrip()
+    parts.append(text)
+    if any(k.assumed for c in report.kernels for k in c.kernels):
+        parts.append(Text("  * closed source or hardware approximations: its rounding points are assumed "
+                          "(docs/reference/numerics.md)", style="dim"))
+    return Group(*parts)
+
+
 def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> Text:
     diags = [c.diagnosis for c in calls if c.diagnosis is not None]
     severities = [f.severity for d in diags for f in d.findings] + [f.severity for f in report.findings]
@@ -411,7 +480,8 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
 
 
 LINES_LEGEND = ("Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the path of the "
-                "backend PyTorch chose, in its dtype: flash for the fused kernels, sdpa-math for the math backend). "
+                "kernel PyTorch chose, in its dtype: on a GPU fa2, mem-efficient or cudnn, on a CPU flash, sdpa-math for the math "
+                "backend; flash_attn: fa2-fma). "
                 "logit: largest unmasked score; room: the cell's distance to its first failure{limit}; NaN: NaN rows; "
                 "err: max |p - p_float64|; >: the first call that goes wrong{grad}")
 FILES_LEGEND = ("Tensors and calls in order; the implementation is not known, so every cell is the question and a line's verdict "
@@ -484,6 +554,9 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     table = fitted_what_if_table(report, prefix)
     if table is not None:
         parts.append(table)
+    kernels = kernels_block(report, prefix)
+    if kernels is not None:
+        parts.append(kernels)
     for name, why in report.skipped:
         parts.append(shown(f"skipped {name}: {why}", style="yellow"))
     if report.ignored:
@@ -554,6 +627,9 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
         "what_if": [{"cell": a.cell, "calls": a.calls, "bad_calls": a.bad_calls, "verdict": a.verdict, "nan_rows": a.nan_rows,
                      "max_abs_err": a.worst_err, "headroom": a.headroom, "limit": _limit_json(a.limit), "findings": a.findings,
                      "first_bad": None if a.first is None else _first_json(a.first)} for a in report.what_if],
+        "kernels": [{"index": report.lines[c.position].index, "name": c.name, "summary": kernel_sentence(c),
+                     "kernels": [dict(to_jsonable(k), breaks=k.breaks, outcome=kernel_outcome(k)) for k in c.kernels]}
+                    for c in report.kernels],
     })
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attncheck.config.run import Options
-from attncheck.params import WHAT_IF_ALL, WHAT_IF_FP8
+from attncheck.params import WHAT_IF_ALL, WHAT_IF_FP8, WHAT_IF_KERNELS
 from attncheck.numerics.paths.base import CallFacts
 from attncheck.registry import (DTYPES, METHODS, PATHS, cell_dtype, dtype_names, eager_path, fp8_names, fp8_what_if_path,
                                 method_names, path_names)
@@ -209,6 +209,10 @@ def what_if_cells(info: CallInfo, qk: bool, dtypes: tuple[str, ...] = (), option
     """
     model = model_cell(info)
     cells: list[CellKey] = []
+    if WHAT_IF_KERNELS in dtypes:
+        dtypes = tuple(d for d in dtypes if d != WHAT_IF_KERNELS)
+        if qk and model is not None:
+            cells += [CellKey(p, p, model.dtype, WHAT_IF) for p in kernel_replays(info, model.dtype)]
     if dtypes == (WHAT_IF_ALL,):
         every = Options(dtypes=(*dtype_names(), WHAT_IF_FP8), methods=method_names(), paths=path_names())
         cells += grid(every, qk, WHAT_IF)
@@ -234,6 +238,23 @@ def what_if_cells(info: CallInfo, qk: bool, dtypes: tuple[str, ...] = (), option
             continue
         out.append(c)
     return out
+
+
+def kernel_replays(info: CallInfo, dtype: str) -> list[str]:
+    """The kernel paths a call could have run under (``PathSpec.replay``, and the kernel takes the call:
+    ``why_not``), in registration order: what ``--what-if kernels`` computes."""
+    facts = call_facts(info, dtype)
+    return [spec.name for spec in _replays(info) if spec.why_not(facts) is None]
+
+
+def kernel_refusals(info: CallInfo, dtype: str) -> dict[str, str]:
+    """The kernel paths of the replay that could not have run a call, each with why."""
+    facts = call_facts(info, dtype)
+    return {spec.name: why for spec in _replays(info) if (why := spec.why_not(facts)) is not None}
+
+
+def _replays(info: CallInfo) -> list:
+    return [spec for spec in PATHS if spec.replay and (not spec.replay_kinds or info.kind in spec.replay_kinds)]
 
 
 def _is_model(c: CellKey, model: CellKey, qk: bool) -> bool:

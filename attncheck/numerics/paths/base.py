@@ -102,8 +102,10 @@ class PathSpec:
     stands_for: tuple[Stands, ...] = ()
     # '(facts: CallFacts) -> str | None': why the kernel could not run a call (None: it can); None: any call
     supports: Impl | None = field(default=None, repr=False)
-    # In the replay of ``--what-if kernels``: a kernel a call could have run under
+    # In the replay of ``--what-if kernels``: a kernel a call could have run under; ``replay_kinds``: the
+    # kinds of call it replays (empty: every call with Q and K)
     replay: bool = False
+    replay_kinds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.scores not in ("dtype", "fp32", "fp32-split"):

@@ -41,7 +41,7 @@ PATH = PathSpec(
     "in fp32, online softmax over key blocks, O in fp32 then the dtype, zeros for rows with no key",
     f"{__name__}:forward", default=False, scores_in="fp32 (the score_mod applied in fp32)",
     kernel="FlexAttention's fused forward", logits=True, stands_for=(Stands("flex"),),
-    replay=True, supports=f"{__name__}:supports")
+    replay=True, replay_kinds=("flex",), supports=f"{__name__}:supports")
 
 
 def supports(facts: CallFacts) -> str | None:
