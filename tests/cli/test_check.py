@@ -251,7 +251,7 @@ CONFIG_ERRORS = [
     ('[tool.attncheck]\ninputs = ["dumps/*.pt"]\n', re.escape("tool.attncheck.inputs: 'dumps/*.pt' matches no file (relative to ") + ".+" + re.escape(")")),
     ("[tool.attncheck]\ndtypes = ['bf16']\n", re.escape('[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table')),
     ("[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\npaths = ['eager', 'triton']\n",
-     re.escape("tool.attncheck.synthetic[0].paths: unknown path 'triton' (choose from eager, sdpa-math, flash, flex, flex-math)")),
+     re.escape("tool.attncheck.synthetic[0].paths: unknown path 'triton' (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math)")),
     ("[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\n[tool.attncheck.budget]\nout_rmse = 1e-3\n",
      re.escape('tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a [[tool.attncheck.synthetic]] entry (saved score dumps have no V)')),
     ("[project]\nname = 'x'\n", r"no config found: no attncheck\.toml, and no pyproject\.toml with a \[tool\.attncheck\] table, in .+ or its parents; add one or pass --config FILE"),

@@ -124,8 +124,8 @@ BAD_TABLES = [
     ({"synthetic": [{"d_k": 8, "std": 0}]}, "tool.attncheck.synthetic[0].std must be a number > 0, got 0"),
     ({"synthetic": [{"d_k": 8, "dtype": "int8"}]}, "tool.attncheck.synthetic[0].dtype: unknown dtype 'int8' (choose from fp16, bf16, fp32)"),
     ({"synthetic": [{"dk": 8}]}, "unknown key 'tool.attncheck.synthetic[0].dk' in <config> (known: d_k, scale, seq, rows, dist, std, seed, dtype, paths)"),
-    ({"synthetic": [{"d_k": 8, "paths": ["flash", "xformers"]}]}, "tool.attncheck.synthetic[0].paths: unknown path 'xformers' (choose from eager, sdpa-math, flash, flex, flex-math)"),
-    ({"synthetic": [{"d_k": 8, "paths": []}]}, "tool.attncheck.synthetic[0].paths is empty (choose from eager, sdpa-math, flash, flex, flex-math)"),
+    ({"synthetic": [{"d_k": 8, "paths": ["flash", "xformers"]}]}, "tool.attncheck.synthetic[0].paths: unknown path 'xformers' (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math)"),
+    ({"synthetic": [{"d_k": 8, "paths": []}]}, "tool.attncheck.synthetic[0].paths is empty (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math)"),
     ({"synthetic": [{"d_k": 8}], "budget": {"out_rmse": 1e-3}},
      'tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a '
      "[[tool.attncheck.synthetic]] entry (saved score dumps have no V)"),
@@ -143,7 +143,7 @@ BAD_TABLES = [
     ({"synthetic": [{"d_k": 8, "dtype": "float8_e5m2"}]}, "tool.attncheck.synthetic[0].dtype: 'float8_e5m2' is an FP8 format; check "
      "computes in fp16, bf16, fp32 (FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3')"),
     ({"synthetic": [{"d_k": 8, "paths": ["eager", "sage"]}]}, "tool.attncheck.synthetic[0].paths: 'sage' computes in FP8; check computes "
-     "the paths eager, sdpa-math, flash, flex, flex-math (FP8 cells need run's --p-scale and --fp8-scaling: judge them with "
+     "the paths eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math (FP8 cells need run's --p-scale and --fp8-scaling: judge them with "
      "'attncheck run --dtype e4m3')"),
     ({"budget": {"e4m3": {"nan": 0}}}, "tool.attncheck.budget.e4m3: 'e4m3' is an FP8 format; check computes in fp16, bf16, fp32 "
      "(FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3')"),

@@ -1,6 +1,6 @@
 """``cudnn``: cuDNN's SDPA forward as PyTorch's CUDNN_ATTENTION backend runs it, and its padded-tile hazard.
 
-cuDNN is closed source: **every rounding point below is ASSUMED, not read.** What is public is the
+The cuDNN kernel is closed source: **every rounding point below is ASSUMED, not read.** What is public is the
 algorithm (NVIDIA/cudnn-frontend@0512390c9de2905a46967d21f761eeeec8fddf1b docs/operations/Attention.md:
 line 9, "using the FlashAttention-2 algorithm"; the C++ API's comments: softmax_stats "max + ln(sum_exp)"
 by default, base 2 with set_stats_use_log2; set_unfuse_fma "Use unfused mul/add in the softmax
