@@ -74,6 +74,10 @@ def watch(
         if settings["growth"] <= 1:
             raise AttncheckError(f"is a growth factor per 100 steps, above 1; got {growth}", param="growth")
         asked = params.what_if(what_if) if what_if is not None else ()
+        if params.WHAT_IF_KERNELS in asked:
+            raise AttncheckError("kernels: the watch judges logged statistics, not tensors, so it cannot replay a call under "
+                                 "other kernels; capture the step (attncheck capture) and run attncheck run DIR --what-if "
+                                 "kernels", param="what_if")
         check_output_path(json_out, "--json")
         if plot is not None:
             check_plot_path(plot)
@@ -130,12 +134,6 @@ def _what_if_limits(asked) -> dict[str, float]:
     An FP8 dtype is refused: the FP8 kernels hold S in fp32, and no hand-written attention holds S in FP8."""
     if not asked:
         return {}
-    from attncheck.params import WHAT_IF_KERNELS
-
-    if WHAT_IF_KERNELS in asked:
-        raise AttncheckError("kernels: the watch judges logged statistics, not tensors, so it cannot replay a call under "
-                             "other kernels; capture the step (attncheck capture) and run attncheck run DIR --what-if kernels",
-                             param="what_if")
     from attncheck.numerics.precision import dtype_from_name, rounding_limit
     from attncheck.params import WHAT_IF_ALL
     from attncheck.registry import dtype_names, fp8_names
