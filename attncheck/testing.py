@@ -19,7 +19,7 @@ from attncheck.config.check import Budget, parse_budget
 from attncheck.errors import AttncheckError
 from attncheck.params import DEFAULT_BLOCK
 
-__all__ = ["assert_softmax_ok"]
+__all__ = ["as_gpu_capture", "assert_softmax_ok"]
 
 
 def _as_tensor(scores: Any):
@@ -108,3 +108,31 @@ def assert_softmax_ok(
         shape = "x".join(map(str, case.shape))
         raise AssertionError(f"attncheck: {case.name} of {name} ({shape}) broke its budget: {describe_case(case)}")
     return case
+
+
+def as_gpu_capture(capture_dir: Any, backend: str, capability: str = "9.0") -> None:
+    """Rewrite a capture made on a CPU as a capture on a GPU writes it: each call file says device
+    cuda:0, the GPU's compute capability ('9.0': an H100), and for SDPA calls the backend PyTorch chose
+    ('flash_attention', 'efficient_attention', 'cudnn_attention', 'math'). For tests (and examples) of how
+    attncheck judges a GPU's calls on a machine without one: the calls are then judged by that kernel's
+    path (fa2, mem-efficient, cudnn, sdpa-math). The tensors are left as they are."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    major, _, minor = capability.partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        raise AttncheckError(f"capability must be MAJOR.MINOR, e.g. 9.0; got {capability!r}")
+    files = [f for f in sorted(Path(capture_dir).rglob("*.safetensors")) if not f.name.endswith(".grads.safetensors")]
+    if not files:
+        raise AttncheckError(f"{capture_dir}: no call files (a directory attncheck.capture wrote)")
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            meta = h.metadata() or {}
+        tensors = load_file(str(f))
+        meta.update(device="cuda:0", capability=capability)
+        if meta.get("kind") == "sdpa":
+            meta["sdpa_backend"] = backend
+        save_file(tensors, str(f), metadata=meta)
+

@@ -138,12 +138,15 @@ def info_from_meta(meta: dict[str, str], *, index: int, name: str, file: str | N
 
 
 def _flash_judged(m: CallMeta, meta: dict[str, str]) -> None:
-    """A flash_attn call its path computes (no soft cap, window, sinks, FP8 descales or other
-    arguments; causal only with as many queries as keys, where flash-attn's bottom-right causal mask is SDPA's
-    top-left one); anything else is one line saying why it is not judged."""
+    """A flash_attn call its path (fa2-fma) computes: FlashAttention-2's, with no soft cap, window, sinks, FP8
+    descales or other arguments; causal only with as many queries as keys (flash-attn's causal mask is aligned
+    to the bottom right, the mask the diagnosis builds to the top left); anything else is one line saying why
+    it is not judged."""
     import json
 
     why = []
+    if m.flash_package not in (None, "", "fa2"):
+        why.append(f"FlashAttention-{m.flash_package[2:]}'s kernel")
     if m.softcap not in (None, "none", ""):
         try:
             cap = float(m.softcap)
@@ -173,7 +176,7 @@ def _flash_judged(m: CallMeta, meta: dict[str, str]) -> None:
     if why:
         fn = f"{m.flash_package or 'flash-attn'} {m.flash_fn or 'call'}"
         raise error(f"a flash_attn call ({fn}) with {', '.join(why)}: attncheck has no path for it yet "
-                    "(judged as SDPA it would be judged wrong)")
+                    "(judged by FlashAttention-2's path without them it would be judged wrong)")
 
 
 def _clip(name: str, limit: int = 200) -> str:

@@ -75,21 +75,9 @@ def batch(b: int = 2, t: int = 12, left_pad: int = 0, right_pad: int = 0, seed: 
     return {"input_ids": ids, "attention_mask": mask}
 
 
+
 def mark_cuda(capture_dir, backend: str, capability: str = "9.0") -> None:
-    """Rewrite a CPU capture's call files as a GPU capture would write them: device cuda:0, the GPU's
-    compute capability, and the SDPA backend PyTorch chose on it (CI has no GPU)."""
-    from pathlib import Path
+    """A CPU capture rewritten as a GPU capture writes it (CI has no GPU)."""
+    from attncheck.testing import as_gpu_capture
 
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    for f in sorted(Path(capture_dir).rglob("*.safetensors")):
-        if f.name.endswith(".grads.safetensors"):
-            continue
-        with safe_open(str(f), "pt") as h:
-            meta = h.metadata()
-        tensors = load_file(str(f))
-        meta.update(device="cuda:0", capability=capability)
-        if meta.get("kind") == "sdpa":
-            meta["sdpa_backend"] = backend
-        save_file(tensors, str(f), metadata=meta)
+    as_gpu_capture(capture_dir, backend, capability)

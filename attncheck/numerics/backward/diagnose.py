@@ -26,14 +26,14 @@ def has_backward(path: str | None) -> bool:
 
 
 def backward_of(cell: "BackwardCell") -> str:
-    """The backward algorithm of a cell's path: 'eager', 'math' or 'flash'."""
+    """The backward algorithm of a cell's path: 'eager', 'math' or 'recompute'."""
     return PATHS.get(cell.path).backward or ""
 
 
 def cpu_blocks(cell: "BackwardCell", grads: "GradInputs") -> bool:
     """The CPU flash kernel's backward, with its sums rounded to the dtype per block: a flash backward
     of a path that runs on the CPU, for gradients not recorded on a GPU."""
-    return backward_of(cell) == "flash" and PATHS.get(cell.path).device == "cpu" and grads.device_type != "cuda"
+    return backward_of(cell) == "recompute" and PATHS.get(cell.path).device == "cpu" and grads.device_type != "cuda"
 MAX_EXAMPLES = 5
 
 
@@ -233,7 +233,7 @@ def _how(cell: BackwardCell, dt: torch.dtype, grads: GradInputs) -> str:
         if cell.softmax_dtype and cell.softmax_dtype != (cell.scores_dtype or cell.dtype):
             parts.append(f"softmax in {cell.softmax_dtype}")
         return ", ".join(parts)
-    if kind == "flash":
+    if kind == "recompute":
         if dt == torch.float32:
             return "sums in fp32"
         return f"sums rounded to {cell.dtype} per block (CPU kernel)" if cpu_blocks(cell, grads) else "sums in fp32, rounded once (CUDA)"
@@ -400,7 +400,7 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     """
     u = _unit_roundoff(dt)
     u32 = _unit_roundoff(torch.float32)
-    low = dt != torch.float32 and backward_of(cell) in ("flash", "eager")  # P and dS rounded to the dtype for the products
+    low = dt != torch.float32 and backward_of(cell) in ("recompute", "eager")  # P and dS rounded to the dtype for the products
     u_low = u if low else 0.0
     step = smallest_subnormal(dt)
     gq, gk, gv = cell_grads

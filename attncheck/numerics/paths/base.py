@@ -88,8 +88,9 @@ class PathSpec:
     # fp32), 'fp32-split' (q and k each times sqrt(scale), then S in fp32: PyTorch's math SDPA)
     scores: str = "fp32"
     logits: bool = False  # consumes a flex call's recorded fp32 logits (after its score_mod) where there are some
-    # Its backward (``attncheck.numerics.backward.paths``): 'eager', 'math' (fp32 inside), 'flash' (the
-    # FlashAttention-2 backward: on the CPU the CPU kernel's blocked sums, on CUDA fp32 sums); None: none
+    # Its backward (``attncheck.numerics.backward.paths``): 'eager', 'math' (fp32 inside), 'recompute' (the
+    # FlashAttention-2 backward, P recomputed from the log-sum-exp: on the CPU the CPU kernel's blocked sums,
+    # on CUDA fp32 sums); None: none
     backward: str | None = None
     # Where it runs: 'cpu' (judged where attncheck runs), 'cuda' (a GPU kernel, emulated on any CPU)
     device: str = "cpu"
@@ -110,7 +111,7 @@ class PathSpec:
     def __post_init__(self) -> None:
         if self.scores not in ("dtype", "fp32", "fp32-split"):
             raise ValueError(f"path {self.name}: scores must be 'dtype', 'fp32' or 'fp32-split', got {self.scores!r}")
-        if self.backward not in (None, "eager", "math", "flash"):
+        if self.backward not in (None, "eager", "math", "recompute"):
             raise ValueError(f"path {self.name}: unknown backward {self.backward!r}")
 
     def function(self) -> Callable:

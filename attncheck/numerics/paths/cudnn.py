@@ -104,7 +104,7 @@ PATH = PathSpec(
     stands_for=(Stands("sdpa", "cudnn_attention", "cuda"),),
     supports="attncheck.numerics.paths.cudnn:supports",
     replay=True,
-    backward="flash",  # a fused backward with fp32 sums, each gradient rounded once (its tiling not emulated)
+    backward="recompute",  # a fused backward with fp32 sums, each gradient rounded once (its tiling not emulated)
 )
 
 

@@ -55,5 +55,5 @@ PATH = PathSpec(
     stands_for=(Stands("flash_attn", "fa2"),),
     supports="attncheck.numerics.paths.fa2_fma:supports",
     replay=True,
-    backward="flash",  # FlashAttention-2's backward as on CUDA: fp32 sums, each gradient rounded once
+    backward="recompute",  # FlashAttention-2's backward as on CUDA: fp32 sums, each gradient rounded once
 )

@@ -113,7 +113,7 @@ PATH = PathSpec(
     stands_for=(Stands("sdpa", "efficient_attention", "cuda"),),
     supports="attncheck.numerics.paths.mem_efficient:supports",
     replay=True,
-    backward="flash",  # a fused backward with fp32 sums, each gradient rounded once (its tiling not emulated)
+    backward="recompute",  # a fused backward with fp32 sums, each gradient rounded once (its tiling not emulated)
 )
 
 _DTYPES = ("fp16", "bf16", "fp32")
