@@ -557,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "capability": capability, "cudnn": torch.backends.cudnn.version() if cuda else None,
         "threads": torch.get_num_threads(),
+        "attncheck": str(Path(sys.modules["attncheck"].__file__).parent),
     }
     records, table_rows, sound = [], [], True
     t_emulation = 0.0
@@ -595,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["emulation_s"] = round(t_emulation, 2)
     meta["total_s"] = round(time.perf_counter() - t_start, 2)
     meta["emulations_sound"] = sound
+    # what a GPU machine's bare image lacks: none of it may be needed (checked by tests/benchmarks)
+    meta["imported_outside_the_image"] = sorted(m for m in ("msgspec", "typer", "rich") if m in sys.modules)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"meta": meta, "cases": records}, indent=1))
     print(f"{len(records)} cases, emulation {meta['emulation_s']} s, total {meta['total_s']} s on {meta['device']}; "
