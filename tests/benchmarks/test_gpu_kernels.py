@@ -31,8 +31,8 @@ def run_script(tmp_path: Path, *args: str) -> dict:
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    assert proc.stdout.splitlines()[-1].startswith("1072-ctl-sk97")  # the table is printed last
     doc = json.loads(out.read_text())
+    assert proc.stdout.splitlines()[-1].startswith(doc["cases"][-1]["name"] + " ")  # the table is printed last
     assert doc["meta"]["attncheck"] == str(ROOT / "attncheck")  # this checkout's, installed or not
     assert doc["meta"]["imported_outside_the_image"] == []  # no msgspec, typer, rich: a bare GPU image has none
     return doc
@@ -105,8 +105,9 @@ def test_cpu_only_hazard_repros_as_the_threads_report_them(cpu_only):
     c = cases["1072"]
     assert c["paths"]["cudnn"]["events"]["padded_query_tile"] == c["hq"] * c["tq"] == 2
     assert cases["1072-ctl-sk97"]["paths"]["cudnn"]["event_rows"] == 0
+    assert cases["1072-ctl-shift0"]["paths"]["cudnn"]["event_rows"] == 0
     # the hazards are cudnn's alone: no other path flags a row of these repros, and every forward is finite
-    for name in ("196678", "196678-ctl-256", "1072", "1072-ctl-sk97"):
+    for name in ("196678", "196678-ctl-256", "1072", "1072-ctl-sk97", "1072-ctl-shift0"):
         for path, f in cases[name]["paths"].items():
             assert f["finite_where_reference_is"] is True, (name, path)
             assert path == "cudnn" or f["event_rows"] == 0, (name, path)
