@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 from attncheck.format import num, pct
-from attncheck.numerics.paths.cudnn import KEY_TILE, Q_TILE
 from attncheck.registry import METHODS, PATHS, eager_path, fp8_what_if_path
 from attncheck.codes import CAUSES_OF, FIX, SEVERITIES, SEVERITY
 from attncheck.results import (FLASH_RULE_FACTOR, REAL_BOUND_TOLERANCE, UNEXPLAINED, Cell, DtypeLimits, Finding,
@@ -27,6 +26,9 @@ COLLAPSE_WARN_FRAC = 0.5
 # Overflow codes: ignoring one of them judges a cell's overflow rows expected (its verdict, --fail-on overflow)
 OVERFLOW_CODES = frozenset({"exp_overflow", "sum_overflow", "fused_max"})
 LOG2E = 1 / math.log(2)  # exp(x) = exp2(x log2 e): the kernels fold it into the scale
+# cuDNN's key and query tiles as attncheck.numerics.paths.cudnn assumes them (KEY_TILE, Q_TILE; the judgement layer
+# imports no numerics, tests/test_kernel_hazards.py holds them equal): which tile a padded_tile row's call pads
+CUDNN_KEY_TILE, CUDNN_Q_TILE = 128, 64
 
 
 def _kernel_of(method: str) -> str | None:
@@ -261,12 +263,12 @@ def _padded_tile_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
     low = c.event_values.get("padded_tile")
     limit = f" -ln(FLT_MAX) = {-math.log(fp32.max):.2f}" if fp32 is not None else " -ln(FLT_MAX)"
     lse = f" (lowest LSE {low:.4g})" if low is not None else ""
-    if tk is not None and tk % KEY_TILE == KEY_TILE // 2:
-        form = (f"key tile: Tk = {tk} leaves the last {KEY_TILE}-key tile half padding and the call has an explicit mask; the "
+    if tk is not None and tk % CUDNN_KEY_TILE == CUDNN_KEY_TILE // 2:
+        form = (f"key tile: Tk = {tk} leaves the last {CUDNN_KEY_TILE}-key tile half padding and the call has an explicit mask; the "
                 f"backward scores the padded keys 0 instead of -inf, exp(0 - LSE) overflows fp32 and inf x 0 (zero-filled K) "
                 f"gives NaN in dQ of these rows (PyTorch issue 196678: seen with cuDNN 9.20 on sm90, fixed in cuDNN 9.26)")
     else:
-        form = (f"query tile: Tq = {tq} is not a multiple of the {Q_TILE}-query tile (Tk = {tk}, whole {KEY_TILE}-key tiles); "
+        form = (f"query tile: Tq = {tq} is not a multiple of the {CUDNN_Q_TILE}-query tile (Tk = {tk}, whole {CUDNN_KEY_TILE}-key tiles); "
                 f"the zero-filled query rows score 0 against every key, exp(0 - LSE) overflows fp32 and dK and dV of the "
                 f"head's keys are NaN (cudnn-frontend issue 1072: cuDNN 9.25.1 and 9.26 on sm90, open)")
     return (f"{c.name}: {rows} row(s) have a forward log-sum-exp below{limit}{lse}; the forward is finite, but cuDNN's "

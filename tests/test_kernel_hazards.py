@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 
 import attncheck
 from attncheck.cli import app
-from attncheck.findings import fused_max_threshold
+from attncheck.findings import CUDNN_KEY_TILE, CUDNN_Q_TILE, fused_max_threshold
+from attncheck.numerics.paths import cudnn
 from attncheck.numerics.precision import limits_of
 
 runner = CliRunner()
@@ -125,6 +126,10 @@ def test_fused_max_not_below_the_threshold(tmp_path):
 
 
 # ----------------------------------------------------------------------------------- padded_tile
+
+
+def test_the_finding_names_the_tiles_the_cudnn_path_assumes():
+    assert (CUDNN_KEY_TILE, CUDNN_Q_TILE) == (cudnn.KEY_TILE, cudnn.Q_TILE)
 
 
 def test_pytorch_196678_is_padded_tile_under_cudnn_only(tmp_path):
