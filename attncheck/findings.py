@@ -169,7 +169,8 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
             add("fused_max", _fused_max_message(diag, c, n_fused), [c], n_fused, c.examples.get("event:fused_max", []))
         n_pad = c.events.get("padded_tile", 0)
         if n_pad:
-            add("padded_tile", _padded_tile_message(diag, c, n_pad), [c], n_pad, c.examples.get("event:padded_tile", []))
+            add("padded_tile", _padded_tile_message(diag, c, n_pad), [c], n_pad,
+                c.examples.get("event:padded_tile", []))
         n_sum = c.events.get("sum_overflow", 0)
         if n_sum:
             sum_nan, sum_zero = c.nan_causes.get("sum_overflow", 0), c.zero_causes.get("sum_overflow", 0)
@@ -178,7 +179,8 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
         if c.nan_causes.get("underflow") and h is not None:
             n = c.nan_causes["underflow"]
             add("underflow", f"{c.method} softmax in {c.dtype}: every exp flushes to 0 in {n} row(s) (all scores below {h.exp_underflow_threshold:.4g}), so the row is 0/0 = NaN", [c], n, c.examples.get("nan:underflow", []))
-        other_zero = c.zero_rows - sum(c.zero_causes.get(k, 0) for k in ("fully_masked", "cast_overflow", "exp_overflow", "fused_max", "sum_overflow"))
+        known = ("fully_masked", "cast_overflow", "exp_overflow", "fused_max", "sum_overflow")
+        other_zero = c.zero_rows - sum(c.zero_causes.get(k, 0) for k in known)
         if other_zero > 0:
             add("zero_rows", f"{c.method} softmax in {c.dtype}: {other_zero} row(s) come out all zero", [c], other_zero, c.examples.get(f"zero:{UNEXPLAINED}", []))
         if c.nan_causes.get(UNEXPLAINED):
@@ -223,8 +225,13 @@ def fused_max_threshold(fp32: DtypeLimits, p_dtype: DtypeLimits) -> int:
     the exponent is the rounding residue of m scale log2e to fp32, up to half an fp32 ulp there, 2^e x eps / 2
     (eps: fp32's ulp of one); exp2 of it overflows once 2^residue reaches fp32's rounding limit, and P once it
     reaches the P dtype's. fp32 and bf16: 2^31 (residue 128); fp16: 2^28 (residue 16 > log2 65520)."""
-    room = min(math.log2(fp32.rounding_limit), math.log2(p_dtype.rounding_limit))  # the largest exponent that stays finite
+    room = _exp2_room(fp32, p_dtype)
     return math.ceil(math.log2(2 * room / fp32.eps))
+
+
+def _exp2_room(fp32: DtypeLimits, p_dtype: DtypeLimits) -> float:
+    """log2 of the least value that overflows exp2's fp32 result or P's dtype: the largest safe exponent."""
+    return min(math.log2(fp32.rounding_limit), math.log2(p_dtype.rounding_limit))
 
 
 def _fused_max_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
@@ -232,27 +239,28 @@ def _fused_max_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
     spec = PATHS.get(c.path) if c.path in PATHS else None
     kernel = spec.kernel if spec is not None else c.method
     nan = c.nan_causes.get("fused_max", 0)
-    top = max(abs(diag.census.max), abs(diag.census.min)) if diag.census.max is not None and diag.census.min is not None else None
+    census = diag.census
+    top = None if census.max is None or census.min is None else max(abs(census.max), abs(census.min))
     fp32, own = diag.limits.get("fp32"), diag.limits.get(c.dtype)
-    head = (f"{c.name}: {kernel} computes exp2f(fma(x, scale*log2e, -round(m*scale*log2e))): at the row max m the "
-            f"exponent is the rounding residue of m*scale*log2e to fp32, not 0, and exp2 of it overflows in {rows} "
-            f"row(s) -> {nan} NaN row(s)")
-    parts = [head]
+    parts = [f"{c.name}: {kernel} computes exp2f(fma(x, scale*log2e, -round(m*scale*log2e))): at the row max m the "
+             f"exponent is the rounding residue of m*scale*log2e to fp32, not 0, and exp2 of it overflows in {rows} "
+             f"row(s) -> {nan} NaN row(s)"]
     if top is not None and fp32 is not None and top > 0:
         scaled = top * LOG2E
         half_ulp = 2.0 ** (math.floor(math.log2(scaled)) - 1) * fp32.eps  # half an fp32 ulp of m*scale*log2e
-        parts.append(f"largest score |S*scale| {top:.4g}, times log2e {scaled:.4g}, where half an fp32 ulp is {half_ulp:.6g}")
+        parts.append(f"largest score |S*scale| {top:.4g}, times log2e {scaled:.4g}, where half an fp32 ulp is "
+                     f"{half_ulp:.6g}")
     if fp32 is not None and own is not None:
         e = fused_max_threshold(fp32, own)
-        room = min(math.log2(fp32.rounding_limit), math.log2(own.rounding_limit))
         where = c.dtype if own.rounding_limit < fp32.rounding_limit else "fp32"
-        parts.append(f"exp2 of the residue overflows {where} above {room:.6g} (log2 of its rounding limit), which half an "
-                     f"ulp can reach once |S*scale*log2e| >= 2^{e}, i.e. |S*scale| >= {2.0 ** e / LOG2E:.4g}")
+        parts.append(f"exp2 of the residue overflows {where} above {_exp2_room(fp32, own):.6g} (log2 of its rounding "
+                     f"limit), which half an ulp can reach once |S*scale*log2e| >= 2^{e}, i.e. |S*scale| >= "
+                     f"{2.0 ** e / LOG2E:.4g}")
     safe = [o.name for o in diag.cells if o.dtype == c.dtype and o is not c and o.path and not o.nan_rows]
     if safe:
         parts.append("finite in " + ", ".join(safe))
-    parts.append("the flash-attn package builds FlashAttention-2 this way; PyTorch's flash backend builds it with UNFUSE_FMA "
-                 "(PyTorch issue 121558), whose exponent is <= 0 at every score")
+    parts.append("the flash-attn package builds FlashAttention-2 this way; PyTorch's flash backend builds it with "
+                 "UNFUSE_FMA (PyTorch issue 121558), whose exponent is <= 0 at every score")
     return "; ".join(parts)
 
 
@@ -263,16 +271,19 @@ def _padded_tile_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
     low = c.event_values.get("padded_tile")
     limit = f" -ln(FLT_MAX) = {-math.log(fp32.max):.2f}" if fp32 is not None else " -ln(FLT_MAX)"
     lse = f" (lowest LSE {low:.4g})" if low is not None else ""
-    if tk is not None and tk % CUDNN_KEY_TILE == CUDNN_KEY_TILE // 2:
-        form = (f"key tile: Tk = {tk} leaves the last {CUDNN_KEY_TILE}-key tile half padding and the call has an explicit mask; the "
-                f"backward scores the padded keys 0 instead of -inf, exp(0 - LSE) overflows fp32 and inf x 0 (zero-filled K) "
-                f"gives NaN in dQ of these rows (PyTorch issue 196678: seen with cuDNN 9.20 on sm90, fixed in cuDNN 9.26)")
+    tile = CUDNN_KEY_TILE
+    if tk is not None and tk % tile == tile // 2:
+        form = (f"key tile: Tk = {tk} leaves the last {tile}-key tile half padding and the call has an explicit "
+                "mask; the backward scores the padded keys 0 instead of -inf, exp(0 - LSE) overflows fp32 and inf x 0 "
+                "(zero-filled K) gives NaN in dQ of these rows (PyTorch issue 196678: seen with cuDNN 9.20 on sm90, "
+                "fixed in cuDNN 9.26)")
     else:
-        form = (f"query tile: Tq = {tq} is not a multiple of the {CUDNN_Q_TILE}-query tile (Tk = {tk}, whole {CUDNN_KEY_TILE}-key tiles); "
-                f"the zero-filled query rows score 0 against every key, exp(0 - LSE) overflows fp32 and dK and dV of the "
-                f"head's keys are NaN (cudnn-frontend issue 1072: cuDNN 9.25.1 and 9.26 on sm90, open)")
-    return (f"{c.name}: {rows} row(s) have a forward log-sum-exp below{limit}{lse}; the forward is finite, but cuDNN's "
-            f"backward gives NaN gradients on this call (padded {form})")
+        form = (f"query tile: Tq = {tq} is not a multiple of the {CUDNN_Q_TILE}-query tile (Tk = {tk}, whole "
+                f"{tile}-key tiles); the zero-filled query rows score 0 against every key, exp(0 - LSE) overflows "
+                "fp32 and dK and dV of the head's keys are NaN (cudnn-frontend issue 1072: cuDNN 9.25.1 and 9.26 on "
+                "sm90, open)")
+    return (f"{c.name}: {rows} row(s) have a forward log-sum-exp below{limit}{lse}; the forward is finite, but "
+            f"cuDNN's backward gives NaN gradients on this call (padded {form})")
 
 
 def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:

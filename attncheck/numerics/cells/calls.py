@@ -264,7 +264,8 @@ def _with_call(info: CallInfo, inputs):
     mask it was given, the GPU's capability), and a flex call's key block, its BlockMask's (None without one).
     A q/k file is no captured call: it records no facts (``call_facts`` would read its mask tensor as no mask),
     so its paths get None and read the mask from the inputs themselves."""
-    inputs = replace(inputs, call=None if info.kind == "qk" else call_facts(info, cell_dtype_name(info.dtype) or "fp32"))
+    facts = None if info.kind == "qk" else call_facts(info, cell_dtype_name(info.dtype) or "fp32")
+    inputs = replace(inputs, call=facts)
     block = info.meta.get("flex_kv_block", "")
     if info.kind == "flex" and block.isascii() and block.isdigit() and 0 < int(block) < 1 << 30:
         return replace(inputs, flex_block=int(block))
