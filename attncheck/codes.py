@@ -401,7 +401,7 @@ np.save("scores.npy", scores)
         "Rows where an exp2 of a finite score is inf in fp32 or beyond the P dtype's range, or whose row sum is "
         "inf. It can happen once half an fp32 ulp of |m x scale x log2e| (2^(e-24) for a value in [2^e, 2^(e+1))) "
         "reaches log2 of the largest value exp2 may return: 128 in fp32 and bf16 (|m x scale x log2e| >= 2^31, "
-        "|S x scale| >= 2^31 / log2e = 1.489e9), log2(65520) = 15.9997 for fp16's P (>= 2^28, |S x scale| >= "
+        "|S x scale| >= 2^31 / log2e = 1.489e9), log2(65520) = 15.9996 for fp16's P (>= 2^28, |S x scale| >= "
         "1.861e8); the limits are torch.finfo's.",
         "run FlashAttention-2 unfused: PyTorch's flash backend (path fa2, built with UNFUSE_FMA), or the efficient or "
         "math backend instead of the flash-attn package; or keep |S x scale| below 2^31 / log2e = 1.49e9 (fp16: "

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 import attncheck
 from attncheck.cli import app
+from attncheck.codes import REGISTRY
 from attncheck.findings import CUDNN_KEY_TILE, CUDNN_Q_TILE, fused_max_threshold
 from attncheck.numerics.paths import cudnn
 from attncheck.numerics.precision import limits_of
@@ -84,18 +85,34 @@ def lse64(t: dict) -> torch.Tensor:
 # ----------------------------------------------------------------------------------- fused_max
 
 
+def log2_limit(d: torch.dtype) -> float:
+    """log2 of the least value that rounds to inf in ``d``: torch.finfo's max plus half the top binade's ulp."""
+    fi = torch.finfo(d)
+    return math.log2(fi.max + fi.eps * 2.0 ** math.floor(math.log2(fi.max)) / 2)
+
+
+def walked_threshold(dt: torch.dtype) -> int:
+    """The least power of two 2^e where half numpy's fp32 spacing reaches log2 of fp32's or the P dtype's limit."""
+    room = min(log2_limit(torch.float32), log2_limit(dt))
+    return next(e for e in range(1, 64) if float(np.spacing(np.float32(2.0**e))) / 2 >= room)
+
+
 @pytest.mark.parametrize("dt,expect", [(torch.float16, 28), (torch.bfloat16, 31), (torch.float32, 31)])
 def test_fused_max_threshold_is_where_half_an_fp32_ulp_reaches_exp2s_overflow(dt, expect):
-    """Walk the powers of two: half numpy's fp32 spacing at 2^e against log2 of the least value that rounds
-    to inf in fp32 and in the P dtype (torch.finfo's max plus half its top ulp)."""
+    assert walked_threshold(dt) == expect == fused_max_threshold(limits_of(torch.float32), limits_of(dt))
 
-    def log2_limit(d: torch.dtype) -> float:
-        fi = torch.finfo(d)
-        return math.log2(fi.max + fi.eps * 2.0 ** math.floor(math.log2(fi.max)) / 2)  # the top binade's ulp: eps x 2^e
 
-    room = min(log2_limit(torch.float32), log2_limit(dt))
-    walked = next(e for e in range(1, 64) if float(np.spacing(np.float32(2.0**e))) / 2 >= room)
-    assert walked == expect == fused_max_threshold(limits_of(torch.float32), limits_of(dt))
+def test_the_fused_max_page_states_the_thresholds_torch_finfo_gives():
+    """The reference page's numbers (typed there: codes.py is torch-free) against the walk above."""
+    code = REGISTRY["fused_max"]
+    text = code.threshold + " " + code.fix
+    for dt in (torch.float32, torch.float16):
+        e = walked_threshold(dt)
+        logit = 2.0**e * math.log(2)  # |S x scale| at |S x scale x log2e| = 2^e
+        stated = {f"{logit:.4g}".replace("e+0", "e"), f"{logit:.3g}".replace("e+0", "e")}  # 1.489e9 and 1.49e9
+        assert f"2^{e}" in text and all(number in text for number in stated)
+    assert f"log2(65520) = {log2_limit(torch.float16):.6g}" in text and "128 in fp32 and bf16" in text
+    assert round(min(log2_limit(torch.float32), log2_limit(torch.bfloat16))) == 128
 
 
 def test_pytorch_121558_is_fused_max_under_fa2_fma_and_finite_under_the_others(tmp_path):
