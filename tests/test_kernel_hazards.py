@@ -242,3 +242,15 @@ def test_what_if_cells_get_their_own_fused_max_finding(tmp_path):
     assert answers["fa2-fma/bf16"]["findings"].get("fused_max") == 1 and answers["fa2-fma/bf16"]["verdict"] == "nan"
     for name in ("fa2/bf16", "mem-efficient/bf16"):
         assert "fused_max" not in answers[name]["findings"] and answers[name]["nan_rows"] == 0
+
+
+def test_what_if_cells_get_their_own_padded_tile_finding(tmp_path):
+    """The 196678 call captured on the CPU (explicit mask recorded): cudnn as a what-if carries the warning,
+    mem-efficient none, the model's own cell none."""
+    cap = captured(tmp_path, issue_196678())
+    doc, r = run_capture(cap, "--path", "cudnn,mem-efficient", "--dtype", "bf16", "--fail-on", "what-if:padded_tile")
+    assert r.exit_code == 1
+    assert not of(doc["tensors"][0]["findings"], "padded_tile")
+    answers = {a["cell"]: a for a in doc["model"]["what_if"]}
+    assert answers["cudnn/bf16"]["findings"].get("padded_tile") == 1 and answers["cudnn/bf16"]["nan_rows"] == 0
+    assert "padded_tile" not in answers["mem-efficient/bf16"]["findings"]
