@@ -386,6 +386,35 @@ np.save("scores.npy", scores)
         causes=("exp_overflow",),
     ),
     Code(
+        "fused_max", "error", "softmax",
+        "the kernel's fused max subtraction overflows exp2",
+        "FlashAttention-2 as the flash-attn package builds it (path `fa2-fma`) computes each exponent with one "
+        "fused multiply-add, exp2f(fma(x, scale x log2e, -max_scaled)), where max_scaled = m x scale x log2e was "
+        "rounded to fp32 beforehand. At the row max the exponent is then not 0 but the rounding residue of "
+        "m x scale x log2e, up to half an fp32 ulp of it: for scores large enough that residue passes 128, exp2 "
+        "overflows, the row sum is inf and O is NaN, although every score is finite and far inside fp32 "
+        "(PyTorch issue 121558: bf16 Q, K, V all 133120 give NaN from the flash kernel and finite outputs from the "
+        "efficient and math kernels). PyTorch builds its FlashAttention-2 with UNFUSE_FMA since then (path `fa2`: "
+        "the product rounded, then the subtraction, so the exponent is <= 0 at every score, rounding being "
+        "monotone). The message names the kernel, the largest score, half an ulp there and the threshold, and "
+        "the paths computed that stay finite.",
+        "Rows where an exp2 of a finite score is inf in fp32 or beyond the P dtype's range, or whose row sum is "
+        "inf. It can happen once half an fp32 ulp of |m x scale x log2e| (2^(e-24) for a value in [2^e, 2^(e+1))) "
+        "reaches log2 of the largest value exp2 may return: 128 in fp32 and bf16 (|m x scale x log2e| >= 2^31, "
+        "|S x scale| >= 2^31 / log2e = 1.489e9), log2(65520) = 15.9996 for fp16's P (>= 2^28, |S x scale| >= "
+        "1.861e8); the limits are torch.finfo's.",
+        "run FlashAttention-2 unfused: PyTorch's flash backend (path fa2, built with UNFUSE_FMA), or the efficient or "
+        "math backend instead of the flash-attn package; or keep |S x scale| below 2^31 / log2e = 1.49e9 (fp16: "
+        "2^28 / log2e = 1.86e8), e.g. normalise q and k (qk-layernorm): scores that large mean q and k grew unchecked",
+        Example(_TORCH + """\
+from safetensors.torch import save_file
+
+x = torch.full((1, 1, 1, 64), 133120.0, dtype=torch.bfloat16)  # PyTorch issue 121558: every element 133120
+save_file({"q": x, "k": x.clone(), "v": x.clone()}, "qk.safetensors")
+""", "attncheck run qk.safetensors --path fa2-fma --dtype bf16 --fail-on fused_max"),
+        causes=("fused_max",),
+    ),
+    Code(
         "sum_overflow", "error", "softmax",
         "every exp is finite but the row sum overflows",
         "Each exp fits the dtype but their sum does not: dividing by inf gives an all-zero row (or NaN where an "
@@ -731,6 +760,40 @@ k, v = (torch.randn(1, 1, 16, 8, generator=g) for _ in range(2))
 do = torch.full((1, 1, 4096, 8), 1.8125)  # dV sums 4096 equal terms, block by block in bf16
 torch.save({n: t.bfloat16() for n, t in dict(q=q, k=k, v=v, do=do).items()}, "qkv.pt")
 """, "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype bf16 --path flash --brief --fail-on grad_error"),
+    ),
+    Code(
+        "padded_tile", "warning", "backward",
+        "cuDNN's backward gives NaN gradients on this call (padded tile)",
+        "A prediction for cuDNN's SDPA backward (PyTorch's CUDNN_ATTENTION backend, path `cudnn`), from its forward "
+        "log-sum-exp. The backward recomputes P = exp(S - LSE) tile by tile; where a tile runs past the tensor's "
+        "end its zero-filled entries are scored 0 instead of -inf, and in a row whose LSE is below -ln(FLT_MAX) = "
+        "-88.72, exp(0 - LSE) overflows fp32 and inf x 0 gives NaN. Two published forms: the key tile (PyTorch "
+        "issue 196678: an explicit attn_mask and a key length with Tk % 128 == 64, NaN in dQ of those rows; seen "
+        "with cuDNN 9.20 on H100/H200, fixed in cuDNN 9.26, PyTorch PR 196861) and the query tile (cudnn-frontend "
+        "issue 1072: Sq = 1, Sk = 128, no mask, NaN in dK and dV; cuDNN 9.25.1 and 9.26, open). The forward is "
+        "finite; the gradients depend on the cuDNN version and the GPU (both were seen on sm90), so it is a warning. "
+        "A q/k file cannot say whether its mask was a tensor or is_causal: a mask given counts as explicit. A row "
+        "whose every open key scores below -88 is most often a mask bug (a row that should have been masked whole, "
+        "or a sentinel added twice).",
+        "Rows with a finite forward LSE and exp(-LSE) = inf in fp32 (LSE < -ln(finfo(fp32).max) = -88.72), in a "
+        "call with an explicit mask and Tk % 128 == 64 (key form), or with Tq % 64 != 0 and Tk % 128 == 0 (query "
+        "form); none on a recorded GPU other than sm90.",
+        "update cuDNN to 9.26 or later (the key form's fix), or run another backend for this call "
+        "(torch.backends.cuda.enable_cudnn_sdp(False), or torch.nn.attention.sdpa_kernel with the flash or "
+        "efficient backend); and check the mask: a row whose open keys all score below -88 is usually a mask bug",
+        Example(_TORCH + """\
+import math
+
+from safetensors.torch import save_file
+
+g = torch.Generator().manual_seed(0)
+L, D = 192, 64  # PyTorch issue 196678, small: 192 % 128 == 64 leaves the last key tile half padding
+q, k = (torch.randn(1, 1, L, D, generator=g) * 0.1 for _ in range(2))
+v = torch.randn(1, 1, L, D, generator=g)
+q[..., 0], k[..., 0] = 1.0, -120 * math.sqrt(D)  # every logit about -120: every row's LSE below -88.72
+mask = torch.ones(L, L, dtype=torch.bool).tril()  # an explicit mask tensor (True = attend)
+save_file({"q": q.bfloat16(), "k": k.bfloat16(), "v": v.bfloat16(), "mask": mask}, "qk.safetensors")
+""", "attncheck run qk.safetensors --path cudnn --dtype bf16 --fail-on padded_tile"),
     ),
     Code(
         "grad_emulation_mismatch", "error", "backward",

@@ -10,8 +10,8 @@ import math
 from attncheck.format import num, pct
 from attncheck.registry import METHODS, PATHS, eager_path, fp8_what_if_path
 from attncheck.codes import CAUSES_OF, FIX, SEVERITIES, SEVERITY
-from attncheck.results import (FLASH_RULE_FACTOR, REAL_BOUND_TOLERANCE, UNEXPLAINED, Cell, Finding, TensorDiagnosis,
-                               flash_rule_bound)
+from attncheck.results import (FLASH_RULE_FACTOR, REAL_BOUND_TOLERANCE, UNEXPLAINED, Cell, DtypeLimits, Finding,
+                               TensorDiagnosis, flash_rule_bound)
 
 # Where a captured call's scale came from, when it is the model's own choice (AttentionAudit.scale_source).
 CHOSEN_SCALES = {"argument": "the scale= argument the model passed to SDPA",
@@ -23,6 +23,12 @@ FP8_UNSCALED_FRAC = 0.01  # share of q/k/v values left subnormal or flushed by a
 TIED_BIAS_Z = 4.0  # a mean signed error this many standard errors from 0 is a bias, not noise
 TIED_BIAS_MIN_ROWS = 16  # fewer tied rows do not make a mean to test
 COLLAPSE_WARN_FRAC = 0.5
+# Overflow codes: ignoring one of them judges a cell's overflow rows expected (its verdict, --fail-on overflow)
+OVERFLOW_CODES = frozenset({"exp_overflow", "sum_overflow", "fused_max"})
+LOG2E = 1 / math.log(2)  # exp(x) = exp2(x log2 e): the kernels fold it into the scale
+# cuDNN's key and query tiles as attncheck.numerics.paths.cudnn assumes them (KEY_TILE, Q_TILE; the judgement layer
+# imports no numerics, tests/test_kernel_hazards.py holds them equal): which tile a padded_tile row's call pads
+CUDNN_KEY_TILE, CUDNN_Q_TILE = 128, 64
 
 
 def _kernel_of(method: str) -> str | None:
@@ -158,6 +164,13 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
             exp_nan, exp_zero = c.nan_causes.get("exp_overflow", 0), c.zero_causes.get("exp_overflow", 0)
             limit = f"exp(x) = inf for x > {h.exp_overflow_threshold:.4g}; " if h else ""
             add("exp_overflow", f"{c.method} softmax in {c.dtype}: exp overflows to inf in {n_exp} row(s) ({limit}largest score {num(census.max, 4)}) -> {exp_nan} NaN row(s){f', {exp_zero} all-zero row(s)' if exp_zero else ''}", [c], n_exp, c.examples.get("event:exp_overflow", []))
+        n_fused = c.events.get("fused_max", 0)
+        if n_fused:
+            add("fused_max", _fused_max_message(diag, c, n_fused), [c], n_fused, c.examples.get("event:fused_max", []))
+        n_pad = c.events.get("padded_tile", 0)
+        if n_pad:
+            add("padded_tile", _padded_tile_message(diag, c, n_pad), [c], n_pad,
+                c.examples.get("event:padded_tile", []))
         n_sum = c.events.get("sum_overflow", 0)
         if n_sum:
             sum_nan, sum_zero = c.nan_causes.get("sum_overflow", 0), c.zero_causes.get("sum_overflow", 0)
@@ -166,7 +179,8 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
         if c.nan_causes.get("underflow") and h is not None:
             n = c.nan_causes["underflow"]
             add("underflow", f"{c.method} softmax in {c.dtype}: every exp flushes to 0 in {n} row(s) (all scores below {h.exp_underflow_threshold:.4g}), so the row is 0/0 = NaN", [c], n, c.examples.get("nan:underflow", []))
-        other_zero = c.zero_rows - sum(c.zero_causes.get(k, 0) for k in ("fully_masked", "cast_overflow", "exp_overflow", "sum_overflow"))
+        known = ("fully_masked", "cast_overflow", "exp_overflow", "fused_max", "sum_overflow")
+        other_zero = c.zero_rows - sum(c.zero_causes.get(k, 0) for k in known)
         if other_zero > 0:
             add("zero_rows", f"{c.method} softmax in {c.dtype}: {other_zero} row(s) come out all zero", [c], other_zero, c.examples.get(f"zero:{UNEXPLAINED}", []))
         if c.nan_causes.get(UNEXPLAINED):
@@ -203,6 +217,73 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
     order = {s: i for i, s in enumerate(SEVERITIES)}
     out.sort(key=lambda f: order[f.severity])
     return out
+
+
+def fused_max_threshold(fp32: DtypeLimits, p_dtype: DtypeLimits) -> int:
+    """The least e such that a row max m with |m scale log2e| >= 2^e can break the fused exponent
+    ``exp2f(fma(x, scale_log2, -round(m scale_log2)))`` (FlashAttention-2 without UNFUSE_FMA): at the row max
+    the exponent is the rounding residue of m scale log2e to fp32, up to half an fp32 ulp there, 2^e x eps / 2
+    (eps: fp32's ulp of one); exp2 of it overflows once 2^residue reaches fp32's rounding limit, and P once it
+    reaches the P dtype's. fp32 and bf16: 2^31 (residue 128); fp16: 2^28 (residue 16 > log2 65520)."""
+    room = _exp2_room(fp32, p_dtype)
+    return math.ceil(math.log2(2 * room / fp32.eps))
+
+
+def _exp2_room(fp32: DtypeLimits, p_dtype: DtypeLimits) -> float:
+    """log2 of the least value that overflows exp2's fp32 result or P's dtype: the largest safe exponent."""
+    return min(math.log2(fp32.rounding_limit), math.log2(p_dtype.rounding_limit))
+
+
+def _fused_max_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
+    """The rows, the kernel, the largest score and the threshold, from the limits (torch.finfo)."""
+    spec = PATHS.get(c.path) if c.path in PATHS else None
+    kernel = spec.kernel if spec is not None else c.method
+    nan = c.nan_causes.get("fused_max", 0)
+    census = diag.census
+    top = None if census.max is None or census.min is None else max(abs(census.max), abs(census.min))
+    fp32, own = diag.limits.get("fp32"), diag.limits.get(c.dtype)
+    parts = [f"{c.name}: {kernel} computes exp2f(fma(x, scale*log2e, -round(m*scale*log2e))): at the row max m the "
+             f"exponent is the rounding residue of m*scale*log2e to fp32, not 0, and exp2 of it overflows in {rows} "
+             f"row(s) -> {nan} NaN row(s)"]
+    if top is not None and fp32 is not None and top > 0:
+        scaled = top * LOG2E
+        half_ulp = 2.0 ** (math.floor(math.log2(scaled)) - 1) * fp32.eps  # half an fp32 ulp of m*scale*log2e
+        parts.append(f"largest score |S*scale| {top:.4g}, times log2e {scaled:.4g}, where half an fp32 ulp is "
+                     f"{half_ulp:.6g}")
+    if fp32 is not None and own is not None:
+        e = fused_max_threshold(fp32, own)
+        where = c.dtype if own.rounding_limit < fp32.rounding_limit else "fp32"
+        parts.append(f"exp2 of the residue overflows {where} above {_exp2_room(fp32, own):.6g} (log2 of its rounding "
+                     f"limit), which half an ulp can reach once |S*scale*log2e| >= 2^{e}, i.e. |S*scale| >= "
+                     f"{2.0 ** e / LOG2E:.4g}")
+    safe = [o.name for o in diag.cells if o.dtype == c.dtype and o is not c and o.path and not o.nan_rows]
+    if safe:
+        parts.append("finite in " + ", ".join(safe))
+    parts.append("the flash-attn package builds FlashAttention-2 this way; PyTorch's flash backend builds it with "
+                 "UNFUSE_FMA (PyTorch issue 121558), whose exponent is <= 0 at every score")
+    return "; ".join(parts)
+
+
+def _padded_tile_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
+    """The rows, the form (which tile is padded, which gradient breaks), the lowest LSE against -ln(FLT_MAX)."""
+    tq, tk = (diag.shape[-2], diag.shape[-1]) if len(diag.shape) >= 2 else (None, None)
+    fp32 = diag.limits.get("fp32")
+    low = c.event_values.get("padded_tile")
+    limit = f" -ln(FLT_MAX) = {-math.log(fp32.max):.2f}" if fp32 is not None else " -ln(FLT_MAX)"
+    lse = f" (lowest LSE {low:.4g})" if low is not None else ""
+    tile = CUDNN_KEY_TILE
+    if tk is not None and tk % tile == tile // 2:
+        form = (f"key tile: Tk = {tk} leaves the last {tile}-key tile half padding and the call has an explicit "
+                "mask; the backward scores the padded keys 0 instead of -inf, exp(0 - LSE) overflows fp32 and inf x 0 "
+                "(zero-filled K) gives NaN in dQ of these rows (PyTorch issue 196678: seen with cuDNN 9.20 on sm90, "
+                "fixed in cuDNN 9.26)")
+    else:
+        form = (f"query tile: Tq = {tq} is not a multiple of the {CUDNN_Q_TILE}-query tile (Tk = {tk}, whole "
+                f"{tile}-key tiles); the zero-filled query rows score 0 against every key, exp(0 - LSE) overflows "
+                "fp32 and dK and dV of the head's keys are NaN (cudnn-frontend issue 1072: cuDNN 9.25.1 and 9.26 on "
+                "sm90, open)")
+    return (f"{c.name}: {rows} row(s) have a forward log-sum-exp below{limit}{lse}; the forward is finite, but "
+            f"cuDNN's backward gives NaN gradients on this call (padded {form})")
 
 
 def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
@@ -432,7 +513,7 @@ def counted_verdict(c: Cell, ignore=()) -> str:
         return c.verdict
     if counted_rows(c.nan_rows, c.nan_causes, ignore):
         return "nan"
-    if c.overflow_rows and not ({"exp_overflow", "sum_overflow"} & set(ignore)):
+    if c.overflow_rows and not (OVERFLOW_CODES & set(ignore)):
         return "overflow"
     if counted_rows(c.zero_rows, c.zero_causes, (*ignore, "fully_masked_rows")) > 0:
         return "zero"
@@ -461,7 +542,7 @@ def failed_conditions(diags: list[TensorDiagnosis], conditions: list[str], ignor
                 bad = [c.name for c in d.cells if counted_rows(c.nan_rows, c.nan_causes, ignore)]
                 bad += [f"{c.name} backward" for c in d.cells if c.backward is not None and counted_grad_rows(c.backward, ignore)]
             elif cond == "overflow":
-                bad = [c.name for c in d.cells if c.overflow_rows and not ({"exp_overflow", "sum_overflow"} & set(ignore))] + [f"cast to {h.dtype}" for h in d.census.headroom if (h.cast_posinf_values or h.cast_neginf_values) and "cast_overflow" not in ignore]
+                bad = [c.name for c in d.cells if c.overflow_rows and not (OVERFLOW_CODES & set(ignore))] + [f"cast to {h.dtype}" for h in d.census.headroom if (h.cast_posinf_values or h.cast_neginf_values) and "cast_overflow" not in ignore]
             elif cond == "zero":
                 bad = [c.name for c in d.cells if counted_rows(c.zero_rows, c.zero_causes, ignore)]
             elif cond == "flip":

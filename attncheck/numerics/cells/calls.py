@@ -263,8 +263,11 @@ def _model_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], max_bytes: i
 
 def _with_call(info: CallInfo, inputs):
     """A captured call's inputs with what its kernel paths read: the call's facts (``plan.call_facts``: the
-    mask it was given, the GPU's capability), and a flex call's key block, its BlockMask's (None without one)."""
-    inputs = replace(inputs, call=call_facts(info, cell_dtype_name(info.dtype) or "fp32"))
+    mask it was given, the GPU's capability), and a flex call's key block, its BlockMask's (None without one).
+    A q/k file is no captured call: it records no facts (``call_facts`` would read its mask tensor as no mask),
+    so its paths get None and read the mask from the inputs themselves."""
+    facts = None if info.kind == "qk" else call_facts(info, cell_dtype_name(info.dtype) or "fp32")
+    inputs = replace(inputs, call=facts)
     block = info.meta.get("flex_kv_block", "")
     if info.kind == "flex" and block.isascii() and block.isdigit() and 0 < int(block) < 1 << 30:
         return replace(inputs, flex_block=int(block))

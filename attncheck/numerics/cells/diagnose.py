@@ -192,7 +192,8 @@ def diagnose_chunks(
         findings=[],
         settings=settings_of(options),
         attention=attention,
-        limits={d: limits_of(dtype_from_name(d)) for d in dict.fromkeys(k.dtype for k in plan)},
+        # fp32's too: the kernels' exps and statistics are fp32 whatever the cell's dtype (the kernel hazards' limits)
+        limits={d: limits_of(dtype_from_name(d)) for d in dict.fromkeys([*(k.dtype for k in plan), "fp32"])},
         backend=backend.name,
         head_max_logits=head_max.values(),
     )
