@@ -74,9 +74,6 @@ def test_cpu_only_emulations_are_within_the_dtypes_rounding_of_float64(cpu_only)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="fa2.kernel_rows adds its bias to the unscaled S (the exponent scales "
-                   "S + bias by scale*log2e): a float mask is multiplied by the scale; boolean masks (-inf) and "
-                   "PyTorch's flash backend (which takes no mask) are unaffected")
 def test_fa2_with_a_float_mask_is_within_the_dtypes_rounding_of_float64(cpu_only):
     c = by_label(cpu_only)["float-mask"]
     assert c["paths"]["fa2"]["max_err_vs_float64_u"] <= BOUND_U

@@ -20,8 +20,10 @@ Rounding points, in the kernel's order (files at the flash-attention commit):
    product rounded to fp32. **Assumed**: tanh rounded once to fp32 (``tanh.approx.f32``'s error, about
    2^-11 relative, is not modelled).
 4. Masking (``flash_fwd_kernel.h:335``, ``mask.h``): masked keys (causal, window, keys past Tk in the
-   last tile) set to -inf in fp32, after the softcap. The kernel takes no attention mask: a mask given
-   here is added in fp32 as the mask would be (-inf for boolean-masked keys), with the -inf guard of 7.
+   last tile) set to -inf in fp32, after the softcap. The kernel takes no attention mask: a float mask given
+   here (in the units of the scaled scores, as SDPA takes it) is divided by the exponent's scale in fp32
+   and added to S in fp32, so it reaches the exponent as given (-inf for boolean-masked keys), with the
+   -inf guard of 7.
 5. Key blocks of ``kBlockN`` keys (``flash_fwd_launch_template.h:194-325``; PyTorch's copy differs at head dims
    129-160: ``tile_n``) from the
    **last** to the first (``flash_fwd_kernel.h:274, 309, 385``).
@@ -160,8 +162,9 @@ def kernel_rows(
     softcap: float | None = None,
 ) -> KernelRows:
     """FlashAttention-2's forward on rows: q (n, tq, d), k (n, Tk, d), v (n, Tk, dv) or None (float64
-    or any float; rounded to ``dt``), ``bias`` (n*tq, Tk) float32 added to the fp32 scores after the
-    softcap (-inf: masked; the kernel's causal and window masks are such -inf) or None, ``block_n`` the
+    or any float; rounded to ``dt``), ``bias`` (n*tq, Tk) float32 in the units of the scaled scores, added
+    to the fp32 scores after the softcap (divided by the scale: the kernel scales inside exp2; -inf: masked;
+    the kernel's causal and window masks are such -inf) or None, ``block_n`` the
     key tile, ``fused``: the fused exponent of the flash-attn package (else PyTorch's UNFUSE_FMA one).
     Rows are the (n, tq) pairs, flattened. See the module docstring for the rounding points."""
     import torch
@@ -189,7 +192,10 @@ def kernel_rows(
     if pre is not None:  # 3. softcap: product rounded, tanh assumed correctly rounded
         s = torch.tanh((s * pre).double()).float()
     if bias is not None:  # 4. the mask, -inf where masked
-        s = s + bias.float()
+        # The kernel takes no additive mask: a float mask (given in the units of the scaled scores) is added to
+        # the unscaled S divided by the exponent's scale (lse_scale: the softmax scale, or the softcap), in fp32,
+        # so that it reaches the exponent as given; -inf stays -inf, 0 adds nothing
+        s = s + bias.float() / lse_scale
     check_inf = bias is not None
     nb = -(-tk // block_n)
     pad = nb * block_n - tk

@@ -72,8 +72,8 @@ def reference(q, k, v, scale, dt, bn, fused, bias=None, softcap=None):
     else:
         sl2, lse_scale = f32(s32 * LOG2E), s32
     s = s.reshape(r, tk)
-    if bias is not None:
-        s = f32(s + bias)
+    if bias is not None:  # in scaled units: divided by the exponent's scale (fp32), then added in fp32
+        s = f32(s + f32(bias / lse_scale))
     nb = -(-tk // bn)
     s = np.concatenate([s, np.full((r, nb * bn - tk), -np.inf)], axis=1)
     vp = np.concatenate([vd, np.zeros((n, nb * bn - tk, vd.shape[-1]))], axis=1)
@@ -134,10 +134,11 @@ def bias_of(kind, g, n, tq, tk):
         masked = torch.rand(n, tq, tk, generator=g) < 0.3
         masked[0, :2] = True
         return np.where(masked.reshape(n * tq, tk).numpy(), -np.inf, 0.0)
-    if kind == "float":  # -1e4 sentinels (as fp32), one row fully -inf
-        b = np.where(torch.rand(n, tq, tk, generator=g).numpy() < 0.3, -1e4, 0.0).reshape(n * tq, tk)
+    if kind == "float":  # -1e4 sentinels (as fp32), small biases (ALiBi-like), one row fully -inf
+        u = torch.rand(n, tq, tk, generator=g).numpy()
+        b = np.where(u < 0.3, -1e4, np.where(u < 0.6, -1.5 * u, 0.0)).reshape(n * tq, tk)
         b[1] = -np.inf
-        return b
+        return f32(b)
     if kind == "causal":  # FlashAttention-2's causal mask: key j of query i kept for j <= i + Tk - Tq
         i, j = np.arange(tq)[:, None], np.arange(tk)[None, :]
         return np.tile(np.where(j > i + tk - tq, -np.inf, 0.0), (n, 1))
