@@ -145,8 +145,11 @@ def _flash_judged(m: CallMeta, meta: dict[str, str]) -> None:
     import json
 
     why = []
-    if m.flash_package not in (None, "", "fa2"):
-        why.append(f"FlashAttention-{m.flash_package[2:]}'s kernel")
+    from attncheck.registry import PATHS
+
+    package = m.flash_package or "fa2"
+    if not any(st.matches("flash_attn", package, "") for spec in PATHS for st in spec.stands_for):
+        why.append(f"{package}'s kernel")  # no path stands for this package's kernel yet
     if m.softcap not in (None, "none", ""):
         try:
             cap = float(m.softcap)

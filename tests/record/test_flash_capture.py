@@ -221,6 +221,10 @@ def test_flashattention_3_and_4_interfaces_are_recorded_with_descales_and_sinks(
     assert torch.equal(four.tensors["sinks"], sink) and torch.equal(four.tensors["q"], q.transpose(1, 2))
     m = jsondoc.convert(meta_fields(three.meta), CallMeta, lax=True)
     assert (m.descales, m.flash_package) == ("q,k", "fa3")
+    with torch.no_grad(), attncheck.capture(tmp_path / "fa4"):  # a plain call: no path stands for FA4's kernel yet
+        flash_attn.cute.flash_attn_func(q, k, v)
+    r = runner.invoke(app, ["run", str(tmp_path / "fa4")])
+    assert r.exit_code == 2 and "a flash_attn call (fa4 flash_attn_func) with fa4's kernel: attncheck has no path" in r.stderr
 
 
 def test_attributes_are_restored_after_the_block_also_when_it_fails(fake_flash, monkeypatch):
