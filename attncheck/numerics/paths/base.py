@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 Impl = Union[str, Callable]
 
@@ -58,6 +58,19 @@ class CallFacts:
     softcap: float | None = None
     window: tuple[int, int] | None = None  # a sliding window (left, right) in keys; None: none
     flex: bool = False  # a FlexAttention call (its score_mod, mask_mod and block sizes recorded)
+
+
+@dataclass
+class KernelRows:
+    """What an emulated kernel computes for r rows (its ``kernel_rows``): tensors, typed loosely here so
+    that this module stays free of torch."""
+
+    probs: Any  # (r, Tk) float32 effective probabilities: O = probs @ V up to the P@V accumulation's rounding
+    out: Any  # (r, dv) in the dtype, or None without V
+    lse: Any  # (r,) float32 natural-log log-sum-exp, as the kernel stores it for its backward
+    events: dict = field(default_factory=dict)  # hazard name -> (r,) bool rows
+    scores: Any = None  # (r, Tk) float32: the scores as the kernel's softmax sees them, where it keeps them
+    margin: Any = None  # (r,) float64 -ln(FLT_MAX) - LSE where a hazard depends on it
 
 
 @dataclass(frozen=True)

@@ -65,10 +65,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from attncheck.numerics.paths.base import CallFacts, PathSpec, Stands
+from attncheck.numerics.paths.base import CallFacts, KernelRows, PathSpec, Stands
 
 if TYPE_CHECKING:
     import torch
@@ -106,17 +105,6 @@ PATH = PathSpec(
     replay=True,
     backward="recompute",  # a fused backward with fp32 sums, each gradient rounded once (its tiling not emulated)
 )
-
-
-@dataclass
-class KernelRows:
-    """One block of rows as the emulated kernel computes them."""
-
-    probs: torch.Tensor  # (r, Tk) float32 effective probabilities: O = probs @ V up to P@V's fp32 rounding
-    out: torch.Tensor | None  # (r, dv) in the dtype, or None without V
-    lse: torch.Tensor  # (r,) float32 natural-log LSE, as the kernel stores it for the backward
-    margin: torch.Tensor  # (r,) float64 -ln(FLT_MAX) - LSE: > 0 where exp(0 - LSE) overflows fp32
-    events: dict = field(default_factory=dict)  # name -> (r,) bool hazard rows
 
 
 def lse_margin(lse: torch.Tensor) -> torch.Tensor:
@@ -210,7 +198,7 @@ def kernel_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, *, sca
     tq = q.shape[1] if tq is None else tq
     explicit = bias is not None if explicit_mask is None else explicit_mask
     events = hazard_events(lse, k.shape[1], tq, explicit, block_n, capability)
-    return KernelRows(probs, out, lse, lse_margin(lse), events)
+    return KernelRows(probs, out, lse, events, margin=lse_margin(lse))
 
 
 def hazard_events(lse: torch.Tensor, tk: int, tq: int, explicit_mask: bool, tile: int = KEY_TILE,

@@ -70,10 +70,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from attncheck.numerics.paths.base import CallFacts, PathSpec, Stands
+from attncheck.numerics.paths.base import CallFacts, KernelRows, PathSpec, Stands
 
 if TYPE_CHECKING:
     import torch
@@ -117,16 +116,6 @@ def tile_n(
     if torch_copy and 128 < head_dim <= 160 and not sm8x:
         return 32
     return 64
-
-
-@dataclass
-class KernelRows:
-    """The kernel's results for r rows."""
-
-    probs: torch.Tensor  # (r, Tk) float32 effective probabilities
-    out: torch.Tensor | None  # (r, dv) in the dtype, None without v
-    lse: torch.Tensor  # (r,) float32, natural log, as the kernel stores it (+inf for rows with no key)
-    events: dict = field(default_factory=dict)  # name -> (r,) bool
 
 
 def _exp2f(x: torch.Tensor) -> torch.Tensor:

@@ -80,10 +80,9 @@ final division to the last visited block; ``kernel_rows(key_limit=...)`` takes i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from attncheck.numerics.paths.base import CallFacts, PathSpec, Stands
+from attncheck.numerics.paths.base import CallFacts, KernelRows, PathSpec, Stands
 
 if TYPE_CHECKING:
     import torch
@@ -165,17 +164,6 @@ def supports(facts: CallFacts) -> str | None:
     if max(facts.head_dim, facts.head_dim_v) > 65536:
         return "head dim above 65536"
     return None
-
-
-@dataclass
-class KernelRows:
-    """One block of rows as the kernel computes them."""
-
-    scores: torch.Tensor  # (r, Tk) float32: S * scale + mask, causal -inf (natural units, before log2e)
-    probs: torch.Tensor  # (r, Tk) float32: effective probabilities, O = probs @ V up to P@V's rounding
-    out: torch.Tensor | None  # (r, dv) in dt
-    lse: torch.Tensor  # (r,) float32, natural log, as the kernel stores it (-inf for an empty row)
-    events: dict = field(default_factory=dict)  # name -> (r,) bool: 'log2e_overflow'
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -321,7 +309,7 @@ def kernel_rows(
     probs = _f32(probs[:, :tk] / denom.to(f64)[:, None])
     log_s = _f32(torch.log(s_prime.to(f64)))
     lse = _f32(mi.to(f64) / torch.tensor(LOG2E, dtype=torch.float32).to(f64)) + log_s
-    return KernelRows(scores, probs, out, lse, {"log2e_overflow": log2e_overflow})
+    return KernelRows(probs, out, lse, {"log2e_overflow": log2e_overflow}, scores=scores)
 
 
 def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
