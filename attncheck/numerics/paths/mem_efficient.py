@@ -72,9 +72,9 @@ sm80+ (fp16, bf16, fp32): 64x64 (<= 64), 64x128 (<= 128), 32x128 with the global
 tile changes no rounding; the key tile (kKeysPerBlock) is the online softmax's block.
 
 Not emulated: dropout (the kernel multiplies the rounded P in shared memory by 0 or 1/(1-p)
-from Philox; the path runs the call without it); the causal kernel's shortened key loop
-(``advance_to_block`` stops at the query tile's diagonal: with the global buffer it moves the
-final division to the last visited block; ``kernel_rows(key_limit=...)`` takes it where known).
+from Philox; the path runs the call without it). Emulated for captured is_causal calls: the causal
+kernel's shortened key loop (``advance_to_block`` stops at the query tile's diagonal: with the global buffer it moves the
+final division to the last visited block; ``kernel_rows(key_limit=...)`` takes it, and a captured call's ``is_causal`` gives it).
 """
 
 from __future__ import annotations
@@ -320,7 +320,18 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
 
     _, before = block.fp32_scores(dt, "flash")  # the causes before 'fully_masked' (qk overflow, mask sentinel)
     _, _, mask_dt = block._mask_planes(dt)
-    kr = kernel_rows(block.q, block.k, block.v, scale=block.inp.scale, dt=dt, bias=mask_dt)
+    call = block.inp.call  # a captured call: the GPU's capability picks the tiles; is_causal shortens the key loop
+    capability = None if call is None else call.capability
+    limit = None
+    if call is not None and call.mask == "causal":  # the kernel's own causal mask: its loop stops at the tile's diagonal
+        import torch
+
+        q_block = tiles(block.q.shape[-1], block.q.shape[-1] if block.v is None else block.v.shape[-1], capability)[0]
+        queries = torch.arange(block.inp.q.shape[2])[block.rows[1]]
+        per_query = torch.clamp((queries // q_block + 1) * q_block, max=block.k.shape[1])
+        limit = per_query.repeat(block.q.shape[0])
+    kr = kernel_rows(block.q, block.k, block.v, scale=block.inp.scale, dt=dt, bias=mask_dt, capability=capability,
+                     key_limit=limit)
     out = MethodOutput(kr.probs, events={"exp_overflow": kr.events["log2e_overflow"]})
     out.out = kr.out
     return PathBlock(kr.scores, before, [], [(PATH.name, out)])
