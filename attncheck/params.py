@@ -119,7 +119,12 @@ def what_if(value: Any, param: str = "what_if") -> tuple[str, ...]:
             if not values:
                 return kernels
         values = [WHAT_IF_FP8 if isinstance(v, str) and v.strip().lower() == "fp8" else v for v in values]
-    return (*kernels, *dtypes(values, param))
+    try:
+        return (*kernels, *dtypes(values, param))
+    except AttncheckError as e:
+        if e.message.endswith(")"):  # the dtypes to choose from: the words a what-if takes besides them
+            raise AttncheckError(e.message[:-1] + f"; or {WHAT_IF_KERNELS}, {WHAT_IF_ALL})", param=param) from None
+        raise
 
 
 def choice(value: Any, allowed: Iterable[str], param: str) -> str:

@@ -191,9 +191,10 @@ def test_what_if_is_its_own_question(capdir, tmp_path):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--what-if", "fp64"], "--what-if: dtype 'fp64' cannot be used here (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
-    (["--what-if", "bogus"], "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
-    (["--what-if", ""], "--what-if is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
+    (["--what-if", "fp64"], "--what-if: dtype 'fp64' cannot be used here (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)"),
+    (["--what-if", "bogus"], "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)"),
+    (["--what-if", ""], "--what-if is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)"),
+    (["--what-if", "kernels,bogus"], "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)"),
     (["--fail-on", "what-if:bogus"], "--fail-on: unknown condition 'what-if:bogus' (use nan, overflow, zero, flip, error, warning or a finding code, or what-if:CONDITION)"),
 ])
 def test_bad_what_if_values_are_one_line(capdir, args, expected):
