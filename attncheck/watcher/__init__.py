@@ -188,7 +188,22 @@ class Watch:
                 self._tensorboard.flush()
                 if not hasattr(self.tensorboard, "add_scalar"):  # a writer of its own; the user's stays open
                     self._tensorboard.close()
+            self._release()
         return False
+
+    def _release(self) -> None:
+        """Drop what the watch held of the run once it ends (the top module it saw, the recorder, the calls and
+        gradients of the last step): a DDP wrapper or an autograd graph kept past the program's
+        destroy_process_group is destroyed at interpreter exit, where gloo aborts ("terminate called without an
+        active exception")."""
+        import gc
+
+        self._top, self._prefix_of, self._recorder = None, None, None
+        self._calls, self._grads, self._loss = [], [], None
+        self._taken.clear()
+        # The recorded calls and their gradient hooks form reference cycles with the steps' autograd graphs, whose
+        # nodes hold DDP's hooks and so its process group: collected now, while the group lives, not at exit
+        gc.collect()
 
     # ------------------------------------------------------------------ steps
 
