@@ -234,15 +234,13 @@ def kernel_call(report: CallReport, position: int, ignore=()) -> KernelCall | No
     from attncheck.registry import EVENTS, PATHS
 
     used = used_cell(report)
-    if used is None or report.cell is None or (not report.kernels_refused and report.what_if is None):
+    if used is None or report.kernel_dtype is None:
         return None
-    dtype = report.cell[1]
+    dtype = report.kernel_dtype
     replays = [(True, report.diagnosis, used)] if used.path is not None and PATHS.get(used.path).replay else []
     if report.what_if is not None:
         replays += [(False, report.what_if, c) for c in report.what_if.cells
                     if c.path is not None and PATHS.get(c.path).replay and c.dtype == dtype]
-    if len(replays) + len(report.kernels_refused) < 2:
-        return None  # no replay asked: only the model's own kernel
     kernels = []
     for ran, diag, cell in replays:
         line = cell_line(report, diag, cell, ignore)

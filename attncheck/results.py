@@ -480,6 +480,10 @@ class CallReport:
     what_if: TensorDiagnosis | None = None
     # --what-if kernels: the kernel paths that could not have run the call, each with why (its support)
     kernels_refused: dict[str, str] = field(default_factory=dict)
+    kernel_dtype: str | None = None  # the dtype the kernels were replayed in (q, k and v's); None: no replay
+    # Where the path judging the call is not the kernel the capture names (an unknown backend or device, a kernel
+    # that would not run the call): which path judged it instead, and why
+    path_note: str | None = None
 
 
 @dataclass

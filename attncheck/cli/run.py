@@ -252,6 +252,12 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
                 from attncheck.report.model import capture_block
 
                 console.print(capture_block(result.model))
+            if result.model is not None:
+                from attncheck.report.model import path_notes
+
+                notes = path_notes(result.model, result.calls)
+                if notes is not None:
+                    console.print(notes)
         else:
             from attncheck.report.model import print_model
 

@@ -94,6 +94,11 @@ def _run_files(request: RunRequest, options, track: Track, notice):
                 raise AttncheckError(item.problem)
     calls: list[CallReport] = []
     skipped: list[tuple[str, str]] = []
+    captured = [item for item in inputs if not isinstance(item, TensorSource) and item.info.kind not in ("qk", "scores", "unknown")]
+    if request.what_if and inputs and not captured:
+        raise AttncheckError(f"{param('what_if')} asks what would break if a captured model's calls ran otherwise; these files "
+                             f"hold plain scores or q/k tensors, whose implementation is not known: every cell asked is computed "
+                             f"already (choose them with {param('dtypes')}, {param('methods')}, {param('paths')})")
     for i, item in enumerate(inputs):
         if isinstance(item, TensorSource):
             check_row_fits(item.name, item.shape[-1], request.max_memory)
@@ -177,6 +182,19 @@ def load_one(spec: str, name: str, kind: str = "scores", max_bytes: int | None =
     return found[0].name, found[0].tensor
 
 
+def _with_mask_facts(inputs, mask: str):
+    """Q/K files' inputs with what a kernel path reads of how the mask was given: a mask tensor or padding
+    ('explicit'), --causal alone ('causal', the kernels' own causal mask), or none."""
+    from dataclasses import replace
+
+    from attncheck.numerics.paths.base import CallFacts
+
+    b, hq, tq, d = inputs.q.shape
+    facts = CallFacts(dtype="", head_dim=d, head_dim_v=d if inputs.v is None else inputs.v.shape[-1], tq=tq,
+                      tk=inputs.k.shape[2], mask=mask, gqa=inputs.k.shape[1] < hq)
+    return replace(inputs, call=facts)
+
+
 def _run_qk(qk: QKSpec, sources, options, track: Track, notice, max_bytes: int | None = None) -> list[TensorDiagnosis]:
     from attncheck.numerics.cells.diagnose import diagnose_attention
     from attncheck.numerics.inputs.scores import prepare_inputs
@@ -197,6 +215,8 @@ def _run_qk(qk: QKSpec, sources, options, track: Track, notice, max_bytes: int |
         pad_left=list(qk.pad_left), pad_right=list(qk.pad_right),
         mask_value=qk.mask_value or "-inf", mask_convention=qk.mask_convention or "attend", max_bytes=max_bytes,
     )
+    inputs = _with_mask_facts(inputs, "explicit" if mask is not None or qk.pad_left or qk.pad_right else
+                              "causal" if qk.causal else "none")
     if sources:  # scores given too: diagnose them and fit the scale they carry
         if qk.grad_out:
             raise AttncheckError(f"{param('grad_out')} judges the backward of attention computed from {param('q')} and {param('k')}; "

@@ -451,6 +451,19 @@ def kernels_block(report: ModelReport, prefix: str = "") -> Group | None:
     return Group(*parts)
 
 
+def path_notes(report: ModelReport, calls: list[CallReport], prefix: str = "") -> Group | None:
+    """A line per call judged by another path than the kernel its capture names (the first few)."""
+    noted = [(line, c.path_note) for line, c in zip(report.lines, calls) if c.path_note]
+    if not noted:
+        return None
+    parts: list[Any] = [shown(f"#{line.index} {call_label(line, prefix)}: {note}", style="yellow")
+                        for line, note in noted[:KERNEL_TABLES]]
+    if len(noted) > KERNEL_TABLES:
+        parts.append(shown(f"... {len(noted) - KERNEL_TABLES} more calls judged by another path than the capture names "
+                           "(path_note in the JSON report)", style="yellow"))
+    return Group(*parts)
+
+
 def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> Text:
     diags = [c.diagnosis for c in calls if c.diagnosis is not None]
     severities = [f.severity for d in diags for f in d.findings] + [f.severity for f in report.findings]
@@ -557,6 +570,9 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     kernels = kernels_block(report, prefix)
     if kernels is not None:
         parts.append(kernels)
+    notes = path_notes(report, calls, prefix)
+    if notes is not None:
+        parts.append(notes)
     for name, why in report.skipped:
         parts.append(shown(f"skipped {name}: {why}", style="yellow"))
     if report.ignored:
@@ -604,6 +620,10 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
             "errors": line.errors,
             "heads": to_jsonable(c.heads),
             "error": c.error,
+            "device": info.meta.get("device"),  # where the call ran, as the capture recorded it
+            "capability": info.meta.get("capability"),
+            "sdpa_backend": info.meta.get("sdpa_backend"),
+            "path_note": c.path_note,
             "what_if": None if c.what_if is None else diagnosis_json(c.what_if),
             "backward": None if line.grad_verdict is None else {
                 "verdict": line.grad_verdict, "nan_rows": line.grad_nan_rows, "first_cause": line.grad_cause, "grads": line.grad_which,

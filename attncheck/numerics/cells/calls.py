@@ -27,7 +27,7 @@ from attncheck.codes import SEVERITIES
 from attncheck.config.run import Options
 from attncheck.errors import AttncheckError, param
 from attncheck.model import head_findings
-from attncheck.numerics.cells.plan import CellKey, call_facts, cell_dtype_name, grid, kernel_refusals, known_implementation, model_cell, what_if_cells
+from attncheck.numerics.cells.plan import CellKey, call_facts, cell_dtype_name, grid, judged_by, kernel_dtype, kernel_refusals, known_implementation, model_cell, what_if_cells
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
 from attncheck.results import CallInfo, CellLimit, CallReport, HeadStat, TensorDiagnosis
 from attncheck.registry import PATHS, eager_path
@@ -134,9 +134,12 @@ def diagnose_call(
     if known and kind == "flex" and used is not None and "scores_mod" in tensors:
         used.limit = _flex_limit(info, diag)
     heads = _head_stats(info, inputs, diag, used, model)
-    refused = kernel_refusals(info, model.dtype) if known and params.WHAT_IF_KERNELS in what_if and model is not None else {}
+    replayed = known and params.WHAT_IF_KERNELS in what_if and model is not None
+    kernels = kernel_dtype(info, model) if replayed else None
+    refused = kernel_refusals(info, kernels) if replayed else {}
     report = CallReport(info, diag, heads, None if model is None else (model.method, model.dtype), what_if=what,
-                        kernels_refused=refused)
+                        kernels_refused=refused, kernel_dtype=kernels,
+                        path_note=judged_by(info, model.dtype)[1] if known and model is not None else None)
     extra = head_findings(report, diag.findings)
     if extra:
         order = {s: i for i, s in enumerate(SEVERITIES)}

@@ -36,8 +36,8 @@ from attncheck.numerics.precision import (
 )
 from attncheck.numerics.reduce import any_true, count, row_counts
 from attncheck.numerics.methods.softmax import Buffers, MethodParams
-from attncheck.registry import METHODS, PATHS, fp8_names
-from attncheck.results import CellLimit, TensorDiagnosis
+from attncheck.registry import METHODS, PATHS, fp8_names, resolve
+from attncheck.results import ASKED, CellLimit, TensorDiagnosis
 
 if TYPE_CHECKING:
     from attncheck.numerics.inputs.scores import AttentionInputs, QKBlock
@@ -206,6 +206,33 @@ def settings_of(options: Options) -> dict:
     return {f.name: getattr(options, f.name) for f in fields(options)}
 
 
+def _kernels_that_run(inputs: "AttentionInputs", cells: list[CellKey], notice: Callable[[str], None] | None) -> list[CellKey]:
+    """The cells asked of Q/K files (``ASKED``), less those of a GPU kernel that would not run these inputs
+    (``PathSpec.why_not``: fa2 in fp32, cudnn at head dim 512, ...): each left out is one notice line, and
+    none left is an input error. A captured call's cells were chosen by what ran it and are kept."""
+    from attncheck.numerics.paths.base import CallFacts
+
+    b, hq, tq, d = inputs.q.shape
+    mask = "none" if inputs.masked is None and inputs.mask_float is None else "explicit"
+    mask = mask if inputs.call is None else inputs.call.mask  # how it was given (--causal alone: the kernels' own)
+    dv = d if inputs.v is None else inputs.v.shape[-1]
+    kept, dropped = [], []
+    for c in cells:
+        spec = PATHS.get(c.path) if c.path is not None else None
+        facts = CallFacts(dtype=c.dtype, head_dim=d, head_dim_v=dv, tq=tq, tk=inputs.k.shape[2], mask=mask,
+                          gqa=inputs.k.shape[1] < hq)
+        # a GPU kernel's limits (dtypes, head dims, masks); the CPU paths compute whatever they are asked
+        why = None if spec is None or c.role != ASKED or spec.device != "cuda" else spec.why_not(facts)
+        (dropped if why else kept).append((c, why))
+    if not kept and dropped:
+        raise AttncheckError("no cell to compute: the kernels would not run these inputs: "
+                             + "; ".join(f"{c.name}: {why}" for c, why in dropped))
+    if dropped and notice is not None:
+        for c, why in dropped:
+            notice(f"{c.name}: not computed, the kernel would not run these inputs ({why})")
+    return [c for c, _ in kept]
+
+
 def _no_cell(options: Options, qk: bool) -> str:
     fp8 = [d for d in options.dtypes if d in fp8_names()]
     if not qk:
@@ -311,6 +338,10 @@ def cell_limit(key: CellKey, input_dtype: torch.dtype, census, spread: float | N
         if how == "dtype":
             value = raw * audit.scale if audit.scale_order == "q" else raw
             return CellLimit("qk_overflow", rounding_limit(dt), value, f"S = Q@K^T in {d} rounds to inf at |S| >= {rounding_limit(dt):.6g}")
+        spec = PATHS.get(key.path)
+        if spec.limit is not None:  # the kernel's own arithmetic breaks before S overflows fp32
+            kind, threshold, what = resolve(spec.limit)(dt)
+            return CellLimit(kind, threshold, raw * audit.scale, what)
         s32 = rounding_limit(torch.float32)
         value = raw * audit.scale if how == "fp32-split" else raw
         return CellLimit("qk_overflow", s32, value, f"S = Q@K^T in fp32 rounds to inf at |S| >= {s32:.6g}")
@@ -437,6 +468,7 @@ def diagnose_attention(
         audit.fitted_scale = fit_scale(source, inputs, step) if fit else None
         blocks = given_blocks(source, inputs, step, resolve_device(options.device), audit)
         return diagnose_chunks(name, source.shape, source.dtype, blocks, options, progress, attention=audit, notice=notice, cells=cells)
+    cells = _kernels_that_run(inputs, cells if cells is not None else grid(options, True), notice)
     step = rows_per_chunk(inputs.k.shape[2], options, cells)
     blocks: Iterable[QKBlock] = score_blocks(inputs, step, resolve_device(options.device), audit)
     return diagnose_chunks(name, inputs.score_shape, inputs.q.dtype, blocks, options, progress, attention=audit, notice=notice, qk=True, cells=cells)

@@ -159,17 +159,31 @@ def model_path(info: CallInfo, dtype: str | None = None) -> str | None:
     the device it ran on (a capture made on a GPU is judged by the GPU kernel's path on any machine); else
     the CPU flash kernel, or the math path with dropout. Flex: FlexAttention's fused kernel where the
     program compiled it, its math path where flex_attention ran without torch.compile."""
+    return judged_by(info, dtype)[0]
+
+
+def judged_by(info: CallInfo, dtype: str | None = None) -> tuple[str | None, str | None]:
+    """(``model_path``, and a note where that path is not the kernel the capture names: the capture names a
+    device or backend no path stands for, or the kernel it names would not have run the call; else None)."""
     kind, impl, device = info.kind, recorded_implementation(info), call_device(info)
     found = [(i, spec, st) for i, spec in enumerate(PATHS) for st in spec.stands_for if st.matches(kind, impl, device)]
     if not found:
-        return None
+        return None, None
     found.sort(key=lambda t: (-t[2].exactness(), t[0]))
     facts = call_facts(info, dtype or cell_dtype_name(info.dtype) or "fp32")
-    for _, spec, st in found:
-        if not st.fallback and spec.why_not(facts) is None:
-            return spec.name
-    fallback = [spec for _, spec, st in found if st.fallback]
-    return (fallback or [found[0][1]])[0].name
+    named = next((spec for _, spec, st in found if st.impl and st.impl == impl and st.device in ("", device)), None)
+    chosen = next((spec for _, spec, st in found if not st.fallback and spec.why_not(facts) is None), None)
+    if chosen is None:
+        chosen = ([spec for _, spec, st in found if st.fallback] or [found[0][1]])[0]
+    note = None
+    if kind == "sdpa" and impl and named is not None and named is not chosen:
+        note = f"the capture names {impl} ({named.name}), which would not run this call ({named.why_not(facts)})"
+    elif kind == "sdpa" and device not in ("", "cpu") and chosen.device != device and impl != "math":
+        what = f"backend {impl!r}" if impl else "no backend"
+        note = f"the capture names {what} on {device}, which no path emulates"
+    if note is not None:
+        note += f": judged by {chosen.name} ({chosen.summary.split(':')[0]}) instead"
+    return chosen.name, note
 
 
 def model_cell(info: CallInfo) -> CellKey | None:
@@ -212,7 +226,7 @@ def what_if_cells(info: CallInfo, qk: bool, dtypes: tuple[str, ...] = (), option
     if WHAT_IF_KERNELS in dtypes:
         dtypes = tuple(d for d in dtypes if d != WHAT_IF_KERNELS)
         if qk and model is not None:
-            cells += [CellKey(p, p, model.dtype, WHAT_IF) for p in kernel_replays(info, model.dtype)]
+            cells += [CellKey(p, p, kernel_dtype(info, model), WHAT_IF) for p in kernel_replays(info, kernel_dtype(info, model))]
     if dtypes == (WHAT_IF_ALL,):
         every = Options(dtypes=(*dtype_names(), WHAT_IF_FP8), methods=method_names(), paths=path_names())
         cells += grid(every, qk, WHAT_IF)
@@ -238,6 +252,13 @@ def what_if_cells(info: CallInfo, qk: bool, dtypes: tuple[str, ...] = (), option
             continue
         out.append(c)
     return out
+
+
+def kernel_dtype(info: CallInfo, model: CellKey) -> str:
+    """The dtype a kernel replay runs a call in: its q, k and v's (a softmax call upcast to fp32 by its
+    ``dtype=`` argument, as transformers' eager attention does, ran its matmuls in the tensors' dtype, and a
+    fused kernel would have taken them in it), else the model cell's."""
+    return cell_dtype_name(info.dtype) or model.dtype
 
 
 def kernel_replays(info: CallInfo, dtype: str) -> list[str]:

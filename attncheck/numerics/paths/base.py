@@ -116,6 +116,9 @@ class PathSpec:
     stands_for: tuple[Stands, ...] = ()
     # '(facts: CallFacts) -> str | None': why the kernel could not run a call (None: it can); None: any call
     supports: Impl | None = field(default=None, repr=False)
+    # '(dt) -> (kind, threshold on |S scale|, what)': where the kernel's own arithmetic first breaks, when that
+    # is sooner than S overflowing fp32 (the cell's limit and headroom); None: S's overflow
+    limit: Impl | None = field(default=None, repr=False)
     # In the replay of ``--what-if kernels``: a kernel a call could have run under; ``replay_kinds``: the
     # kinds of call it replays (empty: every call with Q and K)
     replay: bool = False

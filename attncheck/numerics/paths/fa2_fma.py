@@ -4,8 +4,12 @@
 Dao-AILab/flash-attention@0251105a2fb19d2957484b7f023cd8c115286ced; ``UNFUSE_FMA`` unset): one rounding
 instead of two. At a row's max the exponent is ``x*scale_log2 - round(x*scale_log2)``, not 0; where
 ``max_scaled`` reaches 2^31 that residue can exceed 128, exp2 overflows, the sum is inf and O is NaN
-(PyTorch issue 121558: bf16 Q, K, V all 133120). The package's softcap is emulated (tanh assumed
-correctly rounded); its sliding window and split-KV are not.
+(PyTorch issue 121558: bf16 Q, K, V all 133120); in fp16 P overflows the dtype from 2^28 (the residue
+above 16). This is the cell's limit (its headroom): |S scale| from 2^e / log2 e, e the least exponent
+where half an fp32 ulp of ``max_scaled`` can pass the exponent exp2's result or P's dtype holds (from
+``torch.finfo``: fp32 and bf16 2^31, about 1.49e9; fp16 2^28, about 1.86e8). ``kernel_rows`` emulates the
+package's softcap (tanh assumed correctly rounded); a captured soft-capped call is not judged yet (its
+float64 reference has no cap), nor are its sliding window and split-KV.
 """
 
 from __future__ import annotations
@@ -26,6 +30,22 @@ if TYPE_CHECKING:
 
 def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
     return fa2.run(block, dt, PATH.name, fused=True)
+
+
+def limit(dt: torch.dtype) -> tuple[str, float, str]:
+    """The cell's limit on |S scale|: (kind, threshold, what) where the fused exponent can first break
+    (see the module docstring), from the dtypes' rounding limits."""
+    import math
+
+    import torch
+
+    from attncheck.numerics.precision import rounding_limit
+
+    room = min(math.log2(rounding_limit(torch.float32)), math.log2(rounding_limit(dt)))
+    e = math.ceil(math.log2(2 * room / torch.finfo(torch.float32).eps))
+    threshold = 2.0**e / math.log2(math.e)
+    return ("fused_max", threshold, f"the fused exponent at the row max (half an fp32 ulp of m scale log2e) can "
+            f"overflow from |S scale| >= {threshold:.4g} (|m scale log2e| >= 2^{e})")
 
 
 def supports(facts: CallFacts) -> str | None:
@@ -54,6 +74,7 @@ PATH = PathSpec(
     assumed=fa2.ASSUMED,
     stands_for=(Stands("flash_attn", "fa2"),),
     supports="attncheck.numerics.paths.fa2_fma:supports",
+    limit="attncheck.numerics.paths.fa2_fma:limit",
     replay=True,
     backward="recompute",  # FlashAttention-2's backward as on CUDA: fp32 sums, each gradient rounded once
 )
