@@ -400,7 +400,8 @@ np.save("scores.npy", scores)
         "the paths computed that stay finite.",
         "Rows where an exp2 of a finite score is inf in fp32 or beyond the P dtype's range, or whose row sum is "
         "inf. It can happen once half an fp32 ulp of |m x scale x log2e| (2^(e-24) for a value in [2^e, 2^(e+1))) "
-        "reaches log2 of the largest value exp2 may return: 128 in fp32 and bf16 (|m x scale x log2e| >= 2^31, "
+        "reaches log2 of the largest value exp2 may return: 128 for fp32's exp2 (127.997 for bf16's P; either way "
+        "|m x scale x log2e| >= 2^31, "
         "|S x scale| >= 2^31 / log2e = 1.489e9), log2(65520) = 15.9996 for fp16's P (>= 2^28, |S x scale| >= "
         "1.861e8); the limits are torch.finfo's.",
         "run FlashAttention-2 unfused: PyTorch's flash backend (path fa2, built with UNFUSE_FMA), or the efficient or "
@@ -778,7 +779,8 @@ torch.save({n: t.bfloat16() for n, t in dict(q=q, k=k, v=v, do=do).items()}, "qk
         "Rows with a finite forward LSE and exp(-LSE) = inf in fp32 (LSE < -ln(finfo(fp32).max) = -88.72), in a "
         "call with an explicit mask and Tk % 128 == 64 (key form), or with Tq % 64 != 0 and Tk % 128 == 0 (query "
         "form); none on a recorded GPU other than sm90.",
-        "update cuDNN to 9.26 or later (the key form's fix), or run another backend for this call "
+        "key form: update cuDNN to 9.26 or later; either form (the query form has no fix yet): run another "
+        "backend for this call "
         "(torch.backends.cuda.enable_cudnn_sdp(False), or torch.nn.attention.sdpa_kernel with the flash or "
         "efficient backend); and check the mask: a row whose open keys all score below -88 is usually a mask bug",
         Example(_TORCH + """\

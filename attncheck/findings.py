@@ -281,7 +281,7 @@ def _padded_tile_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
         form = (f"query tile: Tq = {tq} is not a multiple of the {CUDNN_Q_TILE}-query tile (Tk = {tk}, whole "
                 f"{tile}-key tiles); the zero-filled query rows score 0 against every key, exp(0 - LSE) overflows "
                 "fp32 and dK and dV of the head's keys are NaN (cudnn-frontend issue 1072: cuDNN 9.25.1 and 9.26 on "
-                "sm90, open)")
+                "sm90, open: no cuDNN release fixes it, run another backend for this call)")
     return (f"{c.name}: {rows} row(s) have a forward log-sum-exp below{limit}{lse}; the forward is finite, but "
             f"cuDNN's backward gives NaN gradients on this call (padded {form})")
 
