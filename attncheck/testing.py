@@ -110,17 +110,24 @@ def assert_softmax_ok(
     return case
 
 
-def as_gpu_capture(capture_dir: Any, backend: str, capability: str = "9.0") -> None:
+SDPA_BACKENDS = ("flash_attention", "efficient_attention", "cudnn_attention", "math")  # torch's SDPBackend names
+
+
+def as_gpu_capture(capture_dir: Any, backend: str, capability: str = "9.0",
+                   gpu_name: str = "NVIDIA H100 80GB HBM3") -> None:
     """Rewrite a capture made on a CPU as a capture on a GPU writes it: each call file says device
     cuda:0, the GPU's compute capability ('9.0': an H100), and for SDPA calls the backend PyTorch chose
     ('flash_attention', 'efficient_attention', 'cudnn_attention', 'math'). For tests (and examples) of how
     attncheck judges a GPU's calls on a machine without one: the calls are then judged by that kernel's
-    path (fa2, mem-efficient, cudnn, sdpa-math). The tensors are left as they are."""
+    path (fa2, mem-efficient, cudnn, sdpa-math). The GPU's name is written too, and PyTorch's default flash
+    implementation (fa2). The tensors are left as they are."""
     from pathlib import Path
 
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    if backend not in SDPA_BACKENDS:
+        raise AttncheckError(f"backend must be one of {', '.join(SDPA_BACKENDS)}; got {backend!r}")
     major, _, minor = capability.partition(".")
     if not (major.isdigit() and minor.isdigit()):
         raise AttncheckError(f"capability must be MAJOR.MINOR, e.g. 9.0; got {capability!r}")
@@ -131,8 +138,8 @@ def as_gpu_capture(capture_dir: Any, backend: str, capability: str = "9.0") -> N
         with safe_open(str(f), "pt") as h:
             meta = h.metadata() or {}
         tensors = load_file(str(f))
-        meta.update(device="cuda:0", capability=capability)
+        meta.update(device="cuda:0", capability=capability, gpu_name=gpu_name)
         if meta.get("kind") == "sdpa":
-            meta["sdpa_backend"] = backend
+            meta.update(sdpa_backend=backend, flash_impl="fa2")
         save_file(tensors, str(f), metadata=meta)
 

@@ -111,7 +111,8 @@ def test_the_fused_max_page_states_the_thresholds_torch_finfo_gives():
         logit = 2.0**e * math.log(2)  # |S x scale| at |S x scale x log2e| = 2^e
         stated = {f"{logit:.4g}".replace("e+0", "e"), f"{logit:.3g}".replace("e+0", "e")}  # 1.489e9 and 1.49e9
         assert f"2^{e}" in text and all(number in text for number in stated)
-    assert f"log2(65520) = {log2_limit(torch.float16):.6g}" in text and "128 in fp32 and bf16" in text
+    assert f"log2(65520) = {log2_limit(torch.float16):.6g}" in text and "128 for fp32's exp2" in text
+    assert f"{log2_limit(torch.bfloat16):.6g} for bf16's P" in text
     assert round(min(log2_limit(torch.float32), log2_limit(torch.bfloat16))) == 128
 
 
