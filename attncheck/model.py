@@ -227,6 +227,15 @@ def what_if_answers(calls: list[CallReport], ignore=()) -> list[WhatIfAnswer]:
     return answers
 
 
+def _recorded_on(info) -> str | None:
+    """'cuda:0, NVIDIA H100 80GB HBM3, sm 9.0' for a call the capture recorded on a GPU; None on a CPU."""
+    device = info.meta.get("device", "")
+    if not device or device.split(":")[0] == "cpu":
+        return None
+    parts = [device, info.meta.get("gpu_name", ""), f"sm {info.meta['capability']}" if info.meta.get("capability") else ""]
+    return ", ".join(p for p in parts if p)
+
+
 def kernel_call(report: CallReport, position: int, ignore=()) -> KernelCall | None:
     """A call replayed under every kernel that could have run it (``--what-if kernels``): the kernel that
     ran it (the model's cell, where it is a kernel path), each what-if cell of a kernel path in the call's
@@ -272,9 +281,11 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
         capture = dict(capture or {})
         capture["note"] = "; ".join(n for n in (capture.get("note"), said) if n)
     kernels = [k for at, c in enumerate(calls) if (k := kernel_call(c, at, ignore)) is not None]
+    places = {_recorded_on(c.call) for c in calls}
     return ModelReport(lines, first, found, tuple(ignore), list(skipped), capture, what_if_answers(calls, ignore),
                        known=any(known(c) for c in calls), first_grad_bad=first_grad, findings=findings,
-                       ranks=rank_summaries(calls, lines, capture, by_rank), kernels=kernels)
+                       ranks=rank_summaries(calls, lines, capture, by_rank), kernels=kernels,
+                       recorded_on=places.pop() if len(places) == 1 else None)
 
 
 def capture_findings_by_rank(capture: dict | None, ignore=()) -> dict[int | None, list[Finding]]:

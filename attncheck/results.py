@@ -638,6 +638,7 @@ class ModelReport:
     findings: list[Finding] = field(default_factory=list)  # of the capture itself, not of a call (capture_incomplete)
     ranks: list[RankSummary] = field(default_factory=list)  # a capture of several processes: each rank's own account
     kernels: list[KernelCall] = field(default_factory=list)  # --what-if kernels: each call under every kernel that could run it
+    recorded_on: str | None = None  # the GPU every call was recorded on ('cuda:0, NVIDIA H100, sm 9.0'); None: a CPU or mixed
 
 
 @dataclass

@@ -469,7 +469,8 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
     severities = [f.severity for d in diags for f in d.findings] + [f.severity for f in report.findings]
     errors, warnings = severities.count("error"), severities.count("warning")
     of = f" of {len(report.ranks)} ranks" if len(report.ranks) > 1 else ""
-    head = f"{len(report.lines)} call(s){of} on {device}: {errors} error(s), {warnings} warning(s)"
+    where = f"recorded on {report.recorded_on}, judged on {device}" if report.recorded_on else f"on {device}"
+    head = f"{len(report.lines)} call(s){of} {where}: {errors} error(s), {warnings} warning(s)"
     incomplete = [f for f in report.findings if f.code == "capture_incomplete"]
     gap = "".join("; " + f.message for f in incomplete)  # what was not judged, on the line CI logs show
     judged = "in the cells the model runs" if report.known else "in any cell"
@@ -643,6 +644,7 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
         "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix,
                       "doc": doc_link(f.code)} for f in report.findings],
         "known_implementation": report.known,
+        "recorded_on": report.recorded_on,
         "first_grad_bad": None if report.first_grad_bad is None else _first_json(report.lines[report.first_grad_bad]),
         "what_if": [{"cell": a.cell, "calls": a.calls, "bad_calls": a.bad_calls, "verdict": a.verdict, "nan_rows": a.nan_rows,
                      "max_abs_err": a.worst_err, "headroom": a.headroom, "limit": _limit_json(a.limit), "findings": a.findings,

@@ -60,6 +60,7 @@ def test_pytorch_121558_is_nan_under_the_fused_kernel_alone(tmp_path):
     mark_cuda(tmp_path / "cap", "flash_attention")
     code, model = run_json(tmp_path / "cap", "--what-if", "kernels", "--fail-on", "nan")
     assert code == 0 and model["calls"][0]["cell"] == "fa2/bf16" and model["calls"][0]["verdict"] == "ok"
+    assert model["recorded_on"] == "cuda:0, NVIDIA H100 80GB HBM3, sm 9.0" and model["calls"][0]["capability"] == "9.0"
     (call,) = model["kernels"]
     got = {k["path"]: (k["verdict"], k["cause"], k["ran"]) for k in call["kernels"] if k["refused"] is None}
     assert got.pop("fa2-fma") == ("nan", "fused_max", False)
@@ -68,6 +69,7 @@ def test_pytorch_121558_is_nan_under_the_fused_kernel_alone(tmp_path):
     r = runner.invoke(app, ["run", str(tmp_path / "cap"), "--what-if", "kernels", "--fail-on", "what-if:nan"])
     assert r.exit_code == 1, r.output
     assert "fa2-fma NaN (fused_max" in r.output and "Which kernel breaks each call" in r.output
+    assert "1 call(s) recorded on cuda:0, NVIDIA H100 80GB HBM3, sm 9.0, judged on cpu" in " ".join(r.output.split())
 
 
 def test_cudnn_padded_tile_is_predicted_for_the_cudnn_kernel_alone(tmp_path):
