@@ -124,7 +124,9 @@ def call_facts(info: CallInfo, dtype: str) -> CallFacts:
     tq = score[-2] if len(score) >= 2 else (q[-2] if len(q) >= 2 else 0)
     tk = score[-1] if score else (k[-2] if len(k) >= 2 else 0)
     d = q[-1] if q else 0
-    mask = "explicit" if "attn_mask" in shapes or "mask" in shapes else ("causal" if info.is_causal else "none")
+    # a mask tensor given to the call, or (an eager softmax call) a mask the code added or filled into the scores
+    given = "attn_mask" in shapes or "mask" in shapes or info.meta.get("mask_op") in ("add", "fill")
+    mask = "explicit" if given else ("causal" if info.is_causal else "none")
     gqa = len(q) >= 3 and len(k) >= 3 and k[-3] < q[-3]
     softcap = info.meta.get("softcap", "")
     window = info.meta.get("window", "")
