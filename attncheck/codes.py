@@ -95,7 +95,9 @@ with open("w.jsonl", "w") as fh:
 CODES: tuple[Code, ...] = (
     # ------------------------------------------------------------------ the scores as given
     Code(
-        "input_nan", "error", "input",
+        "input_nan",
+        "error",
+        "input",
         "a row of the scores holds NaN before any softmax runs",
         "Some rows of the scores as given already hold NaN. Every softmax of such a row is NaN, whatever the "
         "method or dtype, so the NaN comes from upstream: Q or K, the mask, an earlier layer, or the loss scale "
@@ -103,30 +105,40 @@ CODES: tuple[Code, ...] = (
         "findings below it are about the other rows.",
         "Any NaN value in a row (`census.nan`, `nan_causes.input_nan` per cell).",
         "the NaN is already in the scores: trace it upstream (Q, K, the mask, an earlier layer); no softmax can repair it",
-        Example(_scores("""\
+        Example(
+            _scores("""\
 scores = np.zeros((4, 8), dtype=np.float32)
 scores[1, 3] = np.nan  # a NaN that came from upstream
 np.save("scores.npy", scores)
-"""), "attncheck run scores.npy --dtype fp32 --method torch --brief --fail-on input_nan"),
+"""),
+            "attncheck run scores.npy --dtype fp32 --method torch --brief --fail-on input_nan",
+        ),
         causes=("input_nan",),
     ),
     Code(
-        "inf_input", "error", "input",
+        "inf_input",
+        "error",
+        "input",
         "a row of the scores holds +inf",
         "Some rows hold +inf in the scores as given. The softmax subtracts the row max (inf - inf = NaN) or "
         "divides inf by inf, so the row is NaN in every method. +inf usually means the scores overflowed before "
         "they were saved: Q@K^T in fp16 without the 1/sqrt(d_k) scale, or a growing logit.",
         "Any +inf value in a row. (-inf is a masked key, not an input error.)",
         "the scores hold +inf (softmax gives inf - inf = NaN): find where they overflow, e.g. Q@K^T in fp16 without 1/sqrt(d_k); scale q first or compute scores in fp32",
-        Example(_scores("""\
+        Example(
+            _scores("""\
 scores = np.zeros((4, 8), dtype=np.float32)
 scores[2, 5] = np.inf  # Q@K^T overflowed upstream
 np.save("scores.npy", scores)
-"""), "attncheck run scores.npy --dtype fp32 --method torch --brief --fail-on inf_input"),
+"""),
+            "attncheck run scores.npy --dtype fp32 --method torch --brief --fail-on inf_input",
+        ),
         causes=("inf_input",),
     ),
     Code(
-        "fully_masked_rows", "warning", "input",
+        "fully_masked_rows",
+        "warning",
+        "input",
         "a query row has every key masked",
         "Every key of these rows is masked, so the row has no softmax: -inf everywhere gives 0/0 = NaN in "
         "naive, stable and torch.softmax; a finite sentinel (e.g. -1e9) gives a uniform row over the masked "
@@ -136,17 +148,23 @@ np.save("scores.npy", scores)
         "A key is masked when its score is -inf or at most -1e4; from Q and K, when the mask says so. A row "
         "counts when every key is masked.",
         "a query that may attend to nothing has no softmax: zero such rows (torch.where(keep.any(-1, keepdim=True), p, 0)) and drop them from the loss, or use a kernel that returns zeros (FlashAttention, SDPA >= 2.5); even then their backward pass can poison gradients if a NaN reaches it",
-        Example(_scores("""\
+        Example(
+            _scores("""\
 scores = np.zeros((4, 8), dtype=np.float32)
 scores[0] = -np.inf  # a query that may attend to no key (left padding)
 np.save("scores.npy", scores)
-"""), "attncheck run scores.npy --dtype fp32 --method torch --brief --fail-on fully_masked_rows"),
-        severity_note="warning where a cell turns the rows into NaN, else info (every cell gives zeros or a finite row, as SDPA's kernels do)", also="info",
+"""),
+            "attncheck run scores.npy --dtype fp32 --method torch --brief --fail-on fully_masked_rows",
+        ),
+        severity_note="warning where a cell turns the rows into NaN, else info (every cell gives zeros or a finite row, as SDPA's kernels do)",
+        also="info",
         causes=("fully_masked",),
     ),
     # ------------------------------------------------------------------ masks and scale
     Code(
-        "qk_overflow", "error", "mask",
+        "qk_overflow",
+        "error",
+        "mask",
         "S = Q@K^T rounds to inf in the dtype before the softmax",
         "The eager path (hand-written attention, Hugging Face's `eager`) holds S = Q@K^T in the dtype: the "
         "matmul accumulates in fp32 and rounds its result to the dtype, and a score beyond the dtype's range "
@@ -156,15 +174,21 @@ np.save("scores.npy", scores)
         "|q.k| >= the dtype's rounding limit, max + half an ulp (fp16: 65504 + 16 = 65520), for the product "
         "the path holds in the dtype: q.k before the scale, or (scale q).k with `--scale-order q`.",
         "scale q by 1/sqrt(d) before the matmul (--scale-order q shows the effect), compute Q@K^T in fp32, or find why q/k grew (no normalisation, exploding activations)",
-        Example(_TORCH + """\
+        Example(
+            _TORCH
+            + """\
 q = torch.full((1, 1, 4, 64), 40.0)  # q.k = 64 x 40 x 40 = 102400 > 65504
 k = torch.full((1, 1, 4, 64), 40.0)
 torch.save({"q": q, "k": k}, "qk.pt")
-""", "attncheck run --q qk.pt:q --k qk.pt:k --dtype fp16 --method torch --brief --fail-on qk_overflow"),
+""",
+            "attncheck run --q qk.pt:q --k qk.pt:k --dtype fp16 --method torch --brief --fail-on qk_overflow",
+        ),
         causes=("qk_overflow",),
     ),
     Code(
-        "softcap_overflow", "info", "mask",
+        "softcap_overflow",
+        "info",
+        "mask",
         "S = Q@K^T rounds to inf before a soft cap, which hides it",
         "Soft-capped attention (Gemma-2's eager attention) computes cap x tanh(S x scale / cap) with every step "
         "in the scores' dtype, after S = Q@K^T is rounded to it. A score beyond the dtype's range is inf "
@@ -180,7 +204,9 @@ torch.save({"q": q, "k": k}, "qk.pt")
         "harmless where it is info; else (or to keep the headroom) find why q/k grew so large, or compute Q@K^T "
         "in fp32 "
         "(bf16 or fp32 weights, or upcast q and k before the matmul)",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 import attncheck
 
 
@@ -196,12 +222,16 @@ k, v = q.clone(), torch.randn(1, 1, 4, 32, generator=g).half()
 with torch.no_grad(), attncheck.capture(diagnose=True) as cap:
     SoftCapped()(q, k, v)
 result = cap.calls[0].diagnosis
-"""),
+"""
+        ),
         severity_note="warning where the cap does not saturate at the dtype's largest S (the logits change); "
-        "error where the backward through the cap gives NaN", also="warning",
+        "error where the backward through the cap gives NaN",
+        also="warning",
     ),
     Code(
-        "sentinel_overflow_on_add", "error", "mask",
+        "sentinel_overflow_on_add",
+        "error",
+        "mask",
         "adding the mask value to a negative score overflows to -inf",
         "A mask of finfo(dtype).min added to the scores leaves no room below it: a negative score plus the "
         "sentinel is beyond the dtype and rounds to -inf. Where that makes a whole row -inf, the row is NaN; "
@@ -209,16 +239,23 @@ result = cap.calls[0].diagnosis
         "sentinel + s rounds to -inf: sentinel + s <= -(rounding limit). With fp16's finfo.min (-65504), any "
         "score s <= -16.",
         "finfo(dtype).min plus a negative score overflows to -inf: use masked_fill / torch.where with the sentinel instead of adding it, or a boolean mask",
-        Example(_TORCH + """\
+        Example(
+            _TORCH
+            + """\
 q = torch.ones(1, 1, 4, 64)
 k = torch.full((1, 1, 4, 64), -3.0)  # every score is -3 x 64 / sqrt(64) = -24
 torch.save({"q": q, "k": k}, "qk.pt")
-""", "attncheck run --q qk.pt:q --k qk.pt:k --causal --mask-value min --dtype fp16 --method torch --brief --fail-on sentinel_overflow_on_add"),
-        severity_note="error where rows became all -inf (NaN); warning where the keys stay masked", also="warning",
+""",
+            "attncheck run --q qk.pt:q --k qk.pt:k --causal --mask-value min --dtype fp16 --method torch --brief --fail-on sentinel_overflow_on_add",
+        ),
+        severity_note="error where rows became all -inf (NaN); warning where the keys stay masked",
+        also="warning",
         causes=("mask_sentinel",),
     ),
     Code(
-        "summed_mask_planes", "error", "mask",
+        "summed_mask_planes",
+        "error",
+        "mask",
         "two finfo.min mask planes were added together and overflowed",
         "Combining a causal mask and a padding mask by adding two planes of finfo(dtype).min gives -inf where "
         "both mask a key (-65504 + -65504 overflows fp16). A row that both planes mask everywhere is all -inf "
@@ -226,44 +263,63 @@ torch.save({"q": q, "k": k}, "qk.pt")
         "in a float mask that holds -inf next to finite sentinels beyond half its dtype's range.",
         "sentinel_1 + sentinel_2 <= -(rounding limit), e.g. 2 x finfo(fp16).min = -131008 in fp16.",
         "two sentinel planes added together overflow: combine masks with logical and/or (or torch.where), then apply one sentinel once",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q, k = torch.randn(1, 1, 4, 64, generator=g), torch.randn(1, 1, 4, 64, generator=g)
 low = torch.finfo(torch.float16).min
 causal = torch.triu(torch.full((4, 4), low), diagonal=1)  # future keys
 padding = torch.zeros(4, 4)
 padding[:, :2] = low  # two padded keys
 torch.save({"q": q, "k": k, "mask": (causal + padding).half()}, "qk.pt")  # -65504 + -65504 = -inf
-""", "attncheck run --q qk.pt:q --k qk.pt:k --mask qk.pt:mask --dtype fp16 --method torch --brief --fail-on summed_mask_planes"),
-        severity_note="error where rows became all -inf (NaN); warning where the keys stay masked", also="warning",
+""",
+            "attncheck run --q qk.pt:q --k qk.pt:k --mask qk.pt:mask --dtype fp16 --method torch --brief --fail-on summed_mask_planes",
+        ),
+        severity_note="error where rows became all -inf (NaN); warning where the keys stay masked",
+        also="warning",
         causes=("mask_sentinel",),
     ),
     Code(
-        "mask_leak", "warning", "mask",
+        "mask_leak",
+        "warning",
+        "mask",
         "masked keys still receive probability",
         "The mask value is too small in magnitude to mask: exp(sentinel - max) is not negligible, so the "
         "float64 softmax itself (no rounding involved) puts probability on keys that should get none.",
         "In float64, the probability on a row's masked keys exceeds 1e-6 (rows where not every key is masked).",
         "the masked keys still receive probability: use -inf, finfo(dtype).min or a boolean mask instead of this small sentinel",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q, k = torch.randn(1, 1, 4, 64, generator=g), torch.randn(1, 1, 4, 64, generator=g)
 torch.save({"q": q, "k": k}, "qk.pt")
-""", "attncheck run --q qk.pt:q --k qk.pt:k --causal --mask-value -10 --dtype fp32 --method torch --brief --fail-on mask_leak"),
+""",
+            "attncheck run --q qk.pt:q --k qk.pt:k --causal --mask-value -10 --dtype fp32 --method torch --brief --fail-on mask_leak",
+        ),
     ),
     Code(
-        "float_mask_looks_boolean", "error", "mask",
+        "float_mask_looks_boolean",
+        "error",
+        "mask",
         "a float mask of 0 and 1 is added to the scores",
         "The mask is a float tensor that holds only 0 and 1: a boolean mask converted with `.float()`. An "
         "additive mask adds +1 to the kept keys and masks nothing.",
         "A float mask whose every value is 0 or 1.",
         "a float mask of 0 and 1 is added to the scores, not applied: pass mask.bool() (True = attend) or an additive mask of 0 and -inf",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q, k = torch.randn(1, 1, 4, 64, generator=g), torch.randn(1, 1, 4, 64, generator=g)
 keep = torch.ones(4, 4).tril()  # 1 = attend, as a float
 torch.save({"q": q, "k": k, "mask": keep}, "qk.pt")
-""", "attncheck run --q qk.pt:q --k qk.pt:k --mask qk.pt:mask --dtype fp32 --method torch --brief --fail-on float_mask_looks_boolean"),
+""",
+            "attncheck run --q qk.pt:q --k qk.pt:k --mask qk.pt:mask --dtype fp32 --method torch --brief --fail-on float_mask_looks_boolean",
+        ),
     ),
     Code(
-        "missing_scale", "warning", "mask",
+        "missing_scale",
+        "warning",
+        "mask",
         "the scores are not scaled by 1/sqrt(d_k)",
         "The scale the scores carry is far above 1/sqrt(d_k): Var(q.k) grows as d_k, so unscaled logits "
         "collapse attention onto one key, kill the softmax gradient and overflow fp16 sooner. The scale is the "
@@ -272,26 +328,38 @@ torch.save({"q": q, "k": k, "mask": keep}, "qk.pt")
         "ratio = scale x sqrt(d_k) > d_k^(1/4), i.e. scale > d_k^(-1/4) (d_k >= 4). Judged from the scale, not "
         "from the spread of the scores, which low-rank q/k, outlier channels or RoPE move.",
         "the scores are not scaled by 1/sqrt(d_k): divide by sqrt(d_k) (SDPA's default scale), or check the scale your model applies",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q, k = torch.randn(1, 1, 16, 64, generator=g), torch.randn(1, 1, 16, 64, generator=g)
 torch.save({"q": q, "k": k}, "qk.pt")
-""", "attncheck run --q qk.pt:q --k qk.pt:k --scale none --dtype fp32 --method torch --brief --fail-on missing_scale"),
+""",
+            "attncheck run --q qk.pt:q --k qk.pt:k --scale none --dtype fp32 --method torch --brief --fail-on missing_scale",
+        ),
     ),
     Code(
-        "double_scale", "warning", "mask",
+        "double_scale",
+        "warning",
+        "mask",
         "the scores are scaled about twice by 1/sqrt(d_k)",
         "The scale the scores carry is near 1/d_k: q was divided by sqrt(d_k) and the scores again (or SDPA's "
         "default scale on pre-scaled q). Attention flattens towards uniform. A scale the model chose itself is "
         "not this finding but `model_scale` (info).",
         "ratio = scale x sqrt(d_k) < d_k^(-1/4), i.e. scale < d_k^(-3/4) (d_k >= 4).",
         "the scores are scaled about twice by 1/sqrt(d_k): apply it once (SDPA scales by default; don't pre-scale q as well)",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q, k = torch.randn(1, 1, 16, 64, generator=g), torch.randn(1, 1, 16, 64, generator=g)
 torch.save({"q": q, "k": k}, "qk.pt")
-""", "attncheck run --q qk.pt:q --k qk.pt:k --scale dk --dtype fp32 --method torch --brief --fail-on double_scale"),
+""",
+            "attncheck run --q qk.pt:q --k qk.pt:k --scale dk --dtype fp32 --method torch --brief --fail-on double_scale",
+        ),
     ),
     Code(
-        "model_scale", "info", "mask",
+        "model_scale",
+        "info",
+        "mask",
         "the model applies its own scale, not 1/sqrt(d_k)",
         "A captured call whose scale the model chose itself: SDPA's `scale=` argument, the factor its code "
         "applies (traced by `attncheck capture` through multiplications, divisions and a soft cap), or the "
@@ -303,7 +371,9 @@ torch.save({"q": q, "k": k}, "qk.pt")
         "nothing to change: the model was trained with this scale (dividing T5's scores by sqrt(d_k) would change "
         "the model); "
         "reproduce it exactly when porting the model to another kernel (SDPA's scale=)",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 import torch.nn.functional as F
 
 import attncheck
@@ -318,10 +388,13 @@ q, k, v = (torch.randn(1, 2, 8, 64, generator=g) / 8 for _ in range(3))
 with attncheck.capture(diagnose=True) as cap:
     T5Attention()(q, k, v)
 result = cap.calls[0].diagnosis
-"""),
+"""
+        ),
     ),
     Code(
-        "scale_mismatch", "warning", "mask",
+        "scale_mismatch",
+        "warning",
+        "mask",
         "the scale a scores file carries is not 1/sqrt(d_head)",
         "With a scores file and the q and k that made it, attncheck fits the scale that maps q.k onto the "
         "scores and names the closest usual choice: 1/sqrt(d_head), 1, 1/sqrt(d_model) = 1/sqrt(heads x "
@@ -329,48 +402,64 @@ result = cap.calls[0].diagnosis
         "The least-squares scale s; reported when the closest choice (in |ln(s / choice)|) is not 1/sqrt(d_head), "
         "or |ln(s sqrt(d_head))| > 0.05. Not reported where missing_scale or double_scale already is.",
         "the scale your scores carry is not 1/sqrt(d_head): check which dimension the model divides by",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q, k = torch.randn(1, 4, 16, 64, generator=g), torch.randn(1, 4, 16, 64, generator=g)
 scores = q @ k.transpose(-1, -2) / (4 * 64) ** 0.5  # divided by sqrt(d_model), not sqrt(d_head)
 torch.save({"q": q, "k": k, "scores": scores}, "qk.pt")
-""", "attncheck run qk.pt --key scores --q qk.pt:q --k qk.pt:k --dtype fp32 --method torch --brief --fail-on scale_mismatch"),
+""",
+            "attncheck run qk.pt --key scores --q qk.pt:q --k qk.pt:k --dtype fp32 --method torch --brief --fail-on scale_mismatch",
+        ),
     ),
     # ------------------------------------------------------------------ casts and the softmax
     Code(
-        "sentinel_not_representable", "warning", "softmax",
+        "sentinel_not_representable",
+        "warning",
+        "softmax",
         "a mask value cannot be held by the dtype and becomes -inf",
         "A mask constant such as -1e9 (or finfo(fp32).min) is beyond the dtype's range: cast to fp16 or bf16 "
         "it becomes -inf. Partly masked rows stay masked; rows masked only by it become all -inf, which is "
         "NaN in naive, stable and torch.softmax. From scores alone, any value <= -1e4 that the cast turns into "
         "-inf is read as a sentinel; from Q and K, the mask's values and `--mask-value`.",
-        "|sentinel| >= the dtype's rounding limit (fp16: 65520, so -1e9 and -65520 become -inf; -65504 "
-        "stays).",
+        "|sentinel| >= the dtype's rounding limit (fp16: 65520, so -1e9 and -65520 become -inf; -65504 stays).",
         "use a boolean mask (masked_fill(~keep, torch.finfo(dtype).min) or SDPA's bool attn_mask) instead of a constant the dtype cannot hold",
-        Example(_scores("""\
+        Example(
+            _scores("""\
 scores = np.zeros((4, 8), dtype=np.float32)
 scores[:, 4:] = -1e9  # keys masked by adding -1e9
 np.save("scores.npy", scores)
-"""), "attncheck run scores.npy --dtype fp16 --method torch --brief --fail-on sentinel_not_representable"),
-        severity_note="error where rows became all -inf or NaN; warning where the keys stay masked", also="error",
+"""),
+            "attncheck run scores.npy --dtype fp16 --method torch --brief --fail-on sentinel_not_representable",
+        ),
+        severity_note="error where rows became all -inf or NaN; warning where the keys stay masked",
+        also="error",
         causes=("mask_sentinel",),
     ),
     Code(
-        "cast_overflow", "error", "softmax",
+        "cast_overflow",
+        "error",
+        "softmax",
         "casting the scores to the dtype turns finite values into +-inf",
         "Finite scores beyond the dtype's range become +-inf when cast: +inf makes its row NaN (inf - inf), "
         "-inf masks a key that was not masked. The cast rounds once to the nearest value of the dtype (float64 "
         "scores too).",
         "|x| >= the dtype's rounding limit: fp16 65520; bf16 and fp32 about 3.40e38.",
         "upcast to fp32 before the softmax, or keep the logits in range (scale by 1/sqrt(d_k), clamp)",
-        Example(_scores("""\
+        Example(
+            _scores("""\
 scores = np.zeros((4, 8), dtype=np.float32)
 scores[3, 0] = 70000.0  # finite in fp32, beyond fp16's 65504
 np.save("scores.npy", scores)
-"""), "attncheck run scores.npy --dtype fp16 --method torch --brief --fail-on cast_overflow"),
+"""),
+            "attncheck run scores.npy --dtype fp16 --method torch --brief --fail-on cast_overflow",
+        ),
         causes=("cast_overflow",),
     ),
     Code(
-        "exp_overflow", "error", "softmax",
+        "exp_overflow",
+        "error",
+        "softmax",
         "exp of a finite score overflows to inf",
         "A softmax that takes exp(x) without subtracting the row max (the textbook `naive` one) overflows once "
         "a score passes ln(max): inf / inf makes the row NaN, or the other keys' probabilities 0. Methods that "
@@ -378,15 +467,20 @@ np.save("scores.npy", scores)
         "x > ln(rounding limit): fp16 11.09; bf16 and fp32 88.72 (in bf16 x itself rounds first: 88.5 stays, "
         "88.75 and above become 89 and overflow). Taken from torch.finfo, never typed in.",
         "subtract the row max before exp (stable softmax, torch.softmax), or upcast to fp32 before the softmax",
-        Example(_scores("""\
+        Example(
+            _scores("""\
 scores = np.zeros((4, 8), dtype=np.float32)
 scores[0, 0] = 12.0  # exp(12) = 162755 > 65504
 np.save("scores.npy", scores)
-"""), "attncheck run scores.npy --dtype fp16 --method naive --brief --fail-on exp_overflow"),
+"""),
+            "attncheck run scores.npy --dtype fp16 --method naive --brief --fail-on exp_overflow",
+        ),
         causes=("exp_overflow",),
     ),
     Code(
-        "fused_max", "error", "softmax",
+        "fused_max",
+        "error",
+        "softmax",
         "the kernel's fused max subtraction overflows exp2",
         "FlashAttention-2 as the flash-attn package builds it (path `fa2-fma`) computes each exponent with one "
         "fused multiply-add, exp2f(fma(x, scale x log2e, -max_scaled)), where max_scaled = m x scale x log2e was "
@@ -407,16 +501,22 @@ np.save("scores.npy", scores)
         "run FlashAttention-2 unfused: PyTorch's flash backend (path fa2, built with UNFUSE_FMA), or the efficient or "
         "math backend instead of the flash-attn package; or keep |S x scale| below 2^31 / log2e = 1.49e9 (fp16: "
         "2^28 / log2e = 1.86e8), e.g. normalise q and k (qk-layernorm): scores that large mean q and k grew unchecked",
-        Example(_TORCH + """\
+        Example(
+            _TORCH
+            + """\
 from safetensors.torch import save_file
 
 x = torch.full((1, 1, 1, 64), 133120.0, dtype=torch.bfloat16)  # PyTorch issue 121558: every element 133120
 save_file({"q": x, "k": x.clone(), "v": x.clone()}, "qk.safetensors")
-""", "attncheck run qk.safetensors --path fa2-fma --dtype bf16 --fail-on fused_max"),
+""",
+            "attncheck run qk.safetensors --path fa2-fma --dtype bf16 --fail-on fused_max",
+        ),
         causes=("fused_max",),
     ),
     Code(
-        "sum_overflow", "error", "softmax",
+        "sum_overflow",
+        "error",
+        "softmax",
         "every exp is finite but the row sum overflows",
         "Each exp fits the dtype but their sum does not: dividing by inf gives an all-zero row (or NaN where an "
         "exp is inf too). With the row max subtracted the sum is at most the number of keys, so it overflows "
@@ -424,26 +524,36 @@ save_file({"q": x, "k": x.clone(), "v": x.clone()}, "qk.safetensors")
         "sum_j exp(x_j) >= the rounding limit with every exp(x_j) finite: fp16 65520, e.g. 100 keys of 7.0 "
         "(100 x 1097 = 109663).",
         "the row sum exceeds the dtype's range: subtract the row max before exp (the sum is then at most the number of keys), or keep the sum and the division in fp32 (torch.softmax does)",
-        Example(_scores("""\
+        Example(
+            _scores("""\
 np.save("scores.npy", np.full((4, 100), 7.0, dtype=np.float32))  # 100 x exp(7) = 109663 > 65504
-"""), "attncheck run scores.npy --dtype fp16 --method naive --brief --fail-on sum_overflow"),
+"""),
+            "attncheck run scores.npy --dtype fp16 --method naive --brief --fail-on sum_overflow",
+        ),
         causes=("sum_overflow",),
     ),
     Code(
-        "underflow", "error", "softmax",
+        "underflow",
+        "error",
+        "softmax",
         "every exp of a row flushes to 0, so the row is 0/0",
         "Without the row max subtracted, a row whose scores are all very negative has every exp round to 0: "
         "0/0 = NaN. Subtracting the max makes the largest term exp(0) = 1.",
         "Every score of the row below ln(smallest subnormal / 2): fp16 -17.33, bf16 -92.9, fp32 -103.97 "
         "(half the smallest subnormal rounds to even, i.e. to 0).",
         "subtract the row max before exp: then the largest term is exp(0) = 1 and the sum cannot be 0",
-        Example(_scores("""\
+        Example(
+            _scores("""\
 np.save("scores.npy", np.full((4, 8), -20.0, dtype=np.float32))  # exp(-20) = 2e-9 flushes to 0 in fp16
-"""), "attncheck run scores.npy --dtype fp16 --method naive --brief --fail-on underflow"),
+"""),
+            "attncheck run scores.npy --dtype fp16 --method naive --brief --fail-on underflow",
+        ),
         causes=("underflow",),
     ),
     Code(
-        "zero_rows", "error", "softmax",
+        "zero_rows",
+        "error",
+        "softmax",
         "rows come out all zero with no known cause",
         "A cell returned rows whose every probability is 0, and none of the known causes explains them (a "
         "fully masked row, a cast overflow, an exp or sum overflow; those are reported under their own codes). "
@@ -470,7 +580,9 @@ print([f.code for f in result.findings])
 """),
     ),
     Code(
-        "unexplained_nan", "error", "softmax",
+        "unexplained_nan",
+        "error",
+        "softmax",
         "NaN rows that no known cause explains",
         "A cell returned NaN rows, and none of the causes attncheck traces (NaN or +inf in the input, Q@K^T or "
         "cast overflow, a mask sentinel, a fully masked row, exp or sum overflow, underflow) holds for them. "
@@ -498,7 +610,9 @@ print([f.code for f in result.findings])
     ),
     # ------------------------------------------------------------------ accuracy
     Code(
-        "argmax_flip", "warning", "accuracy",
+        "argmax_flip",
+        "warning",
+        "accuracy",
         "the most likely key differs from float64's beyond what rounding explains",
         "In some rows the cell's top key is not float64's, and the two keys' scores are further apart than the "
         "cell's own rounding can account for. Near-ties within rounding are counted apart "
@@ -529,7 +643,9 @@ print([f.code for f in result.findings])
 """),
     ),
     Code(
-        "worse_than_torch", "info", "accuracy",
+        "worse_than_torch",
+        "info",
+        "accuracy",
         "a kernel's error is above 2x torch.softmax's in the same dtype",
         "FlashAttention's tests hold a kernel to at most 2x the error of a plain PyTorch implementation in the "
         "same dtype. attncheck applies that rule to the methods that reproduce a kernel models run (`tiled`, "
@@ -559,22 +675,30 @@ print([f.code for f in result.findings])
     ),
     # ------------------------------------------------------------------ the output
     Code(
-        "output_error", "warning", "output",
+        "output_error",
+        "warning",
+        "output",
         "an attention path's output is further from float64 than 2x PyTorch attention's",
         "With `--v`, every cell computes O = P@V. FlashAttention's test rule applied to O: a path's max error "
         "against float64 (P64 @ V64) may be at most 2x that of hand-written PyTorch attention with "
         "torch.softmax in the same dtype (`eager:torch`).",
         "max |O - O_float64| > 2 x eager:torch's in the same dtype, over rows where both are finite.",
         "this attention path's output is further from float64 than FlashAttention's test allows (2x the same-dtype PyTorch attention): keep S and the softmax in fp32 and round P only for P@V, or use SDPA",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q = torch.randn(1, 1, 32, 64, generator=g) * 0.1
 k = torch.randn(1, 1, 4096, 64, generator=g) * 0.1  # long rows: 4096 keys
 v = torch.randn(1, 1, 4096, 64, generator=g) + 3
 torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
-""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype fp16 --method stable,torch --accum dtype --path eager --brief --fail-on output_error"),
+""",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype fp16 --method stable,torch --accum dtype --path eager --brief --fail-on output_error",
+        ),
     ),
     Code(
-        "tied_max_bias", "warning", "output",
+        "tied_max_bias",
+        "warning",
+        "output",
         "the rounding of O is biased in rows whose maximum is tied",
         "Where several keys share a row's largest score, exp(s - max) is exactly 1 at each of them and the "
         "rounding of O = P@V is biased, and a bias does not average out over steps (Qiu and Yao 2025, arXiv "
@@ -583,15 +707,21 @@ torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
         "At least 16 tied rows, and their mean signed error of O (against float64 of the path's own scores "
         "and V as the dtype holds it) more than 4 standard errors from 0.",
         "a bias does not average out over steps (Qiu and Yao 2025, arXiv 2510.04212): when the row max repeats, subtract a slightly larger max (their fix: m = beta * max for a positive max) so that no exp(s - m) is exactly 1, or keep O in fp32 where the next layer reads it",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
 k[..., 1:8, :] = k[..., :1, :]  # eight identical keys
 q = q + 2 * k[..., :1, :]  # that every query prefers: each row's max is tied eight times
 torch.save({"q": q, "k": k, "v": v + 1}, "qkv.pt")
-""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype bf16 --method torch --brief --fail-on tied_max_bias"),
+""",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype bf16 --method torch --brief --fail-on tied_max_bias",
+        ),
     ),
     Code(
-        "probability_flush", "info", "accuracy",
+        "probability_flush",
+        "info",
+        "accuracy",
         "small probabilities round to 0 in the dtype",
         "Probabilities that float64 says are non-zero become exactly 0 in the cell: they are below half the "
         "dtype's smallest subnormal. Harmless for most models; it matters where those keys carry meaning (long "
@@ -599,15 +729,20 @@ torch.save({"q": q, "k": k, "v": v + 1}, "qkv.pt")
         "1% or more of the probabilities float64 holds non-zero are exactly 0 in the cell (`flushed_frac`). "
         "FP8 cells whose P cast loses probability are reported as p_cast_underflow instead.",
         "small probabilities round to 0 in this dtype; harmless for most models, upcast if those keys matter",
-        Example(_scores("""\
+        Example(
+            _scores("""\
 scores = np.zeros((4, 8), dtype=np.float32)
 scores[:, 0] = 20.0  # the other keys get exp(-20) = 2e-9: below fp16's smallest subnormal
 np.save("scores.npy", scores)
-"""), "attncheck run scores.npy --dtype fp16 --method torch --brief --fail-on probability_flush"),
+"""),
+            "attncheck run scores.npy --dtype fp16 --method torch --brief --fail-on probability_flush",
+        ),
     ),
     # ------------------------------------------------------------------ FP8
     Code(
-        "p_cast_underflow", "warning", "fp8",
+        "p_cast_underflow",
+        "warning",
+        "fp8",
         "the FP8 P cast flushes probabilities that carry weight",
         "FP8 kernels multiply P_j = exp(S_j - m_j) by a scale S and cast it to e4m3 before P@V. A probability "
         "far below the running max m_j flushes to 0, and the row loses that mass. An attention sink in the first "
@@ -617,40 +752,56 @@ np.save("scores.npy", scores)
         "exp(s - m_j) x S < half e4m3's smallest subnormal (2^-10), i.e. s < m_j - (6.93 + ln S) (e5m2: 11.78 "
         "+ ln S); reported for rows that lose at least 0.1% of their probability.",
         "scale P by S = 256 before the cast (FlashAttention-3's max offset of 8; 448 for SageAttention) and visit the key blocks in reverse order (--order reverse, as FlashAttention-3 does), so that an attention sink in the first block sets the running max last (arXiv 2606.06521)",
-        Example(_scores("""\
+        Example(
+            _scores("""\
 scores = np.zeros((4, 256), dtype=np.float32)
 scores[:, 0] = 10.0  # an attention sink in the first key block
 np.save("scores.npy", scores)
-"""), "attncheck run scores.npy --dtype e4m3 --method tiled --p-scale 1 --brief --fail-on p_cast_underflow"),
+"""),
+            "attncheck run scores.npy --dtype e4m3 --method tiled --p-scale 1 --brief --fail-on p_cast_underflow",
+        ),
     ),
     Code(
-        "fp8_overflow", "error", "fp8",
+        "fp8_overflow",
+        "error",
+        "fp8",
         "values beyond the FP8 format's range are clipped",
         "Either P scaled by S exceeds the format's largest value (the largest probabilities of every row are "
         "clipped), or Q, K or V quantised with the chosen scaling fall beyond +-max (448 in e4m3): the kernels' "
         "satfinite cast clips them silently, and a non-saturating cast gives NaN.",
         "S >= the format's rounding limit (e4m3: 464), or |x / descale| >= it for a value of Q, K or V.",
         "scale before the FP8 cast: x8 = fp8(x / descale) with descale = amax / max_fp8 per tensor or per (batch, kv head) (--fp8-scaling; FlashAttention-3's q_descale/k_descale/v_descale), or clamp; a kernel's satfinite cast clips silently and a non-saturating cast (older torch, the fnuz formats) gives NaN",
-        Example(_scores("""\
+        Example(
+            _scores("""\
 np.save("scores.npy", np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32))
-"""), "attncheck run scores.npy --dtype e4m3 --method tiled --p-scale 512 --brief --fail-on fp8_overflow"),
+"""),
+            "attncheck run scores.npy --dtype e4m3 --method tiled --p-scale 512 --brief --fail-on fp8_overflow",
+        ),
     ),
     Code(
-        "fp8_unscaled", "warning", "fp8",
+        "fp8_unscaled",
+        "warning",
+        "fp8",
         "Q, K, V are cast to FP8 without a descale while their range needs one",
         "With `--fp8-scaling none`, Q, K and V are cast to the format as they are. Values beyond its max are "
         "clipped, and small activations fall below its normal range (e4m3: 2^-6) where they keep fewer bits or "
         "flush to 0.",
         "Scaling none, and a value clipped, or 1% or more of a tensor's values subnormal or flushed in the format.",
         "quantise with a descale (amax / max_fp8) per tensor or per (batch, kv head) and pass it to the kernel (FlashAttention-3: q_descale, k_descale, v_descale; vLLM: the layer's k_scale/v_scale); --fp8-scaling tensor or head shows the effect",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q, k, v = (torch.randn(1, 2, 64, 64, generator=g) * 1e-3 for _ in range(3))  # far below e4m3's normal range
 torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
-""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype e4m3 --fp8-scaling none --brief --fail-on fp8_unscaled"),
+""",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype e4m3 --fp8-scaling none --brief --fail-on fp8_unscaled",
+        ),
     ),
     # ------------------------------------------------------------------ distribution
     Code(
-        "entropy_collapse", "warning", "distribution",
+        "entropy_collapse",
+        "warning",
+        "distribution",
         "attention is near one-hot in most rows",
         "Most rows of the float64 softmax put nearly all their probability on one key. Unscaled or growing "
         "logits do this; the softmax gradient then vanishes. A head meant to be sharp (a copy or induction "
@@ -659,15 +810,20 @@ torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
         "At least 50% of the rows put >= 0.99 of their probability on one key (the reference, float64); in a "
         "watch log, --collapse (half) of a head's sampled rows, at the first step it holds.",
         "attention is near one-hot: check the scores are scaled by 1/sqrt(d_k) and whether the logits grow during training (attncheck watch: logit_growth); ignore if the head is meant to be sharp",
-        Example(_scores("""\
+        Example(
+            _scores("""\
 scores = np.zeros((4, 8), dtype=np.float32)
 scores[:, 0] = 10.0  # every row puts 99.9% on key 0
 np.save("scores.npy", scores)
-"""), "attncheck run scores.npy --dtype fp32 --method torch --brief --fail-on entropy_collapse"),
+"""),
+            "attncheck run scores.npy --dtype fp32 --method torch --brief --fail-on entropy_collapse",
+        ),
     ),
     # ------------------------------------------------------------------ backward
     Code(
-        "grad_nan_masked_row", "error", "backward",
+        "grad_nan_masked_row",
+        "error",
+        "backward",
         "a fully masked query row makes the backward NaN",
         "A query row with every key masked by -inf has a NaN softmax, and its backward is NaN even when the "
         "row's output is zeroed or left out of the loss (PyTorch issue 41508). Where the mask is added to the "
@@ -675,31 +831,43 @@ np.save("scores.npy", scores)
         "dK stay finite and only dV takes it. A capture traces which the model did; for dumps, `--mask-op`.",
         "NaN/inf gradient rows whose first cause in backward order is a fully masked row.",
         "a query row with every key masked by -inf has a NaN softmax, and its backward is NaN even when the row's output is zeroed or left out of the loss: use SDPA (its kernels and _safe_softmax give such rows zeros and zero gradients), mask with a finite value (torch.finfo(dtype).min), or let padded queries attend to one key (e.g. themselves)",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
 keep = torch.ones(16, 16, dtype=torch.bool).tril()
 keep[3] = False  # query 3 may attend to no key
 torch.save({"q": q, "k": k, "v": v, "do": do, "mask": keep}, "qkv.pt")
-""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --mask qkv.pt:mask --grad-out qkv.pt:do --dtype fp32 --path eager --method torch --brief --fail-on grad_nan_masked_row"),
+""",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --mask qkv.pt:mask --grad-out qkv.pt:do --dtype fp32 --path eager --method torch --brief --fail-on grad_nan_masked_row",
+        ),
         grad_causes=("fully_masked",),
     ),
     Code(
-        "grad_nan_input", "error", "backward",
+        "grad_nan_input",
+        "error",
+        "backward",
         "the output gradient dO already holds NaN or inf",
         "The NaN or inf is in dO, the gradient that reaches attention from the layers after it: the loss or a "
         "later layer made it (an overflowing loss scale, a NaN loss). Attention's backward passes it on. The "
         "rows' first cause says which: `grad_out_nan` (a NaN in the row of dO) or `grad_out_inf` (an inf, no NaN).",
         "NaN/inf gradient rows whose first cause is a NaN (grad_out_nan) or an inf (grad_out_inf) in dO.",
         "the NaN or inf is already in the output gradient dO: it comes from a later layer or the loss; trace it downstream (a loss scale that overflows, a NaN loss)",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
 do[0, 1, 5, 7] = float("nan")  # the loss sent back a NaN
 torch.save({"q": q, "k": k, "v": v, "do": do}, "qkv.pt")
-""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp32 --brief --fail-on grad_nan_input"),
+""",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp32 --brief --fail-on grad_nan_input",
+        ),
         grad_causes=("grad_out_nan", "grad_out_inf"),
     ),
     Code(
-        "grad_nan_forward", "error", "backward",
+        "grad_nan_forward",
+        "error",
+        "backward",
         "rows the forward pass already broke make NaN gradients",
         "The forward pass gave NaN probabilities in these rows (NaN or +inf in the input, Q@K^T overflow, or "
         "another forward NaN), and the backward carries them into dQ, dK, dV. Fix the forward finding, named in "
@@ -707,16 +875,22 @@ torch.save({"q": q, "k": k, "v": v, "do": do}, "qkv.pt")
         "NaN/inf gradient rows whose first cause in backward order is input_nan, inf_input, qk_overflow or "
         "another forward NaN.",
         "the forward pass already gave NaN probabilities in these rows; fix the forward finding (its cause is named) and the gradients follow",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
 q[0, 0, 2] = 40.0
 k[0, 0, 9] = 40.0  # one score of 64 x 40 x 40 = 102400: beyond fp16
 torch.save({"q": q, "k": k, "v": v, "do": do}, "qkv.pt")
-""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager --method torch --brief --fail-on grad_nan_forward"),
+""",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager --method torch --brief --fail-on grad_nan_forward",
+        ),
         grad_causes=("input_nan", "inf_input", "qk_overflow", "forward_nan"),
     ),
     Code(
-        "grad_overflow", "error", "backward",
+        "grad_overflow",
+        "error",
+        "backward",
         "an intermediate of the backward overflows the dtype it is held in",
         "Every backward quantity is linear in dO, so a loss scale multiplies them all. Where the path holds one "
         "in a low-precision dtype (eager fp16 holds dP = dO V^T in fp16; the SDPA paths hold it in fp32), a "
@@ -726,26 +900,38 @@ torch.save({"q": q, "k": k, "v": v, "do": do}, "qkv.pt")
         "or a product beyond the dtype; or `scale_headroom` < 1: dO cannot grow by any factor before an "
         "intermediate overflows.",
         "lower the loss scale (GradScaler's init_scale, or let it back off), hold dP and dS in fp32 (SDPA's math path, FlashAttention) instead of fp16 eager attention, or train in bf16",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
 torch.save({"q": q, "k": k, "v": v * 4, "do": do * 2**16}, "qkv.pt")  # dO under an fp16 loss scale of 2^16
-""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager --method torch --brief --fail-on grad_overflow"),
+""",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager --method torch --brief --fail-on grad_overflow",
+        ),
         grad_causes=("grad_out_overflow", "dp_overflow", "ds_nan", "ds_overflow", "grad_overflow"),
     ),
     Code(
-        "grad_underflow", "warning", "backward",
+        "grad_underflow",
+        "warning",
+        "backward",
         "gradient entries flush to zero in the dtype",
         "Gradient entries that float64 says are non-zero are exactly 0 in the dtype the gradients are computed "
         "in: fp16 without a loss scale, or a collapsed softmax whose Jacobian vanishes.",
         "1% or more of a gradient's entries that are non-zero in float64 are 0 (`flushed_frac`).",
         "gradient entries flush to zero in this dtype: use a loss scale (torch.amp.GradScaler) or bf16; if the softmax is collapsed (near one-hot rows), its Jacobian vanishes: check the scale and the logit growth",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
 torch.save({"q": q, "k": k, "v": v, "do": do * 1e-6}, "qkv.pt")  # a mean loss over many tokens, no loss scale
-""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager --method torch --brief --fail-on grad_underflow"),
+""",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager --method torch --brief --fail-on grad_underflow",
+        ),
     ),
     Code(
-        "grad_error", "warning", "backward",
+        "grad_error",
+        "warning",
+        "backward",
         "a path's gradients are further from float64 than FlashAttention's test allows",
         "FlashAttention's tests hold the backward to at most 2x the error of plain attention in the same dtype "
         "(eager, softmax in the dtype, no upcast), plus two ulps of the largest gradient; they apply it in fp16 "
@@ -755,15 +941,21 @@ torch.save({"q": q, "k": k, "v": v, "do": do * 1e-6}, "qkv.pt")  # a mean loss o
         "max |g - g_float64| > 2 x plain attention's + 2 ulp(max|g_float64|) (twice the dtype's spacing there), "
         "for dQ, dK or dV, in fp16 and bf16.",
         "this path's gradients are further from float64 than FlashAttention's test allows (2x plain attention in the same dtype): keep dP and dS in fp32 and round only for the products, as FlashAttention does",
-        Example(_SEEDED + """\
+        Example(
+            _SEEDED
+            + """\
 q = torch.zeros(1, 1, 4096, 8)  # every score 0: P = 1/16 exactly
 k, v = (torch.randn(1, 1, 16, 8, generator=g) for _ in range(2))
 do = torch.full((1, 1, 4096, 8), 1.8125)  # dV sums 4096 equal terms, block by block in bf16
 torch.save({n: t.bfloat16() for n, t in dict(q=q, k=k, v=v, do=do).items()}, "qkv.pt")
-""", "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype bf16 --path flash --brief --fail-on grad_error"),
+""",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype bf16 --path flash --brief --fail-on grad_error",
+        ),
     ),
     Code(
-        "padded_tile", "warning", "backward",
+        "padded_tile",
+        "warning",
+        "backward",
         "cuDNN's backward gives NaN gradients on this call (padded tile)",
         "A prediction for cuDNN's SDPA backward (PyTorch's CUDNN_ATTENTION backend, path `cudnn`), from its forward "
         "log-sum-exp. The backward recomputes P = exp(S - LSE) tile by tile; where a tile runs past the tensor's "
@@ -783,7 +975,9 @@ torch.save({n: t.bfloat16() for n, t in dict(q=q, k=k, v=v, do=do).items()}, "qk
         "backend for this call "
         "(torch.backends.cuda.enable_cudnn_sdp(False), or torch.nn.attention.sdpa_kernel with the flash or "
         "efficient backend); and check the mask: a row whose open keys all score below -88 is usually a mask bug",
-        Example(_TORCH + """\
+        Example(
+            _TORCH
+            + """\
 import math
 
 from safetensors.torch import save_file
@@ -795,10 +989,14 @@ v = torch.randn(1, 1, L, D, generator=g)
 q[..., 0], k[..., 0] = 1.0, -120 * math.sqrt(D)  # every logit about -120: every row's LSE below -88.72
 mask = torch.ones(L, L, dtype=torch.bool).tril()  # an explicit mask tensor (True = attend)
 save_file({"q": q.bfloat16(), "k": k.bfloat16(), "v": v.bfloat16(), "mask": mask}, "qk.safetensors")
-""", "attncheck run qk.safetensors --path cudnn --dtype bf16 --fail-on padded_tile"),
+""",
+            "attncheck run qk.safetensors --path cudnn --dtype bf16 --fail-on padded_tile",
+        ),
     ),
     Code(
-        "grad_emulation_mismatch", "error", "backward",
+        "grad_emulation_mismatch",
+        "error",
+        "backward",
         "the model's recorded gradients differ from attncheck's emulation of its kernel",
         "`attncheck capture` records the gradients the model's kernel really produced, and each is compared "
         "with the backward of the cell the model runs. A disagreement means the backward numbers of that call "
@@ -809,7 +1007,8 @@ save_file({"q": q.bfloat16(), "k": k.bfloat16(), "v": v.bfloat16(), "mask": mask
         "the backward pass: the dot products of S, dP and D in any order, the forward's exp_u20, the sums kept "
         f"in the dtype), more than {REAL_BOUND_TOLERANCE:g}x (REAL_BOUND_TOLERANCE), or an entry finite in one and not the other.",
         "attncheck's emulation of this kernel's backward does not reproduce the gradients the model really produced: the backward numbers of this call cannot be trusted; please report it with the capture",
-        Example("""\
+        Example(
+            """\
 from pathlib import Path
 
 import torch
@@ -829,12 +1028,17 @@ with safe_open(grads, "pt") as f:
     tensors, meta = {name: f.get_tensor(name) for name in f.keys()}, f.metadata()
 tensors["grad_q"] = tensors["grad_q"] * 1.01
 save_file(tensors, grads, meta)
-""", "attncheck run cap --brief --fail-on grad_emulation_mismatch"),
-        severity_note=f"info where every entry is finite in both and within {REAL_BOUND_TOLERANCE:g}x of the bound", also="info",
+""",
+            "attncheck run cap --brief --fail-on grad_emulation_mismatch",
+        ),
+        severity_note=f"info where every entry is finite in both and within {REAL_BOUND_TOLERANCE:g}x of the bound",
+        also="info",
     ),
     # ------------------------------------------------------------------ capture
     Code(
-        "capture_incomplete", "warning", "capture",
+        "capture_incomplete",
+        "warning",
+        "capture",
         "the capture did not record every attention call the script made",
         "Recording stopped before the script ended (--max-bytes or --max-calls would have been passed, or a "
         "call could not be written), or the script failed: the calls judged are only those recorded, and "
@@ -844,7 +1048,8 @@ save_file(tensors, grads, meta)
         "captured; reported once per capture (per rank under torchrun).",
         "raise --max-bytes or --max-calls, or record fewer calls (--module, --forward, --no-grads); "
         "--ignore capture_incomplete where the first calls are enough",
-        Example("""\
+        Example(
+            """\
 import torch
 import torch.nn.functional as F
 
@@ -855,11 +1060,15 @@ q, k, v = (torch.randn(1, 2, 16, 32, generator=g) for _ in range(3))  # 12 KiB p
 with attncheck.capture("cap", max_bytes=40_000):  # room for three calls of four
     for layer in range(4):
         F.scaled_dot_product_attention(q, k, v)
-""", "attncheck run cap --brief --fail-on capture_incomplete"),
+""",
+            "attncheck run cap --brief --fail-on capture_incomplete",
+        ),
     ),
     # ------------------------------------------------------------------ watch
     Code(
-        "logit_growth", "warning", "watch",
+        "logit_growth",
+        "warning",
+        "watch",
         "a head's largest attention logit grows geometrically past a level",
         "A watch log (attncheck.watch) records every head's largest unmasked logit per step. Its logarithm, "
         "fitted by least squares over the last records, grows fast, and the logit has passed a level healthy "
@@ -872,7 +1081,9 @@ with attncheck.capture("cap", max_bytes=40_000):  # room for three calls of four
         Example(_watch_log("2.0 ** (step / 4)"), "attncheck watch w.jsonl --fail-on logit_growth"),
     ),
     Code(
-        "headroom_low", "warning", "watch",
+        "headroom_low",
+        "warning",
+        "watch",
         "at its growth, a head reaches its dtype's first failure soon",
         "The head's largest logit grows and, at the fitted rate, reaches the largest logit the call's dtype "
         "allows (SDPA's kernels: S in fp32; hand-written attention: S = Q@K^T in its dtype, before the scale) "
@@ -881,10 +1092,15 @@ with attncheck.capture("cap", max_bytes=40_000):  # room for three calls of four
         "Steps until the limit, ln(limit / logit) / (fitted growth per step), below --horizon (1000), once the "
         "logit has passed --logit-level (50) or the limit.",
         "at this growth the head's logits reach the first failure of its dtype within the horizon: act on the growth (qk-layernorm, learning rate, clipping) or hold the scores in a wider dtype",
-        Example(_watch_log("60 * 1.05 ** step", limit=8190.0), "attncheck watch w.jsonl --horizon 200 --fail-on headroom_low"),
+        Example(
+            _watch_log("60 * 1.05 ** step", limit=8190.0),
+            "attncheck watch w.jsonl --horizon 200 --fail-on headroom_low",
+        ),
     ),
     Code(
-        "nonfinite", "error", "watch",
+        "nonfinite",
+        "error",
+        "watch",
         "NaN or inf in a call's attention output or its gradients, during training",
         "A watch record counts, per attention call, the rows of its output holding NaN or inf (for eager "
         "softmax: NaN, +inf, or every key -inf in its scores) and the gradients of dq, dk, dv holding them.",
@@ -893,7 +1109,9 @@ with attncheck.capture("cap", max_bytes=40_000):  # room for three calls of four
         Example(_watch_log("1.0", nonfinite="3 if step == 5 else 0"), "attncheck watch w.jsonl --fail-on nonfinite"),
     ),
     Code(
-        "rank_divergence", "warning", "watch",
+        "rank_divergence",
+        "warning",
+        "watch",
         "the same head's largest logit differs across ranks by a large factor",
         "Under torchrun each rank writes its own watch log. With DistributedDataParallel every rank holds the "
         "same weights, so a head's largest logit differs across ranks only as their batches differ, by far less "
@@ -906,7 +1124,8 @@ with attncheck.capture("cap", max_bytes=40_000):  # room for three calls of four
         "as 1, at least --rank-factor (10); reported at the first such step, on the rank with the larger logit, "
         "naming the other.",
         "the ranks' weights differ where DDP keeps them identical: check that nothing changes parameters on one rank after the wrap, that every parameter is registered before wrapping, and that the ranks start from the same weights; with tensor parallelism (other heads on each rank) ignore it",
-        Example("""\
+        Example(
+            """\
 import json
 
 for rank, logit in ((0, 1.4), (1, 1.0e4)):
@@ -915,10 +1134,14 @@ for rank, logit in ((0, 1.4), (1, 1.0e4)):
             call = {"module": "layers.0.attn", "kind": "sdpa", "dtype": "fp32", "path": "flash", "heads": 1,
                     "max_logit": [logit], "collapsed": [0.0], "scale": 0.125, "limit": {"logit": 3.4e38, "what": "S"}}
             fh.write(json.dumps({"schema": "attncheck.watch/1", "step": step, "rank": rank, "world": 2, "calls": [call]}) + "\\n")
-""", "attncheck watch w.rank0.jsonl w.rank1.jsonl --fail-on rank_divergence"),
+""",
+            "attncheck watch w.rank0.jsonl w.rank1.jsonl --fail-on rank_divergence",
+        ),
     ),
     Code(
-        "no_attention", "error", "watch",
+        "no_attention",
+        "error",
+        "watch",
         "a watch log holds no attention call: nothing was watched",
         "attncheck.watch records the attention calls of the training forwards of the module it watches. A log "
         "without any call watched nothing: the module the training loop runs is not the one watched (and does "
@@ -927,13 +1150,16 @@ for rank, logit in ((0, 1.4), (1, 1.0e4)):
         "that ended without a forward of the watched module; a log of such records is never 'no alert'.",
         "A rank's log with no call in any record.",
         "nothing was watched: watch the module the training loop calls, or the model inside a wrapper (DDP, FSDP, torch.compile and accelerate's wrappers are followed), train it in training mode, and pass compile='eager' for torch.compile'd code",
-        Example("""\
+        Example(
+            """\
 import json
 
 with open("w.jsonl", "w") as fh:
     for step in range(1, 4):
         fh.write(json.dumps({"schema": "attncheck.watch/1", "step": step, "forwards": 0, "calls": []}) + "\\n")
-""", "attncheck watch w.jsonl --fail-on no_attention"),
+""",
+            "attncheck watch w.jsonl --fail-on no_attention",
+        ),
     ),
 )
 

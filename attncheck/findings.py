@@ -7,16 +7,26 @@ from __future__ import annotations
 
 import math
 
+from attncheck.codes import CAUSES_OF, FIX, SEVERITIES, SEVERITY
 from attncheck.format import num, pct
 from attncheck.registry import METHODS, PATHS, eager_path, fp8_what_if_path
-from attncheck.codes import CAUSES_OF, FIX, SEVERITIES, SEVERITY
-from attncheck.results import (FLASH_RULE_FACTOR, REAL_BOUND_TOLERANCE, UNEXPLAINED, Cell, DtypeLimits, Finding,
-                               TensorDiagnosis, flash_rule_bound)
+from attncheck.results import (
+    FLASH_RULE_FACTOR,
+    REAL_BOUND_TOLERANCE,
+    UNEXPLAINED,
+    Cell,
+    DtypeLimits,
+    Finding,
+    TensorDiagnosis,
+    flash_rule_bound,
+)
 
 # Where a captured call's scale came from, when it is the model's own choice (AttentionAudit.scale_source).
-CHOSEN_SCALES = {"argument": "the scale= argument the model passed to SDPA",
-                 "traced": "the scale the model's code applies, as the capture traced it",
-                 "module": "the scaling attribute of the model's attention module"}
+CHOSEN_SCALES = {
+    "argument": "the scale= argument the model passed to SDPA",
+    "traced": "the scale the model's code applies, as the capture traced it",
+    "module": "the scaling attribute of the model's attention module",
+}
 
 FLUSH_INFO_FRAC = 0.01
 FP8_UNSCALED_FRAC = 0.01  # share of q/k/v values left subnormal or flushed by an unscaled cast
@@ -53,7 +63,9 @@ def _cell_list(cells: list[Cell], diag: TensorDiagnosis) -> str:
     parts = []
     for method in dict.fromkeys(c.method for c in cells):
         have = [c.dtype for c in cells if c.method == method]
-        parts.append(method if set(have) == set(dtypes) and len(dtypes) > 1 else ", ".join(f"{method}/{d}" for d in have))
+        parts.append(
+            method if set(have) == set(dtypes) and len(dtypes) > 1 else ", ".join(f"{method}/{d}" for d in have)
+        )
     whole = [p for p in parts if "/" not in p]
     if len(whole) == len(parts):
         return ", ".join(parts) + (" (all dtypes)" if len(dtypes) > 1 else f" ({dtypes[0]})")
@@ -96,8 +108,12 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
     out: list[Finding] = []
     census, cells = diag.census, diag.cells
 
-    def add(code: str, message: str, cells_hit: list[Cell] = (), rows: int = 0, examples=(), severity: str | None = None) -> None:
-        out.append(Finding(code, severity or SEVERITY[code], message, FIX[code], _names(list(cells_hit)), rows, list(examples)))
+    def add(
+        code: str, message: str, cells_hit: list[Cell] = (), rows: int = 0, examples=(), severity: str | None = None
+    ) -> None:
+        out.append(
+            Finding(code, severity or SEVERITY[code], message, FIX[code], _names(list(cells_hit)), rows, list(examples))
+        )
 
     def cells_with(kind: str, cause: str) -> list[Cell]:
         return [c for c in cells if getattr(c, f"{kind}_causes").get(cause, 0)]
@@ -105,10 +121,22 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
     # Input problems, in pipeline order.
     if census.nan_input_rows:
         hit = cells_with("nan", "input_nan")
-        add("input_nan", f"{census.nan_input_rows} row(s) hold NaN in the scores as given ({census.nan} value(s)); every method returns NaN there", hit, census.nan_input_rows, _first_examples(hit, "nan:input_nan"))
+        add(
+            "input_nan",
+            f"{census.nan_input_rows} row(s) hold NaN in the scores as given ({census.nan} value(s)); every method returns NaN there",
+            hit,
+            census.nan_input_rows,
+            _first_examples(hit, "nan:input_nan"),
+        )
     if census.posinf_input_rows:
         hit = cells_with("nan", "inf_input")
-        add("inf_input", f"{census.posinf_input_rows} row(s) hold +inf in the scores as given ({census.posinf} value(s)): softmax gives NaN", hit, census.posinf_input_rows, _first_examples(hit, "nan:inf_input"))
+        add(
+            "inf_input",
+            f"{census.posinf_input_rows} row(s) hold +inf in the scores as given ({census.posinf} value(s)): softmax gives NaN",
+            hit,
+            census.posinf_input_rows,
+            _first_examples(hit, "nan:inf_input"),
+        )
     if census.fully_masked_rows:
         n, neginf = census.fully_masked_rows, census.neginf_rows
         how = []
@@ -119,18 +147,28 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
             how.append(f"{n - neginf} with a finite sentinel" + (f", {example}" if example else ""))
         nan_hit = cells_with("nan", "fully_masked")
         zero_hit = cells_with("zero", "fully_masked")
-        finite_hit = [c for c in cells if c.nan_causes.get("fully_masked", 0) + c.zero_causes.get("fully_masked", 0) < n]
+        finite_hit = [
+            c for c in cells if c.nan_causes.get("fully_masked", 0) + c.zero_causes.get("fully_masked", 0) < n
+        ]
         parts = []
         if nan_hit:
             parts.append(f"NaN in {_cell_list(nan_hit, diag)}")
         if zero_hit:
             parts.append(f"zeros in {_cell_list(zero_hit, diag)}")
         if finite_hit and (n - neginf or diag.attention is not None):
-            parts.append(f"a finite uniform row over the masked keys in {_cell_list(finite_hit, diag)} (a finite sentinel: garbage, not attention)")
+            parts.append(
+                f"a finite uniform row over the masked keys in {_cell_list(finite_hit, diag)} (a finite sentinel: garbage, not attention)"
+            )
         parts.append("FlashAttention and PyTorch SDPA >= 2.5 return zeros for such rows")
         # true but harmless where no cell turns them into NaN (zeros, or a finite row the model ignores)
-        add("fully_masked_rows", f"{n} row(s) have every key masked ({', '.join(how) or 'by the mask'}): " + "; ".join(parts), nan_hit + zero_hit, n,
-            _first_examples(nan_hit, "nan:fully_masked") or _first_examples(zero_hit, "zero:fully_masked"), severity="warning" if nan_hit else "info")
+        add(
+            "fully_masked_rows",
+            f"{n} row(s) have every key masked ({', '.join(how) or 'by the mask'}): " + "; ".join(parts),
+            nan_hit + zero_hit,
+            n,
+            _first_examples(nan_hit, "nan:fully_masked") or _first_examples(zero_hit, "zero:fully_masked"),
+            severity="warning" if nan_hit else "info",
+        )
 
     if diag.attention is not None:
         _attention_findings(diag, add, cells_with)
@@ -139,10 +177,14 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
     for h in census.headroom:
         dtype_cells = [c for c in cells if c.dtype == h.dtype]
         broken = [c for c in dtype_cells if c.nan_causes.get("cast_overflow") or c.zero_causes.get("cast_overflow")]
-        rows_broken = max((c.nan_causes.get("cast_overflow", 0) + c.zero_causes.get("cast_overflow", 0) for c in broken), default=0)
+        rows_broken = max(
+            (c.nan_causes.get("cast_overflow", 0) + c.zero_causes.get("cast_overflow", 0) for c in broken), default=0
+        )
         examples = _first_examples(broken, "nan:cast_overflow") or _first_examples(broken, "zero:cast_overflow")
         if broken:
-            effect = f"; {rows_broken} row(s) become all -inf or hold +inf -> NaN or zeros in {_cell_list(broken, diag)}"
+            effect = (
+                f"; {rows_broken} row(s) become all -inf or hold +inf -> NaN or zeros in {_cell_list(broken, diag)}"
+            )
         elif census.fully_masked_rows > census.neginf_rows:
             effect = "; rows masked only by it become all -inf (NaN in naive, stable and torch)"
         else:
@@ -150,11 +192,24 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
         sentinels = [v for v in h.cast_overflow_examples if v <= -1e4]
         if h.cast_neginf_values and sentinels:
             vals = ", ".join(f"{v:.4g}" for v in sentinels)
-            add("sentinel_not_representable", f"mask value {vals} is not representable in {h.dtype} (max {h.max_finite:.6g}): {h.cast_neginf_values} value(s) become -inf{effect}", broken, rows_broken, examples, severity="error" if broken else "warning")
+            add(
+                "sentinel_not_representable",
+                f"mask value {vals} is not representable in {h.dtype} (max {h.max_finite:.6g}): {h.cast_neginf_values} value(s) become -inf{effect}",
+                broken,
+                rows_broken,
+                examples,
+                severity="error" if broken else "warning",
+            )
         other_pos = h.cast_posinf_values
         other_neg = h.cast_neginf_values if not sentinels else 0
         if other_pos or other_neg:
-            add("cast_overflow", f"casting to {h.dtype} turns {other_pos + other_neg} finite score(s) into +-inf (|x| beyond {h.max_finite:.6g}; e.g. {num(h.cast_overflow_examples[0] if h.cast_overflow_examples else None, 4)}){effect if other_pos else ''}", broken, rows_broken, examples)
+            add(
+                "cast_overflow",
+                f"casting to {h.dtype} turns {other_pos + other_neg} finite score(s) into +-inf (|x| beyond {h.max_finite:.6g}; e.g. {num(h.cast_overflow_examples[0] if h.cast_overflow_examples else None, 4)}){effect if other_pos else ''}",
+                broken,
+                rows_broken,
+                examples,
+            )
 
     # What happens inside the softmax.
     for c in cells:
@@ -163,57 +218,116 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
         if n_exp:
             exp_nan, exp_zero = c.nan_causes.get("exp_overflow", 0), c.zero_causes.get("exp_overflow", 0)
             limit = f"exp(x) = inf for x > {h.exp_overflow_threshold:.4g}; " if h else ""
-            add("exp_overflow", f"{c.method} softmax in {c.dtype}: exp overflows to inf in {n_exp} row(s) ({limit}largest score {num(census.max, 4)}) -> {exp_nan} NaN row(s){f', {exp_zero} all-zero row(s)' if exp_zero else ''}", [c], n_exp, c.examples.get("event:exp_overflow", []))
+            add(
+                "exp_overflow",
+                f"{c.method} softmax in {c.dtype}: exp overflows to inf in {n_exp} row(s) ({limit}largest score {num(census.max, 4)}) -> {exp_nan} NaN row(s){f', {exp_zero} all-zero row(s)' if exp_zero else ''}",
+                [c],
+                n_exp,
+                c.examples.get("event:exp_overflow", []),
+            )
         n_fused = c.events.get("fused_max", 0)
         if n_fused:
             add("fused_max", _fused_max_message(diag, c, n_fused), [c], n_fused, c.examples.get("event:fused_max", []))
         n_pad = c.events.get("padded_tile", 0)
         if n_pad:
-            add("padded_tile", _padded_tile_message(diag, c, n_pad), [c], n_pad,
-                c.examples.get("event:padded_tile", []))
+            add(
+                "padded_tile", _padded_tile_message(diag, c, n_pad), [c], n_pad, c.examples.get("event:padded_tile", [])
+            )
         n_sum = c.events.get("sum_overflow", 0)
         if n_sum:
             sum_nan, sum_zero = c.nan_causes.get("sum_overflow", 0), c.zero_causes.get("sum_overflow", 0)
             top = f" (the largest {c.dtype} is {h.max_finite:.6g})" if h else ""
-            add("sum_overflow", f"{c.method} softmax in {c.dtype}: every exp is finite but the row sum overflows to inf in {n_sum} row(s){top} -> {sum_zero} all-zero row(s){f', {sum_nan} NaN row(s)' if sum_nan else ''}", [c], n_sum, c.examples.get("event:sum_overflow", []))
+            add(
+                "sum_overflow",
+                f"{c.method} softmax in {c.dtype}: every exp is finite but the row sum overflows to inf in {n_sum} row(s){top} -> {sum_zero} all-zero row(s){f', {sum_nan} NaN row(s)' if sum_nan else ''}",
+                [c],
+                n_sum,
+                c.examples.get("event:sum_overflow", []),
+            )
         if c.nan_causes.get("underflow") and h is not None:
             n = c.nan_causes["underflow"]
-            add("underflow", f"{c.method} softmax in {c.dtype}: every exp flushes to 0 in {n} row(s) (all scores below {h.exp_underflow_threshold:.4g}), so the row is 0/0 = NaN", [c], n, c.examples.get("nan:underflow", []))
+            add(
+                "underflow",
+                f"{c.method} softmax in {c.dtype}: every exp flushes to 0 in {n} row(s) (all scores below {h.exp_underflow_threshold:.4g}), so the row is 0/0 = NaN",
+                [c],
+                n,
+                c.examples.get("nan:underflow", []),
+            )
         known = ("fully_masked", "cast_overflow", "exp_overflow", "fused_max", "sum_overflow")
         other_zero = c.zero_rows - sum(c.zero_causes.get(k, 0) for k in known)
         if other_zero > 0:
-            add("zero_rows", f"{c.method} softmax in {c.dtype}: {other_zero} row(s) come out all zero", [c], other_zero, c.examples.get(f"zero:{UNEXPLAINED}", []))
+            add(
+                "zero_rows",
+                f"{c.method} softmax in {c.dtype}: {other_zero} row(s) come out all zero",
+                [c],
+                other_zero,
+                c.examples.get(f"zero:{UNEXPLAINED}", []),
+            )
         if c.nan_causes.get(UNEXPLAINED):
             n = c.nan_causes[UNEXPLAINED]
-            add("unexplained_nan", f"{c.method} softmax in {c.dtype}: {n} NaN row(s) with no known cause", [c], n, c.examples.get(f"nan:{UNEXPLAINED}", []))
+            add(
+                "unexplained_nan",
+                f"{c.method} softmax in {c.dtype}: {n} NaN row(s) with no known cause",
+                [c],
+                n,
+                c.examples.get(f"nan:{UNEXPLAINED}", []),
+            )
 
     # Accuracy.
     flips = [c for c in cells if c.argmax_flips]
     if flips:
         worst = max(flips, key=lambda c: c.argmax_flips)
-        add("argmax_flip", "the top-1 key differs from float64 in " + ", ".join(f"{c.name} ({c.argmax_flips} row(s))" for c in flips), flips, worst.argmax_flips, _first_examples(flips, "flip"))
+        add(
+            "argmax_flip",
+            "the top-1 key differs from float64 in " + ", ".join(f"{c.name} ({c.argmax_flips} row(s))" for c in flips),
+            flips,
+            worst.argmax_flips,
+            _first_examples(flips, "flip"),
+        )
     by_dtype_torch = {c.dtype: c for c in cells if c.method == "torch"}
     worse, hit = [], []
     for c in cells:
         t = by_dtype_torch.get(c.dtype)
         kernel = _kernel_of(c.method)
-        if kernel is None or t is None or c is t or c.verdict != "ok" or c.max_abs_err_algo is None or not t.max_abs_err_algo:
+        if (
+            kernel is None
+            or t is None
+            or c is t
+            or c.verdict != "ok"
+            or c.max_abs_err_algo is None
+            or not t.max_abs_err_algo
+        ):
             continue
         if c.max_abs_err_algo > flash_rule_bound(t.max_abs_err_algo):
             worse.append(f"{c.name} ({kernel}) {c.max_abs_err_algo / t.max_abs_err_algo:.1f}x")
             hit.append(c)
     if worse:
-        add("worse_than_torch", f"a kernel's max error is above {FLASH_RULE_FACTOR:g}x torch.softmax's in the same dtype (FlashAttention's test budget, errors against float64 of the cast scores; only methods that reproduce a kernel models run are judged): {', '.join(worse)}", hit)
+        add(
+            "worse_than_torch",
+            f"a kernel's max error is above {FLASH_RULE_FACTOR:g}x torch.softmax's in the same dtype (FlashAttention's test budget, errors against float64 of the cast scores; only methods that reproduce a kernel models run are judged): {', '.join(worse)}",
+            hit,
+        )
     _output_findings(diag, add)
     _fp8_findings(diag, add)
     # An FP8 cell whose P cast flushes is reported by p_cast_underflow, with the cause.
-    flushed = [c for c in cells if c.flushed_frac is not None and c.flushed_frac >= FLUSH_INFO_FRAC and not c.pcast_mass_rows]
+    flushed = [
+        c for c in cells if c.flushed_frac is not None and c.flushed_frac >= FLUSH_INFO_FRAC and not c.pcast_mass_rows
+    ]
     if flushed:
-        add("probability_flush", "non-zero reference probabilities become exactly 0 in " + ", ".join(f"{c.name} ({c.flushed_frac:.1%})" for c in flushed), flushed)
+        add(
+            "probability_flush",
+            "non-zero reference probabilities become exactly 0 in "
+            + ", ".join(f"{c.name} ({c.flushed_frac:.1%})" for c in flushed),
+            flushed,
+        )
 
     dist = diag.distribution
     if dist.collapsed_frac is not None and dist.collapsed_frac >= COLLAPSE_WARN_FRAC:
-        add("entropy_collapse", f"{dist.collapsed_frac:.0%} of rows put >= {dist.collapse_threshold:g} of their probability on one key (mean entropy {num(dist.entropy_mean, 4)} nats, normalised {num(dist.entropy_norm_mean, 4)})", rows=dist.collapsed_rows)
+        add(
+            "entropy_collapse",
+            f"{dist.collapsed_frac:.0%} of rows put >= {dist.collapse_threshold:g} of their probability on one key (mean entropy {num(dist.entropy_mean, 4)} nats, normalised {num(dist.entropy_norm_mean, 4)})",
+            rows=dist.collapsed_rows,
+        )
     order = {s: i for i, s in enumerate(SEVERITIES)}
     out.sort(key=lambda f: order[f.severity])
     return out
@@ -242,25 +356,32 @@ def _fused_max_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
     census = diag.census
     top = None if census.max is None or census.min is None else max(abs(census.max), abs(census.min))
     fp32, own = diag.limits.get("fp32"), diag.limits.get(c.dtype)
-    parts = [f"{c.name}: {kernel} computes exp2f(fma(x, scale*log2e, -round(m*scale*log2e))): at the row max m the "
-             f"exponent is the rounding residue of m*scale*log2e to fp32, not 0, and exp2 of it overflows in {rows} "
-             f"row(s) -> {nan} NaN row(s)"]
+    parts = [
+        f"{c.name}: {kernel} computes exp2f(fma(x, scale*log2e, -round(m*scale*log2e))): at the row max m the "
+        f"exponent is the rounding residue of m*scale*log2e to fp32, not 0, and exp2 of it overflows in {rows} "
+        f"row(s) -> {nan} NaN row(s)"
+    ]
     if top is not None and fp32 is not None and top > 0:
         scaled = top * LOG2E
         half_ulp = 2.0 ** (math.floor(math.log2(scaled)) - 1) * fp32.eps  # half an fp32 ulp of m*scale*log2e
-        parts.append(f"largest score |S*scale| {top:.4g}, times log2e {scaled:.4g}, where half an fp32 ulp is "
-                     f"{half_ulp:.6g}")
+        parts.append(
+            f"largest score |S*scale| {top:.4g}, times log2e {scaled:.4g}, where half an fp32 ulp is {half_ulp:.6g}"
+        )
     if fp32 is not None and own is not None:
         e = fused_max_threshold(fp32, own)
         where = c.dtype if own.rounding_limit < fp32.rounding_limit else "fp32"
-        parts.append(f"exp2 of the residue overflows {where} above {_exp2_room(fp32, own):.6g} (log2 of its rounding "
-                     f"limit), which half an ulp can reach once |S*scale*log2e| >= 2^{e}, i.e. |S*scale| >= "
-                     f"{2.0 ** e / LOG2E:.4g}")
+        parts.append(
+            f"exp2 of the residue overflows {where} above {_exp2_room(fp32, own):.6g} (log2 of its rounding "
+            f"limit), which half an ulp can reach once |S*scale*log2e| >= 2^{e}, i.e. |S*scale| >= "
+            f"{2.0**e / LOG2E:.4g}"
+        )
     safe = [o.name for o in diag.cells if o.dtype == c.dtype and o is not c and o.path and not o.nan_rows]
     if safe:
         parts.append("finite in " + ", ".join(safe))
-    parts.append("the flash-attn package builds FlashAttention-2 this way; PyTorch's flash backend builds it with "
-                 "UNFUSE_FMA (PyTorch issue 121558), whose exponent is <= 0 at every score")
+    parts.append(
+        "the flash-attn package builds FlashAttention-2 this way; PyTorch's flash backend builds it with "
+        "UNFUSE_FMA (PyTorch issue 121558), whose exponent is <= 0 at every score"
+    )
     return "; ".join(parts)
 
 
@@ -273,17 +394,23 @@ def _padded_tile_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
     lse = f" (lowest LSE {low:.4g})" if low is not None else ""
     tile = CUDNN_KEY_TILE
     if tk is not None and tk % tile == tile // 2:
-        form = (f"key tile: Tk = {tk} leaves the last {tile}-key tile half padding and the call has an explicit "
-                "mask; the backward scores the padded keys 0 instead of -inf, exp(0 - LSE) overflows fp32 and inf x 0 "
-                "(zero-filled K) gives NaN in dQ of these rows (PyTorch issue 196678: seen with cuDNN 9.20 on sm90, "
-                "fixed in cuDNN 9.26)")
+        form = (
+            f"key tile: Tk = {tk} leaves the last {tile}-key tile half padding and the call has an explicit "
+            "mask; the backward scores the padded keys 0 instead of -inf, exp(0 - LSE) overflows fp32 and inf x 0 "
+            "(zero-filled K) gives NaN in dQ of these rows (PyTorch issue 196678: seen with cuDNN 9.20 on sm90, "
+            "fixed in cuDNN 9.26)"
+        )
     else:
-        form = (f"query tile: Tq = {tq} is not a multiple of the {CUDNN_Q_TILE}-query tile (Tk = {tk}, whole "
-                f"{tile}-key tiles); the zero-filled query rows score 0 against every key, exp(0 - LSE) overflows "
-                "fp32 and dK and dV of the head's keys are NaN (cudnn-frontend issue 1072: cuDNN 9.25.1 and 9.26 on "
-                "sm90, open: no cuDNN release fixes it, run another backend for this call)")
-    return (f"{c.name}: {rows} row(s) have a forward log-sum-exp below{limit}{lse}; the forward is finite, but "
-            f"cuDNN's backward gives NaN gradients on this call (padded {form})")
+        form = (
+            f"query tile: Tq = {tq} is not a multiple of the {CUDNN_Q_TILE}-query tile (Tk = {tk}, whole "
+            f"{tile}-key tiles); the zero-filled query rows score 0 against every key, exp(0 - LSE) overflows "
+            "fp32 and dK and dV of the head's keys are NaN (cudnn-frontend issue 1072: cuDNN 9.25.1 and 9.26 on "
+            "sm90, open: no cuDNN release fixes it, run another backend for this call)"
+        )
+    return (
+        f"{c.name}: {rows} row(s) have a forward log-sum-exp below{limit}{lse}; the forward is finite, but "
+        f"cuDNN's backward gives NaN gradients on this call (padded {form})"
+    )
 
 
 def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
@@ -298,11 +425,19 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
             limit = diag.limits[d].rounding_limit
             if a.scale_order == "q":
                 verdict = "q is already scaled first"
-            elif a.raw_max_abs * a.scale < limit and a.q_max_abs * a.scale < limit:  # scaling q first keeps every score in range
+            elif (
+                a.raw_max_abs * a.scale < limit and a.q_max_abs * a.scale < limit
+            ):  # scaling q first keeps every score in range
                 verdict = "scaling q first (--scale-order q) would avoid it"
             else:
                 verdict = "scaling q first would not avoid it: the scaled scores themselves exceed the range"
-            add("qk_overflow", f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond +-{diag.limits[d].max:.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); {verdict}{_paths_verdict(dtype_cells, d)}", hit, audit.qk_overflow_rows, _first_examples(hit, "nan:qk_overflow"))
+            add(
+                "qk_overflow",
+                f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond +-{diag.limits[d].max:.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); {verdict}{_paths_verdict(dtype_cells, d)}",
+                hit,
+                audit.qk_overflow_rows,
+                _first_examples(hit, "nan:qk_overflow"),
+            )
         what = []
         if audit.mask_not_representable or audit.sentinel_not_representable:
             if audit.mask_not_representable:
@@ -311,28 +446,61 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
                 what.append(f"the mask value {a.mask_value}")
         hit = [c for c in dtype_cells if c.nan_causes.get("mask_sentinel")]
         rows = max((c.nan_causes.get("mask_sentinel", 0) for c in hit), default=0)
-        broke = f"; {rows} row(s) become all -inf -> NaN in {_cell_list(hit, diag)}" if hit else "; no row became all -inf: the keys stay masked"
+        broke = (
+            f"; {rows} row(s) become all -inf -> NaN in {_cell_list(hit, diag)}"
+            if hit
+            else "; no row became all -inf: the keys stay masked"
+        )
         severity = "error" if hit else "warning"  # the severity follows the effect: rows the mask broke
         if audit.mask_not_representable or audit.sentinel_not_representable:
-            add("sentinel_not_representable", f"{' and '.join(what)} cannot be held by {d} (max {diag.limits[d].max:.6g}) and become -inf{broke}", hit, rows,
-                _first_examples(hit, "nan:mask_sentinel"), severity=severity)
+            add(
+                "sentinel_not_representable",
+                f"{' and '.join(what)} cannot be held by {d} (max {diag.limits[d].max:.6g}) and become -inf{broke}",
+                hit,
+                rows,
+                _first_examples(hit, "nan:mask_sentinel"),
+                severity=severity,
+            )
         finite = [v for v in (audit.mask_values or [audit.sentinel_value]) if math.isfinite(v)]
         if audit.overflow_on_add:
-            add("sentinel_overflow_on_add", f"in {d}, adding the mask to the scores overflows to -inf at {audit.overflow_on_add} position(s) (mask value {_values(finite) or 'finfo.min'} plus a negative score){broke}",
-                hit, rows, _first_examples(hit, "nan:mask_sentinel"), severity=severity)
+            add(
+                "sentinel_overflow_on_add",
+                f"in {d}, adding the mask to the scores overflows to -inf at {audit.overflow_on_add} position(s) (mask value {_values(finite) or 'finfo.min'} plus a negative score){broke}",
+                hit,
+                rows,
+                _first_examples(hit, "nan:mask_sentinel"),
+                severity=severity,
+            )
         if audit.summed_planes_overflow:
-            add("summed_mask_planes", f"in {d}, two mask planes added together overflow to -inf at {audit.summed_planes_overflow} position(s){broke}", hit, rows,
-                _first_examples(hit, "nan:mask_sentinel"), severity=severity)
+            add(
+                "summed_mask_planes",
+                f"in {d}, two mask planes added together overflow to -inf at {audit.summed_planes_overflow} position(s){broke}",
+                hit,
+                rows,
+                _first_examples(hit, "nan:mask_sentinel"),
+                severity=severity,
+            )
     if a.mask_summed_neginf:
         hit = cells_with("nan", "fully_masked") + cells_with("zero", "fully_masked")
-        add("summed_mask_planes", f"the float mask holds -inf at {a.mask_summed_neginf} position(s) next to finite sentinels such as {a.mask_deep_sentinel:.6g}: "
-            "two finfo.min planes (e.g. causal and padding) were added and overflowed; a row masked by both everywhere is all -inf", hit,
+        add(
+            "summed_mask_planes",
+            f"the float mask holds -inf at {a.mask_summed_neginf} position(s) next to finite sentinels such as {a.mask_deep_sentinel:.6g}: "
+            "two finfo.min planes (e.g. causal and padding) were added and overflowed; a row masked by both everywhere is all -inf",
+            hit,
             max((c.nan_causes.get("fully_masked", 0) + c.zero_causes.get("fully_masked", 0) for c in hit), default=0),
-            severity="error" if any(c.nan_causes.get("fully_masked") for c in hit) else "warning")
+            severity="error" if any(c.nan_causes.get("fully_masked") for c in hit) else "warning",
+        )
     if a.leak_rows:
-        add("mask_leak", f"the float64 softmax puts up to {a.leak_max:.3g} of a row's probability on masked keys in {a.leak_rows} row(s) (mask value {a.mask_value}; tolerance 1e-6)", rows=a.leak_rows)
+        add(
+            "mask_leak",
+            f"the float64 softmax puts up to {a.leak_max:.3g} of a row's probability on masked keys in {a.leak_rows} row(s) (mask value {a.mask_value}; tolerance 1e-6)",
+            rows=a.leak_rows,
+        )
     if a.float_mask_looks_boolean:
-        add("float_mask_looks_boolean", "the float mask holds only 0 and 1: it is added to the scores (+1 on some keys), so it masks nothing")
+        add(
+            "float_mask_looks_boolean",
+            "the float mask holds only 0 and 1: it is added to the scores (+1 on some keys), so it masks nothing",
+        )
     said = _scale_findings(a, add)
     if a.fitted_scale is not None and not said:  # missing_scale / double_scale already name the fitted scale
         candidates = {
@@ -341,9 +509,14 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
             "1/sqrt(d_model)": 1 / math.sqrt(a.d * a.heads),
             "1/d_head": 1 / a.d,
         }
-        name, value = min(candidates.items(), key=lambda kv: abs(math.log(a.fitted_scale / kv[1])) if a.fitted_scale > 0 else math.inf)
+        name, value = min(
+            candidates.items(), key=lambda kv: abs(math.log(a.fitted_scale / kv[1])) if a.fitted_scale > 0 else math.inf
+        )
         if a.fitted_scale <= 0 or name != "1/sqrt(d_head)" or abs(math.log(a.fitted_scale / value)) > 0.05:
-            add("scale_mismatch", f"the scores are q.k times {a.fitted_scale:.4g} (least squares), closest to {name} = {value:.4g}; 1/sqrt(d_head) = {1 / math.sqrt(a.d):.4g} (d_head {a.d}, {a.heads} heads)")
+            add(
+                "scale_mismatch",
+                f"the scores are q.k times {a.fitted_scale:.4g} (least squares), closest to {name} = {value:.4g}; 1/sqrt(d_head) = {1 / math.sqrt(a.d):.4g} (d_head {a.d}, {a.heads} heads)",
+            )
 
 
 def _paths_verdict(dtype_cells: list[Cell], dtype: str) -> str:
@@ -351,7 +524,11 @@ def _paths_verdict(dtype_cells: list[Cell], dtype: str) -> str:
     paths = list(dict.fromkeys(c.path for c in dtype_cells if c.path))
     if not paths:
         return ""
-    broken = [p for p in paths if any(c.nan_causes.get("qk_overflow") or c.zero_causes.get("qk_overflow") for c in dtype_cells if c.path == p)]
+    broken = [
+        p
+        for p in paths
+        if any(c.nan_causes.get("qk_overflow") or c.zero_causes.get("qk_overflow") for c in dtype_cells if c.path == p)
+    ]
     safe = [p for p in paths if p not in broken]
 
     def where(p: str) -> str:
@@ -372,15 +549,31 @@ def _output_findings(diag: TensorDiagnosis, add) -> None:
         if c.out_max_abs_err > flash_rule_bound(ref.out_max_abs_err):
             worse.append((c, c.out_max_abs_err / ref.out_max_abs_err))
     if worse:
-        add("output_error", "max |O - O_float64| above " + f"{FLASH_RULE_FACTOR:g}x the same-dtype PyTorch attention's (eager:torch): "
-            + ", ".join(f"{c.name} {r:.1f}x ({c.out_max_abs_err:.3g})" for c, r in worse), [c for c, _ in worse])
-    biased = [c for c in with_out if c.tied_rows >= TIED_BIAS_MIN_ROWS and c.out_bias_tied_z is not None and abs(c.out_bias_tied_z) > TIED_BIAS_Z]
+        add(
+            "output_error",
+            "max |O - O_float64| above "
+            + f"{FLASH_RULE_FACTOR:g}x the same-dtype PyTorch attention's (eager:torch): "
+            + ", ".join(f"{c.name} {r:.1f}x ({c.out_max_abs_err:.3g})" for c, r in worse),
+            [c for c, _ in worse],
+        )
+    biased = [
+        c
+        for c in with_out
+        if c.tied_rows >= TIED_BIAS_MIN_ROWS and c.out_bias_tied_z is not None and abs(c.out_bias_tied_z) > TIED_BIAS_Z
+    ]
     if biased:
-        add("tied_max_bias", "in rows whose largest score is shared by several keys, exp(s - max) is exactly 1 at each of them, and the "
+        add(
+            "tied_max_bias",
+            "in rows whose largest score is shared by several keys, exp(s - max) is exactly 1 at each of them, and the "
             "rounding of O = P@V is biased there (mean signed error of O against float64 of the same scores and V, per row): "
-            + ", ".join(f"{c.name} {c.tied_rows} tied row(s), mean error {c.out_bias_tied:.3g} ({abs(c.out_bias_tied_z):.1f} standard errors "
-                        f"from 0; all rows {num(c.out_bias, 3)})" for c in biased),
-            biased, max(c.tied_rows for c in biased))
+            + ", ".join(
+                f"{c.name} {c.tied_rows} tied row(s), mean error {c.out_bias_tied:.3g} ({abs(c.out_bias_tied_z):.1f} standard errors "
+                f"from 0; all rows {num(c.out_bias, 3)})"
+                for c in biased
+            ),
+            biased,
+            max(c.tied_rows for c in biased),
+        )
 
 
 def _scale_findings(a, add) -> bool:
@@ -427,18 +620,26 @@ def softcap_findings(diag: TensorDiagnosis) -> list[Finding]:
     def add(code: str, message: str, severity: str | None = None) -> None:
         out.append(Finding(code, severity or SEVERITY[code], message, FIX[code]))
 
-    head = (f"S = Q@K^T overflows {cap.dtype} before the soft cap at {cap.overflow} score(s) (max|q.k| "
-            f"{cap.max_qk:.4g}; {cap.dtype} rounds |S| >= {cap.limit:.6g} to inf); the cap {cap.cap:g} x "
-            f"tanh(S x {cap.scale:.4g} / {cap.cap:g}) turns inf into {cap.cap:g}, so the logits stay finite")
+    head = (
+        f"S = Q@K^T overflows {cap.dtype} before the soft cap at {cap.overflow} score(s) (max|q.k| "
+        f"{cap.max_qk:.4g}; {cap.dtype} rounds |S| >= {cap.limit:.6g} to inf); the cap {cap.cap:g} x "
+        f"tanh(S x {cap.scale:.4g} / {cap.cap:g}) turns inf into {cap.cap:g}, so the logits stay finite"
+    )
     if cap.saturated:
-        forward = (f": harmless in the forward, since tanh already rounds to 1 in {cap.dtype} at the largest finite S "
-                   "(the same logit as the finite score)")
+        forward = (
+            f": harmless in the forward, since tanh already rounds to 1 in {cap.dtype} at the largest finite S "
+            "(the same logit as the finite score)"
+        )
     else:
-        forward = (f", but not the one the finite score gives: the cap does not saturate in {cap.dtype} at the largest "
-                   "finite S, so those logits are wrong")
+        forward = (
+            f", but not the one the finite score gives: the cap does not saturate in {cap.dtype} at the largest "
+            "finite S, so those logits are wrong"
+        )
     if cap.grad_finite:
-        backward = ("; the backward is harmless too: torch's autograd gives 1 - tanh^2 = 0 there, as for a saturated "
-                    "finite score")
+        backward = (
+            "; the backward is harmless too: torch's autograd gives 1 - tanh^2 = 0 there, as for a saturated "
+            "finite score"
+        )
     else:
         backward = "; the backward through the cap at inf gives NaN gradients"
     severity = "error" if not cap.grad_finite else ("info" if cap.saturated else "warning")
@@ -454,17 +655,35 @@ def _fp8_findings(diag: TensorDiagnosis, add) -> None:
         lim = diag.limits.get(d)
         parts = []
         for c in cells:
-            pos = ", ".join(f"{name.replace('_', ' ')} {share:.2%}" for name, share in (c.pcast_flushed_by_position or {}).items() if share is not None)
-            thr = f"; with S = {c.p_scale:.4g} it flushes a score more than {math.log(c.p_scale) - lim.exp_underflow:.3g} = {-lim.exp_underflow:.3g} + ln S below the running max" if lim and c.p_scale else ""
-            parts.append(f"{c.name}: {c.pcast_mass_rows} row(s) lose at least 0.1% of their probability (up to {c.pcast_mass_max:.3g}); "
-                         f"{c.pcast_flushed_frac:.2%} of the probabilities flushed (by key block against the row max's block, in visiting order: {pos}){thr}")
-        add("p_cast_underflow", f"the {d} P cast flushes probabilities to 0 that carry weight: " + "; ".join(parts),
-            cells, max(c.pcast_mass_rows for c in cells))
+            pos = ", ".join(
+                f"{name.replace('_', ' ')} {share:.2%}"
+                for name, share in (c.pcast_flushed_by_position or {}).items()
+                if share is not None
+            )
+            thr = (
+                f"; with S = {c.p_scale:.4g} it flushes a score more than {math.log(c.p_scale) - lim.exp_underflow:.3g} = {-lim.exp_underflow:.3g} + ln S below the running max"
+                if lim and c.p_scale
+                else ""
+            )
+            parts.append(
+                f"{c.name}: {c.pcast_mass_rows} row(s) lose at least 0.1% of their probability (up to {c.pcast_mass_max:.3g}); "
+                f"{c.pcast_flushed_frac:.2%} of the probabilities flushed (by key block against the row max's block, in visiting order: {pos}){thr}"
+            )
+        add(
+            "p_cast_underflow",
+            f"the {d} P cast flushes probabilities to 0 that carry weight: " + "; ".join(parts),
+            cells,
+            max(c.pcast_mass_rows for c in cells),
+        )
     for d in dict.fromkeys(c.dtype for c in diag.cells if c.p_scale):
         lim = diag.limits.get(d)
         over = [c for c in diag.cells if c.dtype == d and c.p_scale and lim and c.p_scale >= lim.rounding_limit]
         if over:
-            add("fp8_overflow", f"P scaled by S = {over[0].p_scale:g} exceeds {d}'s largest value {lim.max:g}: the cast clips the largest probabilities of every row", over)
+            add(
+                "fp8_overflow",
+                f"P scaled by S = {over[0].p_scale:g} exceeds {d}'s largest value {lim.max:g}: the cast clips the largest probabilities of every row",
+                over,
+            )
     if diag.attention is None:
         return
     for d, a in diag.attention.dtypes.items():
@@ -475,8 +694,14 @@ def _fp8_findings(diag: TensorDiagnosis, add) -> None:
         clipped = {k: n for k, n in a.fp8_clipped.items() if n}
         cells = [c for c in diag.cells if c.dtype == d and c.path == fp8_what_if_path()]
         if clipped:
-            what = ", ".join(f"{n} of {a.fp8_values[k]} {k} value(s) (amax {a.fp8_amax[k]:.4g})" for k, n in clipped.items())
-            add("fp8_overflow", f"quantising to {d} with scaling '{a.fp8_scaling}' puts {what} beyond +-{top}: the kernels' satfinite cast clips them to +-{top}", cells)
+            what = ", ".join(
+                f"{n} of {a.fp8_values[k]} {k} value(s) (amax {a.fp8_amax[k]:.4g})" for k, n in clipped.items()
+            )
+            add(
+                "fp8_overflow",
+                f"quantising to {d} with scaling '{a.fp8_scaling}' puts {what} beyond +-{top}: the kernels' satfinite cast clips them to +-{top}",
+                cells,
+            )
         small = {k: a.fp8_subnormal.get(k, 0) + a.fp8_flushed.get(k, 0) for k in a.fp8_values}
         lost = {k: n for k, n in small.items() if a.fp8_values[k] and n / a.fp8_values[k] >= FP8_UNSCALED_FRAC}
         if a.fp8_scaling and a.fp8_scaling.startswith("none") and (clipped or lost):
@@ -484,9 +709,18 @@ def _fp8_findings(diag: TensorDiagnosis, add) -> None:
             if clipped:
                 why.append(f"{', '.join(clipped)} exceed {top}")
             if lost:
-                why.append(", ".join(f"{small[k] / a.fp8_values[k]:.1%} of {k} fall below {d}'s normal range (fewer bits, or 0)" for k in lost))
+                why.append(
+                    ", ".join(
+                        f"{small[k] / a.fp8_values[k]:.1%} of {k} fall below {d}'s normal range (fewer bits, or 0)"
+                        for k in lost
+                    )
+                )
             amax = ", ".join(f"{k} {v:.4g}" for k, v in a.fp8_amax.items())
-            add("fp8_unscaled", f"q, k, v are cast to {d} without a descale (amax: {amax}; {d} holds {top} at most): " + "; ".join(why), cells)
+            add(
+                "fp8_unscaled",
+                f"q, k, v are cast to {d} without a descale (amax: {amax}; {d} holds {top} at most): " + "; ".join(why),
+                cells,
+            )
 
 
 def ignored_causes(ignore) -> set[str]:
@@ -540,9 +774,17 @@ def failed_conditions(diags: list[TensorDiagnosis], conditions: list[str], ignor
         for d in diags:
             if cond == "nan":
                 bad = [c.name for c in d.cells if counted_rows(c.nan_rows, c.nan_causes, ignore)]
-                bad += [f"{c.name} backward" for c in d.cells if c.backward is not None and counted_grad_rows(c.backward, ignore)]
+                bad += [
+                    f"{c.name} backward"
+                    for c in d.cells
+                    if c.backward is not None and counted_grad_rows(c.backward, ignore)
+                ]
             elif cond == "overflow":
-                bad = [c.name for c in d.cells if c.overflow_rows and not (OVERFLOW_CODES & set(ignore))] + [f"cast to {h.dtype}" for h in d.census.headroom if (h.cast_posinf_values or h.cast_neginf_values) and "cast_overflow" not in ignore]
+                bad = [c.name for c in d.cells if c.overflow_rows and not (OVERFLOW_CODES & set(ignore))] + [
+                    f"cast to {h.dtype}"
+                    for h in d.census.headroom
+                    if (h.cast_posinf_values or h.cast_neginf_values) and "cast_overflow" not in ignore
+                ]
             elif cond == "zero":
                 bad = [c.name for c in d.cells if counted_rows(c.zero_rows, c.zero_causes, ignore)]
             elif cond == "flip":
@@ -587,13 +829,16 @@ def capture_findings(capture: dict | None, rank: int | None = None) -> list[Find
     on = "" if rank is None else f"rank {rank}: "
     first = unrecorded_text(capture.get("first_unrecorded"))
     if stopped:
-        missed = (f"{first} and every call after it not recorded" if first
-                  else "calls not recorded (the first is not known)")
+        missed = (
+            f"{first} and every call after it not recorded" if first else "calls not recorded (the first is not known)"
+        )
         add("capture_incomplete", f"{on}capture incomplete: {missed} (recording stopped: {stopped})")
     else:
-        add("capture_incomplete",
+        add(
+            "capture_incomplete",
             f"{on}capture incomplete: the script failed ({error}); the calls it would have made after that "
-            "were never made")
+            "were never made",
+        )
     return out
 
 
@@ -639,8 +884,17 @@ def backward_findings(cells: list[Cell]) -> list[Finding]:
     out: list[Finding] = []
 
     def add(code: str, cell: Cell, message: str, rows: int = 0, examples=(), severity: str | None = None) -> None:
-        out.append(Finding(code, severity or SEVERITY[code], f"{cell.name} backward: {message}", FIX[code], [cell.name], rows,
-                           list(examples)))
+        out.append(
+            Finding(
+                code,
+                severity or SEVERITY[code],
+                f"{cell.name} backward: {message}",
+                FIX[code],
+                [cell.name],
+                rows,
+                list(examples),
+            )
+        )
 
     for c in cells:
         b = c.backward
@@ -649,40 +903,98 @@ def backward_findings(cells: list[Cell]) -> list[Finding]:
         examples = next((g.examples for _, g in b.grads() if g.examples), [])
         masked = _with_cause(b, GRAD_CAUSES_OF["grad_nan_masked_row"])
         if masked:
-            how = ("the mask is added to the scores, so the NaN dS reaches dQ of the row and dK of every key" if "added" in b.how
-                   else "masked_fill zeroes dS at the filled keys, so dQ and dK stay finite, but dV = P^T dO takes the NaN row")
-            add("grad_nan_masked_row", c, f"query rows with every key masked by -inf have a NaN softmax, and the backward spreads it: NaN in {_grad_rows(b)} ({how})",
-                masked, examples)
+            how = (
+                "the mask is added to the scores, so the NaN dS reaches dQ of the row and dK of every key"
+                if "added" in b.how
+                else "masked_fill zeroes dS at the filled keys, so dQ and dK stay finite, but dV = P^T dO takes the NaN row"
+            )
+            add(
+                "grad_nan_masked_row",
+                c,
+                f"query rows with every key masked by -inf have a NaN softmax, and the backward spreads it: NaN in {_grad_rows(b)} ({how})",
+                masked,
+                examples,
+            )
         if _with_cause(b, GRAD_CAUSES_OF["grad_nan_input"]):
-            add("grad_nan_input", c, f"the output gradient dO already holds NaN or inf in {b.dout_nan_rows} row(s): NaN in {_grad_rows(b)}",
-                b.dout_nan_rows, examples)
+            add(
+                "grad_nan_input",
+                c,
+                f"the output gradient dO already holds NaN or inf in {b.dout_nan_rows} row(s): NaN in {_grad_rows(b)}",
+                b.dout_nan_rows,
+                examples,
+            )
         spread = _with_cause(b, GRAD_CAUSES_OF["grad_nan_forward"])
         if spread:
-            which = sorted({cause for _, g in b.grads() for cause in g.causes if cause in GRAD_CAUSES_OF["grad_nan_forward"]})
-            add("grad_nan_forward", c, f"rows the forward pass already broke ({', '.join(which)}) make NaN gradients: {_grad_rows(b)}", spread, examples)
+            which = sorted(
+                {cause for _, g in b.grads() for cause in g.causes if cause in GRAD_CAUSES_OF["grad_nan_forward"]}
+            )
+            add(
+                "grad_nan_forward",
+                c,
+                f"rows the forward pass already broke ({', '.join(which)}) make NaN gradients: {_grad_rows(b)}",
+                spread,
+                examples,
+            )
         over = _with_cause(b, GRAD_CAUSES_OF["grad_overflow"])
         if over or (b.scale_headroom is not None and b.scale_headroom < 1):
             stage = b.headroom_at or "an intermediate"
             factor = b.scale_headroom
-            safe = (f"; the backward stays finite for dO up to {num(factor)}x this one ({_power_of_two(factor)}): the largest safe loss scale is "
-                    f"{_power_of_two(factor)} times the one this dO carries") if factor else ""
+            safe = (
+                (
+                    f"; the backward stays finite for dO up to {num(factor)}x this one ({_power_of_two(factor)}): the largest safe loss scale is "
+                    f"{_power_of_two(factor)} times the one this dO carries"
+                )
+                if factor
+                else ""
+            )
             add("grad_overflow", c, f"{stage} overflows ({_grad_rows(b)} hold NaN or inf){safe}", over, examples)
-        flushed = [(name, g.flushed_frac) for name, g in b.grads() if g.flushed_frac is not None and g.flushed_frac >= GRAD_UNDERFLOW_WARN_FRAC]
+        flushed = [
+            (name, g.flushed_frac)
+            for name, g in b.grads()
+            if g.flushed_frac is not None and g.flushed_frac >= GRAD_UNDERFLOW_WARN_FRAC
+        ]
         if flushed:
-            add("grad_underflow", c, "gradient entries that are non-zero in float64 are exactly 0 in " + (b.dtype or c.dtype) + ": "
-                + ", ".join(f"{name} {pct(f)}" for name, f in flushed))
+            add(
+                "grad_underflow",
+                c,
+                "gradient entries that are non-zero in float64 are exactly 0 in "
+                + (b.dtype or c.dtype)
+                + ": "
+                + ", ".join(f"{name} {pct(f)}" for name, f in flushed),
+            )
         broken = [(name, g) for name, g in b.grads() if g.rule_holds is False]
         if broken:
-            add("grad_error", c, "max |g - g_float64| above 2x plain attention's in " + (b.dtype or c.dtype) + " (eager, softmax in the dtype): "
-                + ", ".join(f"{name} {num(g.max_abs_err)} > {num(g.rule_bound)}" for name, g in broken))
+            add(
+                "grad_error",
+                c,
+                "max |g - g_float64| above 2x plain attention's in "
+                + (b.dtype or c.dtype)
+                + " (eager, softmax in the dtype): "
+                + ", ".join(f"{name} {num(g.max_abs_err)} > {num(g.rule_bound)}" for name, g in broken),
+            )
         disagree = [(name, g) for name, g in b.grads() if g.real_agrees is False]
         if disagree:
             near = all(g.real_near for _, g in disagree)
-            add("grad_emulation_mismatch", c, "the model's recorded gradients differ from this cell's beyond its rounding bound: "
-                + ", ".join(f"{name} max |real - cell| {num(g.real_max_diff)} ({num(g.real_bound_ratio)}x the bound"
-                            + (f", {g.real_nan_mismatch} entries finite in one and not the other" if g.real_nan_mismatch else "") + ")"
-                            for name, g in disagree)
-                + (f"; within {REAL_BOUND_TOLERANCE:g}x of it, which a kernel summing in another order can reach: "
-                   "the numbers stand" if near else ""),
-                severity="info" if near else None)
+            add(
+                "grad_emulation_mismatch",
+                c,
+                "the model's recorded gradients differ from this cell's beyond its rounding bound: "
+                + ", ".join(
+                    f"{name} max |real - cell| {num(g.real_max_diff)} ({num(g.real_bound_ratio)}x the bound"
+                    + (
+                        f", {g.real_nan_mismatch} entries finite in one and not the other"
+                        if g.real_nan_mismatch
+                        else ""
+                    )
+                    + ")"
+                    for name, g in disagree
+                )
+                + (
+                    f"; within {REAL_BOUND_TOLERANCE:g}x of it, which a kernel summing in another order can reach: "
+                    "the numbers stand"
+                    if near
+                    else ""
+                ),
+                severity="info" if near else None,
+            )
     return out

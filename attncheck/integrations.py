@@ -38,7 +38,9 @@ def WatchCallback(log: str | os.PathLike[str], every: int = 1, *, modules=(), gr
     class AttncheckWatchCallback(TrainerCallback):
         def __init__(self) -> None:
             self.watch: Watch | None = None
-            self._settings = Watch(None, log, every, modules=modules, grads=grads, tensorboard=tensorboard)  # checks the arguments now
+            self._settings = Watch(
+                None, log, every, modules=modules, grads=grads, tensorboard=tensorboard
+            )  # checks the arguments now
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self.watch = Watch(model, log, every, modules=modules, grads=grads, tensorboard=tensorboard).__enter__()
@@ -59,7 +61,9 @@ def WatchCallback(log: str | os.PathLike[str], every: int = 1, *, modules=(), gr
     return AttncheckWatchCallback()
 
 
-def LightningWatchCallback(log: str | os.PathLike[str], every: int = 1, *, modules=(), grads: bool = True, tensorboard=None):  # noqa: N802
+def LightningWatchCallback(
+    log: str | os.PathLike[str], every: int = 1, *, modules=(), grads: bool = True, tensorboard=None
+):  # noqa: N802
     """A Lightning ``Callback`` that watches the LightningModule it trains (``attncheck.watch``)."""
     from attncheck.errors import AttncheckError
     from attncheck.watcher import Watch
@@ -75,7 +79,9 @@ def LightningWatchCallback(log: str | os.PathLike[str], every: int = 1, *, modul
     class AttncheckLightningCallback(Callback):
         def __init__(self) -> None:
             self.watch: Watch | None = None
-            self._settings = Watch(None, log, every, modules=modules, grads=grads, tensorboard=tensorboard)  # checks the arguments now
+            self._settings = Watch(
+                None, log, every, modules=modules, grads=grads, tensorboard=tensorboard
+            )  # checks the arguments now
 
         def on_train_start(self, trainer, pl_module):
             # no model: training_step may call the module's children itself, each then a top module

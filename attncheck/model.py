@@ -20,23 +20,34 @@ from attncheck.findings import capture_findings, counted_rows, counted_verdict, 
 from attncheck.results import (
     MODEL,
     UNEXPLAINED,
-    Cell,
     CallReport,
+    Cell,
     Finding,
     HeadStat,
+    KernelCall,
+    KernelVerdict,
     ModelLine,
     ModelReport,
     Outlier,
     RankSummary,
     TensorDiagnosis,
     WhatIfAnswer,
-    KernelCall,
-    KernelVerdict,
 )
 
 # NaN causes in pipeline order (numerics.cells.diagnose attributes each row to its first).
-PIPELINE = ("input_nan", "inf_input", "qk_overflow", "mask_sentinel", "fully_masked", "cast_overflow",
-            "exp_overflow", "fused_max", "sum_overflow", "underflow", UNEXPLAINED)
+PIPELINE = (
+    "input_nan",
+    "inf_input",
+    "qk_overflow",
+    "mask_sentinel",
+    "fully_masked",
+    "cast_overflow",
+    "exp_overflow",
+    "fused_max",
+    "sum_overflow",
+    "underflow",
+    UNEXPLAINED,
+)
 BAD_VERDICTS = ("nan", "overflow", "zero", "error")
 OUTLIER_RATIO = 10.0  # a head's max|q| (or |k|) this many times the median over the call's heads
 
@@ -58,12 +69,17 @@ def relevant_errors(diag: TensorDiagnosis, cell: Cell | None, every_cell: bool, 
     """Codes of error findings that count for a line: those of the cell judged and of the input
     itself, or with ``every_cell`` (an implementation unknown: every cell is the question) all."""
     name = cell.name if cell is not None else None
-    out = [f.code for f in diag.findings
-           if f.severity == "error" and f.code not in ignore and (every_cell or not f.cells or name in f.cells)]
+    out = [
+        f.code
+        for f in diag.findings
+        if f.severity == "error" and f.code not in ignore and (every_cell or not f.cells or name in f.cells)
+    ]
     return list(dict.fromkeys(out))
 
 
-def cell_line(report: CallReport, diag: TensorDiagnosis, cell: Cell | None, ignore=(), every_cell: bool = False) -> ModelLine:
+def cell_line(
+    report: CallReport, diag: TensorDiagnosis, cell: Cell | None, ignore=(), every_cell: bool = False
+) -> ModelLine:
     """A call judged by one of its cells: its verdict, NaN rows and their first cause, error, headroom."""
     info = report.call
     nan_rows, first, worst, heads = 0, None, None, []
@@ -86,8 +102,23 @@ def cell_line(report: CallReport, diag: TensorDiagnosis, cell: Cell | None, igno
     if verdict in ("ok", "flip", "n/a") and errors:
         verdict = "error"
     limit = None if cell is None else cell.limit
-    line = ModelLine(info.index, info.name, info.module, info.kind, tuple(diag.shape), cell.name if cell is not None else None,
-                     diag.census.max, None if limit is None else limit.headroom, nan_rows, first, worst, verdict, heads, errors, limit)
+    line = ModelLine(
+        info.index,
+        info.name,
+        info.module,
+        info.kind,
+        tuple(diag.shape),
+        cell.name if cell is not None else None,
+        diag.census.max,
+        None if limit is None else limit.headroom,
+        nan_rows,
+        first,
+        worst,
+        verdict,
+        heads,
+        errors,
+        limit,
+    )
     line.rank = info.rank
     if cell is not None and cell.backward is not None:
         _grad_facts(line, cell.backward, ignore)
@@ -118,8 +149,21 @@ def _grad_facts(line: ModelLine, b, ignore=()) -> None:
 def call_line(report: CallReport, ignore=()) -> ModelLine:
     info, d = report.call, report.diagnosis
     if d is None:
-        return ModelLine(info.index, info.name, info.module, info.kind, info.shape, None, None, None, 0, None, None,
-                         "skipped", rank=info.rank)
+        return ModelLine(
+            info.index,
+            info.name,
+            info.module,
+            info.kind,
+            info.shape,
+            None,
+            None,
+            None,
+            0,
+            None,
+            None,
+            "skipped",
+            rank=info.rank,
+        )
     line = cell_line(report, d, used_cell(report), ignore, every_cell=not known(report))
     if report.cell is not None and line.cell is None:
         line.cell = f"{report.cell[0]}/{report.cell[1]}"
@@ -147,8 +191,20 @@ def outliers(report: CallReport, ratio: float = OUTLIER_RATIO) -> list[Outlier]:
             if median > 0 and v >= ratio * median:
                 kv = members[0].kv_head if tensor == "k" and shared else None
                 reads = [h.head for h in members] if kv is not None else []
-                out.append(Outlier(report.call.index, report.call.module, members[0].head, tensor, v, median,
-                                   v / median, kv_head=kv, query_heads=reads, rank=report.call.rank))
+                out.append(
+                    Outlier(
+                        report.call.index,
+                        report.call.module,
+                        members[0].head,
+                        tensor,
+                        v,
+                        median,
+                        v / median,
+                        kv_head=kv,
+                        query_heads=reads,
+                        rank=report.call.rank,
+                    )
+                )
     return out
 
 
@@ -158,8 +214,9 @@ def outliers(report: CallReport, ratio: float = OUTLIER_RATIO) -> list[Outlier]:
 INHERITED = ("input_nan", "inf_input")
 
 
-def findings_in_order(calls: list[CallReport], first_bad: int | None = None,
-                      ignore=()) -> list[tuple[str, str, int, str, str | None]]:
+def findings_in_order(
+    calls: list[CallReport], first_bad: int | None = None, ignore=()
+) -> list[tuple[str, str, int, str, str | None]]:
     """Each finding code once: (code, its worst severity, the calls holding it, the first of them, and for a
     consequence the call it follows from), causes before consequences. The first call that goes wrong
     (``first_bad``, a position in ``calls``; found here when None) holds the root cause: its codes come
@@ -182,8 +239,15 @@ def findings_in_order(calls: list[CallReport], first_bad: int | None = None,
             if rank[f.severity] < rank[entry[0]]:
                 entry[0] = f.severity
     root = None if first_bad is None else calls[first_bad]
-    root_name = None if root is None else (f"#{root.call.index} " + ("" if root.call.rank is None else f"r{root.call.rank} ")
-                                           + (root.call.module or root.call.name))
+    root_name = (
+        None
+        if root is None
+        else (
+            f"#{root.call.index} "
+            + ("" if root.call.rank is None else f"r{root.call.rank} ")
+            + (root.call.module or root.call.name)
+        )
+    )
     cause = None if root is None else call_line(root, ignore).first_cause
 
     def place(item) -> tuple[int, int, int]:
@@ -195,8 +259,10 @@ def findings_in_order(calls: list[CallReport], first_bad: int | None = None,
         return 2, 0, rank[severity]
 
     ordered = sorted(seen.items(), key=place)
-    return [(code, sev, n, name, root_name if place((code, (sev, n, name, at)))[0] == 1 else None)
-            for code, (sev, n, name, at) in ordered]
+    return [
+        (code, sev, n, name, root_name if place((code, (sev, n, name, at)))[0] == 1 else None)
+        for code, (sev, n, name, at) in ordered
+    ]
 
 
 def what_if_answers(calls: list[CallReport], ignore=()) -> list[WhatIfAnswer]:
@@ -221,9 +287,19 @@ def what_if_answers(calls: list[CallReport], ignore=()) -> list[WhatIfAnswer]:
             for code in dict.fromkeys(f.code for f in r.what_if.findings if not f.cells or c.name in f.cells):
                 if code not in ignore:
                     codes[code] = codes.get(code, 0) + 1
-        answers.append(WhatIfAnswer(name, len(lines), len(bad), bad[0] if bad else None, sum(line.nan_rows for line in lines),
-                                    max(errs) if errs else None, None if least is None else least.headroom,
-                                    None if least is None else least.limit, codes))
+        answers.append(
+            WhatIfAnswer(
+                name,
+                len(lines),
+                len(bad),
+                bad[0] if bad else None,
+                sum(line.nan_rows for line in lines),
+                max(errs) if errs else None,
+                None if least is None else least.headroom,
+                None if least is None else least.limit,
+                codes,
+            )
+        )
     return answers
 
 
@@ -232,7 +308,11 @@ def _recorded_on(info) -> str | None:
     device = info.meta.get("device", "")
     if not device or device.split(":")[0] == "cpu":
         return None
-    parts = [device, info.meta.get("gpu_name", ""), f"sm {info.meta['capability']}" if info.meta.get("capability") else ""]
+    parts = [
+        device,
+        info.meta.get("gpu_name", ""),
+        f"sm {info.meta['capability']}" if info.meta.get("capability") else "",
+    ]
     return ", ".join(p for p in parts if p)
 
 
@@ -248,17 +328,34 @@ def kernel_call(report: CallReport, position: int, ignore=()) -> KernelCall | No
     dtype = report.kernel_dtype
     replays = [(True, report.diagnosis, used)] if used.path is not None and PATHS.get(used.path).replay else []
     if report.what_if is not None:
-        replays += [(False, report.what_if, c) for c in report.what_if.cells
-                    if c.path is not None and PATHS.get(c.path).replay and c.dtype == dtype]
+        replays += [
+            (False, report.what_if, c)
+            for c in report.what_if.cells
+            if c.path is not None and PATHS.get(c.path).replay and c.dtype == dtype
+        ]
     kernels = []
     for ran, diag, cell in replays:
         line = cell_line(report, diag, cell, ignore)
         spec = PATHS.get(cell.path)
-        hazard = next((e for e, kind in EVENTS.items() if kind == "backward" and cell.events.get(e) and e not in ignore), None)
-        kernels.append(KernelVerdict(cell.path, dtype, ran, line.verdict, line.nan_rows, line.first_cause,
-                                     cell.events.get(hazard, 0) if hazard else 0, hazard,
-                                     cell.event_values.get(hazard) if hazard else None, None, cell.out_max_abs_err,
-                                     spec.assumed is not None))
+        hazard = next(
+            (e for e, kind in EVENTS.items() if kind == "backward" and cell.events.get(e) and e not in ignore), None
+        )
+        kernels.append(
+            KernelVerdict(
+                cell.path,
+                dtype,
+                ran,
+                line.verdict,
+                line.nan_rows,
+                line.first_cause,
+                cell.events.get(hazard, 0) if hazard else 0,
+                hazard,
+                cell.event_values.get(hazard) if hazard else None,
+                None,
+                cell.out_max_abs_err,
+                spec.assumed is not None,
+            )
+        )
     kernels += [KernelVerdict(p, dtype, verdict="refused", refused=why) for p, why in report.kernels_refused.items()]
     order = {spec.name: i for i, spec in enumerate(PATHS)}
     kernels.sort(key=lambda k: (not k.ran, order.get(k.path, len(order))))
@@ -273,8 +370,14 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
     found = [replace(o, position=at) for at, c in enumerate(calls) for o in outliers(c)]
     by_rank = capture_findings_by_rank(capture, ignore)
     findings = [f for found in by_rank.values() for f in found]
-    caps = [c.diagnosis.attention.softcap for c in calls if c.diagnosis is not None and c.diagnosis.attention is not None
-            and c.diagnosis.attention.softcap is not None and c.diagnosis.attention.softcap.not_judged]
+    caps = [
+        c.diagnosis.attention.softcap
+        for c in calls
+        if c.diagnosis is not None
+        and c.diagnosis.attention is not None
+        and c.diagnosis.attention.softcap is not None
+        and c.diagnosis.attention.softcap.not_judged
+    ]
     if caps:  # said, not silently left out: no backward or what-if cell emulates a soft cap (calls.py)
         what = " and ".join(dict.fromkeys(w for cap in caps for w in cap.not_judged))
         said = f"{len(caps)} soft-capped call(s): {what} not computed (no backward or what-if path has the cap's tanh)"
@@ -282,10 +385,21 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
         capture["note"] = "; ".join(n for n in (capture.get("note"), said) if n)
     kernels = [k for at, c in enumerate(calls) if (k := kernel_call(c, at, ignore)) is not None]
     places = {_recorded_on(c.call) for c in calls}
-    return ModelReport(lines, first, found, tuple(ignore), list(skipped), capture, what_if_answers(calls, ignore),
-                       known=any(known(c) for c in calls), first_grad_bad=first_grad, findings=findings,
-                       ranks=rank_summaries(calls, lines, capture, by_rank), kernels=kernels,
-                       recorded_on=places.pop() if len(places) == 1 else None)
+    return ModelReport(
+        lines,
+        first,
+        found,
+        tuple(ignore),
+        list(skipped),
+        capture,
+        what_if_answers(calls, ignore),
+        known=any(known(c) for c in calls),
+        first_grad_bad=first_grad,
+        findings=findings,
+        ranks=rank_summaries(calls, lines, capture, by_rank),
+        kernels=kernels,
+        recorded_on=places.pop() if len(places) == 1 else None,
+    )
 
 
 def capture_findings_by_rank(capture: dict | None, ignore=()) -> dict[int | None, list[Finding]]:
@@ -302,8 +416,9 @@ def capture_findings_by_rank(capture: dict | None, ignore=()) -> dict[int | None
     return {rank: [f for f in fs if f.code not in ignore] for rank, fs in found.items()}
 
 
-def rank_summaries(calls: list[CallReport], lines: list[ModelLine], capture: dict | None,
-                   by_rank: dict[int | None, list[Finding]]) -> list[RankSummary]:
+def rank_summaries(
+    calls: list[CallReport], lines: list[ModelLine], capture: dict | None, by_rank: dict[int | None, list[Finding]]
+) -> list[RankSummary]:
     """Each rank's own account, where the calls come from several processes (a torchrun capture)."""
     ranks = sorted({c.call.rank for c in calls if c.call.rank is not None})
     facts = {r.get("rank"): r for r in (capture or {}).get("ranks") or [] if isinstance(r, dict)}
@@ -337,6 +452,7 @@ def head_findings(report: CallReport, diag_findings: list[Finding]) -> list[Find
     rows = cell.nan_causes.get("inf_input", 0) if hit else 0
     where = ", ".join(f"head {h.head} ({h.qk_overflow})" for h in over[:6]) + (", ..." if len(over) > 6 else "")
     qk = "; ".join(f"head {h.head}: max|q| {plain(h.q_max_abs)}, max|k| {plain(h.k_max_abs)}" for h in over[:3])
-    message = (f"Q@K^T overflows {dtype} as the model computes it, in {where} score(s); {qk}"
-               + (f"; the softmax saw +inf there -> {rows} NaN row(s) in {hit[0]}" if hit else ""))
+    message = f"Q@K^T overflows {dtype} as the model computes it, in {where} score(s); {qk}" + (
+        f"; the softmax saw +inf there -> {rows} NaN row(s) in {hit[0]}" if hit else ""
+    )
     return [Finding("qk_overflow", SEVERITY["qk_overflow"], message, FIX["qk_overflow"], hit, rows)]

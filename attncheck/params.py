@@ -34,7 +34,10 @@ DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "fused", "torch")
 SCALE_ORDERS = ("scores", "q")
 MASK_CONVENTIONS = ("attend", "ignore")
-MASK_OPS = ("add", "fill")  # how hand-written attention applies a mask: added to the scores, or masked_fill (the backward differs)
+MASK_OPS = (
+    "add",
+    "fill",
+)  # how hand-written attention applies a mask: added to the scores, or masked_fill (the backward differs)
 
 
 MAX_SHOWN = 60  # characters of a value quoted in a message
@@ -54,7 +57,7 @@ def show(value: Any) -> str:
         if digits is None or digits > MAX_SHOWN:
             return f"an integer of {'over 4,300' if digits is None else f'{digits:,}'} digits"
     text = repr(value)
-    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN - 3]}... ({len(text):,} characters)"
+    return text if len(text) <= MAX_SHOWN else f"{text[: MAX_SHOWN - 3]}... ({len(text):,} characters)"
 
 
 def items(value: Any, param: str) -> list[Any]:
@@ -73,11 +76,20 @@ def items(value: Any, param: str) -> list[Any]:
 def names(value: Any, registry: Registry, param: str, where: Callable = lambda spec: True) -> tuple[str, ...]:
     """'fp16, bfloat16' or ['fp16', 'bf16'] -> ('fp16', 'bf16'): canonical, duplicates and
     aliases of one name dropped, order kept; 'all' -> every name ``where`` allows."""
-    values = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
+    values = (
+        [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, str)
+        else list(value)
+        if isinstance(value, (list, tuple))
+        else [value]
+    )
     if not values:
         raise AttncheckError(f"is empty (choose from {', '.join(registry.names(where))})", param=param)
     if not all(isinstance(v, str) for v in values):
-        raise AttncheckError(f"must be a list of {registry.kind} names ({', '.join(registry.names(where))}), got {show(value)}", param=param)
+        raise AttncheckError(
+            f"must be a list of {registry.kind} names ({', '.join(registry.names(where))}), got {show(value)}",
+            param=param,
+        )
     if [v.strip().lower() for v in values] == ["all"]:
         return registry.names(where)
     return tuple(dict.fromkeys(registry.canonical(v, where=where, param=param) for v in values))
@@ -130,7 +142,10 @@ def what_if(value: Any, param: str = "what_if") -> tuple[str, ...]:
 def choice(value: Any, allowed: Iterable[str], param: str) -> str:
     allowed = tuple(allowed)
     if not isinstance(value, str) or value.strip().lower() not in allowed:
-        raise AttncheckError(f"must be one of {', '.join(allowed)}, got {show(value.strip() if isinstance(value, str) else value)}", param=param)
+        raise AttncheckError(
+            f"must be one of {', '.join(allowed)}, got {show(value.strip() if isinstance(value, str) else value)}",
+            param=param,
+        )
     return value.strip().lower()
 
 
@@ -165,7 +180,9 @@ def integer(value: Any, param: str, minimum: int, *, from_text: bool = True) -> 
 def number(value: Any, param: str, *, positive: bool = False, from_text: bool = True) -> float:
     """A finite float > 0 (``positive``) or >= 0."""
     v, shown = _typed(value, float, from_text)
-    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and (v > 0 if positive else v >= 0)
+    ok = (
+        not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and (v > 0 if positive else v >= 0)
+    )
     if not ok:
         raise AttncheckError(f"must be a number {'> 0' if positive else '>= 0'}, got {shown}", param=param)
     return float(v)
@@ -196,21 +213,39 @@ def lengths(text: str, param: str) -> list[int]:
         if not item:
             continue
         if not (item.isascii() and item.isdigit()):  # '²'.isdigit() holds, but int() refuses it
-            raise AttncheckError(f"{item!r} is not a non-negative integer (give one length per batch element, e.g. 3,0)", param=param)
+            raise AttncheckError(
+                f"{item!r} is not a non-negative integer (give one length per batch element, e.g. 3,0)", param=param
+            )
         out.append(int(item))
     return out
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
-               "p": 1000**5, "pb": 1000**5, "pib": 1024**5}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+    "p": 1000**5,
+    "pb": 1000**5,
+    "pib": 1024**5,
+}
 
 
 def size(text: str, param: str) -> int:
     """'1GiB', '512MiB', '2G', '300000000' -> bytes."""
     t = text.strip().lower().replace(" ", "")
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
+    unit = t[len(num) :]
     try:
         value = float(num)
     except ValueError:
@@ -231,7 +266,10 @@ def memory(value: Any, param: str = "max_memory") -> int:
     """A working-memory budget ('1GiB', or bytes): a size of at least 1 MiB."""
     n = size(value, param) if isinstance(value, str) else integer(value, param, 1, from_text=False)
     if n < MIN_MEMORY:
-        raise AttncheckError(f"must be at least 1MiB (the diagnosis' working memory, on top of the interpreter's), got {show(value)}", param=param)
+        raise AttncheckError(
+            f"must be at least 1MiB (the diagnosis' working memory, on top of the interpreter's), got {show(value)}",
+            param=param,
+        )
     return n
 
 
@@ -252,7 +290,9 @@ def mask_value(text: str, param: str = "mask_value") -> str:
 def device(value: Any, param: str = "device") -> str:
     """'auto', 'cpu', 'cuda' or 'cuda:N' (whether CUDA is there is checked where it is used)."""
     name = value.strip().lower() if isinstance(value, str) else value
-    if isinstance(name, str) and (name in DEVICES or (name.startswith("cuda:") and name[5:].isascii() and name[5:].isdigit())):
+    if isinstance(name, str) and (
+        name in DEVICES or (name.startswith("cuda:") and name[5:].isascii() and name[5:].isdigit())
+    ):
         return name
     raise AttncheckError(f"must be one of {', '.join(DEVICES)} or cuda:N, got {show(value)}", param=param)
 
@@ -299,7 +339,9 @@ def scale(value: Any, param: str = "scale") -> Scale:
         except ValueError:
             v = None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-        raise AttncheckError(f"must be one of {_SCALE_HELP}, got {show(value.strip() if isinstance(value, str) else value)}", param=param)
+        raise AttncheckError(
+            f"must be one of {_SCALE_HELP}, got {show(value.strip() if isinstance(value, str) else value)}", param=param
+        )
     return Scale(value.strip() if isinstance(value, str) else f"{v:g}")
 
 

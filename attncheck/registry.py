@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Callable, Generic, Iterator, TypeVar, Union
+from typing import Callable, Generic, Iterator, TypeVar
 
 from attncheck.errors import AttncheckError
-from attncheck.numerics.paths.base import Impl, PathSpec, Stands, resolve
+from attncheck.numerics.paths.base import Impl, PathSpec, resolve
 
 
 @dataclass(frozen=True)
@@ -148,17 +148,51 @@ for _spec in (
     DtypeSpec("fp16", "float16", "IEEE half: max 65504, 10 mantissa bits", ("float16", "half"), kernel_view="uint16"),
     DtypeSpec("bf16", "bfloat16", "bfloat16: fp32's range, 7 mantissa bits", ("bfloat16",), kernel_view="int16"),
     DtypeSpec("fp32", "float32", "IEEE single", ("float32", "float"), kernel_view="float32"),
-    DtypeSpec("fp64", "float64", "IEEE double: the reference's dtype", ("float64", "double"), kernel_view="float64", cell=False),
+    DtypeSpec(
+        "fp64",
+        "float64",
+        "IEEE double: the reference's dtype",
+        ("float64", "double"),
+        kernel_view="float64",
+        cell=False,
+    ),
     # FP8 formats: P-cast cells (tiled; the flash-fp8 and sage paths). The kernels convert with
     # satfinite (beyond the range: +-max); torch's own cast beyond the range is measured.
-    DtypeSpec("e4m3", "float8_e4m3fn", "FP8 E4M3 (fn): max 448, smallest subnormal 2^-9, no inf", ("float8_e4m3fn", "fp8_e4m3"),
-              has_inf=False, scores=False, p_format=True),
-    DtypeSpec("e5m2", "float8_e5m2", "FP8 E5M2: max 57344, smallest subnormal 2^-16, has inf", ("float8_e5m2", "fp8_e5m2"),
-              scores=False, p_format=True),
-    DtypeSpec("e4m3fnuz", "float8_e4m3fnuz", "FP8 E4M3 (fnuz, AMD): max 240, no inf, no -0", ("float8_e4m3fnuz",),
-              has_inf=False, scores=False, p_format=True),
-    DtypeSpec("e5m2fnuz", "float8_e5m2fnuz", "FP8 E5M2 (fnuz, AMD): max 57344, no inf, no -0", ("float8_e5m2fnuz",),
-              has_inf=False, scores=False, p_format=True),
+    DtypeSpec(
+        "e4m3",
+        "float8_e4m3fn",
+        "FP8 E4M3 (fn): max 448, smallest subnormal 2^-9, no inf",
+        ("float8_e4m3fn", "fp8_e4m3"),
+        has_inf=False,
+        scores=False,
+        p_format=True,
+    ),
+    DtypeSpec(
+        "e5m2",
+        "float8_e5m2",
+        "FP8 E5M2: max 57344, smallest subnormal 2^-16, has inf",
+        ("float8_e5m2", "fp8_e5m2"),
+        scores=False,
+        p_format=True,
+    ),
+    DtypeSpec(
+        "e4m3fnuz",
+        "float8_e4m3fnuz",
+        "FP8 E4M3 (fnuz, AMD): max 240, no inf, no -0",
+        ("float8_e4m3fnuz",),
+        has_inf=False,
+        scores=False,
+        p_format=True,
+    ),
+    DtypeSpec(
+        "e5m2fnuz",
+        "float8_e5m2fnuz",
+        "FP8 E5M2 (fnuz, AMD): max 57344, no inf, no -0",
+        ("float8_e5m2fnuz",),
+        has_inf=False,
+        scores=False,
+        p_format=True,
+    ),
 ):
     DTYPES.register(_spec)
 
@@ -178,13 +212,29 @@ def scores_dtype(spec: DtypeSpec) -> bool:
 
 METHODS: Registry[MethodSpec] = Registry("method")
 for _spec in (
-    MethodSpec("naive", "exp(x) / sum(exp(x)) in the dtype", "attncheck.numerics.methods.softmax:naive_method",
-               events=("exp_overflow", "sum_overflow", "underflow")),
-    MethodSpec("stable", "z = x - max(x); exp(z) / sum(exp(z)) in the dtype", "attncheck.numerics.methods.softmax:stable_method",
-               events=("sum_overflow",)),
-    MethodSpec("tiled", "FlashAttention's online softmax over key blocks, running max and sum in fp32",
-               "attncheck.numerics.methods.softmax:tiled_method", output="fp32", aliases=("online",), eager=False,
-               kernel="FlashAttention's online softmax", p_cast=True, rows_kernel="tiled_rows"),
+    MethodSpec(
+        "naive",
+        "exp(x) / sum(exp(x)) in the dtype",
+        "attncheck.numerics.methods.softmax:naive_method",
+        events=("exp_overflow", "sum_overflow", "underflow"),
+    ),
+    MethodSpec(
+        "stable",
+        "z = x - max(x); exp(z) / sum(exp(z)) in the dtype",
+        "attncheck.numerics.methods.softmax:stable_method",
+        events=("sum_overflow",),
+    ),
+    MethodSpec(
+        "tiled",
+        "FlashAttention's online softmax over key blocks, running max and sum in fp32",
+        "attncheck.numerics.methods.softmax:tiled_method",
+        output="fp32",
+        aliases=("online",),
+        eager=False,
+        kernel="FlashAttention's online softmax",
+        p_cast=True,
+        rows_kernel="tiled_rows",
+    ),
     MethodSpec("torch", "torch.softmax on the dtype (fp32 inside)", "attncheck.numerics.methods.softmax:torch_method"),
 ):
     METHODS.register(_spec)
@@ -193,7 +243,19 @@ del _spec
 
 PATHS: Registry[PathSpec] = Registry("path")
 # One line per path: the module attncheck.numerics.paths.<name> declares its PATH (see that package).
-PATH_MODULES = ("eager", "sdpa_math", "flash", "fa2", "fa2_fma", "mem_efficient", "cudnn", "flash_fp8", "sage", "flex", "flex_math")
+PATH_MODULES = (
+    "eager",
+    "sdpa_math",
+    "flash",
+    "fa2",
+    "fa2_fma",
+    "mem_efficient",
+    "cudnn",
+    "flash_fp8",
+    "sage",
+    "flex",
+    "flex_math",
+)
 for _module in PATH_MODULES:
     PATHS.register(importlib.import_module(f"attncheck.numerics.paths.{_module}").PATH)
 del _module

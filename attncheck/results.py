@@ -84,7 +84,9 @@ class Census:
     posinf: int
     neginf: int
     masked: int  # -inf or <= MASK_SENTINEL_LIMIT
-    sentinels: list[tuple[float, int]]  # mask constants (<= -1e4) that are rows' minimum, with how many rows (see sentinel_spans)
+    sentinels: list[
+        tuple[float, int]
+    ]  # mask constants (<= -1e4) that are rows' minimum, with how many rows (see sentinel_spans)
     fully_masked_rows: int  # every key masked (-inf or sentinel): the query may attend to nothing
     neginf_rows: int  # every key -inf: softmax undefined, the reference is NaN
     nan_input_rows: int
@@ -139,8 +141,20 @@ class CellLimit:
 REAL_BOUND_TOLERANCE = 4.0
 
 # The causes of NaN/inf gradient rows, in backward order: what reaches a row first is its cause.
-GRAD_CAUSES = ("grad_out_nan", "grad_out_inf", "grad_out_overflow", "input_nan", "inf_input", "qk_overflow", "fully_masked",
-               "forward_nan", "dp_overflow", "ds_nan", "ds_overflow", "grad_overflow")
+GRAD_CAUSES = (
+    "grad_out_nan",
+    "grad_out_inf",
+    "grad_out_overflow",
+    "input_nan",
+    "inf_input",
+    "qk_overflow",
+    "fully_masked",
+    "forward_nan",
+    "dp_overflow",
+    "ds_nan",
+    "ds_overflow",
+    "grad_overflow",
+)
 
 
 @dataclass
@@ -187,8 +201,12 @@ class GradStats:
     def real_near(self) -> bool:
         """Beyond the bound, yet within REAL_BOUND_TOLERANCE of it, every entry finite in both: an info,
         not an error (the bound is first order; see grad_emulation_mismatch)."""
-        return (self.real_agrees is False and not self.real_nan_mismatch and self.real_bound_ratio is not None
-                and self.real_bound_ratio <= REAL_BOUND_TOLERANCE)
+        return (
+            self.real_agrees is False
+            and not self.real_nan_mismatch
+            and self.real_bound_ratio is not None
+            and self.real_bound_ratio <= REAL_BOUND_TOLERANCE
+        )
 
 
 @dataclass
@@ -205,7 +223,9 @@ class CellBackward:
     headroom_at: str | None  # e.g. 'dP in fp16'
     how: str = ""  # the rounding points that differ by call: 'mask added', 'masked_fill', 'softmax in fp32', 'sums per block in bf16'
     real_compared: bool = False  # the model's recorded gradients were compared with this cell
-    dtype: str = ""  # the dtype the gradients are computed in (an eager cell under autocast: its matmuls', not its softmax's)
+    dtype: str = (
+        ""  # the dtype the gradients are computed in (an eager cell under autocast: its matmuls', not its softmax's)
+    )
 
     def grads(self) -> list[tuple[str, GradStats]]:
         return [(n, g) for n, g in (("dq", self.dq), ("dk", self.dk), ("dv", self.dv)) if g is not None]
@@ -334,16 +354,24 @@ class DtypeAudit:
     qk_max_abs: float = 0.0  # largest |score| the dtype pipeline produced before masking (finite part)
     mask_not_representable: int = 0  # finite float-mask values that become -inf in the dtype
     sentinel_not_representable: bool = False  # the boolean-mask sentinel itself is not representable
-    sentinel_value: float = 0.0  # what a masked key is set to in this dtype: the boolean planes' sentinel, else the float mask's
-    mask_values: list[float] = field(default_factory=list)  # every sentinel the mask adds in this dtype (planes, then float mask)
+    sentinel_value: float = (
+        0.0  # what a masked key is set to in this dtype: the boolean planes' sentinel, else the float mask's
+    )
+    mask_values: list[float] = field(
+        default_factory=list
+    )  # every sentinel the mask adds in this dtype (planes, then float mask)
     overflow_on_add: int = 0  # finite score + finite mask -> -inf
     summed_planes_overflow: int = 0  # finite float-mask value + finite sentinel -> -inf
     mask_sentinel_rows: int = 0  # rows the mask turned into all -inf or NaN
     # FP8 dtypes (the flash-fp8 path): how Q, K, V were quantised to the format, per tensor name.
     fp8_scaling: str | None = None  # none, tensor, head or block (numerics.fp8_attention)
-    fp8_clipped: dict[str, int] = field(default_factory=dict)  # values beyond the format's max: the satfinite cast clips them
+    fp8_clipped: dict[str, int] = field(
+        default_factory=dict
+    )  # values beyond the format's max: the satfinite cast clips them
     fp8_flushed: dict[str, int] = field(default_factory=dict)  # non-zero values that became 0
-    fp8_subnormal: dict[str, int] = field(default_factory=dict)  # non-zero values left below the smallest normal (fewer bits)
+    fp8_subnormal: dict[str, int] = field(
+        default_factory=dict
+    )  # non-zero values left below the smallest normal (fewer bits)
     fp8_values: dict[str, int] = field(default_factory=dict)  # non-zero values per tensor
     fp8_amax: dict[str, float] = field(default_factory=dict)  # largest |x| before quantisation (after the rotation)
 
@@ -389,7 +417,9 @@ class AttentionAudit:
     leak_max: float = 0.0
     dtypes: dict[str, DtypeAudit] = field(default_factory=dict)
     fitted_scale: float | None = None  # least-squares scale of given scores against q.k
-    float_mask_value: float | None = None  # a float mask's sentinel as the mask holds it (its most common value <= -1e4)
+    float_mask_value: float | None = (
+        None  # a float mask's sentinel as the mask holds it (its most common value <= -1e4)
+    )
     mask_summed_neginf: int = 0  # -inf values of a float mask next to sentinels beyond half its range (summed planes)
     mask_deep_sentinel: float | None = None
     # where the scale came from: 'argument' (SDPA's scale=) or 'traced' (the model's own code, as the
@@ -412,7 +442,9 @@ class TensorDiagnosis:
     # Not in the JSON report: the limits of the cell dtypes, and the row backend that ran.
     limits: dict[str, DtypeLimits] = field(default_factory=dict)
     backend: str = ""
-    head_max_logits: list[float | None] = field(default_factory=list)  # largest unmasked score per head (the axis before the queries)
+    head_max_logits: list[float | None] = field(
+        default_factory=list
+    )  # largest unmasked score per head (the axis before the queries)
 
     def cell(self, method: str, dtype: str, path: str | None = None) -> Cell:
         """The cell of ``method`` (or of a path: 'flash') in ``dtype``; ``path`` narrows it down."""
@@ -547,10 +579,14 @@ class Outlier:
         where = ("" if self.rank is None else f"rank {self.rank} ") + (self.module or f"call {self.index}")
         if self.kv_head is not None:
             reads = ", ".join(map(str, self.query_heads))
-            return (f"{where} kv head {self.kv_head} (query heads {reads}): max|{self.tensor}| {plain(self.value)} "
-                    f"vs median {plain(self.median)} over the other kv heads")
-        return (f"{where} head {self.head}: max|{self.tensor}| {plain(self.value)} vs median {plain(self.median)} "
-                "over the other heads")
+            return (
+                f"{where} kv head {self.kv_head} (query heads {reads}): max|{self.tensor}| {plain(self.value)} "
+                f"vs median {plain(self.median)} over the other kv heads"
+            )
+        return (
+            f"{where} head {self.head}: max|{self.tensor}| {plain(self.value)} vs median {plain(self.median)} "
+            "over the other heads"
+        )
 
 
 @dataclass
@@ -637,8 +673,12 @@ class ModelReport:
     first_grad_bad: int | None = None  # position in ``lines`` of the first call whose gradients go wrong
     findings: list[Finding] = field(default_factory=list)  # of the capture itself, not of a call (capture_incomplete)
     ranks: list[RankSummary] = field(default_factory=list)  # a capture of several processes: each rank's own account
-    kernels: list[KernelCall] = field(default_factory=list)  # --what-if kernels: each call under every kernel that could run it
-    recorded_on: str | None = None  # the GPU every call was recorded on ('cuda:0, NVIDIA H100, sm 9.0'); None: a CPU or mixed
+    kernels: list[KernelCall] = field(
+        default_factory=list
+    )  # --what-if kernels: each call under every kernel that could run it
+    recorded_on: str | None = (
+        None  # the GPU every call was recorded on ('cuda:0, NVIDIA H100, sm 9.0'); None: a CPU or mixed
+    )
 
 
 @dataclass
@@ -819,7 +859,6 @@ class Budget:
         return [(name, getattr(self, name)) for name in BUDGET_NAMES if getattr(self, name) is not None]
 
 
-
 @dataclass
 class BudgetCheck:
     """One budget applied to one cell."""
@@ -829,7 +868,9 @@ class BudgetCheck:
     measured: float | int | None  # the cell's value; None: nothing to measure (see note)
     bound: float | None  # what measured is compared to: limit, or N x torch + atol
     passed: bool
-    reference: float | None = None  # relative budgets: torch's value in the same dtype (max_abs_err_algo, out_max_abs_err)
+    reference: float | None = (
+        None  # relative budgets: torch's value in the same dtype (max_abs_err_algo, out_max_abs_err)
+    )
     atol: float = 0.0  # relative_to_torch_atol
     rows: list[tuple[int, ...]] = field(default_factory=list)  # where it happened (first rows), or the worst row
     note: str = ""  # why measured is None
@@ -930,7 +971,9 @@ class WatchSeries:
     limit_logit: float | None  # the largest logit before the call's first failure in its dtype
     limit_what: str
     scale: float | None
-    growth: float | None  # the largest logit's growth factor per 100 steps, fitted over the last window (None: no real trend)
+    growth: (
+        float | None
+    )  # the largest logit's growth factor per 100 steps, fitted over the last window (None: no real trend)
     steps_to_limit: float | None  # at that growth, steps until the limit (None: not growing)
     limits: list[float | None] = field(default_factory=list)  # each step's limit (a call's dtype may change mid-run)
     limit_whats: list[str | None] = field(default_factory=list)  # ... and what it is the limit of
@@ -972,4 +1015,3 @@ class WatchReport:
     def first(self) -> WatchAlert | None:
         own = [a for a in self.alerts if a.what_if is None]
         return own[0] if own else None
-

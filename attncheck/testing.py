@@ -78,8 +78,14 @@ def assert_softmax_ok(
     ``AssertionError`` otherwise, and ``AttncheckError`` for unusable arguments.
     """
     given = {
-        "nan": nan, "overflow": overflow, "zero_rows": zero_rows, "argmax_flips": argmax_flips,
-        "max_abs_err": max_abs_err, "max_abs_err_algo": max_abs_err_algo, "rmse": rmse, "kl_max": kl_max,
+        "nan": nan,
+        "overflow": overflow,
+        "zero_rows": zero_rows,
+        "argmax_flips": argmax_flips,
+        "max_abs_err": max_abs_err,
+        "max_abs_err_algo": max_abs_err_algo,
+        "rmse": rmse,
+        "kl_max": kl_max,
         "relative_to_torch": relative_to_torch,
     }
     table = {k: v for k, v in given.items() if v is not None}
@@ -113,8 +119,9 @@ def assert_softmax_ok(
 SDPA_BACKENDS = ("flash_attention", "efficient_attention", "cudnn_attention", "math")  # torch's SDPBackend names
 
 
-def as_gpu_capture(capture_dir: Any, backend: str, capability: str = "9.0",
-                   gpu_name: str = "NVIDIA H100 80GB HBM3") -> None:
+def as_gpu_capture(
+    capture_dir: Any, backend: str, capability: str = "9.0", gpu_name: str = "NVIDIA H100 80GB HBM3"
+) -> None:
     """Rewrite a capture made on a CPU as a capture on a GPU writes it: each call file says device
     cuda:0, the GPU's compute capability ('9.0': an H100), and for SDPA calls the backend PyTorch chose
     ('flash_attention', 'efficient_attention', 'cudnn_attention', 'math'). For tests (and examples) of how
@@ -142,4 +149,3 @@ def as_gpu_capture(capture_dir: Any, backend: str, capability: str = "9.0",
         if meta.get("kind") == "sdpa":
             meta.update(sdpa_backend=backend, flash_impl="fa2")
         save_file(tensors, str(f), metadata=meta)
-

@@ -18,9 +18,12 @@ def wrapped_modules(module) -> list[tuple[str, object]]:
     import torch
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-    def holds(outer, attr: str) -> bool:  # ``module`` is a wrapper's only in DDP and DataParallel: a model may name a child so
+    def holds(
+        outer, attr: str
+    ) -> bool:  # ``module`` is a wrapper's only in DDP and DataParallel: a model may name a child so
         return isinstance(getattr(outer, attr, None), torch.nn.Module) and (
-            attr != "module" or isinstance(outer, (DistributedDataParallel, DataParallel)))
+            attr != "module" or isinstance(outer, (DistributedDataParallel, DataParallel))
+        )
 
     chain = [("", module)]
     for _ in range(8):

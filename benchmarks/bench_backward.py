@@ -56,20 +56,34 @@ def main() -> None:
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     forward = {"q": q.detach(), "k": k.detach(), "v": v.detach()}
     backward = {**forward, "out": out.detach(), "grad_out": dout, "grad_q": dq, "grad_k": dk, "grad_v": dv}
-    info = CallInfo(0, "bench", "sdpa", module="layers.0.self_attn", dtype=args.dtype, is_causal=True,
-                    enable_gqa=args.kv_heads != args.heads, meta={"sdpa_backend": "flash_attention", "device": "cpu"})
+    info = CallInfo(
+        0,
+        "bench",
+        "sdpa",
+        module="layers.0.self_attn",
+        dtype=args.dtype,
+        is_causal=True,
+        enable_gqa=args.kv_heads != args.heads,
+        meta={"sdpa_backend": "flash_attention", "device": "cpu"},
+    )
     options = Options(chunk_elements=chunk_elements_for(params.size(args.max_memory, "max_memory")))
     report = diagnose_call(info, backward, options)  # warm-up (kernels compiled or read from their cache)
     t_fwd = best_of(args.repeat, lambda: diagnose_call(info, forward, options))
     t_both = best_of(args.repeat, lambda: diagnose_call(info, backward, options))
     t_bwd = t_both - t_fwd
     b = report.diagnosis.cells[0].backward
-    print(f"one SDPA call: 1 x {args.heads} heads ({args.kv_heads} kv) x {args.seq} tokens x {args.dim}, {args.dtype}, causal; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"one SDPA call: 1 x {args.heads} heads ({args.kv_heads} kv) x {args.seq} tokens x {args.dim}, {args.dtype}, causal; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print(f"  forward diagnosis   {t_fwd:.3f} s (model cell {report.diagnosis.cells[0].name})")
-    print(f"  backward diagnosis  {t_bwd:.3f} s = {t_bwd / t_fwd:.2f}x the forward's (goal <= 3x); both together {t_both:.3f} s")
-    print(f"  backward: NaN rows {b.nan_rows}; recorded gradients agree: {all(g.real_agrees for _, g in b.grads())}; "
-          f"max ratio to the bound {max(g.real_bound_ratio or 0 for _, g in b.grads()):.3f}")
+    print(
+        f"  backward diagnosis  {t_bwd:.3f} s = {t_bwd / t_fwd:.2f}x the forward's (goal <= 3x); both together {t_both:.3f} s"
+    )
+    print(
+        f"  backward: NaN rows {b.nan_rows}; recorded gradients agree: {all(g.real_agrees for _, g in b.grads())}; "
+        f"max ratio to the bound {max(g.real_bound_ratio or 0 for _, g in b.grads()):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,9 @@ def model_for(impl: str, seq: int):
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=12, n_head=12, n_embd=768, n_positions=seq, vocab_size=1024,
-                                  bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        n_layer=12, n_head=12, n_embd=768, n_positions=seq, vocab_size=1024, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2Model._from_config(cfg, attn_implementation=impl).eval()
 
 
@@ -64,8 +65,9 @@ def timed(fn, repeat: int) -> float:
 
 
 def main() -> None:
-    import attncheck
     from safetensors.torch import load_file, save_file
+
+    import attncheck
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", default="sdpa,eager")
@@ -112,14 +114,19 @@ def main() -> None:
                 out.mkdir()
 
                 def save(call):
-                    save_file({k: v.detach().contiguous() for k, v in call.tensors.items()}, str(out / f"{call.index:04d}.safetensors"))
+                    save_file(
+                        {k: v.detach().contiguous() for k, v in call.tensors.items()},
+                        str(out / f"{call.index:04d}.safetensors"),
+                    )
 
                 with torch.no_grad(), Recorder(save):
                     model(input_ids=ids)
 
             # interleaved, so that the load of a shared machine drifts alike for all; the
             # minimum of each is its cost with the least interference
-            runs = [(timed(plain, 1), timed(captured, 1), timed(direct, 1), timed(inline, 1)) for _ in range(args.repeat)]
+            runs = [
+                (timed(plain, 1), timed(captured, 1), timed(direct, 1), timed(inline, 1)) for _ in range(args.repeat)
+            ]
             t_plain, t_capture, t_direct, t_inline = (min(r[i] for r in runs) for i in range(4))
             m_plain, m_capture, m_direct, m_inline = (statistics.median(r[i] for r in runs) for i in range(4))
             tensors = []
@@ -138,20 +145,29 @@ def main() -> None:
             del cap
             mib = 1 << 20
             print(f"{impl}: {len(calls)} calls, {total / mib:.0f} MiB of tensors (largest call {one / mib:.1f} MiB)")
-            for label, (a, b, c, d) in (("min", (t_plain, t_capture, t_direct, t_inline)), ("median", (m_plain, m_capture, m_direct, m_inline))):
-                print(f"  {label} of {args.repeat}: forward {a:.2f} s, under capture {b:.2f} s ({b / a:.2f}x, +{b - a:.2f} s); "
-                      f"save_file after the forward {c:.2f} s, during it +{d - a:.2f} s; "
-                      f"capture overhead / save_file: {(b - a) / c:.2f} after, {(b - a) / max(d - a, 1e-9):.2f} during")
-            print(f"  peak RSS above the plain forward: capture to a directory {peak_dir - peak_plain:+.0f} MiB; "
-                  f"in memory with max_bytes {args.max_bytes} {peak_mem - peak_plain:+.0f} MiB ({kept / mib:.0f} MiB kept)")
+            for label, (a, b, c, d) in (
+                ("min", (t_plain, t_capture, t_direct, t_inline)),
+                ("median", (m_plain, m_capture, m_direct, m_inline)),
+            ):
+                print(
+                    f"  {label} of {args.repeat}: forward {a:.2f} s, under capture {b:.2f} s ({b / a:.2f}x, +{b - a:.2f} s); "
+                    f"save_file after the forward {c:.2f} s, during it +{d - a:.2f} s; "
+                    f"capture overhead / save_file: {(b - a) / c:.2f} after, {(b - a) / max(d - a, 1e-9):.2f} during"
+                )
+            print(
+                f"  peak RSS above the plain forward: capture to a directory {peak_dir - peak_plain:+.0f} MiB; "
+                f"in memory with max_bytes {args.max_bytes} {peak_mem - peak_plain:+.0f} MiB ({kept / mib:.0f} MiB kept)"
+            )
             if not args.skip_diagnose:
                 from attncheck.config.run import RunRequest
                 from attncheck.pipelines.run import run
 
                 t0 = time.perf_counter()
                 result = run(RunRequest((str(work / "cap"),)))
-                print(f"  attncheck run on the capture (12 cells): {time.perf_counter() - t0:.1f} s, "
-                      f"first call that goes wrong: {result.model.first_bad}")
+                print(
+                    f"  attncheck run on the capture (12 cells): {time.perf_counter() - t0:.1f} s, "
+                    f"first call that goes wrong: {result.model.first_bad}"
+                )
             model = None
     finally:
         shutil.rmtree(work, ignore_errors=True)

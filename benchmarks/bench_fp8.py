@@ -42,14 +42,18 @@ def main() -> None:
     rows = n // args.keys
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, args.keys, generator=g) * 3  # (R, T) fp32
-    print(f"scores: {rows} rows x {args.keys} keys = 2^{args.elements_log2} fp32 elements; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"scores: {rows} rows x {args.keys} keys = 2^{args.elements_log2} fp32 elements; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
     base = best_of(args.repeat, lambda: torch.softmax(x, dim=-1))
     print(f"torch.softmax fp32, one pass: {base * 1e3:.1f} ms (= 1.00x)")
     buf = torch.empty_like(x)
     pre = best_of(args.repeat, lambda: torch._softmax(x, -1, False, out=buf))
-    print(f"torch.softmax fp32 into a preallocated output: {pre * 1e3:.1f} ms (= {pre / base:.2f}x; the cells below are "
-          f"{base / pre:.1f} times as many of these)")
+    print(
+        f"torch.softmax fp32 into a preallocated output: {pre * 1e3:.1f} ms (= {pre / base:.2f}x; the cells below are "
+        f"{base / pre:.1f} times as many of these)"
+    )
     buf = None  # 256 MiB given back before the diagnosis
 
     def run(dtypes):
@@ -72,8 +76,10 @@ def main() -> None:
         return best_of(args.repeat, lambda: diagnose_attention("bench", inputs, opts))
 
     flash = run_qk(("flash",), ("fp16",))
-    print(f"Q/K mode, {heads} heads x {args.keys} queries x {args.keys} keys, d 128: diagnose_attention flash/fp16 alone: "
-          f"{flash:.3f} s = {flash / base:.1f}x")
+    print(
+        f"Q/K mode, {heads} heads x {args.keys} queries x {args.keys} keys, d 128: diagnose_attention flash/fp16 alone: "
+        f"{flash:.3f} s = {flash / base:.1f}x"
+    )
     for path in ("flash-fp8", "sage"):
         both = run_qk(("flash", path), ("fp16", "e4m3"))
         print(f"{path}/e4m3 cell (marginal): {(both - flash) * 1e3:.1f} ms = {(both - flash) / base:.2f}x")

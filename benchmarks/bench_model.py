@@ -49,8 +49,15 @@ def model_for(layers: int, seq: int):
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers, num_attention_heads=16,
-                                   num_key_value_heads=4, vocab_size=1000, max_position_embeddings=max(seq, 2048))
+    cfg = transformers.LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=1000,
+        max_position_embeddings=max(seq, 2048),
+    )
     return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").to(torch.bfloat16).eval()
 
 
@@ -95,21 +102,33 @@ def main() -> None:
         forward()
         rss = status_mib("VmRSS")
         reset_peak()
-        result = run(request)  # the first run: its peak is the one a user sees (kernels compiled, or read from their cache)
+        result = run(
+            request
+        )  # the first run: its peak is the one a user sees (kernels compiled, or read from their cache)
         peak = status_mib("VmHWM") - rss
         diagnose_run()  # warm
         t_forward = best_of(args.repeat, forward)
         t_run = best_of(args.repeat, lambda: run(request))
         t_diag = best_of(args.repeat, diagnose_run)
         calls = len(result.calls)
-        print(f"{args.layers} layers x 16 heads (4 kv heads), head dim 64, bf16, SDPA, 1 x {args.seq} tokens: {calls} calls, "
-              f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-        print(f"  forward                      {t_own:.3f} s in a process of its own; {t_forward:.3f} s with freed memory kept for reuse")
-        print(f"  attncheck run CAPTURE        {t_run:.3f} s  ({t_run / t_own:.1f}x the forward; {t_run / t_forward:.1f}x the tuned one)")
-        print(f"  capture(diagnose=True)       {t_diag:.3f} s  ({t_diag / t_own:.1f}x the forward; {t_diag / t_forward:.1f}x the tuned one; the forward included)")
+        print(
+            f"{args.layers} layers x 16 heads (4 kv heads), head dim 64, bf16, SDPA, 1 x {args.seq} tokens: {calls} calls, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        )
+        print(
+            f"  forward                      {t_own:.3f} s in a process of its own; {t_forward:.3f} s with freed memory kept for reuse"
+        )
+        print(
+            f"  attncheck run CAPTURE        {t_run:.3f} s  ({t_run / t_own:.1f}x the forward; {t_run / t_forward:.1f}x the tuned one)"
+        )
+        print(
+            f"  capture(diagnose=True)       {t_diag:.3f} s  ({t_diag / t_own:.1f}x the forward; {t_diag / t_forward:.1f}x the tuned one; the forward included)"
+        )
         print(f"  peak RSS of the run          +{peak:.0f} MiB above {rss:.0f} MiB (--max-memory {args.max_memory})")
         line = result.model.lines[0]
-        print(f"  verdict: first call that goes wrong {result.model.first_bad}; cell {line.cell}, room {line.headroom:.3g}")
+        print(
+            f"  verdict: first call that goes wrong {result.model.first_bad}; cell {line.cell}, room {line.headroom:.3g}"
+        )
         if args.what_if:
             asked = RunRequest((str(cap),), options=options, max_memory=memory, what_if=(args.what_if,))
             t_what = best_of(args.repeat, lambda: run(asked))

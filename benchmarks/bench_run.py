@@ -27,11 +27,11 @@ import torch
 
 from attncheck.cli.common import reuse_freed_memory
 from attncheck.config.run import rows_per_chunk
-from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc
 from attncheck.numerics.backends import select_backend
+from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc
 from attncheck.numerics.cells.diagnose import Options, _extremes_in_dtype, _in_dtype, bookkeeping, diagnose
-from attncheck.numerics.precision import dtype_from_name
 from attncheck.numerics.methods.softmax import Buffers, MethodParams
+from attncheck.numerics.precision import dtype_from_name
 from attncheck.registry import METHODS, dtype_names, method_names
 
 
@@ -93,8 +93,15 @@ def main() -> None:
     ap.add_argument("--elements-log2", type=int, default=26)
     ap.add_argument("--keys", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--kernels", choices=("fused", "torch"), default="fused", help="fused numba kernels (CPU default for large inputs) or torch ops")
-    ap.add_argument("--causal", action="store_true", help="mask keys after each query with -inf (heads of `keys` queries)")
+    ap.add_argument(
+        "--kernels",
+        choices=("fused", "torch"),
+        default="fused",
+        help="fused numba kernels (CPU default for large inputs) or torch ops",
+    )
+    ap.add_argument(
+        "--causal", action="store_true", help="mask keys after each query with -inf (heads of `keys` queries)"
+    )
     args = ap.parse_args()
     reuse_freed_memory()  # as the attncheck command does
 
@@ -107,35 +114,53 @@ def main() -> None:
         x.masked_fill_(torch.arange(args.keys) > query, float("-inf"))
     opts = Options(kernels=args.kernels)
     chunk = rows_per_chunk(args.keys, opts)
-    print(f"scores: {rows} rows x {args.keys} keys = 2^{args.elements_log2} fp32 elements ({x.numel() * 4 / 2**20:.0f} MiB{', causal mask' if args.causal else ''}); "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; chunks of {chunk} rows; {args.kernels} kernels")
+    print(
+        f"scores: {rows} rows x {args.keys} keys = 2^{args.elements_log2} fp32 elements ({x.numel() * 4 / 2**20:.0f} MiB{', causal mask' if args.causal else ''}); "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; chunks of {chunk} rows; {args.kernels} kernels"
+    )
     if args.kernels == "fused":  # compile outside the timings (numba caches it on disk for later runs)
         diagnose("warm-up", x[: 2 * chunk], opts)
 
     base = best_of(args.repeat, lambda: torch.softmax(x, dim=-1))
     print(f"torch.softmax fp32, one pass: {base * 1e3:.1f} ms (= 1.00x)")
     buf = torch.empty_like(x)
-    pre = best_of(args.repeat, lambda: torch._softmax(x, -1, False, out=buf))  # the same kernel into a preallocated output
+    pre = best_of(
+        args.repeat, lambda: torch._softmax(x, -1, False, out=buf)
+    )  # the same kernel into a preallocated output
     print(f"torch.softmax fp32 into a preallocated output: {pre * 1e3:.1f} ms (= {pre / base:.2f}x)")
     buf = None  # 256 MiB given back before the diagnosis
 
     passes = [staged_pass(x, opts) for _ in range(args.repeat)]
     best = {k: min(p[k] for p in passes) for k in passes[0]}
-    print(f"shared per tensor (census, float64 reference, entropy, distribution): {best['shared'] * 1e3:.1f} ms = {best['shared'] / base:.2f}x")
-    print(f"{'cell':<12} {'cast+ref':>9} {'method':>8} {'metrics':>8} {'cell total':>11}   (cast+ref: once per dtype, shared by its 4 methods)")
+    print(
+        f"shared per tensor (census, float64 reference, entropy, distribution): {best['shared'] * 1e3:.1f} ms = {best['shared'] / base:.2f}x"
+    )
+    print(
+        f"{'cell':<12} {'cast+ref':>9} {'method':>8} {'metrics':>8} {'cell total':>11}   (cast+ref: once per dtype, shared by its 4 methods)"
+    )
     for d in dtype_names():
         t_cast = best[("cast", d)]
         for m in method_names():
             t_method, t_metrics = best[("method", m, d)], best[("metrics", m, d)]
             total = t_cast / len(method_names()) + t_method + t_metrics
-            print(f"{m + '/' + d:<12} {t_cast / base:>8.2f}x {t_method / base:>7.2f}x {t_metrics / base:>7.2f}x {total / base:>10.2f}x")
+            print(
+                f"{m + '/' + d:<12} {t_cast / base:>8.2f}x {t_method / base:>7.2f}x {t_metrics / base:>7.2f}x {total / base:>10.2f}x"
+            )
 
     t = best_of(args.repeat, lambda: diagnose("bench", x, opts))
-    print(f"whole diagnose (12 cells + shared work, one call): {t:.2f} s = {t / base:.1f}x one torch.softmax pass "
-          f"({t / pre:.1f}x one pass into a preallocated output)")
-    floor = best["shared"] + sum(best[("cast", d)] for d in dtype_names()) + sum(best[("method", m, d)] for d in dtype_names() for m in method_names())
-    print(f"the cells' method passes plus the shared float64 work (census, references, casts): {floor:.2f} s; "
-          f"the whole run is {t / floor:.2f}x that (the metrics, bookkeeping and findings on top)")
+    print(
+        f"whole diagnose (12 cells + shared work, one call): {t:.2f} s = {t / base:.1f}x one torch.softmax pass "
+        f"({t / pre:.1f}x one pass into a preallocated output)"
+    )
+    floor = (
+        best["shared"]
+        + sum(best[("cast", d)] for d in dtype_names())
+        + sum(best[("method", m, d)] for d in dtype_names() for m in method_names())
+    )
+    print(
+        f"the cells' method passes plus the shared float64 work (census, references, casts): {floor:.2f} s; "
+        f"the whole run is {t / floor:.2f}x that (the metrics, bookkeeping and findings on top)"
+    )
 
 
 if __name__ == "__main__":

@@ -78,7 +78,17 @@ def main() -> None:
             if not path.exists():
                 write_scores(path, rows, keys)
             for budget in args.budgets.split(","):
-                cmd = [sys.executable, "-m", "attncheck", "run", str(path), "--quiet", "--brief", "--json", str(root / "r.json")]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "attncheck",
+                    "run",
+                    str(path),
+                    "--quiet",
+                    "--brief",
+                    "--json",
+                    str(root / "r.json"),
+                ]
                 if budget != "default":
                     cmd += ["--max-memory", budget]
                 peak, wall = peak_mib(cmd)

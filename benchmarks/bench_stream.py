@@ -109,7 +109,10 @@ def run_child(mode: str, path: Path, args: argparse.Namespace) -> dict:
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, mode, str(path), str(args.block_rows), args.dtype, args.method],
-        capture_output=True, text=True, cwd=repo, check=False,
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        check=False,
     )
     if proc.returncode != 0:
         raise SystemExit(f"{mode} {path.name} failed:\n{proc.stderr}")
@@ -136,18 +139,24 @@ def main() -> None:
     try:
         t0 = time.perf_counter()
         paths = write_files(directory, args.rows, args.keys, formats)
-        print(f"wrote {len(paths)} x {size_mib:.0f} MiB fp32 ({args.rows} rows x {args.keys} keys) "
-              f"to {directory} in {time.perf_counter() - t0:.1f} s; cells: {args.dtype} x {args.method}")
+        print(
+            f"wrote {len(paths)} x {size_mib:.0f} MiB fp32 ({args.rows} rows x {args.keys} keys) "
+            f"to {directory} in {time.perf_counter() - t0:.1f} s; cells: {args.dtype} x {args.method}"
+        )
         modes = ["read", "diagnose"] + (["load"] if args.also_load else [])
-        print(f"{'file':<20} {'mode':<9} {'wall s':>8} {'MiB/s':>8} {'rows/s':>10} "
-              f"{'RSS after import':>17} {'peak RSS':>9} {'growth':>8}")
+        print(
+            f"{'file':<20} {'mode':<9} {'wall s':>8} {'MiB/s':>8} {'rows/s':>10} "
+            f"{'RSS after import':>17} {'peak RSS':>9} {'growth':>8}"
+        )
         for path in paths:
             for mode in modes:
                 r = run_child(mode, path, args)
                 assert r["rows"] == args.rows, r
-                print(f"{path.name:<20} {mode:<9} {r['wall_s']:>8.2f} {size_mib / r['wall_s']:>8.0f} "
-                      f"{args.rows / r['wall_s']:>10.0f} {r['base_mib']:>13.0f} MiB {r['peak_mib']:>5.0f} MiB "
-                      f"{r['peak_mib'] - r['base_mib']:>4.0f} MiB")
+                print(
+                    f"{path.name:<20} {mode:<9} {r['wall_s']:>8.2f} {size_mib / r['wall_s']:>8.0f} "
+                    f"{args.rows / r['wall_s']:>10.0f} {r['base_mib']:>13.0f} MiB {r['peak_mib']:>5.0f} MiB "
+                    f"{r['peak_mib'] - r['base_mib']:>4.0f} MiB"
+                )
     finally:
         if args.keep:
             print(f"kept {directory}")

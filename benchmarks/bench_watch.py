@@ -38,8 +38,18 @@ def main() -> None:
     args = ap.parse_args()
     reuse_freed_memory()  # as the attncheck command does
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.heads, vocab_size=1000, n_positions=args.seq,
-                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        n_layer=args.layers,
+        n_embd=args.width,
+        n_head=args.heads,
+        vocab_size=1000,
+        n_positions=args.seq,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation=args.impl).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 1000, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
@@ -57,16 +67,22 @@ def main() -> None:
     with attncheck.watch(model, log=folder / "warm.jsonl"):
         step()
     alone, watched = [], []
-    for r in range(args.rounds):  # blocks of steps, interleaved: the machine's drift hits both alike; each block's first step left out
+    for r in range(
+        args.rounds
+    ):  # blocks of steps, interleaved: the machine's drift hits both alike; each block's first step left out
         alone += [step() for _ in range(args.steps + 1)][1:]
         with attncheck.watch(model, log=folder / f"round{r}.jsonl", every=1) as w:
             watched += [step() for _ in range(args.steps + 1)][1:]
     a, b = statistics.median(alone), statistics.median(watched)
-    print(f"GPT-2 style: {args.layers} layers, width {args.width}, {args.heads} heads, {args.impl}, {args.batch} x {args.seq} tokens, AdamW; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"GPT-2 style: {args.layers} layers, width {args.width}, {args.heads} heads, {args.impl}, {args.batch} x {args.seq} tokens, AdamW; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print(f"  training step alone        {a:.3f} s (median of {len(alone)}; min {min(alone):.3f})")
     print(f"  under attncheck.watch      {b:.3f} s (median; min {min(watched):.3f})")
-    print(f"  overhead                   {100 * (b - a) / a:+.1f}% of a step (goal <= 5%); {len(w.records)} records, last with {len(w.records[-1]['calls'])} calls")
+    print(
+        f"  overhead                   {100 * (b - a) / a:+.1f}% of a step (goal <= 5%); {len(w.records)} records, last with {len(w.records[-1]['calls'])} calls"
+    )
 
 
 if __name__ == "__main__":

@@ -94,14 +94,40 @@ def grid(quick: bool) -> list[Case]:
     cases: list[Case] = []
     # the hazard repros (bf16, d 64): PyTorch issues 121558 and 196678 (keys; with controls), cudnn-frontend 1072
     cases.append(Case("121558", "bf16", 64, 8, 8, hq=1, hkv=1, inputs="const133120"))
-    cases.append(Case("196678", "bf16", 64, 704 if not quick else 192, 704 if not quick else 192, hq=1, hkv=1,
-                      mask="bool", inputs="repro196678", backward=True))
-    cases.append(Case("196678-ctl-640", "bf16", 64, 640, 640, hq=1, hkv=1, mask="bool", inputs="repro196678",
-                      backward=True) if not quick else Case("196678-ctl-256", "bf16", 64, 256, 256, hq=1, hkv=1,
-                                                            mask="bool", inputs="repro196678", backward=True))
+    cases.append(
+        Case(
+            "196678",
+            "bf16",
+            64,
+            704 if not quick else 192,
+            704 if not quick else 192,
+            hq=1,
+            hkv=1,
+            mask="bool",
+            inputs="repro196678",
+            backward=True,
+        )
+    )
+    cases.append(
+        Case("196678-ctl-640", "bf16", 64, 640, 640, hq=1, hkv=1, mask="bool", inputs="repro196678", backward=True)
+        if not quick
+        else Case("196678-ctl-256", "bf16", 64, 256, 256, hq=1, hkv=1, mask="bool", inputs="repro196678", backward=True)
+    )
     if not quick:
-        cases.append(Case("196678-ctl-causal", "bf16", 64, 704, 704, hq=1, hkv=1, mask="causal",
-                          inputs="repro196678", backward=True))
+        cases.append(
+            Case(
+                "196678-ctl-causal",
+                "bf16",
+                64,
+                704,
+                704,
+                hq=1,
+                hkv=1,
+                mask="causal",
+                inputs="repro196678",
+                backward=True,
+            )
+        )
     cases.append(Case("1072", "bf16", 64, 1, 128, inputs="repro1072", backward=True))
     cases.append(Case("1072-ctl-sk97", "bf16", 64, 1, 97, inputs="repro1072", backward=True))
     cases.append(Case("1072-ctl-shift0", "bf16", 64, 1, 128, inputs="repro1072", backward=True, shift=0.0))
@@ -254,22 +280,33 @@ def run_path(mod, c: Case, x: Inputs, rows: Rows, capability: tuple[int, int] | 
         tile = fa2.tile_n(c.d, capability, c.mask == "causal", torch_copy=mod is fa2)
         bias = dense_bias(rows, dt)
         bias = None if bias is None else bias.float().reshape(-1, c.tk)
-        r = fa2.kernel_rows(rows.q, rows.k, rows.v, scale=rows.scale, dt=dt, block_n=tile, fused=mod is fa2_fma,
-                            bias=bias)
+        r = fa2.kernel_rows(
+            rows.q, rows.k, rows.v, scale=rows.scale, dt=dt, block_n=tile, fused=mod is fa2_fma, bias=bias
+        )
         return PathResult(r.out, r.lse, r.events, {"block_n": tile})
     if mod is mem_efficient:
         _, bn, rf = mem_efficient.tiles(c.d, c.d, capability)
         if x.causal:  # the kernel's own causal mask, after the bias
-            r = mem_efficient.kernel_rows(rows.q, rows.k, rows.v, scale=rows.scale, dt=dt, masked=rows.masked,
-                                          capability=capability)
+            r = mem_efficient.kernel_rows(
+                rows.q, rows.k, rows.v, scale=rows.scale, dt=dt, masked=rows.masked, capability=capability
+            )
         else:
-            r = mem_efficient.kernel_rows(rows.q, rows.k, rows.v, scale=rows.scale, dt=dt, bias=dense_bias(rows, dt),
-                                          capability=capability)
+            r = mem_efficient.kernel_rows(
+                rows.q, rows.k, rows.v, scale=rows.scale, dt=dt, bias=dense_bias(rows, dt), capability=capability
+            )
         return PathResult(r.out, r.lse, r.events, {"block_n": bn, "in_registers": rf})
     if mod is cudnn:
         explicit = c.mask in ("bool", "float")
-        r = cudnn.kernel_rows(rows.q, rows.k, rows.v, scale=rows.scale, bias=dense_bias(rows, dt), dt=dt,
-                              explicit_mask=explicit, capability=capability)
+        r = cudnn.kernel_rows(
+            rows.q,
+            rows.k,
+            rows.v,
+            scale=rows.scale,
+            bias=dense_bias(rows, dt),
+            dt=dt,
+            explicit_mask=explicit,
+            capability=capability,
+        )
         return PathResult(r.out, r.lse, r.events, {"block_n": cudnn.KEY_TILE})
     # flash (the CPU kernel) and sdpa-math have no kernel_rows: their forward on the case as one block
     from attncheck.numerics.inputs.scores import (
@@ -308,25 +345,32 @@ def compare(o: torch.Tensor, lse: torch.Tensor | None, p: PathResult, dt: torch.
     res = {
         "identical_pct": 100.0 * float(same.double().mean()),
         "max_err_ulp": float(err.max()) if err.numel() else 0.0,
-        "nan_pattern_equal": bool(torch.equal(torch.isnan(o), torch.isnan(p.out))
-                                  and torch.equal(torch.isposinf(o), torch.isposinf(p.out))
-                                  and torch.equal(torch.isneginf(o), torch.isneginf(p.out))),
-        "nan_gpu": int(torch.isnan(o).sum()), "nan_path": int(torch.isnan(p.out).sum()),
-        "lse_max_diff": None, "lse_inf_pattern_equal": None,
+        "nan_pattern_equal": bool(
+            torch.equal(torch.isnan(o), torch.isnan(p.out))
+            and torch.equal(torch.isposinf(o), torch.isposinf(p.out))
+            and torch.equal(torch.isneginf(o), torch.isneginf(p.out))
+        ),
+        "nan_gpu": int(torch.isnan(o).sum()),
+        "nan_path": int(torch.isnan(p.out).sum()),
+        "lse_max_diff": None,
+        "lse_inf_pattern_equal": None,
     }
     if lse is not None and p.lse is not None:
         lp = p.lse.float()
         both = torch.isfinite(lse) & torch.isfinite(lp)
         res["lse_max_diff"] = float((lse[both].double() - lp[both].double()).abs().max()) if both.any() else 0.0
-        res["lse_inf_pattern_equal"] = bool(torch.equal(torch.isfinite(lse), torch.isfinite(lp))
-                                            and torch.equal(lse[~torch.isfinite(lse)], lp[~torch.isfinite(lp)]))
+        res["lse_inf_pattern_equal"] = bool(
+            torch.equal(torch.isfinite(lse), torch.isfinite(lp))
+            and torch.equal(lse[~torch.isfinite(lse)], lp[~torch.isfinite(lp)])
+        )
     return res
 
 
 def facts(c: Case, capability: tuple[int, int] | None) -> CallFacts:
     mask = {"bool": "explicit", "float": "explicit", "causal": "causal"}.get(c.mask, "none")
-    return CallFacts(dtype=c.dt, head_dim=c.d, head_dim_v=c.d, tq=c.tq, tk=c.tk, mask=mask,
-                     capability=capability, gqa=c.hq != c.hkv)
+    return CallFacts(
+        dtype=c.dt, head_dim=c.d, head_dim_v=c.d, tq=c.tq, tk=c.tk, mask=mask, capability=capability, gqa=c.hq != c.hkv
+    )
 
 
 def path_for(backend: str):
@@ -338,8 +382,9 @@ def path_for(backend: str):
     raise LookupError(f"no path stands for sdpa {impl} on cuda")
 
 
-def emulate(c: Case, x: Inputs, rows: Rows, ref: torch.Tensor, mag: torch.Tensor,
-            capability) -> tuple[dict, dict, bool]:
+def emulate(
+    c: Case, x: Inputs, rows: Rows, ref: torch.Tensor, mag: torch.Tensor, capability
+) -> tuple[dict, dict, bool]:
     """Every path on the case: (results by path name, figures by path name, whether all are sound)."""
     results, figures, sound = {}, {}, True
     ref_fin = torch.isfinite(ref)
@@ -378,6 +423,7 @@ def emulate(c: Case, x: Inputs, rows: Rows, ref: torch.Tensor, mag: torch.Tensor
 
 
 # ---- the GPU side -----------------------------------------------------------------------------------------
+
 
 def _expand_kv(c: Case, t: torch.Tensor) -> torch.Tensor:
     return t.repeat_interleave(c.hq // c.hkv, dim=1) if c.hq != c.hkv else t
@@ -432,8 +478,9 @@ def run_backend(backend: str, c: Case, x: Inputs, dev: torch.device) -> dict:
         warnings.simplefilter("always")
         try:
             with sdpa_kernel(getattr(SDPBackend, backend)), torch.no_grad():
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=x.causal,
-                                                   enable_gqa=c.hq != c.hkv)
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=x.causal, enable_gqa=c.hq != c.hkv
+                )
             _sync(dev)
         except Exception as e:  # noqa: BLE001  torch warns each reason, then raises RuntimeError 'No available kernel'
             first = str(e).splitlines()[0] if str(e) else ""
@@ -446,8 +493,12 @@ def run_backend(backend: str, c: Case, x: Inputs, dev: torch.device) -> dict:
     with torch.no_grad():
         o_op, lse, op_err = backend_lse(backend, c, q, k, v, bias)
     _sync(dev)
-    res = {"status": "ran", "out": o[0].reshape(-1, c.d).cpu(), "lse": None if lse is None else lse.reshape(-1).cpu(),
-           "op_error": op_err}
+    res = {
+        "status": "ran",
+        "out": o[0].reshape(-1, c.d).cpu(),
+        "lse": None if lse is None else lse.reshape(-1).cpu(),
+        "op_error": op_err,
+    }
     res["op_out_identical"] = None if o_op is None else bool(torch.equal(torch.nan_to_num(o_op), torch.nan_to_num(o)))
     if c.backward:
         res["backward"] = run_backward(backend, c, x, dev)
@@ -462,8 +513,9 @@ def run_backward(backend: str, c: Case, x: Inputs, dev: torch.device) -> dict:
     mask = x.sdpa_mask()
     try:
         with sdpa_kernel(getattr(SDPBackend, backend)):
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.to(dev),
-                                               is_causal=x.causal, enable_gqa=c.hq != c.hkv)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if mask is None else mask.to(dev), is_causal=x.causal, enable_gqa=c.hq != c.hkv
+            )
             o.backward(x.do.to(dev))
         _sync(dev)
     except Exception as e:  # noqa: BLE001  a backward the backend refuses or breaks on is a figure
@@ -480,13 +532,27 @@ def predicted_backward(backend_mod, results: dict) -> dict:
     return {"nan_dq_rows": int(ev["padded_key_tile"].sum()), "nan_dkdv": bool(ev["padded_query_tile"].any())}
 
 
-def backend_figures(backend: str, mod, c: Case, x: Inputs, ref: torch.Tensor, mag: torch.Tensor, results: dict,
-                    figures: dict, capability, dev: torch.device) -> dict:
+def backend_figures(
+    backend: str,
+    mod,
+    c: Case,
+    x: Inputs,
+    ref: torch.Tensor,
+    mag: torch.Tensor,
+    results: dict,
+    figures: dict,
+    capability,
+    dev: torch.device,
+) -> dict:
     """One backend on one case against its path's results: every figure of the JSON's ``backends`` entry."""
     why = mod.PATH.why_not(facts(c, capability))
     b = run_backend(backend, c, x, dev)
-    fig = {"path": mod.PATH.name, "path_why_not": why, "status": b["status"],
-           "refusal_agrees_with_path": (b["status"] == "refused") == (why is not None)}
+    fig = {
+        "path": mod.PATH.name,
+        "path_why_not": why,
+        "status": b["status"],
+        "refusal_agrees_with_path": (b["status"] == "refused") == (why is not None),
+    }
     if b["status"] != "ran":
         fig["torch_reason"] = b["reason"]
     elif mod.PATH.name in results:
@@ -513,8 +579,20 @@ def backend_figures(backend: str, mod, c: Case, x: Inputs, ref: torch.Tensor, ma
 
 # ---- the table ----------------------------------------------------------------------------------------------
 
-COLUMNS = ("case", "backend", "dtype", "d", "Tq", "Tk", "status", "ident %", "max err ulp", "err/u.sum|pv|",
-           "LSE max diff", "NaN eq")
+COLUMNS = (
+    "case",
+    "backend",
+    "dtype",
+    "d",
+    "Tq",
+    "Tk",
+    "status",
+    "ident %",
+    "max err ulp",
+    "err/u.sum|pv|",
+    "LSE max diff",
+    "NaN eq",
+)
 CPU_COLUMNS = ("case", "path", "dtype", "d", "Tq", "Tk", "status", "err vs f64 (u)", "event rows", "finite as f64")
 
 
@@ -538,12 +616,17 @@ def table(rows: list[tuple], columns: tuple[str, ...]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default=None,
-                    help="where to write every figure (default $OUT/gpu_kernels.json or ./gpu_kernels.json)")
+    ap.add_argument(
+        "--json", default=None, help="where to write every figure (default $OUT/gpu_kernels.json or ./gpu_kernels.json)"
+    )
     ap.add_argument("--quick", action="store_true", help="a reduced grid (bf16, d 64, the repros)")
     ap.add_argument("--cpu-only", action="store_true", help="the emulations alone, checked against float64; no GPU")
-    ap.add_argument("--time-limit", type=float, default=270.0,
-                    help="seconds after which the cases not yet begun are skipped (listed in the JSON; default 270)")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=270.0,
+        help="seconds after which the cases not yet begun are skipped (listed in the JSON; default 270)",
+    )
     # The backends on another device: 'cpu' runs the GPU side's plumbing against PyTorch's CPU kernels (its flash
     # kernel, which is not fa2; the others refuse): a smoke test of the script, not a figure of any GPU kernel.
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
@@ -558,10 +641,13 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device(args.device) if gpu else None
     capability = torch.cuda.get_device_capability() if cuda else None
     meta = {
-        "mode": "cpu-only" if args.cpu_only else f"backends on {args.device}", "quick": args.quick,
-        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "mode": "cpu-only" if args.cpu_only else f"backends on {args.device}",
+        "quick": args.quick,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "capability": capability, "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "capability": capability,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
         "threads": torch.get_num_threads(),
         "attncheck": str(Path(sys.modules["attncheck"].__file__).parent),
     }
@@ -586,22 +672,51 @@ def main(argv: list[str] | None = None) -> int:
                 finite = f.get("finite_where_reference_is")
                 if finite is False and not f["nonfinite_rows_unexplained"]:
                     finite = "no: events"  # NaN/inf only on the rows the path's own hazard event names
-                table_rows.append((c.name, name, c.dt, c.d, c.tq, c.tk, "error" if "error" in f else "emulated",
-                                   err, f.get("event_rows"), finite))
+                table_rows.append(
+                    (
+                        c.name,
+                        name,
+                        c.dt,
+                        c.d,
+                        c.tq,
+                        c.tk,
+                        "error" if "error" in f else "emulated",
+                        err,
+                        f.get("event_rows"),
+                        finite,
+                    )
+                )
         for backend in BACKENDS if gpu else ():
             mod = path_for(backend)
             try:
                 fig = backend_figures(backend, mod, c, x, ref, mag, results, figures, capability, dev)
             except Exception as e:  # noqa: BLE001  one case's failure must not lose the others' figures
-                fig = {"path": mod.PATH.name, "status": "error", "refusal_agrees_with_path": False,
-                       "torch_reason": f"{type(e).__name__}: {e}"[:500]}
+                fig = {
+                    "path": mod.PATH.name,
+                    "status": "error",
+                    "refusal_agrees_with_path": False,
+                    "torch_reason": f"{type(e).__name__}: {e}"[:500],
+                }
             rec["backends"][backend] = fig
             status = fig["status"] if fig["refusal_agrees_with_path"] else fig["status"] + "!"
             if "backward_nan_as_predicted" in fig:
                 status += " bw:" + ("ok" if fig["backward_nan_as_predicted"] else "MISS")
-            table_rows.append((c.name, f"{backend.split('_')[0].lower()}({mod.PATH.name})", c.dt, c.d, c.tq, c.tk,
-                               status, fig.get("identical_pct"), fig.get("max_err_ulp"), fig.get("max_err_u"),
-                               fig.get("lse_max_diff"), fig.get("nan_pattern_equal")))
+            table_rows.append(
+                (
+                    c.name,
+                    f"{backend.split('_')[0].lower()}({mod.PATH.name})",
+                    c.dt,
+                    c.d,
+                    c.tq,
+                    c.tk,
+                    status,
+                    fig.get("identical_pct"),
+                    fig.get("max_err_ulp"),
+                    fig.get("max_err_u"),
+                    fig.get("lse_max_diff"),
+                    fig.get("nan_pattern_equal"),
+                )
+            )
         records.append(rec)
     meta["emulation_s"] = round(t_emulation, 2)
     meta["total_s"] = round(time.perf_counter() - t_start, 2)
@@ -613,16 +728,21 @@ def main(argv: list[str] | None = None) -> int:
     out_path.write_text(json.dumps({"meta": meta, "cases": records}, indent=1))
     if skipped:
         print(f"gpu_kernels: {len(skipped)} cases skipped past --time-limit {args.time_limit:g} s", file=sys.stderr)
-    print(f"{len(records)} cases, emulation {meta['emulation_s']} s, total {meta['total_s']} s on {meta['device']}; "
-          f"figures in {out_path}")
+    print(
+        f"{len(records)} cases, emulation {meta['emulation_s']} s, total {meta['total_s']} s on {meta['device']}; "
+        f"figures in {out_path}"
+    )
     if gpu:
-        print("status: 'refused!'/'ran!' where torch and the path's why_not disagree; bw: the backward's NaN against "
-              "cudnn's padded_tile prediction; max err |O_gpu - O_path| in ulps of the dtype at |O_path| (the paths "
-              "state no bound) and over u sum_j p_j |v_j| (u the dtype's unit roundoff, p and v float64)")
+        print(
+            "status: 'refused!'/'ran!' where torch and the path's why_not disagree; bw: the backward's NaN against "
+            "cudnn's padded_tile prediction; max err |O_gpu - O_path| in ulps of the dtype at |O_path| (the paths "
+            "state no bound) and over u sum_j p_j |v_j| (u the dtype's unit roundoff, p and v float64)"
+        )
     print(table(table_rows, COLUMNS if gpu else CPU_COLUMNS))
     if not sound:
-        print("gpu_kernels: an emulation crashed or gave NaN/inf where float64 is finite (see the JSON)",
-              file=sys.stderr)
+        print(
+            "gpu_kernels: an emulation crashed or gave NaN/inf where float64 is finite (see the JSON)", file=sys.stderr
+        )
         return 1
     return 0
 

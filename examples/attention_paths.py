@@ -18,7 +18,6 @@ import json
 import sys
 
 import torch
-
 from _common import diagnose_and_expect, output_dir
 
 out = output_dir()
@@ -31,7 +30,19 @@ q[0, 0, 3] = 72.0
 k[0, 0, 5] = 47.75
 torch.save({"q": q, "k": k, "v": v}, out / "qkv_large.pt")
 report = out / "qkv_large.report.json"
-args = ["--q", f"{out}/qkv_large.pt:q", "--k", f"{out}/qkv_large.pt:k", "--v", f"{out}/qkv_large.pt:v", "--dtype", "fp16", "--method", "stable,torch", "--brief"]
+args = [
+    "--q",
+    f"{out}/qkv_large.pt:q",
+    "--k",
+    f"{out}/qkv_large.pt:k",
+    "--v",
+    f"{out}/qkv_large.pt:v",
+    "--dtype",
+    "fp16",
+    "--method",
+    "stable,torch",
+    "--brief",
+]
 diagnose_and_expect("", {"qk_overflow"}, *args, report=str(report))
 cells = {c["name"]: c for c in json.loads(report.read_text())["tensors"][0]["cells"]}
 nan = {name: c["nan_rows"] for name, c in cells.items()}
@@ -45,5 +56,17 @@ k[..., 1:8, :] = k[..., :1, :]  # eight identical keys per head
 q = q + 2 * k[..., :1, :]  # that every query prefers
 v = torch.randn(1, 4, 256, 64, generator=g) - 0.5
 torch.save({"q": q, "k": k, "v": v}, out / "qkv_tied.pt")
-args = ["--q", f"{out}/qkv_tied.pt:q", "--k", f"{out}/qkv_tied.pt:k", "--v", f"{out}/qkv_tied.pt:v", "--dtype", "bf16", "--method", "torch", "--brief"]
+args = [
+    "--q",
+    f"{out}/qkv_tied.pt:q",
+    "--k",
+    f"{out}/qkv_tied.pt:k",
+    "--v",
+    f"{out}/qkv_tied.pt:v",
+    "--dtype",
+    "bf16",
+    "--method",
+    "torch",
+    "--brief",
+]
 diagnose_and_expect("", {"tied_max_bias"}, *args, report=str(out / "qkv_tied.report.json"))

@@ -6,7 +6,6 @@ gradient dO, once as is and once scaled by 2^16 (an fp16 loss scale):
 """
 
 import torch
-
 from _common import output_dir
 
 out = output_dir()

@@ -14,21 +14,22 @@ import sys
 
 import torch
 import transformers
+from _common import output_dir
 
 import attncheck
-from _common import output_dir
 from attncheck.cli import app
 
 out = output_dir()
 torch.manual_seed(0)
-config = transformers.GPT2Config(n_layer=4, n_head=8, n_embd=64, vocab_size=128, n_positions=64,
-                                 bos_token_id=0, eos_token_id=0, pad_token_id=0)
+config = transformers.GPT2Config(
+    n_layer=4, n_head=8, n_embd=64, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0, pad_token_id=0
+)
 model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="eager", dtype=torch.float16).eval()
 layer, head, d, width = 2, 5, 8, 64
 with torch.no_grad():  # c_attn's output columns: q | k | v, each head d wide
     w = model.transformer.h[layer].attn.c_attn.weight
-    w[:, head * d:(head + 1) * d] *= 2500
-    w[:, width + head * d:width + (head + 1) * d] *= 2500
+    w[:, head * d : (head + 1) * d] *= 2500
+    w[:, width + head * d : width + (head + 1) * d] *= 2500
 
 ids = torch.randint(1, 128, (2, 16))
 mask = torch.ones(2, 16, dtype=torch.long)

@@ -17,8 +17,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
-
 from _common import output_dir
+
 from attncheck.testing import assert_softmax_ok
 
 HERE = Path(__file__).resolve().parent
@@ -63,7 +63,11 @@ if failing != 1:
     sys.exit(f"expected the unscaled fp16 config to break its budget (exit 1), got exit {failing}")
 
 suite = ET.parse(out / "failing-junit.xml").getroot()
-failed = [(tc.get("classname"), tc.get("name"), tc.find("failure").get("message")) for tc in suite.iter("testcase") if tc.find("failure") is not None]
+failed = [
+    (tc.get("classname"), tc.get("name"), tc.find("failure").get("message"))
+    for tc in suite.iter("testcase")
+    if tc.find("failure") is not None
+]
 print(f"\nJUnit: {suite.get('tests')} test(s), {suite.get('failures')} failure(s)")
 for classname, name, message in failed:
     print(f"  {classname} {name}: {message}")
@@ -74,7 +78,9 @@ print("\nas expected: the example config passes, naive/fp16 on unscaled logits b
 # The same budgets inside a pytest test over your own module: assert_softmax_ok.
 g = torch.Generator().manual_seed(0)
 q, k = torch.randn(2, 64, 128, generator=g), torch.randn(2, 64, 128, generator=g)  # (H, T, d_k)
-assert_softmax_ok(q @ k.transpose(-1, -2) / 128**0.5, dtype="bf16", method="tiled", max_abs_err=1e-2, relative_to_torch=2.0)
+assert_softmax_ok(
+    q @ k.transpose(-1, -2) / 128**0.5, dtype="bf16", method="tiled", max_abs_err=1e-2, relative_to_torch=2.0
+)
 try:
     assert_softmax_ok(q @ k.transpose(-1, -2), dtype="fp16", method="naive")  # no 1/sqrt(d_k)
 except AssertionError as e:

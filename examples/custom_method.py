@@ -29,7 +29,9 @@ result = diagnose("layer0.scores", scores, Options(dtypes=("fp16",), methods=("s
 for cell in result.cells:
     # Against float64 of the scores as given, and of the scores after the cast to fp16 (algo):
     # the cast costs every method the same; the algorithmic error tells them apart.
-    print(f"{cell.name:<18} NaN rows {cell.nan_rows} {cell.nan_causes}  max error {cell.max_abs_err:.2e}, algo {cell.max_abs_err_algo:.2e}, RMSE algo {cell.rmse_algo:.2e}")
+    print(
+        f"{cell.name:<18} NaN rows {cell.nan_rows} {cell.nan_causes}  max error {cell.max_abs_err:.2e}, algo {cell.max_abs_err_algo:.2e}, RMSE algo {cell.rmse_algo:.2e}"
+    )
 
 # The reported error is the method's own, measured here independently with numpy.
 x = scores.numpy().astype(np.float64).reshape(-1, 256)

@@ -8,9 +8,8 @@ The dump is saved in fp16, as a model running in half precision would save it.
 """
 
 import torch
-from safetensors.torch import save_file
-
 from _common import diagnose_and_expect, output_dir
+from safetensors.torch import save_file
 
 out = output_dir()
 g = torch.Generator().manual_seed(0)

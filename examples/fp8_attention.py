@@ -14,7 +14,6 @@ cast to e4m3 without a descale.
 
 import numpy as np
 import torch
-
 from _common import diagnose_and_expect, output_dir
 
 out = output_dir()
@@ -22,7 +21,9 @@ rng = np.random.default_rng(0)
 scores = rng.standard_normal((4, 256, 1024)).astype(np.float32)  # (heads, queries, keys)
 scores[..., :4] += 9.0  # the sink
 np.save(out / "sink.npy", scores)
-diagnose_and_expect(str(out / "sink.npy"), {"p_cast_underflow"}, "--dtype", "e4m3", "--method", "tiled", "--p-scale", "1", "--brief")
+diagnose_and_expect(
+    str(out / "sink.npy"), {"p_cast_underflow"}, "--dtype", "e4m3", "--method", "tiled", "--p-scale", "1", "--brief"
+)
 
 g = torch.Generator().manual_seed(0)
 q = torch.randn(1, 4, 128, 64, generator=g)  # (B, H, T, d)
@@ -31,5 +32,16 @@ v = torch.randn(1, 4, 128, 64, generator=g)
 q[0, 2, 7, :4] = 1000.0  # one query row of a layer whose activations blew up
 torch.save({"q": q, "k": k, "v": v}, out / "qkv_fp8.pt")
 qkv = [f"--{name}={out / 'qkv_fp8.pt'}:{name}" for name in "qkv"]
-diagnose_and_expect("", {"fp8_overflow", "fp8_unscaled"}, *qkv, "--dtype", "bf16,e4m3", "--method", "torch", "--fp8-scaling", "none",
-                    "--brief", report=str(out / "qkv_fp8.report.json"))
+diagnose_and_expect(
+    "",
+    {"fp8_overflow", "fp8_unscaled"},
+    *qkv,
+    "--dtype",
+    "bf16,e4m3",
+    "--method",
+    "torch",
+    "--fp8-scaling",
+    "none",
+    "--brief",
+    report=str(out / "qkv_fp8.report.json"),
+)

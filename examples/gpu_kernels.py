@@ -17,11 +17,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+from _common import output_dir
 
 import attncheck
 from attncheck.testing import as_gpu_capture
-
-from _common import output_dir
 
 out = output_dir()
 q = torch.full((1, 1, 4, 64), 133120.0, dtype=torch.bfloat16)

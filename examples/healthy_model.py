@@ -11,7 +11,9 @@ import torch
 import transformers
 
 torch.manual_seed(0)
-config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
+config = transformers.GPT2Config(
+    n_layer=2, n_head=4, n_embd=64, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0
+)
 model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa").eval()
 ids = torch.randint(0, 128, (2, 24))
 mask = torch.ones(2, 24, dtype=torch.long)

@@ -1,6 +1,6 @@
 """attncheck as a library: diagnose a tensor in your own code, no files involved.
 
-    python examples/library_api.py
+python examples/library_api.py
 """
 
 import torch

@@ -15,9 +15,9 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _common import output_dir
 
 import attncheck
-from _common import output_dir
 
 
 class Block(nn.Module):
@@ -32,7 +32,9 @@ class Block(nn.Module):
 
     def forward(self, x):
         b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(d, dim=-1))
+        q, k, v = (
+            z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(d, dim=-1)
+        )
         a = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, is_causal=True)  # (B, H, T, d/H)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.ln2(x))
@@ -85,7 +87,10 @@ def main() -> None:
         cmd = [sys.executable, "-m", "attncheck", "watch", str(log), "--fail-on", "logit_growth", "--quiet"]
         if name == "lr0.1":
             cmd += ["--plot", str(out / f"{name}.png")]
-        print(f"== {name}: loss {losses[0]:.3f} -> {min(losses):.3f} (lowest) -> {losses[-1]:.3f}; $ attncheck watch {log.name} --fail-on logit_growth", flush=True)
+        print(
+            f"== {name}: loss {losses[0]:.3f} -> {min(losses):.3f} (lowest) -> {losses[-1]:.3f}; $ attncheck watch {log.name} --fail-on logit_growth",
+            flush=True,
+        )
         rc = subprocess.run(cmd).returncode
         want = 1 if name == "lr0.1" else 0
         if rc != want:

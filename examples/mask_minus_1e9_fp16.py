@@ -8,7 +8,6 @@ uniform row (fp32) into NaN (fp16): the classic left-padding + causal mask bug.
 """
 
 import numpy as np
-
 from _common import diagnose_and_expect, output_dir
 
 out = output_dir()

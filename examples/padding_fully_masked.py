@@ -8,7 +8,6 @@ torch.softmax) and zeros in a FlashAttention-style tiled softmax.
 """
 
 import torch
-
 from _common import diagnose_and_expect, output_dir
 
 out = output_dir()

@@ -24,7 +24,9 @@ class Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         b, t, e = x.shape
-        q, k, v = (z.view(b, t, self.heads, e // self.heads).transpose(1, 2) for z in self.qkv(x).split(e, dim=-1))  # (B, H, T, d)
+        q, k, v = (
+            z.view(b, t, self.heads, e // self.heads).transpose(1, 2) for z in self.qkv(x).split(e, dim=-1)
+        )  # (B, H, T, d)
         low = torch.finfo(x.dtype).min
         causal = torch.zeros(t, t, dtype=x.dtype).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), low)
         keys = torch.zeros(b, 1, 1, t, dtype=x.dtype).masked_fill(pad[:, None, None, :], low)
@@ -58,7 +60,7 @@ if __name__ == "__main__":
     model = Model().half().eval()
     x = torch.randn(2, 12, 32, dtype=torch.float16)
     pad = torch.zeros(2, 12, dtype=torch.bool)
-    pad[0, :args.pad] = True  # left padding in the first sequence
+    pad[0, : args.pad] = True  # left padding in the first sequence
     with torch.no_grad():
         y = model(x, pad)
     print(f"padded queries: {args.pad}; rows of the output holding NaN: {int(torch.isnan(y).any(dim=-1).sum())}")

@@ -9,7 +9,6 @@ says that `--scale-order q` would avoid it.
 """
 
 import torch
-
 from _common import diagnose_and_expect, output_dir
 
 out = output_dir()
@@ -21,4 +20,17 @@ k[0, 1, 9, 0] = 382.0
 path = out / "qk.pt"
 torch.save({"q": q, "k": k}, path)
 
-diagnose_and_expect("", {"qk_overflow"}, "--q", f"{path}:q", "--k", f"{path}:k", "--dtype", "fp16", "--method", "stable,torch", "--brief", report=str(out / "qk.report.json"))
+diagnose_and_expect(
+    "",
+    {"qk_overflow"},
+    "--q",
+    f"{path}:q",
+    "--k",
+    f"{path}:k",
+    "--dtype",
+    "fp16",
+    "--method",
+    "stable,torch",
+    "--brief",
+    report=str(out / "qk.report.json"),
+)

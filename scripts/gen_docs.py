@@ -20,8 +20,11 @@ from attncheck.report.reference import findings_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 # the numerics page is hand-written but for its attention paths section, written from the path modules
-PAGES = {REFERENCE_PAGE: findings_reference, CLI_PAGE: cli_reference,
-         NUMERICS_PAGE: lambda: with_paths((ROOT / NUMERICS_PAGE).read_text())}
+PAGES = {
+    REFERENCE_PAGE: findings_reference,
+    CLI_PAGE: cli_reference,
+    NUMERICS_PAGE: lambda: with_paths((ROOT / NUMERICS_PAGE).read_text()),
+}
 
 stale = []
 for name, make in PAGES.items():

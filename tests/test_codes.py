@@ -11,7 +11,18 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from attncheck.codes import CAUSES_OF, CODES, FIX, GRAD_CAUSES_OF, GROUPS, REGISTRY, SEVERITIES, SEVERITY, closest_codes, doc_link
+from attncheck.codes import (
+    CAUSES_OF,
+    CODES,
+    FIX,
+    GRAD_CAUSES_OF,
+    GROUPS,
+    REGISTRY,
+    SEVERITIES,
+    SEVERITY,
+    closest_codes,
+    doc_link,
+)
 
 PACKAGE = Path(__file__).resolve().parents[1] / "attncheck"
 # Where codes are made: findings (add("code", ...)) and the watch's alerts (_alert("code", ...), WatchAlert("code", ...)).
@@ -56,7 +67,12 @@ def test_each_entry_has_every_part_of_its_page(code):
 def test_the_views_every_layer_reads():
     assert list(SEVERITY) == list(FIX) == [c.name for c in CODES]
     assert CAUSES_OF["fully_masked_rows"] == ("fully_masked",) and CAUSES_OF["unexplained_nan"] == ("unexplained",)
-    assert set(CAUSES_OF) < set(REGISTRY) and set(GRAD_CAUSES_OF) == {"grad_nan_masked_row", "grad_nan_input", "grad_nan_forward", "grad_overflow"}
+    assert set(CAUSES_OF) < set(REGISTRY) and set(GRAD_CAUSES_OF) == {
+        "grad_nan_masked_row",
+        "grad_nan_input",
+        "grad_nan_forward",
+        "grad_overflow",
+    }
 
 
 def test_closest_codes():

@@ -28,7 +28,14 @@ def env_with_venv_first():
 @pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(script, tmp_path):
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=script.parent, capture_output=True, text=True, timeout=300, env=env_with_venv_first())
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        cwd=script.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env_with_venv_first(),
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
@@ -64,7 +71,7 @@ def test_readme_is_the_front_door():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= README_LINES
     quick = text.split("## Quick start\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    assert quick.splitlines() == ['pip install . && attncheck sweep', 'pip install -e ".[test]" && pytest']
+    assert quick.splitlines() == ["pip install . && attncheck sweep", 'pip install -e ".[test]" && pytest']
     ci = (ROOT / ".ci" / "run").read_text()
     assert "pip install -q . && attncheck sweep" in ci and 'pip install -q -e ".[test]" && pytest' in ci
 
@@ -117,7 +124,9 @@ def test_the_readme_says_what_its_examples_need():
     needed = set()
     for script in scripts:
         source = (ROOT / script).read_text()
-        needed |= {m for m in ("transformers", "matplotlib") if re.search(rf"^import {m}|^from {m}\b", source, flags=re.M)}
+        needed |= {
+            m for m in ("transformers", "matplotlib") if re.search(rf"^import {m}|^from {m}\b", source, flags=re.M)
+        }
         needed |= {"matplotlib"} if "--plot" in source else set()
     assert needed == {"transformers", "matplotlib"}
     install = re.search(r"the examples need ([^.]*)", text.replace("\n", " "))
@@ -144,5 +153,7 @@ def test_doc_commands_run_in_order(doc, tmp_path):
     env = env_with_venv_first()
     for cmd, expected in readme_commands(doc):
         proc = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
-        assert proc.returncode == expected, f"{cmd!r} exited {proc.returncode}, expected {expected}:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}"
+        assert proc.returncode == expected, (
+            f"{cmd!r} exited {proc.returncode}, expected {expected}:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}"
+        )
         assert "Traceback" not in proc.stderr, cmd

@@ -236,8 +236,9 @@ def test_what_if_cells_get_their_own_fused_max_finding(tmp_path):
     """The 121558 call captured on the CPU (the model's cell: the CPU flash kernel, finite) with the GPU kernels
     as what-ifs: fa2-fma's cell carries the finding, fa2's and mem-efficient's none; --fail-on what-if:fused_max."""
     cap = captured(tmp_path, issue_121558())
-    doc, r = run_capture(cap, "--path", "fa2-fma,fa2,mem-efficient", "--dtype", "bf16",
-                         "--fail-on", "what-if:fused_max")
+    doc, r = run_capture(
+        cap, "--path", "fa2-fma,fa2,mem-efficient", "--dtype", "bf16", "--fail-on", "what-if:fused_max"
+    )
     assert r.exit_code == 1
     assert not of(doc["tensors"][0]["findings"], "fused_max")  # the model's own cell
     answers = {a["cell"]: a for a in doc["model"]["what_if"]}

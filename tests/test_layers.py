@@ -17,16 +17,48 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "attncheck"
 
 TORCH_FREE = [
-    "attncheck", "attncheck.errors", "attncheck.format", "attncheck.registry", "attncheck.params", "attncheck.results", "attncheck.codes", "attncheck.findings",
-    "attncheck.model", "attncheck.config.run", "attncheck.config.sweep", "attncheck.config.check", "attncheck.config.capture", "attncheck.testing",
-    "attncheck.report.run", "attncheck.report.sweep", "attncheck.report.check", "attncheck.report.progress", "attncheck.report.model",
-    "attncheck.cli", "attncheck.cli.common", "attncheck.cli.options", "attncheck.cli.run", "attncheck.cli.sweep", "attncheck.cli.check",
-    "attncheck.cli.capture", "attncheck.cli.explain", "attncheck.report.reference", "attncheck.report.diagnostics", "attncheck.report.summary", "attncheck.report.fit", "attncheck.cli.docs",
-    "attncheck.numerics", "attncheck.numerics.sweep.theory", "attncheck.pipelines", "attncheck.numerics.paths.base",
+    "attncheck",
+    "attncheck.errors",
+    "attncheck.format",
+    "attncheck.registry",
+    "attncheck.params",
+    "attncheck.results",
+    "attncheck.codes",
+    "attncheck.findings",
+    "attncheck.model",
+    "attncheck.config.run",
+    "attncheck.config.sweep",
+    "attncheck.config.check",
+    "attncheck.config.capture",
+    "attncheck.testing",
+    "attncheck.report.run",
+    "attncheck.report.sweep",
+    "attncheck.report.check",
+    "attncheck.report.progress",
+    "attncheck.report.model",
+    "attncheck.cli",
+    "attncheck.cli.common",
+    "attncheck.cli.options",
+    "attncheck.cli.run",
+    "attncheck.cli.sweep",
+    "attncheck.cli.check",
+    "attncheck.cli.capture",
+    "attncheck.cli.explain",
+    "attncheck.report.reference",
+    "attncheck.report.diagnostics",
+    "attncheck.report.summary",
+    "attncheck.report.fit",
+    "attncheck.cli.docs",
+    "attncheck.numerics",
+    "attncheck.numerics.sweep.theory",
+    "attncheck.pipelines",
+    "attncheck.numerics.paths.base",
 ]
 # Each path module declares its spec beside its numerics and is read when the CLI starts: torch only inside functions
-TORCH_FREE += [f"attncheck.numerics.paths.{name}" for name in
-               __import__("attncheck.registry", fromlist=["PATH_MODULES"]).PATH_MODULES]
+TORCH_FREE += [
+    f"attncheck.numerics.paths.{name}"
+    for name in __import__("attncheck.registry", fromlist=["PATH_MODULES"]).PATH_MODULES
+]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

@@ -86,7 +86,10 @@ def test_many_calls_fit_one_screen_and_the_closing_line_names_the_first_bad_call
     lines = text.splitlines()
     assert len(lines) < 80, len(lines)
     assert lines[-1].startswith("24 call(s) on cpu:") or "first call that goes wrong: #13 model.layers.13.attn" in text
-    assert "first call that goes wrong: #13 model.layers.13.attn (softmax, torch/fp16): NaN in 1 row(s), first cause inf_input in head 5" in " ".join(text.split())
+    assert (
+        "first call that goes wrong: #13 model.layers.13.attn (softmax, torch/fp16): NaN in 1 row(s), first cause inf_input in head 5"
+        in " ".join(text.split())
+    )
     assert "13 >" in text  # the row is marked
     row = next(line for line in lines if line.startswith(" 13.attn"))  # the layer x head matrix
     assert row.split()[6] == "N1" and all(c.replace(".", "").isdigit() for c in row.split()[1:6])
@@ -100,7 +103,17 @@ def test_json_model_section():
     doc = json.loads(json.dumps(run_json([c.diagnosis for c in calls], "cpu", [], report, calls), allow_nan=False))
     assert doc["schema"] == "attncheck.run/3" and {"tensors", "failed", "options", "device"} <= doc.keys()
     m = doc["model"]
-    assert m["first_bad"] == {"index": 1, "rank": None, "name": "c1", "module": "model.layers.1.attn", "verdict": "nan", "first_cause": "inf_input", "heads": [3], "nan_rows": 1, "errors": ["inf_input"]}
+    assert m["first_bad"] == {
+        "index": 1,
+        "rank": None,
+        "name": "c1",
+        "module": "model.layers.1.attn",
+        "verdict": "nan",
+        "first_cause": "inf_input",
+        "heads": [3],
+        "nan_rows": 1,
+        "errors": ["inf_input"],
+    }
     assert [c["verdict"] for c in m["calls"]] == ["ok", "nan"] and m["calls"][1]["cell"] == "torch/fp16"
     assert m["calls"][1]["heads"][3]["nan_rows"] == 1 and len(m["calls"][1]["heads"]) == 4
 
@@ -108,13 +121,15 @@ def test_json_model_section():
 def test_the_closing_line_never_counts_errors_next_to_no_call_going_wrong():
     """Errors of any cell count for a call of unknown implementation (every cell is asked), so a
     naive fp16 overflow marks its call; the closing line names it rather than 'no call goes wrong'."""
-    from attncheck.numerics.cells.diagnose import diagnose
     from attncheck.numerics.cells.calls import scores_report
+    from attncheck.numerics.cells.diagnose import diagnose
 
     opts = Options(dtypes=("fp16",), methods=("naive", "torch"))
     quiet = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     loud = quiet * 20  # logits past 11.09: naive fp16's exp overflows; torch.softmax is fine
-    calls = [scores_report(CallInfo(i, f"t{i}", "scores"), diagnose(f"t{i}", x, opts)) for i, x in enumerate((quiet, loud))]
+    calls = [
+        scores_report(CallInfo(i, f"t{i}", "scores"), diagnose(f"t{i}", x, opts)) for i, x in enumerate((quiet, loud))
+    ]
     report = model_report(calls)
     assert report.lines[1].verdict == "error" and "exp_overflow" in report.lines[1].errors and report.first_bad == 1
     text = " ".join(render(report, calls).split())
@@ -168,6 +183,7 @@ def test_ignored_nan_rows_leave_the_head_grid_as_they_leave_the_call_table():
     bad[0, 3, 2, 1] = float("inf")  # head 3: +inf, not ignored
     calls = [softmax_call(0, masked), softmax_call(1, bad)]
     assert calls[0].heads[0].nan_rows == 2 and calls[0].heads[0].nan_causes == {"fully_masked": 2}
+
     def grid(text):  # the layer x head grid's rows (the call table's rows start with the call's number)
         return [line.split() for line in text.splitlines() if line.strip().startswith(("0.attn", "1.attn"))][-2:]
 

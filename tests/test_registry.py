@@ -17,8 +17,8 @@ from attncheck.cli import app
 from attncheck.config.run import Options
 from attncheck.errors import AttncheckError
 from attncheck.numerics.cells.diagnose import diagnose
-from attncheck.numerics.precision import DtypeLimits, limits_of, overflow_result, torch_dtype
 from attncheck.numerics.methods.softmax import MethodOutput, tiled_softmax
+from attncheck.numerics.precision import DtypeLimits, limits_of, overflow_result, torch_dtype
 from attncheck.registry import DTYPES, EVENTS, METHODS, MethodSpec, dtype_names, method_names
 
 BUILT_IN = ("naive", "stable", "tiled", "torch")
@@ -44,7 +44,13 @@ def extra_methods():
     specs = [
         MethodSpec("stable2", "stable, quotient rounded twice", stable_rounds_twice, events=("exp_overflow",)),
         MethodSpec("tiled16", "tiled with 16-key blocks", tiled_small_blocks, output="fp32"),
-        MethodSpec("stable2-plain", "stable2 with its metrics from the torch backend", stable_rounds_twice, events=("exp_overflow",), fused=False),
+        MethodSpec(
+            "stable2-plain",
+            "stable2 with its metrics from the torch backend",
+            stable_rounds_twice,
+            events=("exp_overflow",),
+            fused=False,
+        ),
     ]
     for spec in specs:
         METHODS.register(spec)
@@ -73,7 +79,11 @@ def numpy_cell(x: np.ndarray, p: np.ndarray) -> dict:
     nan_rows = ~np.isfinite(p).all(axis=-1)
     ok = ~nan_rows & np.isfinite(ref).all(axis=-1)
     d = p[ok] - ref[ok]
-    return {"nan_rows": int(nan_rows.sum()), "max_abs_err": float(np.abs(d).max()), "rmse": math.sqrt(float((d * d).sum()) / d.size)}
+    return {
+        "nan_rows": int(nan_rows.sum()),
+        "max_abs_err": float(np.abs(d).max()),
+        "rmse": math.sqrt(float((d * d).sum()) / d.size),
+    }
 
 
 def test_a_registered_method_runs_beside_the_built_ins_on_the_fused_path(big_scores, extra_methods):
@@ -104,25 +114,46 @@ def test_a_registered_method_runs_beside_the_built_ins_on_the_fused_path(big_sco
 def test_tiled16_nan_rows_are_zero_rows_not_nan(big_scores, extra_methods):
     """tiled16 returns zeros for fully masked rows, so the numpy count above sees its NaN
     rows only where stable2 has them; check the zero rows directly."""
-    c = diagnose("x", big_scores[1:, :2], Options(methods=("tiled16",), dtypes=("fp16",), kernels="torch")).cell("tiled16", "fp16")
+    c = diagnose("x", big_scores[1:, :2], Options(methods=("tiled16",), dtypes=("fp16",), kernels="torch")).cell(
+        "tiled16", "fp16"
+    )
     assert c.nan_rows == 0 and c.zero_causes == {"fully_masked": 8}
 
 
 def test_registered_method_in_the_json_report(tmp_path, big_scores, extra_methods):
     path = tmp_path / "big.npy"
     np.save(path, big_scores.numpy())
-    r = CliRunner().invoke(app, ["run", str(path), "--dtype", "fp16", "--method", "naive,stable,tiled,torch,stable2,tiled16", "--json", "-", "--quiet"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "run",
+            str(path),
+            "--dtype",
+            "fp16",
+            "--method",
+            "naive,stable,tiled,torch,stable2,tiled16",
+            "--json",
+            "-",
+            "--quiet",
+        ],
+    )
     assert r.exit_code == 0, r.output
     cells = {c["name"]: c for c in json.loads(r.stdout)["tensors"][0]["cells"]}
     assert list(cells) == ["naive/fp16", "stable/fp16", "tiled/fp16", "torch/fp16", "stable2/fp16", "tiled16/fp16"]
-    want = numpy_cell(big_scores.numpy(), stable_rounds_twice(big_scores.half().reshape(-1, 1024), None).probs.float().numpy())
+    want = numpy_cell(
+        big_scores.numpy(), stable_rounds_twice(big_scores.half().reshape(-1, 1024), None).probs.float().numpy()
+    )
     assert cells["stable2/fp16"]["max_abs_err"] == pytest.approx(want["max_abs_err"], rel=1e-12)
     assert cells["stable2/fp16"]["rmse"] == pytest.approx(want["rmse"], rel=1e-9)
-    assert cells["stable2/fp16"]["rmse_algo"] > 1.01 * cells["stable/fp16"]["rmse_algo"]  # rounding twice: its own, larger error
+    assert (
+        cells["stable2/fp16"]["rmse_algo"] > 1.01 * cells["stable/fp16"]["rmse_algo"]
+    )  # rounding twice: its own, larger error
 
 
 def test_a_method_that_breaks_its_promise_is_named():
-    METHODS.register(MethodSpec("liar", "claims fp16 output, returns fp64", lambda x, p: MethodOutput(torch.softmax(x.double(), -1))))
+    METHODS.register(
+        MethodSpec("liar", "claims fp16 output, returns fp64", lambda x, p: MethodOutput(torch.softmax(x.double(), -1)))
+    )
     try:
         with pytest.raises(TypeError, match="method liar returned torch.float64"):
             diagnose("x", torch.randn(4, 8), Options(methods=("liar",), dtypes=("fp16",)))
@@ -171,8 +202,14 @@ def test_each_dtype_has_its_limits_from_torch(name):
         assert below == lim.max  # just below the rounding limit: the largest finite value
         assert beyond == overflow_result(dt) or (math.isnan(beyond) and math.isnan(overflow_result(dt)))
         assert beyond != lim.max or lim.overflow == "saturate"
-    tiniest = torch.tensor([lim.smallest_subnormal, lim.smallest_subnormal * 0.5, lim.smallest_subnormal * 0.75], dtype=torch.float64)
-    assert tiniest.to(dt).double().tolist() == [lim.smallest_subnormal, 0.0, lim.smallest_subnormal]  # the tie at half rounds to 0
+    tiniest = torch.tensor(
+        [lim.smallest_subnormal, lim.smallest_subnormal * 0.5, lim.smallest_subnormal * 0.75], dtype=torch.float64
+    )
+    assert tiniest.to(dt).double().tolist() == [
+        lim.smallest_subnormal,
+        0.0,
+        lim.smallest_subnormal,
+    ]  # the tie at half rounds to 0
     assert (torch.tensor(1.0 + lim.eps, dtype=torch.float64).to(dt).double().item() - 1.0) == lim.eps
     assert torch.tensor(1.0 + lim.eps * 0.5, dtype=torch.float64).to(dt).double().item() == 1.0
 

@@ -64,7 +64,10 @@ def test_max_abs_err_failure_names_the_worst_row():
 def test_relative_to_torch_passes_stable_and_fails_a_worse_sum():
     x = make_scores(64, 1024, 128, seed=0) / math.sqrt(128)  # inputs where stable fp16 is < 2x torch (see test_checks)
     assert_softmax_ok(x, dtype="fp16", method="stable", relative_to_torch=2.0)
-    with pytest.raises(AssertionError, match=r"^attncheck: stable/fp16 of scores \(64x1024\) broke its budget: relative_to_torch: max_abs_err_algo \S+ > 2 x torch \S+ = \S+ \(\d+\.\d\dx torch\) \(worst row \d+\)"):
+    with pytest.raises(
+        AssertionError,
+        match=r"^attncheck: stable/fp16 of scores \(64x1024\) broke its budget: relative_to_torch: max_abs_err_algo \S+ > 2 x torch \S+ = \S+ \(\d+\.\d\dx torch\) \(worst row \d+\)",
+    ):
         assert_softmax_ok(x, dtype="fp16", method="stable", relative_to_torch=2.0, accum="dtype")
 
 
@@ -97,7 +100,12 @@ def test_bad_arguments_raise_attncheck_error(kwargs, message):
 def test_bad_scores_raise_attncheck_error():
     with pytest.raises(AttncheckError, match=re.escape("scores must be a torch.Tensor or a numpy array, got list")):
         assert_softmax_ok([[1.0, 2.0]])
-    with pytest.raises(AttncheckError, match=re.escape("scores has dtype int64; attncheck needs floating-point scores")):
+    with pytest.raises(
+        AttncheckError, match=re.escape("scores has dtype int64; attncheck needs floating-point scores")
+    ):
         assert_softmax_ok(np.zeros((2, 3), dtype=np.int64))
-    with pytest.raises(AttncheckError, match=re.escape("scores has dtype int64; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)")):
+    with pytest.raises(
+        AttncheckError,
+        match=re.escape("scores has dtype int64; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)"),
+    ):
         assert_softmax_ok(torch.zeros(2, 3, dtype=torch.int64))

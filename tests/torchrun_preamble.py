@@ -1,7 +1,7 @@
 """The start of the training scripts the torchrun tests run (gloo on the CPU, two processes): the
 process group, this process's rank, and a one-layer causal attention over (2, 8, 16) inputs, 4 heads."""
 
-DDP_PREAMBLE = '''
+DDP_PREAMBLE = """
 import sys
 import torch
 import torch.distributed as dist
@@ -22,4 +22,4 @@ class Attention(torch.nn.Module):
     def forward(self, x):
         q, k, v = (z.view(2, 8, 4, 4).transpose(1, 2) for z in self.qkv(x).split(16, -1))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 8, 16)
-'''
+"""

@@ -12,8 +12,8 @@ import typer
 from attncheck import __version__
 from attncheck.cli.capture import capture
 from attncheck.cli.check import check
-from attncheck.cli.explain import explain
 from attncheck.cli.common import Command, OneLineErrorsGroup, no_spin_waiting, reuse_freed_memory, write_stdout
+from attncheck.cli.explain import explain
 from attncheck.cli.run import run
 from attncheck.cli.sweep import sweep
 from attncheck.cli.watch import watch
@@ -38,7 +38,9 @@ def version_callback(value: bool) -> None:
 
 @app.callback()
 def main_options(
-    version: bool = typer.Option(False, "--version", help="Print the version and exit.", callback=version_callback, is_eager=True),
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", callback=version_callback, is_eager=True
+    ),
 ) -> None:
     """Numerical diagnostics for the softmax inside attention."""
     reuse_freed_memory()

@@ -19,7 +19,6 @@ from attncheck.cli.common import check_output_path, fail
 from attncheck.cli.options import (
     BlockOpt,
     BriefOpt,
-    SummaryOpt,
     CellDtypeOpt,
     CellMethodOpt,
     DetailOpt,
@@ -32,6 +31,7 @@ from attncheck.cli.options import (
     PartialOpt,
     PathOpt,
     QuietOpt,
+    SummaryOpt,
     WhatIfOpt,
     notices,
     progress_shown,
@@ -45,23 +45,79 @@ CAPTURE = "Capture"
 
 
 def capture(
-    script: str = typer.Argument(..., metavar="SCRIPT", help="The Python script to run (as 'python SCRIPT ARGS' would run it).", show_default=False),
-    args: Optional[List[str]] = typer.Argument(None, metavar="ARGS", help="Arguments for the script; put '--' before the script when they look like options.", show_default=False),
-    out: str = typer.Option(DEFAULT_OUT, "--out", "-o", metavar="DIR", help="Capture directory: one .safetensors per call and manifest.json (created; a previous capture there is replaced); under torchrun one per rank, DIR/rank0, DIR/rank1, ...", rich_help_panel=CAPTURE),
-    no_save: bool = typer.Option(False, "--no-save", help="Write nothing: diagnose each call as it is recorded.", rich_help_panel=CAPTURE),
-    max_calls: str = typer.Option(str(DEFAULT_MAX_CALLS), "--max-calls", metavar="N", help="Stop recording after N calls (the script runs on).", rich_help_panel=CAPTURE),
-    max_bytes: str = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", metavar="SIZE", help="Stop recording before the tensors recorded pass SIZE (e.g. 512MiB).", rich_help_panel=CAPTURE),
-    module: List[str] = typer.Option([], "--module", metavar="GLOB", help="Record only calls in modules whose path matches (repeatable), e.g. '*.layers.1.*'; a call outside any module is 'global'.", rich_help_panel=CAPTURE),
-    forward: Optional[str] = typer.Option(None, "--forward", metavar="N[,N|A-B]", help="Which forward passes of the top module to record (1-based), e.g. 1 or 2-4; default all.", rich_help_panel=CAPTURE),
-    no_grads: bool = typer.Option(False, "--no-grads", help="Record the forward only: without it, when the script runs a backward, each call's output gradient and the gradients its kernel produced are recorded too (they count for --max-bytes) and every call's backward is diagnosed.", rich_help_panel=CAPTURE),
-    compile_mode: str = typer.Option("eager", "--compile", metavar="eager|keep", help="torch.compile'd modules and functions: 'eager' runs their Python code (the compiler's force_eager stance), records its calls and says that the eager code is judged; 'keep' runs them compiled, unrecorded, and says how often.", rich_help_panel=CAPTURE),
+    script: str = typer.Argument(
+        ...,
+        metavar="SCRIPT",
+        help="The Python script to run (as 'python SCRIPT ARGS' would run it).",
+        show_default=False,
+    ),
+    args: Optional[List[str]] = typer.Argument(
+        None,
+        metavar="ARGS",
+        help="Arguments for the script; put '--' before the script when they look like options.",
+        show_default=False,
+    ),
+    out: str = typer.Option(
+        DEFAULT_OUT,
+        "--out",
+        "-o",
+        metavar="DIR",
+        help="Capture directory: one .safetensors per call and manifest.json (created; a previous capture there is replaced); under torchrun one per rank, DIR/rank0, DIR/rank1, ...",
+        rich_help_panel=CAPTURE,
+    ),
+    no_save: bool = typer.Option(
+        False, "--no-save", help="Write nothing: diagnose each call as it is recorded.", rich_help_panel=CAPTURE
+    ),
+    max_calls: str = typer.Option(
+        str(DEFAULT_MAX_CALLS),
+        "--max-calls",
+        metavar="N",
+        help="Stop recording after N calls (the script runs on).",
+        rich_help_panel=CAPTURE,
+    ),
+    max_bytes: str = typer.Option(
+        DEFAULT_MAX_BYTES,
+        "--max-bytes",
+        metavar="SIZE",
+        help="Stop recording before the tensors recorded pass SIZE (e.g. 512MiB).",
+        rich_help_panel=CAPTURE,
+    ),
+    module: List[str] = typer.Option(
+        [],
+        "--module",
+        metavar="GLOB",
+        help="Record only calls in modules whose path matches (repeatable), e.g. '*.layers.1.*'; a call outside any module is 'global'.",
+        rich_help_panel=CAPTURE,
+    ),
+    forward: Optional[str] = typer.Option(
+        None,
+        "--forward",
+        metavar="N[,N|A-B]",
+        help="Which forward passes of the top module to record (1-based), e.g. 1 or 2-4; default all.",
+        rich_help_panel=CAPTURE,
+    ),
+    no_grads: bool = typer.Option(
+        False,
+        "--no-grads",
+        help="Record the forward only: without it, when the script runs a backward, each call's output gradient and the gradients its kernel produced are recorded too (they count for --max-bytes) and every call's backward is diagnosed.",
+        rich_help_panel=CAPTURE,
+    ),
+    compile_mode: str = typer.Option(
+        "eager",
+        "--compile",
+        metavar="eager|keep",
+        help="torch.compile'd modules and functions: 'eager' runs their Python code (the compiler's force_eager stance), records its calls and says that the eager code is judged; 'keep' runs them compiled, unrecorded, and says how often.",
+        rich_help_panel=CAPTURE,
+    ),
     dtype: CellDtypeOpt = None,
     method: CellMethodOpt = None,
     path: PathOpt = None,
     what_if: WhatIfOpt = None,
     block: BlockOpt = str(params.DEFAULT_BLOCK),
     order: Order = typer.Option("forward", "--order", help="Order in which the tiled method visits key blocks."),
-    accum: Accum = typer.Option("fp32", "--accum", help="Row sums of naive/stable: fp32 inside as torch does, or pairwise in the dtype."),
+    accum: Accum = typer.Option(
+        "fp32", "--accum", help="Row sums of naive/stable: fp32 inside as torch does, or pairwise in the dtype."
+    ),
     device: DeviceOpt = "auto",
     json_out: JsonOpt = None,
     fail_on: FailOnOpt = "",
@@ -89,17 +145,35 @@ def capture(
         check_summary(summary, full)
         asked_what_if = params.what_if(what_if) if what_if is not None else ()
         options, grid_asked = cell_options(
-            dtype, method, path, block=params.integer(block, "block", 1),
-            reverse=Order(order).value == "reverse", accum=Accum(accum).value, device=params.device(device),
+            dtype,
+            method,
+            path,
+            block=params.integer(block, "block", 1),
+            reverse=Order(order).value == "reverse",
+            accum=Accum(accum).value,
+            device=params.device(device),
             chunk_elements=chunk_elements_for(params.memory(max_memory, "max_memory")),
         )
         if forward is not None:
             from attncheck.record import parse_forwards
 
             parse_forwards(forward)
-        request = CaptureRequest(script, tuple(args or ()), None if no_save else out, params.integer(max_calls, "max_calls", 1),
-                                 params.size(max_bytes, "max_bytes"), tuple(module), forward, options, ignored, partial,
-                                 asked_what_if, grid_asked, grads=not no_grads, compile=params.choice(compile_mode, ("eager", "keep"), "compile"))
+        request = CaptureRequest(
+            script,
+            tuple(args or ()),
+            None if no_save else out,
+            params.integer(max_calls, "max_calls", 1),
+            params.size(max_bytes, "max_bytes"),
+            tuple(module),
+            forward,
+            options,
+            ignored,
+            partial,
+            asked_what_if,
+            grid_asked,
+            grads=not no_grads,
+            compile=params.choice(compile_mode, ("eager", "keep"), "compile"),
+        )
 
         from attncheck.pipelines.capture import capture_script
         from attncheck.report.progress import Progress
@@ -117,7 +191,11 @@ def capture(
     if outcome.error is not None:
         _show_script_error(outcome.error, script)
         kept = whose + f"{len(cap.calls)} call(s) recorded" + (f" in {out} (manifest written)" if not no_save else "")
-        why = f"exit status {outcome.error.code}" if isinstance(outcome.error, SystemExit) else f"{type(outcome.error).__name__}{_where(outcome.error, script)}, traceback above"
+        why = (
+            f"exit status {outcome.error.code}"
+            if isinstance(outcome.error, SystemExit)
+            else f"{type(outcome.error).__name__}{_where(outcome.error, script)}, traceback above"
+        )
         raise fail(f"{script} failed ({why}); {kept}")
     if say is not None and not no_save:
         again = out if cap.rank is None else f"{cap.given_path} for every rank"
@@ -132,8 +210,17 @@ def capture(
             json_out = None if cap.rank else "-"
         elif json_out is not None:
             json_out = rank_file(json_out, cap.rank)
-    emit(outcome.result, conditions, ignored, json_out, brief=brief, full=full, detail=detail,
-         summary_only=summary_only, summary=summary)
+    emit(
+        outcome.result,
+        conditions,
+        ignored,
+        json_out,
+        brief=brief,
+        full=full,
+        detail=detail,
+        summary_only=summary_only,
+        summary=summary,
+    )
 
 
 def _where(error: BaseException, script: str) -> str:
@@ -142,7 +229,9 @@ def _where(error: BaseException, script: str) -> str:
     target = os.path.abspath(script)
     if isinstance(error, SyntaxError) and error.lineno:
         place = f" at line {error.lineno}" + (f", column {error.offset}" if error.offset else "")
-        return place if not error.filename or os.path.abspath(error.filename) == target else f" in {error.filename}{place}"
+        return (
+            place if not error.filename or os.path.abspath(error.filename) == target else f" in {error.filename}{place}"
+        )
     line = None
     tb = error.__traceback__
     while tb is not None:
@@ -160,5 +249,9 @@ def _show_script_error(error: BaseException, script: str) -> None:
     tb = error.__traceback__
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != target:
         tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(error), error, tb)) if tb is not None else "".join(traceback.format_exception_only(type(error), error))
+    text = (
+        "".join(traceback.format_exception(type(error), error, tb))
+        if tb is not None
+        else "".join(traceback.format_exception_only(type(error), error))
+    )
     typer.echo(text.rstrip(), err=True)

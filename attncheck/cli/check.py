@@ -16,8 +16,18 @@ import typer
 
 from attncheck import params
 from attncheck.cli.common import (
-    EXIT_FAILED, EXIT_OK, check_output_path, fail, one_stdout, open_output, out_of_memory, report_console, require_stdout, say,
-    write_json, write_text,
+    EXIT_FAILED,
+    EXIT_OK,
+    check_output_path,
+    fail,
+    one_stdout,
+    open_output,
+    out_of_memory,
+    report_console,
+    require_stdout,
+    say,
+    write_json,
+    write_text,
 )
 from attncheck.cli.options import DeviceOpt, JsonOpt, QuietOpt, notices, progress_shown
 from attncheck.config.check import find_config, load_config
@@ -40,12 +50,25 @@ def _append_step_summary(text: str) -> None:
 
 def check(
     config: Optional[str] = typer.Option(
-        None, "--config", "-c", metavar="FILE",
+        None,
+        "--config",
+        "-c",
+        metavar="FILE",
         help="pyproject.toml with \\[tool.attncheck], or an attncheck.toml whose top level is that table. "
         "Default: the first attncheck.toml, or pyproject.toml with \\[tool.attncheck], from the current directory up.",
     ),
-    junit: Optional[str] = typer.Option(None, "--junit", metavar="FILE", help="Write JUnit XML: one testcase per input x cell, failures carry the numbers ('-' for stdout: the summary is then not printed)."),
-    markdown: Optional[str] = typer.Option(None, "--markdown", metavar="FILE", help=f"Write a Markdown summary (also appended to ${STEP_SUMMARY} when it is set; '-' for stdout)."),
+    junit: Optional[str] = typer.Option(
+        None,
+        "--junit",
+        metavar="FILE",
+        help="Write JUnit XML: one testcase per input x cell, failures carry the numbers ('-' for stdout: the summary is then not printed).",
+    ),
+    markdown: Optional[str] = typer.Option(
+        None,
+        "--markdown",
+        metavar="FILE",
+        help=f"Write a Markdown summary (also appended to ${STEP_SUMMARY} when it is set; '-' for stdout).",
+    ),
     json_out: JsonOpt = None,
     device: Annotated[Optional[str], DeviceOpt.__metadata__[0]] = None,
     quiet: QuietOpt = False,
@@ -77,9 +100,12 @@ def check(
         if out_of_memory(e) is not None:
             raise fail(out_of_memory(e)) from None
         traceback.print_exc()
-        raise fail(f"internal error: {type(e).__name__}: {e} (a bug in attncheck; please report it with the traceback above)") from None
+        raise fail(
+            f"internal error: {type(e).__name__}: {e} (a bug in attncheck; please report it with the traceback above)"
+        ) from None
 
-    from attncheck.report.check import check_json, describe_check, junit_xml, markdown as to_markdown, print_summary
+    from attncheck.report.check import check_json, describe_check, junit_xml, print_summary
+    from attncheck.report.check import markdown as to_markdown
 
     md = to_markdown(result)
     try:

@@ -13,11 +13,10 @@ import sys
 
 import typer
 import typer.core
+from typer import Abort
 
 from attncheck.errors import AttncheckError
 from attncheck.format import visible
-
-from typer import Abort
 
 try:  # typer >= 0.26 bundles its own click
     from typer._click.exceptions import ClickException, UsageError
@@ -69,11 +68,25 @@ def no_spin_waiting() -> None:
 
 # Library parameters whose flag is not '--' + the name with dashes.
 FLAGS = {
-    "dtypes": "--dtype", "methods": "--method", "keys": "--key", "reverse": "--order",
-    "dks": "--dk", "scales": "--scale", "seqs": "--seq", "stds": "--std",
-    "chunk_elements": "--max-memory", "kernels": "ATTNCHECK_KERNELS", "paths": "--path",
-    "p_scale": "--p-scale", "fp8_scaling": "--fp8-scaling", "incoherent": "--incoherent",
-    "script": "SCRIPT", "forwards": "--forward", "modules": "--module", "path": "--out", "diagnose": "--no-save",
+    "dtypes": "--dtype",
+    "methods": "--method",
+    "keys": "--key",
+    "reverse": "--order",
+    "dks": "--dk",
+    "scales": "--scale",
+    "seqs": "--seq",
+    "stds": "--std",
+    "chunk_elements": "--max-memory",
+    "kernels": "ATTNCHECK_KERNELS",
+    "paths": "--path",
+    "p_scale": "--p-scale",
+    "fp8_scaling": "--fp8-scaling",
+    "incoherent": "--incoherent",
+    "script": "SCRIPT",
+    "forwards": "--forward",
+    "modules": "--module",
+    "path": "--out",
+    "diagnose": "--no-save",
 }
 
 
@@ -123,17 +136,25 @@ def check_output_path(path: str | None, option: str, dash_ok: bool = True) -> No
     except (OSError, ValueError, AttributeError):
         longest = 255
     if len(os.fsencode(os.path.basename(path))) > longest:
-        raise AttncheckError(f"cannot write {option} {path[:60]}...: the file name is longer than the {longest} bytes "
-                             "this folder takes")
+        raise AttncheckError(
+            f"cannot write {option} {path[:60]}...: the file name is longer than the {longest} bytes this folder takes"
+        )
 
 
 def out_of_memory(error: BaseException) -> str | None:
     """The one line for an allocation the machine refused (MemoryError, torch's allocators), else None."""
     text = str(error)
-    if isinstance(error, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower() or "not enough memory" in text:
+    if (
+        isinstance(error, MemoryError)
+        or "can't allocate memory" in text
+        or "out of memory" in text.lower()
+        or "not enough memory" in text
+    ):
         first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
-        return (f"out of memory: the machine refused an allocation ({first[:160]}); "
-                "lower --max-memory, or give inputs that fit")
+        return (
+            f"out of memory: the machine refused an allocation ({first[:160]}); "
+            "lower --max-memory, or give inputs that fit"
+        )
     return None
 
 

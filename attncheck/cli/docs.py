@@ -90,7 +90,9 @@ def command_section(name: str, cmd, group) -> str:
         lines += ["| option | value | default | meaning |", "| --- | --- | --- | --- |"]
         for p in params:
             flags = ", ".join(f"`{o}`" for o in p.opts + p.secondary_opts)
-            lines.append(f"| {flags} | {_code(_cell(_value(p, ctx)))} | {_code(_cell(_default(p)))} | {_cell(p.help or '')} |")
+            lines.append(
+                f"| {flags} | {_code(_cell(_value(p, ctx)))} | {_code(_cell(_default(p)))} | {_cell(p.help or '')} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -98,8 +100,15 @@ def command_section(name: str, cmd, group) -> str:
 def cli_reference() -> str:
     group = typer.main.get_command(app)
     names = list(group.commands)
-    head = ["# Command-line reference", "",
-            f"<!-- Generated from the commands' help texts by {GENERATOR}: edit those, not this page. -->", "",
-            " ".join((group.help or "").split()), "",
-            "Commands: " + ", ".join(f"[`attncheck {n}`](#attncheck-{n})" for n in names) + ".", "", PREAMBLE]
+    head = [
+        "# Command-line reference",
+        "",
+        f"<!-- Generated from the commands' help texts by {GENERATOR}: edit those, not this page. -->",
+        "",
+        " ".join((group.help or "").split()),
+        "",
+        "Commands: " + ", ".join(f"[`attncheck {n}`](#attncheck-{n})" for n in names) + ".",
+        "",
+        PREAMBLE,
+    ]
     return "\n".join(head + [command_section(n, group.commands[n], group) for n in names]).rstrip("\n") + "\n"

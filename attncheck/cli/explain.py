@@ -12,8 +12,17 @@ from attncheck.cli.common import EXIT_OK, fail, report_console, write_stdout
 
 
 def explain(
-    code: Optional[str] = typer.Argument(None, metavar="CODE", help="A finding code, e.g. exp_overflow; without it, every code with its severity and what it means.", show_default=False),
-    markdown: bool = typer.Option(False, "--markdown", help="Print the page's Markdown source (as docs/reference/findings.md holds it) instead of rendering it for the terminal."),
+    code: Optional[str] = typer.Argument(
+        None,
+        metavar="CODE",
+        help="A finding code, e.g. exp_overflow; without it, every code with its severity and what it means.",
+        show_default=False,
+    ),
+    markdown: bool = typer.Option(
+        False,
+        "--markdown",
+        help="Print the page's Markdown source (as docs/reference/findings.md holds it) instead of rendering it for the terminal.",
+    ),
 ) -> None:
     """Print what a finding code means: the threshold behind it, a minimal example that triggers it, and the fix.
 

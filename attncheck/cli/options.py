@@ -19,35 +19,165 @@ from attncheck.registry import DTYPES, METHODS, PATHS, cell_dtype, choices_help,
 DEFAULT_DTYPES = ",".join(dtype_names())
 DEFAULT_METHODS = ",".join(method_names())
 
-DtypeOpt = Annotated[str, typer.Option("--dtype", "-d", metavar="DTYPE,...", help=f"Comma-separated dtypes to compute in: {choices_help(DTYPES, cell_dtype)} (or 'all').")]
-MethodOpt = Annotated[str, typer.Option("--method", "-m", metavar="METHOD,...", help=f"Comma-separated softmax methods: {choices_help(METHODS)} (or 'all').")]
+DtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--dtype",
+        "-d",
+        metavar="DTYPE,...",
+        help=f"Comma-separated dtypes to compute in: {choices_help(DTYPES, cell_dtype)} (or 'all').",
+    ),
+]
+MethodOpt = Annotated[
+    str,
+    typer.Option(
+        "--method",
+        "-m",
+        metavar="METHOD,...",
+        help=f"Comma-separated softmax methods: {choices_help(METHODS)} (or 'all').",
+    ),
+]
 # run and capture: a captured call computes the cell its model ran; these, when given, ask for more as what-ifs
-CellDtypeOpt = Annotated[Optional[str], typer.Option("--dtype", "-d", metavar="DTYPE,...", show_default=False, help=(
-    f"Comma-separated dtypes to compute in: {choices_help(DTYPES, cell_dtype)} (or 'all'); default {DEFAULT_DTYPES}. "
-    "A captured call computes the cell its model ran; given, these cells are computed as what-ifs beside it."))]
-CellMethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", metavar="METHOD,...", show_default=False, help=(
-    f"Comma-separated softmax methods: {choices_help(METHODS)} (or 'all'); default all. "
-    "On a capture, given, they are computed as what-ifs."))]
-WhatIfOpt = Annotated[Optional[str], typer.Option("--what-if", metavar="DTYPE,...|kernels|all", show_default=False, help=(
-    "Captured calls: what would break if the model ran in these dtypes (fp16, bf16, fp32, fp8 = e4m3, ...) with its own "
-    "implementation and with eager attention; 'kernels' replays each call under every kernel that could have run it "
-    "(sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn; flex for flex calls) in its dtype, and says which break it "
-    "(combine: kernels,fp16); 'all' adds every other implementation (naive, stable, tiled, the SDPA paths, FP8) in fp16, "
-    "bf16, fp32 and e4m3. Reported apart; never the model's verdict unless --fail-on what-if:COND."))]
-BlockOpt = Annotated[str, typer.Option("--block", metavar="N", help=f"Key block size of the tiled method (FlashAttention's is {DEFAULT_BLOCK} for d <= 128).")]
-DeviceOpt = Annotated[str, typer.Option("--device", metavar="NAME", help="Where to compute: auto (cuda if available), cpu, cuda or cuda:N.")]
-ScaleOpt = Annotated[str, typer.Option("--scale", "-s", metavar="SCALE[,...]", help=f"Scale of q.k: {', '.join(SCALE_NAMES)} (sqrt = 1/sqrt(d_k), auto = sqrt, dk = 1/d_k, dk2 = 1/d_k^2) or a positive number; sweep takes several, comma-separated.")]
-PathOpt = Annotated[Optional[str], typer.Option("--path", metavar="PATH,...", help=f"Attention paths computed from Q, K and V: {choices_help(PATHS)} (default: all); the eager path runs the --method softmax (torch in sweep).")]
-JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Write the report as JSON to FILE ('-' for stdout: tables are then not printed).")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print less: no progress bar and no notices on stderr (check: only the broken budgets and the verdict).")]
-FailOnOpt = Annotated[str, typer.Option("--fail-on", metavar="LIST", help="Exit 1 when a condition holds: nan, overflow, zero, flip, error, warning or a finding code (comma-separated); on a capture they judge the cells the model runs, and what-if:COND (e.g. what-if:nan) judges the --what-if cells.")]
-IgnoreOpt = Annotated[str, typer.Option("--ignore", metavar="CODE,...", help="Finding codes you judged expected (e.g. fully_masked_rows from left padding): left out of the report, and their rows do not count for --fail-on or a call's verdict.")]
-BriefOpt = Annotated[bool, typer.Option("--brief", help="Leave out the per-cell detail table of per-tensor reports (one tensor, --detail, --full); --summary is the short answer.")]
-SummaryOpt = Annotated[bool, typer.Option("--summary", help="The short answer on one screen instead of the report: the verdict, the first call (or tensor) that goes wrong, its cause and the fix, about ten lines; a healthy model in one to three. The JSON report is unchanged.")]
-FullOpt = Annotated[bool, typer.Option("--full", help="The full per-tensor report of every call instead of the model report.")]
-DetailOpt = Annotated[List[str], typer.Option("--detail", metavar="NAME_GLOB", help="After the model report, the full report of the calls whose module or name matches (repeatable), e.g. '*.h.1.*'.")]
-PartialOpt = Annotated[bool, typer.Option("--partial", help="Diagnose the calls that can be and list the others, instead of stopping at the first bad one (exit 2 still).")]
-MaxMemoryOpt = Annotated[str, typer.Option("--max-memory", metavar="SIZE", help="Working memory for the diagnosis: inputs are read and processed in row chunks that fit (.npy, .safetensors, .npz stream); what must be held whole (.pt files, attention calls, --q, --k, --v, --mask) is refused when larger.")]
+CellDtypeOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--dtype",
+        "-d",
+        metavar="DTYPE,...",
+        show_default=False,
+        help=(
+            f"Comma-separated dtypes to compute in: {choices_help(DTYPES, cell_dtype)} (or 'all'); default {DEFAULT_DTYPES}. "
+            "A captured call computes the cell its model ran; given, these cells are computed as what-ifs beside it."
+        ),
+    ),
+]
+CellMethodOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--method",
+        "-m",
+        metavar="METHOD,...",
+        show_default=False,
+        help=(
+            f"Comma-separated softmax methods: {choices_help(METHODS)} (or 'all'); default all. "
+            "On a capture, given, they are computed as what-ifs."
+        ),
+    ),
+]
+WhatIfOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--what-if",
+        metavar="DTYPE,...|kernels|all",
+        show_default=False,
+        help=(
+            "Captured calls: what would break if the model ran in these dtypes (fp16, bf16, fp32, fp8 = e4m3, ...) with its own "
+            "implementation and with eager attention; 'kernels' replays each call under every kernel that could have run it "
+            "(sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn; flex for flex calls) in its dtype, and says which break it "
+            "(combine: kernels,fp16); 'all' adds every other implementation (naive, stable, tiled, the SDPA paths, FP8) in fp16, "
+            "bf16, fp32 and e4m3. Reported apart; never the model's verdict unless --fail-on what-if:COND."
+        ),
+    ),
+]
+BlockOpt = Annotated[
+    str,
+    typer.Option(
+        "--block",
+        metavar="N",
+        help=f"Key block size of the tiled method (FlashAttention's is {DEFAULT_BLOCK} for d <= 128).",
+    ),
+]
+DeviceOpt = Annotated[
+    str,
+    typer.Option("--device", metavar="NAME", help="Where to compute: auto (cuda if available), cpu, cuda or cuda:N."),
+]
+ScaleOpt = Annotated[
+    str,
+    typer.Option(
+        "--scale",
+        "-s",
+        metavar="SCALE[,...]",
+        help=f"Scale of q.k: {', '.join(SCALE_NAMES)} (sqrt = 1/sqrt(d_k), auto = sqrt, dk = 1/d_k, dk2 = 1/d_k^2) or a positive number; sweep takes several, comma-separated.",
+    ),
+]
+PathOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--path",
+        metavar="PATH,...",
+        help=f"Attention paths computed from Q, K and V: {choices_help(PATHS)} (default: all); the eager path runs the --method softmax (torch in sweep).",
+    ),
+]
+JsonOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--json", metavar="FILE", help="Write the report as JSON to FILE ('-' for stdout: tables are then not printed)."
+    ),
+]
+QuietOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        help="Print less: no progress bar and no notices on stderr (check: only the broken budgets and the verdict).",
+    ),
+]
+FailOnOpt = Annotated[
+    str,
+    typer.Option(
+        "--fail-on",
+        metavar="LIST",
+        help="Exit 1 when a condition holds: nan, overflow, zero, flip, error, warning or a finding code (comma-separated); on a capture they judge the cells the model runs, and what-if:COND (e.g. what-if:nan) judges the --what-if cells.",
+    ),
+]
+IgnoreOpt = Annotated[
+    str,
+    typer.Option(
+        "--ignore",
+        metavar="CODE,...",
+        help="Finding codes you judged expected (e.g. fully_masked_rows from left padding): left out of the report, and their rows do not count for --fail-on or a call's verdict.",
+    ),
+]
+BriefOpt = Annotated[
+    bool,
+    typer.Option(
+        "--brief",
+        help="Leave out the per-cell detail table of per-tensor reports (one tensor, --detail, --full); --summary is the short answer.",
+    ),
+]
+SummaryOpt = Annotated[
+    bool,
+    typer.Option(
+        "--summary",
+        help="The short answer on one screen instead of the report: the verdict, the first call (or tensor) that goes wrong, its cause and the fix, about ten lines; a healthy model in one to three. The JSON report is unchanged.",
+    ),
+]
+FullOpt = Annotated[
+    bool, typer.Option("--full", help="The full per-tensor report of every call instead of the model report.")
+]
+DetailOpt = Annotated[
+    List[str],
+    typer.Option(
+        "--detail",
+        metavar="NAME_GLOB",
+        help="After the model report, the full report of the calls whose module or name matches (repeatable), e.g. '*.h.1.*'.",
+    ),
+]
+PartialOpt = Annotated[
+    bool,
+    typer.Option(
+        "--partial",
+        help="Diagnose the calls that can be and list the others, instead of stopping at the first bad one (exit 2 still).",
+    ),
+]
+MaxMemoryOpt = Annotated[
+    str,
+    typer.Option(
+        "--max-memory",
+        metavar="SIZE",
+        help="Working memory for the diagnosis: inputs are read and processed in row chunks that fit (.npy, .safetensors, .npz stream); what must be held whole (.pt files, attention calls, --q, --k, --v, --mask) is refused when larger.",
+    ),
+]
 
 
 def notices(quiet: bool) -> Callable[[str], None] | None:

@@ -13,7 +13,14 @@ import typer
 
 from attncheck import params
 from attncheck.cli.common import (
-    EXIT_FAILED, EXIT_OK, check_output_path, fail, report_console, require_stdout, say, write_json,
+    EXIT_FAILED,
+    EXIT_OK,
+    check_output_path,
+    fail,
+    report_console,
+    require_stdout,
+    say,
+    write_json,
 )
 from attncheck.cli.options import (
     DEFAULT_DTYPES,
@@ -38,9 +45,9 @@ from attncheck.cli.options import (
     notices,
     progress_shown,
 )
+from attncheck.codes import FAIL_ON_WORDS, WHAT_IF_PREFIX, valid_fail_on
 from attncheck.config.run import Options, QKSpec, RunRequest, chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError, param
-from attncheck.codes import FAIL_ON_WORDS, WHAT_IF_PREFIX, valid_fail_on
 
 Order = Enum("Order", {name: name for name in params.ORDERS}, type=str)
 Accum = Enum("Accum", {name: name for name in params.ACCUMULATIONS}, type=str)
@@ -55,16 +62,22 @@ def parse_fail_on(value: str) -> list[str]:
     items = [v.strip().lower() for v in value.split(",") if v.strip()]
     for item in items:
         if not valid_fail_on(item):
-            raise AttncheckError(f"unknown condition {item!r} (use {', '.join(FAIL_ON_WORDS)} or a finding code, or what-if:CONDITION)", param="fail_on")
+            raise AttncheckError(
+                f"unknown condition {item!r} (use {', '.join(FAIL_ON_WORDS)} or a finding code, or what-if:CONDITION)",
+                param="fail_on",
+            )
     return items
 
 
 def cell_options(dtype: str | None, method: str | None, path: str | None, **how) -> tuple[Options, bool]:
     """The Options of --dtype/--method/--path (their defaults when not given) and whether any was
     given: on a capture, given ones are computed as what-ifs beside the model's cells."""
-    options = Options(dtypes=params.dtypes(dtype if dtype is not None else DEFAULT_DTYPES),
-                      methods=params.methods(method if method is not None else DEFAULT_METHODS),
-                      paths=params.paths(path) if path is not None else (), **how)
+    options = Options(
+        dtypes=params.dtypes(dtype if dtype is not None else DEFAULT_DTYPES),
+        methods=params.methods(method if method is not None else DEFAULT_METHODS),
+        paths=params.paths(path) if path is not None else (),
+        **how,
+    )
     return options, any(v is not None for v in (dtype, method, path))
 
 
@@ -72,12 +85,20 @@ def _fp8_options(dtype: str, p_scale: str | None, fp8_scaling: str | None, incoh
     """--p-scale, --fp8-scaling, --incoherent: checked, and refused where they would change nothing."""
     from attncheck.registry import fp8_names
 
-    given = [name for name, value in (("p_scale", p_scale), ("fp8_scaling", fp8_scaling), ("incoherent", incoherent or None)) if value is not None]
+    given = [
+        name
+        for name, value in (("p_scale", p_scale), ("fp8_scaling", fp8_scaling), ("incoherent", incoherent or None))
+        if value is not None
+    ]
     if given and not set(params.dtypes(dtype)) & set(fp8_names()):
         flags = ", ".join(param(g) for g in given)
-        raise AttncheckError(f"{flags} apply to FP8 cells: add an FP8 dtype ({', '.join(fp8_names())}) to {param('dtypes')}")
+        raise AttncheckError(
+            f"{flags} apply to FP8 cells: add an FP8 dtype ({', '.join(fp8_names())}) to {param('dtypes')}"
+        )
     if not qk_given and (fp8_scaling is not None or incoherent):
-        raise AttncheckError(f"{param('fp8_scaling')} and {param('incoherent')} apply to attention computed from {param('q')} and {param('k')}")
+        raise AttncheckError(
+            f"{param('fp8_scaling')} and {param('incoherent')} apply to attention computed from {param('q')} and {param('k')}"
+        )
     out: dict = {"incoherent": incoherent}
     if p_scale is not None:
         out["p_scale"] = params.number(p_scale, "p_scale", positive=True)
@@ -87,16 +108,32 @@ def _fp8_options(dtype: str, p_scale: str | None, fp8_scaling: str | None, incoh
 
 
 def run(
-    paths: Optional[List[str]] = typer.Argument(None, metavar="PATH", help="Score files (.pt .pth .npy .npz .safetensors) or directories. Softmax runs over the last axis.", show_default=False),
-    example: bool = typer.Option(False, "--example", help="Diagnose a built-in example (unscaled head, -1e9 causal mask, left padding) instead of files."),
+    paths: Optional[List[str]] = typer.Argument(
+        None,
+        metavar="PATH",
+        help="Score files (.pt .pth .npy .npz .safetensors) or directories. Softmax runs over the last axis.",
+        show_default=False,
+    ),
+    example: bool = typer.Option(
+        False,
+        "--example",
+        help="Diagnose a built-in example (unscaled head, -1e9 causal mask, left padding) instead of files.",
+    ),
     dtype: CellDtypeOpt = None,
     method: CellMethodOpt = None,
     what_if: WhatIfOpt = None,
     block: BlockOpt = str(params.DEFAULT_BLOCK),
     order: Order = typer.Option("forward", "--order", help="Order in which the tiled method visits key blocks."),
-    accum: Accum = typer.Option("fp32", "--accum", help="Row sums of naive/stable: fp32 inside as torch does, or pairwise in the dtype."),
+    accum: Accum = typer.Option(
+        "fp32", "--accum", help="Row sums of naive/stable: fp32 inside as torch does, or pairwise in the dtype."
+    ),
     device: DeviceOpt = "auto",
-    key: List[str] = typer.Option([], "--key", metavar="GLOB", help="Glob selecting tensors inside files (repeatable), e.g. 'layers.*.scores'; a key written out in full selects that key alone."),
+    key: List[str] = typer.Option(
+        [],
+        "--key",
+        metavar="GLOB",
+        help="Glob selecting tensors inside files (repeatable), e.g. 'layers.*.scores'; a key written out in full selects that key alone.",
+    ),
     json_out: JsonOpt = None,
     fail_on: FailOnOpt = "",
     ignore: IgnoreOpt = "",
@@ -107,23 +144,107 @@ def run(
     partial: PartialOpt = False,
     max_memory: MaxMemoryOpt = params.DEFAULT_MAX_MEMORY,
     quiet: QuietOpt = False,
-    q: Optional[str] = typer.Option(None, "--q", metavar="PATH[:KEY]", help="Queries (..., heads, tokens, d). With --k, the scores are computed in each dtype as models do.", rich_help_panel=QK),
-    k: Optional[str] = typer.Option(None, "--k", metavar="PATH[:KEY]", help="Keys (..., kv_heads, tokens, d); kv_heads may divide the query heads (GQA).", rich_help_panel=QK),
-    v: Optional[str] = typer.Option(None, "--v", metavar="PATH[:KEY]", help="Values (..., kv_heads, tokens, dv): every cell then also computes the output O = P@V and its error against float64.", rich_help_panel=QK),
+    q: Optional[str] = typer.Option(
+        None,
+        "--q",
+        metavar="PATH[:KEY]",
+        help="Queries (..., heads, tokens, d). With --k, the scores are computed in each dtype as models do.",
+        rich_help_panel=QK,
+    ),
+    k: Optional[str] = typer.Option(
+        None,
+        "--k",
+        metavar="PATH[:KEY]",
+        help="Keys (..., kv_heads, tokens, d); kv_heads may divide the query heads (GQA).",
+        rich_help_panel=QK,
+    ),
+    v: Optional[str] = typer.Option(
+        None,
+        "--v",
+        metavar="PATH[:KEY]",
+        help="Values (..., kv_heads, tokens, dv): every cell then also computes the output O = P@V and its error against float64.",
+        rich_help_panel=QK,
+    ),
     path: PathOpt = None,
-    mask: Optional[str] = typer.Option(None, "--mask", metavar="PATH[:KEY]", help="Mask, boolean (see --mask-convention) or additive float, broadcast to (batch, heads, queries, keys).", rich_help_panel=QK),
+    mask: Optional[str] = typer.Option(
+        None,
+        "--mask",
+        metavar="PATH[:KEY]",
+        help="Mask, boolean (see --mask-convention) or additive float, broadcast to (batch, heads, queries, keys).",
+        rich_help_panel=QK,
+    ),
     scale: Annotated[Optional[str], ScaleOpt.__metadata__[0]] = None,
-    scale_order: Optional[ScaleOrder] = typer.Option(None, "--scale-order", help="Scale the scores after Q@K^T (default), or q before it.", rich_help_panel=QK, show_default=False),
-    causal: bool = typer.Option(False, "--causal", help="Add a causal mask, aligned as PyTorch's is_causal (top left).", rich_help_panel=QK),
-    pad_left: str = typer.Option("", "--pad-left", metavar="N,...", help="Left padding per batch element, e.g. 3,0: those keys are masked.", rich_help_panel=QK),
-    pad_right: str = typer.Option("", "--pad-right", metavar="N,...", help="Right padding per batch element.", rich_help_panel=QK),
-    mask_value: Optional[str] = typer.Option(None, "--mask-value", metavar="VALUE", help="What a key masked by a boolean mask, --causal or padding becomes: -inf (default), min (finfo(dtype).min) or a number such as -1e4.", rich_help_panel=QK, show_default=False),
-    mask_convention: Optional[MaskConvention] = typer.Option(None, "--mask-convention", help="Boolean masks: True = attend (SDPA, the default) or True = masked.", rich_help_panel=QK, show_default=False),
-    grad_out: Optional[str] = typer.Option(None, "--grad-out", metavar="PATH[:KEY]", help="The output gradient dO (..., heads, tokens, dv), with --v: each path's backward (dQ, dK, dV) is judged too, against float64 autograd: NaN rows and their first cause, loss-scale headroom, flushed gradients, FlashAttention's 2x rule.", rich_help_panel=QK),
-    mask_op: Optional[MaskOp] = typer.Option(None, "--mask-op", help="How the eager path's code applies a boolean mask, which decides where a fully masked row's NaN goes in the backward: added to the scores (add, the default: dQ, dK and dV) or masked_fill (fill: dV only).", rich_help_panel=QK, show_default=False),
-    p_scale: Optional[str] = typer.Option(None, "--p-scale", metavar="S", help="FP8 dtypes (--dtype e4m3, e5m2, ...): P is multiplied by S before the cast to FP8: 1, 256 (FlashAttention-3, the default), 448 (SageAttention) or another number.", rich_help_panel=FP8, show_default=False),
-    fp8_scaling: Optional[str] = typer.Option(None, "--fp8-scaling", metavar="HOW", help="FP8 dtypes with --q/--k: how Q, K, V are quantised for flash-fp8: none, tensor, head (per batch and kv head, FlashAttention-3's descales; default) or block (per query and key tile of FlashAttention-3's FP8 kernel: 192 queries for d <= 96, 128 above).", rich_help_panel=FP8, show_default=False),
-    incoherent: bool = typer.Option(False, "--incoherent", help="FP8 dtypes with --q/--k: rotate Q and K by a seeded +-1 diagonal times Hadamard matrix before quantising (FlashAttention-3's incoherent processing; head dim a power of two).", rich_help_panel=FP8),
+    scale_order: Optional[ScaleOrder] = typer.Option(
+        None,
+        "--scale-order",
+        help="Scale the scores after Q@K^T (default), or q before it.",
+        rich_help_panel=QK,
+        show_default=False,
+    ),
+    causal: bool = typer.Option(
+        False, "--causal", help="Add a causal mask, aligned as PyTorch's is_causal (top left).", rich_help_panel=QK
+    ),
+    pad_left: str = typer.Option(
+        "",
+        "--pad-left",
+        metavar="N,...",
+        help="Left padding per batch element, e.g. 3,0: those keys are masked.",
+        rich_help_panel=QK,
+    ),
+    pad_right: str = typer.Option(
+        "", "--pad-right", metavar="N,...", help="Right padding per batch element.", rich_help_panel=QK
+    ),
+    mask_value: Optional[str] = typer.Option(
+        None,
+        "--mask-value",
+        metavar="VALUE",
+        help="What a key masked by a boolean mask, --causal or padding becomes: -inf (default), min (finfo(dtype).min) or a number such as -1e4.",
+        rich_help_panel=QK,
+        show_default=False,
+    ),
+    mask_convention: Optional[MaskConvention] = typer.Option(
+        None,
+        "--mask-convention",
+        help="Boolean masks: True = attend (SDPA, the default) or True = masked.",
+        rich_help_panel=QK,
+        show_default=False,
+    ),
+    grad_out: Optional[str] = typer.Option(
+        None,
+        "--grad-out",
+        metavar="PATH[:KEY]",
+        help="The output gradient dO (..., heads, tokens, dv), with --v: each path's backward (dQ, dK, dV) is judged too, against float64 autograd: NaN rows and their first cause, loss-scale headroom, flushed gradients, FlashAttention's 2x rule.",
+        rich_help_panel=QK,
+    ),
+    mask_op: Optional[MaskOp] = typer.Option(
+        None,
+        "--mask-op",
+        help="How the eager path's code applies a boolean mask, which decides where a fully masked row's NaN goes in the backward: added to the scores (add, the default: dQ, dK and dV) or masked_fill (fill: dV only).",
+        rich_help_panel=QK,
+        show_default=False,
+    ),
+    p_scale: Optional[str] = typer.Option(
+        None,
+        "--p-scale",
+        metavar="S",
+        help="FP8 dtypes (--dtype e4m3, e5m2, ...): P is multiplied by S before the cast to FP8: 1, 256 (FlashAttention-3, the default), 448 (SageAttention) or another number.",
+        rich_help_panel=FP8,
+        show_default=False,
+    ),
+    fp8_scaling: Optional[str] = typer.Option(
+        None,
+        "--fp8-scaling",
+        metavar="HOW",
+        help="FP8 dtypes with --q/--k: how Q, K, V are quantised for flash-fp8: none, tensor, head (per batch and kv head, FlashAttention-3's descales; default) or block (per query and key tile of FlashAttention-3's FP8 kernel: 192 queries for d <= 96, 128 above).",
+        rich_help_panel=FP8,
+        show_default=False,
+    ),
+    incoherent: bool = typer.Option(
+        False,
+        "--incoherent",
+        help="FP8 dtypes with --q/--k: rotate Q and K by a seeded +-1 diagonal times Hadamard matrix before quantising (FlashAttention-3's incoherent processing; head dim a power of two).",
+        rich_help_panel=FP8,
+    ),
 ) -> None:
     """Diagnose saved attention scores (pre-softmax logits), the scores Q and K produce, or a capture.
 
@@ -142,10 +263,17 @@ def run(
         check_summary(summary, full)
         asked_what_if = params.what_if(what_if) if what_if is not None else ()
         options, grid_asked = cell_options(
-            dtype, method, path, block=params.integer(block, "block", 1),
-            reverse=Order(order).value == "reverse", accum=Accum(accum).value, device=params.device(device),
+            dtype,
+            method,
+            path,
+            block=params.integer(block, "block", 1),
+            reverse=Order(order).value == "reverse",
+            accum=Accum(accum).value,
+            device=params.device(device),
             chunk_elements=chunk_elements_for(memory),
-            **_fp8_options(dtype or DEFAULT_DTYPES, p_scale, fp8_scaling, incoherent, qk_given=q is not None or k is not None),
+            **_fp8_options(
+                dtype or DEFAULT_DTYPES, p_scale, fp8_scaling, incoherent, qk_given=q is not None or k is not None
+            ),
         )
         # Every value is checked, whether or not it applies; then what does not apply is named.
         scales = params.scales(scale) if scale is not None else (params.Scale("auto"),)
@@ -157,27 +285,70 @@ def run(
         if q is None and k is None and v is not None:
             raise AttncheckError(f"{param('v')} applies to attention computed from {param('q')} and {param('k')}")
         if grad_out is not None and v is None:
-            raise AttncheckError(f"{param('grad_out')} needs {param('v')} (the backward of attention reads V)" + ("" if q is not None else f", {param('q')} and {param('k')}"))
+            raise AttncheckError(
+                f"{param('grad_out')} needs {param('v')} (the backward of attention reads V)"
+                + ("" if q is not None else f", {param('q')} and {param('k')}")
+            )
         if mask_op is not None and grad_out is None:
             raise AttncheckError(f"{param('mask_op')} decides the eager path's backward: give {param('grad_out')} too")
         if example and path is not None:
-            raise AttncheckError(f"{param('paths')} applies to attention calls (a capture, q/k files) and to {param('q')}/{param('k')}, not to the built-in example's scores")
+            raise AttncheckError(
+                f"{param('paths')} applies to attention calls (a capture, q/k files) and to {param('q')}/{param('k')}, not to the built-in example's scores"
+            )
         if q is not None or k is not None:
             if q is None or k is None:
                 raise AttncheckError(f"{param('q')} and {param('k')} go together: give both")
-            qk = QKSpec(q, k, mask, v, scales[0], ScaleOrder(scale_order).value if scale_order else "scores", causal, lefts, rights,
-                        value, MaskConvention(mask_convention).value if mask_convention else None, grad_out,
-                        MaskOp(mask_op).value if mask_op else None)
+            qk = QKSpec(
+                q,
+                k,
+                mask,
+                v,
+                scales[0],
+                ScaleOrder(scale_order).value if scale_order else "scores",
+                causal,
+                lefts,
+                rights,
+                value,
+                MaskConvention(mask_convention).value if mask_convention else None,
+                grad_out,
+                MaskOp(mask_op).value if mask_op else None,
+            )
         else:
-            given = [name for name, val in (("mask", mask), ("causal", causal or None), ("pad_left", pad_left or None), ("pad_right", pad_right or None),
-                                            ("scale", scale), ("scale_order", scale_order), ("mask_value", mask_value), ("mask_convention", mask_convention)) if val is not None]
+            given = [
+                name
+                for name, val in (
+                    ("mask", mask),
+                    ("causal", causal or None),
+                    ("pad_left", pad_left or None),
+                    ("pad_right", pad_right or None),
+                    ("scale", scale),
+                    ("scale_order", scale_order),
+                    ("mask_value", mask_value),
+                    ("mask_convention", mask_convention),
+                )
+                if val is not None
+            ]
             if given:
                 named = ", ".join(param(n) for n in given)
-                raise AttncheckError(f"{named} {'applies' if len(given) == 1 else 'apply'} to scores computed from {param('q')} and {param('k')}, which are not given")
+                raise AttncheckError(
+                    f"{named} {'applies' if len(given) == 1 else 'apply'} to scores computed from {param('q')} and {param('k')}, which are not given"
+                )
         if asked_what_if and (qk is not None or example):
-            raise AttncheckError(f"{param('what_if')} asks about a captured model's calls; with {param('q')}/{param('k')} or {param('example')} every cell is computed already (choose them with {param('dtypes')}, {param('methods')}, {param('paths')})")
-        request = RunRequest(tuple(paths or ()), tuple(key), example, qk, options, max_memory=memory, ignore=ignored, partial=partial,
-                             what_if=asked_what_if, grid_asked=grid_asked)
+            raise AttncheckError(
+                f"{param('what_if')} asks about a captured model's calls; with {param('q')}/{param('k')} or {param('example')} every cell is computed already (choose them with {param('dtypes')}, {param('methods')}, {param('paths')})"
+            )
+        request = RunRequest(
+            tuple(paths or ()),
+            tuple(key),
+            example,
+            qk,
+            options,
+            max_memory=memory,
+            ignore=ignored,
+            partial=partial,
+            what_if=asked_what_if,
+            grid_asked=grid_asked,
+        )
 
         from attncheck.pipelines.run import run as run_pipeline
         from attncheck.report.progress import Progress
@@ -197,8 +368,18 @@ def check_summary(summary: bool, full: bool) -> None:
         raise AttncheckError(f"{param('summary')} and {param('full')} ask for two different reports; give one")
 
 
-def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str | None, *, brief: bool, full: bool,
-         detail: list[str], summary: bool = False, summary_only: str | None = None) -> None:
+def emit(
+    result,
+    conditions: list[str],
+    ignored: tuple[str, ...],
+    json_out: str | None,
+    *,
+    brief: bool,
+    full: bool,
+    detail: list[str],
+    summary: bool = False,
+    summary_only: str | None = None,
+) -> None:
     """Print the report (the model report for several calls, else the per-tensor one; with ``summary``
     the one-screen answer), write the JSON, and exit 0, or 1 when a --fail-on condition holds, or 2
     when calls were skipped. ``summary_only``: a label; only the closing line is said, on stderr, under it
@@ -212,7 +393,9 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
     failed = failed_conditions(result.tensors, [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)], ignored)
     what_ifs = [c.what_if for c in result.calls if c.what_if is not None]
     asked = [c.removeprefix(WHAT_IF_PREFIX) for c in conditions if c.startswith(WHAT_IF_PREFIX)]
-    failed += [WHAT_IF_PREFIX + f for f in failed_conditions(what_ifs, asked, (*ignored, *INHERITED))]  # inherited NaN is the model's
+    failed += [
+        WHAT_IF_PREFIX + f for f in failed_conditions(what_ifs, asked, (*ignored, *INHERITED))
+    ]  # inherited NaN is the model's
     if result.model is not None and result.model.findings:  # the capture's own (capture_incomplete)
         from attncheck.findings import failed_by_findings
 
@@ -220,14 +403,31 @@ def emit(result, conditions: list[str], ignored: tuple[str, ...], json_out: str 
         failed += failed_by_findings(result.model.findings, own, ignored)
     chosen = []
     for pattern in detail:
-        hit = [c for c in result.calls if c.diagnosis is not None and (fnmatch.fnmatchcase(c.call.module, pattern) or fnmatch.fnmatchcase(c.call.name, pattern))]
+        hit = [
+            c
+            for c in result.calls
+            if c.diagnosis is not None
+            and (fnmatch.fnmatchcase(c.call.module, pattern) or fnmatch.fnmatchcase(c.call.name, pattern))
+        ]
         if not hit:
             names = ", ".join((c.call.module or c.call.name) for c in result.calls[:6])
-            raise fail(AttncheckError(f"'{pattern}' matches no call (calls: {names}{', ...' if len(result.calls) > 6 else ''})", param="detail"))
+            raise fail(
+                AttncheckError(
+                    f"'{pattern}' matches no call (calls: {names}{', ...' if len(result.calls) > 6 else ''})",
+                    param="detail",
+                )
+            )
         chosen += [c for c in hit if c not in chosen]
     if json_out is not None:
         try:
-            write_json(json.dumps(run_json(result.tensors, result.device, failed, result.model, result.calls), indent=2, allow_nan=False), json_out)
+            write_json(
+                json.dumps(
+                    run_json(result.tensors, result.device, failed, result.model, result.calls),
+                    indent=2,
+                    allow_nan=False,
+                ),
+                json_out,
+            )
         except AttncheckError as e:
             raise fail(e) from None
     if summary_only is not None and result.model is not None:  # one process of several (torchrun): its closing line

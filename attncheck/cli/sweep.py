@@ -13,34 +13,88 @@ from typing import Optional
 import typer
 
 from attncheck.cli.common import EXIT_OK, check_output_path, fail, report_console, require_stdout, write_json
-from attncheck.cli.options import DEFAULT_DTYPES, DEFAULT_METHODS, BlockOpt, DeviceOpt, DtypeOpt, JsonOpt, MethodOpt, PathOpt, QuietOpt, ScaleOpt, progress_shown
-from attncheck.config.sweep import DEFAULT_BLOCK, DEFAULT_DKS, DEFAULT_MAX_WORK, DEFAULT_ROWS, DEFAULT_SEQ, PRESET_NAMES
-from attncheck.config.sweep import SweepConfig, max_work as parse_max_work
+from attncheck.cli.options import (
+    DEFAULT_DTYPES,
+    DEFAULT_METHODS,
+    BlockOpt,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    MethodOpt,
+    PathOpt,
+    QuietOpt,
+    ScaleOpt,
+    progress_shown,
+)
+from attncheck.config.sweep import (
+    DEFAULT_BLOCK,
+    DEFAULT_DKS,
+    DEFAULT_MAX_WORK,
+    DEFAULT_ROWS,
+    DEFAULT_SEQ,
+    PRESET_NAMES,
+    SweepConfig,
+)
+from attncheck.config.sweep import max_work as parse_max_work
 from attncheck.errors import AttncheckError
 from attncheck.params import SCALE_NAMES
 from attncheck.registry import path_names
 
 
 def sweep(
-    dk: str = typer.Option(",".join(map(str, DEFAULT_DKS)), "--dk", metavar="D,...", help="Comma-separated head dimensions d_k."),
+    dk: str = typer.Option(
+        ",".join(map(str, DEFAULT_DKS)), "--dk", metavar="D,...", help="Comma-separated head dimensions d_k."
+    ),
     scale: ScaleOpt = ",".join(SCALE_NAMES),
     dtype: DtypeOpt = DEFAULT_DTYPES,
     method: MethodOpt = DEFAULT_METHODS,
-    seq: str = typer.Option(str(DEFAULT_SEQ), "--seq", metavar="N,...", help="Keys per row (comma-separated for several)."),
-    rows: str = typer.Option(str(DEFAULT_ROWS), "--rows", metavar="N", help="Rows (queries) per grid point; heads of up to --seq queries share their keys."),
-    std: str = typer.Option("1", "--std", metavar="X,...", help="Standard deviation of the entries of q and k (comma-separated for several)."),
-    dist: str = typer.Option("normal", "--dist", metavar="NAME", help="Entries of q and k: normal, or outliers = N(0,1) + N(0,100) on a 0.1% mask (FlashAttention-3's test inputs)."),
-    seed: str = typer.Option("0", "--seed", metavar="N", help="Seed of the generator; the same seed gives the same numbers."),
+    seq: str = typer.Option(
+        str(DEFAULT_SEQ), "--seq", metavar="N,...", help="Keys per row (comma-separated for several)."
+    ),
+    rows: str = typer.Option(
+        str(DEFAULT_ROWS),
+        "--rows",
+        metavar="N",
+        help="Rows (queries) per grid point; heads of up to --seq queries share their keys.",
+    ),
+    std: str = typer.Option(
+        "1",
+        "--std",
+        metavar="X,...",
+        help="Standard deviation of the entries of q and k (comma-separated for several).",
+    ),
+    dist: str = typer.Option(
+        "normal",
+        "--dist",
+        metavar="NAME",
+        help="Entries of q and k: normal, or outliers = N(0,1) + N(0,100) on a 0.1% mask (FlashAttention-3's test inputs).",
+    ),
+    seed: str = typer.Option(
+        "0", "--seed", metavar="N", help="Seed of the generator; the same seed gives the same numbers."
+    ),
     block: BlockOpt = str(DEFAULT_BLOCK),
     device: DeviceOpt = "cpu",
     json_out: JsonOpt = None,
-    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Draw variance, max probability, entropy and Jacobian norm vs d_k, and per dtype maps of overflowed rows and of the error against float64, to FILE.png (needs the 'plot' extra: matplotlib)."),
+    plot: Optional[str] = typer.Option(
+        None,
+        "--plot",
+        metavar="FILE.png",
+        help="Draw variance, max probability, entropy and Jacobian norm vs d_k, and per dtype maps of overflowed rows and of the error against float64, to FILE.png (needs the 'plot' extra: matplotlib).",
+    ),
     path: PathOpt = ",".join(path_names(lambda spec: not spec.fp8 and spec.default)),
-    preset: Optional[str] = typer.Option(None, "--preset", metavar="NAME", help="Reproduce a published figure instead of the grid, printed beside the paper's: fa3 (FlashAttention-3's FP16 and FP8 RMSE of O), pcast (underflow of the FP8 P cast with an attention sink). Takes --seed and --device, --json."),
+    preset: Optional[str] = typer.Option(
+        None,
+        "--preset",
+        metavar="NAME",
+        help="Reproduce a published figure instead of the grid, printed beside the paper's: fa3 (FlashAttention-3's FP16 and FP8 RMSE of O), pcast (underflow of the FP8 P cast with an attention sink). Takes --seed and --device, --json.",
+    ),
     max_work: str = typer.Option(
-        f"{DEFAULT_MAX_WORK:.3g}", "--max-work", metavar="N",
+        f"{DEFAULT_MAX_WORK:.3g}",
+        "--max-work",
+        metavar="N",
         help="Refuse, before any work, a grid that computes more score elements than N "
-        "(grid points x rows x keys x cells; the default grid computes 2.6e8)."),
+        "(grid points x rows x keys x cells; the default grid computes 2.6e8).",
+    ),
     quiet: QuietOpt = False,
 ) -> None:
     """Sweep synthetic Q and K over d_k x scale; measure next to the theory.
@@ -52,8 +106,40 @@ def sweep(
     try:
         require_stdout()  # every report ends on standard output: refuse a closed one before any work
         if preset is not None:
-            _run_preset(preset, seed, device, json_out, plot, quiet, dict(dk=dk, scale=scale, dtype=dtype, method=method, seq=seq, rows=rows, std=std, dist=dist, block=block, path=path))
-        config = SweepConfig.from_text(dks=dk, scales=scale, dtypes=dtype, methods=method, seqs=seq, rows=rows, stds=std, dist=dist, seed=seed, block=block, device=device, paths=path)
+            _run_preset(
+                preset,
+                seed,
+                device,
+                json_out,
+                plot,
+                quiet,
+                dict(
+                    dk=dk,
+                    scale=scale,
+                    dtype=dtype,
+                    method=method,
+                    seq=seq,
+                    rows=rows,
+                    std=std,
+                    dist=dist,
+                    block=block,
+                    path=path,
+                ),
+            )
+        config = SweepConfig.from_text(
+            dks=dk,
+            scales=scale,
+            dtypes=dtype,
+            methods=method,
+            seqs=seq,
+            rows=rows,
+            stds=std,
+            dist=dist,
+            seed=seed,
+            block=block,
+            device=device,
+            paths=path,
+        )
         config.check_work(parse_max_work(max_work, "max_work"))
         check_output_path(json_out, "--json")
         check_output_path(plot, "--plot", dash_ok=False)
@@ -83,8 +169,16 @@ def sweep(
 
 
 GRID_DEFAULTS = dict(
-    dk=",".join(map(str, DEFAULT_DKS)), scale=",".join(SCALE_NAMES), dtype=DEFAULT_DTYPES, method=DEFAULT_METHODS, seq=str(DEFAULT_SEQ),
-    rows=str(DEFAULT_ROWS), std="1", dist="normal", block=str(DEFAULT_BLOCK), path=",".join(path_names(lambda spec: not spec.fp8 and spec.default)),
+    dk=",".join(map(str, DEFAULT_DKS)),
+    scale=",".join(SCALE_NAMES),
+    dtype=DEFAULT_DTYPES,
+    method=DEFAULT_METHODS,
+    seq=str(DEFAULT_SEQ),
+    rows=str(DEFAULT_ROWS),
+    std="1",
+    dist="normal",
+    block=str(DEFAULT_BLOCK),
+    path=",".join(path_names(lambda spec: not spec.fp8 and spec.default)),
 )
 
 
@@ -96,7 +190,9 @@ def _run_preset(name: str, seed: str, device: str, json_out, plot, quiet: bool, 
     given = [f"--{k}" for k, v in grid.items() if v != GRID_DEFAULTS[k]]
     if given or plot is not None:
         extra = given + (["--plot"] if plot else [])
-        raise AttncheckError(f"--preset {name} sets its own inputs: {', '.join(extra)} {'does' if len(extra) == 1 else 'do'} not apply")
+        raise AttncheckError(
+            f"--preset {name} sets its own inputs: {', '.join(extra)} {'does' if len(extra) == 1 else 'do'} not apply"
+        )
     seed_n, device_n = params.integer(seed, "seed", 0), params.device(device)
     check_output_path(json_out, "--json")
     from attncheck.numerics.cells.diagnose import resolve_device

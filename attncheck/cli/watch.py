@@ -16,10 +16,17 @@ from attncheck.errors import AttncheckError
 
 ALERTS = "Alerts"
 PLOT_SUFFIX = ".png"
-WatchWhatIfOpt = typer.Option(None, "--what-if", metavar="DTYPE,...|all", show_default=False, help=(
-    "headroom_low also for hand-written (eager) attention in these dtypes (fp16, bf16, fp32; all: the three): S = Q@K^T "
-    "held in the dtype before the scale, so its limit is the dtype's rounding limit times the call's scale. Reported "
-    "apart; counted by --fail-on what-if:headroom_low only. FP8 kernels hold S in fp32: no FP8 what-if here."))
+WatchWhatIfOpt = typer.Option(
+    None,
+    "--what-if",
+    metavar="DTYPE,...|all",
+    show_default=False,
+    help=(
+        "headroom_low also for hand-written (eager) attention in these dtypes (fp16, bf16, fp32; all: the three): S = Q@K^T "
+        "held in the dtype before the scale, so its limit is the dtype's rounding limit times the call's scale. Reported "
+        "apart; counted by --fail-on what-if:headroom_low only. FP8 kernels hold S in fp32: no FP8 what-if here."
+    ),
+)
 
 
 def parse_watch_fail_on(value: str) -> list[str]:
@@ -29,24 +36,87 @@ def parse_watch_fail_on(value: str) -> list[str]:
     items = [v.strip().lower() for v in value.split(",") if v.strip()]
     for item in items:
         if item.removeprefix(WHAT_IF_PREFIX) not in words:
-            raise AttncheckError(f"unknown condition {item!r} (use {', '.join(words)}, or what-if:CONDITION)", param="fail_on")
+            raise AttncheckError(
+                f"unknown condition {item!r} (use {', '.join(words)}, or what-if:CONDITION)", param="fail_on"
+            )
     return items
 
 
 def watch(
-    logs: List[str] = typer.Argument(..., metavar="LOG...", help="Watch logs (.jsonl) that attncheck.watch wrote; under torchrun, one per rank.", show_default=False),
+    logs: List[str] = typer.Argument(
+        ...,
+        metavar="LOG...",
+        help="Watch logs (.jsonl) that attncheck.watch wrote; under torchrun, one per rank.",
+        show_default=False,
+    ),
     json_out: JsonOpt = None,
-    fail_on: str = typer.Option("", "--fail-on", metavar="LIST", help="Exit 1 when an alert holds: logit_growth, entropy_collapse, headroom_low, nonfinite, nan (= nonfinite), warning or error (an alert of that severity or worse), comma-separated; what-if:CONDITION judges the --what-if alerts."),
-    ignore: str = typer.Option("", "--ignore", metavar="CODE,...", help="Alert codes you judged expected: left out of the report and of --fail-on."),
-    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Draw step x call heatmaps of the largest logit and of the entropy, and the curves of the worst heads with the alert steps marked, to FILE.png (needs matplotlib: the 'plot' extra). Logs of several ranks: the heatmaps of one rank (the first alert's, else the first; named), the curves of every rank."),
-    window: str = typer.Option("20", "--window", metavar="N", help="Records the growth of a head's largest logit is fitted over (least squares of its logarithm; at least 5).", rich_help_panel=ALERTS),
-    level: str = typer.Option("50", "--logit-level", metavar="X", help="logit_growth holds once a growing head's largest logit reaches X.", rich_help_panel=ALERTS),
-    growth: str = typer.Option("2", "--growth", metavar="G", help="logit_growth holds from a growth of G times per 100 steps.", rich_help_panel=ALERTS),
-    horizon: str = typer.Option("1000", "--horizon", metavar="STEPS", help="headroom_low holds when, at its growth, a head reaches its dtype's limit within STEPS steps.", rich_help_panel=ALERTS),
-    collapse: str = typer.Option("0.5", "--collapse", metavar="SHARE", help="entropy_collapse holds when SHARE of a head's sampled rows put over 0.99 of their weight on one key.", rich_help_panel=ALERTS),
-    rank_factor: str = typer.Option("10", "--rank-factor", metavar="F", help="rank_divergence holds when a head's largest logit on one rank is F times another rank's at the same step (magnitudes below 1 counted as 1).", rich_help_panel=ALERTS),
+    fail_on: str = typer.Option(
+        "",
+        "--fail-on",
+        metavar="LIST",
+        help="Exit 1 when an alert holds: logit_growth, entropy_collapse, headroom_low, nonfinite, nan (= nonfinite), warning or error (an alert of that severity or worse), comma-separated; what-if:CONDITION judges the --what-if alerts.",
+    ),
+    ignore: str = typer.Option(
+        "",
+        "--ignore",
+        metavar="CODE,...",
+        help="Alert codes you judged expected: left out of the report and of --fail-on.",
+    ),
+    plot: Optional[str] = typer.Option(
+        None,
+        "--plot",
+        metavar="FILE.png",
+        help="Draw step x call heatmaps of the largest logit and of the entropy, and the curves of the worst heads with the alert steps marked, to FILE.png (needs matplotlib: the 'plot' extra). Logs of several ranks: the heatmaps of one rank (the first alert's, else the first; named), the curves of every rank.",
+    ),
+    window: str = typer.Option(
+        "20",
+        "--window",
+        metavar="N",
+        help="Records the growth of a head's largest logit is fitted over (least squares of its logarithm; at least 5).",
+        rich_help_panel=ALERTS,
+    ),
+    level: str = typer.Option(
+        "50",
+        "--logit-level",
+        metavar="X",
+        help="logit_growth holds once a growing head's largest logit reaches X.",
+        rich_help_panel=ALERTS,
+    ),
+    growth: str = typer.Option(
+        "2",
+        "--growth",
+        metavar="G",
+        help="logit_growth holds from a growth of G times per 100 steps.",
+        rich_help_panel=ALERTS,
+    ),
+    horizon: str = typer.Option(
+        "1000",
+        "--horizon",
+        metavar="STEPS",
+        help="headroom_low holds when, at its growth, a head reaches its dtype's limit within STEPS steps.",
+        rich_help_panel=ALERTS,
+    ),
+    collapse: str = typer.Option(
+        "0.5",
+        "--collapse",
+        metavar="SHARE",
+        help="entropy_collapse holds when SHARE of a head's sampled rows put over 0.99 of their weight on one key.",
+        rich_help_panel=ALERTS,
+    ),
+    rank_factor: str = typer.Option(
+        "10",
+        "--rank-factor",
+        metavar="F",
+        help="rank_divergence holds when a head's largest logit on one rank is F times another rank's at the same step (magnitudes below 1 counted as 1).",
+        rich_help_panel=ALERTS,
+    ),
     what_if: Optional[str] = WatchWhatIfOpt,
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print less: no notice on stderr of the --plot file written (and of the calls and ranks it leaves out); the report and the --fail-on lines are printed."),
+    quiet: bool = typer.Option(
+        False,
+        "--quiet",
+        "-q",
+        help="Print less: no notice on stderr of the --plot file written (and of the calls and ranks it leaves out); the report and the --fail-on lines are printed.",
+    ),
 ) -> None:
     """Read watch logs: the trend of every head's largest attention logit, its entropy and its headroom, with alerts.
 
@@ -61,12 +131,21 @@ def watch(
         ignored = ignore_codes(ignore)
         from attncheck.watcher.trends import MIN_POINTS
 
-        settings = dict(window=params.integer(window, "window", 1), level=params.number(level, "logit_level", positive=True),
-                        growth=params.number(growth, "growth", positive=True), horizon=params.number(horizon, "horizon", positive=True),
-                        collapse=params.number(collapse, "collapse", positive=True),
-                        rank_factor=params.number(rank_factor, "rank_factor", positive=True))
-        if settings["window"] < MIN_POINTS:  # fewer records than a growth is fitted over: every growth alert would be off
-            raise AttncheckError(f"must be at least {MIN_POINTS}, the fewest records a growth is fitted over; got {window}", param="window")
+        settings = dict(
+            window=params.integer(window, "window", 1),
+            level=params.number(level, "logit_level", positive=True),
+            growth=params.number(growth, "growth", positive=True),
+            horizon=params.number(horizon, "horizon", positive=True),
+            collapse=params.number(collapse, "collapse", positive=True),
+            rank_factor=params.number(rank_factor, "rank_factor", positive=True),
+        )
+        if (
+            settings["window"] < MIN_POINTS
+        ):  # fewer records than a growth is fitted over: every growth alert would be off
+            raise AttncheckError(
+                f"must be at least {MIN_POINTS}, the fewest records a growth is fitted over; got {window}",
+                param="window",
+            )
         if settings["rank_factor"] <= 1:
             raise AttncheckError(f"is a factor between ranks, above 1; got {rank_factor}", param="rank_factor")
         if settings["collapse"] > 1:
@@ -75,9 +154,12 @@ def watch(
             raise AttncheckError(f"is a growth factor per 100 steps, above 1; got {growth}", param="growth")
         asked = params.what_if(what_if) if what_if is not None else ()
         if params.WHAT_IF_KERNELS in asked:
-            raise AttncheckError("kernels: the watch judges logged statistics, not tensors, so it cannot replay a call under "
-                                 "other kernels; capture the step (attncheck capture) and run attncheck run DIR --what-if "
-                                 "kernels", param="what_if")
+            raise AttncheckError(
+                "kernels: the watch judges logged statistics, not tensors, so it cannot replay a call under "
+                "other kernels; capture the step (attncheck capture) and run attncheck run DIR --what-if "
+                "kernels",
+                param="what_if",
+            )
         check_output_path(json_out, "--json")
         if plot is not None:
             check_plot_path(plot)
@@ -92,8 +174,10 @@ def watch(
         report.alerts = [a for a in report.alerts if a.code not in ignored]
         held = failed(report, conditions, ignored)
         if plot is not None and not report.series:
-            raise AttncheckError(f"--plot {plot}: the logs hold no attention call, nothing to draw (no attention recorded: "
-                                 "run attncheck watch without --plot for the report)")
+            raise AttncheckError(
+                f"--plot {plot}: the logs hold no attention call, nothing to draw (no attention recorded: "
+                "run attncheck watch without --plot for the report)"
+            )
     except AttncheckError as e:
         raise fail(e) from None
     from attncheck.report.watch import plot_watch, render_watch, watch_json
@@ -140,7 +224,10 @@ def _what_if_limits(asked) -> dict[str, float]:
 
     fp8 = [d for d in asked if d in fp8_names()]
     if fp8:
-        raise AttncheckError(f"{fp8[0]}: the watch's what-if is hand-written attention holding S = Q@K^T in a dtype; FP8 kernels "
-                             "hold S in fp32 (give fp16, bf16 or fp32)", param="what_if")
+        raise AttncheckError(
+            f"{fp8[0]}: the watch's what-if is hand-written attention holding S = Q@K^T in a dtype; FP8 kernels "
+            "hold S in fp32 (give fp16, bf16 or fp32)",
+            param="what_if",
+        )
     names = [d for d in dtype_names() if d not in fp8_names()] if asked == (WHAT_IF_ALL,) else list(asked)
     return {d: rounding_limit(dtype_from_name(d)) for d in names}

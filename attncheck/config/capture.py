@@ -34,7 +34,9 @@ class CaptureRequest:
     what_if: tuple[str, ...] = ()  # as RunRequest's
     grid_asked: bool = False
     grads: bool = True  # record dO and the kernels' gradients when the script runs a backward
-    compile: str = "eager"  # torch.compile'd code: run as its eager code and recorded, or kept compiled and not recorded
+    compile: str = (
+        "eager"  # torch.compile'd code: run as its eager code and recorded, or kept compiled and not recorded
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ignore", ignore_codes(self.ignore))

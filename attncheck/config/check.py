@@ -94,7 +94,9 @@ class CheckConfig:
     device: str = DEFAULT_DEVICE
     budget: Budget = field(default_factory=Budget)
     dtype_budgets: dict[str, Budget] = field(default_factory=dict)  # [tool.attncheck.budget.<dtype>] overrides
-    max_memory: int | None = None  # bytes, as max_memory = "1GiB": working memory of the diagnosis; None: the default chunks
+    max_memory: int | None = (
+        None  # bytes, as max_memory = "1GiB": working memory of the diagnosis; None: the default chunks
+    )
     max_work: int = DEFAULT_MAX_WORK  # score elements the synthetic inputs may compute together (as sweep --max-work)
 
     @property
@@ -102,6 +104,7 @@ class CheckConfig:
         """The most an input may hold whole (a .pt file, a Fortran-ordered array, a synthetic
         input's q and k): max_memory, or run's default of 1 GiB."""
         return self.max_memory if self.max_memory is not None else params.size(params.DEFAULT_MAX_MEMORY, "max_memory")
+
     ignore: tuple[str, ...] = ()  # finding codes judged expected: their rows do not count against the budgets
 
     def budget_for(self, dtype: str) -> Budget:
@@ -116,19 +119,33 @@ class CheckConfig:
 
     def options(self, dtypes: tuple[str, ...] | None = None, device: str | None = None) -> "Options":
         """The diagnosis options this config asks for (per synthetic entry: its dtypes)."""
-        from attncheck.config.run import Options
-
-        from attncheck.config.run import chunk_elements_for
+        from attncheck.config.run import Options, chunk_elements_for
 
         chunks = {} if self.max_memory is None else {"chunk_elements": chunk_elements_for(self.max_memory)}
-        return Options(dtypes=dtypes or self.dtypes, methods=self.methods, block=self.block, reverse=self.order == "reverse",
-                       accum=self.accum, device=device or self.device, **chunks)
+        return Options(
+            dtypes=dtypes or self.dtypes,
+            methods=self.methods,
+            block=self.block,
+            reverse=self.order == "reverse",
+            accum=self.accum,
+            device=device or self.device,
+            **chunks,
+        )
 
 
 # Library parameters -> their key in [tool.attncheck]: errors raised below the config
 # layer name parameters, and are shown in the file's terms (see errors.AttncheckError).
-CONFIG_KEYS = {"keys": "keys", "dtypes": "dtypes", "methods": "methods", "block": "block", "reverse": "order",
-               "accum": "accum", "device": "device", "max_memory": "max_memory", "chunk_elements": "max_memory"}
+CONFIG_KEYS = {
+    "keys": "keys",
+    "dtypes": "dtypes",
+    "methods": "methods",
+    "block": "block",
+    "reverse": "order",
+    "accum": "accum",
+    "device": "device",
+    "max_memory": "max_memory",
+    "chunk_elements": "max_memory",
+}
 
 
 # --------------------------------------------------------------------------- values
@@ -172,7 +189,7 @@ def _size(value: Any, key: str) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return params.integer(value, key, 1, from_text=False)
     if not isinstance(value, str):
-        raise AttncheckError(f"{key} must be a size such as \"1GiB\" or a number of bytes, got {show(value)}")
+        raise AttncheckError(f'{key} must be a size such as "1GiB" or a number of bytes, got {show(value)}')
     return params.size(value, key)
 
 
@@ -220,8 +237,21 @@ def _reject_unknown(table: dict[str, Any], known: tuple[str, ...], prefix: str, 
 
 # --------------------------------------------------------------------------- tables
 
-TOP_KEYS = ("inputs", "keys", "synthetic", "dtypes", "methods", "block", "order", "accum", "device", "max_memory", "max_work",
-            "budget", "ignore")
+TOP_KEYS = (
+    "inputs",
+    "keys",
+    "synthetic",
+    "dtypes",
+    "methods",
+    "block",
+    "order",
+    "accum",
+    "device",
+    "max_memory",
+    "max_work",
+    "budget",
+    "ignore",
+)
 SYNTHETIC_KEYS = ("d_k", "scale", "seq", "rows", "dist", "std", "seed", "dtype", "paths")
 _AT = BUDGET_NAMES.index("relative_to_torch") + 1
 BUDGET_KEYS = (*BUDGET_NAMES[:_AT], "relative_to_torch_atol", *BUDGET_NAMES[_AT:])
@@ -252,8 +282,9 @@ def _parse_budgets(value: Any, prefix: str, display: str) -> tuple[Budget, dict[
     cells = dtype_names()  # a [budget.<dtype>] table for any dtype a check computes in
     for name in table:
         if name in DTYPES.names(cell_dtype) and name not in cells:
-            raise AttncheckError(f"{prefix}.{name}: {name!r} is an FP8 format; check computes in {', '.join(cells)} "
-                                 f"({FP8_REFUSED})")
+            raise AttncheckError(
+                f"{prefix}.{name}: {name!r} is an FP8 format; check computes in {', '.join(cells)} ({FP8_REFUSED})"
+            )
     own = {k: v for k, v in table.items() if k not in cells}
     _reject_unknown(own, BUDGET_KEYS + cells, prefix, display)
     base = parse_budget(own, prefix, display)
@@ -296,7 +327,14 @@ def _parse_synthetic(value: Any, prefix: str, display: str) -> tuple[SyntheticIn
     return tuple(out)
 
 
-def parse_table(table: Any, *, display: str = "<config>", prefix: str = TABLE, root: str | os.PathLike[str] = ".", path: str | None = None) -> CheckConfig:
+def parse_table(
+    table: Any,
+    *,
+    display: str = "<config>",
+    prefix: str = TABLE,
+    root: str | os.PathLike[str] = ".",
+    path: str | None = None,
+) -> CheckConfig:
     """The ``[tool.attncheck]`` table (a dict as tomllib gives it) -> a checked CheckConfig.
 
     Input globs are resolved relative to ``root``; one that matches nothing is an error.
@@ -337,11 +375,13 @@ def parse_table(table: Any, *, display: str = "<config>", prefix: str = TABLE, r
     if "ignore" in table:
         from attncheck.config.run import ignore_codes
 
-        values["ignore"] = ignore_codes(_strings(table["ignore"], key("ignore"), "finding codes, e.g. fully_masked_rows"), key("ignore"))
+        values["ignore"] = ignore_codes(
+            _strings(table["ignore"], key("ignore"), "finding codes, e.g. fully_masked_rows"), key("ignore")
+        )
     if not values.get("inputs") and not values.get("synthetic"):
         where = f"[{prefix}]" if prefix else display
         raise AttncheckError(
-            f"{where} has no inputs: set {key('inputs')} = [\"dumps/*.safetensors\"] or add a [[{key('synthetic')}]] table"
+            f'{where} has no inputs: set {key("inputs")} = ["dumps/*.safetensors"] or add a [[{key("synthetic")}]] table'
         )
     if values.get("keys") and not values.get("inputs"):
         raise AttncheckError(f"{key('keys')} picks tensors inside files, but {key('inputs')} names no file")
@@ -404,7 +444,7 @@ def _check_output_budgets(config: CheckConfig) -> None:
             if spec.paths and eager_path() not in spec.paths:
                 raise AttncheckError(
                     f"{config.key('budget.' + relative[0])} compares each cell with torch.softmax on the eager path: "
-                    f"add \"eager\" to {config.key('synthetic')}[{spec.index}].paths"
+                    f'add "eager" to {config.key("synthetic")}[{spec.index}].paths'
                 )
     if any(spec.paths for spec in config.synthetic):
         return
@@ -413,7 +453,7 @@ def _check_output_budgets(config: CheckConfig) -> None:
         if names:
             raise AttncheckError(
                 f"{config.key(where + '.' + names[0])} judges the attention output O = P@V, which needs V: add "
-                f"paths = [\"eager\", \"flash\"] to a [[{config.key('synthetic')}]] entry (saved score dumps have no V)"
+                f'paths = ["eager", "flash"] to a [[{config.key("synthetic")}]] entry (saved score dumps have no V)'
             )
 
 
@@ -531,7 +571,9 @@ MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config is a few lines; anything this la
 
 def _read_toml(path: Path, display: str) -> dict[str, Any]:
     if _toml is None:  # pragma: no cover - Python 3.10 without tomli
-        raise AttncheckError("reading the config needs Python >= 3.11 (tomllib) or the tomli package: pip install tomli")
+        raise AttncheckError(
+            "reading the config needs Python >= 3.11 (tomllib) or the tomli package: pip install tomli"
+        )
     try:
         with open(path, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # /dev/zero, a pipe: would never end

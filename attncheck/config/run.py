@@ -8,7 +8,6 @@ from attncheck import params
 from attncheck.errors import AttncheckError, param
 from attncheck.registry import dtype_names, method_names
 
-
 # Bytes of working memory per score element of a chunk: the float64 reference and the
 # reference of the cast scores, the cast scores, one cell's probabilities and its
 # float64 temporaries (torch backend; the fused kernels need about half).
@@ -64,8 +63,10 @@ def check_row_fits(name: str, keys: int, max_memory: int | None) -> None:
     if max_memory is not None and need > max_memory:
         from attncheck.format import size_text
 
-        raise AttncheckError(f"{name}: a row of {keys:,} keys needs {size_text(need)} of working memory, over "
-                             f"{param('max_memory')} {size_text(max_memory)}; raise {param('max_memory')}")
+        raise AttncheckError(
+            f"{name}: a row of {keys:,} keys needs {size_text(need)} of working memory, over "
+            f"{param('max_memory')} {size_text(max_memory)}; raise {param('max_memory')}"
+        )
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,9 @@ def ignore_codes(value, param_name: str = "ignore") -> tuple[str, ...]:
     items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value or ())
     for code in items:
         if not isinstance(code, str) or code not in SEVERITY:
-            raise AttncheckError(f"unknown finding code {params.show(code)} (known: {', '.join(SEVERITY)})", param=param_name)
+            raise AttncheckError(
+                f"unknown finding code {params.show(code)} (known: {', '.join(SEVERITY)})", param=param_name
+            )
     return tuple(dict.fromkeys(items))
 
 
@@ -154,7 +157,9 @@ class QKSpec:
         if self.mask_value is not None:
             object.__setattr__(self, "mask_value", params.mask_value(self.mask_value))
         if self.mask_convention is not None:
-            object.__setattr__(self, "mask_convention", params.choice(self.mask_convention, params.MASK_CONVENTIONS, "mask_convention"))
+            object.__setattr__(
+                self, "mask_convention", params.choice(self.mask_convention, params.MASK_CONVENTIONS, "mask_convention")
+            )
 
 
 @dataclass(frozen=True)
@@ -183,8 +188,14 @@ class RunRequest:
         if self.example and (self.paths or self.qk):
             raise AttncheckError("give files or the built-in example, not both")
         if self.example and self.keys:
-            raise AttncheckError(f"{param('keys')} selects tensors inside files; it does not apply to the built-in example")
+            raise AttncheckError(
+                f"{param('keys')} selects tensors inside files; it does not apply to the built-in example"
+            )
         if self.keys and not self.paths and self.qk is not None:
-            raise AttncheckError(f"{param('keys')} selects tensors inside score files, and none is given; pick q and k inside files with {param('q')} PATH:KEY")
+            raise AttncheckError(
+                f"{param('keys')} selects tensors inside score files, and none is given; pick q and k inside files with {param('q')} PATH:KEY"
+            )
         if not (self.example or self.paths or self.qk):
-            raise AttncheckError(f"no input: give score files or directories, {param('q')} and {param('k')}, or {param('example')} for a built-in one")
+            raise AttncheckError(
+                f"no input: give score files or directories, {param('q')} and {param('k')}, or {param('example')} for a built-in one"
+            )

@@ -38,7 +38,9 @@ SCALE_RANGE = (1e-30, 1e30)
 DEFAULT_DKS = (16, 32, 64, 128, 256, 512)
 DEFAULT_SEQ = 128
 DEFAULT_ROWS = 4096
-OUTPUT_ROWS = 1024  # rows (whole heads) whose output O = P@V each point measures: enough for its RMSE, a quarter of the cost
+OUTPUT_ROWS = (
+    1024  # rows (whole heads) whose output O = P@V each point measures: enough for its RMSE, a quarter of the cost
+)
 DEFAULT_BLOCK = 32  # a quarter of the default 128 keys, so the tiled method rescales across blocks
 
 
@@ -63,7 +65,12 @@ def point_bytes(rows: int, seq: int, dk: int, dist: str = "normal") -> int:
     """Peak memory of one grid point: drawing Q and K, then V, the (rows, seq) and the (rows, d_k) working sets."""
     heads, queries = head_layout(rows, seq)
     v = 8 * heads * seq * dk
-    return qk_bytes(heads, queries, seq, dk, dist) + v + 8 * _LIVE_ROW_TENSORS * rows * seq + 8 * _LIVE_OUT_TENSORS * rows * dk
+    return (
+        qk_bytes(heads, queries, seq, dk, dist)
+        + v
+        + 8 * _LIVE_ROW_TENSORS * rows * seq
+        + 8 * _LIVE_OUT_TENSORS * rows * dk
+    )
 
 
 # The most score elements (rows x keys, once per cell) a sweep or check computes unless told more

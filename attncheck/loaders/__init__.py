@@ -25,11 +25,30 @@ from dataclasses import dataclass
 
 import torch
 
-from attncheck.loaders.common import KINDS, FileListing, TensorSource, check_tensor, error, memory_source, qualified_name, read_head
+from attncheck.loaders.common import (
+    KINDS,
+    FileListing,
+    TensorSource,
+    check_tensor,
+    error,
+    memory_source,
+    qualified_name,
+    read_head,
+)
 from attncheck.loaders.formats import SUPPORTED_SUFFIXES, format_for
 from attncheck.loaders.paths import KeySelector, expand_paths, suffix_list
 
-__all__ = ["SUPPORTED_SUFFIXES", "KeySelector", "NamedTensor", "TensorSource", "iter_sources", "load_tensors", "memory_source", "open_file", "open_sources"]
+__all__ = [
+    "SUPPORTED_SUFFIXES",
+    "KeySelector",
+    "NamedTensor",
+    "TensorSource",
+    "iter_sources",
+    "load_tensors",
+    "memory_source",
+    "open_file",
+    "open_sources",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,7 +75,11 @@ def open_file(path: str, kind: str = "scores", max_bytes: int | None = None) -> 
 
 
 def load_tensors(
-    paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (), *, kind: str = "scores", max_bytes: int | None = None
+    paths: Sequence[str | os.PathLike[str]],
+    keys: Sequence[str] = (),
+    *,
+    kind: str = "scores",
+    max_bytes: int | None = None,
 ) -> list[NamedTensor]:
     """Load every tensor in ``paths`` (files or directories) that ``keys`` selects.
 
@@ -85,7 +108,9 @@ def load_tensors(
     return result
 
 
-def open_sources(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (), *, max_bytes: int | None = None) -> list[TensorSource]:
+def open_sources(
+    paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (), *, max_bytes: int | None = None
+) -> list[TensorSource]:
     """A source for every tensor in ``paths`` that ``keys`` selects.
 
     Same files, order, names, ``keys`` semantics and errors as :func:`load_tensors`;
@@ -95,7 +120,9 @@ def open_sources(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = 
     return list(iter_sources(paths, keys, max_bytes=max_bytes))
 
 
-def iter_sources(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (), *, max_bytes: int | None = None) -> Iterator[TensorSource]:
+def iter_sources(
+    paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (), *, max_bytes: int | None = None
+) -> Iterator[TensorSource]:
     """The sources of :func:`open_sources`, one file at a time: a file is opened (a ``.pt``
     loaded whole) only once every source of the file before it has been taken, and this
     generator keeps no reference to a source it has handed out, so a caller that drops

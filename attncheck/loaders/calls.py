@@ -29,7 +29,14 @@ import torch
 from attncheck.errors import AttncheckError, param
 from attncheck.format import size_text, visible
 from attncheck.loaders import jsondoc
-from attncheck.loaders.capture_schema import CAPTURE_SCHEMA_PREFIX, FIELD_HELP, CallMeta, Manifest, ManifestCall, meta_fields
+from attncheck.loaders.capture_schema import (
+    CAPTURE_SCHEMA_PREFIX,
+    FIELD_HELP,
+    CallMeta,
+    Manifest,
+    ManifestCall,
+    meta_fields,
+)
 from attncheck.loaders.common import TensorSource, check_tensor, error, qualified_name, reason, shorten
 from attncheck.loaders.paths import KeySelector, expand_paths, natural_key
 from attncheck.results import CallInfo
@@ -38,7 +45,9 @@ CAPTURE_SCHEMA = "attncheck.capture/1"
 MANIFEST = "manifest.json"
 FORMAT_KEY = "format"  # safetensors metadata key holding CAPTURE_SCHEMA in every call file
 CALL_FILE = re.compile(r"^(\d{4,})-([A-Za-z0-9._-]*)\.safetensors$")
-GRADS_SUFFIX = ".grads.safetensors"  # a call's gradients, written when the backward reaches it: NNNN-<module>.grads.safetensors
+GRADS_SUFFIX = (
+    ".grads.safetensors"  # a call's gradients, written when the backward reaches it: NNNN-<module>.grads.safetensors
+)
 KINDS = ("sdpa", "softmax")
 GRAD_ROLES = ("grad_out", "grad_q", "grad_k", "grad_v")  # dO, and the gradients the call's kernel produced
 # scores_mod, scores_mod64: a flex call's logits after its score_mod, as flex computes them (fp32) and in float64
@@ -174,12 +183,16 @@ def _flash_judged(m: CallMeta, meta: dict[str, str]) -> None:
         except (ValueError, KeyError, TypeError, IndexError):
             tq = tk = None
         if tq is None or tq != tk:
-            why.append("causal with " + (f"{tq} queries and {tk} keys (bottom-right aligned)" if tq is not None
-                                          else "no shapes recorded"))
+            why.append(
+                "causal with "
+                + (f"{tq} queries and {tk} keys (bottom-right aligned)" if tq is not None else "no shapes recorded")
+            )
     if why:
         fn = f"{m.flash_package or 'flash-attn'} {m.flash_fn or 'call'}"
-        raise error(f"a flash_attn call ({fn}) with {', '.join(why)}: attncheck has no path for it yet "
-                    "(judged by FlashAttention-2's path without them it would be judged wrong)")
+        raise error(
+            f"a flash_attn call ({fn}) with {', '.join(why)}: attncheck has no path for it yet "
+            "(judged by FlashAttention-2's path without them it would be judged wrong)"
+        )
 
 
 def _clip(name: str, limit: int = 200) -> str:
@@ -233,13 +246,28 @@ def _load_call_tensors(path: str, label: str) -> dict[str, torch.Tensor]:
         from attncheck.loaders.formats.safetensors import short_of_memory
 
         if short_of_memory(exc):  # safetensors maps the whole file: an address-space limit, not a bad file
-            raise error(f"{label}: memory is short: the call's file could not be mapped ({reason(exc)}); "
-                        f"raise the address-space limit (ulimit -v)") from exc
+            raise error(
+                f"{label}: memory is short: the call's file could not be mapped ({reason(exc)}); "
+                f"raise the address-space limit (ulimit -v)"
+            ) from exc
         raise error(f"{label}: cannot read the call's tensors ({reason(exc)})") from exc
-    return {role: check_tensor(f"{label}: {role}", t, "mask" if role in MASK_ROLES else "scores") for role, t in out.items()}
+    return {
+        role: check_tensor(f"{label}: {role}", t, "mask" if role in MASK_ROLES else "scores") for role, t in out.items()
+    }
 
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "bool": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1}
+_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "bool": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+}
 
 
 def call_bytes(entries: dict[str, tuple[str, tuple[int, ...]]]) -> int:
@@ -247,8 +275,9 @@ def call_bytes(entries: dict[str, tuple[str, tuple[int, ...]]]) -> int:
     return sum(math.prod(shape) * _ITEMSIZE.get(dtype, 8) for role, (dtype, shape) in entries.items() if role in ROLES)
 
 
-def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int, ...]]],
-                 meta: dict[str, str] | None = None) -> str | None:
+def _check_roles(
+    label: str, kind: str, entries: dict[str, tuple[str, tuple[int, ...]]], meta: dict[str, str] | None = None
+) -> str | None:
     need = ("q", "k") if kind in ("sdpa", "flex", "flash_attn") else ("scores",)
     missing = [r for r in need if r not in entries]
     if missing:
@@ -257,15 +286,23 @@ def _check_roles(label: str, kind: str, entries: dict[str, tuple[str, tuple[int,
     if kind == "flex" and mod not in ("none", ""):  # judged on q.k alone, it would be judged as another attention
         lost = [r for r in ("scores_mod", "scores_mod64") if r not in entries]
         if lost:
-            return (f"{label}: the flex call's score_mod {shorten(repr(mod))} changed its logits, but the file "
-                    "holds no "
-                    f"{' or '.join(lost)} tensor (its logits after the score_mod); its raw q.k logits are not what "
-                    "it computed")
+            return (
+                f"{label}: the flex call's score_mod {shorten(repr(mod))} changed its logits, but the file "
+                "holds no "
+                f"{' or '.join(lost)} tensor (its logits after the score_mod); its raw q.k logits are not what "
+                "it computed"
+            )
     return None
 
 
-def call_file_source(path: str, index: int, meta: dict[str, str], entries: dict[str, tuple[str, tuple[int, ...]]],
-                     fallback: CallInfo | None = None, max_bytes: int | None = None) -> CallSource:
+def call_file_source(
+    path: str,
+    index: int,
+    meta: dict[str, str],
+    entries: dict[str, tuple[str, tuple[int, ...]]],
+    fallback: CallInfo | None = None,
+    max_bytes: int | None = None,
+) -> CallSource:
     """The call of a call file; metadata that does not check out, or tensors that would not fit in
     ``max_bytes`` once loaded, are its ``problem`` (``fallback``, or what can be read of the metadata,
     names it in the report)."""
@@ -277,7 +314,10 @@ def call_file_source(path: str, index: int, meta: dict[str, str], entries: dict[
         return _broken(info, f"{label}: {exc.message}")
     size = call_bytes(entries)
     if max_bytes is not None and size > max_bytes:
-        return _broken(info, f"{label}: loading the call whole needs {size_text(size)}, over {param('max_memory')} {size_text(max_bytes)}")
+        return _broken(
+            info,
+            f"{label}: loading the call whole needs {size_text(size)}, over {param('max_memory')} {size_text(max_bytes)}",
+        )
     return CallSource(info, lambda: _load_call_tensors(path, label), _check_roles(label, info.kind, entries, meta))
 
 
@@ -344,17 +384,23 @@ def unfinished_capture(path: str | os.PathLike[str]) -> str | None:
             pid = holder.get("pid")
             who = f"process {pid}" if isinstance(pid, int) else "a process"
             if owner_alive(holder):
-                return (f"{path}: is a capture {who} is writing still (no {MANIFEST} yet): "
-                        "read it once that capture has finished")
-            return (f"{path}: holds no {MANIFEST}: its capture did not finish ({who} stopped before writing it: "
-                    f"killed?); capture again, or name its call files ({os.path.join(path, '*.safetensors')}) "
-                    "to read those alone")
+                return (
+                    f"{path}: is a capture {who} is writing still (no {MANIFEST} yet): "
+                    "read it once that capture has finished"
+                )
+            return (
+                f"{path}: holds no {MANIFEST}: its capture did not finish ({who} stopped before writing it: "
+                f"killed?); capture again, or name its call files ({os.path.join(path, '*.safetensors')}) "
+                "to read those alone"
+            )
         calls = sorted(p.name for p in d.iterdir() if CALL_FILE.match(p.name) and p.is_file())
     except (OSError, ValueError):
         return None
     if calls:
-        return (f"{path}: holds call files ({calls[0]}, ...) and no {MANIFEST}: its capture did not finish; "
-                f"capture again, or name its call files ({os.path.join(path, '*.safetensors')}) to read those alone")
+        return (
+            f"{path}: holds call files ({calls[0]}, ...) and no {MANIFEST}: its capture did not finish; "
+            f"capture again, or name its call files ({os.path.join(path, '*.safetensors')}) to read those alone"
+        )
     return None
 
 
@@ -364,9 +410,11 @@ def rank_dirs(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
     try:
         if not Path(path).is_dir() or (Path(path) / MANIFEST).is_file():
             return []
-        found = [(int(m.group(1)), os.path.join(os.fspath(path), p.name)) for p in Path(path).iterdir()
-                 if (m := RANK_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()
-                 and any(True for _ in p.iterdir())]  # an empty rankN folder is no rank's capture: left out
+        found = [
+            (int(m.group(1)), os.path.join(os.fspath(path), p.name))
+            for p in Path(path).iterdir()
+            if (m := RANK_DIR.match(p.name)) and p.is_dir() and not p.is_symlink() and any(True for _ in p.iterdir())
+        ]  # an empty rankN folder is no rank's capture: left out
         if not any((Path(sub) / MANIFEST).is_file() for _, sub in found):  # folders named rankN holding no capture
             return []
     except (OSError, ValueError):
@@ -374,8 +422,9 @@ def rank_dirs(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def open_ranks(directory: str | os.PathLike[str], selector: KeySelector | None = None,
-               max_bytes: int | None = None) -> tuple[list[CallSource], list[dict]]:
+def open_ranks(
+    directory: str | os.PathLike[str], selector: KeySelector | None = None, max_bytes: int | None = None
+) -> tuple[list[CallSource], list[dict]]:
     """Every rank's calls of a capture of several processes, each call naming its rank, in call order
     (rank order within one index: the ranks run the same program); and each rank's manifest. The ranks
     must be one job's: ranks 0 .. world-1, each once, one world size and one run id."""
@@ -388,23 +437,28 @@ def open_ranks(directory: str | os.PathLike[str], selector: KeySelector | None =
     for rank, sub in found:
         if not (Path(sub) / MANIFEST).is_file():
             if isinstance(world_known, int) and rank >= world_known:
-                raise error(f"{sub}: is not a rank of this capture of {world_known} processes (ranks 0 to "
-                            f"{world_known - 1}) and holds no {MANIFEST}: remove it, or read the ranks one by one")
+                raise error(
+                    f"{sub}: is not a rank of this capture of {world_known} processes (ranks 0 to "
+                    f"{world_known - 1}) and holds no {MANIFEST}: remove it, or read the ranks one by one"
+                )
             running = unfinished_capture(sub) or ""
             if "writing still" in running:
                 raise error(running)
             raise error(f"{sub}: holds no {MANIFEST}: rank {rank}'s capture did not finish (did that process fail?)")
         calls, doc = open_capture(sub, selector, max_bytes)
         if doc.get("rank") != rank or not isinstance(doc.get("world"), int):
-            raise error(f"{os.path.join(sub, MANIFEST)}: is rank {doc.get('rank')}'s capture, not rank {rank}'s "
-                        "(each rank writes its own DIR/rankN)")
+            raise error(
+                f"{os.path.join(sub, MANIFEST)}: is rank {doc.get('rank')}'s capture, not rank {rank}'s "
+                "(each rank writes its own DIR/rankN)"
+            )
         out += calls
         docs.append(doc)
     worlds = {d["world"] for d in docs}
     runs = {d.get("run_id") for d in docs}
     if len(worlds) > 1 or len(runs) > 1:
-        what = (f"world sizes {sorted(worlds)}" if len(worlds) > 1
-                else "run ids " + ", ".join(sorted(str(r) for r in runs)))
+        what = (
+            f"world sizes {sorted(worlds)}" if len(worlds) > 1 else "run ids " + ", ".join(sorted(str(r) for r in runs))
+        )
         raise error(f"{given}: its ranks come from different jobs ({what}): capture into a new or empty folder")
     world = worlds.pop()
     ranks = [d["rank"] for d in docs]
@@ -413,11 +467,15 @@ def open_ranks(directory: str | os.PathLike[str], selector: KeySelector | None =
         extra = sorted(set(ranks) - set(range(world)))
         if missing:
             there = " ".join(os.path.join(given, f"rank{r}") for r in ranks)
-            raise error(f"{given}: a capture of {world} processes lacks rank {missing[0]} "
-                        f"({os.path.join(given, f'rank{missing[0]}')}): capture again, or read the ranks "
-                        f"it holds by name (attncheck run {there})")
-        raise error(f"{given}: a capture of {world} processes holds rank {extra[0]}, beyond its world: "
-                    "capture into a new or empty folder")
+            raise error(
+                f"{given}: a capture of {world} processes lacks rank {missing[0]} "
+                f"({os.path.join(given, f'rank{missing[0]}')}): capture again, or read the ranks "
+                f"it holds by name (attncheck run {there})"
+            )
+        raise error(
+            f"{given}: a capture of {world} processes holds rank {extra[0]}, beyond its world: "
+            "capture into a new or empty folder"
+        )
     out.sort(key=lambda s: (s.info.index, s.info.rank))
     return out, docs
 
@@ -440,10 +498,10 @@ def check_one_job(given: Sequence[str], docs: Sequence[dict]) -> None:
     worlds = {d.get("world") for d in docs}
     runs = {d.get("run_id") for d in docs}
     if len(worlds) > 1 or len(runs) > 1:
-        what = (f"world sizes {sorted(worlds)}" if len(worlds) > 1
-                else "run ids " + ", ".join(sorted(str(r) for r in runs)))
-        raise error(f"{', '.join(given)}: these ranks come from different jobs ({what}): "
-                    "name the ranks of one capture")
+        what = (
+            f"world sizes {sorted(worlds)}" if len(worlds) > 1 else "run ids " + ", ".join(sorted(str(r) for r in runs))
+        )
+        raise error(f"{', '.join(given)}: these ranks come from different jobs ({what}): name the ranks of one capture")
     seen: dict[int, str] = {}
     for name, d in zip(given, docs):
         if d["rank"] in seen:
@@ -456,7 +514,9 @@ def load_manifest(directory: str | os.PathLike[str]) -> Manifest:
     checked (``capture_schema.Manifest``); anything wrong is one line naming the manifest."""
     path = os.path.join(os.fspath(directory), MANIFEST)
     if os.path.islink(path):
-        raise error(f"{path}: is a symbolic link; a capture's manifest is a plain file of its directory (nothing is read outside it)")
+        raise error(
+            f"{path}: is a symbolic link; a capture's manifest is a plain file of its directory (nothing is read outside it)"
+        )
     try:
         with open(path, "rb") as fh:
             data = fh.read(jsondoc.MAX_BYTES + 1)
@@ -466,7 +526,11 @@ def load_manifest(directory: str | os.PathLike[str]) -> Manifest:
         doc = jsondoc.decode(data)
     except jsondoc.JSONError as exc:
         raise error(f"{path}: not a valid capture manifest ({exc})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("schema"), str) or not doc["schema"].startswith(CAPTURE_SCHEMA_PREFIX):
+    if (
+        not isinstance(doc, dict)
+        or not isinstance(doc.get("schema"), str)
+        or not doc["schema"].startswith(CAPTURE_SCHEMA_PREFIX)
+    ):
         raise error(f"{path}: not an attncheck capture manifest (no schema {CAPTURE_SCHEMA!r})")
     if not isinstance(doc.get("calls"), list) or not all(isinstance(c, dict) for c in doc["calls"]):
         raise error(f"{path}: not a valid capture manifest ('calls' is not a list of objects)")
@@ -491,9 +555,13 @@ def _check_listing(path: str, manifest: Manifest) -> None:
     indices: dict[int, int] = {}
     for i, entry in enumerate(manifest.calls):
         if entry.file in files:
-            raise error(f"{path}: call entry {i} lists {entry.file} again (entry {files[entry.file]} lists it): each call is listed once")
+            raise error(
+                f"{path}: call entry {i} lists {entry.file} again (entry {files[entry.file]} lists it): each call is listed once"
+            )
         if entry.index in indices:
-            raise error(f"{path}: call entry {i} has index {entry.index} again (entry {indices[entry.index]} has it): each call is listed once")
+            raise error(
+                f"{path}: call entry {i} has index {entry.index} again (entry {indices[entry.index]} has it): each call is listed once"
+            )
         number = int(CALL_FILE.match(entry.file).group(1))
         if number != entry.index:
             raise error(f"{path}: call entry {i} has index {entry.index}, but its file {entry.file} is call {number}")
@@ -510,7 +578,9 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict:
     return manifest_facts(load_manifest(directory))
 
 
-def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None = None, max_bytes: int | None = None) -> tuple[list[CallSource], dict]:
+def open_capture(
+    directory: str | os.PathLike[str], selector: KeySelector | None = None, max_bytes: int | None = None
+) -> tuple[list[CallSource], dict]:
     """The calls of a capture directory in call order, each checked against its manifest entry
     and its file header (and its size against ``max_bytes``); and the manifest. Per-call problems
     are kept in ``problem``; a manifest that cannot be read raises."""
@@ -525,12 +595,23 @@ def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None
             continue
         path = os.path.join(given, name)
         label = _call_label(path, entry.kind, entry.module, index)
-        info = CallInfo(index=index, name=path, kind=entry.kind, module=entry.module, file=path, forward=entry.forward or None)
+        info = CallInfo(
+            index=index, name=path, kind=entry.kind, module=entry.module, file=path, forward=entry.forward or None
+        )
         if os.path.islink(path):
-            out.append(_broken(info, f"{label}: is a symbolic link; a capture's call files are plain files of its directory (nothing is read outside it)"))
+            out.append(
+                _broken(
+                    info,
+                    f"{label}: is a symbolic link; a capture's call files are plain files of its directory (nothing is read outside it)",
+                )
+            )
             continue
         if not os.path.isfile(path):
-            out.append(_broken(info, f"{label}: listed in {where} but " + ("not a file" if os.path.lexists(path) else "missing")))
+            out.append(
+                _broken(
+                    info, f"{label}: listed in {where} but " + ("not a file" if os.path.lexists(path) else "missing")
+                )
+            )
             continue
         try:
             meta, entries = read_call_header(path)
@@ -543,16 +624,21 @@ def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None
         if entry.grads is not None:
             gname = entry.grads.file
             if gname != grads_file_name(index, entry.module or "") or os.path.basename(gname) != gname:
-                raise error(f"{where}: call {index} names the gradients file {visible(gname)}, not this call's "
-                            f"({grads_file_name(index, entry.module or '')})")
+                raise error(
+                    f"{where}: call {index} names the gradients file {visible(gname)}, not this call's "
+                    f"({grads_file_name(index, entry.module or '')})"
+                )
             listed.add(gname)
-            load, grads_problem = _with_grads(source.load, os.path.join(given, gname), label, index, entry.module or "",
-                                              entries)
+            load, grads_problem = _with_grads(
+                source.load, os.path.join(given, gname), label, index, entry.module or "", entries
+            )
         out.append(CallSource(source.info, load, problem or source.problem or grads_problem))
     unlisted = sorted((p.name for p in Path(given).glob("*.safetensors") if p.name not in listed), key=natural_key)
     if unlisted:
-        raise error(f"{where} does not match the files: {os.path.join(given, unlisted[0])} is not listed in it"
-                    + (f" ({len(unlisted) - 1} more)" if len(unlisted) > 1 else ""))
+        raise error(
+            f"{where} does not match the files: {os.path.join(given, unlisted[0])} is not listed in it"
+            + (f" ({len(unlisted) - 1} more)" if len(unlisted) > 1 else "")
+        )
     out.sort(key=lambda s: s.info.index)
     if manifest.rank is not None and (manifest.world or 1) > 1:  # one rank of a torchrun capture: its calls say so
         for src in out:
@@ -560,35 +646,52 @@ def open_capture(directory: str | os.PathLike[str], selector: KeySelector | None
     return out, manifest_facts(manifest)
 
 
-def _with_grads(load: Callable[[], dict[str, torch.Tensor]], path: str, label: str, index: int, module: str,
-                call_entries: dict[str, tuple[str, tuple[int, ...]]]
-                ) -> tuple[Callable[[], dict[str, torch.Tensor]], str | None]:
+def _with_grads(
+    load: Callable[[], dict[str, torch.Tensor]],
+    path: str,
+    label: str,
+    index: int,
+    module: str,
+    call_entries: dict[str, tuple[str, tuple[int, ...]]],
+) -> tuple[Callable[[], dict[str, torch.Tensor]], str | None]:
     """A call's loader that adds the tensors of its gradients file (only the gradient roles). The file must be this
     call's: its metadata names the call and its module, and each gradient has the shape of what it is the gradient of
     (dq of q, dO of the output): another call's gradients would be judged as this kernel's and read as attncheck's
     emulation being wrong."""
     if os.path.islink(path):
-        return load, f"{label}: its gradients file {path} is a symbolic link; a capture's files are plain files of its directory (nothing is read outside it)"
+        return (
+            load,
+            f"{label}: its gradients file {path} is a symbolic link; a capture's files are plain files of its directory (nothing is read outside it)",
+        )
     if not os.path.isfile(path):
-        return load, f"{label}: its gradients file {path} is listed in the manifest but " + ("not a file" if os.path.lexists(path) else "missing")
+        return load, f"{label}: its gradients file {path} is listed in the manifest but " + (
+            "not a file" if os.path.lexists(path) else "missing"
+        )
     try:
         meta, grad_entries = read_call_header(path)
     except AttncheckError as exc:
         return load, f"{label}: its gradients file: {_strip_path(exc.message, path)}"
     if not str(meta.get(FORMAT_KEY, "")).startswith(CAPTURE_SCHEMA_PREFIX) or meta.get("grads") != "true":
-        return load, f"{label}: {path} is not a capture's gradients file (its metadata needs {FORMAT_KEY} {CAPTURE_SCHEMA_PREFIX}... and grads true)"
+        return (
+            load,
+            f"{label}: {path} is not a capture's gradients file (its metadata needs {FORMAT_KEY} {CAPTURE_SCHEMA_PREFIX}... and grads true)",
+        )
     for key, want in (("call", str(index)), ("module", module)):
         if meta.get(key) != want:
             got = shorten(repr(meta.get(key)))
-            return load, (f"{label}: its gradients file {path} belongs to another call ({key} {got} in it, "
-                          f"{shorten(repr(want))} for this call)")
+            return load, (
+                f"{label}: its gradients file {path} belongs to another call ({key} {got} in it, "
+                f"{shorten(repr(want))} for this call)"
+            )
     problem = _grad_shapes(label, path, grad_entries, call_entries)
     if problem:
         return load, problem
 
     def both() -> dict[str, torch.Tensor]:
         tensors = load()
-        tensors.update({role: t for role, t in _load_call_tensors(path, label + " gradients").items() if role in GRAD_ROLES})
+        tensors.update(
+            {role: t for role, t in _load_call_tensors(path, label + " gradients").items() if role in GRAD_ROLES}
+        )
         return tensors
 
     return both, None
@@ -605,13 +708,15 @@ def _grad_shapes(label: str, path: str, grads: dict, call: dict) -> str | None:
     for role in GRAD_ROLES:
         got, expected = grads.get(role), want.get(role)
         if got is not None and expected is not None and tuple(got[1]) != tuple(expected):
-            return (f"{label}: its gradients file {path} belongs to another call ({role} has shape {tuple(got[1])}; "
-                    f"this call's is {tuple(expected)})")
+            return (
+                f"{label}: its gradients file {path} belongs to another call ({role} has shape {tuple(got[1])}; "
+                f"this call's is {tuple(expected)})"
+            )
     return None
 
 
 def _strip_path(message: str, path: str) -> str:
-    return message[len(path) + 2:] if message.startswith(path + ": ") else message
+    return message[len(path) + 2 :] if message.startswith(path + ": ") else message
 
 
 def _broken(info: CallInfo, problem: str) -> CallSource:
@@ -670,7 +775,9 @@ def qk_groups(keys: Sequence[str | None]) -> tuple[list[tuple[str, dict[str, str
 # --------------------------------------------------------------------------- everything
 
 
-def open_inputs(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (), max_bytes: int | None = None) -> tuple[list[Input], list[dict]]:
+def open_inputs(
+    paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (), max_bytes: int | None = None
+) -> tuple[list[Input], list[dict]]:
     """Every input in ``paths``: score tensors as row-block sources, attention calls as
     ``CallSource``s; capture directories by their manifest. Files and calls in natural order.
     Also returns the manifests read. ``keys`` picks tensors inside plain files and calls
@@ -721,7 +828,7 @@ def open_inputs(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (
             items.append((prefix, None, [name, roles]))
         if rest:
             for src in listing.sources(rest):
-                key = src.name[len(listing.path) + 1:] if src.name.startswith(listing.path + ":") else ""
+                key = src.name[len(listing.path) + 1 :] if src.name.startswith(listing.path + ":") else ""
                 items.append((key, src, []))
         if listing.path.lower().endswith(".safetensors"):  # its keys have no order of their own
             items.sort(key=lambda item: natural_key(item[0]))
@@ -742,7 +849,12 @@ def open_inputs(paths: Sequence[str | os.PathLike[str]], keys: Sequence[str] = (
 def _group_loader(listing, roles: dict[str, str]) -> Callable[[], dict[str, torch.Tensor]]:
     def load() -> dict[str, torch.Tensor]:
         by_key = dict(listing.load(list(roles.values())))
-        return {role: check_tensor(qualified_name(listing.path, key), by_key[key], "mask" if role in MASK_ROLES else "scores") for role, key in roles.items()}
+        return {
+            role: check_tensor(
+                qualified_name(listing.path, key), by_key[key], "mask" if role in MASK_ROLES else "scores"
+            )
+            for role, key in roles.items()
+        }
 
     return load
 
@@ -768,13 +880,30 @@ def compile_message(doc: dict) -> str | None:
         return None
     runs, calls = facts.get("compiled_runs") or 0, facts.get("compiled_calls") or 0
     if facts.get("mode") == "keep":
-        return (f"torch.compile'd code ran {runs} time(s) compiled (--compile keep): its attention calls were not recorded; "
-                f"--compile eager records them as its eager code")
-    return (f"{calls} call(s) ran inside torch.compile'd code, captured as its eager code (--compile eager): they are judged as "
-            f"the eager code computes, not as the compiled kernels do")
+        return (
+            f"torch.compile'd code ran {runs} time(s) compiled (--compile keep): its attention calls were not recorded; "
+            f"--compile eager records them as its eager code"
+        )
+    return (
+        f"{calls} call(s) ran inside torch.compile'd code, captured as its eager code (--compile eager): they are judged as "
+        f"the eager code computes, not as the compiled kernels do"
+    )
 
 
 __all__ = [
-    "CAPTURE_SCHEMA", "MANIFEST", "CallSource", "Input", "call_file_name", "compile_message", "file_part", "grads_file_name", "is_call_file",
-    "is_capture_dir", "open_capture", "open_inputs", "qk_groups", "read_manifest", "role_of",
+    "CAPTURE_SCHEMA",
+    "MANIFEST",
+    "CallSource",
+    "Input",
+    "call_file_name",
+    "compile_message",
+    "file_part",
+    "grads_file_name",
+    "is_call_file",
+    "is_capture_dir",
+    "open_capture",
+    "open_inputs",
+    "qk_groups",
+    "read_manifest",
+    "role_of",
 ]

@@ -139,13 +139,19 @@ class CallMeta(Struct):
     q_prescaled: bool = False
     sdpa_backend: Optional[Short] = None
     compiled: Optional[Literal["eager"]] = None  # ran inside torch.compile'd code, recorded as its eager code
-    flex_impl: Optional[Literal["compiled", "math"]] = None  # a flex call: FlexAttention's fused kernel, or its math path
+    flex_impl: Optional[Literal["compiled", "math"]] = (
+        None  # a flex call: FlexAttention's fused kernel, or its math path
+    )
     score_mod: Optional[Short] = None  # a flex call's score_mod and mask_mod, by name ('none': not given)
     mask_mod: Optional[Short] = None
-    flex_q_block: Optional[Annotated[int, Meta(ge=1, le=1 << 40)]] = None  # the BlockMask's block sizes (the fused kernel's tiles)
+    flex_q_block: Optional[Annotated[int, Meta(ge=1, le=1 << 40)]] = (
+        None  # the BlockMask's block sizes (the fused kernel's tiles)
+    )
     flex_kv_block: Optional[Annotated[int, Meta(ge=1, le=1 << 40)]] = None
     logit_before_mod: Optional[Annotated[float, Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]] = None
-    mask_op: Optional[Literal["add", "fill", "none"]] = None  # how the eager code applied its mask (the backward differs)
+    mask_op: Optional[Literal["add", "fill", "none"]] = (
+        None  # how the eager code applied its mask (the backward differs)
+    )
     softcap: Optional[Short] = None  # a soft-capped softmax call's cap (cap * tanh(S * scale / cap)), or 'unknown
     device: Optional[Short] = None  # torch's name of the device the call ran on: 'cpu', 'cuda:0'
     # On CUDA: the GPU's compute capability and name; for an SDPA call, the flash implementation PyTorch had active
@@ -194,4 +200,14 @@ def meta_fields(meta: dict[str, str]) -> dict[str, str | None]:
     return {k: (None if k in NONE_FIELDS and v in ("none", "") else v) for k, v in meta.items()}
 
 
-__all__ = ["CAPTURE_SCHEMA_PREFIX", "FIELD_HELP", "CallMeta", "MAX_CALLS", "Manifest", "ManifestCall", "ManifestTensor", "ScriptFacts", "meta_fields"]
+__all__ = [
+    "CAPTURE_SCHEMA_PREFIX",
+    "FIELD_HELP",
+    "CallMeta",
+    "MAX_CALLS",
+    "Manifest",
+    "ManifestCall",
+    "ManifestTensor",
+    "ScriptFacts",
+    "meta_fields",
+]

@@ -36,6 +36,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Largest piece read at once from a compressed stream, whose reads copy.
 PIECE = 8 << 20
 
+
 @dataclass
 class FileListing:
     """A file opened by its format: the keys it holds (None: one bare tensor), and how to
@@ -85,8 +86,10 @@ class TensorSource:
             raise ValueError(f"rows_per_block must be a positive int, got {rows_per_block!r}")
         return self._blocks(rows_per_block)
 
+
 class Readable(Protocol):
     def readinto(self, buffer: memoryview, /) -> int | None: ...
+
 
 def memory_source(name: str, tensor: torch.Tensor) -> TensorSource:
     """A tensor in memory as a source (its blocks are copies)."""
@@ -97,12 +100,14 @@ def memory_source(name: str, tensor: torch.Tensor) -> TensorSource:
 
     return TensorSource(name, shape, tensor.dtype, False, blocks)
 
+
 def slices(tensor: torch.Tensor, rows_per_block: int) -> Iterator[torch.Tensor]:
     # Copies, like streamed blocks: a consumer that works on a block in place
     # must not change the tensor the next pass reads.
     flat = tensor.reshape(-1, tensor.shape[-1])  # (R, T); a view when contiguous
     for start in range(0, flat.shape[0], rows_per_block):
         yield flat[start : start + rows_per_block].clone()
+
 
 def read_blocks(
     stream: Readable,
@@ -131,11 +136,13 @@ def read_blocks(
             buffer = buffer.byteswap(inplace=True).view(raw.newbyteorder("="))
         yield torch.from_numpy(buffer).view(dtype).view(r, keys)  # (r, T)
 
+
 def truncation(what: str, invalid: str, expected: int) -> Callable[[int], AttncheckError]:
     def cut_short(found: int) -> AttncheckError:
         return error(f"{what}: {invalid} (truncated: expected {expected} bytes of data, found {found})")
 
     return cut_short
+
 
 def open_at(path: str, offset: int) -> BinaryIO:
     """The file, unbuffered (reads go straight into the block), at ``offset``."""
@@ -150,15 +157,15 @@ def open_at(path: str, offset: int) -> BinaryIO:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
     return f  # type: ignore[return-value]
 
+
 def read_error(what: str) -> Callable[[BaseException], AttncheckError]:
     def unreadable(exc: BaseException) -> AttncheckError:
         return error(f"{what}: cannot read the file ({reason(exc)})")
 
     return unreadable
 
-def guarded(
-    blocks: Iterator[torch.Tensor], wrap: Callable[[BaseException], AttncheckError]
-) -> Iterator[torch.Tensor]:
+
+def guarded(blocks: Iterator[torch.Tensor], wrap: Callable[[BaseException], AttncheckError]) -> Iterator[torch.Tensor]:
     """Re-raise read errors as AttncheckError; never wrap what the consumer throws in."""
     while True:
         try:
@@ -170,6 +177,7 @@ def guarded(
         except Exception as exc:
             raise wrap(exc) from exc
         yield block
+
 
 def read_head(path: str) -> bytes:
     """The first bytes of a file, for the formats to check their magic."""
@@ -186,11 +194,14 @@ def read_head(path: str) -> bytes:
 def invalid_text(path: str) -> str:
     return f"not a valid {suffix_of(Path(path))} file"
 
+
 def suffix_of(path: Path) -> str:
     return path.suffix.lower()
 
+
 def qualified_name(path: str, key: str | None) -> str:
     return path if key is None else f"{path}:{key}"
+
 
 def unique_names(path: str, keys: list[str | None]) -> list[str | None]:
     """The keys of a file, checked to name one tensor each (formats escape what could collide)."""
@@ -201,6 +212,7 @@ def unique_names(path: str, keys: list[str | None]) -> list[str | None]:
         seen.add(key)
     return keys
 
+
 # What a tensor is read as: 'scores' (also q and k) must be floating-point; a 'mask' may
 # also be boolean (True = attend or True = masked) - the same rules in every format.
 KINDS = ("scores", "mask")
@@ -210,9 +222,13 @@ def check_tensor(name: str, tensor: Any, kind: str = "scores") -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):  # defensive; loaders yield tensors
         raise error(f"{name} is not a tensor (got {type(tensor).__name__})")
     if tensor.is_nested:
-        raise error(f"{name} is a nested tensor (rows of different lengths); attncheck needs a dense tensor: pad it, or save each part")
+        raise error(
+            f"{name} is a nested tensor (rows of different lengths); attncheck needs a dense tensor: pad it, or save each part"
+        )
     if tensor.device.type == "meta":
-        raise error(f"{name} is a meta tensor: it has a shape but no values (saved from a model on the meta device); save the real tensor")
+        raise error(
+            f"{name} is a meta tensor: it has a shape but no values (saved from a model on the meta device); save the real tensor"
+        )
     if tensor.layout != torch.strided:
         raise error(f"{name} has layout {torch_name(tensor.layout)}; attncheck needs a dense tensor")
     check_dtype(name, tensor.dtype, kind)
@@ -221,6 +237,7 @@ def check_tensor(name: str, tensor: Any, kind: str = "scores") -> torch.Tensor:
     if tensor.device.type != "cpu":  # defensive; map_location="cpu" already
         tensor = tensor.cpu()
     return tensor
+
 
 def is_scores_dtype(dtype: torch.dtype) -> bool:
     spec = spec_of(dtype)
@@ -237,7 +254,9 @@ def check_dtype(name: str, dtype: torch.dtype, kind: str = "scores") -> None:
 
 def dtype_error(name: str, shown: str, kind: str = "scores") -> AttncheckError:
     if kind == "mask":
-        return error(f"{name} has dtype {shown}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask")
+        return error(
+            f"{name} has dtype {shown}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask"
+        )
     return error(str(scores_dtype_error(name, shown)))
 
 
@@ -246,17 +265,17 @@ def check_size(name: str, nbytes: int, max_bytes: int | None, what: str = "loadi
     if max_bytes is not None and nbytes > max_bytes:
         raise error(f"{name}: {what} needs {size_text(nbytes)}, over {param('max_memory')} {size_text(max_bytes)}")
 
+
 def check_shape(name: str, shape: tuple[int, ...]) -> None:
     if len(shape) == 0:
-        raise error(
-            f"{name} is a 0-d scalar; attncheck needs at least one axis "
-            "(the last axis holds the keys)"
-        )
+        raise error(f"{name} is a 0-d scalar; attncheck needs at least one axis (the last axis holds the keys)")
     if 0 in shape:
         raise error(f"{name} is empty (shape {shape})")
 
+
 def torch_name(obj: object) -> str:
     return str(obj).removeprefix("torch.")
+
 
 def numpy_error(what: str, exc: Exception, member: bool = False) -> AttncheckError:
     # With allow_pickle=False and the magic checked, numpy mentions
@@ -267,11 +286,13 @@ def numpy_error(what: str, exc: Exception, member: bool = False) -> AttncheckErr
         return error(f"{what}: not a valid .npy member ({reason(exc)})")
     return error(f"{what}: {invalid_text(what)} ({reason(exc)})")
 
+
 def object_array_error(what: str) -> AttncheckError:
     return error(
         f"{what}: holds an object array (pickled Python objects), which attncheck "
         "does not support; nothing was unpickled. Save a numeric floating-point array"
     )
+
 
 def check_numpy_dtype(name: str, dtype: np.dtype, kind: str = "scores") -> None:
     if kind == "mask" and dtype.kind == "b":
@@ -279,6 +300,7 @@ def check_numpy_dtype(name: str, dtype: np.dtype, kind: str = "scores") -> None:
     if dtype.kind != "f" or dtype.itemsize not in (2, 4, 8):
         shown = dtype.name if dtype.kind in "biufc" else str(dtype)
         raise dtype_error(name, shown, kind)
+
 
 def from_numpy(name: str, array: np.ndarray, kind: str = "scores") -> torch.Tensor:
     dtype = array.dtype
@@ -289,6 +311,7 @@ def from_numpy(name: str, array: np.ndarray, kind: str = "scores") -> torch.Tens
         array = array.copy()
     return torch.from_numpy(array)
 
+
 def reason(exc: BaseException) -> str:
     """A short, single-line reason from an exception."""
     if isinstance(exc, OSError) and exc.strerror:
@@ -297,11 +320,13 @@ def reason(exc: BaseException) -> str:
     first = next((line.strip() for line in text.splitlines() if line.strip()), "")
     return shorten(first or type(exc).__name__)
 
+
 def shorten(text: str) -> str:
     text = " ".join(text.split())
     if len(text) > MAX_REASON:
         text = text[: MAX_REASON - 3].rstrip() + "..."
     return text
+
 
 def error(message: str) -> AttncheckError:
     """An AttncheckError whose message is guaranteed to be one line."""

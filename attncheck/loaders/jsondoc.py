@@ -24,7 +24,10 @@ class JSONError(ValueError):
 
 
 _AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_PLAINER = {"Integer value out of range": "an integer beyond 64 bits", "Number out of range": "a number beyond float64's range"}
+_PLAINER = {
+    "Integer value out of range": "an integer beyond 64 bits",
+    "Number out of range": "a number beyond float64's range",
+}
 
 
 def _why(exc: msgspec.MsgspecError) -> str:
@@ -40,7 +43,9 @@ def _why(exc: msgspec.MsgspecError) -> str:
     return f"{path}: {what}" if path else what
 
 
-def decode(data: bytes, type: Any = object, *, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH, lax: bool = False) -> Any:
+def decode(
+    data: bytes, type: Any = object, *, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH, lax: bool = False
+) -> Any:
     """The document in ``data`` as ``type`` (plain dicts, lists, str, int, float, bool and None for
     ``object``). ``lax``: strings may stand for numbers and booleans ('0.125', 'true'), as
     safetensors metadata holds them."""

@@ -65,6 +65,7 @@ class KeySelector:
                     shown += f", ... ({len(available) - MAX_LISTED} more)"
                 raise error(f"{param('keys')} '{pattern}' matches no tensor (available: {shown})")
 
+
 def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
     if len(paths) == 0:
         raise error("no input files given (pass one or more tensor files or directories)")
@@ -85,8 +86,7 @@ def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
             found = scan_directory(path)
             if not found:
                 raise error(
-                    f"{given}: directory holds no supported tensor files "
-                    f"(looked for {suffix_list()}, recursively)"
+                    f"{given}: directory holds no supported tensor files (looked for {suffix_list()}, recursively)"
                 )
             candidates = [str(p) for p in found]
         elif path.exists():
@@ -94,9 +94,7 @@ def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
                 raise error(f"{given}: not a regular file")
             if suffix_of(path) not in SUPPORTED_SUFFIXES:
                 what = f"'{path.suffix}'" if path.suffix else "(no extension)"
-                raise error(
-                    f"{given}: unsupported file type {what} (supported: {suffix_list()})"
-                )
+                raise error(f"{given}: unsupported file type {what} (supported: {suffix_list()})")
             candidates = [given]
         else:
             raise error(f"{given}: no such file or directory")
@@ -105,6 +103,7 @@ def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
                 seen.add(c)
                 files.append(c)
     return files
+
 
 def _key_hint(given: str) -> str:
     """For 'file.pt:name', where file.pt exists: how to pick one tensor of a file here (the
@@ -116,11 +115,9 @@ def _key_hint(given: str) -> str:
 
 
 def scan_directory(directory: Path) -> list[Path]:
-    found = [
-        p for p in directory.rglob("*")
-        if suffix_of(p) in SUPPORTED_SUFFIXES and p.is_file()
-    ]
+    found = [p for p in directory.rglob("*") if suffix_of(p) in SUPPORTED_SUFFIXES and p.is_file()]
     return sorted(found, key=lambda p: natural_key(str(p.relative_to(directory))))
+
 
 def suffix_list() -> str:
     return ", ".join(SUPPORTED_SUFFIXES)

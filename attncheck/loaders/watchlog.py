@@ -126,7 +126,9 @@ def read_watch_log(path: str | os.PathLike[str]) -> WatchLog:
                 break
             number += 1
             if number > MAX_LINES:
-                raise AttncheckError(f"{shown}: more than {MAX_LINES} lines; a watch log holds one line per recorded step")
+                raise AttncheckError(
+                    f"{shown}: more than {MAX_LINES} lines; a watch log holds one line per recorded step"
+                )
             if len(raw) > MAX_LINE:
                 raise AttncheckError(f"{shown}, line {number}: longer than {MAX_LINE} bytes; not a watch record")
             last = not raw.endswith(b"\n")
@@ -145,9 +147,13 @@ def read_watch_log(path: str | os.PathLike[str]) -> WatchLog:
             if problem:
                 raise AttncheckError(f"{shown}, line {number}: {problem}")
             if records and rec.rank != records[0].rank:
-                raise AttncheckError(f"{shown}, line {number}: rank {rec.rank} in a log of rank {records[0].rank}; each rank writes its own log")
+                raise AttncheckError(
+                    f"{shown}, line {number}: rank {rec.rank} in a log of rank {records[0].rank}; each rank writes its own log"
+                )
             if records and rec.step <= records[-1].step:
-                raise AttncheckError(f"{shown}, line {number}: step {rec.step} after step {records[-1].step}; a log's steps increase")
+                raise AttncheckError(
+                    f"{shown}, line {number}: step {rec.step} after step {records[-1].step}; a log's steps increase"
+                )
             records.append(rec)
     if not records:
         raise AttncheckError(f"{shown}: holds no watch record (write one with attncheck.watch(model, log=...))")

@@ -28,7 +28,9 @@ def torch_dtype(spec: DtypeSpec) -> torch.dtype:
     """The torch dtype of a registered format; an input error where this torch lacks it."""
     dt = getattr(torch, spec.torch_name, None)
     if not isinstance(dt, torch.dtype):
-        raise AttncheckError(f"dtype {spec.name} needs torch.{spec.torch_name}, which torch {torch.__version__} does not have")
+        raise AttncheckError(
+            f"dtype {spec.name} needs torch.{spec.torch_name}, which torch {torch.__version__} does not have"
+        )
     return dt
 
 
@@ -92,6 +94,8 @@ def ulp(value: float, dtype: torch.dtype) -> float:
 def ulp_of_one(dtype: torch.dtype) -> float:
     """The spacing just above 1.0: fp16 2**-10, bf16 2**-7, e4m3 2**-3, e5m2 2**-2."""
     return _step(1.0, dtype, 1) - 1.0
+
+
 # Where rounding float32 to fp16 / bf16 is a tie: the float32 bits it drops (13 / 16) are
 # exactly one half. Below fp16's smallest normal (float32 exponent field < 113) it drops
 # more bits, so every such value is checked.

@@ -222,7 +222,9 @@ def count_values(counter: Counter, values: torch.Tensor) -> None:
 SENTINEL_SPREAD = 2.0**-5  # values within this share of each other's magnitude are one mask constant plus scores
 
 
-def group_mask_values(counter: Counter, known: tuple[float, ...] = (), k: int = 3) -> list[tuple[float, int, float, float]]:
+def group_mask_values(
+    counter: Counter, known: tuple[float, ...] = (), k: int = 3
+) -> list[tuple[float, int, float, float]]:
     """Mask-like values (row minima, overflowed values) grouped into the constants a mask holds.
 
     A mask added to the scores shows as its constant plus each row's score: finfo(fp16).min

@@ -63,7 +63,9 @@ def jacobian_frobenius(p: torch.Tensor, top: torch.Tensor | None = None) -> torc
     return jacobian_from_sums(pm, e, a2, a4, b)
 
 
-def jacobian_from_sums(pm: torch.Tensor, e: torch.Tensor, a2: torch.Tensor, a4: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def jacobian_from_sums(
+    pm: torch.Tensor, e: torch.Tensor, a2: torch.Tensor, a4: torch.Tensor, b: torch.Tensor
+) -> torch.Tensor:
     """||diag(p) - p p^T||_F from the largest probability ``pm`` and the sums over the other
     keys: ``e`` = sum p_i (= 1 - pm), ``a2`` = sum p_i^2, ``a4`` = sum p_i^4, ``b`` = sum (p_i (1 - p_i))^2."""
     return torch.sqrt((pm * pm * (e * e + 2 * a2) + b + (a2 * a2 - a4)).clamp_min(0))

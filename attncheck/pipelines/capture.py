@@ -43,19 +43,35 @@ def run_script(path: str, args: tuple[str, ...], stdout_to_stderr: bool = False)
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
-        with contextlib.suppress(OSError):  # the script may chdir: the paths attncheck was given stay relative to where it ran
+        with contextlib.suppress(
+            OSError
+        ):  # the script may chdir: the paths attncheck was given stay relative to where it ran
             os.chdir(saved_cwd)
 
 
-def capture_script(request: CaptureRequest, track=None, notice: Callable[[str], None] | None = None, stdout_to_stderr: bool = False) -> CaptureOutcome:
+def capture_script(
+    request: CaptureRequest, track=None, notice: Callable[[str], None] | None = None, stdout_to_stderr: bool = False
+) -> CaptureOutcome:
     from attncheck.pipelines.run import run
     from attncheck.record import capture
 
     script = {"path": request.script, "argv": [request.script, *request.args]}
-    cap = capture(request.out, diagnose=request.out is None, max_calls=request.max_calls, max_bytes=request.max_bytes,
-                  modules=request.modules, forwards=request.forwards, options=request.options, ignore=request.ignore,
-                  notice=notice, script=script, what_if=request.what_if, asked=request.options if request.grid_asked else None,
-                  grads=request.grads, compile=request.compile)
+    cap = capture(
+        request.out,
+        diagnose=request.out is None,
+        max_calls=request.max_calls,
+        max_bytes=request.max_bytes,
+        modules=request.modules,
+        forwards=request.forwards,
+        options=request.options,
+        ignore=request.ignore,
+        notice=notice,
+        script=script,
+        what_if=request.what_if,
+        asked=request.options if request.grid_asked else None,
+        grads=request.grads,
+        compile=request.compile,
+    )
     error: BaseException | None = None
     with cap:  # a directory that cannot be used is an input error, raised before the script runs
         try:
@@ -69,25 +85,45 @@ def capture_script(request: CaptureRequest, track=None, notice: Callable[[str], 
             cap.note_error(error)
     if error is not None:
         return CaptureOutcome(cap, error, None)
-    replaced = (f"; {cap.path} now holds an empty capture (the one it held before was replaced)"
-                if cap.path is not None and cap.replaced else "")
+    replaced = (
+        f"; {cap.path} now holds an empty capture (the one it held before was replaced)"
+        if cap.path is not None and cap.replaced
+        else ""
+    )
     if not cap.calls and cap.forwards is not None and cap.outside_forwards:
         n = cap.forwards_seen
-        raise AttncheckError(f"--forward {request.forwards} matched none of {request.script}'s {n} forward "
-                             f"pass{'es' if n != 1 else ''} (of its top module): give numbers from 1 to {n}"
-                             + replaced)
+        raise AttncheckError(
+            f"--forward {request.forwards} matched none of {request.script}'s {n} forward "
+            f"pass{'es' if n != 1 else ''} (of its top module): give numbers from 1 to {n}" + replaced
+        )
     if not cap.calls:
-        raise AttncheckError(f"{request.script} made no attention call that capture could see (F.scaled_dot_product_attention, "
-                             "or a softmax over the last axis of a 3+-D tensor inside an nn.Module)"
-                             + (f"; recording stopped: {cap.stopped}" if cap.stopped else "")
-                             + (f"; torch.compile'd code ran {cap.compiled_runs} time(s) compiled and unrecorded (--compile keep): "
-                                "--compile eager records its calls" if cap.compile == "keep" and cap.compiled_runs else "")
-                             + replaced)
+        raise AttncheckError(
+            f"{request.script} made no attention call that capture could see (F.scaled_dot_product_attention, "
+            "or a softmax over the last axis of a 3+-D tensor inside an nn.Module)"
+            + (f"; recording stopped: {cap.stopped}" if cap.stopped else "")
+            + (
+                f"; torch.compile'd code ran {cap.compiled_runs} time(s) compiled and unrecorded (--compile keep): "
+                "--compile eager records its calls"
+                if cap.compile == "keep" and cap.compiled_runs
+                else ""
+            )
+            + replaced
+        )
     if request.out is None:
         result = cap.result
     else:
-        result = run(RunRequest((cap.path,), options=request.options, ignore=request.ignore, partial=request.partial,
-                                what_if=request.what_if, grid_asked=request.grid_asked), track, notice)
+        result = run(
+            RunRequest(
+                (cap.path,),
+                options=request.options,
+                ignore=request.ignore,
+                partial=request.partial,
+                what_if=request.what_if,
+                grid_asked=request.grid_asked,
+            ),
+            track,
+            notice,
+        )
     if cap.rank is not None and result is not None and result.model is not None:  # torchrun: say whose calls these are
         # short, so that the command to read every rank fits on the report's line (its own folder is said above)
         every = f"; all ranks: attncheck run {cap.given_path}" if cap.given_path is not None else ""

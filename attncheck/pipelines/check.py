@@ -20,7 +20,12 @@ from attncheck.results import CaseResult, CheckResult
 Track = Callable[[str, int], "Callable[[int], None] | None"]  # (input name, rows) -> rows-done callback
 
 
-def run_check(config: CheckConfig, device: str | None = None, track: Track | None = None, notice: Callable[[str], None] | None = None) -> CheckResult:
+def run_check(
+    config: CheckConfig,
+    device: str | None = None,
+    track: Track | None = None,
+    notice: Callable[[str], None] | None = None,
+) -> CheckResult:
     """Every input of ``config`` against its budgets. ``device`` overrides the config's.
     Errors name the config's keys (``tool.attncheck.keys``), not library parameters."""
     try:
@@ -47,17 +52,41 @@ def _run_check(config: CheckConfig, device: str | None, track: Track, notice) ->
         name = _relative_name(src.name, config)
         check_row_fits(name, src.shape[-1], budget)
         names.append(name)
-        cases += check_source(src, config.budget, options, config.dtype_budgets, name=name, progress=track(name, src.rows), notice=notice, ignore=config.ignore)
+        cases += check_source(
+            src,
+            config.budget,
+            options,
+            config.dtype_budgets,
+            name=name,
+            progress=track(name, src.rows),
+            notice=notice,
+            ignore=config.ignore,
+        )
         del src
     for spec in config.synthetic:
         names.append(spec.name)
         if spec.paths:
             heads, queries = head_layout(spec.rows, spec.seq)
-            cases += check_attention(spec, config.budget, config.options(spec.dtypes, str(dev)), config.dtype_budgets,
-                                     progress=track(spec.name, heads * queries), notice=notice, ignore=config.ignore)
+            cases += check_attention(
+                spec,
+                config.budget,
+                config.options(spec.dtypes, str(dev)),
+                config.dtype_budgets,
+                progress=track(spec.name, heads * queries),
+                notice=notice,
+                ignore=config.ignore,
+            )
             continue
         src = synthetic_source(spec, str(dev), budget)
-        cases += check_source(src, config.budget, config.options(spec.dtypes, str(dev)), config.dtype_budgets, progress=track(spec.name, src.rows), notice=notice, ignore=config.ignore)
+        cases += check_source(
+            src,
+            config.budget,
+            config.options(spec.dtypes, str(dev)),
+            config.dtype_budgets,
+            progress=track(spec.name, src.rows),
+            notice=notice,
+            ignore=config.ignore,
+        )
     return CheckResult(
         config=config.display,
         config_path=config.path,

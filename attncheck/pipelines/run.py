@@ -42,7 +42,10 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     if request.qk is not None:
         sources = open_sources_for(request)
         diags = _run_qk(request.qk, sources, options, track, notice, budget)
-        calls = [scores_report(CallInfo(i, d.name, "qk" if not sources else "scores", has_qk=True), d) for i, d in enumerate(diags)]
+        calls = [
+            scores_report(CallInfo(i, d.name, "qk" if not sources else "scores", has_qk=True), d)
+            for i, d in enumerate(diags)
+        ]
     elif request.example:
         from attncheck.demo import EXAMPLE_NAME, example_scores
 
@@ -67,25 +70,34 @@ def open_sources_for(request: RunRequest):
 def _run_files(request: RunRequest, options, track: Track, notice):
     """Every input of the files as a call report, in natural order; bad calls raise, or with
     ``partial`` are skipped and listed."""
+    from attncheck.config.run import check_row_fits
     from attncheck.loaders import TensorSource
     from attncheck.loaders.calls import open_inputs
     from attncheck.numerics.cells.calls import diagnose_call, scores_report
-    from attncheck.config.run import check_row_fits
     from attncheck.numerics.cells.diagnose import diagnose_chunks, rows_per_chunk
     from attncheck.numerics.precision import dtype_label
     from attncheck.results import CallInfo, CallReport
 
-    inputs, manifests = open_inputs(request.paths, request.keys, request.max_memory)  # headers only: score tensors stream in row chunks
+    inputs, manifests = open_inputs(
+        request.paths, request.keys, request.max_memory
+    )  # headers only: score tensors stream in row chunks
     if options.paths and all(isinstance(item, TensorSource) for item in inputs):
-        raise AttncheckError(f"{param('paths')} applies to attention calls (a capture, q/k files) and to {param('q')}/{param('k')}; "
-                             f"{', '.join(request.paths)} hold{'s' if len(request.paths) == 1 else ''} scores only")
+        raise AttncheckError(
+            f"{param('paths')} applies to attention calls (a capture, q/k files) and to {param('q')}/{param('k')}; "
+            f"{', '.join(request.paths)} hold{'s' if len(request.paths) == 1 else ''} scores only"
+        )
     capture = None
     ranked = all(isinstance(d.get("rank"), int) and (d.get("world") or 1) > 1 for d in manifests)
     if len(manifests) > 1 and ranked:  # every rank of one torchrun capture
         ranks = [dict(capture_facts(d), rank=d["rank"]) for d in manifests]
         notes = [f"rank {r['rank']}: {r['note']}" for r in ranks if r["note"]]
-        capture = {"note": "; ".join(notes) or None, "world": manifests[0]["world"],
-                   "run_id": manifests[0].get("run_id"), "calls": sum(r["calls"] for r in ranks), "ranks": ranks}
+        capture = {
+            "note": "; ".join(notes) or None,
+            "world": manifests[0]["world"],
+            "run_id": manifests[0].get("run_id"),
+            "calls": sum(r["calls"] for r in ranks),
+            "ranks": ranks,
+        }
     elif manifests:
         capture = capture_facts(manifests[0])
     if not request.partial:  # every call checked before the first is diagnosed
@@ -94,16 +106,24 @@ def _run_files(request: RunRequest, options, track: Track, notice):
                 raise AttncheckError(item.problem)
     calls: list[CallReport] = []
     skipped: list[tuple[str, str]] = []
-    captured = [item for item in inputs if not isinstance(item, TensorSource) and item.info.kind not in ("qk", "scores", "unknown")]
+    captured = [
+        item
+        for item in inputs
+        if not isinstance(item, TensorSource) and item.info.kind not in ("qk", "scores", "unknown")
+    ]
     if request.what_if and inputs and not captured:
-        raise AttncheckError(f"{param('what_if')} asks what would break if a captured model's calls ran otherwise; these files "
-                             f"hold plain scores or q/k tensors, whose implementation is not known: every cell asked is computed "
-                             f"already (choose them with {param('dtypes')}, {param('methods')}, {param('paths')})")
+        raise AttncheckError(
+            f"{param('what_if')} asks what would break if a captured model's calls ran otherwise; these files "
+            f"hold plain scores or q/k tensors, whose implementation is not known: every cell asked is computed "
+            f"already (choose them with {param('dtypes')}, {param('methods')}, {param('paths')})"
+        )
     for i, item in enumerate(inputs):
         if isinstance(item, TensorSource):
             check_row_fits(item.name, item.shape[-1], request.max_memory)
             blocks = item.row_blocks(rows_per_chunk(item.shape[-1], options))
-            diag = diagnose_chunks(item.name, item.shape, item.dtype, blocks, options, track(item.name, item.rows), notice=notice)
+            diag = diagnose_chunks(
+                item.name, item.shape, item.dtype, blocks, options, track(item.name, item.rows), notice=notice
+            )
             calls.append(scores_report(CallInfo(i, item.name, "scores", dtype=dtype_label(item.dtype)), diag))
             continue
         info = item.info
@@ -112,8 +132,18 @@ def _run_files(request: RunRequest, options, track: Track, notice):
                 raise AttncheckError(item.problem)
             tensors = item.load()
             rows = _score_rows(tensors)
-            calls.append(diagnose_call(info, tensors, options, track(info.name, rows), notice, request.what_if, options if request.grid_asked else None,
-                                       max_bytes=request.max_memory))
+            calls.append(
+                diagnose_call(
+                    info,
+                    tensors,
+                    options,
+                    track(info.name, rows),
+                    notice,
+                    request.what_if,
+                    options if request.grid_asked else None,
+                    max_bytes=request.max_memory,
+                )
+            )
         except AttncheckError as e:
             if not request.partial:
                 raise
@@ -126,11 +156,19 @@ def capture_facts(doc: dict) -> dict:
     """What the report says of a capture, from its manifest."""
     from attncheck.loaders.calls import check_manifest_message
 
-    return {"note": check_manifest_message(doc), "stopped": doc.get("stopped"), "script": doc.get("script"),
-            "calls": len(doc.get("calls", [])), "torch_version": doc.get("torch_version"),
-            "compile": doc.get("compile"),
-            "complete": doc.get("complete"), "error": doc.get("error"), "first_unrecorded": doc.get("first_unrecorded"),
-            "rank": doc.get("rank"), "world": doc.get("world")}
+    return {
+        "note": check_manifest_message(doc),
+        "stopped": doc.get("stopped"),
+        "script": doc.get("script"),
+        "calls": len(doc.get("calls", [])),
+        "torch_version": doc.get("torch_version"),
+        "compile": doc.get("compile"),
+        "complete": doc.get("complete"),
+        "error": doc.get("error"),
+        "first_unrecorded": doc.get("first_unrecorded"),
+        "rank": doc.get("rank"),
+        "world": doc.get("world"),
+    }
 
 
 def _score_rows(tensors: dict) -> int:
@@ -178,7 +216,9 @@ def load_one(spec: str, name: str, kind: str = "scores", max_bytes: int | None =
     found = load_tensors([path], [key] if key else [], kind=kind, max_bytes=max_bytes)
     if len(found) != 1:
         names = ", ".join(t.name for t in found[:6])
-        raise AttncheckError(f"{param(name)} {spec} selects {len(found)} tensors ({names}); pick one with {param(name)} PATH:KEY")
+        raise AttncheckError(
+            f"{param(name)} {spec} selects {len(found)} tensors ({names}); pick one with {param(name)} PATH:KEY"
+        )
     return found[0].name, found[0].tensor
 
 
@@ -190,8 +230,15 @@ def _with_mask_facts(inputs, mask: str):
     from attncheck.numerics.paths.base import CallFacts
 
     b, hq, tq, d = inputs.q.shape
-    facts = CallFacts(dtype="", head_dim=d, head_dim_v=d if inputs.v is None else inputs.v.shape[-1], tq=tq,
-                      tk=inputs.k.shape[2], mask=mask, gqa=inputs.k.shape[1] < hq)
+    facts = CallFacts(
+        dtype="",
+        head_dim=d,
+        head_dim_v=d if inputs.v is None else inputs.v.shape[-1],
+        tq=tq,
+        tk=inputs.k.shape[2],
+        mask=mask,
+        gqa=inputs.k.shape[1] < hq,
+    )
     return replace(inputs, call=facts)
 
 
@@ -205,32 +252,57 @@ def _run_qk(qk: QKSpec, sources, options, track: Track, notice, max_bytes: int |
     mask = load_one(qk.mask, "mask", "mask", max_bytes)[1] if qk.mask else None
     boolean = mask is not None and mask.dtype == torch.bool
     if qk.mask_convention is not None and not boolean:
-        raise AttncheckError(f"{param('mask_convention')} applies to a boolean {param('mask')}" + (f"; {qk.mask} is {str(mask.dtype).removeprefix('torch.')}" if mask is not None else ", which is not given"))
+        raise AttncheckError(
+            f"{param('mask_convention')} applies to a boolean {param('mask')}"
+            + (
+                f"; {qk.mask} is {str(mask.dtype).removeprefix('torch.')}"
+                if mask is not None
+                else ", which is not given"
+            )
+        )
     if qk.mask_value is not None and not (boolean or qk.causal or qk.pad_left or qk.pad_right):
-        raise AttncheckError(f"{param('mask_value')} is what keys masked by a boolean {param('mask')}, {param('causal')} or {param('pad_left')}/{param('pad_right')} become; none is given"
-                             + (" (a float mask carries its own values)" if mask is not None else ""))
+        raise AttncheckError(
+            f"{param('mask_value')} is what keys masked by a boolean {param('mask')}, {param('causal')} or {param('pad_left')}/{param('pad_right')} become; none is given"
+            + (" (a float mask carries its own values)" if mask is not None else "")
+        )
     inputs = prepare_inputs(
-        q, k, mask, v=v,
-        scale=qk.scale, scale_order=qk.scale_order, causal=qk.causal,
-        pad_left=list(qk.pad_left), pad_right=list(qk.pad_right),
-        mask_value=qk.mask_value or "-inf", mask_convention=qk.mask_convention or "attend", max_bytes=max_bytes,
+        q,
+        k,
+        mask,
+        v=v,
+        scale=qk.scale,
+        scale_order=qk.scale_order,
+        causal=qk.causal,
+        pad_left=list(qk.pad_left),
+        pad_right=list(qk.pad_right),
+        mask_value=qk.mask_value or "-inf",
+        mask_convention=qk.mask_convention or "attend",
+        max_bytes=max_bytes,
     )
-    inputs = _with_mask_facts(inputs, "explicit" if mask is not None or qk.pad_left or qk.pad_right else
-                              "causal" if qk.causal else "none")
+    inputs = _with_mask_facts(
+        inputs, "explicit" if mask is not None or qk.pad_left or qk.pad_right else "causal" if qk.causal else "none"
+    )
     if sources:  # scores given too: diagnose them and fit the scale they carry
         if qk.grad_out:
-            raise AttncheckError(f"{param('grad_out')} judges the backward of attention computed from {param('q')} and {param('k')}; "
-                                 f"give no score files with it")
-        return [diagnose_attention(src.name, inputs, options, track(src.name, src.rows), scores=src, notice=notice) for src in sources]
+            raise AttncheckError(
+                f"{param('grad_out')} judges the backward of attention computed from {param('q')} and {param('k')}; "
+                f"give no score files with it"
+            )
+        return [
+            diagnose_attention(src.name, inputs, options, track(src.name, src.rows), scores=src, notice=notice)
+            for src in sources
+        ]
     name = f"{q_name} @ {k_name}"
     diag = diagnose_attention(name, inputs, options, track(name, inputs.rows), notice=notice)
     if qk.grad_out:
-        from attncheck.numerics.cells.calls import attach_backward
         from attncheck.numerics.backward.diagnose import GradInputs
+        from attncheck.numerics.cells.calls import attach_backward
 
         dout = load_one(qk.grad_out, "grad_out", max_bytes=max_bytes)[1]
         want = (*q.shape[:-1], v.shape[-1])
         if tuple(dout.shape) != want:
-            raise AttncheckError(f"{param('grad_out')} {qk.grad_out} has shape {tuple(dout.shape)}; the output gradient of these q and v has shape {want}")
+            raise AttncheckError(
+                f"{param('grad_out')} {qk.grad_out} has shape {tuple(dout.shape)}; the output gradient of these q and v has shape {want}"
+            )
         attach_backward(diag, None, inputs, GradInputs(dout, causal=qk.causal), options, mask_op=qk.mask_op or "add")
     return [diag]

@@ -19,7 +19,9 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
     return result
 
 
-def run_preset(name: str, seed: int = 0, device: str = "cpu", progress: Callable[[int, int], None] | None = None) -> PresetResult:
+def run_preset(
+    name: str, seed: int = 0, device: str = "cpu", progress: Callable[[int, int], None] | None = None
+) -> PresetResult:
     """A preset of ``numerics.presets``: published figures next to attncheck's own;
     ``progress(done, total)`` after each of its steps."""
     from attncheck.numerics.cells.diagnose import resolve_device

@@ -35,14 +35,45 @@ class Capture:
     a ``RunResult`` with the model report), ``stopped`` (why recording stopped early, or None),
     ``error`` (the exception that left the block, as one line)."""
 
-    def __init__(self, path, *, diagnose: bool, max_calls, max_bytes, modules, forwards, options, ignore, notice, script, what_if=(), asked=None,
-                 grads: bool = True, compile: str = "eager") -> None:
+    def __init__(
+        self,
+        path,
+        *,
+        diagnose: bool,
+        max_calls,
+        max_bytes,
+        modules,
+        forwards,
+        options,
+        ignore,
+        notice,
+        script,
+        what_if=(),
+        asked=None,
+        grads: bool = True,
+        compile: str = "eager",
+    ) -> None:
         if path is not None and diagnose:
-            raise AttncheckError("diagnose=True diagnoses each call as it comes and writes nothing: give no path with it", param="diagnose")
+            raise AttncheckError(
+                "diagnose=True diagnoses each call as it comes and writes nothing: give no path with it",
+                param="diagnose",
+            )
         self.path = None if path is None else os.fspath(path)
         self.diagnose = diagnose
-        self.max_calls = None if max_calls is None else params.integer(max_calls, "max_calls", 1, from_text=isinstance(max_calls, str))
-        self.max_bytes = None if max_bytes is None else (params.size(max_bytes, "max_bytes") if isinstance(max_bytes, str) else params.integer(max_bytes, "max_bytes", 1, from_text=False))
+        self.max_calls = (
+            None
+            if max_calls is None
+            else params.integer(max_calls, "max_calls", 1, from_text=isinstance(max_calls, str))
+        )
+        self.max_bytes = (
+            None
+            if max_bytes is None
+            else (
+                params.size(max_bytes, "max_bytes")
+                if isinstance(max_bytes, str)
+                else params.integer(max_bytes, "max_bytes", 1, from_text=False)
+            )
+        )
         self.modules = (modules,) if isinstance(modules, str) else tuple(modules or ())
         self.forwards = None if forwards is None else parse_forwards(forwards)
         self.options, self.ignore, self.notice = options, ignore_codes(ignore or ()), notice
@@ -85,9 +116,17 @@ class Capture:
             self._sink = DirectorySink(self.path, self.rank)
         else:
             self._sink = MemorySink()
-        self._recorder = Recorder(self._sink, modules=self.modules, forwards=self.forwards, max_calls=self.max_calls,
-                                  max_bytes=self.max_bytes, notice=self.notice, grads=self.grads, compile=self.compile,
-                                  flash=True)
+        self._recorder = Recorder(
+            self._sink,
+            modules=self.modules,
+            forwards=self.forwards,
+            max_calls=self.max_calls,
+            max_bytes=self.max_bytes,
+            notice=self.notice,
+            grads=self.grads,
+            compile=self.compile,
+            flash=True,
+        )
         self._recorder.__enter__()
         return self
 
@@ -103,12 +142,25 @@ class Capture:
             self.forwards_seen = rec.tracker.forward
             self.outside_forwards = rec.outside_forwards
             self.replaced = bool(getattr(sink, "replaced", False))
-            facts = {"complete": self.error is None and self.stopped is None, "stopped": self.stopped,
-                     "calls_seen": rec.seen, "calls_recorded": rec.recorded, "max_calls": self.max_calls,
-                     "max_bytes": self.max_bytes, "modules": list(self.modules),
-                     "forwards": None if self.forwards is None else str(self.forwards), "error": self.error,
-                     "first_unrecorded": rec.first_missed, "grads": self.grads, "grad_calls": rec.grad_calls,
-                     "compile": {"mode": self.compile, "compiled_runs": rec.compiled_runs, "compiled_calls": rec.compiled_calls}}
+            facts = {
+                "complete": self.error is None and self.stopped is None,
+                "stopped": self.stopped,
+                "calls_seen": rec.seen,
+                "calls_recorded": rec.recorded,
+                "max_calls": self.max_calls,
+                "max_bytes": self.max_bytes,
+                "modules": list(self.modules),
+                "forwards": None if self.forwards is None else str(self.forwards),
+                "error": self.error,
+                "first_unrecorded": rec.first_missed,
+                "grads": self.grads,
+                "grad_calls": rec.grad_calls,
+                "compile": {
+                    "mode": self.compile,
+                    "compiled_runs": rec.compiled_runs,
+                    "compiled_calls": rec.compiled_calls,
+                },
+            }
             if self.script is not None:
                 facts["script"] = {**self.script, "error": self.error}
             facts.update(self.rank_facts())
@@ -142,15 +194,31 @@ class Capture:
             self.calls = sink.reports
             from attncheck.loaders.calls import compile_message
 
-            facts = {"compile": {"mode": self.compile, "compiled_runs": self._recorder.compiled_runs, "compiled_calls": self._recorder.compiled_calls}}
+            facts = {
+                "compile": {
+                    "mode": self.compile,
+                    "compiled_runs": self._recorder.compiled_runs,
+                    "compiled_calls": self._recorder.compiled_calls,
+                }
+            }
             notes = [f"recording stopped: {self.stopped}" if self.stopped else None, compile_message(facts)]
-            capture = {"note": "; ".join(n for n in notes if n) or None, "stopped": self.stopped,
-                       "compile": facts["compile"], "complete": self.error is None and self.stopped is None,
-                       "error": self.error, "first_unrecorded": self._recorder.first_missed, **self.rank_facts()}
+            capture = {
+                "note": "; ".join(n for n in notes if n) or None,
+                "stopped": self.stopped,
+                "compile": facts["compile"],
+                "complete": self.error is None and self.stopped is None,
+                "error": self.error,
+                "first_unrecorded": self._recorder.first_missed,
+                **self.rank_facts(),
+            }
             device = sink.options.device
             skipped = [(r.call.name, r.error) for r in sink.reports if r.error]
-            self.result = RunResult([r.diagnosis for r in sink.reports if r.diagnosis is not None], device, sink.reports,
-                                    model_report(sink.reports, self.ignore, skipped, capture))
+            self.result = RunResult(
+                [r.diagnosis for r in sink.reports if r.diagnosis is not None],
+                device,
+                sink.reports,
+                model_report(sink.reports, self.ignore, skipped, capture),
+            )
         else:
             self.calls = sink.calls
 
@@ -257,9 +325,22 @@ def capture(
     that code, and the report says so; 'keep': they run compiled, their calls are not recorded, and
     the report says how many compiled runs went unrecorded.
     """
-    return Capture(path, diagnose=diagnose, max_calls=max_calls, max_bytes=max_bytes, modules=modules, forwards=forwards,
-                   options=options, ignore=ignore, notice=notice, script=script, what_if=what_if, asked=asked, grads=grads,
-                   compile=compile)
+    return Capture(
+        path,
+        diagnose=diagnose,
+        max_calls=max_calls,
+        max_bytes=max_bytes,
+        modules=modules,
+        forwards=forwards,
+        options=options,
+        ignore=ignore,
+        notice=notice,
+        script=script,
+        what_if=what_if,
+        asked=asked,
+        grads=grads,
+        compile=compile,
+    )
 
 
 __all__ = ["Capture", "Forwards", "capture", "parse_forwards", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_CALLS"]

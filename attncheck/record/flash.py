@@ -58,9 +58,18 @@ TRANSFORMERS_FLASH = "transformers.modeling_flash_attention_utils"
 ORIGINAL = "__attncheck_flash_original__"  # on a wrapper: the function it wraps
 # Arguments that change what a call computes beyond q, k, v, the scale, causal, the window and the soft cap:
 # name -> its value when not given.
-EXTRAS = {"alibi_slopes": None, "qv": None, "attention_chunk": 0, "score_mod": None, "mask_mod": None,
-          "block_sparse_tensors": None, "gather_kv_indices": None, "seqused_q": None, "seqused_k": None,
-          "aux_tensors": None}
+EXTRAS = {
+    "alibi_slopes": None,
+    "qv": None,
+    "attention_chunk": 0,
+    "score_mod": None,
+    "mask_mod": None,
+    "block_sparse_tensors": None,
+    "gather_kv_indices": None,
+    "seqused_q": None,
+    "seqused_k": None,
+    "aux_tensors": None,
+}
 PAGED = ("block_table", "page_table")  # k and v are a paged cache: not one tensor per sequence
 SINKS = ("learnable_sink", "sinks", "s_aux")
 _IMPL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -90,8 +99,9 @@ def flash_impl() -> str | None:
 _CUDA_FACTS: dict[str, dict[str, str]] = {}
 
 
-def gpu_facts(device: "torch.device | str", capability: tuple[int, int] | None = None, name: str | None = None,
-              sdpa: bool = False) -> dict[str, str]:
+def gpu_facts(
+    device: "torch.device | str", capability: tuple[int, int] | None = None, name: str | None = None, sdpa: bool = False
+) -> dict[str, str]:
     """What a call's metadata says about the GPU it ran on: {} off CUDA; on CUDA the compute capability
     ('9.0'), the GPU's name and, for an SDPA call (``sdpa``), the flash implementation PyTorch had active
     (``flash_impl``). ``capability`` and ``name`` stand for what torch.cuda says (asked once per device)."""
@@ -320,9 +330,15 @@ def sequences(fn: str, a: dict, out) -> tuple[list[tuple], str | None]:
         for i in range(len(bq) - 1):
             if bq[i + 1] <= bq[i]:
                 continue  # a sequence without queries computes nothing
-            parts = tuple(None if t is None else _bhtd(t[lo:hi].unsqueeze(0))
-                          for t, lo, hi in ((q, bq[i], bq[i + 1]), (k, bk[i], bk[i + 1]), (v, bk[i], bk[i + 1]),
-                                            (o, bq[i], bq[i + 1])))
+            parts = tuple(
+                None if t is None else _bhtd(t[lo:hi].unsqueeze(0))
+                for t, lo, hi in (
+                    (q, bq[i], bq[i + 1]),
+                    (k, bk[i], bk[i + 1]),
+                    (v, bk[i], bk[i + 1]),
+                    (o, bq[i], bq[i + 1]),
+                )
+            )
             calls.append((*parts, i, len(bq) - 1))
         return calls, None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -335,5 +351,14 @@ def _bhtd(t: "torch.Tensor") -> "torch.Tensor":
     return t.detach().transpose(1, 2)
 
 
-__all__ = ["FLASH_FUNCTIONS", "FLASH_MODULES", "FlashPatch", "bound_arguments", "flash_impl", "flash_meta", "gpu_facts",
-           "sequences", "side_tensors"]
+__all__ = [
+    "FLASH_FUNCTIONS",
+    "FLASH_MODULES",
+    "FlashPatch",
+    "bound_arguments",
+    "flash_impl",
+    "flash_meta",
+    "gpu_facts",
+    "sequences",
+    "side_tensors",
+]

@@ -63,10 +63,10 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import os
-import sys
 import json
 import math
+import os
+import sys
 import threading
 import warnings
 import weakref
@@ -96,8 +96,29 @@ ADDS = {"add", "__add__", "__radd__", "add_", "__iadd__", "baddbmm"}  # ... or a
 TANH = {"tanh", "tanh_"}  # a soft cap (Gemma-2, Grok): cap * tanh(S * scale / cap)
 GRAD_ROLES = ("grad_q", "grad_k", "grad_v")
 # Same-shape operations that keep a tensor "the scores" (or "the probabilities") for tracing.
-PASSES = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "sub_", "__isub__", "masked_fill",
-          "masked_fill_", "where", "to", "type", "float", "half", "bfloat16", "contiguous", "clone", "dropout", "type_as"}
+PASSES = {
+    "add",
+    "__add__",
+    "__radd__",
+    "add_",
+    "__iadd__",
+    "sub",
+    "__sub__",
+    "sub_",
+    "__isub__",
+    "masked_fill",
+    "masked_fill_",
+    "where",
+    "to",
+    "type",
+    "float",
+    "half",
+    "bfloat16",
+    "contiguous",
+    "clone",
+    "dropout",
+    "type_as",
+}
 
 
 @dataclass
@@ -150,8 +171,9 @@ def _as_autocast(autocast: bool, device_type: str, *tensors):
     if not autocast:
         return tensors
     dt = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dt else t
-                 for t in tensors)
+    return tuple(
+        t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dt else t for t in tensors
+    )
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -176,7 +198,9 @@ class ModuleStack:
         self._local = threading.local()
         self._lock = threading.Lock()
         self.on_top = on_top  # called with True when a top module's forward begins, False when it ends (in its thread)
-        self.compiled_runs = 0  # forwards of torch.compile'd modules (OptimizedModule, Module.compile()) seen, over every thread
+        self.compiled_runs = (
+            0  # forwards of torch.compile'd modules (OptimizedModule, Module.compile()) seen, over every thread
+        )
         self.forward = 0  # forward passes of a top module so far, over every thread
         self._names: dict[int, str] = {}
         self._root: int | None = None
@@ -192,7 +216,10 @@ class ModuleStack:
     def __enter__(self) -> "ModuleStack":
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-        self._handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post, always_call=True)]
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+        ]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -301,8 +328,9 @@ def _in_compiled_code() -> bool:
         code = frame.f_code
         if code.co_name == "compile_wrapper" and code.co_filename.endswith(_EVAL_FRAME):
             fn = frame.f_locals.get("fn")
-            internal = getattr(fn, "__module__", "") == "torch.nn.attention.flex_attention" and \
-                getattr(fn, "__name__", "").startswith("_flex_attention_hop_wrapper")
+            internal = getattr(fn, "__module__", "") == "torch.nn.attention.flex_attention" and getattr(
+                fn, "__name__", ""
+            ).startswith("_flex_attention_hop_wrapper")
             if not internal:
                 return True
         frame = frame.f_back
@@ -397,10 +425,22 @@ class Recorder(TorchFunctionMode):
     recorded (patched while recording, where the package is installed).
     """
 
-    def __init__(self, sink: Callable[[Recorded], None], *, modules=(), forwards=None, max_calls: int | None = None,
-                 max_bytes: int | None = None, notice: Callable[[str], None] | None = None, grads: bool = True,
-                 outputs: bool = False, in_modules: bool = False, compile: str | None = None,
-                 flex_reference: bool = True, flash: bool = False) -> None:
+    def __init__(
+        self,
+        sink: Callable[[Recorded], None],
+        *,
+        modules=(),
+        forwards=None,
+        max_calls: int | None = None,
+        max_bytes: int | None = None,
+        notice: Callable[[str], None] | None = None,
+        grads: bool = True,
+        outputs: bool = False,
+        in_modules: bool = False,
+        compile: str | None = None,
+        flex_reference: bool = True,
+        flash: bool = False,
+    ) -> None:
         super().__init__()
         self.in_modules = in_modules
         self.flex_reference = flex_reference  # a flex call's float64 logits after its score_mod (the watch needs none)
@@ -548,7 +588,12 @@ class Recorder(TorchFunctionMode):
     def _hand_over(self, pending: _Pending) -> None:
         pending.call.expects_grads = bool(pending.grads)
         if self._emit(pending.call) and pending.grads:
-            self._watch(pending.call, pending.grads["grad_out"], None, {r: t for r, t in pending.grads.items() if r != "grad_out"})
+            self._watch(
+                pending.call,
+                pending.grads["grad_out"],
+                None,
+                {r: t for r, t in pending.grads.items() if r != "grad_out"},
+            )
 
     def _thread_start(self, start):
         """``Thread.start`` while recording: the thread's ``run`` (its own, for a subclass) runs with
@@ -610,7 +655,9 @@ class Recorder(TorchFunctionMode):
         def compile_marked(model=None, *args, **kwargs):
             self._force_eager()
             caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller == "torch" or caller.startswith("torch."):  # torch's own use (flex_attention compiles itself to trace)
+            if caller == "torch" or caller.startswith(
+                "torch."
+            ):  # torch's own use (flex_attention compiles itself to trace)
                 return compile_fn(model, *args, **kwargs)
             if model is None:  # @torch.compile(fullgraph=True): a decorator
                 decorate = compile_fn(*args, **kwargs)
@@ -631,7 +678,9 @@ class Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self._closed or _compiling():  # a thread that outlived the capture keeps the mode on its stack; dynamo tracing
+        if (
+            self._closed or _compiling()
+        ):  # a thread that outlived the capture keeps the mode on its stack; dynamo tracing
             return func(*args, **kwargs)
         if self._thread().in_flash:  # inside a flash-attn call being recorded: its own ops are not calls of their own
             return func(*args, **kwargs)
@@ -677,8 +726,11 @@ class Recorder(TorchFunctionMode):
             self._stop(f"max_calls {self.max_calls} reached at call {call.index} ({where})", call)
             return False
         if self.max_bytes is not None and self.bytes + size > self.max_bytes:
-            self._stop(f"max_bytes {self.max_bytes} would be passed by call {call.index} ({call.kind} in {call.module or 'global'}, "
-                       f"{size} bytes; {self.bytes} recorded)", call)
+            self._stop(
+                f"max_bytes {self.max_bytes} would be passed by call {call.index} ({call.kind} in {call.module or 'global'}, "
+                f"{size} bytes; {self.bytes} recorded)",
+                call,
+            )
             return False
         try:
             self.sink(call)
@@ -702,14 +754,18 @@ class Recorder(TorchFunctionMode):
         watch = _GradWatch(self, call, {"grad_out", *wanted})
         watch.handles.append(out.register_hook(lambda g: watch.put("grad_out", g)))
         if node is not None:
+
             def from_node(grad_inputs, grad_outputs):
                 for role, g in zip(GRAD_ROLES, grad_inputs):
                     watch.put(role, g)
+
             watch.handles.append(node.register_hook(from_node))
         else:
             for role, t in wanted.items():
                 flip = role == "grad_k" and call.kind == "softmax"  # the hooked operand is k^T
-                watch.handles.append(t.register_hook(lambda g, role=role, flip=flip: watch.put(role, g.transpose(-1, -2) if flip else g)))
+                watch.handles.append(
+                    t.register_hook(lambda g, role=role, flip=flip: watch.put(role, g.transpose(-1, -2) if flip else g))
+                )
         with self._lock:
             self._watches.append(watch)
 
@@ -726,8 +782,12 @@ class Recorder(TorchFunctionMode):
         size = sum(t.numel() * t.element_size() for t in watch.got.values())
         call = watch.call
         if self.max_bytes is not None and self.bytes + size > self.max_bytes:
-            self._stop(f"max_bytes {self.max_bytes} would be passed by the gradients of call {call.index} ({call.kind} in "
-                       f"{call.module or 'global'}, {size} bytes; {self.bytes} recorded)", call, "gradients")
+            self._stop(
+                f"max_bytes {self.max_bytes} would be passed by the gradients of call {call.index} ({call.kind} in "
+                f"{call.module or 'global'}, {size} bytes; {self.bytes} recorded)",
+                call,
+                "gradients",
+            )
             return
         grads = getattr(self.sink, "grads", None)
         if grads is None:
@@ -740,8 +800,15 @@ class Recorder(TorchFunctionMode):
         self.bytes += size
         self.grad_calls += 1
 
-    def _stop(self, why: str, call: Recorded | None = None, what: str = "call", kind: str = "", module: str = "",
-              index: int | None = None) -> None:
+    def _stop(
+        self,
+        why: str,
+        call: Recorded | None = None,
+        what: str = "call",
+        kind: str = "",
+        module: str = "",
+        index: int | None = None,
+    ) -> None:
         self.stopped = why
         if call is not None:
             index, kind, module = call.index, call.kind, call.module
@@ -795,7 +862,9 @@ class Recorder(TorchFunctionMode):
         scale = bound.get("scale")
         device_type = q.device.type
         autocast = torch.is_autocast_enabled(device_type) if hasattr(torch, "get_autocast_dtype") else False
-        compute = torch.get_autocast_dtype(device_type) if autocast and q.dtype in (torch.float32, torch.float64) else q.dtype
+        compute = (
+            torch.get_autocast_dtype(device_type) if autocast and q.dtype in (torch.float32, torch.float64) else q.dtype
+        )
         meta = {
             "dtype": _dtype_name(compute),
             "is_causal": "true" if bound.get("is_causal") else "false",
@@ -804,9 +873,13 @@ class Recorder(TorchFunctionMode):
             "enable_gqa": "true" if bound.get("enable_gqa") else "false",
             "dropout_p": repr(float(bound.get("dropout_p") or 0.0)),
             "autocast_dtype": _dtype_name(torch.get_autocast_dtype(device_type)) if autocast else "none",
-            "sdpa_backend": sdpa_backend(*_as_autocast(autocast, device_type, q, k, v, mask),
-                                         float(bound.get("dropout_p") or 0.0), bool(bound.get("is_causal")), scale,
-                                         bool(bound.get("enable_gqa"))),
+            "sdpa_backend": sdpa_backend(
+                *_as_autocast(autocast, device_type, q, k, v, mask),
+                float(bound.get("dropout_p") or 0.0),
+                bool(bound.get("is_causal")),
+                scale,
+                bool(bound.get("enable_gqa")),
+            ),
         }
         meta.update(self._mha_meta)
         track = self._tracks_grads(out)
@@ -815,7 +888,9 @@ class Recorder(TorchFunctionMode):
         call = self._new_call("sdpa", module, tensors, meta)
         call.expects_grads = track
         if self._emit(call) and track:
-            node = out.grad_fn if "ScaledDotProduct" in type(out.grad_fn).__name__ else None  # a fused kernel's own node
+            node = (
+                out.grad_fn if "ScaledDotProduct" in type(out.grad_fn).__name__ else None
+            )  # a fused kernel's own node
             self._watch(call, out, node, {"grad_q": q, "grad_k": k, "grad_v": v})
         return out
 
@@ -869,8 +944,17 @@ class Recorder(TorchFunctionMode):
         if not self._wanted(module):
             return out
         self.flush()
-        names = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options", "score_mod_other_buffers",
-                 "mask_mod_other_buffers")
+        names = (
+            "query",
+            "key",
+            "value",
+            "score_mod",
+            "block_mask",
+            "scale",
+            "kernel_options",
+            "score_mod_other_buffers",
+            "mask_mod_other_buffers",
+        )
         bound = dict(zip(names, args))
         bound.update(kwargs)
         q, k, v = (bound[n].detach() for n in ("query", "key", "value"))
@@ -878,20 +962,36 @@ class Recorder(TorchFunctionMode):
         mask_mod = block_mask[-1]
         identity = getattr(score_mod, "__name__", "") == "_identity"
         scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
-        planned = sum(t.numel() * t.element_size() for t in (q, k, v)) + scores * (1 + (0 if identity else 4 + 8 * self.flex_reference))
+        planned = sum(t.numel() * t.element_size() for t in (q, k, v)) + scores * (
+            1 + (0 if identity else 4 + 8 * self.flex_reference)
+        )
         with self._lock:
             over = self.max_bytes is not None and self.stopped is None and self.bytes + planned > self.max_bytes
             if over:  # refused before its logits are computed: a long sequence's would not fit in memory
                 self.seen += 1
-                self._stop(f"max_bytes {self.max_bytes} would be passed by call {self.seen - 1} (flex in {module or 'global'}, "
-                           f"{planned} bytes with its logits; {self.bytes} recorded)",
-                           kind="flex", module=module or "", index=self.seen - 1)
+                self._stop(
+                    f"max_bytes {self.max_bytes} would be passed by call {self.seen - 1} (flex in {module or 'global'}, "
+                    f"{planned} bytes with its logits; {self.bytes} recorded)",
+                    kind="flex",
+                    module=module or "",
+                    index=self.seen - 1,
+                )
         if over or self.stopped is not None:
             return out
         with torch.no_grad():
-            raw, mod = _flex_logits(q, k, score_mod, block_mask, scale, bound.get("score_mod_other_buffers", ()),
-                                    bound.get("mask_mod_other_buffers", ()), torch.float32)
-            attend = ~torch.isneginf(mod) | ~torch.isfinite(raw)  # a key the mask_mod masks is -inf after it (NaN, inf logits kept)
+            raw, mod = _flex_logits(
+                q,
+                k,
+                score_mod,
+                block_mask,
+                scale,
+                bound.get("score_mod_other_buffers", ()),
+                bound.get("mask_mod_other_buffers", ()),
+                torch.float32,
+            )
+            attend = ~torch.isneginf(mod) | ~torch.isfinite(
+                raw
+            )  # a key the mask_mod masks is -inf after it (NaN, inf logits kept)
             tensors = {"q": q, "k": k, "v": v}
             if not bool(attend.all()):
                 tensors["attn_mask"] = _smallest_broadcast(attend)
@@ -902,8 +1002,16 @@ class Recorder(TorchFunctionMode):
             if not identity:
                 tensors["scores_mod"] = mod
             if not identity and self.flex_reference:
-                tensors["scores_mod64"] = _flex_logits(q, k, score_mod, block_mask, scale, bound.get("score_mod_other_buffers", ()),
-                                                       bound.get("mask_mod_other_buffers", ()), torch.float64)[1]
+                tensors["scores_mod64"] = _flex_logits(
+                    q,
+                    k,
+                    score_mod,
+                    block_mask,
+                    scale,
+                    bound.get("score_mod_other_buffers", ()),
+                    bound.get("mask_mod_other_buffers", ()),
+                    torch.float64,
+                )[1]
         meta = {
             "dtype": _dtype_name(q.dtype),
             "scale": repr(scale),
@@ -916,9 +1024,14 @@ class Recorder(TorchFunctionMode):
         }
         sizes = block_mask[-3:-1] if len(block_mask) >= 3 else ()
         if len(sizes) == 2 and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
-            meta["flex_q_block"], meta["flex_kv_block"] = str(sizes[0]), str(sizes[1])  # the BlockMask's: the kernel's tiles
+            meta["flex_q_block"], meta["flex_kv_block"] = (
+                str(sizes[0]),
+                str(sizes[1]),
+            )  # the BlockMask's: the kernel's tiles
         if not identity and math.isfinite(before):
-            meta["logit_before_mod"] = repr(before)  # the largest unmasked logit before the score_mod (after it: the diagnosis's)
+            meta["logit_before_mod"] = repr(
+                before
+            )  # the largest unmasked logit before the score_mod (after it: the diagnosis's)
         if self.outputs:
             tensors["out"] = (out[0] if isinstance(out, tuple) else out).detach()
         call = self._new_call("flex", module, tensors, meta)
@@ -944,9 +1057,13 @@ class Recorder(TorchFunctionMode):
         self.flush()
         tensors = {"scores": x.detach()}
         autocast = torch.is_autocast_enabled(x.device.type) if hasattr(torch, "get_autocast_dtype") else False
-        meta = {"dtype": _dtype_name(x.dtype), "softmax_dtype": _dtype_name(dtype if isinstance(dtype, torch.dtype) else None),
-                "has_qk": "false", "scale_source": "unknown",
-                "autocast_dtype": _dtype_name(torch.get_autocast_dtype(x.device.type)) if autocast else "none"}
+        meta = {
+            "dtype": _dtype_name(x.dtype),
+            "softmax_dtype": _dtype_name(dtype if isinstance(dtype, torch.dtype) else None),
+            "has_qk": "false",
+            "scale_source": "unknown",
+            "autocast_dtype": _dtype_name(torch.get_autocast_dtype(x.device.type)) if autocast else "none",
+        }
         traced = self._scores.get(id(x))
         traced = traced if traced is not None and traced[0]() is x else None
         qk = self._qk
@@ -983,14 +1100,22 @@ class Recorder(TorchFunctionMode):
 
     def _trace(self, name: str, args, kwargs, out) -> None:
         if name in MATMULS:
-            a, b = (args[1], args[2]) if name == "baddbmm" and len(args) >= 3 else (args[0] if args else None, args[1] if len(args) > 1 else None)
+            a, b = (
+                (args[1], args[2])
+                if name == "baddbmm" and len(args) >= 3
+                else (args[0] if args else None, args[1] if len(args) > 1 else None)
+            )
             if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 3 and b.dim() >= 3):
                 return
             pending = self._pending
             if pending is not None and id(a) in pending.probs and pending.probs[id(a)]() is a:
                 pending.call.tensors["v"] = b.detach()
-                pending.call.meta["shapes"] = json.dumps({role: list(t.shape) for role, t in pending.call.tensors.items()})
-                pending.call.meta["dtypes"] = json.dumps({role: _dtype_name(t.dtype) for role, t in pending.call.tensors.items()})
+                pending.call.meta["shapes"] = json.dumps(
+                    {role: list(t.shape) for role, t in pending.call.tensors.items()}
+                )
+                pending.call.meta["dtypes"] = json.dumps(
+                    {role: _dtype_name(t.dtype) for role, t in pending.call.tensors.items()}
+                )
                 if self._tracks_grads(out):
                     q_live, kt_live = pending.qk if pending.qk is not None else (None, None)
                     pending.grads = {"grad_out": out, "grad_q": q_live, "grad_k": kt_live, "grad_v": b}
@@ -1005,17 +1130,32 @@ class Recorder(TorchFunctionMode):
             return
         first = args[0] if args else None
         pending = self._pending
-        if pending is not None and name in PASSES and isinstance(first, torch.Tensor) and id(first) in pending.probs \
-                and pending.probs[id(first)]() is first and out.shape == first.shape:
+        if (
+            pending is not None
+            and name in PASSES
+            and isinstance(first, torch.Tensor)
+            and id(first) in pending.probs
+            and pending.probs[id(first)]() is first
+            and out.shape == first.shape
+        ):
             pending.probs[id(out)] = weakref.ref(out)
-            if name == "dropout":  # F.dropout(input, p, training, inplace) on the probabilities: their backward has its mask
+            if (
+                name == "dropout"
+            ):  # F.dropout(input, p, training, inplace) on the probabilities: their backward has its mask
                 p = _number(args[1] if len(args) > 1 else kwargs.get("p", 0.5))
                 training = args[2] if len(args) > 2 else kwargs.get("training", True)
                 if training and p:
                     pending.call.meta["dropout_p"] = repr(p)
         if not self._scores:
             return
-        source = next((t for t in args if isinstance(t, torch.Tensor) and id(t) in self._scores and self._scores[id(t)][0]() is t), None)
+        source = next(
+            (
+                t
+                for t in args
+                if isinstance(t, torch.Tensor) and id(t) in self._scores and self._scores[id(t)][0]() is t
+            ),
+            None,
+        )
         if source is None or out.shape != source.shape:
             return
         _, scale, ops, capped = self._scores[id(source)]
@@ -1062,12 +1202,17 @@ class Recorder(TorchFunctionMode):
                 if threading.get_ident() != me:  # another thread's call while this one's MHA runs
                     return current(*a, **kw)
                 return self.__torch_function__(original, (), a, kw)
+
             return routed
 
         with self._mha_lock:
             current = {(owner, attr): getattr(owner, attr) for owner, attr in originals}
             self._patched = True
-            self._mha_info = {"num_heads": str(num_heads), "mha": "true", "q_prescaled": "true" if need_weights else "false"}
+            self._mha_info = {
+                "num_heads": str(num_heads),
+                "mha": "true",
+                "q_prescaled": "true" if need_weights else "false",
+            }
             try:
                 for key, original in originals.items():
                     setattr(*key, route(original, current[key]))

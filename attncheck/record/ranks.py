@@ -99,8 +99,10 @@ def _remove_ranks_beyond(parent: Path, world: int) -> None:
         holder = read_owner(owner) if owner in files else {}
         if owner in files and (holder is None or owner_alive(holder)):
             continue  # another job's process writes it
-        own = all(p.is_file() and not p.is_symlink() and (p.name in (MANIFEST, OWNER) or CALL_FILE.match(p.name))
-                  for p in files)
+        own = all(
+            p.is_file() and not p.is_symlink() and (p.name in (MANIFEST, OWNER) or CALL_FILE.match(p.name))
+            for p in files
+        )
         if own:
             for p in files:
                 with contextlib.suppress(FileNotFoundError):

@@ -52,8 +52,16 @@ def cpu_tensors(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch
 
 # safetensors' names of the dtypes a call can hold
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.bool: "BOOL",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.bool: "BOOL",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
 }
 
 
@@ -74,7 +82,11 @@ def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, torch.Ten
     offset = 0
     for name, t in tensors.items():
         size = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)
@@ -130,11 +142,19 @@ def _prepare(d: Path) -> tuple[Path, bool]:
         return d, False
     ranks = [p for p in entries if p.is_dir() and p.name.startswith(RANK_DIR.format("")) and (p / MANIFEST).is_file()]
     if ranks and not (d / MANIFEST).is_file():
-        raise AttncheckError(f"capture directory {d} holds a capture of several processes (rank0, rank1, ...: "
-                             "torchrun); give a new or empty folder", param="path")
+        raise AttncheckError(
+            f"capture directory {d} holds a capture of several processes (rank0, rank1, ...: "
+            "torchrun); give a new or empty folder",
+            param="path",
+        )
     manifest = d / MANIFEST
-    own = [p for p in entries if p.is_file() and not p.is_symlink()
-           and (CALL_FILE.match(p.name.removesuffix(PART)) or p.name == MANIFEST + ".tmp")]
+    own = [
+        p
+        for p in entries
+        if p.is_file()
+        and not p.is_symlink()
+        and (CALL_FILE.match(p.name.removesuffix(PART)) or p.name == MANIFEST + ".tmp")
+    ]
     if not manifest.is_file() and len(own) == len(entries):
         # a capture that did not finish (killed: its writer is gone, ``claim`` took its owner file over): its own
         # files alone, replaced as a finished capture's are
@@ -142,7 +162,10 @@ def _prepare(d: Path) -> tuple[Path, bool]:
             p.unlink()
         return d, True
     if not manifest.is_file():
-        raise AttncheckError(f"capture directory {d} is not empty and holds no capture ({MANIFEST}); give a new or empty folder", param="path")
+        raise AttncheckError(
+            f"capture directory {d} is not empty and holds no capture ({MANIFEST}); give a new or empty folder",
+            param="path",
+        )
     from attncheck.loaders import jsondoc
 
     try:
@@ -150,8 +173,15 @@ def _prepare(d: Path) -> tuple[Path, bool]:
             doc = jsondoc.decode(fh.read(jsondoc.MAX_BYTES + 1))
     except (OSError, jsondoc.JSONError):
         doc = None
-    if not isinstance(doc, dict) or not isinstance(doc.get("schema"), str) or not doc["schema"].startswith("attncheck.capture/"):
-        raise AttncheckError(f"capture directory {d} is not empty and its {MANIFEST} is not a capture's; give a new or empty folder", param="path")
+    if (
+        not isinstance(doc, dict)
+        or not isinstance(doc.get("schema"), str)
+        or not doc["schema"].startswith("attncheck.capture/")
+    ):
+        raise AttncheckError(
+            f"capture directory {d} is not empty and its {MANIFEST} is not a capture's; give a new or empty folder",
+            param="path",
+        )
     for p in entries:  # a previous capture: its own files go, anything else stays
         if p.is_file() and (p.name == MANIFEST or CALL_FILE.match(p.name)):
             p.unlink()
@@ -194,10 +224,20 @@ class DirectorySink:
         tensors = {role: self._stage(t) for role, t in call.tensors.items()}  # copies: the model may reuse its buffers
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         self.bytes += size
-        self.entries.append({
-            "index": call.index, "file": name, "kind": call.kind, "module": call.module, "forward": call.forward,
-            "bytes": size, "tensors": {role: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for role, t in tensors.items()},
-        })
+        self.entries.append(
+            {
+                "index": call.index,
+                "file": name,
+                "kind": call.kind,
+                "module": call.module,
+                "forward": call.forward,
+                "bytes": size,
+                "tensors": {
+                    role: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                    for role, t in tensors.items()
+                },
+            }
+        )
         self._queue.put((self.dir / name, tensors, dict(call.meta)))
 
     def grads(self, call: Recorded, tensors: dict[str, torch.Tensor]) -> None:
@@ -215,8 +255,14 @@ class DirectorySink:
             raise self._error
         staged = {role: self._stage(t) for role, t in tensors.items()}
         size = sum(t.numel() * t.element_size() for t in staged.values())
-        entry["grads"] = {"file": name, "bytes": size,
-                          "tensors": {role: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for role, t in staged.items()}}
+        entry["grads"] = {
+            "file": name,
+            "bytes": size,
+            "tensors": {
+                role: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                for role, t in staged.items()
+            },
+        }
         self.bytes += size
         meta = {"format": CAPTURE_SCHEMA, "call": str(call.index), "module": call.module, "grads": "true"}
         self._queue.put((self.dir / name, staged, meta))
@@ -286,15 +332,24 @@ class DirectorySink:
         self.bytes = sum(e["bytes"] + e.get("grads", {}).get("bytes", 0) for e in self.entries)
         if self._error is not None:
             facts = {**facts, "complete": False, "stopped": facts.get("stopped") or self._error.message}
-        doc = {"schema": CAPTURE_SCHEMA, "attncheck_version": __version__, "torch_version": torch.__version__,
-               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts, "total_bytes": self.bytes, "calls": self.entries}
+        doc = {
+            "schema": CAPTURE_SCHEMA,
+            "attncheck_version": __version__,
+            "torch_version": torch.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **facts,
+            "total_bytes": self.bytes,
+            "calls": self.entries,
+        }
         tmp = self.dir / (MANIFEST + ".tmp")
         try:
             tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
             os.replace(tmp, self.dir / MANIFEST)
         except OSError as e:  # the disk filled up, or the script removed the folder while it ran
             gone = "" if self.dir.is_dir() else f" (the folder {self.dir} is gone: removed while the script ran?)"
-            raise AttncheckError(f"cannot write the capture's manifest {self.dir / MANIFEST}: {e.strerror or e}{gone}", param="path") from None
+            raise AttncheckError(
+                f"cannot write the capture's manifest {self.dir / MANIFEST}: {e.strerror or e}{gone}", param="path"
+            ) from None
 
 
 class MemorySink:
@@ -304,7 +359,11 @@ class MemorySink:
         self.calls: list[Recorded] = []
 
     def __call__(self, call: Recorded) -> None:
-        self.calls.append(Recorded(call.index, call.kind, call.module, call.forward, cpu_tensors(call.tensors, copy=True), dict(call.meta)))
+        self.calls.append(
+            Recorded(
+                call.index, call.kind, call.module, call.forward, cpu_tensors(call.tensors, copy=True), dict(call.meta)
+            )
+        )
 
     def grads(self, call: Recorded, tensors: dict[str, torch.Tensor]) -> None:
         kept = next((c for c in self.calls if c.index == call.index), None)
@@ -333,7 +392,9 @@ class DiagnoseSink:
 
     def __call__(self, call: Recorded) -> None:
         if call.expects_grads:  # its gradients come with the backward: diagnosed then, or when the capture ends
-            self._waiting[call.index] = Recorded(call.index, call.kind, call.module, call.forward, cpu_tensors(call.tensors, copy=True), dict(call.meta))
+            self._waiting[call.index] = Recorded(
+                call.index, call.kind, call.module, call.forward, cpu_tensors(call.tensors, copy=True), dict(call.meta)
+            )
             self._order.append(call.index)
             return
         self._order.append(call.index)
@@ -361,8 +422,13 @@ class DiagnoseSink:
         tensors = cpu_tensors(call.tensors, copy=False)
         device_type = next(iter(call.tensors.values())).device.type
         try:
-            with torch.no_grad(), torch.autocast(device_type=device_type, enabled=False):  # the diagnosis computes in the dtypes it names
-                report = diagnose_call(info, tensors, self.options, notice=self.notice, what_if=self.what_if, asked=self.asked)
+            with (
+                torch.no_grad(),
+                torch.autocast(device_type=device_type, enabled=False),
+            ):  # the diagnosis computes in the dtypes it names
+                report = diagnose_call(
+                    info, tensors, self.options, notice=self.notice, what_if=self.what_if, asked=self.asked
+                )
         except AttncheckError as e:  # the model runs on; the call is listed as not diagnosed
             self.reports.append(CallReport(info, None, error=e.render()))
             return

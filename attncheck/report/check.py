@@ -15,7 +15,15 @@ from rich.text import Text
 from attncheck import __version__
 from attncheck.format import cosine, num, row_text, to_jsonable, visible
 from attncheck.report.text import shown
-from attncheck.results import BUDGET_NAMES, LOWER_BUDGETS, RELATIVE_BUDGET, RELATIVE_BUDGETS, BudgetCheck, CaseResult, CheckResult
+from attncheck.results import (
+    BUDGET_NAMES,
+    LOWER_BUDGETS,
+    RELATIVE_BUDGET,
+    RELATIVE_BUDGETS,
+    BudgetCheck,
+    CaseResult,
+    CheckResult,
+)
 
 JSON_SCHEMA = "attncheck.check/1"
 JUNIT_SUITE = "attncheck"
@@ -157,9 +165,13 @@ def summary_tables(result: CheckResult, width: int = 80) -> list[Text | Table]:
         tables.append(shown(name, style="bold"))
         tables[-1].overflow = "fold"
         cases = [c for c in result.cases if c.input == name]
-        headers = {budget: _label(budget) + "\n" + limit_text(budget, _header_limit(result, budget)) for budget in columns}
+        headers = {
+            budget: _label(budget) + "\n" + limit_text(budget, _header_limit(result, budget)) for budget in columns
+        }
         cells = {budget: [_cell(case, budget, result) for case in cases] for budget in columns}
-        wide = {b: max([len(line) for line in headers[b].splitlines()] + [len(t.plain) for t in cells[b]]) for b in columns}
+        wide = {
+            b: max([len(line) for line in headers[b].splitlines()] + [len(t.plain) for t in cells[b]]) for b in columns
+        }
         # SIMPLE_HEAD: a space at each edge, and padding + separator + padding between columns
         fixed = 1 + len("result") + 3 + max([len("cell")] + [len(c.name) for c in cases]) + 1
         for group in _fit(columns, wide, width - fixed):
@@ -202,7 +214,11 @@ def _fit(columns: list[str], wide: dict[str, int], room: int) -> list[list[str]]
 
 def render_summary(result: CheckResult, quiet: bool = False, width: int = 80) -> Group:
     """The table (unless ``quiet``) and the verdict line; the CLI writes the broken budgets to stderr."""
-    parts: list[Any] = [] if quiet else [shown(f"attncheck check: config {result.config}, device {result.device}"), *summary_tables(result, width)]
+    parts: list[Any] = (
+        []
+        if quiet
+        else [shown(f"attncheck check: config {result.config}, device {result.device}"), *summary_tables(result, width)]
+    )
     style = "bold red" if result.failures else "green"
     parts.append(Text(summary_line(result), style=style))
     return Group(*parts)
@@ -231,16 +247,26 @@ def junit_xml(result: CheckResult) -> str:
     )
     props = ET.SubElement(suite, "properties")
     # XML 1.0 cannot hold most control characters, even escaped: names are written as format.visible shows them.
-    for key, value in (("attncheck_version", __version__), ("config", visible(result.config)), ("device", result.device)):
+    for key, value in (
+        ("attncheck_version", __version__),
+        ("config", visible(result.config)),
+        ("device", result.device),
+    ):
         ET.SubElement(props, "property", {"name": key, "value": value})
     for case in result.cases:
-        tc = ET.SubElement(suite, "testcase", {"classname": f"attncheck.{visible(case.input)}", "name": case.name, "time": f"{case.seconds:.3f}"})
+        tc = ET.SubElement(
+            suite,
+            "testcase",
+            {"classname": f"attncheck.{visible(case.input)}", "name": case.name, "time": f"{case.seconds:.3f}"},
+        )
         head = f"input {visible(case.input)}, shape {tuple(case.shape)}, cell {case.name}: {case.rows} rows, {case.compared_rows} compared with float64"
         text = "\n".join([head, *check_lines(case)])
         if case.passed:
             ET.SubElement(tc, "system-out").text = text
         else:
-            failure = ET.SubElement(tc, "failure", {"message": "; ".join(describe_check(c) for c in case.failures), "type": "budget"})
+            failure = ET.SubElement(
+                tc, "failure", {"message": "; ".join(describe_check(c) for c in case.failures), "type": "budget"}
+            )
             failure.text = text
     ET.indent(suite)
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
@@ -273,7 +299,12 @@ def markdown(result: CheckResult) -> str:
         "",
     ]
     columns = budget_columns(result)
-    header = ["result", "input", "cell", *(f"{name} ({limit_text(name, _header_limit(result, name))})" for name in columns)]
+    header = [
+        "result",
+        "input",
+        "cell",
+        *(f"{name} ({limit_text(name, _header_limit(result, name))})" for name in columns),
+    ]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("| " + " | ".join(["---", "---", "---", *("---:" for _ in columns)]) + " |")
     for case in result.cases:
@@ -344,7 +375,11 @@ def check_json(result: CheckResult) -> dict[str, Any]:
             "config_path": result.config_path,
             "device": result.device,
             "passed": result.passed,
-            "summary": {"cases": len(result.cases), "passed": len(result.cases) - len(result.failures), "failed": len(result.failures)},
+            "summary": {
+                "cases": len(result.cases),
+                "passed": len(result.cases) - len(result.failures),
+                "failed": len(result.failures),
+            },
             "budget": to_jsonable(result.budget),
             "dtype_budgets": {d: to_jsonable(b) for d, b in result.dtype_budgets.items()},
             "ignore": list(result.ignore),

@@ -61,8 +61,14 @@ class Hanging:
             yield line
 
 
-def diagnostic(severity: str, code: str, message: str, where: str | None = None, fix: str | None = None,
-               max_lines: int | None = None) -> Group:
+def diagnostic(
+    severity: str,
+    code: str,
+    message: str,
+    where: str | None = None,
+    fix: str | None = None,
+    max_lines: int | None = None,
+) -> Group:
     """One finding: 'error[code]: message', then '  --> where' and '   = fix: ...' (names in
     ``message`` and ``where`` are printed as text, never as markup); with ``max_lines``, each part
     at most that many lines."""

@@ -55,7 +55,7 @@ def middle_ellipsis(label: str, width: int) -> str:
         trimmable = [i for i, p in enumerate(parts) if not p.isdigit() and keep[i] > 2]
         if not trimmable:
             tail = (width - 1) * 3 // 5
-            return label[: width - 1 - tail] + "…" + label[len(label) - tail:]
+            return label[: width - 1 - tail] + "…" + label[len(label) - tail :]
         i = max(trimmable, key=lambda i: (keep[i], i))  # the longest; of equals, the later
         keep[i] -= 1 if keep[i] < len(parts[i]) else 2  # the first cut makes room for the '…' too
     return ".".join(p if k == len(p) else p[:k] + "…" for k, p in zip(keep, parts))

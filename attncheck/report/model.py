@@ -10,17 +10,25 @@ from rich.table import Table
 from rich.text import Text
 
 from attncheck.codes import REGISTRY, doc_link
-from attncheck.format import fmt, plain, to_jsonable, visible
 from attncheck.findings import counted_rows
+from attncheck.format import fmt, plain, to_jsonable, visible
 from attncheck.model import findings_in_order
 from attncheck.report.diagnostics import EXPLAIN_HINT, Hanging, diagnostic
-from attncheck.report.fit import NARROWEST, Fitted, fitted, narrow_table, natural_width
+from attncheck.report.fit import Fitted, fitted, narrow_table, natural_width
 from attncheck.report.run import diagnosis_json
 from attncheck.report.text import shown
 from attncheck.results import CallReport, ModelLine, ModelReport
 
-VERDICT_STYLE = {"nan": "bold red", "overflow": "bold red", "zero": "red", "error": "bold red", "flip": "yellow",
-                 "ok": "green", "skipped": "yellow", "n/a": "dim"}
+VERDICT_STYLE = {
+    "nan": "bold red",
+    "overflow": "bold red",
+    "zero": "red",
+    "error": "bold red",
+    "flip": "yellow",
+    "ok": "green",
+    "skipped": "yellow",
+    "n/a": "dim",
+}
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 MAX_HEAD_COLUMNS = 32
 WHAT_IF_NARROWEST = 4  # the what-if table's last layout: its findings listed under it
@@ -32,7 +40,7 @@ def call_label(line: ModelLine, prefix: str = "") -> str:
     the file (and key) it came from."""
     on = "" if line.rank is None else f"r{line.rank} "  # a capture of several processes: the rank first
     if line.module:
-        return on + (line.module[len(prefix):] if prefix and line.module.startswith(prefix) else line.module)
+        return on + (line.module[len(prefix) :] if prefix and line.module.startswith(prefix) else line.module)
     return on + ("global" if line.kind in ("sdpa", "softmax", "flash_attn") else line.name)
 
 
@@ -65,7 +73,14 @@ def lines_table(report: ModelReport, prefix: str = "", labels: list[str] | None 
     columns = [("#", "right"), ("call", "left")]
     columns += [("shape", "left")] if len(shapes) > 1 else []
     columns += [("cell", "left")] if len(cells) > 1 else []
-    columns += [("logit", "right"), ("room", "right"), ("NaN", "right"), ("first cause", "left"), ("err", "right"), ("verdict", "left")]
+    columns += [
+        ("logit", "right"),
+        ("room", "right"),
+        ("NaN", "right"),
+        ("first cause", "left"),
+        ("err", "right"),
+        ("verdict", "left"),
+    ]
     backward = any(line.grad_verdict is not None for line in report.lines)
     columns += [("grad", "left")] if backward else []
     t = narrow_table(narrow)
@@ -80,12 +95,20 @@ def lines_table(report: ModelReport, prefix: str = "", labels: list[str] | None 
             cause += " h" + ",".join(map(str, line.heads[:2])) + (",…" if len(line.heads) > 2 else "")
         # the error codes beside the verdict, but those of the backward, which the grad column shows
         codes = [code for code in line.errors if not (backward and code.startswith("grad_"))]
-        verdict = line.verdict + (f" ({', '.join(codes[:2])})" if line.verdict == "error" and codes and narrow < 3 else "")
+        verdict = line.verdict + (
+            f" ({', '.join(codes[:2])})" if line.verdict == "error" and codes and narrow < 3 else ""
+        )
         row = [mark, shown(label)]
         row += [_shape(line.shape)] if len(shapes) > 1 else []
         row += [line.cell or "-"] if len(cells) > 1 else []
-        row += [plain(line.max_logit), headroom, Text(str(line.nan_rows), style="bold red" if line.nan_rows else ""), cause,
-                fmt(line.worst_err, ".0e"), Text(verdict, style=VERDICT_STYLE.get(line.verdict, ""))]
+        row += [
+            plain(line.max_logit),
+            headroom,
+            Text(str(line.nan_rows), style="bold red" if line.nan_rows else ""),
+            cause,
+            fmt(line.worst_err, ".0e"),
+            Text(verdict, style=VERDICT_STYLE.get(line.verdict, "")),
+        ]
         row += [_grad_cell(line)] if backward else []
         t.add_row(*row)
     return t
@@ -98,7 +121,9 @@ def fitted_lines_table(report: ModelReport, prefix: str, legend: Text) -> Fitted
     labels = [call_label(line, prefix) for line in report.lines]
 
     def build(console: Console, width: int) -> list:
-        table, dropped = fitted(console, width, labels, lambda names, narrow: lines_table(report, labels=names, narrow=narrow))
+        table, dropped = fitted(
+            console, width, labels, lambda names, narrow: lines_table(report, labels=names, narrow=narrow)
+        )
         note = legend.copy()
         if dropped:
             note.append(f"; names without {', '.join(repr(p) for p in dropped)}")
@@ -133,15 +158,22 @@ def backward_summary(report: ModelReport, prefix: str = "") -> Text | None:
         text.append("gradients finite in every call", style="green")
     else:
         line = report.lines[report.first_grad_bad]
-        what = (f"NaN/inf in {line.grad_nan_rows} row(s) of {', '.join(line.grad_which)}, first cause {line.grad_cause}" if line.grad_nan_rows
-                else "error finding " + ", ".join(code for code in line.errors if code.startswith("grad_")))
-        text.append(f"first call whose gradients go wrong: #{line.index} {call_label(line, prefix)}: {what}", style="bold red")
+        what = (
+            f"NaN/inf in {line.grad_nan_rows} row(s) of {', '.join(line.grad_which)}, first cause {line.grad_cause}"
+            if line.grad_nan_rows
+            else "error finding " + ", ".join(code for code in line.errors if code.startswith("grad_"))
+        )
+        text.append(
+            f"first call whose gradients go wrong: #{line.index} {call_label(line, prefix)}: {what}", style="bold red"
+        )
     rooms = [line for line in with_grads if line.grad_headroom is not None]
     if rooms:
         least = min(rooms, key=lambda line: line.grad_headroom)
-        text.append(f"; least loss-scale headroom: dO may grow {plain(least.grad_headroom)}x before {least.grad_headroom_at} "
-                    f"overflows (#{least.index} {call_label(least, prefix)})",
-                    style="red" if least.grad_headroom < 1 else ("yellow" if least.grad_headroom < 2 else ""))
+        text.append(
+            f"; least loss-scale headroom: dO may grow {plain(least.grad_headroom)}x before {least.grad_headroom_at} "
+            f"overflows (#{least.index} {call_label(least, prefix)})",
+            style="red" if least.grad_headroom < 1 else ("yellow" if least.grad_headroom < 2 else ""),
+        )
     return text
 
 
@@ -174,9 +206,13 @@ def compact(x: float | None) -> str:
     return f"{x:.0e}"
 
 
-def head_matrix(calls: list[CallReport], report: ModelReport, prefix: str = "",
-                labels: dict[int, str] | None = None,
-                heads: int | list[int] = MAX_HEAD_COLUMNS) -> Table | None:
+def head_matrix(
+    calls: list[CallReport],
+    report: ModelReport,
+    prefix: str = "",
+    labels: dict[int, str] | None = None,
+    heads: int | list[int] = MAX_HEAD_COLUMNS,
+) -> Table | None:
     """Layer x head: NaN rows of the model's cell, Q@K^T overflow, else the head's largest logit; the
     first ``heads`` heads, or those listed; ``labels``: the calls' names as shown, by id of the CallReport
     (two captures read together share call indices)."""
@@ -250,8 +286,24 @@ def flagged_heads(calls: list[CallReport], report: ModelReport) -> list[int]:
 
 
 def _matrix_label(c: CallReport, prefix: str) -> str:
-    return call_label(ModelLine(c.call.index, c.call.name, c.call.module, c.call.kind, (), None, None, None, 0, None, None, "",
-                                rank=c.call.rank), prefix)
+    return call_label(
+        ModelLine(
+            c.call.index,
+            c.call.name,
+            c.call.module,
+            c.call.kind,
+            (),
+            None,
+            None,
+            None,
+            0,
+            None,
+            None,
+            "",
+            rank=c.call.rank,
+        ),
+        prefix,
+    )
 
 
 def fitted_head_matrix(calls: list[CallReport], report: ModelReport, prefix: str) -> Fitted | None:
@@ -302,8 +354,11 @@ def findings_summary(calls: list[CallReport], known: bool, first_bad: int | None
     seen = findings_in_order(calls, first_bad, ignore)
     if not seen:
         return None
-    head = ("Findings of the cells the model runs (--detail NAME, --full: per-call reports)" if known
-            else "Findings over all cells (--detail NAME, --full: per-call reports)")
+    head = (
+        "Findings of the cells the model runs (--detail NAME, --full: per-call reports)"
+        if known
+        else "Findings over all cells (--detail NAME, --full: per-call reports)"
+    )
     parts: list[Any] = [Text(head, style="bold")]
     for code, severity, n, first, cause in seen:
         where = f"{n} call(s), first {first}"
@@ -314,7 +369,9 @@ def findings_summary(calls: list[CallReport], known: bool, first_bad: int | None
     return Group(*parts)
 
 
-def what_if_table(report: ModelReport, prefix: str = "", labels: list[str] | None = None, narrow: int = 0) -> Table | None:
+def what_if_table(
+    report: ModelReport, prefix: str = "", labels: list[str] | None = None, narrow: int = 0
+) -> Table | None:
     """One row per what-if cell: calls computed, calls where it breaks, the first and why, its least
     headroom, its largest error and its findings. Never the model's verdict. ``labels``: the first
     calls' names as shown, one per what-if cell."""
@@ -322,15 +379,30 @@ def what_if_table(report: ModelReport, prefix: str = "", labels: list[str] | Non
         return None
     labels = [_first_label(a, prefix) for a in report.what_if] if labels is None else labels
     t = narrow_table(narrow)
-    t.title, t.title_justify = "What if the model ran these instead (not counted as the model's; --fail-on what-if:COND)", "left"
+    t.title, t.title_justify = (
+        "What if the model ran these instead (not counted as the model's; --fail-on what-if:COND)",
+        "left",
+    )
     items = [_what_if_codes(a) for a in report.what_if]
     longest = max((len(item) for codes in items for item in codes), default=1)
-    columns = [("cell", "left"), ("breaks", "right"), ("first call", "left"), ("first cause", "left"), ("room", "right"), ("err", "right")]
+    columns = [
+        ("cell", "left"),
+        ("breaks", "right"),
+        ("first call", "left"),
+        ("first cause", "left"),
+        ("room", "right"),
+        ("err", "right"),
+    ]
     columns += [("findings", "left")] if narrow < WHAT_IF_NARROWEST else []  # narrowest: listed under the table
     for name, justify in columns:
         # findings wrap between codes, never inside one; a cause between its words
-        t.add_column(name.replace(" ", "\n") if narrow else name, justify=justify, no_wrap=name not in ("first cause", "findings"), overflow="fold",
-                     min_width=longest if name == "findings" else None)
+        t.add_column(
+            name.replace(" ", "\n") if narrow else name,
+            justify=justify,
+            no_wrap=name not in ("first cause", "findings"),
+            overflow="fold",
+            min_width=longest if name == "findings" else None,
+        )
     for a, label, codes in zip(report.what_if, labels, items):
         first = a.first
         where = "-" if first is None else shown(label)
@@ -340,8 +412,14 @@ def what_if_table(report: ModelReport, prefix: str = "", labels: list[str] | Non
             if first.first_cause and first.heads:
                 cause += " h" + ",".join(map(str, first.heads[:2])) + (",…" if len(first.heads) > 2 else "")
         room = Text(plain(a.headroom), style="red" if a.headroom is not None and a.headroom < 0 else "")
-        row = [Text(a.cell, style=VERDICT_STYLE["nan"] if a.bad_calls else "green"), f"{a.bad_calls}/{a.calls}", where, cause, room,
-               fmt(a.worst_err, ".0e")]
+        row = [
+            Text(a.cell, style=VERDICT_STYLE["nan"] if a.bad_calls else "green"),
+            f"{a.bad_calls}/{a.calls}",
+            where,
+            cause,
+            room,
+            fmt(a.worst_err, ".0e"),
+        ]
         t.add_row(*row, *([", ".join(codes) or "-"] if narrow < WHAT_IF_NARROWEST else []))
     return t
 
@@ -364,13 +442,27 @@ def fitted_what_if_table(report: ModelReport, prefix: str) -> Fitted | None:
     def build(console: Console, width: int) -> list:
         named = [label for label in labels if label != "-"]
         heads = [label.split(" ", 1)[0] for label in named]  # '#3 name': the index stays whole, the name is shortened
-        table, _ = fitted(console, width, [label.split(" ", 1)[1] for label in named], lambda names, narrow: what_if_table(
-            report, labels=_merge(labels, [f"{h} {n}" for h, n in zip(heads, names)]), narrow=narrow), WHAT_IF_NARROWEST)
+        table, _ = fitted(
+            console,
+            width,
+            [label.split(" ", 1)[1] for label in named],
+            lambda names, narrow: what_if_table(
+                report, labels=_merge(labels, [f"{h} {n}" for h, n in zip(heads, names)]), narrow=narrow
+            ),
+            WHAT_IF_NARROWEST,
+        )
         if len(table.columns) == 7:
             return [table]
         # the findings column did not fit: each cell's codes in a line of their own, under the table
-        lines = [Hanging(Text(f"  {a.cell}: "), Text(", ".join(code.replace("\u00a0", " ") for code in _what_if_codes(a))), indent=4)
-                 for a in report.what_if if a.findings]
+        lines = [
+            Hanging(
+                Text(f"  {a.cell}: "),
+                Text(", ".join(code.replace("\u00a0", " ") for code in _what_if_codes(a))),
+                indent=4,
+            )
+            for a in report.what_if
+            if a.findings
+        ]
         return [table, *([Text("Findings of the what-if cells:")] + lines if lines else [])]
 
     return Fitted(build)
@@ -391,8 +483,11 @@ def kernel_outcome(k) -> str:
         return f"not run: {k.refused}"
     parts = []
     if k.verdict in ("nan", "overflow", "zero"):
-        parts.append(f"{'NaN' if k.verdict == 'nan' else k.verdict} ({k.cause or k.verdict}, {k.nan_rows} row(s))"
-                     if k.verdict == "nan" else k.verdict)
+        parts.append(
+            f"{'NaN' if k.verdict == 'nan' else k.verdict} ({k.cause or k.verdict}, {k.nan_rows} row(s))"
+            if k.verdict == "nan"
+            else k.verdict
+        )
     elif k.verdict == "error":
         parts.append("error finding")
     if k.backward_rows:
@@ -423,13 +518,23 @@ def kernels_block(report: ModelReport, prefix: str = "") -> Group | None:
     line per replayed call: which kernel breaks it and which do not."""
     if not report.kernels:
         return None
-    parts: list[Any] = [Text("Which kernel breaks each call (--what-if kernels: every kernel that could have run it, in "
-                             "its dtype; not counted as the model's)", style="bold")]
+    parts: list[Any] = [
+        Text(
+            "Which kernel breaks each call (--what-if kernels: every kernel that could have run it, in "
+            "its dtype; not counted as the model's)",
+            style="bold",
+        )
+    ]
     shown_tables = [c for c in report.kernels if any(k.breaks for k in c.kernels)][:KERNEL_TABLES]
     for call in shown_tables:
         line = report.lines[call.position]
-        t = Table(box=None, pad_edge=False, title=f"#{line.index} {call_label(line, prefix)} ({call.kernels[0].dtype})",
-                  title_justify="left", title_style="")
+        t = Table(
+            box=None,
+            pad_edge=False,
+            title=f"#{line.index} {call_label(line, prefix)} ({call.kernels[0].dtype})",
+            title_justify="left",
+            title_style="",
+        )
         t.add_column("kernel", no_wrap=True)
         t.add_column("result", overflow="fold")
         t.add_column("out err", justify="right", no_wrap=True)
@@ -446,8 +551,13 @@ def kernels_block(report: ModelReport, prefix: str = "") -> Group | None:
     text.rstrip()
     parts.append(text)
     if any(k.assumed for c in report.kernels for k in c.kernels):
-        parts.append(Text("  * closed source or hardware approximations: its rounding points are assumed "
-                          "(docs/reference/numerics.md)", style="dim"))
+        parts.append(
+            Text(
+                "  * closed source or hardware approximations: its rounding points are assumed "
+                "(docs/reference/numerics.md)",
+                style="dim",
+            )
+        )
     return Group(*parts)
 
 
@@ -456,11 +566,18 @@ def path_notes(report: ModelReport, calls: list[CallReport], prefix: str = "") -
     noted = [(line, c.path_note) for line, c in zip(report.lines, calls) if c.path_note]
     if not noted:
         return None
-    parts: list[Any] = [shown(f"#{line.index} {call_label(line, prefix)}: {note}", style="yellow")
-                        for line, note in noted[:KERNEL_TABLES]]
+    parts: list[Any] = [
+        shown(f"#{line.index} {call_label(line, prefix)}: {note}", style="yellow")
+        for line, note in noted[:KERNEL_TABLES]
+    ]
     if len(noted) > KERNEL_TABLES:
-        parts.append(shown(f"... {len(noted) - KERNEL_TABLES} more calls judged by another path than the capture names "
-                           "(path_note in the JSON report)", style="yellow"))
+        parts.append(
+            shown(
+                f"... {len(noted) - KERNEL_TABLES} more calls judged by another path than the capture names "
+                "(path_note in the JSON report)",
+                style="yellow",
+            )
+        )
     return Group(*parts)
 
 
@@ -487,21 +604,27 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
         what = "error finding " + ", ".join(line.errors)
     cause = ""
     if line.first_cause:
-        cause = f", first cause {line.first_cause}" + (f" in head {','.join(map(str, line.heads[:6]))}" if line.heads else "")
+        cause = f", first cause {line.first_cause}" + (
+            f" in head {','.join(map(str, line.heads[:6]))}" if line.heads else ""
+        )
     on = "" if line.rank is None else f" on rank {line.rank}"
     where = f"#{line.index} {call_label(line)} ({line.kind}, {line.cell or 'no cell'})"
     return shown(f"{head}; first call that goes wrong{on}: {where}: {what}{cause}{tail}{gap}", style="bold red")
 
 
-LINES_LEGEND = ("Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the path of the "
-                "kernel PyTorch chose, in its dtype: on a GPU fa2, mem-efficient or cudnn, on a CPU flash, sdpa-math for the math "
-                "backend; flash_attn: fa2-fma). "
-                "logit: largest unmasked score; room: the cell's distance to its first failure{limit}; NaN: NaN rows; "
-                "err: max |p - p_float64|; >: the first call that goes wrong{grad}")
-FILES_LEGEND = ("Tensors and calls in order; the implementation is not known, so every cell is the question and a line's verdict "
-                "counts every cell's error findings (the cell shown: torch.softmax in the tensor's dtype). "
-                "logit: largest unmasked score; room: that cell's distance to its first failure{limit}; NaN: NaN rows; "
-                "err: max |p - p_float64|; >: the first call that goes wrong{grad}")
+LINES_LEGEND = (
+    "Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the path of the "
+    "kernel PyTorch chose, in its dtype: on a GPU fa2, mem-efficient or cudnn, on a CPU flash, sdpa-math for the math "
+    "backend; flash_attn: fa2-fma). "
+    "logit: largest unmasked score; room: the cell's distance to its first failure{limit}; NaN: NaN rows; "
+    "err: max |p - p_float64|; >: the first call that goes wrong{grad}"
+)
+FILES_LEGEND = (
+    "Tensors and calls in order; the implementation is not known, so every cell is the question and a line's verdict "
+    "counts every cell's error findings (the cell shown: torch.softmax in the tensor's dtype). "
+    "logit: largest unmasked score; room: that cell's distance to its first failure{limit}; NaN: NaN rows; "
+    "err: max |p - p_float64|; >: the first call that goes wrong{grad}"
+)
 GRAD_LEGEND = "; grad: the backward of that cell from the recorded dO (nan qkv: NaN/inf rows in dQ, dK, dV)"
 
 
@@ -525,10 +648,15 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     prefix = shared_prefix([line.module for line in report.lines])
     shared = shared_facts(report)
     backward = any(line.grad_verdict is not None for line in report.lines)
-    legend = (LINES_LEGEND if report.known else FILES_LEGEND).format(limit=_limit_text(report), grad=GRAD_LEGEND if backward else "")
+    legend = (LINES_LEGEND if report.known else FILES_LEGEND).format(
+        limit=_limit_text(report), grad=GRAD_LEGEND if backward else ""
+    )
     if any(line.kind == "flex" for line in report.lines):
-        legend = legend.replace("sdpa-math for the math backend)", "sdpa-math for the math backend; flex: FlexAttention's fused "
-                                "kernel where flex_attention is torch.compile'd, flex-math where it is not)")
+        legend = legend.replace(
+            "sdpa-math for the math backend)",
+            "sdpa-math for the math backend; flex: FlexAttention's fused "
+            "kernel where flex_attention is torch.compile'd, flex-math where it is not)",
+        )
     legend += (f"; calls named below {prefix[:-1]}" if prefix else "") + (f"; {shared}" if shared else "")
     parts.append(fitted_lines_table(report, prefix, shown(legend)))
     modded = [line for line in report.lines if line.score_mod is not None]
@@ -536,7 +664,9 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
         text = Text("Flex score_mod (judged on the logits after it; largest unmasked logit before -> after):\n")
         for line in modded[:12]:
             before = "-" if line.logit_before_mod is None else plain(line.logit_before_mod)
-            text.append(f"  #{line.index} {visible(line.module)}: {visible(line.score_mod)} {before} -> {plain(line.max_logit)}\n")
+            text.append(
+                f"  #{line.index} {visible(line.module)}: {visible(line.score_mod)} {before} -> {plain(line.max_logit)}\n"
+            )
         if len(modded) > 12:
             text.append(f"  ... {len(modded) - 12} more in the JSON report\n")
         text.rstrip()
@@ -545,8 +675,10 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     if matrix is not None:
         parts.append(matrix)
     if report.outliers:
-        text = Text("Outlier heads (max|q| or max|k| >= 10x the median over the call's other heads; k per kv head):\n",
-                    style="yellow")
+        text = Text(
+            "Outlier heads (max|q| or max|k| >= 10x the median over the call's other heads; k per kv head):\n",
+            style="yellow",
+        )
         for o in report.outliers[:12]:
             text.append(f"  {visible(o.message)}\n")
         if len(report.outliers) > 12:
@@ -593,66 +725,109 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
     out_calls = []
     for line, c in zip(report.lines, calls):
         info = c.call
-        out_calls.append({
-            "index": line.index,
-            "rank": line.rank,
-            "name": line.name,
-            "module": line.module,
-            "kind": line.kind,
-            "file": info.file,
-            "forward": info.forward,
-            "shape": list(line.shape),
-            "dtype": info.dtype,
-            "softmax_dtype": info.softmax_dtype,
-            "is_causal": info.is_causal,
-            "scale": info.scale,
-            "enable_gqa": info.enable_gqa,
-            "has_qk": info.has_qk,
-            "cell": line.cell,
-            "max_logit": line.max_logit,
-            "score_mod": None if line.score_mod is None else {"name": line.score_mod, "max_logit_before": line.logit_before_mod},
-            "headroom": line.headroom,
-            "limit": _limit_json(line.limit),
-            "nan_rows": line.nan_rows,
-            "first_cause": line.first_cause,
-            "cause_heads": line.heads,
-            "max_abs_err": line.worst_err,
-            "verdict": line.verdict,
-            "errors": line.errors,
-            "heads": to_jsonable(c.heads),
-            "error": c.error,
-            "device": info.meta.get("device"),  # where the call ran, as the capture recorded it
-            "capability": info.meta.get("capability"),
-            "sdpa_backend": info.meta.get("sdpa_backend"),
-            "path_note": c.path_note,
-            "what_if": None if c.what_if is None else diagnosis_json(c.what_if),
-            "backward": None if line.grad_verdict is None else {
-                "verdict": line.grad_verdict, "nan_rows": line.grad_nan_rows, "first_cause": line.grad_cause, "grads": line.grad_which,
-                "scale_headroom": line.grad_headroom, "headroom_at": line.grad_headroom_at},
-        })
+        out_calls.append(
+            {
+                "index": line.index,
+                "rank": line.rank,
+                "name": line.name,
+                "module": line.module,
+                "kind": line.kind,
+                "file": info.file,
+                "forward": info.forward,
+                "shape": list(line.shape),
+                "dtype": info.dtype,
+                "softmax_dtype": info.softmax_dtype,
+                "is_causal": info.is_causal,
+                "scale": info.scale,
+                "enable_gqa": info.enable_gqa,
+                "has_qk": info.has_qk,
+                "cell": line.cell,
+                "max_logit": line.max_logit,
+                "score_mod": None
+                if line.score_mod is None
+                else {"name": line.score_mod, "max_logit_before": line.logit_before_mod},
+                "headroom": line.headroom,
+                "limit": _limit_json(line.limit),
+                "nan_rows": line.nan_rows,
+                "first_cause": line.first_cause,
+                "cause_heads": line.heads,
+                "max_abs_err": line.worst_err,
+                "verdict": line.verdict,
+                "errors": line.errors,
+                "heads": to_jsonable(c.heads),
+                "error": c.error,
+                "device": info.meta.get("device"),  # where the call ran, as the capture recorded it
+                "capability": info.meta.get("capability"),
+                "sdpa_backend": info.meta.get("sdpa_backend"),
+                "path_note": c.path_note,
+                "what_if": None if c.what_if is None else diagnosis_json(c.what_if),
+                "backward": None
+                if line.grad_verdict is None
+                else {
+                    "verdict": line.grad_verdict,
+                    "nan_rows": line.grad_nan_rows,
+                    "first_cause": line.grad_cause,
+                    "grads": line.grad_which,
+                    "scale_headroom": line.grad_headroom,
+                    "headroom_at": line.grad_headroom_at,
+                },
+            }
+        )
     first = None if report.first_bad is None else _first_json(report.lines[report.first_bad])
-    return to_jsonable({
-        "calls": out_calls,
-        "first_bad": first,
-        "outliers": [dict(to_jsonable(o), message=o.message) for o in report.outliers],
-        "ignored": list(report.ignored),
-        "skipped": [{"name": n, "error": why} for n, why in report.skipped],
-        "capture": report.capture,
-        "ranks": [{"rank": r.rank, "calls": r.calls, "errors": r.errors, "warnings": r.warnings, "complete": r.complete,
-                   "first_bad": None if r.first_bad is None else _first_json(report.lines[r.first_bad])}
-                  for r in report.ranks],
-        "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix,
-                      "doc": doc_link(f.code)} for f in report.findings],
-        "known_implementation": report.known,
-        "recorded_on": report.recorded_on,
-        "first_grad_bad": None if report.first_grad_bad is None else _first_json(report.lines[report.first_grad_bad]),
-        "what_if": [{"cell": a.cell, "calls": a.calls, "bad_calls": a.bad_calls, "verdict": a.verdict, "nan_rows": a.nan_rows,
-                     "max_abs_err": a.worst_err, "headroom": a.headroom, "limit": _limit_json(a.limit), "findings": a.findings,
-                     "first_bad": None if a.first is None else _first_json(a.first)} for a in report.what_if],
-        "kernels": [{"index": report.lines[c.position].index, "name": c.name, "summary": kernel_sentence(c),
-                     "kernels": [dict(to_jsonable(k), breaks=k.breaks, outcome=kernel_outcome(k)) for k in c.kernels]}
-                    for c in report.kernels],
-    })
+    return to_jsonable(
+        {
+            "calls": out_calls,
+            "first_bad": first,
+            "outliers": [dict(to_jsonable(o), message=o.message) for o in report.outliers],
+            "ignored": list(report.ignored),
+            "skipped": [{"name": n, "error": why} for n, why in report.skipped],
+            "capture": report.capture,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "calls": r.calls,
+                    "errors": r.errors,
+                    "warnings": r.warnings,
+                    "complete": r.complete,
+                    "first_bad": None if r.first_bad is None else _first_json(report.lines[r.first_bad]),
+                }
+                for r in report.ranks
+            ],
+            "findings": [
+                {"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix, "doc": doc_link(f.code)}
+                for f in report.findings
+            ],
+            "known_implementation": report.known,
+            "recorded_on": report.recorded_on,
+            "first_grad_bad": None
+            if report.first_grad_bad is None
+            else _first_json(report.lines[report.first_grad_bad]),
+            "what_if": [
+                {
+                    "cell": a.cell,
+                    "calls": a.calls,
+                    "bad_calls": a.bad_calls,
+                    "verdict": a.verdict,
+                    "nan_rows": a.nan_rows,
+                    "max_abs_err": a.worst_err,
+                    "headroom": a.headroom,
+                    "limit": _limit_json(a.limit),
+                    "findings": a.findings,
+                    "first_bad": None if a.first is None else _first_json(a.first),
+                }
+                for a in report.what_if
+            ],
+            "kernels": [
+                {
+                    "index": report.lines[c.position].index,
+                    "name": c.name,
+                    "summary": kernel_sentence(c),
+                    "kernels": [dict(to_jsonable(k), breaks=k.breaks, outcome=kernel_outcome(k)) for k in c.kernels],
+                }
+                for c in report.kernels
+            ],
+        }
+    )
 
 
 def _limit_json(limit) -> dict[str, Any] | None:
@@ -661,6 +836,14 @@ def _limit_json(limit) -> dict[str, Any] | None:
 
 
 def _first_json(line: ModelLine) -> dict[str, Any]:
-    return {"index": line.index, "rank": line.rank, "name": line.name, "module": line.module, "verdict": line.verdict,
-            "first_cause": line.first_cause, "heads": line.heads, "nan_rows": line.nan_rows, "errors": line.errors}
-
+    return {
+        "index": line.index,
+        "rank": line.rank,
+        "name": line.name,
+        "module": line.module,
+        "verdict": line.verdict,
+        "first_cause": line.first_cause,
+        "heads": line.heads,
+        "nan_rows": line.nan_rows,
+        "errors": line.errors,
+    }

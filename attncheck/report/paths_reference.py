@@ -36,8 +36,10 @@ def path_section(spec) -> str:
         facts.append(f"- Judges captured calls of: {_stands(spec)}")
     if spec.assumed:
         facts.append("- Assumed, not read from a source: " + _one_line(spec.assumed))
-    facts.append("- In `--what-if kernels`: " + ("yes" + (f" ({', '.join(spec.replay_kinds)} calls)" if spec.replay_kinds else "")
-                                                  if spec.replay else "no"))
+    facts.append(
+        "- In `--what-if kernels`: "
+        + ("yes" + (f" ({', '.join(spec.replay_kinds)} calls)" if spec.replay_kinds else "") if spec.replay else "no")
+    )
     return "\n".join(lines + facts) + "\n"
 
 

@@ -83,10 +83,14 @@ class Progress:
                         transient=True,
                     )
                     self._progress.start()
-                state["task"] = self._progress.add_task(visible(name), total=total, completed=state["done"], rate=rate, unit=unit)
+                state["task"] = self._progress.add_task(
+                    visible(name), total=total, completed=state["done"], rate=rate, unit=unit
+                )
             else:
                 self._progress.update(state["task"], completed=state["done"], rate=rate)
-            if state["done"] >= total:  # a finished input leaves the screen: one line per live task, however many inputs
+            if (
+                state["done"] >= total
+            ):  # a finished input leaves the screen: one line per live task, however many inputs
                 self._progress.update(state["task"], visible=False)
 
         return advance

@@ -42,8 +42,18 @@ def _example(code: Code) -> list[str]:
 def code_section(code: Code, level: int = 3) -> str:
     """One code's section: its heading, severity and summary, meaning, threshold, example and fix."""
     severity = f"{code.severity_note}" if code.severity_note else code.severity
-    lines = [f"{'#' * level} {code.name}", "", code.summary[0].upper() + code.summary[1:] + ".", "",
-             f"**Severity:** {severity}", "", code.meaning, "", f"**Threshold:** {code.threshold}", ""]
+    lines = [
+        f"{'#' * level} {code.name}",
+        "",
+        code.summary[0].upper() + code.summary[1:] + ".",
+        "",
+        f"**Severity:** {severity}",
+        "",
+        code.meaning,
+        "",
+        f"**Threshold:** {code.threshold}",
+        "",
+    ]
     lines += _example(code)
     lines += [f"**Fix:** {code.fix}.", ""]
     return "\n".join(lines)
@@ -51,10 +61,21 @@ def code_section(code: Code, level: int = 3) -> str:
 
 def findings_reference() -> str:
     """The whole page: an index table, then one section per code, grouped."""
-    lines = ["# Findings reference", "",
-             f"<!-- Generated from attncheck/codes.py by {GENERATOR}: edit the registry, not this page. -->", "",
-             INTRO, "| code | severity | what it means |", "| --- | --- | --- |"]
-    lines += [f"| [`{c.name}`](#{c.name}) | {c.severities} | {c.summary} |" for group in GROUPS for c in CODES if c.group == group]
+    lines = [
+        "# Findings reference",
+        "",
+        f"<!-- Generated from attncheck/codes.py by {GENERATOR}: edit the registry, not this page. -->",
+        "",
+        INTRO,
+        "| code | severity | what it means |",
+        "| --- | --- | --- |",
+    ]
+    lines += [
+        f"| [`{c.name}`](#{c.name}) | {c.severities} | {c.summary} |"
+        for group in GROUPS
+        for c in CODES
+        if c.group == group
+    ]
     lines.append("")
     for group, title in GROUPS.items():
         lines += [f"## {title}", ""]

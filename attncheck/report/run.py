@@ -13,8 +13,8 @@ from rich.text import Text
 
 from attncheck import __version__
 from attncheck.codes import doc_link
-from attncheck.params import MASK_SENTINEL_LIMIT
 from attncheck.format import cosine, fmt, index_text, to_jsonable, visible
+from attncheck.params import MASK_SENTINEL_LIMIT
 from attncheck.report.diagnostics import findings_block
 from attncheck.report.fit import Fitted, fit_table, fitted, narrow_table
 from attncheck.results import Cell, TensorDiagnosis
@@ -40,7 +40,11 @@ def census_panel(d: TensorDiagnosis) -> Panel:
     if c.nan or c.posinf:
         specials.stylize("bold red")
     t.add_row("non-finite", specials)
-    t.add_row("masked", f"{c.masked} positions (-inf or <= {MASK_SENTINEL_LIMIT:.0e})".replace("e+0", "e") + (f"; mask values {_sentinels(d)}" if c.sentinels else ""))
+    t.add_row(
+        "masked",
+        f"{c.masked} positions (-inf or <= {MASK_SENTINEL_LIMIT:.0e})".replace("e+0", "e")
+        + (f"; mask values {_sentinels(d)}" if c.sentinels else ""),
+    )
     fm = Text(f"{c.fully_masked_rows} rows ({c.neginf_rows} all -inf)")
     if c.fully_masked_rows:
         fm.stylize("yellow")
@@ -67,7 +71,9 @@ def full_width(console: Console, table: Table, width: int) -> int:
 
 def compact_table(title: str) -> Table:
     """A table that fits 80 columns: header lines, no side borders, one space between columns."""
-    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
+    return Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True
+    )
 
 
 def number_column(t: Table, header: str) -> None:
@@ -78,11 +84,22 @@ def number_column(t: Table, header: str) -> None:
 def headroom_table(d: TensorDiagnosis) -> Table:
     t = compact_table("Headroom per dtype (scores as each dtype holds them)")
     t.add_column("dtype", no_wrap=True)
-    for header in ("exp = inf\nabove", "headroom", "rows\nover\n(naive)", "exp = 0\nbelow", "rows all\nbelow", "rows\nspread\npast it", "cast to\n+/-inf"):
+    for header in (
+        "exp = inf\nabove",
+        "headroom",
+        "rows\nover\n(naive)",
+        "exp = 0\nbelow",
+        "rows all\nbelow",
+        "rows\nspread\npast it",
+        "cast to\n+/-inf",
+    ):
         number_column(t, header)
     for h in d.census.headroom:
         head = Text(fmt(h.headroom, ".4g"), style="red" if h.headroom is not None and h.headroom < 0 else "")
-        cast = Text(f"{h.cast_posinf_values}/{h.cast_neginf_values}", style="red" if h.cast_posinf_values or h.cast_neginf_values else "")
+        cast = Text(
+            f"{h.cast_posinf_values}/{h.cast_neginf_values}",
+            style="red" if h.cast_posinf_values or h.cast_neginf_values else "",
+        )
         t.add_row(
             h.dtype,
             fmt(h.exp_overflow_threshold, ".4g"),
@@ -116,7 +133,10 @@ def attention_table(d: TensorDiagnosis) -> Group:
             str(x.qk_overflow_rows),
             fmt(x.qk_max_abs, ".4g"),
             ", ".join(fmt(v, ".6g") for v in x.mask_values) or "-",
-            Text(str(x.mask_not_representable + (1 if x.sentinel_not_representable else 0)), style=bad if x.mask_not_representable or x.sentinel_not_representable else ""),
+            Text(
+                str(x.mask_not_representable + (1 if x.sentinel_not_representable else 0)),
+                style=bad if x.mask_not_representable or x.sentinel_not_representable else "",
+            ),
             Text(str(x.overflow_on_add), style=bad if x.overflow_on_add else ""),
             Text(str(x.summed_planes_overflow), style=bad if x.summed_planes_overflow else ""),
             Text(str(x.mask_sentinel_rows), style=bad if x.mask_sentinel_rows else ""),
@@ -125,8 +145,10 @@ def attention_table(d: TensorDiagnosis) -> Group:
     if a.softcap is not None:
         c = a.softcap
         said = "" if not c.overflow else ", hidden by the cap" if c.saturated else ", logits changed by the cap"
-        fitted += (f"; soft cap {c.cap:g} after the scale (S = Q@K^T held in {c.dtype} before it: {c.overflow} "
-                   f"score(s) -> inf{said})")
+        fitted += (
+            f"; soft cap {c.cap:g} after the scale (S = Q@K^T held in {c.dtype} before it: {c.overflow} "
+            f"score(s) -> inf{said})"
+        )
     line = Text(
         f"d {a.d}, {a.heads} query heads / {a.kv_heads} kv heads, scale {a.scale:.4g} ({a.scale_name}) applied to the {a.scale_order}; "
         f"max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}; spread of q {a.q_std:.3g}, k {a.k_std:.3g}, "
@@ -166,7 +188,10 @@ def matrix_table(d: TensorDiagnosis, dtypes: list[str] | None = None, title: boo
         t.add_column(dt)
     for label in dict.fromkeys(c.label for c in d.cells):
         if any((label, dt) in by for dt in dtypes):
-            t.add_row(label, *(_cell_summary(by[(label, dt)]) if (label, dt) in by else Text("-", style="dim") for dt in dtypes))
+            t.add_row(
+                label,
+                *(_cell_summary(by[(label, dt)]) if (label, dt) in by else Text("-", style="dim") for dt in dtypes),
+            )
     return t
 
 
@@ -193,22 +218,38 @@ def pcast_table(d: TensorDiagnosis) -> Table | None:
     cells = [c for c in d.cells if c.pcast_flushed_frac is not None or c.p_scale is not None]
     if not cells:
         return None
-    t = Table(title="FP8 P cast: probabilities the reference has that the cast flushed to 0", title_justify="left",
-              box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
+    t = Table(
+        title="FP8 P cast: probabilities the reference has that the cast flushed to 0",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        pad_edge=False,
+        collapse_padding=True,
+    )
     for name in ("cell", "S", "flushed", "before / max / after", "rows >= 0.1%", "max loss"):
         t.add_column(name, justify="left" if name == "cell" else "right", no_wrap=True)
     for c in cells:
         pos = c.pcast_flushed_by_position or {}
-        t.add_row(Text(c.name, style="bold red" if c.pcast_mass_rows else ""), fmt(c.p_scale, ".4g"), _pct(c.pcast_flushed_frac),
-                  " / ".join(_pct(pos.get(k), ".1%") for k in ("before_max", "max_block", "after_max")),
-                  str(c.pcast_mass_rows), fmt(c.pcast_mass_max, ".1e"))
-    notes = ["flushed by position: keys in blocks visited before the block holding the row max, in that block, after it;",
-             "max loss: the most probability one row lost to the flush"]
+        t.add_row(
+            Text(c.name, style="bold red" if c.pcast_mass_rows else ""),
+            fmt(c.p_scale, ".4g"),
+            _pct(c.pcast_flushed_frac),
+            " / ".join(_pct(pos.get(k), ".1%") for k in ("before_max", "max_block", "after_max")),
+            str(c.pcast_mass_rows),
+            fmt(c.pcast_mass_max, ".1e"),
+        )
+    notes = [
+        "flushed by position: keys in blocks visited before the block holding the row max, in that block, after it;",
+        "max loss: the most probability one row lost to the flush",
+    ]
     if d.attention is not None:
         for dt, a in d.attention.dtypes.items():
             if a.fp8_values:
-                parts = [f"{k} amax {a.fp8_amax.get(k, 0):.4g}, clipped {a.fp8_clipped.get(k, 0)}, subnormal {a.fp8_subnormal.get(k, 0)}, "
-                         f"flushed {a.fp8_flushed.get(k, 0)} of {n}" for k, n in a.fp8_values.items()]
+                parts = [
+                    f"{k} amax {a.fp8_amax.get(k, 0):.4g}, clipped {a.fp8_clipped.get(k, 0)}, subnormal {a.fp8_subnormal.get(k, 0)}, "
+                    f"flushed {a.fp8_flushed.get(k, 0)} of {n}"
+                    for k, n in a.fp8_values.items()
+                ]
                 notes.append(f"flash-fp8 quantisation to {dt} ({a.fp8_scaling}): " + "; ".join(parts))
     t.caption = "\n".join(notes)
     t.caption_justify = "left"
@@ -247,9 +288,18 @@ def output_table(d: TensorDiagnosis) -> Table | None:
     notes = ["bias: mean signed error of O against float64 of the path's own scores and V as the dtype holds it"]
     tied = [c for c in cells if c.tied_rows]
     if tied:
-        notes.append("rows whose maximum is tied: " + ", ".join(
-            f"{c.name} {c.tied_rows}" + (f" (bias {fmt(c.out_bias_tied, '.1e')}, {fmt(c.out_bias_tied_z, '.1f')} standard errors)" if c.out_bias_tied_z is not None else "")
-            for c in tied))
+        notes.append(
+            "rows whose maximum is tied: "
+            + ", ".join(
+                f"{c.name} {c.tied_rows}"
+                + (
+                    f" (bias {fmt(c.out_bias_tied, '.1e')}, {fmt(c.out_bias_tied_z, '.1f')} standard errors)"
+                    if c.out_bias_tied_z is not None
+                    else ""
+                )
+                for c in tied
+            )
+        )
     t.caption = "\n".join(notes)
     t.caption_justify = "left"
     return t
@@ -271,16 +321,34 @@ def backward_table(d: TensorDiagnosis) -> Table | None:
         b = c.backward
         for i, (name, g) in enumerate(b.grads()):
             nan = str(g.nan_rows) + (f" {g.first_cause}" if g.first_cause else "")
-            rule = "-" if g.rule_holds is None else (f"{'ok' if g.rule_holds else 'FAIL'} {g.max_abs_err / g.baseline_err:.1f}x" if g.baseline_err else ("ok" if g.rule_holds else "FAIL"))
-            real = ("-" if g.real_agrees is None
-                    else "agrees" if g.real_agrees else "near" if g.real_near else "DIFFERS")
-            t.add_row(Text(c.name if i == 0 else "", style="bold red" if b.nan_rows else ""), name, Text(nan, style="bold red" if g.nan_rows else ""),
-                      fmt(g.max_abs_err, ".1e"), "-" if g.flushed_frac is None else f"{g.flushed_frac:.1%}", rule,
-                      Text(real, style="bold red" if g.real_agrees is False and not g.real_near else ""))
+            rule = (
+                "-"
+                if g.rule_holds is None
+                else (
+                    f"{'ok' if g.rule_holds else 'FAIL'} {g.max_abs_err / g.baseline_err:.1f}x"
+                    if g.baseline_err
+                    else ("ok" if g.rule_holds else "FAIL")
+                )
+            )
+            real = "-" if g.real_agrees is None else "agrees" if g.real_agrees else "near" if g.real_near else "DIFFERS"
+            t.add_row(
+                Text(c.name if i == 0 else "", style="bold red" if b.nan_rows else ""),
+                name,
+                Text(nan, style="bold red" if g.nan_rows else ""),
+                fmt(g.max_abs_err, ".1e"),
+                "-" if g.flushed_frac is None else f"{g.flushed_frac:.1%}",
+                rule,
+                Text(real, style="bold red" if g.real_agrees is False and not g.real_near else ""),
+            )
         room = "-" if b.scale_headroom is None else f"{b.scale_headroom:.3g}x ({b.headroom_at})"
         notes.append(f"{c.name}: {b.how + '; ' if b.how else ''}dO may grow {room} before an intermediate overflows")
-    t.caption = "\n".join(notes + ["2x rule: max err against 2x plain attention's in the same dtype (eager, no upcast); "
-                                   "real: the gradients the model's kernel produced, within the path's rounding bound"])
+    t.caption = "\n".join(
+        notes
+        + [
+            "2x rule: max err against 2x plain attention's in the same dtype (eager, no upcast); "
+            "real: the gradients the model's kernel produced, within the path's rounding bound"
+        ]
+    )
     t.caption_justify = "left"
     return t
 
@@ -288,8 +356,10 @@ def backward_table(d: TensorDiagnosis) -> Table | None:
 def detail_table(d: TensorDiagnosis, names: list[str] | None = None, narrow: int = 0) -> Table:
     """``names``: the cells' names as shown; ``narrow``: a layout of ``fit.narrow_table``."""
     t = narrow_table(narrow)
-    t.title = ("Cells in detail: errors against float64 over rows where both are finite; "
-               "'algo' against float64 of the scores after the cast to the cell's dtype")
+    t.title = (
+        "Cells in detail: errors against float64 over rows where both are finite; "
+        "'algo' against float64 of the scores after the cast to the cell's dtype"
+    )
     t.title_justify = "left"
     # RMSE and KL mean are in the JSON report; the table keeps to 80 columns.
     for name in ("cell", "NaN/ovf/0", "max err", "algo", "|sum-1|", "KL max", "flush", "flips"):
@@ -312,7 +382,9 @@ def detail_table(d: TensorDiagnosis, names: list[str] | None = None, narrow: int
 def fitted_detail_table(d: TensorDiagnosis) -> Fitted:
     """The cells in detail, in the first layout that fits the terminal (``fit.fitted``)."""
     names = [c.name for c in d.cells]
-    return Fitted(lambda console, width: [fitted(console, width, names, lambda shown, narrow: detail_table(d, shown, narrow))[0]])
+    return Fitted(
+        lambda console, width: [fitted(console, width, names, lambda shown, narrow: detail_table(d, shown, narrow))[0]]
+    )
 
 
 def distribution_line(d: TensorDiagnosis) -> Text:
@@ -360,7 +432,9 @@ def limits_line(d: TensorDiagnosis) -> Text | None:
         if c.limit is None:
             parts.append(f"{c.name} ({c.role}): nothing fails from finite scores")
         else:
-            parts.append(f"{c.name} ({c.role}): {c.limit.what}; largest {fmt(c.limit.value, '.4g')}, headroom {fmt(c.limit.headroom, '.4g')}")
+            parts.append(
+                f"{c.name} ({c.role}): {c.limit.what}; largest {fmt(c.limit.value, '.4g')}, headroom {fmt(c.limit.headroom, '.4g')}"
+            )
     return Text("First failure: " + "; ".join(parts))
 
 
@@ -377,12 +451,22 @@ def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
             parts.append(fit_table(lambda build=build: build(d)))
     where = nan_by_head_line(d)
     limits = limits_line(d)
-    parts += [distribution_line(d)] + ([limits] if limits is not None else []) + ([where] if where is not None else []) + [findings_section(d)]
+    parts += (
+        [distribution_line(d)]
+        + ([limits] if limits is not None else [])
+        + ([where] if where is not None else [])
+        + [findings_section(d)]
+    )
     return Group(*parts)
 
 
-def print_report(console: Console, diags: Sequence[TensorDiagnosis], device: str, verbose: bool = True,
-                 what_ifs: Sequence[TensorDiagnosis] = ()) -> None:
+def print_report(
+    console: Console,
+    diags: Sequence[TensorDiagnosis],
+    device: str,
+    verbose: bool = True,
+    what_ifs: Sequence[TensorDiagnosis] = (),
+) -> None:
     """Each diagnosis in full, then the what-if diagnoses (their findings are not counted)."""
     for d in diags:
         console.print(render_diagnosis(d, verbose=verbose))
@@ -411,7 +495,9 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
         cells.append(cell)
     census = to_jsonable(d.census)
     spans = d.census.sentinel_spans or [(v, v) for v, _ in d.census.sentinels]
-    census["sentinels"] = [{"value": v, "rows": n, "min": lo, "max": hi} for (v, n), (lo, hi) in zip(d.census.sentinels, spans)]
+    census["sentinels"] = [
+        {"value": v, "rows": n, "min": lo, "max": hi} for (v, n), (lo, hi) in zip(d.census.sentinels, spans)
+    ]
     census.pop("sentinel_spans", None)
     return {
         "name": d.name,
@@ -425,7 +511,9 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
     }
 
 
-def run_json(diags: Sequence[TensorDiagnosis], device: str, failed: Sequence[str] = (), model=None, calls=()) -> dict[str, Any]:
+def run_json(
+    diags: Sequence[TensorDiagnosis], device: str, failed: Sequence[str] = (), model=None, calls=()
+) -> dict[str, Any]:
     """The run's JSON: every tensor's diagnosis and, for files, the ``model`` section (one entry
     per call, the first that goes wrong, outlier heads)."""
     from attncheck.report.model import model_json

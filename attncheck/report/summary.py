@@ -119,12 +119,18 @@ def model_summary(report: ModelReport, calls: list[CallReport], device: str) -> 
         root = report.findings[0]  # the capture's own (capture_incomplete): no call says more
     elif errors or warnings:  # findings without a broken row: the first call holding the worst of them
         worst = "error" if errors else "warning"
-        first = next(i for i, c in enumerate(calls)
-                     if c.diagnosis is not None and any(f.severity == worst for f in c.diagnosis.findings))
+        first = next(
+            i
+            for i, c in enumerate(calls)
+            if c.diagnosis is not None and any(f.severity == worst for f in c.diagnosis.findings)
+        )
         line = report.lines[first]
         root = next(f for f in calls[first].diagnosis.findings if f.severity == worst)
-        parts.append(_line(f"first {worst}", f"#{line.index} {_name(line)} ({line.cell or line.kind})",
-                           style=SEVERITY_STYLE[worst]))
+        parts.append(
+            _line(
+                f"first {worst}", f"#{line.index} {_name(line)} ({line.cell or line.kind})", style=SEVERITY_STYLE[worst]
+            )
+        )
     if root is not None:
         parts.append(diagnostic(root.severity, root.code, root.message, None, root.fix, max_lines=PART_LINES))
     named = {root.code} if root is not None else set()
@@ -134,14 +140,22 @@ def model_summary(report: ModelReport, calls: list[CallReport], device: str) -> 
         nxt = later[0]
         why = nxt.first_cause or ", ".join(nxt.errors) or nxt.verdict
         named |= {code for code, causes in CAUSES_OF.items() if nxt.first_cause in causes} | set(nxt.errors)
-        parts.append(_line("later", f"{_plural(len(later), 'more call')} {'goes' if len(later) == 1 else 'go'} wrong, "
-                           f"first #{nxt.index} {_name(nxt)} ({why})"))
+        parts.append(
+            _line(
+                "later",
+                f"{_plural(len(later), 'more call')} {'goes' if len(later) == 1 else 'go'} wrong, "
+                f"first #{nxt.index} {_name(nxt)} ({why})",
+            )
+        )
     grad = report.first_grad_bad
     if grad is not None and (grad != report.first_bad or (root is not None and not root.code.startswith("grad_"))):
         g = report.lines[grad]
         codes = [code for code in g.errors if code.startswith("grad_")]
-        what = (f"NaN/inf in {g.grad_nan_rows} row(s) of {', '.join(g.grad_which)}, first cause {g.grad_cause}"
-                if g.grad_nan_rows else "error finding " + ", ".join(codes))
+        what = (
+            f"NaN/inf in {g.grad_nan_rows} row(s) of {', '.join(g.grad_which)}, first cause {g.grad_cause}"
+            if g.grad_nan_rows
+            else "error finding " + ", ".join(codes)
+        )
         named |= set(codes)
         said = f"first call whose gradients go wrong: #{g.index} {_name(g)}: {what}"
         parts.append(_line("backward", said, style="bold red"))
@@ -150,7 +164,7 @@ def model_summary(report: ModelReport, calls: list[CallReport], device: str) -> 
     # of calls the lines above do not name.
     others: dict[str, str] = {}
     for i, c in enumerate(calls):
-        for f in (c.diagnosis.findings if c.diagnosis is not None else []):
+        for f in c.diagnosis.findings if c.diagnosis is not None else []:
             if f.code in named or f.severity == "info" or (i == first and f.severity == "error"):
                 continue
             if SEVERITY_ORDER[f.severity] < SEVERITY_ORDER[others.get(f.code, "info")]:
@@ -172,8 +186,9 @@ def model_summary(report: ModelReport, calls: list[CallReport], device: str) -> 
         broken = [a for a in report.what_if if a.bad_calls]
         if broken:
             cells = ", ".join(f"{a.cell} (#{a.first.index})" if a.first is not None else a.cell for a in broken[:NAMED])
-            text = (f"{len(broken)} of {len(report.what_if)} cells asked would break: {cells}"
-                    + (", ..." if len(broken) > NAMED else ""))
+            text = f"{len(broken)} of {len(report.what_if)} cells asked would break: {cells}" + (
+                ", ..." if len(broken) > NAMED else ""
+            )
         else:
             text = f"none of the {_plural(len(report.what_if), 'cell')} asked would break"
         parts.append(_line("what-if", text + " (not counted)"))
@@ -215,8 +230,13 @@ def tensors_summary(diags: Sequence[TensorDiagnosis], device: str, what_ifs: Seq
     if worst is not None:
         d = next(d for d in diags if any(f.severity == worst for f in d.findings))
         root = next(f for f in d.findings if f.severity == worst)
-        parts.append(_line(f"first {worst}", f"{d.name} ({'x'.join(map(str, d.shape))}, {d.dtype}): {_bad_cells(d)}",
-                           style=SEVERITY_STYLE[worst]))
+        parts.append(
+            _line(
+                f"first {worst}",
+                f"{d.name} ({'x'.join(map(str, d.shape))}, {d.dtype}): {_bad_cells(d)}",
+                style=SEVERITY_STYLE[worst],
+            )
+        )
         parts.append(diagnostic(root.severity, root.code, root.message, None, root.fix, max_lines=PART_LINES))
     seen: dict[str, str] = {}
     for f in sorted(findings, key=lambda f: SEVERITY_ORDER[f.severity]):
@@ -226,10 +246,12 @@ def tensors_summary(diags: Sequence[TensorDiagnosis], device: str, what_ifs: Seq
         parts.append(_line("also", _codes_line(others)) if root is not None else _line("info", ", ".join(others)))
     broken = [c.name for d in what_ifs for c in d.cells if c.verdict in ("nan", "overflow", "zero")]
     if what_ifs:
-        said = ("would break: " + ", ".join(broken[:NAMED]) + (", ..." if len(broken) > NAMED else "")) if broken \
+        said = (
+            ("would break: " + ", ".join(broken[:NAMED]) + (", ..." if len(broken) > NAMED else ""))
+            if broken
             else "no cell asked would break"
+        )
         parts.append(_line("what-if", said + " (not counted)"))
     if root is not None:
         parts.append(Text(f"more: attncheck explain {root.code}; without --summary: the full report", style="dim"))
     return Group(*parts)
-

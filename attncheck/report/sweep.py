@@ -14,9 +14,9 @@ from rich.text import Text
 
 from attncheck import __version__
 from attncheck.errors import AttncheckError, param
+from attncheck.format import fmt, pct, plain, to_jsonable
 from attncheck.numerics.sweep.theory import uniform_limits
 from attncheck.params import COLLAPSE_THRESHOLD, SCALE_MEANINGS
-from attncheck.format import fmt, pct, plain, to_jsonable
 from attncheck.results import PresetGrid, PresetResult, SweepCell, SweepOutput, SweepPoint, SweepResult
 
 JSON_SCHEMA = "attncheck.sweep/1"
@@ -405,8 +405,11 @@ def grid_table(grid: PresetGrid) -> Table:
 def render_preset(result: PresetResult) -> Group:
     checks = Table.grid(padding=(0, 2))
     for c in result.checks:
-        checks.add_row(Text("ok" if c.holds else "OFF", style="green" if c.holds else FAIL_STYLE), c.claim,
-                       f"{fmt(c.value, '.3g')} (range {c.low:g} to {c.high:g})")
+        checks.add_row(
+            Text("ok" if c.holds else "OFF", style="green" if c.holds else FAIL_STYLE),
+            c.claim,
+            f"{fmt(c.value, '.3g')} (range {c.low:g} to {c.high:g})",
+        )
     parts: list[Any] = [Text(f"{result.source}: {result.metric}", style="bold")]
     if result.rows:
         parts.append(preset_table(result))
@@ -490,7 +493,11 @@ def sweep_figure(result: SweepResult):
         ax_p.axhline(u_p, color="grey", lw=0.8, ls=":")
         ax_j.axhline(u_j, color="grey", lw=0.8, ls=":")
         handles.append(Line2D([], [], color="grey", lw=0.8, ls=":", label="uniform softmax"))
-    handles.append(Line2D([], [], color="black", marker="x", ls=":", label=f"|J| of collapsed rows\n(max p >= {COLLAPSE_THRESHOLD:g})"))
+    handles.append(
+        Line2D(
+            [], [], color="black", marker="x", ls=":", label=f"|J| of collapsed rows\n(max p >= {COLLAPSE_THRESHOLD:g})"
+        )
+    )
     for ax in (ax_var, ax_p, ax_h, ax_j):
         ax.set_xticks(list(result.config.dks), [str(d) for d in result.config.dks])
         ax.minorticks_off()
@@ -503,9 +510,29 @@ def sweep_figure(result: SweepResult):
     for row, dtype in enumerate(dtypes, start=2):
         ax_o, ax_e = fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1])
         over = [[_map_value(by_point.get((*key, dk)), dtype, methods, "overflow") for dk in dks] for key in keys]
-        err = [[_map_value(by_point.get((*key, dk)), dtype, [m], "error") for dk in dks] for m in methods for key in keys]
-        _heatmap(fig, ax_o, over, dks, labels, f"{dtype}: share of rows that overflow (any method)", "share of rows", vmin=0.0, vmax=1.0)
-        _heatmap(fig, ax_e, err, dks, [f"{m} {label}" for m in methods for label in labels], f"{dtype}: log10 max |p - p_float64|", "log10 error")
+        err = [
+            [_map_value(by_point.get((*key, dk)), dtype, [m], "error") for dk in dks] for m in methods for key in keys
+        ]
+        _heatmap(
+            fig,
+            ax_o,
+            over,
+            dks,
+            labels,
+            f"{dtype}: share of rows that overflow (any method)",
+            "share of rows",
+            vmin=0.0,
+            vmax=1.0,
+        )
+        _heatmap(
+            fig,
+            ax_e,
+            err,
+            dks,
+            [f"{m} {label}" for m in methods for label in labels],
+            f"{dtype}: log10 max |p - p_float64|",
+            "log10 error",
+        )
     fig.legend(handles=handles, loc="outside right center", title="scale", fontsize=8)
     fig.suptitle(f"attncheck sweep: {_entries(result)}; {result.config.rows} rows", fontsize=10)
     return fig
@@ -521,8 +548,12 @@ def _map_value(p: SweepPoint | None, dtype: str, methods: list[str], what: str) 
     return math.log10(max(max(errs), 1e-300)) if errs else math.nan
 
 
-def _heatmap(fig, ax, values: list[list[float]], dks: list[int], rows: list[str], title: str, label: str, **scale) -> None:
-    image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="magma_r" if "vmax" in scale else "viridis", **scale)
+def _heatmap(
+    fig, ax, values: list[list[float]], dks: list[int], rows: list[str], title: str, label: str, **scale
+) -> None:
+    image = ax.imshow(
+        values, aspect="auto", interpolation="nearest", cmap="magma_r" if "vmax" in scale else "viridis", **scale
+    )
     ax.set_xticks(range(len(dks)), [str(d) for d in dks])
     ax.set_yticks(range(len(rows)), rows, fontsize=7 if len(rows) > 8 else 9)
     ax.set(title=title, xlabel="d_k")
@@ -538,8 +569,10 @@ def check_plot_path(path: str | Path) -> None:
     suffix = target.suffix.lstrip(".").lower()
     formats = FigureCanvasBase.get_supported_filetypes()
     if suffix and suffix not in formats:
-        raise AttncheckError(f"cannot write {param('plot')} {path}: matplotlib writes no '.{suffix}' pictures "
-                             f"(give .png, .svg or .pdf; no suffix writes PNG)")
+        raise AttncheckError(
+            f"cannot write {param('plot')} {path}: matplotlib writes no '.{suffix}' pictures "
+            f"(give .png, .svg or .pdf; no suffix writes PNG)"
+        )
     if target.exists() and not target.is_file() and str(target) != os.devnull:
         raise AttncheckError(f"cannot write {param('plot')} {path}: not a regular file; give a file name")
 

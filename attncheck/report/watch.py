@@ -27,26 +27,45 @@ def _worst_first(report: WatchReport) -> list[WatchSeries]:
 
     def key(s: WatchSeries):
         last = next((v for v in reversed(s.max_logit) if v is not None), 0.0)
-        return ((s.rank, s.module, s.head) not in alerted, -(s.growth or 0.0) if s.growth and math.isfinite(s.growth) else 0.0, -last)
+        return (
+            (s.rank, s.module, s.head) not in alerted,
+            -(s.growth or 0.0) if s.growth and math.isfinite(s.growth) else 0.0,
+            -last,
+        )
 
     return sorted(report.series, key=key)
 
 
 def heads_table(report: WatchReport):
     ranks = len(report.ranks) > 1
-    t = compact_table(f"Heads, worst first (largest logit now, its growth per 100 steps over the last {report.settings['window']} records, "
-                      "entropy of the sampled rows, steps until the dtype's limit at that growth)")
-    for name, justify in ([("rank", "right")] if ranks else []) + [("call", "left"), ("head", "right"), ("logit", "right"),
-                                                                   ("x/100", "right"), ("entropy", "right"), ("collapsed", "right"),
-                                                                   ("to limit", "right")]:
+    t = compact_table(
+        f"Heads, worst first (largest logit now, its growth per 100 steps over the last {report.settings['window']} records, "
+        "entropy of the sampled rows, steps until the dtype's limit at that growth)"
+    )
+    for name, justify in ([("rank", "right")] if ranks else []) + [
+        ("call", "left"),
+        ("head", "right"),
+        ("logit", "right"),
+        ("x/100", "right"),
+        ("entropy", "right"),
+        ("collapsed", "right"),
+        ("to limit", "right"),
+    ]:
         t.add_column(name, justify=justify, no_wrap=name != "call", overflow="fold")
     for s in _worst_first(report)[:HEADS_SHOWN]:
         last = next((v for v in reversed(s.max_logit) if v is not None), None)
         ent = next((v for v in reversed(s.entropy_mean) if v is not None), None)
         col = next((v for v in reversed(s.collapsed) if v is not None), None)
         growth = "-" if s.growth is None else ("inf" if not math.isfinite(s.growth) else num(s.growth))
-        row = ([str(s.rank)] if ranks else []) + [shown(s.module), str(s.head), plain(last), growth, num(ent), "-" if col is None else f"{col:.0%}",
-                                                  "-" if s.steps_to_limit is None else plain(s.steps_to_limit)]
+        row = ([str(s.rank)] if ranks else []) + [
+            shown(s.module),
+            str(s.head),
+            plain(last),
+            growth,
+            num(ent),
+            "-" if col is None else f"{col:.0%}",
+            "-" if s.steps_to_limit is None else plain(s.steps_to_limit),
+        ]
         t.add_row(*row)
     left = len(report.series) - HEADS_SHOWN
     if left > 0:
@@ -61,8 +80,11 @@ def alerts_text(report: WatchReport):
     from attncheck.codes import FIX
 
     if not report.alerts:
-        return Text("No alert: no head's logits grow past the level, collapse, near their dtype's limit, differ across ranks, "
-                    "or go non-finite.", style="green")
+        return Text(
+            "No alert: no head's logits grow past the level, collapse, near their dtype's limit, differ across ranks, "
+            "or go non-finite.",
+            style="green",
+        )
     groups: dict[tuple, list] = {}
     for a in report.alerts:  # in step order: each group's first alert is its earliest
         groups.setdefault((a.code, a.what_if), []).append(a)
@@ -107,18 +129,25 @@ def _places(report: WatchReport, alerts) -> list[str]:
 
 def closing_line(report: WatchReport) -> Text:
     ranks = f"{len(report.ranks)} rank(s), " if len(report.ranks) > 1 else ""
-    head = f"{report.records} record(s), {ranks}steps {report.first_step}-{report.last_step}, {len(report.series)} head(s)"
+    head = (
+        f"{report.records} record(s), {ranks}steps {report.first_step}-{report.last_step}, {len(report.series)} head(s)"
+    )
     own = [a for a in report.alerts if a.what_if is None]
     what_if = [a for a in report.alerts if a.what_if is not None]
     tail = f"; what-if: {len(what_if)} alert(s)" if report.settings.get("what_if") else ""
     if not own:
         return Text(head + ": no alert" + tail, style="green")
     a = report.first
-    where = (f"rank {a.rank}" + (", " if a.module else "") if len(report.ranks) > 1 or not a.module else "") + a.module + \
-        (f" head {a.head}" if a.head is not None else "")
+    where = (
+        (f"rank {a.rank}" + (", " if a.module else "") if len(report.ranks) > 1 or not a.module else "")
+        + a.module
+        + (f" head {a.head}" if a.head is not None else "")
+    )
     errors = sum(x.severity == "error" for x in own)
-    text = Text(f"{head}: {errors} error(s), {len(own) - errors} warning(s); first alert: {a.code} at step {a.step}, ",
-                style="bold red" if errors else "yellow")
+    text = Text(
+        f"{head}: {errors} error(s), {len(own) - errors} warning(s); first alert: {a.code} at step {a.step}, ",
+        style="bold red" if errors else "yellow",
+    )
     text.append(shown(where))
     text.append(tail)
     return text
@@ -130,30 +159,47 @@ def diagnostic_where(place: str):
 
 def render_watch(report: WatchReport) -> Group:
     parts: list[Any] = [shown(f"note: {n}", style="yellow") for n in report.notes]
-    parts += ([heads_table(report)] if report.series else [])  # no head recorded: no table
+    parts += [heads_table(report)] if report.series else []  # no head recorded: no table
     parts += [alerts_text(report), closing_line(report)]
     return Group(*parts)
 
 
 def watch_json(report: WatchReport, failed: list[str]) -> dict[str, Any]:
-    return to_jsonable({
-        "schema": WATCH_JSON_SCHEMA,
-        "attncheck_version": __version__,
-        "logs": report.logs,
-        "ranks": report.ranks,
-        "records": report.records,
-        "first_step": report.first_step,
-        "last_step": report.last_step,
-        "settings": report.settings,
-        "notes": report.notes,
-        "alerts": report.alerts,
-        "first_alert": report.first,
-        "heads": [{"rank": s.rank, "module": s.module, "head": s.head, "kind": s.kind, "dtype": s.dtype, "path": s.path,
-                   "steps": s.steps, "max_logit": s.max_logit, "entropy_mean": s.entropy_mean, "collapsed": s.collapsed,
-                   "growth_per_100_steps": s.growth, "steps_to_limit": s.steps_to_limit, "limit_logit": s.limit_logit,
-                   "limit": s.limit_what} for s in report.series],
-        "failed": failed,
-    })
+    return to_jsonable(
+        {
+            "schema": WATCH_JSON_SCHEMA,
+            "attncheck_version": __version__,
+            "logs": report.logs,
+            "ranks": report.ranks,
+            "records": report.records,
+            "first_step": report.first_step,
+            "last_step": report.last_step,
+            "settings": report.settings,
+            "notes": report.notes,
+            "alerts": report.alerts,
+            "first_alert": report.first,
+            "heads": [
+                {
+                    "rank": s.rank,
+                    "module": s.module,
+                    "head": s.head,
+                    "kind": s.kind,
+                    "dtype": s.dtype,
+                    "path": s.path,
+                    "steps": s.steps,
+                    "max_logit": s.max_logit,
+                    "entropy_mean": s.entropy_mean,
+                    "collapsed": s.collapsed,
+                    "growth_per_100_steps": s.growth,
+                    "steps_to_limit": s.steps_to_limit,
+                    "limit_logit": s.limit_logit,
+                    "limit": s.limit_what,
+                }
+                for s in report.series
+            ],
+            "failed": failed,
+        }
+    )
 
 
 CURVES_SHOWN = 6  # heads drawn as curves: the heads table's first rows
@@ -209,8 +255,10 @@ def watch_figure(report: WatchReport):
     notes = []
     if several:
         others = [r for r in ranks if r != rank]
-        notes.append(f"heatmaps of rank {rank} ({why}), not of rank(s) {', '.join(map(str, others))}; "
-                     f"curves of the worst heads of every rank")
+        notes.append(
+            f"heatmaps of rank {rank} ({why}), not of rank(s) {', '.join(map(str, others))}; "
+            f"curves of the worst heads of every rank"
+        )
     if len(all_calls) > len(calls):
         notes.append(f"{len(calls)} of {len(all_calls)} calls drawn: those with alerts, then the largest logits")
         keep = set(calls)
@@ -234,13 +282,19 @@ def watch_figure(report: WatchReport):
         try:
             extent = (steps[0] - 0.5, steps[-1] + 0.5, len(calls) - 0.5, -0.5)
             calls_note = f" ({notes[-1]})" if len(all_calls) > len(calls) else ""
-            for ax, data, title, cmap in ((axes[0], logit, "log10 of the largest logit (max over heads)", "magma"),
-                                          (axes[1], ent, "mean entropy of the sampled rows, nats (min over heads)", "viridis")):
+            for ax, data, title, cmap in (
+                (axes[0], logit, "log10 of the largest logit (max over heads)", "magma"),
+                (axes[1], ent, "mean entropy of the sampled rows, nats (min over heads)", "viridis"),
+            ):
                 im = ax.imshow(data, aspect="auto", interpolation="nearest", extent=extent, cmap=cmap)
                 ax.set_yticks(range(len(calls)))
                 ax.set_yticklabels(labels, fontsize=7, parse_math=False)
-                ax.set_title(title + (f" - rank {rank} ({why}) of ranks {', '.join(map(str, ranks))}" if several else "")
-                             + calls_note, fontsize=9)
+                ax.set_title(
+                    title
+                    + (f" - rank {rank} ({why}) of ranks {', '.join(map(str, ranks))}" if several else "")
+                    + calls_note,
+                    fontsize=9,
+                )
                 ax.set_xlabel("step")
                 fig.colorbar(im, ax=ax)
             curves = worst[:CURVES_SHOWN]  # the heads table's worst, of every rank
@@ -251,10 +305,16 @@ def watch_figure(report: WatchReport):
             ax.set_yscale("log")
             ax.set_xlabel("step")
             ax.set_ylabel("largest logit")
-            ax.set_title("the worst heads (alert steps marked" + (": of the ranks drawn)" if several else ")"), fontsize=9)
+            ax.set_title(
+                "the worst heads (alert steps marked" + (": of the ranks drawn)" if several else ")"), fontsize=9
+            )
             drawn = {s.rank for s in curves}
             for axis, of in ((axes[0], {rank}), (axes[1], {rank}), (axes[2], drawn)):
-                marks = {(a.step, a.severity) for a in report.alerts if a.rank in of and a.what_if is None and a.step is not None}
+                marks = {
+                    (a.step, a.severity)
+                    for a in report.alerts
+                    if a.rank in of and a.what_if is None and a.step is not None
+                }
                 for step, severity in sorted(marks):
                     axis.axvline(step, color="red" if severity == "error" else "orange", linestyle="--", linewidth=0.8)
             for axis in axes:

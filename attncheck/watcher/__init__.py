@@ -42,8 +42,8 @@ from pathlib import Path
 
 from attncheck import __version__, params
 from attncheck.errors import AttncheckError
-from attncheck.wrappers import model_path, wrapped_modules
 from attncheck.registry import eager_path
+from attncheck.wrappers import model_path, wrapped_modules
 
 WATCH_SCHEMA = "attncheck.watch/1"
 
@@ -72,6 +72,7 @@ def rank_log_path(path: str | os.PathLike[str], rank: int, world: int) -> Path:
 
 BLIND_FORWARDS = 8  # top-level training forwards without the watched module before the watch says it sees nothing
 
+
 @dataclass
 class _CallEntry:
     module: str
@@ -88,16 +89,31 @@ class Watch:
     """The context manager ``watch`` returns; ``step(loss=None)`` ends a step; ``records`` holds
     the records written (or kept, without a log), one per recorded step."""
 
-    def __init__(self, model=None, log=None, every: int = 1, *, modules=(), grads: bool = True, tensorboard=None,
-                 compile: str = "keep") -> None:
+    def __init__(
+        self,
+        model=None,
+        log=None,
+        every: int = 1,
+        *,
+        modules=(),
+        grads: bool = True,
+        tensorboard=None,
+        compile: str = "keep",
+    ) -> None:
         if compile not in ("keep", "eager"):
             raise AttncheckError(f"must be 'keep' or 'eager', got {params.show(compile)}", param="compile")
         self.compile = compile
         self.every = params.integer(every, "every", 1, from_text=isinstance(every, str))
         if not isinstance(grads, bool):
             raise AttncheckError(f"must be True or False, got {params.show(grads)}", param="grads")
-        if not (tensorboard is None or isinstance(tensorboard, (str, os.PathLike)) or callable(getattr(tensorboard, "add_scalar", None))):
-            raise AttncheckError(f"must be a folder or a SummaryWriter, got {params.show(tensorboard)}", param="tensorboard")
+        if not (
+            tensorboard is None
+            or isinstance(tensorboard, (str, os.PathLike))
+            or callable(getattr(tensorboard, "add_scalar", None))
+        ):
+            raise AttncheckError(
+                f"must be a folder or a SummaryWriter, got {params.show(tensorboard)}", param="tensorboard"
+            )
         self.tensorboard = tensorboard
         self.model, self.with_grads = model, grads
         self.modules = (modules,) if isinstance(modules, str) else tuple(modules or ())
@@ -144,11 +160,15 @@ class Watch:
         if self.log is not None:
             self.path = rank_log_path(self.log, self.rank, self.world)
             if not self.path.parent.is_dir():
-                raise AttncheckError(f"cannot write the watch log {self.path}: folder {self.path.parent} does not exist", param="log")
+                raise AttncheckError(
+                    f"cannot write the watch log {self.path}: folder {self.path.parent} does not exist", param="log"
+                )
             try:
                 self._file = open(self.path, "w", encoding="utf-8")
             except OSError as e:
-                raise AttncheckError(f"cannot write the watch log {self.path}: {e.strerror or e}", param="log") from None
+                raise AttncheckError(
+                    f"cannot write the watch log {self.path}: {e.strerror or e}", param="log"
+                ) from None
         if self.tensorboard is not None:
             try:
                 self._tensorboard = _summary_writer(self.tensorboard, self.rank, self.world)
@@ -159,8 +179,15 @@ class Watch:
         # registered before the recorder's own hooks: at a top-level forward its module stack is still empty
         self._hook = register_module_forward_pre_hook(self._forward_starts)
         self._post = register_module_forward_hook(self._forward_ends, always_call=True)
-        self._recorder = Recorder(self, modules=self.modules, grads=self.with_grads, outputs=True, in_modules=True,
-                                  flex_reference=False, compile="eager" if self.compile == "eager" else None)
+        self._recorder = Recorder(
+            self,
+            modules=self.modules,
+            grads=self.with_grads,
+            outputs=True,
+            in_modules=True,
+            flex_reference=False,
+            compile="eager" if self.compile == "eager" else None,
+        )
         self._recorder.__enter__()
         return self
 
@@ -177,9 +204,12 @@ class Watch:
                     self._unseen("the watch ended")
                 elif not self._unseen_said and not self._compiled_said:  # compiled code: said already
                     self._unseen_said = True
-                    warnings.warn("attncheck.watch: the watched module ran in training mode, but no attention call was "
-                                  "recorded in its forwards (compiled code runs unseen: pass compile='eager'; or its "
-                                  "attention is not SDPA, FlexAttention or an eager softmax)", stacklevel=2)
+                    warnings.warn(
+                        "attncheck.watch: the watched module ran in training mode, but no attention call was "
+                        "recorded in its forwards (compiled code runs unseen: pass compile='eager'; or its "
+                        "attention is not SDPA, FlexAttention or an eager softmax)",
+                        stacklevel=2,
+                    )
                 self._forwards = forwards
                 self._flush(unseen=True)
             if self._file is not None:
@@ -212,7 +242,9 @@ class Watch:
         self._manual = True
         if self.step_number == 0:
             self.step_number = 1
-        self._loss = _number(loss) if self.sampling else None  # a loss on the device is read back on recorded steps only
+        self._loss = (
+            _number(loss) if self.sampling else None
+        )  # a loss on the device is read back on recorded steps only
         unseen = self._forwards == 0
         if unseen:
             self._unseen(f"step {self.step_number} ended")
@@ -240,10 +272,13 @@ class Watch:
             return
         if _compiled_module(module) and not self._compiled_said and self.compile != "eager":
             self._compiled_said = True
-            warnings.warn("attncheck.watch: the model runs torch.compile'd code, whose attention calls the watch does "
-                          "not see (it records the calls of eager code only); pass compile='eager' to attncheck.watch "
-                          "(the compiled code then runs as its eager code while watched), or capture a step with "
-                          "attncheck.capture, which runs compiled code as its eager code", stacklevel=2)
+            warnings.warn(
+                "attncheck.watch: the model runs torch.compile'd code, whose attention calls the watch does "
+                "not see (it records the calls of eager code only); pass compile='eager' to attncheck.watch "
+                "(the compiled code then runs as its eager code while watched), or capture a step with "
+                "attncheck.capture, which runs compiled code as its eager code",
+                stacklevel=2,
+            )
         self._top, self._seen_in_top, self._nested, self._prefix = module, False, False, None
         chain = wrapped_modules(module)
         if self.model is None or module is self.model:  # the model, or its wrapper: named as the innermost names
@@ -300,9 +335,12 @@ class Watch:
             return
         self._unseen_said = True
         what = "the watched module" if self.model is None else f"the watched module ({type(self.model).__name__})"
-        warnings.warn(f"attncheck.watch: {when} with no training forward of {what} seen, so no attention call was recorded; "
-                      "watch the module the training loop calls, or the module it wraps (DDP, FSDP, torch.compile and "
-                      "accelerate's wrappers are followed), and train it in training mode", stacklevel=3)
+        warnings.warn(
+            f"attncheck.watch: {when} with no training forward of {what} seen, so no attention call was recorded; "
+            "watch the module the training loop calls, or the module it wraps (DDP, FSDP, torch.compile and "
+            "accelerate's wrappers are followed), and train it in training mode",
+            stacklevel=3,
+        )
 
     @property
     def sampling(self) -> bool:
@@ -346,7 +384,11 @@ class Watch:
                 k = k.repeat_interleave(t["q"].shape[1] // k.shape[1], dim=1)
             stats = scores_stats(t["scores_mod"], t["q"], k)
             out = t.get("out")  # flex gives 0 on a row with no key: NaN or inf rows are the output's
-            stats.nonfinite_rows = (~torch.isfinite(out.sum(dim=-1, dtype=torch.float32))).sum() if out is not None else stats.nonfinite_rows * 0
+            stats.nonfinite_rows = (
+                (~torch.isfinite(out.sum(dim=-1, dtype=torch.float32))).sum()
+                if out is not None
+                else stats.nonfinite_rows * 0
+            )
             scale, path = _number(meta.get("scale")) or 1.0, _kernel_path(call)
             limit_logit, what = _limit("float32", 1.0, f"the logits after {meta.get('score_mod', 'score_mod')} in fp32")
         elif call.kind in ("sdpa", "flex"):
@@ -360,15 +402,23 @@ class Watch:
         else:
             scores, q, k = t["scores"], t.get("q"), t.get("k")
             heads = meta.get("num_heads", "")
-            if scores.dim() == 3 and heads.isdigit() and int(heads) > 0 and scores.shape[0] % int(heads) == 0:  # nn.MultiheadAttention: (B*H, T, T)
+            if (
+                scores.dim() == 3 and heads.isdigit() and int(heads) > 0 and scores.shape[0] % int(heads) == 0
+            ):  # nn.MultiheadAttention: (B*H, T, T)
                 h = int(heads)
                 scores = scores.reshape(-1, h, *scores.shape[1:])
                 q = None if q is None or q.dim() != 3 else q.reshape(-1, h, *q.shape[1:])
                 k = None if k is None or k.dim() != 3 else k.reshape(-1, h, *k.shape[1:])
             stats = scores_stats(scores, q, k)
-            traced = _number(meta.get("scale")) if meta.get("scale_source") == "traced" and meta.get("q_prescaled") != "true" else None
+            traced = (
+                _number(meta.get("scale"))
+                if meta.get("scale_source") == "traced" and meta.get("q_prescaled") != "true"
+                else None
+            )
             scale, path = traced or 1.0, eager_path()
-            limit_logit, what = _limit(dtype, scale, "S = Q@K^T" + (" (before the scale)" if traced else "") + f" in {_label(dtype)}")
+            limit_logit, what = _limit(
+                dtype, scale, "S = Q@K^T" + (" (before the scale)" if traced else "") + f" in {_label(dtype)}"
+            )
         named = self._prefix is not None or self._nested
         module = model_path(call.module, self._prefix, self._name) if named else call.module
         self._taken[id(call)] = (weakref.ref(call), module)  # its gradients come later, named the same
@@ -409,7 +459,16 @@ class Watch:
         parts, shapes = [], []
         for c in calls:
             s = c.stats
-            for t in (s.max_logit, s.exact, s.entropy_min, s.entropy_mean, s.collapsed, s.q_max, s.k_max, s.nonfinite_rows):
+            for t in (
+                s.max_logit,
+                s.exact,
+                s.entropy_min,
+                s.entropy_mean,
+                s.collapsed,
+                s.q_max,
+                s.k_max,
+                s.nonfinite_rows,
+            ):
                 if t is None:
                     shapes.append(None)
                     continue
@@ -437,18 +496,48 @@ class Watch:
         out_calls = []
         for c in calls:
             ml, ex, emin, emean, col, qm, km, bad = (take() for _ in range(8))
-            out_calls.append({"module": c.module, "kind": c.kind, "dtype": c.dtype, "path": c.path, "heads": len(ml),
-                              "max_logit": ml, "exact": [bool(x) for x in ex], "entropy_min": emin, "entropy_mean": emean,
-                              "collapsed": col, "q_max": qm, "k_max": km, "nonfinite_rows": int(bad[0] or 0), "scale": c.scale,
-                              "limit": {"logit": c.limit_logit, "what": c.limit_what}})
+            out_calls.append(
+                {
+                    "module": c.module,
+                    "kind": c.kind,
+                    "dtype": c.dtype,
+                    "path": c.path,
+                    "heads": len(ml),
+                    "max_logit": ml,
+                    "exact": [bool(x) for x in ex],
+                    "entropy_min": emin,
+                    "entropy_mean": emean,
+                    "collapsed": col,
+                    "q_max": qm,
+                    "k_max": km,
+                    "nonfinite_rows": int(bad[0] or 0),
+                    "scale": c.scale,
+                    "limit": {"logit": c.limit_logit, "what": c.limit_what},
+                }
+            )
         out_grads = []
         for module, g in grads:
             nonfinite, zeros, peak = (take()[0] for _ in range(3))
-            out_grads.append({"module": module, "nonfinite": int(nonfinite or 0), "zero_frac": (zeros or 0) / g.total if g.total else None,
-                              "max_abs": peak if not (nonfinite or 0) else None})
-        record = {"schema": WATCH_SCHEMA, "attncheck_version": __version__, "step": max(self.step_number, 1), "rank": self.rank,
-                  "world": self.world, "time": round(time.time(), 3), "loss": loss, "forwards": forwards, "calls": out_calls,
-                  "grads": out_grads}
+            out_grads.append(
+                {
+                    "module": module,
+                    "nonfinite": int(nonfinite or 0),
+                    "zero_frac": (zeros or 0) / g.total if g.total else None,
+                    "max_abs": peak if not (nonfinite or 0) else None,
+                }
+            )
+        record = {
+            "schema": WATCH_SCHEMA,
+            "attncheck_version": __version__,
+            "step": max(self.step_number, 1),
+            "rank": self.rank,
+            "world": self.world,
+            "time": round(time.time(), 3),
+            "loss": loss,
+            "forwards": forwards,
+            "calls": out_calls,
+            "grads": out_grads,
+        }
         self.records.append(record)
         if self._file is not None:
             self._last_at = self._file.tell()
@@ -481,12 +570,16 @@ def _summary_writer(where, rank: int, world: int):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise AttncheckError("TensorBoard scalars need the tensorboard package: pip install tensorboard", param="tensorboard") from None
+        raise AttncheckError(
+            "TensorBoard scalars need the tensorboard package: pip install tensorboard", param="tensorboard"
+        ) from None
     folder = Path(where) / f"rank{rank}" if world > 1 else Path(where)
     try:
         return SummaryWriter(log_dir=os.fspath(folder))
     except OSError as e:
-        raise AttncheckError(f"cannot write TensorBoard scalars to {folder}: {e.strerror or e}", param="tensorboard") from None
+        raise AttncheckError(
+            f"cannot write TensorBoard scalars to {folder}: {e.strerror or e}", param="tensorboard"
+        ) from None
 
 
 def _scalars(writer, record: dict) -> None:
@@ -506,7 +599,12 @@ def _scalars(writer, record: dict) -> None:
 
     for c in record["calls"]:
         t = tag(c["module"])
-        ml, emin, emean, col = finite(c["max_logit"]), finite(c["entropy_min"]), finite(c["entropy_mean"]), finite(c["collapsed"])
+        ml, emin, emean, col = (
+            finite(c["max_logit"]),
+            finite(c["entropy_min"]),
+            finite(c["entropy_mean"]),
+            finite(c["collapsed"]),
+        )
         if ml:
             writer.add_scalar(f"{t}/max_logit", max(ml), step)
             if max(ml) > 0:
@@ -536,8 +634,15 @@ def _kernel_path(call) -> str:
     from attncheck.results import CallInfo
 
     meta = call.meta
-    info = CallInfo(index=0, name="", kind=call.kind, meta=meta, dtype=meta.get("dtype"), is_causal=meta.get("is_causal") == "true",
-                    dropout_p=_number(meta.get("dropout_p")) or 0.0)
+    info = CallInfo(
+        index=0,
+        name="",
+        kind=call.kind,
+        meta=meta,
+        dtype=meta.get("dtype"),
+        is_causal=meta.get("is_causal") == "true",
+        dropout_p=_number(meta.get("dropout_p")) or 0.0,
+    )
     return model_path(info) or eager_path()
 
 
@@ -568,8 +673,16 @@ def _limit(dtype: str, scale: float, what: str) -> tuple[float, str]:
     return limit * abs(scale), f"{what} rounds to inf at |S| >= {limit:.6g}"
 
 
-def watch(model=None, log: str | os.PathLike[str] | None = None, every: int = 1, *, modules=(), grads: bool = True, tensorboard=None,
-          compile: str = "keep") -> Watch:
+def watch(
+    model=None,
+    log: str | os.PathLike[str] | None = None,
+    every: int = 1,
+    *,
+    modules=(),
+    grads: bool = True,
+    tensorboard=None,
+    compile: str = "keep",
+) -> Watch:
     """Watch the attention of a training run: a context manager (and an object whose ``step(loss)``
     marks steps, where the loop wants to; else a step is one training forward of ``model``, or of any
     top module when ``model`` is None).

@@ -62,14 +62,20 @@ def _entropy(s: torch.Tensor, layers: int = 1) -> tuple[torch.Tensor, torch.Tens
     keys = s > MASK_SENTINEL_LIMIT
     valid = _layer_first(keys.sum(dim=-1) >= 2, layers)  # (L, B, H, R)
     p = torch.softmax(s.masked_fill(~keys, float("-inf")), dim=-1)
-    ent = _layer_first(-torch.special.xlogy(p, p).sum(dim=-1), layers)  # NaN only in rows with no key, which are not valid
+    ent = _layer_first(
+        -torch.special.xlogy(p, p).sum(dim=-1), layers
+    )  # NaN only in rows with no key, which are not valid
     top = _layer_first(p.amax(dim=-1), layers)
     count = valid.sum(dim=(1, 3))  # (L, H)
     ent_min = ent.masked_fill(~valid, float("inf")).amin(dim=(1, 3))
     ent_mean = ent.masked_fill(~valid, 0.0).sum(dim=(1, 3)) / count
     collapsed = ((top > COLLAPSE_P) & valid).sum(dim=(1, 3)) / count
     none = count == 0
-    return ent_min.masked_fill(none, float("nan")), ent_mean.masked_fill(none, float("nan")), collapsed.masked_fill(none, float("nan"))
+    return (
+        ent_min.masked_fill(none, float("nan")),
+        ent_mean.masked_fill(none, float("nan")),
+        collapsed.masked_fill(none, float("nan")),
+    )
 
 
 def _layer_first(t: torch.Tensor, layers: int) -> torch.Tensor:
@@ -79,11 +85,21 @@ def _layer_first(t: torch.Tensor, layers: int) -> torch.Tensor:
 
 def _mask4(mask: torch.Tensor) -> torch.Tensor:
     m = mask.detach()
-    return m.reshape(1, 1, *m.shape) if m.dim() == 2 else (m.unsqueeze(1) if m.dim() == 3 else m.reshape(-1, *m.shape[-3:]))
+    return (
+        m.reshape(1, 1, *m.shape)
+        if m.dim() == 2
+        else (m.unsqueeze(1) if m.dim() == 3 else m.reshape(-1, *m.shape[-3:]))
+    )
 
 
-def sdpa_stats(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor | None, mask: torch.Tensor | None, scale: float | None,
-               is_causal: bool) -> CallStats:
+def sdpa_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    out: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    is_causal: bool,
+) -> CallStats:
     """Statistics of one ``scaled_dot_product_attention`` call from its q, k, mask and output."""
     return sdpa_stats_many([(q, k, out, mask, scale, is_causal)])[0]
 
@@ -95,7 +111,17 @@ def sdpa_stats_many(calls: list[tuple]) -> list[CallStats]:
     that their count does not grow with the layers."""
     groups: dict[tuple, list[int]] = {}
     for i, (q, k, out, mask, scale, causal) in enumerate(calls):
-        key = (tuple(q.shape), tuple(k.shape), q.dtype, k.dtype, q.device, out is None, None if mask is None else id(mask), scale, bool(causal))
+        key = (
+            tuple(q.shape),
+            tuple(k.shape),
+            q.dtype,
+            k.dtype,
+            q.device,
+            out is None,
+            None if mask is None else id(mask),
+            scale,
+            bool(causal),
+        )
         groups.setdefault(key, []).append(i)
     results: list[CallStats | None] = [None] * len(calls)
     with torch.no_grad():
@@ -103,8 +129,21 @@ def sdpa_stats_many(calls: list[tuple]) -> list[CallStats]:
             q, k, out, mask, scale, causal = calls[members[0]]
             stats = _sdpa_layers([calls[i] for i in members], mask, scale, causal)
             for j, i in enumerate(members):
-                results[i] = CallStats(*(None if t is None else t[j] for t in (stats.max_logit, stats.exact, stats.entropy_min, stats.entropy_mean,
-                                                                                  stats.collapsed, stats.q_max, stats.k_max, stats.nonfinite_rows)))
+                results[i] = CallStats(
+                    *(
+                        None if t is None else t[j]
+                        for t in (
+                            stats.max_logit,
+                            stats.exact,
+                            stats.entropy_min,
+                            stats.entropy_mean,
+                            stats.collapsed,
+                            stats.q_max,
+                            stats.k_max,
+                            stats.nonfinite_rows,
+                        )
+                    )
+                )
     return results  # type: ignore[return-value]
 
 
@@ -126,7 +165,9 @@ def _sdpa_layers(calls: list[tuple], mask: torch.Tensor | None, scale: float | N
             kf = kf.repeat_interleave(h // hk, dim=1)
         ranked = torch.linalg.vector_norm(qf, dim=-1).topk(min(r + 1, tq), dim=-1)
         rows = torch.cat([ranked.indices[..., :r], sample.expand(b, h, -1)], dim=-1)  # (B, H, R')
-        s_parts.append(torch.matmul(qf.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, d)) * sc, kf.transpose(-1, -2)))  # (B, H, R', Tk)
+        s_parts.append(
+            torch.matmul(qf.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, d)) * sc, kf.transpose(-1, -2))
+        )  # (B, H, R', Tk)
         row_parts.append(rows)
         ranked_next.append(ranked.values[..., r] if tq > r else None)
         k_norm_max.append(torch.linalg.vector_norm(kf, dim=-1).amax(dim=-1))
@@ -149,7 +190,9 @@ def _sdpa_layers(calls: list[tuple], mask: torch.Tensor | None, scale: float | N
     if is_causal:
         s = s.masked_fill(row_index.unsqueeze(-1) < torch.arange(tk, device=s.device), float("-inf"))
     top = s[..., :r, :].amax(dim=-1)  # (L*B, H, r)
-    found = top.masked_fill(top <= MASK_SENTINEL_LIMIT, float("-inf")).amax(dim=-1)  # (L*B, H): rows with no key left out
+    found = top.masked_fill(top <= MASK_SENTINEL_LIMIT, float("-inf")).amax(
+        dim=-1
+    )  # (L*B, H): rows with no key left out
     if tq > r:
         bound = torch.cat(ranked_next) * torch.cat(k_norm_max) * abs(sc)
         exact = _layer_first(found >= bound, layers).all(dim=1)
@@ -157,8 +200,16 @@ def _sdpa_layers(calls: list[tuple], mask: torch.Tensor | None, scale: float | N
         exact = torch.ones(layers, h, dtype=torch.bool, device=s.device)
     e_min, e_mean, collapsed = _entropy(s[..., r:, :], layers)
     kmax = torch.stack(k_max)
-    return CallStats(_layer_first(found, layers).amax(dim=1), exact, e_min, e_mean, collapsed, torch.stack(q_max),
-                     kmax.repeat_interleave(h // hk, dim=-1) if hk != h else kmax, torch.stack(bad))
+    return CallStats(
+        _layer_first(found, layers).amax(dim=1),
+        exact,
+        e_min,
+        e_mean,
+        collapsed,
+        torch.stack(q_max),
+        kmax.repeat_interleave(h // hk, dim=-1) if hk != h else kmax,
+        torch.stack(bad),
+    )
 
 
 def _abs_max(t: torch.Tensor, layers: int = 1) -> torch.Tensor:
@@ -177,13 +228,17 @@ def scores_stats(scores: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor |
         rowmax = s4.amax(dim=-1).float()  # (B, H, Tq): one pass over the scores
         unmasked = rowmax > MASK_SENTINEL_LIMIT
         top = torch.where(unmasked, rowmax, float("-inf")).amax(dim=(0, 2))
-        bad = (torch.isnan(rowmax) | torch.isposinf(rowmax) | torch.isneginf(rowmax)).sum()  # NaN, +inf or every key -inf: torch.softmax gives NaN
+        bad = (
+            torch.isnan(rowmax) | torch.isposinf(rowmax) | torch.isneginf(rowmax)
+        ).sum()  # NaN, +inf or every key -inf: torch.softmax gives NaN
         sample = s4[:, :, _sample_rows(tq, s4.device)].float()
         e_min, e_mean, collapsed = (t[0] for t in _entropy(sample))
         q_max = k_max = None
         if q is not None and k is not None and q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] == h and k.shape[-3] == h:
             q_max, k_max = _abs_max(_heads4(q.detach()))[0], _abs_max(_heads4(k.detach()))[0]
-        return CallStats(top, torch.ones(h, dtype=torch.bool, device=s4.device), e_min, e_mean, collapsed, q_max, k_max, bad)
+        return CallStats(
+            top, torch.ones(h, dtype=torch.bool, device=s4.device), e_min, e_mean, collapsed, q_max, k_max, bad
+        )
 
 
 @dataclass

@@ -69,8 +69,24 @@ def series_of(logs) -> list[WatchSeries]:
                     key = (log.rank, module, h)
                     s = out.get(key)
                     if s is None:
-                        s = out[key] = WatchSeries(log.rank, module, h, call.kind, call.dtype, call.path, [], [], [], [], [],
-                                                   None, "", call.scale, None, None)
+                        s = out[key] = WatchSeries(
+                            log.rank,
+                            module,
+                            h,
+                            call.kind,
+                            call.dtype,
+                            call.path,
+                            [],
+                            [],
+                            [],
+                            [],
+                            [],
+                            None,
+                            "",
+                            call.scale,
+                            None,
+                            None,
+                        )
                     if call.limit is not None:  # the last record's limit is the one shown; each step keeps its own
                         s.limit_logit, s.limit_what, s.dtype = call.limit.logit, call.limit.what, call.dtype
                     s.limits.append(None if call.limit is None else call.limit.logit)
@@ -113,7 +129,9 @@ def rolling_fit(steps: Sequence[int], values: Sequence[float | None], window: in
     return np.where(fitted, slope, np.nan), np.where(fitted, tstat, np.nan)
 
 
-def jump_free(steps: Sequence[int], values: Sequence[float | None], slope: np.ndarray, window: int, at: np.ndarray) -> np.ndarray:
+def jump_free(
+    steps: Sequence[int], values: Sequence[float | None], slope: np.ndarray, window: int, at: np.ndarray
+) -> np.ndarray:
     """For the points ``at`` (indices): no step between two consecutive positive values of the last
     ``window`` points changes ln(value) by more than JUMP_SHARE of the fitted change over them."""
     if at.size == 0:
@@ -143,9 +161,17 @@ def _first(flags: np.ndarray) -> int | None:
     return int(hit[0]) if hit.size else None
 
 
-def analyse(logs, *, window: int = DEFAULTS["window"], level: float = DEFAULTS["level"], growth: float = DEFAULTS["growth"],
-            horizon: float = DEFAULTS["horizon"], collapse: float = DEFAULTS["collapse"], rank_factor: float = DEFAULTS["rank_factor"],
-            what_if: dict[str, float] | None = None) -> WatchReport:
+def analyse(
+    logs,
+    *,
+    window: int = DEFAULTS["window"],
+    level: float = DEFAULTS["level"],
+    growth: float = DEFAULTS["growth"],
+    horizon: float = DEFAULTS["horizon"],
+    collapse: float = DEFAULTS["collapse"],
+    rank_factor: float = DEFAULTS["rank_factor"],
+    what_if: dict[str, float] | None = None,
+) -> WatchReport:
     """The report of watch logs (``loaders.watchlog.WatchLog``s). ``what_if``: dtype name -> its
     rounding limit, for hand-written attention's headroom in it."""
     series = series_of(logs)
@@ -160,7 +186,11 @@ def analyse(logs, *, window: int = DEFAULTS["window"], level: float = DEFAULTS["
         real[candidates] = jump_free(s.steps, s.max_logit, slope, window, candidates)
         trend = np.where(real, slope, np.nan)  # a slope that is no real trend is no growth
         last = trend[-1] if trend.size else np.nan
-        s.growth = float(math.exp(100 * last)) if np.isfinite(last) and last * 100 < 700 else (math.inf if np.isfinite(last) else None)
+        s.growth = (
+            float(math.exp(100 * last))
+            if np.isfinite(last) and last * 100 < 700
+            else (math.inf if np.isfinite(last) else None)
+        )
         limit = np.array([v if v is not None else np.nan for v in s.limits], dtype=np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
             to_limit = np.where((trend > 0) & (x > 0), np.log(limit / x) / trend, np.inf)
@@ -168,15 +198,29 @@ def analyse(logs, *, window: int = DEFAULTS["window"], level: float = DEFAULTS["
             growing = (trend >= rate_per_step) & (x >= level)
         i = _first(growing)
         if i is not None:
-            alerts.append(_alert("logit_growth", s, i, f"the largest logit grows {factor_text(trend[i])} per 100 steps "
-                                 f"(over the last {window} records) and reached {num(x[i])} (level {num(level)}); now {num(x[-1])}"))
+            alerts.append(
+                _alert(
+                    "logit_growth",
+                    s,
+                    i,
+                    f"the largest logit grows {factor_text(trend[i])} per 100 steps "
+                    f"(over the last {window} records) and reached {num(x[i])} (level {num(level)}); now {num(x[-1])}",
+                )
+            )
         col = np.array([v if v is not None else np.nan for v in s.collapsed], dtype=np.float64)
         with np.errstate(invalid="ignore"):
             i = _first(col >= collapse)
         if i is not None:
             ent = s.entropy_mean[i]
-            alerts.append(_alert("entropy_collapse", s, i, f"{col[i]:.0%} of its sampled rows put over 0.99 of their weight on one key "
-                                 f"(mean entropy {num(ent)} nats)"))
+            alerts.append(
+                _alert(
+                    "entropy_collapse",
+                    s,
+                    i,
+                    f"{col[i]:.0%} of its sampled rows put over 0.99 of their weight on one key "
+                    f"(mean entropy {num(ent)} nats)",
+                )
+            )
         limits = [(None, limit, s.limit_whats)] if np.isfinite(limit).any() else []  # each step's own limit and text
         for name, dtype_limit in (what_if or {}).items():
             scale = abs(s.scale) if s.scale else 1.0
@@ -189,9 +233,16 @@ def analyse(logs, *, window: int = DEFAULTS["window"], level: float = DEFAULTS["
                 i = _first((steps_left < horizon) & (x >= np.fmin(level, lim)))
             if i is not None:
                 reached = " (already past it)" if x[i] >= lim[i] else ""
-                alerts.append(_alert("headroom_low", s, i, f"at {factor_text(trend[i])} per 100 steps the largest logit "
-                                     f"({num(x[i])}) reaches {num(lim[i])} in {num(max(steps_left[i], 0.0))} steps{reached}: {what[i]}",
-                                     what_if=name))
+                alerts.append(
+                    _alert(
+                        "headroom_low",
+                        s,
+                        i,
+                        f"at {factor_text(trend[i])} per 100 steps the largest logit "
+                        f"({num(x[i])}) reaches {num(lim[i])} in {num(max(steps_left[i], 0.0))} steps{reached}: {what[i]}",
+                        what_if=name,
+                    )
+                )
     alerts += divergence(series, rank_factor)
     for log in logs:  # NaN and inf: per call (not per head), from the output rows and the gradients
         done: set[str] = set()
@@ -199,32 +250,80 @@ def analyse(logs, *, window: int = DEFAULTS["window"], level: float = DEFAULTS["
             for call in rec.calls:
                 if call.nonfinite_rows and call.module not in done:
                     done.add(call.module)
-                    alerts.append(WatchAlert("nonfinite", SEVERITY["nonfinite"], log.rank, call.module, None, rec.step,
-                                             f"{call.nonfinite_rows} row(s) of the attention output hold NaN or inf"))
+                    alerts.append(
+                        WatchAlert(
+                            "nonfinite",
+                            SEVERITY["nonfinite"],
+                            log.rank,
+                            call.module,
+                            None,
+                            rec.step,
+                            f"{call.nonfinite_rows} row(s) of the attention output hold NaN or inf",
+                        )
+                    )
             for g in rec.grads:
                 key = g.module + " grads"
                 if g.nonfinite and key not in done:
                     done.add(key)
-                    alerts.append(WatchAlert("nonfinite", SEVERITY["nonfinite"], log.rank, g.module, None, rec.step,
-                                             f"{g.nonfinite} gradient entries of dq, dk, dv hold NaN or inf"))
+                    alerts.append(
+                        WatchAlert(
+                            "nonfinite",
+                            SEVERITY["nonfinite"],
+                            log.rank,
+                            g.module,
+                            None,
+                            rec.step,
+                            f"{g.nonfinite} gradient entries of dq, dk, dv hold NaN or inf",
+                        )
+                    )
     notes = [n for log in logs for n in log.notes]
     for log in logs:
         unseen = [r.step for r in log.records if r.forwards == 0]
         if not any(r.calls for r in log.records):
-            why = (f"attncheck.watch saw no training forward of the watched module (steps {_steps_text(unseen)})"
-                   if unseen else "the watched module's forwards ran, but no attention call was recorded in them")
-            alerts.append(WatchAlert("no_attention", SEVERITY["no_attention"], log.rank, "", None, log.records[0].step,
-                                     f"no attention recorded: {why}"))
+            why = (
+                f"attncheck.watch saw no training forward of the watched module (steps {_steps_text(unseen)})"
+                if unseen
+                else "the watched module's forwards ran, but no attention call was recorded in them"
+            )
+            alerts.append(
+                WatchAlert(
+                    "no_attention",
+                    SEVERITY["no_attention"],
+                    log.rank,
+                    "",
+                    None,
+                    log.records[0].step,
+                    f"no attention recorded: {why}",
+                )
+            )
         elif unseen:
-            notes.append(f"rank {log.rank}: {len(unseen)} step(s) ran no training forward of the watched module "
-                         f"(steps {_steps_text(unseen)}): nothing was recorded for them")
+            notes.append(
+                f"rank {log.rank}: {len(unseen)} step(s) ran no training forward of the watched module "
+                f"(steps {_steps_text(unseen)}): nothing was recorded for them"
+            )
     alerts.sort(key=lambda a: (a.step, a.what_if is not None, a.rank, a.module, -1 if a.head is None else a.head))
     steps = [r.step for log in logs for r in log.records]
     losses = {log.rank: [(r.step, r.loss) for r in log.records if r.loss is not None] for log in logs}
-    return WatchReport([log.path for log in logs], [log.rank for log in logs], sum(len(log.records) for log in logs), min(steps), max(steps),
-                       series, alerts, {r: v for r, v in losses.items() if v}, notes,
-                       {"window": window, "level": level, "growth": growth, "horizon": horizon, "collapse": collapse,
-                        "rank_factor": rank_factor, "what_if": sorted(what_if or {})})
+    return WatchReport(
+        [log.path for log in logs],
+        [log.rank for log in logs],
+        sum(len(log.records) for log in logs),
+        min(steps),
+        max(steps),
+        series,
+        alerts,
+        {r: v for r, v in losses.items() if v},
+        notes,
+        {
+            "window": window,
+            "level": level,
+            "growth": growth,
+            "horizon": horizon,
+            "collapse": collapse,
+            "rank_factor": rank_factor,
+            "what_if": sorted(what_if or {}),
+        },
+    )
 
 
 def divergence(series: list[WatchSeries], factor: float) -> list[WatchAlert]:
@@ -247,8 +346,12 @@ def divergence(series: list[WatchSeries], factor: float) -> list[WatchAlert]:
         mag = np.where(np.isfinite(m), np.fmax(np.abs(m), DIVERGENCE_FLOOR), np.nan)
         both = np.isfinite(mag).sum(axis=1) >= 2
         with np.errstate(invalid="ignore", divide="ignore"):  # rows without two ranks hold 1 / 1
-            ratio = np.where(both, np.nanmax(np.where(both[:, None], mag, 1.0), axis=1) /
-                             np.nanmin(np.where(both[:, None], mag, 1.0), axis=1), np.nan)
+            ratio = np.where(
+                both,
+                np.nanmax(np.where(both[:, None], mag, 1.0), axis=1)
+                / np.nanmin(np.where(both[:, None], mag, 1.0), axis=1),
+                np.nan,
+            )
         i = _first(ratio >= factor)
         if i is None:
             continue
@@ -260,12 +363,25 @@ def divergence(series: list[WatchSeries], factor: float) -> list[WatchAlert]:
         def shown(j: int) -> str:  # the logit, and the magnitude the ratio divides where that differs
             return num(m[i, j]) if mag[i, j] == m[i, j] else f"{num(m[i, j])}, taken as {num(mag[i, j])}"
 
-        out.append(WatchAlert("rank_divergence", SEVERITY["rank_divergence"], a.rank, module, head, steps[i],
-                              f"its largest logit on rank {a.rank} ({shown(hi)}) is {num(ratio[i])} times rank {b.rank}'s "
-                              f"({shown(lo)}) at step {steps[i]} (factor {num(factor)}"
-                              + (f"; magnitudes compared, those below {num(DIVERGENCE_FLOOR)} as {num(DIVERGENCE_FLOOR)}"
-                                 if floored else "") + "): the ranks do not hold the same weights",
-                              other_rank=b.rank))
+        out.append(
+            WatchAlert(
+                "rank_divergence",
+                SEVERITY["rank_divergence"],
+                a.rank,
+                module,
+                head,
+                steps[i],
+                f"its largest logit on rank {a.rank} ({shown(hi)}) is {num(ratio[i])} times rank {b.rank}'s "
+                f"({shown(lo)}) at step {steps[i]} (factor {num(factor)}"
+                + (
+                    f"; magnitudes compared, those below {num(DIVERGENCE_FLOOR)} as {num(DIVERGENCE_FLOOR)}"
+                    if floored
+                    else ""
+                )
+                + "): the ranks do not hold the same weights",
+                other_rank=b.rank,
+            )
+        )
     return out
 
 

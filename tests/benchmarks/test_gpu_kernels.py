@@ -27,8 +27,15 @@ BOUND_U = 3.0
 def run_script(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "gk.json"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OUT")}  # the script puts its repo first
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--json", str(out)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--json", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     doc = json.loads(out.read_text())

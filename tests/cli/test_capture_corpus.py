@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 import struct
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
-import typer.main
-import typer.testing
 import torch.nn as nn
 import torch.nn.functional as F
+import typer.main
+import typer.testing
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from typer.testing import CliRunner
 
@@ -57,7 +57,9 @@ class _Model(nn.Module):
     def forward(self, q, k, v, mask):
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         b = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)
-        c = flex_attention(q, k, v, score_mod=_softcap, block_mask=create_block_mask(_causal, None, None, 4, 4, device="cpu"))
+        c = flex_attention(
+            q, k, v, score_mod=_softcap, block_mask=create_block_mask(_causal, None, None, 4, 4, device="cpu")
+        )
         return self.eager(q, k, v, mask) + a + b + c
 
 
@@ -138,28 +140,94 @@ class Case:
 
 # JSON values by kind: raw fragments, so that NaN, 1e400 and 5,001-digit integers reach the reader as written.
 JSON_VALUES = {
-    "null": "null", "true": "true", "false": "false", "zero": "0", "negative": "-1", "half": "0.5", "negative_float": "-2.5",
-    "uint64_plus": str(2**64), "int63": str(2**63 - 1), "digits_5001": "1" + "0" * 5000, "float_1e400": "1e400",
-    "nan": "NaN", "inf": "Infinity", "minus_inf": "-Infinity", "string": '"abc"', "empty_string": '""', "digit_string": '"12"',
-    "superscript_two": '"\\u00b2"', "markup": '"[/]"', "control": '"a\\nb\\r\\u001b[31m\\u202e"', "long_string": json.dumps("x" * 100_000),
-    "list": "[1, 2]", "empty_list": "[]", "list_of_strings": '["a", "b"]', "object": '{"a": 1}', "empty_object": "{}",
-    "deep_list": "[" * DEEP + "]" * DEEP, "deep_object": '{"a":' * DEEP + "1" + "}" * DEEP,
+    "null": "null",
+    "true": "true",
+    "false": "false",
+    "zero": "0",
+    "negative": "-1",
+    "half": "0.5",
+    "negative_float": "-2.5",
+    "uint64_plus": str(2**64),
+    "int63": str(2**63 - 1),
+    "digits_5001": "1" + "0" * 5000,
+    "float_1e400": "1e400",
+    "nan": "NaN",
+    "inf": "Infinity",
+    "minus_inf": "-Infinity",
+    "string": '"abc"',
+    "empty_string": '""',
+    "digit_string": '"12"',
+    "superscript_two": '"\\u00b2"',
+    "markup": '"[/]"',
+    "control": '"a\\nb\\r\\u001b[31m\\u202e"',
+    "long_string": json.dumps("x" * 100_000),
+    "list": "[1, 2]",
+    "empty_list": "[]",
+    "list_of_strings": '["a", "b"]',
+    "object": '{"a": 1}',
+    "empty_object": "{}",
+    "deep_list": "[" * DEEP + "]" * DEEP,
+    "deep_object": '{"a":' * DEEP + "1" + "}" * DEEP,
 }
-CORE_JSON = ("null", "negative", "digits_5001", "float_1e400", "nan", "string", "control", "list", "object", "deep_list")
+CORE_JSON = (
+    "null",
+    "negative",
+    "digits_5001",
+    "float_1e400",
+    "nan",
+    "string",
+    "control",
+    "list",
+    "object",
+    "deep_list",
+)
 
 # Metadata values (strings, as safetensors holds them).
 META_VALUES = {
-    "nan": "nan", "inf": "inf", "minus_inf": "-inf", "negative": "-1", "zero": "0", "huge": "1e400", "word": "abc", "empty": "",
-    "superscript_two": "\u00b2", "digits_5001": "1" + "0" * 5000, "control": "a\nb\r\x1b[31m\u202e", "markup": "[/]",
-    "fp8": "float8_e4m3fn", "true": "true", "false": "false", "none": "none", "number": "0.125", "long": "x" * 100_000,
-    "json_deep": "[" * DEEP + "]" * DEEP, "int32": "int32",
+    "nan": "nan",
+    "inf": "inf",
+    "minus_inf": "-inf",
+    "negative": "-1",
+    "zero": "0",
+    "huge": "1e400",
+    "word": "abc",
+    "empty": "",
+    "superscript_two": "\u00b2",
+    "digits_5001": "1" + "0" * 5000,
+    "control": "a\nb\r\x1b[31m\u202e",
+    "markup": "[/]",
+    "fp8": "float8_e4m3fn",
+    "true": "true",
+    "false": "false",
+    "none": "none",
+    "number": "0.125",
+    "long": "x" * 100_000,
+    "json_deep": "[" * DEEP + "]" * DEEP,
+    "int32": "int32",
 }
 CORE_META = ("nan", "negative", "huge", "word", "superscript_two", "digits_5001", "control", "fp8", "none", "json_deep")
 
 # Metadata fields the issue names: these values must be refused.
 REFUSED_META = {
-    "scale": ("nan", "inf", "minus_inf", "negative", "zero", "huge", "word", "superscript_two", "digits_5001", "control", "markup", "fp8",
-              "true", "false", "long", "json_deep", "int32"),
+    "scale": (
+        "nan",
+        "inf",
+        "minus_inf",
+        "negative",
+        "zero",
+        "huge",
+        "word",
+        "superscript_two",
+        "digits_5001",
+        "control",
+        "markup",
+        "fp8",
+        "true",
+        "false",
+        "long",
+        "json_deep",
+        "int32",
+    ),
     "dtype": ("nan", "inf", "negative", "fp8", "word", "int32", "control", "digits_5001", "long"),
     "forward": ("superscript_two", "negative", "digits_5001", "nan", "word", "huge"),
     "call": ("superscript_two", "negative", "digits_5001", "nan", "word", "empty"),
@@ -173,19 +241,39 @@ def manifest_cases(valid_doc: dict) -> list[Case]:
     cases: list[Case] = []
     targets: list[tuple] = [(k,) for k in valid_doc]
     targets += [("calls", 1, k) for k in valid_doc["calls"][1]]
-    targets += [("calls", 0, "tensors", "q"), ("calls", 0, "tensors", "q", "shape"), ("calls", 0, "tensors", "q", "dtype"),
-                ("calls", 0, "tensors", "q", "shape", 0)]
+    targets += [
+        ("calls", 0, "tensors", "q"),
+        ("calls", 0, "tensors", "q", "shape"),
+        ("calls", 0, "tensors", "q", "dtype"),
+        ("calls", 0, "tensors", "q", "shape", 0),
+    ]
     must = {("schema",), ("calls",), ("calls", 1, "index"), ("calls", 1, "file"), ("calls", 1, "kind")}
     for t, keys in enumerate(targets):
         label = ".".join(map(str, keys))
         for v, (name, fragment) in enumerate(JSON_VALUES.items()):
+
             def edit(d, keys=keys, fragment=fragment):
                 doc = read_manifest(d)
                 set_path(doc, keys, HOLE)
                 write_json_with_hole(d / "manifest.json", doc, fragment)
 
-            refused = keys in must or name in ("digits_5001", "float_1e400", "nan", "inf", "minus_inf", "deep_list", "deep_object") \
-                or (keys == ("calls", 1, "module") and name not in ("string", "empty_string", "digit_string", "superscript_two", "markup", "control", "long_string"))
+            refused = (
+                keys in must
+                or name in ("digits_5001", "float_1e400", "nan", "inf", "minus_inf", "deep_list", "deep_object")
+                or (
+                    keys == ("calls", 1, "module")
+                    and name
+                    not in (
+                        "string",
+                        "empty_string",
+                        "digit_string",
+                        "superscript_two",
+                        "markup",
+                        "control",
+                        "long_string",
+                    )
+                )
+            )
             # the sample: every core value on the fields a reader uses, every other one (in turn) on the rest
             core = name in CORE_JSON and (keys in must or (t + v) % 2 == 0)
             cases.append(Case(f"manifest:{label}={name}", edit, refused, core=core))
@@ -209,6 +297,7 @@ def meta_cases(valid: Path) -> list[Case]:
         header, _ = read_call_file(valid / name)
         for t, key in enumerate(header["__metadata__"]):
             for v, (vname, value) in enumerate(META_VALUES.items()):
+
                 def edit(d, name=name, key=key, value=value):
                     header, data = read_call_file(d / name)
                     header["__metadata__"][key] = value
@@ -241,6 +330,7 @@ def structure_cases(valid: Path) -> list[Case]:
 
     size = len((valid / "manifest.json").read_bytes())
     for cut in (0, 1, 2, size // 3, size // 2, size - 3, size - 2):  # the last byte is a newline
+
         def truncate(d, cut=cut):
             p = d / "manifest.json"
             p.write_bytes(p.read_bytes()[:cut])
@@ -322,14 +412,25 @@ def structure_cases(valid: Path) -> list[Case]:
     def empty_call_file(d):
         (d / first).write_bytes(b"")
 
-    for name, edit, refused in (("same_index", same_index, True), ("swapped_index", swapped_index, True), ("reversed_order", reversed_order, False),
-                                ("parent_file", parent_file, True), ("absolute_file", absolute_file, True), ("unlisted_file", dropped_entry, True),
-                                ("missing_file", missing_file, True), ("folder_for_file", folder_for_file, True), ("link_out", link_out, True),
-                                ("manifest_link", manifest_link, True), ("unlisted_extra", unlisted_extra, True), ("empty_call_file", empty_call_file, True)):
+    for name, edit, refused in (
+        ("same_index", same_index, True),
+        ("swapped_index", swapped_index, True),
+        ("reversed_order", reversed_order, False),
+        ("parent_file", parent_file, True),
+        ("absolute_file", absolute_file, True),
+        ("unlisted_file", dropped_entry, True),
+        ("missing_file", missing_file, True),
+        ("folder_for_file", folder_for_file, True),
+        ("link_out", link_out, True),
+        ("manifest_link", manifest_link, True),
+        ("unlisted_extra", unlisted_extra, True),
+        ("empty_call_file", empty_call_file, True),
+    ):
         cases.append(Case(f"files:{name}", edit, refused, core=True))
 
     call_size = len((valid / first).read_bytes())
     for cut in (0, 4, 8, 16, 100, call_size // 2, call_size - 1):
+
         def truncate(d, cut=cut):
             p = d / first
             p.write_bytes(p.read_bytes()[:cut])
@@ -340,6 +441,7 @@ def structure_cases(valid: Path) -> list[Case]:
     tensor_targets = [("q", "shape"), ("q", "dtype"), ("q", "data_offsets"), ("q",), ("__metadata__",)]
     for t, keys in enumerate(tensor_targets):
         for v, (name, fragment) in enumerate(JSON_VALUES.items()):
+
             def edit(d, keys=keys, fragment=fragment):
                 header, data = read_call_file(d / first)
                 set_path(header, keys, HOLE)
@@ -347,7 +449,9 @@ def structure_cases(valid: Path) -> list[Case]:
 
             ok_values = {("q", "dtype"): (), ("__metadata__",): ()}
             refused = name not in ok_values.get(keys, ())
-            cases.append(Case(f"header:{'.'.join(keys)}={name}", edit, refused, core=name in CORE_JSON and (t + v) % 2 == 0))
+            cases.append(
+                Case(f"header:{'.'.join(keys)}={name}", edit, refused, core=name in CORE_JSON and (t + v) % 2 == 0)
+            )
 
     def deep_header(d):
         header, data = read_call_file(d / first)
@@ -496,16 +600,25 @@ def grads_cases(valid: Path) -> list[Case]:
     doc = read_manifest(valid)
     for i, entry in enumerate(doc["calls"]):
         gname = entry["grads"]["file"]
-        for keys in (("calls", i, "grads"), ("calls", i, "grads", "file"), ("calls", i, "grads", "bytes"), ("calls", i, "grads", "tensors"),
-                     ("calls", i, "grads", "tensors", "grad_out", "shape")):
+        for keys in (
+            ("calls", i, "grads"),
+            ("calls", i, "grads", "file"),
+            ("calls", i, "grads", "bytes"),
+            ("calls", i, "grads", "tensors"),
+            ("calls", i, "grads", "tensors", "grad_out", "shape"),
+        ):
             for name, fragment in JSON_VALUES.items():
+
                 def edit(d, keys=keys, fragment=fragment):
                     doc = read_manifest(d)
                     set_path(doc, keys, HOLE)
                     write_json_with_hole(d / "manifest.json", doc, fragment)
 
-                refused = keys[-1] in ("grads", "file") and name != "null" or name in ("digits_5001", "float_1e400", "nan", "inf",
-                                                                                        "minus_inf", "deep_list", "deep_object")
+                refused = (
+                    keys[-1] in ("grads", "file")
+                    and name != "null"
+                    or name in ("digits_5001", "float_1e400", "nan", "inf", "minus_inf", "deep_list", "deep_object")
+                )
                 if keys[-1] == "grads" and name == "null":
                     refused = False  # no gradients: the forward alone
                 cases.append(Case(f"grads:{i}:{'.'.join(map(str, keys[3:])) or 'entry'}={name}", edit, refused))
@@ -541,12 +654,19 @@ def grads_cases(valid: Path) -> list[Case]:
             del doc["calls"][i]["grads"]
             write_json_with_hole(d / "manifest.json", doc, None)
 
-        for name, edit in (("missing", missing), ("folder", folder), ("link_out", link_out), ("other_call", other_call), ("unlisted", unlisted)):
+        for name, edit in (
+            ("missing", missing),
+            ("folder", folder),
+            ("link_out", link_out),
+            ("other_call", other_call),
+            ("unlisted", unlisted),
+        ):
             cases.append(Case(f"grads-file:{i}:{name}", edit, True))
 
         header, _ = read_call_file(valid / gname)
         for role in ("grad_out", "grad_q", "grad_k", "grad_v"):
             for what, value in (("shape", [1, 2, 3, 8]), ("shape", [4, 8]), ("dtype", "I32"), ("dtype", "F16")):
+
                 def retype(d, role=role, what=what, value=value, gname=gname):
                     from safetensors.torch import load_file, save_file
 
@@ -559,11 +679,17 @@ def grads_cases(valid: Path) -> list[Case]:
                         t = t.to(torch.int32 if value == "I32" else torch.float16)
                     save_file({**tensors, role: t}, str(d / gname), metadata=header["__metadata__"])
                     doc = read_manifest(d)
-                    doc["calls"][i]["grads"]["tensors"][role] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                    doc["calls"][i]["grads"]["tensors"][role] = {
+                        "shape": list(t.shape),
+                        "dtype": str(t.dtype).removeprefix("torch."),
+                    }
                     write_json_with_hole(d / "manifest.json", doc, None)
 
-                cases.append(Case(f"grads-tensor:{i}:{role}:{what}={value}", retype, not (what == "dtype" and value == "F16")))
+                cases.append(
+                    Case(f"grads-tensor:{i}:{role}:{what}={value}", retype, not (what == "dtype" and value == "F16"))
+                )
         for key, value in (("grads", "false"), ("grads", "\x1b[31m"), ("format", "nope")):
+
             def meta(d, key=key, value=value, gname=gname):
                 header, data = read_call_file(d / gname)
                 header["__metadata__"][key] = value
@@ -592,7 +718,9 @@ def test_gradients_corpus_sample(valid_grads, tmp_path):
     shutil.copytree(valid_grads, d)
     next(c for c in cases if c.id == "grads-values:0:nan_in_grad_out").edit(d)
     r = runner.invoke(app, ["run", str(d), "--quiet", "--json", "-", "--fail-on", "nan"])
-    assert r.exit_code == 1 and "grad_nan_input" in {f["code"] for t in json.loads(r.stdout)["tensors"] for f in t["findings"]}
+    assert r.exit_code == 1 and "grad_nan_input" in {
+        f["code"] for t in json.loads(r.stdout)["tensors"] for f in t["findings"]
+    }
 
 
 @pytest.mark.slow

@@ -123,12 +123,16 @@ def test_multihead_attention_in_several_threads(tmp_path):
 def test_a_script_that_changes_directory_writes_the_capture_where_asked(tmp_path, monkeypatch):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    s = script(tmp_path, "chdir.py", f"""
+    s = script(
+        tmp_path,
+        "chdir.py",
+        f"""
         import os, torch, torch.nn.functional as F
         os.chdir({str(elsewhere)!r})
         q = torch.randn(1, 2, 4, 8)
         F.scaled_dot_product_attention(q, q, q)
-    """)
+    """,
+    )
     monkeypatch.chdir(tmp_path)
     r = invoke("capture", "--quiet", "--out", "cap", "--json", "report.json", s)
     assert r.exit_code == 0, r.output
@@ -138,24 +142,34 @@ def test_a_script_that_changes_directory_writes_the_capture_where_asked(tmp_path
 
 
 def test_a_script_that_removes_the_capture_folder(tmp_path):
-    s = script(tmp_path, "rm.py", """
+    s = script(
+        tmp_path,
+        "rm.py",
+        """
         import shutil, sys, time, torch, torch.nn.functional as F
         q = torch.randn(1, 2, 4, 8)
         F.scaled_dot_product_attention(q, q, q)
         time.sleep(0.2)
         shutil.rmtree(sys.argv[1])
         F.scaled_dot_product_attention(q, q, q)
-    """)
+    """,
+    )
     one_error(invoke("capture", "--quiet", "--out", tmp_path / "cap", s, tmp_path / "cap"), "capture's manifest")
 
 
 def test_negative_sdpa_scale_is_refused_in_one_line(tmp_path):
-    s = script(tmp_path, "neg.py", """
+    s = script(
+        tmp_path,
+        "neg.py",
+        """
         import torch, torch.nn.functional as F
         q = torch.randn(1, 2, 4, 8)
         F.scaled_dot_product_attention(q, q, q, scale=-0.5)
-    """)
-    one_error(invoke("capture", "--quiet", "--out", tmp_path / "cap", s), "metadata: scale: expected float > 0.0, got '-0.5'")
+    """,
+    )
+    one_error(
+        invoke("capture", "--quiet", "--out", tmp_path / "cap", s), "metadata: scale: expected float > 0.0, got '-0.5'"
+    )
     one_error(invoke("capture", "--quiet", "--no-save", s), "metadata: scale: expected float > 0.0, got '-0.5'")
 
 
@@ -163,7 +177,9 @@ def test_syntax_error_says_where(tmp_path):
     s = script(tmp_path, "syntax.py", "import torch\nx = (1,\ndef f(:\n")
     r = invoke("capture", "--quiet", "--out", tmp_path / "cap", s)
     assert r.exit_code == 2
-    assert r.stderr.strip().splitlines()[-1].startswith(f"attncheck: error: {s} failed (SyntaxError at line 3, column 1")
+    assert (
+        r.stderr.strip().splitlines()[-1].startswith(f"attncheck: error: {s} failed (SyntaxError at line 3, column 1")
+    )
 
 
 def test_out_name_longer_than_the_file_system_allows(tmp_path):
@@ -178,24 +194,42 @@ def test_paths_holding_markup(tmp_path):
     r = invoke("run", tmp_path / "m[/x]/c.npy", "--quiet", "--brief", "--dtype", "fp32", "--method", "stable")
     assert r.exit_code == 0, r.output
     assert "m[/x]/c.npy" in r.stdout.replace("\n", "")
-    s = script(tmp_path, "ok.py", "import torch, torch.nn.functional as F\nq = torch.randn(1, 2, 4, 8)\nF.scaled_dot_product_attention(q, q, q)\n")
+    s = script(
+        tmp_path,
+        "ok.py",
+        "import torch, torch.nn.functional as F\nq = torch.randn(1, 2, 4, 8)\nF.scaled_dot_product_attention(q, q, q)\n",
+    )
     r = invoke("capture", "--quiet", "--out", tmp_path / "m[/x]/cap", s)
     assert r.exit_code == 0, r.output
 
 
 def test_unicode_digits_in_integer_options(tmp_path):
     torch.save({"q": torch.ones(2, 1, 4, 8), "k": torch.ones(2, 1, 4, 8)}, tmp_path / "qk.pt")
-    one_error(invoke("run", "--q", f"{tmp_path / 'qk.pt'}:q", "--k", f"{tmp_path / 'qk.pt'}:k", "--pad-left", "\u00b2,0"), "--pad-left: '²' is not a non-negative integer")
+    one_error(
+        invoke("run", "--q", f"{tmp_path / 'qk.pt'}:q", "--k", f"{tmp_path / 'qk.pt'}:k", "--pad-left", "\u00b2,0"),
+        "--pad-left: '²' is not a non-negative integer",
+    )
     one_error(invoke("run", "--example", "--device", "cuda:\u00b2"), "--device")
     one_error(invoke("capture", "--forward", "\u00b2", tmp_path / "qk.pt"), "--forward")
-    one_error(invoke("run", "--example", "--block", "1" + "0" * 5000), "--block must be an integer from 1 to 2^62, got an integer of 5,001 digits")
+    one_error(
+        invoke("run", "--example", "--block", "1" + "0" * 5000),
+        "--block must be an integer from 1 to 2^62, got an integer of 5,001 digits",
+    )
 
 
 # --------------------------------------------------------------------------- standard output refused
 
 
-@pytest.mark.parametrize("args", [["run", "--example", "--brief", "--quiet"], ["run", "--example", "--json", "-", "--quiet"], ["--version"],
-                                  ["run", "--help"], ["sweep", "--dk", "16", "--scale", "sqrt", "--seq", "16", "--rows", "8", "--quiet"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "--example", "--brief", "--quiet"],
+        ["run", "--example", "--json", "-", "--quiet"],
+        ["--version"],
+        ["run", "--help"],
+        ["sweep", "--dk", "16", "--scale", "sqrt", "--seq", "16", "--rows", "8", "--quiet"],
+    ],
+)
 def test_a_full_standard_output_is_one_line(args, capfd):
     with open("/dev/full", "w") as full, contextlib.redirect_stdout(full):
         code = app(args, standalone_mode=False)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner

@@ -19,8 +19,8 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from attncheck.config.check import load_config
 from attncheck.cli import app
+from attncheck.config.check import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -106,10 +106,26 @@ def test_passing_config_exits_0_and_writes_every_report(project):
     assert "all 12 case(s) within budget (2 input(s), config pyproject.toml, device cpu)" in " ".join(r.stdout.split())
 
     suite = ET.parse(project / "out.xml").getroot()
-    assert (suite.tag, suite.get("name"), suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("testsuite", "attncheck", "12", "0", "0")
+    assert (suite.tag, suite.get("name"), suite.get("tests"), suite.get("failures"), suite.get("errors")) == (
+        "testsuite",
+        "attncheck",
+        "12",
+        "0",
+        "0",
+    )
     cases = suite.findall("testcase")
-    assert {c.get("classname") for c in cases} == {"attncheck.dumps/healthy.npy", "attncheck.synthetic[0]:dk=32,scale=sqrt,seq=64,rows=64,dist=normal,seed=0"}
-    assert [c.get("name") for c in cases[:6]] == ["stable/bf16", "stable/fp16", "tiled/bf16", "tiled/fp16", "torch/bf16", "torch/fp16"]
+    assert {c.get("classname") for c in cases} == {
+        "attncheck.dumps/healthy.npy",
+        "attncheck.synthetic[0]:dk=32,scale=sqrt,seq=64,rows=64,dist=normal,seed=0",
+    }
+    assert [c.get("name") for c in cases[:6]] == [
+        "stable/bf16",
+        "stable/fp16",
+        "tiled/bf16",
+        "tiled/fp16",
+        "torch/bf16",
+        "torch/fp16",
+    ]
     assert all(c.find("failure") is None for c in cases)
 
     doc = json.loads((project / "out.json").read_text())
@@ -163,7 +179,9 @@ def test_fp16_naive_overflow_exits_1_and_junit_names_the_case(overflow_dump, pro
     assert overflow["rows"] and {tuple(r) for r in overflow["rows"]} <= hot
     assert doc["passed"] is False and doc["summary"] == {"cases": 2, "passed": 1, "failed": 1}
 
-    assert r.stderr.startswith(f"attncheck: budget broken: dumps/overflow.npy naive/fp16: overflow {expected} > budget 0 (rows ")
+    assert r.stderr.startswith(
+        f"attncheck: budget broken: dumps/overflow.npy naive/fp16: overflow {expected} > budget 0 (rows "
+    )
     assert len(r.stderr.strip().splitlines()) == 1
 
 
@@ -188,8 +206,8 @@ def test_json_to_stdout_prints_only_json(overflow_dump):
 
 
 def test_rich_summary_fits_80_columns(overflow_dump, project):
-    from attncheck.report.check import print_summary
     from attncheck.pipelines.check import run_check
+    from attncheck.report.check import print_summary
 
     result = run_check(load_config(project / "pyproject.toml"))
     buf = io.StringIO()
@@ -245,28 +263,85 @@ def write_config(project, text):
 
 
 CONFIG_ERRORS = [
-    ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\nblock = \n', r"pyproject\.toml: invalid TOML: Invalid value \(at line 3, column 9\)"),
-    ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budgett]\nnan = 0\n', re.escape("unknown key 'tool.attncheck.budgett' in pyproject.toml (known: inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, max_work, budget, ignore)")),
-    ('[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budget]\nnan = "zero"\n', re.escape("tool.attncheck.budget.nan must be an integer >= 0, got 'zero'")),
-    ('[tool.attncheck]\ninputs = ["dumps/*.pt"]\n', re.escape("tool.attncheck.inputs: 'dumps/*.pt' matches no file (relative to ") + ".+" + re.escape(")")),
-    ("[tool.attncheck]\ndtypes = ['bf16']\n", re.escape('[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table')),
-    ("[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\npaths = ['eager', 'triton']\n",
-     re.escape("tool.attncheck.synthetic[0].paths: unknown path 'triton' (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math)")),
-    ("[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\n[tool.attncheck.budget]\nout_rmse = 1e-3\n",
-     re.escape('tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a [[tool.attncheck.synthetic]] entry (saved score dumps have no V)')),
-    ("[project]\nname = 'x'\n", r"no config found: no attncheck\.toml, and no pyproject\.toml with a \[tool\.attncheck\] table, in .+ or its parents; add one or pass --config FILE"),
+    (
+        '[tool.attncheck]\ninputs = ["dumps/*.npy"]\nblock = \n',
+        r"pyproject\.toml: invalid TOML: Invalid value \(at line 3, column 9\)",
+    ),
+    (
+        '[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budgett]\nnan = 0\n',
+        re.escape(
+            "unknown key 'tool.attncheck.budgett' in pyproject.toml (known: inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, max_work, budget, ignore)"
+        ),
+    ),
+    (
+        '[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budget]\nnan = "zero"\n',
+        re.escape("tool.attncheck.budget.nan must be an integer >= 0, got 'zero'"),
+    ),
+    (
+        '[tool.attncheck]\ninputs = ["dumps/*.pt"]\n',
+        re.escape("tool.attncheck.inputs: 'dumps/*.pt' matches no file (relative to ") + ".+" + re.escape(")"),
+    ),
+    (
+        "[tool.attncheck]\ndtypes = ['bf16']\n",
+        re.escape(
+            '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table'
+        ),
+    ),
+    (
+        "[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\npaths = ['eager', 'triton']\n",
+        re.escape(
+            "tool.attncheck.synthetic[0].paths: unknown path 'triton' (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math)"
+        ),
+    ),
+    (
+        "[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\n[tool.attncheck.budget]\nout_rmse = 1e-3\n",
+        re.escape(
+            'tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a [[tool.attncheck.synthetic]] entry (saved score dumps have no V)'
+        ),
+    ),
+    (
+        "[project]\nname = 'x'\n",
+        r"no config found: no attncheck\.toml, and no pyproject\.toml with a \[tool\.attncheck\] table, in .+ or its parents; add one or pass --config FILE",
+    ),
     # q and k of 10^9 keys x 64 (512 GB), and one head's 1024 x 10^9 scores: refused before torch is imported
-    ("[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 64\nseq = 1000000000\n", re.escape(
-        "tool.attncheck.synthetic[0]: its q and k (1 heads x (1024 queries + 1000000000 keys) x d_k 64) and a head's scores need 23,365 GiB, "
-        "over tool.attncheck.max_memory 1 GiB: lower seq, rows or d_k, or raise tool.attncheck.max_memory")),
-    ("[tool.attncheck]\nmax_memory = '64MiB'\n[[tool.attncheck.synthetic]]\nd_k = 64\nseq = 4096\n", re.escape(
-        "tool.attncheck.synthetic[0]: its q and k (1 heads x (1024 queries + 4096 keys) x d_k 64) and a head's scores need 98.5 MiB, "
-        "over tool.attncheck.max_memory 64 MiB: lower seq, rows or d_k, or raise tool.attncheck.max_memory")),
-    ("[tool.attncheck]\nmax_memory = 'lots'\n[[tool.attncheck.synthetic]]\nd_k = 64\n", re.escape("tool.attncheck.max_memory: 'lots' is not a size (e.g. 1GiB, 512MiB, 2G)")),
+    (
+        "[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 64\nseq = 1000000000\n",
+        re.escape(
+            "tool.attncheck.synthetic[0]: its q and k (1 heads x (1024 queries + 1000000000 keys) x d_k 64) and a head's scores need 23,365 GiB, "
+            "over tool.attncheck.max_memory 1 GiB: lower seq, rows or d_k, or raise tool.attncheck.max_memory"
+        ),
+    ),
+    (
+        "[tool.attncheck]\nmax_memory = '64MiB'\n[[tool.attncheck.synthetic]]\nd_k = 64\nseq = 4096\n",
+        re.escape(
+            "tool.attncheck.synthetic[0]: its q and k (1 heads x (1024 queries + 4096 keys) x d_k 64) and a head's scores need 98.5 MiB, "
+            "over tool.attncheck.max_memory 64 MiB: lower seq, rows or d_k, or raise tool.attncheck.max_memory"
+        ),
+    ),
+    (
+        "[tool.attncheck]\nmax_memory = 'lots'\n[[tool.attncheck.synthetic]]\nd_k = 64\n",
+        re.escape("tool.attncheck.max_memory: 'lots' is not a size (e.g. 1GiB, 512MiB, 2G)"),
+    ),
 ]
 
 
-@pytest.mark.parametrize("text,pattern", CONFIG_ERRORS, ids=["bad-toml", "unknown-key", "wrong-type", "no-match", "no-inputs", "unknown-path", "out-without-v", "no-table", "huge-seq", "over-max-memory", "bad-max-memory"])
+@pytest.mark.parametrize(
+    "text,pattern",
+    CONFIG_ERRORS,
+    ids=[
+        "bad-toml",
+        "unknown-key",
+        "wrong-type",
+        "no-match",
+        "no-inputs",
+        "unknown-path",
+        "out-without-v",
+        "no-table",
+        "huge-seq",
+        "over-max-memory",
+        "bad-max-memory",
+    ],
+)
 def test_config_errors_exit_2_with_one_line(project, text, pattern):
     (project / "pyproject.toml").write_text(text)
     r = check("--junit", "junit.xml")
@@ -279,7 +354,10 @@ def test_option_errors_exit_2(project):
     (project / "pyproject.toml").write_text(PASSING)
     for args, message in [
         (["--device", "tpu"], "--device must be one of auto, cpu, cuda or cuda:N, got 'tpu'"),
-        (["--junit", "no/such/dir/j.xml"], f"cannot write --junit no/such/dir/j.xml: folder {project}/no/such/dir does not exist"),
+        (
+            ["--junit", "no/such/dir/j.xml"],
+            f"cannot write --junit no/such/dir/j.xml: folder {project}/no/such/dir does not exist",
+        ),
         (["--markdown", "."], "cannot write --markdown .: it is a folder; give a file name"),
         (["--config", "missing.toml"], "config missing.toml: no such file"),
     ]:
@@ -291,7 +369,9 @@ def test_option_errors_exit_2(project):
 def test_config_that_is_not_a_regular_file_or_has_a_name_too_long(project):
     start = time.perf_counter()
     r = check("--config", "/dev/zero")
-    assert r.exit_code == 2 and error_line(r) == "attncheck: error: config /dev/zero: not a regular file; give a TOML file"
+    assert (
+        r.exit_code == 2 and error_line(r) == "attncheck: error: config /dev/zero: not a regular file; give a TOML file"
+    )
     assert time.perf_counter() - start < 5
     long = "c" * 300 + ".toml"
     r = check("--config", long)
@@ -301,8 +381,10 @@ def test_config_that_is_not_a_regular_file_or_has_a_name_too_long(project):
 def test_synthetic_input_within_max_memory_streams_its_rows(project):
     # One head of 1024 queries x 4096 keys: q, k and two heads' scores fit 128 MiB; the check
     # reads its rows in blocks and gives the numbers of the whole-tensor check.
-    (project / "pyproject.toml").write_text("[tool.attncheck]\nmax_memory = '128MiB'\ndtypes = ['fp32']\nmethods = ['torch']\n"
-                                            "[[tool.attncheck.synthetic]]\nd_k = 16\nseq = 4096\n")
+    (project / "pyproject.toml").write_text(
+        "[tool.attncheck]\nmax_memory = '128MiB'\ndtypes = ['fp32']\nmethods = ['torch']\n"
+        "[[tool.attncheck.synthetic]]\nd_k = 16\nseq = 4096\n"
+    )
     r = check("--json", "-")
     assert r.exit_code == 0, r.output
     (case,) = json.loads(r.stdout)["cases"]
@@ -316,7 +398,11 @@ def test_junit_to_stdout(overflow_dump, project):
     assert suite.tag == "testsuite" and int(suite.get("failures")) == 1
     assert not (project / "-").exists()
     r = check("--junit", "-", "--json", "-")
-    assert r.exit_code == 2 and error_line(r) == "attncheck: error: --junit and --json both write to standard output ('-'); send one of them to a file"
+    assert (
+        r.exit_code == 2
+        and error_line(r)
+        == "attncheck: error: --junit and --json both write to standard output ('-'); send one of them to a file"
+    )
 
 
 def test_npz_held_whole_over_max_memory_exits_2(project):
@@ -335,7 +421,10 @@ def test_npz_held_whole_over_max_memory_exits_2(project):
     (project / "pyproject.toml").write_text('[tool.attncheck]\ninputs = ["dumps/bomb.npz"]\nmax_memory = "16MiB"\n')
     r = check()
     assert r.exit_code == 2
-    assert error_line(r) == f"attncheck: error: {project / 'dumps' / 'bomb.npz'}:s: a Fortran-ordered array is read whole: it needs 64 MiB, over tool.attncheck.max_memory 16 MiB"
+    assert (
+        error_line(r)
+        == f"attncheck: error: {project / 'dumps' / 'bomb.npz'}:s: a Fortran-ordered array is read whole: it needs 64 MiB, over tool.attncheck.max_memory 16 MiB"
+    )
 
 
 def test_unreadable_input_exits_2(project):
@@ -394,7 +483,9 @@ def test_config_errors_do_not_import_torch(tmp_path):
 
 
 def test_importing_the_command_does_not_import_torch():
-    code = "import sys, attncheck.cli.check, attncheck.config.check; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    code = (
+        "import sys, attncheck.cli.check, attncheck.config.check; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False False", out.stderr
 
@@ -420,7 +511,12 @@ def test_example_config_loads_and_passes(ci_example):
     assert cfg.inputs == ("dumps/*.safetensors",)
     assert [Path(f).name for f in cfg.files] == ["layer0.safetensors", "layer1.safetensors"]
     assert cfg.dtypes == ("bf16", "fp16") and cfg.methods == ("tiled", "torch")
-    assert (cfg.budget.nan, cfg.budget.overflow, cfg.budget.max_abs_err, cfg.budget.relative_to_torch) == (0, 0, 1e-2, 2.0)
+    assert (cfg.budget.nan, cfg.budget.overflow, cfg.budget.max_abs_err, cfg.budget.relative_to_torch) == (
+        0,
+        0,
+        1e-2,
+        2.0,
+    )
     assert cfg.budget_for("fp16").max_abs_err == 2e-3
     assert [s.name for s in cfg.synthetic] == [
         "synthetic[0]:dk=128,scale=sqrt,seq=256,dist=normal,seed=0",
@@ -452,7 +548,14 @@ def run_check_cli(project, *args, progress: str | None):
     env = {k: v for k, v in os.environ.items() if k not in ("ATTNCHECK_PROGRESS", "GITHUB_STEP_SUMMARY")}
     if progress is not None:
         env.update(ATTNCHECK_PROGRESS=progress, COLUMNS="100")
-    return subprocess.run([sys.executable, "-m", "attncheck", "check", *args], capture_output=True, text=True, timeout=300, env=env, cwd=project)
+    return subprocess.run(
+        [sys.executable, "-m", "attncheck", "check", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=project,
+    )
 
 
 @pytest.mark.slow
@@ -461,7 +564,9 @@ def test_progress_goes_to_stderr_never_into_json_stdout(project):
     shown = run_check_cli(project, "--json", "-", progress="always")
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["schema"] == "attncheck.check/1"
-    assert "dumps/healthy.npy" in shown.stderr and "16/16" in shown.stderr and "rows" in shown.stderr  # a bar per input, on stderr
+    assert (
+        "dumps/healthy.npy" in shown.stderr and "16/16" in shown.stderr and "rows" in shown.stderr
+    )  # a bar per input, on stderr
     assert "64/64" in shown.stderr  # the synthetic entry's rows
     quiet = run_check_cli(project, "--json", "-", "--quiet", progress="always")
     assert json.loads(quiet.stdout)["schema"] == "attncheck.check/1" and quiet.stderr == ""
@@ -474,16 +579,29 @@ def test_no_progress_when_stderr_is_not_a_terminal(project):
 
 
 HOSTILE_CONFIGS = [
-    ('inputs = ["*.npy"]\n[budget]\nnan = 1' + "0" * 5000, "attncheck.toml: holds an integer of more than 4,300 digits, which no setting takes"),
+    (
+        'inputs = ["*.npy"]\n[budget]\nnan = 1' + "0" * 5000,
+        "attncheck.toml: holds an integer of more than 4,300 digits, which no setting takes",
+    ),
     ("inputs = " + "[" * 100_000 + "]" * 100_000, "attncheck.toml: arrays or tables nested too deep to be a config"),
-    ('inputs = ["*.npy"]\nx = ' + "{a = " * 5000 + "1" + "}" * 5000, "attncheck.toml: arrays or tables nested too deep to be a config"),
+    (
+        'inputs = ["*.npy"]\nx = ' + "{a = " * 5000 + "1" + "}" * 5000,
+        "attncheck.toml: arrays or tables nested too deep to be a config",
+    ),
     ('inputs = ["*.npy"]\nmax_memory = "1B"', "must be at least 1MiB"),
-    ('inputs = ["*.npy"]\n[budget]\nmax_abs_err = 1' + "0" * 5000 + ".0", "budget.max_abs_err must be a number >= 0, got inf"),
+    (
+        'inputs = ["*.npy"]\n[budget]\nmax_abs_err = 1' + "0" * 5000 + ".0",
+        "budget.max_abs_err must be a number >= 0, got inf",
+    ),
     ("[[synthetic]]\nd_k = 1024\nseq = 1048576\nrows = 1048576", "synthetic[0]: its q and k"),
 ]
 
 
-@pytest.mark.parametrize("text,message", HOSTILE_CONFIGS, ids=["digits", "deep_array", "deep_table", "tiny_memory", "huge_float", "terabytes"])
+@pytest.mark.parametrize(
+    "text,message",
+    HOSTILE_CONFIGS,
+    ids=["digits", "deep_array", "deep_table", "tiny_memory", "huge_float", "terabytes"],
+)
 def test_hostile_configs_are_one_line(tmp_path, text, message):
     (tmp_path / "attncheck.toml").write_text(text + "\n")
     np.save(tmp_path / "a.npy", np.zeros((2, 8), np.float32))

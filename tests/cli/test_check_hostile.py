@@ -39,11 +39,14 @@ def config(tmp_path, text: str):
     return tmp_path / "attncheck.toml"
 
 
-@pytest.mark.parametrize("text", [
-    '[[synthetic]]\nd_k = 64\ndtype = ["e4m3"]\n',  # the config: a KeyError traceback before
-    'dtypes = ["fp16", "e5m2"]\n[[synthetic]]\nd_k = 64\nrows = 64\n',
-    '[[synthetic]]\nd_k = 64\nrows = 64\npaths = ["flash-fp8"]\n',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[[synthetic]]\nd_k = 64\ndtype = ["e4m3"]\n',  # the config: a KeyError traceback before
+        'dtypes = ["fp16", "e5m2"]\n[[synthetic]]\nd_k = 64\nrows = 64\n',
+        '[[synthetic]]\nd_k = 64\nrows = 64\npaths = ["flash-fp8"]\n',
+    ],
+)
 def test_fp8_in_a_check_config_is_refused_naming_what_check_computes(tmp_path, text):
     line = one_error(invoke("check", "--config", config(tmp_path, text)), "check computes")
     assert "FP8" in line and "attncheck run --dtype e4m3" in line
@@ -68,7 +71,7 @@ def test_a_glob_over_a_folder_that_links_to_itself_ends(tmp_path):
 
 def test_synthetic_rows_past_max_work_are_refused_with_the_estimate(tmp_path):
     # 1,000,000 rows x 256 keys x 3 dtypes x 3 methods = 2.3e9 score elements (rows round up to 3,907 heads of 256)
-    text = '[[synthetic]]\nd_k = 8\nrows = 1000000\nseq = 256\n'
+    text = "[[synthetic]]\nd_k = 8\nrows = 1000000\nseq = 256\n"
     start = time.perf_counter()
     line = one_error(invoke("check", "--config", config(tmp_path, text)), "would compute 2.30e9 score elements")
     assert time.perf_counter() - start < 5  # refused up front, nothing drawn
@@ -78,7 +81,10 @@ def test_synthetic_rows_past_max_work_are_refused_with_the_estimate(tmp_path):
 
 def test_max_work_raises_the_limit(tmp_path):
     text = 'max_work = 127\ndtypes = ["fp32"]\nmethods = ["torch"]\n[[synthetic]]\nd_k = 8\nrows = 8\nseq = 16\n'
-    one_error(invoke("check", "--config", config(tmp_path, text)), "would compute 128 score elements (synthetic[0]: 8 rows x 16 keys x 1 cells), over max_work 127")
+    one_error(
+        invoke("check", "--config", config(tmp_path, text)),
+        "would compute 128 score elements (synthetic[0]: 8 rows x 16 keys x 1 cells), over max_work 127",
+    )
     r = invoke("check", "--config", config(tmp_path, text.replace("max_work = 127", "max_work = 128")))
     assert r.exit_code == 0, r.output  # 8 rows x 16 keys x 1 cell = 128: at the limit, not over it
 
@@ -96,8 +102,27 @@ def test_a_sweep_of_3000_head_dimensions_is_refused_with_the_estimate():
 def test_sweep_max_work_is_checked_and_raises_the_limit():
     one_error(invoke("sweep", "--max-work", "0"), "--max-work must be a number > 0")
     # 1 d_k x 1 scale x 8 rows x 16 keys x 1 dtype x (1 method + 0 paths) = 128 elements
-    small = ("sweep", "--dk", "8", "--scale", "sqrt", "--rows", "8", "--seq", "16", "--dtype", "fp32", "--method", "torch", "--path", "none")
-    one_error(invoke(*small, "--max-work", "127"), "the sweep would compute 128 score elements (1 grid points x 8 rows x 16 keys x 1 cells), over --max-work 127")
+    small = (
+        "sweep",
+        "--dk",
+        "8",
+        "--scale",
+        "sqrt",
+        "--rows",
+        "8",
+        "--seq",
+        "16",
+        "--dtype",
+        "fp32",
+        "--method",
+        "torch",
+        "--path",
+        "none",
+    )
+    one_error(
+        invoke(*small, "--max-work", "127"),
+        "the sweep would compute 128 score elements (1 grid points x 8 rows x 16 keys x 1 cells), over --max-work 127",
+    )
     r = invoke(*small, "--max-work", "128", "--quiet")
     assert r.exit_code == 0, r.output
 
@@ -110,5 +135,7 @@ def test_a_step_summary_fifo_nobody_reads_is_a_warning_not_a_hang(tmp_path, monk
     text = 'dtypes = ["fp32"]\nmethods = ["torch"]\n[[synthetic]]\nd_k = 8\nrows = 8\nseq = 16\n'
     r = invoke("check", "--config", config(tmp_path, text))
     assert r.exit_code == 0, r.output
-    assert r.stderr.strip() == (f"attncheck: warning: cannot append to $GITHUB_STEP_SUMMARY ({fifo}): it is a FIFO that no process "
-                                "reads; start its reader first, or give a file")
+    assert r.stderr.strip() == (
+        f"attncheck: warning: cannot append to $GITHUB_STEP_SUMMARY ({fifo}): it is a FIFO that no process "
+        "reads; start its reader first, or give a file"
+    )

@@ -29,17 +29,23 @@ def test_explain_prints_the_codes_page():
     lines = [line.rstrip() for line in r.stdout.splitlines()]
     assert max(len(line) for line in r.stdout.splitlines()) <= 80
     assert "Adding the mask value to a negative score overflows to -inf." in lines
-    assert " $ attncheck run --q qk.pt:q --k qk.pt:k --causal --mask-value min --dtype fp16" in lines  # the example, wrapped
+    assert (
+        " $ attncheck run --q qk.pt:q --k qk.pt:k --causal --mask-value min --dtype fp16" in lines
+    )  # the example, wrapped
     assert lines[-1] == "Reference: docs/reference/findings.md#sentinel_overflow_on_add"
     wide = runner.invoke(app, ["explain", "sentinel_overflow_on_add"], env={"COLUMNS": "120"}).stdout
     assert max(len(line) for line in wide.splitlines()) == 120  # wrapped to the terminal's width
-    assert runner.invoke(app, ["explain", "EXP_OVERFLOW"], env={"COLUMNS": "80"}).stdout == render(explain_page("exp_overflow"))
+    assert runner.invoke(app, ["explain", "EXP_OVERFLOW"], env={"COLUMNS": "80"}).stdout == render(
+        explain_page("exp_overflow")
+    )
 
 
 def test_explain_markdown_prints_the_page_source():
     r = runner.invoke(app, ["explain", "sentinel_overflow_on_add", "--markdown"])
     assert r.exit_code == 0 and r.stdout == explain_text("sentinel_overflow_on_add")
-    assert r.stdout.startswith("# sentinel_overflow_on_add\n\nAdding the mask value to a negative score overflows to -inf.\n")
+    assert r.stdout.startswith(
+        "# sentinel_overflow_on_add\n\nAdding the mask value to a negative score overflows to -inf.\n"
+    )
     assert "$ attncheck run --q qk.pt:q --k qk.pt:k --causal --mask-value min" in r.stdout
     assert r.stdout.endswith("\nReference: docs/reference/findings.md#sentinel_overflow_on_add\n")
     assert runner.invoke(app, ["explain", "--markdown"]).stdout == codes_list()
@@ -51,11 +57,17 @@ def test_explain_without_a_code_lists_them_in_80_columns():
     assert max(len(line) for line in r.stdout.splitlines()) <= 80
 
 
-@pytest.mark.parametrize("typed, line", [
-    ("exp_overflw", "attncheck: error: unknown finding code 'exp_overflw': did you mean exp_overflow, fp8_overflow, qk_overflow?"),
-    ("fully_masked", "attncheck: error: unknown finding code 'fully_masked': did you mean fully_masked_rows?"),
-    ("bogus", "attncheck: error: unknown finding code 'bogus': 'attncheck explain' lists every code"),
-])
+@pytest.mark.parametrize(
+    "typed, line",
+    [
+        (
+            "exp_overflw",
+            "attncheck: error: unknown finding code 'exp_overflw': did you mean exp_overflow, fp8_overflow, qk_overflow?",
+        ),
+        ("fully_masked", "attncheck: error: unknown finding code 'fully_masked': did you mean fully_masked_rows?"),
+        ("bogus", "attncheck: error: unknown finding code 'bogus': 'attncheck explain' lists every code"),
+    ],
+)
 def test_an_unknown_code_is_one_line_with_the_closest_codes(typed, line):
     r = runner.invoke(app, ["explain", typed])
     assert r.exit_code == 2 and r.stdout == ""

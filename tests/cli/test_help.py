@@ -69,11 +69,15 @@ def test_help_paragraphs_are_filled_to_the_width(command):
 
 
 def test_a_sample_sentence_reads_whole():
-    sentence = ("Var(q.k) grows as d_k; 1/sqrt(d_k) brings it back to 1, 1/d_k to 1/d_k, 1/d_k^2 to 1/d_k^3. Unscaled logits "
-                "collapse attention onto one key and kill the softmax gradient; too much scaling flattens it to uniform.")
+    sentence = (
+        "Var(q.k) grows as d_k; 1/sqrt(d_k) brings it back to 1, 1/d_k to 1/d_k, 1/d_k^2 to 1/d_k^3. Unscaled logits "
+        "collapse attention onto one key and kill the softmax gradient; too much scaling flattens it to uniform."
+    )
     assert any(sentence in " ".join(p) for p in description_paragraphs(help_text("sweep")))
     wide = help_text("sweep", width=300)
     assert any(line.strip().startswith(sentence) for line in wide.splitlines())
     check = [" ".join(p) for p in description_paragraphs(help_text("check"))]
-    assert ("Exit codes: 0 every budget holds, 1 a budget broke, 2 configuration or input error (or an internal error, so that "
-            "1 always means a budget).") in check
+    assert (
+        "Exit codes: 0 every budget holds, 1 a budget broke, 2 configuration or input error (or an internal error, so that "
+        "1 always means a budget)."
+    ) in check

@@ -30,8 +30,19 @@ runner = CliRunner()
 
 # Markup Rich would read (and reject: '[/]' closes nothing), control characters, a colour escape,
 # an OSC 8 hyperlink, a line separator and a right-to-left override.
-NAMES = ["[/]", "[red]x", "[bold]b[/bold]", "a\nb", "c\rd", "e\x1b[31mred\x1b[0m", "\x1b]8;;http://x\x07link\x1b]8;;\x07",
-         "f\u2028g", "h\u202ei", "t\tab", "[link=file:///etc/passwd]l[/link]"]
+NAMES = [
+    "[/]",
+    "[red]x",
+    "[bold]b[/bold]",
+    "a\nb",
+    "c\rd",
+    "e\x1b[31mred\x1b[0m",
+    "\x1b]8;;http://x\x07link\x1b]8;;\x07",
+    "f\u2028g",
+    "h\u202ei",
+    "t\tab",
+    "[link=file:///etc/passwd]l[/link]",
+]
 RAW = ("\x1b", "\r", "\x07", "\u2028", "\u202e", "\t")  # never written raw by attncheck
 
 
@@ -88,7 +99,9 @@ def test_pt_keys_are_named_as_python_literals(files):
 
 
 def test_a_key_selected_by_its_name(files):
-    r = invoke("run", files / "m.safetensors", "--key", "[[]/]", "--quiet", "--brief", "--dtype", "fp32", "--method", "stable")
+    r = invoke(
+        "run", files / "m.safetensors", "--key", "[[]/]", "--quiet", "--brief", "--dtype", "fp32", "--method", "stable"
+    )
     assert r.exit_code == 0, r.output
     literal(r.stdout, f"{files / 'm.safetensors'}:[/]")
 
@@ -120,12 +133,16 @@ def test_progress_bar_shows_a_name_as_itself():
     with Progress(True, delay=0.0, force_terminal=True) as progress:
         for n in NAMES:
             progress.track(n, 10)(5)
-        shown = [column.render(task).plain for task in progress._progress.tasks for column in progress._progress.columns[:1]]
+        shown = [
+            column.render(task).plain for task in progress._progress.tasks for column in progress._progress.columns[:1]
+        ]
     assert shown == [visible(n) for n in NAMES]
 
 
 def test_progress_bar_of_a_run(files):
-    r = invoke("run", files / "m.npz", "--brief", "--dtype", "fp32", "--method", "stable", env={"ATTNCHECK_PROGRESS": "always"})
+    r = invoke(
+        "run", files / "m.npz", "--brief", "--dtype", "fp32", "--method", "stable", env={"ATTNCHECK_PROGRESS": "always"}
+    )
     no_traceback(r)
     assert r.exit_code == 0, r.output
     assert visible(f"{files / 'm.npz'}:[/]") in r.stderr
@@ -203,8 +220,20 @@ def test_check_reports(tmp_path):
     dumps.mkdir()
     for n in ("[red]x.npy", "e\x1b[31m.npy", "a`b|c<i>.npy"):
         np.save(dumps / n, np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32))
-    (tmp_path / "attncheck.toml").write_text('inputs = ["d*/*.npy"]\ndtypes = ["fp32"]\nmethods = ["stable"]\n[budget]\nmax_abs_err = 0\n')
-    r = invoke("check", "--config", tmp_path / "attncheck.toml", "--markdown", tmp_path / "s.md", "--junit", tmp_path / "j.xml", "--json", tmp_path / "c.json")
+    (tmp_path / "attncheck.toml").write_text(
+        'inputs = ["d*/*.npy"]\ndtypes = ["fp32"]\nmethods = ["stable"]\n[budget]\nmax_abs_err = 0\n'
+    )
+    r = invoke(
+        "check",
+        "--config",
+        tmp_path / "attncheck.toml",
+        "--markdown",
+        tmp_path / "s.md",
+        "--junit",
+        tmp_path / "j.xml",
+        "--json",
+        tmp_path / "c.json",
+    )
     no_traceback(r)
     assert r.exit_code == 1, r.output  # a zero budget breaks: the failure lines name the inputs
     for n in ("[red]x.npy", "e\x1b[31m.npy", "a`b|c<i>.npy"):
@@ -254,7 +283,9 @@ def test_module_names_in_the_summary(tmp_path):
     no_traceback(r)
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    assert lines[1].startswith(f"first bad call: #0 {visible('blocks.' + NAMES[0])} (") and lines[-1].startswith("more: --detail ")
+    assert lines[1].startswith(f"first bad call: #0 {visible('blocks.' + NAMES[0])} (") and lines[-1].startswith(
+        "more: --detail "
+    )
     literal(r.stdout, "blocks." + NAMES[1])  # the later call
     hint = shlex.split(lines[-1].removeprefix("more: --detail ").split("; attncheck explain")[0])[0]
     detail = invoke("run", d, "--quiet", "--summary", "--detail", hint)

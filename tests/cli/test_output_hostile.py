@@ -16,8 +16,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def attncheck(*args: str, stdout=subprocess.PIPE, cwd=None, timeout=120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "attncheck", *args], stdout=stdout, stderr=subprocess.PIPE,
-                          text=True, env=env, cwd=cwd, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "attncheck", *args],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=timeout,
+    )
 
 
 def closed_stdout(*args: str) -> subprocess.CompletedProcess:
@@ -33,13 +40,16 @@ def one_line(proc: subprocess.CompletedProcess, match: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("attncheck: error: ") and match in lines[0], proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("args", [
-    ("run", "--example", "--json", "-"),  # the JSON report on stdout
-    ("run", "--example"),  # the tables
-    ("sweep", "--dk", "16"),
-    ("check", "--config", "nowhere.toml"),  # refused for stdout before the config is even read
-    ("explain", "input_nan"),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("run", "--example", "--json", "-"),  # the JSON report on stdout
+        ("run", "--example"),  # the tables
+        ("sweep", "--dk", "16"),
+        ("check", "--config", "nowhere.toml"),  # refused for stdout before the config is even read
+        ("explain", "input_nan"),
+    ],
+)
 def test_closed_stdout_is_one_line_before_any_work(args):
     proc = closed_stdout(*args)
     one_line(proc, "cannot write the report to standard output: it is closed")
@@ -138,12 +148,15 @@ def test_json_to_a_fifo_nobody_reads_is_one_line_and_one_with_a_reader_gets_the_
     assert r.exit_code == 0 and got["doc"]["schema"].startswith("attncheck.run/"), r.output
 
 
-@pytest.mark.parametrize("plot,match", [
-    ("p.txt", "matplotlib writes no '.txt' pictures"),
-    ("-", "--plot needs a file name: it does not write to standard output"),
-    ("", "--plot is an empty name"),
-    ("a" * 300 + ".png", "the file name is longer than the"),
-])
+@pytest.mark.parametrize(
+    "plot,match",
+    [
+        ("p.txt", "matplotlib writes no '.txt' pictures"),
+        ("-", "--plot needs a file name: it does not write to standard output"),
+        ("", "--plot is an empty name"),
+        ("a" * 300 + ".png", "the file name is longer than the"),
+    ],
+)
 def test_sweep_plot_names_matplotlib_cannot_write_are_refused_before_the_sweep(tmp_path, monkeypatch, plot, match):
     pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)
@@ -151,16 +164,27 @@ def test_sweep_plot_names_matplotlib_cannot_write_are_refused_before_the_sweep(t
     assert os.listdir(tmp_path) == []  # nothing written, not even a file named '-'
 
 
-
 @pytest.mark.slow  # three commands in subprocesses: 10 s
 def test_run_sweep_and_check_leave_nothing_in_the_temporary_directory(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    (tmp_path / "attncheck.toml").write_text('dtypes = ["fp16"]\n[[synthetic]]\nd_k = 8\nrows = 8\nseq = 16\npaths = ["flash"]\n')
+    (tmp_path / "attncheck.toml").write_text(
+        'dtypes = ["fp16"]\n[[synthetic]]\nd_k = 8\nrows = 8\nseq = 16\npaths = ["flash"]\n'
+    )
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    for args in (("run", "--example"), ("sweep", "--dk", "8", "--scale", "sqrt", "--rows", "8", "--seq", "16"), ("check",)):
-        proc = subprocess.run([sys.executable, "-m", "attncheck", *args, "--quiet"], capture_output=True, text=True,
-                              env=env, cwd=tmp_path, timeout=120)
+    for args in (
+        ("run", "--example"),
+        ("sweep", "--dk", "8", "--scale", "sqrt", "--rows", "8", "--seq", "16"),
+        ("check",),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "attncheck", *args, "--quiet"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert os.listdir(tmp) == []
 
@@ -169,9 +193,17 @@ def test_run_sweep_and_check_leave_nothing_in_the_temporary_directory(tmp_path):
 def test_a_closed_stderr_keeps_the_exit_code_and_the_report():
     """`2>&-`: the progress bar (forced on) and the error line have nowhere to go; the report still
     comes out and the exit code still says how the command ended (1 was a traceback before)."""
-    env = {**os.environ, "ATTNCHECK_PROGRESS": "always", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        "ATTNCHECK_PROGRESS": "always",
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     base = f"{sys.executable} -m attncheck"
-    ok = subprocess.run(["bash", "-c", f"{base} run --example --json - 2>&-"], capture_output=True, text=True, env=env, timeout=120)
+    ok = subprocess.run(
+        ["bash", "-c", f"{base} run --example --json - 2>&-"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert ok.returncode == 0 and '"schema": "attncheck.run/' in ok.stdout
-    bad = subprocess.run(["bash", "-c", f"{base} run no-such-file.npy 2>&-"], capture_output=True, text=True, env=env, timeout=120)
+    bad = subprocess.run(
+        ["bash", "-c", f"{base} run no-such-file.npy 2>&-"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert (bad.returncode, bad.stdout) == (2, "")

@@ -93,7 +93,19 @@ def test_json_to_stdout_has_the_contract_keys(overflow_fp16):
     assert t["census"]["rows"] == 4 and t["census"]["max"] == 15.0
     assert len(t["cells"]) == 12
     for cell in t["cells"]:
-        assert {"method", "dtype", "nan_rows", "nan_causes", "overflow_rows", "zero_rows", "max_abs_err", "rmse", "max_row_sum_err", "kl_max", "argmax_flips"} <= cell.keys()
+        assert {
+            "method",
+            "dtype",
+            "nan_rows",
+            "nan_causes",
+            "overflow_rows",
+            "zero_rows",
+            "max_abs_err",
+            "rmse",
+            "max_row_sum_err",
+            "kl_max",
+            "argmax_flips",
+        } <= cell.keys()
         assert isinstance(cell["nan_causes"], dict)
     naive16 = next(c for c in t["cells"] if (c["method"], c["dtype"]) == ("naive", "fp16"))
     assert naive16["nan_rows"] == 1 and naive16["nan_causes"] == {"exp_overflow": 1}
@@ -140,10 +152,12 @@ def bad_files(tmp_path):
         p = tmp_path / f"random{ext}"
         p.write_bytes(os.urandom(256))
         cases.append((p, "not a valid"))
-    good = {".npy": lambda p: np.save(p, np.ones((64, 64), np.float32)),
-            ".npz": lambda p: np.savez(p, a=np.ones((64, 64), np.float32)),
-            ".pt": lambda p: torch.save(torch.ones(64, 64), p),
-            ".safetensors": lambda p: save_file({"a": torch.ones(64, 64)}, str(p))}
+    good = {
+        ".npy": lambda p: np.save(p, np.ones((64, 64), np.float32)),
+        ".npz": lambda p: np.savez(p, a=np.ones((64, 64), np.float32)),
+        ".pt": lambda p: torch.save(torch.ones(64, 64), p),
+        ".safetensors": lambda p: save_file({"a": torch.ones(64, 64)}, str(p)),
+    }
     for ext, write in good.items():
         p = tmp_path / f"truncated{ext}"
         write(p)
@@ -175,21 +189,32 @@ def test_pickled_objects_are_refused_never_executed(tmp_path):
     torch.save({"scores": torch.ones(2, 2), "x": Payload(str(marker))}, p)
     r = invoke("run", p)
     assert r.exit_code == 2
-    assert error_line(r).startswith(f"attncheck: error: {p}: refused to load: it holds pickled objects other than tensors")
+    assert error_line(r).startswith(
+        f"attncheck: error: {p}: refused to load: it holds pickled objects other than tensors"
+    )
     assert not marker.exists()
 
 
 @pytest.mark.parametrize(
     "make,expected",
     [
-        (lambda p: np.save(p.with_suffix(".npy"), np.array([{"a": 1}], dtype=object), allow_pickle=True),
-         "{p}.npy: holds an object array (pickled Python objects), which attncheck does not support; nothing was unpickled. Save a numeric floating-point array"),
-        (lambda p: torch.save(torch.zeros(2, 3, dtype=torch.int64), p.with_suffix(".pt")),
-         "{p}.pt has dtype int64; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)"),
-        (lambda p: torch.save(torch.zeros(2, 3, dtype=torch.complex64), p.with_suffix(".pt")),
-         "{p}.pt has dtype complex64; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)"),
+        (
+            lambda p: np.save(p.with_suffix(".npy"), np.array([{"a": 1}], dtype=object), allow_pickle=True),
+            "{p}.npy: holds an object array (pickled Python objects), which attncheck does not support; nothing was unpickled. Save a numeric floating-point array",
+        ),
+        (
+            lambda p: torch.save(torch.zeros(2, 3, dtype=torch.int64), p.with_suffix(".pt")),
+            "{p}.pt has dtype int64; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)",
+        ),
+        (
+            lambda p: torch.save(torch.zeros(2, 3, dtype=torch.complex64), p.with_suffix(".pt")),
+            "{p}.pt has dtype complex64; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)",
+        ),
         (lambda p: torch.save(torch.zeros(0, 4), p.with_suffix(".pt")), "{p}.pt is empty (shape (0, 4))"),
-        (lambda p: p.with_suffix(".txt").write_text("hi"), "{p}.txt: unsupported file type '.txt' (supported: .pt, .pth, .npy, .npz, .safetensors)"),
+        (
+            lambda p: p.with_suffix(".txt").write_text("hi"),
+            "{p}.txt: unsupported file type '.txt' (supported: .pt, .pth, .npy, .npz, .safetensors)",
+        ),
     ],
     ids=["object-npy", "int-pt", "complex-pt", "empty", "extension"],
 )
@@ -211,29 +236,52 @@ def test_missing_file(tmp_path):
 def test_key_matching_nothing(overflow_fp16):
     r = invoke("run", overflow_fp16, "--key", "attn*")
     assert r.exit_code == 2
-    assert error_line(r) == (f"attncheck: error: --key 'attn*' matches no tensor (available: "
-                             f"{overflow_fp16}:layer0.scores, {overflow_fp16}:layer1.scores)")
+    assert error_line(r) == (
+        f"attncheck: error: --key 'attn*' matches no tensor (available: "
+        f"{overflow_fp16}:layer0.scores, {overflow_fp16}:layer1.scores)"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when CUDA is absent")
 def test_cuda_requested_without_cuda(healthy):
     r = invoke("run", healthy, "--device", "cuda")
     assert r.exit_code == 2
-    assert error_line(r) == "attncheck: error: --device cuda requested but CUDA is not available (torch.cuda.is_available() is False); use --device cpu"
+    assert (
+        error_line(r)
+        == "attncheck: error: --device cuda requested but CUDA is not available (torch.cuda.is_available() is False); use --device cpu"
+    )
 
 
 @pytest.mark.parametrize(
     "args,expected",
     [
-        (["--dtype", "fp8"], "--dtype: unknown dtype 'fp8' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
-        (["--dtype", "fp64"], "--dtype: dtype 'fp64' cannot be used here (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
-        (["--p-scale", "256"], "--p-scale apply to FP8 cells: add an FP8 dtype (e4m3, e5m2, e4m3fnuz, e5m2fnuz) to --dtype"),
+        (
+            ["--dtype", "fp8"],
+            "--dtype: unknown dtype 'fp8' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)",
+        ),
+        (
+            ["--dtype", "fp64"],
+            "--dtype: dtype 'fp64' cannot be used here (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)",
+        ),
+        (
+            ["--p-scale", "256"],
+            "--p-scale apply to FP8 cells: add an FP8 dtype (e4m3, e5m2, e4m3fnuz, e5m2fnuz) to --dtype",
+        ),
         (["--dtype", "e4m3", "--p-scale", "-1"], "--p-scale must be a number > 0, got -1"),
-        (["--dtype", "e4m3", "--fp8-scaling", "head"], "--fp8-scaling and --incoherent apply to attention computed from --q and --k"),
-        (["--dtype", "e4m3", "--method", "naive"], "no cell to compute: in e4m3 only a softmax that casts P to FP8 runs (tiled); add it to --method or a dtype such as fp16"),
+        (
+            ["--dtype", "e4m3", "--fp8-scaling", "head"],
+            "--fp8-scaling and --incoherent apply to attention computed from --q and --k",
+        ),
+        (
+            ["--dtype", "e4m3", "--method", "naive"],
+            "no cell to compute: in e4m3 only a softmax that casts P to FP8 runs (tiled); add it to --method or a dtype such as fp16",
+        ),
         (["--method", "fast"], "--method: unknown method 'fast' (choose from naive, stable, tiled, torch)"),
         (["--dtype", ""], "--dtype is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
-        (["--fail-on", "bogus"], "--fail-on: unknown condition 'bogus' (use nan, overflow, zero, flip, error, warning or a finding code, or what-if:CONDITION)"),
+        (
+            ["--fail-on", "bogus"],
+            "--fail-on: unknown condition 'bogus' (use nan, overflow, zero, flip, error, warning or a finding code, or what-if:CONDITION)",
+        ),
         (["--block", "0"], "--block must be an integer >= 1, got 0"),
         (["--block", "x"], "--block must be an integer >= 1, got 'x'"),
         (["--device", "tpu"], "--device must be one of auto, cpu, cuda or cuda:N, got 'tpu'"),
@@ -249,7 +297,10 @@ def test_bad_options(healthy, args, expected):
 def test_no_input():
     r = invoke("run")
     assert r.exit_code == 2
-    assert error_line(r) == "attncheck: error: no input: give score files or directories, --q and --k, or --example for a built-in one"
+    assert (
+        error_line(r)
+        == "attncheck: error: no input: give score files or directories, --q and --k, or --example for a built-in one"
+    )
 
 
 def test_unwritable_json_target(healthy, tmp_path):
@@ -261,7 +312,18 @@ def test_unwritable_json_target(healthy, tmp_path):
 # --------------------------------------------------------------------------- start-up
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["run", "--dtype", "fp8", "x.pt"], ["run", "--bogus"], ["--version"], ["sweep", "--help"], ["sweep", "--dk", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["run", "--help"],
+        ["run", "--dtype", "fp8", "x.pt"],
+        ["run", "--bogus"],
+        ["--version"],
+        ["sweep", "--help"],
+        ["sweep", "--dk", "0"],
+    ],
+)
 def test_help_and_argument_errors_do_not_import_torch(argv):
     code = (
         "import sys\n"
@@ -291,13 +353,17 @@ print(code, len(seen), repr(seen[0]) if seen else "-", file=sys.stderr)
 """
 
 
-@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE"),
-                                             pytest.param("active", "active", marks=pytest.mark.slow)])  # a subprocess each: 3.5 s
+@pytest.mark.parametrize(
+    "given, expected",
+    [(None, "PASSIVE"), ("ACTIVE", "ACTIVE"), pytest.param("active", "active", marks=pytest.mark.slow)],
+)  # a subprocess each: 3.5 s
 def test_the_command_keeps_idle_openmp_threads_from_spinning_unless_told(given, expected):
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if given is not None:
         env["OMP_WAIT_POLICY"] = given
-    proc = subprocess.run([sys.executable, "-c", WAIT_POLICY_PROBE], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", WAIT_POLICY_PROBE], capture_output=True, text=True, timeout=300, env=env
+    )
     assert proc.stderr.strip() == f"0 1 {expected!r}", proc.stderr
 
 
@@ -322,7 +388,12 @@ def test_help_shows_flags_without_a_type(command):
 
 
 def test_module_entry_point(healthy):
-    proc = subprocess.run([sys.executable, "-m", "attncheck", "run", str(healthy), "--json", "-"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "attncheck", "run", str(healthy), "--json", "-"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["schema"] == "attncheck.run/3"
 
@@ -348,7 +419,10 @@ def test_file_colon_key_as_a_path_says_how_to_pick_the_tensor(tmp_path):
     torch.save({"scores": torch.zeros(2, 3)}, p)
     r = invoke("run", f"{p}:scores")
     assert r.exit_code == 2
-    assert error_line(r) == f"attncheck: error: {p}:scores: no such file or directory (to diagnose the tensor 'scores' of {p}, pass {p} --key 'scores')"
+    assert (
+        error_line(r)
+        == f"attncheck: error: {p}:scores: no such file or directory (to diagnose the tensor 'scores' of {p}, pass {p} --key 'scores')"
+    )
     r = invoke("run", p, "--key", "scores", "--brief", "--dtype", "fp32")
     assert r.exit_code == 0, r.output
 

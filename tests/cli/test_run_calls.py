@@ -80,7 +80,9 @@ def test_detail_and_full(capdir):
     full = invoke("run", capdir, "--dtype", "fp16", "--full", "--brief")
     assert full.stdout.count(" x dtype (max |p - p_float64|)") == 3 and "Calls in order" not in full.stdout
     missing = invoke("run", capdir, "--detail", "nope*")
-    assert missing.exit_code == 2 and error_line(missing) == ["attncheck: error: --detail: 'nope*' matches no call (calls: layers.0, layers.1, layers.2)"]
+    assert missing.exit_code == 2 and error_line(missing) == [
+        "attncheck: error: --detail: 'nope*' matches no call (calls: layers.0, layers.1, layers.2)"
+    ]
 
 
 def test_ignore_drops_findings_and_their_rows_from_fail_on(capdir):
@@ -91,21 +93,40 @@ def test_ignore_drops_findings_and_their_rows_from_fail_on(capdir):
     # score is finfo(fp16).min plus a score, every exp flushes to 0, and 0/0 is NaN.
     r = invoke("run", capdir, "--dtype", "fp16", "--key", "layers.2", "--fail-on", "what-if:nan", "--method", "naive")
     assert r.exit_code == 1 and "attncheck: --fail-on what-if:nan:" in r.stderr and "eager:naive/fp16" in r.stderr
-    r = invoke("run", capdir, "--dtype", "fp16", "--key", "layers.2", "--fail-on", "what-if:nan", "--method", "naive", "--ignore", "fully_masked_rows", "--json", "-")
+    r = invoke(
+        "run",
+        capdir,
+        "--dtype",
+        "fp16",
+        "--key",
+        "layers.2",
+        "--fail-on",
+        "what-if:nan",
+        "--method",
+        "naive",
+        "--ignore",
+        "fully_masked_rows",
+        "--json",
+        "-",
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert "fully_masked_rows" not in [f["code"] for t in doc["tensors"] for f in t["findings"]]
     assert "fully_masked_rows" not in [f["code"] for c in doc["model"]["calls"] for f in c["what_if"]["findings"]]
     assert doc["model"]["ignored"] == ["fully_masked_rows"]
     bad = invoke("run", capdir, "--ignore", "no_such_code")
-    assert bad.exit_code == 2 and error_line(bad)[0].startswith("attncheck: error: --ignore: unknown finding code 'no_such_code'")
+    assert bad.exit_code == 2 and error_line(bad)[0].startswith(
+        "attncheck: error: --ignore: unknown finding code 'no_such_code'"
+    )
 
 
 def test_missing_call_file_is_one_line_and_partial_diagnoses_the_rest(capdir):
     (capdir / "0001-layers.1.safetensors").unlink()
     r = invoke("run", capdir)
     assert r.exit_code == 2
-    assert error_line(r) == [f"attncheck: error: {capdir / '0001-layers.1.safetensors'} (call 1, softmax in layers.1): listed in {capdir / 'manifest.json'} but missing"]
+    assert error_line(r) == [
+        f"attncheck: error: {capdir / '0001-layers.1.safetensors'} (call 1, softmax in layers.1): listed in {capdir / 'manifest.json'} but missing"
+    ]
     p = invoke("run", capdir, "--partial", "--dtype", "fp16", "--json", "-")
     assert p.exit_code == 2
     doc = json.loads(p.stdout)
@@ -117,7 +138,9 @@ def test_corrupt_call_file_names_the_call(capdir):
     p = capdir / "0002-layers.2.safetensors"
     p.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
     r = invoke("run", capdir)
-    assert r.exit_code == 2 and error_line(r)[0].startswith(f"attncheck: error: {p} (call 2, sdpa in layers.2): not a valid .safetensors file")
+    assert r.exit_code == 2 and error_line(r)[0].startswith(
+        f"attncheck: error: {p} (call 2, sdpa in layers.2): not a valid .safetensors file"
+    )
 
 
 def test_sdpa_call_whose_mask_does_not_broadcast(tmp_path):
@@ -125,8 +148,8 @@ def test_sdpa_call_whose_mask_does_not_broadcast(tmp_path):
     q = torch.randn(1, 2, 6, 8, generator=g)
     with attncheck.capture(tmp_path / "cap"):
         F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(6, 6, dtype=torch.bool))
-    from safetensors.torch import load_file, save_file
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     path = tmp_path / "cap" / "0000-global.safetensors"
     with safe_open(str(path), "pt") as f:
@@ -139,7 +162,9 @@ def test_sdpa_call_whose_mask_does_not_broadcast(tmp_path):
     (tmp_path / "cap" / "manifest.json").write_text(json.dumps(doc))
     r = invoke("run", tmp_path / "cap")
     assert r.exit_code == 2
-    assert error_line(r) == [f"attncheck: error: {path} (call 0, sdpa): mask of shape (5, 6) does not broadcast to the scores' shape (batch 1, heads 2, queries 6, keys 6)"]
+    assert error_line(r) == [
+        f"attncheck: error: {path} (call 0, sdpa): mask of shape (5, 6) does not broadcast to the scores' shape (batch 1, heads 2, queries 6, keys 6)"
+    ]
 
 
 def test_q_k_mask_file_is_diagnosed_in_qk_mode(tmp_path):
@@ -155,14 +180,18 @@ def test_q_k_mask_file_is_diagnosed_in_qk_mode(tmp_path):
     (t,) = doc["tensors"]
     assert t["shape"] == [2, 2, 6, 6] and t["attention"]["d"] == 8  # one call from Q and K, not three score tensors
     assert t["census"]["masked"] == 2 * 2 * 6
-    assert t["census"]["max"] == pytest.approx(float(((q.double() @ k.double().transpose(-1, -2)) / 8**0.5).masked_fill(~keep, -1e300).max()))
+    assert t["census"]["max"] == pytest.approx(
+        float(((q.double() @ k.double().transpose(-1, -2)) / 8**0.5).masked_fill(~keep, -1e300).max())
+    )
 
 
 def test_files_and_calls_in_natural_order(tmp_path):
     for i in (10, 2, 1):
         np.save(tmp_path / f"layer_{i}.npy", np.random.default_rng(i).standard_normal((2, 4, 4)).astype(np.float32))
     r = invoke("run", tmp_path, "--json", "-")
-    assert [t["name"] for t in json.loads(r.stdout)["tensors"]] == [str(tmp_path / f"layer_{i}.npy") for i in (1, 2, 10)]
+    assert [t["name"] for t in json.loads(r.stdout)["tensors"]] == [
+        str(tmp_path / f"layer_{i}.npy") for i in (1, 2, 10)
+    ]
 
 
 def test_capture_copied_elsewhere_still_reads(capdir, tmp_path):
@@ -190,13 +219,31 @@ def test_what_if_is_its_own_question(capdir, tmp_path):
     assert ok.exit_code == 0, ok.output
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["--what-if", "fp64"], "--what-if: dtype 'fp64' cannot be used here (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)"),
-    (["--what-if", "bogus"], "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)"),
-    (["--what-if", ""], "--what-if is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)"),
-    (["--what-if", "kernels,bogus"], "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)"),
-    (["--fail-on", "what-if:bogus"], "--fail-on: unknown condition 'what-if:bogus' (use nan, overflow, zero, flip, error, warning or a finding code, or what-if:CONDITION)"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (
+            ["--what-if", "fp64"],
+            "--what-if: dtype 'fp64' cannot be used here (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)",
+        ),
+        (
+            ["--what-if", "bogus"],
+            "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)",
+        ),
+        (
+            ["--what-if", ""],
+            "--what-if is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)",
+        ),
+        (
+            ["--what-if", "kernels,bogus"],
+            "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)",
+        ),
+        (
+            ["--fail-on", "what-if:bogus"],
+            "--fail-on: unknown condition 'what-if:bogus' (use nan, overflow, zero, flip, error, warning or a finding code, or what-if:CONDITION)",
+        ),
+    ],
+)
 def test_bad_what_if_values_are_one_line(capdir, args, expected):
     r = invoke("run", capdir, *args)
     assert r.exit_code == 2 and error_line(r) == [f"attncheck: error: {expected}"]
@@ -205,12 +252,20 @@ def test_bad_what_if_values_are_one_line(capdir, args, expected):
 def test_what_if_with_q_and_k_says_what_to_use_instead(tmp_path):
     torch.save({"q": torch.randn(1, 2, 4, 8)}, tmp_path / "q.pt")
     r = invoke("run", "--q", tmp_path / "q.pt", "--k", tmp_path / "q.pt", "--what-if", "fp16")
-    assert r.exit_code == 2 and error_line(r) == ["attncheck: error: --what-if asks about a captured model's calls; with --q/--k or --example every cell is computed already (choose them with --dtype, --method, --path)"]
+    assert r.exit_code == 2 and error_line(r) == [
+        "attncheck: error: --what-if asks about a captured model's calls; with --q/--k or --example every cell is computed already (choose them with --dtype, --method, --path)"
+    ]
 
 
 def test_path_dtype_and_method_on_a_capture_name_what_if_cells(capdir):
     r = invoke("run", capdir, "--path", "flash,eager", "--dtype", "bf16", "--method", "naive", "--json", "-")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert [t["cells"][0]["name"] for t in doc["tensors"]] == ["flash/fp16", "torch/fp16", "flash/fp16"]  # the model's own
-    assert [sorted(c["name"] for c in call["what_if"]["cells"]) for call in doc["model"]["calls"]] == [["eager:naive/bf16", "flash/bf16"]] * 3
+    assert [t["cells"][0]["name"] for t in doc["tensors"]] == [
+        "flash/fp16",
+        "torch/fp16",
+        "flash/fp16",
+    ]  # the model's own
+    assert [sorted(c["name"] for c in call["what_if"]["cells"]) for call in doc["model"]["calls"]] == [
+        ["eager:naive/bf16", "flash/bf16"]
+    ] * 3

@@ -44,7 +44,9 @@ def report(r) -> dict:
 @pytest.fixture
 def qk(tmp_path):
     g = torch.Generator().manual_seed(0)
-    torch.save({"q": torch.randn(1, 2, 8, 4, generator=g), "k": torch.randn(1, 2, 8, 4, generator=g)}, tmp_path / "qk.pt")
+    torch.save(
+        {"q": torch.randn(1, 2, 8, 4, generator=g), "k": torch.randn(1, 2, 8, 4, generator=g)}, tmp_path / "qk.pt"
+    )
     return tmp_path / "qk.pt"
 
 
@@ -87,7 +89,9 @@ def test_shared_and_deeply_nested_containers_end_quickly(tmp_path):
         records = {i.filename: z.read(i) for i in z.infolist()}
     with zipfile.ZipFile(deep, "w") as z:
         for name, data in records.items():
-            z.writestr(name, b"\x80\x02" + b"]" * 200_000 + b"a" * 199_999 + b"." if name.endswith("data.pkl") else data)
+            z.writestr(
+                name, b"\x80\x02" + b"]" * 200_000 + b"a" * 199_999 + b"." if name.endswith("data.pkl") else data
+            )
     start = time.perf_counter()
     one_error(invoke("run", tmp_path / "dag.pt"), "containers nested more than 64 deep")
     one_error(invoke("run", deep), "containers nested more than 64 deep")
@@ -99,21 +103,38 @@ def test_zip_bomb_given_as_q_and_mask_is_refused_with_its_size(tmp_path, qk):
     with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as z:
         with z.open("m.npy", "w", force_zip64=True) as f:
             header = io.BytesIO()
-            npformat.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (1, 2, 8, 1 << 20)})
+            npformat.write_array_header_1_0(
+                header, {"descr": "<f4", "fortran_order": False, "shape": (1, 2, 8, 1 << 20)}
+            )
             f.write(header.getvalue())
             zeros = bytes(1 << 20)
             for _ in range(64):  # 64 MiB of zeros, ~64 KB compressed
                 f.write(zeros)
     assert bomb.stat().st_size < 200_000
-    one_error(invoke("run", "--q", f"{qk}:q", "--k", f"{qk}:k", "--mask", bomb, "--max-memory", "16MiB"),
-              "bomb.npz:m: loading it whole needs 64 MiB, over --max-memory 16 MiB")
-    one_error(invoke("run", "--q", bomb, "--k", f"{qk}:k", "--max-memory", "16MiB"), "needs 64 MiB, over --max-memory 16 MiB")
+    one_error(
+        invoke("run", "--q", f"{qk}:q", "--k", f"{qk}:k", "--mask", bomb, "--max-memory", "16MiB"),
+        "bomb.npz:m: loading it whole needs 64 MiB, over --max-memory 16 MiB",
+    )
+    one_error(
+        invoke("run", "--q", bomb, "--k", f"{qk}:k", "--max-memory", "16MiB"), "needs 64 MiB, over --max-memory 16 MiB"
+    )
 
 
 def test_q_and_k_that_would_not_fit(tmp_path):
     torch.save({"q": torch.ones(1, 8, 2048, 64), "k": torch.ones(1, 8, 2048, 64)}, tmp_path / "big.pt")
-    one_error(invoke("run", "--q", f"{tmp_path / 'big.pt'}:q", "--k", f"{tmp_path / 'big.pt'}:k", "--causal", "--max-memory", "16MiB"),
-              "q, k and the mask (batch 1, heads 8, queries 2048, keys 2048) need 20 MiB in float64, over --max-memory 16 MiB")
+    one_error(
+        invoke(
+            "run",
+            "--q",
+            f"{tmp_path / 'big.pt'}:q",
+            "--k",
+            f"{tmp_path / 'big.pt'}:k",
+            "--causal",
+            "--max-memory",
+            "16MiB",
+        ),
+        "q, k and the mask (batch 1, heads 8, queries 2048, keys 2048) need 20 MiB in float64, over --max-memory 16 MiB",
+    )
 
 
 # --------------------------------------------------------------------------- valid input refused, bad input accepted
@@ -133,8 +154,38 @@ def test_boolean_mask_in_npy(tmp_path, qk):
     keep = np.tril(np.ones((8, 8), bool))
     np.save(tmp_path / "mask.npy", keep)
     torch.save(torch.from_numpy(keep), tmp_path / "mask.pt")
-    a = report(invoke("run", "--q", f"{qk}:q", "--k", f"{qk}:k", "--mask", tmp_path / "mask.npy", "--dtype", "fp32", "--json", "-", "--quiet"))
-    b = report(invoke("run", "--q", f"{qk}:q", "--k", f"{qk}:k", "--mask", tmp_path / "mask.pt", "--dtype", "fp32", "--json", "-", "--quiet"))
+    a = report(
+        invoke(
+            "run",
+            "--q",
+            f"{qk}:q",
+            "--k",
+            f"{qk}:k",
+            "--mask",
+            tmp_path / "mask.npy",
+            "--dtype",
+            "fp32",
+            "--json",
+            "-",
+            "--quiet",
+        )
+    )
+    b = report(
+        invoke(
+            "run",
+            "--q",
+            f"{qk}:q",
+            "--k",
+            f"{qk}:k",
+            "--mask",
+            tmp_path / "mask.pt",
+            "--dtype",
+            "fp32",
+            "--json",
+            "-",
+            "--quiet",
+        )
+    )
     assert a["tensors"][0]["census"] == b["tensors"][0]["census"]
     assert a["tensors"][0]["attention"]["masked_keys"] == 2 * 28
 
@@ -173,10 +224,31 @@ def test_colliding_names_are_distinct_and_key_selects_exactly(tmp_path):
     npz = tmp_path / "c.npz"
     np.savez(npz, **{"x": np.ones((2, 4), np.float32), "x.npy": np.zeros((2, 4), np.float32)})
     pt = tmp_path / "c.pt"
-    torch.save({1: torch.full((2, 4), 1.0), "1": torch.full((2, 4), 2.0), "a.b": torch.full((2, 4), 3.0), "a": {"b": torch.full((2, 4), 4.0)}}, pt)
+    torch.save(
+        {
+            1: torch.full((2, 4), 1.0),
+            "1": torch.full((2, 4), 2.0),
+            "a.b": torch.full((2, 4), 3.0),
+            "a": {"b": torch.full((2, 4), 4.0)},
+        },
+        pt,
+    )
     seen = {t["name"]: t["census"]["max"] for t in report(invoke("run", npz, pt, "--json", "-", "--quiet"))["tensors"]}
-    assert seen == {f"{npz}:x": 1.0, f"{npz}:x.npy": 0.0, f"{pt}:1": 1.0, f"{pt}:['1']": 2.0, f"{pt}:['a.b']": 3.0, f"{pt}:a.b": 4.0}
-    for path, key, value in ((npz, "x.npy", 0.0), (npz, "x", 1.0), (pt, "['1']", 2.0), (pt, "a.b", 4.0), (pt, "['a.b']", 3.0)):
+    assert seen == {
+        f"{npz}:x": 1.0,
+        f"{npz}:x.npy": 0.0,
+        f"{pt}:1": 1.0,
+        f"{pt}:['1']": 2.0,
+        f"{pt}:['a.b']": 3.0,
+        f"{pt}:a.b": 4.0,
+    }
+    for path, key, value in (
+        (npz, "x.npy", 0.0),
+        (npz, "x", 1.0),
+        (pt, "['1']", 2.0),
+        (pt, "a.b", 4.0),
+        (pt, "['a.b']", 3.0),
+    ):
         (t,) = report(invoke("run", path, "--key", key, "--json", "-", "--quiet"))["tensors"]
         assert (t["name"], t["census"]["max"]) == (f"{path}:{key}", value)
 
@@ -201,7 +273,9 @@ def test_stderr_is_empty_on_success(tmp_path):
 
 def test_max_memory_has_a_floor_and_takes_large_units(tmp_path):
     np.save(tmp_path / "s.npy", np.zeros((4, 8), np.float32))
-    one_error(invoke("run", tmp_path / "s.npy", "--max-memory", "1B"), "--max-memory must be at least 1MiB")  # 200,000 rows at 1 byte never ended
+    one_error(
+        invoke("run", tmp_path / "s.npy", "--max-memory", "1B"), "--max-memory must be at least 1MiB"
+    )  # 200,000 rows at 1 byte never ended
     report(invoke("run", tmp_path / "s.npy", "--max-memory", "1PB", "--json", "-", "--quiet"))
     one_error(invoke("run", tmp_path / "s.npy", "--max-memory", "1" + "0" * 5000), "is not a size")
 
@@ -210,12 +284,16 @@ def test_a_row_larger_than_the_budget_is_refused(tmp_path):
     """One row of 2e9 keys, a stride-0 view of one element (a few bytes on disk): refused, not allocated."""
     torch.save({"s": torch.zeros(1).expand(2_000_000_000).reshape(1, -1)}, tmp_path / "row.pt")
     assert (tmp_path / "row.pt").stat().st_size < 10_000
-    one_error(invoke("run", tmp_path / "row.pt"), "a row of 2,000,000,000 keys needs 178.8 GiB of working memory, over --max-memory")
+    one_error(
+        invoke("run", tmp_path / "row.pt"),
+        "a row of 2,000,000,000 keys needs 178.8 GiB of working memory, over --max-memory",
+    )
 
 
 def _capture(path, q, mask=None):
-    import attncheck
     import torch.nn.functional as F
+
+    import attncheck
 
     with torch.no_grad(), attncheck.capture(path):
         F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
@@ -224,18 +302,35 @@ def _capture(path, q, mask=None):
 
 def test_a_call_larger_than_the_budget_is_refused_from_its_header(tmp_path):
     d = _capture(tmp_path / "cap", torch.ones(1, 4, 256, 256))  # q, k, v: 3 MiB
-    one_error(invoke("run", d, "--max-memory", "2MiB"), "(call 0, sdpa): loading the call whole needs 3 MiB, over --max-memory 2 MiB")
+    one_error(
+        invoke("run", d, "--max-memory", "2MiB"),
+        "(call 0, sdpa): loading the call whole needs 3 MiB, over --max-memory 2 MiB",
+    )
     r = invoke("run", d, "--max-memory", "2MiB", "--partial", "--quiet")
-    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and "loading the call whole needs 3 MiB" in r.stderr
+    assert (
+        r.exit_code == 2
+        and len(r.stderr.strip().splitlines()) == 1
+        and "loading the call whole needs 3 MiB" in r.stderr
+    )
 
 
 def test_a_mask_broadcast_over_heads_is_not_expanded(tmp_path):
     """A (T, T) boolean mask over 64 heads: q, k, v and the mask count at their own size (the expanded
     planes alone would be 16 MiB, over the budget)."""
     g = torch.Generator().manual_seed(0)
-    d = _capture(tmp_path / "cap", torch.randn(1, 64, 512, 4, generator=g), torch.tril(torch.ones(512, 512, dtype=torch.bool)))
+    d = _capture(
+        tmp_path / "cap", torch.randn(1, 64, 512, 4, generator=g), torch.tril(torch.ones(512, 512, dtype=torch.bool))
+    )
     r = invoke("run", d, "--max-memory", "8MiB", "--json", "-", "--quiet")
     data = report(r)
-    assert data["model"]["calls"][0]["nan_rows"] == 0 and data["tensors"][0]["attention"]["masked_keys"] == 64 * 512 * 511 // 2
-    one_error(invoke("run", d, "--max-memory", "3MiB"), "q, k, v and the mask (batch 1, heads 64, queries 512, keys 512) need 3.25 MiB in float64, over --max-memory 3 MiB")
-    one_error(invoke("run", d, "--max-memory", "1MiB"), "loading the call whole needs 1.75 MiB, over --max-memory 1 MiB")
+    assert (
+        data["model"]["calls"][0]["nan_rows"] == 0
+        and data["tensors"][0]["attention"]["masked_keys"] == 64 * 512 * 511 // 2
+    )
+    one_error(
+        invoke("run", d, "--max-memory", "3MiB"),
+        "q, k, v and the mask (batch 1, heads 64, queries 512, keys 512) need 3.25 MiB in float64, over --max-memory 3 MiB",
+    )
+    one_error(
+        invoke("run", d, "--max-memory", "1MiB"), "loading the call whole needs 1.75 MiB, over --max-memory 1 MiB"
+    )

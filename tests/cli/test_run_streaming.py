@@ -41,7 +41,9 @@ def test_file_larger_than_max_memory_gives_the_in_memory_numbers(tmp_path, fmt):
     r = runner.invoke(app, ["run", str(path), "--max-memory", "1MiB", "--json", "-"])
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout)["tensors"][0]
-    expected = json.loads(json.dumps(diagnosis_json(diagnose(got["name"], x, Options(kernels="torch"))), allow_nan=False))
+    expected = json.loads(
+        json.dumps(diagnosis_json(diagnose(got["name"], x, Options(kernels="torch"))), allow_nan=False)
+    )
     for key in ("census", "distribution", "findings"):
         assert got[key] == expected[key], key
     for a, b in zip(got["cells"], expected["cells"]):
@@ -63,7 +65,14 @@ PROBE = textwrap.dedent(
 
 def peak_rss_mib(args, env):
     # A bare launcher, so the child's peak is not inherited from this (large) pytest process.
-    out = subprocess.run([sys.executable, "-c", PROBE, sys.executable, "-m", "attncheck", *args], capture_output=True, text=True, timeout=300, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, sys.executable, "-m", "attncheck", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=True,
+    )
     return int(out.stdout.strip())
 
 
@@ -82,7 +91,17 @@ def test_memory_stays_bounded_on_a_file_many_times_the_budget(tmp_path):
     sparse_npy(big, 16384, 1024)  # 64 MiB of fp32 scores
     sparse_npy(small, 16, 1024)
     env = dict(os.environ, ATTNCHECK_KERNELS="torch")
-    common = ["--dtype", "fp32", "--method", "stable", "--max-memory", "8MiB", "--quiet", "--json", str(tmp_path / "r.json")]
+    common = [
+        "--dtype",
+        "fp32",
+        "--method",
+        "stable",
+        "--max-memory",
+        "8MiB",
+        "--quiet",
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
     base = peak_rss_mib(["run", str(small), *common], env)
     peak = peak_rss_mib(["run", str(big), *common], env)
     assert json.loads((tmp_path / "r.json").read_text())["tensors"][0]["census"]["rows"] == 16384
@@ -94,7 +113,13 @@ def test_progress_goes_to_stderr_never_into_json_stdout(tmp_path):
     path = tmp_path / "s.npy"
     np.save(path, scores(64, 256).numpy())
     env = dict(os.environ, ATTNCHECK_PROGRESS="always", COLUMNS="100")
-    run = lambda *extra: subprocess.run([sys.executable, "-m", "attncheck", "run", str(path), "--json", "-", *extra], capture_output=True, text=True, timeout=120, env=env)
+    run = lambda *extra: subprocess.run(
+        [sys.executable, "-m", "attncheck", "run", str(path), "--json", "-", *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     shown = run()
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["schema"] == "attncheck.run/3"
@@ -107,7 +132,13 @@ def test_no_progress_when_stderr_is_not_a_terminal(tmp_path):
     path = tmp_path / "s.npy"
     np.save(path, scores(64, 256).numpy())
     env = {k: v for k, v in os.environ.items() if k != "ATTNCHECK_PROGRESS"}
-    proc = subprocess.run([sys.executable, "-m", "attncheck", "run", str(path), "--json", "-"], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "attncheck", "run", str(path), "--json", "-"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 0 and proc.stderr == ""
 
 

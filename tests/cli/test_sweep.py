@@ -12,16 +12,28 @@ from typer.testing import CliRunner
 
 from attncheck.cli import app
 from attncheck.config.sweep import SweepConfig
-from attncheck.pipelines.sweep import run_sweep
 from attncheck.params import scales as parse_scales
+from attncheck.pipelines.sweep import run_sweep
 from attncheck.report.sweep import print_sweep
 
 runner = CliRunner()
 SMALL = ["--dk", "16,64", "--rows", "128", "--seq", "32"]
 
 POINT_KEYS = {
-    "dk", "scale", "scale_value", "std", "seq", "var_qk", "var_qk_theory", "var_scaled", "var_scaled_theory",
-    "max_prob_mean", "entropy_mean", "entropy_norm_mean", "jacobian_norm_mean", "cells",
+    "dk",
+    "scale",
+    "scale_value",
+    "std",
+    "seq",
+    "var_qk",
+    "var_qk_theory",
+    "var_scaled",
+    "var_scaled_theory",
+    "max_prob_mean",
+    "entropy_mean",
+    "entropy_norm_mean",
+    "jacobian_norm_mean",
+    "cells",
 }
 CELL_KEYS = {"method", "dtype", "nan_rate", "overflow_rate", "max_abs_err"}
 
@@ -31,8 +43,27 @@ def sweep(*args):
 
 
 def test_the_ends_of_the_std_and_scale_ranges_run():
-    r = sweep("--std", "1e30,1e-30", "--scale", "1e-30,1e30", "--dk", "16", "--seq", "16", "--rows", "32", "--dtype", "fp16",
-              "--method", "naive", "--path", "none", "--json", "-", "--quiet")
+    r = sweep(
+        "--std",
+        "1e30,1e-30",
+        "--scale",
+        "1e-30,1e30",
+        "--dk",
+        "16",
+        "--seq",
+        "16",
+        "--rows",
+        "32",
+        "--dtype",
+        "fp16",
+        "--method",
+        "naive",
+        "--path",
+        "none",
+        "--json",
+        "-",
+        "--quiet",
+    )
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.stdout)["points"]) == 4
 
@@ -70,8 +101,14 @@ BAD_INPUTS = [
         ["--dk", "1000000", "--rows", "128", "--seq", "32", "--dist", "outliers"],
         "a sweep point of 128 rows x 32 keys x d_k 1000000 needs about 6.91 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
     ),
-    (["--json", "/no/such/folder/out.json"], "cannot write --json /no/such/folder/out.json: folder /no/such/folder does not exist"),
-    (["--plot", "/no/such/folder/out.png"], "cannot write --plot /no/such/folder/out.png: folder /no/such/folder does not exist"),
+    (
+        ["--json", "/no/such/folder/out.json"],
+        "cannot write --json /no/such/folder/out.json: folder /no/such/folder does not exist",
+    ),
+    (
+        ["--plot", "/no/such/folder/out.png"],
+        "cannot write --plot /no/such/folder/out.png: folder /no/such/folder does not exist",
+    ),
     (["--plot", "/"], "cannot write --plot /: it is a folder; give a file name"),
     # the theory's float64 moments: std 1e200 overflowed, 1e-300 divided by zero, a subnormal scale never ended
     (["--std", "1e200"], "--std must be from 1e-30 to 1e+30 for the sweep's theory, got 1e+200"),
@@ -150,7 +187,13 @@ def test_json_to_stdout_prints_only_json():
 def test_tables_print_every_section():
     result = sweep(*SMALL)
     assert result.exit_code == 0, result.output
-    for title in ("1. Var(q.k) grows as d_k", "2. Effect of the scaling factor", "3. Naive softmax", "4. Max |p - p_float64|", "5. Output O = P@V"):
+    for title in (
+        "1. Var(q.k) grows as d_k",
+        "2. Effect of the scaling factor",
+        "3. Naive softmax",
+        "4. Max |p - p_float64|",
+        "5. Output O = P@V",
+    ):
         assert title in result.stdout
     result = sweep(*SMALL, "--path", "none")
     assert result.exit_code == 0 and "5. Output" not in result.stdout
@@ -176,14 +219,23 @@ def test_preset_pcast_prints_the_closed_form_beside_the_measurement():
     assert table.exit_code == 0 and "closed form" in table.stdout and "…" not in table.stdout
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--preset", "fa2"], "--preset must be one of fa3, pcast, got 'fa2'"),
-    (["--preset", "fa3", "--dk", "64"], "--preset fa3 sets its own inputs: --dk does not apply"),
-    (["--preset", "fa3", "--dtype", "bf16", "--rows", "8"], "--preset fa3 sets its own inputs: --dtype, --rows do not apply"),
-    (["--path", "xformers"], "--path: unknown path 'xformers' (choose from eager, sdpa-math, flash)"),
-    # The grid computes in fp16, bf16 and fp32; the FP8 paths are --preset fa3's.
-    (["--path", "flash,flash-fp8"], "--path: path 'flash-fp8' cannot be used here (choose from eager, sdpa-math, flash)"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--preset", "fa2"], "--preset must be one of fa3, pcast, got 'fa2'"),
+        (["--preset", "fa3", "--dk", "64"], "--preset fa3 sets its own inputs: --dk does not apply"),
+        (
+            ["--preset", "fa3", "--dtype", "bf16", "--rows", "8"],
+            "--preset fa3 sets its own inputs: --dtype, --rows do not apply",
+        ),
+        (["--path", "xformers"], "--path: unknown path 'xformers' (choose from eager, sdpa-math, flash)"),
+        # The grid computes in fp16, bf16 and fp32; the FP8 paths are --preset fa3's.
+        (
+            ["--path", "flash,flash-fp8"],
+            "--path: path 'flash-fp8' cannot be used here (choose from eager, sdpa-math, flash)",
+        ),
+    ],
+)
 def test_preset_and_path_errors(args, message):
     result = sweep(*args)
     assert result.exit_code == 2 and result.stderr == f"attncheck: error: {message}\n"
@@ -214,7 +266,14 @@ def test_plot_has_overflow_and_error_maps_per_dtype():
 
     from attncheck.report.sweep import sweep_figure
 
-    config = SweepConfig(dks=(16, 256), scales=tuple(parse_scales("none,sqrt")), rows=128, seqs=(32,), dtypes=("fp16", "fp32"), methods=("naive", "stable"))
+    config = SweepConfig(
+        dks=(16, 256),
+        scales=tuple(parse_scales("none,sqrt")),
+        rows=128,
+        seqs=(32,),
+        dtypes=("fp16", "fp32"),
+        methods=("naive", "stable"),
+    )
     result = run_sweep(config)
     fig = sweep_figure(result)
     try:
@@ -248,8 +307,24 @@ def test_sweep_has_help_text():
 def test_block_wider_than_the_rows_runs_as_one_block(tmp_path):
     # A key block of 10^11 keys is one block over the row: no padding to allocate.
     out = tmp_path / "wide.json"
-    result = sweep("--dk", "16", "--scale", "sqrt", "--rows", "64", "--seq", "32", "--method", "tiled,stable", "--dtype", "fp32",
-                   "--block", "99999999999", "--json", str(out))
+    result = sweep(
+        "--dk",
+        "16",
+        "--scale",
+        "sqrt",
+        "--rows",
+        "64",
+        "--seq",
+        "32",
+        "--method",
+        "tiled,stable",
+        "--dtype",
+        "fp32",
+        "--block",
+        "99999999999",
+        "--json",
+        str(out),
+    )
     assert result.exit_code == 0, result.output
     cells = {c["method"]: c for c in json.loads(out.read_text())["points"][0]["cells"]}
     assert cells["tiled"]["nan_rate"] == 0 and cells["tiled"]["max_abs_err"] < 1e-6
@@ -261,7 +336,13 @@ def run_sweep_cli(*args, progress: str | None):
     env = {k: v for k, v in os.environ.items() if k != "ATTNCHECK_PROGRESS"}
     if progress is not None:
         env.update(ATTNCHECK_PROGRESS=progress, COLUMNS="100")
-    return subprocess.run([sys.executable, "-m", "attncheck", "sweep", *SMALL, "--path", "none", *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "attncheck", "sweep", *SMALL, "--path", "none", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -284,8 +365,16 @@ def test_no_progress_when_stderr_is_not_a_terminal():
 def test_preset_shows_progress_on_stderr_never_in_json():
     import os
 
-    env = dict({k: v for k, v in os.environ.items() if k != "ATTNCHECK_PROGRESS"}, ATTNCHECK_PROGRESS="always", COLUMNS="100")
-    proc = subprocess.run([sys.executable, "-m", "attncheck", "sweep", "--preset", "pcast", "--json", "-"], capture_output=True, text=True, timeout=300, env=env)
+    env = dict(
+        {k: v for k, v in os.environ.items() if k != "ATTNCHECK_PROGRESS"}, ATTNCHECK_PROGRESS="always", COLUMNS="100"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "attncheck", "sweep", "--preset", "pcast", "--json", "-"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["preset"]["name"] == "pcast"
     from attncheck.numerics.sweep.presets import PCAST_GAPS, PCAST_SCALES

@@ -16,7 +16,9 @@ from attncheck.config.check import (
 from attncheck.errors import AttncheckError
 
 SYN = {"synthetic": [{"d_k": 16, "seq": 32, "rows": 64}]}
-KNOWN_TOP = "inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, max_work, budget, ignore"
+KNOWN_TOP = (
+    "inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, max_work, budget, ignore"
+)
 KNOWN_BUDGET = "nan, overflow, zero_rows, argmax_flips, max_abs_err, max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, out_cos_min, out_relative_to_torch, fp16, bf16, fp32"
 LN_FP16_LIMIT = math.log(65520.0)  # exp(x) rounds to inf in fp16 above this
 
@@ -57,7 +59,16 @@ def test_defaults():
     assert cfg.budget == Budget(nan=0, overflow=0)
     assert cfg.budget.active() == [("nan", 0), ("overflow", 0)]
     s = cfg.synthetic[0]
-    assert (s.d_k, s.scale.name, s.seq, s.rows, s.dist, s.std, s.seed, s.dtypes) == (16, "sqrt", 32, 64, "normal", 1.0, 0, None)
+    assert (s.d_k, s.scale.name, s.seq, s.rows, s.dist, s.std, s.seed, s.dtypes) == (
+        16,
+        "sqrt",
+        32,
+        64,
+        "normal",
+        1.0,
+        0,
+        None,
+    )
     assert s.name == "synthetic[0]:dk=16,scale=sqrt,seq=32,rows=64,dist=normal,seed=0"
 
 
@@ -70,8 +81,25 @@ def test_full_table():
             "order": "reverse",
             "accum": "dtype",
             "device": "auto",
-            "synthetic": [{"d_k": 128, "scale": 0.125, "seq": 256, "rows": 1024, "dist": "outliers", "std": 2, "seed": 3, "dtype": "fp16"}],
-            "budget": {"nan": 1, "max_abs_err": 1e-2, "relative_to_torch": 2, "relative_to_torch_atol": 1e-6, "fp32": {"max_abs_err": 1e-6}},
+            "synthetic": [
+                {
+                    "d_k": 128,
+                    "scale": 0.125,
+                    "seq": 256,
+                    "rows": 1024,
+                    "dist": "outliers",
+                    "std": 2,
+                    "seed": 3,
+                    "dtype": "fp16",
+                }
+            ],
+            "budget": {
+                "nan": 1,
+                "max_abs_err": 1e-2,
+                "relative_to_torch": 2,
+                "relative_to_torch_atol": 1e-6,
+                "fp32": {"max_abs_err": 1e-6},
+            },
         }
     )
     assert cfg.dtypes == ("bf16", "fp16") and cfg.methods == ("tiled", "torch")
@@ -80,7 +108,9 @@ def test_full_table():
     assert cfg.synthetic[0].dtypes == ("fp16",)
     assert cfg.budget == Budget(nan=1, overflow=0, max_abs_err=0.01, relative_to_torch=2.0, relative_to_torch_atol=1e-6)
     # A dtype table overrides the keys it sets and inherits the rest.
-    assert cfg.budget_for("fp32") == Budget(nan=1, overflow=0, max_abs_err=1e-6, relative_to_torch=2.0, relative_to_torch_atol=1e-6)
+    assert cfg.budget_for("fp32") == Budget(
+        nan=1, overflow=0, max_abs_err=1e-6, relative_to_torch=2.0, relative_to_torch_atol=1e-6
+    )
     assert cfg.budget_for("bf16") == cfg.budget
 
 
@@ -92,9 +122,15 @@ BAD_TABLES = [
     ({"budget": {"max_abs_err": "1e-2"}}, "tool.attncheck.budget.max_abs_err must be a number >= 0, got '1e-2'"),
     ({"budget": {"kl_max": float("nan")}}, "tool.attncheck.budget.kl_max must be a number >= 0, got nan"),
     ({"budget": {"relative_to_torch": 0}}, "tool.attncheck.budget.relative_to_torch must be a number > 0, got 0"),
-    ({"budget": {"relative_to_torch_atol": 1e-6}}, "tool.attncheck.budget.relative_to_torch_atol is set but relative_to_torch is not"),
+    (
+        {"budget": {"relative_to_torch_atol": 1e-6}},
+        "tool.attncheck.budget.relative_to_torch_atol is set but relative_to_torch is not",
+    ),
     ({"budget": 3}, "tool.attncheck.budget must be a table, got 3"),
-    ({"budget": {"fp32": {"max_abs_err": -1.0}}}, "tool.attncheck.budget.fp32.max_abs_err must be a number >= 0, got -1.0"),
+    (
+        {"budget": {"fp32": {"max_abs_err": -1.0}}},
+        "tool.attncheck.budget.fp32.max_abs_err must be a number >= 0, got -1.0",
+    ),
     ({"budgett": {}}, f"unknown key 'tool.attncheck.budgett' in <config> (known: {KNOWN_TOP})"),
     ({"budget": {"nans": 0}}, f"unknown key 'tool.attncheck.budget.nans' in <config> (known: {KNOWN_BUDGET})"),
     ({"budget": {"fp8": {}}}, f"unknown key 'tool.attncheck.budget.fp8' in <config> (known: {KNOWN_BUDGET})"),
@@ -112,43 +148,106 @@ BAD_TABLES = [
     ({"order": "sideways"}, "tool.attncheck.order must be one of forward, reverse, got 'sideways'"),
     ({"accum": "fp64"}, "tool.attncheck.accum must be one of fp32, dtype, got 'fp64'"),
     ({"device": "tpu"}, "tool.attncheck.device must be one of auto, cpu, cuda or cuda:N, got 'tpu'"),
-    ({"inputs": "dumps/*.pt"}, "tool.attncheck.inputs must be a list of strings (globs of tensor files), got 'dumps/*.pt'"),
+    (
+        {"inputs": "dumps/*.pt"},
+        "tool.attncheck.inputs must be a list of strings (globs of tensor files), got 'dumps/*.pt'",
+    ),
     ({"keys": ["a"]}, "tool.attncheck.keys picks tensors inside files, but tool.attncheck.inputs names no file"),
-    ({"synthetic": {"d_k": 64}}, "tool.attncheck.synthetic must be an array of tables ([[tool.attncheck.synthetic]]), got a table"),
-    ({"synthetic": [{"scale": "sqrt"}]}, "tool.attncheck.synthetic[0].d_k is missing (the head dimension, e.g. d_k = 128)"),
+    (
+        {"synthetic": {"d_k": 64}},
+        "tool.attncheck.synthetic must be an array of tables ([[tool.attncheck.synthetic]]), got a table",
+    ),
+    (
+        {"synthetic": [{"scale": "sqrt"}]},
+        "tool.attncheck.synthetic[0].d_k is missing (the head dimension, e.g. d_k = 128)",
+    ),
     ({"synthetic": [{"d_k": 0}]}, "tool.attncheck.synthetic[0].d_k must be an integer >= 1, got 0"),
-    ({"synthetic": [{"d_k": 8}, {"d_k": 8, "seq": 1}]}, "tool.attncheck.synthetic[1].seq must be an integer >= 2, got 1"),
-    ({"synthetic": [{"d_k": 8, "scale": "huge"}]}, "tool.attncheck.synthetic[0].scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'huge'"),
-    ({"synthetic": [{"d_k": 8, "scale": -1}]}, "tool.attncheck.synthetic[0].scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got -1"),
-    ({"synthetic": [{"d_k": 8, "dist": "cauchy"}]}, "tool.attncheck.synthetic[0].dist must be one of normal, outliers, got 'cauchy'"),
+    (
+        {"synthetic": [{"d_k": 8}, {"d_k": 8, "seq": 1}]},
+        "tool.attncheck.synthetic[1].seq must be an integer >= 2, got 1",
+    ),
+    (
+        {"synthetic": [{"d_k": 8, "scale": "huge"}]},
+        "tool.attncheck.synthetic[0].scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'huge'",
+    ),
+    (
+        {"synthetic": [{"d_k": 8, "scale": -1}]},
+        "tool.attncheck.synthetic[0].scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got -1",
+    ),
+    (
+        {"synthetic": [{"d_k": 8, "dist": "cauchy"}]},
+        "tool.attncheck.synthetic[0].dist must be one of normal, outliers, got 'cauchy'",
+    ),
     ({"synthetic": [{"d_k": 8, "std": 0}]}, "tool.attncheck.synthetic[0].std must be a number > 0, got 0"),
-    ({"synthetic": [{"d_k": 8, "dtype": "int8"}]}, "tool.attncheck.synthetic[0].dtype: unknown dtype 'int8' (choose from fp16, bf16, fp32)"),
-    ({"synthetic": [{"dk": 8}]}, "unknown key 'tool.attncheck.synthetic[0].dk' in <config> (known: d_k, scale, seq, rows, dist, std, seed, dtype, paths)"),
-    ({"synthetic": [{"d_k": 8, "paths": ["flash", "xformers"]}]}, "tool.attncheck.synthetic[0].paths: unknown path 'xformers' (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math)"),
-    ({"synthetic": [{"d_k": 8, "paths": []}]}, "tool.attncheck.synthetic[0].paths is empty (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math)"),
-    ({"synthetic": [{"d_k": 8}], "budget": {"out_rmse": 1e-3}},
-     'tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a '
-     "[[tool.attncheck.synthetic]] entry (saved score dumps have no V)"),
-    ({"synthetic": [{"d_k": 8}], "budget": {"fp16": {"out_nan": 0}}},
-     'tool.attncheck.budget.fp16.out_nan judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a '
-     "[[tool.attncheck.synthetic]] entry (saved score dumps have no V)"),
-    ({"synthetic": [{"d_k": 8, "paths": ["flash"]}], "budget": {"out_relative_to_torch": 2}},
-     'tool.attncheck.budget.out_relative_to_torch compares each cell with torch.softmax on the eager path: add "eager" to '
-     "tool.attncheck.synthetic[0].paths"),
-    ({"synthetic": [{"d_k": 8, "paths": ["flash"]}], "budget": {"out_cos_min": 1.5}}, "tool.attncheck.budget.out_cos_min is a cosine similarity: a number between -1 and 1, got 1.5"),
-    ({"synthetic": [{"d_k": 8, "paths": ["flash"]}], "budget": {"out_relative_to_torch": 0}}, "tool.attncheck.budget.out_relative_to_torch must be a number > 0, got 0"),
+    (
+        {"synthetic": [{"d_k": 8, "dtype": "int8"}]},
+        "tool.attncheck.synthetic[0].dtype: unknown dtype 'int8' (choose from fp16, bf16, fp32)",
+    ),
+    (
+        {"synthetic": [{"dk": 8}]},
+        "unknown key 'tool.attncheck.synthetic[0].dk' in <config> (known: d_k, scale, seq, rows, dist, std, seed, dtype, paths)",
+    ),
+    (
+        {"synthetic": [{"d_k": 8, "paths": ["flash", "xformers"]}]},
+        "tool.attncheck.synthetic[0].paths: unknown path 'xformers' (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math)",
+    ),
+    (
+        {"synthetic": [{"d_k": 8, "paths": []}]},
+        "tool.attncheck.synthetic[0].paths is empty (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math)",
+    ),
+    (
+        {"synthetic": [{"d_k": 8}], "budget": {"out_rmse": 1e-3}},
+        'tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a '
+        "[[tool.attncheck.synthetic]] entry (saved score dumps have no V)",
+    ),
+    (
+        {"synthetic": [{"d_k": 8}], "budget": {"fp16": {"out_nan": 0}}},
+        'tool.attncheck.budget.fp16.out_nan judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a '
+        "[[tool.attncheck.synthetic]] entry (saved score dumps have no V)",
+    ),
+    (
+        {"synthetic": [{"d_k": 8, "paths": ["flash"]}], "budget": {"out_relative_to_torch": 2}},
+        'tool.attncheck.budget.out_relative_to_torch compares each cell with torch.softmax on the eager path: add "eager" to '
+        "tool.attncheck.synthetic[0].paths",
+    ),
+    (
+        {"synthetic": [{"d_k": 8, "paths": ["flash"]}], "budget": {"out_cos_min": 1.5}},
+        "tool.attncheck.budget.out_cos_min is a cosine similarity: a number between -1 and 1, got 1.5",
+    ),
+    (
+        {"synthetic": [{"d_k": 8, "paths": ["flash"]}], "budget": {"out_relative_to_torch": 0}},
+        "tool.attncheck.budget.out_relative_to_torch must be a number > 0, got 0",
+    ),
     # FP8 cells depend on run's --p-scale and --fp8-scaling, which a config has no key for: refused, named (issue 32)
-    ({"dtypes": ["fp16", "e4m3"]}, "tool.attncheck.dtypes: 'e4m3' is an FP8 format; check computes in fp16, bf16, fp32 "
-     "(FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3')"),
-    ({"synthetic": [{"d_k": 8, "dtype": "float8_e5m2"}]}, "tool.attncheck.synthetic[0].dtype: 'float8_e5m2' is an FP8 format; check "
-     "computes in fp16, bf16, fp32 (FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3')"),
-    ({"synthetic": [{"d_k": 8, "paths": ["eager", "sage"]}]}, "tool.attncheck.synthetic[0].paths: 'sage' computes in FP8; check computes "
-     "the paths eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math (FP8 cells need run's --p-scale and --fp8-scaling: judge them with "
-     "'attncheck run --dtype e4m3')"),
-    ({"budget": {"e4m3": {"nan": 0}}}, "tool.attncheck.budget.e4m3: 'e4m3' is an FP8 format; check computes in fp16, bf16, fp32 "
-     "(FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3')"),
-    ({}, '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table'),
-    ({"inputs": []}, '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table'),
+    (
+        {"dtypes": ["fp16", "e4m3"]},
+        "tool.attncheck.dtypes: 'e4m3' is an FP8 format; check computes in fp16, bf16, fp32 "
+        "(FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3')",
+    ),
+    (
+        {"synthetic": [{"d_k": 8, "dtype": "float8_e5m2"}]},
+        "tool.attncheck.synthetic[0].dtype: 'float8_e5m2' is an FP8 format; check "
+        "computes in fp16, bf16, fp32 (FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3')",
+    ),
+    (
+        {"synthetic": [{"d_k": 8, "paths": ["eager", "sage"]}]},
+        "tool.attncheck.synthetic[0].paths: 'sage' computes in FP8; check computes "
+        "the paths eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math (FP8 cells need run's --p-scale and --fp8-scaling: judge them with "
+        "'attncheck run --dtype e4m3')",
+    ),
+    (
+        {"budget": {"e4m3": {"nan": 0}}},
+        "tool.attncheck.budget.e4m3: 'e4m3' is an FP8 format; check computes in fp16, bf16, fp32 "
+        "(FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3')",
+    ),
+    (
+        {},
+        '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table',
+    ),
+    (
+        {"inputs": []},
+        '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table',
+    ),
 ]
 
 
@@ -266,7 +365,9 @@ def test_no_config_anywhere(tmp_path, monkeypatch):
 def test_ignore_takes_finding_codes(tmp_path):
     cfg = parse_table({**SYN, "ignore": ["fully_masked_rows"]}, root=tmp_path)
     assert cfg.ignore == ("fully_masked_rows",)
-    with pytest.raises(AttncheckError, match=r"^tool.attncheck.ignore: unknown finding code 'masked' \(known: input_nan"):
+    with pytest.raises(
+        AttncheckError, match=r"^tool.attncheck.ignore: unknown finding code 'masked' \(known: input_nan"
+    ):
         parse_table({**SYN, "ignore": ["masked"]}, root=tmp_path)
     with pytest.raises(AttncheckError, match="tool.attncheck.ignore must be a list of strings"):
         parse_table({**SYN, "ignore": "fully_masked_rows"}, root=tmp_path)
@@ -284,8 +385,22 @@ def test_ignored_codes_leave_their_rows_out_of_the_count_budgets(tmp_path):
     assert result.passed and result.cases[0].checks[0].measured == 0 and result.ignore == ("fully_masked_rows",)
 
 
-@pytest.mark.parametrize("pattern", ["**/*.npy", "x/**/*.npy", "**", "x/**", "**/y/*.npy", "*/y/**/*.npy", "x/**/c.npy",
-                                     "./**/*.npy", "**/.e.npy", "*.npy", "x/*/c.npy"])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "**/*.npy",
+        "x/**/*.npy",
+        "**",
+        "x/**",
+        "**/y/*.npy",
+        "*/y/**/*.npy",
+        "x/**/c.npy",
+        "./**/*.npy",
+        "**/.e.npy",
+        "*.npy",
+        "x/*/c.npy",
+    ],
+)
 def test_input_globs_find_what_pythons_glob_finds_where_no_folder_loops(tmp_path, pattern):
     """glob_inputs walks '**' itself (to enter each real folder once); on a tree without loops it
     finds the same paths as glob.glob, hidden names and links to folders included."""
@@ -297,7 +412,9 @@ def test_input_globs_find_what_pythons_glob_finds_where_no_folder_loops(tmp_path
     for name in ("a.npy", "x/b.npy", "x/y/c.npy", ".h/d.npy", "x/.e.npy", "z/y/c.npy"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"")
-    os.symlink(tmp_path / "z", tmp_path / "x" / "link")  # a link to a folder elsewhere in the tree: followed, as glob does
+    os.symlink(
+        tmp_path / "z", tmp_path / "x" / "link"
+    )  # a link to a folder elsewhere in the tree: followed, as glob does
     found = {os.path.normpath(p) for p in glob.glob(pattern, root_dir=tmp_path, recursive=True)}
     # glob lists z's files again under x/link; glob_inputs enters each real folder once, by its own name first
     from_root = pattern.startswith(("**", "./**"))  # its '**' reaches z by its own name, before the link

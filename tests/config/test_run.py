@@ -2,11 +2,22 @@
 
 import pytest
 
-from attncheck.config.run import ROW_BYTES, ROW_BYTES_PER_CELL, WORKING_BYTES_PER_ELEMENT, Options, check_row_fits, chunk_elements_for, chunk_row_bytes, rows_per_chunk
+from attncheck.config.run import (
+    ROW_BYTES,
+    ROW_BYTES_PER_CELL,
+    WORKING_BYTES_PER_ELEMENT,
+    Options,
+    check_row_fits,
+    chunk_elements_for,
+    chunk_row_bytes,
+    rows_per_chunk,
+)
 from attncheck.errors import AttncheckError
 
 MiB = 1 << 20
-PER_ROW_MEASURED = 1170  # bytes a 1-key row needed with the 12 default cells (peak RSS of 4M rows in one chunk, minus the interpreter)
+PER_ROW_MEASURED = (
+    1170  # bytes a 1-key row needed with the 12 default cells (peak RSS of 4M rows in one chunk, minus the interpreter)
+)
 
 
 @pytest.mark.parametrize("budget", [1 * MiB, 64 * MiB, 512 * MiB])
@@ -26,7 +37,10 @@ def test_row_bytes_count_every_cell_and_the_row_constant():
     assert chunk_row_bytes(1, every) >= PER_ROW_MEASURED
 
 
-@pytest.mark.parametrize("keys, block, width", [(129, 128, 256), (128, 128, 128), (100, 128, 100), (1000, 1, 1000), (1025, 512, 1536), (3, 2, 4)])
+@pytest.mark.parametrize(
+    "keys, block, width",
+    [(129, 128, 256), (128, 128, 128), (100, 128, 100), (1000, 1, 1000), (1025, 512, 1536), (3, 2, 4)],
+)
 def test_tiled_pads_rows_to_whole_blocks(keys, block, width):
     tiled = Options(dtypes=("fp16",), methods=("tiled",), block=block)
     stable = Options(dtypes=("fp16",), methods=("stable",), block=block)
@@ -46,5 +60,7 @@ def test_a_row_longer_than_the_budget_is_refused_not_split():
     """A row is never split: one that alone passes the budget (a stride-0 row of 2e9 keys in a few
     bytes of .pt) is refused, naming the budget, rather than diagnosed beyond it."""
     check_row_fits("x", 699_050, 64 * MiB)
-    with pytest.raises(AttncheckError, match=r"^x: a row of 1,048,576 keys needs 96 MiB of working memory, over max_memory 64 MiB"):
+    with pytest.raises(
+        AttncheckError, match=r"^x: a row of 1,048,576 keys needs 96 MiB of working memory, over max_memory 64 MiB"
+    ):
         check_row_fits("x", 1 << 20, 64 * MiB)

@@ -44,24 +44,52 @@ def test_safetensors_keys_in_natural_order(tmp_path):
     assert [s.name.rsplit(":", 1)[1] for s in found] == ["layers.1.scores", "layers.9.scores", "layers.10.scores"]
 
 
-@pytest.mark.parametrize("key,expected", [
-    ("q", ("", "q")), ("layers.3.query", ("layers.3", "q")), ("blk/Key_States", ("blk", "k")), ("attn_mask", ("", "attn_mask")),
-    ("a.value", ("a", "v")), ("layers.3.scores", ("layers.3", "scores")), ("layer0.weights", ("layer0.weights", None)),
-])
+@pytest.mark.parametrize(
+    "key,expected",
+    [
+        ("q", ("", "q")),
+        ("layers.3.query", ("layers.3", "q")),
+        ("blk/Key_States", ("blk", "k")),
+        ("attn_mask", ("", "attn_mask")),
+        ("a.value", ("a", "v")),
+        ("layers.3.scores", ("layers.3", "scores")),
+        ("layer0.weights", ("layer0.weights", None)),
+    ],
+)
 def test_roles(key, expected):
     assert role_of(key) == expected
 
 
 def test_qk_groups_take_q_and_k_with_their_prefix():
-    groups, rest = qk_groups(["layers.10.q", "layers.10.k", "layers.2.query", "layers.2.key", "layers.2.mask", "layers.2.v", "other", "layers.3.q"])
-    assert groups == [("layers.2", {"q": "layers.2.query", "k": "layers.2.key", "attn_mask": "layers.2.mask", "v": "layers.2.v"}),
-                      ("layers.10", {"q": "layers.10.q", "k": "layers.10.k"})]
+    groups, rest = qk_groups(
+        [
+            "layers.10.q",
+            "layers.10.k",
+            "layers.2.query",
+            "layers.2.key",
+            "layers.2.mask",
+            "layers.2.v",
+            "other",
+            "layers.3.q",
+        ]
+    )
+    assert groups == [
+        ("layers.2", {"q": "layers.2.query", "k": "layers.2.key", "attn_mask": "layers.2.mask", "v": "layers.2.v"}),
+        ("layers.10", {"q": "layers.10.q", "k": "layers.10.k"}),
+    ]
     assert rest == ["other", "layers.3.q"]  # no k beside it: a score tensor
 
 
 def test_a_file_of_q_k_mask_is_one_call_not_three_score_tensors(tmp_path):
     p = tmp_path / "qk.pt"
-    torch.save({"query": torch.randn(1, 2, 4, 8), "key": torch.randn(1, 2, 4, 8), "attn_mask": torch.ones(4, 4, dtype=torch.bool)}, p)
+    torch.save(
+        {
+            "query": torch.randn(1, 2, 4, 8),
+            "key": torch.randn(1, 2, 4, 8),
+            "attn_mask": torch.ones(4, 4, dtype=torch.bool),
+        },
+        p,
+    )
     found, _ = open_inputs([p])
     assert len(found) == 1 and isinstance(found[0], CallSource) and found[0].info.kind == "qk"
     assert set(found[0].load()) == {"q", "k", "attn_mask"} and found[0].load()["attn_mask"].dtype == torch.bool
@@ -95,7 +123,10 @@ def problem(tmp_path, change):
 
 def test_missing_file_names_the_call(tmp_path):
     msg = problem(tmp_path, lambda d: (d / "0001-global.safetensors").unlink())
-    assert msg == f"{tmp_path / 'cap' / '0001-global.safetensors'} (call 1, sdpa): listed in {tmp_path / 'cap' / 'manifest.json'} but missing"
+    assert (
+        msg
+        == f"{tmp_path / 'cap' / '0001-global.safetensors'} (call 1, sdpa): listed in {tmp_path / 'cap' / 'manifest.json'} but missing"
+    )
 
 
 def test_truncated_file_names_the_call(tmp_path):
@@ -104,12 +135,17 @@ def test_truncated_file_names_the_call(tmp_path):
         p.write_bytes(p.read_bytes()[:-100])
 
     msg = problem(tmp_path, cut)
-    assert msg.startswith(f"{tmp_path / 'cap' / '0002-global.safetensors'} (call 2, sdpa): not a valid .safetensors file (truncated")
+    assert msg.startswith(
+        f"{tmp_path / 'cap' / '0002-global.safetensors'} (call 2, sdpa): not a valid .safetensors file (truncated"
+    )
 
 
 def test_unlisted_file_is_a_mismatch(tmp_path):
     msg = problem(tmp_path, lambda d: shutil.copy(d / "0000-global.safetensors", d / "0007-global.safetensors"))
-    assert msg == f"{tmp_path / 'cap' / 'manifest.json'} does not match the files: {tmp_path / 'cap' / '0007-global.safetensors'} is not listed in it"
+    assert (
+        msg
+        == f"{tmp_path / 'cap' / 'manifest.json'} does not match the files: {tmp_path / 'cap' / '0007-global.safetensors'} is not listed in it"
+    )
 
 
 def test_manifest_entry_that_does_not_match_the_file(tmp_path):
@@ -122,13 +158,24 @@ def test_manifest_entry_that_does_not_match_the_file(tmp_path):
     d = tmp_path / "cap"
     problem(tmp_path, edit)
     found, _ = open_inputs([d])
-    assert found[1].problem.endswith("does not match " + str(d / "manifest.json") + " (kind 'sdpa' in the file, 'softmax' in the manifest)")
+    assert found[1].problem.endswith(
+        "does not match " + str(d / "manifest.json") + " (kind 'sdpa' in the file, 'softmax' in the manifest)"
+    )
     assert "tensor 'q': shape (1, 2, 6, 8) in the file, shape (9,) in the manifest" in found[2].problem
     assert found[0].problem is None
 
 
-@pytest.mark.parametrize("text,why", [("{", "not JSON"), ('{"schema": "x"}', "not an attncheck capture manifest"),
-                                      ('{"schema": "attncheck.capture/1", "calls": [{"file": "../x.safetensors", "index": 0}]}', "not a call file of this directory")])
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("{", "not JSON"),
+        ('{"schema": "x"}', "not an attncheck capture manifest"),
+        (
+            '{"schema": "attncheck.capture/1", "calls": [{"file": "../x.safetensors", "index": 0}]}',
+            "not a call file of this directory",
+        ),
+    ],
+)
 def test_bad_manifest(tmp_path, text, why):
     msg = problem(tmp_path, lambda d: (d / "manifest.json").write_text(text))
     assert why in msg and "manifest.json" in msg

@@ -72,14 +72,20 @@ def test_nested_tensors_are_refused_in_one_line(tmp_path):
 @pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
 def test_pt_of_every_pickle_protocol_loads(tmp_path, protocol, zip_format):
     # Strings reused as keys, as globals' names and inside nested dicts exercise the memo.
-    obj = {"torch": torch.arange(6.0).view(2, 3), "a": {"torch": torch.ones(2, 2, dtype=torch.float16), "collections": [torch.zeros(1, 4)]},
-           "_rebuild_tensor_v2": torch.full((3, 1), 2.5, dtype=torch.bfloat16)}
+    obj = {
+        "torch": torch.arange(6.0).view(2, 3),
+        "a": {"torch": torch.ones(2, 2, dtype=torch.float16), "collections": [torch.zeros(1, 4)]},
+        "_rebuild_tensor_v2": torch.full((3, 1), 2.5, dtype=torch.bfloat16),
+    }
     p = tmp_path / "p.pt"
     torch.save(obj, p, pickle_protocol=protocol, _use_new_zipfile_serialization=zip_format)
     got = loaded(p)  # any warning fails the test (filterwarnings = error)
     assert set(got) == {"torch", "a.torch", "a.collections.0", "_rebuild_tensor_v2"}
     assert torch.equal(got["torch"], obj["torch"]) and torch.equal(got["a.torch"], obj["a"]["torch"])
-    assert torch.equal(got["_rebuild_tensor_v2"], obj["_rebuild_tensor_v2"]) and got["_rebuild_tensor_v2"].dtype == torch.bfloat16
+    assert (
+        torch.equal(got["_rebuild_tensor_v2"], obj["_rebuild_tensor_v2"])
+        and got["_rebuild_tensor_v2"].dtype == torch.bfloat16
+    )
 
 
 def test_protocol_4_pickle_of_code_is_still_refused(tmp_path):
@@ -125,17 +131,47 @@ def test_npz_members_that_would_share_a_name_are_bracketed(tmp_path):
 
 def test_pt_keys_that_print_alike_get_distinct_names(tmp_path):
     p = tmp_path / "k.pt"
-    torch.save({1: torch.ones(2, 2), "1": torch.zeros(2, 2), "a.b": torch.full((2, 2), 3.0), "a": {"b": torch.full((2, 2), 4.0)},
-                "plain name": torch.full((2, 2), 5.0), (0, 1): torch.full((2, 2), 6.0)}, p)
+    torch.save(
+        {
+            1: torch.ones(2, 2),
+            "1": torch.zeros(2, 2),
+            "a.b": torch.full((2, 2), 3.0),
+            "a": {"b": torch.full((2, 2), 4.0)},
+            "plain name": torch.full((2, 2), 5.0),
+            (0, 1): torch.full((2, 2), 6.0),
+        },
+        p,
+    )
     got = loaded(p)
-    assert {k: float(v[0, 0]) for k, v in got.items()} == {"1": 1.0, "['1']": 0.0, "['a.b']": 3.0, "a.b": 4.0, "plain name": 5.0, "[(0, 1)]": 6.0}
+    assert {k: float(v[0, 0]) for k, v in got.items()} == {
+        "1": 1.0,
+        "['1']": 0.0,
+        "['a.b']": 3.0,
+        "a.b": 4.0,
+        "plain name": 5.0,
+        "[(0, 1)]": 6.0,
+    }
     for key, value in (("1", 1.0), ("['1']", 0.0), ("['a.b']", 3.0), ("a.b", 4.0)):
         only = loaded(p, [key])
         assert list(only) == [key] and float(only[key][0, 0]) == value
 
 
 def test_key_text_is_unambiguous():
-    paths = [(1,), ("1",), ("a.b",), ("a", "b"), (True,), ("True",), (1.5,), ("x", 0, "y"), ("x", "0", "y"), ("",), ("a]b",), ("-1",), (-1,)]
+    paths = [
+        (1,),
+        ("1",),
+        ("a.b",),
+        ("a", "b"),
+        (True,),
+        ("True",),
+        (1.5,),
+        ("x", 0, "y"),
+        ("x", "0", "y"),
+        ("",),
+        ("a]b",),
+        ("-1",),
+        (-1,),
+    ]
     texts = [key_text(p) for p in paths]
     assert len(set(texts)) == len(texts), texts
     assert key_text(("layers", 0, "attn", "scores")) == "layers.0.attn.scores"
@@ -232,7 +268,10 @@ def test_npz_member_claiming_a_huge_shape_is_refused_before_reading(tmp_path):
             zeros = bytes(1 << 20)
             for _ in range(16):
                 f.write(zeros)
-    with pytest.raises(AttncheckError, match=r"claim2\.npz:q: a Fortran-ordered array is read whole: it needs 16 MiB, over max_memory 1 MiB"):
+    with pytest.raises(
+        AttncheckError,
+        match=r"claim2\.npz:q: a Fortran-ordered array is read whole: it needs 16 MiB, over max_memory 1 MiB",
+    ):
         open_sources([str(huge)], max_bytes=1 << 20)
 
 
@@ -295,7 +334,10 @@ def test_npz_central_directory_that_lies_about_a_name(tmp_path):
     data[local : local + 5] = b"y.npy"  # the local header now names another member
     p.write_bytes(bytes(data))
     for read in (loaded, sources):
-        with pytest.raises(AttncheckError, match=r"name\.npz:x: not a valid \.npy member \(File name in directory 'x\.npy' and header 'y\.npy' differ\.\)"):
+        with pytest.raises(
+            AttncheckError,
+            match=r"name\.npz:x: not a valid \.npy member \(File name in directory 'x\.npy' and header 'y\.npy' differ\.\)",
+        ):
             read(p)
 
 
@@ -333,7 +375,11 @@ def test_masks_have_the_same_dtype_rules_in_every_format(tmp_path, suffix):
     bad([p], "has dtype bool; attncheck needs floating-point scores")  # as scores: refused
     q = tmp_path / f"int{suffix}"
     write(q, keep.to(torch.int8))
-    bad([q], r"has dtype int8; use a boolean mask \(True = attend; mask_convention ignore for True = masked\) or an additive float mask", kind="mask")
+    bad(
+        [q],
+        r"has dtype int8; use a boolean mask \(True = attend; mask_convention ignore for True = masked\) or an additive float mask",
+        kind="mask",
+    )
 
 
 def _sparse_safetensors(path: Path) -> np.ndarray:
@@ -343,8 +389,10 @@ def _sparse_safetensors(path: Path) -> np.ndarray:
 
     big = 1 << 37
     small = np.linspace(-4.0, 4.0, 32, dtype=np.float32).reshape(4, 8)
-    header = {"big": {"dtype": "F32", "shape": [1 << 17, 1 << 18], "data_offsets": [0, big]},
-              "small": {"dtype": "F32", "shape": [4, 8], "data_offsets": [big, big + small.nbytes]}}
+    header = {
+        "big": {"dtype": "F32", "shape": [1 << 17, 1 << 18], "data_offsets": [0, big]},
+        "small": {"dtype": "F32", "shape": [4, 8], "data_offsets": [big, big + small.nbytes]},
+    }
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     with open(path, "wb") as f:
@@ -376,7 +424,7 @@ from attncheck.loaders import load_tensors, open_sources
 (src,) = open_sources([{str(path)!r}], ["small"])
 assert src.shape == (4, 8), src.shape
 got = torch.cat(list(src.row_blocks(3)))
-assert torch.equal(got, torch.from_numpy(np.load({str(tmp_path / 'small.npy')!r}))), got
+assert torch.equal(got, torch.from_numpy(np.load({str(tmp_path / "small.npy")!r}))), got
 try:
     load_tensors([{str(path)!r}], ["small"])
 except AttncheckError as e:

@@ -31,8 +31,7 @@ def sample(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:
     t = (torch.randn(shape, generator=g, dtype=torch.float64) * 100).to(dtype)
     flat = t.view(-1)
     info = torch.finfo(dtype)
-    specials = [info.max, -info.max, info.tiny, info.tiny / 4, float("inf"),
-                float("-inf"), float("nan"), -0.0]
+    specials = [info.max, -info.max, info.tiny, info.tiny / 4, float("inf"), float("-inf"), float("nan"), -0.0]
     flat[: len(specials)] = torch.tensor(specials, dtype=torch.float64).to(dtype)
     return t
 
@@ -42,9 +41,7 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.shape == expected.shape
     assert actual.device.type == "cpu"
     bits = _BITS[expected.element_size()]
-    assert torch.equal(
-        actual.contiguous().view(bits), expected.contiguous().view(bits)
-    )
+    assert torch.equal(actual.contiguous().view(bits), expected.contiguous().view(bits))
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
@@ -112,8 +109,7 @@ def test_npy_big_endian_and_fortran_order(tmp_path):
 
 
 def test_npz_round_trip(tmp_path):
-    arrays = {f"m_{d.__name__}": as_numpy(sample(torch.from_numpy(np.zeros(0, d)).dtype))
-              for d in NUMPY_DTYPES}
+    arrays = {f"m_{d.__name__}": as_numpy(sample(torch.from_numpy(np.zeros(0, d)).dtype)) for d in NUMPY_DTYPES}
     path = tmp_path / "many.npz"
     np.savez(path, **arrays)
     result = load_tensors([path])
@@ -300,8 +296,7 @@ def test_key_matches_bare_tensor_by_file_name(tmp_path):
 
 def test_keys_are_case_sensitive_and_dotted(tmp_path):
     path = tmp_path / "d.pt"
-    torch.save({"layers": [{"scores": torch.ones(1)}, {"scores": torch.ones(1)}],
-                "Scores": torch.ones(1)}, path)
+    torch.save({"layers": [{"scores": torch.ones(1)}, {"scores": torch.ones(1)}], "Scores": torch.ones(1)}, path)
     result = load_tensors([path], keys=["layers.*.scores"])
     assert names(result) == [f"{path}:layers.0.scores", f"{path}:layers.1.scores"]
     assert names(load_tensors([path], keys=["Sc*"])) == [f"{path}:Scores"]
@@ -309,34 +304,31 @@ def test_keys_are_case_sensitive_and_dotted(tmp_path):
 
 def test_several_patterns_union_in_file_order(tmp_path):
     path = tmp_path / "d.safetensors"
-    safetensors.torch.save_file(
-        {"a": torch.ones(1), "b": torch.ones(1), "c": torch.ones(1)}, str(path)
-    )
-    assert names(load_tensors([path], keys=["c", "a", "?"])) == [
-        f"{path}:a", f"{path}:b", f"{path}:c"
-    ]
+    safetensors.torch.save_file({"a": torch.ones(1), "b": torch.ones(1), "c": torch.ones(1)}, str(path))
+    assert names(load_tensors([path], keys=["c", "a", "?"])) == [f"{path}:a", f"{path}:b", f"{path}:c"]
 
 
 def test_key_matching_nothing(tmp_path):
     path = tmp_path / "a.pt"
     torch.save({"x": torch.ones(1), "y": torch.ones(1)}, path)
-    bad([path], re.escape(f"keys 'foo*' matches no tensor (available: {path}:x, {path}:y)"),
-        keys=["x", "foo*"])
+    bad([path], re.escape(f"keys 'foo*' matches no tensor (available: {path}:x, {path}:y)"), keys=["x", "foo*"])
 
 
 def test_key_matching_nothing_lists_at_most_ten(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     np.savez("many.npz", **{f"t{i:02d}": np.ones(1) for i in range(25)})
     listed = ", ".join(f"many.npz:t{i:02d}" for i in range(10))
-    bad(["many.npz"], re.escape(f"keys 'nope' matches no tensor (available: {listed}, "
-                                "... (15 more))") + "$", keys=["nope"])
+    bad(
+        ["many.npz"],
+        re.escape(f"keys 'nope' matches no tensor (available: {listed}, ... (15 more))") + "$",
+        keys=["nope"],
+    )
 
 
 def test_keys_select_before_loading(tmp_path):
     # Members that are not selected are never read, so their problems don't matter.
     npz = tmp_path / "m.npz"
-    np.savez(npz, good=np.ones(2, np.float32), objects=np.array([None, 1], dtype=object),
-             ints=np.arange(3))
+    np.savez(npz, good=np.ones(2, np.float32), objects=np.array([None, 1], dtype=object), ints=np.arange(3))
     st = tmp_path / "s.safetensors"
     safetensors.torch.save_file({"good": torch.ones(2), "ints": torch.arange(3)}, str(st))
     result = load_tensors([npz, st], keys=["good"])
@@ -354,8 +346,11 @@ def test_missing_path(tmp_path):
 
 def test_unknown_extension(tmp_path):
     path = write_bytes(tmp_path / "scores.csv", b"1,2,3\n")
-    bad([path], r"scores\.csv: unsupported file type '\.csv' \(supported: \.pt, \.pth, "
-                r"\.npy, \.npz, \.safetensors\)")
+    bad(
+        [path],
+        r"scores\.csv: unsupported file type '\.csv' \(supported: \.pt, \.pth, "
+        r"\.npy, \.npz, \.safetensors\)",
+    )
 
 
 def test_no_extension(tmp_path):
@@ -457,8 +452,11 @@ def test_hostile_pickle_is_refused_not_run(tmp_path, writer):
     else:
         with open(path, "wb") as f:
             pickle.dump(payload, f, protocol=2 if writer.endswith("2") else None)
-    bad([path], r"evil\.pt: refused to load: it holds pickled objects other than tensors.*"
-                r"\(attncheck loads \.pt files with weights_only=True and never runs pickled code\)$")
+    bad(
+        [path],
+        r"evil\.pt: refused to load: it holds pickled objects other than tensors.*"
+        r"\(attncheck loads \.pt files with weights_only=True and never runs pickled code\)$",
+    )
     assert not marker.exists()
 
 
@@ -497,8 +495,11 @@ def test_object_arrays_are_refused(tmp_path, suffix):
     else:
         np.savez(path, objects=array)
         what = r"obj\.npz:objects"
-    bad([path], what + r": holds an object array \(pickled Python objects\), which attncheck "
-                       r"does not support; nothing was unpickled")
+    bad(
+        [path],
+        what + r": holds an object array \(pickled Python objects\), which attncheck "
+        r"does not support; nothing was unpickled",
+    )
     assert not marker.exists()
 
 
@@ -536,15 +537,21 @@ def test_non_float_dtypes_are_refused(tmp_path, fmt, value, shown):
     else:
         safetensors.torch.save_file({"v": value}, str(path))
         name = r"x\.safetensors:v"
-    bad([path], name + rf" has dtype {re.escape(shown)}; attncheck needs floating-point "
-                       r"scores \(fp16, bf16, fp32 or fp64\)$")
+    bad(
+        [path],
+        name + rf" has dtype {re.escape(shown)}; attncheck needs floating-point "
+        r"scores \(fp16, bf16, fp32 or fp64\)$",
+    )
 
 
 def test_scalars_are_refused(tmp_path):
     np.save(tmp_path / "s.npy", np.float32(1.5))
     torch.save({"s": torch.tensor(1.5)}, tmp_path / "s.pt")
-    bad([tmp_path / "s.npy"], r"s\.npy is a 0-d scalar; attncheck needs at least one axis "
-                              r"\(the last axis holds the keys\)")
+    bad(
+        [tmp_path / "s.npy"],
+        r"s\.npy is a 0-d scalar; attncheck needs at least one axis "
+        r"\(the last axis holds the keys\)",
+    )
     bad([tmp_path / "s.pt"], r"s\.pt:s is a 0-d scalar")
 
 
@@ -568,5 +575,7 @@ def test_formats_come_from_one_suffix_registry(tmp_path):
     assert SUPPORTED_SUFFIXES == tuple(FORMATS) == (".pt", ".pth", ".npy", ".npz", ".safetensors")
     odd = tmp_path / "scores.csv"
     odd.write_text("1,2,3")
-    with pytest.raises(AttncheckError, match=r"scores.csv: unsupported file type \(supported: .pt, .pth, .npy, .npz, .safetensors\)"):
+    with pytest.raises(
+        AttncheckError, match=r"scores.csv: unsupported file type \(supported: .pt, .pth, .npy, .npz, .safetensors\)"
+    ):
         open_file(str(odd))

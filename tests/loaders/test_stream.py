@@ -24,11 +24,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from attncheck.numerics.cells.diagnose import Options, diagnose, diagnose_chunks
 from attncheck.errors import AttncheckError
-from attncheck.loaders import SUPPORTED_SUFFIXES, load_tensors
-from attncheck.loaders import TensorSource, open_sources
+from attncheck.loaders import SUPPORTED_SUFFIXES, TensorSource, load_tensors, open_sources
 from attncheck.loaders.formats.safetensors import _read_safetensors_header
+from attncheck.numerics.cells.diagnose import Options, diagnose, diagnose_chunks
 from tests.loaders.test_loaders import Hostile, assert_bitwise_equal, make_tree, sample
 
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -198,8 +197,11 @@ def test_npz_member_names_as_numpy_lists_them(tmp_path):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_safetensors_blocks_equal_loaded(tmp_path, dtype):
     # Several tensors, so that each is read at its own data_offsets.
-    tensors = {"a.first": sample(torch.float16, (3, 4)), "scores": sample(dtype, SHAPE),
-               "z.last": sample(torch.float64, (3, 3))}
+    tensors = {
+        "a.first": sample(torch.float16, (3, 4)),
+        "scores": sample(dtype, SHAPE),
+        "z.last": sample(torch.float64, (3, 3)),
+    }
     sources = assert_streams_like_loader([write(tmp_path / "s.safetensors", tensors)])
     assert [s.name.split(":")[-1] for s in sources] == sorted(tensors)
 
@@ -231,9 +233,11 @@ def test_streamed_blocks_are_fresh_tensors(tmp_path):
 
 
 def test_row_blocks_restarts_and_closes_its_file(tmp_path):
-    for name, tensors in [("a.npy", {"": sample(torch.float32, SHAPE)}),
-                          ("b.npz", {"x": sample(torch.float32, SHAPE)}),
-                          ("c.safetensors", {"x": sample(torch.bfloat16, SHAPE)})]:
+    for name, tensors in [
+        ("a.npy", {"": sample(torch.float32, SHAPE)}),
+        ("b.npz", {"x": sample(torch.float32, SHAPE)}),
+        ("c.safetensors", {"x": sample(torch.bfloat16, SHAPE)}),
+    ]:
         path = write(tmp_path / name, tensors)
         [source] = open_sources([path])
         first = source.row_blocks(4)
@@ -276,8 +280,7 @@ def test_path_forms_and_lone_path(tmp_path, monkeypatch):
 
 def test_unselected_members_are_not_checked(tmp_path):
     npz = tmp_path / "m.npz"
-    np.savez(npz, good=np.ones(2, np.float32), objects=np.array([None, 1], dtype=object),
-             ints=np.arange(3))
+    np.savez(npz, good=np.ones(2, np.float32), objects=np.array([None, 1], dtype=object), ints=np.arange(3))
     st = tmp_path / "s.safetensors"
     safetensors.torch.save_file({"good": torch.ones(2), "ints": torch.arange(3)}, str(st))
     assert [s.name for s in open_sources([npz, st], ["good"])] == [f"{npz}:good", f"{st}:good"]
@@ -345,8 +348,7 @@ def test_truncated_archives(tmp_path, suffix):
 
 @pytest.mark.parametrize("name", ["s.npy", "s.safetensors"])
 def test_file_cut_after_opening(tmp_path, name):
-    path = write(tmp_path / name, {"": torch.ones(64, 64)} if name.endswith("npy") else
-                 {"x": torch.ones(64, 64)})
+    path = write(tmp_path / name, {"": torch.ones(64, 64)} if name.endswith("npy") else {"x": torch.ones(64, 64)})
     [source] = open_sources([path])
     size = path.stat().st_size
     with open(path, "r+b") as f:
@@ -356,7 +358,9 @@ def test_file_cut_after_opening(tmp_path, name):
     message = error_of(lambda: list(blocks))
     shown = str(path) if name.endswith("npy") else f"{path}:x"
     found = 16384 - 1000
-    assert message == f"{shown}: not a valid {path.suffix} file (truncated: expected 16384 bytes of data, found {found})"
+    assert (
+        message == f"{shown}: not a valid {path.suffix} file (truncated: expected 16384 bytes of data, found {found})"
+    )
 
 
 def test_npz_member_shorter_than_its_header_says(tmp_path):
@@ -464,13 +468,11 @@ def test_scalars_and_empty_tensors_are_refused(tmp_path):
     np.save(tmp_path / "s.npy", np.float32(1.5))
     np.save(tmp_path / "e.npy", np.zeros((0, 8), np.float32))
     np.savez(tmp_path / "e.npz", e=np.zeros((3, 0), np.float16))
-    safetensors.torch.save_file({"e": torch.zeros(4, 0), "s": torch.tensor(2.0)},
-                                str(tmp_path / "e.safetensors"))
+    safetensors.torch.save_file({"e": torch.zeros(4, 0), "s": torch.tensor(2.0)}, str(tmp_path / "e.safetensors"))
     assert "s.npy is a 0-d scalar" in assert_same_error([tmp_path / "s.npy"])
     assert assert_same_error([tmp_path / "e.npy"]).endswith("e.npy is empty (shape (0, 8))")
     assert assert_same_error([tmp_path / "e.npz"]).endswith("e.npz:e is empty (shape (3, 0))")
-    assert assert_same_error([tmp_path / "e.safetensors"], ["e"]).endswith(
-        "e.safetensors:e is empty (shape (4, 0))")
+    assert assert_same_error([tmp_path / "e.safetensors"], ["e"]).endswith("e.safetensors:e is empty (shape (4, 0))")
     assert "e.safetensors:s is a 0-d scalar" in assert_same_error([tmp_path / "e.safetensors"], ["s"])
 
 
@@ -479,8 +481,10 @@ def test_scalars_and_empty_tensors_are_refused(tmp_path):
     [
         (b"[1, 2]", "header is not a JSON object"),
         (b"{not json", "header is not JSON"),
-        (b'{"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}',
-         "tensor 'x': data_offsets span 4 bytes, but F32 (2,) needs 8"),
+        (
+            b'{"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}',
+            "tensor 'x': data_offsets span 4 bytes, but F32 (2,) needs 8",
+        ),
         (b'{"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}', "bad shape"),
         (b'{"x": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}', "bad data_offsets"),
         (b'{"x": {"shape": [1], "data_offsets": [0, 4]}}', "has no dtype"),
@@ -537,8 +541,12 @@ def normalised(value):
 
 @pytest.mark.parametrize(
     ("name", "dtype"),
-    [("s.npy", torch.float32), pytest.param("s.safetensors", torch.bfloat16, marks=pytest.mark.slow),
-     pytest.param("s.npz", torch.float16, marks=pytest.mark.slow), pytest.param("s.pt", torch.float64, marks=pytest.mark.slow)],
+    [
+        ("s.npy", torch.float32),
+        pytest.param("s.safetensors", torch.bfloat16, marks=pytest.mark.slow),
+        pytest.param("s.npz", torch.float16, marks=pytest.mark.slow),
+        pytest.param("s.pt", torch.float64, marks=pytest.mark.slow),
+    ],
 )  # 3 s each: one format in the default run, all four in the slow one
 def test_diagnose_chunks_over_row_blocks_equals_diagnose(tmp_path, name, dtype):
     scores = stressful_scores().to(dtype)
@@ -612,9 +620,15 @@ def write_large(path: Path, rows: int, keys: int) -> float:
         crc = zlib.crc32(block, crc)
         size = len(member) + nbytes
         name = b"scores.npy"
-        prefix = struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0x21, crc, size, size, len(name), 0) + name + member
-        central = struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0x21, crc, size, size,
-                              len(name), 0, 0, 0, 0, 0, 0) + name
+        prefix = (
+            struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0x21, crc, size, size, len(name), 0) + name + member
+        )
+        central = (
+            struct.pack(
+                "<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0x21, crc, size, size, len(name), 0, 0, 0, 0, 0, 0
+            )
+            + name
+        )
         end_offset = len(prefix) + nbytes
         suffix = central + struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 1, 1, len(central), end_offset, 0)
     with open(path, "wb") as f:
@@ -636,7 +650,11 @@ def test_memory_stays_bounded_on_a_file_64x_the_block(tmp_path):
     launcher = "import subprocess, sys; sys.exit(subprocess.run([sys.executable, *sys.argv[1:]]).returncode)"
     probe = subprocess.run(
         [sys.executable, "-c", launcher, "-c", MEMORY_PROBE, *map(str, paths)],
-        capture_output=True, text=True, cwd=REPO, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
         env={**os.environ, "PYTHONWARNINGS": "error"},
     )
     assert probe.returncode == 0, probe.stderr

@@ -38,12 +38,14 @@ def ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
 
 def test_exp_neg_is_within_two_ulp_of_libm_exp_down_to_zero():
     rng = np.random.default_rng(0)
-    z = np.concatenate([
-        -rng.uniform(0, 760, 200_000),
-        -rng.uniform(700, 746, 20_000),  # results near and below the smallest normal, then 0
-        -np.abs(rng.normal(0, 1e-3, 20_000)),
-        [0.0, -0.0, -np.inf, -745.0, -745.13, -745.2, -746.0, -800.0, -1e300, -1e-300],
-    ])
+    z = np.concatenate(
+        [
+            -rng.uniform(0, 760, 200_000),
+            -rng.uniform(700, 746, 20_000),  # results near and below the smallest normal, then 0
+            -np.abs(rng.normal(0, 1e-3, 20_000)),
+            [0.0, -0.0, -np.inf, -745.0, -745.13, -745.2, -746.0, -800.0, -1e300, -1e-300],
+        ]
+    )
     got, want = _map(K.exp_neg, z), np.exp(z)
     normal = want >= np.finfo(np.float64).tiny
     assert ulps(got[normal], want[normal]).max() <= 2
@@ -53,11 +55,13 @@ def test_exp_neg_is_within_two_ulp_of_libm_exp_down_to_zero():
 
 def test_log_pos_is_within_a_few_ulp_of_libm_log():
     rng = np.random.default_rng(1)
-    y = np.concatenate([
-        np.exp(rng.uniform(-700, 700, 200_000)),
-        1 + rng.normal(0, 1e-6, 20_000),  # log near 0, where an absolute error would show
-        [1.0, 2.0, 0.5, np.sqrt(0.5), np.sqrt(2.0), np.finfo(np.float64).tiny, np.finfo(np.float64).max],
-    ])
+    y = np.concatenate(
+        [
+            np.exp(rng.uniform(-700, 700, 200_000)),
+            1 + rng.normal(0, 1e-6, 20_000),  # log near 0, where an absolute error would show
+            [1.0, 2.0, 0.5, np.sqrt(0.5), np.sqrt(2.0), np.finfo(np.float64).tiny, np.finfo(np.float64).max],
+        ]
+    )
     got, want = _map(K.log_pos, y), np.log(y)
     assert got[y == 1.0].tolist() == [0.0]
     nz = want != 0
@@ -135,11 +139,13 @@ def test_kl_terms_on_both_sides_of_the_series_limit(short):
     t = 384
     r = rng.uniform(1e-4, 1e-2, (8, t))
     r /= r.sum(axis=1, keepdims=True)
-    delta = np.concatenate([
-        np.geomspace(1e-9, 0.3, t // 3) * rng.choice([-1, 1], t // 3),
-        K.SERIES_LIMIT * (1 + np.linspace(-1e-3, 1e-3, t // 3)) * rng.choice([-1, 1], t // 3),
-        K.SHORT_LIMIT * (1 + np.linspace(-1e-3, 1e-3, t // 3)) * rng.choice([-1, 1], t // 3),
-    ])
+    delta = np.concatenate(
+        [
+            np.geomspace(1e-9, 0.3, t // 3) * rng.choice([-1, 1], t // 3),
+            K.SERIES_LIMIT * (1 + np.linspace(-1e-3, 1e-3, t // 3)) * rng.choice([-1, 1], t // 3),
+            K.SHORT_LIMIT * (1 + np.linspace(-1e-3, 1e-3, t // 3)) * rng.choice([-1, 1], t // 3),
+        ]
+    )
     q = (r / (1 + delta)).astype(np.float32)  # r = q (1 + delta); q is what the cell output
     q[1, :10] = 0  # flushed keys: q = floor
     r[2, :5] = 0  # keys the reference gives no mass: term q
@@ -175,7 +181,6 @@ def test_row_checks_route_nan_and_inf_rows_to_the_exact_path():
     assert np.allclose(ref[4], want, rtol=1e-15, atol=0)
 
 
-
 def test_census_mins_leave_out_masked_keys_at_any_position():
     """reference_rows' min of finite scores and min of unmasked ones, against numpy, where
     the keys left out sit anywhere in rows longer than a vector; a finite score as large as
@@ -202,6 +207,7 @@ def test_census_mins_leave_out_masked_keys_at_any_position():
     assert umin.tolist() == unmasked.min(axis=1).tolist()
     assert fmin[4] == big and fmin[2] == np.inf and umin[3] == np.inf and umin[5] == np.inf and fmin[5] == -1e5
 
+
 def both_paths(x, **opts):
     return diagnose("x", x, Options(kernels="fused", **opts)), diagnose("x", x, Options(kernels="torch", **opts))
 
@@ -221,15 +227,46 @@ def test_fused_and_torch_paths_agree(dtype):
     x[10, :4] = float("-inf")  # partly masked
     fused, plain = both_paths(x, chunk_elements=200)
     for a, b in zip(fused.cells, plain.cells):
-        assert (a.nan_causes, a.zero_causes, a.overflow_rows, a.argmax_flips, a.compared_rows) == (b.nan_causes, b.zero_causes, b.overflow_rows, b.argmax_flips, b.compared_rows), a.name
-        for field in ("max_abs_err", "rmse", "max_abs_err_algo", "rmse_algo", "max_row_sum_err", "kl_mean", "kl_max", "flushed_frac"):
+        assert (a.nan_causes, a.zero_causes, a.overflow_rows, a.argmax_flips, a.compared_rows) == (
+            b.nan_causes,
+            b.zero_causes,
+            b.overflow_rows,
+            b.argmax_flips,
+            b.compared_rows,
+        ), a.name
+        for field in (
+            "max_abs_err",
+            "rmse",
+            "max_abs_err_algo",
+            "rmse_algo",
+            "max_row_sum_err",
+            "kl_mean",
+            "kl_max",
+            "flushed_frac",
+        ):
             assert close(getattr(a, field), getattr(b, field)), (a.name, field, getattr(a, field), getattr(b, field))
     ca, cb = fused.census, plain.census
-    assert (ca.nan, ca.posinf, ca.neginf, ca.masked, ca.fully_masked_rows, ca.min, ca.max, ca.sentinels) == (cb.nan, cb.posinf, cb.neginf, cb.masked, cb.fully_masked_rows, cb.min, cb.max, cb.sentinels)
+    assert (ca.nan, ca.posinf, ca.neginf, ca.masked, ca.fully_masked_rows, ca.min, ca.max, ca.sentinels) == (
+        cb.nan,
+        cb.posinf,
+        cb.neginf,
+        cb.masked,
+        cb.fully_masked_rows,
+        cb.min,
+        cb.max,
+        cb.sentinels,
+    )
     assert close(ca.mean, cb.mean, 1e-12) and close(ca.std, cb.std, 1e-12)
     assert ca.headroom == cb.headroom
     da, db = fused.distribution, plain.distribution
-    for field in ("entropy_mean", "entropy_min", "entropy_max", "entropy_norm_mean", "max_prob_mean", "jacobian_norm_mean"):
+    for field in (
+        "entropy_mean",
+        "entropy_min",
+        "entropy_max",
+        "entropy_norm_mean",
+        "max_prob_mean",
+        "jacobian_norm_mean",
+    ):
         # entropy = log S - sum(p z): ~1e-16 absolute error, ~1e-11 relative on a near one-hot row
         assert close(getattr(da, field), getattr(db, field), 1e-9), field
     assert da.collapsed_rows == db.collapsed_rows
@@ -247,8 +284,23 @@ def test_paths_agree_on_wide_rows_and_any_method_set(methods, scale, keys):
     x[5, 0] = float("nan")
     fused, plain = both_paths(x, methods=methods, chunk_elements=4000)
     for a, b in zip(fused.cells, plain.cells):
-        assert (a.name, a.nan_causes, a.overflow_rows, a.argmax_flips, a.compared_rows) == (b.name, b.nan_causes, b.overflow_rows, b.argmax_flips, b.compared_rows)
-        for field in ("max_abs_err", "rmse", "max_abs_err_algo", "rmse_algo", "max_row_sum_err", "kl_mean", "kl_max", "flushed_frac"):
+        assert (a.name, a.nan_causes, a.overflow_rows, a.argmax_flips, a.compared_rows) == (
+            b.name,
+            b.nan_causes,
+            b.overflow_rows,
+            b.argmax_flips,
+            b.compared_rows,
+        )
+        for field in (
+            "max_abs_err",
+            "rmse",
+            "max_abs_err_algo",
+            "rmse_algo",
+            "max_row_sum_err",
+            "kl_mean",
+            "kl_max",
+            "flushed_frac",
+        ):
             assert close(getattr(a, field), getattr(b, field)), (a.name, field, getattr(a, field), getattr(b, field))
 
 
@@ -282,7 +334,9 @@ def test_fused_without_numba_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(numba_rows, "installed", lambda: False)
     with pytest.raises(AttncheckError, match=r"fused kernels need numba, which is not installed"):
         diagnose("x", torch.randn(4, 8), Options(kernels="fused"))
-    assert diagnose("x", torch.randn(4096, 1024), Options(dtypes=("fp32",), methods=("torch",))).backend == "torch"  # auto falls back
+    assert (
+        diagnose("x", torch.randn(4096, 1024), Options(dtypes=("fp32",), methods=("torch",))).backend == "torch"
+    )  # auto falls back
     with pytest.raises(AttncheckError, match="fused kernels run on the CPU only"):
         select_backend("fused", torch.device("cuda"), 1)
 

@@ -82,7 +82,9 @@ def test_the_cli_prints_the_notice_on_stderr_unless_quiet(fresh_choice, monkeypa
         monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / f"cache-{quiet}"))
         monkeypatch.setattr(numba_rows, "_cache_dir", False)
         monkeypatch.setattr(numba_rows, "_warm", set())
-        args = ["run", str(path), "--dtype", "fp32", "--method", "torch", "--json", str(tmp_path / "r.json")] + (["--quiet"] if quiet else [])
+        args = ["run", str(path), "--dtype", "fp32", "--method", "torch", "--json", str(tmp_path / "r.json")] + (
+            ["--quiet"] if quiet else []
+        )
         r = CliRunner().invoke(app, args, env={"ATTNCHECK_PROGRESS": "never"})
         assert r.exit_code == 0, r.output
         assert r.stderr == expected

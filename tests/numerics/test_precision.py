@@ -99,14 +99,26 @@ def test_cast_rounds_float64_once_to_the_nearest_value(dtype):
     ok = torch.isfinite(nxt)
     mid = (grid[ok] + nxt[ok]) / 2
     tiny = mid.abs() * 2.0**-40
-    rand = torch.exp(torch.rand(4000, generator=g, dtype=torch.float64) * 400 - 200) * torch.sign(torch.randn(4000, generator=g, dtype=torch.float64))
-    xs = torch.cat([mid, mid - tiny, mid + tiny, rand, torch.tensor([65519.99999, -65519.99999, 1e300, -1e-300, 0.0, math.inf, -math.inf])])
+    rand = torch.exp(torch.rand(4000, generator=g, dtype=torch.float64) * 400 - 200) * torch.sign(
+        torch.randn(4000, generator=g, dtype=torch.float64)
+    )
+    xs = torch.cat(
+        [
+            mid,
+            mid - tiny,
+            mid + tiny,
+            rand,
+            torch.tensor([65519.99999, -65519.99999, 1e300, -1e-300, 0.0, math.inf, -math.inf]),
+        ]
+    )
     bits, emin, emax = FORMATS[dtype]
     want = torch.tensor([nearest(v, bits, emin, emax) for v in xs.tolist()], dtype=torch.float64)
     got = cast(xs, dtype).double()
     assert torch.equal(got, want), xs[got != want][:5]
     assert torch.isnan(cast(torch.tensor([math.nan], dtype=torch.float64), dtype)).all()
-    assert (torch.tensor([math.nextafter(11.08984375, 0)], dtype=torch.float64).to(torch.float16) == 11.09375).all()  # torch: twice
+    assert (
+        torch.tensor([math.nextafter(11.08984375, 0)], dtype=torch.float64).to(torch.float16) == 11.09375
+    ).all()  # torch: twice
 
 
 def test_fp16_known_limits():
@@ -125,7 +137,10 @@ def test_smallest_subnormal_is_the_smallest_positive_value(dtype):
     assert torch.tensor(s * 0.5, dtype=torch.float64).to(dtype).item() == 0.0  # ties to even: 0
 
 
-@pytest.mark.parametrize("name,expected", [("fp16", torch.float16), ("half", torch.float16), ("BF16", torch.bfloat16), ("float32", torch.float32)])
+@pytest.mark.parametrize(
+    "name,expected",
+    [("fp16", torch.float16), ("half", torch.float16), ("BF16", torch.bfloat16), ("float32", torch.float32)],
+)
 def test_dtype_names(name, expected):
     assert dtype_from_name(name) is expected
 

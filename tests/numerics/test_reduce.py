@@ -20,7 +20,9 @@ def test_total_is_fsum_of_the_block_sums_with_bounded_memory(chunk, monkeypatch)
     monkeypatch.setattr(reduce, "COMPRESS_AT", 64)
     g = torch.Generator().manual_seed(chunk)
     # values over 40 orders of magnitude, both signs: an expansion of several terms
-    v = (torch.randn(300_000, generator=g, dtype=torch.float64) * torch.exp(torch.randn(300_000, generator=g, dtype=torch.float64) * 20))
+    v = torch.randn(300_000, generator=g, dtype=torch.float64) * torch.exp(
+        torch.randn(300_000, generator=g, dtype=torch.float64) * 20
+    )
     acc = ExactSum()
     for i in range(0, v.numel(), chunk):
         acc.add(v[i : i + chunk])

@@ -39,7 +39,11 @@ def test_mha_fully_masked_row_nan_gradients_are_found_with_module_row_cause_and_
     cell = report.diagnosis.cells[0]
     b = cell.backward
     assert b is not None and b.real_compared and all(g.real_agrees for _, g in b.grads())
-    assert (b.dq.nan_rows, b.dq.first_cause, b.dq.examples[0]) == (2, "fully_masked", (1, 0, 2))  # batch 1, head 0, query 2
+    assert (b.dq.nan_rows, b.dq.first_cause, b.dq.examples[0]) == (
+        2,
+        "fully_masked",
+        (1, 0, 2),
+    )  # batch 1, head 0, query 2
     assert b.dk.nan_rows == 12 and b.dv.nan_rows == 12
     found = [f for f in report.diagnosis.findings if f.code == "grad_nan_masked_row"]
     assert len(found) == 1 and found[0].severity == "error" and "_safe_softmax" in found[0].fix
@@ -89,7 +93,10 @@ def test_training_a_transformers_model_two_steps_under_capture(impl, autocast):
     for r in cap.calls:
         b = r.diagnosis.cells[0].backward
         assert b is not None and b.nan_rows == 0 and b.real_compared
-        assert all(g.real_agrees for _, g in b.grads()), (r.call.module, [(n, g.real_bound_ratio) for n, g in b.grads()])
+        assert all(g.real_agrees for _, g in b.grads()), (
+            r.call.module,
+            [(n, g.real_bound_ratio) for n, g in b.grads()],
+        )
         if impl == "eager":  # op for op as the model runs it: its own bits
             assert all(g.real_max_diff == 0.0 for _, g in b.grads())
     assert [f.code for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"] == []
@@ -106,7 +113,9 @@ def test_grads_false_records_the_forward_only_and_max_bytes_counts_gradients():
     with attncheck.capture() as cap:
         train(llama_gqa("sdpa").train(), 1, False, ids, mask)
     assert all({"grad_out", "grad_q", "grad_k", "grad_v", "out"} <= set(c.tensors) for c in cap.calls)
-    forward_bytes = sum(t.numel() * t.element_size() for c in cap.calls for r, t in c.tensors.items() if not r.startswith("grad_"))
+    forward_bytes = sum(
+        t.numel() * t.element_size() for c in cap.calls for r, t in c.tensors.items() if not r.startswith("grad_")
+    )
     with attncheck.capture(max_bytes=forward_bytes) as cap:  # room for the forward, not for the gradients
         train(llama_gqa("sdpa").train(), 1, False, ids, mask)
     assert cap.stopped and "gradients" in cap.stopped
@@ -128,11 +137,16 @@ def test_a_training_script_captured_to_a_directory_and_run(tmp_path):
     )
     cap = tmp_path / "cap"
     runner = CliRunner()
-    r = runner.invoke(app, ["capture", "--out", str(cap), "--quiet", "--json", str(tmp_path / "a.json"), "--", str(script)])
+    r = runner.invoke(
+        app, ["capture", "--out", str(cap), "--quiet", "--json", str(tmp_path / "a.json"), "--", str(script)]
+    )
     assert r.exit_code == 0, r.output
     manifest = json.loads((cap / "manifest.json").read_text())
     (entry,) = manifest["calls"]
-    assert entry["grads"]["file"] == "0000-MultiheadAttention.grads.safetensors" and (cap / entry["grads"]["file"]).is_file()
+    assert (
+        entry["grads"]["file"] == "0000-MultiheadAttention.grads.safetensors"
+        and (cap / entry["grads"]["file"]).is_file()
+    )
     assert set(entry["grads"]["tensors"]) == {"grad_out", "grad_q", "grad_k", "grad_v"} and manifest["grad_calls"] == 1
     r = runner.invoke(app, ["run", str(cap), "--fail-on", "nan", "--json", "-"])
     assert r.exit_code == 1
@@ -142,7 +156,9 @@ def test_a_training_script_captured_to_a_directory_and_run(tmp_path):
     assert {"max_abs_err", "rel_err", "flushed_frac", "first_cause", "nan_rows"} <= set(backward["dv"])
     assert doc["model"]["calls"][0]["backward"]["verdict"] == "nan" and doc["model"]["first_grad_bad"]["index"] == 0
     assert "torch/fp32 backward" in " ".join(doc["failed"])
-    r = runner.invoke(app, ["run", str(cap), "--fail-on", "nan", "--ignore", "grad_nan_masked_row,fully_masked_rows", "--quiet"])
+    r = runner.invoke(
+        app, ["run", str(cap), "--fail-on", "nan", "--ignore", "grad_nan_masked_row,fully_masked_rows", "--quiet"]
+    )
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["capture", "--out", str(tmp_path / "cap2"), "--no-grads", "--quiet", "--", str(script)])
     assert r.exit_code == 0 and "grads" not in json.loads((tmp_path / "cap2" / "manifest.json").read_text())["calls"][0]
@@ -174,9 +190,11 @@ def test_a_damaged_gradients_file_is_one_line_naming_the_call(tmp_path):
     from safetensors.torch import load_file, save_file
 
     script = tmp_path / "train.py"
-    script.write_text("import torch\nimport torch.nn.functional as F\ntorch.manual_seed(0)\n"
-                      "q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))\n"
-                      "F.scaled_dot_product_attention(q, k, v).sum().backward()\n")
+    script.write_text(
+        "import torch\nimport torch.nn.functional as F\ntorch.manual_seed(0)\n"
+        "q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))\n"
+        "F.scaled_dot_product_attention(q, k, v).sum().backward()\n"
+    )
     cap = tmp_path / "cap"
     runner = CliRunner()
     assert runner.invoke(app, ["capture", "--out", str(cap), "--quiet", "--", str(script)]).exit_code == 0
@@ -222,8 +240,10 @@ class CausalLM(torch.nn.Module):
         self.qkv = torch.nn.ModuleList(torch.nn.Linear(width, 3 * width) for _ in range(layers))
         self.proj = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
         self.norm = torch.nn.ModuleList(torch.nn.LayerNorm(width) for _ in range(layers))
-        self.mlp = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
-                                       for _ in range(layers))
+        self.mlp = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+            for _ in range(layers)
+        )
         self.head = torch.nn.Linear(width, VOCAB)
 
     def forward(self, ids):
@@ -252,7 +272,9 @@ def train_causal_lm(impl: str, precision: str, seed: int, steps: int = 3) -> lis
     scale = 2.0**12 if precision == "fp16" else 1.0
     losses = []
     for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.float16 if precision == "fp16" else torch.bfloat16, enabled=precision != "fp32"):
+        with torch.autocast(
+            "cpu", dtype=torch.float16 if precision == "fp16" else torch.bfloat16, enabled=precision != "fp32"
+        ):
             logits = model(ids[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
         (loss * scale).backward()
@@ -305,7 +327,9 @@ def test_the_sdpa_backend_recorded_under_autocast_is_the_one_torch_runs():
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(2, 4, 12, 8, generator=g) for _ in range(4))
     v, do = v.bfloat16(), do.bfloat16()
-    mask = torch.zeros(2, 1, 12, 12).masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    mask = torch.zeros(2, 1, 12, 12).masked_fill(
+        torch.ones(12, 12, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min
+    )
 
     def grads(backend=None):
         ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))

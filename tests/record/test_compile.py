@@ -8,7 +8,6 @@ The default tests compile with dynamo and the aot_eager backend (dynamo traces t
 mode exactly as with inductor, without a C++ build); the slow ones with inductor itself."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -85,7 +84,11 @@ def test_a_compiled_module_is_captured_unchanged_with_every_call(entry):
     with attncheck.capture() as cap:
         watched = train_steps(ENTRY_POINTS[entry](make()))
     torch.testing.assert_close(watched, alone, rtol=1e-6, atol=1e-7)  # the same program: the same losses
-    assert [c.module for c in cap.calls] == ["layers.0", "layers.1", "layers.2"] * 2  # the wrapper left out of the paths
+    assert [c.module for c in cap.calls] == [
+        "layers.0",
+        "layers.1",
+        "layers.2",
+    ] * 2  # the wrapper left out of the paths
     assert all(c.meta["compiled"] == "eager" for c in cap.calls)
     assert cap.compiled_runs >= 2
 
@@ -134,9 +137,22 @@ def test_the_report_and_the_manifest_say_what_was_judged(tmp_path):
         "        return F.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
         "torch.manual_seed(0)\n"
         "m = torch.compile(torch.nn.Sequential(A(), torch.nn.Identity()), backend='aot_eager')\n"
-        "m(torch.randn(1, 16, 32)); m(torch.randn(1, 16, 32))\n")
+        "m(torch.randn(1, 16, 32)); m(torch.randn(1, 16, 32))\n"
+    )
     out = tmp_path / "cap"
-    r = runner.invoke(app, ["capture", "--out", str(out), "--json", str(tmp_path / "r.json"), "--fail-on", "error,warning,nan", str(script)])
+    r = runner.invoke(
+        app,
+        [
+            "capture",
+            "--out",
+            str(out),
+            "--json",
+            str(tmp_path / "r.json"),
+            "--fail-on",
+            "error,warning,nan",
+            str(script),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "UserWarning" not in r.output  # torch's warning about global hooks and compiled modules is ours to handle
     manifest = json.loads((out / "manifest.json").read_text())

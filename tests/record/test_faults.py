@@ -25,8 +25,8 @@ def test_scaled_qk_head_in_fp16_eager_is_named_and_matches_the_models_nans():
     layer, head, d, width = 1, 2, 8, 32
     with torch.no_grad():  # c_attn's columns are q | k | v, each head_dim wide per head
         w = model.transformer.h[layer].attn.c_attn.weight
-        w[:, head * d:(head + 1) * d] *= 3000
-        w[:, width + head * d:width + (head + 1) * d] *= 3000
+        w[:, head * d : (head + 1) * d] *= 3000
+        w[:, width + head * d : width + (head + 1) * d] *= 3000
     inputs = batch()
     with torch.no_grad():
         probs = model(**inputs, output_attentions=True).attentions  # the model's own softmax outputs
@@ -94,7 +94,9 @@ def test_left_padding_with_fp16_min_masks_gives_finite_uniform_rows_as_the_model
         uniform = p[0, :, :pad]  # the model gives those rows 1/T everywhere
         assert (uniform == torch.tensor(1 / 12, dtype=torch.float16)).all()
         finding = next(f for f in d.findings if f.code == "fully_masked_rows")
-        assert "finite uniform row" in finding.message and finding.severity == "info"  # harmless in the cell the model runs
+        assert (
+            "finite uniform row" in finding.message and finding.severity == "info"
+        )  # harmless in the cell the model runs
     assert cap.result.model.first_bad is None
 
 
@@ -106,7 +108,9 @@ def test_left_padding_in_sdpa_gives_zero_rows_as_the_kernel_does():
         model(**inputs)
     call = cap.calls[0]
     t = call.tensors
-    out = F.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=t["attn_mask"], scale=float(call.meta["scale"]))
+    out = F.scaled_dot_product_attention(
+        t["q"], t["k"], t["v"], attn_mask=t["attn_mask"], scale=float(call.meta["scale"])
+    )
     zero_rows = int((out == 0).all(dim=-1).sum())
     assert zero_rows == pad * heads
     result = diagnose_recorded(cap)
@@ -121,7 +125,10 @@ def diagnose_recorded(cap):
     from attncheck.numerics.cells.calls import diagnose_call
     from attncheck.results import RunResult
 
-    reports = [diagnose_call(info_from_meta(c.meta, index=c.index, name=c.module, file=None), c.tensors, FP16_TORCH) for c in cap.calls]
+    reports = [
+        diagnose_call(info_from_meta(c.meta, index=c.index, name=c.module, file=None), c.tensors, FP16_TORCH)
+        for c in cap.calls
+    ]
     return RunResult([r.diagnosis for r in reports], "cpu", reports, model_report(reports))
 
 
@@ -209,8 +216,8 @@ def _scaled_gemma2(factor: float, head: int = 0):
     attn = model.model.layers[0].self_attn
     d, group = attn.head_dim, attn.num_key_value_groups
     with torch.no_grad():
-        attn.q_proj.weight[head * d:(head + 1) * d] *= factor
-        attn.k_proj.weight[(head // group) * d:(head // group + 1) * d] *= factor
+        attn.q_proj.weight[head * d : (head + 1) * d] *= factor
+        attn.k_proj.weight[(head // group) * d : (head // group + 1) * d] *= factor
     return model
 
 
@@ -290,8 +297,9 @@ def test_a_soft_capped_training_step_is_not_judged_by_a_backward_without_the_cap
     assert all(c.backward is None for r in cap.calls for c in r.diagnosis.cells)
     # ... and the report says so (never a silent "-" in the gradients' column)
     note = cap.result.model.capture["note"]
-    assert note.endswith(f"{len(cap.calls)} soft-capped call(s): gradients not computed (no backward or what-if path has "
-                         "the cap's tanh)")
+    assert note.endswith(
+        f"{len(cap.calls)} soft-capped call(s): gradients not computed (no backward or what-if path has the cap's tanh)"
+    )
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
@@ -303,7 +311,7 @@ def test_a_scaled_kv_head_under_gqa_is_named_as_the_kv_head_its_query_heads_shar
     attn = model.model.layers[1].self_attn
     d = attn.head_dim
     with torch.no_grad():
-        attn.k_proj.weight[d:2 * d] *= 1000
+        attn.k_proj.weight[d : 2 * d] *= 1000
     with torch.no_grad(), attncheck.capture(diagnose=True) as cap:
         model(**batch())
     found = [(o.module, o.tensor, o.kv_head, o.query_heads) for o in cap.result.model.outliers]
@@ -369,8 +377,8 @@ def test_the_detail_of_a_traced_scale_call_whose_qk_overflowed_gives_its_max_qk(
     head, d = 2, 8
     with torch.no_grad():
         w = model.transformer.h[1].attn.c_attn.weight
-        w[:, head * d:(head + 1) * d] *= 3000
-        w[:, 32 + head * d:32 + (head + 1) * d] *= 3000
+        w[:, head * d : (head + 1) * d] *= 3000
+        w[:, 32 + head * d : 32 + (head + 1) * d] *= 3000
     inputs = batch()
     with torch.no_grad(), attncheck.capture() as raw:
         model(**inputs)

@@ -33,7 +33,7 @@ from attncheck.record.flash import flash_impl, gpu_facts
 
 runner = CliRunner()
 
-FAKE = '''
+FAKE = """
 import torch
 import torch.nn.functional as F
 
@@ -66,7 +66,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         outs.append(flash_attn_func(q[None, a:b], k[None, c:d], v[None, c:d], softmax_scale=softmax_scale,
                                     causal=causal)[0])
     return torch.cat(outs)
-'''
+"""
 
 
 @pytest.fixture
@@ -100,8 +100,9 @@ class FlashAttention(torch.nn.Module):
 
         if self.varlen is not None:
             cu = torch.tensor(self.varlen, dtype=torch.int32)
-            return flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, softmax_scale=self.scale,
-                                                     causal=self.causal)
+            return flash_attn.flash_attn_varlen_func(
+                q, k, v, cu, cu, 8, 8, softmax_scale=self.scale, causal=self.causal
+            )
         return flash_attn.flash_attn_func(q, k, v, softmax_scale=self.scale, causal=self.causal, **self.extra)
 
 
@@ -131,11 +132,38 @@ def test_a_flash_attn_call_is_recorded_in_bhtd_layout_with_its_arguments(fake_fl
     # (Tq == Tk: flash-attn's bottom-right causal mask is SDPA's top-left one)
     again = F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=True, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(again.transpose(1, 2), out, rtol=0, atol=1e-6)
-    assert {key: m[key] for key in ("flash_fn", "flash_package", "is_causal", "scale", "scale_source", "enable_gqa",
-                                    "window", "softcap", "descales", "sinks", "flash_extras", "dtype", "device")} == {
-        "flash_fn": "flash_attn_func", "flash_package": "fa2", "is_causal": "true", "scale": "0.3",
-        "scale_source": "argument", "enable_gqa": "true", "window": "-1,-1", "softcap": "none", "descales": "none",
-        "sinks": "false", "flash_extras": "none", "dtype": "float32", "device": "cpu"}
+    assert {
+        key: m[key]
+        for key in (
+            "flash_fn",
+            "flash_package",
+            "is_causal",
+            "scale",
+            "scale_source",
+            "enable_gqa",
+            "window",
+            "softcap",
+            "descales",
+            "sinks",
+            "flash_extras",
+            "dtype",
+            "device",
+        )
+    } == {
+        "flash_fn": "flash_attn_func",
+        "flash_package": "fa2",
+        "is_causal": "true",
+        "scale": "0.3",
+        "scale_source": "argument",
+        "enable_gqa": "true",
+        "window": "-1,-1",
+        "softcap": "none",
+        "descales": "none",
+        "sinks": "false",
+        "flash_extras": "none",
+        "dtype": "float32",
+        "device": "cpu",
+    }
     assert "capability" not in m and "flash_impl" not in m  # a CPU call: no GPU facts
     c = jsondoc.convert(meta_fields(m), CallMeta, lax=True)
     assert (c.kind, c.flash_fn, c.window, c.is_causal, c.scale) == ("flash_attn", "flash_attn_func", "-1,-1", True, 0.3)
@@ -166,7 +194,7 @@ def test_varlen_is_recorded_one_call_per_sequence(fake_flash):
         torch.testing.assert_close(again, out[lo:hi], rtol=0, atol=1e-6)
 
 
-FA3 = '''
+FA3 = """
 import torch
 import torch.nn.functional as F
 
@@ -176,9 +204,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                     deterministic=False, sm_margin=0, return_attn_probs=False):
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     return F.scaled_dot_product_attention(q, k, v, scale=softmax_scale).transpose(1, 2)
-'''
+"""
 
-FA4 = '''
+FA4 = """
 import torch
 import torch.nn.functional as F
 
@@ -190,7 +218,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, scale=softmax_scale).transpose(1, 2)
     return out, torch.zeros(out.shape[:-1])
-'''
+"""
 
 
 def test_flashattention_3_and_4_interfaces_are_recorded_with_descales_and_sinks(fake_flash, tmp_path, monkeypatch):
@@ -213,18 +241,29 @@ def test_flashattention_3_and_4_interfaces_are_recorded_with_descales_and_sinks(
         out, _ = flash_attn.cute.flash_attn_func(q, k, v, learnable_sink=sink, window_size=(None, None))
     assert flash_attn_interface.flash_attn_func is fa3 and flash_attn.cute.flash_attn_func is fa4
     three, four = cap.calls
-    assert (three.meta["flash_package"], three.meta["descales"], three.meta["window"], three.meta["scale"]) == \
-        ("fa3", "q,k", "-1,2", "0.25")
+    assert (three.meta["flash_package"], three.meta["descales"], three.meta["window"], three.meta["scale"]) == (
+        "fa3",
+        "q,k",
+        "-1,2",
+        "0.25",
+    )
     assert torch.equal(three.tensors["q_descale"], scales["q_descale"]) and "v_descale" not in three.tensors
-    assert (four.meta["flash_package"], four.meta["sinks"], four.meta["window"], four.meta["flash_extras"]) == \
-        ("fa4", "true", "-1,-1", "none")
+    assert (four.meta["flash_package"], four.meta["sinks"], four.meta["window"], four.meta["flash_extras"]) == (
+        "fa4",
+        "true",
+        "-1,-1",
+        "none",
+    )
     assert torch.equal(four.tensors["sinks"], sink) and torch.equal(four.tensors["q"], q.transpose(1, 2))
     m = jsondoc.convert(meta_fields(three.meta), CallMeta, lax=True)
     assert (m.descales, m.flash_package) == ("q,k", "fa3")
     with torch.no_grad(), attncheck.capture(tmp_path / "fa4"):  # a plain call: no path stands for FA4's kernel yet
         flash_attn.cute.flash_attn_func(q, k, v)
     r = runner.invoke(app, ["run", str(tmp_path / "fa4")])
-    assert r.exit_code == 2 and "a flash_attn call (fa4 flash_attn_func) with fa4's kernel: attncheck has no path" in r.stderr
+    assert (
+        r.exit_code == 2
+        and "a flash_attn call (fa4 flash_attn_func) with fa4's kernel: attncheck has no path" in r.stderr
+    )
 
 
 def test_attributes_are_restored_after_the_block_also_when_it_fails(fake_flash, monkeypatch):
@@ -310,10 +349,21 @@ def test_flash_impl_is_what_torch_registry_has_active(monkeypatch):
     assert flash_impl() == "fa4" and gpu_facts("cuda:0", capability=(10, 0), sdpa=True)["flash_impl"] == "fa4"
 
 
-@pytest.mark.parametrize("field,value", [("capability", "sm90"), ("capability", "9"), ("flash_impl", "fa 2"),
-                                         ("window", "3;0"), ("window", "a,b"), ("descales", "x"),
-                                         ("flash_fn", "flash_attn_with_kvcache"), ("flash_package", "fa5"),
-                                         ("sinks", "maybe"), ("varlen_seqs", "0")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("capability", "sm90"),
+        ("capability", "9"),
+        ("flash_impl", "fa 2"),
+        ("window", "3;0"),
+        ("window", "a,b"),
+        ("descales", "x"),
+        ("flash_fn", "flash_attn_with_kvcache"),
+        ("flash_package", "fa5"),
+        ("sinks", "maybe"),
+        ("varlen_seqs", "0"),
+    ],
+)
 def test_bad_gpu_and_flash_fields_are_refused(field, value):
     meta = {"format": "attncheck.capture/1", "kind": "flash_attn", "call": "0", field: value}
     with pytest.raises(jsondoc.JSONError, match=f"^{field}: "):

@@ -29,13 +29,24 @@ def llama_flex(dtype=torch.float32, seed=0):
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
-                                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
-                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="flex_attention", dtype=dtype).eval()
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own, on importing inductor (transformers compiles create_block_mask)
+@pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning"
+)  # torch's own, on importing inductor (transformers compiles create_block_mask)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_healthy_flex_llama_reports_clean_with_the_kernel_it_runs(dtype):
     pytest.importorskip("transformers")
@@ -78,14 +89,20 @@ def test_a_soft_cap_is_numerics_no_overflow_where_raw_logits_would_have_one(tmp_
         out = Attn(softcap, scale=scale)(q, k, v)
     assert torch.isfinite(out).all()
     json_out = tmp_path / "r.json"
-    r = runner.invoke(app, ["run", str(tmp_path / "cap"), "--what-if", "fp16", "--json", str(json_out), "--fail-on", "error,warning,nan"])
+    r = runner.invoke(
+        app,
+        ["run", str(tmp_path / "cap"), "--what-if", "fp16", "--json", str(json_out), "--fail-on", "error,warning,nan"],
+    )
     assert r.exit_code == 0, r.output  # the model's cell: no finding
     doc = json.loads(json_out.read_text())
     (call,) = doc["model"]["calls"]
     assert call["cell"] == "flex-math/fp16" and call["verdict"] == "ok" and call["errors"] == []
     assert call["max_logit"] <= 50.0  # judged after the cap
     before = float((q.double() @ k.double().transpose(-1, -2)).max()) * scale
-    assert before > 65504 * scale and call["score_mod"] == {"name": "softcap", "max_logit_before": pytest.approx(before, rel=1e-6)}
+    assert before > 65504 * scale and call["score_mod"] == {
+        "name": "softcap",
+        "max_logit_before": pytest.approx(before, rel=1e-6),
+    }
     assert call["limit"]["value"] <= 50.0 and "after softcap" in call["limit"]["what"]
     what_if = {c["name"]: c for c in call["what_if"]["cells"]}
     assert what_if["eager:torch/fp16"]["nan_rows"] > 0  # the raw logits, as hand-written fp16 attention computes them
@@ -110,7 +127,9 @@ def test_hand_written_flex_calls_are_recorded_saved_and_read_back(kind, tmp_path
         Attn(score_mod, bm)(q, k, v)
     manifest = json.loads((tmp_path / "cap" / "manifest.json").read_text())
     assert [c["kind"] for c in manifest["calls"]] == ["flex"]
-    r = runner.invoke(app, ["run", str(tmp_path / "cap"), "--json", str(tmp_path / "r.json"), "--fail-on", "error,warning,nan"])
+    r = runner.invoke(
+        app, ["run", str(tmp_path / "cap"), "--json", str(tmp_path / "r.json"), "--fail-on", "error,warning,nan"]
+    )
     assert r.exit_code == 0, r.output
     (call,) = json.loads((tmp_path / "r.json").read_text())["model"]["calls"]
     assert call["cell"] == "flex-math/bf16" and call["verdict"] == "ok"
@@ -118,7 +137,9 @@ def test_hand_written_flex_calls_are_recorded_saved_and_read_back(kind, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")  # inductor's and dynamo's own, on this torch
+@pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning", "ignore::UserWarning"
+)  # inductor's and dynamo's own, on this torch
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_flex_llama_computes_the_same_under_capture_as_compiled(dtype):
     """transformers compiles flex_attention (inductor's CPU kernel); capture runs it as its eager code:
@@ -135,7 +156,6 @@ def test_a_flex_llama_computes_the_same_under_capture_as_compiled(dtype):
     tol = 1e-5 if dtype == "fp32" else 2e-2
     torch.testing.assert_close(out.float(), alone.float(), rtol=tol, atol=tol)
     assert len(cap.calls) == 2 and all(c.meta["flex_impl"] == "compiled" for c in cap.calls)
-
 
 
 def test_a_flex_call_over_max_bytes_is_refused_before_its_logits_are_computed(monkeypatch):

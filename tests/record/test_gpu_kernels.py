@@ -30,8 +30,15 @@ def run_json(path, *args):
     return r.exit_code, json.loads(r.stdout)["model"]
 
 
-@pytest.mark.parametrize("backend, path", [("flash_attention", "fa2"), ("efficient_attention", "mem-efficient"),
-                                           ("cudnn_attention", "cudnn"), ("math", "sdpa-math")])
+@pytest.mark.parametrize(
+    "backend, path",
+    [
+        ("flash_attention", "fa2"),
+        ("efficient_attention", "mem-efficient"),
+        ("cudnn_attention", "cudnn"),
+        ("math", "sdpa-math"),
+    ],
+)
 def test_a_gpu_capture_is_judged_by_the_kernel_that_ran_each_call(tmp_path, backend, path):
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
@@ -113,18 +120,33 @@ def test_a_healthy_model_captured_on_a_gpu_is_clean_under_every_kernel(tmp_path,
     with torch.no_grad(), attncheck.capture(tmp_path / "cap"):
         model(**inputs)
     mark_cuda(tmp_path / "cap", backend)
-    r = runner.invoke(app, ["run", str(tmp_path / "cap"), "--what-if", "kernels", "--json", "-", "--fail-on",
-                            "error,warning,nan,what-if:error,what-if:warning,what-if:nan"])
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            str(tmp_path / "cap"),
+            "--what-if",
+            "kernels",
+            "--json",
+            "-",
+            "--fail-on",
+            "error,warning,nan,what-if:error,what-if:warning,what-if:nan",
+        ],
+    )
     assert r.exit_code == 0, r.output
     model = json.loads(r.stdout)["model"]
     assert model["kernels"] and all(not k["breaks"] for c in model["kernels"] for k in c["kernels"])
 
 
 BACKENDS = ("flash_attention", "efficient_attention", "cudnn_attention")
-HEALTHY = [(arch, impl, dtype, BACKENDS[i % 3])
-           for i, (arch, impl, dtype) in enumerate((a, m, ("bf16", "fp16", "fp32")[(j + k) % 3])
-                                                    for j, a in enumerate(("gpt2", "llama", "qwen2", "bert", "t5", "vit"))
-                                                    for k, m in enumerate(("eager", "sdpa")))]
+HEALTHY = [
+    (arch, impl, dtype, BACKENDS[i % 3])
+    for i, (arch, impl, dtype) in enumerate(
+        (a, m, ("bf16", "fp16", "fp32")[(j + k) % 3])
+        for j, a in enumerate(("gpt2", "llama", "qwen2", "bert", "t5", "vit"))
+        for k, m in enumerate(("eager", "sdpa"))
+    )
+]
 
 
 @pytest.mark.parametrize("arch, impl, dtype, backend", HEALTHY)
@@ -138,8 +160,19 @@ def test_healthy_models_captured_on_a_gpu_stay_clean_under_every_kernel(tmp_path
     with torch.no_grad(), attncheck.capture(tmp_path / "cap"):
         model(**inputs)
     mark_cuda(tmp_path / "cap", backend)
-    r = runner.invoke(app, ["run", str(tmp_path / "cap"), "--what-if", "kernels", "--json", "-", "--fail-on",
-                            "error,warning,nan,what-if:error,what-if:warning,what-if:nan"])
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            str(tmp_path / "cap"),
+            "--what-if",
+            "kernels",
+            "--json",
+            "-",
+            "--fail-on",
+            "error,warning,nan,what-if:error,what-if:warning,what-if:nan",
+        ],
+    )
     assert r.exit_code == 0, r.output[-3000:]
     report = json.loads(r.stdout)["model"]
     assert report["kernels"], "no call was replayed"

@@ -46,7 +46,9 @@ def test_healthy_transformers_model_reports_no_error_and_no_warning(arch, impl, 
     model, inputs = run_model(arch, impl, DTYPES[dtype])
     cap = capture_diagnosed(model, inputs)
     assert cap.calls and all(r.diagnosis is not None for r in cap.calls)
-    loud = [(r.call.module, f.code, f.severity) for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"]
+    loud = [
+        (r.call.module, f.code, f.severity) for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"
+    ]
     assert loud == []
     report = cap.result.model
     assert report.first_bad is None and report.known
@@ -132,8 +134,11 @@ def test_a_healthy_model_captured_from_the_command_line_exits_0_under_fail_on(tm
         "with torch.no_grad():\n"
         "    m(input_ids=ids, attention_mask=am)\n"
     )
-    r = CliRunner().invoke(app, ["capture", "--out", str(tmp_path / "cap"), "--quiet", "--fail-on", "error,warning,nan", "--", str(script)],
-                           env={"COLUMNS": "100"})
+    r = CliRunner().invoke(
+        app,
+        ["capture", "--out", str(tmp_path / "cap"), "--quiet", "--fail-on", "error,warning,nan", "--", str(script)],
+        env={"COLUMNS": "100"},
+    )
     assert r.exit_code == 0, r.output
     assert "0 error(s), 0 warning(s); no call goes wrong in the cells the model runs" in " ".join(r.stdout.split())
 
@@ -152,7 +157,9 @@ def test_a_bert_with_large_logits_what_if_fp16_only_naive_breaks():
         model(**inputs)
     top = max(line.max_logit for line in cap.result.model.lines)
     assert 11.09 < top < 65504  # past naive fp16's exp overflow, far inside fp16's range
-    assert cap.result.model.first_bad is None and not [f for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"]
+    assert cap.result.model.first_bad is None and not [
+        f for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"
+    ]
     answers = {a.cell: a for a in cap.result.model.what_if}
     assert set(answers) == {"flash/fp16", "eager:torch/fp16"} and all(a.bad_calls == 0 for a in answers.values())
     with torch.no_grad(), attncheck.capture(diagnose=True, what_if="all") as cap:

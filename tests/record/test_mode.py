@@ -64,8 +64,14 @@ def test_plain_sdpa_outside_any_module_is_recorded_as_given(tmp_path):
     assert t["attn_mask"].shape == (1, 1, 6, 6) and torch.equal(t["attn_mask"].expand(2, 4, 6, 6), mask)
     with safe_open(path, "pt") as f:
         meta = f.metadata()
-    assert meta["kind"] == "sdpa" and meta["module"] == "" and meta["scale"] == repr(0.3) and meta["enable_gqa"] == "true"
-    assert meta["is_causal"] == "false" and meta["torch_version"] == torch.__version__ and json.loads(meta["dtypes"])["q"] == "float32"
+    assert (
+        meta["kind"] == "sdpa" and meta["module"] == "" and meta["scale"] == repr(0.3) and meta["enable_gqa"] == "true"
+    )
+    assert (
+        meta["is_causal"] == "false"
+        and meta["torch_version"] == torch.__version__
+        and json.loads(meta["dtypes"])["q"] == "float32"
+    )
     with safe_open(str(tmp_path / "cap" / "0001-global.safetensors"), "pt") as f:
         second = f.metadata()
     assert second["is_causal"] == "true" and second["scale"] == "none"
@@ -112,7 +118,10 @@ def test_module_paths_are_the_deepest_module_named_from_the_top_module(tmp_path)
     with torch.no_grad(), attncheck.capture(tmp_path / "cap", modules="*.h.[12].*") as cap:
         model(**batch())
     assert [c["module"] for c in cap.calls] == ["transformer.h.1.attn", "transformer.h.2.attn"]
-    assert [c["file"] for c in cap.calls] == ["0000-transformer.h.1.attn.safetensors", "0001-transformer.h.2.attn.safetensors"]
+    assert [c["file"] for c in cap.calls] == [
+        "0000-transformer.h.1.attn.safetensors",
+        "0001-transformer.h.2.attn.safetensors",
+    ]
 
 
 def test_forwards_picks_forward_passes_of_the_top_module():
@@ -121,8 +130,12 @@ def test_forwards_picks_forward_passes_of_the_top_module():
     with torch.no_grad(), attncheck.capture(forwards="2-3") as cap:
         for _ in range(4):
             model(**inputs)
-    assert [(c.forward, c.module) for c in cap.calls] == [(2, "transformer.h.0.attn"), (2, "transformer.h.1.attn"),
-                                                          (3, "transformer.h.0.attn"), (3, "transformer.h.1.attn")]
+    assert [(c.forward, c.module) for c in cap.calls] == [
+        (2, "transformer.h.0.attn"),
+        (2, "transformer.h.1.attn"),
+        (3, "transformer.h.0.attn"),
+        (3, "transformer.h.1.attn"),
+    ]
     with pytest.raises(AttncheckError, match="forwards"):
         attncheck.capture(forwards="0")
 
@@ -140,9 +153,15 @@ def test_max_calls_and_max_bytes_stop_recording_and_say_so(tmp_path):
             F.scaled_dot_product_attention(q, k, v)
     assert len(cap.calls) == 3 and "max_bytes" in cap.stopped
     doc = json.loads((tmp_path / "cap" / "manifest.json").read_text())
-    assert doc["stopped"] == cap.stopped and not doc["complete"] and doc["total_bytes"] == 3 * one_call <= doc["max_bytes"]
-    assert sorted(p.name for p in (tmp_path / "cap").iterdir()) == ["0000-global.safetensors", "0001-global.safetensors",
-                                                                    "0002-global.safetensors", "manifest.json"]
+    assert (
+        doc["stopped"] == cap.stopped and not doc["complete"] and doc["total_bytes"] == 3 * one_call <= doc["max_bytes"]
+    )
+    assert sorted(p.name for p in (tmp_path / "cap").iterdir()) == [
+        "0000-global.safetensors",
+        "0001-global.safetensors",
+        "0002-global.safetensors",
+        "manifest.json",
+    ]
 
 
 def test_in_memory_tensors_are_copies():
@@ -163,7 +182,11 @@ def test_multihead_attention_and_encoder_layer_are_recorded_and_unchanged(tmp_pa
 
     def run():
         with torch.no_grad():
-            return (mha(x, x, x)[0], mha(x, x, x, need_weights=False, key_padding_mask=pad)[0], layer(x, src_key_padding_mask=pad))
+            return (
+                mha(x, x, x)[0],
+                mha(x, x, x, need_weights=False, key_padding_mask=pad)[0],
+                layer(x, src_key_padding_mask=pad),
+            )
 
     torch.backends.mha.set_fastpath_enabled(False)  # what capture compares against: the non-fused path
     try:
@@ -179,7 +202,11 @@ def test_multihead_attention_and_encoder_layer_are_recorded_and_unchanged(tmp_pa
     finally:
         torch.backends.mha.set_fastpath_enabled(fast)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
-    assert [(c["kind"], c["module"]) for c in cap.calls] == [("softmax", "MultiheadAttention"), ("sdpa", "MultiheadAttention"), ("sdpa", "self_attn")]
+    assert [(c["kind"], c["module"]) for c in cap.calls] == [
+        ("softmax", "MultiheadAttention"),
+        ("sdpa", "MultiheadAttention"),
+        ("sdpa", "self_attn"),
+    ]
     assert cap.calls[0]["tensors"]["scores"]["shape"] == [8, 5, 5]  # (batch * heads, queries, keys)
     from attncheck.config.run import RunRequest
     from attncheck.pipelines.run import run as run_files
@@ -191,7 +218,12 @@ def test_multihead_attention_and_encoder_layer_are_recorded_and_unchanged(tmp_pa
 
 
 def test_file_names_stay_inside_the_directory(tmp_path):
-    assert file_part("../../etc/passwd") == "_.._etc_passwd" and "/" not in file_part("a/b\\c") and file_part("") == "global"
+    assert (
+        file_part("../../etc/passwd") == "_.._etc_passwd"
+        and "/" not in file_part("a/b\\c")
+        and file_part("") == "global"
+    )
+
     class Outer(torch.nn.Module):
         def forward(self, *a):
             return getattr(self, "x/y\\z")(*a)
@@ -231,7 +263,11 @@ def test_autocast_dtype_is_the_calls_dtype():
     with attncheck.capture() as cap, torch.autocast("cpu", dtype=torch.bfloat16):
         F.scaled_dot_product_attention(q, k, v)
     meta = cap.calls[0].meta
-    assert meta["dtype"] == "bfloat16" and meta["autocast_dtype"] == "bfloat16" and json.loads(meta["dtypes"])["q"] == "float32"
+    assert (
+        meta["dtype"] == "bfloat16"
+        and meta["autocast_dtype"] == "bfloat16"
+        and json.loads(meta["dtypes"])["q"] == "float32"
+    )
 
 
 def test_a_write_that_fails_stops_recording_and_the_model_runs_on(tmp_path, monkeypatch):

@@ -155,8 +155,13 @@ def test_a_killed_capture_is_refused_not_read_as_a_folder_of_tensors(tmp_path, m
         "os.kill(os.getpid(), 9)\n"  # killed once its first call is written
     )
     cap = tmp_path / "cap"
-    p = subprocess.run([sys.executable, "-m", "attncheck", "capture", "--out", str(cap), str(script), str(cap)],
-                       capture_output=True, text=True, check=False, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    p = subprocess.run(
+        [sys.executable, "-m", "attncheck", "capture", "--out", str(cap), str(script), str(cap)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert p.returncode == -9
     names = sorted(q.name for q in cap.iterdir())
     assert names[0] == OWNER and names[1].startswith("0000-") and "manifest.json" not in names

@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 from attncheck.cli import app
 from tests.torchrun_preamble import DDP_PREAMBLE
 
-SCRIPT = DDP_PREAMBLE + """
+SCRIPT = (
+    DDP_PREAMBLE
+    + """
 
 class Net(torch.nn.Module):
     def __init__(self):
@@ -41,6 +43,7 @@ with attncheck.capture(sys.argv[-1]) if inside else torch.enable_grad():
         opt.zero_grad()
 dist.destroy_process_group()
 """
+)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 

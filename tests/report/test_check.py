@@ -14,12 +14,23 @@ from attncheck.report.check import print_summary
 
 
 def test_every_budget_fits_80_columns():
-    cfg = parse_table({
-        "synthetic": [{"d_k": 16, "seq": 32, "rows": 32, "scale": "none", "std": 3.0}],
-        "methods": ["naive", "stable", "tiled", "torch"],
-        "budget": {"nan": 0, "overflow": 0, "zero_rows": 0, "argmax_flips": 0, "max_abs_err": 0.01, "max_abs_err_algo": 0.01,
-                   "rmse": 0.001, "kl_max": 0.001, "relative_to_torch": 2.0},
-    })
+    cfg = parse_table(
+        {
+            "synthetic": [{"d_k": 16, "seq": 32, "rows": 32, "scale": "none", "std": 3.0}],
+            "methods": ["naive", "stable", "tiled", "torch"],
+            "budget": {
+                "nan": 0,
+                "overflow": 0,
+                "zero_rows": 0,
+                "argmax_flips": 0,
+                "max_abs_err": 0.01,
+                "max_abs_err_algo": 0.01,
+                "rmse": 0.001,
+                "kl_max": 0.001,
+                "relative_to_torch": 2.0,
+            },
+        }
+    )
     result = run_check(cfg)
     buf = io.StringIO()
     print_summary(Console(width=80, file=buf, color_system=None), result)

@@ -68,7 +68,9 @@ def test_the_built_in_examples_findings(example_findings, width, expected):
     assert render(findings_block(EXAMPLE_NAME, example_findings), width) == expected
 
 
-HOSTILE = "dump.pt:model.layers.[red]0[/].self_attn\x1b[2J.qkv_with_a_name_longer_than_any_line_of_eighty_columns_is_folded_x"
+HOSTILE = (
+    "dump.pt:model.layers.[red]0[/].self_attn\x1b[2J.qkv_with_a_name_longer_than_any_line_of_eighty_columns_is_folded_x"
+)
 
 BACKWARD_80 = """\
 Findings
@@ -92,9 +94,17 @@ attncheck explain CODE prints each code's meaning, threshold, example and fix
 def test_a_backward_finding_under_a_hostile_name_at_80_columns():
     """Markup in the name stays literal, the escape sequence is written as its escape, and the name,
     longer than a line, is folded rather than cut."""
-    f = Finding("grad_nan_masked_row", "error", "eager:torch/fp32 backward: query rows with every key masked by -inf have a NaN softmax, "
-                "and the backward spreads it: NaN in dq 1 row(s), dk 16, dv 16 (the mask is added to the scores, so the NaN dS "
-                "reaches dQ of the row and dK of every key)", FIX["grad_nan_masked_row"], ["eager:torch/fp32"], 1, [(0, 1, 3)])
+    f = Finding(
+        "grad_nan_masked_row",
+        "error",
+        "eager:torch/fp32 backward: query rows with every key masked by -inf have a NaN softmax, "
+        "and the backward spreads it: NaN in dq 1 row(s), dk 16, dv 16 (the mask is added to the scores, so the NaN dS "
+        "reaches dQ of the row and dK of every key)",
+        FIX["grad_nan_masked_row"],
+        ["eager:torch/fp32"],
+        1,
+        [(0, 1, 3)],
+    )
     assert render(findings_block(HOSTILE, [f]), 80) == BACKWARD_80
 
 
@@ -104,6 +114,6 @@ def test_every_line_fits_and_later_lines_are_indented():
         lines = render(findings_block("t", [f]), width).splitlines()
         assert max(len(line) for line in lines) <= width
         fix = [i for i, line in enumerate(lines) if line.startswith("   = fix: ")][0]
-        assert all(line.startswith(" " * 10 + "y") for line in lines[fix + 1:lines.index("")])
-        head = lines[1:lines.index("  --> t: rows 0, 1, 2, 3, ...")]
+        assert all(line.startswith(" " * 10 + "y") for line in lines[fix + 1 : lines.index("")])
+        head = lines[1 : lines.index("  --> t: rows 0, 1, 2, 3, ...")]
         assert head[0].startswith("error[exp_overflow]: x x") and all(line.startswith("    x") for line in head[1:])

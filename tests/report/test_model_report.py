@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 
-import pytest
 import torch
 from rich.console import Console
 
@@ -19,8 +18,14 @@ from attncheck.report.fit import constant_parts, middle_ellipsis
 from attncheck.report.model import render_model
 from attncheck.results import CallInfo, WhatIfAnswer
 
-T5 = ["encoder.block.0.layer.0.SelfAttention", "encoder.block.1.layer.0.SelfAttention", "decoder.block.0.layer.0.SelfAttention",
-      "decoder.block.0.layer.1.EncDecAttention", "decoder.block.1.layer.0.SelfAttention", "decoder.block.1.layer.1.EncDecAttention"]
+T5 = [
+    "encoder.block.0.layer.0.SelfAttention",
+    "encoder.block.1.layer.0.SelfAttention",
+    "decoder.block.0.layer.0.SelfAttention",
+    "decoder.block.0.layer.1.EncDecAttention",
+    "decoder.block.1.layer.0.SelfAttention",
+    "decoder.block.1.layer.1.EncDecAttention",
+]
 
 
 def render(report, calls, width=80) -> str:
@@ -36,9 +41,18 @@ def call(index, module, scores, dtype="fp32"):
 
 def t5_calls(heads=4):
     g = torch.Generator().manual_seed(0)
-    keys = [12, 12, 6, 12, 6, 12]  # self-attention over the encoder's 12 tokens or the decoder's 6; cross-attention: 6 x 12
+    keys = [
+        12,
+        12,
+        6,
+        12,
+        6,
+        12,
+    ]  # self-attention over the encoder's 12 tokens or the decoder's 6; cross-attention: 6 x 12
     queries = [12, 12, 6, 6, 6, 6]
-    return [call(i, name, torch.randn(2, heads, q, k, generator=g)) for i, (name, q, k) in enumerate(zip(T5, queries, keys))]
+    return [
+        call(i, name, torch.randn(2, heads, q, k, generator=g)) for i, (name, q, k) in enumerate(zip(T5, queries, keys))
+    ]
 
 
 def test_middle_ellipsis_keeps_numbers_and_the_start_of_each_word():
@@ -50,7 +64,9 @@ def test_middle_ellipsis_keeps_numbers_and_the_start_of_each_word():
         for name in T5:
             assert len(middle_ellipsis(name, width)) <= width
     assert constant_parts(T5) == ["block", "layer"]
-    assert constant_parts(["transformer.h.0.attn", "transformer.h.1.attn"]) == ["h"]  # 'transformer' is the first part: kept
+    assert constant_parts(["transformer.h.0.attn", "transformer.h.1.attn"]) == [
+        "h"
+    ]  # 'transformer' is the first part: kept
 
 
 T5_TABLE_80 = """\
@@ -69,7 +85,7 @@ T5_TABLE_80 = """\
 def table_lines(text: str, first: str, count: int) -> list[str]:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip().startswith(first))
-    return lines[start:start + count]
+    return lines[start : start + count]
 
 
 def test_t5_names_stay_on_one_line_at_80_columns():
@@ -81,7 +97,7 @@ def test_t5_names_stay_on_one_line_at_80_columns():
     table = table_lines(text, "first", 9)
     expected = T5_TABLE_80.splitlines()
     assert table[:3] == expected[:3]
-    assert [line[:len(e)] for line, e in zip(table[3:], expected[3:])] == expected[3:]  # the numbers follow: see below
+    assert [line[: len(e)] for line, e in zip(table[3:], expected[3:])] == expected[3:]  # the numbers follow: see below
     assert [line.split()[-1] for line in table[3:]] == ["ok"] * 6 and all(len(line) <= 80 for line in text.splitlines())
     # with room, the names stay whole
     wide = render(model_report(calls), calls, width=120)
@@ -118,8 +134,10 @@ def test_what_if_codes_wrap_between_codes_never_inside_one():
     report = model_report(calls)
     first = report.lines[3]
     codes = {"grad_underflow": 1, "probability_flush": 6, "sentinel_not_representable": 2, "fp8_overflow": 3}
-    report.what_if = [WhatIfAnswer("eager:naive/fp16", 6, 1, first, 4, 1e-3, 11.0, None, codes),
-                      WhatIfAnswer("flash-fp8/e4m3", 6, 0, None, 0, 1e-2, 12.4, None, {})]
+    report.what_if = [
+        WhatIfAnswer("eager:naive/fp16", 6, 1, first, 4, 1e-3, 11.0, None, codes),
+        WhatIfAnswer("flash-fp8/e4m3", 6, 0, None, 0, 1e-2, 12.4, None, {}),
+    ]
     text = render(report, calls)
     assert all(len(line) <= 80 for line in text.splitlines())
     table = text.split("What if the model ran these instead")[1]

@@ -10,7 +10,14 @@ from pathlib import Path
 from rich.console import Console
 
 from attncheck.codes import CODES, GROUPS, REFERENCE_PAGE
-from attncheck.report.reference import code_section, codes_list, codes_table, explain_page, explain_text, findings_reference
+from attncheck.report.reference import (
+    code_section,
+    codes_list,
+    codes_table,
+    explain_page,
+    explain_text,
+    findings_reference,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,8 +40,16 @@ def test_a_section_reads_in_order():
     exp = next(c for c in CODES if c.name == "exp_overflow")
     text = code_section(exp)
     assert text.startswith("### exp_overflow\n\nExp of a finite score overflows to inf.\n\n**Severity:** error\n\n")
-    order = [text.index(part) for part in (exp.meaning, "**Threshold:** " + exp.threshold, "```python\n", "```console\n$ " + exp.example.command + "   # exit 1\n```",
-                                           "**Fix:** " + exp.fix + ".")]
+    order = [
+        text.index(part)
+        for part in (
+            exp.meaning,
+            "**Threshold:** " + exp.threshold,
+            "```python\n",
+            "```console\n$ " + exp.example.command + "   # exit 1\n```",
+            "**Fix:** " + exp.fix + ".",
+        )
+    ]
     assert order == sorted(order)
     masked = code_section(next(c for c in CODES if c.name == "fully_masked_rows"))
     assert "**Severity:** warning where a cell turns the rows into NaN, else info" in masked
@@ -63,17 +78,19 @@ def test_the_codes_table_fits_80_columns_with_every_code_whole():
     text = render(codes_table())
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 80
-    assert lines[:4] == ["The scores as given",
-                         "input_nan                   error             a row of the scores holds NaN     ",
-                         "                                              before any softmax runs           ",
-                         "inf_input                   error             a row of the scores holds +inf    "]
+    assert lines[:4] == [
+        "The scores as given",
+        "input_nan                   error             a row of the scores holds NaN     ",
+        "                                              before any softmax runs           ",
+        "inf_input                   error             a row of the scores holds +inf    ",
+    ]
     for c in CODES:  # each on a line of its own, its severity beside it, its summary's words in order
         (line,) = [ln for ln in lines if ln.split()[:1] == [c.name]]
         start = lines.index(line)
         assert line.split()[1] == c.severities.split()[0]
-        words = " ".join(ln[46:].strip() for ln in lines[start:start + 4]).split()
-        assert words[:len(c.summary.split())] == c.summary.split()
-    assert [ln for ln in lines if ln and not ln.startswith(" ")] [0] == "The scores as given"
+        words = " ".join(ln[46:].strip() for ln in lines[start : start + 4]).split()
+        assert words[: len(c.summary.split())] == c.summary.split()
+    assert [ln for ln in lines if ln and not ln.startswith(" ")][0] == "The scores as given"
     assert all(title in lines for title in GROUPS.values())
 
 

@@ -25,7 +25,10 @@ def render(diags, width: int = 80) -> str:
 def float_mask_diagnosis():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, 8, 16, generator=g) * 3, torch.randn(1, 2, 8, 16, generator=g) * 3
-    q[0, 0, 3, 0], k[0, 0, 5, 0] = 100.0, -100.0  # one strongly negative score (-2500 once scaled): the sentinel overflows on add
+    q[0, 0, 3, 0], k[0, 0, 5, 0] = (
+        100.0,
+        -100.0,
+    )  # one strongly negative score (-2500 once scaled): the sentinel overflows on add
     mask = torch.zeros(8, 8)
     mask[~torch.ones(8, 8, dtype=torch.bool).tril()] = torch.finfo(torch.float16).min
     mask[0] = torch.finfo(torch.float16).min

@@ -39,13 +39,14 @@ def gpt2_capture(tmp_path_factory):
     import attncheck
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=4, n_head=8, n_embd=64, vocab_size=128, n_positions=64,
-                                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=4, n_head=8, n_embd=64, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0, pad_token_id=0
+    )
     model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="eager", dtype=torch.float16).eval()
     with torch.no_grad():
         w = model.transformer.h[2].attn.c_attn.weight
-        w[:, 5 * 8:6 * 8] *= 2500
-        w[:, 64 + 5 * 8:64 + 6 * 8] *= 2500
+        w[:, 5 * 8 : 6 * 8] *= 2500
+        w[:, 64 + 5 * 8 : 64 + 6 * 8] *= 2500
     ids = torch.randint(1, 128, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[0, :4] = 0
@@ -129,7 +130,8 @@ def test_a_fully_masked_row_names_its_call_and_the_ignored_one_goes():
     for c in calls:  # as the pipeline does with --ignore
         apply_ignore(c.diagnosis, ("fully_masked_rows",))
     assert render(model_summary(ignored, calls, "cpu")) == (
-        "OK: 3 calls on cpu, 0 errors, 0 warnings (ignored: fully_masked_rows); no call\n    goes wrong\n")
+        "OK: 3 calls on cpu, 0 errors, 0 warnings (ignored: fully_masked_rows); no call\n    goes wrong\n"
+    )
 
 
 EXAMPLE_SUMMARY = """\
@@ -165,8 +167,11 @@ def test_what_ifs_take_one_line_and_never_count():
     g = torch.Generator().manual_seed(0)
     calls = [softmax_call(i, torch.randn(2, 4, 8, 8, generator=g).half()) for i in range(4)]
     report = model_report(calls)
-    report.what_if = [WhatIfAnswer("eager:naive/fp16", 4, 1, report.lines[3], 8, 1e-3, -2.0, None, {"exp_overflow": 1}),
-                      WhatIfAnswer("flash/bf16", 4, 0, None, 0, 1e-3, 88.0, None, {})]
+    report.what_if = [
+        WhatIfAnswer("eager:naive/fp16", 4, 1, report.lines[3], 8, 1e-3, -2.0, None, {"exp_overflow": 1}),
+        WhatIfAnswer("flash/bf16", 4, 0, None, 0, 1e-3, 88.0, None, {}),
+    ]
     assert render(model_summary(report, calls, "cpu")) == (
         "OK: 4 calls on cpu, 0 errors, 0 warnings; no call goes wrong\n"
-        "what-if: 1 of 2 cells asked would break: eager:naive/fp16 (#3) (not counted)\n")
+        "what-if: 1 of 2 cells asked would break: eager:naive/fp16 (#3) (not counted)\n"
+    )

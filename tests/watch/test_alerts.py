@@ -25,9 +25,21 @@ def write_log(path, values_of_step, steps=range(1, 41), rank=0, world=1, limits=
             ml = values_of_step(step)
             lim = 3.4e38 if limits is None else limits(step)
             dt = dtype if isinstance(dtype, str) else dtype(step)
-            call = {"module": "layers.0.attn", "kind": "sdpa", "dtype": dt, "path": "flash", "heads": len(ml), "max_logit": ml,
-                    "collapsed": [0.0] * len(ml), "scale": 0.125, "limit": {"logit": lim, "what": f"S in {dt}"}}
-            fh.write(json.dumps({"schema": "attncheck.watch/1", "step": step, "rank": rank, "world": world, "calls": [call]}) + "\n")
+            call = {
+                "module": "layers.0.attn",
+                "kind": "sdpa",
+                "dtype": dt,
+                "path": "flash",
+                "heads": len(ml),
+                "max_logit": ml,
+                "collapsed": [0.0] * len(ml),
+                "scale": 0.125,
+                "limit": {"logit": lim, "what": f"S in {dt}"},
+            }
+            fh.write(
+                json.dumps({"schema": "attncheck.watch/1", "step": step, "rank": rank, "world": world, "calls": [call]})
+                + "\n"
+            )
     return path
 
 
@@ -48,8 +60,10 @@ def test_a_rank_that_differs_is_divergence_not_growth(tmp_path):
     no growth anywhere, one rank_divergence at step 1 on rank 1 against rank 0."""
     rng = np.random.default_rng(1)
     noise = {r: 1 + 0.05 * rng.standard_normal(41) for r in (0, 1)}
-    logs = [write_log(tmp_path / f"w.rank{r}.jsonl", lambda s, r=r: [base * noise[r][s]], rank=r, world=2)
-            for r, base in ((0, 1.4), (1, 1.0e4))]
+    logs = [
+        write_log(tmp_path / f"w.rank{r}.jsonl", lambda s, r=r: [base * noise[r][s]], rank=r, world=2)
+        for r, base in ((0, 1.4), (1, 1.0e4))
+    ]
     report = analyse(read_watch_logs(logs))
     assert [(a.code, a.rank, a.other_rank, a.step) for a in report.alerts] == [("rank_divergence", 1, 0, 1)]
     assert all(s.growth is None or s.growth < 2 for s in report.series)
@@ -62,8 +76,15 @@ def test_a_rank_that_differs_is_divergence_not_growth(tmp_path):
 def test_healthy_ranks_on_other_batches_do_not_diverge(tmp_path):
     """Two ranks whose heads differ as batches do (up to 3x, and logits below 1): no alert at 10x."""
     rng = np.random.default_rng(2)
-    logs = [write_log(tmp_path / f"w.rank{r}.jsonl", lambda s, r=r: [float(rng.uniform(2, 6)), float(rng.uniform(0.01, 0.5))],
-                      rank=r, world=2) for r in (0, 1)]
+    logs = [
+        write_log(
+            tmp_path / f"w.rank{r}.jsonl",
+            lambda s, r=r: [float(rng.uniform(2, 6)), float(rng.uniform(0.01, 0.5))],
+            rank=r,
+            world=2,
+        )
+        for r in (0, 1)
+    ]
     assert analyse(read_watch_logs(logs)).alerts == []
 
 
@@ -72,7 +93,9 @@ def test_a_jump_is_not_growth_and_noise_is_not_growth(tmp_path):
     of 10% around 1e4 a slope of several x per 100 steps: neither is growth, neither gives headroom_low."""
     jump = write_log(tmp_path / "jump.jsonl", lambda s: [1.4 if s < 3 else 1.0e4])
     rng = np.random.default_rng(3)
-    noisy = write_log(tmp_path / "noise.jsonl", lambda s: [1.0e4 * (1 + 0.1 * rng.standard_normal())], steps=range(1, 8))
+    noisy = write_log(
+        tmp_path / "noise.jsonl", lambda s: [1.0e4 * (1 + 0.1 * rng.standard_normal())], steps=range(1, 8)
+    )
     for p in (jump, noisy):
         report = analyse([read_watch_log(p)], horizon=1e9)
         assert report.alerts == [], report.alerts
@@ -102,6 +125,7 @@ def test_explosive_growth_is_reported_without_overflow(tmp_path):
     assert r.exit_code == 1, r.output
     assert factor_text(math.log(1300.0)) == f"x10^{100 * math.log10(1300.0):.0f}" == "x10^311"
     assert "x10^311 per 100 steps" in r.stdout
+
     def refuse(token):
         raise AssertionError(f"{token} in the JSON report")
 
@@ -112,8 +136,13 @@ def test_explosive_growth_is_reported_without_overflow(tmp_path):
 def test_a_dtype_change_mid_run_is_judged_by_each_steps_limit(tmp_path):
     """Steps 1-20 in fp32 (S's limit 3.4e38), then fp16 eager (8190 logits): the head grows x1.05 a
     step from 60; headroom_low holds against fp16's limit after the change, never fp32's."""
-    p = write_log(tmp_path / "w.jsonl", lambda s: [60 * 1.05**s], steps=range(1, 61), limits=lambda s: 3.4e38 if s <= 20 else 8190.0,
-                  dtype=lambda s: "fp32" if s <= 20 else "fp16")
+    p = write_log(
+        tmp_path / "w.jsonl",
+        lambda s: [60 * 1.05**s],
+        steps=range(1, 61),
+        limits=lambda s: 3.4e38 if s <= 20 else 8190.0,
+        dtype=lambda s: "fp32" if s <= 20 else "fp16",
+    )
     report = analyse([read_watch_log(p)], horizon=200)
     first = [a for a in report.alerts if a.code == "headroom_low"]
     left = math.log(8190.0 / (60 * 1.05**21)) / math.log(1.05)  # steps from 21 to the fp16 limit: 80.8 < 200
@@ -124,16 +153,24 @@ def test_a_dtype_change_mid_run_is_judged_by_each_steps_limit(tmp_path):
 def test_a_headroom_alert_names_the_limit_of_its_own_step(tmp_path):
     """fp16 first (65504), then fp32: the alert at an fp16 step names fp16's limit and says 'S in fp16',
     not the last record's fp32 text beside fp16's number."""
-    p = write_log(tmp_path / "w.jsonl", lambda s: [100 * 1.2**s], limits=lambda s: 65504.0 if s <= 20 else 3.4e38,
-                  dtype=lambda s: "fp16" if s <= 20 else "fp32")
+    p = write_log(
+        tmp_path / "w.jsonl",
+        lambda s: [100 * 1.2**s],
+        limits=lambda s: 65504.0 if s <= 20 else 3.4e38,
+        dtype=lambda s: "fp16" if s <= 20 else "fp32",
+    )
     alert = next(a for a in analyse([read_watch_log(p)], horizon=200).alerts if a.code == "headroom_low")
     assert alert.step <= 20 and "reaches 6.55e+04" in alert.message and alert.message.endswith(": S in fp16")
 
 
 def test_a_log_without_calls_is_no_attention_never_no_alert(tmp_path):
     p = tmp_path / "w.jsonl"
-    p.write_text("".join(json.dumps({"schema": "attncheck.watch/1", "step": s, "forwards": 0, "calls": [], "grads": []}) + "\n"
-                         for s in (1, 2, 3)))
+    p.write_text(
+        "".join(
+            json.dumps({"schema": "attncheck.watch/1", "step": s, "forwards": 0, "calls": [], "grads": []}) + "\n"
+            for s in (1, 2, 3)
+        )
+    )
     r = runner.invoke(app, ["watch", str(p)])
     assert r.exit_code == 0 and "error[no_attention]" in r.stdout and "no alert" not in r.stdout.lower()
     assert "steps 1, 2, 3" in r.stdout and "1 error(s)" in r.stdout and "Heads" not in r.stdout
@@ -146,12 +183,16 @@ def test_a_log_without_calls_is_no_attention_never_no_alert(tmp_path):
 def test_rank_divergence_says_the_magnitude_its_ratio_divides(tmp_path):
     """Rank 0's logit 0.5 is compared as 1 (the floor): the ratio printed is 500 / max(|0.5|, 1) = 500, and
     the message says 0.5 was taken as 1; without the floor in play it prints the two logits and their quotient."""
-    logs = [write_log(tmp_path / f"w.rank{r}.jsonl", lambda s, v=v: [v], steps=range(1, 4), rank=r, world=2)
-            for r, v in ((0, 0.5), (1, 500.0))]
+    logs = [
+        write_log(tmp_path / f"w.rank{r}.jsonl", lambda s, v=v: [v], steps=range(1, 4), rank=r, world=2)
+        for r, v in ((0, 0.5), (1, 500.0))
+    ]
     (alert,) = analyse(read_watch_logs(logs)).alerts
     assert f"(500) is {500 / max(abs(0.5), 1.0):g} times rank 0's (0.5, taken as 1)" in alert.message
     assert "those below 1 as 1" in alert.message
-    logs = [write_log(tmp_path / f"v.rank{r}.jsonl", lambda s, v=v: [v], steps=range(1, 4), rank=r, world=2)
-            for r, v in ((0, 4.0), (1, 100.0))]
+    logs = [
+        write_log(tmp_path / f"v.rank{r}.jsonl", lambda s, v=v: [v], steps=range(1, 4), rank=r, world=2)
+        for r, v in ((0, 4.0), (1, 100.0))
+    ]
     (alert,) = analyse(read_watch_logs(logs)).alerts
     assert f"(100) is {100 / 4:g} times rank 0's (4) at step 1" in alert.message and "taken as" not in alert.message

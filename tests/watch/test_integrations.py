@@ -71,7 +71,9 @@ def test_tensorboard_scalars_are_the_records_numbers(tmp_path):
             assert dict(events[tag + "/entropy_mean"])[r["step"]] == pytest.approx(sum(c["entropy_mean"]) / 4, rel=1e-6)
             assert dict(events[tag + "/nonfinite_rows"])[r["step"]] == 0
         for g in r["grads"]:
-            assert dict(events["attncheck/" + g["module"] + "/grad_max_abs"])[r["step"]] == pytest.approx(g["max_abs"], rel=1e-6)
+            assert dict(events["attncheck/" + g["module"] + "/grad_max_abs"])[r["step"]] == pytest.approx(
+                g["max_abs"], rel=1e-6
+            )
         assert dict(events["attncheck/loss"])[r["step"]] == pytest.approx(r["loss"], rel=1e-6)
     assert [c["module"] for c in records[0]["calls"]] == ["a", "b"]
 
@@ -86,7 +88,9 @@ def test_a_module_called_twice_in_a_step_gets_two_series(tmp_path):
         model(torch.randn(2, 12, 16))
     events = _events(tmp_path / "tb")
     assert [c["module"] for c in w.records[0]["calls"]] == ["Sequential.Attention"] * 2
-    assert "attncheck/Sequential.Attention/max_logit" in events and "attncheck/Sequential.Attention#2/max_logit" in events
+    assert (
+        "attncheck/Sequential.Attention/max_logit" in events and "attncheck/Sequential.Attention#2/max_logit" in events
+    )
 
 
 def test_tensorboard_takes_the_users_writer_and_leaves_it_open(tmp_path):
@@ -117,7 +121,9 @@ def test_tensorboard_folder_that_cannot_be_made_is_one_error(tmp_path):
             pass
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning", "ignore::UserWarning")  # Lightning's own, on this torch
+@pytest.mark.filterwarnings(
+    "ignore::FutureWarning", "ignore::DeprecationWarning", "ignore::UserWarning"
+)  # Lightning's own, on this torch
 def test_lightning_callback_writes_a_log_that_attncheck_watch_reads(tmp_path):
     L = pytest.importorskip("lightning.pytorch")
     from attncheck.integrations import LightningWatchCallback
@@ -139,14 +145,26 @@ def test_lightning_callback_writes_a_log_that_attncheck_watch_reads(tmp_path):
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(8, 12, 16, generator=g))
     loader = torch.utils.data.DataLoader(data, batch_size=2)
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=1, limit_val_batches=1, val_check_interval=2,
-                        callbacks=[LightningWatchCallback(tmp_path / "w.jsonl")])
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=1,
+        limit_val_batches=1,
+        val_check_interval=2,
+        callbacks=[LightningWatchCallback(tmp_path / "w.jsonl")],
+    )
     trainer.fit(Module(), loader, loader)
     log = read_watch_log(tmp_path / "w.jsonl")
     assert [r.step for r in log.records] == [1, 2, 3]
     assert all(r.loss is not None and math.isfinite(r.loss) for r in log.records)
-    assert all(len(r.calls) == 2 for r in log.records), [len(r.calls) for r in log.records]  # validation's calls left out
+    assert all(len(r.calls) == 2 for r in log.records), [
+        len(r.calls) for r in log.records
+    ]  # validation's calls left out
     assert all(len(r.grads) == 2 for r in log.records)
     r = runner.invoke(app, ["watch", str(tmp_path / "w.jsonl"), "--fail-on", "error"])
     assert r.exit_code == 0, r.output

@@ -94,9 +94,18 @@ def test_scores_stats_against_the_scores():
 
 
 def test_grad_counts():
-    g = {"grad_q": torch.tensor([[1.0, 0.0], [float("nan"), -3.0]]), "grad_k": torch.tensor([0.0, float("inf")]), "grad_v": torch.tensor([2.0])}
+    g = {
+        "grad_q": torch.tensor([[1.0, 0.0], [float("nan"), -3.0]]),
+        "grad_k": torch.tensor([0.0, float("inf")]),
+        "grad_v": torch.tensor([2.0]),
+    }
     c = grad_counts(g)
-    assert (int(c.nonfinite), int(c.zeros), c.total, float(c.max_abs)) == (2, 2, 7, 2.0)  # dq and dk hold NaN or inf; dv's peak is 2
+    assert (int(c.nonfinite), int(c.zeros), c.total, float(c.max_abs)) == (
+        2,
+        2,
+        7,
+        2.0,
+    )  # dq and dk hold NaN or inf; dv's peak is 2
     c = grad_counts({"grad_q": torch.tensor([0.5, -4.0]).half()})
     assert (int(c.nonfinite), int(c.zeros), float(c.max_abs)) == (0, 0, 4.0)
 
@@ -109,20 +118,49 @@ def test_layers_computed_together_give_each_layers_own_numbers():
     g = torch.Generator().manual_seed(3)
     keep = torch.ones(2, 1, 16, 16, dtype=torch.bool).tril()
     keep[1, 0, :, 12:] = False
-    calls = [(torch.randn(2, 4, 16, 8, generator=g) * (1 + i), torch.randn(2, 4, 16, 8, generator=g), torch.randn(2, 4, 16, 8, generator=g),
-              keep, None, False) for i in range(3)]
-    calls.insert(1, (torch.randn(1, 2, 10, 8, generator=g), torch.randn(1, 2, 10, 8, generator=g), None, None, 0.5, True))
+    calls = [
+        (
+            torch.randn(2, 4, 16, 8, generator=g) * (1 + i),
+            torch.randn(2, 4, 16, 8, generator=g),
+            torch.randn(2, 4, 16, 8, generator=g),
+            keep,
+            None,
+            False,
+        )
+        for i in range(3)
+    ]
+    calls.insert(
+        1, (torch.randn(1, 2, 10, 8, generator=g), torch.randn(1, 2, 10, 8, generator=g), None, None, 0.5, True)
+    )
     together = sdpa_stats_many(calls)
     for call, got in zip(calls, together):
         alone = sdpa_stats(*call)
-        for name in ("max_logit", "exact", "entropy_min", "entropy_mean", "collapsed", "q_max", "k_max", "nonfinite_rows"):
+        for name in (
+            "max_logit",
+            "exact",
+            "entropy_min",
+            "entropy_mean",
+            "collapsed",
+            "q_max",
+            "k_max",
+            "nonfinite_rows",
+        ):
             a, b = getattr(alone, name), getattr(got, name)
-            assert a.shape == b.shape and torch.allclose(a.double(), b.double(), rtol=1e-6, atol=1e-6, equal_nan=True), name
-    grads = [{"grad_q": torch.randn(3, 4, generator=g), "grad_k": torch.zeros(3, 4), "grad_v": torch.randn(5, generator=g)} for _ in range(3)]
+            assert a.shape == b.shape and torch.allclose(
+                a.double(), b.double(), rtol=1e-6, atol=1e-6, equal_nan=True
+            ), name
+    grads = [
+        {"grad_q": torch.randn(3, 4, generator=g), "grad_k": torch.zeros(3, 4), "grad_v": torch.randn(5, generator=g)}
+        for _ in range(3)
+    ]
     grads[1]["grad_q"][0, 0] = float("nan")
     for c, got in zip(grads, grad_counts_many(grads)):
         ts = list(c.values())
         broken = [t for t in ts if not bool(torch.isfinite(t).all())]
         peak = max(float(t.abs().max()) for t in ts if bool(torch.isfinite(t).all()))
-        assert (int(got.nonfinite), int(got.zeros), got.total) == (len(broken), sum(int((t == 0).sum()) for t in ts), sum(t.numel() for t in ts))
+        assert (int(got.nonfinite), int(got.zeros), got.total) == (
+            len(broken),
+            sum(int((t == 0).sum()) for t in ts),
+            sum(t.numel() for t in ts),
+        )
         assert float(got.max_abs) == peak

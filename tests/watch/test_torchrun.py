@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 from attncheck.cli import app
 from tests.torchrun_preamble import DDP_PREAMBLE
 
-SCRIPT = DDP_PREAMBLE + """
+SCRIPT = (
+    DDP_PREAMBLE
+    + """
 
 bare = Attention()
 x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(rank))
@@ -35,6 +37,7 @@ with attncheck.watch(bare, log=sys.argv[1]) as w:
         w.step()
 dist.destroy_process_group()
 """
+)
 
 
 @pytest.mark.slow
@@ -42,15 +45,22 @@ def test_two_ranks_each_log_and_the_report_names_the_rank(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     log = tmp_path / "w.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(log)],
-                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(log)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = [tmp_path / "w.rank0.jsonl", tmp_path / "w.rank1.jsonl"]
     assert all(p.is_file() for p in logs) and not log.exists()
     records = [[json.loads(line) for line in p.read_text().splitlines()] for p in logs]
     assert [(r["rank"], r["world"]) for r in (records[0][0], records[1][0])] == [(0, 2), (1, 2)]
     for rank_records in records:  # every step, its one call, named as the bare model names it
-        assert [(r["step"], r["forwards"], [c["module"] for c in r["calls"]]) for r in rank_records] == [(s, 1, ["Attention"]) for s in range(1, 5)]
+        assert [(r["step"], r["forwards"], [c["module"] for c in r["calls"]]) for r in rank_records] == [
+            (s, 1, ["Attention"]) for s in range(1, 5)
+        ]
     r = CliRunner().invoke(app, ["watch", *map(str, logs), "--fail-on", "nan", "--json", "-"])
     assert r.exit_code == 1, r.output
     alerts = [(a["code"], a["rank"], a["other_rank"], a["head"], a["step"]) for a in json.loads(r.stdout)["alerts"]]

@@ -138,11 +138,36 @@ def synthetic_log(path, steps, logit_of_step, heads=2, rank=0, world=1, collapse
     with open(path, "w") as fh:
         for step in steps:
             ml = [logit_of_step(step, h) for h in range(heads)]
-            fh.write(json.dumps({"schema": "attncheck.watch/1", "step": step, "rank": rank, "world": world, "loss": 1.0,
-                                 "calls": [{"module": "layers.0.attn", "kind": "sdpa", "dtype": dtype, "path": "flash", "heads": heads,
-                                            "max_logit": ml, "exact": [True] * heads, "entropy_min": [1.0] * heads, "entropy_mean": [2.0] * heads,
-                                            "collapsed": [collapsed] * heads, "nonfinite_rows": 0, "scale": 0.125,
-                                            "limit": {"logit": limit, "what": "S in fp32"}}], "grads": []}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "schema": "attncheck.watch/1",
+                        "step": step,
+                        "rank": rank,
+                        "world": world,
+                        "loss": 1.0,
+                        "calls": [
+                            {
+                                "module": "layers.0.attn",
+                                "kind": "sdpa",
+                                "dtype": dtype,
+                                "path": "flash",
+                                "heads": heads,
+                                "max_logit": ml,
+                                "exact": [True] * heads,
+                                "entropy_min": [1.0] * heads,
+                                "entropy_mean": [2.0] * heads,
+                                "collapsed": [collapsed] * heads,
+                                "nonfinite_rows": 0,
+                                "scale": 0.125,
+                                "limit": {"logit": limit, "what": "S in fp32"},
+                            }
+                        ],
+                        "grads": [],
+                    }
+                )
+                + "\n"
+            )
 
 
 def test_rolling_slope_is_least_squares_of_the_logarithm():
@@ -163,7 +188,7 @@ def test_logit_growth_alert_at_the_step_it_first_holds(tmp_path):
     assert [(a.head, a.step) for a in growth] == [(1, 58)]  # the first recorded step at or above 50
     s = next(x for x in report.series if x.head == 1)
     assert s.growth == pytest.approx(2**10, rel=1e-6)
-    assert s.steps_to_limit == pytest.approx(math.log(3.4e38 / 2 ** 9.9) / (math.log(2) / 10), rel=1e-6)
+    assert s.steps_to_limit == pytest.approx(math.log(3.4e38 / 2**9.9) / (math.log(2) / 10), rel=1e-6)
 
 
 def test_headroom_low_in_the_calls_dtype_and_as_a_what_if(tmp_path):
@@ -180,7 +205,18 @@ def test_headroom_low_in_the_calls_dtype_and_as_a_what_if(tmp_path):
 def test_two_ranks_the_alert_names_its_rank(tmp_path):
     synthetic_log(tmp_path / "w.rank0.jsonl", range(1, 41), lambda s, h: 3.0, rank=0, world=2)
     synthetic_log(tmp_path / "w.rank1.jsonl", range(1, 41), lambda s, h: 3.0 if h == 0 else 5 * 1.3**s, rank=1, world=2)
-    r = runner.invoke(app, ["watch", str(tmp_path / "w.rank0.jsonl"), str(tmp_path / "w.rank1.jsonl"), "--fail-on", "logit_growth", "--json", "-"])
+    r = runner.invoke(
+        app,
+        [
+            "watch",
+            str(tmp_path / "w.rank0.jsonl"),
+            str(tmp_path / "w.rank1.jsonl"),
+            "--fail-on",
+            "logit_growth",
+            "--json",
+            "-",
+        ],
+    )
     assert r.exit_code == 1
     out = json.loads(r.stdout)
     growth = [x for x in out["alerts"] if x["code"] == "logit_growth"]
@@ -188,7 +224,13 @@ def test_two_ranks_the_alert_names_its_rank(tmp_path):
     assert [(x["rank"], x["head"], x["step"]) for x in growth] == [(1, 1, 9)]
     # and it is 10 times rank 0's 3.0 from step 7 (31.4; 24.1 at step 6): the ranks differ first
     first = out["first_alert"]
-    assert (first["code"], first["rank"], first["other_rank"], first["head"], first["step"]) == ("rank_divergence", 1, 0, 1, 7)
+    assert (first["code"], first["rank"], first["other_rank"], first["head"], first["step"]) == (
+        "rank_divergence",
+        1,
+        0,
+        1,
+        7,
+    )
     r = runner.invoke(app, ["watch", str(tmp_path / "w.rank1.jsonl"), str(tmp_path / "w.rank1.jsonl")])
     assert r.exit_code == 2 and "both logs of rank 1" in r.stderr
 
@@ -232,8 +274,17 @@ def test_plot_of_two_ranks_says_which_rank_its_heatmaps_draw_and_curves_the_tabl
 
     from attncheck.report.watch import watch_figure
 
-    logs = [synthetic_log(tmp_path / f"w.rank{r}.jsonl", range(1, 4), lambda s, h, r=r: [[2.0, 3.0], [10.0, 20.0]][r][h],
-                          rank=r, world=2) or tmp_path / f"w.rank{r}.jsonl" for r in (0, 1)]
+    logs = [
+        synthetic_log(
+            tmp_path / f"w.rank{r}.jsonl",
+            range(1, 4),
+            lambda s, h, r=r: [[2.0, 3.0], [10.0, 20.0]][r][h],
+            rank=r,
+            world=2,
+        )
+        or tmp_path / f"w.rank{r}.jsonl"
+        for r in (0, 1)
+    ]
     report = analyse([read_watch_log(p) for p in logs])
     assert report.alerts == []
     fig, note = watch_figure(report)
@@ -258,13 +309,29 @@ def test_trainer_callback_writes_a_log_that_attncheck_watch_reads(tmp_path):
     from attncheck.integrations import WatchCallback
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel._from_config(transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32,
-                                                                              bos_token_id=0, eos_token_id=0))
+    model = transformers.GPT2LMHeadModel._from_config(
+        transformers.GPT2Config(
+            n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
+        )
+    )
     g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": torch.randint(0, 64, (16,), generator=g), "labels": torch.randint(0, 64, (16,), generator=g)} for _ in range(8)]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2, logging_steps=1,
-                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
-    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[WatchCallback(tmp_path / "w.jsonl")]).train()
+    data = [
+        {"input_ids": torch.randint(0, 64, (16,), generator=g), "labels": torch.randint(0, 64, (16,), generator=g)}
+        for _ in range(8)
+    ]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    transformers.Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[WatchCallback(tmp_path / "w.jsonl")]
+    ).train()
     log = read_watch_log(tmp_path / "w.jsonl")
     assert [r.step for r in log.records] == [1, 2, 3] and all(r.loss is not None for r in log.records)
     assert [c.module for c in log.records[0].calls] == ["transformer.h.0.attn", "transformer.h.1.attn"]
@@ -272,18 +339,26 @@ def test_trainer_callback_writes_a_log_that_attncheck_watch_reads(tmp_path):
     assert r.exit_code == 0, r.output
 
 
-@pytest.mark.parametrize("text, message", [
-    ("", "holds no watch record"),
-    ("hello\n", "line 1: not a watch log"),
-    ('{"schema": "attncheck.capture/1", "calls": []}\n', "line 1: not a watch log"),
-    ('{"schema": "attncheck.watch/1", "step": 0, "calls": []}\n', "step"),
-    ('{"schema": "attncheck.watch/1", "step": 1, "calls": [{"module": "m", "kind": "sdpa", "heads": 2, "max_logit": [1.0]}]}\n',
-     "max_logit: 1 values for 2 heads"),
-    ('{"schema": "attncheck.watch/1", "step": 2, "calls": []}\n{"schema": "attncheck.watch/1", "step": 1, "calls": []}\n', "step 1 after step 2"),
-    ('{"schema": "attncheck.watch/1", "step": 1, "calls": [], "loss": NaN}\n', "line 1"),
-    ('{"schema": "attncheck.watch/1", "step": ' + "9" * 5001 + ', "calls": []}\n', "line 1"),
-    ("[" * 50000 + "]" * 50000 + "\n", "line 1"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "holds no watch record"),
+        ("hello\n", "line 1: not a watch log"),
+        ('{"schema": "attncheck.capture/1", "calls": []}\n', "line 1: not a watch log"),
+        ('{"schema": "attncheck.watch/1", "step": 0, "calls": []}\n', "step"),
+        (
+            '{"schema": "attncheck.watch/1", "step": 1, "calls": [{"module": "m", "kind": "sdpa", "heads": 2, "max_logit": [1.0]}]}\n',
+            "max_logit: 1 values for 2 heads",
+        ),
+        (
+            '{"schema": "attncheck.watch/1", "step": 2, "calls": []}\n{"schema": "attncheck.watch/1", "step": 1, "calls": []}\n',
+            "step 1 after step 2",
+        ),
+        ('{"schema": "attncheck.watch/1", "step": 1, "calls": [], "loss": NaN}\n', "line 1"),
+        ('{"schema": "attncheck.watch/1", "step": ' + "9" * 5001 + ', "calls": []}\n', "line 1"),
+        ("[" * 50000 + "]" * 50000 + "\n", "line 1"),
+    ],
+)
 def test_bad_logs_are_one_line_and_exit_2(tmp_path, text, message):
     (tmp_path / "w.jsonl").write_text(text)
     r = runner.invoke(app, ["watch", str(tmp_path / "w.jsonl")])
@@ -299,10 +374,17 @@ def test_a_last_line_cut_short_is_left_out_and_said(tmp_path):
     assert r.exit_code == 0 and json.loads(r.stdout)["records"] == 5 and "cut short" in json.loads(r.stdout)["notes"][0]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--window", "1"], "window"), (["--growth", "0.5"], "growth"), (["--collapse", "2"], "collapse"), (["--fail-on", "bogus"], "unknown condition"),
-    (["--logit-level", "-1"], "logit"), (["--plot", "/nonexistent/x.png"], "plot"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--window", "1"], "window"),
+        (["--growth", "0.5"], "growth"),
+        (["--collapse", "2"], "collapse"),
+        (["--fail-on", "bogus"], "unknown condition"),
+        (["--logit-level", "-1"], "logit"),
+        (["--plot", "/nonexistent/x.png"], "plot"),
+    ],
+)
 def test_bad_options_are_one_line_and_exit_2(tmp_path, args, message):
     synthetic_log(tmp_path / "w.jsonl", range(1, 6), lambda s, h: 3.0)
     r = runner.invoke(app, ["watch", str(tmp_path / "w.jsonl"), *args])
@@ -350,7 +432,7 @@ def test_a_compiled_model_trains_unchanged_under_the_watch_which_says_what_it_ca
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(0))
         losses = []
-        with (attncheck.watch(model if watch == "wrapper" else inner, **how) if watch else contextlib.nullcontext()) as w:
+        with attncheck.watch(model if watch == "wrapper" else inner, **how) if watch else contextlib.nullcontext() as w:
             for _ in range(3):
                 loss = model(x).pow(2).mean()
                 loss.backward()

@@ -20,12 +20,26 @@ runner = CliRunner()
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def log_of(path, modules=("layers.0.attn",), steps=range(1, 31), heads=1, logit=lambda s, h: 2.0 ** (s / 3), kind="sdpa"):
+def log_of(
+    path, modules=("layers.0.attn",), steps=range(1, 31), heads=1, logit=lambda s, h: 2.0 ** (s / 3), kind="sdpa"
+):
     with open(path, "w") as fh:
         for step in steps:
-            calls = [{"module": m, "kind": kind, "dtype": "fp32", "path": "flash", "heads": heads,
-                      "max_logit": [logit(step, h) for h in range(heads)], "entropy_mean": [1.0] * heads, "collapsed": [0.0] * heads,
-                      "scale": 0.125, "limit": {"logit": 3.4e38, "what": "S in fp32"}} for m in modules]
+            calls = [
+                {
+                    "module": m,
+                    "kind": kind,
+                    "dtype": "fp32",
+                    "path": "flash",
+                    "heads": heads,
+                    "max_logit": [logit(step, h) for h in range(heads)],
+                    "entropy_mean": [1.0] * heads,
+                    "collapsed": [0.0] * heads,
+                    "scale": 0.125,
+                    "limit": {"logit": 3.4e38, "what": "S in fp32"},
+                }
+                for m in modules
+            ]
             fh.write(json.dumps({"schema": "attncheck.watch/1", "step": step, "calls": calls}) + "\n")
     return str(path)
 
@@ -39,7 +53,9 @@ def one_line_error(r, *words):
 
 @pytest.mark.parametrize("window", ["2", "3", "4"])
 def test_a_window_too_short_to_fit_a_growth_is_refused(tmp_path, window):
-    one_line_error(runner.invoke(app, ["watch", log_of(tmp_path / "w.jsonl"), "--window", window]), "--window must be at least 5")
+    one_line_error(
+        runner.invoke(app, ["watch", log_of(tmp_path / "w.jsonl"), "--window", window]), "--window must be at least 5"
+    )
 
 
 def test_fp8_what_if_is_refused_and_others_are_judged(tmp_path):
@@ -65,9 +81,15 @@ def test_plot_files_that_cannot_be_written_are_one_line(tmp_path):
     p = log_of(tmp_path / "w.jsonl")
     (tmp_path / "file").write_text("")
     one_line_error(runner.invoke(app, ["watch", p, "--plot", str(tmp_path / "file" / "p.png")]), "does not exist")
-    one_line_error(runner.invoke(app, ["watch", p, "--plot", str(tmp_path / ("x" * 300 + ".png"))]), "cannot write --plot", "longer than the 255 bytes")
+    one_line_error(
+        runner.invoke(app, ["watch", p, "--plot", str(tmp_path / ("x" * 300 + ".png"))]),
+        "cannot write --plot",
+        "longer than the 255 bytes",
+    )
     (tmp_path / "full.png").symlink_to("/dev/full")
-    one_line_error(runner.invoke(app, ["watch", p, "--plot", str(tmp_path / "full.png")]), "cannot write --plot", "No space left")
+    one_line_error(
+        runner.invoke(app, ["watch", p, "--plot", str(tmp_path / "full.png")]), "cannot write --plot", "No space left"
+    )
 
 
 def test_names_with_mathtext_are_drawn_as_text(tmp_path):
@@ -96,7 +118,10 @@ def test_a_plot_of_thousands_of_calls_is_bounded(tmp_path, calls):
     p = log_of(tmp_path / "w.jsonl", modules=modules, steps=range(1, 9), logit=lambda s, h: 1.0)
     with open(p, "a") as fh:  # steps 9-30: layer 51 grows
         for step in range(9, 31):
-            rows = [{"module": m, "kind": "sdpa", "heads": 1, "max_logit": [2.0**step if m == "layers.51.attn" else 1.0]} for m in modules]
+            rows = [
+                {"module": m, "kind": "sdpa", "heads": 1, "max_logit": [2.0**step if m == "layers.51.attn" else 1.0]}
+                for m in modules
+            ]
             fh.write(json.dumps({"schema": "attncheck.watch/1", "step": step, "calls": rows}) + "\n")
     start = time.perf_counter()
     r = runner.invoke(app, ["watch", p, "--plot", str(tmp_path / "p.png")])
@@ -115,5 +140,7 @@ def test_repeated_alerts_are_grouped_one_fix_per_code_within_80_columns(tmp_path
     Console(width=80, file=out, color_system=None).print(render_watch(report))
     text = out.getvalue()
     assert text.count("= fix:") == text.count("warning[") == 2  # logit_growth and headroom_low? one each
-    assert "24 alerts" in text and "blocks.1.attn heads 0, 1, 2, 3, 4, 5, 6, 7, from step" in text.replace("\n    ", " ")
+    assert "24 alerts" in text and "blocks.1.attn heads 0, 1, 2, 3, 4, 5, 6, 7, from step" in text.replace(
+        "\n    ", " "
+    )
     assert max(map(len, text.splitlines())) <= 80

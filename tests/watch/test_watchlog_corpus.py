@@ -19,11 +19,37 @@ runner = CliRunner()
 
 
 def valid_records() -> list[dict]:
-    call = {"module": "layers.0.attn", "kind": "sdpa", "dtype": "bf16", "path": "flash", "heads": 2, "max_logit": [1.5, 2.5],
-            "exact": [True, False], "entropy_min": [0.5, 0.7], "entropy_mean": [1.0, 1.2], "collapsed": [0.0, 0.25],
-            "q_max": [1.0, 2.0], "k_max": [1.0, 2.0], "nonfinite_rows": 0, "scale": 0.125, "limit": {"logit": 3.4e38, "what": "S in fp32"}}
-    return [{"schema": "attncheck.watch/1", "attncheck_version": "0.1.0", "step": s, "rank": 0, "world": 1, "time": 1.0 + s, "loss": 2.0,
-             "calls": [dict(call)], "grads": [{"module": "layers.0.attn", "nonfinite": 0, "zero_frac": 0.1, "max_abs": 0.01}]} for s in (1, 2, 3)]
+    call = {
+        "module": "layers.0.attn",
+        "kind": "sdpa",
+        "dtype": "bf16",
+        "path": "flash",
+        "heads": 2,
+        "max_logit": [1.5, 2.5],
+        "exact": [True, False],
+        "entropy_min": [0.5, 0.7],
+        "entropy_mean": [1.0, 1.2],
+        "collapsed": [0.0, 0.25],
+        "q_max": [1.0, 2.0],
+        "k_max": [1.0, 2.0],
+        "nonfinite_rows": 0,
+        "scale": 0.125,
+        "limit": {"logit": 3.4e38, "what": "S in fp32"},
+    }
+    return [
+        {
+            "schema": "attncheck.watch/1",
+            "attncheck_version": "0.1.0",
+            "step": s,
+            "rank": 0,
+            "world": 1,
+            "time": 1.0 + s,
+            "loss": 2.0,
+            "calls": [dict(call)],
+            "grads": [{"module": "layers.0.attn", "nonfinite": 0, "zero_frac": 0.1, "max_abs": 0.01}],
+        }
+        for s in (1, 2, 3)
+    ]
 
 
 def lines_with(records, where, fragment) -> str:
@@ -49,12 +75,36 @@ def cases() -> list[tuple[str, str, bool]]:
     """(id, log text, refused)."""
     base = valid_records()
     out = []
-    must = {("schema",), ("step",), ("calls",), ("calls", 0, "module"), ("calls", 0, "kind"), ("calls", 0, "heads"), ("calls", 0, "max_logit"),
-            ("grads", 0, "module")}
-    fields = [(k,) for k in base[0]] + [("calls", 0, k) for k in base[0]["calls"][0]] + [("grads", 0, k) for k in base[0]["grads"][0]]
+    must = {
+        ("schema",),
+        ("step",),
+        ("calls",),
+        ("calls", 0, "module"),
+        ("calls", 0, "kind"),
+        ("calls", 0, "heads"),
+        ("calls", 0, "max_logit"),
+        ("grads", 0, "module"),
+    }
+    fields = (
+        [(k,) for k in base[0]]
+        + [("calls", 0, k) for k in base[0]["calls"][0]]
+        + [("grads", 0, k) for k in base[0]["grads"][0]]
+    )
     fields += [("calls", 0, "max_logit", 0), ("calls", 0, "limit", "logit")]
-    strings = {"string", "empty_string", "digit_string", "superscript_two", "markup", "control"}  # a name may be any short string
-    accepted = {("calls", 0, "module"): strings, ("grads", 0, "module"): strings, ("calls",): {"empty_list"}, ("calls", 0, "max_logit"): {"list"}}
+    strings = {
+        "string",
+        "empty_string",
+        "digit_string",
+        "superscript_two",
+        "markup",
+        "control",
+    }  # a name may be any short string
+    accepted = {
+        ("calls", 0, "module"): strings,
+        ("grads", 0, "module"): strings,
+        ("calls",): {"empty_list"},
+        ("calls", 0, "max_logit"): {"list"},
+    }
     for keys in fields:
         for name, fragment in JSON_VALUES.items():
             recs = json.loads(json.dumps(base))
@@ -67,19 +117,30 @@ def cases() -> list[tuple[str, str, bool]]:
     text = "".join(json.dumps(r) + "\n" for r in base)
     for cut in (1, 10, len(text) // 2, len(text) - 2):
         out.append((f"cut@{cut}", text[:cut], cut < len(json.dumps(base[0]))))
-    out += [("empty", "", True), ("blank_lines", "\n\n\n", True), ("binary", "\x00\xff\xfe" * 100, True),
-            ("another_program", "epoch 1 loss 2.3\nepoch 2 loss 2.1\n", True), ("csv", "step,loss\n1,2.0\n", True),
-            ("same_step_twice", json.dumps(base[0]) + "\n" + json.dumps(base[0]) + "\n", True),
-            ("steps_swapped", json.dumps(base[1]) + "\n" + json.dumps(base[0]) + "\n", True),
-            ("mixed_ranks", json.dumps(base[0]) + "\n" + json.dumps({**base[1], "rank": 1}) + "\n", True),
-            ("a_list", "[1, 2, 3]\n", True), ("a_number", "42\n", True), ("deep", "[" * 100_000 + "]" * 100_000 + "\n", True),
-            ("long_line", json.dumps({**base[0], "pad": "x" * (17 << 20)}) + "\n", True),
-            ("heads_mismatch", json.dumps({**base[0], "calls": [{**base[0]["calls"][0], "heads": 3}]}) + "\n", True),
-            ("no_calls", json.dumps({**base[0], "calls": []}) + "\n", False),
-            ("flex_kind", json.dumps({**base[0], "calls": [{**base[0]["calls"][0], "kind": "flex"}]}) + "\n", False),
-            ("no_forward_seen", json.dumps({**base[0], "forwards": 0, "calls": [], "grads": []}) + "\n", False),
-            ("forwards_negative", json.dumps({**base[0], "forwards": -1}) + "\n", True),
-            ("markup_module", json.dumps({**base[0], "calls": [{**base[0]["calls"][0], "module": "[red]x[/]\x1b[31m"}]}) + "\n", False)]
+    out += [
+        ("empty", "", True),
+        ("blank_lines", "\n\n\n", True),
+        ("binary", "\x00\xff\xfe" * 100, True),
+        ("another_program", "epoch 1 loss 2.3\nepoch 2 loss 2.1\n", True),
+        ("csv", "step,loss\n1,2.0\n", True),
+        ("same_step_twice", json.dumps(base[0]) + "\n" + json.dumps(base[0]) + "\n", True),
+        ("steps_swapped", json.dumps(base[1]) + "\n" + json.dumps(base[0]) + "\n", True),
+        ("mixed_ranks", json.dumps(base[0]) + "\n" + json.dumps({**base[1], "rank": 1}) + "\n", True),
+        ("a_list", "[1, 2, 3]\n", True),
+        ("a_number", "42\n", True),
+        ("deep", "[" * 100_000 + "]" * 100_000 + "\n", True),
+        ("long_line", json.dumps({**base[0], "pad": "x" * (17 << 20)}) + "\n", True),
+        ("heads_mismatch", json.dumps({**base[0], "calls": [{**base[0]["calls"][0], "heads": 3}]}) + "\n", True),
+        ("no_calls", json.dumps({**base[0], "calls": []}) + "\n", False),
+        ("flex_kind", json.dumps({**base[0], "calls": [{**base[0]["calls"][0], "kind": "flex"}]}) + "\n", False),
+        ("no_forward_seen", json.dumps({**base[0], "forwards": 0, "calls": [], "grads": []}) + "\n", False),
+        ("forwards_negative", json.dumps({**base[0], "forwards": -1}) + "\n", True),
+        (
+            "markup_module",
+            json.dumps({**base[0], "calls": [{**base[0]["calls"][0], "module": "[red]x[/]\x1b[31m"}]}) + "\n",
+            False,
+        ),
+    ]
     return out
 
 

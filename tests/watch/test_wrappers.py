@@ -69,17 +69,29 @@ def train(wrap, steps=3, marked=False, log=None, watch_wrapper=False):
 
 
 def numbers(records):
-    return [(r["step"], r["forwards"], [(c["module"], c["max_logit"], c["q_max"]) for c in r["calls"]], [g["module"] for g in r["grads"]])
-            for r in records]
+    return [
+        (
+            r["step"],
+            r["forwards"],
+            [(c["module"], c["max_logit"], c["q_max"]) for c in r["calls"]],
+            [g["module"] for g in r["grads"]],
+        )
+        for r in records
+    ]
 
 
 @pytest.mark.parametrize("marked", [False, True], ids=["forward-steps", "step-calls"])
 def test_ddp_watched_before_the_wrap_records_every_call_as_the_bare_model_does(group, marked):
     bare = numbers(train(lambda m: m, marked=marked))
     ddp = numbers(train(lambda m: torch.nn.parallel.DistributedDataParallel(m), marked=marked))
-    assert [(s, f, [c[0] for c in calls]) for s, f, calls, _ in ddp] == [(s, 1, ["layers.0", "layers.1"]) for s in (1, 2, 3)]
+    assert [(s, f, [c[0] for c in calls]) for s, f, calls, _ in ddp] == [
+        (s, 1, ["layers.0", "layers.1"]) for s in (1, 2, 3)
+    ]
     assert ddp == bare  # the same numbers: DDP over one rank trains as the bare model
-    assert numbers(train(lambda m: torch.nn.parallel.DistributedDataParallel(m), marked=marked, watch_wrapper=True)) == bare
+    assert (
+        numbers(train(lambda m: torch.nn.parallel.DistributedDataParallel(m), marked=marked, watch_wrapper=True))
+        == bare
+    )
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -91,7 +103,9 @@ def test_fsdp_inner_parts_are_left_out_of_the_names(group, version):
 
     def wrap(m):
         if version == 1:
-            return FSDP(m, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
+            return FSDP(
+                m, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True
+            )
         for layer in m.layers:
             fully_shard(layer)
         return fully_shard(m)
@@ -117,13 +131,18 @@ def test_a_module_holding_the_watched_one_steps_per_forward_and_leaves_its_own_c
     with attncheck.watch(outer.net) as w:
         for _ in range(2):
             outer(x).sum().backward()
-    assert [(r["step"], [c["module"] for c in r["calls"]]) for r in w.records] == [(1, ["layers.0", "layers.1"]), (2, ["layers.0", "layers.1"])]
+    assert [(r["step"], [c["module"] for c in r["calls"]]) for r in w.records] == [
+        (1, ["layers.0", "layers.1"]),
+        (2, ["layers.0", "layers.1"]),
+    ]
 
 
 def test_a_step_without_the_watched_module_warns_once_and_the_log_says_so(tmp_path):
     other, model, x = Net(), Net(), torch.randn(2, 8, 16)
     log = tmp_path / "w.jsonl"
-    with pytest.warns(UserWarning, match=r"step 1 ended with no training forward of the watched module \(Net\)") as said:
+    with pytest.warns(
+        UserWarning, match=r"step 1 ended with no training forward of the watched module \(Net\)"
+    ) as said:
         with attncheck.watch(other, log=log) as w:
             for _ in range(3):
                 model(x).sum().backward()
@@ -144,7 +163,10 @@ def test_forwards_that_never_reach_the_watched_module_warn_during_the_run(tmp_pa
                     warnings.simplefilter("error")
                     model(x).sum().backward()
             elif i == BLIND_FORWARDS - 1:
-                with pytest.warns(UserWarning, match=f"{BLIND_FORWARDS} training forwards of other modules ran with no training forward"):
+                with pytest.warns(
+                    UserWarning,
+                    match=f"{BLIND_FORWARDS} training forwards of other modules ran with no training forward",
+                ):
                     model(x).sum().backward()
             else:
                 model(x).sum().backward()  # said once
@@ -169,8 +191,9 @@ def test_accelerates_prepared_model_is_watched_in_its_autocast_dtype():
                 opt.zero_grad()
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
-    assert [(r["step"], [(c["module"], c["dtype"]) for c in r["calls"]]) for r in w.records] == \
-        [(s, [("layers.0", "bf16"), ("layers.1", "bf16")]) for s in (1, 2)]
+    assert [(r["step"], [(c["module"], c["dtype"]) for c in r["calls"]]) for r in w.records] == [
+        (s, [("layers.0", "bf16"), ("layers.1", "bf16")]) for s in (1, 2)
+    ]
 
 
 def test_wrapper_chains_and_the_names_they_leave():

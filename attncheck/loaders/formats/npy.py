@@ -19,14 +19,14 @@ import torch
 from attncheck.errors import AttncheckError
 from attncheck.loaders.common import (
     EMPTY_ZIP_MAGIC,
-    FileListing,
     NPY_MAGIC,
     PIECE,
-    TensorSource,
     ZIP_MAGIC,
+    FileListing,
+    TensorSource,
     check_numpy_dtype,
-    check_size,
     check_shape,
+    check_size,
     check_tensor,
     error,
     from_numpy,
@@ -47,6 +47,7 @@ SUFFIXES = (".npy",)
 _NPY_MAX_HEADER = 10000
 
 NUMPY_TO_TORCH = {2: torch.float16, 4: torch.float32, 8: torch.float64}
+
 
 def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | None = None) -> FileListing:
     if not head.startswith(NPY_MAGIC):
@@ -91,7 +92,9 @@ def _load(path: str, kind: str = "scores", max_bytes: int | None = None) -> torc
     return from_numpy(path, array, kind)
 
 
-def read_array(stream: Any, header: "NpyHeader", truncated: Callable[[int], Any], unreadable: Callable[[BaseException], Any]) -> np.ndarray:
+def read_array(
+    stream: Any, header: "NpyHeader", truncated: Callable[[int], Any], unreadable: Callable[[BaseException], Any]
+) -> np.ndarray:
     """The array ``header`` describes, read from ``stream`` in pieces into one buffer of its
     size (the header's size was checked before: nothing larger is ever allocated)."""
     buffer = np.empty(math.prod(header.shape), dtype=header.dtype)
@@ -109,6 +112,7 @@ def read_array(stream: Any, header: "NpyHeader", truncated: Callable[[int], Any]
         raise unreadable(exc) from exc
     return buffer.reshape(header.shape, order="F" if header.fortran else "C")
 
+
 @dataclass(frozen=True)
 class NpyHeader:
     shape: tuple[int, ...]
@@ -119,6 +123,7 @@ class NpyHeader:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
 
 def read_npy_header(fp: Any) -> NpyHeader:
     """Parse a .npy header from ``fp`` as numpy.load does; numpy's errors propagate."""
@@ -132,6 +137,7 @@ def read_npy_header(fp: Any) -> NpyHeader:
     else:
         raise ValueError(f"we only support format version (1,0), (2,0), and (3,0), not {version}")
     return NpyHeader(tuple(int(n) for n in shape), bool(fortran), dtype, fp.tell())
+
 
 def check_npy(name: str, header: NpyHeader, available: int, invalid: str, kind: str = "scores") -> torch.dtype:
     """Validate in load_tensors' order: objects, size against the data, dtype, shape."""
@@ -148,6 +154,7 @@ def check_npy(name: str, header: NpyHeader, available: int, invalid: str, kind: 
     check_numpy_dtype(name, header.dtype, kind)
     check_shape(name, header.shape)
     return torch.bool if header.dtype.kind == "b" else NUMPY_TO_TORCH[header.dtype.itemsize]
+
 
 def _npy_source(path: str, max_bytes: int | None = None) -> TensorSource:
     invalid = invalid_text(path)
@@ -169,9 +176,8 @@ def _npy_source(path: str, max_bytes: int | None = None) -> TensorSource:
 
     return TensorSource(path, header.shape, dtype, True, blocks)
 
-def fortran_source(
-    name: str, header: NpyHeader, dtype: torch.dtype, load: Callable[[], Any]
-) -> TensorSource:
+
+def fortran_source(name: str, header: NpyHeader, dtype: torch.dtype, load: Callable[[], Any]) -> TensorSource:
     """Rows of a Fortran-ordered array are not contiguous: load it whole, when asked."""
 
     def blocks(rows_per_block: int) -> Iterator[torch.Tensor]:

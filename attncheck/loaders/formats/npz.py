@@ -17,14 +17,13 @@ import numpy.lib.format as npformat
 import torch
 
 from attncheck.errors import AttncheckError
-from attncheck.loaders.formats.npy import check_npy, fortran_source, read_array, read_npy_header
 from attncheck.loaders.common import (
     EMPTY_ZIP_MAGIC,
-    FileListing,
     NPY_MAGIC,
     PIECE,
-    TensorSource,
     ZIP_MAGIC,
+    FileListing,
+    TensorSource,
     check_size,
     error,
     from_numpy,
@@ -37,16 +36,16 @@ from attncheck.loaders.common import (
     truncation,
     unique_names,
 )
+from attncheck.loaders.formats.npy import check_npy, fortran_source, read_array, read_npy_header
 
 SUFFIXES = (".npz",)
 
 _ZIP_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes, signature PK\x03\x04
 
+
 def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | None = None) -> FileListing:
     if head.startswith(NPY_MAGIC):
-        raise error(
-            f"{path}: {invalid_text(path)} (it is a single .npy array; rename it to .npy)"
-        )
+        raise error(f"{path}: {invalid_text(path)} (it is a single .npy array; rename it to .npy)")
     if not head.startswith((ZIP_MAGIC, EMPTY_ZIP_MAGIC)):
         raise error(f"{path}: {invalid_text(path)} (not a zip archive)")
     try:
@@ -109,6 +108,7 @@ def _member_header(name: str, reader: Any) -> Any:
         raise error(f"{name}: member is not a .npy array")
     return read_npy_header(_Rewound(reader, npformat.MAGIC_PREFIX))
 
+
 class _StoredMember:
     """Reads of an uncompressed zip member straight from the file, CRC-checked."""
 
@@ -150,6 +150,7 @@ class _StoredMember:
         while self._left:
             self.readinto(scratch)
 
+
 class _CompressedMember:
     """A compressed member through zipfile, read in bounded pieces."""
 
@@ -169,6 +170,7 @@ class _CompressedMember:
         while self._stream.read(PIECE):  # zipfile checks the CRC at the end
             pass
 
+
 def _open_member(path: str, info: zipfile.ZipInfo, stack: ExitStack) -> Any:
     """A reader at the start of the member's bytes; ``stack`` closes what it opens."""
     if info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1:  # not encrypted
@@ -184,11 +186,14 @@ def _open_member(path: str, info: zipfile.ZipInfo, stack: ExitStack) -> Any:
         if local_name != info.orig_filename:
             raise zipfile.BadZipFile(f"File name in directory {info.orig_filename!r} and header {local_name!r} differ.")
         if info.compress_size != info.file_size:
-            raise zipfile.BadZipFile(f"stored member {info.filename!r}: the directory says {info.compress_size} bytes stored, {info.file_size} bytes of data")
+            raise zipfile.BadZipFile(
+                f"stored member {info.filename!r}: the directory says {info.compress_size} bytes stored, {info.file_size} bytes of data"
+            )
         f.seek(info.header_offset + _ZIP_LOCAL_HEADER.size + name_length + extra_length)
         return _StoredMember(f, info)
     archive = stack.enter_context(zipfile.ZipFile(path))
     return _CompressedMember(stack.enter_context(archive.open(info)))
+
 
 def _npz_member_source(path: str, key: str, info: zipfile.ZipInfo, max_bytes: int | None = None) -> TensorSource:
     name = qualified_name(path, key)
@@ -223,6 +228,7 @@ def _npz_member_source(path: str, key: str, info: zipfile.ZipInfo, max_bytes: in
 
     return TensorSource(name, header.shape, dtype, True, blocks)
 
+
 def _then(blocks: Iterator[torch.Tensor], last: Callable[[], None]) -> Iterator[torch.Tensor]:
     """``blocks``, with ``last()`` run before the final block is handed out.
 
@@ -237,6 +243,7 @@ def _then(blocks: Iterator[torch.Tensor], last: Callable[[], None]) -> Iterator[
     last()
     if pending is not None:
         yield pending
+
 
 class _Rewound:
     """``reader`` as if ``prefix`` (already read from it) had not been read yet."""

@@ -20,9 +20,9 @@ import torch
 from attncheck.errors import AttncheckError
 from attncheck.loaders.common import (
     ANSI,
+    ZIP_MAGIC,
     FileListing,
     TensorSource,
-    ZIP_MAGIC,
     check_size,
     check_tensor,
     error,
@@ -46,19 +46,28 @@ _PICKLE_SCAN_LIMIT = 64 * 1024 * 1024
 # Pickle opcodes that import or call something: a file holding any of them is
 # more than plain data.
 _CODE_OPCODES = frozenset(
-    {"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE", "NEWOBJ", "NEWOBJ_EX",
-     "BUILD", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"}
+    {
+        "GLOBAL",
+        "STACK_GLOBAL",
+        "INST",
+        "OBJ",
+        "REDUCE",
+        "NEWOBJ",
+        "NEWOBJ_EX",
+        "BUILD",
+        "EXT1",
+        "EXT2",
+        "EXT4",
+        "PERSID",
+        "BINPERSID",
+    }
 )
 
-_PT_REFUSAL_NOTE = (
-    "attncheck loads .pt files with weights_only=True and never runs pickled code"
-)
+_PT_REFUSAL_NOTE = "attncheck loads .pt files with weights_only=True and never runs pickled code"
 
 # Parts of torch's weights_only error messages that mean "this pickle holds
 # objects other than tensors" rather than "this file is corrupt".
-_WO_FOREIGN = re.compile(
-    r"GLOBAL|Can only|unrecognized function|persistent_load|must be imported to load"
-)
+_WO_FOREIGN = re.compile(r"GLOBAL|Can only|unrecognized function|persistent_load|must be imported to load")
 
 _WO_GLOBAL = re.compile(r"GLOBAL (\S+?)(?: was not| whose|\s|$)")
 
@@ -97,10 +106,7 @@ def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | Non
 
     tensors = _flatten(path, obj)
     if not tensors:
-        raise error(
-            f"{path}: holds no tensors (only {_describe(obj)}); "
-            "save a tensor or a dict/list of tensors"
-        )
+        raise error(f"{path}: holds no tensors (only {_describe(obj)}); save a tensor or a dict/list of tensors")
     if len(tensors) == 1 and tensors[0][0] is None:
         keys: list[str | None] = [None]
     else:
@@ -111,7 +117,10 @@ def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | Non
         return [(key, table[key]) for key in selected]
 
     def sources(selected: list[str | None]) -> list[TensorSource]:
-        return [memory_source(qualified_name(path, key), check_tensor(qualified_name(path, key), tensor, kind)) for key, tensor in load(selected)]
+        return [
+            memory_source(qualified_name(path, key), check_tensor(qualified_name(path, key), tensor, kind))
+            for key, tensor in load(selected)
+        ]
 
     return FileListing(path, keys, load, sources)
 
@@ -121,6 +130,7 @@ def _file_size(path: str) -> int:
         return os.path.getsize(path)
     except OSError as exc:
         raise error(f"{path}: cannot read the file ({reason(exc)})") from exc
+
 
 def _check_torch_zip(path: str) -> tuple[int, int]:
     """Check the archive; return the bytes its records hold once read, and data.pkl's
@@ -135,9 +145,7 @@ def _check_torch_zip(path: str) -> tuple[int, int]:
                 with archive.open(pkl) as f:
                     head = f.read(2)
     except Exception as exc:
-        raise error(
-            f"{path}: {invalid_text(path)} (truncated or corrupt zip archive: {reason(exc)})"
-        ) from exc
+        raise error(f"{path}: {invalid_text(path)} (truncated or corrupt zip archive: {reason(exc)})") from exc
     # torch's archive records sit in one top-level folder: "<name>/data.pkl".
     records = {n.split("/", 1)[1] if "/" in n else n for n in names}
     if "constants.pkl" in records:
@@ -147,12 +155,10 @@ def _check_torch_zip(path: str) -> tuple[int, int]:
             "which holds code; save the tensors with torch.save instead"
         )
     if "data.pkl" not in records:
-        raise error(
-            f"{path}: {invalid_text(path)} (a zip archive without data.pkl, "
-            "so not written by torch.save)"
-        )
+        raise error(f"{path}: {invalid_text(path)} (a zip archive without data.pkl, so not written by torch.save)")
     protocol = head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else 2
     return sum(i.file_size for i in infos), protocol
+
 
 _TORCH_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C  # what torch.save's legacy format pickles first
 
@@ -258,7 +264,10 @@ def _transcode(data: bytes) -> bytes:
             continue
         if name == "STACK_GLOBAL":
             attr, module = stack.pop(), stack.pop()
-            if not (isinstance(module, _Pushed) and isinstance(attr, _Pushed) and module.text and attr.text) or "\n" in module.text + attr.text:
+            if (
+                not (isinstance(module, _Pushed) and isinstance(attr, _Pushed) and module.text and attr.text)
+                or "\n" in module.text + attr.text
+            ):
                 raise ValueError("STACK_GLOBAL without two plain strings")
             module.drop = attr.drop = True
             globals_at[i] = f"{module.text}\n{attr.text}\n"
@@ -268,9 +277,9 @@ def _transcode(data: bytes) -> bytes:
         if pickletools.markobject in before:
             while stack.pop() is not _MARK:
                 pass
-            del stack[len(stack) - (len(before) - 2):]  # what sits below the mark (the list of APPENDS)
+            del stack[len(stack) - (len(before) - 2) :]  # what sits below the mark (the list of APPENDS)
         elif before:
-            del stack[-len(before):]
+            del stack[-len(before) :]
         for kind in after:
             if kind is pickletools.markobject:
                 stack.append(_MARK)
@@ -334,22 +343,16 @@ def _explain_plain_pickle(path: str) -> None:
                         found = ""
     except Exception as exc:
         if found is None or len(data) < _PICKLE_SCAN_LIMIT:
-            raise error(
-                f"{path}: {invalid_text(path)} (not a zip archive or pickle: {reason(exc)})"
-            ) from exc
+            raise error(f"{path}: {invalid_text(path)} (not a zip archive or pickle: {reason(exc)})") from exc
     if found is not None:
         raise _refusal(path, found or None)
-    raise error(
-        f"{path}: holds no tensors (it is a plain pickle of Python data, "
-        "not a file written by torch.save)"
-    )
+    raise error(f"{path}: holds no tensors (it is a plain pickle of Python data, not a file written by torch.save)")
+
 
 def _refusal(path: str, found: str | None) -> AttncheckError:
     example = f", e.g. {found}" if found else ""
-    return error(
-        f"{path}: refused to load: it holds pickled objects other than tensors"
-        f"{example} ({_PT_REFUSAL_NOTE})"
-    )
+    return error(f"{path}: refused to load: it holds pickled objects other than tensors{example} ({_PT_REFUSAL_NOTE})")
+
 
 def _weights_only_reason(message: str) -> str:
     """The WeightsUnpickler's own message inside torch.load's long wrapper."""
@@ -363,6 +366,7 @@ def _weights_only_reason(message: str) -> str:
     if len(parts) > 1 and parts[0].startswith("Weights only load failed"):
         return parts[1]
     return message.strip()
+
 
 def _flatten(path: str, obj: Any) -> list[tuple[str | None, torch.Tensor]]:
     """Tensors inside nested dicts/lists/tuples, with their keys (``key_text``), in order.
@@ -392,7 +396,9 @@ def _flatten(path: str, obj: Any) -> list[tuple[str | None, torch.Tensor]]:
             continue
         seen.add(id(value))
         if len(path_keys) >= MAX_DEPTH:
-            raise error(f"{path}: containers nested more than {MAX_DEPTH} deep (at {key_text(path_keys[:3])}...); save the tensors in a flat dict")
+            raise error(
+                f"{path}: containers nested more than {MAX_DEPTH} deep (at {key_text(path_keys[:3])}...); save the tensors in a flat dict"
+            )
         for k, v in reversed(items):
             stack.append(((*path_keys, k), v))
     return out

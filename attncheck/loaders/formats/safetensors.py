@@ -43,12 +43,23 @@ _SAFETENSORS_MAX_HEADER = 100_000_000
 
 # safetensors dtype -> (torch name, bytes per element); unknown names are shown raw.
 _SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
-    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2), "F8_E4M3": ("float8_e4m3fn", 1),
-    "F8_E5M2": ("float8_e5m2", 1), "F8_E8M0": ("float8_e8m0fnu", 1),
-    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
-    "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1),
-    "BOOL": ("bool", 1), "C64": ("complex64", 8),
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U64": ("uint64", 8),
+    "U32": ("uint32", 4),
+    "U16": ("uint16", 2),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "C64": ("complex64", 8),
 }
 
 # How the float dtypes are stored: numpy dtype of the raw elements, torch dtype.
@@ -59,20 +70,27 @@ _RAW_FLOATS: dict[str, tuple[np.dtype, torch.dtype]] = {
     "bfloat16": (np.dtype("<u2"), torch.bfloat16),  # numpy has no bf16: raw 16-bit words
 }
 
+
 def short_of_memory(exc: BaseException) -> bool:
     """safetensors maps the whole file into memory: under an address-space limit (ulimit -v) a
     large valid file fails there with ENOMEM, which says nothing about the file."""
     text = str(exc)
-    return (isinstance(exc, MemoryError) or getattr(exc, "errno", None) == errno.ENOMEM
-            or "Cannot allocate memory" in text or "os error 12" in text)
+    return (
+        isinstance(exc, MemoryError)
+        or getattr(exc, "errno", None) == errno.ENOMEM
+        or "Cannot allocate memory" in text
+        or "os error 12" in text
+    )
 
 
 def _memory_error(path: str, exc: BaseException) -> AttncheckError:
     size = os.path.getsize(path)
-    return error(f"{path}: memory is short: the {size_text(size)} file could not be mapped ({reason(exc)}); "
-                 f"its header is valid. Raise the address-space limit (ulimit -v), or pass it as scores, "
-                 f"which are read in row blocks within "
-                 f"{param('max_memory')}, choosing tensors with {param('keys')}")
+    return error(
+        f"{path}: memory is short: the {size_text(size)} file could not be mapped ({reason(exc)}); "
+        f"its header is valid. Raise the address-space limit (ulimit -v), or pass it as scores, "
+        f"which are read in row blocks within "
+        f"{param('max_memory')}, choosing tensors with {param('keys')}"
+    )
 
 
 def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | None = None) -> FileListing:
@@ -117,9 +135,7 @@ def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | Non
                 try:
                     out.append((key, f.get_tensor(key)))
                 except Exception as exc:
-                    raise error(
-                        f"{qualified_name(path, key)}: cannot read the tensor ({reason(exc)})"
-                    ) from exc
+                    raise error(f"{qualified_name(path, key)}: cannot read the tensor ({reason(exc)})") from exc
         return out
 
     def sources(selected: list[str | None]) -> list[TensorSource]:
@@ -127,12 +143,14 @@ def open_file(path: str, head: bytes, kind: str = "scores", max_bytes: int | Non
 
     return FileListing(path, list(keys), load, sources)
 
+
 @dataclass(frozen=True)
 class _SafetensorsEntry:
     dtype: str
     shape: tuple[int, ...]
     begin: int  # bytes from the start of the data buffer
     end: int
+
 
 def inspect_file(path: str) -> tuple[dict[str, str], dict[str, tuple[str, tuple[int, ...]]]]:
     """(the header's ``__metadata__``, {key: (dtype, shape)}) without reading any data;
@@ -172,6 +190,7 @@ def _safetensors_sources(path: str, selected: list[str | None]) -> list[TensorSo
         out.append(_safetensors_source(path, key, entry, data_start))
     return out
 
+
 def _read_safetensors_header(
     f: BinaryIO, invalid: str, path: str
 ) -> tuple[int, dict[str, _SafetensorsEntry], dict[str, str]]:
@@ -208,9 +227,8 @@ def _read_safetensors_header(
         entries[key] = _safetensors_entry(key, value, bad)
     return 8 + n, entries, meta
 
-def _safetensors_entry(
-    key: str, value: Any, bad: Callable[[str], AttncheckError]
-) -> _SafetensorsEntry:
+
+def _safetensors_entry(key: str, value: Any, bad: Callable[[str], AttncheckError]) -> _SafetensorsEntry:
     if not isinstance(value, dict):
         raise bad(f"header entry {key!r} is not an object")
     dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
@@ -219,8 +237,10 @@ def _safetensors_entry(
     if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
         raise bad(f"tensor {key!r} has a bad shape {shape!r}")
     if not (
-        isinstance(offsets, list) and len(offsets) == 2
-        and all(type(n) is int for n in offsets) and 0 <= offsets[0] <= offsets[1]
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(type(n) is int for n in offsets)
+        and 0 <= offsets[0] <= offsets[1]
     ):
         raise bad(f"tensor {key!r} has bad data_offsets {offsets!r}")
     known = _SAFETENSORS_DTYPES.get(dtype)
@@ -230,6 +250,7 @@ def _safetensors_entry(
             f"but {dtype} {tuple(shape)} needs {math.prod(shape) * known[1]}"
         )
     return _SafetensorsEntry(dtype, tuple(shape), offsets[0], offsets[1])
+
 
 def _safetensors_source(path: str, key: str, entry: _SafetensorsEntry, data_start: int) -> TensorSource:
     name = qualified_name(path, key)

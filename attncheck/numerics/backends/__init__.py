@@ -117,7 +117,9 @@ class RowBackend(abc.ABC):
         """Scores already in a cell's dtype with their float64 softmax."""
 
     @abc.abstractmethod
-    def cell_metrics(self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference, precise: bool = False) -> list[RowMetrics]:
+    def cell_metrics(
+        self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference, precise: bool = False
+    ) -> list[RowMetrics]:
         """Row metrics of each of one dtype's cells, in the order of ``probs``. ``precise``:
         the cells computed in fp32 (their errors are ~1e-7 relative), a hint a backend may
         use for speed; the numbers do not depend on it."""
@@ -139,7 +141,9 @@ class RowBackend(abc.ABC):
         return AlgoReference(c.x, c.ref_ok, c.ref, same=True)
 
 
-def select_backend(kernels: str, device: torch.device, elements: int, notice: Callable[[str], None] | None = None) -> RowBackend:
+def select_backend(
+    kernels: str, device: torch.device, elements: int, notice: Callable[[str], None] | None = None
+) -> RowBackend:
     """The backend ``kernels`` asks for: 'torch', 'fused' (numba; an input error without it
     or off the CPU), or 'auto' (numba for CPU inputs of FUSED_MIN_ELEMENTS or more when it
     is installed, torch otherwise). ``notice`` hears of a first compile of the kernels."""
@@ -152,7 +156,9 @@ def select_backend(kernels: str, device: torch.device, elements: int, notice: Ca
         if device.type != "cpu":
             raise AttncheckError(f"fused kernels run on the CPU only; the diagnosis runs on {device}", param="kernels")
         if not numba_rows.installed():
-            raise AttncheckError("fused kernels need numba, which is not installed (pip install numba)", param="kernels")
+            raise AttncheckError(
+                "fused kernels need numba, which is not installed (pip install numba)", param="kernels"
+            )
         return numba_rows.NumbaRows(notice)
     if device.type == "cpu" and elements >= FUSED_MIN_ELEMENTS and numba_rows.available():
         return numba_rows.NumbaRows(notice)

@@ -592,7 +592,9 @@ def algo_reference_rows(x, ref):
 
 
 @_jit_inline
-def _cell_row(p, i, k, row, algo, two, short, ok, top_i, floor, pb, rest_at, kb, pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop):
+def _cell_row(
+    p, i, k, row, algo, two, short, ok, top_i, floor, pb, rest_at, kb, pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop
+):
     """The metrics of row i of ``p`` into slot k of the outputs (see ``cell_rows``); errors
     against ``algo`` too where ``two`` (else ``algo`` is ``row`` and they are the same)."""
     bad, _ = _load(p, i, pb)
@@ -657,10 +659,56 @@ def cell_rows(ptrs_a, like_a, ptrs_b, like_b, floors, ra, use_algo, algo_ok, ref
             j = top[i]
             for k in range(na):
                 p = numba.carray(_pointer_like(ptrs_a[k], like_a), (r, t))
-                _cell_row(p, i, k, row, algo, two, short, ok, j, floors[k], pb, rest_at, kb, pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop)
+                _cell_row(
+                    p,
+                    i,
+                    k,
+                    row,
+                    algo,
+                    two,
+                    short,
+                    ok,
+                    j,
+                    floors[k],
+                    pb,
+                    rest_at,
+                    kb,
+                    pmax,
+                    psum,
+                    sq,
+                    mx,
+                    sqa,
+                    mxa,
+                    kl,
+                    flushed,
+                    attop,
+                )
             for k in range(ptrs_b.size):
                 p = numba.carray(_pointer_like(ptrs_b[k], like_b), (r, t))
-                _cell_row(p, i, na + k, row, algo, two, short, ok, j, floors[na + k], pb, rest_at, kb, pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop)
+                _cell_row(
+                    p,
+                    i,
+                    na + k,
+                    row,
+                    algo,
+                    two,
+                    short,
+                    ok,
+                    j,
+                    floors[na + k],
+                    pb,
+                    rest_at,
+                    kb,
+                    pmax,
+                    psum,
+                    sq,
+                    mx,
+                    sqa,
+                    mxa,
+                    kl,
+                    flushed,
+                    attop,
+                )
     return pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop
 
 

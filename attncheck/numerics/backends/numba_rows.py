@@ -98,7 +98,11 @@ def call(name: str, signature: str, *args, notice: Callable[[str], None] | None 
     if key not in _warm:
         stamp = _stamp(key)
         if notice is not None and (stamp is None or not stamp.exists()) and not _warm:
-            notice(COMPILE_NOTICE if stamp is not None else "compiling attncheck kernels (~30 s; no writable cache directory, so every run compiles)")
+            notice(
+                COMPILE_NOTICE
+                if stamp is not None
+                else "compiling attncheck kernels (~30 s; no writable cache directory, so every run compiles)"
+            )
     out = getattr(kernels(), name)(*args)
     if key not in _warm:
         _warm.add(key)
@@ -161,9 +165,29 @@ class NumbaRows(RowBackend):
         xn = as_rows(x if x.dtype in (torch.float32, torch.float64) else x.float())
         ref = self.workspace.take("ref", xn.shape)
         out = self._call("reference_rows", str(xn.dtype), xn, shift, MASK_SENTINEL_LIMIT, ref)
-        nan, posinf, neginf, masked, finite, fmax, fmin, umin, s1, s2, ssum, ent, jac, pos, top = (torch.from_numpy(a) for a in out)
-        return ChunkFacts(x, offset, nan, posinf, neginf, masked, finite, fmax, fmin, umin, s1, s2,
-                          torch.from_numpy(ref), ssum, ent, jac, pos, top.unsqueeze(-1))
+        nan, posinf, neginf, masked, finite, fmax, fmin, umin, s1, s2, ssum, ent, jac, pos, top = (
+            torch.from_numpy(a) for a in out
+        )
+        return ChunkFacts(
+            x,
+            offset,
+            nan,
+            posinf,
+            neginf,
+            masked,
+            finite,
+            fmax,
+            fmin,
+            umin,
+            s1,
+            s2,
+            torch.from_numpy(ref),
+            ssum,
+            ent,
+            jac,
+            pos,
+            top.unsqueeze(-1),
+        )
 
     def algo_reference(self, xc: torch.Tensor) -> AlgoReference:
         ref = self.workspace.take("algo_ref", tuple(xc.shape))
@@ -191,7 +215,9 @@ class NumbaRows(RowBackend):
         block = min(params.block, t)
         fmt, p_scale = fp8.fmt, float(fp8.p_scale)
         limit = rounding_limit(fmt) if p_scale >= rounding_limit(fmt) else math.inf
-        done, overflow, live, flushed, mass, probs = self._tiled(xc, block, params.reverse, fmt, True, p_scale, limit, algo.ref.numpy(), algo.ok.numpy())
+        done, overflow, live, flushed, mass, probs = self._tiled(
+            xc, block, params.reverse, fmt, True, p_scale, limit, algo.ref.numpy(), algo.ok.numpy()
+        )
         rest = torch.nonzero(~done).flatten()
         if rest.numel():
             sub = pcast_softmax(xc[rest], fmt, p_scale, block, params.reverse)
@@ -205,7 +231,9 @@ class NumbaRows(RowBackend):
         if x.dim() != 2 or view(x) is None or not x.shape[-1] or x.device.type != "cpu":
             return super().online(x, p_dtype, block, reverse)
         block = min(block, x.shape[-1])
-        done, *_, probs = self._tiled(x, block, reverse, p_dtype, False, 1.0, math.inf, np.zeros((1, 1)), np.zeros(x.shape[0], np.bool_))
+        done, *_, probs = self._tiled(
+            x, block, reverse, p_dtype, False, 1.0, math.inf, np.zeros((1, 1)), np.zeros(x.shape[0], np.bool_)
+        )
         rest = torch.nonzero(~done).flatten()
         if rest.numel():
             probs[rest] = super().online(x[rest], p_dtype, block, reverse)
@@ -214,12 +242,33 @@ class NumbaRows(RowBackend):
     def _tiled(self, x, block, reverse, fmt, fp8, p_scale, limit, ref, ref_ok):
         mb, emin, top = format_of(fmt)
         out = self.workspace.take("tiled", tuple(x.shape), np.float32)
-        xn = as_rows(x if x.dtype == torch.float32 else x.float())  # widened exactly: one compiled kernel, not one per dtype
-        done, overflow, live, flushed, mass = (torch.from_numpy(a) for a in self._call(
-            "tiled_rows", f"{xn.dtype}", xn, block, bool(reverse), mb, emin, top, fp8, p_scale, limit, ref, ref_ok, out))
+        xn = as_rows(
+            x if x.dtype == torch.float32 else x.float()
+        )  # widened exactly: one compiled kernel, not one per dtype
+        done, overflow, live, flushed, mass = (
+            torch.from_numpy(a)
+            for a in self._call(
+                "tiled_rows",
+                f"{xn.dtype}",
+                xn,
+                block,
+                bool(reverse),
+                mb,
+                emin,
+                top,
+                fp8,
+                p_scale,
+                limit,
+                ref,
+                ref_ok,
+                out,
+            )
+        )
         return done, overflow, live, flushed, mass, torch.from_numpy(out)
 
-    def cell_metrics(self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference, precise: bool = False) -> list[RowMetrics]:
+    def cell_metrics(
+        self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference, precise: bool = False
+    ) -> list[RowMetrics]:
         """One kernel call for every cell whose probabilities are in the scores' dtype or in
         fp32 (any number of them), reading each row of the references once; others, if any,
         through the torch backend. ``precise`` selects the kernel's short KL series (see
@@ -230,22 +279,36 @@ class NumbaRows(RowBackend):
         rest = [i for i in range(len(probs)) if i not in group_a and i not in group_b]
         out: list[RowMetrics | None] = [None] * len(probs)
         if group_a or group_b:
-            arrays_a = [as_rows(probs[i]) for i in group_a]  # kept alive across the call: the kernel reads their addresses
+            arrays_a = [
+                as_rows(probs[i]) for i in group_a
+            ]  # kept alive across the call: the kernel reads their addresses
             arrays_b = [as_rows(probs[i]) for i in group_b]
             like_a = as_rows(algo.xc[:1, :1])
             like_b = np.zeros((1, 1), np.float32)
             floors = np.array([smallest_subnormal(probs[i].dtype) for i in group_a + group_b])
             result = self._call(
-                "cell_rows", f"{like_a.dtype}+{like_b.dtype}",
-                _addresses(arrays_a), like_a, _addresses(arrays_b), like_b, floors,
-                algo.ref.numpy(), not algo.same, algo.ok.numpy(), c.ref.numpy(), c.ref_ok.numpy(), c.ref_top.squeeze(-1).numpy(),
+                "cell_rows",
+                f"{like_a.dtype}+{like_b.dtype}",
+                _addresses(arrays_a),
+                like_a,
+                _addresses(arrays_b),
+                like_b,
+                floors,
+                algo.ref.numpy(),
+                not algo.same,
+                algo.ok.numpy(),
+                c.ref.numpy(),
+                c.ref_ok.numpy(),
+                c.ref_top.squeeze(-1).numpy(),
                 bool(precise),
             )
             del arrays_a, arrays_b
             fields = [torch.from_numpy(a) for a in result]
             for slot, i in enumerate(group_a + group_b):
                 pmax, psum, sq, mx, sqa, mxa, kl, flushed, attop = (f[slot] for f in fields)
-                out[i] = RowMetrics(pmax, psum, sq, mx, None if algo.same else sqa, None if algo.same else mxa, kl, flushed, attop)
+                out[i] = RowMetrics(
+                    pmax, psum, sq, mx, None if algo.same else sqa, None if algo.same else mxa, kl, flushed, attop
+                )
         if rest:
             for i, m in zip(rest, self._torch.cell_metrics(c, [probs[i] for i in rest], algo)):
                 out[i] = m

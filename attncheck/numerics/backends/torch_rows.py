@@ -41,20 +41,44 @@ class TorchRows(RowBackend):
         s2 = row_dot(xs, xs)
         del xs
         masked = (x64 <= MASK_SENTINEL_LIMIT).sum(dim=-1)
-        unmasked_min = torch.where(torch.isfinite(x64) & (x64 > MASK_SENTINEL_LIMIT), x64, float("inf")).amin(dim=-1) if bool((masked > 0).any()) else min_f.clone()
+        unmasked_min = (
+            torch.where(torch.isfinite(x64) & (x64 > MASK_SENTINEL_LIMIT), x64, float("inf")).amin(dim=-1)
+            if bool((masked > 0).any())
+            else min_f.clone()
+        )
         top = x.argmax(dim=-1, keepdim=True)  # the reference's most likely key (softmax is monotonic)
         ref, ssum, ent = _reference_in_place(x64, bad)
         ref_ok = torch.isfinite(ssum)
         jac = torch.where(ref_ok, jacobian_frobenius(ref, top), 0.0)
         pos = torch.where(ref_ok, torch.count_nonzero(ref > 0, dim=-1), 0)
-        return ChunkFacts(x, offset, nan, posinf, neginf, masked, n_finite, max_f, min_f, unmasked_min, s1, s2,
-                          ref, ssum, ent, jac, pos, top)
+        return ChunkFacts(
+            x,
+            offset,
+            nan,
+            posinf,
+            neginf,
+            masked,
+            n_finite,
+            max_f,
+            min_f,
+            unmasked_min,
+            s1,
+            s2,
+            ref,
+            ssum,
+            ent,
+            jac,
+            pos,
+            top,
+        )
 
     def algo_reference(self, xc: torch.Tensor) -> AlgoReference:
         ref = torch.softmax(xc.to(torch.float64), dim=-1)
         return AlgoReference(xc, torch.isfinite(ref.sum(dim=-1)), ref, same=False)
 
-    def cell_metrics(self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference, precise: bool = False) -> list[RowMetrics]:
+    def cell_metrics(
+        self, c: ChunkFacts, probs: Sequence[torch.Tensor], algo: AlgoReference, precise: bool = False
+    ) -> list[RowMetrics]:
         return [_metrics(c, p, algo, smallest_subnormal(p.dtype)) for p in probs]
 
 

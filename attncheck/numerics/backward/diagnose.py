@@ -15,9 +15,8 @@ import torch
 from attncheck.numerics.backward import paths as bw
 from attncheck.numerics.inputs.scores import AttentionInputs
 from attncheck.numerics.precision import cast, dtype_from_name, rounding_limit, smallest_subnormal, ulp
-from attncheck.results import GRAD_CAUSES, CellBackward, GradStats
 from attncheck.registry import PATHS
-
+from attncheck.results import GRAD_CAUSES, CellBackward, GradStats
 
 
 def has_backward(path: str | None) -> bool:
@@ -34,6 +33,8 @@ def cpu_blocks(cell: "BackwardCell", grads: "GradInputs") -> bool:
     """The CPU flash kernel's backward, with its sums rounded to the dtype per block: a flash backward
     of a path that runs on the CPU, for gradients not recorded on a GPU."""
     return backward_of(cell) == "recompute" and PATHS.get(cell.path).device == "cpu" and grads.device_type != "cuda"
+
+
 MAX_EXAMPLES = 5
 
 
@@ -60,8 +61,12 @@ class GradInputs:
     scores: torch.Tensor | None = None
     out: torch.Tensor | None = None
     real: dict[str, torch.Tensor] = field(default_factory=dict)  # 'dq', 'dk', 'dv'
-    device_type: str = "cpu"  # where the model ran: the flash backward's sums per block in the dtype on the CPU, fp32 on CUDA
-    dropout_p: float = 0.0  # dropout the call applied to its probabilities: judged without it (its random mask is not recorded)
+    device_type: str = (
+        "cpu"  # where the model ran: the flash backward's sums per block in the dtype on the CPU, fp32 on CUDA
+    )
+    dropout_p: float = (
+        0.0  # dropout the call applied to its probabilities: judged without it (its random mask is not recorded)
+    )
     causal: bool = False  # SDPA's is_causal: the flash kernel fills and skips the keys past each query
 
 
@@ -111,7 +116,7 @@ class _GradAcc:
             self.nan_rows += n_bad
             self.causes += torch.bincount(cause[bad], minlength=len(GRAD_CAUSES))
             per = bad.sum(dim=-1)  # (n,)
-            hs = (torch.arange(head0, head0 + g.shape[0]) % heads)
+            hs = torch.arange(head0, head0 + g.shape[0]) % heads
             self.per_head.index_add_(0, hs, per)
             if len(self.examples) < MAX_EXAMPLES:
                 for i, t in bad.nonzero()[: MAX_EXAMPLES - len(self.examples)].tolist():
@@ -152,14 +157,26 @@ class _GradAcc:
         # FlashAttention's rule: 2x the baseline's error plus two ulps of the largest gradient
         bound = None if baseline is None or not compared else 2.0 * baseline + 2.0 * ulp(self.max_ref, dt)
         return GradStats(
-            rows=self.rows, nan_rows=self.nan_rows, first_cause=first, causes=causes, compared=self.compared,
+            rows=self.rows,
+            nan_rows=self.nan_rows,
+            first_cause=first,
+            causes=causes,
+            compared=self.compared,
             max_abs_err=self.max_err if compared else None,
-            rel_err=(math.sqrt(self.sq_err / self.sq_ref) if self.sq_ref > 0 else (0.0 if self.sq_err == 0 else math.inf)) if compared else None,
+            rel_err=(
+                math.sqrt(self.sq_err / self.sq_ref) if self.sq_ref > 0 else (0.0 if self.sq_err == 0 else math.inf)
+            )
+            if compared
+            else None,
             max_abs_ref=self.max_ref if compared else None,
             flushed_frac=self.flushed / self.nonzero if self.nonzero else None,
-            nan_rows_per_head=self.per_head.tolist(), examples=list(self.examples),
-            baseline_err=baseline, rule_bound=bound,
-            real_max_diff=self.real_diff, real_bound_ratio=self.real_ratio, real_nan_mismatch=self.real_mismatch,
+            nan_rows_per_head=self.per_head.tolist(),
+            examples=list(self.examples),
+            baseline_err=baseline,
+            rule_bound=bound,
+            real_max_diff=self.real_diff,
+            real_bound_ratio=self.real_ratio,
+            real_nan_mismatch=self.real_mismatch,
         )
 
 
@@ -172,26 +189,40 @@ def _without_recorded(hb: bw.HeadBlock) -> bw.HeadBlock:
 
 def _is_baseline(cell: BackwardCell) -> bool:
     """Plain attention in the cell's own dtype (eager, softmax in the dtype): the 2x rule's yardstick."""
-    return backward_of(cell) == "eager" and cell.softmax_dtype in (None, cell.dtype) and cell.scores_dtype in (None, cell.dtype)
+    return (
+        backward_of(cell) == "eager"
+        and cell.softmax_dtype in (None, cell.dtype)
+        and cell.scores_dtype in (None, cell.dtype)
+    )
 
 
 def _unit_roundoff(dt: torch.dtype) -> float:
     return torch.finfo(dt).eps / 2
 
 
-def _cause_index(pg: bw.PathGrads, dout_bad: torch.Tensor, dout_nan: torch.Tensor, dout_cast_bad: torch.Tensor,
-                 v_bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cause_index(
+    pg: bw.PathGrads, dout_bad: torch.Tensor, dout_nan: torch.Tensor, dout_cast_bad: torch.Tensor, v_bad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query row, the index in GRAD_CAUSES of the first stage that broke it (for dq), and per
     query row the same over the stages that reach dV (dO, its cast to the dtype, and the forward
     probabilities). A row of dO holding NaN is grad_out_nan, one holding inf (and no NaN) grad_out_inf."""
     last = len(GRAD_CAUSES) - 1
     idx = torch.full(dout_bad.shape, last, dtype=torch.int64)
     idx_v = torch.full(dout_bad.shape, last, dtype=torch.int64)
-    dp_cause = torch.where(v_bad.unsqueeze(-1).expand_as(pg.dp_bad), GRAD_CAUSES.index("input_nan"), GRAD_CAUSES.index("dp_overflow"))
-    later = [(pg.ds_bad & ~pg.ds_nan, GRAD_CAUSES.index("ds_overflow")), (pg.ds_nan, GRAD_CAUSES.index("ds_nan")), (pg.dp_bad, dp_cause)]
+    dp_cause = torch.where(
+        v_bad.unsqueeze(-1).expand_as(pg.dp_bad), GRAD_CAUSES.index("input_nan"), GRAD_CAUSES.index("dp_overflow")
+    )
+    later = [
+        (pg.ds_bad & ~pg.ds_nan, GRAD_CAUSES.index("ds_overflow")),
+        (pg.ds_nan, GRAD_CAUSES.index("ds_nan")),
+        (pg.dp_bad, dp_cause),
+    ]
     early = [(rows, GRAD_CAUSES.index(name)) for name, rows in reversed(pg.forward_causes)]
-    early += [(dout_cast_bad, GRAD_CAUSES.index("grad_out_overflow")), (dout_bad, GRAD_CAUSES.index("grad_out_inf")),
-              (dout_nan, GRAD_CAUSES.index("grad_out_nan"))]
+    early += [
+        (dout_cast_bad, GRAD_CAUSES.index("grad_out_overflow")),
+        (dout_bad, GRAD_CAUSES.index("grad_out_inf")),
+        (dout_nan, GRAD_CAUSES.index("grad_out_nan")),
+    ]
     for rows, at in later + early:  # the earliest stage is written last, so it wins
         idx = torch.where(rows, at, idx)
     for rows, at in early:
@@ -213,7 +244,9 @@ def _group_sum(t: torch.Tensor, groups: int, held: torch.dtype | None, dt: torch
     return t.reshape(-1, groups, *t.shape[1:]).sum(dim=1).to(dt)
 
 
-def _run_path(cell: BackwardCell, hb: bw.HeadBlock, dt: torch.dtype, grads: GradInputs, exact: bool = True, terms: bool = False) -> bw.PathGrads:
+def _run_path(
+    cell: BackwardCell, hb: bw.HeadBlock, dt: torch.dtype, grads: GradInputs, exact: bool = True, terms: bool = False
+) -> bw.PathGrads:
     kind = backward_of(cell)
     if kind == "eager":
         sd = None if cell.softmax_dtype is None else dtype_from_name(cell.softmax_dtype)
@@ -236,11 +269,17 @@ def _how(cell: BackwardCell, dt: torch.dtype, grads: GradInputs) -> str:
     if kind == "recompute":
         if dt == torch.float32:
             return "sums in fp32"
-        return f"sums rounded to {cell.dtype} per block (CPU kernel)" if cpu_blocks(cell, grads) else "sums in fp32, rounded once (CUDA)"
+        return (
+            f"sums rounded to {cell.dtype} per block (CPU kernel)"
+            if cpu_blocks(cell, grads)
+            else "sums in fp32, rounded once (CUDA)"
+        )
     return "fp32 inside" if dt != torch.float32 else ""
 
 
-def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[BackwardCell], chunk_elements: int) -> dict[BackwardCell, CellBackward]:
+def diagnose_backward(
+    inp: AttentionInputs, grads: GradInputs, cells: list[BackwardCell], chunk_elements: int
+) -> dict[BackwardCell, CellBackward]:
     """The backward of every cell for one call (``inp``: its q, k, v, mask and scale, as
     ``scores.prepare_inputs`` normalised them)."""
     if inp.v is None:
@@ -254,13 +293,17 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
     dout = _as_heads(grads.dout, hq, tq)
     scores = None if grads.scores is None else grads.scores.reshape(-1, tq, tk)
     out = None if grads.out is None else _as_heads(grads.out, hq, tq)
-    real = {name: _as_heads(t, hq if name == "dq" else hk, tq if name == "dq" else tk) for name, t in grads.real.items()}
+    real = {
+        name: _as_heads(t, hq if name == "dq" else hk, tq if name == "dq" else tk) for name, t in grads.real.items()
+    }
     accs = {c: {"dq": _GradAcc(hq), "dk": _GradAcc(hk), "dv": _GradAcc(hk)} for c in cells}
     peaks: dict[str, float] = {}  # the largest |dO|, |dP|, |dS|, |dQ|, |dK|, |dV| of the float64 backward
     # FlashAttention's rule compares each path with plain attention in the same dtype: eager, softmax in the
     # dtype. Its tests apply it in fp16 and bf16; in fp32 both errors are rounding noise, so it is not applied.
     baselines = {c.dtype: BackwardCell("eager", c.dtype) for c in cells if not _is_baseline(c) and c.dtype != "fp32"}
-    base_err: dict[str, dict[str, float | None]] = {d: {"dq": None, "dk": None, "dv": None} for d in baselines}  # None: no entry compared
+    base_err: dict[str, dict[str, float | None]] = {
+        d: {"dq": None, "dk": None, "dv": None} for d in baselines
+    }  # None: no entry compared
     held: dict[BackwardCell, list[tuple[str, str]]] = {}
     units_per_block = max(1, chunk_elements // max(1, groups * tq * tk))
     dout_rows = 0
@@ -271,10 +314,19 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
         if groups > 1:
             kx, vx = kx.repeat_interleave(groups, dim=0), vx.repeat_interleave(groups, dim=0)
         hb = bw.HeadBlock(
-            q=q[h0:h1], k=kx, v=vx, dout=dout[h0:h1],
-            masked=_slice_heads(inp.masked, h0, h1, hq), mask_float=_slice_heads(inp.mask_float, h0, h1, hq),
-            scale=inp.scale, scale_order=inp.scale_order, mask_value=inp.eager_value, sdpa_mask_value=inp.mask_value,
-            scores=None if scores is None else scores[h0:h1], out=None if out is None else out[h0:h1], causal=grads.causal,
+            q=q[h0:h1],
+            k=kx,
+            v=vx,
+            dout=dout[h0:h1],
+            masked=_slice_heads(inp.masked, h0, h1, hq),
+            mask_float=_slice_heads(inp.mask_float, h0, h1, hq),
+            scale=inp.scale,
+            scale_order=inp.scale_order,
+            mask_value=inp.eager_value,
+            sdpa_mask_value=inp.mask_value,
+            scores=None if scores is None else scores[h0:h1],
+            out=None if out is None else out[h0:h1],
+            causal=grads.causal,
         )
         rq, rk, rv, ref_peaks = bw.reference(hb)
         rk, rv = rk.reshape(-1, groups, tk, d).sum(dim=1), rv.reshape(-1, groups, tk, rv.shape[-1]).sum(dim=1)
@@ -290,8 +342,14 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
         v_bad = ~torch.isfinite(hb.v).reshape(hb.v.shape[0], -1).all(dim=-1)  # (n,)
         for dtype_name, base in baselines.items():
             dt = dtype_from_name(dtype_name)
-            pg = _run_path(base, hb, dt, grads, exact=False)  # a yardstick: its products through fp32, rounded as torch's are
-            for name, g, r in (("dq", pg.dq.to(dt), rq), ("dk", _group_sum(pg.dk, groups, None, dt), rk), ("dv", _group_sum(pg.dv, groups, None, dt), rv)):
+            pg = _run_path(
+                base, hb, dt, grads, exact=False
+            )  # a yardstick: its products through fp32, rounded as torch's are
+            for name, g, r in (
+                ("dq", pg.dq.to(dt), rq),
+                ("dk", _group_sum(pg.dk, groups, None, dt), rk),
+                ("dv", _group_sum(pg.dv, groups, None, dt), rv),
+            ):
                 g64 = g.to(torch.float64)
                 both = torch.isfinite(g64) & torch.isfinite(r)
                 if both.any():
@@ -304,7 +362,9 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
             gq = pg.dq.to(dt)
             gk = _group_sum(pg.dk, groups, pg.group_sum_dtype, dt)
             gv = _group_sum(pg.dv, groups, pg.group_sum_dtype, dt)
-            dout_cast_bad = ~torch.isfinite(cast(hb.dout, dt)).all(dim=-1) & ~dout_bad  # dO finite as given, beyond the dtype's range
+            dout_cast_bad = (
+                ~torch.isfinite(cast(hb.dout, dt)).all(dim=-1) & ~dout_bad
+            )  # dO finite as given, beyond the dtype's range
             q_cause, v_cause = _cause_index(pg, dout_bad, dout_nan, dout_cast_bad, v_bad)
             acc = accs[cell]
             acc["dq"].update(gq, rq, q_cause, h0, hq)
@@ -318,14 +378,28 @@ def diagnose_backward(inp: AttentionInputs, grads: GradInputs, cells: list[Backw
     for cell in cells:
         dt = dtype_from_name(cell.dtype)
         base = None if _is_baseline(cell) else base_err.get(cell.dtype)
-        stats = {name: a.result(None if base is None else base[name], dt)  # type: ignore[index]
-                 for name, a in accs[cell].items()}
+        stats = {
+            name: a.result(None if base is None else base[name], dt)  # type: ignore[index]
+            for name, a in accs[cell].items()
+        }
         headroom, at = _headroom(held.get(cell, []), peaks)
         how = _how(cell, dt, grads)
         if grads.dropout_p > 0:
-            how = (how + "; " if how else "") + f"without the call's dropout (p={grads.dropout_p:g}): its mask is not recorded, so neither are the real gradients compared"
-        results[cell] = CellBackward(stats["dq"], stats["dk"], stats["dv"], dout_rows, headroom, at, how,
-                                     real_compared=cell.model and bool(real), dtype=cell.dtype)
+            how = (
+                (how + "; " if how else "")
+                + f"without the call's dropout (p={grads.dropout_p:g}): its mask is not recorded, so neither are the real gradients compared"
+            )
+        results[cell] = CellBackward(
+            stats["dq"],
+            stats["dk"],
+            stats["dv"],
+            dout_rows,
+            headroom,
+            at,
+            how,
+            real_compared=cell.model and bool(real),
+            dtype=cell.dtype,
+        )
     return results
 
 
@@ -400,7 +474,10 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     """
     u = _unit_roundoff(dt)
     u32 = _unit_roundoff(torch.float32)
-    low = dt != torch.float32 and backward_of(cell) in ("recompute", "eager")  # P and dS rounded to the dtype for the products
+    low = dt != torch.float32 and backward_of(cell) in (
+        "recompute",
+        "eager",
+    )  # P and dS rounded to the dtype for the products
     u_low = u if low else 0.0
     step = smallest_subnormal(dt)
     gq, gk, gv = cell_grads
@@ -433,13 +510,19 @@ def _compare_real(cell, acc, real, hb, pg, cell_grads, dt, groups, h0, h1, u0, u
     a_q = scale * kf.sum(dim=-2, keepdim=True)  # (n, 1, d)
     a_k = summed(scale * qf.sum(dim=-2, keepdim=True))
     a_v = summed(dof.sum(dim=-2, keepdim=True))
-    for name, g, err, a_sub, rounds, lo, hi in (("dq", gq, e_q, a_q, r_q, h0, h1),
-                                                ("dk", gk, summed(e_k), a_k, r_kv, u0, u1),
-                                                ("dv", gv, summed(e_v), a_v, r_kv, u0, u1)):
+    for name, g, err, a_sub, rounds, lo, hi in (
+        ("dq", gq, e_q, a_q, r_q, h0, h1),
+        ("dk", gk, summed(e_k), a_k, r_kv, u0, u1),
+        ("dv", gv, summed(e_v), a_v, r_kv, u0, u1),
+    ):
         if name not in real:
             continue
         rg = real[name][lo:hi]
         mag = torch.maximum(rg.abs().to(torch.float64), g.abs().to(torch.float64))
-        tol = (2 * u * (rounds + 1) * mag + err.to(torch.float64)
-               + (rounds + 1) * step + 2 * step * a_sub.to(torch.float64))
+        tol = (
+            2 * u * (rounds + 1) * mag
+            + err.to(torch.float64)
+            + (rounds + 1) * step
+            + 2 * step * a_sub.to(torch.float64)
+        )
         acc[name].compare_real(rg, g, tol)

@@ -70,7 +70,9 @@ class HeadBlock:
     sdpa_mask_value: str  # ... in SDPA's kernels ('-inf' for a boolean mask)
     scores: torch.Tensor | None = None  # (n, Tq, Tk): the scores a captured softmax saw, as recorded
     out: torch.Tensor | None = None  # (n, Tq, dv): the output the model's kernel gave
-    causal: bool = False  # SDPA's is_causal (also in ``masked``): the flash kernel fills and skips the keys past a query
+    causal: bool = (
+        False  # SDPA's is_causal (also in ``masked``): the flash kernel fills and skips the keys past a query
+    )
 
 
 @dataclass
@@ -84,7 +86,9 @@ class PathGrads:
     dp_bad: torch.Tensor  # (n, Tq) rows of dP holding NaN or inf
     ds_bad: torch.Tensor  # (n, Tq) rows of dS holding NaN or inf
     ds_nan: torch.Tensor  # (n, Tq) rows whose dS holds NaN (inf - inf in dP - D) rather than only inf
-    held: list[tuple[str, str]] = field(default_factory=list)  # (intermediate, the dtype the path holds it in): dO, dP, dS, dQ, dK, dV
+    held: list[tuple[str, str]] = field(
+        default_factory=list
+    )  # (intermediate, the dtype the path holds it in): dO, dP, dS, dQ, dK, dV
     group_sum_dtype: torch.dtype | None = None  # the dtype a GQA group's dK, dV are summed in (None: the cell's)
     # With ``terms``: the magnitudes the bound on the recorded gradients reads (``diagnose._compare_real``)
     terms: Terms | None = None
@@ -107,8 +111,14 @@ def finite_abs(t: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(t.float().abs(), nan=0.0, posinf=0.0)
 
 
-def _terms(p: torch.Tensor, dp: torch.Tensor, dsum: torch.Tensor, s: torch.Tensor, lse: torch.Tensor | None = None,
-           held: torch.dtype = torch.float32) -> Terms:
+def _terms(
+    p: torch.Tensor,
+    dp: torch.Tensor,
+    dsum: torch.Tensor,
+    s: torch.Tensor,
+    lse: torch.Tensor | None = None,
+    held: torch.dtype = torch.float32,
+) -> Terms:
     pf = finite_abs(p)
     s32 = s.float()
     if lse is None:
@@ -141,7 +151,12 @@ def _forward_causes(s: torch.Tensor, p: torch.Tensor, computed: bool) -> list[tu
     bad = _rows_bad(p)
     none = torch.zeros_like(bad)
     if not bool(bad.any()):
-        return [("input_nan", none), ("qk_overflow" if computed else "inf_input", none), ("fully_masked", none), ("forward_nan", none)]
+        return [
+            ("input_nan", none),
+            ("qk_overflow" if computed else "inf_input", none),
+            ("fully_masked", none),
+            ("forward_nan", none),
+        ]
     rows = s[bad]  # (m, Tk): only the broken rows are looked at
     nan, posinf, masked = none.clone(), none.clone(), none.clone()
     nan[bad] = torch.isnan(rows).any(dim=-1)
@@ -150,7 +165,12 @@ def _forward_causes(s: torch.Tensor, p: torch.Tensor, computed: bool) -> list[tu
     posinf &= ~nan
     masked &= ~nan & ~posinf
     rest = bad & ~nan & ~posinf & ~masked
-    return [("input_nan", nan), ("qk_overflow" if computed else "inf_input", posinf), ("fully_masked", masked), ("forward_nan", rest)]
+    return [
+        ("input_nan", nan),
+        ("qk_overflow" if computed else "inf_input", posinf),
+        ("fully_masked", masked),
+        ("forward_nan", rest),
+    ]
 
 
 def _nan_rows(t: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
@@ -180,8 +200,15 @@ def filled_keys(hb: HeadBlock) -> torch.Tensor | None:
     return hb.masked
 
 
-def eager(hb: HeadBlock, dt: torch.dtype, mask_op: str = "add", softmax_dtype: torch.dtype | None = None,
-          scores_dtype: torch.dtype | None = None, exact: bool = True, terms: bool = False) -> PathGrads:
+def eager(
+    hb: HeadBlock,
+    dt: torch.dtype,
+    mask_op: str = "add",
+    softmax_dtype: torch.dtype | None = None,
+    scores_dtype: torch.dtype | None = None,
+    exact: bool = True,
+    terms: bool = False,
+) -> PathGrads:
     """Autograd of hand-written attention with its matmuls in ``dt`` (see the module docstring).
     ``scores_dtype``: the dtype the scores reach the softmax in where it differs (under autocast a
     float32 mask added to the bf16 Q@K^T promotes them): the softmax's gradient is cast to it, then
@@ -226,10 +253,28 @@ def eager(hb: HeadBlock, dt: torch.dtype, mask_op: str = "add", softmax_dtype: t
     if hb.scale_order == "q":
         dq = dq * hb.scale
     name = _label(dt)
-    held = [("dO", name), ("dP", name), ("dS", _label(ds_held.dtype)), ("dS", _label(s_dt)), ("dS", name), ("dQ", name), ("dK", name), ("dV", name)]
+    held = [
+        ("dO", name),
+        ("dP", name),
+        ("dS", _label(ds_held.dtype)),
+        ("dS", _label(s_dt)),
+        ("dS", name),
+        ("dQ", name),
+        ("dK", name),
+        ("dV", name),
+    ]
     ds_bad = _rows_bad(ds_held) | _rows_bad(ds)
-    return PathGrads(dq, dk, dv, _forward_causes(s, p, computed), _rows_bad(dp), ds_bad, _nan_rows(ds_held, ds_bad), held,
-                     terms=_terms(ps, dps, (ps * dps).sum(dim=-1, keepdim=True), s, held=dt) if terms else None)
+    return PathGrads(
+        dq,
+        dk,
+        dv,
+        _forward_causes(s, p, computed),
+        _rows_bad(dp),
+        ds_bad,
+        _nan_rows(ds_held, ds_bad),
+        held,
+        terms=_terms(ps, dps, (ps * dps).sum(dim=-1, keepdim=True), s, held=dt) if terms else None,
+    )
 
 
 def _upcast(dt: torch.dtype) -> torch.dtype:
@@ -265,8 +310,18 @@ def sdpa_math(hb: HeadBlock, dt: torch.dtype, terms: bool = False) -> PathGrads:
     inner, name = _label(up), _label(dt)
     held = [("dO", name), ("dP", inner), ("dS", inner), ("dQ", name), ("dK", name), ("dV", name)]
     ds_bad = _rows_bad(ds)
-    return PathGrads(dq32, dk32, dv, _forward_causes(s, p, True), _rows_bad(dp), ds_bad, _nan_rows(ds, ds_bad), held,
-                     group_sum_dtype=up, terms=_terms(p, dp, (p * dp).sum(dim=-1, keepdim=True), s) if terms else None)
+    return PathGrads(
+        dq32,
+        dk32,
+        dv,
+        _forward_causes(s, p, True),
+        _rows_bad(dp),
+        ds_bad,
+        _nan_rows(ds, ds_bad),
+        held,
+        group_sum_dtype=up,
+        terms=_terms(p, dp, (p * dp).sum(dim=-1, keepdim=True), s) if terms else None,
+    )
 
 
 def flash_forward(hb: HeadBlock, dt: torch.dtype, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -325,12 +380,24 @@ def flash(hb: HeadBlock, dt: torch.dtype, blocks: bool = True, terms: bool = Fal
                 pb, dsb = p_dt[:, m0:m1, n0:n1], ds_dt[:, m0:m1, n0:n1]
                 dv[:, n0:n1] = (dv[:, n0:n1].float() + torch.matmul(pb.transpose(-1, -2), dof[:, m0:m1])).to(dt)
                 dq[:, m0:m1] = (dq[:, m0:m1].float() + hb.scale * torch.matmul(dsb, kf[:, n0:n1])).to(dt)
-                dk[:, n0:n1] = (dk[:, n0:n1].float() + hb.scale * torch.matmul(dsb.transpose(-1, -2), qf[:, m0:m1])).to(dt)
+                dk[:, n0:n1] = (dk[:, n0:n1].float() + hb.scale * torch.matmul(dsb.transpose(-1, -2), qf[:, m0:m1])).to(
+                    dt
+                )
     name = _label(dt)
     held = [("dO", name), ("dP", "fp32"), ("dS", "fp32"), ("dS", name), ("dQ", name), ("dK", name), ("dV", name)]
     ds_bad = _rows_bad(ds) | _rows_bad(ds_dt)
-    return PathGrads(dq, dk, dv, _forward_causes(s, p, True), _rows_bad(dp), ds_bad, _nan_rows(ds, ds_bad), held,
-                     group_sum_dtype=torch.float32, terms=_terms(p, dp, dsum, s, lse) if terms else None)
+    return PathGrads(
+        dq,
+        dk,
+        dv,
+        _forward_causes(s, p, True),
+        _rows_bad(dp),
+        ds_bad,
+        _nan_rows(ds, ds_bad),
+        held,
+        group_sum_dtype=torch.float32,
+        terms=_terms(p, dp, dsum, s, lse) if terms else None,
+    )
 
 
 def _future(t: torch.Tensor) -> torch.Tensor:

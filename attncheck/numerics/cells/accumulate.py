@@ -9,6 +9,7 @@ from collections import Counter
 import torch
 
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowMetrics
+from attncheck.numerics.methods.softmax import event_rows
 from attncheck.numerics.precision import (
     MASK_SENTINEL_LIMIT,
     dtype_from_name,
@@ -16,9 +17,20 @@ from attncheck.numerics.precision import (
     exp_underflow_threshold,
     known_sentinels,
 )
+from attncheck.numerics.reduce import (
+    ExactSum,
+    Examples,
+    Max,
+    any_true,
+    attribute,
+    count,
+    count_values,
+    finite,
+    group_mask_values,
+    take_rows,
+    unravel,
+)
 from attncheck.numerics.rowmath import row_finite
-from attncheck.numerics.reduce import Examples, ExactSum, Max, any_true, attribute, count, count_values, finite, group_mask_values, take_rows, unravel
-from attncheck.numerics.methods.softmax import event_rows
 from attncheck.registry import EVENTS
 from attncheck.results import ASKED, Cell, Census, Distribution, DtypeHeadroom
 
@@ -93,7 +105,9 @@ class CensusAcc:
         xb64 = xb.to(torch.float64)
         lowest = torch.where(over & (xb64 < 0), xb64, float("inf")).amin(dim=-1)
         highest = torch.where(over & (xb64 > 0), xb64, NEG_INF).amax(dim=-1)
-        count_values(self.cast_values[dtype], torch.cat([lowest[torch.isfinite(lowest)], highest[torch.isfinite(highest)]]))
+        count_values(
+            self.cast_values[dtype], torch.cat([lowest[torch.isfinite(lowest)], highest[torch.isfinite(highest)]])
+        )
 
     def finish(self, shape: tuple[int, ...], dtype: str, rows: int) -> Census:
         headroom = []
@@ -219,7 +233,9 @@ class OutAcc:
 
     def __init__(self) -> None:
         self.rows = self.nan_rows = self.elems = self.cos_rows = self.bias_rows = self.tied_bias_rows = 0
-        self.sq, self.abs_err, self.abs_ref, self.cos, self.bias, self.tied_bias, self.tied_bias_sq = (ExactSum() for _ in range(7))
+        self.sq, self.abs_err, self.abs_ref, self.cos, self.bias, self.tied_bias, self.tied_bias_sq = (
+            ExactSum() for _ in range(7)
+        )
         self.max_abs, self.neg_cos_min = Max(), Max()
 
     def update(self, out: torch.Tensor, ref: torch.Tensor, tied: torch.Tensor, ref_algo: torch.Tensor) -> None:
@@ -300,7 +316,9 @@ PCAST_MASS = 1e-3  # a row that loses this much of its probability to the P cast
 FLIP_UNITS = 4
 
 
-def real_flips(x: torch.Tensor, xc: torch.Tensor, probs: torch.Tensor, top: torch.Tensor, rows: torch.Tensor, unit: float) -> torch.Tensor:
+def real_flips(
+    x: torch.Tensor, xc: torch.Tensor, probs: torch.Tensor, top: torch.Tensor, rows: torch.Tensor, unit: float
+) -> torch.Tensor:
     """(k,) bool: which of the flipped ``rows`` (k,) count under the flip rule above. ``x`` (r, T) the scores as
     given (float64 from Q and K), ``xc`` the cell's scores, ``probs`` its probabilities, ``top`` (r, 1)
     the reference's top key."""
@@ -314,8 +332,16 @@ def real_flips(x: torch.Tensor, xc: torch.Tensor, probs: torch.Tensor, top: torc
 
 
 class CellAcc:
-    def __init__(self, method: str, dtype: str, max_examples: int, heads: tuple[int, ...] = (), queries: int = 1, path: str | None = None,
-                 role: str = ASKED) -> None:
+    def __init__(
+        self,
+        method: str,
+        dtype: str,
+        max_examples: int,
+        heads: tuple[int, ...] = (),
+        queries: int = 1,
+        path: str | None = None,
+        role: str = ASKED,
+    ) -> None:
         self.method, self.dtype, self.path, self.role = method, dtype, path, role
         self.unit = torch.finfo(dtype_from_name(dtype)).eps / 2  # unit roundoff of the cell's dtype (real_flips)
         self.near_ties = 0
@@ -465,7 +491,9 @@ class CellAcc:
             nan_rows=self.nan_rows,
             nan_causes=dict(self.nan_causes),
             overflow_rows=self.overflow_rows,
-            overflow_events={name: self.events[name] for name in EVENTS if EVENTS[name] == "overflow" and self.events[name]},
+            overflow_events={
+                name: self.events[name] for name in EVENTS if EVENTS[name] == "overflow" and self.events[name]
+            },
             underflow_rows=self.underflow_rows,
             zero_rows=self.zero_rows,
             zero_causes=dict(self.zero_causes),
@@ -522,4 +550,3 @@ class CellAcc:
         counts, idx = torch.sort(self.nan_by_head, descending=True, stable=True)
         hit = int((counts > 0).sum())
         return [(unravel(int(i), self.heads), int(n)) for n, i in zip(counts[:hit].tolist(), idx[:hit].tolist())]
-

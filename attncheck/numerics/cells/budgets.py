@@ -17,17 +17,17 @@ import torch
 
 from attncheck.config.check import Budget, SyntheticInput
 from attncheck.config.run import Options
+from attncheck.config.sweep import head_layout
 from attncheck.errors import AttncheckError
 from attncheck.findings import counted_rows
 from attncheck.loaders import TensorSource, memory_source
 from attncheck.numerics.cells.diagnose import check_scores, diagnose_chunks, resolve_device, rows_per_chunk
-from attncheck.registry import PATHS, eager_path
+from attncheck.numerics.methods.softmax import reference_softmax, run_method
 from attncheck.numerics.precision import cast, dtype_from_name
 from attncheck.numerics.reduce import unravel
-from attncheck.numerics.methods.softmax import reference_softmax, run_method
-from attncheck.config.sweep import head_layout
 from attncheck.numerics.sweep.synthetic import make_qk, make_scores
 from attncheck.params import DEFAULT_BLOCK
+from attncheck.registry import PATHS, eager_path
 from attncheck.results import (
     COUNT_BUDGETS,
     LOWER_BUDGETS,
@@ -60,7 +60,11 @@ BUDGET_FIELD = {
     "out_relative_to_torch": "out_max_abs_err",
 }
 EXAMPLE_PREFIX = {"nan": "nan:", "overflow": "overflow", "zero_rows": "zero:", "argmax_flips": "flip"}
-LOCATABLE = {"max_abs_err": False, "max_abs_err_algo": True, RELATIVE_BUDGET: True}  # budget -> against the cast scores?
+LOCATABLE = {
+    "max_abs_err": False,
+    "max_abs_err_algo": True,
+    RELATIVE_BUDGET: True,
+}  # budget -> against the cast scores?
 
 
 def _examples(cell: Cell, budget: str) -> list[tuple[int, ...]]:
@@ -105,7 +109,16 @@ def budget_checks(cell: Cell, budget: Budget, torch_cell: Cell | None = None, ig
             rows = [] if passed else _examples(cell, name)
             out.append(BudgetCheck(name, limit, measured, float(limit), passed, rows=rows))
         elif measured is None:
-            out.append(BudgetCheck(name, limit, None, limit, False, note="no row where the cell and the float64 reference are both finite"))
+            out.append(
+                BudgetCheck(
+                    name,
+                    limit,
+                    None,
+                    limit,
+                    False,
+                    note="no row where the cell and the float64 reference are both finite",
+                )
+            )
         else:
             passed = measured >= limit if name in LOWER_BUDGETS else measured <= limit
             out.append(BudgetCheck(name, limit, measured, limit, passed))
@@ -201,8 +214,17 @@ def check_source(
             checks = budget_checks(cell, b, torch_cell, ignore)
             for check in checks:
                 if not check.passed and check.budget in LOCATABLE and check.measured is not None:
-                    row = locate_worst_row(source, m, d, cast_reference=LOCATABLE[check.budget], block=options.block,
-                                           reverse=options.reverse, accum=options.accum, device=str(resolve_device(options.device)), rows_per_block=step)
+                    row = locate_worst_row(
+                        source,
+                        m,
+                        d,
+                        cast_reference=LOCATABLE[check.budget],
+                        block=options.block,
+                        reverse=options.reverse,
+                        accum=options.accum,
+                        device=str(resolve_device(options.device)),
+                        rows_per_block=step,
+                    )
                     check.rows = [row] if row is not None else []
             cases.append(CaseResult(name, m, d, cell.rows, cell.compared_rows, checks, tuple(diag.shape)))
     for case in cases:  # the input's time, shared out so that the cases add up to it
@@ -242,7 +264,9 @@ def check_attention(
         b = per_dtype[cell.dtype]
         torch_cell = _eager_torch(diag, cell.dtype) if _relative(b) else None
         checks = budget_checks(cell, b, torch_cell, ignore)
-        cases.append(CaseResult(spec.name, cell.label, cell.dtype, cell.rows, cell.compared_rows, checks, tuple(diag.shape)))
+        cases.append(
+            CaseResult(spec.name, cell.label, cell.dtype, cell.rows, cell.compared_rows, checks, tuple(diag.shape))
+        )
     for case in cases:  # the input's time, shared out so that the cases add up to it
         case.seconds = seconds / len(cases)
     return cases
@@ -267,7 +291,9 @@ def synthetic_qkv(spec: SyntheticInput) -> tuple[torch.Tensor, torch.Tensor, tor
     return q[None], k[None], v[None]
 
 
-def check_tensor(name: str, scores: torch.Tensor, budget: Budget, options: Options, budgets: dict[str, Budget] | None = None) -> list[CaseResult]:
+def check_tensor(
+    name: str, scores: torch.Tensor, budget: Budget, options: Options, budgets: dict[str, Budget] | None = None
+) -> list[CaseResult]:
     """``check_source`` on a tensor in memory."""
     check_scores(name, scores)
     return check_source(memory_source(name, scores.detach()), budget, options, budgets)

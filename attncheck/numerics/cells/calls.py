@@ -27,13 +27,29 @@ from attncheck.codes import SEVERITIES
 from attncheck.config.run import Options
 from attncheck.errors import AttncheckError, param
 from attncheck.model import head_findings
-from attncheck.numerics.cells.plan import CellKey, call_facts, cell_dtype_name, grid, judged_by, kernel_dtype, kernel_refusals, known_implementation, model_cell, what_if_cells
+from attncheck.numerics.cells.plan import (
+    CellKey,
+    call_facts,
+    cell_dtype_name,
+    grid,
+    judged_by,
+    kernel_dtype,
+    kernel_refusals,
+    known_implementation,
+    model_cell,
+    what_if_cells,
+)
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
-from attncheck.results import CallInfo, CellLimit, CallReport, HeadStat, TensorDiagnosis
 from attncheck.registry import PATHS, eager_path
+from attncheck.results import CallInfo, CallReport, CellLimit, HeadStat, TensorDiagnosis
 
 QK_KINDS = ("sdpa", "qk", "flex", "flash_attn")
-GRAD_ROLES = ("grad_out", "grad_q", "grad_k", "grad_v")  # a call's output gradient and the gradients its kernel produced
+GRAD_ROLES = (
+    "grad_out",
+    "grad_q",
+    "grad_k",
+    "grad_v",
+)  # a call's output gradient and the gradients its kernel produced
 
 
 def _scale(info: CallInfo) -> params.Scale:
@@ -54,7 +70,9 @@ def _in_call(info: CallInfo, run: Callable):
         return run()
     except AttncheckError as e:
         where = f"{info.name} (call {info.index}, {info.kind}{' in ' + info.module if info.module else ''})"
-        raise AttncheckError(f"{where}: {e.render(param)}") from None  # parameters stay marked: the CLI names them as flags
+        raise AttncheckError(
+            f"{where}: {e.render(param)}"
+        ) from None  # parameters stay marked: the CLI names them as flags
 
 
 def _normalised(info: CallInfo, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -62,10 +80,23 @@ def _normalised(info: CallInfo, tensors: dict[str, torch.Tensor]) -> dict[str, t
     out = dict(tensors)
     scores, q, k = out.get("scores"), out.get("q"), out.get("k")
     num_heads = info.meta.get("num_heads", "")
-    if scores is not None and scores.dim() == 3 and num_heads.isascii() and num_heads.isdigit() and int(num_heads) > 0 and scores.shape[0] % int(num_heads) == 0:
+    if (
+        scores is not None
+        and scores.dim() == 3
+        and num_heads.isascii()
+        and num_heads.isdigit()
+        and int(num_heads) > 0
+        and scores.shape[0] % int(num_heads) == 0
+    ):
         h = int(num_heads)
         out["scores"] = scores.reshape(scores.shape[0] // h, h, *scores.shape[1:])
-        if q is not None and k is not None and q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == scores.shape[0]:
+        if (
+            q is not None
+            and k is not None
+            and q.dim() == 3
+            and k.dim() == 3
+            and q.shape[0] == k.shape[0] == scores.shape[0]
+        ):
             for role in ("q", "k", "v", *GRAD_ROLES, "out"):
                 t = out.get(role)
                 if t is not None and t.dim() == 3 and t.shape[0] == scores.shape[0]:
@@ -104,7 +135,11 @@ def diagnose_call(
         raise AttncheckError(f"{info.name} (call {info.index}): the softmax call has no scores")
     model = model_cell(info)
     known = known_implementation(info) and model is not None
-    inputs = _in_call(info, lambda: _model_inputs(info, tensors, max_bytes)) if kind in QK_KINDS else _softmax_qk(info, tensors, max_bytes)
+    inputs = (
+        _in_call(info, lambda: _model_inputs(info, tensors, max_bytes))
+        if kind in QK_KINDS
+        else _softmax_qk(info, tensors, max_bytes)
+    )
     if known:
         cells = [model]
     else:
@@ -137,9 +172,16 @@ def diagnose_call(
     replayed = known and params.WHAT_IF_KERNELS in what_if and model is not None
     kernels = kernel_dtype(info, model) if replayed else None
     refused = kernel_refusals(info, kernels) if replayed else {}
-    report = CallReport(info, diag, heads, None if model is None else (model.method, model.dtype), what_if=what,
-                        kernels_refused=refused, kernel_dtype=kernels,
-                        path_note=judged_by(info, model.dtype)[1] if known and model is not None else None)
+    report = CallReport(
+        info,
+        diag,
+        heads,
+        None if model is None else (model.method, model.dtype),
+        what_if=what,
+        kernels_refused=refused,
+        kernel_dtype=kernels,
+        path_note=judged_by(info, model.dtype)[1] if known and model is not None else None,
+    )
     extra = head_findings(report, diag.findings)
     if extra:
         order = {s: i for i, s in enumerate(SEVERITIES)}
@@ -170,7 +212,15 @@ def _softcap_audit(info: CallInfo, inputs, diag: TensorDiagnosis, cap: float) ->
         diag.findings = sorted(diag.findings + found, key=lambda f: order[f.severity])
 
 
-def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: TensorDiagnosis | None, options: Options, model: CellKey | None) -> None:
+def _backward(
+    info: CallInfo,
+    tensors,
+    inputs,
+    diag: TensorDiagnosis,
+    what: TensorDiagnosis | None,
+    options: Options,
+    model: CellKey | None,
+) -> None:
     """The backward of a call's cells from its recorded output gradient (see ``attach_backward``):
     the model's own cell is the eager path as the model ran it (a softmax call: its recorded scores,
     the mask applied as the capture traced it, the matmuls in autocast's dtype or v's) or the SDPA
@@ -187,7 +237,9 @@ def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: Tens
     if bw_inputs is None or bw_inputs.v is None:
         return
     mask_op = info.meta.get("mask_op") if info.kind == "softmax" else None
-    mask_op = mask_op if mask_op in ("add", "fill") else "add"  # SDPA ported to eager attention, as transformers writes it, adds its mask
+    mask_op = (
+        mask_op if mask_op in ("add", "fill") else "add"
+    )  # SDPA ported to eager attention, as transformers writes it, adds its mask
     own = None
     used = _cell_of(diag, model) if model is not None else None
     if used is not None:
@@ -195,15 +247,39 @@ def _backward(info: CallInfo, tensors, inputs, diag: TensorDiagnosis, what: Tens
             # the matmuls ran in autocast's dtype where it was on, else in v's; the softmax on the scores as recorded
             autocast = cell_dtype_name(info.meta.get("autocast_dtype"))
             matmuls = autocast or cell_dtype_name(dtype_label(tensors["v"].dtype)) or info.dtype
-            own = (BackwardCell(eager_path(), matmuls, mask_op, info.softmax_dtype, info.dtype if info.dtype != matmuls else None, model=True), used)
+            own = (
+                BackwardCell(
+                    eager_path(),
+                    matmuls,
+                    mask_op,
+                    info.softmax_dtype,
+                    info.dtype if info.dtype != matmuls else None,
+                    model=True,
+                ),
+                used,
+            )
         else:
             own = (BackwardCell(model.path, model.dtype, model=True), used)
     # Dropout's random mask is not recorded: the cells are judged without it, and the gradients the
     # model really produced (with it) cannot be compared.
-    real = {} if info.dropout_p > 0 else {name: tensors[role] for name, role in (("dq", "grad_q"), ("dk", "grad_k"), ("dv", "grad_v")) if role in tensors}
-    grads = GradInputs(tensors["grad_out"], scores=tensors.get("scores") if info.kind == "softmax" else None, out=tensors.get("out"),
-                       real=real, device_type=info.meta.get("device", "cpu").split(":")[0], dropout_p=info.dropout_p,
-                       causal=info.is_causal and info.kind in ("sdpa", "flash_attn"))
+    real = (
+        {}
+        if info.dropout_p > 0
+        else {
+            name: tensors[role]
+            for name, role in (("dq", "grad_q"), ("dk", "grad_k"), ("dv", "grad_v"))
+            if role in tensors
+        }
+    )
+    grads = GradInputs(
+        tensors["grad_out"],
+        scores=tensors.get("scores") if info.kind == "softmax" else None,
+        out=tensors.get("out"),
+        real=real,
+        device_type=info.meta.get("device", "cpu").split(":")[0],
+        dropout_p=info.dropout_p,
+        causal=info.is_causal and info.kind in ("sdpa", "flash_attn"),
+    )
     attach_backward(diag, what, bw_inputs, grads, options, mask_op, own)
 
 
@@ -213,19 +289,30 @@ def _check_grads(info: CallInfo, tensors: dict[str, torch.Tensor]) -> None:
     q, v = tensors.get("q"), tensors.get("v")
     if q is None or v is None:
         return
-    want = {"grad_out": (*q.shape[:-1], v.shape[-1]), "out": (*q.shape[:-1], v.shape[-1]), "grad_q": tuple(q.shape),
-            "grad_k": tuple(tensors["k"].shape) if "k" in tensors else None, "grad_v": tuple(v.shape)}
+    want = {
+        "grad_out": (*q.shape[:-1], v.shape[-1]),
+        "out": (*q.shape[:-1], v.shape[-1]),
+        "grad_q": tuple(q.shape),
+        "grad_k": tuple(tensors["k"].shape) if "k" in tensors else None,
+        "grad_v": tuple(v.shape),
+    }
     for role, shape in want.items():
         t = tensors.get(role)
         if t is None or shape is None:
             continue
         if not t.is_floating_point():
-            raise AttncheckError(f"{role} has dtype {str(t.dtype).removeprefix('torch.')}; a gradient is floating point")
+            raise AttncheckError(
+                f"{role} has dtype {str(t.dtype).removeprefix('torch.')}; a gradient is floating point"
+            )
         if tuple(t.shape) != tuple(shape):
-            raise AttncheckError(f"{role} has shape {tuple(t.shape)}; for q {tuple(q.shape)} and v {tuple(v.shape)} it must be {tuple(shape)}")
+            raise AttncheckError(
+                f"{role} has shape {tuple(t.shape)}; for q {tuple(q.shape)} and v {tuple(v.shape)} it must be {tuple(shape)}"
+            )
 
 
-def attach_backward(diag: TensorDiagnosis, what: TensorDiagnosis | None, inputs, grads, options: Options, mask_op: str = "add", own=None) -> None:
+def attach_backward(
+    diag: TensorDiagnosis, what: TensorDiagnosis | None, inputs, grads, options: Options, mask_op: str = "add", own=None
+) -> None:
     """The backward of the cells of ``diag`` (or, with ``own`` = (BackwardCell, its Cell), of that
     model cell alone) and of the what-if cells of ``what``: every cell of a path with a backward
     (eager with torch.softmax, its mask applied as ``mask_op`` says; sdpa-math; flash) in fp16, bf16
@@ -239,7 +326,11 @@ def attach_backward(diag: TensorDiagnosis, what: TensorDiagnosis | None, inputs,
     asked = [] if own is not None else list(diag.cells)
     asked += [] if what is None else list(what.cells)
     for c in asked:
-        if has_backward(c.path) and (not PATHS.get(c.path).runs_methods or c.method == "torch") and c.dtype in ("fp16", "bf16", "fp32"):
+        if (
+            has_backward(c.path)
+            and (not PATHS.get(c.path).runs_methods or c.method == "torch")
+            and c.dtype in ("fp16", "bf16", "fp32")
+        ):
             wanted[BackwardCell(c.path, c.dtype, mask_op if PATHS.get(c.path).runs_methods else "add")] = c
     if not wanted:
         return
@@ -259,8 +350,17 @@ def _model_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], max_bytes: i
     logits after its score_mod too)."""
     from attncheck.numerics.inputs.scores import prepare_inputs
 
-    inputs = prepare_inputs(tensors["q"], tensors["k"], tensors.get("attn_mask"), v=tensors.get("v"), scale=_scale(info),
-                            causal=info.is_causal, mask_convention="attend", max_bytes=max_bytes, logits=_flex_logits(info, tensors))
+    inputs = prepare_inputs(
+        tensors["q"],
+        tensors["k"],
+        tensors.get("attn_mask"),
+        v=tensors.get("v"),
+        scale=_scale(info),
+        causal=info.is_causal,
+        mask_convention="attend",
+        max_bytes=max_bytes,
+        logits=_flex_logits(info, tensors),
+    )
     return _with_call(info, inputs)
 
 
@@ -304,7 +404,9 @@ def _softmax_qk(info: CallInfo, tensors: dict[str, torch.Tensor], max_bytes: int
 def _qk_diagnosis(info, inputs, options, cells, progress, notice) -> TensorDiagnosis:
     from attncheck.numerics.cells.diagnose import diagnose_attention
 
-    return diagnose_attention(info.name, inputs, options, progress, notice=notice, cells=cells, scale_source=_scale_source(info))
+    return diagnose_attention(
+        info.name, inputs, options, progress, notice=notice, cells=cells, scale_source=_scale_source(info)
+    )
 
 
 def _scores_diagnosis(info, scores, inputs, options, cells, progress, notice) -> TensorDiagnosis:
@@ -318,8 +420,17 @@ def _scores_diagnosis(info, scores, inputs, options, cells, progress, notice) ->
     source = _scale_source(info)
     if source is None or softcap(info) is not None or _near_overflow(info, scores):
         # the Q/K pipeline beside the scores (max|q.k|, Q@K^T overflow per dtype); a scale fitted where none was traced
-        return diagnose_attention(info.name, inputs, options, progress, scores=scores, notice=notice, cells=cells,
-                                  scale_source=source, fit=source is None)
+        return diagnose_attention(
+            info.name,
+            inputs,
+            options,
+            progress,
+            scores=scores,
+            notice=notice,
+            cells=cells,
+            scale_source=source,
+            fit=source is None,
+        )
     # far from any overflow: the scores alone, with the audit's max|q.k| (the --detail panel said 0)
     from attncheck.config.run import rows_per_chunk
     from attncheck.numerics.inputs.scores import max_abs_qk
@@ -345,7 +456,9 @@ def _near_overflow(info: CallInfo, scores: torch.Tensor) -> bool:
     return top / scale >= limit / 4
 
 
-def _what_if(info: CallInfo, tensors, inputs, options: Options, what_if, asked, notice, max_bytes: int | None = None) -> TensorDiagnosis | None:
+def _what_if(
+    info: CallInfo, tensors, inputs, options: Options, what_if, asked, notice, max_bytes: int | None = None
+) -> TensorDiagnosis | None:
     """The what-if cells of a call of known implementation, in a pass of their own (the model's inputs
     are held beside them: both count against ``max_bytes``)."""
     from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
@@ -363,7 +476,9 @@ def _what_if(info: CallInfo, tensors, inputs, options: Options, what_if, asked, 
     name = f"{info.name} (what if)"
     if wi_inputs is None:
         return diagnose(name, tensors["scores"], options, notice=notice, cells=cells)
-    return diagnose_attention(name, wi_inputs, options, notice=notice, cells=cells, scale_source=_scale_source(info) or "traced")
+    return diagnose_attention(
+        name, wi_inputs, options, notice=notice, cells=cells, scale_source=_scale_source(info) or "traced"
+    )
 
 
 def _relative_float_mask(mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -387,9 +502,23 @@ def _sdpa_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], max_b
     masked = None
     if mask is not None and mask.is_floating_point():
         mask, masked = _relative_float_mask(mask)
-    return _with_call(info, prepare_inputs(tensors["q"], tensors["k"], mask, v=tensors.get("v"), scale=_scale(info), causal=info.is_causal,
-                                                 mask_convention="attend", mask_value="min" if masked is not None else "-inf", masked=masked,
-                                                 eager_mask_value="min", max_bytes=max_bytes, logits=_flex_logits(info, tensors)))
+    return _with_call(
+        info,
+        prepare_inputs(
+            tensors["q"],
+            tensors["k"],
+            mask,
+            v=tensors.get("v"),
+            scale=_scale(info),
+            causal=info.is_causal,
+            mask_convention="attend",
+            mask_value="min" if masked is not None else "-inf",
+            masked=masked,
+            eager_mask_value="min",
+            max_bytes=max_bytes,
+            logits=_flex_logits(info, tensors),
+        ),
+    )
 
 
 def mask_of_scores(scores: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -407,7 +536,9 @@ def mask_of_scores(scores: torch.Tensor) -> tuple[torch.Tensor, str]:
     return masked, repr(float(finite.median()))
 
 
-def _softmax_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], inputs, options: Options, max_bytes: int | None = None):
+def _softmax_what_if_inputs(
+    info: CallInfo, tensors: dict[str, torch.Tensor], inputs, options: Options, max_bytes: int | None = None
+):
     """A softmax call as hand-written attention in another dtype: its q, k (and v), the scale it
     applied (traced; 1 where nn.MultiheadAttention scaled q first; else fitted to its scores), and
     the mask read back from its scores, added in each dtype (``mask_of_scores``)."""
@@ -424,8 +555,16 @@ def _softmax_what_if_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], in
         fitted = fit_scale(memory_source(info.name, scores), inputs, rows_per_chunk(scores.shape[-1], options))
         scale = params.Scale(repr(fitted)) if fitted is not None and fitted > 0 else _scale(info)
     masked, value = mask_of_scores(scores)
-    return prepare_inputs(inputs.q, inputs.k, None, v=inputs.v, scale=scale, mask_value=value,
-                          masked=masked.reshape(inputs.score_shape) if bool(masked.any()) else None, max_bytes=max_bytes)
+    return prepare_inputs(
+        inputs.q,
+        inputs.k,
+        None,
+        v=inputs.v,
+        scale=scale,
+        mask_value=value,
+        masked=masked.reshape(inputs.score_shape) if bool(masked.any()) else None,
+        max_bytes=max_bytes,
+    )
 
 
 def _scores_limit(info: CallInfo, diag: TensorDiagnosis) -> CellLimit | None:
@@ -438,14 +577,20 @@ def _scores_limit(info: CallInfo, diag: TensorDiagnosis) -> CellLimit | None:
     limit = rounding_limit(dt)
     if softcap(info) is not None:  # the capped logits stay within the cap: what can overflow is S before it
         cap = diag.attention.softcap if diag.attention is not None else None
-        return CellLimit("qk_overflow", limit, None if cap is None else cap.max_qk,
-                         f"S = Q@K^T before the soft cap in {dtype_label(dt)} rounds to inf at |S| >= {limit:.6g}")
+        return CellLimit(
+            "qk_overflow",
+            limit,
+            None if cap is None else cap.max_qk,
+            f"S = Q@K^T before the soft cap in {dtype_label(dt)} rounds to inf at |S| >= {limit:.6g}",
+        )
     c = diag.census
     logits = [abs(v) for v in (c.max, c.unmasked_min) if v is not None and v > MASK_SENTINEL_LIMIT]
     scale = info.scale if _scale_source(info) and info.meta.get("q_prescaled") != "true" and info.scale else 1.0
     value = math.inf if c.posinf else (max(logits) / abs(scale) if logits else None)
     unscaled = " (before the scale)" if scale != 1.0 else ""
-    return CellLimit("qk_overflow", limit, value, f"S = Q@K^T{unscaled} in {dtype_label(dt)} rounds to inf at |S| >= {limit:.6g}")
+    return CellLimit(
+        "qk_overflow", limit, value, f"S = Q@K^T{unscaled} in {dtype_label(dt)} rounds to inf at |S| >= {limit:.6g}"
+    )
 
 
 def _flex_limit(info: CallInfo, diag: TensorDiagnosis) -> CellLimit:
@@ -490,8 +635,19 @@ def _head_stats(info: CallInfo, inputs, diag: TensorDiagnosis, cell, model: Cell
             overflow = qk_overflow_per_head(inputs, dtype_from_name(compute) if eager else torch.float32)
     nan = cell.nan_rows_per_head if cell is not None and len(cell.nan_rows_per_head) == heads else [0] * heads
     per_cause = {} if cell is None else {c: n for c, n in cell.nan_causes_per_head.items() if len(n) == heads}
-    return [HeadStat(h, q_max[h], k_max[h], logits[h], overflow[h], nan[h], kv[h],
-                     {c: n[h] for c, n in per_cause.items() if n[h]}) for h in range(heads)]
+    return [
+        HeadStat(
+            h,
+            q_max[h],
+            k_max[h],
+            logits[h],
+            overflow[h],
+            nan[h],
+            kv[h],
+            {c: n[h] for c, n in per_cause.items() if n[h]},
+        )
+        for h in range(heads)
+    ]
 
 
 def scores_report(info: CallInfo, diag: TensorDiagnosis) -> CallReport:
@@ -502,6 +658,8 @@ def scores_report(info: CallInfo, diag: TensorDiagnosis) -> CallReport:
     heads = []
     if used is not None and len(used.nan_rows_per_head) == len(diag.head_max_logits):
         per_cause = {c: n for c, n in used.nan_causes_per_head.items() if len(n) == len(diag.head_max_logits)}
-        heads = [HeadStat(h, None, None, m, 0, n, None, {c: k[h] for c, k in per_cause.items() if k[h]})
-                 for h, (m, n) in enumerate(zip(diag.head_max_logits, used.nan_rows_per_head))]
+        heads = [
+            HeadStat(h, None, None, m, 0, n, None, {c: k[h] for c, k in per_cause.items() if k[h]})
+            for h, (m, n) in enumerate(zip(diag.head_max_logits, used.nan_rows_per_head))
+        ]
     return CallReport(info, diag, heads, None if cell is None else (cell.method, cell.dtype))

@@ -20,10 +20,11 @@ import torch
 from attncheck.config.run import Options, chunk_elements_for, rows_per_chunk  # noqa: F401  (part of this module's API)
 from attncheck.errors import AttncheckError, param
 from attncheck.findings import findings_for
-from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc, HeadMax
-from attncheck.numerics.cells.plan import CellKey, grid, stages
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, select_backend
 from attncheck.numerics.backends.torch_rows import TorchRows
+from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc, HeadMax
+from attncheck.numerics.cells.plan import CellKey, grid, stages
+from attncheck.numerics.methods.softmax import Buffers, MethodParams
 from attncheck.numerics.precision import (
     cast,
     check_scores_dtype,
@@ -35,7 +36,6 @@ from attncheck.numerics.precision import (
     rounding_limit,
 )
 from attncheck.numerics.reduce import any_true, count, row_counts
-from attncheck.numerics.methods.softmax import Buffers, MethodParams
 from attncheck.registry import METHODS, PATHS, fp8_names, resolve
 from attncheck.results import ASKED, CellLimit, TensorDiagnosis
 
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from attncheck.numerics.inputs.scores import AttentionInputs, QKBlock
 
 __all__ = ["Options", "diagnose", "diagnose_attention", "diagnose_chunks", "resolve_device"]
+
 
 def resolve_device(name: str) -> torch.device:
     """'auto' -> cuda when available else cpu; 'cuda' without CUDA is an input error."""
@@ -53,7 +54,9 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cpu")
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise AttncheckError(f"{param('device')} cuda requested but CUDA is not available (torch.cuda.is_available() is False); use {param('device')} cpu")
+            raise AttncheckError(
+                f"{param('device')} cuda requested but CUDA is not available (torch.cuda.is_available() is False); use {param('device')} cpu"
+            )
         return torch.device(name)
     raise AttncheckError(f"unknown device {name!r} (choose from auto, cpu, cuda)", param="device")
 
@@ -85,7 +88,17 @@ def diagnose(
     flat = scores.reshape(rows, keys)  # (R, T); a view when contiguous
     step = rows_per_chunk(keys, options, cells)
     chunks = (flat[start : start + step] for start in range(0, rows, step))
-    return diagnose_chunks(name, tuple(scores.shape), scores.dtype, chunks, options, progress, attention=attention, notice=notice, cells=cells)
+    return diagnose_chunks(
+        name,
+        tuple(scores.shape),
+        scores.dtype,
+        chunks,
+        options,
+        progress,
+        attention=attention,
+        notice=notice,
+        cells=cells,
+    )
 
 
 @contextmanager
@@ -137,16 +150,27 @@ def diagnose_chunks(
         raise AttncheckError(_no_cell(options, qk))
     fp8 = set(fp8_names())
     # headroom per dtype: the scores each dtype's cells hold (given scores cast; eager's S)
-    census = CensusAcc(tuple(dict.fromkeys(c.dtype for c in plan if c.dtype not in fp8 and (not qk or PATHS.get(c.path).scores == "dtype"))))
+    census = CensusAcc(
+        tuple(
+            dict.fromkeys(
+                c.dtype for c in plan if c.dtype not in fp8 and (not qk or PATHS.get(c.path).scores == "dtype")
+            )
+        )
+    )
     dist = DistAcc(options.collapse_threshold)
     heads = tuple(shape[:-2]) if len(shape) >= 3 else ()  # (batch, heads, ...) of (..., queries, keys)
     queries = shape[-2] if heads else 1
-    accs = {key: CellAcc(key.method, key.dtype, options.max_examples, heads, queries, path=key.path, role=key.role) for key in plan}
+    accs = {
+        key: CellAcc(key.method, key.dtype, options.max_examples, heads, queries, path=key.path, role=key.role)
+        for key in plan
+    }
     head_max = HeadMax(heads[-1] if heads else 0, queries)
     backend = select_backend(options.kernels, device, math.prod(shape), notice)
     plain = TorchRows()  # metrics of methods the fused kernel does not serve
     # given scores: naive, stable and torch write into buffers reused from chunk to chunk
-    method_params = MethodParams(block=options.block, reverse=options.reverse, accum=options.accum, buffers=None if qk else Buffers())
+    method_params = MethodParams(
+        block=options.block, reverse=options.reverse, accum=options.accum, buffers=None if qk else Buffers()
+    )
     start = 0
     shift = None
     for block in chunks:  # loop over row chunks, never over rows
@@ -206,7 +230,9 @@ def settings_of(options: Options) -> dict:
     return {f.name: getattr(options, f.name) for f in fields(options)}
 
 
-def _kernels_that_run(inputs: "AttentionInputs", cells: list[CellKey], notice: Callable[[str], None] | None) -> list[CellKey]:
+def _kernels_that_run(
+    inputs: "AttentionInputs", cells: list[CellKey], notice: Callable[[str], None] | None
+) -> list[CellKey]:
     """The cells asked of Q/K files (``ASKED``), less those of a GPU kernel that would not run these inputs
     (``PathSpec.why_not``: fa2 in fp32, cudnn at head dim 512, ...): each left out is one notice line, and
     none left is an input error. A captured call's cells were chosen by what ran it and are kept."""
@@ -219,14 +245,17 @@ def _kernels_that_run(inputs: "AttentionInputs", cells: list[CellKey], notice: C
     kept, dropped = [], []
     for c in cells:
         spec = PATHS.get(c.path) if c.path is not None else None
-        facts = CallFacts(dtype=c.dtype, head_dim=d, head_dim_v=dv, tq=tq, tk=inputs.k.shape[2], mask=mask,
-                          gqa=inputs.k.shape[1] < hq)
+        facts = CallFacts(
+            dtype=c.dtype, head_dim=d, head_dim_v=dv, tq=tq, tk=inputs.k.shape[2], mask=mask, gqa=inputs.k.shape[1] < hq
+        )
         # a GPU kernel's limits (dtypes, head dims, masks); the CPU paths compute whatever they are asked
         why = None if spec is None or c.role != ASKED or spec.device != "cuda" else spec.why_not(facts)
         (dropped if why else kept).append((c, why))
     if not kept and dropped:
-        raise AttncheckError("no cell to compute: the kernels would not run these inputs: "
-                             + "; ".join(f"{c.name}: {why}" for c, why in dropped))
+        raise AttncheckError(
+            "no cell to compute: the kernels would not run these inputs: "
+            + "; ".join(f"{c.name}: {why}" for c, why in dropped)
+        )
     if dropped and notice is not None:
         for c, why in dropped:
             notice(f"{c.name}: not computed, the kernel would not run these inputs ({why})")
@@ -237,22 +266,30 @@ def _no_cell(options: Options, qk: bool) -> str:
     fp8 = [d for d in options.dtypes if d in fp8_names()]
     if not qk:
         casts = ", ".join(METHODS.names(lambda spec: spec.p_cast))
-        return (f"no cell to compute: in {', '.join(fp8)} only a softmax that casts P to FP8 runs ({casts}); "
-                f"add it to {param('methods')} or a dtype such as fp16")
+        return (
+            f"no cell to compute: in {', '.join(fp8)} only a softmax that casts P to FP8 runs ({casts}); "
+            f"add it to {param('methods')} or a dtype such as fp16"
+        )
     fp8_paths = ", ".join(PATHS.names(lambda spec: spec.fp8))
-    return (f"no cell to compute: the paths {', '.join(options.paths)} do not run in {', '.join(options.dtypes)} "
-            f"(FP8 dtypes take {fp8_paths}; the others take the rest)")
+    return (
+        f"no cell to compute: the paths {', '.join(options.paths)} do not run in {', '.join(options.dtypes)} "
+        f"(FP8 dtypes take {fp8_paths}; the others take the rest)"
+    )
 
 
 def _fp8_params(method_params: MethodParams, options: Options, d: str) -> MethodParams:
     """The method parameters of FP8 dtype ``d``'s cells: its format, the P scale, the quantisation."""
     from attncheck.numerics.methods.fp8_attention import Fp8Setup
 
-    setup = Fp8Setup(fmt=dtype_from_name(d), scaling=options.fp8_scaling, incoherent=options.incoherent, p_scale=options.p_scale)
+    setup = Fp8Setup(
+        fmt=dtype_from_name(d), scaling=options.fp8_scaling, incoherent=options.incoherent, p_scale=options.p_scale
+    )
     return replace(method_params, fp8=setup)
 
 
-def _method_stage(block, c: ChunkFacts, d: str, keys, options: Options, accs, census, backend, plain, method_params) -> None:
+def _method_stage(
+    block, c: ChunkFacts, d: str, keys, options: Options, accs, census, backend, plain, method_params
+) -> None:
     """Given scores: the cast to one dtype, and its methods on the cast scores."""
     specs = [METHODS.get(k.method) for k in keys]
     params_d = method_params
@@ -266,13 +303,28 @@ def _method_stage(block, c: ChunkFacts, d: str, keys, options: Options, accs, ce
             census.update_headroom(d, c, *extremes)
     causes = [("input_nan", c.nan), ("inf_input", c.posinf), *before, ("fully_masked", c.all_masked), *after]
     outs = [backend.method(spec, algo, params_d) or _run(spec, algo.xc, params_d) for spec in specs]
-    metrics = _cell_metrics(backend, plain, c, [s.fused for s in specs], [o.probs for o in outs], algo, d == "fp32")  # one pass for the stage's cells
+    metrics = _cell_metrics(
+        backend, plain, c, [s.fused for s in specs], [o.probs for o in outs], algo, d == "fp32"
+    )  # one pass for the stage's cells
     with bookkeeping(c.x.device):
         for key, out, m in zip(keys, outs, metrics):
             accs[key].update(c, out.probs, out.events, algo, causes, m, pcast=out.pcast, extremes=out.extremes)
 
 
-def _path_stage(block: "QKBlock", c: ChunkFacts, path: str, d: str, keys, options: Options, accs, census, backend, plain, method_params, out_ref: list) -> None:
+def _path_stage(
+    block: "QKBlock",
+    c: ChunkFacts,
+    path: str,
+    d: str,
+    keys,
+    options: Options,
+    accs,
+    census,
+    backend,
+    plain,
+    method_params,
+    out_ref: list,
+) -> None:
     """With Q and K: one path in one dtype computes its scores, probabilities and output.
     ``out_ref`` holds the chunk's P64 @ V64 once a stage has computed it (shared by the stages)."""
     fp8 = d in fp8_names()
@@ -308,7 +360,9 @@ def _path_stage(block: "QKBlock", c: ChunkFacts, path: str, d: str, keys, option
             acc.tied_rows += count(tied)
 
 
-def cell_limit(key: CellKey, input_dtype: torch.dtype, census, spread: float | None, audit, p_scale: float) -> CellLimit | None:
+def cell_limit(
+    key: CellKey, input_dtype: torch.dtype, census, spread: float | None, audit, p_scale: float
+) -> CellLimit | None:
     """The first failure ``key``'s cell can have from finite inputs, and how far this input is from it:
 
     - naive (any path): exp of the largest logit overflows the dtype (``exp_overflow_threshold``);
@@ -327,17 +381,32 @@ def cell_limit(key: CellKey, input_dtype: torch.dtype, census, spread: float | N
     dt = dtype_from_name(d)
     if d in fp8_names():
         threshold = math.log(p_scale) - exp_underflow_threshold(dt)
-        return CellLimit("p_cast_flush", threshold, spread, f"the {d} P cast (S = {p_scale:g}) flushes keys more than {threshold:.4g} below the running max")
+        return CellLimit(
+            "p_cast_flush",
+            threshold,
+            spread,
+            f"the {d} P cast (S = {p_scale:g}) flushes keys more than {threshold:.4g} below the running max",
+        )
     if key.method == "naive":
         top = next((h for h in census.headroom if h.dtype == d), None)
         value = census.max if top is None or top.headroom is None else top.exp_overflow_threshold - top.headroom
-        return CellLimit("exp_overflow", exp_overflow_threshold(dt), value, f"exp(x) = inf in {d} for x > {exp_overflow_threshold(dt):.4g}")
+        return CellLimit(
+            "exp_overflow",
+            exp_overflow_threshold(dt),
+            value,
+            f"exp(x) = inf in {d} for x > {exp_overflow_threshold(dt):.4g}",
+        )
     if key.path is not None and audit is not None:
         raw = audit.raw_max_abs
         how = PATHS.get(key.path).scores
         if how == "dtype":
             value = raw * audit.scale if audit.scale_order == "q" else raw
-            return CellLimit("qk_overflow", rounding_limit(dt), value, f"S = Q@K^T in {d} rounds to inf at |S| >= {rounding_limit(dt):.6g}")
+            return CellLimit(
+                "qk_overflow",
+                rounding_limit(dt),
+                value,
+                f"S = Q@K^T in {d} rounds to inf at |S| >= {rounding_limit(dt):.6g}",
+            )
         spec = PATHS.get(key.path)
         if spec.limit is not None:  # the kernel's own arithmetic breaks before S overflows fp32
             kind, threshold, what = resolve(spec.limit)(dt)
@@ -346,7 +415,12 @@ def cell_limit(key: CellKey, input_dtype: torch.dtype, census, spread: float | N
         value = raw * audit.scale if how == "fp32-split" else raw
         return CellLimit("qk_overflow", s32, value, f"S = Q@K^T in fp32 rounds to inf at |S| >= {s32:.6g}")
     if key.path is None and rounding_limit(dt) < rounding_limit(input_dtype):
-        return CellLimit("cast_overflow", rounding_limit(dt), census.max, f"scores cast to {d} round to inf at |x| >= {rounding_limit(dt):.6g}")
+        return CellLimit(
+            "cast_overflow",
+            rounding_limit(dt),
+            census.max,
+            f"scores cast to {d} round to inf at |x| >= {rounding_limit(dt):.6g}",
+        )
     return None
 
 
@@ -358,7 +432,9 @@ def _tied_rows(s: torch.Tensor) -> torch.Tensor:
 
 def _check_output(name: str, out, want: torch.dtype, shape) -> None:
     if out.probs.dtype != want or tuple(out.probs.shape) != tuple(shape):
-        raise TypeError(f"method {name} returned {out.probs.dtype} {tuple(out.probs.shape)}; its registry entry promises {want} {tuple(shape)}")
+        raise TypeError(
+            f"method {name} returned {out.probs.dtype} {tuple(out.probs.shape)}; its registry entry promises {want} {tuple(shape)}"
+        )
 
 
 def _run(spec, xc: torch.Tensor, method_params: MethodParams):
@@ -368,7 +444,15 @@ def _run(spec, xc: torch.Tensor, method_params: MethodParams):
     return out
 
 
-def _cell_metrics(backend: RowBackend, plain: TorchRows, c: ChunkFacts, fused: list[bool], probs, algo: AlgoReference, precise: bool = False):
+def _cell_metrics(
+    backend: RowBackend,
+    plain: TorchRows,
+    c: ChunkFacts,
+    fused: list[bool],
+    probs,
+    algo: AlgoReference,
+    precise: bool = False,
+):
     """Row metrics of each cell: the backend's, except for methods the fused kernel does not serve.
     ``precise``: the cells are fp32 ones (see ``RowBackend.cell_metrics``)."""
     served = [i for i, f in enumerate(fused) if f or backend is plain]
@@ -407,7 +491,9 @@ def _cast(c: ChunkFacts, dt: torch.dtype, census: CensusAcc, name: str, backend:
         idx = torch.nonzero(suspect).flatten()
         census.update_cast(name, x, xc, idx)
         xcb = xc[idx]
-        cast_made[idx] = (torch.isposinf(xcb).any(dim=-1) & ~c.posinf[idx]) | (torch.isneginf(xcb).all(dim=-1) & ~c.all_neginf[idx])
+        cast_made[idx] = (torch.isposinf(xcb).any(dim=-1) & ~c.posinf[idx]) | (
+            torch.isneginf(xcb).all(dim=-1) & ~c.all_neginf[idx]
+        )
     return cast_made, algo
 
 
@@ -467,8 +553,21 @@ def diagnose_attention(
         step = rows_per_chunk(source.shape[-1], options, cells)
         audit.fitted_scale = fit_scale(source, inputs, step) if fit else None
         blocks = given_blocks(source, inputs, step, resolve_device(options.device), audit)
-        return diagnose_chunks(name, source.shape, source.dtype, blocks, options, progress, attention=audit, notice=notice, cells=cells)
+        return diagnose_chunks(
+            name, source.shape, source.dtype, blocks, options, progress, attention=audit, notice=notice, cells=cells
+        )
     cells = _kernels_that_run(inputs, cells if cells is not None else grid(options, True), notice)
     step = rows_per_chunk(inputs.k.shape[2], options, cells)
     blocks: Iterable[QKBlock] = score_blocks(inputs, step, resolve_device(options.device), audit)
-    return diagnose_chunks(name, inputs.score_shape, inputs.q.dtype, blocks, options, progress, attention=audit, notice=notice, qk=True, cells=cells)
+    return diagnose_chunks(
+        name,
+        inputs.score_shape,
+        inputs.q.dtype,
+        blocks,
+        options,
+        progress,
+        attention=audit,
+        notice=notice,
+        qk=True,
+        cells=cells,
+    )

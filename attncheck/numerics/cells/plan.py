@@ -19,10 +19,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attncheck.config.run import Options
-from attncheck.params import WHAT_IF_ALL, WHAT_IF_FP8, WHAT_IF_KERNELS
 from attncheck.numerics.paths.base import CallFacts
-from attncheck.registry import (DTYPES, METHODS, PATHS, cell_dtype, dtype_names, eager_path, fp8_names, fp8_what_if_path,
-                                method_names, path_names)
+from attncheck.params import WHAT_IF_ALL, WHAT_IF_FP8, WHAT_IF_KERNELS
+from attncheck.registry import (
+    DTYPES,
+    METHODS,
+    PATHS,
+    cell_dtype,
+    dtype_names,
+    eager_path,
+    fp8_names,
+    fp8_what_if_path,
+    method_names,
+    path_names,
+)
 from attncheck.results import ASKED, MODEL, WHAT_IF, CallInfo
 
 EAGER_SOFTMAX = "torch"  # the softmax hand-written attention calls (torch.softmax / F.softmax)
@@ -53,7 +63,12 @@ def grid(options: Options, qk: bool, role: str = ASKED) -> list[CellKey]:
     softmax (tiled is the flash path's)."""
     fp8 = set(fp8_names())
     if not qk:
-        return [CellKey(None, m, d, role) for m in options.methods for d in options.dtypes if d not in fp8 or METHODS.get(m).p_cast]
+        return [
+            CellKey(None, m, d, role)
+            for m in options.methods
+            for d in options.dtypes
+            if d not in fp8 or METHODS.get(m).p_cast
+        ]
     cells = []
     for p in options.paths or path_names(lambda spec: spec.default):
         spec = PATHS.get(p)
@@ -130,9 +145,20 @@ def call_facts(info: CallInfo, dtype: str) -> CallFacts:
     gqa = len(q) >= 3 and len(k) >= 3 and k[-3] < q[-3]
     softcap = info.meta.get("softcap", "")
     window = info.meta.get("window", "")
-    return CallFacts(dtype=dtype, head_dim=d, head_dim_v=v[-1] if v else d, tq=tq, tk=tk, mask=mask,
-                     dropout=info.dropout_p, capability=_capability(info.meta.get("capability", "")), gqa=gqa,
-                     softcap=_number(softcap), window=_window(window), flex=info.kind == "flex")
+    return CallFacts(
+        dtype=dtype,
+        head_dim=d,
+        head_dim_v=v[-1] if v else d,
+        tq=tq,
+        tk=tk,
+        mask=mask,
+        dropout=info.dropout_p,
+        capability=_capability(info.meta.get("capability", "")),
+        gqa=gqa,
+        softcap=_number(softcap),
+        window=_window(window),
+        flex=info.kind == "flex",
+    )
 
 
 def _number(text: str) -> float | None:
@@ -213,7 +239,9 @@ def model_cell(info: CallInfo) -> CellKey | None:
     return CellKey(path, EAGER_SOFTMAX if spec.runs_methods else path, dtype, role)
 
 
-def what_if_cells(info: CallInfo, qk: bool, dtypes: tuple[str, ...] = (), options: Options | None = None) -> list[CellKey]:
+def what_if_cells(
+    info: CallInfo, qk: bool, dtypes: tuple[str, ...] = (), options: Options | None = None
+) -> list[CellKey]:
     """The what-if cells of a call of known implementation, computed from Q and K when ``qk``
     (else on the scores as recorded).
 
@@ -228,7 +256,10 @@ def what_if_cells(info: CallInfo, qk: bool, dtypes: tuple[str, ...] = (), option
     if WHAT_IF_KERNELS in dtypes:
         dtypes = tuple(d for d in dtypes if d != WHAT_IF_KERNELS)
         if qk and model is not None:
-            cells += [CellKey(p, p, kernel_dtype(info, model), WHAT_IF) for p in kernel_replays(info, kernel_dtype(info, model))]
+            cells += [
+                CellKey(p, p, kernel_dtype(info, model), WHAT_IF)
+                for p in kernel_replays(info, kernel_dtype(info, model))
+            ]
     if dtypes == (WHAT_IF_ALL,):
         every = Options(dtypes=(*dtype_names(), WHAT_IF_FP8), methods=method_names(), paths=path_names())
         cells += grid(every, qk, WHAT_IF)
@@ -286,4 +317,3 @@ def _is_model(c: CellKey, model: CellKey, qk: bool) -> bool:
     if c.same_cell(model):
         return True
     return qk and model.path is None and (c.path, c.method, c.dtype) == (eager_path(), model.method, model.dtype)
-

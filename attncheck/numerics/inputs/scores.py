@@ -63,8 +63,12 @@ class AttentionInputs:
     lead: tuple[int, ...]  # the leading (batch) axes of the inputs before normalisation
     float_mask_looks_boolean: bool = False
     v: torch.Tensor | None = None  # (B, Hk, Tk, dv): with it, the output O = P@V of every cell
-    cache: dict = field(default_factory=dict, compare=False, repr=False)  # what paths derive once per input (FP8 quantisation)
-    float_mask_value: float | None = None  # the sentinel of a float mask as the mask holds it (its most common value <= -1e4)
+    cache: dict = field(
+        default_factory=dict, compare=False, repr=False
+    )  # what paths derive once per input (FP8 quantisation)
+    float_mask_value: float | None = (
+        None  # the sentinel of a float mask as the mask holds it (its most common value <= -1e4)
+    )
     mask_summed_neginf: int = 0  # -inf values of a float mask that also holds sentinels beyond half its dtype's range
     mask_deep_sentinel: float | None = None  # such a sentinel, e.g. -65504
     # Facts that let a block skip checks that cannot fire: q and k hold no NaN or inf; the float mask
@@ -157,7 +161,9 @@ def prepare_inputs(
     for name, t in (("q", q), ("k", k)) + ((("v", v),) if v is not None else ()):
         check_scores_dtype(name, t.dtype)
     if q.shape[-1] != k.shape[-1]:
-        raise AttncheckError(f"q and k have different head dims: q {tuple(q.shape)} has d = {q.shape[-1]}, k {tuple(k.shape)} has d = {k.shape[-1]}")
+        raise AttncheckError(
+            f"q and k have different head dims: q {tuple(q.shape)} has d = {q.shape[-1]}, k {tuple(k.shape)} has d = {k.shape[-1]}"
+        )
     if q.dim() != k.dim():
         raise AttncheckError(f"q {tuple(q.shape)} and k {tuple(k.shape)} have different numbers of axes")
     q4, lead = _as_4d("q", q)
@@ -174,7 +180,9 @@ def prepare_inputs(
         v4, _ = _as_4d("v", v)
     hq, hk = q4.shape[1], k4.shape[1]
     if hq % hk:
-        raise AttncheckError(f"k has {hk} heads, which does not divide q's {hq} heads (q {tuple(q.shape)}, k {tuple(k.shape)})")
+        raise AttncheckError(
+            f"k has {hk} heads, which does not divide q's {hq} heads (q {tuple(q.shape)}, k {tuple(k.shape)})"
+        )
     order = params.choice(scale_order, params.SCALE_ORDERS, "scale_order")
     params.choice(mask_convention, params.MASK_CONVENTIONS, "mask_convention")
     scale = scale if isinstance(scale, params.Scale) else params.scale(scale)
@@ -189,9 +197,11 @@ def prepare_inputs(
     if logits is not None:
         for name, t, want in (("scores_mod", logits[0], torch.float32), ("scores_mod64", logits[1], torch.float64)):
             if tuple(t.shape) != (*lead, q4.shape[1], q4.shape[2], k4.shape[2]) or t.dtype != want:
-                raise AttncheckError(f"{name} has shape {tuple(t.shape)} and dtype {str(t.dtype).removeprefix('torch.')}; for q "
-                                     f"{tuple(q.shape)} and k {tuple(k.shape)} it must be {(*lead, q4.shape[1], q4.shape[2], k4.shape[2])} "
-                                     f"{str(want).removeprefix('torch.')}")
+                raise AttncheckError(
+                    f"{name} has shape {tuple(t.shape)} and dtype {str(t.dtype).removeprefix('torch.')}; for q "
+                    f"{tuple(q.shape)} and k {tuple(k.shape)} it must be {(*lead, q4.shape[1], q4.shape[2], k4.shape[2])} "
+                    f"{str(want).removeprefix('torch.')}"
+                )
         need += 12 * logits[0].numel()
     need += sum(m.numel() * (8 if m.is_floating_point() else 1) for m in (mask4, masked4) if m is not None)
     need += (tq * tk if causal else 0) + (b * tk if pad_left or pad_right else 0)
@@ -210,14 +220,18 @@ def prepare_inputs(
             planes_masked = ~mask4 if mask_convention == "attend" else mask4
         elif mask.is_floating_point():
             mask_float = mask4.to(torch.float64)
-            vals, counts = torch.unique(mask.to(torch.float64), return_counts=True)  # of the mask as given, before broadcasting
+            vals, counts = torch.unique(
+                mask.to(torch.float64), return_counts=True
+            )  # of the mask as given, before broadcasting
             looks_boolean = vals.numel() <= 2 and bool(((vals == 0) | (vals == 1)).all()) and bool((vals == 1).any())
             sentinel = vals <= MASK_SENTINEL_LIMIT
             if bool(sentinel.any()):
                 float_mask_value = float(vals[sentinel][torch.argmax(counts[sentinel])])
             summed, deep = _summed_planes(mask)
         else:
-            raise AttncheckError(f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask")
+            raise AttncheckError(
+                f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask"
+            )
     extra = masked4  # the planes combine at the shape they broadcast to, not over every score
     if causal:
         # PyTorch's is_causal: ones(L, S).tril(0), aligned at the top left.
@@ -303,7 +317,9 @@ def _compact_mask(mask: torch.Tensor, full: tuple[int, ...], lead: tuple[int, ..
     except RuntimeError:
         fits = False
     if not fits:
-        raise AttncheckError(f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape (batch {b}, heads {h}, queries {tq}, keys {tk})")
+        raise AttncheckError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape (batch {b}, heads {h}, queries {tq}, keys {tk})"
+        )
     return m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
 
 
@@ -360,22 +376,37 @@ class QKBlock:
     """A block of score rows computed from Q and K: the float64 reference input and, per dtype,
     the scores the model would produce, with the rows each pipeline stage broke."""
 
-    def __init__(self, inp: AttentionInputs, bh: slice, qs: slice, device: torch.device, audit: AttentionAudit, spread: SpreadSample) -> None:
+    def __init__(
+        self,
+        inp: AttentionInputs,
+        bh: slice,
+        qs: slice,
+        device: torch.device,
+        audit: AttentionAudit,
+        spread: SpreadSample,
+    ) -> None:
         self.inp, self.audit = inp, audit
         self.rows = (bh, qs)  # the query heads and queries of this block
         self.q, self.k, raw = _qk_float64(inp, bh, qs, device)  # (n, tq, d), (n, Tk, d), (n, tq, Tk)
-        self.v = None if inp.v is None else inp.v.reshape(-1, *inp.v.shape[2:])[_kv_heads(inp, bh)].to(device)  # (n, Tk, dv)
+        self.v = (
+            None if inp.v is None else inp.v.reshape(-1, *inp.v.shape[2:])[_kv_heads(inp, bh)].to(device)
+        )  # (n, Tk, dv)
         self.masked = self._slice4(inp.masked, bh, qs, device)  # (n, tq, Tk) bool or None
         self.mask_float = self._slice4(inp.mask_float, bh, qs, device)
         if inp.qk_finite:  # q.k of finite q and k is finite in float64: no check per score
             self.raw_finite = None
-            audit.raw_max_abs = max(audit.raw_max_abs, float(raw.amax()), -float(raw.amin())) if raw.numel() else audit.raw_max_abs
+            audit.raw_max_abs = (
+                max(audit.raw_max_abs, float(raw.amax()), -float(raw.amin())) if raw.numel() else audit.raw_max_abs
+            )
         else:
             self.raw_finite = torch.isfinite(raw).reshape(-1, raw.shape[-1])
             audit.raw_max_abs = max(audit.raw_max_abs, _finite_abs_max(raw))
         s = raw.mul_(inp.scale)  # (n, tq, Tk): raw is not needed again
         if not spread.full:  # from the first rows on, only as many as the sample still needs
-            flat_s, flat_m = s.reshape(-1, s.shape[-1]), None if self.masked is None else self.masked.reshape(-1, s.shape[-1])
+            flat_s, flat_m = (
+                s.reshape(-1, s.shape[-1]),
+                None if self.masked is None else self.masked.reshape(-1, s.shape[-1]),
+            )
             step = -(-SPREAD_SAMPLE // max(1, s.shape[-1]))
             for start in range(0, flat_s.shape[0], step):
                 part = flat_s[start : start + step]
@@ -443,7 +474,9 @@ class QKBlock:
             values.append(in_dt)
         a.mask_values = values
         a.sentinel_value = values[0] if values else sentinel
-        a.sentinel_not_representable = self.masked is not None and inp.eager_value not in ("-inf",) and math.isinf(sentinel)
+        a.sentinel_not_representable = (
+            self.masked is not None and inp.eager_value not in ("-inf",) and math.isinf(sentinel)
+        )
         mf, plane, mask_dt = self._mask_planes(dt, inp.eager_value)
         if mf is not None:
             a.mask_not_representable += int((torch.isinf(mf) & torch.isfinite(self.mask_float)).sum())
@@ -490,7 +523,9 @@ class QKBlock:
         else:
             s = torch.matmul(qd, kd.transpose(-1, -2)) * inp.scale  # the scale rounded to fp32, as the kernel holds it
         flat = s.reshape(-1, s.shape[-1])
-        factor = max(inp.scale, 1.0)  # sdpa-math scales before the product, flash after: either is within max(scale, 1) x |q.k|
+        factor = max(
+            inp.scale, 1.0
+        )  # sdpa-math scales before the product, flash after: either is within max(scale, 1) x |q.k|
         if inp.cannot_overflow(dt, torch.float32, factor) and inp.mask_float is None and inp.mask_value == "-inf":
             # Every score is finite and the mask only sets keys to -inf: nothing to count, nothing to add.
             none = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
@@ -567,9 +602,20 @@ def start_audit(inp: AttentionInputs, statistics: bool = True) -> AttentionAudit
     """The audit blocks fill in; without ``statistics``, the spreads and maxima of q and k
     are left at 0 (for callers that only need the paths' numbers)."""
     if not statistics:
-        return AttentionAudit(d=inp.d, heads=inp.heads, kv_heads=inp.k.shape[1], scale=inp.scale, scale_name=inp.scale_name,
-                              scale_order=inp.scale_order, mask_value=inp.mask_value, q_std=0.0, k_std=0.0, q_max_abs=0.0,
-                              k_max_abs=0.0, float_mask_looks_boolean=inp.float_mask_looks_boolean)
+        return AttentionAudit(
+            d=inp.d,
+            heads=inp.heads,
+            kv_heads=inp.k.shape[1],
+            scale=inp.scale,
+            scale_name=inp.scale_name,
+            scale_order=inp.scale_order,
+            mask_value=inp.mask_value,
+            q_std=0.0,
+            k_std=0.0,
+            q_max_abs=0.0,
+            k_max_abs=0.0,
+            float_mask_looks_boolean=inp.float_mask_looks_boolean,
+        )
     q64, k64 = inp.q.to(torch.float64), inp.k.to(torch.float64)
     return AttentionAudit(
         d=inp.d,
@@ -578,7 +624,9 @@ def start_audit(inp: AttentionInputs, statistics: bool = True) -> AttentionAudit
         scale=inp.scale,
         scale_name=inp.scale_name,
         scale_order=inp.scale_order,
-        mask_value=inp.mask_value if inp.masked is not None or inp.float_mask_value is None else repr(inp.float_mask_value),
+        mask_value=inp.mask_value
+        if inp.masked is not None or inp.float_mask_value is None
+        else repr(inp.float_mask_value),
         float_mask_value=inp.float_mask_value,
         q_std=robust_std(q64, SPREAD_SAMPLE),
         k_std=robust_std(k64, SPREAD_SAMPLE),
@@ -604,7 +652,9 @@ def _row_ranges(inp: AttentionInputs, rows_per_block: int) -> Iterator[tuple[sli
                 yield slice(i, i + 1), slice(q0, min(q0 + rows_per_block, tq))
 
 
-def score_blocks(inp: AttentionInputs, rows_per_block: int, device: torch.device, audit: AttentionAudit) -> Iterator[QKBlock]:
+def score_blocks(
+    inp: AttentionInputs, rows_per_block: int, device: torch.device, audit: AttentionAudit
+) -> Iterator[QKBlock]:
     """Consecutive blocks of score rows in (batch, head, query) order."""
     spread = SpreadSample(audit)
     for bh, qs in _row_ranges(inp, rows_per_block):
@@ -632,7 +682,9 @@ class GivenBlock:
         self.qk.in_dtype(dt)
 
 
-def given_blocks(scores: "TensorSource", inp: AttentionInputs, rows_per_block: int, device: torch.device, audit: AttentionAudit) -> Iterator[GivenBlock]:
+def given_blocks(
+    scores: "TensorSource", inp: AttentionInputs, rows_per_block: int, device: torch.device, audit: AttentionAudit
+) -> Iterator[GivenBlock]:
     """The given scores in blocks of the rows ``score_blocks`` computes, each with its QKBlock."""
     spread = SpreadSample(audit)
     rows = _Rows(scores.row_blocks(rows_per_block))
@@ -642,7 +694,9 @@ def given_blocks(scores: "TensorSource", inp: AttentionInputs, rows_per_block: i
     spread.finish()
 
 
-def _qk_float64(inp: AttentionInputs, bh: slice, qs: slice, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qk_float64(
+    inp: AttentionInputs, bh: slice, qs: slice, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (n, tq, d) and k (n, Tk, d) of the heads ``bh`` and queries ``qs`` (k repeated for
     GQA), and their float64 q.k^T (n, tq, Tk)."""
     b, hq = inp.q.shape[:2]
@@ -687,7 +741,9 @@ def fit_scale(scores: "TensorSource", inp: AttentionInputs, rows_per_block: int)
     from attncheck.numerics.rowmath import row_sum
 
     if math.prod(scores.shape) != math.prod(inp.score_shape) or scores.shape[-1] != inp.k.shape[2]:
-        raise AttncheckError(f"scores of shape {tuple(scores.shape)} do not match q.k^T of shape {tuple(inp.score_shape)}")
+        raise AttncheckError(
+            f"scores of shape {tuple(scores.shape)} do not match q.k^T of shape {tuple(inp.score_shape)}"
+        )
     rows = _Rows(scores.row_blocks(rows_per_block))
     num, den = ExactSum(), ExactSum()
     for bh, qs in _row_ranges(inp, rows_per_block):

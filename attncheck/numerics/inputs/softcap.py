@@ -36,5 +36,13 @@ def softcap_facts(inp: "AttentionInputs", dtype: torch.dtype, cap: float, max_qk
         y = capped(top, inp.scale, cap)  # (2,)
         (g,) = torch.autograd.grad(y.sum(), top)
     saturated = bool(y[0] == y[1])
-    return SoftCap(cap=cap, scale=inp.scale, dtype=dtype_label(dtype), limit=limit, max_qk=max_qk, overflow=overflow,
-                   saturated=saturated, grad_finite=bool(torch.isfinite(g[1])))
+    return SoftCap(
+        cap=cap,
+        scale=inp.scale,
+        dtype=dtype_label(dtype),
+        limit=limit,
+        max_qk=max_qk,
+        overflow=overflow,
+        saturated=saturated,
+        grad_finite=bool(torch.isfinite(g[1])),
+    )

@@ -152,6 +152,7 @@ def gamma(n: torch.Tensor | float) -> torch.Tensor:
 def _rounds_same(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """True where rounding to ``dtype`` (through float32) is constant on [lo, hi]: both ends round
     to the same value, and rounding is monotone."""
+
     def rd(t: torch.Tensor) -> torch.Tensor:
         return t.float().to(dtype)
 

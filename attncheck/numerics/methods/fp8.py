@@ -74,7 +74,9 @@ class PCastSoftmax:
 
     probs: torch.Tensor  # (..., T) float32: the weight the output gives each key, fp8(P~_j)/S exp(m_j - m) / l
     flushed: torch.Tensor  # (..., T) bool: P~ > 0 in fp32 but 0 after the FP8 cast
-    block_position: torch.Tensor  # (..., nb) int8 per key block (in key order): against the row max's block, in visiting order (BEFORE/AT/AFTER)
+    block_position: (
+        torch.Tensor
+    )  # (..., nb) int8 per key block (in key order): against the row max's block, in visiting order (BEFORE/AT/AFTER)
     overflow: torch.Tensor  # (...) bool rows where some P~ exceeded the FP8 range (S above its max) and was clipped
     p_scale: float = 1.0  # S
     block: int = 0  # keys per block (the last may be cut short)

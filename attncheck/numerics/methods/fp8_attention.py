@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from attncheck.errors import AttncheckError
 from attncheck.numerics.methods.fp8 import PCastSoftmax, cast_overflow, fp8_values, pcast_softmax
-from attncheck.numerics.methods.softmax import MethodOutput, MethodParams
 from attncheck.params import DEFAULT_P_SCALE
 
 if TYPE_CHECKING:
-    from attncheck.numerics.methods.paths import PathBlock
     from attncheck.numerics.inputs.scores import AttentionInputs, QKBlock
 
 FA3_P_SCALE = DEFAULT_P_SCALE  # 2^8: the max offset of 8 in FlashAttention-3's exp2
@@ -101,7 +99,9 @@ def _descale(x: torch.Tensor, groups: torch.Tensor | None, top: float, scaling: 
         amax = per[:, None].expand(n, t)
     else:
         nb = int(groups.max()) + 1
-        per = torch.zeros(n, nb, dtype=absx.dtype, device=x.device).scatter_reduce(1, groups, absx, "amax", include_self=True)
+        per = torch.zeros(n, nb, dtype=absx.dtype, device=x.device).scatter_reduce(
+            1, groups, absx, "amax", include_self=True
+        )
         amax = per.gather(1, groups)
     ds = (amax / top).float()
     return torch.where(ds > 0, ds, torch.ones_like(ds))
@@ -132,7 +132,10 @@ def quantize_inputs(inp: "AttentionInputs", setup: Fp8Setup) -> Quantized:
     k = inp.k.reshape(b * hk, tk, d).to(torch.float64)
     if setup.incoherent:
         if d & (d - 1):
-            raise AttncheckError(f"rotates Q and K by a Hadamard matrix, which needs a head dim that is a power of two; d = {d}", param="incoherent")
+            raise AttncheckError(
+                f"rotates Q and K by a Hadamard matrix, which needs a head dim that is a power of two; d = {d}",
+                param="incoherent",
+            )
         h = hadamard(d, setup.seed, q.device)
         q, k = q @ h, k @ h
     top = float(torch.finfo(setup.fmt).max)
@@ -148,17 +151,30 @@ def quantize_inputs(inp: "AttentionInputs", setup: Fp8Setup) -> Quantized:
     v8 = dv = None
     if inp.v is not None:
         v = inp.v.reshape(b * hk, tk, -1).to(torch.float64)
-        dv_rows = _descale(v, kg, top, "head" if setup.scaling == "block" else setup.scaling)  # (n, Tk): one value per head
+        dv_rows = _descale(
+            v, kg, top, "head" if setup.scaling == "block" else setup.scaling
+        )  # (n, Tk): one value per head
         v8, counts["v"] = _quantize(v, dv_rows, setup.fmt)
         dv = dv_rows[:, :1]
         tensors["v"] = v
     amax = {name: float(t.abs().max()) if t.numel() else 0.0 for name, t in tensors.items()}
-    out = Quantized(q8, dq, k8, dk, v8, dv, *({name: c[key] for name, c in counts.items()} for key in ("clipped", "flushed", "subnormal", "values")), amax)
+    out = Quantized(
+        q8,
+        dq,
+        k8,
+        dk,
+        v8,
+        dv,
+        *({name: c[key] for name, c in counts.items()} for key in ("clipped", "flushed", "subnormal", "values")),
+        amax,
+    )
     inp.cache[("fp8", setup)] = out
     return out
 
 
-def online_pcast_out(s: torch.Tensor, v8: torch.Tensor | None, fmt: torch.dtype, p_scale: float, block: int, reverse: bool) -> tuple[PCastSoftmax, torch.Tensor | None]:
+def online_pcast_out(
+    s: torch.Tensor, v8: torch.Tensor | None, fmt: torch.dtype, p_scale: float, block: int, reverse: bool
+) -> tuple[PCastSoftmax, torch.Tensor | None]:
     """The P-cast softmax of ``s`` (n, tq, T) float32 and, with ``v8`` (n, T, dv) float32, the
     fp32 output sum_j fp8(P~_j) @ V8_j accumulated block by block with the running rescale,
     divided by the fp32 row sum (times p_scale, as the kernels' sum of scaled exps)."""
@@ -170,7 +186,7 @@ def online_pcast_out(s: torch.Tensor, v8: torch.Tensor | None, fmt: torch.dtype,
     m = torch.full((n, tq, 1), float("-inf"), device=s.device)
     l = torch.zeros((n, tq, 1), device=s.device)
     acc = torch.zeros((n, tq, v8.shape[-1]), device=s.device)
-    for j in (range(nb - 1, -1, -1) if reverse else range(nb)):  # loop over key blocks, not rows
+    for j in range(nb - 1, -1, -1) if reverse else range(nb):  # loop over key blocks, not rows
         keys = slice(j * block, min((j + 1) * block, t))
         m_new = torch.maximum(m, s[..., keys].amax(dim=-1, keepdim=True))
         base = torch.where(m_new == float("-inf"), 0.0, m_new)

@@ -10,7 +10,6 @@ are the real ones on CPU and CUDA alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from typing import Any
 
 import torch
@@ -142,7 +141,9 @@ class MethodOutput:
         return event_rows(self.events, "underflow", self.probs.shape[:-1], self.probs.device)
 
 
-def event_rows(events: dict[str, torch.Tensor], kind: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def event_rows(
+    events: dict[str, torch.Tensor], kind: str, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
     """(...) bool: rows with any event that counts as ``kind`` ('overflow' or 'underflow')."""
     out = torch.zeros(shape, dtype=torch.bool, device=device)
     for name, hit in events.items():
@@ -213,7 +214,9 @@ def torch_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
     return MethodOutput(torch._softmax(x, -1, False, out=out))  # the kernel torch.softmax calls, into the buffer
 
 
-def run_method(method: str, x: torch.Tensor, *, block: int = DEFAULT_BLOCK, reverse: bool = False, accum: str = "fp32") -> MethodOutput:
+def run_method(
+    method: str, x: torch.Tensor, *, block: int = DEFAULT_BLOCK, reverse: bool = False, accum: str = "fp32"
+) -> MethodOutput:
     """Run one registered method on scores already cast to the cell's dtype, keeping its events."""
     spec = METHODS.get(method, param="methods")
     if accum not in ACCUMULATIONS:

@@ -73,8 +73,8 @@ if TYPE_CHECKING:
     import torch
 
     from attncheck.numerics.inputs.scores import QKBlock
-    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodParams
+    from attncheck.numerics.paths.common import PathBlock
 
 KEY_TILE = 128  # the key tile of the forward's online softmax and of the backward's CTA walk (ASSUMED / PR 628)
 Q_TILE = 64  # the backward's query tile (the kernel name's 64x64x64; ASSUMED)
@@ -84,9 +84,9 @@ EVENT = "padded_tile"  # the hazard's event name (rows); the key and query forms
 PATH = PathSpec(
     name="cudnn",
     summary="cuDNN's SDPA forward (PyTorch's CUDNN_ATTENTION backend), emulated from its documented "
-            "FlashAttention-2 algorithm: S in fp32, the mask as a bias in the dtype, online softmax over "
-            "128-key tiles with fp32 statistics, P rounded to the dtype for P@V, LSE in fp32; rounding "
-            "points assumed (closed source)",
+    "FlashAttention-2 algorithm: S in fp32, the mask as a bias in the dtype, online softmax over "
+    "128-key tiles with fp32 statistics, P rounded to the dtype for P@V, LSE in fp32; rounding "
+    "points assumed (closed source)",
     impl="attncheck.numerics.paths.cudnn:forward",
     kernel="cuDNN's SDPA forward",
     scores_in="fp32 registers (assumed)",
@@ -94,12 +94,12 @@ PATH = PathSpec(
     default=False,
     device="cuda",
     source="NVIDIA/cudnn-frontend@0512390c9de2905a46967d21f761eeeec8fddf1b docs/operations/Attention.md; "
-           "pytorch/pytorch@001f694aef6f922b4fdf6d27d59162d27bf3df58 "
-           "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp",
+    "pytorch/pytorch@001f694aef6f922b4fdf6d27d59162d27bf3df58 "
+    "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp",
     assumed="cuDNN is closed source: its rounding points (fp32 S, the bias added in fp32, the 128-key tile, "
-            "exp correctly rounded, P rounded to the dtype, the halving-tree tile sum) are assumed from the "
-            "documented FlashAttention-2 algorithm, not read; the padded-tile hazard's trigger is taken from "
-            "PyTorch issue 196678 and cudnn-frontend issue 1072 / PR 628",
+    "exp correctly rounded, P rounded to the dtype, the halving-tree tile sum) are assumed from the "
+    "documented FlashAttention-2 algorithm, not read; the padded-tile hazard's trigger is taken from "
+    "PyTorch issue 196678 and cudnn-frontend issue 1072 / PR 628",
     stands_for=(Stands("sdpa", "cudnn_attention", "cuda"),),
     supports="attncheck.numerics.paths.cudnn:supports",
     replay=True,
@@ -113,8 +113,15 @@ def lse_margin(lse: torch.Tensor) -> torch.Tensor:
     return -LN_FLT_MAX - lse.double()
 
 
-def padded_tile_rows(lse: torch.Tensor, tk: int, tq: int, explicit_mask: bool, tile: int = KEY_TILE,
-                     q_tile: int = Q_TILE, capability: tuple[int, int] | None = None) -> torch.Tensor:
+def padded_tile_rows(
+    lse: torch.Tensor,
+    tk: int,
+    tq: int,
+    explicit_mask: bool,
+    tile: int = KEY_TILE,
+    q_tile: int = Q_TILE,
+    capability: tuple[int, int] | None = None,
+) -> torch.Tensor:
     """(r,) bool: the rows whose backward the padded-tile hazard breaks (see the module docstring).
 
     A row counts where its LSE is finite and exp(0 - LSE) rounds to inf in fp32, in a call that
@@ -177,10 +184,19 @@ def _lse(s: torch.Tensor, ob, m: torch.Tensor) -> torch.Tensor:
     return m + torch.log(l.double()).float()  # log rounded once to fp32; m + log(0) = -inf for no key
 
 
-def kernel_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, *, scale: float,
-                bias: torch.Tensor | None, dt: torch.dtype, tq: int | None = None,
-                explicit_mask: bool | None = None, block_n: int = KEY_TILE,
-                capability: tuple[int, int] | None = None) -> KernelRows:
+def kernel_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    *,
+    scale: float,
+    bias: torch.Tensor | None,
+    dt: torch.dtype,
+    tq: int | None = None,
+    explicit_mask: bool | None = None,
+    block_n: int = KEY_TILE,
+    capability: tuple[int, int] | None = None,
+) -> KernelRows:
     """The emulated cuDNN forward of q (n, tq, d), k (n, Tk, d), v (n, Tk, dv) or None (any float
     dtype; rounded to ``dt`` here), ``bias`` (n, tq, Tk) additive, in ``dt`` or rounded to it, or None.
     ``tq``: the call's query length (default q's); ``explicit_mask``: the call passed an attn_mask
@@ -201,8 +217,14 @@ def kernel_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, *, sca
     return KernelRows(probs, out, lse, events, margin=lse_margin(lse))
 
 
-def hazard_events(lse: torch.Tensor, tk: int, tq: int, explicit_mask: bool, tile: int = KEY_TILE,
-                  capability: tuple[int, int] | None = None) -> dict:
+def hazard_events(
+    lse: torch.Tensor,
+    tk: int,
+    tq: int,
+    explicit_mask: bool,
+    tile: int = KEY_TILE,
+    capability: tuple[int, int] | None = None,
+) -> dict:
     """The padded-tile hazard's rows: ``padded_tile`` (either form, ``padded_tile_rows``) and each form
     on its own ('padded_key_tile': NaN in the row's dQ; 'padded_query_tile': NaN in dK, dV)."""
     over = _overflows(lse) & (capability is None or tuple(capability) == (9, 0))
@@ -215,8 +237,8 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
     """The path's forward on a block of rows: the scores as the flash path computes them (points 1-3),
     the online softmax over 128-key tiles (4-7), the padded-tile hazard as events where the registry
     knows the event's name."""
-    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodOutput
+    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.precision import cast
 
     s, before = block.fp32_scores(dt, PATH)  # S * scale + the mask in dt, in fp32
@@ -227,7 +249,9 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
     # counts as explicit (a causal-only call would be over-flagged in the key form).
     call = inp.call
     explicit = inp.mask_float is not None or inp.masked is not None if call is None else call.mask == "explicit"
-    events = hazard_events(lse, block.k.shape[1], inp.q.shape[2], explicit, capability=None if call is None else call.capability)
+    events = hazard_events(
+        lse, block.k.shape[1], inp.q.shape[2], explicit, capability=None if call is None else call.capability
+    )
     out = MethodOutput(probs, {EVENT: events[EVENT]}, extremes={EVENT: lse})
     out.out = o
     return PathBlock(s, before, [], [(PATH.name, out)])

@@ -22,9 +22,16 @@ if TYPE_CHECKING:
     from attncheck.numerics.paths.common import PathBlock
 
 PATH = PathSpec(
-    "eager", "hand-written attention (HF eager): Q@K^T rounded to the dtype, scale and mask in the dtype, "
-    "the chosen softmax, P@V in the dtype", f"{__name__}:forward", runs_methods=True, scores="dtype",
-    probs_in="the dtype", backward="eager", stands_for=(Stands("qk"),))
+    "eager",
+    "hand-written attention (HF eager): Q@K^T rounded to the dtype, scale and mask in the dtype, "
+    "the chosen softmax, P@V in the dtype",
+    f"{__name__}:forward",
+    runs_methods=True,
+    scores="dtype",
+    probs_in="the dtype",
+    backward="eager",
+    stands_for=(Stands("qk"),),
+)
 
 
 def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params: "MethodParams") -> "PathBlock":

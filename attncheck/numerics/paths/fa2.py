@@ -78,8 +78,8 @@ if TYPE_CHECKING:
     import torch
 
     from attncheck.numerics.inputs.scores import QKBlock
-    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodParams
+    from attncheck.numerics.paths.common import PathBlock
 
 FLASH_COMMIT = "0251105a2fb19d2957484b7f023cd8c115286ced"
 TORCH_COMMIT = "00a1abb4ef74f047662e57678240bbe3dfe46ef0"
@@ -279,16 +279,25 @@ def block_bias(block: QKBlock, dt: torch.dtype) -> torch.Tensor | None:
 
 def run(block: QKBlock, dt: torch.dtype, name: str, fused: bool) -> PathBlock:
     """The forward of ``fa2`` / ``fa2-fma`` on a block of rows."""
-    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodOutput
+    from attncheck.numerics.paths.common import PathBlock
 
     s, before = block.fp32_scores(dt, PATH)  # (r, Tk) S*scale+mask in fp32: the reference's input and causes
     d = block.q.shape[-1]
     call = block.inp.call  # a captured call's facts: the GPU's capability and is_causal pick the tile
-    tile = tile_n(d, None if call is None else call.capability, call is not None and call.mask == "causal", torch_copy=not fused)
+    tile = tile_n(
+        d, None if call is None else call.capability, call is not None and call.mask == "causal", torch_copy=not fused
+    )
     res = kernel_rows(
-        block.q, block.k, block.v, scale=block.inp.scale, dt=dt, block_n=tile,
-        fused=fused, bias=block_bias(block, dt), softcap=None if call is None else call.softcap,
+        block.q,
+        block.k,
+        block.v,
+        scale=block.inp.scale,
+        dt=dt,
+        block_n=tile,
+        fused=fused,
+        bias=block_bias(block, dt),
+        softcap=None if call is None else call.softcap,
     )
     out = MethodOutput(res.probs, events={"fused_max": res.events["fused_max"]})
     out.out = res.out

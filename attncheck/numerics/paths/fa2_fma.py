@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     import torch
 
     from attncheck.numerics.inputs.scores import QKBlock
-    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodParams
+    from attncheck.numerics.paths.common import PathBlock
 
 
 def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
@@ -44,8 +44,12 @@ def limit(dt: torch.dtype) -> tuple[str, float, str]:
     room = min(math.log2(rounding_limit(torch.float32)), math.log2(rounding_limit(dt)))
     e = math.ceil(math.log2(2 * room / torch.finfo(torch.float32).eps))
     threshold = 2.0**e / math.log2(math.e)
-    return ("fused_max", threshold, f"the fused exponent at the row max (half an fp32 ulp of m scale log2e) can "
-            f"overflow from |S scale| >= {threshold:.4g} (|m scale log2e| >= 2^{e})")
+    return (
+        "fused_max",
+        threshold,
+        f"the fused exponent at the row max (half an fp32 ulp of m scale log2e) can "
+        f"overflow from |S scale| >= {threshold:.4g} (|m scale log2e| >= 2^{e})",
+    )
 
 
 def supports(facts: CallFacts) -> str | None:

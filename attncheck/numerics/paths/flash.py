@@ -44,12 +44,19 @@ if TYPE_CHECKING:
     from attncheck.numerics.paths.common import PathBlock
 
 PATH = PathSpec(
-    "flash", "FlashAttention-2 forward as PyTorch's CPU flash kernel computes it: S in fp32, online softmax over "
+    "flash",
+    "FlashAttention-2 forward as PyTorch's CPU flash kernel computes it: S in fp32, online softmax over "
     "key blocks, P rounded to the dtype before P@V, O in fp32 divided by l at the end, zeros for fully masked rows",
-    f"{__name__}:forward", aliases=("cpu-flash",), scores_in="fp32 registers", kernel="FlashAttention-2's forward",
-    backward="recompute", replay=True, source="pytorch/pytorch v2.13.0 aten/src/ATen/native/cpu/FlashAttentionKernel.cpp",
+    f"{__name__}:forward",
+    aliases=("cpu-flash",),
+    scores_in="fp32 registers",
+    kernel="FlashAttention-2's forward",
+    backward="recompute",
+    replay=True,
+    source="pytorch/pytorch v2.13.0 aten/src/ATen/native/cpu/FlashAttentionKernel.cpp",
     stands_for=(Stands("sdpa", "flash_attention", "cpu"), Stands("sdpa")),
-    supports=f"{__name__}:supports")
+    supports=f"{__name__}:supports",
+)
 
 
 def supports(facts: CallFacts) -> str | None:

@@ -42,21 +42,33 @@ if TYPE_CHECKING:
     from attncheck.numerics.paths.common import PathBlock
 
 PATH = PathSpec(
-    "flash-fp8", "FlashAttention-3's FP8 forward: e4m3 Q, K, V with descales (--fp8-scaling, --incoherent), S in "
+    "flash-fp8",
+    "FlashAttention-3's FP8 forward: e4m3 Q, K, V with descales (--fp8-scaling, --incoherent), S in "
     "fp32, key blocks last to first, P scaled by --p-scale (2^8) and cast to FP8, O in fp32 then bf16",
-    f"{__name__}:forward", scores_in="fp32 from FP8 q and k", fp8=True, kernel="FlashAttention-3's FP8 forward",
-    device="cuda", assumed="the FP8 tensor cores' accumulation (about 22 bits) is taken as fp32; exp2 is exp rounded to fp32")
+    f"{__name__}:forward",
+    scores_in="fp32 from FP8 q and k",
+    fp8=True,
+    kernel="FlashAttention-3's FP8 forward",
+    device="cuda",
+    assumed="the FP8 tensor cores' accumulation (about 22 bits) is taken as fp32; exp2 is exp rounded to fp32",
+)
 
 
 def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params: "MethodParams") -> "PathBlock":
     import torch
 
     from attncheck.numerics.inputs.scores import _kv_heads
-    from attncheck.numerics.methods.fp8_attention import (OUT_DTYPE, Fp8Setup, add_bf16_mask, fa3_tile, online_pcast_out,
-                                                          quantize_inputs, record_audit)
+    from attncheck.numerics.methods.fp8_attention import (
+        OUT_DTYPE,
+        Fp8Setup,
+        add_bf16_mask,
+        fa3_tile,
+        online_pcast_out,
+        quantize_inputs,
+        record_audit,
+    )
     from attncheck.numerics.methods.softmax import MethodOutput
     from attncheck.numerics.paths.common import PathBlock
-
 
     setup = params.fp8 or Fp8Setup(fmt=dt)
     quant = quantize_inputs(block.inp, setup)

@@ -37,11 +37,19 @@ if TYPE_CHECKING:
     from attncheck.numerics.paths.common import PathBlock
 
 PATH = PathSpec(
-    "flex", "FlexAttention's fused kernel (torch.compile'd flex_attention): S in fp32, the score_mod and mask "
+    "flex",
+    "FlexAttention's fused kernel (torch.compile'd flex_attention): S in fp32, the score_mod and mask "
     "in fp32, online softmax over key blocks, O in fp32 then the dtype, zeros for rows with no key",
-    f"{__name__}:forward", default=False, scores_in="fp32 (the score_mod applied in fp32)",
-    kernel="FlexAttention's fused forward", logits=True, stands_for=(Stands("flex"),),
-    replay=True, replay_kinds=("flex",), supports=f"{__name__}:supports")
+    f"{__name__}:forward",
+    default=False,
+    scores_in="fp32 (the score_mod applied in fp32)",
+    kernel="FlexAttention's fused forward",
+    logits=True,
+    stands_for=(Stands("flex"),),
+    replay=True,
+    replay_kinds=("flex",),
+    supports=f"{__name__}:supports",
+)
 
 
 def supports(facts: CallFacts) -> str | None:
@@ -56,7 +64,9 @@ def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params:
 
     s, before = block.fp32_scores(dt, PATH)  # (r, Tk) float32
     v = None if block.v is None else cast(block.v, dt)
-    p, o = flex_kernel_rows(s, v, dt, block=block.inp.flex_block)  # effective probabilities (r, Tk) float32; O (r, dv) in dt
+    p, o = flex_kernel_rows(
+        s, v, dt, block=block.inp.flex_block
+    )  # effective probabilities (r, Tk) float32; O (r, dv) in dt
     out = MethodOutput(p)
     out.out = o
     return PathBlock(s, before, [], [(PATH.name, out)])

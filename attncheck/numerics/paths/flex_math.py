@@ -25,11 +25,19 @@ if TYPE_CHECKING:
     from attncheck.numerics.paths.common import PathBlock
 
 PATH = PathSpec(
-    "flex-math", "FlexAttention without torch.compile: S in fp32, the score_mod and mask in fp32, _safe_softmax "
-    "in fp32, P cast to the dtype, P@V in the dtype", f"{__name__}:forward", default=False,
-    scores_in="fp32 (the score_mod applied in fp32)", probs_in="the dtype", logits=True,
-    stands_for=(Stands("flex", "math"),), replay=True, replay_kinds=("flex",),
-    supports=f"{__name__}:supports")
+    "flex-math",
+    "FlexAttention without torch.compile: S in fp32, the score_mod and mask in fp32, _safe_softmax "
+    "in fp32, P cast to the dtype, P@V in the dtype",
+    f"{__name__}:forward",
+    default=False,
+    scores_in="fp32 (the score_mod applied in fp32)",
+    probs_in="the dtype",
+    logits=True,
+    stands_for=(Stands("flex", "math"),),
+    replay=True,
+    replay_kinds=("flex",),
+    supports=f"{__name__}:supports",
+)
 
 
 def supports(facts: CallFacts) -> str | None:

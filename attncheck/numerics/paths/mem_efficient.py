@@ -88,8 +88,8 @@ if TYPE_CHECKING:
     import torch
 
     from attncheck.numerics.inputs.scores import QKBlock
-    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodParams
+    from attncheck.numerics.paths.common import PathBlock
 
 COMMIT = "4f4bcdbe6ddea60634d2af07a07c2e88dfd39a1e"
 LOG2E = 1.4426950408889634074  # kLog2e, held by the kernel as an fp32 constant
@@ -315,23 +315,26 @@ def kernel_rows(
 def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
     """The path on a block of rows: the mask as the model holds it in dt is the kernel's bias
     (causal included, as the block holds it: -inf either way)."""
-    from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.methods.softmax import MethodOutput
+    from attncheck.numerics.paths.common import PathBlock
 
     _, before = block.fp32_scores(dt, "flash")  # the causes before 'fully_masked' (qk overflow, mask sentinel)
     _, _, mask_dt = block._mask_planes(dt)
     call = block.inp.call  # a captured call: the GPU's capability picks the tiles; is_causal shortens the key loop
     capability = None if call is None else call.capability
     limit = None
-    if call is not None and call.mask == "causal":  # the kernel's own causal mask: its loop stops at the tile's diagonal
+    if (
+        call is not None and call.mask == "causal"
+    ):  # the kernel's own causal mask: its loop stops at the tile's diagonal
         import torch
 
         q_block = tiles(block.q.shape[-1], block.q.shape[-1] if block.v is None else block.v.shape[-1], capability)[0]
         queries = torch.arange(block.inp.q.shape[2])[block.rows[1]]
         per_query = torch.clamp((queries // q_block + 1) * q_block, max=block.k.shape[1])
         limit = per_query.repeat(block.q.shape[0])
-    kr = kernel_rows(block.q, block.k, block.v, scale=block.inp.scale, dt=dt, bias=mask_dt, capability=capability,
-                     key_limit=limit)
+    kr = kernel_rows(
+        block.q, block.k, block.v, scale=block.inp.scale, dt=dt, bias=mask_dt, capability=capability, key_limit=limit
+    )
     out = MethodOutput(kr.probs, events={"exp_overflow": kr.events["log2e_overflow"]})
     out.out = kr.out
     return PathBlock(kr.scores, before, [], [(PATH.name, out)])

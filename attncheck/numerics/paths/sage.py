@@ -30,21 +30,36 @@ if TYPE_CHECKING:
     from attncheck.numerics.paths.common import PathBlock
 
 PATH = PathSpec(
-    "sage", "SageAttention 2 (SM90): K smoothed, Q and K in INT8 per thread group, P scaled by 448 and cast to "
-    "FP8, V in FP8 per channel, key blocks first to last, O in bf16", f"{__name__}:forward",
-    scores_in="fp32 from INT8 q and k", fp8=True, kernel="SageAttention 2", device="cuda",
-    assumed="the FP8 MMA's FP22 accumulation is taken as fp32; the kernel's base-2 arithmetic as natural exp")
+    "sage",
+    "SageAttention 2 (SM90): K smoothed, Q and K in INT8 per thread group, P scaled by 448 and cast to "
+    "FP8, V in FP8 per channel, key blocks first to last, O in bf16",
+    f"{__name__}:forward",
+    scores_in="fp32 from INT8 q and k",
+    fp8=True,
+    kernel="SageAttention 2",
+    device="cuda",
+    assumed="the FP8 MMA's FP22 accumulation is taken as fp32; the kernel's base-2 arithmetic as natural exp",
+)
 
 
 def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params: "MethodParams") -> "PathBlock":
     import torch
 
     from attncheck.numerics.inputs.scores import _kv_heads
-    from attncheck.numerics.methods.fp8_attention import (OUT_DTYPE, SAGE_BLOCK, SAGE_P_SCALE, Fp8Setup, add_bf16_mask,
-                                                          int8_per_group, online_pcast_out, sage_groups, sage_scores, sage_v)
+    from attncheck.numerics.methods.fp8_attention import (
+        OUT_DTYPE,
+        SAGE_BLOCK,
+        SAGE_P_SCALE,
+        Fp8Setup,
+        add_bf16_mask,
+        int8_per_group,
+        online_pcast_out,
+        sage_groups,
+        sage_scores,
+        sage_v,
+    )
     from attncheck.numerics.methods.softmax import MethodOutput
     from attncheck.numerics.paths.common import PathBlock
-
 
     inp = block.inp
     setup = params.fp8 or Fp8Setup(fmt=dt)

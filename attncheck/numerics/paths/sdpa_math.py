@@ -22,10 +22,17 @@ if TYPE_CHECKING:
     from attncheck.numerics.paths.common import PathBlock
 
 PATH = PathSpec(
-    "sdpa-math", "PyTorch SDPA's math backend: fp16/bf16 upcast to fp32, q and k scaled by sqrt(scale) each, "
-    "_safe_softmax (zeros for fully masked rows), O cast back to the dtype", f"{__name__}:forward",
-    aliases=("math",), scores_in="fp32, from q and k each scaled by sqrt(scale)", scores="fp32-split",
-    backward="math", replay=True, stands_for=(Stands("sdpa", "math"), Stands("sdpa", fallback=True)))
+    "sdpa-math",
+    "PyTorch SDPA's math backend: fp16/bf16 upcast to fp32, q and k scaled by sqrt(scale) each, "
+    "_safe_softmax (zeros for fully masked rows), O cast back to the dtype",
+    f"{__name__}:forward",
+    aliases=("math",),
+    scores_in="fp32, from q and k each scaled by sqrt(scale)",
+    scores="fp32-split",
+    backward="math",
+    replay=True,
+    stands_for=(Stands("sdpa", "math"), Stands("sdpa", fallback=True)),
+)
 
 
 def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params: "MethodParams") -> "PathBlock":

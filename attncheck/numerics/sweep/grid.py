@@ -20,13 +20,17 @@ import torch
 
 from attncheck.config.sweep import OUTPUT_ROWS, SweepConfig, head_layout
 from attncheck.numerics.cells.diagnose import resolve_device
+from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
+from attncheck.numerics.methods.softmax import MethodParams, reference_softmax, run_method
 from attncheck.numerics.precision import cast, dtype_from_name, exp_overflow_threshold, limits_of
 from attncheck.numerics.rowmath import entropy, jacobian_frobenius
-from attncheck.numerics.methods.softmax import reference_softmax, run_method
-from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
-from attncheck.numerics.methods.softmax import MethodParams
 from attncheck.numerics.sweep.synthetic import entry_moments, make_qk, scores_of
-from attncheck.numerics.sweep.theory import naive_overflow_log_probability, probability_from_log, var_qk_stderr, var_qk_theory
+from attncheck.numerics.sweep.theory import (
+    naive_overflow_log_probability,
+    probability_from_log,
+    var_qk_stderr,
+    var_qk_theory,
+)
 from attncheck.params import COLLAPSE_THRESHOLD, Scale
 from attncheck.registry import PATHS
 from attncheck.results import SweepCell, SweepOutput, SweepPoint, SweepResult
@@ -87,7 +91,9 @@ def _max_over(err: torch.Tensor, rows: torch.Tensor) -> float | None:
     return float(err[rows].max())
 
 
-def _measure_cells(x: torch.Tensor, ref: torch.Tensor, point_theory: dict[str, float], config: SweepConfig) -> list[SweepCell]:
+def _measure_cells(
+    x: torch.Tensor, ref: torch.Tensor, point_theory: dict[str, float], config: SweepConfig
+) -> list[SweepCell]:
     """Every method x dtype on logits x (R, S) float64 with reference ``ref``; ``point_theory``:
     the natural log of the predicted naive overflow rate per dtype."""
     cells = []
@@ -127,7 +133,9 @@ def _measure_cells(x: torch.Tensor, ref: torch.Tensor, point_theory: dict[str, f
     return cells
 
 
-def measure_outputs(q, k, v, scale: float, dtypes, paths, block: int, device, methods: dict[str, str] | None = None) -> list[SweepOutput]:
+def measure_outputs(
+    q, k, v, scale: float, dtypes, paths, block: int, device, methods: dict[str, str] | None = None
+) -> list[SweepOutput]:
     """The output O = P@V of each attention path x dtype for heads q (H, Q, d), k, v (H, S, d)
     in float64, against float64 softmax(scale q.k) @ v. The eager path runs torch.softmax
     unless ``methods`` names another softmax for it."""
@@ -146,12 +154,17 @@ def measure_outputs(q, k, v, scale: float, dtypes, paths, block: int, device, me
             o = cell.out.to(torch.float64)  # (R, d)
             finite = torch.isfinite(o).all(dim=-1)
             d = (o - out_ref)[finite]
-            results.append(SweepOutput(
-                path=p, dtype=name, rows=o.shape[0], nan_rate=float((~finite).double().mean()),
-                max_abs_err=float(d.abs().max()) if d.numel() else None,
-                rmse=float(d.pow(2).mean().sqrt()) if d.numel() else None,
-                rel_l1=float(d.abs().sum() / out_ref[finite].abs().sum()) if d.numel() else None,
-            ))
+            results.append(
+                SweepOutput(
+                    path=p,
+                    dtype=name,
+                    rows=o.shape[0],
+                    nan_rate=float((~finite).double().mean()),
+                    max_abs_err=float(d.abs().max()) if d.numel() else None,
+                    rmse=float(d.pow(2).mean().sqrt()) if d.numel() else None,
+                    rel_l1=float(d.abs().sum() / out_ref[finite].abs().sum()) if d.numel() else None,
+                )
+            )
     return results
 
 
@@ -170,7 +183,16 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
             m2, m4 = entry_moments(config.dist, std)
             for dk in config.dks:
                 heads, queries = head_layout(config.rows, seq)
-                q, k, v = make_qk(heads, queries, seq, dk, dist=config.dist, std=std, seed=_point_seed(config.seed, dk, seq), with_v=True)
+                q, k, v = make_qk(
+                    heads,
+                    queries,
+                    seq,
+                    dk,
+                    dist=config.dist,
+                    std=std,
+                    seed=_point_seed(config.seed, dk, seq),
+                    with_v=True,
+                )
                 q, k, v = q.to(device), k.to(device), v.to(device)  # (H, Q, d), (H, S, d), (H, S, d) float64
                 s = scores_of(q, k, config.rows)  # (R, S) float64: the logits before the scale
                 oh = -(-min(OUTPUT_ROWS, config.rows) // queries)  # heads whose output is measured
@@ -183,7 +205,9 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
                     ref = reference_softmax(x)  # (R, S) float64
                     stats = row_stats(ref)
                     overflow_theory = {  # natural logs of the predictions
-                        name: naive_overflow_log_probability(exp_overflow_threshold(dtype_from_name(name)), c, dk, seq, m2, m2)
+                        name: naive_overflow_log_probability(
+                            exp_overflow_threshold(dtype_from_name(name)), c, dk, seq, m2, m2
+                        )
                         for name in config.dtypes
                         if "naive" in config.methods
                     }
@@ -208,9 +232,16 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
                             collapsed_rate=stats.collapsed_rate,
                             jacobian_norm_collapsed_mean=stats.jacobian_norm_collapsed_mean,
                             cells=_measure_cells(x, ref, overflow_theory, config),
-                            outputs=measure_outputs(q[:oh], k[:oh], v[:oh], c, config.dtypes, config.paths, config.block, device),
+                            outputs=measure_outputs(
+                                q[:oh], k[:oh], v[:oh], c, config.dtypes, config.paths, config.block, device
+                            ),
                         )
                     )
                     if progress is not None:
                         progress(len(points), config.points)
-    return SweepResult(config=config, device=str(device), points=points, limits={d: limits_of(dtype_from_name(d)) for d in config.dtypes})
+    return SweepResult(
+        config=config,
+        device=str(device),
+        points=points,
+        limits={d: limits_of(dtype_from_name(d)) for d in config.dtypes},
+    )

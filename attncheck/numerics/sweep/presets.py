@@ -20,9 +20,9 @@ from typing import Callable
 
 import torch
 
+from attncheck.numerics.methods.fp8_attention import fa3_tile
 from attncheck.numerics.sweep.grid import measure_outputs
 from attncheck.numerics.sweep.synthetic import make_qk
-from attncheck.numerics.methods.fp8_attention import fa3_tile
 from attncheck.results import PresetCheck, PresetGrid, PresetResult, PresetRow
 
 FA3_HEADS, FA3_SEQ, FA3_D, FA3_BLOCK = 8, 1024, 128, 128
@@ -36,7 +36,9 @@ def fa3(seed: int = 0, device: str | torch.device = "cpu", step: Callable[[], No
     start = time.perf_counter()
     q, k, v = make_qk(FA3_HEADS, FA3_SEQ, FA3_SEQ, FA3_D, dist="outliers", seed=seed, with_v=True)
     q, k, v = (t.to(device) for t in (q, k, v))
-    outs = measure_outputs(q, k, v, 1 / math.sqrt(FA3_D), ("fp16",), ("eager", "flash"), FA3_BLOCK, device, methods={"eager": "stable"})
+    outs = measure_outputs(
+        q, k, v, 1 / math.sqrt(FA3_D), ("fp16",), ("eager", "flash"), FA3_BLOCK, device, methods={"eager": "stable"}
+    )
     step()
     rmse = {o.path: o.rmse for o in outs}
     base, flash = rmse["eager"], rmse["flash"]
@@ -52,10 +54,19 @@ def fa3(seed: int = 0, device: str | torch.device = "cpu", step: Callable[[], No
     plain = min(fp8[FA3_FP8_ROWS[3][1]], b8)
     checks = [
         PresetCheck("RMSE ratio baseline / FlashAttention, FP16 (paper 1.7)", ratio, 1.3, 2.3),
-        PresetCheck("RMSE ratio baseline FP8 / FlashAttention-3 FP8 (paper 2.6)", b8 / f8 if b8 and f8 else None, 1.8, 3.5),
-        PresetCheck("ordering: worst incoherent FP8 row / best FP8 row without it (paper 9.3e-3 / 2.4e-2 = 0.39; below 1)",
-                    incoherent / plain if plain else None, 0.0, 1.0),
-        *(PresetCheck(f"{r.label}: RMSE / paper's", None if r.measured is None else r.measured / r.paper, 0.5, 2.0) for r in rows),
+        PresetCheck(
+            "RMSE ratio baseline FP8 / FlashAttention-3 FP8 (paper 2.6)", b8 / f8 if b8 and f8 else None, 1.8, 3.5
+        ),
+        PresetCheck(
+            "ordering: worst incoherent FP8 row / best FP8 row without it (paper 9.3e-3 / 2.4e-2 = 0.39; below 1)",
+            incoherent / plain if plain else None,
+            0.0,
+            1.0,
+        ),
+        *(
+            PresetCheck(f"{r.label}: RMSE / paper's", None if r.measured is None else r.measured / r.paper, 0.5, 2.0)
+            for r in rows
+        ),
     ]
     return PresetResult(
         name="fa3",
@@ -87,12 +98,14 @@ FA3_FP8_ROWS = [  # (label, attncheck cell, the paper's RMSE): Table 3
 ]
 
 
-def fa3_fp8_rmse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int, step: Callable[[], None] = _nothing) -> dict[str, float]:
+def fa3_fp8_rmse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int, step: Callable[[], None] = _nothing
+) -> dict[str, float]:
     """RMSE of O against float64 for the FP8 rows of Table 3, q (H, T, d), k, v float64; ``step()`` after each row."""
-    from attncheck.numerics.methods.fp8_attention import Fp8Setup
-    from attncheck.numerics.paths.flash_fp8 import forward as flash_fp8
     from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
+    from attncheck.numerics.methods.fp8_attention import Fp8Setup
     from attncheck.numerics.methods.softmax import MethodParams
+    from attncheck.numerics.paths.flash_fp8 import forward as flash_fp8
 
     exact = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1) @ v  # (H, T, d) float64
     inp = prepare_inputs(q[None], k[None], v=v[None])
@@ -100,8 +113,12 @@ def fa3_fp8_rmse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int, s
     for _, cell, _ in FA3_FP8_ROWS[1:]:
         scaling = "block" if "block" in cell else "tensor"
         setup = Fp8Setup(scaling=scaling, incoherent="incoherent" in cell, seed=seed)
-        o = torch.cat([flash_fp8(b, setup.fmt, [], MethodParams(fp8=setup)).cells[0][1].out
-                       for b in score_blocks(inp, inp.rows, q.device, start_audit(inp, statistics=False))])
+        o = torch.cat(
+            [
+                flash_fp8(b, setup.fmt, [], MethodParams(fp8=setup)).cells[0][1].out
+                for b in score_blocks(inp, inp.rows, q.device, start_audit(inp, statistics=False))
+            ]
+        )
         out[cell] = _rmse(o, exact)
         step()
     out[FA3_FP8_ROWS[0][1]] = _rmse(baseline_fp8(q, k, v), exact)
@@ -181,9 +198,15 @@ def pcast(seed: int = 0, device: str | torch.device = "cpu", step: Callable[[], 
         rows,
     )
     checks = [
-        PresetCheck("largest |forward - closed form| over the grid (the closed form is to leading order)", worst_gap, 0.0, 0.1),
-        PresetCheck("reverse with S = 256: largest share flushed beyond the sink's block (must be 0)", reverse_out, 0.0, 0.0),
-        PresetCheck("forward flushes at least as much as reverse everywhere (1 = yes)", 1.0 if fwd_ge_rev else 0.0, 1.0, 1.0),
+        PresetCheck(
+            "largest |forward - closed form| over the grid (the closed form is to leading order)", worst_gap, 0.0, 0.1
+        ),
+        PresetCheck(
+            "reverse with S = 256: largest share flushed beyond the sink's block (must be 0)", reverse_out, 0.0, 0.0
+        ),
+        PresetCheck(
+            "forward flushes at least as much as reverse everywhere (1 = yes)", 1.0 if fwd_ge_rev else 0.0, 1.0, 1.0
+        ),
     ]
     return PresetResult(
         name="pcast",

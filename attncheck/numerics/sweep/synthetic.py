@@ -16,8 +16,16 @@ from __future__ import annotations
 
 import torch
 
+from attncheck.config.sweep import (
+    DIST_NAMES,
+    MEMORY_BUDGET_BYTES,
+    OUTLIER_PROB,
+    OUTLIER_VAR,
+    gib,
+    head_layout,
+    qk_bytes,
+)
 from attncheck.errors import AttncheckError
-from attncheck.config.sweep import DIST_NAMES, MEMORY_BUDGET_BYTES, OUTLIER_PROB, OUTLIER_VAR, gib, head_layout, qk_bytes
 
 
 def entry_moments(dist: str, std: float = 1.0) -> tuple[float, float]:

@@ -84,7 +84,9 @@ def _log_row_overflow(log_tail: float, seq: int) -> float:
 _MAX_DOUBLINGS = 1100  # past float64's largest power of two
 
 
-def naive_overflow_log_probability(threshold: float, scale: float, dk: int, seq: int, var_q: float, var_k: float) -> float:
+def naive_overflow_log_probability(
+    threshold: float, scale: float, dk: int, seq: int, var_q: float, var_k: float
+) -> float:
     """Natural log of ``naive_overflow_probability``, exact where the probability itself is
     below float64's range (-inf when it is 0)."""
     if scale == 0:

@@ -42,8 +42,18 @@ def head_block(q, k, v, do, masked=None, scale=None, scale_order="scores", mask_
     b, h, t, d = q.shape
     flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
     m = None if masked is None else masked.expand(b, h, t, k.shape[2]).reshape(-1, t, k.shape[2])
-    return bw.HeadBlock(flat(q), flat(k), flat(v), flat(do), m, None, scale if scale is not None else 1 / math.sqrt(d),
-                        scale_order, mask_value, "-inf")
+    return bw.HeadBlock(
+        flat(q),
+        flat(k),
+        flat(v),
+        flat(do),
+        m,
+        None,
+        scale if scale is not None else 1 / math.sqrt(d),
+        scale_order,
+        mask_value,
+        "-inf",
+    )
 
 
 # --------------------------------------------------------------------------- eager: torch's autograd, bit for bit
@@ -70,7 +80,11 @@ def test_eager_backward_is_torch_autograd_bit_for_bit(dtype, mask_op, softmax_dt
     gq, gk, gv = torch.autograd.grad(torch.matmul(p, vl), (ql, kl, vl), do)
     pg = bw.eager(head_block(q, k, v, do, masked, scale, scale_order), dt, mask_op, softmax_dtype)
     shape = q.shape
-    assert bits_equal(pg.dq.reshape(shape), gq) and bits_equal(pg.dk.reshape(shape), gk) and bits_equal(pg.dv.reshape(shape), gv)
+    assert (
+        bits_equal(pg.dq.reshape(shape), gq)
+        and bits_equal(pg.dk.reshape(shape), gk)
+        and bits_equal(pg.dv.reshape(shape), gv)
+    )
     # the fully masked row: added, its NaN reaches dQ (that row, 3 heads) and dK, dV (every key of its heads); filled, only dV
     nan_q, nan_k, nan_v = (int(x.isnan().any(-1).sum()) for x in (gq, gk, gv))
     assert (nan_q, nan_k, nan_v) == ((3, 120, 120) if mask_op == "add" else (0, 0, 120))
@@ -88,7 +102,11 @@ def test_eager_under_autocast_with_a_float32_mask_is_torch_autograd_bit_for_bit(
     hb = head_block(q, k, v, do, scale=0.25)
     hb.scores = s.detach().reshape(-1, 40, 40)
     pg = bw.eager(hb, torch.bfloat16, "add", torch.float32, torch.float32)
-    assert bits_equal(pg.dq.reshape(q.shape), gq) and bits_equal(pg.dk.reshape(q.shape), gk) and bits_equal(pg.dv.reshape(q.shape), gv)
+    assert (
+        bits_equal(pg.dq.reshape(q.shape), gq)
+        and bits_equal(pg.dk.reshape(q.shape), gk)
+        and bits_equal(pg.dv.reshape(q.shape), gv)
+    )
 
 
 def test_gqa_keys_summed_as_autograd_sums_a_repeated_kv_head():
@@ -99,14 +117,16 @@ def test_gqa_keys_summed_as_autograd_sums_a_repeated_kv_head():
     do = torch.randn(1, 4, 20, 8, generator=g).half()
     ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
     rep = lambda x: x[:, :, None].expand(1, 2, 2, 20, 8).reshape(1, 4, 20, 8)  # noqa: E731
-    s = torch.matmul(ql, rep(kl).transpose(2, 3)) * (8 ** -0.5)
+    s = torch.matmul(ql, rep(kl).transpose(2, 3)) * (8**-0.5)
     gq, gk, gv = torch.autograd.grad(torch.matmul(torch.softmax(s, -1), rep(vl)), (ql, kl, vl), do)
     inp = prepare_inputs(q, k, None, v=v, scale="auto")
     cell = BackwardCell("eager", "fp16")
     out = diagnose_backward(inp, GradInputs(do), [cell], 1 << 20)[cell]
-    ref = diagnose_backward(prepare_inputs(q.double(), k.double(), None, v=v.double()), GradInputs(do.double()), [cell], 1 << 20)
+    ref = diagnose_backward(
+        prepare_inputs(q.double(), k.double(), None, v=v.double()), GradInputs(do.double()), [cell], 1 << 20
+    )
     assert out.dq.nan_rows == 0 and ref  # the cell ran; its numbers against torch:
-    hb = head_block(q, rep(k), rep(v), do, scale=8 ** -0.5)
+    hb = head_block(q, rep(k), rep(v), do, scale=8**-0.5)
     pg = bw.eager(hb, torch.float16)
     assert bits_equal(pg.dq.reshape(q.shape), gq)
     assert bits_equal(pg.dk.reshape(1, 2, 2, 20, 8).sum(2), gk) and bits_equal(pg.dv.reshape(1, 2, 2, 20, 8).sum(2), gv)
@@ -133,10 +153,18 @@ def test_sdpa_math_backward_is_the_math_backend_bit_for_bit(dtype, mask):
         out = F.scaled_dot_product_attention(ql, kl, vl, attn_mask=attn, **kwargs)
     gq, gk, gv = torch.autograd.grad(out, (ql, kl, vl), do)
     inp = prepare_inputs(q, k, attn, v=v, causal=mask == "causal", mask_convention="attend")
-    hb = bw.HeadBlock(inp.q.reshape(-1, 40, 16), inp.k.reshape(-1, 40, 16), inp.v.reshape(-1, 40, 16), do.reshape(-1, 40, 16),
-                      None if inp.masked is None else inp.masked.expand(2, 3, 40, 40).reshape(-1, 40, 40),
-                      None if inp.mask_float is None else inp.mask_float.expand(2, 3, 40, 40).reshape(-1, 40, 40),
-                      inp.scale, "scores", inp.eager_value, inp.mask_value)
+    hb = bw.HeadBlock(
+        inp.q.reshape(-1, 40, 16),
+        inp.k.reshape(-1, 40, 16),
+        inp.v.reshape(-1, 40, 16),
+        do.reshape(-1, 40, 16),
+        None if inp.masked is None else inp.masked.expand(2, 3, 40, 40).reshape(-1, 40, 40),
+        None if inp.mask_float is None else inp.mask_float.expand(2, 3, 40, 40).reshape(-1, 40, 40),
+        inp.scale,
+        "scores",
+        inp.eager_value,
+        inp.mask_value,
+    )
     pg = bw.sdpa_math(hb, dt)
     assert bits_equal(pg.dq.to(dt).reshape(q.shape), gq)
     assert bits_equal(pg.dk.to(dt).reshape(q.shape), gk)
@@ -155,7 +183,9 @@ def test_sdpa_math_gqa_is_the_math_backend_bit_for_bit():
     gq, gk, gv = torch.autograd.grad(out, (ql, kl, vl), do)
     cell = BackwardCell("sdpa-math", "bf16", model=True)
     real = {"dq": gq, "dk": gk, "dv": gv}
-    res = diagnose_backward(prepare_inputs(q, k, None, v=v, causal=True), GradInputs(do, real=real), [cell], 1 << 20)[cell]
+    res = diagnose_backward(prepare_inputs(q, k, None, v=v, causal=True), GradInputs(do, real=real), [cell], 1 << 20)[
+        cell
+    ]
     assert all(g.real_max_diff == 0.0 and g.real_nan_mismatch == 0 for _, g in res.grads())
 
 
@@ -173,7 +203,11 @@ def flash_tolerance(hb: bw.HeadBlock, dt, grad: str, rounds: int, ours, theirs, 
     p = torch.softmax(s, -1)
     dp = torch.matmul(do, v.transpose(-1, -2))
     terms = p * (dp.abs() + (do * out).sum(-1, keepdim=True).abs())
-    t = {"dq": hb.scale * terms @ k.abs(), "dk": hb.scale * terms.transpose(-1, -2) @ q.abs(), "dv": p.transpose(-1, -2) @ do.abs()}[grad]
+    t = {
+        "dq": hb.scale * terms @ k.abs(),
+        "dk": hb.scale * terms.transpose(-1, -2) @ q.abs(),
+        "dv": p.transpose(-1, -2) @ do.abs(),
+    }[grad]
     n = k.shape[-2] if grad == "dq" else q.shape[-2]
     mag = torch.maximum(ours.double().abs(), theirs.double().abs())
     return 2 * u * (rounds + 1) * mag + (4 * u + 2 * n * u32) * t
@@ -190,7 +224,14 @@ def test_flash_backward_is_the_cpu_flash_kernel_within_its_rounding_bound(dtype,
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal)
     real = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (ql, kl, vl), do)))
-    hb = head_block(q, k, v, do, scale=1 / math.sqrt(32), masked=torch.ones(tq, tq, dtype=torch.bool).triu(1)[None, None] if causal else None)
+    hb = head_block(
+        q,
+        k,
+        v,
+        do,
+        scale=1 / math.sqrt(32),
+        masked=torch.ones(tq, tq, dtype=torch.bool).triu(1)[None, None] if causal else None,
+    )
     hb.out = out.detach().reshape(-1, tq, 32)
     blocked = bw.flash(hb, dt)
     q_blocks = math.ceil(tq / bw.flash_q_block(tq))
@@ -214,8 +255,12 @@ def test_flash_backward_of_a_fully_masked_row_is_zero_as_the_kernel_gives():
         out = F.scaled_dot_product_attention(ql, kl, vl, attn_mask=keep)
     gq, gk, gv = torch.autograd.grad(out, (ql, kl, vl), do)
     cell = BackwardCell("flash", "fp32", model=True)
-    res = diagnose_backward(prepare_inputs(q, k, keep, v=v, mask_convention="attend"),
-                            GradInputs(do, out=out.detach(), real={"dq": gq, "dk": gk, "dv": gv}), [cell], 1 << 20)[cell]
+    res = diagnose_backward(
+        prepare_inputs(q, k, keep, v=v, mask_convention="attend"),
+        GradInputs(do, out=out.detach(), real={"dq": gq, "dk": gk, "dv": gv}),
+        [cell],
+        1 << 20,
+    )[cell]
     assert res.nan_rows == 0 and all(g.real_agrees for _, g in res.grads())
     assert float(gq[1, :, 5].abs().max()) == 0.0  # torch's own: the empty row's dQ is 0
 
@@ -246,10 +291,16 @@ def test_nan_rows_and_their_cause_match_torchs_own_nan_pattern(mask_op):
     masked = causal_with_empty_row(2, 24)
     ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
     s = torch.matmul(ql, kl.transpose(2, 3)) * 0.25
-    s = s + torch.zeros(masked.shape).masked_fill(masked, float("-inf")) if mask_op == "add" else s.masked_fill(masked, float("-inf"))
+    s = (
+        s + torch.zeros(masked.shape).masked_fill(masked, float("-inf"))
+        if mask_op == "add"
+        else s.masked_fill(masked, float("-inf"))
+    )
     gq, gk, gv = torch.autograd.grad(torch.matmul(torch.softmax(s, -1), vl), (ql, kl, vl), do)
     cell = BackwardCell("eager", "fp32", mask_op)
-    res = diagnose_backward(prepare_inputs(q, k, ~masked, v=v, scale="0.25", mask_convention="attend"), GradInputs(do), [cell], 1 << 20)[cell]
+    res = diagnose_backward(
+        prepare_inputs(q, k, ~masked, v=v, scale="0.25", mask_convention="attend"), GradInputs(do), [cell], 1 << 20
+    )[cell]
     for name, theirs in (("dq", gq), ("dk", gk), ("dv", gv)):
         stats = getattr(res, name)
         assert stats.nan_rows == int(theirs.isnan().any(-1).sum()), name
@@ -269,7 +320,9 @@ def test_fp16_eager_loss_scale_overflow_names_the_largest_safe_scale():
 
     def torch_fp16_finite(factor: float) -> bool:
         ql, kl, vl = (x.half().requires_grad_() for x in (q, k, v))
-        s = torch.matmul(ql, kl.transpose(2, 3)) * 0.125 + torch.zeros(32, 32).half().masked_fill(torch.ones(32, 32, dtype=torch.bool).triu(1), float("-inf"))
+        s = torch.matmul(ql, kl.transpose(2, 3)) * 0.125 + torch.zeros(32, 32).half().masked_fill(
+            torch.ones(32, 32, dtype=torch.bool).triu(1), float("-inf")
+        )
         grads = torch.autograd.grad(torch.matmul(torch.softmax(s, -1), vl), (ql, kl, vl), (do * factor).half())
         return all(bool(torch.isfinite(x).all()) for x in grads)
 
@@ -321,7 +374,9 @@ def test_flash_causal_nan_pattern_is_the_kernels_not_eagers(tq):
         out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
     gq, gk, gv = torch.autograd.grad(out, (ql, kl, vl), do)
     cell = BackwardCell("flash", "fp32", model=True)
-    res = diagnose_backward(prepare_inputs(q, k, None, v=v, causal=True), GradInputs(do, out=out.detach(), causal=True), [cell], 1 << 20)[cell]
+    res = diagnose_backward(
+        prepare_inputs(q, k, None, v=v, causal=True), GradInputs(do, out=out.detach(), causal=True), [cell], 1 << 20
+    )[cell]
     for name, theirs in (("dq", gq), ("dk", gk), ("dv", gv)):
         assert getattr(res, name).nan_rows == int(theirs.isnan().any(-1).sum()), name
     assert res.dq.nan_rows == (tq if tq <= 512 else tq - 512)
@@ -344,10 +399,12 @@ def flash_case(dt, seed, b, hq, hk, t, d, kind, mag=1.0, threads=1):
         keep = None
         if kind == "padding":  # batch 0's last third of keys padded away
             keep = torch.ones(b, 1, t, t, dtype=torch.bool)
-            keep[0, :, :, t - t // 3:] = False
+            keep[0, :, :, t - t // 3 :] = False
         ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            out = F.scaled_dot_product_attention(ql, kl, vl, attn_mask=keep, is_causal=kind == "causal", enable_gqa=hq != hk)
+            out = F.scaled_dot_product_attention(
+                ql, kl, vl, attn_mask=keep, is_causal=kind == "causal", enable_gqa=hq != hk
+            )
         real = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (ql, kl, vl), do)))
     finally:
         torch.set_num_threads(before)
@@ -386,7 +443,9 @@ def test_recorded_fp32_flash_gradients_are_within_the_derived_bound(threads, kin
 def test_recorded_low_precision_flash_gradients_are_within_the_bound(dtype, shape):
     for kind in ("causal", "padding"):
         res, *_ = flash_case(DTYPES[dtype], 2, *FLASH_SHAPES[shape], kind)
-        assert all(g.real_nan_mismatch == 0 and g.real_agrees for _, g in res.grads()), [(n, g.real_bound_ratio) for n, g in res.grads()]
+        assert all(g.real_nan_mismatch == 0 and g.real_agrees for _, g in res.grads()), [
+            (n, g.real_bound_ratio) for n, g in res.grads()
+        ]
 
 
 @pytest.mark.slow  # 120 backward passes of torch's flash kernel per dtype, 60-150 s
@@ -412,12 +471,34 @@ def test_a_mismatch_within_the_tolerance_is_info_and_beyond_it_an_error():
     from attncheck.results import CellBackward, GradStats
 
     def stats(ratio, nan=0):
-        return GradStats(rows=4, nan_rows=0, first_cause=None, causes={}, compared=16, max_abs_err=0.0, rel_err=0.0,
-                         max_abs_ref=1.0, flushed_frac=None, real_max_diff=1e-9, real_bound_ratio=ratio, real_nan_mismatch=nan)
+        return GradStats(
+            rows=4,
+            nan_rows=0,
+            first_cause=None,
+            causes={},
+            compared=16,
+            max_abs_err=0.0,
+            rel_err=0.0,
+            max_abs_ref=1.0,
+            flushed_frac=None,
+            real_max_diff=1e-9,
+            real_bound_ratio=ratio,
+            real_nan_mismatch=nan,
+        )
 
     def found(*ratios, nan=0):
-        b = CellBackward(*(stats(r, nan if i == 0 else 0) for i, r in enumerate(ratios)), 0, None, None, real_compared=True, dtype="fp32")
-        return [(f.code, f.severity) for f in backward_findings([SimpleNamespace(name="flash/fp32", dtype="fp32", backward=b)])]
+        b = CellBackward(
+            *(stats(r, nan if i == 0 else 0) for i, r in enumerate(ratios)),
+            0,
+            None,
+            None,
+            real_compared=True,
+            dtype="fp32",
+        )
+        return [
+            (f.code, f.severity)
+            for f in backward_findings([SimpleNamespace(name="flash/fp32", dtype="fp32", backward=b)])
+        ]
 
     assert found(0.5, 1.0, 0.0) == []
     assert found(1.5, REAL_BOUND_TOLERANCE, 0.2) == [("grad_emulation_mismatch", "info")]
@@ -496,7 +577,9 @@ def test_first_cause_is_the_earliest_in_backward_order_not_the_most_common():
     keep[..., 2, :] = keep[..., 5, :] = False
     do[0, 0, 9, 0] = float("nan")
     cell = BackwardCell("eager", "fp32")
-    res = diagnose_backward(prepare_inputs(q, k, keep, v=v, mask_convention="attend"), GradInputs(do), [cell], 1 << 20)[cell]
+    res = diagnose_backward(prepare_inputs(q, k, keep, v=v, mask_convention="attend"), GradInputs(do), [cell], 1 << 20)[
+        cell
+    ]
     assert res.dq.causes == {"grad_out_nan": 1, "fully_masked": 2} and res.dq.first_cause == "grad_out_nan"
 
 

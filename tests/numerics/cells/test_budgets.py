@@ -9,9 +9,15 @@ import torch
 
 from attncheck.config.check import Budget, CheckConfig, parse_table
 from attncheck.config.run import Options
-from attncheck.loaders import memory_source
 from attncheck.errors import AttncheckError
-from attncheck.numerics.cells.budgets import budget_checks, check_tensor, locate_worst_row, synthetic_scores, synthetic_source
+from attncheck.loaders import memory_source
+from attncheck.numerics.cells.budgets import (
+    budget_checks,
+    check_tensor,
+    locate_worst_row,
+    synthetic_scores,
+    synthetic_source,
+)
 from attncheck.numerics.sweep.synthetic import make_scores
 from attncheck.pipelines.check import run_check
 from attncheck.report.check import describe_check
@@ -63,7 +69,9 @@ def test_naive_fp16_overflow_rows_match_a_numpy_count(fp16_overflow_scores):
     row_max = x.numpy().astype(np.float64).max(axis=-1)
     expected = int((row_max > LN_FP16_LIMIT).sum())
     assert 3 <= expected < 64
-    assert float(np.exp(x.numpy().astype(np.float64)).sum(axis=-1)[row_max <= LN_FP16_LIMIT].max()) < 65504  # no sum overflow
+    assert (
+        float(np.exp(x.numpy().astype(np.float64)).sum(axis=-1)[row_max <= LN_FP16_LIMIT].max()) < 65504
+    )  # no sum overflow
     (case,) = check_tensor("x", x, Budget(), Options(dtypes=("fp16",), methods=("naive",)))
     by = {c.budget: c for c in case.failures}
     assert set(by) == {"nan", "overflow"} and not case.passed
@@ -72,7 +80,9 @@ def test_naive_fp16_overflow_rows_match_a_numpy_count(fp16_overflow_scores):
     assert by["overflow"].rows and set(by["overflow"].rows) <= hot_rows
     assert describe_check(by["overflow"]).startswith(f"overflow {expected} > budget 0 (rows ")
     # A budget that allows them passes; stable never overflows on the same scores.
-    (allowed,) = check_tensor("x", x, Budget(nan=expected, overflow=expected), Options(dtypes=("fp16",), methods=("naive",)))
+    (allowed,) = check_tensor(
+        "x", x, Budget(nan=expected, overflow=expected), Options(dtypes=("fp16",), methods=("naive",))
+    )
     assert allowed.passed
     (stable,) = check_tensor("x", x, Budget(), Options(dtypes=("fp16",), methods=("stable",)))
     assert stable.passed and [c.measured for c in stable.checks] == [0, 0]
@@ -89,7 +99,10 @@ def test_max_abs_err_budget_and_worst_row():
     (check,) = bad.failures
     assert check.measured == pytest.approx(err, rel=1e-12)
     assert check.worst_row == worst
-    assert describe_check(check) == f"max_abs_err {check.measured:.3g} > budget {err / 2:.3g} (worst row ({worst[0]},{worst[1]}))"
+    assert (
+        describe_check(check)
+        == f"max_abs_err {check.measured:.3g} > budget {err / 2:.3g} (worst row ({worst[0]},{worst[1]}))"
+    )
 
 
 def test_locate_worst_row_against_the_cast_scores():
@@ -104,7 +117,10 @@ def test_unmeasurable_error_fails_with_a_reason():
     (case,) = check_tensor("x", x, Budget(max_abs_err=1.0), Options(dtypes=("fp16",), methods=("naive",)))
     check = next(c for c in case.checks if c.budget == "max_abs_err")
     assert not check.passed and check.measured is None
-    assert describe_check(check) == "max_abs_err not measured: no row where the cell and the float64 reference are both finite (budget 1)"
+    assert (
+        describe_check(check)
+        == "max_abs_err not measured: no row where the cell and the float64 reference are both finite (budget 1)"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +150,13 @@ def test_relative_to_torch_passes_stable_and_fails_a_worse_sum(long_rows):
     (worse,) = check_tensor("x", x, budget, Options(dtypes=("fp16",), methods=("stable",), accum="dtype"))
     (rel,) = worse.failures
     assert rel.budget == "relative_to_torch"
-    assert rel.measured == pytest.approx(worse_err, rel=1e-12) and rel.ratio == pytest.approx(worse_err / torch_err, rel=1e-9)
+    assert rel.measured == pytest.approx(worse_err, rel=1e-12) and rel.ratio == pytest.approx(
+        worse_err / torch_err, rel=1e-9
+    )
     assert rel.worst_row == (worst_flat,)
-    assert describe_check(rel).startswith(f"relative_to_torch: max_abs_err_algo {worse_err:.3g} > 2 x torch {torch_err:.3g} = {2 * torch_err:.3g} (")
+    assert describe_check(rel).startswith(
+        f"relative_to_torch: max_abs_err_algo {worse_err:.3g} > 2 x torch {torch_err:.3g} = {2 * torch_err:.3g} ("
+    )
 
 
 def test_torch_cell_is_computed_but_reported_only_when_listed(long_rows):
@@ -151,7 +171,12 @@ def test_torch_cell_is_computed_but_reported_only_when_listed(long_rows):
 
 def test_relative_atol_widens_the_bound(long_rows):
     x = long_rows[:8]
-    (case,) = check_tensor("x", x, Budget(relative_to_torch=0.5, relative_to_torch_atol=1.0), Options(dtypes=("fp16",), methods=("stable",)))
+    (case,) = check_tensor(
+        "x",
+        x,
+        Budget(relative_to_torch=0.5, relative_to_torch_atol=1.0),
+        Options(dtypes=("fp16",), methods=("stable",)),
+    )
     (rel,) = [c for c in case.checks if c.budget == "relative_to_torch"]
     assert rel.passed and rel.bound == pytest.approx(0.5 * rel.reference + 1.0)
 
@@ -175,7 +200,16 @@ def test_run_check_names_inputs_relative_to_the_config(tmp_path, monkeypatch):
     (tmp_path / "dumps").mkdir()
     x = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32)
     np.savez(tmp_path / "dumps" / "layers.npz", l0=x, l1=x / 2)
-    cfg = parse_table({"inputs": ["dumps/*.npz"], "keys": ["l1"], "dtypes": ["bf16"], "methods": ["torch"], "synthetic": [{"d_k": 8, "seq": 16, "rows": 16}]}, root=tmp_path)
+    cfg = parse_table(
+        {
+            "inputs": ["dumps/*.npz"],
+            "keys": ["l1"],
+            "dtypes": ["bf16"],
+            "methods": ["torch"],
+            "synthetic": [{"d_k": 8, "seq": 16, "rows": 16}],
+        },
+        root=tmp_path,
+    )
     monkeypatch.chdir(tmp_path / "dumps")
     result = run_check(cfg)
     assert result.inputs == ["dumps/layers.npz:l1", "synthetic[0]:dk=8,scale=sqrt,seq=16,rows=16,dist=normal,seed=0"]
@@ -192,7 +226,9 @@ def test_synthetic_scores_are_the_sweep_generator_scaled():
 
 @pytest.mark.parametrize("rows, seq, block", [(48, 32, 7), (48, 32, 48), (100, 16, 5), (100, 16, 1000), (5, 64, 2)])
 def test_synthetic_source_streams_the_scores_bit_for_bit(rows, seq, block):
-    spec = parse_table({"synthetic": [{"d_k": 32, "scale": "sqrt", "seq": seq, "rows": rows, "seed": 3, "dist": "outliers"}]}).synthetic[0]
+    spec = parse_table(
+        {"synthetic": [{"d_k": 32, "scale": "sqrt", "seq": seq, "rows": rows, "seed": 3, "dist": "outliers"}]}
+    ).synthetic[0]
     whole = synthetic_scores(spec)
     src = synthetic_source(spec)
     parts = list(src.row_blocks(block))
@@ -217,7 +253,15 @@ def test_check_reads_files_in_row_blocks(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(3, 40, 64, generator=g) * 4
     np.save(tmp_path / "dumps" / "a.npy", x.numpy())
-    cfg = parse_table({"inputs": ["dumps/*.npy"], "dtypes": ["fp16"], "methods": ["naive", "stable"], "budget": {"max_abs_err": 1e-9}}, root=tmp_path)
+    cfg = parse_table(
+        {
+            "inputs": ["dumps/*.npy"],
+            "dtypes": ["fp16"],
+            "methods": ["naive", "stable"],
+            "budget": {"max_abs_err": 1e-9},
+        },
+        root=tmp_path,
+    )
     whole = check_tensor("dumps/a.npy", x, cfg.budget, cfg.options())
     monkeypatch.setattr(attncheck.loaders, "load_tensors", lambda *a, **k: pytest.fail("check loaded a dump whole"))
     blocks = []
@@ -232,7 +276,9 @@ def test_check_reads_files_in_row_blocks(tmp_path, monkeypatch):
     assert blocks == [7] * 17 + [1]  # 120 rows in blocks of 7
     assert [c.name for c in result.cases] == ["naive/fp16", "stable/fp16"]
     for got, want in zip(result.cases, whole):
-        assert [(c.budget, c.measured, c.passed, c.rows) for c in got.checks] == [(c.budget, c.measured, c.passed, c.rows) for c in want.checks]
+        assert [(c.budget, c.measured, c.passed, c.rows) for c in got.checks] == [
+            (c.budget, c.measured, c.passed, c.rows) for c in want.checks
+        ]
 
 
 def test_check_holds_one_pt_dump_at_a_time(tmp_path, monkeypatch):
@@ -257,7 +303,9 @@ def test_check_holds_one_pt_dump_at_a_time(tmp_path, monkeypatch):
     real_load, real_check = pt.torch.load, pt.check_tensor
 
     def load_spy(*args, **kwargs):
-        alive_at_load.append(sum(any(ref() is not None for ref in refs) for refs in held))  # earlier dumps still resident
+        alive_at_load.append(
+            sum(any(ref() is not None for ref in refs) for refs in held)
+        )  # earlier dumps still resident
         obj = real_load(*args, **kwargs)
         held.append([weakref.ref(obj["scores"]), weakref.ref(obj["more"]["s"])])
         return obj
@@ -274,16 +322,26 @@ def test_check_holds_one_pt_dump_at_a_time(tmp_path, monkeypatch):
     assert result.inputs == [f"dumps/d{i}.pt:{k}" for i in range(4) for k in ("scores", "more.s")]
     monkeypatch.setattr(pt.torch, "load", real_load)
     monkeypatch.setattr(pt, "check_tensor", real_check)
-    alone = [c for i in range(4) for c in run_check(parse_table({"inputs": [f"dumps/d{i}.pt"], **table}, root=tmp_path)).cases]
+    alone = [
+        c
+        for i in range(4)
+        for c in run_check(parse_table({"inputs": [f"dumps/d{i}.pt"], **table}, root=tmp_path)).cases
+    ]
     assert len(result.cases) == len(alone) == 8 * 4
     for got, want in zip(result.cases, alone):
         assert (got.input, got.name, got.rows) == (want.input, want.name, want.rows)
-        assert [(c.budget, c.measured, c.passed, c.rows) for c in got.checks] == [(c.budget, c.measured, c.passed, c.rows) for c in want.checks]
+        assert [(c.budget, c.measured, c.passed, c.rows) for c in got.checks] == [
+            (c.budget, c.measured, c.passed, c.rows) for c in want.checks
+        ]
 
 
 # --------------------------------------------------------------------------- attention paths: budgets on O = P@V
 
-PATH_SYN = {"synthetic": [{"d_k": 32, "seq": 64, "rows": 128, "dist": "outliers", "paths": ["eager", "sdpa-math", "flash"]}], "dtypes": ["fp16"], "methods": ["torch"]}
+PATH_SYN = {
+    "synthetic": [{"d_k": 32, "seq": 64, "rows": 128, "dist": "outliers", "paths": ["eager", "sdpa-math", "flash"]}],
+    "dtypes": ["fp16"],
+    "methods": ["torch"],
+}
 
 
 def _sdpa_math_out(q, k, v, dtype):
@@ -300,14 +358,24 @@ def test_output_budgets_measure_what_torchs_sdpa_gives():
     """The sdpa-math cell's O errors are the errors of torch's own MATH backend against float64."""
     from attncheck.numerics.cells.budgets import synthetic_qkv
 
-    cfg = parse_table({**PATH_SYN, "budget": {"out_rmse": 1.0, "out_max_abs_err": 1.0, "out_rel_l1": 1.0, "out_cos_min": -1.0, "out_nan": 0}})
+    cfg = parse_table(
+        {
+            **PATH_SYN,
+            "budget": {"out_rmse": 1.0, "out_max_abs_err": 1.0, "out_rel_l1": 1.0, "out_cos_min": -1.0, "out_nan": 0},
+        }
+    )
     cases = {c.name: c for c in run_check(cfg).cases}
     assert list(cases) == ["eager:torch/fp16", "sdpa-math/fp16", "flash/fp16"]
     q, k, v = synthetic_qkv(cfg.synthetic[0])
     o, ref = _sdpa_math_out(q, k, v, torch.float16)
     d = o - ref
     cos = torch.nn.functional.cosine_similarity(o, ref, dim=-1)
-    expect = {"out_max_abs_err": d.abs().max(), "out_rmse": d.pow(2).mean().sqrt(), "out_rel_l1": d.abs().sum() / ref.abs().sum(), "out_cos_min": cos.min()}
+    expect = {
+        "out_max_abs_err": d.abs().max(),
+        "out_rmse": d.pow(2).mean().sqrt(),
+        "out_rel_l1": d.abs().sum() / ref.abs().sum(),
+        "out_cos_min": cos.min(),
+    }
     got = {c.budget: c.measured for c in cases["sdpa-math/fp16"].checks}
     for name, value in expect.items():
         assert got[name] == pytest.approx(float(value), rel=1e-9), name
@@ -322,8 +390,16 @@ def test_output_budgets_break_in_both_directions():
     assert 0 < rmse < 1e-3 and 0.999 < cos < 1
     tight = parse_table({**PATH_SYN, "budget": {"out_rmse": rmse * 0.99, "out_cos_min": min(1.0, cos + 1e-9)}})
     flash = next(c for c in run_check(tight).cases if c.name == "flash/fp16")
-    assert [(c.budget, c.passed) for c in flash.checks] == [("nan", True), ("overflow", True), ("out_rmse", False), ("out_cos_min", False)]
-    assert [describe_check(c).split(" budget")[0] for c in flash.failures] == [f"out_rmse {rmse:.3g} >", f"out_cos_min {cos:.6f} <"]
+    assert [(c.budget, c.passed) for c in flash.checks] == [
+        ("nan", True),
+        ("overflow", True),
+        ("out_rmse", False),
+        ("out_cos_min", False),
+    ]
+    assert [describe_check(c).split(" budget")[0] for c in flash.failures] == [
+        f"out_rmse {rmse:.3g} >",
+        f"out_cos_min {cos:.6f} <",
+    ]
     loose = parse_table({**PATH_SYN, "budget": {"out_rmse": rmse, "out_cos_min": cos}})
     assert next(c for c in run_check(loose).cases if c.name == "flash/fp16").passed
 

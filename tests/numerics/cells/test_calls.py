@@ -112,8 +112,10 @@ def test_a_mask_that_does_not_broadcast_names_the_call():
     q, k, v = tensors()
     with pytest.raises(AttncheckError) as e:
         diagnose_call(sdpa_info(), {"q": q, "k": k, "v": v, "attn_mask": torch.ones(3, 5, dtype=torch.bool)}, OPTS)
-    assert e.value.message == ("cap/0003-m.safetensors (call 3, sdpa in model.layers.1.self_attn): mask of shape (3, 5) does not "
-                               "broadcast to the scores' shape (batch 2, heads 4, queries 6, keys 6)")
+    assert e.value.message == (
+        "cap/0003-m.safetensors (call 3, sdpa in model.layers.1.self_attn): mask of shape (3, 5) does not "
+        "broadcast to the scores' shape (batch 2, heads 4, queries 6, keys 6)"
+    )
 
 
 def test_softmax_call_with_q_and_k_fits_the_scale_and_keeps_the_scores():
@@ -126,15 +128,18 @@ def test_softmax_call_with_q_and_k_fits_the_scale_and_keeps_the_scores():
     assert [h.max_logit for h in report.heads] == scores.amax(dim=(0, 2, 3)).double().tolist()
 
 
-@pytest.mark.parametrize("kind,dtype,softmax_dtype,meta,cell,role", [
-    ("softmax", "fp16", None, {}, (None, "torch", "fp16"), "model"),
-    ("softmax", "fp16", "fp32", {}, (None, "torch", "fp32"), "model"),
-    ("sdpa", "bf16", None, {}, ("flash", "flash", "bf16"), "model"),
-    ("sdpa", "fp32", None, {"sdpa_backend": "math"}, ("sdpa-math", "sdpa-math", "fp32"), "model"),
-    ("sdpa", "fp16", None, {"sdpa_backend": "efficient_attention"}, ("flash", "flash", "fp16"), "model"),
-    ("qk", "fp32", None, {}, ("eager", "torch", "fp32"), "asked"),
-    ("scores", "fp64", None, {}, None, None),
-])
+@pytest.mark.parametrize(
+    "kind,dtype,softmax_dtype,meta,cell,role",
+    [
+        ("softmax", "fp16", None, {}, (None, "torch", "fp16"), "model"),
+        ("softmax", "fp16", "fp32", {}, (None, "torch", "fp32"), "model"),
+        ("sdpa", "bf16", None, {}, ("flash", "flash", "bf16"), "model"),
+        ("sdpa", "fp32", None, {"sdpa_backend": "math"}, ("sdpa-math", "sdpa-math", "fp32"), "model"),
+        ("sdpa", "fp16", None, {"sdpa_backend": "efficient_attention"}, ("flash", "flash", "fp16"), "model"),
+        ("qk", "fp32", None, {}, ("eager", "torch", "fp32"), "asked"),
+        ("scores", "fp64", None, {}, None, None),
+    ],
+)
 def test_the_cell_the_model_runs(kind, dtype, softmax_dtype, meta, cell, role):
     key = model_cell(CallInfo(0, "c", kind, dtype=dtype, softmax_dtype=softmax_dtype, meta=meta))
     assert (key and (key.path, key.method, key.dtype)) == cell and (key and key.role) == role
@@ -147,9 +152,18 @@ def test_a_captured_call_computes_its_models_cell_and_the_cells_asked_as_what_if
     assert [(c.name, c.role) for c in alone.diagnosis.cells] == [("flash/fp16", "model")] and alone.what_if is None
     asked = diagnose_call(sdpa_info(), t, Options(), asked=Options(dtypes=("fp32",), methods=("naive",)))
     assert [c.name for c in asked.diagnosis.cells] == ["flash/fp16"]
-    assert {(c.name, c.role) for c in asked.what_if.cells} == {(n, "what-if") for n in ("eager:naive/fp32", "sdpa-math/fp32", "flash/fp32")}
+    assert {(c.name, c.role) for c in asked.what_if.cells} == {
+        (n, "what-if") for n in ("eager:naive/fp32", "sdpa-math/fp32", "flash/fp32")
+    }
     fp16 = diagnose_call(sdpa_info(), t, Options(), what_if=("fp16", "bf16"))
-    assert [c.name for c in fp16.what_if.cells] == ["eager:torch/fp16", "flash/bf16", "eager:torch/bf16"]  # never the model's own cell
+    assert [c.name for c in fp16.what_if.cells] == [
+        "eager:torch/fp16",
+        "flash/bf16",
+        "eager:torch/bf16",
+    ]  # never the model's own cell
     every = diagnose_call(sdpa_info(), t, Options(), what_if=("all",))
     names = {c.name for c in every.what_if.cells}
-    assert "flash/fp16" not in names and {"eager:naive/fp16", "sdpa-math/bf16", "flash/fp32", "flash-fp8/e4m3", "sage/e4m3"} <= names
+    assert (
+        "flash/fp16" not in names
+        and {"eager:naive/fp16", "sdpa-math/bf16", "flash/fp32", "flash-fp8/e4m3", "sage/e4m3"} <= names
+    )

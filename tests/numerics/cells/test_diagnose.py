@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from attncheck.errors import AttncheckError
-from attncheck.numerics.cells.accumulate import CellAcc
 from attncheck.numerics.backends.numba_rows import NumbaRows
 from attncheck.numerics.backends.torch_rows import TorchRows
+from attncheck.numerics.cells.accumulate import CellAcc
 from attncheck.numerics.cells.diagnose import Options, diagnose
-from attncheck.numerics.rowmath import entropy, jacobian_frobenius, kl_divergence
 from attncheck.numerics.methods.softmax import run_method
+from attncheck.numerics.rowmath import entropy, jacobian_frobenius, kl_divergence
 
 from ..rounding import nearest
 
@@ -49,7 +49,14 @@ def problems():
 
 EXPECTED_NAN_CAUSES = {
     # naive: row 3 in bf16/fp32 overflows exp (70000 > 88.7); -1e9 flushes to 0/0.
-    ("naive", "fp16"): {"input_nan": 1, "inf_input": 1, "fully_masked": 2, "cast_overflow": 1, "exp_overflow": 1, "underflow": 1},
+    ("naive", "fp16"): {
+        "input_nan": 1,
+        "inf_input": 1,
+        "fully_masked": 2,
+        "cast_overflow": 1,
+        "exp_overflow": 1,
+        "underflow": 1,
+    },
     ("naive", "bf16"): {"input_nan": 1, "inf_input": 1, "fully_masked": 2, "exp_overflow": 1},
     ("naive", "fp32"): {"input_nan": 1, "inf_input": 1, "fully_masked": 2, "exp_overflow": 1},
     # stable/torch: -1e9 is held by bf16/fp32 (uniform row), becomes -inf in fp16 (NaN).
@@ -123,7 +130,6 @@ def test_headroom_counts_against_thresholds():
     assert fp32.cast_posinf_values == fp32.cast_neginf_values == 0
 
 
-
 FP16_MID = 11.08984375  # halfway between fp16's 11.0859375 and 11.09375, on each side of ln(65520) = 11.0901
 
 
@@ -131,10 +137,18 @@ def headroom_rows(dtype: torch.dtype) -> torch.Tensor:
     """Rows whose maximum (or all of whose values) sit a rounding away from an exp threshold."""
     x = torch.zeros(6, 4, dtype=torch.float64)
     x[0] = torch.tensor([11.0899, 0, -1, -2], dtype=torch.float64)  # fp16: rounds up to 11.09375, exp overflows
-    x[1] = torch.tensor([88.73, 0, 0, 0], dtype=torch.float64)  # above 88.72, but bf16 rounds it down to 88.5 (fp16: 88.75, inf)
-    x[2] = torch.tensor([-17.33, -20, -30, -40], dtype=torch.float64)  # below ln(2^-25) = -17.3287; fp16 rounds it up to -17.328125
-    x[3] = torch.tensor([FP16_MID - 2.0**-40, 0, 0, 0], dtype=torch.float64)  # fp32 rounds it to the midpoint, fp16 that to even, up
-    x[4] = torch.tensor([-100.0, -200, -300, -400], dtype=torch.float64)  # every exp flushes in bf16 (-92.9), not in fp32 (-103.97)
+    x[1] = torch.tensor(
+        [88.73, 0, 0, 0], dtype=torch.float64
+    )  # above 88.72, but bf16 rounds it down to 88.5 (fp16: 88.75, inf)
+    x[2] = torch.tensor(
+        [-17.33, -20, -30, -40], dtype=torch.float64
+    )  # below ln(2^-25) = -17.3287; fp16 rounds it up to -17.328125
+    x[3] = torch.tensor(
+        [FP16_MID - 2.0**-40, 0, 0, 0], dtype=torch.float64
+    )  # fp32 rounds it to the midpoint, fp16 that to even, up
+    x[4] = torch.tensor(
+        [-100.0, -200, -300, -400], dtype=torch.float64
+    )  # every exp flushes in bf16 (-92.9), not in fp32 (-103.97)
     x[5] = torch.tensor([1.0, 2, 3, 4], dtype=torch.float64)
     return torch.cat([x, x[3:4].repeat(15, 1)]).to(dtype)  # 16 rows of the double-rounding row
 
@@ -252,11 +266,22 @@ def jacobian_exact(x: list[float]) -> float:
     e = [mpmath.exp(mpmath.mpf(v)) for v in x]
     s = mpmath.fsum(e)
     p = [v / s for v in e]
-    return float(mpmath.sqrt(mpmath.fsum(((pi if i == j else 0) - pi * pj) ** 2 for i, pi in enumerate(p) for j, pj in enumerate(p))))
+    return float(
+        mpmath.sqrt(
+            mpmath.fsum(((pi if i == j else 0) - pi * pj) ** 2 for i, pi in enumerate(p) for j, pj in enumerate(p))
+        )
+    )
 
 
-JACOBIAN_ROWS = [[0.0, -17.0], [0.0, -23.0], [0.0, -40.0, -41.0], [-3.0, 0.0, -30.0, -0.5], [0.0] * 7, [0.0, 0.0, -36.0],
-                 [5.0, -2.0, 1.0, 0.5, -40.0, 4.9]]
+JACOBIAN_ROWS = [
+    [0.0, -17.0],
+    [0.0, -23.0],
+    [0.0, -40.0, -41.0],
+    [-3.0, 0.0, -30.0, -0.5],
+    [0.0] * 7,
+    [0.0, 0.0, -36.0],
+    [5.0, -2.0, 1.0, 0.5, -40.0, 4.9],
+]
 
 
 def test_jacobian_norm_has_no_cancellation():
@@ -264,7 +289,9 @@ def test_jacobian_norm_has_no_cancellation():
     assert jacobian_exact([0.0, -17.0]) == pytest.approx(8.28e-8, rel=1e-3)
     assert jacobian_exact([0.0, -23.0]) == pytest.approx(2.05e-10, rel=1e-3)
     g = torch.Generator().manual_seed(5)
-    rows = [torch.tensor(r, dtype=torch.float64) for r in JACOBIAN_ROWS] + [torch.randn(40, generator=g, dtype=torch.float64) * s for s in (1, 10, 40)]
+    rows = [torch.tensor(r, dtype=torch.float64) for r in JACOBIAN_ROWS] + [
+        torch.randn(40, generator=g, dtype=torch.float64) * s for s in (1, 10, 40)
+    ]
     for x in rows:
         got = jacobian_frobenius(torch.softmax(x, dim=-1).unsqueeze(0)).item()
         assert got == pytest.approx(jacobian_exact(x.tolist()), rel=1e-12), x.tolist()
@@ -274,12 +301,16 @@ def test_jacobian_norm_has_no_cancellation():
 def test_mean_jacobian_norm_of_the_distribution_has_no_cancellation(kernels):
     for row in JACOBIAN_ROWS:
         x = torch.tensor([row], dtype=torch.float64)
-        got = diagnose("j", x, Options(methods=("torch",), dtypes=("fp32",), kernels=kernels)).distribution.jacobian_norm_mean
+        got = diagnose(
+            "j", x, Options(methods=("torch",), dtypes=("fp32",), kernels=kernels)
+        ).distribution.jacobian_norm_mean
         assert got == pytest.approx(jacobian_exact(row), rel=1e-12), row
 
 
 @pytest.mark.parametrize("kernels", ["torch", "fused"])
-@pytest.mark.parametrize("shape, chunk_rows", [((3, 7, 1000), (1, 3, 20)), ((2, 40_000), (1,))], ids=["1000-keys", "40000-keys"])
+@pytest.mark.parametrize(
+    "shape, chunk_rows", [((3, 7, 1000), (1, 3, 20)), ((2, 40_000), (1,))], ids=["1000-keys", "40000-keys"]
+)
 def test_any_chunking_of_wide_rows_gives_the_same_bits(shape, chunk_rows, kernels):
     """Chunks of 1, 3 and 20 rows against the whole tensor, bit for bit: a row reduced alone
     takes other code paths in torch (a BLAS dot from 1000 keys; a split across threads
@@ -371,7 +402,13 @@ def test_naive_row_sum_overflow_is_reported_as_sum_overflow():
     x = torch.full((1, 100), 7.0)  # exp(7) = 1097 finite in fp16; 100 of them are not
     d = diagnose("s", x, Options(methods=("naive",), dtypes=("fp16",)))
     c = d.cell("naive", "fp16")
-    assert (c.overflow_rows, c.zero_rows, c.zero_causes, c.nan_rows, c.events) == (1, 1, {"sum_overflow": 1}, 0, {"sum_overflow": 1})
+    assert (c.overflow_rows, c.zero_rows, c.zero_causes, c.nan_rows, c.events) == (
+        1,
+        1,
+        {"sum_overflow": 1},
+        0,
+        {"sum_overflow": 1},
+    )
     f = next(f for f in d.findings if f.code == "sum_overflow")
     assert "every exp is finite but the row sum overflows to inf in 1 row(s)" in f.message and f.examples == [(0,)]
     assert not [f for f in d.findings if f.code in ("exp_overflow", "zero_rows")]
@@ -446,7 +483,9 @@ def test_nan_rows_are_counted_per_head(chunk_elements):
     x = torch.randn(2, 3, 4, 8, generator=torch.Generator().manual_seed(9))  # (B, H, Tq, Tk)
     x[1, 2, :3, 0] = float("nan")  # three rows of batch 1, head 2
     x[0, 1, 0, :] = float("-inf")  # one fully masked row of batch 0, head 1
-    cell = diagnose("h", x, Options(methods=("stable",), dtypes=("fp32",), chunk_elements=chunk_elements)).cell("stable", "fp32")
+    cell = diagnose("h", x, Options(methods=("stable",), dtypes=("fp32",), chunk_elements=chunk_elements)).cell(
+        "stable", "fp32"
+    )
     assert cell.nan_rows_by_head == [((1, 2), 3), ((0, 1), 1)]
 
 

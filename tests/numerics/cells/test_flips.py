@@ -11,9 +11,14 @@ from attncheck.numerics.methods.softmax import MethodOutput
 
 
 def test_the_rule_on_exact_ties_near_ties_and_clear_gaps():
-    x = torch.tensor([[2.0, 2.0, 0.0],  # an exact tie: no order to keep
-                      [2.0, 2.0 - 2e-4, 0.0],  # a near-tie: fp16 holds 2 and 2 - 2e-4 ~2e-3 apart at most
-                      [2.0, 1.0, 0.0]], dtype=torch.float64)  # a clear gap of 1
+    x = torch.tensor(
+        [
+            [2.0, 2.0, 0.0],  # an exact tie: no order to keep
+            [2.0, 2.0 - 2e-4, 0.0],  # a near-tie: fp16 holds 2 and 2 - 2e-4 ~2e-3 apart at most
+            [2.0, 1.0, 0.0],
+        ],
+        dtype=torch.float64,
+    )  # a clear gap of 1
     xc = x.half()  # the cell's scores (rounded to fp16)
     probs = torch.tensor([[0.3, 0.6, 0.1], [0.3, 0.6, 0.1], [0.3, 0.6, 0.1]])  # the cell puts key 1 first everywhere
     top = torch.zeros(3, 1, dtype=torch.long)  # float64's top key: key 0
@@ -38,7 +43,9 @@ def test_flips_of_a_cell_count_real_ones_and_name_the_near_ties():
         x = torch.zeros(6, 8, dtype=torch.float32)
         x[:3, 0], x[:3, 1] = 3.0, 1.0  # key 0 clearly first: the swap is a real flip
         x[3:, 0] = 0.5
-        x[3:, 1] = torch.tensor(0.5).nextafter(torch.tensor(0.0)).nextafter(torch.tensor(0.0))  # 2^-23 below: a near-tie in fp32
+        x[3:, 1] = (
+            torch.tensor(0.5).nextafter(torch.tensor(0.0)).nextafter(torch.tensor(0.0))
+        )  # 2^-23 below: a near-tie in fp32
         assert 0 < float(x[3, 0] - x[3, 1]) < FLIP_UNITS * torch.finfo(torch.float32).eps / 2
         d = diagnose("x", x, Options(dtypes=("fp32",), methods=("swapped",)))
         c = d.cell("swapped", "fp32")

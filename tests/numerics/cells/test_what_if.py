@@ -39,7 +39,11 @@ def test_a_logit_that_fits_bf16_but_not_fp16_breaks_an_fp16_eager_port_only():
     # The model (SDPA in bf16, the flash kernel: S in fp32) is fine, and torch's own kernel agrees.
     assert not torch.isnan(F.scaled_dot_product_attention(q, k, v)).any()
     model = report.diagnosis.cell("flash", "bf16")
-    assert model.role == "model" and model.nan_rows == 0 and not [f for f in report.diagnosis.findings if f.severity == "error"]
+    assert (
+        model.role == "model"
+        and model.nan_rows == 0
+        and not [f for f in report.diagnosis.findings if f.severity == "error"]
+    )
     w = report.what_if
     assert {c.name for c in w.cells} == {"flash/fp16", "eager:torch/fp16", "eager:torch/bf16"}
     assert w.cell("flash", "fp16").nan_rows == 0 and w.cell("torch", "bf16", path="eager").nan_rows == 0
@@ -49,13 +53,19 @@ def test_a_logit_that_fits_bf16_but_not_fp16_breaks_an_fp16_eager_port_only():
     eager16 = w.cell("torch", "fp16", path="eager")
     assert eager16.nan_rows == int(nan16.sum()) > 0 and eager16.nan_causes == {"qk_overflow": eager16.nan_rows}
     assert eager16.nan_rows_per_head == nan16.sum(dim=(0, 2)).tolist()  # all in head 1
-    assert "qk_overflow" in {f.code for f in w.findings} and "qk_overflow" not in {f.code for f in report.diagnosis.findings}
+    assert "qk_overflow" in {f.code for f in w.findings} and "qk_overflow" not in {
+        f.code for f in report.diagnosis.findings
+    }
     # The model report: the model's verdict stays ok; the what-if names the call and head where fp16 eager breaks.
     rep = model_report([report])
     assert rep.first_bad is None
     (eager,) = [a for a in rep.what_if if a.cell == "eager:torch/fp16"]
     assert eager.bad_calls == 1 and eager.first.first_cause == "qk_overflow" and eager.first.heads == [1]
-    assert eager.limit.kind == "qk_overflow" and eager.limit.threshold == rounding_limit(torch.float16) and eager.headroom < 0
+    assert (
+        eager.limit.kind == "qk_overflow"
+        and eager.limit.threshold == rounding_limit(torch.float16)
+        and eager.headroom < 0
+    )
     # --fail-on judges the model unless asked for the what-if
     assert failed_conditions([report.diagnosis], ["nan", "error"]) == []
     assert failed_conditions([report.what_if], ["nan"]) != []
@@ -119,11 +129,15 @@ def test_headroom_is_the_model_cells_own_first_failure():
 
     d = diagnose("x", scores.float(), Options(dtypes=("fp16",), methods=("naive", "torch")))
     naive = d.cell("naive", "fp16").limit
-    assert naive.kind == "exp_overflow" and naive.threshold == exp_overflow_threshold(torch.float16) == pytest.approx(math.log(65520))
+    assert naive.kind == "exp_overflow" and naive.threshold == exp_overflow_threshold(torch.float16) == pytest.approx(
+        math.log(65520)
+    )
     assert naive.value == float(scores.float().max())
     cast = d.cell("torch", "fp16").limit  # fp32 scores cast to fp16: the cast is torch/fp16's first failure
     assert cast.kind == "cast_overflow" and cast.threshold == 65520.0
-    assert diagnose("x", scores.float(), Options(dtypes=("fp32",), methods=("torch",))).cell("torch", "fp32").limit is None
+    assert (
+        diagnose("x", scores.float(), Options(dtypes=("fp32",), methods=("torch",))).cell("torch", "fp32").limit is None
+    )
 
 
 def test_an_eager_port_of_a_boolean_mask_adds_finfo_min_as_transformers_does():
@@ -136,7 +150,9 @@ def test_an_eager_port_of_a_boolean_mask_adds_finfo_min_as_transformers_does():
     report = diagnose_call(sdpa_call(), {"q": q, "k": k, "v": v, "attn_mask": keep}, Options(), what_if=("fp16",))
     assert report.diagnosis.cell("flash", "fp32").zero_causes == {"fully_masked": 2}  # SDPA's zeros, both heads
     low = torch.finfo(torch.float16).min
-    s16 = torch.matmul(q.half(), k.half().transpose(-1, -2)) * (1 / math.sqrt(8)) + torch.zeros(6, 6, dtype=torch.float16).masked_fill(~keep[0, 0], low)
+    s16 = torch.matmul(q.half(), k.half().transpose(-1, -2)) * (1 / math.sqrt(8)) + torch.zeros(
+        6, 6, dtype=torch.float16
+    ).masked_fill(~keep[0, 0], low)
     p16 = torch.softmax(s16, dim=-1)
     assert not torch.isnan(p16).any()
     eager = report.what_if.cell("torch", "fp16", path="eager")

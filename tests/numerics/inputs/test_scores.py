@@ -11,8 +11,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from typer.testing import CliRunner
 
 from attncheck.cli import app
-from attncheck.numerics.cells.diagnose import Options, diagnose_attention
 from attncheck.errors import AttncheckError
+from attncheck.numerics.cells.diagnose import Options, diagnose_attention
 from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -182,7 +182,9 @@ def test_a_minus_1e4_mask_given_three_ways_masks_the_same_rows():
     expected_rows = 2 * 2 * int(masked.all(dim=-1).sum())  # queries 0..2 of each (batch, head): 12
     assert expected_rows == 12
     scores = (q.double() @ k.double().transpose(-1, -2)) / 4
-    assert bool((scores[..., :3, :][masked[:3].expand(2, 2, 3, 6)] > 0).any())  # the case: masked keys above -1e4 after adding it
+    assert bool(
+        (scores[..., :3, :][masked[:3].expand(2, 2, 3, 6)] > 0).any()
+    )  # the case: masked keys above -1e4 after adding it
     float_mask = torch.where(masked, -1e4, 0.0)
     ways = {
         "float": run(q, k, float_mask),
@@ -192,7 +194,9 @@ def test_a_minus_1e4_mask_given_three_ways_masks_the_same_rows():
     # The fp16 scores the model computes, in numpy: q, k rounded to fp16, float32 products rounded
     # to fp16, times 1/4 and plus -1e4 in fp16; their exps in float64 against fp16's limits.
     qn, kn = q.numpy().astype(np.float16).astype(np.float32), k.numpy().astype(np.float16).astype(np.float32)
-    s16 = (np.matmul(qn, np.swapaxes(kn, -1, -2)).astype(np.float16) * np.float16(0.25)) + float_mask.numpy().astype(np.float16)
+    s16 = (np.matmul(qn, np.swapaxes(kn, -1, -2)).astype(np.float16) * np.float16(0.25)) + float_mask.numpy().astype(
+        np.float16
+    )
     e = np.exp(s16.astype(np.float64)).reshape(-1, 6)
     rows_over = int((e >= 65520).any(axis=-1).sum())
     rows_under = int((e <= 2.0**-25).all(axis=-1).sum())  # exps at or below half the smallest subnormal round to 0
@@ -274,11 +278,17 @@ def test_scale_findings_follow_the_scale_applied_not_the_shape_of_q_and_k(kind):
     d = run(q, k, dtypes=("fp32",), methods=("torch",))  # the default scale, 1/sqrt(256) = 1/16
     # The scores are q.k / 16 exactly: the independent float64 product and the pipeline's agree.
     block = next(score_blocks(d_inp := prepare_inputs(q, k), 1 << 20, torch.device("cpu"), start_audit(d_inp)))
-    assert torch.allclose(block.given, ((q.double() @ k.double().transpose(-1, -2)) / 16).reshape(-1, 64), rtol=1e-12, atol=0)
+    assert torch.allclose(
+        block.given, ((q.double() @ k.double().transpose(-1, -2)) / 16).reshape(-1, 64), rtol=1e-12, atol=0
+    )
     assert not {"missing_scale", "double_scale"} & codes(d), [f.message for f in d.findings]
-    f = next(f for f in run(q, k, scale="none", dtypes=("fp32",), methods=("torch",)).findings if f.code == "missing_scale")
+    f = next(
+        f for f in run(q, k, scale="none", dtypes=("fp32",), methods=("torch",)).findings if f.code == "missing_scale"
+    )
     assert "q.k times 1 (the scale applied, --scale none on the scores): 16 x 1/sqrt(d_k)" in f.message
     assert "double_scale" in codes(run(q, k, scale="dk", dtypes=("fp32",), methods=("torch",)))
+
+
 def test_float_mask_of_fp16_min_is_reported_as_the_mask_holds_it():
     # An explicit additive mask of finfo(fp16).min: "mask value -65504" (not -inf), in the JSON
     # fields too, its overflow on add with a negative score named by that value, and fully
@@ -303,8 +313,12 @@ def test_scores_given_with_q_and_k_get_the_pipeline_audit():
     # keys and the qk_overflow finding are those of the Q/K run.
     q, k = outlier_qk()
     alone = run(q, k, causal=True, dtypes=("fp16",), methods=("stable",))
-    scores = torch.where(torch.ones(8, 8, dtype=torch.bool).tril(), (q.double() @ k.double().transpose(-1, -2)) / 8, -math.inf)
-    given = diagnose_attention("s", prepare_inputs(q, k, causal=True), Options(dtypes=("fp16",), methods=("stable",)), scores=scores)
+    scores = torch.where(
+        torch.ones(8, 8, dtype=torch.bool).tril(), (q.double() @ k.double().transpose(-1, -2)) / 8, -math.inf
+    )
+    given = diagnose_attention(
+        "s", prepare_inputs(q, k, causal=True), Options(dtypes=("fp16",), methods=("stable",)), scores=scores
+    )
     a, b = alone.attention, given.attention
     assert b.raw_max_abs == a.raw_max_abs == 576.0 * 382.0
     assert b.masked_keys == a.masked_keys == 28
@@ -316,12 +330,16 @@ def test_scores_given_with_q_and_k_get_the_pipeline_audit():
 def test_scale_mismatch_fits_the_scale_of_given_scores():
     q, k = iid_qk(64)
     scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(64 * 2)  # divided by sqrt(d_model)
-    d = diagnose_attention("s", prepare_inputs(q, k), Options(dtypes=("fp32",), methods=("stable",)), scores=scores.float())
+    d = diagnose_attention(
+        "s", prepare_inputs(q, k), Options(dtypes=("fp32",), methods=("stable",)), scores=scores.float()
+    )
     assert d.attention.fitted_scale == pytest.approx(1 / math.sqrt(128), rel=1e-5)
     f = next(f for f in d.findings if f.code == "scale_mismatch")
     assert "1/sqrt(d_model)" in f.message
     right = (q.double() @ k.double().transpose(-1, -2)) / 8
-    ok = diagnose_attention("s", prepare_inputs(q, k), Options(dtypes=("fp32",), methods=("stable",)), scores=right.float())
+    ok = diagnose_attention(
+        "s", prepare_inputs(q, k), Options(dtypes=("fp32",), methods=("stable",)), scores=right.float()
+    )
     assert "scale_mismatch" not in codes(ok)
 
 
@@ -365,44 +383,132 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
     q, k = outlier_qk()
     torch.save({"q": q, "k": k, "k16": torch.zeros(1, 1, 8, 16)}, tmp_path / "qk.pt")
     vs = tmp_path / "v.pt"
-    torch.save({"v": torch.randn(1, 1, 8, 32), "v7": torch.randn(1, 1, 7, 64), "v2h": torch.randn(1, 2, 8, 64),
-                "vint": torch.ones(1, 1, 8, 64, dtype=torch.int32)}, vs)
+    torch.save(
+        {
+            "v": torch.randn(1, 1, 8, 32),
+            "v7": torch.randn(1, 1, 7, 64),
+            "v2h": torch.randn(1, 2, 8, 64),
+            "vint": torch.ones(1, 1, 8, 64, dtype=torch.int32),
+        },
+        vs,
+    )
     torch.save(torch.ones(8, 8, dtype=torch.int64), tmp_path / "intmask.pt")
     torch.save(torch.randn(2, 8, 8), tmp_path / "scores.pt")
     p = tmp_path / "qk.pt"
-    r = runner.invoke(app, ["run", "--q", f"{p}:q", "--k", f"{p}:k", "--dtype", "fp16", "--fail-on", "qk_overflow", "--brief"])
+    r = runner.invoke(
+        app, ["run", "--q", f"{p}:q", "--k", f"{p}:k", "--dtype", "fp16", "--fail-on", "qk_overflow", "--brief"]
+    )
     assert r.exit_code == 1, r.output
     assert "qk_overflow" in r.stdout
-    r = runner.invoke(app, ["run", "--q", f"{p}:q", "--k", f"{p}:k", "--dtype", "fp16", "--scale-order", "q", "--method", "stable,tiled,torch", "--fail-on", "nan,qk_overflow", "--brief"])
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            "--q",
+            f"{p}:q",
+            "--k",
+            f"{p}:k",
+            "--dtype",
+            "fp16",
+            "--scale-order",
+            "q",
+            "--method",
+            "stable,tiled,torch",
+            "--fail-on",
+            "nan,qk_overflow",
+            "--brief",
+        ],
+    )
     assert r.exit_code == 0, r.output
     for args, line in [
-        (["--q", f"{p}:q", "--k", f"{p}:k16"], "q and k have different head dims: q (1, 1, 8, 64) has d = 64, k (1, 1, 8, 16) has d = 16"),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k16"],
+            "q and k have different head dims: q (1, 1, 8, 64) has d = 64, k (1, 1, 8, 16) has d = 16",
+        ),
         (["--q", f"{p}:q"], "--q and --k go together: give both"),
         (["--causal", str(p)], "--causal applies to scores computed from --q and --k, which are not given"),
-        (["--mask", str(p), "--pad-left", "1", str(p)], "--mask, --pad-left apply to scores computed from --q and --k, which are not given"),
-        ([str(p), "--mask-value", "garbage"], "--mask-value: unknown value 'garbage' (use -inf, min or a negative number)"),
-        ([str(p), "--scale", "garbage"], "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'garbage'"),
-        ([str(p), "--scale", "0.125", "--mask-value", "min"], "--scale, --mask-value apply to scores computed from --q and --k, which are not given"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "min"], "--mask-value is what keys masked by a boolean --mask, --causal or --pad-left/--pad-right become; none is given"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--mask-convention", "ignore"], "--mask-convention applies to a boolean --mask, which is not given"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--key", "q"], "--key selects tensors inside score files, and none is given; pick q and k inside files with --q PATH:KEY"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--mask", str(tmp_path / "intmask.pt")], f"{tmp_path / 'intmask.pt'} has dtype int64; use a boolean mask (True = attend; --mask-convention ignore for True = masked) or an additive float mask"),
-        (["--q", str(p), "--k", f"{p}:k"], f"--q {p} selects 3 tensors ({p}:q, {p}:k, {p}:k16); pick one with --q PATH:KEY"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--scale", "fast"], "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'fast'"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "5"], "--mask-value must be negative (a mask lowers the masked scores), got '5'"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--pad-left", "2,x"], "--pad-left: 'x' is not a non-negative integer (give one length per batch element, e.g. 3,0)"),
+        (
+            ["--mask", str(p), "--pad-left", "1", str(p)],
+            "--mask, --pad-left apply to scores computed from --q and --k, which are not given",
+        ),
+        (
+            [str(p), "--mask-value", "garbage"],
+            "--mask-value: unknown value 'garbage' (use -inf, min or a negative number)",
+        ),
+        (
+            [str(p), "--scale", "garbage"],
+            "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'garbage'",
+        ),
+        (
+            [str(p), "--scale", "0.125", "--mask-value", "min"],
+            "--scale, --mask-value apply to scores computed from --q and --k, which are not given",
+        ),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "min"],
+            "--mask-value is what keys masked by a boolean --mask, --causal or --pad-left/--pad-right become; none is given",
+        ),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k", "--mask-convention", "ignore"],
+            "--mask-convention applies to a boolean --mask, which is not given",
+        ),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k", "--key", "q"],
+            "--key selects tensors inside score files, and none is given; pick q and k inside files with --q PATH:KEY",
+        ),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k", "--mask", str(tmp_path / "intmask.pt")],
+            f"{tmp_path / 'intmask.pt'} has dtype int64; use a boolean mask (True = attend; --mask-convention ignore for True = masked) or an additive float mask",
+        ),
+        (
+            ["--q", str(p), "--k", f"{p}:k"],
+            f"--q {p} selects 3 tensors ({p}:q, {p}:k, {p}:k16); pick one with --q PATH:KEY",
+        ),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k", "--scale", "fast"],
+            "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'fast'",
+        ),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "5"],
+            "--mask-value must be negative (a mask lowers the masked scores), got '5'",
+        ),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k", "--pad-left", "2,x"],
+            "--pad-left: 'x' is not a non-negative integer (give one length per batch element, e.g. 3,0)",
+        ),
         (["--q", f"{p}:q", "--k", f"{p}:k", "--pad-left", "2,1"], "--pad-left gives 2 lengths for a batch of 1"),
         (["--v", f"{vs}:v", str(p)], "--v applies to attention computed from --q and --k"),
-        (["--path", "flash", "--example"], "--path applies to attention calls (a capture, q/k files) and to --q/--k, not to the built-in example's scores"),
-        (["--path", "flash", str(tmp_path / "scores.pt")], f"--path applies to attention calls (a capture, q/k files) and to --q/--k; {tmp_path / 'scores.pt'} holds scores only"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--path", "flash,xformers"], "--path: unknown path 'xformers' (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flash-fp8, sage, flex, flex-math)"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--path", ""], "--path is empty (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flash-fp8, sage, flex, flex-math)"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:v7"],
-         "v (1, 1, 7, 64) does not match k (1, 1, 8, 64): v needs k's batch and head axes and its 8 tokens (the last axis, the value dimension, may differ)"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:v2h"],
-         "v (1, 2, 8, 64) does not match k (1, 1, 8, 64): v needs k's batch and head axes and its 8 tokens (the last axis, the value dimension, may differ)"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:vint"], f"{vs}:vint has dtype int32; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)"),
-        (["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{tmp_path / 'missing.pt'}"], f"{tmp_path / 'missing.pt'}: no such file or directory"),
+        (
+            ["--path", "flash", "--example"],
+            "--path applies to attention calls (a capture, q/k files) and to --q/--k, not to the built-in example's scores",
+        ),
+        (
+            ["--path", "flash", str(tmp_path / "scores.pt")],
+            f"--path applies to attention calls (a capture, q/k files) and to --q/--k; {tmp_path / 'scores.pt'} holds scores only",
+        ),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k", "--path", "flash,xformers"],
+            "--path: unknown path 'xformers' (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flash-fp8, sage, flex, flex-math)",
+        ),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k", "--path", ""],
+            "--path is empty (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flash-fp8, sage, flex, flex-math)",
+        ),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:v7"],
+            "v (1, 1, 7, 64) does not match k (1, 1, 8, 64): v needs k's batch and head axes and its 8 tokens (the last axis, the value dimension, may differ)",
+        ),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:v2h"],
+            "v (1, 2, 8, 64) does not match k (1, 1, 8, 64): v needs k's batch and head axes and its 8 tokens (the last axis, the value dimension, may differ)",
+        ),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:vint"],
+            f"{vs}:vint has dtype int32; attncheck needs floating-point scores (fp16, bf16, fp32 or fp64)",
+        ),
+        (
+            ["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{tmp_path / 'missing.pt'}"],
+            f"{tmp_path / 'missing.pt'}: no such file or directory",
+        ),
     ]:
         r = runner.invoke(app, ["run", *args])
         assert r.exit_code == 2, (args, r.output)
@@ -414,7 +520,24 @@ def test_cli_v_adds_the_output_table_and_json(tmp_path):
     v = torch.randn(1, 1, 8, 32)
     torch.save({"q": q, "k": k, "v": v}, tmp_path / "qkv.pt")
     p = tmp_path / "qkv.pt"
-    r = runner.invoke(app, ["run", "--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{p}:v", "--dtype", "bf16", "--method", "torch", "--json", "-"])
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            "--q",
+            f"{p}:q",
+            "--k",
+            f"{p}:k",
+            "--v",
+            f"{p}:v",
+            "--dtype",
+            "bf16",
+            "--method",
+            "torch",
+            "--json",
+            "-",
+        ],
+    )
     assert r.exit_code == 0, r.output
     cells = {c["name"]: c for c in json.loads(r.stdout)["tensors"][0]["cells"]}
     assert list(cells) == ["eager:torch/bf16", "sdpa-math/bf16", "flash/bf16"]
@@ -424,7 +547,25 @@ def test_cli_v_adds_the_output_table_and_json(tmp_path):
     c = cells["sdpa-math/bf16"]
     assert c["path"] == "sdpa-math" and c["out_rows"] == 8 and c["out_nan_rows"] == 0
     assert c["out_rmse"] == pytest.approx(float((o - exact).pow(2).mean().sqrt()), rel=1e-9)
-    r = runner.invoke(app, ["run", "--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{p}:v", "--dtype", "bf16", "--method", "torch", "--path", "flash", "--brief"])
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            "--q",
+            f"{p}:q",
+            "--k",
+            f"{p}:k",
+            "--v",
+            f"{p}:v",
+            "--dtype",
+            "bf16",
+            "--method",
+            "torch",
+            "--path",
+            "flash",
+            "--brief",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "Output O = P@V against float64" in r.stdout and "flash/bf16" in r.stdout and "eager:" not in r.stdout
 
@@ -441,18 +582,25 @@ def test_masks_are_held_at_their_own_size_and_read_the_same_as_expanded():
     inp = prepare_inputs(q, k, keep, causal=True, pad_left=[3, 0])
     assert inp.masked.shape == (b, h, t, t) and inp.masked.untyped_storage().nbytes() <= b * t * t  # not b * h * t * t
     expanded = prepare_inputs(q, k, keep.expand(b, h, t, t).contiguous(), causal=True, pad_left=[3, 0])
-    opts = Options(dtypes=("fp16", "fp32"), methods=("stable", "torch"), chunk_elements=40 * t)  # blocks of 27 rows: cut across heads
+    opts = Options(
+        dtypes=("fp16", "fp32"), methods=("stable", "torch"), chunk_elements=40 * t
+    )  # blocks of 27 rows: cut across heads
     a, e = diagnose_attention("m", inp, opts), diagnose_attention("m", expanded, opts)
     assert a.census == e.census and [c.max_abs_err for c in a.cells] == [c.max_abs_err for c in e.cells]
     assert a.attention.masked_keys == e.attention.masked_keys > 0
     floats = torch.where(keep, 0.0, -1e4).to(torch.float16)
     inp_f = prepare_inputs(q, k, floats)
     assert inp_f.mask_float.untyped_storage().nbytes() <= 8 * t * t
-    assert diagnose_attention("f", inp_f, opts).census == diagnose_attention("f", prepare_inputs(q, k, floats.expand(b, h, t, t).contiguous()), opts).census
+    assert (
+        diagnose_attention("f", inp_f, opts).census
+        == diagnose_attention("f", prepare_inputs(q, k, floats.expand(b, h, t, t).contiguous()), opts).census
+    )
 
 
 def test_what_the_inputs_hold_is_measured_at_the_masks_own_size():
     q = torch.ones(1, 64, 256, 4)
-    prepare_inputs(q, q, torch.ones(256, 256, dtype=torch.bool), causal=True, max_bytes=2 << 20)  # 1 MiB of q, k and two 64 KiB planes
+    prepare_inputs(
+        q, q, torch.ones(256, 256, dtype=torch.bool), causal=True, max_bytes=2 << 20
+    )  # 1 MiB of q, k and two 64 KiB planes
     with pytest.raises(AttncheckError, match=r"need 1.125 MiB in float64, over max_memory 1 MiB"):
         prepare_inputs(q, q, torch.ones(256, 256, dtype=torch.bool), causal=True, max_bytes=1 << 20)

@@ -112,7 +112,9 @@ def reference(q, k, v, score_mod, mask_mod):
     s = (q64 @ k64.transpose(-2, -1)) / math.sqrt(q.size(-1))
     t = q.size(-2)
     if score_mod is alibi:
-        s = s + SLOPES.double().view(1, -1, 1, 1) * (torch.arange(t).view(1, 1, 1, t) - torch.arange(t).view(1, 1, t, 1))
+        s = s + SLOPES.double().view(1, -1, 1, 1) * (
+            torch.arange(t).view(1, 1, 1, t) - torch.arange(t).view(1, 1, t, 1)
+        )
     elif score_mod is softcap:
         s = 50 * torch.tanh(s / 50)
     if mask_mod is not None:
@@ -140,7 +142,13 @@ def test_eager_bit_exact(name, dt):
     q, k, v = inputs(dt, t, hkv, seed=zlib.crc32(name.encode()) % 1000)
     gqa = hkv != HQ
     out, aux = flex_attention(
-        q, k, v, score_mod=score_mod, block_mask=block_mask(mask_mod, t), enable_gqa=gqa, return_aux=AuxRequest(lse=True)
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask(mask_mod, t),
+        enable_gqa=gqa,
+        return_aux=AuxRequest(lse=True),
     )
     s = flex_post_mod_scores(q, k, None, score_mod, dense(mask_mod, t, t), enable_gqa=gqa)
     assert s.dtype == FP32
@@ -158,21 +166,26 @@ def test_eager_bit_exact(name, dt):
 
 def test_eager_float64_inputs_bit_exact():
     q, k, v = inputs(torch.float64, 100, 2, seed=3)
-    out, aux = flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask(causal, 100), enable_gqa=True,
-                              return_aux=AuxRequest(lse=True))
+    out, aux = flex_attention(
+        q, k, v, score_mod=alibi, block_mask=block_mask(causal, 100), enable_gqa=True, return_aux=AuxRequest(lse=True)
+    )
     s = flex_post_mod_scores(q, k, None, alibi, dense(causal, 100, 100), enable_gqa=True)
     assert s.dtype == torch.float64
     o, lse = flex_eager(s, v, torch.float64, enable_gqa=True)
     assert torch.equal(o, out) and torch.equal(lse, aux.lse)
 
 
-@pytest.mark.parametrize("score_mod,mask_mod", [(None, None), (alibi, window), (softcap, early_rows_empty)],
-                         ids=["plain", "alibi-window", "softcap-rows-without-key"])
+@pytest.mark.parametrize(
+    "score_mod,mask_mod",
+    [(None, None), (alibi, window), (softcap, early_rows_empty)],
+    ids=["plain", "alibi-window", "softcap-rows-without-key"],
+)
 def test_float64_reference(score_mod, mask_mod):
     t = 100
     q, k, v = inputs(BF16, t, 2, seed=5)
-    s64 = flex_post_mod_scores(q.double(), k.double(), None, score_mod, dense(mask_mod, t, t), enable_gqa=True,
-                               working=torch.float64)
+    s64 = flex_post_mod_scores(
+        q.double(), k.double(), None, score_mod, dense(mask_mod, t, t), enable_gqa=True, working=torch.float64
+    )
     s_ref, o_ref = reference(q, k, v, score_mod, mask_mod)
     assert s64.dtype == torch.float64
     assert torch.equal(s64 == NEG_INF, s_ref == NEG_INF)
@@ -182,8 +195,9 @@ def test_float64_reference(score_mod, mask_mod):
     assert torch.allclose(o64, o_ref, rtol=1e-12, atol=1e-13)
     assert torch.allclose(lse64, torch.logsumexp(s_ref, dim=-1), rtol=1e-13, atol=1e-13)
     # working=float64 on float32 q, k: the same logits (q, k upcast first)
-    s64b = flex_post_mod_scores(q.float(), k.float(), None, score_mod, dense(mask_mod, t, t), enable_gqa=True,
-                                working=torch.float64)
+    s64b = flex_post_mod_scores(
+        q.float(), k.float(), None, score_mod, dense(mask_mod, t, t), enable_gqa=True, working=torch.float64
+    )
     assert torch.equal(s64b, s64)
 
 
@@ -256,8 +270,9 @@ def test_compiled_rows_without_key(dt):
     t = 200
     q, k, v = (x[:1] for x in inputs(dt, t, 2, seed=7))  # one batch: q tile 0 skipped, rows 128..129 l = 0
     s = flex_post_mod_scores(q, k, None, softcap, dense(late_start, t, t), enable_gqa=True)
-    tr = flex_compiled_trace(s, v, dt, enable_gqa=True, block=128, score_err=flex_score_err(
-        q, k, None, s, enable_gqa=True, mod_ulps=8))
+    tr = flex_compiled_trace(
+        s, v, dt, enable_gqa=True, block=128, score_err=flex_score_err(q, k, None, s, enable_gqa=True, mod_ulps=8)
+    )
     empty = torch.all(s == NEG_INF, dim=-1)
     assert empty[:, :, :LATE].all() and not empty[:, :, LATE:].any()
     assert torch.equal(tr.out[empty], torch.zeros_like(tr.out[empty]))  # skipped tile and l = 0 rows alike
@@ -325,7 +340,9 @@ def test_compiled_within_bound(name):
     diff = (tr.out.double() - real.double()).abs()
     bound = tr.bound
     assert (diff <= bound).all(), f"{int((diff > bound).sum())} elements outside the bound"
-    assert torch.equal(tr.out, flex_compiled(s, v, dt, enable_gqa=hkv != HQ, block=None if mask_mod is None else 128)[0])
+    assert torch.equal(
+        tr.out, flex_compiled(s, v, dt, enable_gqa=hkv != HQ, block=None if mask_mod is None else 128)[0]
+    )
 
     empty = torch.all(s == NEG_INF, dim=-1)
     if empty.any():  # what torch's kernel gives on rows without a key: 0, and so does the emulation
@@ -361,8 +378,9 @@ def test_compiled_within_bound(name):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings(JIT_WARNING)
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX2",
-                    reason="the P @ V order emulated is the AVX2 kernel's")
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX2", reason="the P @ V order emulated is the AVX2 kernel's"
+)
 @pytest.mark.parametrize("name", ["fp32-causal-gqa", "bf16-window-alibi", "fp16-plain"])
 def test_compiled_bit_exact_on_exact_logits(name):
     """Logits that every summation order gives exactly (q, k multiples of 1/16, a power-of-two scale

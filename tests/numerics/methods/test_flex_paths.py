@@ -61,7 +61,9 @@ class Flex(torch.nn.Module):
         self.block_mask, self.score_mod = block_mask, score_mod
 
     def forward(self, q, k, v):
-        return flex_attention(q, k, v, score_mod=self.score_mod, block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        return flex_attention(
+            q, k, v, score_mod=self.score_mod, block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1]
+        )
 
 
 def tensors(dt, hkv, seed=0, size=2.0):
@@ -86,7 +88,9 @@ def record(name, dt, compiled=False):
 def run_recorded(path, call):
     t = call.tensors
     logits = (t["scores_mod"], t["scores_mod64"]) if "scores_mod" in t else None
-    inp = prepare_inputs(t["q"], t["k"], t.get("attn_mask"), v=t["v"], scale=repr(float(call.meta["scale"])), logits=logits)
+    inp = prepare_inputs(
+        t["q"], t["k"], t.get("attn_mask"), v=t["v"], scale=repr(float(call.meta["scale"])), logits=logits
+    )
     (blk,) = list(score_blocks(inp, 1 << 40, torch.device("cpu"), start_audit(inp)))
     pb = PATHS.get(path).function()(blk, t["q"].dtype, [path], MethodParams())
     out = pb.cells[0][1]

@@ -42,7 +42,9 @@ def test_to_fp8_rounds_every_value_and_midpoint_to_nearest_even(dt):
     top = float(torch.finfo(dt).max)
     assert values.max() == top
     mids = (values[1:] + values[:-1]) / 2
-    probes = np.concatenate([values, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf), [top * 1.01, -top * 4, 1e30]])
+    probes = np.concatenate(
+        [values, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf), [top * 1.01, -top * 4, 1e30]]
+    )
     probes = probes.astype(np.float32).astype(np.float64)  # what an fp32 input can hold
     got = to_fp8(torch.from_numpy(probes).float(), dt).double().numpy()
     want = nearest_even(probes, values, patterns, top)
@@ -108,7 +110,9 @@ def test_forward_order_flushes_what_the_sink_max_predicts(p_scale):
     assert bool((r.flushed[:, 4:] == expect)[~near].all())
     phi = 0.5 * (1 + torch.erf((m.double() - thr) / math.sqrt(2)))  # per row, given its sink max
     share = r.flushed[:, 4:].double().mean()
-    assert float(share) == pytest.approx(float(phi.mean()), abs=4 * math.sqrt(float(phi.mean()) / s[:, 4:].numel()) + 1e-4)
+    assert float(share) == pytest.approx(
+        float(phi.mean()), abs=4 * math.sqrt(float(phi.mean()) / s[:, 4:].numel()) + 1e-4
+    )
     assert bool((r.position[:, :128] == AT).all() and (r.position[:, 128:] == AFTER).all())
 
 

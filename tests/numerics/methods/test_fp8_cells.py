@@ -11,8 +11,8 @@ import torch
 from attncheck import Options
 from attncheck.errors import AttncheckError
 from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
-from attncheck.numerics.methods.fp8_attention import fa3_tile, hadamard
 from attncheck.numerics.inputs.scores import prepare_inputs
+from attncheck.numerics.methods.fp8_attention import fa3_tile, hadamard
 
 E4M3 = torch.float8_e4m3fn
 
@@ -78,7 +78,9 @@ def test_flash_fp8_path_is_fa3_written_out():
     """Per-(batch, kv head) descales, S in fp32, FA3's tile for d = 64 (160 keys), reverse order, O in bf16."""
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 200, 64, generator=g) * 2 for _ in range(3))
-    d = diagnose_attention("x", prepare_inputs(q, k, v=v), Options(dtypes=("e4m3",), methods=("torch",), paths=("flash-fp8",)))
+    d = diagnose_attention(
+        "x", prepare_inputs(q, k, v=v), Options(dtypes=("e4m3",), methods=("torch",), paths=("flash-fp8",))
+    )
     (c,) = d.cells
     assert c.name == "flash-fp8/e4m3" and fa3_tile(64) == (192, 160)
     outs = []
@@ -110,15 +112,26 @@ def test_incoherent_processing_lowers_the_error_on_outliers():
     q, k, v = make_qk(2, 256, 256, 128, dist="outliers", seed=1, with_v=True)
     inp = prepare_inputs(q[None], k[None], v=v[None])
     plain = diagnose_attention("x", inp, Options(dtypes=("e4m3",), methods=("torch",), paths=("flash-fp8",)))
-    rotated = diagnose_attention("x", inp, Options(dtypes=("e4m3",), methods=("torch",), paths=("flash-fp8",), incoherent=True))
+    rotated = diagnose_attention(
+        "x", inp, Options(dtypes=("e4m3",), methods=("torch",), paths=("flash-fp8",), incoherent=True)
+    )
     assert rotated.cells[0].out_rmse < 0.8 * plain.cells[0].out_rmse
 
 
 # --------------------------------------------------------------------------- docs/fp8.md, recomputed from its text
 
 # docs/fp8.md's table of FlashAttention-3's FP8 tile (kBlockM queries, kBlockN keys), at and past each boundary
-FA3_FP8_TILES = {64: (192, 160), 65: (192, 128), 96: (192, 128), 97: (128, 224), 128: (128, 224),
-                 129: (128, 160), 192: (128, 160), 193: (128, 128), 256: (128, 128)}
+FA3_FP8_TILES = {
+    64: (192, 160),
+    65: (192, 128),
+    96: (192, 128),
+    97: (128, 224),
+    128: (128, 224),
+    129: (128, 160),
+    192: (128, 160),
+    193: (128, 128),
+    256: (128, 128),
+}
 
 
 def one_path_block(path, q, k, v, dt=E4M3, **params):
@@ -201,8 +214,11 @@ def test_sage_scores_are_the_kernels_int8_products_in_its_order():
     inp, pb = one_path_block("sage", q, k, v)
     scale = torch.tensor(1 / math.sqrt(d), dtype=torch.float32)
     qgroups = [[r for r in (s + t, s + t + 8) if r < tq] for s in range(0, tq, 16) for t in range(8)]
-    kgroups = [[r for r in range(s, min(s + 128, tk)) if r % 8 in (2 * t, 2 * t + 1)]
-               for s in range(0, tk, 128) for t in range(4)]
+    kgroups = [
+        [r for r in range(s, min(s + 128, tk)) if r % 8 in (2 * t, 2 * t + 1)]
+        for s in range(0, tk, 128)
+        for t in range(4)
+    ]
     last = (tk - 1) // 128 * 128
     rows, alt = [], []
     for h in range(2):
@@ -289,11 +305,17 @@ def test_fp8_overflow_of_p_scale_and_of_unscaled_q():
     q, k, v = (torch.randn(1, 1, 64, 32, generator=g) for _ in range(3))
     q[0, 0, 3, 0] = 1000.0  # beyond 448: clipped without a descale
     k = k * 1e-3  # mostly below e4m3's normal range 2^-6 without a descale
-    d = diagnose_attention("x", prepare_inputs(q, k, v=v), Options(dtypes=("e4m3",), methods=("torch",), paths=("flash-fp8",), fp8_scaling="none"))
+    d = diagnose_attention(
+        "x",
+        prepare_inputs(q, k, v=v),
+        Options(dtypes=("e4m3",), methods=("torch",), paths=("flash-fp8",), fp8_scaling="none"),
+    )
     msgs = {f.code: f.message for f in d.findings}
     assert "1 of 2048 q value(s) (amax 1000) beyond +-448" in msgs["fp8_overflow"]
     assert "without a descale" in msgs["fp8_unscaled"] and "of k fall below e4m3's normal range" in msgs["fp8_unscaled"]
-    scaled = diagnose_attention("x", prepare_inputs(q, k, v=v), Options(dtypes=("e4m3",), methods=("torch",), paths=("flash-fp8",)))
+    scaled = diagnose_attention(
+        "x", prepare_inputs(q, k, v=v), Options(dtypes=("e4m3",), methods=("torch",), paths=("flash-fp8",))
+    )
     assert not codes(scaled) & {"fp8_overflow", "fp8_unscaled"}
 
 

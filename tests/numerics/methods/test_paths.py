@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attncheck.config.run import Options
-from attncheck.numerics.paths import flash as flash_path
-from attncheck.numerics.methods.online import online_softmax
 from attncheck.numerics.cells.diagnose import diagnose_attention
 from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
+from attncheck.numerics.methods.online import online_softmax
 from attncheck.numerics.methods.softmax import MethodParams
+from attncheck.numerics.paths import flash as flash_path
 from attncheck.registry import PATHS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -81,7 +81,8 @@ def test_sdpa_math_matches_the_math_backend_bit_for_bit(name, dt):
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros_like(mask, dtype=dt).masked_fill(~mask, float("-inf"))  # as SDPA converts it
     _, p_torch = torch.ops.aten._scaled_dot_product_attention_math(
-        q, k, v, mask, 0.0, sdpa.get("is_causal", False), None, enable_gqa=sdpa.get("enable_gqa", False))
+        q, k, v, mask, 0.0, sdpa.get("is_causal", False), None, enable_gqa=sdpa.get("enable_gqa", False)
+    )
     p, o, _, _ = run_path("sdpa-math", q, k, v, dt, **ours)
     assert o.dtype == dt and same(o, o_torch)
     assert same(p.to(dt), p_torch)  # the math backend returns its weights cast to the dtype
@@ -96,13 +97,17 @@ def flash_kernel(q, k, v, sdpa):
     mask = sdpa.get("attn_mask")
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill(~mask, float("-inf"))
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, sdpa.get("is_causal", False), attn_mask=mask)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, sdpa.get("is_causal", False), attn_mask=mask
+    )
 
 
 FLUSH_BELOW = -86.0  # PyTorch's vectorised CPU exp returns 0 below about -86.99 (AVX2, torch 2.13)
 
 
-def flash_bound(p_eff: torch.Tensor, v: torch.Tensor, o_a: torch.Tensor, o_b: torch.Tensor, dt, d: int, s: torch.Tensor) -> torch.Tensor:
+def flash_bound(
+    p_eff: torch.Tensor, v: torch.Tensor, o_a: torch.Tensor, o_b: torch.Tensor, dt, d: int, s: torch.Tensor
+) -> torch.Tensor:
     """Largest |O_a - O_b| two faithful computations of the flash recurrence may show, per element.
 
     Both compute S from the same dtype inputs in fp32 (d-term sums in any order: |dS| <=
@@ -145,7 +150,10 @@ def test_flash_matches_pytorchs_cpu_flash_kernel_within_its_bound(name, dt):
     assert bool((o_kernel[~live(p)] == 0).all() and (o[~live(p)] == 0).all())  # fully masked rows: zeros in both
     if dt == torch.float32:  # the running max and sum, through the kernel's logsumexp
         lse = torch.logsumexp(s, dim=-1)
-        qk = torch.matmul(q.double().abs(), (k if not sdpa.get("enable_gqa") else k.repeat_interleave(2, dim=1)).double().abs().transpose(-1, -2))
+        qk = torch.matmul(
+            q.double().abs(),
+            (k if not sdpa.get("enable_gqa") else k.repeat_interleave(2, dim=1)).double().abs().transpose(-1, -2),
+        )
         u32 = 2.0**-24  # |dS| <= 2 d u32 sum|q_i k_i| scale; the sum of T exps in any order, the exp a few ulp
         bound = 2 * q.shape[-1] * u32 * float(qk.max()) / 8 + (p.shape[-1] + 64) * u32
         ok = torch.isfinite(lse)
@@ -161,7 +169,9 @@ def test_flash_bound_holds_where_the_kernel_flushes_exps_to_zero(dt):
     q = torch.zeros(1, 1, 4, d)
     q[..., 0] = 1.0
     k = torch.zeros(1, 1, t, d)
-    k[0, 0, :, 0] = torch.cat([torch.zeros(1), -torch.linspace(80.0, 100.0, t - 1)]) * 8  # S = key 0's 0, then -80 ... -100 (scale 1/8)
+    k[0, 0, :, 0] = (
+        torch.cat([torch.zeros(1), -torch.linspace(80.0, 100.0, t - 1)]) * 8
+    )  # S = key 0's 0, then -80 ... -100 (scale 1/8)
     v = torch.ones(1, 1, t, d)
     v[0, 0, 0] = 0.0
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
@@ -201,12 +211,12 @@ def online_written_out(s: np.ndarray, p_dtype: torch.dtype, block: int) -> np.nd
     for r in range(rows):
         m_prev, l, parts = f32(-np.inf), f32(0), []
         for j0 in range(0, n, block):
-            sb = s[r, j0:j0 + block]
+            sb = s[r, j0 : j0 + block]
             m = max(m_prev, sb.max())
             e = np.array([f32(math.exp(float(f32(x - m)))) for x in sb], dtype=f32)
             tree = np.concatenate([e, np.zeros((1 << (block - 1).bit_length()) - len(e), dtype=f32)])
             while len(tree) > 1:
-                tree = (tree[: len(tree) // 2] + tree[len(tree) // 2:]).astype(f32)
+                tree = (tree[: len(tree) // 2] + tree[len(tree) // 2 :]).astype(f32)
             decay = f32(0) if m_prev == -np.inf else f32(math.exp(float(f32(m_prev - m))))
             l = f32(f32(decay * l) + tree[0])
             parts.append((j0, m, e))
@@ -214,11 +224,15 @@ def online_written_out(s: np.ndarray, p_dtype: torch.dtype, block: int) -> np.nd
         inv = f32(f32(1) / l)
         for j0, m, e in parts:
             pj = e if p_dtype == torch.float32 else torch.from_numpy(e).to(p_dtype).float().numpy()
-            out[r, j0:j0 + len(e)] = pj * f32(f32(math.exp(float(f32(m - m_prev)))) * inv)
+            out[r, j0 : j0 + len(e)] = pj * f32(f32(math.exp(float(f32(m - m_prev)))) * inv)
     return out
 
 
-CUDA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+CUDA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available: GPU test skipped")
@@ -237,7 +251,9 @@ def test_paths_on_cuda_match_the_cuda_kernels(name, backend, dt):
     except RuntimeError as e:  # e.g. the flash kernel takes no attn_mask
         pytest.skip(f"SDPA's CUDA {backend} backend does not run the {name} case: {str(e).splitlines()[0]}")
     path = "sdpa-math" if backend == "math" else "flash"
-    p, o, pb, blk = run_path(path, q, k, v, dt, block=128, device="cuda", **ours)  # inputs read on the CPU, computed on the GPU
+    p, o, pb, blk = run_path(
+        path, q, k, v, dt, block=128, device="cuda", **ours
+    )  # inputs read on the CPU, computed on the GPU
     assert o.device.type == "cuda"
     vv = blk.v.reshape(*o.shape[:-2], v.shape[-2], v.shape[-1]).to(dt)
     p, o, o_kernel, vv = p.cpu(), o.cpu(), o_kernel.cpu(), vv.cpu()
@@ -280,7 +296,11 @@ def test_flash_blocks_forward_and_reverse_give_the_same_numbers_in_fp32_up_to_ro
     _, fwd, _, _ = run_path("flash", q, k, v, torch.float32, block=16)
     inp = prepare_inputs(q, k, v=v)
     (blk,) = list(score_blocks(inp, 1 << 40, torch.device("cpu"), start_audit(inp)))
-    rev = flash_path.forward(blk, torch.float32, [], MethodParams(block=16, reverse=True)).cells[0][1].out.reshape(fwd.shape)
+    rev = (
+        flash_path.forward(blk, torch.float32, [], MethodParams(block=16, reverse=True))
+        .cells[0][1]
+        .out.reshape(fwd.shape)
+    )
     exact = torch.softmax(torch.matmul(q.double(), k.double().transpose(-1, -2)) / 8, -1) @ v.double()
     for o in (fwd, rev):
         assert float((o.double() - exact).abs().max()) < 2e-6
@@ -291,7 +311,9 @@ def test_eager_is_hand_written_attention(dt):
     """The eager path against the code people write (Hugging Face eager style) with torch ops
     in the dtype: bit for bit, scores, P and O."""
     q, k, v, _, _ = case("random", dt)
-    mask = torch.zeros(q.shape[-2], k.shape[-2]).masked_fill(torch.rand(q.shape[-2], k.shape[-2]) > 0.7, torch.finfo(dt).min)
+    mask = torch.zeros(q.shape[-2], k.shape[-2]).masked_fill(
+        torch.rand(q.shape[-2], k.shape[-2]) > 0.7, torch.finfo(dt).min
+    )
     w = torch.matmul(q, k.transpose(2, 3)) * (1 / math.sqrt(q.shape[-1])) + mask.to(dt)
     p_ref = torch.softmax(w, dim=-1)
     o_ref = torch.matmul(p_ref, v)
@@ -316,7 +338,10 @@ def test_the_issue_example_no_sdpa_backend_gives_nan_but_eager_fp16_does():
     assert nan == {"eager:torch/fp16": 1, "sdpa-math/fp16": 0, "flash/fp16": 0}
     assert nan["eager:torch/fp16"] == int(torch.isnan(hand).any(-1).sum())
     f = next(f for f in d.findings if f.code == "qk_overflow")
-    assert "by path: eager overflows (S in fp16), sdpa-math does not (S in fp32, from q and k each scaled by sqrt(scale)), flash does not (S in fp32 registers)" in f.message
+    assert (
+        "by path: eager overflows (S in fp16), sdpa-math does not (S in fp32, from q and k each scaled by sqrt(scale)), flash does not (S in fp32 registers)"
+        in f.message
+    )
 
 
 def test_output_metrics_against_an_independent_float64_computation():

@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attncheck.errors import AttncheckError
-from attncheck.numerics.precision import smallest_subnormal
 from attncheck.numerics.methods.softmax import (
     _row_sum,
     naive_softmax,
@@ -26,6 +25,7 @@ from attncheck.numerics.methods.softmax import (
     tiled_softmax,
     torch_softmax,
 )
+from attncheck.numerics.precision import smallest_subnormal
 
 from ...conftest import DTYPE_IDS, DTYPES
 
@@ -75,7 +75,9 @@ def test_fp16_naive_overflows_at_11_3_not_10_9():
     assert torch.allclose(out.probs[1].double(), r, atol=4 * torch.finfo(torch.float16).eps)
 
 
-@pytest.mark.parametrize("dtype,safe,over", [(torch.bfloat16, 88.6, 88.9), (torch.float32, 88.7, 88.75)], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    "dtype,safe,over", [(torch.bfloat16, 88.6, 88.9), (torch.float32, 88.7, 88.75)], ids=["bf16", "fp32"]
+)
 def test_naive_overflows_near_88_72(dtype, safe, over):
     x = torch.tensor([[safe, 0.0], [over, 0.0]], dtype=torch.float64).to(dtype)
     out = run_method("naive", x)
@@ -318,7 +320,6 @@ def test_tiled_is_bitwise_the_block_by_block_recurrence(dtype, keys, block, reve
     got = tiled_softmax(x, block=block, reverse=reverse)
     assert got.dtype == torch.float32 and got.shape == x.shape
     assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)) and torch.equal(got.isnan(), want.isnan())
-
 
 
 def _flash_forward_float64(row: list[float], block: int, reverse: bool) -> list[float]:

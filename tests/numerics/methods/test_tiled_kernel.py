@@ -17,8 +17,8 @@ import torch
 from attncheck.numerics.cells.diagnose import Options, diagnose
 from attncheck.numerics.methods.fp8 import pcast_softmax, to_fp8
 from attncheck.numerics.methods.fp8_attention import Fp8Setup
-from attncheck.numerics.precision import rounding_limit
 from attncheck.numerics.methods.softmax import MethodParams, tiled_softmax
+from attncheck.numerics.precision import rounding_limit
 from attncheck.registry import METHODS
 
 numba = pytest.importorskip("numba")
@@ -125,7 +125,9 @@ def test_pcast_kernel_is_pcast_softmax_bit_for_bit(fmt, p_scale, reverse):
     out, algo = _tiled_by_kernel(x, 64, reverse, Fp8Setup(fmt=fmt, p_scale=p_scale))
     want = pcast_softmax(x, fmt, p_scale, 64, reverse)
     assert same(out.probs, want.probs)
-    assert torch.equal(out.pcast.overflow, want.overflow) and bool(want.overflow[8:].any()) is (p_scale >= rounding_limit(fmt))
+    assert torch.equal(out.pcast.overflow, want.overflow) and bool(want.overflow[8:].any()) is (
+        p_scale >= rounding_limit(fmt)
+    )
     rows = algo.ok & ~torch.isnan(out.probs).any(dim=-1)
     a, b = out.pcast.tally(algo.ref, rows), want.tally(algo.ref, rows)
     assert torch.equal(a.live, b.live) and torch.equal(a.flushed, b.flushed)
@@ -142,7 +144,14 @@ def test_fp8_cells_agree_between_the_fused_and_torch_backends():
     plain = diagnose("x", x, Options(kernels="torch", **opts))
     for a, b in zip(fused.cells, plain.cells):
         assert a.name == b.name
-        for f in ("pcast_flushed_frac", "pcast_flushed_by_position", "pcast_rows", "pcast_mass_rows", "nan_rows", "zero_rows"):
+        for f in (
+            "pcast_flushed_frac",
+            "pcast_flushed_by_position",
+            "pcast_rows",
+            "pcast_mass_rows",
+            "nan_rows",
+            "zero_rows",
+        ):
             assert getattr(a, f) == getattr(b, f), (a.name, f)
         for f in ("rmse", "max_abs_err", "kl_mean"):  # the two float64 references differ by a few ulp
             assert math.isclose(getattr(a, f), getattr(b, f), rel_tol=1e-6), (a.name, f)

@@ -47,7 +47,7 @@ def written_out(s: np.ndarray, v: np.ndarray | None, dt: torch.dtype, tile: int 
     for r in range(rows):
         m_prev, l, parts = -math.inf, 0.0, []
         for j0 in range(0, n, tile):
-            sb = [float(x) for x in s[r, j0:j0 + tile]]
+            sb = [float(x) for x in s[r, j0 : j0 + tile]]
             m = max([m_prev] + sb)
             ms = 0.0 if m == -math.inf else m
             e = [f32(math.exp(f32(x - ms))) if x != -math.inf else 0.0 for x in sb]
@@ -65,7 +65,7 @@ def written_out(s: np.ndarray, v: np.ndarray | None, dt: torch.dtype, tile: int 
         for j0, m, e in parts:
             scale = 0.0 if m == -math.inf else f32(f32(math.exp(f32(m - m_fin))) * inv)
             pj = round_dt(np.array(e, dtype=np.float32), dt).astype(np.float64)
-            p[r, j0:j0 + len(e)] = (pj * scale).astype(np.float32)  # one product, rounded once to fp32
+            p[r, j0 : j0 + len(e)] = (pj * scale).astype(np.float32)  # one product, rounded once to fp32
         lse[r] = -math.inf if l == 0 else f32(m_prev + f32(math.log(l)))
     o64 = None if v is None else np.einsum("rk,rkd->rd", p.astype(np.float64), v)
     return p, lse, o64
@@ -85,7 +85,7 @@ def round_dt(x: np.ndarray, dt: torch.dtype) -> np.ndarray:
 
 def test_round_dt_is_the_exact_rounding():
     """The fast casts of the write-out against exact integer rounding (tests/numerics/rounding.py)."""
-    x = (np.random.default_rng(0).standard_normal(4000) * np.exp2(np.random.default_rng(1).integers(-30, 10, 4000)))
+    x = np.random.default_rng(0).standard_normal(4000) * np.exp2(np.random.default_rng(1).integers(-30, 10, 4000))
     x = x.astype(np.float32)
     for dt in (torch.float16, torch.bfloat16):
         bits, emin, emax = FORMAT[dt]
@@ -152,8 +152,15 @@ def run_forward(q, k, v, dt, **ours):
     return pb, blk
 
 
-FORWARD_CASES = [("random", 64), ("random", 128), ("random", 256), ("gqa", 128), ("causal-rect", 64),
-                 ("bool-mask", 64), ("float-mask", 256)]
+FORWARD_CASES = [
+    ("random", 64),
+    ("random", 128),
+    ("random", 256),
+    ("gqa", 128),
+    ("causal-rect", 64),
+    ("bool-mask", 64),
+    ("float-mask", 256),
+]
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=IDS)
@@ -261,22 +268,24 @@ def test_pytorch_196678_repro_is_predicted_nan_in_every_rows_dq():
     assert all(torch.isfinite(g).all() for g in float64_grads(q, k, v, bias))
 
 
-@pytest.mark.parametrize("L,mask,explicit,shift", [
-    (640, "tril", True, True),  # "640 and 768 are clean"
-    (768, "tril", True, True),
-    (704, "tril", False, True),  # "0 with ... is_causal=True" (no mask tensor)
-    (704, "tril", True, False),  # healthy logits: LSE near log of the key count
-])
+@pytest.mark.parametrize(
+    "L,mask,explicit,shift",
+    [
+        (640, "tril", True, True),  # "640 and 768 are clean"
+        (768, "tril", True, True),
+        (704, "tril", False, True),  # "0 with ... is_causal=True" (no mask tensor)
+        (704, "tril", True, False),  # healthy logits: LSE near log of the key count
+    ],
+)
 def test_pytorch_196678_controls_give_no_hazard_rows(L, mask, explicit, shift):
     q, k, v, bias = repro_196678(L, shift=shift, mask=mask)
-    r = cudnn.kernel_rows(q[0], k[0], v[0], scale=1 / 8, bias=bias[None], dt=torch.bfloat16,
-                          explicit_mask=explicit)
+    r = cudnn.kernel_rows(q[0], k[0], v[0], scale=1 / 8, bias=bias[None], dt=torch.bfloat16, explicit_mask=explicit)
     assert not r.events["padded_tile"].any()
     assert torch.isfinite(r.out).all()
 
 
 def test_pytorch_196678_all_true_mask_fails_too():
-    """"an all-True mask fails too": every row, L = 192 as well as 704."""
+    """ "an all-True mask fails too": every row, L = 192 as well as 704."""
     for L in (192, 704):
         q, k, v, bias = repro_196678(L, mask="all")
         r = cudnn.kernel_rows(q[0], k[0], v[0], scale=1 / 8, bias=bias[None], dt=torch.bfloat16)
@@ -348,28 +357,38 @@ def test_padded_tile_rows_threshold_and_margin():
 def facts(**kw):
     from attncheck.numerics.paths.base import CallFacts
 
-    base = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "tq": 704, "tk": 704, "mask": "explicit",
-            "capability": (9, 0)}
+    base = {
+        "dtype": "bf16",
+        "head_dim": 128,
+        "head_dim_v": 128,
+        "tq": 704,
+        "tk": 704,
+        "mask": "explicit",
+        "capability": (9, 0),
+    }
     return CallFacts(**{**base, **kw})
 
 
-@pytest.mark.parametrize("kw,refused", [
-    ({}, None),
-    ({"dtype": "fp16", "capability": (8, 0)}, None),
-    ({"dtype": "fp32"}, "fp16 and bf16 only"),  # check_dtypes_low_precision
-    ({"dtype": "e4m3"}, "fp16 and bf16 only"),
-    ({"capability": (7, 5)}, "sm80 to sm121"),  # check_cudnn_hardware_support
-    ({"head_dim": 100, "head_dim_v": 100}, "multiples of 8"),  # check_cudnn_tensor_shapes
-    ({"head_dim": 256, "head_dim_v": 256}, None),  # 256 on sm90 (cuDNN > 9.22)
-    ({"head_dim": 256, "head_dim_v": 256, "capability": (8, 0)}, "up to 128"),
-    ({"head_dim": 256, "head_dim_v": 256, "capability": None}, None),  # unknown device: the widest limit
-    ({"head_dim": 264, "head_dim_v": 264}, "up to 256"),
-    ({"dropout": 0.1}, "1/16"),  # check_cudnn_dropout
-    ({"dropout": 0.125}, None),
-    ({"tk": 1}, "key length of 1"),
-    ({"dropout": 0.125, "tq": 1}, "query length of 1"),
-    ({"softcap": 30.0}, "softcap"),
-])
+@pytest.mark.parametrize(
+    "kw,refused",
+    [
+        ({}, None),
+        ({"dtype": "fp16", "capability": (8, 0)}, None),
+        ({"dtype": "fp32"}, "fp16 and bf16 only"),  # check_dtypes_low_precision
+        ({"dtype": "e4m3"}, "fp16 and bf16 only"),
+        ({"capability": (7, 5)}, "sm80 to sm121"),  # check_cudnn_hardware_support
+        ({"head_dim": 100, "head_dim_v": 100}, "multiples of 8"),  # check_cudnn_tensor_shapes
+        ({"head_dim": 256, "head_dim_v": 256}, None),  # 256 on sm90 (cuDNN > 9.22)
+        ({"head_dim": 256, "head_dim_v": 256, "capability": (8, 0)}, "up to 128"),
+        ({"head_dim": 256, "head_dim_v": 256, "capability": None}, None),  # unknown device: the widest limit
+        ({"head_dim": 264, "head_dim_v": 264}, "up to 256"),
+        ({"dropout": 0.1}, "1/16"),  # check_cudnn_dropout
+        ({"dropout": 0.125}, None),
+        ({"tk": 1}, "key length of 1"),
+        ({"dropout": 0.125, "tq": 1}, "query length of 1"),
+        ({"softcap": 30.0}, "softcap"),
+    ],
+)
 def test_supports_says_what_pytorchs_cudnn_backend_refuses(kw, refused):
     why = cudnn.supports(facts(**kw))
     assert (why is None) if refused is None else (refused in why)
@@ -392,12 +411,15 @@ def test_path_spec():
 
 
 def test_importing_the_module_does_not_import_torch():
-    code = ("import sys, attncheck.numerics.paths.cudnn as c; assert 'torch' not in sys.modules, 'torch'; "
-            "print(c.PATH.name)")
+    code = (
+        "import sys, attncheck.numerics.paths.cudnn as c; assert 'torch' not in sys.modules, 'torch'; "
+        "print(c.PATH.name)"
+    )
     root = str(Path(__file__).resolve().parents[3])  # this checkout, not an installed copy
     env = {**os.environ, "PYTHONPATH": root}
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
-                          cwd=root, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60, cwd=root, env=env
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "cudnn"
 

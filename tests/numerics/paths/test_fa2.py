@@ -166,8 +166,16 @@ def test_kernel_rows_is_bit_exact_with_the_stated_rounding_points(case, fused):
     q, k, v, g = make(hash(case) % 1000, n, tq, tk, d, spread)
     bias = bias_of(kind, g, n, tq, tk)
     bn = fa2.tile_n(d)
-    res = fa2.kernel_rows(q, k, v, scale=1 / math.sqrt(d), dt=dt, block_n=bn, fused=fused,
-                          bias=None if bias is None else torch.from_numpy(bias).float())
+    res = fa2.kernel_rows(
+        q,
+        k,
+        v,
+        scale=1 / math.sqrt(d),
+        dt=dt,
+        block_n=bn,
+        fused=fused,
+        bias=None if bias is None else torch.from_numpy(bias).float(),
+    )
     with np.errstate(all="ignore"):
         o, lse, probs = reference(q.numpy(), k.numpy(), v.numpy(), 1 / math.sqrt(d), dt, bn, fused, bias)
     assert res.out.dtype == dt and res.lse.dtype == torch.float32 and res.probs.dtype == torch.float32
@@ -196,8 +204,12 @@ def test_large_logits_round_the_two_exponents_apart():
 
 def test_rounding_helper_is_the_exact_cast():
     g = np.random.default_rng(0)
-    xs = np.concatenate([g.normal(size=300) * 10.0 ** g.integers(-8, 8, 300),
-                         [1 + 2**-11, 1 + 3 * 2**-11, 65519.99, 65520.0, 2**-24 * 1.5, 3.5e38, 1 + 2**-24]])
+    xs = np.concatenate(
+        [
+            g.normal(size=300) * 10.0 ** g.integers(-8, 8, 300),
+            [1 + 2**-11, 1 + 3 * 2**-11, 65519.99, 65520.0, 2**-24 * 1.5, 3.5e38, 1 + 2**-24],
+        ]
+    )
     for fmt in FMT.values():
         want = [nearest(float(x), fmt[0], fmt[1], fmt[2]) for x in xs]
         assert same(rnd(xs, fmt), want)
@@ -231,14 +243,21 @@ def test_forward_on_a_gqa_block_with_a_mask(mod):
     keep[0, 0, 1] = False  # a fully masked row
     inp, blk = _block(q, k, v, mask=keep)
     pb = mod.forward(blk, torch.float16, [], MethodParams())
-    (name, out), = pb.cells
+    ((name, out),) = pb.cells
     assert name == mod.PATH.name
     kx, vx = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     bias = np.where(~keep.expand(b, h, tq, tk).reshape(h * tq, tk).numpy(), -np.inf, 0.0)
     with np.errstate(all="ignore"):
-        o, _, probs = reference(q.double().reshape(h, tq, d).numpy(), kx.double().reshape(h, tk, d).numpy(),
-                                vx.double().reshape(h, tk, d).numpy(), inp.scale, torch.float16, 128,
-                                mod is fa2_fma, bias)
+        o, _, probs = reference(
+            q.double().reshape(h, tq, d).numpy(),
+            kx.double().reshape(h, tk, d).numpy(),
+            vx.double().reshape(h, tk, d).numpy(),
+            inp.scale,
+            torch.float16,
+            128,
+            mod is fa2_fma,
+            bias,
+        )
     assert same(out.out.double().numpy(), o.reshape(h * tq, d))
     assert same(out.probs.numpy(), probs)
     assert np.all(o.reshape(h, tq, d)[:, 1] == 0)  # the fully masked query: zeros
@@ -255,16 +274,29 @@ def test_issue_121558_nan_under_fa2_fma_only():
     plain = fa2.forward(blk, torch.bfloat16, [], MethodParams()).cells[0][1]
     assert torch.isnan(fused.out).all()
     assert torch.equal(plain.out, math_out.reshape(1, 64))  # one key: O = V exactly
-    rows = fa2.kernel_rows(x.double().reshape(1, 1, 64), x.double().reshape(1, 1, 64), x.double().reshape(1, 1, 64),
-                           scale=0.125, dt=torch.bfloat16, block_n=128, fused=True)
+    rows = fa2.kernel_rows(
+        x.double().reshape(1, 1, 64),
+        x.double().reshape(1, 1, 64),
+        x.double().reshape(1, 1, 64),
+        scale=0.125,
+        dt=torch.bfloat16,
+        block_n=128,
+        fused=True,
+    )
     assert rows.events["fused_max"].tolist() == [True] and math.isinf(float(rows.lse[0]))
     # why: S = 64 * 133120^2 = 4225 * 2^28 exactly; max_scaled = fp32(S * scale_log2) rounds away
     # up to 2^13 (half an ulp at 2^37), and the fused exponent keeps that residue
     s, sl2 = 64 * 133120.0**2, f32(f32(0.125) * LOG2E)
     residue = s * sl2 - f32(s * sl2)
     assert residue > 128  # exp2 of it overflows fp32
-    plain_rows = fa2.kernel_rows(x.double().reshape(1, 1, 64), x.double().reshape(1, 1, 64),
-                                 x.double().reshape(1, 1, 64), scale=0.125, dt=torch.bfloat16, block_n=128)
+    plain_rows = fa2.kernel_rows(
+        x.double().reshape(1, 1, 64),
+        x.double().reshape(1, 1, 64),
+        x.double().reshape(1, 1, 64),
+        scale=0.125,
+        dt=torch.bfloat16,
+        block_n=128,
+    )
     assert plain_rows.events["fused_max"].tolist() == [False]
 
 
@@ -332,8 +364,10 @@ def test_path_specs():
 
 
 def test_modules_import_without_torch():
-    code = ("import sys; import attncheck.numerics.paths.fa2, attncheck.numerics.paths.fa2_fma; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; import attncheck.numerics.paths.fa2, attncheck.numerics.paths.fa2_fma; "
+        "print('torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
 
@@ -345,6 +379,13 @@ def test_forward_without_v_gives_the_probabilities_alone():
     out = fa2.forward(blk, torch.bfloat16, [], MethodParams()).cells[0][1]
     assert out.out is None and out.probs.shape == (8, 70)
     with np.errstate(all="ignore"):  # v of zeros: the reference's probabilities do not depend on it
-        _, _, probs = reference(q.double().reshape(2, 4, 64).numpy(), k.double().reshape(2, 70, 64).numpy(),
-                                np.zeros((2, 70, 64)), blk.inp.scale, torch.bfloat16, 128, False)
+        _, _, probs = reference(
+            q.double().reshape(2, 4, 64).numpy(),
+            k.double().reshape(2, 70, 64).numpy(),
+            np.zeros((2, 70, 64)),
+            blk.inp.scale,
+            torch.bfloat16,
+            128,
+            False,
+        )
     assert same(out.probs.numpy(), probs)

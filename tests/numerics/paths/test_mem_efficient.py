@@ -120,8 +120,16 @@ def reference(q, k, v, scale, dt, bias=None, masked=None, bn=64, rf=True, limit=
             for i in range(tq):
                 row = h * tq + i
                 o, lse, p = ref_row(
-                    q[h, i], k[h], v[h], scale, None if bias is None else bias[h, i],
-                    None if masked is None else masked[h, i], dt, bn, rf, None if limit is None else int(limit[row]),
+                    q[h, i],
+                    k[h],
+                    v[h],
+                    scale,
+                    None if bias is None else bias[h, i],
+                    None if masked is None else masked[h, i],
+                    dt,
+                    bn,
+                    rf,
+                    None if limit is None else int(limit[row]),
                 )
                 outs.append(o)
                 lses.append(lse)
@@ -205,8 +213,9 @@ def test_causal_key_loop_stops_at_the_diagonal_with_the_global_buffer():
     masked = (torch.arange(tk)[None, :] > torch.arange(tq)[:, None] + 100)[None]
     limit = torch.full((tq,), 132)  # the query tile's diagonal: later blocks are never visited
     kr = kernel_rows(q, k, v, scale=d**-0.5, dt=torch.bfloat16, masked=masked, key_limit=limit)
-    ref = reference(q.numpy(), k.numpy(), v.numpy(), d**-0.5, "bf16", masked=masked.numpy(), bn=128, rf=False,
-                    limit=limit.numpy())
+    ref = reference(
+        q.numpy(), k.numpy(), v.numpy(), d**-0.5, "bf16", masked=masked.numpy(), bn=128, rf=False, limit=limit.numpy()
+    )
     assert_same(kr, ref, "bf16")
 
 
@@ -224,7 +233,7 @@ def test_forward_gqa_bool_mask(dt):
     inp = prepare_inputs(q, k, keep.expand(1, 4, 3, 96), v=v)
     (blk,) = list(score_blocks(inp, 1 << 40, torch.device("cpu"), start_audit(inp)))
     pb = PATH.function()(blk, t, [], MethodParams())
-    (name, out), = pb.cells
+    ((name, out),) = pb.cells
     assert name == "mem-efficient"
     kx, vx = k.double().repeat_interleave(2, dim=1), v.double().repeat_interleave(2, dim=1)
     bias = torch.where(keep, 0.0, float("-inf")).expand(1, 4, 3, 96).reshape(4, 3, 96).numpy()

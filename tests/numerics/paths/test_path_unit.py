@@ -6,7 +6,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 import torch
 
 from attncheck.numerics.cells.plan import kernel_replays, model_path
@@ -83,9 +82,9 @@ def test_a_new_path_is_one_file_and_one_registration(tmp_path, monkeypatch):
         info = CallInfo(index=0, name="c", kind="sdpa", dtype="fp16", meta=meta)
         assert model_path(info) == "toy"
         assert "toy" in kernel_replays(replace_backend(info, "flash_attention"), "fp16")
-        from attncheck.numerics.inputs.scores import prepare_inputs
-        from attncheck.numerics.cells.diagnose import diagnose_attention
         from attncheck.config.run import Options
+        from attncheck.numerics.cells.diagnose import diagnose_attention
+        from attncheck.numerics.inputs.scores import prepare_inputs
 
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, 1, 4, 8) for _ in range(3))

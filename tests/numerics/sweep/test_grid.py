@@ -17,12 +17,12 @@ import math
 import pytest
 import torch
 
-from attncheck.errors import AttncheckError
-from attncheck.numerics.methods.softmax import reference_softmax
 from attncheck.cli.common import flag
 from attncheck.config.sweep import SweepConfig
-from attncheck.numerics.sweep.grid import row_stats, run_sweep
+from attncheck.errors import AttncheckError
+from attncheck.numerics.methods.softmax import reference_softmax
 from attncheck.numerics.precision import exp_overflow_threshold
+from attncheck.numerics.sweep.grid import row_stats, run_sweep
 from attncheck.numerics.sweep.theory import naive_overflow_log_probability, naive_overflow_probability
 from attncheck.params import Scale
 from attncheck.params import scale as parse_scale
@@ -88,7 +88,18 @@ def test_seed_004_variance_claims_at_dk_64():
 # --------------------------------------------------------------------------- scale parsing
 
 
-@pytest.mark.parametrize("text,dk,value", [("none", 64, 1.0), ("sqrt", 64, 0.125), ("dk", 64, 1 / 64), ("dk2", 8, 1 / 64), ("0.3", 64, 0.3), (" SQRT ", 16, 0.25), ("2e-3", 4, 0.002)])
+@pytest.mark.parametrize(
+    "text,dk,value",
+    [
+        ("none", 64, 1.0),
+        ("sqrt", 64, 0.125),
+        ("dk", 64, 1 / 64),
+        ("dk2", 8, 1 / 64),
+        ("0.3", 64, 0.3),
+        (" SQRT ", 16, 0.25),
+        ("2e-3", 4, 0.002),
+    ],
+)
 def test_parse_scale(text, dk, value):
     assert parse_scale(text).value(dk) == pytest.approx(value, rel=1e-15)
 
@@ -104,7 +115,10 @@ HELP = "none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 
 def test_bad_scales_are_refused(text):
     with pytest.raises(AttncheckError) as e:
         parse_scale(text)
-    assert e.value.render(flag) == f"--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got {text!r}"
+    assert (
+        e.value.render(flag)
+        == f"--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got {text!r}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -118,7 +132,10 @@ def test_bad_scales_are_refused(text):
         (dict(dtypes=("fp8",)), "--dtype: unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
         # float64 q (R, d), k and v (R/Q heads x S, d each), 12 float64 (R, S) and 3 (R, d) working tensors:
         # 8 (3 * 1e8 * 512) + 96 * 1e8 * 128 + 24 * 1e8 * 512 bytes = 3.69e12 B = 3,433 GiB.
-        (dict(rows=10**8), "a sweep point of 100000000 rows x 128 keys x d_k 512 needs about 3,433 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk"),
+        (
+            dict(rows=10**8),
+            "a sweep point of 100000000 rows x 128 keys x d_k 512 needs about 3,433 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
+        ),
     ],
 )
 def test_config_refuses_bad_values(kwargs, message):
@@ -248,7 +265,9 @@ def test_stable_never_nan_on_finite_logits(shape_sweep):
 
 
 def test_stable_never_nan_with_outliers_unscaled():
-    config = SweepConfig(dks=(512,), scales=(Scale("none"),), methods=("stable", "naive"), seqs=(128,), rows=256, dist="outliers", seed=2)
+    config = SweepConfig(
+        dks=(512,), scales=(Scale("none"),), methods=("stable", "naive"), seqs=(128,), rows=256, dist="outliers", seed=2
+    )
     point = run_sweep(config).points[0]
     # The logits are finite in every dtype (|x| well below fp16's 65504), so stable has no excuse.
     assert point.var_scaled < (torch.finfo(torch.float16).max / 50) ** 2
@@ -268,7 +287,9 @@ def test_errors_within_rounding_bound_when_nothing_overflows(shape_sweep):
 
 def test_gaussian_tail_prediction_matches_measured_overflow():
     """d_k = 16 unscaled in fp16 sits on the edge: about a third of the rows overflow."""
-    config = SweepConfig(dks=(16,), scales=(Scale("none"),), dtypes=("fp16",), methods=("naive",), seqs=(128,), rows=4096, seed=4)
+    config = SweepConfig(
+        dks=(16,), scales=(Scale("none"),), dtypes=("fp16",), methods=("naive",), seqs=(128,), rows=4096, seed=4
+    )
     c = run_sweep(config).points[0].cells[0]
     assert 0.1 < c.exp_overflow_rate_theory < 0.9
     # Binomial standard error over 4096 rows is ~0.0074; rows of a head share keys, so allow 0.04.
@@ -331,8 +352,13 @@ def _mp_log_chi_integral(threshold: float, scale: float, dk: int, seq: int) -> f
 
 
 DEEP_TAIL = [  # (dtype, d_k, scale): predictions from 1e-29 down to 1e-10,099,592
-    ("bf16", 16, "none"), ("fp16", 32, "dk"), ("fp32", 16, "sqrt"), ("bf16", 64, "sqrt"), ("fp16", 64, "dk"),
-    ("bf16", 128, "sqrt"), ("fp32", 512, "dk2"),
+    ("bf16", 16, "none"),
+    ("fp16", 32, "dk"),
+    ("fp32", 16, "sqrt"),
+    ("bf16", 64, "sqrt"),
+    ("fp16", 64, "dk"),
+    ("bf16", 128, "sqrt"),
+    ("fp32", 512, "dk2"),
 ]
 
 
@@ -347,10 +373,14 @@ def test_overflow_prediction_deep_in_the_tail_matches_mpmath(dtype, dk, scale):
     assert exact < math.log(1e-28)
     got = naive_overflow_log_probability(t, c, dk, 128, 1.0, 1.0)
     assert got == pytest.approx(exact, rel=1e-12, abs=1e-9)
-    assert naive_overflow_probability(t, c, dk, 128, 1.0, 1.0) == (pytest.approx(math.exp(exact), rel=1e-9) if exact > -708 else 0.0)
+    assert naive_overflow_probability(t, c, dk, 128, 1.0, 1.0) == (
+        pytest.approx(math.exp(exact), rel=1e-9) if exact > -708 else 0.0
+    )
 
 
-@pytest.mark.parametrize("t, dk, seq", [(11.09, 16, 128), (3.0, 1, 128), (3.0, 2, 16), (88.72, 256, 128), (11.09, 64, 128), (30.0, 4, 1000)])
+@pytest.mark.parametrize(
+    "t, dk, seq", [(11.09, 16, 128), (3.0, 1, 128), (3.0, 2, 16), (88.72, 256, 128), (11.09, 64, 128), (30.0, 4, 1000)]
+)
 def test_overflow_prediction_in_the_bulk_matches_mpmath(t, dk, seq):
     """Unscaled logits, where most of the chance comes from typical |q| and 1 - (1 - Q)^seq is not seq Q."""
     exact = _mp_log_chi_integral(t, 1.0, dk, seq)
@@ -358,7 +388,9 @@ def test_overflow_prediction_in_the_bulk_matches_mpmath(t, dk, seq):
 
 
 def test_sweep_reports_deep_tail_predictions_in_range_and_their_log10():
-    config = SweepConfig(dks=(64,), scales=(Scale("sqrt"), Scale("dk2")), dtypes=("bf16",), methods=("naive",), seqs=(128,), rows=64)
+    config = SweepConfig(
+        dks=(64,), scales=(Scale("sqrt"), Scale("dk2")), dtypes=("bf16",), methods=("naive",), seqs=(128,), rows=64
+    )
     sqrt_cell, dk2_cell = (_cell(p, "naive", "bf16") for p in run_sweep(config).points)
     t = exp_overflow_threshold(torch.bfloat16)
     exact = (math.log(128) + _mp_log_tail(t, 1 / 8, 64)) / math.log(10)

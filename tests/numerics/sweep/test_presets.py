@@ -81,7 +81,9 @@ def test_fa3_fp8_baseline_is_an_independent_fp8_computation(result, draws):
 
     (q8, dq), (k8, dk), (v8, dv) = (quant(t) for t in (q, k, v))
     s = (q8 @ k8.transpose(-1, -2) * (dq * dk) / math.sqrt(FA3_D)).half()
-    p = torch.softmax(s.float(), dim=-1).half()  # fp16 softmax: torch's fp16 softmax rounds once, the paper keeps fp16 intermediates
+    p = torch.softmax(
+        s.float(), dim=-1
+    ).half()  # fp16 softmax: torch's fp16 softmax rounds once, the paper keeps fp16 intermediates
     o = ((p.float().to(e4m3).float() @ v8) * dv).bfloat16()
     base = next(r.measured for r in result.rows if r.cell == "baseline-fp8/e4m3")
     assert base == pytest.approx(rmse(o, exact), rel=0.05)
