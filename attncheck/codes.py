@@ -104,7 +104,8 @@ CODES: tuple[Code, ...] = (
         "of a previous step. Its rows are counted under this cause first (pipeline order), so the softmax "
         "findings below it are about the other rows.",
         "Any NaN value in a row (`census.nan`, `nan_causes.input_nan` per cell).",
-        "the NaN is already in the scores: trace it upstream (Q, K, the mask, an earlier layer); no softmax can repair it",
+        "the NaN is already in the scores: trace it upstream (Q, K, the mask, an earlier layer); no softmax can repair "
+        "it",
         Example(
             _scores("""\
 scores = np.zeros((4, 8), dtype=np.float32)
@@ -124,7 +125,8 @@ np.save("scores.npy", scores)
         "divides inf by inf, so the row is NaN in every method. +inf usually means the scores overflowed before "
         "they were saved: Q@K^T in fp16 without the 1/sqrt(d_k) scale, or a growing logit.",
         "Any +inf value in a row. (-inf is a masked key, not an input error.)",
-        "the scores hold +inf (softmax gives inf - inf = NaN): find where they overflow, e.g. Q@K^T in fp16 without 1/sqrt(d_k); scale q first or compute scores in fp32",
+        "the scores hold +inf (softmax gives inf - inf = NaN): find where they overflow, e.g. Q@K^T in fp16 without "
+        "1/sqrt(d_k); scale q first or compute scores in fp32",
         Example(
             _scores("""\
 scores = np.zeros((4, 8), dtype=np.float32)
@@ -147,7 +149,9 @@ np.save("scores.npy", scores)
         "fully_masked_rows` judges them expected.",
         "A key is masked when its score is -inf or at most -1e4; from Q and K, when the mask says so. A row "
         "counts when every key is masked.",
-        "a query that may attend to nothing has no softmax: zero such rows (torch.where(keep.any(-1, keepdim=True), p, 0)) and drop them from the loss, or use a kernel that returns zeros (FlashAttention, SDPA >= 2.5); even then their backward pass can poison gradients if a NaN reaches it",
+        "a query that may attend to nothing has no softmax: zero such rows (torch.where(keep.any(-1, keepdim=True), p, "
+        "0)) and drop them from the loss, or use a kernel that returns zeros (FlashAttention, SDPA >= 2.5); even then "
+        "their backward pass can poison gradients if a NaN reaches it",
         Example(
             _scores("""\
 scores = np.zeros((4, 8), dtype=np.float32)
@@ -156,7 +160,10 @@ np.save("scores.npy", scores)
 """),
             "attncheck run scores.npy --dtype fp32 --method torch --brief --fail-on fully_masked_rows",
         ),
-        severity_note="warning where a cell turns the rows into NaN, else info (every cell gives zeros or a finite row, as SDPA's kernels do)",
+        severity_note=(
+            "warning where a cell turns the rows into NaN, else info (every cell gives zeros or a finite row, as "
+            "SDPA's kernels do)"
+        ),
         also="info",
         causes=("fully_masked",),
     ),
@@ -173,7 +180,8 @@ np.save("scores.npy", scores)
         "implementations overflow (SDPA's math path and FlashAttention hold S in fp32).",
         "|q.k| >= the dtype's rounding limit, max + half an ulp (fp16: 65504 + 16 = 65520), for the product "
         "the path holds in the dtype: q.k before the scale, or (scale q).k with `--scale-order q`.",
-        "scale q by 1/sqrt(d) before the matmul (--scale-order q shows the effect), compute Q@K^T in fp32, or find why q/k grew (no normalisation, exploding activations)",
+        "scale q by 1/sqrt(d) before the matmul (--scale-order q shows the effect), compute Q@K^T in fp32, or find why "
+        "q/k grew (no normalisation, exploding activations)",
         Example(
             _TORCH
             + """\
@@ -238,7 +246,8 @@ result = cap.calls[0].diagnosis
         "where keys stay masked either way, nothing breaks yet, and the finding is a warning.",
         "sentinel + s rounds to -inf: sentinel + s <= -(rounding limit). With fp16's finfo.min (-65504), any "
         "score s <= -16.",
-        "finfo(dtype).min plus a negative score overflows to -inf: use masked_fill / torch.where with the sentinel instead of adding it, or a boolean mask",
+        "finfo(dtype).min plus a negative score overflows to -inf: use masked_fill / torch.where with the sentinel "
+        "instead of adding it, or a boolean mask",
         Example(
             _TORCH
             + """\
@@ -246,7 +255,8 @@ q = torch.ones(1, 1, 4, 64)
 k = torch.full((1, 1, 4, 64), -3.0)  # every score is -3 x 64 / sqrt(64) = -24
 torch.save({"q": q, "k": k}, "qk.pt")
 """,
-            "attncheck run --q qk.pt:q --k qk.pt:k --causal --mask-value min --dtype fp16 --method torch --brief --fail-on sentinel_overflow_on_add",
+            "attncheck run --q qk.pt:q --k qk.pt:k --causal --mask-value min --dtype fp16 --method torch --brief "
+            "--fail-on sentinel_overflow_on_add",
         ),
         severity_note="error where rows became all -inf (NaN); warning where the keys stay masked",
         also="warning",
@@ -262,7 +272,8 @@ torch.save({"q": q, "k": k}, "qk.pt")
         "and NaN; otherwise the keys stay masked and the finding is a warning. Found in the Q/K pipeline, or "
         "in a float mask that holds -inf next to finite sentinels beyond half its dtype's range.",
         "sentinel_1 + sentinel_2 <= -(rounding limit), e.g. 2 x finfo(fp16).min = -131008 in fp16.",
-        "two sentinel planes added together overflow: combine masks with logical and/or (or torch.where), then apply one sentinel once",
+        "two sentinel planes added together overflow: combine masks with logical and/or (or torch.where), then apply "
+        "one sentinel once",
         Example(
             _SEEDED
             + """\
@@ -273,7 +284,8 @@ padding = torch.zeros(4, 4)
 padding[:, :2] = low  # two padded keys
 torch.save({"q": q, "k": k, "mask": (causal + padding).half()}, "qk.pt")  # -65504 + -65504 = -inf
 """,
-            "attncheck run --q qk.pt:q --k qk.pt:k --mask qk.pt:mask --dtype fp16 --method torch --brief --fail-on summed_mask_planes",
+            "attncheck run --q qk.pt:q --k qk.pt:k --mask qk.pt:mask --dtype fp16 --method torch --brief --fail-on "
+            "summed_mask_planes",
         ),
         severity_note="error where rows became all -inf (NaN); warning where the keys stay masked",
         also="warning",
@@ -287,14 +299,16 @@ torch.save({"q": q, "k": k, "mask": (causal + padding).half()}, "qk.pt")  # -655
         "The mask value is too small in magnitude to mask: exp(sentinel - max) is not negligible, so the "
         "float64 softmax itself (no rounding involved) puts probability on keys that should get none.",
         "In float64, the probability on a row's masked keys exceeds 1e-6 (rows where not every key is masked).",
-        "the masked keys still receive probability: use -inf, finfo(dtype).min or a boolean mask instead of this small sentinel",
+        "the masked keys still receive probability: use -inf, finfo(dtype).min or a boolean mask instead of this small "
+        "sentinel",
         Example(
             _SEEDED
             + """\
 q, k = torch.randn(1, 1, 4, 64, generator=g), torch.randn(1, 1, 4, 64, generator=g)
 torch.save({"q": q, "k": k}, "qk.pt")
 """,
-            "attncheck run --q qk.pt:q --k qk.pt:k --causal --mask-value -10 --dtype fp32 --method torch --brief --fail-on mask_leak",
+            "attncheck run --q qk.pt:q --k qk.pt:k --causal --mask-value -10 --dtype fp32 --method torch --brief "
+            "--fail-on mask_leak",
         ),
     ),
     Code(
@@ -305,7 +319,8 @@ torch.save({"q": q, "k": k}, "qk.pt")
         "The mask is a float tensor that holds only 0 and 1: a boolean mask converted with `.float()`. An "
         "additive mask adds +1 to the kept keys and masks nothing.",
         "A float mask whose every value is 0 or 1.",
-        "a float mask of 0 and 1 is added to the scores, not applied: pass mask.bool() (True = attend) or an additive mask of 0 and -inf",
+        "a float mask of 0 and 1 is added to the scores, not applied: pass mask.bool() (True = attend) or an additive "
+        "mask of 0 and -inf",
         Example(
             _SEEDED
             + """\
@@ -313,7 +328,8 @@ q, k = torch.randn(1, 1, 4, 64, generator=g), torch.randn(1, 1, 4, 64, generator
 keep = torch.ones(4, 4).tril()  # 1 = attend, as a float
 torch.save({"q": q, "k": k, "mask": keep}, "qk.pt")
 """,
-            "attncheck run --q qk.pt:q --k qk.pt:k --mask qk.pt:mask --dtype fp32 --method torch --brief --fail-on float_mask_looks_boolean",
+            "attncheck run --q qk.pt:q --k qk.pt:k --mask qk.pt:mask --dtype fp32 --method torch --brief --fail-on "
+            "float_mask_looks_boolean",
         ),
     ),
     Code(
@@ -327,14 +343,16 @@ torch.save({"q": q, "k": k, "mask": keep}, "qk.pt")
         "the model chose itself is not this finding but `model_scale` (info).",
         "ratio = scale x sqrt(d_k) > d_k^(1/4), i.e. scale > d_k^(-1/4) (d_k >= 4). Judged from the scale, not "
         "from the spread of the scores, which low-rank q/k, outlier channels or RoPE move.",
-        "the scores are not scaled by 1/sqrt(d_k): divide by sqrt(d_k) (SDPA's default scale), or check the scale your model applies",
+        "the scores are not scaled by 1/sqrt(d_k): divide by sqrt(d_k) (SDPA's default scale), or check the scale your "
+        "model applies",
         Example(
             _SEEDED
             + """\
 q, k = torch.randn(1, 1, 16, 64, generator=g), torch.randn(1, 1, 16, 64, generator=g)
 torch.save({"q": q, "k": k}, "qk.pt")
 """,
-            "attncheck run --q qk.pt:q --k qk.pt:k --scale none --dtype fp32 --method torch --brief --fail-on missing_scale",
+            "attncheck run --q qk.pt:q --k qk.pt:k --scale none --dtype fp32 --method torch --brief --fail-on "
+            "missing_scale",
         ),
     ),
     Code(
@@ -346,14 +364,16 @@ torch.save({"q": q, "k": k}, "qk.pt")
         "default scale on pre-scaled q). Attention flattens towards uniform. A scale the model chose itself is "
         "not this finding but `model_scale` (info).",
         "ratio = scale x sqrt(d_k) < d_k^(-1/4), i.e. scale < d_k^(-3/4) (d_k >= 4).",
-        "the scores are scaled about twice by 1/sqrt(d_k): apply it once (SDPA scales by default; don't pre-scale q as well)",
+        "the scores are scaled about twice by 1/sqrt(d_k): apply it once (SDPA scales by default; don't pre-scale q as "
+        "well)",
         Example(
             _SEEDED
             + """\
 q, k = torch.randn(1, 1, 16, 64, generator=g), torch.randn(1, 1, 16, 64, generator=g)
 torch.save({"q": q, "k": k}, "qk.pt")
 """,
-            "attncheck run --q qk.pt:q --k qk.pt:k --scale dk --dtype fp32 --method torch --brief --fail-on double_scale",
+            "attncheck run --q qk.pt:q --k qk.pt:k --scale dk --dtype fp32 --method torch --brief --fail-on "
+            "double_scale",
         ),
     ),
     Code(
@@ -409,7 +429,8 @@ q, k = torch.randn(1, 4, 16, 64, generator=g), torch.randn(1, 4, 16, 64, generat
 scores = q @ k.transpose(-1, -2) / (4 * 64) ** 0.5  # divided by sqrt(d_model), not sqrt(d_head)
 torch.save({"q": q, "k": k, "scores": scores}, "qk.pt")
 """,
-            "attncheck run qk.pt --key scores --q qk.pt:q --k qk.pt:k --dtype fp32 --method torch --brief --fail-on scale_mismatch",
+            "attncheck run qk.pt --key scores --q qk.pt:q --k qk.pt:k --dtype fp32 --method torch --brief --fail-on "
+            "scale_mismatch",
         ),
     ),
     # ------------------------------------------------------------------ casts and the softmax
@@ -423,7 +444,8 @@ torch.save({"q": q, "k": k, "scores": scores}, "qk.pt")
         "NaN in naive, stable and torch.softmax. From scores alone, any value <= -1e4 that the cast turns into "
         "-inf is read as a sentinel; from Q and K, the mask's values and `--mask-value`.",
         "|sentinel| >= the dtype's rounding limit (fp16: 65520, so -1e9 and -65520 become -inf; -65504 stays).",
-        "use a boolean mask (masked_fill(~keep, torch.finfo(dtype).min) or SDPA's bool attn_mask) instead of a constant the dtype cannot hold",
+        "use a boolean mask (masked_fill(~keep, torch.finfo(dtype).min) or SDPA's bool attn_mask) instead of a "
+        "constant the dtype cannot hold",
         Example(
             _scores("""\
 scores = np.zeros((4, 8), dtype=np.float32)
@@ -523,7 +545,8 @@ save_file({"q": x, "k": x.clone(), "v": x.clone()}, "qk.safetensors")
         "only with more keys than the dtype's max (fp16: 65520 keys).",
         "sum_j exp(x_j) >= the rounding limit with every exp(x_j) finite: fp16 65520, e.g. 100 keys of 7.0 "
         "(100 x 1097 = 109663).",
-        "the row sum exceeds the dtype's range: subtract the row max before exp (the sum is then at most the number of keys), or keep the sum and the division in fp32 (torch.softmax does)",
+        "the row sum exceeds the dtype's range: subtract the row max before exp (the sum is then at most the number of "
+        "keys), or keep the sum and the division in fp32 (torch.softmax does)",
         Example(
             _scores("""\
 np.save("scores.npy", np.full((4, 100), 7.0, dtype=np.float32))  # 100 x exp(7) = 109663 > 65504
@@ -654,7 +677,8 @@ print([f.code for f in result.findings])
         "cast, so that the input's rounding does not hide the implementation's. A hand-written naive or stable "
         "softmax rounds three times where torch.softmax rounds once, so it is not held to the rule.",
         "max_abs_err_algo > 2 x torch's max_abs_err_algo in the same dtype, for cells whose verdict is ok.",
-        "this kernel loses more accuracy than torch.softmax in the same dtype: keep the max and sum in fp32 and round only the result (smaller key blocks keep P_j closer to the final max)",
+        "this kernel loses more accuracy than torch.softmax in the same dtype: keep the max and sum in fp32 and round "
+        "only the result (smaller key blocks keep P_j closer to the final max)",
         Example("""\
 import torch
 
@@ -683,7 +707,8 @@ print([f.code for f in result.findings])
         "against float64 (P64 @ V64) may be at most 2x that of hand-written PyTorch attention with "
         "torch.softmax in the same dtype (`eager:torch`).",
         "max |O - O_float64| > 2 x eager:torch's in the same dtype, over rows where both are finite.",
-        "this attention path's output is further from float64 than FlashAttention's test allows (2x the same-dtype PyTorch attention): keep S and the softmax in fp32 and round P only for P@V, or use SDPA",
+        "this attention path's output is further from float64 than FlashAttention's test allows (2x the same-dtype "
+        "PyTorch attention): keep S and the softmax in fp32 and round P only for P@V, or use SDPA",
         Example(
             _SEEDED
             + """\
@@ -692,7 +717,8 @@ k = torch.randn(1, 1, 4096, 64, generator=g) * 0.1  # long rows: 4096 keys
 v = torch.randn(1, 1, 4096, 64, generator=g) + 3
 torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
 """,
-            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype fp16 --method stable,torch --accum dtype --path eager --brief --fail-on output_error",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype fp16 --method stable,torch --accum dtype "
+            "--path eager --brief --fail-on output_error",
         ),
     ),
     Code(
@@ -706,7 +732,9 @@ torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
         "signed error, with the rows as samples.",
         "At least 16 tied rows, and their mean signed error of O (against float64 of the path's own scores "
         "and V as the dtype holds it) more than 4 standard errors from 0.",
-        "a bias does not average out over steps (Qiu and Yao 2025, arXiv 2510.04212): when the row max repeats, subtract a slightly larger max (their fix: m = beta * max for a positive max) so that no exp(s - m) is exactly 1, or keep O in fp32 where the next layer reads it",
+        "a bias does not average out over steps (Qiu and Yao 2025, arXiv 2510.04212): when the row max repeats, "
+        "subtract a slightly larger max (their fix: m = beta * max for a positive max) so that no exp(s - m) is "
+        "exactly 1, or keep O in fp32 where the next layer reads it",
         Example(
             _SEEDED
             + """\
@@ -715,7 +743,8 @@ k[..., 1:8, :] = k[..., :1, :]  # eight identical keys
 q = q + 2 * k[..., :1, :]  # that every query prefers: each row's max is tied eight times
 torch.save({"q": q, "k": k, "v": v + 1}, "qkv.pt")
 """,
-            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype bf16 --method torch --brief --fail-on tied_max_bias",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype bf16 --method torch --brief --fail-on "
+            "tied_max_bias",
         ),
     ),
     Code(
@@ -751,7 +780,9 @@ np.save("scores.npy", scores)
         "block position (before the row max's block, in it, after it).",
         "exp(s - m_j) x S < half e4m3's smallest subnormal (2^-10), i.e. s < m_j - (6.93 + ln S) (e5m2: 11.78 "
         "+ ln S); reported for rows that lose at least 0.1% of their probability.",
-        "scale P by S = 256 before the cast (FlashAttention-3's max offset of 8; 448 for SageAttention) and visit the key blocks in reverse order (--order reverse, as FlashAttention-3 does), so that an attention sink in the first block sets the running max last (arXiv 2606.06521)",
+        "scale P by S = 256 before the cast (FlashAttention-3's max offset of 8; 448 for SageAttention) and visit the "
+        "key blocks in reverse order (--order reverse, as FlashAttention-3 does), so that an attention sink in the "
+        "first block sets the running max last (arXiv 2606.06521)",
         Example(
             _scores("""\
 scores = np.zeros((4, 256), dtype=np.float32)
@@ -770,7 +801,9 @@ np.save("scores.npy", scores)
         "clipped), or Q, K or V quantised with the chosen scaling fall beyond +-max (448 in e4m3): the kernels' "
         "satfinite cast clips them silently, and a non-saturating cast gives NaN.",
         "S >= the format's rounding limit (e4m3: 464), or |x / descale| >= it for a value of Q, K or V.",
-        "scale before the FP8 cast: x8 = fp8(x / descale) with descale = amax / max_fp8 per tensor or per (batch, kv head) (--fp8-scaling; FlashAttention-3's q_descale/k_descale/v_descale), or clamp; a kernel's satfinite cast clips silently and a non-saturating cast (older torch, the fnuz formats) gives NaN",
+        "scale before the FP8 cast: x8 = fp8(x / descale) with descale = amax / max_fp8 per tensor or per (batch, kv "
+        "head) (--fp8-scaling; FlashAttention-3's q_descale/k_descale/v_descale), or clamp; a kernel's satfinite cast "
+        "clips silently and a non-saturating cast (older torch, the fnuz formats) gives NaN",
         Example(
             _scores("""\
 np.save("scores.npy", np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32))
@@ -787,14 +820,17 @@ np.save("scores.npy", np.random.default_rng(0).standard_normal((4, 64)).astype(n
         "clipped, and small activations fall below its normal range (e4m3: 2^-6) where they keep fewer bits or "
         "flush to 0.",
         "Scaling none, and a value clipped, or 1% or more of a tensor's values subnormal or flushed in the format.",
-        "quantise with a descale (amax / max_fp8) per tensor or per (batch, kv head) and pass it to the kernel (FlashAttention-3: q_descale, k_descale, v_descale; vLLM: the layer's k_scale/v_scale); --fp8-scaling tensor or head shows the effect",
+        "quantise with a descale (amax / max_fp8) per tensor or per (batch, kv head) and pass it to the kernel "
+        "(FlashAttention-3: q_descale, k_descale, v_descale; vLLM: the layer's k_scale/v_scale); --fp8-scaling tensor "
+        "or head shows the effect",
         Example(
             _SEEDED
             + """\
 q, k, v = (torch.randn(1, 2, 64, 64, generator=g) * 1e-3 for _ in range(3))  # far below e4m3's normal range
 torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
 """,
-            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype e4m3 --fp8-scaling none --brief --fail-on fp8_unscaled",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype e4m3 --fp8-scaling none --brief --fail-on "
+            "fp8_unscaled",
         ),
     ),
     # ------------------------------------------------------------------ distribution
@@ -809,7 +845,8 @@ torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
         "training.",
         "At least 50% of the rows put >= 0.99 of their probability on one key (the reference, float64); in a "
         "watch log, --collapse (half) of a head's sampled rows, at the first step it holds.",
-        "attention is near one-hot: check the scores are scaled by 1/sqrt(d_k) and whether the logits grow during training (attncheck watch: logit_growth); ignore if the head is meant to be sharp",
+        "attention is near one-hot: check the scores are scaled by 1/sqrt(d_k) and whether the logits grow during "
+        "training (attncheck watch: logit_growth); ignore if the head is meant to be sharp",
         Example(
             _scores("""\
 scores = np.zeros((4, 8), dtype=np.float32)
@@ -830,7 +867,10 @@ np.save("scores.npy", scores)
         "scores, the NaN dS reaches dQ of the row and dK, dV of every key of the head; with masked_fill, dQ and "
         "dK stay finite and only dV takes it. A capture traces which the model did; for dumps, `--mask-op`.",
         "NaN/inf gradient rows whose first cause in backward order is a fully masked row.",
-        "a query row with every key masked by -inf has a NaN softmax, and its backward is NaN even when the row's output is zeroed or left out of the loss: use SDPA (its kernels and _safe_softmax give such rows zeros and zero gradients), mask with a finite value (torch.finfo(dtype).min), or let padded queries attend to one key (e.g. themselves)",
+        "a query row with every key masked by -inf has a NaN softmax, and its backward is NaN even when the row's "
+        "output is zeroed or left out of the loss: use SDPA (its kernels and _safe_softmax give such rows zeros and "
+        "zero gradients), mask with a finite value (torch.finfo(dtype).min), or let padded queries attend to one key "
+        "(e.g. themselves)",
         Example(
             _SEEDED
             + """\
@@ -839,7 +879,8 @@ keep = torch.ones(16, 16, dtype=torch.bool).tril()
 keep[3] = False  # query 3 may attend to no key
 torch.save({"q": q, "k": k, "v": v, "do": do, "mask": keep}, "qkv.pt")
 """,
-            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --mask qkv.pt:mask --grad-out qkv.pt:do --dtype fp32 --path eager --method torch --brief --fail-on grad_nan_masked_row",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --mask qkv.pt:mask --grad-out qkv.pt:do --dtype fp32 "
+            "--path eager --method torch --brief --fail-on grad_nan_masked_row",
         ),
         grad_causes=("fully_masked",),
     ),
@@ -852,7 +893,8 @@ torch.save({"q": q, "k": k, "v": v, "do": do, "mask": keep}, "qkv.pt")
         "later layer made it (an overflowing loss scale, a NaN loss). Attention's backward passes it on. The "
         "rows' first cause says which: `grad_out_nan` (a NaN in the row of dO) or `grad_out_inf` (an inf, no NaN).",
         "NaN/inf gradient rows whose first cause is a NaN (grad_out_nan) or an inf (grad_out_inf) in dO.",
-        "the NaN or inf is already in the output gradient dO: it comes from a later layer or the loss; trace it downstream (a loss scale that overflows, a NaN loss)",
+        "the NaN or inf is already in the output gradient dO: it comes from a later layer or the loss; trace it "
+        "downstream (a loss scale that overflows, a NaN loss)",
         Example(
             _SEEDED
             + """\
@@ -860,7 +902,8 @@ q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
 do[0, 1, 5, 7] = float("nan")  # the loss sent back a NaN
 torch.save({"q": q, "k": k, "v": v, "do": do}, "qkv.pt")
 """,
-            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp32 --brief --fail-on grad_nan_input",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp32 --brief --fail-on "
+            "grad_nan_input",
         ),
         grad_causes=("grad_out_nan", "grad_out_inf"),
     ),
@@ -874,7 +917,8 @@ torch.save({"q": q, "k": k, "v": v, "do": do}, "qkv.pt")
         "the message, and the gradients follow.",
         "NaN/inf gradient rows whose first cause in backward order is input_nan, inf_input, qk_overflow or "
         "another forward NaN.",
-        "the forward pass already gave NaN probabilities in these rows; fix the forward finding (its cause is named) and the gradients follow",
+        "the forward pass already gave NaN probabilities in these rows; fix the forward finding (its cause is named) "
+        "and the gradients follow",
         Example(
             _SEEDED
             + """\
@@ -883,7 +927,8 @@ q[0, 0, 2] = 40.0
 k[0, 0, 9] = 40.0  # one score of 64 x 40 x 40 = 102400: beyond fp16
 torch.save({"q": q, "k": k, "v": v, "do": do}, "qkv.pt")
 """,
-            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager --method torch --brief --fail-on grad_nan_forward",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager "
+            "--method torch --brief --fail-on grad_nan_forward",
         ),
         grad_causes=("input_nan", "inf_input", "qk_overflow", "forward_nan"),
     ),
@@ -899,14 +944,16 @@ torch.save({"q": q, "k": k, "v": v, "do": do}, "qkv.pt")
         "NaN/inf gradient rows first caused by dO beyond the dtype, dP or dS overflowing, inf - inf in dP - D, "
         "or a product beyond the dtype; or `scale_headroom` < 1: dO cannot grow by any factor before an "
         "intermediate overflows.",
-        "lower the loss scale (GradScaler's init_scale, or let it back off), hold dP and dS in fp32 (SDPA's math path, FlashAttention) instead of fp16 eager attention, or train in bf16",
+        "lower the loss scale (GradScaler's init_scale, or let it back off), hold dP and dS in fp32 (SDPA's math path, "
+        "FlashAttention) instead of fp16 eager attention, or train in bf16",
         Example(
             _SEEDED
             + """\
 q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
 torch.save({"q": q, "k": k, "v": v * 4, "do": do * 2**16}, "qkv.pt")  # dO under an fp16 loss scale of 2^16
 """,
-            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager --method torch --brief --fail-on grad_overflow",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager "
+            "--method torch --brief --fail-on grad_overflow",
         ),
         grad_causes=("grad_out_overflow", "dp_overflow", "ds_nan", "ds_overflow", "grad_overflow"),
     ),
@@ -918,14 +965,16 @@ torch.save({"q": q, "k": k, "v": v * 4, "do": do * 2**16}, "qkv.pt")  # dO under
         "Gradient entries that float64 says are non-zero are exactly 0 in the dtype the gradients are computed "
         "in: fp16 without a loss scale, or a collapsed softmax whose Jacobian vanishes.",
         "1% or more of a gradient's entries that are non-zero in float64 are 0 (`flushed_frac`).",
-        "gradient entries flush to zero in this dtype: use a loss scale (torch.amp.GradScaler) or bf16; if the softmax is collapsed (near one-hot rows), its Jacobian vanishes: check the scale and the logit growth",
+        "gradient entries flush to zero in this dtype: use a loss scale (torch.amp.GradScaler) or bf16; if the softmax "
+        "is collapsed (near one-hot rows), its Jacobian vanishes: check the scale and the logit growth",
         Example(
             _SEEDED
             + """\
 q, k, v, do = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(4))
 torch.save({"q": q, "k": k, "v": v, "do": do * 1e-6}, "qkv.pt")  # a mean loss over many tokens, no loss scale
 """,
-            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager --method torch --brief --fail-on grad_underflow",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype fp16 --path eager "
+            "--method torch --brief --fail-on grad_underflow",
         ),
     ),
     Code(
@@ -940,7 +989,8 @@ torch.save({"q": q, "k": k, "v": v, "do": do * 1e-6}, "qkv.pt")  # a mean loss o
         "the example shows with a constant dO.",
         "max |g - g_float64| > 2 x plain attention's + 2 ulp(max|g_float64|) (twice the dtype's spacing there), "
         "for dQ, dK or dV, in fp16 and bf16.",
-        "this path's gradients are further from float64 than FlashAttention's test allows (2x plain attention in the same dtype): keep dP and dS in fp32 and round only for the products, as FlashAttention does",
+        "this path's gradients are further from float64 than FlashAttention's test allows (2x plain attention in the "
+        "same dtype): keep dP and dS in fp32 and round only for the products, as FlashAttention does",
         Example(
             _SEEDED
             + """\
@@ -949,7 +999,8 @@ k, v = (torch.randn(1, 1, 16, 8, generator=g) for _ in range(2))
 do = torch.full((1, 1, 4096, 8), 1.8125)  # dV sums 4096 equal terms, block by block in bf16
 torch.save({n: t.bfloat16() for n, t in dict(q=q, k=k, v=v, do=do).items()}, "qkv.pt")
 """,
-            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype bf16 --path flash --brief --fail-on grad_error",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --grad-out qkv.pt:do --dtype bf16 --path flash "
+            "--brief --fail-on grad_error",
         ),
     ),
     Code(
@@ -1001,12 +1052,15 @@ save_file({"q": q.bfloat16(), "k": k.bfloat16(), "v": v.bfloat16(), "mask": mask
         "`attncheck capture` records the gradients the model's kernel really produced, and each is compared "
         "with the backward of the cell the model runs. A disagreement means the backward numbers of that call "
         "cannot be trusted: attncheck does not reproduce this kernel (please report it), or the recorded "
-        f"gradients are not the kernel's (a hook changed them). Within {REAL_BOUND_TOLERANCE:g}x of the bound it is an info: a kernel "
+        f"gradients are not the kernel's (a hook changed them). Within {REAL_BOUND_TOLERANCE:g}x of the bound it is an "
+        "info: a kernel "
         "summing in another order can come near the bound, and the numbers stand.",
         "Per element, |real - cell| above the rounding bound derived from the kernel's (docs/reference/numerics.md, "
         "the backward pass: the dot products of S, dP and D in any order, the forward's exp_u20, the sums kept "
-        f"in the dtype), more than {REAL_BOUND_TOLERANCE:g}x (REAL_BOUND_TOLERANCE), or an entry finite in one and not the other.",
-        "attncheck's emulation of this kernel's backward does not reproduce the gradients the model really produced: the backward numbers of this call cannot be trusted; please report it with the capture",
+        f"in the dtype), more than {REAL_BOUND_TOLERANCE:g}x (REAL_BOUND_TOLERANCE), or an entry finite in one and not "
+        "the other.",
+        "attncheck's emulation of this kernel's backward does not reproduce the gradients the model really produced: "
+        "the backward numbers of this call cannot be trusted; please report it with the capture",
         Example(
             """\
 from pathlib import Path
@@ -1077,7 +1131,9 @@ with attncheck.capture("cap", max_bytes=40_000):  # room for three calls of four
         "reproduces).",
         "The fitted growth over the last --window records (20) is at least --growth (x2) per 100 steps, and "
         "the largest logit at least --logit-level (50); reported at the first step both hold.",
-        "the attention logits grow geometrically, as before divergence at a high learning rate: normalise q and k (qk-layernorm, Dehghani et al. 2023; Wortsman et al. 2023), lower the learning rate or clip the logits (QK-clip, soft-capping)",
+        "the attention logits grow geometrically, as before divergence at a high learning rate: normalise q and k "
+        "(qk-layernorm, Dehghani et al. 2023; Wortsman et al. 2023), lower the learning rate or clip the logits "
+        "(QK-clip, soft-capping)",
         Example(_watch_log("2.0 ** (step / 4)"), "attncheck watch w.jsonl --fail-on logit_growth"),
     ),
     Code(
@@ -1091,7 +1147,8 @@ with attncheck.capture("cap", max_bytes=40_000):  # room for three calls of four
         "reported apart.",
         "Steps until the limit, ln(limit / logit) / (fitted growth per step), below --horizon (1000), once the "
         "logit has passed --logit-level (50) or the limit.",
-        "at this growth the head's logits reach the first failure of its dtype within the horizon: act on the growth (qk-layernorm, learning rate, clipping) or hold the scores in a wider dtype",
+        "at this growth the head's logits reach the first failure of its dtype within the horizon: act on the growth "
+        "(qk-layernorm, learning rate, clipping) or hold the scores in a wider dtype",
         Example(
             _watch_log("60 * 1.05 ** step", limit=8190.0),
             "attncheck watch w.jsonl --horizon 200 --fail-on headroom_low",
@@ -1105,7 +1162,8 @@ with attncheck.capture("cap", max_bytes=40_000):  # room for three calls of four
         "A watch record counts, per attention call, the rows of its output holding NaN or inf (for eager "
         "softmax: NaN, +inf, or every key -inf in its scores) and the gradients of dq, dk, dv holding them.",
         "Any such row or gradient; reported at the first step it holds, per call, with its rank.",
-        "NaN or inf in the attention output or its gradients: capture the step (attncheck capture, or attncheck.capture around it) to find the call, the head and the cause",
+        "NaN or inf in the attention output or its gradients: capture the step (attncheck capture, or "
+        "attncheck.capture around it) to find the call, the head and the cause",
         Example(_watch_log("1.0", nonfinite="3 if step == 5 else 0"), "attncheck watch w.jsonl --fail-on nonfinite"),
     ),
     Code(
@@ -1123,7 +1181,9 @@ with attncheck.capture("cap", max_bytes=40_000):  # room for three calls of four
         "At one step, max over ranks / min over ranks of the head's largest logit, magnitudes below 1 counted "
         "as 1, at least --rank-factor (10); reported at the first such step, on the rank with the larger logit, "
         "naming the other.",
-        "the ranks' weights differ where DDP keeps them identical: check that nothing changes parameters on one rank after the wrap, that every parameter is registered before wrapping, and that the ranks start from the same weights; with tensor parallelism (other heads on each rank) ignore it",
+        "the ranks' weights differ where DDP keeps them identical: check that nothing changes parameters on one rank "
+        "after the wrap, that every parameter is registered before wrapping, and that the ranks start from the same "
+        "weights; with tensor parallelism (other heads on each rank) ignore it",
         Example(
             """\
 import json
@@ -1149,7 +1209,9 @@ for rank, logit in ((0, 1.4), (1, 1.0e4)):
         "compile='eager'). attncheck.watch warns at run time and writes a record with forwards 0 for a step "
         "that ended without a forward of the watched module; a log of such records is never 'no alert'.",
         "A rank's log with no call in any record.",
-        "nothing was watched: watch the module the training loop calls, or the model inside a wrapper (DDP, FSDP, torch.compile and accelerate's wrappers are followed), train it in training mode, and pass compile='eager' for torch.compile'd code",
+        "nothing was watched: watch the module the training loop calls, or the model inside a wrapper (DDP, FSDP, "
+        "torch.compile and accelerate's wrappers are followed), train it in training mode, and pass compile='eager' "
+        "for torch.compile'd code",
         Example(
             """\
 import json

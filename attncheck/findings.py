@@ -123,7 +123,8 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
         hit = cells_with("nan", "input_nan")
         add(
             "input_nan",
-            f"{census.nan_input_rows} row(s) hold NaN in the scores as given ({census.nan} value(s)); every method returns NaN there",
+            f"{census.nan_input_rows} row(s) hold NaN in the scores as given ({census.nan} value(s)); every method "
+            "returns NaN there",
             hit,
             census.nan_input_rows,
             _first_examples(hit, "nan:input_nan"),
@@ -132,7 +133,8 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
         hit = cells_with("nan", "inf_input")
         add(
             "inf_input",
-            f"{census.posinf_input_rows} row(s) hold +inf in the scores as given ({census.posinf} value(s)): softmax gives NaN",
+            f"{census.posinf_input_rows} row(s) hold +inf in the scores as given ({census.posinf} value(s)): softmax "
+            "gives NaN",
             hit,
             census.posinf_input_rows,
             _first_examples(hit, "nan:inf_input"),
@@ -157,7 +159,8 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
             parts.append(f"zeros in {_cell_list(zero_hit, diag)}")
         if finite_hit and (n - neginf or diag.attention is not None):
             parts.append(
-                f"a finite uniform row over the masked keys in {_cell_list(finite_hit, diag)} (a finite sentinel: garbage, not attention)"
+                f"a finite uniform row over the masked keys in {_cell_list(finite_hit, diag)} (a finite sentinel: "
+                "garbage, not attention)"
             )
         parts.append("FlashAttention and PyTorch SDPA >= 2.5 return zeros for such rows")
         # true but harmless where no cell turns them into NaN (zeros, or a finite row the model ignores)
@@ -194,7 +197,8 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
             vals = ", ".join(f"{v:.4g}" for v in sentinels)
             add(
                 "sentinel_not_representable",
-                f"mask value {vals} is not representable in {h.dtype} (max {h.max_finite:.6g}): {h.cast_neginf_values} value(s) become -inf{effect}",
+                f"mask value {vals} is not representable in {h.dtype} (max {h.max_finite:.6g}): {h.cast_neginf_values} "
+                f"value(s) become -inf{effect}",
                 broken,
                 rows_broken,
                 examples,
@@ -205,7 +209,9 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
         if other_pos or other_neg:
             add(
                 "cast_overflow",
-                f"casting to {h.dtype} turns {other_pos + other_neg} finite score(s) into +-inf (|x| beyond {h.max_finite:.6g}; e.g. {num(h.cast_overflow_examples[0] if h.cast_overflow_examples else None, 4)}){effect if other_pos else ''}",
+                f"casting to {h.dtype} turns {other_pos + other_neg} finite score(s) into +-inf (|x| beyond "
+                f"{h.max_finite:.6g}; e.g. {num(h.cast_overflow_examples[0] if h.cast_overflow_examples else None, 4)})"
+                f"{effect if other_pos else ''}",
                 broken,
                 rows_broken,
                 examples,
@@ -220,7 +226,8 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
             limit = f"exp(x) = inf for x > {h.exp_overflow_threshold:.4g}; " if h else ""
             add(
                 "exp_overflow",
-                f"{c.method} softmax in {c.dtype}: exp overflows to inf in {n_exp} row(s) ({limit}largest score {num(census.max, 4)}) -> {exp_nan} NaN row(s){f', {exp_zero} all-zero row(s)' if exp_zero else ''}",
+                f"{c.method} softmax in {c.dtype}: exp overflows to inf in {n_exp} row(s) ({limit}largest score "
+                f"{num(census.max, 4)}) -> {exp_nan} NaN row(s){f', {exp_zero} all-zero row(s)' if exp_zero else ''}",
                 [c],
                 n_exp,
                 c.examples.get("event:exp_overflow", []),
@@ -239,7 +246,8 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
             top = f" (the largest {c.dtype} is {h.max_finite:.6g})" if h else ""
             add(
                 "sum_overflow",
-                f"{c.method} softmax in {c.dtype}: every exp is finite but the row sum overflows to inf in {n_sum} row(s){top} -> {sum_zero} all-zero row(s){f', {sum_nan} NaN row(s)' if sum_nan else ''}",
+                f"{c.method} softmax in {c.dtype}: every exp is finite but the row sum overflows to inf in {n_sum} "
+                f"row(s){top} -> {sum_zero} all-zero row(s){f', {sum_nan} NaN row(s)' if sum_nan else ''}",
                 [c],
                 n_sum,
                 c.examples.get("event:sum_overflow", []),
@@ -248,7 +256,8 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
             n = c.nan_causes["underflow"]
             add(
                 "underflow",
-                f"{c.method} softmax in {c.dtype}: every exp flushes to 0 in {n} row(s) (all scores below {h.exp_underflow_threshold:.4g}), so the row is 0/0 = NaN",
+                f"{c.method} softmax in {c.dtype}: every exp flushes to 0 in {n} row(s) (all scores below "
+                f"{h.exp_underflow_threshold:.4g}), so the row is 0/0 = NaN",
                 [c],
                 n,
                 c.examples.get("nan:underflow", []),
@@ -304,7 +313,9 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
     if worse:
         add(
             "worse_than_torch",
-            f"a kernel's max error is above {FLASH_RULE_FACTOR:g}x torch.softmax's in the same dtype (FlashAttention's test budget, errors against float64 of the cast scores; only methods that reproduce a kernel models run are judged): {', '.join(worse)}",
+            f"a kernel's max error is above {FLASH_RULE_FACTOR:g}x torch.softmax's in the same dtype (FlashAttention's "
+            "test budget, errors against float64 of the cast scores; only methods that reproduce a kernel models run "
+            f"are judged): {', '.join(worse)}",
             hit,
         )
     _output_findings(diag, add)
@@ -325,7 +336,8 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
     if dist.collapsed_frac is not None and dist.collapsed_frac >= COLLAPSE_WARN_FRAC:
         add(
             "entropy_collapse",
-            f"{dist.collapsed_frac:.0%} of rows put >= {dist.collapse_threshold:g} of their probability on one key (mean entropy {num(dist.entropy_mean, 4)} nats, normalised {num(dist.entropy_norm_mean, 4)})",
+            f"{dist.collapsed_frac:.0%} of rows put >= {dist.collapse_threshold:g} of their probability on one key "
+            f"(mean entropy {num(dist.entropy_mean, 4)} nats, normalised {num(dist.entropy_norm_mean, 4)})",
             rows=dist.collapsed_rows,
         )
     order = {s: i for i, s in enumerate(SEVERITIES)}
@@ -433,7 +445,10 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
                 verdict = "scaling q first would not avoid it: the scaled scores themselves exceed the range"
             add(
                 "qk_overflow",
-                f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond +-{diag.limits[d].max:.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); {verdict}{_paths_verdict(dtype_cells, d)}",
+                f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond "
+                f"+-{diag.limits[d].max:.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| "
+                f"{a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); "
+                f"{verdict}{_paths_verdict(dtype_cells, d)}",
                 hit,
                 audit.qk_overflow_rows,
                 _first_examples(hit, "nan:qk_overflow"),
@@ -465,7 +480,8 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
         if audit.overflow_on_add:
             add(
                 "sentinel_overflow_on_add",
-                f"in {d}, adding the mask to the scores overflows to -inf at {audit.overflow_on_add} position(s) (mask value {_values(finite) or 'finfo.min'} plus a negative score){broke}",
+                f"in {d}, adding the mask to the scores overflows to -inf at {audit.overflow_on_add} position(s) (mask "
+                f"value {_values(finite) or 'finfo.min'} plus a negative score){broke}",
                 hit,
                 rows,
                 _first_examples(hit, "nan:mask_sentinel"),
@@ -474,7 +490,8 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
         if audit.summed_planes_overflow:
             add(
                 "summed_mask_planes",
-                f"in {d}, two mask planes added together overflow to -inf at {audit.summed_planes_overflow} position(s){broke}",
+                f"in {d}, two mask planes added together overflow to -inf at {audit.summed_planes_overflow} "
+                f"position(s){broke}",
                 hit,
                 rows,
                 _first_examples(hit, "nan:mask_sentinel"),
@@ -484,8 +501,10 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
         hit = cells_with("nan", "fully_masked") + cells_with("zero", "fully_masked")
         add(
             "summed_mask_planes",
-            f"the float mask holds -inf at {a.mask_summed_neginf} position(s) next to finite sentinels such as {a.mask_deep_sentinel:.6g}: "
-            "two finfo.min planes (e.g. causal and padding) were added and overflowed; a row masked by both everywhere is all -inf",
+            f"the float mask holds -inf at {a.mask_summed_neginf} position(s) next to finite sentinels such as "
+            f"{a.mask_deep_sentinel:.6g}: "
+            "two finfo.min planes (e.g. causal and padding) were added and overflowed; a row masked by both everywhere "
+            "is all -inf",
             hit,
             max((c.nan_causes.get("fully_masked", 0) + c.zero_causes.get("fully_masked", 0) for c in hit), default=0),
             severity="error" if any(c.nan_causes.get("fully_masked") for c in hit) else "warning",
@@ -493,7 +512,8 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
     if a.leak_rows:
         add(
             "mask_leak",
-            f"the float64 softmax puts up to {a.leak_max:.3g} of a row's probability on masked keys in {a.leak_rows} row(s) (mask value {a.mask_value}; tolerance 1e-6)",
+            f"the float64 softmax puts up to {a.leak_max:.3g} of a row's probability on masked keys in {a.leak_rows} "
+            f"row(s) (mask value {a.mask_value}; tolerance 1e-6)",
             rows=a.leak_rows,
         )
     if a.float_mask_looks_boolean:
@@ -515,7 +535,8 @@ def _attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
         if a.fitted_scale <= 0 or name != "1/sqrt(d_head)" or abs(math.log(a.fitted_scale / value)) > 0.05:
             add(
                 "scale_mismatch",
-                f"the scores are q.k times {a.fitted_scale:.4g} (least squares), closest to {name} = {value:.4g}; 1/sqrt(d_head) = {1 / math.sqrt(a.d):.4g} (d_head {a.d}, {a.heads} heads)",
+                f"the scores are q.k times {a.fitted_scale:.4g} (least squares), closest to {name} = {value:.4g}; "
+                f"1/sqrt(d_head) = {1 / math.sqrt(a.d):.4g} (d_head {a.d}, {a.heads} heads)",
             )
 
 
@@ -565,9 +586,11 @@ def _output_findings(diag: TensorDiagnosis, add) -> None:
         add(
             "tied_max_bias",
             "in rows whose largest score is shared by several keys, exp(s - max) is exactly 1 at each of them, and the "
-            "rounding of O = P@V is biased there (mean signed error of O against float64 of the same scores and V, per row): "
+            "rounding of O = P@V is biased there (mean signed error of O against float64 of the same scores and V, per "
+            "row): "
             + ", ".join(
-                f"{c.name} {c.tied_rows} tied row(s), mean error {c.out_bias_tied:.3g} ({abs(c.out_bias_tied_z):.1f} standard errors "
+                f"{c.name} {c.tied_rows} tied row(s), mean error {c.out_bias_tied:.3g} ({abs(c.out_bias_tied_z):.1f} "
+                "standard errors "
                 f"from 0; all rows {num(c.out_bias, 3)})"
                 for c in biased
             ),
@@ -595,7 +618,10 @@ def _scale_findings(a, add) -> bool:
         how = "least squares against q.k, from the scores given"
     else:
         how = f"the scale applied, --scale {a.scale_name} on the {a.scale_order}"
-    said = f"the scores are q.k times {scale:.4g} ({how}): {ratio:.3g} x 1/sqrt(d_k) = 1/sqrt({a.d}) = {1 / math.sqrt(a.d):.4g}"
+    said = (
+        f"the scores are q.k times {scale:.4g} ({how}): {ratio:.3g} x 1/sqrt(d_k) = 1/sqrt({a.d}) = "
+        f"{1 / math.sqrt(a.d):.4g}"
+    )
     if not (ratio > a.d**0.25 or ratio < a.d**-0.25):
         return False
     if chosen:  # the model's own scale is a fact, not a fault: it was trained with it (T5: 1/sqrt(d_k) in its init)
@@ -661,13 +687,16 @@ def _fp8_findings(diag: TensorDiagnosis, add) -> None:
                 if share is not None
             )
             thr = (
-                f"; with S = {c.p_scale:.4g} it flushes a score more than {math.log(c.p_scale) - lim.exp_underflow:.3g} = {-lim.exp_underflow:.3g} + ln S below the running max"
+                f"; with S = {c.p_scale:.4g} it flushes a score more than "
+                f"{math.log(c.p_scale) - lim.exp_underflow:.3g} = {-lim.exp_underflow:.3g} + ln S below the running max"
                 if lim and c.p_scale
                 else ""
             )
             parts.append(
-                f"{c.name}: {c.pcast_mass_rows} row(s) lose at least 0.1% of their probability (up to {c.pcast_mass_max:.3g}); "
-                f"{c.pcast_flushed_frac:.2%} of the probabilities flushed (by key block against the row max's block, in visiting order: {pos}){thr}"
+                f"{c.name}: {c.pcast_mass_rows} row(s) lose at least 0.1% of their probability (up to "
+                f"{c.pcast_mass_max:.3g}); "
+                f"{c.pcast_flushed_frac:.2%} of the probabilities flushed (by key block against the row max's block, "
+                f"in visiting order: {pos}){thr}"
             )
         add(
             "p_cast_underflow",
@@ -681,7 +710,8 @@ def _fp8_findings(diag: TensorDiagnosis, add) -> None:
         if over:
             add(
                 "fp8_overflow",
-                f"P scaled by S = {over[0].p_scale:g} exceeds {d}'s largest value {lim.max:g}: the cast clips the largest probabilities of every row",
+                f"P scaled by S = {over[0].p_scale:g} exceeds {d}'s largest value {lim.max:g}: the cast clips the "
+                "largest probabilities of every row",
                 over,
             )
     if diag.attention is None:
@@ -699,7 +729,8 @@ def _fp8_findings(diag: TensorDiagnosis, add) -> None:
             )
             add(
                 "fp8_overflow",
-                f"quantising to {d} with scaling '{a.fp8_scaling}' puts {what} beyond +-{top}: the kernels' satfinite cast clips them to +-{top}",
+                f"quantising to {d} with scaling '{a.fp8_scaling}' puts {what} beyond +-{top}: the kernels' satfinite "
+                f"cast clips them to +-{top}",
                 cells,
             )
         small = {k: a.fp8_subnormal.get(k, 0) + a.fp8_flushed.get(k, 0) for k in a.fp8_values}
@@ -906,12 +937,14 @@ def backward_findings(cells: list[Cell]) -> list[Finding]:
             how = (
                 "the mask is added to the scores, so the NaN dS reaches dQ of the row and dK of every key"
                 if "added" in b.how
-                else "masked_fill zeroes dS at the filled keys, so dQ and dK stay finite, but dV = P^T dO takes the NaN row"
+                else "masked_fill zeroes dS at the filled keys, so dQ and dK stay finite, but dV = P^T dO takes the "
+                "NaN row"
             )
             add(
                 "grad_nan_masked_row",
                 c,
-                f"query rows with every key masked by -inf have a NaN softmax, and the backward spreads it: NaN in {_grad_rows(b)} ({how})",
+                "query rows with every key masked by -inf have a NaN softmax, and the backward spreads it: NaN in "
+                f"{_grad_rows(b)} ({how})",
                 masked,
                 examples,
             )
@@ -941,7 +974,8 @@ def backward_findings(cells: list[Cell]) -> list[Finding]:
             factor = b.scale_headroom
             safe = (
                 (
-                    f"; the backward stays finite for dO up to {num(factor)}x this one ({_power_of_two(factor)}): the largest safe loss scale is "
+                    f"; the backward stays finite for dO up to {num(factor)}x this one ({_power_of_two(factor)}): the "
+                    "largest safe loss scale is "
                     f"{_power_of_two(factor)} times the one this dO carries"
                 )
                 if factor
