@@ -62,7 +62,10 @@ def capture(
         "--out",
         "-o",
         metavar="DIR",
-        help="Capture directory: one .safetensors per call and manifest.json (created; a previous capture there is replaced); under torchrun one per rank, DIR/rank0, DIR/rank1, ...",
+        help=(
+            "Capture directory: one .safetensors per call and manifest.json (created; a previous capture there is "
+            "replaced); under torchrun one per rank, DIR/rank0, DIR/rank1, ..."
+        ),
         rich_help_panel=CAPTURE,
     ),
     no_save: bool = typer.Option(
@@ -86,7 +89,10 @@ def capture(
         [],
         "--module",
         metavar="GLOB",
-        help="Record only calls in modules whose path matches (repeatable), e.g. '*.layers.1.*'; a call outside any module is 'global'.",
+        help=(
+            "Record only calls in modules whose path matches (repeatable), e.g. '*.layers.1.*'; a call outside any "
+            "module is 'global'."
+        ),
         rich_help_panel=CAPTURE,
     ),
     forward: Optional[str] = typer.Option(
@@ -99,14 +105,22 @@ def capture(
     no_grads: bool = typer.Option(
         False,
         "--no-grads",
-        help="Record the forward only: without it, when the script runs a backward, each call's output gradient and the gradients its kernel produced are recorded too (they count for --max-bytes) and every call's backward is diagnosed.",
+        help=(
+            "Record the forward only: without it, when the script runs a backward, each call's output gradient and "
+            "the gradients its kernel produced are recorded too (they count for --max-bytes) and every call's "
+            "backward is diagnosed."
+        ),
         rich_help_panel=CAPTURE,
     ),
     compile_mode: str = typer.Option(
         "eager",
         "--compile",
         metavar="eager|keep",
-        help="torch.compile'd modules and functions: 'eager' runs their Python code (the compiler's force_eager stance), records its calls and says that the eager code is judged; 'keep' runs them compiled, unrecorded, and says how often.",
+        help=(
+            "torch.compile'd modules and functions: 'eager' runs their Python code (the compiler's force_eager "
+            "stance), records its calls and says that the eager code is judged; 'keep' runs them compiled, "
+            "unrecorded, and says how often."
+        ),
         rich_help_panel=CAPTURE,
     ),
     dtype: CellDtypeOpt = None,

@@ -61,7 +61,10 @@ def check(
         None,
         "--junit",
         metavar="FILE",
-        help="Write JUnit XML: one testcase per input x cell, failures carry the numbers ('-' for stdout: the summary is then not printed).",
+        help=(
+            "Write JUnit XML: one testcase per input x cell, failures carry the numbers ('-' for stdout: the "
+            "summary is then not printed)."
+        ),
     ),
     markdown: Optional[str] = typer.Option(
         None,

@@ -21,7 +21,10 @@ def explain(
     markdown: bool = typer.Option(
         False,
         "--markdown",
-        help="Print the page's Markdown source (as docs/reference/findings.md holds it) instead of rendering it for the terminal.",
+        help=(
+            "Print the page's Markdown source (as docs/reference/findings.md holds it) instead of rendering it for "
+            "the terminal."
+        ),
     ),
 ) -> None:
     """Print what a finding code means: the threshold behind it, a minimal example that triggers it, and the fix.

@@ -67,7 +67,10 @@ def sweep(
         "normal",
         "--dist",
         metavar="NAME",
-        help="Entries of q and k: normal, or outliers = N(0,1) + N(0,100) on a 0.1% mask (FlashAttention-3's test inputs).",
+        help=(
+            "Entries of q and k: normal, or outliers = N(0,1) + N(0,100) on a 0.1% mask (FlashAttention-3's test "
+            "inputs)."
+        ),
     ),
     seed: str = typer.Option(
         "0", "--seed", metavar="N", help="Seed of the generator; the same seed gives the same numbers."
@@ -79,14 +82,21 @@ def sweep(
         None,
         "--plot",
         metavar="FILE.png",
-        help="Draw variance, max probability, entropy and Jacobian norm vs d_k, and per dtype maps of overflowed rows and of the error against float64, to FILE.png (needs the 'plot' extra: matplotlib).",
+        help=(
+            "Draw variance, max probability, entropy and Jacobian norm vs d_k, and per dtype maps of overflowed "
+            "rows and of the error against float64, to FILE.png (needs the 'plot' extra: matplotlib)."
+        ),
     ),
     path: PathOpt = ",".join(path_names(lambda spec: not spec.fp8 and spec.default)),
     preset: Optional[str] = typer.Option(
         None,
         "--preset",
         metavar="NAME",
-        help="Reproduce a published figure instead of the grid, printed beside the paper's: fa3 (FlashAttention-3's FP16 and FP8 RMSE of O), pcast (underflow of the FP8 P cast with an attention sink). Takes --seed and --device, --json.",
+        help=(
+            "Reproduce a published figure instead of the grid, printed beside the paper's: fa3 (FlashAttention-3's "
+            "FP16 and FP8 RMSE of O), pcast (underflow of the FP8 P cast with an attention sink). Takes --seed and "
+            "--device, --json."
+        ),
     ),
     max_work: str = typer.Option(
         f"{DEFAULT_MAX_WORK:.3g}",
