@@ -381,7 +381,8 @@ def parse_table(
     if not values.get("inputs") and not values.get("synthetic"):
         where = f"[{prefix}]" if prefix else display
         raise AttncheckError(
-            f'{where} has no inputs: set {key("inputs")} = ["dumps/*.safetensors"] or add a [[{key("synthetic")}]] table'
+            f'{where} has no inputs: set {key("inputs")} = ["dumps/*.safetensors"] or add a [[{key("synthetic")}]] '
+            "table"
         )
     if values.get("keys") and not values.get("inputs"):
         raise AttncheckError(f"{key('keys')} picks tensors inside files, but {key('inputs')} names no file")
@@ -392,9 +393,9 @@ def parse_table(
         if need > config.memory_budget:
             heads, queries = head_layout(spec.rows, spec.seq)
             raise AttncheckError(
-                f"{key('synthetic')}[{spec.index}]: its q and k ({heads} heads x ({queries} queries + {spec.seq} keys) x d_k {spec.d_k}) "
-                f"and a head's scores need {size_text(need)}, over {key('max_memory')} {size_text(config.memory_budget)}: "
-                f"lower seq, rows or d_k, or raise {key('max_memory')}"
+                f"{key('synthetic')}[{spec.index}]: its q and k ({heads} heads x ({queries} queries + {spec.seq} "
+                f"keys) x d_k {spec.d_k}) and a head's scores need {size_text(need)}, over {key('max_memory')} "
+                f"{size_text(config.memory_budget)}: lower seq, rows or d_k, or raise {key('max_memory')}"
             )
     _check_work(config)
     return replace(config, files=resolve_inputs(config))
