@@ -727,8 +727,8 @@ class Recorder(TorchFunctionMode):
             return False
         if self.max_bytes is not None and self.bytes + size > self.max_bytes:
             self._stop(
-                f"max_bytes {self.max_bytes} would be passed by call {call.index} ({call.kind} in {call.module or 'global'}, "
-                f"{size} bytes; {self.bytes} recorded)",
+                f"max_bytes {self.max_bytes} would be passed by call {call.index} ({call.kind} in "
+                f"{call.module or 'global'}, {size} bytes; {self.bytes} recorded)",
                 call,
             )
             return False
@@ -970,8 +970,8 @@ class Recorder(TorchFunctionMode):
             if over:  # refused before its logits are computed: a long sequence's would not fit in memory
                 self.seen += 1
                 self._stop(
-                    f"max_bytes {self.max_bytes} would be passed by call {self.seen - 1} (flex in {module or 'global'}, "
-                    f"{planned} bytes with its logits; {self.bytes} recorded)",
+                    f"max_bytes {self.max_bytes} would be passed by call {self.seen - 1} (flex in "
+                    f"{module or 'global'}, {planned} bytes with its logits; {self.bytes} recorded)",
                     kind="flex",
                     module=module or "",
                     index=self.seen - 1,
