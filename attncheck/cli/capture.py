@@ -151,7 +151,7 @@ def capture(
     Under torchrun (or any torch.distributed job: RANK and WORLD_SIZE set) each rank records into its own directory, OUT/rank0, OUT/rank1, ..., and judges its own calls: rank 0 prints its report, every other rank one line on stderr, and each exits by --fail-on on its own calls; --json FILE becomes one file per rank (FILE.rankN.json), --json - rank 0's. 'attncheck run OUT' then reports every rank, merged and per rank. A directory another process is writing is refused.
 
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error, or the script failed.
-    """
+    """  # noqa: E501 - a command's help: typer prints its line breaks as written
     try:
         conditions = parse_fail_on(fail_on)
         ignored = ignore_codes(ignore)

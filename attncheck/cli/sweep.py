@@ -112,7 +112,7 @@ def sweep(
     Var(q.k) grows as d_k; 1/sqrt(d_k) brings it back to 1, 1/d_k to 1/d_k, 1/d_k^2 to 1/d_k^3. Unscaled logits collapse attention onto one key and kill the softmax gradient; too much scaling flattens it to uniform. Per method x dtype: exp overflow (with its Gaussian-tail prediction), NaN rows and max error against float64.
 
     Exit codes: 0 ran, 2 usage or input error.
-    """
+    """  # noqa: E501 - a command's help: typer prints its line breaks as written
     try:
         require_stdout()  # every report ends on standard output: refuse a closed one before any work
         if preset is not None:

@@ -140,7 +140,7 @@ def watch(
     attncheck.watch(model, log=...) writes one JSON line per recorded training step: per attention call and head, the largest unmasked logit, the entropy of the rows, max |q| and |k|, NaN or inf rows, and the largest logit the call's dtype allows. This command fits the growth of each head's largest logit over the last --window records and reports logit_growth (geometric growth past --logit-level), entropy_collapse, headroom_low (the dtype's limit within --horizon steps at that growth; with --what-if DTYPES also for hand-written attention in those dtypes), nonfinite, rank_divergence (logs of several ranks whose same head differs by --rank-factor) and no_attention (a log without any call: an error), each with the step it first held and the rank.
 
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error.
-    """
+    """  # noqa: E501 - a command's help: typer prints its line breaks as written
     try:
         conditions = parse_watch_fail_on(fail_on)
         from attncheck.config.run import ignore_codes
