@@ -71,7 +71,10 @@ class SyntheticInput:
         extra = f",rows={self.rows}" if self.rows != DEFAULT_SYNTHETIC_ROWS else ""
         extra += f",std={self.std:g}" if self.std != 1.0 else ""
         extra += f",paths={'+'.join(self.paths)}" if self.paths else ""
-        return f"synthetic[{self.index}]:dk={self.d_k},scale={self.scale.name},seq={self.seq}{extra},dist={self.dist},seed={self.seed}"
+        return (
+            f"synthetic[{self.index}]:dk={self.d_k},scale={self.scale.name},seq={self.seq}{extra},"
+            f"dist={self.dist},seed={self.seed}"
+        )
 
 
 @dataclass(frozen=True)
@@ -479,8 +482,8 @@ def glob_inputs(pattern: str, root: str) -> list[str]:
     itself or to a parent (``ln -s . loop``): its walk grows without end. Here every ``**`` walks the
     folders below it keeping the (device, inode) of each one entered, so a loop is entered once; links
     to folders are followed (as glob does) after the real folders, so a file is found by its own path
-    and once, where glob lists it again under every link. Patterns without ``**`` cannot loop and keep glob's own answer.
-    Hidden names match only a part that starts with '.', as in glob."""
+    and once, where glob lists it again under every link. Patterns without ``**`` cannot loop and keep glob's own
+    answer. Hidden names match only a part that starts with '.', as in glob."""
     if "**" not in pattern:
         return glob.glob(pattern, root_dir=root, recursive=True)
     absolute = os.path.isabs(pattern)

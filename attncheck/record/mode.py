@@ -998,7 +998,8 @@ class Recorder(TorchFunctionMode):
             open_raw = raw.masked_fill(~attend | ~torch.isfinite(raw), float("-inf"))
             before = float(open_raw.amax()) if open_raw.numel() else float("-inf")
             if not identity and bool(((mod == raw) | ~attend).all()):
-                identity = True  # a score_mod that changes no logit here (transformers passes one always): S from q and k is the same
+                # a score_mod that changes no logit here (transformers passes one always): S from q and k is the same
+                identity = True
             if not identity:
                 tensors["scores_mod"] = mod
             if not identity and self.flex_reference:

@@ -19,7 +19,8 @@ from attncheck.report.diagnostics import findings_block
 from attncheck.report.fit import Fitted, fit_table, fitted, narrow_table
 from attncheck.results import Cell, TensorDiagnosis
 
-JSON_SCHEMA = "attncheck.run/3"  # /2 added the model section; /3: a captured call's tensor holds its model cell, what-ifs apart; every /2 key is kept
+# /2 added the model section; /3: a captured call's tensor holds its model cell, what-ifs apart; every /2 key is kept
+JSON_SCHEMA = "attncheck.run/3"
 
 NAN_HEADS_SHOWN = 3  # leading indices with NaN rows named per cell in the table; the JSON has all
 
