@@ -47,7 +47,8 @@ EVENTS: dict[str, str] = {
     "exp_overflow": "overflow",  # an exp of a finite score is inf
     "sum_overflow": "overflow",  # every exp is finite, their row sum is inf
     "underflow": "underflow",  # every exp flushed to 0 although the row had finite scores
-    # a kernel's fused max subtraction: x*scale - round(m*scale) at the row max overflows exp2 (FlashAttention-2 with FMA)
+    # a kernel's fused max subtraction: x*scale - round(m*scale) at the row max overflows exp2 (FlashAttention-2 with
+    # FMA)
     "fused_max": "overflow",
     # a hazard of the kernel's backward, predicted from the forward's log-sum-exp: the row's forward is finite
     "padded_tile": "backward",

@@ -221,7 +221,8 @@ class CellBackward:
     # (every backward quantity is linear in dO): the headroom of the loss scale; at: which one sets it
     scale_headroom: float | None
     headroom_at: str | None  # e.g. 'dP in fp16'
-    how: str = ""  # the rounding points that differ by call: 'mask added', 'masked_fill', 'softmax in fp32', 'sums per block in bf16'
+    # the rounding points that differ by call: 'mask added', 'masked_fill', 'softmax in fp32', 'sums per block in bf16'
+    how: str = ""
     real_compared: bool = False  # the model's recorded gradients were compared with this cell
     dtype: str = (
         ""  # the dtype the gradients are computed in (an eager cell under autocast: its matmuls', not its softmax's)
@@ -263,8 +264,8 @@ class Cell:
     flushed_frac: float | None  # reference-nonzero probabilities that became exactly 0
     argmax_flips: int
     examples: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
-    # overflow_rows by what overflowed (the overflow entries of ``events``): 'exp_overflow' (an exp of a finite score is inf) or
-    # 'sum_overflow' (every exp finite, the row sum inf); the two are disjoint
+    # overflow_rows by what overflowed (the overflow entries of ``events``): 'exp_overflow' (an exp of a finite score is
+    # inf) or 'sum_overflow' (every exp finite, the row sum inf); the two are disjoint
     overflow_events: dict[str, int] = field(default_factory=dict)
     # NaN rows per index of the leading axes but the query axis, e.g. per (batch, head); most first
     nan_rows_by_head: list[tuple[tuple[int, ...], int]] = field(default_factory=list)

@@ -1,5 +1,5 @@
-"""Command line: one module per command (``run``, ``sweep``, ``check``, ``capture``, ``watch``, ``explain``), each parsing its
-options, calling its pipeline, rendering and mapping errors to exit codes.
+"""Command line: one module per command (``run``, ``sweep``, ``check``, ``capture``, ``watch``, ``explain``), each
+parsing its options, calling its pipeline, rendering and mapping errors to exit codes.
 
 torch is imported inside the commands only, so ``attncheck --help`` and argument
 errors stay fast.

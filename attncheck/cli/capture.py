@@ -62,7 +62,10 @@ def capture(
         "--out",
         "-o",
         metavar="DIR",
-        help="Capture directory: one .safetensors per call and manifest.json (created; a previous capture there is replaced); under torchrun one per rank, DIR/rank0, DIR/rank1, ...",
+        help=(
+            "Capture directory: one .safetensors per call and manifest.json (created; a previous capture there is "
+            "replaced); under torchrun one per rank, DIR/rank0, DIR/rank1, ..."
+        ),
         rich_help_panel=CAPTURE,
     ),
     no_save: bool = typer.Option(
@@ -86,7 +89,10 @@ def capture(
         [],
         "--module",
         metavar="GLOB",
-        help="Record only calls in modules whose path matches (repeatable), e.g. '*.layers.1.*'; a call outside any module is 'global'.",
+        help=(
+            "Record only calls in modules whose path matches (repeatable), e.g. '*.layers.1.*'; a call outside any "
+            "module is 'global'."
+        ),
         rich_help_panel=CAPTURE,
     ),
     forward: Optional[str] = typer.Option(
@@ -99,14 +105,22 @@ def capture(
     no_grads: bool = typer.Option(
         False,
         "--no-grads",
-        help="Record the forward only: without it, when the script runs a backward, each call's output gradient and the gradients its kernel produced are recorded too (they count for --max-bytes) and every call's backward is diagnosed.",
+        help=(
+            "Record the forward only: without it, when the script runs a backward, each call's output gradient and "
+            "the gradients its kernel produced are recorded too (they count for --max-bytes) and every call's "
+            "backward is diagnosed."
+        ),
         rich_help_panel=CAPTURE,
     ),
     compile_mode: str = typer.Option(
         "eager",
         "--compile",
         metavar="eager|keep",
-        help="torch.compile'd modules and functions: 'eager' runs their Python code (the compiler's force_eager stance), records its calls and says that the eager code is judged; 'keep' runs them compiled, unrecorded, and says how often.",
+        help=(
+            "torch.compile'd modules and functions: 'eager' runs their Python code (the compiler's force_eager "
+            "stance), records its calls and says that the eager code is judged; 'keep' runs them compiled, "
+            "unrecorded, and says how often."
+        ),
         rich_help_panel=CAPTURE,
     ),
     dtype: CellDtypeOpt = None,
@@ -137,7 +151,7 @@ def capture(
     Under torchrun (or any torch.distributed job: RANK and WORLD_SIZE set) each rank records into its own directory, OUT/rank0, OUT/rank1, ..., and judges its own calls: rank 0 prints its report, every other rank one line on stderr, and each exits by --fail-on on its own calls; --json FILE becomes one file per rank (FILE.rankN.json), --json - rank 0's. 'attncheck run OUT' then reports every rank, merged and per rank. A directory another process is writing is refused.
 
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error, or the script failed.
-    """
+    """  # noqa: E501 - a command's help: typer prints its line breaks as written
     try:
         conditions = parse_fail_on(fail_on)
         ignored = ignore_codes(ignore)

@@ -61,7 +61,10 @@ def check(
         None,
         "--junit",
         metavar="FILE",
-        help="Write JUnit XML: one testcase per input x cell, failures carry the numbers ('-' for stdout: the summary is then not printed).",
+        help=(
+            "Write JUnit XML: one testcase per input x cell, failures carry the numbers ('-' for stdout: the "
+            "summary is then not printed)."
+        ),
     ),
     markdown: Optional[str] = typer.Option(
         None,
@@ -78,7 +81,7 @@ def check(
     Reads \\[tool.attncheck] (inputs, synthetic configs, dtypes, methods, budget), diagnoses every input and checks every method x dtype cell against the budget: NaN and overflow rows, errors against float64, and FlashAttention's rule relative_to_torch (error at most N x torch.softmax's in the same dtype).
 
     Exit codes: 0 every budget holds, 1 a budget broke, 2 configuration or input error (or an internal error, so that 1 always means a budget).
-    """
+    """  # noqa: E501 - a command's help: typer prints its line breaks as written
     try:
         require_stdout()  # every report ends on standard output: refuse a closed one before any work
         if device is not None:

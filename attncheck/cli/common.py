@@ -260,8 +260,8 @@ def write_stdout(text: str) -> None:
 
 
 def open_output(path: str, mode: str = "w"):
-    """A report file opened for writing (``mode`` 'a': appending). A FIFO (``mkfifo``; ``--json >(jq .)`` is one too) is opened
-    without waiting: one that no process reads would block the command for ever, so it is an error."""
+    """A report file opened for writing (``mode`` 'a': appending). A FIFO (``mkfifo``; ``--json >(jq .)`` is one too) is
+    opened without waiting: one that no process reads would block the command for ever, so it is an error."""
     try:
         fifo = stat.S_ISFIFO(os.stat(path).st_mode)
     except (OSError, ValueError):

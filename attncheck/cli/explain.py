@@ -21,7 +21,10 @@ def explain(
     markdown: bool = typer.Option(
         False,
         "--markdown",
-        help="Print the page's Markdown source (as docs/reference/findings.md holds it) instead of rendering it for the terminal.",
+        help=(
+            "Print the page's Markdown source (as docs/reference/findings.md holds it) instead of rendering it for "
+            "the terminal."
+        ),
     ),
 ) -> None:
     """Print what a finding code means: the threshold behind it, a minimal example that triggers it, and the fix.
@@ -29,7 +32,7 @@ def explain(
     The same page as the findings reference (docs/reference/findings.md), which the JSON report links from each finding's doc field.
 
     Exit codes: 0 printed, 2 unknown code.
-    """
+    """  # noqa: E501 - a command's help: typer prints its line breaks as written
     from attncheck.codes import REGISTRY, closest_codes
     from attncheck.report.reference import codes_list, codes_table, explain_page, explain_text
 

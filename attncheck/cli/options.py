@@ -46,8 +46,9 @@ CellDtypeOpt = Annotated[
         metavar="DTYPE,...",
         show_default=False,
         help=(
-            f"Comma-separated dtypes to compute in: {choices_help(DTYPES, cell_dtype)} (or 'all'); default {DEFAULT_DTYPES}. "
-            "A captured call computes the cell its model ran; given, these cells are computed as what-ifs beside it."
+            f"Comma-separated dtypes to compute in: {choices_help(DTYPES, cell_dtype)} (or 'all'); default "
+            f"{DEFAULT_DTYPES}. A captured call computes the cell its model ran; given, these cells are computed as "
+            "what-ifs beside it."
         ),
     ),
 ]
@@ -71,11 +72,12 @@ WhatIfOpt = Annotated[
         metavar="DTYPE,...|kernels|all",
         show_default=False,
         help=(
-            "Captured calls: what would break if the model ran in these dtypes (fp16, bf16, fp32, fp8 = e4m3, ...) with its own "
-            "implementation and with eager attention; 'kernels' replays each call under every kernel that could have run it "
-            "(sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn; flex for flex calls) in its dtype, and says which break it "
-            "(combine: kernels,fp16); 'all' adds every other implementation (naive, stable, tiled, the SDPA paths, FP8) in fp16, "
-            "bf16, fp32 and e4m3. Reported apart; never the model's verdict unless --fail-on what-if:COND."
+            "Captured calls: what would break if the model ran in these dtypes (fp16, bf16, fp32, fp8 = e4m3, ...) "
+            "with its own implementation and with eager attention; 'kernels' replays each call under every kernel "
+            "that could have run it (sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn; flex for flex calls) in "
+            "its dtype, and says which break it (combine: kernels,fp16); 'all' adds every other implementation "
+            "(naive, stable, tiled, the SDPA paths, FP8) in fp16, bf16, fp32 and e4m3. Reported apart; never the "
+            "model's verdict unless --fail-on what-if:COND."
         ),
     ),
 ]
@@ -97,7 +99,10 @@ ScaleOpt = Annotated[
         "--scale",
         "-s",
         metavar="SCALE[,...]",
-        help=f"Scale of q.k: {', '.join(SCALE_NAMES)} (sqrt = 1/sqrt(d_k), auto = sqrt, dk = 1/d_k, dk2 = 1/d_k^2) or a positive number; sweep takes several, comma-separated.",
+        help=(
+            f"Scale of q.k: {', '.join(SCALE_NAMES)} (sqrt = 1/sqrt(d_k), auto = sqrt, dk = 1/d_k, dk2 = 1/d_k^2) or "
+            "a positive number; sweep takes several, comma-separated."
+        ),
     ),
 ]
 PathOpt = Annotated[
@@ -105,7 +110,10 @@ PathOpt = Annotated[
     typer.Option(
         "--path",
         metavar="PATH,...",
-        help=f"Attention paths computed from Q, K and V: {choices_help(PATHS)} (default: all); the eager path runs the --method softmax (torch in sweep).",
+        help=(
+            f"Attention paths computed from Q, K and V: {choices_help(PATHS)} (default: all); the eager path runs "
+            "the --method softmax (torch in sweep)."
+        ),
     ),
 ]
 JsonOpt = Annotated[
@@ -127,7 +135,11 @@ FailOnOpt = Annotated[
     typer.Option(
         "--fail-on",
         metavar="LIST",
-        help="Exit 1 when a condition holds: nan, overflow, zero, flip, error, warning or a finding code (comma-separated); on a capture they judge the cells the model runs, and what-if:COND (e.g. what-if:nan) judges the --what-if cells.",
+        help=(
+            "Exit 1 when a condition holds: nan, overflow, zero, flip, error, warning or a finding code "
+            "(comma-separated); on a capture they judge the cells the model runs, and what-if:COND (e.g. "
+            "what-if:nan) judges the --what-if cells."
+        ),
     ),
 ]
 IgnoreOpt = Annotated[
@@ -135,21 +147,31 @@ IgnoreOpt = Annotated[
     typer.Option(
         "--ignore",
         metavar="CODE,...",
-        help="Finding codes you judged expected (e.g. fully_masked_rows from left padding): left out of the report, and their rows do not count for --fail-on or a call's verdict.",
+        help=(
+            "Finding codes you judged expected (e.g. fully_masked_rows from left padding): left out of the report, "
+            "and their rows do not count for --fail-on or a call's verdict."
+        ),
     ),
 ]
 BriefOpt = Annotated[
     bool,
     typer.Option(
         "--brief",
-        help="Leave out the per-cell detail table of per-tensor reports (one tensor, --detail, --full); --summary is the short answer.",
+        help=(
+            "Leave out the per-cell detail table of per-tensor reports (one tensor, --detail, --full); --summary is "
+            "the short answer."
+        ),
     ),
 ]
 SummaryOpt = Annotated[
     bool,
     typer.Option(
         "--summary",
-        help="The short answer on one screen instead of the report: the verdict, the first call (or tensor) that goes wrong, its cause and the fix, about ten lines; a healthy model in one to three. The JSON report is unchanged.",
+        help=(
+            "The short answer on one screen instead of the report: the verdict, the first call (or tensor) that "
+            "goes wrong, its cause and the fix, about ten lines; a healthy model in one to three. The JSON report "
+            "is unchanged."
+        ),
     ),
 ]
 FullOpt = Annotated[
@@ -160,14 +182,20 @@ DetailOpt = Annotated[
     typer.Option(
         "--detail",
         metavar="NAME_GLOB",
-        help="After the model report, the full report of the calls whose module or name matches (repeatable), e.g. '*.h.1.*'.",
+        help=(
+            "After the model report, the full report of the calls whose module or name matches (repeatable), e.g. "
+            "'*.h.1.*'."
+        ),
     ),
 ]
 PartialOpt = Annotated[
     bool,
     typer.Option(
         "--partial",
-        help="Diagnose the calls that can be and list the others, instead of stopping at the first bad one (exit 2 still).",
+        help=(
+            "Diagnose the calls that can be and list the others, instead of stopping at the first bad one (exit 2 "
+            "still)."
+        ),
     ),
 ]
 MaxMemoryOpt = Annotated[
@@ -175,7 +203,11 @@ MaxMemoryOpt = Annotated[
     typer.Option(
         "--max-memory",
         metavar="SIZE",
-        help="Working memory for the diagnosis: inputs are read and processed in row chunks that fit (.npy, .safetensors, .npz stream); what must be held whole (.pt files, attention calls, --q, --k, --v, --mask) is refused when larger.",
+        help=(
+            "Working memory for the diagnosis: inputs are read and processed in row chunks that fit (.npy, "
+            ".safetensors, .npz stream); what must be held whole (.pt files, attention calls, --q, --k, --v, "
+            "--mask) is refused when larger."
+        ),
     ),
 ]
 

@@ -97,7 +97,8 @@ def _fp8_options(dtype: str, p_scale: str | None, fp8_scaling: str | None, incoh
         )
     if not qk_given and (fp8_scaling is not None or incoherent):
         raise AttncheckError(
-            f"{param('fp8_scaling')} and {param('incoherent')} apply to attention computed from {param('q')} and {param('k')}"
+            f"{param('fp8_scaling')} and {param('incoherent')} apply to attention computed from {param('q')} and "
+            f"{param('k')}"
         )
     out: dict = {"incoherent": incoherent}
     if p_scale is not None:
@@ -132,7 +133,10 @@ def run(
         [],
         "--key",
         metavar="GLOB",
-        help="Glob selecting tensors inside files (repeatable), e.g. 'layers.*.scores'; a key written out in full selects that key alone.",
+        help=(
+            "Glob selecting tensors inside files (repeatable), e.g. 'layers.*.scores'; a key written out in full "
+            "selects that key alone."
+        ),
     ),
     json_out: JsonOpt = None,
     fail_on: FailOnOpt = "",
@@ -162,7 +166,10 @@ def run(
         None,
         "--v",
         metavar="PATH[:KEY]",
-        help="Values (..., kv_heads, tokens, dv): every cell then also computes the output O = P@V and its error against float64.",
+        help=(
+            "Values (..., kv_heads, tokens, dv): every cell then also computes the output O = P@V and its error "
+            "against float64."
+        ),
         rich_help_panel=QK,
     ),
     path: PathOpt = None,
@@ -198,7 +205,10 @@ def run(
         None,
         "--mask-value",
         metavar="VALUE",
-        help="What a key masked by a boolean mask, --causal or padding becomes: -inf (default), min (finfo(dtype).min) or a number such as -1e4.",
+        help=(
+            "What a key masked by a boolean mask, --causal or padding becomes: -inf (default), min "
+            "(finfo(dtype).min) or a number such as -1e4."
+        ),
         rich_help_panel=QK,
         show_default=False,
     ),
@@ -213,13 +223,20 @@ def run(
         None,
         "--grad-out",
         metavar="PATH[:KEY]",
-        help="The output gradient dO (..., heads, tokens, dv), with --v: each path's backward (dQ, dK, dV) is judged too, against float64 autograd: NaN rows and their first cause, loss-scale headroom, flushed gradients, FlashAttention's 2x rule.",
+        help=(
+            "The output gradient dO (..., heads, tokens, dv), with --v: each path's backward (dQ, dK, dV) is judged "
+            "too, against float64 autograd: NaN rows and their first cause, loss-scale headroom, flushed gradients, "
+            "FlashAttention's 2x rule."
+        ),
         rich_help_panel=QK,
     ),
     mask_op: Optional[MaskOp] = typer.Option(
         None,
         "--mask-op",
-        help="How the eager path's code applies a boolean mask, which decides where a fully masked row's NaN goes in the backward: added to the scores (add, the default: dQ, dK and dV) or masked_fill (fill: dV only).",
+        help=(
+            "How the eager path's code applies a boolean mask, which decides where a fully masked row's NaN goes in "
+            "the backward: added to the scores (add, the default: dQ, dK and dV) or masked_fill (fill: dV only)."
+        ),
         rich_help_panel=QK,
         show_default=False,
     ),
@@ -227,7 +244,10 @@ def run(
         None,
         "--p-scale",
         metavar="S",
-        help="FP8 dtypes (--dtype e4m3, e5m2, ...): P is multiplied by S before the cast to FP8: 1, 256 (FlashAttention-3, the default), 448 (SageAttention) or another number.",
+        help=(
+            "FP8 dtypes (--dtype e4m3, e5m2, ...): P is multiplied by S before the cast to FP8: 1, 256 "
+            "(FlashAttention-3, the default), 448 (SageAttention) or another number."
+        ),
         rich_help_panel=FP8,
         show_default=False,
     ),
@@ -235,14 +255,21 @@ def run(
         None,
         "--fp8-scaling",
         metavar="HOW",
-        help="FP8 dtypes with --q/--k: how Q, K, V are quantised for flash-fp8: none, tensor, head (per batch and kv head, FlashAttention-3's descales; default) or block (per query and key tile of FlashAttention-3's FP8 kernel: 192 queries for d <= 96, 128 above).",
+        help=(
+            "FP8 dtypes with --q/--k: how Q, K, V are quantised for flash-fp8: none, tensor, head (per batch and kv "
+            "head, FlashAttention-3's descales; default) or block (per query and key tile of FlashAttention-3's FP8 "
+            "kernel: 192 queries for d <= 96, 128 above)."
+        ),
         rich_help_panel=FP8,
         show_default=False,
     ),
     incoherent: bool = typer.Option(
         False,
         "--incoherent",
-        help="FP8 dtypes with --q/--k: rotate Q and K by a seeded +-1 diagonal times Hadamard matrix before quantising (FlashAttention-3's incoherent processing; head dim a power of two).",
+        help=(
+            "FP8 dtypes with --q/--k: rotate Q and K by a seeded +-1 diagonal times Hadamard matrix before "
+            "quantising (FlashAttention-3's incoherent processing; head dim a power of two)."
+        ),
         rich_help_panel=FP8,
     ),
 ) -> None:
@@ -253,7 +280,7 @@ def run(
     A capture directory (attncheck capture) or a call file is read as attention calls, and each call is judged by the cell its model ran (softmax: torch.softmax in its dtype; SDPA: the path of the backend PyTorch chose, in the call's dtype): that cell alone decides the verdict, the findings and --fail-on. --what-if DTYPES (or all), and --dtype/--method/--path when given, ask other cells as what-ifs, reported apart. A file of q/k/v/mask tensors is read as a call of unknown implementation: every cell is asked. More than one call gets the model report (--full for every table).
 
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error.
-    """
+    """  # noqa: E501 - a command's help: typer prints its line breaks as written
     try:
         require_stdout()  # every report ends on standard output: refuse a closed one before any work
         conditions = parse_fail_on(fail_on)
@@ -293,7 +320,8 @@ def run(
             raise AttncheckError(f"{param('mask_op')} decides the eager path's backward: give {param('grad_out')} too")
         if example and path is not None:
             raise AttncheckError(
-                f"{param('paths')} applies to attention calls (a capture, q/k files) and to {param('q')}/{param('k')}, not to the built-in example's scores"
+                f"{param('paths')} applies to attention calls (a capture, q/k files) and to "
+                f"{param('q')}/{param('k')}, not to the built-in example's scores"
             )
         if q is not None or k is not None:
             if q is None or k is None:
@@ -331,11 +359,14 @@ def run(
             if given:
                 named = ", ".join(param(n) for n in given)
                 raise AttncheckError(
-                    f"{named} {'applies' if len(given) == 1 else 'apply'} to scores computed from {param('q')} and {param('k')}, which are not given"
+                    f"{named} {'applies' if len(given) == 1 else 'apply'} to scores computed from {param('q')} and "
+                    f"{param('k')}, which are not given"
                 )
         if asked_what_if and (qk is not None or example):
             raise AttncheckError(
-                f"{param('what_if')} asks about a captured model's calls; with {param('q')}/{param('k')} or {param('example')} every cell is computed already (choose them with {param('dtypes')}, {param('methods')}, {param('paths')})"
+                f"{param('what_if')} asks about a captured model's calls; with {param('q')}/{param('k')} or "
+                f"{param('example')} every cell is computed already (choose them with {param('dtypes')}, "
+                f"{param('methods')}, {param('paths')})"
             )
         request = RunRequest(
             tuple(paths or ()),

@@ -67,7 +67,10 @@ def sweep(
         "normal",
         "--dist",
         metavar="NAME",
-        help="Entries of q and k: normal, or outliers = N(0,1) + N(0,100) on a 0.1% mask (FlashAttention-3's test inputs).",
+        help=(
+            "Entries of q and k: normal, or outliers = N(0,1) + N(0,100) on a 0.1% mask (FlashAttention-3's test "
+            "inputs)."
+        ),
     ),
     seed: str = typer.Option(
         "0", "--seed", metavar="N", help="Seed of the generator; the same seed gives the same numbers."
@@ -79,14 +82,21 @@ def sweep(
         None,
         "--plot",
         metavar="FILE.png",
-        help="Draw variance, max probability, entropy and Jacobian norm vs d_k, and per dtype maps of overflowed rows and of the error against float64, to FILE.png (needs the 'plot' extra: matplotlib).",
+        help=(
+            "Draw variance, max probability, entropy and Jacobian norm vs d_k, and per dtype maps of overflowed "
+            "rows and of the error against float64, to FILE.png (needs the 'plot' extra: matplotlib)."
+        ),
     ),
     path: PathOpt = ",".join(path_names(lambda spec: not spec.fp8 and spec.default)),
     preset: Optional[str] = typer.Option(
         None,
         "--preset",
         metavar="NAME",
-        help="Reproduce a published figure instead of the grid, printed beside the paper's: fa3 (FlashAttention-3's FP16 and FP8 RMSE of O), pcast (underflow of the FP8 P cast with an attention sink). Takes --seed and --device, --json.",
+        help=(
+            "Reproduce a published figure instead of the grid, printed beside the paper's: fa3 (FlashAttention-3's "
+            "FP16 and FP8 RMSE of O), pcast (underflow of the FP8 P cast with an attention sink). Takes --seed and "
+            "--device, --json."
+        ),
     ),
     max_work: str = typer.Option(
         f"{DEFAULT_MAX_WORK:.3g}",
@@ -102,7 +112,7 @@ def sweep(
     Var(q.k) grows as d_k; 1/sqrt(d_k) brings it back to 1, 1/d_k to 1/d_k, 1/d_k^2 to 1/d_k^3. Unscaled logits collapse attention onto one key and kill the softmax gradient; too much scaling flattens it to uniform. Per method x dtype: exp overflow (with its Gaussian-tail prediction), NaN rows and max error against float64.
 
     Exit codes: 0 ran, 2 usage or input error.
-    """
+    """  # noqa: E501 - a command's help: typer prints its line breaks as written
     try:
         require_stdout()  # every report ends on standard output: refuse a closed one before any work
         if preset is not None:

@@ -22,9 +22,10 @@ WatchWhatIfOpt = typer.Option(
     metavar="DTYPE,...|all",
     show_default=False,
     help=(
-        "headroom_low also for hand-written (eager) attention in these dtypes (fp16, bf16, fp32; all: the three): S = Q@K^T "
-        "held in the dtype before the scale, so its limit is the dtype's rounding limit times the call's scale. Reported "
-        "apart; counted by --fail-on what-if:headroom_low only. FP8 kernels hold S in fp32: no FP8 what-if here."
+        "headroom_low also for hand-written (eager) attention in these dtypes (fp16, bf16, fp32; all: the three): S "
+        "= Q@K^T held in the dtype before the scale, so its limit is the dtype's rounding limit times the call's "
+        "scale. Reported apart; counted by --fail-on what-if:headroom_low only. FP8 kernels hold S in fp32: no FP8 "
+        "what-if here."
     ),
 )
 
@@ -54,7 +55,11 @@ def watch(
         "",
         "--fail-on",
         metavar="LIST",
-        help="Exit 1 when an alert holds: logit_growth, entropy_collapse, headroom_low, nonfinite, nan (= nonfinite), warning or error (an alert of that severity or worse), comma-separated; what-if:CONDITION judges the --what-if alerts.",
+        help=(
+            "Exit 1 when an alert holds: logit_growth, entropy_collapse, headroom_low, nonfinite, nan (= "
+            "nonfinite), warning or error (an alert of that severity or worse), comma-separated; what-if:CONDITION "
+            "judges the --what-if alerts."
+        ),
     ),
     ignore: str = typer.Option(
         "",
@@ -66,13 +71,19 @@ def watch(
         None,
         "--plot",
         metavar="FILE.png",
-        help="Draw step x call heatmaps of the largest logit and of the entropy, and the curves of the worst heads with the alert steps marked, to FILE.png (needs matplotlib: the 'plot' extra). Logs of several ranks: the heatmaps of one rank (the first alert's, else the first; named), the curves of every rank.",
+        help=(
+            "Draw step x call heatmaps of the largest logit and of the entropy, and the curves of the worst heads "
+            "with the alert steps marked, to FILE.png (needs matplotlib: the 'plot' extra). Logs of several ranks: "
+            "the heatmaps of one rank (the first alert's, else the first; named), the curves of every rank."
+        ),
     ),
     window: str = typer.Option(
         "20",
         "--window",
         metavar="N",
-        help="Records the growth of a head's largest logit is fitted over (least squares of its logarithm; at least 5).",
+        help=(
+            "Records the growth of a head's largest logit is fitted over (least squares of its logarithm; at least 5)."
+        ),
         rich_help_panel=ALERTS,
     ),
     level: str = typer.Option(
@@ -107,7 +118,10 @@ def watch(
         "10",
         "--rank-factor",
         metavar="F",
-        help="rank_divergence holds when a head's largest logit on one rank is F times another rank's at the same step (magnitudes below 1 counted as 1).",
+        help=(
+            "rank_divergence holds when a head's largest logit on one rank is F times another rank's at the same "
+            "step (magnitudes below 1 counted as 1)."
+        ),
         rich_help_panel=ALERTS,
     ),
     what_if: Optional[str] = WatchWhatIfOpt,
@@ -115,7 +129,10 @@ def watch(
         False,
         "--quiet",
         "-q",
-        help="Print less: no notice on stderr of the --plot file written (and of the calls and ranks it leaves out); the report and the --fail-on lines are printed.",
+        help=(
+            "Print less: no notice on stderr of the --plot file written (and of the calls and ranks it leaves out); "
+            "the report and the --fail-on lines are printed."
+        ),
     ),
 ) -> None:
     """Read watch logs: the trend of every head's largest attention logit, its entropy and its headroom, with alerts.
@@ -123,7 +140,7 @@ def watch(
     attncheck.watch(model, log=...) writes one JSON line per recorded training step: per attention call and head, the largest unmasked logit, the entropy of the rows, max |q| and |k|, NaN or inf rows, and the largest logit the call's dtype allows. This command fits the growth of each head's largest logit over the last --window records and reports logit_growth (geometric growth past --logit-level), entropy_collapse, headroom_low (the dtype's limit within --horizon steps at that growth; with --what-if DTYPES also for hand-written attention in those dtypes), nonfinite, rank_divergence (logs of several ranks whose same head differs by --rank-factor) and no_attention (a log without any call: an error), each with the step it first held and the rank.
 
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error.
-    """
+    """  # noqa: E501 - a command's help: typer prints its line breaks as written
     try:
         conditions = parse_watch_fail_on(fail_on)
         from attncheck.config.run import ignore_codes

@@ -71,7 +71,10 @@ class SyntheticInput:
         extra = f",rows={self.rows}" if self.rows != DEFAULT_SYNTHETIC_ROWS else ""
         extra += f",std={self.std:g}" if self.std != 1.0 else ""
         extra += f",paths={'+'.join(self.paths)}" if self.paths else ""
-        return f"synthetic[{self.index}]:dk={self.d_k},scale={self.scale.name},seq={self.seq}{extra},dist={self.dist},seed={self.seed}"
+        return (
+            f"synthetic[{self.index}]:dk={self.d_k},scale={self.scale.name},seq={self.seq}{extra},"
+            f"dist={self.dist},seed={self.seed}"
+        )
 
 
 @dataclass(frozen=True)
@@ -381,7 +384,8 @@ def parse_table(
     if not values.get("inputs") and not values.get("synthetic"):
         where = f"[{prefix}]" if prefix else display
         raise AttncheckError(
-            f'{where} has no inputs: set {key("inputs")} = ["dumps/*.safetensors"] or add a [[{key("synthetic")}]] table'
+            f'{where} has no inputs: set {key("inputs")} = ["dumps/*.safetensors"] or add a [[{key("synthetic")}]] '
+            "table"
         )
     if values.get("keys") and not values.get("inputs"):
         raise AttncheckError(f"{key('keys')} picks tensors inside files, but {key('inputs')} names no file")
@@ -392,9 +396,9 @@ def parse_table(
         if need > config.memory_budget:
             heads, queries = head_layout(spec.rows, spec.seq)
             raise AttncheckError(
-                f"{key('synthetic')}[{spec.index}]: its q and k ({heads} heads x ({queries} queries + {spec.seq} keys) x d_k {spec.d_k}) "
-                f"and a head's scores need {size_text(need)}, over {key('max_memory')} {size_text(config.memory_budget)}: "
-                f"lower seq, rows or d_k, or raise {key('max_memory')}"
+                f"{key('synthetic')}[{spec.index}]: its q and k ({heads} heads x ({queries} queries + {spec.seq} "
+                f"keys) x d_k {spec.d_k}) and a head's scores need {size_text(need)}, over {key('max_memory')} "
+                f"{size_text(config.memory_budget)}: lower seq, rows or d_k, or raise {key('max_memory')}"
             )
     _check_work(config)
     return replace(config, files=resolve_inputs(config))
@@ -478,8 +482,8 @@ def glob_inputs(pattern: str, root: str) -> list[str]:
     itself or to a parent (``ln -s . loop``): its walk grows without end. Here every ``**`` walks the
     folders below it keeping the (device, inode) of each one entered, so a loop is entered once; links
     to folders are followed (as glob does) after the real folders, so a file is found by its own path
-    and once, where glob lists it again under every link. Patterns without ``**`` cannot loop and keep glob's own answer.
-    Hidden names match only a part that starts with '.', as in glob."""
+    and once, where glob lists it again under every link. Patterns without ``**`` cannot loop and keep glob's own
+    answer. Hidden names match only a part that starts with '.', as in glob."""
     if "**" not in pattern:
         return glob.glob(pattern, root_dir=root, recursive=True)
     absolute = os.path.isabs(pattern)

@@ -193,9 +193,11 @@ class RunRequest:
             )
         if self.keys and not self.paths and self.qk is not None:
             raise AttncheckError(
-                f"{param('keys')} selects tensors inside score files, and none is given; pick q and k inside files with {param('q')} PATH:KEY"
+                f"{param('keys')} selects tensors inside score files, and none is given; pick q and k inside files "
+                f"with {param('q')} PATH:KEY"
             )
         if not (self.example or self.paths or self.qk):
             raise AttncheckError(
-                f"no input: give score files or directories, {param('q')} and {param('k')}, or {param('example')} for a built-in one"
+                f"no input: give score files or directories, {param('q')} and {param('k')}, or {param('example')} "
+                "for a built-in one"
             )

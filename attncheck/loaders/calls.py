@@ -316,7 +316,8 @@ def call_file_source(
     if max_bytes is not None and size > max_bytes:
         return _broken(
             info,
-            f"{label}: loading the call whole needs {size_text(size)}, over {param('max_memory')} {size_text(max_bytes)}",
+            f"{label}: loading the call whole needs {size_text(size)}, over {param('max_memory')} "
+            f"{size_text(max_bytes)}",
         )
     return CallSource(info, lambda: _load_call_tensors(path, label), _check_roles(label, info.kind, entries, meta))
 
@@ -515,7 +516,8 @@ def load_manifest(directory: str | os.PathLike[str]) -> Manifest:
     path = os.path.join(os.fspath(directory), MANIFEST)
     if os.path.islink(path):
         raise error(
-            f"{path}: is a symbolic link; a capture's manifest is a plain file of its directory (nothing is read outside it)"
+            f"{path}: is a symbolic link; a capture's manifest is a plain file of its directory (nothing is read "
+            "outside it)"
         )
     try:
         with open(path, "rb") as fh:
@@ -556,11 +558,13 @@ def _check_listing(path: str, manifest: Manifest) -> None:
     for i, entry in enumerate(manifest.calls):
         if entry.file in files:
             raise error(
-                f"{path}: call entry {i} lists {entry.file} again (entry {files[entry.file]} lists it): each call is listed once"
+                f"{path}: call entry {i} lists {entry.file} again (entry {files[entry.file]} lists it): each call is "
+                "listed once"
             )
         if entry.index in indices:
             raise error(
-                f"{path}: call entry {i} has index {entry.index} again (entry {indices[entry.index]} has it): each call is listed once"
+                f"{path}: call entry {i} has index {entry.index} again (entry {indices[entry.index]} has it): each "
+                "call is listed once"
             )
         number = int(CALL_FILE.match(entry.file).group(1))
         if number != entry.index:
@@ -602,7 +606,8 @@ def open_capture(
             out.append(
                 _broken(
                     info,
-                    f"{label}: is a symbolic link; a capture's call files are plain files of its directory (nothing is read outside it)",
+                    f"{label}: is a symbolic link; a capture's call files are plain files of its directory (nothing "
+                    "is read outside it)",
                 )
             )
             continue
@@ -661,7 +666,8 @@ def _with_grads(
     if os.path.islink(path):
         return (
             load,
-            f"{label}: its gradients file {path} is a symbolic link; a capture's files are plain files of its directory (nothing is read outside it)",
+            f"{label}: its gradients file {path} is a symbolic link; a capture's files are plain files of its "
+            "directory (nothing is read outside it)",
         )
     if not os.path.isfile(path):
         return load, f"{label}: its gradients file {path} is listed in the manifest but " + (
@@ -674,7 +680,8 @@ def _with_grads(
     if not str(meta.get(FORMAT_KEY, "")).startswith(CAPTURE_SCHEMA_PREFIX) or meta.get("grads") != "true":
         return (
             load,
-            f"{label}: {path} is not a capture's gradients file (its metadata needs {FORMAT_KEY} {CAPTURE_SCHEMA_PREFIX}... and grads true)",
+            f"{label}: {path} is not a capture's gradients file (its metadata needs {FORMAT_KEY} "
+            f"{CAPTURE_SCHEMA_PREFIX}... and grads true)",
         )
     for key, want in (("call", str(index)), ("module", module)):
         if meta.get(key) != want:
@@ -731,13 +738,19 @@ def _mismatch(label: str, manifest: str, entry: ManifestCall, meta: dict[str, st
         return f"{label}: not a capture call file (no {FORMAT_KEY!r} in its metadata)"
     for key, want in (("kind", entry.kind), ("module", entry.module), ("call", str(entry.index))):
         if meta.get(key) != want:
-            return f"{label}: does not match {manifest} ({key} {shorten(repr(meta.get(key)))} in the file, {shorten(repr(want))} in the manifest)"
+            return (
+                f"{label}: does not match {manifest} ({key} {shorten(repr(meta.get(key)))} in the file, "
+                f"{shorten(repr(want))} in the manifest)"
+            )
     for role, spec in entry.tensors.items():
         got = entries.get(role)
         want = tuple(spec.shape)
         if got is None or tuple(got[1]) != want:
             found = "absent" if got is None else f"shape {tuple(got[1])}"
-            return f"{label}: does not match {manifest} (tensor {role!r}: {found} in the file, shape {want} in the manifest)"
+            return (
+                f"{label}: does not match {manifest} (tensor {role!r}: {found} in the file, shape {want} in the "
+                "manifest)"
+            )
     return None
 
 
@@ -881,12 +894,12 @@ def compile_message(doc: dict) -> str | None:
     runs, calls = facts.get("compiled_runs") or 0, facts.get("compiled_calls") or 0
     if facts.get("mode") == "keep":
         return (
-            f"torch.compile'd code ran {runs} time(s) compiled (--compile keep): its attention calls were not recorded; "
-            f"--compile eager records them as its eager code"
+            f"torch.compile'd code ran {runs} time(s) compiled (--compile keep): its attention calls were not "
+            "recorded; --compile eager records them as its eager code"
         )
     return (
-        f"{calls} call(s) ran inside torch.compile'd code, captured as its eager code (--compile eager): they are judged as "
-        f"the eager code computes, not as the compiled kernels do"
+        f"{calls} call(s) ran inside torch.compile'd code, captured as its eager code (--compile eager): they are "
+        "judged as the eager code computes, not as the compiled kernels do"
     )
 
 

@@ -223,11 +223,13 @@ def check_tensor(name: str, tensor: Any, kind: str = "scores") -> torch.Tensor:
         raise error(f"{name} is not a tensor (got {type(tensor).__name__})")
     if tensor.is_nested:
         raise error(
-            f"{name} is a nested tensor (rows of different lengths); attncheck needs a dense tensor: pad it, or save each part"
+            f"{name} is a nested tensor (rows of different lengths); attncheck needs a dense tensor: pad it, or save "
+            "each part"
         )
     if tensor.device.type == "meta":
         raise error(
-            f"{name} is a meta tensor: it has a shape but no values (saved from a model on the meta device); save the real tensor"
+            f"{name} is a meta tensor: it has a shape but no values (saved from a model on the meta device); save "
+            "the real tensor"
         )
     if tensor.layout != torch.strided:
         raise error(f"{name} has layout {torch_name(tensor.layout)}; attncheck needs a dense tensor")
@@ -255,7 +257,8 @@ def check_dtype(name: str, dtype: torch.dtype, kind: str = "scores") -> None:
 def dtype_error(name: str, shown: str, kind: str = "scores") -> AttncheckError:
     if kind == "mask":
         return error(
-            f"{name} has dtype {shown}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask"
+            f"{name} has dtype {shown}; use a boolean mask (True = attend; {param('mask_convention')} ignore for "
+            "True = masked) or an additive float mask"
         )
     return error(str(scores_dtype_error(name, shown)))
 

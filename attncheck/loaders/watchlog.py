@@ -148,7 +148,8 @@ def read_watch_log(path: str | os.PathLike[str]) -> WatchLog:
                 raise AttncheckError(f"{shown}, line {number}: {problem}")
             if records and rec.rank != records[0].rank:
                 raise AttncheckError(
-                    f"{shown}, line {number}: rank {rec.rank} in a log of rank {records[0].rank}; each rank writes its own log"
+                    f"{shown}, line {number}: rank {rec.rank} in a log of rank {records[0].rank}; each rank writes "
+                    "its own log"
                 )
             if records and rec.step <= records[-1].step:
                 raise AttncheckError(

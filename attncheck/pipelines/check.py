@@ -47,7 +47,8 @@ def _run_check(config: CheckConfig, device: str | None, track: Track, notice) ->
     names: list[str] = []
     budget = config.memory_budget
     options = config.options(device=str(dev))
-    # One file open at a time (a .pt is loaded whole): file i+1 is opened once file i's tensors are diagnosed and dropped.
+    # One file open at a time (a .pt is loaded whole): file i+1 is opened once file i's tensors are diagnosed and
+    # dropped.
     for src in iter_sources(list(config.files), list(config.keys), max_bytes=budget) if config.files else ():
         name = _relative_name(src.name, config)
         check_row_fits(name, src.shape[-1], budget)

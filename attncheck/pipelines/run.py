@@ -262,7 +262,8 @@ def _run_qk(qk: QKSpec, sources, options, track: Track, notice, max_bytes: int |
         )
     if qk.mask_value is not None and not (boolean or qk.causal or qk.pad_left or qk.pad_right):
         raise AttncheckError(
-            f"{param('mask_value')} is what keys masked by a boolean {param('mask')}, {param('causal')} or {param('pad_left')}/{param('pad_right')} become; none is given"
+            f"{param('mask_value')} is what keys masked by a boolean {param('mask')}, {param('causal')} or "
+            f"{param('pad_left')}/{param('pad_right')} become; none is given"
             + (" (a float mask carries its own values)" if mask is not None else "")
         )
     inputs = prepare_inputs(
@@ -302,7 +303,8 @@ def _run_qk(qk: QKSpec, sources, options, track: Track, notice, max_bytes: int |
         want = (*q.shape[:-1], v.shape[-1])
         if tuple(dout.shape) != want:
             raise AttncheckError(
-                f"{param('grad_out')} {qk.grad_out} has shape {tuple(dout.shape)}; the output gradient of these q and v has shape {want}"
+                f"{param('grad_out')} {qk.grad_out} has shape {tuple(dout.shape)}; the output gradient of these q "
+                f"and v has shape {want}"
             )
         attach_backward(diag, None, inputs, GradInputs(dout, causal=qk.causal), options, mask_op=qk.mask_op or "add")
     return [diag]

@@ -727,8 +727,8 @@ class Recorder(TorchFunctionMode):
             return False
         if self.max_bytes is not None and self.bytes + size > self.max_bytes:
             self._stop(
-                f"max_bytes {self.max_bytes} would be passed by call {call.index} ({call.kind} in {call.module or 'global'}, "
-                f"{size} bytes; {self.bytes} recorded)",
+                f"max_bytes {self.max_bytes} would be passed by call {call.index} ({call.kind} in "
+                f"{call.module or 'global'}, {size} bytes; {self.bytes} recorded)",
                 call,
             )
             return False
@@ -970,8 +970,8 @@ class Recorder(TorchFunctionMode):
             if over:  # refused before its logits are computed: a long sequence's would not fit in memory
                 self.seen += 1
                 self._stop(
-                    f"max_bytes {self.max_bytes} would be passed by call {self.seen - 1} (flex in {module or 'global'}, "
-                    f"{planned} bytes with its logits; {self.bytes} recorded)",
+                    f"max_bytes {self.max_bytes} would be passed by call {self.seen - 1} (flex in "
+                    f"{module or 'global'}, {planned} bytes with its logits; {self.bytes} recorded)",
                     kind="flex",
                     module=module or "",
                     index=self.seen - 1,
@@ -998,7 +998,8 @@ class Recorder(TorchFunctionMode):
             open_raw = raw.masked_fill(~attend | ~torch.isfinite(raw), float("-inf"))
             before = float(open_raw.amax()) if open_raw.numel() else float("-inf")
             if not identity and bool(((mod == raw) | ~attend).all()):
-                identity = True  # a score_mod that changes no logit here (transformers passes one always): S from q and k is the same
+                # a score_mod that changes no logit here (transformers passes one always): S from q and k is the same
+                identity = True
             if not identity:
                 tensors["scores_mod"] = mod
             if not identity and self.flex_reference:

@@ -438,7 +438,8 @@ class DiagnoseSink:
         self.reports.append(report)
 
     def close(self, facts: dict) -> None:
-        """Diagnose the calls whose backward never came (or came after the capture), then keep the reports in call order."""
+        """Diagnose the calls whose backward never came (or came after the capture), then keep the reports in call
+        order."""
         for index in list(self._waiting):
             self._diagnose(self._waiting.pop(index))
         order = {index: i for i, index in enumerate(self._order)}

@@ -43,7 +43,9 @@ MEANING = {
     "out_rmse": "root mean square error of O",
     "out_rel_l1": "sum |O - O_float64| / sum |O_float64|",
     "out_cos_min": "smallest cosine similarity of a row of O with O_float64 (a lower bound)",
-    "out_relative_to_torch": "out_max_abs_err as a multiple of the eager torch.softmax path's in the same dtype (FlashAttention's rule on O)",
+    "out_relative_to_torch": (
+        "out_max_abs_err as a multiple of the eager torch.softmax path's in the same dtype (FlashAttention's rule on O)"
+    ),
 }
 
 
@@ -60,7 +62,10 @@ def describe_check(check: BudgetCheck) -> str:
             f"{num(check.limit)} x torch {num(check.reference)}{atol} = {num(check.bound)}{ratio}"
         )
     else:
-        text = f"{check.budget} {value_text(check.budget, check.measured)} {op} budget {value_text(check.budget, check.limit)}"
+        text = (
+            f"{check.budget} {value_text(check.budget, check.measured)} {op} budget "
+            f"{value_text(check.budget, check.limit)}"
+        )
     if check.rows and not check.passed:
         if check.is_count:
             shown = ", ".join(row_text(r) for r in check.rows[:3])
@@ -129,7 +134,10 @@ def _cell_text(check: BudgetCheck, header_limit: float | int | None) -> str:
 def summary_line(result: CheckResult) -> str:
     n, bad = len(result.cases), len(result.failures)
     head = f"{bad} of {n} case(s) broke their budget" if bad else f"all {n} case(s) within budget"
-    return f"attncheck check: {head} ({len(result.inputs)} input(s), config {visible(result.config)}, device {result.device})"
+    return (
+        f"attncheck check: {head} ({len(result.inputs)} input(s), config {visible(result.config)}, device "
+        f"{result.device})"
+    )
 
 
 def check_lines(case: CaseResult) -> list[str]:
@@ -142,7 +150,10 @@ def check_lines(case: CaseResult) -> list[str]:
         elif c.is_relative:
             op = c.op
             ratio = f" (ratio {c.ratio!r})" if c.ratio is not None else ""
-            body = f"{RELATIVE_BUDGETS[c.budget]} {c.measured!r} {op} {c.limit!r} x torch {c.reference!r} + atol {c.atol!r} = {c.bound!r}{ratio}"
+            body = (
+                f"{RELATIVE_BUDGETS[c.budget]} {c.measured!r} {op} {c.limit!r} x torch {c.reference!r} + atol "
+                f"{c.atol!r} = {c.bound!r}{ratio}"
+            )
         else:
             body = f"{c.measured!r} {c.op} budget {c.limit!r}"
         if c.rows:
@@ -259,7 +270,10 @@ def junit_xml(result: CheckResult) -> str:
             "testcase",
             {"classname": f"attncheck.{visible(case.input)}", "name": case.name, "time": f"{case.seconds:.3f}"},
         )
-        head = f"input {visible(case.input)}, shape {tuple(case.shape)}, cell {case.name}: {case.rows} rows, {case.compared_rows} compared with float64"
+        head = (
+            f"input {visible(case.input)}, shape {tuple(case.shape)}, cell {case.name}: {case.rows} rows, "
+            f"{case.compared_rows} compared with float64"
+        )
         text = "\n".join([head, *check_lines(case)])
         if case.passed:
             ET.SubElement(tc, "system-out").text = text
@@ -295,7 +309,8 @@ def markdown(result: CheckResult) -> str:
     lines = [
         f"### attncheck check: {verdict}",
         "",
-        f"Config {_md_code(result.config)}, device `{result.device}`, {len(result.inputs)} input(s), attncheck {__version__}.",
+        f"Config {_md_code(result.config)}, device `{result.device}`, {len(result.inputs)} input(s), attncheck "
+        f"{__version__}.",
         "",
     ]
     columns = budget_columns(result)

@@ -189,7 +189,10 @@ def shared_facts(report: ModelReport) -> str:
     return ("every call: " + ", ".join(facts)) if facts else ""
 
 
-HEAD_LEGEND = "Layer x head: the largest logit (k = thousands); Nn = n NaN rows in the model's cell; ovf = Q@K^T overflows the call's dtype; * = outlier q/k"
+HEAD_LEGEND = (
+    "Layer x head: the largest logit (k = thousands); Nn = n NaN rows in the model's cell; ovf = Q@K^T overflows "
+    "the call's dtype; * = outlier q/k"
+)
 
 
 def compact(x: float | None) -> str:
@@ -665,7 +668,8 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
         for line in modded[:12]:
             before = "-" if line.logit_before_mod is None else plain(line.logit_before_mod)
             text.append(
-                f"  #{line.index} {visible(line.module)}: {visible(line.score_mod)} {before} -> {plain(line.max_logit)}\n"
+                f"  #{line.index} {visible(line.module)}: {visible(line.score_mod)} {before} -> "
+                f"{plain(line.max_logit)}\n"
             )
         if len(modded) > 12:
             text.append(f"  ... {len(modded) - 12} more in the JSON report\n")

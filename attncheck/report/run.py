@@ -19,7 +19,8 @@ from attncheck.report.diagnostics import findings_block
 from attncheck.report.fit import Fitted, fit_table, fitted, narrow_table
 from attncheck.results import Cell, TensorDiagnosis
 
-JSON_SCHEMA = "attncheck.run/3"  # /2 added the model section; /3: a captured call's tensor holds its model cell, what-ifs apart; every /2 key is kept
+# /2 added the model section; /3: a captured call's tensor holds its model cell, what-ifs apart; every /2 key is kept
+JSON_SCHEMA = "attncheck.run/3"
 
 NAN_HEADS_SHOWN = 3  # leading indices with NaN rows named per cell in the table; the JSON has all
 
@@ -150,9 +151,10 @@ def attention_table(d: TensorDiagnosis) -> Group:
             f"score(s) -> inf{said})"
         )
     line = Text(
-        f"d {a.d}, {a.heads} query heads / {a.kv_heads} kv heads, scale {a.scale:.4g} ({a.scale_name}) applied to the {a.scale_order}; "
-        f"max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}; spread of q {a.q_std:.3g}, k {a.k_std:.3g}, "
-        f"scaled scores {fmt(a.scores_std)}; masked keys {a.masked_keys}, float64 mass on masked keys up to {a.leak_max:.3g}{fitted}"
+        f"d {a.d}, {a.heads} query heads / {a.kv_heads} kv heads, scale {a.scale:.4g} ({a.scale_name}) applied to "
+        f"the {a.scale_order}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| {a.raw_max_abs:.4g}; "
+        f"spread of q {a.q_std:.3g}, k {a.k_std:.3g}, scaled scores {fmt(a.scores_std)}; masked keys "
+        f"{a.masked_keys}, float64 mass on masked keys up to {a.leak_max:.3g}{fitted}"
     )
     return Group(t, line) if t.row_count else Group(line)
 
@@ -246,8 +248,8 @@ def pcast_table(d: TensorDiagnosis) -> Table | None:
         for dt, a in d.attention.dtypes.items():
             if a.fp8_values:
                 parts = [
-                    f"{k} amax {a.fp8_amax.get(k, 0):.4g}, clipped {a.fp8_clipped.get(k, 0)}, subnormal {a.fp8_subnormal.get(k, 0)}, "
-                    f"flushed {a.fp8_flushed.get(k, 0)} of {n}"
+                    f"{k} amax {a.fp8_amax.get(k, 0):.4g}, clipped {a.fp8_clipped.get(k, 0)}, subnormal "
+                    f"{a.fp8_subnormal.get(k, 0)}, flushed {a.fp8_flushed.get(k, 0)} of {n}"
                     for k, n in a.fp8_values.items()
                 ]
                 notes.append(f"flash-fp8 quantisation to {dt} ({a.fp8_scaling}): " + "; ".join(parts))
@@ -393,9 +395,9 @@ def distribution_line(d: TensorDiagnosis) -> Text:
         return Text("Reference distribution: no row has a defined softmax", style="yellow")
     frac = "-" if s.collapsed_frac is None else f"{s.collapsed_frac:.1%}"
     return Text(
-        f"Reference distribution over {s.rows} rows: entropy mean {fmt(s.entropy_mean)} nats "
-        f"(min {fmt(s.entropy_min)}, max {fmt(s.entropy_max)}; normalised {fmt(s.entropy_norm_mean)}), "
-        f"max prob mean {fmt(s.max_prob_mean)}, rows with max prob >= {s.collapse_threshold:g}: {s.collapsed_rows} ({frac}), "
+        f"Reference distribution over {s.rows} rows: entropy mean {fmt(s.entropy_mean)} nats (min "
+        f"{fmt(s.entropy_min)}, max {fmt(s.entropy_max)}; normalised {fmt(s.entropy_norm_mean)}), max prob mean "
+        f"{fmt(s.max_prob_mean)}, rows with max prob >= {s.collapse_threshold:g}: {s.collapsed_rows} ({frac}), "
         f"softmax Jacobian norm mean {fmt(s.jacobian_norm_mean)}"
     )
 
@@ -433,7 +435,8 @@ def limits_line(d: TensorDiagnosis) -> Text | None:
             parts.append(f"{c.name} ({c.role}): nothing fails from finite scores")
         else:
             parts.append(
-                f"{c.name} ({c.role}): {c.limit.what}; largest {fmt(c.limit.value, '.4g')}, headroom {fmt(c.limit.headroom, '.4g')}"
+                f"{c.name} ({c.role}): {c.limit.what}; largest {fmt(c.limit.value, '.4g')}, headroom "
+                f"{fmt(c.limit.headroom, '.4g')}"
             )
     return Text("First failure: " + "; ".join(parts))
 

@@ -222,9 +222,9 @@ def overflow_table(result: SweepResult) -> Table | None:
 def overflow_note(result: SweepResult) -> Text:
     points = ", ".join(f"{d} {result.limits[d].exp_overflow:.2f}" for d in result.config.dtypes)
     return _note(
-        "Share of rows where exp of some logit is inf in the dtype (each such row is NaN: inf/inf), "
-        "measured, and in brackets the Gaussian-tail prediction (~0: below one row in a million): P(some x_j exceeds the dtype's exp "
-        f"overflow point: {points}), x_j ~ N(0, factor^2 |q|^2 E[k^2]) given q, averaged over |q|."
+        "Share of rows where exp of some logit is inf in the dtype (each such row is NaN: inf/inf), measured, and "
+        "in brackets the Gaussian-tail prediction (~0: below one row in a million): P(some x_j exceeds the dtype's "
+        f"exp overflow point: {points}), x_j ~ N(0, factor^2 |q|^2 E[k^2]) given q, averaged over |q|."
         + (
             " With --dist outliers the logits are heavy-tailed and this Gaussian approximation "
             "underestimates the overflows."
@@ -319,7 +319,8 @@ def output_note(result: SweepResult) -> Text:
     return _note(
         "V drawn like q and k; each path computes O from q, k, v in the dtype (eager: torch.softmax on the dtype's "
         "scores; sdpa-math: PyTorch's math backend; flash: FlashAttention-2's recurrence, key blocks of --block), "
-        f"against float64 softmax(scale q.k) @ v, over the first {rows} rows of each point (whole heads). NaN: rows of O holding NaN."
+        f"against float64 softmax(scale q.k) @ v, over the first {rows} rows of each point (whole heads). NaN: rows "
+        "of O holding NaN."
     )
 
 

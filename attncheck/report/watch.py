@@ -39,8 +39,8 @@ def _worst_first(report: WatchReport) -> list[WatchSeries]:
 def heads_table(report: WatchReport):
     ranks = len(report.ranks) > 1
     t = compact_table(
-        f"Heads, worst first (largest logit now, its growth per 100 steps over the last {report.settings['window']} records, "
-        "entropy of the sampled rows, steps until the dtype's limit at that growth)"
+        f"Heads, worst first (largest logit now, its growth per 100 steps over the last {report.settings['window']} "
+        "records, entropy of the sampled rows, steps until the dtype's limit at that growth)"
     )
     for name, justify in ([("rank", "right")] if ranks else []) + [
         ("call", "left"),

@@ -238,8 +238,8 @@ def analyse(
                         "headroom_low",
                         s,
                         i,
-                        f"at {factor_text(trend[i])} per 100 steps the largest logit "
-                        f"({num(x[i])}) reaches {num(lim[i])} in {num(max(steps_left[i], 0.0))} steps{reached}: {what[i]}",
+                        f"at {factor_text(trend[i])} per 100 steps the largest logit ({num(x[i])}) reaches "
+                        f"{num(lim[i])} in {num(max(steps_left[i], 0.0))} steps{reached}: {what[i]}",
                         what_if=name,
                     )
                 )

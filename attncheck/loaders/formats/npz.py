@@ -187,7 +187,8 @@ def _open_member(path: str, info: zipfile.ZipInfo, stack: ExitStack) -> Any:
             raise zipfile.BadZipFile(f"File name in directory {info.orig_filename!r} and header {local_name!r} differ.")
         if info.compress_size != info.file_size:
             raise zipfile.BadZipFile(
-                f"stored member {info.filename!r}: the directory says {info.compress_size} bytes stored, {info.file_size} bytes of data"
+                f"stored member {info.filename!r}: the directory says {info.compress_size} bytes stored, "
+                f"{info.file_size} bytes of data"
             )
         f.seek(info.header_offset + _ZIP_LOCAL_HEADER.size + name_length + extra_length)
         return _StoredMember(f, info)

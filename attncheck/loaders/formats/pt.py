@@ -397,7 +397,8 @@ def _flatten(path: str, obj: Any) -> list[tuple[str | None, torch.Tensor]]:
         seen.add(id(value))
         if len(path_keys) >= MAX_DEPTH:
             raise error(
-                f"{path}: containers nested more than {MAX_DEPTH} deep (at {key_text(path_keys[:3])}...); save the tensors in a flat dict"
+                f"{path}: containers nested more than {MAX_DEPTH} deep (at {key_text(path_keys[:3])}...); save the "
+                "tensors in a flat dict"
             )
         for k, v in reversed(items):
             stack.append(((*path_keys, k), v))

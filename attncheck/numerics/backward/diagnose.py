@@ -385,9 +385,9 @@ def diagnose_backward(
         headroom, at = _headroom(held.get(cell, []), peaks)
         how = _how(cell, dt, grads)
         if grads.dropout_p > 0:
-            how = (
-                (how + "; " if how else "")
-                + f"without the call's dropout (p={grads.dropout_p:g}): its mask is not recorded, so neither are the real gradients compared"
+            how = (how + "; " if how else "") + (
+                f"without the call's dropout (p={grads.dropout_p:g}): its mask is not recorded, so neither are "
+                "the real gradients compared"
             )
         results[cell] = CellBackward(
             stats["dq"],

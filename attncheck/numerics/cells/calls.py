@@ -306,7 +306,8 @@ def _check_grads(info: CallInfo, tensors: dict[str, torch.Tensor]) -> None:
             )
         if tuple(t.shape) != tuple(shape):
             raise AttncheckError(
-                f"{role} has shape {tuple(t.shape)}; for q {tuple(q.shape)} and v {tuple(v.shape)} it must be {tuple(shape)}"
+                f"{role} has shape {tuple(t.shape)}; for q {tuple(q.shape)} and v {tuple(v.shape)} it must be "
+                f"{tuple(shape)}"
             )
 
 

@@ -55,7 +55,8 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             raise AttncheckError(
-                f"{param('device')} cuda requested but CUDA is not available (torch.cuda.is_available() is False); use {param('device')} cpu"
+                f"{param('device')} cuda requested but CUDA is not available (torch.cuda.is_available() is False); "
+                f"use {param('device')} cpu"
             )
         return torch.device(name)
     raise AttncheckError(f"unknown device {name!r} (choose from auto, cpu, cuda)", param="device")
@@ -433,7 +434,8 @@ def _tied_rows(s: torch.Tensor) -> torch.Tensor:
 def _check_output(name: str, out, want: torch.dtype, shape) -> None:
     if out.probs.dtype != want or tuple(out.probs.shape) != tuple(shape):
         raise TypeError(
-            f"method {name} returned {out.probs.dtype} {tuple(out.probs.shape)}; its registry entry promises {want} {tuple(shape)}"
+            f"method {name} returned {out.probs.dtype} {tuple(out.probs.shape)}; its registry entry promises {want} "
+            f"{tuple(shape)}"
         )
 
 

@@ -162,7 +162,8 @@ def prepare_inputs(
         check_scores_dtype(name, t.dtype)
     if q.shape[-1] != k.shape[-1]:
         raise AttncheckError(
-            f"q and k have different head dims: q {tuple(q.shape)} has d = {q.shape[-1]}, k {tuple(k.shape)} has d = {k.shape[-1]}"
+            f"q and k have different head dims: q {tuple(q.shape)} has d = {q.shape[-1]}, k {tuple(k.shape)} has d = "
+            f"{k.shape[-1]}"
         )
     if q.dim() != k.dim():
         raise AttncheckError(f"q {tuple(q.shape)} and k {tuple(k.shape)} have different numbers of axes")
@@ -199,16 +200,16 @@ def prepare_inputs(
             if tuple(t.shape) != (*lead, q4.shape[1], q4.shape[2], k4.shape[2]) or t.dtype != want:
                 raise AttncheckError(
                     f"{name} has shape {tuple(t.shape)} and dtype {str(t.dtype).removeprefix('torch.')}; for q "
-                    f"{tuple(q.shape)} and k {tuple(k.shape)} it must be {(*lead, q4.shape[1], q4.shape[2], k4.shape[2])} "
-                    f"{str(want).removeprefix('torch.')}"
+                    f"{tuple(q.shape)} and k {tuple(k.shape)} it must be "
+                    f"{(*lead, q4.shape[1], q4.shape[2], k4.shape[2])} {str(want).removeprefix('torch.')}"
                 )
         need += 12 * logits[0].numel()
     need += sum(m.numel() * (8 if m.is_floating_point() else 1) for m in (mask4, masked4) if m is not None)
     need += (tq * tk if causal else 0) + (b * tk if pad_left or pad_right else 0)
     if max_bytes is not None and need > max_bytes:
         raise AttncheckError(
-            f"q, k{', v' if v is not None else ''} and the mask (batch {b}, heads {hq}, queries {tq}, keys {tk}) need {size_text(need)} "
-            f"in float64, over {param('max_memory')} {size_text(max_bytes)}"
+            f"q, k{', v' if v is not None else ''} and the mask (batch {b}, heads {hq}, queries {tq}, keys {tk}) "
+            f"need {size_text(need)} in float64, over {param('max_memory')} {size_text(max_bytes)}"
         )
     planes_masked = None
     mask_float = None
@@ -230,7 +231,8 @@ def prepare_inputs(
             summed, deep = _summed_planes(mask)
         else:
             raise AttncheckError(
-                f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; {param('mask_convention')} ignore for True = masked) or an additive float mask"
+                f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; "
+                f"{param('mask_convention')} ignore for True = masked) or an additive float mask"
             )
     extra = masked4  # the planes combine at the shape they broadcast to, not over every score
     if causal:
@@ -318,7 +320,8 @@ def _compact_mask(mask: torch.Tensor, full: tuple[int, ...], lead: tuple[int, ..
         fits = False
     if not fits:
         raise AttncheckError(
-            f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape (batch {b}, heads {h}, queries {tq}, keys {tk})"
+            f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape (batch {b}, heads {h}, "
+            f"queries {tq}, keys {tk})"
         )
     return m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
 

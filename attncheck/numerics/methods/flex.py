@@ -671,8 +671,8 @@ def flex_bound(
     an ulp of P's dtype times A |v| / l: more than an output ulp where such a P is large). The fp32
     terms are worst case (gamma_n for sums, the dot products of ``flex_score_err``), so for fp32 the
     bound is two to three orders of magnitude above the differences seen (both sides' roundings are
-    random walks, the bound adds them up); for bf16 it is 0 on most elements and about an output ulp on the rest, for fp16
-    (whose ulp is 8 times finer) 0 on a third to two thirds and one to a few ulps on the rest.
+    random walks, the bound adds them up); for bf16 it is 0 on most elements and about an output ulp on the rest, for
+    fp16 (whose ulp is 8 times finer) 0 on a third to two thirds and one to a few ulps on the rest.
     Rows with no key: 0 (both give 0). Arguments as in ``flex_compiled``.
     """
     return _compiled(scores_fp32, v, dtype, enable_gqa, block, q_block, vec, score_err).bound

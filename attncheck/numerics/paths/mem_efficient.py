@@ -75,7 +75,7 @@ Not emulated: dropout (the kernel multiplies the rounded P in shared memory by 0
 from Philox; the path runs the call without it). Emulated for captured is_causal calls: the causal
 kernel's shortened key loop (``advance_to_block`` stops at the query tile's diagonal: with the global buffer it moves the
 final division to the last visited block; ``kernel_rows(key_limit=...)`` takes it, and a captured call's ``is_causal`` gives it).
-"""
+"""  # noqa: E501 - this docstring feeds docs/reference/numerics.md as written
 
 from __future__ import annotations
 

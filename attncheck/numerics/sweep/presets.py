@@ -71,20 +71,22 @@ def fa3(seed: int = 0, device: str | torch.device = "cpu", step: Callable[[], No
     return PresetResult(
         name="fa3",
         source="FlashAttention-3 (arXiv 2407.08608), section 4.3 and Table 3",
-        setup=f"q, k, v entries N(0,1) + N(0,100) Bernoulli(0.001); {FA3_HEADS} heads x {FA3_SEQ} queries x {FA3_SEQ} keys, "
-        f"d = {FA3_D}, scale 1/sqrt(d), flash key blocks of {FA3_BLOCK} (FP16) and {fa3_tile(FA3_D)[1]} (FP8, FlashAttention-3's "
-        f"tile for d = {FA3_D}), seed {seed}",
+        setup=f"q, k, v entries N(0,1) + N(0,100) Bernoulli(0.001); {FA3_HEADS} heads x {FA3_SEQ} queries x "
+        f"{FA3_SEQ} keys, d = {FA3_D}, scale 1/sqrt(d), flash key blocks of {FA3_BLOCK} (FP16) and "
+        f"{fa3_tile(FA3_D)[1]} (FP8, FlashAttention-3's tile for d = {FA3_D}), seed {seed}",
         metric="RMSE of O against float64",
         rows=rows,
         checks=checks,
         notes=[
-            "baseline = eager:stable: Q@K^T, the scale and the softmax's exp and row sum in FP16, as standard attention written "
-            "with FP16 tensors; flash keeps S, the running max and sum in FP32 and rounds P to FP16 once, before P@V",
-            "FP8: e4m3 Q, K, V. FlashAttention-3 FP8 = the flash-fp8 path with block quantisation (one scale per 128-query and "
-            "224-key tile) and incoherent processing (seeded +-1 diagonal times Hadamard on Q and K); the ablations drop one each "
-            "(per-tensor scales; no rotation). The paper's baseline FP8 (per-tensor scaling, FP32 accumulation, softmax "
-            "intermediates in FP16) is emulated as: S = q8 k8^T in FP32 times the descales, rounded to FP16, softmax in FP16, "
-            "P cast to e4m3 unscaled, P8 V8 in FP32, times V's descale, rounded to BF16",
+            "baseline = eager:stable: Q@K^T, the scale and the softmax's exp and row sum in FP16, as standard "
+            "attention written with FP16 tensors; flash keeps S, the running max and sum in FP32 and rounds P to "
+            "FP16 once, before P@V",
+            "FP8: e4m3 Q, K, V. FlashAttention-3 FP8 = the flash-fp8 path with block quantisation (one scale per "
+            "128-query and 224-key tile) and incoherent processing (seeded +-1 diagonal times Hadamard on Q and K); "
+            "the ablations drop one each (per-tensor scales; no rotation). The paper's baseline FP8 (per-tensor "
+            "scaling, FP32 accumulation, softmax intermediates in FP16) is emulated as: S = q8 k8^T in FP32 times "
+            "the descales, rounded to FP16, softmax in FP16, P cast to e4m3 unscaled, P8 V8 in FP32, times V's "
+            "descale, rounded to BF16",
         ],
         seconds=time.perf_counter() - start,
     )
@@ -211,8 +213,9 @@ def pcast(seed: int = 0, device: str | torch.device = "cpu", step: Callable[[], 
     return PresetResult(
         name="pcast",
         source="P-Cast Precision in FP8 Attention (arXiv 2606.06521)",
-        setup=f"{PCAST_ROWS} rows x {PCAST_KEYS} keys of N(0,1) logits, the first {PCAST_SINKS} keys an attention sink raised "
-        f"by the gap; key blocks of {PCAST_BLOCK}; delta_k = E[max of {PCAST_SINKS} N(0,1)] = {delta:.4f}; seed {seed}",
+        setup=f"{PCAST_ROWS} rows x {PCAST_KEYS} keys of N(0,1) logits, the first {PCAST_SINKS} keys an attention "
+        f"sink raised by the gap; key blocks of {PCAST_BLOCK}; delta_k = E[max of {PCAST_SINKS} N(0,1)] = "
+        f"{delta:.4f}; seed {seed}",
         metric="underflow of the P cast to e4m3 (the tiled softmax, P scaled by S before the cast)",
         rows=[],
         checks=checks,
