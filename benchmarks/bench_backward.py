@@ -1,7 +1,8 @@
 """Cost of diagnosing a call's backward against diagnosing its forward, on one attention call of
 model size.
 
-    python benchmarks/bench_backward.py [--seq 1024] [--heads 16] [--kv-heads 4] [--dim 64] [--dtype bf16] [--repeat 3] [--max-memory 1GiB]
+    python benchmarks/bench_backward.py [--seq 1024] [--heads 16] [--kv-heads 4] [--dim 64] [--dtype bf16]
+        [--repeat 3] [--max-memory 1GiB]
 
 One SDPA call (batch 1, --heads query heads over --kv-heads kv heads, head dim --dim, --seq tokens,
 causal, in --dtype) runs through PyTorch's CPU flash kernel with autograd, giving dO, dQ, dK, dV.
@@ -73,12 +74,14 @@ def main() -> None:
     t_bwd = t_both - t_fwd
     b = report.diagnosis.cells[0].backward
     print(
-        f"one SDPA call: 1 x {args.heads} heads ({args.kv_heads} kv) x {args.seq} tokens x {args.dim}, {args.dtype}, causal; "
+        f"one SDPA call: 1 x {args.heads} heads ({args.kv_heads} kv) x {args.seq} tokens x {args.dim}, {args.dtype}, "
+        "causal; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     print(f"  forward diagnosis   {t_fwd:.3f} s (model cell {report.diagnosis.cells[0].name})")
     print(
-        f"  backward diagnosis  {t_bwd:.3f} s = {t_bwd / t_fwd:.2f}x the forward's (goal <= 3x); both together {t_both:.3f} s"
+        f"  backward diagnosis  {t_bwd:.3f} s = {t_bwd / t_fwd:.2f}x the forward's (goal <= 3x); both together "
+        f"{t_both:.3f} s"
     )
     print(
         f"  backward: NaN rows {b.nan_rows}; recorded gradients agree: {all(g.real_agrees for _, g in b.grads())}; "

@@ -1,6 +1,7 @@
 """Capture overhead and the time to diagnose a capture, on a 12-layer, 12-head, 768-wide model.
 
-    python benchmarks/bench_capture.py [--impl sdpa,eager] [--seq 1024] [--repeat 3] [--max-bytes 256MiB] [--skip-diagnose]
+    python benchmarks/bench_capture.py [--impl sdpa,eager] [--seq 1024] [--repeat 3] [--max-bytes 256MiB]
+        [--skip-diagnose]
 
 A GPT-2 with 12 layers, 12 heads and width 768 (built from its config, random weights) runs
 one forward pass over a batch of 1 x SEQ tokens in fp32, for each attention implementation:
@@ -150,13 +151,15 @@ def main() -> None:
                 ("median", (m_plain, m_capture, m_direct, m_inline)),
             ):
                 print(
-                    f"  {label} of {args.repeat}: forward {a:.2f} s, under capture {b:.2f} s ({b / a:.2f}x, +{b - a:.2f} s); "
+                    f"  {label} of {args.repeat}: forward {a:.2f} s, under capture {b:.2f} s ({b / a:.2f}x, "
+                    f"+{b - a:.2f} s); "
                     f"save_file after the forward {c:.2f} s, during it +{d - a:.2f} s; "
                     f"capture overhead / save_file: {(b - a) / c:.2f} after, {(b - a) / max(d - a, 1e-9):.2f} during"
                 )
             print(
                 f"  peak RSS above the plain forward: capture to a directory {peak_dir - peak_plain:+.0f} MiB; "
-                f"in memory with max_bytes {args.max_bytes} {peak_mem - peak_plain:+.0f} MiB ({kept / mib:.0f} MiB kept)"
+                f"in memory with max_bytes {args.max_bytes} {peak_mem - peak_plain:+.0f} MiB ({kept / mib:.0f} MiB "
+                "kept)"
             )
             if not args.skip_diagnose:
                 from attncheck.config.run import RunRequest

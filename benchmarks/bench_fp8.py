@@ -77,7 +77,8 @@ def main() -> None:
 
     flash = run_qk(("flash",), ("fp16",))
     print(
-        f"Q/K mode, {heads} heads x {args.keys} queries x {args.keys} keys, d 128: diagnose_attention flash/fp16 alone: "
+        f"Q/K mode, {heads} heads x {args.keys} queries x {args.keys} keys, d 128: diagnose_attention flash/fp16 "
+        "alone: "
         f"{flash:.3f} s = {flash / base:.1f}x"
     )
     for path in ("flash-fp8", "sage"):

@@ -112,22 +112,27 @@ def main() -> None:
         t_diag = best_of(args.repeat, diagnose_run)
         calls = len(result.calls)
         print(
-            f"{args.layers} layers x 16 heads (4 kv heads), head dim 64, bf16, SDPA, 1 x {args.seq} tokens: {calls} calls, "
+            f"{args.layers} layers x 16 heads (4 kv heads), head dim 64, bf16, SDPA, 1 x {args.seq} tokens: {calls} "
+            "calls, "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads"
         )
         print(
-            f"  forward                      {t_own:.3f} s in a process of its own; {t_forward:.3f} s with freed memory kept for reuse"
+            f"  forward                      {t_own:.3f} s in a process of its own; {t_forward:.3f} s with freed "
+            "memory kept for reuse"
         )
         print(
-            f"  attncheck run CAPTURE        {t_run:.3f} s  ({t_run / t_own:.1f}x the forward; {t_run / t_forward:.1f}x the tuned one)"
+            f"  attncheck run CAPTURE        {t_run:.3f} s  ({t_run / t_own:.1f}x the forward; "
+            f"{t_run / t_forward:.1f}x the tuned one)"
         )
         print(
-            f"  capture(diagnose=True)       {t_diag:.3f} s  ({t_diag / t_own:.1f}x the forward; {t_diag / t_forward:.1f}x the tuned one; the forward included)"
+            f"  capture(diagnose=True)       {t_diag:.3f} s  ({t_diag / t_own:.1f}x the forward; "
+            f"{t_diag / t_forward:.1f}x the tuned one; the forward included)"
         )
         print(f"  peak RSS of the run          +{peak:.0f} MiB above {rss:.0f} MiB (--max-memory {args.max_memory})")
         line = result.model.lines[0]
         print(
-            f"  verdict: first call that goes wrong {result.model.first_bad}; cell {line.cell}, room {line.headroom:.3g}"
+            f"  verdict: first call that goes wrong {result.model.first_bad}; cell {line.cell}, room "
+            f"{line.headroom:.3g}"
         )
         if args.what_if:
             asked = RunRequest((str(cap),), options=options, max_memory=memory, what_if=(args.what_if,))

@@ -115,7 +115,8 @@ def main() -> None:
     opts = Options(kernels=args.kernels)
     chunk = rows_per_chunk(args.keys, opts)
     print(
-        f"scores: {rows} rows x {args.keys} keys = 2^{args.elements_log2} fp32 elements ({x.numel() * 4 / 2**20:.0f} MiB{', causal mask' if args.causal else ''}); "
+        f"scores: {rows} rows x {args.keys} keys = 2^{args.elements_log2} fp32 elements ({x.numel() * 4 / 2**20:.0f} "
+        f"MiB{', causal mask' if args.causal else ''}); "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; chunks of {chunk} rows; {args.kernels} kernels"
     )
     if args.kernels == "fused":  # compile outside the timings (numba caches it on disk for later runs)
@@ -133,10 +134,12 @@ def main() -> None:
     passes = [staged_pass(x, opts) for _ in range(args.repeat)]
     best = {k: min(p[k] for p in passes) for k in passes[0]}
     print(
-        f"shared per tensor (census, float64 reference, entropy, distribution): {best['shared'] * 1e3:.1f} ms = {best['shared'] / base:.2f}x"
+        f"shared per tensor (census, float64 reference, entropy, distribution): {best['shared'] * 1e3:.1f} ms = "
+        f"{best['shared'] / base:.2f}x"
     )
     print(
-        f"{'cell':<12} {'cast+ref':>9} {'method':>8} {'metrics':>8} {'cell total':>11}   (cast+ref: once per dtype, shared by its 4 methods)"
+        f"{'cell':<12} {'cast+ref':>9} {'method':>8} {'metrics':>8} {'cell total':>11}   (cast+ref: once per dtype, "
+        "shared by its 4 methods)"
     )
     for d in dtype_names():
         t_cast = best[("cast", d)]
@@ -144,7 +147,8 @@ def main() -> None:
             t_method, t_metrics = best[("method", m, d)], best[("metrics", m, d)]
             total = t_cast / len(method_names()) + t_method + t_metrics
             print(
-                f"{m + '/' + d:<12} {t_cast / base:>8.2f}x {t_method / base:>7.2f}x {t_metrics / base:>7.2f}x {total / base:>10.2f}x"
+                f"{m + '/' + d:<12} {t_cast / base:>8.2f}x {t_method / base:>7.2f}x {t_metrics / base:>7.2f}x "
+                f"{total / base:>10.2f}x"
             )
 
     t = best_of(args.repeat, lambda: diagnose("bench", x, opts))

@@ -1,6 +1,7 @@
 """Overhead of ``attncheck.watch`` on a training step, with ``every=1``.
 
-    python benchmarks/bench_watch.py [--layers 6] [--width 384] [--heads 6] [--seq 512] [--batch 1] [--steps 5] [--impl sdpa|eager]
+    python benchmarks/bench_watch.py [--layers 6] [--width 384] [--heads 6] [--seq 512] [--batch 1] [--steps 5]
+        [--impl sdpa|eager]
 
 A GPT-2-style model built from its config (random weights) trains on one batch of --seq tokens
 with AdamW: blocks of --steps steps are timed alone and under one attncheck.watch(model, log=FILE)
@@ -75,13 +76,15 @@ def main() -> None:
             watched += [step() for _ in range(args.steps + 1)][1:]
     a, b = statistics.median(alone), statistics.median(watched)
     print(
-        f"GPT-2 style: {args.layers} layers, width {args.width}, {args.heads} heads, {args.impl}, {args.batch} x {args.seq} tokens, AdamW; "
+        f"GPT-2 style: {args.layers} layers, width {args.width}, {args.heads} heads, {args.impl}, {args.batch} x "
+        f"{args.seq} tokens, AdamW; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     print(f"  training step alone        {a:.3f} s (median of {len(alone)}; min {min(alone):.3f})")
     print(f"  under attncheck.watch      {b:.3f} s (median; min {min(watched):.3f})")
     print(
-        f"  overhead                   {100 * (b - a) / a:+.1f}% of a step (goal <= 5%); {len(w.records)} records, last with {len(w.records[-1]['calls'])} calls"
+        f"  overhead                   {100 * (b - a) / a:+.1f}% of a step (goal <= 5%); {len(w.records)} records, "
+        f"last with {len(w.records[-1]['calls'])} calls"
     )
 
 

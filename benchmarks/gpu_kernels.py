@@ -45,9 +45,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as python benchmarks/gpu_kernels.py, attncheck installed or not
 
-import torch
+import torch  # noqa: E402 (after the sys.path insert above, so that the repo's attncheck is found)
 
-from attncheck.numerics.paths import (
+from attncheck.numerics.paths import (  # noqa: E402 (after the sys.path insert above, so that the repo's attncheck is found)
     cudnn,
     fa2,
     fa2_fma,
@@ -55,7 +55,7 @@ from attncheck.numerics.paths import (
     mem_efficient,
     sdpa_math,
 )
-from attncheck.numerics.paths.base import CallFacts
+from attncheck.numerics.paths.base import CallFacts  # noqa: E402 (after the sys.path insert above, so that the repo's attncheck is found)
 
 PATH_MODULES = (fa2, fa2_fma, mem_efficient, cudnn, flash, sdpa_math)
 BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")

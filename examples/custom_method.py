@@ -30,7 +30,8 @@ for cell in result.cells:
     # Against float64 of the scores as given, and of the scores after the cast to fp16 (algo):
     # the cast costs every method the same; the algorithmic error tells them apart.
     print(
-        f"{cell.name:<18} NaN rows {cell.nan_rows} {cell.nan_causes}  max error {cell.max_abs_err:.2e}, algo {cell.max_abs_err_algo:.2e}, RMSE algo {cell.rmse_algo:.2e}"
+        f"{cell.name:<18} NaN rows {cell.nan_rows} {cell.nan_causes}  max error {cell.max_abs_err:.2e}, algo "
+        f"{cell.max_abs_err_algo:.2e}, RMSE algo {cell.rmse_algo:.2e}"
     )
 
 # The reported error is the method's own, measured here independently with numpy.

@@ -88,7 +88,8 @@ def main() -> None:
         if name == "lr0.1":
             cmd += ["--plot", str(out / f"{name}.png")]
         print(
-            f"== {name}: loss {losses[0]:.3f} -> {min(losses):.3f} (lowest) -> {losses[-1]:.3f}; $ attncheck watch {log.name} --fail-on logit_growth",
+            f"== {name}: loss {losses[0]:.3f} -> {min(losses):.3f} (lowest) -> {losses[-1]:.3f}; $ attncheck watch "
+            f"{log.name} --fail-on logit_growth",
             flush=True,
         )
         rc = subprocess.run(cmd).returncode

@@ -25,7 +25,8 @@ from attncheck.codes import (
 )
 
 PACKAGE = Path(__file__).resolve().parents[1] / "attncheck"
-# Where codes are made: findings (add("code", ...)) and the watch's alerts (_alert("code", ...), WatchAlert("code", ...)).
+# Where codes are made: findings (add("code", ...)) and the watch's alerts (_alert("code", ...),
+# WatchAlert("code", ...)).
 MAKERS = {PACKAGE / "findings.py": ("add",), PACKAGE / "watcher" / "trends.py": ("_alert", "WatchAlert")}
 
 

@@ -87,8 +87,8 @@ def test_many_calls_fit_one_screen_and_the_closing_line_names_the_first_bad_call
     assert len(lines) < 80, len(lines)
     assert lines[-1].startswith("24 call(s) on cpu:") or "first call that goes wrong: #13 model.layers.13.attn" in text
     assert (
-        "first call that goes wrong: #13 model.layers.13.attn (softmax, torch/fp16): NaN in 1 row(s), first cause inf_input in head 5"
-        in " ".join(text.split())
+        "first call that goes wrong: #13 model.layers.13.attn (softmax, torch/fp16): NaN in 1 row(s), first cause "
+        "inf_input in head 5" in " ".join(text.split())
     )
     assert "13 >" in text  # the row is marked
     row = next(line for line in lines if line.startswith(" 13.attn"))  # the layer x head matrix

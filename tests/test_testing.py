@@ -66,7 +66,8 @@ def test_relative_to_torch_passes_stable_and_fails_a_worse_sum():
     assert_softmax_ok(x, dtype="fp16", method="stable", relative_to_torch=2.0)
     with pytest.raises(
         AssertionError,
-        match=r"^attncheck: stable/fp16 of scores \(64x1024\) broke its budget: relative_to_torch: max_abs_err_algo \S+ > 2 x torch \S+ = \S+ \(\d+\.\d\dx torch\) \(worst row \d+\)",
+        match=r"^attncheck: stable/fp16 of scores \(64x1024\) broke its budget: relative_to_torch: max_abs_err_algo "
+        r"\S+ > 2 x torch \S+ = \S+ \(\d+\.\d\dx torch\) \(worst row \d+\)",
     ):
         assert_softmax_ok(x, dtype="fp16", method="stable", relative_to_torch=2.0, accum="dtype")
 

@@ -140,7 +140,8 @@ def test_a_failing_script_is_shown_once_and_its_calls_are_kept(script, tmp_path)
     line = next(i for i, text in enumerate(script.read_text().splitlines(), 1) if "boom after the forward" in text)
     assert (
         err.strip().splitlines()[-1]
-        == f"attncheck: error: {script} failed (RuntimeError at line {line}, traceback above); 2 call(s) recorded in {out} (manifest written)"
+        == f"attncheck: error: {script} failed (RuntimeError at line {line}, traceback above); 2 call(s) recorded in "
+        f"{out} (manifest written)"
     )
     doc = json.loads((out / "manifest.json").read_text())
     assert (
@@ -158,7 +159,8 @@ def test_an_unusable_directory_is_refused_before_the_script_runs(script, tmp_pat
     assert r.exit_code == 2 and "nan in output" not in r.stdout
     assert (
         r.stderr.strip()
-        == f"attncheck: error: --out: capture directory {busy} is not empty and holds no capture (manifest.json); give a new or empty folder"
+        == f"attncheck: error: --out: capture directory {busy} is not empty and holds no capture (manifest.json); "
+        "give a new or empty folder"
     )
 
 

@@ -197,7 +197,8 @@ def test_paths_holding_markup(tmp_path):
     s = script(
         tmp_path,
         "ok.py",
-        "import torch, torch.nn.functional as F\nq = torch.randn(1, 2, 4, 8)\nF.scaled_dot_product_attention(q, q, q)\n",
+        "import torch, torch.nn.functional as F\nq = torch.randn(1, 2, 4, 8)\n"
+        "F.scaled_dot_product_attention(q, q, q)\n",
     )
     r = invoke("capture", "--quiet", "--out", tmp_path / "m[/x]/cap", s)
     assert r.exit_code == 0, r.output
@@ -257,6 +258,6 @@ def test_threads_leave_no_mode_behind_at_exit(tmp_path):
                 [t.join() for t in ts]
             assert len(cap.calls) == 6 and sum("q" in c.tensors for c in cap.calls) == 6, [sorted(c.tensors) for c in cap.calls]
         print("ok")
-    """)
+    """)  # noqa: E501 (the long line is the child script's assert, inside the string)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout.strip()) == (0, "ok"), proc.stderr[-2000:]

@@ -270,7 +270,8 @@ CONFIG_ERRORS = [
     (
         '[tool.attncheck]\ninputs = ["dumps/*.npy"]\n[tool.attncheck.budgett]\nnan = 0\n',
         re.escape(
-            "unknown key 'tool.attncheck.budgett' in pyproject.toml (known: inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, max_work, budget, ignore)"
+            "unknown key 'tool.attncheck.budgett' in pyproject.toml (known: inputs, keys, synthetic, dtypes, "
+            "methods, block, order, accum, device, max_memory, max_work, budget, ignore)"
         ),
     ),
     (
@@ -284,37 +285,43 @@ CONFIG_ERRORS = [
     (
         "[tool.attncheck]\ndtypes = ['bf16']\n",
         re.escape(
-            '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table'
+            '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a '
+            "[[tool.attncheck.synthetic]] table"
         ),
     ),
     (
         "[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\npaths = ['eager', 'triton']\n",
         re.escape(
-            "tool.attncheck.synthetic[0].paths: unknown path 'triton' (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math)"
+            "tool.attncheck.synthetic[0].paths: unknown path 'triton' (choose from eager, sdpa-math, flash, fa2, "
+            "fa2-fma, mem-efficient, cudnn, flex, flex-math)"
         ),
     ),
     (
         "[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\n[tool.attncheck.budget]\nout_rmse = 1e-3\n",
         re.escape(
-            'tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a [[tool.attncheck.synthetic]] entry (saved score dumps have no V)'
+            "tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = "
+            '["eager", "flash"] to a [[tool.attncheck.synthetic]] entry (saved score dumps have no V)'
         ),
     ),
     (
         "[project]\nname = 'x'\n",
-        r"no config found: no attncheck\.toml, and no pyproject\.toml with a \[tool\.attncheck\] table, in .+ or its parents; add one or pass --config FILE",
+        r"no config found: no attncheck\.toml, and no pyproject\.toml with a \[tool\.attncheck\] table, in .+ or its "
+        r"parents; add one or pass --config FILE",
     ),
     # q and k of 10^9 keys x 64 (512 GB), and one head's 1024 x 10^9 scores: refused before torch is imported
     (
         "[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 64\nseq = 1000000000\n",
         re.escape(
-            "tool.attncheck.synthetic[0]: its q and k (1 heads x (1024 queries + 1000000000 keys) x d_k 64) and a head's scores need 23,365 GiB, "
+            "tool.attncheck.synthetic[0]: its q and k (1 heads x (1024 queries + 1000000000 keys) x d_k 64) and a "
+            "head's scores need 23,365 GiB, "
             "over tool.attncheck.max_memory 1 GiB: lower seq, rows or d_k, or raise tool.attncheck.max_memory"
         ),
     ),
     (
         "[tool.attncheck]\nmax_memory = '64MiB'\n[[tool.attncheck.synthetic]]\nd_k = 64\nseq = 4096\n",
         re.escape(
-            "tool.attncheck.synthetic[0]: its q and k (1 heads x (1024 queries + 4096 keys) x d_k 64) and a head's scores need 98.5 MiB, "
+            "tool.attncheck.synthetic[0]: its q and k (1 heads x (1024 queries + 4096 keys) x d_k 64) and a head's "
+            "scores need 98.5 MiB, "
             "over tool.attncheck.max_memory 64 MiB: lower seq, rows or d_k, or raise tool.attncheck.max_memory"
         ),
     ),
@@ -423,7 +430,8 @@ def test_npz_held_whole_over_max_memory_exits_2(project):
     assert r.exit_code == 2
     assert (
         error_line(r)
-        == f"attncheck: error: {project / 'dumps' / 'bomb.npz'}:s: a Fortran-ordered array is read whole: it needs 64 MiB, over tool.attncheck.max_memory 16 MiB"
+        == f"attncheck: error: {project / 'dumps' / 'bomb.npz'}:s: a Fortran-ordered array is read whole: it needs "
+        "64 MiB, over tool.attncheck.max_memory 16 MiB"
     )
 
 

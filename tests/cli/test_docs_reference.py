@@ -29,8 +29,8 @@ def test_every_command_and_option_has_its_line():
     run = page.split("\n## attncheck run\n")[1]
     assert "| `--order` | `forward\\|reverse` | `forward` | Order in which the tiled method visits key blocks. |" in run
     assert (
-        "| `--brief` |  |  | Leave out the per-cell detail table of per-tensor reports (one tensor, --detail, --full); --summary is the short answer. |"
-        in run
+        "| `--brief` |  |  | Leave out the per-cell detail table of per-tensor reports (one tensor, --detail, "
+        "--full); --summary is the short answer. |" in run
     )
     assert "| `--summary` |  |  | The short answer on one screen instead of the report:" in run
     assert "\n### Q/K inputs\n" in run and "\n### FP8 attention\n" in run

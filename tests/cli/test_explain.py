@@ -62,7 +62,8 @@ def test_explain_without_a_code_lists_them_in_80_columns():
     [
         (
             "exp_overflw",
-            "attncheck: error: unknown finding code 'exp_overflw': did you mean exp_overflow, fp8_overflow, qk_overflow?",
+            "attncheck: error: unknown finding code 'exp_overflw': did you mean exp_overflow, fp8_overflow, "
+            "qk_overflow?",
         ),
         ("fully_masked", "attncheck: error: unknown finding code 'fully_masked': did you mean fully_masked_rows?"),
         ("bogus", "attncheck: error: unknown finding code 'bogus': 'attncheck explain' lists every code"),

@@ -78,6 +78,7 @@ def test_a_sample_sentence_reads_whole():
     assert any(line.strip().startswith(sentence) for line in wide.splitlines())
     check = [" ".join(p) for p in description_paragraphs(help_text("check"))]
     assert (
-        "Exit codes: 0 every budget holds, 1 a budget broke, 2 configuration or input error (or an internal error, so that "
+        "Exit codes: 0 every budget holds, 1 a budget broke, 2 configuration or input error (or an internal error, "
+        "so that "
         "1 always means a budget)."
     ) in check

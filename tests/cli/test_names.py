@@ -254,7 +254,8 @@ def test_check_reports(tmp_path):
 
 
 def test_renderers_are_safe_on_a_console_that_reads_markup(capture_dir):
-    """The report functions give Text for names: a console with markup on (the library's default) prints them as they are."""
+    """The report functions give Text for names: a console with markup on (the library's default) prints them
+    as they are."""
     from attncheck.config.run import RunRequest
     from attncheck.pipelines.run import run
     from attncheck.report.model import print_model

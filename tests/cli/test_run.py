@@ -200,7 +200,8 @@ def test_pickled_objects_are_refused_never_executed(tmp_path):
     [
         (
             lambda p: np.save(p.with_suffix(".npy"), np.array([{"a": 1}], dtype=object), allow_pickle=True),
-            "{p}.npy: holds an object array (pickled Python objects), which attncheck does not support; nothing was unpickled. Save a numeric floating-point array",
+            "{p}.npy: holds an object array (pickled Python objects), which attncheck does not support; nothing was "
+            "unpickled. Save a numeric floating-point array",
         ),
         (
             lambda p: torch.save(torch.zeros(2, 3, dtype=torch.int64), p.with_suffix(".pt")),
@@ -248,7 +249,8 @@ def test_cuda_requested_without_cuda(healthy):
     assert r.exit_code == 2
     assert (
         error_line(r)
-        == "attncheck: error: --device cuda requested but CUDA is not available (torch.cuda.is_available() is False); use --device cpu"
+        == "attncheck: error: --device cuda requested but CUDA is not available (torch.cuda.is_available() is "
+        "False); use --device cpu"
     )
 
 
@@ -274,13 +276,15 @@ def test_cuda_requested_without_cuda(healthy):
         ),
         (
             ["--dtype", "e4m3", "--method", "naive"],
-            "no cell to compute: in e4m3 only a softmax that casts P to FP8 runs (tiled); add it to --method or a dtype such as fp16",
+            "no cell to compute: in e4m3 only a softmax that casts P to FP8 runs (tiled); add it to --method or a "
+            "dtype such as fp16",
         ),
         (["--method", "fast"], "--method: unknown method 'fast' (choose from naive, stable, tiled, torch)"),
         (["--dtype", ""], "--dtype is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz)"),
         (
             ["--fail-on", "bogus"],
-            "--fail-on: unknown condition 'bogus' (use nan, overflow, zero, flip, error, warning or a finding code, or what-if:CONDITION)",
+            "--fail-on: unknown condition 'bogus' (use nan, overflow, zero, flip, error, warning or a finding code, "
+            "or what-if:CONDITION)",
         ),
         (["--block", "0"], "--block must be an integer >= 1, got 0"),
         (["--block", "x"], "--block must be an integer >= 1, got 'x'"),
@@ -421,7 +425,8 @@ def test_file_colon_key_as_a_path_says_how_to_pick_the_tensor(tmp_path):
     assert r.exit_code == 2
     assert (
         error_line(r)
-        == f"attncheck: error: {p}:scores: no such file or directory (to diagnose the tensor 'scores' of {p}, pass {p} --key 'scores')"
+        == f"attncheck: error: {p}:scores: no such file or directory (to diagnose the tensor 'scores' of {p}, pass "
+        f"{p} --key 'scores')"
     )
     r = invoke("run", p, "--key", "scores", "--brief", "--dtype", "fp32")
     assert r.exit_code == 0, r.output

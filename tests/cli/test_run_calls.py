@@ -125,7 +125,8 @@ def test_missing_call_file_is_one_line_and_partial_diagnoses_the_rest(capdir):
     r = invoke("run", capdir)
     assert r.exit_code == 2
     assert error_line(r) == [
-        f"attncheck: error: {capdir / '0001-layers.1.safetensors'} (call 1, softmax in layers.1): listed in {capdir / 'manifest.json'} but missing"
+        f"attncheck: error: {capdir / '0001-layers.1.safetensors'} (call 1, softmax in layers.1): listed in "
+        f"{capdir / 'manifest.json'} but missing"
     ]
     p = invoke("run", capdir, "--partial", "--dtype", "fp16", "--json", "-")
     assert p.exit_code == 2
@@ -163,7 +164,8 @@ def test_sdpa_call_whose_mask_does_not_broadcast(tmp_path):
     r = invoke("run", tmp_path / "cap")
     assert r.exit_code == 2
     assert error_line(r) == [
-        f"attncheck: error: {path} (call 0, sdpa): mask of shape (5, 6) does not broadcast to the scores' shape (batch 1, heads 2, queries 6, keys 6)"
+        f"attncheck: error: {path} (call 0, sdpa): mask of shape (5, 6) does not broadcast to the scores' shape "
+        "(batch 1, heads 2, queries 6, keys 6)"
     ]
 
 
@@ -224,11 +226,13 @@ def test_what_if_is_its_own_question(capdir, tmp_path):
     [
         (
             ["--what-if", "fp64"],
-            "--what-if: dtype 'fp64' cannot be used here (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)",
+            "--what-if: dtype 'fp64' cannot be used here (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, "
+            "e5m2fnuz; or kernels, all)",
         ),
         (
             ["--what-if", "bogus"],
-            "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)",
+            "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or "
+            "kernels, all)",
         ),
         (
             ["--what-if", ""],
@@ -236,11 +240,13 @@ def test_what_if_is_its_own_question(capdir, tmp_path):
         ),
         (
             ["--what-if", "kernels,bogus"],
-            "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)",
+            "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or "
+            "kernels, all)",
         ),
         (
             ["--fail-on", "what-if:bogus"],
-            "--fail-on: unknown condition 'what-if:bogus' (use nan, overflow, zero, flip, error, warning or a finding code, or what-if:CONDITION)",
+            "--fail-on: unknown condition 'what-if:bogus' (use nan, overflow, zero, flip, error, warning or a "
+            "finding code, or what-if:CONDITION)",
         ),
     ],
 )
@@ -253,7 +259,8 @@ def test_what_if_with_q_and_k_says_what_to_use_instead(tmp_path):
     torch.save({"q": torch.randn(1, 2, 4, 8)}, tmp_path / "q.pt")
     r = invoke("run", "--q", tmp_path / "q.pt", "--k", tmp_path / "q.pt", "--what-if", "fp16")
     assert r.exit_code == 2 and error_line(r) == [
-        "attncheck: error: --what-if asks about a captured model's calls; with --q/--k or --example every cell is computed already (choose them with --dtype, --method, --path)"
+        "attncheck: error: --what-if asks about a captured model's calls; with --q/--k or --example every cell is "
+        "computed already (choose them with --dtype, --method, --path)"
     ]
 
 

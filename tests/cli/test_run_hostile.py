@@ -133,7 +133,8 @@ def test_q_and_k_that_would_not_fit(tmp_path):
             "--max-memory",
             "16MiB",
         ),
-        "q, k and the mask (batch 1, heads 8, queries 2048, keys 2048) need 20 MiB in float64, over --max-memory 16 MiB",
+        "q, k and the mask (batch 1, heads 8, queries 2048, keys 2048) need 20 MiB in float64, over --max-memory 16 "
+        "MiB",
     )
 
 
@@ -329,7 +330,8 @@ def test_a_mask_broadcast_over_heads_is_not_expanded(tmp_path):
     )
     one_error(
         invoke("run", d, "--max-memory", "3MiB"),
-        "q, k, v and the mask (batch 1, heads 64, queries 512, keys 512) need 3.25 MiB in float64, over --max-memory 3 MiB",
+        "q, k, v and the mask (batch 1, heads 64, queries 512, keys 512) need 3.25 MiB in float64, over --max-memory "
+        "3 MiB",
     )
     one_error(
         invoke("run", d, "--max-memory", "1MiB"), "loading the call whole needs 1.75 MiB, over --max-memory 1 MiB"

@@ -113,7 +113,7 @@ def test_progress_goes_to_stderr_never_into_json_stdout(tmp_path):
     path = tmp_path / "s.npy"
     np.save(path, scores(64, 256).numpy())
     env = dict(os.environ, ATTNCHECK_PROGRESS="always", COLUMNS="100")
-    run = lambda *extra: subprocess.run(
+    run = lambda *extra: subprocess.run(  # noqa: E731 (a local shorthand for one subprocess call)
         [sys.executable, "-m", "attncheck", "run", str(path), "--json", "-", *extra],
         capture_output=True,
         text=True,

@@ -90,16 +90,19 @@ BAD_INPUTS = [
     (["--device", "tpu"], "--device must be one of auto, cpu, cuda or cuda:N, got 'tpu'"),
     (
         ["--rows", "100000000"],
-        "a sweep point of 100000000 rows x 128 keys x d_k 512 needs about 3,433 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
+        "a sweep point of 100000000 rows x 128 keys x d_k 512 needs about 3,433 GiB of memory, over the 2 GiB "
+        "budget: lower --rows, --seq or --dk",
     ),
     (
         ["--dk", "100000000"],
-        "a sweep point of 4096 rows x 128 keys x d_k 100000000 needs about 18,311 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
+        "a sweep point of 4096 rows x 128 keys x d_k 100000000 needs about 18,311 GiB of memory, over the 2 GiB "
+        "budget: lower --rows, --seq or --dk",
     ),
     (
         # q and k are 1.9 GiB; drawing the outliers' second normal and masks needs 1.2 GiB more
         ["--dk", "1000000", "--rows", "128", "--seq", "32", "--dist", "outliers"],
-        "a sweep point of 128 rows x 32 keys x d_k 1000000 needs about 6.91 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
+        "a sweep point of 128 rows x 32 keys x d_k 1000000 needs about 6.91 GiB of memory, over the 2 GiB budget: "
+        "lower --rows, --seq or --dk",
     ),
     (
         ["--json", "/no/such/folder/out.json"],
@@ -151,7 +154,10 @@ def test_bad_input_is_rejected_without_torch():
 
 
 def test_importing_the_command_does_not_import_torch():
-    code = "import sys, attncheck.cli.sweep, attncheck.config.sweep; print('torch' in sys.modules, 'matplotlib' in sys.modules)"
+    code = (
+        "import sys, attncheck.cli.sweep, attncheck.config.sweep; print('torch' in sys.modules, 'matplotlib' in "
+        "sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False False", out.stderr
 

@@ -19,7 +19,11 @@ SYN = {"synthetic": [{"d_k": 16, "seq": 32, "rows": 64}]}
 KNOWN_TOP = (
     "inputs, keys, synthetic, dtypes, methods, block, order, accum, device, max_memory, max_work, budget, ignore"
 )
-KNOWN_BUDGET = "nan, overflow, zero_rows, argmax_flips, max_abs_err, max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, out_cos_min, out_relative_to_torch, fp16, bf16, fp32"
+KNOWN_BUDGET = (
+    "nan, overflow, zero_rows, argmax_flips, max_abs_err, max_abs_err_algo, rmse, kl_max, "
+    "relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, out_cos_min, "
+    "out_relative_to_torch, fp16, bf16, fp32"
+)
 LN_FP16_LIMIT = math.log(65520.0)  # exp(x) rounds to inf in fp16 above this
 
 
@@ -136,8 +140,9 @@ BAD_TABLES = [
     ({"budget": {"fp8": {}}}, f"unknown key 'tool.attncheck.budget.fp8' in <config> (known: {KNOWN_BUDGET})"),
     (
         {"budget": {"bf16": {"fp16": {}}}},
-        "unknown key 'tool.attncheck.budget.bf16.fp16' in <config> (known: nan, overflow, zero_rows, argmax_flips, max_abs_err, "
-        "max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, out_max_abs_err, out_rmse, out_rel_l1, "
+        "unknown key 'tool.attncheck.budget.bf16.fp16' in <config> (known: nan, overflow, zero_rows, argmax_flips, "
+        "max_abs_err, max_abs_err_algo, rmse, kl_max, relative_to_torch, relative_to_torch_atol, out_nan, "
+        "out_max_abs_err, out_rmse, out_rel_l1, "
         "out_cos_min, out_relative_to_torch)",
     ),
     ({"dtypes": ["fp8"]}, "tool.attncheck.dtypes: unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
@@ -168,11 +173,13 @@ BAD_TABLES = [
     ),
     (
         {"synthetic": [{"d_k": 8, "scale": "huge"}]},
-        "tool.attncheck.synthetic[0].scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'huge'",
+        "tool.attncheck.synthetic[0].scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, "
+        "dk2 = 1/d_k^2 or a positive number, got 'huge'",
     ),
     (
         {"synthetic": [{"d_k": 8, "scale": -1}]},
-        "tool.attncheck.synthetic[0].scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got -1",
+        "tool.attncheck.synthetic[0].scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, "
+        "dk2 = 1/d_k^2 or a positive number, got -1",
     ),
     (
         {"synthetic": [{"d_k": 8, "dist": "cauchy"}]},
@@ -185,29 +192,35 @@ BAD_TABLES = [
     ),
     (
         {"synthetic": [{"dk": 8}]},
-        "unknown key 'tool.attncheck.synthetic[0].dk' in <config> (known: d_k, scale, seq, rows, dist, std, seed, dtype, paths)",
+        "unknown key 'tool.attncheck.synthetic[0].dk' in <config> (known: d_k, scale, seq, rows, dist, std, seed, "
+        "dtype, paths)",
     ),
     (
         {"synthetic": [{"d_k": 8, "paths": ["flash", "xformers"]}]},
-        "tool.attncheck.synthetic[0].paths: unknown path 'xformers' (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math)",
+        "tool.attncheck.synthetic[0].paths: unknown path 'xformers' (choose from eager, sdpa-math, flash, fa2, "
+        "fa2-fma, mem-efficient, cudnn, flex, flex-math)",
     ),
     (
         {"synthetic": [{"d_k": 8, "paths": []}]},
-        "tool.attncheck.synthetic[0].paths is empty (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math)",
+        "tool.attncheck.synthetic[0].paths is empty (choose from eager, sdpa-math, flash, fa2, fa2-fma, "
+        "mem-efficient, cudnn, flex, flex-math)",
     ),
     (
         {"synthetic": [{"d_k": 8}], "budget": {"out_rmse": 1e-3}},
-        'tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a '
+        'tool.attncheck.budget.out_rmse judges the attention output O = P@V, which needs V: add paths = ["eager", '
+        '"flash"] to a '
         "[[tool.attncheck.synthetic]] entry (saved score dumps have no V)",
     ),
     (
         {"synthetic": [{"d_k": 8}], "budget": {"fp16": {"out_nan": 0}}},
-        'tool.attncheck.budget.fp16.out_nan judges the attention output O = P@V, which needs V: add paths = ["eager", "flash"] to a '
+        "tool.attncheck.budget.fp16.out_nan judges the attention output O = P@V, which needs V: add paths = "
+        '["eager", "flash"] to a '
         "[[tool.attncheck.synthetic]] entry (saved score dumps have no V)",
     ),
     (
         {"synthetic": [{"d_k": 8, "paths": ["flash"]}], "budget": {"out_relative_to_torch": 2}},
-        'tool.attncheck.budget.out_relative_to_torch compares each cell with torch.softmax on the eager path: add "eager" to '
+        "tool.attncheck.budget.out_relative_to_torch compares each cell with torch.softmax on the eager path: add "
+        '"eager" to '
         "tool.attncheck.synthetic[0].paths",
     ),
     (
@@ -227,12 +240,14 @@ BAD_TABLES = [
     (
         {"synthetic": [{"d_k": 8, "dtype": "float8_e5m2"}]},
         "tool.attncheck.synthetic[0].dtype: 'float8_e5m2' is an FP8 format; check "
-        "computes in fp16, bf16, fp32 (FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3')",
+        "computes in fp16, bf16, fp32 (FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck "
+        "run --dtype e4m3')",
     ),
     (
         {"synthetic": [{"d_k": 8, "paths": ["eager", "sage"]}]},
         "tool.attncheck.synthetic[0].paths: 'sage' computes in FP8; check computes "
-        "the paths eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math (FP8 cells need run's --p-scale and --fp8-scaling: judge them with "
+        "the paths eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math (FP8 cells need "
+        "run's --p-scale and --fp8-scaling: judge them with "
         "'attncheck run --dtype e4m3')",
     ),
     (
@@ -242,11 +257,13 @@ BAD_TABLES = [
     ),
     (
         {},
-        '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table',
+        '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a '
+        "[[tool.attncheck.synthetic]] table",
     ),
     (
         {"inputs": []},
-        '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a [[tool.attncheck.synthetic]] table',
+        '[tool.attncheck] has no inputs: set tool.attncheck.inputs = ["dumps/*.safetensors"] or add a '
+        "[[tool.attncheck.synthetic]] table",
     ),
 ]
 

@@ -124,8 +124,8 @@ def problem(tmp_path, change):
 def test_missing_file_names_the_call(tmp_path):
     msg = problem(tmp_path, lambda d: (d / "0001-global.safetensors").unlink())
     assert (
-        msg
-        == f"{tmp_path / 'cap' / '0001-global.safetensors'} (call 1, sdpa): listed in {tmp_path / 'cap' / 'manifest.json'} but missing"
+        msg == f"{tmp_path / 'cap' / '0001-global.safetensors'} (call 1, sdpa): listed in "
+        f"{tmp_path / 'cap' / 'manifest.json'} but missing"
     )
 
 
@@ -143,8 +143,8 @@ def test_truncated_file_names_the_call(tmp_path):
 def test_unlisted_file_is_a_mismatch(tmp_path):
     msg = problem(tmp_path, lambda d: shutil.copy(d / "0000-global.safetensors", d / "0007-global.safetensors"))
     assert (
-        msg
-        == f"{tmp_path / 'cap' / 'manifest.json'} does not match the files: {tmp_path / 'cap' / '0007-global.safetensors'} is not listed in it"
+        msg == f"{tmp_path / 'cap' / 'manifest.json'} does not match the files: "
+        f"{tmp_path / 'cap' / '0007-global.safetensors'} is not listed in it"
     )
 
 

@@ -295,7 +295,10 @@ def test_safetensors_whole_load_is_checked_against_the_budget(tmp_path):
 def test_npy_header_whose_shape_does_not_match_the_data(tmp_path):
     p = tmp_path / "f.npy"
     p.write_bytes(_npy_bytes((4,), fortran=True, data=np.arange(12, dtype="<f4").tobytes()))
-    msg = r"f\.npy: not a valid \.npy file \(the header's shape \(4,\), Fortran order of float32 accounts for 16 bytes of data, but 48 follow it\)"
+    msg = (
+        r"f\.npy: not a valid \.npy file \(the header's shape \(4,\), Fortran order of float32 accounts for 16 "
+        r"bytes of data, but 48 follow it\)"
+    )
     bad([p], msg)
     with pytest.raises(AttncheckError, match=msg):
         open_sources([str(p)])
@@ -336,7 +339,8 @@ def test_npz_central_directory_that_lies_about_a_name(tmp_path):
     for read in (loaded, sources):
         with pytest.raises(
             AttncheckError,
-            match=r"name\.npz:x: not a valid \.npy member \(File name in directory 'x\.npy' and header 'y\.npy' differ\.\)",
+            match=r"name\.npz:x: not a valid \.npy member \(File name in directory 'x\.npy' and header 'y\.npy' "
+            r"differ\.\)",
         ):
             read(p)
 
@@ -377,7 +381,8 @@ def test_masks_have_the_same_dtype_rules_in_every_format(tmp_path, suffix):
     write(q, keep.to(torch.int8))
     bad(
         [q],
-        r"has dtype int8; use a boolean mask \(True = attend; mask_convention ignore for True = masked\) or an additive float mask",
+        r"has dtype int8; use a boolean mask \(True = attend; mask_convention ignore for True = masked\) or an "
+        r"additive float mask",
         kind="mask",
     )
 

@@ -129,7 +129,8 @@ def test_a_healthy_model_captured_from_the_command_line_exits_0_under_fail_on(tm
     script.write_text(
         "import torch, transformers as T\n"
         "torch.manual_seed(0)\n"
-        "m = T.GPT2LMHeadModel._from_config(T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=64), attn_implementation='sdpa').eval()\n"
+        "m = T.GPT2LMHeadModel._from_config(T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, "
+        "n_positions=64), attn_implementation='sdpa').eval()\n"
         "ids = torch.randint(0, 64, (2, 12)); am = torch.ones(2, 12, dtype=torch.long); am[1, :5] = 0\n"
         "with torch.no_grad():\n"
         "    m(input_ids=ids, attention_mask=am)\n"

@@ -151,7 +151,8 @@ def test_a_killed_capture_is_refused_not_read_as_a_folder_of_tensors(tmp_path, m
     script.write_text(
         "import glob, os, sys, time, torch, torch.nn.functional as F\nq = torch.randn(1, 1, 4, 8)\n"
         "F.scaled_dot_product_attention(q, q, q)\n"
-        "for _ in range(400):\n    if glob.glob(sys.argv[1] + '/0000-*.safetensors'):\n        break\n    time.sleep(0.025)\n"
+        "for _ in range(400):\n    if glob.glob(sys.argv[1] + '/0000-*.safetensors'):\n        break\n"
+        "    time.sleep(0.025)\n"
         "os.kill(os.getpid(), 9)\n"  # killed once its first call is written
     )
     cap = tmp_path / "cap"

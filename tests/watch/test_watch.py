@@ -347,11 +347,13 @@ def test_trainer_callback_writes_a_log_that_attncheck_watch_reads(tmp_path):
         ('{"schema": "attncheck.capture/1", "calls": []}\n', "line 1: not a watch log"),
         ('{"schema": "attncheck.watch/1", "step": 0, "calls": []}\n', "step"),
         (
-            '{"schema": "attncheck.watch/1", "step": 1, "calls": [{"module": "m", "kind": "sdpa", "heads": 2, "max_logit": [1.0]}]}\n',
+            '{"schema": "attncheck.watch/1", "step": 1, "calls": [{"module": "m", "kind": "sdpa", "heads": 2, '
+            '"max_logit": [1.0]}]}\n',
             "max_logit: 1 values for 2 heads",
         ),
         (
-            '{"schema": "attncheck.watch/1", "step": 2, "calls": []}\n{"schema": "attncheck.watch/1", "step": 1, "calls": []}\n',
+            '{"schema": "attncheck.watch/1", "step": 2, "calls": []}\n'
+            '{"schema": "attncheck.watch/1", "step": 1, "calls": []}\n',
             "step 1 after step 2",
         ),
         ('{"schema": "attncheck.watch/1", "step": 1, "calls": [], "loss": NaN}\n', "line 1"),

@@ -85,7 +85,8 @@ def test_eager_backward_is_torch_autograd_bit_for_bit(dtype, mask_op, softmax_dt
         and bits_equal(pg.dk.reshape(shape), gk)
         and bits_equal(pg.dv.reshape(shape), gv)
     )
-    # the fully masked row: added, its NaN reaches dQ (that row, 3 heads) and dK, dV (every key of its heads); filled, only dV
+    # the fully masked row: added, its NaN reaches dQ (that row, 3 heads) and dK, dV (every key of its heads);
+    # filled, only dV
     nan_q, nan_k, nan_v = (int(x.isnan().any(-1).sum()) for x in (gq, gk, gv))
     assert (nan_q, nan_k, nan_v) == ((3, 120, 120) if mask_op == "add" else (0, 0, 120))
 
@@ -132,7 +133,7 @@ def test_gqa_keys_summed_as_autograd_sums_a_repeated_kv_head():
     assert bits_equal(pg.dk.reshape(1, 2, 2, 20, 8).sum(2), gk) and bits_equal(pg.dv.reshape(1, 2, 2, 20, 8).sum(2), gv)
 
 
-# --------------------------------------------------------------------------- sdpa-math: the MATH backend's autograd, bit for bit
+# ------------------------------------------------------------------ sdpa-math: the MATH backend's autograd, bit for bit
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -189,7 +190,7 @@ def test_sdpa_math_gqa_is_the_math_backend_bit_for_bit():
     assert all(g.real_max_diff == 0.0 and g.real_nan_mismatch == 0 for _, g in res.grads())
 
 
-# --------------------------------------------------------------------------- flash: torch's CPU flash backward, within its bound
+# ------------------------------------------------------------------ flash: torch's CPU flash backward, within its bound
 
 
 def flash_tolerance(hb: bw.HeadBlock, dt, grad: str, rounds: int, ours, theirs, causal: bool) -> torch.Tensor:
@@ -382,7 +383,7 @@ def test_flash_causal_nan_pattern_is_the_kernels_not_eagers(tq):
     assert res.dq.nan_rows == (tq if tq <= 512 else tq - 512)
 
 
-# --------------------------------------------------------------------------- the recorded-gradient bound against torch's CPU flash backward
+# ------------------------------------------------------- the recorded-gradient bound against torch's CPU flash backward
 
 
 def flash_case(dt, seed, b, hq, hk, t, d, kind, mag=1.0, threads=1):
@@ -506,7 +507,7 @@ def test_a_mismatch_within_the_tolerance_is_info_and_beyond_it_an_error():
     assert found(0.5, 0.5, 0.5, nan=1) == [("grad_emulation_mismatch", "error")]  # finite in one, not the other
 
 
-# --------------------------------------------------------------------------- GQA: the loss-scale limit after the group sum
+# ------------------------------------------------------------------------ GQA: the loss-scale limit after the group sum
 
 
 def torch_fp16_finite(path: str, q, k, v, do, ratio: int, e: int) -> bool:

@@ -437,7 +437,8 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
         ),
         (
             [str(p), "--scale", "garbage"],
-            "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'garbage'",
+            "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a "
+            "positive number, got 'garbage'",
         ),
         (
             [str(p), "--scale", "0.125", "--mask-value", "min"],
@@ -445,7 +446,8 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
         ),
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "min"],
-            "--mask-value is what keys masked by a boolean --mask, --causal or --pad-left/--pad-right become; none is given",
+            "--mask-value is what keys masked by a boolean --mask, --causal or --pad-left/--pad-right become; none "
+            "is given",
         ),
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--mask-convention", "ignore"],
@@ -457,7 +459,8 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
         ),
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--mask", str(tmp_path / "intmask.pt")],
-            f"{tmp_path / 'intmask.pt'} has dtype int64; use a boolean mask (True = attend; --mask-convention ignore for True = masked) or an additive float mask",
+            f"{tmp_path / 'intmask.pt'} has dtype int64; use a boolean mask (True = attend; --mask-convention ignore "
+            "for True = masked) or an additive float mask",
         ),
         (
             ["--q", str(p), "--k", f"{p}:k"],
@@ -465,7 +468,8 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
         ),
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--scale", "fast"],
-            "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got 'fast'",
+            "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a "
+            "positive number, got 'fast'",
         ),
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "5"],
@@ -479,27 +483,33 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
         (["--v", f"{vs}:v", str(p)], "--v applies to attention computed from --q and --k"),
         (
             ["--path", "flash", "--example"],
-            "--path applies to attention calls (a capture, q/k files) and to --q/--k, not to the built-in example's scores",
+            "--path applies to attention calls (a capture, q/k files) and to --q/--k, not to the built-in example's "
+            "scores",
         ),
         (
             ["--path", "flash", str(tmp_path / "scores.pt")],
-            f"--path applies to attention calls (a capture, q/k files) and to --q/--k; {tmp_path / 'scores.pt'} holds scores only",
+            f"--path applies to attention calls (a capture, q/k files) and to --q/--k; {tmp_path / 'scores.pt'} "
+            "holds scores only",
         ),
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--path", "flash,xformers"],
-            "--path: unknown path 'xformers' (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flash-fp8, sage, flex, flex-math)",
+            "--path: unknown path 'xformers' (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, "
+            "cudnn, flash-fp8, sage, flex, flex-math)",
         ),
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--path", ""],
-            "--path is empty (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flash-fp8, sage, flex, flex-math)",
+            "--path is empty (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flash-fp8, "
+            "sage, flex, flex-math)",
         ),
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:v7"],
-            "v (1, 1, 7, 64) does not match k (1, 1, 8, 64): v needs k's batch and head axes and its 8 tokens (the last axis, the value dimension, may differ)",
+            "v (1, 1, 7, 64) does not match k (1, 1, 8, 64): v needs k's batch and head axes and its 8 tokens (the "
+            "last axis, the value dimension, may differ)",
         ),
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:v2h"],
-            "v (1, 2, 8, 64) does not match k (1, 1, 8, 64): v needs k's batch and head axes and its 8 tokens (the last axis, the value dimension, may differ)",
+            "v (1, 2, 8, 64) does not match k (1, 1, 8, 64): v needs k's batch and head axes and its 8 tokens (the "
+            "last axis, the value dimension, may differ)",
         ),
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:vint"],

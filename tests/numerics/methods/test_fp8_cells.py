@@ -64,7 +64,8 @@ def test_tiled_e4m3_cell_is_fa3_softmax_written_out(reverse, p_scale):
     (c,) = d.cells
     weights, flushed, _ = fa3_rows(s, 128, p_scale, reverse)
     ref = torch.softmax(s.double(), dim=-1)
-    # exp vs exp2 with the offset differ by fp32 ulps; the FP8 values by at most one step where they straddle a rounding point.
+    # exp vs exp2 with the offset differ by fp32 ulps; the FP8 values by at most one step where they straddle a
+    # rounding point.
     err = (weights.double() - ref).abs().amax(dim=-1)
     assert c.max_abs_err == pytest.approx(float(err.max()), rel=0.05)
     live = ref > 0

@@ -339,8 +339,8 @@ def test_the_issue_example_no_sdpa_backend_gives_nan_but_eager_fp16_does():
     assert nan["eager:torch/fp16"] == int(torch.isnan(hand).any(-1).sum())
     f = next(f for f in d.findings if f.code == "qk_overflow")
     assert (
-        "by path: eager overflows (S in fp16), sdpa-math does not (S in fp32, from q and k each scaled by sqrt(scale)), flash does not (S in fp32 registers)"
-        in f.message
+        "by path: eager overflows (S in fp16), sdpa-math does not (S in fp32, from q and k each scaled by "
+        "sqrt(scale)), flash does not (S in fp32 registers)" in f.message
     )
 
 

@@ -117,7 +117,8 @@ def test_bad_scales_are_refused(text):
         parse_scale(text)
     assert (
         e.value.render(flag)
-        == f"--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a positive number, got {text!r}"
+        == "--scale must be one of none, sqrt = 1/sqrt(d_k) (or auto, the same), dk = 1/d_k, dk2 = 1/d_k^2 or a "
+        f"positive number, got {text!r}"
     )
 
 
@@ -134,7 +135,8 @@ def test_bad_scales_are_refused(text):
         # 8 (3 * 1e8 * 512) + 96 * 1e8 * 128 + 24 * 1e8 * 512 bytes = 3.69e12 B = 3,433 GiB.
         (
             dict(rows=10**8),
-            "a sweep point of 100000000 rows x 128 keys x d_k 512 needs about 3,433 GiB of memory, over the 2 GiB budget: lower --rows, --seq or --dk",
+            "a sweep point of 100000000 rows x 128 keys x d_k 512 needs about 3,433 GiB of memory, over the 2 GiB "
+            "budget: lower --rows, --seq or --dk",
         ),
     ],
 )

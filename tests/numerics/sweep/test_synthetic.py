@@ -70,7 +70,8 @@ def test_outliers_follow_flashattention3_mixture():
 def test_sizes_over_the_budget_are_refused_before_allocating():
     with pytest.raises(
         AttncheckError,
-        match=r"synthetic Q/K of 1000000 heads x \(128 queries \+ 128 keys\) x d_k 512 need .* GiB, over the 2 GiB budget",
+        match=r"synthetic Q/K of 1000000 heads x \(128 queries \+ 128 keys\) x d_k 512 need .* GiB, over the 2 GiB "
+        r"budget",
     ):
         make_qk(1_000_000, 128, 128, 512)
 
