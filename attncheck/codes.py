@@ -1194,7 +1194,7 @@ for rank, logit in ((0, 1.4), (1, 1.0e4)):
             call = {"module": "layers.0.attn", "kind": "sdpa", "dtype": "fp32", "path": "flash", "heads": 1,
                     "max_logit": [logit], "collapsed": [0.0], "scale": 0.125, "limit": {"logit": 3.4e38, "what": "S"}}
             fh.write(json.dumps({"schema": "attncheck.watch/1", "step": step, "rank": rank, "world": 2, "calls": [call]}) + "\\n")
-""",
+""",  # noqa: E501 - the example script's line, as the findings page shows it
             "attncheck watch w.rank0.jsonl w.rank1.jsonl --fail-on rank_divergence",
         ),
     ),
