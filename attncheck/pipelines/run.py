@@ -227,19 +227,7 @@ def _with_mask_facts(inputs, mask: str):
     ('explicit'), --causal alone ('causal', the kernels' own causal mask), or none."""
     from dataclasses import replace
 
-    from attncheck.numerics.paths.base import CallFacts
-
-    b, hq, tq, d = inputs.q.shape
-    facts = CallFacts(
-        dtype="",
-        head_dim=d,
-        head_dim_v=d if inputs.v is None else inputs.v.shape[-1],
-        tq=tq,
-        tk=inputs.k.shape[2],
-        mask=mask,
-        gqa=inputs.k.shape[1] < hq,
-    )
-    return replace(inputs, call=facts)
+    return replace(inputs, call=inputs.facts("", mask))
 
 
 def _run_qk(qk: QKSpec, sources, options, track: Track, notice, max_bytes: int | None = None) -> list[TensorDiagnosis]:

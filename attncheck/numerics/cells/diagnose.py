@@ -237,18 +237,10 @@ def _kernels_that_run(
     """The cells asked of Q/K files (``ASKED``), less those of a GPU kernel that would not run these inputs
     (``PathSpec.why_not``: fa2 in fp32, cudnn at head dim 512, ...): each left out is one notice line, and
     none left is an input error. A captured call's cells were chosen by what ran it and are kept."""
-    from attncheck.numerics.paths.base import CallFacts
-
-    b, hq, tq, d = inputs.q.shape
-    mask = "none" if inputs.masked is None and inputs.mask_float is None else "explicit"
-    mask = mask if inputs.call is None else inputs.call.mask  # how it was given (--causal alone: the kernels' own)
-    dv = d if inputs.v is None else inputs.v.shape[-1]
     kept, dropped = [], []
     for c in cells:
         spec = PATHS.get(c.path) if c.path is not None else None
-        facts = CallFacts(
-            dtype=c.dtype, head_dim=d, head_dim_v=dv, tq=tq, tk=inputs.k.shape[2], mask=mask, gqa=inputs.k.shape[1] < hq
-        )
+        facts = inputs.facts(c.dtype)
         # a GPU kernel's limits (dtypes, head dims, masks); the CPU paths compute whatever they are asked
         why = None if spec is None or c.role != ASKED or spec.device != "cuda" else spec.why_not(facts)
         (dropped if why else kept).append((c, why))

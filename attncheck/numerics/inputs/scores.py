@@ -124,6 +124,20 @@ class AttentionInputs:
     def rows(self) -> int:
         return self.q.shape[0] * self.q.shape[1] * self.q.shape[2]
 
+    def facts(self, dtype: str, mask: str | None = None) -> "CallFacts":
+        """What a kernel path's support depends on, read from these inputs: their shapes, and how the mask
+        was given (``mask``; else the call's where recorded, else 'explicit' for any mask, 'none' without)."""
+        from attncheck.numerics.paths.base import CallFacts
+
+        if mask is None:
+            given = self.masked is not None or self.mask_float is not None
+            mask = self.call.mask if self.call is not None else ("explicit" if given else "none")
+        _, hq, tq, d = self.q.shape
+        dv = d if self.v is None else self.v.shape[-1]
+        return CallFacts(
+            dtype=dtype, head_dim=d, head_dim_v=dv, tq=tq, tk=self.k.shape[2], mask=mask, gqa=self.k.shape[1] < hq
+        )
+
 
 def _as_4d(name: str, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     if t.dim() < 2:
