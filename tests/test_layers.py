@@ -137,3 +137,76 @@ def test_help_and_argument_errors_import_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["2", "0", "0", "2", "False"]
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """The attncheck modules a file imports when it runs (function-level imports and importlib.import_module of
+    a literal name too; imports under ``if TYPE_CHECKING:`` do not run and are left out). ``from P import x``
+    is an edge to the submodule P.x where there is one, else to P."""
+    tree = ast.parse(path.read_text())
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    me = _module_name(path)
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("attncheck"):
+            for a in node.names:
+                found.add(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("attncheck"))
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func).endswith("import_module")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith("attncheck")
+        ):
+            found.add(node.args[0].value)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):  # KERNELS_MODULE = "attncheck..."
+            if isinstance(node.value.value, str) and node.value.value in modules:
+                found.add(node.value.value)
+    return {m for m in found if m in modules and m != me}
+
+
+def test_no_import_cycles():
+    """No two modules import each other, directly or round a loop: a cycle hides the order of the layers and
+    breaks on the first import that runs at the top of a module (the graph found by a walk of the source)."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: _runtime_imports(p, set(files)) for m, p in files.items()}
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    assert cycles == [], cycles

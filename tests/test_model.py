@@ -11,8 +11,7 @@ from attncheck.config.run import Options
 from attncheck.findings import counted_rows, counted_verdict, failed_conditions
 from attncheck.model import OUTLIER_RATIO, model_report, outliers
 from attncheck.numerics.cells.calls import diagnose_call
-from attncheck.report.model import render_model, shared_prefix
-from attncheck.report.run import run_json
+from attncheck.report.model import render_model, run_json, shared_prefix
 from attncheck.results import CallInfo, CallReport, HeadStat
 
 OPTS = Options(dtypes=("fp16",), methods=("torch",))

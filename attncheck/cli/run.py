@@ -419,7 +419,8 @@ def emit(
 
     from attncheck.findings import failed_conditions
     from attncheck.model import INHERITED
-    from attncheck.report.run import print_report, render_diagnosis, run_json
+    from attncheck.report.model import run_json
+    from attncheck.report.run import print_report, render_diagnosis
 
     failed = failed_conditions(result.tensors, [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)], ignored)
     what_ifs = [c.what_if for c in result.calls if c.what_if is not None]

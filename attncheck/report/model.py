@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from rich import box
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from attncheck import __version__
 from attncheck.codes import REGISTRY, doc_link
 from attncheck.findings import counted_rows
 from attncheck.format import fmt, plain, to_jsonable, visible
 from attncheck.model import findings_in_order
 from attncheck.report.diagnostics import EXPLAIN_HINT, Hanging, diagnostic
 from attncheck.report.fit import Fitted, fitted, narrow_table, natural_width
-from attncheck.report.run import diagnosis_json
+from attncheck.report.run import JSON_SCHEMA, diagnosis_json
 from attncheck.report.text import shown
-from attncheck.results import CallReport, ModelLine, ModelReport
+from attncheck.results import CallReport, ModelLine, ModelReport, TensorDiagnosis
 
 VERDICT_STYLE = {
     "nan": "bold red",
@@ -850,4 +851,21 @@ def _first_json(line: ModelLine) -> dict[str, Any]:
         "heads": line.heads,
         "nan_rows": line.nan_rows,
         "errors": line.errors,
+    }
+
+
+def run_json(
+    diags: Sequence[TensorDiagnosis], device: str, failed: Sequence[str] = (), model=None, calls=()
+) -> dict[str, Any]:
+    """The run's JSON: every tensor's diagnosis and, for files, the ``model`` section (one entry
+    per call, the first that goes wrong, outlier heads)."""
+    opts = diags[0].settings if diags else None
+    return {
+        "schema": JSON_SCHEMA,
+        "attncheck_version": __version__,
+        "device": device,
+        "options": None if opts is None else to_jsonable(opts),
+        "tensors": [diagnosis_json(d) for d in diags],
+        "failed": list(failed),
+        "model": None if model is None else model_json(model, list(calls)),
     }

@@ -11,7 +11,6 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from attncheck import __version__
 from attncheck.codes import doc_link
 from attncheck.format import cosine, fmt, index_text, to_jsonable, visible
 from attncheck.params import MASK_SENTINEL_LIMIT
@@ -511,23 +510,4 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
         "cells": cells,
         "findings": [dict(to_jsonable(f), doc=doc_link(f.code)) for f in d.findings],
         "attention": None if d.attention is None else to_jsonable(d.attention),
-    }
-
-
-def run_json(
-    diags: Sequence[TensorDiagnosis], device: str, failed: Sequence[str] = (), model=None, calls=()
-) -> dict[str, Any]:
-    """The run's JSON: every tensor's diagnosis and, for files, the ``model`` section (one entry
-    per call, the first that goes wrong, outlier heads)."""
-    from attncheck.report.model import model_json
-
-    opts = diags[0].settings if diags else None
-    return {
-        "schema": JSON_SCHEMA,
-        "attncheck_version": __version__,
-        "device": device,
-        "options": None if opts is None else to_jsonable(opts),
-        "tensors": [diagnosis_json(d) for d in diags],
-        "failed": list(failed),
-        "model": None if model is None else model_json(model, list(calls)),
     }

@@ -19,26 +19,26 @@ from typer.testing import CliRunner
 pytest.importorskip("numba")
 
 from attncheck.cli import app  # noqa: E402
-from attncheck.numerics.backends import numba_rows  # noqa: E402
+from attncheck.numerics.backends import cache, numba_rows  # noqa: E402
 
 
 @pytest.fixture
 def fresh_choice(monkeypatch):
     """Let cache_dir() decide again, under the environment the test sets."""
-    monkeypatch.setattr(numba_rows, "_cache_dir", False)
+    monkeypatch.setattr(cache, "_cache_dir", False)
     yield
-    monkeypatch.setattr(numba_rows, "_cache_dir", False)
+    monkeypatch.setattr(cache, "_cache_dir", False)
 
 
 def test_numba_cache_dir_is_respected(fresh_choice, monkeypatch, tmp_path):
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "mine"))
-    assert numba_rows.cache_dir() == tmp_path / "mine" and (tmp_path / "mine").is_dir()
+    assert cache.cache_dir() == tmp_path / "mine" and (tmp_path / "mine").is_dir()
 
 
 def test_default_is_the_user_cache_dir(fresh_choice, monkeypatch, tmp_path):
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert numba_rows.cache_dir() == tmp_path / "xdg" / "attncheck" / "numba"
+    assert cache.cache_dir() == tmp_path / "xdg" / "attncheck" / "numba"
 
 
 def test_unwritable_directories_fall_back_then_give_none(fresh_choice, monkeypatch, tmp_path):
@@ -49,10 +49,10 @@ def test_unwritable_directories_fall_back_then_give_none(fresh_choice, monkeypat
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "xdg"))
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    assert numba_rows.cache_dir().parent == tmp_path / "tmp"
-    monkeypatch.setattr(numba_rows, "_cache_dir", False)
+    assert cache.cache_dir().parent == tmp_path / "tmp"
+    monkeypatch.setattr(cache, "_cache_dir", False)
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(blocker / "tmp"))
-    assert numba_rows.cache_dir() is None  # compile in memory: the kernels module decorates with cache=False
+    assert cache.cache_dir() is None  # compile in memory: the kernels module decorates with cache=False
 
 
 def test_nothing_is_cached_inside_the_package():
@@ -80,7 +80,7 @@ def test_the_cli_prints_the_notice_on_stderr_unless_quiet(fresh_choice, monkeypa
     np.save(path, torch.randn(4096, 1024).numpy())  # 2^22 elements: the fused kernels run
     for quiet, expected in ((False, f"attncheck: {numba_rows.COMPILE_NOTICE}\n"), (True, "")):
         monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / f"cache-{quiet}"))
-        monkeypatch.setattr(numba_rows, "_cache_dir", False)
+        monkeypatch.setattr(cache, "_cache_dir", False)
         monkeypatch.setattr(numba_rows, "_warm", set())
         args = ["run", str(path), "--dtype", "fp32", "--method", "torch", "--json", str(tmp_path / "r.json")] + (
             ["--quiet"] if quiet else []

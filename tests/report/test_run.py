@@ -13,7 +13,8 @@ from rich.console import Console
 from attncheck.demo import EXAMPLE_NAME, example_scores
 from attncheck.numerics.cells.diagnose import Options, diagnose, diagnose_attention
 from attncheck.numerics.inputs.scores import prepare_inputs
-from attncheck.report.run import print_report, run_json
+from attncheck.report.model import run_json
+from attncheck.report.run import print_report
 
 
 def render(diags, width: int = 80) -> str:

@@ -25,7 +25,7 @@ from numba import prange
 from numba.core import types
 from numba.extending import intrinsic, overload
 
-from attncheck.numerics.backends.numba_rows import cache_dir
+from attncheck.numerics.backends.cache import cache_dir
 
 # numba picks each kernel's cache folder when the kernel is decorated: point it at the
 # user's cache directory for this module only (restored at the end of the module).

@@ -18,7 +18,6 @@ import importlib.util
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -26,7 +25,8 @@ import numpy as np
 import torch
 
 from attncheck import __version__
-from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, RowMetrics
+from attncheck.numerics.backends.base import AlgoReference, ChunkFacts, RowBackend, RowMetrics
+from attncheck.numerics.backends.cache import cache_dir
 from attncheck.numerics.backends.torch_rows import TorchRows
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, smallest_subnormal, spec_of
 
@@ -34,7 +34,6 @@ COMPILE_NOTICE = "compiling attncheck kernels (once, ~30 s)"
 KERNELS_MODULE = "attncheck.numerics.backends.numba_kernels"
 
 _kernels = None
-_cache_dir: Path | None | bool = False  # False: not decided yet; None: no writable directory
 _warm: set[str] = set()  # kernel signatures this process has called
 
 
@@ -45,28 +44,6 @@ def installed() -> bool:
 def available() -> bool:
     """numba is installed and not switched off with ATTNCHECK_KERNELS=torch (imports nothing)."""
     return os.environ.get("ATTNCHECK_KERNELS", "auto") != "torch" and installed()
-
-
-def _writable(path: Path) -> bool:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()  # what numba itself tries
-        return True
-    except OSError:
-        return False
-
-
-def cache_dir() -> Path | None:
-    """Where compiled kernels are kept: the first writable of $NUMBA_CACHE_DIR, the user's
-    cache directory, a folder in the temporary directory; None when none is writable."""
-    global _cache_dir
-    if _cache_dir is False:
-        user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attncheck" / "numba"
-        temp = Path(tempfile.gettempdir()) / f"attncheck-numba-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-        given = os.environ.get("NUMBA_CACHE_DIR")
-        candidates = [Path(given)] if given else [user, temp]
-        _cache_dir = next((c for c in candidates if _writable(c)), None)
-    return _cache_dir
 
 
 def kernels():

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, RowMetrics
+from attncheck.numerics.backends.base import AlgoReference, ChunkFacts, RowBackend, RowMetrics
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, smallest_subnormal
 from attncheck.numerics.rowmath import jacobian_frobenius, kl_divergence, row_abs_max, row_dot, row_finite, row_sum
 
