@@ -65,12 +65,10 @@ import fnmatch
 import functools
 import json
 import math
-import os
 import sys
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -80,331 +78,35 @@ from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from attncheck import __version__
 from attncheck.errors import AttncheckError
 from attncheck.loaders.calls import CAPTURE_SCHEMA, FORMAT_KEY
+from attncheck.record.compiled import compiling, in_compiled_code
 from attncheck.record.flash import FlashPatch, bound_arguments, flash_meta, gpu_facts, sequences, side_tensors
-
-# The functions as torch defines them (while an MHA call runs, the module attributes are routed).
-SDPA = F.scaled_dot_product_attention
-F_SOFTMAX = F.softmax
-MHA_FORWARD = F.multi_head_attention_forward
-BMM, BADDBMM = torch.bmm, torch.baddbmm
-SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-MATMULS = {"matmul", "__matmul__", "bmm", "baddbmm"}
-MULS = {"mul", "__mul__", "__rmul__", "mul_", "__imul__", "multiply"}
-DIVS = {"div", "__truediv__", "div_", "__itruediv__", "true_divide", "divide"}
-FILLS = {"masked_fill", "masked_fill_", "where"}  # how a mask can be applied: filled (dS zeroed there) ...
-ADDS = {"add", "__add__", "__radd__", "add_", "__iadd__", "baddbmm"}  # ... or added (dS passes through)
-TANH = {"tanh", "tanh_"}  # a soft cap (Gemma-2, Grok): cap * tanh(S * scale / cap)
-GRAD_ROLES = ("grad_q", "grad_k", "grad_v")
-# Same-shape operations that keep a tensor "the scores" (or "the probabilities") for tracing.
-PASSES = {
-    "add",
-    "__add__",
-    "__radd__",
-    "add_",
-    "__iadd__",
-    "sub",
-    "__sub__",
-    "sub_",
-    "__isub__",
-    "masked_fill",
-    "masked_fill_",
-    "where",
-    "to",
-    "type",
-    "float",
-    "half",
-    "bfloat16",
-    "contiguous",
-    "clone",
-    "dropout",
-    "type_as",
-}
-
-
-@dataclass
-class Recorded:
-    """One call as recorded: its tensors (role -> tensor, on the device the model used, not
-    yet copied) and its metadata (strings, as safetensors keeps them)."""
-
-    index: int
-    kind: str  # 'sdpa' or 'softmax'
-    module: str
-    forward: int | None
-    tensors: dict[str, torch.Tensor]
-    meta: dict[str, str] = field(default_factory=dict)
-    expects_grads: bool = False  # hooks will hand its gradients over when the backward reaches it
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-def compact(t: torch.Tensor) -> torch.Tensor:
-    """A broadcast view (stride 0) kept at size 1 on those axes: the same values once broadcast,
-    without materialising the copies (masks are often expanded over heads)."""
-    for dim in range(t.dim()):
-        if t.stride(dim) == 0 and t.shape[dim] > 1:
-            t = t.narrow(dim, 0, 1)
-    return t
-
-
-def sdpa_backend(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> str:
-    """The backend PyTorch chooses for this SDPA call ('flash_attention', 'efficient_attention',
-    'cudnn_attention', 'math', ...), asked of torch itself (``torch._fused_sdp_choice``, which
-    honours ``sdpa_kernel`` and the device's kernels); 'unknown' where torch cannot say."""
-    choose = getattr(torch, "_fused_sdp_choice", None)
-    if choose is None:
-        return "unknown"
-    try:
-        from torch.nn.attention import SDPBackend
-
-        return SDPBackend(choose(q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)).name.lower()
-    except Exception:  # a private API: any failure only means the backend is not recorded
-        return "unknown"
-
-
-def _as_autocast(autocast: bool, device_type: str, *tensors):
-    """The floating inputs of an SDPA call as autocast hands them to the kernel: all in the autocast
-    dtype, so that the backend torch is asked about is the one it runs (Llama under bf16 autocast
-    passes fp32 q and k from its rotary embedding beside a bf16 v: as given, torch answers 'math';
-    it runs the flash kernel)."""
-    if not autocast:
-        return tensors
-    dt = torch.get_autocast_dtype(device_type)
-    return tuple(
-        t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dt else t for t in tensors
-    )
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str:
-    return "none" if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def _number(x) -> float | None:
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, (int, float)):
-        return float(x)
-    if isinstance(x, torch.Tensor) and x.numel() == 1 and x.dim() == 0:
-        return float(x)
-    return None
-
-
-class ModuleStack:
-    """Which module is running: a stack kept by global forward pre- and post-hooks, one per thread
-    (a model run in several threads has a module path in each)."""
-
-    def __init__(self, on_top=None) -> None:
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self.on_top = on_top  # called with True when a top module's forward begins, False when it ends (in its thread)
-        self.compiled_runs = (
-            0  # forwards of torch.compile'd modules (OptimizedModule, Module.compile()) seen, over every thread
-        )
-        self.forward = 0  # forward passes of a top module so far, over every thread
-        self._names: dict[int, str] = {}
-        self._root: int | None = None
-        self._handles: list = []
-
-    @property
-    def stack(self) -> list[tuple[torch.nn.Module, str]]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
-
-    def __enter__(self) -> "ModuleStack":
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-        self._handles = [
-            register_module_forward_pre_hook(self._pre),
-            register_module_forward_hook(self._post, always_call=True),
-        ]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def _pre(self, module: torch.nn.Module, args) -> None:
-        if _compiling():  # dynamo traces the hooks into a compiled graph: nothing of ours goes in it
-            return
-        stack = self.stack
-        if _compiled_module(module):
-            with self._lock:
-                self.compiled_runs += 1
-            self._local.compiled = getattr(self._local, "compiled", 0) + 1
-        if not stack:
-            with self._lock:
-                self.forward += 1
-                if self._root != id(module):
-                    self._root = id(module)
-                    self._names = _module_names(module)
-            path = self._names.get(id(module)) or type(module).__name__
-            if self.on_top is not None:
-                self.on_top(True)
-        else:
-            path = self._names.get(id(module)) or f"{stack[-1][1]}.{type(module).__name__}"
-        stack.append((module, path))
-
-    def _post(self, module: torch.nn.Module, args, output) -> None:
-        if _compiling():
-            return
-        stack = self.stack
-        if _compiled_module(module) and getattr(self._local, "compiled", 0) > 0:
-            self._local.compiled -= 1
-        for i in range(len(stack) - 1, -1, -1):
-            if stack[i][0] is module:
-                del stack[i:]
-                if not stack and self.on_top is not None:
-                    self.on_top(False)
-                return
-
-    @property
-    def path(self) -> str | None:
-        """The deepest running module's path; None outside any module."""
-        return self.stack[-1][1] if self.stack else None
-
-    @property
-    def in_compiled(self) -> bool:
-        """This thread runs inside a torch.compile'd module or function (run eagerly: see ``Recorder``)."""
-        return getattr(self._local, "compiled", 0) > 0
-
-    def enter_compiled(self, delta: int) -> None:
-        """A torch.compile'd function starts (+1) or ends (-1) in this thread."""
-        self._local.compiled = max(0, getattr(self._local, "compiled", 0) + delta)
-        if delta > 0:
-            with self._lock:
-                self.compiled_runs += 1
-
-
-def _flex_hop():
-    """FlexAttention's operator (None where this torch has none)."""
-    try:
-        from torch._higher_order_ops.flex_attention import flex_attention as hop
-    except ImportError:  # pragma: no cover - torch without FlexAttention
-        return None
-    return hop
-
-
-def _flex_logits(q, k, score_mod, block_mask, scale, score_buffers, mask_buffers, working: torch.dtype):
-    """(S times the scale, the logits after score_mod and mask_mod) as flex's math path computes
-    them (torch's own ``_math_attention_inner``, GQA and batch broadcast as ``math_attention`` does),
-    from q and k upcast to ``working``: float32 is what flex computes, float64 the reference."""
-    from torch._higher_order_ops.flex_attention import _math_attention_inner
-
-    g = q.shape[1] // k.shape[1]
-    k = torch.repeat_interleave(k, g, dim=1)
-    k = k.expand(q.shape[0], *k.shape[1:])
-    q = q.to(working)
-    k = k.to(working)
-    return _math_attention_inner(q, k, k, score_mod, block_mask, scale, {}, tuple(score_buffers), tuple(mask_buffers))
-
-
-def _smallest_broadcast(mask: torch.Tensor) -> torch.Tensor:
-    """A (B, H, Tq, Tk) mask kept at size 1 on the axes it does not vary over (batch, heads)."""
-    for dim in (0, 1):
-        if mask.shape[dim] > 1 and bool((mask == mask.narrow(dim, 0, 1)).all()):
-            mask = mask.narrow(dim, 0, 1)
-    return mask.contiguous()
-
-
-def _callable_name(fn) -> str:
-    name = getattr(fn, "__name__", None) or type(fn).__name__
-    return "".join(ch if ch.isprintable() else "?" for ch in str(name))[:80]
-
-
-_EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")
-
-
-def _in_compiled_code() -> bool:
-    """The caller runs inside a torch.compile'd function or module (run eagerly under the
-    ``force_eager`` stance), whenever it was compiled: one of the frames above is dynamo's wrapper
-    of a compiled callable (``compile_wrapper``), other than the one flex_attention puts around its
-    own operator to trace it."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "compile_wrapper" and code.co_filename.endswith(_EVAL_FRAME):
-            fn = frame.f_locals.get("fn")
-            internal = getattr(fn, "__module__", "") == "torch.nn.attention.flex_attention" and getattr(
-                fn, "__name__", ""
-            ).startswith("_flex_attention_hop_wrapper")
-            if not internal:
-                return True
-        frame = frame.f_back
-    return False
-
-
-def _compiling() -> bool:
-    """Dynamo is tracing (the hooks and the mode then pass everything through, so that a compiled
-    graph holds none of the recorder's code and its state is not mutated while tracing)."""
-    return torch.compiler.is_compiling()
-
-
-def _compiled_module(module: torch.nn.Module) -> bool:
-    """torch.compile(module) (an OptimizedModule) or module.compile()."""
-    return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
-
-
-def _module_names(root: torch.nn.Module) -> dict[int, str]:
-    """id -> path of the modules under a top module, as the model names them: the wrappers of DDP, DataParallel,
-    FSDP, checkpointing and torch.compile left out of the paths (``module.layers.0`` and ``_orig_mod.h.0.attn``
-    -> ``layers.0``, ``h.0.attn``), the wrapped model named as the top one (the watch names calls the same way)."""
-    from attncheck.wrappers import module_names
-
-    return module_names(root)
-
-
-@dataclass
-class _Pending:
-    """A softmax call waiting for the matmul that consumes its output (which gives v)."""
-
-    call: Recorded
-    depth: int
-    probs: dict[int, weakref.ref]  # id -> the softmax output and tensors derived from it (not kept alive)
-    qk: tuple | None = None  # the live operands (q, k^T) of its Q@K^T, to hook their gradients
-    grads: dict | None = None  # role -> the live tensor whose gradient is that role, once v is found
-
-
-class _GradWatch:
-    """Collects the gradients of one recorded call as the backward reaches them, and hands them
-    over once all expected have come (the first backward through the call only)."""
-
-    def __init__(self, recorder: "Recorder", call: Recorded, expected: set[str]) -> None:
-        self.recorder, self.call, self.expected = recorder, call, set(expected)
-        self.got: dict[str, torch.Tensor] = {}
-        self.handles: list = []
-        self.done = False
-
-    def put(self, role: str, grad) -> None:
-        if self.done or role in self.got or role not in self.expected or not isinstance(grad, torch.Tensor):
-            return
-        self.got[role] = grad.detach()
-        if set(self.got) >= self.expected:
-            self.done = True
-            self.remove()
-            self.recorder._deliver_grads(self)
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
-
-@dataclass
-class _Thread:
-    """What the recorder follows in one thread: the matmul that may give a softmax its q and k, the
-    tensors derived from it, the softmax waiting for its v, an nn.MultiheadAttention call running."""
-
-    qk: dict | None = None
-    scores: dict = field(default_factory=dict)
-    pending: _Pending | None = None
-    patched: bool = False
-    mha_info: dict = field(default_factory=dict)
-    mode: bool = False  # the mode is on this thread's stack: torch dispatches its calls to the recorder
-    in_flash: bool = False  # a flash-attn function runs: what it calls is part of the call recorded
+from attncheck.record.flex import flex_hop, flex_logits
+from attncheck.record.modules import ModuleStack
+from attncheck.record.ops import (
+    ADDS,
+    BADDBMM,
+    BMM,
+    DIVS,
+    F_SOFTMAX,
+    FILLS,
+    GRAD_ROLES,
+    MATMULS,
+    MHA_FORWARD,
+    MULS,
+    PASSES,
+    SDPA,
+    SDPA_ARGS,
+    TANH,
+    Recorded,
+    as_autocast,
+    callable_name,
+    compact,
+    dtype_name,
+    number,
+    sdpa_backend,
+    smallest_broadcast,
+)
+from attncheck.record.state import GradWatch, Pending, ThreadState
 
 
 class Recorder(TorchFunctionMode):
@@ -454,7 +156,7 @@ class Recorder(TorchFunctionMode):
         self.sink = sink
         self.grads = grads
         self.outputs = outputs  # an SDPA call keeps its output even without a backward (the watch reads it)
-        self._watches: list[_GradWatch] = []
+        self._watches: list[GradWatch] = []
         self.grad_calls = 0  # calls whose gradients were recorded
         self.modules = tuple(modules)
         self.forwards = forwards  # anything with ``in`` (record.Forwards: ranges, never expanded)
@@ -468,10 +170,10 @@ class Recorder(TorchFunctionMode):
         self.stopped: str | None = None
         self.first_missed: dict | None = None  # the first call (or gradients) not recorded once recording stopped
         # Calls come from every thread: numbering, bounds and the sink are taken one call at a time;
-        # what is traced around a softmax is kept per thread (_Thread).
+        # what is traced around a softmax is kept per thread (ThreadState).
         self._lock = threading.RLock()
         self._local = threading.local()
-        self._threads: list[_Thread] = []
+        self._threads: list[ThreadState] = []
         self._mha_lock = threading.Lock()  # nn.MultiheadAttention routes module attributes: one at a time
         self._fastpath: bool | None = None
         self._closed = False
@@ -485,10 +187,10 @@ class Recorder(TorchFunctionMode):
     # The last matmul of 3+-D operands: {'a', 'b', 'shape', 'path'}; q and k^T are alive in the
     # model until its softmax anyway. What derives from its result is followed by weak reference
     # (id -> (tensor, scale so far)), so that recording keeps no tensor alive the model has let go.
-    def _thread(self) -> _Thread:
+    def _thread(self) -> ThreadState:
         state = getattr(self._local, "state", None)
         if state is None:
-            state = self._local.state = _Thread()
+            state = self._local.state = ThreadState()
             with self._lock:
                 self._threads.append(state)
         return state
@@ -585,7 +287,7 @@ class Recorder(TorchFunctionMode):
             pending, self._pending = self._pending, None
             self._hand_over(pending)
 
-    def _hand_over(self, pending: _Pending) -> None:
+    def _hand_over(self, pending: Pending) -> None:
         pending.call.expects_grads = bool(pending.grads)
         if self._emit(pending.call) and pending.grads:
             self._watch(
@@ -670,7 +372,7 @@ class Recorder(TorchFunctionMode):
         """``F.scaled_dot_product_attention`` while recording: a thread without the mode (one that ran
         before recording began) is recorded here; elsewhere the mode records the call."""
         state = self._thread()
-        if _compiling() or self._closed or state.mode or state.in_flash or (self.in_modules and not self.tracker.stack):
+        if compiling() or self._closed or state.mode or state.in_flash or (self.in_modules and not self.tracker.stack):
             return SDPA(*args, **kwargs)
         return self._sdpa(SDPA, args, kwargs)
 
@@ -679,7 +381,7 @@ class Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if (
-            self._closed or _compiling()
+            self._closed or compiling()
         ):  # a thread that outlived the capture keeps the mode on its stack; dynamo tracing
             return func(*args, **kwargs)
         if self._thread().in_flash:  # inside a flash-attn call being recorded: its own ops are not calls of their own
@@ -691,7 +393,7 @@ class Recorder(TorchFunctionMode):
             return self._softmax(func, args, kwargs)
         if func is MHA_FORWARD:
             return self._mha(func, args, kwargs)
-        if name == "flex_attention" and func is _flex_hop():
+        if name == "flex_attention" and func is flex_hop():
             return self._flex(func, args, kwargs)
         out = func(*args, **kwargs)
         if self.stopped is None and name is not None and self.tracker.stack:
@@ -751,7 +453,7 @@ class Recorder(TorchFunctionMode):
         autograd ``node`` (its first three gradient inputs) where given, else from each input tensor
         that requires grad."""
         wanted = {role: t for role, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad}
-        watch = _GradWatch(self, call, {"grad_out", *wanted})
+        watch = GradWatch(self, call, {"grad_out", *wanted})
         watch.handles.append(out.register_hook(lambda g: watch.put("grad_out", g)))
         if node is not None:
 
@@ -769,12 +471,12 @@ class Recorder(TorchFunctionMode):
         with self._lock:
             self._watches.append(watch)
 
-    def _deliver_grads(self, watch: _GradWatch) -> None:
+    def _deliver_grads(self, watch: GradWatch) -> None:
         """A call's gradients are all in (called from the backward): hand them to the sink within max_bytes."""
         with self._lock:
             self._deliver_grads_locked(watch)
 
-    def _deliver_grads_locked(self, watch: _GradWatch) -> None:
+    def _deliver_grads_locked(self, watch: GradWatch) -> None:
         if watch in self._watches:
             self._watches.remove(watch)
         if self.stopped is not None:
@@ -830,7 +532,7 @@ class Recorder(TorchFunctionMode):
             "module": module or "",
             "call": str(index),
             "forward": str(self.tracker.forward if module is not None else 0),
-            "dtypes": json.dumps({role: _dtype_name(t.dtype) for role, t in tensors.items()}),
+            "dtypes": json.dumps({role: dtype_name(t.dtype) for role, t in tensors.items()}),
             "shapes": json.dumps({role: list(t.shape) for role, t in tensors.items()}),
             "device": str(device),
             "torch_version": torch.__version__,
@@ -838,7 +540,7 @@ class Recorder(TorchFunctionMode):
             **gpu_facts(device, sdpa=kind == "sdpa"),
         }
         base.update(meta)
-        if self.tracker.in_compiled or _in_compiled_code():
+        if self.tracker.in_compiled or in_compiled_code():
             base["compiled"] = "eager"  # torch.compile'd code, run as its Python code (compile='eager')
             with self._lock:
                 self.compiled_calls += 1
@@ -866,15 +568,15 @@ class Recorder(TorchFunctionMode):
             torch.get_autocast_dtype(device_type) if autocast and q.dtype in (torch.float32, torch.float64) else q.dtype
         )
         meta = {
-            "dtype": _dtype_name(compute),
+            "dtype": dtype_name(compute),
             "is_causal": "true" if bound.get("is_causal") else "false",
             "scale": "none" if scale is None else repr(float(scale)),
             "scale_source": "default" if scale is None else "argument",
             "enable_gqa": "true" if bound.get("enable_gqa") else "false",
             "dropout_p": repr(float(bound.get("dropout_p") or 0.0)),
-            "autocast_dtype": _dtype_name(torch.get_autocast_dtype(device_type)) if autocast else "none",
+            "autocast_dtype": dtype_name(torch.get_autocast_dtype(device_type)) if autocast else "none",
             "sdpa_backend": sdpa_backend(
-                *_as_autocast(autocast, device_type, q, k, v, mask),
+                *as_autocast(autocast, device_type, q, k, v, mask),
                 float(bound.get("dropout_p") or 0.0),
                 bool(bound.get("is_causal")),
                 scale,
@@ -899,7 +601,7 @@ class Recorder(TorchFunctionMode):
     def _flash_call(self, original, package: str, fn: str, args, kwargs):
         """A patched flash-attn function: the original, called as given, then the call recorded."""
         state = self._thread()
-        if self._closed or _compiling() or state.in_flash or (self.in_modules and not self.tracker.stack):
+        if self._closed or compiling() or state.in_flash or (self.in_modules and not self.tracker.stack):
             return original(*args, **kwargs)
         state.in_flash = True
         try:
@@ -979,7 +681,7 @@ class Recorder(TorchFunctionMode):
         if over or self.stopped is not None:
             return out
         with torch.no_grad():
-            raw, mod = _flex_logits(
+            raw, mod = flex_logits(
                 q,
                 k,
                 score_mod,
@@ -994,7 +696,7 @@ class Recorder(TorchFunctionMode):
             )  # a key the mask_mod masks is -inf after it (NaN, inf logits kept)
             tensors = {"q": q, "k": k, "v": v}
             if not bool(attend.all()):
-                tensors["attn_mask"] = _smallest_broadcast(attend)
+                tensors["attn_mask"] = smallest_broadcast(attend)
             open_raw = raw.masked_fill(~attend | ~torch.isfinite(raw), float("-inf"))
             before = float(open_raw.amax()) if open_raw.numel() else float("-inf")
             if not identity and bool(((mod == raw) | ~attend).all()):
@@ -1003,7 +705,7 @@ class Recorder(TorchFunctionMode):
             if not identity:
                 tensors["scores_mod"] = mod
             if not identity and self.flex_reference:
-                tensors["scores_mod64"] = _flex_logits(
+                tensors["scores_mod64"] = flex_logits(
                     q,
                     k,
                     score_mod,
@@ -1014,14 +716,14 @@ class Recorder(TorchFunctionMode):
                     torch.float64,
                 )[1]
         meta = {
-            "dtype": _dtype_name(q.dtype),
+            "dtype": dtype_name(q.dtype),
             "scale": repr(scale),
             "scale_source": "argument",
             "enable_gqa": "true" if q.shape[1] != k.shape[1] else "false",
             "is_causal": "false",
-            "score_mod": "none" if identity else _callable_name(score_mod),
-            "mask_mod": "none" if getattr(mask_mod, "__name__", "") == "noop_mask" else _callable_name(mask_mod),
-            "flex_impl": "compiled" if self.tracker.in_compiled or _in_compiled_code() else "math",
+            "score_mod": "none" if identity else callable_name(score_mod),
+            "mask_mod": "none" if getattr(mask_mod, "__name__", "") == "noop_mask" else callable_name(mask_mod),
+            "flex_impl": "compiled" if self.tracker.in_compiled or in_compiled_code() else "math",
         }
         sizes = block_mask[-3:-1] if len(block_mask) >= 3 else ()
         if len(sizes) == 2 and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
@@ -1059,11 +761,11 @@ class Recorder(TorchFunctionMode):
         tensors = {"scores": x.detach()}
         autocast = torch.is_autocast_enabled(x.device.type) if hasattr(torch, "get_autocast_dtype") else False
         meta = {
-            "dtype": _dtype_name(x.dtype),
-            "softmax_dtype": _dtype_name(dtype if isinstance(dtype, torch.dtype) else None),
+            "dtype": dtype_name(x.dtype),
+            "softmax_dtype": dtype_name(dtype if isinstance(dtype, torch.dtype) else None),
             "has_qk": "false",
             "scale_source": "unknown",
-            "autocast_dtype": _dtype_name(torch.get_autocast_dtype(x.device.type)) if autocast else "none",
+            "autocast_dtype": dtype_name(torch.get_autocast_dtype(x.device.type)) if autocast else "none",
         }
         traced = self._scores.get(id(x))
         traced = traced if traced is not None and traced[0]() is x else None
@@ -1085,7 +787,7 @@ class Recorder(TorchFunctionMode):
                         meta["softcap"] = "unknown"  # a tanh between Q@K^T and the softmax whose factors the trace lost
                 if meta["scale_source"] == "unknown" and meta.get("softcap") is None:
                     # transformers' attention modules name theirs
-                    own = _number(getattr(self.tracker.stack[-1][0], "scaling", None))
+                    own = number(getattr(self.tracker.stack[-1][0], "scaling", None))
                     if own is not None and math.isfinite(own) and own > 0:
                         meta["scale"], meta["scale_source"] = repr(own), "module"
         if traced is not None:  # how a mask entered the scores: added (dS passes it) or filled (dS zeroed there)
@@ -1094,7 +796,7 @@ class Recorder(TorchFunctionMode):
         meta.update(self._mha_meta)
         call = self._new_call("softmax", module, tensors, meta)
         self._qk, self._scores = None, {}
-        self._pending = _Pending(call, len(self.tracker.stack), {id(out): weakref.ref(out)}, qk=live)
+        self._pending = Pending(call, len(self.tracker.stack), {id(out): weakref.ref(out)}, qk=live)
         return out
 
     # ------------------------------------------------------------------ tracing q, k, v around a softmax
@@ -1115,7 +817,7 @@ class Recorder(TorchFunctionMode):
                     {role: list(t.shape) for role, t in pending.call.tensors.items()}
                 )
                 pending.call.meta["dtypes"] = json.dumps(
-                    {role: _dtype_name(t.dtype) for role, t in pending.call.tensors.items()}
+                    {role: dtype_name(t.dtype) for role, t in pending.call.tensors.items()}
                 )
                 if self._tracks_grads(out):
                     q_live, kt_live = pending.qk if pending.qk is not None else (None, None)
@@ -1143,7 +845,7 @@ class Recorder(TorchFunctionMode):
             if (
                 name == "dropout"
             ):  # F.dropout(input, p, training, inplace) on the probabilities: their backward has its mask
-                p = _number(args[1] if len(args) > 1 else kwargs.get("p", 0.5))
+                p = number(args[1] if len(args) > 1 else kwargs.get("p", 0.5))
                 training = args[2] if len(args) > 2 else kwargs.get("training", True)
                 if training and p:
                     pending.call.meta["dropout_p"] = repr(p)
@@ -1167,7 +869,7 @@ class Recorder(TorchFunctionMode):
                 scale, capped = 1.0, (scale,)
         elif name in MULS or name in DIVS:
             other = next((x for x in args if x is not source), kwargs.get("other"))
-            factor = _number(other)
+            factor = number(other)
             if factor is None or scale is None or factor == 0 or (name in DIVS and other is not args[-1]):
                 scale = None  # a tensor factor, or a number divided by the scores: the scale is unknown
             else:

@@ -23,7 +23,7 @@ import torch
 from attncheck import __version__
 from attncheck.errors import AttncheckError
 from attncheck.loaders.calls import CALL_FILE, CAPTURE_SCHEMA, MANIFEST, call_file_name, grads_file_name, info_from_meta
-from attncheck.record.mode import Recorded
+from attncheck.record.ops import Recorded
 from attncheck.results import CallInfo, CallReport
 
 

@@ -257,9 +257,9 @@ class Watch:
         calls of a forward in eval mode (a validation pass) are left out. The watched model may run
         inside another top module (a wrapper: DDP, FSDP, torch.compile, accelerate): its forward there
         is the model's."""
-        from attncheck.record.mode import _compiled_module, _compiling
+        from attncheck.record.compiled import compiled_module, compiling
 
-        if _compiling():  # dynamo traces the hooks of a compiled module: nothing of the watch goes in its graph
+        if compiling():  # dynamo traces the hooks of a compiled module: nothing of the watch goes in its graph
             return
         rec = self._recorder
         if rec is None:
@@ -270,7 +270,7 @@ class Watch:
                 self._prefix, self._name = self._path_under(self._top, module), type(module).__name__
                 self._model_forward(module.training)
             return
-        if _compiled_module(module) and not self._compiled_said and self.compile != "eager":
+        if compiled_module(module) and not self._compiled_said and self.compile != "eager":
             self._compiled_said = True
             warnings.warn(
                 "attncheck.watch: the model runs torch.compile'd code, whose attention calls the watch does "
@@ -294,9 +294,9 @@ class Watch:
         self._skip = True  # not the model's forward, unless the model runs inside it
 
     def _forward_ends(self, module, args, output) -> None:
-        from attncheck.record.mode import _compiling
+        from attncheck.record.compiled import compiling
 
-        if _compiling():
+        if compiling():
             return
         if module is self._top:
             if self.model is not None and not self._seen_in_top and module.training and not self._manual:

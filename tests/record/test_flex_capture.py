@@ -164,7 +164,7 @@ def test_a_flex_call_over_max_bytes_is_refused_before_its_logits_are_computed(mo
     import attncheck.record.mode as mode
 
     computed = []
-    monkeypatch.setattr(mode, "_flex_logits", lambda *a, **k: computed.append(1))
+    monkeypatch.setattr(mode, "flex_logits", lambda *a, **k: computed.append(1))
     q = torch.randn(1, 2, 64, 8)
     with attncheck.capture(max_bytes=64 * 64 * 2 * 12) as cap:  # the logits alone are 2 x 64 x 64 x 13 bytes
         out = Attn(softcap)(q, q, q)
