@@ -169,7 +169,7 @@ def capture(
             chunk_elements=chunk_elements_for(params.memory(max_memory, "max_memory")),
         )
         if forward is not None:
-            from attncheck.record import parse_forwards
+            from attncheck.config.capture import parse_forwards
 
             parse_forwards(forward)
         request = CaptureRequest(

@@ -22,11 +22,16 @@ import traceback
 from typing import Callable, Sequence
 
 from attncheck import params
+from attncheck.config.capture import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_CALLS,
+    Forwards,
+    max_bytes_bound,
+    max_calls_bound,
+    parse_forwards,
+)
 from attncheck.config.run import ignore_codes
 from attncheck.errors import AttncheckError
-
-DEFAULT_MAX_BYTES = "1GiB"
-DEFAULT_MAX_CALLS = 1000
 
 
 class Capture:
@@ -60,20 +65,8 @@ class Capture:
             )
         self.path = None if path is None else os.fspath(path)
         self.diagnose = diagnose
-        self.max_calls = (
-            None
-            if max_calls is None
-            else params.integer(max_calls, "max_calls", 1, from_text=isinstance(max_calls, str))
-        )
-        self.max_bytes = (
-            None
-            if max_bytes is None
-            else (
-                params.size(max_bytes, "max_bytes")
-                if isinstance(max_bytes, str)
-                else params.integer(max_bytes, "max_bytes", 1, from_text=False)
-            )
-        )
+        self.max_calls = max_calls_bound(max_calls)
+        self.max_bytes = max_bytes_bound(max_bytes)
         self.modules = (modules,) if isinstance(modules, str) else tuple(modules or ())
         self.forwards = None if forwards is None else parse_forwards(forwards)
         self.options, self.ignore, self.notice = options, ignore_codes(ignore or ()), notice
@@ -221,69 +214,6 @@ class Capture:
             )
         else:
             self.calls = sink.calls
-
-
-def _decimal(text: str) -> bool:
-    """ASCII digits, at most 9 ('²'.isdigit() holds, but int() refuses it)."""
-    return text.isascii() and text.isdigit() and len(text) <= 9
-
-
-class Forwards:
-    """The forward passes to record, as ranges of numbers (1-based): '2-4,9' holds 2, 3, 4 and 9. A range
-    costs nothing however long it is ('1-30000000' is one pair of numbers, not thirty million)."""
-
-    def __init__(self, spans) -> None:
-        merged: list[list[int]] = []
-        for lo, hi in sorted(spans):
-            if merged and lo <= merged[-1][1] + 1:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        self.spans = tuple((lo, hi) for lo, hi in merged)
-        self._starts = [lo for lo, _ in self.spans]
-
-    def __contains__(self, n) -> bool:
-        import bisect
-
-        i = bisect.bisect_right(self._starts, n) - 1
-        return i >= 0 and self.spans[i][0] <= n <= self.spans[i][1]
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Forwards) and self.spans == other.spans
-
-    def __hash__(self) -> int:
-        return hash(self.spans)
-
-    def __str__(self) -> str:
-        """'1,3,5-9'."""
-        return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in self.spans)
-
-    __repr__ = __str__
-
-
-def parse_forwards(value) -> Forwards:
-    """1, [1, 3], '1,3', '2-4' -> the forward passes to record (1-based)."""
-    if isinstance(value, Forwards):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = [value]
-    spans: list[tuple[int, int]] = []
-    if isinstance(value, str):
-        for part in value.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            lo, sep, hi = part.partition("-")
-            if not _decimal(lo) or (sep and not _decimal(hi)) or int(lo) < 1 or (sep and int(hi) < int(lo)):
-                raise AttncheckError(f"{part!r} is not a forward pass number or range (e.g. 1, 2-4)", param="forwards")
-            spans.append((int(lo), int(hi) if sep else int(lo)))
-        if not spans:
-            raise AttncheckError(f"must be forward pass numbers >= 1, got {params.show(value)}", param="forwards")
-        return Forwards(spans)
-    values = list(value)
-    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
-        raise AttncheckError(f"must be forward pass numbers >= 1, got {params.show(value)}", param="forwards")
-    return Forwards((v, v) for v in values)
 
 
 def capture(
