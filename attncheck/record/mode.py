@@ -98,6 +98,7 @@ from attncheck.record.ops import (
     SDPA_ARGS,
     TANH,
     Recorded,
+    Sink,
     as_autocast,
     callable_name,
     compact,
@@ -129,7 +130,7 @@ class Recorder(TorchFunctionMode):
 
     def __init__(
         self,
-        sink: Callable[[Recorded], None],
+        sink: Sink | Callable[[Recorded], None],
         *,
         modules=(),
         forwards=None,
@@ -491,7 +492,7 @@ class Recorder(TorchFunctionMode):
                 "gradients",
             )
             return
-        grads = getattr(self.sink, "grads", None)
+        grads = getattr(self.sink, "grads", None)  # a plain callable (a Sink without grads) takes no gradients
         if grads is None:
             return
         try:

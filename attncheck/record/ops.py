@@ -5,6 +5,7 @@ backend torch would choose, the dtype and number as the metadata keeps them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,20 @@ class Recorded:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Where the recorder hands what it records (``Recorder(sink)``): each call as it is recorded, and its
+    gradients when the backward reaches it (a plain callable is a sink that takes no gradients). The capture's
+    sinks (``store.DirectorySink``, ``MemorySink``, ``DiagnoseSink``) also take ``close(facts)`` from
+    ``attncheck.capture`` at the end; the watch (``attncheck.watch``) is a sink of its own steps."""
+
+    def __call__(self, call: Recorded) -> None:
+        """A call, recorded; its tensors are the model's own (copy what is kept)."""
+
+    def grads(self, call: Recorded, tensors: dict[str, torch.Tensor]) -> None:
+        """The gradients of a call handed over before (role -> tensor: grad_out, grad_q, grad_k, grad_v)."""
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:

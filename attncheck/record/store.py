@@ -23,7 +23,7 @@ import torch
 from attncheck import __version__
 from attncheck.errors import AttncheckError
 from attncheck.loaders.calls import CALL_FILE, CAPTURE_SCHEMA, MANIFEST, call_file_name, grads_file_name, info_from_meta
-from attncheck.record.ops import Recorded
+from attncheck.record.ops import Recorded, Sink
 from attncheck.results import CallInfo, CallReport
 
 
@@ -188,7 +188,7 @@ def _prepare(d: Path) -> tuple[Path, bool]:
     return d, True
 
 
-class DirectorySink:
+class DirectorySink(Sink):
     """Writes each call to its file, the manifest at the end.
 
     Each call's tensors are copied as they are recorded and written by a background thread
@@ -352,7 +352,7 @@ class DirectorySink:
             ) from None
 
 
-class MemorySink:
+class MemorySink(Sink):
     """Keeps every call, its tensors copied to the CPU as they are recorded."""
 
     def __init__(self) -> None:
@@ -374,7 +374,7 @@ class MemorySink:
         pass
 
 
-class DiagnoseSink:
+class DiagnoseSink(Sink):
     """Diagnoses each call as it comes and keeps only the result."""
 
     def __init__(self, options, ignore=(), notice: Callable[[str], None] | None = None, what_if=(), asked=None) -> None:
