@@ -71,8 +71,11 @@ def test_pytorch_121558_is_nan_under_the_fused_kernel_alone(tmp_path):
     (call,) = model["kernels"]
     got = {k["path"]: (k["verdict"], k["cause"], k["ran"]) for k in call["kernels"] if k["refused"] is None}
     assert got.pop("fa2-fma") == ("nan", "fused_max", False)
+    assert got.pop("fa3") == ("nan", "fused_max", False)  # FlashAttention-3's exponent is fused too
     assert got == {p: ("ok", None, p == "fa2") for p in ("fa2", "sdpa-math", "flash", "mem-efficient", "cudnn")}
-    assert call["summary"].startswith("fa2-fma NaN (fused_max, 4 row(s)); finite under fa2 (ran), sdpa-math, flash")
+    assert call["summary"].startswith(
+        "fa2-fma NaN (fused_max, 4 row(s)); fa3 NaN (fused_max, 4 row(s)); finite under fa2 (ran), sdpa-math, flash"
+    )
     r = runner.invoke(app, ["run", str(tmp_path / "cap"), "--what-if", "kernels", "--fail-on", "what-if:nan"])
     assert r.exit_code == 1, r.output
     assert "fa2-fma NaN (fused_max" in r.output and "Which kernel breaks each call" in r.output
