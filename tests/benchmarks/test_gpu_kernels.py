@@ -18,7 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_kernels.py"
-PATHS = {"fa2", "fa2-fma", "mem-efficient", "cudnn", "flash", "sdpa-math"}
+PATHS = {"fa2", "fa2-fma", "fa3", "mem-efficient", "cudnn", "flash", "sdpa-math"}
 # O against float64, over u * sum_j p_j |v_j| (u the dtype's unit roundoff): P rounded to the dtype (<= 1) and O
 # rounded to it (<= 1), plus S's fp32 rounding at scores of ~1e4 (about 2^-24 * 1e4 relative in p: <= 1.2 in fp16)
 BOUND_U = 3.0
@@ -89,14 +89,16 @@ def test_fa2_with_a_float_mask_is_within_the_dtypes_rounding_of_float64(cpu_only
 @pytest.mark.slow
 def test_cpu_only_hazard_repros_as_the_threads_report_them(cpu_only):
     cases = by_label(cpu_only)
-    # PyTorch issue 121558: bf16 q, k, v all 133120: NaN from the fused-FMA flash kernel (fa2-fma), finite from
-    # PyTorch's UNFUSE_FMA build, the efficient and the math kernels
+    # PyTorch issue 121558: bf16 q, k, v all 133120: NaN from the fused-FMA flash kernels (fa2-fma, and
+    # FlashAttention-3, whose exponent is fused too), finite from PyTorch's UNFUSE_FMA build, the efficient and the
+    # math kernels
     c = cases["121558"]
     rows = c["hq"] * c["tq"]
-    assert c["paths"]["fa2-fma"]["finite_where_reference_is"] is False
-    assert c["paths"]["fa2-fma"]["events"]["fused_max"] == rows
-    assert c["paths"]["fa2-fma"]["nonfinite_rows_explained_by_events"] == rows
-    for name in PATHS - {"fa2-fma"}:
+    for name in ("fa2-fma", "fa3"):
+        assert c["paths"][name]["finite_where_reference_is"] is False
+        assert c["paths"][name]["events"]["fused_max"] == rows
+        assert c["paths"][name]["nonfinite_rows_explained_by_events"] == rows
+    for name in PATHS - {"fa2-fma", "fa3"}:
         assert c["paths"][name]["finite_where_reference_is"] is True, name
     # PyTorch issue 196678: L % 128 == 64 (192 is among the failing lengths), an explicit mask, every LSE < -88.7:
     # every row's dQ; L = 256 (a multiple of 128) clean
@@ -124,6 +126,7 @@ def test_backend_plumbing_on_the_cpu(tmp_path):
     inputs; the efficient and cuDNN backends refuse with torch's reason; the backward runs on the repros."""
     doc = run_script(tmp_path, "--device", "cpu", "--quick")
     assert doc["meta"]["mode"] == "backends on cpu"
+    assert doc["meta"]["fa3_skipped"] == "no CUDA device"  # FlashAttention-3 needs sm90 and flash_attn_interface
     for c in doc["cases"]:
         assert set(c["backends"]) == {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"}
         fl = c["backends"]["FLASH_ATTENTION"]
