@@ -68,9 +68,14 @@ overflow of q.k, as ``fa2``). FlashAttention-3's own backward is not emulated: t
 rescales and ``inv_sum``, in float64 rounded to fp32: O = probs @ V up to the P V accumulation's rounding.
 
 Tested by: ``tests/numerics/paths/test_fa3.py::test_fa3_bit_for_bit_against_written_out_kernel`` (random, causal
-with Tq != Tk, fully masked rows, tile boundaries, fp16 and bf16, head dims 64/128/256, GQA),
+with Tq != Tk, fully masked rows, tile boundaries, fp16 and bf16, head dims 64/128/256, against the mainloop written
+out with both orders of step 12),
+``tests/numerics/paths/test_fa3.py::test_fa3_forward_on_a_gqa_causal_block``,
+``tests/numerics/paths/test_fa3.py::test_lse_uses_the_kernels_float_product_of_scale_log2_and_ln2``,
+``tests/numerics/paths/test_fa3.py::test_first_block_checks_for_an_all_minus_inf_max``,
 ``tests/numerics/paths/test_fa3.py::test_fa3_empty_rows_give_zero_and_minus_inf``,
 ``tests/numerics/paths/test_fa3.py::test_fa3_healthy_bf16_has_no_event``,
+``tests/numerics/paths/test_fa3.py::test_fa3_fused_exponent_overflows_as_fa2_fma``,
 ``tests/numerics/paths/test_fa3.py::test_fa3_fp8_mode_is_flash_fp8``,
 ``tests/numerics/paths/test_fa3.py::test_fa3_judges_an_sdpa_capture_with_flash_impl_fa3``.
 """
