@@ -7,7 +7,11 @@ IntraWGOverlap). In fp16 and bf16 it is the 16-bit kernel below; in the FP8 dtyp
 ``flash-fp8`` path's forward (``attncheck.numerics.paths.flash_fp8``, called, not copied: FlashAttention-3's FP8
 forward, descales per batch and kv head as the kernel takes them, ``--fp8-scaling head`` by default). The name
 ``flash-fp8`` stays a path of its own on the same code: its cells keep their names, and it is the FP8 kernel of
-``--what-if e4m3``. Rounding points of the 16-bit kernel, in order (files at the commit):
+``--what-if e4m3``. ``kernel_rows`` takes both: in an FP8 dtype it is flash-fp8's forward on tensors, with the
+kernel's fp32 descales (``flash_fwd_kernel_sm90.h:408-414`` folds the q and k descales into the softmax scale;
+the v descale multiplies O at the end, ``mainloop_fwd_sm90_tma_gmma_ws.hpp:1241-1242``). FlashAttention-3 package
+calls with FP8 descales are not judged yet (the loader refuses them). Rounding points of the 16-bit kernel, in
+order (files at the commit):
 
 1. Scales (``mainloop_fwd_sm90_tma_gmma_ws.hpp:543-562``, ``flash_api.cpp:130-131, 772``): ``softmax_scale_log2 =
    float(softmax_scale * M_LOG2E)`` (the float scale times a double, stored as float); with a softcap,
@@ -77,6 +81,7 @@ out with both orders of step 12),
 ``tests/numerics/paths/test_fa3.py::test_fa3_healthy_bf16_has_no_event``,
 ``tests/numerics/paths/test_fa3.py::test_fa3_fused_exponent_overflows_as_fa2_fma``,
 ``tests/numerics/paths/test_fa3.py::test_fa3_fp8_mode_is_flash_fp8``,
+``tests/numerics/paths/test_fa3.py::test_kernel_rows_fp8_mode_is_flash_fp8_with_the_kernels_descales``,
 ``tests/numerics/paths/test_fa3.py::test_fa3_judges_an_sdpa_capture_with_flash_impl_fa3``.
 """
 
@@ -147,15 +152,27 @@ def kernel_rows(
     block_n: int,
     bias: torch.Tensor | None = None,
     softcap: float | None = None,
+    q_descale: float | torch.Tensor = 1.0,
+    k_descale: float | torch.Tensor = 1.0,
+    v_descale: float | torch.Tensor = 1.0,
 ) -> KernelRows:
-    """FlashAttention-3's 16-bit forward on rows: q (n, tq, d), k (n, Tk, d), v (n, Tk, dv) or None (float64 or any
-    float; rounded to ``dt``, fp16 or bf16), ``bias`` (n*tq, Tk) float32 in the units of the scaled scores (-inf:
-    masked; the kernel's causal mask is such -inf) or None, ``block_n`` the key tile (``tile_n``). Rows are the
-    (n, tq) pairs, flattened. See the module docstring for the rounding points. ``events["fused_max"]``: rows
-    whose fused exponent overflowed (an exp of a finite score beyond the dtype's range, or a row sum of inf)."""
+    """FlashAttention-3's forward on rows: q (n, tq, d), k (n, Tk, d), v (n, Tk, dv) or None (float64 or any
+    float; rounded to ``dt``), ``bias`` (n*tq, Tk) float32 in the units of the scaled scores (-inf: masked; the
+    kernel's causal mask is such -inf) or None, ``block_n`` the key tile (``tile_n``; FP8: ``fa3_tile``). Rows are
+    the (n, tq) pairs, flattened. fp16/bf16: the 16-bit kernel (the module docstring's rounding points);
+    ``events["fused_max"]``: rows whose fused exponent overflowed (an exp of a finite score beyond the dtype's
+    range, or a row sum of inf). FP8 dtypes (``float8_e4m3fn``, ``float8_e5m2``): q, k, v hold the FP8 values
+    the kernel reads and the descales are the kernel's fp32 ones (a float, or (n,) per row head: per batch and
+    kv head as the kernel takes them); the FP8 forward of ``flash-fp8`` (``fp8_attention.online_pcast_out``:
+    S = q8 k8^T in fp32 times ((q descale x k descale) x scale), P scaled by 2^8 and cast to the format, O in
+    fp32 times the v descale, rounded to bf16); its ``lse`` is the log-sum-exp of those fp32 scores in float64,
+    rounded to fp32 (flash-fp8 models the exponent in natural units, not the kernel's exp2 and finalize)."""
     import torch
 
     from attncheck.numerics.precision import cast
+
+    if dt.itemsize == 1:
+        return _fp8_rows(q, k, v, scale, dt, block_n, bias, q_descale, k_descale, v_descale)
 
     n, tq, _ = q.shape
     tk = k.shape[1]
@@ -243,6 +260,34 @@ def kernel_rows(
     has_posinf = torch.isposinf(s).any(dim=1)
     events = {"fused_max": broke | (torch.isposinf(total) & ~has_posinf)}
     return KernelRows(probs[:, :tk], out, lse, events)
+
+
+def _fp8_rows(q, k, v, scale, dt, block_n, bias, q_descale, k_descale, v_descale) -> KernelRows:
+    """``kernel_rows`` in an FP8 dtype: flash-fp8's forward on tensors (see ``kernel_rows``)."""
+    import torch
+
+    from attncheck.numerics.methods.fp8 import fp8_values
+    from attncheck.numerics.methods.fp8_attention import FA3_P_SCALE, OUT_DTYPE, online_pcast_out
+
+    n, tq, _ = q.shape
+    tk = k.shape[1]
+
+    def per_head(x) -> torch.Tensor:  # (n, 1, 1) float32
+        return torch.as_tensor(x, dtype=torch.float32).reshape(-1, 1, 1).expand(n, 1, 1)
+
+    q8, k8 = fp8_values(q, dt), fp8_values(k, dt)
+    # flash_fwd_kernel_sm90.h:414 folds the descales into the softmax scale: S = q8.k8 x ((dq x dk) x scale) in fp32
+    s = torch.matmul(q8, k8.transpose(-1, -2)) * (per_head(q_descale) * per_head(k_descale) * scale)
+    if bias is not None:
+        s = s + bias.float().reshape(n, tq, tk)
+    v8 = None if v is None else fp8_values(v, dt)
+    r, o = online_pcast_out(s, v8, dt, FA3_P_SCALE, block_n, reverse=True)
+    out = None if o is None else (o * per_head(v_descale)).to(OUT_DTYPE).reshape(n * tq, -1)
+    flat = s.reshape(n * tq, tk).double()
+    m = flat.amax(dim=1, keepdim=True)
+    base = torch.where(torch.isneginf(m), 0.0, m)
+    lse = (base[:, 0] + torch.log(torch.exp(flat - base).sum(dim=1))).float()  # -inf for an empty row
+    return KernelRows(r.probs.reshape(n * tq, tk), out, lse, {"fused_max": torch.zeros(n * tq, dtype=torch.bool)})
 
 
 def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:

@@ -311,3 +311,34 @@ def test_first_block_checks_for_an_all_minus_inf_max():
     assert torch.isfinite(res.out.float()).all() and not res.probs[:, 192].any()
     assert same(res.out.double().numpy(), o.reshape(3, -1)) and same(res.lse.numpy(), lse)
     assert same(res.probs.numpy(), probs)
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_kernel_rows_fp8_mode_is_flash_fp8_with_the_kernels_descales(fmt):
+    """kernel_rows in an FP8 dtype, given the FP8 values and the descales per (batch, kv head) as the kernel takes
+    them, gives flash-fp8's bits; its LSE is the float64 log-sum-exp of the fp32 scores it states."""
+    from attncheck.numerics.methods.fp8_attention import fa3_tile, quantize_inputs
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, 24, 64, generator=g) * 3 for _ in range(3))
+    inp, blk = _block(q, k, v)
+    setup = Fp8Setup(fmt=fmt, scaling="head")
+    ((_, want),) = flash_fp8.forward(blk, fmt, [], MethodParams(fp8=setup)).cells
+    quant = quantize_inputs(inp, setup)
+    assert bool((quant.dq != 1).any())  # real descales, one per (batch, head)
+    res = fa3.kernel_rows(
+        quant.q8.double(),
+        quant.k8.double(),
+        quant.v8.double(),
+        scale=inp.scale,
+        dt=fmt,
+        block_n=fa3_tile(64)[1],
+        q_descale=quant.dq[:, 0],
+        k_descale=quant.dk[:, 0],
+        v_descale=quant.dv.reshape(4, -1)[:, 0],
+    )
+    assert res.out.dtype == torch.bfloat16 and torch.equal(res.out, want.out) and torch.equal(res.probs, want.probs)
+    s = (quant.q8.double() @ quant.k8.double().transpose(-1, -2)).float() * (
+        quant.dq[:, :1, None] * quant.dk[:, None, :1] * inp.scale
+    )
+    assert torch.equal(res.lse, torch.logsumexp(s.double(), dim=-1).float().reshape(-1))
