@@ -173,3 +173,41 @@ def test_cpu_only_exits_1_when_an_emulation_breaks(fault, tmp_path, monkeypatch,
     f = json.loads(out.read_text())["cases"][0]["paths"]["cudnn"]
     assert ("broken kernel" in f["error"]) if fault == "crash" else f["nonfinite_rows_unexplained"] == 8
     assert "an emulation crashed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", [("random", "none", 2, 40, 40), ("causal-rect", "causal", 4, 24, 70)])
+def test_fa3_figures_plumbing_with_a_stand_in_interface(monkeypatch, case):
+    """FlashAttention-3's side of the script without a GPU: a stand-in ``flash_attn_interface`` in the package's
+    layout ((b, t, h, d) in and out, LSE (b, h, t)) computing with float64 softmax and FlashAttention-3's causal
+    mask (bottom right); the script's transposes, its bottom-right emulation and its comparison must line up: O
+    within the dtype's rounding of the emulation (not bits: the stand-in is float64), LSE close; explicit masks
+    are refused (the kernel takes none)."""
+    gk = load_script(monkeypatch)
+    name, mask, hq, tq, tk = case
+
+    class StandIn:
+        @staticmethod
+        def flash_attn_func(q, k, v, causal=False, num_splits=1, return_attn_probs=False):
+            assert num_splits == 1 and return_attn_probs
+            q, k, v = (t.transpose(1, 2).double() for t in (q, k, v))
+            k, v = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+            s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+            if causal:
+                i, j = torch.arange(s.shape[-2])[:, None], torch.arange(s.shape[-1])[None, :]
+                s = s.masked_fill(j > i + s.shape[-1] - s.shape[-2], float("-inf"))
+            o = torch.softmax(s, dim=-1) @ v
+            return o.transpose(1, 2).to(torch.bfloat16), torch.logsumexp(s, dim=-1).float()
+
+    c = gk.Case(name, "bf16", 64, tq, tk, hq=hq, hkv=2, mask=mask)
+    x = gk.make_inputs(c)
+    rows = gk.as_rows(c, x)
+    ref, mag = gk.reference(rows)
+    fig = gk.fa3_figures(StandIn(), c, x, rows, mag, ref, torch.device("cpu"), None)
+    assert fig["status"] == "ran" and fig["path"] == "fa3", fig
+    assert fig["nan_pattern_equal"] and fig["lse_inf_pattern_equal"] and fig["lse_max_diff"] < 1e-4
+    assert fig["max_err_u"] <= 2 * BOUND_U and fig["identical_pct"] > 50
+    cm = gk.Case("bool-mask", "bf16", 64, 8, 16, mask="bool")
+    xm = gk.make_inputs(cm)
+    rm = gk.as_rows(cm, xm)
+    refused = gk.fa3_figures(StandIn(), cm, xm, rm, *gk.reference(rm)[::-1], torch.device("cpu"), None)
+    assert refused["status"] == "refused" and refused["refusal_agrees_with_path"]
