@@ -250,6 +250,7 @@ PATH_MODULES = (
     "flash",
     "fa2",
     "fa2_fma",
+    "fa3",
     "mem_efficient",
     "cudnn",
     "flash_fp8",
@@ -268,9 +269,9 @@ def eager_path() -> str:
 
 
 def fp8_what_if_path() -> str:
-    """The FP8 kernel an FP8 what-if runs and --fp8-scaling quantises for: the first FP8 path
-    registered (FlashAttention-3's)."""
-    return next(spec.name for spec in PATHS if spec.fp8)
+    """The FP8 kernel an FP8 what-if runs and --fp8-scaling quantises for: the first FP8-only path
+    registered (flash-fp8: FlashAttention-3's FP8 forward, the code fa3's FP8 mode runs)."""
+    return next(spec.name for spec in PATHS if spec.fp8_only)
 
 
 def path_names(where: Callable[[PathSpec], bool] = lambda spec: True) -> tuple[str, ...]:

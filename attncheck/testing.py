@@ -120,14 +120,20 @@ SDPA_BACKENDS = ("flash_attention", "efficient_attention", "cudnn_attention", "m
 
 
 def as_gpu_capture(
-    capture_dir: Any, backend: str, capability: str = "9.0", gpu_name: str = "NVIDIA H100 80GB HBM3"
+    capture_dir: Any,
+    backend: str,
+    capability: str = "9.0",
+    gpu_name: str = "NVIDIA H100 80GB HBM3",
+    flash_impl: str = "fa2",
 ) -> None:
     """Rewrite a capture made on a CPU as a capture on a GPU writes it: each call file says device
     cuda:0, the GPU's compute capability ('9.0': an H100), and for SDPA calls the backend PyTorch chose
     ('flash_attention', 'efficient_attention', 'cudnn_attention', 'math'). For tests (and examples) of how
     attncheck judges a GPU's calls on a machine without one: the calls are then judged by that kernel's
-    path (fa2, mem-efficient, cudnn, sdpa-math). The GPU's name is written too, and PyTorch's default flash
-    implementation (fa2). The tensors are left as they are."""
+    path (fa2, mem-efficient, cudnn, sdpa-math). The GPU's name is written too, and the flash implementation
+    PyTorch was set to (``flash_impl``: its default 'fa2'; 'fa3' or 'fa4' as ``torch.nn.attention``'s
+    ``activate_flash_attention_impl`` sets it: a flash_attention call is then judged by fa3 or fa4). The tensors
+    are left as they are."""
     from pathlib import Path
 
     from safetensors import safe_open
@@ -135,6 +141,8 @@ def as_gpu_capture(
 
     if backend not in SDPA_BACKENDS:
         raise AttncheckError(f"backend must be one of {', '.join(SDPA_BACKENDS)}; got {backend!r}")
+    if flash_impl not in ("fa2", "fa3", "fa4"):
+        raise AttncheckError(f"flash_impl must be one of fa2, fa3, fa4; got {flash_impl!r}")
     major, _, minor = capability.partition(".")
     if not (major.isdigit() and minor.isdigit()):
         raise AttncheckError(f"capability must be MAJOR.MINOR, e.g. 9.0; got {capability!r}")
@@ -147,5 +155,5 @@ def as_gpu_capture(
         tensors = load_file(str(f))
         meta.update(device="cuda:0", capability=capability, gpu_name=gpu_name)
         if meta.get("kind") == "sdpa":
-            meta.update(sdpa_backend=backend, flash_impl="fa2")
+            meta.update(sdpa_backend=backend, flash_impl=flash_impl)
         save_file(tensors, str(f), metadata=meta)

@@ -18,7 +18,13 @@ case is 'refused', with torch's reason, beside the path's ``why_not`` for the sa
 marked backward also run the backward on the GPU: NaN in dQ, dK, dV against cudnn's
 ``padded_tile_rows`` (NaN predicted for the cudnn backend only).
 
-``--cpu-only`` needs no GPU: every path (fa2, fa2-fma, mem-efficient, cudnn, the CPU flash kernel's and
+FlashAttention-3 (``FLASH_ATTN_3``, the fa3 path): where ``flash_attn_interface`` (the flash-attn package's
+``hopper/`` build) imports on a Hopper GPU (sm90), each case without an explicit mask runs through its
+``flash_attn_func`` (no split: ``num_splits=1``; causal aligned to the bottom right, as the emulation is given it
+for this comparison) and is compared with ``fa3.kernel_rows`` as the backends are with theirs; elsewhere it is
+skipped with the reason printed (the lent GPUs' image has no flash-attn build).
+
+``--cpu-only`` needs no GPU: every path (fa2, fa2-fma, fa3, mem-efficient, cudnn, the CPU flash kernel's and
 the math backend's) on every case, each checked against float64 (O finite wherever the float64
 reference is, except on the rows a path's own hazard event names); it exits 1 if an emulation crashes
 or gives NaN/inf where it must not. ``--quick``: a reduced grid. The table is printed last; the JSON
@@ -51,13 +57,15 @@ from attncheck.numerics.paths import (  # noqa: E402 (after the sys.path insert 
     cudnn,
     fa2,
     fa2_fma,
+    fa3,
     flash,
     mem_efficient,
     sdpa_math,
 )
 from attncheck.numerics.paths.base import CallFacts  # noqa: E402 (after the sys.path insert above, so that the repo's attncheck is found)
 
-PATH_MODULES = (fa2, fa2_fma, mem_efficient, cudnn, flash, sdpa_math)
+PATH_MODULES = (fa2, fa2_fma, fa3, mem_efficient, cudnn, flash, sdpa_math)
+FA3_BACKEND = "FLASH_ATTN_3"  # FlashAttention-3 through flash_attn_interface, where it imports on sm90
 BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 DT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 MANTISSA = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
@@ -284,6 +292,8 @@ def run_path(mod, c: Case, x: Inputs, rows: Rows, capability: tuple[int, int] | 
             rows.q, rows.k, rows.v, scale=rows.scale, dt=dt, block_n=tile, fused=mod is fa2_fma, bias=bias
         )
         return PathResult(r.out, r.lse, r.events, {"block_n": tile})
+    if mod is fa3:  # the mask as fa2 takes it (top left, a given mask as -inf / float): against float64
+        return fa3_rows(c, rows, dense_bias(rows, dt))
     if mod is mem_efficient:
         _, bn, rf = mem_efficient.tiles(c.d, c.d, capability)
         if x.causal:  # the kernel's own causal mask, after the bias
@@ -321,6 +331,72 @@ def run_path(mod, c: Case, x: Inputs, rows: Rows, capability: tuple[int, int] | 
     (blk,) = list(score_blocks(inp, 1 << 40, torch.device("cpu"), start_audit(inp)))
     pb = mod.forward(blk, dt, ["torch"], MethodParams())
     return PathResult(pb.cells[0][1].out, None, {}, {})
+
+
+def fa3_rows(c: Case, rows: Rows, bias: torch.Tensor | None) -> PathResult:
+    """fa3's kernel on the case's rows with ``bias`` ((n, tq, tk) in the dtype, -inf masked) or None."""
+    causal = c.mask == "causal" and c.tq > 1  # FlashAttention-3 drops causal for one query (flash_api.cpp)
+    tile = fa3.tile_n(c.d, causal=causal)
+    b = None if bias is None else bias.float().reshape(-1, c.tk)
+    r = fa3.kernel_rows(rows.q, rows.k, rows.v, scale=rows.scale, dt=c.dtype, block_n=tile, bias=b)
+    return PathResult(r.out, r.lse, r.events, {"block_n": tile})
+
+
+def bottom_right_causal(c: Case, n: int) -> torch.Tensor:
+    """(n, tq, tk) in the dtype: FlashAttention-3's causal mask, key j of query i kept for j <= i + Tk - Tq."""
+    i, j = torch.arange(c.tq)[:, None], torch.arange(c.tk)[None, :]
+    keep = j <= i + c.tk - c.tq
+    return torch.zeros(c.tq, c.tk).masked_fill(~keep, float("-inf")).to(c.dtype).expand(n, c.tq, c.tk)
+
+
+def fa3_interface(cuda: bool):
+    """(flash_attn_interface, None) where FlashAttention-3 can run here, else (None, why not)."""
+    if not cuda:
+        return None, "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return None, f"sm{major}{minor}: FlashAttention-3's kernels run on Hopper (sm90) only"
+    try:
+        import flash_attn_interface
+    except Exception as e:  # noqa: BLE001  any failure to import is the reason printed
+        return None, (
+            f"flash_attn_interface does not import ({type(e).__name__}: {str(e)[:200]}): FlashAttention-3 is "
+            "built from the flash-attn repository's hopper/ directory and is not in this image"
+        )
+    return flash_attn_interface, None
+
+
+def fa3_figures(iface, c: Case, x: Inputs, rows: Rows, mag: torch.Tensor, ref: torch.Tensor, dev, capability) -> dict:
+    """FlashAttention-3 on one case against fa3's emulation (its own causal mask, no split)."""
+    why = fa3.PATH.why_not(facts(c, capability))
+    fig = {"path": fa3.PATH.name, "path_why_not": why}
+    if x.keep is not None or x.fmask is not None:
+        fig.update(status="refused", refusal_agrees_with_path=why is not None)
+        fig["torch_reason"] = "FlashAttention-3 takes no attention mask"
+        return fig
+    q, k, v = (t.to(dev).transpose(1, 2).contiguous() for t in (x.q, x.k, x.v))  # (b, t, h, d)
+    try:
+        with torch.no_grad():
+            res = iface.flash_attn_func(q, k, v, causal=x.causal, num_splits=1, return_attn_probs=True)
+        _sync(dev)
+    except Exception as e:  # noqa: BLE001  a refusal or failure is a figure
+        fig.update(status="refused", refusal_agrees_with_path=why is not None)
+        fig["torch_reason"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        return fig
+    o, lse = (res[0], res[1]) if isinstance(res, tuple) else (res, None)
+    o = o.transpose(1, 2).reshape(-1, c.d).cpu()
+    lse = None if lse is None else lse.float().reshape(-1).cpu()
+    n = rows.q.shape[0]
+    p = fa3_rows(c, rows, bottom_right_causal(c, n) if x.causal else None)
+    fig.update(status="ran", refusal_agrees_with_path=why is None or (x.causal and c.tq != c.tk))
+    fig.update(compare(o, lse, p, c.dtype))
+    fig["max_err_u"] = in_units(o, p.out.double(), mag, c.dtype)
+    if not (x.causal and c.tq != c.tk):  # the float64 reference has the top-left mask
+        fin = torch.isfinite(ref) & torch.isfinite(o)
+        e = ulps(o[fin], ref.to(c.dtype)[fin], c.dtype)
+        fig["gpu_max_err_vs_float64_ulp"] = float(e.max()) if e.numel() else 0.0
+        fig["gpu_max_err_vs_float64_u"] = in_units(o, ref, mag, c.dtype)
+    return fig
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
@@ -640,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dev = torch.device(args.device) if gpu else None
     capability = torch.cuda.get_device_capability() if cuda else None
+    fa3_iface, fa3_why = fa3_interface(cuda)
+    if fa3_iface is None:
+        print(f"gpu_kernels: FlashAttention-3 skipped: {fa3_why}", file=sys.stderr)
     meta = {
         "mode": "cpu-only" if args.cpu_only else f"backends on {args.device}",
         "quick": args.quick,
@@ -650,6 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "threads": torch.get_num_threads(),
         "attncheck": str(Path(sys.modules["attncheck"].__file__).parent),
+        "fa3_skipped": fa3_why,
     }
     records, table_rows, sound = [], [], True
     t_emulation = 0.0
@@ -686,10 +766,13 @@ def main(argv: list[str] | None = None) -> int:
                         finite,
                     )
                 )
-        for backend in BACKENDS if gpu else ():
-            mod = path_for(backend)
+        for backend in (*BACKENDS, *((FA3_BACKEND,) if fa3_iface is not None else ())) if gpu else ():
+            mod = fa3 if backend == FA3_BACKEND else path_for(backend)
             try:
-                fig = backend_figures(backend, mod, c, x, ref, mag, results, figures, capability, dev)
+                if backend == FA3_BACKEND:
+                    fig = fa3_figures(fa3_iface, c, x, rows, mag, ref, dev, capability)
+                else:
+                    fig = backend_figures(backend, mod, c, x, ref, mag, results, figures, capability, dev)
             except Exception as e:  # noqa: BLE001  one case's failure must not lose the others' figures
                 fig = {
                     "path": mod.PATH.name,

@@ -74,8 +74,8 @@ WhatIfOpt = Annotated[
         help=(
             "Captured calls: what would break if the model ran in these dtypes (fp16, bf16, fp32, fp8 = e4m3, ...) "
             "with its own implementation and with eager attention; 'kernels' replays each call under every kernel "
-            "that could have run it (sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn; flex for flex calls) in "
-            "its dtype, and says which break it (combine: kernels,fp16); 'all' adds every other implementation "
+            "that could have run it (sdpa-math, flash, fa2, fa2-fma, fa3, mem-efficient, cudnn; flex for flex calls) "
+            "in its dtype, and says which break it (combine: kernels,fp16); 'all' adds every other implementation "
             "(naive, stable, tiled, the SDPA paths, FP8) in fp16, bf16, fp32 and e4m3. Reported apart; never the "
             "model's verdict unless --fail-on what-if:COND."
         ),

@@ -147,10 +147,11 @@ def info_from_meta(meta: dict[str, str], *, index: int, name: str, file: str | N
 
 
 def _flash_judged(m: CallMeta, meta: dict[str, str]) -> None:
-    """A flash_attn call its path (fa2-fma) computes: FlashAttention-2's, with no soft cap, window, sinks, FP8
-    descales or other arguments; causal only with as many queries as keys (flash-attn's causal mask is aligned
-    to the bottom right, the mask the diagnosis builds to the top left); anything else is one line saying why
-    it is not judged."""
+    """A flash_attn call a path computes: a package generation some path stands for (fa2-fma: FlashAttention-2;
+    fa3: FlashAttention-3's ``flash_attn_interface``), with no soft cap, window, sinks, FP8 descales (FA3's FP8
+    calls stay refused: their descales are not read from the capture yet) or other arguments; causal only with
+    as many queries as keys (flash-attn's causal mask is aligned to the bottom right, the mask the diagnosis
+    builds to the top left); anything else is one line saying why it is not judged."""
     import json
 
     why = []

@@ -618,8 +618,8 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
 
 LINES_LEGEND = (
     "Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the path of the "
-    "kernel PyTorch chose, in its dtype: on a GPU fa2, mem-efficient or cudnn, on a CPU flash, sdpa-math for the math "
-    "backend; flash_attn: fa2-fma). "
+    "kernel PyTorch chose, in its dtype: on a GPU fa2 (fa3 where PyTorch ran FlashAttention-3), mem-efficient or "
+    "cudnn, on a CPU flash, sdpa-math for the math backend; flash_attn: fa2-fma, fa3). "
     "logit: largest unmasked score; room: the cell's distance to its first failure{limit}; NaN: NaN rows; "
     "err: max |p - p_float64|; >: the first call that goes wrong{grad}"
 )

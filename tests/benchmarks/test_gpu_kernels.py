@@ -18,7 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_kernels.py"
-PATHS = {"fa2", "fa2-fma", "mem-efficient", "cudnn", "flash", "sdpa-math"}
+PATHS = {"fa2", "fa2-fma", "fa3", "mem-efficient", "cudnn", "flash", "sdpa-math"}
 # O against float64, over u * sum_j p_j |v_j| (u the dtype's unit roundoff): P rounded to the dtype (<= 1) and O
 # rounded to it (<= 1), plus S's fp32 rounding at scores of ~1e4 (about 2^-24 * 1e4 relative in p: <= 1.2 in fp16)
 BOUND_U = 3.0
@@ -89,14 +89,16 @@ def test_fa2_with_a_float_mask_is_within_the_dtypes_rounding_of_float64(cpu_only
 @pytest.mark.slow
 def test_cpu_only_hazard_repros_as_the_threads_report_them(cpu_only):
     cases = by_label(cpu_only)
-    # PyTorch issue 121558: bf16 q, k, v all 133120: NaN from the fused-FMA flash kernel (fa2-fma), finite from
-    # PyTorch's UNFUSE_FMA build, the efficient and the math kernels
+    # PyTorch issue 121558: bf16 q, k, v all 133120: NaN from the fused-FMA flash kernels (fa2-fma, and
+    # FlashAttention-3, whose exponent is fused too), finite from PyTorch's UNFUSE_FMA build, the efficient and the
+    # math kernels
     c = cases["121558"]
     rows = c["hq"] * c["tq"]
-    assert c["paths"]["fa2-fma"]["finite_where_reference_is"] is False
-    assert c["paths"]["fa2-fma"]["events"]["fused_max"] == rows
-    assert c["paths"]["fa2-fma"]["nonfinite_rows_explained_by_events"] == rows
-    for name in PATHS - {"fa2-fma"}:
+    for name in ("fa2-fma", "fa3"):
+        assert c["paths"][name]["finite_where_reference_is"] is False
+        assert c["paths"][name]["events"]["fused_max"] == rows
+        assert c["paths"][name]["nonfinite_rows_explained_by_events"] == rows
+    for name in PATHS - {"fa2-fma", "fa3"}:
         assert c["paths"][name]["finite_where_reference_is"] is True, name
     # PyTorch issue 196678: L % 128 == 64 (192 is among the failing lengths), an explicit mask, every LSE < -88.7:
     # every row's dQ; L = 256 (a multiple of 128) clean
@@ -124,6 +126,7 @@ def test_backend_plumbing_on_the_cpu(tmp_path):
     inputs; the efficient and cuDNN backends refuse with torch's reason; the backward runs on the repros."""
     doc = run_script(tmp_path, "--device", "cpu", "--quick")
     assert doc["meta"]["mode"] == "backends on cpu"
+    assert doc["meta"]["fa3_skipped"] == "no CUDA device"  # FlashAttention-3 needs sm90 and flash_attn_interface
     for c in doc["cases"]:
         assert set(c["backends"]) == {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"}
         fl = c["backends"]["FLASH_ATTENTION"]
@@ -170,3 +173,41 @@ def test_cpu_only_exits_1_when_an_emulation_breaks(fault, tmp_path, monkeypatch,
     f = json.loads(out.read_text())["cases"][0]["paths"]["cudnn"]
     assert ("broken kernel" in f["error"]) if fault == "crash" else f["nonfinite_rows_unexplained"] == 8
     assert "an emulation crashed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", [("random", "none", 2, 40, 40), ("causal-rect", "causal", 4, 24, 70)])
+def test_fa3_figures_plumbing_with_a_stand_in_interface(monkeypatch, case):
+    """FlashAttention-3's side of the script without a GPU: a stand-in ``flash_attn_interface`` in the package's
+    layout ((b, t, h, d) in and out, LSE (b, h, t)) computing with float64 softmax and FlashAttention-3's causal
+    mask (bottom right); the script's transposes, its bottom-right emulation and its comparison must line up: O
+    within the dtype's rounding of the emulation (not bits: the stand-in is float64), LSE close; explicit masks
+    are refused (the kernel takes none)."""
+    gk = load_script(monkeypatch)
+    name, mask, hq, tq, tk = case
+
+    class StandIn:
+        @staticmethod
+        def flash_attn_func(q, k, v, causal=False, num_splits=1, return_attn_probs=False):
+            assert num_splits == 1 and return_attn_probs
+            q, k, v = (t.transpose(1, 2).double() for t in (q, k, v))
+            k, v = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+            s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+            if causal:
+                i, j = torch.arange(s.shape[-2])[:, None], torch.arange(s.shape[-1])[None, :]
+                s = s.masked_fill(j > i + s.shape[-1] - s.shape[-2], float("-inf"))
+            o = torch.softmax(s, dim=-1) @ v
+            return o.transpose(1, 2).to(torch.bfloat16), torch.logsumexp(s, dim=-1).float()
+
+    c = gk.Case(name, "bf16", 64, tq, tk, hq=hq, hkv=2, mask=mask)
+    x = gk.make_inputs(c)
+    rows = gk.as_rows(c, x)
+    ref, mag = gk.reference(rows)
+    fig = gk.fa3_figures(StandIn(), c, x, rows, mag, ref, torch.device("cpu"), None)
+    assert fig["status"] == "ran" and fig["path"] == "fa3", fig
+    assert fig["nan_pattern_equal"] and fig["lse_inf_pattern_equal"] and fig["lse_max_diff"] < 1e-4
+    assert fig["max_err_u"] <= 2 * BOUND_U and fig["identical_pct"] > 50
+    cm = gk.Case("bool-mask", "bf16", 64, 8, 16, mask="bool")
+    xm = gk.make_inputs(cm)
+    rm = gk.as_rows(cm, xm)
+    refused = gk.fa3_figures(StandIn(), cm, xm, rm, *gk.reference(rm)[::-1], torch.device("cpu"), None)
+    assert refused["status"] == "refused" and refused["refusal_agrees_with_path"]

@@ -257,6 +257,16 @@ def test_flashattention_3_and_4_interfaces_are_recorded_with_descales_and_sinks(
     assert torch.equal(four.tensors["sinks"], sink) and torch.equal(four.tensors["q"], q.transpose(1, 2))
     m = jsondoc.convert(meta_fields(three.meta), CallMeta, lax=True)
     assert (m.descales, m.flash_package) == ("q,k", "fa3")
+    q16, k16, v16 = bthd(dtype=torch.float16)
+    with torch.no_grad(), attncheck.capture(tmp_path / "fa3"):  # a plain FA3 call: judged by FlashAttention-3's path
+        flash_attn_interface.flash_attn_func(q16, k16, v16)
+    r = runner.invoke(app, ["run", str(tmp_path / "fa3"), "--fail-on", "error,warning,nan", "--json", "-"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["model"]["calls"][0]["cell"] == "fa3/fp16"
+    with torch.no_grad(), attncheck.capture(tmp_path / "fa3-fp8"):  # FP8 descales: FA3's FP8 call stays refused
+        flash_attn_interface.flash_attn_func(q16, k16, v16, **scales)
+    r = runner.invoke(app, ["run", str(tmp_path / "fa3-fp8")])
+    assert r.exit_code == 2 and "(fa3 flash_attn_func) with descales of q,k" in r.stderr, r.output
     with torch.no_grad(), attncheck.capture(tmp_path / "fa4"):  # a plain call: no path stands for FA4's kernel yet
         flash_attn.cute.flash_attn_func(q, k, v)
     r = runner.invoke(app, ["run", str(tmp_path / "fa4")])

@@ -71,8 +71,11 @@ def test_pytorch_121558_is_nan_under_the_fused_kernel_alone(tmp_path):
     (call,) = model["kernels"]
     got = {k["path"]: (k["verdict"], k["cause"], k["ran"]) for k in call["kernels"] if k["refused"] is None}
     assert got.pop("fa2-fma") == ("nan", "fused_max", False)
+    assert got.pop("fa3") == ("nan", "fused_max", False)  # FlashAttention-3's exponent is fused too
     assert got == {p: ("ok", None, p == "fa2") for p in ("fa2", "sdpa-math", "flash", "mem-efficient", "cudnn")}
-    assert call["summary"].startswith("fa2-fma NaN (fused_max, 4 row(s)); finite under fa2 (ran), sdpa-math, flash")
+    assert call["summary"].startswith(
+        "fa2-fma NaN (fused_max, 4 row(s)); fa3 NaN (fused_max, 4 row(s)); finite under fa2 (ran), sdpa-math, flash"
+    )
     r = runner.invoke(app, ["run", str(tmp_path / "cap"), "--what-if", "kernels", "--fail-on", "what-if:nan"])
     assert r.exit_code == 1, r.output
     assert "fa2-fma NaN (fused_max" in r.output and "Which kernel breaks each call" in r.output
@@ -136,6 +139,23 @@ def test_a_healthy_model_captured_on_a_gpu_is_clean_under_every_kernel(tmp_path,
     assert r.exit_code == 0, r.output
     model = json.loads(r.stdout)["model"]
     assert model["kernels"] and all(not k["breaks"] for c in model["kernels"] for k in c["kernels"])
+
+
+def test_a_healthy_model_run_by_flash_attention_3_is_clean_under_fa3(tmp_path):
+    """Llama with GQA, no padding (is_causal alone), bf16, SDPA with PyTorch's flash implementation set to FA3:
+    every call judged by fa3, 0 errors, 0 warnings, and no kernel of the replay breaks a call."""
+    from attncheck.testing import as_gpu_capture
+
+    model, inputs = llama_gqa("sdpa", torch.bfloat16), batch()
+    with torch.no_grad(), attncheck.capture(tmp_path / "cap"):
+        model(**inputs)
+    as_gpu_capture(tmp_path / "cap", "flash_attention", flash_impl="fa3")
+    fail_on = "error,warning,nan,what-if:error,what-if:warning,what-if:nan"
+    r = runner.invoke(app, ["run", str(tmp_path / "cap"), "--what-if", "kernels", "--json", "-", "--fail-on", fail_on])
+    assert r.exit_code == 0, r.output
+    model = json.loads(r.stdout)["model"]
+    assert model["calls"] and all(c["cell"] == "fa3/bf16" for c in model["calls"])
+    assert all(not k["breaks"] for c in model["kernels"] for k in c["kernels"])
 
 
 BACKENDS = ("flash_attention", "efficient_attention", "cudnn_attention")

@@ -263,7 +263,7 @@ def _no_cell(options: Options, qk: bool) -> str:
             f"no cell to compute: in {', '.join(fp8)} only a softmax that casts P to FP8 runs ({casts}); "
             f"add it to {param('methods')} or a dtype such as fp16"
         )
-    fp8_paths = ", ".join(PATHS.names(lambda spec: spec.fp8))
+    fp8_paths = ", ".join(PATHS.names(lambda spec: spec.computes_in(True)))
     return (
         f"no cell to compute: the paths {', '.join(options.paths)} do not run in {', '.join(options.dtypes)} "
         f"(FP8 dtypes take {fp8_paths}; the others take the rest)"
@@ -401,8 +401,10 @@ def cell_limit(
                 f"S = Q@K^T in {d} rounds to inf at |S| >= {rounding_limit(dt):.6g}",
             )
         spec = PATHS.get(key.path)
-        if spec.limit is not None:  # the kernel's own arithmetic breaks before S overflows fp32
-            kind, threshold, what = resolve(spec.limit)(dt)
+        # the kernel's own arithmetic breaks before S overflows fp32 (None: not in this dtype)
+        own = None if spec.limit is None else resolve(spec.limit)(dt)
+        if own is not None:
+            kind, threshold, what = own
             return CellLimit(kind, threshold, raw * audit.scale, what)
         s32 = rounding_limit(torch.float32)
         value = raw * audit.scale if how == "fp32-split" else raw

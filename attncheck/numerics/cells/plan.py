@@ -72,7 +72,7 @@ def grid(options: Options, qk: bool, role: str = ASKED) -> list[CellKey]:
     cells = []
     for p in options.paths or path_names(lambda spec: spec.default):
         spec = PATHS.get(p)
-        dtypes = [d for d in options.dtypes if (d in fp8) == spec.fp8]
+        dtypes = [d for d in options.dtypes if spec.computes_in(d in fp8)]
         methods = [m for m in options.methods if METHODS.get(m).eager] if spec.runs_methods else [p]
         cells += [CellKey(p, m, d, role) for m in methods for d in dtypes]
     return cells
@@ -106,10 +106,15 @@ def call_device(info: CallInfo) -> str:
 
 def recorded_implementation(info: CallInfo) -> str:
     """What the capture recorded about the implementation that ran a call: the SDPA backend PyTorch
-    chose ('flash_attention'), a flex call's implementation ('compiled', 'math'), a flash-attn
-    package function ('flash_attn_func'); '' where it recorded none."""
+    chose ('flash_attention'; on CUDA with the flash implementation PyTorch was set to where it is not its
+    default FlashAttention-2: 'flash_attention:fa3', 'flash_attention:fa4'), a flex call's implementation
+    ('compiled', 'math'), a flash-attn package's generation ('fa2', 'fa3', 'fa4'); '' where it recorded none."""
     if info.kind == "sdpa":
-        return info.meta.get("sdpa_backend", "") or ""
+        backend = info.meta.get("sdpa_backend", "") or ""
+        flash_impl = info.meta.get("flash_impl", "") or ""
+        if backend == "flash_attention" and call_device(info) == "cuda" and flash_impl in ("fa3", "fa4"):
+            return f"{backend}:{flash_impl}"
+        return backend
     if info.kind == "flex":
         return info.meta.get("flex_impl", "") or "compiled"
     return info.meta.get("flash_package", "") or "fa2"  # a flash-attn call: the package's generation (fa2, fa3, fa4)

@@ -89,7 +89,9 @@ class PathSpec:
     aliases: tuple[str, ...] = ()
     default: bool = True  # in the default set of Q/K mode
     scores_in: str = "the dtype"  # where S = Q@K^T lives: says why a path does or does not overflow
-    fp8: bool = False  # computes in the FP8 dtypes (P formats) only; the others in fp16/bf16/fp32 only
+    # The dtypes it computes in: False the fp16/bf16/fp32 ones only, True the FP8 dtypes (P formats) only, "both"
+    # both (a kernel with an FP8 mode: ``computes_in``)
+    fp8: bool | str = False
     # The fused kernel the path is (judged by FlashAttention's 2x rule against torch.softmax); None: not a kernel
     kernel: str | None = None
     # The dtype its probabilities are in (the eager path: the method's): "fp32" where they are fp32
@@ -116,8 +118,8 @@ class PathSpec:
     stands_for: tuple[Stands, ...] = ()
     # '(facts: CallFacts) -> str | None': why the kernel could not run a call (None: it can); None: any call
     supports: Impl | None = field(default=None, repr=False)
-    # '(dt) -> (kind, threshold on |S scale|, what)': where the kernel's own arithmetic first breaks, when that
-    # is sooner than S overflowing fp32 (the cell's limit and headroom); None: S's overflow
+    # '(dt) -> (kind, threshold on |S scale|, what) or None': where the kernel's own arithmetic first breaks, when
+    # that is sooner than S overflowing fp32 (the cell's limit and headroom); None: S's overflow
     limit: Impl | None = field(default=None, repr=False)
     # In the replay of ``--what-if kernels``: a kernel a call could have run under; ``replay_kinds``: the
     # kinds of call it replays (empty: every call with Q and K)
@@ -129,6 +131,17 @@ class PathSpec:
             raise ValueError(f"path {self.name}: scores must be 'dtype', 'fp32' or 'fp32-split', got {self.scores!r}")
         if self.backward not in (None, "eager", "math", "recompute"):
             raise ValueError(f"path {self.name}: unknown backward {self.backward!r}")
+        if self.fp8 not in (False, True, "both"):
+            raise ValueError(f"path {self.name}: fp8 must be False, True or 'both', got {self.fp8!r}")
+
+    def computes_in(self, fp8_dtype: bool) -> bool:
+        """Whether it computes in an FP8 dtype (``fp8_dtype``), or in fp16/bf16/fp32 (not ``fp8_dtype``)."""
+        return self.fp8 == "both" or self.fp8 is fp8_dtype
+
+    @property
+    def fp8_only(self) -> bool:
+        """It computes in the FP8 dtypes only (flash-fp8, sage)."""
+        return self.fp8 is True
 
     def function(self) -> Callable:
         return resolve(self.impl)

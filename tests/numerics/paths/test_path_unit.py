@@ -39,9 +39,9 @@ def _compared_path_names(path: Path) -> list[tuple[int, str]]:
 def test_nothing_compares_path_names():
     """Outside the path modules and the registry, no code compares a path's name: it asks the spec
     (stands_for, scores, backward, runs_methods, device, replay). 'eager', 'math' and 'flex' are also the
-    names of other things (a compile mode, a flex implementation, a backward, a kind of call): those are
-    allowed."""
-    shared = {"eager", "math", "flex"}
+    names of other things (a compile mode, a flex implementation, a backward, a kind of call), and 'fa2', 'fa3',
+    'fa4' the flash-attn generations a capture records (``flash_impl``, ``flash_package``): those are allowed."""
+    shared = {"eager", "math", "flex", "fa2", "fa3", "fa4"}
     hits = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE)
