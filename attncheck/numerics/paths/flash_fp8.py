@@ -58,9 +58,12 @@ def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params:
     import torch
 
     from attncheck.numerics.inputs.scores import _kv_heads
+    from attncheck.numerics.methods.fp8_accum import DEFAULT_MANTISSA_BITS, mma_accumulate_fp8
     from attncheck.numerics.methods.fp8_attention import (
         OUT_DTYPE,
         Fp8Setup,
+        accum_companions,
+        accum_label,
         add_bf16_mask,
         fa3_tile,
         online_pcast_out,
@@ -70,22 +73,46 @@ def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params:
     from attncheck.numerics.methods.softmax import MethodOutput
     from attncheck.numerics.paths.common import PathBlock
 
-    setup = params.fp8 or Fp8Setup(fmt=dt)
+    setup = params.fp8 or Fp8Setup(fmt=dt, accum_bits=DEFAULT_MANTISSA_BITS)
     quant = quantize_inputs(block.inp, setup)
     record_audit(block, dt, setup, quant)
     bh, qs = block.rows
     kv = _kv_heads(block.inp, bh)
     q8, dq = quant.q8[bh, qs], quant.dq[bh, qs]  # (n, tq, d), (n, tq)
     k8, dk = quant.k8[kv], quant.dk[kv]
-    # The kernel folds the descales into the softmax scale (flash_fwd_kernel_sm90.h: softmax_scale_log2 *= q_descale
-    # * k_descale), then multiplies the fp32 accumulator by it: S = q8.k8 x ((dq x dk) x scale), each product in fp32.
-    s = torch.matmul(q8, k8.transpose(-1, -2)) * (dq[..., None] * dk[:, None, :] * block.inp.scale)  # (n, tq, Tk) fp32
-    s = add_bf16_mask(block, s)
     _, block_n = fa3_tile(block.inp.d)
     v8 = None if quant.v8 is None else quant.v8[kv]
-    r, o = online_pcast_out(s, v8, setup.fmt, setup.p_scale, block_n, reverse=True)
-    out = MethodOutput(r.probs.reshape(-1, s.shape[-1]), pcast=r)
-    if o is not None:
-        out.out = (o * quant.dv[kv][:, None, :]).to(OUT_DTYPE).reshape(-1, o.shape[-1])
+
+    def scores(bits: int | None) -> torch.Tensor:
+        # The kernel folds the descales into the softmax scale (flash_fwd_kernel_sm90.h: softmax_scale_log2 *=
+        # q_descale * k_descale), then multiplies the accumulator by it: S = q8.k8 x ((dq x dk) x scale), each
+        # product in fp32. q8.k8 on the FP8 tensor cores from a zeroed accumulator (the QK GEMM's zero_init).
+        qk = (
+            torch.matmul(q8, k8.transpose(-1, -2))
+            if bits is None
+            else mma_accumulate_fp8(None, q8, k8.transpose(-1, -2), mantissa_bits=bits)
+        )
+        s = qk * (dq[..., None] * dk[:, None, :] * block.inp.scale)  # (n, tq, Tk) fp32
+        return add_bf16_mask(block, s)
+
+    def output(s: torch.Tensor, bits: int | None, flush: int | None) -> tuple:
+        r, o = online_pcast_out(
+            s, v8, setup.fmt, setup.p_scale, block_n, reverse=True, accum_bits=bits, accum_flush=flush
+        )
+        if o is not None:
+            o = (o * quant.dv[kv][:, None, :]).to(OUT_DTYPE).reshape(-1, o.shape[-1])
+        return r, o
+
+    s = scores(setup.accum_bits)
+    r, o = output(s, setup.accum_bits, setup.accum_flush)
+    out = MethodOutput(r.probs.reshape(-1, s.shape[-1]), pcast=r, out=o)
+    out.accum = accum_label(setup.accum_bits, setup.accum_flush)
+    if o is not None and setup.accum_bits is not None:
+        out.companions = accum_companions(
+            lambda bits, flush: output(scores(None) if bits is None else s, bits, flush)[1],
+            setup.accum_bits,
+            setup.accum_flush,
+            -(-s.shape[-1] // block_n),
+        )
     flat = s.reshape(-1, s.shape[-1])
     return PathBlock(flat, [], [], [(PATH.name, out)])

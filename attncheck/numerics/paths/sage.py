@@ -46,11 +46,14 @@ def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params:
     import torch
 
     from attncheck.numerics.inputs.scores import _kv_heads
+    from attncheck.numerics.methods.fp8_accum import DEFAULT_MANTISSA_BITS
     from attncheck.numerics.methods.fp8_attention import (
         OUT_DTYPE,
         SAGE_BLOCK,
         SAGE_P_SCALE,
         Fp8Setup,
+        accum_companions,
+        accum_label,
         add_bf16_mask,
         int8_per_group,
         online_pcast_out,
@@ -62,7 +65,7 @@ def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params:
     from attncheck.numerics.paths.common import PathBlock
 
     inp = block.inp
-    setup = params.fp8 or Fp8Setup(fmt=dt)
+    setup = params.fp8 or Fp8Setup(fmt=dt, accum_bits=DEFAULT_MANTISSA_BITS)
     key = ("sage", setup.fmt)
     prep = inp.cache.get(key)
     if prep is None:
@@ -84,8 +87,18 @@ def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params:
     si = torch.matmul(qi[bh, qs], ki[kv].transpose(-1, -2)).float()  # exact: |q.k| <= 127^2 d < 2^24
     s = sage_scores(si, qscale[bh, qs], kscale[kv], inp.scale)
     s = add_bf16_mask(block, s)
-    r, o = online_pcast_out(s, None if v8 is None else v8[kv], setup.fmt, SAGE_P_SCALE, SAGE_BLOCK, reverse=False)
-    out = MethodOutput(r.probs.reshape(-1, s.shape[-1]), pcast=r)
-    if o is not None:
-        out.out = (o * vscale[kv]).to(OUT_DTYPE).reshape(-1, o.shape[-1])
+    # P@V: each 128-key block's four k = 32 WGMMAs on a zeroed accumulator (RO_temp), added to the fp32 O (RO)
+    flush = setup.accum_flush or 1
+
+    def output(bits: int | None, flush: int | None) -> tuple:
+        r, o = online_pcast_out(
+            s, None if v8 is None else v8[kv], setup.fmt, SAGE_P_SCALE, SAGE_BLOCK, False, bits, flush
+        )
+        return r, None if o is None else (o * vscale[kv]).to(OUT_DTYPE).reshape(-1, o.shape[-1])
+
+    r, o = output(setup.accum_bits, flush)
+    out = MethodOutput(r.probs.reshape(-1, s.shape[-1]), pcast=r, out=o)
+    out.accum = accum_label(setup.accum_bits, None if setup.accum_bits is None else flush)
+    if o is not None and setup.accum_bits is not None:
+        out.companions = accum_companions(lambda b, f: output(b, f)[1], setup.accum_bits, flush, 0)
     return PathBlock(s.reshape(-1, s.shape[-1]), [], [], [(PATH.name, out)])

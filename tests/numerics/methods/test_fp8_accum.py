@@ -135,3 +135,60 @@ def test_bad_settings_are_refused():
         mma_accumulate_fp8(None, a, b, flush_every=0)
     with pytest.raises(ValueError):
         truncate_mantissa(a, 60)
+
+
+# --------------------------------------------------------------------------- P@V in the online softmax
+
+
+def trunc_bits64(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """float64 values truncated toward zero to ``bits`` mantissa bits by clearing the low bits of their
+    sign-magnitude encoding (normal numbers)."""
+    mask = ~((1 << (52 - bits)) - 1)
+    return (x.view(torch.int64) & mask).view(torch.float64)
+
+
+def pv_written_out(s, v8, block, p_scale, reverse, bits, flush):
+    """The online softmax's O over key blocks, written out: e = exp(s - m) in fp32, alpha = exp(m_old - m),
+    l = l alpha + sum e, P8 = e4m3(e p_scale); O rescaled in fp32, then per 32 keys the exact P8 V8 sum added
+    and the result truncated to ``bits``. With ``flush``: a working accumulator,
+    rescaled with O, added to O in fp32 after every ``flush`` blocks and after the last."""
+    r, t = s.shape
+    starts = list(range(0, t, block))[:: -1 if reverse else 1]
+    m = torch.full((r, 1), float("-inf"))
+    l = torch.zeros(r, 1)
+    o = torch.zeros(r, v8.shape[-1])
+    w = torch.zeros_like(o)
+    for i, j in enumerate(starts):
+        sj = s[:, j : j + block]
+        m_new = torch.maximum(m, sj.amax(dim=-1, keepdim=True))
+        e = torch.exp(sj - m_new)
+        alpha = torch.exp(m - m_new)
+        l = l * alpha + e.sum(dim=-1, keepdim=True)
+        p8 = (e * p_scale).to(E4M3).double()
+        target = o if flush is None else w
+        target = (target * alpha).double()
+        o = o * alpha
+        for k0 in range(0, sj.shape[1], 32):
+            part = p8[:, k0 : k0 + 32] @ v8[j + k0 : j + min(k0 + 32, sj.shape[1])].double()
+            target = target + part
+            target = trunc_bits64(target, bits)
+        if flush is None:
+            o = target.float()
+        else:
+            w = target.float()
+            if (i + 1) % flush == 0 or i == len(starts) - 1:
+                o, w = o + w, torch.zeros_like(w)
+        m = m_new
+    return o * (1 / (l * p_scale))  # the finalize multiplies by the reciprocal of the scaled sum
+
+
+@pytest.mark.parametrize("bits,flush,reverse", [(13, None, True), (13, 2, True), (9, 1, False), (13, None, False)])
+def test_online_p_at_v_is_the_accumulator_written_out(bits, flush, reverse):
+    from attncheck.numerics.methods.fp8_attention import online_pcast_out
+
+    g = torch.Generator().manual_seed(11)
+    s = torch.randn(2, 24, 450, generator=g) * 2  # 450 keys: blocks of 160 (FA3, d = 64) and a partial one
+    v8 = (torch.randn(2, 450, 16, generator=g) * 40).to(E4M3).float()
+    _, o = online_pcast_out(s, v8, E4M3, 256.0, 160, reverse, accum_bits=bits, accum_flush=flush)
+    for h in range(2):
+        assert torch.equal(o[h], pv_written_out(s[h], v8[h], 160, 256.0, reverse, bits, flush))

@@ -170,10 +170,19 @@ def test_block_scaling_and_key_blocks_are_fa3s_fp8_tile(d):
     assert r.block == bn and r.block_position.shape[-1] == -(-t // bn)
 
 
+def trunc13_f32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values (exact) with their 10 low mantissa bits cleared: truncation to 13 bits, by the bits."""
+    return (x.float().view(torch.int32) & ~0x3FF).view(torch.float32)
+
+
 def test_flash_fp8_scores_fold_the_descales_into_the_scale():
-    """flash-fp8's S (docs/fp8.md): q8 k8^T in fp32 times ((q descale x k descale) x scale), each product
-    in fp32, descale = amax / 448 per batch and kv head. Q and K hold integers 1..8 in magnitude, so
-    q8 = fp8(q 56) are integers and q8 . k8 is exact in any order; d = 48 makes the scale no power of two."""
+    """flash-fp8's S (docs/fp8.md): q8 k8^T on the FP8 tensor cores times ((q descale x k descale) x scale),
+    each product in fp32, descale = amax / 448 per batch and kv head. Q and K hold integers 1..8 in magnitude,
+    so q8 = fp8(q 56) are integers and every partial sum of q8 . k8 is exact in fp32 (below 2^24); d = 48
+    makes the scale no power of two and the product two MMA steps (32 + 16 elements), each result truncated
+    to 13 mantissa bits (the kernel's default); with fp32 accumulation, the exact sum."""
+    from attncheck.numerics.methods.fp8_attention import Fp8Setup
+
     g = torch.Generator().manual_seed(2)
 
     def ints(t):
@@ -184,11 +193,18 @@ def test_flash_fp8_scores_fold_the_descales_into_the_scale():
 
     q, k = ints(50), ints(70)
     _, pb = one_path_block("flash-fp8", q, k, None)
+    _, pb32 = one_path_block("flash-fp8", q, k, None, fp8=Fp8Setup(accum_bits=None))
     dq = torch.tensor(8 / 448, dtype=torch.float64).float()
     scale = torch.tensor(1 / math.sqrt(48), dtype=torch.float32)
-    si = torch.stack([(fp8(q[0, h] / dq).double() @ fp8(k[0, h] / dq).double().T).float() for h in range(2)])
-    assert torch.equal(pb.scores.reshape(2, 50, 70), si * (dq * dq * scale))
+    q8 = torch.stack([fp8(q[0, h] / dq) for h in range(2)])
+    k8 = torch.stack([fp8(k[0, h] / dq) for h in range(2)])
+    si = torch.stack([(q8[h].double() @ k8[h].double().T).float() for h in range(2)])
+    assert torch.equal(pb32.scores.reshape(2, 50, 70), si * (dq * dq * scale))
     assert not torch.equal(si * (dq * dq * scale), si * (dq * dq) * scale)  # the order shows in the bits
+    first = trunc13_f32(q8[..., :32] @ k8[..., :32].transpose(-1, -2))  # exact sums, then the low bits cleared
+    st = trunc13_f32(first + q8[..., 32:] @ k8[..., 32:].transpose(-1, -2))
+    assert torch.equal(pb.scores.reshape(2, 50, 70), st * (dq * dq * scale))
+    assert not torch.equal(st, si)  # the truncation shows
 
 
 def int8_written_out(x: torch.Tensor, groups: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
