@@ -17,15 +17,21 @@
   the running max and row sum are fp32, the sum taken over the exps before the cast;
   P~ = exp(s - m_j) * 2^8 (the kernel's max offset of 8 in its exp2) is cast to e4m3
   with round-to-nearest-even and saturation (cvt.rn.satfinite); O accumulates
-  P8 @ V8 in fp32 with the running rescale, is divided by the row sum, multiplied by V's
-  descale and rounded to bf16, the kernel's output type for FP8 inputs.
-- Not emulated: the FP8 tensor cores' accumulation, which keeps fewer bits than fp32
-  (about 22 per SageAttention's notes; FlashAttention-3's code treats it as fp32), and
-  exp2's approximation (ex2.approx, ~2 ulp of fp32).
+  P8 @ V8 with the running rescale: the CUDA cores rescale O in fp32, then the P@V WGMMAs
+  (32 keys each) accumulate into O itself, each truncating it to 13 mantissa bits (upstream
+  FlashAttention-3 keeps O in the WGMMA accumulator for the whole key range: no flush;
+  `--fp8-flush N` models vLLM's two-level accumulation, vllm-project/flash-attention PRs 104 and
+  122, Dao-AILab PR 2250: a working accumulator added to an fp32 O every N key blocks); O is
+  divided by the row sum, multiplied by V's descale and rounded to bf16, the kernel's output
+  type for FP8 inputs. `--fp8-accum fp32` gives the same kernel with fp32 accumulation.
+- Assumed: the accumulator model (13 bits, truncated once per 32-element step: SageAttention 2's
+  measurement, no NVIDIA documentation; see `fp8_accum`); exp2's approximation (ex2.approx, ~2
+  ulp of fp32) is not emulated.
 
 Tested by: `tests/numerics/methods/test_fp8_cells.py::test_block_scaling_and_key_blocks_are_fa3s_fp8_tile`,
 `tests/numerics/methods/test_fp8_cells.py::test_flash_fp8_path_is_fa3_written_out`,
-`tests/numerics/methods/test_fp8_cells.py::test_flash_fp8_scores_fold_the_descales_into_the_scale`.
+`tests/numerics/methods/test_fp8_cells.py::test_flash_fp8_scores_fold_the_descales_into_the_scale`,
+`tests/numerics/methods/test_fp8_accum.py::test_online_p_at_v_is_the_accumulator_written_out`.
 """
 
 from __future__ import annotations
@@ -44,13 +50,15 @@ if TYPE_CHECKING:
 PATH = PathSpec(
     "flash-fp8",
     "FlashAttention-3's FP8 forward: e4m3 Q, K, V with descales (--fp8-scaling, --incoherent), S in "
-    "fp32, key blocks last to first, P scaled by --p-scale (2^8) and cast to FP8, O in fp32 then bf16",
+    "the FP8 MMA's 13-bit accumulator, key blocks last to first, P scaled by --p-scale (2^8) and cast to FP8, "
+    "O in the same accumulator then bf16",
     f"{__name__}:forward",
     scores_in="fp32 from FP8 q and k",
     fp8=True,
     kernel="FlashAttention-3's FP8 forward",
     device="cuda",
-    assumed="the FP8 tensor cores' accumulation (about 22 bits) is taken as fp32; exp2 is exp rounded to fp32",
+    assumed="the FP8 tensor cores' accumulator as a model (13 mantissa bits truncated per 32-element MMA step, "
+    "SageAttention 2's measurement); exp2 is exp rounded to fp32",
 )
 
 
