@@ -28,7 +28,7 @@ K of an e4m3/e5m2 WGMMA or mma.sync m16n8k32):
 
 Exact: step 1 for e4m3 operands (every product is a multiple of 2^-18 below 2^18, so a sum of 32 of
 them and the accumulator's value are exact in float64 unless the accumulator passes 2^35); the
-truncation itself (integer operations on float64's exponent and mantissa). Assumed: that the
+truncation itself (the low bits of float64's encoding cleared). Assumed: that the
 truncation applies once per instruction to the exact sum (the published experiment isolates it on C
 alone; DeepSeek's account truncates each aligned product instead, which differs by at most a few
 units in the 13th bit); e5m2 products span more than float64's 53 bits and are summed in float64;
@@ -50,14 +50,15 @@ FP32_MANTISSA_BITS = 23
 
 
 def truncate_mantissa(x: "torch.Tensor", mantissa_bits: int) -> "torch.Tensor":
-    """``x`` (float64) truncated toward zero to ``mantissa_bits`` bits after the leading one; exact."""
+    """``x`` (float64) truncated toward zero to ``mantissa_bits`` bits after the leading one; exact for
+    normal float64 values (every value an fp32 accumulator can hold): float64 is sign and magnitude, so
+    clearing the low 52 - mantissa_bits bits of its encoding truncates the magnitude."""
     import torch
 
     if not 0 <= mantissa_bits <= 52:
         raise ValueError(f"mantissa_bits must be in 0..52, got {mantissa_bits}")
-    mant, exp = torch.frexp(x)  # x = mant * 2^exp, |mant| in [0.5, 1)
-    scaled = torch.trunc(torch.ldexp(mant, torch.tensor(mantissa_bits + 1, dtype=exp.dtype)))
-    return torch.ldexp(scaled, exp - (mantissa_bits + 1))
+    mask = -(1 << (52 - mantissa_bits))  # ...111000 in two's complement: the low bits cleared
+    return (x.contiguous().view(torch.int64) & mask).view(torch.float64)
 
 
 def mma_accumulate_fp8(

@@ -70,10 +70,13 @@ class Fp8Setup:
     # every block).
     accum_bits: int | None = None
     accum_flush: int | None = None
+    # with a reduced accumulator, also compute the same kernel under fp32 accumulation and the flush grid
+    # (accum_companions), for the fp8_accumulator finding; off where only the output is wanted
+    accum_companions: bool = True
 
     def quantisation(self) -> "Fp8Setup":
         """This setup without its accumulator settings: what Q, K and V's quantisation depends on."""
-        return replace(self, accum_bits=None, accum_flush=None)
+        return replace(self, accum_bits=None, accum_flush=None, accum_companions=True)
 
 
 @dataclass

@@ -115,7 +115,7 @@ def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params:
     r, o = output(s, setup.accum_bits, setup.accum_flush)
     out = MethodOutput(r.probs.reshape(-1, s.shape[-1]), pcast=r, out=o)
     out.accum = accum_label(setup.accum_bits, setup.accum_flush)
-    if o is not None and setup.accum_bits is not None:
+    if o is not None and setup.accum_bits is not None and setup.accum_companions:
         out.companions = accum_companions(
             lambda bits, flush: output(scores(None) if bits is None else s, bits, flush)[1],
             setup.accum_bits,

@@ -106,6 +106,6 @@ def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params:
     r, o = output(setup.accum_bits, flush)
     out = MethodOutput(r.probs.reshape(-1, s.shape[-1]), pcast=r, out=o)
     out.accum = accum_label(setup.accum_bits, None if setup.accum_bits is None else flush)
-    if o is not None and setup.accum_bits is not None:
+    if o is not None and setup.accum_bits is not None and setup.accum_companions:
         out.companions = accum_companions(lambda b, f: output(b, f)[1], setup.accum_bits, flush, 0)
     return PathBlock(s.reshape(-1, s.shape[-1]), [], [], [(PATH.name, out)])

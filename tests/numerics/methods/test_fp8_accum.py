@@ -141,10 +141,10 @@ def test_bad_settings_are_refused():
 
 
 def trunc_bits64(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """float64 values truncated toward zero to ``bits`` mantissa bits by clearing the low bits of their
-    sign-magnitude encoding (normal numbers)."""
-    mask = ~((1 << (52 - bits)) - 1)
-    return (x.view(torch.int64) & mask).view(torch.float64)
+    """float64 values truncated toward zero to ``bits`` mantissa bits through their frexp decomposition
+    (the module clears encoding bits instead)."""
+    mant, e = torch.frexp(x)  # x = mant 2^e, |mant| in [0.5, 1): 2^(bits + 1) mant keeps bits + 1 bits
+    return torch.trunc(mant * 2.0 ** (bits + 1)) * torch.pow(2.0, (e - bits - 1).double())
 
 
 def pv_written_out(s, v8, block, p_scale, reverse, bits, flush):
