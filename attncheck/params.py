@@ -185,7 +185,8 @@ def fp8_accum(value: Any, param: str = "fp8_accum", *, from_text: bool = True) -
     """'kernel', 'fp32' or a mantissa bit count 1..23 (as text: '13')."""
     if isinstance(value, str) and value.strip().lower() in (FP8_ACCUM_KERNEL, "fp32"):
         return value.strip().lower()
-    v, shown = _typed(value, int, from_text)
+    # the checked value is text ('13'), so text of digits is read back even from a typed source
+    v, shown = _typed(value, int, from_text or (isinstance(value, str) and value.strip().isdigit()))
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 23:
         raise AttncheckError(
             f"must be 'fp32', 'kernel' or a mantissa bit count from 1 to 23 (Hopper's FP8 MMA keeps 13), got {shown}",
