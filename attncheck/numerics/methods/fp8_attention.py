@@ -240,17 +240,20 @@ def online_pcast_out(
 
 
 ACCUM_FLUSH_GRID = (1, 4, 64)  # vLLM PR 122's measured intervals (needle-in-a-haystack 0.89 / 0.88 / 0.856)
+# Below this many key blocks the grid is not computed: each flush costs one more float64 pass of P@V, and over a
+# few blocks the reduced accumulator stays near fp32 (benchmarks/fp8_accumulator.py: at most 1.1x at 5 blocks)
+ACCUM_GRID_MIN_BLOCKS = 8
 
 
 def accum_companions(
     run: "Callable[[int | None, int | None], torch.Tensor | None]", bits: int, flush: int | None, blocks: int
 ) -> dict[str, torch.Tensor]:
     """The same kernel's output under other accumulators, for the fp8_accumulator finding: ``run(bits, flush)``
-    gives O; 'fp32' is fp32 accumulation throughout, 'flush N' the reduced accumulator flushed every N key
-    blocks, for N in ACCUM_FLUSH_GRID below the number of key ``blocks`` (from N on it is the same as no flush)
-    when the cell itself does not flush."""
+    gives O; 'fp32' is fp32 accumulation throughout; where the cell itself does not flush and spans at least
+    ACCUM_GRID_MIN_BLOCKS key ``blocks``, 'flush N' is the reduced accumulator flushed every N key blocks for N
+    in ACCUM_FLUSH_GRID below ``blocks`` (from N on it is the same as no flush)."""
     out = {"fp32": run(None, None)}
-    if flush is None:
+    if flush is None and blocks >= ACCUM_GRID_MIN_BLOCKS:
         out.update({f"flush {n}": run(bits, n) for n in ACCUM_FLUSH_GRID if n < blocks})
     return {name: o for name, o in out.items() if o is not None}
 
