@@ -812,6 +812,35 @@ np.save("scores.npy", np.random.default_rng(0).standard_normal((4, 64)).astype(n
         ),
     ),
     Code(
+        "fp8_accumulator",
+        "warning",
+        "fp8",
+        "the FP8 tensor cores' reduced accumulator costs more than twice fp32 accumulation's error",
+        "Hopper's (and Ada's) FP8 MMA keeps about 22 bits of its fp32 accumulator: after each 32-element step the "
+        "low 10 mantissa bits are truncated (SageAttention 2; thu-ml/SageAttention issue 287; DeepSeek-V3 reports "
+        "about 14 bits of each product). FlashAttention-3's FP8 forward accumulates P@V into O on the tensor cores "
+        "over the whole key range, so at long key lengths O's small late additions are truncated away and O "
+        "drifts toward zero. vLLM's fork (vllm-project/flash-attention PRs 104, 122; Dao-AILab/flash-attention "
+        "PR 2250) adds the reduced accumulator to an fp32 one every N key blocks; SageAttention 2 does it every "
+        "block. The cell's output is compared with the same kernel with fp32 accumulation and with flushes every "
+        "1, 4 and 64 key blocks (vLLM PR 122 measured needle-in-a-haystack at 128k keys 0.89 / 0.88 / 0.856).",
+        "An FP8 cell on the reduced accumulator (--fp8-accum, default the kernel's 13 bits) whose output RMSE "
+        "against float64 exceeds 2x that of the same kernel with fp32 accumulation (FlashAttention's 2x rule).",
+        "flush the FP8 accumulator into fp32 every few key blocks (vLLM's flash-attention fork: "
+        "FLASH_ATTENTION_FP8_TWO_LEVEL_INTERVAL, 4 by default; --fp8-flush N shows the effect; the message names "
+        "the longest interval of 1 / 4 / 64 that holds the 2x rule), or keep P@V in bf16 for long contexts",
+        Example(
+            _SEEDED
+            + """q = torch.randn(1, 1, 16, 64, generator=g) * 0.3
+k = torch.randn(1, 1, 8192, 64, generator=g) * 0.3
+v = torch.randn(1, 1, 8192, 64, generator=g) + 20  # a large common component: O ~ 20 at every key length
+torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
+""",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype e4m3 --path flash-fp8 --brief --fail-on "
+            "fp8_accumulator",
+        ),
+    ),
+    Code(
         "fp8_unscaled",
         "warning",
         "fp8",

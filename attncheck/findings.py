@@ -704,6 +704,7 @@ def _fp8_findings(diag: TensorDiagnosis, add) -> None:
             cells,
             max(c.pcast_mass_rows for c in cells),
         )
+    _fp8_accumulator(diag, add)
     for d in dict.fromkeys(c.dtype for c in diag.cells if c.p_scale):
         lim = diag.limits.get(d)
         over = [c for c in diag.cells if c.dtype == d and c.p_scale and lim and c.p_scale >= lim.rounding_limit]
@@ -752,6 +753,37 @@ def _fp8_findings(diag: TensorDiagnosis, add) -> None:
                 f"q, k, v are cast to {d} without a descale (amax: {amax}; {d} holds {top} at most): " + "; ".join(why),
                 cells,
             )
+
+
+FP8_ACCUM_RULE = 2.0  # FlashAttention's rule: a kernel's error may be at most twice that of its fp32-accumulating twin
+VLLM_NIAH = "vLLM PR 122: needle-in-a-haystack at 128k 0.89 / 0.88 / 0.856 with a flush every 1 / 4 / 64 blocks"
+
+
+def _fp8_accumulator(diag: TensorDiagnosis, add) -> None:
+    """FP8 cells on the tensor cores' reduced accumulator whose output error passes twice that of the same
+    kernel with fp32 accumulation, with the cheapest flush interval of the grid that holds it."""
+    for c in diag.cells:
+        rmse = c.fp8_accum_rmse or {}
+        ref = rmse.get("fp32")
+        if c.out_rmse is None or ref is None or not c.out_rmse > FP8_ACCUM_RULE * ref:
+            continue
+        holds = [
+            (int(name.split()[1]), r)
+            for name, r in rmse.items()
+            if name.startswith("flush ") and r is not None and r <= FP8_ACCUM_RULE * ref
+        ]
+        if holds:
+            n, r = max(holds)  # the longest interval that holds: the fewest fp32 adds
+            cure = f"a flush to fp32 every {n} key block{'s' if n > 1 else ''} holds it (RMSE {r:.3g})"
+        else:
+            cure = "a flush to fp32 every key block (SageAttention 2's and vLLM PR 104's scheme) bounds it by one block"
+        add(
+            "fp8_accumulator",
+            f"{c.name}: at {c.fp8_accum_keys} keys, P@V accumulated on the FP8 tensor cores ({c.fp8_accum}) gives O "
+            f"an RMSE of {c.out_rmse:.3g} against float64, {c.out_rmse / ref:.1f}x the {ref:.3g} of the same kernel "
+            f"with fp32 accumulation (more than {FP8_ACCUM_RULE:g}x); {cure} ({VLLM_NIAH})",
+            [c],
+        )
 
 
 def ignored_causes(ignore) -> set[str]:

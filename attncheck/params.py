@@ -20,6 +20,10 @@ from attncheck.registry import DTYPES, METHODS, PATHS, Registry, cell_dtype, flo
 DEFAULT_BLOCK = 128  # key block of the tiled method (FlashAttention's kBlockN for d <= 128)
 DEFAULT_P_SCALE = 256.0  # FP8 cells: P times 2^8 before the cast, FlashAttention-3's max offset of 8
 FP8_SCALINGS = ("none", "tensor", "head", "block")  # how Q, K, V are quantised for the FP8 paths
+# FP8 paths' tensor-core accumulator (numerics.methods.fp8_accum): 'kernel' (the kernel's own: 13 mantissa bits on
+# Hopper, FlashAttention-3 without a flush, SageAttention 2 flushing every block), 'fp32', or a mantissa bit count
+FP8_ACCUM_KERNEL = "kernel"
+FP8_ACCUM_KERNEL_BITS = 13  # SageAttention 2's measurement of Hopper's and Ada's FP8 MMA accumulator (FP22)
 COLLAPSE_THRESHOLD = 0.99  # a row whose max probability reaches this has collapsed onto one key
 DEFAULT_MAX_MEMORY = "1GiB"
 DEFAULT_CHUNK_ELEMENTS = 1 << 22  # float64 working set per chunk: 32 MiB a tensor
@@ -177,6 +181,27 @@ def integer(value: Any, param: str, minimum: int, *, from_text: bool = True) -> 
     if v > MAX_INTEGER:
         raise AttncheckError(f"must be an integer from {minimum} to 2^62, got {shown}", param=param)
     return v
+
+
+def fp8_accum(value: Any, param: str = "fp8_accum", *, from_text: bool = True) -> str:
+    """'kernel', 'fp32' or a mantissa bit count 1..23 (as text: '13')."""
+    if isinstance(value, str) and value.strip().lower() in (FP8_ACCUM_KERNEL, "fp32"):
+        return value.strip().lower()
+    # the checked value is text ('13'), so text of digits is read back even from a typed source
+    v, shown = _typed(value, int, from_text or (isinstance(value, str) and value.strip().isdigit()))
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 23:
+        raise AttncheckError(
+            f"must be 'fp32', 'kernel' or a mantissa bit count from 1 to 23 (Hopper's FP8 MMA keeps 13), got {shown}",
+            param=param,
+        )
+    return str(v)
+
+
+def fp8_accum_bits(value: str) -> int | None:
+    """The mantissa bits of a checked ``fp8_accum`` value: None for fp32."""
+    if value == "fp32":
+        return None
+    return FP8_ACCUM_KERNEL_BITS if value == FP8_ACCUM_KERNEL else int(value)
 
 
 def number(value: Any, param: str, *, positive: bool = False, from_text: bool = True) -> float:

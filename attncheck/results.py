@@ -298,6 +298,12 @@ class Cell:
     pcast_mass_max: float | None = None  # largest reference probability mass a row lost to the P cast
     pcast_mass_rows: int = 0  # rows that lost at least 1e-3 of it (accumulate.PCAST_MASS)
     p_scale: float | None = None  # S, the factor on P before the FP8 cast
+    # FP8 cells: how the tensor cores accumulate P@V ('fp32', '13 bits', '13 bits, flush every 4 blocks'), the key
+    # length, and the output RMSE of the same kernel under other accumulators ('fp32': fp32 throughout; 'flush N':
+    # the reduced accumulator added to fp32 every N key blocks), where the cell's is reduced
+    fp8_accum: str | None = None
+    fp8_accum_keys: int | None = None
+    fp8_accum_rmse: dict[str, float | None] | None = None
     # NaN rows per head (the axis before the queries), summed over the axes before it; empty for 2-D input
     nan_rows_per_head: list[int] = field(default_factory=list)
     nan_causes_per_head: dict[str, list[int]] = field(default_factory=dict)  # the same, per first cause

@@ -82,6 +82,8 @@ FLAGS = {
     "p_scale": "--p-scale",
     "fp8_scaling": "--fp8-scaling",
     "incoherent": "--incoherent",
+    "fp8_accum": "--fp8-accum",
+    "fp8_flush": "--fp8-flush",
     "script": "SCRIPT",
     "forwards": "--forward",
     "modules": "--module",

@@ -81,13 +81,33 @@ def cell_options(dtype: str | None, method: str | None, path: str | None, **how)
     return options, any(v is not None for v in (dtype, method, path))
 
 
-def _fp8_options(dtype: str, p_scale: str | None, fp8_scaling: str | None, incoherent: bool, qk_given: bool) -> dict:
-    """--p-scale, --fp8-scaling, --incoherent: checked, and refused where they would change nothing."""
+def _fp8_options(
+    dtype: str,
+    p_scale: str | None,
+    fp8_scaling: str | None,
+    incoherent: bool,
+    qk_given: bool,
+    fp8_accum: str | None = None,
+    fp8_flush: str | None = None,
+) -> dict:
+    """--p-scale, --fp8-scaling, --incoherent, --fp8-accum, --fp8-flush: checked, and refused where they would
+    change nothing."""
     from attncheck.registry import fp8_names
 
+    out: dict = {"incoherent": incoherent}
+    if fp8_accum is not None:
+        out["fp8_accum"] = params.fp8_accum(fp8_accum, "fp8_accum")
+    if fp8_flush is not None:
+        out["fp8_flush"] = params.integer(fp8_flush, "fp8_flush", 1)
     given = [
         name
-        for name, value in (("p_scale", p_scale), ("fp8_scaling", fp8_scaling), ("incoherent", incoherent or None))
+        for name, value in (
+            ("p_scale", p_scale),
+            ("fp8_scaling", fp8_scaling),
+            ("incoherent", incoherent or None),
+            ("fp8_accum", fp8_accum),
+            ("fp8_flush", fp8_flush),
+        )
         if value is not None
     ]
     if given and not set(params.dtypes(dtype)) & set(fp8_names()):
@@ -100,7 +120,16 @@ def _fp8_options(dtype: str, p_scale: str | None, fp8_scaling: str | None, incoh
             f"{param('fp8_scaling')} and {param('incoherent')} apply to attention computed from {param('q')} and "
             f"{param('k')}"
         )
-    out: dict = {"incoherent": incoherent}
+    if not qk_given and (fp8_accum is not None or fp8_flush is not None):
+        raise AttncheckError(
+            f"{param('fp8_accum')} and {param('fp8_flush')} apply to attention computed from {param('q')} and "
+            f"{param('k')} (the FP8 kernels' tensor-core products)"
+        )
+    if out.get("fp8_flush") is not None and out.get("fp8_accum") == "fp32":
+        raise AttncheckError(
+            f"{param('fp8_flush')} flushes the reduced FP8 accumulator into fp32; with {param('fp8_accum')} fp32 "
+            "there is nothing to flush"
+        )
     if p_scale is not None:
         out["p_scale"] = params.number(p_scale, "p_scale", positive=True)
     if fp8_scaling is not None:
@@ -272,6 +301,28 @@ def run(
         ),
         rich_help_panel=FP8,
     ),
+    fp8_accum: Optional[str] = typer.Option(
+        None,
+        "--fp8-accum",
+        metavar="BITS",
+        help=(
+            "FP8 dtypes with --q/--k: the tensor cores' accumulator for P@V and FP8 Q@K^T: fp32, or the mantissa "
+            "bits kept after each 32-element MMA step, 1..23 (default: the kernel's, 13 on Hopper, truncated)."
+        ),
+        rich_help_panel=FP8,
+        show_default=False,
+    ),
+    fp8_flush: Optional[str] = typer.Option(
+        None,
+        "--fp8-flush",
+        metavar="N",
+        help=(
+            "FP8 dtypes with --q/--k: add P@V's reduced accumulator to an fp32 one every N key blocks (vLLM's "
+            "two-level accumulation; default: the kernel's, none for flash-fp8, every block for sage)."
+        ),
+        rich_help_panel=FP8,
+        show_default=False,
+    ),
 ) -> None:
     """Diagnose saved attention scores (pre-softmax logits), the scores Q and K produce, or a capture.
 
@@ -299,7 +350,13 @@ def run(
             device=params.device(device),
             chunk_elements=chunk_elements_for(memory),
             **_fp8_options(
-                dtype or DEFAULT_DTYPES, p_scale, fp8_scaling, incoherent, qk_given=q is not None or k is not None
+                dtype or DEFAULT_DTYPES,
+                p_scale,
+                fp8_scaling,
+                incoherent,
+                qk_given=q is not None or k is not None,
+                fp8_accum=fp8_accum,
+                fp8_flush=fp8_flush,
             ),
         )
         # Every value is checked, whether or not it applies; then what does not apply is named.

@@ -95,6 +95,10 @@ class Options:
     p_scale: float = params.DEFAULT_P_SCALE
     fp8_scaling: str = "head"
     incoherent: bool = False
+    # The FP8 tensor cores' accumulator: 'kernel' (13 mantissa bits, each kernel's own flush), 'fp32' or a bit
+    # count; fp8_flush: P@V's reduced accumulator added to an fp32 one every N key blocks (None: the kernel's).
+    fp8_accum: str = params.FP8_ACCUM_KERNEL
+    fp8_flush: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dtypes, str) or isinstance(self.methods, str):
@@ -115,6 +119,9 @@ class Options:
         object.__setattr__(self, "paths", params.paths(list(self.paths)) if self.paths else ())
         object.__setattr__(self, "p_scale", params.number(self.p_scale, "p_scale", positive=True, from_text=False))
         params.choice(self.fp8_scaling, params.FP8_SCALINGS, "fp8_scaling")
+        object.__setattr__(self, "fp8_accum", params.fp8_accum(self.fp8_accum, from_text=False))
+        if self.fp8_flush is not None:
+            params.integer(self.fp8_flush, "fp8_flush", 1, from_text=False)
 
 
 def ignore_codes(value, param_name: str = "ignore") -> tuple[str, ...]:

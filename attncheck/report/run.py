@@ -252,6 +252,13 @@ def pcast_table(d: TensorDiagnosis) -> Table | None:
                     for k, n in a.fp8_values.items()
                 ]
                 notes.append(f"flash-fp8 quantisation to {dt} ({a.fp8_scaling}): " + "; ".join(parts))
+    for c in cells:
+        if c.fp8_accum is not None:
+            others = "; ".join(f"{k} {fmt(v, '.3g')}" for k, v in (c.fp8_accum_rmse or {}).items())
+            notes.append(
+                f"{c.name} accumulates on the FP8 tensor cores in {c.fp8_accum} over {c.fp8_accum_keys} keys: O RMSE "
+                f"{fmt(c.out_rmse, '.3g')}" + (f" (same kernel, {others})" if others else "")
+            )
     t.caption = "\n".join(notes)
     t.caption_justify = "left"
     return t

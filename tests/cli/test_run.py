@@ -275,6 +275,26 @@ def test_cuda_requested_without_cuda(healthy):
             "--fp8-scaling and --incoherent apply to attention computed from --q and --k",
         ),
         (
+            ["--dtype", "e4m3", "--fp8-accum", "24"],
+            "--fp8-accum must be 'fp32', 'kernel' or a mantissa bit count from 1 to 23 (Hopper's FP8 MMA keeps "
+            "13), got 24",
+        ),
+        (
+            ["--dtype", "e4m3", "--fp8-accum", "fp16"],
+            "--fp8-accum must be 'fp32', 'kernel' or a mantissa bit count from 1 to 23 (Hopper's FP8 MMA keeps "
+            "13), got 'fp16'",
+        ),
+        (["--dtype", "e4m3", "--fp8-flush", "0"], "--fp8-flush must be an integer >= 1, got 0"),
+        (
+            ["--fp8-accum", "13"],
+            "--fp8-accum apply to FP8 cells: add an FP8 dtype (e4m3, e5m2, e4m3fnuz, e5m2fnuz) to --dtype",
+        ),
+        (
+            ["--dtype", "e4m3", "--fp8-flush", "4"],
+            "--fp8-accum and --fp8-flush apply to attention computed from --q and --k (the FP8 kernels' "
+            "tensor-core products)",
+        ),
+        (
             ["--dtype", "e4m3", "--method", "naive"],
             "no cell to compute: in e4m3 only a softmax that casts P to FP8 runs (tiled); add it to --method or a "
             "dtype such as fp16",
@@ -455,3 +475,19 @@ def test_ignore_leaves_its_rows_out_of_the_head_grid_of_score_files(tmp_path, mo
     assert rows[0][3] == "N2" and rows[1][2] == "N1"
     rows, table = grid("--ignore", "fully_masked_rows")
     assert table[0][4] == "0" and not any(cell.startswith("N") for cell in rows[0][1:]) and rows[1][2] == "N1"
+
+
+def test_fp8_accumulator_options(tmp_path):
+    """--fp8-accum fp32 with --fp8-flush has nothing to flush: exit 2 with one line; each alone runs."""
+    g = torch.Generator().manual_seed(0)
+    f = tmp_path / "qkv.pt"
+    torch.save({n: torch.randn(1, 1, 8, 32, generator=g) for n in "qkv"}, f)
+    qkv = ["--q", f"{f}:q", "--k", f"{f}:k", "--v", f"{f}:v", "--dtype", "e4m3", "--brief"]
+    r = invoke("run", *qkv, "--fp8-accum", "fp32", "--fp8-flush", "4")
+    assert r.exit_code == 2
+    assert error_line(r) == (
+        "attncheck: error: --fp8-flush flushes the reduced FP8 accumulator into fp32; with --fp8-accum fp32 there "
+        "is nothing to flush"
+    )
+    for extra in (["--fp8-accum", "fp32"], ["--fp8-accum", "9", "--fp8-flush", "2"]):
+        assert invoke("run", *qkv, *extra).exit_code == 0

@@ -216,3 +216,16 @@ def test_a_healthy_gemma2_captured_from_the_command_line_passes_fail_on(tmp_path
     assert "info[model_scale]" in text and "double_scale" not in text
     assert "S = Q@K^T before the soft cap in fp16 rounds to inf at |S| >= 65520" in text
     assert "2 call(s) on cpu: 0 error(s), 0 warning(s); no call goes wrong in the cells the model runs" in text
+
+
+def test_a_healthy_bf16_model_asked_in_fp8_has_no_accumulator_finding():
+    """FP8 cells are what-ifs of a bf16 capture; at a healthy model's key lengths the FP8 tensor cores' 13-bit
+    accumulator stays within twice fp32 accumulation's error: no fp8_accumulator finding, and none that counts."""
+    model, inputs = run_model("llama", "sdpa", torch.bfloat16)
+    with torch.no_grad(), attncheck.capture(diagnose=True, what_if=("e4m3",)) as cap:
+        model(**inputs)
+    fp8 = [c for r in cap.calls for c in r.what_if.cells if c.fp8_accum is not None]
+    assert fp8 and all(c.fp8_accum == "13 bits" and c.fp8_accum_rmse["fp32"] is not None for c in fp8)
+    found = [f for r in cap.calls for d in (r.diagnosis, r.what_if) for f in d.findings]
+    assert not [f for f in found if f.code == "fp8_accumulator"]
+    assert cap.result.model.first_bad is None

@@ -369,6 +369,11 @@ class CellAcc:
         # FP8 cells: probabilities the reference says are non-zero, and those the P cast flushed to 0,
         # by the key block's position against the row max's block in visiting order (fp8.POSITIONS).
         self.pcast_live: torch.Tensor | None = None
+        # FP8 cells: how P@V accumulates, the key length, and the output error of the same kernel under other
+        # accumulators (name -> sum of squared errors, elements)
+        self.accum: str | None = None
+        self.accum_keys: int | None = None
+        self.companions: dict[str, list] = {}
         self.pcast_flushed = torch.zeros(3, dtype=torch.int64)
         self.pcast_rows = 0  # rows where the P cast flushed a probability the reference has
         self.pcast_mass_rows = 0  # rows where it flushed at least PCAST_MASS of the reference's probability
@@ -483,6 +488,16 @@ class CellAcc:
             self.out = OutAcc()
         self.out.update(out, ref, tied, ref_algo)
 
+    def update_companion(self, name: str, out: torch.Tensor, ref: torch.Tensor) -> None:
+        """Add one chunk of the output of this cell's kernel under another accumulator: its squared error
+        against ``ref`` (float64 P64 @ V64) over the rows where both are finite, as out_rmse counts them."""
+        o = out.to(torch.float64)
+        ok = row_finite(out) & torch.isfinite(ref.sum(dim=-1))
+        d = take_rows(o, ok) - take_rows(ref, ok)
+        sq, n = self.companions.setdefault(name, [ExactSum(), 0])
+        sq.add((d * d).sum(dim=-1))
+        self.companions[name][1] = n + d.numel()
+
     def finish(self, lead: tuple[int, ...]) -> Cell:
         return Cell(
             method=self.method,
@@ -519,6 +534,10 @@ class CellAcc:
             argmax_flips_near_tie=self.near_ties,
             **({} if self.out is None else self.out.fields()),
             **self._pcast_fields(),
+            fp8_accum=self.accum,
+            fp8_accum_keys=self.accum_keys,
+            fp8_accum_rmse={name: math.sqrt(sq.total() / n) if n else None for name, (sq, n) in self.companions.items()}
+            or None,
         )
 
     def _pcast_fields(self) -> dict:

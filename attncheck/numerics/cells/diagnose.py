@@ -273,9 +273,15 @@ def _no_cell(options: Options, qk: bool) -> str:
 def _fp8_params(method_params: MethodParams, options: Options, d: str) -> MethodParams:
     """The method parameters of FP8 dtype ``d``'s cells: its format, the P scale, the quantisation."""
     from attncheck.numerics.methods.fp8_attention import Fp8Setup
+    from attncheck.params import fp8_accum_bits
 
     setup = Fp8Setup(
-        fmt=dtype_from_name(d), scaling=options.fp8_scaling, incoherent=options.incoherent, p_scale=options.p_scale
+        fmt=dtype_from_name(d),
+        scaling=options.fp8_scaling,
+        incoherent=options.incoherent,
+        p_scale=options.p_scale,
+        accum_bits=fp8_accum_bits(options.fp8_accum),
+        accum_flush=options.fp8_flush,
     )
     return replace(method_params, fp8=setup)
 
@@ -351,6 +357,10 @@ def _path_stage(
         if out.out is not None:
             acc.update_out(out.out, out_ref[0], tied, out_algo)
             acc.tied_rows += count(tied)
+            for name, o in out.companions.items():  # the same kernel under other FP8 accumulators
+                acc.update_companion(name, o, out_ref[0])
+        if out.accum is not None:
+            acc.accum, acc.accum_keys = out.accum, pb.scores.shape[-1]
 
 
 def cell_limit(

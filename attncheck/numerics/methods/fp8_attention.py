@@ -7,8 +7,8 @@ SageAttention 2's INT8 groups and V quantisation.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -64,6 +64,19 @@ class Fp8Setup:
     incoherent: bool = False
     seed: int = 0
     p_scale: float = FA3_P_SCALE
+    # The FP8 tensor cores' accumulator (numerics.methods.fp8_accum): mantissa bits kept after each 32-element
+    # MMA step (None: fp32 accumulation), and a flush of P@V's reduced accumulator into an fp32 one every
+    # accum_flush key blocks (None: the kernel's own scheme; FlashAttention-3 has none, SageAttention 2 flushes
+    # every block).
+    accum_bits: int | None = None
+    accum_flush: int | None = None
+    # with a reduced accumulator, also compute the same kernel under fp32 accumulation and the flush grid
+    # (accum_companions), for the fp8_accumulator finding; off where only the output is wanted
+    accum_companions: bool = True
+
+    def quantisation(self) -> "Fp8Setup":
+        """This setup without its accumulator settings: what Q, K and V's quantisation depends on."""
+        return replace(self, accum_bits=None, accum_flush=None, accum_companions=True)
 
 
 @dataclass
@@ -123,6 +136,7 @@ def _quantize(x: torch.Tensor, ds: torch.Tensor, fmt: torch.dtype) -> tuple[torc
 
 def quantize_inputs(inp: "AttentionInputs", setup: Fp8Setup) -> Quantized:
     """Q, K, V of ``inp`` in FP8 as ``setup`` says, computed once per input and setup."""
+    setup = setup.quantisation()  # one quantisation whatever the accumulator
     cached = inp.cache.get(("fp8", setup))
     if cached is not None:
         return cached
@@ -173,30 +187,82 @@ def quantize_inputs(inp: "AttentionInputs", setup: Fp8Setup) -> Quantized:
 
 
 def online_pcast_out(
-    s: torch.Tensor, v8: torch.Tensor | None, fmt: torch.dtype, p_scale: float, block: int, reverse: bool
+    s: torch.Tensor,
+    v8: torch.Tensor | None,
+    fmt: torch.dtype,
+    p_scale: float,
+    block: int,
+    reverse: bool,
+    accum_bits: int | None = None,
+    accum_flush: int | None = None,
 ) -> tuple[PCastSoftmax, torch.Tensor | None]:
     """The P-cast softmax of ``s`` (n, tq, T) float32 and, with ``v8`` (n, T, dv) float32, the
     fp32 output sum_j fp8(P~_j) @ V8_j accumulated block by block with the running rescale,
-    divided by the fp32 row sum (times p_scale, as the kernels' sum of scaled exps)."""
+    divided by the fp32 row sum (times p_scale, as the kernels' sum of scaled exps).
+
+    ``accum_bits`` None: P@V accumulates in fp32. Otherwise the FP8 tensor cores' accumulator
+    (``fp8_accum.mma_accumulate_fp8``, 32 keys per step): without ``accum_flush`` the WGMMAs accumulate
+    into O itself (FlashAttention-3: O lives in registers, the CUDA cores rescale it in fp32 between
+    blocks, and every step truncates it again); with ``accum_flush`` = N, a working accumulator takes
+    N key blocks (rescaled with O) and is then added to an fp32 O in fp32 and cleared (vLLM's PR 122
+    with N, PR 104 and SageAttention 2 with N = 1)."""
     r = pcast_softmax(s, fmt, p_scale, block, reverse)
     if v8 is None:
         return r, None
+    from attncheck.numerics.methods.fp8_accum import mma_accumulate_fp8
+
     n, tq, t = s.shape
     nb = -(-t // block)
     m = torch.full((n, tq, 1), float("-inf"), device=s.device)
     l = torch.zeros((n, tq, 1), device=s.device)
-    acc = torch.zeros((n, tq, v8.shape[-1]), device=s.device)
-    for j in range(nb - 1, -1, -1) if reverse else range(nb):  # loop over key blocks, not rows
+    acc = torch.zeros((n, tq, v8.shape[-1]), device=s.device)  # O (fp32, or the FP8 MMA's accumulator)
+    work = torch.zeros_like(acc) if accum_bits is not None and accum_flush is not None else None
+    for i, j in enumerate(range(nb - 1, -1, -1) if reverse else range(nb)):  # loop over key blocks, not rows
         keys = slice(j * block, min((j + 1) * block, t))
         m_new = torch.maximum(m, s[..., keys].amax(dim=-1, keepdim=True))
         base = torch.where(m_new == float("-inf"), 0.0, m_new)
         e = torch.exp(s[..., keys] - base)
         alpha = torch.exp(m - base)
         l = l * alpha + e.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(fp8_values(e * p_scale, fmt), v8[:, keys])
+        p8 = fp8_values(e * p_scale, fmt)
+        if accum_bits is None:
+            acc = acc * alpha + torch.matmul(p8, v8[:, keys])
+        elif work is None:  # the reduced accumulator is O itself
+            acc = mma_accumulate_fp8(acc * alpha, p8, v8[:, keys], mantissa_bits=accum_bits)
+        else:  # two-level: the working accumulator, rescaled with O, merged every accum_flush blocks
+            acc = acc * alpha
+            work = mma_accumulate_fp8(work * alpha, p8, v8[:, keys], mantissa_bits=accum_bits)
+            if (i + 1) % accum_flush == 0 or i == nb - 1:
+                acc, work = acc + work, torch.zeros_like(work)
         m = m_new
     inv = torch.where(l == 0, 0.0, 1.0 / (l * p_scale))  # fully masked rows: 0, as the kernels' finalize
     return r, acc * inv
+
+
+ACCUM_FLUSH_GRID = (1, 4, 64)  # vLLM PR 122's measured intervals (needle-in-a-haystack 0.89 / 0.88 / 0.856)
+# Below this many key blocks the grid is not computed: each flush costs one more float64 pass of P@V, and over a
+# few blocks the reduced accumulator stays near fp32 (benchmarks/fp8_accumulator.py: at most 1.1x at 5 blocks)
+ACCUM_GRID_MIN_BLOCKS = 8
+
+
+def accum_companions(
+    run: "Callable[[int | None, int | None], torch.Tensor | None]", bits: int, flush: int | None, blocks: int
+) -> dict[str, torch.Tensor]:
+    """The same kernel's output under other accumulators, for the fp8_accumulator finding: ``run(bits, flush)``
+    gives O; 'fp32' is fp32 accumulation throughout; where the cell itself does not flush and spans at least
+    ACCUM_GRID_MIN_BLOCKS key ``blocks``, 'flush N' is the reduced accumulator flushed every N key blocks for N
+    in ACCUM_FLUSH_GRID below ``blocks`` (from N on it is the same as no flush)."""
+    out = {"fp32": run(None, None)}
+    if flush is None and blocks >= ACCUM_GRID_MIN_BLOCKS:
+        out.update({f"flush {n}": run(bits, n) for n in ACCUM_FLUSH_GRID if n < blocks})
+    return {name: o for name, o in out.items() if o is not None}
+
+
+def accum_label(bits: int | None, flush: int | None) -> str:
+    """How a cell's FP8 MMAs accumulate, in words: 'fp32', '13 bits', '13 bits, flush every 4 blocks'."""
+    if bits is None:
+        return "fp32"
+    return f"{bits} bits" + ("" if flush is None else f", flush every {flush} block{'s' if flush > 1 else ''}")
 
 
 def record_audit(block: "QKBlock", dt: torch.dtype, setup: Fp8Setup, quant: Quantized) -> None:

@@ -7,13 +7,19 @@ r mod 8 in {2t, 2t+1} of each 128-key block); S from (q8 . k8) exactly and the f
 the kernel's order (`sage_scores`); key blocks of 128 visited first to last; P~ =
 exp(s - m_j) * 448 (its exponent offset 8.807) cast to e4m3 (satfinite); V in e4m3
 per channel as `scale_fuse_quant` in csrc/fused/fused.cu does it: V times 448 / amax (the
-reciprocal rounded to fp32 first), the scale amax / 448 kept; O = P8 @ V8 in fp32, divided by
-the row sum, times V's scale, rounded to bf16. Not emulated: the FP22 accumulation of the FP8
-MMA within a 128-key block, and the kernel's base-2 arithmetic (log2 e folded into the scale).
+reciprocal rounded to fp32 first), the scale amax / 448 kept; P8 @ V8 of each 128-key block
+on a zeroed accumulator by four k = 32 WGMMAs, each result truncated to 13 mantissa bits (FP22,
+the accumulator model of `attncheck.numerics.methods.fp8_accum`), then added to the fp32 O after
+O's rescale (the kernel's two-level accumulation: `RO_temp`, `RO += RO_temp` in
+csrc/qattn/qk_int_sv_f8_cuda_sm90.cuh at thu-ml/SageAttention@6ed9e0671ff4e7049bd20c49508a9bae4a634f68);
+O divided by the row sum, times V's scale, rounded to bf16. `--fp8-accum fp32` gives the same kernel
+with fp32 accumulation. Assumed: the accumulator model (SageAttention 2's measurement). Not emulated:
+the kernel's base-2 arithmetic (log2 e folded into the scale).
 
 Tested by: `tests/numerics/methods/test_fp8_cells.py::test_sage_scores_are_the_kernels_int8_products_in_its_order`,
 `tests/numerics/methods/test_fp8_cells.py::test_sage_quantises_v_by_the_fast_math_reciprocal`,
-`tests/numerics/methods/test_fp8_cells.py::test_sage_output_is_the_kernel_written_out`.
+`tests/numerics/methods/test_fp8_cells.py::test_sage_output_is_the_kernel_written_out`,
+`tests/numerics/methods/test_fp8_accum.py::test_online_p_at_v_is_the_accumulator_written_out`.
 """
 
 from __future__ import annotations
@@ -32,13 +38,14 @@ if TYPE_CHECKING:
 PATH = PathSpec(
     "sage",
     "SageAttention 2 (SM90): K smoothed, Q and K in INT8 per thread group, P scaled by 448 and cast to "
-    "FP8, V in FP8 per channel, key blocks first to last, O in bf16",
+    "FP8, V in FP8 per channel, key blocks first to last, P@V per block in FP22 then fp32, O in bf16",
     f"{__name__}:forward",
     scores_in="fp32 from INT8 q and k",
     fp8=True,
     kernel="SageAttention 2",
     device="cuda",
-    assumed="the FP8 MMA's FP22 accumulation is taken as fp32; the kernel's base-2 arithmetic as natural exp",
+    assumed="the FP8 MMA's FP22 accumulator as a model (13 mantissa bits truncated per 32-element step, flushed "
+    "to fp32 every 128-key block); the kernel's base-2 arithmetic as natural exp",
 )
 
 
@@ -46,11 +53,14 @@ def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params:
     import torch
 
     from attncheck.numerics.inputs.scores import _kv_heads
+    from attncheck.numerics.methods.fp8_accum import DEFAULT_MANTISSA_BITS
     from attncheck.numerics.methods.fp8_attention import (
         OUT_DTYPE,
         SAGE_BLOCK,
         SAGE_P_SCALE,
         Fp8Setup,
+        accum_companions,
+        accum_label,
         add_bf16_mask,
         int8_per_group,
         online_pcast_out,
@@ -62,7 +72,7 @@ def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params:
     from attncheck.numerics.paths.common import PathBlock
 
     inp = block.inp
-    setup = params.fp8 or Fp8Setup(fmt=dt)
+    setup = params.fp8 or Fp8Setup(fmt=dt, accum_bits=DEFAULT_MANTISSA_BITS)
     key = ("sage", setup.fmt)
     prep = inp.cache.get(key)
     if prep is None:
@@ -84,8 +94,18 @@ def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params:
     si = torch.matmul(qi[bh, qs], ki[kv].transpose(-1, -2)).float()  # exact: |q.k| <= 127^2 d < 2^24
     s = sage_scores(si, qscale[bh, qs], kscale[kv], inp.scale)
     s = add_bf16_mask(block, s)
-    r, o = online_pcast_out(s, None if v8 is None else v8[kv], setup.fmt, SAGE_P_SCALE, SAGE_BLOCK, reverse=False)
-    out = MethodOutput(r.probs.reshape(-1, s.shape[-1]), pcast=r)
-    if o is not None:
-        out.out = (o * vscale[kv]).to(OUT_DTYPE).reshape(-1, o.shape[-1])
+    # P@V: each 128-key block's four k = 32 WGMMAs on a zeroed accumulator (RO_temp), added to the fp32 O (RO)
+    flush = setup.accum_flush or 1
+
+    def output(bits: int | None, flush: int | None) -> tuple:
+        r, o = online_pcast_out(
+            s, None if v8 is None else v8[kv], setup.fmt, SAGE_P_SCALE, SAGE_BLOCK, False, bits, flush
+        )
+        return r, None if o is None else (o * vscale[kv]).to(OUT_DTYPE).reshape(-1, o.shape[-1])
+
+    r, o = output(setup.accum_bits, flush)
+    out = MethodOutput(r.probs.reshape(-1, s.shape[-1]), pcast=r, out=o)
+    out.accum = accum_label(setup.accum_bits, None if setup.accum_bits is None else flush)
+    if o is not None and setup.accum_bits is not None and setup.accum_companions:
+        out.companions = accum_companions(lambda b, f: output(b, f)[1], setup.accum_bits, flush, 0)
     return PathBlock(s.reshape(-1, s.shape[-1]), [], [], [(PATH.name, out)])

@@ -170,10 +170,19 @@ def test_block_scaling_and_key_blocks_are_fa3s_fp8_tile(d):
     assert r.block == bn and r.block_position.shape[-1] == -(-t // bn)
 
 
+def trunc13_f32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values (exact) with their 10 low mantissa bits cleared: truncation to 13 bits, by the bits."""
+    return (x.float().view(torch.int32) & ~0x3FF).view(torch.float32)
+
+
 def test_flash_fp8_scores_fold_the_descales_into_the_scale():
-    """flash-fp8's S (docs/fp8.md): q8 k8^T in fp32 times ((q descale x k descale) x scale), each product
-    in fp32, descale = amax / 448 per batch and kv head. Q and K hold integers 1..8 in magnitude, so
-    q8 = fp8(q 56) are integers and q8 . k8 is exact in any order; d = 48 makes the scale no power of two."""
+    """flash-fp8's S (docs/fp8.md): q8 k8^T on the FP8 tensor cores times ((q descale x k descale) x scale),
+    each product in fp32, descale = amax / 448 per batch and kv head. Q and K hold integers 1..8 in magnitude,
+    so q8 = fp8(q 56) are integers and every partial sum of q8 . k8 is exact in fp32 (below 2^24); d = 48
+    makes the scale no power of two and the product two MMA steps (32 + 16 elements), each result truncated
+    to 13 mantissa bits (the kernel's default); with fp32 accumulation, the exact sum."""
+    from attncheck.numerics.methods.fp8_attention import Fp8Setup
+
     g = torch.Generator().manual_seed(2)
 
     def ints(t):
@@ -184,11 +193,18 @@ def test_flash_fp8_scores_fold_the_descales_into_the_scale():
 
     q, k = ints(50), ints(70)
     _, pb = one_path_block("flash-fp8", q, k, None)
+    _, pb32 = one_path_block("flash-fp8", q, k, None, fp8=Fp8Setup(accum_bits=None))
     dq = torch.tensor(8 / 448, dtype=torch.float64).float()
     scale = torch.tensor(1 / math.sqrt(48), dtype=torch.float32)
-    si = torch.stack([(fp8(q[0, h] / dq).double() @ fp8(k[0, h] / dq).double().T).float() for h in range(2)])
-    assert torch.equal(pb.scores.reshape(2, 50, 70), si * (dq * dq * scale))
+    q8 = torch.stack([fp8(q[0, h] / dq) for h in range(2)])
+    k8 = torch.stack([fp8(k[0, h] / dq) for h in range(2)])
+    si = torch.stack([(q8[h].double() @ k8[h].double().T).float() for h in range(2)])
+    assert torch.equal(pb32.scores.reshape(2, 50, 70), si * (dq * dq * scale))
     assert not torch.equal(si * (dq * dq * scale), si * (dq * dq) * scale)  # the order shows in the bits
+    first = trunc13_f32(q8[..., :32] @ k8[..., :32].transpose(-1, -2))  # exact sums, then the low bits cleared
+    st = trunc13_f32(first + q8[..., 32:] @ k8[..., 32:].transpose(-1, -2))
+    assert torch.equal(pb.scores.reshape(2, 50, 70), st * (dq * dq * scale))
+    assert not torch.equal(st, si)  # the truncation shows
 
 
 def int8_written_out(x: torch.Tensor, groups: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,3 +343,43 @@ def test_fp8_dtypes_need_a_p_cast_method_and_a_power_of_two_for_the_rotation():
     q, k = torch.randn(1, 1, 8, 48, generator=g), torch.randn(1, 1, 8, 48, generator=g)
     with pytest.raises(AttncheckError, match="power of two; d = 48"):
         diagnose_attention("x", prepare_inputs(q, k), Options(dtypes=("e4m3",), paths=("flash-fp8",), incoherent=True))
+
+
+def accum_inputs(tk: int):
+    """O ~ 20 at every key length (V with a large common component), diffuse attention over ``tk`` keys."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 16, 64, generator=g) * 0.3
+    k = torch.randn(1, 1, tk, 64, generator=g) * 0.3
+    v = torch.randn(1, 1, tk, 64, generator=g) + 20
+    return prepare_inputs(q, k, v=v)
+
+
+def test_fp8_accumulator_fires_at_long_keys_and_names_the_flush():
+    """FA3's FP8 P@V without a flush truncates O after every 32 keys: at 4096 keys its late additions are
+    truncated away and O drifts below float64's (the bias), far past twice the same kernel's error with fp32
+    accumulation; at 256 keys it stays within. A flush every 4 blocks, or fp32 accumulation, clears it."""
+    opts = dict(dtypes=("e4m3",), methods=("torch",), paths=("flash-fp8",))
+    long = diagnose_attention("x", accum_inputs(4096), Options(**opts))
+    (c,) = long.cells
+    assert c.fp8_accum == "13 bits" and c.fp8_accum_keys == 4096
+    assert set(c.fp8_accum_rmse) == {"fp32", "flush 1", "flush 4"}  # 26 blocks of 160: flush 64 is no flush
+    assert c.out_rmse > 2 * c.fp8_accum_rmse["fp32"] and c.out_bias < 0  # truncation toward zero: O too small
+    f = next(f for f in long.findings if f.code == "fp8_accumulator")
+    assert "at 4096 keys" in f.message and f"{c.out_rmse:.3g}" in f.message
+    assert f"{c.fp8_accum_rmse['fp32']:.3g}" in f.message and "flush to fp32 every 4 key blocks" in f.message
+    assert "0.89 / 0.88 / 0.856" in f.message and f.severity == "warning"
+    # the fp32 companion is the same kernel with --fp8-accum fp32
+    (c32,) = diagnose_attention("x", accum_inputs(4096), Options(**opts, fp8_accum="fp32")).cells
+    assert c32.out_rmse == c.fp8_accum_rmse["fp32"] and c32.fp8_accum == "fp32" and c32.fp8_accum_rmse is None
+    flushed = diagnose_attention("x", accum_inputs(4096), Options(**opts, fp8_flush=4))
+    assert flushed.cells[0].out_rmse == c.fp8_accum_rmse["flush 4"] and "fp8_accumulator" not in codes(flushed)
+    short = diagnose_attention("x", accum_inputs(256), Options(**opts))
+    assert short.cells[0].fp8_accum_rmse["fp32"] is not None and "fp8_accumulator" not in codes(short)
+
+
+def test_sage_accumulates_each_block_then_fp32():
+    """SageAttention 2 flushes every 128-key block: its FP22 error stays within the 2x rule at 4096 keys."""
+    d = diagnose_attention("x", accum_inputs(4096), Options(dtypes=("e4m3",), methods=("torch",), paths=("sage",)))
+    (c,) = d.cells
+    assert c.fp8_accum == "13 bits, flush every 1 block" and set(c.fp8_accum_rmse) == {"fp32"}
+    assert c.out_rmse <= 2 * c.fp8_accum_rmse["fp32"] and "fp8_accumulator" not in codes(d)
