@@ -118,11 +118,9 @@ class Options:
         object.__setattr__(self, "paths", params.paths(list(self.paths)) if self.paths else ())
         object.__setattr__(self, "p_scale", params.number(self.p_scale, "p_scale", positive=True, from_text=False))
         params.choice(self.fp8_scaling, params.FP8_SCALINGS, "fp8_scaling")
-        if self.fa4 is not None:
-            from attncheck.numerics.paths.fa4 import Fa4Setup  # torch-free
-
-            if not isinstance(self.fa4, Fa4Setup):
-                raise AttncheckError("fa4 is a Fa4Setup(rescale_threshold=..., max_offset=...) or None", param="fa4")
+        # config imports no numerics: a Fa4Setup (paths.fa4) is recognised by its two fields
+        if self.fa4 is not None and not all(hasattr(self.fa4, f) for f in ("rescale_threshold", "max_offset")):
+            raise AttncheckError("fa4 is a Fa4Setup(rescale_threshold=..., max_offset=...) or None", param="fa4")
 
 
 def ignore_codes(value, param_name: str = "ignore") -> tuple[str, ...]:
