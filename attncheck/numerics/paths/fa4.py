@@ -374,6 +374,7 @@ def kernel_rows(
     emu: tuple[int, int, int] | None = None,
     qk_descale: torch.Tensor | float | None = None,
     v_descale: torch.Tensor | float | None = None,
+    want_probs: bool = True,
 ) -> KernelRows:
     """FlashAttention-4's forward on rows (module docstring for the rounding points).
 
@@ -384,7 +385,8 @@ def kernel_rows(
     masked) or None; ``sinks`` (n,) learnable sink logits of the planes' query heads, or None. ``exp2``: 'kernel'
     (the configuration's mix: ``emu`` (freq, res, start) or ``emu_config`` of head dim, ``causal``,
     ``seqlen_q`` (default tq), ``qhead_per_kvhead``, ``head_dim_v``, ``sm103``), 'hardware' or 'emulated'.
-    Rows are the (n, tq) pairs, flattened; ``out`` is in ``dt`` (bf16 for FP8)."""
+    Rows are the (n, tq) pairs, flattened; ``out`` is in ``dt`` (bf16 for FP8). ``want_probs`` False: ``probs`` is
+    None and no block's P is kept (O and LSE alone, for long key lengths); callers chunk rows, S being (r, Tk)."""
     import torch
 
     from attncheck.numerics.precision import cast
@@ -485,7 +487,8 @@ def kernel_rows(
         over = p > top
         saturated += over.sum(dim=1)
         pd = _to_dtype(p, dt)
-        blocks.append((j, pd))
+        if want_probs:  # the dtype's values, exact in fp32
+            blocks.append((j, pd.float()))
         # 11. the row sum over the fp32 exps, the previous sum rescaled into lane 0
         row_sum = _row_sum(p, None if row_sum is None else row_sum * acc_scale)
         # 12. O rescaled, then P V
@@ -510,14 +513,17 @@ def kernel_rows(
     log_sum = torch.log2(row_sum.double()).float()
     lse = torch.where(bad, -math.inf, (m * sl2 + (log_sum - off)) * ln2)
     # effective probabilities: P_j times the later acc_scales and the final 1/row_sum, float64 then fp32
-    later = torch.ones(r, dtype=torch.float64)
-    probs = torch.empty(r, nb * block_n, dtype=torch.float32)
-    for i in range(len(blocks) - 1, -1, -1):
-        j, pd = blocks[i]
-        probs[:, j * block_n : (j + 1) * block_n] = (pd * (later * rcp.double())[:, None]).float()
-        later = later * scales[i].double()
+    probs = None
+    if want_probs:
+        later = torch.ones(r, dtype=torch.float64)
+        probs = torch.empty(r, nb * block_n, dtype=torch.float32)
+        for i in range(len(blocks) - 1, -1, -1):
+            j, pd = blocks[i]
+            probs[:, j * block_n : (j + 1) * block_n] = (pd.double() * (later * rcp.double())[:, None]).float()
+            later = later * scales[i].double()
+        probs = probs[:, :tk]
     events = {"p_saturation": saturated > 0}
-    return KernelRows(probs[:, :tk], out, lse, events, scores=s[:, :tk], saturated=saturated)
+    return KernelRows(probs, out, lse, events, scores=s[:, :tk], saturated=saturated)
 
 
 def block_setup(params: MethodParams) -> Fa4Setup:
