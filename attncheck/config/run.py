@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from attncheck import params
 from attncheck.errors import AttncheckError, param
@@ -99,6 +100,8 @@ class Options:
     # count; fp8_flush: P@V's reduced accumulator added to an fp32 one every N key blocks (None: the kernel's).
     fp8_accum: str = params.FP8_ACCUM_KERNEL
     fp8_flush: int | None = None
+    # The fa4 path's what-if: a paths.fa4.Fa4Setup (its rescale threshold and max offset); None: the kernel's defaults
+    fa4: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dtypes, str) or isinstance(self.methods, str):
@@ -122,6 +125,9 @@ class Options:
         object.__setattr__(self, "fp8_accum", params.fp8_accum(self.fp8_accum, from_text=False))
         if self.fp8_flush is not None:
             params.integer(self.fp8_flush, "fp8_flush", 1, from_text=False)
+        # config imports no numerics: a Fa4Setup (paths.fa4) is recognised by its two fields
+        if self.fa4 is not None and not all(hasattr(self.fa4, f) for f in ("rescale_threshold", "max_offset")):
+            raise AttncheckError("fa4 is a Fa4Setup(rescale_threshold=..., max_offset=...) or None", param="fa4")
 
 
 def ignore_codes(value, param_name: str = "ignore") -> tuple[str, ...]:

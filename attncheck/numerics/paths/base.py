@@ -71,6 +71,7 @@ class KernelRows:
     events: dict = field(default_factory=dict)  # hazard name -> (r,) bool rows
     scores: Any = None  # (r, Tk) float32: the scores as the kernel's softmax sees them, where it keeps them
     margin: Any = None  # (r,) float64 -ln(FLT_MAX) - LSE where a hazard depends on it
+    saturated: Any = None  # (r,) int64: how many P of the row exceeded the P format's largest value before the cast
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,15 @@ class PathSpec:
 
     def function(self) -> Callable:
         return resolve(self.impl)
+
+    @property
+    def fp8_only(self) -> bool:
+        """Computes in the FP8 dtypes only (fp8=True)."""
+        return self.fp8 is True
+
+    def computes_in(self, fp8_dtype: bool) -> bool:
+        """Whether it computes in a dtype that is (``fp8_dtype``) or is not an FP8 format."""
+        return self.fp8 == "both" or bool(self.fp8) == fp8_dtype
 
     def why_not(self, facts: CallFacts) -> str | None:
         """Why this kernel could not run a call with these facts, or None."""
