@@ -36,9 +36,11 @@ from attncheck.cli.options import (
     IgnoreOpt,
     JsonOpt,
     MaxMemoryOpt,
+    MaxOffsetOpt,
     PartialOpt,
     PathOpt,
     QuietOpt,
+    RescaleThresholdOpt,
     ScaleOpt,
     SummaryOpt,
     WhatIfOpt,
@@ -106,6 +108,27 @@ def _fp8_options(dtype: str, p_scale: str | None, fp8_scaling: str | None, incoh
     if fp8_scaling is not None:
         out["fp8_scaling"] = params.choice(fp8_scaling, params.FP8_SCALINGS, "fp8_scaling")
     return out
+
+
+def fa4_options(
+    threshold: str | None, offset: str | None, path: str | None, what_if: tuple[str, ...], files: bool
+) -> dict:
+    """--rescale-threshold, --max-offset: checked (``params.fa4_settings``), and refused where no fa4 cell could
+    take them: the fa4 path is not among --path, nor asked by --what-if (kernels, fa4), nor possibly a captured
+    call's own kernel (``files``: inputs that may be a capture)."""
+    given = [name for name, value in (("rescale_threshold", threshold), ("max_offset", offset)) if value is not None]
+    if not given:
+        return {}
+    t, o = params.fa4_settings(threshold, offset)
+    fa4 = params.setting_sweeps()
+    asked = path is not None and any(p in fa4 for p in params.paths(path))
+    if not (asked or files or any(w in (params.WHAT_IF_KERNELS, *fa4) for w in what_if)):
+        flags = " and ".join(param(g) for g in given)
+        raise AttncheckError(
+            f"{flags} {'set' if len(given) > 1 else 'sets'} FlashAttention-4's lazy rescale: add fa4 to "
+            f"{param('paths')} (or ask {param('what_if')} kernels)"
+        )
+    return {"rescale_threshold": t, "max_offset": o}
 
 
 def run(
@@ -272,6 +295,8 @@ def run(
         ),
         rich_help_panel=FP8,
     ),
+    rescale_threshold: RescaleThresholdOpt = None,
+    max_offset: MaxOffsetOpt = None,
 ) -> None:
     """Diagnose saved attention scores (pre-softmax logits), the scores Q and K produce, or a capture.
 
@@ -300,6 +325,9 @@ def run(
             chunk_elements=chunk_elements_for(memory),
             **_fp8_options(
                 dtype or DEFAULT_DTYPES, p_scale, fp8_scaling, incoherent, qk_given=q is not None or k is not None
+            ),
+            **fa4_options(
+                rescale_threshold, max_offset, path, asked_what_if, files=bool(paths) and q is None and k is None
             ),
         )
         # Every value is checked, whether or not it applies; then what does not apply is named.
@@ -362,11 +390,13 @@ def run(
                     f"{named} {'applies' if len(given) == 1 else 'apply'} to scores computed from {param('q')} and "
                     f"{param('k')}, which are not given"
                 )
-        if asked_what_if and (qk is not None or example):
+        sweeps_only = all(w in params.setting_sweeps() for w in asked_what_if)  # --what-if fa4: any Q/K input
+        if asked_what_if and (example or (qk is not None and (not sweeps_only or paths))):
             raise AttncheckError(
                 f"{param('what_if')} asks about a captured model's calls; with {param('q')}/{param('k')} or "
                 f"{param('example')} every cell is computed already (choose them with {param('dtypes')}, "
-                f"{param('methods')}, {param('paths')})"
+                f"{param('methods')}, {param('paths')}; {param('what_if')} {', '.join(params.setting_sweeps())} "
+                f"sweeps a kernel's settings on {param('q')}/{param('k')} without score files)"
             )
         request = RunRequest(
             tuple(paths or ()),

@@ -15,7 +15,7 @@ from attncheck.format import fmt, plain, to_jsonable, visible
 from attncheck.model import findings_in_order
 from attncheck.report.diagnostics import EXPLAIN_HINT, Hanging, diagnostic
 from attncheck.report.fit import Fitted, fitted, narrow_table, natural_width
-from attncheck.report.run import diagnosis_json
+from attncheck.report.run import diagnosis_json, settings_section
 from attncheck.report.text import shown
 from attncheck.results import CallReport, ModelLine, ModelReport
 
@@ -707,6 +707,9 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     kernels = kernels_block(report, prefix)
     if kernels is not None:
         parts.append(kernels)
+    settings = settings_section(report.settings)
+    if settings is not None:
+        parts.append(settings)
     notes = path_notes(report, calls, prefix)
     if notes is not None:
         parts.append(notes)
@@ -830,6 +833,7 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
                 }
                 for c in report.kernels
             ],
+            "settings": [to_jsonable(c) for c in report.settings],  # --what-if fa4: each grid over the calls
         }
     )
 

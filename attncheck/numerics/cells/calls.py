@@ -37,6 +37,7 @@ from attncheck.numerics.cells.plan import (
     kernel_refusals,
     known_implementation,
     model_cell,
+    setting_cells,
     what_if_cells,
 )
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
@@ -143,9 +144,13 @@ def diagnose_call(
     if known:
         cells = [model]
     else:
-        cells = grid(asked or options, inputs is not None and kind in QK_KINDS)
+        qk = inputs is not None and kind in QK_KINDS
+        cells = grid(asked or options, qk)
         if model is not None and not any(c.same_cell(model) for c in cells):
             cells.append(model)
+        if qk:  # --what-if fa4 on q/k files: the kernel's settings grid in each dtype asked
+            sweeps = tuple(w for w in what_if if w in params.setting_sweeps())
+            cells += setting_cells(sweeps, (asked or options).dtypes)
     if kind in QK_KINDS:
         diag = _in_call(info, lambda: _qk_diagnosis(info, inputs, options, cells, progress, notice))
     else:

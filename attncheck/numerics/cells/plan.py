@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attncheck.config.run import Options
-from attncheck.numerics.paths.base import CallFacts
-from attncheck.params import WHAT_IF_ALL, WHAT_IF_FP8, WHAT_IF_KERNELS
+from attncheck.numerics.paths.base import CallFacts, Setting
+from attncheck.params import WHAT_IF_ALL, WHAT_IF_FP8, WHAT_IF_KERNELS, setting_sweeps
 from attncheck.registry import (
     DTYPES,
     METHODS,
@@ -44,16 +44,24 @@ class CellKey:
     method: str
     dtype: str
     role: str = ASKED
+    setting: Setting | None = None  # one point of the path's settings grid (``--what-if fa4``); None: as configured
 
     @property
     def name(self) -> str:
-        """'stable/fp16'; with Q and K: 'eager:stable/fp16', 'flash/fp16' (as ``results.Cell.name``)."""
+        """'stable/fp16'; with Q and K: 'eager:stable/fp16', 'flash/fp16'; a setting: 'fa4(t4,o8)/e4m3' (as
+        ``results.Cell.name``)."""
+        variant = f"({self.setting.label})" if self.setting is not None else ""
         if self.path and self.path != self.method:
-            return f"{self.path}:{self.method}/{self.dtype}"
-        return f"{self.method}/{self.dtype}"
+            return f"{self.path}:{self.method}{variant}/{self.dtype}"
+        return f"{self.method}{variant}/{self.dtype}"
 
     def same_cell(self, other: "CellKey") -> bool:
-        return (self.path, self.method, self.dtype) == (other.path, other.method, other.dtype)
+        return (self.path, self.method, self.dtype, self.setting) == (
+            other.path,
+            other.method,
+            other.dtype,
+            other.setting,
+        )
 
 
 def grid(options: Options, qk: bool, role: str = ASKED) -> list[CellKey]:
@@ -79,11 +87,11 @@ def grid(options: Options, qk: bool, role: str = ASKED) -> list[CellKey]:
 
 
 def stages(cells: list[CellKey]) -> list[tuple[str | None, str, list[CellKey]]]:
-    """(path, dtype, cells) groups of the cells that share their scores, in first-seen order."""
-    out: dict[tuple[str | None, str], list[CellKey]] = {}
+    """(path, dtype, cells) groups of the cells that share their scores and settings, in first-seen order."""
+    out: dict[tuple[str | None, str, Setting | None], list[CellKey]] = {}
     for c in cells:
-        out.setdefault((c.path, c.dtype), []).append(c)
-    return [(p, d, cs) for (p, d), cs in out.items()]
+        out.setdefault((c.path, c.dtype, c.setting), []).append(c)
+    return [(p, d, cs) for (p, d, _), cs in out.items()]
 
 
 def known_implementation(info: CallInfo) -> bool:
@@ -253,6 +261,16 @@ def what_if_cells(
     """
     model = model_cell(info)
     cells: list[CellKey] = []
+    sweeps = [w for w in dtypes if w in setting_sweeps()]
+    if sweeps:
+        dtypes = tuple(d for d in dtypes if d not in sweeps)
+        if qk and model is not None:
+            own = kernel_dtype(info, model)
+            for p in sweeps:  # the call's dtype and FP8 (e4m3): each kernel's grid where it takes the call
+                takes = [
+                    d for d in dict.fromkeys((own, WHAT_IF_FP8)) if PATHS.get(p).why_not(call_facts(info, d)) is None
+                ]
+                cells += setting_cells((p,), tuple(takes), WHAT_IF)
     if WHAT_IF_KERNELS in dtypes:
         dtypes = tuple(d for d in dtypes if d != WHAT_IF_KERNELS)
         if qk and model is not None:
@@ -285,6 +303,18 @@ def what_if_cells(
             continue
         out.append(c)
     return out
+
+
+def setting_cells(sweeps: tuple[str, ...], dtypes: tuple[str, ...], role: str = ASKED) -> list[CellKey]:
+    """One cell per point of each named kernel's settings grid (``PathSpec.settings``) in each dtype it has one
+    for: what ``--what-if fa4`` computes."""
+    from attncheck.registry import resolve
+
+    cells = []
+    for p in sweeps:
+        grid_of = resolve(PATHS.get(p).settings)
+        cells += [CellKey(p, p, d, role, s) for d in dtypes for s in grid_of(d)]
+    return cells
 
 
 def kernel_dtype(info: CallInfo, model: CellKey) -> str:

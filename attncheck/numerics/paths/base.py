@@ -74,6 +74,19 @@ class KernelRows:
 
 
 @dataclass(frozen=True)
+class Setting:
+    """One point of a kernel's settings grid (``PathSpec.settings``; ``--what-if NAME`` computes each): the
+    MethodParams fields it sets, the numbers it stands for, whether it is the kernel's own default for the
+    dtype, and why the kernel refuses it at the commit the path follows (an assert), else None."""
+
+    label: str  # 't4,o8': short, no spaces or brackets (part of a cell's name: 'fa4(t4,o8)/e4m3')
+    params: tuple[tuple[str, Any], ...]  # (MethodParams field, value): (('fa4', Fa4Setup(4.0, 8.0)),)
+    values: tuple[tuple[str, float], ...]  # (('rescale_threshold', 4.0), ('max_offset', 8.0))
+    default: bool = False
+    refused: str | None = None
+
+
+@dataclass(frozen=True)
 class PathSpec:
     """An attention implementation from Q, K (and V) to P and O = P@V, with its rounding points.
 
@@ -116,9 +129,14 @@ class PathSpec:
     stands_for: tuple[Stands, ...] = ()
     # '(facts: CallFacts) -> str | None': why the kernel could not run a call (None: it can); None: any call
     supports: Impl | None = field(default=None, repr=False)
-    # '(dt) -> (kind, threshold on |S scale|, what)': where the kernel's own arithmetic first breaks, when that
-    # is sooner than S overflowing fp32 (the cell's limit and headroom); None: S's overflow
+    # '(dt, params: MethodParams) -> (kind, threshold on |S scale|, what)': where the kernel's own arithmetic first
+    # breaks, when that is sooner than S overflowing fp32 (the cell's limit and headroom); None: S's overflow. A
+    # fourth item, where given, is the value measured against the threshold (a bound the cell's settings fix,
+    # e.g. how far the lazy rescale lets P grow) instead of the input's largest |S scale|.
     limit: Impl | None = field(default=None, repr=False)
+    # '(dtype name) -> tuple[Setting, ...]': the grid of the kernel's settings that ``--what-if NAME`` computes
+    # in that dtype (empty: none there); None: the kernel has no settings to sweep
+    settings: Impl | None = field(default=None, repr=False)
     # In the replay of ``--what-if kernels``: a kernel a call could have run under; ``replay_kinds``: the
     # kinds of call it replays (empty: every call with Q and K)
     replay: bool = False
