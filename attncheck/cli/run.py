@@ -111,7 +111,12 @@ def _fp8_options(dtype: str, p_scale: str | None, fp8_scaling: str | None, incoh
 
 
 def fa4_options(
-    threshold: str | None, offset: str | None, path: str | None, what_if: tuple[str, ...], files: bool
+    threshold: str | None,
+    offset: str | None,
+    path: str | None,
+    what_if: tuple[str, ...],
+    files: bool,
+    example: bool = False,
 ) -> dict:
     """--rescale-threshold, --max-offset: checked (``params.fa4_settings``), and refused where no fa4 cell could
     take them: the fa4 path is not among --path, nor asked by --what-if (kernels, fa4), nor possibly a captured
@@ -122,8 +127,13 @@ def fa4_options(
     t, o = params.fa4_settings(threshold, offset)
     fa4 = params.setting_sweeps()
     asked = path is not None and any(p in fa4 for p in params.paths(path))
+    flags = " and ".join(param(g) for g in given)
+    if example:
+        raise AttncheckError(
+            f"{flags} {'set' if len(given) > 1 else 'sets'} FlashAttention-4's lazy rescale, which computes attention "
+            f"from {param('q')}/{param('k')} or a capture, not the built-in example's scores"
+        )
     if not (asked or files or any(w in (params.WHAT_IF_KERNELS, *fa4) for w in what_if)):
-        flags = " and ".join(param(g) for g in given)
         raise AttncheckError(
             f"{flags} {'set' if len(given) > 1 else 'sets'} FlashAttention-4's lazy rescale: add fa4 to "
             f"{param('paths')} (or ask {param('what_if')} kernels)"
@@ -327,7 +337,12 @@ def run(
                 dtype or DEFAULT_DTYPES, p_scale, fp8_scaling, incoherent, qk_given=q is not None or k is not None
             ),
             **fa4_options(
-                rescale_threshold, max_offset, path, asked_what_if, files=bool(paths) and q is None and k is None
+                rescale_threshold,
+                max_offset,
+                path,
+                asked_what_if,
+                files=bool(paths) and q is None and k is None,
+                example=example,
             ),
         )
         # Every value is checked, whether or not it applies; then what does not apply is named.
