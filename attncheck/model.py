@@ -361,15 +361,21 @@ def setting_choices(diag: TensorDiagnosis, ignore=()) -> list[SettingChoice]:
     return out
 
 
+def call_settings(report: CallReport, ignore=()) -> list[SettingChoice]:
+    """One call's settings grids (its what-if cells, or a q/k file's asked cells), each with its best."""
+    ignore = (*ignore, *INHERITED)
+    return [
+        ch for diag in (report.diagnosis, report.what_if) if diag is not None for ch in setting_choices(diag, ignore)
+    ]
+
+
 def model_settings(calls: list[CallReport], ignore=()) -> list[SettingChoice]:
     """Each settings grid over every call that computed it: a point's error is its worst call's, its findings
     those of any call, ``calls_bad`` the calls it broke; the best named as for one call."""
-    ignore = (*ignore, *INHERITED)
     gathered: dict[tuple[str, str, str], list[SettingChoice]] = {}
     for report in calls:
-        for diag in (report.diagnosis, report.what_if):
-            for choice in [] if diag is None else setting_choices(diag, ignore):
-                gathered.setdefault((choice.path, choice.dtype, choice.metric), []).append(choice)
+        for choice in call_settings(report, ignore):
+            gathered.setdefault((choice.path, choice.dtype, choice.metric), []).append(choice)
     out = []
     for (path, dtype, metric), choices in gathered.items():
         points: dict[str, SettingPoint] = {}
@@ -488,6 +494,7 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
         kernels=kernels,
         recorded_on=places.pop() if len(places) == 1 else None,
         settings=model_settings(calls, ignore),
+        call_settings=[(at, found) for at, c in enumerate(calls) if (found := call_settings(c, ignore))],
     )
 
 

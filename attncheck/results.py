@@ -723,6 +723,8 @@ class ModelReport:
         None  # the GPU every call was recorded on ('cuda:0, NVIDIA H100, sm 9.0'); None: a CPU or mixed
     )
     settings: list[SettingChoice] = field(default_factory=list)  # --what-if fa4: each grid over the calls, its best
+    # --what-if fa4: each call's own grids (position in ``lines``, its choices): the best may differ call by call
+    call_settings: list[tuple[int, list[SettingChoice]]] = field(default_factory=list)
 
 
 @dataclass

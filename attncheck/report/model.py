@@ -642,6 +642,31 @@ def _limit_text(report: ModelReport) -> str:
     return " (each cell's own: " + "; ".join(sorted(limits)) + "; '-': none)"
 
 
+SETTING_CALLS_SHOWN = 12  # calls whose best settings are listed; the JSON has every call's
+
+
+def call_settings_lines(report: ModelReport, prefix: str = "") -> Text | None:
+    """--what-if fa4 over several calls: each call's best setting per dtype, beside its default's error."""
+    if len(report.call_settings) < 2:
+        return None
+    text = Text("Best setting per call (its error; the default's where it is not the best):\n")
+    for at, choices in report.call_settings[:SETTING_CALLS_SHOWN]:
+        line = report.lines[at]
+        parts = []
+        for ch in choices:
+            best, default = ch.point(ch.best), ch.point(ch.default)
+            said = f"{ch.path}/{ch.dtype} " + ("none" if best is None else f"{best.label} {fmt(best.err, '.2g')}")
+            if default is not None and default is not best:
+                said += f" (default {default.label} {fmt(default.err, '.2g')})"
+            parts.append(said)
+        text.append(f"  #{line.index} {visible(call_label(line, prefix))}: ", style="bold")
+        text.append("; ".join(parts) + "\n")
+    if len(report.call_settings) > SETTING_CALLS_SHOWN:
+        text.append(f"  ... {len(report.call_settings) - SETTING_CALLS_SHOWN} more in the JSON report\n")
+    text.rstrip()
+    return text
+
+
 def render_model(report: ModelReport, calls: list[CallReport], device: str) -> Group:
     parts: list[Any] = []
     if report.capture:
@@ -710,6 +735,9 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     settings = settings_section(report.settings)
     if settings is not None:
         parts.append(settings)
+        per_call = call_settings_lines(report, prefix)
+        if per_call is not None:
+            parts.append(per_call)
     notes = path_notes(report, calls, prefix)
     if notes is not None:
         parts.append(notes)
