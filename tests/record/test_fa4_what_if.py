@@ -54,3 +54,31 @@ def test_the_fa4_replay_and_settings_grid_on_a_healthy_model(healthy):
         assert s.calls == len(healthy.calls) and s.best is not None
         assert all(p.calls_bad == 0 and p.findings == [] for p in s.points if p.refused is None)
     assert grids[("fa4", "bf16")].default == "t8" and grids[("fa4", "e4m3")].default == "t0,o8"
+
+
+class Std2Attention(torch.nn.Module):
+    """One SDPA call whose logits have a standard deviation of 2 (flash-attention PR 2694's setup: one head of 64
+    queries over 2048 keys, d = 64, values e4m3 holds exactly), in bf16."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        e4m3 = torch.float8_e4m3fn
+        self.q = (torch.randn(1, 1, 64, 64, generator=g) * 2.0).to(e4m3).to(torch.bfloat16)
+        self.k = torch.randn(1, 1, 2048, 64, generator=g).to(e4m3).to(torch.bfloat16)
+        self.v = torch.randn(1, 1, 2048, 64, generator=g).to(e4m3).to(torch.bfloat16)
+
+    def forward(self):
+        return torch.nn.functional.scaled_dot_product_attention(self.q, self.k, self.v)
+
+
+def test_a_model_with_logit_std_2_saturates_p_under_fa4_fp8_with_offset_8_and_not_4():
+    with torch.no_grad(), attncheck.capture(diagnose=True, what_if="fa4") as cap:
+        Std2Attention()()
+    grids = {(s.path, s.dtype): s for s in cap.result.model.settings}
+    fp8 = grids[("fa4", "e4m3")]
+    assert "p_saturation" in fp8.point("t4,o8").findings
+    assert "p_saturation" not in fp8.point("t4,o4").findings
+    assert fp8.best not in (None, "t4,o8") and fp8.point(fp8.best).err < fp8.point("t4,o8").err
+    # the model's own cell (the CPU flash kernel in bf16) is untouched: the what-ifs are never its verdict
+    assert failed_conditions(cap.result.tensors, ["error", "warning", "nan"]) == []
