@@ -410,8 +410,13 @@ def run(
             raise AttncheckError(
                 f"{param('what_if')} asks about a captured model's calls; with {param('q')}/{param('k')} or "
                 f"{param('example')} every cell is computed already (choose them with {param('dtypes')}, "
-                f"{param('methods')}, {param('paths')}; {param('what_if')} {', '.join(params.setting_sweeps())} "
-                f"sweeps a kernel's settings on {param('q')}/{param('k')} without score files)"
+                f"{param('methods')}, {param('paths')}"
+                + "".join(
+                    f"; {param('what_if')} {w} sweeps a kernel's settings on {param('q')}/{param('k')} without score "
+                    "files"
+                    for w in params.setting_sweeps()
+                )
+                + ")"
             )
         request = RunRequest(
             tuple(paths or ()),

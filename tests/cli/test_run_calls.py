@@ -260,7 +260,8 @@ def test_what_if_with_q_and_k_says_what_to_use_instead(tmp_path):
     r = invoke("run", "--q", tmp_path / "q.pt", "--k", tmp_path / "q.pt", "--what-if", "fp16")
     assert r.exit_code == 2 and error_line(r) == [
         "attncheck: error: --what-if asks about a captured model's calls; with --q/--k or --example every cell is "
-        "computed already (choose them with --dtype, --method, --path)"
+        "computed already (choose them with --dtype, --method, --path; --what-if fa4 sweeps a kernel's settings on "
+        "--q/--k without score files)"
     ]
 
 
