@@ -311,9 +311,13 @@ SETTING_TIE = 0.01
 
 
 def _point(diag: TensorDiagnosis, cell: Cell, metric: str, ignore=()) -> SettingPoint:
+    from attncheck.registry import EVENTS
+
     codes = [f.code for f in diag.findings if cell.name in f.cells and f.code not in ignore]
     errors = [f for f in diag.findings if cell.name in f.cells and f.severity == "error" and f.code not in ignore]
-    bad = counted_verdict(cell, ignore) in BAD_VERDICTS or bool(errors)
+    # a saturating cast (FP8 P above the format's max) corrupts O without a NaN: the setting breaks the call
+    clipped = any(n and EVENTS.get(e) == "saturation" and e not in ignore for e, n in cell.events.items())
+    bad = counted_verdict(cell, ignore) in BAD_VERDICTS or bool(errors) or clipped
     setting = cell.setting or {}
     return SettingPoint(
         label=cell.variant or "",
@@ -324,6 +328,7 @@ def _point(diag: TensorDiagnosis, cell: Cell, metric: str, ignore=()) -> Setting
         err=getattr(cell, metric),
         verdict=counted_verdict(cell, ignore),
         findings=list(dict.fromkeys(codes)),
+        events={e: n for e, n in cell.events.items() if n and e not in ignore},
         headroom=None if cell.limit is None else cell.limit.headroom,
         calls_bad=int(bad),
     )
@@ -341,8 +346,10 @@ def _choose(points: list[SettingPoint]) -> str | None:
 
 
 def _metric(cells: list[Cell]) -> str:
-    """The output's error where the cells computed O (V given), else the probabilities'."""
-    return "out_max_abs_err" if any(c.out_max_abs_err is not None for c in cells) else "max_abs_err"
+    """The output's error where the cells computed O (V given), else the probabilities': a mean over the row
+    (relative L1, RMSE), not the largest element's error, which the FP8 P cast's rounding of one row sets alike
+    for every setting (on PR 2694's setup max |O - O64| was 0.166 at each setting that does not saturate)."""
+    return "out_rel_l1" if any(c.out_rel_l1 is not None for c in cells) else "rmse"
 
 
 def setting_choices(diag: TensorDiagnosis, ignore=()) -> list[SettingChoice]:
@@ -382,12 +389,13 @@ def model_settings(calls: list[CallReport], ignore=()) -> list[SettingChoice]:
         for choice in choices:
             for p in choice.points:
                 if p.label not in points:
-                    points[p.label] = replace(p, findings=list(p.findings))
+                    points[p.label] = replace(p, findings=list(p.findings), events=dict(p.events))
                     continue
                 q = points[p.label]
                 q.err = max((e for e in (q.err, p.err) if e is not None), default=None)
                 q.verdict = q.verdict if q.verdict in BAD_VERDICTS else p.verdict
                 q.findings = list(dict.fromkeys(q.findings + p.findings))
+                q.events = {e: q.events.get(e, 0) + p.events.get(e, 0) for e in {**q.events, **p.events}}
                 rooms = [h for h in (q.headroom, p.headroom) if h is not None]
                 q.headroom = min(rooms) if rooms else None
                 q.calls_bad += p.calls_bad

@@ -471,9 +471,14 @@ class SettingPoint:
     values: dict[str, float]  # {'rescale_threshold': 4.0, 'max_offset': 8.0}
     default: bool  # the kernel's own setting for the dtype
     refused: str | None  # why the kernel refuses it at the commit the path follows (its assert)
-    err: float | None  # the choice's metric: max |O - O_float64| (with V), else max |P - P_float64|; the worst call's
+    err: (
+        float | None
+    )  # the choice's metric: O's relative L1 error (with V), else P's RMSE, against float64; worst call's
     verdict: str  # the cell's (the worst call's): 'ok', 'flip', 'nan', ...
     findings: list[str] = field(default_factory=list)  # codes of the cell's findings (over the calls)
+    events: dict[str, int] = field(
+        default_factory=dict
+    )  # rows per kernel event ('p_saturation': P clipped by its cast)
     headroom: float | None = None  # the cell's limit's headroom (the lazy rescale's: how far P may grow)
     calls_bad: int = 0  # calls where it went wrong or had an error finding
 
@@ -486,7 +491,7 @@ class SettingChoice:
 
     path: str
     dtype: str
-    metric: str  # 'out_max_abs_err' or 'max_abs_err'
+    metric: str  # 'out_rel_l1' (sum |O - O_float64| / sum |O_float64|) or 'rmse' (of P)
     points: list[SettingPoint]
     best: str | None  # label of the best point; None: none could be chosen (every point broke or was refused)
     default: str | None  # label of the kernel's default point

@@ -10,7 +10,7 @@ from attncheck.results import Cell, Finding
 def cell(label, out_err, *, default=False, refused=None, nan_rows=0, dtype="e4m3"):
     causes = {"qk_overflow": nan_rows} if nan_rows else {}
     c = Cell("fa4", dtype, 64, nan_rows, causes, 0, 0, 0, {}, 64, out_err / 10, *[None] * 7, 0, path="fa4")
-    c.out_max_abs_err = out_err
+    c.out_rel_l1 = out_err
     t, o = (float(x[1:]) for x in label.split(","))
     c.variant, c.setting = label, {"rescale_threshold": t, "max_offset": o, "default": default, "refused": refused}
     return c
@@ -23,7 +23,7 @@ def choose(cells, findings=()):
 
 def test_the_least_error_wins_and_the_default_is_named_beside_it():
     choice = choose([cell("t0,o4", 0.02), cell("t0,o8", 0.05, default=True), cell("t4,o4", 0.03)])
-    assert (choice.best, choice.default, choice.metric) == ("t0,o4", "t0,o8", "out_max_abs_err")
+    assert (choice.best, choice.default, choice.metric) == ("t0,o4", "t0,o8", "out_rel_l1")
     assert choice.point("t0,o8").err == 0.05
 
 

@@ -441,7 +441,7 @@ def limits_line(d: TensorDiagnosis) -> Text | None:
     return Text("First failure: " + "; ".join(parts))
 
 
-METRIC_WORDS = {"out_max_abs_err": "max|O - O64|", "max_abs_err": "max|P - P64|"}
+METRIC_WORDS = {"out_rel_l1": "rel L1 of O", "rmse": "RMSE of P"}
 
 
 def settings_table(choice) -> Table:
@@ -450,14 +450,13 @@ def settings_table(choice) -> Table:
     over = f" over {choice.calls} calls" if choice.calls > 1 else ""
     t = compact_table(f"{choice.path} settings in {choice.dtype} (--what-if {choice.path}){over}")
     t.add_column("setting", no_wrap=True)
-    number_column(t, "threshold")
-    number_column(t, "offset")
     number_column(t, METRIC_WORDS.get(choice.metric, choice.metric))
     number_column(t, "headroom")
     t.add_column("result", overflow="fold")
     for p in choice.points:
         notes = [n for n, hit in (("default", p.default), ("best", p.label == choice.best)) if hit]
-        result = ", ".join(p.findings) or p.verdict
+        shown = [*p.findings, *(f"{e} ({n} rows)" for e, n in p.events.items() if e not in p.findings)]
+        result = ", ".join(shown) or p.verdict
         if p.calls_bad and choice.calls > 1:
             result += f" ({p.calls_bad} call{'s' if p.calls_bad > 1 else ''})"
         if p.refused is not None:
@@ -465,8 +464,6 @@ def settings_table(choice) -> Table:
         style = "bold" if p.label == choice.best else ("dim" if p.refused else "")
         t.add_row(
             Text(p.label + (f" ({', '.join(notes)})" if notes else ""), style=style),
-            fmt(p.values.get("rescale_threshold"), "g"),
-            fmt(p.values.get("max_offset"), "g"),
             fmt(p.err, ".3g"),
             Text(fmt(p.headroom, ".3g"), style="red" if p.headroom is not None and p.headroom < 0 else ""),
             Text(result, style="red" if p.calls_bad else ("green" if result == "ok" else "")),
@@ -475,7 +472,7 @@ def settings_table(choice) -> Table:
 
 
 def settings_line(choice) -> Text:
-    """'fa4/e4m3: best t0,o4 (max|O - O64| 0.012); the kernel's default t0,o8: 0.034'."""
+    """'fa4/e4m3: best t0,o4 (rel L1 of O 0.012); the kernel's default t0,o8: 0.034'."""
     metric = METRIC_WORDS.get(choice.metric, choice.metric)
     best, default = choice.point(choice.best), choice.point(choice.default)
     text = Text(f"{choice.path}/{choice.dtype}: ", style="bold")
@@ -502,8 +499,9 @@ def settings_section(choices) -> Group | None:
         parts += [settings_table(choice), settings_line(choice)]
     parts.append(
         Text(
-            "headroom: how far a logit may pass the row max the kernel holds before P runs out of its dtype "
-            "(ln 2 per power of 2); best: the least error among the settings the kernel takes that break nothing, "
+            "setting: t the lazy rescale threshold, o the max offset (log2 units); headroom: how far a logit may "
+            "pass the row max the kernel holds before P runs out of its dtype (ln 2 per power of 2); best: the "
+            "least error among the settings the kernel takes that break nothing, "
             f"a tie (within {choices[0].tie:.0%}) going to the default",
             style="dim",
         )
