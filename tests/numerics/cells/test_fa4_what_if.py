@@ -3,9 +3,12 @@ PR 2694's setup, e4m3 values): threshold 4 with offset 8 lets P reach 2^12 = 409
 saturates it (``p_saturation``), offset 4 keeps P within 2^8 and does not; the errors against float64 are
 ordered as PR 2694 measured (offset 8: 0.361, offset 4: 0.022 at std 2), and the best setting is named."""
 
+import math
+
 import pytest
 import torch
 
+from attncheck.codes import SEVERITY
 from attncheck.config.run import Options
 from attncheck.numerics.cells.diagnose import diagnose_attention
 from attncheck.numerics.cells.plan import setting_cells
@@ -34,22 +37,25 @@ def grid():
 
 def test_threshold_4_offset_8_saturates_p_and_offset_4_does_not(grid):
     diag, choice = grid
-    saturated = {f.code: f for f in diag.findings}.get("p_saturation")
-    assert saturated is not None and "fa4(t4,o8)/e4m3" in saturated.cells
-    assert "fa4(t4,o4)/e4m3" not in saturated.cells
-    assert "p_saturation" in choice.point("t4,o8").findings and "p_saturation" not in choice.point("t4,o4").findings
+    events = {p.label: p.events.get("p_saturation", 0) for p in choice.points}
+    assert events["t4,o8"] > 0 and events["t4,o4"] == 0
     # the kernel's default (threshold 0) keeps P within 2^8 < 448 whatever the offset
-    assert "fa4(t0,o8)/e4m3" not in saturated.cells and "fa4(t0,o4)/e4m3" not in saturated.cells
+    assert events["t0,o8"] == 0 and events["t0,o4"] == 0
+    assert choice.point("t4,o8").calls_bad == 1 and choice.point("t4,o4").calls_bad == 0
+    if "p_saturation" in SEVERITY:  # the finding, where registered, names the saturating setting alone
+        cells = {c for f in diag.findings if f.code == "p_saturation" for c in f.cells}
+        assert "fa4(t4,o8)/e4m3" in cells and "fa4(t4,o4)/e4m3" not in cells
 
 
 def test_the_errors_are_ordered_as_pr_2694_measured_and_the_best_is_named(grid):
     diag, choice = grid
-    assert choice.metric == "out_max_abs_err"
+    assert choice.metric == "out_rel_l1"
     err = {p.label: p.err for p in choice.points}
-    assert err["t4,o8"] > 3 * err["t4,o4"]  # PR 2694 at std 2: 0.361 against 0.022
+    assert err["t4,o8"] > 3 * err["t4,o4"]  # PR 2694 at std 2: 0.361 against 0.022 (with the quantisation's error)
     assert choice.default == "t0,o8"
+    fit = [e for label, e in err.items() if label != "t4,o8"]
     assert choice.best is not None and choice.best != "t4,o8"
-    assert choice.point(choice.best).err == min(e for label, e in err.items() if label != "t4,o8")
-    # the setting the kernel asserts against is marked, and its headroom is negative: ln(448) - 12 ln 2
+    assert choice.point(choice.best).err <= min(fit) * (1 + choice.tie)
+    # the setting the kernel asserts against is marked, and its headroom is negative: ln(448 / 2^12)
     assert choice.point("t4,o8").refused is not None
-    assert choice.point("t4,o8").headroom == pytest.approx(torch.tensor(448 / 4096).log().item())
+    assert choice.point("t4,o8").headroom == pytest.approx(math.log(448 / 4096))
