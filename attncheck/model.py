@@ -376,6 +376,15 @@ def call_settings(report: CallReport, ignore=()) -> list[SettingChoice]:
     ]
 
 
+def settings_refused(calls: list[CallReport]) -> list[tuple[str, int, str]]:
+    """The grids a kernel would not run some calls in: (grid, how many calls, the first call's why)."""
+    found: dict[str, list[str]] = {}
+    for report in calls:
+        for grid, why in report.settings_refused.items():
+            found.setdefault(grid, []).append(why)
+    return [(grid, len(whys), whys[0]) for grid, whys in found.items()]
+
+
 def model_settings(calls: list[CallReport], ignore=()) -> list[SettingChoice]:
     """Each settings grid over every call that computed it: a point's error is its worst call's, its findings
     those of any call, ``calls_bad`` the calls it broke; the best named as for one call."""
@@ -503,6 +512,7 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
         recorded_on=places.pop() if len(places) == 1 else None,
         settings=model_settings(calls, ignore),
         call_settings=[(at, found) for at, c in enumerate(calls) if (found := call_settings(c, ignore))],
+        settings_refused=settings_refused(calls),
     )
 
 

@@ -564,6 +564,8 @@ class CallReport:
     # Where the path judging the call is not the kernel the capture names (an unknown backend or device, a kernel
     # that would not run the call): which path judged it instead, and why
     path_note: str | None = None
+    # --what-if fa4: each kernel grid and dtype the kernel would not run the call in ('fa4/e4m3'), with why
+    settings_refused: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -730,6 +732,8 @@ class ModelReport:
     settings: list[SettingChoice] = field(default_factory=list)  # --what-if fa4: each grid over the calls, its best
     # --what-if fa4: each call's own grids (position in ``lines``, its choices): the best may differ call by call
     call_settings: list[tuple[int, list[SettingChoice]]] = field(default_factory=list)
+    # grids not computed: ('fa4/e4m3', calls the kernel would not run in that dtype, the first call's why)
+    settings_refused: list[tuple[str, int, str]] = field(default_factory=list)
 
 
 @dataclass

@@ -735,6 +735,8 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     settings = settings_section(report.settings)
     if settings is not None:
         parts.append(settings)
+    for grid, n, why in report.settings_refused:
+        parts.append(shown(f"{grid} (--what-if): not computed for {n} call(s): {why}", style="dim"))
         per_call = call_settings_lines(report, prefix)
         if per_call is not None:
             parts.append(per_call)
@@ -862,6 +864,7 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
                 for c in report.kernels
             ],
             "settings": [to_jsonable(c) for c in report.settings],  # --what-if fa4: each grid over the calls
+            "settings_refused": [{"grid": g, "calls": n, "why": why} for g, n, why in report.settings_refused],
         }
     )
 

@@ -38,6 +38,7 @@ from attncheck.numerics.cells.plan import (
     known_implementation,
     model_cell,
     setting_cells,
+    sweep_refusals,
     what_if_cells,
 )
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
@@ -186,6 +187,9 @@ def diagnose_call(
         kernels_refused=refused,
         kernel_dtype=kernels,
         path_note=judged_by(info, model.dtype)[1] if known and model is not None else None,
+        settings_refused=sweep_refusals(info, tuple(w for w in what_if if w in params.setting_sweeps()))
+        if known and what is not None
+        else {},
     )
     extra = head_findings(report, diag.findings)
     if extra:

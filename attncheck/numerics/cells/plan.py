@@ -32,6 +32,7 @@ from attncheck.registry import (
     fp8_what_if_path,
     method_names,
     path_names,
+    resolve,
 )
 from attncheck.results import ASKED, MODEL, WHAT_IF, CallInfo
 
@@ -265,11 +266,9 @@ def what_if_cells(
     if sweeps:
         dtypes = tuple(d for d in dtypes if d not in sweeps)
         if qk and model is not None:
-            own = kernel_dtype(info, model)
+            refused = sweep_refusals(info, tuple(sweeps))
             for p in sweeps:  # the call's dtype and FP8 (e4m3): each kernel's grid where it takes the call
-                takes = [
-                    d for d in dict.fromkeys((own, WHAT_IF_FP8)) if PATHS.get(p).why_not(call_facts(info, d)) is None
-                ]
+                takes = [d for d in sweep_dtypes(info, model) if f"{p}/{d}" not in refused]
                 cells += setting_cells((p,), tuple(takes), WHAT_IF)
     if WHAT_IF_KERNELS in dtypes:
         dtypes = tuple(d for d in dtypes if d != WHAT_IF_KERNELS)
@@ -302,6 +301,27 @@ def what_if_cells(
         if any(c.same_cell(o) for o in out) or (model is not None and _is_model(c, model, qk)):
             continue
         out.append(c)
+    return out
+
+
+def sweep_dtypes(info: CallInfo, model: CellKey) -> tuple[str, ...]:
+    """The dtypes a settings sweep of a captured call runs in: the call's own (its q, k, v's) and FP8 (e4m3)."""
+    return tuple(dict.fromkeys((kernel_dtype(info, model), WHAT_IF_FP8)))
+
+
+def sweep_refusals(info: CallInfo, sweeps: tuple[str, ...]) -> dict[str, str]:
+    """'fa4/e4m3' -> why the kernel would not run the call in that dtype (its support), for each sweep and dtype
+    of ``sweep_dtypes`` it has a grid in and refuses: said in the report, not left out silently."""
+    model = model_cell(info)
+    if model is None:
+        return {}
+    out = {}
+    for p in sweeps:
+        spec = PATHS.get(p)
+        for d in sweep_dtypes(info, model):
+            why = spec.why_not(call_facts(info, d))
+            if why is not None and spec.settings is not None and resolve(spec.settings)(d):
+                out[f"{p}/{d}"] = why
     return out
 
 
