@@ -96,3 +96,36 @@ def test_fa4_option_errors_do_not_import_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, f"torch or numpy imported, or not exit 2: {proc.stderr}"
+
+
+def test_the_options_reach_the_fa4_kernel(tmp_path):
+    """--rescale-threshold 4 --max-offset 8 on logits of std 2 (e4m3 values, PR 2694's setup): the fa4/e4m3 cell
+    saturates P and its headroom is ln(448 / 2^12) < 0; with the defaults (threshold 0) it saturates nothing and
+    the headroom is ln(448 / 2^8). The saturation is counted by the kernel, the headroom from torch.finfo."""
+    import json
+    import math
+
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    e4m3 = torch.float8_e4m3fn
+    qkv = {
+        "q": (torch.randn(1, 1, 64, 64, generator=g) * 2.0).to(e4m3).to(torch.bfloat16),
+        "k": torch.randn(1, 1, 2048, 64, generator=g).to(e4m3).to(torch.bfloat16),
+        "v": torch.randn(1, 1, 2048, 64, generator=g).to(e4m3).to(torch.bfloat16),
+    }
+    path = tmp_path / "std2.pt"
+    torch.save(qkv, path)
+    base = ["run", "--q", f"{path}:q", "--k", f"{path}:k", "--v", f"{path}:v", "--dtype", "e4m3", "--path", "fa4"]
+    top = float(torch.finfo(e4m3).max)
+    for extra, saturates, p_max in (
+        ([], False, 2.0**8),
+        (["--rescale-threshold", "4", "--max-offset", "8"], True, 2.0**12),
+    ):
+        out = tmp_path / "r.json"
+        r = runner.invoke(app, [*base, *extra, "--fp8-scaling", "none", "--quiet", "--json", str(out)])
+        assert r.exit_code == 0, r.output
+        (cell,) = json.loads(out.read_text())["tensors"][0]["cells"]
+        assert cell["name"] == "fa4/e4m3"
+        assert (cell["events"].get("p_saturation", 0) > 0) == saturates
+        assert cell["limit"]["headroom"] == pytest.approx(math.log(top / p_max))
