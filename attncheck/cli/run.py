@@ -138,7 +138,9 @@ def fa4_options(
             f"{flags} {'set' if len(given) > 1 else 'sets'} FlashAttention-4's lazy rescale: add fa4 to "
             f"{param('paths')} (or ask {param('what_if')} kernels)"
         )
-    return {"rescale_threshold": t, "max_offset": o}
+    from attncheck.numerics.paths.fa4 import Fa4Setup  # torch-free
+
+    return {"fa4": Fa4Setup(rescale_threshold=t, max_offset=o)}
 
 
 def run(

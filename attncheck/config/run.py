@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from attncheck import params
 from attncheck.errors import AttncheckError, param
@@ -95,10 +96,8 @@ class Options:
     p_scale: float = params.DEFAULT_P_SCALE
     fp8_scaling: str = "head"
     incoherent: bool = False
-    # FlashAttention-4 (the fa4 path): its lazy rescale threshold and FP8 max offset (log2 units); None: the
-    # kernel's defaults for the dtype (paths.fa4: 8 for 16-bit inputs; 0 and offset 8 for FP8)
-    rescale_threshold: float | None = None
-    max_offset: float | None = None
+    # The fa4 path's what-if: a paths.fa4.Fa4Setup (its rescale threshold and max offset); None: the kernel's defaults
+    fa4: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dtypes, str) or isinstance(self.methods, str):
@@ -119,9 +118,13 @@ class Options:
         object.__setattr__(self, "paths", params.paths(list(self.paths)) if self.paths else ())
         object.__setattr__(self, "p_scale", params.number(self.p_scale, "p_scale", positive=True, from_text=False))
         params.choice(self.fp8_scaling, params.FP8_SCALINGS, "fp8_scaling")
-        t, o = params.fa4_settings(self.rescale_threshold, self.max_offset, from_text=False)
-        object.__setattr__(self, "rescale_threshold", t)
-        object.__setattr__(self, "max_offset", o)
+        if self.fa4 is not None:
+            from attncheck.numerics.paths.fa4 import Fa4Setup  # torch-free
+
+            if not isinstance(self.fa4, Fa4Setup):
+                raise AttncheckError("fa4 is a Fa4Setup(rescale_threshold=..., max_offset=...) or None", param="fa4")
+            # the numbers as --rescale-threshold and --max-offset take them: >= 0, their sum below 128
+            params.fa4_settings(self.fa4.rescale_threshold, self.fa4.max_offset, from_text=False)
 
 
 def ignore_codes(value, param_name: str = "ignore") -> tuple[str, ...]:

@@ -175,7 +175,7 @@ def diagnose_chunks(
         reverse=options.reverse,
         accum=options.accum,
         buffers=None if qk else Buffers(),
-        fa4=fa4_setup(options),
+        fa4=options.fa4,
     )
     start = 0
     shift = None
@@ -279,16 +279,6 @@ def _no_cell(options: Options, qk: bool) -> str:
         f"no cell to compute: the paths {', '.join(options.paths)} do not run in {', '.join(options.dtypes)} "
         f"(FP8 dtypes take {fp8_paths}; the others take the rest)"
     )
-
-
-def fa4_setup(options: Options):
-    """FlashAttention-4's settings asked with --rescale-threshold/--max-offset (``paths.fa4.Fa4Setup``); None:
-    the kernel's defaults for the dtype."""
-    if options.rescale_threshold is None and options.max_offset is None:
-        return None
-    from attncheck.numerics.paths.fa4 import Fa4Setup
-
-    return Fa4Setup(rescale_threshold=options.rescale_threshold, max_offset=options.max_offset)
 
 
 def _cell_params(method_params: MethodParams, options: Options, key: CellKey) -> MethodParams:
