@@ -289,7 +289,7 @@ def _run_qk(
         ]
     name = f"{q_name} @ {k_name}"
     sweeps = tuple(w for w in what_if if w in params.setting_sweeps())  # --what-if fa4: its grid beside the cells
-    cells = grid(options, True) + setting_cells(sweeps, options.dtypes) if sweeps else None
+    cells = grid(options, True) + setting_cells(sweeps, options.dtypes, options=options) if sweeps else None
     diag = diagnose_attention(name, inputs, options, track(name, inputs.rows), notice=notice, cells=cells)
     if qk.grad_out:
         from attncheck.numerics.backward.diagnose import GradInputs

@@ -151,7 +151,7 @@ def diagnose_call(
             cells.append(model)
         if qk:  # --what-if fa4 on q/k files: the kernel's settings grid in each dtype asked
             sweeps = tuple(w for w in what_if if w in params.setting_sweeps())
-            cells += setting_cells(sweeps, (asked or options).dtypes)
+            cells += setting_cells(sweeps, (asked or options).dtypes, options=options)
     if kind in QK_KINDS:
         diag = _in_call(info, lambda: _qk_diagnosis(info, inputs, options, cells, progress, notice))
     else:
@@ -480,7 +480,7 @@ def _what_if(
         wi_inputs = _sdpa_what_if_inputs(info, tensors, left)
     else:
         wi_inputs = None if inputs is None else _softmax_what_if_inputs(info, tensors, inputs, options, left)
-    cells = what_if_cells(info, wi_inputs is not None, what_if, asked)
+    cells = what_if_cells(info, wi_inputs is not None, what_if, asked, options)
     if not cells:
         return None
     name = f"{info.name} (what if)"

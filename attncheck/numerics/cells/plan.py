@@ -249,7 +249,11 @@ def model_cell(info: CallInfo) -> CellKey | None:
 
 
 def what_if_cells(
-    info: CallInfo, qk: bool, dtypes: tuple[str, ...] = (), options: Options | None = None
+    info: CallInfo,
+    qk: bool,
+    dtypes: tuple[str, ...] = (),
+    options: Options | None = None,
+    configured: Options | None = None,
 ) -> list[CellKey]:
     """The what-if cells of a call of known implementation, computed from Q and K when ``qk``
     (else on the scores as recorded).
@@ -258,7 +262,8 @@ def what_if_cells(
     (hand-written attention with torch.softmax, as ``attn_implementation='eager'`` runs); in an
     FP8 dtype, the FP8 kernel (flash-fp8; without Q and K, the tiled softmax with its P cast).
     ``('all',)``: every path and method in fp16, bf16, fp32 and e4m3. ``options``: the grid a
-    user asked for explicitly (--dtype, --method, --path). The model's own cell is never a what-if.
+    user asked for explicitly (--dtype, --method, --path); ``configured``: the run's options (a kernel setting
+    asked, --rescale-threshold, joins its grid). The model's own cell is never a what-if.
     """
     model = model_cell(info)
     cells: list[CellKey] = []
@@ -269,7 +274,7 @@ def what_if_cells(
             refused = sweep_refusals(info, tuple(sweeps))
             for p in sweeps:  # the call's dtype and FP8 (e4m3): each kernel's grid where it takes the call
                 takes = [d for d in sweep_dtypes(info, model) if f"{p}/{d}" not in refused]
-                cells += setting_cells((p,), tuple(takes), WHAT_IF)
+                cells += setting_cells((p,), tuple(takes), WHAT_IF, configured)
     if WHAT_IF_KERNELS in dtypes:
         dtypes = tuple(d for d in dtypes if d != WHAT_IF_KERNELS)
         if qk and model is not None:
@@ -320,12 +325,14 @@ def sweep_refusals(info: CallInfo, sweeps: tuple[str, ...]) -> dict[str, str]:
         spec = PATHS.get(p)
         for d in sweep_dtypes(info, model):
             why = spec.why_not(call_facts(info, d))
-            if why is not None and spec.settings is not None and resolve(spec.settings)(d):
+            if why is not None and spec.settings is not None and resolve(spec.settings)(d, None):
                 out[f"{p}/{d}"] = why
     return out
 
 
-def setting_cells(sweeps: tuple[str, ...], dtypes: tuple[str, ...], role: str = ASKED) -> list[CellKey]:
+def setting_cells(
+    sweeps: tuple[str, ...], dtypes: tuple[str, ...], role: str = ASKED, options: Options | None = None
+) -> list[CellKey]:
     """One cell per point of each named kernel's settings grid (``PathSpec.settings``) in each dtype it has one
     for: what ``--what-if fa4`` computes."""
     from attncheck.registry import resolve
@@ -333,7 +340,7 @@ def setting_cells(sweeps: tuple[str, ...], dtypes: tuple[str, ...], role: str = 
     cells = []
     for p in sweeps:
         grid_of = resolve(PATHS.get(p).settings)
-        cells += [CellKey(p, p, d, role, s) for d in dtypes for s in grid_of(d)]
+        cells += [CellKey(p, p, d, role, s) for d in dtypes for s in grid_of(d, options)]
     return cells
 
 

@@ -136,8 +136,9 @@ class PathSpec:
     # fourth item, where given, is the value measured against the threshold (a bound the cell's settings fix,
     # e.g. how far the lazy rescale lets P grow) instead of the input's largest |S scale|.
     limit: Impl | None = field(default=None, repr=False)
-    # '(dtype name) -> tuple[Setting, ...]': the grid of the kernel's settings that ``--what-if NAME`` computes
-    # in that dtype (empty: none there); None: the kernel has no settings to sweep
+    # '(dtype name, options: config.run.Options | None) -> tuple[Setting, ...]': the grid of the kernel's settings
+    # that ``--what-if NAME`` computes in that dtype (with a setting the options ask for; empty: none there);
+    # None: the kernel has no settings to sweep
     settings: Impl | None = field(default=None, repr=False)
     # In the replay of ``--what-if kernels``: a kernel a call could have run under; ``replay_kinds``: the
     # kinds of call it replays (empty: every call with Q and K)

@@ -64,13 +64,14 @@ def refused(dtype_name: str, threshold: float, offset: float) -> str | None:
 
 
 def label(threshold: float, offset: float, fp8: bool) -> str:
-    """'t8' (16-bit: no offset), 't4,o8' (FP8)."""
-    return f"t{threshold:g},o{offset:g}" if fp8 else f"t{threshold:g}"
+    """'t8' (16-bit, no offset), 't4,o8' (FP8, or a 16-bit offset asked with --max-offset)."""
+    return f"t{threshold:g},o{offset:g}" if fp8 or offset else f"t{threshold:g}"
 
 
-def settings(dtype_name: str) -> tuple[Setting, ...]:
+def settings(dtype_name: str, options=None) -> tuple[Setting, ...]:
     """The grid of ``--what-if fa4`` in one dtype: FP8 thresholds x offsets, 16-bit thresholds; fp32 none (the
-    kernel takes 16-bit and FP8 inputs)."""
+    kernel takes 16-bit and FP8 inputs). ``options`` (``config.run.Options``): a setting asked with
+    --rescale-threshold/--max-offset (``Options.fa4``) joins the grid where it is not in it already."""
     from attncheck.numerics.paths.fa4 import Fa4Setup
     from attncheck.registry import fp8_names
 
@@ -79,10 +80,15 @@ def settings(dtype_name: str) -> tuple[Setting, ...]:
         return ()
     points = [(t, o) for t in THRESHOLDS_FP8 for o in OFFSETS_FP8] if fp8 else [(t, 0.0) for t in THRESHOLDS_16]
     own = defaults(dtype_name)
+    asked = getattr(options, "fa4", None)
+    if asked is not None:
+        t = own[0] if asked.rescale_threshold is None else float(asked.rescale_threshold)
+        o = own[1] if asked.max_offset is None else float(asked.max_offset)
+        points += [] if (t, o) in points else [(t, o)]
     return tuple(
         Setting(
             label=label(t, o, fp8),
-            params=(("fa4", Fa4Setup(rescale_threshold=t, max_offset=o if fp8 else None)),),
+            params=(("fa4", Fa4Setup(rescale_threshold=t, max_offset=o if fp8 or o else None)),),
             values=(("rescale_threshold", t), ("max_offset", o)),
             default=(t, o) == own,
             refused=refused(dtype_name, t, o),

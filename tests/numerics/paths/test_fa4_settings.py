@@ -86,3 +86,16 @@ def test_the_defaults_apply_where_a_setting_is_none():
     kind, threshold, what, value = fa4_settings.limit(torch.float8_e4m3fn, only_t)
     assert threshold - value == pytest.approx(math.log(448 / 4096))
     assert "2^12" in what and "448" in what
+
+
+def test_a_setting_asked_on_the_command_line_joins_the_grid_once():
+    from attncheck.config.run import Options
+
+    asked = Options(fa4=Fa4Setup(rescale_threshold=2.0))
+    assert [s.label for s in fa4_settings.settings("bf16", asked)] == ["t0", "t4", "t8", "t16", "t2"]
+    # e4m3 with offset 4 and the default threshold 0: already a grid point
+    same = Options(fa4=Fa4Setup(max_offset=4.0))
+    assert [s.label for s in fa4_settings.settings("e4m3", same)] == ["t0,o4", "t0,o8", "t4,o4", "t4,o8"]
+    (extra,) = [s for s in fa4_settings.settings("e4m3", asked) if s.label == "t2,o8"]
+    assert extra.refused is not None  # 2 + 8 >= log2(448) = 8.81
+    assert dict(extra.params)["fa4"] == Fa4Setup(rescale_threshold=2.0, max_offset=8.0)
