@@ -91,9 +91,9 @@ RescaleThresholdOpt = Annotated[
         metavar="T",
         show_default=False,
         help=(
-            "The fa4 path (--path fa4, --what-if kernels): FlashAttention-4's lazy rescale threshold in log2 units: "
-            "the row max is kept until it has grown by more than T (default: the kernel's, 8 for fp16/bf16, 0 for "
-            "FP8)."
+            "The fa4 path (--path fa4, --what-if kernels; with --what-if fa4 it joins the grid): FlashAttention-4's "
+            "lazy rescale threshold in log2 units: the row max is kept until it has grown by more than T (default: "
+            "the kernel's, 8 for fp16/bf16, 0 for FP8)."
         ),
         rich_help_panel=FA4,
     ),
