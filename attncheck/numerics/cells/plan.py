@@ -273,7 +273,7 @@ def what_if_cells(
         if qk and model is not None:
             refused = sweep_refusals(info, tuple(sweeps))
             for p in sweeps:  # the call's dtype and FP8 (e4m3): each kernel's grid where it takes the call
-                takes = [d for d in sweep_dtypes(info, model) if f"{p}/{d}" not in refused]
+                takes = [d for d in sweep_dtypes(info, model, p) if f"{p}/{d}" not in refused]
                 cells += setting_cells((p,), tuple(takes), WHAT_IF, configured)
     if WHAT_IF_KERNELS in dtypes:
         dtypes = tuple(d for d in dtypes if d != WHAT_IF_KERNELS)
@@ -309,9 +309,16 @@ def what_if_cells(
     return out
 
 
-def sweep_dtypes(info: CallInfo, model: CellKey) -> tuple[str, ...]:
-    """The dtypes a settings sweep of a captured call runs in: the call's own (its q, k, v's) and FP8 (e4m3)."""
-    return tuple(dict.fromkeys((kernel_dtype(info, model), WHAT_IF_FP8)))
+SWEEP_16 = "bf16"  # the 16-bit dtype a sweep runs an fp32 call in: the kernels' (FlashAttention-4 takes no fp32)
+
+
+def sweep_dtypes(info: CallInfo, model: CellKey, sweep: str) -> tuple[str, ...]:
+    """The dtypes a settings sweep of a captured call runs in: the call's own (its q, k, v's; bf16 where the
+    kernel has no grid in it, an fp32 model) and FP8 (e4m3)."""
+    own = kernel_dtype(info, model)
+    if not resolve(PATHS.get(sweep).settings)(own, None):
+        own = SWEEP_16
+    return tuple(dict.fromkeys((own, WHAT_IF_FP8)))
 
 
 def sweep_refusals(info: CallInfo, sweeps: tuple[str, ...]) -> dict[str, str]:
@@ -323,7 +330,7 @@ def sweep_refusals(info: CallInfo, sweeps: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for p in sweeps:
         spec = PATHS.get(p)
-        for d in sweep_dtypes(info, model):
+        for d in sweep_dtypes(info, model, p):
             why = spec.why_not(call_facts(info, d))
             if why is not None and spec.settings is not None and resolve(spec.settings)(d, None):
                 out[f"{p}/{d}"] = why
