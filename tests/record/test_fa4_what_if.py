@@ -106,3 +106,14 @@ def test_a_model_with_logit_std_2_saturates_p_under_fa4_fp8_with_offset_8_and_no
     assert fp8.best not in (None, "t4,o8") and fp8.point(fp8.best).err < fp8.point("t4,o8").err
     # the model's own cell (the CPU flash kernel in bf16) is untouched: the what-ifs are never its verdict
     assert failed_conditions(cap.result.tensors, ["error", "warning", "nan"]) == []
+
+
+def test_an_fp32_model_is_swept_in_bf16_and_e4m3():
+    """FlashAttention-4 takes no fp32: an fp32 call's grid runs in bf16 (and in e4m3), each named."""
+    from .conftest import gpt2
+
+    with torch.no_grad(), attncheck.capture(diagnose=True, what_if="fa4") as cap:
+        gpt2("sdpa", torch.float32, width=64)(**batch())
+    grids = {s.dtype: s for s in cap.result.model.settings}
+    assert set(grids) == {"bf16", "e4m3"} and cap.result.model.settings_refused == []
+    assert all(s.best is not None for s in grids.values())
