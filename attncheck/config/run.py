@@ -119,9 +119,8 @@ class Options:
         object.__setattr__(self, "p_scale", params.number(self.p_scale, "p_scale", positive=True, from_text=False))
         params.choice(self.fp8_scaling, params.FP8_SCALINGS, "fp8_scaling")
         if self.fa4 is not None:
-            from attncheck.numerics.paths.fa4 import Fa4Setup  # torch-free
-
-            if not isinstance(self.fa4, Fa4Setup):
+            # a paths.fa4.Fa4Setup, read by its fields: config stays above numerics (tests/test_layers.py)
+            if not all(hasattr(self.fa4, name) for name in ("rescale_threshold", "max_offset")):
                 raise AttncheckError("fa4 is a Fa4Setup(rescale_threshold=..., max_offset=...) or None", param="fa4")
             # the numbers as --rescale-threshold and --max-offset take them: >= 0, their sum below 128
             params.fa4_settings(self.fa4.rescale_threshold, self.fa4.max_offset, from_text=False)
