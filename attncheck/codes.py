@@ -870,7 +870,8 @@ result = diagnose_attention("qkv", inputs, Options(dtypes=("e4m3",), paths=("fa4
 print([f.code for f in result.findings])
 """,
         ),
-        severity_note="error where P overflowed fp16 to inf (no saturating cast): those rows of O are NaN",
+        severity_note="error where P overflowed fp16 to inf (no saturating cast: those rows of O are NaN); "
+        "warning where the FP8 cast saturated it (O shrinks)",
         also="error",
         causes=("p_saturation",),
     ),

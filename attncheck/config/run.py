@@ -118,11 +118,10 @@ class Options:
         object.__setattr__(self, "paths", params.paths(list(self.paths)) if self.paths else ())
         object.__setattr__(self, "p_scale", params.number(self.p_scale, "p_scale", positive=True, from_text=False))
         params.choice(self.fp8_scaling, params.FP8_SCALINGS, "fp8_scaling")
-        if self.fa4 is not None:
-            # a paths.fa4.Fa4Setup, read by its fields: config stays above numerics (tests/test_layers.py)
-            if not all(hasattr(self.fa4, name) for name in ("rescale_threshold", "max_offset")):
-                raise AttncheckError("fa4 is a Fa4Setup(rescale_threshold=..., max_offset=...) or None", param="fa4")
-            # the numbers as --rescale-threshold and --max-offset take them: >= 0, their sum below 128
+        # config imports no numerics: a Fa4Setup (paths.fa4) is recognised by its two fields
+        if self.fa4 is not None and not all(hasattr(self.fa4, f) for f in ("rescale_threshold", "max_offset")):
+            raise AttncheckError("fa4 is a Fa4Setup(rescale_threshold=..., max_offset=...) or None", param="fa4")
+        if self.fa4 is not None:  # the numbers as --rescale-threshold and --max-offset take them: >= 0, sum below 128
             params.fa4_settings(self.fa4.rescale_threshold, self.fa4.max_offset, from_text=False)
 
 

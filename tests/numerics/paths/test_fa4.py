@@ -510,3 +510,11 @@ def test_p_saturation_finding_with_offset_8_and_not_4():
     assert hot.cells[0].out_max_abs_err > 3 * cool.cells[0].out_max_abs_err  # what saturation does to O
     healthy = _diagnose(q.bfloat16(), k.bfloat16(), v.bfloat16(), ("bf16",))
     assert healthy.findings == [] and healthy.cells[0].path == "fa4"
+
+
+def test_without_probs_the_same_output_and_lse():
+    q, k, v, _ = make(7, 2, 3, 300, 64)
+    a = fa4.kernel_rows(q, k, v, scale=0.125, dt=torch.bfloat16)
+    b = fa4.kernel_rows(q, k, v, scale=0.125, dt=torch.bfloat16, want_probs=False)
+    assert b.probs is None and torch.equal(a.out, b.out) and torch.equal(a.lse, b.lse)
+    assert torch.equal(a.events["p_saturation"], b.events["p_saturation"])
