@@ -512,8 +512,9 @@ np.save("scores.npy", scores)
         "(PyTorch issue 121558: bf16 Q, K, V all 133120 give NaN from the flash kernel and finite outputs from the "
         "efficient and math kernels). PyTorch builds its FlashAttention-2 with UNFUSE_FMA since then (path `fa2`: "
         "the product rounded, then the subtraction, so the exponent is <= 0 at every score, rounding being "
-        "monotone). The message names the kernel, the largest score, half an ulp there and the threshold, and "
-        "the paths computed that stay finite.",
+        "monotone). FlashAttention-4 (path `fa4`) has no unfused build: fma(x, scale x log2e, max_offset - "
+        "max_scaled), the same residue. The message names the kernel, the largest score, half an ulp there and "
+        "the threshold, and the paths computed that stay finite.",
         "Rows where an exp2 of a finite score is inf in fp32 or beyond the P dtype's range, or whose row sum is "
         "inf. It can happen once half an fp32 ulp of |m x scale x log2e| (2^(e-24) for a value in [2^e, 2^(e+1))) "
         "reaches log2 of the largest value exp2 may return: 128 for fp32's exp2 (127.997 for bf16's P; either way "

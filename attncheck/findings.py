@@ -400,10 +400,13 @@ def _fused_max_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
     safe = [o.name for o in diag.cells if o.dtype == c.dtype and o is not c and o.path and not o.nan_rows]
     if safe:
         parts.append("finite in " + ", ".join(safe))
-    parts.append(
-        "the flash-attn package builds FlashAttention-2 this way; PyTorch's flash backend builds it with "
-        "UNFUSE_FMA (PyTorch issue 121558), whose exponent is <= 0 at every score"
-    )
+    if "FlashAttention-2" not in (kernel or ""):  # FlashAttention-4: fma(S, scale*log2e, max_offset - m*scale*log2e)
+        parts.append(f"{kernel} computes every exponent this way (with its max offset added), and has no unfused build")
+    else:
+        parts.append(
+            "the flash-attn package builds FlashAttention-2 this way; PyTorch's flash backend builds it with "
+            "UNFUSE_FMA (PyTorch issue 121558), whose exponent is <= 0 at every score"
+        )
     return "; ".join(parts)
 
 

@@ -33,7 +33,10 @@ Follows Dao-AILab/flash-attention@0251105a2fb19d2957484b7f023cd8c115286ced: ``fl
    At this commit the kernel asserts ``max_offset + rescale_threshold < log2(dtype max)``
    (``flash_fwd_sm100.py:2191-2195``) of its own constants; ``Fa4Setup`` values that break it (e4m3:
    log2 448 = 8.81, so offset 8 with threshold 4, the setting of PR 2694 that issue 2716 reported) are still
-   computed: that is the what-if.
+   computed: that is the what-if. At the row max the fused exponent is the rounding residue of
+   ``m * scale_log2`` plus the offset, as in ``fa2-fma``: once ``|m scale_log2| >= 2^24`` it can pass a binade and
+   then exp2's or the dtype's range (PyTorch issue 121558's input): such rows are ``events["fused_max"]``, not
+   saturation; so are rows whose fp32 row sum is inf although every exp is finite.
 7. exp2 (``softmax.py:361-402``): per row, the 128 columns in fragments of 32; the pair (k, k+1) of fragment j
    takes the **emulation** where ``ex2_emu_freq > 0``, ``k % freq >= freq - res``, ``start <= j < frg_cnt - 1``,
    else the hardware exp2. ``res`` is 4 (the default of ``apply_exp2_convert``: the call at
@@ -456,6 +459,8 @@ def kernel_rows(
     blocks: list[tuple[int, torch.Tensor]] = []
     scales: list[torch.Tensor] = []  # acc_scale before block i (1 for the first)
     saturated = torch.zeros(r, dtype=torch.int64)
+    fused = torch.zeros(r, dtype=torch.bool)
+    log2_top = math.log2(top)
     sl2 = scale_log2
     for j in range(nb - 1, -1, -1):  # 4. the last block first
         sb = s[:, j * block_n : (j + 1) * block_n]
@@ -483,8 +488,15 @@ def kernel_rows(
         p = hardware_exp2(x)
         if emu_cols:
             p[:, emu_mask] = ex2_emulation(x[:, emu_mask])
-        # 10. P in the input dtype, saturation counted before the cast
+        # 10. P in the input dtype, saturation counted before the cast. A P above the dtype's range whose exact
+        # exponent (S - m) scale_log2 + offset lies a binade or more below log2(max) comes from the fused rounding
+        # residue of m * scale_log2 (|m scale_log2| >= 2^24), not from the offset and threshold: fused_max
         over = p > top
+        if bool(over.any()):
+            exact = (sb.double() - safe.double()[:, None]) * sl2.double()[:, None] + off
+            residue = over & (exact <= log2_top - 1) & torch.isfinite(sb)
+            fused |= residue.any(dim=1)
+            over = over & ~residue
         saturated += over.sum(dim=1)
         pd = _to_dtype(p, dt)
         if want_probs:  # the dtype's values, exact in fp32
@@ -522,7 +534,10 @@ def kernel_rows(
             probs[:, j * block_n : (j + 1) * block_n] = (pd.double() * (later * rcp.double())[:, None]).float()
             later = later * scales[i].double()
         probs = probs[:, :tk]
-    events = {"p_saturation": saturated > 0}
+    # a row sum of inf from finite exps (more keys than fp32 holds at 2^(offset + threshold)) counts with fused_max,
+    # as fa2's events do
+    fused |= torch.isposinf(row_sum) & (saturated == 0) & ~torch.isposinf(s).any(dim=1)
+    events = {"p_saturation": saturated > 0, "fused_max": fused}
     return KernelRows(probs, out, lse, events, scores=s[:, :tk], saturated=saturated)
 
 
@@ -589,7 +604,7 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
     else:
         s, before = block.fp32_scores(dt, PATH)
         res = kernel_rows(block.q, block.k, block.v, scale=inp.scale, dt=dt, bias=block_bias(block, dt), **common)
-    out = MethodOutput(res.probs, events={"p_saturation": res.events["p_saturation"]})
+    out = MethodOutput(res.probs, events=dict(res.events))
     out.out = res.out
     return PathBlock(s, before, [], [(PATH.name, out)])
 

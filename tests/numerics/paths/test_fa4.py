@@ -518,3 +518,16 @@ def test_without_probs_the_same_output_and_lse():
     b = fa4.kernel_rows(q, k, v, scale=0.125, dt=torch.bfloat16, want_probs=False)
     assert b.probs is None and torch.equal(a.out, b.out) and torch.equal(a.lse, b.lse)
     assert torch.equal(a.events["p_saturation"], b.events["p_saturation"])
+
+
+def test_fused_residue_overflow_is_fused_max_not_saturation():
+    """PyTorch issue 121558's input (bf16, every element 133120): FA4's fused exponent fma(S, scale_log2, offset -
+    m scale_log2) is the rounding residue of m scale_log2 (~2^37) at the row max, thousands, so exp2 overflows
+    and O is NaN: fused_max, not p_saturation; the float64 exponent there is 0."""
+    x = torch.full((1, 1, 64), 133120.0, dtype=torch.float64)
+    res = fa4.kernel_rows(x, x.clone(), x.clone(), scale=0.125, dt=torch.bfloat16)
+    assert bool(res.events["fused_max"][0]) and not res.events["p_saturation"].any()
+    assert torch.isnan(res.out.float()).all()
+    q, k, v, _ = make(8, 2, 3, 300, 64)
+    ok = fa4.kernel_rows(q, k, v, scale=0.125, dt=torch.bfloat16)
+    assert not ok.events["fused_max"].any() and torch.isfinite(ok.out.float()).all()
