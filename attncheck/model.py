@@ -30,6 +30,8 @@ from attncheck.results import (
     ModelReport,
     Outlier,
     RankSummary,
+    SettingChoice,
+    SettingPoint,
     TensorDiagnosis,
     WhatIfAnswer,
 )
@@ -303,6 +305,115 @@ def what_if_answers(calls: list[CallReport], ignore=()) -> list[WhatIfAnswer]:
     return answers
 
 
+# Two settings whose errors differ by less than this share of the larger one tie (a tie goes to the kernel's
+# default): the grid's errors are maxima over rows, and a few percent between two settings is one row's rounding.
+SETTING_TIE = 0.01
+
+
+def _point(diag: TensorDiagnosis, cell: Cell, metric: str, ignore=()) -> SettingPoint:
+    from attncheck.registry import EVENTS
+
+    codes = [f.code for f in diag.findings if cell.name in f.cells and f.code not in ignore]
+    errors = [f for f in diag.findings if cell.name in f.cells and f.severity == "error" and f.code not in ignore]
+    # a saturating cast (FP8 P above the format's max) corrupts O without a NaN: the setting breaks the call
+    clipped = any(n and EVENTS.get(e) == "saturation" and e not in ignore for e, n in cell.events.items())
+    bad = counted_verdict(cell, ignore) in BAD_VERDICTS or bool(errors) or clipped
+    setting = cell.setting or {}
+    return SettingPoint(
+        label=cell.variant or "",
+        cell=cell.name,
+        values={k: v for k, v in setting.items() if k not in ("default", "refused")},
+        default=bool(setting.get("default")),
+        refused=setting.get("refused"),
+        err=getattr(cell, metric),
+        verdict=counted_verdict(cell, ignore),
+        findings=list(dict.fromkeys(codes)),
+        events={e: n for e, n in cell.events.items() if n and e not in ignore},
+        headroom=None if cell.limit is None else cell.limit.headroom,
+        calls_bad=int(bad),
+    )
+
+
+def _choose(points: list[SettingPoint]) -> str | None:
+    """The best point: the least error among those the kernel takes (not refused) that break nothing; a point
+    within SETTING_TIE of the least ties with it, and a tie goes to the default."""
+    fit = [p for p in points if p.refused is None and not p.calls_bad and p.err is not None]
+    if not fit:
+        return None
+    least = min(p.err for p in fit)
+    tied = [p for p in fit if p.err - least <= SETTING_TIE * max(p.err, least)]
+    return next((p for p in tied if p.default), min(tied, key=lambda p: p.err)).label
+
+
+def _metric(cells: list[Cell]) -> str:
+    """The output's error where the cells computed O (V given), else the probabilities': a mean over the row
+    (relative L1, RMSE), not the largest element's error, which the FP8 P cast's rounding of one row sets alike
+    for every setting (on PR 2694's setup max |O - O64| was 0.166 at each setting that does not saturate)."""
+    return "out_rel_l1" if any(c.out_rel_l1 is not None for c in cells) else "rmse"
+
+
+def setting_choices(diag: TensorDiagnosis, ignore=()) -> list[SettingChoice]:
+    """Each settings grid of a diagnosis (cells of one path and dtype with a ``variant``: ``--what-if fa4``), its
+    points judged by their error against float64 and the best named."""
+    groups: dict[tuple[str, str], list[Cell]] = {}
+    for c in diag.cells:
+        if c.variant is not None and c.path is not None:
+            groups.setdefault((c.path, c.dtype), []).append(c)
+    out = []
+    for (path, dtype), cells in groups.items():
+        metric = _metric(cells)
+        points = [_point(diag, c, metric, ignore) for c in cells]
+        default = next((p.label for p in points if p.default), None)
+        out.append(SettingChoice(path, dtype, metric, points, _choose(points), default, tie=SETTING_TIE))
+    return out
+
+
+def call_settings(report: CallReport, ignore=()) -> list[SettingChoice]:
+    """One call's settings grids (its what-if cells, or a q/k file's asked cells), each with its best."""
+    ignore = (*ignore, *INHERITED)
+    return [
+        ch for diag in (report.diagnosis, report.what_if) if diag is not None for ch in setting_choices(diag, ignore)
+    ]
+
+
+def settings_refused(calls: list[CallReport]) -> list[tuple[str, int, str]]:
+    """The grids a kernel would not run some calls in: (grid, how many calls, the first call's why)."""
+    found: dict[str, list[str]] = {}
+    for report in calls:
+        for grid, why in report.settings_refused.items():
+            found.setdefault(grid, []).append(why)
+    return [(grid, len(whys), whys[0]) for grid, whys in found.items()]
+
+
+def model_settings(calls: list[CallReport], ignore=()) -> list[SettingChoice]:
+    """Each settings grid over every call that computed it: a point's error is its worst call's, its findings
+    those of any call, ``calls_bad`` the calls it broke; the best named as for one call."""
+    gathered: dict[tuple[str, str, str], list[SettingChoice]] = {}
+    for report in calls:
+        for choice in call_settings(report, ignore):
+            gathered.setdefault((choice.path, choice.dtype, choice.metric), []).append(choice)
+    out = []
+    for (path, dtype, metric), choices in gathered.items():
+        points: dict[str, SettingPoint] = {}
+        for choice in choices:
+            for p in choice.points:
+                if p.label not in points:
+                    points[p.label] = replace(p, findings=list(p.findings), events=dict(p.events))
+                    continue
+                q = points[p.label]
+                q.err = max((e for e in (q.err, p.err) if e is not None), default=None)
+                q.verdict = q.verdict if q.verdict in BAD_VERDICTS else p.verdict
+                q.findings = list(dict.fromkeys(q.findings + p.findings))
+                q.events = {e: q.events.get(e, 0) + p.events.get(e, 0) for e in {**q.events, **p.events}}
+                rooms = [h for h in (q.headroom, p.headroom) if h is not None]
+                q.headroom = min(rooms) if rooms else None
+                q.calls_bad += p.calls_bad
+        found = list(points.values())
+        default = next((p.label for p in found if p.default), None)
+        out.append(SettingChoice(path, dtype, metric, found, _choose(found), default, len(choices), SETTING_TIE))
+    return out
+
+
 def _recorded_on(info) -> str | None:
     """'cuda:0, NVIDIA H100 80GB HBM3, sm 9.0' for a call the capture recorded on a GPU; None on a CPU."""
     device = info.meta.get("device", "")
@@ -331,7 +442,7 @@ def kernel_call(report: CallReport, position: int, ignore=()) -> KernelCall | No
         replays += [
             (False, report.what_if, c)
             for c in report.what_if.cells
-            if c.path is not None and PATHS.get(c.path).replay and c.dtype == dtype
+            if c.path is not None and PATHS.get(c.path).replay and c.dtype == dtype and c.variant is None
         ]
     kernels = []
     for ran, diag, cell in replays:
@@ -399,6 +510,9 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
         ranks=rank_summaries(calls, lines, capture, by_rank),
         kernels=kernels,
         recorded_on=places.pop() if len(places) == 1 else None,
+        settings=model_settings(calls, ignore),
+        call_settings=[(at, found) for at, c in enumerate(calls) if (found := call_settings(c, ignore))],
+        settings_refused=settings_refused(calls),
     )
 
 

@@ -121,28 +121,55 @@ WHAT_IF_FP8 = "e4m3"  # the FP8 format of 'all' (FlashAttention-3's)
 WHAT_IF_KERNELS = "kernels"  # replay each call under every kernel that could have run it, in the call's dtype
 
 
+def setting_sweeps() -> tuple[str, ...]:
+    """The kernel paths with a settings grid (``PathSpec.settings``): ``--what-if NAME`` sweeps it ('fa4')."""
+    return PATHS.names(lambda spec: spec.settings is not None)
+
+
 def what_if(value: Any, param: str = "what_if") -> tuple[str, ...]:
-    """'fp16', 'bf16,fp8', 'kernels', 'kernels,fp16' or 'all' -> what a what-if asks about: dtypes, and
-    'kernels' first where asked (every kernel path that could have run the call, in its dtype); ('all',)
-    alone asks for every implementation in fp16, bf16, fp32 and e4m3 as well ('fp8' is e4m3)."""
+    """'fp16', 'bf16,fp8', 'kernels', 'kernels,fp16', 'fa4' or 'all' -> what a what-if asks about: dtypes, and
+    first where asked 'kernels' (every kernel path that could have run the call, in its dtype) and the names of
+    kernels whose settings grid to sweep (``setting_sweeps``: 'fa4', its lazy rescale threshold and FP8 offset);
+    ('all',) alone asks for every implementation in fp16, bf16, fp32 and e4m3 as well ('fp8' is e4m3)."""
     values = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
-    kernels = ()
+    words: tuple[str, ...] = ()
     if isinstance(values, (list, tuple)):
         low = [str(v).strip().lower() for v in values]
         if low == [WHAT_IF_ALL]:
             return (WHAT_IF_ALL,)
-        if WHAT_IF_KERNELS in low:
-            kernels = (WHAT_IF_KERNELS,)
-            values = [v for v, name in zip(values, low) if name != WHAT_IF_KERNELS]
+        known = (WHAT_IF_KERNELS, *setting_sweeps())
+        words = tuple(w for w in known if w in low)
+        if words:
+            values = [v for v, name in zip(values, low) if name not in words]
             if not values:
-                return kernels
+                return words
         values = [WHAT_IF_FP8 if isinstance(v, str) and v.strip().lower() == "fp8" else v for v in values]
     try:
-        return (*kernels, *dtypes(values, param))
+        return (*words, *dtypes(values, param))
     except AttncheckError as e:
         if e.message.endswith(")"):  # the dtypes to choose from: the words a what-if takes besides them
-            raise AttncheckError(e.message[:-1] + f"; or {WHAT_IF_KERNELS}, {WHAT_IF_ALL})", param=param) from None
+            others = ", ".join((WHAT_IF_KERNELS, *setting_sweeps(), WHAT_IF_ALL))
+            raise AttncheckError(e.message[:-1] + f"; or {others})", param=param) from None
         raise
+
+
+# log2 of fp32's largest value: FlashAttention-4's P = exp2(x - m + offset) is an fp32 product first, so a lazy
+# rescale threshold plus max offset of 128 or more could make P inf before any cast.
+FA4_LOG2_LIMIT = 128.0
+
+
+def fa4_settings(threshold: Any, offset: Any, *, from_text: bool = True) -> tuple[float | None, float | None]:
+    """--rescale-threshold and --max-offset (FlashAttention-4's lazy rescale threshold and FP8 max offset, in log2
+    units; None: the kernel's default for the dtype): numbers >= 0 whose sum stays below 128."""
+    t = None if threshold is None else number(threshold, "rescale_threshold", from_text=from_text)
+    o = None if offset is None else number(offset, "max_offset", from_text=from_text)
+    if (t or 0.0) + (o or 0.0) >= FA4_LOG2_LIMIT:
+        raise AttncheckError(
+            f"the rescale threshold plus the max offset must stay below {FA4_LOG2_LIMIT:g} (P = 2^(threshold + "
+            f"offset) would overflow fp32 before any cast), got {(t or 0.0) + (o or 0.0):g}",
+            param="rescale_threshold" if t is not None else "max_offset",
+        )
+    return t, o
 
 
 def choice(value: Any, allowed: Iterable[str], param: str) -> str:

@@ -313,13 +313,18 @@ class Cell:
     argmax_flips_near_tie: int = 0
     limit: CellLimit | None = None  # None: nothing in this cell fails from finite scores
     backward: CellBackward | None = None  # dQ, dK, dV of this cell, where the output gradient dO is known
+    # One point of a kernel's settings grid (--what-if fa4): its label ('t4,o8') and its numbers
+    # ({'rescale_threshold': 4.0, 'max_offset': 8.0, 'default': False, 'refused': None or why the kernel asserts)
+    variant: str | None = None
+    setting: dict | None = None
 
     @property
     def name(self) -> str:
-        """'stable/fp16'; with Q and K: 'eager:stable/fp16', 'flash/fp16'."""
+        """'stable/fp16'; with Q and K: 'eager:stable/fp16', 'flash/fp16'; a setting: 'fa4(t4,o8)/e4m3'."""
+        variant = f"({self.variant})" if self.variant else ""
         if self.path and self.path != self.method:
-            return f"{self.path}:{self.method}/{self.dtype}"
-        return f"{self.method}/{self.dtype}"
+            return f"{self.path}:{self.method}{variant}/{self.dtype}"
+        return f"{self.method}{variant}/{self.dtype}"
 
     @property
     def label(self) -> str:
@@ -452,13 +457,55 @@ class TensorDiagnosis:
     head_max_logits: list[float | None] = field(
         default_factory=list
     )  # largest unmasked score per head (the axis before the queries)
+    choices: list[SettingChoice] = field(default_factory=list)  # --what-if fa4: each settings grid and its best
 
-    def cell(self, method: str, dtype: str, path: str | None = None) -> Cell:
-        """The cell of ``method`` (or of a path: 'flash') in ``dtype``; ``path`` narrows it down."""
+    def cell(self, method: str, dtype: str, path: str | None = None, variant: str | None = None) -> Cell:
+        """The cell of ``method`` (or of a path: 'flash') in ``dtype``; ``path`` narrows it down; ``variant``: a
+        point of a settings grid ('t4,o8'), None the cell as configured."""
         for c in self.cells:
-            if c.method == method and c.dtype == dtype and (path is None or c.path == path):
+            if c.method == method and c.dtype == dtype and (path is None or c.path == path) and c.variant == variant:
                 return c
         raise KeyError(f"{method}/{dtype}" if path is None else f"{path}:{method}/{dtype}")
+
+
+@dataclass
+class SettingPoint:
+    """One point of a kernel's settings grid (``--what-if fa4``) as judged: its numbers and its errors."""
+
+    label: str  # 't4,o8'
+    cell: str  # the cell's name: 'fa4(t4,o8)/e4m3'
+    values: dict[str, float]  # {'rescale_threshold': 4.0, 'max_offset': 8.0}
+    default: bool  # the kernel's own setting for the dtype
+    refused: str | None  # why the kernel refuses it at the commit the path follows (its assert)
+    err: (
+        float | None
+    )  # the choice's metric: O's relative L1 error (with V), else P's RMSE, against float64; worst call's
+    verdict: str  # the cell's (the worst call's): 'ok', 'flip', 'nan', ...
+    findings: list[str] = field(default_factory=list)  # codes of the cell's findings (over the calls)
+    events: dict[str, int] = field(
+        default_factory=dict
+    )  # rows per kernel event ('p_saturation': P clipped by its cast)
+    headroom: float | None = None  # the cell's limit's headroom (the lazy rescale's: how far P may grow)
+    calls_bad: int = 0  # calls where it went wrong or had an error finding
+
+
+@dataclass
+class SettingChoice:
+    """A kernel's settings grid in one dtype, over one diagnosis or every call of a model: each point's error
+    against float64 and the best (the least error among the points the kernel takes that break nothing; errors
+    within ``tie`` of each other, relatively, tie, and a tie goes to the default)."""
+
+    path: str
+    dtype: str
+    metric: str  # 'out_rel_l1' (sum |O - O_float64| / sum |O_float64|) or 'rmse' (of P)
+    points: list[SettingPoint]
+    best: str | None  # label of the best point; None: none could be chosen (every point broke or was refused)
+    default: str | None  # label of the kernel's default point
+    calls: int = 1  # calls whose grid is gathered here
+    tie: float = 0.0
+
+    def point(self, label: str | None) -> SettingPoint | None:
+        return next((p for p in self.points if p.label == label), None)
 
 
 @dataclass
@@ -523,6 +570,8 @@ class CallReport:
     # Where the path judging the call is not the kernel the capture names (an unknown backend or device, a kernel
     # that would not run the call): which path judged it instead, and why
     path_note: str | None = None
+    # --what-if fa4: each kernel grid and dtype the kernel would not run the call in ('fa4/e4m3'), with why
+    settings_refused: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -686,6 +735,11 @@ class ModelReport:
     recorded_on: str | None = (
         None  # the GPU every call was recorded on ('cuda:0, NVIDIA H100, sm 9.0'); None: a CPU or mixed
     )
+    settings: list[SettingChoice] = field(default_factory=list)  # --what-if fa4: each grid over the calls, its best
+    # --what-if fa4: each call's own grids (position in ``lines``, its choices): the best may differ call by call
+    call_settings: list[tuple[int, list[SettingChoice]]] = field(default_factory=list)
+    # grids not computed: ('fa4/e4m3', calls the kernel would not run in that dtype, the first call's why)
+    settings_refused: list[tuple[str, int, str]] = field(default_factory=list)
 
 
 @dataclass

@@ -28,15 +28,17 @@ from attncheck.cli.options import (
     IgnoreOpt,
     JsonOpt,
     MaxMemoryOpt,
+    MaxOffsetOpt,
     PartialOpt,
     PathOpt,
     QuietOpt,
+    RescaleThresholdOpt,
     SummaryOpt,
     WhatIfOpt,
     notices,
     progress_shown,
 )
-from attncheck.cli.run import Accum, Order, cell_options, check_summary, emit, parse_fail_on
+from attncheck.cli.run import Accum, Order, cell_options, check_summary, emit, fa4_options, parse_fail_on
 from attncheck.config.capture import DEFAULT_MAX_BYTES, DEFAULT_MAX_CALLS, DEFAULT_OUT, CaptureRequest
 from attncheck.config.run import chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError
@@ -143,6 +145,8 @@ def capture(
     partial: PartialOpt = False,
     max_memory: MaxMemoryOpt = params.DEFAULT_MAX_MEMORY,
     quiet: QuietOpt = False,
+    rescale_threshold: RescaleThresholdOpt = None,
+    max_offset: MaxOffsetOpt = None,
 ) -> None:
     """Run a Python script under capture and diagnose every attention call it makes.
 
@@ -167,6 +171,7 @@ def capture(
             accum=Accum(accum).value,
             device=params.device(device),
             chunk_elements=chunk_elements_for(params.memory(max_memory, "max_memory")),
+            **fa4_options(rescale_threshold, max_offset, path, asked_what_if, files=True),
         )
         if forward is not None:
             from attncheck.config.capture import parse_forwards

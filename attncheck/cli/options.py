@@ -69,16 +69,47 @@ WhatIfOpt = Annotated[
     Optional[str],
     typer.Option(
         "--what-if",
-        metavar="DTYPE,...|kernels|all",
+        metavar="DTYPE,...|kernels|fa4|all",
         show_default=False,
         help=(
             "Captured calls: what would break if the model ran in these dtypes (fp16, bf16, fp32, fp8 = e4m3, ...) "
             "with its own implementation and with eager attention; 'kernels' replays each call under every kernel "
-            "that could have run it (sdpa-math, flash, fa2, fa2-fma, fa3, mem-efficient, cudnn; flex for flex calls) "
-            "in its dtype, and says which break it (combine: kernels,fp16); 'all' adds every other implementation "
-            "(naive, stable, tiled, the SDPA paths, FP8) in fp16, bf16, fp32 and e4m3. Reported apart; never the "
-            "model's verdict unless --fail-on what-if:COND."
+            "that could have run it (sdpa-math, flash, fa2, fa2-fma, fa3, mem-efficient, cudnn, fa4; flex for flex "
+            "calls) in its dtype, and says which break it (combine: kernels,fp16); 'fa4' computes FlashAttention-4 "
+            "for a small grid of its lazy rescale thresholds and FP8 max offsets, in the call's dtype and in e4m3 "
+            "(with --q/--k too: in each --dtype), and names the setting with the least output error against float64; "
+            "'all' adds "
+            "every other implementation (naive, stable, tiled, the SDPA paths, FP8) in fp16, bf16, fp32 and e4m3. "
+            "Reported apart; never the model's verdict unless --fail-on what-if:COND."
         ),
+    ),
+]
+FA4 = "FlashAttention-4"
+RescaleThresholdOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--rescale-threshold",
+        metavar="T",
+        show_default=False,
+        help=(
+            "The fa4 path (--path fa4, --what-if kernels; with --what-if fa4 it joins the grid): FlashAttention-4's "
+            "lazy rescale threshold in log2 units: the row max is kept until it has grown by more than T (default: "
+            "the kernel's, 8 for fp16/bf16, 0 for FP8)."
+        ),
+        rich_help_panel=FA4,
+    ),
+]
+MaxOffsetOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--max-offset",
+        metavar="O",
+        show_default=False,
+        help=(
+            "The fa4 path in FP8: the max offset added to the exponent before P's cast, P up to 2^O (default 8); "
+            "with --rescale-threshold T, P may reach 2^(T + O), saturating above the format's max."
+        ),
+        rich_help_panel=FA4,
     ),
 ]
 BlockOpt = Annotated[

@@ -36,9 +36,11 @@ from attncheck.cli.options import (
     IgnoreOpt,
     JsonOpt,
     MaxMemoryOpt,
+    MaxOffsetOpt,
     PartialOpt,
     PathOpt,
     QuietOpt,
+    RescaleThresholdOpt,
     ScaleOpt,
     SummaryOpt,
     WhatIfOpt,
@@ -135,6 +137,39 @@ def _fp8_options(
     if fp8_scaling is not None:
         out["fp8_scaling"] = params.choice(fp8_scaling, params.FP8_SCALINGS, "fp8_scaling")
     return out
+
+
+def fa4_options(
+    threshold: str | None,
+    offset: str | None,
+    path: str | None,
+    what_if: tuple[str, ...],
+    files: bool,
+    example: bool = False,
+) -> dict:
+    """--rescale-threshold, --max-offset: checked (``params.fa4_settings``), and refused where no fa4 cell could
+    take them: the fa4 path is not among --path, nor asked by --what-if (kernels, fa4), nor possibly a captured
+    call's own kernel (``files``: inputs that may be a capture)."""
+    given = [name for name, value in (("rescale_threshold", threshold), ("max_offset", offset)) if value is not None]
+    if not given:
+        return {}
+    t, o = params.fa4_settings(threshold, offset)
+    fa4 = params.setting_sweeps()
+    asked = path is not None and any(p in fa4 for p in params.paths(path))
+    flags = " and ".join(param(g) for g in given)
+    if example:
+        raise AttncheckError(
+            f"{flags} {'set' if len(given) > 1 else 'sets'} FlashAttention-4's lazy rescale, which computes attention "
+            f"from {param('q')}/{param('k')} or a capture, not the built-in example's scores"
+        )
+    if not (asked or files or any(w in (params.WHAT_IF_KERNELS, *fa4) for w in what_if)):
+        raise AttncheckError(
+            f"{flags} {'set' if len(given) > 1 else 'sets'} FlashAttention-4's lazy rescale: add fa4 to "
+            f"{param('paths')} (or ask {param('what_if')} kernels)"
+        )
+    from attncheck.numerics.paths.fa4 import Fa4Setup  # torch-free
+
+    return {"fa4": Fa4Setup(rescale_threshold=t, max_offset=o)}
 
 
 def run(
@@ -323,6 +358,8 @@ def run(
         rich_help_panel=FP8,
         show_default=False,
     ),
+    rescale_threshold: RescaleThresholdOpt = None,
+    max_offset: MaxOffsetOpt = None,
 ) -> None:
     """Diagnose saved attention scores (pre-softmax logits), the scores Q and K produce, or a capture.
 
@@ -357,6 +394,14 @@ def run(
                 qk_given=q is not None or k is not None,
                 fp8_accum=fp8_accum,
                 fp8_flush=fp8_flush,
+            ),
+            **fa4_options(
+                rescale_threshold,
+                max_offset,
+                path,
+                asked_what_if,
+                files=bool(paths) and q is None and k is None,
+                example=example,
             ),
         )
         # Every value is checked, whether or not it applies; then what does not apply is named.
@@ -419,11 +464,18 @@ def run(
                     f"{named} {'applies' if len(given) == 1 else 'apply'} to scores computed from {param('q')} and "
                     f"{param('k')}, which are not given"
                 )
-        if asked_what_if and (qk is not None or example):
+        sweeps_only = all(w in params.setting_sweeps() for w in asked_what_if)  # --what-if fa4: any Q/K input
+        if asked_what_if and (example or (qk is not None and (not sweeps_only or paths))):
             raise AttncheckError(
                 f"{param('what_if')} asks about a captured model's calls; with {param('q')}/{param('k')} or "
                 f"{param('example')} every cell is computed already (choose them with {param('dtypes')}, "
-                f"{param('methods')}, {param('paths')})"
+                f"{param('methods')}, {param('paths')}"
+                + "".join(
+                    f"; {param('what_if')} {w} sweeps a kernel's settings on {param('q')}/{param('k')} without score "
+                    "files"
+                    for w in params.setting_sweeps()
+                )
+                + ")"
             )
         request = RunRequest(
             tuple(paths or ()),

@@ -170,11 +170,12 @@ def watch(
         if settings["growth"] <= 1:
             raise AttncheckError(f"is a growth factor per 100 steps, above 1; got {growth}", param="growth")
         asked = params.what_if(what_if) if what_if is not None else ()
-        if params.WHAT_IF_KERNELS in asked:
+        replays = [w for w in asked if w in (params.WHAT_IF_KERNELS, *params.setting_sweeps())]
+        if replays:
             raise AttncheckError(
-                "kernels: the watch judges logged statistics, not tensors, so it cannot replay a call under "
+                f"{replays[0]}: the watch judges logged statistics, not tensors, so it cannot replay a call under "
                 "other kernels; capture the step (attncheck capture) and run attncheck run DIR --what-if "
-                "kernels",
+                f"{replays[0]}",
                 param="what_if",
             )
         check_output_path(json_out, "--json")

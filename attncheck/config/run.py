@@ -128,6 +128,8 @@ class Options:
         # config imports no numerics: a Fa4Setup (paths.fa4) is recognised by its two fields
         if self.fa4 is not None and not all(hasattr(self.fa4, f) for f in ("rescale_threshold", "max_offset")):
             raise AttncheckError("fa4 is a Fa4Setup(rescale_threshold=..., max_offset=...) or None", param="fa4")
+        if self.fa4 is not None:  # the numbers as --rescale-threshold and --max-offset take them: >= 0, sum below 128
+            params.fa4_settings(self.fa4.rescale_threshold, self.fa4.max_offset, from_text=False)
 
 
 def ignore_codes(value, param_name: str = "ignore") -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from attncheck import params
 from attncheck.config.run import QKSpec, RunRequest
 from attncheck.errors import AttncheckError, param
 from attncheck.results import RunResult, TensorDiagnosis
@@ -28,7 +29,7 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     diagnosis per tensor, a report per call and the model report over them.
     """
     from attncheck.findings import apply_ignore
-    from attncheck.model import model_report
+    from attncheck.model import model_report, setting_choices
     from attncheck.numerics.cells.calls import scores_report
     from attncheck.numerics.cells.diagnose import diagnose, resolve_device
     from attncheck.results import CallInfo
@@ -41,7 +42,7 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     skipped: list[tuple[str, str]] = []
     if request.qk is not None:
         sources = open_sources_for(request)
-        diags = _run_qk(request.qk, sources, options, track, notice, budget)
+        diags = _run_qk(request.qk, sources, options, track, notice, budget, request.what_if)
         calls = [
             scores_report(CallInfo(i, d.name, "qk" if not sources else "scores", has_qk=True), d)
             for i, d in enumerate(diags)
@@ -57,6 +58,7 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
         diags = [c.diagnosis for c in calls if c.diagnosis is not None]
     for d in diags + [c.what_if for c in calls if c.what_if is not None]:
         apply_ignore(d, request.ignore)
+        d.choices = setting_choices(d, request.ignore)  # judged again on the findings that count
     model = model_report(calls, request.ignore, skipped, capture)
     return RunResult(diags, device_label(dev), calls, model)
 
@@ -111,7 +113,8 @@ def _run_files(request: RunRequest, options, track: Track, notice):
         for item in inputs
         if not isinstance(item, TensorSource) and item.info.kind not in ("qk", "scores", "unknown")
     ]
-    if request.what_if and inputs and not captured:
+    sweeps_only = all(w in params.setting_sweeps() for w in request.what_if)  # asked of any Q/K input (fa4's grid)
+    if request.what_if and inputs and not captured and not sweeps_only:
         raise AttncheckError(
             f"{param('what_if')} asks what would break if a captured model's calls ran otherwise; these files "
             f"hold plain scores or q/k tensors, whose implementation is not known: every cell asked is computed "
@@ -230,8 +233,11 @@ def _with_mask_facts(inputs, mask: str):
     return replace(inputs, call=inputs.facts("", mask))
 
 
-def _run_qk(qk: QKSpec, sources, options, track: Track, notice, max_bytes: int | None = None) -> list[TensorDiagnosis]:
+def _run_qk(
+    qk: QKSpec, sources, options, track: Track, notice, max_bytes: int | None = None, what_if: tuple[str, ...] = ()
+) -> list[TensorDiagnosis]:
     from attncheck.numerics.cells.diagnose import diagnose_attention
+    from attncheck.numerics.cells.plan import grid, setting_cells
     from attncheck.numerics.inputs.scores import prepare_inputs
 
     q_name, q = load_one(qk.q, "q", max_bytes=max_bytes)
@@ -282,7 +288,9 @@ def _run_qk(qk: QKSpec, sources, options, track: Track, notice, max_bytes: int |
             for src in sources
         ]
     name = f"{q_name} @ {k_name}"
-    diag = diagnose_attention(name, inputs, options, track(name, inputs.rows), notice=notice)
+    sweeps = tuple(w for w in what_if if w in params.setting_sweeps())  # --what-if fa4: its grid beside the cells
+    cells = grid(options, True) + setting_cells(sweeps, options.dtypes, options=options) if sweeps else None
+    diag = diagnose_attention(name, inputs, options, track(name, inputs.rows), notice=notice, cells=cells)
     if qk.grad_out:
         from attncheck.numerics.backward.diagnose import GradInputs
         from attncheck.numerics.cells.calls import attach_backward

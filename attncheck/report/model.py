@@ -16,7 +16,7 @@ from attncheck.format import fmt, plain, to_jsonable, visible
 from attncheck.model import findings_in_order
 from attncheck.report.diagnostics import EXPLAIN_HINT, Hanging, diagnostic
 from attncheck.report.fit import Fitted, fitted, narrow_table, natural_width
-from attncheck.report.run import JSON_SCHEMA, diagnosis_json
+from attncheck.report.run import JSON_SCHEMA, diagnosis_json, settings_section
 from attncheck.report.text import shown
 from attncheck.results import CallReport, ModelLine, ModelReport, TensorDiagnosis
 
@@ -643,6 +643,31 @@ def _limit_text(report: ModelReport) -> str:
     return " (each cell's own: " + "; ".join(sorted(limits)) + "; '-': none)"
 
 
+SETTING_CALLS_SHOWN = 12  # calls whose best settings are listed; the JSON has every call's
+
+
+def call_settings_lines(report: ModelReport, prefix: str = "") -> Text | None:
+    """--what-if fa4 over several calls: each call's best setting per dtype, beside its default's error."""
+    if len(report.call_settings) < 2:
+        return None
+    text = Text("Best setting per call (its error; the default's where it is not the best):\n")
+    for at, choices in report.call_settings[:SETTING_CALLS_SHOWN]:
+        line = report.lines[at]
+        parts = []
+        for ch in choices:
+            best, default = ch.point(ch.best), ch.point(ch.default)
+            said = f"{ch.path}/{ch.dtype} " + ("none" if best is None else f"{best.label} {fmt(best.err, '.2g')}")
+            if default is not None and default is not best:
+                said += f" (default {default.label} {fmt(default.err, '.2g')})"
+            parts.append(said)
+        text.append(f"  #{line.index} {visible(call_label(line, prefix))}: ", style="bold")
+        text.append("; ".join(parts) + "\n")
+    if len(report.call_settings) > SETTING_CALLS_SHOWN:
+        text.append(f"  ... {len(report.call_settings) - SETTING_CALLS_SHOWN} more in the JSON report\n")
+    text.rstrip()
+    return text
+
+
 def render_model(report: ModelReport, calls: list[CallReport], device: str) -> Group:
     parts: list[Any] = []
     if report.capture:
@@ -708,6 +733,14 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     kernels = kernels_block(report, prefix)
     if kernels is not None:
         parts.append(kernels)
+    settings = settings_section(report.settings)
+    if settings is not None:
+        parts.append(settings)
+    for grid, n, why in report.settings_refused:
+        parts.append(shown(f"{grid} (--what-if): not computed for {n} call(s): {why}", style="dim"))
+        per_call = call_settings_lines(report, prefix)
+        if per_call is not None:
+            parts.append(per_call)
     notes = path_notes(report, calls, prefix)
     if notes is not None:
         parts.append(notes)
@@ -831,6 +864,8 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
                 }
                 for c in report.kernels
             ],
+            "settings": [to_jsonable(c) for c in report.settings],  # --what-if fa4: each grid over the calls
+            "settings_refused": [{"grid": g, "calls": n, "why": why} for g, n, why in report.settings_refused],
         }
     )
 

@@ -447,6 +447,74 @@ def limits_line(d: TensorDiagnosis) -> Text | None:
     return Text("First failure: " + "; ".join(parts))
 
 
+METRIC_WORDS = {"out_rel_l1": "rel L1 of O", "rmse": "RMSE of P"}
+
+
+def settings_table(choice) -> Table:
+    """A kernel's settings grid in one dtype (``--what-if fa4``): each point's numbers, error against float64,
+    headroom (how far P may grow before its dtype runs out), findings, and which is the default and the best."""
+    over = f" over {choice.calls} calls" if choice.calls > 1 else ""
+    t = compact_table(f"{choice.path} settings in {choice.dtype} (--what-if {choice.path}){over}")
+    t.add_column("setting", no_wrap=True)
+    number_column(t, METRIC_WORDS.get(choice.metric, choice.metric))
+    number_column(t, "headroom")
+    t.add_column("result", overflow="fold")
+    for p in choice.points:
+        notes = [n for n, hit in (("default", p.default), ("best", p.label == choice.best)) if hit]
+        shown = [*p.findings, *(f"{e} ({n} rows)" for e, n in p.events.items() if e not in p.findings)]
+        result = ", ".join(shown) or p.verdict
+        if p.calls_bad and choice.calls > 1:
+            result += f" ({p.calls_bad} call{'s' if p.calls_bad > 1 else ''})"
+        if p.refused is not None:
+            notes.append("kernel asserts")
+        style = "bold" if p.label == choice.best else ("dim" if p.refused else "")
+        t.add_row(
+            Text(p.label + (f" ({', '.join(notes)})" if notes else ""), style=style),
+            fmt(p.err, ".3g"),
+            Text(fmt(p.headroom, ".3g"), style="red" if p.headroom is not None and p.headroom < 0 else ""),
+            Text(result, style="red" if p.calls_bad else ("green" if result == "ok" else "")),
+        )
+    return t
+
+
+def settings_line(choice) -> Text:
+    """'fa4/e4m3: best t0,o4 (rel L1 of O 0.012); the kernel's default t0,o8: 0.034'."""
+    metric = METRIC_WORDS.get(choice.metric, choice.metric)
+    best, default = choice.point(choice.best), choice.point(choice.default)
+    text = Text(f"{choice.path}/{choice.dtype}: ", style="bold")
+    if best is None:
+        text.append("no setting of the grid runs without breaking", style="red")
+    else:
+        text.append(f"best {best.label} ({metric} {fmt(best.err, '.3g')})", style="green")
+    if default is not None and default is not best:
+        text.append(f"; the kernel's default {default.label}: {fmt(default.err, '.3g')}")
+    elif default is not None:
+        text.append(" = the kernel's default")
+    refused = [p for p in choice.points if p.refused]
+    if refused:
+        text.append(f"; the kernel (at the commit followed) asserts against {', '.join(p.label for p in refused)}")
+    return text
+
+
+def settings_section(choices) -> Group | None:
+    """Every settings grid of a diagnosis or a model, each with its line naming the best."""
+    if not choices:
+        return None
+    parts: list[Any] = []
+    for choice in choices:
+        parts += [settings_table(choice), settings_line(choice)]
+    parts.append(
+        Text(
+            "setting: t the lazy rescale threshold, o the max offset (log2 units); headroom: how far a logit may "
+            "pass the row max the kernel holds before P runs out of its dtype (ln 2 per power of 2); best: the "
+            "least error among the settings the kernel takes that break nothing, "
+            f"a tie (within {choices[0].tie:.0%}) going to the default",
+            style="dim",
+        )
+    )
+    return Group(*parts)
+
+
 def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
     parts: list[Any] = [census_panel(d)]
     if d.attention is not None:
@@ -458,6 +526,9 @@ def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
     for build in (output_table, pcast_table, backward_table):
         if build(d) is not None:
             parts.append(fit_table(lambda build=build: build(d)))
+    settings = settings_section(d.choices)
+    if settings is not None:
+        parts.append(settings)
     where = nan_by_head_line(d)
     limits = limits_line(d)
     parts += (
@@ -517,4 +588,5 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
         "cells": cells,
         "findings": [dict(to_jsonable(f), doc=doc_link(f.code)) for f in d.findings],
         "attention": None if d.attention is None else to_jsonable(d.attention),
+        "settings": [to_jsonable(c) for c in d.choices],  # --what-if fa4: each settings grid and its best
     }

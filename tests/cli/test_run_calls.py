@@ -227,21 +227,21 @@ def test_what_if_is_its_own_question(capdir, tmp_path):
         (
             ["--what-if", "fp64"],
             "--what-if: dtype 'fp64' cannot be used here (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, "
-            "e5m2fnuz; or kernels, all)",
+            "e5m2fnuz; or kernels, fa4, all)",
         ),
         (
             ["--what-if", "bogus"],
             "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or "
-            "kernels, all)",
+            "kernels, fa4, all)",
         ),
         (
             ["--what-if", ""],
-            "--what-if is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, all)",
+            "--what-if is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, fa4, all)",
         ),
         (
             ["--what-if", "kernels,bogus"],
             "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or "
-            "kernels, all)",
+            "kernels, fa4, all)",
         ),
         (
             ["--fail-on", "what-if:bogus"],
@@ -260,7 +260,8 @@ def test_what_if_with_q_and_k_says_what_to_use_instead(tmp_path):
     r = invoke("run", "--q", tmp_path / "q.pt", "--k", tmp_path / "q.pt", "--what-if", "fp16")
     assert r.exit_code == 2 and error_line(r) == [
         "attncheck: error: --what-if asks about a captured model's calls; with --q/--k or --example every cell is "
-        "computed already (choose them with --dtype, --method, --path)"
+        "computed already (choose them with --dtype, --method, --path; --what-if fa4 sweeps a kernel's settings on "
+        "--q/--k without score files)"
     ]
 
 

@@ -246,8 +246,8 @@ BAD_TABLES = [
     (
         {"synthetic": [{"d_k": 8, "paths": ["eager", "sage"]}]},
         "tool.attncheck.synthetic[0].paths: 'sage' computes in FP8; check computes "
-        "the paths eager, sdpa-math, flash, fa2, fa2-fma, fa3, mem-efficient, cudnn, fa4, flex, flex-math (FP8 cells need "
-        "run's --p-scale and --fp8-scaling: judge them with "
+        "the paths eager, sdpa-math, flash, fa2, fa2-fma, fa3, mem-efficient, cudnn, fa4, flex, flex-math "
+        "(FP8 cells need run's --p-scale and --fp8-scaling: judge them with "
         "'attncheck run --dtype e4m3')",
     ),
     (

@@ -37,6 +37,8 @@ from attncheck.numerics.cells.plan import (
     kernel_refusals,
     known_implementation,
     model_cell,
+    setting_cells,
+    sweep_refusals,
     what_if_cells,
 )
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
@@ -143,9 +145,13 @@ def diagnose_call(
     if known:
         cells = [model]
     else:
-        cells = grid(asked or options, inputs is not None and kind in QK_KINDS)
+        qk = inputs is not None and kind in QK_KINDS
+        cells = grid(asked or options, qk)
         if model is not None and not any(c.same_cell(model) for c in cells):
             cells.append(model)
+        if qk:  # --what-if fa4 on q/k files: the kernel's settings grid in each dtype asked
+            sweeps = tuple(w for w in what_if if w in params.setting_sweeps())
+            cells += setting_cells(sweeps, (asked or options).dtypes, options=options)
     if kind in QK_KINDS:
         diag = _in_call(info, lambda: _qk_diagnosis(info, inputs, options, cells, progress, notice))
     else:
@@ -181,6 +187,9 @@ def diagnose_call(
         kernels_refused=refused,
         kernel_dtype=kernels,
         path_note=judged_by(info, model.dtype)[1] if known and model is not None else None,
+        settings_refused=sweep_refusals(info, tuple(w for w in what_if if w in params.setting_sweeps()))
+        if known and what is not None
+        else {},
     )
     extra = head_findings(report, diag.findings)
     if extra:
@@ -471,7 +480,7 @@ def _what_if(
         wi_inputs = _sdpa_what_if_inputs(info, tensors, left)
     else:
         wi_inputs = None if inputs is None else _softmax_what_if_inputs(info, tensors, inputs, options, left)
-    cells = what_if_cells(info, wi_inputs is not None, what_if, asked)
+    cells = what_if_cells(info, wi_inputs is not None, what_if, asked, options)
     if not cells:
         return None
     name = f"{info.name} (what if)"

@@ -20,6 +20,7 @@ import torch
 from attncheck.config.run import Options, chunk_elements_for, rows_per_chunk  # noqa: F401  (part of this module's API)
 from attncheck.errors import AttncheckError, param
 from attncheck.findings import findings_for
+from attncheck.model import setting_choices
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, select_backend
 from attncheck.numerics.backends.torch_rows import TorchRows
 from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc, HeadMax
@@ -209,7 +210,12 @@ def diagnose_chunks(
     result_cells = []
     for key in plan:
         cell = accs[key].finish(lead)
-        cell.limit = cell_limit(key, dtype, census_result, census.spread.value, attention, options.p_scale)
+        cell_params = _cell_params(method_params, options, key)
+        cell.limit = cell_limit(key, dtype, census_result, census.spread.value, attention, options.p_scale, cell_params)
+        if key.setting is not None:
+            s = key.setting
+            cell.variant = s.label
+            cell.setting = dict(s.values, default=s.default, refused=s.refused)
         result_cells.append(cell)
     result = TensorDiagnosis(
         name=name,
@@ -227,6 +233,7 @@ def diagnose_chunks(
         head_max_logits=head_max.values(),
     )
     result.findings = findings_for(result)
+    result.choices = setting_choices(result)
     return result
 
 
@@ -272,6 +279,12 @@ def _no_cell(options: Options, qk: bool) -> str:
         f"no cell to compute: the paths {', '.join(options.paths)} do not run in {', '.join(options.dtypes)} "
         f"(FP8 dtypes take {fp8_paths}; the others take the rest)"
     )
+
+
+def _cell_params(method_params: MethodParams, options: Options, key: CellKey) -> MethodParams:
+    """The method parameters a cell computes with: FP8 dtypes' setup, and its point of a settings grid."""
+    params_d = _fp8_params(method_params, options, key.dtype) if key.dtype in fp8_names() else method_params
+    return params_d if key.setting is None else replace(params_d, **dict(key.setting.params))
 
 
 def _fp8_params(method_params: MethodParams, options: Options, d: str) -> MethodParams:
@@ -333,6 +346,8 @@ def _path_stage(
     fp8 = d in fp8_names()
     dt = dtype_from_name(d)
     params_d = _fp8_params(method_params, options, d) if fp8 else replace(method_params, online=backend.online)
+    if keys[0].setting is not None:  # a stage's cells share one setting (plan.stages)
+        params_d = replace(params_d, **dict(keys[0].setting.params))
     spec = PATHS.get(path)
     pb = spec.function()(block, dt, [k.method for k in keys], params_d)
     if spec.scores == "dtype":
@@ -368,7 +383,13 @@ def _path_stage(
 
 
 def cell_limit(
-    key: CellKey, input_dtype: torch.dtype, census, spread: float | None, audit, p_scale: float
+    key: CellKey,
+    input_dtype: torch.dtype,
+    census,
+    spread: float | None,
+    audit,
+    p_scale: float,
+    params: MethodParams | None = None,
 ) -> CellLimit | None:
     """The first failure ``key``'s cell can have from finite inputs, and how far this input is from it:
 
@@ -386,6 +407,17 @@ def cell_limit(
     """
     d = key.dtype
     dt = dtype_from_name(d)
+    spec = PATHS.get(key.path) if key.path is not None else None
+    # the kernel's own arithmetic breaks first (FlashAttention-4's lazy rescale: P's growth; the fused exponent of
+    # fa2-fma and fa3 in 16 bits); None: not in this dtype
+    own = (
+        None
+        if spec is None or spec.limit is None or audit is None
+        else resolve(spec.limit)(dt, params or MethodParams())
+    )
+    if own is not None:
+        kind, threshold, what, *bound = own
+        return CellLimit(kind, threshold, bound[0] if bound else audit.raw_max_abs * audit.scale, what)
     if d in fp8_names():
         threshold = math.log(p_scale) - exp_underflow_threshold(dt)
         return CellLimit(
@@ -414,12 +446,6 @@ def cell_limit(
                 value,
                 f"S = Q@K^T in {d} rounds to inf at |S| >= {rounding_limit(dt):.6g}",
             )
-        spec = PATHS.get(key.path)
-        # the kernel's own arithmetic breaks before S overflows fp32 (None: not in this dtype)
-        own = None if spec.limit is None else resolve(spec.limit)(dt)
-        if own is not None:
-            kind, threshold, what = own
-            return CellLimit(kind, threshold, raw * audit.scale, what)
         s32 = rounding_limit(torch.float32)
         value = raw * audit.scale if how == "fp32-split" else raw
         return CellLimit("qk_overflow", s32, value, f"S = Q@K^T in fp32 rounds to inf at |S| >= {s32:.6g}")

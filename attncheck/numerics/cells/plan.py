@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attncheck.config.run import Options
-from attncheck.numerics.paths.base import CallFacts
-from attncheck.params import WHAT_IF_ALL, WHAT_IF_FP8, WHAT_IF_KERNELS
+from attncheck.numerics.paths.base import CallFacts, Setting
+from attncheck.params import WHAT_IF_ALL, WHAT_IF_FP8, WHAT_IF_KERNELS, setting_sweeps
 from attncheck.registry import (
     DTYPES,
     METHODS,
@@ -32,6 +32,7 @@ from attncheck.registry import (
     fp8_what_if_path,
     method_names,
     path_names,
+    resolve,
 )
 from attncheck.results import ASKED, MODEL, WHAT_IF, CallInfo
 
@@ -44,16 +45,24 @@ class CellKey:
     method: str
     dtype: str
     role: str = ASKED
+    setting: Setting | None = None  # one point of the path's settings grid (``--what-if fa4``); None: as configured
 
     @property
     def name(self) -> str:
-        """'stable/fp16'; with Q and K: 'eager:stable/fp16', 'flash/fp16' (as ``results.Cell.name``)."""
+        """'stable/fp16'; with Q and K: 'eager:stable/fp16', 'flash/fp16'; a setting: 'fa4(t4,o8)/e4m3' (as
+        ``results.Cell.name``)."""
+        variant = f"({self.setting.label})" if self.setting is not None else ""
         if self.path and self.path != self.method:
-            return f"{self.path}:{self.method}/{self.dtype}"
-        return f"{self.method}/{self.dtype}"
+            return f"{self.path}:{self.method}{variant}/{self.dtype}"
+        return f"{self.method}{variant}/{self.dtype}"
 
     def same_cell(self, other: "CellKey") -> bool:
-        return (self.path, self.method, self.dtype) == (other.path, other.method, other.dtype)
+        return (self.path, self.method, self.dtype, self.setting) == (
+            other.path,
+            other.method,
+            other.dtype,
+            other.setting,
+        )
 
 
 def grid(options: Options, qk: bool, role: str = ASKED) -> list[CellKey]:
@@ -79,11 +88,11 @@ def grid(options: Options, qk: bool, role: str = ASKED) -> list[CellKey]:
 
 
 def stages(cells: list[CellKey]) -> list[tuple[str | None, str, list[CellKey]]]:
-    """(path, dtype, cells) groups of the cells that share their scores, in first-seen order."""
-    out: dict[tuple[str | None, str], list[CellKey]] = {}
+    """(path, dtype, cells) groups of the cells that share their scores and settings, in first-seen order."""
+    out: dict[tuple[str | None, str, Setting | None], list[CellKey]] = {}
     for c in cells:
-        out.setdefault((c.path, c.dtype), []).append(c)
-    return [(p, d, cs) for (p, d), cs in out.items()]
+        out.setdefault((c.path, c.dtype, c.setting), []).append(c)
+    return [(p, d, cs) for (p, d, _), cs in out.items()]
 
 
 def known_implementation(info: CallInfo) -> bool:
@@ -245,7 +254,11 @@ def model_cell(info: CallInfo) -> CellKey | None:
 
 
 def what_if_cells(
-    info: CallInfo, qk: bool, dtypes: tuple[str, ...] = (), options: Options | None = None
+    info: CallInfo,
+    qk: bool,
+    dtypes: tuple[str, ...] = (),
+    options: Options | None = None,
+    configured: Options | None = None,
 ) -> list[CellKey]:
     """The what-if cells of a call of known implementation, computed from Q and K when ``qk``
     (else on the scores as recorded).
@@ -254,10 +267,19 @@ def what_if_cells(
     (hand-written attention with torch.softmax, as ``attn_implementation='eager'`` runs); in an
     FP8 dtype, the FP8 kernel (flash-fp8; without Q and K, the tiled softmax with its P cast).
     ``('all',)``: every path and method in fp16, bf16, fp32 and e4m3. ``options``: the grid a
-    user asked for explicitly (--dtype, --method, --path). The model's own cell is never a what-if.
+    user asked for explicitly (--dtype, --method, --path); ``configured``: the run's options (a kernel setting
+    asked, --rescale-threshold, joins its grid). The model's own cell is never a what-if.
     """
     model = model_cell(info)
     cells: list[CellKey] = []
+    sweeps = [w for w in dtypes if w in setting_sweeps()]
+    if sweeps:
+        dtypes = tuple(d for d in dtypes if d not in sweeps)
+        if qk and model is not None:
+            refused = sweep_refusals(info, tuple(sweeps))
+            for p in sweeps:  # the call's dtype and FP8 (e4m3): each kernel's grid where it takes the call
+                takes = [d for d in sweep_dtypes(info, model, p) if f"{p}/{d}" not in refused]
+                cells += setting_cells((p,), tuple(takes), WHAT_IF, configured)
     if WHAT_IF_KERNELS in dtypes:
         dtypes = tuple(d for d in dtypes if d != WHAT_IF_KERNELS)
         if qk and model is not None:
@@ -290,6 +312,48 @@ def what_if_cells(
             continue
         out.append(c)
     return out
+
+
+SWEEP_16 = "bf16"  # the 16-bit dtype a sweep runs an fp32 call in: the kernels' (FlashAttention-4 takes no fp32)
+
+
+def sweep_dtypes(info: CallInfo, model: CellKey, sweep: str) -> tuple[str, ...]:
+    """The dtypes a settings sweep of a captured call runs in: the call's own (its q, k, v's; bf16 where the
+    kernel has no grid in it, an fp32 model) and FP8 (e4m3)."""
+    own = kernel_dtype(info, model)
+    if not resolve(PATHS.get(sweep).settings)(own, None):
+        own = SWEEP_16
+    return tuple(dict.fromkeys((own, WHAT_IF_FP8)))
+
+
+def sweep_refusals(info: CallInfo, sweeps: tuple[str, ...]) -> dict[str, str]:
+    """'fa4/e4m3' -> why the kernel would not run the call in that dtype (its support), for each sweep and dtype
+    of ``sweep_dtypes`` it has a grid in and refuses: said in the report, not left out silently."""
+    model = model_cell(info)
+    if model is None:
+        return {}
+    out = {}
+    for p in sweeps:
+        spec = PATHS.get(p)
+        for d in sweep_dtypes(info, model, p):
+            why = spec.why_not(call_facts(info, d))
+            if why is not None and spec.settings is not None and resolve(spec.settings)(d, None):
+                out[f"{p}/{d}"] = why
+    return out
+
+
+def setting_cells(
+    sweeps: tuple[str, ...], dtypes: tuple[str, ...], role: str = ASKED, options: Options | None = None
+) -> list[CellKey]:
+    """One cell per point of each named kernel's settings grid (``PathSpec.settings``) in each dtype it has one
+    for: what ``--what-if fa4`` computes."""
+    from attncheck.registry import resolve
+
+    cells = []
+    for p in sweeps:
+        grid_of = resolve(PATHS.get(p).settings)
+        cells += [CellKey(p, p, d, role, s) for d in dtypes for s in grid_of(d, options)]
+    return cells
 
 
 def kernel_dtype(info: CallInfo, model: CellKey) -> str:

@@ -75,6 +75,19 @@ class KernelRows:
 
 
 @dataclass(frozen=True)
+class Setting:
+    """One point of a kernel's settings grid (``PathSpec.settings``; ``--what-if NAME`` computes each): the
+    MethodParams fields it sets, the numbers it stands for, whether it is the kernel's own default for the
+    dtype, and why the kernel refuses it at the commit the path follows (an assert), else None."""
+
+    label: str  # 't4,o8': short, no spaces or brackets (part of a cell's name: 'fa4(t4,o8)/e4m3')
+    params: tuple[tuple[str, Any], ...]  # (MethodParams field, value): (('fa4', Fa4Setup(4.0, 8.0)),)
+    values: tuple[tuple[str, float], ...]  # (('rescale_threshold', 4.0), ('max_offset', 8.0))
+    default: bool = False
+    refused: str | None = None
+
+
+@dataclass(frozen=True)
 class PathSpec:
     """An attention implementation from Q, K (and V) to P and O = P@V, with its rounding points.
 
@@ -119,9 +132,16 @@ class PathSpec:
     stands_for: tuple[Stands, ...] = ()
     # '(facts: CallFacts) -> str | None': why the kernel could not run a call (None: it can); None: any call
     supports: Impl | None = field(default=None, repr=False)
-    # '(dt) -> (kind, threshold on |S scale|, what) or None': where the kernel's own arithmetic first breaks, when
-    # that is sooner than S overflowing fp32 (the cell's limit and headroom); None: S's overflow
+    # '(dt, params: MethodParams) -> (kind, threshold on |S scale|, what) or None': where the kernel's own
+    # arithmetic first breaks, when that is sooner than S overflowing fp32 (the cell's limit and headroom; None
+    # from it: not in this dtype); None: S's overflow. A
+    # fourth item, where given, is the value measured against the threshold (a bound the cell's settings fix,
+    # e.g. how far the lazy rescale lets P grow) instead of the input's largest |S scale|.
     limit: Impl | None = field(default=None, repr=False)
+    # '(dtype name, options: config.run.Options | None) -> tuple[Setting, ...]': the grid of the kernel's settings
+    # that ``--what-if NAME`` computes in that dtype (with a setting the options ask for; empty: none there);
+    # None: the kernel has no settings to sweep
+    settings: Impl | None = field(default=None, repr=False)
     # In the replay of ``--what-if kernels``: a kernel a call could have run under; ``replay_kinds``: the
     # kinds of call it replays (empty: every call with Q and K)
     replay: bool = False
@@ -146,15 +166,6 @@ class PathSpec:
 
     def function(self) -> Callable:
         return resolve(self.impl)
-
-    @property
-    def fp8_only(self) -> bool:
-        """Computes in the FP8 dtypes only (fp8=True)."""
-        return self.fp8 is True
-
-    def computes_in(self, fp8_dtype: bool) -> bool:
-        """Whether it computes in a dtype that is (``fp8_dtype``) or is not an FP8 format."""
-        return self.fp8 == "both" or bool(self.fp8) == fp8_dtype
 
     def why_not(self, facts: CallFacts) -> str | None:
         """Why this kernel could not run a call with these facts, or None."""

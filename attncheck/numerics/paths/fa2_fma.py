@@ -32,7 +32,7 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
     return fa2.run(block, dt, PATH.name, fused=True)
 
 
-def limit(dt: torch.dtype) -> tuple[str, float, str]:
+def limit(dt: torch.dtype, params: MethodParams | None = None) -> tuple[str, float, str]:
     """The cell's limit on |S scale|: (kind, threshold, what) where the fused exponent can first break
     (see the module docstring), from the dtypes' rounding limits."""
     import math

@@ -318,7 +318,7 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
     return PathBlock(s, before, [], [(PATH.name, out)])
 
 
-def limit(dt: torch.dtype) -> tuple[str, float, str] | None:
+def limit(dt: torch.dtype, params: MethodParams | None = None) -> tuple[str, float, str] | None:
     """The cell's limit in fp16/bf16: the fused exponent's, as ``fa2-fma`` (the same exponent); None in the FP8
     dtypes (flash-fp8's forward: S's fp32 overflow)."""
     from attncheck.numerics.paths import fa2_fma

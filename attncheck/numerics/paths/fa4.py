@@ -652,4 +652,7 @@ PATH = PathSpec(
     stands_for=(Stands("flash_attn", "fa4"), Stands("sdpa", "flash_attention:fa4", "cuda")),
     supports="attncheck.numerics.paths.fa4:supports",
     replay=True,
+    # the lazy rescale's headroom (how far P may grow before its dtype runs out) and --what-if fa4's grid
+    limit="attncheck.numerics.paths.fa4_settings:limit",
+    settings="attncheck.numerics.paths.fa4_settings:settings",
 )
