@@ -267,13 +267,15 @@ def test_flashattention_3_and_4_interfaces_are_recorded_with_descales_and_sinks(
         flash_attn_interface.flash_attn_func(q16, k16, v16, **scales)
     r = runner.invoke(app, ["run", str(tmp_path / "fa3-fp8")])
     assert r.exit_code == 2 and "(fa3 flash_attn_func) with descales of q,k" in r.stderr, r.output
-    with torch.no_grad(), attncheck.capture(tmp_path / "fa4"):  # a plain call: no path stands for FA4's kernel yet
-        flash_attn.cute.flash_attn_func(q, k, v)
-    r = runner.invoke(app, ["run", str(tmp_path / "fa4")])
-    assert (
-        r.exit_code == 2
-        and "a flash_attn call (fa4 flash_attn_func) with fa4's kernel: attncheck has no path" in r.stderr
-    )
+    with torch.no_grad(), attncheck.capture(tmp_path / "fa4"):  # a plain FA4 call: judged by FlashAttention-4's path
+        flash_attn.cute.flash_attn_func(q16, k16, v16)
+    r = runner.invoke(app, ["run", str(tmp_path / "fa4"), "--fail-on", "error,warning,nan", "--json", "-"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["model"]["calls"][0]["cell"] == "fa4/fp16"
+    with torch.no_grad(), attncheck.capture(tmp_path / "fa4-sink"):  # learnable sinks: not read from a capture yet
+        flash_attn.cute.flash_attn_func(q16, k16, v16, learnable_sink=sink)
+    r = runner.invoke(app, ["run", str(tmp_path / "fa4-sink")])
+    assert r.exit_code == 2 and "(fa4 flash_attn_func) with sinks" in r.stderr, r.output
 
 
 def test_attributes_are_restored_after_the_block_also_when_it_fails(fake_flash, monkeypatch):
