@@ -46,25 +46,33 @@ def e4m3_rounding_rms() -> float:
 
 
 def test_d_exp2_emulation_differs_from_the_hardware_in_about_one_percent_of_bf16_results(fk):
-    got = fk.measure_d(100_000)
+    got = fk.measure_d(20_000)
     for (lo, hi), published in fk.D_PUBLISHED.items():
         m = got[f"[{lo:g}, {hi:g})"]
-        # within 25% (issue 34); the sampling error of a share of 1% over 1e5 draws is 3% of it
+        # within 25% (issue 34); the sampling error of a share of 1% over 2e4 draws is 7% of it
         assert abs(m["share"] / published - 1) <= 0.25, (lo, m)
         assert m["one_ulp"]  # "all off by 1 BF16 ULP"
-        # the polynomial's own error, against an exp2 modelled as correctly rounded: the issue's 1428 ulps was
-        # against ex2.approx, whose own error is at most 2 ulps (PTX ISA), so the two maxima lie within a few ulps
-        assert abs(m["max_fp32_ulps"] - fk.D_MAX_ULP) <= 4, m
+        # the polynomial's own error, against an exp2 modelled as correctly rounded: the issue's 1428 ulps (1e6
+        # draws) was against ex2.approx, whose own error is at most 2 ulps (PTX ISA); fewer draws find less
+        assert 1300 <= m["max_fp32_ulps"] <= fk.D_MAX_ULP + 4, m
 
 
 # (c) PR 2067: at 128 keys (one key tile) every threshold gives the same result
 
 
 def test_c_one_key_tile_gives_the_same_bits_under_every_threshold(fk):
-    got, same_bits = fk.measure_c((128,), (1.0,))
-    assert same_bits[1.0]  # the lazy rescale has no second tile to act on
-    cell = got[1.0][128]
-    assert cell["thr 8, e2e on"] == cell["thr 0, e2e on"]
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 128, 128, generator=g).to(torch.bfloat16).double() for _ in range(3))
+    scale = 1 / math.sqrt(128)
+    outs = [fk.fa4_out(q, k, v, scale=scale, dt=torch.bfloat16, threshold=thr, seqlen_q=128) for thr in (8.0, 0.0, 4.0)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])  # no second tile for the lazy rescale
+    # ... and two tiles do not: the threshold is live (the thread's 3.386784e-02 / 1.511154e-03 vs 1.474344e-03)
+    # a second tile of keys before the first, with larger scores: the kernel visits it last, and its max is higher
+    k2, v2 = (torch.cat([x.flip(1) * 1.5, x], dim=1) for x in (k, v))
+    o8, o0 = (fk.fa4_out(q, k2, v2, scale=scale, dt=torch.bfloat16, threshold=thr, seqlen_q=128) for thr in (8.0, 0.0))
+    assert not torch.equal(o8, o0)
 
 
 # (a) PR 2694, quick: the orderings, and the offset-4 floor against the e4m3 rounding noise
@@ -127,14 +135,33 @@ def test_d_full_issue2263_shares(fk):
     assert not bad, bad
 
 
+@pytest.fixture(scope="module")
+def full_c(fk):
+    return fk.figure_c(False)
+
+
 @pytest.mark.slow
-def test_c_full_pr2067_structure(fk):
-    rows, facts = fk.figure_c(False)
+def test_c_full_pr2067_structure(full_c):
+    rows, facts = full_c
     structure = [r for r in rows if r.check == "order"]
     assert len(structure) == 2 * 3  # per logit std: same bits at 128 keys; thr 8 above thr 0 at 256 and 512 keys
     assert all(r.ok for r in structure), structure
 
 
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="PR 2067's inputs are not in its thread: N(0, 1) inputs at the default scale give MaxAbs 4-16x below "
+    "its figures (the script's docstring, figure (c))",
+)
+def test_c_full_pr2067_maxabs_within_25_percent_at_the_default_scale(full_c):
+    rows, facts = full_c
+    maxabs = [r for r in rows if r.metric == "MaxAbs" and r.setup.startswith("logit std 1,")]
+    assert len(maxabs) == 6
+    assert all(r.ok for r in maxabs), maxabs
+
+
+@pytest.mark.slow
 def test_script_prints_and_writes_the_figures(tmp_path):
     out = tmp_path / "fk.json"
     proc = subprocess.run(
