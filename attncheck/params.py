@@ -107,7 +107,7 @@ def methods(value: Any, param: str = "methods") -> tuple[str, ...]:
 def paths(value: Any, param: str = "paths", fp8: bool = True) -> tuple[str, ...]:
     """Attention paths; ``fp8=False`` (the sweep): the default paths of the fp16/bf16/fp32 dtypes only
     (not flash-fp8, sage, nor flex and flex-math, which judge recorded flex calls)."""
-    return names(value, PATHS, param, (lambda spec: True) if fp8 else (lambda spec: not spec.fp8 and spec.default))
+    return names(value, PATHS, param, (lambda spec: True) if fp8 else (lambda spec: not spec.fp8_only and spec.default))
 
 
 WHAT_IF_ALL = "all"

@@ -41,8 +41,9 @@ class DtypeSpec:
 
 
 # Row events a method can report (MethodOutput.events), in pipeline order, and what
-# they count as in a cell: 'overflow' rows, 'underflow' rows, or 'backward' (a hazard of the
-# kernel's backward on a row whose forward is finite: no forward cause)
+# they count as in a cell: 'overflow' rows, 'underflow' rows, 'backward' (a hazard of the
+# kernel's backward on a row whose forward is finite: no forward cause), or a kind of its own
+# ('saturation'): counted per event only (Cell.events), never as an overflow or underflow row
 EVENTS: dict[str, str] = {
     "exp_overflow": "overflow",  # an exp of a finite score is inf
     "sum_overflow": "overflow",  # every exp is finite, their row sum is inf
@@ -52,6 +53,9 @@ EVENTS: dict[str, str] = {
     "fused_max": "overflow",
     # a hazard of the kernel's backward, predicted from the forward's log-sum-exp: the row's forward is finite
     "padded_tile": "backward",
+    # P above the P format's largest value before the cast (FlashAttention-4's FP8 max offset plus its lazy
+    # rescale): FP8 saturates it while the fp32 row sum counts it in full, so O shrinks; the row stays finite
+    "p_saturation": "saturation",
 }
 
 
@@ -253,6 +257,7 @@ PATH_MODULES = (
     "mem_efficient",
     "cudnn",
     "flash_fp8",
+    "fa4",
     "sage",
     "flex",
     "flex_math",
@@ -270,7 +275,7 @@ def eager_path() -> str:
 def fp8_what_if_path() -> str:
     """The FP8 kernel an FP8 what-if runs and --fp8-scaling quantises for: the first FP8 path
     registered (FlashAttention-3's)."""
-    return next(spec.name for spec in PATHS if spec.fp8)
+    return next(spec.name for spec in PATHS if spec.fp8_only)
 
 
 def path_names(where: Callable[[PathSpec], bool] = lambda spec: True) -> tuple[str, ...]:

@@ -87,7 +87,7 @@ def sweep(
             "rows and of the error against float64, to FILE.png (needs the 'plot' extra: matplotlib)."
         ),
     ),
-    path: PathOpt = ",".join(path_names(lambda spec: not spec.fp8 and spec.default)),
+    path: PathOpt = ",".join(path_names(lambda spec: not spec.fp8_only and spec.default)),
     preset: Optional[str] = typer.Option(
         None,
         "--preset",
@@ -188,7 +188,7 @@ GRID_DEFAULTS = dict(
     std="1",
     dist="normal",
     block=str(DEFAULT_BLOCK),
-    path=",".join(path_names(lambda spec: not spec.fp8 and spec.default)),
+    path=",".join(path_names(lambda spec: not spec.fp8_only and spec.default)),
 )
 
 

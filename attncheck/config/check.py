@@ -213,11 +213,11 @@ def _dtypes(value: Any, key: str) -> tuple[str, ...]:
 
 def _paths(value: Any, key: str) -> tuple[str, ...]:
     """Attention paths a check computes: every path but the FP8 ones (flash-fp8, sage)."""
-    fp8 = [v for v in _listed(value) if v in PATHS and PATHS.get(v).fp8]
+    fp8 = [v for v in _listed(value) if v in PATHS and PATHS.get(v).fp8_only]
     if fp8:
-        allowed = ", ".join(PATHS.names(lambda spec: not spec.fp8))
+        allowed = ", ".join(PATHS.names(lambda spec: not spec.fp8_only))
         raise AttncheckError(f"{key}: {fp8[0]!r} computes in FP8; check computes the paths {allowed} ({FP8_REFUSED})")
-    return params.names(value, PATHS, key, lambda spec: not spec.fp8)
+    return params.names(value, PATHS, key, lambda spec: not spec.fp8_only)
 
 
 def _listed(value: Any) -> list[str]:

@@ -116,7 +116,7 @@ class SweepConfig:
     block: int = DEFAULT_BLOCK
     device: str = "cpu"
     # attention paths whose output O = P@V is measured (V drawn like q, k); the FP8 paths are --preset fa3's
-    paths: tuple[str, ...] = path_names(lambda spec: not spec.fp8 and spec.default)
+    paths: tuple[str, ...] = path_names(lambda spec: not spec.fp8_only and spec.default)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)

@@ -72,7 +72,7 @@ def grid(options: Options, qk: bool, role: str = ASKED) -> list[CellKey]:
     cells = []
     for p in options.paths or path_names(lambda spec: spec.default):
         spec = PATHS.get(p)
-        dtypes = [d for d in options.dtypes if (d in fp8) == spec.fp8]
+        dtypes = [d for d in options.dtypes if spec.computes_in(d in fp8)]
         methods = [m for m in options.methods if METHODS.get(m).eager] if spec.runs_methods else [p]
         cells += [CellKey(p, m, d, role) for m in methods for d in dtypes]
     return cells

@@ -94,6 +94,7 @@ class MethodParams:
     # (scores (r, T), P dtype, block, reverse) -> the online softmax's effective probabilities, as the
     # row backend computes them (its fused kernel); None: online.online_softmax's torch ops (same bits)
     online: Any = None
+    fa4: Any = None  # the fa4 path's what-if: paths.fa4.Fa4Setup (rescale threshold, max offset); None: the kernel's
 
 
 class Buffers:

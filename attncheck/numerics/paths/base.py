@@ -71,6 +71,7 @@ class KernelRows:
     events: dict = field(default_factory=dict)  # hazard name -> (r,) bool rows
     scores: Any = None  # (r, Tk) float32: the scores as the kernel's softmax sees them, where it keeps them
     margin: Any = None  # (r,) float64 -ln(FLT_MAX) - LSE where a hazard depends on it
+    saturated: Any = None  # (r,) int64: how many P of the row exceeded the P format's largest value before the cast
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ class PathSpec:
     aliases: tuple[str, ...] = ()
     default: bool = True  # in the default set of Q/K mode
     scores_in: str = "the dtype"  # where S = Q@K^T lives: says why a path does or does not overflow
-    fp8: bool = False  # computes in the FP8 dtypes (P formats) only; the others in fp16/bf16/fp32 only
+    # True: computes in the FP8 dtypes (P formats) only; False: in fp16/bf16/fp32 only; "both": in fp16/bf16 and FP8
+    fp8: bool | str = False
     # The fused kernel the path is (judged by FlashAttention's 2x rule against torch.softmax); None: not a kernel
     kernel: str | None = None
     # The dtype its probabilities are in (the eager path: the method's): "fp32" where they are fp32
@@ -127,11 +129,22 @@ class PathSpec:
     def __post_init__(self) -> None:
         if self.scores not in ("dtype", "fp32", "fp32-split"):
             raise ValueError(f"path {self.name}: scores must be 'dtype', 'fp32' or 'fp32-split', got {self.scores!r}")
+        if self.fp8 not in (False, True, "both"):
+            raise ValueError(f"path {self.name}: fp8 must be False, True or 'both', got {self.fp8!r}")
         if self.backward not in (None, "eager", "math", "recompute"):
             raise ValueError(f"path {self.name}: unknown backward {self.backward!r}")
 
     def function(self) -> Callable:
         return resolve(self.impl)
+
+    @property
+    def fp8_only(self) -> bool:
+        """Computes in the FP8 dtypes only (fp8=True)."""
+        return self.fp8 is True
+
+    def computes_in(self, fp8_dtype: bool) -> bool:
+        """Whether it computes in a dtype that is (``fp8_dtype``) or is not an FP8 format."""
+        return self.fp8 == "both" or bool(self.fp8) == fp8_dtype
 
     def why_not(self, facts: CallFacts) -> str | None:
         """Why this kernel could not run a call with these facts, or None."""
