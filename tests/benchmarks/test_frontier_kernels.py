@@ -64,7 +64,7 @@ def test_c_one_key_tile_gives_the_same_bits_under_every_threshold(fk):
     import torch
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 128, 128, generator=g).to(torch.bfloat16).double() for _ in range(3))
+    q, k, v = (torch.randn(1, 128, 128, generator=g).to(torch.bfloat16).double() for _ in range(3))
     scale = 1 / math.sqrt(128)
     outs = [fk.fa4_out(q, k, v, scale=scale, dt=torch.bfloat16, threshold=thr, seqlen_q=128) for thr in (8.0, 0.0, 4.0)]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])  # no second tile for the lazy rescale
@@ -151,7 +151,7 @@ def test_c_full_pr2067_structure(full_c):
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
-    reason="PR 2067's inputs are not in its thread: N(0, 1) inputs at the default scale give MaxAbs 4-16x below "
+    reason="PR 2067's inputs are not in its thread: N(0, 1) inputs at the default scale give MaxAbs 4-17x below "
     "its figures (the script's docstring, figure (c))",
 )
 def test_c_full_pr2067_maxabs_within_25_percent_at_the_default_scale(full_c):
