@@ -512,8 +512,9 @@ np.save("scores.npy", scores)
         "(PyTorch issue 121558: bf16 Q, K, V all 133120 give NaN from the flash kernel and finite outputs from the "
         "efficient and math kernels). PyTorch builds its FlashAttention-2 with UNFUSE_FMA since then (path `fa2`: "
         "the product rounded, then the subtraction, so the exponent is <= 0 at every score, rounding being "
-        "monotone). The message names the kernel, the largest score, half an ulp there and the threshold, and "
-        "the paths computed that stay finite.",
+        "monotone). FlashAttention-4 (path `fa4`) has no unfused build: fma(x, scale x log2e, max_offset - "
+        "max_scaled), the same residue. The message names the kernel, the largest score, half an ulp there and "
+        "the threshold, and the paths computed that stay finite.",
         "Rows where an exp2 of a finite score is inf in fp32 or beyond the P dtype's range, or whose row sum is "
         "inf. It can happen once half an fp32 ulp of |m x scale x log2e| (2^(e-24) for a value in [2^e, 2^(e+1))) "
         "reaches log2 of the largest value exp2 may return: 128 for fp32's exp2 (127.997 for bf16's P; either way "
@@ -832,6 +833,48 @@ torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
             "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype e4m3 --fp8-scaling none --brief --fail-on "
             "fp8_unscaled",
         ),
+    ),
+    Code(
+        "p_saturation",
+        "warning",
+        "fp8",
+        "P exceeds its format's largest value before the cast (FlashAttention-4's max offset and lazy rescale)",
+        "FlashAttention-4 (path `fa4`) keeps a row's max until it has grown by more than rescale_threshold log2 "
+        "units, and in FP8 adds max_offset to every exponent so that P fills the format: P = 2^(x log2e - m log2e + "
+        "max_offset) can reach 2^(max_offset + rescale_threshold). Above the format's largest value (e4m3: 448 = "
+        "2^8.81; e5m2: 57344 = 2^15.81) the kernel's saturating cast (cvt.rn.satfinite) clips those probabilities "
+        "while its fp32 row sum counts them in full, so the row's largest weights shrink in O and O shrinks toward "
+        "0. flash-attention issue 2716: with the FP8 threshold 4 of PR 2694 and offset 8, P reached 2^12 = 4096 "
+        "and decode cosine similarity against bf16 fell off a cliff at a tile boundary (issue 2577; PRs 2713, 2717: "
+        "offset 4 for e4m3; PR 2731: FP8 threshold 0). The kernel's own defaults (FP8: threshold 0, offset 8; "
+        "fp16/bf16: threshold 8, offset 0) cannot saturate: this shows for other values asked as a what-if. In "
+        "fp16 (no saturating cast) a threshold above 15.99 turns P into inf and the row into NaN. The message "
+        "gives the rows, the heads of the examples and the cell's output error.",
+        "Rows where some P exceeds the format's largest value before the cast; possible once max_offset + "
+        "rescale_threshold > log2(max) (e4m3 8.81, e5m2 15.81, fp16 15.999, the assertion of flash_fwd_sm100.py), in "
+        "rows whose max grows between key blocks by more than log2(max) - max_offset and less than the threshold.",
+        "keep max_offset + rescale_threshold below log2 of the format's largest value: lower the max offset (4 "
+        "for e4m3, PR 2717) or the rescale threshold (0 for FP8, PR 2731, the current kernel's default), or run "
+        "the call in bf16",
+        Example(
+            _SEEDED
+            + """\
+from attncheck import Options
+from attncheck.numerics.cells.diagnose import diagnose_attention
+from attncheck.numerics.inputs.scores import prepare_inputs
+from attncheck.numerics.paths.fa4 import Fa4Setup
+
+q, k, v = (torch.randn(1, 2, 256, 64, generator=g) for _ in range(3))
+inputs = prepare_inputs(q * 2, k, v=v)  # logits with a standard deviation of 2
+setup = Fa4Setup(rescale_threshold=4.0, max_offset=8.0)  # PR 2694's FP8 threshold with the offset of 8
+result = diagnose_attention("qkv", inputs, Options(dtypes=("e4m3",), paths=("fa4",), fa4=setup))
+print([f.code for f in result.findings])
+""",
+        ),
+        severity_note="error where P overflowed fp16 to inf (no saturating cast: those rows of O are NaN); "
+        "warning where the FP8 cast saturated it (O shrinks)",
+        also="error",
+        causes=("p_saturation",),
     ),
     # ------------------------------------------------------------------ distribution
     Code(

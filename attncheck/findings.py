@@ -235,6 +235,16 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
         n_fused = c.events.get("fused_max", 0)
         if n_fused:
             add("fused_max", _fused_max_message(diag, c, n_fused), [c], n_fused, c.examples.get("event:fused_max", []))
+        n_sat = c.events.get("p_saturation", 0)
+        if n_sat:
+            add(
+                "p_saturation",
+                _p_saturation_message(diag, c, n_sat),
+                [c],
+                n_sat,
+                c.examples.get("event:p_saturation", []),
+                severity="error" if c.nan_causes.get("p_saturation") else None,
+            )
         n_pad = c.events.get("padded_tile", 0)
         if n_pad:
             add(
@@ -390,10 +400,39 @@ def _fused_max_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
     safe = [o.name for o in diag.cells if o.dtype == c.dtype and o is not c and o.path and not o.nan_rows]
     if safe:
         parts.append("finite in " + ", ".join(safe))
-    parts.append(
-        "the flash-attn package builds FlashAttention-2 this way; PyTorch's flash backend builds it with "
-        "UNFUSE_FMA (PyTorch issue 121558), whose exponent is <= 0 at every score"
-    )
+    if "FlashAttention-2" not in (kernel or ""):  # FlashAttention-4: fma(S, scale*log2e, max_offset - m*scale*log2e)
+        parts.append(f"{kernel} computes every exponent this way (with its max offset added), and has no unfused build")
+    else:
+        parts.append(
+            "the flash-attn package builds FlashAttention-2 this way; PyTorch's flash backend builds it with "
+            "UNFUSE_FMA (PyTorch issue 121558), whose exponent is <= 0 at every score"
+        )
+    return "; ".join(parts)
+
+
+def _p_saturation_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
+    """The rows, the heads of the examples, the format's largest value and what it did to O (the cell's error)."""
+    lim = diag.limits.get(c.dtype)
+    top = f" {lim.max:.6g} (2^{math.log2(lim.max):.3f})" if lim is not None else ""
+    spec = PATHS.get(c.path) if c.path in PATHS else None
+    kernel = spec.kernel if spec is not None else c.name
+    heads = sorted({e[-2] for e in c.examples.get("event:p_saturation", []) if len(e) >= 2})
+    where = f" (heads {', '.join(map(str, heads))} among the examples)" if heads else ""
+    nan = c.nan_causes.get("p_saturation", 0)
+    if nan:
+        effect = f"P overflows {c.dtype} to inf (no saturating cast): {nan} NaN row(s)"
+    else:
+        effect = (
+            "the saturating cast clips those probabilities while the fp32 row sum counts them in full, so O shrinks"
+        )
+    parts = [
+        f"{c.name}: {kernel} lets P exceed {c.dtype}'s largest value{top} before the cast in {rows} of {c.rows} "
+        f"row(s){where}: the max offset plus the lazy rescale's threshold passes log2 of it; {effect}"
+    ]
+    if c.out_max_abs_err is not None:
+        cos = f", cosine similarity down to {c.out_cos_min:.4g}" if c.out_cos_min is not None else ""
+        parts.append(f"O against float64: max abs error {c.out_max_abs_err:.3g}{cos}")
+    parts.append("flash-attention issue 2716 (threshold 4, offset 8); PRs 2717, 2731 lowered them")
     return "; ".join(parts)
 
 

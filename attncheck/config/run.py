@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from attncheck import params
 from attncheck.errors import AttncheckError, param
@@ -95,6 +96,8 @@ class Options:
     p_scale: float = params.DEFAULT_P_SCALE
     fp8_scaling: str = "head"
     incoherent: bool = False
+    # The fa4 path's what-if: a paths.fa4.Fa4Setup (its rescale threshold and max offset); None: the kernel's defaults
+    fa4: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dtypes, str) or isinstance(self.methods, str):
@@ -115,6 +118,9 @@ class Options:
         object.__setattr__(self, "paths", params.paths(list(self.paths)) if self.paths else ())
         object.__setattr__(self, "p_scale", params.number(self.p_scale, "p_scale", positive=True, from_text=False))
         params.choice(self.fp8_scaling, params.FP8_SCALINGS, "fp8_scaling")
+        # config imports no numerics: a Fa4Setup (paths.fa4) is recognised by its two fields
+        if self.fa4 is not None and not all(hasattr(self.fa4, f) for f in ("rescale_threshold", "max_offset")):
+            raise AttncheckError("fa4 is a Fa4Setup(rescale_threshold=..., max_offset=...) or None", param="fa4")
 
 
 def ignore_codes(value, param_name: str = "ignore") -> tuple[str, ...]:

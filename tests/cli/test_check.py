@@ -293,7 +293,7 @@ CONFIG_ERRORS = [
         "[tool.attncheck]\n[[tool.attncheck.synthetic]]\nd_k = 8\npaths = ['eager', 'triton']\n",
         re.escape(
             "tool.attncheck.synthetic[0].paths: unknown path 'triton' (choose from eager, sdpa-math, flash, fa2, "
-            "fa2-fma, mem-efficient, cudnn, flex, flex-math)"
+            "fa2-fma, mem-efficient, cudnn, fa4, flex, flex-math)"
         ),
     ),
     (

@@ -198,12 +198,12 @@ BAD_TABLES = [
     (
         {"synthetic": [{"d_k": 8, "paths": ["flash", "xformers"]}]},
         "tool.attncheck.synthetic[0].paths: unknown path 'xformers' (choose from eager, sdpa-math, flash, fa2, "
-        "fa2-fma, mem-efficient, cudnn, flex, flex-math)",
+        "fa2-fma, mem-efficient, cudnn, fa4, flex, flex-math)",
     ),
     (
         {"synthetic": [{"d_k": 8, "paths": []}]},
         "tool.attncheck.synthetic[0].paths is empty (choose from eager, sdpa-math, flash, fa2, fa2-fma, "
-        "mem-efficient, cudnn, flex, flex-math)",
+        "mem-efficient, cudnn, fa4, flex, flex-math)",
     ),
     (
         {"synthetic": [{"d_k": 8}], "budget": {"out_rmse": 1e-3}},
@@ -246,7 +246,7 @@ BAD_TABLES = [
     (
         {"synthetic": [{"d_k": 8, "paths": ["eager", "sage"]}]},
         "tool.attncheck.synthetic[0].paths: 'sage' computes in FP8; check computes "
-        "the paths eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flex, flex-math (FP8 cells need "
+        "the paths eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, fa4, flex, flex-math (FP8 cells need "
         "run's --p-scale and --fp8-scaling: judge them with "
         "'attncheck run --dtype e4m3')",
     ),

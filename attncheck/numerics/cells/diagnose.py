@@ -170,7 +170,11 @@ def diagnose_chunks(
     plain = TorchRows()  # metrics of methods the fused kernel does not serve
     # given scores: naive, stable and torch write into buffers reused from chunk to chunk
     method_params = MethodParams(
-        block=options.block, reverse=options.reverse, accum=options.accum, buffers=None if qk else Buffers()
+        block=options.block,
+        reverse=options.reverse,
+        accum=options.accum,
+        buffers=None if qk else Buffers(),
+        fa4=options.fa4,
     )
     start = 0
     shift = None

@@ -9,13 +9,13 @@ Follows Dao-AILab/flash-attention@0251105a2fb19d2957484b7f023cd8c115286ced: ``fl
    descales of the call's (batch, kv head) are folded in (``:2003-2019``, ``:2183-2185``):
    ``scale_log2_eff = scale_log2 * (q_descale * k_descale)``, each product rounded to fp32; the v descale
    multiplies the final ``1/row_sum`` (``:2746``).
-2. S = Q K^T (tcgen05 UMMA into fp32 tensor memory, ``flash_fwd_sm100.py:194-196``). **Assumed**: as
+2. S = Q K^T (tcgen05 UMMA into fp32 tensor memory, ``flash_fwd_sm100.py:200-203``). **Assumed**: as
    FlashAttention-2's ``mma`` (``fa2._mma_accumulate``): each instruction's K extent (16 for fp16/bf16, 32 for
    FP8, the 256-bit K step of ``tcgen05.mma``) adds its exact products to the fp32 accumulator with one
    round-to-nearest, in ascending head dims; the hardware's internal alignment is not public.
-3. Masking (``mask.py`` ``apply_mask_sm100``): masked keys and keys past Tk in the last tile are -inf in fp32.
+3. Masking (``mask.py:615`` ``apply_mask_sm100``): masked keys and keys past Tk in the last tile are -inf in fp32.
    A float mask (not a kernel input: FA4 takes ``mask_mod``/``score_mod``) is added as ``fa2`` does.
-4. Key blocks of ``n_block_size = 128`` keys (``interface.py:316-336``: ``FwdConfig(128, 128)`` on sm100), the
+4. Key blocks of ``n_block_size = 128`` keys (``interface.py:318``: ``FwdConfig(128, 128)`` on sm100), the
    **last** block first, then descending (``flash_fwd_sm100.py:2302-2345``). One thread holds one whole row of
    the 128 x 128 S tile (``SoftmaxSm100`` has ``num_rows = 1``, ``softmax.py:256``); its registers are
    **assumed** to hold the columns in order (the ``tcgen05.ld`` 32x32b layout).
@@ -33,7 +33,10 @@ Follows Dao-AILab/flash-attention@0251105a2fb19d2957484b7f023cd8c115286ced: ``fl
    At this commit the kernel asserts ``max_offset + rescale_threshold < log2(dtype max)``
    (``flash_fwd_sm100.py:2191-2195``) of its own constants; ``Fa4Setup`` values that break it (e4m3:
    log2 448 = 8.81, so offset 8 with threshold 4, the setting of PR 2694 that issue 2716 reported) are still
-   computed: that is the what-if.
+   computed: that is the what-if. At the row max the fused exponent is the rounding residue of
+   ``m * scale_log2`` plus the offset, as in ``fa2-fma``: once ``|m scale_log2| >= 2^24`` it can pass a binade and
+   then exp2's or the dtype's range (PyTorch issue 121558's input): such rows are ``events["fused_max"]``, not
+   saturation; so are rows whose fp32 row sum is inf although every exp is finite.
 7. exp2 (``softmax.py:361-402``): per row, the 128 columns in fragments of 32; the pair (k, k+1) of fragment j
    takes the **emulation** where ``ex2_emu_freq > 0``, ``k % freq >= freq - res``, ``start <= j < frg_cnt - 1``,
    else the hardware exp2. ``res`` is 4 (the default of ``apply_exp2_convert``: the call at
@@ -57,14 +60,15 @@ Follows Dao-AILab/flash-attention@0251105a2fb19d2957484b7f023cd8c115286ced: ``fl
    results differing by one bf16 ulp between the emulation and the instruction (10^6 uniform fp32 inputs on
    [-20, 0) and [-10, 0)), and up to 1428 fp32 ulp between them. Against this model (exact rounding) the
    emulation's bf16 results differ on ``EX2_BF16_DIFF_20`` = 1.00% and ``EX2_BF16_DIFF_10`` = 1.00% of such
-   inputs, up to 1429 fp32 ulp (``test_fa4.py``): the share is the polynomial's error (about 2^-13.5 relative,
-   ~1400 fp32 ulp) meeting bf16's rounding boundaries; the instruction's own 2 ulp move it by at most ~2/1400 of
-   that, which is why the model and the GPU agree to 0.01%. A bitwise model of the instruction is not public.
+   inputs (1.00-1.02% and 1.00% over seeds), up to 1429 fp32 ulp (``test_fa4.py``): the share is the
+   polynomial's error (about 2^-13.5 relative, ~1400 fp32 ulp) meeting bf16's rounding boundaries; the
+   instruction's own 2 ulp move it by at most ~2/1400 of that, which is why the model and the GPU agree to
+   about 0.01%. A bitwise model of the instruction is not public.
 10. P converted to the input dtype (``softmax.py:400-402``): fp16/bf16 round to nearest (fp16 beyond 65504:
     inf); FP8 ``cvt.rn.satfinite``: P above the format's largest value (448 e4m3, 57344 e5m2) becomes that
     value. Such rows: ``events["p_saturation"]`` and ``KernelRows.saturated`` (how many per row), counted
     before the cast; the fp32 row sum (11) still counts them in full, so O shrinks (issue 2716).
-11. Row sum (``softmax.py:334-339``, ``utils.py:416-455``, ``flash_fwd_sm100.py:2545``): over the fp32 exps
+11. Row sum (``softmax.py:334-339``, ``utils.py:416-455``, ``flash_fwd_sm100.py:2546``): over the fp32 exps
     **before** the cast, by the thread that holds the row: eight fp32 lanes, lane l adds columns l, l+8, ...,
     in order; the previous sum times ``acc_scale`` (an fp32 product) enters lane 0 before column 0; at the end
     ``((l0 + l2) + (l4 + l6)) + ((l1 + l3) + (l5 + l7))``.
@@ -91,7 +95,15 @@ The effective probabilities (``probs``) are the converted P of each block times 
 final ``scale`` (without the v descale), in float64 rounded to fp32: O = probs @ V (V times its descale for FP8)
 up to the P V accumulation's rounding.
 
-Tested by: ``tests/numerics/paths/test_fa4.py``.
+Tested by: `tests/numerics/paths/test_fa4.py::test_kernel_rows_is_bit_exact_with_the_stated_rounding_points`,
+`tests/numerics/paths/test_fa4.py::test_ex2_emulation_is_bit_exact_with_its_steps`,
+`tests/numerics/paths/test_fa4.py::test_exp2_emulation_differs_from_the_model_as_issue_2263`,
+`tests/numerics/paths/test_fa4.py::test_emulated_columns_follow_the_tuning_table`,
+`tests/numerics/paths/test_fa4.py::test_lazy_rescale_keeps_the_old_max_within_the_threshold`,
+`tests/numerics/paths/test_fa4.py::test_fp8_saturation_with_offset_8_and_threshold_4`,
+`tests/numerics/paths/test_fa4.py::test_sinks_only_in_the_denominator`,
+`tests/numerics/paths/test_fa4.py::test_empty_rows_give_zero_output_and_minus_inf_lse`,
+`tests/numerics/paths/test_fa4.py::test_p_saturation_finding_with_offset_8_and_not_4`.
 """
 
 from __future__ import annotations
@@ -125,7 +137,7 @@ FA4_DEFAULT_THRESHOLD_16 = 8.0  # flash_fwd_sm100.py:2190, 16-bit inputs
 FA4_DEFAULT_THRESHOLD_FP8 = 0.0  # flash_fwd_sm100.py:2190, FP8 inputs (PR 2731; 4.0 in PR 2694)
 FA4_DEFAULT_OFFSET_FP8 = 8.0  # flash_fwd_sm100.py:2182
 FA4_DEFAULT_OFFSET_16 = 0.0
-N_BLOCK = 128  # interface.py:334 FwdConfig(128, 128) on sm100
+N_BLOCK = 128  # interface.py:318 FwdConfig(128, 128) on sm100
 M_BLOCK = 128
 FRG_TILE = 32  # softmax.py:370
 EMU_RES = 4  # softmax.py:366, the default apply_exp2_convert is called with
@@ -365,6 +377,7 @@ def kernel_rows(
     emu: tuple[int, int, int] | None = None,
     qk_descale: torch.Tensor | float | None = None,
     v_descale: torch.Tensor | float | None = None,
+    want_probs: bool = True,
 ) -> KernelRows:
     """FlashAttention-4's forward on rows (module docstring for the rounding points).
 
@@ -375,7 +388,8 @@ def kernel_rows(
     masked) or None; ``sinks`` (n,) learnable sink logits of the planes' query heads, or None. ``exp2``: 'kernel'
     (the configuration's mix: ``emu`` (freq, res, start) or ``emu_config`` of head dim, ``causal``,
     ``seqlen_q`` (default tq), ``qhead_per_kvhead``, ``head_dim_v``, ``sm103``), 'hardware' or 'emulated'.
-    Rows are the (n, tq) pairs, flattened; ``out`` is in ``dt`` (bf16 for FP8)."""
+    Rows are the (n, tq) pairs, flattened; ``out`` is in ``dt`` (bf16 for FP8). ``want_probs`` False: ``probs`` is
+    None and no block's P is kept (O and LSE alone, for long key lengths); callers chunk rows, S being (r, Tk)."""
     import torch
 
     from attncheck.numerics.precision import cast
@@ -445,6 +459,8 @@ def kernel_rows(
     blocks: list[tuple[int, torch.Tensor]] = []
     scales: list[torch.Tensor] = []  # acc_scale before block i (1 for the first)
     saturated = torch.zeros(r, dtype=torch.int64)
+    fused = torch.zeros(r, dtype=torch.bool)
+    log2_top = math.log2(top)
     sl2 = scale_log2
     for j in range(nb - 1, -1, -1):  # 4. the last block first
         sb = s[:, j * block_n : (j + 1) * block_n]
@@ -472,11 +488,19 @@ def kernel_rows(
         p = hardware_exp2(x)
         if emu_cols:
             p[:, emu_mask] = ex2_emulation(x[:, emu_mask])
-        # 10. P in the input dtype, saturation counted before the cast
+        # 10. P in the input dtype, saturation counted before the cast. A P above the dtype's range whose exact
+        # exponent (S - m) scale_log2 + offset lies a binade or more below log2(max) comes from the fused rounding
+        # residue of m * scale_log2 (|m scale_log2| >= 2^24), not from the offset and threshold: fused_max
         over = p > top
+        if bool(over.any()):
+            exact = (sb.double() - safe.double()[:, None]) * sl2.double()[:, None] + off
+            residue = over & (exact <= log2_top - 1) & torch.isfinite(sb)
+            fused |= residue.any(dim=1)
+            over = over & ~residue
         saturated += over.sum(dim=1)
         pd = _to_dtype(p, dt)
-        blocks.append((j, pd))
+        if want_probs:  # the dtype's values, exact in fp32
+            blocks.append((j, pd.float()))
         # 11. the row sum over the fp32 exps, the previous sum rescaled into lane 0
         row_sum = _row_sum(p, None if row_sum is None else row_sum * acc_scale)
         # 12. O rescaled, then P V
@@ -501,14 +525,20 @@ def kernel_rows(
     log_sum = torch.log2(row_sum.double()).float()
     lse = torch.where(bad, -math.inf, (m * sl2 + (log_sum - off)) * ln2)
     # effective probabilities: P_j times the later acc_scales and the final 1/row_sum, float64 then fp32
-    later = torch.ones(r, dtype=torch.float64)
-    probs = torch.empty(r, nb * block_n, dtype=torch.float32)
-    for i in range(len(blocks) - 1, -1, -1):
-        j, pd = blocks[i]
-        probs[:, j * block_n : (j + 1) * block_n] = (pd * (later * rcp.double())[:, None]).float()
-        later = later * scales[i].double()
-    events = {"p_saturation": saturated > 0}
-    return KernelRows(probs[:, :tk], out, lse, events, scores=s[:, :tk], saturated=saturated)
+    probs = None
+    if want_probs:
+        later = torch.ones(r, dtype=torch.float64)
+        probs = torch.empty(r, nb * block_n, dtype=torch.float32)
+        for i in range(len(blocks) - 1, -1, -1):
+            j, pd = blocks[i]
+            probs[:, j * block_n : (j + 1) * block_n] = (pd.double() * (later * rcp.double())[:, None]).float()
+            later = later * scales[i].double()
+        probs = probs[:, :tk]
+    # a row sum of inf from finite exps (more keys than fp32 holds at 2^(offset + threshold)) counts with fused_max,
+    # as fa2's events do
+    fused |= torch.isposinf(row_sum) & (saturated == 0) & ~torch.isposinf(s).any(dim=1)
+    events = {"p_saturation": saturated > 0, "fused_max": fused}
+    return KernelRows(probs, out, lse, events, scores=s[:, :tk], saturated=saturated)
 
 
 def block_setup(params: MethodParams) -> Fa4Setup:
@@ -574,7 +604,7 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
     else:
         s, before = block.fp32_scores(dt, PATH)
         res = kernel_rows(block.q, block.k, block.v, scale=inp.scale, dt=dt, bias=block_bias(block, dt), **common)
-    out = MethodOutput(res.probs, events={"p_saturation": res.events["p_saturation"]})
+    out = MethodOutput(res.probs, events=dict(res.events))
     out.out = res.out
     return PathBlock(s, before, [], [(PATH.name, out)])
 

@@ -494,12 +494,12 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--path", "flash,xformers"],
             "--path: unknown path 'xformers' (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, "
-            "cudnn, flash-fp8, sage, flex, flex-math)",
+            "cudnn, flash-fp8, fa4, sage, flex, flex-math)",
         ),
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--path", ""],
             "--path is empty (choose from eager, sdpa-math, flash, fa2, fa2-fma, mem-efficient, cudnn, flash-fp8, "
-            "sage, flex, flex-math)",
+            "fa4, sage, flex, flex-math)",
         ),
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--v", f"{vs}:v7"],

@@ -483,3 +483,51 @@ def test_supports_by_shape_and_dtype():
     spec = fa4.PATH
     assert spec.fp8 == "both" and spec.replay and spec.device == "cuda" and spec.computes_in(True)
     assert spec.computes_in(False) and not spec.fp8_only
+
+
+def _diagnose(q, k, v, dtypes, setup=None):
+    from attncheck import Options
+    from attncheck.numerics.cells.diagnose import diagnose_attention
+    from attncheck.numerics.inputs.scores import prepare_inputs
+
+    inputs = prepare_inputs(q, k, v=v)
+    return diagnose_attention("qkv", inputs, Options(dtypes=dtypes, paths=("fa4",), fa4=setup))
+
+
+def test_p_saturation_finding_with_offset_8_and_not_4():
+    """Logits with a standard deviation of 2 (issue 34's acceptance): fa4's FP8 mode with PR 2694's threshold 4 and
+    offset 8 reports p_saturation, with the cell's output error; with offset 4 it does not; a healthy bf16 input
+    (logits std 1) reports nothing under fa4's defaults."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 32, 64, generator=g)
+    k, v = (torch.randn(1, 1, 384, 64, generator=g) for _ in range(2))  # three key blocks: the max can grow
+    hot = _diagnose(q * 2, k, v, ("e4m3",), fa4.Fa4Setup(rescale_threshold=4.0, max_offset=8.0))
+    cool = _diagnose(q * 2, k, v, ("e4m3",), fa4.Fa4Setup(rescale_threshold=4.0, max_offset=4.0))
+    found = [f for f in hot.findings if f.code == "p_saturation"]
+    assert len(found) == 1 and found[0].rows == hot.cells[0].events["p_saturation"] > 0
+    assert "448" in found[0].message and "max abs error" in found[0].message
+    assert "p_saturation" not in {f.code for f in cool.findings} and not cool.cells[0].events.get("p_saturation")
+    assert hot.cells[0].out_max_abs_err > 3 * cool.cells[0].out_max_abs_err  # what saturation does to O
+    healthy = _diagnose(q.bfloat16(), k.bfloat16(), v.bfloat16(), ("bf16",))
+    assert healthy.findings == [] and healthy.cells[0].path == "fa4"
+
+
+def test_without_probs_the_same_output_and_lse():
+    q, k, v, _ = make(7, 2, 3, 300, 64)
+    a = fa4.kernel_rows(q, k, v, scale=0.125, dt=torch.bfloat16)
+    b = fa4.kernel_rows(q, k, v, scale=0.125, dt=torch.bfloat16, want_probs=False)
+    assert b.probs is None and torch.equal(a.out, b.out) and torch.equal(a.lse, b.lse)
+    assert torch.equal(a.events["p_saturation"], b.events["p_saturation"])
+
+
+def test_fused_residue_overflow_is_fused_max_not_saturation():
+    """PyTorch issue 121558's input (bf16, every element 133120): FA4's fused exponent fma(S, scale_log2, offset -
+    m scale_log2) is the rounding residue of m scale_log2 (~2^37) at the row max, thousands, so exp2 overflows
+    and O is NaN: fused_max, not p_saturation; the float64 exponent there is 0."""
+    x = torch.full((1, 1, 64), 133120.0, dtype=torch.float64)
+    res = fa4.kernel_rows(x, x.clone(), x.clone(), scale=0.125, dt=torch.bfloat16)
+    assert bool(res.events["fused_max"][0]) and not res.events["p_saturation"].any()
+    assert torch.isnan(res.out.float()).all()
+    q, k, v, _ = make(8, 2, 3, 300, 64)
+    ok = fa4.kernel_rows(q, k, v, scale=0.125, dt=torch.bfloat16)
+    assert not ok.events["fused_max"].any() and torch.isfinite(ok.out.float()).all()
