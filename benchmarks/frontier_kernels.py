@@ -132,8 +132,11 @@ def rel_mean_abs(o: torch.Tensor, ref: torch.Tensor) -> float:
 
 def fa4_out(q, k, v, *, scale: float, dt, threshold=None, offset=None, exp2: str = "kernel", **kw) -> torch.Tensor:
     """FA4's O (r, dv) as float64 from the emulation; q (n, tq, d), k (n, Tk, d), v (n, Tk, dv) float64 holding the
-    values the kernel reads; ``kw``: kernel_rows' configuration (seqlen_q, sm103, descales, ...)."""
-    rows = fa4.kernel_rows(q, k, v, scale=scale, dt=dt, rescale_threshold=threshold, max_offset=offset, exp2=exp2, **kw)
+    values the kernel reads; ``kw``: kernel_rows' configuration (seqlen_q, sm103, descales, ...). The figures need
+    O alone: the effective probabilities are not formed."""
+    rows = fa4.kernel_rows(
+        q, k, v, scale=scale, dt=dt, rescale_threshold=threshold, max_offset=offset, exp2=exp2, want_probs=False, **kw
+    )
     return rows.out.double()
 
 
