@@ -60,7 +60,7 @@ def test_a_gpu_capture_with_dropout_and_no_backend_is_judged_by_the_math_path(tm
 
 
 def test_pytorch_121558_is_nan_under_the_fused_kernel_alone(tmp_path):
-    """bf16 Q, K, V every element 133120: NaN from the flash-attn package's fused exponent (fa2-fma), finite
+    """bf16 Q, K, V every element 133120: NaN from the fused exponent (fa2-fma, fa3, fa4), finite
     from PyTorch's flash build (fa2, UNFUSE_FMA), the efficient and math backends (PyTorch issue 121558)."""
     q = torch.full((1, 1, 4, 64), 133120.0, dtype=torch.bfloat16)
     capture_sdpa(tmp_path / "cap", q, q, q)
@@ -72,9 +72,11 @@ def test_pytorch_121558_is_nan_under_the_fused_kernel_alone(tmp_path):
     got = {k["path"]: (k["verdict"], k["cause"], k["ran"]) for k in call["kernels"] if k["refused"] is None}
     assert got.pop("fa2-fma") == ("nan", "fused_max", False)
     assert got.pop("fa3") == ("nan", "fused_max", False)  # FlashAttention-3's exponent is fused too
+    assert got.pop("fa4") == ("nan", "fused_max", False)  # and FlashAttention-4's, with its max offset in the fma
     assert got == {p: ("ok", None, p == "fa2") for p in ("fa2", "sdpa-math", "flash", "mem-efficient", "cudnn")}
     assert call["summary"].startswith(
-        "fa2-fma NaN (fused_max, 4 row(s)); fa3 NaN (fused_max, 4 row(s)); finite under fa2 (ran), sdpa-math, flash"
+        "fa2-fma NaN (fused_max, 4 row(s)); fa3 NaN (fused_max, 4 row(s)); fa4 NaN (fused_max, 4 row(s)); "
+        "finite under fa2 (ran), sdpa-math, flash"
     )
     r = runner.invoke(app, ["run", str(tmp_path / "cap"), "--what-if", "kernels", "--fail-on", "what-if:nan"])
     assert r.exit_code == 1, r.output
