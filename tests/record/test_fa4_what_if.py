@@ -12,7 +12,7 @@ from attncheck.registry import PATHS
 
 from .conftest import VOCAB, batch
 
-FRONTIER = [p for p in ("fa3", "fa4") if p in PATHS.names()]
+FRONTIER = ("fa3", "fa4")
 
 
 def llama_d16(seed: int = 0):
@@ -58,11 +58,13 @@ def test_a_healthy_bf16_model_has_no_frontier_kernel_finding_and_passes_fail_on(
     assert not any(c.events.get("p_saturation") for r in cap.calls for c in r.what_if.cells)
 
 
-def test_the_kernel_replay_includes_fa3_where_it_is_registered(healthy):
+def test_the_kernel_replay_includes_fa3_and_fa4(healthy):
     report = healthy.result.model
-    if "fa3" not in FRONTIER:
-        pytest.skip("the fa3 path is not registered in this tree")  # visibly: fa4's checks run below regardless
-    assert all("fa3" in {k.path for k in call.kernels} for call in report.kernels)
+    assert set(FRONTIER) <= set(PATHS.names())
+    for call in report.kernels:
+        by = {k.path: k for k in call.kernels}
+        assert set(FRONTIER) <= set(by), call.kernels
+        assert all(not by[p].breaks for p in FRONTIER if by[p].refused is None)
 
 
 def test_the_fa4_replay_and_settings_grid_on_a_healthy_model(healthy):
