@@ -425,9 +425,12 @@ def _p_saturation_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
         effect = (
             "the saturating cast clips those probabilities while the fp32 row sum counts them in full, so O shrinks"
         )
+    why = "the max offset plus the lazy rescale's threshold passes log2 of it"
+    if c.limit is not None and c.limit.kind == "p_saturation":  # the cell's own setting, as its limit states it
+        why = c.limit.what.split(" (in |S scale| units")[0]
     parts = [
         f"{c.name}: {kernel} lets P exceed {c.dtype}'s largest value{top} before the cast in {rows} of {c.rows} "
-        f"row(s){where}: the max offset plus the lazy rescale's threshold passes log2 of it; {effect}"
+        f"row(s){where}: {why}; {effect}"
     ]
     if c.out_max_abs_err is not None:
         cos = f", cosine similarity down to {c.out_cos_min:.4g}" if c.out_cos_min is not None else ""
