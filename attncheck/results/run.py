@@ -134,6 +134,8 @@ class Cell:
     events: dict[str, int] = field(default_factory=dict)
     # Per event, the least value a kernel reported over its rows ('padded_tile': the lowest log-sum-exp)
     event_values: dict[str, float] = field(default_factory=dict)
+    # Per event, the values it hit over its rows ('p_saturation': probabilities above the FP8 format's max)
+    event_counts: dict[str, int] = field(default_factory=dict)
     # With Q and K: the attention path the cell computes (registry.PATHS); None for given scores.
     path: str | None = None
     tied_rows: int = 0  # rows whose largest score is held by two or more keys (each gets exp(0) = 1)

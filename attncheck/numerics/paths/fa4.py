@@ -604,7 +604,7 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
     else:
         s, before = block.fp32_scores(dt, PATH)
         res = kernel_rows(block.q, block.k, block.v, scale=inp.scale, dt=dt, bias=block_bias(block, dt), **common)
-    out = MethodOutput(res.probs, events=dict(res.events))
+    out = MethodOutput(res.probs, events=dict(res.events), counts={"p_saturation": res.saturated})
     out.out = res.out
     return PathBlock(s, before, [], [(PATH.name, out)])
 
