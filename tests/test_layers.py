@@ -53,6 +53,7 @@ TORCH_FREE = [
     "attncheck.numerics.sweep.theory",
     "attncheck.pipelines",
     "attncheck.numerics.paths.base",
+    "attncheck.numerics.paths.fa4_exp2",  # the fa4 path imports it at the top
 ]
 # Each path module declares its spec beside its numerics and is read when the CLI starts: torch only inside functions
 TORCH_FREE += [
