@@ -108,6 +108,7 @@ Tested by: `tests/numerics/paths/test_fa4.py::test_kernel_rows_is_bit_exact_with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -168,6 +169,7 @@ class Fa4Setup:
 
 
 def is_fp8(dt: torch.dtype) -> bool:
+    # inside the function: the module imports without torch (the registry reads its spec at CLI start)
     import torch
 
     return dt in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -206,6 +208,7 @@ def _row_sum(e: torch.Tensor, init: torch.Tensor | None) -> torch.Tensor:
 def _to_dtype(p: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     """fp32 P converted to the input dtype as the kernel does (FP8 saturating), as float64 values."""
     if is_fp8(dt):
+        # inside the function: the module imports without torch (the registry reads its spec at CLI start)
         from attncheck.numerics.methods.fp8 import fp8_values
 
         return fp8_values(p, dt).double()
@@ -246,6 +249,7 @@ def kernel_rows(
     ``seqlen_q`` (default tq), ``qhead_per_kvhead``, ``head_dim_v``, ``sm103``), 'hardware' or 'emulated'.
     Rows are the (n, tq) pairs, flattened; ``out`` is in ``dt`` (bf16 for FP8). ``want_probs`` False: ``probs`` is
     None and no block's P is kept (O and LSE alone, for long key lengths); callers chunk rows, S being (r, Tk)."""
+    # inside the function: the module imports without torch (the registry reads its spec at CLI start)
     import torch
 
     from attncheck.numerics.precision import cast
@@ -405,8 +409,7 @@ def block_setup(params: MethodParams) -> Fa4Setup:
 def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
     """The fa4 forward on a block of rows in ``dt`` (fp16, bf16, or an FP8 format: then Q, K, V are quantised
     with descales per (batch, kv head) as ``fp8_attention.quantize_inputs`` does, and O is bf16)."""
-    import dataclasses
-
+    # inside the function: the module imports without torch (the registry reads its spec at CLI start)
     import torch
 
     from attncheck.numerics.methods.softmax import MethodOutput
@@ -427,6 +430,7 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
         sm103=call is not None and call.capability == (10, 3),
     )
     if is_fp8(dt):
+        # inside the function: the module imports without torch (the registry reads its spec at CLI start)
         from attncheck.numerics.inputs.scores import _kv_heads
         from attncheck.numerics.methods.fp8_attention import OUT_DTYPE, Fp8Setup, quantize_inputs, record_audit
 

@@ -130,6 +130,7 @@ def emulated_columns(block_n: int, freq: int, res: int = EMU_RES, start: int = 1
 
 def _f32(x: float) -> float:
     """A Python float rounded to fp32."""
+    # inside the function: the module imports without torch (the registry reads its spec at CLI start)
     import torch
 
     return float(torch.tensor(x, dtype=torch.float32))
@@ -140,6 +141,7 @@ def _fma32(a: torch.Tensor, b: torch.Tensor | float, c: torch.Tensor | float) ->
     (48 bits); the sum with c is rounded to odd in float64 (TwoSum's error sets the last bit where the sum is
     inexact), and a round-to-odd result with 53 >= 24 + 2 bits rounds to fp32 as the exact sum would: no
     double rounding."""
+    # inside the function: the module imports without torch (the registry reads its spec at CLI start)
     import torch
 
     a64 = a.double()
@@ -158,6 +160,7 @@ def _fma32(a: torch.Tensor, b: torch.Tensor | float, c: torch.Tensor | float) ->
 
 def hardware_exp2(x: torch.Tensor) -> torch.Tensor:
     """ex2.approx.ftz.f32 as modelled: 2^x (x fp32) exactly, rounded once to fp32, results below 2^-126 -> 0."""
+    # inside the function: the module imports without torch (the registry reads its spec at CLI start)
     import torch
 
     y = torch.exp2(x.double()).float()
@@ -166,6 +169,7 @@ def hardware_exp2(x: torch.Tensor) -> torch.Tensor:
 
 def ex2_emulation(x: torch.Tensor) -> torch.Tensor:
     """utils.py ``ex2_emulation_2`` on fp32 ``x``, bit for bit (module docstring, 8)."""
+    # inside the function: the module imports without torch (the registry reads its spec at CLI start)
     import torch
 
     xc = torch.fmax(x.float(), torch.tensor(-127.0))  # fmax: NaN gives -127
