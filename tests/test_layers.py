@@ -43,6 +43,10 @@ TORCH_FREE = [
     "attncheck.report.check",
     "attncheck.report.progress",
     "attncheck.report.model",
+    "attncheck.report.model_calls",
+    "attncheck.report.model_heads",
+    "attncheck.report.kernels",
+    "attncheck.report.model_json",
     "attncheck.cli",
     "attncheck.cli.common",
     "attncheck.cli.options",
@@ -60,6 +64,7 @@ TORCH_FREE = [
     "attncheck.numerics.sweep.theory",
     "attncheck.pipelines",
     "attncheck.numerics.paths.base",
+    "attncheck.numerics.paths.fa4_exp2",  # the fa4 path imports it at the top
 ]
 # Each path module declares its spec beside its numerics and is read when the CLI starts: torch only inside functions
 TORCH_FREE += [

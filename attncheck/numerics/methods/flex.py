@@ -61,194 +61,30 @@ that path is not emulated here.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+# ETA_U20, NEG_INF, flex_eager, flex_post_mod_scores, flex_score_err, fma32 and ulp are re-exported (noqa): the
+# flex paths and tests import them from here
+from attncheck.numerics.methods.flex_bounds import _bound, flex_score_err  # noqa: F401
+from attncheck.numerics.methods.flex_eager import _kv_for_heads, flex_eager, flex_post_mod_scores  # noqa: F401
+from attncheck.numerics.methods.flex_libm import (
+    _MANT,
+    _TINY,
+    ETA_TAIL,
+    ETA_U20,
+    NEG_INF,
+    U32,
+    _rounds_same,
+    exp_u20,
+    expf,
+    fma32,
+    ulp,
+    vec_width,
+)
+
 TORCH_VERSION = "2.13"
-NEG_INF = float("-inf")
-_LN2 = math.log(2.0)
-U32 = 2.0**-24  # fp32 unit roundoff
-# exp_u20's largest relative error against exp, measured (our emulation, bit-identical to the
-# AVX2 exp_u20 on 9.2e7 inputs, among them every float in [-1, -2^-10]) at 6.43 * 2^-24 for
-# outputs above 2^-125; taken as 8 * 2^-24. Below that it returns 0 (absolute error < 2^-124).
-ETA_U20 = 8 * U32
-ETA_EXPF = 2 * U32  # glibc expf: at most 0.502 ulp, one ulp is at most 2^-23 of the value
-ETA_TAIL = U32 * (1 + 2.0**-27)  # the tail's double exp rounded to float (and ours, likewise)
-_TINY = 2.0**-124  # absolute floor of an exp near the bottom of the fp32 range
-
-_MANT = {torch.float32: (24, -126), torch.bfloat16: (8, -126), torch.float16: (11, -14)}
-
-
-def _f32(bits: int) -> float:
-    return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
-
-
-# the constants of Vectorized<float>::exp_u20 (vec256_float.h / vec512_float.h), as float bits
-_C1, _C2, _C3, _C4, _C5 = (_f32(b) for b in (0x3F7FFFFB, 0x3EFFFEE3, 0x3E2AAD40, 0x3D2B9D0D, 0x3C07CFCE))
-_LOG2E, _LN2F = _f32(0x3FB8AA3B), _f32(0x3F317218)
-_LN_FLT_MIN, _LN_FLT_MAX = _f32(0xC2AEAC50), _f32(0x42B17218)
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def fma32(a: torch.Tensor, b: torch.Tensor | float, c: torch.Tensor | float) -> torch.Tensor:
-    """fp32 fused multiply-add a*b + c rounded once (as _mm256_fmadd_ps): the product is exact in
-    float64, the sum is rounded to odd in float64 (TwoSum error, then the odd neighbour), which
-    then rounds to float32 as the single rounding would."""
-    a64 = a.double()
-    b64 = torch.as_tensor(b, dtype=torch.float64)
-    c64 = torch.as_tensor(c, dtype=torch.float64)
-    p = a64 * b64
-    s = p + c64
-    bb = s - p
-    err = (p - (s - bb)) + (c64 - bb)
-    adj = (err != 0) & ((s.view(torch.int64) & 1) == 0)
-    toward = torch.where(err > 0, math.inf, -math.inf)
-    return torch.where(adj, torch.nextafter(s, toward.to(s.dtype)), s).float()
-
-
-def exp_u20(x: torch.Tensor) -> torch.Tensor:
-    """``at::vec::Vectorized<float>::exp_u20`` of torch 2.13 (``ATen/cpu/vec/vec256/vec256_float.h``,
-    the AVX512 version is the same arithmetic) on float32 ``x``, bit for bit: fx = floor(x log2e +
-    1/2), r = x - fx ln2 (fused), a degree-5 Horner polynomial of FMAs, times 2^(fx-1) built from
-    its bits, times 2; 0 below ln(FLT_MIN)."""
-    x = x.float()
-    less = x < _LN_FLT_MIN
-    src = x.clamp(max=_LN_FLT_MAX).clamp(min=_LN_FLT_MIN)
-    fx = torch.floor(fma32(src, _LOG2E, 0.5))
-    r = fma32(-fx, _LN2F, src)
-    res = fma32(r, _C5, _C4)
-    for c in (_C3, _C2, _C1, 1.0):
-        res = fma32(r, res, c)
-    n = (fx - 1).to(torch.int32)
-    two = ((n + 127) << 23).view(torch.float32)  # 2^(fx-1); bits 0 (the value 0) at fx = -126
-    two = torch.where(less, 0.0, two)
-    return (res * two) * 2.0
-
-
-def expf(x: torch.Tensor) -> torch.Tensor:
-    """exp of float32 ``x`` rounded to float32 (computed in float64): a stand-in for glibc's expf
-    (at most 0.502 ulp; the two differ by one ulp on about 1 input in 1400)."""
-    return torch.exp(x.double()).float()
-
-
-def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The spacing of ``dtype`` at |x| (float64; the subnormal spacing below the normal range)."""
-    p, emin = _MANT[dtype]
-    _, e = torch.frexp(x.double().abs())
-    e = torch.where(x == 0, emin - p + 1, e - p).clamp(min=emin - p + 1)
-    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), e)
-
-
-def gamma(n: torch.Tensor | float) -> torch.Tensor:
-    """Higham's gamma_n = n u / (1 - n u) for fp32: a sum of n roundings of relative size <= u."""
-    n = torch.as_tensor(n, dtype=torch.float64)
-    return n * U32 / (1 - n * U32)
-
-
-def _rounds_same(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """True where rounding to ``dtype`` (through float32) is constant on [lo, hi]: both ends round
-    to the same value, and rounding is monotone."""
-
-    def rd(t: torch.Tensor) -> torch.Tensor:
-        return t.float().to(dtype)
-
-    return rd(lo) == rd(hi)
-
-
-def vec_width(width: int | None = None) -> int:
-    """Floats per ``at::vec::Vectorized<float>`` in the kernel torch 2.13's inductor builds here: 16
-    with AVX512, else 8 (AVX2; compiled flex on CPU needs AVX2, ``_inductor/kernel/flex/flex_cpu.py:
-    check_cpu_supported``)."""
-    if width is not None:
-        return int(width)
-    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
-
-
-def _kv_for_heads(t: torch.Tensor, hq: int, bq: int, enable_gqa: bool) -> torch.Tensor:
-    """k or v (B, Hkv, Tk, d) repeated over the query heads and expanded over the batch, as
-    ``math_attention`` does (``repeat_interleave`` even for G = 1)."""
-    hkv = t.size(1)
-    if hq % hkv != 0 or (hq != hkv and not enable_gqa):
-        raise ValueError(f"Hq={hq} and Hkv={hkv}: set enable_gqa=True for GQA (Hq a multiple of Hkv)")
-    t = torch.repeat_interleave(t, hq // hkv, dim=1)
-    if not (t.size(0) == bq or t.size(0) == 1):
-        raise ValueError(f"Bq={bq} and Bkv={t.size(0)} must broadcast")
-    return t.expand((bq, *t.size()[1:]))
-
-
-# ----------------------------------------------------------------------------- eager (math) path
-
-
-def _scaled_scores(q, k, scale, enable_gqa, working):
-    key = _kv_for_heads(k, q.size(1), q.size(0), enable_gqa)
-    if working is None:
-        working = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.size(-1))
-    scores = q.to(working) @ key.to(working).transpose(-2, -1)
-    return (scores * scale).to(working), working, scale
-
-
-def flex_post_mod_scores(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    scale: float | None,
-    score_mod: Callable | None = None,
-    mask: torch.Tensor | None = None,
-    enable_gqa: bool = False,
-    working: torch.dtype | None = None,
-) -> torch.Tensor:
-    """The (B, Hq, Tq, Tk) logits after score_mod and mask as flex's math path computes them
-    (torch 2.13, ``_higher_order_ops/flex_attention.py:_math_attention_inner``, lines 177-217,
-    with the GQA repeat and batch expand of ``math_attention``, lines 248-258).
-
-    q, k upcast to ``working`` (default fp32, fp64 when q is fp64); S = q @ k^T by torch's matmul;
-    ``(S * scale)`` in ``working`` (``scale=None``: 1/sqrt(E), as flex); ``score_mod(score, b, h,
-    q_idx, kv_idx)`` vmapped with torch's own ``_vmap_for_bhqkv`` under ``TransformGetItemToIndex``
-    (so ``tensor[h]`` inside it works as in flex); entries where the bool ``mask`` (broadcastable to
-    (B, Hq, Tq, Tk), True = attend) is False -> -inf. With the same inputs the result is bit-equal
-    to the logits inside torch's eager flex_attention. With ``working=torch.float64`` and float64
-    q, k it is the float64 reference's logits (the score_mod then runs in float64).
-    """
-    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-    from torch.nn.attention.flex_attention import _vmap_for_bhqkv
-
-    scores, working, _ = _scaled_scores(q, k, scale, enable_gqa, working)
-    with TransformGetItemToIndex():
-        if score_mod is not None:
-            dev = scores.device
-            b, h, m, n = (torch.arange(0, scores.size(i), device=dev) for i in range(4))
-            scores = _vmap_for_bhqkv(score_mod, prefix=(0,))(scores, b, h, m, n)
-        if mask is not None:
-            minus_inf = torch.tensor(NEG_INF, dtype=working, device=scores.device)
-            scores = torch.where(mask.to(device=scores.device, dtype=torch.bool), scores, minus_inf)
-    return scores
-
-
-def flex_eager(
-    scores_fp32: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, enable_gqa: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of eager flex_attention from its post-mod logits (torch 2.13,
-    ``_higher_order_ops/flex_attention.py:math_attention`` lines 220-290 and ``sdpa_dense``, then
-    ``nn/attention/flex_attention.py:_finalize_outputs``).
-
-    ``scores_fp32`` (B, Hq, Tq, Tk) in the working precision (fp32; fp64 for an fp64 q), v
-    (B, Hkv, Tk, Ev), ``dtype`` q's dtype. lse = ``logsumexp`` (-inf on rows with no key), divided
-    by ln 2 and multiplied by ln 2 (two roundings, as torch); P = ``torch._safe_softmax`` (rows with
-    no key: 0), cast to ``dtype``; out = P @ V by torch's matmul in ``dtype`` (rows with no key: 0).
-    Bit-exact with torch's eager flex_attention given its logits (tests/numerics/methods/test_flex.py).
-    """
-    s = scores_fp32
-    value = _kv_for_heads(v, s.size(1), s.size(0), enable_gqa)
-    lse = s.logsumexp(dim=-1)
-    lse = torch.where(torch.all(s == NEG_INF, dim=-1), NEG_INF, lse)
-    p = torch._safe_softmax(s, dim=-1)
-    out = p.to(dtype) @ value.to(dtype)
-    return out, (lse / math.log(2)) * _LN2
 
 
 # ----------------------------------------------------------------------------- compiled (C++ template)
@@ -473,61 +309,6 @@ def _compiled(
     return CompiledTrace(rows(out), rows(lse), rows(y), rows(probs), None if bound is None else rows(bound))
 
 
-def _bound(MN, DN, ML, J, n_alpha, m_first, m, dm, pert, acc, l, y, dtype, W, kbp, Tk, kept):
-    """Per element bound on |out' - out| from the accumulated terms (see ``flex_bound``)."""
-    mf = torch.where(torch.isnan(m_first), 0.0, m_first)
-    span = torch.where(m > NEG_INF, m.double() - mf, 0.0)
-    # the alphas after a block, both sides: |ln A'_j - ln A_j - (m'_j - m_j) + (m'_final - m_final)|
-    row = torch.where(
-        pert,
-        2 * U32 * (span + 2 * dm) + 2 * J * ETA_EXPF * (1 + 2.0**-20),
-        n_alpha * ETA_EXPF * (1 + 2.0**-20),
-    )
-    lam = torch.where(pert, dm, 0.0) + row  # |ln(A'_j / c) - ln A_j|, c = exp(m_final - m'_final)
-    grow = torch.exp(lam).unsqueeze(-1)
-    n_kernel = Tk + 2 * J + 2  # roundings a term of the kernel's acc goes through, any GEMM order
-    n_ours = n_kernel  # ours: the same chains (one more rounding than the kernel at most)
-    n_l = kbp / W + math.log2(W) + W + 2 * J + 1  # the same for l (its order is the emulated one)
-    g = lambda n: gamma(n).unsqueeze(-1)  # noqa: E731
-    l64 = l.double()
-    yhat = acc.double() / torch.where(l64 == 0, 1.0, l64).unsqueeze(-1)
-
-    # sum over keys of e A |rho| (l's move, up to c) and, for fp32, of e A |rho| |v| and |v - y|
-    rl = torch.zeros_like(ML)
-    rn = torch.zeros_like(MN)
-    s1 = torch.zeros_like(MN)
-    decay = torch.ones_like(ML)
-    for _, _, _, al, key, e_ref, rho_key, vb in reversed(kept):
-        wr = torch.where(key, e_ref * torch.expm1(rho_key + row.unsqueeze(-1)) + _TINY, 0.0)
-        wr = wr * decay.unsqueeze(-1)  # (B, H, nq, qbs, kbp)
-        rl = rl + wr.sum(dim=-1)
-        if dtype == torch.float32:
-            rn = rn + wr @ vb.abs()
-            for c0 in range(0, wr.shape[-1], W):  # |v_i - y| per row: W keys at a time
-                dv = (vb[..., c0 : c0 + W, :].unsqueeze(-3) - yhat.unsqueeze(-2)).abs()
-                s1 = s1 + (wr[..., c0 : c0 + W].unsqueeze(-1) * dv).sum(dim=-2)
-        decay = decay * al.double()
-    ml = ML * (1 + 2 * U32)
-    d_l = rl + gamma(n_l) * (2 * ml + rl)  # |l'/c - l|
-
-    # acc'/c - acc: P' against P (dp, stability), the alphas, both accumulations' roundings
-    d_acc = grow * DN + torch.expm1(lam).unsqueeze(-1) * MN + g(n_ours) * MN + g(n_kernel) * (MN + DN) * grow
-    den = (l64 - d_l).unsqueeze(-1)
-    d_div = torch.where(den > 0, (d_acc + yhat.abs() * d_l.unsqueeze(-1)) / den.clamp(min=1e-300), math.inf)
-    if dtype == torch.float32:
-        # fp32 P is e itself: acc and l move by the same factors (1 + rho_i), so only
-        # sum e A |rho| |v - y| is left of them
-        num = s1 + g(n_ours) * MN + g(n_kernel) * (MN + rn) + yhat.abs() * (gamma(n_l) * (2 * ml + rl)).unsqueeze(-1)
-        den2 = (l64 - gamma(n_l) * ml - rl - gamma(n_l) * (ml + rl)).unsqueeze(-1)
-        d_div = torch.minimum(d_div, torch.where(den2 > 0, num / den2.clamp(min=1e-300), math.inf))
-    delta = (d_div + 2 * U32 * (1 + 2 * U32) * (2 * yhat.abs() + d_div)) * (1 + 2.0**-20)
-    if dtype == torch.float32:
-        return delta
-    y64 = y.double()
-    stable = _rounds_same(y64 - delta, y64 + delta, dtype)
-    return torch.where(stable, 0.0, delta + ulp(y64.abs() + delta, dtype))
-
-
 def flex_compiled(
     scores_fp32: torch.Tensor,
     v: torch.Tensor,
@@ -561,67 +342,6 @@ def flex_compiled(
     """
     tr = _compiled(scores_fp32, v, dtype, enable_gqa, block, q_block, vec, None)
     return tr.out, tr.lse
-
-
-def kernel_dot_terms(e: int) -> int:
-    """How many roundings a product q_d k_d goes through in torch 2.13's compiled kernel's q @ k^T,
-    for head dim ``e``: on an AVX2 CPU the template's ``CppMicroGemmFP32Vec`` with B transposed
-    (``_inductor/codegen/cpp_micro_gemm.py``, lines 684-830) takes, for e >= 24 or e not a multiple of 8,
-    its "second implementation": 8 lane accumulators of FMAs along k (e/8 steps; bf16/fp16 load 16
-    and make two FMAs per step), then ``vec_reduce_all``'s 3 levels; else a single chain of e FMAs.
-    Elsewhere (AVX512, where oneDNN's packed brgemm may take bf16/fp16) the order is not known: e."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX2" or (e % 8 == 0 and e < 24):
-        return e
-    return min(e, -(-e // 8) + 1 + 3)
-
-
-def flex_score_err(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    scale: float | None = None,
-    post_mod_scores: torch.Tensor | None = None,
-    enable_gqa: bool = False,
-    mod_lipschitz: float = 1.0,
-    mod_ulps: float = 0.0,
-    dot_terms: int | None = None,
-) -> torch.Tensor:
-    """A per-element bound (B, Hq, Tq, Tk) float64 on |the compiled kernel's post-mod logit -
-    ``flex_post_mod_scores``'s| (torch 2.13: the template's micro-GEMM and inductor's score_mod code
-    against the math path's torch matmul and vmapped score_mod).
-
-    Before score_mod: ours is known exactly against the exact product T = (q . k) * scale (float64),
-    the kernel's dot product is within gamma_n sum_d |q_d k_d| of it (n = ``dot_terms``, the number
-    of roundings on a product's way to the sum: default ``kernel_dot_terms(E)``, which is E, any
-    order, where the kernel's order is not known; every product of bf16 or fp16 inputs is exact,
-    of fp32 ones fused into an FMA),
-    and its product with the scale rounds once:
-    sigma_pre = |S_ours - T| + scale gamma_n sum|q k| + u (|T| + scale gamma_n sum|q k|) + float64's own error.
-    After score_mod: sigma = ``mod_lipschitz`` sigma_pre + ``mod_ulps`` ulp_fp32(max(|S_pre|, |S_post|)),
-    where ``mod_ulps`` counts the fp32 ulps by which the two implementations of the score_mod may
-    differ on the same input plus one per rounded operation whose input moved (0 for none; 1 for
-    ``score + bias`` with an exact bias, e.g. ALiBi with power-of-two slopes; a few for a tanh
-    soft-cap: the division, the two tanh implementations, the product). Masked entries (-inf in
-    ``post_mod_scores``) get 0: both sides mask them the same.
-    """
-    s_pre, working, scale = _scaled_scores(q, k, scale, enable_gqa, torch.float32)
-    key = _kv_for_heads(k, q.size(1), q.size(0), enable_gqa)
-    q64, k64 = q.double(), key.double()
-    sc = float(torch.tensor(scale, dtype=torch.float32))
-    exact = (q64 @ k64.transpose(-2, -1)) * sc
-    absdot = q64.abs() @ k64.abs().transpose(-2, -1)
-    e = q.size(-1)
-    n = kernel_dot_terms(e) if dot_terms is None else int(dot_terms)
-    kern = sc * gamma(n) * absdot
-    f64err = (e + 2) * 2.0**-53 * sc * absdot  # the float64 dot product's own rounding
-    sig_pre = (s_pre.double() - exact).abs() + kern + U32 * (exact.abs() + kern) + 2 * f64err
-    mag = s_pre.double().abs()
-    if post_mod_scores is not None:
-        post = post_mod_scores.double()
-        mag = torch.maximum(mag, torch.where(post.isfinite(), post.abs(), 0.0))
-    sig = mod_lipschitz * sig_pre + mod_ulps * ulp(mag, torch.float32)
-    if post_mod_scores is not None:
-        sig = torch.where(post_mod_scores == NEG_INF, 0.0, sig)
-    return sig
 
 
 def flex_bound(

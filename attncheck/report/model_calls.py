@@ -1,0 +1,212 @@
+"""The model report's calls table: one line per attention call (its verdict, error, headroom, gradients), the
+facts every call shares, the backward summary, and the capture's and the ranks' blocks. Formatting only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from attncheck.format import fmt, plain, visible
+from attncheck.report.diagnostics import diagnostic
+from attncheck.report.fit import Fitted, fitted, narrow_table
+from attncheck.report.text import shown
+from attncheck.results import ModelLine, ModelReport
+
+VERDICT_STYLE = {
+    "nan": "bold red",
+    "overflow": "bold red",
+    "zero": "red",
+    "error": "bold red",
+    "flip": "yellow",
+    "ok": "green",
+    "skipped": "yellow",
+    "n/a": "dim",
+}
+
+
+def call_label(line: ModelLine, prefix: str = "") -> str:
+    """The module path when the call has one (less the ``prefix`` every call shares), else
+    the file (and key) it came from."""
+    on = "" if line.rank is None else f"r{line.rank} "  # a capture of several processes: the rank first
+    if line.module:
+        return on + (line.module[len(prefix) :] if prefix and line.module.startswith(prefix) else line.module)
+    return on + ("global" if line.kind in ("sdpa", "softmax", "flash_attn") else line.name)
+
+
+def shared_prefix(modules: list[str]) -> str:
+    """The dotted prefix every module path shares ('transformer.h.'), '' for fewer than two paths."""
+    if len(modules) < 2 or not all(modules):
+        return ""
+    parts = [m.split(".") for m in modules]
+    common = []
+    for pieces in zip(*parts):
+        if len(set(pieces)) != 1:
+            break
+        common.append(pieces[0])
+    common = common[: min(len(p) for p in parts) - 1]  # keep at least one part of each name
+    return ".".join(common) + "." if common else ""
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) if shape else "-"
+
+
+def lines_table(report: ModelReport, prefix: str = "", labels: list[str] | None = None, narrow: int = 0) -> Table:
+    """One row per call; a shape or cell every call shares is said once, above the table. ``labels``:
+    the calls' names as shown (default: their module paths less ``prefix``); ``narrow`` (for narrow
+    terminals): 1 puts two-word headers on two lines, 2 also leaves one space between columns, 3 also
+    leaves the heads out of a cause and the codes out of a verdict (the findings below name them)."""
+    labels = [call_label(line, prefix) for line in report.lines] if labels is None else labels
+    shapes = {line.shape for line in report.lines}
+    cells = {line.cell for line in report.lines}
+    columns = [("#", "right"), ("call", "left")]
+    columns += [("shape", "left")] if len(shapes) > 1 else []
+    columns += [("cell", "left")] if len(cells) > 1 else []
+    columns += [
+        ("logit", "right"),
+        ("room", "right"),
+        ("NaN", "right"),
+        ("first cause", "left"),
+        ("err", "right"),
+        ("verdict", "left"),
+    ]
+    backward = any(line.grad_verdict is not None for line in report.lines)
+    columns += [("grad", "left")] if backward else []
+    t = narrow_table(narrow)
+    for name, justify in columns:  # nothing wraps: ``fitted`` chooses the layout that fits
+        t.add_column(name.replace(" ", "\n") if narrow else name, justify=justify, no_wrap=True)
+    for i, (line, label) in enumerate(zip(report.lines, labels)):
+        first = i == report.first_bad
+        mark = Text(f"{line.index}" + (" >" if first else ""), style="bold red" if first else "")
+        headroom = Text(plain(line.headroom), style="red" if line.headroom is not None and line.headroom < 0 else "")
+        cause = line.first_cause or "-"
+        if line.first_cause and line.heads and narrow < 3:
+            cause += " h" + ",".join(map(str, line.heads[:2])) + (",…" if len(line.heads) > 2 else "")
+        # the error codes beside the verdict, but those of the backward, which the grad column shows
+        codes = [code for code in line.errors if not (backward and code.startswith("grad_"))]
+        verdict = line.verdict + (
+            f" ({', '.join(codes[:2])})" if line.verdict == "error" and codes and narrow < 3 else ""
+        )
+        row = [mark, shown(label)]
+        row += [_shape(line.shape)] if len(shapes) > 1 else []
+        row += [line.cell or "-"] if len(cells) > 1 else []
+        row += [
+            plain(line.max_logit),
+            headroom,
+            Text(str(line.nan_rows), style="bold red" if line.nan_rows else ""),
+            cause,
+            fmt(line.worst_err, ".0e"),
+            Text(verdict, style=VERDICT_STYLE.get(line.verdict, "")),
+        ]
+        row += [_grad_cell(line)] if backward else []
+        t.add_row(*row)
+    return t
+
+
+def fitted_lines_table(report: ModelReport, prefix: str, legend: Text) -> Fitted:
+    """The legend and the calls' table, built for the terminal's width: two-word headers on two lines
+    and names shortened (the parts no name differs in left out, then the middle) only where the
+    table would not fit otherwise."""
+    labels = [call_label(line, prefix) for line in report.lines]
+
+    def build(console: Console, width: int) -> list:
+        table, dropped = fitted(
+            console, width, labels, lambda names, narrow: lines_table(report, labels=names, narrow=narrow)
+        )
+        note = legend.copy()
+        if dropped:
+            note.append(f"; names without {', '.join(repr(p) for p in dropped)}")
+        if any("…" in cell for cell in _column_texts(table, 1)):
+            note.append("; … marks a shortened name (--json has each in full)")
+        return [note, table]
+
+    return Fitted(build)
+
+
+def _column_texts(table: Table, index: int) -> list[str]:
+    return [getattr(cell, "plain", str(cell)) for cell in table.columns[index].cells]
+
+
+def _grad_cell(line: ModelLine) -> Text:
+    """'ok', 'nan q,k,v', 'error' or '-' (no backward) for the grad column."""
+    verdict = line.grad_verdict
+    if verdict is None:
+        return Text("-")
+    if verdict == "nan":
+        return Text("nan " + "".join(name[1:] for name in line.grad_which), style="bold red")
+    return Text(verdict, style=VERDICT_STYLE.get(verdict, ""))
+
+
+def backward_summary(report: ModelReport, prefix: str = "") -> Text | None:
+    """The first call whose gradients go wrong, and the least loss-scale headroom over the calls."""
+    with_grads = [line for line in report.lines if line.grad_verdict is not None]
+    if not with_grads:
+        return None
+    text = Text(f"Backward of {len(with_grads)} call(s) (dO recorded): ")
+    if report.first_grad_bad is None:
+        text.append("gradients finite in every call", style="green")
+    else:
+        line = report.lines[report.first_grad_bad]
+        what = (
+            f"NaN/inf in {line.grad_nan_rows} row(s) of {', '.join(line.grad_which)}, first cause {line.grad_cause}"
+            if line.grad_nan_rows
+            else "error finding " + ", ".join(code for code in line.errors if code.startswith("grad_"))
+        )
+        text.append(
+            f"first call whose gradients go wrong: #{line.index} {call_label(line, prefix)}: {what}", style="bold red"
+        )
+    rooms = [line for line in with_grads if line.grad_headroom is not None]
+    if rooms:
+        least = min(rooms, key=lambda line: line.grad_headroom)
+        text.append(
+            f"; least loss-scale headroom: dO may grow {plain(least.grad_headroom)}x before {least.grad_headroom_at} "
+            f"overflows (#{least.index} {call_label(least, prefix)})",
+            style="red" if least.grad_headroom < 1 else ("yellow" if least.grad_headroom < 2 else ""),
+        )
+    return text
+
+
+def shared_facts(report: ModelReport) -> str:
+    """'every call: shape 2x8x16x16, cell torch/fp16' for what the table leaves out."""
+    facts = []
+    shapes = {line.shape for line in report.lines}
+    cells = {line.cell for line in report.lines}
+    if len(shapes) == 1:
+        facts.append(f"shape {_shape(next(iter(shapes)))}")
+    if len(cells) == 1:
+        facts.append(f"cell {next(iter(cells)) or '-'}")
+    return ("every call: " + ", ".join(facts)) if facts else ""
+
+
+def ranks_block(report: ModelReport) -> Text | None:
+    """A capture of several processes (torchrun): each rank's own account, one line each."""
+    if len(report.ranks) < 2:  # one rank's own report says so in its capture note
+        return None
+    world = (report.capture or {}).get("world")
+    of = f" of {world}" if world else ""
+    text = Text(f"Ranks ({len(report.ranks)}{of}; the calls above are every rank's, r0, r1, ...):\n")
+    for r in report.ranks:
+        head = f"  rank {r.rank}: {r.calls} call(s), {r.errors} error(s), {r.warnings} warning(s)"
+        head += "" if r.complete else ", incomplete"
+        if r.first_bad is None:
+            text.append(head + "; no call goes wrong\n", style="yellow" if r.warnings or not r.complete else "green")
+        else:
+            line = report.lines[r.first_bad]
+            cause = f", first cause {line.first_cause}" if line.first_cause else ""
+            said = f"{head}; first call that goes wrong: #{line.index} {call_label(line)}: {line.verdict}{cause}"
+            text.append(visible(said) + "\n", style="bold red")
+    text.rstrip()
+    return text
+
+
+def capture_block(report: ModelReport) -> Group | None:
+    """The capture's own findings (capture_incomplete), each a diagnostic."""
+    if not report.findings:
+        return None
+    parts: list[Any] = [Text("Findings of the capture itself", style="bold")]
+    for f in report.findings:
+        parts += [diagnostic(f.severity, f.code, f.message, None, f.fix), Text("")]
+    return Group(*parts)

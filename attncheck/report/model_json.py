@@ -1,0 +1,160 @@
+"""The model report as JSON: every call's diagnosis, its findings, the what-ifs and kernel replays, in the
+schema of ``report.run``. Formatting only."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from attncheck import __version__
+from attncheck.codes import doc_link
+from attncheck.format import to_jsonable
+from attncheck.report.kernels import kernel_outcome, kernel_sentence
+from attncheck.report.run import JSON_SCHEMA, diagnosis_json
+from attncheck.results import CallReport, ModelLine, ModelReport, TensorDiagnosis
+
+
+def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
+    out_calls = []
+    for line, c in zip(report.lines, calls):
+        info = c.call
+        out_calls.append(
+            {
+                "index": line.index,
+                "rank": line.rank,
+                "name": line.name,
+                "module": line.module,
+                "kind": line.kind,
+                "file": info.file,
+                "forward": info.forward,
+                "shape": list(line.shape),
+                "dtype": info.dtype,
+                "softmax_dtype": info.softmax_dtype,
+                "is_causal": info.is_causal,
+                "scale": info.scale,
+                "enable_gqa": info.enable_gqa,
+                "has_qk": info.has_qk,
+                "cell": line.cell,
+                "max_logit": line.max_logit,
+                "score_mod": None
+                if line.score_mod is None
+                else {"name": line.score_mod, "max_logit_before": line.logit_before_mod},
+                "headroom": line.headroom,
+                "limit": _limit_json(line.limit),
+                "nan_rows": line.nan_rows,
+                "first_cause": line.first_cause,
+                "cause_heads": line.heads,
+                "max_abs_err": line.worst_err,
+                "verdict": line.verdict,
+                "errors": line.errors,
+                "heads": to_jsonable(c.heads),
+                "error": c.error,
+                "device": info.meta.get("device"),  # where the call ran, as the capture recorded it
+                "capability": info.meta.get("capability"),
+                "sdpa_backend": info.meta.get("sdpa_backend"),
+                "path_note": c.path_note,
+                "what_if": None if c.what_if is None else diagnosis_json(c.what_if),
+                "backward": None
+                if line.grad_verdict is None
+                else {
+                    "verdict": line.grad_verdict,
+                    "nan_rows": line.grad_nan_rows,
+                    "first_cause": line.grad_cause,
+                    "grads": line.grad_which,
+                    "scale_headroom": line.grad_headroom,
+                    "headroom_at": line.grad_headroom_at,
+                },
+            }
+        )
+    first = None if report.first_bad is None else _first_json(report.lines[report.first_bad])
+    return to_jsonable(
+        {
+            "calls": out_calls,
+            "first_bad": first,
+            "outliers": [dict(to_jsonable(o), message=o.message) for o in report.outliers],
+            "ignored": list(report.ignored),
+            "skipped": [{"name": n, "error": why} for n, why in report.skipped],
+            "capture": report.capture,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "calls": r.calls,
+                    "errors": r.errors,
+                    "warnings": r.warnings,
+                    "complete": r.complete,
+                    "first_bad": None if r.first_bad is None else _first_json(report.lines[r.first_bad]),
+                }
+                for r in report.ranks
+            ],
+            "findings": [
+                {"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix, "doc": doc_link(f.code)}
+                for f in report.findings
+            ],
+            "known_implementation": report.known,
+            "recorded_on": report.recorded_on,
+            "first_grad_bad": None
+            if report.first_grad_bad is None
+            else _first_json(report.lines[report.first_grad_bad]),
+            "what_if": [
+                {
+                    "cell": a.cell,
+                    "calls": a.calls,
+                    "bad_calls": a.bad_calls,
+                    "verdict": a.verdict,
+                    "nan_rows": a.nan_rows,
+                    "max_abs_err": a.worst_err,
+                    "headroom": a.headroom,
+                    "limit": _limit_json(a.limit),
+                    "findings": a.findings,
+                    "first_bad": None if a.first is None else _first_json(a.first),
+                }
+                for a in report.what_if
+            ],
+            "kernels": [
+                {
+                    "index": report.lines[c.position].index,
+                    "name": c.name,
+                    "summary": kernel_sentence(c),
+                    "kernels": [dict(to_jsonable(k), breaks=k.breaks, outcome=kernel_outcome(k)) for k in c.kernels],
+                }
+                for c in report.kernels
+            ],
+            "settings": [to_jsonable(c) for c in report.settings],  # --what-if fa4: each grid over the calls
+            "settings_refused": [{"grid": g, "calls": n, "why": why} for g, n, why in report.settings_refused],
+        }
+    )
+
+
+def _limit_json(limit) -> dict[str, Any] | None:
+    """A CellLimit with its headroom (non-finite numbers become null)."""
+    return None if limit is None else to_jsonable(dict(to_jsonable(limit), headroom=limit.headroom))
+
+
+def _first_json(line: ModelLine) -> dict[str, Any]:
+    return {
+        "index": line.index,
+        "rank": line.rank,
+        "name": line.name,
+        "module": line.module,
+        "verdict": line.verdict,
+        "first_cause": line.first_cause,
+        "heads": line.heads,
+        "nan_rows": line.nan_rows,
+        "errors": line.errors,
+    }
+
+
+def run_json(
+    diags: Sequence[TensorDiagnosis], device: str, failed: Sequence[str] = (), model=None, calls=()
+) -> dict[str, Any]:
+    """The run's JSON: every tensor's diagnosis and, for files, the ``model`` section (one entry
+    per call, the first that goes wrong, outlier heads)."""
+    opts = diags[0].settings if diags else None
+    return {
+        "schema": JSON_SCHEMA,
+        "attncheck_version": __version__,
+        "device": device,
+        "options": None if opts is None else to_jsonable(opts),
+        "tensors": [diagnosis_json(d) for d in diags],
+        "failed": list(failed),
+        "model": None if model is None else model_json(model, list(calls)),
+    }
