@@ -51,14 +51,15 @@ print([f.code for f in result.findings])
         "worse_than_torch",
         "info",
         "accuracy",
-        "a kernel's error is above 2x torch.softmax's in the same dtype",
-        "FlashAttention's tests hold a kernel to at most 2x the error of a plain PyTorch implementation in the "
-        "same dtype. attncheck applies that rule to the methods that reproduce a kernel models run (`tiled`, "
-        "and with `--q/--k` the `flash`, `flash-fp8` and `sage` paths against `eager:torch`, and any method "
-        "registered with `kernel=`), comparing algorithmic errors: against float64 of the scores after the "
+        f"a kernel's error is above {FLASH_RULE_FACTOR:g}x torch.softmax's in the same dtype",
+        f"FlashAttention's tests hold a kernel to at most {FLASH_RULE_FACTOR:g}x the error of a plain PyTorch "
+        "implementation in the same dtype. attncheck applies that rule to the methods that reproduce a kernel models "
+        "run (`tiled`, and with `--q/--k` the `flash`, `flash-fp8` and `sage` paths against `eager:torch`, and any "
+        "method registered with `kernel=`), comparing algorithmic errors: against float64 of the scores after the "
         "cast, so that the input's rounding does not hide the implementation's. A hand-written naive or stable "
         "softmax rounds three times where torch.softmax rounds once, so it is not held to the rule.",
-        "max_abs_err_algo > 2 x torch's max_abs_err_algo in the same dtype, for cells whose verdict is ok.",
+        f"max_abs_err_algo > {FLASH_RULE_FACTOR:g} x torch's max_abs_err_algo in the same dtype, for cells whose "
+        "verdict is ok.",
         "this kernel loses more accuracy than torch.softmax in the same dtype: keep the max and sum in fp32 and round "
         "only the result (smaller key blocks keep P_j closer to the final max)",
         Example("""\
@@ -83,13 +84,15 @@ print([f.code for f in result.findings])
         "output_error",
         "warning",
         "output",
-        "an attention path's output is further from float64 than 2x PyTorch attention's",
-        "With `--v`, every cell computes O = P@V. FlashAttention's test rule applied to O: a path's max error "
-        "against float64 (P64 @ V64) may be at most 2x that of hand-written PyTorch attention with "
+        f"an attention path's output is further from float64 than {FLASH_RULE_FACTOR:g}x PyTorch attention's",
+        "With `--v`, every cell computes O = P@V. FlashAttention's test rule applied to O: a path's max error against "
+        f"float64 (P64 @ V64) may be at most {FLASH_RULE_FACTOR:g}x that of hand-written PyTorch attention with "
         "torch.softmax in the same dtype (`eager:torch`).",
-        "max |O - O_float64| > 2 x eager:torch's in the same dtype, over rows where both are finite.",
-        "this attention path's output is further from float64 than FlashAttention's test allows (2x the same-dtype "
-        "PyTorch attention): keep S and the softmax in fp32 and round P only for P@V, or use SDPA",
+        f"max |O - O_float64| > {FLASH_RULE_FACTOR:g} x eager:torch's in the same dtype, over rows where both are "
+        "finite.",
+        "this attention path's output is further from float64 than FlashAttention's test allows "
+        f"({FLASH_RULE_FACTOR:g}x the same-dtype PyTorch attention): keep S and the softmax in fp32 and round P only "
+        "for P@V, or use SDPA",
         Example(
             _SEEDED
             + """\
@@ -111,8 +114,8 @@ torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
         "rounding of O = P@V is biased, and a bias does not average out over steps (Qiu and Yao 2025, arXiv "
         "2510.04212: similar low-rank keys in bf16). attncheck counts such rows per path and tests their mean "
         "signed error, with the rows as samples.",
-        "At least 16 tied rows, and their mean signed error of O (against float64 of the path's own scores "
-        "and V as the dtype holds it) more than 4 standard errors from 0.",
+        f"At least {TIED_BIAS_MIN_ROWS} tied rows, and their mean signed error of O (against float64 of the path's own "
+        f"scores and V as the dtype holds it) more than {TIED_BIAS_Z:g} standard errors from 0.",
         "a bias does not average out over steps (Qiu and Yao 2025, arXiv 2510.04212): when the row max repeats, "
         "subtract a slightly larger max (their fix: m = beta * max for a positive max) so that no exp(s - m) is "
         "exactly 1, or keep O in fp32 where the next layer reads it",
@@ -136,8 +139,8 @@ torch.save({"q": q, "k": k, "v": v + 1}, "qkv.pt")
         "Probabilities that float64 says are non-zero become exactly 0 in the cell: they are below half the "
         "dtype's smallest subnormal. Harmless for most models; it matters where those keys carry meaning (long "
         "contexts, retrieval).",
-        "1% or more of the probabilities float64 holds non-zero are exactly 0 in the cell (`flushed_frac`). "
-        "FP8 cells whose P cast loses probability are reported as p_cast_underflow instead.",
+        f"{FLUSH_INFO_FRAC:.0%} or more of the probabilities float64 holds non-zero are exactly 0 in the cell "
+        "(`flushed_frac`). FP8 cells whose P cast loses probability are reported as p_cast_underflow instead.",
         "small probabilities round to 0 in this dtype; harmless for most models, upcast if those keys matter",
         Example(
             _scores("""\

@@ -120,7 +120,8 @@ torch.save({"q": q, "k": k, "v": v * 4, "do": do * 2**16}, "qkv.pt")  # dO under
         "gradient entries flush to zero in the dtype",
         "Gradient entries that float64 says are non-zero are exactly 0 in the dtype the gradients are computed "
         "in: fp16 without a loss scale, or a collapsed softmax whose Jacobian vanishes.",
-        "1% or more of a gradient's entries that are non-zero in float64 are 0 (`flushed_frac`).",
+        f"{GRAD_UNDERFLOW_WARN_FRAC:.0%} or more of a gradient's entries that are non-zero in float64 are 0 "
+        "(`flushed_frac`).",
         "gradient entries flush to zero in this dtype: use a loss scale (torch.amp.GradScaler) or bf16; if the softmax "
         "is collapsed (near one-hot rows), its Jacobian vanishes: check the scale and the logit growth",
         Example(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attncheck.params import MASK_SENTINEL_LIMIT
 from attncheck.results import Cell, TensorDiagnosis
 
 SEVERITIES = ("error", "warning", "info")
@@ -15,6 +16,9 @@ SEVERITIES = ("error", "warning", "info")
 # Where each code's reference page is, relative to the project; the site serves it at
 # reference/findings/#CODE.
 REFERENCE_PAGE = "docs/reference/findings.md"
+
+# The sentinel limit as the prose writes it: -1e4
+SENTINEL_LIMIT_TEXT = f"{MASK_SENTINEL_LIMIT:.0e}".replace("e+0", "e")
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from attncheck.findings.base import Code, Example, _scores
 from attncheck.format import num
+from attncheck.params import COLLAPSE_THRESHOLD
 from attncheck.results import TensorDiagnosis
 
-COLLAPSE_WARN_FRAC = 0.5
+COLLAPSE_WARN_FRAC = 0.5  # the share of rows that must collapse (reach COLLAPSE_THRESHOLD) for entropy_collapse
 
 CODES: tuple[Code, ...] = (
     Code(
@@ -18,8 +19,9 @@ CODES: tuple[Code, ...] = (
         "logits do this; the softmax gradient then vanishes. A head meant to be sharp (a copy or induction "
         "head) is fine. `attncheck watch` raises the same code for a head whose sampled rows collapse during "
         "training.",
-        "At least 50% of the rows put >= 0.99 of their probability on one key (the reference, float64); in a "
-        "watch log, --collapse (half) of a head's sampled rows, at the first step it holds.",
+        f"At least {COLLAPSE_WARN_FRAC:.0%} of the rows put >= {COLLAPSE_THRESHOLD:g} of their probability on one key "
+        "(the reference, float64); in a watch log, --collapse (half) of a head's sampled rows, at the first step it "
+        "holds.",
         "attention is near one-hot: check the scores are scaled by 1/sqrt(d_k) and whether the logits grow during "
         "training (attncheck watch: logit_growth); ignore if the head is meant to be sharp",
         Example(

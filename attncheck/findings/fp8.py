@@ -64,7 +64,8 @@ np.save("scores.npy", np.random.default_rng(0).standard_normal((4, 64)).astype(n
         "With `--fp8-scaling none`, Q, K and V are cast to the format as they are. Values beyond its max are "
         "clipped, and small activations fall below its normal range (e4m3: 2^-6) where they keep fewer bits or "
         "flush to 0.",
-        "Scaling none, and a value clipped, or 1% or more of a tensor's values subnormal or flushed in the format.",
+        f"Scaling none, and a value clipped, or {FP8_UNSCALED_FRAC:.0%} or more of a tensor's values subnormal or "
+        "flushed in the format.",
         "quantise with a descale (amax / max_fp8) per tensor or per (batch, kv head) and pass it to the kernel "
         "(FlashAttention-3: q_descale, k_descale, v_descale; vLLM: the layer's k_scale/v_scale); --fp8-scaling tensor "
         "or head shows the effect",

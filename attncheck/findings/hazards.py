@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from attncheck.findings.base import _SEEDED, _TORCH, Code, Example
+from attncheck.params import FP8_ACCUM_KERNEL_BITS
 from attncheck.registry import PATHS
 from attncheck.results import Cell, DtypeLimits, TensorDiagnosis
 
@@ -103,18 +104,19 @@ print([f.code for f in result.findings])
         "backward",
         "cuDNN's backward gives NaN gradients on this call (padded tile)",
         "A prediction for cuDNN's SDPA backward (PyTorch's CUDNN_ATTENTION backend, path `cudnn`), from its forward "
-        "log-sum-exp. The backward recomputes P = exp(S - LSE) tile by tile; where a tile runs past the tensor's "
-        "end its zero-filled entries are scored 0 instead of -inf, and in a row whose LSE is below -ln(FLT_MAX) = "
-        "-88.72, exp(0 - LSE) overflows fp32 and inf x 0 gives NaN. Two published forms: the key tile (PyTorch "
-        "issue 196678: an explicit attn_mask and a key length with Tk % 128 == 64, NaN in dQ of those rows; seen "
-        "with cuDNN 9.20 on H100/H200, fixed in cuDNN 9.26, PyTorch PR 196861) and the query tile (cudnn-frontend "
-        "issue 1072: Sq = 1, Sk = 128, no mask, NaN in dK and dV; cuDNN 9.25.1 and 9.26, open). The forward is "
-        "finite; the gradients depend on the cuDNN version and the GPU (both were seen on sm90), so it is a warning. "
-        "A q/k file cannot say whether its mask was a tensor or is_causal: a mask given counts as explicit. A row "
-        "whose every open key scores below -88 is most often a mask bug (a row that should have been masked whole, "
-        "or a sentinel added twice).",
+        "log-sum-exp. The backward recomputes P = exp(S - LSE) tile by tile; where a tile runs past the tensor's end "
+        "its zero-filled entries are scored 0 instead of -inf, and in a row whose LSE is below -ln(FLT_MAX) = -88.72, "
+        "exp(0 - LSE) overflows fp32 and inf x 0 gives NaN. Two published forms: the key tile (PyTorch issue 196678: "
+        f"an explicit attn_mask and a key length with Tk % {CUDNN_KEY_TILE} == {CUDNN_KEY_TILE // 2}, NaN in dQ of "
+        "those rows; seen with cuDNN 9.20 on H100/H200, fixed in cuDNN 9.26, PyTorch PR 196861) and the query tile "
+        "(cudnn-frontend issue 1072: Sq = 1, Sk = 128, no mask, NaN in dK and dV; cuDNN 9.25.1 and 9.26, open). The "
+        "forward is finite; the gradients depend on the cuDNN version and the GPU (both were seen on sm90), so it is "
+        "a warning. A q/k file cannot say whether its mask was a tensor or is_causal: a mask given counts as "
+        "explicit. A row whose every open key scores below -88 is most often a mask bug (a row that should have been "
+        "masked whole, or a sentinel added twice).",
         "Rows with a finite forward LSE and exp(-LSE) = inf in fp32 (LSE < -ln(finfo(fp32).max) = -88.72), in a "
-        "call with an explicit mask and Tk % 128 == 64 (key form), or with Tq % 64 != 0 and Tk % 128 == 0 (query "
+        f"call with an explicit mask and Tk % {CUDNN_KEY_TILE} == {CUDNN_KEY_TILE // 2} (key form), or with Tq % "
+        f"{CUDNN_Q_TILE} != 0 and Tk % {CUDNN_KEY_TILE} == 0 (query "
         "form); none on a recorded GPU other than sm90.",
         "key form: update cuDNN to 9.26 or later; either form (the query form has no fix yet): run another "
         "backend for this call "
@@ -151,11 +153,13 @@ save_file({"q": q.bfloat16(), "k": k.bfloat16(), "v": v.bfloat16(), "mask": mask
         "PR 2250) adds the reduced accumulator to an fp32 one every N key blocks; SageAttention 2 does it every "
         "block. The cell's output is compared with the same kernel with fp32 accumulation and with flushes every "
         "1, 4 and 64 key blocks (vLLM PR 122 measured needle-in-a-haystack at 128k keys 0.89 / 0.88 / 0.856).",
-        "An FP8 cell on the reduced accumulator (--fp8-accum, default the kernel's 13 bits) whose output RMSE "
-        "against float64 exceeds 2x that of the same kernel with fp32 accumulation (FlashAttention's 2x rule).",
+        f"An FP8 cell on the reduced accumulator (--fp8-accum, default the kernel's {FP8_ACCUM_KERNEL_BITS} bits) "
+        f"whose output RMSE against float64 exceeds {FP8_ACCUM_RULE:g}x that of the same kernel with fp32 accumulation "
+        f"(FlashAttention's {FP8_ACCUM_RULE:g}x rule).",
         "flush the FP8 accumulator into fp32 every few key blocks (vLLM's flash-attention fork: "
-        "FLASH_ATTENTION_FP8_TWO_LEVEL_INTERVAL, 4 by default; --fp8-flush N shows the effect; the message names "
-        "the longest interval of 1 / 4 / 64 that holds the 2x rule), or keep P@V in bf16 for long contexts",
+        "FLASH_ATTENTION_FP8_TWO_LEVEL_INTERVAL, 4 by default; --fp8-flush N shows the effect; the message names the "
+        f"longest interval of 1 / 4 / 64 that holds the {FP8_ACCUM_RULE:g}x rule), or keep P@V in bf16 for long "
+        "contexts",
         Example(
             _SEEDED
             + """q = torch.randn(1, 1, 16, 64, generator=g) * 0.3

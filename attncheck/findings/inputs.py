@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from attncheck.findings.base import Code, Example, _cell_list, _first_examples, _scores
+from attncheck.findings.base import SENTINEL_LIMIT_TEXT, Code, Example, _cell_list, _first_examples, _scores
 from attncheck.results import TensorDiagnosis
 
 CODES: tuple[Code, ...] = (
@@ -61,8 +61,8 @@ np.save("scores.npy", scores)
         "keys, which is garbage rather than attention; FlashAttention and PyTorch SDPA (>= 2.5) return zeros. "
         "The message says which cells return what. Left padding makes such rows on purpose: `--ignore "
         "fully_masked_rows` judges them expected.",
-        "A key is masked when its score is -inf or at most -1e4; from Q and K, when the mask says so. A row "
-        "counts when every key is masked.",
+        f"A key is masked when its score is -inf or at most {SENTINEL_LIMIT_TEXT}; from Q and K, when the mask says "
+        "so. A row counts when every key is masked.",
         "a query that may attend to nothing has no softmax: zero such rows (torch.where(keep.any(-1, keepdim=True), p, "
         "0)) and drop them from the loss, or use a kernel that returns zeros (FlashAttention, SDPA >= 2.5); even then "
         "their backward pass can poison gradients if a NaN reaches it",

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import math
 
-from attncheck.findings.base import _SEEDED, _TORCH, Code, Example, _cell_list, _first_examples, _scores
+from attncheck.findings.base import (
+    _SEEDED,
+    _TORCH,
+    SENTINEL_LIMIT_TEXT,
+    Code,
+    Example,
+    _cell_list,
+    _first_examples,
+    _scores,
+)
 from attncheck.registry import PATHS
 from attncheck.results import Cell, Finding, TensorDiagnosis
 
@@ -180,9 +189,9 @@ torch.save({"q": q, "k": k, "mask": keep}, "qk.pt")
         "warning",
         "softmax",
         "a mask value cannot be held by the dtype and becomes -inf",
-        "A mask constant such as -1e9 (or finfo(fp32).min) is beyond the dtype's range: cast to fp16 or bf16 "
-        "it becomes -inf. Partly masked rows stay masked; rows masked only by it become all -inf, which is "
-        "NaN in naive, stable and torch.softmax. From scores alone, any value <= -1e4 that the cast turns into "
+        "A mask constant such as -1e9 (or finfo(fp32).min) is beyond the dtype's range: cast to fp16 or bf16 it "
+        "becomes -inf. Partly masked rows stay masked; rows masked only by it become all -inf, which is NaN in naive, "
+        f"stable and torch.softmax. From scores alone, any value <= {SENTINEL_LIMIT_TEXT} that the cast turns into "
         "-inf is read as a sentinel; from Q and K, the mask's values and `--mask-value`.",
         "|sentinel| >= the dtype's rounding limit (fp16: 65520, so -1e9 and -65520 become -inf; -65504 stays).",
         "use a boolean mask (masked_fill(~keep, torch.finfo(dtype).min) or SDPA's bool attn_mask) instead of a "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from attncheck.findings.base import Code, Example, _cell_list, _first_examples, _scores
 from attncheck.findings.hazards import hazard_findings
 from attncheck.format import num
+from attncheck.params import MASK_SENTINEL_LIMIT
 from attncheck.results import UNEXPLAINED, TensorDiagnosis
 
 CODES: tuple[Code, ...] = (
@@ -168,7 +169,7 @@ def cast_findings(diag: TensorDiagnosis, add) -> None:
             effect = "; rows masked only by it become all -inf (NaN in naive, stable and torch)"
         else:
             effect = "; partly masked rows still see -inf for those keys, so they stay masked"
-        sentinels = [v for v in h.cast_overflow_examples if v <= -1e4]
+        sentinels = [v for v in h.cast_overflow_examples if v <= MASK_SENTINEL_LIMIT]
         if h.cast_neginf_values and sentinels:
             vals = ", ".join(f"{v:.4g}" for v in sentinels)
             add(

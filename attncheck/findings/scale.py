@@ -7,6 +7,9 @@ import math
 
 from attncheck.findings.base import _SEEDED, Code, Example
 
+SCALE_MIN_D = 4  # the scale codes judge head dims from this one up (where d_k^(1/4) >= 1.41)
+SCALE_FIT_TOLERANCE = 0.05  # |ln(fitted / (1/sqrt(d_head)))| beyond this is another scale (5%), not noise
+
 # Where a captured call's scale came from, when it is the model's own choice (AttentionAudit.scale_source).
 CHOSEN_SCALES = {
     "argument": "the scale= argument the model passed to SDPA",
@@ -24,8 +27,8 @@ CODES: tuple[Code, ...] = (
         "collapse attention onto one key, kill the softmax gradient and overflow fp16 sooner. The scale is the "
         "one applied (`--scale`), or with a scores file and `--q/--k` the one fitted by least squares. A scale "
         "the model chose itself is not this finding but `model_scale` (info).",
-        "ratio = scale x sqrt(d_k) > d_k^(1/4), i.e. scale > d_k^(-1/4) (d_k >= 4). Judged from the scale, not "
-        "from the spread of the scores, which low-rank q/k, outlier channels or RoPE move.",
+        f"ratio = scale x sqrt(d_k) > d_k^(1/4), i.e. scale > d_k^(-1/4) (d_k >= {SCALE_MIN_D}). Judged from the "
+        "scale, not from the spread of the scores, which low-rank q/k, outlier channels or RoPE move.",
         "the scores are not scaled by 1/sqrt(d_k): divide by sqrt(d_k) (SDPA's default scale), or check the scale your "
         "model applies",
         Example(
@@ -46,7 +49,7 @@ torch.save({"q": q, "k": k}, "qk.pt")
         "The scale the scores carry is near 1/d_k: q was divided by sqrt(d_k) and the scores again (or SDPA's "
         "default scale on pre-scaled q). Attention flattens towards uniform. A scale the model chose itself is "
         "not this finding but `model_scale` (info).",
-        "ratio = scale x sqrt(d_k) < d_k^(-1/4), i.e. scale < d_k^(-3/4) (d_k >= 4).",
+        f"ratio = scale x sqrt(d_k) < d_k^(-1/4), i.e. scale < d_k^(-3/4) (d_k >= {SCALE_MIN_D}).",
         "the scores are scaled about twice by 1/sqrt(d_k): apply it once (SDPA scales by default; don't pre-scale q as "
         "well)",
         Example(
@@ -70,7 +73,7 @@ torch.save({"q": q, "k": k}, "qk.pt")
         "not a fault: T5 passes scale=1 because it folds 1/sqrt(d_k) into its weights' initialisation; Gemma-2 "
         "scales by 1/sqrt(query_pre_attn_scalar) whatever its head size.",
         "Said where missing_scale or double_scale would be: ratio = scale x sqrt(d_k) > d_k^(1/4) or < d_k^(-1/4) "
-        "(d_k >= 4), for a scale the model chose.",
+        f"(d_k >= {SCALE_MIN_D}), for a scale the model chose.",
         "nothing to change: the model was trained with this scale (dividing T5's scores by sqrt(d_k) would change "
         "the model); "
         "reproduce it exactly when porting the model to another kernel (SDPA's scale=)",
@@ -102,8 +105,8 @@ result = cap.calls[0].diagnosis
         "With a scores file and the q and k that made it, attncheck fits the scale that maps q.k onto the "
         "scores and names the closest usual choice: 1/sqrt(d_head), 1, 1/sqrt(d_model) = 1/sqrt(heads x "
         "d_head), 1/d_head. Dividing by sqrt(d_model) instead of sqrt(d_head) is the usual slip.",
-        "The least-squares scale s; reported when the closest choice (in |ln(s / choice)|) is not 1/sqrt(d_head), "
-        "or |ln(s sqrt(d_head))| > 0.05. Not reported where missing_scale or double_scale already is.",
+        "The least-squares scale s; reported when the closest choice (in |ln(s / choice)|) is not 1/sqrt(d_head), or "
+        f"|ln(s sqrt(d_head))| > {SCALE_FIT_TOLERANCE:g}. Not reported where missing_scale or double_scale already is.",
         "the scale your scores carry is not 1/sqrt(d_head): check which dimension the model divides by",
         Example(
             _SEEDED
@@ -132,7 +135,11 @@ def scale_findings(a, add) -> None:
         name, value = min(
             candidates.items(), key=lambda kv: abs(math.log(a.fitted_scale / kv[1])) if a.fitted_scale > 0 else math.inf
         )
-        if a.fitted_scale <= 0 or name != "1/sqrt(d_head)" or abs(math.log(a.fitted_scale / value)) > 0.05:
+        if (
+            a.fitted_scale <= 0
+            or name != "1/sqrt(d_head)"
+            or abs(math.log(a.fitted_scale / value)) > SCALE_FIT_TOLERANCE
+        ):
             add(
                 "scale_mismatch",
                 f"the scores are q.k times {a.fitted_scale:.4g} (least squares), closest to {name} = {value:.4g}; "
@@ -145,7 +152,7 @@ def _scale_findings(a, add) -> bool:
     scale applied (the fitted one when the scores were given), against 1/sqrt(d). Not from
     the spread of the scores against that of q and k, which only i.i.d. entries tie to the
     scale: low-rank q/k, outlier channels, RoPE or many exact zeros move it far from 1."""
-    if a.d < 4:
+    if a.d < SCALE_MIN_D:
         return False
     given = a.fitted_scale is not None
     scale = a.fitted_scale if given else a.scale

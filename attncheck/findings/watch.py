@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from attncheck.findings.base import Code, Example
 
+# The alerts' defaults (attncheck watch's options; attncheck.watcher.trends.analyse's arguments)
+DEFAULTS = {"window": 20, "level": 50.0, "growth": 2.0, "horizon": 1000.0, "collapse": 0.5, "rank_factor": 10.0}
+DIVERGENCE_FLOOR = 1.0  # logits below this magnitude are compared as this (a ratio of two tiny logits says nothing)
+
 
 def _watch_log(logit: str, limit: float = 3.4e38, nonfinite: str = "0") -> str:
     """A watch log of 40 steps whose one head's largest logit is ``logit`` (a Python expression of step)."""
@@ -31,8 +35,9 @@ CODES: tuple[Code, ...] = (
         "heads stay below: the attention-logit growth that precedes divergence at high learning rates "
         "(Dehghani et al. 2023; Wortsman et al. 2023, whose small-scale proxy examples/logit_growth.py "
         "reproduces).",
-        "The fitted growth over the last --window records (20) is at least --growth (x2) per 100 steps, and "
-        "the largest logit at least --logit-level (50); reported at the first step both hold.",
+        f"The fitted growth over the last --window records ({DEFAULTS['window']}) is at least --growth "
+        f"(x{DEFAULTS['growth']:g}) per 100 steps, and the largest logit at least --logit-level "
+        f"({DEFAULTS['level']:g}); reported at the first step both hold.",
         "the attention logits grow geometrically, as before divergence at a high learning rate: normalise q and k "
         "(qk-layernorm, Dehghani et al. 2023; Wortsman et al. 2023), lower the learning rate or clip the logits "
         "(QK-clip, soft-capping)",
@@ -47,8 +52,8 @@ CODES: tuple[Code, ...] = (
         "allows (SDPA's kernels: S in fp32; hand-written attention: S = Q@K^T in its dtype, before the scale) "
         "within the horizon. With --what-if DTYPES, the same for hand-written attention in those dtypes, "
         "reported apart.",
-        "Steps until the limit, ln(limit / logit) / (fitted growth per step), below --horizon (1000), once the "
-        "logit has passed --logit-level (50) or the limit.",
+        "Steps until the limit, ln(limit / logit) / (fitted growth per step), below --horizon "
+        f"({DEFAULTS['horizon']:g}), once the logit has passed --logit-level ({DEFAULTS['level']:g}) or the limit.",
         "at this growth the head's logits reach the first failure of its dtype within the horizon: act on the growth "
         "(qk-layernorm, learning rate, clipping) or hold the scores in a wider dtype",
         Example(
@@ -80,9 +85,9 @@ CODES: tuple[Code, ...] = (
         "all-reduce). Each rank's own trends are fitted apart: a rank that differs is never taken for growth. "
         "Where ranks hold different heads under one module name (tensor parallelism), the alert is expected: "
         "--ignore rank_divergence.",
-        "At one step, max over ranks / min over ranks of the head's largest logit, magnitudes below 1 counted "
-        "as 1, at least --rank-factor (10); reported at the first such step, on the rank with the larger logit, "
-        "naming the other.",
+        "At one step, max over ranks / min over ranks of the head's largest logit, magnitudes below "
+        f"{DIVERGENCE_FLOOR:g} counted as {DIVERGENCE_FLOOR:g}, at least --rank-factor ({DEFAULTS['rank_factor']:g}); "
+        "reported at the first such step, on the rank with the larger logit, naming the other.",
         "the ranks' weights differ where DDP keeps them identical: check that nothing changes parameters on one rank "
         "after the wrap, that every parameter is registered before wrapping, and that the ranks start from the same "
         "weights; with tensor parallelism (other heads on each rank) ignore it",
