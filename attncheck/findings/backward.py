@@ -250,103 +250,110 @@ def backward_findings(cells: list[Cell]) -> list[Finding]:
         if b is None:
             continue
         examples = next((g.examples for _, g in b.grads() if g.examples), [])
-        masked = _with_cause(b, GRAD_CAUSES_OF["grad_nan_masked_row"])
-        if masked:
-            how = (
-                "the mask is added to the scores, so the NaN dS reaches dQ of the row and dK of every key"
-                if "added" in b.how
-                else "masked_fill zeroes dS at the filled keys, so dQ and dK stay finite, but dV = P^T dO takes the "
-                "NaN row"
-            )
-            add(
-                "grad_nan_masked_row",
-                c,
-                "query rows with every key masked by -inf have a NaN softmax, and the backward spreads it: NaN in "
-                f"{_grad_rows(b)} ({how})",
-                masked,
-                examples,
-            )
-        if _with_cause(b, GRAD_CAUSES_OF["grad_nan_input"]):
-            add(
-                "grad_nan_input",
-                c,
-                f"the output gradient dO already holds NaN or inf in {b.dout_nan_rows} row(s): NaN in {_grad_rows(b)}",
-                b.dout_nan_rows,
-                examples,
-            )
-        spread = _with_cause(b, GRAD_CAUSES_OF["grad_nan_forward"])
-        if spread:
-            which = sorted(
-                {cause for _, g in b.grads() for cause in g.causes if cause in GRAD_CAUSES_OF["grad_nan_forward"]}
-            )
-            add(
-                "grad_nan_forward",
-                c,
-                f"rows the forward pass already broke ({', '.join(which)}) make NaN gradients: {_grad_rows(b)}",
-                spread,
-                examples,
-            )
-        over = _with_cause(b, GRAD_CAUSES_OF["grad_overflow"])
-        if over or (b.scale_headroom is not None and b.scale_headroom < 1):
-            stage = b.headroom_at or "an intermediate"
-            factor = b.scale_headroom
-            safe = (
-                (
-                    f"; the backward stays finite for dO up to {num(factor)}x this one ({_power_of_two(factor)}): the "
-                    "largest safe loss scale is "
-                    f"{_power_of_two(factor)} times the one this dO carries"
-                )
-                if factor
-                else ""
-            )
-            add("grad_overflow", c, f"{stage} overflows ({_grad_rows(b)} hold NaN or inf){safe}", over, examples)
-        flushed = [
-            (name, g.flushed_frac)
-            for name, g in b.grads()
-            if g.flushed_frac is not None and g.flushed_frac >= GRAD_UNDERFLOW_WARN_FRAC
-        ]
-        if flushed:
-            add(
-                "grad_underflow",
-                c,
-                "gradient entries that are non-zero in float64 are exactly 0 in "
-                + (b.dtype or c.dtype)
-                + ": "
-                + ", ".join(f"{name} {pct(f)}" for name, f in flushed),
-            )
-        broken = [(name, g) for name, g in b.grads() if g.rule_holds is False]
-        if broken:
-            add(
-                "grad_error",
-                c,
-                "max |g - g_float64| above 2x plain attention's in "
-                + (b.dtype or c.dtype)
-                + " (eager, softmax in the dtype): "
-                + ", ".join(f"{name} {num(g.max_abs_err)} > {num(g.rule_bound)}" for name, g in broken),
-            )
-        disagree = [(name, g) for name, g in b.grads() if g.real_agrees is False]
-        if disagree:
-            near = all(g.real_near for _, g in disagree)
-            add(
-                "grad_emulation_mismatch",
-                c,
-                "the model's recorded gradients differ from this cell's beyond its rounding bound: "
-                + ", ".join(
-                    f"{name} max |real - cell| {num(g.real_max_diff)} ({num(g.real_bound_ratio)}x the bound"
-                    + (
-                        f", {g.real_nan_mismatch} entries finite in one and not the other"
-                        if g.real_nan_mismatch
-                        else ""
-                    )
-                    + ")"
-                    for name, g in disagree
-                )
-                + (
-                    f"; within {REAL_BOUND_TOLERANCE:g}x of it, which a kernel summing in another order can reach: "
-                    "the numbers stand"
-                    if near
-                    else ""
-                ),
-                severity="info" if near else None,
-            )
+        _grad_nan_findings(add, c, b, examples)
+        _grad_accuracy_findings(add, c, b)
     return out
+
+
+def _grad_nan_findings(add, c: Cell, b, examples) -> None:
+    """grad_nan_masked_row, grad_nan_input, grad_nan_forward, grad_overflow: NaN/inf gradient rows by first cause,
+    and an intermediate that overflows under the loss scale."""
+    masked = _with_cause(b, GRAD_CAUSES_OF["grad_nan_masked_row"])
+    if masked:
+        how = (
+            "the mask is added to the scores, so the NaN dS reaches dQ of the row and dK of every key"
+            if "added" in b.how
+            else "masked_fill zeroes dS at the filled keys, so dQ and dK stay finite, but dV = P^T dO takes the NaN row"
+        )
+        add(
+            "grad_nan_masked_row",
+            c,
+            "query rows with every key masked by -inf have a NaN softmax, and the backward spreads it: NaN in "
+            f"{_grad_rows(b)} ({how})",
+            masked,
+            examples,
+        )
+    if _with_cause(b, GRAD_CAUSES_OF["grad_nan_input"]):
+        add(
+            "grad_nan_input",
+            c,
+            f"the output gradient dO already holds NaN or inf in {b.dout_nan_rows} row(s): NaN in {_grad_rows(b)}",
+            b.dout_nan_rows,
+            examples,
+        )
+    spread = _with_cause(b, GRAD_CAUSES_OF["grad_nan_forward"])
+    if spread:
+        which = sorted(
+            {cause for _, g in b.grads() for cause in g.causes if cause in GRAD_CAUSES_OF["grad_nan_forward"]}
+        )
+        add(
+            "grad_nan_forward",
+            c,
+            f"rows the forward pass already broke ({', '.join(which)}) make NaN gradients: {_grad_rows(b)}",
+            spread,
+            examples,
+        )
+    over = _with_cause(b, GRAD_CAUSES_OF["grad_overflow"])
+    if over or (b.scale_headroom is not None and b.scale_headroom < 1):
+        stage = b.headroom_at or "an intermediate"
+        factor = b.scale_headroom
+        safe = (
+            (
+                f"; the backward stays finite for dO up to {num(factor)}x this one ({_power_of_two(factor)}): the "
+                "largest safe loss scale is "
+                f"{_power_of_two(factor)} times the one this dO carries"
+            )
+            if factor
+            else ""
+        )
+        add("grad_overflow", c, f"{stage} overflows ({_grad_rows(b)} hold NaN or inf){safe}", over, examples)
+
+
+def _grad_accuracy_findings(add, c: Cell, b) -> None:
+    """grad_underflow, grad_error, grad_emulation_mismatch: finite gradients that flush, that break
+    FlashAttention's rule, or that differ from the model's recorded ones."""
+    flushed = [
+        (name, g.flushed_frac)
+        for name, g in b.grads()
+        if g.flushed_frac is not None and g.flushed_frac >= GRAD_UNDERFLOW_WARN_FRAC
+    ]
+    if flushed:
+        add(
+            "grad_underflow",
+            c,
+            "gradient entries that are non-zero in float64 are exactly 0 in "
+            + (b.dtype or c.dtype)
+            + ": "
+            + ", ".join(f"{name} {pct(f)}" for name, f in flushed),
+        )
+    broken = [(name, g) for name, g in b.grads() if g.rule_holds is False]
+    if broken:
+        add(
+            "grad_error",
+            c,
+            "max |g - g_float64| above 2x plain attention's in "
+            + (b.dtype or c.dtype)
+            + " (eager, softmax in the dtype): "
+            + ", ".join(f"{name} {num(g.max_abs_err)} > {num(g.rule_bound)}" for name, g in broken),
+        )
+    disagree = [(name, g) for name, g in b.grads() if g.real_agrees is False]
+    if disagree:
+        near = all(g.real_near for _, g in disagree)
+        add(
+            "grad_emulation_mismatch",
+            c,
+            "the model's recorded gradients differ from this cell's beyond its rounding bound: "
+            + ", ".join(
+                f"{name} max |real - cell| {num(g.real_max_diff)} ({num(g.real_bound_ratio)}x the bound"
+                + (f", {g.real_nan_mismatch} entries finite in one and not the other" if g.real_nan_mismatch else "")
+                + ")"
+                for name, g in disagree
+            )
+            + (
+                f"; within {REAL_BOUND_TOLERANCE:g}x of it, which a kernel summing in another order can reach: "
+                "the numbers stand"
+                if near
+                else ""
+            ),
+            severity="info" if near else None,
+        )

@@ -124,6 +124,11 @@ def fp8_findings(diag: TensorDiagnosis, add) -> None:
                 "largest probabilities of every row",
                 over,
             )
+    _quantisation_findings(diag, add)
+
+
+def _quantisation_findings(diag: TensorDiagnosis, add) -> None:
+    """fp8_overflow and fp8_unscaled of Q, K, V: values clipped by their quantisation, or cast without a descale."""
     if diag.attention is None:
         return
     for d, a in diag.attention.dtypes.items():

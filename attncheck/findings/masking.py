@@ -216,77 +216,13 @@ FIX = {c.name: c.fix for c in CODES}
 
 
 def attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
-    """Findings of the Q/K -> scores pipeline: overflow of Q@K^T, mask sentinels, leaks, scale."""
+    """Findings of the Q/K -> scores pipeline: overflow of Q@K^T, mask sentinels, leaks (the scale:
+    attncheck.findings.scale)."""
     a = diag.attention
     for d, audit in a.dtypes.items():
         dtype_cells = [c for c in diag.cells if c.dtype == d]
-        hit = [c for c in dtype_cells if c.nan_causes.get("qk_overflow")]
-        paths = {c.path for c in dtype_cells if c.path}
-        # The audit describes the eager scores; with paths that hold S in fp32 only, nothing computed overflows.
-        if audit.qk_overflow_values and (hit or not paths or any(PATHS.get(p).scores == "dtype" for p in paths)):
-            limit = diag.limits[d].rounding_limit
-            if a.scale_order == "q":
-                verdict = "q is already scaled first"
-            elif (
-                a.raw_max_abs * a.scale < limit and a.q_max_abs * a.scale < limit
-            ):  # scaling q first keeps every score in range
-                verdict = "scaling q first (--scale-order q) would avoid it"
-            else:
-                verdict = "scaling q first would not avoid it: the scaled scores themselves exceed the range"
-            add(
-                "qk_overflow",
-                f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond "
-                f"+-{diag.limits[d].max:.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| "
-                f"{a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); "
-                f"{verdict}{_paths_verdict(dtype_cells, d)}",
-                hit,
-                audit.qk_overflow_rows,
-                _first_examples(hit, "nan:qk_overflow"),
-            )
-        what = []
-        if audit.mask_not_representable or audit.sentinel_not_representable:
-            if audit.mask_not_representable:
-                what.append(f"{audit.mask_not_representable} float-mask value(s)")
-            if audit.sentinel_not_representable:
-                what.append(f"the mask value {a.mask_value}")
-        hit = [c for c in dtype_cells if c.nan_causes.get("mask_sentinel")]
-        rows = max((c.nan_causes.get("mask_sentinel", 0) for c in hit), default=0)
-        broke = (
-            f"; {rows} row(s) become all -inf -> NaN in {_cell_list(hit, diag)}"
-            if hit
-            else "; no row became all -inf: the keys stay masked"
-        )
-        severity = "error" if hit else "warning"  # the severity follows the effect: rows the mask broke
-        if audit.mask_not_representable or audit.sentinel_not_representable:
-            add(
-                "sentinel_not_representable",
-                f"{' and '.join(what)} cannot be held by {d} (max {diag.limits[d].max:.6g}) and become -inf{broke}",
-                hit,
-                rows,
-                _first_examples(hit, "nan:mask_sentinel"),
-                severity=severity,
-            )
-        finite = [v for v in (audit.mask_values or [audit.sentinel_value]) if math.isfinite(v)]
-        if audit.overflow_on_add:
-            add(
-                "sentinel_overflow_on_add",
-                f"in {d}, adding the mask to the scores overflows to -inf at {audit.overflow_on_add} position(s) (mask "
-                f"value {_values(finite) or 'finfo.min'} plus a negative score){broke}",
-                hit,
-                rows,
-                _first_examples(hit, "nan:mask_sentinel"),
-                severity=severity,
-            )
-        if audit.summed_planes_overflow:
-            add(
-                "summed_mask_planes",
-                f"in {d}, two mask planes added together overflow to -inf at {audit.summed_planes_overflow} "
-                f"position(s){broke}",
-                hit,
-                rows,
-                _first_examples(hit, "nan:mask_sentinel"),
-                severity=severity,
-            )
+        _qk_overflow(diag, d, audit, dtype_cells, add)
+        _sentinel_findings(diag, d, audit, dtype_cells, add)
     if a.mask_summed_neginf:
         hit = cells_with("nan", "fully_masked") + cells_with("zero", "fully_masked")
         add(
@@ -310,6 +246,84 @@ def attention_findings(diag: TensorDiagnosis, add, cells_with) -> None:
         add(
             "float_mask_looks_boolean",
             "the float mask holds only 0 and 1: it is added to the scores (+1 on some keys), so it masks nothing",
+        )
+
+
+def _qk_overflow(diag: TensorDiagnosis, d: str, audit, dtype_cells: list[Cell], add) -> None:
+    """qk_overflow in one dtype, with whether scaling q first avoids it and which paths overflow."""
+    a = diag.attention
+    hit = [c for c in dtype_cells if c.nan_causes.get("qk_overflow")]
+    paths = {c.path for c in dtype_cells if c.path}
+    # The audit describes the eager scores; with paths that hold S in fp32 only, nothing computed overflows.
+    if audit.qk_overflow_values and (hit or not paths or any(PATHS.get(p).scores == "dtype" for p in paths)):
+        limit = diag.limits[d].rounding_limit
+        if a.scale_order == "q":
+            verdict = "q is already scaled first"
+        elif (
+            a.raw_max_abs * a.scale < limit and a.q_max_abs * a.scale < limit
+        ):  # scaling q first keeps every score in range
+            verdict = "scaling q first (--scale-order q) would avoid it"
+        else:
+            verdict = "scaling q first would not avoid it: the scaled scores themselves exceed the range"
+        add(
+            "qk_overflow",
+            f"Q@K^T overflows {d} in {audit.qk_overflow_rows} row(s) ({audit.qk_overflow_values} score(s) beyond "
+            f"+-{diag.limits[d].max:.6g}; max|q| {a.q_max_abs:.4g}, max|k| {a.k_max_abs:.4g}, max|q.k| "
+            f"{a.raw_max_abs:.4g}, scale {a.scale:.4g} applied to the {a.scale_order}); "
+            f"{verdict}{_paths_verdict(dtype_cells, d)}",
+            hit,
+            audit.qk_overflow_rows,
+            _first_examples(hit, "nan:qk_overflow"),
+        )
+
+
+def _sentinel_findings(diag: TensorDiagnosis, d: str, audit, dtype_cells: list[Cell], add) -> None:
+    """sentinel_not_representable, sentinel_overflow_on_add, summed_mask_planes in one dtype; their severity
+    follows the rows the mask broke."""
+    a = diag.attention
+    what = []
+    if audit.mask_not_representable or audit.sentinel_not_representable:
+        if audit.mask_not_representable:
+            what.append(f"{audit.mask_not_representable} float-mask value(s)")
+        if audit.sentinel_not_representable:
+            what.append(f"the mask value {a.mask_value}")
+    hit = [c for c in dtype_cells if c.nan_causes.get("mask_sentinel")]
+    rows = max((c.nan_causes.get("mask_sentinel", 0) for c in hit), default=0)
+    broke = (
+        f"; {rows} row(s) become all -inf -> NaN in {_cell_list(hit, diag)}"
+        if hit
+        else "; no row became all -inf: the keys stay masked"
+    )
+    severity = "error" if hit else "warning"  # the severity follows the effect: rows the mask broke
+    if audit.mask_not_representable or audit.sentinel_not_representable:
+        add(
+            "sentinel_not_representable",
+            f"{' and '.join(what)} cannot be held by {d} (max {diag.limits[d].max:.6g}) and become -inf{broke}",
+            hit,
+            rows,
+            _first_examples(hit, "nan:mask_sentinel"),
+            severity=severity,
+        )
+    finite = [v for v in (audit.mask_values or [audit.sentinel_value]) if math.isfinite(v)]
+    if audit.overflow_on_add:
+        add(
+            "sentinel_overflow_on_add",
+            f"in {d}, adding the mask to the scores overflows to -inf at {audit.overflow_on_add} position(s) (mask "
+            f"value {_values(finite) or 'finfo.min'} plus a negative score){broke}",
+            hit,
+            rows,
+            _first_examples(hit, "nan:mask_sentinel"),
+            severity=severity,
+        )
+    if audit.summed_planes_overflow:
+        add(
+            "summed_mask_planes",
+            f"in {d}, two mask planes added together overflow to -inf at {audit.summed_planes_overflow} "
+            f"position(s){broke}",
+            hit,
+            rows,
+            _first_examples(hit, "nan:mask_sentinel"),
+            severity=severity,
         )
 
 
