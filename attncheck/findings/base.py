@@ -2,7 +2,7 @@
 severity, the NaN/zero-row causes it stands for, and the text of its reference page: what it means, the threshold
 or formula behind it, a minimal example that triggers it (tests run every example) and its fix), the sections of
 the reference page, the examples' preambles, and the helpers the detectors use to name cells and example rows.
-Free of torch; imports nothing of the package but the results."""
+Free of torch; imports nothing of the package but the results and params."""
 
 from __future__ import annotations
 
