@@ -1,6 +1,7 @@
 """Write the generated reference pages: docs/reference/findings.md from the registry of finding
-codes (attncheck/codes.py), docs/reference/cli.md from the commands' own help texts, and the
-attention paths section of docs/reference/numerics.md from the path modules (attncheck/numerics/paths).
+codes (attncheck/findings/: each group module's entries, in registry.ORDER), docs/reference/cli.md
+from the commands' own help texts, and the attention paths section of docs/reference/numerics.md
+from the path modules (attncheck/numerics/paths).
 
     python scripts/gen_docs.py          # rewrite the pages
     python scripts/gen_docs.py --check  # exit 1 when a page is out of date

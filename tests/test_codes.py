@@ -1,4 +1,4 @@
-"""The registry of finding codes (attncheck/codes.py): every code the findings make is in it with
+"""The registry of finding codes (attncheck/codes.py, attncheck/findings/): every code the findings make is in it with
 each part of its reference page, and every code's example, run as written, makes attncheck report
 that code."""
 
@@ -27,7 +27,8 @@ from attncheck.codes import (
 PACKAGE = Path(__file__).resolve().parents[1] / "attncheck"
 # Where codes are made: findings (add("code", ...)) and the watch's alerts (_alert("code", ...),
 # WatchAlert("code", ...)).
-MAKERS = {PACKAGE / "findings.py": ("add",), PACKAGE / "watcher" / "trends.py": ("_alert", "WatchAlert")}
+MAKERS = {path: ("add",) for path in sorted((PACKAGE / "findings").glob("*.py"))}
+MAKERS[PACKAGE / "watcher" / "trends.py"] = ("_alert", "WatchAlert")
 
 
 def codes_the_findings_make() -> set[str]:

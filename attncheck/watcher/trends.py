@@ -37,14 +37,13 @@ from typing import Sequence
 import numpy as np
 
 from attncheck.codes import SEVERITIES, SEVERITY, WHAT_IF_PREFIX
+from attncheck.findings.watch import DEFAULTS, DIVERGENCE_FLOOR  # beside their codes' prose, which quotes them
 from attncheck.format import num
 from attncheck.results.watch import WatchAlert, WatchReport, WatchSeries
 
 MIN_POINTS = 5
 MIN_T = 3.0  # the slope's t statistic a trend needs (over 3 degrees of freedom or more: P(t >= 3) < 3% for noise)
 JUMP_SHARE = 0.5  # the most of the fitted rise one step between records may make
-DIVERGENCE_FLOOR = 1.0  # logits below this magnitude are compared as this (a ratio of two tiny logits says nothing)
-DEFAULTS = {"window": 20, "level": 50.0, "growth": 2.0, "horizon": 1000.0, "collapse": 0.5, "rank_factor": 10.0}
 
 
 def factor_text(slope_per_step: float, steps: float = 100.0) -> str:
