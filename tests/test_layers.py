@@ -44,6 +44,8 @@ TORCH_FREE = [
     "attncheck.cli.common",
     "attncheck.cli.options",
     "attncheck.cli.run",
+    "attncheck.cli.run_checks",
+    "attncheck.cli.emit",
     "attncheck.cli.sweep",
     "attncheck.cli.check",
     "attncheck.cli.capture",

@@ -5,26 +5,19 @@ torch is imported inside the command only, so ``--help`` and argument errors sta
 
 from __future__ import annotations
 
-import json
-from enum import Enum
 from typing import Annotated, List, Optional
 
 import typer
 
 from attncheck import params
 from attncheck.cli.common import (
-    EXIT_FAILED,
-    EXIT_OK,
     check_output_path,
     fail,
-    report_console,
     require_stdout,
-    say,
-    write_json,
 )
+from attncheck.cli.emit import emit
 from attncheck.cli.options import (
     DEFAULT_DTYPES,
-    DEFAULT_METHODS,
     BlockOpt,
     BriefOpt,
     CellDtypeOpt,
@@ -47,129 +40,24 @@ from attncheck.cli.options import (
     notices,
     progress_shown,
 )
-from attncheck.codes import FAIL_ON_WORDS, WHAT_IF_PREFIX, valid_fail_on
-from attncheck.config.run import Options, QKSpec, RunRequest, chunk_elements_for, ignore_codes
+from attncheck.cli.run_checks import (
+    Accum,
+    MaskConvention,
+    MaskOp,
+    Order,
+    ScaleOrder,
+    cell_options,
+    check_summary,
+    fa4_options,
+    fp8_options,
+    parse_fail_on,
+)
+from attncheck.config.run import QKSpec, RunRequest, chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError, param
+from attncheck.report.progress import Progress
 
-Order = Enum("Order", {name: name for name in params.ORDERS}, type=str)
-Accum = Enum("Accum", {name: name for name in params.ACCUMULATIONS}, type=str)
-ScaleOrder = Enum("ScaleOrder", {name: name for name in params.SCALE_ORDERS}, type=str)
-MaskConvention = Enum("MaskConvention", {name: name for name in params.MASK_CONVENTIONS}, type=str)
-MaskOp = Enum("MaskOp", {name: name for name in params.MASK_OPS}, type=str)
 QK = "Q/K inputs"
 FP8 = "FP8 attention"
-
-
-def parse_fail_on(value: str) -> list[str]:
-    items = [v.strip().lower() for v in value.split(",") if v.strip()]
-    for item in items:
-        if not valid_fail_on(item):
-            raise AttncheckError(
-                f"unknown condition {item!r} (use {', '.join(FAIL_ON_WORDS)} or a finding code, or what-if:CONDITION)",
-                param="fail_on",
-            )
-    return items
-
-
-def cell_options(dtype: str | None, method: str | None, path: str | None, **how) -> tuple[Options, bool]:
-    """The Options of --dtype/--method/--path (their defaults when not given) and whether any was
-    given: on a capture, given ones are computed as what-ifs beside the model's cells."""
-    options = Options(
-        dtypes=params.dtypes(dtype if dtype is not None else DEFAULT_DTYPES),
-        methods=params.methods(method if method is not None else DEFAULT_METHODS),
-        paths=params.paths(path) if path is not None else (),
-        **how,
-    )
-    return options, any(v is not None for v in (dtype, method, path))
-
-
-def _fp8_options(
-    dtype: str,
-    p_scale: str | None,
-    fp8_scaling: str | None,
-    incoherent: bool,
-    qk_given: bool,
-    fp8_accum: str | None = None,
-    fp8_flush: str | None = None,
-) -> dict:
-    """--p-scale, --fp8-scaling, --incoherent, --fp8-accum, --fp8-flush: checked, and refused where they would
-    change nothing."""
-    from attncheck.registry import fp8_names
-
-    out: dict = {"incoherent": incoherent}
-    if fp8_accum is not None:
-        out["fp8_accum"] = params.fp8_accum(fp8_accum, "fp8_accum")
-    if fp8_flush is not None:
-        out["fp8_flush"] = params.integer(fp8_flush, "fp8_flush", 1)
-    given = [
-        name
-        for name, value in (
-            ("p_scale", p_scale),
-            ("fp8_scaling", fp8_scaling),
-            ("incoherent", incoherent or None),
-            ("fp8_accum", fp8_accum),
-            ("fp8_flush", fp8_flush),
-        )
-        if value is not None
-    ]
-    if given and not set(params.dtypes(dtype)) & set(fp8_names()):
-        flags = ", ".join(param(g) for g in given)
-        raise AttncheckError(
-            f"{flags} apply to FP8 cells: add an FP8 dtype ({', '.join(fp8_names())}) to {param('dtypes')}"
-        )
-    if not qk_given and (fp8_scaling is not None or incoherent):
-        raise AttncheckError(
-            f"{param('fp8_scaling')} and {param('incoherent')} apply to attention computed from {param('q')} and "
-            f"{param('k')}"
-        )
-    if not qk_given and (fp8_accum is not None or fp8_flush is not None):
-        raise AttncheckError(
-            f"{param('fp8_accum')} and {param('fp8_flush')} apply to attention computed from {param('q')} and "
-            f"{param('k')} (the FP8 kernels' tensor-core products)"
-        )
-    if out.get("fp8_flush") is not None and out.get("fp8_accum") == "fp32":
-        raise AttncheckError(
-            f"{param('fp8_flush')} flushes the reduced FP8 accumulator into fp32; with {param('fp8_accum')} fp32 "
-            "there is nothing to flush"
-        )
-    if p_scale is not None:
-        out["p_scale"] = params.number(p_scale, "p_scale", positive=True)
-    if fp8_scaling is not None:
-        out["fp8_scaling"] = params.choice(fp8_scaling, params.FP8_SCALINGS, "fp8_scaling")
-    return out
-
-
-def fa4_options(
-    threshold: str | None,
-    offset: str | None,
-    path: str | None,
-    what_if: tuple[str, ...],
-    files: bool,
-    example: bool = False,
-) -> dict:
-    """--rescale-threshold, --max-offset: checked (``params.fa4_settings``), and refused where no fa4 cell could
-    take them: the fa4 path is not among --path, nor asked by --what-if (kernels, fa4), nor possibly a captured
-    call's own kernel (``files``: inputs that may be a capture)."""
-    given = [name for name, value in (("rescale_threshold", threshold), ("max_offset", offset)) if value is not None]
-    if not given:
-        return {}
-    t, o = params.fa4_settings(threshold, offset)
-    fa4 = params.setting_sweeps()
-    asked = path is not None and any(p in fa4 for p in params.paths(path))
-    flags = " and ".join(param(g) for g in given)
-    if example:
-        raise AttncheckError(
-            f"{flags} {'set' if len(given) > 1 else 'sets'} FlashAttention-4's lazy rescale, which computes attention "
-            f"from {param('q')}/{param('k')} or a capture, not the built-in example's scores"
-        )
-    if not (asked or files or any(w in (params.WHAT_IF_KERNELS, *fa4) for w in what_if)):
-        raise AttncheckError(
-            f"{flags} {'set' if len(given) > 1 else 'sets'} FlashAttention-4's lazy rescale: add fa4 to "
-            f"{param('paths')} (or ask {param('what_if')} kernels)"
-        )
-    from attncheck.numerics.paths.fa4 import Fa4Setup  # torch-free
-
-    return {"fa4": Fa4Setup(rescale_threshold=t, max_offset=o)}
 
 
 def run(
@@ -386,7 +274,7 @@ def run(
             accum=Accum(accum).value,
             device=params.device(device),
             chunk_elements=chunk_elements_for(memory),
-            **_fp8_options(
+            **fp8_options(
                 dtype or DEFAULT_DTYPES,
                 p_scale,
                 fp8_scaling,
@@ -490,8 +378,7 @@ def run(
             grid_asked=grid_asked,
         )
 
-        from attncheck.pipelines.run import run as run_pipeline
-        from attncheck.report.progress import Progress
+        from attncheck.pipelines.run import run as run_pipeline  # imports torch: not for --help or a bad argument
 
         show, forced = progress_shown(quiet)
         with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
@@ -500,118 +387,3 @@ def run(
         raise fail(e) from None
 
     emit(result, conditions, ignored, json_out, brief=brief, full=full, detail=detail, summary=summary)
-
-
-def check_summary(summary: bool, full: bool) -> None:
-    """--summary and --full ask for two different reports."""
-    if summary and full:
-        raise AttncheckError(f"{param('summary')} and {param('full')} ask for two different reports; give one")
-
-
-def emit(
-    result,
-    conditions: list[str],
-    ignored: tuple[str, ...],
-    json_out: str | None,
-    *,
-    brief: bool,
-    full: bool,
-    detail: list[str],
-    summary: bool = False,
-    summary_only: str | None = None,
-) -> None:
-    """Print the report (the model report for several calls, else the per-tensor one; with ``summary``
-    the one-screen answer), write the JSON, and exit 0, or 1 when a --fail-on condition holds, or 2
-    when calls were skipped. ``summary_only``: a label; only the closing line is said, on stderr, under it
-    (one rank of several)."""
-    import fnmatch
-
-    from attncheck.findings import failed_conditions
-    from attncheck.model import INHERITED
-    from attncheck.report.model import run_json
-    from attncheck.report.run import print_report, render_diagnosis
-
-    failed = failed_conditions(result.tensors, [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)], ignored)
-    what_ifs = [c.what_if for c in result.calls if c.what_if is not None]
-    asked = [c.removeprefix(WHAT_IF_PREFIX) for c in conditions if c.startswith(WHAT_IF_PREFIX)]
-    failed += [
-        WHAT_IF_PREFIX + f for f in failed_conditions(what_ifs, asked, (*ignored, *INHERITED))
-    ]  # inherited NaN is the model's
-    if result.model is not None and result.model.findings:  # the capture's own (capture_incomplete)
-        from attncheck.findings import failed_by_findings
-
-        own = [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)]
-        failed += failed_by_findings(result.model.findings, own, ignored)
-    chosen = []
-    for pattern in detail:
-        hit = [
-            c
-            for c in result.calls
-            if c.diagnosis is not None
-            and (fnmatch.fnmatchcase(c.call.module, pattern) or fnmatch.fnmatchcase(c.call.name, pattern))
-        ]
-        if not hit:
-            names = ", ".join((c.call.module or c.call.name) for c in result.calls[:6])
-            raise fail(
-                AttncheckError(
-                    f"'{pattern}' matches no call (calls: {names}{', ...' if len(result.calls) > 6 else ''})",
-                    param="detail",
-                )
-            )
-        chosen += [c for c in hit if c not in chosen]
-    if json_out is not None:
-        try:
-            write_json(
-                json.dumps(
-                    run_json(result.tensors, result.device, failed, result.model, result.calls),
-                    indent=2,
-                    allow_nan=False,
-                ),
-                json_out,
-            )
-        except AttncheckError as e:
-            raise fail(e) from None
-    if summary_only is not None and result.model is not None:  # one process of several (torchrun): its closing line
-        from attncheck.report.model import closing_line
-
-        say(f"attncheck: {summary_only}: {closing_line(result.model, result.calls, result.device).plain}")
-    elif json_out != "-":
-        console = report_console()
-        if summary:
-            from attncheck.report.summary import model_summary, tensors_summary
-
-            if result.model is not None and result.model.known:  # a capture: judged by the model's cells
-                console.print(model_summary(result.model, result.calls, result.device))
-            else:
-                console.print(tensors_summary(result.tensors, result.device, what_ifs))
-            for c in chosen:
-                console.print()
-                console.print(render_diagnosis(c.diagnosis, verbose=not brief))
-        elif full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
-            print_report(console, result.tensors, result.device, verbose=not brief, what_ifs=what_ifs)
-            if result.model is not None and result.model.findings:
-                from attncheck.report.model import capture_block
-
-                console.print(capture_block(result.model))
-            if result.model is not None:
-                from attncheck.report.model import path_notes
-
-                notes = path_notes(result.model, result.calls)
-                if notes is not None:
-                    console.print(notes)
-        else:
-            from attncheck.report.model import print_model
-
-            print_model(console, result.model, result.calls, result.device)
-            for c in chosen:
-                console.print()
-                console.print(render_diagnosis(c.diagnosis, verbose=not brief))
-                if c.what_if is not None:
-                    console.print(render_diagnosis(c.what_if, verbose=not brief))
-    for reason in failed:
-        say(f"attncheck: --fail-on {reason}")
-    if result.model is not None and result.model.skipped:
-        for name, why in result.model.skipped:
-            say(f"attncheck: error: {why}")
-        raise typer.Exit(2)
-    raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)
