@@ -59,6 +59,10 @@ TORCH_FREE = [
     "attncheck.numerics.sweep.theory",
     "attncheck.pipelines",
     "attncheck.numerics.paths.base",
+    "attncheck.watcher",
+    "attncheck.watcher.steps",
+    "attncheck.watcher.recording",
+    "attncheck.watcher.log",
 ]
 # Each path module declares its spec beside its numerics and is read when the CLI starts: torch only inside functions
 TORCH_FREE += [
