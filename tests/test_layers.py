@@ -45,6 +45,7 @@ TORCH_FREE = [
     "attncheck.cli.options",
     "attncheck.cli.run",
     "attncheck.cli.run_checks",
+    "attncheck.cli.run_options",
     "attncheck.cli.emit",
     "attncheck.cli.sweep",
     "attncheck.cli.check",

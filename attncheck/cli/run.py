@@ -5,9 +5,7 @@ torch is imported inside the command only, so ``--help`` and argument errors sta
 
 from __future__ import annotations
 
-from typing import Annotated, List, Optional
-
-import typer
+from typing import Annotated, Optional
 
 from attncheck import params
 from attncheck.cli.common import (
@@ -52,44 +50,46 @@ from attncheck.cli.run_checks import (
     fp8_options,
     parse_fail_on,
 )
+from attncheck.cli.run_options import (
+    AccumOpt,
+    CausalOpt,
+    ExampleOpt,
+    Fp8AccumOpt,
+    Fp8FlushOpt,
+    Fp8ScalingOpt,
+    GradOutOpt,
+    IncoherentOpt,
+    KeyOpt,
+    KOpt,
+    MaskConventionOpt,
+    MaskOpOpt,
+    MaskOpt,
+    MaskValueOpt,
+    OrderOpt,
+    PadLeftOpt,
+    PadRightOpt,
+    PathsArg,
+    PScaleOpt,
+    QOpt,
+    ScaleOrderOpt,
+    VOpt,
+)
 from attncheck.config.run import QKSpec, RunRequest, chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError, param
 from attncheck.report.progress import Progress
 
-QK = "Q/K inputs"
-FP8 = "FP8 attention"
-
 
 def run(
-    paths: Optional[List[str]] = typer.Argument(
-        None,
-        metavar="PATH",
-        help="Score files (.pt .pth .npy .npz .safetensors) or directories. Softmax runs over the last axis.",
-        show_default=False,
-    ),
-    example: bool = typer.Option(
-        False,
-        "--example",
-        help="Diagnose a built-in example (unscaled head, -1e9 causal mask, left padding) instead of files.",
-    ),
+    paths: PathsArg = None,
+    example: ExampleOpt = False,
     dtype: CellDtypeOpt = None,
     method: CellMethodOpt = None,
     what_if: WhatIfOpt = None,
     block: BlockOpt = str(params.DEFAULT_BLOCK),
-    order: Order = typer.Option("forward", "--order", help="Order in which the tiled method visits key blocks."),
-    accum: Accum = typer.Option(
-        "fp32", "--accum", help="Row sums of naive/stable: fp32 inside as torch does, or pairwise in the dtype."
-    ),
+    order: OrderOpt = "forward",
+    accum: AccumOpt = "fp32",
     device: DeviceOpt = "auto",
-    key: List[str] = typer.Option(
-        [],
-        "--key",
-        metavar="GLOB",
-        help=(
-            "Glob selecting tensors inside files (repeatable), e.g. 'layers.*.scores'; a key written out in full "
-            "selects that key alone."
-        ),
-    ),
+    key: KeyOpt = [],
     json_out: JsonOpt = None,
     fail_on: FailOnOpt = "",
     ignore: IgnoreOpt = "",
@@ -100,152 +100,25 @@ def run(
     partial: PartialOpt = False,
     max_memory: MaxMemoryOpt = params.DEFAULT_MAX_MEMORY,
     quiet: QuietOpt = False,
-    q: Optional[str] = typer.Option(
-        None,
-        "--q",
-        metavar="PATH[:KEY]",
-        help="Queries (..., heads, tokens, d). With --k, the scores are computed in each dtype as models do.",
-        rich_help_panel=QK,
-    ),
-    k: Optional[str] = typer.Option(
-        None,
-        "--k",
-        metavar="PATH[:KEY]",
-        help="Keys (..., kv_heads, tokens, d); kv_heads may divide the query heads (GQA).",
-        rich_help_panel=QK,
-    ),
-    v: Optional[str] = typer.Option(
-        None,
-        "--v",
-        metavar="PATH[:KEY]",
-        help=(
-            "Values (..., kv_heads, tokens, dv): every cell then also computes the output O = P@V and its error "
-            "against float64."
-        ),
-        rich_help_panel=QK,
-    ),
+    q: QOpt = None,
+    k: KOpt = None,
+    v: VOpt = None,
     path: PathOpt = None,
-    mask: Optional[str] = typer.Option(
-        None,
-        "--mask",
-        metavar="PATH[:KEY]",
-        help="Mask, boolean (see --mask-convention) or additive float, broadcast to (batch, heads, queries, keys).",
-        rich_help_panel=QK,
-    ),
+    mask: MaskOpt = None,
     scale: Annotated[Optional[str], ScaleOpt.__metadata__[0]] = None,
-    scale_order: Optional[ScaleOrder] = typer.Option(
-        None,
-        "--scale-order",
-        help="Scale the scores after Q@K^T (default), or q before it.",
-        rich_help_panel=QK,
-        show_default=False,
-    ),
-    causal: bool = typer.Option(
-        False, "--causal", help="Add a causal mask, aligned as PyTorch's is_causal (top left).", rich_help_panel=QK
-    ),
-    pad_left: str = typer.Option(
-        "",
-        "--pad-left",
-        metavar="N,...",
-        help="Left padding per batch element, e.g. 3,0: those keys are masked.",
-        rich_help_panel=QK,
-    ),
-    pad_right: str = typer.Option(
-        "", "--pad-right", metavar="N,...", help="Right padding per batch element.", rich_help_panel=QK
-    ),
-    mask_value: Optional[str] = typer.Option(
-        None,
-        "--mask-value",
-        metavar="VALUE",
-        help=(
-            "What a key masked by a boolean mask, --causal or padding becomes: -inf (default), min "
-            "(finfo(dtype).min) or a number such as -1e4."
-        ),
-        rich_help_panel=QK,
-        show_default=False,
-    ),
-    mask_convention: Optional[MaskConvention] = typer.Option(
-        None,
-        "--mask-convention",
-        help="Boolean masks: True = attend (SDPA, the default) or True = masked.",
-        rich_help_panel=QK,
-        show_default=False,
-    ),
-    grad_out: Optional[str] = typer.Option(
-        None,
-        "--grad-out",
-        metavar="PATH[:KEY]",
-        help=(
-            "The output gradient dO (..., heads, tokens, dv), with --v: each path's backward (dQ, dK, dV) is judged "
-            "too, against float64 autograd: NaN rows and their first cause, loss-scale headroom, flushed gradients, "
-            "FlashAttention's 2x rule."
-        ),
-        rich_help_panel=QK,
-    ),
-    mask_op: Optional[MaskOp] = typer.Option(
-        None,
-        "--mask-op",
-        help=(
-            "How the eager path's code applies a boolean mask, which decides where a fully masked row's NaN goes in "
-            "the backward: added to the scores (add, the default: dQ, dK and dV) or masked_fill (fill: dV only)."
-        ),
-        rich_help_panel=QK,
-        show_default=False,
-    ),
-    p_scale: Optional[str] = typer.Option(
-        None,
-        "--p-scale",
-        metavar="S",
-        help=(
-            "FP8 dtypes (--dtype e4m3, e5m2, ...): P is multiplied by S before the cast to FP8: 1, 256 "
-            "(FlashAttention-3, the default), 448 (SageAttention) or another number."
-        ),
-        rich_help_panel=FP8,
-        show_default=False,
-    ),
-    fp8_scaling: Optional[str] = typer.Option(
-        None,
-        "--fp8-scaling",
-        metavar="HOW",
-        help=(
-            "FP8 dtypes with --q/--k: how Q, K, V are quantised for flash-fp8: none, tensor, head (per batch and kv "
-            "head, FlashAttention-3's descales; default) or block (per query and key tile of FlashAttention-3's FP8 "
-            "kernel: 192 queries for d <= 96, 128 above)."
-        ),
-        rich_help_panel=FP8,
-        show_default=False,
-    ),
-    incoherent: bool = typer.Option(
-        False,
-        "--incoherent",
-        help=(
-            "FP8 dtypes with --q/--k: rotate Q and K by a seeded +-1 diagonal times Hadamard matrix before "
-            "quantising (FlashAttention-3's incoherent processing; head dim a power of two)."
-        ),
-        rich_help_panel=FP8,
-    ),
-    fp8_accum: Optional[str] = typer.Option(
-        None,
-        "--fp8-accum",
-        metavar="BITS",
-        help=(
-            "FP8 dtypes with --q/--k: the tensor cores' accumulator for P@V and FP8 Q@K^T: fp32, or the mantissa "
-            "bits kept after each 32-element MMA step, 1..23 (default: the kernel's, 13 on Hopper, truncated)."
-        ),
-        rich_help_panel=FP8,
-        show_default=False,
-    ),
-    fp8_flush: Optional[str] = typer.Option(
-        None,
-        "--fp8-flush",
-        metavar="N",
-        help=(
-            "FP8 dtypes with --q/--k: add P@V's reduced accumulator to an fp32 one every N key blocks (vLLM's "
-            "two-level accumulation; default: the kernel's, none for flash-fp8, every block for sage)."
-        ),
-        rich_help_panel=FP8,
-        show_default=False,
-    ),
+    scale_order: ScaleOrderOpt = None,
+    causal: CausalOpt = False,
+    pad_left: PadLeftOpt = "",
+    pad_right: PadRightOpt = "",
+    mask_value: MaskValueOpt = None,
+    mask_convention: MaskConventionOpt = None,
+    grad_out: GradOutOpt = None,
+    mask_op: MaskOpOpt = None,
+    p_scale: PScaleOpt = None,
+    fp8_scaling: Fp8ScalingOpt = None,
+    incoherent: IncoherentOpt = False,
+    fp8_accum: Fp8AccumOpt = None,
+    fp8_flush: Fp8FlushOpt = None,
     rescale_threshold: RescaleThresholdOpt = None,
     max_offset: MaxOffsetOpt = None,
 ) -> None:
