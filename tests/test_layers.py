@@ -51,6 +51,10 @@ TORCH_FREE = [
     "attncheck.config.run",
     "attncheck.config.sweep",
     "attncheck.config.check",
+    "attncheck.config.values",
+    "attncheck.config.budgets",
+    "attncheck.config.synthetic",
+    "attncheck.config.inputs",
     "attncheck.config.capture",
     "attncheck.testing",
     "attncheck.report.run",
@@ -66,6 +70,9 @@ TORCH_FREE = [
     "attncheck.cli.common",
     "attncheck.cli.options",
     "attncheck.cli.run",
+    "attncheck.cli.run_checks",
+    "attncheck.cli.run_options",
+    "attncheck.cli.emit",
     "attncheck.cli.sweep",
     "attncheck.cli.check",
     "attncheck.cli.capture",
@@ -80,6 +87,10 @@ TORCH_FREE = [
     "attncheck.pipelines",
     "attncheck.numerics.paths.base",
     "attncheck.numerics.paths.fa4_exp2",  # the fa4 path imports it at the top
+    "attncheck.watcher",
+    "attncheck.watcher.steps",
+    "attncheck.watcher.recording",
+    "attncheck.watcher.log",
 ]
 # Each path module declares its spec beside its numerics and is read when the CLI starts: torch only inside functions
 TORCH_FREE += [

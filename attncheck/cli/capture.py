@@ -16,6 +16,7 @@ import typer
 
 from attncheck import params
 from attncheck.cli.common import check_output_path, fail
+from attncheck.cli.emit import emit
 from attncheck.cli.options import (
     BlockOpt,
     BriefOpt,
@@ -38,7 +39,7 @@ from attncheck.cli.options import (
     notices,
     progress_shown,
 )
-from attncheck.cli.run import Accum, Order, cell_options, check_summary, emit, fa4_options, parse_fail_on
+from attncheck.cli.run_checks import Accum, Order, cell_options, check_summary, fa4_options, parse_fail_on
 from attncheck.config.capture import DEFAULT_MAX_BYTES, DEFAULT_MAX_CALLS, DEFAULT_OUT, CaptureRequest
 from attncheck.config.run import chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError

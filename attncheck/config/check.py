@@ -14,24 +14,25 @@ errors the line and column tomllib reports.
 
 from __future__ import annotations
 
-import fnmatch
-import glob
 import os
 import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from attncheck import params
-from attncheck.config.sweep import DEFAULT_MAX_WORK, DIST_NAMES, head_layout, max_work, qk_bytes, work_text
+from attncheck.config.budgets import _check_output_budgets, _parse_budgets, parse_budget
+from attncheck.config.inputs import glob_inputs as glob_inputs
+from attncheck.config.inputs import resolve_inputs
+from attncheck.config.run import Options, chunk_elements_for, ignore_codes
+from attncheck.config.sweep import DEFAULT_MAX_WORK, head_layout, max_work
+from attncheck.config.synthetic import SyntheticInput, _check_work, _parse_synthetic, synthetic_bytes
+from attncheck.config.values import _choice, _dtypes, _int, _reject_unknown, _size, _strings, _table
 from attncheck.errors import AttncheckError
 from attncheck.format import size_text
-from attncheck.params import ORDERS, Scale, show
-from attncheck.registry import DTYPES, PATHS, cell_dtype, dtype_names, eager_path
-from attncheck.results import BUDGET_NAMES, COUNT_BUDGETS, LOWER_BUDGETS, RELATIVE_BUDGETS, Budget
-
-if TYPE_CHECKING:
-    from attncheck.config.run import Options
+from attncheck.params import ORDERS
+from attncheck.registry import dtype_names
+from attncheck.results import BUDGET_NAMES, Budget
 
 try:  # Python >= 3.11
     import tomllib as _toml
@@ -46,35 +47,6 @@ STANDALONE = "attncheck.toml"
 TABLE = "tool.attncheck"
 DEFAULT_METHODS = ("stable", "tiled", "torch")  # what real code runs; add "naive" to guard a hand-written softmax
 DEFAULT_DEVICE = "cpu"  # reproducible across CI runners; "auto" or "cuda" to compute on the GPU
-DEFAULT_SYNTHETIC_SEQ = 256
-DEFAULT_SYNTHETIC_ROWS = 1024
-
-
-@dataclass(frozen=True)
-class SyntheticInput:
-    """One ``[[tool.attncheck.synthetic]]`` entry: scores = scale * q.k from the sweep generator."""
-
-    index: int
-    d_k: int
-    scale: Scale = Scale("sqrt")
-    seq: int = DEFAULT_SYNTHETIC_SEQ
-    rows: int = DEFAULT_SYNTHETIC_ROWS
-    dist: str = "normal"
-    std: float = 1.0
-    seed: int = 0
-    dtypes: tuple[str, ...] | None = None  # None: the config's dtypes
-    paths: tuple[str, ...] = ()  # attention paths: Q, K and V are drawn and every path computes P and O = P@V
-
-    @property
-    def name(self) -> str:
-        """'synthetic[0]:dk=128,scale=sqrt,seq=256,dist=normal,seed=0' (rows, std and paths when not default)."""
-        extra = f",rows={self.rows}" if self.rows != DEFAULT_SYNTHETIC_ROWS else ""
-        extra += f",std={self.std:g}" if self.std != 1.0 else ""
-        extra += f",paths={'+'.join(self.paths)}" if self.paths else ""
-        return (
-            f"synthetic[{self.index}]:dk={self.d_k},scale={self.scale.name},seq={self.seq}{extra},"
-            f"dist={self.dist},seed={self.seed}"
-        )
 
 
 @dataclass(frozen=True)
@@ -122,8 +94,6 @@ class CheckConfig:
 
     def options(self, dtypes: tuple[str, ...] | None = None, device: str | None = None) -> "Options":
         """The diagnosis options this config asks for (per synthetic entry: its dtypes)."""
-        from attncheck.config.run import Options, chunk_elements_for
-
         chunks = {} if self.max_memory is None else {"chunk_elements": chunk_elements_for(self.max_memory)}
         return Options(
             dtypes=dtypes or self.dtypes,
@@ -151,93 +121,6 @@ CONFIG_KEYS = {
 }
 
 
-# --------------------------------------------------------------------------- values
-
-
-# TOML values are typed: a string where a number belongs is an error, not parsed.
-def _count(value: Any, key: str) -> int:
-    return params.integer(value, key, 0, from_text=False)
-
-
-def _int(value: Any, key: str, minimum: int) -> int:
-    return params.integer(value, key, minimum, from_text=False)
-
-
-def _number(value: Any, key: str, *, positive: bool = False) -> float:
-    return params.number(value, key, positive=positive, from_text=False)
-
-
-def _string(value: Any, key: str, what: str = "a string") -> str:
-    if not isinstance(value, str):
-        raise AttncheckError(f"{key} must be {what}, got {show(value)}")
-    return value
-
-
-def _strings(value: Any, key: str, what: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise AttncheckError(f"{key} must be a list of strings ({what}), got {show(value)}")
-    return tuple(value)
-
-
-def _choice(value: Any, key: str, allowed: tuple[str, ...]) -> str:
-    return params.choice(value, allowed, key)
-
-
-def _scale(value: Any, key: str) -> Scale:
-    return params.scale(value, key)
-
-
-def _size(value: Any, key: str) -> int:
-    """'1GiB', '512MiB' or a number of bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return params.integer(value, key, 1, from_text=False)
-    if not isinstance(value, str):
-        raise AttncheckError(f'{key} must be a size such as "1GiB" or a number of bytes, got {show(value)}')
-    return params.size(value, key)
-
-
-# check judges whole softmaxes and the fp16/bf16/fp32 attention paths. An FP8 cell also depends on
-# the P scale and on how Q, K and V are quantised, which `run` takes as options and a budget
-# table has no key for: such a name is refused with the reason, not left to fail mid-run.
-FP8_REFUSED = "FP8 cells need run's --p-scale and --fp8-scaling: judge them with 'attncheck run --dtype e4m3'"
-
-
-def _dtypes(value: Any, key: str) -> tuple[str, ...]:
-    """Dtypes a check computes in: fp16, bf16, fp32; an FP8 format is refused with the reason."""
-    fp8 = [v for v in _listed(value) if v in DTYPES and DTYPES.get(v).p_format]
-    if fp8:
-        computed = ", ".join(dtype_names())
-        raise AttncheckError(f"{key}: {fp8[0]!r} is an FP8 format; check computes in {computed} ({FP8_REFUSED})")
-    return params.dtypes(value, key, fp8=False)
-
-
-def _paths(value: Any, key: str) -> tuple[str, ...]:
-    """Attention paths a check computes: every path but the FP8 ones (flash-fp8, sage)."""
-    fp8 = [v for v in _listed(value) if v in PATHS and PATHS.get(v).fp8_only]
-    if fp8:
-        allowed = ", ".join(PATHS.names(lambda spec: not spec.fp8_only))
-        raise AttncheckError(f"{key}: {fp8[0]!r} computes in FP8; check computes the paths {allowed} ({FP8_REFUSED})")
-    return params.names(value, PATHS, key, lambda spec: not spec.fp8_only)
-
-
-def _listed(value: Any) -> list[str]:
-    """The names in a TOML value of one name or a list of them (anything else is params' to refuse)."""
-    return [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
-
-
-def _table(value: Any, key: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise AttncheckError(f"{key} must be a table, got {show(value)}")
-    return value
-
-
-def _reject_unknown(table: dict[str, Any], known: tuple[str, ...], prefix: str, display: str) -> None:
-    for name in table:
-        if name not in known:
-            dotted = f"{prefix}.{name}" if prefix else name
-            raise AttncheckError(f"unknown key '{dotted}' in {display} (known: {', '.join(known)})")
-
-
 # --------------------------------------------------------------------------- tables
 
 TOP_KEYS = (
@@ -255,79 +138,6 @@ TOP_KEYS = (
     "budget",
     "ignore",
 )
-SYNTHETIC_KEYS = ("d_k", "scale", "seq", "rows", "dist", "std", "seed", "dtype", "paths")
-_AT = BUDGET_NAMES.index("relative_to_torch") + 1
-BUDGET_KEYS = (*BUDGET_NAMES[:_AT], "relative_to_torch_atol", *BUDGET_NAMES[_AT:])
-
-
-def parse_budget(table: dict[str, Any], prefix: str, display: str, base: Budget | None = None) -> Budget:
-    """A budget table (no dtype subtables) -> Budget; keys missing keep ``base``'s values."""
-    _reject_unknown(table, BUDGET_KEYS, prefix, display)
-    values: dict[str, Any] = {}
-    for name, value in table.items():
-        key = f"{prefix}.{name}" if prefix else name
-        if name in COUNT_BUDGETS:
-            values[name] = _count(value, key)
-        elif name in LOWER_BUDGETS:
-            values[name] = params.cosine(value, key, from_text=False)
-        else:
-            values[name] = _number(value, key, positive=name in RELATIVE_BUDGETS)
-    budget = replace(base or Budget(), **values)
-    if "relative_to_torch_atol" in table and budget.relative_to_torch is None:
-        key = f"{prefix}.relative_to_torch_atol" if prefix else "relative_to_torch_atol"
-        raise AttncheckError(f"{key} is set but relative_to_torch is not")
-    return budget
-
-
-def _parse_budgets(value: Any, prefix: str, display: str) -> tuple[Budget, dict[str, Budget]]:
-    """[budget] and its [budget.<dtype>] overrides."""
-    table = _table(value, prefix)
-    cells = dtype_names()  # a [budget.<dtype>] table for any dtype a check computes in
-    for name in table:
-        if name in DTYPES.names(cell_dtype) and name not in cells:
-            raise AttncheckError(
-                f"{prefix}.{name}: {name!r} is an FP8 format; check computes in {', '.join(cells)} ({FP8_REFUSED})"
-            )
-    own = {k: v for k, v in table.items() if k not in cells}
-    _reject_unknown(own, BUDGET_KEYS + cells, prefix, display)
-    base = parse_budget(own, prefix, display)
-    per_dtype = {}
-    for dtype in cells:
-        if dtype in table:
-            key = f"{prefix}.{dtype}"
-            per_dtype[dtype] = parse_budget(_table(table[dtype], key), key, display, base)
-    return base, per_dtype
-
-
-def _parse_synthetic(value: Any, prefix: str, display: str) -> tuple[SyntheticInput, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-        raise AttncheckError(f"{prefix} must be an array of tables ([[{prefix}]]), got {show(value)}")
-    out = []
-    for i, entry in enumerate(value):
-        at = f"{prefix}[{i}]"
-        _reject_unknown(entry, SYNTHETIC_KEYS, at, display)
-        if "d_k" not in entry:
-            raise AttncheckError(f"{at}.d_k is missing (the head dimension, e.g. d_k = 128)")
-        spec = SyntheticInput(index=i, d_k=_int(entry["d_k"], f"{at}.d_k", 1))
-        changes: dict[str, Any] = {}
-        if "scale" in entry:
-            changes["scale"] = _scale(entry["scale"], f"{at}.scale")
-        if "seq" in entry:
-            changes["seq"] = _int(entry["seq"], f"{at}.seq", 2)
-        if "rows" in entry:
-            changes["rows"] = _int(entry["rows"], f"{at}.rows", 1)
-        if "dist" in entry:
-            changes["dist"] = _choice(entry["dist"], f"{at}.dist", DIST_NAMES)
-        if "std" in entry:
-            changes["std"] = _number(entry["std"], f"{at}.std", positive=True)
-        if "seed" in entry:
-            changes["seed"] = _int(entry["seed"], f"{at}.seed", 0)
-        if "dtype" in entry:
-            changes["dtypes"] = _dtypes(entry["dtype"], f"{at}.dtype")
-        if "paths" in entry:
-            changes["paths"] = _paths(entry["paths"], f"{at}.paths")
-        out.append(replace(spec, **changes))
-    return tuple(out)
 
 
 def parse_table(
@@ -376,8 +186,6 @@ def parse_table(
     if "max_work" in table:
         values["max_work"] = max_work(table["max_work"], key("max_work"), from_text=False)
     if "ignore" in table:
-        from attncheck.config.run import ignore_codes
-
         values["ignore"] = ignore_codes(
             _strings(table["ignore"], key("ignore"), "finding codes, e.g. fully_masked_rows"), key("ignore")
         )
@@ -402,161 +210,6 @@ def parse_table(
             )
     _check_work(config)
     return replace(config, files=resolve_inputs(config))
-
-
-def synthetic_work(spec: SyntheticInput, config: CheckConfig) -> int:
-    """Score elements a synthetic input computes: its rows (whole heads) x keys, once per cell
-    (every method x dtype on the scores; with paths, every path x dtype besides)."""
-    heads, queries = head_layout(spec.rows, spec.seq)
-    return heads * queries * spec.seq * len(spec.dtypes or config.dtypes) * (len(config.methods) + len(spec.paths))
-
-
-def _check_work(config: CheckConfig) -> None:
-    """Refuse, before anything is drawn, synthetic inputs that compute more than max_work score elements
-    together: a few numbers in a config can ask for hours of work."""
-    if not config.synthetic:
-        return
-    works = [synthetic_work(spec, config) for spec in config.synthetic]
-    total = sum(works)
-    if total > config.max_work:
-        big = config.synthetic[works.index(max(works))]
-        heads, queries = head_layout(big.rows, big.seq)  # rows rounded up to whole heads
-        raise AttncheckError(
-            f"{config.key('synthetic')} would compute {work_text(total)} score elements "
-            f"({config.key('synthetic')}[{big.index}]: "
-            f"{big.rows:,} rows x {big.seq} keys x {max(works) // (heads * queries * big.seq)} cells), over "
-            f"{config.key('max_work')} {work_text(config.max_work)}: lower rows or seq, "
-            f"or raise {config.key('max_work')}"
-        )
-
-
-def synthetic_bytes(spec: SyntheticInput) -> int:
-    """What a synthetic input holds at once: drawing float64 q and k (and v for paths), then
-    two heads' float64 scores (the one being cut into row blocks and the next) and a block copied from them."""
-    heads, queries = head_layout(spec.rows, spec.seq)
-    v = 8 * heads * spec.seq * spec.d_k if spec.paths else 0
-    return qk_bytes(heads, queries, spec.seq, spec.d_k, spec.dist) + v + 3 * 8 * queries * spec.seq
-
-
-def _check_output_budgets(config: CheckConfig) -> None:
-    """out_* budgets judge O = P@V: some input must have V (a synthetic entry with paths);
-    relative_to_torch on paths compares with the eager path's torch.softmax cell."""
-    budgets = (config.budget, *config.dtype_budgets.values())
-    relative = [n for n in RELATIVE_BUDGETS if any(getattr(b, n) is not None for b in budgets)]
-    if relative:
-        for spec in config.synthetic:
-            if spec.paths and eager_path() not in spec.paths:
-                raise AttncheckError(
-                    f"{config.key('budget.' + relative[0])} compares each cell with torch.softmax on the eager path: "
-                    f'add "eager" to {config.key("synthetic")}[{spec.index}].paths'
-                )
-    if any(spec.paths for spec in config.synthetic):
-        return
-    for where, budget in (("budget", config.budget), *((f"budget.{d}", b) for d, b in config.dtype_budgets.items())):
-        names = budget.output_budgets()
-        if names:
-            raise AttncheckError(
-                f"{config.key(where + '.' + names[0])} judges the attention output O = P@V, which needs V: add "
-                f'paths = ["eager", "flash"] to a [[{config.key("synthetic")}]] entry (saved score dumps have no V)'
-            )
-
-
-def resolve_inputs(config: CheckConfig) -> tuple[str, ...]:
-    """Every input glob -> the files and folders it matches (absolute, sorted, no duplicates)."""
-    files: dict[str, None] = {}
-    for pattern in config.inputs:
-        if not pattern.strip():
-            raise AttncheckError(f"{config.key('inputs')} holds an empty glob")
-        matched = sorted(glob_inputs(pattern, config.root))
-        if not matched:
-            raise AttncheckError(f"{config.key('inputs')}: {pattern!r} matches no file (relative to {config.root})")
-        for m in matched:
-            files[os.path.normpath(os.path.join(config.root, m))] = None
-    return tuple(files)
-
-
-def glob_inputs(pattern: str, root: str) -> list[str]:
-    """``glob.glob(pattern, root_dir=root, recursive=True)``, but a ``**`` enters each real folder once.
-
-    Python's recursive glob follows links to folders and never stops on a folder that links to
-    itself or to a parent (``ln -s . loop``): its walk grows without end. Here every ``**`` walks the
-    folders below it keeping the (device, inode) of each one entered, so a loop is entered once; links
-    to folders are followed (as glob does) after the real folders, so a file is found by its own path
-    and once, where glob lists it again under every link. Patterns without ``**`` cannot loop and keep glob's own
-    answer. Hidden names match only a part that starts with '.', as in glob."""
-    if "**" not in pattern:
-        return glob.glob(pattern, root_dir=root, recursive=True)
-    absolute = os.path.isabs(pattern)
-    parts = [p for p in pattern.split("/") if p not in ("", ".")]
-    start = os.sep if absolute else ""
-    out: dict[str, None] = {}
-
-    def real(folder: str) -> tuple[int, int] | None:
-        try:
-            st = os.stat(os.path.join(root, folder) if folder else root)
-        except (OSError, ValueError):
-            return None
-        return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
-
-    def children(folder: str) -> list[str]:
-        try:
-            return sorted(os.listdir(os.path.join(root, folder) if folder else root))
-        except (OSError, ValueError):
-            return []
-
-    def walk(folder: str, i: int, state: tuple[set, list] | None) -> None:
-        if i == len(parts):
-            if folder:
-                out[folder] = None
-            return
-        part = parts[i]
-        if part == "**":
-            if state is None:  # a '**' starts here: its own folders seen, and the links to folders it left for last
-                state = (set(), [])
-                expand(folder, i, state)
-                while state[1]:  # links after the real folders, so that a folder is found by its own name first
-                    expand(state[1].pop(0), i, state)
-            else:
-                expand(folder, i, state)
-            return
-        if part == "..":
-            walk(os.path.join(folder, part), i + 1, None)
-            return
-        if not glob.has_magic(part):
-            sub = os.path.join(folder, part)
-            if os.path.lexists(os.path.join(root, sub)) and (i + 1 == len(parts) or real(sub) is not None):
-                walk(sub, i + 1, None)
-            return
-        for name in children(folder):
-            if name.startswith(".") and not part.startswith("."):
-                continue
-            if fnmatch.fnmatch(name, part):
-                sub = os.path.join(folder, name)
-                if i + 1 == len(parts) or real(sub) is not None:
-                    walk(sub, i + 1, None)
-
-    def expand(folder: str, i: int, state: tuple[set, list]) -> None:
-        """'**' at ``folder``: no folder at all, then every folder below it (each real one once)."""
-        seen, links = state
-        key = real(folder)
-        if key is None or key in seen:
-            return
-        seen.add(key)
-        walk(folder, i + 1, None)  # '**' as no folder at all
-        for name in children(folder):
-            if name.startswith("."):
-                continue
-            sub = os.path.join(folder, name)
-            if real(sub) is None:
-                if i + 1 == len(parts):  # a final '**' lists files too
-                    out[sub] = None
-            elif os.path.islink(os.path.join(root, sub)):
-                links.append(sub)
-            else:
-                expand(sub, i, state)
-
-    walk(start, 0, None)
-    return list(out)
 
 
 # --------------------------------------------------------------------------- files

@@ -3,6 +3,7 @@ the recorder and by the watch)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -39,3 +40,55 @@ def compiling() -> bool:
 def compiled_module(module: torch.nn.Module) -> bool:
     """torch.compile(module) (an OptimizedModule) or module.compile()."""
     return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
+
+
+class CompileMixin:
+    """torch.compile while recording (mixed into ``Recorder``): the compiler's stance for compile='eager' and
+    compiled functions marked so that their calls are known to run inside compiled code."""
+
+    @property
+    def compiled_runs(self) -> int:
+        return self.tracker.compiled_runs
+
+    def _force_eager(self) -> None:
+        """compile='eager': compiled code runs as its Python code from now on (the compiler's force_eager stance). Set
+        when the block starts where the compiler is loaded already (a module compiled before), else at the first
+        torch.compile inside it, so that a script that compiles nothing never loads the compiler (which creates its
+        cache folder, torchinductor_USER, in the temporary directory)."""
+        with self._lock:
+            if self.compile == "eager" and self._stance is None and not self._closed:
+                self._stance = torch.compiler.set_stance("force_eager")
+
+    def _compile_wrapper(self, compile_fn):
+        """``torch.compile`` while recording: the same, with a compiled function marked so that its
+        calls are known to run inside compiled code (a compiled module is known by its hooks)."""
+        tracker = self.tracker
+
+        def mark(compiled):
+            if isinstance(compiled, torch.nn.Module) or not callable(compiled):
+                return compiled
+
+            @functools.wraps(compiled)
+            def run_compiled(*args, **kwargs):
+                tracker.enter_compiled(+1)
+                try:
+                    return compiled(*args, **kwargs)
+                finally:
+                    tracker.enter_compiled(-1)
+
+            return run_compiled
+
+        @functools.wraps(compile_fn)
+        def compile_marked(model=None, *args, **kwargs):
+            self._force_eager()
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller == "torch" or caller.startswith(
+                "torch."
+            ):  # torch's own use (flex_attention compiles itself to trace)
+                return compile_fn(model, *args, **kwargs)
+            if model is None:  # @torch.compile(fullgraph=True): a decorator
+                decorate = compile_fn(*args, **kwargs)
+                return lambda fn: mark(decorate(fn))
+            return mark(compile_fn(model, *args, **kwargs))
+
+        return compile_marked

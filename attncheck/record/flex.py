@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from attncheck.record.compiled import in_compiled_code
+from attncheck.record.ops import callable_name, dtype_name, smallest_broadcast
 
 
 def flex_hop():
@@ -26,3 +31,109 @@ def flex_logits(q, k, score_mod, block_mask, scale, score_buffers, mask_buffers,
     q = q.to(working)
     k = k.to(working)
     return _math_attention_inner(q, k, k, score_mod, block_mask, scale, {}, tuple(score_buffers), tuple(mask_buffers))
+
+
+class FlexMixin:
+    """FlexAttention calls (mixed into ``Recorder``): q, k, v, the mask_mod as a boolean mask and the logits after
+    a score_mod (fp32 as flex computes them, float64 as the reference)."""
+
+    def _flex(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        module = self.tracker.path
+        if not self._wanted(module):
+            return out
+        self.flush()
+        names = (
+            "query",
+            "key",
+            "value",
+            "score_mod",
+            "block_mask",
+            "scale",
+            "kernel_options",
+            "score_mod_other_buffers",
+            "mask_mod_other_buffers",
+        )
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        q, k, v = (bound[n].detach() for n in ("query", "key", "value"))
+        score_mod, block_mask, scale = bound["score_mod"], bound["block_mask"], float(bound["scale"])
+        mask_mod = block_mask[-1]
+        identity = getattr(score_mod, "__name__", "") == "_identity"
+        scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+        planned = sum(t.numel() * t.element_size() for t in (q, k, v)) + scores * (
+            1 + (0 if identity else 4 + 8 * self.flex_reference)
+        )
+        with self._lock:
+            over = self.max_bytes is not None and self.stopped is None and self.bytes + planned > self.max_bytes
+            if over:  # refused before its logits are computed: a long sequence's would not fit in memory
+                self.seen += 1
+                self._stop(
+                    f"max_bytes {self.max_bytes} would be passed by call {self.seen - 1} (flex in "
+                    f"{module or 'global'}, {planned} bytes with its logits; {self.bytes} recorded)",
+                    kind="flex",
+                    module=module or "",
+                    index=self.seen - 1,
+                )
+        if over or self.stopped is not None:
+            return out
+        with torch.no_grad():
+            raw, mod = flex_logits(
+                q,
+                k,
+                score_mod,
+                block_mask,
+                scale,
+                bound.get("score_mod_other_buffers", ()),
+                bound.get("mask_mod_other_buffers", ()),
+                torch.float32,
+            )
+            attend = ~torch.isneginf(mod) | ~torch.isfinite(
+                raw
+            )  # a key the mask_mod masks is -inf after it (NaN, inf logits kept)
+            tensors = {"q": q, "k": k, "v": v}
+            if not bool(attend.all()):
+                tensors["attn_mask"] = smallest_broadcast(attend)
+            open_raw = raw.masked_fill(~attend | ~torch.isfinite(raw), float("-inf"))
+            before = float(open_raw.amax()) if open_raw.numel() else float("-inf")
+            if not identity and bool(((mod == raw) | ~attend).all()):
+                # a score_mod that changes no logit here (transformers passes one always): S from q and k is the same
+                identity = True
+            if not identity:
+                tensors["scores_mod"] = mod
+            if not identity and self.flex_reference:
+                tensors["scores_mod64"] = flex_logits(
+                    q,
+                    k,
+                    score_mod,
+                    block_mask,
+                    scale,
+                    bound.get("score_mod_other_buffers", ()),
+                    bound.get("mask_mod_other_buffers", ()),
+                    torch.float64,
+                )[1]
+        meta = {
+            "dtype": dtype_name(q.dtype),
+            "scale": repr(scale),
+            "scale_source": "argument",
+            "enable_gqa": "true" if q.shape[1] != k.shape[1] else "false",
+            "is_causal": "false",
+            "score_mod": "none" if identity else callable_name(score_mod),
+            "mask_mod": "none" if getattr(mask_mod, "__name__", "") == "noop_mask" else callable_name(mask_mod),
+            "flex_impl": "compiled" if self.tracker.in_compiled or in_compiled_code() else "math",
+        }
+        sizes = block_mask[-3:-1] if len(block_mask) >= 3 else ()
+        if len(sizes) == 2 and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+            meta["flex_q_block"], meta["flex_kv_block"] = (
+                str(sizes[0]),
+                str(sizes[1]),
+            )  # the BlockMask's: the kernel's tiles
+        if not identity and math.isfinite(before):
+            meta["logit_before_mod"] = repr(
+                before
+            )  # the largest unmasked logit before the score_mod (after it: the diagnosis's)
+        if self.outputs:
+            tensors["out"] = (out[0] if isinstance(out, tuple) else out).detach()
+        call = self._new_call("flex", module, tensors, meta)
+        self._emit(call)
+        return out

@@ -161,7 +161,7 @@ def test_a_flex_llama_computes_the_same_under_capture_as_compiled(dtype):
 def test_a_flex_call_over_max_bytes_is_refused_before_its_logits_are_computed(monkeypatch):
     """A flex call with a score_mod costs its logits (12 bytes per score, fp32 and float64): past
     max_bytes it is not recorded, recording stops and says why, and the logits are never computed."""
-    import attncheck.record.mode as mode
+    import attncheck.record.flex as mode
 
     computed = []
     monkeypatch.setattr(mode, "flex_logits", lambda *a, **k: computed.append(1))

@@ -1,0 +1,121 @@
+"""The end of ``attncheck run`` and ``attncheck capture``: the report a result asks for (the model report, the
+per-tensor one or the one-screen summary), the JSON, the --fail-on verdict and the exit code."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+
+import typer
+
+from attncheck.cli.common import EXIT_FAILED, EXIT_OK, fail, report_console, say, write_json
+from attncheck.codes import WHAT_IF_PREFIX
+from attncheck.errors import AttncheckError
+
+
+def emit(
+    result,
+    conditions: list[str],
+    ignored: tuple[str, ...],
+    json_out: str | None,
+    *,
+    brief: bool,
+    full: bool,
+    detail: list[str],
+    summary: bool = False,
+    summary_only: str | None = None,
+) -> None:
+    """Print the report (the model report for several calls, else the per-tensor one; with ``summary``
+    the one-screen answer), write the JSON, and exit 0, or 1 when a --fail-on condition holds, or 2
+    when calls were skipped. ``summary_only``: a label; only the closing line is said, on stderr, under it
+    (one rank of several)."""
+    # the findings and report modules take ~0.1 s to import: inside, not for --help or a bad argument
+    from attncheck.findings import failed_conditions
+    from attncheck.model import INHERITED
+    from attncheck.report.model import run_json
+    from attncheck.report.run import print_report, render_diagnosis
+
+    failed = failed_conditions(result.tensors, [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)], ignored)
+    what_ifs = [c.what_if for c in result.calls if c.what_if is not None]
+    asked = [c.removeprefix(WHAT_IF_PREFIX) for c in conditions if c.startswith(WHAT_IF_PREFIX)]
+    failed += [
+        WHAT_IF_PREFIX + f for f in failed_conditions(what_ifs, asked, (*ignored, *INHERITED))
+    ]  # inherited NaN is the model's
+    if result.model is not None and result.model.findings:  # the capture's own (capture_incomplete)
+        from attncheck.findings import failed_by_findings  # (as above)
+
+        own = [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)]
+        failed += failed_by_findings(result.model.findings, own, ignored)
+    chosen = []
+    for pattern in detail:
+        hit = [
+            c
+            for c in result.calls
+            if c.diagnosis is not None
+            and (fnmatch.fnmatchcase(c.call.module, pattern) or fnmatch.fnmatchcase(c.call.name, pattern))
+        ]
+        if not hit:
+            names = ", ".join((c.call.module or c.call.name) for c in result.calls[:6])
+            raise fail(
+                AttncheckError(
+                    f"'{pattern}' matches no call (calls: {names}{', ...' if len(result.calls) > 6 else ''})",
+                    param="detail",
+                )
+            )
+        chosen += [c for c in hit if c not in chosen]
+    if json_out is not None:
+        try:
+            write_json(
+                json.dumps(
+                    run_json(result.tensors, result.device, failed, result.model, result.calls),
+                    indent=2,
+                    allow_nan=False,
+                ),
+                json_out,
+            )
+        except AttncheckError as e:
+            raise fail(e) from None
+    if summary_only is not None and result.model is not None:  # one process of several (torchrun): its closing line
+        from attncheck.report.model import closing_line  # (as above)
+
+        say(f"attncheck: {summary_only}: {closing_line(result.model, result.calls, result.device).plain}")
+    elif json_out != "-":
+        console = report_console()
+        if summary:
+            from attncheck.report.summary import model_summary, tensors_summary  # (as above)
+
+            if result.model is not None and result.model.known:  # a capture: judged by the model's cells
+                console.print(model_summary(result.model, result.calls, result.device))
+            else:
+                console.print(tensors_summary(result.tensors, result.device, what_ifs))
+            for c in chosen:
+                console.print()
+                console.print(render_diagnosis(c.diagnosis, verbose=not brief))
+        elif full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
+            print_report(console, result.tensors, result.device, verbose=not brief, what_ifs=what_ifs)
+            if result.model is not None and result.model.findings:
+                from attncheck.report.model import capture_block  # (as above)
+
+                console.print(capture_block(result.model))
+            if result.model is not None:
+                from attncheck.report.model import path_notes  # (as above)
+
+                notes = path_notes(result.model, result.calls)
+                if notes is not None:
+                    console.print(notes)
+        else:
+            from attncheck.report.model import print_model  # (as above)
+
+            print_model(console, result.model, result.calls, result.device)
+            for c in chosen:
+                console.print()
+                console.print(render_diagnosis(c.diagnosis, verbose=not brief))
+                if c.what_if is not None:
+                    console.print(render_diagnosis(c.what_if, verbose=not brief))
+    for reason in failed:
+        say(f"attncheck: --fail-on {reason}")
+    if result.model is not None and result.model.skipped:
+        for name, why in result.model.skipped:
+            say(f"attncheck: error: {why}")
+        raise typer.Exit(2)
+    raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)
