@@ -20,9 +20,9 @@ from attncheck.errors import AttncheckError
 # name -> module it lives in, imported on first access (PEP 562)
 _LAZY = {
     "Options": "attncheck.config.run",
-    "diagnose": "attncheck.numerics.cells.diagnose",
-    "diagnose_chunks": "attncheck.numerics.cells.diagnose",
-    "diagnose_attention": "attncheck.numerics.cells.diagnose",
+    "diagnose": "attncheck.judge",
+    "diagnose_chunks": "attncheck.judge",
+    "diagnose_attention": "attncheck.judge",
     "capture": "attncheck.record",
     "watch": "attncheck.watcher",
     "load_tensors": "attncheck.loaders",

@@ -889,7 +889,7 @@ torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
             _SEEDED
             + """\
 from attncheck import Options
-from attncheck.numerics.cells.diagnose import diagnose_attention
+from attncheck.judge import diagnose_attention
 from attncheck.numerics.inputs.scores import prepare_inputs
 from attncheck.numerics.paths.fa4 import Fa4Setup
 

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from attncheck.config.sweep import OUTPUT_ROWS, SweepConfig, head_layout
-from attncheck.numerics.cells.diagnose import resolve_device
+from attncheck.devices import resolve_device
 from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
 from attncheck.numerics.methods.softmax import MethodParams, reference_softmax, run_method
 from attncheck.numerics.precision import cast, dtype_from_name, exp_overflow_threshold, limits_of
