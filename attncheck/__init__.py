@@ -7,10 +7,11 @@ compute, on first use::
 
     result = diagnose("layer0.scores", scores, Options(dtypes=("fp16",)))
 
-Layers: ``loaders`` (files -> tensors), ``numerics`` (tensors -> results),
-``report`` (results -> tables, JSON), ``cli`` (commands), ``pipelines`` (each
-command as a library call); ``registry`` holds the methods and dtypes,
-``results`` the result types, ``findings`` what they mean.
+Layers: ``loaders`` (files -> tensors), ``numerics`` (tensors -> numbers),
+``judge`` (numbers -> findings: ``diagnose`` here is the judged one), ``report``
+(results -> tables, JSON), ``cli`` (commands), ``pipelines`` (each command as a
+library call); ``registry`` holds the methods and dtypes, ``results`` the result
+types, ``findings`` what they mean.
 """
 
 __version__ = "0.1.0"

@@ -1,8 +1,8 @@
 """The layers stay apart: which modules import torch, and which layer may import which.
 
-loaders (files -> tensors), numerics (tensors -> results), report (results -> tables,
-JSON), cli (commands), pipelines (each command as a library call); registry, params,
-results, findings and config are free of torch.
+loaders (files -> tensors), numerics (tensors -> numbers), judge (numbers -> findings), report
+(results -> tables, JSON), cli (commands), pipelines (each command as a library call); registry,
+params, options, results, findings and config are free of torch.
 """
 
 from __future__ import annotations
