@@ -12,6 +12,7 @@ from typing import Any
 
 from attncheck import params
 from attncheck.errors import AttncheckError, param
+from attncheck.format import size_text
 from attncheck.registry import dtype_names, method_names
 
 # Bytes of working memory per score element of a chunk: the float64 reference and the
@@ -69,8 +70,6 @@ def check_row_fits(name: str, keys: int, max_memory: int | None) -> None:
     stride-0 row of 2e9 keys in a few bytes of .pt) is refused before anything is allocated."""
     need = keys * WORKING_BYTES_PER_ELEMENT
     if max_memory is not None and need > max_memory:
-        from attncheck.format import size_text
-
         raise AttncheckError(
             f"{name}: a row of {keys:,} keys needs {size_text(need)} of working memory, over "
             f"{param('max_memory')} {size_text(max_memory)}; raise {param('max_memory')}"
