@@ -428,14 +428,20 @@ def _p_saturation_message(diag: TensorDiagnosis, c: Cell, rows: int) -> str:
     why = "the max offset plus the lazy rescale's threshold passes log2 of it"
     if c.limit is not None and c.limit.kind == "p_saturation":  # the cell's own setting, as its limit states it
         why = c.limit.what.split(" (in |S scale| units")[0]
+    hit = c.event_counts.get("p_saturation")
+    values = f" ({hit} probabilit{'y' if hit == 1 else 'ies'})" if hit else ""
     parts = [
         f"{c.name}: {kernel} lets P exceed {c.dtype}'s largest value{top} before the cast in {rows} of {c.rows} "
-        f"row(s){where}: {why}; {effect}"
+        f"row(s){values}{where}: {why}; {effect}"
     ]
     if c.out_max_abs_err is not None:
         cos = f", cosine similarity down to {c.out_cos_min:.4g}" if c.out_cos_min is not None else ""
-        parts.append(f"O against float64: max abs error {c.out_max_abs_err:.3g}{cos}")
-    parts.append("flash-attention issue 2716 (threshold 4, offset 8); PRs 2717, 2731 lowered them")
+        rows_of = " on the rows that stayed finite" if nan else ""
+        parts.append(f"O against float64{rows_of}: max abs error {c.out_max_abs_err:.3g}{cos}")
+    if lim is not None and c.dtype in ("fp16", "bf16"):  # no FP8 offset in 16 bits: the threshold alone
+        parts.append(f"in {c.dtype} keep the rescale threshold below log2({lim.max:.6g}) = {math.log2(lim.max):.4g}")
+    else:
+        parts.append("flash-attention issue 2716 (threshold 4, offset 8); PRs 2717, 2731 lowered them")
     return "; ".join(parts)
 
 

@@ -17,7 +17,9 @@ from attncheck.model import head_findings, setting_choices
 from attncheck.numerics.cells import calls
 from attncheck.numerics.cells import diagnose as cells
 from attncheck.options import Options
-from attncheck.results import CallReport, Finding, TensorDiagnosis
+from attncheck.results.common import Finding
+from attncheck.results.model import CallReport
+from attncheck.results.run import TensorDiagnosis
 
 __all__ = [
     "Options",

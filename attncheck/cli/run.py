@@ -91,6 +91,9 @@ def _fp8_options(
     qk_given: bool,
     fp8_accum: str | None = None,
     fp8_flush: str | None = None,
+    path: str | None = None,
+    what_if: tuple[str, ...] = (),
+    files: bool = False,
 ) -> dict:
     """--p-scale, --fp8-scaling, --incoherent, --fp8-accum, --fp8-flush: checked, and refused where they would
     change nothing."""
@@ -112,21 +115,36 @@ def _fp8_options(
         )
         if value is not None
     ]
-    if given and not set(params.dtypes(dtype)) & set(fp8_names()):
+    # FP8 cells: in --dtype, or (a capture's what-if) in --what-if
+    asked_fp8 = set(params.dtypes(dtype)) | ({d for d in what_if if d in fp8_names()} if files else set())
+    if files and params.WHAT_IF_ALL in what_if:
+        asked_fp8.add(params.WHAT_IF_FP8)
+    if given and not asked_fp8 & set(fp8_names()):
         flags = ", ".join(param(g) for g in given)
         raise AttncheckError(
-            f"{flags} apply to FP8 cells: add an FP8 dtype ({', '.join(fp8_names())}) to {param('dtypes')}"
+            f"{flags} appl{'y' if len(given) > 1 else 'ies'} to FP8 cells: add an FP8 dtype "
+            f"({', '.join(fp8_names())}) to {param('dtypes')}"
+            + (f" (on a capture: to {param('what_if')})" if files else "")
         )
     if not qk_given and (fp8_scaling is not None or incoherent):
         raise AttncheckError(
             f"{param('fp8_scaling')} and {param('incoherent')} apply to attention computed from {param('q')} and "
             f"{param('k')}"
         )
-    if not qk_given and (fp8_accum is not None or fp8_flush is not None):
+    if not qk_given and not files and (fp8_accum is not None or fp8_flush is not None):
         raise AttncheckError(
             f"{param('fp8_accum')} and {param('fp8_flush')} apply to attention computed from {param('q')} and "
-            f"{param('k')} (the FP8 kernels' tensor-core products)"
+            f"{param('k')} or a capture (the FP8 kernels' tensor-core products)"
         )
+    if (fp8_accum is not None or fp8_flush is not None) and path is not None:
+        from attncheck.registry import PATHS
+
+        accumulating = PATHS.names(lambda spec: spec.fp8_accumulator)
+        if not set(params.paths(path)) & set(accumulating):
+            raise AttncheckError(
+                f"{param('fp8_accum')} and {param('fp8_flush')} set the accumulator of the FP8 paths that model "
+                f"Hopper's FP8 tensor cores ({', '.join(accumulating)}): none is in {param('paths')}"
+            )
     if out.get("fp8_flush") is not None and out.get("fp8_accum") == "fp32":
         raise AttncheckError(
             f"{param('fp8_flush')} flushes the reduced FP8 accumulator into fp32; with {param('fp8_accum')} fp32 "
@@ -146,6 +164,7 @@ def fa4_options(
     what_if: tuple[str, ...],
     files: bool,
     example: bool = False,
+    dtype: str = "fp16,bf16,fp32",
 ) -> dict:
     """--rescale-threshold, --max-offset: checked (``params.fa4_settings``), and refused where no fa4 cell could
     take them: the fa4 path is not among --path, nor asked by --what-if (kernels, fa4), nor possibly a captured
@@ -166,6 +185,13 @@ def fa4_options(
         raise AttncheckError(
             f"{flags} {'set' if len(given) > 1 else 'sets'} FlashAttention-4's lazy rescale: add fa4 to "
             f"{param('paths')} (or ask {param('what_if')} kernels)"
+        )
+    from attncheck.registry import fp8_names
+
+    if offset is not None and not files and not (set(params.dtypes(dtype)) & set(fp8_names())):
+        raise AttncheckError(
+            f"{param('max_offset')} is FlashAttention-4's FP8 max offset (16-bit inputs run offset 0): add an FP8 "
+            f"dtype ({', '.join(fp8_names())}) to {param('dtypes')}"
         )
     from attncheck.numerics.paths.fa4 import Fa4Setup  # torch-free
 
@@ -394,6 +420,9 @@ def run(
                 qk_given=q is not None or k is not None,
                 fp8_accum=fp8_accum,
                 fp8_flush=fp8_flush,
+                path=path,
+                what_if=asked_what_if,
+                files=bool(paths) and q is None and k is None,
             ),
             **fa4_options(
                 rescale_threshold,
@@ -402,6 +431,7 @@ def run(
                 asked_what_if,
                 files=bool(paths) and q is None and k is None,
                 example=example,
+                dtype=dtype or DEFAULT_DTYPES,
             ),
         )
         # Every value is checked, whether or not it applies; then what does not apply is named.

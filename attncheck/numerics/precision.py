@@ -24,7 +24,7 @@ from attncheck.dtypes import (  # noqa: F401  (defined below loaders and numeric
     torch_dtype,
 )
 from attncheck.params import MASK_SENTINEL_LIMIT  # noqa: F401  (numerics take it from here)
-from attncheck.results import DtypeLimits
+from attncheck.results.common import DtypeLimits
 
 # exp() of a low-precision tensor is evaluated in float32 and rounded (CPU and
 # CUDA alike), so float32's own overflow point also bounds fp16 and bf16.

@@ -9,7 +9,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from attncheck.results import UNEXPLAINED
+from attncheck.results.common import UNEXPLAINED
 
 ROW_BLOCK = 64  # rows per exact-sum block; chunk sizes do not change any result
 

@@ -116,6 +116,14 @@ def _run_files(request: RunRequest, options, track: Track, notice):
         if not isinstance(item, TensorSource) and item.info.kind not in ("qk", "scores", "unknown")
     ]
     sweeps_only = all(w in params.setting_sweeps() for w in request.what_if)  # asked of any Q/K input (fa4's grid)
+    _check_fa4_applies(request, options, inputs, captured)
+    if (options.fp8_accum != params.FP8_ACCUM_KERNEL or options.fp8_flush is not None) and not captured and inputs:
+        if all(isinstance(item, TensorSource) for item in inputs):
+            raise AttncheckError(
+                f"{param('fp8_accum')} and {param('fp8_flush')} set the accumulator of the FP8 kernels' tensor-core "
+                f"products, computed from {param('q')} and {param('k')} or a capture; "
+                f"{'the file holds' if len(request.paths) == 1 else 'the files hold'} scores only"
+            )
     if request.what_if and inputs and not captured and not sweeps_only:
         raise AttncheckError(
             f"{param('what_if')} asks what would break if a captured model's calls ran otherwise; these files "
@@ -291,6 +299,12 @@ def _run_qk(
         ]
     name = f"{q_name} @ {k_name}"
     sweeps = tuple(w for w in what_if if w in params.setting_sweeps())  # --what-if fa4: its grid beside the cells
+    for sweep in sweeps:  # a grid in none of the dtypes asked: said, not left out
+        if not setting_cells((sweep,), options.dtypes, options=options):
+            raise AttncheckError(
+                f"{param('what_if')} {sweep}: FlashAttention-4 has no settings grid in {', '.join(options.dtypes)} "
+                f"(add fp16, bf16 or e4m3 to {param('dtypes')})"
+            )
     cells = grid(options, True) + setting_cells(sweeps, options.dtypes, options=options) if sweeps else None
     diag = diagnose_attention(name, inputs, options, track(name, inputs.rows), notice=notice, cells=cells)
     if qk.grad_out:
@@ -306,3 +320,33 @@ def _run_qk(
             )
         attach_backward(diag, None, inputs, GradInputs(dout, causal=qk.causal), options, mask_op=qk.mask_op or "add")
     return [diag]
+
+
+def _check_fa4_applies(request: RunRequest, options, inputs, captured) -> None:
+    """--what-if fa4, --rescale-threshold and --max-offset compute FlashAttention-4 from Q and K: refused in one line
+    on files of scores alone, and the two knobs where no fa4 cell is computed (not in --path, not asked by
+    --what-if, no captured call run by FlashAttention-4)."""
+    from attncheck.loaders import TensorSource
+    from attncheck.numerics.cells.plan import judged_by
+
+    sweeps = [w for w in request.what_if if w in params.setting_sweeps()]
+    knobs = [
+        param(name)
+        for name in ("rescale_threshold", "max_offset")
+        if options.fa4 is not None and getattr(options.fa4, name) is not None
+    ]
+    asked = [f"{param('what_if')} {w}" for w in sweeps] + knobs
+    if not asked or not inputs:
+        return
+    if all(isinstance(item, TensorSource) for item in inputs):
+        raise AttncheckError(
+            f"{' and '.join(asked)} ask{'s' if len(asked) == 1 else ''} for FlashAttention-4, computed from Q and K; "
+            f"{', '.join(request.paths)} hold{'s' if len(request.paths) == 1 else ''} scores only (give a capture, "
+            f"q/k files or {param('q')}/{param('k')})"
+        )
+    fa4_asked = set(params.setting_sweeps()) & set(options.paths) or sweeps or params.WHAT_IF_KERNELS in request.what_if
+    if knobs and not fa4_asked and not any(judged_by(item.info)[0] in params.setting_sweeps() for item in captured):
+        raise AttncheckError(
+            f"{' and '.join(knobs)} set FlashAttention-4's lazy rescale, and no call here is run by it: ask "
+            f"{param('what_if')} fa4 (or kernels), or add fa4 to {param('paths')}"
+        )

@@ -15,7 +15,7 @@ from rich.text import Text
 from attncheck import __version__
 from attncheck.format import cosine, num, row_text, to_jsonable, visible
 from attncheck.report.text import shown
-from attncheck.results import (
+from attncheck.results.check import (
     BUDGET_NAMES,
     LOWER_BUDGETS,
     RELATIVE_BUDGET,

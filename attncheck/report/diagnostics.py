@@ -10,7 +10,7 @@ from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.text import Text
 
 from attncheck.format import rows_text, visible
-from attncheck.results import Finding
+from attncheck.results.common import Finding
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 HEADLINE_INDENT = 4  # a headline's later lines

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from attncheck import __version__
-from attncheck.codes import REGISTRY, doc_link
+from attncheck.codes import REGISTRY, SEVERITY, doc_link
 from attncheck.findings import counted_rows
 from attncheck.format import fmt, plain, to_jsonable, visible
 from attncheck.model import findings_in_order
@@ -598,6 +598,11 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
     if report.what_if:
         broken = [a.cell for a in report.what_if if a.bad_calls]
         tail = f"; what-if: {', '.join(broken)} would break" if broken else "; what-if: no cell asked would break"
+        warned = [
+            a.cell for a in report.what_if if not a.bad_calls and any(SEVERITY.get(c) == "warning" for c in a.findings)
+        ]
+        if warned:  # said beside 'would break': --fail-on what-if:warning fails on them
+            tail += f" (warnings in {', '.join(warned)})"
     else:
         tail = ""
     if report.first_bad is None:
@@ -618,8 +623,8 @@ def closing_line(report: ModelReport, calls: list[CallReport], device: str) -> T
 
 LINES_LEGEND = (
     "Calls in order, judged by the cell the model runs (softmax: torch.softmax in its dtype; sdpa: the path of the "
-    "kernel PyTorch chose, in its dtype: on a GPU fa2 (fa3 where PyTorch ran FlashAttention-3), mem-efficient or "
-    "cudnn, on a CPU flash, sdpa-math for the math backend; flash_attn: fa2-fma, fa3). "
+    "kernel PyTorch chose, in its dtype: on a GPU fa2 (fa3, fa4 where PyTorch ran FlashAttention-3, -4), "
+    "mem-efficient or cudnn, on a CPU flash, sdpa-math for the math backend; flash_attn: fa2-fma, fa3, fa4). "
     "logit: largest unmasked score; room: the cell's distance to its first failure{limit}; NaN: NaN rows; "
     "err: max |p - p_float64|; >: the first call that goes wrong{grad}"
 )

@@ -5,6 +5,8 @@ goes wrong, its cause as a diagnostic with the fix, and what else to look at, in
 
 from __future__ import annotations
 
+import glob
+import shlex
 from typing import Any, Sequence
 
 from rich.console import Group
@@ -15,7 +17,9 @@ from attncheck.format import visible
 from attncheck.model import BAD_VERDICTS
 from attncheck.report.diagnostics import SEVERITY_STYLE, Hanging, diagnostic
 from attncheck.report.model import SEVERITY_ORDER
-from attncheck.results import CallReport, Finding, ModelLine, ModelReport, TensorDiagnosis
+from attncheck.results.common import Finding
+from attncheck.results.model import CallReport, ModelLine, ModelReport
+from attncheck.results.run import TensorDiagnosis
 
 PART_LINES = 3  # a diagnostic's headline and its fix: at most this many lines each
 VERDICT_WORD = {"error": "ERROR", "warning": "WARNING", "ok": "OK"}
@@ -203,9 +207,6 @@ def model_summary(report: ModelReport, calls: list[CallReport], device: str) -> 
 def _detail_glob(line: ModelLine) -> str:
     """What --detail takes to pick that call alone: its module path (or name) as a glob that matches
     it literally, quoted for the shell where it would read it otherwise."""
-    import glob
-    import shlex
-
     return shlex.quote(glob.escape(line.module or line.name))
 
 

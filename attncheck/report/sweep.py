@@ -17,7 +17,7 @@ from attncheck.errors import AttncheckError, param
 from attncheck.format import fmt, pct, plain, to_jsonable
 from attncheck.numerics.sweep.theory import uniform_limits
 from attncheck.params import COLLAPSE_THRESHOLD, SCALE_MEANINGS
-from attncheck.results import PresetGrid, PresetResult, SweepCell, SweepOutput, SweepPoint, SweepResult
+from attncheck.results.sweep import PresetGrid, PresetResult, SweepCell, SweepOutput, SweepPoint, SweepResult
 
 JSON_SCHEMA = "attncheck.sweep/1"
 PLOT_NEEDS = f"{param('plot')} needs matplotlib: pip install 'attncheck[plot]'"
@@ -440,7 +440,7 @@ def preset_json(result: PresetResult, device: str) -> dict[str, Any]:
 def require_matplotlib() -> None:
     """Raise the one-line install hint when matplotlib is missing (checked before any work)."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  (only whether it is installed: an optional dependency)
     except ImportError:
         raise AttncheckError(PLOT_NEEDS) from None
 
@@ -453,7 +453,7 @@ def sweep_figure(result: SweepResult):
     overflowed (exp or row sum, the most of any method) per scale, and log10 of the max
     error against float64 per method and scale."""
     require_matplotlib()
-    import matplotlib
+    import matplotlib  # matplotlib: only when a plot is asked (an optional dependency, slow to import)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -564,7 +564,7 @@ def _heatmap(
 def check_plot_path(path: str | Path) -> None:
     """Refuse, before the sweep runs, a picture matplotlib cannot write: a suffix that names no
     format it has (p.txt, p.json), or something that is not a file (a FIFO: savefig needs to seek)."""
-    from matplotlib.backend_bases import FigureCanvasBase
+    from matplotlib.backend_bases import FigureCanvasBase  # matplotlib: only when a plot is asked
 
     target = Path(path)
     suffix = target.suffix.lstrip(".").lower()
@@ -581,7 +581,7 @@ def check_plot_path(path: str | Path) -> None:
 def plot_sweep(result: SweepResult, path: str | Path) -> None:
     """Write ``sweep_figure`` to ``path`` (PNG unless the suffix names another format)."""
     fig = sweep_figure(result)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: only when a plot is asked (an optional dependency, slow to import)
 
     target = Path(path)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 from typing import Any
 
@@ -9,12 +10,14 @@ from rich.console import Group
 from rich.text import Text
 
 from attncheck import __version__
+from attncheck.codes import FIX
+from attncheck.errors import AttncheckError
 from attncheck.format import num, plain, to_jsonable
 from attncheck.format import visible as plain_text
 from attncheck.report.diagnostics import WHERE, Hanging, diagnostic
 from attncheck.report.run import compact_table
 from attncheck.report.text import shown
-from attncheck.results import WatchReport, WatchSeries
+from attncheck.results.watch import WatchReport, WatchSeries
 
 WATCH_JSON_SCHEMA = "attncheck.watch-report/1"
 HEADS_SHOWN = 16  # rows of the heads table (the worst first); the JSON has all
@@ -77,8 +80,6 @@ def heads_table(report: WatchReport):
 def alerts_text(report: WatchReport):
     """The alerts as compiler-style diagnostics, one per code (and what-if dtype): the first alert's
     message, every place it holds (per rank and call, the heads and the first step), one fix."""
-    from attncheck.codes import FIX
-
     if not report.alerts:
         return Text(
             "No alert: no head's logits grow past the level, collapse, near their dtype's limit, differ across ranks, "
@@ -212,11 +213,7 @@ def plot_watch(report: WatchReport, path: str) -> str:
     logs hold several), and the alert steps marked; written to ``path`` (PNG). At most PLOT_CALLS calls
     (those with alerts, then the largest logits); returns what was left out ('' when nothing): the
     calls and the ranks not in the heatmaps. Names are drawn as text (never as mathtext)."""
-    import io
-
-    import matplotlib.pyplot as plt
-
-    from attncheck.errors import AttncheckError
+    import matplotlib.pyplot as plt  # matplotlib: only when a plot is asked (an optional dependency, slow to import)
 
     fig, left_out = watch_figure(report)
     try:
@@ -234,11 +231,11 @@ def plot_watch(report: WatchReport, path: str) -> str:
 
 def watch_figure(report: WatchReport):
     """The figure ``plot_watch`` writes (the caller closes it), and what it leaves out."""
-    import matplotlib
+    import matplotlib  # matplotlib: only when a plot is asked (an optional dependency, slow to import)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
+    import numpy as np  # numpy: off the report's cheap path (the tables need none)
     from matplotlib.ticker import MaxNLocator
 
     ranks = report.ranks

@@ -36,9 +36,9 @@ from typing import Sequence
 
 import numpy as np
 
-from attncheck.codes import SEVERITY
+from attncheck.codes import SEVERITIES, SEVERITY, WHAT_IF_PREFIX
 from attncheck.format import num
-from attncheck.results import WatchAlert, WatchReport, WatchSeries
+from attncheck.results.watch import WatchAlert, WatchReport, WatchSeries
 
 MIN_POINTS = 5
 MIN_T = 3.0  # the slope's t statistic a trend needs (over 3 degrees of freedom or more: P(t >= 3) < 3% for noise)
@@ -397,8 +397,6 @@ def _alert(code: str, s: WatchSeries, i: int, message: str, what_if: str | None 
 def failed(report: WatchReport, conditions: list[str], ignore=()) -> list[str]:
     """The --fail-on conditions that hold: an alert code, 'error' / 'warning' (an alert of that
     severity or worse), 'nan' (nonfinite); 'what-if:CODE' for the what-if alerts."""
-    from attncheck.codes import SEVERITIES, WHAT_IF_PREFIX
-
     held = []
     for cond in conditions:
         asked_what_if = cond.startswith(WHAT_IF_PREFIX)

@@ -130,3 +130,26 @@ def test_the_options_reach_the_fa4_kernel(tmp_path):
         assert cell["name"] == "fa4/e4m3"
         assert (cell["events"].get("p_saturation", 0) > 0) == saturates
         assert cell["limit"]["headroom"] == pytest.approx(math.log(top / p_max))
+
+
+def test_fa4_and_accumulator_options_where_nothing_would_use_them(tmp_path):
+    """Refused in one line, not ignored: the FA4 what-if and knobs on scores alone, the FP8 accumulator with only
+    fa4 (which has no accumulator model) in --path, the FP8 max offset on 16-bit cells, a grid in no dtype FA4 takes,
+    the accumulator on scores alone."""
+    import torch
+
+    torch.manual_seed(0)
+    torch.save(torch.randn(1, 2, 8, 8), tmp_path / "scores.pt")
+    torch.save({"q": torch.randn(1, 2, 8, 16), "k": torch.randn(1, 2, 8, 16)}, tmp_path / "qk.pt")
+    scores = str(tmp_path / "scores.pt")
+    qk = ["run", "--q", f"{tmp_path / 'qk.pt'}:q", "--k", f"{tmp_path / 'qk.pt'}:k"]
+    cases = [
+        (["run", scores, "--what-if", "fa4"], "--what-if fa4 asks for FlashAttention-4, computed from Q and K"),
+        (["run", scores, "--rescale-threshold", "4"], "--rescale-threshold asks for FlashAttention-4"),
+        (["run", scores, "--dtype", "e4m3", "--fp8-flush", "4"], "the file holds scores only"),
+        ([*qk, "--dtype", "e4m3", "--path", "fa4", "--fp8-accum", "5"], "(fa3, flash-fp8, sage): none is in --path"),
+        ([*qk, "--dtype", "fp16", "--path", "fa4", "--max-offset", "4"], "--max-offset is FlashAttention-4's FP8"),
+        ([*qk, "--dtype", "fp32", "--what-if", "fa4"], "FlashAttention-4 has no settings grid in fp32"),
+    ]
+    for args, expected in cases:
+        assert expected in error_line(args), args

@@ -267,7 +267,8 @@ def test_cuda_requested_without_cuda(healthy):
         ),
         (
             ["--p-scale", "256"],
-            "--p-scale apply to FP8 cells: add an FP8 dtype (e4m3, e5m2, e4m3fnuz, e5m2fnuz) to --dtype",
+            "--p-scale applies to FP8 cells: add an FP8 dtype (e4m3, e5m2, e4m3fnuz, e5m2fnuz) to --dtype (on a "
+            "capture: to --what-if)",
         ),
         (["--dtype", "e4m3", "--p-scale", "-1"], "--p-scale must be a number > 0, got -1"),
         (
@@ -287,12 +288,13 @@ def test_cuda_requested_without_cuda(healthy):
         (["--dtype", "e4m3", "--fp8-flush", "0"], "--fp8-flush must be an integer >= 1, got 0"),
         (
             ["--fp8-accum", "13"],
-            "--fp8-accum apply to FP8 cells: add an FP8 dtype (e4m3, e5m2, e4m3fnuz, e5m2fnuz) to --dtype",
+            "--fp8-accum applies to FP8 cells: add an FP8 dtype (e4m3, e5m2, e4m3fnuz, e5m2fnuz) to --dtype (on a "
+            "capture: to --what-if)",
         ),
         (
             ["--dtype", "e4m3", "--fp8-flush", "4"],
-            "--fp8-accum and --fp8-flush apply to attention computed from --q and --k (the FP8 kernels' "
-            "tensor-core products)",
+            "--fp8-accum and --fp8-flush set the accumulator of the FP8 kernels' tensor-core products, computed "
+            "from --q and --k or a capture; the file holds scores only",
         ),
         (
             ["--dtype", "e4m3", "--method", "naive"],

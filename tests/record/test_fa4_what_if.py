@@ -119,3 +119,30 @@ def test_an_fp32_model_is_swept_in_bf16_and_e4m3():
     grids = {s.dtype: s for s in cap.result.model.settings}
     assert set(grids) == {"bf16", "e4m3"} and cap.result.model.settings_refused == []
     assert all(s.best is not None for s in grids.values())
+
+
+@pytest.mark.slow
+def test_asked_kernel_paths_on_a_capture_run_where_the_kernel_would(tmp_path):
+    """--path fa4,fa3 on a capture: no fp32 cell (neither kernel takes fp32); with --what-if e4m3, fa4's FP8 mode is
+    computed beside flash-fp8; a what-if cell with a warning is named on the closing line, beside 'would break'."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from attncheck.cli import app
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 512, 16, dtype=torch.bfloat16) * 1.5  # logits of std ~2.2 after the 1/4 scale, 4 key tiles
+    k = torch.randn(1, 2, 512, 16, dtype=torch.bfloat16) * 1.5
+    v = torch.randn(1, 2, 512, 16, dtype=torch.bfloat16)
+    with torch.no_grad(), attncheck.capture(tmp_path / "cap"):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    r = CliRunner().invoke(app, ["run", str(tmp_path / "cap"), "--path", "fa4,fa3", "--json", "-"])
+    assert r.exit_code == 0, r.output
+    cells = {c["name"] for c in json.loads(r.stdout)["model"]["calls"][0]["what_if"]["cells"]}
+    assert {"fa4/bf16", "fa3/fp16"} <= cells and not {"fa4/fp32", "fa3/fp32"} & cells
+    args = ["run", str(tmp_path / "cap"), "--what-if", "e4m3", "--path", "fa4", "--rescale-threshold", "4"]
+    r = CliRunner().invoke(app, [*args, "--max-offset", "8"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "fa4/e4m3" in r.output and "p_saturation" in r.output
+    assert "what-if: no cell asked would break (warnings in fa4/e4m3)" in " ".join(r.output.split())

@@ -356,6 +356,7 @@ class CellAcc:
         self.zero_causes: Counter[str] = Counter()
         self.events: Counter[str] = Counter()
         self.event_values: dict[str, float] = {}
+        self.event_counts: dict[str, int] = {}
         self.nan_rows = self.zero_rows = self.overflow_rows = self.underflow_rows = 0
         self.compared = 0
         self.elems = 0
@@ -390,6 +391,7 @@ class CellAcc:
         metrics: RowMetrics,
         pcast=None,
         extremes: dict[str, torch.Tensor] | None = None,
+        counts: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Add one chunk of this cell: ``probs`` (r, T) with the method's row events,
         the pipeline ``causes`` before them, and the cell's row ``metrics``; for an FP8
@@ -430,6 +432,8 @@ class CellAcc:
                 if extremes and name in extremes:  # the least value over the event's rows (a log-sum-exp)
                     low = float(extremes[name][events[name]].double().min())
                     self.event_values[name] = min(self.event_values.get(name, low), low)
+                if counts and name in counts:  # the values hit, over the event's rows
+                    self.event_counts[name] = self.event_counts.get(name, 0) + int(counts[name].sum())
 
         if pcast is not None:
             self._count_pcast(pcast, algo, ~nan_row)
@@ -526,6 +530,7 @@ class CellAcc:
             nan_rows_by_head=self._top_heads(),
             events=dict(self.events),
             event_values=dict(self.event_values),
+            event_counts=dict(self.event_counts),
             path=self.path,
             tied_rows=self.tied_rows,
             nan_rows_per_head=self._per_head(),

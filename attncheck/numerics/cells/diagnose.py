@@ -305,7 +305,9 @@ def _method_stage(
     )  # one pass for the stage's cells
     with bookkeeping(c.x.device):
         for key, out, m in zip(keys, outs, metrics):
-            accs[key].update(c, out.probs, out.events, algo, causes, m, pcast=out.pcast, extremes=out.extremes)
+            accs[key].update(
+                c, out.probs, out.events, algo, causes, m, pcast=out.pcast, extremes=out.extremes, counts=out.counts
+            )
 
 
 def _path_stage(
@@ -353,7 +355,9 @@ def _path_stage(
     for key, (m, out), met in zip(keys, pb.cells, metrics):
         acc = accs[key]
         with bookkeeping(c.x.device):
-            acc.update(c, out.probs, out.events, algo, causes, met, pcast=out.pcast, extremes=out.extremes)
+            acc.update(
+                c, out.probs, out.events, algo, causes, met, pcast=out.pcast, extremes=out.extremes, counts=out.counts
+            )
         if out.out is not None:
             acc.update_out(out.out, out_ref[0], tied, out_algo)
             acc.tied_rows += count(tied)

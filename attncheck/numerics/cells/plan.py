@@ -306,12 +306,31 @@ def what_if_cells(
             cells.append(CellKey(eager, EAGER_SOFTMAX, d, WHAT_IF))
     if options is not None:
         cells += grid(options, qk, WHAT_IF)
+        if qk:  # an FP8 what-if dtype: also the kernels asked with --path that have an FP8 mode (fa3, fa4)
+            fp8 = set(fp8_names())
+            cells += [
+                CellKey(p, p, d, WHAT_IF)
+                for d in dtypes
+                if d in fp8
+                for p in options.paths
+                if PATHS.get(p).computes_in(True) and not PATHS.get(p).fp8_only
+            ]
     out: list[CellKey] = []
     for c in cells:
         if any(c.same_cell(o) for o in out) or (model is not None and _is_model(c, model, qk)):
             continue
+        if qk and c.path is not None and c.setting is None and _refuses(info, c):
+            continue  # a GPU kernel that would not run the call in that dtype (fa4 in fp32): not its cell
         out.append(c)
     return out
+
+
+def _refuses(info: CallInfo, cell: CellKey) -> bool:
+    """A GPU kernel path whose support refuses the call in the cell's dtype."""
+    spec = PATHS.get(cell.path)
+    return (
+        spec.device == "cuda" and spec.supports is not None and spec.why_not(call_facts(info, cell.dtype)) is not None
+    )
 
 
 SWEEP_16 = "bf16"  # the 16-bit dtype a sweep runs an fp32 call in: the kernels' (FlashAttention-4 takes no fp32)

@@ -132,6 +132,8 @@ class MethodOutput:
     # Per event, a per-row value the report quotes for the event's rows (the least over them): a kernel's
     # log-sum-exp for its backward hazard
     extremes: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Per event, how many values of each row it hit (summed over the rows): FlashAttention-4's saturated P
+    counts: dict[str, torch.Tensor] = field(default_factory=dict)
     # FP8 cells with the tensor cores' reduced accumulator: O (..., dv) of the same kernel under other
     # accumulators ('fp32', 'flush N'; fp8_attention.accum_companions), for the fp8_accumulator finding
     companions: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -106,6 +106,9 @@ class PathSpec:
     # The dtypes it computes in: False the fp16/bf16/fp32 ones only, True the FP8 dtypes (P formats) only, "both"
     # both (a kernel with an FP8 mode: ``computes_in``)
     fp8: bool | str = False
+    # Its FP8 mode accumulates on Hopper's FP8 tensor cores as modelled by ``methods.fp8_accum`` (--fp8-accum,
+    # --fp8-flush): flash-fp8 and fa3's FP8 mode, sage
+    fp8_accumulator: bool = False
     # The fused kernel the path is (judged by FlashAttention's 2x rule against torch.softmax); None: not a kernel
     kernel: str | None = None
     # The dtype its probabilities are in (the eager path: the method's): "fp32" where they are fp32

@@ -364,6 +364,7 @@ PATH = PathSpec(
     fp8="both",
     default=False,
     device="cuda",
+    fp8_accumulator=True,
     source=SOURCE,
     assumed=ASSUMED,
     stands_for=(Stands("flash_attn", "fa3"), Stands("sdpa", "flash_attention:fa3", "cuda")),

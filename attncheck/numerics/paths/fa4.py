@@ -564,7 +564,7 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
     hq, hk = inp.q.shape[1], inp.k.shape[1]
     common = dict(
         rescale_threshold=setup.rescale_threshold,
-        max_offset=setup.max_offset,
+        max_offset=setup.max_offset if is_fp8(dt) else None,  # the FP8 max offset: 16-bit inputs run offset 0
         causal=causal,
         seqlen_q=inp.q.shape[2],
         qhead_per_kvhead=hq // hk,
@@ -604,7 +604,7 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
     else:
         s, before = block.fp32_scores(dt, PATH)
         res = kernel_rows(block.q, block.k, block.v, scale=inp.scale, dt=dt, bias=block_bias(block, dt), **common)
-    out = MethodOutput(res.probs, events=dict(res.events))
+    out = MethodOutput(res.probs, events=dict(res.events), counts={"p_saturation": res.saturated})
     out.out = res.out
     return PathBlock(s, before, [], [(PATH.name, out)])
 

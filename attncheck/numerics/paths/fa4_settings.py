@@ -83,12 +83,12 @@ def settings(dtype_name: str, options=None) -> tuple[Setting, ...]:
     asked = getattr(options, "fa4", None)
     if asked is not None:
         t = own[0] if asked.rescale_threshold is None else float(asked.rescale_threshold)
-        o = own[1] if asked.max_offset is None else float(asked.max_offset)
+        o = own[1] if asked.max_offset is None or not fp8 else float(asked.max_offset)  # the offset is FP8's
         points += [] if (t, o) in points else [(t, o)]
     return tuple(
         Setting(
             label=label(t, o, fp8),
-            params=(("fa4", Fa4Setup(rescale_threshold=t, max_offset=o if fp8 or o else None)),),
+            params=(("fa4", Fa4Setup(rescale_threshold=t, max_offset=o if fp8 else None)),),
             values=(("rescale_threshold", t), ("max_offset", o)),
             default=(t, o) == own,
             refused=refused(dtype_name, t, o),
@@ -110,7 +110,8 @@ def limit(dt: "torch.dtype", params: "MethodParams | None" = None) -> tuple[str,
     own_t, own_o = defaults(name)
     setup = getattr(params, "fa4", None)
     t = own_t if setup is None or setup.rescale_threshold is None else float(setup.rescale_threshold)
-    o = own_o if setup is None or setup.max_offset is None else float(setup.max_offset)
+    fp8 = dt.itemsize == 1
+    o = own_o if setup is None or setup.max_offset is None or not fp8 else float(setup.max_offset)  # FP8's only
     top = float(torch.finfo(dt).max)
     return (
         "p_saturation",

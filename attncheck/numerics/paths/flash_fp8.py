@@ -57,6 +57,7 @@ PATH = PathSpec(
     fp8=True,
     kernel="FlashAttention-3's FP8 forward",
     device="cuda",
+    fp8_accumulator=True,
     assumed="the FP8 tensor cores' accumulator as a model (13 mantissa bits truncated per 32-element MMA step, "
     "SageAttention 2's measurement); exp2 is exp rounded to fp32",
 )

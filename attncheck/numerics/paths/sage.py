@@ -44,6 +44,7 @@ PATH = PathSpec(
     fp8=True,
     kernel="SageAttention 2",
     device="cuda",
+    fp8_accumulator=True,
     assumed="the FP8 MMA's FP22 accumulator as a model (13 mantissa bits truncated per 32-element step, flushed "
     "to fp32 every 128-key block); the kernel's base-2 arithmetic as natural exp",
 )

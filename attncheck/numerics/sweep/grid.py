@@ -33,7 +33,7 @@ from attncheck.numerics.sweep.theory import (
 )
 from attncheck.params import COLLAPSE_THRESHOLD, Scale
 from attncheck.registry import PATHS
-from attncheck.results import SweepCell, SweepOutput, SweepPoint, SweepResult
+from attncheck.results.sweep import SweepCell, SweepOutput, SweepPoint, SweepResult
 
 if TYPE_CHECKING:  # the caller's config, read as given: numerics imports no config
     from attncheck.config.sweep import SweepConfig

@@ -506,6 +506,9 @@ def test_p_saturation_finding_with_offset_8_and_not_4():
     found = [f for f in hot.findings if f.code == "p_saturation"]
     assert len(found) == 1 and found[0].rows == hot.cells[0].events["p_saturation"] > 0
     assert "448" in found[0].message and "max abs error" in found[0].message
+    hit = hot.cells[0].event_counts["p_saturation"]  # the probabilities clipped: at least one per row
+    assert hit >= found[0].rows and f"({hit} probabilities)" in found[0].message
+    assert "threshold 4 + offset 8" in found[0].message  # the cell's own setting
     assert "p_saturation" not in {f.code for f in cool.findings} and not cool.cells[0].events.get("p_saturation")
     assert hot.cells[0].out_max_abs_err > 3 * cool.cells[0].out_max_abs_err  # what saturation does to O
     healthy = _diagnose(q.bfloat16(), k.bfloat16(), v.bfloat16(), ("bf16",))
