@@ -7,10 +7,11 @@ compute, on first use::
 
     result = diagnose("layer0.scores", scores, Options(dtypes=("fp16",)))
 
-Layers: ``loaders`` (files -> tensors), ``numerics`` (tensors -> results),
-``report`` (results -> tables, JSON), ``cli`` (commands), ``pipelines`` (each
-command as a library call); ``registry`` holds the methods and dtypes,
-``results`` the result types, ``findings`` what they mean.
+Layers: ``loaders`` (files -> tensors), ``numerics`` (tensors -> numbers),
+``judge`` (numbers -> findings: ``diagnose`` here is the judged one), ``report``
+(results -> tables, JSON), ``cli`` (commands), ``pipelines`` (each command as a
+library call); ``registry`` holds the methods and dtypes, ``results`` the result
+types, ``findings`` what they mean.
 """
 
 __version__ = "0.1.0"
@@ -20,9 +21,9 @@ from attncheck.errors import AttncheckError
 # name -> module it lives in, imported on first access (PEP 562)
 _LAZY = {
     "Options": "attncheck.config.run",
-    "diagnose": "attncheck.numerics.cells.diagnose",
-    "diagnose_chunks": "attncheck.numerics.cells.diagnose",
-    "diagnose_attention": "attncheck.numerics.cells.diagnose",
+    "diagnose": "attncheck.judge",
+    "diagnose_chunks": "attncheck.judge",
+    "diagnose_attention": "attncheck.judge",
     "capture": "attncheck.record",
     "watch": "attncheck.watcher",
     "load_tensors": "attncheck.loaders",

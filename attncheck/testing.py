@@ -98,7 +98,7 @@ def assert_softmax_ok(
     budget = parse_budget(table, "", "assert_softmax_ok", base=empty)
 
     from attncheck.config.run import Options
-    from attncheck.numerics.cells.budgets import check_tensor
+    from attncheck.pipelines.budgets import check_tensor
     from attncheck.report.check import describe_case
 
     x = _as_tensor(scores)

@@ -33,7 +33,7 @@ def main() -> None:
     from attncheck import params
     from attncheck.cli.common import reuse_freed_memory
     from attncheck.config.run import Options, chunk_elements_for
-    from attncheck.numerics.cells.calls import diagnose_call
+    from attncheck.judge import diagnose_call
     from attncheck.numerics.precision import dtype_from_name
     from attncheck.results import CallInfo
 

@@ -26,7 +26,8 @@ import torch
 from bench_run import best_of  # this folder is on sys.path when run as a script
 
 from attncheck.cli.common import reuse_freed_memory
-from attncheck.numerics.cells.diagnose import Options, diagnose, diagnose_attention
+from attncheck.judge import diagnose, diagnose_attention
+from attncheck.numerics.cells.diagnose import Options
 from attncheck.numerics.inputs.scores import prepare_inputs
 
 

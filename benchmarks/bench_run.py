@@ -27,9 +27,10 @@ import torch
 
 from attncheck.cli.common import reuse_freed_memory
 from attncheck.config.run import rows_per_chunk
+from attncheck.judge import diagnose
 from attncheck.numerics.backends import select_backend
 from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc
-from attncheck.numerics.cells.diagnose import Options, _extremes_in_dtype, _in_dtype, bookkeeping, diagnose
+from attncheck.numerics.cells.diagnose import Options, _extremes_in_dtype, _in_dtype, bookkeeping
 from attncheck.numerics.methods.softmax import Buffers, MethodParams
 from attncheck.numerics.precision import dtype_from_name
 from attncheck.registry import METHODS, dtype_names, method_names

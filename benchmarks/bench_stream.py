@@ -35,7 +35,8 @@ CHILD = r"""
 import json, resource, sys, time
 import torch
 from attncheck.cli.common import reuse_freed_memory
-from attncheck.numerics.cells.diagnose import Options, diagnose, diagnose_chunks, rows_per_chunk
+from attncheck.judge import diagnose, diagnose_chunks
+from attncheck.numerics.cells.diagnose import Options, rows_per_chunk
 from attncheck.loaders import load_tensors, open_sources
 
 def peak_mib():

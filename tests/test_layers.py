@@ -1,8 +1,8 @@
 """The layers stay apart: which modules import torch, and which layer may import which.
 
-loaders (files -> tensors), numerics (tensors -> results), report (results -> tables,
-JSON), cli (commands), pipelines (each command as a library call); registry, params,
-results, findings and config are free of torch.
+loaders (files -> tensors), numerics (tensors -> numbers), judge (numbers -> findings), report
+(results -> tables, JSON), cli (commands), pipelines (each command as a library call); registry,
+params, options, results, findings and config are free of torch.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ TORCH_FREE = [
     "attncheck.config.synthetic",
     "attncheck.config.inputs",
     "attncheck.config.capture",
+    "attncheck.options",
+    "attncheck.draws",
     "attncheck.testing",
     "attncheck.report.run",
     "attncheck.report.sweep",
@@ -142,6 +144,14 @@ FORBIDDEN = {
     "registry": {"numerics", "loaders", "report", "cli", "pipelines", "config", "results", "findings", "params"},
     "params": {"numerics", "loaders", "report", "cli", "pipelines", "config", "results", "findings"},
     "pipelines": {"cli", "report"},
+    # judgement: numbers (numerics' results) -> findings; the pipelines and the recorder's sinks call it
+    "judge": {"loaders", "report", "cli", "pipelines", "record", "config"},
+    # below loaders, numerics and config alike: what a diagnosis is asked (options), the dtypes' names (dtypes),
+    # the device (devices), row-block sources (sources), the synthetic draws' sizes (draws)
+    **{
+        low: {"numerics", "loaders", "report", "cli", "pipelines", "config", "findings", "model", "record", "judge"}
+        for low in ("options", "dtypes", "devices", "sources", "draws")
+    },
 }
 
 
@@ -155,8 +165,6 @@ def test_layers_import_only_downwards(path):
         wrong = [m for m in wrong if not m.startswith("attncheck.numerics.sweep.theory")]
     if layer == "registry":  # the paths' specs (torch-free types), declared in their numerics modules
         wrong = [m for m in wrong if not m.startswith("attncheck.numerics.paths.base")]
-    if layer == "numerics" or layer == "loaders":
-        wrong = [m for m in wrong if m != "attncheck.config.run" and not m.startswith("attncheck.config.run.")]
     assert not wrong, f"{module} ({layer}) imports {wrong}"
 
 
@@ -250,3 +258,26 @@ def test_no_import_cycles():
         if m not in index:
             visit(m)
     assert cycles == [], cycles
+
+
+# Numerics returns numbers: what they mean (findings, model, codes, judge) is judged above it, and what it is
+# asked (config) reaches it as arguments (an ``Options``, defined below it in ``attncheck.options``); loaders and
+# numerics share only modules below both (dtypes, sources, devices). Counted as the imports run: those inside
+# functions too, those under ``if TYPE_CHECKING:`` (a type of an argument) not.
+RUNTIME_FORBIDDEN = {
+    "numerics": {"findings", "model", "codes", "judge", "config", "loaders"},
+    "loaders": {"numerics", "judge"},
+}
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for layer in RUNTIME_FORBIDDEN for p in (PACKAGE / layer).rglob("*.py")),
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
+def test_numerics_return_numbers_and_loaders_stay_apart(path):
+    files = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    module = _module_name(path)
+    bad = RUNTIME_FORBIDDEN[layer_of(module)]
+    wrong = sorted(m for m in _runtime_imports(path, files) if layer_of(m) in bad)
+    assert not wrong, f"{module} ({layer_of(module)}) imports {wrong} when it runs"

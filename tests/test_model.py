@@ -9,8 +9,8 @@ from rich.console import Console
 
 from attncheck.config.run import Options
 from attncheck.findings import counted_rows, counted_verdict, failed_conditions
+from attncheck.judge import diagnose_call
 from attncheck.model import OUTLIER_RATIO, model_report, outliers
-from attncheck.numerics.cells.calls import diagnose_call
 from attncheck.report.model import render_model, run_json, shared_prefix
 from attncheck.results import CallInfo, CallReport, HeadStat
 
@@ -120,8 +120,8 @@ def test_json_model_section():
 def test_the_closing_line_never_counts_errors_next_to_no_call_going_wrong():
     """Errors of any cell count for a call of unknown implementation (every cell is asked), so a
     naive fp16 overflow marks its call; the closing line names it rather than 'no call goes wrong'."""
+    from attncheck.judge import diagnose
     from attncheck.numerics.cells.calls import scores_report
-    from attncheck.numerics.cells.diagnose import diagnose
 
     opts = Options(dtypes=("fp16",), methods=("naive", "torch"))
     quiet = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))

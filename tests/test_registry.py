@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from attncheck.cli import app
 from attncheck.config.run import Options
 from attncheck.errors import AttncheckError
-from attncheck.numerics.cells.diagnose import diagnose
+from attncheck.judge import diagnose
 from attncheck.numerics.methods.softmax import MethodOutput, tiled_softmax
 from attncheck.numerics.precision import DtypeLimits, limits_of, overflow_result, torch_dtype
 from attncheck.registry import DTYPES, EVENTS, METHODS, MethodSpec, dtype_names, method_names

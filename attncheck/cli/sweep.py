@@ -205,7 +205,7 @@ def _run_preset(name: str, seed: str, device: str, json_out, plot, quiet: bool, 
         )
     seed_n, device_n = params.integer(seed, "seed", 0), params.device(device)
     check_output_path(json_out, "--json")
-    from attncheck.numerics.cells.diagnose import resolve_device
+    from attncheck.devices import resolve_device
     from attncheck.numerics.sweep.presets import PRESET_STEPS
     from attncheck.pipelines.sweep import run_preset
     from attncheck.report.progress import Progress

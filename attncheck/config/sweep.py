@@ -1,8 +1,8 @@
 """What ``attncheck sweep`` is asked to compute: the grid, its distribution and its size.
 
 Free of torch and numpy, so bad values fail in milliseconds, before the heavy
-imports. ``numerics.sweep`` and ``numerics.synthetic`` take their distribution
-constants and memory budget from here.
+imports. The distributions, the head layout and the memory of a draw are defined in
+``attncheck.draws``, below numerics (whose sweep draws with them), and re-exported here.
 """
 
 from __future__ import annotations
@@ -11,18 +11,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from attncheck import params
+from attncheck.draws import (  # noqa: F401  (defined below numerics; re-exported: config.sweep's API)
+    DIST_NAMES,
+    MEMORY_BUDGET_BYTES,
+    OUTLIER_PROB,
+    OUTLIER_VAR,
+    OUTPUT_ROWS,
+    gib,
+    head_layout,
+    qk_bytes,
+)
 from attncheck.errors import AttncheckError, param
 from attncheck.params import SCALE_NAMES, Scale
 from attncheck.registry import dtype_names, method_names, path_names
 
-DIST_NAMES = ("normal", "outliers")
 PRESET_NAMES = ("fa3", "pcast")  # numerics.presets: published figures reproduced
 
-# FlashAttention-3's numerical-error inputs: N(0,1) + N(0,100) * Bernoulli(0.001).
-OUTLIER_PROB = 0.001
-OUTLIER_VAR = 100.0
 
-MEMORY_BUDGET_BYTES = 2 * 1024**3
 # float64 (rows, seq) tensors alive at once while one grid point is measured:
 # unscaled scores, scaled logits, reference, a cell's probabilities in float64,
 # their difference, a temporary, plus the low-precision copies (counted as two);
@@ -38,27 +43,7 @@ SCALE_RANGE = (1e-30, 1e30)
 DEFAULT_DKS = (16, 32, 64, 128, 256, 512)
 DEFAULT_SEQ = 128
 DEFAULT_ROWS = 4096
-OUTPUT_ROWS = (
-    1024  # rows (whole heads) whose output O = P@V each point measures: enough for its RMSE, a quarter of the cost
-)
 DEFAULT_BLOCK = 32  # a quarter of the default 128 keys, so the tiled method rescales across blocks
-
-
-def head_layout(rows: int, seq: int) -> tuple[int, int]:
-    """(heads, queries per head) holding at least ``rows`` rows.
-
-    Like self-attention, a head has up to ``seq`` queries that share its ``seq``
-    keys; every query is drawn on its own. The last head may be cut short.
-    """
-    queries = min(rows, seq)
-    return -(-rows // queries), queries
-
-
-def qk_bytes(heads: int, queries: int, seq: int, dk: int, dist: str = "normal") -> int:
-    """Peak memory of drawing float64 q (heads, queries, dk) and k (heads, seq, dk): both,
-    plus for ``outliers`` the second normal draw of the larger one and two boolean masks."""
-    both = 8 * heads * (queries + seq) * dk
-    return both + (10 * heads * max(queries, seq) * dk if dist == "outliers" else 0)
 
 
 def point_bytes(rows: int, seq: int, dk: int, dist: str = "normal") -> int:
@@ -88,12 +73,6 @@ def work_text(n: float) -> str:
 def max_work(value: Any, param_name: str = "max_work", from_text: bool = True) -> int:
     """A limit on score elements: a positive number, '2e9' or '2147483648'."""
     return max(1, int(params.number(value, param_name, positive=True, from_text=from_text)))
-
-
-def gib(n: float) -> str:
-    """Bytes as GiB for messages: 2.5 GiB, 152,588 GiB."""
-    v = n / 1024**3
-    return f"{v:,.0f} GiB" if v >= 100 else f"{v:.3g} GiB"
 
 
 @dataclass(frozen=True)

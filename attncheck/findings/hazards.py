@@ -82,7 +82,7 @@ save_file({"q": x, "k": x.clone(), "v": x.clone()}, "qk.safetensors")
             _SEEDED
             + """\
 from attncheck import Options
-from attncheck.numerics.cells.diagnose import diagnose_attention
+from attncheck.judge import diagnose_attention
 from attncheck.numerics.inputs.scores import prepare_inputs
 from attncheck.numerics.paths.fa4 import Fa4Setup
 

@@ -14,63 +14,21 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from attncheck.errors import AttncheckError
+from attncheck.dtypes import (  # noqa: F401  (defined below loaders and numerics; numerics take them from here)
+    _labels,
+    check_scores_dtype,
+    dtype_from_name,
+    dtype_label,
+    scores_dtype_error,
+    spec_of,
+    torch_dtype,
+)
 from attncheck.params import MASK_SENTINEL_LIMIT  # noqa: F401  (numerics take it from here)
-from attncheck.registry import DTYPES, DtypeSpec, cell_dtype
 from attncheck.results.common import DtypeLimits
 
 # exp() of a low-precision tensor is evaluated in float32 and rounded (CPU and
 # CUDA alike), so float32's own overflow point also bounds fp16 and bf16.
 _EXP_COMPUTE_DTYPE = torch.float32
-
-
-def torch_dtype(spec: DtypeSpec) -> torch.dtype:
-    """The torch dtype of a registered format; an input error where this torch lacks it."""
-    dt = getattr(torch, spec.torch_name, None)
-    if not isinstance(dt, torch.dtype):
-        raise AttncheckError(
-            f"dtype {spec.name} needs torch.{spec.torch_name}, which torch {torch.__version__} does not have"
-        )
-    return dt
-
-
-def dtype_from_name(name: str, where=cell_dtype, param: str | None = None) -> torch.dtype:
-    """'fp16' / 'float16' / 'half' -> torch.float16; unknown names raise AttncheckError."""
-    return torch_dtype(DTYPES.get(name, where=where, param=param))
-
-
-@lru_cache(maxsize=None)
-def _labels() -> dict[torch.dtype, str]:
-    out = {}
-    for spec in DTYPES:
-        dt = getattr(torch, spec.torch_name, None)
-        if isinstance(dt, torch.dtype):
-            out[dt] = spec.name
-    return out
-
-
-def dtype_label(dtype: torch.dtype) -> str:
-    """torch.float16 -> 'fp16'; dtypes outside the registry fall back to their torch name."""
-    return _labels().get(dtype) or str(dtype).removeprefix("torch.")
-
-
-def spec_of(dtype: torch.dtype) -> DtypeSpec | None:
-    label = _labels().get(dtype)
-    return None if label is None else DTYPES.get(label)
-
-
-def scores_dtype_error(name: str, dtype: object) -> AttncheckError:
-    """The one message for a tensor whose dtype cannot hold scores (or q, k)."""
-    names = DTYPES.names(lambda s: s.scores)
-    allowed = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
-    shown = str(dtype).removeprefix("torch.")
-    return AttncheckError(f"{name} has dtype {shown}; attncheck needs floating-point scores ({allowed})")
-
-
-def check_scores_dtype(name: str, dtype: torch.dtype) -> None:
-    spec = spec_of(dtype)
-    if spec is None or not spec.scores:
-        raise scores_dtype_error(name, dtype)
 
 
 @lru_cache(maxsize=None)  # a few (value, dtype) pairs, asked for every chunk and cell

@@ -36,9 +36,9 @@ def run_check(
 
 def _run_check(config: CheckConfig, device: str | None, track: Track, notice) -> CheckResult:
     from attncheck.config.run import check_row_fits
+    from attncheck.devices import resolve_device
     from attncheck.loaders import iter_sources
-    from attncheck.numerics.cells.budgets import check_attention, check_source, synthetic_source
-    from attncheck.numerics.cells.diagnose import resolve_device
+    from attncheck.pipelines.budgets import check_attention, check_source, synthetic_source
     from attncheck.pipelines.run import device_label
 
     dev = resolve_device(device or config.device)

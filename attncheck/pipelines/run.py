@@ -28,10 +28,11 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     whose tensors are named like q/k/v/mask; other tensors are scores. The result holds a
     diagnosis per tensor, a report per call and the model report over them.
     """
+    from attncheck.devices import resolve_device
     from attncheck.findings import apply_ignore
+    from attncheck.judge import diagnose
     from attncheck.model import model_report, setting_choices
     from attncheck.numerics.cells.calls import scores_report
-    from attncheck.numerics.cells.diagnose import diagnose, resolve_device
     from attncheck.results import CallInfo
 
     track = track or (lambda name, rows: None)
@@ -73,11 +74,12 @@ def _run_files(request: RunRequest, options, track: Track, notice):
     """Every input of the files as a call report, in natural order; bad calls raise, or with
     ``partial`` are skipped and listed."""
     from attncheck.config.run import check_row_fits
+    from attncheck.judge import diagnose_call, diagnose_chunks
     from attncheck.loaders import TensorSource
     from attncheck.loaders.calls import open_inputs
-    from attncheck.numerics.cells.calls import diagnose_call, scores_report
-    from attncheck.numerics.cells.diagnose import diagnose_chunks, rows_per_chunk
+    from attncheck.numerics.cells.calls import scores_report
     from attncheck.numerics.precision import dtype_label
+    from attncheck.options import rows_per_chunk
     from attncheck.results import CallInfo, CallReport
 
     inputs, manifests = open_inputs(
@@ -244,7 +246,7 @@ def _with_mask_facts(inputs, mask: str):
 def _run_qk(
     qk: QKSpec, sources, options, track: Track, notice, max_bytes: int | None = None, what_if: tuple[str, ...] = ()
 ) -> list[TensorDiagnosis]:
-    from attncheck.numerics.cells.diagnose import diagnose_attention
+    from attncheck.judge import diagnose_attention
     from attncheck.numerics.cells.plan import grid, setting_cells
     from attncheck.numerics.inputs.scores import prepare_inputs
 
@@ -306,8 +308,8 @@ def _run_qk(
     cells = grid(options, True) + setting_cells(sweeps, options.dtypes, options=options) if sweeps else None
     diag = diagnose_attention(name, inputs, options, track(name, inputs.rows), notice=notice, cells=cells)
     if qk.grad_out:
+        from attncheck.judge import attach_backward
         from attncheck.numerics.backward.diagnose import GradInputs
-        from attncheck.numerics.cells.calls import attach_backward
 
         dout = load_one(qk.grad_out, "grad_out", max_bytes=max_bytes)[1]
         want = (*q.shape[:-1], v.shape[-1])

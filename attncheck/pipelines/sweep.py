@@ -24,7 +24,7 @@ def run_preset(
 ) -> PresetResult:
     """A preset of ``numerics.presets``: published figures next to attncheck's own;
     ``progress(done, total)`` after each of its steps."""
-    from attncheck.numerics.cells.diagnose import resolve_device
+    from attncheck.devices import resolve_device
     from attncheck.numerics.sweep.presets import PRESET_STEPS, PRESETS
 
     total, done = PRESET_STEPS[name], [0]

@@ -380,7 +380,7 @@ class DiagnoseSink(Sink):
     def __init__(self, options, ignore=(), notice: Callable[[str], None] | None = None, what_if=(), asked=None) -> None:
         from dataclasses import replace
 
-        from attncheck.numerics.cells.diagnose import resolve_device
+        from attncheck.devices import resolve_device
 
         self.options = replace(options, device=str(resolve_device(options.device)))
         self.ignore, self.notice = tuple(ignore), notice
@@ -408,7 +408,7 @@ class DiagnoseSink(Sink):
 
     def _diagnose(self, call: Recorded) -> None:
         from attncheck.findings import apply_ignore
-        from attncheck.numerics.cells.calls import diagnose_call
+        from attncheck.judge import diagnose_call
 
         name = f"{call.index:04d}-{call.module or 'global'}"
         try:

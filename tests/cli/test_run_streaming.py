@@ -12,7 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from attncheck.cli import app
-from attncheck.numerics.cells.diagnose import Options, diagnose
+from attncheck.judge import diagnose
+from attncheck.numerics.cells.diagnose import Options
 from attncheck.report.run import diagnosis_json
 
 runner = CliRunner()

@@ -25,9 +25,10 @@ import safetensors.torch
 import torch
 
 from attncheck.errors import AttncheckError
+from attncheck.judge import diagnose, diagnose_chunks
 from attncheck.loaders import SUPPORTED_SUFFIXES, TensorSource, load_tensors, open_sources
 from attncheck.loaders.formats.safetensors import _read_safetensors_header
-from attncheck.numerics.cells.diagnose import Options, diagnose, diagnose_chunks
+from attncheck.numerics.cells.diagnose import Options
 from tests.loaders.test_loaders import Hostile, assert_bitwise_equal, make_tree, sample
 
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]

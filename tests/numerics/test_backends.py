@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from attncheck.numerics.cells.diagnose import Options, diagnose
+from attncheck.judge import diagnose
+from attncheck.numerics.cells.diagnose import Options
 from attncheck.numerics.rowmath import kl_divergence
 
 from .cells.test_diagnose import problem_rows

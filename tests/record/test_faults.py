@@ -120,9 +120,9 @@ def test_left_padding_in_sdpa_gives_zero_rows_as_the_kernel_does():
 
 def diagnose_recorded(cap):
     """The in-memory calls of a capture, diagnosed as run diagnoses files."""
+    from attncheck.judge import diagnose_call
     from attncheck.loaders.calls import info_from_meta
     from attncheck.model import model_report
-    from attncheck.numerics.cells.calls import diagnose_call
     from attncheck.results import RunResult
 
     reports = [

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from attncheck.codes import FIX
 from attncheck.demo import EXAMPLE_NAME, example_scores
-from attncheck.numerics.cells.diagnose import diagnose
+from attncheck.judge import diagnose
 from attncheck.report.diagnostics import findings_block
 from attncheck.results import Finding
 

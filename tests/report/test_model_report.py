@@ -12,8 +12,8 @@ import torch
 from rich.console import Console
 
 from attncheck.config.run import Options
+from attncheck.judge import diagnose_call
 from attncheck.model import model_report
-from attncheck.numerics.cells.calls import diagnose_call
 from attncheck.report.fit import constant_parts, middle_ellipsis
 from attncheck.report.model import render_model
 from attncheck.results import CallInfo, WhatIfAnswer

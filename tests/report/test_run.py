@@ -11,7 +11,8 @@ import torch
 from rich.console import Console
 
 from attncheck.demo import EXAMPLE_NAME, example_scores
-from attncheck.numerics.cells.diagnose import Options, diagnose, diagnose_attention
+from attncheck.judge import diagnose, diagnose_attention
+from attncheck.numerics.cells.diagnose import Options
 from attncheck.numerics.inputs.scores import prepare_inputs
 from attncheck.report.model import run_json
 from attncheck.report.run import print_report

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from attncheck.cli import app
 from attncheck.config.run import Options
 from attncheck.findings import apply_ignore
+from attncheck.judge import diagnose_call
 from attncheck.model import model_report
-from attncheck.numerics.cells.calls import diagnose_call
 from attncheck.report.summary import model_summary
 from attncheck.results import CallInfo
 

@@ -23,10 +23,7 @@ from typing import Callable
 import torch
 
 from attncheck import params
-from attncheck.codes import SEVERITIES
-from attncheck.config.run import Options
 from attncheck.errors import AttncheckError, param
-from attncheck.model import head_findings
 from attncheck.numerics.cells.plan import (
     CellKey,
     call_facts,
@@ -42,8 +39,10 @@ from attncheck.numerics.cells.plan import (
     what_if_cells,
 )
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
+from attncheck.options import Options, rows_per_chunk
 from attncheck.registry import PATHS, eager_path
 from attncheck.results import CallInfo, CallReport, CellLimit, HeadStat, TensorDiagnosis
+from attncheck.sources import memory_source
 
 QK_KINDS = ("sdpa", "qk", "flex", "flash_attn")
 GRAD_ROLES = (
@@ -191,10 +190,6 @@ def diagnose_call(
         if known and what is not None
         else {},
     )
-    extra = head_findings(report, diag.findings)
-    if extra:
-        order = {s: i for i, s in enumerate(SEVERITIES)}
-        diag.findings = sorted(diag.findings + extra, key=lambda f: order[f.severity])
     return report
 
 
@@ -209,16 +204,11 @@ def softcap(info: CallInfo) -> float | None:
 
 
 def _softcap_audit(info: CallInfo, inputs, diag: TensorDiagnosis, cap: float) -> None:
-    """S = Q@K^T before the cap, in the scores' dtype: the facts and their finding."""
-    from attncheck.findings import softcap_findings
+    """S = Q@K^T before the cap, in the scores' dtype: the facts (``judge.judge_call`` finds what they mean)."""
     from attncheck.numerics.inputs.softcap import softcap_facts
 
     dt = dtype_from_name(cell_dtype_name(info.dtype) or "fp32")
     diag.attention.softcap = softcap_facts(inputs, dt, cap, diag.attention.raw_max_abs)
-    found = softcap_findings(diag)
-    if found:
-        order = {s: i for i, s in enumerate(SEVERITIES)}
-        diag.findings = sorted(diag.findings + found, key=lambda f: order[f.severity])
 
 
 def _backward(
@@ -326,8 +316,7 @@ def attach_backward(
     """The backward of the cells of ``diag`` (or, with ``own`` = (BackwardCell, its Cell), of that
     model cell alone) and of the what-if cells of ``what``: every cell of a path with a backward
     (eager with torch.softmax, its mask applied as ``mask_op`` says; sdpa-math; flash) in fp16, bf16
-    or fp32. Fills ``Cell.backward`` and adds the backward findings to the diagnosis holding the cell."""
-    from attncheck.findings import backward_findings
+    or fp32. Fills ``Cell.backward``; ``judge.attach_backward`` adds the backward findings."""
     from attncheck.numerics.backward.diagnose import BackwardCell, diagnose_backward, has_backward
 
     wanted: dict = {}  # BackwardCell -> the forward cell it belongs to
@@ -347,12 +336,6 @@ def attach_backward(
     results = diagnose_backward(inputs, grads, list(wanted), options.chunk_elements)
     for key, result in results.items():
         wanted[key].backward = result
-    order = {s: i for i, s in enumerate(SEVERITIES)}
-    for d in (diag, what):
-        if d is not None:
-            found = backward_findings(d.cells)
-            if found:
-                d.findings = sorted(d.findings + found, key=lambda f: order[f.severity])
 
 
 def _model_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], max_bytes: int | None = None):
@@ -442,7 +425,6 @@ def _scores_diagnosis(info, scores, inputs, options, cells, progress, notice) ->
             fit=source is None,
         )
     # far from any overflow: the scores alone, with the audit's max|q.k| (the --detail panel said 0)
-    from attncheck.config.run import rows_per_chunk
     from attncheck.numerics.inputs.scores import max_abs_qk
 
     audit = start_audit(inputs)
@@ -552,8 +534,6 @@ def _softmax_what_if_inputs(
     """A softmax call as hand-written attention in another dtype: its q, k (and v), the scale it
     applied (traced; 1 where nn.MultiheadAttention scaled q first; else fitted to its scores), and
     the mask read back from its scores, added in each dtype (``mask_of_scores``)."""
-    from attncheck.config.run import rows_per_chunk
-    from attncheck.loaders import memory_source
     from attncheck.numerics.inputs.scores import fit_scale, prepare_inputs
 
     scores = tensors["scores"]

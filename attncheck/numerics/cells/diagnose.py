@@ -17,10 +17,8 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from attncheck.config.run import Options, chunk_elements_for, rows_per_chunk  # noqa: F401  (part of this module's API)
+from attncheck.devices import resolve_device
 from attncheck.errors import AttncheckError, param
-from attncheck.findings import findings_for
-from attncheck.model import setting_choices
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, select_backend
 from attncheck.numerics.backends.torch_rows import TorchRows
 from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc, HeadMax
@@ -37,30 +35,15 @@ from attncheck.numerics.precision import (
     rounding_limit,
 )
 from attncheck.numerics.reduce import any_true, count, row_counts
+from attncheck.options import Options, chunk_elements_for, rows_per_chunk  # noqa: F401  (part of this module's API)
 from attncheck.registry import METHODS, PATHS, fp8_names, resolve
 from attncheck.results import ASKED, CellLimit, TensorDiagnosis
+from attncheck.sources import TensorSource, memory_source
 
 if TYPE_CHECKING:
     from attncheck.numerics.inputs.scores import AttentionInputs, QKBlock
 
 __all__ = ["Options", "diagnose", "diagnose_attention", "diagnose_chunks", "resolve_device"]
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda when available else cpu; 'cuda' without CUDA is an input error."""
-    name = name.strip().lower()
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cpu":
-        return torch.device("cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise AttncheckError(
-                f"{param('device')} cuda requested but CUDA is not available (torch.cuda.is_available() is False); "
-                f"use {param('device')} cpu"
-            )
-        return torch.device(name)
-    raise AttncheckError(f"unknown device {name!r} (choose from auto, cpu, cuda)", param="device")
 
 
 def check_scores(name: str, x: torch.Tensor) -> None:
@@ -232,8 +215,6 @@ def diagnose_chunks(
         backend=backend.name,
         head_max_logits=head_max.values(),
     )
-    result.findings = findings_for(result)
-    result.choices = setting_choices(result)
     return result
 
 
@@ -581,7 +562,6 @@ def diagnose_attention(
     when the scale is the model's own choice (``AttentionAudit.scale_source``); ``fit`` False: the
     given scores' scale is known (that one), so none is fitted.
     """
-    from attncheck.loaders import TensorSource, memory_source
     from attncheck.numerics.inputs.scores import fit_scale, given_blocks, score_blocks, start_audit
 
     options = options or Options()

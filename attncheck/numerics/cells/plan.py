@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attncheck.config.run import Options
 from attncheck.numerics.paths.base import CallFacts, Setting
+from attncheck.options import Options
 from attncheck.params import WHAT_IF_ALL, WHAT_IF_FP8, WHAT_IF_KERNELS, setting_sweeps
 from attncheck.registry import (
     DTYPES,

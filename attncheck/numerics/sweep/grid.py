@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from attncheck.config.sweep import OUTPUT_ROWS, SweepConfig, head_layout
-from attncheck.numerics.cells.diagnose import resolve_device
+from attncheck.devices import resolve_device
+from attncheck.draws import OUTPUT_ROWS, head_layout
 from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
 from attncheck.numerics.methods.softmax import MethodParams, reference_softmax, run_method
 from attncheck.numerics.precision import cast, dtype_from_name, exp_overflow_threshold, limits_of
@@ -34,6 +34,9 @@ from attncheck.numerics.sweep.theory import (
 from attncheck.params import COLLAPSE_THRESHOLD, Scale
 from attncheck.registry import PATHS
 from attncheck.results.sweep import SweepCell, SweepOutput, SweepPoint, SweepResult
+
+if TYPE_CHECKING:  # the caller's config, read as given: numerics imports no config
+    from attncheck.config.sweep import SweepConfig
 
 __all__ = ["RowStats", "measure_outputs", "row_stats", "run_sweep"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from attncheck.config.sweep import (
+from attncheck.draws import (
     DIST_NAMES,
     MEMORY_BUDGET_BYTES,
     OUTLIER_PROB,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import sys
 
-from attncheck.config.sweep import head_layout
+from attncheck.draws import head_layout
 
 _ERFC_LIMIT = 30.0  # log Q(z) through erfc up to here, Mills' ratio beyond
 _MILLS_TERMS = 40

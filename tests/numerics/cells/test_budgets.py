@@ -11,14 +11,14 @@ from attncheck.config.check import Budget, CheckConfig, parse_table
 from attncheck.config.run import Options
 from attncheck.errors import AttncheckError
 from attncheck.loaders import memory_source
-from attncheck.numerics.cells.budgets import (
+from attncheck.numerics.sweep.synthetic import make_scores
+from attncheck.pipelines.budgets import (
     budget_checks,
     check_tensor,
     locate_worst_row,
     synthetic_scores,
     synthetic_source,
 )
-from attncheck.numerics.sweep.synthetic import make_scores
 from attncheck.pipelines.check import run_check
 from attncheck.report.check import describe_check
 
@@ -182,7 +182,7 @@ def test_relative_atol_widens_the_bound(long_rows):
 
 
 def test_budget_checks_on_a_cell_of_known_counts(fp16_overflow_scores):
-    from attncheck.numerics.cells.diagnose import diagnose
+    from attncheck.judge import diagnose
 
     cell = diagnose("x", fp16_overflow_scores, Options(dtypes=("fp16",), methods=("naive",))).cell("naive", "fp16")
     checks = budget_checks(cell, Budget(nan=None, overflow=None, zero_rows=0, argmax_flips=100))
@@ -247,7 +247,7 @@ def test_check_reads_files_in_row_blocks(tmp_path, monkeypatch):
     """run_check never loads a dump whole: it diagnoses row blocks of each file, one file at a
     time, and its numbers are the whole-tensor check's."""
     import attncheck.loaders
-    import attncheck.numerics.cells.budgets as budgets
+    import attncheck.pipelines.budgets as budgets
 
     (tmp_path / "dumps").mkdir()
     g = torch.Generator().manual_seed(2)
@@ -356,7 +356,7 @@ def _sdpa_math_out(q, k, v, dtype):
 
 def test_output_budgets_measure_what_torchs_sdpa_gives():
     """The sdpa-math cell's O errors are the errors of torch's own MATH backend against float64."""
-    from attncheck.numerics.cells.budgets import synthetic_qkv
+    from attncheck.pipelines.budgets import synthetic_qkv
 
     cfg = parse_table(
         {
@@ -409,7 +409,7 @@ def test_out_relative_to_torch_compares_with_the_eager_torch_cell():
     cfg = parse_table({**PATH_SYN, "methods": ["stable"], "budget": {"out_relative_to_torch": 2.0}})
     cases = {c.name: c for c in run_check(cfg).cases}
     assert list(cases) == ["eager:stable/fp16", "sdpa-math/fp16", "flash/fp16"]  # torch computed, not reported
-    from attncheck.numerics.cells.budgets import synthetic_qkv
+    from attncheck.pipelines.budgets import synthetic_qkv
 
     q, k, v = synthetic_qkv(cfg.synthetic[0])
     ref64 = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(32), dim=-1) @ v

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from attncheck.config.run import Options
 from attncheck.errors import AttncheckError
-from attncheck.numerics.cells.calls import diagnose_call, model_cell
+from attncheck.judge import diagnose_call
+from attncheck.numerics.cells.calls import model_cell
 from attncheck.results import CallInfo
 
 OPTS = Options(dtypes=("fp16", "fp32"), methods=("stable", "tiled", "torch"))

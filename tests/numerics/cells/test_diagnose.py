@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from attncheck.errors import AttncheckError
+from attncheck.judge import diagnose
 from attncheck.numerics.backends.numba_rows import NumbaRows
 from attncheck.numerics.backends.torch_rows import TorchRows
 from attncheck.numerics.cells.accumulate import CellAcc
-from attncheck.numerics.cells.diagnose import Options, diagnose
+from attncheck.numerics.cells.diagnose import Options
 from attncheck.numerics.methods.softmax import run_method
 from attncheck.numerics.rowmath import entropy, jacobian_frobenius, kl_divergence
 
@@ -373,7 +374,7 @@ def test_flex_math_kl_floor_is_the_dtype_its_p_is_cast_to(dtype, kernels):
     """flex-math casts P to the dtype (docs/reference/numerics.md), so its KL floor is the dtype's smallest
     subnormal, as the eager path's: P = _safe_softmax(fp32(fp32(q k^T) scale)) cast to the dtype, against
     the float64 softmax of q k^T scale, KL = sum r log(r / q') - r + q', q' = max(P, floor)."""
-    from attncheck.numerics.cells.diagnose import diagnose_attention
+    from attncheck.judge import diagnose_attention
     from attncheck.numerics.inputs.scores import prepare_inputs
 
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]

@@ -10,7 +10,7 @@ import torch
 
 from attncheck.codes import SEVERITY
 from attncheck.config.run import Options
-from attncheck.numerics.cells.diagnose import diagnose_attention
+from attncheck.judge import diagnose_attention
 from attncheck.numerics.cells.plan import setting_cells
 from attncheck.numerics.inputs.scores import prepare_inputs
 

@@ -5,8 +5,8 @@ the scores and the dtype's unit roundoff, independently of the accumulator."""
 import torch
 
 from attncheck import METHODS, MethodSpec, Options
+from attncheck.judge import diagnose
 from attncheck.numerics.cells.accumulate import FLIP_UNITS, real_flips
-from attncheck.numerics.cells.diagnose import diagnose
 from attncheck.numerics.methods.softmax import MethodOutput
 
 

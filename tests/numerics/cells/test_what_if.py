@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from attncheck.config.run import Options
 from attncheck.findings import failed_conditions
+from attncheck.judge import diagnose_call
 from attncheck.model import model_report
-from attncheck.numerics.cells.calls import diagnose_call
 from attncheck.numerics.precision import exp_overflow_threshold, exp_underflow_threshold, rounding_limit
 from attncheck.results import CallInfo
 
@@ -125,7 +125,7 @@ def test_headroom_is_the_model_cells_own_first_failure():
     assert (lim.kind, lim.threshold) == ("qk_overflow", 65520.0) and lim.value == pytest.approx(top / 0.125)
     assert lim.headroom == pytest.approx(65520 - top / 0.125)
     # Bare scores, naive in fp16: exp overflows above ln(65520) ~ 11.09.
-    from attncheck.numerics.cells.diagnose import diagnose
+    from attncheck.judge import diagnose
 
     d = diagnose("x", scores.float(), Options(dtypes=("fp16",), methods=("naive", "torch")))
     naive = d.cell("naive", "fp16").limit

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from attncheck.cli import app
 from attncheck.errors import AttncheckError
-from attncheck.numerics.cells.diagnose import Options, diagnose_attention
+from attncheck.judge import diagnose_attention
+from attncheck.numerics.cells.diagnose import Options
 from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
 
 FP16_MAX = torch.finfo(torch.float16).max

@@ -10,7 +10,7 @@ import torch
 
 from attncheck import Options
 from attncheck.errors import AttncheckError
-from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
+from attncheck.judge import diagnose, diagnose_attention
 from attncheck.numerics.inputs.scores import prepare_inputs
 from attncheck.numerics.methods.fp8_attention import fa3_tile, hadamard
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attncheck.config.run import Options
-from attncheck.numerics.cells.diagnose import diagnose_attention
+from attncheck.judge import diagnose_attention
 from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
 from attncheck.numerics.methods.online import online_softmax
 from attncheck.numerics.methods.softmax import MethodParams

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from attncheck.numerics.cells.diagnose import Options, diagnose
+from attncheck.judge import diagnose
+from attncheck.numerics.cells.diagnose import Options
 from attncheck.numerics.methods.fp8 import pcast_softmax, to_fp8
 from attncheck.numerics.methods.fp8_attention import Fp8Setup
 from attncheck.numerics.methods.softmax import MethodParams, tiled_softmax

@@ -487,7 +487,7 @@ def test_supports_by_shape_and_dtype():
 
 def _diagnose(q, k, v, dtypes, setup=None):
     from attncheck import Options
-    from attncheck.numerics.cells.diagnose import diagnose_attention
+    from attncheck.judge import diagnose_attention
     from attncheck.numerics.inputs.scores import prepare_inputs
 
     inputs = prepare_inputs(q, k, v=v)

@@ -83,7 +83,7 @@ def test_a_new_path_is_one_file_and_one_registration(tmp_path, monkeypatch):
         assert model_path(info) == "toy"
         assert "toy" in kernel_replays(replace_backend(info, "flash_attention"), "fp16")
         from attncheck.config.run import Options
-        from attncheck.numerics.cells.diagnose import diagnose_attention
+        from attncheck.judge import diagnose_attention
         from attncheck.numerics.inputs.scores import prepare_inputs
 
         torch.manual_seed(0)

@@ -15,13 +15,16 @@ from typing import Callable, Sequence
 
 import torch
 
-from attncheck.config.check import Budget, SyntheticInput
+from attncheck.config.check import Budget, SyntheticInput, synthetic_bytes
 from attncheck.config.run import Options
 from attncheck.config.sweep import head_layout
+from attncheck.devices import resolve_device
 from attncheck.errors import AttncheckError
 from attncheck.findings import counted_rows
+from attncheck.format import size_text
 from attncheck.loaders import TensorSource, memory_source
-from attncheck.numerics.cells.diagnose import check_scores, diagnose_chunks, resolve_device, rows_per_chunk
+from attncheck.numerics.cells.diagnose import check_scores, diagnose_attention, diagnose_chunks, rows_per_chunk
+from attncheck.numerics.inputs.scores import prepare_inputs
 from attncheck.numerics.methods.softmax import reference_softmax, run_method
 from attncheck.numerics.precision import cast, dtype_from_name
 from attncheck.numerics.reduce import unravel
@@ -243,9 +246,6 @@ def check_attention(
 ) -> list[CaseResult]:
     """A synthetic entry with ``paths``: Q, K and V from the sweep generator, every path's P
     and O = P@V, each cell (path, method, dtype) against the budget."""
-    from attncheck.numerics.cells.diagnose import diagnose_attention
-    from attncheck.numerics.inputs.scores import prepare_inputs
-
     per_dtype = {d: (budgets or {}).get(d, budget) for d in options.dtypes}
     shown = options.methods
     methods = shown
@@ -310,10 +310,6 @@ def synthetic_source(spec: SyntheticInput, device: str = "cpu", max_bytes: int |
     head's scores are computed (as the sweep's batched matmul computes them) only when its
     rows are read, so a large input holds q, k and about two heads' scores, never all rows.
     Sizes over ``max_bytes`` (``config.check.synthetic_bytes``) are refused before drawing."""
-    from attncheck.config.check import synthetic_bytes
-    from attncheck.config.sweep import head_layout
-    from attncheck.format import size_text
-
     need = synthetic_bytes(spec)
     if max_bytes is not None and need > max_bytes:
         raise AttncheckError(f"{spec.name}: needs {size_text(need)}, over max_memory {size_text(max_bytes)}")
