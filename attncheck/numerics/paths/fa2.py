@@ -239,16 +239,29 @@ def kernel_rows(
         blocks.append((j, pd))
         if vd is not None:
             acc = _mma_accumulate(acc, pd.reshape(n, tq, block_n), vd[:, j * block_n : (j + 1) * block_n])
-    # 12. finalize: the quad all-reduce, inv_sum, O, LSE
+    # 12. finalize: the quad all-reduce, inv_sum (1 for an empty row), O, LSE (+inf for an empty row)
+    return finalize(lt, m, acc, blocks, rescales, broke, s, lse_scale=lse_scale, dt=dt, tk=tk, empty_inv=1.0)
+
+
+def finalize(lt, m, acc, blocks, rescales, broke, s, *, lse_scale: float, dt, tk: int, empty_inv: float) -> KernelRows:
+    """FlashAttention-2's and -3's finalize, which differ only in what a row whose sum is 0 or NaN gets:
+    ``inv_sum = empty_inv`` (FA2: 1, LSE +inf; FA3: 0, LSE -inf). The quad all-reduce of the thread sums ``lt``
+    (r, 4) is ``(s0 + s2) + (s1 + s3)``; O = ``acc * inv_sum`` (fp32) rounded to ``dt``; ``LSE = m * lse_scale +
+    ln(sum)`` (ln rounded once to fp32, then the fma rounded once); the effective probabilities are P_j (``blocks``,
+    in processing order) times the rescales after block j and inv_sum, in float64 then fp32; ``fused_max`` rows are
+    ``broke`` and rows whose sum overflowed although no score was +inf."""
+    import torch
+
+    r, block_n = lt.shape[0], blocks[0][1].shape[1]
     total = (lt[:, 0] + lt[:, 2]) + (lt[:, 1] + lt[:, 3])  # (r,) float32
     bad = (total == 0) | torch.isnan(total)
-    inv = torch.where(bad, torch.ones_like(total), 1.0 / total)
-    out = None if acc is None else (acc * inv.reshape(n, tq, 1)).to(dt).reshape(r, -1)  # (r, dv)
+    inv = torch.where(bad, torch.full_like(total, empty_inv), 1.0 / total)
+    out = None if acc is None else (acc * inv.reshape(*acc.shape[:2], 1)).to(dt).reshape(r, -1)  # (r, dv)
     log_sum = torch.log(total.double()).float().double()
-    lse = torch.where(bad, float("inf"), (m.double() * lse_scale + log_sum).float())
-    # effective probabilities: P_j times the rescales after block j and inv_sum, float64 then fp32
+    empty_lse = float("inf") if empty_inv else float("-inf")
+    lse = torch.where(bad, empty_lse, (m.double() * lse_scale + log_sum).float())
     later = torch.ones(r, dtype=torch.float64)
-    probs = torch.empty(r, nb * block_n, dtype=torch.float32)
+    probs = torch.empty(r, len(blocks) * block_n, dtype=torch.float32)
     for i in range(len(blocks) - 1, -1, -1):
         j, pd = blocks[i]
         probs[:, j * block_n : (j + 1) * block_n] = (pd * (later * inv.double())[:, None]).float()

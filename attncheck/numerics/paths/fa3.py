@@ -244,22 +244,8 @@ def kernel_rows(
             acc = fa2._mma_accumulate(
                 acc * f.reshape(n, tq, 1), pd.reshape(n, tq, block_n), vd[:, j * block_n : (j + 1) * block_n]
             )
-    # 13. finalize
-    total = (lt[:, 0] + lt[:, 2]) + (lt[:, 1] + lt[:, 3])
-    bad = (total == 0) | torch.isnan(total)
-    inv = torch.where(bad, torch.zeros_like(total), 1.0 / total)
-    out = None if acc is None else (acc * inv.reshape(n, tq, 1)).to(dt).reshape(r, -1)
-    log_sum = torch.log(total.double()).float().double()
-    lse = torch.where(bad, float("-inf"), (m.double() * lse_scale + log_sum).float())
-    later = torch.ones(r, dtype=torch.float64)
-    probs = torch.empty(r, nb * block_n, dtype=torch.float32)
-    for i in range(len(blocks) - 1, -1, -1):
-        j, pd = blocks[i]
-        probs[:, j * block_n : (j + 1) * block_n] = (pd * (later * inv.double())[:, None]).float()
-        later = later * rescales[i].double()
-    has_posinf = torch.isposinf(s).any(dim=1)
-    events = {"fused_max": broke | (torch.isposinf(total) & ~has_posinf)}
-    return KernelRows(probs[:, :tk], out, lse, events)
+    # 13. finalize: FlashAttention-2's, but inv_sum 0 for an empty row (O = 0, LSE -inf)
+    return fa2.finalize(lt, m, acc, blocks, rescales, broke, s, lse_scale=lse_scale, dt=dt, tk=tk, empty_inv=0.0)
 
 
 def _fp8_rows(q, k, v, scale, dt, block_n, bias, q_descale, k_descale, v_descale) -> KernelRows:
