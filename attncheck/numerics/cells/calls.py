@@ -653,3 +653,9 @@ def scores_report(info: CallInfo, diag: TensorDiagnosis) -> CallReport:
             for h, (m, n) in enumerate(zip(diag.head_max_logits, used.nan_rows_per_head))
         ]
     return CallReport(info, diag, heads, None if cell is None else (cell.method, cell.dtype))
+
+
+def call_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], max_bytes: int | None = None):
+    """A captured call's Q, K, V and mask as the model gave them (an SDPA, flash_attn call or q/k file), for what-ifs
+    that recompute the call from them (the KV cache's)."""
+    return _model_inputs(info, _normalised(info, tensors), max_bytes)
