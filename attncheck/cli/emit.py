@@ -41,12 +41,17 @@ def emit(
     failed += [
         WHAT_IF_PREFIX + f for f in failed_conditions(what_ifs, asked, (*ignored, *INHERITED))
     ]  # inherited NaN is the model's
-    kv = getattr(result, "kv", None)  # --what-if kv:...: what-ifs, failing only what-if:COND
-    if kv is not None and asked:
+    kv = getattr(result, "kv", None)  # --what-if kv:...
+    if kv is not None:
         from attncheck.findings import failed_by_findings  # (as above)
 
+        # On a capture the cache is a what-if, failing only what-if:COND; on --q/--k/--v, whose implementation is
+        # not known, it is one more computation asked of the tensors, counted as their cells are
+        counted = result.model is None or not result.model.known
+        own = [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)] if counted else []
         for what in kv.caches:
             failed += [WHAT_IF_PREFIX + f for f in failed_by_findings(what.findings, asked, ignored, what.name)]
+            failed += failed_by_findings(what.findings, own, ignored, what.name)
     if result.model is not None and result.model.findings:  # the capture's own (capture_incomplete)
         from attncheck.findings import failed_by_findings  # (as above)
 

@@ -30,7 +30,7 @@ for name, t in (("q", q), ("k", k), ("v", v)):
     torch.save(t, f"{name}.pt")
 """,
     "attncheck run --q q.pt --k k.pt --v v.pt --causal --what-if kv:fp8_e4m3:unit --brief "
-    "--fail-on what-if:kv_cache_saturation",
+    "--fail-on kv_cache_saturation",
 )
 
 CODES: tuple[Code, ...] = (
@@ -80,6 +80,10 @@ FIX = {c.name: c.fix for c in CODES}
 _LABEL = {"fp8_e4m3": "FP8 e4m3", "fp8_e5m2": "FP8 e5m2"}
 
 
+def add(code: str, severity: str, message: str, fix: str) -> Finding:
+    return Finding(code, severity, message, fix)
+
+
 def _breaks(h: KVHead) -> bool:
     return h.cosine < KV_COSINE_MIN or h.rel_l2 > KV_REL_L2_MAX
 
@@ -114,7 +118,7 @@ def _saturation(what: KVWhatIf, h: KVHead) -> list[Finding]:
             f"worst cosine {h.cosine:.4f}, relative L2 {h.rel_l2:.3g}{_channel(h, tensor.lower())}"
         )
         fix = f"a {tensor.lower()}_scale of {plain(hold_head)} holds this head (per tensor: {plain(hold_tensor)})"
-        out.append(Finding("kv_cache_saturation", severity, message, fix))
+        out.append(add("kv_cache_saturation", severity, message, fix))
     return out
 
 
@@ -132,7 +136,7 @@ def _error(what: KVWhatIf, h: KVHead) -> Finding | None:
         f"{what.name}: {_where(h)}: attention from the cache has worst cosine {h.cosine:.4f}, relative L2 "
         f"{h.rel_l2:.3g}, max abs {plain(h.max_abs)} against the model's cell; cause: {cause}"
     )
-    return Finding("kv_cache_error", "warning", message, FIX["kv_cache_error"])
+    return add("kv_cache_error", "warning", message, FIX["kv_cache_error"])
 
 
 def _summary(what: KVWhatIf, report: KVReport) -> str:
