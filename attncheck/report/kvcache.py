@@ -61,7 +61,7 @@ def kv_table(what: KVWhatIf) -> Table:
 def kv_block(report: KVReport, brief: bool = False) -> Group:
     """Every cache: its summary line, its table (not with ``brief``), its findings; the calls left out."""
     parts: list[Any] = [
-        Text("KV-cache what-ifs (not counted as the model's; --fail-on what-if:COND)", style="bold"),
+        Text("KV-cache what-ifs (on a capture never the model's verdict: --fail-on what-if:COND)", style="bold"),
     ]
     for what in report.caches:
         parts.append(Text(visible(what.summary), style="bold" if what.findings else ""))
