@@ -123,16 +123,16 @@ def run_kv(asks: list[tuple[str, str]], calls: list[KVCall], skipped: list[tuple
     for call in calls:
         inp, dt = call.load()
         layer = layers[call.module] if calibrated else _observe(layers, call.module, call.index, inp)
-        shape = (inp.q.shape[0], inp.q.shape[1], inp.q.shape[2], inp.k.shape[2])
-        bias = kc.mask_bias(inp.masked, inp.mask_float, shape)
-        model_out = kc.kernel_output(inp.q, inp.k, inp.v, bias, inp.scale, dt)
-        reference = kc.reference_output(inp.q, inp.k, inp.v, bias, inp.scale)
-        base = kc.output_error(model_out, reference, inp.k.shape[1])
-        for i, (fmt, scaling) in enumerate(asks):
-            scales = frozen.setdefault((i, call.module), _scales(layer, fmt, scaling))
-            res = kc.cache_call(inp.q, inp.k, inp.v, bias, inp.scale, dt, fmt, scales, model_out, reference)
-            for h in range(inp.k.shape[1]):
-                _fold(accs.setdefault((i, call.module, h), _Acc()), res, base, h)
+        scales = [frozen.setdefault((i, call.module), _scales(layer, f, s)) for i, (f, s) in enumerate(asks)]
+        for h in range(inp.k.shape[1]):  # one kv head and its query heads at a time: memory bounded by a group's
+            q, k, v, bias = _group(inp, h)
+            model_out = kc.kernel_output(q, k, v, bias, inp.scale, dt)
+            reference = kc.reference_output(q, k, v, bias, inp.scale)
+            base = kc.output_error(model_out, reference, 1)
+            for i, (fmt, _) in enumerate(asks):
+                pair = (scales[i][0][h : h + 1], scales[i][1][h : h + 1])
+                res = kc.cache_call(q, k, v, bias, inp.scale, dt, fmt, pair, model_out, reference)
+                _fold(accs.setdefault((i, call.module, h), _Acc()), res, base, 0)
     report = KVReport(skipped=list(skipped))
     for i, (fmt, scaling) in enumerate(asks):
         what = KVWhatIf(fmt, scaling, kc.format_max(fmt))
@@ -144,6 +144,21 @@ def run_kv(asks: list[tuple[str, str]], calls: list[KVCall], skipped: list[tuple
         report.caches.append(what)
     judge_kv(report)
     return report
+
+
+def _group(inp, h: int):
+    """kv head ``h``'s slice of a call: q of the query heads reading it (B, g, Tq, d), its k and v (B, 1, Tk, ...),
+    and their mask as an additive bias (B, g, Tq, Tk)."""
+    hq, hk = inp.q.shape[1], inp.k.shape[1]
+    g = hq // hk
+    heads = slice(h * g, (h + 1) * g)
+
+    def part(m):  # a mask broadcast over heads keeps its single head
+        return None if m is None else (m if m.dim() < 4 or m.shape[1] == 1 else m[:, heads])
+
+    q = inp.q[:, heads]
+    shape = (q.shape[0], g, q.shape[2], inp.k.shape[2])
+    return q, inp.k[:, h : h + 1], inp.v[:, h : h + 1], kc.mask_bias(part(inp.masked), part(inp.mask_float), shape)
 
 
 def _fold(acc: _Acc, res: kc.CacheCall, base: kc.OutputError, h: int) -> None:
