@@ -18,7 +18,8 @@ from attncheck.errors import AttncheckError
 from attncheck.numerics import kvcache as kc
 from attncheck.results.kvcache import KVChannel, KVHead, KVReport, KVWhatIf
 
-KV_KINDS = ("sdpa", "flash_attn", "qk")  # calls whose q, k, v and mask are recorded as the kernel took them
+# Calls whose q, k, v and mask are recorded (SDPA, flash_attn, q/k files) or traced (softmax: eager attention)
+KV_KINDS = ("sdpa", "flash_attn", "qk", "softmax")
 
 
 @dataclass
@@ -223,7 +224,8 @@ def capture_calls(items, max_bytes: int | None) -> tuple[list[KVCall], list[tupl
         info = item.info
         name = info.module or info.name
         if info.kind not in KV_KINDS or item.problem:
-            skipped.append((name, item.problem or f"a {info.kind} call: its q, k and v are not recorded as a kernel"))
+            why = item.problem or f"a {info.kind} call: the KV-cache what-if replays SDPA, flash_attn and eager calls"
+            skipped.append((name, why))
             continue
 
         def load(item=item, info=info):
@@ -231,6 +233,11 @@ def capture_calls(items, max_bytes: int | None) -> tuple[list[KVCall], list[tupl
             if tensors.get("v") is None:
                 raise AttncheckError(f"{info.name} (call {info.index}): the KV-cache what-if needs v, not recorded")
             inp = call_inputs(info, tensors, max_bytes)
+            if inp is None or inp.v is None:
+                raise AttncheckError(
+                    f"{info.name} (call {info.index}): the KV-cache what-if needs the q, k and v that made the "
+                    "call's scores, not all traced"
+                )
             label = cell_dtype_name(info.dtype) or cell_dtype_name(_label(tensors["q"].dtype)) or "fp32"
             return inp, dtype_from_name(label)
 

@@ -21,7 +21,7 @@ E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 E4M3_EDGE = E4M3_MAX + 32 / 2  # beyond 448 + half its step of 32, a plain round-to-nearest cast leaves the range
 
 
-def capture_llama(out, planted: bool):
+def capture_llama(out, planted: bool, attn: str = "sdpa"):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         hidden_size=64,
@@ -33,7 +33,7 @@ def capture_llama(out, planted: bool):
         max_position_embeddings=64,
         initializer_range=0.1,
     )
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=torch.bfloat16)
     model.eval()
     if planted:
         with torch.no_grad():
@@ -194,3 +194,15 @@ def test_qkv_dumps(tmp_path):
     # no model here (the tensors' implementation is not known): the cache counts as the cells asked do
     result = runner.invoke(app, [*args, "--what-if", "kv:fp8_e4m3:unit", "--fail-on", "warning"])
     assert result.exit_code == 1 and "--fail-on warning: kv:fp8_e4m3:unit: kv_cache_saturation" in result.stderr
+
+
+@pytest.mark.slow
+def test_eager_attention_replayed_from_its_traced_q_k_v(tmp_path):
+    """transformers' eager attention: a softmax call whose q, k, v are traced (k and v after repeat_kv, one per
+    query head) and whose causal mask is read back from its scores."""
+    capture = capture_llama(tmp_path / "eager", True, attn="eager")
+    doc = run_json(tmp_path, capture, "--what-if", "kv:fp8_e4m3:unit")
+    (cache,) = doc["kv_cache"]["caches"]
+    bad = {(h["module"], h["kv_head"]) for h in cache["heads"] if h["v_saturated"]}
+    assert bad == {(f"model.layers.{LAYER}.self_attn", 2), (f"model.layers.{LAYER}.self_attn", 3)}
+    assert {f["code"] for f in cache["findings"]} == {"kv_cache_saturation", "kv_cache_error"}
