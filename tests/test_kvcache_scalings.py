@@ -71,3 +71,29 @@ def test_outlier_channel_named_as_the_cause():
     sat = [f for f in cache.findings if f.code == "kv_cache_saturation"]
     assert len(sat) == 1 and "amax 1920 > 448" in sat[0].message
     assert "the amax sits in channel 3" in sat[0].message and "(token 5 of call 0)" in sat[0].message
+
+
+def test_each_call_loaded_once_more_when_the_amax_was_gathered():
+    """Calibrated scalings need the capture's amax: gathered while the calls are diagnosed (AmaxPass), the cache's
+    own pass loads each call once; without it, twice (a first pass for the amax)."""
+    from attncheck.pipelines.kvcache import AmaxPass
+    from attncheck.results import CallInfo
+
+    loads = []
+    k, v = kv(3)
+    inp = prepare_inputs(torch.ones(1, 4, 8, 16, dtype=torch.bfloat16), k, None, v=v, causal=True)
+
+    def counted(i):
+        return KVCall("layer", i, lambda: loads.append(i) or (inp, torch.bfloat16))
+
+    asks = [("fp8_e4m3", "head"), ("fp8_e4m3", "unit")]
+    alone = run_kv(asks, [counted(0), counted(1)])
+    assert loads == [0, 1, 0, 1]
+    loads.clear()
+    amax = AmaxPass()
+    for i in range(2):
+        info = CallInfo(i, "call", "sdpa", module="layer", is_causal=True)
+        amax.observe(info, {"q": torch.ones(1, 4, 8, 16, dtype=torch.bfloat16), "k": k, "v": v})
+    gathered = run_kv(asks, [counted(0), counted(1)], amax=amax)
+    assert loads == [0, 1]
+    assert [h.v_scale for h in gathered.caches[0].heads] == [h.v_scale for h in alone.caches[0].heads]

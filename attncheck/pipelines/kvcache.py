@@ -2,9 +2,10 @@
 computed per call and gathered per layer (a module's calls) and kv head, then judged.
 
 Scales need amax over calls: ``tensor`` and ``head`` the whole capture's per layer (calibrated scales), ``dynamic``
-the layer's first call (vLLM's calculate_kv_scales). So where ``tensor`` or ``head`` is asked, a first pass loads
-each call once for its K and V amax per kv head; the second loads each call once more and computes every cache
-asked from it (``unit`` and ``dynamic`` alone: one pass, a layer's first call coming before its others).
+the layer's first call (vLLM's calculate_kv_scales). So where ``tensor`` or ``head`` is asked, the amax per layer and
+kv head is gathered first: by ``AmaxPass`` while ``attncheck run`` diagnoses each call (which loads it anyway), or
+by a pass of its own; then each call is loaded once more and every cache asked is computed from it (``unit`` and
+``dynamic`` alone need no first pass: a layer's first call comes before its others).
 """
 
 from __future__ import annotations
@@ -110,20 +111,53 @@ def _scales(layer: _Layer, fmt: str, scaling: str) -> tuple[torch.Tensor, torch.
     return k.expand(hk), v.expand(hk)
 
 
-def run_kv(asks: list[tuple[str, str]], calls: list[KVCall], skipped: list[tuple[str, str]] = ()) -> KVReport:
-    """Every cache asked over ``calls`` (in call order), per layer and kv head, judged."""
+def needs_amax(asks: list[tuple[str, str]]) -> bool:
+    """Whether a cache asked takes its scales from the capture's amax (calibrated: 'tensor', 'head')."""
+    return any(s in ("tensor", "head") for _, s in asks)
+
+
+class AmaxPass:
+    """The capture's K and V amax per layer and kv head, gathered from each call's tensors as another pass loads
+    them (``observe``); a call whose inputs cannot be read is left to the cache's own pass, which says why."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.layers: dict[str, _Layer] = {}
+        self.max_bytes = max_bytes
+
+    def observe(self, info, tensors: dict) -> None:
+        if info.kind not in KV_KINDS or tensors.get("v") is None:
+            return
+        from attncheck.numerics.cells.calls import call_inputs
+
+        try:
+            inp = call_inputs(info, tensors, self.max_bytes)
+        except AttncheckError:
+            return
+        if inp is not None and inp.v is not None:
+            _observe(self.layers, info.module or info.name, info.index, inp)
+
+
+def run_kv(
+    asks: list[tuple[str, str]],
+    calls: list[KVCall],
+    skipped: list[tuple[str, str]] = (),
+    amax: AmaxPass | None = None,
+) -> KVReport:
+    """Every cache asked over ``calls`` (in call order), per layer and kv head, judged; ``amax``: the capture's
+    amax already gathered (else, where a calibrated scaling is asked, a first pass over ``calls`` gathers it)."""
     from attncheck.findings.kvcache import judge_kv
 
-    layers: dict[str, _Layer] = {}
-    calibrated = any(s in ("tensor", "head") for _, s in asks)
-    if calibrated:  # the first pass: the capture's amax per layer and kv head
+    calibrated = needs_amax(asks)
+    layers: dict[str, _Layer] = amax.layers if amax is not None and calibrated else {}
+    if calibrated and amax is None:  # the first pass: the capture's amax per layer and kv head
         for call in calls:
             _observe(layers, call.module, call.index, call.load()[0])
     accs: dict[tuple[int, str, int], _Acc] = {}
     frozen: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # scales fixed at a layer's first call
     for call in calls:
         inp, dt = call.load()
-        layer = layers[call.module] if calibrated else _observe(layers, call.module, call.index, inp)
+        known = calibrated and call.module in layers  # else (a call the amax pass could not read): seen now
+        layer = layers[call.module] if known else _observe(layers, call.module, call.index, inp)
         scales = [frozen.setdefault((i, call.module), _scales(layer, f, s)) for i, (f, s) in enumerate(asks)]
         for h in range(inp.k.shape[1]):  # one kv head and its query heads at a time: memory bounded by a group's
             q, k, v, bias = _group(inp, h)

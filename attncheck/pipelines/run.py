@@ -42,6 +42,11 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     capture = None
     skipped: list[tuple[str, str]] = []
     prepared = None
+    amax = None  # the KV cache's calibrated scales: the capture's amax, gathered as the calls are diagnosed
+    if params.kv_what_ifs(request.what_if):
+        from attncheck.pipelines.kvcache import AmaxPass, asks_of, needs_amax
+
+        amax = AmaxPass(request.max_memory) if needs_amax(asks_of(request.what_if)) else None
     if request.qk is not None:
         sources = open_sources_for(request)
         prepared = qk_inputs(request.qk, budget)
@@ -57,17 +62,17 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
         diags = [diagnose(EXAMPLE_NAME, x, options, track(EXAMPLE_NAME, x.numel() // x.shape[-1]), notice)]
         calls = [scores_report(CallInfo(0, EXAMPLE_NAME, "scores"), diags[0])]
     else:
-        calls, capture, skipped = _run_files(request, options, track, notice)
+        calls, capture, skipped = _run_files(request, options, track, notice, amax)
         diags = [c.diagnosis for c in calls if c.diagnosis is not None]
     for d in diags + [c.what_if for c in calls if c.what_if is not None]:
         apply_ignore(d, request.ignore)
         d.choices = setting_choices(d, request.ignore)  # judged again on the findings that count
     model = model_report(calls, request.ignore, skipped, capture)
-    kv = _run_kv(request, prepared) if params.kv_what_ifs(request.what_if) else None
+    kv = _run_kv(request, prepared, amax) if params.kv_what_ifs(request.what_if) else None
     return RunResult(diags, device_label(dev), calls, model, kv=kv)
 
 
-def _run_kv(request: RunRequest, prepared):
+def _run_kv(request: RunRequest, prepared, amax=None):
     """--what-if kv:...: the KV cache over the capture's calls (or --q/--k/--v), its findings less those ignored."""
     from attncheck.pipelines.kvcache import KVCall, asks_of, capture_calls, run_kv
 
@@ -87,7 +92,7 @@ def _run_kv(request: RunRequest, prepared):
                 f"{param('what_if')} kv:... replays attention calls whose q, k and v were recorded (SDPA, flash_attn, "
                 "q/k/v files); these inputs hold none"
             )
-    report = run_kv(asks, calls, skipped)
+    report = run_kv(asks, calls, skipped, None if prepared is not None else amax)
     for what in report.caches:
         what.findings = [f for f in what.findings if f.code not in request.ignore]
     return report
@@ -107,9 +112,9 @@ def open_sources_for(request: RunRequest):
     return open_sources(request.paths, request.keys, max_bytes=request.max_memory) if request.paths else []
 
 
-def _run_files(request: RunRequest, options, track: Track, notice):
+def _run_files(request: RunRequest, options, track: Track, notice, amax=None):
     """Every input of the files as a call report, in natural order; bad calls raise, or with
-    ``partial`` are skipped and listed."""
+    ``partial`` are skipped and listed. ``amax``: a KV-cache amax pass that sees each call's tensors."""
     from attncheck.config.run import check_row_fits
     from attncheck.judge import diagnose_call, diagnose_chunks
     from attncheck.loaders import TensorSource
@@ -182,6 +187,8 @@ def _run_files(request: RunRequest, options, track: Track, notice):
             if item.problem:
                 raise AttncheckError(item.problem)
             tensors = item.load()
+            if amax is not None:
+                amax.observe(info, tensors)
             rows = _score_rows(tensors)
             calls.append(
                 diagnose_call(
