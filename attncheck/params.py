@@ -121,6 +121,39 @@ WHAT_IF_FP8 = "e4m3"  # the FP8 format of 'all' (FlashAttention-3's)
 WHAT_IF_KERNELS = "kernels"  # replay each call under every kernel that could have run it, in the call's dtype
 
 
+# --what-if kv:FORMAT[:SCALING]: K and V through a quantised KV cache (attncheck.numerics.kvcache)
+KV_PREFIX = "kv:"
+KV_FORMATS = ("fp8_e4m3", "fp8_e5m2")
+KV_SCALINGS = ("unit", "tensor", "head", "dynamic")
+
+
+def kv_token(value: str, param: str = "what_if") -> str:
+    """'kv:fp8_e4m3', 'KV:fp8_e4m3:head' -> 'kv:fp8_e4m3', 'kv:fp8_e4m3:head'; one clear error otherwise."""
+    parts = value.strip().lower().split(":")
+    usage = f"kv:FORMAT[:SCALING] (FORMAT {', '.join(KV_FORMATS)}; SCALING {', '.join(KV_SCALINGS)})"
+    if len(parts) < 2 or len(parts) > 3 or not parts[1]:
+        raise AttncheckError(f"{show(value.strip())} is not {usage}", param=param)
+    if parts[1] not in KV_FORMATS:
+        raise AttncheckError(
+            f"{show(value.strip())}: the KV cache format must be one of {', '.join(KV_FORMATS)}", param=param
+        )
+    if len(parts) == 3 and parts[2] not in KV_SCALINGS:
+        raise AttncheckError(
+            f"{show(value.strip())}: the KV cache scaling must be one of {', '.join(KV_SCALINGS)}", param=param
+        )
+    return ":".join(parts)
+
+
+def kv_what_ifs(what_if: Iterable[str]) -> tuple[str, ...]:
+    """The KV-cache what-ifs among validated what-if words ('kv:fp8_e4m3:unit')."""
+    return tuple(w for w in what_if if w.startswith(KV_PREFIX))
+
+
+def cell_what_ifs(what_if: Iterable[str]) -> tuple[str, ...]:
+    """The what-if words that ask for cells of the calls (dtypes, kernels, settings grids): all but the KV cache's."""
+    return tuple(w for w in what_if if not w.startswith(KV_PREFIX))
+
+
 def setting_sweeps() -> tuple[str, ...]:
     """The kernel paths with a settings grid (``PathSpec.settings``): ``--what-if NAME`` sweeps it ('fa4')."""
     return PATHS.names(lambda spec: spec.settings is not None)
@@ -134,6 +167,12 @@ def what_if(value: Any, param: str = "what_if") -> tuple[str, ...]:
     values = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
     words: tuple[str, ...] = ()
     if isinstance(values, (list, tuple)):
+        kv = [kv_token(v, param) for v in values if isinstance(v, str) and v.strip().lower().startswith("kv")]
+        values = [v for v in values if not (isinstance(v, str) and v.strip().lower().startswith("kv"))]
+        if kv:
+            if not values:
+                return tuple(dict.fromkeys(kv))
+            return (*tuple(dict.fromkeys(kv)), *what_if(values, param))
         low = [str(v).strip().lower() for v in values]
         if low == [WHAT_IF_ALL]:
             return (WHAT_IF_ALL,)
@@ -148,7 +187,7 @@ def what_if(value: Any, param: str = "what_if") -> tuple[str, ...]:
         return (*words, *dtypes(values, param))
     except AttncheckError as e:
         if e.message.endswith(")"):  # the dtypes to choose from: the words a what-if takes besides them
-            others = ", ".join((WHAT_IF_KERNELS, *setting_sweeps(), WHAT_IF_ALL))
+            others = ", ".join((WHAT_IF_KERNELS, *setting_sweeps(), WHAT_IF_ALL, "kv:FORMAT[:SCALING]"))
             raise AttncheckError(e.message[:-1] + f"; or {others})", param=param) from None
         raise
 

@@ -41,6 +41,17 @@ def emit(
     failed += [
         WHAT_IF_PREFIX + f for f in failed_conditions(what_ifs, asked, (*ignored, *INHERITED))
     ]  # inherited NaN is the model's
+    kv = getattr(result, "kv", None)  # --what-if kv:...
+    if kv is not None:
+        from attncheck.findings import failed_by_findings  # (as above)
+
+        # On a capture the cache is a what-if, failing only what-if:COND; on --q/--k/--v, whose implementation is
+        # not known, it is one more computation asked of the tensors, counted as their cells are
+        counted = result.model is None or not result.model.known
+        own = [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)] if counted else []
+        for what in kv.caches:
+            failed += [WHAT_IF_PREFIX + f for f in failed_by_findings(what.findings, asked, ignored, what.name)]
+            failed += failed_by_findings(what.findings, own, ignored, what.name)
     if result.model is not None and result.model.findings:  # the capture's own (capture_incomplete)
         from attncheck.findings import failed_by_findings  # (as above)
 
@@ -65,14 +76,12 @@ def emit(
         chosen += [c for c in hit if c not in chosen]
     if json_out is not None:
         try:
-            write_json(
-                json.dumps(
-                    run_json(result.tensors, result.device, failed, result.model, result.calls),
-                    indent=2,
-                    allow_nan=False,
-                ),
-                json_out,
-            )
+            doc = run_json(result.tensors, result.device, failed, result.model, result.calls)
+            if kv is not None:
+                from attncheck.report.kvcache import kv_json  # (as above)
+
+                doc["kv_cache"] = kv_json(kv)
+            write_json(json.dumps(doc, indent=2, allow_nan=False), json_out)
         except AttncheckError as e:
             raise fail(e) from None
     if summary_only is not None and result.model is not None:  # one process of several (torchrun): its closing line
@@ -112,6 +121,10 @@ def emit(
                 console.print(render_diagnosis(c.diagnosis, verbose=not brief))
                 if c.what_if is not None:
                     console.print(render_diagnosis(c.what_if, verbose=not brief))
+    if kv is not None and json_out != "-" and summary_only is None:
+        from attncheck.report.kvcache import kv_block  # (as above)
+
+        report_console().print(kv_block(kv, brief=brief or summary))
     for reason in failed:
         say(f"attncheck: --fail-on {reason}")
     if result.model is not None and result.model.skipped:

@@ -69,7 +69,7 @@ WhatIfOpt = Annotated[
     Optional[str],
     typer.Option(
         "--what-if",
-        metavar="DTYPE,...|kernels|fa4|all",
+        metavar="DTYPE,...|kernels|fa4|kv:FORMAT[:SCALING]|all",
         show_default=False,
         help=(
             "Captured calls: what would break if the model ran in these dtypes (fp16, bf16, fp32, fp8 = e4m3, ...) "
@@ -80,6 +80,10 @@ WhatIfOpt = Annotated[
             "(with --q/--k too: in each --dtype), and names the setting with the least output error against float64; "
             "'all' adds "
             "every other implementation (naive, stable, tiled, the SDPA paths, FP8) in fp16, bf16, fp32 and e4m3. "
+            "'kv:FORMAT[:SCALING]' (with a capture, or --q/--k/--v) writes K and V to a quantised KV cache as vLLM "
+            "does (FORMAT fp8_e4m3 or fp8_e5m2; SCALING unit = 1.0, tensor = amax/max per layer, head = per kv "
+            "head, dynamic = the first call's, as vLLM's calculate_kv_scales; none: all four side by side) and "
+            "computes attention from it, per layer and kv head. "
             "Reported apart; never the model's verdict unless --fail-on what-if:COND."
         ),
     ),

@@ -229,8 +229,14 @@ def run(
                     f"{named} {'applies' if len(given) == 1 else 'apply'} to scores computed from {param('q')} and "
                     f"{param('k')}, which are not given"
                 )
-        sweeps_only = all(w in params.setting_sweeps() for w in asked_what_if)  # --what-if fa4: any Q/K input
-        if asked_what_if and (example or (qk is not None and (not sweeps_only or paths))):
+        if params.kv_what_ifs(asked_what_if) and (example or (qk is not None and qk.v is None)):
+            raise AttncheckError(
+                f"{param('what_if')} kv:... replays attention from a quantised KV cache: give a capture, or "
+                f"{param('q')}, {param('k')} and {param('v')}"
+            )
+        cell_what_if = params.cell_what_ifs(asked_what_if)  # the KV cache's are asked of --q/--k/--v too
+        sweeps_only = all(w in params.setting_sweeps() for w in cell_what_if)  # --what-if fa4: any Q/K input
+        if cell_what_if and (example or (qk is not None and (not sweeps_only or paths))):
             raise AttncheckError(
                 f"{param('what_if')} asks about a captured model's calls; with {param('q')}/{param('k')} or "
                 f"{param('example')} every cell is computed already (choose them with {param('dtypes')}, "

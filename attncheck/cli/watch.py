@@ -171,10 +171,12 @@ def watch(
             raise AttncheckError(f"is a growth factor per 100 steps, above 1; got {growth}", param="growth")
         asked = params.what_if(what_if) if what_if is not None else ()
         replays = [w for w in asked if w in (params.WHAT_IF_KERNELS, *params.setting_sweeps())]
+        replays += list(params.kv_what_ifs(asked))  # the KV cache too: it recomputes attention from K and V
         if replays:
             raise AttncheckError(
                 f"{replays[0]}: the watch judges logged statistics, not tensors, so it cannot replay a call under "
-                "other kernels; capture the step (attncheck capture) and run attncheck run DIR --what-if "
+                "other kernels or through a KV cache; capture the step (attncheck capture) and run attncheck run DIR "
+                "--what-if "
                 f"{replays[0]}",
                 param="what_if",
             )

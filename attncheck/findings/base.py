@@ -68,6 +68,7 @@ GROUPS = {
     "backward": "The backward pass",
     "watch": "Watching a training run (attncheck watch)",
     "capture": "The capture itself",
+    "serving": "Serving: the KV cache (what-ifs)",
 }
 
 _TORCH = "import torch\n\n"

@@ -41,9 +41,16 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     budget = request.max_memory
     capture = None
     skipped: list[tuple[str, str]] = []
+    prepared = None
+    amax = None  # the KV cache's calibrated scales: the capture's amax, gathered as the calls are diagnosed
+    if params.kv_what_ifs(request.what_if):
+        from attncheck.pipelines.kvcache import AmaxPass, asks_of, needs_amax
+
+        amax = AmaxPass(request.max_memory) if needs_amax(asks_of(request.what_if)) else None
     if request.qk is not None:
         sources = open_sources_for(request)
-        diags = _run_qk(request.qk, sources, options, track, notice, budget, request.what_if)
+        prepared = qk_inputs(request.qk, budget)
+        diags = _run_qk(request.qk, sources, options, track, notice, budget, request.what_if, prepared)
         calls = [
             scores_report(CallInfo(i, d.name, "qk" if not sources else "scores", has_qk=True), d)
             for i, d in enumerate(diags)
@@ -55,13 +62,48 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
         diags = [diagnose(EXAMPLE_NAME, x, options, track(EXAMPLE_NAME, x.numel() // x.shape[-1]), notice)]
         calls = [scores_report(CallInfo(0, EXAMPLE_NAME, "scores"), diags[0])]
     else:
-        calls, capture, skipped = _run_files(request, options, track, notice)
+        calls, capture, skipped = _run_files(request, options, track, notice, amax)
         diags = [c.diagnosis for c in calls if c.diagnosis is not None]
     for d in diags + [c.what_if for c in calls if c.what_if is not None]:
         apply_ignore(d, request.ignore)
         d.choices = setting_choices(d, request.ignore)  # judged again on the findings that count
     model = model_report(calls, request.ignore, skipped, capture)
-    return RunResult(diags, device_label(dev), calls, model)
+    kv = _run_kv(request, prepared, amax) if params.kv_what_ifs(request.what_if) else None
+    return RunResult(diags, device_label(dev), calls, model, kv=kv)
+
+
+def _run_kv(request: RunRequest, prepared, amax=None):
+    """--what-if kv:...: the KV cache over the capture's calls (or --q/--k/--v), its findings less those ignored."""
+    from attncheck.pipelines.kvcache import KVCall, asks_of, capture_calls, run_kv
+
+    asks = asks_of(request.what_if)
+    if prepared is not None:
+        q_name, k_name, q, v, inputs = prepared
+        if v is None:
+            raise AttncheckError(f"{param('what_if')} kv:... computes attention from the cache: give {param('v')}")
+        calls, skipped = [KVCall("", 0, lambda: (inputs, _kv_dtype(q.dtype)))], []
+    else:
+        from attncheck.loaders.calls import open_inputs
+
+        items = [i for i in open_inputs(request.paths, request.keys, request.max_memory)[0] if hasattr(i, "info")]
+        calls, skipped = capture_calls(items, request.max_memory)
+        if not calls:
+            raise AttncheckError(
+                f"{param('what_if')} kv:... replays attention calls whose q, k and v were recorded (SDPA, flash_attn, "
+                "q/k/v files); these inputs hold none"
+            )
+    report = run_kv(asks, calls, skipped, None if prepared is not None else amax)
+    for what in report.caches:
+        what.findings = [f for f in what.findings if f.code not in request.ignore]
+    return report
+
+
+def _kv_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a cache's attention computes in for q given as a file: q's, where a cell computes in it, else fp32."""
+    from attncheck.numerics.cells.plan import cell_dtype_name
+    from attncheck.numerics.precision import dtype_from_name, dtype_label
+
+    return dtype_from_name(cell_dtype_name(dtype_label(dtype)) or "fp32")
 
 
 def open_sources_for(request: RunRequest):
@@ -70,9 +112,9 @@ def open_sources_for(request: RunRequest):
     return open_sources(request.paths, request.keys, max_bytes=request.max_memory) if request.paths else []
 
 
-def _run_files(request: RunRequest, options, track: Track, notice):
+def _run_files(request: RunRequest, options, track: Track, notice, amax=None):
     """Every input of the files as a call report, in natural order; bad calls raise, or with
-    ``partial`` are skipped and listed."""
+    ``partial`` are skipped and listed. ``amax``: a KV-cache amax pass that sees each call's tensors."""
     from attncheck.config.run import check_row_fits
     from attncheck.judge import diagnose_call, diagnose_chunks
     from attncheck.loaders import TensorSource
@@ -115,7 +157,8 @@ def _run_files(request: RunRequest, options, track: Track, notice):
         for item in inputs
         if not isinstance(item, TensorSource) and item.info.kind not in ("qk", "scores", "unknown")
     ]
-    sweeps_only = all(w in params.setting_sweeps() for w in request.what_if)  # asked of any Q/K input (fa4's grid)
+    cell_what_if = params.cell_what_ifs(request.what_if)  # the KV cache's what-ifs run apart (_run_kv)
+    sweeps_only = all(w in params.setting_sweeps() for w in cell_what_if)  # asked of any Q/K input (fa4's grid)
     _check_fa4_applies(request, options, inputs, captured)
     if (options.fp8_accum != params.FP8_ACCUM_KERNEL or options.fp8_flush is not None) and not captured and inputs:
         if all(isinstance(item, TensorSource) for item in inputs):
@@ -124,7 +167,7 @@ def _run_files(request: RunRequest, options, track: Track, notice):
                 f"products, computed from {param('q')} and {param('k')} or a capture; "
                 f"{'the file holds' if len(request.paths) == 1 else 'the files hold'} scores only"
             )
-    if request.what_if and inputs and not captured and not sweeps_only:
+    if cell_what_if and inputs and not captured and not sweeps_only:
         raise AttncheckError(
             f"{param('what_if')} asks what would break if a captured model's calls ran otherwise; these files "
             f"hold plain scores or q/k tensors, whose implementation is not known: every cell asked is computed "
@@ -144,6 +187,8 @@ def _run_files(request: RunRequest, options, track: Track, notice):
             if item.problem:
                 raise AttncheckError(item.problem)
             tensors = item.load()
+            if amax is not None:
+                amax.observe(info, tensors)
             rows = _score_rows(tensors)
             calls.append(
                 diagnose_call(
@@ -152,7 +197,7 @@ def _run_files(request: RunRequest, options, track: Track, notice):
                     options,
                     track(info.name, rows),
                     notice,
-                    request.what_if,
+                    cell_what_if,
                     options if request.grid_asked else None,
                     max_bytes=request.max_memory,
                 )
@@ -244,10 +289,56 @@ def _with_mask_facts(inputs, mask: str):
 
 
 def _run_qk(
-    qk: QKSpec, sources, options, track: Track, notice, max_bytes: int | None = None, what_if: tuple[str, ...] = ()
+    qk: QKSpec,
+    sources,
+    options,
+    track: Track,
+    notice,
+    max_bytes: int | None = None,
+    what_if: tuple[str, ...] = (),
+    prepared: tuple | None = None,
 ) -> list[TensorDiagnosis]:
     from attncheck.judge import diagnose_attention
     from attncheck.numerics.cells.plan import grid, setting_cells
+
+    q_name, k_name, q, v, inputs = prepared or qk_inputs(qk, max_bytes)
+    if sources:  # scores given too: diagnose them and fit the scale they carry
+        if qk.grad_out:
+            raise AttncheckError(
+                f"{param('grad_out')} judges the backward of attention computed from {param('q')} and {param('k')}; "
+                f"give no score files with it"
+            )
+        return [
+            diagnose_attention(src.name, inputs, options, track(src.name, src.rows), scores=src, notice=notice)
+            for src in sources
+        ]
+    name = f"{q_name} @ {k_name}"
+    sweeps = tuple(w for w in what_if if w in params.setting_sweeps())  # --what-if fa4: its grid beside the cells
+    for sweep in sweeps:  # a grid in none of the dtypes asked: said, not left out
+        if not setting_cells((sweep,), options.dtypes, options=options):
+            raise AttncheckError(
+                f"{param('what_if')} {sweep}: FlashAttention-4 has no settings grid in {', '.join(options.dtypes)} "
+                f"(add fp16, bf16 or e4m3 to {param('dtypes')})"
+            )
+    cells = grid(options, True) + setting_cells(sweeps, options.dtypes, options=options) if sweeps else None
+    diag = diagnose_attention(name, inputs, options, track(name, inputs.rows), notice=notice, cells=cells)
+    if qk.grad_out:
+        from attncheck.judge import attach_backward
+        from attncheck.numerics.backward.diagnose import GradInputs
+
+        dout = load_one(qk.grad_out, "grad_out", max_bytes=max_bytes)[1]
+        want = (*q.shape[:-1], v.shape[-1])
+        if tuple(dout.shape) != want:
+            raise AttncheckError(
+                f"{param('grad_out')} {qk.grad_out} has shape {tuple(dout.shape)}; the output gradient of these q "
+                f"and v has shape {want}"
+            )
+        attach_backward(diag, None, inputs, GradInputs(dout, causal=qk.causal), options, mask_op=qk.mask_op or "add")
+    return [diag]
+
+
+def qk_inputs(qk: QKSpec, max_bytes: int | None = None):
+    """--q, --k, --v and --mask read and prepared: (q's name, k's name, q, v, AttentionInputs)."""
     from attncheck.numerics.inputs.scores import prepare_inputs
 
     q_name, q = load_one(qk.q, "q", max_bytes=max_bytes)
@@ -287,39 +378,7 @@ def _run_qk(
     inputs = _with_mask_facts(
         inputs, "explicit" if mask is not None or qk.pad_left or qk.pad_right else "causal" if qk.causal else "none"
     )
-    if sources:  # scores given too: diagnose them and fit the scale they carry
-        if qk.grad_out:
-            raise AttncheckError(
-                f"{param('grad_out')} judges the backward of attention computed from {param('q')} and {param('k')}; "
-                f"give no score files with it"
-            )
-        return [
-            diagnose_attention(src.name, inputs, options, track(src.name, src.rows), scores=src, notice=notice)
-            for src in sources
-        ]
-    name = f"{q_name} @ {k_name}"
-    sweeps = tuple(w for w in what_if if w in params.setting_sweeps())  # --what-if fa4: its grid beside the cells
-    for sweep in sweeps:  # a grid in none of the dtypes asked: said, not left out
-        if not setting_cells((sweep,), options.dtypes, options=options):
-            raise AttncheckError(
-                f"{param('what_if')} {sweep}: FlashAttention-4 has no settings grid in {', '.join(options.dtypes)} "
-                f"(add fp16, bf16 or e4m3 to {param('dtypes')})"
-            )
-    cells = grid(options, True) + setting_cells(sweeps, options.dtypes, options=options) if sweeps else None
-    diag = diagnose_attention(name, inputs, options, track(name, inputs.rows), notice=notice, cells=cells)
-    if qk.grad_out:
-        from attncheck.judge import attach_backward
-        from attncheck.numerics.backward.diagnose import GradInputs
-
-        dout = load_one(qk.grad_out, "grad_out", max_bytes=max_bytes)[1]
-        want = (*q.shape[:-1], v.shape[-1])
-        if tuple(dout.shape) != want:
-            raise AttncheckError(
-                f"{param('grad_out')} {qk.grad_out} has shape {tuple(dout.shape)}; the output gradient of these q "
-                f"and v has shape {want}"
-            )
-        attach_backward(diag, None, inputs, GradInputs(dout, causal=qk.causal), options, mask_op=qk.mask_op or "add")
-    return [diag]
+    return q_name, k_name, q, v, inputs
 
 
 def _check_fa4_applies(request: RunRequest, options, inputs, captured) -> None:

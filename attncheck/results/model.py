@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from attncheck.format import plain
 from attncheck.results.common import Finding
+from attncheck.results.kvcache import KVReport
 from attncheck.results.run import CellLimit, SettingChoice, TensorDiagnosis
 
 
@@ -254,3 +255,4 @@ class RunResult:
     device: str
     calls: list[CallReport] = field(default_factory=list)
     model: ModelReport | None = None
+    kv: KVReport | None = None  # --what-if kv:...: the KV cache's what-ifs

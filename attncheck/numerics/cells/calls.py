@@ -653,3 +653,17 @@ def scores_report(info: CallInfo, diag: TensorDiagnosis) -> CallReport:
             for h, (m, n) in enumerate(zip(diag.head_max_logits, used.nan_rows_per_head))
         ]
     return CallReport(info, diag, heads, None if cell is None else (cell.method, cell.dtype))
+
+
+def call_inputs(info: CallInfo, tensors: dict[str, torch.Tensor], max_bytes: int | None = None):
+    """A captured call's Q, K, V and mask as the model gave them, for what-ifs that recompute the call from them
+    (the KV cache's): an SDPA or flash_attn call or q/k file as recorded; a softmax call (eager attention) from the
+    q, k and v traced around it, its scale and its mask read back from its scores (``_softmax_what_if_inputs``).
+    None where a softmax call's q and k do not make its scores."""
+    tensors = _normalised(info, tensors)
+    if info.kind in QK_KINDS:
+        return _model_inputs(info, tensors, max_bytes)
+    inputs = _softmax_qk(info, tensors, max_bytes)
+    if inputs is None:
+        return None
+    return _softmax_what_if_inputs(info, tensors, inputs, Options(), max_bytes)

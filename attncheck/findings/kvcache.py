@@ -1,0 +1,179 @@
+"""Serving: a quantised KV cache (``--what-if kv:FORMAT[:SCALING]``). K or V beyond the format's range at the
+cache's scale, and attention from the cache far from the model's own. What-ifs: reported apart, never the model's
+verdict unless ``--fail-on what-if:...`` asks."""
+
+from __future__ import annotations
+
+from attncheck.findings.base import _TORCH, Code, Example
+from attncheck.format import plain
+from attncheck.results import Finding
+from attncheck.results.kvcache import KVHead, KVReport, KVWhatIf
+
+# The worst row's cosine similarity of O through the cache against the model's own kernel below which a head is
+# broken, and the relative L2 error above which it is. The format's rounding alone, at a scale that holds the head,
+# reaches about 0.995 in e4m3 (3 mantissa bits) and 0.989 in e5m2 (2 bits) on a row that sees one key (its output
+# is that key's V, read back), with relative L2 errors of 2-3% and 6%.
+KV_COSINE_MIN = 0.98
+KV_REL_L2_MAX = 0.10
+# A share of K's or V's nonzero entries flushed to zero that names flushing as the cause (a scale too large)
+KV_FLUSH_SHARE = 0.01
+# The amax channel named as the cause where its max |x| is at least this many times the head's median channel's
+KV_CHANNEL_RATIO = 8.0
+
+_EXAMPLE = Example(
+    _TORCH
+    + """\
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 4, 32, 64, generator=g).bfloat16() for _ in range(3))
+v[:, 1] *= 2000  # V of head 1 far beyond e4m3's 448 at scale 1.0
+for name, t in (("q", q), ("k", k), ("v", v)):
+    torch.save(t, f"{name}.pt")
+""",
+    "attncheck run --q q.pt --k k.pt --v v.pt --causal --what-if kv:fp8_e4m3:unit --brief "
+    "--fail-on kv_cache_saturation",
+)
+
+CODES: tuple[Code, ...] = (
+    Code(
+        "kv_cache_saturation",
+        "warning",
+        "serving",
+        "K or V beyond the FP8 cache format's range at the cache's scale (a what-if)",
+        "A serving engine writes K and V to an FP8 cache as fp8(x / scale). Without calibrated scales the scale "
+        "is 1.0, and any |x| beyond the format's largest value (448 in e4m3, 57,344 in e5m2) is clipped to it by "
+        "vLLM's saturating cast (or becomes NaN/inf under a non-saturating one). The finding names the layer, the "
+        "kv head, K or V, its amax against the format's max at that scale, the entries clipped, the channel "
+        "holding the amax where one channel stands far above the others, and the scale that would hold it.",
+        "Any entry with |x / scale| beyond the format's max plus half its last unit (e4m3: 464, e5m2: 61,440); "
+        f"a warning where the head's output breaks (cosine similarity below {KV_COSINE_MIN}, or relative L2 above "
+        f"{KV_REL_L2_MAX}), else info. A channel is named where its max |x| is at least {KV_CHANNEL_RATIO:g} "
+        "times the head's median channel's.",
+        "load calibrated k_scale/v_scale (amax / 448 per layer; vLLM reads them from the checkpoint), or per-head "
+        "scales (the amax of each kv head / 448), or dynamic scales (vLLM's --calculate-kv-scales); the finding "
+        "gives the scale that holds this head",
+        _EXAMPLE,
+        severity_note="info where the head's output stays within the thresholds",
+        also="info",
+    ),
+    Code(
+        "kv_cache_error",
+        "warning",
+        "serving",
+        "attention from the quantised KV cache far from the model's own (a what-if)",
+        "The call's output computed from the dequantised cache (FlashAttention-2 in the model's dtype on K and V "
+        "read back from FP8, as FlashInfer and vLLM's FlashAttention-2 path consume it) against the same kernel on "
+        "K and V as the model held them. The finding names the layer and kv head, the worst row's cosine "
+        "similarity, the relative L2 error, and the cause: saturation (see kv_cache_saturation), entries flushed "
+        "to zero (a scale too large for small values), or the format's rounding.",
+        f"The worst row's cosine similarity below {KV_COSINE_MIN}, or relative L2 error above {KV_REL_L2_MAX}; "
+        f"flushing is named as the cause where at least {KV_FLUSH_SHARE:.0%} of K's or V's nonzero entries "
+        "became zero.",
+        "per-head scales (amax / format max per kv head) for saturation; smaller scales, or e4m3 instead of e5m2, "
+        "for flushing and rounding; keep the layer's cache in bf16 where no scale holds it",
+        Example(_EXAMPLE.python, _EXAMPLE.command.replace("kv_cache_saturation", "kv_cache_error")),
+    ),
+)
+
+SEVERITY = {c.name: c.severity for c in CODES}
+FIX = {c.name: c.fix for c in CODES}
+
+_LABEL = {"fp8_e4m3": "FP8 e4m3", "fp8_e5m2": "FP8 e5m2"}
+
+
+def add(code: str, severity: str, message: str, fix: str) -> Finding:
+    return Finding(code, severity, message, fix)
+
+
+def _breaks(h: KVHead) -> bool:
+    return h.cosine < KV_COSINE_MIN or h.rel_l2 > KV_REL_L2_MAX
+
+
+def _where(h: KVHead) -> str:
+    reads = ", ".join(map(str, h.query_heads))
+    return f"{h.module or 'the call'} kv head {h.kv_head} (query heads {reads})"
+
+
+def _channel(h: KVHead, tensor: str) -> str:
+    for c in h.channels:
+        if c.tensor == tensor and c.ratio >= KV_CHANNEL_RATIO:
+            return (
+                f"; the amax sits in channel {c.channel}, {plain(c.ratio)}x the head's median channel "
+                f"(token {c.token} of call {c.call})"
+            )
+    return ""
+
+
+def _saturation(what: KVWhatIf, h: KVHead) -> list[Finding]:
+    out = []
+    for tensor, sat, entries, amax, scale, hold_head, hold_tensor in (
+        ("K", h.k_saturated, h.k_entries, h.k_amax, h.k_scale, h.hold_k_head, h.hold_k_tensor),
+        ("V", h.v_saturated, h.v_entries, h.v_amax, h.v_scale, h.hold_v_head, h.hold_v_tensor),
+    ):
+        if not sat:
+            continue
+        severity = "warning" if _breaks(h) else "info"
+        message = (
+            f"{what.name}: {_where(h)}: {tensor} saturates at scale {plain(scale)} (amax {plain(amax)} > "
+            f"{plain(what.format_max * scale)}): {sat:,} of {entries:,} entries clipped to {plain(what.format_max)}; "
+            f"worst cosine {h.cosine:.4f}, relative L2 {h.rel_l2:.3g}{_channel(h, tensor.lower())}"
+        )
+        fix = f"a {tensor.lower()}_scale of {plain(hold_head)} holds this head (per tensor: {plain(hold_tensor)})"
+        out.append(add("kv_cache_saturation", severity, message, fix))
+    return out
+
+
+def _error(what: KVWhatIf, h: KVHead) -> Finding | None:
+    if not _breaks(h):
+        return None
+    if h.k_saturated or h.v_saturated:
+        which = " and ".join(t for t, n in (("K", h.k_saturated), ("V", h.v_saturated)) if n)
+        cause = f"{which} saturate{'' if ' and ' in which else 's'} (kv_cache_saturation)"
+    elif h.k_flushed >= KV_FLUSH_SHARE * h.k_entries or h.v_flushed >= KV_FLUSH_SHARE * h.v_entries:
+        cause = f"{h.k_flushed:,} K and {h.v_flushed:,} V entries flushed to zero (the scale is too large)"
+    else:
+        cause = f"the format's rounding ({_LABEL.get(what.format, what.format)})"
+    message = (
+        f"{what.name}: {_where(h)}: attention from the cache has worst cosine {h.cosine:.4f}, relative L2 "
+        f"{h.rel_l2:.3g}, max abs {plain(h.max_abs)} against the model's cell; cause: {cause}"
+    )
+    return add("kv_cache_error", "warning", message, FIX["kv_cache_error"])
+
+
+def _summary(what: KVWhatIf, report: KVReport) -> str:
+    label = f"{_LABEL.get(what.format, what.format)} KV at {what.scaling} scale"
+    worst = what.worst
+    if worst is None:
+        return f"{label}: no call replayed"
+    sat = [(h, t) for h in what.heads for t, n in (("K", h.k_saturated), ("V", h.v_saturated)) if n]
+    if not sat:
+        return f"{label}: nothing saturates; worst cosine similarity {worst.cosine:.4f} ({_where(worst)})"
+    parts = []
+    for tensor in ("K", "V"):
+        hit = [h for h, t in sat if t == tensor]
+        if hit:
+            layers = list(dict.fromkeys(h.module or "the call" for h in hit))
+            amax = max(h.k_amax if tensor == "K" else h.v_amax for h in hit)
+            parts.append(
+                f"{tensor} saturates in {len(hit)} head{'s' if len(hit) > 1 else ''} of "
+                f"{', '.join(layers)} (amax {plain(amax)} > {plain(what.format_max)})"
+            )
+    line = f"{label}: {'; '.join(parts)}"
+    per_head = next((c for c in report.caches if c.format == what.format and c.scaling == "head"), None)
+    if per_head is not None and per_head is not what and per_head.worst is not None:
+        return line + (
+            f"; per-head scales bring the worst cosine similarity from {worst.cosine:.4f} to "
+            f"{per_head.worst.cosine:.4f}"
+        )
+    return line + f"; per-head scales (amax / {plain(what.format_max)}) would hold it"
+
+
+def judge_kv(report: KVReport) -> None:
+    """Each cache's findings (saturation per head and tensor, output error per head) and its summary line."""
+    for what in report.caches:
+        what.findings = []
+        for h in what.heads:
+            what.findings += _saturation(what, h)
+            err = _error(what, h)
+            if err is not None:
+                what.findings.append(err)
+        what.summary = _summary(what, report)

@@ -1,0 +1,285 @@
+"""The KV-cache what-if over a capture's calls (or Q, K and V given as files): each cache asked (format, scaling)
+computed per call and gathered per layer (a module's calls) and kv head, then judged.
+
+Scales need amax over calls: ``tensor`` and ``head`` the whole capture's per layer (calibrated scales), ``dynamic``
+the layer's first call (vLLM's calculate_kv_scales). So where ``tensor`` or ``head`` is asked, the amax per layer and
+kv head is gathered first: by ``AmaxPass`` while ``attncheck run`` diagnoses each call (which loads it anyway), or
+by a pass of its own; then each call is loaded once more and every cache asked is computed from it (``unit`` and
+``dynamic`` alone need no first pass: a layer's first call comes before its others).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from attncheck.errors import AttncheckError
+from attncheck.numerics import kvcache as kc
+from attncheck.results.kvcache import KVChannel, KVHead, KVReport, KVWhatIf
+
+# Calls whose q, k, v and mask are recorded (SDPA, flash_attn, q/k files) or traced (softmax: eager attention)
+KV_KINDS = ("sdpa", "flash_attn", "qk", "softmax")
+
+
+@dataclass
+class KVCall:
+    """One call the cache replays: its layer, index, inputs (AttentionInputs with v) and the dtype it ran in."""
+
+    module: str
+    index: int
+    load: Callable[[], tuple[object, torch.dtype]]
+
+
+@dataclass
+class _Acc:
+    """One (layer, kv head) under one cache, over its calls."""
+
+    calls: int = 0
+    k_sat: int = 0
+    v_sat: int = 0
+    k_flush: int = 0
+    v_flush: int = 0
+    k_entries: int = 0
+    v_entries: int = 0
+    rel: float = 0.0
+    cos: float = 1.0
+    mabs: float = 0.0
+    rel64: float = 0.0
+    cos64: float = 1.0
+    mabs64: float = 0.0
+    base_cos64: float = 1.0
+
+
+@dataclass
+class _Layer:
+    """A layer's amax per kv head over the calls seen, its first call's amax, and where each head's amax sits."""
+
+    hq: int
+    k_amax: torch.Tensor
+    v_amax: torch.Tensor
+    k_first: float
+    v_first: float
+    channels: dict[tuple[str, int], KVChannel] = field(default_factory=dict)
+
+
+def asks_of(what_if: Iterable[str]) -> list[tuple[str, str]]:
+    """'kv:fp8_e4m3:unit' -> [('fp8_e4m3', 'unit')]; 'kv:fp8_e4m3' -> every scaling, side by side."""
+    out: list[tuple[str, str]] = []
+    for token in what_if:
+        if not token.startswith("kv:"):
+            continue
+        parts = token.split(":")
+        for scaling in parts[2:] or kc.SCALINGS:
+            if (parts[1], scaling) not in out:
+                out.append((parts[1], scaling))
+    return out
+
+
+def _observe(layers: dict[str, _Layer], module: str, index: int, inp) -> _Layer:
+    """Fold a call's K and V amax into its layer's (recording the channel of each head's new amax)."""
+    k, v = inp.k, inp.v
+    ka, va = kc.head_amax(k), kc.head_amax(v)
+    layer = layers.get(module)
+    if layer is None:
+        layer = layers[module] = _Layer(
+            inp.q.shape[1], torch.zeros_like(ka), torch.zeros_like(va), float(ka.max()), float(va.max())
+        )
+    for name, t, new, old in (("k", k, ka, layer.k_amax), ("v", v, va, layer.v_amax)):
+        for h in torch.nonzero(new > old).flatten().tolist():
+            ch = kc.amax_channel(t, h)
+            layer.channels[(name, h)] = KVChannel(name, ch.channel, ch.ratio, ch.token, index)
+    layer.k_amax, layer.v_amax = torch.maximum(layer.k_amax, ka), torch.maximum(layer.v_amax, va)
+    return layer
+
+
+def _scales(layer: _Layer, fmt: str, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K's and V's scale per kv head (fp32) for a scaling, from the layer's amax (the capture's, or its first
+    call's for ``dynamic``)."""
+    fmax, hk = kc.format_max(fmt), layer.k_amax.shape[0]
+    if scaling == "unit":
+        one = torch.ones(hk, dtype=torch.float32)
+        return one, one
+    if scaling == "tensor":
+        k, v = kc.scale_from(layer.k_amax.max(), fmax), kc.scale_from(layer.v_amax.max(), fmax)
+    elif scaling == "head":
+        return kc.scale_from(layer.k_amax, fmax), kc.scale_from(layer.v_amax, fmax)
+    else:  # dynamic: vLLM's calc_kv_scales on the layer's first call
+        k = kc.scale_from(layer.k_first, kc.K_SCALE_CONSTANT)
+        v = kc.scale_from(layer.v_first, kc.V_SCALE_CONSTANT)
+    return k.expand(hk), v.expand(hk)
+
+
+def needs_amax(asks: list[tuple[str, str]]) -> bool:
+    """Whether a cache asked takes its scales from the capture's amax (calibrated: 'tensor', 'head')."""
+    return any(s in ("tensor", "head") for _, s in asks)
+
+
+class AmaxPass:
+    """The capture's K and V amax per layer and kv head, gathered from each call's tensors as another pass loads
+    them (``observe``); a call whose inputs cannot be read is left to the cache's own pass, which says why."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.layers: dict[str, _Layer] = {}
+        self.max_bytes = max_bytes
+
+    def observe(self, info, tensors: dict) -> None:
+        if info.kind not in KV_KINDS or tensors.get("v") is None:
+            return
+        from attncheck.numerics.cells.calls import call_inputs
+
+        try:
+            inp = call_inputs(info, tensors, self.max_bytes)
+        except AttncheckError:
+            return
+        if inp is not None and inp.v is not None:
+            _observe(self.layers, info.module or info.name, info.index, inp)
+
+
+def run_kv(
+    asks: list[tuple[str, str]],
+    calls: list[KVCall],
+    skipped: list[tuple[str, str]] = (),
+    amax: AmaxPass | None = None,
+) -> KVReport:
+    """Every cache asked over ``calls`` (in call order), per layer and kv head, judged; ``amax``: the capture's
+    amax already gathered (else, where a calibrated scaling is asked, a first pass over ``calls`` gathers it)."""
+    from attncheck.findings.kvcache import judge_kv
+
+    calibrated = needs_amax(asks)
+    layers: dict[str, _Layer] = amax.layers if amax is not None and calibrated else {}
+    if calibrated and amax is None:  # the first pass: the capture's amax per layer and kv head
+        for call in calls:
+            _observe(layers, call.module, call.index, call.load()[0])
+    accs: dict[tuple[int, str, int], _Acc] = {}
+    frozen: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # scales fixed at a layer's first call
+    for call in calls:
+        inp, dt = call.load()
+        known = calibrated and call.module in layers  # else (a call the amax pass could not read): seen now
+        layer = layers[call.module] if known else _observe(layers, call.module, call.index, inp)
+        scales = [frozen.setdefault((i, call.module), _scales(layer, f, s)) for i, (f, s) in enumerate(asks)]
+        for h in range(inp.k.shape[1]):  # one kv head and its query heads at a time: memory bounded by a group's
+            q, k, v, bias = _group(inp, h)
+            model_out = kc.kernel_output(q, k, v, bias, inp.scale, dt)
+            reference = kc.reference_output(q, k, v, bias, inp.scale)
+            base = kc.output_error(model_out, reference, 1)
+            for i, (fmt, _) in enumerate(asks):
+                pair = (scales[i][0][h : h + 1], scales[i][1][h : h + 1])
+                res = kc.cache_call(q, k, v, bias, inp.scale, dt, fmt, pair, model_out, reference)
+                _fold(accs.setdefault((i, call.module, h), _Acc()), res, base, 0)
+    report = KVReport(skipped=list(skipped))
+    for i, (fmt, scaling) in enumerate(asks):
+        what = KVWhatIf(fmt, scaling, kc.format_max(fmt))
+        for module, layer in layers.items():
+            for h in range(layer.k_amax.shape[0]):
+                acc = accs.get((i, module, h))
+                if acc is not None:
+                    what.heads.append(_head(module, h, layer, acc, frozen[(i, module)], what.format_max))
+        report.caches.append(what)
+    judge_kv(report)
+    return report
+
+
+def _group(inp, h: int):
+    """kv head ``h``'s slice of a call: q of the query heads reading it (B, g, Tq, d), its k and v (B, 1, Tk, ...),
+    and their mask as an additive bias (B, g, Tq, Tk)."""
+    hq, hk = inp.q.shape[1], inp.k.shape[1]
+    g = hq // hk
+    heads = slice(h * g, (h + 1) * g)
+
+    def part(m):  # a mask broadcast over heads keeps its single head
+        return None if m is None else (m if m.dim() < 4 or m.shape[1] == 1 else m[:, heads])
+
+    q = inp.q[:, heads]
+    shape = (q.shape[0], g, q.shape[2], inp.k.shape[2])
+    return q, inp.k[:, h : h + 1], inp.v[:, h : h + 1], kc.mask_bias(part(inp.masked), part(inp.mask_float), shape)
+
+
+def _fold(acc: _Acc, res: kc.CacheCall, base: kc.OutputError, h: int) -> None:
+    acc.calls += 1
+    acc.k_sat += int(res.k.saturated[h])
+    acc.v_sat += int(res.v.saturated[h])
+    acc.k_flush += int(res.k.flushed[h])
+    acc.v_flush += int(res.v.flushed[h])
+    acc.k_entries += res.k.entries
+    acc.v_entries += res.v.entries
+    acc.rel = max(acc.rel, float(res.vs_model.rel_l2[h]))
+    acc.cos = min(acc.cos, float(res.vs_model.cosine[h]))
+    acc.mabs = max(acc.mabs, float(res.vs_model.max_abs[h]))
+    acc.rel64 = max(acc.rel64, float(res.vs_float64.rel_l2[h]))
+    acc.cos64 = min(acc.cos64, float(res.vs_float64.cosine[h]))
+    acc.mabs64 = max(acc.mabs64, float(res.vs_float64.max_abs[h]))
+    acc.base_cos64 = min(acc.base_cos64, float(base.cosine[h]))
+
+
+def _head(module: str, h: int, layer: _Layer, acc: _Acc, scales, fmax: float) -> KVHead:
+    hk = layer.k_amax.shape[0]
+    group = layer.hq // hk
+    ka, va = float(layer.k_amax[h]), float(layer.v_amax[h])
+    return KVHead(
+        module=module,
+        kv_head=h,
+        query_heads=list(range(h * group, (h + 1) * group)),
+        calls=acc.calls,
+        k_amax=ka,
+        v_amax=va,
+        k_scale=float(scales[0][h]),
+        v_scale=float(scales[1][h]),
+        k_saturated=acc.k_sat,
+        v_saturated=acc.v_sat,
+        k_flushed=acc.k_flush,
+        v_flushed=acc.v_flush,
+        k_entries=acc.k_entries,
+        v_entries=acc.v_entries,
+        rel_l2=acc.rel,
+        cosine=acc.cos,
+        max_abs=acc.mabs,
+        rel_l2_f64=acc.rel64,
+        cosine_f64=acc.cos64,
+        max_abs_f64=acc.mabs64,
+        base_cosine_f64=acc.base_cos64,
+        hold_k_tensor=float(kc.scale_from(layer.k_amax.max(), fmax)),
+        hold_v_tensor=float(kc.scale_from(layer.v_amax.max(), fmax)),
+        hold_k_head=float(kc.scale_from(ka, fmax)),
+        hold_v_head=float(kc.scale_from(va, fmax)),
+        channels=[c for key, c in sorted(layer.channels.items()) if key[1] == h],
+    )
+
+
+def capture_calls(items, max_bytes: int | None) -> tuple[list[KVCall], list[tuple[str, str]]]:
+    """A capture's calls the cache can replay (q, k, v and the mask recorded), and the others with why."""
+    from attncheck.numerics.cells.calls import call_inputs
+    from attncheck.numerics.cells.plan import cell_dtype_name
+    from attncheck.numerics.precision import dtype_from_name
+
+    calls, skipped = [], []
+    for item in items:
+        info = item.info
+        name = info.module or info.name
+        if info.kind not in KV_KINDS or item.problem:
+            why = item.problem or f"a {info.kind} call: the KV-cache what-if replays SDPA, flash_attn and eager calls"
+            skipped.append((name, why))
+            continue
+
+        def load(item=item, info=info):
+            tensors = item.load()
+            if tensors.get("v") is None:
+                raise AttncheckError(f"{info.name} (call {info.index}): the KV-cache what-if needs v, not recorded")
+            inp = call_inputs(info, tensors, max_bytes)
+            if inp is None or inp.v is None:
+                raise AttncheckError(
+                    f"{info.name} (call {info.index}): the KV-cache what-if needs the q, k and v that made the "
+                    "call's scores, not all traced"
+                )
+            label = cell_dtype_name(info.dtype) or cell_dtype_name(_label(tensors["q"].dtype)) or "fp32"
+            return inp, dtype_from_name(label)
+
+        calls.append(KVCall(name, info.index, load))
+    return calls, skipped
+
+
+def _label(dtype: torch.dtype) -> str:
+    from attncheck.numerics.precision import dtype_label
+
+    return dtype_label(dtype)
