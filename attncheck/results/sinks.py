@@ -1,0 +1,39 @@
+"""A call's learned sinks (gpt-oss: one logit per query head joining the softmax's denominator, no value): what
+each head's sink takes of the denominator, what it does to the output in the call's dtype, and what a kernel that
+drops it would compute instead."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from attncheck.results.common import Finding
+
+
+@dataclass
+class SinkHead:
+    """One query head's sink. Shares are of the float64 denominator, exp(sink - m) / (sum_j exp(s_j - m) +
+    exp(sink - m)) with m the row's max over keys and sink, over every row (batch x queries) of the head. Outputs are
+    O = P @ V over the head's rows (the probabilities where the call has no v)."""
+
+    head: int
+    sink: float  # the sink logit as the call holds it (in the scores' units: after scale and mask)
+    share_max: float
+    share_median: float
+    changed: int  # elements of the model's output that differ bit for bit when the sink is left out, in the dtype
+    err_model: float  # max |O - O_float64| of the model's cell (the sink in its denominator)
+    err_nosinks: float  # max |O - O_float64| of the cell without the sink (a kernel that drops it)
+    diff_nosinks: float  # max |O_nosinks - O_model|: what dropping the sink changes in the dtype
+    rel_model: float  # ||O - O_float64|| / ||O_float64|| (L2 over the head's output)
+    rel_nosinks: float
+
+
+@dataclass
+class SinkFacts:
+    """A call's sinks, per query head, in the call's dtype."""
+
+    dtype: str  # 'bf16': the dtype of the model's cell
+    rounding: float  # the dtype's unit roundoff, finfo.eps / 2: a relative change below it is within rounding
+    elements: int  # output elements per head (batch x queries x head dim)
+    heads: list[SinkHead] = field(default_factory=list)
+    nosinks: bool = False  # the what-if asked (--what-if nosinks or kernels): its findings are in ``what_if``
+    what_if: list[Finding] = field(default_factory=list)  # the what-if's findings, never counted as the model's
