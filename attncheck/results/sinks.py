@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from attncheck.results.common import Finding
-
 
 @dataclass
 class SinkHead:
@@ -32,8 +30,9 @@ class SinkFacts:
     """A call's sinks, per query head, in the call's dtype."""
 
     dtype: str  # 'bf16': the dtype of the model's cell
-    rounding: float  # the dtype's unit roundoff, finfo.eps / 2: a relative change below it is within rounding
+    # half the dtype's smallest relative spacing, finfo.eps / 4 (bf16: 2^-9): a relative change below it moves no value
+    # by half a unit in the last place wherever it lies in its binade
+    rounding: float
     elements: int  # output elements per head (batch x queries x head dim)
     heads: list[SinkHead] = field(default_factory=list)
-    nosinks: bool = False  # the what-if asked (--what-if nosinks or kernels): its findings are in ``what_if``
-    what_if: list[Finding] = field(default_factory=list)  # the what-if's findings, never counted as the model's
+    nosinks: bool = False  # the what-if asked (--what-if nosinks or kernels): the report shows it

@@ -93,7 +93,7 @@ def sink_facts(scores: torch.Tensor, sinks: torch.Tensor, v: torch.Tensor | None
     share_max, share_median = rows.amax(1), rows.median(1).values
     return SinkFacts(
         dtype=dtype_label(scores.dtype),
-        rounding=torch.finfo(scores.dtype).eps / 2,
+        rounding=torch.finfo(scores.dtype).eps / 4,  # eps: the spacing at 1, twice the smallest relative one
         elements=int(model[:, 0].numel()),
         heads=[
             SinkHead(
