@@ -61,6 +61,7 @@ ORDER = (
     "output_error",
     "tied_max_bias",
     "probability_flush",
+    "sinks_ignored",
     "sink_no_effect",
     # FP8
     "p_cast_underflow",

@@ -39,7 +39,49 @@ with torch.no_grad(), attncheck.capture("cap"):
     Attention(2).bfloat16()(q, k, v)
 """
 
+_IGNORED_EXAMPLE = """\
+import torch
+import torch.nn.functional as F
+
+import attncheck
+
+
+class Attention(torch.nn.Module):  # learned sinks (as gpt-oss's) held, but the call is SDPA's, which has none
+    def __init__(self, heads):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.zeros(heads))  # near the rows' max: they would take a real share
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # the sinks are dropped
+
+
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 16, 32, generator=g) for _ in range(3))
+with torch.no_grad(), attncheck.capture("cap"):
+    Attention(2)(q, k, v)
+"""
+
 CODES: tuple[Code, ...] = (
+    Code(
+        "sinks_ignored",
+        "error",
+        "output",
+        "the attention call drops the learned sinks its module holds",
+        "The module holds learned sinks (a parameter `sinks`, one logit per query head, as gpt-oss's attention) and "
+        "its attention call is PyTorch's SDPA, which has no sinks: transformers' SDPA integration ignores them "
+        "without a word where `config._attn_implementation` is forced to 'sdpa' after loading (it refuses 'sdpa' "
+        "for GptOss otherwise), so the model computes attention without them (as quantised-KV decode kernels that "
+        "dropped sinks did, imp issue 1345). The message gives the output with and without them, computed "
+        "eagerly in the call's dtype.",
+        "The module's `sinks` hold one value per query head of an SDPA call. Error where the output computed with "
+        "them differs from the one without in the call's dtype; info where they would change nothing there.",
+        "run the model with an attention that takes the sinks: attn_implementation='eager', 'flex_attention' on a "
+        "GPU, or a flash kernel given them (FlashAttention-4's learnable_sink); do not force "
+        "config._attn_implementation to 'sdpa' for a model with sinks",
+        Example(_IGNORED_EXAMPLE, "attncheck run cap --brief --fail-on sinks_ignored"),
+        severity_note="info where the sinks, had they been given, would change nothing in the call's dtype",
+        also="info",
+    ),
     Code(
         "sink_no_effect",
         "info",
@@ -61,9 +103,12 @@ CODES: tuple[Code, ...] = (
 
 
 def sink_findings(facts: SinkFacts | None) -> list[Finding]:
-    """``sink_no_effect`` for the heads whose sink changes nothing in the call's dtype (one finding per call)."""
+    """``sinks_ignored`` for a call that dropped its module's sinks; else ``sink_no_effect`` for the heads whose sink
+    changes nothing in the call's dtype (one finding per call)."""
     if facts is None:
         return []
+    if facts.ignored:
+        return _ignored(facts)
     limit = SINK_NO_EFFECT_ROUNDINGS * facts.rounding
     dead = [h for h in facts.heads if h.share_max < limit and h.changed == 0]
     if not dead:
@@ -76,11 +121,27 @@ def sink_findings(facts: SinkFacts | None) -> list[Finding]:
         f"{facts.dtype}'s rounding {plain(limit)}, and the output is bit for bit the same without "
         f"{'them' if len(dead) > 1 else 'it'}"
     )
-    out: list[Finding] = []
+    return [add("sink_no_effect", message)]
 
-    def add(code: str, text: str) -> None:
-        entry = next(c for c in CODES if c.name == code)
-        out.append(Finding(code, entry.severity, text, entry.fix))
 
-    add("sink_no_effect", message)
-    return out
+def add(code: str, text: str, severity: str | None = None) -> Finding:
+    """A finding of this group's ``code`` (its usual severity unless given)."""
+    entry = next(c for c in CODES if c.name == code)
+    return Finding(code, severity or entry.severity, text, entry.fix)
+
+
+def _ignored(facts: SinkFacts) -> list[Finding]:
+    moved = [h for h in facts.heads if h.changed]
+    top = max(h.share_max for h in facts.heads)
+    message = (
+        f"the module holds learned sinks for its {len(facts.heads)} heads and its SDPA call has none: they are "
+        f"dropped (largest share of a row's denominator {plain(top)}); "
+        + (
+            f"with them the {facts.dtype} output would differ in {len(moved)} of {len(facts.heads)} heads, by up to "
+            f"{plain(max(h.diff_nosinks for h in facts.heads))}, and the call's output is off by "
+            f"{plain(max(h.err_nosinks for h in facts.heads))} against float64 with them"
+            if moved
+            else f"they would change nothing in {facts.dtype}"
+        )
+    )
+    return [add("sinks_ignored", message, None if moved else "info")]

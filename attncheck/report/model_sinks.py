@@ -45,6 +45,14 @@ def sinks_block(calls: list[CallReport], prefix: str = "") -> Text | None:
             else f"changes the output in {len(f.heads) - dead} of {len(f.heads)} heads"
         )
         err = max(h.err_model for h in f.heads)
+        if f.ignored:  # the call computed the cell without them: say so, with what they would have changed
+            text.append(
+                f"  #{c.call.index} {name} ({f.dtype}): {_shares(c)}; DROPPED by its SDPA call: the sink {effect} "
+                f"(up to {plain(max(h.diff_nosinks for h in f.heads))}); the call's err against float64 with them "
+                f"{plain(max(h.err_nosinks for h in f.heads))}\n",
+                style="red" if dead < len(f.heads) else "",
+            )
+            continue
         text.append(f"  #{c.call.index} {name} ({f.dtype}): {_shares(c)}; the sink {effect}; err {plain(err)}\n")
         if f.nosinks:
             changed = sum(h.changed for h in f.heads)

@@ -35,4 +35,7 @@ class SinkFacts:
     rounding: float
     elements: int  # output elements per head (batch x queries x head dim)
     heads: list[SinkHead] = field(default_factory=list)
+    # the call was not given the sinks its module holds (an SDPA call in gpt-oss's attention): the "model's cell" above
+    # is then the eager cell with them, what the module should compute, and the call computed the one without them
+    ignored: bool = False
     nosinks: bool = False  # the what-if asked (--what-if nosinks or kernels): the report shows it

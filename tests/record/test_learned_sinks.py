@@ -130,3 +130,35 @@ def test_a_healthy_gpt_oss_reports_no_error_and_no_warning(dtype):
     assert [f.code for r in cap.calls for f in r.diagnosis.findings if f.severity != "info"] == []
     assert failed_conditions(cap.result.tensors, ["error", "warning", "nan"]) == []
     assert all(r.sinks is not None for r in cap.calls)
+
+
+def test_sdpa_forced_on_gpt_oss_drops_the_sinks_and_is_reported():
+    """transformers refuses 'sdpa' for GptOss; forced through the config, its SDPA integration ignores s_aux: the
+    model's output no longer depends on the sinks (checked here), and the capture names the dropped sinks."""
+    model = gpt_oss(torch.bfloat16)
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="does not support an attention implementation"):
+        model.set_attn_implementation("sdpa")
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        for layer in model.model.layers:
+            layer.self_attn.sinks.add_(3.0)
+        assert torch.equal(model(input_ids=ids).logits, before)  # the sinks do nothing under forced SDPA
+    cap, outputs = captured(model)
+    eager = gpt_oss(torch.bfloat16)
+    with torch.no_grad():
+        for layer in eager.model.layers:
+            layer.self_attn.sinks.add_(3.0)
+    ref, eager_outputs = captured(eager)
+    for report, own, with_sinks, eager_report in zip(cap.calls, outputs, eager_outputs, ref.calls):
+        assert report.call.kind == "sdpa" and report.sinks is not None and report.sinks.ignored
+        found = [f for f in report.diagnosis.findings if f.code == "sinks_ignored"]
+        assert len(found) == 1 and found[0].severity == "error"
+        # what the call dropped, measured on the eager model's own outputs with and without its sinks
+        dropped = (own.double() - with_sinks.double()).abs().amax().item()
+        assert max(h.diff_nosinks for h in report.sinks.heads) == pytest.approx(dropped, rel=0.05)
+        assert [h.share_max for h in report.sinks.heads] == pytest.approx(
+            [h.share_max for h in eager_report.sinks.heads], rel=1e-2
+        )
+    assert failed_conditions(cap.result.tensors, ["error"]) != []

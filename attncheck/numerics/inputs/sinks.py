@@ -116,20 +116,57 @@ def sink_facts(scores: torch.Tensor, sinks: torch.Tensor, v: torch.Tensor | None
 def split_sinks(
     meta: dict[str, str], tensors: dict[str, torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor], SinkFacts | None]:
-    """A captured softmax call with learned sinks (metadata ``sinks`` 'true', tensors S and 'sinks'): the tensors
-    the call's diagnosis reads (its scores become ``sink_logits``, what the model's softmax received: the sink is one
-    more column there, and q and k no longer make those scores) and the sinks' facts. Any other call: as given."""
+    """A captured call with learned sinks and the tensors its diagnosis reads. A softmax call over ``[S, sink]``
+    (metadata ``sinks`` 'true'): its scores become ``sink_logits``, what the model's softmax received (the sink is one
+    more column there, and q and k no longer make those scores). An SDPA call whose module holds sinks it was not
+    given (``module_sinks`` 'ignored'): as recorded, and the facts of the sinks it dropped (``ignored_sink_facts``).
+    Any other call: as given, no facts."""
     sinks = tensors.get("sinks")
+    if sinks is not None and meta.get("module_sinks") == "ignored" and "q" in tensors and "k" in tensors:
+        rest = {role: t for role, t in tensors.items() if role != "sinks"}
+        return rest, ignored_sink_facts(meta, rest, sinks)
     if meta.get("sinks") != "true" or sinks is None or "scores" not in tensors:
         return tensors, None
     scores = tensors["scores"]
-    if scores.dim() != 4 or sinks.dim() != 1 or sinks.shape[0] != scores.shape[1]:
-        raise AttncheckError(
-            f"the call's sinks ({tuple(sinks.shape)}) must hold one logit per head of its scores "
-            f"({tuple(scores.shape)}: batch, heads, queries, keys)"
-        )
+    _check_sinks(scores, sinks)
     facts = sink_facts(scores, sinks, tensors.get("v"))
     # the backward of a softmax with sinks is not computed yet: its gradients are left out, not judged without them
     out = {role: t for role, t in tensors.items() if role not in ("sinks", "q", "k") and not role.startswith("grad_")}
     out["scores"] = sink_logits(scores, sinks)
     return out, facts
+
+
+def _check_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> None:
+    if scores.dim() != 4 or sinks.dim() != 1 or sinks.shape[0] != scores.shape[1]:
+        raise AttncheckError(
+            f"the call's sinks ({tuple(sinks.shape)}) must hold one logit per head of its scores "
+            f"({tuple(scores.shape)}: batch, heads, queries, keys)"
+        )
+
+
+def eager_scores(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An SDPA call's scores as eager attention computes them in q's dtype: Q@K^T (each query head reading its kv
+    head), times the scale (the call's, else 1/sqrt(d)), a float mask added, a boolean mask's False keys and the
+    causal mask's (top-left aligned, as SDPA's is_causal) at -inf."""
+    q, k, mask = tensors["q"], tensors["k"], tensors.get("attn_mask")
+    if k.shape[1] != q.shape[1] and k.shape[1] and q.shape[1] % k.shape[1] == 0:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scale = meta.get("scale", "none")
+    s = (q @ k.transpose(-1, -2)) * (float(scale) if scale not in ("none", "") else q.shape[-1] ** -0.5)
+    if isinstance(mask, torch.Tensor):
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(s.dtype)
+    if meta.get("is_causal") == "true":
+        tq, tk = s.shape[-2], s.shape[-1]
+        above = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(above, float("-inf"))
+    return s
+
+
+def ignored_sink_facts(meta: dict[str, str], tensors: dict[str, torch.Tensor], sinks: torch.Tensor) -> SinkFacts:
+    """The sinks an SDPA call dropped: their facts on the scores eager attention computes for the call
+    (``eager_scores``), the cell with them being what the module should have computed."""
+    scores = eager_scores(meta, tensors)
+    _check_sinks(scores, sinks)
+    facts = sink_facts(scores, sinks, tensors.get("v"))
+    facts.ignored = True
+    return facts
