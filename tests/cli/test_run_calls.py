@@ -227,21 +227,22 @@ def test_what_if_is_its_own_question(capdir, tmp_path):
         (
             ["--what-if", "fp64"],
             "--what-if: dtype 'fp64' cannot be used here (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, "
-            "e5m2fnuz; or kernels, fa4, all)",
+            "e5m2fnuz; or kernels, nosinks, fa4, all)",
         ),
         (
             ["--what-if", "bogus"],
             "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or "
-            "kernels, fa4, all)",
+            "kernels, nosinks, fa4, all)",
         ),
         (
             ["--what-if", ""],
-            "--what-if is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, fa4, all)",
+            "--what-if is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, nosinks, "
+            "fa4, all)",
         ),
         (
             ["--what-if", "kernels,bogus"],
             "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or "
-            "kernels, fa4, all)",
+            "kernels, nosinks, fa4, all)",
         ),
         (
             ["--fail-on", "what-if:bogus"],

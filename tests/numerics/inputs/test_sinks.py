@@ -1,0 +1,57 @@
+"""Learned sinks' numbers against what is known without the code: shares of a uniform row (1 / (n + 1) for a sink of
+0 over n zero scores), the outputs of a constant V (1 - share against float64, exactly 1 without the sink), and the
+bit-identity of a sink whose share is below fp32's unit roundoff 2^-24 (torch's bf16 softmax sums in fp32: the sum,
+so every probability, is unchanged)."""
+
+import math
+
+import pytest
+import torch
+
+from attncheck.numerics.inputs.sinks import eager_sink_output, sink_facts, sink_logits, split_sinks
+
+
+def test_a_uniform_row_gives_the_sink_one_share_of_n_plus_one_and_a_constant_v_tells_the_errors():
+    n = 3
+    scores = torch.zeros(1, 2, 4, n, dtype=torch.bfloat16)
+    sinks = torch.tensor([0.0, -30.0], dtype=torch.bfloat16)
+    v = torch.ones(1, 2, n, 8, dtype=torch.bfloat16)
+    facts = sink_facts(scores, sinks, v)
+    far = math.exp(-30.0) / (n + math.exp(-30.0))
+    assert [h.share_max for h in facts.heads] == [0.25, far]
+    assert [h.share_median for h in facts.heads] == [0.25, far]
+    near, dead = facts.heads
+    # with the sink: P = 1/4 each (exact in bf16), O = 3/4; without: O = 1; float64: O = 1 - share
+    assert (near.err_model, near.err_nosinks, near.diff_nosinks, near.changed) == (0.0, 0.25, 0.25, 4 * 8)
+    assert near.rel_nosinks == 0.25 / 0.75
+    assert dead.changed == 0 and dead.diff_nosinks == 0.0 and dead.err_model == dead.err_nosinks
+    assert dead.err_model == pytest.approx(far, rel=1e-3)  # 1 - (1 - share) in float64: ~1e-16 / 3e-14 lost
+    assert facts.rounding == 2.0**-9 and facts.elements == 4 * 8 and facts.dtype == "bf16"
+
+
+def test_a_share_below_fp32s_unit_roundoff_leaves_the_bf16_output_bit_for_bit_and_one_near_the_max_does_not():
+    g = torch.Generator().manual_seed(0)
+    scores = (torch.randn(2, 4, 32, 48, generator=g) * 2).bfloat16()
+    v = torch.randn(2, 4, 48, 16, generator=g).bfloat16()
+    top = float(scores.float().amax())
+    far = torch.full((4,), top - 40.0).bfloat16()  # share <= exp(-40 + top - row max) < 2^-24 here
+    facts = sink_facts(scores, far, v)
+    assert all(h.share_max < 2.0**-24 and h.changed == 0 for h in facts.heads)
+    assert torch.equal(eager_sink_output(scores, far, v), eager_sink_output(scores, None, v))
+    near = torch.full((4,), top).bfloat16()
+    assert all(h.share_max > 0.01 and h.changed > 0 for h in sink_facts(scores, near, v).heads)
+
+
+def test_the_softmax_call_is_judged_on_what_the_model_softmax_received():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(1, 2, 5, 6, generator=g).bfloat16()
+    sinks = torch.tensor([0.5, -1.0]).bfloat16()
+    tensors = {"scores": scores, "sinks": sinks, "q": scores, "k": scores, "v": torch.ones(1, 2, 6, 3).bfloat16()}
+    out, facts = split_sinks({"sinks": "true"}, tensors)
+    assert facts is not None and set(out) == {"scores", "v"}
+    col = sinks.reshape(1, 2, 1, 1).expand(1, 2, 5, 1)
+    c = torch.cat([scores, col], dim=-1)
+    assert torch.equal(out["scores"], c - c.amax(-1, keepdim=True)) and torch.equal(
+        sink_logits(scores, sinks), out["scores"]
+    )
+    assert split_sinks({}, tensors) == (tensors, None)  # no sinks in the metadata: the call as given
