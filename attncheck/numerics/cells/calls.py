@@ -126,7 +126,7 @@ def diagnose_call(
     """
     kind = info.kind
     what_if = params.what_if(list(what_if)) if what_if else ()
-    tensors, sinks = split_sinks(info.meta, _normalised(info, tensors))  # learned sinks: [S, sink] is the softmax's
+    tensors, sinks = _in_call(info, lambda: split_sinks(info.meta, _normalised(info, tensors)))  # learned sinks
     scores, q, k = tensors.get("scores"), tensors.get("q"), tensors.get("k")
     if info.dtype is None:
         ref = q if kind in QK_KINDS and q is not None else scores

@@ -139,8 +139,8 @@ def split_sinks(
 def _check_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> None:
     if scores.dim() != 4 or sinks.dim() != 1 or sinks.shape[0] != scores.shape[1]:
         raise AttncheckError(
-            f"the call's sinks ({tuple(sinks.shape)}) must hold one logit per head of its scores "
-            f"({tuple(scores.shape)}: batch, heads, queries, keys)"
+            f"its sinks (shape {list(sinks.shape)}) must hold one logit per head of its scores (shape "
+            f"{list(scores.shape)}: batch, heads, queries, keys)"
         )
 
 

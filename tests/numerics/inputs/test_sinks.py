@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from attncheck.errors import AttncheckError
 from attncheck.numerics.inputs.sinks import eager_sink_output, sink_facts, sink_logits, split_sinks
 
 
@@ -55,3 +56,9 @@ def test_the_softmax_call_is_judged_on_what_the_model_softmax_received():
         sink_logits(scores, sinks), out["scores"]
     )
     assert split_sinks({}, tensors) == (tensors, None)  # no sinks in the metadata: the call as given
+
+
+def test_sinks_of_another_head_count_are_refused_in_one_line():
+    scores = torch.zeros(1, 4, 2, 3)
+    with pytest.raises(AttncheckError, match=r"its sinks \(shape \[3\]\) must hold one logit per head"):
+        split_sinks({"sinks": "true"}, {"scores": scores, "sinks": torch.zeros(3)})
