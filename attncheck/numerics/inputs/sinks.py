@@ -57,20 +57,50 @@ def reference_with_sinks(
     return out, (es / den).squeeze(-1)
 
 
-def _per_head(x: torch.Tensor) -> torch.Tensor:
-    """(batch, heads, ...) -> (heads, everything else of that head)."""
-    return x.transpose(0, 1).reshape(x.shape[1], -1)
+# What one block of rows may hold at once (float64 scores, exponentials and outputs, a few copies): calls are
+# computed in blocks of heads, or of one head's queries, within it; each row's numbers do not depend on the block.
+SINK_BLOCK_BYTES = 1 << 28
 
 
-def _max_abs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per head: max |a - b| over the head's elements (NaN where either holds NaN: the difference is NaN)."""
-    d = _per_head((a.double() - b.double()).abs())
-    return torch.where(torch.isnan(d).any(dim=1), torch.tensor(float("nan"), dtype=d.dtype), d.nan_to_num().amax(1))
+def _blocks(batch: int, heads: int, tq: int, tk: int, d: int) -> list[tuple[slice, slice]]:
+    """(heads, queries) blocks in order: whole heads while they fit ``SINK_BLOCK_BYTES``, else one head's queries."""
+    per_row = 8 * (6 * (tk + 1) + 6 * d) * batch
+    rows = max(1, SINK_BLOCK_BYTES // per_row)
+    if rows >= tq:
+        per = max(1, rows // tq)
+        return [(slice(h, min(h + per, heads)), slice(0, tq)) for h in range(0, heads, per)]
+    return [(slice(h, h + 1), slice(q, min(q + rows, tq))) for h in range(heads) for q in range(0, tq, rows)]
 
 
-def _rel_l2(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    num = _per_head((a.double() - ref).square()).sum(1)
-    den = _per_head(ref.square()).sum(1)
+def _head_sums(x: torch.Tensor, op: str) -> torch.Tensor:
+    """(batch, heads, ...) -> per head: the sum or the max (NaN where any is NaN) over everything else."""
+    flat = x.transpose(0, 1).reshape(x.shape[1], -1)
+    if op == "sum":
+        return flat.sum(1)
+    top = flat.nan_to_num(nan=0.0).amax(1) if flat.shape[1] else torch.zeros(flat.shape[0], dtype=flat.dtype)
+    return torch.where(torch.isnan(flat).any(dim=1), torch.tensor(float("nan"), dtype=flat.dtype), top)
+
+
+def _block_numbers(scores: torch.Tensor, sinks: torch.Tensor, v: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """One block's per-head sums and maxima (and its rows' shares, (heads, batch x queries))."""
+    ref, share = reference_with_sinks(scores, sinks, v)
+    model = eager_sink_output(scores, sinks, v)
+    dropped = eager_sink_output(scores, None, v)
+    same = (model == dropped) | (torch.isnan(model) & torch.isnan(dropped))
+    m64, d64 = model.double(), dropped.double()
+    return {
+        "changed": _head_sums((~same).long(), "sum"),
+        "err_model": _head_sums((m64 - ref).abs(), "max"),
+        "err_nosinks": _head_sums((d64 - ref).abs(), "max"),
+        "diff_nosinks": _head_sums((d64 - m64).abs(), "max"),
+        "sq_model": _head_sums((m64 - ref).square(), "sum"),
+        "sq_nosinks": _head_sums((d64 - ref).square(), "sum"),
+        "sq_ref": _head_sums(ref.square(), "sum"),
+        "share": share.transpose(0, 1).reshape(share.shape[1], -1).nan_to_num(nan=0.0),
+    }
+
+
+def _rel(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float64).tiny), num).sqrt()
 
 
@@ -79,38 +109,51 @@ def sink_facts(scores: torch.Tensor, sinks: torch.Tensor, v: torch.Tensor | None
     over rows), and the output in the scores' dtype with the sink (the model's cell) and without it (a kernel that
     drops it): how many elements differ, and each one's error against float64. ``scores`` (batch, heads, Tq, Tk)
     scaled and masked as the softmax sees them, ``sinks`` (heads,), ``v`` (batch, heads or kv heads, Tk, d)."""
-    heads = scores.shape[1]
+    batch, heads, tq, tk = scores.shape
     if v is not None and v.shape[1] != heads and v.shape[1] and heads % v.shape[1] == 0:
         v = v.repeat_interleave(heads // v.shape[1], dim=1)  # GQA: each query head reads its kv head
-    ref, share = reference_with_sinks(scores, sinks, v)
-    model = eager_sink_output(scores, sinks, v)
-    dropped = eager_sink_output(scores, None, v)
-    same = (model == dropped) | (torch.isnan(model) & torch.isnan(dropped))
-    changed = _per_head(~same).sum(1)
-    rows = _per_head(share).nan_to_num(nan=0.0)
-    err_model, err_nosinks, diff = _max_abs(model, ref), _max_abs(dropped, ref), _max_abs(dropped, model)
-    rel_model, rel_nosinks = _rel_l2(model, ref), _rel_l2(dropped, ref)
-    share_max, share_median = rows.amax(1), rows.median(1).values
+    d = 1 if v is None else v.shape[-1]
+    per_head: dict[str, list] = {}
+    for hs, qs in _blocks(batch, heads, tq, tk, d):
+        got = _block_numbers(scores[:, hs, qs], sinks[hs], None if v is None else v[:, hs])
+        for key, value in got.items():
+            per_head.setdefault(key, []).append((hs.start, value))
+    joined: dict[str, list] = {key: [[] for _ in range(heads)] for key in per_head}
+    for key, parts in per_head.items():
+        for start, value in parts:
+            for i in range(value.shape[0]):  # heads of the block (one block holds at most every head)
+                joined[key][start + i].append(value[i])
+    total = {key: [_combine(key, parts) for parts in rows] for key, rows in joined.items()}
     return SinkFacts(
         dtype=dtype_label(scores.dtype),
         rounding=torch.finfo(scores.dtype).eps / 4,  # eps: the spacing at 1, twice the smallest relative one
-        elements=int(model[:, 0].numel()),
+        elements=batch * tq * (d if v is not None else tk),
         heads=[
             SinkHead(
                 head=h,
                 sink=float(sinks[h]),
-                share_max=float(share_max[h]),
-                share_median=float(share_median[h]),
-                changed=int(changed[h]),
-                err_model=float(err_model[h]),
-                err_nosinks=float(err_nosinks[h]),
-                diff_nosinks=float(diff[h]),
-                rel_model=float(rel_model[h]),
-                rel_nosinks=float(rel_nosinks[h]),
+                share_max=float(total["share"][h].amax()) if total["share"][h].numel() else 0.0,
+                share_median=float(total["share"][h].median()) if total["share"][h].numel() else 0.0,
+                changed=int(total["changed"][h]),
+                err_model=float(total["err_model"][h]),
+                err_nosinks=float(total["err_nosinks"][h]),
+                diff_nosinks=float(total["diff_nosinks"][h]),
+                rel_model=float(_rel(total["sq_model"][h], total["sq_ref"][h])),
+                rel_nosinks=float(_rel(total["sq_nosinks"][h], total["sq_ref"][h])),
             )
             for h in range(heads)
         ],
     )
+
+
+def _combine(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """One head's numbers over its blocks: shares joined, maxima maxed (NaN kept), sums summed."""
+    if key == "share":
+        return torch.cat(parts)
+    stacked = torch.stack(parts)
+    if key.startswith(("err_", "diff_")):
+        return torch.where(torch.isnan(stacked).any(), torch.tensor(float("nan"), dtype=stacked.dtype), stacked.amax())
+    return stacked.sum()
 
 
 def split_sinks(

@@ -62,3 +62,20 @@ def test_sinks_of_another_head_count_are_refused_in_one_line():
     scores = torch.zeros(1, 4, 2, 3)
     with pytest.raises(AttncheckError, match=r"its sinks \(shape \[3\]\) must hold one logit per head"):
         split_sinks({"sinks": "true"}, {"scores": scores, "sinks": torch.zeros(3)})
+
+
+def test_blocks_of_queries_change_no_number(monkeypatch):
+    import attncheck.numerics.inputs.sinks as sinks_module
+
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(2, 3, 20, 24, generator=g).bfloat16()
+    v = torch.randn(2, 3, 24, 8, generator=g).bfloat16()
+    sinks = torch.tensor([0.0, 1.0, -2.0]).bfloat16()
+    whole = sink_facts(scores, sinks, v)
+    monkeypatch.setattr(sinks_module, "SINK_BLOCK_BYTES", 1)  # one head's single query per block
+    assert sinks_module._blocks(2, 3, 20, 24, 8)[:2] == [(slice(0, 1), slice(0, 1)), (slice(0, 1), slice(1, 2))]
+    blocked = sink_facts(scores, sinks, v)
+    for a, b in zip(whole.heads, blocked.heads):  # the L2 sums add in another order: their last bits may differ
+        assert (a.rel_model, a.rel_nosinks) == pytest.approx((b.rel_model, b.rel_nosinks), rel=1e-12)
+        a.rel_model, a.rel_nosinks = b.rel_model, b.rel_nosinks
+    assert blocked == whole
