@@ -62,6 +62,13 @@ def sinks_block(calls: list[CallReport], prefix: str = "") -> Text | None:
                 f"({changed} of {f.elements * len(f.heads)} outputs differ)\n",
                 style="yellow" if changed else "",
             )
+    left = sum(1 for c in sunk if c.sinks.grads_left_out)
+    if left:
+        text.append(
+            f"  the gradients of {left} call(s) with sinks were recorded; their backward with the sinks is not "
+            "computed yet (not judged)\n",
+            style="yellow",
+        )
     if len(sunk) > CALLS_LISTED:
         text.append(f"  ... {len(sunk) - CALLS_LISTED} more in the JSON report\n")
     text.rstrip()

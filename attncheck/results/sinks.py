@@ -38,4 +38,5 @@ class SinkFacts:
     # the call was not given the sinks its module holds (an SDPA call in gpt-oss's attention): the "model's cell" above
     # is then the eager cell with them, what the module should compute, and the call computed the one without them
     ignored: bool = False
+    grads_left_out: bool = False  # the call's gradients were recorded: the backward with sinks is not computed yet
     nosinks: bool = False  # the what-if asked (--what-if nosinks or kernels): the report shows it

@@ -11,6 +11,7 @@ import transformers
 import attncheck
 from attncheck.findings import failed_conditions
 from attncheck.numerics.inputs.sinks import eager_sink_output
+from attncheck.report.model_sinks import sinks_block
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -162,3 +163,12 @@ def test_sdpa_forced_on_gpt_oss_drops_the_sinks_and_is_reported():
             [h.share_max for h in eager_report.sinks.heads], rel=1e-2
         )
     assert failed_conditions(cap.result.tensors, ["error"]) != []
+
+
+def test_the_gradients_of_a_call_with_sinks_are_said_to_be_left_out():
+    model = gpt_oss(torch.float32).train()
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    with attncheck.capture(diagnose=True) as cap:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert cap.calls and all(r.sinks is not None and r.sinks.grads_left_out for r in cap.calls)
+    assert "backward with the sinks is not computed yet" in sinks_block(cap.calls).plain

@@ -175,6 +175,7 @@ def split_sinks(
     facts = sink_facts(scores, sinks, tensors.get("v"))
     # the backward of a softmax with sinks is not computed yet: its gradients are left out, not judged without them
     out = {role: t for role, t in tensors.items() if role not in ("sinks", "q", "k") and not role.startswith("grad_")}
+    facts.grads_left_out = any(role.startswith("grad_") for role in tensors)
     out["scores"] = sink_logits(scores, sinks)
     return out, facts
 
