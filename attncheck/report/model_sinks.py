@@ -53,7 +53,7 @@ def sinks_block(calls: list[CallReport], prefix: str = "") -> Text | None:
                 style="red" if dead < len(f.heads) else "",
             )
             continue
-        text.append(f"  #{c.call.index} {name} ({f.dtype}): {_shares(c)}; the sink {effect}; err {plain(err)}\n")
+        text.append(f"  #{c.call.index} {name} ({f.dtype}): {_shares(c)}; the sink {effect}; output err {plain(err)}\n")
         if f.nosinks:
             changed = sum(h.changed for h in f.heads)
             text.append(
