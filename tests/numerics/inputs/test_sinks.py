@@ -72,8 +72,14 @@ def test_blocks_of_queries_change_no_number(monkeypatch):
     v = torch.randn(2, 3, 24, 8, generator=g).bfloat16()
     sinks = torch.tensor([0.0, 1.0, -2.0]).bfloat16()
     whole = sink_facts(scores, sinks, v)
-    monkeypatch.setattr(sinks_module, "SINK_BLOCK_BYTES", 1)  # one head's single query per block
-    assert sinks_module._blocks(2, 3, 20, 24, 8)[:2] == [(slice(0, 1), slice(0, 1)), (slice(0, 1), slice(1, 2))]
+    row = 8 * (6 * (24 + 1) + 6 * 8) * 2  # the bytes of one query row of both batch elements
+    monkeypatch.setattr(sinks_module, "SINK_BLOCK_BYTES", 7 * row)  # 7 of one head's 20 queries per block
+    assert sinks_module._blocks(2, 3, 20, 24, 8)[:4] == [
+        (slice(0, 1), slice(0, 7)),
+        (slice(0, 1), slice(7, 14)),
+        (slice(0, 1), slice(14, 20)),
+        (slice(1, 2), slice(0, 7)),
+    ]
     blocked = sink_facts(scores, sinks, v)
     for a, b in zip(whole.heads, blocked.heads):  # the L2 sums add in another order: their last bits may differ
         assert (a.rel_model, a.rel_nosinks) == pytest.approx((b.rel_model, b.rel_nosinks), rel=1e-12)
