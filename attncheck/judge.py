@@ -12,7 +12,7 @@ what the library, the pipelines and the capture call.
 from __future__ import annotations
 
 from attncheck.codes import SEVERITIES
-from attncheck.findings import backward_findings, findings_for, softcap_findings
+from attncheck.findings import backward_findings, findings_for, sink_findings, softcap_findings
 from attncheck.model import head_findings, setting_choices
 from attncheck.numerics.cells import calls
 from attncheck.numerics.cells import diagnose as cells
@@ -64,7 +64,7 @@ def judge_call(report: CallReport) -> CallReport:
     if what is not None:
         judge_diagnosis(what)
     judge_backward(diag, what)
-    found = softcap_findings(diag)
+    found = softcap_findings(diag) + sink_findings(report.sinks)
     if found:
         diag.findings = _merged(diag.findings, found)
     extra = head_findings(report, diag.findings)

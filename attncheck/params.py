@@ -119,6 +119,7 @@ def paths(value: Any, param: str = "paths", fp8: bool = True) -> tuple[str, ...]
 WHAT_IF_ALL = "all"
 WHAT_IF_FP8 = "e4m3"  # the FP8 format of 'all' (FlashAttention-3's)
 WHAT_IF_KERNELS = "kernels"  # replay each call under every kernel that could have run it, in the call's dtype
+WHAT_IF_NOSINKS = "nosinks"  # a kernel that drops a call's learned sinks (as quantised-KV decode kernels did)
 
 
 # --what-if kv:FORMAT[:SCALING]: K and V through a quantised KV cache (attncheck.numerics.kvcache)
@@ -176,7 +177,7 @@ def what_if(value: Any, param: str = "what_if") -> tuple[str, ...]:
         low = [str(v).strip().lower() for v in values]
         if low == [WHAT_IF_ALL]:
             return (WHAT_IF_ALL,)
-        known = (WHAT_IF_KERNELS, *setting_sweeps())
+        known = (WHAT_IF_KERNELS, WHAT_IF_NOSINKS, *setting_sweeps())
         words = tuple(w for w in known if w in low)
         if words:
             values = [v for v, name in zip(values, low) if name not in words]
@@ -187,7 +188,9 @@ def what_if(value: Any, param: str = "what_if") -> tuple[str, ...]:
         return (*words, *dtypes(values, param))
     except AttncheckError as e:
         if e.message.endswith(")"):  # the dtypes to choose from: the words a what-if takes besides them
-            others = ", ".join((WHAT_IF_KERNELS, *setting_sweeps(), WHAT_IF_ALL, "kv:FORMAT[:SCALING]"))
+            others = ", ".join(
+                (WHAT_IF_KERNELS, WHAT_IF_NOSINKS, *setting_sweeps(), WHAT_IF_ALL, "kv:FORMAT[:SCALING]")
+            )
             raise AttncheckError(e.message[:-1] + f"; or {others})", param=param) from None
         raise
 

@@ -69,13 +69,16 @@ WhatIfOpt = Annotated[
     Optional[str],
     typer.Option(
         "--what-if",
-        metavar="DTYPE,...|kernels|fa4|kv:FORMAT[:SCALING]|all",
+        metavar="DTYPE,...|kernels|nosinks|fa4|kv:FORMAT[:SCALING]|all",
         show_default=False,
         help=(
             "Captured calls: what would break if the model ran in these dtypes (fp16, bf16, fp32, fp8 = e4m3, ...) "
             "with its own implementation and with eager attention; 'kernels' replays each call under every kernel "
             "that could have run it (sdpa-math, flash, fa2, fa2-fma, fa3, mem-efficient, cudnn, fa4; flex for flex "
-            "calls) in its dtype, and says which break it (combine: kernels,fp16); 'fa4' computes FlashAttention-4 "
+            "calls) in its dtype, and says which break it (combine: kernels,fp16); 'nosinks' (also part of "
+            "'kernels') computes each call with learned sinks (gpt-oss) as a kernel that drops them would, in its "
+            "dtype, and gives its output error against float64 and against the model's cell; 'fa4' computes "
+            "FlashAttention-4 "
             "for a small grid of its lazy rescale thresholds and FP8 max offsets, in the call's dtype and in e4m3 "
             "(with --q/--k too: in each --dtype), and names the setting with the least output error against float64; "
             "'all' adds "

@@ -40,11 +40,13 @@ from attncheck.findings.policy import (
 )
 from attncheck.findings.registry import CAUSES_OF, FIX, SEVERITY
 from attncheck.findings.scale import CHOSEN_SCALES
+from attncheck.findings.sinks import SINK_NO_EFFECT_ROUNDINGS, sink_findings
 
 __all__ = [
     "CAUSES_OF",
     "CHOSEN_SCALES",
     "COLLAPSE_WARN_FRAC",
+    "SINK_NO_EFFECT_ROUNDINGS",
     "CUDNN_KEY_TILE",
     "CUDNN_Q_TILE",
     "FIX",
@@ -70,6 +72,7 @@ __all__ = [
     "findings_for",
     "fused_max_threshold",
     "ignored_causes",
+    "sink_findings",
     "softcap_findings",
     "unrecorded_text",
 ]

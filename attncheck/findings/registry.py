@@ -20,6 +20,7 @@ from attncheck.findings import (
     overflow,
     scale,
 )
+from attncheck.findings import sinks as sink_codes
 from attncheck.findings import watch as watch_codes
 from attncheck.findings.base import Code
 
@@ -30,6 +31,7 @@ GROUP_MODULES = (
     overflow,
     hazards,
     accuracy,
+    sink_codes,
     fp8,
     distribution,
     backward,
@@ -72,6 +74,8 @@ ORDER = (
     "output_error",
     "tied_max_bias",
     "probability_flush",
+    "sinks_ignored",
+    "sink_no_effect",
     # FP8
     "p_cast_underflow",
     "fp8_overflow",

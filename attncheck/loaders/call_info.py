@@ -40,8 +40,9 @@ KINDS = ("sdpa", "softmax")
 GRAD_ROLES = ("grad_out", "grad_q", "grad_k", "grad_v")  # dO, and the gradients the call's kernel produced
 
 
-# scores_mod, scores_mod64: a flex call's logits after its score_mod, as flex computes them (fp32) and in float64
-ROLES = ("q", "k", "v", "attn_mask", "scores", "out", "scores_mod", "scores_mod64", *GRAD_ROLES)
+# scores_mod, scores_mod64: a flex call's logits after its score_mod, as flex computes them (fp32) and in float64;
+# sinks: a call's learned sink logits, one per query head (gpt-oss's eager softmax over [S, sink], FA4's learnable_sink)
+ROLES = ("q", "k", "v", "attn_mask", "scores", "out", "scores_mod", "scores_mod64", "sinks", *GRAD_ROLES)
 
 
 MASK_ROLES = ("attn_mask", "mask")  # boolean or float; the others are floating point

@@ -164,7 +164,8 @@ class CallMeta(Struct):
     flash_package: Optional[Literal["fa2", "fa3", "fa4"]] = None  # flash_attn, flash_attn_interface, flash_attn.cute
     window: Optional[Window] = None  # window_size as given ('-1,-1': none); causal and window are bottom-right aligned
     descales: Optional[Descales] = None  # FA3's q_descale, k_descale, v_descale (their tensors are in the file)
-    sinks: bool = False  # FA4's learnable_sink (its tensor 'sinks' is in the file)
+    module_sinks: Optional[Literal["ignored"]] = None  # an SDPA call whose module holds sinks it was not given
+    sinks: bool = False  # learned sinks, one logit per query head (tensor 'sinks'): gpt-oss's eager softmax, FA4's
     flash_extras: Optional[Short] = None  # other arguments that change what it computes: 'alibi_slopes,qv', or 'none'
     varlen_seq: Optional[Index] = None  # flash_attn_varlen_func: recorded one call per sequence: which, of how many
     varlen_seqs: Optional[Annotated[int, Meta(ge=1, le=MAX_BYTES)]] = None

@@ -13,6 +13,11 @@ import torch
 from attncheck.record.ops import ADDS, DIVS, F_SOFTMAX, FILLS, MATMULS, MULS, PASSES, TANH, dtype_name, number
 from attncheck.record.state import Pending
 
+# In the traced scores (``self._scores``, reset with them): a learned-sink column concatenated to the scores (gpt-oss's
+# eager attention: ``cat([S, sinks], -1)`` before its softmax): the scores before it, the sink logit per head, and the
+# ids of the concatenation and the tensors derived from it.
+SINK_COLUMN = "sink_column"
+
 
 class EagerMixin:
     """The eager softmax and the tracing of q, k, v around it."""
@@ -67,6 +72,11 @@ class EagerMixin:
         if traced is not None:  # how a mask entered the scores: added (dS passes it) or filled (dS zeroed there)
             ops = traced[2]
             meta["mask_op"] = "add" if ops & ADDS else "fill" if ops & FILLS else "none"
+        sunk = self._scores.get(SINK_COLUMN)
+        if sunk is not None and id(x) in sunk["ids"] and sunk["ids"][id(x)]() is x:
+            # the softmax of [S, sink]: recorded as S (its Tk keys) and one sink logit per head, compactly
+            tensors["scores"], tensors["sinks"] = sunk["scores"].detach(), sunk["sinks"].detach()
+            meta["sinks"] = "true"
         meta.update(self._mha_meta)
         call = self._new_call("softmax", module, tensors, meta)
         self._qk, self._scores = None, {}
@@ -103,15 +113,18 @@ class EagerMixin:
             return
         if not isinstance(out, torch.Tensor):
             return
+        if name == "cat" and self._scores:
+            self._sink_column(args, kwargs, out)
+            return
         first = args[0] if args else None
         pending = self._pending
         if (
             pending is not None
-            and name in PASSES
+            and (name in PASSES or (name == "__getitem__" and pending.call.meta.get("sinks") == "true"))
             and isinstance(first, torch.Tensor)
             and id(first) in pending.probs
             and pending.probs[id(first)]() is first
-            and out.shape == first.shape
+            and (out.shape == first.shape or _drops_sink(name, first, out))
         ):
             pending.probs[id(out)] = weakref.ref(out)
             if (
@@ -133,6 +146,9 @@ class EagerMixin:
         )
         if source is None or out.shape != source.shape:
             return
+        sunk = self._scores.get(SINK_COLUMN)
+        if sunk is not None and id(source) in sunk["ids"]:  # [S, sink] minus its row max, cast: still that softmax's
+            sunk["ids"][id(out)] = weakref.ref(out)
         _, scale, ops, capped = self._scores[id(source)]
         if name in TANH:
             if capped is not None:  # a second tanh: no soft cap the trace can name
@@ -152,3 +168,36 @@ class EagerMixin:
         if name in FILLS or (name in ADDS and sum(isinstance(t, torch.Tensor) for t in args) > 1):
             ops = ops | {name}  # a tensor added (a mask or a bias) or a fill
         self._scores[id(out)] = (weakref.ref(out), scale, ops, capped)
+
+    def _sink_column(self, args, kwargs, out: torch.Tensor) -> None:
+        """``torch.cat([S, sinks], dim=-1)`` of traced 4-D scores S (batch, heads, Tq, Tk) and a column holding one
+        logit per head (gpt-oss's learned sinks, expanded over batch and queries): the concatenation is traced as
+        those scores, and the softmax over it is recorded as an attention call with its sinks."""
+        parts = args[0] if args else kwargs.get("tensors")
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if not isinstance(parts, (list, tuple)) or len(parts) != 2:
+            return
+        scores, column = parts
+        if not (isinstance(scores, torch.Tensor) and isinstance(column, torch.Tensor)) or scores.dim() != 4:
+            return
+        entry = self._scores.get(id(scores))
+        if entry is None or entry[0]() is not scores or dim not in (-1, 3):
+            return
+        if tuple(column.shape) != (*scores.shape[:-1], 1) or column.dtype != scores.dtype:
+            return
+        per_head = column[:1, :, :1, 0].reshape(-1)
+        if not torch.equal(column, per_head.reshape(1, -1, 1, 1).expand_as(column)):
+            return  # not one logit per head: the softmax stays a softmax over Tk + 1 keys
+        _, scale, ops, capped = entry
+        self._scores[id(out)] = (weakref.ref(out), scale, ops, capped)
+        self._scores[SINK_COLUMN] = {"ids": {id(out): weakref.ref(out)}, "scores": scores, "sinks": per_head}
+
+
+def _drops_sink(name: str, probs: torch.Tensor, out: torch.Tensor) -> bool:
+    """``P[..., :-1]``: the probabilities of a softmax with a sink column, the sink's dropped (gpt-oss)."""
+    return (
+        name == "__getitem__"
+        and out.dim() == probs.dim()
+        and tuple(out.shape[:-1]) == tuple(probs.shape[:-1])
+        and out.shape[-1] == probs.shape[-1] - 1
+    )

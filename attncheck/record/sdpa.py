@@ -46,6 +46,13 @@ class SdpaMixin:
                 bool(bound.get("enable_gqa")),
             ),
         }
+        owner = self.tracker.stack[-1][0] if self.tracker.stack else None
+        sinks = getattr(owner, "sinks", None)
+        if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and q.dim() == 4 and sinks.numel() == q.shape[1]:
+            # the module holds learned sinks (gpt-oss) its SDPA call was not given: SDPA has no sinks, transformers'
+            # integration drops them without a word where config._attn_implementation is forced to 'sdpa'
+            tensors["sinks"] = sinks.detach()
+            meta["module_sinks"] = "ignored"
         meta.update(self._mha_meta)
         track = self._tracks_grads(out)
         if track or self.outputs:

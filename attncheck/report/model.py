@@ -27,6 +27,7 @@ from attncheck.report.model_calls import (  # noqa: F401
 )
 from attncheck.report.model_heads import fitted_head_matrix
 from attncheck.report.model_json import run_json  # noqa: F401
+from attncheck.report.model_sinks import sinks_block
 from attncheck.report.run import settings_section
 from attncheck.report.text import shown
 from attncheck.results import CallReport, ModelReport
@@ -191,6 +192,9 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             text.append(f"  ... {len(report.outliers) - 12} more in the JSON report\n")
         text.rstrip()
         parts.append(text)
+    sinks = sinks_block(calls, prefix)
+    if sinks is not None:
+        parts.append(sinks)
     ranks = ranks_block(report)
     if ranks is not None:
         parts.append(ranks)

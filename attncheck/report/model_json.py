@@ -47,6 +47,7 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
                 "verdict": line.verdict,
                 "errors": line.errors,
                 "heads": to_jsonable(c.heads),
+                "sinks": None if c.sinks is None else to_jsonable(c.sinks),
                 "error": c.error,
                 "device": info.meta.get("device"),  # where the call ran, as the capture recorded it
                 "capability": info.meta.get("capability"),

@@ -10,6 +10,7 @@ from attncheck.format import plain
 from attncheck.results.common import Finding
 from attncheck.results.kvcache import KVReport
 from attncheck.results.run import CellLimit, SettingChoice, TensorDiagnosis
+from attncheck.results.sinks import SinkFacts
 
 
 @dataclass
@@ -76,6 +77,7 @@ class CallReport:
     path_note: str | None = None
     # --what-if fa4: each kernel grid and dtype the kernel would not run the call in ('fa4/e4m3'), with why
     settings_refused: dict[str, str] = field(default_factory=dict)
+    sinks: SinkFacts | None = None  # a call with learned sinks (gpt-oss): each head's share, and what it changes
 
 
 @dataclass

@@ -227,22 +227,22 @@ def test_what_if_is_its_own_question(capdir, tmp_path):
         (
             ["--what-if", "fp64"],
             "--what-if: dtype 'fp64' cannot be used here (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, "
-            "e5m2fnuz; or kernels, fa4, all, kv:FORMAT[:SCALING])",
+            "e5m2fnuz; or kernels, nosinks, fa4, all, kv:FORMAT[:SCALING])",
         ),
         (
             ["--what-if", "bogus"],
             "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or "
-            "kernels, fa4, all, kv:FORMAT[:SCALING])",
+            "kernels, nosinks, fa4, all, kv:FORMAT[:SCALING])",
         ),
         (
             ["--what-if", ""],
-            "--what-if is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, fa4, all, "
-            "kv:FORMAT[:SCALING])",
+            "--what-if is empty (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or kernels, nosinks, "
+            "fa4, all, kv:FORMAT[:SCALING])",
         ),
         (
             ["--what-if", "kernels,bogus"],
             "--what-if: unknown dtype 'bogus' (choose from fp16, bf16, fp32, e4m3, e5m2, e4m3fnuz, e5m2fnuz; or "
-            "kernels, fa4, all, kv:FORMAT[:SCALING])",
+            "kernels, nosinks, fa4, all, kv:FORMAT[:SCALING])",
         ),
         (
             ["--fail-on", "what-if:bogus"],

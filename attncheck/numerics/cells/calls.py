@@ -38,6 +38,7 @@ from attncheck.numerics.cells.plan import (
     sweep_refusals,
     what_if_cells,
 )
+from attncheck.numerics.inputs.sinks import split_sinks
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
 from attncheck.options import Options, rows_per_chunk
 from attncheck.registry import PATHS, eager_path
@@ -125,7 +126,7 @@ def diagnose_call(
     """
     kind = info.kind
     what_if = params.what_if(list(what_if)) if what_if else ()
-    tensors = _normalised(info, tensors)
+    tensors, sinks = _in_call(info, lambda: split_sinks(info.meta, _normalised(info, tensors)))  # learned sinks
     scores, q, k = tensors.get("scores"), tensors.get("q"), tensors.get("k")
     if info.dtype is None:
         ref = q if kind in QK_KINDS and q is not None else scores
@@ -189,7 +190,10 @@ def diagnose_call(
         settings_refused=sweep_refusals(info, tuple(w for w in what_if if w in params.setting_sweeps()))
         if known and what is not None
         else {},
+        sinks=sinks,
     )
+    if sinks is not None:
+        sinks.nosinks = params.WHAT_IF_NOSINKS in what_if or params.WHAT_IF_KERNELS in what_if
     return report
 
 

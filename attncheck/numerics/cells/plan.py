@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from attncheck.numerics.paths.base import CallFacts, Setting
 from attncheck.options import Options
-from attncheck.params import WHAT_IF_ALL, WHAT_IF_FP8, WHAT_IF_KERNELS, setting_sweeps
+from attncheck.params import WHAT_IF_ALL, WHAT_IF_FP8, WHAT_IF_KERNELS, WHAT_IF_NOSINKS, setting_sweeps
 from attncheck.registry import (
     DTYPES,
     METHODS,
@@ -280,6 +280,7 @@ def what_if_cells(
             for p in sweeps:  # the call's dtype and FP8 (e4m3): each kernel's grid where it takes the call
                 takes = [d for d in sweep_dtypes(info, model, p) if f"{p}/{d}" not in refused]
                 cells += setting_cells((p,), tuple(takes), WHAT_IF, configured)
+    dtypes = tuple(d for d in dtypes if d != WHAT_IF_NOSINKS)  # a call's sinks' what-if: not a cell (sinks.py)
     if WHAT_IF_KERNELS in dtypes:
         dtypes = tuple(d for d in dtypes if d != WHAT_IF_KERNELS)
         if qk and model is not None:
