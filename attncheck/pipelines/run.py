@@ -57,6 +57,10 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     else:
         calls, capture, skipped = _run_files(request, options, track, notice)
         diags = [c.diagnosis for c in calls if c.diagnosis is not None]
+    if request.accumulate:  # sums kept in 16 bits: judged beside the cells, before --ignore applies
+        from attncheck.pipelines.lowsum import attach_lowsum
+
+        attach_lowsum(request, options, diags, calls, load_one)
     for d in diags + [c.what_if for c in calls if c.what_if is not None]:
         apply_ignore(d, request.ignore)
         d.choices = setting_choices(d, request.ignore)  # judged again on the findings that count

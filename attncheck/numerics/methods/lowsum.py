@@ -235,3 +235,46 @@ def add_rows(stats: LowSumStats, sums: RowSums, row0: int) -> None:
             float(sums.out_value[i]),
             int(sums.out_dim[i]),
         )
+
+
+def stats(blocks, specs: tuple[SumSpec, ...]) -> list[LowSumStats]:
+    """Every spec over every row of ``blocks`` (an iterable of (scores (r, n), v (r, n, dv) or None), in row
+    order), folded into one ``LowSumStats`` per spec."""
+    out = [LowSumStats(spec.label) for spec in specs]
+    row0 = 0
+    for scores, v in blocks:
+        for spec, st in zip(specs, out):
+            st.keys = scores.shape[-1]
+            add_rows(st, row_sums(scores, spec, v), row0)
+        row0 += scores.shape[0]
+    return out
+
+
+def rows_per_block(keys: int, dv: int, chunk_elements: int) -> int:
+    """Rows a block may hold: a pairwise tree of P@V holds (r, 2n, dv) float64 terms beside the scores."""
+    return max(1, chunk_elements // max(1, keys * (2 + 2 * dv)))
+
+
+def qk_blocks(inp, rows: int):
+    """(float64 scores (r, Tk), V (r, Tk, dv) or None) of Q/K inputs (numerics.inputs.prepare.AttentionInputs) in
+    row blocks: q.k^T times the scale plus the float mask, boolean-masked keys -inf (or the mask value given), a
+    flex call's logits after its score_mod: the float64 reference the diagnosis computes (inputs.scores.QKBlock)."""
+    from attncheck.numerics.inputs.scores import QKBlock, _kv_heads, _qk_float64, _row_ranges
+
+    sentinel = float("-inf") if inp.mask_value in ("-inf", "min") else float(inp.mask_value)
+    for bh, qs in _row_ranges(inp, rows):
+        _, _, s = _qk_float64(inp, bh, qs)
+        s = s.mul_(inp.scale)
+        mask_float = QKBlock._slice4(inp.mask_float, bh, qs, s.device)
+        masked = QKBlock._slice4(inp.masked, bh, qs, s.device)
+        if mask_float is not None:
+            s = s.add_(mask_float)
+        if masked is not None:
+            s = s + torch.zeros_like(s).masked_fill(masked, sentinel)
+        if inp.logits64 is not None:
+            s = QKBlock._slice4(inp.logits64, bh, qs, s.device)
+        v = None
+        if inp.v is not None:
+            vh = inp.v.reshape(-1, *inp.v.shape[2:])[_kv_heads(inp, bh)]  # (n, Tk, dv)
+            v = vh.unsqueeze(1).expand(-1, s.shape[1], -1, -1).reshape(-1, *vh.shape[1:])
+        yield s.reshape(-1, s.shape[-1]), v
