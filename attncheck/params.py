@@ -439,11 +439,15 @@ def sum_specs(value: Any, param: str = "accumulate") -> tuple[SumSpec, ...]:
             )
         if (order == "block") != bool(colon):
             raise AttncheckError(
-                f"{show(item)}: "
-                + ("order block needs its size, e.g. fp16-block:64" if order == "block" else f"{order} takes no size"),
+                f"{show(item)} "
+                + ("has order block, which needs its size, e.g. fp16-block:64" if order == "block" else
+                   f"gives a size, which only order block takes (e.g. {dtype}-block:{size})"),
                 param=param,
-            )
-        block = integer(size, param, 1) if colon else 0
+            )  # fmt: skip
+        try:
+            block = integer(size, param, 1) if colon else 0
+        except AttncheckError:
+            raise AttncheckError(f"{show(item)} has a block size that is no integer >= 1", param=param) from None
         spec = SumSpec(dtype, order, block)
         if spec not in out:
             out.append(spec)

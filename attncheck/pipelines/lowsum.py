@@ -58,17 +58,29 @@ def attach_lowsum(
         judge_lowsum(call.diagnosis)
 
 
+def check_lowsum_inputs(request: RunRequest) -> None:
+    """Before any work: --accumulate on a capture's calls is refused in one line (their kernels' sums are known;
+    the what-if report has no place for them yet), from the files' headers alone."""
+    if not request.accumulate or not request.paths:
+        return
+    from attncheck.loaders import TensorSource
+    from attncheck.loaders.calls import open_inputs
+
+    inputs, _ = open_inputs(request.paths, request.keys, request.max_memory)
+    for item in inputs:
+        if not isinstance(item, TensorSource) and item.info.kind not in ("qk", "scores", "unknown"):
+            raise AttncheckError(
+                f"{param('accumulate')} asks how sums kept in 16 bits would do on score files and q/k/v dumps; "
+                f"{item.info.name} is a captured call, run by a kernel whose sums are known: dump its q, k and v and "
+                f"give them with {param('q')}, {param('k')} and {param('v')}"
+            )
+
+
 def _call_blocks(item, chunk: int, max_bytes: int):
     """Row blocks of a call: from its q, k (and v) where it has them, else its scores as given."""
     from attncheck.numerics.cells.calls import QK_KINDS, _model_inputs, _normalised
     from attncheck.numerics.methods.lowsum import qk_blocks, rows_per_block
 
-    if item.info.kind not in ("qk", "scores", "unknown"):
-        raise AttncheckError(
-            f"{param('accumulate')} asks how sums kept in 16 bits would do on score files and q/k/v dumps; "
-            f"{item.info.name} is a captured call (its kernel's sums are known): dump its q, k, v and pass them with "
-            f"{param('q')}/{param('k')}/{param('v')}"
-        )
     tensors = _normalised(item.info, item.load())
     if item.info.kind in QK_KINDS and "q" in tensors and "k" in tensors:
         inp = _model_inputs(item.info, tensors, max_bytes)

@@ -36,6 +36,10 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     from attncheck.results import CallInfo
 
     track = track or (lambda name, rows: None)
+    if request.accumulate:  # a capture's calls are refused before any work
+        from attncheck.pipelines.lowsum import check_lowsum_inputs
+
+        check_lowsum_inputs(request)
     dev = resolve_device(request.options.device)
     options = replace(request.options, device=str(dev))  # 'auto' -> where it runs, as the report says
     budget = request.max_memory
