@@ -103,10 +103,10 @@ def lowsum_findings(diag: TensorDiagnosis, add) -> None:
             add("accumulator_overflow", f"{st.label} over {st.keys:,} keys: " + "; ".join(parts), rows=rows)
         worst = max(st.denom_err_max, st.out_err_max)
         if worst > LOWSUM_ERROR_REL:
-            out = f"; the output's {st.out_err_max:.3g}" if st.out_rows else ""
+            out = f"; the output's up to {st.out_err_max:.3g}" if st.out_rows else ""
             add(
                 "lowsum_error",
                 f"{st.label} over {st.keys:,} keys: the denominator's relative error against float64 is up to "
-                f"{st.denom_err_max:.3g} (mean {st.denom_err_mean:.3g}){out}, above {LOWSUM_ERROR_REL:g}",
+                f"{st.denom_err_max:.3g} (mean {st.denom_err_mean:.3g}){out}; the threshold is {LOWSUM_ERROR_REL:g}",
                 rows=st.rows,
             )

@@ -13,34 +13,34 @@ from attncheck.results import SumOverflow, TensorDiagnosis
 def _at(first: SumOverflow | None, rows: int) -> str:
     if first is None:
         return "0"
-    dim = "" if first.dim is None else f" d{first.dim}"
-    return f"{rows:,} (row {first.row:,}{dim}: after {first.key + 1:,} keys)"
+    return f"{rows:,} at {first.key + 1:,}"
 
 
 def lowsum_table(d: TensorDiagnosis) -> Table | None:
-    """Per accumulation asked: the denominator's and the output's relative error against float64, and the rows
-    whose accumulator overflowed (the first of them: its row, head dim and key)."""
+    """Per accumulation asked: the denominator's and the output's largest relative error against float64 (and the
+    denominator's mean) over rows whose sums stay finite, and the rows whose accumulator overflowed with the keys
+    added when the first of them did ('2 at 65,536'; the finding names the row and head dim)."""
     if not d.lowsum:
         return None
     t = Table(
-        title="Sums kept in 16 bits (--accumulate) against float64: relative error, overflowed rows",
+        title="Sums kept in 16 bits (--accumulate): relative error against float64, overflowed rows at keys",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
         pad_edge=False,
         collapse_padding=True,
     )
-    for name in ("sum", "keys", "denom err max", "denom err mean", "denom overflow", "out err max", "out overflow"):
+    for name in ("sum", "keys", "denom err", "mean", "denom ovf", "out err", "out ovf"):
         t.add_column(name, justify="left" if name == "sum" else "right", no_wrap=True)
     for st in d.lowsum:
         bad = st.denom_overflow_rows or st.out_overflow_rows
         t.add_row(
             Text(st.label, style="bold red" if bad else ""),
             f"{st.keys:,}",
-            fmt(st.denom_err_max, ".2e"),
-            fmt(st.denom_err_mean, ".2e"),
+            fmt(st.denom_err_max, ".2e") if st.rows > st.denom_overflow_rows else "-",  # no finite row: no error
+            fmt(st.denom_err_mean, ".2e") if st.rows > st.denom_overflow_rows else "-",
             _at(st.denom_first, st.denom_overflow_rows),
-            fmt(st.out_err_max, ".2e") if st.out_rows else "-",
+            fmt(st.out_err_max, ".2e") if st.out_rows > st.out_overflow_rows else "-",
             _at(st.out_first, st.out_overflow_rows) if st.out_rows else "-",
         )
     return t

@@ -150,7 +150,8 @@ class RowSums:
     @property
     def denom_err(self) -> torch.Tensor:
         """(r,) relative error of the denominator; inf where its accumulator overflowed."""
-        return ((self.denom - self.denom64).abs() / self.denom64).nan_to_num(nan=float("inf"))
+        err = (self.denom - self.denom64).abs() / self.denom64
+        return torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)
 
 
 def row_sums(scores: torch.Tensor, spec: SumSpec, v: torch.Tensor | None = None) -> RowSums:
@@ -181,8 +182,8 @@ def row_sums(scores: torch.Tensor, spec: SumSpec, v: torch.Tensor | None = None)
     num64 = torch.einsum("rn,rnd->rd", e64, vd.to(torch.float64))
     o64 = num64 / denom64.unsqueeze(-1)
     scale = o64.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float64).tiny)
-    err = ((o - o64).abs().amax(dim=-1) / scale).nan_to_num(nan=float("inf"))
-    err = torch.where(torch.isfinite(o).all(dim=-1), err, torch.full_like(err, float("inf")))
+    err = (o - o64).abs().amax(dim=-1) / scale
+    err = torch.where(torch.isfinite(o).all(dim=-1) & ~torch.isnan(err), err, torch.full_like(err, float("inf")))
     big = torch.iinfo(torch.int64).max
     keyed = torch.where(acc.over >= 0, acc.over, torch.full_like(acc.over, big))
     first, dim = keyed.min(dim=-1)
