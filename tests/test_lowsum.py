@@ -174,7 +174,8 @@ def test_pv_overflow_at_64k_in_blocks_of_64() -> None:
     """Equal logits and V = 1: the unnormalised accumulator holds k after k keys; in blocks of 64 every partial
     sum 64 m is exact in fp16 up to 65,472 and the next block gives 65,536 >= 65,520: inf at the 65,536th key."""
     n = 65536
-    limit = 65504 + 2.0 ** (15 - 10) / 2  # fp16's max plus half its ulp there: the rounding limit
+    fi = torch.finfo(torch.float16)
+    limit = fi.max + fi.eps * 2.0**15 / 2  # fp16's max plus half its ulp there (eps 2^-10 times 2^15): rounding limit
     assert limit == 65520
     r = row_sums(torch.zeros(1, n), SumSpec("fp16", "block", 64), torch.ones(1, n, 1, dtype=torch.float16))
     assert int(r.out_over) == math.ceil(limit / 64) * 64 - 1 == n - 1

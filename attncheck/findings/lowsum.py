@@ -84,7 +84,7 @@ def lowsum_findings(diag: TensorDiagnosis, add) -> None:
     """--accumulate: an accumulator past its range (error), else a sum drifting beyond LOWSUM_ERROR_REL."""
     for st in diag.lowsum:
         dtype = st.label.split("-")[0]
-        limit = "65,504" if dtype == "fp16" else "bf16's max"
+        limit = f"its max {_value(st.dtype_max)}" if st.dtype_max < 1e6 else f"its max {st.dtype_max:.3g}"
         parts, rows = [], 0
         if st.denom_first is not None:
             parts.append(

@@ -24,6 +24,7 @@ class LowSumStats:
     label: str  # 'fp16-seq', 'bf16-pairwise', 'fp16-block:64'
     rows: int = 0
     keys: int = 0  # keys per row
+    dtype_max: float = 0.0  # the accumulator dtype's largest finite value (torch.finfo)
     denom_err_max: float = 0.0  # relative error of the denominator against float64, largest over finite rows
     denom_err_mean: float = 0.0
     denom_overflow_rows: int = 0

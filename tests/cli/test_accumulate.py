@@ -85,7 +85,7 @@ def test_overflowing_dump_reports_accumulator_overflow(tmp_path) -> None:
     (f,) = [f for f in tensor["findings"] if f["code"] == "accumulator_overflow"]
     assert (
         f["severity"] == "error"
-        and "after 16 keys in row 0, head dim 0 (partial sum 61,440 became inf)" in (f["message"])
+        and "passed its max 65,504 after 16 keys in row 0, head dim 0 (partial sum 61,440 became inf)" in (f["message"])
     )
 
 

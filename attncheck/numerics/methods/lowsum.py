@@ -241,7 +241,7 @@ def add_rows(stats: LowSumStats, sums: RowSums, row0: int) -> None:
 def stats(blocks, specs: tuple[SumSpec, ...]) -> list[LowSumStats]:
     """Every spec over every row of ``blocks`` (an iterable of (scores (r, n), v (r, n, dv) or None), in row
     order), folded into one ``LowSumStats`` per spec."""
-    out = [LowSumStats(spec.label) for spec in specs]
+    out = [LowSumStats(spec.label, dtype_max=float(torch.finfo(DTYPES[spec.dtype]).max)) for spec in specs]
     row0 = 0
     for scores, v in blocks:
         for spec, st in zip(specs, out):
