@@ -11,8 +11,9 @@ what the library, the pipelines and the capture call.
 
 from __future__ import annotations
 
-from attncheck.codes import SEVERITIES
+from attncheck.codes import FIX, SEVERITIES, SEVERITY
 from attncheck.findings import backward_findings, findings_for, sink_findings, softcap_findings
+from attncheck.findings.lowsum import lowsum_findings
 from attncheck.model import head_findings, setting_choices
 from attncheck.numerics.cells import calls
 from attncheck.numerics.cells import diagnose as cells
@@ -31,6 +32,7 @@ __all__ = [
     "judge_backward",
     "judge_call",
     "judge_diagnosis",
+    "judge_lowsum",
 ]
 
 
@@ -71,6 +73,18 @@ def judge_call(report: CallReport) -> CallReport:
     if extra:
         diag.findings = _merged(diag.findings, extra)
     return report
+
+
+def judge_lowsum(diag: TensorDiagnosis) -> None:
+    """The findings of the sums kept in 16 bits (``diag.lowsum``, --accumulate), added to the diagnosis."""
+    found: list[Finding] = []
+
+    def add(code: str, message: str, cells_hit=(), rows: int = 0, examples=(), severity: str | None = None) -> None:
+        found.append(Finding(code, severity or SEVERITY[code], message, FIX[code], [], rows, list(examples)))
+
+    lowsum_findings(diag, add)
+    if found:
+        diag.findings = _merged(diag.findings, found)
 
 
 def diagnose(*args, **kwargs) -> TensorDiagnosis:

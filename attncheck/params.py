@@ -443,3 +443,56 @@ def scale(value: Any, param: str = "scale") -> Scale:
 
 def scales(value: Any, param: str = "scales") -> tuple[Scale, ...]:
     return tuple(dict.fromkeys(scale(v, param) for v in items(value, param)))
+
+
+# Sums kept in 16 bits (numerics.methods.lowsum): --accumulate DTYPE-ORDER[:BLOCK], e.g. fp16-seq, bf16-pairwise,
+# fp16-block:64. The dtype holds every partial sum (seq: one running total, as tract's generic f16 softmax;
+# pairwise: a balanced tree; block: each block of BLOCK keys summed in fp32, the total between blocks in the dtype).
+LOWSUM_DTYPES = ("fp16", "bf16")
+LOWSUM_ORDERS = ("seq", "pairwise", "block")
+
+
+@dataclass(frozen=True)
+class SumSpec:
+    """How a low-precision sum is kept: its dtype, its order and (order 'block') the keys per block."""
+
+    dtype: str
+    order: str
+    block: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.dtype}-{self.order}" + (f":{self.block}" if self.order == "block" else "")
+
+
+def sum_specs(value: Any, param: str = "accumulate") -> tuple[SumSpec, ...]:
+    """'fp16-seq,bf16-block:64' (or a list of such) -> SumSpecs, in the order given, without repeats."""
+    out: list[SumSpec] = []
+    forms = ", ".join(f"{d}-{o}" for d in LOWSUM_DTYPES[:1] for o in LOWSUM_ORDERS[:2]) + ", fp16-block:64"
+    for item in items(value, param):
+        text = str(item).strip().lower()
+        dtype, dash, rest = text.partition("-")
+        order, colon, size = rest.partition(":")
+        if not dash or dtype not in LOWSUM_DTYPES or order not in LOWSUM_ORDERS:
+            raise AttncheckError(
+                f"{show(item)} is not a sum kept in 16 bits: give DTYPE-ORDER with DTYPE one of "
+                f"{', '.join(LOWSUM_DTYPES)} and ORDER one of {', '.join(LOWSUM_ORDERS)}, e.g. {forms}",
+                param=param,
+            )
+        if (order == "block") != bool(colon):
+            raise AttncheckError(
+                f"{show(item)} "
+                + ("has order block, which needs its size, e.g. fp16-block:64" if order == "block" else
+                   f"gives a size, which only order block takes (e.g. {dtype}-block:{size})"),
+                param=param,
+            )  # fmt: skip
+        try:
+            block = integer(size, param, 1) if colon else 0
+        except AttncheckError:
+            raise AttncheckError(f"{show(item)} has a block size that is no integer >= 1", param=param) from None
+        spec = SumSpec(dtype, order, block)
+        if spec not in out:
+            out.append(spec)
+    if not out:
+        raise AttncheckError(f"give at least one sum, e.g. {forms}", param=param)
+    return tuple(out)

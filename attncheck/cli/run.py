@@ -52,6 +52,7 @@ from attncheck.cli.run_checks import (
 )
 from attncheck.cli.run_options import (
     AccumOpt,
+    AccumulateOpt,
     CausalOpt,
     ExampleOpt,
     Fp8AccumOpt,
@@ -121,6 +122,7 @@ def run(
     fp8_flush: Fp8FlushOpt = None,
     rescale_threshold: RescaleThresholdOpt = None,
     max_offset: MaxOffsetOpt = None,
+    accumulate: AccumulateOpt = None,
 ) -> None:
     """Diagnose saved attention scores (pre-softmax logits), the scores Q and K produce, or a capture.
 
@@ -138,6 +140,7 @@ def run(
         check_output_path(json_out, "--json")
         check_summary(summary, full)
         asked_what_if = params.what_if(what_if) if what_if is not None else ()
+        sums = params.sum_specs(accumulate, "accumulate") if accumulate is not None else ()
         options, grid_asked = cell_options(
             dtype,
             method,
@@ -259,6 +262,7 @@ def run(
             partial=partial,
             what_if=asked_what_if,
             grid_asked=grid_asked,
+            accumulate=sums,
         )
 
         from attncheck.pipelines.run import run as run_pipeline  # imports torch: not for --help or a bad argument

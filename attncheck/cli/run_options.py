@@ -39,6 +39,19 @@ AccumOpt = Annotated[
     typer.Option("--accum", help="Row sums of naive/stable: fp32 inside as torch does, or pairwise in the dtype."),
 ]
 
+AccumulateOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--accumulate",
+        metavar="SUM,...",
+        help=(
+            "Also keep the softmax denominator (and with V, P@V) in 16 bits as CPU engines do, against float64: "
+            "fp16-seq or bf16-seq (one rounding per key), fp16-pairwise (a tree), fp16-block:64 (fp32 inside blocks "
+            "of 64 keys, fp16 between). Score files and --q/--k; findings lowsum_error, accumulator_overflow."
+        ),
+    ),
+]
+
 KeyOpt = Annotated[
     List[str],
     typer.Option(

@@ -82,11 +82,15 @@ class RunRequest:
     # --method or --path given), every cell of ``options``. Bare scores compute every cell of ``options``.
     what_if: tuple[str, ...] = ()
     grid_asked: bool = False
+    # --accumulate: sums kept in 16 bits (params.SumSpec or their text, 'fp16-seq'), beside the cells
+    accumulate: tuple = ()
 
     def __post_init__(self) -> None:
         params.integer(self.max_memory, "max_memory", 1, from_text=False)
         object.__setattr__(self, "ignore", ignore_codes(self.ignore))
         object.__setattr__(self, "what_if", params.what_if(list(self.what_if)) if self.what_if else ())
+        if self.accumulate and not all(isinstance(a, params.SumSpec) for a in self.accumulate):
+            object.__setattr__(self, "accumulate", params.sum_specs([getattr(a, "label", a) for a in self.accumulate]))
         if self.example and (self.paths or self.qk):
             raise AttncheckError("give files or the built-in example, not both")
         if self.example and self.keys:

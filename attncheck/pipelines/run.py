@@ -36,6 +36,10 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     from attncheck.results import CallInfo
 
     track = track or (lambda name, rows: None)
+    if request.accumulate:  # a capture's calls are refused before any work
+        from attncheck.pipelines.lowsum import check_lowsum_inputs
+
+        check_lowsum_inputs(request)
     dev = resolve_device(request.options.device)
     options = replace(request.options, device=str(dev))  # 'auto' -> where it runs, as the report says
     budget = request.max_memory
@@ -64,6 +68,10 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     else:
         calls, capture, skipped = _run_files(request, options, track, notice, amax)
         diags = [c.diagnosis for c in calls if c.diagnosis is not None]
+    if request.accumulate:  # sums kept in 16 bits: judged beside the cells, before --ignore applies
+        from attncheck.pipelines.lowsum import attach_lowsum
+
+        attach_lowsum(request, options, diags, calls, load_one)
     for d in diags + [c.what_if for c in calls if c.what_if is not None]:
         apply_ignore(d, request.ignore)
         d.choices = setting_choices(d, request.ignore)  # judged again on the findings that count

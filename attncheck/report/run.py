@@ -16,6 +16,7 @@ from attncheck.format import cosine, fmt, index_text, to_jsonable, visible
 from attncheck.params import MASK_SENTINEL_LIMIT
 from attncheck.report.diagnostics import findings_block
 from attncheck.report.fit import Fitted, fit_table, fitted, narrow_table
+from attncheck.report.lowsum import lowsum_table
 from attncheck.results import Cell, TensorDiagnosis
 
 # /2 added the model section; /3: a captured call's tensor holds its model cell, what-ifs apart; every /2 key is kept
@@ -523,7 +524,7 @@ def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
     parts += [matrix_tables(d)]
     if verbose:
         parts.append(fitted_detail_table(d))
-    for build in (output_table, pcast_table, backward_table):
+    for build in (output_table, pcast_table, backward_table, lowsum_table):
         if build(d) is not None:
             parts.append(fit_table(lambda build=build: build(d)))
     settings = settings_section(d.choices)
@@ -589,4 +590,5 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
         "findings": [dict(to_jsonable(f), doc=doc_link(f.code)) for f in d.findings],
         "attention": None if d.attention is None else to_jsonable(d.attention),
         "settings": [to_jsonable(c) for c in d.choices],  # --what-if fa4: each settings grid and its best
+        "accumulate": [to_jsonable(s) for s in d.lowsum],  # --accumulate: each sum kept in 16 bits
     }

@@ -44,6 +44,7 @@ from attncheck.results.common import (
     Finding,
     flash_rule_bound,
 )
+from attncheck.results.lowsum import LowSumStats, SumOverflow
 from attncheck.results.model import (
     CallInfo,
     CallReport,
@@ -111,6 +112,8 @@ __all__ = [
     "SettingPoint",
     "SoftCap",
     "TensorDiagnosis",
+    "LowSumStats",
+    "SumOverflow",
     "CallInfo",
     "CallReport",
     "HeadStat",

@@ -1,0 +1,117 @@
+"""``attncheck run --accumulate``: the sums of each diagnosed tensor or call kept in 16 bits
+(``numerics.methods.lowsum``), attached to its diagnosis and judged (``findings.lowsum``).
+
+Runs after the diagnosis, on the same inputs read again in row blocks: score files as given (the denominator;
+no V), and Q/K with V (the denominator and P@V). The inputs are re-read rather than threaded through the
+diagnosis so that the cells' code stays as it is; reading costs a fraction of the diagnosis."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from attncheck.config.run import RunRequest
+from attncheck.errors import AttncheckError, param
+from attncheck.results import CallReport, TensorDiagnosis
+
+
+def attach_lowsum(
+    request: RunRequest, options, diags: list[TensorDiagnosis], calls: list[CallReport], load_one: Callable
+) -> None:
+    """Every diagnosis of ``diags`` (the q/k request or the built-in example) or of ``calls`` (files, in input
+    order) gets ``lowsum``, one ``LowSumStats`` per accumulation asked, and the findings they lead to.
+    ``load_one``: how ``pipelines.run`` reads one tensor of a PATH[:KEY] option (passed in: no import cycle)."""
+    from attncheck.judge import judge_lowsum
+    from attncheck.numerics.methods.lowsum import qk_blocks, rows_per_block, stats
+
+    specs, chunk = request.accumulate, options.chunk_elements
+    if request.qk is not None and not request.paths:
+        inp = _qk_inputs(request, load_one)
+        dv = 0 if inp.v is None else inp.v.shape[-1]
+        rows = rows_per_block(inp.k.shape[2], dv, chunk)
+        for d in diags:
+            d.lowsum = stats(qk_blocks(inp, rows), specs)
+            judge_lowsum(d)
+        return
+    if request.example:
+        from attncheck.demo import example_scores
+
+        x = example_scores()
+        for d in diags:
+            d.lowsum = stats([(x.reshape(-1, x.shape[-1]), None)], specs)
+            judge_lowsum(d)
+        return
+    from attncheck.loaders import TensorSource
+    from attncheck.loaders.calls import open_inputs
+
+    inputs, _ = open_inputs(request.paths, request.keys, request.max_memory)
+    for item, call in zip(inputs, calls):
+        if call.diagnosis is None:  # skipped with --partial
+            continue
+        if isinstance(item, TensorSource):
+            rows = rows_per_block(item.shape[-1], 0, chunk)
+            blocks = ((b.to(torch.float64), None) for b in item.row_blocks(rows))
+        else:
+            blocks = _call_blocks(item, chunk, request.max_memory)
+        call.diagnosis.lowsum = stats(blocks, specs)
+        judge_lowsum(call.diagnosis)
+
+
+def check_lowsum_inputs(request: RunRequest) -> None:
+    """Before any work: --accumulate on a capture's calls is refused in one line (their kernels' sums are known;
+    the what-if report has no place for them yet), from the files' headers alone."""
+    if not request.accumulate or not request.paths:
+        return
+    from attncheck.loaders import TensorSource
+    from attncheck.loaders.calls import open_inputs
+
+    inputs, _ = open_inputs(request.paths, request.keys, request.max_memory)
+    for item in inputs:
+        if not isinstance(item, TensorSource) and item.info.kind not in ("qk", "scores", "unknown"):
+            raise AttncheckError(
+                f"{param('accumulate')} asks how sums kept in 16 bits would do on score files and q/k/v dumps; "
+                f"{item.info.name} is a captured call, run by a kernel whose sums are known: dump its q, k and v and "
+                f"give them with {param('q')}, {param('k')} and {param('v')}"
+            )
+
+
+def _call_blocks(item, chunk: int, max_bytes: int):
+    """Row blocks of a call: from its q, k (and v) where it has them, else its scores as given."""
+    from attncheck.numerics.cells.calls import QK_KINDS, _model_inputs, _normalised
+    from attncheck.numerics.methods.lowsum import qk_blocks, rows_per_block
+
+    tensors = _normalised(item.info, item.load())
+    if item.info.kind in QK_KINDS and "q" in tensors and "k" in tensors:
+        inp = _model_inputs(item.info, tensors, max_bytes)
+        dv = 0 if inp.v is None else inp.v.shape[-1]
+        return qk_blocks(inp, rows_per_block(inp.k.shape[2], dv, chunk))
+    x = tensors["scores"].to(torch.float64)
+    x = x.reshape(-1, x.shape[-1])
+    rows = rows_per_block(x.shape[-1], 0, chunk)
+    return ((x[i : i + rows], None) for i in range(0, x.shape[0], rows))
+
+
+def _qk_inputs(request: RunRequest, load_one: Callable):
+    """The Q/K inputs of ``--q/--k``, prepared as ``pipelines.run`` prepares them for the diagnosis."""
+    from attncheck.numerics.inputs.scores import prepare_inputs
+
+    qk, max_bytes = request.qk, request.max_memory
+    q = load_one(qk.q, "q", max_bytes=max_bytes)[1]
+    k = load_one(qk.k, "k", max_bytes=max_bytes)[1]
+    v = load_one(qk.v, "v", max_bytes=max_bytes)[1] if qk.v else None
+    mask = load_one(qk.mask, "mask", "mask", max_bytes)[1] if qk.mask else None
+    return prepare_inputs(
+        q,
+        k,
+        mask,
+        v=v,
+        scale=qk.scale,
+        scale_order=qk.scale_order,
+        causal=qk.causal,
+        pad_left=list(qk.pad_left),
+        pad_right=list(qk.pad_right),
+        mask_value=qk.mask_value or "-inf",
+        mask_convention=qk.mask_convention or "attend",
+        max_bytes=max_bytes,
+    )

@@ -1,0 +1,121 @@
+"""``attncheck run --accumulate``: bad values exit 2 with one line (without torch), and the findings on a q/k/v
+dump whose fp16 P@V accumulator overflows and on one whose does not, each checked against numbers computed here."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from attncheck.cli import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (
+            "fp32-seq",
+            "attncheck: error: --accumulate: 'fp32-seq' is not a sum kept in 16 bits: give DTYPE-ORDER with DTYPE one "
+            "of fp16, bf16 and ORDER one of seq, pairwise, block, e.g. fp16-seq, fp16-pairwise, fp16-block:64",
+        ),
+        (
+            "fp16-block",
+            "attncheck: error: --accumulate: 'fp16-block' has order block, which needs its size, e.g. fp16-block:64",
+        ),
+        (
+            "fp16-seq:8",
+            "attncheck: error: --accumulate: 'fp16-seq:8' gives a size, which only order block takes (e.g. "
+            "fp16-block:8)",
+        ),
+        ("fp16-block:0", "attncheck: error: --accumulate: 'fp16-block:0' has a block size that is no integer >= 1"),
+        (",", "attncheck: error: --accumulate is empty"),
+    ],
+)
+def test_bad_accumulate_exits_2_with_one_line(value: str, expected: str) -> None:
+    result = runner.invoke(app, ["run", "--example", "--accumulate", value])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines == [expected] and "Traceback" not in result.output
+
+
+def test_bad_accumulate_does_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "sys.argv = ['attncheck', 'run', '--example', '--accumulate', 'fp8-seq']\n"
+        "from attncheck.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+        "sys.exit(3 if 'torch' in sys.modules or 'numpy' in sys.modules else code)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, f"torch or numpy imported, or not exit 2: {proc.stderr}"
+
+
+def _dump(tmp_path, v_value: float) -> str:
+    import torch
+
+    q = torch.zeros(1, 1, 4, 8)  # equal logits: every key weighs 1 before the division
+    k = torch.zeros(1, 1, 32, 8)
+    v = torch.full((1, 1, 32, 4), v_value)
+    path = tmp_path / "qkv.pt"
+    torch.save({"q": q, "k": k, "v": v}, path)
+    return str(path)
+
+
+def test_overflowing_dump_reports_accumulator_overflow(tmp_path) -> None:
+    """V = 4,096 on 32 equal keys: the exact running total is 4,096 j after j keys, exact in fp16 up to 61,440
+    (j = 15), and 65,536 >= 65,520 (fp16's max plus half its ulp of 32) rounds to inf at j = 16."""
+    path = _dump(tmp_path, 4096.0)
+    out = tmp_path / "r.json"
+    result = runner.invoke(
+        app,
+        ["run", "--q", f"{path}:q", "--k", f"{path}:k", "--v", f"{path}:v", "--accumulate", "fp16-seq",
+         "--path", "eager", "--dtype", "fp32", "--json", str(out), "--fail-on", "accumulator_overflow"],
+    )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    doc = json.loads(out.read_text())
+    (tensor,) = doc["tensors"]
+    (st,) = tensor["accumulate"]
+    first = 65536 // 4096  # keys added when the exact total first reaches the rounding limit
+    assert st["label"] == "fp16-seq" and st["out_overflow_rows"] == 4 and st["out_rows"] == 4
+    assert st["out_first"]["key"] == first - 1 and st["out_first"]["partial"] == (first - 1) * 4096.0
+    assert st["out_peak"] == 32 * 4096.0 and st["denom_overflow_rows"] == 0
+    (f,) = [f for f in tensor["findings"] if f["code"] == "accumulator_overflow"]
+    assert (
+        f["severity"] == "error"
+        and "passed its max 65,504 after 16 keys in row 0, head dim 0 (partial sum 61,440 became inf)" in (f["message"])
+    )
+
+
+def test_healthy_dump_has_no_lowsum_findings(tmp_path) -> None:
+    """V = 1 on 32 equal keys: every partial sum is an integer below 2,048, exact in fp16: no overflow and the
+    output exact (error 0 against float64)."""
+    path = _dump(tmp_path, 1.0)
+    out = tmp_path / "r.json"
+    result = runner.invoke(
+        app,
+        ["run", "--q", f"{path}:q", "--k", f"{path}:k", "--v", f"{path}:v", "--accumulate", "fp16-seq,bf16-pairwise",
+         "--path", "eager", "--dtype", "fp32", "--json", str(out), "--fail-on", "error,warning,nan"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (tensor,) = json.loads(out.read_text())["tensors"]
+    assert [s["label"] for s in tensor["accumulate"]] == ["fp16-seq", "bf16-pairwise"]
+    assert all(s["out_overflow_rows"] == 0 and s["out_err_max"] == 0.0 for s in tensor["accumulate"])
+    assert not [f for f in tensor["findings"] if f["code"] in ("accumulator_overflow", "lowsum_error")]
+
+
+def test_capture_is_refused_before_any_work(tmp_path) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import attncheck
+
+    q = torch.zeros(1, 1, 4, 8)
+    with attncheck.capture(tmp_path / "cap"):
+        F.scaled_dot_product_attention(q, q, q)
+    result = runner.invoke(app, ["run", str(tmp_path / "cap"), "--accumulate", "fp16-seq"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is a captured call" in lines[0] and "--q, --k and --v" in lines[0], lines
