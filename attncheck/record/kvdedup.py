@@ -1,0 +1,91 @@
+"""Decode steps stored by what is new (``Recorder(dedup_kv=True)``, the capture directory's default).
+
+With transformers' default cache (``DynamicCache``) each decode step of ``generate()`` hands the attention its whole
+K and V again: the cache so far with the new token's rows appended. Written whole, a generation of N tokens over a
+prompt of P stores about N * (P + N / 2) rows of K and V instead of P + N. When a call's K and V (and its mask, where
+it has one) extend those of the previous call of the same module, bit for bit, only the new rows are written: the
+roles ``k_tail``, ``v_tail`` (rows appended along the sequence axis, -2) and ``attn_mask_tail`` (columns appended
+along the key axis, -1), and the metadata ``kv_base`` (the index of the call they extend). The loader rebuilds the
+whole tensors by concatenation (``loaders.kv_chain``), bit-exactly.
+
+The check is bit-equality of the prefix (the tensors' bits compared as integers: NaN and -0.0 too) against a CPU
+copy of what the previous call of that module passed: one copy per module is kept (about one KV cache of host
+memory), never a view of the model's own memory, which a static or rolling cache overwrites in place. A cache whose
+K and V keep their length (``StaticCache``: fixed-size buffers that fill up) never extends: its calls are written
+whole, as before. Calls of another sequence (another thread's generation, a new prompt) do not extend the previous
+one: they are written whole and become the module's new reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attncheck.record.ops import Recorded
+
+# role -> (the role its new part is stored as, the axis it grows along)
+TAILS = {"k": ("k_tail", -2), "v": ("v_tail", -2), "attn_mask": ("attn_mask_tail", -1)}
+BASE_KEY = "kv_base"  # metadata: the index of the call whose tensors these extend
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers of its width: equal exactly when the bits are (NaN equals itself, -0.0 is not 0.0)."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t.view(_BITS[t.element_size()])
+
+
+def extends(new: torch.Tensor, ref: torch.Tensor, axis: int) -> bool:
+    """``new`` is ``ref`` with entries appended along ``axis``: same dtype and other axes, longer along ``axis``,
+    and its first ``ref.shape[axis]`` entries there bit-identical to ``ref``."""
+    if new.dtype != ref.dtype or new.dim() != ref.dim() or new.dim() == 0:
+        return False
+    a = axis % new.dim()
+    if any(n != r for i, (n, r) in enumerate(zip(new.shape, ref.shape)) if i != a) or new.shape[a] <= ref.shape[a]:
+        return False
+    return torch.equal(_bits(new.narrow(a, 0, ref.shape[a])), _bits(ref))
+
+
+class KvDedup:
+    """The previous call's K, V and mask of each module (CPU copies), and the compaction of a call against them."""
+
+    def __init__(self) -> None:
+        self.refs: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+
+    def compact(self, call: Recorded) -> dict[str, torch.Tensor] | None:
+        """Rewrite ``call`` to store only what extends its module's previous call (its ``tensors`` and ``meta``
+        changed in place); returns the CPU copies to keep as the module's reference once the call is recorded
+        (``keep``), or None for a call with no K and V."""
+        if "k" not in call.tensors or "v" not in call.tensors:
+            return None
+        full = {
+            role: call.tensors[role].detach().to("cpu", copy=True).contiguous()
+            for role in TAILS
+            if role in call.tensors
+        }
+        prev = self.refs.get(call.module)
+        if prev is None:
+            return full
+        base, ref = prev
+        if set(ref) != set(full) or not all(extends(full[r], ref[r], TAILS[r][1]) for r in ("k", "v")):
+            return full
+        mask = full.get("attn_mask")
+        if mask is not None and not extends(mask, ref["attn_mask"], -1):
+            return full  # a mask that does not extend the previous one: the call is written whole
+        tensors = {}
+        for role, t in call.tensors.items():
+            if role in full:
+                tail, axis = TAILS[role]
+                start = ref[role].shape[axis]
+                tensors[tail] = full[role].narrow(axis, start, full[role].shape[axis] - start)
+            else:
+                tensors[role] = t
+        call.tensors = tensors
+        call.meta[BASE_KEY] = str(base)
+        return full
+
+    def keep(self, call: Recorded, full: dict[str, torch.Tensor] | None) -> None:
+        """``call`` was recorded: its whole K, V (and mask) are what the module's next call may extend."""
+        if full is not None:
+            self.refs[call.module] = (call.index, full)
