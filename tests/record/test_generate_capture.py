@@ -1,0 +1,175 @@
+"""model.generate() under capture: every decode step recorded, stored by its new rows (record.kvdedup), rebuilt
+bit-exactly by the reader (loaders.kv_chain), judged as a capture written whole is, and about one prefill's bytes."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from typer.testing import CliRunner
+
+import attncheck
+from attncheck.cli import app
+from attncheck.loaders.calls import open_inputs
+
+from .conftest import VOCAB, llama_gqa
+
+PROMPT, NEW = 24, 8
+
+
+class SdpaTap(TorchFunctionMode):
+    """The test's own record of what SDPA was given (clones), independent of attncheck's recorder."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            names = ("query", "key", "value", "attn_mask")
+            bound = {**dict(zip(names, args)), **kwargs}
+            self.calls.append(
+                {
+                    r: bound[n].clone()
+                    for r, n in zip(("q", "k", "v", "attn_mask"), names)
+                    if isinstance(bound.get(n), torch.Tensor)
+                }
+            )
+        return func(*args, **kwargs)
+
+
+def generate(model, inputs):
+    return model.generate(**inputs, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+
+
+def prompt(b=1, left_pad=0):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (b, PROMPT), generator=g)
+    mask = torch.ones(b, PROMPT, dtype=torch.long)
+    mask[0, :left_pad] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def loaded(path):
+    sources, _ = open_inputs([path])
+    return [(s.info, s.load()) for s in sources]
+
+
+def file_bytes(path):
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+@pytest.mark.parametrize("left_pad", [0, 5])
+def test_generate_capture_rebuilds_every_decode_step_bit_exactly(tmp_path, left_pad):
+    """The K, V and mask each SDPA call was given, as the test's own mode saw them, come back bit for bit from a
+    capture whose decode steps hold only their new rows; one call per layer per forward (prefill + NEW - 1
+    decode steps: generate() feeds the last token back for no forward)."""
+    model, inputs = llama_gqa("sdpa"), prompt(b=2, left_pad=left_pad)
+    with torch.no_grad():
+        tap = SdpaTap()
+        with tap:
+            ref = generate(model, inputs)
+        with attncheck.capture(tmp_path / "cap"):
+            out = generate(model, inputs)
+    assert torch.equal(ref, out)  # capturing changed nothing
+    layers = model.config.num_hidden_layers
+    assert len(tap.calls) == layers * NEW
+    calls = loaded(tmp_path / "cap")
+    assert len(calls) == len(tap.calls)
+    doc = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    bases = [c.get("kv_base") for c in doc["calls"]]
+    # the prefill is whole; the first decode step extends it where SDPA got the same layout (no mask: GQA in both;
+    # with a padding mask transformers repeats K and V for the prefill only), every later step the step before
+    assert bases[:layers] == [None] * layers and all(b == i - layers for i, b in enumerate(bases) if i >= 2 * layers)
+    assert bases[layers : 2 * layers] == ([None] * layers if left_pad else list(range(layers)))
+    for (info, got), want in zip(calls, tap.calls):
+        assert set(got) == set(want), info.index
+        for role, t in want.items():
+            assert got[role].dtype == t.dtype and torch.equal(bits(got[role]), bits(t)), (info.index, role)
+    tails = [c["tensors"]["k_tail"]["shape"] for c in doc["calls"] if "kv_base" in c]
+    assert all(s[-2] == 1 for s in tails)  # one new row per decode step
+
+
+def test_decode_steps_judged_as_a_whole_capture_and_about_one_prefill(tmp_path):
+    """attncheck run gives the same report (JSON) on the dedup'd capture as on the capture written whole; the
+    generate capture, healthy, holds no error or warning; its tensor bytes stay within 2x of the prompt's
+    prefill capture (a prompt of PROMPT tokens, NEW new ones) where the whole one is several times over."""
+    model, inputs = llama_gqa("sdpa", torch.bfloat16), prompt()
+    with torch.no_grad():
+        with attncheck.capture(tmp_path / "prefill"):
+            model(**inputs)
+        with attncheck.capture(tmp_path / "gen"):
+            generate(model, inputs)
+        with attncheck.capture(tmp_path / "whole", dedup_kv=False):
+            generate(model, inputs)
+    totals = {
+        n: json.loads((tmp_path / n / "manifest.json").read_text())["total_bytes"] for n in ("prefill", "gen", "whole")
+    }
+    assert totals["gen"] < 2 * totals["prefill"] and totals["whole"] > 3 * totals["prefill"], totals
+    runner = CliRunner()
+    reports = {}
+    for n in ("gen", "whole"):
+        res = runner.invoke(
+            app,
+            [
+                "run",
+                str(tmp_path / n),
+                "--json",
+                str(tmp_path / f"{n}.json"),
+                "--quiet",
+                "--fail-on",
+                "error,warning,nan",
+            ],
+        )
+        assert res.exit_code == 0, res.output
+        reports[n] = json.loads((tmp_path / f"{n}.json").read_text())
+
+    def strip(doc):
+        return json.dumps([doc["tensors"], doc["model"]["calls"]], sort_keys=True).replace("/gen/", "/X/").replace("/whole/", "/X/")
+
+    assert strip(reports["gen"]) == strip(reports["whole"])
+
+
+def test_static_cache_is_written_whole_and_still_reads(tmp_path):
+    """StaticCache hands SDPA its fixed-size buffers every step: nothing extends, every call is written whole
+    (as without dedup), and the reader takes them as before."""
+    model, inputs = llama_gqa("sdpa"), prompt()
+    with torch.no_grad(), attncheck.capture(tmp_path / "cap"):
+        model.generate(
+            **inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static"
+        )
+    doc = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert len(doc["calls"]) == 2 * 4 and all("kv_base" not in c for c in doc["calls"])
+    assert all(set(t) >= {"q", "k", "v"} for _, t in loaded(tmp_path / "cap"))
+
+
+def test_a_decode_step_file_alone_says_it_needs_its_capture(tmp_path):
+    model, inputs = llama_gqa("sdpa"), prompt()
+    with torch.no_grad(), attncheck.capture(tmp_path / "cap"):
+        generate(model, inputs)
+    doc = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    res = CliRunner().invoke(app, ["run", str(tmp_path / "cap" / doc["calls"][-1]["file"])])
+    assert res.exit_code == 2 and "read it in its capture directory" in res.output, res.output
+
+
+def test_eager_decode_steps_rebuild(tmp_path):
+    """The eager path: q, k (repeated to the query heads), v traced around the softmax; k and v extend too."""
+    model, inputs = llama_gqa("eager", torch.bfloat16), prompt()
+    with torch.no_grad():
+        with attncheck.capture(tmp_path / "gen"):
+            generate(model, inputs)
+        with attncheck.capture(tmp_path / "whole", dedup_kv=False):
+            generate(model, inputs)
+    gen, whole = loaded(tmp_path / "gen"), loaded(tmp_path / "whole")
+    assert len(gen) == len(whole) == 2 * NEW
+    for (_, a), (_, b) in zip(gen, whole):
+        assert set(a) == set(b) and all(torch.equal(bits(a[r]), bits(b[r])) for r in a)
+    doc = json.loads((tmp_path / "gen" / "manifest.json").read_text())
+    assert sum("kv_base" in c for c in doc["calls"]) == 2 * (NEW - 1)
