@@ -132,7 +132,11 @@ def test_decode_steps_judged_as_a_whole_capture_and_about_one_prefill(tmp_path):
         reports[n] = json.loads((tmp_path / f"{n}.json").read_text())
 
     def strip(doc):
-        return json.dumps([doc["tensors"], doc["model"]["calls"]], sort_keys=True).replace("/gen/", "/X/").replace("/whole/", "/X/")
+        return (
+            json.dumps([doc["tensors"], doc["model"]["calls"]], sort_keys=True)
+            .replace("/gen/", "/X/")
+            .replace("/whole/", "/X/")
+        )
 
     assert strip(reports["gen"]) == strip(reports["whole"])
 
@@ -173,3 +177,30 @@ def test_eager_decode_steps_rebuild(tmp_path):
         assert set(a) == set(b) and all(torch.equal(bits(a[r]), bits(b[r])) for r in a)
     doc = json.loads((tmp_path / "gen" / "manifest.json").read_text())
     assert sum("kv_base" in c for c in doc["calls"]) == 2 * (NEW - 1)
+
+
+def test_report_groups_the_decode_steps(tmp_path):
+    """The model report says each layer's prefill and its run of decode steps (q 1, keys growing by one) in one
+    line, folds the steps that went well into one table line per layer, and the JSON lists the runs."""
+    model, inputs = llama_gqa("sdpa"), prompt()
+    with torch.no_grad(), attncheck.capture(tmp_path / "cap"):
+        generate(model, inputs)
+    res = CliRunner().invoke(
+        app,
+        ["run", str(tmp_path / "cap"), "--json", str(tmp_path / "r.json"), "--fail-on", "error,warning"],
+    )
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())  # the lines as wrapped at any width
+    for layer in (0, 1):
+        first, last = 2 + layer, 2 * (NEW - 1) + layer
+        assert (
+            f"{layer}.self_attn: prefill #{layer} ({PROMPT} keys) + {NEW - 1} decode steps #{first}-#{last} "
+            f"(1 query, {PROMPT + 1}..{PROMPT + NEW - 1} keys; no mask)"
+        ) in out
+        assert f"{first}-{last} {layer}.self_attn decode x{NEW - 1}" in out
+    assert "0 error(s), 0 warning(s)" in out
+    runs = json.loads((tmp_path / "r.json").read_text())["model"]["decode"]
+    assert [
+        (r["module"], r["prefill"], r["prefill_keys"], r["steps"], r["keys_from"], r["keys_to"], r["queries"])
+        for r in runs
+    ] == [(f"model.layers.{i}.self_attn", [i], [PROMPT], NEW - 1, PROMPT + 1, PROMPT + NEW - 1, [1]) for i in (0, 1)]
