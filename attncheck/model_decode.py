@@ -1,7 +1,7 @@
 """Decode steps grouped per module: ``generate()`` runs a module once over the prompt (the prefill: as many queries
 as keys) and then once per new token over the KV cache (a decode step: fewer queries than keys, the key count
-growing). The model report says each module's run in one line and folds the steps that went well into one line of
-its calls table, rather than one line per step and layer."""
+growing from call to call). The model report says each module's run in one line and folds the steps that went
+well into one line of its calls table, rather than one line per step and layer."""
 
 from __future__ import annotations
 
@@ -19,20 +19,25 @@ def _masked(report: CallReport) -> bool:
     return isinstance(shapes, dict) and "attn_mask" in shapes
 
 
-def _is_step(line: ModelLine) -> bool:
-    return len(line.shape) >= 2 and line.shape[-2] < line.shape[-1]
+def _is_step(line: ModelLine, keys_before: int | None) -> bool:
+    """Fewer queries than keys, and more keys than the module's call before (a cache that grew): cross-attention
+    (a decoder's queries over the encoder's keys, as many each time) is no decode step."""
+    return keys_before is not None and line.shape[-2] < line.shape[-1] and line.shape[-1] > keys_before
 
 
 def decode_runs(lines: list[ModelLine], calls: list[CallReport]) -> list[DecodeRun]:
     """Each module's runs of decode steps (a run ends where the module's next prefill begins), in call order."""
     open_runs: dict[tuple, tuple[list[tuple[ModelLine, CallReport]], list[tuple[ModelLine, CallReport]]]] = {}
     done: list[tuple[list, list]] = []
+    keys: dict[tuple, int] = {}
     for line, report in zip(lines, calls):
         if not line.module or len(line.shape) < 2:
             continue
         key = (line.rank, line.module)
         prefill, steps = open_runs.setdefault(key, ([], []))
-        if _is_step(line):
+        step = _is_step(line, keys.get(key))
+        keys[key] = line.shape[-1]
+        if step:
             steps.append((line, report))
         elif steps:  # a new prompt: the run before it is complete
             done.append((prefill, steps))
