@@ -23,6 +23,7 @@ from attncheck.report.model_calls import (  # noqa: F401
     decode_block,
     fitted_lines_table,
     folded,
+    folded_steps,
     ranks_block,
     shared_facts,
     shared_prefix,
@@ -182,7 +183,8 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             text.append(f"  ... {len(modded) - 12} more in the JSON report\n")
         text.rstrip()
         parts.append(text)
-    matrix = fitted_head_matrix(calls, report, prefix)
+    good = folded_steps(report)  # decode steps that went well: the calls table's one line per module says them
+    matrix = fitted_head_matrix([c for c in calls if (c.call.rank, c.call.index) not in good], report, prefix)
     if matrix is not None:
         parts.append(matrix)
     if report.outliers:

@@ -109,21 +109,27 @@ def lines_table(report: ModelReport, prefix: str = "", labels: list[str] | None 
     return t
 
 
+def folded_steps(report: ModelReport) -> set[tuple[int | None, int]]:
+    """(rank, index) of the decode steps that went well: one line per module stands for them."""
+    return {(run.rank, i) for run in report.decode for i in run.steps if i not in run.bad}
+
+
 def folded(report: ModelReport) -> ModelReport:
     """The report with each module's decode steps that went well as one line (``DecodeRun.summary``); the steps
     that did not keep their own lines."""
     if not report.decode:
         return report
-    good = {i for run in report.decode for i in run.steps if i not in run.bad}
+    good = folded_steps(report)
     summaries = {run.summary.index: run.summary for run in report.decode if run.summary is not None}
     lines = []
     first = None
     for at, line in enumerate(report.lines):
         if at == report.first_bad:
             first = len(lines)
-        if line.index in summaries and line.module == summaries[line.index].module:
-            lines.append(summaries[line.index])
-        elif line.index not in good:
+        summary = summaries.get(line.index)
+        if summary is not None and (line.rank, line.module) == (summary.rank, summary.module):
+            lines.append(summary)
+        elif (line.rank, line.index) not in good:
             lines.append(line)
     return replace(report, lines=lines, first_bad=first)
 
@@ -133,7 +139,8 @@ def decode_block(report: ModelReport, prefix: str = "") -> Text | None:
     if not report.decode:
         return None
     text = Text(
-        "Decode steps (calls over a KV cache: fewer queries than keys; the table folds those that went well):\n"
+        "Decode steps (calls over a KV cache: fewer queries than keys, more than the module's call before; the "
+        "tables fold those that went well, --json lists each):\n"
     )
     for run in report.decode[:DECODE_SHOWN]:
         name = run.module[len(prefix) :] if prefix and run.module.startswith(prefix) else run.module
