@@ -59,20 +59,16 @@ class KvDedup:
         (``keep``), or None for a call with no K and V."""
         if "k" not in call.tensors or "v" not in call.tensors:
             return None
-        full = {
-            role: call.tensors[role].detach().to("cpu", copy=True).contiguous()
-            for role in TAILS
-            if role in call.tensors
+        full = {  # contiguous CPU copies, whatever the model's layout (one copy each)
+            role: torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
+            for role, t in call.tensors.items()
+            if role in TAILS
         }
         prev = self.refs.get(call.module)
-        if prev is None:
+        if prev is None or not self._extends(full, prev[1]):
+            call.tensors.update(full)  # written whole, from the copy made here (on a GPU: one transfer, not two)
             return full
         base, ref = prev
-        if set(ref) != set(full) or not all(extends(full[r], ref[r], TAILS[r][1]) for r in ("k", "v")):
-            return full
-        mask = full.get("attn_mask")
-        if mask is not None and not extends(mask, ref["attn_mask"], -1):
-            return full  # a mask that does not extend the previous one: the call is written whole
         tensors = {}
         for role, t in call.tensors.items():
             if role in full:
@@ -84,6 +80,11 @@ class KvDedup:
         call.tensors = tensors
         call.meta[BASE_KEY] = str(base)
         return full
+
+    @staticmethod
+    def _extends(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> bool:
+        """K, V and the mask (where both calls have one; a mask on one of them only: no) extend the reference."""
+        return set(ref) == set(full) and all(extends(t, ref[role], TAILS[role][1]) for role, t in full.items())
 
     def keep(self, call: Recorded, full: dict[str, torch.Tensor] | None) -> None:
         """``call`` was recorded: its whole K, V (and mask) are what the module's next call may extend."""

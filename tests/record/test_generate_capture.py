@@ -204,3 +204,42 @@ def test_report_groups_the_decode_steps(tmp_path):
         (r["module"], r["prefill"], r["prefill_keys"], r["steps"], r["keys_from"], r["keys_to"], r["queries"])
         for r in runs
     ] == [(f"model.layers.{i}.self_attn", [i], [PROMPT], NEW - 1, PROMPT + 1, PROMPT + NEW - 1, [1]) for i in (0, 1)]
+
+
+def test_two_prompts_in_one_capture_each_rebuilt(tmp_path):
+    """A second generate() over another prompt: its prefill extends nothing (written whole), its steps extend
+    its own; every call still comes back as SDPA got it."""
+    model = llama_gqa("sdpa")
+    first, second = prompt(), {"input_ids": prompt()["input_ids"].flip(-1)}
+    with torch.no_grad():
+        tap = SdpaTap()
+        with tap:
+            generate(model, first)
+            generate(model, second)
+        with attncheck.capture(tmp_path / "cap"):
+            generate(model, first)
+            generate(model, second)
+    calls = loaded(tmp_path / "cap")
+    assert len(calls) == len(tap.calls) == 2 * 2 * NEW
+    for (info, got), want in zip(calls, tap.calls):
+        assert all(torch.equal(bits(got[r]), bits(t)) for r, t in want.items()), info.index
+    bases = [c.get("kv_base") for c in json.loads((tmp_path / "cap" / "manifest.json").read_text())["calls"]]
+    assert bases[2 * NEW : 2 * NEW + 2] == [None, None]  # the second prompt's prefill
+
+
+def test_max_bytes_bounds_what_is_stored(tmp_path):
+    """--max-bytes counts the bytes written: a bound the whole decode steps would pass holds the dedup'd ones."""
+    model, inputs = llama_gqa("sdpa"), prompt()
+    with torch.no_grad():
+        with attncheck.capture(tmp_path / "whole", dedup_kv=False):
+            generate(model, inputs)
+        with attncheck.capture(tmp_path / "gen"):
+            generate(model, inputs)
+    whole = json.loads((tmp_path / "whole" / "manifest.json").read_text())["total_bytes"]
+    stored = json.loads((tmp_path / "gen" / "manifest.json").read_text())["total_bytes"]
+    with torch.no_grad(), attncheck.capture(tmp_path / "bounded", max_bytes=stored) as cap:
+        generate(model, inputs)
+    assert stored < whole // 2 and cap.stopped is None
+    with torch.no_grad(), attncheck.capture(tmp_path / "short", max_bytes=stored - 1) as cap:
+        generate(model, inputs)
+    assert cap.stopped is not None and "max_bytes" in cap.stopped
