@@ -112,6 +112,8 @@ def test_decode_steps_judged_as_a_whole_capture_and_about_one_prefill(tmp_path):
     totals = {
         n: json.loads((tmp_path / n / "manifest.json").read_text())["total_bytes"] for n in ("prefill", "gen", "whole")
     }
+    # each step stores one token's q, k and v rows, as the prefill stores PROMPT of them (no mask here)
+    assert totals["gen"] * PROMPT == totals["prefill"] * (PROMPT + NEW - 1), totals
     assert totals["gen"] < 2 * totals["prefill"] and totals["whole"] > 3 * totals["prefill"], totals
     runner = CliRunner()
     reports = {}
