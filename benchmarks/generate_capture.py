@@ -9,6 +9,7 @@ runs, each under attncheck.capture(DIR):
   generate  model.generate(max_new_tokens=NEW, do_sample=False): the prefill and NEW - 1 decode steps per layer,
             each decode step stored by its new K and V rows (the default)
   whole     the same generate() with dedup_kv=False: every decode step's whole K and V written again
+  plain     the same generate() without capture (its time alone)
 
 For each: the calls recorded, the tensor bytes (the manifest's total_bytes, what --max-bytes bounds), the bytes of
 its files on disk (headers and manifest included), the capture's wall time (the model's run included), and the time
@@ -100,6 +101,10 @@ def main() -> None:
                     work()
 
             rows[name] = measure(d, captured)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        generate()
+    plain = time.perf_counter() - t0
     print(
         f"Llama {args.layers} layers, 8 heads of 64 over 2 kv heads, {args.impl} {args.dtype}; prompt {args.prompt} "
         f"tokens, {args.new} new"
@@ -113,6 +118,7 @@ def main() -> None:
             f"{name:9} {r['calls']:5d} {r['bytes']:13,d} {r['bytes'] / base['bytes']:5.2f} {r['disk']:11,d} "
             f"{r['disk'] / base['disk']:5.2f} {r['capture_s']:9.2f} {r['run_s']:6.2f}"
         )
+    print(f"generate() without capture: {plain:.2f} s")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 
 from attncheck.errors import AttncheckError
 from attncheck.loaders.capture_schema import ManifestCall
-from attncheck.loaders.common import error, reason
+from attncheck.loaders.common import check_tensor, error, reason
 
 TAILS = {"k": ("k_tail", -2), "v": ("v_tail", -2), "attn_mask": ("attn_mask_tail", -1)}
 
@@ -41,13 +41,14 @@ def logical_entries(meta: dict[str, str], entries: dict[str, tuple[str, tuple[in
 
 
 def _read(path: str, keys: tuple[str, ...], label: str) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open  # looked up when called, as call_files does
+    # looked up when called, as call_files does: tests replace safetensors.safe_open to fake a failed read
+    from safetensors import safe_open
 
     try:
         with safe_open(path, framework="pt") as f:
             return {key: f.get_tensor(key) for key in keys if key in f.keys()}
     except Exception as exc:
-        raise error(f"{label}: cannot read the call's tensors ({reason(exc)})") from exc
+        raise error(f"{label}: cannot read {os.path.basename(path)}, which its K and V extend ({reason(exc)})") from exc
 
 
 class KvChain:
@@ -118,9 +119,12 @@ class KvChain:
     def loader(self, load, index: int, label: str, meta: dict[str, str]):
         """``load`` (the call file's own roles) with the whole k, v and mask rebuilt, each of the shape the
         call's metadata recorded."""
-        from attncheck.loaders.common import check_tensor
-
-        shapes = json.loads(meta.get("shapes") or "{}")
+        try:
+            shapes = json.loads(meta.get("shapes") or "{}")
+        except ValueError:
+            shapes = None
+        if not isinstance(shapes, dict):
+            shapes = {}
 
         def both() -> dict[str, torch.Tensor]:
             tensors = load()

@@ -245,3 +245,41 @@ def test_max_bytes_bounds_what_is_stored(tmp_path):
     with torch.no_grad(), attncheck.capture(tmp_path / "short", max_bytes=stored - 1) as cap:
         generate(model, inputs)
     assert cap.stopped is not None and "max_bytes" in cap.stopped
+
+
+def rewrite(cap, index, tensors=None, meta=None, entry=None):
+    """Call ``index``'s file and manifest entry with tensors or metadata changed (a tampered capture)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    doc = json.loads((cap / "manifest.json").read_text())
+    e = next(c for c in doc["calls"] if c["index"] == index)
+    path = cap / e["file"]
+    with safe_open(str(path), framework="pt") as f:
+        old_meta = f.metadata()
+        old = {k: f.get_tensor(k) for k in f.keys()}
+    old.update(tensors or {})
+    old_meta.update(meta or {})
+    save_file(old, str(path), metadata=old_meta)
+    e["tensors"] = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for k, t in old.items()}
+    e.update(entry or {})
+    (cap / "manifest.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "tamper, says",
+    [
+        (lambda last: ({}, {"kv_base": str(last)}, {"kv_base": last}), "which is not an earlier call of the capture"),
+        (lambda last: ({}, {"kv_base": "0"}, {"kv_base": 1}), "its file and the manifest name different base calls"),
+        (lambda last: ({"k_tail": torch.zeros(1, 2, 1, 4)}, {}, {}), "does not extend call"),
+    ],
+)
+def test_a_tampered_decode_step_is_one_line(tmp_path, tamper, says):
+    model, inputs = llama_gqa("sdpa"), prompt()
+    with torch.no_grad(), attncheck.capture(tmp_path / "cap"):
+        generate(model, inputs)
+    last = 2 * NEW - 1
+    tensors, meta, entry = tamper(last)
+    rewrite(tmp_path / "cap", last, tensors, meta, entry)
+    res = CliRunner().invoke(app, ["run", str(tmp_path / "cap"), "--quiet"])
+    assert res.exit_code == 2 and says in " ".join(res.output.split()) and "Traceback" not in res.output, res.output
