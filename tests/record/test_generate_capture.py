@@ -283,3 +283,43 @@ def test_a_tampered_decode_step_is_one_line(tmp_path, tamper, says):
     rewrite(tmp_path / "cap", last, tensors, meta, entry)
     res = CliRunner().invoke(app, ["run", str(tmp_path / "cap"), "--quiet"])
     assert res.exit_code == 2 and says in " ".join(res.output.split()) and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_generate_64_tokens_over_128_within_2x_of_the_prefill(tmp_path, impl):
+    """The issue's bound: generate() of 64 new tokens over a 128-token prompt (bf16, GQA): every decode call
+    recorded (layers x 64 calls), the tensor bytes within 2x of the prompt's prefill capture (what --max-bytes
+    counts), and a healthy report."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        hidden_size=256,
+        intermediate_size=512,
+        vocab_size=256,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=impl, dtype=torch.bfloat16).eval()
+    ids = torch.randint(1, 256, (1, 128), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with attncheck.capture(tmp_path / "prefill"):
+            model(ids)
+        with attncheck.capture(tmp_path / "gen"):
+            model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+    docs = {n: json.loads((tmp_path / n / "manifest.json").read_text()) for n in ("prefill", "gen")}
+    assert len(docs["gen"]["calls"]) == 2 * 64 and docs["gen"]["complete"]
+    assert docs["gen"]["total_bytes"] < 2 * docs["prefill"]["total_bytes"], (
+        docs["gen"]["total_bytes"],
+        docs["prefill"]["total_bytes"],
+    )
+    # on disk each call file adds its header and its manifest entry (about 1.3 KiB), whatever its tensors
+    assert file_bytes(tmp_path / "gen") < docs["gen"]["total_bytes"] + 2048 * len(docs["gen"]["calls"])
+    res = CliRunner().invoke(app, ["run", str(tmp_path / "gen"), "--quiet", "--fail-on", "error,warning,nan"])
+    assert res.exit_code == 0, res.output
