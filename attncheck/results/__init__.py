@@ -47,10 +47,10 @@ from attncheck.results.common import (
 from attncheck.results.model import (
     CallInfo,
     CallReport,
+    DecodeRun,
     HeadStat,
     KernelCall,
     KernelVerdict,
-    DecodeRun,
     ModelLine,
     ModelReport,
     Outlier,
