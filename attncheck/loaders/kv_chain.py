@@ -2,8 +2,8 @@
 ``attn_mask_tail``) and the metadata ``kv_base`` is rebuilt whole, K and V being its base call's (rebuilt the same
 way) with the tail appended: rows along axis -2 for K and V, columns along axis -1 for the mask.
 
-Calls are read in order, so the last rebuilt K, V and mask of each module are kept (one per module): rebuilding the
-next step reads one file. Reading a call out of order walks its chain back to the nearest rebuilt or whole call.
+Calls are read in order, so the last rebuilt K, V and mask of each chain are kept (a few per module): rebuilding
+the next step reads one file. Reading a call out of order walks its chain back to the nearest rebuilt or whole call.
 A rebuilt tensor must have the shape the call's metadata recorded for it (``shapes``), and every link the dtype of
 its base: anything else is a problem naming the call.
 """
@@ -21,6 +21,7 @@ from attncheck.loaders.capture_schema import ManifestCall
 from attncheck.loaders.common import check_tensor, error, reason
 
 TAILS = {"k": ("k_tail", -2), "v": ("v_tail", -2), "attn_mask": ("attn_mask_tail", -1)}
+CHAINS_KEPT = 4  # rebuilt calls kept per module (each the last of its chain)
 
 
 def logical_entries(meta: dict[str, str], entries: dict[str, tuple[str, tuple[int, ...]]]) -> dict:
@@ -57,7 +58,9 @@ class KvChain:
     def __init__(self, directory: str, calls: list[ManifestCall]) -> None:
         self.dir = directory
         self.entries = {c.index: c for c in calls}
-        self._last: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+        # the last rebuilt call of each chain (keyed by its index), a few per module: several threads' generations
+        # through one module make several chains, read interleaved
+        self._last: dict[int, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def problem(self, entry: ManifestCall, label: str) -> str | None:
@@ -72,13 +75,11 @@ class KvChain:
     def whole(self, index: int, label: str) -> dict[str, torch.Tensor]:
         """Call ``index``'s whole k, v (and attn_mask, where it has one)."""
         with self._lock:
-            module = self.entries[index].module
             chain = []
             at = index
             while True:  # back to the nearest call rebuilt already or stored whole
-                last = self._last.get(module)
-                if last is not None and last[0] == at:
-                    tensors = dict(last[1])
+                if at in self._last:
+                    tensors = self._last.pop(at)  # the chain moves on: its newer call is kept instead
                     break
                 entry = self.entries[at]
                 if entry.kv_base is None:
@@ -89,8 +90,15 @@ class KvChain:
                 at = entry.kv_base
             for at in reversed(chain):
                 tensors = self._extend(at, tensors, label)
-            self._last[module] = (index, tensors)
+            self._keep(index, tensors)
             return dict(tensors)
+
+    def _keep(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        module = self.entries[index].module
+        mine = [i for i in self._last if self.entries[i].module == module]
+        for i in mine[: max(0, len(mine) + 1 - CHAINS_KEPT)]:  # the oldest go: a finished generation's last step
+            del self._last[i]
+        self._last[index] = tensors
 
     def _extend(self, index: int, base: dict[str, torch.Tensor], label: str) -> dict[str, torch.Tensor]:
         entry = self.entries[index]

@@ -9,14 +9,16 @@ along the key axis, -1), and the metadata ``kv_base`` (the index of the call the
 whole tensors by concatenation (``loaders.kv_chain``), bit-exactly.
 
 The check is bit-equality of the prefix (the tensors' bits compared as integers: NaN and -0.0 too) against a CPU
-copy of what the previous call of that module passed: one copy per module is kept (about one KV cache of host
-memory), never a view of the model's own memory, which a static or rolling cache overwrites in place. A cache whose
-K and V keep their length (``StaticCache``: fixed-size buffers that fill up) never extends: its calls are written
-whole, as before. Calls of another sequence (another thread's generation, a new prompt) do not extend the previous
-one: they are written whole and become the module's new reference.
+copy of what the previous call of that module passed: one copy per module (and thread) is kept (about one KV
+cache of host memory), never a view of the model's own memory, which a static or rolling cache overwrites in
+place. A cache whose K and V keep their length (``StaticCache``: fixed-size buffers that fill up) never extends:
+its calls are written whole, as before. A new prompt does not extend the previous step: it is written whole and
+becomes the module's new reference; another thread's calls are compared with that thread's own.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -48,10 +50,11 @@ def extends(new: torch.Tensor, ref: torch.Tensor, axis: int) -> bool:
 
 
 class KvDedup:
-    """The previous call's K, V and mask of each module (CPU copies), and the compaction of a call against them."""
+    """The previous call's K, V and mask of each module in each thread (CPU copies), and the compaction of a call
+    against them. Per thread: two threads generating through one model each extend their own previous call."""
 
     def __init__(self) -> None:
-        self.refs: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+        self.refs: dict[tuple[str, int], tuple[int, dict[str, torch.Tensor]]] = {}
 
     def compact(self, call: Recorded) -> dict[str, torch.Tensor] | None:
         """Rewrite ``call`` to store only what extends its module's previous call (its ``tensors`` and ``meta``
@@ -64,7 +67,7 @@ class KvDedup:
             for role, t in call.tensors.items()
             if role in TAILS
         }
-        prev = self.refs.get(call.module)
+        prev = self.refs.get((call.module, threading.get_ident()))
         if prev is None or not self._extends(full, prev[1]):
             call.tensors.update(full)  # written whole, from the copy made here (on a GPU: one transfer, not two)
             return full
@@ -89,4 +92,4 @@ class KvDedup:
     def keep(self, call: Recorded, full: dict[str, torch.Tensor] | None) -> None:
         """``call`` was recorded: its whole K, V (and mask) are what the module's next call may extend."""
         if full is not None:
-            self.refs[call.module] = (call.index, full)
+            self.refs[(call.module, threading.get_ident())] = (call.index, full)

@@ -165,6 +165,7 @@ def test_a_decode_step_file_alone_says_it_needs_its_capture(tmp_path):
     assert res.exit_code == 2 and "read it in its capture directory" in res.output, res.output
 
 
+@pytest.mark.slow
 def test_eager_decode_steps_rebuild(tmp_path):
     """The eager path: q, k (repeated to the query heads), v traced around the softmax; k and v extend too."""
     model, inputs = llama_gqa("eager", torch.bfloat16), prompt()
@@ -208,6 +209,7 @@ def test_report_groups_the_decode_steps(tmp_path):
     ] == [(f"model.layers.{i}.self_attn", [i], [PROMPT], NEW - 1, PROMPT + 1, PROMPT + NEW - 1, [1]) for i in (0, 1)]
 
 
+@pytest.mark.slow
 def test_two_prompts_in_one_capture_each_rebuilt(tmp_path):
     """A second generate() over another prompt: its prefill extends nothing (written whole), its steps extend
     its own; every call still comes back as SDPA got it."""
@@ -227,6 +229,42 @@ def test_two_prompts_in_one_capture_each_rebuilt(tmp_path):
         assert all(torch.equal(bits(got[r]), bits(t)) for r, t in want.items()), info.index
     bases = [c.get("kv_base") for c in json.loads((tmp_path / "cap" / "manifest.json").read_text())["calls"]]
     assert bases[2 * NEW : 2 * NEW + 2] == [None, None]  # the second prompt's prefill
+
+
+def test_two_threads_generating_through_one_model(tmp_path):
+    """Two threads generate at once through the same modules: each step extends its own thread's previous call
+    (calls of the two interleave in the capture's numbering), and every call rebuilt is one SDPA was given,
+    matched by content against the test's own record of the same two generations run one after the other."""
+    import threading
+
+    model = llama_gqa("sdpa")
+    prompts = [prompt(), {"input_ids": prompt()["input_ids"].flip(-1)}]
+    with torch.no_grad():
+        tap = SdpaTap()
+        with tap:
+            for p in prompts:
+                generate(model, p)
+        with attncheck.capture(tmp_path / "cap"):
+
+            def work(p):
+                with torch.no_grad():
+                    generate(model, p)
+
+            threads = [threading.Thread(target=work, args=(p,)) for p in prompts]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    calls = loaded(tmp_path / "cap")
+    assert len(calls) == len(tap.calls) == 2 * 2 * NEW
+    want = {}
+    for c in tap.calls:
+        want.setdefault(tuple(c["k"].shape), []).append(c)
+    for info, got in calls:
+        same = [c for c in want[tuple(got["k"].shape)] if all(torch.equal(bits(got[r]), bits(c[r])) for r in c)]
+        assert same and set(got) == set(same[0]), info.index
+    doc = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert sum("kv_base" in c for c in doc["calls"]) == 2 * 2 * (NEW - 1)  # every step of both threads extends
 
 
 def test_max_bytes_bounds_what_is_stored(tmp_path):
