@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from attncheck.codes import SEVERITY
 from attncheck.findings import capture_findings, counted_rows, counted_verdict, ignored_causes
+from attncheck.model_decode import decode_runs
 from attncheck.results import (
     MODEL,
     UNEXPLAINED,
@@ -513,6 +514,7 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
         settings=model_settings(calls, ignore),
         call_settings=[(at, found) for at, c in enumerate(calls) if (found := call_settings(c, ignore))],
         settings_refused=settings_refused(calls),
+        decode=decode_runs(lines, calls),
     )
 
 

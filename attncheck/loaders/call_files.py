@@ -122,6 +122,12 @@ def call_file_source(
     except AttncheckError as exc:
         info = fallback or CallInfo(index=index, name=path, kind="unknown", file=path)
         return _broken(info, f"{label}: {exc.message}")
+    if "kv_base" in meta and fallback is None:  # a file alone: the calls its K and V extend are not there
+        return _broken(
+            info,
+            f"{label}: a decode step stored by its new rows (its K and V extend call {meta['kv_base']}): read it in "
+            "its capture directory",
+        )
     size = call_bytes(entries)
     if max_bytes is not None and size > max_bytes:
         return _broken(

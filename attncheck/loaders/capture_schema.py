@@ -65,6 +65,8 @@ class ManifestCall(Struct):
     bytes: Optional[Count] = None
     tensors: Annotated[dict[Role, ManifestTensor], Meta(max_length=MAX_ROLES)] = {}
     grads: Optional[ManifestGrads] = None
+    # a decode step stored by its new rows: the index of the earlier call of the module whose K and V it extends
+    kv_base: Optional[Index] = None
 
 
 class ScriptFacts(Struct):
@@ -171,6 +173,8 @@ class CallMeta(Struct):
     varlen_seqs: Optional[Annotated[int, Meta(ge=1, le=MAX_BYTES)]] = None
     dtypes: Optional[Message] = None
     shapes: Optional[Message] = None
+    # k_tail, v_tail (and attn_mask_tail) extend this earlier call's k, v (and mask) of the module (record.kvdedup)
+    kv_base: Optional[Index] = None
 
 
 NONE_FIELDS = ("dtype", "softmax_dtype", "autocast_dtype", "scale", "num_heads", "scale_source", "sdpa_backend")

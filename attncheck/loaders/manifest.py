@@ -23,6 +23,7 @@ from attncheck.loaders.call_info import (
 )
 from attncheck.loaders.capture_schema import CAPTURE_SCHEMA_PREFIX, Manifest
 from attncheck.loaders.common import error, reason, shorten
+from attncheck.loaders.kv_chain import KvChain, logical_entries
 from attncheck.loaders.paths import KeySelector, natural_key
 from attncheck.results import CallInfo
 
@@ -119,6 +120,7 @@ def open_capture(
     where = os.path.join(given, MANIFEST)
     listed = {entry.file for entry in manifest.calls}
     out: list[CallSource] = []
+    chain: KvChain | None = None
     for entry in manifest.calls:
         name, index = entry.file, entry.index
         if selector is not None and not selector.select(given, [entry.module or "global"]):
@@ -150,8 +152,14 @@ def open_capture(
             out.append(_broken(info, f"{label}: {_strip_path(exc.message, path)}"))
             continue
         problem = _mismatch(label, where, entry, meta, entries)
+        if entry.kv_base is not None or "kv_base" in meta:  # a decode step stored by its new rows
+            chain = chain or KvChain(given, manifest.calls)
+            problem = problem or _base_mismatch(label, entry, meta) or chain.problem(entry, label)
+            entries = logical_entries(meta, entries)
         source = call_file_source(path, index, meta, entries, fallback=info, max_bytes=max_bytes)
         load, grads_problem = source.load, None
+        if entry.kv_base is not None and not (problem or source.problem):
+            load = chain.loader(load, index, label, meta)
         if entry.grads is not None:
             gname = entry.grads.file
             if gname != grads_file_name(index, entry.module or "") or os.path.basename(gname) != gname:
@@ -175,6 +183,16 @@ def open_capture(
         for src in out:
             src.info.rank = manifest.rank
     return out, manifest_facts(manifest)
+
+
+def _base_mismatch(label: str, entry, meta: dict[str, str]) -> str | None:
+    """The call file and its manifest entry must name the same base call."""
+    if meta.get("kv_base") != (None if entry.kv_base is None else str(entry.kv_base)):
+        return (
+            f"{label}: its file and the manifest name different base calls (kv_base "
+            f"{shorten(repr(meta.get('kv_base')))} in the file, {entry.kv_base} in the manifest)"
+        )
+    return None
 
 
 def check_manifest_message(doc: dict) -> str | None:

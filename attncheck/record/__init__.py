@@ -57,6 +57,7 @@ class Capture:
         asked=None,
         grads: bool = True,
         compile: str = "eager",
+        dedup_kv: bool = True,
     ) -> None:
         if path is not None and diagnose:
             raise AttncheckError(
@@ -76,6 +77,9 @@ class Capture:
             raise AttncheckError(f"must be True or False, got {params.show(grads)}", param="grads")
         self.grads = grads
         self.compile = params.choice(compile, ("eager", "keep"), "compile")
+        if not isinstance(dedup_kv, bool):
+            raise AttncheckError(f"must be True or False, got {params.show(dedup_kv)}", param="dedup_kv")
+        self.dedup_kv = dedup_kv
         self.calls: list = []
         self.compiled_runs = 0  # torch.compile'd modules and functions that ran (see ``compile``)
         self.result = None
@@ -119,6 +123,7 @@ class Capture:
             grads=self.grads,
             compile=self.compile,
             flash=True,
+            dedup_kv=self.dedup_kv and isinstance(self._sink, DirectorySink),
         )
         self._recorder.__enter__()
         return self
@@ -232,6 +237,7 @@ def capture(
     asked=None,
     grads: bool = True,
     compile: str = "eager",
+    dedup_kv: bool = True,
 ) -> Capture:
     """Record every attention call made inside the ``with`` block.
 
@@ -254,6 +260,9 @@ def capture(
     their eager code (the compiler's ``force_eager`` stance), whose calls are recorded and judged as
     that code, and the report says so; 'keep': they run compiled, their calls are not recorded, and
     the report says how many compiled runs went unrecorded.
+    ``dedup_kv`` (a capture directory): a call whose K and V extend its module's previous call's bit for bit
+    (``generate()``'s decode steps with transformers' default cache) is written as its new rows and the index of
+    the call it extends (``record.kvdedup``); the reader rebuilds the whole K and V. False writes every call whole.
     """
     return Capture(
         path,
@@ -270,6 +279,7 @@ def capture(
         asked=asked,
         grads=grads,
         compile=compile,
+        dedup_kv=dedup_kv,
     )
 
 

@@ -37,6 +37,7 @@ class BoundsMixin:
     def _emit_locked(self, call: Recorded) -> bool:
         if self.stopped is not None:
             return False
+        full = self.dedup.compact(call) if self.dedup is not None else None  # max_bytes bounds what is stored
         size = call.nbytes
         if self.max_calls is not None and self.recorded >= self.max_calls:
             where = f"{call.kind} in {call.module or 'global'}"
@@ -56,6 +57,8 @@ class BoundsMixin:
             return False
         self.recorded += 1
         self.bytes += size
+        if self.dedup is not None:
+            self.dedup.keep(call, full)
         return True
 
     def _stop(

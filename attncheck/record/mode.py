@@ -78,6 +78,7 @@ from attncheck.record.flash import FlashPatch
 from attncheck.record.flashattn import FlashMixin
 from attncheck.record.flex import FlexMixin, flex_hop
 from attncheck.record.grads import GradsMixin
+from attncheck.record.kvdedup import KvDedup
 from attncheck.record.mha import MhaMixin
 from attncheck.record.modules import ModuleStack
 from attncheck.record.ops import MATMULS, MHA_FORWARD, SDPA, Recorded, Sink
@@ -112,7 +113,9 @@ class Recorder(
     kernels); 'keep': compiled code runs compiled and its calls are not recorded (the hooks and the
     mode stay out of the graphs dynamo traces); ``compiled_runs`` counts the compiled modules and
     functions that ran. None (the watch): as 'keep'. ``flash``: the flash-attn package's functions are
-    recorded (patched while recording, where the package is installed).
+    recorded (patched while recording, where the package is installed). ``dedup_kv``: a call whose K and V extend
+    those of its module's previous call (a decode step) is handed over with only the new rows (``record.kvdedup``;
+    for a sink that writes, never for one that diagnoses or keeps whole calls).
     """
 
     def __init__(
@@ -130,8 +133,11 @@ class Recorder(
         compile: str | None = None,
         flex_reference: bool = True,
         flash: bool = False,
+        dedup_kv: bool = False,
     ) -> None:
         super().__init__()
+        # decode steps that extend their module's previous call are stored by their new rows (record.kvdedup)
+        self.dedup = KvDedup() if dedup_kv else None
         self.in_modules = in_modules
         self.flex_reference = flex_reference  # a flex call's float64 logits after its score_mod (the watch needs none)
         if compile not in (None, "eager", "keep"):

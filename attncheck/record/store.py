@@ -236,6 +236,7 @@ class DirectorySink(Sink):
                     role: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                     for role, t in tensors.items()
                 },
+                **({"kv_base": int(call.meta["kv_base"])} if "kv_base" in call.meta else {}),
             }
         )
         self._queue.put((self.dir / name, tensors, dict(call.meta)))

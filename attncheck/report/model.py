@@ -20,7 +20,10 @@ from attncheck.report.model_calls import (  # noqa: F401
     backward_summary,
     call_label,
     capture_block,
+    decode_block,
     fitted_lines_table,
+    folded,
+    folded_steps,
     ranks_block,
     shared_facts,
     shared_prefix,
@@ -164,7 +167,10 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             "kernel where flex_attention is torch.compile'd, flex-math where it is not)",
         )
     legend += (f"; calls named below {prefix[:-1]}" if prefix else "") + (f"; {shared}" if shared else "")
-    parts.append(fitted_lines_table(report, prefix, shown(legend)))
+    parts.append(fitted_lines_table(folded(report), prefix, shown(legend)))
+    decode = decode_block(report, prefix)
+    if decode is not None:
+        parts.append(decode)
     modded = [line for line in report.lines if line.score_mod is not None]
     if modded:
         text = Text("Flex score_mod (judged on the logits after it; largest unmasked logit before -> after):\n")
@@ -178,7 +184,8 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             text.append(f"  ... {len(modded) - 12} more in the JSON report\n")
         text.rstrip()
         parts.append(text)
-    matrix = fitted_head_matrix(calls, report, prefix)
+    good = folded_steps(report)  # decode steps that went well: the calls table's one line per module says them
+    matrix = fitted_head_matrix([c for c in calls if (c.call.rank, c.call.index) not in good], report, prefix)
     if matrix is not None:
         parts.append(matrix)
     if report.outliers:

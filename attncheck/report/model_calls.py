@@ -3,6 +3,7 @@ facts every call shares, the backward summary, and the capture's and the ranks' 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console, Group
@@ -31,8 +32,9 @@ def call_label(line: ModelLine, prefix: str = "") -> str:
     """The module path when the call has one (less the ``prefix`` every call shares), else
     the file (and key) it came from."""
     on = "" if line.rank is None else f"r{line.rank} "  # a capture of several processes: the rank first
+    steps = f" decode x{line.steps}" if line.steps else ""  # a line standing for a module's decode steps
     if line.module:
-        return on + (line.module[len(prefix) :] if prefix and line.module.startswith(prefix) else line.module)
+        return on + (line.module[len(prefix) :] if prefix and line.module.startswith(prefix) else line.module) + steps
     return on + ("global" if line.kind in ("sdpa", "softmax", "flash_attn") else line.name)
 
 
@@ -80,7 +82,8 @@ def lines_table(report: ModelReport, prefix: str = "", labels: list[str] | None 
         t.add_column(name.replace(" ", "\n") if narrow else name, justify=justify, no_wrap=True)
     for i, (line, label) in enumerate(zip(report.lines, labels)):
         first = i == report.first_bad
-        mark = Text(f"{line.index}" + (" >" if first else ""), style="bold red" if first else "")
+        at = f"{line.index}" if line.last_index is None else f"{line.index}-{line.last_index}"
+        mark = Text(at + (" >" if first else ""), style="bold red" if first else "")
         headroom = Text(plain(line.headroom), style="red" if line.headroom is not None and line.headroom < 0 else "")
         cause = line.first_cause or "-"
         if line.first_cause and line.heads and narrow < 3:
@@ -104,6 +107,67 @@ def lines_table(report: ModelReport, prefix: str = "", labels: list[str] | None 
         row += [_grad_cell(line)] if backward else []
         t.add_row(*row)
     return t
+
+
+def folded_steps(report: ModelReport) -> set[tuple[int | None, int]]:
+    """(rank, index) of the decode steps that went well: one line per module stands for them."""
+    return {(run.rank, i) for run in report.decode for i in run.steps if i not in run.bad}
+
+
+def folded(report: ModelReport) -> ModelReport:
+    """The report with each module's decode steps that went well as one line (``DecodeRun.summary``); the steps
+    that did not keep their own lines."""
+    if not report.decode:
+        return report
+    good = folded_steps(report)
+    summaries = {run.summary.index: run.summary for run in report.decode if run.summary is not None}
+    lines = []
+    first = None
+    for at, line in enumerate(report.lines):
+        if at == report.first_bad:
+            first = len(lines)
+        summary = summaries.get(line.index)
+        if summary is not None and (line.rank, line.module) == (summary.rank, summary.module):
+            lines.append(summary)
+        elif (line.rank, line.index) not in good:
+            lines.append(line)
+    return replace(report, lines=lines, first_bad=first)
+
+
+def decode_block(report: ModelReport, prefix: str = "") -> Text | None:
+    """Each module's decode steps in one line: its prefill and the run of steps, with the keys they span."""
+    if not report.decode:
+        return None
+    text = Text(
+        "Decode steps (calls over a KV cache: fewer queries than keys, more than the module's call before; the "
+        "tables fold those that went well, --json lists each):\n"
+    )
+    for run in report.decode[:DECODE_SHOWN]:
+        name = run.module[len(prefix) :] if prefix and run.module.startswith(prefix) else run.module
+        on = "" if run.rank is None else f"r{run.rank} "
+        pre = (
+            f"prefill #{','.join(map(str, run.prefill))} ({'/'.join(map(str, run.prefill_keys))} keys) + "
+            if run.prefill
+            else ""
+        )
+        queries = "/".join(map(str, run.queries))
+        how = [f"{run.masked} with a mask" if run.masked else "no mask", f"{run.causal} causal" if run.causal else ""]
+        text.append(f"  {on}{visible(name)}: ", style="bold")
+        text.append(
+            f"{pre}{len(run.steps)} decode steps #{run.steps[0]}-#{run.steps[-1]} ({queries} "
+            f"quer{'y' if queries == '1' else 'ies'}, {run.keys_from}..{run.keys_to} keys; "
+            f"{', '.join(h for h in how if h)})"
+        )
+        if run.bad:
+            text.append(f"; {len(run.bad)} not ok: #{', #'.join(map(str, run.bad[:6]))}", style="bold red")
+        text.append("\n")
+    if len(report.decode) > DECODE_SHOWN:
+        text.append(f"  ... {len(report.decode) - DECODE_SHOWN} more in the JSON report\n")
+    text.rstrip()
+    return text
+
+
+DECODE_SHOWN = 24  # modules whose decode runs are listed; the JSON has every one
 
 
 def fitted_lines_table(report: ModelReport, prefix: str, legend: Text) -> Fitted:

@@ -75,6 +75,24 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
             "ignored": list(report.ignored),
             "skipped": [{"name": n, "error": why} for n, why in report.skipped],
             "capture": report.capture,
+            "decode": [
+                {
+                    "module": r.module,
+                    "rank": r.rank,
+                    "prefill": r.prefill,
+                    "prefill_keys": r.prefill_keys,
+                    "steps": len(r.steps),
+                    "first_step": r.steps[0],
+                    "last_step": r.steps[-1],
+                    "queries": r.queries,
+                    "keys_from": r.keys_from,
+                    "keys_to": r.keys_to,
+                    "causal": r.causal,
+                    "masked": r.masked,
+                    "bad": r.bad,
+                }
+                for r in report.decode
+            ],
             "ranks": [
                 {
                     "rank": r.rank,

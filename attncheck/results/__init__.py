@@ -48,6 +48,7 @@ from attncheck.results.lowsum import LowSumStats, SumOverflow
 from attncheck.results.model import (
     CallInfo,
     CallReport,
+    DecodeRun,
     HeadStat,
     KernelCall,
     KernelVerdict,
@@ -119,6 +120,7 @@ __all__ = [
     "HeadStat",
     "KernelCall",
     "KernelVerdict",
+    "DecodeRun",
     "ModelLine",
     "ModelReport",
     "Outlier",

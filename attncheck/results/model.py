@@ -109,6 +109,9 @@ class ModelLine:
     score_mod: str | None = None
     logit_before_mod: float | None = None
     rank: int | None = None  # the process that made the call (a capture of several, under torchrun)
+    # A line standing for a module's decode steps that went well (``DecodeRun.summary``): how many, the last's index
+    steps: int = 0
+    last_index: int | None = None
 
     @property
     def grad_verdict(self) -> str | None:
@@ -118,6 +121,26 @@ class ModelLine:
         if self.grad_nan_rows:
             return "nan"
         return "error" if any(code.startswith("grad_") for code in self.errors) else "ok"
+
+
+@dataclass
+class DecodeRun:
+    """A module's steps over a KV cache (``generate()``'s decode steps: fewer queries than keys), grouped: the calls
+    before them (the prefill) and the run of steps, with the key counts they span (``model_decode``)."""
+
+    module: str
+    prefill: list[int]  # indices of the module's calls with as many queries as keys (or more), before the steps
+    prefill_keys: list[int]  # their key counts
+    steps: list[int]  # indices of the decode steps, in order
+    queries: list[int]  # the distinct query counts of the steps (1 for plain decoding)
+    keys_from: int  # key count of the first step and of the last
+    keys_to: int
+    causal: int  # steps with is_causal set
+    masked: int  # steps with a mask
+    bad: list[int]  # steps whose verdict is not ok (each listed in the calls table)
+    summary: ModelLine | None = None  # the steps that went well, as one line of the calls table (logit: the largest,
+    # room: the smallest, NaN: the sum, err: the largest)
+    rank: int | None = None
 
 
 @dataclass
@@ -246,6 +269,7 @@ class ModelReport:
     call_settings: list[tuple[int, list[SettingChoice]]] = field(default_factory=list)
     # grids not computed: ('fa4/e4m3', calls the kernel would not run in that dtype, the first call's why)
     settings_refused: list[tuple[str, int, str]] = field(default_factory=list)
+    decode: list[DecodeRun] = field(default_factory=list)  # each module's decode steps, grouped (model_decode)
 
 
 @dataclass
