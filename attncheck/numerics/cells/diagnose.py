@@ -220,7 +220,8 @@ def diagnose_chunks(
 
 def settings_of(options: Options) -> dict:
     """How the cells were computed, as plain values (the JSON report's ``options``)."""
-    return {f.name: getattr(options, f.name) for f in fields(options)}
+    # bounded: said apart (TensorDiagnosis.sampling), so that an exact run's settings read as before
+    return {f.name: getattr(options, f.name) for f in fields(options) if f.name != "bounded"}
 
 
 def _kernels_that_run(
@@ -577,6 +578,13 @@ def diagnose_attention(
             name, source.shape, source.dtype, blocks, options, progress, attention=audit, notice=notice, cells=cells
         )
     cells = _kernels_that_run(inputs, cells if cells is not None else grid(options, True), notice)
+    if options.bounded is not None:  # --budget/--rows: the rows that can fail in full, a sample of the rest
+        from attncheck.numerics.bounded import diagnose_bounded
+
+        found = diagnose_bounded(name, inputs, options, cells, progress, notice, scale_source, diagnose_attention)
+        if found is not None:
+            return found
+        options = replace(options, bounded=None)  # nothing to save: every row computed, as without it
     step = rows_per_chunk(inputs.k.shape[2], options, cells)
     blocks: Iterable[QKBlock] = score_blocks(inputs, step, resolve_device(options.device), audit)
     return diagnose_chunks(
