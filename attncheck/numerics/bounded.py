@@ -132,18 +132,25 @@ def _rows_of(t: torch.Tensor, qs) -> torch.Tensor:
     return t if t.shape[-2] == 1 else t[..., qs, :]
 
 
+def row_bounds(inp: "AttentionInputs") -> tuple[torch.Tensor, ...]:
+    """(B, Hq, Tq) each: the bound on |q.k| as any cell computes it, the bound on every finite logit (times the
+    scale, plus the mask's largest value), rows whose q, k or mask is not finite, and fully masked rows."""
+    d = inp.q.shape[-1]
+    q_norm = torch.linalg.vector_norm(inp.q.to(torch.float64), dim=-1)  # (B, Hq, Tq)
+    k_max, k_finite = _key_max(inp)
+    raw = q_norm * k_max * ROUNDING * (1 + d * 2**-23)
+    mask_top, full = _mask_rows(inp)
+    logit = raw * abs(inp.scale) + mask_top
+    nonfinite = ~torch.isfinite(q_norm) | ~k_finite[..., None] | torch.isnan(mask_top) | torch.isposinf(mask_top)
+    return raw, logit, nonfinite, full
+
+
 def certify(inp: "AttentionInputs", cells: list["CellKey"]) -> Certificate:
     """Which query positions every cell asked is certified free of overflow and NaN at, from the bound."""
     from attncheck.numerics.methods.softmax import MethodParams
     from attncheck.numerics.precision import dtype_from_name, exp_overflow_threshold, rounding_limit
 
-    d = inp.q.shape[-1]
-    q_norm = torch.linalg.vector_norm(inp.q.to(torch.float64), dim=-1)  # (B, Hq, Tq)
-    k_max, k_finite = _key_max(inp)
-    raw = q_norm * k_max * ROUNDING * (1 + d * 2**-23)  # bounds |q.k| as any cell computes it
-    mask_top, full = _mask_rows(inp)
-    logit = raw * abs(inp.scale) + mask_top  # bounds every finite logit of the row
-    nonfinite = ~torch.isfinite(q_norm) | ~k_finite[..., None] | torch.isnan(mask_top) | torch.isposinf(mask_top)
+    raw, logit, nonfinite, full = row_bounds(inp)
     ok = torch.ones_like(full)
     s32 = rounding_limit(torch.float32)
     for c in cells:
