@@ -210,6 +210,8 @@ def diagnose_bounded(
         return None
     cert = certify(inp, cells)
     free = torch.nonzero(~cert.must).flatten()
+    if free.numel() <= 4 * PILOT_POSITIONS:  # nearly every position can fail: each is computed
+        return None
     gen = torch.Generator().manual_seed(bounded.seed)
     order = free[torch.randperm(free.numel(), generator=gen)]
 
@@ -223,14 +225,12 @@ def diagnose_bounded(
     if bounded.rows is not None:
         n = -(-bounded.rows // planes)
     else:
-        pilot = order[:PILOT_POSITIONS]
-        t0 = time.perf_counter()
-        run(pilot)
-        per = (time.perf_counter() - t0) / max(1, pilot.numel())
-        estimated = per * tq
+        fixed, per = _pilot(run, order)
+        estimated = fixed + per * tq
         if estimated <= bounded.budget:
             return None
-        left = bounded.budget - per * int(cert.must.sum())
+        # the exact rows and the sample in one diagnosis, the sample again in its groups: GROUPS + 1 fixed costs
+        left = bounded.budget - (GROUPS + 1) * fixed - per * int(cert.must.sum())
         n = int(left / (2 * per))  # the sample is computed twice: with the exact rows, and in its groups
     n = max(PILOT_POSITIONS, -(-n // GROUPS) * GROUPS)
     if n >= free.numel():
@@ -260,6 +260,18 @@ def diagnose_bounded(
     if progress is not None:
         progress(inp.rows)
     return main
+
+
+def _pilot(run: Callable, order: torch.Tensor) -> tuple[float, float]:
+    """(seconds a diagnosis costs whatever its size, seconds per query position) from two timed pilots of
+    PILOT_POSITIONS and 3 PILOT_POSITIONS positions: the compile and per-call work apart from the rows'."""
+    times = []
+    for n in (PILOT_POSITIONS, 3 * PILOT_POSITIONS):
+        t0 = time.perf_counter()
+        run(order[:n])
+        times.append(time.perf_counter() - t0)
+    per = max((times[1] - times[0]) / (2 * PILOT_POSITIONS), times[1] / (3 * PILOT_POSITIONS) / 10)
+    return max(0.0, times[0] - PILOT_POSITIONS * per), per
 
 
 def _restore(diag: "TensorDiagnosis", inp: "AttentionInputs", positions: torch.Tensor) -> None:
