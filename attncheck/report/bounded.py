@@ -66,3 +66,20 @@ def sampling_section(d: TensorDiagnosis) -> Group | None:
 def sampling_json(d: TensorDiagnosis) -> dict:
     """``sampling`` of a diagnosis in the JSON report: present only for a bounded diagnosis."""
     return {} if d.sampling is None else {"sampling": to_jsonable(d.sampling)}
+
+
+def model_sampling_line(calls) -> Text | None:
+    """The model report's line for calls diagnosed in bounded time (their diagnoses and what-ifs)."""
+    diags = [d for c in calls for d in (c.diagnosis, c.what_if) if d is not None and d.sampling is not None]
+    if not diags:
+        return None
+    rows = sum(d.sampling.rows for d in diags)
+    exact = sum(d.sampling.exact_rows for d in diags)
+    sampled = sum(d.sampling.sampled_rows for d in diags)
+    return Text(
+        f"Bounded diagnosis (--budget/--rows) of {len(diags)} diagnosis(es): {rows:,} score rows, "
+        f"{rows - exact:,} certified free of overflow and NaN by the row bound, {exact:,} computed in full, "
+        f"{sampled:,} sampled. Counts of failing rows are exact; error figures are over the rows computed "
+        "(each tensor's 'Sampled figures' table and JSON 'sampling' give the estimates with 95% intervals).",
+        style="dim",
+    )

@@ -228,3 +228,32 @@ def test_interval_arithmetic():
     assert f.estimate == 4.5 and math.isclose(f.high - 4.5, 2.364624251592785 * s / math.sqrt(8), rel_tol=1e-8)
     r = mean_figure("c", "rmse", [2.0] * 8, True)
     assert r.estimate == r.low == r.high == 2.0
+
+
+@pytest.mark.slow
+def test_healthy_llama_stays_clean_under_the_bounded_diagnosis(tmp_path):
+    """A transformers Llama from a config, its calls long enough to be sampled: 0 errors, 0 warnings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import attncheck
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad(), attncheck.capture(tmp_path / "cap", max_bytes=None):
+        model(torch.randint(0, 128, (1, 512)))
+    js = tmp_path / "r.json"
+    r = _run(
+        "run", tmp_path / "cap", "--rows", "256", "--what-if", "fp16", "--fail-on", "error,warning,nan", "--json", js
+    )
+    assert r.exit_code == 0, r.output
+    assert "0 error(s), 0 warning(s)" in r.output and "Bounded diagnosis" in r.output
