@@ -146,7 +146,8 @@ def _summary(what: KVWhatIf, report: KVReport) -> str:
         return f"{label}: no call replayed"
     sat = [(h, t) for h in what.heads for t, n in (("K", h.k_saturated), ("V", h.v_saturated)) if n]
     if not sat:
-        return f"{label}: nothing saturates; worst cosine similarity {worst.cosine:.4f} ({_where(worst)})"
+        where = f"{worst.module or 'the call'} kv head {worst.kv_head}"
+        return f"{label}: nothing saturates; worst cosine {worst.cosine:.4f} ({where})"
     parts = []
     for tensor in ("K", "V"):
         hit = [h for h, t in sat if t == tensor]

@@ -189,8 +189,16 @@ def test_qkv_dumps(tmp_path):
     assert [h["v_saturated"] for h in heads] == want and want[1] > 0 and want[0] == 0
     result = runner.invoke(app, [*args, "--what-if", "kv:fp8_e4m3:head", "--fail-on", "what-if:warning"])
     assert result.exit_code == 0, result.output
-    assert "KV-cache what-ifs" in result.output and "flush" in result.output
-    assert "FP8 e4m3 KV at head scale: nothing saturates" in result.output
+    assert "KV-cache what-ifs" in result.output
+    # nothing saturates, no head breaks: the cache is its summary line, its table only with --full (every head)
+    assert "FP8 e4m3 KV at head scale: nothing saturates; worst cosine" in result.output
+    header = ["kv", "amax", "scale", "sat", "flush", "cos", "f64"]
+    assert not any(line.split() == header for line in result.output.splitlines())
+    result = runner.invoke(app, [*args, "--what-if", "kv:fp8_e4m3:head", "--full"], env={"COLUMNS": "80"})
+    lines = result.output.splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.split() == header) + 2 :][:4]
+    assert sorted(line.split()[0] for line in table) == ["0", "1", "2", "3"]  # every kv head, one line each
+    assert all(len(line.split()) == len(header) for line in table)
     # no model here (the tensors' implementation is not known): the cache counts as the cells asked do
     result = runner.invoke(app, [*args, "--what-if", "kv:fp8_e4m3:unit", "--fail-on", "warning"])
     assert result.exit_code == 1 and "--fail-on warning: kv:fp8_e4m3:unit: kv_cache_saturation" in result.stderr
