@@ -97,3 +97,19 @@ def test_each_call_loaded_once_more_when_the_amax_was_gathered():
     gathered = run_kv(asks, [counted(0), counted(1)], amax=amax)
     assert loads == [0, 1]
     assert [h.v_scale for h in gathered.caches[0].heads] == [h.v_scale for h in alone.caches[0].heads]
+
+
+def test_int4_asks_and_a_call_not_whole_groups_left_out_with_why():
+    assert asks_of(["kv:int4:g64", "kv:int4:g16:r8", "kv:int4:g64"]) == [("int4", "g64"), ("int4", "g16:r8")]
+    k, v = kv(4)  # 2 kv heads x 8 tokens x 16 = 256 values per batch row: groups of 64, not of 512
+    report = run_kv([("int4", "g64"), ("int4", "g512")], [call("layer", 0, k, v)])
+    whole, refused = report.caches
+    assert (
+        len(whole.heads) == 2
+        and refused.heads == []
+        and refused.summary == "int4 KV in groups of 512: no call replayed"
+    )
+    assert report.skipped == [
+        ("layer (call 0)", "kv:int4:g512: 256 values per batch row are not groups of 512 (quanto refuses it)")
+    ]
+    assert all(h.k_saturated == h.v_saturated == 0 for h in whole.heads)

@@ -59,7 +59,9 @@ def kv_table(what: KVWhatIf, full: bool = False) -> Table:
     layers = len({h.module for h in what.heads}) > 1
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False)
     t.add_column("L:kv" if layers else "kv", overflow="fold")  # the one that folds where a terminal is too narrow
-    columns = ["amax"] + ([] if what.scaling == "unit" else ["scale"]) + ["sat", "flush", "cos"]
+    integer = what.format.startswith("int")  # min-max per group: nothing saturates, no sat column
+    columns = ["amax"] + ([] if what.scaling == "unit" else ["scale"]) + ([] if integer else ["sat"])
+    columns += ["flush", "cos"]
     columns += (["f64"] if full else []) + (["hold"] if _saturates(what) else [])
     for name in columns:  # on one line at 80 columns; with --full's f64 too, folded rather than cut where too wide
         t.add_column(name, justify="right", no_wrap=not full, overflow="fold")
@@ -88,7 +90,8 @@ def _legend(report: KVReport) -> str:
     return (
         layer + "K/V: K's and V's; sat: entries clipped to the format's max; flush: nonzero entries made 0; cos: "
         "the worst row's cosine similarity against the model's kernel (f64: against float64; relative L2 and max "
-        "abs in the JSON); hold: amax / format max, the scale that holds the head; k = thousands, M = millions"
+        "abs in the JSON); hold: amax / format max, the scale that holds the head; int4's scale: its largest group's; "
+        "k = thousands, M = millions"
     )
 
 
@@ -106,7 +109,7 @@ def kv_block(report: KVReport, brief: bool = False, full: bool = False) -> Group
     tables = 0
     for what in report.caches:
         parts.append(Text(visible(what.summary), style="bold" if what.findings else ""))
-        if not brief and (full or not _quiet(what)):
+        if not brief and what.heads and (full or not _quiet(what)):
             parts.append(kv_table(what, full))
             tables += 1
             more = len(what.heads) - KV_ROWS
