@@ -86,7 +86,9 @@ def _legend(report: KVReport) -> str:
     """The tables' legend, once under them: what L stands for where the layers' names were cut, and each column."""
     shown = [what for what in report.caches if what.heads]
     prefix, suffix = _names(shown[0]) if shown else ("", "")
+    layers = any(len({h.module for h in what.heads}) > 1 for what in shown)
     layer = f"L:kv: layer {prefix}L{suffix}, kv head; " if prefix or suffix else "L:kv: layer, kv head; "
+    layer = layer if layers else "kv: kv head; "
     return (
         layer + "K/V: K's and V's; sat: entries clipped to the format's max; flush: nonzero entries made 0; cos: "
         "the worst row's cosine similarity against the model's kernel (f64: against float64; relative L2 and max "
