@@ -126,6 +126,7 @@ KV_PREFIX = "kv:"
 KV_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int4")
 KV_INT_FORMATS = ("int4",)  # per group, as transformers' quanto cache: kv:int4[:gGROUP][:rRESIDUAL], no SCALING
 KV_SCALINGS = ("unit", "tensor", "head", "dynamic")
+KV_FA3 = "fa3"  # the consumer: FlashAttention-3's FP8 path (Q quantised too, FP8 products), e4m3 only
 KV_NOT_EMULATED = {
     "int8": "transformers' quanto cache takes nbits 2 or 4 only, and its HQQ backend's 8 bits run HQQ's iterative "
     "optimiser (docs/serving.md)",
@@ -161,7 +162,7 @@ def kv_token(value: str, param: str = "what_if") -> str:
     clear error otherwise."""
     parts = value.strip().lower().split(":")
     usage = (
-        f"kv:FORMAT[:SCALING] (FORMAT {', '.join(KV_FORMATS)}; SCALING {', '.join(KV_SCALINGS)}) or "
+        f"kv:FORMAT[:SCALING][:fa3] (FORMAT {', '.join(KV_FORMATS)}; SCALING {', '.join(KV_SCALINGS)}) or "
         "kv:int4[:gGROUP][:rRESIDUAL]"
     )
     if len(parts) < 2 or not parts[1]:
@@ -174,6 +175,15 @@ def kv_token(value: str, param: str = "what_if") -> str:
         )
     if parts[1] in KV_INT_FORMATS:
         return _kv_int(value, parts, param)
+    if parts[-1] == KV_FA3 and len(parts) > 2:
+        if parts[1] != "fp8_e4m3":
+            raise AttncheckError(
+                f"{show(value.strip())}: FlashAttention-3's FP8 path reads e4m3 only; give kv:fp8_e4m3[:SCALING]:fa3",
+                param=param,
+            )
+        if len(parts) > 4 or (len(parts) == 4 and parts[2] not in KV_SCALINGS):
+            raise AttncheckError(f"{show(value.strip())} is not kv:fp8_e4m3[:SCALING]:fa3 ({usage})", param=param)
+        return ":".join(parts)
     if len(parts) > 3:
         raise AttncheckError(f"{show(value.strip())} is not {usage}", param=param)
     if len(parts) == 3 and parts[2] not in KV_SCALINGS:

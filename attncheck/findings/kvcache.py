@@ -62,7 +62,8 @@ CODES: tuple[Code, ...] = (
         "attention from the quantised KV cache far from the model's own (a what-if)",
         "The call's output computed from the dequantised cache (FlashAttention-2 in the model's dtype on K and V "
         "read back from FP8, as FlashInfer and vLLM's FlashAttention-2 path consume it, or from transformers' int4 "
-        "quanto cache, min-max per group) against the same kernel on K and V as the model held them. The finding "
+        "quanto cache, min-max per group; with ':fa3', FlashAttention-3's FP8 path, Q in FP8 too) against the same "
+        "kernel on K and V as the model held them. The finding "
         "names the layer and kv head, the worst row's cosine similarity, the relative L2 error, and the cause: "
         "saturation (see kv_cache_saturation; never in int4, whose groups span their own min and max), entries "
         "flushed to zero (a scale too large for small values), or the format's rounding (int4: 16 levels between "
@@ -137,6 +138,8 @@ def _error(what: KVWhatIf, h: KVHead) -> Finding | None:
     if h.k_saturated or h.v_saturated:
         which = " and ".join(t for t, n in (("K", h.k_saturated), ("V", h.v_saturated)) if n)
         cause = f"{which} saturate{'' if ' and ' in which else 's'} (kv_cache_saturation)"
+    elif h.q_saturated:  # FlashAttention-3's FP8 path quantises Q at its own scale (1.0 unless dynamic)
+        cause = f"Q saturates in FP8 ({h.q_saturated:,} entries beyond the format's max at Q's scale)"
     elif h.k_flushed >= KV_FLUSH_SHARE * h.k_entries or h.v_flushed >= KV_FLUSH_SHARE * h.v_entries:
         why = "a group's step, its (max - min) / 15, is coarse beside them" if integer else "the scale is too large"
         cause = f"{h.k_flushed:,} K and {h.v_flushed:,} V entries flushed to zero ({why})"
@@ -172,7 +175,9 @@ def _integer_summary(what: KVWhatIf) -> str:
 def _summary(what: KVWhatIf, report: KVReport) -> str:
     if what.format.startswith("int"):
         return _integer_summary(what)
-    label = f"{_LABEL.get(what.format, what.format)} KV at {what.scaling} scale"
+    scaling, _, consumer = what.scaling.partition(":")
+    label = f"{_LABEL.get(what.format, what.format)} KV at {scaling} scale"
+    label += " via FA3's FP8 path" if consumer == "fa3" else ""
     worst = what.worst
     if worst is None:
         return f"{label}: no call replayed"
@@ -191,7 +196,8 @@ def _summary(what: KVWhatIf, report: KVReport) -> str:
                 f"{', '.join(layers)} (amax {plain(amax)} > {plain(what.format_max)})"
             )
     line = f"{label}: {'; '.join(parts)}"
-    per_head = next((c for c in report.caches if c.format == what.format and c.scaling == "head"), None)
+    head = "head" + (f":{consumer}" if consumer else "")  # per-head scales under the same consumer
+    per_head = next((c for c in report.caches if c.format == what.format and c.scaling == head), None)
     if per_head is not None and per_head is not what and per_head.worst is not None:
         return line + (
             f"; per-head scales bring the worst cosine similarity from {worst.cosine:.4f} to "

@@ -25,7 +25,15 @@ The engines, read at these commits:
 Emulated here: vLLM's write and read (fp32 division, saturating cast, fp32 product rounded to the model's dtype),
 and the attention of FlashInfer's and vLLM's FlashAttention-2 paths with an FP8 cache: the dequantised K and V in
 the model's dtype, then FlashAttention-2's forward (``attncheck.numerics.paths.fa2.kernel_rows``) with its 16-bit
-products. The FP8-products path (FlashAttention-3 with Q quantised too) is not emulated here.
+products. And, as a consumer of its own (``fa3_fp8_output``), vLLM's FlashAttention-3 path with an FP8 cache:
+the cache's FP8 K and V read as they are, Q quantised too by ``ops.scaled_fp8_quant(query, layer._q_scale)``, whose
+static kernel (vllm-project/vllm@006ccf0ea309e73ee3b7dc3bbb7017fa2bf7b721, ``csrc/quantization/fp8/common.cu``)
+multiplies by ``inverted_scale = 1.0f / scale`` in fp32, clamps to +-448 and casts; the kernel takes
+``q_descale``/``k_descale``/``v_descale`` (the scales, per batch and kv head) and computes FP8 products
+(``attncheck.numerics.paths.fa3`` FP8 mode: S = q8 k8^T in fp32 times the descales and the softmax scale, P scaled
+by 2^8 and cast to e4m3 per key block, O in fp32 times the v descale, written in bf16). vLLM's ``_q_scale`` is 1.0
+unless a checkpoint carries one, or, with ``calculate_kv_scales``, the first call's ``abs(query).max() /
+Q_SCALE_CONSTANT`` (200, ``vllm/envs.py``). FlashAttention-3's FP8 path reads e4m3 only.
 
 Integer caches (``int4``) as transformers' ``QuantizedCache`` with its default backend (``generate``'s),
 optimum-quanto, writes them (transformers 5.24 ``cache_utils.py``: ``QuantoQuantizedLayer`` with ``nbits`` 4,
@@ -72,6 +80,7 @@ SCALINGS = ("unit", "tensor", "head", "dynamic")
 # call is its amax over these, leaving headroom for later calls.
 K_SCALE_CONSTANT = 200.0
 V_SCALE_CONSTANT = 100.0
+Q_SCALE_CONSTANT = 200.0  # the same for Q, where FlashAttention-3's FP8 path quantises it
 
 
 def format_max(fmt: str) -> float:
@@ -233,6 +242,48 @@ def kernel_output(
     return rows.out.double().reshape(b, hq, tq, -1)
 
 
+def fa3_fp8_output(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    fmt: str,
+    scales: tuple[torch.Tensor | float, torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """O (B, Hq, Tq, dv) float64 of vLLM's FlashAttention-3 path on an FP8 cache (module docstring): q (B, Hq, Tq,
+    d) quantised with Q's scale (fp32 reciprocal, then the product), k and v (B, Hk, Tk, ...) as the cache stores
+    them (fp32 division by their scales, per kv head), FP8 products with the three scales as descales."""
+    from attncheck.numerics.methods.fp8_attention import fa3_tile
+    from attncheck.numerics.paths import fa3
+
+    fp8, fmax = FORMATS[fmt], format_max(fmt)
+    qs, ks, vs = (_fp32(x).reshape(-1) for x in scales)
+    b, hq, tq, d = q.shape
+    hk = k.shape[1]
+    q8 = (q.float() * (1.0 / qs).reshape(-1, 1, 1)).clamp(-fmax, fmax).to(fp8).float()  # one Q scale: (1,)
+
+    def stored(x, s):  # the cache write, without the read's product: what the FP8 kernel reads
+        return (x.float() / s.reshape(-1, 1, 1)).clamp(-fmax, fmax).to(fp8).float()
+
+    k8, v8 = expand_kv(stored(k, ks), hq), expand_kv(stored(v, vs), hq)
+    per_row = ks.expand(hk).repeat_interleave(hq // hk).repeat(b)  # (B * Hq,): each row head's kv head's descale
+    n, tk = b * hq, k.shape[2]
+    rows = fa3.kernel_rows(
+        q8.reshape(n, tq, d),
+        k8.reshape(n, tk, d),
+        v8.reshape(n, tk, v8.shape[-1]),
+        scale=scale,
+        dt=fp8,
+        block_n=fa3_tile(d)[1],
+        bias=bias.reshape(n * tq, tk).float(),
+        q_descale=qs.expand(n),
+        k_descale=per_row,
+        v_descale=vs.expand(hk).repeat_interleave(hq // hk).repeat(b),
+    )
+    return rows.out.double().reshape(b, hq, tq, -1)
+
+
 def reference_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float):
     """O (B, Hq, Tq, dv) in float64 from q, k and v as given: softmax(q k^T scale + bias) v; 0 for a row with no
     key."""
@@ -278,6 +329,7 @@ class CacheCall:
     v: Quantised
     vs_model: OutputError
     vs_float64: OutputError
+    q_saturated: int = 0  # FlashAttention-3's FP8 path: Q's entries beyond the format's range at its scale
 
 
 def cache_call(
@@ -292,13 +344,23 @@ def cache_call(
     model_out: torch.Tensor,
     reference: torch.Tensor,
     read: tuple[Quantised, Quantised] | None = None,
+    q_scale: torch.Tensor | float | None = None,
 ) -> CacheCall:
     """The call with K and V through the cache at ``scales`` (k's and v's, per kv head), attention by
     FlashAttention-2 in ``dt`` on the dequantised cache; ``model_out``: the same kernel on K and V as given,
     ``reference``: float64 (``kernel_output``, ``reference_output``); ``read``: K and V already through the cache
-    (an integer cache, whose groups are the whole call's: ``quantise_groups``), in place of ``scales``."""
+    (an integer cache, whose groups are the whole call's: ``quantise_groups``), in place of ``scales``; ``q_scale``
+    given: attention by FlashAttention-3's FP8 path instead (``fa3_fp8_output``), Q quantised at that scale."""
     kq, vq = read if read is not None else (quantise(k, fmt, scales[0], dt), quantise(v, fmt, scales[1], dt))
-    out = kernel_output(q, kq.values, vq.values, bias, scale, dt)
+    if q_scale is None:
+        out = kernel_output(q, kq.values, vq.values, bias, scale, dt)
+    else:
+        out = fa3_fp8_output(q.to(dt), k.to(dt), v.to(dt), bias, scale, fmt, (q_scale, scales[0], scales[1]))
     hk = k.shape[1]
     kq.values = vq.values = None  # the counts are what is kept
-    return CacheCall(kq, vq, output_error(out, model_out, hk), output_error(out, reference, hk))
+    q_sat = 0
+    if q_scale is not None:  # counted as K's and V's are: beyond the max plus half its last unit
+        edge, tie_out = overflow_boundary(fmt)
+        y = (q.to(dt).float() * (1.0 / _fp32(q_scale).reshape(-1))[0]).abs()
+        q_sat = int(((y >= edge) if tie_out else (y > edge)).sum())
+    return CacheCall(kq, vq, output_error(out, model_out, hk), output_error(out, reference, hk), q_sat)

@@ -51,6 +51,7 @@ class _Acc:
     cos64: float = 1.0
     mabs64: float = 0.0
     base_cos64: float = 1.0
+    q_sat: int = 0  # FlashAttention-3's FP8 path: Q's entries clipped, over the calls
     k_group_scale: float = 0.0  # an integer cache's largest group scale over the calls
     v_group_scale: float = 0.0
 
@@ -65,6 +66,7 @@ class _Layer:
     k_first: float
     v_first: float
     channels: dict[tuple[str, int], KVChannel] = field(default_factory=dict)
+    q_first: float = 0.0  # the first call's Q amax: vLLM's dynamic Q scale for FlashAttention-3's FP8 path
 
 
 def asks_of(what_if: Iterable[str]) -> list[tuple[str, str]]:
@@ -79,7 +81,9 @@ def asks_of(what_if: Iterable[str]) -> list[tuple[str, str]]:
             ask = (parts[1], ":".join(parts[2:]) or f"g{kc.GROUP}")
             out += [] if ask in out else [ask]
             continue
-        for scaling in parts[2:] or kc.SCALINGS:
+        fa3 = parts[-1] == "fa3"  # FlashAttention-3's FP8 path reads the cache: 'head:fa3'
+        for scaling in parts[2 : len(parts) - fa3] or kc.SCALINGS:
+            scaling += ":fa3" if fa3 else ""
             if (parts[1], scaling) not in out:
                 out.append((parts[1], scaling))
     return out
@@ -94,6 +98,7 @@ def _observe(layers: dict[str, _Layer], module: str, index: int, inp) -> _Layer:
         layer = layers[module] = _Layer(
             inp.q.shape[1], torch.zeros_like(ka), torch.zeros_like(va), float(ka.max()), float(va.max())
         )
+        layer.q_first = float(kc.head_amax(inp.q).max())
     for name, t, new, old in (("k", k, ka, layer.k_amax), ("v", v, va, layer.v_amax)):
         for h in torch.nonzero(new > old).flatten().tolist():
             ch = kc.amax_channel(t, h)
@@ -106,6 +111,7 @@ def _scales(layer: _Layer, fmt: str, scaling: str) -> tuple[torch.Tensor, torch.
     """K's and V's scale per kv head (fp32) for a scaling, from the layer's amax (the capture's, or its first
     call's for ``dynamic``)."""
     fmax, hk = kc.format_max(fmt), layer.k_amax.shape[0]
+    scaling = scaling.split(":")[0]  # 'head:fa3': the consumer does not change K's and V's scales
     if scaling == "unit" or fmt in kc.INT_FORMATS:  # an integer cache's scales are its groups' (quantise_groups)
         one = torch.ones(hk, dtype=torch.float32)
         return one, one
@@ -179,7 +185,8 @@ def run_kv(
                     continue  # the call's size is not whole groups: said in skipped
                 pair = (scales[i][0][h : h + 1], scales[i][1][h : h + 1])
                 read = (reads[i][0].head(h), reads[i][1].head(h)) if i in reads else None
-                res = kc.cache_call(q, k, v, bias, inp.scale, dt, fmt, pair, model_out, reference, read)
+                qs = _q_scale(layer, asks[i][1])
+                res = kc.cache_call(q, k, v, bias, inp.scale, dt, fmt, pair, model_out, reference, read, qs)
                 _fold(accs.setdefault((i, call.module, h), _Acc()), res, base, 0)
     report = KVReport(skipped=skipped)
     for i, (fmt, scaling) in enumerate(asks):
@@ -193,6 +200,17 @@ def run_kv(
         report.caches.append(what)
     judge_kv(report)
     return report
+
+
+def _q_scale(layer: _Layer, scaling: str) -> torch.Tensor | None:
+    """Q's scale where FlashAttention-3's FP8 path reads the cache ('head:fa3'): vLLM's ``_q_scale``, 1.0 (a
+    checkpoint's k_scale/v_scale carry none) or, under 'dynamic', the layer's first call's amax / 200; None for the
+    16-bit path."""
+    if not scaling.endswith(":fa3"):
+        return None
+    if scaling.startswith("dynamic"):
+        return kc.scale_from(layer.q_first, kc.Q_SCALE_CONSTANT).reshape(1)
+    return torch.ones(1)
 
 
 def _integer_reads(asks, inp, dt, call: KVCall, skipped: list) -> dict[int, tuple[kc.Quantised, kc.Quantised]]:
@@ -240,6 +258,7 @@ def _fold(acc: _Acc, res: kc.CacheCall, base: kc.OutputError, h: int) -> None:
     acc.cos64 = min(acc.cos64, float(res.vs_float64.cosine[h]))
     acc.mabs64 = max(acc.mabs64, float(res.vs_float64.max_abs[h]))
     acc.base_cos64 = min(acc.base_cos64, float(base.cosine[h]))
+    acc.q_sat += res.q_saturated
     if res.k.group_scale is not None:
         acc.k_group_scale = max(acc.k_group_scale, float(res.k.group_scale[h]))
         acc.v_group_scale = max(acc.v_group_scale, float(res.v.group_scale[h]))
@@ -278,6 +297,7 @@ def _head(module: str, h: int, layer: _Layer, acc: _Acc, scales, fmax: float, in
         hold_k_head=math.nan if integer else float(kc.scale_from(ka, fmax)),
         hold_v_head=math.nan if integer else float(kc.scale_from(va, fmax)),
         channels=[c for key, c in sorted(layer.channels.items()) if key[1] == h],
+        q_saturated=acc.q_sat,
     )
 
 

@@ -60,9 +60,9 @@ def kv_table(what: KVWhatIf, full: bool = False) -> Table:
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False)
     t.add_column("L:kv" if layers else "kv", overflow="fold")  # the one that folds where a terminal is too narrow
     integer = what.format.startswith("int")  # min-max per group: nothing saturates, no sat column
-    columns = ["amax"] + ([] if what.scaling == "unit" else ["scale"]) + ([] if integer else ["sat"])
+    columns = ["amax"] + ([] if what.scaling.startswith("unit") else ["scale"]) + ([] if integer else ["sat"])
     columns += ["flush", "cos"]
-    columns += (["f64"] if full else []) + (["hold"] if _saturates(what) else [])
+    columns += (["f64"] if full else []) + (["hold"] if _saturates(what) else [])  # head:fa3 too: its K and V
     for name in columns:  # on one line at 80 columns; with --full's f64 too, folded rather than cut where too wide
         t.add_column(name, justify="right", no_wrap=not full, overflow="fold")
     heads = _order(what.heads)

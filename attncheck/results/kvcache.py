@@ -52,6 +52,7 @@ class KVHead:
     hold_k_head: float
     hold_v_head: float
     channels: list[KVChannel] = field(default_factory=list)  # where K's and V's amax sit
+    q_saturated: int = 0  # read by FlashAttention-3's FP8 path ('head:fa3'): Q's entries beyond the format's range
 
 
 @dataclass

@@ -207,6 +207,8 @@ def test_fail_on_what_if_fails_only_when_asked(planted, tmp_path):
         ("kv:int4:head", "'kv:int4:head': int4's scale and shift are per group"),
         ("kv:int8", "'kv:int8': not emulated: transformers' quanto cache takes nbits 2 or 4 only"),
         ("kv:int4:g", "'kv:int4:g' is not kv:int4[:gGROUP][:rRESIDUAL]"),
+        ("kv:fp8_e5m2:head:fa3", "'kv:fp8_e5m2:head:fa3': FlashAttention-3's FP8 path reads e4m3 only"),
+        ("kv:fp8_e4m3:row:fa3", "'kv:fp8_e4m3:row:fa3' is not kv:fp8_e4m3[:SCALING]:fa3"),
         ("kv:fp8_e4m3:row", "'kv:fp8_e4m3:row': the KV cache scaling must be one of unit, tensor, head, dynamic"),
         ("kv:fp8_e4m3:unit:x", "is not kv:FORMAT[:SCALING]"),
     ],
