@@ -224,7 +224,9 @@ def _integer_reads(asks, inp, dt, call: KVCall, skipped: list) -> dict[int, tupl
         try:
             reads[i] = tuple(kc.quantise_groups(t, fmt, dt, opts["g"], opts.get("r", 0)) for t in (inp.k, inp.v))
         except ValueError as e:
-            skipped.append((f"{call.module} (call {call.index})", f"kv:{fmt}:{spec}: {e} (quanto refuses it)"))
+            skipped.append(
+                (f"{call.module or 'the call'} (call {call.index})", f"kv:{fmt}:{spec}: {e} (quanto refuses it)")
+            )
     return reads
 
 
