@@ -124,7 +124,7 @@ def emit(
     if kv is not None and json_out != "-" and summary_only is None:
         from attncheck.report.kvcache import kv_block  # (as above)
 
-        report_console().print(kv_block(kv, brief=brief or summary))
+        report_console().print(kv_block(kv, brief=brief or summary, full=full))
     for reason in failed:
         say(f"attncheck: --fail-on {reason}")
     if result.model is not None and result.model.skipped:
