@@ -261,12 +261,21 @@ def run(
             grid_asked=grid_asked,
         )
 
-        from attncheck.pipelines.run import run as run_pipeline  # imports torch: not for --help or a bad argument
+        # these import torch: not for --help or a bad argument
+        from attncheck.pipelines.ranks import joined, split_job
+        from attncheck.pipelines.run import run as run_pipeline
 
-        show, forced = progress_shown(quiet)
-        with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
-            result = run_pipeline(request, progress.track, notices(quiet))
+        job = split_job()  # under torchrun the ranks split the calls, and rank 0 alone reports
     except AttncheckError as e:
         raise fail(e) from None
-
-    emit(result, conditions, ignored, json_out, brief=brief, full=full, detail=detail, summary=summary)
+    silent = job is not None and job.rank != 0  # the other ranks say nothing but errors, and exit as rank 0 does
+    with joined(job):
+        try:
+            show, forced = progress_shown(quiet or silent)
+            with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
+                result = run_pipeline(request, progress.track, notices(quiet or silent))
+        except AttncheckError as e:
+            raise fail(e) from None
+        emit(
+            result, conditions, ignored, json_out, brief=brief, full=full, detail=detail, summary=summary, silent=silent
+        )

@@ -82,6 +82,10 @@ class RunRequest:
     # --method or --path given), every cell of ``options``. Bare scores compute every cell of ``options``.
     what_if: tuple[str, ...] = ()
     grid_asked: bool = False
+    # Under torchrun (WORLD_SIZE > 1 and a rendezvous in the environment, or an initialised process group) the
+    # calls are split over the ranks and every rank returns the one result (pipelines.ranks); False: this process
+    # runs every call itself (capture judging its own rank's calls)
+    split_ranks: bool = True
 
     def __post_init__(self) -> None:
         params.integer(self.max_memory, "max_memory", 1, from_text=False)
