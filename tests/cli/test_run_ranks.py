@@ -69,12 +69,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ranks(args: list[str], world: int = 2) -> list[subprocess.CompletedProcess]:
+def ranks(args: list[str], world: int = 2, command: tuple[str, ...] = ("-m", "attncheck", "run")):
     """`attncheck run ARGS` in ``world`` processes with the environment torchrun gives its ranks."""
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "attncheck", "run", *args],
+            [sys.executable, *command, *args],
             env=environment(
                 RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port
             ),
@@ -191,6 +191,59 @@ def test_a_torchrun_capture_read_by_two_ranks(cap, tmp_path, monkeypatch):
     one = json.loads((tmp_path / "one.json").read_text())
     assert [(c["rank"], c["index"]) for c in one["model"]["calls"]] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
     assert (tmp_path / "two.json").read_text() == (tmp_path / "one.json").read_text()
+
+
+RANK_SCRIPT = """
+import json
+import sys
+
+import torch.distributed as dist
+
+from attncheck.config.run import RunRequest
+from attncheck.errors import AttncheckError
+from attncheck.pipelines.ranks import exchange, split_job
+from attncheck.pipelines.run import run
+from attncheck.report.model import run_json
+
+if sys.argv[1] == "library":  # the caller's own process group: used, and left as it was
+    dist.init_process_group("gloo")
+    result = run(RunRequest((sys.argv[2],), what_if=("fp16",)))
+    print(json.dumps(run_json(result.tensors, result.device, [], result.model, result.calls)))
+    assert dist.is_initialized()
+    dist.destroy_process_group()
+else:  # rank 1's work raises what no input explains
+    job = split_job()
+
+    def work():
+        if job.rank == 1:
+            raise ZeroDivisionError("planted")
+        return job.rank
+
+    try:
+        exchange(job, work, lambda parts: parts, lambda: (1, job.rank))
+    except AttncheckError as e:
+        print(f"error: {e}")
+        sys.exit(2)
+"""
+
+
+@pytest.mark.slow  # two 2-rank jobs, ~15 s
+def test_the_library_call_returns_the_one_result_on_every_rank_and_a_crash_stops_every_rank(cap, tmp_path):
+    from attncheck.config.run import RunRequest
+    from attncheck.pipelines.run import run
+    from attncheck.report.model import run_json
+
+    script = tmp_path / "ranked.py"
+    script.write_text(RANK_SCRIPT)
+    one = run(RunRequest((str(cap),), what_if=("fp16",), split_ranks=False))
+    want = json.loads(json.dumps(run_json(one.tensors, one.device, [], one.model, one.calls)))
+    for proc in ranks(["library", str(cap)], command=(str(script),)):
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout) == want  # rank 1 too: every rank gets the merged result
+    rank0, rank1 = ranks(["crash"], command=(str(script),))
+    assert rank0.returncode == 2, rank0.stderr[-2000:]
+    assert rank0.stdout == "error: rank 1 of 2 stopped: ZeroDivisionError: planted (its traceback is on its stderr)\n"
+    assert rank1.returncode == 1 and "Traceback" in rank1.stderr and "ZeroDivisionError: planted" in rank1.stderr
 
 
 def test_without_a_rendezvous_or_with_one_rank_a_process_runs_every_call(cap, monkeypatch):
