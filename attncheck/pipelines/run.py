@@ -1,11 +1,13 @@
 """``attncheck run`` as a library call: a ``RunRequest`` in, a ``RunResult`` out.
 
 Score files stream in row blocks within ``options.chunk_elements``; Q, K and a mask
-are loaded whole and their scores computed per dtype in row blocks.
+are loaded whole and their scores computed per dtype in row blocks. Under torchrun the
+calls are split over the ranks (``_run_split``; ``pipelines.ranks``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import replace
 from typing import Callable
@@ -281,8 +283,6 @@ def _run_files(request: RunRequest, options, track: Track, notice, amax=None, sh
 
 def _cost(item) -> int:
     """The score elements of an input (a call's from its recorded shape), which splits calls over ranks evenly."""
-    import math
-
     shape = item.info.shape if hasattr(item, "info") else item.shape
     return math.prod(shape) if shape else 1
 

@@ -246,6 +246,7 @@ def test_the_library_call_returns_the_one_result_on_every_rank_and_a_crash_stops
     assert rank1.returncode == 1 and "Traceback" in rank1.stderr and "ZeroDivisionError: planted" in rank1.stderr
 
 
+@pytest.mark.slow  # three runs of the capture, ~5 s on a busy 2-core machine
 def test_without_a_rendezvous_or_with_one_rank_a_process_runs_every_call(cap, monkeypatch):
     """RANK and WORLD_SIZE alone (no MASTER_ADDR/PORT: no process group to join), or a world of one: the whole run,
     reported, as always; no process group is started."""
