@@ -120,6 +120,7 @@ def capture_script(
                 partial=request.partial,
                 what_if=request.what_if,
                 grid_asked=request.grid_asked,
+                split_ranks=False,  # under torchrun each rank judges its own calls
             ),
             track,
             notice,
