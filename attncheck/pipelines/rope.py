@@ -1,0 +1,26 @@
+"""``attncheck rope`` as a library call: every point of the grid audited against float64."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from attncheck.config.rope import RopeConfig
+from attncheck.results.rope import RopeAudit
+
+
+def run_rope(config: RopeConfig, tick: Callable[[], None] | None = None) -> list[RopeAudit]:
+    from attncheck.dtypes import dtype_from_name  # torch: only once the options are known to be good
+    from attncheck.numerics.rope import audit_table
+
+    out = []
+    for theta in config.thetas:
+        for head_dim in config.head_dims:
+            for dtype in config.dtypes:
+                for context in config.contexts:
+                    compute = dtype_from_name(dtype)
+                    table = compute if config.table is None else dtype_from_name(config.table)
+                    rotation = None if config.rotation is None else dtype_from_name(config.rotation)
+                    out.append(audit_table(theta, head_dim, compute, table, context, rotation))
+                    if tick is not None:
+                        tick()
+    return out
