@@ -51,6 +51,7 @@ TORCH_FREE = [
     "attncheck.findings.distribution",
     "attncheck.findings.backward",
     "attncheck.findings.capture",
+    "attncheck.findings.rope",
     "attncheck.findings.watch",
     "attncheck.model",
     "attncheck.config.run",

@@ -7,11 +7,36 @@ from __future__ import annotations
 
 import difflib
 
-from attncheck.findings import accuracy, backward, capture, distribution, fp8, hazards, inputs, masking, overflow, scale
+from attncheck.findings import (
+    accuracy,
+    backward,
+    capture,
+    distribution,
+    fp8,
+    hazards,
+    inputs,
+    masking,
+    overflow,
+    rope,
+    scale,
+)
 from attncheck.findings import watch as watch_codes
 from attncheck.findings.base import Code
 
-GROUP_MODULES = (inputs, masking, scale, overflow, hazards, accuracy, fp8, distribution, backward, capture, watch_codes)
+GROUP_MODULES = (
+    inputs,
+    masking,
+    scale,
+    overflow,
+    hazards,
+    accuracy,
+    fp8,
+    distribution,
+    backward,
+    rope,
+    capture,
+    watch_codes,
+)
 
 # The order of the reference page (and of every view below): by section, in pipeline order within one. A group
 # module's codes need not be adjacent here (fused_max is a kernel hazard shown among the softmax's causes).
@@ -64,6 +89,8 @@ ORDER = (
     "grad_error",
     "padded_tile",
     "grad_emulation_mismatch",
+    # rotary position embeddings
+    "rope_precision",
     # capture
     "capture_incomplete",
     # watch

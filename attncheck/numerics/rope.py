@@ -158,3 +158,90 @@ def audit_table(
         max_error_frequency=worst_at[1],
         rms_angle_error=math.sqrt(sq / count) if count else None,
     )
+
+
+def _frequency_columns(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+    """The d/2 frequencies of a table: transformers' layout repeats them in both halves (cat(freqs, freqs)), the
+    interleaved one (GPT-J) in pairs; None for neither."""
+    half = cos.shape[-1] // 2
+    if torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:]):
+        return cos[:, :half], sin[:, :half], "halves"
+    if torch.equal(cos[:, 0::2], cos[:, 1::2]) and torch.equal(sin[:, 0::2], sin[:, 1::2]):
+        return cos[:, 0::2], sin[:, 0::2], "interleaved"
+    return None
+
+
+def fitted_theta(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> float | None:
+    """theta from the angle of frequency 1 at position 1 (theta^(-2/d) radians): needs position 1 in the table."""
+    at = (positions == 1).nonzero()
+    if len(at) == 0 or cos.shape[-1] < 2:
+        return None
+    angle = math.atan2(float(sin[int(at[0, 0]), 1]), float(cos[int(at[0, 0]), 1]))
+    d = 2 * cos.shape[-1]
+    return angle ** (-d / 2) if angle > 0 else None
+
+
+def check_table(
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    theta: float | None,
+    tolerance: float,
+    rope_type: str = "default",
+) -> dict:
+    """A recorded table (..., T, d) against float64 cos and sin of its positions x theta^(-2j/d): the first sequence
+    only (the others share its recipe). Returns the fields of ``results.rope.RopeTableCheck`` that depend on the
+    numbers (the caller adds the calls)."""
+    lead = cos.reshape(-1, *cos.shape[-2:])
+    c2, s2 = lead[0], sin.reshape(-1, *sin.shape[-2:])[0]  # (T, d)
+    given = positions is not None
+    pos = positions.reshape(-1, positions.shape[-1])[0] if given else torch.arange(c2.shape[0])
+    out: dict = {"positions_from": "recorded" if given else "assumed", "theta": theta, "theta_from": ""}
+    if rope_type != "default":
+        return {**out, "judged": False, "note": f"rope_type {rope_type}: its frequencies are not theta^(-2j/d)"}
+    cols = _frequency_columns(c2, s2)
+    if cols is None:
+        return {**out, "judged": False, "note": "cos and sin do not repeat their frequencies (halves or pairs)"}
+    c, s, layout = cols
+    out["theta_from"] = "config" if theta is not None else ""
+    if theta is None:
+        theta = fitted_theta(c, s, pos)
+        out.update(theta=theta, theta_from="fitted" if theta is not None else "")
+    if theta is None:
+        return {**out, "judged": False, "note": "theta unknown: no config recorded and no position 1 to fit it from"}
+    head_dim = 2 * c.shape[-1]
+    ref = pos.to(torch.float64)[:, None] * inverse_frequencies(theta, head_dim)[None, :]  # (T, d/2)
+    err = angle_error(c, s, ref).abs()
+    err = torch.where(torch.isfinite(err), err, torch.full_like(err, math.inf))  # a NaN entry: no angle at all
+    row = err.max(dim=-1).values  # (T,)
+    affected = row > tolerance
+    adjacent = pos[1:] == pos[:-1] + 1
+    same = same_as_previous(c, s) & adjacent  # (T - 1,)
+    flat = int(err.argmax())
+    worst = float(err.view(-1)[flat])
+    nonfinite = ~torch.isfinite(row)
+    fp32_cos, fp32_sin = model_table(pos, model_inverse_frequencies(theta, head_dim), torch.float32, c.dtype)
+    out.update(
+        judged=True,
+        note="; ".join(
+            n
+            for n in (
+                None if layout == "halves" else "interleaved layout",
+                f"cos/sin not finite from position {int(pos[nonfinite].min()):,}" if bool(nonfinite.any()) else None,
+            )
+            if n
+        )
+        or None,
+        first_position=int(pos.min()),
+        last_position=int(pos.max()),
+        tolerance=tolerance,
+        first_affected=int(pos[affected].min()) if bool(affected.any()) else None,
+        affected_positions=int(affected.sum()),
+        first_indistinct=int(pos[1:][same].min()) if bool(same.any()) else None,
+        indistinct_positions=int(same.sum()),
+        max_angle_error=worst if math.isfinite(worst) else None,
+        max_error_position=int(pos[flat // err.shape[1]]),
+        max_error_frequency=flat % err.shape[1],
+        fp32_recipe_error=float(angle_error(fp32_cos, fp32_sin, ref).abs().max()),
+    )
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from attncheck.config.rope import RopeConfig
-from attncheck.results.rope import RopeAudit
+from attncheck.results.rope import RopeAudit, RopeTableCheck
 
 
 def run_rope(config: RopeConfig, tick: Callable[[], None] | None = None) -> list[RopeAudit]:
@@ -23,4 +23,36 @@ def run_rope(config: RopeConfig, tick: Callable[[], None] | None = None) -> list
                     out.append(audit_table(theta, head_dim, compute, table, context, rotation))
                     if tick is not None:
                         tick()
+    return out
+
+
+def capture_rope_checks(paths) -> list[RopeTableCheck]:
+    """The rotary tables of each capture directory among ``paths`` (a single process's; a torchrun capture's ranks
+    are not read), each against float64 (``numerics.rope.check_table``) at the tolerance ``rope_precision`` uses."""
+    from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
+    from attncheck.loaders.manifest import is_capture_dir, load_manifest
+    from attncheck.loaders.rope import read_rope_tables
+    from attncheck.numerics.precision import dtype_label
+    from attncheck.numerics.rope import check_table
+
+    out: list[RopeTableCheck] = []
+    for path in paths or ():
+        if not is_capture_dir(path):
+            continue
+        for table in read_rope_tables(path, load_manifest(path)):
+            cos = table["cos"]
+            found = check_table(
+                cos, table["sin"], table["positions"], table["theta"], ROPE_ANGLE_TOLERANCE, table["rope_type"]
+            )
+            out.append(
+                RopeTableCheck(
+                    index=table["index"],
+                    shape=tuple(cos.shape),
+                    dtype=dtype_label(cos.dtype),
+                    calls=tuple(table["calls"]),
+                    modules=tuple(table["modules"]),
+                    rope_type=table["rope_type"],
+                    **found,
+                )
+            )
     return out

@@ -23,6 +23,7 @@ import torch
 from attncheck import __version__
 from attncheck.errors import AttncheckError
 from attncheck.loaders.calls import CALL_FILE, CAPTURE_SCHEMA, MANIFEST, call_file_name, grads_file_name, info_from_meta
+from attncheck.loaders.rope import ROPE_FILE, rope_file_name
 from attncheck.record.ops import Recorded, Sink
 from attncheck.results import CallInfo, CallReport
 
@@ -183,7 +184,7 @@ def _prepare(d: Path) -> tuple[Path, bool]:
             param="path",
         )
     for p in entries:  # a previous capture: its own files go, anything else stays
-        if p.is_file() and (p.name == MANIFEST or CALL_FILE.match(p.name)):
+        if p.is_file() and (p.name == MANIFEST or CALL_FILE.match(p.name) or ROPE_FILE.match(p.name)):
             p.unlink()
     return d, True
 
@@ -201,6 +202,7 @@ class DirectorySink(Sink):
     def __init__(self, path: str | os.PathLike[str], rank: int | None = None) -> None:
         self.dir, self._owner, self.replaced = prepare_directory(path, rank)  # replaced: a previous capture was there
         self.entries: list[dict] = []
+        self.rope_tables: list[dict] = []
         self.bytes = 0
         self._slots = threading.Semaphore(self.IN_FLIGHT)
         # Staging buffers written out are reused for the next call of the same shape: copying into
@@ -236,9 +238,27 @@ class DirectorySink(Sink):
                     role: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                     for role, t in tensors.items()
                 },
+                **({"rope": int(call.meta["rope"])} if "rope" in call.meta else {}),
             }
         )
         self._queue.put((self.dir / name, tensors, dict(call.meta)))
+
+    def rope(self, index: int, tensors: dict[str, torch.Tensor], facts: dict[str, str]) -> None:
+        """A rotary table, the first time a call runs under it: written at once (a few KiB to MiB), listed in the
+        manifest's ``rope_tables``."""
+        name = rope_file_name(index)
+        staged = {role: t.detach().contiguous().cpu() for role, t in tensors.items()}
+        try:
+            write_safetensors(self.dir / name, staged, {"format": CAPTURE_SCHEMA, "rope": str(index), **facts})
+        except OSError as e:
+            raise AttncheckError(f"cannot write {self.dir / name}: {e.strerror or e}") from None
+        cos = staged["cos"]
+        entry = {"index": index, "file": name, "shape": list(cos.shape), "dtype": str(cos.dtype).removeprefix("torch.")}
+        if "theta" in facts:
+            entry["theta"] = float(facts["theta"])
+        entry["rope_type"] = facts.get("rope_type", "default")
+        entry["positions"] = "positions" in staged
+        self.rope_tables.append(entry)
 
     def grads(self, call: Recorded, tensors: dict[str, torch.Tensor]) -> None:
         """A call's gradients, as the backward reached it: written to ``NNNN-<module>.grads.safetensors``
@@ -340,6 +360,7 @@ class DirectorySink(Sink):
             **facts,
             "total_bytes": self.bytes,
             "calls": self.entries,
+            **({"rope_tables": self.rope_tables} if self.rope_tables else {}),
         }
         tmp = self.dir / (MANIFEST + ".tmp")
         try:
@@ -357,6 +378,10 @@ class MemorySink(Sink):
 
     def __init__(self) -> None:
         self.calls: list[Recorded] = []
+        self.rope_tables: dict[int, dict] = {}  # number -> {'tensors': cos, sin (positions), 'facts'}
+
+    def rope(self, index: int, tensors: dict[str, torch.Tensor], facts: dict[str, str]) -> None:
+        self.rope_tables[index] = {"tensors": cpu_tensors(tensors, copy=True), "facts": dict(facts)}
 
     def __call__(self, call: Recorded) -> None:
         self.calls.append(

@@ -23,3 +23,31 @@ class RopeAudit:
     max_error_position: int
     max_error_frequency: int  # index j of inv_freq_j
     rms_angle_error: float | None  # None: no finite entry
+
+
+@dataclass(frozen=True)
+class RopeTableCheck:
+    """A rotary table a capture recorded, against float64 cos and sin of its positions and inverse frequencies."""
+
+    index: int  # the table's number in the capture
+    shape: tuple[int, ...]
+    dtype: str
+    calls: tuple[int, ...]  # the calls that ran under it
+    modules: tuple[str, ...]
+    rope_type: str
+    theta: float | None
+    theta_from: str  # 'config' (recorded from the model's config), 'fitted' (from the angle of position 1), ''
+    positions_from: str  # 'recorded' (position_ids), 'assumed' (0 .. T-1 of the first sequence)
+    judged: bool
+    note: str | None = None  # why not judged, or what was assumed
+    first_position: int | None = None
+    last_position: int | None = None
+    tolerance: float | None = None  # radians: the angle error from which a position counts as affected
+    first_affected: int | None = None  # the first position whose angle error passes ``tolerance``
+    affected_positions: int = 0
+    first_indistinct: int | None = None  # the first position whose row repeats position - 1's
+    indistinct_positions: int = 0
+    max_angle_error: float | None = None  # radians
+    max_error_position: int | None = None
+    max_error_frequency: int | None = None
+    fp32_recipe_error: float | None = None  # the same positions computed in fp32 and cast to the table's dtype
