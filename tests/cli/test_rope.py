@@ -45,3 +45,30 @@ def test_bad_arguments_exit_2_with_one_line(args, message):
     r = runner.invoke(app, ["rope", *args])
     assert r.exit_code == 2
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # three audits of 131,072 positions, ~10 s
+def test_the_long_context_page_shows_what_the_command_prints():
+    """Every `attncheck rope` line of docs/long-context.md followed by output prints exactly that output."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "long-context.md").read_text()
+    shown = 0
+    for block in re.findall(r"```console\n(.*?)```", text, flags=re.S):
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            if not line.startswith("$ attncheck rope"):
+                continue
+            expected = []
+            for out in lines[i + 1 :]:
+                if out.startswith("$ "):
+                    break
+                expected.append(out)
+            r = runner.invoke(app, shlex.split(line[2:])[1:])
+            assert r.exit_code == 0, r.output
+            if expected:
+                assert r.stdout.splitlines() == expected
+                shown += 1
+    assert shown >= 2
