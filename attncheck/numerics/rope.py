@@ -26,7 +26,7 @@ import math
 import torch
 
 from attncheck.dtypes import dtype_label
-from attncheck.results.rope import RopeAudit
+from attncheck.results.rope import RopeAudit, RopeTableCheck
 
 # Positions are audited in chunks so that a 1M-token context never holds more than this many table rows at once.
 CHUNK_ROWS = 1 << 16
@@ -244,4 +244,25 @@ def check_table(
         max_error_frequency=flat % err.shape[1],
         fp32_recipe_error=float(angle_error(fp32_cos, fp32_sin, ref).abs().max()),
     )
+    return out
+
+
+def table_checks(tables: list[dict], tolerance: float) -> list[RopeTableCheck]:
+    """Each recorded table ({'index', 'cos', 'sin', 'positions', 'theta', 'rope_type', 'calls', 'modules'}, as
+    ``loaders.rope`` reads them) checked by ``check_table``."""
+    out = []
+    for table in tables:
+        cos = table["cos"]
+        found = check_table(cos, table["sin"], table["positions"], table["theta"], tolerance, table["rope_type"])
+        out.append(
+            RopeTableCheck(
+                index=table["index"],
+                shape=tuple(cos.shape),
+                dtype=dtype_label(cos.dtype),
+                calls=tuple(table["calls"]),
+                modules=tuple(table["modules"]),
+                rope_type=table["rope_type"],
+                **found,
+            )
+        )
     return out

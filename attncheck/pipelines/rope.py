@@ -32,27 +32,10 @@ def capture_rope_checks(paths) -> list[RopeTableCheck]:
     from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
     from attncheck.loaders.manifest import is_capture_dir, load_manifest
     from attncheck.loaders.rope import read_rope_tables
-    from attncheck.numerics.precision import dtype_label
-    from attncheck.numerics.rope import check_table
+    from attncheck.numerics.rope import table_checks
 
     out: list[RopeTableCheck] = []
     for path in paths or ():
-        if not is_capture_dir(path):
-            continue
-        for table in read_rope_tables(path, load_manifest(path)):
-            cos = table["cos"]
-            found = check_table(
-                cos, table["sin"], table["positions"], table["theta"], ROPE_ANGLE_TOLERANCE, table["rope_type"]
-            )
-            out.append(
-                RopeTableCheck(
-                    index=table["index"],
-                    shape=tuple(cos.shape),
-                    dtype=dtype_label(cos.dtype),
-                    calls=tuple(table["calls"]),
-                    modules=tuple(table["modules"]),
-                    rope_type=table["rope_type"],
-                    **found,
-                )
-            )
+        if is_capture_dir(path):
+            out.extend(table_checks(read_rope_tables(path, load_manifest(path)), ROPE_ANGLE_TOLERANCE))
     return out

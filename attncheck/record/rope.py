@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import threading
+import weakref
 
 import torch
 
@@ -51,7 +52,7 @@ class RopeWatch:
         self._lock = threading.Lock()
         self._handles: list = []
         self._hooked: set[int] = set()
-        self._by_object: dict[tuple, int] = {}  # the same tensors passed to every layer: hashed once
+        self._by_object: dict[tuple, tuple] = {}  # the same tensors passed to every layer: hashed once
         self._by_content: dict[tuple, int] = {}
         self.count = 0
 
@@ -103,10 +104,12 @@ class RopeWatch:
         if found is None:
             return None
         module, (cos, sin, positions) = found
+        # the same tensors, unchanged (an id alone may be a freed table's, reused by the next forward's)
         obj = (id(cos), cos._version, id(sin), sin._version, None if positions is None else id(positions))
         with self._lock:
-            if obj in self._by_object:
-                return self._by_object[obj], None
+            seen = self._by_object.get(obj)
+            if seen is not None and all(r() is t for r, t in zip(seen[1], (cos, sin, positions)) if t is not None):
+                return seen[0], None
         tensors = {"cos": cos.detach(), "sin": sin.detach()}
         if positions is not None and positions.shape == cos.shape[:-1]:
             tensors["positions"] = positions.detach()
@@ -116,8 +119,10 @@ class RopeWatch:
             digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
             digest.update(t.view(-1).view(torch.uint8).numpy().tobytes())
         key = (tuple(cos.shape), cos.dtype, digest.hexdigest())
+        refs = tuple(weakref.ref(t) for t in (cos, sin, positions) if t is not None)
         with self._lock:
-            self._by_object[obj] = number = self._by_content.get(key, self.count)
+            number = self._by_content.get(key, self.count)
+            self._by_object[obj] = (number, refs)
             if number != self.count:
                 return number, None
             self._by_content[key] = number

@@ -414,8 +414,27 @@ class DiagnoseSink(Sink):
         self.rank: int | None = None  # under torchrun: each call's report names this process's rank
         self._waiting: dict[int, Recorded] = {}  # calls whose gradients are still to come
         self._order: list[int] = []
+        self.rope_tables: dict[int, dict] = {}  # the rotary tables, as ``loaders.rope`` reads them from a directory
+
+    def rope(self, index: int, tensors: dict[str, torch.Tensor], facts: dict[str, str]) -> None:
+        kept = cpu_tensors(tensors, copy=True)
+        self.rope_tables[index] = {
+            "index": index,
+            "cos": kept["cos"],
+            "sin": kept["sin"],
+            "positions": kept.get("positions"),
+            "theta": float(facts["theta"]) if "theta" in facts else None,
+            "rope_type": facts.get("rope_type", "default"),
+            "calls": [],
+            "modules": [],
+        }
 
     def __call__(self, call: Recorded) -> None:
+        table = self.rope_tables.get(int(call.meta["rope"])) if "rope" in call.meta else None
+        if table is not None:
+            table["calls"].append(call.index)
+            if (call.module or "global") not in table["modules"]:
+                table["modules"].append(call.module or "global")
         if call.expects_grads:  # its gradients come with the backward: diagnosed then, or when the capture ends
             self._waiting[call.index] = Recorded(
                 call.index, call.kind, call.module, call.forward, cpu_tensors(call.tensors, copy=True), dict(call.meta)

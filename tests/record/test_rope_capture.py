@@ -98,6 +98,21 @@ def test_the_same_llama_in_fp32_is_clean_and_tables_are_kept_once(tmp_path):
     assert rope_findings([check]) == []
 
 
+@pytest.mark.parametrize("table", ["bf16", "fp32"])
+def test_capture_diagnose_judges_the_tables_too(table):
+    """attncheck.capture(diagnose=True) writes nothing and reports as attncheck run does."""
+    model = llama()
+    if table == "bf16":
+        force_bf16_table(model)
+    with torch.no_grad(), attncheck.capture(diagnose=True) as cap:
+        model(torch.randint(0, 64, (1, 300), generator=torch.Generator().manual_seed(1)))
+    found = [f for f in cap.result.model.findings if f.code == "rope_precision"]
+    if table == "bf16":
+        assert len(found) == 1 and "positions stop being distinct at 257" in found[0].message
+    else:
+        assert found == [] and cap.result.model.capture["rope"][0].judged
+
+
 def test_a_different_length_is_another_table(tmp_path):
     model = llama()
     ids = [torch.randint(0, 64, (1, t)) for t in (20, 30)]
