@@ -116,3 +116,21 @@ def test_angle_error_wraps_and_is_nan_where_not_finite():
     err = angle_error(cos, sin, ref)
     assert err[0, 0].item() == pytest.approx(0.2, abs=1e-7) and err[0, 1].item() == pytest.approx(0.1, abs=1e-7)
     assert math.isnan(err[0, 2].item())
+
+
+def test_check_table_fits_theta_from_position_1_and_judges_a_clean_table_clean():
+    """No config recorded: theta from the angle of frequency 1 at position 1 (theta^(-2/d) radians)."""
+    from attncheck.numerics.rope import check_table
+
+    inv = model_inverse_frequencies(500_000, 64)
+    cos, sin = model_table(torch.arange(2048), inv, torch.float32, torch.float32)
+    table = (torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None])  # transformers' layout, (1, T, d)
+    found = check_table(*table, positions=None, theta=None, tolerance=0.05)
+    assert found["theta_from"] == "fitted" and found["theta"] == pytest.approx(500_000, rel=1e-4)
+    assert found["positions_from"] == "assumed" and found["first_affected"] is None
+    assert found["first_indistinct"] is None and found["max_angle_error"] < 2048 * 2.0**-22
+    bf16 = model_table(torch.arange(2048), inv, torch.bfloat16, torch.bfloat16)
+    bad = check_table(
+        torch.cat((bf16[0], bf16[0]), -1)[None], torch.cat((bf16[1], bf16[1]), -1)[None], None, 500_000.0, 0.05
+    )
+    assert bad["first_indistinct"] == 257 and bad["theta_from"] == "config"
