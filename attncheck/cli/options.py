@@ -80,7 +80,8 @@ WhatIfOpt = Annotated[
             "(with --q/--k too: in each --dtype), and names the setting with the least output error against float64; "
             "'all' adds "
             "every other implementation (naive, stable, tiled, the SDPA paths, FP8) in fp16, bf16, fp32 and e4m3. "
-            "Reported apart; never the model's verdict unless --fail-on what-if:COND."
+            "'rope:DTYPE' recomputes the rotary tables a capture recorded with their positions and inverse "
+            "frequencies held in DTYPE. Reported apart; never the model's verdict unless --fail-on what-if:COND."
         ),
     ),
 ]

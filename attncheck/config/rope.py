@@ -46,3 +46,18 @@ class RopeConfig:
                 param="context",
             )
         return config
+
+
+ROPE_WHAT_IF_PREFIX = "rope:"
+
+
+def split_rope_what_if(text: str | None) -> tuple[tuple[str, ...], str | None]:
+    """'fp16,rope:bf16' -> (('bf16',), 'fp16'): the dtypes to recompute a capture's rotary tables in, and the
+    rest of --what-if (None where nothing is left)."""
+    if text is None:
+        return (), None
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    rope = [w[len(ROPE_WHAT_IF_PREFIX) :] for w in words if w.lower().startswith(ROPE_WHAT_IF_PREFIX)]
+    rest = [w for w in words if not w.lower().startswith(ROPE_WHAT_IF_PREFIX)]
+    dtypes = params.dtypes(",".join(rope), "what_if", fp8=False) if rope else ()
+    return dtypes, (",".join(rest) if rest else None)

@@ -82,6 +82,7 @@ class RunRequest:
     # --method or --path given), every cell of ``options``. Bare scores compute every cell of ``options``.
     what_if: tuple[str, ...] = ()
     grid_asked: bool = False
+    rope_what_if: tuple[str, ...] = ()  # --what-if rope:DTYPE: a capture's rotary tables recomputed in these dtypes
 
     def __post_init__(self) -> None:
         params.integer(self.max_memory, "max_memory", 1, from_text=False)

@@ -26,7 +26,7 @@ import math
 import torch
 
 from attncheck.dtypes import dtype_label
-from attncheck.results.rope import RopeAudit, RopeTableCheck
+from attncheck.results.rope import RopeAudit, RopeTableCheck, RopeWhatIf
 
 # Positions are audited in chunks so that a 1M-token context never holds more than this many table rows at once.
 CHUNK_ROWS = 1 << 16
@@ -181,6 +181,42 @@ def fitted_theta(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) 
     return angle ** (-d / 2) if angle > 0 else None
 
 
+def _judge_angles(
+    c: torch.Tensor, s: torch.Tensor, pos: torch.Tensor, ref: torch.Tensor, tolerance: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(|angle error| with inf where not finite (T, F), positions past ``tolerance`` (T,), rows repeating their
+    adjacent predecessor's (T - 1,))."""
+    err = angle_error(c, s, ref).abs()
+    err = torch.where(torch.isfinite(err), err, torch.full_like(err, math.inf))  # a NaN entry: no angle at all
+    affected = err.max(dim=-1).values > tolerance
+    same = same_as_previous(c, s) & (pos[1:] == pos[:-1] + 1)
+    return err, affected, same
+
+
+def what_if_tables(
+    pos: torch.Tensor, theta: float, head_dim: int, table: torch.dtype, dtypes, tolerance: float
+) -> tuple[RopeWhatIf, ...]:
+    """The table recomputed in each of ``dtypes`` (names) at the same positions, against float64."""
+    from attncheck.dtypes import dtype_from_name
+
+    ref = pos.to(torch.float64)[:, None] * inverse_frequencies(theta, head_dim)[None, :]
+    out = []
+    for name in dtypes:
+        c, s = model_table(pos, model_inverse_frequencies(theta, head_dim), dtype_from_name(name), table)
+        err, affected, same = _judge_angles(c, s, pos, ref, tolerance)
+        worst = float(err.max())
+        out.append(
+            RopeWhatIf(
+                dtype=name,
+                first_indistinct=int(pos[1:][same].min()) if bool(same.any()) else None,
+                first_affected=int(pos[affected].min()) if bool(affected.any()) else None,
+                affected_positions=int(affected.sum()),
+                max_angle_error=worst if math.isfinite(worst) else None,
+            )
+        )
+    return tuple(out)
+
+
 def check_table(
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -188,6 +224,7 @@ def check_table(
     theta: float | None,
     tolerance: float,
     rope_type: str = "default",
+    what_if=(),
 ) -> dict:
     """A recorded table (..., T, d) against float64 cos and sin of its positions x theta^(-2j/d): the first sequence
     only (the others share its recipe). Returns the fields of ``results.rope.RopeTableCheck`` that depend on the
@@ -211,12 +248,8 @@ def check_table(
         return {**out, "judged": False, "note": "theta unknown: no config recorded and no position 1 to fit it from"}
     head_dim = 2 * c.shape[-1]
     ref = pos.to(torch.float64)[:, None] * inverse_frequencies(theta, head_dim)[None, :]  # (T, d/2)
-    err = angle_error(c, s, ref).abs()
-    err = torch.where(torch.isfinite(err), err, torch.full_like(err, math.inf))  # a NaN entry: no angle at all
+    err, affected, same = _judge_angles(c, s, pos, ref, tolerance)
     row = err.max(dim=-1).values  # (T,)
-    affected = row > tolerance
-    adjacent = pos[1:] == pos[:-1] + 1
-    same = same_as_previous(c, s) & adjacent  # (T - 1,)
     flat = int(err.argmax())
     worst = float(err.view(-1)[flat])
     nonfinite = ~torch.isfinite(row)
@@ -243,17 +276,20 @@ def check_table(
         max_error_position=int(pos[flat // err.shape[1]]),
         max_error_frequency=flat % err.shape[1],
         fp32_recipe_error=float(angle_error(fp32_cos, fp32_sin, ref).abs().max()),
+        what_if=what_if_tables(pos, theta, head_dim, c.dtype, what_if, tolerance),
     )
     return out
 
 
-def table_checks(tables: list[dict], tolerance: float) -> list[RopeTableCheck]:
+def table_checks(tables: list[dict], tolerance: float, what_if=()) -> list[RopeTableCheck]:
     """Each recorded table ({'index', 'cos', 'sin', 'positions', 'theta', 'rope_type', 'calls', 'modules'}, as
     ``loaders.rope`` reads them) checked by ``check_table``."""
     out = []
     for table in tables:
         cos = table["cos"]
-        found = check_table(cos, table["sin"], table["positions"], table["theta"], tolerance, table["rope_type"])
+        found = check_table(
+            cos, table["sin"], table["positions"], table["theta"], tolerance, table["rope_type"], what_if
+        )
         out.append(
             RopeTableCheck(
                 index=table["index"],

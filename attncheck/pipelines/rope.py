@@ -26,9 +26,10 @@ def run_rope(config: RopeConfig, tick: Callable[[], None] | None = None) -> list
     return out
 
 
-def capture_rope_checks(paths) -> list[RopeTableCheck]:
+def capture_rope_checks(paths, what_if=()) -> list[RopeTableCheck]:
     """The rotary tables of each capture directory among ``paths`` (a single process's; a torchrun capture's ranks
-    are not read), each against float64 (``numerics.rope.check_table``) at the tolerance ``rope_precision`` uses."""
+    are not read), each against float64 (``numerics.rope.check_table``) at the tolerance ``rope_precision`` uses;
+    ``what_if``: dtypes to recompute each table in (--what-if rope:DTYPE)."""
     from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
     from attncheck.loaders.manifest import is_capture_dir, load_manifest
     from attncheck.loaders.rope import read_rope_tables
@@ -37,5 +38,5 @@ def capture_rope_checks(paths) -> list[RopeTableCheck]:
     out: list[RopeTableCheck] = []
     for path in paths or ():
         if is_capture_dir(path):
-            out.extend(table_checks(read_rope_tables(path, load_manifest(path)), ROPE_ANGLE_TOLERANCE))
+            out.extend(table_checks(read_rope_tables(path, load_manifest(path)), ROPE_ANGLE_TOLERANCE, what_if))
     return out

@@ -26,6 +26,18 @@ class RopeAudit:
 
 
 @dataclass(frozen=True)
+class RopeWhatIf:
+    """A recorded table recomputed from its positions and theta with everything held in ``dtype`` (positions,
+    inverse frequencies, product, cos and sin), cast to the table's dtype: --what-if rope:DTYPE."""
+
+    dtype: str
+    first_indistinct: int | None
+    first_affected: int | None
+    affected_positions: int
+    max_angle_error: float | None  # radians; None where cos/sin are not finite
+
+
+@dataclass(frozen=True)
 class RopeTableCheck:
     """A rotary table a capture recorded, against float64 cos and sin of its positions and inverse frequencies."""
 
@@ -51,3 +63,4 @@ class RopeTableCheck:
     max_error_position: int | None = None
     max_error_frequency: int | None = None
     fp32_recipe_error: float | None = None  # the same positions computed in fp32 and cast to the table's dtype
+    what_if: tuple[RopeWhatIf, ...] = ()  # --what-if rope:DTYPE: reported apart, never the model's finding

@@ -160,3 +160,18 @@ def test_run_reports_a_bf16_table_at_4k_positions_and_not_fp32(tmp_path, table):
     else:
         assert r.exit_code == 0, r.output
         assert "rope_precision" not in r.output
+
+
+def test_what_if_rope_dtype_recomputes_the_tables_apart_from_the_verdict(tmp_path):
+    cap = captured(llama(), tmp_path, 300)
+    out = tmp_path / "report.json"
+    args = ["run", str(cap), "--brief", "--what-if", "rope:bf16", "--json", str(out), "--fail-on", "error,warning"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output  # a what-if is never the model's finding
+    said = " ".join(r.stdout.split())
+    assert "rope table 0 computed in bf16 (positions 0 .. 299): positions stop being distinct at 257" in said
+    (check,) = json.loads(out.read_text())["model"]["capture"]["rope"]
+    assert check["first_indistinct"] is None and check["what_if"][0]["dtype"] == "bf16"
+    assert check["what_if"][0]["first_indistinct"] == first_repeated_bf16_position(300)
+    bad = CliRunner().invoke(app, ["run", str(cap), "--what-if", "rope:fp8"])
+    assert bad.exit_code == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--what-if" in bad.stderr
