@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from attncheck.record.compiled import compiling
+
 ROPE_ARGUMENT = "position_embeddings"
 
 
@@ -77,6 +79,8 @@ class RopeWatch:
         self._handles, self._hooked = [], set()
 
     def _pre(self, module, args, kwargs) -> None:
+        if compiling():  # dynamo traces module hooks into its graph: nothing of ours goes in it (as ModuleStack)
+            return
         pe = kwargs.get(ROPE_ARGUMENT)
         ok = (
             isinstance(pe, (tuple, list))
@@ -91,6 +95,8 @@ class RopeWatch:
         self._stack.append((module, (pe[0], pe[1], positions) if ok else None))
 
     def _post(self, module, args, output) -> None:
+        if compiling():
+            return
         stack = self._stack
         for i in range(len(stack) - 1, -1, -1):
             if stack[i][0] is module:
