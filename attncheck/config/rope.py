@@ -58,6 +58,8 @@ def split_rope_what_if(text: str | None) -> tuple[tuple[str, ...], str | None]:
         return (), None
     words = [w.strip() for w in text.split(",") if w.strip()]
     rope = [w[len(ROPE_WHAT_IF_PREFIX) :] for w in words if w.lower().startswith(ROPE_WHAT_IF_PREFIX)]
+    if not rope:  # the rest as given: params.what_if says what is wrong with it
+        return (), text
     rest = [w for w in words if not w.lower().startswith(ROPE_WHAT_IF_PREFIX)]
     dtypes = params.dtypes(",".join(rope), "what_if", fp8=False) if rope else ()
     return dtypes, (",".join(rest) if rest else None)
