@@ -106,10 +106,12 @@ def emit(
                 console.print(render_diagnosis(c.diagnosis, verbose=not brief))
         elif full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
             print_report(console, result.tensors, result.device, verbose=not brief, what_ifs=what_ifs)
-            if result.model is not None and result.model.findings:
+            if result.model is not None:
                 from attncheck.report.model import capture_block  # (as above)
 
-                console.print(capture_block(result.model))
+                own = capture_block(result.model)  # its findings, and the RoPE what-ifs
+                if own is not None:
+                    console.print(own)
             if result.model is not None:
                 from attncheck.report.model import path_notes  # (as above)
 

@@ -75,6 +75,7 @@ from attncheck.cli.run_options import (
     ScaleOrderOpt,
     VOpt,
 )
+from attncheck.config.rope import split_rope_what_if
 from attncheck.config.run import QKSpec, RunRequest, chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError, param
 from attncheck.report.progress import Progress
@@ -141,6 +142,7 @@ def run(
         memory = params.memory(max_memory, "max_memory")
         check_output_path(json_out, "--json")
         check_summary(summary, full)
+        rope_what_if, what_if = split_rope_what_if(what_if)  # rope:DTYPE asks about the rotary tables alone
         asked_what_if = params.what_if(what_if) if what_if is not None else ()
         sums = params.sum_specs(accumulate, "accumulate") if accumulate is not None else ()
         options, grid_asked = cell_options(
@@ -265,6 +267,7 @@ def run(
             what_if=asked_what_if,
             grid_asked=grid_asked,
             accumulate=sums,
+            rope_what_if=rope_what_if,
         )
 
         # these import torch: not for --help or a bad argument

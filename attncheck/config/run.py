@@ -88,6 +88,7 @@ class RunRequest:
     # calls are split over the ranks and every rank returns the one result (pipelines.ranks); False: this process
     # runs every call itself (capture judging its own rank's calls)
     split_ranks: bool = True
+    rope_what_if: tuple[str, ...] = ()  # --what-if rope:DTYPE: a capture's rotary tables recomputed in these dtypes
 
     def __post_init__(self) -> None:
         params.integer(self.max_memory, "max_memory", 1, from_text=False)

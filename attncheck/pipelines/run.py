@@ -220,6 +220,11 @@ def _run_files(request: RunRequest, options, track: Track, notice, amax=None, sh
         }
     elif manifests:
         capture = capture_facts(manifests[0])
+    from attncheck.pipelines.rope import capture_rope_checks
+
+    rope = capture_rope_checks(request.paths, request.rope_what_if)  # the rotary tables the calls ran under
+    if rope:
+        capture = {**(capture or {}), "rope": rope}
     if not request.partial:  # every call checked before the first is diagnosed
         for item in inputs:
             if not isinstance(item, TensorSource) and item.problem:
