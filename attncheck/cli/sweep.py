@@ -174,7 +174,8 @@ def _config(dk, scale, dtype, method, seq, rows, std, dist, seed, block, device,
     check_output_path(json_out, "--json")
     check_output_path(plot, "--plot", dash_ok=False)
     if plot is not None:
-        from attncheck.report.sweep import check_plot_path, require_matplotlib  # the report modules: not for --help
+        # the report modules: not for --help
+        from attncheck.report.sweep_plot import check_plot_path, require_matplotlib
 
         require_matplotlib()
         check_plot_path(plot)
@@ -192,7 +193,8 @@ def _run_grid(config: SweepConfig, quiet: bool):
 
 def _write(result, json_out: Optional[str], plot: Optional[str]) -> None:
     """The sweep's JSON and plot, where asked."""
-    from attncheck.report.sweep import plot_sweep, sweep_json  # the report modules: not for --help
+    from attncheck.report.sweep import sweep_json  # the report modules: not for --help
+    from attncheck.report.sweep_plot import plot_sweep  # (as above)
 
     if json_out is not None:
         write_json(json.dumps(sweep_json(result), indent=2, allow_nan=False), json_out)

@@ -153,7 +153,7 @@ def watch(
         check_output_path(json_out, "--json")
         if plot is not None:
             check_plot_path(plot)
-            from attncheck.report.sweep import require_matplotlib  # the report modules: not for --help
+            from attncheck.report.sweep_plot import require_matplotlib  # the report modules: not for --help
 
             require_matplotlib()
         report, held = _judge(logs, plot, asked, settings, ignored, conditions)
