@@ -69,6 +69,7 @@ TORCH_FREE = [
     "attncheck.testing",
     "attncheck.report.run",
     "attncheck.report.sweep",
+    "attncheck.report.sweep_plot",
     "attncheck.report.check",
     "attncheck.report.progress",
     "attncheck.report.model",
