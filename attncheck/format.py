@@ -53,6 +53,28 @@ def plain(x: float | None) -> str:
     return fmt(x, ".3g")
 
 
+def compact(x: float | int | None, digits: int = 3) -> str:
+    """``digits`` significant digits in about 7 characters, for narrow table cells: 0, 2.41, 0.0264, 448, 2.86k,
+    28.6M, 5.79e-3 (below 0.01), 1.2e+15 (from 1e12); '-' when missing, 'inf'/'nan' as such."""
+    if x is None:
+        return "-"
+    if not math.isfinite(x):
+        return str(x)
+    r = float(f"{x:.{digits}g}")  # rounded first, so that 999.6 reads 1k, not 1e+03
+    a = abs(r)
+    if a == 0:
+        return "0"
+    if a < 0.01:
+        mantissa, exponent = f"{r:.{digits - 1}e}".split("e")
+        return f"{float(mantissa):.{digits}g}e{int(exponent)}"
+    if a < 1000:
+        return f"{r:.{digits}g}" if a < 10**digits else f"{r:.0f}"
+    for unit, scale in (("k", 1e3), ("M", 1e6), ("G", 1e9)):
+        if a < scale * 1000:
+            return f"{r / scale:.{digits}g}{unit}"
+    return f"{r:.2g}"
+
+
 def size_text(nbytes: float) -> str:
     """Bytes for messages: '512 bytes', '300 MiB', '2.5 GiB', '1.001 MiB', '6,104 GiB'."""
     if nbytes < 1024:

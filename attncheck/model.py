@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from attncheck.codes import SEVERITY
 from attncheck.findings import capture_findings, counted_rows, counted_verdict, ignored_causes
+from attncheck.findings.rope import rope_findings
 from attncheck.model_decode import decode_runs
 from attncheck.results import (
     MODEL,
@@ -528,7 +529,7 @@ def capture_findings_by_rank(capture: dict | None, ignore=()) -> dict[int | None
         found = {r.get("rank"): capture_findings(r, r.get("rank")) for r in ranks}
     else:
         rank = capture.get("rank") if (capture.get("world") or 1) > 1 else None
-        found = {rank: capture_findings(capture, rank)}
+        found = {rank: capture_findings(capture, rank) + rope_findings(capture.get("rope"))}
     return {rank: [f for f in fs if f.code not in ignore] for rank, fs in found.items()}
 
 

@@ -124,20 +124,69 @@ WHAT_IF_NOSINKS = "nosinks"  # a kernel that drops a call's learned sinks (as qu
 
 # --what-if kv:FORMAT[:SCALING]: K and V through a quantised KV cache (attncheck.numerics.kvcache)
 KV_PREFIX = "kv:"
-KV_FORMATS = ("fp8_e4m3", "fp8_e5m2")
+KV_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int4")
+KV_INT_FORMATS = ("int4",)  # per group, as transformers' quanto cache: kv:int4[:gGROUP][:rRESIDUAL], no SCALING
 KV_SCALINGS = ("unit", "tensor", "head", "dynamic")
+KV_FA3 = "fa3"  # the consumer: FlashAttention-3's FP8 path (Q quantised too, FP8 products), e4m3 only
+KV_NOT_EMULATED = {
+    "int8": "transformers' quanto cache takes nbits 2 or 4 only, and its HQQ backend's 8 bits run HQQ's iterative "
+    "optimiser (docs/serving.md)",
+}
+
+
+def _kv_int(value: str, parts: list[str], param: str) -> str:
+    """'kv:int4', 'kv:int4:g32', 'kv:int4:g64:r128' -> the same, normalised ('kv:int4:g64' for 'kv:int4')."""
+    group, residual = None, None
+    for part in parts[2:]:
+        number = part[1:]
+        if part[:1] == "g" and number.isdigit() and group is None and residual is None and int(number) > 0:
+            group = int(number)
+        elif part[:1] == "r" and number.isdigit() and residual is None:
+            residual = int(number)
+        elif part in KV_SCALINGS:
+            raise AttncheckError(
+                f"{show(value.strip())}: {parts[1]}'s scale and shift are per group, from the group's own min and max "
+                f"(quanto's), so no SCALING applies; give kv:{parts[1]}[:gGROUP][:rRESIDUAL]",
+                param=param,
+            )
+        else:
+            raise AttncheckError(
+                f"{show(value.strip())} is not kv:{parts[1]}[:gGROUP][:rRESIDUAL] (GROUP values per group, default 64; "
+                "RESIDUAL most recent tokens kept in the model's dtype, default 0)",
+                param=param,
+            )
+    return f"kv:{parts[1]}:g{group or 64}" + (f":r{residual}" if residual else "")
 
 
 def kv_token(value: str, param: str = "what_if") -> str:
-    """'kv:fp8_e4m3', 'KV:fp8_e4m3:head' -> 'kv:fp8_e4m3', 'kv:fp8_e4m3:head'; one clear error otherwise."""
+    """'kv:fp8_e4m3', 'KV:fp8_e4m3:head' -> 'kv:fp8_e4m3', 'kv:fp8_e4m3:head'; 'kv:int4' -> 'kv:int4:g64'; one
+    clear error otherwise."""
     parts = value.strip().lower().split(":")
-    usage = f"kv:FORMAT[:SCALING] (FORMAT {', '.join(KV_FORMATS)}; SCALING {', '.join(KV_SCALINGS)})"
-    if len(parts) < 2 or len(parts) > 3 or not parts[1]:
+    usage = (
+        f"kv:FORMAT[:SCALING][:fa3] (FORMAT {', '.join(KV_FORMATS)}; SCALING {', '.join(KV_SCALINGS)}) or "
+        "kv:int4[:gGROUP][:rRESIDUAL]"
+    )
+    if len(parts) < 2 or not parts[1]:
         raise AttncheckError(f"{show(value.strip())} is not {usage}", param=param)
+    if parts[1] in KV_NOT_EMULATED:
+        raise AttncheckError(f"{show(value.strip())}: not emulated: {KV_NOT_EMULATED[parts[1]]}", param=param)
     if parts[1] not in KV_FORMATS:
         raise AttncheckError(
             f"{show(value.strip())}: the KV cache format must be one of {', '.join(KV_FORMATS)}", param=param
         )
+    if parts[1] in KV_INT_FORMATS:
+        return _kv_int(value, parts, param)
+    if parts[-1] == KV_FA3 and len(parts) > 2:
+        if parts[1] != "fp8_e4m3":
+            raise AttncheckError(
+                f"{show(value.strip())}: FlashAttention-3's FP8 path reads e4m3 only; give kv:fp8_e4m3[:SCALING]:fa3",
+                param=param,
+            )
+        if len(parts) > 4 or (len(parts) == 4 and parts[2] not in KV_SCALINGS):
+            raise AttncheckError(f"{show(value.strip())} is not kv:fp8_e4m3[:SCALING]:fa3 ({usage})", param=param)
+        return ":".join(parts)
+    if len(parts) > 3:
+        raise AttncheckError(f"{show(value.strip())} is not {usage}", param=param)
     if len(parts) == 3 and parts[2] not in KV_SCALINGS:
         raise AttncheckError(
             f"{show(value.strip())}: the KV cache scaling must be one of {', '.join(KV_SCALINGS)}", param=param

@@ -97,3 +97,44 @@ def test_each_call_loaded_once_more_when_the_amax_was_gathered():
     gathered = run_kv(asks, [counted(0), counted(1)], amax=amax)
     assert loads == [0, 1]
     assert [h.v_scale for h in gathered.caches[0].heads] == [h.v_scale for h in alone.caches[0].heads]
+
+
+def test_int4_asks_and_a_call_not_whole_groups_left_out_with_why():
+    assert asks_of(["kv:int4:g64", "kv:int4:g16:r8", "kv:int4:g64"]) == [("int4", "g64"), ("int4", "g16:r8")]
+    k, v = kv(4)  # 2 kv heads x 8 tokens x 16 = 256 values per batch row: groups of 64, not of 512
+    report = run_kv([("int4", "g64"), ("int4", "g512")], [call("layer", 0, k, v)])
+    whole, refused = report.caches
+    assert (
+        len(whole.heads) == 2
+        and refused.heads == []
+        and refused.summary == "int4 KV in groups of 512: no call replayed"
+    )
+    assert report.skipped == [
+        ("layer (call 0)", "kv:int4:g512: 256 values per batch row are not groups of 512 (quanto refuses it)")
+    ]
+    assert all(h.k_saturated == h.v_saturated == 0 for h in whole.heads)
+
+
+def test_fa3_consumer_quantises_q_at_vllms_scale():
+    """kv:fp8_e4m3:SCALING:fa3: Q through FP8 too, at 1.0 (unit: Q beyond 448 counted, written here) or, dynamic,
+    the first call's amax / 200 (vLLM's Q_SCALE_CONSTANT); O as FlashAttention-3's FP8 path on that Q scale."""
+    from attncheck.numerics import kvcache as kc
+
+    k, v = kv(5)
+    g = torch.Generator().manual_seed(6)
+    q = (torch.randn(1, 4, 8, 16, generator=g) * 300).bfloat16()
+    report = run_kv([("fp8_e4m3", "unit:fa3"), ("fp8_e4m3", "dynamic:fa3")], [call("layer", 0, k, v, q=q)])
+    unit, dynamic = ({h.kv_head: h for h in c.heads} for c in report.caches)
+    over = [int((q[:, 2 * h : 2 * h + 2].double().abs() > 464).sum()) for h in range(2)]
+    assert [unit[h].q_saturated for h in range(2)] == over and min(over) > 0
+    assert [dynamic[h].q_saturated for h in range(2)] == [0, 0]
+    q_scale = float(torch.tensor(float(q.double().abs().max()) / 200, dtype=torch.float32))
+    inp = call("layer", 0, k, v, q=q).load()[0]
+    for h in range(2):
+        qh, kh, vh = q[:, 2 * h : 2 * h + 2], k[:, h : h + 1], v[:, h : h + 1]
+        bias = kc.mask_bias(inp.masked[:, :1] if inp.masked is not None else None, None, (1, 2, 8, 8))
+        ks, vs = (torch.tensor([dynamic[h].k_scale]), torch.tensor([dynamic[h].v_scale]))
+        out = kc.fa3_fp8_output(qh, kh, vh, bias, inp.scale, "fp8_e4m3", (q_scale, ks, vs))
+        ref = kc.kernel_output(qh, kh, vh, bias, inp.scale, torch.bfloat16)
+        assert dynamic[h].cosine == pytest.approx(float(kc.output_error(out, ref, 1).cosine[0]), abs=1e-12)
+    assert "Q saturates in FP8" in " ".join(f.message for f in report.caches[0].findings)

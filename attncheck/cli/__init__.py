@@ -14,6 +14,7 @@ from attncheck.cli.capture import capture
 from attncheck.cli.check import check
 from attncheck.cli.common import Command, OneLineErrorsGroup, no_spin_waiting, reuse_freed_memory, write_stdout
 from attncheck.cli.explain import explain
+from attncheck.cli.rope import rope
 from attncheck.cli.run import run
 from attncheck.cli.sweep import sweep
 from attncheck.cli.watch import watch
@@ -48,6 +49,7 @@ def main_options(
 
 app.command(cls=Command)(run)
 app.command(cls=Command)(sweep)
+app.command(cls=Command)(rope)
 app.command(cls=Command)(check)
 app.command(cls=Command, context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(capture)
 app.command(cls=Command)(watch)

@@ -40,9 +40,11 @@ from attncheck.cli.options import (
     progress_shown,
 )
 from attncheck.cli.run_checks import Accum, Order, cell_options, check_summary, fa4_options, parse_fail_on
-from attncheck.config.capture import DEFAULT_MAX_BYTES, DEFAULT_MAX_CALLS, DEFAULT_OUT, CaptureRequest
+from attncheck.config.capture import DEFAULT_MAX_BYTES, DEFAULT_MAX_CALLS, DEFAULT_OUT, CaptureRequest, parse_forwards
 from attncheck.config.run import chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError
+from attncheck.pipelines.capture import capture_script
+from attncheck.report.progress import Progress
 
 CAPTURE = "Capture"
 
@@ -158,53 +160,121 @@ def capture(
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error, or the script failed.
     """  # noqa: E501 - a command's help: typer prints its line breaks as written
     try:
-        conditions = parse_fail_on(fail_on)
-        ignored = ignore_codes(ignore)
-        check_output_path(json_out, "--json")
-        check_summary(summary, full)
-        asked_what_if = params.what_if(what_if) if what_if is not None else ()
-        options, grid_asked = cell_options(
+        conditions, ignored, request = _request(
+            script,
+            args,
+            out,
+            no_save,
+            max_calls,
+            max_bytes,
+            module,
+            forward,
+            no_grads,
+            compile_mode,
             dtype,
             method,
             path,
-            block=params.integer(block, "block", 1),
-            reverse=Order(order).value == "reverse",
-            accum=Accum(accum).value,
-            device=params.device(device),
-            chunk_elements=chunk_elements_for(params.memory(max_memory, "max_memory")),
-            **fa4_options(rescale_threshold, max_offset, path, asked_what_if, files=True),
-        )
-        if forward is not None:
-            from attncheck.config.capture import parse_forwards
-
-            parse_forwards(forward)
-        request = CaptureRequest(
-            script,
-            tuple(args or ()),
-            None if no_save else out,
-            params.integer(max_calls, "max_calls", 1),
-            params.size(max_bytes, "max_bytes"),
-            tuple(module),
-            forward,
-            options,
-            ignored,
+            what_if,
+            block,
+            order,
+            accum,
+            device,
+            json_out,
+            fail_on,
+            ignore,
+            summary,
+            full,
+            max_memory,
+            rescale_threshold,
+            max_offset,
             partial,
-            asked_what_if,
-            grid_asked,
-            grads=not no_grads,
-            compile=params.choice(compile_mode, ("eager", "keep"), "compile"),
         )
-
-        from attncheck.pipelines.capture import capture_script
-        from attncheck.report.progress import Progress
-
         say = notices(quiet)
-        show, forced = progress_shown(quiet)
-        with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
-            outcome = capture_script(request, progress.track, say, stdout_to_stderr=json_out == "-")
+        outcome = _run(request, quiet, say, json_out)
     except AttncheckError as e:
         raise fail(e) from None
+    _emit_outcome(outcome, script, out, no_save, say, conditions, ignored, json_out, brief, full, detail, summary)
 
+
+def _request(
+    script,
+    args,
+    out,
+    no_save,
+    max_calls,
+    max_bytes,
+    module,
+    forward,
+    no_grads,
+    compile_mode,
+    dtype,
+    method,
+    path,
+    what_if,
+    block,
+    order,
+    accum,
+    device,
+    json_out,
+    fail_on,
+    ignore,
+    summary,
+    full,
+    max_memory,
+    rescale_threshold,
+    max_offset,
+    partial,
+):
+    """The options checked and the capture request built from them: (--fail-on conditions, ignored codes,
+    CaptureRequest). Raises AttncheckError on a bad option, before torch is imported."""
+    conditions = parse_fail_on(fail_on)
+    ignored = ignore_codes(ignore)
+    check_output_path(json_out, "--json")
+    check_summary(summary, full)
+    asked_what_if = params.what_if(what_if) if what_if is not None else ()
+    options, grid_asked = cell_options(
+        dtype,
+        method,
+        path,
+        block=params.integer(block, "block", 1),
+        reverse=Order(order).value == "reverse",
+        accum=Accum(accum).value,
+        device=params.device(device),
+        chunk_elements=chunk_elements_for(params.memory(max_memory, "max_memory")),
+        **fa4_options(rescale_threshold, max_offset, path, asked_what_if, files=True),
+    )
+    if forward is not None:
+        parse_forwards(forward)
+    request = CaptureRequest(
+        script,
+        tuple(args or ()),
+        None if no_save else out,
+        params.integer(max_calls, "max_calls", 1),
+        params.size(max_bytes, "max_bytes"),
+        tuple(module),
+        forward,
+        options,
+        ignored,
+        partial,
+        asked_what_if,
+        grid_asked,
+        grads=not no_grads,
+        compile=params.choice(compile_mode, ("eager", "keep"), "compile"),
+    )
+    return conditions, ignored, request
+
+
+def _run(request: CaptureRequest, quiet: bool, say, json_out: Optional[str]):
+    """The script run under capture (a progress bar on a terminal) and its calls diagnosed: a CaptureOutcome."""
+    show, forced = progress_shown(quiet)
+    with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
+        outcome = capture_script(request, progress.track, say, stdout_to_stderr=json_out == "-")
+    return outcome
+
+
+def _emit_outcome(outcome, script, out, no_save, say, conditions, ignored, json_out, brief, full, detail, summary):
+    """A failed script's traceback and one line (exit 2); else the recording's notice and the report, each rank
+    its own (rank 0 the report, the others their closing line; a JSON file per rank)."""
     cap = outcome.capture
     whose = "" if cap.rank is None else f"rank {cap.rank} of {cap.world}: "  # torchrun: each process says its rank
     out = out if cap.path is None else cap.path  # under torchrun: this rank's own directory, OUT/rankN
@@ -223,7 +293,7 @@ def capture(
         say(whose + f"recorded {len(cap.calls)} call(s) in {out}{stopped} (again: attncheck run {again})")
     summary_only = None
     if cap.rank is not None:  # rank 0 prints its report, the others their closing line (stderr); JSON: a file per rank
-        from attncheck.record.ranks import rank_file
+        from attncheck.record.ranks import rank_file  # imports torch: only once the script has run
 
         summary_only = None if cap.rank == 0 else f"rank {cap.rank} of {cap.world}"
         if json_out == "-":

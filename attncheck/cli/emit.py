@@ -24,11 +24,13 @@ def emit(
     detail: list[str],
     summary: bool = False,
     summary_only: str | None = None,
+    silent: bool = False,
 ) -> None:
     """Print the report (the model report for several calls, else the per-tensor one; with ``summary``
     the one-screen answer), write the JSON, and exit 0, or 1 when a --fail-on condition holds, or 2
     when calls were skipped. ``summary_only``: a label; only the closing line is said, on stderr, under it
-    (one rank of several)."""
+    (one rank of several). ``silent``: nothing printed or written, the same exit code (a rank other than rank 0 of
+    a run split over torchrun's ranks, whose report rank 0 prints)."""
     # the findings and report modules take ~0.1 s to import: inside, not for --help or a bad argument
     from attncheck.findings import failed_conditions
     from attncheck.model import INHERITED
@@ -74,6 +76,8 @@ def emit(
                 )
             )
         chosen += [c for c in hit if c not in chosen]
+    if silent:
+        raise typer.Exit(2 if result.model is not None and result.model.skipped else EXIT_FAILED if failed else EXIT_OK)
     if json_out is not None:
         try:
             doc = run_json(result.tensors, result.device, failed, result.model, result.calls)
@@ -102,10 +106,12 @@ def emit(
                 console.print(render_diagnosis(c.diagnosis, verbose=not brief))
         elif full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
             print_report(console, result.tensors, result.device, verbose=not brief, what_ifs=what_ifs)
-            if result.model is not None and result.model.findings:
+            if result.model is not None:
                 from attncheck.report.model import capture_block  # (as above)
 
-                console.print(capture_block(result.model))
+                own = capture_block(result.model)  # its findings, and the RoPE what-ifs
+                if own is not None:
+                    console.print(own)
             if result.model is not None:
                 from attncheck.report.model import path_notes  # (as above)
 
@@ -124,7 +130,7 @@ def emit(
     if kv is not None and json_out != "-" and summary_only is None:
         from attncheck.report.kvcache import kv_block  # (as above)
 
-        report_console().print(kv_block(kv, brief=brief or summary))
+        report_console().print(kv_block(kv, brief=brief or summary, full=full))
     for reason in failed:
         say(f"attncheck: --fail-on {reason}")
     if result.model is not None and result.model.skipped:

@@ -69,7 +69,7 @@ WhatIfOpt = Annotated[
     Optional[str],
     typer.Option(
         "--what-if",
-        metavar="DTYPE,...|kernels|nosinks|fa4|kv:FORMAT[:SCALING]|all",
+        metavar="DTYPE,...|kernels|nosinks|fa4|kv:FORMAT[:SCALING][:fa3]|kv:int4[:gN][:rN]|all",
         show_default=False,
         help=(
             "Captured calls: what would break if the model ran in these dtypes (fp16, bf16, fp32, fp8 = e4m3, ...) "
@@ -86,8 +86,12 @@ WhatIfOpt = Annotated[
             "'kv:FORMAT[:SCALING]' (with a capture, or --q/--k/--v) writes K and V to a quantised KV cache as vLLM "
             "does (FORMAT fp8_e4m3 or fp8_e5m2; SCALING unit = 1.0, tensor = amax/max per layer, head = per kv "
             "head, dynamic = the first call's, as vLLM's calculate_kv_scales; none: all four side by side) and "
-            "computes attention from it, per layer and kv head. "
-            "Reported apart; never the model's verdict unless --fail-on what-if:COND."
+            "computes attention from it, per layer and kv head (FlashAttention-2 on the values read back; ':fa3' "
+            "after SCALING: FlashAttention-3's FP8 path, Q quantised too, FP8 products, e4m3 only); "
+            "'kv:int4[:gN][:rM]' as transformers' quanto cache does (min-max per group of N values, default 64; "
+            "the last M tokens in the model's dtype). "
+            "'rope:DTYPE' recomputes the rotary tables a capture recorded with their positions and inverse "
+            "frequencies held in DTYPE. Reported apart; never the model's verdict unless --fail-on what-if:COND."
         ),
     ),
 ]

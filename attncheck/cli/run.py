@@ -79,6 +79,7 @@ from attncheck.cli.run_options import (
     ScaleOrderOpt,
     VOpt,
 )
+from attncheck.config.rope import split_rope_what_if
 from attncheck.config.run import QKSpec, RunRequest, chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError, param
 from attncheck.options import Bounded
@@ -138,6 +139,8 @@ def run(
 
     A capture directory (attncheck capture) or a call file is read as attention calls, and each call is judged by the cell its model ran (softmax: torch.softmax in its dtype; SDPA: the path of the backend PyTorch chose, in the call's dtype): that cell alone decides the verdict, the findings and --fail-on. --what-if DTYPES (or all), and --dtype/--method/--path when given, ask other cells as what-ifs, reported apart. A file of q/k/v/mask tensors is read as a call of unknown implementation: every cell is asked. More than one call gets the model report (--full for every table).
 
+    Under torchrun (torchrun --nproc-per-node N -m attncheck run CAPTURE) the calls are split over the ranks, each computing on its own device (--device cuda: the rank's GPU, LOCAL_RANK), and rank 0 prints the report and writes the JSON a single process would; the other ranks print nothing but errors, and every rank exits with the same code.
+
     Exit codes: 0 ran and nothing failed, 1 a --fail-on condition held, 2 usage or input error.
     """  # noqa: E501 - a command's help: typer prints its line breaks as written
     try:
@@ -147,6 +150,7 @@ def run(
         memory = params.memory(max_memory, "max_memory")
         check_output_path(json_out, "--json")
         check_summary(summary, full)
+        rope_what_if, what_if = split_rope_what_if(what_if)  # rope:DTYPE asks about the rotary tables alone
         asked_what_if = params.what_if(what_if) if what_if is not None else ()
         sums = params.sum_specs(accumulate, "accumulate") if accumulate is not None else ()
         options, grid_asked = cell_options(
@@ -272,17 +276,27 @@ def run(
             what_if=asked_what_if,
             grid_asked=grid_asked,
             accumulate=sums,
+            rope_what_if=rope_what_if,
         )
 
-        from attncheck.pipelines.run import run as run_pipeline  # imports torch: not for --help or a bad argument
+        # these import torch: not for --help or a bad argument
+        from attncheck.pipelines.ranks import joined, split_job
+        from attncheck.pipelines.run import run as run_pipeline
 
-        show, forced = progress_shown(quiet)
-        with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
-            result = run_pipeline(request, progress.track, notices(quiet))
+        job = split_job()  # under torchrun the ranks split the calls, and rank 0 alone reports
     except AttncheckError as e:
         raise fail(e) from None
-
-    emit(result, conditions, ignored, json_out, brief=brief, full=full, detail=detail, summary=summary)
+    silent = job is not None and job.rank != 0  # the other ranks say nothing but errors, and exit as rank 0 does
+    with joined(job):
+        try:
+            show, forced = progress_shown(quiet or silent)
+            with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
+                result = run_pipeline(request, progress.track, notices(quiet or silent))
+        except AttncheckError as e:
+            raise fail(e) from None
+        emit(
+            result, conditions, ignored, json_out, brief=brief, full=full, detail=detail, summary=summary, silent=silent
+        )
 
 
 def with_bounded(options, budget: str | None, rows: str | None, exact: bool):

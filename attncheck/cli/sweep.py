@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 
+from attncheck import params
 from attncheck.cli.common import EXIT_OK, check_output_path, fail, report_console, require_stdout, write_json
 from attncheck.cli.options import (
     DEFAULT_DTYPES,
@@ -38,7 +39,9 @@ from attncheck.config.sweep import (
 from attncheck.config.sweep import max_work as parse_max_work
 from attncheck.errors import AttncheckError
 from attncheck.params import SCALE_NAMES
+from attncheck.pipelines.sweep import run_preset, run_sweep
 from attncheck.registry import path_names
+from attncheck.report.progress import Progress
 
 
 def sweep(
@@ -136,46 +139,67 @@ def sweep(
                     path=path,
                 ),
             )
-        config = SweepConfig.from_text(
-            dks=dk,
-            scales=scale,
-            dtypes=dtype,
-            methods=method,
-            seqs=seq,
-            rows=rows,
-            stds=std,
-            dist=dist,
-            seed=seed,
-            block=block,
-            device=device,
-            paths=path,
+        config = _config(
+            dk, scale, dtype, method, seq, rows, std, dist, seed, block, device, path, max_work, json_out, plot
         )
-        config.check_work(parse_max_work(max_work, "max_work"))
-        check_output_path(json_out, "--json")
-        check_output_path(plot, "--plot", dash_ok=False)
-        if plot is not None:
-            from attncheck.report.sweep import check_plot_path, require_matplotlib
-
-            require_matplotlib()
-            check_plot_path(plot)
-        from attncheck.pipelines.sweep import run_sweep
-        from attncheck.report.progress import Progress
-        from attncheck.report.sweep import plot_sweep, print_sweep, sweep_json
-
-        show, forced = progress_shown(quiet)
-        with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
-            tick = progress.track("sweep", config.points, "grid points")
-            result = run_sweep(config, None if tick is None else lambda done, total: tick(1))
-        if json_out is not None:
-            write_json(json.dumps(sweep_json(result), indent=2, allow_nan=False), json_out)
-        if plot is not None:
-            plot_sweep(result, plot)
+        result = _run_grid(config, quiet)
+        _write(result, json_out, plot)
     except AttncheckError as e:
         raise fail(e) from None
 
     if json_out != "-":
+        from attncheck.report.sweep import print_sweep  # the report modules: not for --help
+
         print_sweep(report_console(), result)
     raise typer.Exit(EXIT_OK)
+
+
+def _config(dk, scale, dtype, method, seq, rows, std, dist, seed, block, device, path, max_work, json_out, plot):
+    """The grid's options checked into a SweepConfig, its work bounded, the --json and --plot paths checked."""
+    config = SweepConfig.from_text(
+        dks=dk,
+        scales=scale,
+        dtypes=dtype,
+        methods=method,
+        seqs=seq,
+        rows=rows,
+        stds=std,
+        dist=dist,
+        seed=seed,
+        block=block,
+        device=device,
+        paths=path,
+    )
+    config.check_work(parse_max_work(max_work, "max_work"))
+    check_output_path(json_out, "--json")
+    check_output_path(plot, "--plot", dash_ok=False)
+    if plot is not None:
+        # the report modules: not for --help
+        from attncheck.report.sweep_plot import check_plot_path, require_matplotlib
+
+        require_matplotlib()
+        check_plot_path(plot)
+    return config
+
+
+def _run_grid(config: SweepConfig, quiet: bool):
+    """The grid computed, with a progress bar on a terminal: a SweepResult."""
+    show, forced = progress_shown(quiet)
+    with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
+        tick = progress.track("sweep", config.points, "grid points")
+        result = run_sweep(config, None if tick is None else lambda done, total: tick(1))
+    return result
+
+
+def _write(result, json_out: Optional[str], plot: Optional[str]) -> None:
+    """The sweep's JSON and plot, where asked."""
+    from attncheck.report.sweep import sweep_json  # the report modules: not for --help
+    from attncheck.report.sweep_plot import plot_sweep  # (as above)
+
+    if json_out is not None:
+        write_json(json.dumps(sweep_json(result), indent=2, allow_nan=False), json_out)
+    if plot is not None:
+        plot_sweep(result, plot)
 
 
 GRID_DEFAULTS = dict(
@@ -194,8 +218,6 @@ GRID_DEFAULTS = dict(
 
 def _run_preset(name: str, seed: str, device: str, json_out, plot, quiet: bool, grid: dict) -> None:
     """--preset: the published figures; the grid options do not apply (say so rather than ignore them)."""
-    from attncheck import params
-
     name = params.choice(name, PRESET_NAMES, "preset")
     given = [f"--{k}" for k, v in grid.items() if v != GRID_DEFAULTS[k]]
     if given or plot is not None:
@@ -205,11 +227,9 @@ def _run_preset(name: str, seed: str, device: str, json_out, plot, quiet: bool, 
         )
     seed_n, device_n = params.integer(seed, "seed", 0), params.device(device)
     check_output_path(json_out, "--json")
-    from attncheck.devices import resolve_device
-    from attncheck.numerics.sweep.presets import PRESET_STEPS
-    from attncheck.pipelines.sweep import run_preset
-    from attncheck.report.progress import Progress
-    from attncheck.report.sweep import preset_json, print_preset
+    from attncheck.devices import resolve_device  # imports torch: not for --help or a bad argument
+    from attncheck.numerics.sweep.presets import PRESET_STEPS  # (as above)
+    from attncheck.report.sweep import preset_json, print_preset  # the report modules: not for --help
 
     show, forced = progress_shown(quiet)
     with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:

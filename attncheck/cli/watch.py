@@ -5,14 +5,20 @@ Exit codes as ``run``'s: 0, 1 when a --fail-on condition holds, 2 for bad input.
 from __future__ import annotations
 
 import json
+import os
 from typing import List, Optional
 
 import typer
+from rich.console import Console
 
 from attncheck import params
 from attncheck.cli.common import EXIT_FAILED, check_output_path, fail, say, write_json
 from attncheck.cli.options import JsonOpt
+from attncheck.codes import REGISTRY, WHAT_IF_PREFIX
+from attncheck.config.run import ignore_codes
 from attncheck.errors import AttncheckError
+from attncheck.params import WHAT_IF_ALL
+from attncheck.registry import dtype_names, fp8_names
 
 ALERTS = "Alerts"
 PLOT_SUFFIX = ".png"
@@ -31,8 +37,6 @@ WatchWhatIfOpt = typer.Option(
 
 
 def parse_watch_fail_on(value: str) -> list[str]:
-    from attncheck.codes import REGISTRY, WHAT_IF_PREFIX
-
     words = ("error", "warning", "nan", *(c for c, code in REGISTRY.items() if code.group == "watch"))
     items = [v.strip().lower() for v in value.split(",") if v.strip()]
     for item in items:
@@ -143,64 +147,82 @@ def watch(
     """  # noqa: E501 - a command's help: typer prints its line breaks as written
     try:
         conditions = parse_watch_fail_on(fail_on)
-        from attncheck.config.run import ignore_codes
-
         ignored = ignore_codes(ignore)
-        from attncheck.watcher.trends import MIN_POINTS
-
-        settings = dict(
-            window=params.integer(window, "window", 1),
-            level=params.number(level, "logit_level", positive=True),
-            growth=params.number(growth, "growth", positive=True),
-            horizon=params.number(horizon, "horizon", positive=True),
-            collapse=params.number(collapse, "collapse", positive=True),
-            rank_factor=params.number(rank_factor, "rank_factor", positive=True),
-        )
-        if (
-            settings["window"] < MIN_POINTS
-        ):  # fewer records than a growth is fitted over: every growth alert would be off
-            raise AttncheckError(
-                f"must be at least {MIN_POINTS}, the fewest records a growth is fitted over; got {window}",
-                param="window",
-            )
-        if settings["rank_factor"] <= 1:
-            raise AttncheckError(f"is a factor between ranks, above 1; got {rank_factor}", param="rank_factor")
-        if settings["collapse"] > 1:
-            raise AttncheckError(f"is a share of rows, from 0 to 1; got {collapse}", param="collapse")
-        if settings["growth"] <= 1:
-            raise AttncheckError(f"is a growth factor per 100 steps, above 1; got {growth}", param="growth")
-        asked = params.what_if(what_if) if what_if is not None else ()
-        replays = [w for w in asked if w in (params.WHAT_IF_KERNELS, *params.setting_sweeps())]
-        replays += list(params.kv_what_ifs(asked))  # the KV cache too: it recomputes attention from K and V
-        if replays:
-            raise AttncheckError(
-                f"{replays[0]}: the watch judges logged statistics, not tensors, so it cannot replay a call under "
-                "other kernels or through a KV cache; capture the step (attncheck capture) and run attncheck run DIR "
-                "--what-if "
-                f"{replays[0]}",
-                param="what_if",
-            )
+        settings = _settings(window, level, growth, horizon, collapse, rank_factor)
+        asked = _asked_what_if(what_if)
         check_output_path(json_out, "--json")
         if plot is not None:
             check_plot_path(plot)
-            from attncheck.report.sweep import require_matplotlib
+            from attncheck.report.sweep_plot import require_matplotlib  # the report modules: not for --help
 
             require_matplotlib()
-        from attncheck.loaders.watchlog import read_watch_logs
-        from attncheck.watcher.trends import analyse, failed
-
-        read = read_watch_logs(logs)
-        report = analyse(read, what_if=_what_if_limits(asked), **settings)
-        report.alerts = [a for a in report.alerts if a.code not in ignored]
-        held = failed(report, conditions, ignored)
-        if plot is not None and not report.series:
-            raise AttncheckError(
-                f"--plot {plot}: the logs hold no attention call, nothing to draw (no attention recorded: "
-                "run attncheck watch without --plot for the report)"
-            )
+        report, held = _judge(logs, plot, asked, settings, ignored, conditions)
     except AttncheckError as e:
         raise fail(e) from None
-    from attncheck.report.watch import plot_watch, render_watch, watch_json
+    _emit(report, held, json_out, plot, quiet)
+
+
+def _settings(window: str, level: str, growth: str, horizon: str, collapse: str, rank_factor: str) -> dict:
+    """The alerts' settings, each checked: the keyword arguments of watcher.trends.analyse."""
+    from attncheck.watcher.trends import MIN_POINTS  # trends imports numpy: not for --help
+
+    settings = dict(
+        window=params.integer(window, "window", 1),
+        level=params.number(level, "logit_level", positive=True),
+        growth=params.number(growth, "growth", positive=True),
+        horizon=params.number(horizon, "horizon", positive=True),
+        collapse=params.number(collapse, "collapse", positive=True),
+        rank_factor=params.number(rank_factor, "rank_factor", positive=True),
+    )
+    if settings["window"] < MIN_POINTS:  # fewer records than a growth is fitted over: every growth alert would be off
+        raise AttncheckError(
+            f"must be at least {MIN_POINTS}, the fewest records a growth is fitted over; got {window}",
+            param="window",
+        )
+    if settings["rank_factor"] <= 1:
+        raise AttncheckError(f"is a factor between ranks, above 1; got {rank_factor}", param="rank_factor")
+    if settings["collapse"] > 1:
+        raise AttncheckError(f"is a share of rows, from 0 to 1; got {collapse}", param="collapse")
+    if settings["growth"] <= 1:
+        raise AttncheckError(f"is a growth factor per 100 steps, above 1; got {growth}", param="growth")
+    return settings
+
+
+def _asked_what_if(what_if: Optional[str]) -> tuple:
+    """--what-if's dtypes; a kernel replay or a setting sweep is refused (the watch holds statistics, not tensors)."""
+    asked = params.what_if(what_if) if what_if is not None else ()
+    replays = [w for w in asked if w in (params.WHAT_IF_KERNELS, *params.setting_sweeps())]
+    replays += list(params.kv_what_ifs(asked))  # the KV cache too: it recomputes attention from K and V
+    if replays:
+        raise AttncheckError(
+            f"{replays[0]}: the watch judges logged statistics, not tensors, so it cannot replay a call under "
+            "other kernels or through a KV cache; capture the step (attncheck capture) and run attncheck run DIR "
+            f"--what-if {replays[0]}",
+            param="what_if",
+        )
+    return asked
+
+
+def _judge(logs: List[str], plot: Optional[str], asked: tuple, settings: dict, ignored, conditions: list[str]):
+    """The logs read and analysed: (the watch report without the ignored alerts, the --fail-on conditions held)."""
+    from attncheck.loaders.watchlog import read_watch_logs  # imports torch: not for --help or a bad argument
+    from attncheck.watcher.trends import analyse, failed  # imports numpy (as above)
+
+    read = read_watch_logs(logs)
+    report = analyse(read, what_if=_what_if_limits(asked), **settings)
+    report.alerts = [a for a in report.alerts if a.code not in ignored]
+    held = failed(report, conditions, ignored)
+    if plot is not None and not report.series:
+        raise AttncheckError(
+            f"--plot {plot}: the logs hold no attention call, nothing to draw (no attention recorded: "
+            "run attncheck watch without --plot for the report)"
+        )
+    return report, held
+
+
+def _emit(report, held: list[str], json_out: Optional[str], plot: Optional[str], quiet: bool) -> None:
+    """The JSON, the table (unless the JSON goes to stdout), the plot and the --fail-on lines; exit 1 when one held."""
+    from attncheck.report.watch import plot_watch, render_watch, watch_json  # the report modules: not for --help
 
     if json_out is not None:
         try:
@@ -208,8 +230,6 @@ def watch(
         except AttncheckError as e:
             raise fail(e) from None
     if json_out != "-":
-        from rich.console import Console
-
         Console(markup=False, highlight=False).print(render_watch(report))
     if plot is not None:
         try:
@@ -226,8 +246,6 @@ def watch(
 
 def check_plot_path(plot: str) -> None:
     """--plot names a .png file that can be created (matplotlib picks the format by the suffix)."""
-    import os
-
     if plot in ("", "-") or not plot.lower().endswith(PLOT_SUFFIX) or len(os.path.basename(plot)) <= len(PLOT_SUFFIX):
         raise AttncheckError(f"--plot takes a file name ending in {PLOT_SUFFIX}, got {params.show(plot)}")
     check_output_path(plot, "--plot", dash_ok=False)  # a folder, a missing folder, a name too long: before drawing
@@ -238,9 +256,7 @@ def _what_if_limits(asked) -> dict[str, float]:
     An FP8 dtype is refused: the FP8 kernels hold S in fp32, and no hand-written attention holds S in FP8."""
     if not asked:
         return {}
-    from attncheck.numerics.precision import dtype_from_name, rounding_limit
-    from attncheck.params import WHAT_IF_ALL
-    from attncheck.registry import dtype_names, fp8_names
+    from attncheck.numerics.precision import dtype_from_name, rounding_limit  # imports torch: not for --help
 
     fp8 = [d for d in asked if d in fp8_names()]
     if fp8:

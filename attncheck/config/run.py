@@ -84,6 +84,11 @@ class RunRequest:
     grid_asked: bool = False
     # --accumulate: sums kept in 16 bits (params.SumSpec or their text, 'fp16-seq'), beside the cells
     accumulate: tuple = ()
+    # Under torchrun (WORLD_SIZE > 1 and a rendezvous in the environment, or an initialised process group) the
+    # calls are split over the ranks and every rank returns the one result (pipelines.ranks); False: this process
+    # runs every call itself (capture judging its own rank's calls)
+    split_ranks: bool = True
+    rope_what_if: tuple[str, ...] = ()  # --what-if rope:DTYPE: a capture's rotary tables recomputed in these dtypes
 
     def __post_init__(self) -> None:
         params.integer(self.max_memory, "max_memory", 1, from_text=False)

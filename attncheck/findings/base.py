@@ -66,6 +66,7 @@ GROUPS = {
     "fp8": "FP8",
     "distribution": "The distribution",
     "backward": "The backward pass",
+    "rope": "Rotary position embeddings (RoPE)",
     "watch": "Watching a training run (attncheck watch)",
     "capture": "The capture itself",
     "serving": "Serving: the KV cache (what-ifs)",

@@ -61,23 +61,32 @@ CODES: tuple[Code, ...] = (
         "serving",
         "attention from the quantised KV cache far from the model's own (a what-if)",
         "The call's output computed from the dequantised cache (FlashAttention-2 in the model's dtype on K and V "
-        "read back from FP8, as FlashInfer and vLLM's FlashAttention-2 path consume it) against the same kernel on "
-        "K and V as the model held them. The finding names the layer and kv head, the worst row's cosine "
-        "similarity, the relative L2 error, and the cause: saturation (see kv_cache_saturation), entries flushed "
-        "to zero (a scale too large for small values), or the format's rounding.",
+        "read back from FP8, as FlashInfer and vLLM's FlashAttention-2 path consume it, or from transformers' int4 "
+        "quanto cache, min-max per group; with ':fa3', FlashAttention-3's FP8 path, Q in FP8 too) against the same "
+        "kernel on K and V as the model held them. The finding "
+        "names the layer and kv head, the worst row's cosine similarity, the relative L2 error, and the cause: "
+        "saturation (see kv_cache_saturation; never in int4, whose groups span their own min and max), entries "
+        "flushed to zero (a scale too large for small values), or the format's rounding (int4: 16 levels between "
+        "a group's min and max).",
         f"The worst row's cosine similarity below {KV_COSINE_MIN}, or relative L2 error above {KV_REL_L2_MAX}; "
         f"flushing is named as the cause where at least {KV_FLUSH_SHARE:.0%} of K's or V's nonzero entries "
         "became zero.",
         "per-head scales (amax / format max per kv head) for saturation; smaller scales, or e4m3 instead of e5m2, "
-        "for flushing and rounding; keep the layer's cache in bf16 where no scale holds it",
+        "for flushing and rounding (int4: smaller groups, kv:int4:g32); keep the layer's cache in bf16 where no "
+        "scale holds it",
         Example(_EXAMPLE.python, _EXAMPLE.command.replace("kv_cache_saturation", "kv_cache_error")),
     ),
 )
 
 SEVERITY = {c.name: c.severity for c in CODES}
 FIX = {c.name: c.fix for c in CODES}
+# An integer cache's fix: its error is rounding within groups, which no scale changes
+INTEGER_FIX = (
+    "smaller groups (kv:int4:g32; transformers' q_group_size), more recent tokens kept in the model's dtype "
+    "(residual_length), or an FP8 cache with per-head scales; keep the layer's cache in bf16 where none holds it"
+)
 
-_LABEL = {"fp8_e4m3": "FP8 e4m3", "fp8_e5m2": "FP8 e5m2"}
+_LABEL = {"fp8_e4m3": "FP8 e4m3", "fp8_e5m2": "FP8 e5m2", "int4": "int4"}
 
 
 def add(code: str, severity: str, message: str, fix: str) -> Finding:
@@ -125,28 +134,57 @@ def _saturation(what: KVWhatIf, h: KVHead) -> list[Finding]:
 def _error(what: KVWhatIf, h: KVHead) -> Finding | None:
     if not _breaks(h):
         return None
+    integer = what.format.startswith("int")  # min-max per group: nothing saturates; flushing and rounding do
     if h.k_saturated or h.v_saturated:
         which = " and ".join(t for t, n in (("K", h.k_saturated), ("V", h.v_saturated)) if n)
         cause = f"{which} saturate{'' if ' and ' in which else 's'} (kv_cache_saturation)"
+    elif h.q_saturated:  # FlashAttention-3's FP8 path quantises Q at its own scale (1.0 unless dynamic)
+        cause = f"Q saturates in FP8 ({h.q_saturated:,} entries beyond the format's max at Q's scale)"
     elif h.k_flushed >= KV_FLUSH_SHARE * h.k_entries or h.v_flushed >= KV_FLUSH_SHARE * h.v_entries:
-        cause = f"{h.k_flushed:,} K and {h.v_flushed:,} V entries flushed to zero (the scale is too large)"
+        why = "a group's step, its (max - min) / 15, is coarse beside them" if integer else "the scale is too large"
+        cause = f"{h.k_flushed:,} K and {h.v_flushed:,} V entries flushed to zero ({why})"
+    elif integer:
+        cause = (
+            f"the format's rounding ({_LABEL.get(what.format, what.format)}: 16 levels between each group's min and "
+            f"max, the largest step {plain(h.k_scale)} in K and {plain(h.v_scale)} in V)"
+        )
     else:
         cause = f"the format's rounding ({_LABEL.get(what.format, what.format)})"
     message = (
         f"{what.name}: {_where(h)}: attention from the cache has worst cosine {h.cosine:.4f}, relative L2 "
         f"{h.rel_l2:.3g}, max abs {plain(h.max_abs)} against the model's cell; cause: {cause}"
     )
-    return add("kv_cache_error", "warning", message, FIX["kv_cache_error"])
+    return add("kv_cache_error", "warning", message, INTEGER_FIX if integer else FIX["kv_cache_error"])
+
+
+def _integer_summary(what: KVWhatIf) -> str:
+    """An integer cache's line: its groups (min-max per group: nothing saturates by construction), the worst head
+    and how many break."""
+    opts = {p[0]: int(p[1:]) for p in what.scaling.split(":")}
+    label = f"{_LABEL.get(what.format, what.format)} KV in groups of {opts['g']}"
+    label += f", the last {opts['r']} tokens in the model's dtype" if opts.get("r") else ""
+    worst = what.worst
+    if worst is None:
+        return f"{label}: no call replayed"
+    broken = sum(_breaks(h) for h in what.heads)
+    where = f"{worst.module or 'the call'} kv head {worst.kv_head}"
+    line = f"{label}: worst cosine {worst.cosine:.4f} ({where})"
+    return line + (f"; {broken} head{'s' if broken > 1 else ''} break (kv_cache_error)" if broken else "")
 
 
 def _summary(what: KVWhatIf, report: KVReport) -> str:
-    label = f"{_LABEL.get(what.format, what.format)} KV at {what.scaling} scale"
+    if what.format.startswith("int"):
+        return _integer_summary(what)
+    scaling, _, consumer = what.scaling.partition(":")
+    label = f"{_LABEL.get(what.format, what.format)} KV at {scaling} scale"
+    label += " via FA3's FP8 path" if consumer == "fa3" else ""
     worst = what.worst
     if worst is None:
         return f"{label}: no call replayed"
     sat = [(h, t) for h in what.heads for t, n in (("K", h.k_saturated), ("V", h.v_saturated)) if n]
     if not sat:
-        return f"{label}: nothing saturates; worst cosine similarity {worst.cosine:.4f} ({_where(worst)})"
+        where = f"{worst.module or 'the call'} kv head {worst.kv_head}"
+        return f"{label}: nothing saturates; worst cosine {worst.cosine:.4f} ({where})"
     parts = []
     for tensor in ("K", "V"):
         hit = [h for h, t in sat if t == tensor]
@@ -158,7 +196,8 @@ def _summary(what: KVWhatIf, report: KVReport) -> str:
                 f"{', '.join(layers)} (amax {plain(amax)} > {plain(what.format_max)})"
             )
     line = f"{label}: {'; '.join(parts)}"
-    per_head = next((c for c in report.caches if c.format == what.format and c.scaling == "head"), None)
+    head = "head" + (f":{consumer}" if consumer else "")  # per-head scales under the same consumer
+    per_head = next((c for c in report.caches if c.format == what.format and c.scaling == head), None)
     if per_head is not None and per_head is not what and per_head.worst is not None:
         return line + (
             f"; per-head scales bring the worst cosine similarity from {worst.cosine:.4f} to "

@@ -19,6 +19,7 @@ from attncheck.findings import (
     lowsum,
     masking,
     overflow,
+    rope,
     scale,
 )
 from attncheck.findings import sinks as sink_codes
@@ -37,6 +38,7 @@ GROUP_MODULES = (
     fp8,
     distribution,
     backward,
+    rope,
     capture,
     watch_codes,
     kvcache,
@@ -97,6 +99,8 @@ ORDER = (
     "grad_error",
     "padded_tile",
     "grad_emulation_mismatch",
+    # rotary position embeddings
+    "rope_precision",
     # capture
     "capture_incomplete",
     # watch

@@ -67,6 +67,19 @@ class ManifestCall(Struct):
     grads: Optional[ManifestGrads] = None
     # a decode step stored by its new rows: the index of the earlier call of the module whose K and V it extends
     kv_base: Optional[Index] = None
+    rope: Optional[Index] = None  # the rotary table (``rope_tables``) the call ran under, where recorded
+
+
+class ManifestRope(Struct):
+    """A rotary table the calls ran under (``position_embeddings``), written once per distinct table."""
+
+    index: Index
+    file: Name  # rope-NNNN.safetensors: checked by the reader
+    shape: Annotated[list[Dim], Meta(max_length=MAX_AXES)] = []
+    dtype: Optional[Short] = None
+    theta: Optional[Annotated[float, Meta(gt=0)]] = None  # from the model's config
+    rope_type: Optional[Short] = None
+    positions: bool = False  # position_ids recorded beside cos and sin
 
 
 class ScriptFacts(Struct):
@@ -116,6 +129,7 @@ class Manifest(Struct):
     rank: Optional[Annotated[int, Meta(ge=0, le=1 << 20)]] = None
     world: Optional[Annotated[int, Meta(ge=1, le=1 << 20)]] = None
     run_id: Optional[Short] = None
+    rope_tables: Annotated[list[ManifestRope], Meta(max_length=MAX_CALLS)] = []
 
 
 class CallMeta(Struct):

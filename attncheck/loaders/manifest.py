@@ -172,6 +172,7 @@ def open_capture(
                 source.load, os.path.join(given, gname), label, index, entry.module or "", entries
             )
         out.append(CallSource(source.info, load, problem or source.problem or grads_problem))
+    listed.update(r.file for r in manifest.rope_tables)  # the rotary tables: read by ``loaders.rope``
     unlisted = sorted((p.name for p in Path(given).glob("*.safetensors") if p.name not in listed), key=natural_key)
     if unlisted:
         raise error(

@@ -25,7 +25,33 @@ The engines, read at these commits:
 Emulated here: vLLM's write and read (fp32 division, saturating cast, fp32 product rounded to the model's dtype),
 and the attention of FlashInfer's and vLLM's FlashAttention-2 paths with an FP8 cache: the dequantised K and V in
 the model's dtype, then FlashAttention-2's forward (``attncheck.numerics.paths.fa2.kernel_rows``) with its 16-bit
-products. The FP8-products path (FlashAttention-3 with Q quantised too) is not emulated here.
+products. And, as a consumer of its own (``fa3_fp8_output``), vLLM's FlashAttention-3 path with an FP8 cache:
+the cache's FP8 K and V read as they are, Q quantised too by ``ops.scaled_fp8_quant(query, layer._q_scale)``, whose
+static kernel (vllm-project/vllm@006ccf0ea309e73ee3b7dc3bbb7017fa2bf7b721, ``csrc/quantization/fp8/common.cu``)
+multiplies by ``inverted_scale = 1.0f / scale`` in fp32, clamps to +-448 and casts; the kernel takes
+``q_descale``/``k_descale``/``v_descale`` (the scales, per batch and kv head) and computes FP8 products
+(``attncheck.numerics.paths.fa3`` FP8 mode: S = q8 k8^T in fp32 times the descales and the softmax scale, P scaled
+by 2^8 and cast to e4m3 per key block, O in fp32 times the v descale, written in bf16). vLLM's ``_q_scale`` is 1.0
+unless a checkpoint carries one, or, with ``calculate_kv_scales``, the first call's ``abs(query).max() /
+Q_SCALE_CONSTANT`` (200, ``vllm/envs.py``). FlashAttention-3's FP8 path reads e4m3 only.
+
+Integer caches (``int4``) as transformers' ``QuantizedCache`` with its default backend (``generate``'s),
+optimum-quanto, writes them (transformers 5.24 ``cache_utils.py``: ``QuantoQuantizedLayer`` with ``nbits`` 4,
+``axis_key`` = ``axis_value`` = 0, ``q_group_size`` 64, ``residual_length`` 128; quanto read at
+huggingface/optimum-quanto@e33f8202e6c755256b7448789a5ed765c45d5105): ``MaxOptimizer``
+(``optimum/quanto/tensor/optimizers/max_optimizer.py``) takes each group's min and max, ``scale = (rmax - rmin) /
+(qmax - qmin)`` = ``/ 15`` for qint4 and ``shift = -rmin``, in the tensor's own dtype;
+``group`` (``tensor/grouped.py``) with axis 0 makes the groups ``base.reshape(-1, group_size)``: consecutive
+elements of the contiguous (B, Hk, T, d) tensor (one token's channels where d is a multiple of the group; several
+tokens of a head where d is smaller); ``quantize_affine`` (``library/quantize.py``) stores ``clamp(round((base +
+shift) / scale), 0, 15)`` as uint8; ``QBitsDequantizer`` (``tensor/qbits.py``) reads ``scale * data - shift``, each
+operation in the model's dtype. The cache keeps the most recent tokens (up to ``residual_length``: those written
+since its last flush) in the model's dtype and quantises the rest as one tensor; the prompt is quantised whole on
+its write, so the first decode step reads every prompt token from int4. Not emulated: int8 (quanto's 8-bit types
+take no groups, and transformers' quanto layer accepts nbits 2 or 4 only; its HQQ backend's 8 bits run HQQ's
+iterative half-quadratic optimiser by default, mobiusml/hqq@e0b1d00e095653359da9de1d7dbb35a994aa6b96
+``hqq/core/quantize.py`` ``Quantizer.quantize(optimize=True)``, in float16 on CUDA and float32 elsewhere, stopping
+early on the whole tensor's mean error), axis -1, and the drift of tokens quantised again at each flush.
 
 **Saturated** entries are those a round-to-nearest cast without saturation would take out of the format's range:
 ``|x / scale|`` beyond the format's max plus half its last unit (448 + 16 = 464 for e4m3, the tie rounding to
@@ -45,15 +71,23 @@ from attncheck.numerics.paths import fa2
 
 # The cache formats and the torch dtypes that hold them (e4m3 is the 'fn' variant engines store: no inf).
 FORMATS: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# Integer formats quantised per group (transformers' quanto cache): their bits; groups of GROUP values by default
+INT_FORMATS: dict[str, int] = {"int4": 4}
+GROUP = 64  # transformers' QuantizedLayer q_group_size
+RESIDUAL = 128  # transformers' QuantizedLayer residual_length: the most tokens it holds in the model's dtype
 SCALINGS = ("unit", "tensor", "head", "dynamic")
 # vLLM's calc_kv_scales divisors (vllm/envs.py K_SCALE_CONSTANT, V_SCALE_CONSTANT): the dynamic scale of the first
 # call is its amax over these, leaving headroom for later calls.
 K_SCALE_CONSTANT = 200.0
 V_SCALE_CONSTANT = 100.0
+Q_SCALE_CONSTANT = 200.0  # the same for Q, where FlashAttention-3's FP8 path quantises it
 
 
 def format_max(fmt: str) -> float:
-    """The format's largest finite value (torch.finfo): 448 (e4m3), 57,344 (e5m2)."""
+    """The format's largest finite value (torch.finfo): 448 (e4m3), 57,344 (e5m2); an integer format's largest
+    stored level (15 for int4: its values are ``scale * level - shift`` per group)."""
+    if fmt in INT_FORMATS:
+        return float(2 ** INT_FORMATS[fmt] - 1)
     return float(torch.finfo(FORMATS[fmt]).max)
 
 
@@ -79,6 +113,13 @@ class Quantised:
     saturated: torch.Tensor  # (Hk,) int64: |x/scale| beyond the format's range, clipped to its max
     flushed: torch.Tensor  # (Hk,) int64: nonzero before, zero after
     entries: int  # per kv head
+    group_scale: torch.Tensor | None = None  # (Hk,) an integer cache's largest group scale over the head's groups
+
+    def head(self, h: int) -> "Quantised":
+        """kv head ``h``'s part (values (B, 1, T, d))."""
+        values = None if self.values is None else self.values[:, h : h + 1]
+        gs = None if self.group_scale is None else self.group_scale[h : h + 1]
+        return Quantised(values, self.saturated[h : h + 1], self.flushed[h : h + 1], self.entries, gs)
 
 
 def quantise(x: torch.Tensor, fmt: str, scale: torch.Tensor | float, dt: torch.dtype) -> Quantised:
@@ -97,6 +138,36 @@ def quantise(x: torch.Tensor, fmt: str, scale: torch.Tensor | float, dt: torch.d
     axes = [a for a in range(x.dim()) if a != 1]
     entries = x.numel() // max(1, x.shape[1])
     return Quantised(values, over.sum(dim=axes), flushed.sum(dim=axes), entries)
+
+
+def quantise_groups(x: torch.Tensor, fmt: str, dt: torch.dtype, group: int = GROUP, residual: int = 0) -> Quantised:
+    """x (B, Hk, T, d) written to transformers' quanto cache and read back (see the module's docstring): the tokens
+    before the last ``residual`` quantised as one tensor in groups of ``group`` consecutive values (axis 0), each
+    with its min-max scale and shift in ``dt``; the last ``residual`` tokens kept in ``dt``. quanto refuses a
+    tensor whose size per batch row is not a multiple of the group: so does this (ValueError)."""
+    bits = INT_FORMATS[fmt]
+    x = x.to(dt)
+    kept = max(0, x.shape[2] - residual)
+    old = x[:, :, :kept].contiguous()
+    b, hk = x.shape[:2]
+    if old.numel() and (old.numel() // max(1, b)) % group:
+        raise ValueError(f"{old.numel() // max(1, b)} values per batch row are not groups of {group}")
+    g = old.reshape(-1, group)  # quanto's group(base, axis=0, group_size)
+    rmin, rmax = g.amin(dim=1, keepdim=True), g.amax(dim=1, keepdim=True)
+    scale = (rmax - rmin) / (2**bits - 1)  # MaxOptimizer: (rmax - rmin) / (qmax - qmin), in dt
+    shift = -rmin
+    level = torch.round((g + shift) / scale)  # quantize_affine, each operation rounded to dt
+    # a constant group has scale 0 and level 0/0; quanto casts that NaN to uint8, which torch makes 0: its value
+    # reads back as -shift, the group's value
+    level = torch.where(scale == 0, torch.zeros_like(level), level).clamp(0, 2**bits - 1).to(torch.uint8)
+    read = (scale * level - shift).reshape(old.shape)  # QBitsDequantizer: scale * data, then - shift, in dt
+    values = torch.cat([read, x[:, :, kept:]], dim=2)
+    flushed = (x != 0) & (values == 0)
+    axes = [a for a in range(x.dim()) if a != 1]
+    per_value = scale.expand(-1, group).reshape(old.shape).float()  # each value's group scale
+    group_scale = per_value.transpose(0, 1).reshape(hk, -1).amax(dim=1) if old.numel() else torch.zeros(hk)
+    zeros = torch.zeros(hk, dtype=torch.int64)
+    return Quantised(values, zeros, flushed.sum(dim=axes), x.numel() // max(1, hk), group_scale)
 
 
 def head_amax(x: torch.Tensor) -> torch.Tensor:
@@ -171,6 +242,48 @@ def kernel_output(
     return rows.out.double().reshape(b, hq, tq, -1)
 
 
+def fa3_fp8_output(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    fmt: str,
+    scales: tuple[torch.Tensor | float, torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """O (B, Hq, Tq, dv) float64 of vLLM's FlashAttention-3 path on an FP8 cache (module docstring): q (B, Hq, Tq,
+    d) quantised with Q's scale (fp32 reciprocal, then the product), k and v (B, Hk, Tk, ...) as the cache stores
+    them (fp32 division by their scales, per kv head), FP8 products with the three scales as descales."""
+    from attncheck.numerics.methods.fp8_attention import fa3_tile
+    from attncheck.numerics.paths import fa3
+
+    fp8, fmax = FORMATS[fmt], format_max(fmt)
+    qs, ks, vs = (_fp32(x).reshape(-1) for x in scales)
+    b, hq, tq, d = q.shape
+    hk = k.shape[1]
+    q8 = (q.float() * (1.0 / qs).reshape(-1, 1, 1)).clamp(-fmax, fmax).to(fp8).float()  # one Q scale: (1,)
+
+    def stored(x, s):  # the cache write, without the read's product: what the FP8 kernel reads
+        return (x.float() / s.reshape(-1, 1, 1)).clamp(-fmax, fmax).to(fp8).float()
+
+    k8, v8 = expand_kv(stored(k, ks), hq), expand_kv(stored(v, vs), hq)
+    per_row = ks.expand(hk).repeat_interleave(hq // hk).repeat(b)  # (B * Hq,): each row head's kv head's descale
+    n, tk = b * hq, k.shape[2]
+    rows = fa3.kernel_rows(
+        q8.reshape(n, tq, d),
+        k8.reshape(n, tk, d),
+        v8.reshape(n, tk, v8.shape[-1]),
+        scale=scale,
+        dt=fp8,
+        block_n=fa3_tile(d)[1],
+        bias=bias.reshape(n * tq, tk).float(),
+        q_descale=qs.expand(n),
+        k_descale=per_row,
+        v_descale=vs.expand(hk).repeat_interleave(hq // hk).repeat(b),
+    )
+    return rows.out.double().reshape(b, hq, tq, -1)
+
+
 def reference_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float):
     """O (B, Hq, Tq, dv) in float64 from q, k and v as given: softmax(q k^T scale + bias) v; 0 for a row with no
     key."""
@@ -216,6 +329,7 @@ class CacheCall:
     v: Quantised
     vs_model: OutputError
     vs_float64: OutputError
+    q_saturated: int = 0  # FlashAttention-3's FP8 path: Q's entries beyond the format's range at its scale
 
 
 def cache_call(
@@ -229,12 +343,24 @@ def cache_call(
     scales: tuple[torch.Tensor, torch.Tensor],
     model_out: torch.Tensor,
     reference: torch.Tensor,
+    read: tuple[Quantised, Quantised] | None = None,
+    q_scale: torch.Tensor | float | None = None,
 ) -> CacheCall:
     """The call with K and V through the cache at ``scales`` (k's and v's, per kv head), attention by
     FlashAttention-2 in ``dt`` on the dequantised cache; ``model_out``: the same kernel on K and V as given,
-    ``reference``: float64 (``kernel_output``, ``reference_output``)."""
-    kq, vq = quantise(k, fmt, scales[0], dt), quantise(v, fmt, scales[1], dt)
-    out = kernel_output(q, kq.values, vq.values, bias, scale, dt)
+    ``reference``: float64 (``kernel_output``, ``reference_output``); ``read``: K and V already through the cache
+    (an integer cache, whose groups are the whole call's: ``quantise_groups``), in place of ``scales``; ``q_scale``
+    given: attention by FlashAttention-3's FP8 path instead (``fa3_fp8_output``), Q quantised at that scale."""
+    kq, vq = read if read is not None else (quantise(k, fmt, scales[0], dt), quantise(v, fmt, scales[1], dt))
+    if q_scale is None:
+        out = kernel_output(q, kq.values, vq.values, bias, scale, dt)
+    else:
+        out = fa3_fp8_output(q.to(dt), k.to(dt), v.to(dt), bias, scale, fmt, (q_scale, scales[0], scales[1]))
     hk = k.shape[1]
     kq.values = vq.values = None  # the counts are what is kept
-    return CacheCall(kq, vq, output_error(out, model_out, hk), output_error(out, reference, hk))
+    q_sat = 0
+    if q_scale is not None:  # counted as K's and V's are: beyond the max plus half its last unit
+        edge, tie_out = overflow_boundary(fmt)
+        y = (q.to(dt).float() * (1.0 / _fp32(q_scale).reshape(-1))[0]).abs()
+        q_sat = int(((y >= edge) if tie_out else (y > edge)).sum())
+    return CacheCall(kq, vq, output_error(out, model_out, hk), output_error(out, reference, hk), q_sat)

@@ -18,6 +18,7 @@ from typing import Callable
 from attncheck.config.capture import CaptureRequest
 from attncheck.config.run import RunRequest
 from attncheck.errors import AttncheckError
+from attncheck.record import capture
 from attncheck.results import RunResult
 
 
@@ -52,9 +53,26 @@ def run_script(path: str, args: tuple[str, ...], stdout_to_stderr: bool = False)
 def capture_script(
     request: CaptureRequest, track=None, notice: Callable[[str], None] | None = None, stdout_to_stderr: bool = False
 ) -> CaptureOutcome:
-    from attncheck.pipelines.run import run
-    from attncheck.record import capture
+    """Run the request's script under capture and diagnose what it recorded (its error, if it raised, instead)."""
+    cap, error = _record(request, notice, stdout_to_stderr)
+    if error is not None:
+        return CaptureOutcome(cap, error, None)
+    _check_recorded(request, cap)
+    result = _diagnose(request, cap, track, notice)
+    if cap.rank is not None and result is not None and result.model is not None:  # torchrun: say whose calls these are
+        # short, so that the command to read every rank fits on the report's line (its own folder is said above)
+        every = f"; all ranks: attncheck run {cap.given_path}" if cap.given_path is not None else ""
+        label = f"rank {cap.rank} of {cap.world}: this rank's calls{every}"
+        facts = dict(result.model.capture or {})
+        facts["note"] = "; ".join(n for n in (label, facts.get("note")) if n)
+        facts.setdefault("rank", cap.rank)
+        facts["world"] = cap.world
+        result.model.capture = facts
+    return CaptureOutcome(cap, None, result)
 
+
+def _record(request: CaptureRequest, notice, stdout_to_stderr: bool):
+    """The script run under ``attncheck.capture``: (the capture, the script's error or None)."""
     script = {"path": request.script, "argv": [request.script, *request.args]}
     cap = capture(
         request.out,
@@ -83,8 +101,11 @@ def capture_script(
             error = e
         if error is not None:
             cap.note_error(error)
-    if error is not None:
-        return CaptureOutcome(cap, error, None)
+    return cap, error
+
+
+def _check_recorded(request: CaptureRequest, cap) -> None:
+    """Refuse a capture that recorded no call (no forward matched --forward, or nothing capture could see)."""
     replaced = (
         f"; {cap.path} now holds an empty capture (the one it held before was replaced)"
         if cap.path is not None and cap.replaced
@@ -109,6 +130,12 @@ def capture_script(
             )
             + replaced
         )
+
+
+def _diagnose(request: CaptureRequest, cap, track, notice):
+    """The diagnosis: the capture's own (diagnosed as recorded, nothing saved), else ``run`` on its directory."""
+    from attncheck.pipelines.run import run  # imports torch: not at the CLI's start (cli/capture imports this module)
+
     if request.out is None:
         result = cap.result
     else:
@@ -120,17 +147,9 @@ def capture_script(
                 partial=request.partial,
                 what_if=request.what_if,
                 grid_asked=request.grid_asked,
+                split_ranks=False,  # under torchrun each rank judges its own calls
             ),
             track,
             notice,
         )
-    if cap.rank is not None and result is not None and result.model is not None:  # torchrun: say whose calls these are
-        # short, so that the command to read every rank fits on the report's line (its own folder is said above)
-        every = f"; all ranks: attncheck run {cap.given_path}" if cap.given_path is not None else ""
-        label = f"rank {cap.rank} of {cap.world}: this rank's calls{every}"
-        facts = dict(result.model.capture or {})
-        facts["note"] = "; ".join(n for n in (label, facts.get("note")) if n)
-        facts.setdefault("rank", cap.rank)
-        facts["world"] = cap.world
-        result.model.capture = facts
-    return CaptureOutcome(cap, None, result)
+    return result

@@ -10,6 +10,7 @@ by a pass of its own; then each call is loaded once more and every cache asked i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -50,6 +51,9 @@ class _Acc:
     cos64: float = 1.0
     mabs64: float = 0.0
     base_cos64: float = 1.0
+    q_sat: int = 0  # FlashAttention-3's FP8 path: Q's entries clipped, over the calls
+    k_group_scale: float = 0.0  # an integer cache's largest group scale over the calls
+    v_group_scale: float = 0.0
 
 
 @dataclass
@@ -62,16 +66,24 @@ class _Layer:
     k_first: float
     v_first: float
     channels: dict[tuple[str, int], KVChannel] = field(default_factory=dict)
+    q_first: float = 0.0  # the first call's Q amax: vLLM's dynamic Q scale for FlashAttention-3's FP8 path
 
 
 def asks_of(what_if: Iterable[str]) -> list[tuple[str, str]]:
-    """'kv:fp8_e4m3:unit' -> [('fp8_e4m3', 'unit')]; 'kv:fp8_e4m3' -> every scaling, side by side."""
+    """'kv:fp8_e4m3:unit' -> [('fp8_e4m3', 'unit')]; 'kv:fp8_e4m3' -> every scaling, side by side; 'kv:int4:g64'
+    (validated: params.kv_token) -> [('int4', 'g64')], its groups in place of a scaling."""
     out: list[tuple[str, str]] = []
     for token in what_if:
         if not token.startswith("kv:"):
             continue
         parts = token.split(":")
-        for scaling in parts[2:] or kc.SCALINGS:
+        if parts[1] in kc.INT_FORMATS:
+            ask = (parts[1], ":".join(parts[2:]) or f"g{kc.GROUP}")
+            out += [] if ask in out else [ask]
+            continue
+        fa3 = parts[-1] == "fa3"  # FlashAttention-3's FP8 path reads the cache: 'head:fa3'
+        for scaling in parts[2 : len(parts) - fa3] or kc.SCALINGS:
+            scaling += ":fa3" if fa3 else ""
             if (parts[1], scaling) not in out:
                 out.append((parts[1], scaling))
     return out
@@ -86,6 +98,7 @@ def _observe(layers: dict[str, _Layer], module: str, index: int, inp) -> _Layer:
         layer = layers[module] = _Layer(
             inp.q.shape[1], torch.zeros_like(ka), torch.zeros_like(va), float(ka.max()), float(va.max())
         )
+        layer.q_first = float(kc.head_amax(inp.q).max())
     for name, t, new, old in (("k", k, ka, layer.k_amax), ("v", v, va, layer.v_amax)):
         for h in torch.nonzero(new > old).flatten().tolist():
             ch = kc.amax_channel(t, h)
@@ -98,7 +111,8 @@ def _scales(layer: _Layer, fmt: str, scaling: str) -> tuple[torch.Tensor, torch.
     """K's and V's scale per kv head (fp32) for a scaling, from the layer's amax (the capture's, or its first
     call's for ``dynamic``)."""
     fmax, hk = kc.format_max(fmt), layer.k_amax.shape[0]
-    if scaling == "unit":
+    scaling = scaling.split(":")[0]  # 'head:fa3': the consumer does not change K's and V's scales
+    if scaling == "unit" or fmt in kc.INT_FORMATS:  # an integer cache's scales are its groups' (quantise_groups)
         one = torch.ones(hk, dtype=torch.float32)
         return one, one
     if scaling == "tensor":
@@ -154,31 +168,66 @@ def run_kv(
             _observe(layers, call.module, call.index, call.load()[0])
     accs: dict[tuple[int, str, int], _Acc] = {}
     frozen: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # scales fixed at a layer's first call
+    skipped = list(skipped)
     for call in calls:
         inp, dt = call.load()
         known = calibrated and call.module in layers  # else (a call the amax pass could not read): seen now
         layer = layers[call.module] if known else _observe(layers, call.module, call.index, inp)
         scales = [frozen.setdefault((i, call.module), _scales(layer, f, s)) for i, (f, s) in enumerate(asks)]
+        reads = _integer_reads(asks, inp, dt, call, skipped)
         for h in range(inp.k.shape[1]):  # one kv head and its query heads at a time: memory bounded by a group's
             q, k, v, bias = _group(inp, h)
             model_out = kc.kernel_output(q, k, v, bias, inp.scale, dt)
             reference = kc.reference_output(q, k, v, bias, inp.scale)
             base = kc.output_error(model_out, reference, 1)
             for i, (fmt, _) in enumerate(asks):
+                if fmt in kc.INT_FORMATS and i not in reads:
+                    continue  # the call's size is not whole groups: said in skipped
                 pair = (scales[i][0][h : h + 1], scales[i][1][h : h + 1])
-                res = kc.cache_call(q, k, v, bias, inp.scale, dt, fmt, pair, model_out, reference)
+                read = (reads[i][0].head(h), reads[i][1].head(h)) if i in reads else None
+                qs = _q_scale(layer, asks[i][1])
+                res = kc.cache_call(q, k, v, bias, inp.scale, dt, fmt, pair, model_out, reference, read, qs)
                 _fold(accs.setdefault((i, call.module, h), _Acc()), res, base, 0)
-    report = KVReport(skipped=list(skipped))
+    report = KVReport(skipped=skipped)
     for i, (fmt, scaling) in enumerate(asks):
         what = KVWhatIf(fmt, scaling, kc.format_max(fmt))
         for module, layer in layers.items():
             for h in range(layer.k_amax.shape[0]):
                 acc = accs.get((i, module, h))
                 if acc is not None:
-                    what.heads.append(_head(module, h, layer, acc, frozen[(i, module)], what.format_max))
+                    integer = fmt in kc.INT_FORMATS
+                    what.heads.append(_head(module, h, layer, acc, frozen[(i, module)], what.format_max, integer))
         report.caches.append(what)
     judge_kv(report)
     return report
+
+
+def _q_scale(layer: _Layer, scaling: str) -> torch.Tensor | None:
+    """Q's scale where FlashAttention-3's FP8 path reads the cache ('head:fa3'): vLLM's ``_q_scale``, 1.0 (a
+    checkpoint's k_scale/v_scale carry none) or, under 'dynamic', the layer's first call's amax / 200; None for the
+    16-bit path."""
+    if not scaling.endswith(":fa3"):
+        return None
+    if scaling.startswith("dynamic"):
+        return kc.scale_from(layer.q_first, kc.Q_SCALE_CONSTANT).reshape(1)
+    return torch.ones(1)
+
+
+def _integer_reads(asks, inp, dt, call: KVCall, skipped: list) -> dict[int, tuple[kc.Quantised, kc.Quantised]]:
+    """K and V of the whole call through each integer cache asked (its groups may span kv heads), by the ask's
+    index; a call quanto would refuse (not whole groups) is left out of that cache, with why."""
+    reads = {}
+    for i, (fmt, spec) in enumerate(asks):
+        if fmt not in kc.INT_FORMATS:
+            continue
+        opts = {p[0]: int(p[1:]) for p in spec.split(":")}
+        try:
+            reads[i] = tuple(kc.quantise_groups(t, fmt, dt, opts["g"], opts.get("r", 0)) for t in (inp.k, inp.v))
+        except ValueError as e:
+            skipped.append(
+                (f"{call.module or 'the call'} (call {call.index})", f"kv:{fmt}:{spec}: {e} (quanto refuses it)")
+            )
+    return reads
 
 
 def _group(inp, h: int):
@@ -211,12 +260,18 @@ def _fold(acc: _Acc, res: kc.CacheCall, base: kc.OutputError, h: int) -> None:
     acc.cos64 = min(acc.cos64, float(res.vs_float64.cosine[h]))
     acc.mabs64 = max(acc.mabs64, float(res.vs_float64.max_abs[h]))
     acc.base_cos64 = min(acc.base_cos64, float(base.cosine[h]))
+    acc.q_sat += res.q_saturated
+    if res.k.group_scale is not None:
+        acc.k_group_scale = max(acc.k_group_scale, float(res.k.group_scale[h]))
+        acc.v_group_scale = max(acc.v_group_scale, float(res.v.group_scale[h]))
 
 
-def _head(module: str, h: int, layer: _Layer, acc: _Acc, scales, fmax: float) -> KVHead:
+def _head(module: str, h: int, layer: _Layer, acc: _Acc, scales, fmax: float, integer: bool) -> KVHead:
     hk = layer.k_amax.shape[0]
     group = layer.hq // hk
     ka, va = float(layer.k_amax[h]), float(layer.v_amax[h])
+    if integer:  # scales per group: the largest; nothing saturates, so no scale is needed to hold the head
+        scales = (torch.tensor([acc.k_group_scale] * hk), torch.tensor([acc.v_group_scale] * hk))
     return KVHead(
         module=module,
         kv_head=h,
@@ -239,11 +294,12 @@ def _head(module: str, h: int, layer: _Layer, acc: _Acc, scales, fmax: float) ->
         cosine_f64=acc.cos64,
         max_abs_f64=acc.mabs64,
         base_cosine_f64=acc.base_cos64,
-        hold_k_tensor=float(kc.scale_from(layer.k_amax.max(), fmax)),
-        hold_v_tensor=float(kc.scale_from(layer.v_amax.max(), fmax)),
-        hold_k_head=float(kc.scale_from(ka, fmax)),
-        hold_v_head=float(kc.scale_from(va, fmax)),
+        hold_k_tensor=math.nan if integer else float(kc.scale_from(layer.k_amax.max(), fmax)),
+        hold_v_tensor=math.nan if integer else float(kc.scale_from(layer.v_amax.max(), fmax)),
+        hold_k_head=math.nan if integer else float(kc.scale_from(ka, fmax)),
+        hold_v_head=math.nan if integer else float(kc.scale_from(va, fmax)),
         channels=[c for key, c in sorted(layer.channels.items()) if key[1] == h],
+        q_saturated=acc.q_sat,
     )
 
 

@@ -1,11 +1,13 @@
 """``attncheck run`` as a library call: a ``RunRequest`` in, a ``RunResult`` out.
 
 Score files stream in row blocks within ``options.chunk_elements``; Q, K and a mask
-are loaded whole and their scores computed per dtype in row blocks.
+are loaded whole and their scores computed per dtype in row blocks. Under torchrun the
+calls are split over the ranks (``_run_split``; ``pipelines.ranks``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import replace
 from typing import Callable
@@ -29,9 +31,7 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     diagnosis per tensor, a report per call and the model report over them.
     """
     from attncheck.devices import resolve_device
-    from attncheck.findings import apply_ignore
     from attncheck.judge import diagnose
-    from attncheck.model import model_report, setting_choices
     from attncheck.numerics.cells.calls import scores_report
     from attncheck.results import CallInfo
 
@@ -40,6 +40,12 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
         from attncheck.pipelines.lowsum import check_lowsum_inputs
 
         check_lowsum_inputs(request)
+    if request.split_ranks:
+        from attncheck.pipelines.ranks import split_job
+
+        job = split_job()
+        if job is not None:  # under torchrun: the calls split over the ranks
+            return _run_split(request, job, track, notice)
     dev = resolve_device(request.options.device)
     options = replace(request.options, device=str(dev))  # 'auto' -> where it runs, as the report says
     budget = request.max_memory
@@ -72,16 +78,73 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
         from attncheck.pipelines.lowsum import attach_lowsum
 
         attach_lowsum(request, options, diags, calls, load_one)
-    for d in diags + [c.what_if for c in calls if c.what_if is not None]:
-        apply_ignore(d, request.ignore)
-        d.choices = setting_choices(d, request.ignore)  # judged again on the findings that count
-    model = model_report(calls, request.ignore, skipped, capture)
+    model = _judged(request, diags, calls, skipped, capture)
     kv = _run_kv(request, prepared, amax) if params.kv_what_ifs(request.what_if) else None
     return RunResult(diags, device_label(dev), calls, model, kv=kv)
 
 
-def _run_kv(request: RunRequest, prepared, amax=None):
-    """--what-if kv:...: the KV cache over the capture's calls (or --q/--k/--v), its findings less those ignored."""
+def _judged(request: RunRequest, diags: list, calls: list, skipped: list, capture):
+    """The diagnoses less what --ignore drops, their settings chosen again, and the model report over the calls."""
+    from attncheck.findings import apply_ignore
+    from attncheck.model import model_report, setting_choices
+
+    for d in diags + [c.what_if for c in calls if c.what_if is not None]:
+        apply_ignore(d, request.ignore)
+        d.choices = setting_choices(d, request.ignore)  # judged again on the findings that count
+    return model_report(calls, request.ignore, skipped, capture)
+
+
+def _run_split(request: RunRequest, job, track: Track, notice) -> RunResult:
+    """Under torchrun: each rank diagnoses its share of the calls (and its layers' KV-cache what-if) on its own device,
+    rank 0 puts the parts in call order and judges them as one process would, and every rank returns that result.
+    A run of one computation (--q/--k, the example) is rank 0's alone."""
+    from attncheck.devices import resolve_device
+    from attncheck.pipelines.ranks import Share, exchange, use_rank_gpu
+
+    share = Share(job)
+    files = request.qk is None and not request.example
+
+    def work():
+        use_rank_gpu(job, request.options.device)
+        if not files:
+            return run(replace(request, split_ranks=False), track, notice) if job.rank == 0 else None
+        dev = resolve_device(request.options.device)
+        calls, capture, _ = _run_files(request, replace(request.options, device=str(dev)), track, notice, share=share)
+        kv = _run_kv(request, None, share=share) if params.kv_what_ifs(request.what_if) else None
+        return dev, list(zip(share.positions, calls)), capture, kv
+
+    def merge(parts: list) -> RunResult:
+        if not files:
+            return parts[0]
+        dev, _, capture, _ = parts[0]
+        calls = [c for _, c in sorted((pc for part in parts for pc in part[1]), key=lambda pc: pc[0])]
+        skipped = [(c.call.name, c.error) for c in calls if c.diagnosis is None and c.error is not None]  # --partial
+        diags = [c.diagnosis for c in calls if c.diagnosis is not None]
+        model = _judged(request, diags, calls, skipped, capture)
+        kv = _merge_kv(request, [part[3] for part in parts], share.kv_layers) if parts[0][3] is not None else None
+        return RunResult(diags, device_label(dev), calls, model, kv=kv)
+
+    return exchange(job, work, merge, lambda: share.at)
+
+
+def _merge_kv(request: RunRequest, reports: list, layers: list[str]):
+    """The KV-cache what-if's parts, one per rank (each a set of whole layers), as one report in the capture's layer
+    order, judged over every head."""
+    from attncheck.findings.kvcache import judge_kv
+
+    report = reports[0]
+    for i, what in enumerate(report.caches):
+        heads = [h for part in reports for h in part.caches[i].heads]
+        what.heads = sorted(heads, key=lambda h: (layers.index(h.module), h.kv_head))
+    judge_kv(report)
+    for what in report.caches:
+        what.findings = [f for f in what.findings if f.code not in request.ignore]
+    return report
+
+
+def _run_kv(request: RunRequest, prepared, amax=None, share=None):
+    """--what-if kv:...: the KV cache over the capture's calls (or --q/--k/--v), its findings less those ignored;
+    ``share``: one rank's layers alone (pipelines.ranks)."""
     from attncheck.pipelines.kvcache import KVCall, asks_of, capture_calls, run_kv
 
     asks = asks_of(request.what_if)
@@ -100,6 +163,8 @@ def _run_kv(request: RunRequest, prepared, amax=None):
                 f"{param('what_if')} kv:... replays attention calls whose q, k and v were recorded (SDPA, flash_attn, "
                 "q/k/v files); these inputs hold none"
             )
+        if share is not None:  # this rank's layers, each with every one of its calls: their amax computed here
+            calls, amax = share.kv_calls(calls), None
     report = run_kv(asks, calls, skipped, None if prepared is not None else amax)
     for what in report.caches:
         what.findings = [f for f in what.findings if f.code not in request.ignore]
@@ -120,9 +185,10 @@ def open_sources_for(request: RunRequest):
     return open_sources(request.paths, request.keys, max_bytes=request.max_memory) if request.paths else []
 
 
-def _run_files(request: RunRequest, options, track: Track, notice, amax=None):
+def _run_files(request: RunRequest, options, track: Track, notice, amax=None, share=None):
     """Every input of the files as a call report, in natural order; bad calls raise, or with
-    ``partial`` are skipped and listed. ``amax``: a KV-cache amax pass that sees each call's tensors."""
+    ``partial`` are skipped and listed. ``amax``: a KV-cache amax pass that sees each call's tensors;
+    ``share``: one rank's share of the inputs alone (pipelines.ranks)."""
     from attncheck.config.run import check_row_fits
     from attncheck.judge import diagnose_call, diagnose_chunks
     from attncheck.loaders import TensorSource
@@ -154,6 +220,11 @@ def _run_files(request: RunRequest, options, track: Track, notice, amax=None):
         }
     elif manifests:
         capture = capture_facts(manifests[0])
+    from attncheck.pipelines.rope import capture_rope_checks
+
+    rope = capture_rope_checks(request.paths, request.rope_what_if)  # the rotary tables the calls ran under
+    if rope:
+        capture = {**(capture or {}), "rope": rope}
     if not request.partial:  # every call checked before the first is diagnosed
         for item in inputs:
             if not isinstance(item, TensorSource) and item.problem:
@@ -181,7 +252,12 @@ def _run_files(request: RunRequest, options, track: Track, notice, amax=None):
             f"hold plain scores or q/k tensors, whose implementation is not known: every cell asked is computed "
             f"already (choose them with {param('dtypes')}, {param('methods')}, {param('paths')})"
         )
+    mine = share.calls([_cost(item) for item in inputs]) if share is not None else None
     for i, item in enumerate(inputs):
+        if mine is not None:  # under torchrun: this rank's calls alone
+            if i not in mine:
+                continue
+            share.at = (1, i)
         if isinstance(item, TensorSource):
             check_row_fits(item.name, item.shape[-1], request.max_memory)
             blocks = item.row_blocks(rows_per_chunk(item.shape[-1], options))
@@ -216,6 +292,12 @@ def _run_files(request: RunRequest, options, track: Track, notice, amax=None):
             skipped.append((info.name, e.render()))
             calls.append(CallReport(info, None, error=e.render()))
     return calls, capture, skipped
+
+
+def _cost(item) -> int:
+    """The score elements of an input (a call's from its recorded shape), which splits calls over ranks evenly."""
+    shape = item.info.shape if hasattr(item, "info") else item.shape
+    return math.prod(shape) if shape else 1
 
 
 def capture_facts(doc: dict) -> dict:

@@ -209,6 +209,11 @@ class Capture:
                 "first_unrecorded": self._recorder.first_missed,
                 **self.rank_facts(),
             }
+            if sink.rope_tables:  # the rotary tables the calls ran under, judged as ``attncheck run`` judges them
+                from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
+                from attncheck.numerics.rope import table_checks
+
+                capture["rope"] = table_checks(list(sink.rope_tables.values()), ROPE_ANGLE_TOLERANCE)
             device = sink.options.device
             skipped = [(r.call.name, r.error) for r in sink.reports if r.error]
             self.result = RunResult(

@@ -99,6 +99,11 @@ class BoundsMixin:
             **gpu_facts(device, sdpa=kind == "sdpa"),
         }
         base.update(meta)
+        rope = self.rope.current() if module is not None and hasattr(self.sink, "rope") else None
+        if rope is not None:  # the rotary table it ran under: handed to the sink once per distinct table
+            base["rope"] = str(rope[0])
+            if rope[1] is not None:
+                self.sink.rope(rope[0], rope[1]["tensors"], rope[1]["facts"])
         if self.tracker.in_compiled or in_compiled_code():
             base["compiled"] = "eager"  # torch.compile'd code, run as its Python code (compile='eager')
             with self._lock:

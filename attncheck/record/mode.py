@@ -82,6 +82,7 @@ from attncheck.record.kvdedup import KvDedup
 from attncheck.record.mha import MhaMixin
 from attncheck.record.modules import ModuleStack
 from attncheck.record.ops import MATMULS, MHA_FORWARD, SDPA, Recorded, Sink
+from attncheck.record.rope import RopeWatch
 from attncheck.record.sdpa import SdpaMixin
 from attncheck.record.state import GradWatch, Pending, ThreadState
 from attncheck.record.threads import ThreadsMixin
@@ -157,6 +158,9 @@ class Recorder(
         self.max_calls, self.max_bytes = max_calls, max_bytes
         self.notice = notice
         self.tracker = ModuleStack(self._top if in_modules else None)
+        self.rope = RopeWatch()  # the rotary tables the calls ran under, for a sink that keeps them
+        if hasattr(sink, "rope"):
+            self.tracker.on_root = self.rope.attach
         self.recorded = 0
         self.bytes = 0
         self.seen = 0  # calls that matched the filters, recorded or not
@@ -246,6 +250,7 @@ class Recorder(
             if self._warnings is not None:
                 self._warnings.__exit__(None, None, None)
             self.tracker.__exit__(*exc)
+            self.rope.detach()
             torch.backends.mha.set_fastpath_enabled(bool(self._fastpath))
             with self._lock:
                 for state in list(self._threads):  # softmax calls still waiting for their v, in every thread

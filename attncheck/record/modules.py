@@ -25,6 +25,7 @@ class ModuleStack:
         self._names: dict[int, str] = {}
         self._root: int | None = None
         self._handles: list = []
+        self.on_root = None  # called with a top module the first time it runs (hooks that need its modules)
 
     @property
     def stack(self) -> list[tuple[torch.nn.Module, str]]:
@@ -61,6 +62,8 @@ class ModuleStack:
                 if self._root != id(module):
                     self._root = id(module)
                     self._names = module_names_of(module)
+                    if self.on_root is not None:
+                        self.on_root(module)
             path = self._names.get(id(module)) or type(module).__name__
             if self.on_top is not None:
                 self.on_top(True)

@@ -23,6 +23,7 @@ import torch
 from attncheck import __version__
 from attncheck.errors import AttncheckError
 from attncheck.loaders.calls import CALL_FILE, CAPTURE_SCHEMA, MANIFEST, call_file_name, grads_file_name, info_from_meta
+from attncheck.loaders.rope import ROPE_FILE, rope_file_name
 from attncheck.record.ops import Recorded, Sink
 from attncheck.results import CallInfo, CallReport
 
@@ -183,7 +184,7 @@ def _prepare(d: Path) -> tuple[Path, bool]:
             param="path",
         )
     for p in entries:  # a previous capture: its own files go, anything else stays
-        if p.is_file() and (p.name == MANIFEST or CALL_FILE.match(p.name)):
+        if p.is_file() and (p.name == MANIFEST or CALL_FILE.match(p.name) or ROPE_FILE.match(p.name)):
             p.unlink()
     return d, True
 
@@ -201,6 +202,7 @@ class DirectorySink(Sink):
     def __init__(self, path: str | os.PathLike[str], rank: int | None = None) -> None:
         self.dir, self._owner, self.replaced = prepare_directory(path, rank)  # replaced: a previous capture was there
         self.entries: list[dict] = []
+        self.rope_tables: list[dict] = []
         self.bytes = 0
         self._slots = threading.Semaphore(self.IN_FLIGHT)
         # Staging buffers written out are reused for the next call of the same shape: copying into
@@ -237,9 +239,27 @@ class DirectorySink(Sink):
                     for role, t in tensors.items()
                 },
                 **({"kv_base": int(call.meta["kv_base"])} if "kv_base" in call.meta else {}),
+                **({"rope": int(call.meta["rope"])} if "rope" in call.meta else {}),
             }
         )
         self._queue.put((self.dir / name, tensors, dict(call.meta)))
+
+    def rope(self, index: int, tensors: dict[str, torch.Tensor], facts: dict[str, str]) -> None:
+        """A rotary table, the first time a call runs under it: written at once (a few KiB to MiB), listed in the
+        manifest's ``rope_tables``."""
+        name = rope_file_name(index)
+        staged = {role: t.detach().contiguous().cpu() for role, t in tensors.items()}
+        try:
+            write_safetensors(self.dir / name, staged, {"format": CAPTURE_SCHEMA, "rope": str(index), **facts})
+        except OSError as e:
+            raise AttncheckError(f"cannot write {self.dir / name}: {e.strerror or e}") from None
+        cos = staged["cos"]
+        entry = {"index": index, "file": name, "shape": list(cos.shape), "dtype": str(cos.dtype).removeprefix("torch.")}
+        if "theta" in facts:
+            entry["theta"] = float(facts["theta"])
+        entry["rope_type"] = facts.get("rope_type", "default")
+        entry["positions"] = "positions" in staged
+        self.rope_tables.append(entry)
 
     def grads(self, call: Recorded, tensors: dict[str, torch.Tensor]) -> None:
         """A call's gradients, as the backward reached it: written to ``NNNN-<module>.grads.safetensors``
@@ -341,6 +361,7 @@ class DirectorySink(Sink):
             **facts,
             "total_bytes": self.bytes,
             "calls": self.entries,
+            **({"rope_tables": self.rope_tables} if self.rope_tables else {}),
         }
         tmp = self.dir / (MANIFEST + ".tmp")
         try:
@@ -358,6 +379,10 @@ class MemorySink(Sink):
 
     def __init__(self) -> None:
         self.calls: list[Recorded] = []
+        self.rope_tables: dict[int, dict] = {}  # number -> {'tensors': cos, sin (positions), 'facts'}
+
+    def rope(self, index: int, tensors: dict[str, torch.Tensor], facts: dict[str, str]) -> None:
+        self.rope_tables[index] = {"tensors": cpu_tensors(tensors, copy=True), "facts": dict(facts)}
 
     def __call__(self, call: Recorded) -> None:
         self.calls.append(
@@ -390,8 +415,27 @@ class DiagnoseSink(Sink):
         self.rank: int | None = None  # under torchrun: each call's report names this process's rank
         self._waiting: dict[int, Recorded] = {}  # calls whose gradients are still to come
         self._order: list[int] = []
+        self.rope_tables: dict[int, dict] = {}  # the rotary tables, as ``loaders.rope`` reads them from a directory
+
+    def rope(self, index: int, tensors: dict[str, torch.Tensor], facts: dict[str, str]) -> None:
+        kept = cpu_tensors(tensors, copy=True)
+        self.rope_tables[index] = {
+            "index": index,
+            "cos": kept["cos"],
+            "sin": kept["sin"],
+            "positions": kept.get("positions"),
+            "theta": float(facts["theta"]) if "theta" in facts else None,
+            "rope_type": facts.get("rope_type", "default"),
+            "calls": [],
+            "modules": [],
+        }
 
     def __call__(self, call: Recorded) -> None:
+        table = self.rope_tables.get(int(call.meta["rope"])) if "rope" in call.meta else None
+        if table is not None:
+            table["calls"].append(call.index)
+            if (call.module or "global") not in table["modules"]:
+                table["modules"].append(call.module or "global")
         if call.expects_grads:  # its gradients come with the backward: diagnosed then, or when the capture ends
             self._waiting[call.index] = Recorded(
                 call.index, call.kind, call.module, call.forward, cpu_tensors(call.tensors, copy=True), dict(call.meta)

@@ -266,11 +266,42 @@ def ranks_block(report: ModelReport) -> Text | None:
     return text
 
 
+def rope_what_if_lines(capture: dict | None) -> list[str]:
+    """--what-if rope:DTYPE: each recorded rotary table recomputed in the dtype, one line each."""
+    out = []
+    for check in (capture or {}).get("rope") or ():
+        for w in check.what_if:
+            distinct = (
+                f"positions stop being distinct at {w.first_indistinct:,}"
+                if w.first_indistinct is not None
+                else "positions stay distinct"
+            )
+            affected = (
+                f"first position affected {w.first_affected:,} ({w.affected_positions:,} positions past "
+                f"{check.tolerance:g} rad)"
+                if w.first_affected is not None
+                else "no position past the tolerance"
+            )
+            error = "not finite" if w.max_angle_error is None else f"{w.max_angle_error:.3g} rad"
+            out.append(
+                f"rope table {check.index} computed in {w.dtype} (positions {check.first_position:,} .. "
+                f"{check.last_position:,}): {distinct}; {affected}; angle error up to {error}"
+            )
+    return out
+
+
 def capture_block(report: ModelReport) -> Group | None:
-    """The capture's own findings (capture_incomplete), each a diagnostic."""
-    if not report.findings:
+    """The capture's own findings (capture_incomplete, rope_precision), each a diagnostic; and the RoPE what-ifs."""
+    what_ifs = rope_what_if_lines(report.capture)
+    if not report.findings and not what_ifs:
         return None
-    parts: list[Any] = [Text("Findings of the capture itself", style="bold")]
+    parts: list[Any] = [Text("Findings of the capture itself", style="bold")] if report.findings else []
     for f in report.findings:
         parts += [diagnostic(f.severity, f.code, f.message, None, f.fix), Text("")]
+    if what_ifs:
+        text = Text("What if the rotary tables were computed in another dtype (--what-if rope:DTYPE):\n", style="bold")
+        for line in what_ifs:
+            text.append(f"  {visible(line)}\n", style="")
+        text.rstrip()
+        parts.append(text)
     return Group(*parts)

@@ -235,11 +235,31 @@ def watch_figure(report: WatchReport):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np  # numpy: off the report's cheap path (the tables need none)
-    from matplotlib.ticker import MaxNLocator
 
     ranks = report.ranks
     several = len(ranks) > 1
+    rank, why, series, worst, all_calls, calls, notes = _drawn(report, ranks, several)
+    left_out = "; ".join(notes)
+    steps, logit, ent = _grids(series, calls)
+    labels = [plain_text(c) for c in calls]
+    with matplotlib.rc_context({"text.usetex": False}):  # names are text: parse_math is off on each
+        fig, axes = plt.subplots(3, 1, figsize=(10, 6 + 0.5 * len(calls)), constrained_layout=True)
+        try:
+            _heatmaps(fig, axes, logit, ent, steps, calls, labels, all_calls, notes, rank, why, ranks, several)
+            ax, curves = _curves(axes, worst, several)
+            _marks(axes, report, rank, curves)
+            if curves:
+                for text in ax.legend(fontsize=7, loc="upper left").get_texts():
+                    text.set_parse_math(False)
+        except BaseException:
+            plt.close(fig)
+            raise
+    return fig, left_out
+
+
+def _drawn(report: WatchReport, ranks, several):
+    """What the figure draws: the rank of the heatmaps (the first alert's, else the first with calls) and
+    its series, the worst heads, the calls drawn (those with alerts, then the largest logits), the notes."""
     rank = report.first.rank if report.first is not None and report.first.module else ranks[0]
     why = "the first alert's" if report.first is not None and report.first.module else "the first"
     series = [s for s in report.series if s.rank == rank]
@@ -261,7 +281,13 @@ def watch_figure(report: WatchReport):
         keep = set(calls)
         series = [s for s in series if s.module in keep]
         calls = [c for c in all_calls if c in keep]  # in the model's order
-    left_out = "; ".join(notes)
+    return rank, why, series, worst, all_calls, calls, notes
+
+
+def _grids(series, calls):
+    """The heatmaps' step x call grids: (steps, log10 of the largest logit, mean entropy), over heads."""
+    import numpy as np  # numpy: off the report's cheap path (the tables need none)
+
     steps = sorted({t for s in series for t in s.steps})
     col = {t: i for i, t in enumerate(steps)}
     row = {c: i for i, c in enumerate(calls)}
@@ -273,53 +299,54 @@ def watch_figure(report: WatchReport):
         e = np.array([np.nan if v is None else v for v in s.entropy_mean], dtype=np.float64)
         logit[r, cols] = np.fmax(logit[r, cols], np.log10(m))
         ent[r, cols] = np.fmin(ent[r, cols], e)
-    labels = [plain_text(c) for c in calls]
-    with matplotlib.rc_context({"text.usetex": False}):  # names are text: parse_math is off on each
-        fig, axes = plt.subplots(3, 1, figsize=(10, 6 + 0.5 * len(calls)), constrained_layout=True)
-        try:
-            extent = (steps[0] - 0.5, steps[-1] + 0.5, len(calls) - 0.5, -0.5)
-            calls_note = f" ({notes[-1]})" if len(all_calls) > len(calls) else ""
-            for ax, data, title, cmap in (
-                (axes[0], logit, "log10 of the largest logit (max over heads)", "magma"),
-                (axes[1], ent, "mean entropy of the sampled rows, nats (min over heads)", "viridis"),
-            ):
-                im = ax.imshow(data, aspect="auto", interpolation="nearest", extent=extent, cmap=cmap)
-                ax.set_yticks(range(len(calls)))
-                ax.set_yticklabels(labels, fontsize=7, parse_math=False)
-                ax.set_title(
-                    title
-                    + (f" - rank {rank} ({why}) of ranks {', '.join(map(str, ranks))}" if several else "")
-                    + calls_note,
-                    fontsize=9,
-                )
-                ax.set_xlabel("step")
-                fig.colorbar(im, ax=ax)
-            curves = worst[:CURVES_SHOWN]  # the heads table's worst, of every rank
-            ax = axes[2]
-            for s in curves:
-                ys = [v if v is not None and v > 0 else np.nan for v in s.max_logit]
-                ax.plot(s.steps, ys, label=plain_text((f"rank {s.rank} " if several else "") + s.label), linewidth=1.2)
-            ax.set_yscale("log")
-            ax.set_xlabel("step")
-            ax.set_ylabel("largest logit")
-            ax.set_title(
-                "the worst heads (alert steps marked" + (": of the ranks drawn)" if several else ")"), fontsize=9
-            )
-            drawn = {s.rank for s in curves}
-            for axis, of in ((axes[0], {rank}), (axes[1], {rank}), (axes[2], drawn)):
-                marks = {
-                    (a.step, a.severity)
-                    for a in report.alerts
-                    if a.rank in of and a.what_if is None and a.step is not None
-                }
-                for step, severity in sorted(marks):
-                    axis.axvline(step, color="red" if severity == "error" else "orange", linestyle="--", linewidth=0.8)
-            for axis in axes:
-                axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-            if curves:
-                for text in ax.legend(fontsize=7, loc="upper left").get_texts():
-                    text.set_parse_math(False)
-        except BaseException:
-            plt.close(fig)
-            raise
-    return fig, left_out
+    return steps, logit, ent
+
+
+def _heatmaps(fig, axes, logit, ent, steps, calls, labels, all_calls, notes, rank, why, ranks, several) -> None:
+    """The two step x call heatmaps (largest logit, entropy) on the first two axes."""
+    extent = (steps[0] - 0.5, steps[-1] + 0.5, len(calls) - 0.5, -0.5)
+    calls_note = f" ({notes[-1]})" if len(all_calls) > len(calls) else ""
+    for ax, data, title, cmap in (
+        (axes[0], logit, "log10 of the largest logit (max over heads)", "magma"),
+        (axes[1], ent, "mean entropy of the sampled rows, nats (min over heads)", "viridis"),
+    ):
+        im = ax.imshow(data, aspect="auto", interpolation="nearest", extent=extent, cmap=cmap)
+        ax.set_yticks(range(len(calls)))
+        ax.set_yticklabels(labels, fontsize=7, parse_math=False)
+        ax.set_title(
+            title + (f" - rank {rank} ({why}) of ranks {', '.join(map(str, ranks))}" if several else "") + calls_note,
+            fontsize=9,
+        )
+        ax.set_xlabel("step")
+        fig.colorbar(im, ax=ax)
+
+
+def _curves(axes, worst, several):
+    """The worst heads' largest logit over the steps, on the third axis: (that axis, the curves drawn)."""
+    import numpy as np  # (as in _grids)
+
+    curves = worst[:CURVES_SHOWN]  # the heads table's worst, of every rank
+    ax = axes[2]
+    for s in curves:
+        ys = [v if v is not None and v > 0 else np.nan for v in s.max_logit]
+        ax.plot(s.steps, ys, label=plain_text((f"rank {s.rank} " if several else "") + s.label), linewidth=1.2)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("largest logit")
+    ax.set_title("the worst heads (alert steps marked" + (": of the ranks drawn)" if several else ")"), fontsize=9)
+    return ax, curves
+
+
+def _marks(axes, report: WatchReport, rank, curves) -> None:
+    """The alert steps marked on each axis (of the ranks it draws), and whole-number step ticks."""
+    from matplotlib.ticker import MaxNLocator  # matplotlib: only when a plot is asked (as in watch_figure)
+
+    drawn = {s.rank for s in curves}
+    for axis, of in ((axes[0], {rank}), (axes[1], {rank}), (axes[2], drawn)):
+        marks = {
+            (a.step, a.severity) for a in report.alerts if a.rank in of and a.what_if is None and a.step is not None
+        }
+        for step, severity in sorted(marks):
+            axis.axvline(step, color="red" if severity == "error" else "orange", linestyle="--", linewidth=0.8)
+    for axis in axes:
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers

@@ -52,6 +52,7 @@ class KVHead:
     hold_k_head: float
     hold_v_head: float
     channels: list[KVChannel] = field(default_factory=list)  # where K's and V's amax sit
+    q_saturated: int = 0  # read by FlashAttention-3's FP8 path ('head:fa3'): Q's entries beyond the format's range
 
 
 @dataclass
@@ -59,8 +60,8 @@ class KVWhatIf:
     """One cache (format, scaling) over the calls: every layer's kv heads, and the findings they lead to."""
 
     format: str  # 'fp8_e4m3'
-    scaling: str  # 'unit', 'tensor', 'head' or 'dynamic'
-    format_max: float
+    scaling: str  # 'unit', 'tensor', 'head' or 'dynamic'; an integer cache's groups: 'g64', 'g64:r128'
+    format_max: float  # FP8: the format's largest value; int4: its largest level, 15
     heads: list[KVHead] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     summary: str = ""  # the one line a person reads first

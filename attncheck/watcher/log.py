@@ -30,8 +30,6 @@ class LogMixin:
 
     def _write(self, unseen: bool) -> None:
         # inside: attncheck.watcher imports without torch ('attncheck watch LOG' reads a log through watcher.trends)
-        import torch
-
         from attncheck.watcher.stats import CallStats, grad_counts_many, sdpa_stats_many
 
         calls, grads, loss, forwards = self._calls, self._grads, self._loss, self._forwards
@@ -43,76 +41,9 @@ class LogMixin:
         for c, st in zip(pending, sdpa_stats_many([c.stats for c in pending])):
             c.stats = st
         grads = list(zip((m for m, _ in grads), grad_counts_many([gs for _, gs in grads])))
-        parts, shapes = [], []
-        for c in calls:
-            s = c.stats
-            for t in (
-                s.max_logit,
-                s.exact,
-                s.entropy_min,
-                s.entropy_mean,
-                s.collapsed,
-                s.q_max,
-                s.k_max,
-                s.nonfinite_rows,
-            ):
-                if t is None:
-                    shapes.append(None)
-                    continue
-                flat = t.reshape(-1).float().cpu()
-                parts.append(flat)
-                shapes.append(flat.numel())
-        for _, g in grads:
-            for t in (g.nonfinite, g.zeros, g.max_abs):
-                flat = torch.as_tensor(t).reshape(-1).float().cpu()
-                parts.append(flat)
-                shapes.append(flat.numel())
-        values = torch.cat(parts).tolist() if parts else []  # the one read-back of the step
-        it = iter(shapes)
-        pos = 0
-
-        def take():
-            nonlocal pos
-            n = next(it)
-            if n is None:
-                return None
-            out = values[pos : pos + n]
-            pos += n
-            return [None if not math.isfinite(x) else x for x in out]
-
-        out_calls = []
-        for c in calls:
-            ml, ex, emin, emean, col, qm, km, bad = (take() for _ in range(8))
-            out_calls.append(
-                {
-                    "module": c.module,
-                    "kind": c.kind,
-                    "dtype": c.dtype,
-                    "path": c.path,
-                    "heads": len(ml),
-                    "max_logit": ml,
-                    "exact": [bool(x) for x in ex],
-                    "entropy_min": emin,
-                    "entropy_mean": emean,
-                    "collapsed": col,
-                    "q_max": qm,
-                    "k_max": km,
-                    "nonfinite_rows": int(bad[0] or 0),
-                    "scale": c.scale,
-                    "limit": {"logit": c.limit_logit, "what": c.limit_what},
-                }
-            )
-        out_grads = []
-        for module, g in grads:
-            nonfinite, zeros, peak = (take()[0] for _ in range(3))
-            out_grads.append(
-                {
-                    "module": module,
-                    "nonfinite": int(nonfinite or 0),
-                    "zero_frac": (zeros or 0) / g.total if g.total else None,
-                    "max_abs": peak if not (nonfinite or 0) else None,
-                }
-            )
+        take = _read_back(calls, grads)
+        out_calls = _call_records(calls, take)
+        out_grads = _grad_records(grads, take)
         record = {
             "schema": WATCH_SCHEMA,
             "attncheck_version": __version__,
@@ -147,6 +78,94 @@ class LogMixin:
             self._file.flush()
         if self._tensorboard is not None:
             self._tensorboard.add_scalar("attncheck/loss", value, step)
+
+
+def _read_back(calls, grads):
+    """Every number of the step's calls and gradients in one read-back from the device; ``take()`` then
+    gives them in order, one statistic at a time (None for one not computed, non-finite values as None)."""
+    import torch  # (as in _write)
+
+    parts, shapes = [], []
+    for c in calls:
+        s = c.stats
+        for t in (
+            s.max_logit,
+            s.exact,
+            s.entropy_min,
+            s.entropy_mean,
+            s.collapsed,
+            s.q_max,
+            s.k_max,
+            s.nonfinite_rows,
+        ):
+            if t is None:
+                shapes.append(None)
+                continue
+            flat = t.reshape(-1).float().cpu()
+            parts.append(flat)
+            shapes.append(flat.numel())
+    for _, g in grads:
+        for t in (g.nonfinite, g.zeros, g.max_abs):
+            flat = torch.as_tensor(t).reshape(-1).float().cpu()
+            parts.append(flat)
+            shapes.append(flat.numel())
+    values = torch.cat(parts).tolist() if parts else []  # the one read-back of the step
+    it = iter(shapes)
+    pos = 0
+
+    def take():
+        nonlocal pos
+        n = next(it)
+        if n is None:
+            return None
+        out = values[pos : pos + n]
+        pos += n
+        return [None if not math.isfinite(x) else x for x in out]
+
+    return take
+
+
+def _call_records(calls, take) -> list[dict]:
+    """Each call's entry of the record: its module, kind, dtype, path, per-head statistics, scale and limit."""
+    out_calls = []
+    for c in calls:
+        ml, ex, emin, emean, col, qm, km, bad = (take() for _ in range(8))
+        out_calls.append(
+            {
+                "module": c.module,
+                "kind": c.kind,
+                "dtype": c.dtype,
+                "path": c.path,
+                "heads": len(ml),
+                "max_logit": ml,
+                "exact": [bool(x) for x in ex],
+                "entropy_min": emin,
+                "entropy_mean": emean,
+                "collapsed": col,
+                "q_max": qm,
+                "k_max": km,
+                "nonfinite_rows": int(bad[0] or 0),
+                "scale": c.scale,
+                "limit": {"logit": c.limit_logit, "what": c.limit_what},
+            }
+        )
+    return out_calls
+
+
+def _grad_records(grads, take) -> list[dict]:
+    """Each module's gradient entry: NaN/inf count, share of zeros, largest magnitude."""
+    out_grads = []
+    for module, g in grads:
+        nonfinite, zeros, peak = (take()[0] for _ in range(3))
+        out_grads.append(
+            {
+                "module": module,
+                "nonfinite": int(nonfinite or 0),
+                "zero_frac": (zeros or 0) / g.total if g.total else None,
+                "max_abs": peak if not (nonfinite or 0) else None,
+            }
+        )
+    return out_grads
 
 
 def _summary_writer(where, rank: int, world: int):

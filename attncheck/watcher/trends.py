@@ -177,72 +177,114 @@ def analyse(
     alerts: list[WatchAlert] = []
     rate_per_step = math.log(growth) / 100.0
     for s in series:
-        slope, tstat = rolling_fit(s.steps, s.max_logit, window)
-        x = np.array([v if v is not None else np.nan for v in s.max_logit], dtype=np.float64)
-        with np.errstate(invalid="ignore"):
-            real = np.abs(tstat) >= MIN_T
-        candidates = np.flatnonzero(real)
-        real[candidates] = jump_free(s.steps, s.max_logit, slope, window, candidates)
-        trend = np.where(real, slope, np.nan)  # a slope that is no real trend is no growth
-        last = trend[-1] if trend.size else np.nan
-        s.growth = (
-            float(math.exp(100 * last))
-            if np.isfinite(last) and last * 100 < 700
-            else (math.inf if np.isfinite(last) else None)
-        )
-        limit = np.array([v if v is not None else np.nan for v in s.limits], dtype=np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            to_limit = np.where((trend > 0) & (x > 0), np.log(limit / x) / trend, np.inf)
-            s.steps_to_limit = float(to_limit[-1]) if to_limit.size and np.isfinite(to_limit[-1]) else None
-            growing = (trend >= rate_per_step) & (x >= level)
-        i = _first(growing)
-        if i is not None:
-            alerts.append(
-                _alert(
-                    "logit_growth",
-                    s,
-                    i,
-                    f"the largest logit grows {factor_text(trend[i])} per 100 steps "
-                    f"(over the last {window} records) and reached {num(x[i])} (level {num(level)}); now {num(x[-1])}",
-                )
-            )
-        col = np.array([v if v is not None else np.nan for v in s.collapsed], dtype=np.float64)
-        with np.errstate(invalid="ignore"):
-            i = _first(col >= collapse)
-        if i is not None:
-            ent = s.entropy_mean[i]
-            alerts.append(
-                _alert(
-                    "entropy_collapse",
-                    s,
-                    i,
-                    f"{col[i]:.0%} of its sampled rows put over 0.99 of their weight on one key "
-                    f"(mean entropy {num(ent)} nats)",
-                )
-            )
-        limits = [(None, limit, s.limit_whats)] if np.isfinite(limit).any() else []  # each step's own limit and text
-        for name, dtype_limit in (what_if or {}).items():
-            scale = abs(s.scale) if s.scale else 1.0
-            said = f"hand-written attention in {name}: S = Q@K^T rounds to inf at |S| >= {dtype_limit:.6g}"
-            limits.append((name, np.full(x.shape, dtype_limit * scale), [said] * len(x)))
-        for name, lim, what in limits:
-            with np.errstate(invalid="ignore", divide="ignore"):
-                steps_left = np.where((trend > 0) & (x > 0), np.log(lim / x) / trend, np.inf)
-                # early training's rise, extrapolated, is no alarm
-                i = _first((steps_left < horizon) & (x >= np.fmin(level, lim)))
-            if i is not None:
-                reached = " (already past it)" if x[i] >= lim[i] else ""
-                alerts.append(
-                    _alert(
-                        "headroom_low",
-                        s,
-                        i,
-                        f"at {factor_text(trend[i])} per 100 steps the largest logit ({num(x[i])}) reaches "
-                        f"{num(lim[i])} in {num(max(steps_left[i], 0.0))} steps{reached}: {what[i]}",
-                        what_if=name,
-                    )
-                )
+        _series_alerts(s, alerts, window, level, rate_per_step, collapse, horizon, what_if)
     alerts += divergence(series, rank_factor)
+    _nonfinite_alerts(logs, alerts)
+    notes = [n for log in logs for n in log.notes]
+    _unseen_steps(logs, alerts, notes)
+    alerts.sort(key=lambda a: (a.step, a.what_if is not None, a.rank, a.module, -1 if a.head is None else a.head))
+    steps = [r.step for log in logs for r in log.records]
+    losses = {log.rank: [(r.step, r.loss) for r in log.records if r.loss is not None] for log in logs}
+    return WatchReport(
+        [log.path for log in logs],
+        [log.rank for log in logs],
+        sum(len(log.records) for log in logs),
+        min(steps),
+        max(steps),
+        series,
+        alerts,
+        {r: v for r, v in losses.items() if v},
+        notes,
+        {
+            "window": window,
+            "level": level,
+            "growth": growth,
+            "horizon": horizon,
+            "collapse": collapse,
+            "rank_factor": rank_factor,
+            "what_if": sorted(what_if or {}),
+        },
+    )
+
+
+def _series_alerts(s, alerts, window, level, rate_per_step, collapse, horizon, what_if) -> None:
+    """One head's series: its growth fitted (s.growth, s.steps_to_limit set) and its logit_growth,
+    entropy_collapse and headroom_low alerts appended to ``alerts``."""
+    slope, tstat = rolling_fit(s.steps, s.max_logit, window)
+    x = np.array([v if v is not None else np.nan for v in s.max_logit], dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        real = np.abs(tstat) >= MIN_T
+    candidates = np.flatnonzero(real)
+    real[candidates] = jump_free(s.steps, s.max_logit, slope, window, candidates)
+    trend = np.where(real, slope, np.nan)  # a slope that is no real trend is no growth
+    last = trend[-1] if trend.size else np.nan
+    s.growth = (
+        float(math.exp(100 * last))
+        if np.isfinite(last) and last * 100 < 700
+        else (math.inf if np.isfinite(last) else None)
+    )
+    limit = np.array([v if v is not None else np.nan for v in s.limits], dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        to_limit = np.where((trend > 0) & (x > 0), np.log(limit / x) / trend, np.inf)
+        s.steps_to_limit = float(to_limit[-1]) if to_limit.size and np.isfinite(to_limit[-1]) else None
+        growing = (trend >= rate_per_step) & (x >= level)
+    i = _first(growing)
+    if i is not None:
+        alerts.append(
+            _alert(
+                "logit_growth",
+                s,
+                i,
+                f"the largest logit grows {factor_text(trend[i])} per 100 steps "
+                f"(over the last {window} records) and reached {num(x[i])} (level {num(level)}); now {num(x[-1])}",
+            )
+        )
+    col = np.array([v if v is not None else np.nan for v in s.collapsed], dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        i = _first(col >= collapse)
+    if i is not None:
+        ent = s.entropy_mean[i]
+        alerts.append(
+            _alert(
+                "entropy_collapse",
+                s,
+                i,
+                f"{col[i]:.0%} of its sampled rows put over 0.99 of their weight on one key "
+                f"(mean entropy {num(ent)} nats)",
+            )
+        )
+    _headroom_alerts(s, alerts, x, trend, limit, level, horizon, what_if)
+
+
+def _headroom_alerts(s, alerts, x, trend, limit, level, horizon, what_if) -> None:
+    """headroom_low: the step from which, at its growth, a head reaches its limit within ``horizon``
+    steps: its own dtype's limit at each step, then each ``what_if`` dtype's."""
+    limits = [(None, limit, s.limit_whats)] if np.isfinite(limit).any() else []  # each step's own limit and text
+    for name, dtype_limit in (what_if or {}).items():
+        scale = abs(s.scale) if s.scale else 1.0
+        said = f"hand-written attention in {name}: S = Q@K^T rounds to inf at |S| >= {dtype_limit:.6g}"
+        limits.append((name, np.full(x.shape, dtype_limit * scale), [said] * len(x)))
+    for name, lim, what in limits:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            steps_left = np.where((trend > 0) & (x > 0), np.log(lim / x) / trend, np.inf)
+            # early training's rise, extrapolated, is no alarm
+            i = _first((steps_left < horizon) & (x >= np.fmin(level, lim)))
+        if i is not None:
+            reached = " (already past it)" if x[i] >= lim[i] else ""
+            alerts.append(
+                _alert(
+                    "headroom_low",
+                    s,
+                    i,
+                    f"at {factor_text(trend[i])} per 100 steps the largest logit ({num(x[i])}) reaches "
+                    f"{num(lim[i])} in {num(max(steps_left[i], 0.0))} steps{reached}: {what[i]}",
+                    what_if=name,
+                )
+            )
+
+
+def _nonfinite_alerts(logs, alerts) -> None:
+    """nonfinite: per call (not per head), the first step whose output rows or gradients held NaN or inf."""
     for log in logs:  # NaN and inf: per call (not per head), from the output rows and the gradients
         done: set[str] = set()
         for rec in log.records:
@@ -275,7 +317,10 @@ def analyse(
                             f"{g.nonfinite} gradient entries of dq, dk, dv hold NaN or inf",
                         )
                     )
-    notes = [n for log in logs for n in log.notes]
+
+
+def _unseen_steps(logs, alerts, notes) -> None:
+    """no_attention for a log without any call; a note of the steps that ran no training forward."""
     for log in logs:
         unseen = [r.step for r in log.records if r.forwards == 0]
         if not any(r.calls for r in log.records):
@@ -300,29 +345,6 @@ def analyse(
                 f"rank {log.rank}: {len(unseen)} step(s) ran no training forward of the watched module "
                 f"(steps {_steps_text(unseen)}): nothing was recorded for them"
             )
-    alerts.sort(key=lambda a: (a.step, a.what_if is not None, a.rank, a.module, -1 if a.head is None else a.head))
-    steps = [r.step for log in logs for r in log.records]
-    losses = {log.rank: [(r.step, r.loss) for r in log.records if r.loss is not None] for log in logs}
-    return WatchReport(
-        [log.path for log in logs],
-        [log.rank for log in logs],
-        sum(len(log.records) for log in logs),
-        min(steps),
-        max(steps),
-        series,
-        alerts,
-        {r: v for r, v in losses.items() if v},
-        notes,
-        {
-            "window": window,
-            "level": level,
-            "growth": growth,
-            "horizon": horizon,
-            "collapse": collapse,
-            "rank_factor": rank_factor,
-            "what_if": sorted(what_if or {}),
-        },
-    )
 
 
 def divergence(series: list[WatchSeries], factor: float) -> list[WatchAlert]:

@@ -13,7 +13,7 @@ from attncheck.cli import app
 
 runner = CliRunner()
 WIDTH = 80
-COMMANDS = [None, "run", "sweep", "check", "capture", "explain"]
+COMMANDS = [None, "run", "sweep", "check", "capture", "explain", "rope"]
 
 
 def help_text(command: str | None, width: int = WIDTH) -> str:

@@ -91,6 +91,54 @@ def quantised_attention_f64(capture, v_scale: float):
     return sat, cos, rel
 
 
+def int4_attention_f64(capture, group: int, residual: int):
+    """Layer LAYER's call with K and V through quanto's int4 cache (tests/numerics/test_kvcache_int4.py's numpy
+    re-computation), attention in float64 against float64 attention on K and V as recorded -> (flushed K and V
+    entries, worst-row cosine, relative L2, largest group scale of K and of V) per kv head."""
+    from tests.numerics.test_kvcache_int4 import int4_read_f64
+
+    t = load_file(str(capture / f"000{LAYER}-model.layers.{LAYER}.self_attn.safetensors"))
+    q, k, v = (t[n].double().numpy() for n in ("q", "k", "v"))
+    (kq, ks), (vq, vs) = int4_read_f64(k, group, residual), int4_read_f64(v, group, residual)
+
+    def attend(kk, vv):
+        kk, vv = np.repeat(kk, 2, axis=1), np.repeat(vv, 2, axis=1)
+        s = q @ kk.transpose(0, 1, 3, 2) / np.sqrt(D)
+        s = np.where(np.triu(np.ones((32, 32), bool), 1), -np.inf, s)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return (p / p.sum(-1, keepdims=True)) @ vv
+
+    o, r = attend(kq, vq), attend(k, v)
+    out = []
+    for h in range(2):
+        a, b = o[:, 2 * h : 2 * h + 2].reshape(-1, D), r[:, 2 * h : 2 * h + 2].reshape(-1, D)
+        cos = ((a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)).min()
+        flushed = [int(((x[:, h] != 0) & (xq[:, h] == 0)).sum()) for x, xq in ((k, kq), (v, vq))]
+        per_value = [np.repeat(sc, group, axis=1).reshape(2, 2, 32 - residual, D)[:, h].max() for sc in (ks, vs)]
+        out.append((flushed, cos, np.linalg.norm(a - b) / np.linalg.norm(b), per_value))
+    return out
+
+
+def test_int4_cache_against_float64_written_here(planted, tmp_path):
+    """kv:int4 (groups of 64: 4 tokens of a kv head at head_dim 16) and kv:int4:g16:r8 (one token's channels, the
+    last 8 tokens in bf16) against the numpy re-computation; no saturation counted; the planted head's V groups
+    coarse (their step the outliers' range / 15)."""
+    doc = run_json(tmp_path, planted, "--what-if", "kv:int4,kv:int4:g16:r8")
+    assert [c["what_if"] for c in doc["kv_cache"]["caches"]] == ["kv:int4:g64", "kv:int4:g16:r8"]
+    for name, group, residual in (("kv:int4:g64", 64, 0), ("kv:int4:g16:r8", 16, 8)):
+        cache, heads = heads_of(doc, name)
+        assert cache["format_max"] == 15
+        for h, (flushed, cos, rel, scales) in enumerate(int4_attention_f64(planted, group, residual)):
+            got = heads[(str(LAYER), h)]
+            assert [got["k_flushed"], got["v_flushed"]] == flushed
+            assert got["k_saturated"] == got["v_saturated"] == 0 and got["hold_v_head"] is None
+            assert [got["k_scale"], got["v_scale"]] == scales
+            # O from the cache against float64 on K and V as recorded: the module's is FlashAttention-2 in bf16
+            assert abs(got["cosine_f64"] - cos) < 5e-3 and abs(got["rel_l2_f64"] - rel) < 0.05 * rel + 5e-3
+    heads = heads_of(doc, "kv:int4:g64")[1]
+    assert heads[(str(LAYER), KV_HEAD)]["v_scale"] > 100 * heads[(str(LAYER), 1 - KV_HEAD)]["v_scale"]
+
+
 def heads_of(doc, name):
     cache = next(c for c in doc["kv_cache"]["caches"] if c["what_if"] == name)
     return cache, {(h["module"].split(".")[2], h["kv_head"]): h for h in cache["heads"]}
@@ -155,7 +203,12 @@ def test_fail_on_what_if_fails_only_when_asked(planted, tmp_path):
     "token, expected",
     [
         ("kv", "'kv' is not kv:FORMAT[:SCALING]"),
-        ("kv:fp9", "'kv:fp9': the KV cache format must be one of fp8_e4m3, fp8_e5m2"),
+        ("kv:fp9", "'kv:fp9': the KV cache format must be one of fp8_e4m3, fp8_e5m2, int4"),
+        ("kv:int4:head", "'kv:int4:head': int4's scale and shift are per group"),
+        ("kv:int8", "'kv:int8': not emulated: transformers' quanto cache takes nbits 2 or 4 only"),
+        ("kv:int4:g", "'kv:int4:g' is not kv:int4[:gGROUP][:rRESIDUAL]"),
+        ("kv:fp8_e5m2:head:fa3", "'kv:fp8_e5m2:head:fa3': FlashAttention-3's FP8 path reads e4m3 only"),
+        ("kv:fp8_e4m3:row:fa3", "'kv:fp8_e4m3:row:fa3' is not kv:fp8_e4m3[:SCALING]:fa3"),
         ("kv:fp8_e4m3:row", "'kv:fp8_e4m3:row': the KV cache scaling must be one of unit, tensor, head, dynamic"),
         ("kv:fp8_e4m3:unit:x", "is not kv:FORMAT[:SCALING]"),
     ],
@@ -189,8 +242,16 @@ def test_qkv_dumps(tmp_path):
     assert [h["v_saturated"] for h in heads] == want and want[1] > 0 and want[0] == 0
     result = runner.invoke(app, [*args, "--what-if", "kv:fp8_e4m3:head", "--fail-on", "what-if:warning"])
     assert result.exit_code == 0, result.output
-    assert "KV-cache what-ifs" in result.output and "flush" in result.output
-    assert "FP8 e4m3 KV at head scale: nothing saturates" in result.output
+    assert "KV-cache what-ifs" in result.output
+    # nothing saturates, no head breaks: the cache is its summary line, its table only with --full (every head)
+    assert "FP8 e4m3 KV at head scale: nothing saturates; worst cosine" in result.output
+    header = ["kv", "amax", "scale", "sat", "flush", "cos", "f64"]
+    assert not any(line.split() == header for line in result.output.splitlines())
+    result = runner.invoke(app, [*args, "--what-if", "kv:fp8_e4m3:head", "--full"], env={"COLUMNS": "80"})
+    lines = result.output.splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.split() == header) + 2 :][:4]
+    assert sorted(line.split()[0] for line in table) == ["0", "1", "2", "3"]  # every kv head, one line each
+    assert all(len(line.split()) == len(header) for line in table)
     # no model here (the tensors' implementation is not known): the cache counts as the cells asked do
     result = runner.invoke(app, [*args, "--what-if", "kv:fp8_e4m3:unit", "--fail-on", "warning"])
     assert result.exit_code == 1 and "--fail-on warning: kv:fp8_e4m3:unit: kv_cache_saturation" in result.stderr

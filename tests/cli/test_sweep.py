@@ -270,7 +270,7 @@ def test_plot_writes_a_png(tmp_path):
 def test_plot_has_overflow_and_error_maps_per_dtype():
     import matplotlib.pyplot as plt
 
-    from attncheck.report.sweep import sweep_figure
+    from attncheck.report.sweep_plot import sweep_figure
 
     config = SweepConfig(
         dks=(16, 256),

@@ -310,70 +310,116 @@ def diagnose_backward(
     for u0 in range(0, b * hk, units_per_block):
         u1 = min(b * hk, u0 + units_per_block)
         h0, h1 = u0 * groups, u1 * groups
-        kx, vx = k[u0:u1], v[u0:u1]
-        if groups > 1:
-            kx, vx = kx.repeat_interleave(groups, dim=0), vx.repeat_interleave(groups, dim=0)
-        hb = bw.HeadBlock(
-            q=q[h0:h1],
-            k=kx,
-            v=vx,
-            dout=dout[h0:h1],
-            masked=_slice_heads(inp.masked, h0, h1, hq),
-            mask_float=_slice_heads(inp.mask_float, h0, h1, hq),
-            scale=inp.scale,
-            scale_order=inp.scale_order,
-            mask_value=inp.eager_value,
-            sdpa_mask_value=inp.mask_value,
-            scores=None if scores is None else scores[h0:h1],
-            out=None if out is None else out[h0:h1],
-            causal=grads.causal,
-        )
-        rq, rk, rv, ref_peaks = bw.reference(hb)
-        rk, rv = rk.reshape(-1, groups, tk, d).sum(dim=1), rv.reshape(-1, groups, tk, rv.shape[-1]).sum(dim=1)
-        if groups > 1:  # a kv head's dK, dV are the sums over its group; each query head's share is held too
-            for name, summed in (("dK", rk), ("dV", rv)):
-                ref_peaks[f"{name} per query head"] = ref_peaks[name]
-                ref_peaks[name] = bw.peak(summed)
-        for name, top in ref_peaks.items():
-            peaks[name] = max(peaks.get(name, 0.0), top)
+        hb = _head_block(inp, grads, q, k, v, dout, scores, out, u0, u1, h0, h1, groups, hq)
+        rq, rk, rv = _reference(hb, groups, tk, d, peaks)
         dout_bad = ~torch.isfinite(hb.dout).all(dim=-1)  # (n, Tq)
         dout_nan = torch.isnan(hb.dout).any(dim=-1)
         dout_rows += int(dout_bad.sum())
         v_bad = ~torch.isfinite(hb.v).reshape(hb.v.shape[0], -1).all(dim=-1)  # (n,)
-        for dtype_name, base in baselines.items():
-            dt = dtype_from_name(dtype_name)
-            pg = _run_path(
-                base, hb, dt, grads, exact=False
-            )  # a yardstick: its products through fp32, rounded as torch's are
-            for name, g, r in (
-                ("dq", pg.dq.to(dt), rq),
-                ("dk", _group_sum(pg.dk, groups, None, dt), rk),
-                ("dv", _group_sum(pg.dv, groups, None, dt), rv),
-            ):
-                g64 = g.to(torch.float64)
-                both = torch.isfinite(g64) & torch.isfinite(r)
-                if both.any():
-                    err = float(torch.where(both, (g64 - r).abs(), 0.0).max())
-                    base_err[dtype_name][name] = max(base_err[dtype_name][name] or 0.0, err)
-        for cell in cells:
-            dt = dtype_from_name(cell.dtype)
-            compare = cell.model and bool(real)
-            pg = _run_path(cell, hb if cell.model else _without_recorded(hb), dt, grads, terms=compare)
-            gq = pg.dq.to(dt)
-            gk = _group_sum(pg.dk, groups, pg.group_sum_dtype, dt)
-            gv = _group_sum(pg.dv, groups, pg.group_sum_dtype, dt)
-            dout_cast_bad = (
-                ~torch.isfinite(cast(hb.dout, dt)).all(dim=-1) & ~dout_bad
-            )  # dO finite as given, beyond the dtype's range
-            q_cause, v_cause = _cause_index(pg, dout_bad, dout_nan, dout_cast_bad, v_bad)
-            acc = accs[cell]
-            acc["dq"].update(gq, rq, q_cause, h0, hq)
-            acc["dk"].update(gk, rk, _key_cause(q_cause, groups, tk), u0, hk)
-            acc["dv"].update(gv, rv, _key_cause(v_cause, groups, tk), u0, hk)
-            share = _label(_share_dtype(cell, pg, dt, grads))
-            held[cell] = pg.held + ([(f"{name} per query head", share) for name in ("dK", "dV")] if groups > 1 else [])
-            if compare:
-                _compare_real(cell, acc, real, hb, pg, (gq, gk, gv), dt, groups, h0, h1, u0, u1, grads)
+        _baseline_errors(baselines, hb, grads, groups, rq, rk, rv, base_err)
+        _cell_errors(
+            cells,
+            hb,
+            grads,
+            real,
+            accs,
+            held,
+            (rq, rk, rv),
+            (dout_bad, dout_nan, v_bad),
+            (h0, h1, u0, u1),
+            groups,
+            tk,
+            hq,
+            hk,
+        )
+    return _results(cells, accs, base_err, held, peaks, grads, dout_rows, real)
+
+
+def _head_block(inp, grads, q, k, v, dout, scores, out, u0, u1, h0, h1, groups, hq) -> bw.HeadBlock:
+    """Query heads h0..h1 (kv heads u0..u1, repeated over their group) with their dO, mask and recorded tensors."""
+    kx, vx = k[u0:u1], v[u0:u1]
+    if groups > 1:
+        kx, vx = kx.repeat_interleave(groups, dim=0), vx.repeat_interleave(groups, dim=0)
+    hb = bw.HeadBlock(
+        q=q[h0:h1],
+        k=kx,
+        v=vx,
+        dout=dout[h0:h1],
+        masked=_slice_heads(inp.masked, h0, h1, hq),
+        mask_float=_slice_heads(inp.mask_float, h0, h1, hq),
+        scale=inp.scale,
+        scale_order=inp.scale_order,
+        mask_value=inp.eager_value,
+        sdpa_mask_value=inp.mask_value,
+        scores=None if scores is None else scores[h0:h1],
+        out=None if out is None else out[h0:h1],
+        causal=grads.causal,
+    )
+    return hb
+
+
+def _reference(hb, groups, tk, d, peaks):
+    """The float64 backward of the block: (dQ, dK, dV), dK and dV summed over each kv head's group; the
+    largest magnitudes folded into ``peaks``."""
+    rq, rk, rv, ref_peaks = bw.reference(hb)
+    rk, rv = rk.reshape(-1, groups, tk, d).sum(dim=1), rv.reshape(-1, groups, tk, rv.shape[-1]).sum(dim=1)
+    if groups > 1:  # a kv head's dK, dV are the sums over its group; each query head's share is held too
+        for name, summed in (("dK", rk), ("dV", rv)):
+            ref_peaks[f"{name} per query head"] = ref_peaks[name]
+            ref_peaks[name] = bw.peak(summed)
+    for name, top in ref_peaks.items():
+        peaks[name] = max(peaks.get(name, 0.0), top)
+    return rq, rk, rv
+
+
+def _baseline_errors(baselines, hb, grads, groups, rq, rk, rv, base_err) -> None:
+    """FlashAttention's yardstick: plain attention's error in each dtype, its largest per gradient into ``base_err``."""
+    for dtype_name, base in baselines.items():
+        dt = dtype_from_name(dtype_name)
+        pg = _run_path(
+            base, hb, dt, grads, exact=False
+        )  # a yardstick: its products through fp32, rounded as torch's are
+        for name, g, r in (
+            ("dq", pg.dq.to(dt), rq),
+            ("dk", _group_sum(pg.dk, groups, None, dt), rk),
+            ("dv", _group_sum(pg.dv, groups, None, dt), rv),
+        ):
+            g64 = g.to(torch.float64)
+            both = torch.isfinite(g64) & torch.isfinite(r)
+            if both.any():
+                err = float(torch.where(both, (g64 - r).abs(), 0.0).max())
+                base_err[dtype_name][name] = max(base_err[dtype_name][name] or 0.0, err)
+
+
+def _cell_errors(cells, hb, grads, real, accs, held, ref, bad, at, groups, tk, hq, hk) -> None:
+    """Each cell's backward on the block: its gradients against the reference (with each bad entry's
+    cause) into ``accs``, what its path holds into ``held``, the recorded gradients compared."""
+    rq, rk, rv = ref
+    dout_bad, dout_nan, v_bad = bad
+    h0, h1, u0, u1 = at
+    for cell in cells:
+        dt = dtype_from_name(cell.dtype)
+        compare = cell.model and bool(real)
+        pg = _run_path(cell, hb if cell.model else _without_recorded(hb), dt, grads, terms=compare)
+        gq = pg.dq.to(dt)
+        gk = _group_sum(pg.dk, groups, pg.group_sum_dtype, dt)
+        gv = _group_sum(pg.dv, groups, pg.group_sum_dtype, dt)
+        dout_cast_bad = (
+            ~torch.isfinite(cast(hb.dout, dt)).all(dim=-1) & ~dout_bad
+        )  # dO finite as given, beyond the dtype's range
+        q_cause, v_cause = _cause_index(pg, dout_bad, dout_nan, dout_cast_bad, v_bad)
+        acc = accs[cell]
+        acc["dq"].update(gq, rq, q_cause, h0, hq)
+        acc["dk"].update(gk, rk, _key_cause(q_cause, groups, tk), u0, hk)
+        acc["dv"].update(gv, rv, _key_cause(v_cause, groups, tk), u0, hk)
+        share = _label(_share_dtype(cell, pg, dt, grads))
+        held[cell] = pg.held + ([(f"{name} per query head", share) for name in ("dK", "dV")] if groups > 1 else [])
+        if compare:
+            _compare_real(cell, acc, real, hb, pg, (gq, gk, gv), dt, groups, h0, h1, u0, u1, grads)
+
+
+def _results(cells, accs, base_err, held, peaks, grads, dout_rows, real) -> dict[BackwardCell, CellBackward]:
+    """Each cell's CellBackward: its gradients' errors (against the dtype's yardstick), headroom and how it computes."""
     results = {}
     for cell in cells:
         dt = dtype_from_name(cell.dtype)

@@ -152,32 +152,7 @@ def prepare_inputs(
     ``eager_mask_value``: what they become on the eager path instead (``AttentionInputs.eager_mask_value``).
     What the diagnosis holds whole (float64 copies of q, k and v, the mask planes over every
     score) is estimated first and refused when it exceeds ``max_bytes``."""
-    for name, t in (("q", q), ("k", k)) + ((("v", v),) if v is not None else ()):
-        check_scores_dtype(name, t.dtype)
-    if q.shape[-1] != k.shape[-1]:
-        raise AttncheckError(
-            f"q and k have different head dims: q {tuple(q.shape)} has d = {q.shape[-1]}, k {tuple(k.shape)} has d = "
-            f"{k.shape[-1]}"
-        )
-    if q.dim() != k.dim():
-        raise AttncheckError(f"q {tuple(q.shape)} and k {tuple(k.shape)} have different numbers of axes")
-    q4, lead = _as_4d("q", q)
-    k4, _ = _as_4d("k", k)
-    if q.dim() >= 3 and tuple(q.shape[:-3]) != tuple(k.shape[:-3]):
-        raise AttncheckError(f"q {tuple(q.shape)} and k {tuple(k.shape)} have different batch axes")
-    v4 = None
-    if v is not None:
-        if v.dim() != k.dim() or tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
-            raise AttncheckError(
-                f"v {tuple(v.shape)} does not match k {tuple(k.shape)}: v needs k's batch and head axes and its "
-                f"{k.shape[-2]} tokens (the last axis, the value dimension, may differ)"
-            )
-        v4, _ = _as_4d("v", v)
-    hq, hk = q4.shape[1], k4.shape[1]
-    if hq % hk:
-        raise AttncheckError(
-            f"k has {hk} heads, which does not divide q's {hq} heads (q {tuple(q.shape)}, k {tuple(k.shape)})"
-        )
+    q4, k4, v4, lead, hq = _shapes(q, k, v)
     order = params.choice(scale_order, params.SCALE_ORDERS, "scale_order")
     params.choice(mask_convention, params.MASK_CONVENTIONS, "mask_convention")
     scale = scale if isinstance(scale, params.Scale) else params.scale(scale)
@@ -188,63 +163,11 @@ def prepare_inputs(
     # views of it stand for the planes over every score, and each block of rows takes its slice.
     mask4 = None if mask is None else _compact_mask(mask, full, lead)
     masked4 = None if masked is None else _compact_mask(masked, full, lead)
-    need = 8 * (q.numel() + k.numel() + (v.numel() if v is not None else 0))
-    if logits is not None:
-        for name, t, want in (("scores_mod", logits[0], torch.float32), ("scores_mod64", logits[1], torch.float64)):
-            if tuple(t.shape) != (*lead, q4.shape[1], q4.shape[2], k4.shape[2]) or t.dtype != want:
-                raise AttncheckError(
-                    f"{name} has shape {tuple(t.shape)} and dtype {str(t.dtype).removeprefix('torch.')}; for q "
-                    f"{tuple(q.shape)} and k {tuple(k.shape)} it must be "
-                    f"{(*lead, q4.shape[1], q4.shape[2], k4.shape[2])} {str(want).removeprefix('torch.')}"
-                )
-        need += 12 * logits[0].numel()
-    need += sum(m.numel() * (8 if m.is_floating_point() else 1) for m in (mask4, masked4) if m is not None)
-    need += (tq * tk if causal else 0) + (b * tk if pad_left or pad_right else 0)
-    if max_bytes is not None and need > max_bytes:
-        raise AttncheckError(
-            f"q, k{', v' if v is not None else ''} and the mask (batch {b}, heads {hq}, queries {tq}, keys {tk}) "
-            f"need {size_text(need)} in float64, over {param('max_memory')} {size_text(max_bytes)}"
-        )
-    planes_masked = None
-    mask_float = None
-    float_mask_value = None
-    looks_boolean = False
-    summed, deep = 0, None
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            planes_masked = ~mask4 if mask_convention == "attend" else mask4
-        elif mask.is_floating_point():
-            mask_float = mask4.to(torch.float64)
-            vals, counts = torch.unique(
-                mask.to(torch.float64), return_counts=True
-            )  # of the mask as given, before broadcasting
-            looks_boolean = vals.numel() <= 2 and bool(((vals == 0) | (vals == 1)).all()) and bool((vals == 1).any())
-            sentinel = vals <= MASK_SENTINEL_LIMIT
-            if bool(sentinel.any()):
-                float_mask_value = float(vals[sentinel][torch.argmax(counts[sentinel])])
-            summed, deep = _summed_planes(mask)
-        else:
-            raise AttncheckError(
-                f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; "
-                f"{param('mask_convention')} ignore for True = masked) or an additive float mask"
-            )
-    extra = masked4  # the planes combine at the shape they broadcast to, not over every score
-    if causal:
-        # PyTorch's is_causal: ones(L, S).tril(0), aligned at the top left.
-        plane = ~torch.ones(1, 1, tq, tk, dtype=torch.bool).tril(diagonal=0)
-        extra = plane if extra is None else (extra | plane)
-    for side, pads in (("left", pad_left), ("right", pad_right)):
-        if not pads:
-            continue
-        if len(pads) != b:
-            raise AttncheckError(f"gives {len(pads)} lengths for a batch of {b}", param=f"pad_{side}")
-        for n in pads:
-            if n < 0 or n > tk:
-                raise AttncheckError(f"length {n} is outside 0..{tk} keys", param=f"pad_{side}")
-        n_pad = torch.tensor(pads).view(b, 1, 1, 1)
-        key = torch.arange(tk).view(1, 1, 1, tk)
-        plane = (key < n_pad) if side == "left" else (key >= tk - n_pad)
-        extra = plane if extra is None else (extra | plane)
+    _check_size(q, k, v, q4, k4, lead, full, mask4, masked4, logits, causal, pad_left, pad_right, max_bytes)
+    planes_masked, mask_float, float_mask_value, looks_boolean, summed, deep = _mask_planes(
+        mask, mask4, mask_convention
+    )
+    extra = _extra_planes(masked4, causal, pad_left, pad_right, full)
     if extra is not None:
         planes_masked = extra if planes_masked is None else (planes_masked | extra)
     if planes_masked is not None:
@@ -276,6 +199,114 @@ def prepare_inputs(
         logits32=None if logits is None else logits[0].reshape(-1, q4.shape[1], q4.shape[2], k4.shape[2]),
         logits64=None if logits is None else logits[1].reshape(-1, q4.shape[1], q4.shape[2], k4.shape[2]),
     )
+
+
+def _shapes(q, k, v):
+    """q, k (and v) checked against each other and seen as (b, h, t, d): (q4, k4, v4, lead, q heads); every
+    mismatch is an AttncheckError naming both shapes."""
+    for name, t in (("q", q), ("k", k)) + ((("v", v),) if v is not None else ()):
+        check_scores_dtype(name, t.dtype)
+    if q.shape[-1] != k.shape[-1]:
+        raise AttncheckError(
+            f"q and k have different head dims: q {tuple(q.shape)} has d = {q.shape[-1]}, k {tuple(k.shape)} has d = "
+            f"{k.shape[-1]}"
+        )
+    if q.dim() != k.dim():
+        raise AttncheckError(f"q {tuple(q.shape)} and k {tuple(k.shape)} have different numbers of axes")
+    q4, lead = _as_4d("q", q)
+    k4, _ = _as_4d("k", k)
+    if q.dim() >= 3 and tuple(q.shape[:-3]) != tuple(k.shape[:-3]):
+        raise AttncheckError(f"q {tuple(q.shape)} and k {tuple(k.shape)} have different batch axes")
+    v4 = None
+    if v is not None:
+        if v.dim() != k.dim() or tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+            raise AttncheckError(
+                f"v {tuple(v.shape)} does not match k {tuple(k.shape)}: v needs k's batch and head axes and its "
+                f"{k.shape[-2]} tokens (the last axis, the value dimension, may differ)"
+            )
+        v4, _ = _as_4d("v", v)
+    hq, hk = q4.shape[1], k4.shape[1]
+    if hq % hk:
+        raise AttncheckError(
+            f"k has {hk} heads, which does not divide q's {hq} heads (q {tuple(q.shape)}, k {tuple(k.shape)})"
+        )
+    return q4, k4, v4, lead, hq
+
+
+def _check_size(q, k, v, q4, k4, lead, full, mask4, masked4, logits, causal, pad_left, pad_right, max_bytes):
+    """The logits' shapes checked; what the diagnosis holds whole (float64 q, k, v, the logits, the
+    mask planes) estimated and refused over ``max_bytes``."""
+    b, hq, tq, tk = full
+    need = 8 * (q.numel() + k.numel() + (v.numel() if v is not None else 0))
+    if logits is not None:
+        for name, t, want in (("scores_mod", logits[0], torch.float32), ("scores_mod64", logits[1], torch.float64)):
+            if tuple(t.shape) != (*lead, q4.shape[1], q4.shape[2], k4.shape[2]) or t.dtype != want:
+                raise AttncheckError(
+                    f"{name} has shape {tuple(t.shape)} and dtype {str(t.dtype).removeprefix('torch.')}; for q "
+                    f"{tuple(q.shape)} and k {tuple(k.shape)} it must be "
+                    f"{(*lead, q4.shape[1], q4.shape[2], k4.shape[2])} {str(want).removeprefix('torch.')}"
+                )
+        need += 12 * logits[0].numel()
+    need += sum(m.numel() * (8 if m.is_floating_point() else 1) for m in (mask4, masked4) if m is not None)
+    need += (tq * tk if causal else 0) + (b * tk if pad_left or pad_right else 0)
+    if max_bytes is not None and need > max_bytes:
+        raise AttncheckError(
+            f"q, k{', v' if v is not None else ''} and the mask (batch {b}, heads {hq}, queries {tq}, keys {tk}) "
+            f"need {size_text(need)} in float64, over {param('max_memory')} {size_text(max_bytes)}"
+        )
+
+
+def _mask_planes(mask, mask4, mask_convention):
+    """The given mask read: (its boolean plane, True = masked; its float64 additive plane; the float
+    mask's sentinel; whether it looks boolean; its summed -inf count and deep sentinel)."""
+    planes_masked = None
+    mask_float = None
+    float_mask_value = None
+    looks_boolean = False
+    summed, deep = 0, None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            planes_masked = ~mask4 if mask_convention == "attend" else mask4
+        elif mask.is_floating_point():
+            mask_float = mask4.to(torch.float64)
+            vals, counts = torch.unique(
+                mask.to(torch.float64), return_counts=True
+            )  # of the mask as given, before broadcasting
+            looks_boolean = vals.numel() <= 2 and bool(((vals == 0) | (vals == 1)).all()) and bool((vals == 1).any())
+            sentinel = vals <= MASK_SENTINEL_LIMIT
+            if bool(sentinel.any()):
+                float_mask_value = float(vals[sentinel][torch.argmax(counts[sentinel])])
+            summed, deep = _summed_planes(mask)
+        else:
+            raise AttncheckError(
+                f"mask has dtype {str(mask.dtype).removeprefix('torch.')}; use a boolean mask (True = attend; "
+                f"{param('mask_convention')} ignore for True = masked) or an additive float mask"
+            )
+    return planes_masked, mask_float, float_mask_value, looks_boolean, summed, deep
+
+
+def _extra_planes(masked4, causal, pad_left, pad_right, full):
+    """The planes masked besides the mask (the ``masked`` plane, causal, left and right padding), combined
+    at the shape they broadcast to; None when there are none."""
+    b, hq, tq, tk = full
+    extra = masked4  # the planes combine at the shape they broadcast to, not over every score
+    if causal:
+        # PyTorch's is_causal: ones(L, S).tril(0), aligned at the top left.
+        plane = ~torch.ones(1, 1, tq, tk, dtype=torch.bool).tril(diagonal=0)
+        extra = plane if extra is None else (extra | plane)
+    for side, pads in (("left", pad_left), ("right", pad_right)):
+        if not pads:
+            continue
+        if len(pads) != b:
+            raise AttncheckError(f"gives {len(pads)} lengths for a batch of {b}", param=f"pad_{side}")
+        for n in pads:
+            if n < 0 or n > tk:
+                raise AttncheckError(f"length {n} is outside 0..{tk} keys", param=f"pad_{side}")
+        n_pad = torch.tensor(pads).view(b, 1, 1, 1)
+        key = torch.arange(tk).view(1, 1, 1, tk)
+        plane = (key < n_pad) if side == "left" else (key >= tk - n_pad)
+        extra = plane if extra is None else (extra | plane)
+    return extra
 
 
 def _summed_planes(mask: torch.Tensor) -> tuple[int, float | None]:

@@ -179,24 +179,40 @@ def _compiled(
     rowshape = (B, H, nq, qbs)
 
     want_bound = score_err is not None
+    terms = None  # the bound's running terms, where it is asked
     if want_bound:
-        sig = torch.as_tensor(score_err, dtype=torch.float64, device=dev).expand(B, H, Tq, Tk)
-        sig = torch.where(finite, sig, 0.0)
-        sig_t = torch.nn.functional.pad(sig, (0, 0, 0, pad_rows)).view(B, H, nq, qbs, Tk)
-        dm = sig_t.amax(dim=-1)  # |m' - m| <= the largest sigma of the row
-        pert = dm > 0
-        MN = torch.zeros(*rowshape, Ev, dtype=torch.float64, device=dev)  # sum P A |v|
-        DN = torch.zeros_like(MN)  # sum |P' - P| A |v|
-        ML = torch.zeros(rowshape, dtype=torch.float64, device=dev)  # sum e A
-        n_alpha = torch.zeros_like(ML)  # alphas other than 0 and 1
-        m_first = torch.full_like(ML, math.nan)  # the running max at the first block with a key
+        terms = _bound_start(score_err, finite, pad_rows, rowshape, Ev, B, H, Tq, Tk, nq, qbs, dev)
+    tiles = (B, H, Tq, Tk, nq, qbs, kbs, kbp, W, Ev, rowshape, dev)
+    m, l, acc, J, kept, terms = _kv_blocks(order, nvis, nslots, st, v_all, ar, tiles, dtype, want_bound, terms)
+    return _finish(m, l, acc, J, kept, nvis, dtype, tiles, want_bound, terms)
 
+
+def _bound_start(score_err, finite, pad_rows, rowshape, Ev, B, H, Tq, Tk, nq, qbs, dev):
+    """The bound's per-key sigmas in q tiles, each row's largest (how far its max may move), and its
+    running terms at zero: (sig_t, dm, pert, MN, DN, ML, n_alpha, m_first)."""
+    sig = torch.as_tensor(score_err, dtype=torch.float64, device=dev).expand(B, H, Tq, Tk)
+    sig = torch.where(finite, sig, 0.0)
+    sig_t = torch.nn.functional.pad(sig, (0, 0, 0, pad_rows)).view(B, H, nq, qbs, Tk)
+    dm = sig_t.amax(dim=-1)  # |m' - m| <= the largest sigma of the row
+    pert = dm > 0
+    MN = torch.zeros(*rowshape, Ev, dtype=torch.float64, device=dev)  # sum P A |v|
+    DN = torch.zeros_like(MN)  # sum |P' - P| A |v|
+    ML = torch.zeros(rowshape, dtype=torch.float64, device=dev)  # sum e A
+    n_alpha = torch.zeros_like(ML)  # alphas other than 0 and 1
+    m_first = torch.full_like(ML, math.nan)  # the running max at the first block with a key
+    return sig_t, dm, pert, MN, DN, ML, n_alpha, m_first
+
+
+def _kv_blocks(order, nvis, nslots, st, v_all, ar, tiles, dtype, want_bound, terms):
+    """The template's main loop over the kv blocks each q block visits, in its order: the running max
+    m, sum l and fp32 accumulator acc (and the bound's terms), with what each block kept for the
+    effective probabilities."""
+    B, H, Tq, Tk, nq, qbs, kbs, kbp, W, Ev, rowshape, dev = tiles
     m = torch.full(rowshape, NEG_INF, dtype=torch.float32, device=dev)
     l = torch.zeros(rowshape, dtype=torch.float32, device=dev)
     acc = torch.zeros(*rowshape, Ev, dtype=torch.float32, device=dev)
     J = torch.zeros(rowshape, dtype=torch.float64, device=dev)  # blocks visited with a key
     kept = []  # per block: P in fp32, its columns, where it is a key, its alpha
-
     for j in range(nslots):  # the kv blocks, in the order each q block visits them
         t = order[..., j]  # (B, H, nq)
         vis = j < nvis
@@ -220,20 +236,7 @@ def _compiled(
         p = e32 if dtype == torch.float32 else e32.to(dtype)
 
         # the block's sum: W lane sums in fp32, the halving tree, then the tail as float + double
-        lanes = torch.where(isvec, e32, 0.0).view(*rowshape, kbp // W, W)
-        tsum = lanes[..., 0, :]
-        for c in range(1, kbp // W):
-            tsum = tsum + lanes[..., c, :]
-        while tsum.shape[-1] > 1:
-            half = tsum.shape[-1] // 2
-            tsum = tsum[..., :half] + tsum[..., half:]
-        tsum = tsum[..., 0]
-        tail_at = nvec.view(B, H, nq, 1, 1).expand(*rowshape, 1)
-        for i in range(W - 1):
-            ti = torch.gather(e_tail, -1, (tail_at + i).clamp(max=kbp - 1)).squeeze(-1)
-            ti = torch.where((nvec + i < L).unsqueeze(-1), ti, 0.0)
-            tsum = (tsum.double() + ti).float()
-
+        tsum = _block_sum(e32, e_tail, isvec, nvec, L, rowshape, kbp, W, B, H, nq)
         alpha = expf(m - mg)  # 0 at the first block with a key (m = -inf)
         l = torch.where(live, tsum + alpha * l, l)
         if j > 0:
@@ -246,42 +249,78 @@ def _compiled(
         kept.append([p.float(), colc, keep, al])
 
         if want_bound:
-            key = keep & (sb > NEG_INF)  # the block's unmasked keys
-            pr = pert.unsqueeze(-1) & key
-            sg = torch.gather(sig_t, -1, idx)
-            # |a' - a|: the key's sigma, the max's move, the two subtractions' roundings
-            da = torch.where(pr, sg + dm.unsqueeze(-1) + 2 * U32 * a.double().abs(), 0.0)
-            eta = torch.where(isvec, ETA_U20, ETA_TAIL)
-            e_ref = torch.where(isvec, e32.double(), e_tail)  # the value summed into l
-            de_pert = e_ref / (1 - eta) * (torch.expm1(da) + eta * (1 + torch.exp(da))) + _TINY
-            de_same = torch.where(istail, 2.0**-51 * e_ref, 0.0)  # glibc's double exp vs torch's
-            de = torch.where(pr, de_pert, torch.where(key, de_same, 0.0))
-            # P' = P where rounding to P's format is constant on [e - de, e + de]
-            stable = _rounds_same(e_ref - de, e_ref + de, dtype)
-            if dtype == torch.float32:
-                jump = torch.where(isvec, 0.0, ulp(e_ref + de, dtype))
-            else:
-                jump = ulp(e_ref + de, dtype) + ulp(e_ref + de, torch.float32)
-            dp = torch.where(key & ~stable, de + jump, 0.0)
-            al64 = al.double()
-            vab = vb.abs()
-            MN = MN * al64.unsqueeze(-1) + p.double() @ vab
-            DN = DN * al64.unsqueeze(-1) + dp @ vab
-            ML = ML * al64 + e_ref.sum(dim=-1)
-            n_alpha = n_alpha + (live & (alpha != 0) & (alpha != 1)).double()
-            m_first = torch.where(live & torch.isnan(m_first), tmax.double(), m_first)
-            # |ln(e' A') - ln(e A)| up to the row's common factor exp(m_final - m'_final): the
-            # key's sigma, the roundings of s - m and of exp on both sides (the alphas: in _bound)
-            rho_key = torch.where(
-                pr,
-                sg * (1 + U32) + 2 * U32 * a.double().abs() + U32 * dm.unsqueeze(-1) + 2 * eta,
-                torch.where(istail, 2.0**-50, 0.0),
+            terms = _bound_block(
+                terms, kept, dtype, keep, sb, idx, a, isvec, e32, e_tail, istail, al, vb, p, live, alpha, tmax
             )
-            kept[-1] += [key, e_ref, torch.where(key, rho_key, 0.0), vb]
 
         J = J + live.double()
         m = torch.where(live, tmax, m)
+    return m, l, acc, J, kept, terms
 
+
+def _block_sum(e32, e_tail, isvec, nvec, L, rowshape, kbp, W, B, H, nq):
+    """One block's sum: W lane sums in fp32, the halving tree, then the tail as float + double."""
+    lanes = torch.where(isvec, e32, 0.0).view(*rowshape, kbp // W, W)
+    tsum = lanes[..., 0, :]
+    for c in range(1, kbp // W):
+        tsum = tsum + lanes[..., c, :]
+    while tsum.shape[-1] > 1:
+        half = tsum.shape[-1] // 2
+        tsum = tsum[..., :half] + tsum[..., half:]
+    tsum = tsum[..., 0]
+    tail_at = nvec.view(B, H, nq, 1, 1).expand(*rowshape, 1)
+    for i in range(W - 1):
+        ti = torch.gather(e_tail, -1, (tail_at + i).clamp(max=kbp - 1)).squeeze(-1)
+        ti = torch.where((nvec + i < L).unsqueeze(-1), ti, 0.0)
+        tsum = (tsum.double() + ti).float()
+    return tsum
+
+
+def _bound_block(terms, kept, dtype, keep, sb, idx, a, isvec, e32, e_tail, istail, al, vb, p, live, alpha, tmax):
+    """One block's part of the bound: how far each key's e may move and whether P's rounding moves
+    with it, added to the running terms; the key's terms appended to what the block kept."""
+    sig_t, dm, pert, MN, DN, ML, n_alpha, m_first = terms
+    key = keep & (sb > NEG_INF)  # the block's unmasked keys
+    pr = pert.unsqueeze(-1) & key
+    sg = torch.gather(sig_t, -1, idx)
+    # |a' - a|: the key's sigma, the max's move, the two subtractions' roundings
+    da = torch.where(pr, sg + dm.unsqueeze(-1) + 2 * U32 * a.double().abs(), 0.0)
+    eta = torch.where(isvec, ETA_U20, ETA_TAIL)
+    e_ref = torch.where(isvec, e32.double(), e_tail)  # the value summed into l
+    de_pert = e_ref / (1 - eta) * (torch.expm1(da) + eta * (1 + torch.exp(da))) + _TINY
+    de_same = torch.where(istail, 2.0**-51 * e_ref, 0.0)  # glibc's double exp vs torch's
+    de = torch.where(pr, de_pert, torch.where(key, de_same, 0.0))
+    # P' = P where rounding to P's format is constant on [e - de, e + de]
+    stable = _rounds_same(e_ref - de, e_ref + de, dtype)
+    if dtype == torch.float32:
+        jump = torch.where(isvec, 0.0, ulp(e_ref + de, dtype))
+    else:
+        jump = ulp(e_ref + de, dtype) + ulp(e_ref + de, torch.float32)
+    dp = torch.where(key & ~stable, de + jump, 0.0)
+    al64 = al.double()
+    vab = vb.abs()
+    MN = MN * al64.unsqueeze(-1) + p.double() @ vab
+    DN = DN * al64.unsqueeze(-1) + dp @ vab
+    ML = ML * al64 + e_ref.sum(dim=-1)
+    n_alpha = n_alpha + (live & (alpha != 0) & (alpha != 1)).double()
+    m_first = torch.where(live & torch.isnan(m_first), tmax.double(), m_first)
+    # |ln(e' A') - ln(e A)| up to the row's common factor exp(m_final - m'_final): the
+    # key's sigma, the roundings of s - m and of exp on both sides (the alphas: in _bound)
+    rho_key = torch.where(
+        pr,
+        sg * (1 + U32) + 2 * U32 * a.double().abs() + U32 * dm.unsqueeze(-1) + 2 * eta,
+        torch.where(istail, 2.0**-50, 0.0),
+    )
+    kept[-1] += [key, e_ref, torch.where(key, rho_key, 0.0), vb]
+    return sig_t, dm, pert, MN, DN, ML, n_alpha, m_first
+
+
+def _finish(m, l, acc, J, kept, nvis, dtype, tiles, want_bound, terms):
+    """The template's finalize (y = acc / l, skipped rows 0, the cast, lse), the effective
+    probabilities, the bound; rows back out of their q tiles."""
+    B, H, Tq, Tk, nq, qbs, kbs, kbp, W, Ev, rowshape, dev = tiles
+    if want_bound:
+        sig_t, dm, pert, MN, DN, ML, n_alpha, m_first = terms
     skip = (nvis == 0).view(B, H, nq, 1, 1)  # no block to visit: is_skip_kv
     lz = torch.where(l == 0, 1.0, l)
     r = 1.0 / lz

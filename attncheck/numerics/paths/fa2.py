@@ -166,25 +166,8 @@ def kernel_rows(
     if block_n % 8:
         raise ValueError(f"block_n {block_n} is not a multiple of 8")
     qd, kd = cast(q.double(), dt).double(), cast(k.double(), dt).double()
-    # 1. the scales, as flash_api.cpp stores them (float fields; M_LOG2E a double)
-    scale32 = float(torch.tensor(scale, dtype=torch.float32))
-    if softcap:
-        cap32 = float(torch.tensor(softcap, dtype=torch.float32))
-        pre = float(torch.tensor(scale32 / cap32, dtype=torch.float32))  # float / float, rounded to fp32
-        lse_scale = cap32
-        scale_log2 = float(torch.tensor(cap32 * math.log2(math.e), dtype=torch.float32))
-    else:
-        pre, lse_scale = None, scale32
-        scale_log2 = float(torch.tensor(scale32 * math.log2(math.e), dtype=torch.float32))
-    # 2. S in fp32, one rounding per 16 head dims
-    s = _mma_accumulate(None, qd, kd.transpose(-1, -2)).reshape(r, tk)  # (r, Tk) float32
-    if pre is not None:  # 3. softcap: product rounded, tanh assumed correctly rounded
-        s = torch.tanh((s * pre).double()).float()
-    if bias is not None:  # 4. the mask, -inf where masked
-        # The kernel takes no additive mask: a float mask (given in the units of the scaled scores) is added to
-        # the unscaled S divided by the exponent's scale (lse_scale: the softmax scale, or the softcap), in fp32,
-        # so that it reaches the exponent as given; -inf stays -inf, 0 adds nothing
-        s = s + bias.float() / lse_scale
+    pre, lse_scale, scale_log2 = _scales(scale, softcap)
+    s = _scores(qd, kd, r, tk, pre, bias, lse_scale)
     check_inf = bias is not None
     nb = -(-tk // block_n)
     pad = nb * block_n - tk
@@ -195,6 +178,54 @@ def kernel_rows(
         vd = cast(v.double(), dt).double()
         if pad:
             vd = torch.cat([vd, vd.new_zeros(n, pad, vd.shape[-1])], dim=1)
+    lt, m, acc, blocks, rescales, broke = _key_blocks(s, vd, n, tq, r, nb, block_n, scale_log2, check_inf, fused, dt)
+    # 12. finalize: the quad all-reduce, inv_sum (1 for an empty row), O, LSE (+inf for an empty row)
+    return finalize(lt, m, acc, blocks, rescales, broke, s, lse_scale=lse_scale, dt=dt, tk=tk, empty_inv=1.0)
+
+
+def _scales(scale: float, softcap: float | None) -> tuple[float | None, float, float]:
+    """Step 1: the scales as flash_api.cpp stores them: (the softcap's pre-scale or None, LSE's scale, the
+    exponent's scale * log2(e))."""
+    import torch
+
+    # 1. the scales, as flash_api.cpp stores them (float fields; M_LOG2E a double)
+    scale32 = float(torch.tensor(scale, dtype=torch.float32))
+    if softcap:
+        cap32 = float(torch.tensor(softcap, dtype=torch.float32))
+        pre = float(torch.tensor(scale32 / cap32, dtype=torch.float32))  # float / float, rounded to fp32
+        lse_scale = cap32
+        scale_log2 = float(torch.tensor(cap32 * math.log2(math.e), dtype=torch.float32))
+    else:
+        pre, lse_scale = None, scale32
+        scale_log2 = float(torch.tensor(scale32 * math.log2(math.e), dtype=torch.float32))
+    return pre, lse_scale, scale_log2
+
+
+def _scores(qd, kd, r: int, tk: int, pre: float | None, bias, lse_scale: float):
+    """Steps 2-4: S (r, Tk) in fp32, softcapped, with the mask added."""
+    import torch
+
+    # 2. S in fp32, one rounding per 16 head dims
+    s = _mma_accumulate(None, qd, kd.transpose(-1, -2)).reshape(r, tk)  # (r, Tk) float32
+    if pre is not None:  # 3. softcap: product rounded, tanh assumed correctly rounded
+        s = torch.tanh((s * pre).double()).float()
+    if bias is not None:  # 4. the mask, -inf where masked
+        # The kernel takes no additive mask: a float mask (given in the units of the scaled scores) is added to
+        # the unscaled S divided by the exponent's scale (lse_scale: the softmax scale, or the softcap), in fp32,
+        # so that it reaches the exponent as given; -inf stays -inf, 0 adds nothing
+        s = s + bias.float() / lse_scale
+    return s
+
+
+def _key_blocks(
+    s, vd, n: int, tq: int, r: int, nb: int, block_n: int, scale_log2: float, check_inf: bool, fused: bool, dt
+):
+    """Steps 5-11, the main loop over key blocks, the last first: the running max, the rescale, the exponent, the
+    quad's thread sums and P @ V: (lt, m, acc, blocks, rescales, broke) for ``finalize``."""
+    import torch
+
+    from attncheck.numerics.precision import cast
+
     ninf = torch.tensor(float("-inf"), dtype=torch.float32)
     m = None  # (r,) running max, fp32
     lt = None  # (r, 4) the quad's thread-local sums, fp32
@@ -239,8 +270,7 @@ def kernel_rows(
         blocks.append((j, pd))
         if vd is not None:
             acc = _mma_accumulate(acc, pd.reshape(n, tq, block_n), vd[:, j * block_n : (j + 1) * block_n])
-    # 12. finalize: the quad all-reduce, inv_sum (1 for an empty row), O, LSE (+inf for an empty row)
-    return finalize(lt, m, acc, blocks, rescales, broke, s, lse_scale=lse_scale, dt=dt, tk=tk, empty_inv=1.0)
+    return lt, m, acc, blocks, rescales, broke
 
 
 def finalize(lt, m, acc, blocks, rescales, broke, s, *, lse_scale: float, dt, tk: int, empty_inv: float) -> KernelRows:

@@ -180,20 +180,8 @@ def kernel_rows(
     if block_n % 16:
         raise ValueError(f"block_n {block_n} is not a multiple of 16 (one WGMMA k step)")
     qd, kd = cast(q.double(), dt).double(), cast(k.double(), dt).double()
-    # 1. the scales, as the mainloop's arguments store them (float fields; M_LOG2E a double)
-    scale32 = _f32(scale)
-    if softcap:
-        cap32 = _f32(softcap)
-        pre = _f32(scale32 / cap32)
-        exp_scale, scale_log2 = cap32, _f32(cap32 * math.log2(math.e))
-    else:
-        pre, exp_scale, scale_log2 = None, scale32, _f32(scale32 * math.log2(math.e))
-    lse_scale = _f32(scale_log2 * LN2_F32)  # softmax_scale_log2 * float(M_LN2), a float product
-    s = fa2._mma_accumulate(None, qd, kd.transpose(-1, -2)).reshape(r, tk)  # 2. (r, Tk) fp32
-    if pre is not None:  # 3. softcap before the mask
-        s = torch.tanh((s * pre).double()).float()
-    if bias is not None:  # 4. the mask
-        s = s + bias.float() / exp_scale
+    pre, exp_scale, scale_log2, lse_scale = _scales(scale, softcap)
+    s = _scores(qd, kd, r, tk, pre, bias, exp_scale)
     nb = -(-tk // block_n)
     pad = nb * block_n - tk
     if pad:  # keys past Tk: -inf scores (Seqlenk_mask), zero V rows (TMA fills them with zeros)
@@ -203,6 +191,46 @@ def kernel_rows(
         vd = cast(v.double(), dt).double()
         if pad:
             vd = torch.cat([vd, vd.new_zeros(n, pad, vd.shape[-1])], dim=1)
+    lt, m, acc, blocks, rescales, broke = _key_blocks(s, vd, n, tq, r, nb, block_n, scale_log2, bias, dt)
+    # 13. finalize: FlashAttention-2's, but inv_sum 0 for an empty row (O = 0, LSE -inf)
+    return fa2.finalize(lt, m, acc, blocks, rescales, broke, s, lse_scale=lse_scale, dt=dt, tk=tk, empty_inv=0.0)
+
+
+def _scales(scale: float, softcap: float | None) -> tuple[float | None, float, float, float]:
+    """Step 1: the scales as the mainloop's arguments store them: (the softcap's pre-scale or None, the mask's
+    divisor, the exponent's scale * log2(e), LSE's scale)."""
+    # 1. the scales, as the mainloop's arguments store them (float fields; M_LOG2E a double)
+    scale32 = _f32(scale)
+    if softcap:
+        cap32 = _f32(softcap)
+        pre = _f32(scale32 / cap32)
+        exp_scale, scale_log2 = cap32, _f32(cap32 * math.log2(math.e))
+    else:
+        pre, exp_scale, scale_log2 = None, scale32, _f32(scale32 * math.log2(math.e))
+    lse_scale = _f32(scale_log2 * LN2_F32)  # softmax_scale_log2 * float(M_LN2), a float product
+    return pre, exp_scale, scale_log2, lse_scale
+
+
+def _scores(qd, kd, r: int, tk: int, pre: float | None, bias, exp_scale: float):
+    """Steps 2-4: S (r, Tk) in fp32, softcapped, with the mask added."""
+    import torch
+
+    s = fa2._mma_accumulate(None, qd, kd.transpose(-1, -2)).reshape(r, tk)  # 2. (r, Tk) fp32
+    if pre is not None:  # 3. softcap before the mask
+        s = torch.tanh((s * pre).double()).float()
+    if bias is not None:  # 4. the mask
+        s = s + bias.float() / exp_scale
+    return s
+
+
+def _key_blocks(s, vd, n: int, tq: int, r: int, nb: int, block_n: int, scale_log2: float, bias, dt):
+    """Steps 5-12, the main loop over key blocks, the last first: the running max, the rescale, the fused
+    exponent, the quad's thread sums, O rescaled and P @ V: (lt, m, acc, blocks, rescales, broke) for
+    ``fa2.finalize``."""
+    import torch
+
+    from attncheck.numerics.precision import cast
+
     ninf = torch.tensor(float("-inf"), dtype=torch.float32)
     sl2 = torch.tensor(scale_log2, dtype=torch.float32)
     m = lt = None  # (r,) running max; (r, 4) the quad's thread-local sums; fp32
@@ -244,8 +272,7 @@ def kernel_rows(
             acc = fa2._mma_accumulate(
                 acc * f.reshape(n, tq, 1), pd.reshape(n, tq, block_n), vd[:, j * block_n : (j + 1) * block_n]
             )
-    # 13. finalize: FlashAttention-2's, but inv_sum 0 for an empty row (O = 0, LSE -inf)
-    return fa2.finalize(lt, m, acc, blocks, rescales, broke, s, lse_scale=lse_scale, dt=dt, tk=tk, empty_inv=0.0)
+    return lt, m, acc, blocks, rescales, broke
 
 
 def _fp8_rows(q, k, v, scale, dt, block_n, bias, q_descale, k_descale, v_descale) -> KernelRows:

@@ -266,6 +266,39 @@ def kernel_rows(
     thr = thr0 if rescale_threshold is None else float(rescale_threshold)
     off = _f32(off0 if max_offset is None else float(max_offset))
     out_dt = torch.bfloat16 if fp8 else dt
+    emu_cols, emu_mask = _exp2_columns(
+        exp2, emu, d, fp8, causal, tq, seqlen_q, qhead_per_kvhead, head_dim_v, v, sm103, block_n
+    )
+    step = 32 if fp8 else 16
+
+    def rd(x: torch.Tensor) -> torch.Tensor:  # the dtype's values as float64 (one rounding from float64)
+        return _to_dtype(x.float(), dt) if fp8 else cast(x.double(), dt).double()
+
+    scale_log2, unit, vds = _scales(scale, qk_descale, v_descale, n, tq, r)
+    # 2. S in fp32
+    qd, kd = rd(q), rd(k)
+    s = _mma(None, qd, kd.transpose(-1, -2), step).reshape(r, tk)
+    if bias is not None:  # 3. -inf masks; a float mask in scaled units reaches the exponent as given
+        s = s + bias.float() / unit[:, None]
+    nb = -(-tk // block_n)
+    pad = nb * block_n - tk
+    if pad:
+        s = torch.cat([s, s.new_full((r, pad), -math.inf)], dim=1)
+    vd = None
+    if v is not None:
+        vd = rd(v)
+        if pad:
+            vd = torch.cat([vd, vd.new_zeros(n, pad, vd.shape[-1])], dim=1)
+    geo = (n, tq, tk, r, nb, block_n)
+    run = _key_blocks(s, vd, scale_log2, dt, thr, off, emu_cols, emu_mask, step, want_probs, geo)
+    return _finalize(run, s, sinks, vds, scale_log2, off, out_dt, want_probs, geo)
+
+
+def _exp2_columns(exp2, emu, d, fp8, causal, tq, seqlen_q, qhead_per_kvhead, head_dim_v, v, sm103, block_n):
+    """The columns of a key block whose exp2 is emulated (the configuration's mix, all, or none): (their
+    indices, a (block_n,) bool mask of them)."""
+    import torch
+
     dv_dim = head_dim_v if head_dim_v is not None else (v.shape[-1] if v is not None else d)
     if exp2 == "kernel":
         freq, res, start = emu or emu_config(
@@ -282,10 +315,13 @@ def kernel_rows(
         emu_cols = list(range(block_n)) if exp2 == "emulated" else []
     emu_mask = torch.zeros(block_n, dtype=torch.bool)
     emu_mask[emu_cols] = True
-    step = 32 if fp8 else 16
+    return emu_cols, emu_mask
 
-    def rd(x: torch.Tensor) -> torch.Tensor:  # the dtype's values as float64 (one rounding from float64)
-        return _to_dtype(x.float(), dt) if fp8 else cast(x.double(), dt).double()
+
+def _scales(scale: float, qk_descale, v_descale, n: int, tq: int, r: int):
+    """Step 1: per row the exponent's scale (scale * log2(e), times the q and k descales), the scaled scores'
+    unit, and the v descale or None."""
+    import torch
 
     # 1. scales
     scale_log2 = torch.full((r,), _f32(_f32(scale) * _f32(math.log2(math.e))), dtype=torch.float32)
@@ -299,20 +335,16 @@ def kernel_rows(
     if v_descale is not None:
         vds = torch.as_tensor(v_descale, dtype=torch.float32).reshape(-1)
         vds = (vds.expand(n) if vds.numel() == 1 else vds).repeat_interleave(tq)
-    # 2. S in fp32
-    qd, kd = rd(q), rd(k)
-    s = _mma(None, qd, kd.transpose(-1, -2), step).reshape(r, tk)
-    if bias is not None:  # 3. -inf masks; a float mask in scaled units reaches the exponent as given
-        s = s + bias.float() / unit[:, None]
-    nb = -(-tk // block_n)
-    pad = nb * block_n - tk
-    if pad:
-        s = torch.cat([s, s.new_full((r, pad), -math.inf)], dim=1)
-    vd = None
-    if v is not None:
-        vd = rd(v)
-        if pad:
-            vd = torch.cat([vd, vd.new_zeros(n, pad, vd.shape[-1])], dim=1)
+    return scale_log2, unit, vds
+
+
+def _key_blocks(s, vd, scale_log2, dt, thr: float, off: float, emu_cols, emu_mask, step: int, want_probs: bool, geo):
+    """Steps 4-12, the main loop over key blocks, the last first: the running max with the lazy rescale, the
+    exponent with the max offset, exp2 (emulated and hardware columns), P's saturation and cast, the row sum and
+    P @ V: (m, row_sum, acc, blocks, scales, saturated, fused)."""
+    import torch
+
+    n, tq, tk, r, nb, block_n = geo
     top = float(torch.finfo(dt).max)
     ninf = torch.tensor(-math.inf)
     m = row_sum = acc = None
@@ -368,6 +400,15 @@ def kernel_rows(
             if acc is not None:
                 acc = acc * acc_scale.reshape(n, tq, 1)
             acc = _mma(acc, pd.reshape(n, tq, block_n), vd[:, j * block_n : (j + 1) * block_n], step)
+    return m, row_sum, acc, blocks, scales, saturated, fused
+
+
+def _finalize(run, s, sinks, vds, sl2, off: float, out_dt, want_probs: bool, geo) -> KernelRows:
+    """Step 13: the sinks, 1/row_sum, O, LSE, the effective probabilities and the rows' events."""
+    import torch
+
+    n, tq, tk, r, nb, block_n = geo
+    m, row_sum, acc, blocks, scales, saturated, fused = run
     # 13. finalize
     log2e = _f32(math.log2(math.e))
     if sinks is not None:

@@ -224,6 +224,24 @@ def kernel_rows(
     if bn % 32:
         raise ValueError(f"key block {bn} is not a multiple of 32")
     f64 = torch.float64
+    scores, x = _scores(q, k, scale, dt, bias, masked, tk)
+    r = x.shape[0]
+    log2e_overflow = (torch.isposinf(x) & torch.isfinite(scores)).any(dim=-1)
+    vd = None if v is None else cast(v.to(f64) if v.dtype != f64 else v, dt).to(f64)  # (n, Tk, dv)
+    nblocks, mi, s_prime, acc, out32, p_blocks, rescales = _key_blocks(x, vd, n, tq, tk, r, dv, bn, rf, dt, key_limit)
+    return _finalize(
+        mi, s_prime, acc, out32, p_blocks, rescales, nblocks, bn, tk, r, rf, vd, dt, scores, log2e_overflow
+    )
+
+
+def _scores(q, k, scale: float, dt, bias, masked, tk: int):
+    """The scores: S in fp32 (the exact dot rounded once), scaled, the bias added in fp32, the kernel's own -inf
+    keys; (S as rows (r, Tk), S times log2(e) rounded to fp32)."""
+    import torch
+
+    from attncheck.numerics.precision import cast
+
+    f64 = torch.float64
     qd, kd = cast(q.to(f64) if q.dtype != f64 else q, dt).to(f64), cast(k.to(f64) if k.dtype != f64 else k, dt).to(f64)
     s = _f32(torch.matmul(qd, kd.transpose(-1, -2)))  # the exact dot rounded once to fp32 (assumed MMA order)
     s = s * torch.tensor(scale, dtype=torch.float32)  # accum = p.scale * accum
@@ -233,10 +251,15 @@ def kernel_rows(
         s = s.masked_fill(masked, float("-inf"))
     scores = s.reshape(-1, tk)
     x = scores * torch.tensor(LOG2E, dtype=torch.float32)  # times kLog2e, rounded
-    r = x.shape[0]
-    log2e_overflow = (torch.isposinf(x) & torch.isfinite(scores)).any(dim=-1)
-    vd = None if v is None else cast(v.to(f64) if v.dtype != f64 else v, dt).to(f64)  # (n, Tk, dv)
+    return scores, x
 
+
+def _key_blocks(x, vd, n: int, tq: int, tk: int, r: int, dv: int, bn: int, rf: bool, dt, key_limit):
+    """The main loop over key blocks, in the kernel's order: the running max and sum, P in the dtype and O,
+    in registers or through the global fp32 buffer: (blocks, mi, s_prime, acc, out32, P per block, rescales)."""
+    import torch
+
+    f64 = torch.float64
     nblocks = max(1, -(-tk // bn))
     pad = nblocks * bn - tk
     if pad:
@@ -290,7 +313,14 @@ def kernel_rows(
             dnew = _f32(alpha[:, None].to(f64) * pv32.to(f64) + xsrc.to(f64))  # multiply_add
         acc = torch.where(active[:, None], dnew, acc)
         out32 = torch.where(last[:, None], dnew, out32)
+    return nblocks, mi, s_prime, acc, out32, p_blocks, rescales
 
+
+def _finalize(mi, s_prime, acc, out32, p_blocks, rescales, nblocks, bn, tk, r, rf, vd, dt, scores, log2e_overflow):
+    """O over the final sum, the effective probabilities and the LSE."""
+    import torch
+
+    f64 = torch.float64
     denom = torch.where(s_prime == 0, torch.ones_like(s_prime), s_prime)
     out = None
     if vd is not None:

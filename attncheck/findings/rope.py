@@ -1,0 +1,123 @@
+"""Rotary position embeddings: a recorded cos/sin table whose angles are not its positions' (a table computed in
+bf16/fp16, inverse frequencies kept in bf16 after ``model.to(torch.bfloat16)``)."""
+
+from __future__ import annotations
+
+from attncheck.findings.base import Code, Example
+from attncheck.results import Finding
+from attncheck.results.rope import RopeTableCheck
+
+# Radians. A correctly computed table is far inside it: fp32 angles cast to bf16 are off by at most about 0.004 rad
+# (cos and sin rounded to bf16) plus fp32's own rounding of p * inv_freq (about 0.01 rad at 128k positions, 0.06 at
+# 1M); positions or inverse frequencies held in bf16 put whole radians between a position and its angle.
+ROPE_ANGLE_TOLERANCE = 0.05
+
+CODES: tuple[Code, ...] = (
+    Code(
+        "rope_precision",
+        "warning",
+        "rope",
+        "the rotary table's angles are not its positions' (positions or frequencies rounded)",
+        "RoPE rotates each pair of q and k entries at position p by p x theta^(-2j/d). When the positions, the "
+        "inverse frequencies or their product are held in bf16 or fp16 (a table computed in the activations' dtype, "
+        "or inv_freq cast by model.to(bfloat16)), the angle is that of a rounded position: bf16 holds integers "
+        "exactly only up to 256 (position 15,962 becomes 15,936: huggingface/candle PR 3520), fp16 up to 2,048 and "
+        "none beyond 65,504. The model then sees far positions as near ones and answers worse at long range. The "
+        "finding names the first position affected, the first position whose table row repeats the one before "
+        "(the dtype no longer tells them apart), the largest angle error and what the same table computed in fp32 "
+        "and cast to its dtype would be off by.",
+        f"An angle error above ROPE_ANGLE_TOLERANCE = {ROPE_ANGLE_TOLERANCE} rad against float64 cos and sin of the "
+        "recorded positions (position_ids) and theta^(-2j/d) (theta from the model's config, else fitted from "
+        "position 1); an error where a position's row repeats its predecessor's. A default RoPE table only "
+        "(rope_type default).",
+        "compute the inverse frequencies, the positions and their product in fp32 (transformers: position_ids.float() "
+        "@ inv_freq with autocast off), cast only cos and sin to the activations' dtype; keep inv_freq in fp32 after "
+        "model.to(bfloat16) (or load with dtype=torch.bfloat16); at long context rotate q and k in fp32",
+        Example(
+            """\
+import torch
+import torch.nn.functional as F
+
+import attncheck
+
+
+class Attention(torch.nn.Module):
+    def forward(self, q, k, v, position_embeddings):
+        cos, sin = position_embeddings  # (1, T, d), as transformers passes them
+
+        def rotate(x):
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+        return F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention()
+
+    def forward(self, q, k, v, table):
+        return self.attn(q, k, v, position_embeddings=table)
+
+
+inv_freq = 1.0 / 10000 ** (torch.arange(0, 32, 2) / 32)
+freqs = torch.arange(1024).bfloat16()[:, None] * inv_freq.bfloat16()  # the table computed in bf16
+emb = torch.cat((freqs, freqs), dim=-1)
+table = (emb.cos()[None], emb.sin()[None])
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 1024, 32, generator=g).bfloat16() for _ in range(3))
+with attncheck.capture("cap"):
+    Model()(q, k, v, table)
+""",
+            "attncheck run cap --brief --fail-on rope_precision",
+        ),
+        severity_note="an error where positions share one table row",
+        also="error",
+    ),
+)
+
+SEVERITY = {c.name: c.severity for c in CODES}
+FIX = {c.name: c.fix for c in CODES}
+
+
+def _where(check: RopeTableCheck) -> str:
+    shape = "x".join(map(str, check.shape))
+    mods = ", ".join(check.modules[:2]) + (f" and {len(check.modules) - 2} more" if len(check.modules) > 2 else "")
+    theta = "" if check.theta is None else f", theta {check.theta:g} ({check.theta_from})"
+    return f"rope table {check.index} ({check.dtype} {shape}{theta}; {len(check.calls)} call(s): {mods or 'global'})"
+
+
+def rope_findings(checks: list[RopeTableCheck] | None) -> list[Finding]:
+    """rope_precision per table whose angles pass ROPE_ANGLE_TOLERANCE: an error where adjacent positions share a
+    row, else a warning."""
+    out: list[Finding] = []
+
+    def add(code: str, message: str, severity: str) -> None:
+        out.append(Finding(code, severity, message, FIX[code]))
+
+    for check in checks or ():
+        if not check.judged or check.first_affected is None and check.first_indistinct is None:
+            continue
+        parts = []
+        if check.first_indistinct is not None:
+            parts.append(
+                f"positions stop being distinct at {check.first_indistinct:,} (its row repeats position "
+                f"{check.first_indistinct - 1:,}'s; {check.indistinct_positions:,} positions repeat the one before)"
+            )
+        if check.first_affected is not None:
+            parts.append(
+                f"first position affected {check.first_affected:,} (angle error > {check.tolerance:g} rad; "
+                f"{check.affected_positions:,} of {check.last_position - check.first_position + 1:,} positions)"
+            )
+        if check.max_angle_error is not None:
+            parts.append(
+                f"angle error up to {check.max_angle_error:.3g} rad (position {check.max_error_position:,}, frequency "
+                f"{check.max_error_frequency})"
+            )
+        if check.fp32_recipe_error is not None:
+            parts.append(f"computed in fp32 and cast to {check.dtype} it is off by {check.fp32_recipe_error:.2g} rad")
+        assumed = "; positions assumed 0 .. T-1" if check.positions_from == "assumed" else ""
+        severity = "error" if check.first_indistinct is not None else SEVERITY["rope_precision"]
+        add("rope_precision", f"{_where(check)}: " + "; ".join(parts) + assumed, severity)
+    return out

@@ -1,0 +1,304 @@
+"""Rotary position embeddings (RoPE): the cos/sin table as a model computes it in a dtype, against float64.
+
+A model rotates the pair (x_j, x_{j + d/2}) of q and k at position p by the angle p * inv_freq_j, with
+inv_freq_j = theta^(-2j/d), j = 0 .. d/2 - 1 (transformers' ``LlamaRotaryEmbedding``, 5.x: ``inv_freq`` in fp32,
+``position_ids.float() @ inv_freq`` in fp32 with autocast off, cos and sin in fp32, then cast to the activations'
+dtype). The failures the issue cites put one of these steps in a narrow dtype:
+
+- **positions held in bf16** (huggingface/candle PR 3520: ``inv_freq`` and the positions cast to bf16 before the
+  product): integers are exact only up to 2^8 = 256 (bf16 keeps 8 significant bits), so position 257 rounds to 256
+  and from there on neighbouring positions share a table row; 15,962 becomes 15,936;
+- **positions held in fp16**: exact up to 2^11 = 2048, and from 65,520 (half an ulp above fp16's max 65504) they
+  round to inf, so cos and sin are NaN.
+
+With the positions exact (fp32 up to 2^24) and only the table or the rotation in bf16/fp16, neighbouring positions
+stay distinct: the highest frequency (inv_freq_0 = 1) turns by one radian per position, which no 16-bit rounding of
+a unit vector hides. What remains is an angle error: the rounding of the product p * inv_freq_j (half an ulp of the
+angle) and of cos and sin (at most about one ulp of 1 in the table's dtype).
+
+Pure functions over tensors; no verdicts (``attncheck.findings.rope`` judges).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attncheck.dtypes import dtype_label
+from attncheck.results.rope import RopeAudit, RopeTableCheck, RopeWhatIf
+
+# Positions are audited in chunks so that a 1M-token context never holds more than this many table rows at once.
+CHUNK_ROWS = 1 << 16
+
+
+def inverse_frequencies(theta: float, head_dim: int) -> torch.Tensor:
+    """The exact inverse frequencies theta^(-2j/d), j = 0 .. d/2 - 1, in float64: the reference."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    return torch.tensor(float(theta), dtype=torch.float64) ** -exponents  # (d/2,)
+
+
+def model_inverse_frequencies(theta: float, head_dim: int) -> torch.Tensor:
+    """The inverse frequencies as transformers' default RoPE computes them: 1 / theta^(2j/d) in fp32."""
+    return 1.0 / (float(theta) ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (d/2,)
+
+
+def model_table(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    compute: torch.dtype,
+    table: torch.dtype,
+    rotation: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of positions x inv_freq as a model computes them, each (P, d/2).
+
+    ``compute`` holds the positions, the inverse frequencies, their product and cos/sin (transformers: fp32; the
+    candle bug: bf16); ``table`` is the dtype the attention receives (the activations' dtype). ``rotation``, where
+    given, is the dtype the rotation runs in: rotating the unit probe (1, 0) in it yields cos and sin rounded to it,
+    which is what tells two positions apart after the rotation.
+    """
+    pos = positions.to(compute)  # (P,)
+    inv = inv_freq.to(compute)  # (F,)
+    angles = pos[:, None] * inv[None, :]  # (P, F) rounded to compute
+    cos, sin = angles.cos().to(table), angles.sin().to(table)
+    if rotation is not None:
+        cos, sin = cos.to(rotation), sin.to(rotation)
+    return cos, sin
+
+
+def angle_error(cos: torch.Tensor, sin: torch.Tensor, reference_angles: torch.Tensor) -> torch.Tensor:
+    """The angle of each (cos, sin) minus the exact angle, wrapped into [-pi, pi), in float64 (NaN where non-finite)."""
+    got = torch.atan2(sin.to(torch.float64), cos.to(torch.float64))
+    return torch.remainder(got - reference_angles + math.pi, 2 * math.pi) - math.pi
+
+
+def same_as_previous(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """(P - 1,) bool: row p equal to row p - 1 in every entry, or either of them not finite (no position told)."""
+    equal = ((cos[1:] == cos[:-1]) & (sin[1:] == sin[:-1])).all(dim=-1)
+    finite = torch.isfinite(cos).all(dim=-1) & torch.isfinite(sin).all(dim=-1)
+    return equal | ~finite[1:] | ~finite[:-1]
+
+
+def significant_bits(dtype: torch.dtype) -> int:
+    """Significant bits of a floating dtype (the implicit one included): bf16 8, fp16 11, fp32 24, fp64 53."""
+    return 1 - int(round(math.log2(torch.finfo(dtype).eps)))
+
+
+def first_inexact_position(dtype: torch.dtype) -> int:
+    """The first integer the dtype rounds to another: 2^bits + 1 (bf16 257, fp16 2049, fp32 16,777,217)."""
+    return (1 << significant_bits(dtype)) + 1
+
+
+def first_infinite_position(dtype: torch.dtype) -> int:
+    """The first integer that rounds to inf: max + half an ulp of max (fp16 65,520; bf16 and fp32 beyond 2^127)."""
+    fi = torch.finfo(dtype)
+    half_ulp = 2.0 ** (math.floor(math.log2(fi.max)) - significant_bits(dtype))
+    return int(fi.max + half_ulp)
+
+
+def predicted_first_indistinct(compute: torch.dtype) -> int:
+    """Closed form: the first position whose table row repeats its predecessor's, when positions are held in
+    ``compute``. Positions below 2^bits are exact and the highest frequency turns one radian per position, so no
+    earlier row repeats; 2^bits + 1 rounds (to even) onto 2^bits."""
+    return first_inexact_position(compute)
+
+
+def audit_table(
+    theta: float,
+    head_dim: int,
+    compute: torch.dtype,
+    table: torch.dtype,
+    context: int,
+    rotation: torch.dtype | None = None,
+    start: int = 0,
+) -> RopeAudit:
+    """Audit positions start .. context - 1 of the default RoPE table (transformers' fp32 inverse frequencies) in
+    chunks of ``CHUNK_ROWS`` (each chunk carries its predecessor's last row, so adjacency crosses chunks)."""
+    inv32 = model_inverse_frequencies(theta, head_dim)
+    exact = inverse_frequencies(theta, head_dim)
+    first_same = first_nan = None
+    same_count, worst, worst_at, sq, count = 0, -1.0, (start, 0), 0.0, 0
+    prev: tuple[torch.Tensor, torch.Tensor] | None = None
+    for lo in range(start, context, CHUNK_ROWS):
+        positions = torch.arange(lo, min(lo + CHUNK_ROWS, context), dtype=torch.int64)
+        cos, sin = model_table(positions, inv32, compute, table, rotation)
+        err = angle_error(cos, sin, positions.to(torch.float64)[:, None] * exact[None, :]).abs()  # (P, F)
+        finite = torch.isfinite(err)
+        bad_rows = (~finite).any(dim=-1)
+        if first_nan is None and bool(bad_rows.any()):
+            first_nan = int(positions[bad_rows.nonzero()[0, 0]])
+        safe = torch.where(finite, err, torch.zeros((), dtype=err.dtype))
+        flat = int(safe.argmax())
+        if float(safe.view(-1)[flat]) > worst:
+            worst = float(safe.view(-1)[flat])
+            worst_at = (int(positions[flat // safe.shape[1]]), flat % safe.shape[1])
+        sq += float((safe**2).sum())
+        count += int(finite.sum())
+        rows_cos = cos if prev is None else torch.cat([prev[0], cos])
+        rows_sin = sin if prev is None else torch.cat([prev[1], sin])
+        row_positions = positions if prev is None else torch.cat([positions[:1] - 1, positions])
+        same = same_as_previous(rows_cos, rows_sin)  # (rows - 1,)
+        same_count += int(same.sum())
+        if first_same is None and bool(same.any()):
+            first_same = int(row_positions[1:][same.nonzero()[0, 0]])
+        prev = (cos[-1:], sin[-1:])
+    return RopeAudit(
+        theta=float(theta),
+        head_dim=head_dim,
+        compute=dtype_label(compute),
+        table=dtype_label(table),
+        rotation=None if rotation is None else dtype_label(rotation),
+        context=context,
+        predicted_first_indistinct=predicted_first_indistinct(compute),
+        first_indistinct=first_same,
+        indistinct_positions=same_count,
+        first_nonfinite=first_nan,
+        max_angle_error=max(worst, 0.0),
+        max_error_position=worst_at[0],
+        max_error_frequency=worst_at[1],
+        rms_angle_error=math.sqrt(sq / count) if count else None,
+    )
+
+
+def _frequency_columns(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+    """The d/2 frequencies of a table: transformers' layout repeats them in both halves (cat(freqs, freqs)), the
+    interleaved one (GPT-J) in pairs; None for neither."""
+    half = cos.shape[-1] // 2
+    if torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:]):
+        return cos[:, :half], sin[:, :half], "halves"
+    if torch.equal(cos[:, 0::2], cos[:, 1::2]) and torch.equal(sin[:, 0::2], sin[:, 1::2]):
+        return cos[:, 0::2], sin[:, 0::2], "interleaved"
+    return None
+
+
+def fitted_theta(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> float | None:
+    """theta from the angle of frequency 1 at position 1 (theta^(-2/d) radians): needs position 1 in the table."""
+    at = (positions == 1).nonzero()
+    if len(at) == 0 or cos.shape[-1] < 2:
+        return None
+    angle = math.atan2(float(sin[int(at[0, 0]), 1]), float(cos[int(at[0, 0]), 1]))
+    d = 2 * cos.shape[-1]
+    return angle ** (-d / 2) if angle > 0 else None
+
+
+def _judge_angles(
+    c: torch.Tensor, s: torch.Tensor, pos: torch.Tensor, ref: torch.Tensor, tolerance: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(|angle error| with inf where not finite (T, F), positions past ``tolerance`` (T,), rows repeating their
+    adjacent predecessor's (T - 1,))."""
+    err = angle_error(c, s, ref).abs()
+    err = torch.where(torch.isfinite(err), err, torch.full_like(err, math.inf))  # a NaN entry: no angle at all
+    affected = err.max(dim=-1).values > tolerance
+    same = same_as_previous(c, s) & (pos[1:] == pos[:-1] + 1)
+    return err, affected, same
+
+
+def what_if_tables(
+    pos: torch.Tensor, theta: float, head_dim: int, table: torch.dtype, dtypes, tolerance: float
+) -> tuple[RopeWhatIf, ...]:
+    """The table recomputed in each of ``dtypes`` (names) at the same positions, against float64."""
+    from attncheck.dtypes import dtype_from_name
+
+    ref = pos.to(torch.float64)[:, None] * inverse_frequencies(theta, head_dim)[None, :]
+    out = []
+    for name in dtypes:
+        c, s = model_table(pos, model_inverse_frequencies(theta, head_dim), dtype_from_name(name), table)
+        err, affected, same = _judge_angles(c, s, pos, ref, tolerance)
+        worst = float(err.max())
+        out.append(
+            RopeWhatIf(
+                dtype=name,
+                first_indistinct=int(pos[1:][same].min()) if bool(same.any()) else None,
+                first_affected=int(pos[affected].min()) if bool(affected.any()) else None,
+                affected_positions=int(affected.sum()),
+                max_angle_error=worst if math.isfinite(worst) else None,
+            )
+        )
+    return tuple(out)
+
+
+def check_table(
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    theta: float | None,
+    tolerance: float,
+    rope_type: str = "default",
+    what_if=(),
+) -> dict:
+    """A recorded table (..., T, d) against float64 cos and sin of its positions x theta^(-2j/d): the first sequence
+    only (the others share its recipe). Returns the fields of ``results.rope.RopeTableCheck`` that depend on the
+    numbers (the caller adds the calls)."""
+    lead = cos.reshape(-1, *cos.shape[-2:])
+    c2, s2 = lead[0], sin.reshape(-1, *sin.shape[-2:])[0]  # (T, d)
+    given = positions is not None
+    pos = positions.reshape(-1, positions.shape[-1])[0] if given else torch.arange(c2.shape[0])
+    out: dict = {"positions_from": "recorded" if given else "assumed", "theta": theta, "theta_from": ""}
+    if rope_type != "default":
+        return {**out, "judged": False, "note": f"rope_type {rope_type}: its frequencies are not theta^(-2j/d)"}
+    cols = _frequency_columns(c2, s2)
+    if cols is None:
+        return {**out, "judged": False, "note": "cos and sin do not repeat their frequencies (halves or pairs)"}
+    c, s, layout = cols
+    out["theta_from"] = "config" if theta is not None else ""
+    if theta is None:
+        theta = fitted_theta(c, s, pos)
+        out.update(theta=theta, theta_from="fitted" if theta is not None else "")
+    if theta is None:
+        return {**out, "judged": False, "note": "theta unknown: no config recorded and no position 1 to fit it from"}
+    head_dim = 2 * c.shape[-1]
+    ref = pos.to(torch.float64)[:, None] * inverse_frequencies(theta, head_dim)[None, :]  # (T, d/2)
+    err, affected, same = _judge_angles(c, s, pos, ref, tolerance)
+    row = err.max(dim=-1).values  # (T,)
+    flat = int(err.argmax())
+    worst = float(err.view(-1)[flat])
+    nonfinite = ~torch.isfinite(row)
+    fp32_cos, fp32_sin = model_table(pos, model_inverse_frequencies(theta, head_dim), torch.float32, c.dtype)
+    out.update(
+        judged=True,
+        note="; ".join(
+            n
+            for n in (
+                None if layout == "halves" else "interleaved layout",
+                f"cos/sin not finite from position {int(pos[nonfinite].min()):,}" if bool(nonfinite.any()) else None,
+            )
+            if n
+        )
+        or None,
+        first_position=int(pos.min()),
+        last_position=int(pos.max()),
+        tolerance=tolerance,
+        first_affected=int(pos[affected].min()) if bool(affected.any()) else None,
+        affected_positions=int(affected.sum()),
+        first_indistinct=int(pos[1:][same].min()) if bool(same.any()) else None,
+        indistinct_positions=int(same.sum()),
+        max_angle_error=worst if math.isfinite(worst) else None,
+        max_error_position=int(pos[flat // err.shape[1]]),
+        max_error_frequency=flat % err.shape[1],
+        fp32_recipe_error=float(angle_error(fp32_cos, fp32_sin, ref).abs().max()),
+        what_if=what_if_tables(pos, theta, head_dim, c.dtype, what_if, tolerance),
+    )
+    return out
+
+
+def table_checks(tables: list[dict], tolerance: float, what_if=()) -> list[RopeTableCheck]:
+    """Each recorded table ({'index', 'cos', 'sin', 'positions', 'theta', 'rope_type', 'calls', 'modules'}, as
+    ``loaders.rope`` reads them) checked by ``check_table``."""
+    out = []
+    for table in tables:
+        cos = table["cos"]
+        found = check_table(
+            cos, table["sin"], table["positions"], table["theta"], tolerance, table["rope_type"], what_if
+        )
+        out.append(
+            RopeTableCheck(
+                index=table["index"],
+                shape=tuple(cos.shape),
+                dtype=dtype_label(cos.dtype),
+                calls=tuple(table["calls"]),
+                modules=tuple(table["modules"]),
+                rope_type=table["rope_type"],
+                **found,
+            )
+        )
+    return out

@@ -1,0 +1,66 @@
+"""What ``attncheck rope`` returns: a RoPE table computed in a dtype over a context, against float64."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RopeAudit:
+    """Positions 0 .. context - 1 of the default RoPE table (inverse frequencies theta^(-2j/d)) in a dtype."""
+
+    theta: float
+    head_dim: int
+    compute: str  # the dtype holding the positions, inverse frequencies, their product and cos/sin
+    table: str  # the dtype of the cos/sin the attention receives
+    rotation: str | None  # the dtype the rotation runs in, where narrower than the table
+    context: int
+    predicted_first_indistinct: int  # closed form: 2^bits + 1 of the dtype holding the positions
+    first_indistinct: int | None  # first position whose row repeats position - 1's (or is not finite); None: none
+    indistinct_positions: int  # positions < context whose row repeats their predecessor's
+    first_nonfinite: int | None
+    max_angle_error: float  # radians, over finite entries of positions < context
+    max_error_position: int
+    max_error_frequency: int  # index j of inv_freq_j
+    rms_angle_error: float | None  # None: no finite entry
+
+
+@dataclass(frozen=True)
+class RopeWhatIf:
+    """A recorded table recomputed from its positions and theta with everything held in ``dtype`` (positions,
+    inverse frequencies, product, cos and sin), cast to the table's dtype: --what-if rope:DTYPE."""
+
+    dtype: str
+    first_indistinct: int | None
+    first_affected: int | None
+    affected_positions: int
+    max_angle_error: float | None  # radians; None where cos/sin are not finite
+
+
+@dataclass(frozen=True)
+class RopeTableCheck:
+    """A rotary table a capture recorded, against float64 cos and sin of its positions and inverse frequencies."""
+
+    index: int  # the table's number in the capture
+    shape: tuple[int, ...]
+    dtype: str
+    calls: tuple[int, ...]  # the calls that ran under it
+    modules: tuple[str, ...]
+    rope_type: str
+    theta: float | None
+    theta_from: str  # 'config' (recorded from the model's config), 'fitted' (from the angle of position 1), ''
+    positions_from: str  # 'recorded' (position_ids), 'assumed' (0 .. T-1 of the first sequence)
+    judged: bool
+    note: str | None = None  # why not judged, or what was assumed
+    first_position: int | None = None
+    last_position: int | None = None
+    tolerance: float | None = None  # radians: the angle error from which a position counts as affected
+    first_affected: int | None = None  # the first position whose angle error passes ``tolerance``
+    affected_positions: int = 0
+    first_indistinct: int | None = None  # the first position whose row repeats position - 1's
+    indistinct_positions: int = 0
+    max_angle_error: float | None = None  # radians
+    max_error_position: int | None = None
+    max_error_frequency: int | None = None
+    fp32_recipe_error: float | None = None  # the same positions computed in fp32 and cast to the table's dtype
+    what_if: tuple[RopeWhatIf, ...] = ()  # --what-if rope:DTYPE: reported apart, never the model's finding

@@ -1,0 +1,40 @@
+"""A transformers Llama whose rotary table is computed in bf16, for `attncheck capture` to record.
+
+A 1-layer Llama built from its config (random weights, nothing downloaded) reads 512 tokens. With
+``--bf16-table`` its rotary embedding computes the positions and inverse frequencies in bf16 before
+the product, as candle's qwen2 did before huggingface/candle PR 3520: bf16 holds integers exactly
+only up to 256, so from position 257 on neighbouring positions share one row of the table. Without
+the flag the model computes the table as transformers does (fp32, then cast).
+
+    attncheck capture --out rope-bf16 -- examples/rope_table.py --bf16-table
+"""
+
+import sys
+
+import torch
+import transformers
+
+torch.manual_seed(0)
+config = transformers.LlamaConfig(
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    hidden_size=64,  # head dim 16
+    intermediate_size=64,
+    vocab_size=64,
+    max_position_embeddings=4096,
+)
+model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+
+if "--bf16-table" in sys.argv[1:]:
+    rope = model.model.rotary_emb
+
+    def bf16_table(x, position_ids):
+        freqs = position_ids[..., None].bfloat16() * rope.inv_freq.bfloat16()  # (B, T, d/2) in bf16
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    rope.forward = bf16_table
+
+with torch.no_grad():
+    model(torch.randint(0, 64, (1, 512), generator=torch.Generator().manual_seed(1)))
