@@ -8,9 +8,8 @@ Model: transformers' Llama from a config (random init): --layers layers, 16 head
 128, hidden 2048, MLP 512, vocabulary 256, bf16, SDPA, one sequence of --seq tokens. Planted faults, through
 forward hooks on the projections: in layer 1, one query row whose |q| is raised (q_proj output, one token) so
 that its Q@K^T reaches past 65,504 (fp16's limit) while bf16 and the fp32 scores of SDPA hold it; in the last
-layer, a NaN in one row of q. ``--rope-bf16`` is the hook for the RoPE-table-in-bf16 fault, which the RoPE
-audit judges (issue 37's RoPE part, branch w-rope): it casts the rotary table to bf16 here and this script
-only records that it did (TODO(w-rope): check its finding once the audit is merged).
+layer, a NaN in one row of q; and the rotary table computed in bf16 (positions and inverse frequencies cast before
+their product, candle PR 3520), which the RoPE audit reports as ``rope_precision`` (``--no-rope`` leaves it out).
 
 Timed (wall clock, this machine as loaded): the model's forward without capture; ``attncheck run CAPTURE
 --what-if fp16 --budget B`` (a subprocess, its peak resident memory from getrusage); with ``--exact`` the same
@@ -105,8 +104,15 @@ def model_part(args, out: str) -> dict:
         model.model.layers[1 % args.layers].self_attn.q_proj.register_forward_hook(big),
         model.model.layers[last].self_attn.q_proj.register_forward_hook(nan),
     ]
-    if args.rope_bf16:  # TODO(w-rope): the RoPE audit's fault; recorded here, judged by that branch's finding
-        model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.to(torch.bfloat16)
+    if not args.no_rope:  # the RoPE table in bf16 (candle PR 3520's recipe), judged by the RoPE audit (rope_precision)
+        rope = model.model.rotary_emb
+
+        def forward(x, position_ids):
+            freqs = position_ids[..., None].bfloat16() * rope.inv_freq.bfloat16()
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+        rope.forward = forward
     with torch.no_grad():
         model(ids)  # warm-up
         t0 = time.perf_counter()
@@ -136,6 +142,7 @@ def model_part(args, out: str) -> dict:
         "peak_rss_gib": round(peak, 2),
         "planted_qk_overflow_found": found_overflow,
         "planted_nan_found": found_nan,
+        "planted_rope_bf16_found": None if args.no_rope else "rope_precision" in json.dumps(doc),
         "sampled_calls": sum(1 for d in diags if d.get("sampling")),
         "calls": len(diags),
     }
@@ -180,7 +187,7 @@ def main() -> None:
     ap.add_argument("--long-dtypes", default="bf16", help="--dtype of the long call (fp16's naive softmax: see docs)")
     ap.add_argument("--max-memory", default="8GiB")
     ap.add_argument("--exact", action="store_true", help="also time the exact run of the capture")
-    ap.add_argument("--rope-bf16", action="store_true", help="the RoPE table in bf16 (judged by the RoPE audit)")
+    ap.add_argument("--no-rope", action="store_true", help="leave out the planted RoPE table in bf16")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--skip-long", action="store_true")
     ap.add_argument("--out", default=None, help="where the capture and dumps go (default: a temporary folder)")
