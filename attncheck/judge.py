@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from attncheck.codes import SEVERITIES
 from attncheck.findings import backward_findings, findings_for, softcap_findings
+from attncheck.findings.activations import activation_findings
 from attncheck.model import head_findings, setting_choices
 from attncheck.numerics.cells import calls
 from attncheck.numerics.cells import diagnose as cells
@@ -67,7 +68,7 @@ def judge_call(report: CallReport) -> CallReport:
     found = softcap_findings(diag)
     if found:
         diag.findings = _merged(diag.findings, found)
-    extra = head_findings(report, diag.findings)
+    extra = head_findings(report, diag.findings) + activation_findings(report)
     if extra:
         diag.findings = _merged(diag.findings, extra)
     return report

@@ -7,11 +7,36 @@ from __future__ import annotations
 
 import difflib
 
-from attncheck.findings import accuracy, backward, capture, distribution, fp8, hazards, inputs, masking, overflow, scale
+from attncheck.findings import (
+    accuracy,
+    activations,
+    backward,
+    capture,
+    distribution,
+    fp8,
+    hazards,
+    inputs,
+    masking,
+    overflow,
+    scale,
+)
 from attncheck.findings import watch as watch_codes
 from attncheck.findings.base import Code
 
-GROUP_MODULES = (inputs, masking, scale, overflow, hazards, accuracy, fp8, distribution, backward, capture, watch_codes)
+GROUP_MODULES = (
+    inputs,
+    masking,
+    scale,
+    overflow,
+    hazards,
+    accuracy,
+    fp8,
+    distribution,
+    activations,
+    backward,
+    capture,
+    watch_codes,
+)
 
 # The order of the reference page (and of every view below): by section, in pipeline order within one. A group
 # module's codes need not be adjacent here (fused_max is a kernel hazard shown among the softmax's causes).
@@ -55,6 +80,10 @@ ORDER = (
     "p_saturation",
     # distribution
     "entropy_collapse",
+    # activations and attention sinks (serving)
+    "attention_sink",
+    "outlier_channel",
+    "massive_activation",
     # backward
     "grad_nan_masked_row",
     "grad_nan_input",

@@ -13,6 +13,13 @@ Every public name is re-exported here: ``from attncheck.results import Cell``.
 
 from __future__ import annotations
 
+from attncheck.results.activations import (
+    CallActivations,
+    ChannelPeak,
+    HeadActivations,
+    KeyShares,
+    LargeActivation,
+)
 from attncheck.results.backward import (
     GRAD_CAUSES,
     REAL_BOUND_TOLERANCE,
@@ -47,6 +54,7 @@ from attncheck.results.common import (
 from attncheck.results.model import (
     CallInfo,
     CallReport,
+    HeadMark,
     HeadStat,
     KernelCall,
     KernelVerdict,
@@ -87,6 +95,11 @@ from attncheck.results.watch import (
 )
 
 __all__ = [
+    "CallActivations",
+    "ChannelPeak",
+    "HeadActivations",
+    "KeyShares",
+    "LargeActivation",
     "ASKED",
     "FLASH_RULE_FACTOR",
     "MODEL",
@@ -113,6 +126,7 @@ __all__ = [
     "TensorDiagnosis",
     "CallInfo",
     "CallReport",
+    "HeadMark",
     "HeadStat",
     "KernelCall",
     "KernelVerdict",
