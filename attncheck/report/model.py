@@ -25,7 +25,7 @@ from attncheck.report.model_calls import (  # noqa: F401
     shared_facts,
     shared_prefix,
 )
-from attncheck.report.model_heads import fitted_head_matrix
+from attncheck.report.model_heads import activity_block, fitted_head_matrix
 from attncheck.report.model_json import run_json  # noqa: F401
 from attncheck.report.run import settings_section
 from attncheck.report.text import shown
@@ -191,6 +191,9 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             text.append(f"  ... {len(report.outliers) - 12} more in the JSON report\n")
         text.rstrip()
         parts.append(text)
+    activity = activity_block(report, prefix)
+    if activity is not None:
+        parts.append(activity)
     ranks = ranks_block(report)
     if ranks is not None:
         parts.append(ranks)
