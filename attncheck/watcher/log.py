@@ -55,6 +55,7 @@ class LogMixin:
                 s.q_max,
                 s.k_max,
                 s.nonfinite_rows,
+                s.first_share,
             ):
                 if t is None:
                     shapes.append(None)
@@ -82,7 +83,7 @@ class LogMixin:
 
         out_calls = []
         for c in calls:
-            ml, ex, emin, emean, col, qm, km, bad = (take() for _ in range(8))
+            ml, ex, emin, emean, col, qm, km, bad, first = (take() for _ in range(9))
             out_calls.append(
                 {
                     "module": c.module,
@@ -95,6 +96,7 @@ class LogMixin:
                     "entropy_min": emin,
                     "entropy_mean": emean,
                     "collapsed": col,
+                    "first_share": first,
                     "q_max": qm,
                     "k_max": km,
                     "nonfinite_rows": int(bad[0] or 0),
