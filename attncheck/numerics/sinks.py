@@ -40,12 +40,18 @@ class KeyShareAcc:
             self.share = torch.zeros(self.groups, tk, dtype=torch.float64, device=ref.device)
             self.uniform = torch.zeros_like(self.share)
             self.seen = torch.zeros_like(self.share)
-        vis = (visible & ok[:, None]).to(torch.float64)  # (r, Tk)
+        vis = visible.to(torch.float64)  # (r, Tk)
         group = torch.arange(offset, offset + r, device=ref.device) // self.queries
+        first = int(group[0])
+        # (groups of this chunk, r) one-hot of each defined row's group: three products instead of scatters
+        onehot = (group[None, :] == torch.arange(first, int(group[-1]) + 1, device=ref.device)[:, None]) & ok[None, :]
+        onehot = onehot.to(torch.float64)
         inv = 1.0 / vis.sum(dim=-1).clamp(min=1.0)  # (r,)
-        self.share.index_add_(0, group, torch.where(vis > 0, ref, 0.0))
-        self.uniform.index_add_(0, group, vis * inv[:, None])
-        self.seen.index_add_(0, group, vis)
+        rows = slice(first, first + onehot.shape[0])
+        p = ref if bool(ok.all()) else torch.where(ok[:, None], ref, 0.0)  # undefined rows hold NaN
+        self.share[rows] += onehot @ p
+        self.uniform[rows] += (onehot * inv[None, :]) @ vis
+        self.seen[rows] += onehot @ vis
 
     def finish(self) -> KeyShares | None:
         if self.share is None or not self.heads:
