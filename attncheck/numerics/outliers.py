@@ -9,6 +9,7 @@ criterion of a massive activation reads. Non-finite entries are left out. Vector
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from attncheck.results.activations import CallActivations, ChannelPeak, HeadActivations, KeyShares, LargeActivation
@@ -18,18 +19,16 @@ LARGEST_KEPT = 8  # per tensor: the largest activations kept (a massive one is a
 
 
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
-    """|x| in float64, non-finite entries as 0 (they hold no magnitude to compare)."""
-    a = x.detach().to(torch.float64).abs()
+    """|x| in float32 (exact for fp16, bf16 and fp32 values; float64 stays float64), non-finite entries as 0 (they
+    hold no magnitude to compare)."""
+    a = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32).abs()
     return torch.where(torch.isfinite(a), a, 0.0)
 
 
 def median(flat: torch.Tensor) -> float:
-    """numpy's median of a 1-d tensor (the mean of the two middle values for an even count), by ``kthvalue``:
-    ``torch.quantile`` refuses tensors of more than 2^24 entries."""
-    n = flat.numel()
-    lo = flat.kthvalue((n + 1) // 2).values
-    hi = flat.kthvalue(n // 2 + 1).values
-    return float((lo + hi) / 2)
+    """numpy's median of a 1-d tensor (the mean of the two middle values for an even count, in float64), by numpy's
+    selection: ``torch.quantile`` refuses tensors of more than 2^24 entries, and two ``kthvalue`` take 10x longer."""
+    return float(np.median(flat.detach().cpu().numpy().astype(np.float64, copy=False)))
 
 
 def channel_peaks(x: torch.Tensor) -> list[ChannelPeak | None]:
@@ -41,6 +40,7 @@ def channel_peaks(x: torch.Tensor) -> list[ChannelPeak | None]:
         return [None] * h
     a = _finite_abs(x).permute(1, 3, 0, 2).reshape(h, d, b * t)  # (H, d, B*T)
     per_channel, at = a.max(dim=-1)  # (H, d): each channel's max |x| and the (batch, token) holding it
+    per_channel = per_channel.to(torch.float64)  # the median of two middle maxima in float64, as numpy's
     peak, channel = per_channel.max(dim=-1)  # (H,)
     mid = torch.quantile(per_channel, 0.5, dim=-1)  # interpolated: numpy's median (d channels: small)
     where = at.gather(1, channel[:, None])[:, 0]
@@ -70,7 +70,8 @@ def largest_activations(x: torch.Tensor, tensor: str, kept: int = LARGEST_KEPT) 
         return []
     a = _finite_abs(x)
     fin = torch.isfinite(x.detach())
-    median_abs = median(a[fin]) if bool(fin.any()) else 0.0
+    every = bool(fin.all())
+    median_abs = median(a.reshape(-1) if every else a[fin]) if every or bool(fin.any()) else 0.0
     top = a.reshape(-1).topk(min(kept, a.numel()))
     b, h, t, d = a.shape
     out = []

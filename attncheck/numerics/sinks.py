@@ -32,26 +32,35 @@ class KeyShareAcc:
         self.uniform: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
 
-    def update(self, ref: torch.Tensor, offset: int, visible: torch.Tensor, ok: torch.Tensor) -> None:
+    def update(self, ref: torch.Tensor, offset: int, visible: torch.Tensor | None, ok: torch.Tensor) -> None:
         """``ref`` (r, Tk) float64 probabilities of rows ``offset``...; ``visible`` (r, Tk) bool: keys each row may
-        attend to; ``ok`` (r,) rows whose reference is defined (others are left out)."""
+        attend to (None: every key); ``ok`` (r,) rows whose reference is defined (others are left out)."""
         r, tk = ref.shape
         if self.share is None:
             self.share = torch.zeros(self.groups, tk, dtype=torch.float64, device=ref.device)
             self.uniform = torch.zeros_like(self.share)
             self.seen = torch.zeros_like(self.share)
-        vis = visible.to(torch.float64)  # (r, Tk)
         group = torch.arange(offset, offset + r, device=ref.device) // self.queries
         first = int(group[0])
-        # (groups of this chunk, r) one-hot of each defined row's group: three products instead of scatters
+        # (groups of this chunk, r) one-hot of each defined row's group: products instead of scatters
         onehot = (group[None, :] == torch.arange(first, int(group[-1]) + 1, device=ref.device)[:, None]) & ok[None, :]
-        onehot = onehot.to(torch.float64)
-        inv = 1.0 / vis.sum(dim=-1).clamp(min=1.0)  # (r,)
         rows = slice(first, first + onehot.shape[0])
         p = ref if bool(ok.all()) else torch.where(ok[:, None], ref, 0.0)  # undefined rows hold NaN
-        self.share[rows] += onehot @ p
-        self.uniform[rows] += (onehot * inv[None, :]) @ vis
-        self.seen[rows] += onehot @ vis
+        self.share[rows] += onehot.to(torch.float64) @ p
+        if visible is None:  # every key visible to every row: counts per group, 1 / Tk each
+            count = onehot.sum(dim=-1, dtype=torch.float64)[:, None]
+            self.seen[rows] += count
+            self.uniform[rows] += count / tk
+            return
+        # float32: the counts are exact below 2^24 rows, and the uniform baseline needs no more (bool -> float64
+        # would cost 6x the conversion)
+        vis = visible.to(torch.float32)  # (r, Tk)
+        inv = 1.0 / vis.sum(dim=-1).clamp(min=1.0)  # (r,)
+        hot = onehot.to(torch.float32)
+        both = torch.cat([hot, hot * inv[None, :]]) @ vis  # one read of vis: (2 x groups, Tk)
+        n = hot.shape[0]
+        self.seen[rows] += both[:n].to(torch.float64)
+        self.uniform[rows] += both[n:].to(torch.float64)
 
     def finish(self) -> KeyShares | None:
         if self.share is None or not self.heads:
@@ -83,7 +92,10 @@ class KeyShareAcc:
         )
 
 
-def visible_keys(x: torch.Tensor, key_masked: torch.Tensor | None) -> torch.Tensor:
+def visible_keys(x: torch.Tensor, key_masked: torch.Tensor | None, masked: torch.Tensor) -> torch.Tensor | None:
     """(r, Tk) bool: the keys each row may attend to: the mask where it is known (Q/K inputs), else the scores'
-    own values (a finite score above the sentinel limit)."""
-    return ~key_masked if key_masked is not None else x > MASK_SENTINEL_LIMIT
+    own values (a finite score above the sentinel limit); None where ``masked`` (the chunk's masked keys per row)
+    says no key is masked."""
+    if key_masked is not None:
+        return ~key_masked
+    return None if not bool(masked.any()) else x > MASK_SENTINEL_LIMIT

@@ -180,7 +180,7 @@ def diagnose_chunks(
             census.update(c)
             dist.update(c)
             head_max.update(c)
-            shares.update(c.ref, c.offset, visible_keys(c.x, getattr(block, "key_masked", None)), c.ref_ok)
+            shares.update(c.ref, c.offset, visible_keys(c.x, getattr(block, "key_masked", None), c.masked), c.ref_ok)
         out_ref: list = []  # P64 @ V64 of the chunk, computed by the first stage that needs it
         for path, d, keys in stages(plan):
             if qk:
