@@ -9,6 +9,8 @@ criterion of a massive activation reads. Non-finite entries are left out. Vector
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -18,11 +20,14 @@ from attncheck.results.model import HeadStat
 LARGEST_KEPT = 8  # per tensor: the largest activations kept (a massive one is among the very largest)
 
 
-def _finite_abs(x: torch.Tensor) -> torch.Tensor:
-    """|x| in float32 (exact for fp16, bf16 and fp32 values; float64 stays float64), non-finite entries as 0 (they
-    hold no magnitude to compare)."""
+def magnitudes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(|x| in float32 (exact for fp16, bf16 and fp32 values; float64 stays float64) with non-finite entries as 0:
+    they hold no magnitude to compare; the finite entries' mask, None where every entry is finite)."""
     a = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32).abs()
-    return torch.where(torch.isfinite(a), a, 0.0)
+    if not a.numel() or math.isfinite(float(a.amax())):  # the usual case (amax is NaN or inf otherwise): no mask
+        return a, None
+    fin = torch.isfinite(a)
+    return torch.where(fin, a, 0.0), fin
 
 
 def median(flat: torch.Tensor) -> float:
@@ -31,19 +36,19 @@ def median(flat: torch.Tensor) -> float:
     return float(np.median(flat.detach().cpu().numpy().astype(np.float64, copy=False)))
 
 
-def channel_peaks(x: torch.Tensor) -> list[ChannelPeak | None]:
+def channel_peaks(x: torch.Tensor, a: torch.Tensor | None = None) -> list[ChannelPeak | None]:
     """Per head of ``x`` (B, H, T, d): its channel with the largest max |x|, the median of its channels' maxima
     (numpy's median: the mean of the two middle ones for an even d), and where that channel peaks. None for a
-    head with no finite entry."""
+    head with no finite entry. ``a``: ``magnitudes(x)[0]`` where the caller has it."""
     b, h, t, d = x.shape
     if not x.numel():
         return [None] * h
-    a = _finite_abs(x).permute(1, 3, 0, 2).reshape(h, d, b * t)  # (H, d, B*T)
-    per_channel, at = a.max(dim=-1)  # (H, d): each channel's max |x| and the (batch, token) holding it
-    per_channel = per_channel.to(torch.float64)  # the median of two middle maxima in float64, as numpy's
+    a = magnitudes(x)[0] if a is None else a
+    per_channel = a.amax(dim=(0, 2)).to(torch.float64)  # (H, d); the median of two middle ones in float64, as numpy's
     peak, channel = per_channel.max(dim=-1)  # (H,)
     mid = torch.quantile(per_channel, 0.5, dim=-1)  # interpolated: numpy's median (d channels: small)
-    where = at.gather(1, channel[:, None])[:, 0]
+    heads = torch.arange(h, device=a.device)
+    where = a[:, heads, :, channel].reshape(h, b * t).argmax(dim=-1)  # (H,): (batch, token) of each peak
     out: list[ChannelPeak | None] = []
     for p, c, m, w in zip(peak.tolist(), channel.tolist(), mid.tolist(), where.tolist()):
         out.append(None if p == 0 else ChannelPeak(c, p, m, p / m if m > 0 else None, w // t, w % t))
@@ -54,24 +59,28 @@ def kurtosis(x: torch.Tensor) -> list[float | None]:
     """Pearson's kurtosis E[(x - mean)^4] / var^2 (population moments, float64) of each head of ``x`` (B, H, T, d)
     over its batch, tokens and channels, finite entries only; None for a head of constant (or no) finite values."""
     x64 = x.detach().to(torch.float64).transpose(0, 1).reshape(x.shape[1], -1)  # (H, B*T*d)
-    ok = torch.isfinite(x64)
-    n = ok.sum(dim=-1).clamp(min=1)
-    mean = torch.where(ok, x64, 0.0).sum(dim=-1) / n
-    c = torch.where(ok, x64 - mean[:, None], 0.0)
-    m2 = (c * c).sum(dim=-1) / n
-    m4 = (c**4).sum(dim=-1) / n
+    total = x64.sum(dim=-1)
+    if bool(torch.isfinite(total).all()):  # every entry finite (the usual case): plain moments
+        c2 = (x64 - (total / x64.shape[-1])[:, None]).square_()
+        m2, m4 = c2.mean(dim=-1), c2.square_().mean(dim=-1)
+    else:
+        ok = torch.isfinite(x64)
+        n = ok.sum(dim=-1).clamp(min=1)
+        mean = torch.where(ok, x64, 0.0).sum(dim=-1) / n
+        c2 = torch.where(ok, x64 - mean[:, None], 0.0).square_()
+        m2, m4 = c2.sum(dim=-1) / n, c2.square_().sum(dim=-1) / n
     return [m4_ / m2_**2 if m2_ > 0 else None for m2_, m4_ in zip(m2.tolist(), m4.tolist())]
 
 
-def largest_activations(x: torch.Tensor, tensor: str, kept: int = LARGEST_KEPT) -> list[LargeActivation]:
+def largest_activations(
+    x: torch.Tensor, tensor: str, kept: int = LARGEST_KEPT, found: tuple | None = None
+) -> list[LargeActivation]:
     """The ``kept`` largest |x| of ``x`` (B, H, T, d) with where they sit, beside the median |x| of the whole
-    tensor (finite entries only)."""
+    tensor (finite entries only). ``found``: ``magnitudes(x)`` where the caller has it."""
     if not x.numel():
         return []
-    a = _finite_abs(x)
-    fin = torch.isfinite(x.detach())
-    every = bool(fin.all())
-    median_abs = median(a.reshape(-1) if every else a[fin]) if every or bool(fin.any()) else 0.0
+    a, fin = magnitudes(x) if found is None else found
+    median_abs = median(a.reshape(-1)) if fin is None else (median(a[fin]) if bool(fin.any()) else 0.0)
     top = a.reshape(-1).topk(min(kept, a.numel()))
     b, h, t, d = a.shape
     out = []
@@ -91,12 +100,15 @@ def call_activations(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -
     hq, hk = q.shape[1], k.shape[1]
     group = hq // hk if hk and hq % hk == 0 else 1
     kv = [min(h // group, hk - 1) for h in range(hq)]
-    qp, kp, kurt = channel_peaks(q), channel_peaks(k), kurtosis(k)
-    vp = channel_peaks(v) if v is not None and v.dim() == 4 and v.shape[1] == hk else [None] * hk
-    heads = [HeadActivations(qp[h], kp[kv[h]], vp[kv[h]], kurt[kv[h]]) for h in range(hq)]
-    largest = largest_activations(q, "q") + largest_activations(k, "k")
+    mq, mk = magnitudes(q), magnitudes(k)  # one pass each, shared by the peaks and the largest
+    qp, kp, kurt = channel_peaks(q, mq[0]), channel_peaks(k, mk[0]), kurtosis(k)
+    largest = largest_activations(q, "q", found=mq) + largest_activations(k, "k", found=mk)
+    vp: list[ChannelPeak | None] = [None] * hk
     if v is not None and v.dim() == 4:
-        largest += largest_activations(v, "v")
+        mv = magnitudes(v)
+        vp = channel_peaks(v, mv[0]) if v.shape[1] == hk else vp
+        largest += largest_activations(v, "v", found=mv)
+    heads = [HeadActivations(qp[h], kp[kv[h]], vp[kv[h]], kurt[kv[h]]) for h in range(hq)]
     return CallActivations(heads, largest)
 
 

@@ -36,6 +36,8 @@ class KeyShareAcc:
         """``ref`` (r, Tk) float64 probabilities of rows ``offset``...; ``visible`` (r, Tk) bool: keys each row may
         attend to (None: every key); ``ok`` (r,) rows whose reference is defined (others are left out)."""
         r, tk = ref.shape
+        if not r:
+            return
         if self.share is None:
             self.share = torch.zeros(self.groups, tk, dtype=torch.float64, device=ref.device)
             self.uniform = torch.zeros_like(self.share)

@@ -72,3 +72,20 @@ def test_gqa_kv_head_peaks_and_call_findings():
     assert acts[3].k.ratio == pytest.approx(want, rel=1e-6)
     found = [f for f in report.diagnosis.findings if f.code == "outlier_channel"]
     assert len(found) == 1 and found[0].message.startswith("1 outlier channel(s): kv head 1 k channel 6")
+
+
+def test_non_finite_entries_are_left_out():
+    """A NaN and an inf in a head: its kurtosis, channel peaks and the tensor's median are those of the finite
+    entries (numpy's nan-aware formulas on the same values)."""
+    x = torch.randn(1, 2, 20, 4, generator=G, dtype=torch.float64)
+    x[0, 0, 3, 1] = float("nan")
+    x[0, 0, 5, 2] = float("inf")
+    finite = x[:, 0].numpy().ravel()
+    finite = finite[np.isfinite(finite)]
+    assert kurtosis(x)[0] == pytest.approx(scipy.stats.kurtosis(finite, fisher=False, bias=True), rel=1e-12)
+    a = np.abs(x.numpy())
+    peak = channel_peaks(x)[0]
+    maxima = np.where(np.isfinite(a), a, 0).max(axis=(0, 2))[0]
+    assert peak.value == maxima.max() and peak.median == pytest.approx(float(np.median(maxima)), rel=1e-15)
+    top = largest_activations(x, "k")
+    assert top[0].median == pytest.approx(float(np.median(a[np.isfinite(a)])), rel=1e-15)

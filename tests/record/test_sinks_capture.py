@@ -61,3 +61,16 @@ def test_random_init_models_have_no_sink_channel_or_massive_finding(build):
     assert [f.code for f in found if f.severity in ("error", "warning")] == []
     assert not set(codes) & {"attention_sink", "outlier_channel", "massive_activation"}
     assert diag.result.model.head_marks == [] and diag.result.model.sink_pairs > 0
+
+
+def test_a_random_init_multihead_attention_has_no_sink_channel_or_massive_finding():
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.randn(2, 12, 32)
+    with torch.no_grad(), attncheck.capture(diagnose=True) as diag:
+        mha(x, x, x)
+    found = [f for c in diag.calls for f in c.diagnosis.findings]
+    assert [f.code for f in found if f.severity in ("error", "warning")] == []
+    assert not {f.code for f in found} & {"attention_sink", "outlier_channel", "massive_activation"}
+    heads = diag.calls[0].heads
+    assert len(heads) == 4 and all(h.activations is not None and h.first_share is not None for h in heads)
