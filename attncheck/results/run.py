@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from attncheck.results.activations import KeyShares
 from attncheck.results.backward import CellBackward
 from attncheck.results.common import ASKED, DtypeLimits, Finding
 from attncheck.results.lowsum import LowSumStats
@@ -312,6 +313,7 @@ class TensorDiagnosis:
     )  # largest unmasked score per head (the axis before the queries)
     choices: list[SettingChoice] = field(default_factory=list)  # --what-if fa4: each settings grid and its best
     lowsum: list[LowSumStats] = field(default_factory=list)  # --accumulate: each sum kept in 16 bits
+    key_shares: KeyShares | None = None  # the attention each key receives (numerics.sinks)
 
     def cell(self, method: str, dtype: str, path: str | None = None, variant: str | None = None) -> Cell:
         """The cell of ``method`` (or of a path: 'flash') in ``dtype``; ``path`` narrows it down; ``variant``: a
