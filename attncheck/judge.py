@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from attncheck.codes import FIX, SEVERITIES, SEVERITY
 from attncheck.findings import backward_findings, findings_for, sink_findings, softcap_findings
+from attncheck.findings.activations import activation_findings
 from attncheck.findings.lowsum import lowsum_findings
 from attncheck.model import head_findings, setting_choices
 from attncheck.numerics.cells import calls
@@ -69,7 +70,7 @@ def judge_call(report: CallReport) -> CallReport:
     found = softcap_findings(diag) + sink_findings(report.sinks)
     if found:
         diag.findings = _merged(diag.findings, found)
-    extra = head_findings(report, diag.findings)
+    extra = head_findings(report, diag.findings) + activation_findings(report)
     if extra:
         diag.findings = _merged(diag.findings, extra)
     return report

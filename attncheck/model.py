@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from attncheck.codes import SEVERITY
 from attncheck.findings import capture_findings, counted_rows, counted_verdict, ignored_causes
+from attncheck.findings.activations import head_marks, sink_rate
 from attncheck.findings.rope import rope_findings
 from attncheck.model_decode import decode_runs
 from attncheck.results import (
@@ -498,6 +499,7 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
         capture["note"] = "; ".join(n for n in (capture.get("note"), said) if n)
     kernels = [k for at, c in enumerate(calls) if (k := kernel_call(c, at, ignore)) is not None]
     places = {_recorded_on(c.call) for c in calls}
+    sinks, pairs = sink_rate(calls)
     return ModelReport(
         lines,
         first,
@@ -516,6 +518,9 @@ def model_report(calls: list[CallReport], ignore=(), skipped=(), capture: dict |
         call_settings=[(at, found) for at, c in enumerate(calls) if (found := call_settings(c, ignore))],
         settings_refused=settings_refused(calls),
         decode=decode_runs(lines, calls),
+        head_marks=head_marks(calls, ignore),
+        sink_hits=sinks,
+        sink_pairs=pairs,
     )
 
 

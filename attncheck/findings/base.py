@@ -65,6 +65,7 @@ GROUPS = {
     "output": "The output O = P@V",
     "fp8": "FP8",
     "distribution": "The distribution",
+    "activations": "Activations and attention sinks",
     "backward": "The backward pass",
     "rope": "Rotary position embeddings (RoPE)",
     "watch": "Watching a training run (attncheck watch)",

@@ -9,6 +9,7 @@ import difflib
 
 from attncheck.findings import (
     accuracy,
+    activations,
     backward,
     capture,
     distribution,
@@ -37,6 +38,7 @@ GROUP_MODULES = (
     lowsum,
     fp8,
     distribution,
+    activations,
     backward,
     rope,
     capture,
@@ -90,6 +92,10 @@ ORDER = (
     "p_saturation",
     # distribution
     "entropy_collapse",
+    # activations and attention sinks (serving)
+    "attention_sink",
+    "outlier_channel",
+    "massive_activation",
     # backward
     "grad_nan_masked_row",
     "grad_nan_input",

@@ -50,6 +50,7 @@ class WatchCall(Struct):
     entropy_min: PerHead = []
     entropy_mean: PerHead = []
     collapsed: Annotated[list[Share], Meta(max_length=MAX_HEADS)] = []
+    first_share: Optional[Annotated[list[Share], Meta(max_length=MAX_HEADS)]] = None  # logs before it have none
     q_max: Optional[PerHead] = None
     k_max: Optional[PerHead] = None
     nonfinite_rows: Count = 0
@@ -87,7 +88,7 @@ class WatchLog:
 
 def _check(rec: WatchRecord) -> str | None:
     for i, c in enumerate(rec.calls):
-        for name in ("max_logit", "exact", "entropy_min", "entropy_mean", "collapsed", "q_max", "k_max"):
+        for name in ("max_logit", "exact", "entropy_min", "entropy_mean", "collapsed", "first_share", "q_max", "k_max"):
             values = getattr(c, name)
             if values is None or (not values and name != "max_logit"):
                 continue

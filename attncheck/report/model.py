@@ -29,7 +29,7 @@ from attncheck.report.model_calls import (  # noqa: F401
     shared_facts,
     shared_prefix,
 )
-from attncheck.report.model_heads import fitted_head_matrix
+from attncheck.report.model_heads import activity_block, fitted_head_matrix
 from attncheck.report.model_json import run_json  # noqa: F401
 from attncheck.report.model_sinks import sinks_block
 from attncheck.report.run import settings_section
@@ -203,6 +203,9 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
     sinks = sinks_block(calls, prefix)
     if sinks is not None:
         parts.append(sinks)
+    activity = activity_block(report, prefix)
+    if activity is not None:
+        parts.append(activity)
     ranks = ranks_block(report)
     if ranks is not None:
         parts.append(ranks)

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from attncheck.findings import counted_rows
+from attncheck.findings.activations import SINK_EPSILON
 from attncheck.report.fit import Fitted, fitted, natural_width
 from attncheck.report.model_calls import call_label
 from attncheck.report.text import shown
@@ -22,7 +23,7 @@ MATRIX_HEADS_FIRST = 8  # heads the layer x head table keeps beside the calls' n
 
 HEAD_LEGEND = (
     "Layer x head: the largest logit (k = thousands); Nn = n NaN rows in the model's cell; ovf = Q@K^T overflows "
-    "the call's dtype; * = outlier q/k"
+    "the call's dtype; * = outlier q/k; s = attention sink; c = outlier channel of q, k or v"
 )
 
 
@@ -55,6 +56,11 @@ def head_matrix(
         return None
     which = list(range(min(max(len(c.heads) for c in rows), heads))) if isinstance(heads, int) else heads
     marked = {(o.position, h) for o in report.outliers for h in (o.query_heads or [o.head])}
+    activity: dict[tuple[int, int], str] = {}
+    for m in report.head_marks:
+        tag = "s" if m.what == "sink" else "c"
+        key = (m.position, m.head)
+        activity[key] = "".join(sorted(set(activity.get(key, "") + tag), reverse=True))  # 'sc'
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
     t.add_column("call", no_wrap=True)
     for h in which:
@@ -69,7 +75,7 @@ def head_matrix(
             if h is None:
                 cells.append("")
                 continue
-            star = "*" if (at, h.head) in marked else ""
+            star = activity.get((at, h.head), "") + ("*" if (at, h.head) in marked else "")  # 33sc*
             nan = counted_rows(h.nan_rows, h.nan_causes, report.ignored)  # as the call table counts them
             if nan:
                 cells.append(Text(f"N{nan}{star}", style="bold red"))
@@ -83,8 +89,9 @@ def head_matrix(
 
 
 def flagged_heads(calls: list[CallReport], report: ModelReport) -> list[int]:
-    """Heads with NaN rows, a Q@K^T overflow or an outlier q/k in some call: a narrow table shows them."""
-    marked = {h for o in report.outliers for h in (o.query_heads or [o.head])}
+    """Heads with NaN rows, a Q@K^T overflow, an outlier q/k, a sink or an outlier channel in some call: a narrow
+    table shows them."""
+    marked = {h for o in report.outliers for h in (o.query_heads or [o.head])} | {m.head for m in report.head_marks}
     return sorted({h.head for c in calls for h in c.heads if h.nan_rows or h.qk_overflow or h.head in marked})
 
 
@@ -148,3 +155,32 @@ def fitted_head_matrix(calls: list[CallReport], report: ModelReport, prefix: str
         return [legend, t]
 
     return Fitted(build)
+
+
+MARKS_SHOWN = 12  # sink and outlier-channel heads listed; the JSON has every one
+
+
+def activity_block(report: ModelReport, prefix: str = "") -> Text | None:
+    """The model's sink rate (sail-sg/Attention-Sink's definition) and the heads marked s and c, listed."""
+    if not report.sink_pairs and not report.head_marks:
+        return None
+    text = Text()
+    if report.sink_pairs:
+        text.append(
+            f"Sink rate {report.sink_rate:.0%}: {report.sink_hits} of {report.sink_pairs} (batch, call, head) "
+            f"triples give the first token an importance > {SINK_EPSILON:g} (its attention averaged over the queries "
+            "that see it; sail-sg/Attention-Sink's definition)\n"
+        )
+    if report.head_marks:
+        text.append(
+            "Attention sinks (s) and outlier channels (c) (info; share of the queries that see the key, uniform: what "
+            "attention spread over each query's visible keys would give; channel: max |x| against its head's median "
+            "channel):\n"
+        )
+        for m in report.head_marks[:MARKS_SHOWN]:
+            where = ("" if m.rank is None else f"r{m.rank} ") + shown(m.module.removeprefix(prefix)).plain
+            text.append(f"  #{m.index} {where} ({m.what}) {m.message}\n")
+        if len(report.head_marks) > MARKS_SHOWN:
+            text.append(f"  ... {len(report.head_marks) - MARKS_SHOWN} more in the JSON report (model.head_marks)\n")
+    text.rstrip()
+    return text

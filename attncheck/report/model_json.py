@@ -48,6 +48,7 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
                 "errors": line.errors,
                 "heads": to_jsonable(c.heads),
                 "sinks": None if c.sinks is None else to_jsonable(c.sinks),
+                "largest_activations": None if c.activations is None else to_jsonable(c.activations.largest),
                 "error": c.error,
                 "device": info.meta.get("device"),  # where the call ran, as the capture recorded it
                 "capability": info.meta.get("capability"),
@@ -72,6 +73,8 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
             "calls": out_calls,
             "first_bad": first,
             "outliers": [dict(to_jsonable(o), message=o.message) for o in report.outliers],
+            "head_marks": [to_jsonable(m) for m in report.head_marks],
+            "sink_rate": {"rate": report.sink_rate, "hits": report.sink_hits, "triples": report.sink_pairs},
             "ignored": list(report.ignored),
             "skipped": [{"name": n, "error": why} for n, why in report.skipped],
             "capture": report.capture,

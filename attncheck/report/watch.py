@@ -43,7 +43,8 @@ def heads_table(report: WatchReport):
     ranks = len(report.ranks) > 1
     t = compact_table(
         f"Heads, worst first (largest logit now, its growth per 100 steps over the last {report.settings['window']} "
-        "records, entropy of the sampled rows, steps until the dtype's limit at that growth)"
+        "records, entropy of the sampled rows, first: key 0's share of them, steps until the dtype's limit at that "
+        "growth)"
     )
     for name, justify in ([("rank", "right")] if ranks else []) + [
         ("call", "left"),
@@ -52,6 +53,7 @@ def heads_table(report: WatchReport):
         ("x/100", "right"),
         ("entropy", "right"),
         ("collapsed", "right"),
+        ("first", "right"),
         ("to limit", "right"),
     ]:
         t.add_column(name, justify=justify, no_wrap=name != "call", overflow="fold")
@@ -59,6 +61,7 @@ def heads_table(report: WatchReport):
         last = next((v for v in reversed(s.max_logit) if v is not None), None)
         ent = next((v for v in reversed(s.entropy_mean) if v is not None), None)
         col = next((v for v in reversed(s.collapsed) if v is not None), None)
+        first = next((v for v in reversed(s.first_share) if v is not None), None)
         growth = "-" if s.growth is None else ("inf" if not math.isfinite(s.growth) else num(s.growth))
         row = ([str(s.rank)] if ranks else []) + [
             shown(s.module),
@@ -67,6 +70,7 @@ def heads_table(report: WatchReport):
             growth,
             num(ent),
             "-" if col is None else f"{col:.0%}",
+            "-" if first is None else num(first, 2),
             "-" if s.steps_to_limit is None else plain(s.steps_to_limit),
         ]
         t.add_row(*row)
@@ -191,6 +195,7 @@ def watch_json(report: WatchReport, failed: list[str]) -> dict[str, Any]:
                     "max_logit": s.max_logit,
                     "entropy_mean": s.entropy_mean,
                     "collapsed": s.collapsed,
+                    "first_share": s.first_share,
                     "growth_per_100_steps": s.growth,
                     "steps_to_limit": s.steps_to_limit,
                     "limit_logit": s.limit_logit,

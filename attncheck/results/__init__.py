@@ -13,6 +13,13 @@ Every public name is re-exported here: ``from attncheck.results import Cell``.
 
 from __future__ import annotations
 
+from attncheck.results.activations import (
+    CallActivations,
+    ChannelPeak,
+    HeadActivations,
+    KeyShares,
+    LargeActivation,
+)
 from attncheck.results.backward import (
     GRAD_CAUSES,
     REAL_BOUND_TOLERANCE,
@@ -49,6 +56,7 @@ from attncheck.results.model import (
     CallInfo,
     CallReport,
     DecodeRun,
+    HeadMark,
     HeadStat,
     KernelCall,
     KernelVerdict,
@@ -89,6 +97,11 @@ from attncheck.results.watch import (
 )
 
 __all__ = [
+    "CallActivations",
+    "ChannelPeak",
+    "HeadActivations",
+    "KeyShares",
+    "LargeActivation",
     "ASKED",
     "FLASH_RULE_FACTOR",
     "MODEL",
@@ -117,6 +130,7 @@ __all__ = [
     "SumOverflow",
     "CallInfo",
     "CallReport",
+    "HeadMark",
     "HeadStat",
     "KernelCall",
     "KernelVerdict",

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from attncheck.format import plain
+from attncheck.results.activations import CallActivations, HeadActivations
 from attncheck.results.common import Finding
 from attncheck.results.kvcache import KVReport
 from attncheck.results.run import CellLimit, SettingChoice, TensorDiagnosis
@@ -25,6 +26,11 @@ class HeadStat:
     nan_rows: int = 0  # NaN rows of the cell the model uses, over all batch elements
     kv_head: int | None = None  # the kv head it reads (GQA: shared by a group of query heads); None: its own
     nan_causes: dict[str, int] = field(default_factory=dict)  # its NaN rows by first cause (--ignore leaves some out)
+    # The attention each key receives, averaged over the queries that see it (float64 reference; numerics.sinks)
+    first_share: float | None = None  # key 0's
+    top_key: int | None = None  # the key receiving the most, and its share
+    top_share: float | None = None
+    activations: HeadActivations | None = None  # its q, k, v channel peaks and k's kurtosis (numerics.outliers)
 
 
 @dataclass
@@ -78,6 +84,7 @@ class CallReport:
     # --what-if fa4: each kernel grid and dtype the kernel would not run the call in ('fa4/e4m3'), with why
     settings_refused: dict[str, str] = field(default_factory=dict)
     sinks: SinkFacts | None = None  # a call with learned sinks (gpt-oss): each head's share, and what it changes
+    activations: CallActivations | None = None  # q, k, v channel peaks and largest activations; None without q/k
 
 
 @dataclass
@@ -172,6 +179,26 @@ class Outlier:
             f"{where} head {self.head}: max|{self.tensor}| {plain(self.value)} vs median {plain(self.median)} "
             "over the other heads"
         )
+
+
+@dataclass
+class HeadMark:
+    """A head the model report marks for its activations (not the q/k ``Outlier`` heads by magnitude): an emergent
+    attention sink ('sink': ``key`` receives ``share``) or an outlier channel ('channel': ``channel`` of ``tensor``
+    at ``ratio`` times its head's median channel). ``findings.activations`` finds them."""
+
+    position: int  # the call's place among the report's calls
+    index: int
+    module: str
+    head: int
+    what: str  # 'sink' or 'channel'
+    message: str
+    key: int | None = None
+    share: float | None = None
+    tensor: str | None = None
+    channel: int | None = None
+    ratio: float | None = None
+    rank: int | None = None
 
 
 @dataclass
@@ -270,6 +297,15 @@ class ModelReport:
     # grids not computed: ('fa4/e4m3', calls the kernel would not run in that dtype, the first call's why)
     settings_refused: list[tuple[str, int, str]] = field(default_factory=list)
     decode: list[DecodeRun] = field(default_factory=list)  # each module's decode steps, grouped (model_decode)
+    head_marks: list[HeadMark] = field(default_factory=list)  # heads with an attention sink or an outlier channel
+    # The sink rate (sail-sg/Attention-Sink): (batch, call, head) triples whose first-token importance exceeds 0.3,
+    # of those with one
+    sink_hits: int = 0
+    sink_pairs: int = 0
+
+    @property
+    def sink_rate(self) -> float | None:
+        return self.sink_hits / self.sink_pairs if self.sink_pairs else None
 
 
 @dataclass

@@ -31,6 +31,7 @@ class WatchSeries:
     steps_to_limit: float | None  # at that growth, steps until the limit (None: not growing)
     limits: list[float | None] = field(default_factory=list)  # each step's limit (a call's dtype may change mid-run)
     limit_whats: list[str | None] = field(default_factory=list)  # ... and what it is the limit of
+    first_share: list[float | None] = field(default_factory=list)  # key 0's share of the sampled rows, per step
 
     @property
     def label(self) -> str:

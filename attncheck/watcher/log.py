@@ -97,6 +97,7 @@ def _read_back(calls, grads):
             s.q_max,
             s.k_max,
             s.nonfinite_rows,
+            s.first_share,
         ):
             if t is None:
                 shapes.append(None)
@@ -129,7 +130,7 @@ def _call_records(calls, take) -> list[dict]:
     """Each call's entry of the record: its module, kind, dtype, path, per-head statistics, scale and limit."""
     out_calls = []
     for c in calls:
-        ml, ex, emin, emean, col, qm, km, bad = (take() for _ in range(8))
+        ml, ex, emin, emean, col, qm, km, bad, first = (take() for _ in range(9))
         out_calls.append(
             {
                 "module": c.module,
@@ -142,6 +143,7 @@ def _call_records(calls, take) -> list[dict]:
                 "entropy_min": emin,
                 "entropy_mean": emean,
                 "collapsed": col,
+                "first_share": first,
                 "q_max": qm,
                 "k_max": km,
                 "nonfinite_rows": int(bad[0] or 0),

@@ -43,6 +43,8 @@ class CallStats:
     q_max: torch.Tensor | None  # (H,) max |q| per head
     k_max: torch.Tensor | None  # (H,) max |k| of the kv head each query head reads
     nonfinite_rows: torch.Tensor  # () rows of the call's output (or of its softmax) holding NaN or inf
+    # (H,) key 0's probability averaged over the sampled rows that see it: the first-token share (attention sinks)
+    first_share: torch.Tensor | None = None
 
 
 def _heads4(t: torch.Tensor) -> torch.Tensor:
@@ -54,10 +56,11 @@ def _sample_rows(t: int, device) -> torch.Tensor:
     return torch.linspace(0, t - 1, min(SAMPLE_ROWS, t), device=device).round().long()
 
 
-def _entropy(s: torch.Tensor, layers: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _entropy(s: torch.Tensor, layers: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(L*B, H, R, Tk) fp32 scores of sampled rows (masked keys at -inf or at most the sentinel limit)
-    -> per layer and head (L, H): entropy min, mean (rows with two keys or more) and the share of
-    collapsed rows. -sum p log p from the probabilities themselves (xlogy: 0 where p is 0), so that
+    -> per layer and head (L, H): entropy min, mean (rows with two keys or more), the share of
+    collapsed rows, and key 0's probability averaged over the sampled rows that see it (NaN where none does).
+    -sum p log p from the probabilities themselves (xlogy: 0 where p is 0), so that
     logits of 1e5 lose nothing to a cancellation against their logsumexp."""
     keys = s > MASK_SENTINEL_LIMIT
     valid = _layer_first(keys.sum(dim=-1) >= 2, layers)  # (L, B, H, R)
@@ -71,10 +74,14 @@ def _entropy(s: torch.Tensor, layers: int = 1) -> tuple[torch.Tensor, torch.Tens
     ent_mean = ent.masked_fill(~valid, 0.0).sum(dim=(1, 3)) / count
     collapsed = ((top > COLLAPSE_P) & valid).sum(dim=(1, 3)) / count
     none = count == 0
+    sees = _layer_first(keys[..., 0], layers)  # (L, B, H, R): rows that may attend to key 0
+    first = _layer_first(p[..., 0], layers).masked_fill(~sees, 0.0).sum(dim=(1, 3)) / sees.sum(dim=(1, 3))
+    first = first.clamp(0.0, 1.0)  # a share, as the log's reader checks it (fp32 rounding aside); NaN stays
     return (
         ent_min.masked_fill(none, float("nan")),
         ent_mean.masked_fill(none, float("nan")),
         collapsed.masked_fill(none, float("nan")),
+        first,
     )
 
 
@@ -141,6 +148,7 @@ def sdpa_stats_many(calls: list[tuple]) -> list[CallStats]:
                             stats.q_max,
                             stats.k_max,
                             stats.nonfinite_rows,
+                            stats.first_share,
                         )
                     )
                 )
@@ -198,7 +206,7 @@ def _sdpa_layers(calls: list[tuple], mask: torch.Tensor | None, scale: float | N
         exact = _layer_first(found >= bound, layers).all(dim=1)
     else:
         exact = torch.ones(layers, h, dtype=torch.bool, device=s.device)
-    e_min, e_mean, collapsed = _entropy(s[..., r:, :], layers)
+    e_min, e_mean, collapsed, first = _entropy(s[..., r:, :], layers)
     kmax = torch.stack(k_max)
     return CallStats(
         _layer_first(found, layers).amax(dim=1),
@@ -209,6 +217,7 @@ def _sdpa_layers(calls: list[tuple], mask: torch.Tensor | None, scale: float | N
         torch.stack(q_max),
         kmax.repeat_interleave(h // hk, dim=-1) if hk != h else kmax,
         torch.stack(bad),
+        first,
     )
 
 
@@ -232,12 +241,12 @@ def scores_stats(scores: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor |
             torch.isnan(rowmax) | torch.isposinf(rowmax) | torch.isneginf(rowmax)
         ).sum()  # NaN, +inf or every key -inf: torch.softmax gives NaN
         sample = s4[:, :, _sample_rows(tq, s4.device)].float()
-        e_min, e_mean, collapsed = (t[0] for t in _entropy(sample))
+        e_min, e_mean, collapsed, first = (t[0] for t in _entropy(sample))
         q_max = k_max = None
         if q is not None and k is not None and q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] == h and k.shape[-3] == h:
             q_max, k_max = _abs_max(_heads4(q.detach()))[0], _abs_max(_heads4(k.detach()))[0]
         return CallStats(
-            top, torch.ones(h, dtype=torch.bool, device=s4.device), e_min, e_mean, collapsed, q_max, k_max, bad
+            top, torch.ones(h, dtype=torch.bool, device=s4.device), e_min, e_mean, collapsed, q_max, k_max, bad, first
         )
 
 

@@ -94,6 +94,7 @@ def series_of(logs) -> list[WatchSeries]:
                     s.max_logit.append(call.max_logit[h])
                     s.entropy_mean.append(call.entropy_mean[h] if call.entropy_mean else None)
                     s.collapsed.append(call.collapsed[h] if call.collapsed else None)
+                    s.first_share.append(call.first_share[h] if call.first_share else None)
                     s.nonfinite.append(call.nonfinite_rows)
     return list(out.values())
 

@@ -77,7 +77,8 @@ QK = ["run", "--q", "q.pt", "--k", "k.pt"]  # never read: every case below is re
         (
             ["watch", "logs", "--what-if", "fa4"],
             "attncheck: error: --what-if: fa4: the watch judges logged statistics, not tensors, so it cannot replay "
-            "a call under other kernels; capture the step (attncheck capture) and run attncheck run DIR --what-if fa4",
+            "a call under other kernels or through a KV cache; capture the step (attncheck capture) and run attncheck "
+            "run DIR --what-if fa4",
         ),
     ],
 )

@@ -164,3 +164,27 @@ def test_layers_computed_together_give_each_layers_own_numbers():
             sum(t.numel() for t in ts),
         )
         assert float(got.max_abs) == peak
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_first_token_share_against_a_float64_softmax(causal):
+    """Key 0's probability averaged over the sampled rows that see it, against float64 softmax of the same rows; a
+    key 0 built to draw attention gives a large share, and a mask that hides key 0 from a row leaves the row out."""
+    g = torch.Generator().manual_seed(3)
+    b, h, t, d = 2, 3, 40, 16
+    q, k = torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g)
+    q[:, 0, :, 0] += 3.0
+    k[:, 0, 0, 0] = 10.0  # head 0: every query looks at key 0
+    st = sdpa_stats(q, k, None, None, None, causal)
+    rows = _sample_rows(t, "cpu")
+    p = torch.softmax(full_scores(q, k, 1 / math.sqrt(d), causal)[:, :, rows], -1)  # (B, H, R, Tk) float64
+    want = p[..., 0].mean(dim=(0, 2))
+    assert st.first_share.double() == pytest.approx(want, abs=1e-6)
+    assert float(st.first_share[0]) > 0.5 > float(want[1:].max())
+    keep = torch.ones(1, 1, t, t, dtype=torch.bool)
+    keep[..., 1::2, 0] = False  # odd rows may not see key 0
+    st = sdpa_stats(q, k, None, keep, None, False)
+    s = full_scores(q, k, 1 / math.sqrt(d), keep=keep)[:, :, rows]
+    sees = keep[0, 0, rows, 0]
+    want = torch.softmax(s, -1)[:, :, sees, 0].mean(dim=(0, 2))
+    assert st.first_share.double() == pytest.approx(want, abs=1e-6)

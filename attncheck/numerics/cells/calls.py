@@ -39,6 +39,7 @@ from attncheck.numerics.cells.plan import (
     what_if_cells,
 )
 from attncheck.numerics.inputs.sinks import split_sinks
+from attncheck.numerics.outliers import annotate_heads, call_activations
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
 from attncheck.options import Options, rows_per_chunk
 from attncheck.registry import PATHS, eager_path
@@ -175,6 +176,8 @@ def diagnose_call(
     if known and kind == "flex" and used is not None and "scores_mod" in tensors:
         used.limit = _flex_limit(info, diag)
     heads = _head_stats(info, inputs, diag, used, model)
+    acts = None if inputs is None or inputs.q.dim() != 4 else call_activations(inputs.q, inputs.k, inputs.v)
+    annotate_heads(heads, diag.key_shares, acts)
     replayed = known and params.WHAT_IF_KERNELS in what_if and model is not None
     kernels = kernel_dtype(info, model) if replayed else None
     refused = kernel_refusals(info, kernels) if replayed else {}
@@ -191,6 +194,7 @@ def diagnose_call(
         if known and what is not None
         else {},
         sinks=sinks,
+        activations=acts,
     )
     if sinks is not None:
         sinks.nosinks = params.WHAT_IF_NOSINKS in what_if or params.WHAT_IF_KERNELS in what_if
@@ -656,6 +660,7 @@ def scores_report(info: CallInfo, diag: TensorDiagnosis) -> CallReport:
             HeadStat(h, None, None, m, 0, n, None, {c: k[h] for c, k in per_cause.items() if k[h]})
             for h, (m, n) in enumerate(zip(diag.head_max_logits, used.nan_rows_per_head))
         ]
+        annotate_heads(heads, diag.key_shares, None)
     return CallReport(info, diag, heads, None if cell is None else (cell.method, cell.dtype))
 
 

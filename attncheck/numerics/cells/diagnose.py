@@ -35,6 +35,7 @@ from attncheck.numerics.precision import (
     rounding_limit,
 )
 from attncheck.numerics.reduce import any_true, count, row_counts
+from attncheck.numerics.sinks import KeyShareAcc, visible_keys
 from attncheck.options import Options, chunk_elements_for, rows_per_chunk  # noqa: F401  (part of this module's API)
 from attncheck.registry import METHODS, PATHS, fp8_names, resolve
 from attncheck.results import ASKED, CellLimit, TensorDiagnosis
@@ -150,6 +151,8 @@ def diagnose_chunks(
         for key in plan
     }
     head_max = HeadMax(heads[-1] if heads else 0, queries)
+    per_query = shape[-2] if len(shape) >= 2 else 1  # key shares: rows grouped by (leading..., query)
+    shares = KeyShareAcc(rows // max(per_query, 1), heads[-1] if heads else 1, per_query)
     backend = select_backend(options.kernels, device, math.prod(shape), notice)
     plain = TorchRows()  # metrics of methods the fused kernel does not serve
     # given scores: naive, stable and torch write into buffers reused from chunk to chunk
@@ -177,6 +180,7 @@ def diagnose_chunks(
             census.update(c)
             dist.update(c)
             head_max.update(c)
+            shares.update(c.ref, c.offset, visible_keys(c.x, getattr(block, "key_masked", None), c.masked), c.ref_ok)
         out_ref: list = []  # P64 @ V64 of the chunk, computed by the first stage that needs it
         for path, d, keys in stages(plan):
             if qk:
@@ -214,6 +218,7 @@ def diagnose_chunks(
         limits={d: limits_of(dtype_from_name(d)) for d in dict.fromkeys([*(k.dtype for k in plan), "fp32"])},
         backend=backend.name,
         head_max_logits=head_max.values(),
+        key_shares=shares.finish(),
     )
     return result
 

@@ -105,8 +105,10 @@ def test_an_fp8_what_if_flushes_the_keys_the_p_cast_threshold_says():
     assert lost > 1e-3 and cell.pcast_mass_rows == 1024 and cell.pcast_mass_max == pytest.approx(lost, rel=1e-3)
     assert cell.pcast_flushed_frac == pytest.approx(1023 / 1024)
     assert "p_cast_underflow" in {f.code for f in report.what_if.findings}
-    # the model (bf16 SDPA) loses nothing to a P cast; its findings are about the input (a collapsed head)
-    assert [f.code for f in report.diagnosis.findings] == ["entropy_collapse"]
+    # the model (bf16 SDPA) loses nothing to a P cast; its findings are about the input: a collapsed head, whose
+    # last key is the sink every query parks on (info)
+    assert [f.code for f in report.diagnosis.findings] == ["entropy_collapse", "attention_sink"]
+    assert "head 0 key 1023 0.99" in report.diagnosis.findings[1].message
 
 
 def test_headroom_is_the_model_cells_own_first_failure():
