@@ -24,7 +24,8 @@ def sampling_lines(d: TensorDiagnosis) -> Text | None:
         f"|s_ij| <= scale |q_i| max_j |k_j| + max mask{bound}; {s.exact_rows:,} computed in full ({why}); "
         f"{s.sampled_rows:,} sampled (seed {s.seed}, {s.groups} groups).",
         "Exact: the counts of failing rows (NaN, overflow, fully masked, Q@K^T and cast overflow) and their examples. "
-        "Sampled: the cells' error figures, the distribution and the key shares (sinks), over the rows computed; the table below estimates the call's "
+        "Sampled: the cells' error figures, the distribution and the key shares (sinks), over the rows computed; "
+        "the table below estimates the call's "
         f"({s.estimator}).",
     ]
     if s.estimated_exact_s is not None:
