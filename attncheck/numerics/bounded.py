@@ -193,6 +193,25 @@ def diagnose_bounded(
     notice: Callable[[str], None] | None = None,
     scale_source: str | None = None,
     diagnose_attention: Callable | None = None,
+) -> "TensorDiagnosis":
+    """The diagnosis of a long call in bounded time (module docstring), or of every row where sampling would
+    save nothing. ``diagnose_attention``: the exact diagnosis (``cells.diagnose``'s, passed in: it calls this)."""
+    found = _sampled(name, inp, options, cells, progress, notice, scale_source, diagnose_attention)
+    if found is not None:
+        return found
+    exact = replace(options, bounded=None)
+    return diagnose_attention(name, inp, exact, progress, notice=notice, cells=cells, scale_source=scale_source)
+
+
+def _sampled(
+    name: str,
+    inp: "AttentionInputs",
+    options,
+    cells: list["CellKey"],
+    progress: Callable[[int], None] | None = None,
+    notice: Callable[[str], None] | None = None,
+    scale_source: str | None = None,
+    diagnose_attention: Callable | None = None,
 ) -> "TensorDiagnosis | None":
     """The diagnosis of a long call in bounded time (module docstring); None where it would compute every row
     anyway (too few rows, a sample as large as what is left, a call within the budget, or cells whose rows

@@ -21,6 +21,7 @@ from attncheck.devices import resolve_device
 from attncheck.errors import AttncheckError, param
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, select_backend
 from attncheck.numerics.backends.torch_rows import TorchRows
+from attncheck.numerics.bounded import diagnose_bounded
 from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc, HeadMax
 from attncheck.numerics.cells.plan import CellKey, grid, stages
 from attncheck.numerics.methods.softmax import Buffers, MethodParams
@@ -225,8 +226,7 @@ def diagnose_chunks(
 
 def settings_of(options: Options) -> dict:
     """How the cells were computed, as plain values (the JSON report's ``options``)."""
-    # bounded: said apart (TensorDiagnosis.sampling), so that an exact run's settings read as before
-    return {f.name: getattr(options, f.name) for f in fields(options) if f.name != "bounded"}
+    return {f.name: getattr(options, f.name) for f in fields(options) if f.name != "bounded"}  # bounded: .sampling
 
 
 def _kernels_that_run(
@@ -584,12 +584,7 @@ def diagnose_attention(
         )
     cells = _kernels_that_run(inputs, cells if cells is not None else grid(options, True), notice)
     if options.bounded is not None:  # --budget/--rows: the rows that can fail in full, a sample of the rest
-        from attncheck.numerics.bounded import diagnose_bounded
-
-        found = diagnose_bounded(name, inputs, options, cells, progress, notice, scale_source, diagnose_attention)
-        if found is not None:
-            return found
-        options = replace(options, bounded=None)  # nothing to save: every row computed, as without it
+        return diagnose_bounded(name, inputs, options, cells, progress, notice, scale_source, diagnose_attention)
     step = rows_per_chunk(inputs.k.shape[2], options, cells)
     blocks: Iterable[QKBlock] = score_blocks(inputs, step, resolve_device(options.device), audit)
     return diagnose_chunks(
