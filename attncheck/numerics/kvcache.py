@@ -212,6 +212,22 @@ def expand_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
     return t.repeat_interleave(hq // t.shape[1], dim=1) if t.shape[1] != hq else t
 
 
+def repeated_heads(k: torch.Tensor, v: torch.Tensor, hk: int) -> bool:
+    """Whether k and v (B, H, T, ...) are ``hk`` kv heads each repeated H / hk times, exactly (transformers'
+    ``repeat_kv`` before a kernel without GQA: SDPA with a mask); NaN anywhere makes it False."""
+    h = k.shape[1]
+    if hk <= 0 or h % hk or v.shape[1] != h:
+        return False
+    g = h // hk
+    return all(torch.equal(t, t[:, ::g].repeat_interleave(g, dim=1)) for t in (k, v))
+
+
+def fewest_heads(k: torch.Tensor, v: torch.Tensor) -> int:
+    """The fewest kv heads k and v (B, H, T, ...) are an exact repeat of (``repeated_heads``); H where none."""
+    h = k.shape[1]
+    return next((n for n in range(1, h) if repeated_heads(k, v, n)), h)
+
+
 def mask_bias(masked: torch.Tensor | None, mask_float: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
     """(B, Hq, Tq, Tk) float64: the additive mask in the units of the scaled scores, -inf where masked."""
     bias = torch.zeros(shape, dtype=torch.float64)

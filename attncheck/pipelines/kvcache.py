@@ -10,6 +10,7 @@ by a pass of its own; then each call is loaded once more and every cache asked i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -89,6 +90,26 @@ def asks_of(what_if: Iterable[str]) -> list[tuple[str, str]]:
     return out
 
 
+def kv_heads(layers: dict[str, "_Layer"], module: str, index: int, inp):
+    """The call with K and V per kv head of its layer: K and V stored repeated over the query heads (transformers'
+    ``repeat_kv`` before SDPA with a mask: a padded batch, a generate() prefill) mapped back to the kv heads they
+    repeat, where the repeat is exact; the layer's kv heads are its first call's (the fewest it repeats exactly
+    where K holds as many heads as Q). A call that holds another count, not as an exact repeat: refused."""
+    hk, hq = inp.k.shape[1], inp.q.shape[1]
+    layer = layers.get(module)
+    target = layer.k_amax.shape[0] if layer is not None else (kc.fewest_heads(inp.k, inp.v) if hk == hq else hk)
+    if target == hk:
+        return inp
+    if hq % target == 0 and kc.repeated_heads(inp.k, inp.v, target):
+        g = hk // target
+        return dataclasses.replace(inp, k=inp.k[:, ::g], v=inp.v[:, ::g], cache={})
+    raise AttncheckError(
+        f"{module or 'the call'} (call {index}): K holds {hk} heads where the layer's first call holds {target} kv "
+        "heads, and not as each kv head repeated over its query heads: the KV-cache what-if cannot replay the layer "
+        "per kv head"
+    )
+
+
 def _observe(layers: dict[str, _Layer], module: str, index: int, inp) -> _Layer:
     """Fold a call's K and V amax into its layer's (recording the channel of each head's new amax)."""
     k, v = inp.k, inp.v
@@ -148,7 +169,12 @@ class AmaxPass:
         except AttncheckError:
             return
         if inp is not None and inp.v is not None:
-            _observe(self.layers, info.module or info.name, info.index, inp)
+            module = info.module or info.name
+            try:
+                inp = kv_heads(self.layers, module, info.index, inp)
+            except AttncheckError:
+                return
+            _observe(self.layers, module, info.index, inp)
 
 
 def run_kv(
@@ -165,12 +191,13 @@ def run_kv(
     layers: dict[str, _Layer] = amax.layers if amax is not None and calibrated else {}
     if calibrated and amax is None:  # the first pass: the capture's amax per layer and kv head
         for call in calls:
-            _observe(layers, call.module, call.index, call.load()[0])
+            _observe(layers, call.module, call.index, kv_heads(layers, call.module, call.index, call.load()[0]))
     accs: dict[tuple[int, str, int], _Acc] = {}
     frozen: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # scales fixed at a layer's first call
     skipped = list(skipped)
     for call in calls:
         inp, dt = call.load()
+        inp = kv_heads(layers, call.module, call.index, inp)
         known = calibrated and call.module in layers  # else (a call the amax pass could not read): seen now
         layer = layers[call.module] if known else _observe(layers, call.module, call.index, inp)
         scales = [frozen.setdefault((i, call.module), _scales(layer, f, s)) for i, (f, s) in enumerate(asks)]

@@ -1,0 +1,98 @@
+"""The KV-cache what-if where one module's calls store K with different head counts: transformers repeats K and V
+over the query heads before SDPA when a mask is given (a padded batch, a generate() prefill) and not without one.
+The repeated calls are mapped back to their kv heads (checked against K and V read from the capture's files here);
+a call whose heads are not an exact repeat is refused in one line."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import attncheck
+from attncheck.cli import app
+from attncheck.errors import AttncheckError
+from attncheck.numerics.inputs.prepare import AttentionInputs
+from attncheck.pipelines.kvcache import KVCall, asks_of, run_kv
+
+runner = CliRunner()
+
+
+def _llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16).eval()
+
+
+def test_padded_forward_then_unpadded_replayed_per_kv_head(tmp_path):
+    model = _llama()
+    ids = torch.randint(3, 128, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad(), attncheck.capture(tmp_path / "c"):
+        model(input_ids=ids, attention_mask=mask)  # K repeated over the 4 query heads
+        model(input_ids=ids)  # K with its 2 kv heads (enable_gqa)
+    files = sorted((tmp_path / "c").glob("0*.safetensors"))
+    ks = [load_file(str(f))["k"].double() for f in files]
+    assert [k.shape[1] for k in ks] == [4, 2]  # the case itself: different head counts in one module
+    out = tmp_path / "r.json"
+    result = runner.invoke(app, ["run", str(tmp_path / "c"), "--quiet", "--json", str(out), "--what-if", "kv:fp8_e4m3"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    for cache in doc["kv_cache"]["caches"]:
+        heads = cache["heads"]
+        assert [(h["kv_head"], h["query_heads"], h["calls"]) for h in heads] == [(0, [0, 1], 2), (1, [2, 3], 2)]
+        for h in heads:  # the amax per kv head: the repeated call's heads 2h, 2h+1 and the other's head h
+            want = max(
+                float(ks[0][:, 2 * h["kv_head"] : 2 * h["kv_head"] + 2].abs().max()),
+                float(ks[1][:, h["kv_head"]].abs().max()),
+            )
+            assert h["k_amax"] == pytest.approx(want, rel=0, abs=0)
+
+
+@pytest.mark.slow
+def test_padded_generate_through_sdpa_replayed(tmp_path):
+    model = _llama()
+    ids = torch.randint(3, 128, (2, 12))
+    mask = torch.ones_like(ids)
+    ids[0, :4], mask[0, :4] = 0, 0
+    with torch.no_grad(), attncheck.capture(tmp_path / "g"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    out = tmp_path / "r.json"
+    for ask in ("kv:fp8_e4m3", "kv:int4:g16"):
+        result = runner.invoke(app, ["run", str(tmp_path / "g"), "--quiet", "--json", str(out), "--what-if", ask])
+        assert result.exit_code == 0, result.output
+        heads = json.loads(out.read_text())["kv_cache"]["caches"][0]["heads"]
+        assert [h["query_heads"] for h in heads] == [[0, 1], [2, 3]]
+
+
+def _inputs(k, q_heads=4):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, q_heads, 8, 16, generator=g)
+    return AttentionInputs(q, k, 0.25, "1/sqrt(d)", "q", None, None, "-inf", (1,), v=k.clone())
+
+
+def test_repeat_mapped_back_in_either_order_and_a_non_repeat_refused():
+    g = torch.Generator().manual_seed(0)
+    k2 = torch.randn(1, 2, 8, 16, generator=g)
+    k4 = k2.repeat_interleave(2, dim=1)
+    asks = asks_of(["kv:fp8_e4m3:unit"])
+    for order in ((k2, k4), (k4, k2)):
+        calls = [KVCall("m", i, lambda k=k: (_inputs(k), torch.bfloat16)) for i, k in enumerate(order)]
+        heads = run_kv(asks, calls).caches[0].heads
+        assert [(h.kv_head, h.query_heads, h.calls) for h in heads] == [(0, [0, 1], 2), (1, [2, 3], 2)]
+        assert [h.k_amax for h in heads] == [float(k2[:, h].abs().max()) for h in range(2)]
+    other = torch.randn(1, 4, 8, 16, generator=g)  # 4 distinct heads after a call with 2
+    calls = [KVCall("m", i, lambda k=k: (_inputs(k), torch.bfloat16)) for i, k in enumerate((k2, other))]
+    with pytest.raises(AttncheckError, match=r"m \(call 1\): K holds 4 heads where the layer's first call holds 2"):
+        run_kv(asks, calls)
