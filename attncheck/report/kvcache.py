@@ -92,7 +92,8 @@ def _legend(report: KVReport) -> str:
     return (
         layer + "K/V: K's and V's; sat: entries clipped to the format's max; flush: nonzero entries made 0; cos: "
         "the worst row's cosine similarity against the model's kernel (f64: against float64; relative L2 and max "
-        "abs in the JSON); hold: amax / format max, the scale that holds the head; int4's scale: its largest group's; "
+        "abs in the JSON); hold: amax / format max, the scale that keeps the head from saturating (its findings "
+        "say whether it holds the head); int4's scale: its largest group's; "
         "k = thousands, M = millions"
     )
 
