@@ -194,7 +194,10 @@ def _error(what: KVWhatIf, h: KVHead, report: KVReport | None = None) -> Finding
         which = " and ".join(t for t, n in (("K", h.k_saturated), ("V", h.v_saturated)) if n)
         cause = f"{which} saturate{'' if ' and ' in which else 's'} (kv_cache_saturation)"
     elif h.q_saturated:  # FlashAttention-3's FP8 path quantises Q at its own scale (1.0 unless dynamic)
-        cause = f"Q saturates in FP8 ({h.q_saturated:,} entries beyond the format's max at Q's scale)"
+        cause = (
+            f"Q saturates in FP8 ({h.q_saturated:,} entries beyond the format's max at Q's scale "
+            f"{plain(h.q_scale)}: amax {plain(h.q_amax)} > {plain(what.format_max * h.q_scale)})"
+        )
     elif h.k_flushed >= KV_FLUSH_SHARE * h.k_entries or h.v_flushed >= KV_FLUSH_SHARE * h.v_entries:
         why = "a group's step, its (max - min) / 15, is coarse beside them" if integer else "the scale is too large"
         cause = f"{h.k_flushed:,} K and {h.v_flushed:,} V entries flushed to zero ({why})"
@@ -223,10 +226,13 @@ def _error_fix(report, what: KVWhatIf, h: KVHead) -> str:
         return nothing
     if h.k_saturated or h.v_saturated:
         return "per-head scales (amax / format max per kv head: kv_cache_saturation gives them)"
+    if h.q_saturated:
+        return (
+            f"a q_scale of {plain(h.hold_q)} holds Q (its amax {plain(h.q_amax)} / {plain(what.format_max)}; vLLM's "
+            "q_scale from the checkpoint, or --calculate-kv-scales)"
+        )
     if h.k_flushed >= KV_FLUSH_SHARE * h.k_entries or h.v_flushed >= KV_FLUSH_SHARE * h.v_entries:
         return "smaller scales (the entries read back as zero are below the format's smallest at this scale)"
-    if h.q_saturated:
-        return "a q_scale that holds Q (amax / 448)"
     if what.format == "fp8_e5m2":
         return "e4m3 instead of e5m2 (one more mantissa bit); keep this layer's cache in bf16 where none holds it"
     return "keep this layer's cache in bf16 (the format's rounding at this scale breaks it)"
@@ -256,21 +262,27 @@ def _summary(what: KVWhatIf, report: KVReport) -> str:
     worst = what.worst
     if worst is None:
         return f"{label}: no call replayed"
-    sat = [(h, t) for h in what.heads for t, n in (("K", h.k_saturated), ("V", h.v_saturated)) if n]
+    counts = (("K", "k_saturated"), ("V", "v_saturated"), ("Q", "q_saturated"))
+    sat = [(h, t) for h in what.heads for t, n in counts if getattr(h, n)]
     if not sat:
         where = f"{worst.module or 'the call'} kv head {worst.kv_head}"
         return f"{label}: nothing saturates; worst cosine {worst.cosine:.4f} ({where})" + _broken_tail(what, report)
     parts = []
-    for tensor in ("K", "V"):
+    for tensor in ("K", "V", "Q"):
         hit = [h for h, t in sat if t == tensor]
         if hit:
             layers = list(dict.fromkeys(h.module or "the call" for h in hit))
-            amax = max(h.k_amax if tensor == "K" else h.v_amax for h in hit)
+            top = max(hit, key=lambda h: getattr(h, f"{tensor.lower()}_amax"))
+            amax = getattr(top, f"{tensor.lower()}_amax")
+            limit = what.format_max * (top.q_scale if tensor == "Q" else 1.0)  # Q: at Q's own scale
             parts.append(
                 f"{tensor} saturates in {len(hit)} head{'s' if len(hit) > 1 else ''} of "
-                f"{', '.join(layers)} (amax {plain(amax)} > {plain(what.format_max)})"
+                f"{', '.join(layers)} (amax {plain(amax)} > {plain(limit)})"
+                + (f", a q_scale of {plain(top.hold_q)} holds it" if tensor == "Q" else "")
             )
     line = f"{label}: {'; '.join(parts)}"
+    if all(t == "Q" for _, t in sat):  # K's and V's scales do not change Q's saturation
+        return line + _broken_tail(what, report)
     per_head = next(
         (c for c in report.caches if c.format == what.format and c.scaling == _head_ask(what).split(":", 2)[2]),
         None,

@@ -53,6 +53,7 @@ class _Acc:
     mabs64: float = 0.0
     base_cos64: float = 1.0
     q_sat: int = 0  # FlashAttention-3's FP8 path: Q's entries clipped, over the calls
+    q_amax: float = 0.0  # the largest |q| of the query heads reading the kv head, over the calls
     k_group_scale: float = 0.0  # an integer cache's largest group scale over the calls
     v_group_scale: float = 0.0
 
@@ -207,6 +208,7 @@ def run_kv(
             model_out = kc.kernel_output(q, k, v, bias, inp.scale, dt)
             reference = kc.reference_output(q, k, v, bias, inp.scale)
             base = kc.output_error(model_out, reference, 1)
+            q_amax = float(kc.head_amax(q).max())  # the query heads reading kv head h
             for i, (fmt, _) in enumerate(asks):
                 if fmt in kc.INT_FORMATS and i not in reads:
                     continue  # the call's size is not whole groups: said in skipped
@@ -214,7 +216,9 @@ def run_kv(
                 read = (reads[i][0].head(h), reads[i][1].head(h)) if i in reads else None
                 qs = _q_scale(layer, asks[i][1])
                 res = kc.cache_call(q, k, v, bias, inp.scale, dt, fmt, pair, model_out, reference, read, qs)
-                _fold(accs.setdefault((i, call.module, h), _Acc()), res, base, 0)
+                acc = accs.setdefault((i, call.module, h), _Acc())
+                _fold(acc, res, base, 0)
+                acc.q_amax = max(acc.q_amax, q_amax)
     report = KVReport(skipped=skipped)
     for i, (fmt, scaling) in enumerate(asks):
         what = KVWhatIf(fmt, scaling, kc.format_max(fmt))
@@ -223,7 +227,12 @@ def run_kv(
                 acc = accs.get((i, module, h))
                 if acc is not None:
                     integer = fmt in kc.INT_FORMATS
-                    what.heads.append(_head(module, h, layer, acc, frozen[(i, module)], what.format_max, integer))
+                    head = _head(module, h, layer, acc, frozen[(i, module)], what.format_max, integer)
+                    qs = _q_scale(layer, scaling)
+                    if qs is not None:  # FlashAttention-3's FP8 path: Q's amax, scale and the scale that holds it
+                        head.q_amax, head.q_scale = acc.q_amax, float(qs[0])
+                        head.hold_q = float(kc.scale_from(acc.q_amax, what.format_max))
+                    what.heads.append(head)
         report.caches.append(what)
     judge_kv(report)
     return report

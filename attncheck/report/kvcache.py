@@ -63,6 +63,7 @@ def kv_table(what: KVWhatIf, full: bool = False) -> Table:
     columns = ["amax"] + ([] if what.scaling.startswith("unit") else ["scale"]) + ([] if integer else ["sat"])
     columns += ["flush", "cos"]
     columns += (["f64"] if full else []) + (["hold"] if _saturates(what) else [])  # head:fa3 too: its K and V
+    columns += ["q"] if what.scaling.endswith(":fa3") else []  # FA3's FP8 path quantises Q: its amax, its hold
     for name in columns:  # on one line at 80 columns; with --full's f64 too, folded rather than cut where too wide
         t.add_column(name, justify="right", no_wrap=not full, overflow="fold")
     heads = _order(what.heads)
@@ -76,6 +77,7 @@ def kv_table(what: KVWhatIf, full: bool = False) -> Table:
             "cos": f"{h.cosine:.4f}",
             "f64": f"{h.cosine_f64:.4f}",
             "hold": _pair(h.hold_k_head, h.hold_v_head, 2),
+            "q": _pair(h.q_amax, h.hold_q, 2),
         }
         name = f"{middle_ellipsis(layer, KV_LAYER)}:{h.kv_head}" if layers else str(h.kv_head)
         t.add_row(Text(visible(name)), *(cells[c] for c in columns))
@@ -93,7 +95,8 @@ def _legend(report: KVReport) -> str:
         layer + "K/V: K's and V's; sat: entries clipped to the format's max; flush: nonzero entries made 0; cos: "
         "the worst row's cosine similarity against the model's kernel (f64: against float64; relative L2 and max "
         "abs in the JSON); hold: amax / format max, the scale that keeps the head from saturating (its findings "
-        "say whether it holds the head); int4's scale: its largest group's; "
+        "say whether it holds the head); q (':fa3'): Q's amax and the q_scale that holds it; int4's scale: its "
+        "largest group's; "
         "k = thousands, M = millions"
     )
 

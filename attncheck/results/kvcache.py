@@ -3,6 +3,7 @@ cache at a scaling, and what attention computed from it gives."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from attncheck.results.common import Finding
@@ -53,6 +54,11 @@ class KVHead:
     hold_v_head: float
     channels: list[KVChannel] = field(default_factory=list)  # where K's and V's amax sit
     q_saturated: int = 0  # read by FlashAttention-3's FP8 path ('head:fa3'): Q's entries beyond the format's range
+    # FlashAttention-3's FP8 path (NaN on the others): the largest |q| of the query heads reading this kv head over
+    # the calls, the Q scale the path used, and the q_scale that would hold Q (amax / the format's max)
+    q_amax: float = math.nan
+    q_scale: float = math.nan
+    hold_q: float = math.nan
 
 
 @dataclass
