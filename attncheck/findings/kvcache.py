@@ -159,7 +159,8 @@ def _saturation(what: KVWhatIf, h: KVHead, report: KVReport | None = None) -> li
         fix = _hold_fix(report, what, h, tensor, hold_head, hold_tensor)
         message = (
             f"{what.name}: {_where(h)}: {tensor} saturates at scale {plain(scale)} (amax {plain(amax)} > "
-            f"{plain(what.format_max * scale)}): {sat:,} of {entries:,} entries clipped to {plain(what.format_max)}; "
+            f"{plain(what.format_max * scale)}): {sat:,} of {entries:,} entries beyond {plain(what.saturation_edge)} "
+            f"at that scale clipped to {plain(what.format_max)}; "
             f"worst cosine {h.cosine:.4f}, relative L2 {h.rel_l2:.3g}{_channel(h, tensor.lower())}"
         )
         out.append(add("kv_cache_saturation", severity, message, fix))
@@ -235,6 +236,13 @@ def _error_fix(report, what: KVWhatIf, h: KVHead) -> str:
         return "smaller scales (the entries read back as zero are below the format's smallest at this scale)"
     if what.format == "fp8_e5m2":
         return "e4m3 instead of e5m2 (one more mantissa bit); keep this layer's cache in bf16 where none holds it"
+    at_head = _same_head(report, what, h).get("head")
+    if at_head is not None and not _breaks(at_head):
+        return f"per-head scales hold this head (at head scale worst cosine {at_head.cosine:.4f})"
+    if at_head is None:
+        return (
+            f"{_head_ask(what)} computes whether per-head scales hold this head; else keep this layer's cache in bf16"
+        )
     return "keep this layer's cache in bf16 (the format's rounding at this scale breaks it)"
 
 

@@ -222,6 +222,7 @@ def run_kv(
     report = KVReport(skipped=skipped)
     for i, (fmt, scaling) in enumerate(asks):
         what = KVWhatIf(fmt, scaling, kc.format_max(fmt))
+        what.saturation_edge = math.nan if fmt in kc.INT_FORMATS else kc.overflow_boundary(fmt)[0]
         for module, layer in layers.items():
             for h in range(layer.k_amax.shape[0]):
                 acc = accs.get((i, module, h))

@@ -91,13 +91,17 @@ def _legend(report: KVReport) -> str:
     layers = any(len({h.module for h in what.heads}) > 1 for what in shown)
     layer = f"L:kv: layer {prefix}L{suffix}, kv head; " if prefix or suffix else "L:kv: layer, kv head; "
     layer = layer if layers else "kv: kv head; "
+    # e5m2's tie 61,440 rounds to inf (its max's last bit is odd): counted from it; e4m3's 464 rounds to 448
+    fp8 = [w for w in shown if not w.format.startswith("int")]
+    edges = sorted({(">= " if w.format == "fp8_e5m2" else "> ") + compact(w.saturation_edge) for w in fp8})
+    edge = " " + " or ".join(edges) if edges else ""
     return (
-        layer + "K/V: K's and V's; sat: entries clipped to the format's max; flush: nonzero entries made 0; cos: "
+        f"{layer}K/V: K's and V's; sat: entries whose |x / scale| rounds beyond the format's max,{edge} (the max "
+        "plus half its last step; the saturating cast clips them to the max); flush: nonzero entries made 0; cos: "
         "the worst row's cosine similarity against the model's kernel (f64: against float64; relative L2 and max "
         "abs in the JSON); hold: amax / format max, the scale that keeps the head from saturating (its findings "
         "say whether it holds the head); q (':fa3'): Q's amax and the q_scale that holds it; int4's scale: its "
-        "largest group's; "
-        "k = thousands, M = millions"
+        "largest group's; k = thousands, M = millions"
     )
 
 

@@ -68,6 +68,8 @@ class KVWhatIf:
     format: str  # 'fp8_e4m3'
     scaling: str  # 'unit', 'tensor', 'head' or 'dynamic'; an integer cache's groups: 'g64', 'g64:r128'
     format_max: float  # FP8: the format's largest value; int4: its largest level, 15
+    # FP8: where |x / scale| counts as saturated (the max plus half its last step: 464 in e4m3, 61,440 in e5m2)
+    saturation_edge: float = math.nan
     heads: list[KVHead] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     summary: str = ""  # the one line a person reads first
