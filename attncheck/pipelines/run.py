@@ -166,6 +166,7 @@ def _run_kv(request: RunRequest, prepared, amax=None, share=None):
         if share is not None:  # this rank's layers, each with every one of its calls: their amax computed here
             calls, amax = share.kv_calls(calls), None
     report = run_kv(asks, calls, skipped, None if prepared is not None else amax)
+    report.dumps = prepared is not None
     for what in report.caches:
         what.findings = [f for f in what.findings if f.code not in request.ignore]
     return report

@@ -114,7 +114,12 @@ def kv_block(report: KVReport, brief: bool = False, full: bool = False) -> Group
     """Every cache: its summary line, its table (not with ``brief``; not for a cache with nothing found, unless
     ``full``), its findings; the calls left out."""
     parts: list[Any] = [
-        Text("KV-cache what-ifs (on a capture never the model's verdict: --fail-on what-if:COND)", style="bold"),
+        Text(
+            "KV-cache what-ifs (--q/--k/--v: counted under --fail-on as the cells asked are)"
+            if report.dumps
+            else "KV-cache what-ifs (on a capture never the model's verdict: --fail-on what-if:COND)",
+            style="bold",
+        ),
     ]
     tables = 0
     for what in report.caches:

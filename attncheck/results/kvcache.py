@@ -89,3 +89,6 @@ class KVReport:
 
     caches: list[KVWhatIf] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    # Q, K and V given as files (--q/--k/--v): their implementation unknown, the cache's findings count under plain
+    # --fail-on as the cells asked do; on a capture only --fail-on what-if:COND fails on them
+    dumps: bool = False

@@ -255,6 +255,9 @@ def test_qkv_dumps(tmp_path):
     # no model here (the tensors' implementation is not known): the cache counts as the cells asked do
     result = runner.invoke(app, [*args, "--what-if", "kv:fp8_e4m3:unit", "--fail-on", "warning"])
     assert result.exit_code == 1 and "--fail-on warning: kv:fp8_e4m3:unit: kv_cache_saturation" in result.stderr
+    result = runner.invoke(app, [*args[:-1], "--what-if", "kv:fp8_e4m3:unit", "--fail-on", "warning"])
+    header = "KV-cache what-ifs (--q/--k/--v: counted under --fail-on as the cells asked are)"
+    assert result.exit_code == 1 and header in result.output and "never the model's verdict" not in result.output
 
 
 @pytest.mark.slow
