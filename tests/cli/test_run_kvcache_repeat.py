@@ -96,3 +96,18 @@ def test_repeat_mapped_back_in_either_order_and_a_non_repeat_refused():
     calls = [KVCall("m", i, lambda k=k: (_inputs(k), torch.bfloat16)) for i, k in enumerate((k2, other))]
     with pytest.raises(AttncheckError, match=r"m \(call 1\): K holds 4 heads where the layer's first call holds 2"):
         run_kv(asks, calls)
+
+
+def test_int4_groups_that_replay_no_call_refused_in_one_line(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    for name in "qkv":  # 1 x 4 x 16 x 32: 2,048 values per batch row, whole groups of 16 but never of 7
+        torch.save(torch.randn(1, 4, 16, 32, generator=g).bfloat16(), tmp_path / f"{name}.pt")
+    args = ["run", *(x for n in "qkv" for x in (f"--{n}", str(tmp_path / f"{n}.pt"))), "--quiet"]
+    for groups in ("g7", "g100000"):
+        result = runner.invoke(app, [*args, "--what-if", f"kv:int4:{groups}", "--fail-on", "what-if:warning"])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip().splitlines() == [
+            f"attncheck: error: --what-if kv:int4:{groups} replays no call: 2048 values per batch row are not groups "
+            f"of {groups[1:]} (quanto refuses it)"
+        ]
+    assert runner.invoke(app, [*args, "--what-if", "kv:int4:g16"]).exit_code == 0
