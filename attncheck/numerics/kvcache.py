@@ -46,8 +46,10 @@ elements of the contiguous (B, Hk, T, d) tensor (one token's channels where d is
 tokens of a head where d is smaller); ``quantize_affine`` (``library/quantize.py``) stores ``clamp(round((base +
 shift) / scale), 0, 15)`` as uint8; ``QBitsDequantizer`` (``tensor/qbits.py``) reads ``scale * data - shift``, each
 operation in the model's dtype. The cache keeps the most recent tokens (up to ``residual_length``: those written
-since its last flush) in the model's dtype and quantises the rest as one tensor; the prompt is quantised whole on
-its write, so the first decode step reads every prompt token from int4. Not emulated: int8 (quanto's 8-bit types
+since its last flush) in the model's dtype and quantises the rest as one tensor; its prefill attends to K and V
+unquantised, and the prompt is quantised whole at that first write. Emulated here: the quantiser on each call's K and
+V whole (the last ``residual`` tokens of the call kept); not the cache's timing on generate() (which tokens a step
+reads quantised). Not emulated: int8 (quanto's 8-bit types
 take no groups, and transformers' quanto layer accepts nbits 2 or 4 only; its HQQ backend's 8 bits run HQQ's
 iterative half-quadratic optimiser by default, mobiusml/hqq@e0b1d00e095653359da9de1d7dbb35a994aa6b96
 ``hqq/core/quantize.py`` ``Quantizer.quantize(optimize=True)``, in float16 on CUDA and float32 elsewhere, stopping

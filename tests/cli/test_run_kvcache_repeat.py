@@ -111,3 +111,17 @@ def test_int4_groups_that_replay_no_call_refused_in_one_line(tmp_path):
             f"of {groups[1:]} (quanto refuses it)"
         ]
     assert runner.invoke(app, [*args, "--what-if", "kv:int4:g16"]).exit_code == 0
+
+
+def test_int4_claim_narrowed_and_per_read_counts_documented():
+    from pathlib import Path
+
+    result = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
+    text = " ".join(result.output.replace("│", " ").split())
+    assert "quanto's per-group quantiser (transformers' quanto cache's) on each call's K and V" in text
+    assert "prefill and flush timing on generate() not modelled" in text
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    serving = " ".join((docs / "serving.md").read_text().split())
+    assert "The timing of transformers' `QuantizedLayer.update` on a `generate()` capture is not modelled" in serving
+    assert "the counts (`k_entries`, saturated, flushed) are per read" in serving
+    assert "counts per read" in " ".join((docs / "reference" / "json.md").read_text().split())
