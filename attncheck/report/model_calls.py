@@ -139,8 +139,8 @@ def decode_block(report: ModelReport, prefix: str = "") -> Text | None:
     if not report.decode:
         return None
     text = Text(
-        "Decode steps (calls over a KV cache: fewer queries than keys, more than the module's call before; the "
-        "tables fold those that went well, --json lists each):\n"
+        "Decode steps (calls over a KV cache: fewer queries than keys, more than the module's call before, or as "
+        "many in a full sliding window; the tables fold those that went well, --json lists each):\n"
     )
     for run in report.decode[:DECODE_SHOWN]:
         name = run.module[len(prefix) :] if prefix and run.module.startswith(prefix) else run.module
