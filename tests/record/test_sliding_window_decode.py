@@ -1,0 +1,64 @@
+"""Decode steps of a sliding-window layer (gpt-oss: every other layer has ``sliding_window``): once the window is
+full, transformers' sliding cache hands each step a constant number of keys. They are decode steps all the same:
+grouped in the report and model.decode, the learned sinks block folding them into one line per module. The key
+counts are those of the K each call was given, against transformers' rule (min(window, keys so far))."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import attncheck
+from attncheck.cli import app
+
+from .test_learned_sinks import gpt_oss
+
+PROMPT, NEW, WINDOW = 4, 7, 6  # the window fills during the generation: steps of 5, 6, 6, ... keys
+
+
+def generate(model):
+    ids = torch.randint(3, 64, (2, PROMPT), generator=torch.Generator().manual_seed(2))
+    return model.generate(
+        input_ids=ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=1
+    )
+
+
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sliding")
+    model = gpt_oss(torch.bfloat16)
+    with torch.no_grad(), attncheck.capture(tmp / "raw", dedup_kv=False) as raw:
+        generate(model)
+    res = CliRunner().invoke(app, ["run", str(tmp / "raw"), "--json", str(tmp / "r.json")], env={"COLUMNS": "200"})
+    return raw, res, json.loads((tmp / "r.json").read_text())
+
+
+def test_the_steps_of_a_full_sliding_window_are_grouped(sliding):
+    raw, res, report = sliding
+    assert res.exit_code == 0, res.output
+    # the key counts: each call's K as recorded
+    keys = {0: [], 1: []}
+    for call in raw.calls:
+        keys[int(call["module"].split(".")[2])].append(call["tensors"]["k"]["shape"][-2])
+    assert keys[0] == [PROMPT] + [min(WINDOW, PROMPT + i) for i in range(1, NEW)]  # layer 0: sliding
+    assert keys[1] == [PROMPT + i for i in range(NEW)]  # layer 1: full attention
+    runs = {r["module"]: r for r in report["model"]["decode"]}
+    for layer in (0, 1):
+        run = runs[f"model.layers.{layer}.self_attn"]
+        assert run["prefill"] == [layer] and run["prefill_keys"] == [PROMPT]
+        assert run["steps"] == NEW - 1 and run["keys_from"] == keys[layer][1] and run["keys_to"] == keys[layer][-1]
+    out = " ".join(res.output.split())
+    assert f"2-{2 * (NEW - 1)} 0.self_attn decode x{NEW - 1}" in out
+    assert f"(1 query, {PROMPT + 1}..{WINDOW} keys; no mask)" in out
+
+
+def test_the_sinks_block_folds_the_decode_steps(sliding):
+    _, res, report = sliding
+    block = res.output.split("Learned sinks")[1].split("Findings")[0]
+    lines = [line for line in block.splitlines() if line.lstrip().startswith("#")]
+    assert len(lines) == 4, block  # two prefills, one folded line per module's steps
+    # the folded line's largest share is the largest over the steps' own (the JSON's, per call)
+    calls = [c for c in report["model"]["calls"] if c["sinks"] and c["index"] >= 2 and c["index"] % 2 == 0]
+    top = max(h["share_max"] for c in calls for h in c["sinks"]["heads"] if h["head"] == 0)
+    assert f"h0 {top:.3g}" in lines[2] or f"h0 {top:.3g}" in lines[3]
