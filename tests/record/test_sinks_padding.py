@@ -58,3 +58,27 @@ def test_a_nan_sink_is_said_to_be_nan():
     first = " ".join(sinks_block(cap.calls).plain.split()).split("#0 ")[1].split("#1 ")[0]
     assert "h1 NaN sink" in first and "the sink is NaN in head(s) 1" in first
     assert "changes the output" not in first and "output err" not in first and "h1 0 " not in first
+
+
+@pytest.mark.slow  # two captures and three runs of the CLI (~7 s)
+def test_nosinks_on_a_capture_without_sinks_says_so_and_a_what_if_condition_is_refused(tmp_path):
+    """--what-if nosinks where no call has learned sinks computes nothing: a note says so; --fail-on what-if:COND
+    then judges nothing and is refused (exit 2, one line), where on gpt-oss it passes (the what-if was computed)."""
+    from typer.testing import CliRunner
+
+    from attncheck.cli import app
+
+    from .conftest import gpt2
+
+    with torch.no_grad(), attncheck.capture(tmp_path / "plain"):
+        gpt2("eager")(input_ids=torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(6)))
+    with torch.no_grad(), attncheck.capture(tmp_path / "oss"):
+        gpt_oss(torch.float32)(input_ids=torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(6)))
+    runner = CliRunner()
+    r = runner.invoke(app, ["run", str(tmp_path / "plain"), "--what-if", "nosinks"])
+    assert r.exit_code == 0 and "--what-if nosinks: no call has learned sinks" in r.stderr, r.output
+    r = runner.invoke(app, ["run", str(tmp_path / "plain"), "--what-if", "nosinks", "--fail-on", "what-if:warning"])
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert r.exit_code == 2 and len(errors) == 1 and "what-if:warning judges nothing" in errors[0], r.output
+    r = runner.invoke(app, ["run", str(tmp_path / "oss"), "--what-if", "nosinks", "--fail-on", "what-if:warning"])
+    assert r.exit_code == 0 and "no call has learned sinks" not in r.stderr, r.output
