@@ -161,8 +161,10 @@ def test_a_decode_step_file_alone_says_it_needs_its_capture(tmp_path):
     with torch.no_grad(), attncheck.capture(tmp_path / "cap"):
         generate(model, inputs)
     doc = json.loads((tmp_path / "cap" / "manifest.json").read_text())
-    res = CliRunner().invoke(app, ["run", str(tmp_path / "cap" / doc["calls"][-1]["file"])])
+    last = doc["calls"][-1]
+    res = CliRunner().invoke(app, ["run", str(tmp_path / "cap" / last["file"])])
     assert res.exit_code == 2 and "read it in its capture directory" in res.output, res.output
+    assert f"(call {last['index']}, " in res.output and last["index"] > 0  # its own index, not the file's place
 
 
 @pytest.mark.slow
