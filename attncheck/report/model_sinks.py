@@ -11,6 +11,7 @@ import statistics
 from rich.text import Text
 
 from attncheck.format import plain, visible
+from attncheck.report.diagnostics import Block
 from attncheck.results import CallReport, DecodeRun
 from attncheck.results.sinks import SinkHead
 
@@ -66,18 +67,18 @@ def _line(label: str, reports: list[CallReport]) -> tuple[str, str]:
     effect = (
         "changes nothing in any head" if not moved else f"changes the output in {moved} of {len(heads)} heads{steps}"
     )
-    head = f"  {label} ({f.dtype}): {_shares(heads)}{_masked(reports)}; "
+    head = f"{label} ({f.dtype}): {_shares(heads)}{_masked(reports)}; "
     if nan:
         return (
             head + f"the sink is NaN in head(s) {', '.join(map(str, nan))}: the cell's output is NaN there, its "
-            "share and error have no value\n",
+            "share and error have no value",
             "red",
         )
     blank = [per[0].head for per in heads if any(math.isnan(h.share_max) for h in per)]
     if blank:
         return (
             head + f"the scores hold NaN in head(s) {', '.join(map(str, blank))}: no share or error there (the "
-            "call's input_nan finding)\n",
+            "call's input_nan finding)",
             "red",
         )
     every = [h for per in heads for h in per]
@@ -85,10 +86,10 @@ def _line(label: str, reports: list[CallReport]) -> tuple[str, str]:
         return (
             head
             + f"DROPPED by its SDPA call: the sink {effect} (up to {_nan(_worst([h.diff_nosinks for h in every]))})"
-            f"; the call's err against float64 with them {_nan(_worst([h.err_nosinks for h in every]))}\n",
+            f"; the call's err against float64 with them {_nan(_worst([h.err_nosinks for h in every]))}",
             "red" if moved else "",
         )
-    return head + f"the sink {effect}; output err {_nan(_worst([h.err_model for h in every]))}\n", ""
+    return head + f"the sink {effect}; output err {_nan(_worst([h.err_model for h in every]))}", ""
 
 
 def _entries(sunk: list[CallReport], decode: list[DecodeRun], prefix: str) -> list[tuple[str, list[CallReport]]]:
@@ -117,40 +118,40 @@ def _run_label(name: str, reports: list[CallReport]) -> str:
     return f"#{first}-#{last} {name} decode x{len(reports)}"
 
 
-def sinks_block(calls: list[CallReport], prefix: str = "", decode: list[DecodeRun] | None = None) -> Text | None:
+def sinks_block(calls: list[CallReport], prefix: str = "", decode: list[DecodeRun] | None = None) -> Block | None:
     """The calls with learned sinks, one line each (a module's decode steps in one, and one for the what-if where
     asked); None without any."""
     sunk = [c for c in calls if c.sinks is not None and c.sinks.heads]
     if not sunk:
         return None
     first = sunk[0].sinks
-    text = Text(
+    head = Text(
         "Learned sinks: each head's share of the float64 denominator, exp(sink - m) / (sum exp(s - m) + exp(sink - "
         f"m)), max over rows (over a module's decode steps where folded; {first.dtype} rounding: "
-        f"{plain(first.rounding)}); output error of the model's cell against float64:\n"
+        f"{plain(first.rounding)}); output error of the model's cell against float64:"
     )
+    lines: list[tuple[int, Text]] = []
     entries = _entries(sunk, decode or [], prefix)
     for label, reports in entries[:CALLS_LISTED]:
         line, style = _line(label, reports)
-        text.append(line, style=style)
+        lines.append((2, Text(line, style=style)))
         f = reports[0].sinks
         if f.nosinks and not f.ignored:
             every = [h for c in reports for h in c.sinks.heads]
             changed = sum(h.changed for h in every)
-            text.append(
-                f"    what if a kernel drops them (nosinks): err {_nan(_worst([h.err_nosinks for h in every]))} "
+            said = (
+                f"what if a kernel drops them (nosinks): err {_nan(_worst([h.err_nosinks for h in every]))} "
                 f"against float64, {_nan(_worst([h.diff_nosinks for h in every]))} from the model's cell "
-                f"({changed} of {sum(c.sinks.elements * len(c.sinks.heads) for c in reports)} outputs differ)\n",
-                style="yellow" if changed else "",
+                f"({changed} of {sum(c.sinks.elements * len(c.sinks.heads) for c in reports)} outputs differ)"
             )
+            lines.append((4, Text(said, style="yellow" if changed else "")))
     left = sum(1 for c in sunk if c.sinks.grads_left_out)
     if left:
-        text.append(
-            f"  the gradients of {left} call(s) with sinks were recorded; their backward with the sinks is not "
-            "computed yet (not judged)\n",
-            style="yellow",
+        said = (
+            f"the gradients of {left} call(s) with sinks were recorded; their backward with the sinks is not "
+            "computed yet (not judged)"
         )
+        lines.append((2, Text(said, style="yellow")))
     if len(entries) > CALLS_LISTED:
-        text.append(f"  ... {len(entries) - CALLS_LISTED} more in the JSON report\n")
-    text.rstrip()
-    return text
+        lines.append((2, Text(f"... {len(entries) - CALLS_LISTED} more in the JSON report")))
+    return Block(head, lines)

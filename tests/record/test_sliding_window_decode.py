@@ -31,11 +31,11 @@ def sliding(tmp_path_factory):
     with torch.no_grad(), attncheck.capture(tmp / "raw", dedup_kv=False) as raw:
         generate(model)
     res = CliRunner().invoke(app, ["run", str(tmp / "raw"), "--json", str(tmp / "r.json")], env={"COLUMNS": "200"})
-    return raw, res, json.loads((tmp / "r.json").read_text())
+    return raw, res, json.loads((tmp / "r.json").read_text()), tmp / "raw"
 
 
 def test_the_steps_of_a_full_sliding_window_are_grouped(sliding):
-    raw, res, report = sliding
+    raw, res, report, _ = sliding
     assert res.exit_code == 0, res.output
     # the key counts: each call's K as recorded
     keys = {0: [], 1: []}
@@ -51,10 +51,11 @@ def test_the_steps_of_a_full_sliding_window_are_grouped(sliding):
     out = " ".join(res.output.split())
     assert f"2-{2 * (NEW - 1)} 0.self_attn decode x{NEW - 1}" in out
     assert f"(1 query, {PROMPT + 1}..{WINDOW} keys; no mask)" in out
+    assert f"(1 query, {PROMPT + 1}..{PROMPT + NEW - 1} keys; no mask)" in out
 
 
 def test_the_sinks_block_folds_the_decode_steps(sliding):
-    _, res, report = sliding
+    _, res, report, _ = sliding
     block = res.output.split("Learned sinks")[1].split("Findings")[0]
     lines = [line for line in block.splitlines() if line.lstrip().startswith("#")]
     assert len(lines) == 4, block  # two prefills, one folded line per module's steps
@@ -62,3 +63,14 @@ def test_the_sinks_block_folds_the_decode_steps(sliding):
     calls = [c for c in report["model"]["calls"] if c["sinks"] and c["index"] >= 2 and c["index"] % 2 == 0]
     top = max(h["share_max"] for c in calls for h in c["sinks"]["heads"] if h["head"] == 0)
     assert f"h0 {top:.3g}" in lines[2] or f"h0 {top:.3g}" in lines[3]
+
+
+def test_wrapped_lines_of_the_decode_and_sinks_blocks_keep_their_indent(sliding):
+    *_, capture = sliding
+    res = CliRunner().invoke(app, ["run", str(capture)], env={"COLUMNS": "60"})
+    for name in ("Decode steps", "Learned sinks"):
+        block = res.output.split(name)[1].split("\n")
+        head = next(i for i, line in enumerate(block) if line.startswith("  "))  # the head's own lines come first
+        entries = block[head : next(i for i, line in enumerate(block[head:], head) if not line.startswith("  "))]
+        assert len(entries) >= 4 and all(line.startswith(("  #", "  0.", "  1.", "    ")) for line in entries), block
+        assert any(line.startswith("    ") for line in entries)  # a wrapped line, indented under its entry
