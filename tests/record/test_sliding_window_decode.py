@@ -74,3 +74,33 @@ def test_wrapped_lines_of_the_decode_and_sinks_blocks_keep_their_indent(sliding)
         entries = block[head : next(i for i, line in enumerate(block[head:], head) if not line.startswith("  "))]
         assert len(entries) >= 4 and all(line.startswith(("  #", "  0.", "  1.", "    ")) for line in entries), block
         assert any(line.startswith("    ") for line in entries)  # a wrapped line, indented under its entry
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, WINDOW + 3])  # the window fills during the steps; at the prefill
+def test_sliding_steps_are_stored_by_their_new_row_and_rebuilt_bit_exactly(tmp_path, prompt):
+    """Steps of a full window keep window - 1 rows of the call before and append one: stored as that row with
+    kv_drop (the rows of the base gone from its front), rebuilt bit for bit as the capture written whole holds
+    them."""
+    from .test_generate_capture import bits, loaded
+
+    model = gpt_oss(torch.bfloat16)
+    ids = torch.randint(3, 64, (2, prompt), generator=torch.Generator().manual_seed(2))
+    for dedup in (True, False):
+        with torch.no_grad(), attncheck.capture(tmp_path / str(dedup), dedup_kv=dedup):
+            model.generate(input_ids=ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    manifest = json.loads((tmp_path / "True" / "manifest.json").read_text())
+    sliding = [c for c in manifest["calls"] if c["module"].endswith("0.self_attn") and c["index"] >= 2]
+    whole = {
+        c["index"]: c["tensors"]["k"]["shape"][-2]
+        for c in json.loads((tmp_path / "False" / "manifest.json").read_text())["calls"]
+    }
+    for c in sliding:
+        assert c["tensors"]["k_tail"]["shape"][-2] == 1  # one new row, wherever the window is full
+        before = whole[c["kv_base"]]
+        assert c.get("kv_drop", 0) == before - (whole[c["index"]] - 1)  # rows of the base gone from its front
+    assert any(c.get("kv_drop") for c in sliding)
+    got, ref = loaded(tmp_path / "True"), loaded(tmp_path / "False")
+    assert len(got) == len(ref) == 2 * 5
+    for (_, a), (_, b) in zip(got, ref):
+        for role in ("k", "v"):
+            assert a[role].shape == b[role].shape and torch.equal(bits(a[role]), bits(b[role]))
