@@ -312,6 +312,8 @@ def rewrite(cap, index, tensors=None, meta=None, entry=None):
         (lambda last: ({}, {"kv_base": str(last)}, {"kv_base": last}), "which is not an earlier call of the capture"),
         (lambda last: ({}, {"kv_base": "0"}, {"kv_base": 1}), "its file and the manifest name different base calls"),
         (lambda last: ({"k_tail": torch.zeros(1, 2, 1, 4)}, {}, {}), "does not extend call"),
+        (lambda last: ({}, {"kv_drop": "1000"}, {"kv_drop": 1000}), "drops 1000 rows of call"),
+        (lambda last: ({}, {"kv_drop": "1"}, {}), "its file and the manifest drop different rows of its base call"),
     ],
 )
 def test_a_tampered_decode_step_is_one_line(tmp_path, tamper, says):
