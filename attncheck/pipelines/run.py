@@ -79,6 +79,8 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
 
         attach_lowsum(request, options, diags, calls, load_one)
     model = _judged(request, diags, calls, skipped, capture)
+    if params.WHAT_IF_NOSINKS in request.what_if and notice is not None and not any(c.sinks for c in calls):
+        notice("--what-if nosinks: no call has learned sinks (gpt-oss's): nothing to drop, nothing computed")
     kv = _run_kv(request, prepared, amax) if params.kv_what_ifs(request.what_if) else None
     return RunResult(diags, device_label(dev), calls, model, kv=kv)
 
