@@ -54,6 +54,14 @@ def emit(
         for what in kv.caches:
             failed += [WHAT_IF_PREFIX + f for f in failed_by_findings(what.findings, asked, ignored, what.name)]
             failed += failed_by_findings(what.findings, own, ignored, what.name)
+    if asked and not what_ifs and kv is None and not any(c.sinks is not None and c.sinks.nosinks for c in result.calls):
+        # a what-if condition with no what-if computed would pass whatever the model does: refused, not passed
+        raise fail(
+            AttncheckError(
+                f"--fail-on {WHAT_IF_PREFIX}{asked[0]} judges nothing: no what-if was computed (none given, or none "
+                "that applies: --what-if nosinks on calls without learned sinks)"
+            )
+        )
     if result.model is not None and result.model.findings:  # the capture's own (capture_incomplete)
         from attncheck.findings import failed_by_findings  # (as above)
 

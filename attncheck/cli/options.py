@@ -88,8 +88,9 @@ WhatIfOpt = Annotated[
             "head, dynamic = the first call's, as vLLM's calculate_kv_scales; none: all four side by side) and "
             "computes attention from it, per layer and kv head (FlashAttention-2 on the values read back; ':fa3' "
             "after SCALING: FlashAttention-3's FP8 path, Q quantised too, FP8 products, e4m3 only); "
-            "'kv:int4[:gN][:rM]' as transformers' quanto cache does (min-max per group of N values, default 64; "
-            "the last M tokens in the model's dtype). "
+            "'kv:int4[:gN][:rM]': quanto's per-group quantiser (transformers' quanto cache's) on each call's K and V "
+            "(min-max per group of N values, default 64; the last M tokens of each call kept in the model's dtype; "
+            "the cache's prefill and flush timing on generate() not modelled). "
             "'rope:DTYPE' recomputes the rotary tables a capture recorded with their positions and inverse "
             "frequencies held in DTYPE. Reported apart; never the model's verdict unless --fail-on what-if:COND."
         ),

@@ -241,9 +241,15 @@ def run(
             ]
             if given:
                 named = ", ".join(param(n) for n in given)
+                # a file holding q and k given as a path: the flags take it by key (PATH:KEY)
+                hint = (
+                    f" (a file holding q, k and v: {param('q')} FILE:q {param('k')} FILE:k {param('v')} FILE:v)"
+                    if paths
+                    else ""
+                )
                 raise AttncheckError(
                     f"{named} {'applies' if len(given) == 1 else 'apply'} to scores computed from {param('q')} and "
-                    f"{param('k')}, which are not given"
+                    f"{param('k')}, which are not given{hint}"
                 )
         if params.kv_what_ifs(asked_what_if) and (example or (qk is not None and qk.v is None)):
             raise AttncheckError(

@@ -71,9 +71,10 @@ CODES: tuple[Code, ...] = (
         f"The worst row's cosine similarity below {KV_COSINE_MIN}, or relative L2 error above {KV_REL_L2_MAX}; "
         f"flushing is named as the cause where at least {KV_FLUSH_SHARE:.0%} of K's or V's nonzero entries "
         "became zero.",
-        "per-head scales (amax / format max per kv head) for saturation; smaller scales, or e4m3 instead of e5m2, "
-        "for flushing and rounding (int4: smaller groups, kv:int4:g32); keep the layer's cache in bf16 where no "
-        "scale holds it",
+        "by cause, as the finding gives it: per-head scales (amax / format max per kv head) for saturation; smaller "
+        "scales for flushing; a q_scale that holds Q for Q's saturation (':fa3'); e4m3 instead of e5m2 for e5m2's "
+        "rounding (int4: smaller groups, kv:int4:g32); where no scale computed holds the head (an outlier channel "
+        "the finding names), keep that layer's cache in bf16",
         Example(_EXAMPLE.python, _EXAMPLE.command.replace("kv_cache_saturation", "kv_cache_error")),
     ),
 )
@@ -112,7 +113,41 @@ def _channel(h: KVHead, tensor: str) -> str:
     return ""
 
 
-def _saturation(what: KVWhatIf, h: KVHead) -> list[Finding]:
+def _outlier(h: KVHead, tensor: str | None = None):
+    """The head's amax channel in K (or V) standing at least KV_CHANNEL_RATIO times its median channel, if any."""
+    return next((c for c in h.channels if c.ratio >= KV_CHANNEL_RATIO and tensor in (None, c.tensor)), None)
+
+
+def _outlier_text(c) -> str:
+    return f"{c.tensor.upper()} channel {c.channel} is {plain(c.ratio)}x its head's median channel"
+
+
+def _same_head(report: KVReport | None, what: KVWhatIf, h: KVHead) -> dict[str, KVHead]:
+    """The head under every FP8 scaling the report computed with the same consumer (FA2 or ':fa3'), by scaling."""
+    consumer = what.scaling.partition(":")[2]
+    out = {}
+    for c in report.caches if report is not None else [what]:
+        if c.format.startswith("int") or c.scaling.partition(":")[2] != consumer:
+            continue
+        other = next((x for x in c.heads if (x.module, x.kv_head) == (h.module, h.kv_head)), None)
+        if other is not None:
+            out[c.scaling.partition(":")[0]] = other
+    return out
+
+
+def _no_scale_holds(report: KVReport | None, what: KVWhatIf, h: KVHead) -> str:
+    """Where the head breaks under every FP8 scaling computed (per-head among them), the sentence that says so,
+    with each scaling's worst cosine and the outlier channel where there is one; '' otherwise."""
+    heads = _same_head(report, what, h)
+    if "head" not in heads or len(heads) < 2 or not all(_breaks(x) for x in heads.values()):
+        return ""
+    cosines = ", ".join(f"{s} {x.cosine:.4f}" for s, x in heads.items())
+    c = _outlier(h, "k") or _outlier(h)
+    why = f": {_outlier_text(c)}" if c is not None else ""
+    return f"no FP8 scale computed holds this head (worst cosine {cosines}){why}; keep this layer's cache in bf16"
+
+
+def _saturation(what: KVWhatIf, h: KVHead, report: KVReport | None = None) -> list[Finding]:
     out = []
     for tensor, sat, entries, amax, scale, hold_head, hold_tensor in (
         ("K", h.k_saturated, h.k_entries, h.k_amax, h.k_scale, h.hold_k_head, h.hold_k_tensor),
@@ -121,17 +156,38 @@ def _saturation(what: KVWhatIf, h: KVHead) -> list[Finding]:
         if not sat:
             continue
         severity = "warning" if _breaks(h) else "info"
+        fix = _hold_fix(report, what, h, tensor, hold_head, hold_tensor)
         message = (
             f"{what.name}: {_where(h)}: {tensor} saturates at scale {plain(scale)} (amax {plain(amax)} > "
-            f"{plain(what.format_max * scale)}): {sat:,} of {entries:,} entries clipped to {plain(what.format_max)}; "
+            f"{plain(what.format_max * scale)}): {sat:,} of {entries:,} entries beyond {plain(what.saturation_edge)} "
+            f"at that scale clipped to {plain(what.format_max)}; "
             f"worst cosine {h.cosine:.4f}, relative L2 {h.rel_l2:.3g}{_channel(h, tensor.lower())}"
         )
-        fix = f"a {tensor.lower()}_scale of {plain(hold_head)} holds this head (per tensor: {plain(hold_tensor)})"
         out.append(add("kv_cache_saturation", severity, message, fix))
     return out
 
 
-def _error(what: KVWhatIf, h: KVHead) -> Finding | None:
+def _hold_fix(report, what: KVWhatIf, h: KVHead, tensor: str, hold_head: float, hold_tensor: float) -> str:
+    """The scale that keeps the tensor from saturating, and whether the head scaling computed holds the head."""
+    keeps = f"a {tensor.lower()}_scale of {plain(hold_head)} keeps {tensor} from saturating"
+    keeps += f" (per tensor: {plain(hold_tensor)})"
+    nothing = _no_scale_holds(report, what, h)
+    if nothing:
+        return f"{keeps}, but {nothing}"
+    at_head = _same_head(report, what, h).get("head")
+    if at_head is None or at_head is h:
+        return keeps + f"; {_head_ask(what)} computes whether it holds the head"
+    if _breaks(at_head):
+        return f"{keeps}, but at head scale the worst cosine is still {at_head.cosine:.4f}"
+    return f"{keeps} and holds this head (at head scale worst cosine {at_head.cosine:.4f})"
+
+
+def _head_ask(what: KVWhatIf) -> str:
+    consumer = what.scaling.partition(":")[2]
+    return f"kv:{what.format}:head" + (f":{consumer}" if consumer else "")
+
+
+def _error(what: KVWhatIf, h: KVHead, report: KVReport | None = None) -> Finding | None:
     if not _breaks(h):
         return None
     integer = what.format.startswith("int")  # min-max per group: nothing saturates; flushing and rounding do
@@ -139,7 +195,10 @@ def _error(what: KVWhatIf, h: KVHead) -> Finding | None:
         which = " and ".join(t for t, n in (("K", h.k_saturated), ("V", h.v_saturated)) if n)
         cause = f"{which} saturate{'' if ' and ' in which else 's'} (kv_cache_saturation)"
     elif h.q_saturated:  # FlashAttention-3's FP8 path quantises Q at its own scale (1.0 unless dynamic)
-        cause = f"Q saturates in FP8 ({h.q_saturated:,} entries beyond the format's max at Q's scale)"
+        cause = (
+            f"Q saturates in FP8 ({h.q_saturated:,} entries beyond the format's max at Q's scale "
+            f"{plain(h.q_scale)}: amax {plain(h.q_amax)} > {plain(what.format_max * h.q_scale)})"
+        )
     elif h.k_flushed >= KV_FLUSH_SHARE * h.k_entries or h.v_flushed >= KV_FLUSH_SHARE * h.v_entries:
         why = "a group's step, its (max - min) / 15, is coarse beside them" if integer else "the scale is too large"
         cause = f"{h.k_flushed:,} K and {h.v_flushed:,} V entries flushed to zero ({why})"
@@ -150,11 +209,41 @@ def _error(what: KVWhatIf, h: KVHead) -> Finding | None:
         )
     else:
         cause = f"the format's rounding ({_LABEL.get(what.format, what.format)})"
+    c = None if integer else (_outlier(h, "k") or _outlier(h))
+    if c is not None:  # the scale its range needs, or its clipping, costs the head: it is the cause under any scaling
+        cause += f"; {_outlier_text(c)}"
     message = (
         f"{what.name}: {_where(h)}: attention from the cache has worst cosine {h.cosine:.4f}, relative L2 "
         f"{h.rel_l2:.3g}, max abs {plain(h.max_abs)} against the model's cell; cause: {cause}"
     )
-    return add("kv_cache_error", "warning", message, INTEGER_FIX if integer else FIX["kv_cache_error"])
+    return add("kv_cache_error", "warning", message, INTEGER_FIX if integer else _error_fix(report, what, h))
+
+
+def _error_fix(report, what: KVWhatIf, h: KVHead) -> str:
+    """An FP8 cache's fix by its cause: where no scale computed holds the head, bf16 for its layer; saturation,
+    per-head scales; flushing, smaller scales; e5m2's rounding, e4m3; else bf16 for the layer."""
+    nothing = _no_scale_holds(report, what, h)
+    if nothing:
+        return nothing
+    if h.k_saturated or h.v_saturated:
+        return "per-head scales (amax / format max per kv head: kv_cache_saturation gives them)"
+    if h.q_saturated:
+        return (
+            f"a q_scale of {plain(h.hold_q)} holds Q (its amax {plain(h.q_amax)} / {plain(what.format_max)}; vLLM's "
+            "q_scale from the checkpoint, or --calculate-kv-scales)"
+        )
+    if h.k_flushed >= KV_FLUSH_SHARE * h.k_entries or h.v_flushed >= KV_FLUSH_SHARE * h.v_entries:
+        return "smaller scales (the entries read back as zero are below the format's smallest at this scale)"
+    if what.format == "fp8_e5m2":
+        return "e4m3 instead of e5m2 (one more mantissa bit); keep this layer's cache in bf16 where none holds it"
+    at_head = _same_head(report, what, h).get("head")
+    if at_head is not None and not _breaks(at_head):
+        return f"per-head scales hold this head (at head scale worst cosine {at_head.cosine:.4f})"
+    if at_head is None:
+        return (
+            f"{_head_ask(what)} computes whether per-head scales hold this head; else keep this layer's cache in bf16"
+        )
+    return "keep this layer's cache in bf16 (the format's rounding at this scale breaks it)"
 
 
 def _integer_summary(what: KVWhatIf) -> str:
@@ -169,7 +258,7 @@ def _integer_summary(what: KVWhatIf) -> str:
     broken = sum(_breaks(h) for h in what.heads)
     where = f"{worst.module or 'the call'} kv head {worst.kv_head}"
     line = f"{label}: worst cosine {worst.cosine:.4f} ({where})"
-    return line + (f"; {broken} head{'s' if broken > 1 else ''} break (kv_cache_error)" if broken else "")
+    return line + (f"; {broken} head{'s break' if broken > 1 else ' breaks'} (kv_cache_error)" if broken else "")
 
 
 def _summary(what: KVWhatIf, report: KVReport) -> str:
@@ -181,29 +270,56 @@ def _summary(what: KVWhatIf, report: KVReport) -> str:
     worst = what.worst
     if worst is None:
         return f"{label}: no call replayed"
-    sat = [(h, t) for h in what.heads for t, n in (("K", h.k_saturated), ("V", h.v_saturated)) if n]
+    counts = (("K", "k_saturated"), ("V", "v_saturated"), ("Q", "q_saturated"))
+    sat = [(h, t) for h in what.heads for t, n in counts if getattr(h, n)]
     if not sat:
         where = f"{worst.module or 'the call'} kv head {worst.kv_head}"
-        return f"{label}: nothing saturates; worst cosine {worst.cosine:.4f} ({where})"
+        return f"{label}: nothing saturates; worst cosine {worst.cosine:.4f} ({where})" + _broken_tail(what, report)
     parts = []
-    for tensor in ("K", "V"):
+    for tensor in ("K", "V", "Q"):
         hit = [h for h, t in sat if t == tensor]
         if hit:
             layers = list(dict.fromkeys(h.module or "the call" for h in hit))
-            amax = max(h.k_amax if tensor == "K" else h.v_amax for h in hit)
+            top = max(hit, key=lambda h: getattr(h, f"{tensor.lower()}_amax"))
+            amax = getattr(top, f"{tensor.lower()}_amax")
+            limit = what.format_max * (top.q_scale if tensor == "Q" else 1.0)  # Q: at Q's own scale
             parts.append(
                 f"{tensor} saturates in {len(hit)} head{'s' if len(hit) > 1 else ''} of "
-                f"{', '.join(layers)} (amax {plain(amax)} > {plain(what.format_max)})"
+                f"{', '.join(layers)} (amax {plain(amax)} > {plain(limit)})"
+                + (f", a q_scale of {plain(top.hold_q)} holds it" if tensor == "Q" else "")
             )
     line = f"{label}: {'; '.join(parts)}"
-    head = "head" + (f":{consumer}" if consumer else "")  # per-head scales under the same consumer
-    per_head = next((c for c in report.caches if c.format == what.format and c.scaling == head), None)
+    if all(t == "Q" for _, t in sat):  # K's and V's scales do not change Q's saturation
+        return line + _broken_tail(what, report)
+    per_head = next(
+        (c for c in report.caches if c.format == what.format and c.scaling == _head_ask(what).split(":", 2)[2]),
+        None,
+    )
     if per_head is not None and per_head is not what and per_head.worst is not None:
-        return line + (
+        still = " (still broken)" if _breaks(per_head.worst) else ""
+        line += (
             f"; per-head scales bring the worst cosine similarity from {worst.cosine:.4f} to "
-            f"{per_head.worst.cosine:.4f}"
+            f"{per_head.worst.cosine:.4f}{still}"
         )
-    return line + f"; per-head scales (amax / {plain(what.format_max)}) would hold it"
+        return line + _broken_tail(what, report, counted=False)
+    return line + (
+        f"; per-head scales (amax / {plain(what.format_max)}) keep it from saturating ({_head_ask(what)} computes "
+        "whether they hold it)"
+    )
+
+
+def _broken_tail(what: KVWhatIf, report: KVReport, counted: bool = True) -> str:
+    """How many heads break, and, for the worst of them that no FP8 scale computed holds, that sentence."""
+    broken = [h for h in what.heads if _breaks(h)]
+    if not broken:
+        return ""
+    tail = f"; {len(broken)} head{'s break' if len(broken) > 1 else ' breaks'} (kv_cache_error)" if counted else ""
+    for h in sorted(broken, key=lambda h: h.cosine):
+        nothing = _no_scale_holds(report, what, h)
+        if nothing:
+            where = f"{h.module or 'the call'} kv head {h.kv_head}"
+            return tail + f"; {where}: " + nothing.replace("this head", "it").replace("this layer", "that layer")
+    return tail
 
 
 def judge_kv(report: KVReport) -> None:
@@ -211,8 +327,8 @@ def judge_kv(report: KVReport) -> None:
     for what in report.caches:
         what.findings = []
         for h in what.heads:
-            what.findings += _saturation(what, h)
-            err = _error(what, h)
+            what.findings += _saturation(what, h, report)
+            err = _error(what, h, report)
             if err is not None:
                 what.findings.append(err)
         what.summary = _summary(what, report)

@@ -5,6 +5,8 @@ the model's finding."""
 
 from __future__ import annotations
 
+import math
+
 from attncheck.findings.base import Code, Example
 from attncheck.format import plain
 from attncheck.results import Finding
@@ -130,16 +132,21 @@ def add(code: str, text: str, severity: str | None = None) -> Finding:
     return Finding(code, severity or entry.severity, text, entry.fix)
 
 
+def _worst(values: list[float]) -> float:
+    """The largest, NaN where any is (Python's max keeps or drops a NaN by its place)."""
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
 def _ignored(facts: SinkFacts) -> list[Finding]:
     moved = [h for h in facts.heads if h.changed]
-    top = max(h.share_max for h in facts.heads)
+    top = _worst([h.share_max for h in facts.heads])
     message = (
         f"the module holds learned sinks for its {len(facts.heads)} heads and its SDPA call has none: they are "
         f"dropped (largest share of a row's denominator {plain(top)}); "
         + (
             f"with them the {facts.dtype} output would differ in {len(moved)} of {len(facts.heads)} heads, by up to "
-            f"{plain(max(h.diff_nosinks for h in facts.heads))}, and the call's output is off by "
-            f"{plain(max(h.err_nosinks for h in facts.heads))} against float64 with them"
+            f"{plain(_worst([h.diff_nosinks for h in facts.heads]))}, and the call's output is off by "
+            f"{plain(_worst([h.err_nosinks for h in facts.heads]))} against float64 with them"
             if moved
             else f"they would change nothing in {facts.dtype}"
         )

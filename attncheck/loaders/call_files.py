@@ -123,6 +123,9 @@ def call_file_source(
         info = fallback or CallInfo(index=index, name=path, kind="unknown", file=path)
         return _broken(info, f"{label}: {exc.message}")
     if "kv_base" in meta and fallback is None:  # a file alone: the calls its K and V extend are not there
+        own = meta.get("call", "")
+        if own.isdigit():  # named by its own index in the capture, the one kv_base counts in, not the file's place
+            label = _call_label(path, meta.get("kind"), meta.get("module"), int(own))
         return _broken(
             info,
             f"{label}: a decode step stored by its new rows (its K and V extend call {meta['kv_base']}): read it in "

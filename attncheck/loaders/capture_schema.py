@@ -67,6 +67,8 @@ class ManifestCall(Struct):
     grads: Optional[ManifestGrads] = None
     # a decode step stored by its new rows: the index of the earlier call of the module whose K and V it extends
     kv_base: Optional[Index] = None
+    # a step of a full sliding window: the rows of the base's K and V (columns of its mask) dropped from the front
+    kv_drop: Optional[Count] = None
     rope: Optional[Index] = None  # the rotary table (``rope_tables``) the call ran under, where recorded
 
 
@@ -189,6 +191,7 @@ class CallMeta(Struct):
     shapes: Optional[Message] = None
     # k_tail, v_tail (and attn_mask_tail) extend this earlier call's k, v (and mask) of the module (record.kvdedup)
     kv_base: Optional[Index] = None
+    kv_drop: Optional[Count] = None  # ... less its first kv_drop rows (a full sliding window)
 
 
 NONE_FIELDS = ("dtype", "softmax_dtype", "autocast_dtype", "scale", "num_heads", "scale_source", "sdpa_backend")

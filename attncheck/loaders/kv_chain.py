@@ -1,6 +1,7 @@
 """Decode steps stored by their new rows (``record.kvdedup``): a call file holding ``k_tail``, ``v_tail`` (and
 ``attn_mask_tail``) and the metadata ``kv_base`` is rebuilt whole, K and V being its base call's (rebuilt the same
-way) with the tail appended: rows along axis -2 for K and V, columns along axis -1 for the mask.
+way) with the tail appended: rows along axis -2 for K and V, columns along axis -1 for the mask. A step of a full
+sliding window (``kv_drop``) first drops that many rows (columns) from the front of its base's.
 
 Calls are read in order, so the last rebuilt K, V and mask of each chain are kept (a few per module): rebuilding
 the next step reads one file. Reading a call out of order walks its chain back to the nearest rebuilt or whole call.
@@ -105,10 +106,18 @@ class KvChain:
         path = os.path.join(self.dir, entry.file)
         tails = _read(path, tuple(tail for tail, _ in TAILS.values()), label)
         out = {}
+        drop = entry.kv_drop or 0  # a full sliding window: the base's first rows are gone
         for role, (tail, axis) in TAILS.items():
             if tail in tails:
                 t = tails[tail]
                 b = base.get(role)
+                if b is not None and drop:
+                    if drop > b.shape[axis]:
+                        raise AttncheckError(
+                            f"{label}: call {index} drops {drop} rows of call {entry.kv_base}'s {role}, which has "
+                            f"{b.shape[axis]}"
+                        )
+                    b = b.narrow(axis, drop, b.shape[axis] - drop)
                 if b is None or b.dtype != t.dtype or b.dim() != t.dim():
                     raise AttncheckError(
                         f"{label}: call {index}'s {tail} does not extend call {entry.kv_base}'s {role} "

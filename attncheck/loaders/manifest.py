@@ -193,6 +193,11 @@ def _base_mismatch(label: str, entry, meta: dict[str, str]) -> str | None:
             f"{label}: its file and the manifest name different base calls (kv_base "
             f"{shorten(repr(meta.get('kv_base')))} in the file, {entry.kv_base} in the manifest)"
         )
+    if meta.get("kv_drop") != (None if entry.kv_drop is None else str(entry.kv_drop)):
+        return (
+            f"{label}: its file and the manifest drop different rows of its base call (kv_drop "
+            f"{shorten(repr(meta.get('kv_drop')))} in the file, {entry.kv_drop} in the manifest)"
+        )
     return None
 
 

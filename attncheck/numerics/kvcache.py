@@ -46,8 +46,10 @@ elements of the contiguous (B, Hk, T, d) tensor (one token's channels where d is
 tokens of a head where d is smaller); ``quantize_affine`` (``library/quantize.py``) stores ``clamp(round((base +
 shift) / scale), 0, 15)`` as uint8; ``QBitsDequantizer`` (``tensor/qbits.py``) reads ``scale * data - shift``, each
 operation in the model's dtype. The cache keeps the most recent tokens (up to ``residual_length``: those written
-since its last flush) in the model's dtype and quantises the rest as one tensor; the prompt is quantised whole on
-its write, so the first decode step reads every prompt token from int4. Not emulated: int8 (quanto's 8-bit types
+since its last flush) in the model's dtype and quantises the rest as one tensor; its prefill attends to K and V
+unquantised, and the prompt is quantised whole at that first write. Emulated here: the quantiser on each call's K and
+V whole (the last ``residual`` tokens of the call kept); not the cache's timing on generate() (which tokens a step
+reads quantised). Not emulated: int8 (quanto's 8-bit types
 take no groups, and transformers' quanto layer accepts nbits 2 or 4 only; its HQQ backend's 8 bits run HQQ's
 iterative half-quadratic optimiser by default, mobiusml/hqq@e0b1d00e095653359da9de1d7dbb35a994aa6b96
 ``hqq/core/quantize.py`` ``Quantizer.quantize(optimize=True)``, in float16 on CUDA and float32 elsewhere, stopping
@@ -210,6 +212,22 @@ def amax_channel(x: torch.Tensor, head: int) -> Channel:
 def expand_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
     """(B, Hk, T, d) -> (B, Hq, T, d): each kv head repeated for the query heads that read it (GQA)."""
     return t.repeat_interleave(hq // t.shape[1], dim=1) if t.shape[1] != hq else t
+
+
+def repeated_heads(k: torch.Tensor, v: torch.Tensor, hk: int) -> bool:
+    """Whether k and v (B, H, T, ...) are ``hk`` kv heads each repeated H / hk times, exactly (transformers'
+    ``repeat_kv`` before a kernel without GQA: SDPA with a mask); NaN anywhere makes it False."""
+    h = k.shape[1]
+    if hk <= 0 or h % hk or v.shape[1] != h:
+        return False
+    g = h // hk
+    return all(torch.equal(t, t[:, ::g].repeat_interleave(g, dim=1)) for t in (k, v))
+
+
+def fewest_heads(k: torch.Tensor, v: torch.Tensor) -> int:
+    """The fewest kv heads k and v (B, H, T, ...) are an exact repeat of (``repeated_heads``); H where none."""
+    h = k.shape[1]
+    return next((n for n in range(1, h) if repeated_heads(k, v, n)), h)
 
 
 def mask_bias(masked: torch.Tensor | None, mask_float: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:

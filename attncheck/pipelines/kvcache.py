@@ -10,6 +10,7 @@ by a pass of its own; then each call is loaded once more and every cache asked i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -52,6 +53,7 @@ class _Acc:
     mabs64: float = 0.0
     base_cos64: float = 1.0
     q_sat: int = 0  # FlashAttention-3's FP8 path: Q's entries clipped, over the calls
+    q_amax: float = 0.0  # the largest |q| of the query heads reading the kv head, over the calls
     k_group_scale: float = 0.0  # an integer cache's largest group scale over the calls
     v_group_scale: float = 0.0
 
@@ -87,6 +89,26 @@ def asks_of(what_if: Iterable[str]) -> list[tuple[str, str]]:
             if (parts[1], scaling) not in out:
                 out.append((parts[1], scaling))
     return out
+
+
+def kv_heads(layers: dict[str, "_Layer"], module: str, index: int, inp):
+    """The call with K and V per kv head of its layer: K and V stored repeated over the query heads (transformers'
+    ``repeat_kv`` before SDPA with a mask: a padded batch, a generate() prefill) mapped back to the kv heads they
+    repeat, where the repeat is exact; the layer's kv heads are its first call's (the fewest it repeats exactly
+    where K holds as many heads as Q). A call that holds another count, not as an exact repeat: refused."""
+    hk, hq = inp.k.shape[1], inp.q.shape[1]
+    layer = layers.get(module)
+    target = layer.k_amax.shape[0] if layer is not None else (kc.fewest_heads(inp.k, inp.v) if hk == hq else hk)
+    if target == hk:
+        return inp
+    if hq % target == 0 and kc.repeated_heads(inp.k, inp.v, target):
+        g = hk // target
+        return dataclasses.replace(inp, k=inp.k[:, ::g], v=inp.v[:, ::g], cache={})
+    raise AttncheckError(
+        f"{module or 'the call'} (call {index}): K holds {hk} heads where the layer's first call holds {target} kv "
+        "heads, and not as each kv head repeated over its query heads: the KV-cache what-if cannot replay the layer "
+        "per kv head"
+    )
 
 
 def _observe(layers: dict[str, _Layer], module: str, index: int, inp) -> _Layer:
@@ -148,7 +170,12 @@ class AmaxPass:
         except AttncheckError:
             return
         if inp is not None and inp.v is not None:
-            _observe(self.layers, info.module or info.name, info.index, inp)
+            module = info.module or info.name
+            try:
+                inp = kv_heads(self.layers, module, info.index, inp)
+            except AttncheckError:
+                return
+            _observe(self.layers, module, info.index, inp)
 
 
 def run_kv(
@@ -165,12 +192,13 @@ def run_kv(
     layers: dict[str, _Layer] = amax.layers if amax is not None and calibrated else {}
     if calibrated and amax is None:  # the first pass: the capture's amax per layer and kv head
         for call in calls:
-            _observe(layers, call.module, call.index, call.load()[0])
+            _observe(layers, call.module, call.index, kv_heads(layers, call.module, call.index, call.load()[0]))
     accs: dict[tuple[int, str, int], _Acc] = {}
     frozen: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # scales fixed at a layer's first call
     skipped = list(skipped)
     for call in calls:
         inp, dt = call.load()
+        inp = kv_heads(layers, call.module, call.index, inp)
         known = calibrated and call.module in layers  # else (a call the amax pass could not read): seen now
         layer = layers[call.module] if known else _observe(layers, call.module, call.index, inp)
         scales = [frozen.setdefault((i, call.module), _scales(layer, f, s)) for i, (f, s) in enumerate(asks)]
@@ -180,6 +208,7 @@ def run_kv(
             model_out = kc.kernel_output(q, k, v, bias, inp.scale, dt)
             reference = kc.reference_output(q, k, v, bias, inp.scale)
             base = kc.output_error(model_out, reference, 1)
+            q_amax = float(kc.head_amax(q).max())  # the query heads reading kv head h
             for i, (fmt, _) in enumerate(asks):
                 if fmt in kc.INT_FORMATS and i not in reads:
                     continue  # the call's size is not whole groups: said in skipped
@@ -187,16 +216,24 @@ def run_kv(
                 read = (reads[i][0].head(h), reads[i][1].head(h)) if i in reads else None
                 qs = _q_scale(layer, asks[i][1])
                 res = kc.cache_call(q, k, v, bias, inp.scale, dt, fmt, pair, model_out, reference, read, qs)
-                _fold(accs.setdefault((i, call.module, h), _Acc()), res, base, 0)
+                acc = accs.setdefault((i, call.module, h), _Acc())
+                _fold(acc, res, base, 0)
+                acc.q_amax = max(acc.q_amax, q_amax)
     report = KVReport(skipped=skipped)
     for i, (fmt, scaling) in enumerate(asks):
         what = KVWhatIf(fmt, scaling, kc.format_max(fmt))
+        what.saturation_edge = math.nan if fmt in kc.INT_FORMATS else kc.overflow_boundary(fmt)[0]
         for module, layer in layers.items():
             for h in range(layer.k_amax.shape[0]):
                 acc = accs.get((i, module, h))
                 if acc is not None:
                     integer = fmt in kc.INT_FORMATS
-                    what.heads.append(_head(module, h, layer, acc, frozen[(i, module)], what.format_max, integer))
+                    head = _head(module, h, layer, acc, frozen[(i, module)], what.format_max, integer)
+                    qs = _q_scale(layer, scaling)
+                    if qs is not None:  # FlashAttention-3's FP8 path: Q's amax, scale and the scale that holds it
+                        head.q_amax, head.q_scale = acc.q_amax, float(qs[0])
+                        head.hold_q = float(kc.scale_from(acc.q_amax, what.format_max))
+                    what.heads.append(head)
         report.caches.append(what)
     judge_kv(report)
     return report

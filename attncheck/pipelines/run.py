@@ -79,6 +79,8 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
 
         attach_lowsum(request, options, diags, calls, load_one)
     model = _judged(request, diags, calls, skipped, capture)
+    if params.WHAT_IF_NOSINKS in request.what_if and notice is not None and not any(c.sinks for c in calls):
+        notice("--what-if nosinks: no call has learned sinks (gpt-oss's): nothing to drop, nothing computed")
     kv = _run_kv(request, prepared, amax) if params.kv_what_ifs(request.what_if) else None
     return RunResult(diags, device_label(dev), calls, model, kv=kv)
 
@@ -166,9 +168,22 @@ def _run_kv(request: RunRequest, prepared, amax=None, share=None):
         if share is not None:  # this rank's layers, each with every one of its calls: their amax computed here
             calls, amax = share.kv_calls(calls), None
     report = run_kv(asks, calls, skipped, None if prepared is not None else amax)
+    report.dumps = prepared is not None
+    if share is None:  # a rank's share may hold none of a cache's calls: the merged report is whole
+        _nothing_replayed(report)
     for what in report.caches:
         what.findings = [f for f in what.findings if f.code not in request.ignore]
     return report
+
+
+def _nothing_replayed(report) -> None:
+    """A cache asked that replays no call (kv:int4:g7: no call is whole groups of 7) is refused in one line, its
+    first call's reason given: an exit 0 with nothing computed would pass any --fail-on."""
+    for what in report.caches:
+        if not what.heads:
+            why = next((w for _, w in report.skipped if w.startswith(f"{what.name}:")), "")
+            why = f": {why.removeprefix(what.name + ': ')}" if why else ""
+            raise AttncheckError(f"{param('what_if')} {what.name} replays no call{why}")
 
 
 def _kv_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -239,6 +239,7 @@ class DirectorySink(Sink):
                     for role, t in tensors.items()
                 },
                 **({"kv_base": int(call.meta["kv_base"])} if "kv_base" in call.meta else {}),
+                **({"kv_drop": int(call.meta["kv_drop"])} if "kv_drop" in call.meta else {}),
                 **({"rope": int(call.meta["rope"])} if "rope" in call.meta else {}),
             }
         )

@@ -61,6 +61,24 @@ class Hanging:
             yield line
 
 
+class Block:
+    """A report block: its head wrapped as usual, then one entry per line, each wrapped with its later lines indented
+    two spaces under its own (a call's line of the learned sinks or decode steps block). ``plain``: the text, one
+    line per entry (as the tests read it)."""
+
+    def __init__(self, head: Text, lines: list[tuple[int, Text]]) -> None:
+        self.head, self.lines = head, lines  # (indent, body) per entry
+
+    @property
+    def plain(self) -> str:
+        return "\n".join([self.head.plain.rstrip("\n")] + [" " * n + body.plain for n, body in self.lines])
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self.head
+        for n, body in self.lines:
+            yield Hanging(Text(" " * n), body, indent=n + 2)
+
+
 def diagnostic(
     severity: str,
     code: str,

@@ -63,6 +63,7 @@ def kv_table(what: KVWhatIf, full: bool = False) -> Table:
     columns = ["amax"] + ([] if what.scaling.startswith("unit") else ["scale"]) + ([] if integer else ["sat"])
     columns += ["flush", "cos"]
     columns += (["f64"] if full else []) + (["hold"] if _saturates(what) else [])  # head:fa3 too: its K and V
+    columns += ["q"] if what.scaling.endswith(":fa3") else []  # FA3's FP8 path quantises Q: its amax, its hold
     for name in columns:  # on one line at 80 columns; with --full's f64 too, folded rather than cut where too wide
         t.add_column(name, justify="right", no_wrap=not full, overflow="fold")
     heads = _order(what.heads)
@@ -76,6 +77,7 @@ def kv_table(what: KVWhatIf, full: bool = False) -> Table:
             "cos": f"{h.cosine:.4f}",
             "f64": f"{h.cosine_f64:.4f}",
             "hold": _pair(h.hold_k_head, h.hold_v_head, 2),
+            "q": _pair(h.q_amax, h.hold_q, 2),
         }
         name = f"{middle_ellipsis(layer, KV_LAYER)}:{h.kv_head}" if layers else str(h.kv_head)
         t.add_row(Text(visible(name)), *(cells[c] for c in columns))
@@ -89,11 +91,17 @@ def _legend(report: KVReport) -> str:
     layers = any(len({h.module for h in what.heads}) > 1 for what in shown)
     layer = f"L:kv: layer {prefix}L{suffix}, kv head; " if prefix or suffix else "L:kv: layer, kv head; "
     layer = layer if layers else "kv: kv head; "
+    # e5m2's tie 61,440 rounds to inf (its max's last bit is odd): counted from it; e4m3's 464 rounds to 448
+    fp8 = [w for w in shown if not w.format.startswith("int")]
+    edges = sorted({(">= " if w.format == "fp8_e5m2" else "> ") + compact(w.saturation_edge) for w in fp8})
+    edge = " " + " or ".join(edges) if edges else ""
     return (
-        layer + "K/V: K's and V's; sat: entries clipped to the format's max; flush: nonzero entries made 0; cos: "
+        f"{layer}K/V: K's and V's; sat: entries whose |x / scale| rounds beyond the format's max,{edge} (the max "
+        "plus half its last step; the saturating cast clips them to the max); flush: nonzero entries made 0; cos: "
         "the worst row's cosine similarity against the model's kernel (f64: against float64; relative L2 and max "
-        "abs in the JSON); hold: amax / format max, the scale that holds the head; int4's scale: its largest group's; "
-        "k = thousands, M = millions"
+        "abs in the JSON); hold: amax / format max, the scale that keeps the head from saturating (its findings "
+        "say whether it holds the head); q (':fa3'): Q's amax and the q_scale that holds it; int4's scale: its "
+        "largest group's; k = thousands, M = millions"
     )
 
 
@@ -106,7 +114,12 @@ def kv_block(report: KVReport, brief: bool = False, full: bool = False) -> Group
     """Every cache: its summary line, its table (not with ``brief``; not for a cache with nothing found, unless
     ``full``), its findings; the calls left out."""
     parts: list[Any] = [
-        Text("KV-cache what-ifs (on a capture never the model's verdict: --fail-on what-if:COND)", style="bold"),
+        Text(
+            "KV-cache what-ifs (--q/--k/--v: counted under --fail-on as the cells asked are)"
+            if report.dumps
+            else "KV-cache what-ifs (on a capture never the model's verdict: --fail-on what-if:COND)",
+            style="bold",
+        ),
     ]
     tables = 0
     for what in report.caches:

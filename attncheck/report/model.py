@@ -200,7 +200,7 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
             text.append(f"  ... {len(report.outliers) - 12} more in the JSON report\n")
         text.rstrip()
         parts.append(text)
-    sinks = sinks_block(calls, prefix)
+    sinks = sinks_block(calls, prefix, report.decode)
     if sinks is not None:
         parts.append(sinks)
     activity = activity_block(report, prefix)

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from attncheck.format import fmt, plain, visible
-from attncheck.report.diagnostics import diagnostic
+from attncheck.report.diagnostics import Block, diagnostic
 from attncheck.report.fit import Fitted, fitted, narrow_table
 from attncheck.report.text import shown
 from attncheck.results import ModelLine, ModelReport
@@ -134,14 +134,15 @@ def folded(report: ModelReport) -> ModelReport:
     return replace(report, lines=lines, first_bad=first)
 
 
-def decode_block(report: ModelReport, prefix: str = "") -> Text | None:
+def decode_block(report: ModelReport, prefix: str = "") -> Block | None:
     """Each module's decode steps in one line: its prefill and the run of steps, with the keys they span."""
     if not report.decode:
         return None
-    text = Text(
-        "Decode steps (calls over a KV cache: fewer queries than keys, more than the module's call before; the "
-        "tables fold those that went well, --json lists each):\n"
+    head = Text(
+        "Decode steps (calls over a KV cache: fewer queries than keys, more than the module's call before, or as "
+        "many in a full sliding window; the tables fold those that went well, --json lists each):"
     )
+    lines: list[tuple[int, Text]] = []
     for run in report.decode[:DECODE_SHOWN]:
         name = run.module[len(prefix) :] if prefix and run.module.startswith(prefix) else run.module
         on = "" if run.rank is None else f"r{run.rank} "
@@ -151,20 +152,21 @@ def decode_block(report: ModelReport, prefix: str = "") -> Text | None:
             else ""
         )
         queries = "/".join(map(str, run.queries))
+        keys = run.keys_from if run.keys_from == run.keys_to else f"{run.keys_from}..{run.keys_to}"
         how = [f"{run.masked} with a mask" if run.masked else "no mask", f"{run.causal} causal" if run.causal else ""]
-        text.append(f"  {on}{visible(name)}: ", style="bold")
+        text = Text()
+        text.append(f"{on}{visible(name)}: ", style="bold")
         text.append(
             f"{pre}{len(run.steps)} decode steps #{run.steps[0]}-#{run.steps[-1]} ({queries} "
-            f"quer{'y' if queries == '1' else 'ies'}, {run.keys_from}..{run.keys_to} keys; "
+            f"quer{'y' if queries == '1' else 'ies'}, {keys} keys; "
             f"{', '.join(h for h in how if h)})"
         )
         if run.bad:
             text.append(f"; {len(run.bad)} not ok: #{', #'.join(map(str, run.bad[:6]))}", style="bold red")
-        text.append("\n")
+        lines.append((2, text))
     if len(report.decode) > DECODE_SHOWN:
-        text.append(f"  ... {len(report.decode) - DECODE_SHOWN} more in the JSON report\n")
-    text.rstrip()
-    return text
+        lines.append((2, Text(f"... {len(report.decode) - DECODE_SHOWN} more in the JSON report")))
+    return Block(head, lines)
 
 
 DECODE_SHOWN = 24  # modules whose decode runs are listed; the JSON has every one

@@ -3,6 +3,7 @@ cache at a scaling, and what attention computed from it gives."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from attncheck.results.common import Finding
@@ -53,6 +54,11 @@ class KVHead:
     hold_v_head: float
     channels: list[KVChannel] = field(default_factory=list)  # where K's and V's amax sit
     q_saturated: int = 0  # read by FlashAttention-3's FP8 path ('head:fa3'): Q's entries beyond the format's range
+    # FlashAttention-3's FP8 path (NaN on the others): the largest |q| of the query heads reading this kv head over
+    # the calls, the Q scale the path used, and the q_scale that would hold Q (amax / the format's max)
+    q_amax: float = math.nan
+    q_scale: float = math.nan
+    hold_q: float = math.nan
 
 
 @dataclass
@@ -62,6 +68,8 @@ class KVWhatIf:
     format: str  # 'fp8_e4m3'
     scaling: str  # 'unit', 'tensor', 'head' or 'dynamic'; an integer cache's groups: 'g64', 'g64:r128'
     format_max: float  # FP8: the format's largest value; int4: its largest level, 15
+    # FP8: where |x / scale| counts as saturated (the max plus half its last step: 464 in e4m3, 61,440 in e5m2)
+    saturation_edge: float = math.nan
     heads: list[KVHead] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     summary: str = ""  # the one line a person reads first
@@ -81,3 +89,6 @@ class KVReport:
 
     caches: list[KVWhatIf] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    # Q, K and V given as files (--q/--k/--v): their implementation unknown, the cache's findings count under plain
+    # --fail-on as the cells asked do; on a capture only --fail-on what-if:COND fails on them
+    dumps: bool = False

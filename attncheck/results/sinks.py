@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 @dataclass
 class SinkHead:
     """One query head's sink. Shares are of the float64 denominator, exp(sink - m) / (sum_j exp(s_j - m) +
-    exp(sink - m)) with m the row's max over keys and sink, over every row (batch x queries) of the head. Outputs are
-    O = P @ V over the head's rows (the probabilities where the call has no v)."""
+    exp(sink - m)) with m the row's max over keys and sink, over the rows (batch x queries) of the head that see a
+    key. Outputs are O = P @ V over the head's rows (the probabilities where the call has no v)."""
 
     head: int
     sink: float  # the sink logit as the call holds it (in the scores' units: after scale and mask)
@@ -23,6 +23,10 @@ class SinkHead:
     diff_nosinks: float  # max |O_nosinks - O_model|: what dropping the sink changes in the dtype
     rel_model: float  # ||O - O_float64|| / ||O_float64|| (L2 over the head's output)
     rel_nosinks: float
+    # rows (batch x queries) that see no key (every score -inf or a mask sentinel: padding): there the sink takes the
+    # whole denominator (share 1, output 0) and a cell without it has no softmax; they are left out of the shares and
+    # of the nosinks numbers above (the share is NaN where the sink or the scores are)
+    masked_rows: int = 0
 
 
 @dataclass

@@ -255,15 +255,20 @@ def test_qkv_dumps(tmp_path):
     # no model here (the tensors' implementation is not known): the cache counts as the cells asked do
     result = runner.invoke(app, [*args, "--what-if", "kv:fp8_e4m3:unit", "--fail-on", "warning"])
     assert result.exit_code == 1 and "--fail-on warning: kv:fp8_e4m3:unit: kv_cache_saturation" in result.stderr
+    result = runner.invoke(app, [*args[:-1], "--what-if", "kv:fp8_e4m3:unit", "--fail-on", "warning"])
+    header = "KV-cache what-ifs (--q/--k/--v: counted under --fail-on as the cells asked are)"
+    assert result.exit_code == 1 and header in result.output and "never the model's verdict" not in result.output
 
 
 @pytest.mark.slow
 def test_eager_attention_replayed_from_its_traced_q_k_v(tmp_path):
     """transformers' eager attention: a softmax call whose q, k, v are traced (k and v after repeat_kv, one per
-    query head) and whose causal mask is read back from its scores."""
+    query head, mapped back to the kv heads they repeat) and whose causal mask is read back from its scores."""
     capture = capture_llama(tmp_path / "eager", True, attn="eager")
     doc = run_json(tmp_path, capture, "--what-if", "kv:fp8_e4m3:unit")
     (cache,) = doc["kv_cache"]["caches"]
-    bad = {(h["module"], h["kv_head"]) for h in cache["heads"] if h["v_saturated"]}
-    assert bad == {(f"model.layers.{LAYER}.self_attn", 2), (f"model.layers.{LAYER}.self_attn", 3)}
+    # K and V repeated over the query heads mapped back to the model's kv heads: the planted one, read by 2 and 3
+    bad = {(h["module"], h["kv_head"], tuple(h["query_heads"])) for h in cache["heads"] if h["v_saturated"]}
+    assert bad == {(f"model.layers.{LAYER}.self_attn", KV_HEAD, (2, 3))}
+    assert {h["kv_head"] for h in cache["heads"]} == {0, 1}
     assert {f["code"] for f in cache["findings"]} == {"kv_cache_saturation", "kv_cache_error"}

@@ -161,8 +161,10 @@ def test_a_decode_step_file_alone_says_it_needs_its_capture(tmp_path):
     with torch.no_grad(), attncheck.capture(tmp_path / "cap"):
         generate(model, inputs)
     doc = json.loads((tmp_path / "cap" / "manifest.json").read_text())
-    res = CliRunner().invoke(app, ["run", str(tmp_path / "cap" / doc["calls"][-1]["file"])])
+    last = doc["calls"][-1]
+    res = CliRunner().invoke(app, ["run", str(tmp_path / "cap" / last["file"])])
     assert res.exit_code == 2 and "read it in its capture directory" in res.output, res.output
+    assert f"(call {last['index']}, " in res.output and last["index"] > 0  # its own index, not the file's place
 
 
 @pytest.mark.slow
@@ -310,6 +312,8 @@ def rewrite(cap, index, tensors=None, meta=None, entry=None):
         (lambda last: ({}, {"kv_base": str(last)}, {"kv_base": last}), "which is not an earlier call of the capture"),
         (lambda last: ({}, {"kv_base": "0"}, {"kv_base": 1}), "its file and the manifest name different base calls"),
         (lambda last: ({"k_tail": torch.zeros(1, 2, 1, 4)}, {}, {}), "does not extend call"),
+        (lambda last: ({}, {"kv_drop": "1000"}, {"kv_drop": 1000}), "drops 1000 rows of call"),
+        (lambda last: ({}, {"kv_drop": "1"}, {}), "its file and the manifest drop different rows of its base call"),
     ],
 )
 def test_a_tampered_decode_step_is_one_line(tmp_path, tamper, says):

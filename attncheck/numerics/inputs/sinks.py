@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from attncheck.errors import AttncheckError
-from attncheck.numerics.precision import dtype_label
+from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_label
 from attncheck.results.sinks import SinkFacts, SinkHead
 
 
@@ -82,21 +82,30 @@ def _head_sums(x: torch.Tensor, op: str) -> torch.Tensor:
 
 
 def _block_numbers(scores: torch.Tensor, sinks: torch.Tensor, v: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """One block's per-head sums and maxima (and its rows' shares, (heads, batch x queries))."""
+    """One block's per-head sums and maxima (and its rows' shares, (heads, batch x queries)). A row that sees no key
+    (every score -inf or a mask sentinel: a padded query) gives its sink the whole denominator, share 1 by
+    definition, and without the sink has no softmax (NaN) or a uniform one over masked keys: such rows are counted
+    (``masked``) and left out of the shares and of the comparison with the cell that drops the sinks, so that they
+    hide neither the real share nor the real difference."""
     ref, share = reference_with_sinks(scores, sinks, v)
     model = eager_sink_output(scores, sinks, v)
     dropped = eager_sink_output(scores, None, v)
-    same = (model == dropped) | (torch.isnan(model) & torch.isnan(dropped))
+    blind = (scores <= MASK_SENTINEL_LIMIT).all(dim=-1)  # (batch, heads, Tq): rows that see no key (-inf or sentinel)
+    seen = ~blind.unsqueeze(-1)
+    same = (model == dropped) | (torch.isnan(model) & torch.isnan(dropped)) | ~seen
     m64, d64 = model.double(), dropped.double()
+    zero = torch.zeros((), dtype=torch.float64)
     return {
         "changed": _head_sums((~same).long(), "sum"),
+        "masked": _head_sums(blind.long(), "sum"),
         "err_model": _head_sums((m64 - ref).abs(), "max"),
-        "err_nosinks": _head_sums((d64 - ref).abs(), "max"),
-        "diff_nosinks": _head_sums((d64 - m64).abs(), "max"),
+        "err_nosinks": _head_sums(torch.where(seen, (d64 - ref).abs(), zero), "max"),
+        "diff_nosinks": _head_sums(torch.where(seen, (d64 - m64).abs(), zero), "max"),
         "sq_model": _head_sums((m64 - ref).square(), "sum"),
-        "sq_nosinks": _head_sums((d64 - ref).square(), "sum"),
+        "sq_nosinks": _head_sums(torch.where(seen, (d64 - ref).square(), zero), "sum"),
         "sq_ref": _head_sums(ref.square(), "sum"),
-        "share": share.transpose(0, 1).reshape(share.shape[1], -1).nan_to_num(nan=0.0),
+        # rows that see no key: -1, dropped before the max and median (a NaN share, of a NaN sink or scores, is kept)
+        "share": torch.where(blind, -1.0, share).transpose(0, 1).reshape(share.shape[1], -1),
     }
 
 
@@ -132,8 +141,9 @@ def sink_facts(scores: torch.Tensor, sinks: torch.Tensor, v: torch.Tensor | None
             SinkHead(
                 head=h,
                 sink=float(sinks[h]),
-                share_max=float(total["share"][h].amax()) if total["share"][h].numel() else 0.0,
-                share_median=float(total["share"][h].median()) if total["share"][h].numel() else 0.0,
+                share_max=_share(total["share"][h], "max"),
+                share_median=_share(total["share"][h], "median"),
+                masked_rows=int(total["masked"][h]),
                 changed=int(total["changed"][h]),
                 err_model=float(total["err_model"][h]),
                 err_nosinks=float(total["err_nosinks"][h]),
@@ -144,6 +154,16 @@ def sink_facts(scores: torch.Tensor, sinks: torch.Tensor, v: torch.Tensor | None
             for h in range(heads)
         ],
     )
+
+
+def _share(shares: torch.Tensor, op: str) -> float:
+    """The max or median of a head's shares over the rows that see a key (0 where none does); NaN where any is."""
+    rows = shares[shares != -1.0]
+    if not rows.numel():
+        return 0.0
+    if torch.isnan(rows).any():
+        return float("nan")
+    return float(rows.amax() if op == "max" else rows.median())
 
 
 def _combine(key: str, parts: list[torch.Tensor]) -> torch.Tensor:

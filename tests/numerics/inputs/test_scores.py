@@ -19,6 +19,9 @@ from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start
 FP16_MAX = torch.finfo(torch.float16).max
 runner = CliRunner()
 
+# a file given as a path that holds q and k: the flags take it by key
+HINT = " (a file holding q, k and v: --q FILE:q --k FILE:k --v FILE:v)"
+
 
 def codes(diag):
     return {f.code for f in diag.findings}
@@ -427,10 +430,10 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
             "q and k have different head dims: q (1, 1, 8, 64) has d = 64, k (1, 1, 8, 16) has d = 16",
         ),
         (["--q", f"{p}:q"], "--q and --k go together: give both"),
-        (["--causal", str(p)], "--causal applies to scores computed from --q and --k, which are not given"),
+        (["--causal", str(p)], "--causal applies to scores computed from --q and --k, which are not given" + HINT),
         (
             ["--mask", str(p), "--pad-left", "1", str(p)],
-            "--mask, --pad-left apply to scores computed from --q and --k, which are not given",
+            "--mask, --pad-left apply to scores computed from --q and --k, which are not given" + HINT,
         ),
         (
             [str(p), "--mask-value", "garbage"],
@@ -443,7 +446,7 @@ def test_cli_qk_end_to_end_and_bad_inputs(tmp_path):
         ),
         (
             [str(p), "--scale", "0.125", "--mask-value", "min"],
-            "--scale, --mask-value apply to scores computed from --q and --k, which are not given",
+            "--scale, --mask-value apply to scores computed from --q and --k, which are not given" + HINT,
         ),
         (
             ["--q", f"{p}:q", "--k", f"{p}:k", "--mask-value", "min"],

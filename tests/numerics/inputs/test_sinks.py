@@ -85,3 +85,30 @@ def test_blocks_of_queries_change_no_number(monkeypatch):
         assert (a.rel_model, a.rel_nosinks) == pytest.approx((b.rel_model, b.rel_nosinks), rel=1e-12)
         a.rel_model, a.rel_nosinks = b.rel_model, b.rel_nosinks
     assert blocked == whole
+
+
+@pytest.mark.parametrize("mask", [float("-inf"), torch.finfo(torch.bfloat16).min])
+def test_rows_that_see_no_key_are_counted_and_left_out_of_the_shares_and_the_nosinks_numbers(mask):
+    """A padded query (every key -inf, or the dtype's min as transformers' eager mask adds it) gives its sink the
+    whole denominator: share 1 in every head, hiding the real share; without the sink its softmax is NaN (-inf) or
+    uniform over masked keys. Uniform rows of n zero scores and a sink of 0 over the rows that see keys: share
+    1 / (n + 1) (0.25 here), a constant V: 3/4 with the sink, 1 without, so the difference is exactly 0.25."""
+    n = 3
+    scores = torch.zeros(2, 2, 4, n, dtype=torch.bfloat16)
+    scores[0, :, :2] = mask  # batch 0's first two queries are padding
+    sinks = torch.zeros(2, dtype=torch.bfloat16)
+    v = torch.ones(2, 2, n, 8, dtype=torch.bfloat16)
+    facts = sink_facts(scores, sinks, v)
+    for h in facts.heads:
+        assert h.masked_rows == 2
+        assert h.share_max == 0.25 and h.share_median == 0.25
+        assert h.diff_nosinks == 0.25 and h.err_nosinks == 0.25 and math.isfinite(h.rel_nosinks)
+        assert h.changed == (2 * 4 - 2) * 8  # the rows that see keys: 3/4 against 1 everywhere
+
+
+def test_a_nan_sink_has_a_nan_share_not_zero():
+    scores = torch.zeros(1, 2, 4, 3, dtype=torch.bfloat16)
+    sinks = torch.tensor([float("nan"), 0.0], dtype=torch.bfloat16)
+    nan, ok = sink_facts(scores, sinks, torch.ones(1, 2, 3, 8, dtype=torch.bfloat16)).heads
+    assert math.isnan(nan.share_max) and math.isnan(nan.share_median) and math.isnan(nan.err_model)
+    assert ok.share_max == 0.25
