@@ -77,6 +77,18 @@ def check_row_fits(name: str, keys: int, max_memory: int | None) -> None:
 
 
 @dataclass(frozen=True)
+class Bounded:
+    """How a long Q/K call is diagnosed in bounded time (``numerics.bounded``): ``rows`` score rows sampled, or as
+    many as ``budget`` seconds allow (a call whose whole diagnosis is estimated to fit the budget is computed
+    exactly); ``seed`` the sample's; calls of fewer than ``min_rows`` score rows are computed exactly."""
+
+    rows: int | None = None
+    budget: float | None = None
+    seed: int = 0
+    min_rows: int = 0
+
+
+@dataclass(frozen=True)
 class Options:
     """The cells (dtypes x methods) and how they are computed.
 
@@ -108,6 +120,8 @@ class Options:
     fp8_flush: int | None = None
     # The fa4 path's what-if: a paths.fa4.Fa4Setup (its rescale threshold and max offset); None: the kernel's defaults
     fa4: Any = None
+    # --budget/--rows: a numerics.bounded.Bounded (diagnose exactly where a row can fail, sample the rest); None: exact
+    bounded: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dtypes, str) or isinstance(self.methods, str):

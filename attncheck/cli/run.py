@@ -5,6 +5,7 @@ torch is imported inside the command only, so ``--help`` and argument errors sta
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Optional
 
 from attncheck import params
@@ -53,7 +54,9 @@ from attncheck.cli.run_checks import (
 from attncheck.cli.run_options import (
     AccumOpt,
     AccumulateOpt,
+    BudgetOpt,
     CausalOpt,
+    ExactOpt,
     ExampleOpt,
     Fp8AccumOpt,
     Fp8FlushOpt,
@@ -72,12 +75,14 @@ from attncheck.cli.run_options import (
     PathsArg,
     PScaleOpt,
     QOpt,
+    RowsOpt,
     ScaleOrderOpt,
     VOpt,
 )
 from attncheck.config.rope import split_rope_what_if
 from attncheck.config.run import QKSpec, RunRequest, chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError, param
+from attncheck.options import Bounded
 from attncheck.report.progress import Progress
 
 
@@ -124,6 +129,9 @@ def run(
     rescale_threshold: RescaleThresholdOpt = None,
     max_offset: MaxOffsetOpt = None,
     accumulate: AccumulateOpt = None,
+    budget: BudgetOpt = None,
+    rows: RowsOpt = None,
+    exact: ExactOpt = False,
 ) -> None:
     """Diagnose saved attention scores (pre-softmax logits), the scores Q and K produce, or a capture.
 
@@ -176,6 +184,7 @@ def run(
                 dtype=dtype or DEFAULT_DTYPES,
             ),
         )
+        options = with_bounded(options, budget, rows, exact)
         # Every value is checked, whether or not it applies; then what does not apply is named.
         scales = params.scales(scale) if scale is not None else (params.Scale("auto"),)
         if len(scales) != 1:
@@ -294,3 +303,18 @@ def run(
         emit(
             result, conditions, ignored, json_out, brief=brief, full=full, detail=detail, summary=summary, silent=silent
         )
+
+
+def with_bounded(options, budget: str | None, rows: str | None, exact: bool):
+    """--budget/--rows as the options' ``Bounded``; --exact (or neither): every row, as without them."""
+    sample = params.integer(rows, "rows", 1) if rows is not None else None
+    seconds = params.number(budget, "budget", positive=True) if budget is not None else None
+    if exact and (sample is not None or seconds is not None):
+        raise AttncheckError(
+            f"{param('exact')} computes every row; give it without {param('budget')} and {param('rows')}"
+        )
+    if sample is not None and seconds is not None:
+        raise AttncheckError(f"give {param('budget')} or {param('rows')}, not both")
+    if sample is None and seconds is None:
+        return options
+    return replace(options, bounded=Bounded(rows=sample, budget=seconds))

@@ -256,3 +256,32 @@ Fp8FlushOpt = Annotated[
         show_default=False,
     ),
 ]
+
+
+BudgetOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--budget",
+        metavar="SECONDS",
+        help=(
+            "Diagnose each Q/K call whose whole diagnosis would take longer (timed on a few rows) in about this time: "
+            "rows a bound (scale |q| max|k| + the mask) cannot certify free of overflow and NaN are computed in full, "
+            "the error and distribution figures come from a uniform sample of the rest, with 95% intervals. "
+            "Default: every row."
+        ),
+    ),
+]
+
+RowsOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--rows",
+        metavar="N",
+        help="As --budget, with a sample of N score rows per Q/K call (whole query positions: every head of each).",
+    ),
+]
+
+ExactOpt = Annotated[
+    bool,
+    typer.Option("--exact", help="Compute every row of every call (the default; refuses --budget and --rows)."),
+]

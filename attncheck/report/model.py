@@ -12,6 +12,7 @@ from rich.text import Text
 from attncheck.codes import REGISTRY, SEVERITY
 from attncheck.format import fmt, plain, visible
 from attncheck.model import findings_in_order
+from attncheck.report.bounded import model_sampling_line
 from attncheck.report.diagnostics import EXPLAIN_HINT, diagnostic
 
 # Re-exported (noqa): the CLI and the tests import the report's parts from here, where they were before the split
@@ -238,6 +239,9 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
         parts.append(shown(f"skipped {name}: {why}", style="yellow"))
     if report.ignored:
         parts.append(Text(f"ignored finding codes: {', '.join(report.ignored)}", style="dim"))
+    sampled = model_sampling_line(calls)  # --budget/--rows: which figures are exact, which sampled
+    if sampled is not None:
+        parts.append(sampled)
     parts.append(closing_line(report, calls, device))
     return Group(*parts)
 

@@ -14,6 +14,7 @@ from rich.text import Text
 from attncheck.codes import doc_link
 from attncheck.format import cosine, fmt, index_text, to_jsonable, visible
 from attncheck.params import MASK_SENTINEL_LIMIT
+from attncheck.report.bounded import sampling_json, sampling_section
 from attncheck.report.diagnostics import findings_block
 from attncheck.report.fit import Fitted, fit_table, fitted, narrow_table
 from attncheck.report.lowsum import lowsum_table
@@ -530,6 +531,9 @@ def render_diagnosis(d: TensorDiagnosis, verbose: bool = True) -> Group:
     settings = settings_section(d.choices)
     if settings is not None:
         parts.append(settings)
+    sampled = sampling_section(d)  # --budget/--rows: which figures are exact, which sampled
+    if sampled is not None:
+        parts.append(sampled)
     where = nan_by_head_line(d)
     limits = limits_line(d)
     parts += (
@@ -591,4 +595,5 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
         "attention": None if d.attention is None else to_jsonable(d.attention),
         "settings": [to_jsonable(c) for c in d.choices],  # --what-if fa4: each settings grid and its best
         "accumulate": [to_jsonable(s) for s in d.lowsum],  # --accumulate: each sum kept in 16 bits
+        **sampling_json(d),  # --budget/--rows: exact and sampled figures
     }

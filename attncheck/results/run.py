@@ -9,6 +9,7 @@ from typing import Any
 
 from attncheck.results.activations import KeyShares
 from attncheck.results.backward import CellBackward
+from attncheck.results.bounded import Sampling
 from attncheck.results.common import ASKED, DtypeLimits, Finding
 from attncheck.results.lowsum import LowSumStats
 
@@ -313,6 +314,7 @@ class TensorDiagnosis:
     )  # largest unmasked score per head (the axis before the queries)
     choices: list[SettingChoice] = field(default_factory=list)  # --what-if fa4: each settings grid and its best
     lowsum: list[LowSumStats] = field(default_factory=list)  # --accumulate: each sum kept in 16 bits
+    sampling: Sampling | None = None  # --budget/--rows: what was computed exactly and what was sampled
     key_shares: KeyShares | None = None  # the attention each key receives (numerics.sinks)
 
     def cell(self, method: str, dtype: str, path: str | None = None, variant: str | None = None) -> Cell:

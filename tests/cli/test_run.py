@@ -311,7 +311,10 @@ def test_cuda_requested_without_cuda(healthy):
         (["--block", "0"], "--block must be an integer >= 1, got 0"),
         (["--block", "x"], "--block must be an integer >= 1, got 'x'"),
         (["--device", "tpu"], "--device must be one of auto, cpu, cuda or cuda:N, got 'tpu'"),
-        (["--bogus"], "No such option: --bogus (see 'attncheck run --help')"),
+        (
+            ["--no-such-thing"],
+            "No such option: --no-such-thing (see 'attncheck run --help')",
+        ),  # --bogus: click suggests --rows
     ],
 )
 def test_bad_options(healthy, args, expected):

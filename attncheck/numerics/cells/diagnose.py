@@ -21,6 +21,7 @@ from attncheck.devices import resolve_device
 from attncheck.errors import AttncheckError, param
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, select_backend
 from attncheck.numerics.backends.torch_rows import TorchRows
+from attncheck.numerics.bounded import diagnose_bounded
 from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc, HeadMax
 from attncheck.numerics.cells.plan import CellKey, grid, stages
 from attncheck.numerics.methods.softmax import Buffers, MethodParams
@@ -225,7 +226,7 @@ def diagnose_chunks(
 
 def settings_of(options: Options) -> dict:
     """How the cells were computed, as plain values (the JSON report's ``options``)."""
-    return {f.name: getattr(options, f.name) for f in fields(options)}
+    return {f.name: getattr(options, f.name) for f in fields(options) if f.name != "bounded"}  # bounded: .sampling
 
 
 def _kernels_that_run(
@@ -582,6 +583,8 @@ def diagnose_attention(
             name, source.shape, source.dtype, blocks, options, progress, attention=audit, notice=notice, cells=cells
         )
     cells = _kernels_that_run(inputs, cells if cells is not None else grid(options, True), notice)
+    if options.bounded is not None:  # --budget/--rows: the rows that can fail in full, a sample of the rest
+        return diagnose_bounded(name, inputs, options, cells, progress, notice, scale_source, diagnose_attention)
     step = rows_per_chunk(inputs.k.shape[2], options, cells)
     blocks: Iterable[QKBlock] = score_blocks(inputs, step, resolve_device(options.device), audit)
     return diagnose_chunks(
