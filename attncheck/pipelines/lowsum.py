@@ -17,17 +17,17 @@ from attncheck.results import CallReport, TensorDiagnosis
 
 
 def attach_lowsum(
-    request: RunRequest, options, diags: list[TensorDiagnosis], calls: list[CallReport], load_one: Callable
+    request: RunRequest, options, diags: list[TensorDiagnosis], calls: list[CallReport], qk_inputs: Callable
 ) -> None:
     """Every diagnosis of ``diags`` (the q/k request or the built-in example) or of ``calls`` (files, in input
     order) gets ``lowsum``, one ``LowSumStats`` per accumulation asked, and the findings they lead to.
-    ``load_one``: how ``pipelines.run`` reads one tensor of a PATH[:KEY] option (passed in: no import cycle)."""
+    ``qk_inputs``: how ``pipelines.run`` reads and prepares --q/--k/--v (passed in: no import cycle)."""
     from attncheck.judge import judge_lowsum
     from attncheck.numerics.methods.lowsum import qk_blocks, rows_per_block, stats
 
     specs, chunk = request.accumulate, options.chunk_elements
     if request.qk is not None and not request.paths:
-        inp = _qk_inputs(request, load_one)
+        inp = qk_inputs(request.qk, request.max_memory)[4]
         dv = 0 if inp.v is None else inp.v.shape[-1]
         rows = rows_per_block(inp.k.shape[2], dv, chunk)
         for d in diags:
@@ -90,28 +90,3 @@ def _call_blocks(item, chunk: int, max_bytes: int):
     x = x.reshape(-1, x.shape[-1])
     rows = rows_per_block(x.shape[-1], 0, chunk)
     return ((x[i : i + rows], None) for i in range(0, x.shape[0], rows))
-
-
-def _qk_inputs(request: RunRequest, load_one: Callable):
-    """The Q/K inputs of ``--q/--k``, prepared as ``pipelines.run`` prepares them for the diagnosis."""
-    from attncheck.numerics.inputs.scores import prepare_inputs
-
-    qk, max_bytes = request.qk, request.max_memory
-    q = load_one(qk.q, "q", max_bytes=max_bytes)[1]
-    k = load_one(qk.k, "k", max_bytes=max_bytes)[1]
-    v = load_one(qk.v, "v", max_bytes=max_bytes)[1] if qk.v else None
-    mask = load_one(qk.mask, "mask", "mask", max_bytes)[1] if qk.mask else None
-    return prepare_inputs(
-        q,
-        k,
-        mask,
-        v=v,
-        scale=qk.scale,
-        scale_order=qk.scale_order,
-        causal=qk.causal,
-        pad_left=list(qk.pad_left),
-        pad_right=list(qk.pad_right),
-        mask_value=qk.mask_value or "-inf",
-        mask_convention=qk.mask_convention or "attend",
-        max_bytes=max_bytes,
-    )

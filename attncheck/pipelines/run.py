@@ -77,7 +77,7 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     if request.accumulate:  # sums kept in 16 bits: judged beside the cells, before --ignore applies
         from attncheck.pipelines.lowsum import attach_lowsum
 
-        attach_lowsum(request, options, diags, calls, load_one)
+        attach_lowsum(request, options, diags, calls, qk_inputs)
     model = _judged(request, diags, calls, skipped, capture)
     if params.WHAT_IF_NOSINKS in request.what_if and notice is not None and not any(c.sinks for c in calls):
         notice("--what-if nosinks: no call has learned sinks (gpt-oss's): nothing to drop, nothing computed")
