@@ -47,10 +47,6 @@ T975 = (12.7062047, 4.30265273, 3.18244631, 2.77644511, 2.57058184, 2.44691185, 
 CONFIDENCE = 0.95
 PILOT_POSITIONS = 2 * GROUPS  # query positions timed to extrapolate the whole call under --budget
 ROUNDING = (1 + 2**-7) ** 2 * 1.01  # q and k rounded to a 16-bit dtype, and margin (AttentionInputs.qk_bound)
-# Paths whose rows each depend on their own query row alone (and on every key): a subset of the queries computes
-# them as the whole call does. The others (FP8 quantisation scales over a head's rows, a causal loop's tiles, flex
-# score mods) are computed exactly.
-ROW_LOCAL = ("eager", "sdpa-math", "flash", "fa2", "fa2-fma", "cudnn", "mem-efficient")
 MEAN_FIGURES = ("rmse", "rmse_algo", "kl_mean", "out_rmse", "out_rel_l1", "out_cos_mean")
 SQUARED = ("rmse", "rmse_algo", "out_rmse")  # estimated through their squares (means over elements)
 MAX_FIGURES = ("max_abs_err", "max_abs_err_algo", "kl_max", "out_max_abs_err")
@@ -88,7 +84,8 @@ def row_local(inp: "AttentionInputs", cells: list["CellKey"]) -> str | None:
     for c in cells:
         if c.dtype in fp8_names():
             return f"{c.name}: FP8 quantisation scales read every row of a head"
-        if c.path is not None and (c.path not in ROW_LOCAL or (c.path == "mem-efficient" and causal)):
+        local = True if c.path is None else PATHS.get(c.path).row_local  # the spec says: no path name compared
+        if local is False or (local == "noncausal" and causal):
             return f"{c.name}: the kernel's rows depend on their neighbours"
     return None
 

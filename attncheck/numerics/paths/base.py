@@ -149,8 +149,14 @@ class PathSpec:
     # kinds of call it replays (empty: every call with Q and K)
     replay: bool = False
     replay_kinds: tuple[str, ...] = ()
+    # Whether each query row is computed from its own scores alone, so that a subset of a call's rows
+    # (``--budget``/``--rows``) is computed as in the whole call: True, False, or "noncausal" (only without the
+    # kernel's own causal loop, whose tiles stop at the diagonal)
+    row_local: bool | str = False
 
     def __post_init__(self) -> None:
+        if self.row_local not in (False, True, "noncausal"):
+            raise ValueError(f"path {self.name}: row_local must be False, True or 'noncausal', got {self.row_local!r}")
         if self.scores not in ("dtype", "fp32", "fp32-split"):
             raise ValueError(f"path {self.name}: scores must be 'dtype', 'fp32' or 'fp32-split', got {self.scores!r}")
         if self.backward not in (None, "eager", "math", "recompute"):

@@ -104,6 +104,7 @@ PATH = PathSpec(
     supports="attncheck.numerics.paths.cudnn:supports",
     replay=True,
     backward="recompute",  # a fused backward with fp32 sums, each gradient rounded once (its tiling not emulated)
+    row_local=True,
 )
 
 

@@ -31,6 +31,7 @@ PATH = PathSpec(
     probs_in="the dtype",
     backward="eager",
     stands_for=(Stands("qk"),),
+    row_local=True,
 )
 
 

@@ -402,4 +402,5 @@ PATH = PathSpec(
     supports="attncheck.numerics.paths.fa2:supports",
     replay=True,
     backward="recompute",  # FlashAttention-2's backward as on CUDA: fp32 sums, each gradient rounded once
+    row_local=True,
 )

@@ -81,4 +81,5 @@ PATH = PathSpec(
     limit="attncheck.numerics.paths.fa2_fma:limit",
     replay=True,
     backward="recompute",  # FlashAttention-2's backward as on CUDA: fp32 sums, each gradient rounded once
+    row_local=True,
 )

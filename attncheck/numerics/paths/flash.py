@@ -56,6 +56,7 @@ PATH = PathSpec(
     source="pytorch/pytorch v2.13.0 aten/src/ATen/native/cpu/FlashAttentionKernel.cpp",
     stands_for=(Stands("sdpa", "flash_attention", "cpu"), Stands("sdpa")),
     supports=f"{__name__}:supports",
+    row_local=True,
 )
 
 

@@ -113,6 +113,7 @@ PATH = PathSpec(
     supports="attncheck.numerics.paths.mem_efficient:supports",
     replay=True,
     backward="recompute",  # a fused backward with fp32 sums, each gradient rounded once (its tiling not emulated)
+    row_local="noncausal",
 )
 
 _DTYPES = ("fp16", "bf16", "fp32")

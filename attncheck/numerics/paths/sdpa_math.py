@@ -32,6 +32,7 @@ PATH = PathSpec(
     backward="math",
     replay=True,
     stands_for=(Stands("sdpa", "math"), Stands("sdpa", fallback=True)),
+    row_local=True,
 )
 
 
