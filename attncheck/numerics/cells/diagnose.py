@@ -133,15 +133,7 @@ def diagnose_chunks(
     plan = cells if cells is not None else grid(options, qk)
     if not plan:
         raise AttncheckError(_no_cell(options, qk))
-    fp8 = set(fp8_names())
-    # headroom per dtype: the scores each dtype's cells hold (given scores cast; eager's S)
-    census = CensusAcc(
-        tuple(
-            dict.fromkeys(
-                c.dtype for c in plan if c.dtype not in fp8 and (not qk or PATHS.get(c.path).scores == "dtype")
-            )
-        )
-    )
+    census = _census(plan, qk)
     dist = DistAcc(options.collapse_threshold)
     heads = tuple(shape[:-2]) if len(shape) >= 3 else ()  # (batch, heads, ...) of (..., queries, keys)
     queries = shape[-2] if heads else 1
@@ -162,6 +154,52 @@ def diagnose_chunks(
         buffers=None if qk else Buffers(),
         fa4=options.fa4,
     )
+    start = _feed(
+        chunks, plan, qk, device, options, accs, census, dist, head_max, shares, backend, plain, method_params, progress
+    )
+    if start != rows:
+        raise AttncheckError(f"{name}: got {start} rows, expected {rows} for shape {shape}")
+
+    census_result = census.finish(shape, dtype_label(dtype), rows)
+    result_cells = _finish_cells(plan, accs, lead, method_params, options, dtype, census_result, census, attention)
+    result = TensorDiagnosis(
+        name=name,
+        shape=shape,
+        dtype=dtype_label(dtype),
+        census=census_result,
+        distribution=dist.finish(),
+        cells=result_cells,
+        findings=[],
+        settings=settings_of(options),
+        attention=attention,
+        # fp32's too: the kernels' exps and statistics are fp32 whatever the cell's dtype (the kernel hazards' limits)
+        limits={d: limits_of(dtype_from_name(d)) for d in dict.fromkeys([*(k.dtype for k in plan), "fp32"])},
+        backend=backend.name,
+        head_max_logits=head_max.values(),
+        key_shares=shares.finish(),
+    )
+    return result
+
+
+def _census(plan, qk: bool) -> CensusAcc:
+    """The census's accumulator, with the dtypes whose headroom it measures."""
+    fp8 = set(fp8_names())
+    # headroom per dtype: the scores each dtype's cells hold (given scores cast; eager's S)
+    census = CensusAcc(
+        tuple(
+            dict.fromkeys(
+                c.dtype for c in plan if c.dtype not in fp8 and (not qk or PATHS.get(c.path).scores == "dtype")
+            )
+        )
+    )
+    return census
+
+
+def _feed(
+    chunks, plan, qk, device, options, accs, census, dist, head_max, shares, backend, plain, method_params, progress
+):
+    """Each chunk of rows into the accumulators: the census, distribution, head maxima and key shares, then each
+    stage's cells. Returns the rows fed."""
     start = 0
     shift = None
     for block in chunks:  # loop over row chunks, never over rows
@@ -189,10 +227,11 @@ def diagnose_chunks(
         if progress is not None:
             progress(c.x.shape[0])
         del c, x, block, out_ref  # free this chunk before the next one is read
-    if start != rows:
-        raise AttncheckError(f"{name}: got {start} rows, expected {rows} for shape {shape}")
+    return start
 
-    census_result = census.finish(shape, dtype_label(dtype), rows)
+
+def _finish_cells(plan, accs, lead, method_params, options, dtype, census_result, census, attention) -> list:
+    """Each cell finished, with its limit (``cell_limit``) and, for a settings sweep, its setting."""
     result_cells = []
     for key in plan:
         cell = accs[key].finish(lead)
@@ -203,23 +242,7 @@ def diagnose_chunks(
             cell.variant = s.label
             cell.setting = dict(s.values, default=s.default, refused=s.refused)
         result_cells.append(cell)
-    result = TensorDiagnosis(
-        name=name,
-        shape=shape,
-        dtype=dtype_label(dtype),
-        census=census_result,
-        distribution=dist.finish(),
-        cells=result_cells,
-        findings=[],
-        settings=settings_of(options),
-        attention=attention,
-        # fp32's too: the kernels' exps and statistics are fp32 whatever the cell's dtype (the kernel hazards' limits)
-        limits={d: limits_of(dtype_from_name(d)) for d in dict.fromkeys([*(k.dtype for k in plan), "fp32"])},
-        backend=backend.name,
-        head_max_logits=head_max.values(),
-        key_shares=shares.finish(),
-    )
-    return result
+    return result_cells
 
 
 def settings_of(options: Options) -> dict:
