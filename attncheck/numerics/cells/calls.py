@@ -102,16 +102,7 @@ def diagnose_call(
         if kind in QK_KINDS
         else _softmax_qk(info, tensors, max_bytes)
     )
-    if known:
-        cells = [model]
-    else:
-        qk = inputs is not None and kind in QK_KINDS
-        cells = grid(asked or options, qk)
-        if model is not None and not any(c.same_cell(model) for c in cells):
-            cells.append(model)
-        if qk:  # --what-if fa4 on q/k files: the kernel's settings grid in each dtype asked
-            sweeps = tuple(w for w in what_if if w in params.setting_sweeps())
-            cells += setting_cells(sweeps, (asked or options).dtypes, options=options)
+    cells = _cells_of(info, model, known, inputs, what_if, asked, options)
     if kind in QK_KINDS:
         diag = _in_call(info, lambda: _qk_diagnosis(info, inputs, options, cells, progress, notice))
     else:
@@ -123,13 +114,7 @@ def diagnose_call(
     if "grad_out" in tensors:
         _in_call(info, lambda: _backward(info, tensors, inputs, diag, what, options, model if known else None))
     used = _cell_of(diag, model)
-    cap = softcap(info)
-    if cap is not None and kind == "softmax" and inputs is not None and diag.attention is not None:
-        _in_call(info, lambda: _softcap_audit(info, inputs, diag, cap))
-        if diag.attention.softcap is not None:  # asked for, but no backward or what-if cell has the cap
-            wanted_what_if = what is None and known and (what_if or asked is not None)
-            asked_for = [("gradients", "grad_out" in tensors), ("what-if cells", wanted_what_if)]
-            diag.attention.softcap.not_judged = [name for name, hit in asked_for if hit]
+    _check_softcap(info, inputs, diag, tensors, what, known, what_if, asked)
     if known and kind == "softmax" and used is not None:
         used.limit = _scores_limit(info, diag)
     if known and kind == "flex" and used is not None and "scores_mod" in tensors:
@@ -158,6 +143,35 @@ def diagnose_call(
     if sinks is not None:
         sinks.nosinks = params.WHAT_IF_NOSINKS in what_if or params.WHAT_IF_KERNELS in what_if
     return report
+
+
+def _cells_of(info: CallInfo, model, known: bool, inputs, what_if, asked: Options | None, options: Options) -> list:
+    """The cells a call computes: its model cell where its implementation is known; else every cell asked, the
+    model's among them, and on Q/K inputs the settings grids swept."""
+    kind = info.kind
+    if known:
+        cells = [model]
+    else:
+        qk = inputs is not None and kind in QK_KINDS
+        cells = grid(asked or options, qk)
+        if model is not None and not any(c.same_cell(model) for c in cells):
+            cells.append(model)
+        if qk:  # --what-if fa4 on q/k files: the kernel's settings grid in each dtype asked
+            sweeps = tuple(w for w in what_if if w in params.setting_sweeps())
+            cells += setting_cells(sweeps, (asked or options).dtypes, options=options)
+    return cells
+
+
+def _check_softcap(info: CallInfo, inputs, diag: TensorDiagnosis, tensors, what, known: bool, what_if, asked) -> None:
+    """A softmax call's softcap audited (when the model has one), and what it could not judge named."""
+    kind = info.kind
+    cap = softcap(info)
+    if cap is not None and kind == "softmax" and inputs is not None and diag.attention is not None:
+        _in_call(info, lambda: _softcap_audit(info, inputs, diag, cap))
+        if diag.attention.softcap is not None:  # asked for, but no backward or what-if cell has the cap
+            wanted_what_if = what is None and known and (what_if or asked is not None)
+            asked_for = [("gradients", "grad_out" in tensors), ("what-if cells", wanted_what_if)]
+            diag.attention.softcap.not_judged = [name for name, hit in asked_for if hit]
 
 
 def softcap(info: CallInfo) -> float | None:
