@@ -31,11 +31,32 @@ def emit(
     when calls were skipped. ``summary_only``: a label; only the closing line is said, on stderr, under it
     (one rank of several). ``silent``: nothing printed or written, the same exit code (a rank other than rank 0 of
     a run split over torchrun's ranks, whose report rank 0 prints)."""
-    # the findings and report modules take ~0.1 s to import: inside, not for --help or a bad argument
+    failed, what_ifs, kv = _failed(result, conditions, ignored)
+    chosen = _chosen(result, detail)
+    if silent:
+        raise typer.Exit(2 if result.model is not None and result.model.skipped else EXIT_FAILED if failed else EXIT_OK)
+    if json_out is not None:
+        _write_json(result, failed, kv, json_out)
+    if summary_only is not None and result.model is not None:  # one process of several (torchrun): its closing line
+        from attncheck.report.model import closing_line  # ~0.1 s to import: not for --help or a bad argument
+
+        say(f"attncheck: {summary_only}: {closing_line(result.model, result.calls, result.device).plain}")
+    elif json_out != "-":
+        _print_report(result, what_ifs, chosen, brief=brief, full=full, summary=summary)
+    if kv is not None and json_out != "-" and summary_only is None:
+        from attncheck.report.kvcache import kv_block  # ~0.1 s to import: not for --help or a bad argument
+
+        report_console().print(kv_block(kv, brief=brief or summary, full=full))
+    _exit(result, failed)
+
+
+def _failed(result, conditions: list[str], ignored: tuple[str, ...]):
+    """The --fail-on conditions that hold: (those failed, the what-if diagnoses, the KV-cache what-ifs or None). The
+    model's conditions on its cells, what-if:COND on the what-ifs; a what-if condition with no what-if computed is
+    refused."""
+    # the findings module takes ~0.1 s to import: inside, not for --help or a bad argument
     from attncheck.findings import failed_conditions
     from attncheck.model import INHERITED
-    from attncheck.report.model import run_json
-    from attncheck.report.run import print_report, render_diagnosis
 
     failed = failed_conditions(result.tensors, [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)], ignored)
     what_ifs = [c.what_if for c in result.calls if c.what_if is not None]
@@ -45,7 +66,7 @@ def emit(
     ]  # inherited NaN is the model's
     kv = getattr(result, "kv", None)  # --what-if kv:...
     if kv is not None:
-        from attncheck.findings import failed_by_findings  # (as above)
+        from attncheck.findings import failed_by_findings  # ~0.1 s to import: not for --help or a bad argument
 
         # On a capture the cache is a what-if, failing only what-if:COND; on --q/--k/--v, whose implementation is
         # not known, it is one more computation asked of the tensors, counted as their cells are
@@ -63,10 +84,15 @@ def emit(
             )
         )
     if result.model is not None and result.model.findings:  # the capture's own (capture_incomplete)
-        from attncheck.findings import failed_by_findings  # (as above)
+        from attncheck.findings import failed_by_findings  # ~0.1 s to import: not for --help or a bad argument
 
         own = [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)]
         failed += failed_by_findings(result.model.findings, own, ignored)
+    return failed, what_ifs, kv
+
+
+def _chosen(result, detail: list[str]) -> list:
+    """The calls --detail names (fnmatch on module or name), each once; a pattern that matches none is refused."""
     chosen = []
     for pattern in detail:
         hit = [
@@ -84,61 +110,72 @@ def emit(
                 )
             )
         chosen += [c for c in hit if c not in chosen]
-    if silent:
-        raise typer.Exit(2 if result.model is not None and result.model.skipped else EXIT_FAILED if failed else EXIT_OK)
-    if json_out is not None:
-        try:
-            doc = run_json(result.tensors, result.device, failed, result.model, result.calls)
-            if kv is not None:
-                from attncheck.report.kvcache import kv_json  # (as above)
+    return chosen
 
-                doc["kv_cache"] = kv_json(kv)
-            write_json(json.dumps(doc, indent=2, allow_nan=False), json_out)
-        except AttncheckError as e:
-            raise fail(e) from None
-    if summary_only is not None and result.model is not None:  # one process of several (torchrun): its closing line
-        from attncheck.report.model import closing_line  # (as above)
 
-        say(f"attncheck: {summary_only}: {closing_line(result.model, result.calls, result.device).plain}")
-    elif json_out != "-":
-        console = report_console()
-        if summary:
-            from attncheck.report.summary import model_summary, tensors_summary  # (as above)
+def _write_json(result, failed: list[str], kv, json_out: str) -> None:
+    """The run's JSON (with the KV-cache what-ifs) to --json."""
+    # the report modules take ~0.1 s to import: inside, not for --help or a bad argument
+    from attncheck.report.model import run_json
 
-            if result.model is not None and result.model.known:  # a capture: judged by the model's cells
-                console.print(model_summary(result.model, result.calls, result.device))
-            else:
-                console.print(tensors_summary(result.tensors, result.device, what_ifs))
-            for c in chosen:
-                console.print()
-                console.print(render_diagnosis(c.diagnosis, verbose=not brief))
-        elif full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
-            print_report(console, result.tensors, result.device, verbose=not brief, what_ifs=what_ifs)
-            if result.model is not None:
-                from attncheck.report.model import capture_block  # (as above)
+    try:
+        doc = run_json(result.tensors, result.device, failed, result.model, result.calls)
+        if kv is not None:
+            from attncheck.report.kvcache import kv_json  # ~0.1 s to import: not for --help or a bad argument
 
-                own = capture_block(result.model)  # its findings, and the RoPE what-ifs
-                if own is not None:
-                    console.print(own)
-            if result.model is not None:
-                from attncheck.report.model import path_notes  # (as above)
+            doc["kv_cache"] = kv_json(kv)
+        write_json(json.dumps(doc, indent=2, allow_nan=False), json_out)
+    except AttncheckError as e:
+        raise fail(e) from None
 
-                notes = path_notes(result.model, result.calls)
-                if notes is not None:
-                    console.print(notes)
+
+def _print_report(result, what_ifs, chosen, *, brief: bool, full: bool, summary: bool) -> None:
+    """The report on standard output: the one-screen summary, the per-tensor report (one call, or --full) or the
+    model report, and the --detail calls' diagnoses."""
+    # the report modules take ~0.1 s to import: inside, not for --help or a bad argument
+    from attncheck.report.run import print_report, render_diagnosis
+
+    console = report_console()
+    if summary:
+        from attncheck.report.summary import (
+            model_summary,
+            tensors_summary,
+        )  # ~0.1 s to import: not for --help or a bad argument
+
+        if result.model is not None and result.model.known:  # a capture: judged by the model's cells
+            console.print(model_summary(result.model, result.calls, result.device))
         else:
-            from attncheck.report.model import print_model  # (as above)
+            console.print(tensors_summary(result.tensors, result.device, what_ifs))
+        for c in chosen:
+            console.print()
+            console.print(render_diagnosis(c.diagnosis, verbose=not brief))
+    elif full or result.model is None or (len(result.calls) <= 1 and not result.model.what_if):
+        print_report(console, result.tensors, result.device, verbose=not brief, what_ifs=what_ifs)
+        if result.model is not None:
+            from attncheck.report.model import capture_block  # ~0.1 s to import: not for --help or a bad argument
 
-            print_model(console, result.model, result.calls, result.device)
-            for c in chosen:
-                console.print()
-                console.print(render_diagnosis(c.diagnosis, verbose=not brief))
-                if c.what_if is not None:
-                    console.print(render_diagnosis(c.what_if, verbose=not brief))
-    if kv is not None and json_out != "-" and summary_only is None:
-        from attncheck.report.kvcache import kv_block  # (as above)
+            own = capture_block(result.model)  # its findings, and the RoPE what-ifs
+            if own is not None:
+                console.print(own)
+        if result.model is not None:
+            from attncheck.report.model import path_notes  # ~0.1 s to import: not for --help or a bad argument
 
-        report_console().print(kv_block(kv, brief=brief or summary, full=full))
+            notes = path_notes(result.model, result.calls)
+            if notes is not None:
+                console.print(notes)
+    else:
+        from attncheck.report.model import print_model  # ~0.1 s to import: not for --help or a bad argument
+
+        print_model(console, result.model, result.calls, result.device)
+        for c in chosen:
+            console.print()
+            console.print(render_diagnosis(c.diagnosis, verbose=not brief))
+            if c.what_if is not None:
+                console.print(render_diagnosis(c.what_if, verbose=not brief))
+
+
+def _exit(result, failed: list[str]) -> None:
+    """The conditions that held said, the skipped calls' errors; exit 2 (skipped calls), 1 (a condition held), or 0."""
     for reason in failed:
         say(f"attncheck: --fail-on {reason}")
     if result.model is not None and result.model.skipped:

@@ -204,14 +204,8 @@ def _run_files(request: RunRequest, options, track: Track, notice, amax=None, sh
     """Every input of the files as a call report, in natural order; bad calls raise, or with
     ``partial`` are skipped and listed. ``amax``: a KV-cache amax pass that sees each call's tensors;
     ``share``: one rank's share of the inputs alone (pipelines.ranks)."""
-    from attncheck.config.run import check_row_fits
-    from attncheck.judge import diagnose_call, diagnose_chunks
     from attncheck.loaders import TensorSource
     from attncheck.loaders.calls import open_inputs
-    from attncheck.numerics.cells.calls import scores_report
-    from attncheck.numerics.precision import dtype_label
-    from attncheck.options import rows_per_chunk
-    from attncheck.results import CallInfo, CallReport
 
     inputs, manifests = open_inputs(
         request.paths, request.keys, request.max_memory
@@ -221,6 +215,24 @@ def _run_files(request: RunRequest, options, track: Track, notice, amax=None, sh
             f"{param('paths')} applies to attention calls (a capture, q/k files) and to {param('q')}/{param('k')}; "
             f"{', '.join(request.paths)} hold{'s' if len(request.paths) == 1 else ''} scores only"
         )
+    capture = _capture_of(request, manifests)
+    if not request.partial:  # every call checked before the first is diagnosed
+        for item in inputs:
+            if not isinstance(item, TensorSource) and item.problem:
+                raise AttncheckError(item.problem)
+    captured = [
+        item
+        for item in inputs
+        if not isinstance(item, TensorSource) and item.info.kind not in ("qk", "scores", "unknown")
+    ]
+    cell_what_if = _check_what_ifs(request, options, inputs, captured)
+    calls, skipped = _diagnose_inputs(request, options, inputs, cell_what_if, track, notice, amax, share)
+    return calls, capture, skipped
+
+
+def _capture_of(request: RunRequest, manifests: list[dict]):
+    """The capture's facts (every rank's under torchrun) and the RoPE checks of its rotary tables; None for files
+    that are no capture."""
     capture = None
     ranked = all(isinstance(d.get("rank"), int) and (d.get("world") or 1) > 1 for d in manifests)
     if len(manifests) > 1 and ranked:  # every rank of one torchrun capture
@@ -240,17 +252,14 @@ def _run_files(request: RunRequest, options, track: Track, notice, amax=None, sh
     rope = capture_rope_checks(request.paths, request.rope_what_if)  # the rotary tables the calls ran under
     if rope:
         capture = {**(capture or {}), "rope": rope}
-    if not request.partial:  # every call checked before the first is diagnosed
-        for item in inputs:
-            if not isinstance(item, TensorSource) and item.problem:
-                raise AttncheckError(item.problem)
-    calls: list[CallReport] = []
-    skipped: list[tuple[str, str]] = []
-    captured = [
-        item
-        for item in inputs
-        if not isinstance(item, TensorSource) and item.info.kind not in ("qk", "scores", "unknown")
-    ]
+    return capture
+
+
+def _check_what_ifs(request: RunRequest, options, inputs, captured) -> tuple[str, ...]:
+    """The cell what-ifs asked, refused where they do not apply (FA4 settings, the FP8 accumulator, files whose
+    implementation is not known): the cell what-ifs."""
+    from attncheck.loaders import TensorSource
+
     cell_what_if = params.cell_what_ifs(request.what_if)  # the KV cache's what-ifs run apart (_run_kv)
     sweeps_only = all(w in params.setting_sweeps() for w in cell_what_if)  # asked of any Q/K input (fa4's grid)
     _check_fa4_applies(request, options, inputs, captured)
@@ -267,6 +276,21 @@ def _run_files(request: RunRequest, options, track: Track, notice, amax=None, sh
             f"hold plain scores or q/k tensors, whose implementation is not known: every cell asked is computed "
             f"already (choose them with {param('dtypes')}, {param('methods')}, {param('paths')})"
         )
+    return cell_what_if
+
+
+def _diagnose_inputs(request: RunRequest, options, inputs, cell_what_if, track: Track, notice, amax, share):
+    """Each input diagnosed (this rank's share alone under torchrun): (the call reports, the calls skipped)."""
+    from attncheck.config.run import check_row_fits
+    from attncheck.judge import diagnose_call, diagnose_chunks
+    from attncheck.loaders import TensorSource
+    from attncheck.numerics.cells.calls import scores_report
+    from attncheck.numerics.precision import dtype_label
+    from attncheck.options import rows_per_chunk
+    from attncheck.results import CallInfo, CallReport
+
+    calls: list[CallReport] = []
+    skipped: list[tuple[str, str]] = []
     mine = share.calls([_cost(item) for item in inputs]) if share is not None else None
     for i, item in enumerate(inputs):
         if mine is not None:  # under torchrun: this rank's calls alone
@@ -306,7 +330,7 @@ def _run_files(request: RunRequest, options, track: Track, notice, amax=None, sh
                 raise
             skipped.append((info.name, e.render()))
             calls.append(CallReport(info, None, error=e.render()))
-    return calls, capture, skipped
+    return calls, skipped
 
 
 def _cost(item) -> int:

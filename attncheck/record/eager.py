@@ -85,37 +85,46 @@ class EagerMixin:
 
     def _trace(self, name: str, args, kwargs, out) -> None:
         if name in MATMULS:
-            a, b = (
-                (args[1], args[2])
-                if name == "baddbmm" and len(args) >= 3
-                else (args[0] if args else None, args[1] if len(args) > 1 else None)
-            )
-            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 3 and b.dim() >= 3):
-                return
-            pending = self._pending
-            if pending is not None and id(a) in pending.probs and pending.probs[id(a)]() is a:
-                pending.call.tensors["v"] = b.detach()
-                pending.call.meta["shapes"] = json.dumps(
-                    {role: list(t.shape) for role, t in pending.call.tensors.items()}
-                )
-                pending.call.meta["dtypes"] = json.dumps(
-                    {role: dtype_name(t.dtype) for role, t in pending.call.tensors.items()}
-                )
-                if self._tracks_grads(out):
-                    q_live, kt_live = pending.qk if pending.qk is not None else (None, None)
-                    pending.grads = {"grad_out": out, "grad_q": q_live, "grad_k": kt_live, "grad_v": b}
-                self.flush()
-                return
-            if isinstance(out, torch.Tensor):
-                self._qk = {"a": a, "b": b, "shape": tuple(out.shape), "path": self.tracker.path}
-                ops = frozenset({"baddbmm"} if name == "baddbmm" else ())
-                self._scores = {id(out): (weakref.ref(out), 1.0, ops, None)}  # (the scores, scale, ops, soft cap)
+            self._trace_matmul(name, args, out)
             return
         if not isinstance(out, torch.Tensor):
             return
         if name == "cat" and self._scores:
             self._sink_column(args, kwargs, out)
             return
+        self._follow_probs(name, args, kwargs, out)
+        self._trace_scale(name, args, kwargs, out)
+
+    def _trace_matmul(self, name: str, args, out) -> None:
+        """A batched matmul: P@V of the pending softmax (its v, and its gradients' live tensors) ends that call;
+        another (Q@K^T) starts a score tensor to follow."""
+        a, b = (
+            (args[1], args[2])
+            if name == "baddbmm" and len(args) >= 3
+            else (args[0] if args else None, args[1] if len(args) > 1 else None)
+        )
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 3 and b.dim() >= 3):
+            return
+        pending = self._pending
+        if pending is not None and id(a) in pending.probs and pending.probs[id(a)]() is a:
+            pending.call.tensors["v"] = b.detach()
+            pending.call.meta["shapes"] = json.dumps({role: list(t.shape) for role, t in pending.call.tensors.items()})
+            pending.call.meta["dtypes"] = json.dumps(
+                {role: dtype_name(t.dtype) for role, t in pending.call.tensors.items()}
+            )
+            if self._tracks_grads(out):
+                q_live, kt_live = pending.qk if pending.qk is not None else (None, None)
+                pending.grads = {"grad_out": out, "grad_q": q_live, "grad_k": kt_live, "grad_v": b}
+            self.flush()
+            return
+        if isinstance(out, torch.Tensor):
+            self._qk = {"a": a, "b": b, "shape": tuple(out.shape), "path": self.tracker.path}
+            ops = frozenset({"baddbmm"} if name == "baddbmm" else ())
+            self._scores = {id(out): (weakref.ref(out), 1.0, ops, None)}  # (the scores, scale, ops, soft cap)
+        return
+
+    def _follow_probs(self, name: str, args, kwargs, out: torch.Tensor) -> None:
+        """The pending softmax's probabilities followed through ops that pass them on (a dropout's p recorded)."""
         first = args[0] if args else None
         pending = self._pending
         if (
@@ -134,6 +143,10 @@ class EagerMixin:
                 training = args[2] if len(args) > 2 else kwargs.get("training", True)
                 if training and p:
                     pending.call.meta["dropout_p"] = repr(p)
+
+    def _trace_scale(self, name: str, args, kwargs, out: torch.Tensor) -> None:
+        """The scores followed to the softmax: the scale multiplied or divided in, a tanh soft cap, the ops that
+        add a mask or bias or fill."""
         if not self._scores:
             return
         source = next(

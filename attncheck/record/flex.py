@@ -77,6 +77,18 @@ class FlexMixin:
                 )
         if over or self.stopped is not None:
             return out
+        tensors, before, identity = self._flex_tensors(bound, q, k, v, score_mod, block_mask, scale, identity)
+        meta = self._flex_meta(q, k, scale, identity, score_mod, mask_mod, block_mask, before)
+        if self.outputs:
+            tensors["out"] = (out[0] if isinstance(out, tuple) else out).detach()
+        call = self._new_call("flex", module, tensors, meta)
+        self._emit(call)
+        return out
+
+    def _flex_tensors(self, bound, q, k, v, score_mod, block_mask, scale, identity):
+        """The tensors a flex call records: q, k, v, the mask its mask_mod makes, and its logits after a score_mod
+        that changes them (in float64 too with ``flex_reference``): (tensors, the largest unmasked logit before the
+        score_mod, whether the score_mod is the identity here)."""
         with torch.no_grad():
             raw, mod = flex_logits(
                 q,
@@ -112,6 +124,11 @@ class FlexMixin:
                     bound.get("mask_mod_other_buffers", ()),
                     torch.float64,
                 )[1]
+        return tensors, before, identity
+
+    def _flex_meta(self, q, k, scale, identity, score_mod, mask_mod, block_mask, before) -> dict:
+        """A flex call's facts: dtype, scale, GQA, its score_mod and mask_mod, the implementation and the
+        BlockMask's tiles."""
         meta = {
             "dtype": dtype_name(q.dtype),
             "scale": repr(scale),
@@ -132,8 +149,4 @@ class FlexMixin:
             meta["logit_before_mod"] = repr(
                 before
             )  # the largest unmasked logit before the score_mod (after it: the diagnosis's)
-        if self.outputs:
-            tensors["out"] = (out[0] if isinstance(out, tuple) else out).detach()
-        call = self._new_call("flex", module, tensors, meta)
-        self._emit(call)
-        return out
+        return meta

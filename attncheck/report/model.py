@@ -156,50 +156,16 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
         if note:
             parts.append(shown(f"capture: {note}", style="yellow"))
     prefix = shared_prefix([line.module for line in report.lines])
-    shared = shared_facts(report)
-    backward = any(line.grad_verdict is not None for line in report.lines)
-    legend = (LINES_LEGEND if report.known else FILES_LEGEND).format(
-        limit=_limit_text(report), grad=GRAD_LEGEND if backward else ""
-    )
-    if any(line.kind == "flex" for line in report.lines):
-        legend = legend.replace(
-            "sdpa-math for the math backend)",
-            "sdpa-math for the math backend; flex: FlexAttention's fused "
-            "kernel where flex_attention is torch.compile'd, flex-math where it is not)",
-        )
-    legend += (f"; calls named below {prefix[:-1]}" if prefix else "") + (f"; {shared}" if shared else "")
-    parts.append(fitted_lines_table(folded(report), prefix, shown(legend)))
+    _calls_table(report, prefix, parts)
     decode = decode_block(report, prefix)
     if decode is not None:
         parts.append(decode)
-    modded = [line for line in report.lines if line.score_mod is not None]
-    if modded:
-        text = Text("Flex score_mod (judged on the logits after it; largest unmasked logit before -> after):\n")
-        for line in modded[:12]:
-            before = "-" if line.logit_before_mod is None else plain(line.logit_before_mod)
-            text.append(
-                f"  #{line.index} {visible(line.module)}: {visible(line.score_mod)} {before} -> "
-                f"{plain(line.max_logit)}\n"
-            )
-        if len(modded) > 12:
-            text.append(f"  ... {len(modded) - 12} more in the JSON report\n")
-        text.rstrip()
-        parts.append(text)
+    _score_mod_block(report, parts)
     good = folded_steps(report)  # decode steps that went well: the calls table's one line per module says them
     matrix = fitted_head_matrix([c for c in calls if (c.call.rank, c.call.index) not in good], report, prefix)
     if matrix is not None:
         parts.append(matrix)
-    if report.outliers:
-        text = Text(
-            "Outlier heads (max|q| or max|k| >= 10x the median over the call's other heads; k per kv head):\n",
-            style="yellow",
-        )
-        for o in report.outliers[:12]:
-            text.append(f"  {visible(o.message)}\n")
-        if len(report.outliers) > 12:
-            text.append(f"  ... {len(report.outliers) - 12} more in the JSON report\n")
-        text.rstrip()
-        parts.append(text)
+    _outliers_block(report, parts)
     sinks = sinks_block(calls, prefix, report.decode)
     if sinks is not None:
         parts.append(sinks)
@@ -244,6 +210,55 @@ def render_model(report: ModelReport, calls: list[CallReport], device: str) -> G
         parts.append(sampled)
     parts.append(closing_line(report, calls, device))
     return Group(*parts)
+
+
+def _calls_table(report: ModelReport, prefix: str, parts: list) -> None:
+    """The calls table, with its legend (the cells named, the limits, the shared facts), added to ``parts``."""
+    shared = shared_facts(report)
+    backward = any(line.grad_verdict is not None for line in report.lines)
+    legend = (LINES_LEGEND if report.known else FILES_LEGEND).format(
+        limit=_limit_text(report), grad=GRAD_LEGEND if backward else ""
+    )
+    if any(line.kind == "flex" for line in report.lines):
+        legend = legend.replace(
+            "sdpa-math for the math backend)",
+            "sdpa-math for the math backend; flex: FlexAttention's fused "
+            "kernel where flex_attention is torch.compile'd, flex-math where it is not)",
+        )
+    legend += (f"; calls named below {prefix[:-1]}" if prefix else "") + (f"; {shared}" if shared else "")
+    parts.append(fitted_lines_table(folded(report), prefix, shown(legend)))
+
+
+def _score_mod_block(report: ModelReport, parts: list) -> None:
+    """The flex calls' score_mods, their largest logit before and after, added to ``parts``."""
+    modded = [line for line in report.lines if line.score_mod is not None]
+    if modded:
+        text = Text("Flex score_mod (judged on the logits after it; largest unmasked logit before -> after):\n")
+        for line in modded[:12]:
+            before = "-" if line.logit_before_mod is None else plain(line.logit_before_mod)
+            text.append(
+                f"  #{line.index} {visible(line.module)}: {visible(line.score_mod)} {before} -> "
+                f"{plain(line.max_logit)}\n"
+            )
+        if len(modded) > 12:
+            text.append(f"  ... {len(modded) - 12} more in the JSON report\n")
+        text.rstrip()
+        parts.append(text)
+
+
+def _outliers_block(report: ModelReport, parts: list) -> None:
+    """The outlier heads (max|q| or max|k| far above the call's other heads), added to ``parts``."""
+    if report.outliers:
+        text = Text(
+            "Outlier heads (max|q| or max|k| >= 10x the median over the call's other heads; k per kv head):\n",
+            style="yellow",
+        )
+        for o in report.outliers[:12]:
+            text.append(f"  {visible(o.message)}\n")
+        if len(report.outliers) > 12:
+            text.append(f"  ... {len(report.outliers) - 12} more in the JSON report\n")
+        text.rstrip()
+        parts.append(text)
 
 
 def print_model(console: Console, report: ModelReport, calls: list[CallReport], device: str) -> None:

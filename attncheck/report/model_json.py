@@ -16,57 +16,7 @@ from attncheck.results import CallReport, ModelLine, ModelReport, TensorDiagnosi
 def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
     out_calls = []
     for line, c in zip(report.lines, calls):
-        info = c.call
-        out_calls.append(
-            {
-                "index": line.index,
-                "rank": line.rank,
-                "name": line.name,
-                "module": line.module,
-                "kind": line.kind,
-                "file": info.file,
-                "forward": info.forward,
-                "shape": list(line.shape),
-                "dtype": info.dtype,
-                "softmax_dtype": info.softmax_dtype,
-                "is_causal": info.is_causal,
-                "scale": info.scale,
-                "enable_gqa": info.enable_gqa,
-                "has_qk": info.has_qk,
-                "cell": line.cell,
-                "max_logit": line.max_logit,
-                "score_mod": None
-                if line.score_mod is None
-                else {"name": line.score_mod, "max_logit_before": line.logit_before_mod},
-                "headroom": line.headroom,
-                "limit": _limit_json(line.limit),
-                "nan_rows": line.nan_rows,
-                "first_cause": line.first_cause,
-                "cause_heads": line.heads,
-                "max_abs_err": line.worst_err,
-                "verdict": line.verdict,
-                "errors": line.errors,
-                "heads": to_jsonable(c.heads),
-                "sinks": None if c.sinks is None else to_jsonable(c.sinks),
-                "largest_activations": None if c.activations is None else to_jsonable(c.activations.largest),
-                "error": c.error,
-                "device": info.meta.get("device"),  # where the call ran, as the capture recorded it
-                "capability": info.meta.get("capability"),
-                "sdpa_backend": info.meta.get("sdpa_backend"),
-                "path_note": c.path_note,
-                "what_if": None if c.what_if is None else diagnosis_json(c.what_if),
-                "backward": None
-                if line.grad_verdict is None
-                else {
-                    "verdict": line.grad_verdict,
-                    "nan_rows": line.grad_nan_rows,
-                    "first_cause": line.grad_cause,
-                    "grads": line.grad_which,
-                    "scale_headroom": line.grad_headroom,
-                    "headroom_at": line.grad_headroom_at,
-                },
-            }
-        )
+        out_calls.append(_call_json(line, c))
     first = None if report.first_bad is None else _first_json(report.lines[report.first_bad])
     return to_jsonable(
         {
@@ -78,35 +28,8 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
             "ignored": list(report.ignored),
             "skipped": [{"name": n, "error": why} for n, why in report.skipped],
             "capture": report.capture,
-            "decode": [
-                {
-                    "module": r.module,
-                    "rank": r.rank,
-                    "prefill": r.prefill,
-                    "prefill_keys": r.prefill_keys,
-                    "steps": len(r.steps),
-                    "first_step": r.steps[0],
-                    "last_step": r.steps[-1],
-                    "queries": r.queries,
-                    "keys_from": r.keys_from,
-                    "keys_to": r.keys_to,
-                    "causal": r.causal,
-                    "masked": r.masked,
-                    "bad": r.bad,
-                }
-                for r in report.decode
-            ],
-            "ranks": [
-                {
-                    "rank": r.rank,
-                    "calls": r.calls,
-                    "errors": r.errors,
-                    "warnings": r.warnings,
-                    "complete": r.complete,
-                    "first_bad": None if r.first_bad is None else _first_json(report.lines[r.first_bad]),
-                }
-                for r in report.ranks
-            ],
+            "decode": [_decode_json(r) for r in report.decode],
+            "ranks": [_rank_json(report, r) for r in report.ranks],
             "findings": [
                 {"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix, "doc": doc_link(f.code)}
                 for f in report.findings
@@ -116,34 +39,122 @@ def model_json(report: ModelReport, calls: list[CallReport]) -> dict[str, Any]:
             "first_grad_bad": None
             if report.first_grad_bad is None
             else _first_json(report.lines[report.first_grad_bad]),
-            "what_if": [
-                {
-                    "cell": a.cell,
-                    "calls": a.calls,
-                    "bad_calls": a.bad_calls,
-                    "verdict": a.verdict,
-                    "nan_rows": a.nan_rows,
-                    "max_abs_err": a.worst_err,
-                    "headroom": a.headroom,
-                    "limit": _limit_json(a.limit),
-                    "findings": a.findings,
-                    "first_bad": None if a.first is None else _first_json(a.first),
-                }
-                for a in report.what_if
-            ],
-            "kernels": [
-                {
-                    "index": report.lines[c.position].index,
-                    "name": c.name,
-                    "summary": kernel_sentence(c),
-                    "kernels": [dict(to_jsonable(k), breaks=k.breaks, outcome=kernel_outcome(k)) for k in c.kernels],
-                }
-                for c in report.kernels
-            ],
+            "what_if": [_what_if_json(a) for a in report.what_if],
+            "kernels": [_kernels_json(report, c) for c in report.kernels],
             "settings": [to_jsonable(c) for c in report.settings],  # --what-if fa4: each grid over the calls
             "settings_refused": [{"grid": g, "calls": n, "why": why} for g, n, why in report.settings_refused],
         }
     )
+
+
+def _call_json(line, c: CallReport) -> dict[str, Any]:
+    """One call's line of the model report, its call's facts and its diagnosis."""
+    info = c.call
+    return {
+        "index": line.index,
+        "rank": line.rank,
+        "name": line.name,
+        "module": line.module,
+        "kind": line.kind,
+        "file": info.file,
+        "forward": info.forward,
+        "shape": list(line.shape),
+        "dtype": info.dtype,
+        "softmax_dtype": info.softmax_dtype,
+        "is_causal": info.is_causal,
+        "scale": info.scale,
+        "enable_gqa": info.enable_gqa,
+        "has_qk": info.has_qk,
+        "cell": line.cell,
+        "max_logit": line.max_logit,
+        "score_mod": None
+        if line.score_mod is None
+        else {"name": line.score_mod, "max_logit_before": line.logit_before_mod},
+        "headroom": line.headroom,
+        "limit": _limit_json(line.limit),
+        "nan_rows": line.nan_rows,
+        "first_cause": line.first_cause,
+        "cause_heads": line.heads,
+        "max_abs_err": line.worst_err,
+        "verdict": line.verdict,
+        "errors": line.errors,
+        "heads": to_jsonable(c.heads),
+        "sinks": None if c.sinks is None else to_jsonable(c.sinks),
+        "largest_activations": None if c.activations is None else to_jsonable(c.activations.largest),
+        "error": c.error,
+        "device": info.meta.get("device"),  # where the call ran, as the capture recorded it
+        "capability": info.meta.get("capability"),
+        "sdpa_backend": info.meta.get("sdpa_backend"),
+        "path_note": c.path_note,
+        "what_if": None if c.what_if is None else diagnosis_json(c.what_if),
+        "backward": None
+        if line.grad_verdict is None
+        else {
+            "verdict": line.grad_verdict,
+            "nan_rows": line.grad_nan_rows,
+            "first_cause": line.grad_cause,
+            "grads": line.grad_which,
+            "scale_headroom": line.grad_headroom,
+            "headroom_at": line.grad_headroom_at,
+        },
+    }
+
+
+def _decode_json(r) -> dict[str, Any]:
+    """One run of decode steps (a module's calls one query at a time)."""
+    return {
+        "module": r.module,
+        "rank": r.rank,
+        "prefill": r.prefill,
+        "prefill_keys": r.prefill_keys,
+        "steps": len(r.steps),
+        "first_step": r.steps[0],
+        "last_step": r.steps[-1],
+        "queries": r.queries,
+        "keys_from": r.keys_from,
+        "keys_to": r.keys_to,
+        "causal": r.causal,
+        "masked": r.masked,
+        "bad": r.bad,
+    }
+
+
+def _rank_json(report: ModelReport, r) -> dict[str, Any]:
+    """One rank's totals and its first bad call."""
+    return {
+        "rank": r.rank,
+        "calls": r.calls,
+        "errors": r.errors,
+        "warnings": r.warnings,
+        "complete": r.complete,
+        "first_bad": None if r.first_bad is None else _first_json(report.lines[r.first_bad]),
+    }
+
+
+def _what_if_json(a) -> dict[str, Any]:
+    """One what-if cell over the calls."""
+    return {
+        "cell": a.cell,
+        "calls": a.calls,
+        "bad_calls": a.bad_calls,
+        "verdict": a.verdict,
+        "nan_rows": a.nan_rows,
+        "max_abs_err": a.worst_err,
+        "headroom": a.headroom,
+        "limit": _limit_json(a.limit),
+        "findings": a.findings,
+        "first_bad": None if a.first is None else _first_json(a.first),
+    }
+
+
+def _kernels_json(report: ModelReport, c) -> dict[str, Any]:
+    """One call's kernels replayed (--what-if kernels)."""
+    return {
+        "index": report.lines[c.position].index,
+        "name": c.name,
+        "summary": kernel_sentence(c),
+        "kernels": [dict(to_jsonable(k), breaks=k.breaks, outcome=kernel_outcome(k)) for k in c.kernels],
+    }
 
 
 def _limit_json(limit) -> dict[str, Any] | None:

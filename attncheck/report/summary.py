@@ -111,30 +111,7 @@ def model_summary(report: ModelReport, calls: list[CallReport], device: str) -> 
     for name, why in report.skipped[:1]:
         more = f" (and {len(report.skipped) - 1} more)" if len(report.skipped) > 1 else ""
         parts.append(_line("skipped", f"{name}: {why}{more}", style="yellow"))
-    root, first = None, None
-    if report.first_bad is not None:
-        first = report.first_bad
-        line = report.lines[first]
-        said = f"#{line.index} {_name(line)} ({line.cell or line.kind}): {_cause_text(line)}"
-        parts.append(_line("first bad call", said, style="bold red"))
-        diag = calls[first].diagnosis
-        root = root_finding(diag.findings if diag is not None else [], line.first_cause, line.errors)
-    elif report.findings and not any(f.severity in ("error", "warning") for d in diags for f in d.findings):
-        root = report.findings[0]  # the capture's own (capture_incomplete): no call says more
-    elif errors or warnings:  # findings without a broken row: the first call holding the worst of them
-        worst = "error" if errors else "warning"
-        first = next(
-            i
-            for i, c in enumerate(calls)
-            if c.diagnosis is not None and any(f.severity == worst for f in c.diagnosis.findings)
-        )
-        line = report.lines[first]
-        root = next(f for f in calls[first].diagnosis.findings if f.severity == worst)
-        parts.append(
-            _line(
-                f"first {worst}", f"#{line.index} {_name(line)} ({line.cell or line.kind})", style=SEVERITY_STYLE[worst]
-            )
-        )
+    root, first = _first_bad(report, calls, diags, errors, warnings, parts)
     if root is not None:
         parts.append(diagnostic(root.severity, root.code, root.message, None, root.fix, max_lines=PART_LINES))
     named = {root.code} if root is not None else set()
@@ -163,6 +140,58 @@ def model_summary(report: ModelReport, calls: list[CallReport], device: str) -> 
         named |= set(codes)
         said = f"first call whose gradients go wrong: #{g.index} {_name(g)}: {what}"
         parts.append(_line("backward", said, style="bold red"))
+    others = _others(report, calls, named, first)
+    if others:
+        parts.append(_line("also", _codes_line(others)))
+    if root is None:
+        infos: dict[str, int] = {}
+        for d in diags:
+            for code in dict.fromkeys(f.code for f in d.findings if f.severity == "info"):
+                infos[code] = infos.get(code, 0) + 1
+        if infos:
+            said = ", ".join(f"{code} ({_plural(n, 'call')})" for code, n in list(infos.items())[:NAMED])
+            parts.append(_line("info", said + (", ..." if len(infos) > NAMED else "")))
+    _what_if_line(report, parts)
+    if root is not None:
+        glob = _detail_glob(report.lines[first]) if first is not None and len(report.lines) > 1 else None
+        hint = _hint(root.code, glob)
+        if hint is not None:
+            parts.append(hint)
+    return Group(*parts)
+
+
+def _first_bad(report: ModelReport, calls: list[CallReport], diags, errors: int, warnings: int, parts: list) -> tuple:
+    """The finding at the root of what goes wrong and the call it is in: (root or None, the call's position or
+    None); the first bad call's line (or the first holding the worst finding) added to ``parts``."""
+    root, first = None, None
+    if report.first_bad is not None:
+        first = report.first_bad
+        line = report.lines[first]
+        said = f"#{line.index} {_name(line)} ({line.cell or line.kind}): {_cause_text(line)}"
+        parts.append(_line("first bad call", said, style="bold red"))
+        diag = calls[first].diagnosis
+        root = root_finding(diag.findings if diag is not None else [], line.first_cause, line.errors)
+    elif report.findings and not any(f.severity in ("error", "warning") for d in diags for f in d.findings):
+        root = report.findings[0]  # the capture's own (capture_incomplete): no call says more
+    elif errors or warnings:  # findings without a broken row: the first call holding the worst of them
+        worst = "error" if errors else "warning"
+        first = next(
+            i
+            for i, c in enumerate(calls)
+            if c.diagnosis is not None and any(f.severity == worst for f in c.diagnosis.findings)
+        )
+        line = report.lines[first]
+        root = next(f for f in calls[first].diagnosis.findings if f.severity == worst)
+        parts.append(
+            _line(
+                f"first {worst}", f"#{line.index} {_name(line)} ({line.cell or line.kind})", style=SEVERITY_STYLE[worst]
+            )
+        )
+    return root, first
+
+
+def _others(report: ModelReport, calls: list[CallReport], named: set, first) -> dict[str, str]:
+    """Codes not named above, each with its worst severity."""
     # Other codes worth a look: the errors of the first bad call are its own breakage, which its first
     # cause explains (an inf_input beside qk_overflow is the same +inf); warnings anywhere, and errors
     # of calls the lines above do not name.
@@ -176,16 +205,11 @@ def model_summary(report: ModelReport, calls: list[CallReport], device: str) -> 
     for f in report.findings:  # the capture's own (capture_incomplete)
         if f.code not in named and SEVERITY_ORDER[f.severity] < SEVERITY_ORDER[others.get(f.code, "info")]:
             others[f.code] = f.severity
-    if others:
-        parts.append(_line("also", _codes_line(others)))
-    if root is None:
-        infos: dict[str, int] = {}
-        for d in diags:
-            for code in dict.fromkeys(f.code for f in d.findings if f.severity == "info"):
-                infos[code] = infos.get(code, 0) + 1
-        if infos:
-            said = ", ".join(f"{code} ({_plural(n, 'call')})" for code, n in list(infos.items())[:NAMED])
-            parts.append(_line("info", said + (", ..." if len(infos) > NAMED else "")))
+    return others
+
+
+def _what_if_line(report: ModelReport, parts: list) -> None:
+    """The what-if cells asked in one line (not counted), added to ``parts``."""
     if report.what_if:
         broken = [a for a in report.what_if if a.bad_calls]
         if broken:
@@ -196,12 +220,6 @@ def model_summary(report: ModelReport, calls: list[CallReport], device: str) -> 
         else:
             text = f"none of the {_plural(len(report.what_if), 'cell')} asked would break"
         parts.append(_line("what-if", text + " (not counted)"))
-    if root is not None:
-        glob = _detail_glob(report.lines[first]) if first is not None and len(report.lines) > 1 else None
-        hint = _hint(root.code, glob)
-        if hint is not None:
-            parts.append(hint)
-    return Group(*parts)
 
 
 def _detail_glob(line: ModelLine) -> str:

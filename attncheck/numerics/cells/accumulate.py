@@ -401,6 +401,17 @@ class CellAcc:
         m = metrics
         nan_row = ~finite(m.pmax)
         zero_row = m.pmax == 0
+        self._count_broken(c, events, causes, nan_row, zero_row, extremes, counts)
+        if pcast is not None:
+            self._count_pcast(pcast, algo, ~nan_row)
+        ok = ~nan_row & c.ref_ok  # (r,) rows where both are defined
+        n_ok = count(ok)
+        if not n_ok:
+            return
+        self._add_errors(c, probs, algo, m, ok, n_ok, keys)
+
+    def _count_broken(self, c: ChunkFacts, events, causes, nan_row, zero_row, extremes, counts) -> None:
+        """The chunk's NaN and all-zero rows by their first cause (per head too), and the method's row events."""
         # pipeline order; a backward hazard breaks no forward row
         row_causes = causes + [(name, events[name]) for name in EVENTS if name in events and EVENTS[name] != "backward"]
         overflow = event_rows(events, "overflow", nan_row.shape, nan_row.device)
@@ -435,12 +446,9 @@ class CellAcc:
                 if counts and name in counts:  # the values hit, over the event's rows
                     self.event_counts[name] = self.event_counts.get(name, 0) + int(counts[name].sum())
 
-        if pcast is not None:
-            self._count_pcast(pcast, algo, ~nan_row)
-        ok = ~nan_row & c.ref_ok  # (r,) rows where both are defined
-        n_ok = count(ok)
-        if not n_ok:
-            return
+    def _add_errors(self, c: ChunkFacts, probs, algo: AlgoReference, m: RowMetrics, ok, n_ok: int, keys: int) -> None:
+        """The error statistics of the rows both sides define (``ok``): squared and largest errors, KL, flushed
+        probabilities and the flips of the top key."""
         self.compared += n_ok
         self.elems += n_ok * keys
         every = n_ok == ok.numel()  # the common case: no row to leave out, no boolean indexing (a copy each)

@@ -23,6 +23,7 @@ from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, s
 from attncheck.numerics.backends.torch_rows import TorchRows
 from attncheck.numerics.bounded import diagnose_bounded
 from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc, HeadMax
+from attncheck.numerics.cells.limits import cell_limit
 from attncheck.numerics.cells.plan import CellKey, grid, stages
 from attncheck.numerics.methods.softmax import Buffers, MethodParams
 from attncheck.numerics.precision import (
@@ -30,16 +31,13 @@ from attncheck.numerics.precision import (
     check_scores_dtype,
     dtype_from_name,
     dtype_label,
-    exp_overflow_threshold,
-    exp_underflow_threshold,
     limits_of,
-    rounding_limit,
 )
 from attncheck.numerics.reduce import any_true, count, row_counts
 from attncheck.numerics.sinks import KeyShareAcc, visible_keys
 from attncheck.options import Options, chunk_elements_for, rows_per_chunk  # noqa: F401  (part of this module's API)
-from attncheck.registry import METHODS, PATHS, fp8_names, resolve
-from attncheck.results import ASKED, CellLimit, TensorDiagnosis
+from attncheck.registry import METHODS, PATHS, fp8_names
+from attncheck.results import ASKED, TensorDiagnosis
 from attncheck.sources import TensorSource, memory_source
 
 if TYPE_CHECKING:
@@ -135,15 +133,7 @@ def diagnose_chunks(
     plan = cells if cells is not None else grid(options, qk)
     if not plan:
         raise AttncheckError(_no_cell(options, qk))
-    fp8 = set(fp8_names())
-    # headroom per dtype: the scores each dtype's cells hold (given scores cast; eager's S)
-    census = CensusAcc(
-        tuple(
-            dict.fromkeys(
-                c.dtype for c in plan if c.dtype not in fp8 and (not qk or PATHS.get(c.path).scores == "dtype")
-            )
-        )
-    )
+    census = _census(plan, qk)
     dist = DistAcc(options.collapse_threshold)
     heads = tuple(shape[:-2]) if len(shape) >= 3 else ()  # (batch, heads, ...) of (..., queries, keys)
     queries = shape[-2] if heads else 1
@@ -164,6 +154,52 @@ def diagnose_chunks(
         buffers=None if qk else Buffers(),
         fa4=options.fa4,
     )
+    start = _feed(
+        chunks, plan, qk, device, options, accs, census, dist, head_max, shares, backend, plain, method_params, progress
+    )
+    if start != rows:
+        raise AttncheckError(f"{name}: got {start} rows, expected {rows} for shape {shape}")
+
+    census_result = census.finish(shape, dtype_label(dtype), rows)
+    result_cells = _finish_cells(plan, accs, lead, method_params, options, dtype, census_result, census, attention)
+    result = TensorDiagnosis(
+        name=name,
+        shape=shape,
+        dtype=dtype_label(dtype),
+        census=census_result,
+        distribution=dist.finish(),
+        cells=result_cells,
+        findings=[],
+        settings=settings_of(options),
+        attention=attention,
+        # fp32's too: the kernels' exps and statistics are fp32 whatever the cell's dtype (the kernel hazards' limits)
+        limits={d: limits_of(dtype_from_name(d)) for d in dict.fromkeys([*(k.dtype for k in plan), "fp32"])},
+        backend=backend.name,
+        head_max_logits=head_max.values(),
+        key_shares=shares.finish(),
+    )
+    return result
+
+
+def _census(plan, qk: bool) -> CensusAcc:
+    """The census's accumulator, with the dtypes whose headroom it measures."""
+    fp8 = set(fp8_names())
+    # headroom per dtype: the scores each dtype's cells hold (given scores cast; eager's S)
+    census = CensusAcc(
+        tuple(
+            dict.fromkeys(
+                c.dtype for c in plan if c.dtype not in fp8 and (not qk or PATHS.get(c.path).scores == "dtype")
+            )
+        )
+    )
+    return census
+
+
+def _feed(
+    chunks, plan, qk, device, options, accs, census, dist, head_max, shares, backend, plain, method_params, progress
+):
+    """Each chunk of rows into the accumulators: the census, distribution, head maxima and key shares, then each
+    stage's cells. Returns the rows fed."""
     start = 0
     shift = None
     for block in chunks:  # loop over row chunks, never over rows
@@ -191,10 +227,11 @@ def diagnose_chunks(
         if progress is not None:
             progress(c.x.shape[0])
         del c, x, block, out_ref  # free this chunk before the next one is read
-    if start != rows:
-        raise AttncheckError(f"{name}: got {start} rows, expected {rows} for shape {shape}")
+    return start
 
-    census_result = census.finish(shape, dtype_label(dtype), rows)
+
+def _finish_cells(plan, accs, lead, method_params, options, dtype, census_result, census, attention) -> list:
+    """Each cell finished, with its limit (``cell_limit``) and, for a settings sweep, its setting."""
     result_cells = []
     for key in plan:
         cell = accs[key].finish(lead)
@@ -205,23 +242,7 @@ def diagnose_chunks(
             cell.variant = s.label
             cell.setting = dict(s.values, default=s.default, refused=s.refused)
         result_cells.append(cell)
-    result = TensorDiagnosis(
-        name=name,
-        shape=shape,
-        dtype=dtype_label(dtype),
-        census=census_result,
-        distribution=dist.finish(),
-        cells=result_cells,
-        findings=[],
-        settings=settings_of(options),
-        attention=attention,
-        # fp32's too: the kernels' exps and statistics are fp32 whatever the cell's dtype (the kernel hazards' limits)
-        limits={d: limits_of(dtype_from_name(d)) for d in dict.fromkeys([*(k.dtype for k in plan), "fp32"])},
-        backend=backend.name,
-        head_max_logits=head_max.values(),
-        key_shares=shares.finish(),
-    )
-    return result
+    return result_cells
 
 
 def settings_of(options: Options) -> dict:
@@ -371,83 +392,6 @@ def _path_stage(
                 acc.update_companion(name, o, out_ref[0])
         if out.accum is not None:
             acc.accum, acc.accum_keys = out.accum, pb.scores.shape[-1]
-
-
-def cell_limit(
-    key: CellKey,
-    input_dtype: torch.dtype,
-    census,
-    spread: float | None,
-    audit,
-    p_scale: float,
-    params: MethodParams | None = None,
-) -> CellLimit | None:
-    """The first failure ``key``'s cell can have from finite inputs, and how far this input is from it:
-
-    - naive (any path): exp of the largest logit overflows the dtype (``exp_overflow_threshold``);
-    - the eager path's other methods: S = Q@K^T, rounded to the dtype before the scale, passes the
-      dtype's rounding limit (the scale applied to q first: q.k times the scale);
-    - flash (S = Q@K^T in fp32, then the scale) and sdpa-math (q and k each times sqrt(scale)):
-      S passes fp32's rounding limit;
-    - FP8 cells: the P cast flushes keys more than ln(S) - exp_underflow(format) below the running
-      max: the threshold against the largest spread of a row (its max minus its smallest unmasked score);
-    - given scores in a dtype narrower than the input's: the cast of the largest score to inf;
-      otherwise (torch, stable or tiled on scores the dtype holds) nothing fails: None.
-
-    Thresholds come from ``torch.finfo`` (``precision``); the quantities from the census and the audit.
-    """
-    d = key.dtype
-    dt = dtype_from_name(d)
-    spec = PATHS.get(key.path) if key.path is not None else None
-    # the kernel's own arithmetic breaks first (FlashAttention-4's lazy rescale: P's growth; the fused exponent of
-    # fa2-fma and fa3 in 16 bits); None: not in this dtype
-    own = (
-        None
-        if spec is None or spec.limit is None or audit is None
-        else resolve(spec.limit)(dt, params or MethodParams())
-    )
-    if own is not None:
-        kind, threshold, what, *bound = own
-        return CellLimit(kind, threshold, bound[0] if bound else audit.raw_max_abs * audit.scale, what)
-    if d in fp8_names():
-        threshold = math.log(p_scale) - exp_underflow_threshold(dt)
-        return CellLimit(
-            "p_cast_flush",
-            threshold,
-            spread,
-            f"the {d} P cast (S = {p_scale:g}) flushes keys more than {threshold:.4g} below the running max",
-        )
-    if key.method == "naive":
-        top = next((h for h in census.headroom if h.dtype == d), None)
-        value = census.max if top is None or top.headroom is None else top.exp_overflow_threshold - top.headroom
-        return CellLimit(
-            "exp_overflow",
-            exp_overflow_threshold(dt),
-            value,
-            f"exp(x) = inf in {d} for x > {exp_overflow_threshold(dt):.4g}",
-        )
-    if key.path is not None and audit is not None:
-        raw = audit.raw_max_abs
-        how = PATHS.get(key.path).scores
-        if how == "dtype":
-            value = raw * audit.scale if audit.scale_order == "q" else raw
-            return CellLimit(
-                "qk_overflow",
-                rounding_limit(dt),
-                value,
-                f"S = Q@K^T in {d} rounds to inf at |S| >= {rounding_limit(dt):.6g}",
-            )
-        s32 = rounding_limit(torch.float32)
-        value = raw * audit.scale if how == "fp32-split" else raw
-        return CellLimit("qk_overflow", s32, value, f"S = Q@K^T in fp32 rounds to inf at |S| >= {s32:.6g}")
-    if key.path is None and rounding_limit(dt) < rounding_limit(input_dtype):
-        return CellLimit(
-            "cast_overflow",
-            rounding_limit(dt),
-            census.max,
-            f"scores cast to {d} round to inf at |x| >= {rounding_limit(dt):.6g}",
-        )
-    return None
 
 
 def _tied_rows(s: torch.Tensor) -> torch.Tensor:
