@@ -16,6 +16,7 @@ import transformers
 parser = argparse.ArgumentParser()
 parser.add_argument("--sinks", type=float, default=None, help="set every head's sink logit to this value")
 parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+parser.add_argument("scratch", nargs="?", help="a scratch directory, as every example takes one (unused here)")
 args = parser.parse_args()
 
 torch.manual_seed(0)
