@@ -18,7 +18,22 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_long_finds_every_planted_fault(tmp_path):
     pytest.importorskip("transformers")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    argv = ["--seq", "512", "--layers", "2", "--budget", "2", "--long", "2048", "--long-budget", "2", "--out", tmp_path]
+    # budgets far below any call's time: every call is sampled however fast the machine (2 s once let a quiet CI
+    # machine compute every row, and nothing was sampled)
+    argv = [
+        "--seq",
+        "512",
+        "--layers",
+        "2",
+        "--budget",
+        "0.01",
+        "--long",
+        "2048",
+        "--long-budget",
+        "0.01",
+        "--out",
+        tmp_path,
+    ]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_long.py"), *map(str, argv)],
         env=env,
