@@ -2,7 +2,7 @@
 ``--budget`` against the model's own forward, the exact mode beside it, and the planted faults found.
 
     python benchmarks/bench_long.py [--seq 16384] [--layers 4] [--long 65536] [--long-heads 4] [--budget 60]
-        [--long-budget 150] [--max-memory 8GiB] [--exact] [--out DIR] [--skip-model] [--skip-long]
+        [--long-budget 150] [--max-memory 8GiB] [--exact] [--ranks 2] [--out DIR] [--skip-model] [--skip-long]
 
 Model: transformers' Llama from a config (random init): --layers layers, 16 heads over 4 kv heads, head dim
 128, hidden 2048, MLP 512, vocabulary 256, bf16, SDPA, one sequence of --seq tokens. Planted faults, through
@@ -13,7 +13,8 @@ their product, candle PR 3520), which the RoPE audit reports as ``rope_precision
 
 Timed (wall clock, this machine as loaded): the model's forward without capture; ``attncheck run CAPTURE
 --what-if fp16 --budget B`` (a subprocess, its peak resident memory from getrusage); with ``--exact`` the same
-command with every row (else its time is the sum of the calls' extrapolated exact times, said as an estimate).
+command with every row (else its time is the sum of the calls' extrapolated exact times, said as an estimate);
+with ``--ranks N`` the same command under ``torchrun --nproc-per-node N`` (issue 37: the 2-rank time).
 Then one causal call of --long-heads heads x --long tokens (head dim 128, bf16) as q, k, v dumps:
 ``attncheck run --q --k --v --causal --budget B``. Goals (issue 37): the capture's run within 10x the forward;
 the long call within 3 minutes on a 2-core CPU; peak memory within --max-memory plus the interpreter.
@@ -31,14 +32,17 @@ import tempfile
 import time
 
 
-def _run(argv: list[str]) -> tuple[float, float, dict, str]:
-    """(seconds, peak RSS in GiB, JSON report, stdout) of one attncheck command in a child process."""
+def _run(argv: list[str], prefix: list[str] | None = None) -> tuple[float, float, dict, str]:
+    """(seconds, peak RSS in GiB, JSON report, stdout) of one attncheck command in a child process (``prefix``:
+    the interpreter's arguments before ``attncheck``, ``["-m"]`` unless given, e.g. torchrun's)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         js = os.path.join(tmp, "report.json")
         proc = subprocess.run(
-            [sys.executable, "-m", "attncheck", *argv, "--quiet", "--json", js], capture_output=True, text=True
+            [sys.executable, *(prefix or ["-m"]), "attncheck", *argv, "--quiet", "--json", js],
+            capture_output=True,
+            text=True,
         )
         seconds = time.perf_counter() - t0
         if proc.returncode not in (0, 1) or not os.path.exists(js):
@@ -47,6 +51,25 @@ def _run(argv: list[str]) -> tuple[float, float, dict, str]:
             doc = json.load(f)
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB; the largest child so far
     return seconds, max(peak, before) / 2**20, doc, proc.stdout
+
+
+def _codes(doc: dict) -> list[tuple]:
+    """Every finding anywhere in a report as (code, severity), sorted: what two runs must agree on (their sampled
+    figures may differ, a budget in seconds sampling as many rows as the time allows)."""
+    found = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            if "code" in x and "severity" in x:
+                found.append((x["code"], x["severity"]))
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(doc)
+    return sorted(found)
 
 
 def _diagnoses(doc: dict) -> list[dict]:
@@ -127,6 +150,17 @@ def model_part(args, out: str) -> dict:
     diags = _diagnoses(doc)
     estimated = sum((d.get("sampling") or {}).get("estimated_exact_s") or 0 for d in diags)
     exact = _run(argv)[0] if args.exact else None
+    ranks = None
+    if args.ranks > 1:  # the same command split over torchrun's ranks (the agent's start and rendezvous included)
+        torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks), "-m"]
+        ranks_s, ranks_peak, ranks_doc, _ = _run([*argv, "--budget", str(args.budget)], prefix=torchrun)
+        ranks = {
+            "ranks": args.ranks,
+            "run_budget_s": round(ranks_s, 2),
+            "ratio_to_forward": round(ranks_s / forward, 1),
+            "peak_rss_gib_one_rank": round(ranks_peak, 2),
+            "same_findings": _codes(ranks_doc) == _codes(doc),
+        }
     found_overflow = any(
         c.get("dtype") == "fp16" and (c.get("nan_causes") or {}).get("qk_overflow") for d in diags for c in d["cells"]
     )
@@ -145,6 +179,7 @@ def model_part(args, out: str) -> dict:
         "planted_rope_bf16_found": None if args.no_rope else "rope_precision" in json.dumps(doc),
         "sampled_calls": sum(1 for d in diags if d.get("sampling")),
         "calls": len(diags),
+        "torchrun": ranks,
     }
 
 
@@ -187,6 +222,7 @@ def main() -> None:
     ap.add_argument("--long-dtypes", default="bf16", help="--dtype of the long call (fp16's naive softmax: see docs)")
     ap.add_argument("--max-memory", default="8GiB")
     ap.add_argument("--exact", action="store_true", help="also time the exact run of the capture")
+    ap.add_argument("--ranks", type=int, default=1, help="also time the capture's run split over this many ranks")
     ap.add_argument("--no-rope", action="store_true", help="leave out the planted RoPE table in bf16")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--skip-long", action="store_true")
