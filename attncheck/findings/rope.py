@@ -3,9 +3,11 @@ bf16/fp16, inverse frequencies kept in bf16 after ``model.to(torch.bfloat16)``).
 
 from __future__ import annotations
 
+import math
+
 from attncheck.findings.base import Code, Example
 from attncheck.results import Finding
-from attncheck.results.rope import RopeTableCheck
+from attncheck.results.rope import RopeTableCheck, RopeVectorCheck
 
 # Radians. A correctly computed table is far inside it: fp32 angles cast to bf16 are off by at most about 0.004 rad
 # (cos and sin rounded to bf16) plus fp32's own rounding of p * inv_freq (about 0.01 rad at 128k positions, 0.06 at
@@ -88,16 +90,57 @@ def _where(check: RopeTableCheck) -> str:
     return f"rope table {check.index} ({check.dtype} {shape}{theta}; {len(check.calls)} call(s): {mods or 'global'})"
 
 
+def _vector_text(v: RopeVectorCheck) -> str:
+    """'rotated q goes wrong from position 104 (relative error up to 0.711 at position 295 in call #0: a turn of
+    0.726 rad; 101 positions past the tolerance)'."""
+    if v.max_relative_error is None:
+        return f"rotated {v.role}: no finite vector"
+    size = f"{v.max_relative_error:.3g}" if math.isfinite(v.max_relative_error) else "not finite"
+    worst = (
+        f"relative error up to {size} at position {v.max_error_position:,} in call #{v.max_error_call}: a turn of "
+        f"{v.max_angle:.3g} rad"
+    )
+    if v.first_affected is None:
+        return f"rotated {v.role} stays within the tolerance ({worst})"
+    return (
+        f"rotated {v.role} goes wrong from position {v.first_affected:,} ({worst}; {v.affected_positions:,} positions "
+        "past the tolerance)"
+    )
+
+
+def _qk_text(check: RopeTableCheck) -> str | None:
+    """What the table did to its calls' rotated q and k and to their scores (each vector against itself turned by the
+    exact angles, so the dtype's own rounding of q and k cancels)."""
+    qk = check.qk
+    if qk is None or (qk.q is None and qk.k is None):
+        return None
+    parts = [_vector_text(v) for v in (qk.q, qk.k) if v is not None]
+    if qk.score_error is not None:
+        i, j = qk.score_positions
+        bound = "" if qk.score_bound is None else f"; at most {qk.score_bound:.3g} for any pair"
+        parts.append(
+            f"scores q_i.k_j off by up to {qk.score_error:.3g} of |q_i||k_j| (query position {i:,}, key position "
+            f"{j:,}, over {qk.score_pairs:,} sampled pairs{bound})"
+        )
+    return "; ".join(parts)
+
+
+def _qk_affected(check: RopeTableCheck) -> bool:
+    qk = check.qk
+    return qk is not None and any(v is not None and v.first_affected is not None for v in (qk.q, qk.k))
+
+
 def rope_findings(checks: list[RopeTableCheck] | None) -> list[Finding]:
-    """rope_precision per table whose angles pass ROPE_ANGLE_TOLERANCE: an error where adjacent positions share a
-    row, else a warning."""
+    """rope_precision per table whose angles, or whose calls' rotated q and k, pass ROPE_ANGLE_TOLERANCE: an error
+    where adjacent positions share a row, else a warning."""
     out: list[Finding] = []
 
     def add(code: str, message: str, severity: str) -> None:
         out.append(Finding(code, severity, message, FIX[code]))
 
     for check in checks or ():
-        if not check.judged or check.first_affected is None and check.first_indistinct is None:
+        table_bad = check.first_affected is not None or check.first_indistinct is not None
+        if not check.judged or not (table_bad or _qk_affected(check)):
             continue
         parts = []
         if check.first_indistinct is not None:
@@ -115,9 +158,10 @@ def rope_findings(checks: list[RopeTableCheck] | None) -> list[Finding]:
                 f"angle error up to {check.max_angle_error:.3g} rad (position {check.max_error_position:,}, frequency "
                 f"{check.max_error_frequency})"
             )
+        parts.append(_qk_text(check))
         if check.fp32_recipe_error is not None:
             parts.append(f"computed in fp32 and cast to {check.dtype} it is off by {check.fp32_recipe_error:.2g} rad")
         assumed = "; positions assumed 0 .. T-1" if check.positions_from == "assumed" else ""
         severity = "error" if check.first_indistinct is not None else SEVERITY["rope_precision"]
-        add("rope_precision", f"{_where(check)}: " + "; ".join(parts) + assumed, severity)
+        add("rope_precision", f"{_where(check)}: " + "; ".join(p for p in parts if p) + assumed, severity)
     return out
