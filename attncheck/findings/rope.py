@@ -1,5 +1,6 @@
 """Rotary position embeddings: a recorded cos/sin table whose angles are not its positions' (a table computed in
-bf16/fp16, inverse frequencies kept in bf16 after ``model.to(torch.bfloat16)``)."""
+bf16/fp16, inverse frequencies kept in bf16 after ``model.to(torch.bfloat16)``), and what it did to the calls' rotated
+q and k and their scores."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ CODES: tuple[Code, ...] = (
         "rope_precision",
         "warning",
         "rope",
-        "the rotary table's angles are not its positions' (positions or frequencies rounded)",
+        "the rotary table's angles, or the rotated q and k, are not their positions' (positions or frequencies "
+        "rounded)",
         "RoPE rotates each pair of q and k entries at position p by p x theta^(-2j/d). When the positions, the "
         "inverse frequencies or their product are held in bf16 or fp16 (a table computed in the activations' dtype, "
         "or inv_freq cast by model.to(bfloat16)), the angle is that of a rounded position: bf16 holds integers "
@@ -27,11 +29,18 @@ CODES: tuple[Code, ...] = (
         "none beyond 65,504. The model then sees far positions as near ones and answers worse at long range. The "
         "finding names the first position affected, the first position whose table row repeats the one before "
         "(the dtype no longer tells them apart), the largest angle error and what the same table computed in fp32 "
-        "and cast to its dtype would be off by.",
+        "and cast to its dtype would be off by. It then says what the table did to the calls' rotated q and k: "
+        "each recorded vector is unrotated in float64 with the table as recorded and turned by the exact angles; "
+        "the difference is the table's error as that vector meets it (the dtype's own rounding of q and k cancels "
+        "in it), reported as the first position from which q (and k) go wrong, the largest relative error with "
+        "the angle that alone would cause it, and the error of the scores q_i.k_j relative to |q_i||k_j| over a "
+        "sample of pairs (keys at or before their query) beside the bound e_q + e_k + e_q e_k for every pair. A "
+        "vector mixes all frequencies, so it goes wrong later than the table's worst frequency.",
         f"An angle error above ROPE_ANGLE_TOLERANCE = {ROPE_ANGLE_TOLERANCE} rad against float64 cos and sin of the "
         "recorded positions (position_ids) and theta^(-2j/d) (theta from the model's config, else fitted from "
-        "position 1); an error where a position's row repeats its predecessor's. A default RoPE table only "
-        "(rope_type default).",
+        "position 1), or a rotated q or k off by more than a turn by that angle would put it (relative error "
+        "2 sin(ROPE_ANGLE_TOLERANCE / 2), about 0.05, over the head dim, max over batch and heads); an error where a "
+        "position's row repeats its predecessor's. A default RoPE table only (rope_type default).",
         "compute the inverse frequencies, the positions and their product in fp32 (transformers: position_ids.float() "
         "@ inv_freq with autocast off), cast only cos and sin to the activations' dtype; keep inv_freq in fp32 after "
         "model.to(bfloat16) (or load with dtype=torch.bfloat16); at long context rotate q and k in fp32",
