@@ -61,6 +61,8 @@ class _Recipe:
     ce: torch.Tensor  # (Bt, T, r/2) float64: cos of the exact angles
     se: torch.Tensor
     bad: torch.Tensor  # (Bt, T) bool: a row not finite or zero, no rotation at all
+    gap: torch.Tensor  # (Bt, T, r/2): |x_rec - x_ref|^2 of a pair over its |x_rec|^2 (the same for every pair)
+    gain: torch.Tensor  # (Bt, T, r/2): |x_ref|^2 of a pair over its |x_rec|^2
 
 
 @dataclass
@@ -119,8 +121,14 @@ class RotatedQK:
             return
         angles = pos.to(torch.float64)[..., None] * inverse_frequencies(theta, r)  # (Bt, T, r/2)
         finite = torch.isfinite(cf).all(-1) & torch.isfinite(sf).all(-1)
-        bad = ~finite | ((cf * cf + sf * sf) == 0).any(-1)
-        self.recipe = _Recipe(layout, r, pos, cf, sf, angles.cos(), angles.sin(), bad)
+        m = cf * cf + sf * sf  # the recorded row's squared length: 1 but for its rounding
+        bad = ~finite | (m == 0).any(-1)
+        ce, se = angles.cos(), angles.sin()
+        # R_ex R_rec^-1 = [[al, -be], [be, al]] on each pair (a turn by the angle error, scaled by 1 / |row|):
+        # x_rec - x_ref = [[1 - al, be], [-be, 1 - al]] x_rec, whose length is sqrt((1 - al)^2 + be^2) |x_rec|
+        al, be = (cf * ce + sf * se) / m, (cf * se - sf * ce) / m
+        gap, gain = (1 - al) ** 2 + be**2, al**2 + be**2
+        self.recipe = _Recipe(layout, r, pos, cf, sf, ce, se, bad, gap, gain)
         self.roles = {role: _Role(torch.full((bt, t), -math.inf, dtype=torch.float64)) for role in ("q", "k")}
 
     def skip(self, reason: str, call: int) -> None:
@@ -174,7 +182,7 @@ class RotatedQK:
         rec = self.recipe
         c, s, ce, se = (v[:, sel][:, None] for v in (rec.c, rec.s, rec.ce, rec.se))  # (Bt, 1, t, r/2)
         a, b = _pairs(x, rec.layout, rec.rotary)
-        m = c * c + s * s  # the recorded row's squared length: 1 but for its rounding
+        m = c * c + s * s
         u, v = (a * c + b * s) / m, (b * c - a * s) / m
         return _joined(u * ce - v * se, v * ce + u * se, x[..., rec.rotary :], rec.layout)
 
@@ -188,9 +196,11 @@ class RotatedQK:
         for lo in range(0, t, step):
             hi = min(t, lo + step)
             xs = x[:, :, lo:hi].detach().to("cpu", torch.float64)
-            diff = xs - self._reference(xs, slice(lo, hi))
-            e = diff.norm(dim=-1) / (xs - diff).norm(dim=-1)  # (B, H, t): x_ref = x_rec - diff
-            e = torch.where(diff.norm(dim=-1) == 0, torch.zeros((), dtype=e.dtype), e)
+            a, pair = _pairs(xs, rec.layout, rec.rotary)
+            energy = a * a + pair * pair  # (B, H, t, r/2): each pair's |x_rec|^2, all its error depends on
+            gap = (energy * rec.gap[:, None, lo:hi]).sum(dim=-1)
+            ref = (energy * rec.gain[:, None, lo:hi]).sum(dim=-1) + (xs[..., rec.rotary :] ** 2).sum(dim=-1)
+            e = torch.where(gap == 0, torch.zeros((), dtype=gap.dtype), (gap / ref).sqrt())  # (B, H, t)
             finite = torch.isfinite(xs).all(dim=-1)
             bad = rec.bad[:, None, lo:hi].expand_as(e)
             left_out = ~finite & ~bad  # NaN or inf in the model's own q: the diagnosis reports it, not RoPE
