@@ -264,3 +264,24 @@ def test_a_bf16_model_with_its_table_from_fp32_is_clean(tmp_path):
     for v in (check.qk.q, check.qk.k):
         assert v.dtype == "bf16" and v.first_affected is None and v.max_relative_error < v.rounding == 2.0**-8
     assert rope_findings([check]) == []
+
+
+def test_decode_steps_judge_the_keys_new_at_their_positions(tmp_path):
+    """A decode step stored by its new rows: its k_tail holds the keys rotated by its own table (position 20, then
+    21), judged; diagnosed as it runs, a step's k holds the cached keys too, rotated by earlier tables, and is left
+    out with that reason."""
+    model = llama()
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), attncheck.capture(tmp_path / "cap"):
+        model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    doc = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert [sorted(c["tensors"]) for c in doc["calls"][1:]] == [["k_tail", "q", "v_tail"]] * 2
+    checks = capture_rope_checks([tmp_path / "cap"])
+    assert [(c.first_position, c.qk.calls, c.qk.note) for c in checks] == [(0, 1, None), (20, 1, None), (21, 1, None)]
+    heads = [c["tensors"]["k_tail"]["shape"][1] for c in doc["calls"][1:]]
+    assert [c.qk.k.vectors for c in checks[1:]] == heads  # one new key per head at each step
+    with torch.no_grad(), attncheck.capture(diagnose=True) as cap:
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    step = cap.result.model.capture["rope"][1].qk
+    assert step.calls == 1 and step.k is None
+    assert step.note == "k not judged: k holds 21 positions and the table 1 (keys of a KV cache) (call #1)"
