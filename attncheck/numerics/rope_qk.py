@@ -9,10 +9,13 @@ gives x_ref = R_ex u. Then
     x_rec - x_ref = (R_rec - R_ex) x + (I - R_ex R_rec^-1) r:
 
 the table's error as this very vector meets it (each pair of entries weighted by its share of the vector), plus a
-second-order term. The dtype's rounding r cancels to within |R_rec - R_ex| |r|, so a healthy bf16 model's own
-rounding of q and k (an ulp of bf16) is not counted as RoPE error: a table computed right (fp32 angles, cos and sin
-cast to bf16) shows its cast alone, about 2^-9 of the vector. What this cannot see is a rotation that did not apply
-the table it was passed (a kernel computing other angles): that needs the unrotated q and k, which are not recorded.
+second-order term. On a pair, R_ex R_rec^-1 is a turn by the pair's angle error scaled by 1 / |recorded row|, so the
+error depends on the vector only through the lengths of its pairs: a vector the model did not rotate, or paired
+otherwise, still reads the table's error and nothing else. The dtype's rounding r cancels to within
+|R_rec - R_ex| |r|, so a healthy bf16 model's own rounding of q and k (an ulp of bf16) is not counted as RoPE error:
+a table computed right (fp32 angles, cos and sin cast to bf16) shows its cast alone, about 2^-9 of the vector. What
+this cannot see is a rotation that did not apply the table it was passed (a kernel computing other angles): that
+needs the unrotated q and k, which are not recorded.
 
 Layouts: transformers' ``rotate_half`` pairs entry j with j + r/2 (cos and sin repeat their frequencies in both
 halves); the interleaved layout (GPT-J's ``rotate_every_two``) pairs 2j with 2j + 1. A table narrower than the head
