@@ -178,3 +178,15 @@ def test_the_finding_names_the_first_position_of_the_rotated_q_and_k():
     assert finding.severity == "warning"
     assert "rotated q goes wrong from position 12 (relative error up to 0.1 at position" in finding.message
     assert "rotated k goes wrong from position 12" in finding.message
+
+
+def test_a_vector_the_model_did_not_turn_reads_the_tables_error_alone():
+    """The error depends on a vector only through its pairs' lengths: q never rotated reads nothing against an exact
+    table, and 2 sin(d/2) against one whose every angle is off by d, as a rotated q would."""
+    pos = torch.arange(40)
+    q = draw(1, 2, 40, 16)
+    cos, sin = table_of(angles_of(pos, 16))
+    assert check(cos, sin, pos[None], q, None).q.max_relative_error < 1e-12
+    cos, sin = table_of(angles_of(pos, 16) + 0.3)
+    found = check(cos, sin, pos[None], q, None).q
+    assert found.max_relative_error == pytest.approx(2 * math.sin(0.15), rel=1e-12) and found.first_affected == 0
