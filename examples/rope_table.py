@@ -4,7 +4,9 @@ A 1-layer Llama built from its config (random weights, nothing downloaded) reads
 ``--bf16-table`` its rotary embedding computes the positions and inverse frequencies in bf16 before
 the product, as candle's qwen2 did before huggingface/candle PR 3520: bf16 holds integers exactly
 only up to 256, so from position 257 on neighbouring positions share one row of the table. Without
-the flag the model computes the table as transformers does (fp32, then cast).
+the flag the model computes the table as transformers does (fp32, then cast). With ``--bf16-weights``
+the model is loaded in bf16 with ``dtype=`` (its ``inv_freq`` and angles stay fp32, cos and sin are
+cast to bf16, q and k are bf16): a healthy bf16 model.
 
     attncheck capture --out rope-bf16 -- examples/rope_table.py --bf16-table
 """
@@ -24,7 +26,8 @@ config = transformers.LlamaConfig(
     vocab_size=64,
     max_position_embeddings=4096,
 )
-model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+dtype = torch.bfloat16 if "--bf16-weights" in sys.argv[1:] else torch.float32
+model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
 
 if "--bf16-table" in sys.argv[1:]:
     rope = model.model.rotary_emb

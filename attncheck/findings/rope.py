@@ -1,11 +1,14 @@
 """Rotary position embeddings: a recorded cos/sin table whose angles are not its positions' (a table computed in
-bf16/fp16, inverse frequencies kept in bf16 after ``model.to(torch.bfloat16)``)."""
+bf16/fp16, inverse frequencies kept in bf16 after ``model.to(torch.bfloat16)``), and what it did to the calls' rotated
+q and k and their scores."""
 
 from __future__ import annotations
 
+import math
+
 from attncheck.findings.base import Code, Example
 from attncheck.results import Finding
-from attncheck.results.rope import RopeTableCheck
+from attncheck.results.rope import RopeTableCheck, RopeVectorCheck
 
 # Radians. A correctly computed table is far inside it: fp32 angles cast to bf16 are off by at most about 0.004 rad
 # (cos and sin rounded to bf16) plus fp32's own rounding of p * inv_freq (about 0.01 rad at 128k positions, 0.06 at
@@ -17,7 +20,8 @@ CODES: tuple[Code, ...] = (
         "rope_precision",
         "warning",
         "rope",
-        "the rotary table's angles are not its positions' (positions or frequencies rounded)",
+        "the rotary table's angles, or the rotated q and k, are not their positions' (positions or frequencies "
+        "rounded)",
         "RoPE rotates each pair of q and k entries at position p by p x theta^(-2j/d). When the positions, the "
         "inverse frequencies or their product are held in bf16 or fp16 (a table computed in the activations' dtype, "
         "or inv_freq cast by model.to(bfloat16)), the angle is that of a rounded position: bf16 holds integers "
@@ -25,11 +29,18 @@ CODES: tuple[Code, ...] = (
         "none beyond 65,504. The model then sees far positions as near ones and answers worse at long range. The "
         "finding names the first position affected, the first position whose table row repeats the one before "
         "(the dtype no longer tells them apart), the largest angle error and what the same table computed in fp32 "
-        "and cast to its dtype would be off by.",
+        "and cast to its dtype would be off by. It then says what the table did to the calls' rotated q and k: "
+        "each recorded vector is unrotated in float64 with the table as recorded and turned by the exact angles; "
+        "the difference is the table's error as that vector meets it (the dtype's own rounding of q and k cancels "
+        "in it), reported as the first position from which q (and k) go wrong, the largest relative error with "
+        "the angle that alone would cause it, and the error of the scores q_i.k_j relative to |q_i||k_j| over a "
+        "sample of pairs (keys at or before their query) beside the bound e_q + e_k + e_q e_k for every pair. A "
+        "vector mixes all frequencies, so it goes wrong later than the table's worst frequency.",
         f"An angle error above ROPE_ANGLE_TOLERANCE = {ROPE_ANGLE_TOLERANCE} rad against float64 cos and sin of the "
         "recorded positions (position_ids) and theta^(-2j/d) (theta from the model's config, else fitted from "
-        "position 1); an error where a position's row repeats its predecessor's. A default RoPE table only "
-        "(rope_type default).",
+        "position 1), or a rotated q or k off by more than a turn by that angle would put it (relative error "
+        "2 sin(ROPE_ANGLE_TOLERANCE / 2), about 0.05, over the head dim, max over batch and heads); an error where a "
+        "position's row repeats its predecessor's. A default RoPE table only (rope_type default).",
         "compute the inverse frequencies, the positions and their product in fp32 (transformers: position_ids.float() "
         "@ inv_freq with autocast off), cast only cos and sin to the activations' dtype; keep inv_freq in fp32 after "
         "model.to(bfloat16) (or load with dtype=torch.bfloat16); at long context rotate q and k in fp32",
@@ -88,16 +99,57 @@ def _where(check: RopeTableCheck) -> str:
     return f"rope table {check.index} ({check.dtype} {shape}{theta}; {len(check.calls)} call(s): {mods or 'global'})"
 
 
+def _vector_text(v: RopeVectorCheck) -> str:
+    """'rotated q goes wrong from position 104 (relative error up to 0.711 at position 295 in call #0: a turn of
+    0.726 rad; 101 positions past the tolerance)'."""
+    if v.max_relative_error is None:
+        return f"rotated {v.role}: no finite vector"
+    size = f"{v.max_relative_error:.3g}" if math.isfinite(v.max_relative_error) else "not finite"
+    worst = (
+        f"relative error up to {size} at position {v.max_error_position:,} in call #{v.max_error_call}: a turn of "
+        f"{v.max_angle:.3g} rad"
+    )
+    if v.first_affected is None:
+        return f"rotated {v.role} stays within the tolerance ({worst})"
+    return (
+        f"rotated {v.role} goes wrong from position {v.first_affected:,} ({worst}; {v.affected_positions:,} positions "
+        "past the tolerance)"
+    )
+
+
+def _qk_text(check: RopeTableCheck) -> str | None:
+    """What the table did to its calls' rotated q and k and to their scores (each vector against itself turned by the
+    exact angles, so the dtype's own rounding of q and k cancels)."""
+    qk = check.qk
+    if qk is None or (qk.q is None and qk.k is None):
+        return None
+    parts = [_vector_text(v) for v in (qk.q, qk.k) if v is not None]
+    if qk.score_error is not None:
+        i, j = qk.score_positions
+        bound = "" if qk.score_bound is None else f"; at most {qk.score_bound:.3g} for any pair"
+        parts.append(
+            f"scores q_i.k_j off by up to {qk.score_error:.3g} of |q_i||k_j| (query position {i:,}, key position "
+            f"{j:,}, over {qk.score_pairs:,} sampled pairs{bound})"
+        )
+    return "; ".join(parts)
+
+
+def _qk_affected(check: RopeTableCheck) -> bool:
+    qk = check.qk
+    return qk is not None and any(v is not None and v.first_affected is not None for v in (qk.q, qk.k))
+
+
 def rope_findings(checks: list[RopeTableCheck] | None) -> list[Finding]:
-    """rope_precision per table whose angles pass ROPE_ANGLE_TOLERANCE: an error where adjacent positions share a
-    row, else a warning."""
+    """rope_precision per table whose angles, or whose calls' rotated q and k, pass ROPE_ANGLE_TOLERANCE: an error
+    where adjacent positions share a row, else a warning."""
     out: list[Finding] = []
 
     def add(code: str, message: str, severity: str) -> None:
         out.append(Finding(code, severity, message, FIX[code]))
 
     for check in checks or ():
-        if not check.judged or check.first_affected is None and check.first_indistinct is None:
+        table_bad = check.first_affected is not None or check.first_indistinct is not None
+        if not check.judged or not (table_bad or _qk_affected(check)):
             continue
         parts = []
         if check.first_indistinct is not None:
@@ -115,9 +167,10 @@ def rope_findings(checks: list[RopeTableCheck] | None) -> list[Finding]:
                 f"angle error up to {check.max_angle_error:.3g} rad (position {check.max_error_position:,}, frequency "
                 f"{check.max_error_frequency})"
             )
+        parts.append(_qk_text(check))
         if check.fp32_recipe_error is not None:
             parts.append(f"computed in fp32 and cast to {check.dtype} it is off by {check.fp32_recipe_error:.2g} rad")
         assumed = "; positions assumed 0 .. T-1" if check.positions_from == "assumed" else ""
         severity = "error" if check.first_indistinct is not None else SEVERITY["rope_precision"]
-        add("rope_precision", f"{_where(check)}: " + "; ".join(parts) + assumed, severity)
+        add("rope_precision", f"{_where(check)}: " + "; ".join(p for p in parts if p) + assumed, severity)
     return out

@@ -7,7 +7,7 @@ import os
 import re
 
 from attncheck.errors import AttncheckError
-from attncheck.loaders.capture_schema import Manifest
+from attncheck.loaders.capture_schema import Manifest, ManifestCall
 
 ROPE_FILE = re.compile(r"^rope-(\d{4,})\.safetensors$")
 ROPE_ROLES = ("cos", "sin", "positions")
@@ -15,6 +15,26 @@ ROPE_ROLES = ("cos", "sin", "positions")
 
 def rope_file_name(index: int) -> str:
     return f"rope-{index:04d}.safetensors"
+
+
+def read_call_qk(directory: str | os.PathLike[str], call: ManifestCall) -> tuple:
+    """(q, k) of a capture's call file as recorded (after the rotation; either None where the file holds none), for
+    the RoPE audit. A decode step stored by its new rows gives its ``k_tail``: the keys at this call's positions,
+    rotated by this call's table (its cached keys were rotated by earlier ones). A file that cannot be read is one
+    line naming it."""
+    from safetensors import safe_open
+
+    path = os.path.join(os.fspath(directory), call.file)  # a bare call-file name: checked by load_manifest
+    if os.path.islink(path) or not os.path.isfile(path):
+        raise AttncheckError(f"{path}: the call file the manifest lists is not a file of the capture")
+    try:
+        with safe_open(path, framework="pt") as f:
+            keys = set(f.keys())
+            q = f.get_tensor("q") if "q" in keys else None
+            k = next((f.get_tensor(key) for key in ("k", "k_tail") if key in keys), None)
+    except Exception as e:  # safetensors raises its own errors, OSError and others for a damaged file
+        raise AttncheckError(f"{path}: cannot read q and k ({type(e).__name__}: {e})") from None
+    return q, k
 
 
 def read_rope_tables(directory: str | os.PathLike[str], manifest: Manifest) -> list[dict]:

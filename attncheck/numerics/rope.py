@@ -283,13 +283,16 @@ def check_table(
 
 def table_checks(tables: list[dict], tolerance: float, what_if=()) -> list[RopeTableCheck]:
     """Each recorded table ({'index', 'cos', 'sin', 'positions', 'theta', 'rope_type', 'calls', 'modules'}, as
-    ``loaders.rope`` reads them) checked by ``check_table``."""
+    ``loaders.rope`` reads them) checked by ``check_table``; with its calls' rotated q and k where the table carries
+    them judged (``qk``: a ``numerics.rope_qk.RotatedQK``)."""
     out = []
     for table in tables:
         cos = table["cos"]
         found = check_table(
             cos, table["sin"], table["positions"], table["theta"], tolerance, table["rope_type"], what_if
         )
+        if table.get("qk") is not None:
+            found["qk"] = table["qk"].result(tolerance)
         out.append(
             RopeTableCheck(
                 index=table["index"],

@@ -28,8 +28,9 @@ def run_rope(config: RopeConfig, tick: Callable[[], None] | None = None) -> list
 
 def capture_rope_checks(paths, what_if=()) -> list[RopeTableCheck]:
     """The rotary tables of each capture directory among ``paths`` (a single process's; a torchrun capture's ranks
-    are not read), each against float64 (``numerics.rope.check_table``) at the tolerance ``rope_precision`` uses;
-    ``what_if``: dtypes to recompute each table in (--what-if rope:DTYPE)."""
+    are not read), each against float64 (``numerics.rope.check_table``) at the tolerance ``rope_precision`` uses,
+    with the rotated q and k of the calls under it (``numerics.rope_qk``); ``what_if``: dtypes to recompute each
+    table in (--what-if rope:DTYPE)."""
     from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
     from attncheck.loaders.manifest import is_capture_dir, load_manifest
     from attncheck.loaders.rope import read_rope_tables
@@ -38,5 +39,30 @@ def capture_rope_checks(paths, what_if=()) -> list[RopeTableCheck]:
     out: list[RopeTableCheck] = []
     for path in paths or ():
         if is_capture_dir(path):
-            out.extend(table_checks(read_rope_tables(path, load_manifest(path)), ROPE_ANGLE_TOLERANCE, what_if))
+            manifest = load_manifest(path)
+            tables = read_rope_tables(path, manifest)
+            for table in tables:
+                table["qk"] = rotated_qk(path, manifest, table)
+            out.extend(table_checks(tables, ROPE_ANGLE_TOLERANCE, what_if))
     return out
+
+
+def rotated_qk(path, manifest, table: dict):
+    """The rotated q and k of each call under ``table`` (read one call at a time), judged against float64; a call
+    whose file cannot be read is left out with its reason (the diagnosis reports the file itself)."""
+    from attncheck.errors import AttncheckError
+    from attncheck.loaders.rope import read_call_qk
+    from attncheck.numerics.rope_qk import RotatedQK
+
+    qk = RotatedQK(table["cos"], table["sin"], table["positions"], table["theta"], table["rope_type"])
+    if qk.recipe is None:
+        return qk
+    entries = {c.index: c for c in manifest.calls}
+    for index in table["calls"]:
+        try:
+            q, k = read_call_qk(path, entries[index])
+        except AttncheckError:
+            qk.skip("its file not read", index)
+            continue
+        qk.add(index, q, k)
+    return qk

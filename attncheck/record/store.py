@@ -24,6 +24,7 @@ from attncheck import __version__
 from attncheck.errors import AttncheckError
 from attncheck.loaders.calls import CALL_FILE, CAPTURE_SCHEMA, MANIFEST, call_file_name, grads_file_name, info_from_meta
 from attncheck.loaders.rope import ROPE_FILE, rope_file_name
+from attncheck.numerics.rope_qk import RotatedQK
 from attncheck.record.ops import Recorded, Sink
 from attncheck.results import CallInfo, CallReport
 
@@ -430,6 +431,8 @@ class DiagnoseSink(Sink):
             "calls": [],
             "modules": [],
         }
+        table = self.rope_tables[index]  # its calls' rotated q and k, judged as each comes (none is kept)
+        table["qk"] = RotatedQK(table["cos"], table["sin"], table["positions"], table["theta"], table["rope_type"])
 
     def __call__(self, call: Recorded) -> None:
         table = self.rope_tables.get(int(call.meta["rope"])) if "rope" in call.meta else None
@@ -437,6 +440,7 @@ class DiagnoseSink(Sink):
             table["calls"].append(call.index)
             if (call.module or "global") not in table["modules"]:
                 table["modules"].append(call.module or "global")
+            table["qk"].add(call.index, call.tensors.get("q"), call.tensors.get("k"))
         if call.expects_grads:  # its gradients come with the backward: diagnosed then, or when the capture ends
             self._waiting[call.index] = Recorded(
                 call.index, call.kind, call.module, call.forward, cpu_tensors(call.tensors, copy=True), dict(call.meta)

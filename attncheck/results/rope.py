@@ -38,6 +38,41 @@ class RopeWhatIf:
 
 
 @dataclass(frozen=True)
+class RopeVectorCheck:
+    """The rotated q (or k) of the calls under a recorded table against float64: each vector unrotated with the
+    table as recorded, rotated again by the exact angles (positions x theta^(-2j/d)), and compared per position."""
+
+    role: str  # 'q' or 'k'
+    dtype: str  # the recorded vectors' dtype
+    calls: int  # the calls whose vectors were judged
+    vectors: int  # vectors (batch x heads x positions) judged over those calls
+    nonfinite: int  # vectors left out: not finite as recorded, their table row finite (the diagnosis reports them)
+    first_affected: int | None  # the first position whose relative error implies an angle past the tolerance
+    affected_positions: int
+    max_relative_error: float | None  # |x_rec - x_ref| / |x_ref| over the head dim, max over batch and heads
+    max_error_position: int | None
+    max_error_call: int | None
+    max_angle: float | None  # radians: the rotation angle that alone gives max_relative_error, 2 asin(e / 2)
+    rounding: float  # the dtype's unit roundoff: its own rounding of each entry, which cancels in the comparison
+
+
+@dataclass(frozen=True)
+class RopeQKCheck:
+    """The rotated q and k of the calls under a table, and what their error does to the scores."""
+
+    calls: int  # calls under the table whose q was judged
+    tolerance_relative: float  # 2 sin(tolerance / 2): the relative error of a vector turned by the tolerance
+    q: RopeVectorCheck | None
+    k: RopeVectorCheck | None
+    score_error: float | None  # max |q_i.k_j - q_ref_i.k_ref_j| / (|q_ref_i| |k_ref_j|) over the sampled pairs
+    score_positions: tuple[int, int] | None  # (query position, key position) of score_error
+    score_call: int | None
+    score_pairs: int  # (query, key) vector pairs sampled over all calls, heads and batch rows
+    score_bound: float | None  # e_q + e_k + e_q e_k: the analytic bound over every pair, max over the calls
+    note: str | None = None  # the calls (or k) not judged, and why
+
+
+@dataclass(frozen=True)
 class RopeTableCheck:
     """A rotary table a capture recorded, against float64 cos and sin of its positions and inverse frequencies."""
 
@@ -64,3 +99,4 @@ class RopeTableCheck:
     max_error_frequency: int | None = None
     fp32_recipe_error: float | None = None  # the same positions computed in fp32 and cast to the table's dtype
     what_if: tuple[RopeWhatIf, ...] = ()  # --what-if rope:DTYPE: reported apart, never the model's finding
+    qk: RopeQKCheck | None = None  # the rotated q and k of its calls; None where no call's q was judged
