@@ -4,9 +4,12 @@ A 1-layer Llama built from its config (random weights, nothing downloaded) reads
 ``--bf16-table`` its rotary embedding computes the positions and inverse frequencies in bf16 before
 the product, as candle's qwen2 did before huggingface/candle PR 3520: bf16 holds integers exactly
 only up to 256, so from position 257 on neighbouring positions share one row of the table. Without
-the flag the model computes the table as transformers does (fp32, then cast).
+the flag the model computes the table as transformers does (fp32, then cast). With ``--llama3`` the config
+carries Llama 3.1's RoPE scaling (rope_type llama3, theta 500,000, factor 8 over 8,192 original positions), whose
+inverse frequencies are the default ones rescaled by wavelength.
 
     attncheck capture --out rope-bf16 -- examples/rope_table.py --bf16-table
+    attncheck capture --out rope-llama3 -- examples/rope_table.py --llama3
 """
 
 import sys
@@ -15,6 +18,14 @@ import torch
 import transformers
 
 torch.manual_seed(0)
+llama3 = {  # Llama 3.1's rope_scaling (meta-llama/Llama-3.1-8B's config.json)
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 config = transformers.LlamaConfig(
     num_hidden_layers=1,
     num_attention_heads=4,
@@ -22,7 +33,8 @@ config = transformers.LlamaConfig(
     hidden_size=64,  # head dim 16
     intermediate_size=64,
     vocab_size=64,
-    max_position_embeddings=4096,
+    max_position_embeddings=131072 if "--llama3" in sys.argv[1:] else 4096,  # Llama 3.1's, beyond its 8,192
+    rope_parameters=llama3 if "--llama3" in sys.argv[1:] else None,
 )
 model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
 
