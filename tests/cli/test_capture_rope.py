@@ -1,11 +1,13 @@
 """`attncheck capture --what-if rope:DTYPE` (saved, and --no-save) gives the rotary tables' what-ifs that `attncheck run
 --what-if rope:DTYPE` gives on the same capture; a dtype not known is one line and exit 2, before the script runs.
 A torchrun capture's rank folders have their tables read and judged, each named by its rank: the folders written
-by the recorder itself under torchrun's environment (RANK, WORLD_SIZE), one rank computing its table in bf16."""
+by the recorder itself under torchrun's environment (RANK, WORLD_SIZE), one rank computing its table in bf16; and
+(slow) a capture made by torchrun itself, 2 CPU ranks over gloo (test_torchrun_capture's launcher and preamble)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,9 +17,9 @@ from typer.testing import CliRunner
 import attncheck
 from attncheck.cli import app
 from tests.record.test_rope_capture import first_repeated_bf16_position, force_bf16_table, llama
+from tests.record.test_torchrun_capture import TORCHRUN, environment
+from tests.torchrun_preamble import DDP_PREAMBLE
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "rope_table.py"
 JOB_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
@@ -29,7 +31,60 @@ def rope_of(path: Path) -> list[dict]:
     return json.loads(path.read_text())["model"]["capture"]["rope"]
 
 
-def test_capture_what_if_rope_is_runs(tmp_path):
+ROTARY = """
+class Rotary(torch.nn.Module):
+    def forward(self, q, k, v, position_embeddings):
+        cos, sin = position_embeddings  # (1, T, d), as transformers passes them
+
+        def rotate(x):
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+        return F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Rotary()
+
+    def forward(self, q, k, v, table):
+        return self.attn(q, k, v, position_embeddings=table)
+
+
+def run(freqs, seed):
+    emb = torch.cat((freqs, freqs), dim=-1).float()
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 1, len(freqs), 16, generator=g) for _ in range(3))
+    with torch.no_grad():
+        Net()(q, k, v, (emb.cos()[None], emb.sin()[None]))
+
+
+inv = 1.0 / 10000 ** (torch.arange(0, 16, 2) / 16)
+pos = torch.arange(300)
+"""
+# one process: the table as transformers computes it (fp32)
+SCRIPT = "import torch\nimport torch.nn.functional as F\n" + ROTARY + "run(pos.float()[:, None] * inv, 0)\n"
+# two ranks: rank 1 computes its table in bf16 (candle's recipe before PR 3520)
+TORCHRUN_SCRIPT = (
+    DDP_PREAMBLE
+    + ROTARY
+    + """
+freqs = pos.bfloat16()[:, None] * inv.bfloat16() if rank == 1 else pos.float()[:, None] * inv
+run(freqs, rank)
+dist.destroy_process_group()
+"""
+)
+
+
+@pytest.fixture
+def script(tmp_path) -> Path:
+    p = tmp_path / "rotary.py"
+    p.write_text(SCRIPT)
+    return p
+
+
+def test_capture_what_if_rope_is_runs(script, tmp_path):
     cap = tmp_path / "cap"
     saved = invoke(
         "capture",
@@ -43,7 +98,7 @@ def test_capture_what_if_rope_is_runs(tmp_path):
         "--fail-on",
         "error,warning,nan",
         "--",
-        EXAMPLE,
+        script,
     )
     assert saved.exit_code == 0, saved.output
     again = invoke("run", cap, "--what-if", "rope:bf16,rope:fp16", "--json", tmp_path / "b.json")
@@ -57,19 +112,19 @@ def test_capture_what_if_rope_is_runs(tmp_path):
         "--json",
         tmp_path / "c.json",
         "--",
-        EXAMPLE,
+        script,
     )
     assert unsaved.exit_code == 0, unsaved.output
     a, b, c = (rope_of(tmp_path / f"{n}.json") for n in "abc")
     assert a == b == c and [w["dtype"] for w in a[0]["what_if"]] == ["bf16", "fp16"]
-    assert a[0]["what_if"][0]["first_indistinct"] == first_repeated_bf16_position(512) == 257  # the example's 512
-    line = "rope table 0 computed in bf16 (positions 0 .. 511): positions stop being distinct at 257"
+    assert a[0]["what_if"][0]["first_indistinct"] == first_repeated_bf16_position(300) == 257
+    line = "rope table 0 computed in bf16 (positions 0 .. 299): positions stop being distinct at 257"
     assert line in saved.stdout and line in again.stdout and line in unsaved.stdout
 
 
-def test_capture_what_if_rope_with_a_dtype_not_known_is_one_line(tmp_path):
+def test_capture_what_if_rope_with_a_dtype_not_known_is_one_line(script, tmp_path):
     for word in ("rope:fp7", "rope:fp8", "rope:"):
-        r = invoke("capture", "--out", tmp_path / "cap", "--what-if", word, "--", EXAMPLE)
+        r = invoke("capture", "--out", tmp_path / "cap", "--what-if", word, "--", script)
         assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and "--what-if" in r.stderr, r.output
     assert not (tmp_path / "cap").exists()  # refused before the script ran
 
@@ -113,3 +168,30 @@ def test_the_tables_of_each_rank_are_judged_and_named_by_rank(job, tmp_path):
     assert ranks[0]["errors"] == 0 and ranks[1]["errors"] == 1  # the finding counted on rank 1's account
     one = invoke("run", job / "rank1", "--json", tmp_path / "one.json")  # a rank read alone: its tables too
     assert one.exit_code == 0 and rope_of(tmp_path / "one.json")[0]["rank"] == 1
+
+
+@pytest.mark.slow  # a 2-rank torchrun job, ~15 s
+def test_a_torchrun_capture_judges_each_ranks_tables(tmp_path):
+    (tmp_path / "train.py").write_text(TORCHRUN_SCRIPT)
+    args = ["-m", "attncheck", "capture", "--out", "cap", "--what-if", "rope:fp16", "--fail-on", "error"]
+    proc = subprocess.run(
+        [*TORCHRUN, *args, "--", "train.py"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=environment(),
+    )
+    assert proc.returncode != 0, proc.stderr[-3000:]  # rank 1's own --fail-on error holds (its table)
+    said = " ".join(proc.stdout.split())  # rank 0's report: its own table, clean, and its what-if
+    assert "rank 0 rope table 0 computed in fp16 (positions 0 .. 299): positions stay distinct" in said
+    assert "rope_precision" not in said
+    assert "attncheck: rank 1 of 2: 1 call(s) on cpu: 1 error(s)" in proc.stderr, proc.stderr[-3000:]
+    r = invoke("run", tmp_path / "cap", "--json", tmp_path / "r.json", "--fail-on", "error")
+    assert r.exit_code == 1, r.output
+    rope = rope_of(tmp_path / "r.json")
+    assert [(c["rank"], c["theta_from"], c["first_indistinct"]) for c in rope] == [
+        (0, "fitted", None),
+        (1, "fitted", 257),
+    ]
+    assert "rank 1 rope table 0 (fp32 1x300x16, theta" in " ".join(r.stdout.split())
