@@ -124,3 +124,34 @@ def test_capture_diagnose_judges_llama3_too():
     (check,) = cap.result.model.capture["rope"]
     assert check.rope_type == "llama3" and check.first_indistinct == 257
     assert check.what_if[0].dtype == "fp32" and check.what_if[0].first_affected is None
+
+
+@pytest.mark.slow  # importing transformers' Gemma 3 takes ~4 s
+def test_rope_parameters_nested_by_layer_type_are_read_per_layer(tmp_path):
+    """Gemma 3's config nests its rope parameters by layer type (sliding: default, theta 10k; full: linear, factor 8,
+    theta 1M), and each attention module knows its layer_type: each table is judged by its own type and theta (read
+    as one default table of a fitted theta, the linear one was a false rope_precision)."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        hidden_size=32,
+        intermediate_size=32,
+        vocab_size=64,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+    )
+    model = transformers.Gemma3ForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+    checks = capture_rope_checks([captured(model, tmp_path, 40)])
+    assert [(c.rope_type, c.theta, c.parameters.get("factor")) for c in checks] == [
+        ("default", 10_000.0, None),
+        ("linear", 1_000_000.0, 8.0),
+    ]
+    assert all(c.judged and c.first_affected is None for c in checks) and rope_findings(checks) == []
+    assert checks[1].max_angle_error < 40 * 2.0**-22  # against 1M^(-2j/16) / 8, the fp32 rounding alone
