@@ -31,11 +31,11 @@ CODES: tuple[Code, ...] = (
         "and cast to its dtype would be off by.",
         f"An angle error above ROPE_ANGLE_TOLERANCE = {ROPE_ANGLE_TOLERANCE} rad against float64 cos and sin of the "
         "recorded positions (position_ids) and the inverse frequencies of the table's RoPE type (default: "
-        "theta^(-2j/d), theta from the model's config, else fitted from position 1; linear, llama3 and yarn from "
-        "their definitions and the config's rope parameters); an error where a position's row repeats its "
-        f"predecessor's; rows off their circle by more than ROPE_MAGNITUDE_TOLERANCE = {ROPE_MAGNITUDE_TOLERANCE} "
-        "(relative to yarn's attention factor, 1 for the others). Tables of other types (dynamic, longrope, ...) "
-        "are not judged, and the report says so by name.",
+        "theta^(-2j/d), theta from the model's config, else fitted from position 1; linear, llama3, yarn and "
+        "longrope from their definitions and the config's rope parameters); an error where a position's row "
+        "repeats its predecessor's; rows off their circle by more than ROPE_MAGNITUDE_TOLERANCE = "
+        f"{ROPE_MAGNITUDE_TOLERANCE} (relative to yarn's and longrope's attention factor, 1 for the others). Tables "
+        "of other types (dynamic, proportional, axial) are not judged, and the report says so by name.",
         "compute the inverse frequencies, the positions and their product in fp32 (transformers: position_ids.float() "
         "@ inv_freq with autocast off), cast only cos and sin to the activations' dtype; keep inv_freq in fp32 after "
         "model.to(bfloat16) (or load with dtype=torch.bfloat16); at long context rotate q and k in fp32",

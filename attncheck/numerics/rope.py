@@ -266,7 +266,7 @@ def check_table(
     pos = positions.reshape(-1, positions.shape[-1])[0] if given else torch.arange(c2.shape[0])
     parameters = dict(parameters or {})
     out: dict = {"positions_from": "recorded" if given else "assumed", "theta": theta, "theta_from": ""}
-    why = why_not_judged(rope_type, parameters)
+    why = why_not_judged(rope_type, parameters, c2.shape[-1] // 2)
     if why is not None:
         return {**out, "judged": False, "note": why}
     cols = _frequency_columns(c2, s2)
@@ -280,12 +280,13 @@ def check_table(
     if theta is None:
         return {**out, "judged": False, "note": "theta unknown: no config recorded and no position 1 to fit it from"}
     dim = 2 * c.shape[-1]
-    inv, scale = reference_frequencies(rope_type, theta, dim, parameters)
+    longest = int(positions.max()) + 1 if given else int(pos.max()) + 1  # longrope picks its factors by it
+    inv, scale = reference_frequencies(rope_type, theta, dim, parameters, longest)
     ref = pos.to(torch.float64)[:, None] * inv[None, :]  # (T, d/2)
     err, affected, same = _judge_angles(c, s, pos, ref, tolerance)
     flat = int(err.argmax())
     worst = float(err.view(-1)[flat])
-    model_inv = model_frequencies(rope_type, theta, dim, parameters)
+    model_inv = model_frequencies(rope_type, theta, dim, parameters, longest)
     fp32_cos, fp32_sin = model_table(pos, model_inv, torch.float32, c.dtype, scale=scale)
     out.update(
         judged=True,

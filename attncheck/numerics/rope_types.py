@@ -11,10 +11,14 @@ it in fp32 (``modeling_rope_utils.py``), for what the same table computed in fp3
   a linear ramp in j between (the range from beta_fast and beta_slow rotations over L, floored and ceiled unless
   ``truncate`` is false); cos and sin are then multiplied by the attention factor (given, else 0.1 ln(factor) + 1, or
   the ratio of the mscale terms).
+- ``longrope`` (Phi-3; microsoft/LongRoPE): f / r_j, with r the ``long_factor`` list where the forward's longest
+  position + 1 passes L, else ``short_factor`` (transformers' ``longrope_frequency_update`` picks per forward, from
+  ``max(position_ids) + 1``: no state beyond that); cos and sin times the attention factor (given, else
+  sqrt(1 + ln(s) / ln(L)) with s = factor, or max_position_embeddings / L).
 
-``dynamic`` and ``longrope`` recompute their frequencies from the sequence lengths a model has seen (transformers'
-``dynamic_rope_update`` keeps state between forwards), ``proportional`` and ``axial`` lay them out otherwise: not
-judged here, and said so by name.
+``dynamic`` recomputes its frequencies from the longest sequence the model has seen so far (transformers'
+``dynamic_rope_update`` keeps that state between forwards); ``proportional`` and ``axial`` lay them out otherwise:
+not judged here, and said so by name.
 
 Pure functions over tensors; no verdicts.
 """
@@ -26,33 +30,38 @@ import math
 import torch
 
 # The types whose frequencies are written below; every other type a config may name is reported as not judged.
-JUDGED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+JUDGED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # The parameters each judged type needs from the config (recorded with the table); yarn's others have defaults.
 REQUIRED = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("original_max_position_embeddings",),
+    "longrope": ("original_max_position_embeddings",),
 }
 NOT_JUDGED_WHY = {
     "dynamic": "its frequencies are recomputed from the longest sequence the model has seen so far (state kept "
     "between forwards)",
-    "longrope": "its frequencies switch between short and long factors with the sequence length seen",
     "proportional": "its frequencies cover part of the head by a per-layer rule this check does not model",
     "axial": "its frequencies run over two or more axes of positions, not one",
 }
 
 
-def why_not_judged(rope_type: str, parameters: dict) -> str | None:
+def why_not_judged(rope_type: str, parameters: dict, frequencies: int | None = None) -> str | None:
     """Why a table of this type cannot be judged (None: it can): a type not written here, or a parameter it needs
-    that was not recorded."""
+    that was not recorded (``frequencies``: the table's d/2, which longrope's factor lists must match)."""
     if rope_type not in JUDGED_ROPE_TYPES:
         why = NOT_JUDGED_WHY.get(rope_type, "a RoPE type this check does not model")
         return f"rope_type {rope_type}: not judged ({why})"
     missing = [k for k in REQUIRED[rope_type] if not isinstance(parameters.get(k), (int, float))]
-    if rope_type == "yarn" and not isinstance(parameters.get("factor"), (int, float)):
+    if rope_type in ("yarn", "longrope") and not isinstance(parameters.get("factor"), (int, float)):
         if not isinstance(parameters.get("max_position_embeddings"), (int, float)):
-            missing.append("factor")  # without it yarn's factor is max_position_embeddings / original_max_...
+            missing.append("factor")  # without it the factor is max_position_embeddings / original_max_...
+    if rope_type == "longrope":
+        for key in ("long_factor", "short_factor"):
+            got = parameters.get(key)
+            if not isinstance(got, list) or (frequencies is not None and len(got) != frequencies):
+                missing.append(f"{key} (a list of d/2 = {frequencies} numbers)" if isinstance(got, list) else key)
     if missing:
         return f"rope_type {rope_type}: not judged (its parameter {', '.join(missing)} was not recorded)"
     return None
@@ -61,6 +70,20 @@ def why_not_judged(rope_type: str, parameters: dict) -> str | None:
 def _default64(theta: float, dim: int) -> torch.Tensor:
     exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
     return torch.tensor(float(theta), dtype=torch.float64) ** -exponents  # (d/2,)
+
+
+def _longrope_factors(p: dict, longest: int) -> list[float]:
+    """transformers' choice per forward: the long factors where max(position_ids) + 1 passes L, else the short."""
+    return p["long_factor"] if longest > p["original_max_position_embeddings"] else p["short_factor"]
+
+
+def longrope_attention_factor(p: dict) -> float:
+    """``attention_factor`` where given, else sqrt(1 + ln(s) / ln(L)) for s = factor (or max_position_embeddings /
+    L) above 1, else 1."""
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+    s = _yarn_factor(p)
+    return 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(p["original_max_position_embeddings"]))
 
 
 def _yarn_factor(p: dict) -> float:
@@ -98,10 +121,15 @@ def _yarn_range(theta: float, dim: int, p: dict) -> tuple[float, float]:
     return low, (high + 0.001 if low == high else high)  # transformers' guard against a zero-width ramp
 
 
-def reference_frequencies(rope_type: str, theta: float, dim: int, parameters: dict) -> tuple[torch.Tensor, float]:
+def reference_frequencies(
+    rope_type: str, theta: float, dim: int, parameters: dict, longest: int = 0
+) -> tuple[torch.Tensor, float]:
     """(inverse frequencies in float64 (d/2,), the factor cos and sin are multiplied by) from the type's definition;
-    ``why_not_judged`` must be None for it."""
+    ``why_not_judged`` must be None for it. ``longest``: the forward's largest position + 1 (longrope's choice)."""
     p, f = parameters, _default64(theta, dim)
+    if rope_type == "longrope":
+        factors = torch.tensor(_longrope_factors(p, longest), dtype=torch.float64)
+        return f / factors, longrope_attention_factor(p)
     if rope_type == "linear":
         return f / p["factor"], 1.0
     if rope_type == "llama3":
@@ -122,10 +150,13 @@ def reference_frequencies(rope_type: str, theta: float, dim: int, parameters: di
     return f, 1.0
 
 
-def model_frequencies(rope_type: str, theta: float, dim: int, parameters: dict) -> torch.Tensor:
+def model_frequencies(rope_type: str, theta: float, dim: int, parameters: dict, longest: int = 0) -> torch.Tensor:
     """The inverse frequencies as transformers 5.24 computes them, in fp32 (d/2,) (its ``_compute_*_parameters``,
     operation for operation, so that the fp32 recipe and the what-ifs start from the model's own numbers)."""
     p = parameters
+    if rope_type == "longrope":
+        factors = torch.tensor(_longrope_factors(p, longest), dtype=torch.float32)
+        return 1.0 / (factors * float(theta) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     inv = 1.0 / (float(theta) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # (d/2,) fp32
     if rope_type == "linear":
         return inv / p["factor"]

@@ -48,15 +48,26 @@ ROPE_PARAMETERS = (
 )
 
 
+ROPE_FACTOR_LISTS = ("long_factor", "short_factor")  # longrope's per-frequency factors
+MAX_FACTORS = 4096  # entries of a factor list kept (d/2 of the widest head recorded)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _scalars(source: dict, keys) -> dict:
-    """The finite numbers (as floats) and flags of ``source`` under ``keys``; anything else left out."""
+    """The finite numbers (as floats), flags and lists of finite numbers (longrope's factors) of ``source`` under
+    ``keys``; anything else left out."""
     out: dict = {}
     for key in keys:
         value = source.get(key)
         if isinstance(value, bool):
             out[key] = value
-        elif isinstance(value, (int, float)) and math.isfinite(value):
+        elif _number(value):
             out[key] = float(value)
+        elif isinstance(value, (list, tuple)) and 0 < len(value) <= MAX_FACTORS and all(map(_number, value)):
+            out[key] = [float(v) for v in value]
     return out
 
 
@@ -79,7 +90,8 @@ def rope_facts(module: torch.nn.Module) -> dict[str, str]:
     out = {"rope_type": str(kind)}
     if isinstance(theta, (int, float)) and not isinstance(theta, bool):
         out["theta"] = repr(float(theta))
-    parameters = {**_scalars(scaling, ROPE_PARAMETERS), **_scalars(rp, ROPE_PARAMETERS)}
+    keys = (*ROPE_PARAMETERS, *ROPE_FACTOR_LISTS)
+    parameters = {**_scalars(scaling, keys), **_scalars(rp, keys)}
     longest = getattr(config, "max_position_embeddings", None)  # yarn's factor where the config gives none
     parameters.update(_scalars({"max_position_embeddings": longest}, ("max_position_embeddings",)))
     if kind != "default" and parameters:

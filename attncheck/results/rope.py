@@ -40,7 +40,7 @@ class RopeWhatIf:
 @dataclass(frozen=True)
 class RopeTableCheck:
     """A rotary table a capture recorded, against float64 cos and sin of its positions and inverse frequencies (of its
-    RoPE type: default, linear, llama3, yarn; any other type is not judged, ``note`` says so by name)."""
+    RoPE type: default, linear, llama3, yarn, longrope; any other type is not judged, ``note`` says so by name)."""
 
     index: int  # the table's number in the capture
     shape: tuple[int, ...]
@@ -69,5 +69,5 @@ class RopeTableCheck:
     # attention_factor, ...: numbers and flags), which the non-default types' frequencies are computed from
     parameters: dict[str, float | bool] = field(default_factory=dict)
     rank: int | None = None  # the process of a torchrun capture that recorded it; None: a single process
-    attention_factor: float | None = None  # the radius cos and sin are judged against: yarn's factor, else 1
+    attention_factor: float | None = None  # the radius cos and sin are judged against: yarn's, longrope's, else 1
     max_magnitude_error: float | None = None  # the largest |sqrt(cos^2 + sin^2) / attention_factor - 1|

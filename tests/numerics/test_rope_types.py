@@ -173,3 +173,30 @@ def test_a_yarn_table_is_judged_on_its_attention_factor_too():
     plain = model_table(pos, inv, torch.float32, torch.bfloat16)  # the factor left out
     off = check_table(halves(plain[0]), halves(plain[1]), pos[None], 10_000.0, 0.05, "yarn", parameters=recorded(cfg))
     assert off["max_magnitude_error"] == pytest.approx(1 - 1 / factor, abs=2.0**-8)
+
+
+LONG = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]  # longrope's factors, one per frequency of a 16-wide head
+SHORT = [1.0, 1.0, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0]
+
+
+@pytest.mark.parametrize("longest", [256, 257, 4096])
+def test_longrope_reference_is_transformers_fp32_for_the_forwards_length(longest):
+    cfg = config(
+        16, 10_000.0, rope_type="longrope", long_factor=LONG, short_factor=SHORT, original_max_position_embeddings=256
+    )
+    theirs, factor = rope_utils._compute_longrope_parameters(cfg, seq_len=longest)
+    p = {**recorded(cfg), "long_factor": LONG, "short_factor": SHORT}
+    ref, scale = reference_frequencies("longrope", 10_000.0, 16, p, longest)
+    chosen = LONG if longest > 256 else SHORT  # transformers: long factors once max(position_ids) + 1 passes L
+    exact = torch.tensor([10_000.0 ** (-2 * j / 16) / chosen[j] for j in range(8)], dtype=torch.float64)
+    torch.testing.assert_close(ref, exact, rtol=1e-14, atol=0)
+    torch.testing.assert_close(theirs.double(), ref, rtol=FP32_RTOL, atol=0)
+    assert torch.equal(model_frequencies("longrope", 10_000.0, 16, p, longest), theirs)
+    s = 131072 / 256  # no factor in the config: max_position_embeddings / original_max_position_embeddings
+    assert scale == pytest.approx(math.sqrt(1 + math.log(s) / math.log(256)), rel=1e-15) == factor
+
+
+def test_longrope_factor_lists_of_another_length_are_not_judged():
+    p = {"original_max_position_embeddings": 256.0, "factor": 4.0, "long_factor": [1.0] * 4, "short_factor": [1.0] * 8}
+    found = check_table(torch.ones(1, 8, 16), torch.zeros(1, 8, 16), None, 10_000.0, 0.05, "longrope", parameters=p)
+    assert found["judged"] is False and "long_factor (a list of d/2 = 8 numbers)" in found["note"]

@@ -155,3 +155,18 @@ def test_rope_parameters_nested_by_layer_type_are_read_per_layer(tmp_path):
     ]
     assert all(c.judged and c.first_affected is None for c in checks) and rope_findings(checks) == []
     assert checks[1].max_angle_error < 40 * 2.0**-22  # against 1M^(-2j/16) / 8, the fp32 rounding alone
+
+
+@pytest.mark.parametrize("tokens", [200, 300])
+def test_longrope_picks_its_factors_by_the_forwards_length(tmp_path, tokens):
+    """Short factors up to original_max_position_embeddings (256), long ones beyond, as transformers picks them."""
+    from tests.numerics.test_rope_types import LONG, SHORT
+
+    model = llama(rope_type="longrope", long_factor=LONG, short_factor=SHORT, original_max_position_embeddings=256)
+    cap = captured(model, tmp_path, tokens)
+    (entry,) = json.loads((cap / "manifest.json").read_text())["rope_tables"]
+    assert entry["parameters"]["long_factor"] == LONG and entry["parameters"]["short_factor"] == SHORT
+    (check,) = capture_rope_checks([cap])
+    assert check.judged and check.first_affected is None and check.max_angle_error < tokens * 2.0**-21
+    assert check.attention_factor == pytest.approx(math.sqrt(1 + math.log(16384 / 256) / math.log(256)), rel=1e-15)
+    assert check.max_magnitude_error < 2.0**-22 and rope_findings([check]) == []
