@@ -104,6 +104,8 @@ def test_a_type_not_modelled_is_said_not_judged_in_the_report_and_json(tmp_path)
     assert "rope table 0 (1 call(s)): rope_type dynamic: not judged" in r.stdout
     (check,) = json.loads(out.read_text())["model"]["capture"]["rope"]
     assert check["judged"] is False and check["rope_type"] == "dynamic" and "dynamic" in check["note"]
+    summary = CliRunner().invoke(app, ["run", str(cap), "--summary"], env={"COLUMNS": "200"})
+    assert "not judged: rope table 0 (1 call(s)): rope_type dynamic: not judged" in summary.stdout
 
 
 def test_an_unknown_rope_type_in_the_manifest_is_one_line(tmp_path):
@@ -114,6 +116,10 @@ def test_an_unknown_rope_type_in_the_manifest_is_one_line(tmp_path):
     r = CliRunner().invoke(app, ["run", str(cap)])
     assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "rope_type 'spiral', not a RoPE type attncheck knows" in r.stderr
+    doc["rope_tables"][0].update(rope_type="llama3", parameters={"factor": "eight"})
+    (cap / "manifest.json").write_text(json.dumps(doc))
+    r = CliRunner().invoke(app, ["run", str(cap)])
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and "rope_tables[0].parameters" in r.stderr
 
 
 def test_capture_diagnose_judges_llama3_too():
