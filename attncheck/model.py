@@ -531,7 +531,12 @@ def capture_findings_by_rank(capture: dict | None, ignore=()) -> dict[int | None
         return {}
     ranks = capture.get("ranks")
     if isinstance(ranks, list):
-        found = {r.get("rank"): capture_findings(r, r.get("rank")) for r in ranks}
+        rope = capture.get("rope") or ()  # each rank's own tables, named by its rank
+        found = {
+            r.get("rank"): capture_findings(r, r.get("rank"))
+            + rope_findings([c for c in rope if c.rank == r.get("rank")])
+            for r in ranks
+        }
     else:
         rank = capture.get("rank") if (capture.get("world") or 1) > 1 else None
         found = {rank: capture_findings(capture, rank) + rope_findings(capture.get("rope"))}

@@ -44,6 +44,9 @@ MASK_OPS = (
 )  # how hand-written attention applies a mask: added to the scores, or masked_fill (the backward differs)
 
 
+# transformers' RoPE types (5.24: ``ROPE_INIT_FUNCTIONS`` and the config's default and axial types); a capture naming
+# another is refused, and numerics.rope_types says which of these are judged
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional", "axial")
 MAX_SHOWN = 60  # characters of a value quoted in a message
 
 

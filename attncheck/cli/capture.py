@@ -41,6 +41,7 @@ from attncheck.cli.options import (
 )
 from attncheck.cli.run_checks import Accum, Order, cell_options, check_summary, fa4_options, parse_fail_on
 from attncheck.config.capture import DEFAULT_MAX_BYTES, DEFAULT_MAX_CALLS, DEFAULT_OUT, CaptureRequest, parse_forwards
+from attncheck.config.rope import split_rope_what_if
 from attncheck.config.run import chunk_elements_for, ignore_codes
 from attncheck.errors import AttncheckError
 from attncheck.pipelines.capture import capture_script
@@ -231,6 +232,7 @@ def _request(
     ignored = ignore_codes(ignore)
     check_output_path(json_out, "--json")
     check_summary(summary, full)
+    rope_what_if, what_if = split_rope_what_if(what_if)  # rope:DTYPE asks about the rotary tables alone
     asked_what_if = params.what_if(what_if) if what_if is not None else ()
     options, grid_asked = cell_options(
         dtype,
@@ -260,6 +262,7 @@ def _request(
         grid_asked,
         grads=not no_grads,
         compile=params.choice(compile_mode, ("eager", "keep"), "compile"),
+        rope_what_if=rope_what_if,
     )
     return conditions, ignored, request
 

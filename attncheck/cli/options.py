@@ -91,7 +91,8 @@ WhatIfOpt = Annotated[
             "'kv:int4[:gN][:rM]': quanto's per-group quantiser (transformers' quanto cache's) on each call's K and V "
             "(min-max per group of N values, default 64; the last M tokens of each call kept in the model's dtype; "
             "the cache's prefill and flush timing on generate() not modelled). "
-            "'rope:DTYPE' recomputes the rotary tables a capture recorded with their positions and inverse "
+            "'rope:DTYPE' recomputes the rotary tables a capture recorded (run and capture; every rank's under "
+            "torchrun; RoPE types default, linear, llama3, yarn and longrope) with their positions and inverse "
             "frequencies held in DTYPE. Reported apart; never the model's verdict unless --fail-on what-if:COND."
         ),
     ),

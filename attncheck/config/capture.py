@@ -37,10 +37,13 @@ class CaptureRequest:
     compile: str = (
         "eager"  # torch.compile'd code: run as its eager code and recorded, or kept compiled and not recorded
     )
+    rope_what_if: tuple[str, ...] = ()  # as RunRequest's: --what-if rope:DTYPE, the rotary tables in these dtypes
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ignore", ignore_codes(self.ignore))
         object.__setattr__(self, "what_if", params.what_if(list(self.what_if)) if self.what_if else ())
+        rope = params.dtypes(list(self.rope_what_if), "what_if", fp8=False) if self.rope_what_if else ()
+        object.__setattr__(self, "rope_what_if", rope)
         try:
             os.stat(self.script)
         except OSError as e:

@@ -51,15 +51,26 @@ class RopeConfig:
 ROPE_WHAT_IF_PREFIX = "rope:"
 
 
-def split_rope_what_if(text: str | None) -> tuple[tuple[str, ...], str | None]:
-    """'fp16,rope:bf16' -> (('bf16',), 'fp16'): the dtypes to recompute a capture's rotary tables in, and the
-    rest of --what-if (None where nothing is left)."""
-    if text is None:
-        return (), None
-    words = [w.strip() for w in text.split(",") if w.strip()]
-    rope = [w[len(ROPE_WHAT_IF_PREFIX) :] for w in words if w.lower().startswith(ROPE_WHAT_IF_PREFIX)]
+def _is_rope(word: Any) -> bool:
+    return isinstance(word, str) and word.strip().lower().startswith(ROPE_WHAT_IF_PREFIX)
+
+
+def split_rope_what_if(value: Any) -> tuple[tuple[str, ...], Any]:
+    """'fp16,rope:bf16' -> (('bf16',), 'fp16'); ['fp16', 'rope:bf16'] -> (('bf16',), ('fp16',)): the dtypes to
+    recompute a capture's rotary tables in, and the rest of the what-if (None, or () for a sequence, where nothing
+    is left; the value as given where it names no rope:DTYPE). A dtype not known is an input error naming
+    --what-if."""
+    if isinstance(value, str):
+        words: list = [w.strip() for w in value.split(",") if w.strip()]
+    elif isinstance(value, (list, tuple)):
+        words = list(value)
+    else:  # None, or what params.what_if says is wrong
+        return (), value
+    rope = [w.strip()[len(ROPE_WHAT_IF_PREFIX) :] for w in words if _is_rope(w)]
     if not rope:  # the rest as given: params.what_if says what is wrong with it
-        return (), text
-    rest = [w for w in words if not w.lower().startswith(ROPE_WHAT_IF_PREFIX)]
-    dtypes = params.dtypes(",".join(rope), "what_if", fp8=False) if rope else ()
-    return dtypes, (",".join(rest) if rest else None)
+        return (), value
+    rest = [w for w in words if not _is_rope(w)]
+    dtypes = params.dtypes(rope, "what_if", fp8=False)
+    if isinstance(value, str):
+        return dtypes, (",".join(rest) if rest else None)
+    return dtypes, tuple(rest)

@@ -14,6 +14,9 @@ from attncheck.results.rope import RopeTableCheck, RopeVectorCheck
 # (cos and sin rounded to bf16) plus fp32's own rounding of p * inv_freq (about 0.01 rad at 128k positions, 0.06 at
 # 1M); positions or inverse frequencies held in bf16 put whole radians between a position and its angle.
 ROPE_ANGLE_TOLERANCE = 0.05
+# Relative. cos and sin rounded to bf16 put a row at most about 2^-8 off its circle; a table whose rows are off by
+# more than this was scaled by another factor than its type's (yarn's attention factor, 1 for the others).
+ROPE_MAGNITUDE_TOLERANCE = 0.01
 
 CODES: tuple[Code, ...] = (
     Code(
@@ -37,10 +40,14 @@ CODES: tuple[Code, ...] = (
         "sample of pairs (keys at or before their query) beside the bound e_q + e_k + e_q e_k for every pair. A "
         "vector mixes all frequencies, so it goes wrong later than the table's worst frequency.",
         f"An angle error above ROPE_ANGLE_TOLERANCE = {ROPE_ANGLE_TOLERANCE} rad against float64 cos and sin of the "
-        "recorded positions (position_ids) and theta^(-2j/d) (theta from the model's config, else fitted from "
-        "position 1), or a rotated q or k off by more than a turn by that angle would put it (relative error "
-        "2 sin(ROPE_ANGLE_TOLERANCE / 2), about 0.05, over the head dim, max over batch and heads); an error where a "
-        "position's row repeats its predecessor's. A default RoPE table only (rope_type default).",
+        "recorded positions (position_ids) and the inverse frequencies of the table's RoPE type (default: "
+        "theta^(-2j/d), theta from the model's config, else fitted from position 1; linear, llama3, yarn and "
+        "longrope from their definitions and the config's rope parameters), or a rotated q or k off by more than a "
+        "turn by that angle would put it (relative error 2 sin(ROPE_ANGLE_TOLERANCE / 2), about 0.05, over the head "
+        "dim, max over batch and heads; judged for default tables); an error where a position's row repeats its "
+        "predecessor's; rows off their circle by more than ROPE_MAGNITUDE_TOLERANCE = "
+        f"{ROPE_MAGNITUDE_TOLERANCE} (relative to yarn's and longrope's attention factor, 1 for the others). Tables "
+        "of other types (dynamic, proportional, axial) are not judged, and the report says so by name.",
         "compute the inverse frequencies, the positions and their product in fp32 (transformers: position_ids.float() "
         "@ inv_freq with autocast off), cast only cos and sin to the activations' dtype; keep inv_freq in fp32 after "
         "model.to(bfloat16) (or load with dtype=torch.bfloat16); at long context rotate q and k in fp32",
@@ -92,11 +99,21 @@ SEVERITY = {c.name: c.severity for c in CODES}
 FIX = {c.name: c.fix for c in CODES}
 
 
+def table_name(check: RopeTableCheck) -> str:
+    """'rope table 0', 'rank 1 rope table 0' (a torchrun capture's: each rank numbers its own tables)."""
+    return ("" if check.rank is None else f"rank {check.rank} ") + f"rope table {check.index}"
+
+
 def _where(check: RopeTableCheck) -> str:
     shape = "x".join(map(str, check.shape))
     mods = ", ".join(check.modules[:2]) + (f" and {len(check.modules) - 2} more" if len(check.modules) > 2 else "")
+    kind = "" if check.rope_type == "default" else f", {check.rope_type}"
     theta = "" if check.theta is None else f", theta {check.theta:g} ({check.theta_from})"
-    return f"rope table {check.index} ({check.dtype} {shape}{theta}; {len(check.calls)} call(s): {mods or 'global'})"
+    return f"{table_name(check)} ({check.dtype} {shape}{kind}{theta}; {len(check.calls)} call(s): {mods or 'global'})"
+
+
+def _off_circle(check: RopeTableCheck) -> bool:
+    return check.max_magnitude_error is not None and check.max_magnitude_error > ROPE_MAGNITUDE_TOLERANCE
 
 
 def _vector_text(v: RopeVectorCheck) -> str:
@@ -140,15 +157,16 @@ def _qk_affected(check: RopeTableCheck) -> bool:
 
 
 def rope_findings(checks: list[RopeTableCheck] | None) -> list[Finding]:
-    """rope_precision per table whose angles, or whose calls' rotated q and k, pass ROPE_ANGLE_TOLERANCE: an error
-    where adjacent positions share a row, else a warning."""
+    """rope_precision per table whose angles, or whose calls' rotated q and k, pass ROPE_ANGLE_TOLERANCE (or whose
+    rows pass ROPE_MAGNITUDE_TOLERANCE off their circle): an error where adjacent positions share a row, else a
+    warning."""
     out: list[Finding] = []
 
     def add(code: str, message: str, severity: str) -> None:
         out.append(Finding(code, severity, message, FIX[code]))
 
     for check in checks or ():
-        table_bad = check.first_affected is not None or check.first_indistinct is not None
+        table_bad = check.first_affected is not None or check.first_indistinct is not None or _off_circle(check)
         if not check.judged or not (table_bad or _qk_affected(check)):
             continue
         parts = []
@@ -166,6 +184,11 @@ def rope_findings(checks: list[RopeTableCheck] | None) -> list[Finding]:
             parts.append(
                 f"angle error up to {check.max_angle_error:.3g} rad (position {check.max_error_position:,}, frequency "
                 f"{check.max_error_frequency})"
+            )
+        if _off_circle(check):
+            parts.append(
+                f"cos and sin off their circle by up to {check.max_magnitude_error:.3g} (relative to the attention "
+                f"factor {check.attention_factor:g} of rope_type {check.rope_type})"
             )
         parts.append(_qk_text(check))
         if check.fp32_recipe_error is not None:

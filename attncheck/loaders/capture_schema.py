@@ -80,8 +80,12 @@ class ManifestRope(Struct):
     shape: Annotated[list[Dim], Meta(max_length=MAX_AXES)] = []
     dtype: Optional[Short] = None
     theta: Optional[Annotated[float, Meta(gt=0)]] = None  # from the model's config
-    rope_type: Optional[Short] = None
+    rope_type: Optional[Short] = None  # one of params.ROPE_TYPES: checked by the reader, which names the table
     positions: bool = False  # position_ids recorded beside cos and sin
+    # the config's rope parameters the type's frequencies are computed from (factor, original_max_position_embeddings)
+    parameters: Annotated[
+        dict[Short, Union[float, bool, Annotated[list[float], Meta(max_length=4096)]]], Meta(max_length=64)
+    ] = {}  # longrope's long_factor and short_factor: a number per frequency
 
 
 class ScriptFacts(Struct):

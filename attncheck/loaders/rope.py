@@ -7,7 +7,9 @@ import os
 import re
 
 from attncheck.errors import AttncheckError
+from attncheck.loaders.call_info import MANIFEST
 from attncheck.loaders.capture_schema import Manifest, ManifestCall
+from attncheck.params import ROPE_TYPES
 
 ROPE_FILE = re.compile(r"^rope-(\d{4,})\.safetensors$")
 ROPE_ROLES = ("cos", "sin", "positions")
@@ -39,8 +41,9 @@ def read_call_qk(directory: str | os.PathLike[str], call: ManifestCall) -> tuple
 
 def read_rope_tables(directory: str | os.PathLike[str], manifest: Manifest) -> list[dict]:
     """Each table the manifest lists: {'index', 'cos', 'sin', 'positions' (or None), 'theta' (or None),
-    'rope_type', 'calls' (the indices of the calls under it), 'modules'}; a listed file that is missing, a link or
-    not a table is one line naming it."""
+    'rope_type', 'parameters', 'calls' (the indices of the calls under it), 'modules'}; a listed file that is
+    missing, a link or not a table, or a RoPE type transformers does not name (``params.ROPE_TYPES``), is one line
+    naming it."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -48,6 +51,11 @@ def read_rope_tables(directory: str | os.PathLike[str], manifest: Manifest) -> l
     out = []
     for entry in manifest.rope_tables:
         path = os.path.join(given, entry.file)
+        if (entry.rope_type or "default") not in ROPE_TYPES:
+            raise AttncheckError(
+                f"{os.path.join(given, MANIFEST)}: rope table {entry.index} has rope_type "
+                f"{entry.rope_type!r}, not a RoPE type attncheck knows ({', '.join(ROPE_TYPES)})"
+            )
         if ROPE_FILE.match(entry.file) is None or int(ROPE_FILE.match(entry.file).group(1)) != entry.index:
             raise AttncheckError(f"{given}: rope table {entry.index} names {entry.file!r}, not its table file")
         if os.path.islink(path) or not os.path.isfile(path):
@@ -71,6 +79,7 @@ def read_rope_tables(directory: str | os.PathLike[str], manifest: Manifest) -> l
                 "positions": positions,
                 "theta": entry.theta,
                 "rope_type": entry.rope_type or "default",
+                "parameters": dict(entry.parameters),
                 "calls": [c.index for c in calls],
                 "modules": list(dict.fromkeys(c.module or "global" for c in calls)),
             }

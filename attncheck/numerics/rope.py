@@ -26,6 +26,7 @@ import math
 import torch
 
 from attncheck.dtypes import dtype_label
+from attncheck.numerics.rope_types import model_frequencies, reference_frequencies, why_not_judged
 from attncheck.results.rope import RopeAudit, RopeTableCheck, RopeWhatIf
 
 # Positions are audited in chunks so that a 1M-token context never holds more than this many table rows at once.
@@ -49,18 +50,23 @@ def model_table(
     compute: torch.dtype,
     table: torch.dtype,
     rotation: torch.dtype | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of positions x inv_freq as a model computes them, each (P, d/2).
 
     ``compute`` holds the positions, the inverse frequencies, their product and cos/sin (transformers: fp32; the
     candle bug: bf16); ``table`` is the dtype the attention receives (the activations' dtype). ``rotation``, where
     given, is the dtype the rotation runs in: rotating the unit probe (1, 0) in it yields cos and sin rounded to it,
-    which is what tells two positions apart after the rotation.
+    which is what tells two positions apart after the rotation. ``scale``: the factor cos and sin are multiplied by
+    in ``compute`` before the cast (transformers' ``attention_scaling``: yarn's attention factor, else 1).
     """
     pos = positions.to(compute)  # (P,)
     inv = inv_freq.to(compute)  # (F,)
     angles = pos[:, None] * inv[None, :]  # (P, F) rounded to compute
-    cos, sin = angles.cos().to(table), angles.sin().to(table)
+    cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    cos, sin = cos.to(table), sin.to(table)
     if rotation is not None:
         cos, sin = cos.to(rotation), sin.to(rotation)
     return cos, sin
@@ -193,16 +199,30 @@ def _judge_angles(
     return err, affected, same
 
 
+def magnitude_error(cos: torch.Tensor, sin: torch.Tensor, scale: float) -> float | None:
+    """The largest |sqrt(cos^2 + sin^2) / scale - 1| over finite entries: how far the table's rows lie from the
+    circle of radius ``scale`` (1, or yarn's attention factor); None where no entry is finite."""
+    off = (torch.hypot(cos.to(torch.float64), sin.to(torch.float64)) / scale - 1).abs()
+    finite = torch.isfinite(off)
+    return float(off[finite].max()) if bool(finite.any()) else None
+
+
 def what_if_tables(
-    pos: torch.Tensor, theta: float, head_dim: int, table: torch.dtype, dtypes, tolerance: float
+    pos: torch.Tensor,
+    ref: torch.Tensor,
+    model_inv: torch.Tensor,
+    scale: float,
+    table: torch.dtype,
+    dtypes,
+    tolerance: float,
 ) -> tuple[RopeWhatIf, ...]:
-    """The table recomputed in each of ``dtypes`` (names) at the same positions, against float64."""
+    """The table recomputed in each of ``dtypes`` (names) at the same positions from the model's inverse frequencies
+    ``model_inv``, against the float64 angles ``ref`` (T, d/2)."""
     from attncheck.dtypes import dtype_from_name
 
-    ref = pos.to(torch.float64)[:, None] * inverse_frequencies(theta, head_dim)[None, :]
     out = []
     for name in dtypes:
-        c, s = model_table(pos, model_inverse_frequencies(theta, head_dim), dtype_from_name(name), table)
+        c, s = model_table(pos, model_inv, dtype_from_name(name), table, scale=scale)
         err, affected, same = _judge_angles(c, s, pos, ref, tolerance)
         worst = float(err.max())
         out.append(
@@ -217,6 +237,15 @@ def what_if_tables(
     return tuple(out)
 
 
+def _layout_note(layout: str, pos: torch.Tensor, row: torch.Tensor) -> str | None:
+    nonfinite = ~torch.isfinite(row)
+    notes = (
+        None if layout == "halves" else "interleaved layout",
+        f"cos/sin not finite from position {int(pos[nonfinite].min()):,}" if bool(nonfinite.any()) else None,
+    )
+    return "; ".join(n for n in notes if n) or None
+
+
 def check_table(
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -225,46 +254,43 @@ def check_table(
     tolerance: float,
     rope_type: str = "default",
     what_if=(),
+    parameters: dict | None = None,
 ) -> dict:
-    """A recorded table (..., T, d) against float64 cos and sin of its positions x theta^(-2j/d): the first sequence
-    only (the others share its recipe). Returns the fields of ``results.rope.RopeTableCheck`` that depend on the
-    numbers (the caller adds the calls)."""
+    """A recorded table (..., T, d) against float64 cos and sin of its positions x its type's inverse frequencies
+    (``rope_types.reference_frequencies``; times yarn's attention factor): the first sequence only (the others
+    share its recipe). Returns the fields of ``results.rope.RopeTableCheck`` that depend on the numbers (the caller
+    adds the calls). A type not modelled, or one whose parameters were not recorded, is not judged and says why."""
     lead = cos.reshape(-1, *cos.shape[-2:])
     c2, s2 = lead[0], sin.reshape(-1, *sin.shape[-2:])[0]  # (T, d)
     given = positions is not None
     pos = positions.reshape(-1, positions.shape[-1])[0] if given else torch.arange(c2.shape[0])
+    parameters = dict(parameters or {})
     out: dict = {"positions_from": "recorded" if given else "assumed", "theta": theta, "theta_from": ""}
-    if rope_type != "default":
-        return {**out, "judged": False, "note": f"rope_type {rope_type}: its frequencies are not theta^(-2j/d)"}
+    why = why_not_judged(rope_type, parameters, c2.shape[-1] // 2)
+    if why is not None:
+        return {**out, "judged": False, "note": why}
     cols = _frequency_columns(c2, s2)
     if cols is None:
         return {**out, "judged": False, "note": "cos and sin do not repeat their frequencies (halves or pairs)"}
     c, s, layout = cols
     out["theta_from"] = "config" if theta is not None else ""
-    if theta is None:
+    if theta is None and rope_type == "default":  # another type's angle at position 1 is not theta's alone
         theta = fitted_theta(c, s, pos)
         out.update(theta=theta, theta_from="fitted" if theta is not None else "")
     if theta is None:
         return {**out, "judged": False, "note": "theta unknown: no config recorded and no position 1 to fit it from"}
-    head_dim = 2 * c.shape[-1]
-    ref = pos.to(torch.float64)[:, None] * inverse_frequencies(theta, head_dim)[None, :]  # (T, d/2)
+    dim = 2 * c.shape[-1]
+    longest = int(positions.max()) + 1 if given else int(pos.max()) + 1  # longrope picks its factors by it
+    inv, scale = reference_frequencies(rope_type, theta, dim, parameters, longest)
+    ref = pos.to(torch.float64)[:, None] * inv[None, :]  # (T, d/2)
     err, affected, same = _judge_angles(c, s, pos, ref, tolerance)
-    row = err.max(dim=-1).values  # (T,)
     flat = int(err.argmax())
     worst = float(err.view(-1)[flat])
-    nonfinite = ~torch.isfinite(row)
-    fp32_cos, fp32_sin = model_table(pos, model_inverse_frequencies(theta, head_dim), torch.float32, c.dtype)
+    model_inv = model_frequencies(rope_type, theta, dim, parameters, longest)
+    fp32_cos, fp32_sin = model_table(pos, model_inv, torch.float32, c.dtype, scale=scale)
     out.update(
         judged=True,
-        note="; ".join(
-            n
-            for n in (
-                None if layout == "halves" else "interleaved layout",
-                f"cos/sin not finite from position {int(pos[nonfinite].min()):,}" if bool(nonfinite.any()) else None,
-            )
-            if n
-        )
-        or None,
+        note=_layout_note(layout, pos, err.max(dim=-1).values),
         first_position=int(pos.min()),
         last_position=int(pos.max()),
         tolerance=tolerance,
@@ -276,20 +302,30 @@ def check_table(
         max_error_position=int(pos[flat // err.shape[1]]),
         max_error_frequency=flat % err.shape[1],
         fp32_recipe_error=float(angle_error(fp32_cos, fp32_sin, ref).abs().max()),
-        what_if=what_if_tables(pos, theta, head_dim, c.dtype, what_if, tolerance),
+        attention_factor=scale,
+        max_magnitude_error=magnitude_error(c, s, scale),
+        what_if=what_if_tables(pos, ref, model_inv, scale, c.dtype, what_if, tolerance),
     )
     return out
 
 
-def table_checks(tables: list[dict], tolerance: float, what_if=()) -> list[RopeTableCheck]:
-    """Each recorded table ({'index', 'cos', 'sin', 'positions', 'theta', 'rope_type', 'calls', 'modules'}, as
-    ``loaders.rope`` reads them) checked by ``check_table``; with its calls' rotated q and k where the table carries
-    them judged (``qk``: a ``numerics.rope_qk.RotatedQK``)."""
+def table_checks(tables: list[dict], tolerance: float, what_if=(), rank: int | None = None) -> list[RopeTableCheck]:
+    """Each recorded table ({'index', 'cos', 'sin', 'positions', 'theta', 'rope_type', 'parameters', 'calls',
+    'modules'}, as ``loaders.rope`` reads them) checked by ``check_table``; with its calls' rotated q and k where the
+    table carries them judged (``qk``: a ``numerics.rope_qk.RotatedQK``); ``rank``: the process of a torchrun capture
+    that recorded them (None: a single process)."""
     out = []
     for table in tables:
         cos = table["cos"]
         found = check_table(
-            cos, table["sin"], table["positions"], table["theta"], tolerance, table["rope_type"], what_if
+            cos,
+            table["sin"],
+            table["positions"],
+            table["theta"],
+            tolerance,
+            table["rope_type"],
+            what_if,
+            table.get("parameters"),
         )
         if table.get("qk") is not None:
             found["qk"] = table["qk"].result(tolerance)
@@ -301,6 +337,8 @@ def table_checks(tables: list[dict], tolerance: float, what_if=()) -> list[RopeT
                 calls=tuple(table["calls"]),
                 modules=tuple(table["modules"]),
                 rope_type=table["rope_type"],
+                parameters=dict(table.get("parameters") or {}),
+                rank=rank,
                 **found,
             )
         )

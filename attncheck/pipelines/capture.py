@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from attncheck.config.capture import CaptureRequest
+from attncheck.config.rope import ROPE_WHAT_IF_PREFIX
 from attncheck.config.run import RunRequest
 from attncheck.errors import AttncheckError
 from attncheck.record import capture
@@ -85,7 +86,7 @@ def _record(request: CaptureRequest, notice, stdout_to_stderr: bool):
         ignore=request.ignore,
         notice=notice,
         script=script,
-        what_if=request.what_if,
+        what_if=(*request.what_if, *(ROPE_WHAT_IF_PREFIX + d for d in request.rope_what_if)),
         asked=request.options if request.grid_asked else None,
         grads=request.grads,
         compile=request.compile,
@@ -147,6 +148,7 @@ def _diagnose(request: CaptureRequest, cap, track, notice):
                 partial=request.partial,
                 what_if=request.what_if,
                 grid_asked=request.grid_asked,
+                rope_what_if=request.rope_what_if,
                 split_ranks=False,  # under torchrun each rank judges its own calls
             ),
             track,

@@ -27,23 +27,27 @@ def run_rope(config: RopeConfig, tick: Callable[[], None] | None = None) -> list
 
 
 def capture_rope_checks(paths, what_if=()) -> list[RopeTableCheck]:
-    """The rotary tables of each capture directory among ``paths`` (a single process's; a torchrun capture's ranks
-    are not read), each against float64 (``numerics.rope.check_table``) at the tolerance ``rope_precision`` uses,
-    with the rotated q and k of the calls under it (``numerics.rope_qk``); ``what_if``: dtypes to recompute each
+    """The rotary tables of each capture directory among ``paths`` (a torchrun capture's ``rankN`` directories, named
+    by their parent or one by one: each rank's tables, named by its rank), each against float64
+    (``numerics.rope.check_table``) at the tolerance ``rope_precision`` uses, with the rotated q and k of the calls
+    under it (``numerics.rope_qk``); ``what_if``: dtypes to recompute each
     table in (--what-if rope:DTYPE)."""
     from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
+    from attncheck.loaders.capture_ranks import rank_dirs
     from attncheck.loaders.manifest import is_capture_dir, load_manifest
     from attncheck.loaders.rope import read_rope_tables
     from attncheck.numerics.rope import table_checks
 
     out: list[RopeTableCheck] = []
     for path in paths or ():
-        if is_capture_dir(path):
-            manifest = load_manifest(path)
-            tables = read_rope_tables(path, manifest)
+        dirs = [path] if is_capture_dir(path) else [sub for _, sub in rank_dirs(path) if is_capture_dir(sub)]
+        for directory in dirs:
+            manifest = load_manifest(directory)
+            rank = manifest.rank if (manifest.world or 1) > 1 else None
+            tables = read_rope_tables(directory, manifest)
             for table in tables:
-                table["qk"] = rotated_qk(path, manifest, table)
-            out.extend(table_checks(tables, ROPE_ANGLE_TOLERANCE, what_if))
+                table["qk"] = rotated_qk(directory, manifest, table)
+            out.extend(table_checks(tables, ROPE_ANGLE_TOLERANCE, what_if, rank=rank))
     return out
 
 

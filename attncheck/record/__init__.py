@@ -30,6 +30,7 @@ from attncheck.config.capture import (
     max_calls_bound,
     parse_forwards,
 )
+from attncheck.config.rope import split_rope_what_if
 from attncheck.config.run import ignore_codes
 from attncheck.errors import AttncheckError
 
@@ -71,6 +72,7 @@ class Capture:
         self.modules = (modules,) if isinstance(modules, str) else tuple(modules or ())
         self.forwards = None if forwards is None else parse_forwards(forwards)
         self.options, self.ignore, self.notice = options, ignore_codes(ignore or ()), notice
+        self.rope_what_if, what_if = split_rope_what_if(what_if)  # rope:DTYPE asks about the rotary tables alone
         self.what_if, self.asked = (params.what_if(what_if) if what_if else ()), asked
         self.script = script
         if not isinstance(grads, bool):
@@ -213,7 +215,8 @@ class Capture:
                 from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
                 from attncheck.numerics.rope import table_checks
 
-                capture["rope"] = table_checks(list(sink.rope_tables.values()), ROPE_ANGLE_TOLERANCE)
+                tables = list(sink.rope_tables.values())
+                capture["rope"] = table_checks(tables, ROPE_ANGLE_TOLERANCE, self.rope_what_if, rank=self.rank)
             device = sink.options.device
             skipped = [(r.call.name, r.error) for r in sink.reports if r.error]
             self.result = RunResult(

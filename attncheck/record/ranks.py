@@ -60,6 +60,7 @@ def rank_directory(path: str | os.PathLike[str], rank: int, world: int | None = 
     removes the captures of ranks beyond ``world`` a larger job left (no rank of this job writes there), so
     that reading the parent finds this job's ranks alone."""
     from attncheck.loaders.calls import CALL_FILE, MANIFEST
+    from attncheck.loaders.rope import ROPE_FILE
 
     parent = Path(os.path.abspath(path))
     try:
@@ -73,7 +74,7 @@ def rank_directory(path: str | os.PathLike[str], rank: int, world: int | None = 
         if (parent / MANIFEST).is_file():
             _check_previous(parent / MANIFEST, parent)
             for p in list(parent.iterdir()):
-                if p.name == MANIFEST or CALL_FILE.match(p.name):
+                if p.name == MANIFEST or CALL_FILE.match(p.name) or ROPE_FILE.match(p.name):
                     with contextlib.suppress(FileNotFoundError):  # another rank removed it first
                         p.unlink()
         if rank == 0 and world is not None:
@@ -89,6 +90,7 @@ def _remove_ranks_beyond(parent: Path, world: int) -> None:
     import re
 
     from attncheck.loaders.calls import CALL_FILE, MANIFEST
+    from attncheck.loaders.rope import ROPE_FILE
 
     for d in parent.iterdir():
         m = re.fullmatch(r"rank(\d{1,7})", d.name)
@@ -100,7 +102,9 @@ def _remove_ranks_beyond(parent: Path, world: int) -> None:
         if owner in files and (holder is None or owner_alive(holder)):
             continue  # another job's process writes it
         own = all(
-            p.is_file() and not p.is_symlink() and (p.name in (MANIFEST, OWNER) or CALL_FILE.match(p.name))
+            p.is_file()
+            and not p.is_symlink()
+            and (p.name in (MANIFEST, OWNER) or CALL_FILE.match(p.name) or ROPE_FILE.match(p.name))
             for p in files
         )
         if own:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
+import math
 import threading
 import weakref
 
@@ -29,20 +31,71 @@ def takes_position_embeddings(module: torch.nn.Module) -> bool:
         return False
 
 
+# The rope parameters the non-default types' frequencies are computed from (transformers' modeling_rope_utils):
+# recorded with each table where the config has them (numbers and flags only).
+ROPE_PARAMETERS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+    "partial_rotary_factor",
+)
+
+
+ROPE_FACTOR_LISTS = ("long_factor", "short_factor")  # longrope's per-frequency factors
+MAX_FACTORS = 4096  # entries of a factor list kept (d/2 of the widest head recorded)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _scalars(source: dict, keys) -> dict:
+    """The finite numbers (as floats), flags and lists of finite numbers (longrope's factors) of ``source`` under
+    ``keys``; anything else left out."""
+    out: dict = {}
+    for key in keys:
+        value = source.get(key)
+        if isinstance(value, bool):
+            out[key] = value
+        elif _number(value):
+            out[key] = float(value)
+        elif isinstance(value, (list, tuple)) and 0 < len(value) <= MAX_FACTORS and all(map(_number, value)):
+            out[key] = [float(v) for v in value]
+    return out
+
+
 def rope_facts(module: torch.nn.Module) -> dict[str, str]:
-    """theta and the RoPE type from the module's config, where it has one (transformers: ``config.rope_parameters``
-    in 5.x, ``rope_theta`` and ``rope_scaling`` before)."""
+    """theta, the RoPE type and its parameters (JSON) from the module's config, where it has one (transformers:
+    ``config.rope_parameters`` in 5.x, ``rope_theta`` and ``rope_scaling`` before; parameters nested by layer type
+    are read under the module's ``layer_type`` where it has one)."""
     config = getattr(module, "config", None)
     if config is None:
         return {}
     rp = getattr(config, "rope_parameters", None)
     rp = rp if isinstance(rp, dict) else {}
+    layer_type = getattr(module, "layer_type", None)
+    if isinstance(layer_type, str) and isinstance(rp.get(layer_type), dict):
+        rp = rp[layer_type]
     scaling = getattr(config, "rope_scaling", None)
+    scaling = scaling if isinstance(scaling, dict) else {}
     theta = rp.get("rope_theta", getattr(config, "rope_theta", None))
-    kind = rp.get("rope_type") or (scaling.get("rope_type") if isinstance(scaling, dict) else None) or "default"
+    kind = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     out = {"rope_type": str(kind)}
     if isinstance(theta, (int, float)) and not isinstance(theta, bool):
         out["theta"] = repr(float(theta))
+    keys = (*ROPE_PARAMETERS, *ROPE_FACTOR_LISTS)
+    parameters = {**_scalars(scaling, keys), **_scalars(rp, keys)}
+    longest = getattr(config, "max_position_embeddings", None)  # yarn's factor where the config gives none
+    parameters.update(_scalars({"max_position_embeddings": longest}, ("max_position_embeddings",)))
+    if kind != "default" and parameters:
+        out["parameters"] = json.dumps(parameters, sort_keys=True)
     return out
 
 

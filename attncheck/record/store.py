@@ -261,6 +261,8 @@ class DirectorySink(Sink):
             entry["theta"] = float(facts["theta"])
         entry["rope_type"] = facts.get("rope_type", "default")
         entry["positions"] = "positions" in staged
+        if "parameters" in facts:  # the type's parameters (factor, ...), as rope_facts wrote them
+            entry["parameters"] = json.loads(facts["parameters"])
         self.rope_tables.append(entry)
 
     def grads(self, call: Recorded, tensors: dict[str, torch.Tensor]) -> None:
@@ -428,6 +430,7 @@ class DiagnoseSink(Sink):
             "positions": kept.get("positions"),
             "theta": float(facts["theta"]) if "theta" in facts else None,
             "rope_type": facts.get("rope_type", "default"),
+            "parameters": json.loads(facts["parameters"]) if "parameters" in facts else {},
             "calls": [],
             "modules": [],
         }

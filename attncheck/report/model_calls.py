@@ -10,6 +10,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from attncheck.findings.rope import table_name
 from attncheck.format import fmt, plain, visible
 from attncheck.report.diagnostics import Block, diagnostic
 from attncheck.report.fit import Fitted, fitted, narrow_table
@@ -286,20 +287,38 @@ def rope_what_if_lines(capture: dict | None) -> list[str]:
             )
             error = "not finite" if w.max_angle_error is None else f"{w.max_angle_error:.3g} rad"
             out.append(
-                f"rope table {check.index} computed in {w.dtype} (positions {check.first_position:,} .. "
+                f"{table_name(check)} computed in {w.dtype} (positions {check.first_position:,} .. "
                 f"{check.last_position:,}): {distinct}; {affected}; angle error up to {error}"
             )
     return out
 
 
+def rope_not_judged_lines(capture: dict | None) -> list[str]:
+    """The recorded rotary tables that were not judged (a RoPE type not modelled, theta unknown, ...), one line each
+    with the reason, which names the type."""
+    return [
+        f"{table_name(check)} ({len(check.calls)} call(s)): {check.note}"
+        for check in (capture or {}).get("rope") or ()
+        if not check.judged
+    ]
+
+
 def capture_block(report: ModelReport) -> Group | None:
-    """The capture's own findings (capture_incomplete, rope_precision), each a diagnostic; and the RoPE what-ifs."""
+    """The capture's own findings (capture_incomplete, rope_precision), each a diagnostic; the rotary tables not
+    judged; and the RoPE what-ifs."""
     what_ifs = rope_what_if_lines(report.capture)
-    if not report.findings and not what_ifs:
+    unjudged = rope_not_judged_lines(report.capture)
+    if not report.findings and not what_ifs and not unjudged:
         return None
     parts: list[Any] = [Text("Findings of the capture itself", style="bold")] if report.findings else []
     for f in report.findings:
         parts += [diagnostic(f.severity, f.code, f.message, None, f.fix), Text("")]
+    if unjudged:
+        text = Text("Rotary tables not judged:\n", style="bold")
+        for line in unjudged:
+            text.append(f"  {visible(line)}\n", style="yellow")
+        text.rstrip()
+        parts.append(text)
     if what_ifs:
         text = Text("What if the rotary tables were computed in another dtype (--what-if rope:DTYPE):\n", style="bold")
         for line in what_ifs:

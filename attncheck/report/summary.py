@@ -17,6 +17,7 @@ from attncheck.format import visible
 from attncheck.model import BAD_VERDICTS
 from attncheck.report.diagnostics import SEVERITY_STYLE, Hanging, diagnostic
 from attncheck.report.model import SEVERITY_ORDER
+from attncheck.report.model_calls import rope_not_judged_lines
 from attncheck.results.common import Finding
 from attncheck.results.model import CallReport, ModelLine, ModelReport
 from attncheck.results.run import TensorDiagnosis
@@ -108,6 +109,10 @@ def model_summary(report: ModelReport, calls: list[CallReport], device: str) -> 
         note = None  # capture_incomplete below says why recording stopped
     if note:
         parts.append(_line("capture", str(note), style="yellow"))
+    unjudged = rope_not_judged_lines(report.capture)  # rotary tables of a type not modelled: said by name
+    if unjudged:
+        more = f" (and {len(unjudged) - 1} more)" if len(unjudged) > 1 else ""
+        parts.append(_line("not judged", unjudged[0] + more, style="yellow"))
     for name, why in report.skipped[:1]:
         more = f" (and {len(report.skipped) - 1} more)" if len(report.skipped) > 1 else ""
         parts.append(_line("skipped", f"{name}: {why}{more}", style="yellow"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,8 @@ class RopeQKCheck:
 
 @dataclass(frozen=True)
 class RopeTableCheck:
-    """A rotary table a capture recorded, against float64 cos and sin of its positions and inverse frequencies."""
+    """A rotary table a capture recorded, against float64 cos and sin of its positions and inverse frequencies (of its
+    RoPE type: default, linear, llama3, yarn, longrope; any other type is not judged, ``note`` says so by name)."""
 
     index: int  # the table's number in the capture
     shape: tuple[int, ...]
@@ -100,3 +101,9 @@ class RopeTableCheck:
     fp32_recipe_error: float | None = None  # the same positions computed in fp32 and cast to the table's dtype
     what_if: tuple[RopeWhatIf, ...] = ()  # --what-if rope:DTYPE: reported apart, never the model's finding
     qk: RopeQKCheck | None = None  # the rotated q and k of its calls; None where no call's q was judged
+    # the config's rope parameters recorded with the table (factor, low_freq_factor, original_max_position_embeddings,
+    # attention_factor, ...: numbers and flags), which the non-default types' frequencies are computed from
+    parameters: dict[str, float | bool] = field(default_factory=dict)
+    rank: int | None = None  # the process of a torchrun capture that recorded it; None: a single process
+    attention_factor: float | None = None  # the radius cos and sin are judged against: yarn's, longrope's, else 1
+    max_magnitude_error: float | None = None  # the largest |sqrt(cos^2 + sin^2) / attention_factor - 1|
