@@ -19,7 +19,13 @@ runner = CliRunner()
         (
             "fp32-seq",
             "attncheck: error: --accumulate: 'fp32-seq' is not a sum kept in 16 bits: give DTYPE-ORDER with DTYPE one "
-            "of fp16, bf16 and ORDER one of seq, pairwise, block, e.g. fp16-seq, fp16-pairwise, fp16-block:64",
+            "of fp16, bf16 and ORDER one of seq, pairwise, block, online, e.g. fp16-seq, fp16-pairwise, fp16-block:64, "
+            "fp16-online",
+        ),
+        (
+            "bf16-online",
+            "attncheck: error: --accumulate: 'bf16-online': llama.cpp's online kernel keeps P@V in 16 bits only for "
+            "an f16 V cache (with a bf16 V it accumulates in fp32); give fp16-online",
         ),
         (
             "fp16-block",
