@@ -147,6 +147,7 @@ def _diagnose(request: CaptureRequest, cap, track, notice):
                 partial=request.partial,
                 what_if=request.what_if,
                 grid_asked=request.grid_asked,
+                accumulate=request.accumulate,
                 split_ranks=False,  # under torchrun each rank judges its own calls
             ),
             track,
