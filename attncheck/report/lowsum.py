@@ -65,20 +65,44 @@ def _worst(st: LowSumStats) -> float:
     return max(st.denom_err_max, st.out_err_max)
 
 
+def layer_affixes(modules: list[str]) -> tuple[str, str]:
+    """The dotted parts every layer's name starts and ends with ('model.layers.', '.self_attn'), cut from the
+    table's first column where two layers or more differ only between them."""
+    names = [m.split(".") for m in dict.fromkeys(modules) if m]
+    if len(names) < 2:
+        return "", ""
+    head = 0
+    while all(len(n) > head + 1 and n[head] == names[0][head] for n in names):
+        head += 1
+    tail = 0
+    while all(len(n) > head + tail + 1 and n[-1 - tail] == names[0][-1 - tail] for n in names):
+        tail += 1
+    prefix = ".".join(names[0][:head]) + ("." if head else "")
+    suffix = ("." if tail else "") + ".".join(names[0][len(names[0]) - tail :])
+    return prefix, suffix
+
+
 def sums_table(report: CaptureSums, full: bool = False) -> Table:
     """Per layer (attention module) and sum: its calls, the keys, the largest errors over its calls against
-    float64, and the overflowed rows with the key and the first call they went at ('2 at 1,024 #3')."""
+    float64, and the overflowed rows with the key and the first call they went at ('2 at 1,024 #3'); a layer's
+    name on its first row, less what every layer's name shares (``layer_affixes``)."""
+    prefix, suffix = layer_affixes([x.module for x in report.layers])
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
-    t.add_column("layer", overflow="fold")  # the one that folds where a terminal is too narrow
+    t.add_column("L" if prefix or suffix else "layer", overflow="fold")  # folds where a terminal is too narrow
     for name in ("calls", "sum", "keys", "denom err", "out err", "out ovf"):
         t.add_column(name, justify="left" if name == "sum" else "right", no_wrap=True)
     shown = report.layers if full else _layer_order(report.layers)[:SUM_ROWS]
+    said = None
     for layer in shown if full else sorted(shown, key=report.layers.index):  # the layers' order, as they ran
         st = layer.stats
+        name = ("" if layer.rank is None else f"r{layer.rank} ") + (layer.module or "global")
+        if prefix or suffix:
+            name = name.replace(prefix, "", 1).removesuffix(suffix)
+        name, said = ("" if name == said else name), name
         bad = st.denom_overflow_rows or st.out_overflow_rows
         first = f" #{layer.first_call}" if layer.first_call is not None and st.out_first is not None else ""
         t.add_row(
-            ("" if layer.rank is None else f"r{layer.rank} ") + (layer.module or "global"),
+            name,
             f"{len(layer.calls):,}",
             Text(layer.label, style="bold red" if bad else ""),
             f"{layer.keys:,}",
@@ -87,6 +111,11 @@ def sums_table(report: CaptureSums, full: bool = False) -> Table:
             (_at(st.out_first, st.out_overflow_rows) + first) if st.out_rows else "-",
         )
     return t
+
+
+def _layer_legend(report: CaptureSums) -> str:
+    prefix, suffix = layer_affixes([x.module for x in report.layers])
+    return f"L: layer {prefix}L{suffix}; " if prefix or suffix else ""
 
 
 def sums_block(report: CaptureSums, brief: bool = False, full: bool = False) -> Group:
@@ -106,7 +135,8 @@ def sums_block(report: CaptureSums, brief: bool = False, full: bool = False) -> 
         parts.append(
             Text(
                 visible(
-                    "calls: the layer's calls; denom err, out err: the largest relative error against float64 of the "
+                    _layer_legend(report)
+                    + "calls: the layer's calls; denom err, out err: the largest relative error against float64 of the "
                     "softmax denominator and of the output over the calls' rows that stay finite; out ovf: rows whose "
                     "P@V accumulator overflowed, at the key it went, in the first call (#) it did"
                 ),
