@@ -22,7 +22,9 @@ CODES: tuple[Code, ...] = (
         "With `--accumulate`, the softmax denominator sum_j exp(s_j - m) (and with V the output's sum_j "
         "exp(s_j - m) v_j) is accumulated as a CPU engine keeps it: in fp16 or bf16, one rounding per key "
         "(`seq`, tract's f16 softmax before PR 2586 and llama.cpp's f16 V accumulator), per node of a balanced "
-        "tree (`pairwise`) or between blocks of fp32 sums (`block:B`). Once the running total outgrows its "
+        "tree (`pairwise`), between blocks of fp32 sums (`block:B`), or as llama.cpp's CPU flash attention runs "
+        "(`online`: the f16 P@V rescaled at each new running max, the row sum in fp32). Once the running total "
+        "outgrows its "
         "terms, additions round away: 4,096 equal logits sum to 2,048 in fp16 (its spacing is 2 there), and the "
         "row's probabilities sum to 2. The error of a sequential sum grows as n u, of a tree as log2(n) u.",
         f"max over rows of |S - S64| / S64 (or max_d |O - O64| / max_d |O64|) > {LOWSUM_ERROR_REL:g} "
@@ -46,7 +48,9 @@ np.save("scores.npy", np.zeros((4, 4096), dtype=np.float32))  # equal logits: ev
         "row sum at the end (llama.cpp's `VKQ16`). That sum grows with the keys that carry weight near 1 times "
         "|V|: past fp16's rounding limit 65,520 (65,504 + half its ulp) it is inf, and the output inf or NaN "
         "(ik_llama.cpp PR 1196: NaN at a 64k-token context). The message names the row, the key at which the "
-        "accumulator went (after how many keys), the head dim and the partial sum before it.",
+        "accumulator went (after how many keys), the head dim and the partial sum before it. On a capture it names "
+        "the layer and the call. An online kernel's partial sums are taken against the running max, never smaller "
+        "than the final max's: it can overflow where a two-pass sum stays finite.",
         "an accumulator's partial sum rounds to inf or NaN in the dtype: for fp16, an exact partial sum >= "
         "65,520; with equal logits and V = c in blocks of B keys, at key B ceil(65,520 / (B c)) once B c > 16 "
         "(smaller block sums stall below the limit).",
