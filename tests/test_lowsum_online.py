@@ -127,3 +127,27 @@ def test_online_spec_is_fp16_only() -> None:
         sum_specs("bf16-online")
     with pytest.raises(AttncheckError, match="only order block takes"):
         sum_specs("fp16-online:8")
+
+
+def _pv_err(g: torch.Generator, keys: int, orders: tuple[str, ...]) -> list[float]:
+    """The mean P@V error of 2 rows of N(0,1) logits and V (fp16, head dim 16) per order."""
+    x = torch.randn(2, keys, generator=g, dtype=torch.float64)
+    v = torch.randn(2, keys, 16, generator=g).half()
+    return [float(row_sums(x, SumSpec("fp16", o), v).out_err.mean()) for o in orders]
+
+
+@pytest.mark.slow
+def test_online_pv_error_grows_with_the_keys() -> None:
+    """docs/long-context.md's P@V table: llama.cpp's f16 VKQ16 loses more as the keys grow (every key is
+    rounded into it): over 2x from 1,024 to 16,384 keys (seeds 0-3 give 3.8x, 2.8x, 3.3x, 2.9x)."""
+    g = torch.Generator().manual_seed(0)
+    short = _pv_err(g, 1024, ("online",))[0]
+    assert _pv_err(g, 16384, ("online",))[0] > 2 * short
+
+
+def test_online_pv_error_between_the_tree_and_the_sequential_sum() -> None:
+    """docs/long-context.md's P@V table at 4,096 keys: llama.cpp's kernel (fp32 S) stays above a tree's log2(n) u
+    error and far below the two-pass sequential sum, whose own f16 denominator has lost most of the row."""
+    g = torch.Generator().manual_seed(0)
+    pair, online, seq = _pv_err(g, 4096, ("pairwise", "online", "seq"))
+    assert pair < online < 0.05 < seq
