@@ -41,9 +41,12 @@ What is computed here (one rule for every order, so that orders compare on the s
   score in fp32; if ``s > M``: ``M = s``, ``ms = expf(Mold - M)`` (0 at the first key), ``VKQ16 *= ms`` by
   ``ggml_vec_scale_f16`` (each element f16 -> fp32, times ms in fp32, back to f16), ``vs = 1``; else ``vs =
   expf(s - M)``; then ``ggml_vec_mad_f16``: ``VKQ16 = f16(fp32(VKQ16 + v*vs))`` (one fused multiply-add in fp32,
-  as the AVX2/NEON builds' ``GGML_F16_VEC_FMA`` does, then the f16 store); and ``S = fp32(fp32(S*ms) + vs)`` in
-  fp32. At the end ``O = fp32(VKQ16) * fp32(1/S)``. The score is the float64 reference rounded once to fp32 (the
-  kernel's own q.k dot product is not judged here: the sums are), ``expf`` is the correctly rounded fp32 exp.
+  as the AVX2/NEON builds' ``GGML_F16_VEC_FMA`` does, then the f16 store); and ``S = fp32(S*ms + vs)`` in fp32,
+  one rounding: the multiply-add contracted to an FMA, as GCC does by default where the target has one (without
+  it S*ms rounds first; the two differ only at keys that raise the max). At the end ``O = fp32(VKQ16) *
+  fp32(1/S)``. V is cast to f16 whatever its dtype (the f16 cache); the score is the float64 reference rounded once
+  to fp32 (the kernel's own q.k dot product is not judged here: the sums are); ``expf`` is the correctly rounded
+  fp32 exp.
   The denominator is ``S`` (fp32: it never leaves the range); P@V is ``VKQ16``. The loop runs over keys, as the
   kernel's sequential dependence requires (each key's rescale and rounding act on the sum so far), vectorised
   over every row and head dim.
