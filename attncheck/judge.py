@@ -14,7 +14,7 @@ from __future__ import annotations
 from attncheck.codes import FIX, SEVERITIES, SEVERITY
 from attncheck.findings import backward_findings, findings_for, sink_findings, softcap_findings
 from attncheck.findings.activations import activation_findings
-from attncheck.findings.lowsum import lowsum_findings
+from attncheck.findings.lowsum import capture_sums_findings, lowsum_findings
 from attncheck.model import head_findings, setting_choices
 from attncheck.numerics.cells import calls
 from attncheck.numerics.cells import diagnose as cells
@@ -33,6 +33,7 @@ __all__ = [
     "judge_backward",
     "judge_call",
     "judge_diagnosis",
+    "judge_capture_sums",
     "judge_lowsum",
 ]
 
@@ -76,16 +77,29 @@ def judge_call(report: CallReport) -> CallReport:
     return report
 
 
-def judge_lowsum(diag: TensorDiagnosis) -> None:
-    """The findings of the sums kept in 16 bits (``diag.lowsum``, --accumulate), added to the diagnosis."""
-    found: list[Finding] = []
+def _adder(found: list[Finding]):
+    """The ``add`` a findings group calls, appending to ``found`` with each code's severity and fix."""
 
     def add(code: str, message: str, cells_hit=(), rows: int = 0, examples=(), severity: str | None = None) -> None:
         found.append(Finding(code, severity or SEVERITY[code], message, FIX[code], [], rows, list(examples)))
 
-    lowsum_findings(diag, add)
+    return add
+
+
+def judge_lowsum(diag: TensorDiagnosis) -> None:
+    """The findings of the sums kept in 16 bits (``diag.lowsum``, --accumulate), added to the diagnosis."""
+    found: list[Finding] = []
+    lowsum_findings(diag, _adder(found))
     if found:
         diag.findings = _merged(diag.findings, found)
+
+
+def judge_capture_sums(report) -> None:
+    """The findings of --accumulate on a capture (results.lowsum.CaptureSums), per layer and sum: the report's own,
+    apart from the calls' diagnoses (a what-if: never the model's verdict)."""
+    found: list[Finding] = []
+    capture_sums_findings(report, _adder(found))
+    report.findings = _merged([], found)
 
 
 def diagnose(*args, **kwargs) -> TensorDiagnosis:

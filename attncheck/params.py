@@ -498,10 +498,11 @@ def scales(value: Any, param: str = "scales") -> tuple[Scale, ...]:
 
 
 # Sums kept in 16 bits (numerics.methods.lowsum): --accumulate DTYPE-ORDER[:BLOCK], e.g. fp16-seq, bf16-pairwise,
-# fp16-block:64. The dtype holds every partial sum (seq: one running total, as tract's generic f16 softmax;
-# pairwise: a balanced tree; block: each block of BLOCK keys summed in fp32, the total between blocks in the dtype).
+# fp16-block:64, fp16-online. The dtype holds every partial sum (seq: one running total, as tract's generic f16
+# softmax; pairwise: a balanced tree; block: each block of BLOCK keys summed in fp32, the total between blocks in the
+# dtype; online: llama.cpp's CPU flash attention, its f16 P@V accumulator rescaled at each new running max).
 LOWSUM_DTYPES = ("fp16", "bf16")
-LOWSUM_ORDERS = ("seq", "pairwise", "block")
+LOWSUM_ORDERS = ("seq", "pairwise", "block", "online")
 
 
 @dataclass(frozen=True)
@@ -520,7 +521,7 @@ class SumSpec:
 def sum_specs(value: Any, param: str = "accumulate") -> tuple[SumSpec, ...]:
     """'fp16-seq,bf16-block:64' (or a list of such) -> SumSpecs, in the order given, without repeats."""
     out: list[SumSpec] = []
-    forms = ", ".join(f"{d}-{o}" for d in LOWSUM_DTYPES[:1] for o in LOWSUM_ORDERS[:2]) + ", fp16-block:64"
+    forms = ", ".join(f"{d}-{o}" for d in LOWSUM_DTYPES[:1] for o in LOWSUM_ORDERS[:2]) + ", fp16-block:64, fp16-online"
     for item in items(value, param):
         text = str(item).strip().lower()
         dtype, dash, rest = text.partition("-")
@@ -538,6 +539,12 @@ def sum_specs(value: Any, param: str = "accumulate") -> tuple[SumSpec, ...]:
                    f"gives a size, which only order block takes (e.g. {dtype}-block:{size})"),
                 param=param,
             )  # fmt: skip
+        if order == "online" and dtype != "fp16":
+            raise AttncheckError(
+                f"{show(item)}: llama.cpp's online kernel keeps P@V in 16 bits only for an f16 V cache (with a bf16 "
+                "V it accumulates in fp32); give fp16-online",
+                param=param,
+            )
         try:
             block = integer(size, param, 1) if colon else 0
         except AttncheckError:

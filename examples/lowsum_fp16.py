@@ -6,6 +6,7 @@
    in blocks of 64 (fp32 inside, fp16 between) it reaches 65,536 >= 65,520 at the last key and is inf
    (`accumulator_overflow`), the 64k-context NaN of ikawrakow/ik_llama.cpp PR 1196.
 3. The growth of the denominator's error with the row length, per order, on N(0,1) logits (printed).
+4. The same for P@V with V ~ N(0, 1), fp16-online (llama.cpp's CPU flash attention) beside the others (printed).
 
     python examples/lowsum_fp16.py [OUTDIR]
 """
@@ -51,4 +52,15 @@ print("keys    " + "".join(f"{s.label:>15}" for s in specs))
 for keys in (1024, 4096, 16384, 65536):
     x = torch.randn(4, keys, generator=g, dtype=torch.float64)
     errs = [float(row_sums(x, s).denom_err.mean()) for s in specs]
+    print(f"{keys:<8}" + "".join(f"{e:>15.2e}" for e in errs))
+
+# 4. P@V: the output's relative error (max over the head dim, against max |O64|) with V ~ N(0, 1) in fp16, head dim
+#    16; fp16-online is llama.cpp's CPU flash attention (f16 VKQ16 rescaled at each new max, fp32 S)
+specs = sum_specs("fp16-seq,fp16-pairwise,fp16-block:64,fp16-online")
+print("mean relative error of P@V against float64, 4 rows of N(0,1) logits, V N(0,1) in fp16, head dim 16")
+print("keys    " + "".join(f"{s.label:>15}" for s in specs))
+for keys in (1024, 4096, 16384, 65536):
+    x = torch.randn(4, keys, generator=g, dtype=torch.float64)
+    v = torch.randn(4, keys, 16, generator=g).half()
+    errs = [float(row_sums(x, s, v).out_err.mean()) for s in specs]
     print(f"{keys:<8}" + "".join(f"{e:>15.2e}" for e in errs))

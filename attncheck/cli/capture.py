@@ -40,6 +40,7 @@ from attncheck.cli.options import (
     progress_shown,
 )
 from attncheck.cli.run_checks import Accum, Order, cell_options, check_summary, fa4_options, parse_fail_on
+from attncheck.cli.run_options import AccumulateOpt
 from attncheck.config.capture import DEFAULT_MAX_BYTES, DEFAULT_MAX_CALLS, DEFAULT_OUT, CaptureRequest, parse_forwards
 from attncheck.config.rope import split_rope_what_if
 from attncheck.config.run import chunk_elements_for, ignore_codes
@@ -151,6 +152,7 @@ def capture(
     quiet: QuietOpt = False,
     rescale_threshold: RescaleThresholdOpt = None,
     max_offset: MaxOffsetOpt = None,
+    accumulate: AccumulateOpt = None,
 ) -> None:
     """Run a Python script under capture and diagnose every attention call it makes.
 
@@ -189,6 +191,7 @@ def capture(
             rescale_threshold,
             max_offset,
             partial,
+            accumulate,
         )
         say = notices(quiet)
         outcome = _run(request, quiet, say, json_out)
@@ -225,6 +228,7 @@ def _request(
     rescale_threshold,
     max_offset,
     partial,
+    accumulate=None,
 ):
     """The options checked and the capture request built from them: (--fail-on conditions, ignored codes,
     CaptureRequest). Raises AttncheckError on a bad option, before torch is imported."""
@@ -234,6 +238,13 @@ def _request(
     check_summary(summary, full)
     rope_what_if, what_if = split_rope_what_if(what_if)  # rope:DTYPE asks about the rotary tables alone
     asked_what_if = params.what_if(what_if) if what_if is not None else ()
+    sums = params.sum_specs(accumulate, "accumulate") if accumulate is not None else ()
+    if sums and no_save:
+        raise AttncheckError(
+            "reads each call's tensors again after its diagnosis, and --no-save keeps none: drop --no-save (or "
+            "capture first, then: attncheck run OUT --accumulate ...)",
+            param="accumulate",
+        )
     options, grid_asked = cell_options(
         dtype,
         method,
@@ -263,6 +274,7 @@ def _request(
         grads=not no_grads,
         compile=params.choice(compile_mode, ("eager", "keep"), "compile"),
         rope_what_if=rope_what_if,
+        accumulate=sums,
     )
     return conditions, ignored, request
 

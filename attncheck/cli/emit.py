@@ -47,6 +47,11 @@ def emit(
         from attncheck.report.kvcache import kv_block  # ~0.1 s to import: not for --help or a bad argument
 
         report_console().print(kv_block(kv, brief=brief or summary, full=full))
+    sums = getattr(result, "sums", None)
+    if sums is not None and json_out != "-" and summary_only is None:
+        from attncheck.report.lowsum import sums_block  # ~0.1 s to import: not for --help or a bad argument
+
+        report_console().print(sums_block(sums, brief=brief or summary, full=full))
     _exit(result, failed)
 
 
@@ -75,7 +80,18 @@ def _failed(result, conditions: list[str], ignored: tuple[str, ...]):
         for what in kv.caches:
             failed += [WHAT_IF_PREFIX + f for f in failed_by_findings(what.findings, asked, ignored, what.name)]
             failed += failed_by_findings(what.findings, own, ignored, what.name)
-    if asked and not what_ifs and kv is None and not any(c.sinks is not None and c.sinks.nosinks for c in result.calls):
+    sums = getattr(result, "sums", None)  # --accumulate on a capture: a what-if, failing only what-if:COND
+    if sums is not None:
+        from attncheck.findings import failed_by_findings  # ~0.1 s to import: not for --help or a bad argument
+
+        failed += [WHAT_IF_PREFIX + f for f in failed_by_findings(sums.findings, asked, ignored, "--accumulate")]
+    if (
+        asked
+        and not what_ifs
+        and kv is None
+        and sums is None
+        and not any(c.sinks is not None and c.sinks.nosinks for c in result.calls)
+    ):
         # a what-if condition with no what-if computed would pass whatever the model does: refused, not passed
         raise fail(
             AttncheckError(
@@ -124,6 +140,10 @@ def _write_json(result, failed: list[str], kv, json_out: str) -> None:
             from attncheck.report.kvcache import kv_json  # ~0.1 s to import: not for --help or a bad argument
 
             doc["kv_cache"] = kv_json(kv)
+        if getattr(result, "sums", None) is not None:
+            from attncheck.report.lowsum import sums_json  # ~0.1 s to import: not for --help or a bad argument
+
+            doc["accumulate"] = sums_json(result.sums)
         write_json(json.dumps(doc, indent=2, allow_nan=False), json_out)
     except AttncheckError as e:
         raise fail(e) from None

@@ -47,7 +47,9 @@ AccumulateOpt = Annotated[
         help=(
             "Also keep the softmax denominator (and with V, P@V) in 16 bits as CPU engines do, against float64: "
             "fp16-seq or bf16-seq (one rounding per key), fp16-pairwise (a tree), fp16-block:64 (fp32 inside blocks "
-            "of 64 keys, fp16 between). Score files and --q/--k; findings lowsum_error, accumulator_overflow."
+            "of 64 keys, fp16 between), fp16-online (llama.cpp's CPU flash attention: f16 P@V rescaled at each new "
+            "max). Score files, --q/--k, and a capture's calls (per call and layer: a what-if there, failing only "
+            "--fail-on what-if:COND); findings lowsum_error, accumulator_overflow."
         ),
     ),
 ]

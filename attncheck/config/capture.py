@@ -33,6 +33,7 @@ class CaptureRequest:
     partial: bool = False
     what_if: tuple[str, ...] = ()  # as RunRequest's
     grid_asked: bool = False
+    accumulate: tuple = ()  # as RunRequest's: sums kept in 16 bits (params.SumSpec), asked of the calls recorded
     grads: bool = True  # record dO and the kernels' gradients when the script runs a backward
     compile: str = (
         "eager"  # torch.compile'd code: run as its eager code and recorded, or kept compiled and not recorded

@@ -149,6 +149,7 @@ def _diagnose(request: CaptureRequest, cap, track, notice):
                 what_if=request.what_if,
                 grid_asked=request.grid_asked,
                 rope_what_if=request.rope_what_if,
+                accumulate=request.accumulate,
                 split_ranks=False,  # under torchrun each rank judges its own calls
             ),
             track,

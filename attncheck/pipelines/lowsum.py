@@ -3,7 +3,12 @@
 
 Runs after the diagnosis, on the same inputs read again in row blocks: score files as given (the denominator;
 no V), and Q/K with V (the denominator and P@V). The inputs are re-read rather than threaded through the
-diagnosis so that the cells' code stays as it is; reading costs a fraction of the diagnosis."""
+diagnosis so that the cells' code stays as it is; reading costs a fraction of the diagnosis.
+
+A capture's calls are run by kernels whose sums are known (torch's keep them in fp32): there the sums are a
+what-if, as the KV cache's are. Each call gets its numbers (``CallSums``), its layer the worst of its calls
+(``LayerSums``, one per attention module and sum, as the model report groups a module's decode steps), and the
+findings name the layer and the call; they stay apart from the calls' diagnoses (``CaptureSums``)."""
 
 from __future__ import annotations
 
@@ -12,15 +17,17 @@ from typing import Callable
 import torch
 
 from attncheck.config.run import RunRequest
-from attncheck.errors import AttncheckError, param
-from attncheck.results import CallReport, TensorDiagnosis
+from attncheck.results import CallReport, CallSums, CaptureSums, LayerSums, LowSumStats, TensorDiagnosis
+
+FILE_KINDS = ("qk", "scores", "unknown")  # calls read from files, not from a capture: their implementation is unknown
 
 
 def attach_lowsum(
     request: RunRequest, options, diags: list[TensorDiagnosis], calls: list[CallReport], qk_inputs: Callable
-) -> None:
+) -> CaptureSums | None:
     """Every diagnosis of ``diags`` (the q/k request or the built-in example) or of ``calls`` (files, in input
-    order) gets ``lowsum``, one ``LowSumStats`` per accumulation asked, and the findings they lead to.
+    order) gets ``lowsum``, one ``LowSumStats`` per accumulation asked, and the findings they lead to; a capture's
+    calls give the returned ``CaptureSums`` instead (None when there is none).
     ``qk_inputs``: how ``pipelines.run`` reads and prepares --q/--k/--v (passed in: no import cycle)."""
     from attncheck.judge import judge_lowsum
     from attncheck.numerics.methods.lowsum import qk_blocks, rows_per_block, stats
@@ -33,7 +40,7 @@ def attach_lowsum(
         for d in diags:
             d.lowsum = stats(qk_blocks(inp, rows), specs)
             judge_lowsum(d)
-        return
+        return None
     if request.example:
         from attncheck.demo import example_scores
 
@@ -41,11 +48,12 @@ def attach_lowsum(
         for d in diags:
             d.lowsum = stats([(x.reshape(-1, x.shape[-1]), None)], specs)
             judge_lowsum(d)
-        return
+        return None
     from attncheck.loaders import TensorSource
     from attncheck.loaders.calls import open_inputs
 
     inputs, _ = open_inputs(request.paths, request.keys, request.max_memory)
+    captured: list[CallSums] = []
     for item, call in zip(inputs, calls):
         if call.diagnosis is None:  # skipped with --partial
             continue
@@ -54,26 +62,65 @@ def attach_lowsum(
             blocks = ((b.to(torch.float64), None) for b in item.row_blocks(rows))
         else:
             blocks = _call_blocks(item, chunk, request.max_memory)
-        call.diagnosis.lowsum = stats(blocks, specs)
-        judge_lowsum(call.diagnosis)
+        found = stats(blocks, specs)
+        if isinstance(item, TensorSource) or item.info.kind in FILE_KINDS:
+            call.diagnosis.lowsum = found
+            judge_lowsum(call.diagnosis)
+        else:
+            info = call.call
+            captured.append(CallSums(info.index, info.name, info.module, info.rank, found))
+    return _capture_sums(request, captured) if captured else None
 
 
-def check_lowsum_inputs(request: RunRequest) -> None:
-    """Before any work: --accumulate on a capture's calls is refused in one line (their kernels' sums are known;
-    the what-if report has no place for them yet), from the files' headers alone."""
-    if not request.accumulate or not request.paths:
-        return
-    from attncheck.loaders import TensorSource
-    from attncheck.loaders.calls import open_inputs
+def _capture_sums(request: RunRequest, captured: list[CallSums]) -> CaptureSums:
+    """The captured calls' sums grouped per layer and judged, less the codes --ignore drops."""
+    from attncheck.judge import judge_capture_sums
 
-    inputs, _ = open_inputs(request.paths, request.keys, request.max_memory)
-    for item in inputs:
-        if not isinstance(item, TensorSource) and item.info.kind not in ("qk", "scores", "unknown"):
-            raise AttncheckError(
-                f"{param('accumulate')} asks how sums kept in 16 bits would do on score files and q/k/v dumps; "
-                f"{item.info.name} is a captured call, run by a kernel whose sums are known: dump its q, k and v and "
-                f"give them with {param('q')}, {param('k')} and {param('v')}"
-            )
+    report = CaptureSums([st.label for st in captured[0].sums], captured, layer_sums(captured))
+    judge_capture_sums(report)
+    report.findings = [f for f in report.findings if f.code not in request.ignore]
+    return report
+
+
+def layer_sums(calls: list[CallSums]) -> list[LayerSums]:
+    """Per attention module (and rank) and sum, in the order the modules first ran: the calls folded into one
+    ``LowSumStats`` (rows summed, errors their largest, the mean over every finite row, the first overflow)."""
+    layers: dict[tuple, list[LayerSums]] = {}
+    for call in calls:
+        key = (call.rank, call.module)
+        if key not in layers:
+            layers[key] = [
+                LayerSums(
+                    call.module, call.rank, st.label, [], 0, LowSumStats(st.label, dtype_max=st.dtype_max), call.index
+                )
+                for st in call.sums
+            ]
+        for layer, st in zip(layers[key], call.sums):
+            _fold(layer, call.index, st)
+    return [layer for group in layers.values() for layer in group]
+
+
+def _fold(layer: LayerSums, index: int, st: LowSumStats) -> None:
+    """One call's ``st`` folded into its layer's."""
+    m = layer.stats
+    if max(st.denom_err_max, st.out_err_max) > max(m.denom_err_max, m.out_err_max):
+        layer.worst_call = index
+    if layer.first_call is None and (st.denom_first is not None or st.out_first is not None):
+        layer.first_call = index
+    have, new = m.rows - m.denom_overflow_rows, st.rows - st.denom_overflow_rows
+    if have + new:
+        m.denom_err_mean = (m.denom_err_mean * have + st.denom_err_mean * new) / (have + new)
+    layer.calls.append(index)
+    layer.keys = m.keys = max(m.keys, st.keys)
+    m.rows += st.rows
+    m.denom_err_max = max(m.denom_err_max, st.denom_err_max)
+    m.denom_overflow_rows += st.denom_overflow_rows
+    m.denom_first = st.denom_first if m.denom_first is None else m.denom_first
+    m.out_rows += st.out_rows
+    m.out_err_max = max(m.out_err_max, st.out_err_max)
+    m.out_overflow_rows += st.out_overflow_rows
+    m.out_first = st.out_first if m.out_first is None else m.out_first
+    m.out_peak = max(m.out_peak, st.out_peak)
 
 
 def _call_blocks(item, chunk: int, max_bytes: int):

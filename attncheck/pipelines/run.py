@@ -36,10 +36,6 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     from attncheck.results import CallInfo
 
     track = track or (lambda name, rows: None)
-    if request.accumulate:  # a capture's calls are refused before any work
-        from attncheck.pipelines.lowsum import check_lowsum_inputs
-
-        check_lowsum_inputs(request)
     if request.split_ranks:
         from attncheck.pipelines.ranks import split_job
 
@@ -74,15 +70,22 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     else:
         calls, capture, skipped = _run_files(request, options, track, notice, amax)
         diags = [c.diagnosis for c in calls if c.diagnosis is not None]
-    if request.accumulate:  # sums kept in 16 bits: judged beside the cells, before --ignore applies
-        from attncheck.pipelines.lowsum import attach_lowsum
-
-        attach_lowsum(request, options, diags, calls, qk_inputs)
+    sums = _sums(request, options, diags, calls)
     model = _judged(request, diags, calls, skipped, capture)
     if params.WHAT_IF_NOSINKS in request.what_if and notice is not None and not any(c.sinks for c in calls):
         notice("--what-if nosinks: no call has learned sinks (gpt-oss's): nothing to drop, nothing computed")
     kv = _run_kv(request, prepared, amax) if params.kv_what_ifs(request.what_if) else None
-    return RunResult(diags, device_label(dev), calls, model, kv=kv)
+    return RunResult(diags, device_label(dev), calls, model, kv=kv, sums=sums)
+
+
+def _sums(request: RunRequest, options, diags: list, calls: list):
+    """--accumulate: sums kept in 16 bits, judged beside the cells before --ignore applies; a capture's calls give
+    their own report (pipelines.lowsum), returned (None without one)."""
+    if not request.accumulate:
+        return None
+    from attncheck.pipelines.lowsum import attach_lowsum
+
+    return attach_lowsum(request, options, diags, calls, qk_inputs)
 
 
 def _judged(request: RunRequest, diags: list, calls: list, skipped: list, capture):
@@ -122,9 +125,10 @@ def _run_split(request: RunRequest, job, track: Track, notice) -> RunResult:
         calls = [c for _, c in sorted((pc for part in parts for pc in part[1]), key=lambda pc: pc[0])]
         skipped = [(c.call.name, c.error) for c in calls if c.diagnosis is None and c.error is not None]  # --partial
         diags = [c.diagnosis for c in calls if c.diagnosis is not None]
+        sums = _sums(request, request.options, diags, calls)  # rank 0 alone: after the calls are put in order
         model = _judged(request, diags, calls, skipped, capture)
         kv = _merge_kv(request, [part[3] for part in parts], share.kv_layers) if parts[0][3] is not None else None
-        return RunResult(diags, device_label(dev), calls, model, kv=kv)
+        return RunResult(diags, device_label(dev), calls, model, kv=kv, sums=sums)
 
     return exchange(job, work, merge, lambda: share.at)
 

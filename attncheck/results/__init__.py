@@ -51,7 +51,7 @@ from attncheck.results.common import (
     Finding,
     flash_rule_bound,
 )
-from attncheck.results.lowsum import LowSumStats, SumOverflow
+from attncheck.results.lowsum import CallSums, CaptureSums, LayerSums, LowSumStats, SumOverflow
 from attncheck.results.model import (
     CallInfo,
     CallReport,
@@ -126,6 +126,9 @@ __all__ = [
     "SettingPoint",
     "SoftCap",
     "TensorDiagnosis",
+    "CallSums",
+    "CaptureSums",
+    "LayerSums",
     "LowSumStats",
     "SumOverflow",
     "CallInfo",

@@ -3,7 +3,7 @@ the output's error against float64 and the first overflow of each accumulator. P
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -34,3 +34,39 @@ class LowSumStats:
     out_overflow_rows: int = 0  # rows whose P@V accumulator (unnormalised, before the division) left the range
     out_first: SumOverflow | None = None
     out_peak: float = 0.0  # largest |sum_j exp(s_j - m) v_jd| in float64 over rows and dims: what the accumulator holds
+
+
+@dataclass
+class CallSums:
+    """``--accumulate`` on one captured call: each sum asked over every row of the call."""
+
+    index: int  # the call's position in the capture
+    name: str
+    module: str  # the attention module ('' outside any module)
+    rank: int | None  # the process that made it, in a capture of several (torchrun)
+    sums: list[LowSumStats]
+
+
+@dataclass
+class LayerSums:
+    """One sum over every call of one layer (attention module): the worst of its calls, and which call that was."""
+
+    module: str
+    rank: int | None
+    label: str  # the sum, 'fp16-seq'
+    calls: list[int]  # the calls' positions in the capture, in call order
+    keys: int  # the most keys per row over the calls
+    stats: LowSumStats  # rows and overflowed rows summed over the calls, errors their largest (mean: over all rows)
+    worst_call: int  # the call with the largest relative error (denominator or output)
+    first_call: int | None = None  # the first call whose accumulator overflowed; None: none did
+
+
+@dataclass
+class CaptureSums:
+    """``--accumulate`` on a capture: per call, per layer, and the findings (a what-if: on a capture never the
+    model's verdict; only ``--fail-on what-if:COND`` fails on them)."""
+
+    labels: list[str]
+    calls: list[CallSums]
+    layers: list[LayerSums]
+    findings: list = field(default_factory=list)  # results.common.Finding, each naming its layer and call

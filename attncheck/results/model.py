@@ -10,6 +10,7 @@ from attncheck.format import plain
 from attncheck.results.activations import CallActivations, HeadActivations
 from attncheck.results.common import Finding
 from attncheck.results.kvcache import KVReport
+from attncheck.results.lowsum import CaptureSums
 from attncheck.results.run import CellLimit, SettingChoice, TensorDiagnosis
 from attncheck.results.sinks import SinkFacts
 
@@ -318,3 +319,4 @@ class RunResult:
     calls: list[CallReport] = field(default_factory=list)
     model: ModelReport | None = None
     kv: KVReport | None = None  # --what-if kv:...: the KV cache's what-ifs
+    sums: CaptureSums | None = None  # --accumulate on a capture: the sums kept in 16 bits, per call and layer

@@ -22,10 +22,10 @@ What the engines do (read at these commits):
 What is computed here (one rule for every order, so that orders compare on the same terms):
 
 - The terms enter in fp32: the denominator's ``e_j = exp(fp32(s_j - m))`` with m the row's max; P@V's
-  ``fp32(e_j * v_jd)`` with V in its dtype. The row max is the final one (a two-pass softmax): the online
-  kernels' rescale by exp(M_old - M) is not emulated (it multiplies a partial sum by a factor <= 1 and cannot
-  lift a sum above what the final max gives; an accumulator that is already inf stays inf, or becomes NaN
-  where the factor is 0).
+  ``fp32(e_j * v_jd)`` with V in its dtype. The row max is the final one (a two-pass softmax). The online
+  kernels' rescale by exp(M_old - M) is order ``online`` (below): there a partial sum is taken against the
+  running max M_t <= m, so it is e^(m - M_t) times the two-pass one at the same key, never smaller: an online
+  accumulator can pass the range where the two-pass sum stays finite (and, once inf, a rescale keeps it inf).
 - ``seq``: one running total in the dtype, one addition per key, each partial sum the exact sum of the total and
   the term rounded once to the dtype (round to nearest even; tract's f16 total and llama.cpp's VKQ16).
 - ``pairwise``: a balanced tree over the keys (the row padded with zeros to a power of two), every node the exact
@@ -34,6 +34,22 @@ What is computed here (one rule for every order, so that orders compare on the s
 - ``block:B``: the keys in consecutive blocks of B; a block's terms summed exactly and rounded once to fp32 (a
   SIMD or tensor-core tile summing in fp32 registers), each block sum added to a running total held in the dtype
   with one rounding: a generalisation of the engines above (fp32 inside a block, the dtype between blocks).
+
+- ``online`` (fp16 only): llama.cpp's CPU flash attention replayed key by key,
+  ``ggml_compute_forward_flash_attn_ext_f16_one_chunk`` in ``ggml/src/ggml-cpu/ops.cpp`` at
+  1f08e2d662715ead7987c365eced4f273d90e431 with an f16 V. Per key (a masked key, -inf, is skipped): ``s`` the
+  score in fp32; if ``s > M``: ``M = s``, ``ms = expf(Mold - M)`` (0 at the first key), ``VKQ16 *= ms`` by
+  ``ggml_vec_scale_f16`` (each element f16 -> fp32, times ms in fp32, back to f16), ``vs = 1``; else ``vs =
+  expf(s - M)``; then ``ggml_vec_mad_f16``: ``VKQ16 = f16(fp32(VKQ16 + v*vs))`` (one fused multiply-add in fp32,
+  as the AVX2/NEON builds' ``GGML_F16_VEC_FMA`` does, then the f16 store); and ``S = fp32(S*ms + vs)`` in fp32,
+  one rounding: the multiply-add contracted to an FMA, as GCC does by default where the target has one (without
+  it S*ms rounds first; the two differ only at keys that raise the max). At the end ``O = fp32(VKQ16) *
+  fp32(1/S)``. V is cast to f16 whatever its dtype (the f16 cache); the score is the float64 reference rounded once
+  to fp32 (the kernel's own q.k dot product is not judged here: the sums are); ``expf`` is the correctly rounded
+  fp32 exp.
+  The denominator is ``S`` (fp32: it never leaves the range); P@V is ``VKQ16``. The loop runs over keys, as the
+  kernel's sequential dependence requires (each key's rescale and rounding act on the sum so far), vectorised
+  over every row and head dim.
 
 A partial sum past the dtype's range is inf (the sum of signed terms may then meet an opposite inf: NaN). The
 first key at which each row's accumulator leaves the finite range is kept (the block's last key; for a tree, the
@@ -132,6 +148,55 @@ def accumulate(terms: torch.Tensor, spec: SumSpec) -> Accumulated:
 
 
 @dataclass
+class Online:
+    """llama.cpp's CPU flash attention with an f16 V, replayed (order ``online`` in the module docstring)."""
+
+    acc: torch.Tensor  # (r, dv) float16: VKQ16 after the last key
+    S: torch.Tensor  # (r,) float32: the row sum
+    out: torch.Tensor  # (r, dv) float32: fp32(VKQ16) * fp32(1/S), 0 where S is 0
+    over: torch.Tensor  # (r, dv) int64: the key at which VKQ16 first became inf or NaN, -1 if it never did
+    partial: torch.Tensor  # (r, dv) float64: VKQ16 before that key
+
+
+def _expf(x: torch.Tensor) -> torch.Tensor:
+    """fp32 exp, correctly rounded (float64 exp, then one rounding to fp32: glibc's expf gives the same)."""
+    return torch.exp(x.to(torch.float64)).to(torch.float32)
+
+
+def online_f16(scores: torch.Tensor, v: torch.Tensor) -> Online:
+    """Score rows ``scores`` (r, n) and V (r, n, dv) through llama.cpp's f16-V flash attention loop (module
+    docstring, order ``online``), key by key and vectorised over rows and head dims: each key's update reads
+    the accumulator the previous key rounded, so the keys cannot be taken apart."""
+    s32 = scores.to(torch.float32)
+    r, n = s32.shape
+    vh = v.to(torch.float16)  # the f16 V cache the kernel reads
+    acc = torch.zeros((r, vh.shape[-1]), dtype=torch.float16, device=s32.device)
+    big = torch.zeros(r, dtype=torch.float32, device=s32.device)  # S
+    top = torch.full((r,), float("-inf"), dtype=torch.float32, device=s32.device)  # M
+    over = torch.full(acc.shape, -1, dtype=torch.int64, device=s32.device)
+    partial = torch.zeros(acc.shape, dtype=torch.float64, device=s32.device)
+    one = torch.ones(r, dtype=torch.float64, device=s32.device)
+    for j in range(n):
+        sj = s32[:, j]
+        live = (sj != float("-inf")).unsqueeze(1)  # the kernel skips a masked key (continue)
+        new = sj > top
+        ms = one
+        if bool(new.any()):  # a new running max: ggml_vec_scale_f16 (f16 -> fp32, times ms in fp32, f16)
+            ms = torch.where(new, _expf(top - sj), torch.ones_like(sj)).to(torch.float64)
+            acc = torch.where(new.unsqueeze(1), (acc.to(torch.float64) * ms.unsqueeze(1)).to(torch.float32).half(), acc)
+            top = torch.where(new, sj, top)
+        vs = _expf(sj - top).to(torch.float64)  # 1 exactly where sj is the new max
+        mad = (acc.to(torch.float64) + vh[:, j].to(torch.float64) * vs.unsqueeze(1)).to(torch.float32).half()
+        mad = torch.where(live, mad, acc)
+        _mark(over, partial, mad, acc, j)
+        acc = mad
+        big = torch.where(live.squeeze(1), (big.to(torch.float64) * ms + vs).to(torch.float32), big)
+    inv = torch.where(big == 0, torch.zeros_like(big), (1.0 / big.to(torch.float64)).to(torch.float32))
+    out = (acc.to(torch.float32) * inv.unsqueeze(1)).to(torch.float32)
+    return Online(acc, big, out, over, partial)
+
+
+@dataclass
 class RowSums:
     """Per row: the low-precision denominator and output against float64, and their accumulators' overflow."""
 
@@ -164,21 +229,24 @@ def row_sums(scores: torch.Tensor, spec: SumSpec, v: torch.Tensor | None = None)
     z = torch.where(valid.unsqueeze(-1), s - m, torch.full_like(s, float("-inf")))
     e64 = torch.exp(z)
     denom64 = e64.sum(dim=-1)
-    e32 = torch.exp(z.to(torch.float32))  # the engines' expf of the shifted score
-    d = accumulate(e32.unsqueeze(-1), spec)
-    out = RowSums(
-        d.total.squeeze(-1).to(torch.float64),
-        denom64,
-        d.over.squeeze(-1),
-        d.partial.squeeze(-1),
-        valid,
-    )
+    if spec.order == "online":  # llama.cpp's loop: the fp32 row sum S and the f16 VKQ16 in one pass
+        vd = (v if v is not None else s.new_zeros((*s.shape, 0))).to(torch.float16)
+        online = online_f16(s, vd)
+        never = torch.full_like(online.S, -1, dtype=torch.int64)  # S sums terms <= 1 in fp32: it stays finite
+        out = RowSums(online.S.to(torch.float64), denom64, never, torch.zeros_like(denom64), valid)
+        acc = Accumulated(online.acc, online.over, online.partial)
+        o = online.out.to(torch.float64)
+    else:
+        e32 = torch.exp(z.to(torch.float32))  # the engines' expf of the shifted score
+        d = accumulate(e32.unsqueeze(-1), spec)
+        out = RowSums(d.total.squeeze(-1).to(torch.float64), denom64, d.over.squeeze(-1), d.partial.squeeze(-1), valid)
+        if v is None:
+            return out
+        vd = v.to(DTYPES[spec.dtype]) if v.dtype not in (torch.float16, torch.bfloat16) else v
+        acc = accumulate(e32.unsqueeze(-1) * vd.to(torch.float32), spec)  # terms (r, n, dv) fp32(e_j * v_jd)
+        o = acc.total.to(torch.float64) / out.denom.unsqueeze(-1)
     if v is None:
         return out
-    vd = v.to(DTYPES[spec.dtype]) if v.dtype not in (torch.float16, torch.bfloat16) else v
-    terms = e32.unsqueeze(-1) * vd.to(torch.float32)  # (r, n, dv) fp32(e_j * v_jd)
-    acc = accumulate(terms, spec)
-    o = acc.total.to(torch.float64) / out.denom.unsqueeze(-1)
     num64 = torch.einsum("rn,rnd->rd", e64, vd.to(torch.float64))
     o64 = num64 / denom64.unsqueeze(-1)
     scale = o64.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float64).tiny)
