@@ -12,7 +12,13 @@ from typing import Callable
 import torch
 
 from attncheck.config.run import RunRequest
+from attncheck.demo import example_scores
 from attncheck.errors import AttncheckError, param
+from attncheck.judge import judge_lowsum
+from attncheck.loaders import TensorSource
+from attncheck.loaders.calls import open_inputs
+from attncheck.numerics.cells.calls import QK_KINDS, _model_inputs, _normalised
+from attncheck.numerics.methods.lowsum import qk_blocks, rows_per_block, stats
 from attncheck.results import CallReport, TensorDiagnosis
 
 
@@ -22,9 +28,6 @@ def attach_lowsum(
     """Every diagnosis of ``diags`` (the q/k request or the built-in example) or of ``calls`` (files, in input
     order) gets ``lowsum``, one ``LowSumStats`` per accumulation asked, and the findings they lead to.
     ``qk_inputs``: how ``pipelines.run`` reads and prepares --q/--k/--v (passed in: no import cycle)."""
-    from attncheck.judge import judge_lowsum
-    from attncheck.numerics.methods.lowsum import qk_blocks, rows_per_block, stats
-
     specs, chunk = request.accumulate, options.chunk_elements
     if request.qk is not None and not request.paths:
         inp = qk_inputs(request.qk, request.max_memory)[4]
@@ -35,16 +38,11 @@ def attach_lowsum(
             judge_lowsum(d)
         return
     if request.example:
-        from attncheck.demo import example_scores
-
         x = example_scores()
         for d in diags:
             d.lowsum = stats([(x.reshape(-1, x.shape[-1]), None)], specs)
             judge_lowsum(d)
         return
-    from attncheck.loaders import TensorSource
-    from attncheck.loaders.calls import open_inputs
-
     inputs, _ = open_inputs(request.paths, request.keys, request.max_memory)
     for item, call in zip(inputs, calls):
         if call.diagnosis is None:  # skipped with --partial
@@ -63,9 +61,6 @@ def check_lowsum_inputs(request: RunRequest) -> None:
     the what-if report has no place for them yet), from the files' headers alone."""
     if not request.accumulate or not request.paths:
         return
-    from attncheck.loaders import TensorSource
-    from attncheck.loaders.calls import open_inputs
-
     inputs, _ = open_inputs(request.paths, request.keys, request.max_memory)
     for item in inputs:
         if not isinstance(item, TensorSource) and item.info.kind not in ("qk", "scores", "unknown"):
@@ -78,9 +73,6 @@ def check_lowsum_inputs(request: RunRequest) -> None:
 
 def _call_blocks(item, chunk: int, max_bytes: int):
     """Row blocks of a call: from its q, k (and v) where it has them, else its scores as given."""
-    from attncheck.numerics.cells.calls import QK_KINDS, _model_inputs, _normalised
-    from attncheck.numerics.methods.lowsum import qk_blocks, rows_per_block
-
     tensors = _normalised(item.info, item.load())
     if item.info.kind in QK_KINDS and "q" in tensors and "k" in tensors:
         inp = _model_inputs(item.info, tensors, max_bytes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from attncheck.config.rope import RopeConfig
+from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
 from attncheck.results.rope import RopeAudit, RopeTableCheck
 
 
@@ -30,7 +31,6 @@ def capture_rope_checks(paths, what_if=()) -> list[RopeTableCheck]:
     """The rotary tables of each capture directory among ``paths`` (a single process's; a torchrun capture's ranks
     are not read), each against float64 (``numerics.rope.check_table``) at the tolerance ``rope_precision`` uses;
     ``what_if``: dtypes to recompute each table in (--what-if rope:DTYPE)."""
-    from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
     from attncheck.loaders.manifest import is_capture_dir, load_manifest
     from attncheck.loaders.rope import read_rope_tables
     from attncheck.numerics.rope import table_checks
