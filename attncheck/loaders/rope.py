@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import re
 
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
 from attncheck.errors import AttncheckError
 from attncheck.loaders.capture_schema import Manifest
 
@@ -21,9 +24,6 @@ def read_rope_tables(directory: str | os.PathLike[str], manifest: Manifest) -> l
     """Each table the manifest lists: {'index', 'cos', 'sin', 'positions' (or None), 'theta' (or None),
     'rope_type', 'calls' (the indices of the calls under it), 'modules'}; a listed file that is missing, a link or
     not a table is one line naming it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     given = os.fspath(directory)
     out = []
     for entry in manifest.rope_tables:

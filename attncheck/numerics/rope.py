@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from attncheck.dtypes import dtype_label
+from attncheck.dtypes import dtype_from_name, dtype_label
 from attncheck.results.rope import RopeAudit, RopeTableCheck, RopeWhatIf
 
 # Positions are audited in chunks so that a 1M-token context never holds more than this many table rows at once.
@@ -197,8 +197,6 @@ def what_if_tables(
     pos: torch.Tensor, theta: float, head_dim: int, table: torch.dtype, dtypes, tolerance: float
 ) -> tuple[RopeWhatIf, ...]:
     """The table recomputed in each of ``dtypes`` (names) at the same positions, against float64."""
-    from attncheck.dtypes import dtype_from_name
-
     ref = pos.to(torch.float64)[:, None] * inverse_frequencies(theta, head_dim)[None, :]
     out = []
     for name in dtypes:

@@ -92,7 +92,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from attncheck.numerics.paths import fa2
+from attncheck.numerics.paths import fa2, fa2_fma, flash_fp8
 from attncheck.numerics.paths.base import CallFacts, KernelRows, PathSpec, Stands
 
 if TYPE_CHECKING:
@@ -306,7 +306,6 @@ def _fp8_rows(q, k, v, scale, dt, block_n, bias, q_descale, k_descale, v_descale
 def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: MethodParams) -> PathBlock:
     """fp16/bf16 (and fp32, as a what-if): the 16-bit kernel; the FP8 dtypes: flash-fp8's forward, named fa3."""
     from attncheck.numerics.methods.softmax import MethodOutput
-    from attncheck.numerics.paths import flash_fp8
     from attncheck.numerics.paths.common import PathBlock
 
     if dt.itemsize == 1:  # an FP8 format
@@ -334,8 +333,6 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
 def limit(dt: torch.dtype, params: MethodParams | None = None) -> tuple[str, float, str] | None:
     """The cell's limit in fp16/bf16: the fused exponent's, as ``fa2-fma`` (the same exponent); None in the FP8
     dtypes (flash-fp8's forward: S's fp32 overflow)."""
-    from attncheck.numerics.paths import fa2_fma
-
     return None if dt.itemsize == 1 else fa2_fma.limit(dt)
 
 

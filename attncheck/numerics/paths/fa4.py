@@ -115,6 +115,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from attncheck.numerics.paths.base import CallFacts, KernelRows, PathSpec, Stands
+from attncheck.numerics.paths.fa2 import block_bias
 
 # EX2_BF16_DIFF_10, EX2_BF16_DIFF_20 and POLY3 are re-exported (noqa): the tests read them from the path
 from attncheck.numerics.paths.fa4_exp2 import (  # noqa: F401
@@ -455,7 +456,6 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
 
     from attncheck.numerics.methods.softmax import MethodOutput
     from attncheck.numerics.paths.common import PathBlock
-    from attncheck.numerics.paths.fa2 import block_bias
 
     setup = block_setup(params)
     inp = block.inp
