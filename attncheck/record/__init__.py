@@ -30,8 +30,10 @@ from attncheck.config.capture import (
     max_calls_bound,
     parse_forwards,
 )
-from attncheck.config.run import ignore_codes
+from attncheck.config.run import Options, ignore_codes
 from attncheck.errors import AttncheckError
+from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
+from attncheck.results import RunResult
 
 
 class Capture:
@@ -105,8 +107,6 @@ class Capture:
             if self.path is not None:  # each rank its own directory: PATH/rankN
                 self.path = os.fspath(rank_directory(self.given_path, self.rank, self.world))
         if self.diagnose:
-            from attncheck.config.run import Options
-
             self._sink = DiagnoseSink(self.options or Options(), self.ignore, self.notice, self.what_if, self.asked)
             self._sink.rank = self.rank
         elif self.path is not None:
@@ -187,7 +187,6 @@ class Capture:
             self.calls = sink.entries
         elif isinstance(sink, DiagnoseSink):
             from attncheck.model import model_report
-            from attncheck.results import RunResult
 
             self.calls = sink.reports
             from attncheck.loaders.calls import compile_message
@@ -210,7 +209,6 @@ class Capture:
                 **self.rank_facts(),
             }
             if sink.rope_tables:  # the rotary tables the calls ran under, judged as ``attncheck run`` judges them
-                from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
                 from attncheck.numerics.rope import table_checks
 
                 capture["rope"] = table_checks(list(sink.rope_tables.values()), ROPE_ANGLE_TOLERANCE)
