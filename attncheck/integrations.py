@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import os
 
+from attncheck.errors import AttncheckError
+from attncheck.watcher import Watch
+
 
 def WatchCallback(log: str | os.PathLike[str], every: int = 1, *, modules=(), grads: bool = True, tensorboard=None):  # noqa: N802  (a class for the user)
     """A ``transformers.TrainerCallback`` that watches the model the Trainer trains (``attncheck.watch``)."""
     from transformers import TrainerCallback
-
-    from attncheck.watcher import Watch
 
     class AttncheckWatchCallback(TrainerCallback):
         def __init__(self) -> None:
@@ -65,9 +66,6 @@ def LightningWatchCallback(
     log: str | os.PathLike[str], every: int = 1, *, modules=(), grads: bool = True, tensorboard=None
 ):  # noqa: N802
     """A Lightning ``Callback`` that watches the LightningModule it trains (``attncheck.watch``)."""
-    from attncheck.errors import AttncheckError
-    from attncheck.watcher import Watch
-
     try:
         from lightning.pytorch import Callback
     except ImportError:

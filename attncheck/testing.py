@@ -13,9 +13,11 @@ measured value and the worst row.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from attncheck.config.check import Budget, parse_budget
+from attncheck.config.run import Options
 from attncheck.errors import AttncheckError
 from attncheck.params import DEFAULT_BLOCK
 
@@ -97,7 +99,6 @@ def assert_softmax_ok(
     empty = Budget(nan=None, overflow=None)
     budget = parse_budget(table, "", "assert_softmax_ok", base=empty)
 
-    from attncheck.config.run import Options
     from attncheck.pipelines.budgets import check_tensor
     from attncheck.report.check import describe_case
 
@@ -134,8 +135,6 @@ def as_gpu_capture(
     PyTorch was set to (``flash_impl``: its default 'fa2'; 'fa3' or 'fa4' as ``torch.nn.attention``'s
     ``activate_flash_attention_impl`` sets it: a flash_attention call is then judged by fa3 or fa4). The tensors
     are left as they are."""
-    from pathlib import Path
-
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
