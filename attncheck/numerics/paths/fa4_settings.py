@@ -27,6 +27,7 @@ from attncheck.numerics.paths.fa4 import (
     FA4_DEFAULT_THRESHOLD_FP8,
     Fa4Setup,
 )
+from attncheck.registry import fp8_names  # no cycle: fa4 names this module by its path, imported when called
 
 if TYPE_CHECKING:
     import torch
@@ -41,8 +42,6 @@ OFFSETS_FP8 = (4.0, 8.0)  # PR 2717's 4 for e4m3, the default 8
 
 def defaults(dtype_name: str) -> tuple[float, float]:
     """(rescale threshold, max offset) the kernel takes for inputs of this dtype (16-bit: offset 0)."""
-    from attncheck.registry import fp8_names
-
     if dtype_name in fp8_names():
         return FA4_DEFAULT_THRESHOLD_FP8, FA4_DEFAULT_OFFSET_FP8
     return FA4_DEFAULT_THRESHOLD_16, 0.0
@@ -77,8 +76,6 @@ def settings(dtype_name: str, options=None) -> tuple[Setting, ...]:
     """The grid of ``--what-if fa4`` in one dtype: FP8 thresholds x offsets, 16-bit thresholds; fp32 none (the
     kernel takes 16-bit and FP8 inputs). ``options`` (``config.run.Options``): a setting asked with
     --rescale-threshold/--max-offset (``Options.fa4``) joins the grid where it is not in it already."""
-    from attncheck.registry import fp8_names
-
     fp8 = dtype_name in fp8_names()
     if not fp8 and dtype_name not in ("fp16", "bf16"):
         return ()
