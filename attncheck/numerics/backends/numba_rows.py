@@ -64,6 +64,7 @@ def _stamp(signature: str) -> Path | None:
         return None
     src = Path(importlib.util.find_spec(KERNELS_MODULE).origin)
     st = src.stat()
+    # optional and slow to import: numba only once a kernel is compiled or its cache stamped
     import numba
 
     key = f"{src}|{st.st_mtime_ns}|{st.st_size}|{numba.__version__}|{sys.version}|{__version__}|{signature}"
