@@ -107,6 +107,7 @@ def check(
             f"internal error: {type(e).__name__}: {e} (a bug in attncheck; please report it with the traceback above)"
         ) from None
 
+    # the report modules (~15 ms of rich tables): not for --help or a bad argument
     from attncheck.report.check import check_json, describe_check, junit_xml, print_summary
     from attncheck.report.check import markdown as to_markdown
 

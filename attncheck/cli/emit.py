@@ -54,6 +54,7 @@ def _failed(result, conditions: list[str], ignored: tuple[str, ...]):
     """The --fail-on conditions that hold: (those failed, the what-if diagnoses, the KV-cache what-ifs or None). The
     model's conditions on its cells, what-if:COND on the what-ifs; a what-if condition with no what-if computed is
     refused."""
+    # attncheck.model (~27 ms): not for --help or a bad argument
     from attncheck.model import INHERITED
 
     failed = failed_conditions(result.tensors, [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)], ignored)

@@ -240,6 +240,7 @@ def watch_figure(report: WatchReport):
     import matplotlib  # matplotlib: only when a plot is asked (an optional dependency, slow to import)
 
     matplotlib.use("Agg")
+    # optional and slow to import: matplotlib only when a plot is asked
     import matplotlib.pyplot as plt
 
     ranks = report.ranks
