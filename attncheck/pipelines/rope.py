@@ -10,6 +10,7 @@ from attncheck.results.rope import RopeAudit, RopeTableCheck
 
 
 def run_rope(config: RopeConfig, tick: Callable[[], None] | None = None) -> list[RopeAudit]:
+    # imports torch: pipelines.rope is torch-free, so 'attncheck rope' checks its arguments first
     from attncheck.dtypes import dtype_from_name  # torch: only once the options are known to be good
     from attncheck.numerics.rope import audit_table
 
@@ -31,6 +32,7 @@ def capture_rope_checks(paths, what_if=()) -> list[RopeTableCheck]:
     """The rotary tables of each capture directory among ``paths`` (a single process's; a torchrun capture's ranks
     are not read), each against float64 (``numerics.rope.check_table``) at the tolerance ``rope_precision`` uses;
     ``what_if``: dtypes to recompute each table in (--what-if rope:DTYPE)."""
+    # imports torch: pipelines.rope is torch-free, so 'attncheck rope' checks its arguments first
     from attncheck.loaders.manifest import is_capture_dir, load_manifest
     from attncheck.loaders.rope import read_rope_tables
     from attncheck.numerics.rope import table_checks

@@ -97,6 +97,7 @@ class Capture:
         self.replaced = False  # the directory held a previous capture, replaced by this one
 
     def __enter__(self) -> "Capture":
+        # imports torch: cli capture imports attncheck.record (through pipelines.capture) at --help
         from attncheck.record.mode import Recorder
         from attncheck.record.ranks import capture_rank, rank_directory
         from attncheck.record.store import DiagnoseSink, DirectorySink, MemorySink
@@ -170,6 +171,7 @@ class Capture:
         """{'rank', 'world', 'run_id'} under torchrun; {} for a single process (its manifest as it always was)."""
         if self.rank is None:
             return {}
+        # imports torch: cli capture imports attncheck.record (through pipelines.capture) at --help
         from attncheck.record.ranks import run_id
 
         return {"rank": self.rank, "world": self.world, "run_id": run_id()}
@@ -181,14 +183,17 @@ class Capture:
             self.error = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
 
     def _finish(self, sink) -> None:
+        # imports torch: cli capture imports attncheck.record (through pipelines.capture) at --help
         from attncheck.record.store import DiagnoseSink, DirectorySink
 
         if isinstance(sink, DirectorySink):
             self.calls = sink.entries
         elif isinstance(sink, DiagnoseSink):
+            # attncheck.model (~27 ms): only once the capture has ended
             from attncheck.model import model_report
 
             self.calls = sink.reports
+            # imports torch: cli capture imports attncheck.record (through pipelines.capture) at --help
             from attncheck.loaders.calls import compile_message
 
             facts = {
@@ -209,6 +214,7 @@ class Capture:
                 **self.rank_facts(),
             }
             if sink.rope_tables:  # the rotary tables the calls ran under, judged as ``attncheck run`` judges them
+                # imports torch: cli capture imports attncheck.record (through pipelines.capture) at --help
                 from attncheck.numerics.rope import table_checks
 
                 capture["rope"] = table_checks(list(sink.rope_tables.values()), ROPE_ANGLE_TOLERANCE)

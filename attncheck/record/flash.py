@@ -87,6 +87,7 @@ def flash_impl() -> str | None:
     is activated in ``torch.nn.attention``'s registry (``activate_flash_attention_impl('FA4')`` -> 'fa4'); None
     where this torch has no such registry."""
     try:
+        # optional: a torch without the flash implementation registry has no current_flash_attention_impl
         from torch.nn.attention import current_flash_attention_impl
     except ImportError:
         return None
