@@ -34,6 +34,7 @@ from attncheck.watcher import Watch
 
 def WatchCallback(log: str | os.PathLike[str], every: int = 1, *, modules=(), grads: bool = True, tensorboard=None):  # noqa: N802  (a class for the user)
     """A ``transformers.TrainerCallback`` that watches the model the Trainer trains (``attncheck.watch``)."""
+    # optional: transformers is needed only by the Trainer's callback
     from transformers import TrainerCallback
 
     class AttncheckWatchCallback(TrainerCallback):
@@ -67,9 +68,11 @@ def LightningWatchCallback(
 ):  # noqa: N802
     """A Lightning ``Callback`` that watches the LightningModule it trains (``attncheck.watch``)."""
     try:
+        # optional: Lightning (or the older pytorch_lightning), only for its callback
         from lightning.pytorch import Callback
     except ImportError:
         try:
+            # optional: Lightning under its older package name
             from pytorch_lightning import Callback
         except ImportError:
             raise AttncheckError("LightningWatchCallback needs Lightning: pip install lightning") from None

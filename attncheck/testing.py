@@ -25,6 +25,7 @@ __all__ = ["as_gpu_capture", "assert_softmax_ok"]
 
 
 def _as_tensor(scores: Any):
+    # imports torch: attncheck.testing is torch-free at import (tests/test_layers.py)
     import numpy as np
     import torch
 
@@ -33,6 +34,7 @@ def _as_tensor(scores: Any):
     if isinstance(scores, np.ndarray) and scores.dtype.kind == "f":
         return torch.from_numpy(np.ascontiguousarray(scores))
     if isinstance(scores, np.ndarray):
+        # imports torch: attncheck.testing is torch-free at import (tests/test_layers.py)
         from attncheck.numerics.precision import scores_dtype_error
 
         raise scores_dtype_error("scores", scores.dtype)
@@ -40,6 +42,7 @@ def _as_tensor(scores: Any):
 
 
 def _dtype_name(dtype: Any) -> str:
+    # imports torch: attncheck.testing is torch-free at import (tests/test_layers.py)
     import torch
 
     from attncheck.numerics.precision import dtype_label
@@ -99,6 +102,7 @@ def assert_softmax_ok(
     empty = Budget(nan=None, overflow=None)
     budget = parse_budget(table, "", "assert_softmax_ok", base=empty)
 
+    # imports torch: attncheck.testing is torch-free at import (tests/test_layers.py)
     from attncheck.pipelines.budgets import check_tensor
     from attncheck.report.check import describe_case
 
@@ -135,6 +139,7 @@ def as_gpu_capture(
     PyTorch was set to (``flash_impl``: its default 'fa2'; 'fa3' or 'fa4' as ``torch.nn.attention``'s
     ``activate_flash_attention_impl`` sets it: a flash_attention call is then judged by fa3 or fa4). The tensors
     are left as they are."""
+    # imports torch: attncheck.testing is torch-free at import (tests/test_layers.py)
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
