@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from attncheck import params
+from attncheck import loaders, params
 from attncheck.config.run import QKSpec, RunRequest, check_row_fits
 from attncheck.demo import EXAMPLE_NAME, example_scores
 from attncheck.devices import resolve_device
@@ -22,7 +22,7 @@ from attncheck.errors import AttncheckError, param
 from attncheck.findings import apply_ignore
 from attncheck.findings.kvcache import judge_kv
 from attncheck.judge import attach_backward, diagnose, diagnose_attention, diagnose_call, diagnose_chunks
-from attncheck.loaders import TensorSource, load_tensors, open_sources
+from attncheck.loaders import TensorSource, open_sources
 from attncheck.loaders.calls import check_manifest_message, open_inputs
 from attncheck.model import model_report, setting_choices
 from attncheck.numerics.backward.diagnose import GradInputs
@@ -367,7 +367,8 @@ def load_one(spec: str, name: str, kind: str = "scores", max_bytes: int | None =
     """PATH or PATH:KEY -> (name, tensor); the file must hold exactly one selected tensor.
     ``name`` is the parameter the spec was given as (q, k, mask)."""
     path, key = split_spec(spec)
-    found = load_tensors([path], [key] if key else [], kind=kind, max_bytes=max_bytes)
+    # loaders.load_tensors looked up when called: tests replace it to prove that a path never loads a file whole
+    found = loaders.load_tensors([path], [key] if key else [], kind=kind, max_bytes=max_bytes)
     if len(found) != 1:
         names = ", ".join(t.name for t in found[:6])
         raise AttncheckError(
