@@ -16,6 +16,8 @@ types, ``findings`` what they mean.
 
 __version__ = "0.1.0"
 
+import importlib
+
 from attncheck.errors import AttncheckError
 
 # name -> module it lives in, imported on first access (PEP 562)
@@ -39,8 +41,6 @@ __all__ = ["AttncheckError", "__version__", *_LAZY]
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value

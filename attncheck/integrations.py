@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import os
 
+from attncheck.errors import AttncheckError
+from attncheck.watcher import Watch
+
 
 def WatchCallback(log: str | os.PathLike[str], every: int = 1, *, modules=(), grads: bool = True, tensorboard=None):  # noqa: N802  (a class for the user)
     """A ``transformers.TrainerCallback`` that watches the model the Trainer trains (``attncheck.watch``)."""
+    # optional: transformers is needed only by the Trainer's callback
     from transformers import TrainerCallback
-
-    from attncheck.watcher import Watch
 
     class AttncheckWatchCallback(TrainerCallback):
         def __init__(self) -> None:
@@ -65,13 +67,12 @@ def LightningWatchCallback(
     log: str | os.PathLike[str], every: int = 1, *, modules=(), grads: bool = True, tensorboard=None
 ):  # noqa: N802
     """A Lightning ``Callback`` that watches the LightningModule it trains (``attncheck.watch``)."""
-    from attncheck.errors import AttncheckError
-    from attncheck.watcher import Watch
-
     try:
+        # optional: Lightning (or the older pytorch_lightning), only for its callback
         from lightning.pytorch import Callback
     except ImportError:
         try:
+            # optional: Lightning under its older package name
             from pytorch_lightning import Callback
         except ImportError:
             raise AttncheckError("LightningWatchCallback needs Lightning: pip install lightning") from None

@@ -15,12 +15,15 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
-from attncheck.codes import SEVERITY
+from attncheck.codes import CAUSES_OF, FIX, GRAD_CAUSES_OF, SEVERITY
 from attncheck.findings import capture_findings, counted_rows, counted_verdict, ignored_causes
 from attncheck.findings.activations import head_marks, sink_rate
 from attncheck.findings.rope import rope_findings
+from attncheck.format import plain
 from attncheck.model_decode import decode_runs
+from attncheck.registry import EVENTS, PATHS
 from attncheck.results import (
+    GRAD_CAUSES,
     MODEL,
     UNEXPLAINED,
     CallReport,
@@ -139,9 +142,6 @@ def cell_line(
 def _grad_facts(line: ModelLine, b, ignore=()) -> None:
     """The backward of the line's cell: NaN/inf gradient rows (less ignored causes), their first cause
     in backward order, the gradients holding them, and the loss-scale headroom."""
-    from attncheck.codes import GRAD_CAUSES_OF
-    from attncheck.results import GRAD_CAUSES
-
     skip = {cause for code in ignore for cause in GRAD_CAUSES_OF.get(code, ())}
     counted = {name: sum(n for c, n in g.causes.items() if c not in skip) for name, g in b.grads()}
     causes = {c for _, g in b.grads() for c, n in g.causes.items() if n and c not in skip}
@@ -228,8 +228,6 @@ def findings_in_order(
     first, the one of its line's first cause leading (qk_overflow before the +inf it put in the scores);
     NaN or +inf a later call inherits in its inputs (``INHERITED``: input_nan, inf_input) is that cause's
     consequence and follows it, whatever its severity; the rest by severity."""
-    from attncheck.codes import CAUSES_OF
-
     if first_bad is None:
         first_bad = next((i for i, c in enumerate(calls) if call_line(c, ignore).verdict in BAD_VERDICTS), None)
     rank = {"error": 0, "warning": 1, "info": 2}
@@ -314,8 +312,6 @@ SETTING_TIE = 0.01
 
 
 def _point(diag: TensorDiagnosis, cell: Cell, metric: str, ignore=()) -> SettingPoint:
-    from attncheck.registry import EVENTS
-
     codes = [f.code for f in diag.findings if cell.name in f.cells and f.code not in ignore]
     errors = [f for f in diag.findings if cell.name in f.cells and f.severity == "error" and f.code not in ignore]
     # a saturating cast (FP8 P above the format's max) corrupts O without a NaN: the setting breaks the call
@@ -434,8 +430,6 @@ def kernel_call(report: CallReport, position: int, ignore=()) -> KernelCall | No
     """A call replayed under every kernel that could have run it (``--what-if kernels``): the kernel that
     ran it (the model's cell, where it is a kernel path), each what-if cell of a kernel path in the call's
     dtype, and the kernels that could not have run it with why. None for a call not replayed."""
-    from attncheck.registry import EVENTS, PATHS
-
     used = used_cell(report)
     if used is None or report.kernel_dtype is None:
         return None
@@ -570,9 +564,6 @@ def head_findings(report: CallReport, diag_findings: list[Finding]) -> list[Find
     capped = audit is not None and audit.softcap is not None  # a soft cap's overflow is softcap_overflow
     if not over or capped or any(f.code == "qk_overflow" for f in diag_findings):
         return []
-    from attncheck.codes import FIX
-    from attncheck.format import plain
-
     dtype = report.call.dtype or "its dtype"
     cell = used_cell(report)
     hit = [cell.name] if cell is not None and cell.nan_causes.get("inf_input") else []

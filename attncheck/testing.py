@@ -13,9 +13,11 @@ measured value and the worst row.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from attncheck.config.check import Budget, parse_budget
+from attncheck.config.run import Options
 from attncheck.errors import AttncheckError
 from attncheck.params import DEFAULT_BLOCK
 
@@ -23,6 +25,7 @@ __all__ = ["as_gpu_capture", "assert_softmax_ok"]
 
 
 def _as_tensor(scores: Any):
+    # imports torch: attncheck.testing is torch-free at import (tests/test_layers.py)
     import numpy as np
     import torch
 
@@ -31,6 +34,7 @@ def _as_tensor(scores: Any):
     if isinstance(scores, np.ndarray) and scores.dtype.kind == "f":
         return torch.from_numpy(np.ascontiguousarray(scores))
     if isinstance(scores, np.ndarray):
+        # imports torch: attncheck.testing is torch-free at import (tests/test_layers.py)
         from attncheck.numerics.precision import scores_dtype_error
 
         raise scores_dtype_error("scores", scores.dtype)
@@ -38,6 +42,7 @@ def _as_tensor(scores: Any):
 
 
 def _dtype_name(dtype: Any) -> str:
+    # imports torch: attncheck.testing is torch-free at import (tests/test_layers.py)
     import torch
 
     from attncheck.numerics.precision import dtype_label
@@ -97,7 +102,7 @@ def assert_softmax_ok(
     empty = Budget(nan=None, overflow=None)
     budget = parse_budget(table, "", "assert_softmax_ok", base=empty)
 
-    from attncheck.config.run import Options
+    # imports torch: attncheck.testing is torch-free at import (tests/test_layers.py)
     from attncheck.pipelines.budgets import check_tensor
     from attncheck.report.check import describe_case
 
@@ -134,8 +139,7 @@ def as_gpu_capture(
     PyTorch was set to (``flash_impl``: its default 'fa2'; 'fa3' or 'fa4' as ``torch.nn.attention``'s
     ``activate_flash_attention_impl`` sets it: a flash_attention call is then judged by fa3 or fa4). The tensors
     are left as they are."""
-    from pathlib import Path
-
+    # imports torch: attncheck.testing is torch-free at import (tests/test_layers.py)
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 

@@ -15,6 +15,7 @@ WRAPPER_PARTS = frozenset(WRAPPED[1:])  # path parts that name a wrapper's inner
 
 def wrapped_modules(module) -> list[tuple[str, object]]:
     """What a wrapper runs, outermost first: (the path from ``module``, the module), ``module`` itself first."""
+    # torch stays off: the watcher imports this module, and imports without torch
     import torch
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 

@@ -290,3 +290,60 @@ def test_numerics_return_numbers_and_loaders_stay_apart(path):
     bad = RUNTIME_FORBIDDEN[layer_of(module)]
     wrong = sorted(m for m in _runtime_imports(path, files) if layer_of(m) in bad)
     assert not wrong, f"{module} ({layer_of(module)}) imports {wrong} when it runs"
+
+
+def _local_import_blocks(tree: ast.Module):
+    """Runs of consecutive import statements inside functions (blank lines between them allowed)."""
+    bodies = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for field in ("body", "orelse", "finalbody"):
+                body = getattr(child, field, None)
+                if inside and isinstance(body, list):
+                    bodies.append(body)
+            visit(child, inside)
+
+    visit(tree, False)
+    for body in bodies:
+        block: list[ast.stmt] = []
+        for stmt in [*body, None]:
+            if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                block.append(stmt)
+            elif block:
+                yield block
+                block = []
+
+
+def test_function_local_imports_say_why():
+    """An import inside a function is there only to keep torch (or another heavy or optional import: numba,
+    matplotlib, transformers, a slow report module) off a cheap path such as --help, and says so: a comment on the
+    line above its run of imports, or on its own line. Any other import belongs at the top of the module."""
+    bare = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for block in _local_import_blocks(ast.parse("\n".join(lines))):
+            above = lines[block[0].lineno - 2].strip()
+            for node in block:
+                own = any("#" in line for line in lines[node.lineno - 1 : node.end_lineno])
+                if not (own or above.startswith("#")):
+                    bare.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert bare == [], "\n".join(bare)
+
+
+def test_no_function_imports_what_its_module_has_at_the_top():
+    """A function-local import of a module the file already imports at its top keeps nothing off any path."""
+    twice = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        top = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+        for block in _local_import_blocks(tree):
+            twice += [
+                f"{path.relative_to(PACKAGE.parent)}:{n.lineno}: {a.name}"
+                for n in block
+                if isinstance(n, ast.Import)
+                for a in n.names
+                if a.name in top
+            ]
+    assert twice == [], twice

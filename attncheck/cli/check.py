@@ -32,6 +32,7 @@ from attncheck.cli.common import (
 from attncheck.cli.options import DeviceOpt, JsonOpt, QuietOpt, notices, progress_shown
 from attncheck.config.check import find_config, load_config
 from attncheck.errors import AttncheckError
+from attncheck.report.progress import Progress
 
 STEP_SUMMARY = "GITHUB_STEP_SUMMARY"
 
@@ -92,7 +93,6 @@ def check(
         check_output_path(markdown, "--markdown")
         check_output_path(json_out, "--json")
         from attncheck.pipelines.check import run_check  # torch comes in here, once the config is known to be good
-        from attncheck.report.progress import Progress
 
         show, forced = progress_shown(quiet)
         with Progress(show, delay=0.0 if forced else 1.0, force_terminal=forced) as progress:
@@ -107,6 +107,7 @@ def check(
             f"internal error: {type(e).__name__}: {e} (a bug in attncheck; please report it with the traceback above)"
         ) from None
 
+    # the report modules (~15 ms of rich tables): not for --help or a bad argument
     from attncheck.report.check import check_json, describe_check, junit_xml, print_summary
     from attncheck.report.check import markdown as to_markdown
 

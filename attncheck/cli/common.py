@@ -6,6 +6,7 @@ Free of torch and numpy so argument checking stays fast.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import stat
@@ -13,6 +14,7 @@ import sys
 
 import typer
 import typer.core
+from rich.console import Console
 from typer import Abort
 
 from attncheck.errors import AttncheckError
@@ -40,8 +42,6 @@ def reuse_freed_memory() -> None:
     """
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
@@ -245,8 +245,6 @@ class GuardedStdout:
 def report_console():
     """The console reports are printed on: standard output, no markup read (names are Text), a
     refused write one line."""
-    from rich.console import Console
-
     require_stdout()
     return Console(file=GuardedStdout(), markup=False)
 

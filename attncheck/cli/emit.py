@@ -11,6 +11,8 @@ import typer
 from attncheck.cli.common import EXIT_FAILED, EXIT_OK, fail, report_console, say, write_json
 from attncheck.codes import WHAT_IF_PREFIX
 from attncheck.errors import AttncheckError
+from attncheck.findings import failed_by_findings, failed_conditions
+from attncheck.report.kvcache import kv_block, kv_json
 
 
 def emit(
@@ -44,8 +46,6 @@ def emit(
     elif json_out != "-":
         _print_report(result, what_ifs, chosen, brief=brief, full=full, summary=summary)
     if kv is not None and json_out != "-" and summary_only is None:
-        from attncheck.report.kvcache import kv_block  # ~0.1 s to import: not for --help or a bad argument
-
         report_console().print(kv_block(kv, brief=brief or summary, full=full))
     sums = getattr(result, "sums", None)
     if sums is not None and json_out != "-" and summary_only is None:
@@ -59,8 +59,7 @@ def _failed(result, conditions: list[str], ignored: tuple[str, ...]):
     """The --fail-on conditions that hold: (those failed, the what-if diagnoses, the KV-cache what-ifs or None). The
     model's conditions on its cells, what-if:COND on the what-ifs; a what-if condition with no what-if computed is
     refused."""
-    # the findings module takes ~0.1 s to import: inside, not for --help or a bad argument
-    from attncheck.findings import failed_conditions
+    # attncheck.model (~27 ms): not for --help or a bad argument
     from attncheck.model import INHERITED
 
     failed = failed_conditions(result.tensors, [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)], ignored)
@@ -71,8 +70,6 @@ def _failed(result, conditions: list[str], ignored: tuple[str, ...]):
     ]  # inherited NaN is the model's
     kv = getattr(result, "kv", None)  # --what-if kv:...
     if kv is not None:
-        from attncheck.findings import failed_by_findings  # ~0.1 s to import: not for --help or a bad argument
-
         # On a capture the cache is a what-if, failing only what-if:COND; on --q/--k/--v, whose implementation is
         # not known, it is one more computation asked of the tensors, counted as their cells are
         counted = result.model is None or not result.model.known
@@ -82,8 +79,6 @@ def _failed(result, conditions: list[str], ignored: tuple[str, ...]):
             failed += failed_by_findings(what.findings, own, ignored, what.name)
     sums = getattr(result, "sums", None)  # --accumulate on a capture: a what-if, failing only what-if:COND
     if sums is not None:
-        from attncheck.findings import failed_by_findings  # ~0.1 s to import: not for --help or a bad argument
-
         failed += [WHAT_IF_PREFIX + f for f in failed_by_findings(sums.findings, asked, ignored, "--accumulate")]
     if (
         asked
@@ -100,8 +95,6 @@ def _failed(result, conditions: list[str], ignored: tuple[str, ...]):
             )
         )
     if result.model is not None and result.model.findings:  # the capture's own (capture_incomplete)
-        from attncheck.findings import failed_by_findings  # ~0.1 s to import: not for --help or a bad argument
-
         own = [c for c in conditions if not c.startswith(WHAT_IF_PREFIX)]
         failed += failed_by_findings(result.model.findings, own, ignored)
     return failed, what_ifs, kv
@@ -137,8 +130,6 @@ def _write_json(result, failed: list[str], kv, json_out: str) -> None:
     try:
         doc = run_json(result.tensors, result.device, failed, result.model, result.calls)
         if kv is not None:
-            from attncheck.report.kvcache import kv_json  # ~0.1 s to import: not for --help or a bad argument
-
             doc["kv_cache"] = kv_json(kv)
         if getattr(result, "sums", None) is not None:
             from attncheck.report.lowsum import sums_json  # ~0.1 s to import: not for --help or a bad argument

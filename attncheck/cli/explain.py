@@ -9,6 +9,8 @@ from typing import Optional
 import typer
 
 from attncheck.cli.common import EXIT_OK, fail, report_console, write_stdout
+from attncheck.codes import REGISTRY, closest_codes
+from attncheck.report.reference import codes_list, codes_table, explain_page, explain_text
 
 
 def explain(
@@ -33,9 +35,6 @@ def explain(
 
     Exit codes: 0 printed, 2 unknown code.
     """  # noqa: E501 - a command's help: typer prints its line breaks as written
-    from attncheck.codes import REGISTRY, closest_codes
-    from attncheck.report.reference import codes_list, codes_table, explain_page, explain_text
-
     if code is None:
         if markdown:
             write_stdout(codes_list())

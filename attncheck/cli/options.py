@@ -13,6 +13,7 @@ from typing import Annotated, Callable, List, Optional
 
 import typer
 
+from attncheck.cli.common import say
 from attncheck.params import DEFAULT_BLOCK, SCALE_NAMES
 from attncheck.registry import DTYPES, METHODS, PATHS, cell_dtype, choices_help, dtype_names, method_names
 
@@ -260,8 +261,6 @@ def notices(quiet: bool) -> Callable[[str], None] | None:
     """A callback that prints a library notice as one line on stderr, or None with --quiet."""
     if quiet:
         return None
-    from attncheck.cli.common import say
-
     return lambda line: say(f"attncheck: {line}")
 
 

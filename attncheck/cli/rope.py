@@ -14,7 +14,10 @@ import typer
 
 from attncheck.cli.common import EXIT_OK, check_output_path, fail, require_stdout, write_json, write_stdout
 from attncheck.cli.options import JsonOpt
+from attncheck.config.rope import RopeConfig
 from attncheck.errors import AttncheckError
+from attncheck.pipelines.rope import run_rope
+from attncheck.report.rope import rope_json, rope_text
 
 
 def rope(
@@ -57,13 +60,8 @@ def rope(
     """  # noqa: E501 - a command's help: typer prints its line breaks as written
     try:
         require_stdout()
-        from attncheck.config.rope import RopeConfig
-
         config = RopeConfig.from_text(theta, head_dim, dtype, table, rotation, context)
         check_output_path(json_out, "--json")
-        from attncheck.pipelines.rope import run_rope
-        from attncheck.report.rope import rope_json, rope_text
-
         audits = run_rope(config)
         if json_out is not None:
             write_json(json.dumps(rope_json(audits), indent=2, allow_nan=False), json_out)

@@ -12,7 +12,7 @@ from attncheck.codes import FAIL_ON_WORDS, valid_fail_on
 from attncheck.config.run import Options
 from attncheck.errors import AttncheckError, param
 from attncheck.numerics.paths.fa4 import Fa4Setup  # torch-free: the path modules are read when the CLI starts
-from attncheck.registry import fp8_names
+from attncheck.registry import PATHS, fp8_names
 
 Order = Enum("Order", {name: name for name in params.ORDERS}, type=str)
 Accum = Enum("Accum", {name: name for name in params.ACCUMULATIONS}, type=str)
@@ -96,8 +96,6 @@ def fp8_options(
             f"{param('k')} or a capture (the FP8 kernels' tensor-core products)"
         )
     if (fp8_accum is not None or fp8_flush is not None) and path is not None:
-        from attncheck.registry import PATHS
-
         accumulating = PATHS.names(lambda spec: spec.fp8_accumulator)
         if not set(params.paths(path)) & set(accumulating):
             raise AttncheckError(

@@ -3,6 +3,7 @@ and the forward passes to record, with their defaults (torch-free, checked befor
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 
@@ -108,8 +109,6 @@ class Forwards:
         self._starts = [lo for lo, _ in self.spans]
 
     def __contains__(self, n) -> bool:
-        import bisect
-
         i = bisect.bisect_right(self._starts, n) - 1
         return i >= 0 and self.spans[i][0] <= n <= self.spans[i][1]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attncheck import params
+from attncheck.codes import SEVERITY
 from attncheck.errors import AttncheckError, param
 from attncheck.options import (  # noqa: F401  (defined below numerics; re-exported: config.run's API)
     CACHE_CHUNK_ELEMENTS,
@@ -21,8 +22,6 @@ from attncheck.options import (  # noqa: F401  (defined below numerics; re-expor
 
 def ignore_codes(value, param_name: str = "ignore") -> tuple[str, ...]:
     """'fully_masked_rows, mask_leak' or a list -> the finding codes, each checked."""
-    from attncheck.codes import SEVERITY
-
     items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value or ())
     for code in items:
         if not isinstance(code, str) or code not in SEVERITY:

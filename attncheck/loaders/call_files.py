@@ -7,6 +7,7 @@ import math
 import os
 from collections.abc import Callable
 
+import safetensors
 import torch
 
 from attncheck.errors import AttncheckError, param
@@ -45,12 +46,10 @@ def is_call_file(path: str) -> bool:
 
 def _load_call_tensors(path: str, label: str) -> dict[str, torch.Tensor]:
     """The tensors of a call file by role (others in the file are left out), each checked."""
-    # looked up when called: tests/loaders/test_calls.py replaces safetensors.safe_open to fake a failed mmap
-    from safetensors import safe_open
-
     out = {}
     try:
-        with safe_open(path, framework="pt") as f:
+        # safetensors.safe_open looked up when called: tests replace it to fake a failed read
+        with safetensors.safe_open(path, framework="pt") as f:
             for role in ROLES:
                 if role in f.keys():
                     out[role] = f.get_tensor(role)

@@ -15,6 +15,7 @@ import json
 import os
 import threading
 
+import safetensors
 import torch
 
 from attncheck.errors import AttncheckError
@@ -43,11 +44,9 @@ def logical_entries(meta: dict[str, str], entries: dict[str, tuple[str, tuple[in
 
 
 def _read(path: str, keys: tuple[str, ...], label: str) -> dict[str, torch.Tensor]:
-    # looked up when called, as call_files does: tests replace safetensors.safe_open to fake a failed read
-    from safetensors import safe_open
-
     try:
-        with safe_open(path, framework="pt") as f:
+        # safetensors.safe_open looked up when called: tests replace it to fake a failed read
+        with safetensors.safe_open(path, framework="pt") as f:
             return {key: f.get_tensor(key) for key in keys if key in f.keys()}
     except Exception as exc:
         raise error(f"{label}: cannot read {os.path.basename(path)}, which its K and V extend ({reason(exc)})") from exc

@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import re
 
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
 from attncheck.errors import AttncheckError
 from attncheck.loaders.call_info import MANIFEST
 from attncheck.loaders.capture_schema import Manifest, ManifestCall
@@ -24,8 +27,6 @@ def read_call_qk(directory: str | os.PathLike[str], call: ManifestCall) -> tuple
     the RoPE audit. A decode step stored by its new rows gives its ``k_tail``: the keys at this call's positions,
     rotated by this call's table (its cached keys were rotated by earlier ones). A file that cannot be read is one
     line naming it."""
-    from safetensors import safe_open
-
     path = os.path.join(os.fspath(directory), call.file)  # a bare call-file name: checked by load_manifest
     if os.path.islink(path) or not os.path.isfile(path):
         raise AttncheckError(f"{path}: the call file the manifest lists is not a file of the capture")
@@ -44,9 +45,6 @@ def read_rope_tables(directory: str | os.PathLike[str], manifest: Manifest) -> l
     'rope_type', 'parameters', 'calls' (the indices of the calls under it), 'modules'}; a listed file that is
     missing, a link or not a table, or a RoPE type transformers does not name (``params.ROPE_TYPES``), is one line
     naming it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     given = os.fspath(directory)
     out = []
     for entry in manifest.rope_tables:

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from attncheck.numerics.methods.softmax import MethodParams
+from attncheck.numerics.precision import dtype_from_name, exp_overflow_threshold, rounding_limit
 from attncheck.options import Bounded
 from attncheck.params import MASK_SENTINEL_LIMIT
 from attncheck.registry import PATHS, fp8_names, resolve
@@ -144,9 +146,6 @@ def row_bounds(inp: "AttentionInputs") -> tuple[torch.Tensor, ...]:
 
 def certify(inp: "AttentionInputs", cells: list["CellKey"]) -> Certificate:
     """Which query positions every cell asked is certified free of overflow and NaN at, from the bound."""
-    from attncheck.numerics.methods.softmax import MethodParams
-    from attncheck.numerics.precision import dtype_from_name, exp_overflow_threshold, rounding_limit
-
     raw, logit, nonfinite, full = row_bounds(inp)
     ok = torch.ones_like(full)
     s32 = rounding_limit(torch.float32)

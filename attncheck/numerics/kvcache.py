@@ -69,7 +69,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attncheck.numerics.paths import fa2
+from attncheck.numerics.methods.fp8_attention import fa3_tile
+from attncheck.numerics.paths import fa2, fa3
 
 # The cache formats and the torch dtypes that hold them (e4m3 is the 'fn' variant engines store: no inf).
 FORMATS: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -272,9 +273,6 @@ def fa3_fp8_output(
     """O (B, Hq, Tq, dv) float64 of vLLM's FlashAttention-3 path on an FP8 cache (module docstring): q (B, Hq, Tq,
     d) quantised with Q's scale (fp32 reciprocal, then the product), k and v (B, Hk, Tk, ...) as the cache stores
     them (fp32 division by their scales, per kv head), FP8 products with the three scales as descales."""
-    from attncheck.numerics.methods.fp8_attention import fa3_tile
-    from attncheck.numerics.paths import fa3
-
     fp8, fmax = FORMATS[fmt], format_max(fmt)
     qs, ks, vs = (_fp32(x).reshape(-1) for x in scales)
     b, hq, tq, d = q.shape

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from attncheck.dtypes import dtype_label
+from attncheck.dtypes import dtype_from_name, dtype_label
 from attncheck.numerics.rope_types import model_frequencies, reference_frequencies, why_not_judged
 from attncheck.results.rope import RopeAudit, RopeTableCheck, RopeWhatIf
 
@@ -218,8 +218,6 @@ def what_if_tables(
 ) -> tuple[RopeWhatIf, ...]:
     """The table recomputed in each of ``dtypes`` (names) at the same positions from the model's inverse frequencies
     ``model_inv``, against the float64 angles ``ref`` (T, d/2)."""
-    from attncheck.dtypes import dtype_from_name
-
     out = []
     for name in dtypes:
         c, s = model_table(pos, model_inv, dtype_from_name(name), table, scale=scale)

@@ -13,8 +13,13 @@ import time
 from typing import Callable
 
 from attncheck.config.check import CheckConfig
+from attncheck.config.run import check_row_fits
 from attncheck.config.sweep import head_layout
+from attncheck.devices import resolve_device
 from attncheck.errors import AttncheckError
+from attncheck.loaders import iter_sources
+from attncheck.pipelines.budgets import check_attention, check_source, synthetic_source
+from attncheck.pipelines.run import device_label
 from attncheck.results import CaseResult, CheckResult
 
 Track = Callable[[str, int], "Callable[[int], None] | None"]  # (input name, rows) -> rows-done callback
@@ -35,12 +40,6 @@ def run_check(
 
 
 def _run_check(config: CheckConfig, device: str | None, track: Track, notice) -> CheckResult:
-    from attncheck.config.run import check_row_fits
-    from attncheck.devices import resolve_device
-    from attncheck.loaders import iter_sources
-    from attncheck.pipelines.budgets import check_attention, check_source, synthetic_source
-    from attncheck.pipelines.run import device_label
-
     dev = resolve_device(device or config.device)
     start = time.perf_counter()
     cases: list[CaseResult] = []

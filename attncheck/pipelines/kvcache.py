@@ -18,7 +18,11 @@ from typing import Callable, Iterable
 import torch
 
 from attncheck.errors import AttncheckError
+from attncheck.findings.kvcache import judge_kv
 from attncheck.numerics import kvcache as kc
+from attncheck.numerics.cells.calls import call_inputs
+from attncheck.numerics.cells.plan import cell_dtype_name
+from attncheck.numerics.precision import dtype_from_name, dtype_label
 from attncheck.results.kvcache import KVChannel, KVHead, KVReport, KVWhatIf
 
 # Calls whose q, k, v and mask are recorded (SDPA, flash_attn, q/k files) or traced (softmax: eager attention)
@@ -163,8 +167,6 @@ class AmaxPass:
     def observe(self, info, tensors: dict) -> None:
         if info.kind not in KV_KINDS or tensors.get("v") is None:
             return
-        from attncheck.numerics.cells.calls import call_inputs
-
         try:
             inp = call_inputs(info, tensors, self.max_bytes)
         except AttncheckError:
@@ -186,8 +188,6 @@ def run_kv(
 ) -> KVReport:
     """Every cache asked over ``calls`` (in call order), per layer and kv head, judged; ``amax``: the capture's
     amax already gathered (else, where a calibrated scaling is asked, a first pass over ``calls`` gathers it)."""
-    from attncheck.findings.kvcache import judge_kv
-
     calibrated = needs_amax(asks)
     layers: dict[str, _Layer] = amax.layers if amax is not None and calibrated else {}
     if calibrated and amax is None:  # the first pass: the capture's amax per layer and kv head
@@ -342,10 +342,6 @@ def _head(module: str, h: int, layer: _Layer, acc: _Acc, scales, fmax: float, in
 
 def capture_calls(items, max_bytes: int | None) -> tuple[list[KVCall], list[tuple[str, str]]]:
     """A capture's calls the cache can replay (q, k, v and the mask recorded), and the others with why."""
-    from attncheck.numerics.cells.calls import call_inputs
-    from attncheck.numerics.cells.plan import cell_dtype_name
-    from attncheck.numerics.precision import dtype_from_name
-
     calls, skipped = [], []
     for item in items:
         info = item.info
@@ -373,6 +369,4 @@ def capture_calls(items, max_bytes: int | None) -> tuple[list[KVCall], list[tupl
 
 
 def _label(dtype: torch.dtype) -> str:
-    from attncheck.numerics.precision import dtype_label
-
     return dtype_label(dtype)

@@ -17,6 +17,12 @@ from typing import Callable
 import torch
 
 from attncheck.config.run import RunRequest
+from attncheck.demo import example_scores
+from attncheck.judge import judge_capture_sums, judge_lowsum
+from attncheck.loaders import TensorSource
+from attncheck.loaders.calls import open_inputs
+from attncheck.numerics.cells.calls import QK_KINDS, _model_inputs, _normalised
+from attncheck.numerics.methods.lowsum import qk_blocks, rows_per_block, stats
 from attncheck.results import CallReport, CallSums, CaptureSums, LayerSums, LowSumStats, TensorDiagnosis
 
 FILE_KINDS = ("qk", "scores", "unknown")  # calls read from files, not from a capture: their implementation is unknown
@@ -29,8 +35,6 @@ def attach_lowsum(
     order) gets ``lowsum``, one ``LowSumStats`` per accumulation asked, and the findings they lead to; a capture's
     calls give the returned ``CaptureSums`` instead (None when there is none).
     ``qk_inputs``: how ``pipelines.run`` reads and prepares --q/--k/--v (passed in: no import cycle)."""
-    from attncheck.judge import judge_lowsum
-    from attncheck.numerics.methods.lowsum import qk_blocks, rows_per_block, stats
 
     specs, chunk = request.accumulate, options.chunk_elements
     if request.qk is not None and not request.paths:
@@ -42,15 +46,11 @@ def attach_lowsum(
             judge_lowsum(d)
         return None
     if request.example:
-        from attncheck.demo import example_scores
-
         x = example_scores()
         for d in diags:
             d.lowsum = stats([(x.reshape(-1, x.shape[-1]), None)], specs)
             judge_lowsum(d)
         return None
-    from attncheck.loaders import TensorSource
-    from attncheck.loaders.calls import open_inputs
 
     inputs, _ = open_inputs(request.paths, request.keys, request.max_memory)
     captured: list[CallSums] = []
@@ -74,7 +74,6 @@ def attach_lowsum(
 
 def _capture_sums(request: RunRequest, captured: list[CallSums]) -> CaptureSums:
     """The captured calls' sums grouped per layer and judged, less the codes --ignore drops."""
-    from attncheck.judge import judge_capture_sums
 
     report = CaptureSums([st.label for st in captured[0].sums], captured, layer_sums(captured))
     judge_capture_sums(report)
@@ -125,8 +124,6 @@ def _fold(layer: LayerSums, index: int, st: LowSumStats) -> None:
 
 def _call_blocks(item, chunk: int, max_bytes: int):
     """Row blocks of a call: from its q, k (and v) where it has them, else its scores as given."""
-    from attncheck.numerics.cells.calls import QK_KINDS, _model_inputs, _normalised
-    from attncheck.numerics.methods.lowsum import qk_blocks, rows_per_block
 
     tensors = _normalised(item.info, item.load())
     if item.info.kind in QK_KINDS and "q" in tensors and "k" in tensors:

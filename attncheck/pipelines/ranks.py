@@ -18,6 +18,9 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
+import torch
+import torch.distributed as dist
+
 from attncheck.errors import AttncheckError
 
 # A rank that finishes its share waits for the slowest in the gather: on a CPU a large capture takes hours, and a
@@ -39,8 +42,6 @@ def split_job() -> Job | None:
     """The job whose ranks split a run: torch.distributed's group where it is initialised, else torchrun's environment
     (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, LOCAL_RANK); None for one process, a world of 1, or an environment
     without a rendezvous to join (such a process runs the whole run itself, as always)."""
-    import torch.distributed as dist
-
     if not dist.is_available():
         return None
     env = os.environ
@@ -74,8 +75,6 @@ def use_rank_gpu(job: Job, device: str) -> None:
     """Make 'cuda' (and 'auto' where CUDA is there) mean this rank's own GPU, LOCAL_RANK (modulo the GPUs there are:
     more ranks than GPUs share them): torch's current device, so that the device is still called 'cuda' and the
     report reads as a single process's. An explicit 'cuda:N' is left as given."""
-    import torch
-
     name = device.strip().lower()
     if name in ("auto", "cuda") and torch.cuda.is_available():
         torch.cuda.set_device(job.local_rank % torch.cuda.device_count())
@@ -130,8 +129,6 @@ class Share:
 def _join() -> bool:
     """Join the job's process group from torchrun's environment (gloo) where none is initialised; True if this made
     it (and so ends it)."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return False
     dist.init_process_group("gloo", timeout=WAIT)
@@ -146,8 +143,6 @@ def joined(job: Job | None) -> Iterator[None]:
     if job is None:
         yield
         return
-    import torch.distributed as dist
-
     owned = _join()
     try:
         yield
@@ -176,8 +171,6 @@ def exchange(job: Job, work: Callable[[], Any], merge: Callable[[list], Any], wh
     process would have met first (by ``where()``, the position the work had reached): bad input as the same
     AttncheckError on every rank; an unexpected exception with its traceback on its own rank, and one line elsewhere.
     No rank is left waiting for another that has stopped."""
-    import torch.distributed as dist
-
     owned = _join()
     try:
         group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=WAIT)

@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from attncheck.config.rope import RopeConfig
+from attncheck.errors import AttncheckError
+from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
 from attncheck.results.rope import RopeAudit, RopeTableCheck
 
 
 def run_rope(config: RopeConfig, tick: Callable[[], None] | None = None) -> list[RopeAudit]:
+    # imports torch: pipelines.rope is torch-free, so 'attncheck rope' checks its arguments first
     from attncheck.dtypes import dtype_from_name  # torch: only once the options are known to be good
     from attncheck.numerics.rope import audit_table
 
@@ -32,7 +35,7 @@ def capture_rope_checks(paths, what_if=()) -> list[RopeTableCheck]:
     (``numerics.rope.check_table``) at the tolerance ``rope_precision`` uses, with the rotated q and k of the calls
     under it (``numerics.rope_qk``); ``what_if``: dtypes to recompute each
     table in (--what-if rope:DTYPE)."""
-    from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
+    # imports torch: pipelines.rope is torch-free, so 'attncheck rope' checks its arguments first
     from attncheck.loaders.capture_ranks import rank_dirs
     from attncheck.loaders.manifest import is_capture_dir, load_manifest
     from attncheck.loaders.rope import read_rope_tables
@@ -54,7 +57,7 @@ def capture_rope_checks(paths, what_if=()) -> list[RopeTableCheck]:
 def rotated_qk(path, manifest, table: dict):
     """The rotated q and k of each call under ``table`` (read one call at a time), judged against float64; a call
     whose file cannot be read is left out with its reason (the diagnosis reports the file itself)."""
-    from attncheck.errors import AttncheckError
+    # imports torch (safetensors.torch, the rotation): pipelines.rope stays torch-free for 'attncheck rope'
     from attncheck.loaders.rope import read_call_qk
     from attncheck.numerics.rope_qk import RotatedQK
 

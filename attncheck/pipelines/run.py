@@ -14,10 +14,28 @@ from typing import Callable
 
 import torch
 
-from attncheck import params
-from attncheck.config.run import QKSpec, RunRequest
+from attncheck import loaders, params
+from attncheck.config.run import QKSpec, RunRequest, check_row_fits
+from attncheck.demo import EXAMPLE_NAME, example_scores
+from attncheck.devices import resolve_device
 from attncheck.errors import AttncheckError, param
-from attncheck.results import RunResult, TensorDiagnosis
+from attncheck.findings import apply_ignore
+from attncheck.findings.kvcache import judge_kv
+from attncheck.judge import attach_backward, diagnose, diagnose_attention, diagnose_call, diagnose_chunks
+from attncheck.loaders import TensorSource, open_sources
+from attncheck.loaders.calls import check_manifest_message, open_inputs
+from attncheck.model import model_report, setting_choices
+from attncheck.numerics.backward.diagnose import GradInputs
+from attncheck.numerics.cells.calls import scores_report
+from attncheck.numerics.cells.plan import cell_dtype_name, grid, judged_by, setting_cells
+from attncheck.numerics.inputs.scores import prepare_inputs
+from attncheck.numerics.precision import dtype_from_name, dtype_label
+from attncheck.options import rows_per_chunk
+from attncheck.pipelines.kvcache import AmaxPass, KVCall, asks_of, capture_calls, needs_amax, run_kv
+from attncheck.pipelines.lowsum import attach_lowsum
+from attncheck.pipelines.ranks import Share, exchange, split_job, use_rank_gpu
+from attncheck.pipelines.rope import capture_rope_checks
+from attncheck.results import CallInfo, CallReport, RunResult, TensorDiagnosis
 
 Track = Callable[[str, int], "Callable[[int], None] | None"]  # (tensor name, rows) -> rows-done callback
 
@@ -30,15 +48,8 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     whose tensors are named like q/k/v/mask; other tensors are scores. The result holds a
     diagnosis per tensor, a report per call and the model report over them.
     """
-    from attncheck.devices import resolve_device
-    from attncheck.judge import diagnose
-    from attncheck.numerics.cells.calls import scores_report
-    from attncheck.results import CallInfo
-
     track = track or (lambda name, rows: None)
     if request.split_ranks:
-        from attncheck.pipelines.ranks import split_job
-
         job = split_job()
         if job is not None:  # under torchrun: the calls split over the ranks
             return _run_split(request, job, track, notice)
@@ -50,8 +61,6 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
     prepared = None
     amax = None  # the KV cache's calibrated scales: the capture's amax, gathered as the calls are diagnosed
     if params.kv_what_ifs(request.what_if):
-        from attncheck.pipelines.kvcache import AmaxPass, asks_of, needs_amax
-
         amax = AmaxPass(request.max_memory) if needs_amax(asks_of(request.what_if)) else None
     if request.qk is not None:
         sources = open_sources_for(request)
@@ -62,8 +71,6 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
             for i, d in enumerate(diags)
         ]
     elif request.example:
-        from attncheck.demo import EXAMPLE_NAME, example_scores
-
         x = example_scores()
         diags = [diagnose(EXAMPLE_NAME, x, options, track(EXAMPLE_NAME, x.numel() // x.shape[-1]), notice)]
         calls = [scores_report(CallInfo(0, EXAMPLE_NAME, "scores"), diags[0])]
@@ -83,16 +90,11 @@ def _sums(request: RunRequest, options, diags: list, calls: list):
     their own report (pipelines.lowsum), returned (None without one)."""
     if not request.accumulate:
         return None
-    from attncheck.pipelines.lowsum import attach_lowsum
-
     return attach_lowsum(request, options, diags, calls, qk_inputs)
 
 
 def _judged(request: RunRequest, diags: list, calls: list, skipped: list, capture):
     """The diagnoses less what --ignore drops, their settings chosen again, and the model report over the calls."""
-    from attncheck.findings import apply_ignore
-    from attncheck.model import model_report, setting_choices
-
     for d in diags + [c.what_if for c in calls if c.what_if is not None]:
         apply_ignore(d, request.ignore)
         d.choices = setting_choices(d, request.ignore)  # judged again on the findings that count
@@ -103,9 +105,6 @@ def _run_split(request: RunRequest, job, track: Track, notice) -> RunResult:
     """Under torchrun: each rank diagnoses its share of the calls (and its layers' KV-cache what-if) on its own device,
     rank 0 puts the parts in call order and judges them as one process would, and every rank returns that result.
     A run of one computation (--q/--k, the example) is rank 0's alone."""
-    from attncheck.devices import resolve_device
-    from attncheck.pipelines.ranks import Share, exchange, use_rank_gpu
-
     share = Share(job)
     files = request.qk is None and not request.example
 
@@ -136,8 +135,6 @@ def _run_split(request: RunRequest, job, track: Track, notice) -> RunResult:
 def _merge_kv(request: RunRequest, reports: list, layers: list[str]):
     """The KV-cache what-if's parts, one per rank (each a set of whole layers), as one report in the capture's layer
     order, judged over every head."""
-    from attncheck.findings.kvcache import judge_kv
-
     report = reports[0]
     for i, what in enumerate(report.caches):
         heads = [h for part in reports for h in part.caches[i].heads]
@@ -151,8 +148,6 @@ def _merge_kv(request: RunRequest, reports: list, layers: list[str]):
 def _run_kv(request: RunRequest, prepared, amax=None, share=None):
     """--what-if kv:...: the KV cache over the capture's calls (or --q/--k/--v), its findings less those ignored;
     ``share``: one rank's layers alone (pipelines.ranks)."""
-    from attncheck.pipelines.kvcache import KVCall, asks_of, capture_calls, run_kv
-
     asks = asks_of(request.what_if)
     if prepared is not None:
         q_name, k_name, q, v, inputs = prepared
@@ -160,8 +155,6 @@ def _run_kv(request: RunRequest, prepared, amax=None, share=None):
             raise AttncheckError(f"{param('what_if')} kv:... computes attention from the cache: give {param('v')}")
         calls, skipped = [KVCall("", 0, lambda: (inputs, _kv_dtype(q.dtype)))], []
     else:
-        from attncheck.loaders.calls import open_inputs
-
         items = [i for i in open_inputs(request.paths, request.keys, request.max_memory)[0] if hasattr(i, "info")]
         calls, skipped = capture_calls(items, request.max_memory)
         if not calls:
@@ -192,15 +185,10 @@ def _nothing_replayed(report) -> None:
 
 def _kv_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a cache's attention computes in for q given as a file: q's, where a cell computes in it, else fp32."""
-    from attncheck.numerics.cells.plan import cell_dtype_name
-    from attncheck.numerics.precision import dtype_from_name, dtype_label
-
     return dtype_from_name(cell_dtype_name(dtype_label(dtype)) or "fp32")
 
 
 def open_sources_for(request: RunRequest):
-    from attncheck.loaders import open_sources
-
     return open_sources(request.paths, request.keys, max_bytes=request.max_memory) if request.paths else []
 
 
@@ -208,9 +196,6 @@ def _run_files(request: RunRequest, options, track: Track, notice, amax=None, sh
     """Every input of the files as a call report, in natural order; bad calls raise, or with
     ``partial`` are skipped and listed. ``amax``: a KV-cache amax pass that sees each call's tensors;
     ``share``: one rank's share of the inputs alone (pipelines.ranks)."""
-    from attncheck.loaders import TensorSource
-    from attncheck.loaders.calls import open_inputs
-
     inputs, manifests = open_inputs(
         request.paths, request.keys, request.max_memory
     )  # headers only: score tensors stream in row chunks
@@ -251,8 +236,6 @@ def _capture_of(request: RunRequest, manifests: list[dict]):
         }
     elif manifests:
         capture = capture_facts(manifests[0])
-    from attncheck.pipelines.rope import capture_rope_checks
-
     rope = capture_rope_checks(request.paths, request.rope_what_if)  # the rotary tables the calls ran under
     if rope:
         capture = {**(capture or {}), "rope": rope}
@@ -262,8 +245,6 @@ def _capture_of(request: RunRequest, manifests: list[dict]):
 def _check_what_ifs(request: RunRequest, options, inputs, captured) -> tuple[str, ...]:
     """The cell what-ifs asked, refused where they do not apply (FA4 settings, the FP8 accumulator, files whose
     implementation is not known): the cell what-ifs."""
-    from attncheck.loaders import TensorSource
-
     cell_what_if = params.cell_what_ifs(request.what_if)  # the KV cache's what-ifs run apart (_run_kv)
     sweeps_only = all(w in params.setting_sweeps() for w in cell_what_if)  # asked of any Q/K input (fa4's grid)
     _check_fa4_applies(request, options, inputs, captured)
@@ -285,14 +266,6 @@ def _check_what_ifs(request: RunRequest, options, inputs, captured) -> tuple[str
 
 def _diagnose_inputs(request: RunRequest, options, inputs, cell_what_if, track: Track, notice, amax, share):
     """Each input diagnosed (this rank's share alone under torchrun): (the call reports, the calls skipped)."""
-    from attncheck.config.run import check_row_fits
-    from attncheck.judge import diagnose_call, diagnose_chunks
-    from attncheck.loaders import TensorSource
-    from attncheck.numerics.cells.calls import scores_report
-    from attncheck.numerics.precision import dtype_label
-    from attncheck.options import rows_per_chunk
-    from attncheck.results import CallInfo, CallReport
-
     calls: list[CallReport] = []
     skipped: list[tuple[str, str]] = []
     mine = share.calls([_cost(item) for item in inputs]) if share is not None else None
@@ -345,8 +318,6 @@ def _cost(item) -> int:
 
 def capture_facts(doc: dict) -> dict:
     """What the report says of a capture, from its manifest."""
-    from attncheck.loaders.calls import check_manifest_message
-
     return {
         "note": check_manifest_message(doc),
         "stopped": doc.get("stopped"),
@@ -401,10 +372,9 @@ def _exists(path: str) -> bool:
 def load_one(spec: str, name: str, kind: str = "scores", max_bytes: int | None = None) -> tuple[str, torch.Tensor]:
     """PATH or PATH:KEY -> (name, tensor); the file must hold exactly one selected tensor.
     ``name`` is the parameter the spec was given as (q, k, mask)."""
-    from attncheck.loaders import load_tensors
-
     path, key = split_spec(spec)
-    found = load_tensors([path], [key] if key else [], kind=kind, max_bytes=max_bytes)
+    # loaders.load_tensors looked up when called: tests replace it to prove that a path never loads a file whole
+    found = loaders.load_tensors([path], [key] if key else [], kind=kind, max_bytes=max_bytes)
     if len(found) != 1:
         names = ", ".join(t.name for t in found[:6])
         raise AttncheckError(
@@ -416,8 +386,6 @@ def load_one(spec: str, name: str, kind: str = "scores", max_bytes: int | None =
 def _with_mask_facts(inputs, mask: str):
     """Q/K files' inputs with what a kernel path reads of how the mask was given: a mask tensor or padding
     ('explicit'), --causal alone ('causal', the kernels' own causal mask), or none."""
-    from dataclasses import replace
-
     return replace(inputs, call=inputs.facts("", mask))
 
 
@@ -431,9 +399,6 @@ def _run_qk(
     what_if: tuple[str, ...] = (),
     prepared: tuple | None = None,
 ) -> list[TensorDiagnosis]:
-    from attncheck.judge import diagnose_attention
-    from attncheck.numerics.cells.plan import grid, setting_cells
-
     q_name, k_name, q, v, inputs = prepared or qk_inputs(qk, max_bytes)
     if sources:  # scores given too: diagnose them and fit the scale they carry
         if qk.grad_out:
@@ -456,9 +421,6 @@ def _run_qk(
     cells = grid(options, True) + setting_cells(sweeps, options.dtypes, options=options) if sweeps else None
     diag = diagnose_attention(name, inputs, options, track(name, inputs.rows), notice=notice, cells=cells)
     if qk.grad_out:
-        from attncheck.judge import attach_backward
-        from attncheck.numerics.backward.diagnose import GradInputs
-
         dout = load_one(qk.grad_out, "grad_out", max_bytes=max_bytes)[1]
         want = (*q.shape[:-1], v.shape[-1])
         if tuple(dout.shape) != want:
@@ -472,8 +434,6 @@ def _run_qk(
 
 def qk_inputs(qk: QKSpec, max_bytes: int | None = None):
     """--q, --k, --v and --mask read and prepared: (q's name, k's name, q, v, AttentionInputs)."""
-    from attncheck.numerics.inputs.scores import prepare_inputs
-
     q_name, q = load_one(qk.q, "q", max_bytes=max_bytes)
     k_name, k = load_one(qk.k, "k", max_bytes=max_bytes)
     v = load_one(qk.v, "v", max_bytes=max_bytes)[1] if qk.v else None
@@ -518,9 +478,6 @@ def _check_fa4_applies(request: RunRequest, options, inputs, captured) -> None:
     """--what-if fa4, --rescale-threshold and --max-offset compute FlashAttention-4 from Q and K: refused in one line
     on files of scores alone, and the two knobs where no fa4 cell is computed (not in --path, not asked by
     --what-if, no captured call run by FlashAttention-4)."""
-    from attncheck.loaders import TensorSource
-    from attncheck.numerics.cells.plan import judged_by
-
     sweeps = [w for w in request.what_if if w in params.setting_sweeps()]
     knobs = [
         param(name)

@@ -11,6 +11,7 @@ from attncheck.results import PresetResult, SweepResult
 
 def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None = None) -> SweepResult:
     """Every grid point of ``config``, timed; ``progress(done, total)`` after each point."""
+    # imports torch: pipelines.sweep is torch-free, so 'attncheck sweep' checks its config first
     from attncheck.numerics.sweep.grid import run_sweep as measure
 
     start = time.perf_counter()
@@ -24,6 +25,7 @@ def run_preset(
 ) -> PresetResult:
     """A preset of ``numerics.presets``: published figures next to attncheck's own;
     ``progress(done, total)`` after each of its steps."""
+    # imports torch: pipelines.sweep is torch-free, so 'attncheck sweep' checks its config first
     from attncheck.devices import resolve_device
     from attncheck.numerics.sweep.presets import PRESET_STEPS, PRESETS
 

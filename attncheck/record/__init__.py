@@ -31,8 +31,10 @@ from attncheck.config.capture import (
     parse_forwards,
 )
 from attncheck.config.rope import split_rope_what_if
-from attncheck.config.run import ignore_codes
+from attncheck.config.run import Options, ignore_codes
 from attncheck.errors import AttncheckError
+from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
+from attncheck.results import RunResult
 
 
 class Capture:
@@ -97,6 +99,7 @@ class Capture:
         self.replaced = False  # the directory held a previous capture, replaced by this one
 
     def __enter__(self) -> "Capture":
+        # imports torch: cli capture imports attncheck.record (through pipelines.capture) at --help
         from attncheck.record.mode import Recorder
         from attncheck.record.ranks import capture_rank, rank_directory
         from attncheck.record.store import DiagnoseSink, DirectorySink, MemorySink
@@ -107,8 +110,6 @@ class Capture:
             if self.path is not None:  # each rank its own directory: PATH/rankN
                 self.path = os.fspath(rank_directory(self.given_path, self.rank, self.world))
         if self.diagnose:
-            from attncheck.config.run import Options
-
             self._sink = DiagnoseSink(self.options or Options(), self.ignore, self.notice, self.what_if, self.asked)
             self._sink.rank = self.rank
         elif self.path is not None:
@@ -172,6 +173,7 @@ class Capture:
         """{'rank', 'world', 'run_id'} under torchrun; {} for a single process (its manifest as it always was)."""
         if self.rank is None:
             return {}
+        # imports torch: cli capture imports attncheck.record (through pipelines.capture) at --help
         from attncheck.record.ranks import run_id
 
         return {"rank": self.rank, "world": self.world, "run_id": run_id()}
@@ -183,15 +185,17 @@ class Capture:
             self.error = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
 
     def _finish(self, sink) -> None:
+        # imports torch: cli capture imports attncheck.record (through pipelines.capture) at --help
         from attncheck.record.store import DiagnoseSink, DirectorySink
 
         if isinstance(sink, DirectorySink):
             self.calls = sink.entries
         elif isinstance(sink, DiagnoseSink):
+            # attncheck.model (~27 ms): only once the capture has ended
             from attncheck.model import model_report
-            from attncheck.results import RunResult
 
             self.calls = sink.reports
+            # imports torch: cli capture imports attncheck.record (through pipelines.capture) at --help
             from attncheck.loaders.calls import compile_message
 
             facts = {
@@ -212,7 +216,7 @@ class Capture:
                 **self.rank_facts(),
             }
             if sink.rope_tables:  # the rotary tables the calls ran under, judged as ``attncheck run`` judges them
-                from attncheck.findings.rope import ROPE_ANGLE_TOLERANCE
+                # imports torch: cli capture imports attncheck.record (through pipelines.capture) at --help
                 from attncheck.numerics.rope import table_checks
 
                 tables = list(sink.rope_tables.values())

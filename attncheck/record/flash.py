@@ -36,11 +36,15 @@ keeps the window as given ('-1,-1': none; FA4's None is -1).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
 import re
 import sys
 from typing import TYPE_CHECKING, Callable
+
+import torch
 
 if TYPE_CHECKING:
     import torch
@@ -83,6 +87,7 @@ def flash_impl() -> str | None:
     is activated in ``torch.nn.attention``'s registry (``activate_flash_attention_impl('FA4')`` -> 'fa4'); None
     where this torch has no such registry."""
     try:
+        # optional: a torch without the flash implementation registry has no current_flash_attention_impl
         from torch.nn.attention import current_flash_attention_impl
     except ImportError:
         return None
@@ -105,8 +110,6 @@ def gpu_facts(
     """What a call's metadata says about the GPU it ran on: {} off CUDA; on CUDA the compute capability
     ('9.0'), the GPU's name and, for an SDPA call (``sdpa``), the flash implementation PyTorch had active
     (``flash_impl``). ``capability`` and ``name`` stand for what torch.cuda says (asked once per device)."""
-    import torch
-
     device = torch.device(device)
     if device.type != "cuda":
         return {}
@@ -127,8 +130,6 @@ def gpu_facts(
 
 
 def _ask_cuda(device: "torch.device") -> dict[str, str]:
-    import torch
-
     try:
         major, minor = torch.cuda.get_device_capability(device)
         name = torch.cuda.get_device_name(device)
@@ -201,8 +202,6 @@ class FlashPatch:
         self.patched.append((owner, attr, original, wrapper))
 
     def _wrap(self, original, package: str, fn: str):
-        import functools
-
         call = self.call
 
         @functools.wraps(original)  # inspect.signature follows __wrapped__: transformers reads the arguments off it
@@ -230,8 +229,6 @@ class FlashPatch:
 
 def bound_arguments(original, args, kwargs) -> dict | None:
     """The call's arguments by name, defaults filled in; None where they do not fit the signature."""
-    import inspect
-
     try:
         sig = inspect.signature(original)
         bound = sig.bind(*args, **kwargs)
@@ -255,8 +252,6 @@ def _window(value) -> tuple[int, int]:
 
 
 def _number(x) -> float | None:
-    import torch
-
     if isinstance(x, bool) or x is None:
         return None
     if isinstance(x, (int, float)):
@@ -297,8 +292,6 @@ def _is_default(value, default) -> bool:
 
 def side_tensors(a: dict) -> dict[str, "torch.Tensor"]:
     """The descale factors and the sinks a call was given (small tensors, kept beside q, k, v)."""
-    import torch
-
     out = {f"{r}_descale": a[f"{r}_descale"].detach() for r in "qkv" if isinstance(a.get(f"{r}_descale"), torch.Tensor)}
     sink = next((a[n] for n in SINKS if isinstance(a.get(n), torch.Tensor)), None)
     if sink is not None:
@@ -310,8 +303,6 @@ def sequences(fn: str, a: dict, out) -> tuple[list[tuple], str | None]:
     """The call's attentions as (q, k, v, out or None, sequence, sequences) in attncheck's (B, H, T, D) layout: one
     for flash_attn_func (sequence None), one per sequence with queries for flash_attn_varlen_func (the packed rows
     between two cumulative lengths, as batch 1); and why the call cannot be recorded (None where it can)."""
-    import torch
-
     q, k, v = a.get("q"), a.get("k"), a.get("v")
     o = out[0] if isinstance(out, (tuple, list)) and out else out
     o = o if isinstance(o, torch.Tensor) and isinstance(q, torch.Tensor) and o.shape[:-1] == q.shape[:-1] else None

@@ -13,6 +13,7 @@ from attncheck.record.ops import callable_name, dtype_name, smallest_broadcast
 def flex_hop():
     """FlexAttention's operator (None where this torch has none)."""
     try:
+        # optional: a torch without FlexAttention (< 2.5) has none; the recorder imports without it
         from torch._higher_order_ops.flex_attention import flex_attention as hop
     except ImportError:  # pragma: no cover - torch without FlexAttention
         return None
@@ -23,6 +24,7 @@ def flex_logits(q, k, score_mod, block_mask, scale, score_buffers, mask_buffers,
     """(S times the scale, the logits after score_mod and mask_mod) as flex's math path computes
     them (torch's own ``_math_attention_inner``, GQA and batch broadcast as ``math_attention`` does),
     from q and k upcast to ``working``: float32 is what flex computes, float64 the reference."""
+    # optional: a torch without FlexAttention (< 2.5) has none; the recorder imports without it
     from torch._higher_order_ops.flex_attention import _math_attention_inner
 
     g = q.shape[1] // k.shape[1]

@@ -6,8 +6,10 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from attncheck.record.compiled import compiled_module, compiling
+from attncheck.wrappers import module_names
 
 
 class ModuleStack:
@@ -35,8 +37,6 @@ class ModuleStack:
         return stack
 
     def __enter__(self) -> "ModuleStack":
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
         self._handles = [
             register_module_forward_pre_hook(self._pre),
             register_module_forward_hook(self._post, always_call=True),
@@ -106,6 +106,4 @@ def module_names_of(root: torch.nn.Module) -> dict[int, str]:
     """id -> path of the modules under a top module, as the model names them: the wrappers of DDP, DataParallel,
     FSDP, checkpointing and torch.compile left out of the paths (``module.layers.0`` and ``_orig_mod.h.0.attn``
     -> ``layers.0``, ``h.0.attn``), the wrapped model named as the top one (the watch names calls the same way)."""
-    from attncheck.wrappers import module_names
-
     return module_names(root)

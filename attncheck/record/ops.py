@@ -98,6 +98,7 @@ def sdpa_backend(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> str:
     if choose is None:
         return "unknown"
     try:
+        # torch.nn.attention (torch >= 2.2) inside the try: any failure leaves the backend 'unknown'
         from torch.nn.attention import SDPBackend
 
         return SDPBackend(choose(q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)).name.lower()

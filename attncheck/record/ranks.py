@@ -10,11 +10,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
+import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from attncheck.errors import AttncheckError
-from attncheck.loaders.calls import OWNER, owner_alive, read_owner
+from attncheck.loaders import jsondoc
+from attncheck.loaders.calls import CALL_FILE, MANIFEST, OWNER, owner_alive, read_owner
+from attncheck.loaders.rope import ROPE_FILE
 
 RANK_DIR = "rank{}"
 
@@ -22,8 +28,6 @@ RANK_DIR = "rank{}"
 def capture_rank() -> tuple[int, int] | None:
     """(rank, world size) of this process in a job of several processes: torch.distributed's where it is
     initialised, else torchrun's environment (RANK, WORLD_SIZE); None for a single process."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
@@ -59,9 +63,6 @@ def rank_directory(path: str | os.PathLike[str], rank: int, world: int | None = 
     single-process capture left in the parent is removed (each rank removes what is still there), and rank 0
     removes the captures of ranks beyond ``world`` a larger job left (no rank of this job writes there), so
     that reading the parent finds this job's ranks alone."""
-    from attncheck.loaders.calls import CALL_FILE, MANIFEST
-    from attncheck.loaders.rope import ROPE_FILE
-
     parent = Path(os.path.abspath(path))
     try:
         if parent.exists() and not parent.is_dir():
@@ -87,11 +88,6 @@ def rank_directory(path: str | os.PathLike[str], rank: int, world: int | None = 
 def _remove_ranks_beyond(parent: Path, world: int) -> None:
     """Remove ``rankN`` (N >= world) directories holding only a capture's own files (its manifest, call files,
     the owner file of a process that is gone); anything else there stays, and reading the parent then says so."""
-    import re
-
-    from attncheck.loaders.calls import CALL_FILE, MANIFEST
-    from attncheck.loaders.rope import ROPE_FILE
-
     for d in parent.iterdir():
         m = re.fullmatch(r"rank(\d{1,7})", d.name)
         if not m or int(m.group(1)) < world or d.is_symlink() or not d.is_dir():
@@ -116,8 +112,6 @@ def _remove_ranks_beyond(parent: Path, world: int) -> None:
 
 
 def _check_previous(manifest: Path, parent: Path) -> None:
-    from attncheck.loaders import jsondoc
-
     try:
         with open(manifest, "rb") as fh:
             doc = jsondoc.decode(fh.read(jsondoc.MAX_BYTES + 1))
@@ -194,8 +188,6 @@ def release(owner: Path) -> None:
 
 
 def _recent(owner: Path, seconds: float = 5.0) -> bool:
-    import time
-
     try:
         return time.time() - owner.stat().st_mtime < seconds
     except OSError:

@@ -15,17 +15,24 @@ import struct
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors.torch import save_file
 
 from attncheck import __version__
+from attncheck.devices import resolve_device
 from attncheck.errors import AttncheckError
+from attncheck.findings import apply_ignore
+from attncheck.judge import diagnose_call
+from attncheck.loaders import jsondoc
 from attncheck.loaders.calls import CALL_FILE, CAPTURE_SCHEMA, MANIFEST, call_file_name, grads_file_name, info_from_meta
 from attncheck.loaders.rope import ROPE_FILE, rope_file_name
 from attncheck.numerics.rope_qk import RotatedQK
 from attncheck.record.ops import Recorded, Sink
+from attncheck.record.ranks import OWNER, RANK_DIR, claim, release
 from attncheck.results import CallInfo, CallReport
 
 
@@ -76,8 +83,6 @@ def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, torch.Ten
     Tensors must be contiguous CPU tensors; other dtypes or a big-endian host use safetensors'
     own writer."""
     if sys.byteorder != "little" or any(t.dtype not in SAFETENSORS_DTYPES for t in tensors.values()):
-        from safetensors.torch import save_file
-
         save_file(tensors, str(path), metadata=metadata)
         return
     header: dict = {"__metadata__": metadata}
@@ -105,8 +110,6 @@ def prepare_directory(path: str | os.PathLike[str], rank: int | None = None) -> 
     a directory another live process writes is refused) and emptied of a previous capture; as an
     absolute path, so that a script that changes its working directory still writes there; and the
     owner file to release when done; and whether a previous capture was there (its files are now gone)."""
-    from attncheck.record.ranks import claim, release
-
     d = Path(os.path.abspath(path))
     owner = None
     try:
@@ -137,8 +140,6 @@ def _create(d: Path) -> None:
 
 
 def _prepare(d: Path) -> tuple[Path, bool]:
-    from attncheck.record.ranks import OWNER, RANK_DIR
-
     entries = [p for p in d.iterdir() if p.name != OWNER]
     if not entries:
         return d, False
@@ -168,8 +169,6 @@ def _prepare(d: Path) -> tuple[Path, bool]:
             f"capture directory {d} is not empty and holds no capture ({MANIFEST}); give a new or empty folder",
             param="path",
         )
-    from attncheck.loaders import jsondoc
-
     try:
         with open(manifest, "rb") as fh:
             doc = jsondoc.decode(fh.read(jsondoc.MAX_BYTES + 1))
@@ -335,8 +334,6 @@ class DirectorySink(Sink):
     def close(self, facts: dict) -> None:
         """Wait for the last write, then write the manifest (calls that failed to write left out), and give
         the directory up."""
-        from attncheck.record.ranks import release
-
         try:
             self._close(facts)
         finally:
@@ -408,10 +405,6 @@ class DiagnoseSink(Sink):
     """Diagnoses each call as it comes and keeps only the result."""
 
     def __init__(self, options, ignore=(), notice: Callable[[str], None] | None = None, what_if=(), asked=None) -> None:
-        from dataclasses import replace
-
-        from attncheck.devices import resolve_device
-
         self.options = replace(options, device=str(resolve_device(options.device)))
         self.ignore, self.notice = tuple(ignore), notice
         self.what_if, self.asked = tuple(what_if), asked
@@ -460,9 +453,6 @@ class DiagnoseSink(Sink):
             self._diagnose(kept)
 
     def _diagnose(self, call: Recorded) -> None:
-        from attncheck.findings import apply_ignore
-        from attncheck.judge import diagnose_call
-
         name = f"{call.index:04d}-{call.module or 'global'}"
         try:
             info = info_from_meta(call.meta, index=call.index, name=name, file=None)

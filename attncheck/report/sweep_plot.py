@@ -35,6 +35,7 @@ def sweep_figure(result: SweepResult):
     import matplotlib  # matplotlib: only when a plot is asked (an optional dependency, slow to import)
 
     matplotlib.use("Agg")
+    # optional and slow to import: matplotlib only when a plot is asked
     import matplotlib.pyplot as plt
 
     seq_many, std_many = _varying(result)

@@ -6,6 +6,7 @@ import io
 import math
 from typing import Any
 
+import numpy as np
 from rich.console import Group
 from rich.text import Text
 
@@ -239,6 +240,7 @@ def watch_figure(report: WatchReport):
     import matplotlib  # matplotlib: only when a plot is asked (an optional dependency, slow to import)
 
     matplotlib.use("Agg")
+    # optional and slow to import: matplotlib only when a plot is asked
     import matplotlib.pyplot as plt
 
     ranks = report.ranks
@@ -291,8 +293,6 @@ def _drawn(report: WatchReport, ranks, several):
 
 def _grids(series, calls):
     """The heatmaps' step x call grids: (steps, log10 of the largest logit, mean entropy), over heads."""
-    import numpy as np  # numpy: off the report's cheap path (the tables need none)
-
     steps = sorted({t for s in series for t in s.steps})
     col = {t: i for i, t in enumerate(steps)}
     row = {c: i for i, c in enumerate(calls)}
@@ -328,8 +328,6 @@ def _heatmaps(fig, axes, logit, ent, steps, calls, labels, all_calls, notes, ran
 
 def _curves(axes, worst, several):
     """The worst heads' largest logit over the steps, on the third axis: (that axis, the curves drawn)."""
-    import numpy as np  # (as in _grids)
-
     curves = worst[:CURVES_SHOWN]  # the heads table's worst, of every rank
     ax = axes[2]
     for s in curves:

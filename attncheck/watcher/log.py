@@ -176,6 +176,7 @@ def _summary_writer(where, rank: int, world: int):
     if hasattr(where, "add_scalar"):
         return where
     try:
+        # inside: attncheck.watcher imports without torch ('attncheck watch LOG' reads a log through watcher.trends)
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise AttncheckError(

@@ -9,6 +9,7 @@ import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+from attncheck.numerics.cells.plan import model_path as kernel_path  # wrappers.model_path is the module's
 from attncheck.registry import eager_path
 from attncheck.results import CallInfo
 from attncheck.wrappers import model_path
@@ -112,9 +113,6 @@ class RecordingMixin:
 
 def _kernel_path(call) -> str:
     """The path of the kernel that ran a watched SDPA or flex call (as a capture's report judges it)."""
-    # here, not at the top: wrappers.model_path (the module names under a wrapper) has the same name in this module
-    from attncheck.numerics.cells.plan import model_path
-
     meta = call.meta
     info = CallInfo(
         index=0,
@@ -125,7 +123,7 @@ def _kernel_path(call) -> str:
         is_causal=meta.get("is_causal") == "true",
         dropout_p=_number(meta.get("dropout_p")) or 0.0,
     )
-    return model_path(info) or eager_path()
+    return kernel_path(info) or eager_path()
 
 
 def _number(x) -> float | None:

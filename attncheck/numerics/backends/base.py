@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from attncheck.numerics.methods.online import online_softmax
 from attncheck.numerics.reduce import finite
 
 FUSED_MIN_ELEMENTS = 1 << 22  # below this, numba's import and compile cost more than they save
@@ -124,8 +125,6 @@ class RowBackend(abc.ABC):
     def online(self, x: torch.Tensor, p_dtype: torch.dtype, block: int, reverse: bool = False) -> torch.Tensor:
         """The online softmax of the rows ``x`` (r, T), P rounded to ``p_dtype``: effective
         probabilities (r, T) float32 with the rounding points of ``methods.online``."""
-        from attncheck.numerics.methods.online import online_softmax
-
         return online_softmax(x, p_dtype, min(block, x.shape[-1]), reverse)
 
     def same_reference(self, c: ChunkFacts) -> AlgoReference:

@@ -28,7 +28,9 @@ from attncheck import __version__
 from attncheck.numerics.backends.base import AlgoReference, ChunkFacts, RowBackend, RowMetrics
 from attncheck.numerics.backends.cache import cache_dir
 from attncheck.numerics.backends.torch_rows import TorchRows
-from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, smallest_subnormal, spec_of
+from attncheck.numerics.methods.fp8 import PCastRows, pcast_softmax
+from attncheck.numerics.methods.softmax import MethodOutput
+from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, rounding_limit, smallest_subnormal, spec_of
 
 COMPILE_NOTICE = "compiling attncheck kernels (once, ~30 s)"
 KERNELS_MODULE = "attncheck.numerics.backends.numba_kernels"
@@ -62,6 +64,7 @@ def _stamp(signature: str) -> Path | None:
         return None
     src = Path(importlib.util.find_spec(KERNELS_MODULE).origin)
     st = src.stat()
+    # optional and slow to import: numba only once a kernel is compiled or its cache stamped
     import numba
 
     key = f"{src}|{st.st_mtime_ns}|{st.st_size}|{numba.__version__}|{sys.version}|{__version__}|{signature}"
@@ -180,14 +183,9 @@ class NumbaRows(RowBackend):
         xc = algo.xc
         if spec.rows_kernel != "tiled_rows" or xc.dim() != 2 or view(xc) is None or not xc.shape[-1]:
             return None
-        from attncheck.numerics.methods.softmax import MethodOutput
-
         fp8 = params.fp8
         if fp8 is None:
             return MethodOutput(self.online(xc, xc.dtype, params.block, params.reverse))
-        from attncheck.numerics.methods.fp8 import PCastRows, pcast_softmax
-        from attncheck.numerics.precision import rounding_limit
-
         r, t = xc.shape
         block = min(params.block, t)
         fmt, p_scale = fp8.fmt, float(fp8.p_scale)

@@ -8,13 +8,13 @@ budget); per block the float64 reference is computed once for every cell. No pri
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from attncheck.numerics.backward import paths as bw
 from attncheck.numerics.inputs.scores import AttentionInputs
-from attncheck.numerics.precision import cast, dtype_from_name, rounding_limit, smallest_subnormal, ulp
+from attncheck.numerics.precision import cast, dtype_from_name, dtype_label, rounding_limit, smallest_subnormal, ulp
 from attncheck.registry import PATHS
 from attncheck.results import GRAD_CAUSES, CellBackward, GradStats
 
@@ -182,8 +182,6 @@ class _GradAcc:
 
 def _without_recorded(hb: bw.HeadBlock) -> bw.HeadBlock:
     """A head block for a cell other than the model's: it computes its own scores and output."""
-    from dataclasses import replace
-
     return replace(hb, scores=None, out=None) if hb.scores is not None or hb.out is not None else hb
 
 
@@ -459,8 +457,6 @@ def _share_dtype(cell: BackwardCell, pg: bw.PathGrads, dt: torch.dtype, grads: G
 
 
 def _label(dt: torch.dtype) -> str:
-    from attncheck.numerics.precision import dtype_label
-
     return dtype_label(dt)
 
 

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from attncheck.numerics.inputs.scores import mask_planes, sentinel_in
-from attncheck.numerics.precision import cast
+from attncheck.numerics.methods.online import online_softmax
+from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, cast, dtype_label
 
 FLASH_KV_BLOCK = 512  # cpu_flash_attention_backward's kv_split_size
 
@@ -194,8 +195,6 @@ def filled_keys(hb: HeadBlock) -> torch.Tensor | None:
     """The keys a ``masked_fill`` set: the boolean mask's, or with recorded scores, the keys they
     hold at -inf or a mask sentinel."""
     if hb.scores is not None:
-        from attncheck.numerics.precision import MASK_SENTINEL_LIMIT
-
         return hb.scores <= MASK_SENTINEL_LIMIT
     return hb.masked
 
@@ -342,8 +341,6 @@ def flash_forward(hb: HeadBlock, dt: torch.dtype, block: int = 128) -> tuple[tor
     if hb.out is not None:
         out = cast(hb.out, dt)
     else:
-        from attncheck.numerics.methods.online import online_softmax
-
         p = online_softmax(s.reshape(-1, s.shape[-1]), dt, min(block, s.shape[-1])).reshape(s.shape)
         out = torch.matmul(p, cast(hb.v, dt).float()).to(dt)
     return s, lse, out
@@ -431,6 +428,4 @@ def reference(hb: HeadBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
 
 
 def _label(dt: torch.dtype) -> str:
-    from attncheck.numerics.precision import dtype_label
-
     return dtype_label(dt)

@@ -9,6 +9,7 @@ from collections import Counter
 import torch
 
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowMetrics
+from attncheck.numerics.methods.fp8 import POSITIONS
 from attncheck.numerics.methods.softmax import event_rows
 from attncheck.numerics.precision import (
     MASK_SENTINEL_LIMIT,
@@ -556,8 +557,6 @@ class CellAcc:
     def _pcast_fields(self) -> dict:
         if self.pcast_live is None:
             return {}
-        from attncheck.numerics.methods.fp8 import POSITIONS
-
         live, flushed = self.pcast_live.tolist(), self.pcast_flushed.tolist()
         return dict(
             pcast_flushed_frac=sum(flushed) / sum(live) if sum(live) else None,

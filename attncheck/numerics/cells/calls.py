@@ -24,6 +24,8 @@ import torch
 
 from attncheck import params
 from attncheck.errors import AttncheckError, param
+from attncheck.numerics.backward.diagnose import BackwardCell, GradInputs, diagnose_backward, has_backward
+from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
 from attncheck.numerics.cells.inputs import (
     QK_KINDS,
     _model_inputs,
@@ -47,7 +49,10 @@ from attncheck.numerics.cells.plan import (
     sweep_refusals,
     what_if_cells,
 )
+from attncheck.numerics.inputs.heads import kv_heads, qk_maxima, qk_overflow_per_head
+from attncheck.numerics.inputs.scores import max_abs_qk, start_audit
 from attncheck.numerics.inputs.sinks import split_sinks
+from attncheck.numerics.inputs.softcap import softcap_facts
 from attncheck.numerics.outliers import annotate_heads, call_activations
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, dtype_from_name, dtype_label, rounding_limit
 from attncheck.options import Options, rows_per_chunk
@@ -186,8 +191,6 @@ def softcap(info: CallInfo) -> float | None:
 
 def _softcap_audit(info: CallInfo, inputs, diag: TensorDiagnosis, cap: float) -> None:
     """S = Q@K^T before the cap, in the scores' dtype: the facts (``judge.judge_call`` finds what they mean)."""
-    from attncheck.numerics.inputs.softcap import softcap_facts
-
     dt = dtype_from_name(cell_dtype_name(info.dtype) or "fp32")
     diag.attention.softcap = softcap_facts(inputs, dt, cap, diag.attention.raw_max_abs)
 
@@ -205,8 +208,6 @@ def _backward(
     the model's own cell is the eager path as the model ran it (a softmax call: its recorded scores,
     the mask applied as the capture traced it, the matmuls in autocast's dtype or v's) or the SDPA
     backend's path, compared with the gradients its kernel produced where they were recorded."""
-    from attncheck.numerics.backward.diagnose import BackwardCell, GradInputs
-
     _check_grads(info, tensors)
     if info.kind == "softmax" and info.meta.get("softcap", "none") != "none":
         return  # the backward paths have no soft cap (its tanh Jacobian): judged without it they would be wrong
@@ -298,8 +299,6 @@ def attach_backward(
     model cell alone) and of the what-if cells of ``what``: every cell of a path with a backward
     (eager with torch.softmax, its mask applied as ``mask_op`` says; sdpa-math; flash) in fp16, bf16
     or fp32. Fills ``Cell.backward``; ``judge.attach_backward`` adds the backward findings."""
-    from attncheck.numerics.backward.diagnose import BackwardCell, diagnose_backward, has_backward
-
     wanted: dict = {}  # BackwardCell -> the forward cell it belongs to
     if own is not None:
         wanted[own[0]] = own[1]
@@ -320,8 +319,6 @@ def attach_backward(
 
 
 def _qk_diagnosis(info, inputs, options, cells, progress, notice) -> TensorDiagnosis:
-    from attncheck.numerics.cells.diagnose import diagnose_attention
-
     return diagnose_attention(
         info.name, inputs, options, progress, notice=notice, cells=cells, scale_source=_scale_source(info)
     )
@@ -330,9 +327,6 @@ def _qk_diagnosis(info, inputs, options, cells, progress, notice) -> TensorDiagn
 def _scores_diagnosis(info, scores, inputs, options, cells, progress, notice) -> TensorDiagnosis:
     """A softmax call: the scores it saw, as recorded. With its q and k, the scale they carry: the
     traced one (the model's code), or fitted to the scores where the trace found none."""
-    from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
-    from attncheck.numerics.inputs.scores import start_audit
-
     if inputs is None or info.meta.get("q_prescaled") == "true":
         return diagnose(info.name, scores, options, progress, notice=notice, cells=cells)
     source = _scale_source(info)
@@ -350,8 +344,6 @@ def _scores_diagnosis(info, scores, inputs, options, cells, progress, notice) ->
             fit=source is None,
         )
     # far from any overflow: the scores alone, with the audit's max|q.k| (the --detail panel said 0)
-    from attncheck.numerics.inputs.scores import max_abs_qk
-
     audit = start_audit(inputs)
     audit.scale_source = source
     audit.raw_max_abs = max_abs_qk(inputs, rows_per_chunk(scores.shape[-1], options, cells))
@@ -378,8 +370,6 @@ def _what_if(
 ) -> TensorDiagnosis | None:
     """The what-if cells of a call of known implementation, in a pass of their own (the model's inputs
     are held beside them: both count against ``max_bytes``)."""
-    from attncheck.numerics.cells.diagnose import diagnose, diagnose_attention
-
     left = None if max_bytes is None else max(1, max_bytes // 2)
     if info.kind == "softmax" and info.meta.get("softcap", "none") != "none":
         return None  # a what-if rebuilds the scores from q.k and the mask, without the cap: not this model's scores
@@ -446,8 +436,6 @@ def _head_stats(info: CallInfo, inputs, diag: TensorDiagnosis, cell, model: Cell
     """One HeadStat per head: max |q| and |k| (GQA: of the kv head it reads), the largest unmasked
     logit (from the diagnosis's own pass), Q@K^T overflow in the call's dtype where the model holds S
     in it and the scores show +inf (the only place it can break), and the model cell's NaN rows."""
-    from attncheck.numerics.inputs.heads import kv_heads, qk_maxima, qk_overflow_per_head
-
     logits = diag.head_max_logits
     heads = len(logits)
     if not heads:

@@ -25,6 +25,8 @@ from attncheck.numerics.bounded import diagnose_bounded
 from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc, HeadMax
 from attncheck.numerics.cells.limits import cell_limit
 from attncheck.numerics.cells.plan import CellKey, grid, stages
+from attncheck.numerics.inputs.scores import fit_scale, given_blocks, score_blocks, start_audit
+from attncheck.numerics.methods.fp8_attention import Fp8Setup
 from attncheck.numerics.methods.softmax import Buffers, MethodParams
 from attncheck.numerics.precision import (
     cast,
@@ -36,6 +38,7 @@ from attncheck.numerics.precision import (
 from attncheck.numerics.reduce import any_true, count, row_counts
 from attncheck.numerics.sinks import KeyShareAcc, visible_keys
 from attncheck.options import Options, chunk_elements_for, rows_per_chunk  # noqa: F401  (part of this module's API)
+from attncheck.params import fp8_accum_bits
 from attncheck.registry import METHODS, PATHS, fp8_names
 from attncheck.results import ASKED, TensorDiagnosis
 from attncheck.sources import TensorSource, memory_source
@@ -297,9 +300,6 @@ def _cell_params(method_params: MethodParams, options: Options, key: CellKey) ->
 
 def _fp8_params(method_params: MethodParams, options: Options, d: str) -> MethodParams:
     """The method parameters of FP8 dtype ``d``'s cells: its format, the P scale, the quantisation."""
-    from attncheck.numerics.methods.fp8_attention import Fp8Setup
-    from attncheck.params import fp8_accum_bits
-
     setup = Fp8Setup(
         fmt=dtype_from_name(d),
         scaling=options.fp8_scaling,
@@ -512,8 +512,6 @@ def diagnose_attention(
     when the scale is the model's own choice (``AttentionAudit.scale_source``); ``fit`` False: the
     given scores' scale is known (that one), so none is fitted.
     """
-    from attncheck.numerics.inputs.scores import fit_scale, given_blocks, score_blocks, start_audit
-
     options = options or Options()
     audit = start_audit(inputs)
     audit.scale_source = scale_source

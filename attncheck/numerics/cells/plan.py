@@ -16,6 +16,7 @@ dtype): the stage computes the scores and their float64 reference once for all i
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from attncheck.numerics.paths.base import CallFacts, Setting
@@ -130,8 +131,6 @@ def recorded_implementation(info: CallInfo) -> str:
 
 
 def _shapes(info: CallInfo) -> dict[str, list[int]]:
-    import json
-
     try:
         shapes = json.loads(info.meta.get("shapes", "") or "{}")
     except ValueError:
@@ -367,8 +366,6 @@ def setting_cells(
 ) -> list[CellKey]:
     """One cell per point of each named kernel's settings grid (``PathSpec.settings``) in each dtype it has one
     for: what ``--what-if fa4`` computes."""
-    from attncheck.registry import resolve
-
     cells = []
     for p in sweeps:
         grid_of = resolve(PATHS.get(p).settings)

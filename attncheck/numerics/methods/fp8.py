@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attncheck.numerics.precision import smallest_subnormal
+from attncheck.numerics.methods.online import online_blocks
+from attncheck.numerics.precision import rounding_limit, smallest_subnormal
 
 NEG_INF = float("-inf")
 BEFORE, AT, AFTER = 0, 1, 2  # a key's block, in visiting order, against the block that holds the row max
@@ -47,8 +48,6 @@ def fp8_values(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
 def cast_overflow(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     """Where a finite ``x`` lies beyond what ``dt`` holds: the values a cast clips (or, in a
     non-saturating cast, turns into inf or NaN). Half an ulp past the top still rounds down."""
-    from attncheck.numerics.precision import rounding_limit
-
     return torch.isfinite(x) & (x.abs() >= rounding_limit(dt))
 
 
@@ -135,9 +134,6 @@ def pcast_softmax(x: torch.Tensor, dt: torch.dtype, p_scale: float, block: int, 
     the weight the kernel's rescaled output gives it. Fully masked rows give zeros. The
     rounding points are ``attncheck.numerics.methods.online``'s; the fused CPU kernel follows them.
     """
-    from attncheck.numerics.methods.online import online_blocks
-    from attncheck.numerics.precision import rounding_limit
-
     lead = x.shape[:-1]
     ob = online_blocks(x, block, reverse)
     scaled = ob.e.mul_(p_scale)  # P~ in fp32, at most p_scale: exp(s - m_j) <= 1 against the running max

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     import torch
 
@@ -53,8 +55,6 @@ def truncate_mantissa(x: "torch.Tensor", mantissa_bits: int) -> "torch.Tensor":
     """``x`` (float64) truncated toward zero to ``mantissa_bits`` bits after the leading one; exact for
     normal float64 values (every value an fp32 accumulator can hold): float64 is sign and magnitude, so
     clearing the low 52 - mantissa_bits bits of its encoding truncates the magnitude."""
-    import torch
-
     if not 0 <= mantissa_bits <= 52:
         raise ValueError(f"mantissa_bits must be in 0..52, got {mantissa_bits}")
     mask = -(1 << (52 - mantissa_bits))  # ...111000 in two's complement: the low bits cleared
@@ -78,8 +78,6 @@ def mma_accumulate_fp8(
     ``flush_every`` = N, the truncated accumulator starts at zero, and every N steps (and after the last)
     it is added to the fp32 accumulator (which starts at ``acc``) in fp32. Returns float32 (..., m, n).
     """
-    import torch
-
     if flush_every is not None and flush_every < 1:
         raise ValueError(f"flush_every must be at least 1, got {flush_every}")
     kdim = a.shape[-1]

@@ -14,7 +14,10 @@ import torch
 
 from attncheck.errors import AttncheckError
 from attncheck.numerics.methods.fp8 import PCastSoftmax, cast_overflow, fp8_values, pcast_softmax
+from attncheck.numerics.methods.fp8_accum import mma_accumulate_fp8
+from attncheck.numerics.precision import dtype_label
 from attncheck.params import DEFAULT_P_SCALE
+from attncheck.results import DtypeAudit
 
 if TYPE_CHECKING:
     from attncheck.numerics.inputs.scores import AttentionInputs, QKBlock
@@ -209,8 +212,6 @@ def online_pcast_out(
     r = pcast_softmax(s, fmt, p_scale, block, reverse)
     if v8 is None:
         return r, None
-    from attncheck.numerics.methods.fp8_accum import mma_accumulate_fp8
-
     n, tq, t = s.shape
     nb = -(-t // block)
     m = torch.full((n, tq, 1), float("-inf"), device=s.device)
@@ -267,9 +268,6 @@ def accum_label(bits: int | None, flush: int | None) -> str:
 
 def record_audit(block: "QKBlock", dt: torch.dtype, setup: Fp8Setup, quant: Quantized) -> None:
     """What the quantisation did, in the input's audit (the same for every block)."""
-    from attncheck.numerics.precision import dtype_label
-    from attncheck.results import DtypeAudit
-
     label = dtype_label(dt)
     a = block.audit.dtypes.setdefault(label, DtypeAudit(label))
     a.fp8_scaling = setup.scaling + (", incoherent" if setup.incoherent else "")

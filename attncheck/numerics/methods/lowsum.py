@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from attncheck.errors import AttncheckError
+from attncheck.numerics.inputs.scores import QKBlock, _kv_heads, _qk_float64, _row_ranges
 from attncheck.params import SumSpec
 from attncheck.results.lowsum import LowSumStats, SumOverflow
 
@@ -328,8 +329,6 @@ def qk_blocks(inp, rows: int):
     """(float64 scores (r, Tk), V (r, Tk, dv) or None) of Q/K inputs (numerics.inputs.prepare.AttentionInputs) in
     row blocks: q.k^T times the scale plus the float mask, boolean-masked keys -inf (or the mask value given), a
     flex call's logits after its score_mod: the float64 reference the diagnosis computes (inputs.scores.QKBlock)."""
-    from attncheck.numerics.inputs.scores import QKBlock, _kv_heads, _qk_float64, _row_ranges
-
     sentinel = float("-inf") if inp.mask_value in ("-inf", "min") else float(inp.mask_value)
     for bh, qs in _row_ranges(inp, rows):
         _, _, s = _qk_float64(inp, bh, qs)

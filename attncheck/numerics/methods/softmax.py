@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from attncheck.errors import AttncheckError
+from attncheck.numerics.methods.fp8 import pcast_softmax
+from attncheck.numerics.methods.online import online_softmax
 from attncheck.numerics.reduce import count, finite, infinite
 from attncheck.numerics.rowmath import row_sum
 from attncheck.params import ACCUMULATIONS, DEFAULT_BLOCK
@@ -74,8 +76,6 @@ def tiled_softmax(x: torch.Tensor, block: int = DEFAULT_BLOCK, reverse: bool = F
     point is listed in ``attncheck.numerics.methods.online``; the fused CPU kernel follows the
     same ones to the bit.
     """
-    from attncheck.numerics.methods.online import online_softmax
-
     if block < 1:
         raise AttncheckError(f"must be >= 1, got {block}", param="block")
     block = min(block, x.shape[-1])  # a block wider than the row is the row: same numbers, no padding to allocate
@@ -207,8 +207,6 @@ def stable_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
 
 def tiled_method(x: torch.Tensor, params: MethodParams) -> MethodOutput:
     if params.fp8 is not None:  # an FP8 cell: x is fp32, P is scaled and cast to the format (numerics.fp8)
-        from attncheck.numerics.methods.fp8 import pcast_softmax
-
         r = pcast_softmax(x, params.fp8.fmt, params.fp8.p_scale, params.block, params.reverse)
         return MethodOutput(r.probs, pcast=r)
     return MethodOutput(tiled_softmax(x, block=params.block, reverse=params.reverse))

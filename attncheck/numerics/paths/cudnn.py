@@ -143,6 +143,7 @@ def _query_form(tk: int, tq: int, tile: int = KEY_TILE, q_tile: int = Q_TILE) ->
 
 
 def _overflows(lse: torch.Tensor) -> torch.Tensor:
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     import torch
 
     finite = torch.isfinite(lse)
@@ -152,6 +153,7 @@ def _overflows(lse: torch.Tensor) -> torch.Tensor:
 def softmax_rows(s: torch.Tensor, v: torch.Tensor | None, dt: torch.dtype, tile: int = KEY_TILE):
     """The online softmax of fp32 scores ``s`` (r, Tk) (rounding points 4-7): (probs (r, Tk) float32,
     O (r, dv) in ``dt`` or None, LSE (r,) float32). ``v`` (n, Tk, dv) already in ``dt``; r = n * tq."""
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     import torch
 
     from attncheck.numerics.methods.online import online_blocks
@@ -170,6 +172,7 @@ def softmax_rows(s: torch.Tensor, v: torch.Tensor | None, dt: torch.dtype, tile:
 
 def _lse(s: torch.Tensor, ob, m: torch.Tensor) -> torch.Tensor:
     """LSE = m + log(l) in fp32, l the running sum of ``online_blocks`` (the same loop, fp32)."""
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     import torch
 
     from attncheck.numerics.methods.online import NEG_INF, exp_f32, halving_sum
@@ -202,6 +205,7 @@ def kernel_rows(
     dtype; rounded to ``dt`` here), ``bias`` (n, tq, Tk) additive, in ``dt`` or rounded to it, or None.
     ``tq``: the call's query length (default q's); ``explicit_mask``: the call passed an attn_mask
     tensor (default: ``bias is not None``); ``capability``: the GPU's where known (the hazard is sm90's)."""
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     import torch
 
     from attncheck.numerics.precision import cast
@@ -238,6 +242,7 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
     """The path's forward on a block of rows: the scores as the flash path computes them (points 1-3),
     the online softmax over 128-key tiles (4-7), the padded-tile hazard as events where the registry
     knows the event's name."""
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     from attncheck.numerics.methods.softmax import MethodOutput
     from attncheck.numerics.paths.common import PathBlock
     from attncheck.numerics.precision import cast

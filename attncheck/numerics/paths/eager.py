@@ -36,6 +36,8 @@ PATH = PathSpec(
 
 
 def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params: "MethodParams") -> "PathBlock":
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts; and the registry imports
+    # this module as it loads, so its METHODS from the top would be a cycle
     from attncheck.numerics.paths.common import PathBlock, matmul_rows
     from attncheck.numerics.precision import cast
     from attncheck.registry import METHODS

@@ -14,6 +14,7 @@ float64 reference has no cap), nor are its sliding window and split-KV.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -35,8 +36,7 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
 def limit(dt: torch.dtype, params: MethodParams | None = None) -> tuple[str, float, str]:
     """The cell's limit on |S scale|: (kind, threshold, what) where the fused exponent can first break
     (see the module docstring), from the dtypes' rounding limits."""
-    import math
-
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     import torch
 
     from attncheck.numerics.precision import rounding_limit

@@ -115,6 +115,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from attncheck.numerics.paths.base import CallFacts, KernelRows, PathSpec, Stands
+from attncheck.numerics.paths.fa2 import block_bias
 
 # EX2_BF16_DIFF_10, EX2_BF16_DIFF_20 and POLY3 are re-exported (noqa): the tests read them from the path
 from attncheck.numerics.paths.fa4_exp2 import (  # noqa: F401
@@ -297,6 +298,7 @@ def kernel_rows(
 def _exp2_columns(exp2, emu, d, fp8, causal, tq, seqlen_q, qhead_per_kvhead, head_dim_v, v, sm103, block_n):
     """The columns of a key block whose exp2 is emulated (the configuration's mix, all, or none): (their
     indices, a (block_n,) bool mask of them)."""
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     import torch
 
     dv_dim = head_dim_v if head_dim_v is not None else (v.shape[-1] if v is not None else d)
@@ -321,6 +323,7 @@ def _exp2_columns(exp2, emu, d, fp8, causal, tq, seqlen_q, qhead_per_kvhead, hea
 def _scales(scale: float, qk_descale, v_descale, n: int, tq: int, r: int):
     """Step 1: per row the exponent's scale (scale * log2(e), times the q and k descales), the scaled scores'
     unit, and the v descale or None."""
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     import torch
 
     # 1. scales
@@ -342,6 +345,7 @@ def _key_blocks(s, vd, scale_log2, dt, thr: float, off: float, emu_cols, emu_mas
     """Steps 4-12, the main loop over key blocks, the last first: the running max with the lazy rescale, the
     exponent with the max offset, exp2 (emulated and hardware columns), P's saturation and cast, the row sum and
     P @ V: (m, row_sum, acc, blocks, scales, saturated, fused)."""
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     import torch
 
     n, tq, tk, r, nb, block_n = geo
@@ -405,6 +409,7 @@ def _key_blocks(s, vd, scale_log2, dt, thr: float, off: float, emu_cols, emu_mas
 
 def _finalize(run, s, sinks, vds, sl2, off: float, out_dt, want_probs: bool, geo) -> KernelRows:
     """Step 13: the sinks, 1/row_sum, O, LSE, the effective probabilities and the rows' events."""
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     import torch
 
     n, tq, tk, r, nb, block_n = geo
@@ -455,7 +460,6 @@ def forward(block: QKBlock, dt: torch.dtype, methods: Sequence[str], params: Met
 
     from attncheck.numerics.methods.softmax import MethodOutput
     from attncheck.numerics.paths.common import PathBlock
-    from attncheck.numerics.paths.fa2 import block_bias
 
     setup = block_setup(params)
     inp = block.inp

@@ -11,8 +11,9 @@ asserts ``max_offset + rescale_threshold < log2(dtype max)`` (``flash_fwd_sm100.
 past it is computed (the kernel ran it before that assert, PR 2694: threshold 4, offset 8) and marked.
 
 The grid follows the FA4 threads: PR 2694 (FP8 threshold 4 with offsets 8 and 4), PR 2717 (offset 4 for
-e4m3), PR 2731 (FP8 threshold 0), PR 2067 (the 16-bit threshold as a knob: 0 against 8). Torch-free at
-import (the registry reads the fa4 path's spec when the CLI starts).
+e4m3), PR 2731 (FP8 threshold 0), PR 2067 (the 16-bit threshold as a knob: 0 against 8). The fa4 path names
+this module by its import path (``PathSpec.settings``, ``.limit``): it is imported when a diagnosis asks, never
+when the registry reads the spec at the CLI's start.
 """
 
 from __future__ import annotations
@@ -20,11 +21,19 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import torch
+
 from attncheck.numerics.paths.base import Setting
+from attncheck.numerics.paths.fa4 import (
+    FA4_DEFAULT_OFFSET_FP8,
+    FA4_DEFAULT_THRESHOLD_16,
+    FA4_DEFAULT_THRESHOLD_FP8,
+    Fa4Setup,
+)
+from attncheck.numerics.precision import dtype_from_name, dtype_label
+from attncheck.registry import fp8_names  # no cycle: fa4 names this module by its path, imported when called
 
 if TYPE_CHECKING:
-    import torch
-
     from attncheck.numerics.methods.softmax import MethodParams
 
 SOURCE = "flash_attn/cute/flash_fwd_sm100.py:2192 at 0251105a"
@@ -35,9 +44,6 @@ OFFSETS_FP8 = (4.0, 8.0)  # PR 2717's 4 for e4m3, the default 8
 
 def defaults(dtype_name: str) -> tuple[float, float]:
     """(rescale threshold, max offset) the kernel takes for inputs of this dtype (16-bit: offset 0)."""
-    from attncheck.numerics.paths.fa4 import FA4_DEFAULT_OFFSET_FP8, FA4_DEFAULT_THRESHOLD_16, FA4_DEFAULT_THRESHOLD_FP8
-    from attncheck.registry import fp8_names
-
     if dtype_name in fp8_names():
         return FA4_DEFAULT_THRESHOLD_FP8, FA4_DEFAULT_OFFSET_FP8
     return FA4_DEFAULT_THRESHOLD_16, 0.0
@@ -45,10 +51,6 @@ def defaults(dtype_name: str) -> tuple[float, float]:
 
 def log2_max(dtype_name: str) -> float:
     """log2 of the dtype's largest finite value: how far P may grow before its cast runs out."""
-    import torch
-
-    from attncheck.numerics.precision import dtype_from_name
-
     return math.log2(float(torch.finfo(dtype_from_name(dtype_name)).max))
 
 
@@ -72,9 +74,6 @@ def settings(dtype_name: str, options=None) -> tuple[Setting, ...]:
     """The grid of ``--what-if fa4`` in one dtype: FP8 thresholds x offsets, 16-bit thresholds; fp32 none (the
     kernel takes 16-bit and FP8 inputs). ``options`` (``config.run.Options``): a setting asked with
     --rescale-threshold/--max-offset (``Options.fa4``) joins the grid where it is not in it already."""
-    from attncheck.numerics.paths.fa4 import Fa4Setup
-    from attncheck.registry import fp8_names
-
     fp8 = dtype_name in fp8_names()
     if not fp8 and dtype_name not in ("fp16", "bf16"):
         return ()
@@ -102,10 +101,6 @@ def limit(dt: "torch.dtype", params: "MethodParams | None" = None) -> tuple[str,
     format), whose largest value is 2^log2(max). In |S scale| units (ln 2 per log2 unit, as the other limits of
     the headroom column): threshold ln(max), value (threshold + offset) ln 2, so the headroom is how far a logit
     may pass the max the kernel holds before P runs out of its dtype (negative: the setting saturates P)."""
-    import torch
-
-    from attncheck.numerics.precision import dtype_label
-
     name = dtype_label(dt)
     own_t, own_o = defaults(name)
     setup = getattr(params, "fa4", None)

@@ -69,6 +69,7 @@ def supports(facts: CallFacts) -> str | None:
 
 
 def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params: "MethodParams") -> "PathBlock":
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     from attncheck.numerics.methods.softmax import MethodOutput
     from attncheck.numerics.paths.common import PathBlock, matmul_rows
     from attncheck.numerics.precision import cast
@@ -82,6 +83,7 @@ def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params:
 
 
 def _online(s: "torch.Tensor", p_dtype: "torch.dtype", block: int, reverse: bool = False) -> "torch.Tensor":
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     from attncheck.numerics.methods.online import online_softmax
 
     return online_softmax(s, p_dtype, min(block, s.shape[-1]), reverse)

@@ -57,6 +57,7 @@ def supports(facts: CallFacts) -> str | None:
 
 
 def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params: "MethodParams") -> "PathBlock":
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     from attncheck.numerics.methods.flex import flex_kernel_rows
     from attncheck.numerics.methods.softmax import MethodOutput
     from attncheck.numerics.paths.common import PathBlock

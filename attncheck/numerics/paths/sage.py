@@ -51,6 +51,7 @@ PATH = PathSpec(
 
 
 def forward(block: "QKBlock", dt: "torch.dtype", methods: Sequence[str], params: "MethodParams") -> "PathBlock":
+    # torch stays off --help: the registry reads this module's PATH when the CLI starts
     import torch
 
     from attncheck.numerics.inputs.scores import _kv_heads

@@ -20,9 +20,14 @@ from typing import Callable
 
 import torch
 
-from attncheck.numerics.methods.fp8_attention import fa3_tile
+from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
+from attncheck.numerics.methods.fp8 import flush_threshold, pcast_softmax, to_fp8
+from attncheck.numerics.methods.fp8_attention import Fp8Setup, fa3_tile
+from attncheck.numerics.methods.softmax import MethodParams
+from attncheck.numerics.paths.flash_fp8 import forward as flash_fp8
 from attncheck.numerics.sweep.grid import measure_outputs
 from attncheck.numerics.sweep.synthetic import make_qk
+from attncheck.params import FP8_ACCUM_KERNEL_BITS
 from attncheck.results import PresetCheck, PresetGrid, PresetResult, PresetRow
 
 FA3_HEADS, FA3_SEQ, FA3_D, FA3_BLOCK = 8, 1024, 128, 128
@@ -106,12 +111,6 @@ def fa3_fp8_rmse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int, step: Callable[[], None] = _nothing
 ) -> dict[str, float]:
     """RMSE of O against float64 for the FP8 rows of Table 3, q (H, T, d), k, v float64; ``step()`` after each row."""
-    from attncheck.numerics.inputs.scores import prepare_inputs, score_blocks, start_audit
-    from attncheck.numerics.methods.fp8_attention import Fp8Setup
-    from attncheck.numerics.methods.softmax import MethodParams
-    from attncheck.numerics.paths.flash_fp8 import forward as flash_fp8
-    from attncheck.params import FP8_ACCUM_KERNEL_BITS
-
     exact = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1) @ v  # (H, T, d) float64
     inp = prepare_inputs(q[None], k[None], v=v[None])
     out = {}
@@ -140,8 +139,6 @@ def fa3_fp8_rmse(
 def baseline_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The FlashAttention-3 paper's baseline FP8 attention: per-tensor e4m3 Q, K, V; S in FP32
     rounded to FP16; softmax in FP16; P cast to e4m3 unscaled; P8 V8 in FP32; O in BF16."""
-    from attncheck.numerics.methods.fp8 import to_fp8
-
     e4m3 = torch.float8_e4m3fn
     top = torch.finfo(e4m3).max
 
@@ -179,8 +176,6 @@ def expected_max(k: int) -> float:
 def pcast(seed: int = 0, device: str | torch.device = "cpu", step: Callable[[], None] = _nothing) -> PresetResult:
     """P-cast underflow with an attention sink (arXiv 2606.06521): forward and reverse key order,
     S in {1, 256, 448}, beside the closed form Phi(gap + delta_k - 6.93 - ln S)."""
-    from attncheck.numerics.methods.fp8 import flush_threshold, pcast_softmax
-
     start = time.perf_counter()
     e4m3 = torch.float8_e4m3fn
     g = torch.Generator().manual_seed(seed)
