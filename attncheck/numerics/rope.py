@@ -191,6 +191,7 @@ def _frequency_columns(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tens
 FIT_FIRST = 4
 FIT_GROWTH = 4
 FIT_ROWS = 1024
+MAX_LN_THETA = 700.0  # |ln theta| beyond this has no float64 theta (e^709 is near its max): no fit
 FIT_STEPS = 3  # Gauss-Newton steps per stage: the residuals are nearly linear in ln theta
 
 
@@ -249,6 +250,8 @@ def fitted_theta(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) 
         return p_all[pick].to(torch.float64), torch.atan2(sin[rows].to(torch.float64), cos[rows].to(torch.float64))
 
     u, last = -(dim / 2) * math.log(first), 1  # ln theta from position 1 alone
+    if not abs(u) < MAX_LN_THETA:
+        return None  # no float theta: the angle at position 1 is not any theta's
     p, got = stage(last)
     limit, top = FIT_FIRST, int(p_all[-1])
     while last < top:
@@ -258,7 +261,7 @@ def fitted_theta(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) 
             r, slope = _fit_residuals(trial, p_try, x, got_try)
             trial -= float((r * slope).sum() / (slope * slope).sum())
         worst = float(_fit_residuals(trial, p_try, x, got_try)[0].abs().max())
-        if limit > FIT_FIRST and worst > consistency_bound(cos.dtype, limit):
+        if not abs(trial) < MAX_LN_THETA or (limit > FIT_FIRST and not worst <= consistency_bound(cos.dtype, limit)):
             break  # the table is not one theta's from here on: keep the fit of the part before
         u, last, limit, p, got = trial, int(p_try[-1]), limit * FIT_GROWTH, p_try, got_try
 
@@ -381,7 +384,10 @@ def check_table(
             theta = fit.theta
             out.update(theta=theta, theta_from="fitted", theta_fit_error=fit.residual, theta_fit_last=fit.last_position)
     if theta is None:
-        return {**out, "judged": False, "note": "theta unknown: no config recorded and no position 1 to fit it from"}
+        note = "theta unknown: no config recorded, and no theta fits the table (none fits its angle at position 1)"
+        if not bool((pos == 1).any()):
+            note = "theta unknown: no config recorded and no position 1 to fit it from"
+        return {**out, "judged": False, "note": note}
     dim = 2 * c.shape[-1]
     longest = int(positions.max()) + 1 if given else int(pos.max()) + 1  # longrope picks its factors by it
     inv, scale = reference_frequencies(rope_type, theta, dim, parameters, longest)

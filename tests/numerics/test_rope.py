@@ -227,3 +227,16 @@ def test_a_table_not_finite_reports_the_positions_not_a_finite_angle_error():
     assert bool(torch.isinf(model_inverse_frequencies(1e-300, 128)[1:]).all())
     assert audit.first_nonfinite == 0 and audit.nonfinite_positions == 1000
     assert audit.max_angle_error is None and audit.rms_angle_error is None
+
+
+def test_fitted_theta_of_a_table_that_is_no_thetas_is_finite_or_none():
+    """Random unit vectors (no theta at all), and a first angle that would need theta = e^22,000: no crash, no NaN."""
+    from attncheck.numerics.rope import check_table, fitted_theta
+
+    angles = torch.rand(500, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 6
+    fit = fitted_theta(angles.cos(), angles.sin(), torch.arange(500))
+    assert fit is None or (math.isfinite(fit.theta) and fit.theta > 0 and fit.last_position >= 1)
+    angles[1, 1] = 1e-300
+    assert fitted_theta(angles.cos(), angles.sin(), torch.arange(500)) is None
+    found = check_table(*_layout(angles.cos(), angles.sin()), None, None, 0.05)
+    assert not found["judged"] and "theta unknown" in found["note"]
