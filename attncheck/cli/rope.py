@@ -37,15 +37,15 @@ def rope(
     table: Optional[str] = typer.Option(
         None,
         "--table",
-        metavar="DTYPE",
+        metavar="DTYPE,...",
         help="The dtype cos and sin are cast to for the attention (transformers: the activations' dtype); "
-        "default: --dtype.",
+        "default: --dtype; comma-separated for several.",
     ),
     rotation: Optional[str] = typer.Option(
         None,
         "--rotation",
-        metavar="DTYPE",
-        help="The dtype the rotation of q and k runs in, where narrower than the table.",
+        metavar="DTYPE,...",
+        help="The dtype the rotation of q and k runs in, where narrower than the table; comma-separated for several.",
     ),
     context: str = typer.Option(
         "131072", "--context", metavar="N,...", help="Context length: positions 0 .. N-1 are audited."

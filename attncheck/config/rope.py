@@ -18,8 +18,8 @@ class RopeConfig:
     thetas: tuple[float, ...]
     head_dims: tuple[int, ...]
     dtypes: tuple[str, ...]  # the dtype holding positions, inverse frequencies, angles and cos/sin
-    table: str | None  # the dtype the attention receives cos/sin in; None: each point's dtype
-    rotation: str | None
+    tables: tuple[str | None, ...]  # the dtypes the attention receives cos/sin in; (None,): each point's dtype
+    rotations: tuple[str | None, ...]  # (None,): no rotation narrower than the table
     contexts: tuple[int, ...]
 
     @classmethod
@@ -33,19 +33,41 @@ class RopeConfig:
             thetas=thetas,
             head_dims=head_dims,
             dtypes=params.dtypes(dtype, "dtype", fp8=False),
-            table=None if table is None else params.dtypes(table, "table", fp8=False)[0],
-            rotation=None if rotation is None else params.dtypes(rotation, "rotation", fp8=False)[0],
+            tables=(None,) if table is None else params.dtypes(table, "table", fp8=False),
+            rotations=(None,) if rotation is None else params.dtypes(rotation, "rotation", fp8=False),
             contexts=params.integers(context, "context", 2),
         )
-        entries = len(thetas) * len(config.dtypes) * sum(head_dims) // 2 * sum(config.contexts)
-        if entries > MAX_TABLE_ENTRIES:
-            raise AttncheckError(
-                f"the grid computes {entries:.3g} table entries (positions x d/2), more than {MAX_TABLE_ENTRIES:.3g}: "
-                "ask for fewer points or a shorter context (the first repeated position has a closed form, printed "
-                "beside every result)",
-                param="context",
-            )
+        config._check_size()
         return config
+
+    def _check_size(self) -> None:
+        """Refuse a grid of more than MAX_TABLE_ENTRIES entries, naming the option to change: --head-dim or
+        --context where one point alone is too large (whichever of d/2 and the context is the larger), else the
+        option with the most values."""
+        points = len(self.thetas) * len(self.dtypes) * len(self.tables) * len(self.rotations)
+        entries = points * sum(self.head_dims) // 2 * sum(self.contexts)
+        if entries <= MAX_TABLE_ENTRIES:
+            return
+        said = f"the grid computes {entries:.3g} table entries (positions x d/2), more than {MAX_TABLE_ENTRIES:.3g}"
+        if max(self.head_dims) // 2 * max(self.contexts) > MAX_TABLE_ENTRIES:
+            if max(self.head_dims) // 2 > max(self.contexts):
+                param, ask = "head_dim", "a smaller head dim"
+            else:
+                param, ask = (
+                    "context",
+                    "a shorter context (the first repeated position has a closed form, printed beside every result)",
+                )
+        else:
+            counts = {
+                "theta": len(self.thetas),
+                "head_dim": len(self.head_dims),
+                "dtype": len(self.dtypes),
+                "table": len(self.tables),
+                "rotation": len(self.rotations),
+                "context": len(self.contexts),
+            }
+            param, ask = max(counts, key=counts.get), "fewer values"
+        raise AttncheckError(f"{said}: ask for {ask}", param=param)
 
 
 ROPE_WHAT_IF_PREFIX = "rope:"

@@ -41,10 +41,10 @@ CODES: tuple[Code, ...] = (
         "vector mixes all frequencies, so it goes wrong later than the table's worst frequency.",
         f"An angle error above ROPE_ANGLE_TOLERANCE = {ROPE_ANGLE_TOLERANCE} rad against float64 cos and sin of the "
         "recorded positions (position_ids) and the inverse frequencies of the table's RoPE type (default: "
-        "theta^(-2j/d), theta from the model's config, else fitted from position 1; linear, llama3, yarn and "
-        "longrope from their definitions and the config's rope parameters), or a rotated q or k off by more than a "
-        "turn by that angle would put it (relative error 2 sin(ROPE_ANGLE_TOLERANCE / 2), about 0.05, over the head "
-        "dim, max over batch and heads; judged for default tables); an error where a position's row repeats its "
+        "theta^(-2j/d), theta from the model's config, else fitted to the table by least squares; linear, llama3, "
+        "yarn and longrope from their definitions and the config's rope parameters), or a rotated q or k off by more "
+        "than a turn by that angle would put it (relative error 2 sin(ROPE_ANGLE_TOLERANCE / 2), about 0.05, over the "
+        "head dim, max over batch and heads; judged for default tables); an error where a position's row repeats its "
         "predecessor's; rows off their circle by more than ROPE_MAGNITUDE_TOLERANCE = "
         f"{ROPE_MAGNITUDE_TOLERANCE} (relative to yarn's and longrope's attention factor, 1 for the others). Tables "
         "of other types (dynamic, proportional, axial) are not judged, and the report says so by name.",
@@ -104,11 +104,18 @@ def table_name(check: RopeTableCheck) -> str:
     return ("" if check.rank is None else f"rank {check.rank} ") + f"rope table {check.index}"
 
 
+def theta_source(check: RopeTableCheck) -> str:
+    """'config', or 'fitted: the table within 0.0027 rad of it through position 2,047'."""
+    if check.theta_from != "fitted" or check.theta_fit_error is None:
+        return check.theta_from
+    return f"fitted: the table within {check.theta_fit_error:.2g} rad of it through position {check.theta_fit_last:,}"
+
+
 def _where(check: RopeTableCheck) -> str:
     shape = "x".join(map(str, check.shape))
     mods = ", ".join(check.modules[:2]) + (f" and {len(check.modules) - 2} more" if len(check.modules) > 2 else "")
     kind = "" if check.rope_type == "default" else f", {check.rope_type}"
-    theta = "" if check.theta is None else f", theta {check.theta:g} ({check.theta_from})"
+    theta = "" if check.theta is None else f", theta {check.theta:g} ({theta_source(check)})"
     return f"{table_name(check)} ({check.dtype} {shape}{kind}{theta}; {len(check.calls)} call(s): {mods or 'global'})"
 
 
@@ -180,7 +187,12 @@ def rope_findings(checks: list[RopeTableCheck] | None) -> list[Finding]:
                 f"first position affected {check.first_affected:,} (angle error > {check.tolerance:g} rad; "
                 f"{check.affected_positions:,} of {check.last_position - check.first_position + 1:,} positions)"
             )
-        if check.max_angle_error is not None:
+        if check.first_nonfinite is not None:
+            parts.append(
+                f"cos/sin not finite at {check.nonfinite_positions:,} positions from position "
+                f"{check.first_nonfinite:,} (no angle there: the angle error is undefined)"
+            )
+        elif check.max_angle_error is not None:
             parts.append(
                 f"angle error up to {check.max_angle_error:.3g} rad (position {check.max_error_position:,}, frequency "
                 f"{check.max_error_frequency})"

@@ -22,6 +22,7 @@ Pure functions over tensors; no verdicts (``attncheck.findings.rope`` judges).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -123,7 +124,7 @@ def audit_table(
     inv32 = model_inverse_frequencies(theta, head_dim)
     exact = inverse_frequencies(theta, head_dim)
     first_same = first_nan = None
-    same_count, worst, worst_at, sq, count = 0, -1.0, (start, 0), 0.0, 0
+    same_count, nan_rows, worst, worst_at, sq, count = 0, 0, -1.0, (start, 0), 0.0, 0
     prev: tuple[torch.Tensor, torch.Tensor] | None = None
     for lo in range(start, context, CHUNK_ROWS):
         positions = torch.arange(lo, min(lo + CHUNK_ROWS, context), dtype=torch.int64)
@@ -133,6 +134,7 @@ def audit_table(
         bad_rows = (~finite).any(dim=-1)
         if first_nan is None and bool(bad_rows.any()):
             first_nan = int(positions[bad_rows.nonzero()[0, 0]])
+        nan_rows += int(bad_rows.sum())
         safe = torch.where(finite, err, torch.zeros((), dtype=err.dtype))
         flat = int(safe.argmax())
         if float(safe.view(-1)[flat]) > worst:
@@ -159,10 +161,13 @@ def audit_table(
         first_indistinct=first_same,
         indistinct_positions=same_count,
         first_nonfinite=first_nan,
-        max_angle_error=max(worst, 0.0),
-        max_error_position=worst_at[0],
-        max_error_frequency=worst_at[1],
-        rms_angle_error=math.sqrt(sq / count) if count else None,
+        nonfinite_positions=nan_rows,
+        # a row whose cos or sin is not finite has no angle: the error over the context is undefined, not the
+        # error of its finite entries (theta 1e-300 leaves only frequency 0 finite, 4e-8 rad off)
+        max_angle_error=max(worst, 0.0) if first_nan is None else None,
+        max_error_position=worst_at[0] if first_nan is None else None,
+        max_error_frequency=worst_at[1] if first_nan is None else None,
+        rms_angle_error=math.sqrt(sq / count) if count and first_nan is None else None,
     )
 
 
@@ -170,21 +175,120 @@ def _frequency_columns(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tens
     """The d/2 frequencies of a table: transformers' layout repeats them in both halves (cat(freqs, freqs)), the
     interleaved one (GPT-J) in pairs; None for neither."""
     half = cos.shape[-1] // 2
-    if torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:]):
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # NaN equal to NaN: a table NaN in both copies repeats
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+    if same(cos[:, :half], cos[:, half:]) and same(sin[:, :half], sin[:, half:]):
         return cos[:, :half], sin[:, :half], "halves"
-    if torch.equal(cos[:, 0::2], cos[:, 1::2]) and torch.equal(sin[:, 0::2], sin[:, 1::2]):
+    if same(cos[:, 0::2], cos[:, 1::2]) and same(sin[:, 0::2], sin[:, 1::2]):
         return cos[:, 0::2], sin[:, 0::2], "interleaved"
     return None
 
 
-def fitted_theta(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> float | None:
-    """theta from the angle of frequency 1 at position 1 (theta^(-2/d) radians): needs position 1 in the table."""
+# A theta fit extends over positions 0 .. FIT_FIRST, then FIT_GROWTH times as far at each stage, on at most
+# FIT_ROWS table rows per stage (evenly spaced), until the table stops being consistent with one theta.
+FIT_FIRST = 4
+FIT_GROWTH = 4
+FIT_ROWS = 1024
+MAX_LN_THETA = 700.0  # |ln theta| beyond this has no float64 theta (e^709 is near its max): no fit
+FIT_STEPS = 3  # Gauss-Newton steps per stage: the residuals are nearly linear in ln theta
+
+
+def consistency_bound(dtype: torch.dtype, last_position: int) -> float:
+    """Radians: the most a correctly computed table of ``dtype`` may be off its exact angles through
+    ``last_position``: cos and sin each rounded to the dtype (at most sqrt(2) x half an ulp of [0.5, 1), below one
+    eps) plus fp32's rounding of the product p x inv_freq (half an ulp of the angle, below p x 2^-24) and of inv_freq
+    (a few ulps: p x inv_freq x 2^-22), together below p x 2^-21."""
+    return float(torch.finfo(dtype).eps) + last_position * 2.0**-21
+
+
+@dataclass(frozen=True)
+class ThetaFit:
+    theta: float
+    residual: float  # radians: the largest |angle - p x theta^(-2j/d)| over the rows the fit used
+    last_position: int  # the fit used the table's positions 0 .. last_position
+
+
+def _fit_residuals(u: float, p: torch.Tensor, x: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(angle residuals wrapped into [-pi, pi) (R, F), their derivatives in ln theta) for ln theta = u."""
+    pred = p[:, None] * torch.exp(-u * x)[None, :]  # (R, F)
+    r = torch.remainder(got - pred + math.pi, 2 * math.pi) - math.pi
+    return r, x[None, :] * pred
+
+
+def fitted_theta(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> ThetaFit | None:
+    """theta fitted to the table by least squares of its angles in float64 (Gauss-Newton on ln theta), needs
+    position 1 in the table.
+
+    One entry (the angle of frequency 1 at position 1, theta^(-2/d)) raised to d/2 gives a first estimate whose error
+    is the entry's rounding times d/2 (a bf16 table of theta 500,000, d 64: 495,730, which then puts 0.48 rad
+    between a correct table and its reference). The fit then takes every frequency of the positions 0 .. 4, 16, 64,
+    ... (each stage's angles unwrapped around the previous stage's prediction, which is off by far less than pi),
+    and stops before the first stage whose angles are not within ``consistency_bound`` of one theta: a correct table
+    is fitted over all of its positions, a wrong one (positions rounded, inverse frequencies cast) over its leading
+    consistent part only, so the fit does not absorb its error. The fewest significant digits (1, 2, 3: 10,000,
+    500,000, 1e6) that fit the same positions as well within the bound are taken: such a theta is a config's."""
     at = (positions == 1).nonzero()
-    if len(at) == 0 or cos.shape[-1] < 2:
+    freqs = cos.shape[-1]
+    if len(at) == 0 or freqs < 2:
         return None
-    angle = math.atan2(float(sin[int(at[0, 0]), 1]), float(cos[int(at[0, 0]), 1]))
-    d = 2 * cos.shape[-1]
-    return angle ** (-d / 2) if angle > 0 else None
+    finite = torch.isfinite(cos).all(-1) & torch.isfinite(sin).all(-1) & (positions >= 0)
+    first = math.atan2(float(sin[int(at[0, 0]), 1]), float(cos[int(at[0, 0]), 1]))
+    if not (first > 0 and bool(finite[int(at[0, 0])])):
+        return None
+    dim = 2 * freqs
+    x = torch.arange(freqs, dtype=torch.float64) * 2 / dim  # exponents 2j/d
+    p_all, order = positions[finite].sort()
+    rows_all = finite.nonzero()[:, 0][order]  # the table's finite rows by position
+
+    def stage(limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions <= limit, at most FIT_ROWS of them evenly spaced, and their angles (R,), (R, F)."""
+        n = int((p_all <= limit).sum())
+        pick = torch.linspace(0, n - 1, min(n, FIT_ROWS)).round().long()
+        rows = rows_all[pick]
+        return p_all[pick].to(torch.float64), torch.atan2(sin[rows].to(torch.float64), cos[rows].to(torch.float64))
+
+    u, last = -(dim / 2) * math.log(first), 1  # ln theta from position 1 alone
+    if not abs(u) < MAX_LN_THETA:
+        return None  # no float theta: the angle at position 1 is not any theta's
+    p, got = stage(last)
+    limit, top = FIT_FIRST, int(p_all[-1])
+    while last < top:
+        p_try, got_try = stage(limit)
+        trial = u
+        for _ in range(FIT_STEPS):
+            r, slope = _fit_residuals(trial, p_try, x, got_try)
+            trial -= float((r * slope).sum() / (slope * slope).sum())
+        worst = float(_fit_residuals(trial, p_try, x, got_try)[0].abs().max())
+        if not abs(trial) < MAX_LN_THETA or (limit > FIT_FIRST and not worst <= consistency_bound(cos.dtype, limit)):
+            break  # the table is not one theta's from here on: keep the fit of the part before
+        u, last, limit, p, got = trial, int(p_try[-1]), limit * FIT_GROWTH, p_try, got_try
+
+    def residual(v: float) -> float:
+        return float(_fit_residuals(v, p, x, got)[0].abs().max())
+
+    theta, worst = math.exp(u), residual(u)
+    for digits in (1, 2, 3):
+        round_theta = float(f"{theta:.{digits}g}")
+        if residual(math.log(round_theta)) <= max(worst, consistency_bound(cos.dtype, last)):
+            theta = round_theta
+            break
+    return ThetaFit(
+        theta=theta, residual=_largest_residual(theta, p_all, rows_all, last, cos, sin, x), last_position=last
+    )
+
+
+def _largest_residual(theta: float, p_all, rows_all, last: int, cos, sin, x) -> float:
+    """The largest |angle residual| against theta over every row the fit covers (not the stages' evenly spaced
+    subset), in chunks of CHUNK_ROWS rows."""
+    n, worst = int((p_all <= last).sum()), 0.0
+    for lo in range(0, n, CHUNK_ROWS):
+        rows = rows_all[lo : min(lo + CHUNK_ROWS, n)]
+        got = torch.atan2(sin[rows].to(torch.float64), cos[rows].to(torch.float64))
+        r, _ = _fit_residuals(math.log(theta), p_all[lo : lo + len(rows)].to(torch.float64), x, got)
+        worst = max(worst, float(r.abs().max()))
+    return worst
 
 
 def _judge_angles(
@@ -273,15 +377,21 @@ def check_table(
     c, s, layout = cols
     out["theta_from"] = "config" if theta is not None else ""
     if theta is None and rope_type == "default":  # another type's angle at position 1 is not theta's alone
-        theta = fitted_theta(c, s, pos)
-        out.update(theta=theta, theta_from="fitted" if theta is not None else "")
+        fit = fitted_theta(c, s, pos)
+        if fit is not None:
+            theta = fit.theta
+            out.update(theta=theta, theta_from="fitted", theta_fit_error=fit.residual, theta_fit_last=fit.last_position)
     if theta is None:
-        return {**out, "judged": False, "note": "theta unknown: no config recorded and no position 1 to fit it from"}
+        note = "theta unknown: no config recorded, and no theta fits the table (none fits its angle at position 1)"
+        if not bool((pos == 1).any()):
+            note = "theta unknown: no config recorded and no position 1 to fit it from"
+        return {**out, "judged": False, "note": note}
     dim = 2 * c.shape[-1]
     longest = int(positions.max()) + 1 if given else int(pos.max()) + 1  # longrope picks its factors by it
     inv, scale = reference_frequencies(rope_type, theta, dim, parameters, longest)
     ref = pos.to(torch.float64)[:, None] * inv[None, :]  # (T, d/2)
     err, affected, same = _judge_angles(c, s, pos, ref, tolerance)
+    nonfinite = ~(torch.isfinite(c).all(dim=-1) & torch.isfinite(s).all(dim=-1))  # (T,): rows with no angle
     flat = int(err.argmax())
     worst = float(err.view(-1)[flat])
     model_inv = model_frequencies(rope_type, theta, dim, parameters, longest)
@@ -296,7 +406,9 @@ def check_table(
         affected_positions=int(affected.sum()),
         first_indistinct=int(pos[1:][same].min()) if bool(same.any()) else None,
         indistinct_positions=int(same.sum()),
-        max_angle_error=worst if math.isfinite(worst) else None,
+        max_angle_error=worst if math.isfinite(worst) else None,  # None: undefined where cos/sin are not finite
+        first_nonfinite=int(pos[nonfinite].min()) if bool(nonfinite.any()) else None,
+        nonfinite_positions=int(nonfinite.sum()),
         max_error_position=int(pos[flat // err.shape[1]]),
         max_error_frequency=flat % err.shape[1],
         fp32_recipe_error=float(angle_error(fp32_cos, fp32_sin, ref).abs().max()),

@@ -118,7 +118,10 @@ class RotatedQK:
             return
         cf, sf, layout = (cols[0].reshape(bt, t, r // 2), cols[1].reshape(bt, t, r // 2), cols[2])
         if theta is None:
-            theta = fitted_theta(cf[0], sf[0], pos[0])
+            # the table's own fit, as its check makes it: on the entries in the table's dtype, whose rounding bounds
+            # how far the fit may run (in float64 it would stop at the first positions and fit them alone)
+            fit = fitted_theta(cf[0].to(cos.dtype), sf[0].to(cos.dtype), pos[0])
+            theta = None if fit is None else fit.theta
         if theta is None:
             self.why_not = "theta unknown: no config recorded and no position 1 to fit it from"
             return

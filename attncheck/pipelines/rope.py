@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from attncheck.config.rope import RopeConfig
@@ -16,16 +17,15 @@ def run_rope(config: RopeConfig, tick: Callable[[], None] | None = None) -> list
     from attncheck.numerics.rope import audit_table
 
     out = []
-    for theta in config.thetas:
-        for head_dim in config.head_dims:
-            for dtype in config.dtypes:
-                for context in config.contexts:
-                    compute = dtype_from_name(dtype)
-                    table = compute if config.table is None else dtype_from_name(config.table)
-                    rotation = None if config.rotation is None else dtype_from_name(config.rotation)
-                    out.append(audit_table(theta, head_dim, compute, table, context, rotation))
-                    if tick is not None:
-                        tick()
+    grid = itertools.product(config.thetas, config.head_dims, config.dtypes, config.tables, config.rotations)
+    for theta, head_dim, dtype, table, rotation in grid:
+        for context in config.contexts:
+            compute = dtype_from_name(dtype)
+            cast = compute if table is None else dtype_from_name(table)
+            rotated = None if rotation is None else dtype_from_name(rotation)
+            out.append(audit_table(theta, head_dim, compute, cast, context, rotated))
+            if tick is not None:
+                tick()
     return out
 
 

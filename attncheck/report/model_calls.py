@@ -10,7 +10,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from attncheck.findings.rope import table_name
+from attncheck.findings.rope import table_name, theta_source
 from attncheck.format import fmt, plain, visible
 from attncheck.report.diagnostics import Block, diagnostic
 from attncheck.report.fit import Fitted, fitted, narrow_table
@@ -303,12 +303,22 @@ def rope_not_judged_lines(capture: dict | None) -> list[str]:
     ]
 
 
+def rope_fitted_lines(capture: dict | None) -> list[str]:
+    """The rotary tables judged against a theta fitted to them (no config recorded), with how well it fits."""
+    return [
+        f"{table_name(check)} ({len(check.calls)} call(s)): theta {check.theta:g} ({theta_source(check)})"
+        for check in (capture or {}).get("rope") or ()
+        if check.judged and check.theta_from == "fitted"
+    ]
+
+
 def capture_block(report: ModelReport) -> Group | None:
     """The capture's own findings (capture_incomplete, rope_precision), each a diagnostic; the rotary tables not
     judged; and the RoPE what-ifs."""
     what_ifs = rope_what_if_lines(report.capture)
     unjudged = rope_not_judged_lines(report.capture)
-    if not report.findings and not what_ifs and not unjudged:
+    fitted = rope_fitted_lines(report.capture)
+    if not report.findings and not what_ifs and not unjudged and not fitted:
         return None
     parts: list[Any] = [Text("Findings of the capture itself", style="bold")] if report.findings else []
     for f in report.findings:
@@ -317,6 +327,12 @@ def capture_block(report: ModelReport) -> Group | None:
         text = Text("Rotary tables not judged:\n", style="bold")
         for line in unjudged:
             text.append(f"  {visible(line)}\n", style="yellow")
+        text.rstrip()
+        parts.append(text)
+    if fitted:
+        text = Text("Rotary tables judged against a theta fitted to them (no config recorded):\n", style="bold")
+        for line in fitted:
+            text.append(f"  {visible(line)}\n", style="")
         text.rstrip()
         parts.append(text)
     if what_ifs:

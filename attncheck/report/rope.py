@@ -20,7 +20,9 @@ def dtypes_text(audit: RopeAudit) -> str:
 
 
 def rope_line(audit: RopeAudit) -> str:
-    """'theta 500,000, d 128, bf16 table: positions stop being distinct at 257; angle error up to 131,072: 3.14 rad'."""
+    """'theta 500,000, d 128, bf16 table: positions stop being distinct at 257 (...); angle error up to 131,071:
+    3.14 rad (...)': positions 0 .. context - 1, named by the last."""
+    last = audit.context - 1
     head = f"theta {_theta(audit.theta)}, d {audit.head_dim}, {dtypes_text(audit)}: "
     if audit.first_indistinct is not None:
         distinct = (
@@ -29,16 +31,23 @@ def rope_line(audit: RopeAudit) -> str:
         )
     else:
         distinct = (
-            f"positions stay distinct up to {audit.context:,} "
-            f"(the first repeat is at {audit.predicted_first_indistinct:,})"
+            f"positions stay distinct up to {last:,} (the first repeat is at {audit.predicted_first_indistinct:,})"
         )
-    nonfinite = "" if audit.first_nonfinite is None else f"; cos/sin not finite from {audit.first_nonfinite:,}"
+    if audit.first_nonfinite is not None:
+        return (
+            head
+            + distinct
+            + (
+                f"; cos/sin not finite at {audit.nonfinite_positions:,} of {audit.context:,} positions from "
+                f"{audit.first_nonfinite:,} (no angle there: the angle error is undefined)"
+            )
+        )
     rms = "n/a" if audit.rms_angle_error is None else f"{audit.rms_angle_error:.3g}"
     error = (
-        f"; angle error up to {audit.context:,}: {audit.max_angle_error:.3g} rad "
+        f"; angle error up to {last:,}: {audit.max_angle_error:.3g} rad "
         f"(position {audit.max_error_position:,}, frequency {audit.max_error_frequency}; RMS {rms})"
     )
-    return head + distinct + nonfinite + error
+    return head + distinct + error
 
 
 def rope_text(audits: list[RopeAudit]) -> str:

@@ -18,11 +18,12 @@ class RopeAudit:
     predicted_first_indistinct: int  # closed form: 2^bits + 1 of the dtype holding the positions
     first_indistinct: int | None  # first position whose row repeats position - 1's (or is not finite); None: none
     indistinct_positions: int  # positions < context whose row repeats their predecessor's
-    first_nonfinite: int | None
-    max_angle_error: float  # radians, over finite entries of positions < context
-    max_error_position: int
-    max_error_frequency: int  # index j of inv_freq_j
-    rms_angle_error: float | None  # None: no finite entry
+    first_nonfinite: int | None  # the first position whose cos or sin is not finite (no angle at all)
+    max_angle_error: float | None  # radians, over positions < context; None (undefined) where any is not finite
+    max_error_position: int | None
+    max_error_frequency: int | None  # index j of inv_freq_j
+    rms_angle_error: float | None  # None: undefined (an entry not finite)
+    nonfinite_positions: int = 0  # positions < context whose cos or sin is not finite
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class RopeTableCheck:
     modules: tuple[str, ...]
     rope_type: str
     theta: float | None
-    theta_from: str  # 'config' (recorded from the model's config), 'fitted' (from the angle of position 1), ''
+    theta_from: str  # 'config' (recorded from the model's config), 'fitted' (least squares over the table), ''
     positions_from: str  # 'recorded' (position_ids), 'assumed' (0 .. T-1 of the first sequence)
     judged: bool
     note: str | None = None  # why not judged, or what was assumed
@@ -107,3 +108,8 @@ class RopeTableCheck:
     rank: int | None = None  # the process of a torchrun capture that recorded it; None: a single process
     attention_factor: float | None = None  # the radius cos and sin are judged against: yarn's, longrope's, else 1
     max_magnitude_error: float | None = None  # the largest |sqrt(cos^2 + sin^2) / attention_factor - 1|
+    # a fitted theta: the largest angle residual of the table against it (radians) over positions 0 .. theta_fit_last
+    theta_fit_error: float | None = None
+    theta_fit_last: int | None = None
+    first_nonfinite: int | None = None  # the first position whose cos or sin is not finite (no angle at all)
+    nonfinite_positions: int = 0

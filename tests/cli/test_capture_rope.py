@@ -195,3 +195,52 @@ def test_a_torchrun_capture_judges_each_ranks_tables(tmp_path):
         (1, "fitted", 257),
     ]
     assert "rank 1 rope table 0 (fp32 1x300x16, theta" in " ".join(r.stdout.split())
+
+
+FITTED_SCRIPT = """
+import torch
+import torch.nn.functional as F
+{rotary}
+T, d = 2048, 64
+inv_freq = 1.0 / 500000 ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+freqs = torch.arange(T).float()[:, None] * inv_freq  # fp32, as transformers does
+emb = torch.cat((freqs, freqs), dim=-1)
+{table}
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 1, T, d, generator=g).bfloat16() for _ in range(3))
+with torch.no_grad():
+    Net()(q, k, v, table)
+"""
+
+
+@pytest.mark.parametrize(
+    "planted", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["transformers", "planted"]
+)  # each ~8 s: a capture and its run; the planted table is also tested in numerics/test_rope.py
+def test_a_correct_table_captured_without_config_is_clean_against_its_fitted_theta(tmp_path, planted):
+    """The review's case (issue 37, defect 4): transformers' recipe cast to bf16, theta 500,000, d 64, no config.
+    main fitted 495,730 from one bf16 entry raised to d/2 = 32 and warned rope_precision (0.483 rad) on a table
+    float64 puts 0.00275 rad off theta 500,000. Planted: the same table with frequency 2 turned 0.2 rad further
+    from position 1,500 on is still reported from 1,500."""
+    plant = "emb[1500:, 2] += 0.2; emb[1500:, 34] += 0.2\n" if planted else ""
+    table = plant + "table = (emb.cos().bfloat16()[None], emb.sin().bfloat16()[None])"
+    script = tmp_path / "fit.py"
+    script.write_text(FITTED_SCRIPT.format(rotary=ROTARY.split("def run(")[0], table=table))
+    r = invoke("capture", "--out", tmp_path / "cap", "--quiet", "--json", tmp_path / "a.json", "--", script)
+    (check,) = rope_of(tmp_path / "a.json")
+    codes = [f["code"] for f in json.loads((tmp_path / "a.json").read_text())["model"]["findings"]]
+    assert check["theta"] == 500_000 and check["theta_from"] == "fitted"
+    freqs = torch.arange(2048).double()[:, None] * 500_000 ** (-torch.arange(0, 64, 2).double() / 64)
+    if planted:
+        freqs[1500:, 2] += 0.2
+    emb = torch.cat((freqs, freqs), -1).float()  # the script's table, fp32 angles cast to bf16
+    got = torch.atan2(emb.sin().bfloat16().double(), emb.cos().bfloat16().double())[:, :32]
+    ref = torch.arange(2048).double()[:, None] * 500_000 ** (-torch.arange(0, 64, 2).double() / 64)
+    true = float(((got - ref + torch.pi) % (2 * torch.pi) - torch.pi).abs().max())
+    assert check["max_angle_error"] == pytest.approx(true, abs=1e-3)
+    if planted:
+        assert r.exit_code == 0 and codes == ["rope_precision"] and check["first_affected"] == 1500
+        assert "theta 500000 (fitted: the table within" in r.stdout
+    else:
+        assert r.exit_code == 0 and codes == [] and check["first_affected"] is None and true < 0.003
+        assert check["theta_fit_last"] == 2047 and check["theta_fit_error"] == pytest.approx(true, rel=1e-6)
+        assert "theta 500000 (fitted: the table within 0.0027 rad of it through position 2,047)" in r.stdout

@@ -118,19 +118,125 @@ def test_angle_error_wraps_and_is_nan_where_not_finite():
     assert math.isnan(err[0, 2].item())
 
 
-def test_check_table_fits_theta_from_position_1_and_judges_a_clean_table_clean():
-    """No config recorded: theta from the angle of frequency 1 at position 1 (theta^(-2/d) radians)."""
+def _layout(cos, sin):
+    return torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None]  # transformers' layout, (1, T, d)
+
+
+def _true_angle_error(cos, sin, theta, positions):
+    """The table's largest |angle error| against float64 angles of theta, written out here independently."""
+    d = 2 * cos.shape[-1]
+    inv = torch.tensor([theta ** (-2 * j / d) for j in range(d // 2)], dtype=torch.float64)
+    ref = positions.double()[:, None] * inv[None, :]
+    got = torch.atan2(sin.double(), cos.double())
+    return float(((got - ref + math.pi) % (2 * math.pi) - math.pi).abs().max())
+
+
+def test_check_table_fits_theta_and_judges_a_clean_table_clean():
+    """No config recorded: theta fitted to the table; an fp32 table is judged within fp32's rounding."""
     from attncheck.numerics.rope import check_table
 
     inv = model_inverse_frequencies(500_000, 64)
     cos, sin = model_table(torch.arange(2048), inv, torch.float32, torch.float32)
-    table = (torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None])  # transformers' layout, (1, T, d)
-    found = check_table(*table, positions=None, theta=None, tolerance=0.05)
-    assert found["theta_from"] == "fitted" and found["theta"] == pytest.approx(500_000, rel=1e-4)
+    found = check_table(*_layout(cos, sin), positions=None, theta=None, tolerance=0.05)
+    assert found["theta_from"] == "fitted" and found["theta"] == 500_000
     assert found["positions_from"] == "assumed" and found["first_affected"] is None
     assert found["first_indistinct"] is None and found["max_angle_error"] < 2048 * 2.0**-22
-    bf16 = model_table(torch.arange(2048), inv, torch.bfloat16, torch.bfloat16)
-    bad = check_table(
-        torch.cat((bf16[0], bf16[0]), -1)[None], torch.cat((bf16[1], bf16[1]), -1)[None], None, 500_000.0, 0.05
+    assert found["theta_fit_last"] == 2047 and found["theta_fit_error"] == pytest.approx(
+        _true_angle_error(cos, sin, 500_000, torch.arange(2048)), rel=1e-6
     )
+    bf16 = model_table(torch.arange(2048), inv, torch.bfloat16, torch.bfloat16)
+    bad = check_table(*_layout(*bf16), None, 500_000.0, 0.05)
     assert bad["first_indistinct"] == 257 and bad["theta_from"] == "config"
+
+
+@pytest.mark.parametrize("table", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("theta", "head_dim"), [(10_000, 128), (500_000, 64), (1_000_000, 128), (75_000, 16)])
+def test_fitted_theta_never_judges_transformers_recipe_wrong(table, theta, head_dim):
+    """fp32 angles cast to bf16/fp16 (transformers' recipe), no config: the fit is theta itself (main fitted
+    495,730 from one bf16 entry raised to d/2 for theta 500,000, d 64, and warned 0.483 rad on a table 0.00275 rad
+    off), and the error judged is the table's own against float64 of the true theta."""
+    from attncheck.numerics.rope import check_table
+
+    positions = torch.arange(3000)
+    cos, sin = model_table(positions, model_inverse_frequencies(theta, head_dim), torch.float32, table)
+    found = check_table(*_layout(cos, sin), None, None, 0.05)
+    assert found["theta"] == theta and found["theta_from"] == "fitted" and found["theta_fit_last"] == 2999
+    true = _true_angle_error(cos, sin, theta, positions)
+    assert found["first_affected"] is None and found["first_indistinct"] is None
+    assert found["max_angle_error"] == pytest.approx(true, rel=1e-6) and true < 0.01
+
+
+def test_fitted_theta_that_is_not_round_is_fitted_not_snapped():
+    from attncheck.numerics.rope import fitted_theta
+
+    positions = torch.arange(4096)
+    cos, sin = model_table(positions, model_inverse_frequencies(12_345.6, 64), torch.float32, torch.bfloat16)
+    fit = fitted_theta(cos, sin, positions)
+    assert fit.theta == pytest.approx(12_345.6, rel=1e-5) and fit.theta != 12_300 and fit.last_position == 4095
+    assert fit.residual == pytest.approx(_true_angle_error(cos, sin, fit.theta, positions), rel=1e-9)
+    assert fit.residual < 0.01
+
+
+def test_fitted_theta_does_not_absorb_a_planted_error():
+    """A correct table whose frequency 3 is off by 0.2 rad from position 1,500: the fit stops before it (through
+    1,024) and the finding names position 1,500 and the planted error."""
+    from attncheck.numerics.rope import check_table
+
+    theta, d, positions = 500_000, 64, torch.arange(4096)
+    ref = positions.double()[:, None] * inverse_frequencies(theta, d)[None, :]
+    ref[1500:, 3] += 0.2
+    cos, sin = ref.cos().float().bfloat16(), ref.sin().float().bfloat16()
+    found = check_table(*_layout(cos, sin), None, None, 0.05)
+    assert found["theta"] == theta and found["theta_fit_last"] < 1500
+    assert found["first_affected"] == 1500 and found["affected_positions"] == 4096 - 1500
+    assert found["max_angle_error"] == pytest.approx(_true_angle_error(cos, sin, theta, positions), rel=1e-6)
+    assert 0.19 < found["max_angle_error"] < 0.21
+
+
+@pytest.mark.parametrize(("theta", "head_dim"), [(10_000, 64), (500_000, 128), (1_000_000, 64)])
+def test_fitted_theta_on_candles_bf16_table_names_the_right_positions(theta, head_dim):
+    """Everything in bf16 (candle's qwen2 before PR 3520), no config: 257 repeats 256, and the first position past
+    the tolerance is the one float64 of the true theta gives."""
+    from attncheck.numerics.rope import check_table
+
+    positions = torch.arange(4096)
+    inv = model_inverse_frequencies(theta, head_dim)
+    cos, sin = model_table(positions, inv, torch.bfloat16, torch.bfloat16)
+    found = check_table(*_layout(cos, sin), None, None, 0.05)
+    d = head_dim
+    ref = positions.double()[:, None] * torch.tensor([theta ** (-2 * j / d) for j in range(d // 2)]).double()
+    err = ((torch.atan2(sin.double(), cos.double()) - ref + math.pi) % (2 * math.pi) - math.pi).abs()
+    assert found["first_indistinct"] == 257
+    assert found["first_affected"] == int((err.max(-1).values > 0.05).nonzero()[0, 0])
+    assert found["theta"] == pytest.approx(theta, rel=0.01)
+
+
+def test_a_table_not_finite_reports_the_positions_not_a_finite_angle_error():
+    """cos/sin NaN from position 100 on: the audit names the non-finite positions and gives no angle error (main
+    gave the error of the finite entries)."""
+    from attncheck.numerics.rope import check_table
+
+    positions = torch.arange(300)
+    cos, sin = model_table(positions, model_inverse_frequencies(10_000, 32), torch.float32, torch.float32)
+    cos[100:, 5] = float("nan")
+    found = check_table(*_layout(cos, sin), None, 10_000.0, 0.05)
+    assert found["first_nonfinite"] == 100 and found["nonfinite_positions"] == 200
+    assert found["max_angle_error"] is None and found["first_affected"] == 100 and found["affected_positions"] == 200
+    audit = audit_table(1e-300, 128, torch.float32, torch.float32, context=1000)
+    # 1e-300 is 0 in fp32: every inverse frequency but the first is inf, so no position has an angle at all
+    assert bool(torch.isinf(model_inverse_frequencies(1e-300, 128)[1:]).all())
+    assert audit.first_nonfinite == 0 and audit.nonfinite_positions == 1000
+    assert audit.max_angle_error is None and audit.rms_angle_error is None
+
+
+def test_fitted_theta_of_a_table_that_is_no_thetas_is_finite_or_none():
+    """Random unit vectors (no theta at all), and a first angle that would need theta = e^22,000: no crash, no NaN."""
+    from attncheck.numerics.rope import check_table, fitted_theta
+
+    angles = torch.rand(500, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 6
+    fit = fitted_theta(angles.cos(), angles.sin(), torch.arange(500))
+    assert fit is None or (math.isfinite(fit.theta) and fit.theta > 0 and fit.last_position >= 1)
+    angles[1, 1] = 1e-300
+    assert fitted_theta(angles.cos(), angles.sin(), torch.arange(500)) is None
+    found = check_table(*_layout(angles.cos(), angles.sin()), None, None, 0.05)
+    assert not found["judged"] and "theta unknown" in found["note"]
