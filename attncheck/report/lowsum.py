@@ -40,7 +40,7 @@ def lowsum_table(d: TensorDiagnosis) -> Table | None:
             fmt(st.denom_err_max, ".2e") if st.rows > st.denom_overflow_rows else "-",  # no finite row: no error
             fmt(st.denom_err_mean, ".2e") if st.rows > st.denom_overflow_rows else "-",
             _at(st.denom_first, st.denom_overflow_rows),
-            fmt(st.out_err_max, ".2e") if st.out_rows > st.out_overflow_rows else "-",
+            fmt(st.out_err_max, ".2e") if st.out_rows > st.out_nonfinite_rows else "-",  # no finite row: no error
             _at(st.out_first, st.out_overflow_rows) if st.out_rows else "-",
         )
     return t
