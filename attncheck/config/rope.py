@@ -60,6 +60,8 @@ def split_rope_what_if(text: str | None) -> tuple[tuple[str, ...], str | None]:
     rope = [w[len(ROPE_WHAT_IF_PREFIX) :] for w in words if w.lower().startswith(ROPE_WHAT_IF_PREFIX)]
     if not rope:  # the rest as given: params.what_if says what is wrong with it
         return (), text
+    if not all(rope):  # 'rope:bf16,rope:' was taken as 'rope:bf16': an empty word is a mistake, said as for 'rope:'
+        raise AttncheckError(f"--what-if: {text!r} has 'rope:' without a dtype: give rope:DTYPE, e.g. rope:bf16")
     rest = [w for w in words if not w.lower().startswith(ROPE_WHAT_IF_PREFIX)]
     dtypes = params.dtypes(",".join(rope), "what_if", fp8=False) if rope else ()
     return dtypes, (",".join(rest) if rest else None)

@@ -31,7 +31,15 @@ runner = CliRunner()
             "attncheck: error: --accumulate: 'fp16-seq:8' gives a size, which only order block takes (e.g. "
             "fp16-block:8)",
         ),
-        ("fp16-block:0", "attncheck: error: --accumulate: 'fp16-block:0' has a block size that is no integer >= 1"),
+        (
+            "fp16-block:0",
+            "attncheck: error: --accumulate: 'fp16-block:0' has a block size that is no integer from 1 to 2^62",
+        ),
+        (
+            "fp16-block:99999999999999999999",
+            "attncheck: error: --accumulate: 'fp16-block:99999999999999999999' has a block size that is no integer "
+            "from 1 to 2^62",
+        ),
         (",", "attncheck: error: --accumulate is empty"),
     ],
 )
