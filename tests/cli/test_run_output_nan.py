@@ -71,3 +71,24 @@ def test_a_finite_v_in_range_has_no_output_nan(tmp_path):
     assert float64_bad_rows(q, k, v, True, torch.float16) == 0
     assert t["cells"][0]["out_nan_rows"] == 0 and t["cells"][0]["out_nan_causes"] == {}
     assert t["attention"]["v_nonfinite"] == 0 and t["attention"]["v_cast_overflow"] == {}
+
+
+def test_p_at_v_past_fp16s_max_is_pv_overflow(tmp_path):
+    """V = 65,504 (fp16's max) everywhere: O = P@V is max x sum(P), and where fp16's rounding of P makes the sum
+    exceed 65,520 / 65,504 the product rounds to inf. Counted against torch's own fp16 softmax and P@V, and the
+    float64 product of that P and V (seed 114: two rows)."""
+    g = torch.Generator().manual_seed(114)
+    q, k = (torch.randn(1, 1, 64, 16, generator=g) * 2 for _ in range(2))
+    v = torch.full((1, 1, 64, 16), 65504.0)
+    path = tmp_path / "qkv.safetensors"
+    save_file({"q": q, "k": k, "v": v}, str(path))
+    p = torch.softmax(q.half() @ k.half().transpose(-1, -2) * 0.25, dim=-1)
+    torch_rows = int((~torch.isfinite(p @ v.half()).all(dim=-1)).sum())
+    exact = (p.double() @ v.double()).abs().amax(dim=-1)
+    assert torch_rows == int((exact >= 65520).sum()) == 2
+    result, t = run(path, tmp_path, False)
+    assert result.exit_code == 1, result.output
+    (cell,) = t["cells"]
+    assert cell["out_nan_causes"] == {"pv_overflow": 2} and cell["out_pv_max"] == pytest.approx(float(exact.max()))
+    (f,) = [f for f in t["findings"] if f["code"] == "output_nan"]
+    assert f"P@V reaches {float(exact.max()):.6g} in float64" in f["message"]
