@@ -548,7 +548,9 @@ def sum_specs(value: Any, param: str = "accumulate") -> tuple[SumSpec, ...]:
         try:
             block = integer(size, param, 1) if colon else 0
         except AttncheckError:
-            raise AttncheckError(f"{show(item)} has a block size that is no integer >= 1", param=param) from None
+            raise AttncheckError(
+                f"{show(item)} has a block size that is no integer from 1 to 2^62", param=param
+            ) from None  # the range said whole: a too large size is as wrong as 0
         spec = SumSpec(dtype, order, block)
         if spec not in out:
             out.append(spec)

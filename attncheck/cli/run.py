@@ -296,7 +296,7 @@ def _request(
         grad_out,
         mask_op,
     )
-    _check_what_if(asked_what_if, example, qk, paths)
+    _check_what_if(asked_what_if, example, qk, paths, rope_what_if)
     request = RunRequest(
         tuple(paths or ()),
         tuple(key),
@@ -465,8 +465,13 @@ def _qk_spec(
     return qk
 
 
-def _check_what_if(asked_what_if, example, qk, paths) -> None:
+def _check_what_if(asked_what_if, example, qk, paths, rope_what_if=()) -> None:
     """--what-if kv:... and the cell what-ifs refused where they do not apply (the example, --q/--k)."""
+    if rope_what_if and (example or qk is not None):
+        raise AttncheckError(
+            f"{param('what_if')} rope:DTYPE recomputes the rotary tables a capture recorded; "
+            f"{param('example') + ' carries' if example else param('q') + '/' + param('k') + ' carry'} no rotary table"
+        )
     if params.kv_what_ifs(asked_what_if) and (example or (qk is not None and qk.v is None)):
         raise AttncheckError(
             f"{param('what_if')} kv:... replays attention from a quantised KV cache: give a capture, or "

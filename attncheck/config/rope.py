@@ -91,6 +91,9 @@ def split_rope_what_if(value: Any) -> tuple[tuple[str, ...], Any]:
     rope = [w.strip()[len(ROPE_WHAT_IF_PREFIX) :] for w in words if _is_rope(w)]
     if not rope:  # the rest as given: params.what_if says what is wrong with it
         return (), value
+    if not all(rope):  # 'rope:bf16,rope:' was taken as 'rope:bf16': an empty word is a mistake, said as for 'rope:'
+        text = value if isinstance(value, str) else ",".join(map(str, words))
+        raise AttncheckError(f"--what-if: {text!r} has 'rope:' without a dtype: give rope:DTYPE, e.g. rope:bf16")
     rest = [w for w in words if not _is_rope(w)]
     dtypes = params.dtypes(rope, "what_if", fp8=False)
     if isinstance(value, str):

@@ -4,10 +4,10 @@ that flush to 0."""
 
 from __future__ import annotations
 
-from attncheck.findings.base import _SEEDED, Code, Example, _first_examples, _scores
+from attncheck.findings.base import _SEEDED, Code, Example, _first_examples, _scores, out_nan_rows
 from attncheck.format import num
 from attncheck.registry import METHODS, PATHS, eager_path
-from attncheck.results import FLASH_RULE_FACTOR, TensorDiagnosis, flash_rule_bound
+from attncheck.results import FLASH_RULE_FACTOR, OUT_CAUSES, UNEXPLAINED, TensorDiagnosis, flash_rule_bound
 
 FLUSH_INFO_FRAC = 0.01
 TIED_BIAS_Z = 4.0  # a mean signed error this many standard errors from 0 is a bias, not noise
@@ -79,6 +79,33 @@ scores = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
 result = diagnose("scores", scores, Options(dtypes=("fp16",), methods=("bf16_inside", "torch")))
 print([f.code for f in result.findings])
 """),
+    ),
+    Code(
+        "output_nan",
+        "error",
+        "output",
+        "rows of the output O = P@V are NaN or inf while their softmax is finite",
+        "With `--v` (or a captured call's V), every cell computes O = P@V. A row of O can be NaN or inf although its "
+        "probabilities are finite, and no softmax finding covers it. Its first cause (`out_nan_causes` per cell): "
+        "`v_nonfinite`, V holds NaN or inf in the row's head (0 x NaN is NaN, so a path that multiplies a masked "
+        "key's zero by it is hit too); `v_cast_overflow`, V is finite but beyond the dtype's range, and its cast "
+        "is +-inf; `pv_overflow`, P and V are finite in the dtype and P@V passes its max; else `unexplained`. "
+        "Rows whose P is itself NaN are the softmax's (`nan_rows`, its findings) and are not counted here.",
+        "Any row of O holding NaN or inf whose P row is finite (`out_nan_rows` less `out_nan_causes.softmax`); "
+        "the message names the V entries (batch, kv head, key, dim) or the largest float64 |P@V|.",
+        "a NaN or inf in V, or a V beyond the dtype's range, reaches every row that multiplies it: find where V "
+        "goes bad (the layer before v_proj, a value that overflows on the cast), clamp or scale V, or keep P@V in "
+        "fp32",
+        Example(
+            _SEEDED
+            + """\
+q, k, v = (torch.randn(1, 1, 64, 16, generator=g) for _ in range(3))
+v[0, 0, 17, 3] = float("nan")  # one bad value in V, from an earlier layer
+torch.save({"q": q, "k": k, "v": v}, "qkv.pt")
+""",
+            "attncheck run --q qkv.pt:q --k qkv.pt:k --v qkv.pt:v --dtype fp16 --method torch --path eager --brief "
+            "--fail-on output_nan",
+        ),
     ),
     Code(
         "output_error",
@@ -249,6 +276,55 @@ def output_findings(diag: TensorDiagnosis, add) -> None:
             biased,
             max(c.tied_rows for c in biased),
         )
+
+
+def output_nan_findings(diag: TensorDiagnosis, add) -> None:
+    """output_nan: rows of O that are NaN or inf while their P is finite, by first cause, with V's entries."""
+    hit = [c for c in diag.cells if out_nan_rows(c)]
+    if not hit:
+        return
+    audit = diag.attention
+    parts = []
+    for cause in ("v_nonfinite", "v_cast_overflow", "pv_overflow", UNEXPLAINED):
+        cells = [c for c in hit if c.out_nan_causes.get(cause)]
+        if cells:
+            rows = ", ".join(f"{c.name} {c.out_nan_causes[cause]} row(s)" for c in cells)
+            parts.append(f"{_out_cause_text(cause, cells, audit)}: {rows}")
+    examples = [e for cause in OUT_CAUSES[1:] + (UNEXPLAINED,) for e in _first_examples(hit, f"out:{cause}")]
+    add(
+        "output_nan",
+        "rows of the output O = P@V are NaN or inf while their softmax is finite; " + "; ".join(parts),
+        hit,
+        max(out_nan_rows(c) for c in hit),
+        examples[:5],
+    )
+
+
+def _out_cause_text(cause: str, cells, audit) -> str:
+    if cause == "v_nonfinite":
+        n = 0 if audit is None else audit.v_nonfinite
+        return (
+            f"V holds {n} NaN/inf value(s){_at(audit.v_nonfinite_at if audit else [])}, and P@V carries them into "
+            "every row of the head that multiplies them (0 x NaN is NaN: masked keys count where the path multiplies)"
+        )
+    if cause == "v_cast_overflow":
+        dtypes = list(dict.fromkeys(c.dtype for c in cells))
+        over = [] if audit is None else [(d, audit.v_cast_overflow.get(d, 0)) for d in dtypes]
+        at = [] if audit is None else [e for d in dtypes for e in audit.v_cast_overflow_at.get(d, [])]
+        top = "" if audit is None or audit.v_max_abs is None else f", largest |v| {audit.v_max_abs:.6g}"
+        counts = ", ".join(f"{n} in {d}" for d, n in over)
+        return f"V holds finite values beyond the dtype's range ({counts}{top}){_at(at)}, and their cast is +-inf"
+    if cause == "pv_overflow":
+        top = max(c.out_pv_max for c in cells if c.out_pv_max is not None)
+        return f"P and V are finite in the dtype, but P@V reaches {top:.6g} in float64, beyond the dtype's max"
+    return "no known cause (P and V finite in the dtype, P@V within range)"
+
+
+def _at(entries) -> str:
+    """' at (b, h, key, dim) = value, ...' for V entries."""
+    if not entries:
+        return ""
+    return " at " + ", ".join(f"(batch, kv head, key, dim) {tuple(i)} = {v:.6g}" for i, v in entries[:4])
 
 
 def _kernel_of(method: str) -> str | None:

@@ -104,3 +104,11 @@ def _first_examples(cells: list[Cell], label: str, limit: int = 5) -> list[tuple
             if e not in seen:
                 seen.append(e)
     return seen[:limit]
+
+
+def out_nan_rows(c: Cell, ignore=()) -> int:
+    """A cell's NaN/inf output rows whose P is finite (the softmax's NaN rows count as ``nan_rows``), 0 where
+    output_nan is ignored."""
+    if "output_nan" in ignore:
+        return 0
+    return sum(n for cause, n in c.out_nan_causes.items() if cause != "softmax")

@@ -3,7 +3,7 @@ from each group's detector in pipeline order. Pure logic over the numbers; no te
 
 from __future__ import annotations
 
-from attncheck.findings.accuracy import accuracy_findings, flush_findings, output_findings
+from attncheck.findings.accuracy import accuracy_findings, flush_findings, output_findings, output_nan_findings
 from attncheck.findings.base import SEVERITIES
 from attncheck.findings.distribution import collapse_findings
 from attncheck.findings.fp8 import fp8_findings
@@ -36,6 +36,7 @@ def findings_for(diag: TensorDiagnosis) -> list[Finding]:
     cast_findings(diag, add)
     softmax_findings(diag, add)
     accuracy_findings(diag, add)
+    output_nan_findings(diag, add)
     output_findings(diag, add)
     fp8_findings(diag, add)
     flush_findings(diag, add)

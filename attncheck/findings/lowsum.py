@@ -111,17 +111,38 @@ def stats_findings(st: LowSumStats, add, where: str = "", drift: str | None = No
         rows = max(rows, st.out_overflow_rows)
     if parts:
         add("accumulator_overflow", f"{where}{st.label} over {st.keys:,} keys: " + "; ".join(parts), rows=rows)
-    worst = max(st.denom_err_max, st.out_err_max)
+    worst = max(st.denom_err_max, st.out_err_max or 0.0)
     if worst > LOWSUM_ERROR_REL:
-        finite = st.out_rows > st.out_overflow_rows  # rows whose output stayed finite: an error to give
-        out = f"; the output's up to {st.out_err_max:.3g}" if finite else ""
         head = where if drift is None else drift
         add(
             "lowsum_error",
-            f"{head}{st.label} over {st.keys:,} keys: the denominator's relative error against float64 is up to "
-            f"{st.denom_err_max:.3g} (mean {st.denom_err_mean:.3g}){out}; the threshold is {LOWSUM_ERROR_REL:g}",
+            f"{head}{st.label} over {st.keys:,} keys: {_denominator_text(st)}{_output_text(st)}; the threshold is "
+            f"{LOWSUM_ERROR_REL:g}",
             rows=st.rows,
         )
+
+
+def _denominator_text(st) -> str:
+    """The denominator's error, over the rows whose sum stayed finite (those that overflowed are said apart)."""
+    finite = st.rows - st.denom_overflow_rows
+    if not finite:
+        return f"the denominator overflowed in every row ({st.rows:,})"
+    tail = f" over the {finite:,} row(s) whose sum stayed finite" if st.denom_overflow_rows else ""
+    return (
+        f"the denominator's relative error against float64 is up to {st.denom_err_max:.3g} (mean "
+        f"{st.denom_err_mean:.3g}){tail}"
+    )
+
+
+def _output_text(st) -> str:
+    """The output's error over its finite rows, and how many rows are inf or NaN (an error of 0 over no row is none)."""
+    if not st.out_rows:
+        return ""
+    bad = st.out_nonfinite_rows
+    if bad == st.out_rows:
+        return f"; the output is inf or NaN in all {bad:,} row(s)"
+    text = f"; the output's up to {st.out_err_max:.3g}"
+    return text + (f" over its {st.out_rows - bad:,} finite row(s), and inf or NaN in {bad:,} row(s)" if bad else "")
 
 
 def capture_sums_findings(report: CaptureSums, add) -> None:

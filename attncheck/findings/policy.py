@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from attncheck.findings.base import SEVERITIES
+from attncheck.findings.base import SEVERITIES, out_nan_rows
 from attncheck.findings.registry import CAUSES_OF, GRAD_CAUSES_OF
 from attncheck.results import Cell, Finding, TensorDiagnosis
 
@@ -59,6 +59,7 @@ def failed_conditions(diags: list[TensorDiagnosis], conditions: list[str], ignor
         for d in diags:
             if cond == "nan":
                 bad = [c.name for c in d.cells if counted_rows(c.nan_rows, c.nan_causes, ignore)]
+                bad += [f"{c.name} output" for c in d.cells if out_nan_rows(c, ignore)]
                 bad += [
                     f"{c.name} backward"
                     for c in d.cells

@@ -77,6 +77,7 @@ ORDER = (
     "argmax_flip",
     "worse_than_torch",
     # the output
+    "output_nan",
     "output_error",
     "tied_max_bias",
     "probability_flush",

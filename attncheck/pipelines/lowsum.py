@@ -102,7 +102,7 @@ def layer_sums(calls: list[CallSums]) -> list[LayerSums]:
 def _fold(layer: LayerSums, index: int, st: LowSumStats) -> None:
     """One call's ``st`` folded into its layer's."""
     m = layer.stats
-    if max(st.denom_err_max, st.out_err_max) > max(m.denom_err_max, m.out_err_max):
+    if max(st.denom_err_max, st.out_err_max or 0.0) > max(m.denom_err_max, m.out_err_max or 0.0):
         layer.worst_call = index
     if layer.first_call is None and (st.denom_first is not None or st.out_first is not None):
         layer.first_call = index
@@ -116,8 +116,10 @@ def _fold(layer: LayerSums, index: int, st: LowSumStats) -> None:
     m.denom_overflow_rows += st.denom_overflow_rows
     m.denom_first = st.denom_first if m.denom_first is None else m.denom_first
     m.out_rows += st.out_rows
-    m.out_err_max = max(m.out_err_max, st.out_err_max)
+    if st.out_err_max is not None:  # None: no finite output row in this call (its rows count as non-finite)
+        m.out_err_max = max(m.out_err_max or 0.0, st.out_err_max)
     m.out_overflow_rows += st.out_overflow_rows
+    m.out_nonfinite_rows += st.out_nonfinite_rows
     m.out_first = st.out_first if m.out_first is None else m.out_first
     m.out_peak = max(m.out_peak, st.out_peak)
 

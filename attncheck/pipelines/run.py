@@ -204,6 +204,7 @@ def _run_files(request: RunRequest, options, track: Track, notice, amax=None, sh
             f"{param('paths')} applies to attention calls (a capture, q/k files) and to {param('q')}/{param('k')}; "
             f"{', '.join(request.paths)} hold{'s' if len(request.paths) == 1 else ''} scores only"
         )
+    _check_scores_only(request, options, inputs, manifests)
     capture = _capture_of(request, manifests)
     if not request.partial:  # every call checked before the first is diagnosed
         for item in inputs:
@@ -239,7 +240,27 @@ def _capture_of(request: RunRequest, manifests: list[dict]):
     rope = capture_rope_checks(request.paths, request.rope_what_if)  # the rotary tables the calls ran under
     if rope:
         capture = {**(capture or {}), "rope": rope}
+    elif request.rope_what_if:  # a capture of a model without RoPE: said in the report, not silently skipped
+        capture = {**(capture or {}), "rope_what_if_unanswered": list(request.rope_what_if)}
     return capture
+
+
+def _check_scores_only(request: RunRequest, options, inputs, manifests) -> None:
+    """Options that apply to captures or Q/K calls alone, refused on files that give them nothing to act on (they
+    were silently ignored): --what-if rope:DTYPE without a capture, --rows/--budget on scores alone."""
+    held = f"{', '.join(request.paths)} hold{'s' if len(request.paths) == 1 else ''}"
+    if request.rope_what_if and not manifests:
+        raise AttncheckError(
+            f"{param('what_if')} rope:DTYPE recomputes the rotary tables a capture recorded; {held} no capture, so "
+            "no rotary table"
+        )
+    bounded = options.bounded
+    if bounded is not None and inputs and all(isinstance(item, TensorSource) for item in inputs):
+        name = param("rows") if bounded.rows is not None else param("budget")
+        raise AttncheckError(
+            f"{name} bounds the time of attention calls computed from Q and K (a capture, {param('q')}/{param('k')}); "
+            f"{held} scores only, which are diagnosed whole"
+        )
 
 
 def _check_what_ifs(request: RunRequest, options, inputs, captured) -> tuple[str, ...]:

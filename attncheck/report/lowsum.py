@@ -44,7 +44,7 @@ def lowsum_table(d: TensorDiagnosis) -> Table | None:
             fmt(st.denom_err_max, ".2e") if st.rows > st.denom_overflow_rows else "-",  # no finite row: no error
             fmt(st.denom_err_mean, ".2e") if st.rows > st.denom_overflow_rows else "-",
             _at(st.denom_first, st.denom_overflow_rows),
-            fmt(st.out_err_max, ".2e") if st.out_rows > st.out_overflow_rows else "-",
+            fmt(st.out_err_max, ".2e") if st.out_rows > st.out_nonfinite_rows else "-",  # no finite row: no error
             _at(st.out_first, st.out_overflow_rows) if st.out_rows else "-",
         )
     return t
@@ -62,7 +62,7 @@ def _layer_order(layers: list[LayerSums]) -> list[LayerSums]:
 
 
 def _worst(st: LowSumStats) -> float:
-    return max(st.denom_err_max, st.out_err_max)
+    return max(st.denom_err_max, st.out_err_max or 0.0)  # None: no finite output row, said apart
 
 
 def layer_affixes(modules: list[str]) -> tuple[str, str]:
@@ -107,7 +107,7 @@ def sums_table(report: CaptureSums, full: bool = False) -> Table:
             Text(layer.label, style="bold red" if bad else ""),
             f"{layer.keys:,}",
             fmt(st.denom_err_max, ".2e") if st.rows > st.denom_overflow_rows else "-",
-            fmt(st.out_err_max, ".2e") if st.out_rows > st.out_overflow_rows else "-",
+            fmt(st.out_err_max, ".2e") if st.out_rows > st.out_nonfinite_rows else "-",
             (_at(st.out_first, st.out_overflow_rows) + first) if st.out_rows else "-",
         )
     return t

@@ -270,8 +270,16 @@ def ranks_block(report: ModelReport) -> Text | None:
 
 
 def rope_what_if_lines(capture: dict | None) -> list[str]:
-    """--what-if rope:DTYPE: each recorded rotary table recomputed in the dtype, one line each."""
+    """--what-if rope:DTYPE: each recorded rotary table recomputed in the dtype, one line each; a capture with no
+    rotary table says so."""
     out = []
+    unanswered = (capture or {}).get("rope_what_if_unanswered")
+    if unanswered:
+        asked = ", ".join(f"rope:{d}" for d in unanswered)
+        out.append(
+            f"no rotary tables in this capture: {asked} has nothing to recompute (no call recorded a rotary table: "
+            "a model without RoPE, or one whose attention is not passed position_embeddings)"
+        )
     for check in (capture or {}).get("rope") or ():
         for w in check.what_if:
             distinct = (

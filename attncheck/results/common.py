@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 
 UNEXPLAINED = "unexplained"  # the cause of a NaN or zero row that no known cause explains
 
+# First causes of a row of the output O = P@V that is NaN or inf, in pipeline order: the row's P is itself NaN
+# (its softmax causes say why), V holds NaN/inf at a key of the row's head (0 x NaN is NaN, so a masked key counts
+# too where the path multiplies it), V is finite but its cast to the dtype overflows, or P and V are finite in the
+# dtype and the product P@V passes its max; else UNEXPLAINED.
+OUT_CAUSES = ("softmax", "v_nonfinite", "v_cast_overflow", "pv_overflow")
+
 # What a cell is asked for. A captured call names the implementation and dtype it ran: that is its
 # MODEL cell, which alone decides the call's verdict, findings and exit code; any other cell is a
 # WHAT_IF ('what would break if the model ran this instead'), reported apart and never counted as

@@ -30,8 +30,9 @@ class LowSumStats:
     denom_overflow_rows: int = 0
     denom_first: SumOverflow | None = None
     out_rows: int = 0  # rows with an output (V given)
-    out_err_max: float = 0.0  # max |O - O64| / max |O64| per row, largest over finite rows
+    out_err_max: float | None = None  # max |O - O64| / max |O64| per row, largest over finite rows (None: none)
     out_overflow_rows: int = 0  # rows whose P@V accumulator (unnormalised, before the division) left the range
+    out_nonfinite_rows: int = 0  # rows whose output O holds inf or NaN (out_err_max is over the others)
     out_first: SumOverflow | None = None
     out_peak: float = 0.0  # largest |sum_j exp(s_j - m) v_jd| in float64 over rows and dims: what the accumulator holds
 

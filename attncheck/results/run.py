@@ -144,7 +144,10 @@ class Cell:
     tied_rows: int = 0  # rows whose largest score is held by two or more keys (each gets exp(0) = 1)
     # With V: the output O = P@V against float64 (P64 @ V64), over rows where both are finite.
     out_rows: int | None = None  # rows compared
-    out_nan_rows: int | None = None  # rows of O holding NaN
+    out_nan_rows: int | None = None  # rows of O holding NaN or inf
+    # those rows by their first cause (OUT_CAUSES: 'softmax' where P itself is NaN, else V's or P@V's)
+    out_nan_causes: dict[str, int] = field(default_factory=dict)
+    out_pv_max: float | None = None  # largest float64 |P @ V| (P and V as the cell holds them) of 'pv_overflow' rows
     out_max_abs_err: float | None = None
     out_rmse: float | None = None
     out_rel_l1: float | None = None  # sum |O - O_ref| / sum |O_ref|
@@ -293,6 +296,13 @@ class AttentionAudit:
     # capture followed it) are the model's choice, a fact rather than a finding; None: --scale or the default
     scale_source: str | None = None
     softcap: SoftCap | None = None  # a soft cap between Q@K^T and the softmax (a captured eager call)
+    # V as given: its non-finite entries (count, the first few as (batch, kv head, key, dim) with their value), its
+    # largest finite |v|, and per dtype the finite entries its cast turns into +-inf (count, first few)
+    v_nonfinite: int = 0
+    v_nonfinite_at: list[tuple[tuple[int, ...], float]] = field(default_factory=list)
+    v_max_abs: float | None = None
+    v_cast_overflow: dict[str, int] = field(default_factory=dict)
+    v_cast_overflow_at: dict[str, list[tuple[tuple[int, ...], float]]] = field(default_factory=dict)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 dump whose fp16 P@V accumulator overflows and on one whose does not, each checked against numbers computed here."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -36,7 +37,15 @@ runner = CliRunner()
             "attncheck: error: --accumulate: 'fp16-seq:8' gives a size, which only order block takes (e.g. "
             "fp16-block:8)",
         ),
-        ("fp16-block:0", "attncheck: error: --accumulate: 'fp16-block:0' has a block size that is no integer >= 1"),
+        (
+            "fp16-block:0",
+            "attncheck: error: --accumulate: 'fp16-block:0' has a block size that is no integer from 1 to 2^62",
+        ),
+        (
+            "fp16-block:99999999999999999999",
+            "attncheck: error: --accumulate: 'fp16-block:99999999999999999999' has a block size that is no integer "
+            "from 1 to 2^62",
+        ),
         (",", "attncheck: error: --accumulate is empty"),
     ],
 )
@@ -96,6 +105,8 @@ def test_overflowing_dump_reports_accumulator_overflow(tmp_path) -> None:
     assert st["label"] == "fp16-seq" and st["out_overflow_rows"] == 4 and st["out_rows"] == 4
     assert st["out_first"]["key"] == first - 1 and st["out_first"]["partial"] == (first - 1) * 4096.0
     assert st["out_peak"] == 32 * 4096.0 and st["denom_overflow_rows"] == 0
+    # every row's total passed the range: the output is inf in each, and no output error is claimed
+    assert st["out_nonfinite_rows"] == 4 and st["out_err_max"] is None
     (f,) = [f for f in tensor["findings"] if f["code"] == "accumulator_overflow"]
     assert (
         f["severity"] == "error"
@@ -118,3 +129,44 @@ def test_healthy_dump_has_no_lowsum_findings(tmp_path) -> None:
     assert [s["label"] for s in tensor["accumulate"]] == ["fp16-seq", "bf16-pairwise"]
     assert all(s["out_overflow_rows"] == 0 and s["out_err_max"] == 0.0 for s in tensor["accumulate"])
     assert not [f for f in tensor["findings"] if f["code"] in ("accumulator_overflow", "lowsum_error")]
+
+
+def test_lowsum_error_says_which_outputs_are_inf_and_claims_no_error_for_them(tmp_path) -> None:
+    """4,096 equal keys (q = 0): fp16-seq's denominator stops at 2,048 (2,048 + 1 rounds to 2,048 in fp16), a
+    relative error of 0.5. Head 0 has V = 32: its exact P@V total 32 x 4,096 = 131,072 is past fp16's range, and its
+    fp16 partial sums 32 j are exact until 65,536 rounds to inf, so each of its 4 outputs is inf. Head 1 has V = 1:
+    the sum of ones stops at 2,048 like the denominator, and 2,048 / 2,048 = 1 is float64's 4,096 / 4,096 exactly."""
+    import torch
+
+    q, k = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4096, 8)
+    v = torch.ones(1, 2, 4096, 4)
+    v[:, 0] = 32.0
+    path = tmp_path / "qkv.pt"
+    torch.save({"q": q, "k": k, "v": v}, path)
+    out = tmp_path / "r.json"
+    result = runner.invoke(
+        app,
+        ["run", "--q", f"{path}:q", "--k", f"{path}:k", "--v", f"{path}:v", "--accumulate", "fp16-seq",
+         "--path", "eager", "--dtype", "fp32", "--json", str(out), "--brief"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (tensor,) = json.loads(out.read_text())["tensors"]
+    (st,) = tensor["accumulate"]
+    assert (st["out_rows"], st["out_overflow_rows"], st["out_nonfinite_rows"], st["out_err_max"]) == (8, 4, 4, 0.0)
+    assert st["denom_err_max"] == 0.5
+    (f,) = [f for f in tensor["findings"] if f["code"] == "lowsum_error"]
+    assert "the output's up to 0 over its 4 finite row(s), and inf or NaN in 4 row(s)" in f["message"]
+    v[:, 1] = 32.0  # both heads: no finite output left, and none claimed
+    torch.save({"q": q, "k": k, "v": v}, path)
+    result = runner.invoke(
+        app,
+        ["run", "--q", f"{path}:q", "--k", f"{path}:k", "--v", f"{path}:v", "--accumulate", "fp16-seq",
+         "--path", "eager", "--dtype", "fp32", "--json", str(out), "--brief"],
+    )  # fmt: skip
+    (tensor,) = json.loads(out.read_text())["tensors"]
+    (st,) = tensor["accumulate"]
+    assert st["out_nonfinite_rows"] == 8 and st["out_err_max"] is None
+    (f,) = [f for f in tensor["findings"] if f["code"] == "lowsum_error"]
+    assert "the output is inf or NaN in all 8 row(s)" in f["message"] and "output's up to" not in f["message"]
+    # the table: no output error where no output is finite ('-'), every row's P@V overflowing at its 2,048th key
+    assert re.search(r"fp16-seq\s+4,096\s+5\.00e-01\s+5\.00e-01\s+0\s+-\s+8 at 2,048", result.output)

@@ -9,6 +9,7 @@ from collections import Counter
 import torch
 
 from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowMetrics
+from attncheck.numerics.cells.outnan import OutNanAcc
 from attncheck.numerics.methods.fp8 import POSITIONS
 from attncheck.numerics.methods.softmax import event_rows
 from attncheck.numerics.precision import (
@@ -232,7 +233,8 @@ class OutAcc:
     softmax of the path's scores times V as the dtype holds it, per row, over all rows
     and over rows whose row maximum is tied."""
 
-    def __init__(self) -> None:
+    def __init__(self, causes: OutNanAcc) -> None:
+        self.causes = causes  # the NaN/inf rows by first cause (OutNanAcc.update, called by the path stage)
         self.rows = self.nan_rows = self.elems = self.cos_rows = self.bias_rows = self.tied_bias_rows = 0
         self.sq, self.abs_err, self.abs_ref, self.cos, self.bias, self.tied_bias, self.tied_bias_sq = (
             ExactSum() for _ in range(7)
@@ -498,7 +500,7 @@ class CellAcc:
     def update_out(self, out: torch.Tensor, ref: torch.Tensor, tied: torch.Tensor, ref_algo: torch.Tensor) -> None:
         """Add one chunk of this cell's output O (see OutAcc.update)."""
         if self.out is None:
-            self.out = OutAcc()
+            self.out = OutAcc(OutNanAcc(self.examples))
         self.out.update(out, ref, tied, ref_algo)
 
     def update_companion(self, name: str, out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -546,7 +548,7 @@ class CellAcc:
             nan_causes_per_head={cause: self._per_head(t) for cause, t in self.nan_by_head_cause.items()},
             role=self.role,
             argmax_flips_near_tie=self.near_ties,
-            **({} if self.out is None else self.out.fields()),
+            **({} if self.out is None else {**self.out.fields(), **self.out.causes.fields()}),
             **self._pcast_fields(),
             fp8_accum=self.accum,
             fp8_accum_keys=self.accum_keys,

@@ -387,6 +387,7 @@ def _path_stage(
             )
         if out.out is not None:
             acc.update_out(out.out, out_ref[0], tied, out_algo)
+            acc.out.causes.update(block.v, out.probs, out.out, None if fp8 else dt, c.offset)
             acc.tied_rows += count(tied)
             for name, o in out.companions.items():  # the same kernel under other FP8 accumulators
                 acc.update_companion(name, o, out_ref[0])

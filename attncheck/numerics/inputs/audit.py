@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from attncheck.dtypes import dtype_label
 from attncheck.numerics.inputs.prepare import AttentionInputs
+from attncheck.numerics.precision import cast
 from attncheck.results import AttentionAudit
 
 SPREAD_SAMPLE = 1 << 17
@@ -80,7 +82,7 @@ def start_audit(inp: AttentionInputs, statistics: bool = True) -> AttentionAudit
             float_mask_looks_boolean=inp.float_mask_looks_boolean,
         )
     q64, k64 = inp.q.to(torch.float64), inp.k.to(torch.float64)
-    return AttentionAudit(
+    audit = AttentionAudit(
         d=inp.d,
         heads=inp.heads,
         kv_heads=inp.k.shape[1],
@@ -99,3 +101,35 @@ def start_audit(inp: AttentionInputs, statistics: bool = True) -> AttentionAudit
         mask_summed_neginf=inp.mask_summed_neginf,
         mask_deep_sentinel=inp.mask_deep_sentinel,
     )
+    if inp.v is not None:
+        audit_v(audit, inp.v)
+    return audit
+
+
+V_EXAMPLES = 4  # V entries named per kind (non-finite, beyond a dtype's range)
+V_CAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the casts a cell of V can go through
+
+
+def audit_v(audit: AttentionAudit, v: torch.Tensor) -> None:
+    """V's non-finite entries, its largest finite |v|, and per dtype the finite entries the cast turns to +-inf:
+    what explains a NaN or inf row of the output whose softmax is finite (results.OUT_CAUSES)."""
+    fin = torch.isfinite(v)
+    audit.v_max_abs = _finite_abs_max(v)
+    bad = ~fin
+    audit.v_nonfinite = int(bad.sum())
+    audit.v_nonfinite_at = _entries(v, bad)
+    for dt in V_CAST_DTYPES:
+        if dt == v.dtype or (v.dtype != torch.float64 and torch.finfo(v.dtype).max <= torch.finfo(dt).max):
+            continue  # a cast to a wider range cannot overflow
+        over = fin & torch.isinf(cast(v, dt))
+        n = int(over.sum())
+        if n:
+            label = dtype_label(dt)
+            audit.v_cast_overflow[label] = n
+            audit.v_cast_overflow_at[label] = _entries(v, over)
+
+
+def _entries(v: torch.Tensor, hit: torch.Tensor) -> list[tuple[tuple[int, ...], float]]:
+    """The first V_EXAMPLES entries of ``v`` where ``hit``: (batch, kv head, key, dim) and the value."""
+    idx = torch.nonzero(hit)[:V_EXAMPLES]
+    return [(tuple(int(i) for i in row), float(v[tuple(row)])) for row in idx.tolist()]

@@ -291,8 +291,9 @@ def add_rows(stats: LowSumStats, sums: RowSums, row0: int) -> None:
     oerr = sums.out_err[valid]
     ofin = oerr[torch.isfinite(oerr)]
     stats.out_rows += n_valid
+    stats.out_nonfinite_rows += n_valid - ofin.numel()
     if ofin.numel():
-        stats.out_err_max = max(stats.out_err_max, float(ofin.max()))
+        stats.out_err_max = max(stats.out_err_max or 0.0, float(ofin.max()))
     stats.out_peak = max(stats.out_peak, float(sums.out_peak[valid].max()))
     oover = (sums.out_over >= 0) & valid
     stats.out_overflow_rows += int(oover.sum())
