@@ -93,7 +93,7 @@ def split_rope_what_if(value: Any) -> tuple[tuple[str, ...], Any]:
         return (), value
     if not all(rope):  # 'rope:bf16,rope:' was taken as 'rope:bf16': an empty word is a mistake, said as for 'rope:'
         text = value if isinstance(value, str) else ",".join(map(str, words))
-        raise AttncheckError(f"--what-if: {text!r} has 'rope:' without a dtype: give rope:DTYPE, e.g. rope:bf16")
+        raise AttncheckError(f"{text!r} has 'rope:' without a dtype: give rope:DTYPE, e.g. rope:bf16", param="what_if")
     rest = [w for w in words if not _is_rope(w)]
     dtypes = params.dtypes(rope, "what_if", fp8=False)
     if isinstance(value, str):
