@@ -78,6 +78,11 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
         from attncheck.pipelines.lowsum import attach_lowsum
 
         attach_lowsum(request, options, diags, calls, qk_inputs)
+        if options.bounded is not None and notice is not None:  # the sums are not certified by the row bound
+            notice(
+                "--accumulate: the 16-bit sums are computed over every row of every call, exactly: "
+                "--budget/--rows do not bound them (as slow as without those options)"
+            )
     model = _judged(request, diags, calls, skipped, capture)
     if params.WHAT_IF_NOSINKS in request.what_if and notice is not None and not any(c.sinks for c in calls):
         notice("--what-if nosinks: no call has learned sinks (gpt-oss's): nothing to drop, nothing computed")

@@ -292,6 +292,23 @@ def test_rows_reports_exact_and_sampled(tmp_path):
     sampling = [t["sampling"] for t in _tensors(s) if "sampling" in t]
     assert sampling and sampling[0]["sampled_rows"] == 64 and sampling[0]["rows"] == 512
     assert sampling[0]["certified_rows"] + sampling[0]["exact_rows"] == 512
+    census = _tensors(s)[0]["census"]  # the census is of the rows computed, and says so
+    assert census["call_shape"] == [1, 2, 256, 256] and census["shape"][2] < 256 and "rows computed" in census["scope"]
+
+
+@pytest.mark.slow
+def test_sampled_figures_fit_80_columns(tmp_path):
+    """At 80 columns every number of the 'Sampled figures' table is whole (no '…')."""
+    q, k, v = _dump(tmp_path, t=256)
+    r = subprocess.run(
+        [sys.executable, "-m", "attncheck", "run", "--q", str(q), "--k", str(k), "--v", str(v), "--causal"]
+        + ["--dtype", "fp16", "--path", "eager,flash", "--method", "torch", "--rows", "64", "--brief"],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "COLUMNS": "80"},
+    )
+    table = r.stdout[r.stdout.index("Sampled figures") :]
+    assert r.returncode == 0 and "max_abs_err" in table and "…" not in table
 
 
 def _tensors(doc):
