@@ -98,7 +98,8 @@ def model_sampling_line(calls) -> Text | None:
     rows = sum(d.sampling.rows for d in diags)
     exact = sum(d.sampling.exact_rows for d in diags)
     sampled = sum(d.sampling.sampled_rows for d in diags)
-    names = list(dict.fromkeys(c.call.name for c in calls if c.diagnosis is not None and c.diagnosis.sampling))
+    sampled_calls = [c.call for c in calls if c.diagnosis is not None and c.diagnosis.sampling is not None]
+    names = list(dict.fromkeys(call.module or call.name for call in sampled_calls))
     named = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     return Text(
         f"Bounded diagnosis (--budget/--rows) of {len(diags)} diagnosis(es): {rows:,} score rows, "
