@@ -82,6 +82,13 @@ def sampling_json(d: TensorDiagnosis) -> dict:
     return {} if d.sampling is None else {"sampling": to_jsonable(d.sampling)}
 
 
+def census_note(d: TensorDiagnosis) -> list[tuple[str, str]]:
+    """The census box's line under a bounded diagnosis (none otherwise): its figures are of the rows computed."""
+    if d.sampling is None:
+        return []
+    return [("computed", f"the rows above of the call's {tuple(d.shape)}: counts below are of them")]
+
+
 def census_scope(d: TensorDiagnosis) -> dict:
     """A bounded diagnosis's census is of the rows computed: ``scope`` and the call's shape say so in the JSON."""
     if d.sampling is None:
