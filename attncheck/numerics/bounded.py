@@ -49,6 +49,9 @@ T975 = (12.7062047, 4.30265273, 3.18244631, 2.77644511, 2.57058184, 2.44691185, 
 CONFIDENCE = 0.95
 PILOT_POSITIONS = 2 * GROUPS  # query positions timed to extrapolate the whole call under --budget
 ROUNDING = (1 + 2**-7) ** 2 * 1.01  # q and k rounded to a 16-bit dtype, and margin (AttentionInputs.qk_bound)
+# why a position is computed in full, in order: a nonfinite q or k (or mask), every key masked, q or k past a cell's
+# dtype (its cast is inf), an output that could be nonfinite (V nonfinite or too large), the bound on the logits
+REASONS = ("nonfinite", "fully_masked", "cast", "output", "bound")
 MEAN_FIGURES = ("rmse", "rmse_algo", "kl_mean", "out_rmse", "out_rel_l1", "out_cos_mean")
 SQUARED = ("rmse", "rmse_algo", "out_rmse")  # estimated through their squares (means over elements)
 MAX_FIGURES = ("max_abs_err", "max_abs_err_algo", "kl_max", "out_max_abs_err")
@@ -62,10 +65,16 @@ EXACT_FIGURES = (
     "cast_overflow",
     "exp_overflow",
 )
+HEAD_MIN = 64  # a causal call's first certified positions computed in full, at least (causal_head)
 ESTIMATOR = (
     f"uniform sample of query positions without replacement, split at random into {GROUPS} equal groups; "
     f"means: mean of the groups' figures +- t(0.975, {GROUPS - 1}) s/sqrt({GROUPS}) (rmse through its square); "
     "maxima: the sampled max, a lower bound (at 95%, at most 1 - 0.05^(1/n) of the other positions above it)"
+)
+
+CAUSAL_HEAD = (
+    "; causal call: its first certified positions (as many as the sample, at least 64) are computed in full and "
+    "weighted by their share, the sample is drawn from the positions after them"
 )
 
 
@@ -144,6 +153,44 @@ def row_bounds(inp: "AttentionInputs") -> tuple[torch.Tensor, ...]:
     return raw, logit, nonfinite, full
 
 
+def _head_max(inp: "AttentionInputs", per_key: torch.Tensor) -> torch.Tensor:
+    """(B, Hq, Tq) float64: the largest of a (B, Hk, Tk) per-key figure over every key of the row's kv head, NaN
+    as inf. Every key, masked or not: eager computes P@V as a whole product, where a masked key's 0 times a
+    nonfinite v is NaN, and an inf score of a masked key plus an additive -inf mask is NaN."""
+    b, hq, tq, _ = inp.q.shape
+    per_key = torch.nan_to_num(per_key.to(torch.float64), nan=math.inf)
+    top = per_key.amax(dim=-1, keepdim=True).expand(b, per_key.shape[1], tq)
+    return top.repeat_interleave(hq // per_key.shape[1], dim=1)
+
+
+def cast_bounds(inp: "AttentionInputs") -> tuple[torch.Tensor, ...]:
+    """(B, Hq, Tq) each, float64: max |q| of the row (times the scale when it is applied to q), max |k| and max |v|
+    of its kv head (NaN as inf; max |v| 0 without V). A cell casts q, k and v to its dtype: an entry at
+    or past the dtype's rounding limit becomes inf there, which the Cauchy-Schwarz bound on the float64 norms does
+    not see; and the output is a convex combination of the rows of V, so |O| <= max |v|."""
+    q_abs = torch.nan_to_num(inp.q.to(torch.float64).abs().amax(dim=-1), nan=math.inf)
+    if inp.scale_order == "q":
+        q_abs = q_abs * max(1.0, abs(inp.scale))
+    k_abs = _head_max(inp, inp.k.abs().amax(dim=-1))
+    v_abs = torch.zeros_like(q_abs) if inp.v is None else _head_max(inp, inp.v.abs().amax(dim=-1))
+    return q_abs, k_abs, v_abs
+
+
+def _cast_ok(inp: "AttentionInputs", cells: list["CellKey"]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, Hq, Tq) bool each: q and k stay finite when cast to every cell's dtype; the output stays finite (V
+    finite and within the dtype after its cast, P@V below the dtype's largest value, and the unnormalised fp32
+    accumulator of the online softmax, at most Tk max |v|, below fp32's)."""
+    q_abs, k_abs, v_abs = cast_bounds(inp)
+    qk_ok, v_ok = torch.ones_like(q_abs, dtype=torch.bool), torch.ones_like(q_abs, dtype=torch.bool)
+    tk = inp.k.shape[-2]
+    for dt in {dtype_from_name(c.dtype) for c in cells}:
+        top = float(torch.finfo(dt).max)
+        qk_ok &= (q_abs < top) & (k_abs < top)
+        v_ok &= (v_abs * ROUNDING < top) & (v_abs * tk < float(torch.finfo(torch.float32).max) / 2)
+        v_ok &= v_abs < rounding_limit(dt)
+    return qk_ok, v_ok
+
+
 def certify(inp: "AttentionInputs", cells: list["CellKey"]) -> Certificate:
     """Which query positions every cell asked is certified free of overflow and NaN at, from the bound."""
     raw, logit, nonfinite, full = row_bounds(inp)
@@ -154,19 +201,32 @@ def certify(inp: "AttentionInputs", cells: list["CellKey"]) -> Certificate:
         spec = PATHS.get(c.path) if c.path is not None else None
         # S held in the dtype (eager) or in fp32; the scale, applied before or after, taken as at least 1
         held = rounding_limit(dt) if spec is None or spec.scores == "dtype" else s32
-        ok &= raw * max(1.0, abs(inp.scale)) < held
+        ok &= (raw * max(1.0, abs(inp.scale)) < held) & (logit < held)  # S, then S plus the mask, in that dtype
         if c.method == "naive":  # exp(x) of the unshifted logits
             ok &= logit < exp_overflow_threshold(dt)
         own = None if spec is None or spec.limit is None else resolve(spec.limit)(dt, MethodParams())
         if own is not None:
             _, threshold, _, *other = own
             ok &= (logit < threshold) if not other else torch.zeros_like(ok)  # another quantity: not bounded here
-    reasons = (("nonfinite", nonfinite), ("fully_masked", full & ~nonfinite), ("bound", ~ok & ~nonfinite & ~full))
-    why = {name: int(hit.sum()) for name, hit in reasons if bool(hit.any())}
-    row_must = nonfinite | full | ~ok
+    cast_ok, out_ok = _cast_ok(inp, cells)
+    row_must = nonfinite | full | ~ok | ~cast_ok | ~out_ok
     must = row_must.reshape(-1, row_must.shape[-1]).any(dim=0)  # (Tq,): a position is computed in every head
+    why = _why(must, row_must.shape[0] * row_must.shape[1], nonfinite, full, ~cast_ok, ~out_ok, ~ok)
     certified = logit.reshape(-1, logit.shape[-1])[:, ~must]
     return Certificate(must, why, float(certified.max()) if certified.numel() else None)
+
+
+def _why(must: torch.Tensor, planes: int, *hits: torch.Tensor) -> dict[str, int]:
+    """Score rows computed in full by reason: each position computed counts its every head (``planes`` rows)
+    under the first reason any of its rows has, so that the reasons add up to the rows computed in full."""
+    left = must.clone()
+    why = {}
+    for name, hit in zip(REASONS, hits):
+        at = hit.reshape(-1, hit.shape[-1]).any(dim=0) & left
+        if bool(at.any()):
+            why[name] = int(at.sum()) * planes
+        left &= ~at
+    return why
 
 
 def subset(inp: "AttentionInputs", positions: torch.Tensor) -> "AttentionInputs":
@@ -226,9 +286,11 @@ def _sampled(
     cert = certify(inp, cells)
     free = torch.nonzero(~cert.must).flatten()
     if free.numel() <= 4 * PILOT_POSITIONS:  # nearly every position can fail: each is computed
+        if notice is not None and free.numel() < tq:
+            notice(f"{name}: computed in full ({tq - free.numel():,} of {tq:,} query positions can fail)")
         return None
+    causal = inp.call is not None and inp.call.mask == "causal"
     gen = torch.Generator().manual_seed(bounded.seed)
-    order = free[torch.randperm(free.numel(), generator=gen)]
 
     def run(pos: torch.Tensor) -> "TensorDiagnosis":
         pos = torch.sort(pos).values
@@ -240,21 +302,24 @@ def _sampled(
     if bounded.rows is not None:
         n = -(-bounded.rows // planes)
     else:
-        fixed, per = _pilot(run, order)
+        fixed, per = _pilot(run, free[torch.randperm(free.numel(), generator=gen)])
         estimated = fixed + per * tq
         if estimated <= bounded.budget:
             return None
-        # the exact rows and the sample in one diagnosis, the sample again in its groups: GROUPS + 1 fixed costs
-        left = bounded.budget - (GROUPS + 1) * fixed - per * int(cert.must.sum())
-        n = int(left / (2 * per))  # the sample is computed twice: with the exact rows, and in its groups
+        # the exact rows and the sample in one diagnosis, the sample again in its groups (and a causal call's head
+        # again, as large as the sample): GROUPS + 2 fixed costs
+        left = bounded.budget - (GROUPS + 2) * fixed - per * int(cert.must.sum())
+        n = int(left / ((4 if causal else 2) * per))
     n = max(PILOT_POSITIONS, -(-n // GROUPS) * GROUPS)
-    if n >= free.numel():
+    head, rest = causal_head(free, n) if causal else (free[:0], free)
+    if n >= rest.numel():
         return None
-    sample = order[:n]
-    main = run(torch.cat([torch.nonzero(cert.must).flatten(), sample]))
+    sample = rest[torch.randperm(rest.numel(), generator=gen)[:n]]
+    computed = torch.cat([torch.nonzero(cert.must).flatten(), head, sample])
+    main = run(computed)
     groups = [run(g) for g in sample.chunk(GROUPS)]
-    positions = torch.sort(torch.cat([torch.nonzero(cert.must).flatten(), sample])).values
-    _restore(main, inp, positions)
+    head_diag = run(head) if head.numel() else None
+    _restore(main, inp, torch.sort(computed).values)
     exact_rows = int(cert.must.sum()) * planes
     main.sampling = Sampling(
         rows=inp.rows,
@@ -266,15 +331,24 @@ def _sampled(
         groups=GROUPS,
         seed=bounded.seed,
         bound_max=cert.bound_max,
-        estimator=ESTIMATOR,
-        figures=estimates(groups, n),
+        estimator=ESTIMATOR + (CAUSAL_HEAD if head.numel() else ""),
+        figures=estimates(groups, n, head_diag, head.numel() / free.numel()),
         exact_figures=EXACT_FIGURES,
         budget_s=bounded.budget,
         estimated_exact_s=estimated,
+        head_rows=head.numel() * planes,
     )
     if progress is not None:
         progress(inp.rows)
     return main
+
+
+def causal_head(free: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head, rest) of the certified positions of a causal call: the first max(n, HEAD_MIN) of them, computed in
+    full, and those after, sampled. Early causal rows see few keys and hold the heavy tail of the row figures
+    (row 0's max probability is 1): a uniform sample of them gives intervals that cover ~80% instead of 95%."""
+    e = min(max(n, HEAD_MIN), free.numel())
+    return free[:e], free[e:]
 
 
 def _pilot(run: Callable, order: torch.Tensor) -> tuple[float, float]:
@@ -300,35 +374,48 @@ def _restore(diag: "TensorDiagnosis", inp: "AttentionInputs", positions: torch.T
         }
 
 
-def estimates(groups: list["TensorDiagnosis"], n: int) -> list[SampledFigure]:
-    """The sampled figures of each cell and of the reference's distribution, from the groups' diagnoses."""
+def estimates(
+    groups: list["TensorDiagnosis"], n: int, head: "TensorDiagnosis | None" = None, weight: float = 0.0
+) -> list[SampledFigure]:
+    """The sampled figures of each cell and of the reference's distribution, from the groups' diagnoses; with a
+    causal ``head`` computed in full, a mean is ``weight`` head + (1 - weight) the groups' mean (its interval
+    scaled by 1 - weight) and a max is the larger of the head's and the sample's."""
     out: list[SampledFigure] = []
     exceed = 1 - (1 - CONFIDENCE) ** (1 / n)
     owners = [(c.name + (f" [{c.variant}]" if c.variant else ""), i) for i, c in enumerate(groups[0].cells)]
     for owner, i in owners:
         cells = [g.cells[i] for g in groups]
+        h = None if head is None else head.cells[i]
         for figure in MEAN_FIGURES:
-            fig = mean_figure(owner, figure, [getattr(c, figure) for c in cells], figure in SQUARED)
+            at = None if h is None else getattr(h, figure)
+            fig = mean_figure(owner, figure, [getattr(c, figure) for c in cells], figure in SQUARED, at, weight)
             if fig is not None:
                 out.append(fig)
         for figure in MAX_FIGURES:
-            values = [v for v in (getattr(c, figure) for c in cells) if v is not None and math.isfinite(v)]
+            got = [getattr(c, figure) for c in cells] + ([] if h is None else [getattr(h, figure)])
+            values = [v for v in got if v is not None and math.isfinite(v)]
             if values:
                 out.append(SampledFigure(owner, figure, "max", max(values), max(values), None, exceed))
     for figure in DIST_FIGURES:
-        fig = mean_figure("reference", figure, [getattr(g.distribution, figure) for g in groups], False)
+        at = None if head is None else getattr(head.distribution, figure)
+        fig = mean_figure("reference", figure, [getattr(g.distribution, figure) for g in groups], False, at, weight)
         if fig is not None:
             out.append(fig)
     return out
 
 
-def mean_figure(owner: str, figure: str, values: list, squared: bool) -> SampledFigure | None:
-    """A mean over rows from the groups' values: their mean and its t interval (rmse-like through squares)."""
+def mean_figure(
+    owner: str, figure: str, values: list, squared: bool, head: float | None = None, weight: float = 0.0
+) -> SampledFigure | None:
+    """A mean over rows from the groups' values: their mean and its t interval (rmse-like through squares); with
+    the ``head``'s exact value, weighted by its share of the rows (``weight``), added in."""
     vals = [v for v in values if v is not None and math.isfinite(v)]
     if len(vals) < 2:
         return None
     xs = torch.tensor([v * v for v in vals] if squared else vals, dtype=torch.float64)
     mean, half = float(xs.mean()), T975[len(vals) - 2] * float(xs.std(correction=1)) / math.sqrt(xs.numel())
+    if head is not None and math.isfinite(head):
+        mean, half = weight * (head * head if squared else head) + (1 - weight) * mean, (1 - weight) * half
     if squared:
         return SampledFigure(
             owner, figure, "mean", math.sqrt(mean), math.sqrt(max(0.0, mean - half)), math.sqrt(mean + half)

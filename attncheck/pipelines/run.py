@@ -78,6 +78,11 @@ def run(request: RunRequest, track: Track | None = None, notice: Callable[[str],
         calls, capture, skipped = _run_files(request, options, track, notice, amax)
         diags = [c.diagnosis for c in calls if c.diagnosis is not None]
     sums = _sums(request, options, diags, calls)
+    if request.accumulate and options.bounded is not None and notice is not None:  # sums: not bounded by rows
+        notice(
+            "--accumulate: the 16-bit sums are computed over every row of every call, exactly: "
+            "--budget/--rows do not bound them (as slow as without those options)"
+        )
     model = _judged(request, diags, calls, skipped, capture)
     if params.WHAT_IF_NOSINKS in request.what_if and notice is not None and not any(c.sinks for c in calls):
         notice("--what-if nosinks: no call has learned sinks (gpt-oss's): nothing to drop, nothing computed")

@@ -14,7 +14,7 @@ from rich.text import Text
 from attncheck.codes import doc_link
 from attncheck.format import cosine, fmt, index_text, to_jsonable, visible
 from attncheck.params import MASK_SENTINEL_LIMIT
-from attncheck.report.bounded import sampling_json, sampling_section
+from attncheck.report.bounded import census_note, census_scope, sampling_json, sampling_section
 from attncheck.report.diagnostics import findings_block
 from attncheck.report.fit import Fitted, fit_table, fitted, narrow_table
 from attncheck.report.lowsum import lowsum_table
@@ -36,7 +36,8 @@ def census_panel(d: TensorDiagnosis) -> Panel:
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("shape", f"{c.shape}  ({c.rows} rows x {c.keys} keys, softmax over the last axis)")
+    for row in [("shape", f"{c.shape}  ({c.rows} rows x {c.keys} keys, softmax over the last axis)"), *census_note(d)]:
+        t.add_row(*row)  # census_note: under --budget/--rows, the figures are of the rows computed
     t.add_row("finite values", f"min {fmt(c.min)}  max {fmt(c.max)}  mean {fmt(c.mean)}  std {fmt(c.std)}")
     specials = Text(f"NaN {c.nan}  +inf {c.posinf}  -inf {c.neginf}")
     if c.nan or c.posinf:
@@ -578,7 +579,7 @@ def diagnosis_json(d: TensorDiagnosis) -> dict[str, Any]:
         if c.limit is not None:
             cell["limit"]["headroom"] = to_jsonable(c.limit.headroom)  # the property, beside the fields
         cells.append(cell)
-    census = to_jsonable(d.census)
+    census = to_jsonable(d.census) | census_scope(d)  # --budget/--rows: the census is of the rows computed
     spans = d.census.sentinel_spans or [(v, v) for v, _ in d.census.sentinels]
     census["sentinels"] = [
         {"value": v, "rows": n, "min": lo, "max": hi} for (v, n), (lo, hi) in zip(d.census.sentinels, spans)

@@ -50,3 +50,4 @@ class Sampling:
     exact_figures: tuple[str, ...] = ()
     budget_s: float | None = None  # --budget
     estimated_exact_s: float | None = None  # the whole call's time, extrapolated from the pilot rows
+    head_rows: int = 0  # a causal call's first certified positions' rows, computed in full for the estimates
