@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from attncheck.numerics.inputs.index_mask import IndexMask
 from attncheck.options import Bounded
 from attncheck.params import MASK_SENTINEL_LIMIT
 from attncheck.registry import PATHS, fp8_names, resolve
@@ -107,10 +108,13 @@ def _key_max(inp: "AttentionInputs") -> tuple[torch.Tensor, torch.Tensor]:
 
 def _mask_rows(inp: "AttentionInputs", step: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, Hq, Tq): the largest value the float mask adds to a row (0 without one) and whether every key of
-    the row is masked (a boolean mask, or float values at or below the sentinel limit), read in query blocks."""
+    the row is masked (a boolean mask, or float values at or below the sentinel limit), read in query blocks;
+    causal and padding alone (``IndexMask``) say which rows they mask whole from their rules."""
     b, hq, tq, _ = inp.q.shape
     top = torch.zeros(b, hq, tq, dtype=torch.float64)
     full = torch.zeros(b, hq, tq, dtype=torch.bool)
+    if isinstance(inp.masked, IndexMask) and inp.mask_float is None:
+        return top, inp.masked.fully_masked().expand(b, hq, tq).clone()
     for q0 in range(0, tq, step):
         qs = slice(q0, min(q0 + step, tq))
         masked = None if inp.masked is None else _rows_of(inp.masked, qs)
@@ -124,8 +128,11 @@ def _mask_rows(inp: "AttentionInputs", step: int = 256) -> tuple[torch.Tensor, t
     return top, full
 
 
-def _rows_of(t: torch.Tensor, qs) -> torch.Tensor:
-    """Rows ``qs`` of a (B|1, H|1, Tq|1, Tk) mask; a mask broadcast over the queries keeps its one row."""
+def _rows_of(t: torch.Tensor | IndexMask, qs) -> torch.Tensor:
+    """Rows ``qs`` of a (B|1, H|1, Tq|1, Tk) mask; a mask broadcast over the queries keeps its one row; causal and
+    padding alone (``IndexMask``) make those rows' part, (B|1, 1, n|1, Tk)."""
+    if isinstance(t, IndexMask):
+        return t.plane(None, qs)
     return t if t.shape[-2] == 1 else t[..., qs, :]
 
 
@@ -170,12 +177,17 @@ def certify(inp: "AttentionInputs", cells: list["CellKey"]) -> Certificate:
     return Certificate(must, why, float(certified.max()) if certified.numel() else None)
 
 
+def _query_rows(t: torch.Tensor | IndexMask, positions: torch.Tensor) -> torch.Tensor | IndexMask:
+    """The rows of the query ``positions`` of a mask: a plane's rows, or the rule of those positions."""
+    return t.at(positions) if isinstance(t, IndexMask) else _rows_of(t, positions)
+
+
 def subset(inp: "AttentionInputs", positions: torch.Tensor) -> "AttentionInputs":
     """The inputs of the query ``positions`` alone (their mask rows with them)."""
     return replace(
         inp,
         q=inp.q[:, :, positions],
-        masked=None if inp.masked is None else _rows_of(inp.masked, positions),
+        masked=None if inp.masked is None else _query_rows(inp.masked, positions),
         mask_float=None if inp.mask_float is None else _rows_of(inp.mask_float, positions),
         cache={},
     )

@@ -19,6 +19,7 @@ import torch
 
 from attncheck.errors import AttncheckError
 from attncheck.numerics import kvcache as kc
+from attncheck.numerics.inputs.index_mask import IndexMask
 from attncheck.results.kvcache import KVChannel, KVHead, KVReport, KVWhatIf
 
 # Calls whose q, k, v and mask are recorded (SDPA, flash_attn, q/k files) or traced (softmax: eager attention)
@@ -274,7 +275,9 @@ def _group(inp, h: int):
     g = hq // hk
     heads = slice(h * g, (h + 1) * g)
 
-    def part(m):  # a mask broadcast over heads keeps its single head
+    def part(m):  # a mask broadcast over heads keeps its single head; causal and padding alone: their plane
+        if isinstance(m, IndexMask):
+            return m.plane()  # (B | 1, 1, Tq | 1, Tk)
         return None if m is None else (m if m.dim() < 4 or m.shape[1] == 1 else m[:, heads])
 
     q = inp.q[:, heads]

@@ -29,6 +29,7 @@ from attncheck.numerics.inputs.audit import (
     _finite_abs_max,
     start_audit,  # noqa: F401
 )
+from attncheck.numerics.inputs.index_mask import IndexMask
 from attncheck.numerics.inputs.prepare import (
     AttentionInputs,
     mask_planes,
@@ -116,11 +117,14 @@ class QKBlock:
         self.all_masked = None if self.key_masked is None else self.key_counts == self.given.shape[-1]
 
     @staticmethod
-    def _slice4(t: torch.Tensor | None, bh: slice, qs: slice, device: torch.device) -> torch.Tensor | None:
+    def _slice4(t: torch.Tensor | IndexMask | None, bh: slice, qs: slice, device: torch.device) -> torch.Tensor | None:
         """Rows ``qs`` of the (batch x head) planes ``bh``: (n, tq, Tk). A broadcast view (a mask
-        kept at its own size) gives the block's slice alone; reshaping it would expand it whole."""
+        kept at its own size) gives the block's slice alone; reshaping it would expand it whole.
+        Causal and padding alone (``IndexMask``) make the block's part from the row and key indices."""
         if t is None:
             return None
+        if isinstance(t, IndexMask):
+            return t.rows(bh, qs).to(device)
         b, h = t.shape[:2]
         if t.is_contiguous():
             return t.reshape(b * h, *t.shape[2:])[bh, qs].to(device)
