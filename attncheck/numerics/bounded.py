@@ -14,9 +14,11 @@ Rows with a nonfinite q, in a head whose k holds a nonfinite value, fully masked
 certify them are computed in full. The unit is a query position (every head of it is computed), so that
 the rows computed are a rectangular Q again and every path computes them as it would in the whole call.
 The positions left are sampled uniformly without replacement (a seeded generator) and split at random into
-``GROUPS`` equal groups; each group is diagnosed on its own and a figure that is a mean over rows is estimated
-by the mean of the groups' figures with the interval mean +- t(0.975, GROUPS - 1) s / sqrt(GROUPS) (the random
-group method: Wolter, Introduction to Variance Estimation, ch. 2); rmse-like figures go through their squares.
+``GROUPS`` equal groups; each group's figures accumulate on their own (``cells.groups``: in the one diagnosis
+of the exact rows and the sample, so that a sampled row is computed once) and a figure that is a mean over rows is
+estimated by the mean of the groups' figures with the interval mean +- t(0.975, GROUPS - 1) s / sqrt(GROUPS)
+(the random group method: Wolter, Introduction to Variance Estimation, ch. 2); rmse-like figures go through their
+squares.
 A max over rows from a sample is a lower bound of the call's; for n sampled positions, the probability that
 more than a fraction p of the positions exceed it is (1 - p)^n, so at 95% at most 1 - 0.05^(1/n) (about 3/n) do.
 """
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from attncheck.numerics.cells.groups import GroupFigures, GroupTaps
 from attncheck.numerics.inputs.index_mask import IndexMask
 from attncheck.options import Bounded
 from attncheck.params import MASK_SENTINEL_LIMIT
@@ -226,6 +229,7 @@ def _sampled(
     anyway (too few rows, a sample as large as what is left, a call within the budget, or cells whose rows
     depend on their neighbours: then ``notice`` hears why). ``diagnose_attention``: the exact diagnosis
     (``cells.diagnose``'s, passed in: it calls this module)."""
+    started = time.perf_counter()
     bounded: Bounded = options.bounded
     exact = replace(options, bounded=None)
     tq, planes = inp.q.shape[2], inp.q.shape[0] * inp.q.shape[1]
@@ -243,10 +247,18 @@ def _sampled(
     gen = torch.Generator().manual_seed(bounded.seed)
     order = free[torch.randperm(free.numel(), generator=gen)]
 
-    def run(pos: torch.Tensor) -> "TensorDiagnosis":
-        pos = torch.sort(pos).values
+    def run(pos: torch.Tensor, cuts: list[int] | None = None, taps: GroupTaps | None = None) -> "TensorDiagnosis":
         return diagnose_attention(
-            name, subset(inp, pos), exact, None, notice=notice, cells=cells, fit=False, scale_source=scale_source
+            name,
+            subset(inp, pos),
+            exact,
+            None,
+            notice=notice,
+            cells=cells,
+            fit=False,
+            scale_source=scale_source,
+            cuts=cuts,
+            taps=taps,
         )
 
     estimated = None
@@ -257,16 +269,18 @@ def _sampled(
         estimated = fixed + per * tq
         if estimated <= bounded.budget:
             return None
-        # the exact rows and the sample in one diagnosis, the sample again in its groups: GROUPS + 1 fixed costs
-        left = bounded.budget - (GROUPS + 1) * fixed - per * int(cert.must.sum())
-        n = int(left / (2 * per))  # the sample is computed twice: with the exact rows, and in its groups
+        # one diagnosis of the exact rows and the sample (the groups accumulate beside it), in what the budget has
+        # left after the bound and the pilots
+        left = bounded.budget - (time.perf_counter() - started) - fixed - per * int(cert.must.sum())
+        n = int(left / per)
     n = max(PILOT_POSITIONS, -(-n // GROUPS) * GROUPS)
     if n >= free.numel():
         return None
-    sample = order[:n]
-    main = run(torch.cat([torch.nonzero(cert.must).flatten(), sample]))
-    groups = [run(g) for g in sample.chunk(GROUPS)]
-    positions = torch.sort(torch.cat([torch.nonzero(cert.must).flatten(), sample])).values
+    # the exact rows, then each group's sampled positions (each in order): no block of rows across two of them
+    parts = [torch.nonzero(cert.must).flatten(), *(torch.sort(g).values for g in order[:n].chunk(GROUPS))]
+    positions = torch.cat(parts)
+    taps = GroupTaps(GROUPS, first=1)
+    main = run(positions, [0, *torch.tensor([p.numel() for p in parts]).cumsum(0).tolist()], taps)
     _restore(main, inp, positions)
     exact_rows = int(cert.must.sum()) * planes
     main.sampling = Sampling(
@@ -280,7 +294,7 @@ def _sampled(
         seed=bounded.seed,
         bound_max=cert.bound_max,
         estimator=ESTIMATOR,
-        figures=estimates(groups, n),
+        figures=estimates(taps.figures, n),
         exact_figures=EXACT_FIGURES,
         budget_s=bounded.budget,
         estimated_exact_s=estimated,
@@ -296,7 +310,7 @@ def _pilot(run: Callable, order: torch.Tensor) -> tuple[float, float]:
     times = []
     for n in (PILOT_POSITIONS, 3 * PILOT_POSITIONS):
         t0 = time.perf_counter()
-        run(order[:n])
+        run(torch.sort(order[:n]).values)
         times.append(time.perf_counter() - t0)
     per = max((times[1] - times[0]) / (2 * PILOT_POSITIONS), times[1] / (3 * PILOT_POSITIONS) / 10)
     return max(0.0, times[0] - PILOT_POSITIONS * per), per
@@ -313,7 +327,7 @@ def _restore(diag: "TensorDiagnosis", inp: "AttentionInputs", positions: torch.T
         }
 
 
-def estimates(groups: list["TensorDiagnosis"], n: int) -> list[SampledFigure]:
+def estimates(groups: list[GroupFigures], n: int) -> list[SampledFigure]:
     """The sampled figures of each cell and of the reference's distribution, from the groups' diagnoses."""
     out: list[SampledFigure] = []
     exceed = 1 - (1 - CONFIDENCE) ** (1 / n)

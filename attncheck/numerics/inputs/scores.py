@@ -53,7 +53,10 @@ LEAK_TOLERANCE = 1e-6
 
 class QKBlock:
     """A block of score rows computed from Q and K: the float64 reference input and, per dtype,
-    the scores the model would produce, with the rows each pipeline stage broke."""
+    the scores the model would produce, with the rows each pipeline stage broke. ``segment``: the part of the
+    query axis the block lies in, where the blocks were cut (``score_blocks``); None otherwise."""
+
+    segment: int | None = None
 
     def __init__(
         self,
@@ -285,13 +288,34 @@ def _row_ranges(inp: AttentionInputs, rows_per_block: int) -> Iterator[tuple[sli
                 yield slice(i, i + 1), slice(q0, min(q0 + rows_per_block, tq))
 
 
+def _cut_ranges(inp: AttentionInputs, rows_per_block: int, cuts: list[int]) -> Iterator[tuple[slice, slice, int]]:
+    """(heads, queries, segment) of consecutive blocks of score rows in (batch, head, query) order, one head at a
+    time, none across a cut of the query axis: segment s holds the queries cuts[s] to cuts[s + 1]."""
+    for i in range(inp.q.shape[0] * inp.q.shape[1]):
+        for s, (a, z) in enumerate(zip(cuts[:-1], cuts[1:])):
+            for q0 in range(a, z, rows_per_block):
+                yield slice(i, i + 1), slice(q0, min(q0 + rows_per_block, z)), s
+
+
 def score_blocks(
-    inp: AttentionInputs, rows_per_block: int, device: torch.device, audit: AttentionAudit
+    inp: AttentionInputs,
+    rows_per_block: int,
+    device: torch.device,
+    audit: AttentionAudit,
+    cuts: list[int] | None = None,
 ) -> Iterator[QKBlock]:
-    """Consecutive blocks of score rows in (batch, head, query) order."""
+    """Consecutive blocks of score rows in (batch, head, query) order. With ``cuts`` (0 = cuts[0] <= ... <=
+    cuts[-1] = Tq), no block lies across a cut, and each block knows its ``segment``: the s of its queries'
+    cuts[s] to cuts[s + 1] (a bounded diagnosis's exact rows and its groups, ``cells.groups``)."""
     spread = SpreadSample(audit)
-    for bh, qs in _row_ranges(inp, rows_per_block):
-        yield QKBlock(inp, bh, qs, device, audit, spread)
+    if cuts is None:
+        for bh, qs in _row_ranges(inp, rows_per_block):
+            yield QKBlock(inp, bh, qs, device, audit, spread)
+    else:
+        for bh, qs, segment in _cut_ranges(inp, rows_per_block, cuts):
+            block = QKBlock(inp, bh, qs, device, audit, spread)
+            block.segment = segment
+            yield block
     spread.finish()
 
 
