@@ -70,9 +70,9 @@ class QKBlock:
         self.inp, self.audit = inp, audit
         self.rows = (bh, qs)  # the query heads and queries of this block
         self.q, self.k, raw = _qk_float64(inp, bh, qs, device)  # (n, tq, d), (n, Tk, d), (n, tq, Tk)
-        self.v = (
-            None if inp.v is None else inp.v.reshape(-1, *inp.v.shape[2:])[_kv_heads(inp, bh)].to(device)
-        )  # (n, Tk, dv)
+        _, _, self.v, self._v64 = _kv_of(inp, bh, device)  # (n, Tk, dv) as given and in float64, or None
+        self._k32: dict = {}  # dtype -> k in it, in fp32 (the fused paths' scores)
+        self._v_in: dict = {}  # dtype -> v in it, in float64 (reference_out)
         self.masked = self._slice4(inp.masked, bh, qs, device)  # (n, tq, Tk) bool or None
         self.mask_float = self._slice4(inp.mask_float, bh, qs, device)
         if inp.qk_finite:  # q.k of finite q and k is finite in float64: no check per score
@@ -199,7 +199,10 @@ class QKBlock:
             flat = self._slice4(inp.logits32, *self.rows, self.given.device).reshape(-1, self.given.shape[-1])
             none = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
             return flat, [("qk_overflow", none), ("mask_sentinel", none)]
-        qd, kd = cast(self.q, dt).float(), cast(self.k, dt).float()
+        kd = self._k32.get(dt)
+        if kd is None:  # k in dt, in fp32: once per block, not once per path
+            kd = self._k32[dt] = cast(self.k, dt).float()
+        qd = cast(self.q, dt).float()
         if path.scores == "fp32-split":
             root = math.sqrt(inp.scale)
             s = torch.matmul(qd * root, kd.transpose(-1, -2) * root)  # (n, tq, Tk)
@@ -230,8 +233,13 @@ class QKBlock:
         """The float64 output P64 @ V64 (r, dv) of the float64 probabilities ``ref`` (r, Tk);
         with ``dtype``, of V as that dtype holds it (the yardstick of a path's own rounding)."""
         n, tk = self.v.shape[0], self.v.shape[1]
-        v = self.v if dtype is None else cast(self.v, dtype)
-        return torch.matmul(ref.reshape(n, -1, tk), v.to(torch.float64)).reshape(-1, self.v.shape[-1])
+        if dtype is None or dtype == self.v.dtype:  # V itself (a cast to its own dtype leaves it as it is)
+            v64 = self._v64
+        else:
+            v64 = self._v_in.get(dtype)
+            if v64 is None:  # each dtype's V cast once per block, not once per path
+                v64 = self._v_in[dtype] = cast(self.v, dtype).to(torch.float64)
+        return torch.matmul(ref.reshape(n, -1, tk), v64).reshape(-1, self.v.shape[-1])
 
     def _intended_finite_rows(self, sentinel: float, value: str | None = None) -> torch.Tensor:
         """(r,) rows whose mask values, as meant (float64), are all finite."""
@@ -358,9 +366,25 @@ def _qk_float64(
     GQA), and their float64 q.k^T (n, tq, Tk)."""
     b, hq = inp.q.shape[:2]
     q = inp.q.reshape(b * hq, *inp.q.shape[2:])[bh, qs].to(device)  # (n, tq, d)
-    k = inp.k.reshape(-1, *inp.k.shape[2:])[_kv_heads(inp, bh)].to(device)  # (n, Tk, d)
-    raw = torch.matmul(q.to(torch.float64), k.to(torch.float64).transpose(-1, -2))  # (n, tq, Tk)
+    k, k64, _, _ = _kv_of(inp, bh, device)  # (n, Tk, d)
+    raw = torch.matmul(q.to(torch.float64), k64.transpose(-1, -2))  # (n, tq, Tk)
     return q, k, raw
+
+
+def _kv_of(inp: AttentionInputs, bh: slice, device: torch.device | str = "cpu"):
+    """(k, k in float64, v, v in float64) of the kv heads the query heads ``bh`` read, each (n, Tk, ...); v None
+    without one. The last heads' are kept in ``inp.cache``: the blocks of rows of one head (a long call's) take and
+    cast them once, not once per block (a float64 k of 65,536 keys is 64 MiB per head)."""
+    key = (bh.start, bh.stop, str(device))
+    hit = inp.cache.get("kv64")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    index = _kv_heads(inp, bh)
+    k = inp.k.reshape(-1, *inp.k.shape[2:])[index].to(device)
+    v = None if inp.v is None else inp.v.reshape(-1, *inp.v.shape[2:])[index].to(device)
+    found = (k, k.to(torch.float64), v, None if v is None else v.to(torch.float64))
+    inp.cache["kv64"] = (key, found)
+    return found
 
 
 def _kv_heads(inp: AttentionInputs, bh: slice) -> torch.Tensor:
