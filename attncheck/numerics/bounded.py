@@ -261,20 +261,8 @@ def _sampled(
             taps=taps,
         )
 
-    estimated = None
-    if bounded.rows is not None:
-        n = -(-bounded.rows // planes)
-    else:
-        fixed, per = _pilot(run, order)
-        estimated = fixed + per * tq
-        if estimated <= bounded.budget:
-            return None
-        # one diagnosis of the exact rows and the sample (the groups accumulate beside it), in what the budget has
-        # left after the bound and the pilots
-        left = bounded.budget - (time.perf_counter() - started) - fixed - per * int(cert.must.sum())
-        n = int(left / per)
-    n = max(PILOT_POSITIONS, -(-n // GROUPS) * GROUPS)
-    if n >= free.numel():
+    n, estimated = _sample_size(bounded, run, order, int(cert.must.sum()), planes, tq, started)
+    if n is None or n >= free.numel():
         return None
     # the exact rows, then each group's sampled positions (each in order): no block of rows across two of them
     parts = [torch.nonzero(cert.must).flatten(), *(torch.sort(g).values for g in order[:n].chunk(GROUPS))]
@@ -302,6 +290,22 @@ def _sampled(
     if progress is not None:
         progress(inp.rows)
     return main
+
+
+def _sample_size(bounded: Bounded, run: Callable, order: torch.Tensor, must: int, planes: int, tq: int, started: float):
+    """(query positions to sample, rounded to whole groups, or None where the pilots time the whole call within the
+    budget; the whole call's time estimated by the pilots, None under --rows)."""
+    if bounded.rows is not None:
+        n = -(-bounded.rows // planes)
+        return max(PILOT_POSITIONS, -(-n // GROUPS) * GROUPS), None
+    fixed, per = _pilot(run, order)
+    estimated = fixed + per * tq
+    if estimated <= bounded.budget:
+        return None, estimated
+    # one diagnosis of the exact rows and the sample (the groups accumulate beside it), in what the budget has left
+    # after the bound and the pilots
+    n = int((bounded.budget - (time.perf_counter() - started) - fixed - per * must) / per)
+    return max(PILOT_POSITIONS, -(-n // GROUPS) * GROUPS), estimated
 
 
 def _pilot(run: Callable, order: torch.Tensor) -> tuple[float, float]:
