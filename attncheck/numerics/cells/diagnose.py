@@ -141,15 +141,9 @@ def diagnose_chunks(
     heads = tuple(shape[:-2]) if len(shape) >= 3 else ()  # (batch, heads, ...) of (..., queries, keys)
     queries = shape[-2] if heads else 1
 
-    def make_accs() -> dict:
-        return {
-            key: CellAcc(key.method, key.dtype, options.max_examples, heads, queries, path=key.path, role=key.role)
-            for key in plan
-        }
-
-    accs = make_accs()
+    accs = _cell_accs(plan, options, heads, queries)
     if taps is not None:
-        taps.start(make_accs, lambda: DistAcc(options.collapse_threshold))
+        taps.start(lambda: _cell_accs(plan, options, heads, queries), lambda: DistAcc(options.collapse_threshold))
     head_max = HeadMax(heads[-1] if heads else 0, queries)
     per_query = shape[-2] if len(shape) >= 2 else 1  # key shares: rows grouped by (leading..., query)
     shares = KeyShareAcc(rows // max(per_query, 1), heads[-1] if heads else 1, per_query)
@@ -189,6 +183,14 @@ def diagnose_chunks(
         key_shares=shares.finish(),
     )
     return result
+
+
+def _cell_accs(plan, options: Options, heads: tuple[int, ...], queries: int) -> dict:
+    """A fresh accumulator per cell of ``plan``."""
+    return {
+        key: CellAcc(key.method, key.dtype, options.max_examples, heads, queries, path=key.path, role=key.role)
+        for key in plan
+    }
 
 
 def _census(plan, qk: bool) -> CensusAcc:
