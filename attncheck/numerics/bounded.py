@@ -310,12 +310,15 @@ def _sample_size(bounded: Bounded, run: Callable, order: torch.Tensor, must: int
 
 def _pilot(run: Callable, order: torch.Tensor) -> tuple[float, float]:
     """(seconds a diagnosis costs whatever its size, seconds per query position) from two timed pilots of
-    PILOT_POSITIONS and 3 PILOT_POSITIONS positions: the compile and per-call work apart from the rows'."""
+    PILOT_POSITIONS and 3 PILOT_POSITIONS positions: the per-call work apart from the rows'. An untimed pilot of
+    PILOT_POSITIONS runs first, so that what a process pays once (the kernels' compile, first imports) does not
+    inflate the first timing and under-time the rows (a 64k call's sample once ran 3x past what its pilots timed)."""
     times = []
-    for n in (PILOT_POSITIONS, 3 * PILOT_POSITIONS):
+    for n in (PILOT_POSITIONS, PILOT_POSITIONS, 3 * PILOT_POSITIONS):
         t0 = time.perf_counter()
         run(torch.sort(order[:n]).values)
         times.append(time.perf_counter() - t0)
+    times = times[1:]
     per = max((times[1] - times[0]) / (2 * PILOT_POSITIONS), times[1] / (3 * PILOT_POSITIONS) / 10)
     return max(0.0, times[0] - PILOT_POSITIONS * per), per
 
