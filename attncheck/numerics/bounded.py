@@ -14,9 +14,11 @@ Rows with a nonfinite q, in a head whose k holds a nonfinite value, fully masked
 certify them are computed in full. The unit is a query position (every head of it is computed), so that
 the rows computed are a rectangular Q again and every path computes them as it would in the whole call.
 The positions left are sampled uniformly without replacement (a seeded generator) and split at random into
-``GROUPS`` equal groups; each group is diagnosed on its own and a figure that is a mean over rows is estimated
-by the mean of the groups' figures with the interval mean +- t(0.975, GROUPS - 1) s / sqrt(GROUPS) (the random
-group method: Wolter, Introduction to Variance Estimation, ch. 2); rmse-like figures go through their squares.
+``GROUPS`` equal groups; each group's figures accumulate on their own (``cells.groups``: in the one diagnosis
+of the exact rows and the sample, so that a sampled row is computed once) and a figure that is a mean over rows is
+estimated by the mean of the groups' figures with the interval mean +- t(0.975, GROUPS - 1) s / sqrt(GROUPS)
+(the random group method: Wolter, Introduction to Variance Estimation, ch. 2); rmse-like figures go through their
+squares.
 A max over rows from a sample is a lower bound of the call's; for n sampled positions, the probability that
 more than a fraction p of the positions exceed it is (1 - p)^n, so at 95% at most 1 - 0.05^(1/n) (about 3/n) do.
 """
@@ -30,6 +32,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from attncheck.numerics.cells.groups import GroupFigures, GroupTaps
+from attncheck.numerics.inputs.index_mask import IndexMask
 from attncheck.numerics.methods.softmax import MethodParams
 from attncheck.numerics.precision import dtype_from_name, exp_overflow_threshold, rounding_limit
 from attncheck.options import Bounded
@@ -118,10 +122,13 @@ def _key_max(inp: "AttentionInputs") -> tuple[torch.Tensor, torch.Tensor]:
 
 def _mask_rows(inp: "AttentionInputs", step: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, Hq, Tq): the largest value the float mask adds to a row (0 without one) and whether every key of
-    the row is masked (a boolean mask, or float values at or below the sentinel limit), read in query blocks."""
+    the row is masked (a boolean mask, or float values at or below the sentinel limit), read in query blocks;
+    causal and padding alone (``IndexMask``) say which rows they mask whole from their rules."""
     b, hq, tq, _ = inp.q.shape
     top = torch.zeros(b, hq, tq, dtype=torch.float64)
     full = torch.zeros(b, hq, tq, dtype=torch.bool)
+    if isinstance(inp.masked, IndexMask) and inp.mask_float is None:
+        return top, inp.masked.fully_masked().expand(b, hq, tq).clone()
     for q0 in range(0, tq, step):
         qs = slice(q0, min(q0 + step, tq))
         masked = None if inp.masked is None else _rows_of(inp.masked, qs)
@@ -135,8 +142,11 @@ def _mask_rows(inp: "AttentionInputs", step: int = 256) -> tuple[torch.Tensor, t
     return top, full
 
 
-def _rows_of(t: torch.Tensor, qs) -> torch.Tensor:
-    """Rows ``qs`` of a (B|1, H|1, Tq|1, Tk) mask; a mask broadcast over the queries keeps its one row."""
+def _rows_of(t: torch.Tensor | IndexMask, qs) -> torch.Tensor:
+    """Rows ``qs`` of a (B|1, H|1, Tq|1, Tk) mask; a mask broadcast over the queries keeps its one row; causal and
+    padding alone (``IndexMask``) make those rows' part, (B|1, 1, n|1, Tk)."""
+    if isinstance(t, IndexMask):
+        return t.plane(None, qs)
     return t if t.shape[-2] == 1 else t[..., qs, :]
 
 
@@ -229,12 +239,17 @@ def _why(must: torch.Tensor, planes: int, *hits: torch.Tensor) -> dict[str, int]
     return why
 
 
+def _query_rows(t: torch.Tensor | IndexMask, positions: torch.Tensor) -> torch.Tensor | IndexMask:
+    """The rows of the query ``positions`` of a mask: a plane's rows, or the rule of those positions."""
+    return t.at(positions) if isinstance(t, IndexMask) else _rows_of(t, positions)
+
+
 def subset(inp: "AttentionInputs", positions: torch.Tensor) -> "AttentionInputs":
     """The inputs of the query ``positions`` alone (their mask rows with them)."""
     return replace(
         inp,
         q=inp.q[:, :, positions],
-        masked=None if inp.masked is None else _rows_of(inp.masked, positions),
+        masked=None if inp.masked is None else _query_rows(inp.masked, positions),
         mask_float=None if inp.mask_float is None else _rows_of(inp.mask_float, positions),
         cache={},
     )
@@ -273,6 +288,7 @@ def _sampled(
     anyway (too few rows, a sample as large as what is left, a call within the budget, or cells whose rows
     depend on their neighbours: then ``notice`` hears why). ``diagnose_attention``: the exact diagnosis
     (``cells.diagnose``'s, passed in: it calls this module)."""
+    started = time.perf_counter()
     bounded: Bounded = options.bounded
     exact = replace(options, bounded=None)
     tq, planes = inp.q.shape[2], inp.q.shape[0] * inp.q.shape[1]
@@ -292,38 +308,52 @@ def _sampled(
     causal = inp.call is not None and inp.call.mask == "causal"
     gen = torch.Generator().manual_seed(bounded.seed)
 
-    def run(pos: torch.Tensor) -> "TensorDiagnosis":
-        pos = torch.sort(pos).values
+    def run(pos: torch.Tensor, cuts: list[int] | None = None, taps: GroupTaps | None = None) -> "TensorDiagnosis":
         return diagnose_attention(
-            name, subset(inp, pos), exact, None, notice=notice, cells=cells, fit=False, scale_source=scale_source
+            name,
+            subset(inp, pos),
+            exact,
+            None,
+            notice=notice,
+            cells=cells,
+            fit=False,
+            scale_source=scale_source,
+            cuts=cuts,
+            taps=taps,
         )
 
-    estimated = None
-    if bounded.rows is not None:
-        n = -(-bounded.rows // planes)
-    else:
-        fixed, per = _pilot(run, free[torch.randperm(free.numel(), generator=gen)])
-        estimated = fixed + per * tq
-        if estimated <= bounded.budget:
-            return None
-        # the exact rows and the sample in one diagnosis, the sample again in its groups (and a causal call's head
-        # again, as large as the sample): GROUPS + 2 fixed costs
-        left = bounded.budget - (GROUPS + 2) * fixed - per * int(cert.must.sum())
-        n = int(left / ((4 if causal else 2) * per))
-    n = max(PILOT_POSITIONS, -(-n // GROUPS) * GROUPS)
+    # the pilots' positions from a generator of their own: the sample is the seed's first draw, with or without them
+    order = free[torch.randperm(free.numel(), generator=torch.Generator().manual_seed(bounded.seed + 1))]
+    n, estimated = _sample_size(bounded, run, order, int(cert.must.sum()), planes, tq, started, 2 if causal else 1)
+    if n is None:
+        return None
     head, rest = causal_head(free, n) if causal else (free[:0], free)
     if n >= rest.numel():
         return None
     sample = rest[torch.randperm(rest.numel(), generator=gen)[:n]]
-    computed = torch.cat([torch.nonzero(cert.must).flatten(), head, sample])
-    main = run(computed)
-    groups = [run(g) for g in sample.chunk(GROUPS)]
-    head_diag = run(head) if head.numel() else None
-    _restore(main, inp, torch.sort(computed).values)
+    # the exact rows, a causal call's head, then each group's sampled positions (each in order): no block of rows
+    # across two of them; the head and the groups accumulate beside the whole diagnosis, in its one pass
+    heads = [head] if head.numel() else []
+    parts = [torch.nonzero(cert.must).flatten(), *heads, *(torch.sort(g).values for g in sample.chunk(GROUPS))]
+    positions = torch.cat(parts)
+    taps = GroupTaps(len(heads) + GROUPS, first=1)
+    main = run(positions, [0, *torch.tensor([p.numel() for p in parts]).cumsum(0).tolist()], taps)
+    _restore(main, inp, positions)
+    main.sampling = _sampling(inp, bounded, cert, taps, n, head.numel(), free.numel(), estimated)
+    if progress is not None:
+        progress(inp.rows)
+    return main
+
+
+def _sampling(inp, bounded: Bounded, cert: Certificate, taps: GroupTaps, n: int, head: int, free: int, estimated):
+    """What the sample says of the whole call: the rows computed and why, and each figure's estimate from the groups
+    (and a causal call's ``head`` positions, computed in full, weighted by their share of the ``free`` ones)."""
+    planes = inp.q.shape[0] * inp.q.shape[1]
+    head_figures, groups = (taps.figures[0], taps.figures[1:]) if head else (None, taps.figures)
     exact_rows = int(cert.must.sum()) * planes
-    main.sampling = Sampling(
+    return Sampling(
         rows=inp.rows,
-        positions=tq,
+        positions=inp.q.shape[2],
         certified_rows=inp.rows - exact_rows,
         exact_rows=exact_rows,
         exact_why=cert.why,
@@ -331,16 +361,13 @@ def _sampled(
         groups=GROUPS,
         seed=bounded.seed,
         bound_max=cert.bound_max,
-        estimator=ESTIMATOR + (CAUSAL_HEAD if head.numel() else ""),
-        figures=estimates(groups, n, head_diag, head.numel() / free.numel()),
+        estimator=ESTIMATOR + (CAUSAL_HEAD if head else ""),
+        figures=estimates(groups, n, head_figures, head / free),
         exact_figures=EXACT_FIGURES,
         budget_s=bounded.budget,
         estimated_exact_s=estimated,
-        head_rows=head.numel() * planes,
+        head_rows=head * planes,
     )
-    if progress is not None:
-        progress(inp.rows)
-    return main
 
 
 def causal_head(free: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,14 +378,36 @@ def causal_head(free: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]
     return free[:e], free[e:]
 
 
+def _sample_size(
+    bounded: Bounded, run: Callable, order: torch.Tensor, must: int, planes: int, tq: int, started: float, share: int
+):
+    """(query positions to sample, rounded to whole groups, or None where the pilots time the whole call within the
+    budget; the whole call's time estimated by the pilots, None under --rows). ``share``: 2 for a causal call, whose
+    head (as many positions as the sample) is computed beside the sample."""
+    if bounded.rows is not None:
+        n = -(-bounded.rows // planes)
+        return max(PILOT_POSITIONS, -(-n // GROUPS) * GROUPS), None
+    fixed, per = _pilot(run, order)
+    estimated = fixed + per * tq
+    if estimated <= bounded.budget:
+        return None, estimated
+    # one diagnosis of the exact rows and the sample (the groups accumulate beside it), in what the budget has left
+    # after the bound and the pilots
+    n = int((bounded.budget - (time.perf_counter() - started) - fixed - per * must) / (share * per))
+    return max(PILOT_POSITIONS, -(-n // GROUPS) * GROUPS), estimated
+
+
 def _pilot(run: Callable, order: torch.Tensor) -> tuple[float, float]:
     """(seconds a diagnosis costs whatever its size, seconds per query position) from two timed pilots of
-    PILOT_POSITIONS and 3 PILOT_POSITIONS positions: the compile and per-call work apart from the rows'."""
+    PILOT_POSITIONS and 3 PILOT_POSITIONS positions: the per-call work apart from the rows'. An untimed pilot of
+    PILOT_POSITIONS runs first, so that what a process pays once (the kernels' compile, first imports) does not
+    inflate the first timing and under-time the rows (a 64k call's sample once ran 3x past what its pilots timed)."""
     times = []
-    for n in (PILOT_POSITIONS, 3 * PILOT_POSITIONS):
+    for n in (PILOT_POSITIONS, PILOT_POSITIONS, 3 * PILOT_POSITIONS):
         t0 = time.perf_counter()
-        run(order[:n])
+        run(torch.sort(order[:n]).values)
         times.append(time.perf_counter() - t0)
+    times = times[1:]
     per = max((times[1] - times[0]) / (2 * PILOT_POSITIONS), times[1] / (3 * PILOT_POSITIONS) / 10)
     return max(0.0, times[0] - PILOT_POSITIONS * per), per
 
@@ -375,9 +424,9 @@ def _restore(diag: "TensorDiagnosis", inp: "AttentionInputs", positions: torch.T
 
 
 def estimates(
-    groups: list["TensorDiagnosis"], n: int, head: "TensorDiagnosis | None" = None, weight: float = 0.0
+    groups: list[GroupFigures], n: int, head: GroupFigures | None = None, weight: float = 0.0
 ) -> list[SampledFigure]:
-    """The sampled figures of each cell and of the reference's distribution, from the groups' diagnoses; with a
+    """The sampled figures of each cell and of the reference's distribution, from the groups' figures; with a
     causal ``head`` computed in full, a mean is ``weight`` head + (1 - weight) the groups' mean (its interval
     scaled by 1 - weight) and a max is the larger of the head's and the sample's."""
     out: list[SampledFigure] = []

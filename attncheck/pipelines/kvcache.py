@@ -22,6 +22,7 @@ from attncheck.findings.kvcache import judge_kv
 from attncheck.numerics import kvcache as kc
 from attncheck.numerics.cells.calls import call_inputs
 from attncheck.numerics.cells.plan import cell_dtype_name
+from attncheck.numerics.inputs.index_mask import IndexMask
 from attncheck.numerics.precision import dtype_from_name, dtype_label
 from attncheck.results.kvcache import KVChannel, KVHead, KVReport, KVWhatIf
 
@@ -274,7 +275,9 @@ def _group(inp, h: int):
     g = hq // hk
     heads = slice(h * g, (h + 1) * g)
 
-    def part(m):  # a mask broadcast over heads keeps its single head
+    def part(m):  # a mask broadcast over heads keeps its single head; causal and padding alone: their plane
+        if isinstance(m, IndexMask):
+            return m.plane()  # (B | 1, 1, Tq | 1, Tk)
         return None if m is None else (m if m.dim() < 4 or m.shape[1] == 1 else m[:, heads])
 
     q = inp.q[:, heads]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from attncheck.numerics.backward import paths as bw
+from attncheck.numerics.inputs.index_mask import IndexMask
 from attncheck.numerics.inputs.scores import AttentionInputs
 from attncheck.numerics.precision import cast, dtype_from_name, dtype_label, rounding_limit, smallest_subnormal, ulp
 from attncheck.registry import PATHS
@@ -75,11 +76,14 @@ def _as_heads(t: torch.Tensor, heads: int, tokens: int) -> torch.Tensor:
     return t.reshape(-1, heads, tokens, t.shape[-1]).reshape(-1, tokens, t.shape[-1])
 
 
-def _slice_heads(t: torch.Tensor | None, h0: int, h1: int, heads: int) -> torch.Tensor | None:
+def _slice_heads(t: torch.Tensor | IndexMask | None, h0: int, h1: int, heads: int) -> torch.Tensor | None:
     """Query heads [h0, h1) of the flattened (batch x heads) axis of a (B?, H?, Tq, Tk) tensor
-    that may broadcast over batch or heads, without materialising the broadcast."""
+    that may broadcast over batch or heads, without materialising the broadcast. Causal and padding alone
+    (``IndexMask``) make those planes from their rules."""
     if t is None:
         return None
+    if isinstance(t, IndexMask):
+        return t.rows(slice(h0, h1), slice(None))
     idx = torch.arange(h0, h1)
     b = idx // heads if t.shape[0] > 1 else torch.zeros_like(idx)
     h = idx % heads if t.shape[1] > 1 else torch.zeros_like(idx)

@@ -23,6 +23,7 @@ from attncheck.numerics.backends import AlgoReference, ChunkFacts, RowBackend, s
 from attncheck.numerics.backends.torch_rows import TorchRows
 from attncheck.numerics.bounded import diagnose_bounded
 from attncheck.numerics.cells.accumulate import CellAcc, CensusAcc, DistAcc, HeadMax
+from attncheck.numerics.cells.groups import GroupTaps
 from attncheck.numerics.cells.limits import cell_limit
 from attncheck.numerics.cells.plan import CellKey, grid, stages
 from attncheck.numerics.inputs.scores import fit_scale, given_blocks, score_blocks, start_audit
@@ -118,6 +119,7 @@ def diagnose_chunks(
     notice: Callable[[str], None] | None = None,
     qk: bool = False,
     cells: list[CellKey] | None = None,
+    taps: GroupTaps | None = None,
 ) -> TensorDiagnosis:
     """Diagnose a score tensor that arrives as consecutive (rows, keys) blocks, in row order.
 
@@ -127,7 +129,8 @@ def diagnose_chunks(
     cells to compute (``plan.CellKey``; default: every cell ``options`` asks for), each fed
     by the stage that computes its scores. ``progress`` is called with the number of rows
     finished after each block; ``notice`` hears one line when the fused kernels compile for
-    the first time. ``attention`` is the Q/K audit to attach.
+    the first time. ``attention`` is the Q/K audit to attach. ``taps``: a bounded diagnosis's groups, whose
+    blocks also feed their group's accumulators (``groups.GroupTaps``; its ``figures`` once finished).
     """
     options = options or Options()
     device = resolve_device(options.device)
@@ -140,10 +143,10 @@ def diagnose_chunks(
     dist = DistAcc(options.collapse_threshold)
     heads = tuple(shape[:-2]) if len(shape) >= 3 else ()  # (batch, heads, ...) of (..., queries, keys)
     queries = shape[-2] if heads else 1
-    accs = {
-        key: CellAcc(key.method, key.dtype, options.max_examples, heads, queries, path=key.path, role=key.role)
-        for key in plan
-    }
+
+    accs = _cell_accs(plan, options, heads, queries)
+    if taps is not None:
+        taps.start(lambda: _cell_accs(plan, options, heads, queries), lambda: DistAcc(options.collapse_threshold))
     head_max = HeadMax(heads[-1] if heads else 0, queries)
     per_query = shape[-2] if len(shape) >= 2 else 1  # key shares: rows grouped by (leading..., query)
     shares = KeyShareAcc(rows // max(per_query, 1), heads[-1] if heads else 1, per_query)
@@ -157,13 +160,14 @@ def diagnose_chunks(
         buffers=None if qk else Buffers(),
         fa4=options.fa4,
     )
-    start = _feed(
-        chunks, plan, qk, device, options, accs, census, dist, head_max, shares, backend, plain, method_params, progress
-    )
+    accums = (accs, census, dist, head_max, shares, taps)
+    start = _feed(chunks, plan, qk, device, options, accums, backend, plain, method_params, progress)
     if start != rows:
         raise AttncheckError(f"{name}: got {start} rows, expected {rows} for shape {shape}")
 
     census_result = census.finish(shape, dtype_label(dtype), rows)
+    if taps is not None:
+        taps.finish(plan, lead)
     result_cells = _finish_cells(plan, accs, lead, method_params, options, dtype, census_result, census, attention)
     result = TensorDiagnosis(
         name=name,
@@ -184,6 +188,14 @@ def diagnose_chunks(
     return result
 
 
+def _cell_accs(plan, options: Options, heads: tuple[int, ...], queries: int) -> dict:
+    """A fresh accumulator per cell of ``plan``."""
+    return {
+        key: CellAcc(key.method, key.dtype, options.max_examples, heads, queries, path=key.path, role=key.role)
+        for key in plan
+    }
+
+
 def _census(plan, qk: bool) -> CensusAcc:
     """The census's accumulator, with the dtypes whose headroom it measures."""
     fp8 = set(fp8_names())
@@ -198,11 +210,11 @@ def _census(plan, qk: bool) -> CensusAcc:
     return census
 
 
-def _feed(
-    chunks, plan, qk, device, options, accs, census, dist, head_max, shares, backend, plain, method_params, progress
-):
-    """Each chunk of rows into the accumulators: the census, distribution, head maxima and key shares, then each
-    stage's cells. Returns the rows fed."""
+def _feed(chunks, plan, qk, device, options, accums, backend, plain, method_params, progress):
+    """Each chunk of rows into the accumulators ``accums`` (cells, census, distribution, head maxima, key shares,
+    a bounded diagnosis's group taps): the census, distribution, head maxima and key shares, then each stage's cells,
+    and a group's cells and distribution where the chunk is a group's. Returns the rows fed."""
+    accs, census, dist, head_max, shares, taps = accums
     start = 0
     shift = None
     for block in chunks:  # loop over row chunks, never over rows
@@ -216,15 +228,19 @@ def _feed(
             block.mark_masked(c)  # masked keys and rows from the mask itself, not from score values
             block.audit_reference(c.ref, c.ref_ok)
         start += c.x.shape[0]
+        group = None if taps is None else taps.of(block)
         with bookkeeping(device):
             census.update(c)
             dist.update(c)
+            if group is not None:
+                group[1].update(c)
             head_max.update(c)
             shares.update(c.ref, c.offset, visible_keys(c.x, getattr(block, "key_masked", None), c.masked), c.ref_ok)
         out_ref: list = []  # P64 @ V64 of the chunk, computed by the first stage that needs it
+        fed = (accs,) if group is None else (accs, group[0])
         for path, d, keys in stages(plan):
             if qk:
-                _path_stage(block, c, path, d, keys, options, accs, census, backend, plain, method_params, out_ref)
+                _path_stage(block, c, path, d, keys, options, fed, census, backend, plain, method_params, out_ref)
             else:
                 _method_stage(block, c, d, keys, options, accs, census, backend, plain, method_params)
         if progress is not None:
@@ -351,8 +367,9 @@ def _path_stage(
     method_params,
     out_ref: list,
 ) -> None:
-    """With Q and K: one path in one dtype computes its scores, probabilities and output.
-    ``out_ref`` holds the chunk's P64 @ V64 once a stage has computed it (shared by the stages)."""
+    """With Q and K: one path in one dtype computes its scores, probabilities and output, into each of ``accs``
+    (the cells' accumulators, and a group's where the chunk is a group's). ``out_ref`` holds the chunk's
+    P64 @ V64 once a stage has computed it (shared by the stages)."""
     fp8 = d in fp8_names()
     dt = dtype_from_name(d)
     params_d = _fp8_params(method_params, options, d) if fp8 else replace(method_params, online=backend.online)
@@ -380,19 +397,27 @@ def _path_stage(
         ref_algo = algo.ref if bool(algo.ok.all()) else torch.where(algo.ok[:, None], algo.ref, torch.nan)
         out_algo = block.reference_out(ref_algo, None if fp8 else dt)
     for key, (m, out), met in zip(keys, pb.cells, metrics):
-        acc = accs[key]
-        with bookkeeping(c.x.device):
-            acc.update(
-                c, out.probs, out.events, algo, causes, met, pcast=out.pcast, extremes=out.extremes, counts=out.counts
-            )
-        if out.out is not None:
-            acc.update_out(out.out, out_ref[0], tied, out_algo)
-            acc.out.causes.update(block.v, out.probs, out.out, None if fp8 else dt, c.offset)
-            acc.tied_rows += count(tied)
-            for name, o in out.companions.items():  # the same kernel under other FP8 accumulators
-                acc.update_companion(name, o, out_ref[0])
-        if out.accum is not None:
-            acc.accum, acc.accum_keys = out.accum, pb.scores.shape[-1]
+        for acc in (a[key] for a in accs):
+            with bookkeeping(c.x.device):
+                acc.update(
+                    c,
+                    out.probs,
+                    out.events,
+                    algo,
+                    causes,
+                    met,
+                    pcast=out.pcast,
+                    extremes=out.extremes,
+                    counts=out.counts,
+                )
+            if out.out is not None:
+                acc.update_out(out.out, out_ref[0], tied, out_algo)
+                acc.out.causes.update(block.v, out.probs, out.out, None if fp8 else dt, c.offset)
+                acc.tied_rows += count(tied)
+                for name, o in out.companions.items():  # the same kernel under other FP8 accumulators
+                    acc.update_companion(name, o, out_ref[0])
+            if out.accum is not None:
+                acc.accum, acc.accum_keys = out.accum, pb.scores.shape[-1]
 
 
 def _tied_rows(s: torch.Tensor) -> torch.Tensor:
@@ -503,6 +528,8 @@ def diagnose_attention(
     cells: list[CellKey] | None = None,
     scale_source: str | None = None,
     fit: bool = True,
+    cuts: list[int] | None = None,
+    taps: GroupTaps | None = None,
 ) -> TensorDiagnosis:
     """Diagnose the scores that Q, K and a mask produce in each dtype.
 
@@ -511,12 +538,13 @@ def diagnose_attention(
     instead, and the scale that maps q.k onto them is fitted. ``cells``: which to compute
     (default: every path x dtype of ``options``); ``scale_source``: 'argument' or 'traced'
     when the scale is the model's own choice (``AttentionAudit.scale_source``); ``fit`` False: the
-    given scores' scale is known (that one), so none is fitted.
+    given scores' scale is known (that one), so none is fitted. ``cuts`` and ``taps``: a bounded diagnosis's
+    segments of the query axis, no block of rows across one, and its groups' accumulators (``diagnose_chunks``).
     """
     options = options or Options()
-    audit = start_audit(inputs)
-    audit.scale_source = scale_source
     if scores is not None:
+        audit = start_audit(inputs)
+        audit.scale_source = scale_source
         source = scores if isinstance(scores, TensorSource) else memory_source(name, scores)
         check_scores_dtype(name, source.dtype)
         step = rows_per_chunk(source.shape[-1], options, cells)
@@ -528,8 +556,10 @@ def diagnose_attention(
     cells = _kernels_that_run(inputs, cells if cells is not None else grid(options, True), notice)
     if options.bounded is not None:  # --budget/--rows: the rows that can fail in full, a sample of the rest
         return diagnose_bounded(name, inputs, options, cells, progress, notice, scale_source, diagnose_attention)
+    audit = start_audit(inputs)  # after the bounded diagnosis's branch: each of its diagnoses audits its own rows
+    audit.scale_source = scale_source
     step = rows_per_chunk(inputs.k.shape[2], options, cells)
-    blocks: Iterable[QKBlock] = score_blocks(inputs, step, resolve_device(options.device), audit)
+    blocks: Iterable[QKBlock] = score_blocks(inputs, step, resolve_device(options.device), audit, cuts)
     return diagnose_chunks(
         name,
         inputs.score_shape,
@@ -541,4 +571,5 @@ def diagnose_attention(
         notice=notice,
         qk=True,
         cells=cells,
+        taps=taps,
     )

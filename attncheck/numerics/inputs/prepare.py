@@ -12,6 +12,7 @@ import torch
 from attncheck import params
 from attncheck.errors import AttncheckError, param
 from attncheck.format import size_text
+from attncheck.numerics.inputs.index_mask import IndexMask
 from attncheck.numerics.paths.base import CallFacts
 from attncheck.numerics.precision import MASK_SENTINEL_LIMIT, cast, check_scores_dtype
 
@@ -40,7 +41,9 @@ class AttentionInputs:
     scale_name: str
     scale_order: str  # "q" or "scores"
     mask_float: torch.Tensor | None  # float64 additive mask, broadcastable to (B, Hq, Tq, Tk)
-    masked: torch.Tensor | None  # bool, True = masked (bool mask file, causal, padding)
+    # bool, True = masked: a plane (a boolean mask file, a model's plane; causal and padding joined to it), or causal
+    # and padding alone as their rule (IndexMask: each block of rows makes its part, no tq x tk plane is held)
+    masked: torch.Tensor | IndexMask | None
     mask_value: str  # "-inf", "min" or a number, for boolean-masked keys
     lead: tuple[int, ...]  # the leading (batch) axes of the inputs before normalisation
     float_mask_looks_boolean: bool = False
@@ -167,10 +170,13 @@ def prepare_inputs(
     planes_masked, mask_float, float_mask_value, looks_boolean, summed, deep = _mask_planes(
         mask, mask4, mask_convention
     )
-    extra = _extra_planes(masked4, causal, pad_left, pad_right, full)
-    if extra is not None:
-        planes_masked = extra if planes_masked is None else (planes_masked | extra)
-    if planes_masked is not None:
+    rule = _index_rule(causal, pad_left, pad_right, full)
+    if masked4 is not None:
+        planes_masked = masked4 if planes_masked is None else (planes_masked | masked4)
+    if planes_masked is None:
+        planes_masked = rule  # causal and padding alone: made per block of rows, never held as a plane
+    else:  # a plane is held: the rules join it at the shape they broadcast to
+        planes_masked = planes_masked if rule is None else (planes_masked | rule.plane())
         planes_masked = torch.broadcast_to(planes_masked, full)  # a view: no plane over every score is held
     mask_sane = mask_float is None or not bool((torch.isnan(mask_float) | torch.isposinf(mask_float)).any())
     if mask_float is not None:
@@ -248,12 +254,24 @@ def _check_size(q, k, v, q4, k4, lead, full, mask4, masked4, logits, causal, pad
                 )
         need += 12 * logits[0].numel()
     need += sum(m.numel() * (8 if m.is_floating_point() else 1) for m in (mask4, masked4) if m is not None)
-    need += (tq * tk if causal else 0) + (b * tk if pad_left or pad_right else 0)
+    need += _joined_plane(full, mask4, masked4, causal, bool(pad_left or pad_right))
     if max_bytes is not None and need > max_bytes:
         raise AttncheckError(
             f"q, k{', v' if v is not None else ''} and the mask (batch {b}, heads {hq}, queries {tq}, keys {tk}) "
             f"need {size_text(need)} in float64, over {param('max_memory')} {size_text(max_bytes)}"
         )
+
+
+def _joined_plane(full, mask4, masked4, causal: bool, padded: bool) -> int:
+    """Bytes of the boolean plane that joins a boolean mask, ``masked``, causal and padding when a boolean plane is
+    held: the shape they all broadcast to. Causal and padding alone are a rule (``IndexMask``), made per block of
+    rows: 0."""
+    b, _, tq, tk = full
+    planes = [tuple(m.shape) for m in (mask4, masked4) if m is not None and m.dtype == torch.bool]
+    if not planes or not (causal or padded or len(planes) > 1):
+        return 0
+    rules = ([(1, 1, tq, tk)] if causal else []) + ([(b, 1, 1, tk)] if padded else [])
+    return math.prod(torch.broadcast_shapes(*planes, *rules))
 
 
 def _mask_planes(mask, mask4, mask_convention):
@@ -285,28 +303,23 @@ def _mask_planes(mask, mask4, mask_convention):
     return planes_masked, mask_float, float_mask_value, looks_boolean, summed, deep
 
 
-def _extra_planes(masked4, causal, pad_left, pad_right, full):
-    """The planes masked besides the mask (the ``masked`` plane, causal, left and right padding), combined
-    at the shape they broadcast to; None when there are none."""
+def _index_rule(causal, pad_left, pad_right, full) -> IndexMask | None:
+    """The keys causal, left and right padding mask, as rules (``IndexMask``: PyTorch's is_causal, ones(L, S).tril(0)
+    aligned at the top left; per batch the first and last keys); None when there are none. The pads are checked."""
     b, hq, tq, tk = full
-    extra = masked4  # the planes combine at the shape they broadcast to, not over every score
-    if causal:
-        # PyTorch's is_causal: ones(L, S).tril(0), aligned at the top left.
-        plane = ~torch.ones(1, 1, tq, tk, dtype=torch.bool).tril(diagonal=0)
-        extra = plane if extra is None else (extra | plane)
-    for side, pads in (("left", pad_left), ("right", pad_right)):
-        if not pads:
+    pads = {}
+    for side, given in (("left", pad_left), ("right", pad_right)):
+        if not given:
             continue
-        if len(pads) != b:
-            raise AttncheckError(f"gives {len(pads)} lengths for a batch of {b}", param=f"pad_{side}")
-        for n in pads:
+        if len(given) != b:
+            raise AttncheckError(f"gives {len(given)} lengths for a batch of {b}", param=f"pad_{side}")
+        for n in given:
             if n < 0 or n > tk:
                 raise AttncheckError(f"length {n} is outside 0..{tk} keys", param=f"pad_{side}")
-        n_pad = torch.tensor(pads).view(b, 1, 1, 1)
-        key = torch.arange(tk).view(1, 1, 1, tk)
-        plane = (key < n_pad) if side == "left" else (key >= tk - n_pad)
-        extra = plane if extra is None else (extra | plane)
-    return extra
+        pads[side] = torch.tensor(given, dtype=torch.int64)
+    if not causal and not pads:
+        return None
+    return IndexMask(full, causal, pads.get("left"), pads.get("right"))
 
 
 def _summed_planes(mask: torch.Tensor) -> tuple[int, float | None]:

@@ -29,6 +29,7 @@ from attncheck.numerics.inputs.audit import (
     _finite_abs_max,
     start_audit,  # noqa: F401
 )
+from attncheck.numerics.inputs.index_mask import IndexMask
 from attncheck.numerics.inputs.prepare import (
     AttentionInputs,
     mask_planes,
@@ -52,7 +53,10 @@ LEAK_TOLERANCE = 1e-6
 
 class QKBlock:
     """A block of score rows computed from Q and K: the float64 reference input and, per dtype,
-    the scores the model would produce, with the rows each pipeline stage broke."""
+    the scores the model would produce, with the rows each pipeline stage broke. ``segment``: the part of the
+    query axis the block lies in, where the blocks were cut (``score_blocks``); None otherwise."""
+
+    segment: int | None = None
 
     def __init__(
         self,
@@ -66,9 +70,9 @@ class QKBlock:
         self.inp, self.audit = inp, audit
         self.rows = (bh, qs)  # the query heads and queries of this block
         self.q, self.k, raw = _qk_float64(inp, bh, qs, device)  # (n, tq, d), (n, Tk, d), (n, tq, Tk)
-        self.v = (
-            None if inp.v is None else inp.v.reshape(-1, *inp.v.shape[2:])[_kv_heads(inp, bh)].to(device)
-        )  # (n, Tk, dv)
+        _, _, self.v, self._v64 = _kv_of(inp, bh, device)  # (n, Tk, dv) as given and in float64, or None
+        self._k32: dict = {}  # dtype -> k in it, in fp32 (the fused paths' scores)
+        self._v_in: dict = {}  # dtype -> v in it, in float64 (reference_out)
         self.masked = self._slice4(inp.masked, bh, qs, device)  # (n, tq, Tk) bool or None
         self.mask_float = self._slice4(inp.mask_float, bh, qs, device)
         if inp.qk_finite:  # q.k of finite q and k is finite in float64: no check per score
@@ -116,11 +120,14 @@ class QKBlock:
         self.all_masked = None if self.key_masked is None else self.key_counts == self.given.shape[-1]
 
     @staticmethod
-    def _slice4(t: torch.Tensor | None, bh: slice, qs: slice, device: torch.device) -> torch.Tensor | None:
+    def _slice4(t: torch.Tensor | IndexMask | None, bh: slice, qs: slice, device: torch.device) -> torch.Tensor | None:
         """Rows ``qs`` of the (batch x head) planes ``bh``: (n, tq, Tk). A broadcast view (a mask
-        kept at its own size) gives the block's slice alone; reshaping it would expand it whole."""
+        kept at its own size) gives the block's slice alone; reshaping it would expand it whole.
+        Causal and padding alone (``IndexMask``) make the block's part from the row and key indices."""
         if t is None:
             return None
+        if isinstance(t, IndexMask):
+            return t.rows(bh, qs).to(device)
         b, h = t.shape[:2]
         if t.is_contiguous():
             return t.reshape(b * h, *t.shape[2:])[bh, qs].to(device)
@@ -192,7 +199,10 @@ class QKBlock:
             flat = self._slice4(inp.logits32, *self.rows, self.given.device).reshape(-1, self.given.shape[-1])
             none = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
             return flat, [("qk_overflow", none), ("mask_sentinel", none)]
-        qd, kd = cast(self.q, dt).float(), cast(self.k, dt).float()
+        kd = self._k32.get(dt)
+        if kd is None:  # k in dt, in fp32: once per block, not once per path
+            kd = self._k32[dt] = cast(self.k, dt).float()
+        qd = cast(self.q, dt).float()
         if path.scores == "fp32-split":
             root = math.sqrt(inp.scale)
             s = torch.matmul(qd * root, kd.transpose(-1, -2) * root)  # (n, tq, Tk)
@@ -223,8 +233,13 @@ class QKBlock:
         """The float64 output P64 @ V64 (r, dv) of the float64 probabilities ``ref`` (r, Tk);
         with ``dtype``, of V as that dtype holds it (the yardstick of a path's own rounding)."""
         n, tk = self.v.shape[0], self.v.shape[1]
-        v = self.v if dtype is None else cast(self.v, dtype)
-        return torch.matmul(ref.reshape(n, -1, tk), v.to(torch.float64)).reshape(-1, self.v.shape[-1])
+        if dtype is None or dtype == self.v.dtype:  # V itself (a cast to its own dtype leaves it as it is)
+            v64 = self._v64
+        else:
+            v64 = self._v_in.get(dtype)
+            if v64 is None:  # each dtype's V cast once per block, not once per path
+                v64 = self._v_in[dtype] = cast(self.v, dtype).to(torch.float64)
+        return torch.matmul(ref.reshape(n, -1, tk), v64).reshape(-1, self.v.shape[-1])
 
     def _intended_finite_rows(self, sentinel: float, value: str | None = None) -> torch.Tensor:
         """(r,) rows whose mask values, as meant (float64), are all finite."""
@@ -281,13 +296,34 @@ def _row_ranges(inp: AttentionInputs, rows_per_block: int) -> Iterator[tuple[sli
                 yield slice(i, i + 1), slice(q0, min(q0 + rows_per_block, tq))
 
 
+def _cut_ranges(inp: AttentionInputs, rows_per_block: int, cuts: list[int]) -> Iterator[tuple[slice, slice, int]]:
+    """(heads, queries, segment) of consecutive blocks of score rows in (batch, head, query) order, one head at a
+    time, none across a cut of the query axis: segment s holds the queries cuts[s] to cuts[s + 1]."""
+    for i in range(inp.q.shape[0] * inp.q.shape[1]):
+        for s, (a, z) in enumerate(zip(cuts[:-1], cuts[1:])):
+            for q0 in range(a, z, rows_per_block):
+                yield slice(i, i + 1), slice(q0, min(q0 + rows_per_block, z)), s
+
+
 def score_blocks(
-    inp: AttentionInputs, rows_per_block: int, device: torch.device, audit: AttentionAudit
+    inp: AttentionInputs,
+    rows_per_block: int,
+    device: torch.device,
+    audit: AttentionAudit,
+    cuts: list[int] | None = None,
 ) -> Iterator[QKBlock]:
-    """Consecutive blocks of score rows in (batch, head, query) order."""
+    """Consecutive blocks of score rows in (batch, head, query) order. With ``cuts`` (0 = cuts[0] <= ... <=
+    cuts[-1] = Tq), no block lies across a cut, and each block knows its ``segment``: the s of its queries'
+    cuts[s] to cuts[s + 1] (a bounded diagnosis's exact rows and its groups, ``cells.groups``)."""
     spread = SpreadSample(audit)
-    for bh, qs in _row_ranges(inp, rows_per_block):
-        yield QKBlock(inp, bh, qs, device, audit, spread)
+    if cuts is None:
+        for bh, qs in _row_ranges(inp, rows_per_block):
+            yield QKBlock(inp, bh, qs, device, audit, spread)
+    else:
+        for bh, qs, segment in _cut_ranges(inp, rows_per_block, cuts):
+            block = QKBlock(inp, bh, qs, device, audit, spread)
+            block.segment = segment
+            yield block
     spread.finish()
 
 
@@ -330,9 +366,25 @@ def _qk_float64(
     GQA), and their float64 q.k^T (n, tq, Tk)."""
     b, hq = inp.q.shape[:2]
     q = inp.q.reshape(b * hq, *inp.q.shape[2:])[bh, qs].to(device)  # (n, tq, d)
-    k = inp.k.reshape(-1, *inp.k.shape[2:])[_kv_heads(inp, bh)].to(device)  # (n, Tk, d)
-    raw = torch.matmul(q.to(torch.float64), k.to(torch.float64).transpose(-1, -2))  # (n, tq, Tk)
+    k, k64, _, _ = _kv_of(inp, bh, device)  # (n, Tk, d)
+    raw = torch.matmul(q.to(torch.float64), k64.transpose(-1, -2))  # (n, tq, Tk)
     return q, k, raw
+
+
+def _kv_of(inp: AttentionInputs, bh: slice, device: torch.device | str = "cpu"):
+    """(k, k in float64, v, v in float64) of the kv heads the query heads ``bh`` read, each (n, Tk, ...); v None
+    without one. The last heads' are kept in ``inp.cache``: the blocks of rows of one head (a long call's) take and
+    cast them once, not once per block (a float64 k of 65,536 keys is 64 MiB per head)."""
+    key = (bh.start, bh.stop, str(device))
+    hit = inp.cache.get("kv64")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    index = _kv_heads(inp, bh)
+    k = inp.k.reshape(-1, *inp.k.shape[2:])[index].to(device)
+    v = None if inp.v is None else inp.v.reshape(-1, *inp.v.shape[2:])[index].to(device)
+    found = (k, k.to(torch.float64), v, None if v is None else v.to(torch.float64))
+    inp.cache["kv64"] = (key, found)
+    return found
 
 
 def _kv_heads(inp: AttentionInputs, bh: slice) -> torch.Tensor:
