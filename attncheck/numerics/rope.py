@@ -421,9 +421,9 @@ def check_table(
 
 def table_checks(tables: list[dict], tolerance: float, what_if=(), rank: int | None = None) -> list[RopeTableCheck]:
     """Each recorded table ({'index', 'cos', 'sin', 'positions', 'theta', 'rope_type', 'parameters', 'calls',
-    'modules'}, as ``loaders.rope`` reads them) checked by ``check_table``; with its calls' rotated q and k where the
-    table carries them judged (``qk``: a ``numerics.rope_qk.RotatedQK``); ``rank``: the process of a torchrun capture
-    that recorded them (None: a single process)."""
+    'modules'}, as ``loaders.rope`` reads them) checked by ``check_table``, with its calls' rotated q and k where the
+    table carries their check (``qk``: ``numerics.rope_qk.RotatedQK.result``'s ``RopeQKCheck``); ``rank``: the
+    process of a torchrun capture that recorded them (None: a single process)."""
     out = []
     for table in tables:
         cos = table["cos"]
@@ -438,7 +438,7 @@ def table_checks(tables: list[dict], tolerance: float, what_if=(), rank: int | N
             table.get("parameters"),
         )
         if table.get("qk") is not None:
-            found["qk"] = table["qk"].result(tolerance)
+            found["qk"] = table["qk"]
         out.append(
             RopeTableCheck(
                 index=table["index"],

@@ -49,7 +49,7 @@ def capture_rope_checks(paths, what_if=()) -> list[RopeTableCheck]:
             rank = manifest.rank if (manifest.world or 1) > 1 else None
             tables = read_rope_tables(directory, manifest)
             for table in tables:
-                table["qk"] = rotated_qk(directory, manifest, table)
+                table["qk"] = rotated_qk(directory, manifest, table).result(ROPE_ANGLE_TOLERANCE)
             out.extend(table_checks(tables, ROPE_ANGLE_TOLERANCE, what_if, rank=rank))
     return out
 

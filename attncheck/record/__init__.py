@@ -219,7 +219,11 @@ class Capture:
                 # imports torch: cli capture imports attncheck.record (through pipelines.capture) at --help
                 from attncheck.numerics.rope import table_checks
 
-                tables = list(sink.rope_tables.values())
+                # each table's rotated q and k judged at the finding's tolerance (what numerics.rope reads)
+                tables = [
+                    {**t, "qk": None if t.get("qk") is None else t["qk"].result(ROPE_ANGLE_TOLERANCE)}
+                    for t in sink.rope_tables.values()
+                ]
                 capture["rope"] = table_checks(tables, ROPE_ANGLE_TOLERANCE, self.rope_what_if, rank=self.rank)
             device = sink.options.device
             skipped = [(r.call.name, r.error) for r in sink.reports if r.error]

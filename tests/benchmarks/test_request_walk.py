@@ -49,6 +49,15 @@ CROSSINGS = {
     "attncheck.numerics.backends.torch_rows": 3,
     # a call's inputs (normalised, as the model built them, the scale's source) asked by cells.calls alone
     "attncheck.numerics.cells.inputs": 3,
+    # the output's NaN causes (issue 37's review, output_nan): an accumulator made and finished by a cell's
+    # accumulator, fed each chunk by the diagnosis loop
+    "attncheck.numerics.cells.outnan": 3,
+    # the RoPE table helpers (frequency columns, the fitted theta) the rotated q/k check uses, and the table checks
+    "attncheck.numerics.rope": 3,
+    # the rotated q/k check (RotatedQK): made per table, fed each call, its result read once
+    "attncheck.numerics.rope_qk": 3,
+    # the capture's rotary tables read (pipelines.rope), each call's q and k for their check, the file names written
+    "attncheck.loaders.rope": 3,
     # the other layers' rooms, each entered from its own layer's modules (or the policy every holder of findings
     # applies); none enters back the module that enters it
     "attncheck.report.model_calls": 11,
@@ -59,7 +68,7 @@ CROSSINGS = {
     "attncheck.loaders.call_files": 4,
     "attncheck.loaders.call_info": 4,
     "attncheck.report.model_heads": 4,
-    "attncheck.findings.accuracy": 3,
+    "attncheck.findings.accuracy": 4,  # four detectors the diagnosis findings ask of it (output_nan the fourth)
     "attncheck.findings.activations": 3,
     "attncheck.loaders.paths": 3,
     "attncheck.report.kernels": 3,
