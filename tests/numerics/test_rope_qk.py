@@ -171,7 +171,9 @@ def test_the_finding_names_the_first_position_of_the_rotated_q_and_k():
     qk = RotatedQK(cos, sin, pos[None], THETA)
     qk.add(0, q, k)
     table = {"index": 0, "cos": cos, "sin": sin, "positions": pos[None], "theta": THETA, "rope_type": "default"}
-    (checked,) = table_checks([{**table, "calls": [0], "modules": ["attn"], "qk": qk}], ROPE_ANGLE_TOLERANCE)
+    (checked,) = table_checks(
+        [{**table, "calls": [0], "modules": ["attn"], "qk": qk.result(ROPE_ANGLE_TOLERANCE)}], ROPE_ANGLE_TOLERANCE
+    )
     assert checked.first_affected is None and checked.qk.q.first_affected == 12
     assert checked.qk.q.max_relative_error == pytest.approx(0.1, rel=1e-9)
     (finding,) = rope_findings([checked])
