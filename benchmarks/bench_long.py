@@ -1,7 +1,7 @@
 """Long calls in bounded time: a Llama-style model's captured forward and one long causal call, diagnosed with
 ``--budget`` against the model's own forward, the exact mode beside it, and the planted faults found.
 
-    python benchmarks/bench_long.py [--seq 16384] [--layers 4] [--long 65536] [--long-heads 4] [--budget 60]
+    python benchmarks/bench_long.py [--seq 16384] [--layers 4] [--long 65536] [--long-heads 4] [--budget 10]
         [--long-budget 150] [--max-memory 8GiB] [--exact] [--ranks 2] [--out DIR] [--skip-model] [--skip-long]
 
 Model: transformers' Llama from a config (random init): --layers layers, 16 heads over 4 kv heads, head dim
@@ -215,7 +215,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--factor", type=float, default=3000.0, help="how much the planted row's q is raised")
-    ap.add_argument("--budget", type=float, default=60.0, help="--budget of the capture's run (seconds per call)")
+    ap.add_argument("--budget", type=float, default=10.0, help="--budget of the capture's run (seconds per diagnosis)")
     ap.add_argument("--long", type=int, default=65536)
     ap.add_argument("--long-heads", type=int, default=4)
     ap.add_argument("--long-budget", type=float, default=150.0)
