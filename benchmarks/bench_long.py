@@ -53,31 +53,13 @@ def _run(argv: list[str], prefix: list[str] | None = None) -> tuple[float, float
     return seconds, max(peak, before) / 2**20, doc, proc.stdout
 
 
-def _codes(doc: dict) -> list[tuple]:
-    """Every finding anywhere in a report as (code, severity), sorted: what two runs must agree on (their sampled
-    figures may differ, a budget in seconds sampling as many rows as the time allows)."""
+def _dicts_with(doc, *keys: str) -> list[dict]:
+    """Every dict anywhere in a JSON report that holds all of ``keys``, in document order."""
     found = []
 
     def walk(x):
         if isinstance(x, dict):
-            if "code" in x and "severity" in x:
-                found.append((x["code"], x["severity"]))
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-
-    walk(doc)
-    return sorted(found)
-
-
-def _diagnoses(doc: dict) -> list[dict]:
-    found = []
-
-    def walk(x):
-        if isinstance(x, dict):
-            if "cells" in x and "census" in x:
+            if all(k in x for k in keys):
                 found.append(x)
             for v in x.values():
                 walk(v)
@@ -87,6 +69,17 @@ def _diagnoses(doc: dict) -> list[dict]:
 
     walk(doc)
     return found
+
+
+def _codes(doc: dict) -> list[tuple]:
+    """Every finding anywhere in a report as (code, severity), sorted: what two runs must agree on (their sampled
+    figures may differ, a budget in seconds sampling as many rows as the time allows)."""
+    return sorted((f["code"], f["severity"]) for f in _dicts_with(doc, "code", "severity"))
+
+
+def _diagnoses(doc: dict) -> list[dict]:
+    """Every tensor diagnosis in a report (a dict with cells and a census)."""
+    return _dicts_with(doc, "cells", "census")
 
 
 def model_part(args, out: str) -> dict:
