@@ -332,21 +332,20 @@ def capture_block(report: ModelReport) -> Group | None:
     for f in report.findings:
         parts += [diagnostic(f.severity, f.code, f.message, None, f.fix), Text("")]
     if unjudged:
-        text = Text("Rotary tables not judged:\n", style="bold")
-        for line in unjudged:
-            text.append(f"  {visible(line)}\n", style="yellow")
-        text.rstrip()
-        parts.append(text)
+        parts.append(_titled("Rotary tables not judged:", unjudged, "yellow"))
     if fitted:
-        text = Text("Rotary tables judged against a theta fitted to them (no config recorded):\n", style="bold")
-        for line in fitted:
-            text.append(f"  {visible(line)}\n", style="")
-        text.rstrip()
-        parts.append(text)
+        parts.append(_titled("Rotary tables judged against a theta fitted to them (no config recorded):", fitted))
     if what_ifs:
-        text = Text("What if the rotary tables were computed in another dtype (--what-if rope:DTYPE):\n", style="bold")
-        for line in what_ifs:
-            text.append(f"  {visible(line)}\n", style="")
-        text.rstrip()
-        parts.append(text)
+        parts.append(
+            _titled("What if the rotary tables were computed in another dtype (--what-if rope:DTYPE):", what_ifs)
+        )
     return Group(*parts)
+
+
+def _titled(title: str, lines: list[str], style: str = "") -> Text:
+    """A bold title and its lines, indented, in ``style``."""
+    text = Text(title + "\n", style="bold")
+    for line in lines:
+        text.append(f"  {visible(line)}\n", style=style)
+    text.rstrip()
+    return text
